@@ -1,0 +1,31 @@
+"""Logging with the rank (and, where known, the step) in front of every message."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("fault_tolerant_handlers")
+
+
+def _rank() -> str:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return str(dist.get_rank())
+    except Exception:  # pragma: no cover - logging must never raise
+        pass
+    return os.environ.get("RANK", "?")
+
+
+def prefix(step: int | None = None) -> str:
+    """``[rank 1]`` or ``[rank 1 step 17]``."""
+    if step is None:
+        return f"[rank {_rank()}]"
+    return f"[rank {_rank()} step {step}]"
+
+
+def log(level: int, msg: str, *args: object, step: int | None = None) -> None:
+    if logger.isEnabledFor(level):
+        logger.log(level, f"{prefix(step)} {msg}", *args)

@@ -1,0 +1,134 @@
+"""Start real ranks as separate processes, bound them in time, and clean up every one by PID.
+
+``run_ranks(world_size, scenario)`` runs ``tests/rank_main.py <scenario>`` once per rank with the
+environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Each
+rank appends one JSON object per event to ``<outdir>/rank<r>.jsonl`` as it goes, so that what a rank
+saw is known even when it is killed. A rank still running at the deadline is killed with its whole
+process group and the test fails with every rank's stderr tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RANK_MAIN = HERE / "rank_main.py"
+#: Process-group timeout the ranks use: far below the 30-minute gloo default.
+PG_TIMEOUT_SEC = 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int | None
+    events: list[dict] = field(default_factory=list)
+    stderr: str = ""
+
+    def event(self, name: str) -> dict:
+        found = [e for e in self.events if e.get("event") == name]
+        assert found, f"rank {self.rank} recorded no event {name!r}; events: {self.events}\nstderr:\n{self.stderr[-3000:]}"
+        return found[-1]
+
+    def has(self, name: str) -> bool:
+        return any(e.get("event") == name for e in self.events)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        pass
+
+
+def run_ranks(
+    world_size: int,
+    scenario: str,
+    tmp_path: Path,
+    *,
+    deadline: float = 60.0,
+    pg_timeout: float = PG_TIMEOUT_SEC,
+    env: dict[str, str] | None = None,
+    per_rank_env: dict[int, dict[str, str]] | None = None,
+    expect_hang: bool = False,
+) -> list[RankResult]:
+    """Run ``scenario`` on ``world_size`` real processes; return what every rank recorded.
+
+    With ``expect_hang=False`` a rank still alive at ``deadline`` fails the test. Every process
+    started here is killed by PID (its whole session) before this returns.
+    """
+    outdir = tmp_path / f"{scenario}-{world_size}"
+    outdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    errs = []
+    try:
+        for rank in range(world_size):
+            rank_env = dict(os.environ)
+            rank_env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                FTH_TEST_PG_TIMEOUT=str(pg_timeout),
+                PYTHONUNBUFFERED="1",
+            )
+            rank_env.update(env or {})
+            rank_env.update((per_rank_env or {}).get(rank, {}))
+            err = open(outdir / f"rank{rank}.stderr", "w+")
+            errs.append(err)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(RANK_MAIN), scenario, str(outdir)],
+                    env=rank_env,
+                    stdout=err,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        end = time.monotonic() + deadline
+        while time.monotonic() < end and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+        hung = [r for r, p in enumerate(procs) if p.poll() is None]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_tree(p)
+            else:  # the rank exited; anything it left behind in its session goes too
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+    results = []
+    for rank, (p, err) in enumerate(zip(procs, errs)):
+        err.seek(0)
+        stderr = err.read()
+        err.close()
+        events = []
+        path = outdir / f"rank{rank}.jsonl"
+        if path.exists():
+            events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        results.append(RankResult(rank, None if rank in hung else p.returncode, events, stderr))
+    if hung and not expect_hang:
+        tails = "\n".join(f"--- rank {r.rank} (rc={r.returncode}) ---\n{r.stderr[-2000:]}" for r in results)
+        raise AssertionError(f"ranks {hung} were still running after {deadline:.0f}s (killed):\n{tails}")
+    return results

@@ -1,0 +1,249 @@
+"""One rank of a multi-process test: ``python rank_main.py <scenario> <outdir>``.
+
+Started by ``launch.run_ranks`` with torchrun's environment. It initializes gloo with a short
+process-group timeout, runs the scenario, and appends what it saw to ``<outdir>/rank<r>.jsonl``.
+Faults are injected here, on purpose, at a chosen rank; every event carries a wall-clock time so
+the test can measure how long after the fault each rank stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fault_tolerant_handlers import PeerFailedError, fail_together, one_rank_first
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+OUT: Path
+
+
+def record(event: str, **fields) -> None:
+    fields.update(event=event, rank=RANK, t=time.time())
+    with open(OUT / f"rank{RANK}.jsonl", "a") as f:
+        f.write(json.dumps(fields, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def outcome(event: str, exc: BaseException | None, **fields) -> None:
+    """Record what a section ended with on this rank."""
+    if exc is None:
+        record(event, raised=None, **fields)
+    elif isinstance(exc, PeerFailedError):
+        record(
+            event,
+            raised="PeerFailedError",
+            failed_rank=exc.failed_rank,
+            exc_type=exc.exc_type,
+            exc_message=exc.exc_message,
+            remote_traceback=exc.remote_traceback,
+            where=exc.where,
+            others=exc.others,
+            failed_at=exc.failed_at,
+            message=str(exc),
+            **fields,
+        )
+    else:
+        record(event, raised=type(exc).__name__, message=str(exc), **fields)
+
+
+def fault(exc: BaseException, event: str = "fault") -> None:
+    """Raise ``exc`` here, after recording the moment of the fault."""
+    record(event, exc_type=type(exc).__name__, message=str(exc))
+    raise exc
+
+
+def run_section(event: str, body, **fields) -> None:
+    try:
+        body()
+    except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        outcome(event, exc, **fields)
+    else:
+        outcome(event, None, **fields)
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+
+
+def fail_each() -> None:
+    """A fault on each rank in turn; the other ranks keep working a little inside the section."""
+    for bad in range(WORLD):
+
+        def body():
+            with fail_together("load data"):
+                if RANK == bad:
+                    time.sleep(0.2)
+                    fault(ValueError(f"bad sample {17 + bad}"))
+                time.sleep(0.05)
+
+        run_section(f"section{bad}", body, bad=bad)
+    with fail_together("after"):  # ranks are still in lockstep: a clean section passes
+        pass
+    record("done")
+
+
+def two_fail() -> None:
+    """Ranks 1 and 2 fail in the same section, 300 ms apart, in both orders."""
+    for first, second in ((1, 2), (2, 1)):
+
+        def body():
+            with fail_together("two"):
+                if RANK == first:
+                    fault(KeyError(f"first{first}"))
+                if RANK == second:
+                    time.sleep(0.3)
+                    fault(IndexError(f"second{second}"))
+
+        run_section(f"two-{first}-{second}", body, first=first, second=second)
+    record("done")
+
+
+def caught_outside() -> None:
+    """User code catches the failure around the section and goes on to a data-group collective."""
+    bad = WORLD - 1
+    t = torch.ones(1)
+    try:
+        with fail_together("risky"):
+            if RANK == bad:
+                fault(RuntimeError("caught by the user"))
+    except Exception as exc:
+        outcome("section", exc)
+    dist.all_reduce(t)  # would deadlock if some rank had not left the section
+    record("after_collective", value=float(t.item()))
+
+
+def report_inside() -> None:
+    """User code catches the failure inside the section and reports it."""
+    bad = 0
+    t = torch.ones(1)
+
+    def body():
+        with fail_together("evaluate") as section:
+            try:
+                if RANK == bad:
+                    fault(FileNotFoundError("metrics.csv"))
+            except FileNotFoundError as err:
+                section.report_error(err)
+            dist.all_reduce(t)  # the rest of the section still runs on every rank
+
+    run_section("section", body)
+    record("done", value=float(t.item()))
+
+
+def _first_body(first: int, fail_rank: int | None, event: str, local: bool = False) -> None:
+    def body():
+        with one_rank_first(rank=first, local=local, name="download"):
+            record(f"{event}:body_start")
+            time.sleep(0.3 if RANK == fail_rank else 0.05)
+            if RANK == fail_rank:
+                fault(OSError(f"download failed on rank {RANK}"))
+            record(f"{event}:body_end")
+
+    run_section(event, body, first=first, fail_rank=fail_rank)
+
+
+def rank_first_each() -> None:
+    """The first rank fails inside ``one_rank_first``, for each rank as the first."""
+    for first in range(WORLD):
+        _first_body(first, first, f"first{first}")
+    _first_body(0, None, "clean")
+    record("done")
+
+
+def rank_first_late() -> None:
+    """The first rank succeeds; the last rank fails in its turn."""
+    _first_body(0, WORLD - 1, "late")
+    record("done")
+
+
+def rank_first_local() -> None:
+    """Two simulated nodes of two ranks (launcher env): local rank 0 of each goes first; global
+    rank 2 (local rank 0 of node 1) fails."""
+    _first_body(0, 2, "local", local=True)
+    _first_body(0, None, "local_clean", local=True)
+    record("done")
+
+
+def bad_input() -> None:
+    for rank in (WORLD, -1, 1.5, True):
+        try:
+            one_rank_first(rank=rank).__enter__()
+        except (TypeError, ValueError) as exc:
+            outcome(f"rank={rank!r}", exc)
+        else:
+            outcome(f"rank={rank!r}", None)
+    sub = dist.new_group([0])  # collective on every rank; only rank 0 is a member
+    try:
+        with fail_together("sub", group=sub):
+            pass
+    except (TypeError, ValueError) as exc:
+        outcome("group", exc)
+    else:
+        outcome("group", None)
+    try:
+        fail_together(None)  # type: ignore[arg-type]
+    except TypeError as exc:
+        outcome("name", exc)
+    with fail_together("still fine"):
+        pass
+    record("done")
+
+
+def _download_with_retries(section) -> None:
+    """A common pattern: rank 0 downloads first; on failure every rank retries after a backoff.
+    Rank 0's download always fails, and rank 0 catches it to retry, so its process stays alive."""
+    for attempt in range(2):
+        try:
+            with section():
+                if RANK == 0:
+                    fault(ConnectionError(f"mirror unreachable (attempt {attempt})"), event=f"fault{attempt}")
+                record("body_ran", attempt=attempt)
+            return
+        except Exception as exc:  # noqa: BLE001
+            outcome(f"attempt{attempt}", exc)
+            time.sleep(4.0)  # backoff
+    record("gave_up")
+
+
+def retry_ours() -> None:
+    _download_with_retries(lambda: one_rank_first(rank=0))
+    record("done")
+
+
+def retry_stock() -> None:
+    import ignite.distributed as idist
+
+    _download_with_retries(lambda: idist.one_rank_first(rank=0))
+    record("done")
+
+
+SCENARIOS = {f.__name__: f for f in (fail_each, two_fail, caught_outside, report_inside, rank_first_each,
+                                     rank_first_late, rank_first_local, bad_input, retry_ours, retry_stock)}
+
+
+def main() -> None:
+    global OUT
+    scenario, OUT = sys.argv[1], Path(sys.argv[2])
+    timeout = timedelta(seconds=float(os.environ.get("FTH_TEST_PG_TIMEOUT", "20")))
+    dist.init_process_group("gloo", timeout=timeout)
+    record("start", pid=os.getpid())
+    try:
+        SCENARIOS[scenario]()
+    except BaseException as exc:
+        outcome("uncaught", exc)
+        raise
+    finally:
+        record("exit")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
