@@ -118,6 +118,7 @@ def caught_outside() -> None:
         outcome("section", exc)
     dist.all_reduce(t)  # would deadlock if some rank had not left the section
     record("after_collective", value=float(t.item()))
+    record("done")
 
 
 def report_inside() -> None:

@@ -1,0 +1,149 @@
+"""Single-process behaviour: no process group means no cost and no change; records are bounded
+and hostile records are ignored; errors are clear. (Branch tests; the distributed behaviour is
+proven by the multi-process tests.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from fault_tolerant_handlers import PeerFailedError, fail_together, one_rank_first
+from fault_tolerant_handlers import coordinator as coord_mod
+from fault_tolerant_handlers.record import MAX_RECORD_BYTES, MAX_TRACEBACK_CHARS, FailureRecord
+
+
+def test_without_distribution_sections_are_plain(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not dist.is_initialized()
+    ran = []
+    with fail_together("x"):
+        ran.append(1)
+    with one_rank_first():
+        ran.append(2)
+    with one_rank_first(local=True):
+        ran.append(3)
+    assert ran == [1, 2, 3]
+    err = ValueError("unchanged")
+    with pytest.raises(ValueError) as info:
+        with fail_together("x"):
+            raise err
+    assert info.value is err
+    with pytest.raises(KeyError):
+        with one_rank_first():
+            raise KeyError("k")
+    # a reported error is raised at the end of the section, as on a multi-rank job
+    with pytest.raises(FileNotFoundError):
+        with fail_together("x") as section:
+            section.report_error(FileNotFoundError("f"))
+
+
+def test_before_init_on_a_multi_rank_job_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 .*init_process_group"):
+        with fail_together("x"):
+            pass
+    with pytest.raises(RuntimeError, match="one_rank_first"):
+        with one_rank_first():
+            pass
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"rank": 1}, ValueError, r"rank must be in \[0, 0\]"),
+        ({"rank": "0"}, TypeError, r"one_rank_first\(rank=\.\.\.\) must be an int"),
+        ({"rank": False}, TypeError, "must be an int"),
+        ({"local": "yes"}, TypeError, r"local=\.\.\.\) must be True or False"),
+    ],
+)
+def test_one_rank_first_rejects_bad_arguments(monkeypatch, kwargs, exc, match):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(exc, match=match):
+        with one_rank_first(**kwargs):
+            pass
+
+
+def test_single_rank_process_group_creates_no_side_group(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1,
+                            timeout=timedelta(seconds=10))
+    try:
+        from torch.distributed import distributed_c10d
+
+        groups_before = len(distributed_c10d._world.pg_map)
+        with fail_together("x"):
+            pass
+        with one_rank_first():
+            pass
+        assert len(distributed_c10d._world.pg_map) == groups_before
+        assert not coord_mod._registry
+    finally:
+        dist.destroy_process_group()
+
+
+def _record(**over):
+    try:
+        raise ValueError("bad sample 17")
+    except ValueError as exc:
+        rec = FailureRecord.from_exception(exc, rank=1, section="load data", seq=0, step=5, epoch=2)
+    return FailureRecord(**{**rec.__dict__, **over})
+
+
+def test_record_round_trip_and_caps():
+    rec = _record()
+    back = FailureRecord.from_json(rec.to_json())
+    assert back == rec
+    data = FailureRecord.from_exception(ValueError("m" * 100_000), rank=0, section="s", seq=0).to_json()
+    assert len(data) < MAX_RECORD_BYTES
+    assert len(FailureRecord.from_json(data).exc_message) <= 2_000
+    # the traceback keeps its tail: the frames nearest the raise
+    long_tb = FailureRecord.from_json(json.dumps({**json.loads(rec.to_json()), "traceback": "a" * 9_000 + "TAIL"}))
+    assert long_tb.traceback.endswith("TAIL") and len(long_tb.traceback) <= MAX_TRACEBACK_CHARS
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x80\x04\x95pickle",  # a pickle is never loaded
+        b"not json",
+        b"[1, 2]",
+        json.dumps({"v": 99}).encode(),
+        json.dumps({"v": 1, "rank": "0"}).encode(),
+        b"{" + b" " * (MAX_RECORD_BYTES + 1) + b"}",
+    ],
+)
+def test_malformed_or_oversized_records_are_ignored_with_a_warning(payload, caplog):
+    with caplog.at_level("WARNING", logger="fault_tolerant_handlers"):
+        assert FailureRecord.from_json(payload) is None
+    assert "ignoring" in caplog.text
+
+
+def test_peer_failed_error_message_attributes_and_pickle():
+    a = _record(rank=1, time_ms=1000)
+    b = _record(rank=3, time_ms=1001, exc_type="KeyError", exc_message="'x'")
+    err = PeerFailedError.from_records([b, a])
+    assert err.failed_rank == 1 and err.exc_type == "ValueError" and err.exc_message == "bad sample 17"
+    assert err.where == "'load data' (epoch 2, iteration 5)"
+    assert str(err).startswith("rank 1 failed in 'load data' (epoch 2, iteration 5): ValueError: bad sample 17")
+    assert "also failed: rank 3: KeyError: 'x'" in str(err)
+    assert "raise ValueError" in str(err)  # the remote traceback follows
+    assert err.others == [{"rank": 3, "exc_type": "KeyError", "exc_message": "'x'"}]
+    again = pickle.loads(pickle.dumps(err))
+    assert isinstance(again, PeerFailedError) and str(again) == str(err) and again.failed_rank == 1
+    # ties on the timestamp go to the lowest rank
+    assert PeerFailedError.from_records([_record(rank=3, time_ms=5), _record(rank=2, time_ms=5)]).failed_rank == 2
+
+
+def test_sync_timeout_env_is_validated(monkeypatch):
+    monkeypatch.setenv(coord_mod.SYNC_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="FTH_SYNC_TIMEOUT_SEC='soon'"):
+        coord_mod._timeout_from_env()
+    monkeypatch.setenv(coord_mod.SYNC_TIMEOUT_ENV, "90")
+    assert coord_mod._timeout_from_env() == timedelta(seconds=90)
+    with pytest.raises(TypeError, match="timedelta"):
+        coord_mod.validate_timeout("timeout", 30)
