@@ -28,6 +28,7 @@ import os
 import random
 import socket
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -110,6 +111,9 @@ class Coordinator:
         self.store = dist.PrefixStore(f"fth/{self.run_id}", store)
         self._flag = torch.zeros(1, dtype=torch.int64)
         self._seq = 0
+        #: Records up to this index were delivered at a sync point (the watchdog leaves them alone).
+        self.consumed_index = 0
+        self.watchdog = None  # set by start_watchdog()
         self._lock = threading.Lock()
         log(logging.DEBUG, "fault-tolerance side group ready (run %s, %d ranks)", self.run_id, self.world_size)
 
@@ -134,30 +138,53 @@ class Coordinator:
         except Exception as err:  # the flag still carries the rank; never mask the real failure
             log(logging.WARNING, "could not publish the failure record: %s", err)
 
-    def read_records(self, seq: int) -> list[FailureRecord]:
-        """The valid records of agreement ``seq``, newest first, bounded."""
+    def read_record(self, index: int, store: dist.Store | None = None) -> FailureRecord | None:
+        """Record number ``index``, or ``None`` (absent, unreadable or malformed: never executed)."""
+        store = store or self.store
+        key = _record_key(index)
+        try:
+            if not store.check([key]):
+                return None
+            return FailureRecord.from_json(store.get(key))
+        except Exception as err:  # noqa: BLE001
+            log(logging.WARNING, "could not read failure record %d: %s", index, err)
+            return None
+
+    def read_records(self, seq: int | None) -> list[FailureRecord]:
+        """The valid records of agreement ``seq`` (all unconsumed ones when ``None``), newest first."""
         try:
             count = self.store.add(_KEY_COUNT, 0)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001
             log(logging.WARNING, "could not read failure records: %s", err)
             return []
         found: list[FailureRecord] = []
-        for index in range(count, max(0, count - MAX_RECORDS_READ), -1):
-            key = _record_key(index)
-            try:
-                if not self.store.check([key]):
-                    continue
-                record = FailureRecord.from_json(self.store.get(key))
-            except Exception as err:
-                log(logging.WARNING, "could not read failure record %d: %s", index, err)
-                continue
+        for index in range(count, max(self.consumed_index, count - MAX_RECORDS_READ), -1):
+            record = self.read_record(index)
             if record is None:
                 continue
-            if record.seq < seq:
-                break
-            if record.seq == seq:
+            if seq is None or record.seq == seq:
                 found.append(record)
+            elif 0 <= record.seq < seq:
+                break
+        self.consumed_index = max(self.consumed_index, count)
         return found
+
+    def explain(self, err: BaseException, wait: float = 2.0) -> PeerFailedError | None:
+        """Why a collective of this rank failed, if another rank is the cause.
+
+        Looks at what the watchdog already knows and at unconsumed records from other ranks,
+        for up to ``wait`` seconds (a killed peer is declared by a watchdog within ~0.1 s).
+        """
+        deadline = time.monotonic() + wait
+        while True:
+            if self.watchdog is not None and self.watchdog.peer_error is not None:
+                return self.watchdog.peer_error
+            records = [r for r in self.read_records(None) if r.rank != self.rank]
+            if records:
+                return PeerFailedError.from_records(records)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     # -- agree ---------------------------------------------------------------------------------
     def next_seq(self) -> int:
@@ -178,10 +205,10 @@ class Coordinator:
         try:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.side)
         except Exception as err:
-            # A peer vanished mid-agreement. If it left a record, that is the cause.
-            records = self.read_records(seq)
-            if records:
-                return PeerFailedError.from_records(records)
+            # A peer vanished or failed elsewhere, and this rank was released: say who and why.
+            explained = self.explain(err)
+            if explained is not None:
+                return explained
             raise PeerFailedError(
                 None,
                 type(err).__name__,

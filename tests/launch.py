@@ -68,13 +68,22 @@ def run_ranks(
     env: dict[str, str] | None = None,
     per_rank_env: dict[int, dict[str, str]] | None = None,
     expect_hang: bool = False,
+    script: Path = RANK_MAIN,
+    result_ranks: int | None = None,
+    launcher: list[str] | None = None,
 ) -> list[RankResult]:
     """Run ``scenario`` on ``world_size`` real processes; return what every rank recorded.
+
+    ``script`` is the rank program (``rank_main.py`` by default; it gets ``<scenario> <outdir>``,
+    or just ``<outdir>`` when ``scenario`` is empty). ``result_ranks`` reads that many ranks'
+    records when the processes started here spawn the ranks themselves (``idist.Parallel``, or a
+    ``launcher`` such as ``["-m", "torch.distributed.run", "--nproc-per-node", "2"]`` put between the
+    interpreter and the script, which is given ``--master-port`` too).
 
     With ``expect_hang=False`` a rank still alive at ``deadline`` fails the test. Every process
     started here is killed by PID (its whole session) before this returns.
     """
-    outdir = tmp_path / f"{scenario}-{world_size}"
+    outdir = tmp_path / f"{scenario or script.stem}-{world_size}"
     outdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs: list[subprocess.Popen] = []
@@ -98,7 +107,8 @@ def run_ranks(
             errs.append(err)
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(RANK_MAIN), scenario, str(outdir)],
+                    [sys.executable, *(launcher + [f"--master-port={port}"] if launcher else []), str(script),
+                     *([scenario] if scenario else []), str(outdir)],
                     env=rank_env,
                     stdout=err,
                     stderr=subprocess.STDOUT,
@@ -119,15 +129,19 @@ def run_ranks(
                 except (ProcessLookupError, PermissionError):
                     pass
     results = []
-    for rank, (p, err) in enumerate(zip(procs, errs)):
+    stderrs = []
+    for err in errs:
         err.seek(0)
-        stderr = err.read()
+        stderrs.append(err.read())
         err.close()
+    for rank in range(result_ranks or world_size):
+        p = procs[min(rank, len(procs) - 1)]
+        stderr = stderrs[min(rank, len(procs) - 1)]
         events = []
         path = outdir / f"rank{rank}.jsonl"
         if path.exists():
             events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        results.append(RankResult(rank, None if rank in hung else p.returncode, events, stderr))
+        results.append(RankResult(rank, None if procs.index(p) in hung else p.returncode, events, stderr))
     if hung and not expect_hang:
         tails = "\n".join(f"--- rank {r.rank} (rc={r.returncode}) ---\n{r.stderr[-2000:]}" for r in results)
         raise AssertionError(f"ranks {hung} were still running after {deadline:.0f}s (killed):\n{tails}")

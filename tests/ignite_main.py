@@ -1,0 +1,160 @@
+"""One rank of an Ignite multi-process test: a real DDP training with an injected fault.
+
+    python ignite_main.py <outdir>          (env: RANK/WORLD_SIZE/... as torchrun gives them)
+    LAUNCH=parallel python ignite_main.py <outdir>   (idist.Parallel spawns the ranks itself)
+
+Environment:
+    FAULT        step | data | handler | rank0_handler | exc_collective | evaluator | none
+    FAULT_RANK   rank that fails (default 1)
+    FAULT_ITER   iteration at which it fails (default 3)
+    USE_FT       1: attach FaultTolerance; 0: stock Ignite
+    LINGER       seconds the failing rank stays alive after its run raised (default 8), so that
+                 the other ranks are not released by its exit
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import ignite.distributed as idist
+import torch
+import torch.distributed as dist
+from ignite.engine import Engine, Events
+from ignite.metrics import MeanSquaredError
+from torch import nn
+from torch.utils.data import Dataset
+
+FAULT = os.environ.get("FAULT", "step")
+FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
+FAULT_ITER = int(os.environ.get("FAULT_ITER", "3"))
+USE_FT = os.environ.get("USE_FT", "1") == "1"
+LINGER = float(os.environ.get("LINGER", "8"))
+PG_TIMEOUT = timedelta(seconds=float(os.environ.get("FTH_TEST_PG_TIMEOUT", "20")))
+BATCH = 4
+N = 64
+
+
+class Samples(Dataset):
+    def __init__(self, bad_index: int | None, on_bad=None):
+        self.on_bad = on_bad
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(N, 8, generator=g)
+        self.y = torch.randn(N, 1, generator=g)
+        self.bad_index = bad_index
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        if i == self.bad_index:
+            self.on_bad(ValueError(f"bad sample {i}"))
+        return self.x[i], self.y[i]
+
+
+def training(local_rank: int, outdir: str) -> None:
+    out = Path(outdir)
+    rank = idist.get_rank()
+
+    def record(event: str, **fields) -> None:
+        fields.update(event=event, rank=rank, t=time.time())
+        with open(out / f"rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps(fields, default=str) + "\n")
+
+    def fault(exc: BaseException) -> None:
+        record("fault", exc_type=type(exc).__name__, message=str(exc))
+        raise exc
+
+    record("start", pid=os.getpid())
+    torch.manual_seed(0)
+    model = idist.auto_model(nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    bad_index = None
+    if FAULT == "data" and rank == FAULT_RANK:
+        # the first sample of batch FAULT_ITER on this rank (DistributedSampler, no shuffle)
+        bad_index = FAULT_RANK + idist.get_world_size() * (FAULT_ITER - 1) * BATCH
+    loader = idist.auto_dataloader(Samples(bad_index, fault), batch_size=BATCH * idist.get_world_size(), shuffle=False,
+                                   num_workers=0)
+
+    def step(engine, batch):
+        x, y = batch
+        if FAULT in ("step", "exc_collective") and rank == FAULT_RANK and engine.state.iteration == FAULT_ITER:
+            time.sleep(0.3)  # the other ranks are already in the gradient all_reduce
+            fault(RuntimeError(f"CUDA-like failure at iteration {engine.state.iteration}"))
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    trainer = Engine(step)
+    evaluator = Engine(lambda e, b: (model(b[0]), b[1]))
+    MeanSquaredError().attach(evaluator, "mse")  # all_reduces across ranks in compute()
+
+    if FAULT == "evaluator":
+        @evaluator.on(Events.ITERATION_COMPLETED)
+        def _eval_fault(e):
+            if rank == FAULT_RANK and e.state.iteration == 2:
+                fault(KeyError("missing label column"))
+
+        @trainer.on(Events.EPOCH_COMPLETED)
+        def _evaluate(e):
+            evaluator.run(loader)
+
+    if FAULT == "handler":
+        @trainer.on(Events.ITERATION_COMPLETED)
+        def _check(e):
+            if rank == FAULT_RANK and e.state.iteration == FAULT_ITER:
+                fault(ZeroDivisionError("metric denominator is 0"))
+
+    if FAULT == "rank0_handler" and rank == 0:
+        @trainer.on(Events.EPOCH_COMPLETED)
+        def _log_to_disk(e):  # a logger that only rank 0 runs
+            fault(PermissionError("cannot write /logs/epoch1.json"))
+
+    if FAULT == "exc_collective":
+        @trainer.on(Events.EXCEPTION_RAISED)
+        def _sync_metrics(e, exc):  # a user handler with a collective, on every rank
+            record("user_exc_handler", exc_type=type(exc).__name__)
+            t = torch.ones(3)
+            idist.all_reduce(t)
+            record("user_exc_handler_done")
+
+    if USE_FT:
+        from fault_tolerant_handlers.ignite import FaultTolerance
+
+        FaultTolerance(sync_every=2).attach(trainer)
+
+    try:
+        trainer.run(loader, max_epochs=3)
+    except BaseException as exc:  # noqa: BLE001
+        fields = dict(raised=type(exc).__name__, message=str(exc)[:2000])
+        for attr in ("failed_rank", "exc_type", "exc_message", "where", "step", "epoch"):
+            if hasattr(exc, attr):
+                fields[attr] = getattr(exc, attr)
+        record("run_raised", **fields)
+        if rank == FAULT_RANK and FAULT != "none":
+            time.sleep(LINGER)
+        record("exit")
+        return
+    record("run_returned", iteration=trainer.state.iteration, epoch=trainer.state.epoch)
+    record("exit")
+
+
+def main() -> None:
+    outdir = sys.argv[1]
+    if os.environ.get("LAUNCH") == "parallel":
+        with idist.Parallel(backend="gloo", nproc_per_node=2, timeout=PG_TIMEOUT) as parallel:
+            parallel.run(training, outdir)
+        return
+    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    training(int(os.environ["LOCAL_RANK"]), outdir)
+
+
+if __name__ == "__main__":
+    main()
