@@ -42,6 +42,8 @@ from .record import FailureRecord
 
 #: Environment variable overriding the side group's timeout, in seconds.
 SYNC_TIMEOUT_ENV = "FTH_SYNC_TIMEOUT_SEC"
+#: Timeout of the store calls made on the failure path (reading records, host names).
+FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=2)
 #: At most this many records are read back for one agreement (failure path only).
 MAX_RECORDS_READ = 256
 
@@ -109,6 +111,12 @@ class Coordinator:
         self.pids = table[:, 2].tolist()
         self.local_rank, self.local_world_size = self._local_layout()
         self.store = dist.PrefixStore(f"fth/{self.run_id}", store)
+        # Host names are only needed in reports: one small key per rank, read on the failure path.
+        self.store.set(f"host/{self.rank}", socket.gethostname()[:200])
+        # Failure-path reads use their own connection with a short timeout: the store's host may be
+        # the rank that just died, with a child process still holding its socket open.
+        self._failure_store = self.store.clone()
+        self._failure_store.set_timeout(FAILURE_PATH_STORE_TIMEOUT)
         self._flag = torch.zeros(1, dtype=torch.int64)
         self._seq = 0
         #: Records up to this index were delivered at a sync point (the watchdog leaves them alone).
@@ -129,9 +137,22 @@ class Coordinator:
         same = [i for i, h in enumerate(self.host_ids) if h == me]
         return same.index(self.group_rank), len(same)
 
+    def host_name(self, rank: int, store: dist.Store | None = None) -> str:
+        """The host name rank ``rank`` announced (bounded; ``"?"`` when unknown)."""
+        store = store or self._failure_store
+        try:
+            key = f"host/{rank}"
+            if store.check([key]):
+                return store.get(key)[:200].decode("utf-8", "replace")
+        except Exception:  # noqa: BLE001
+            pass
+        return "?"
+
     # -- record -------------------------------------------------------------------------------
     def publish(self, record: FailureRecord) -> None:
         """Write this rank's failure record to the store (before it joins the agreement)."""
+        if self.watchdog is not None:
+            self.watchdog.local_failure()  # this rank raises its own error: never released or exited
         try:
             index = self.store.add(_KEY_COUNT, 1)
             self.store.set(_record_key(index), record.to_json())
@@ -140,7 +161,7 @@ class Coordinator:
 
     def read_record(self, index: int, store: dist.Store | None = None) -> FailureRecord | None:
         """Record number ``index``, or ``None`` (absent, unreadable or malformed: never executed)."""
-        store = store or self.store
+        store = store or self._failure_store
         key = _record_key(index)
         try:
             if not store.check([key]):
@@ -153,9 +174,9 @@ class Coordinator:
     def read_records(self, seq: int | None) -> list[FailureRecord]:
         """The valid records of agreement ``seq`` (all unconsumed ones when ``None``), newest first."""
         try:
-            count = self.store.add(_KEY_COUNT, 0)
+            count = self._failure_store.add(_KEY_COUNT, 0)
         except Exception as err:  # noqa: BLE001
-            log(logging.WARNING, "could not read failure records: %s", err)
+            log(logging.WARNING, "could not read failure records: %s", str(err).splitlines()[0][:200])
             return []
         found: list[FailureRecord] = []
         for index in range(count, max(self.consumed_index, count - MAX_RECORDS_READ), -1):
@@ -176,15 +197,44 @@ class Coordinator:
         for up to ``wait`` seconds (a killed peer is declared by a watchdog within ~0.1 s).
         """
         deadline = time.monotonic() + wait
-        while True:
-            if self.watchdog is not None and self.watchdog.peer_error is not None:
-                return self.watchdog.peer_error
-            records = [r for r in self.read_records(None) if r.rank != self.rank]
-            if records:
-                return PeerFailedError.from_records(records)
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
+        found: list[FailureRecord] = []
+        done = threading.Event()
+
+        def reader() -> None:
+            # Its own thread: a store call can block when the store's host died with its socket
+            # still held open by a child process; the main thread never waits past the deadline.
+            while not done.is_set() and time.monotonic() < deadline:
+                records = [r for r in self.read_records(None) if r.rank != self.rank]
+                if records:
+                    found.extend(records)
+                    break
+                time.sleep(0.05)
+            done.set()
+
+        threading.Thread(target=reader, name="fth-store-read", daemon=True).start()
+        try:
+            while time.monotonic() < deadline:
+                if self.watchdog is not None and self.watchdog.peer_error is not None:
+                    return self.watchdog.peer_error
+                if found:
+                    return PeerFailedError.from_records(found)
+                if done.is_set():
+                    break
+                time.sleep(0.02)
+            if found:
+                return PeerFailedError.from_records(found)
+            return None
+        finally:
+            done.set()
+
+    def acknowledge(self) -> None:
+        """The main thread takes a peer's failure and raises it: no reported exit by the watchdog,
+        and an orderly teardown of the (released) process groups at interpreter exit."""
+        from .release import teardown_at_exit
+
+        if self.watchdog is not None:
+            self.watchdog.acknowledge()
+        teardown_at_exit()
 
     # -- agree ---------------------------------------------------------------------------------
     def next_seq(self) -> int:
@@ -205,6 +255,8 @@ class Coordinator:
         try:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.side)
         except Exception as err:
+            if record is not None:
+                return None  # this rank failed: it re-raises its own exception whatever the peers did
             # A peer vanished or failed elsewhere, and this rank was released: say who and why.
             explained = self.explain(err)
             if explained is not None:

@@ -4,7 +4,38 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch.distributed as dist
+
 from .record import FailureRecord
+
+
+#: Substrings of the messages torch.distributed backends raise when a peer or the store is gone.
+_COMM_MARKERS = (
+    "gloo",
+    "Connection closed",
+    "Connection reset",
+    "NCCL",
+    "ProcessGroup",
+    "Timed out",
+    "timed out",
+    "Broken pipe",
+    "recvValue",
+    "Socket",
+)
+
+
+def is_communication_error(exc: BaseException) -> bool:
+    """True for the errors a collective or the store raises when a peer is gone or released."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    if isinstance(exc, (RuntimeError, ConnectionError, OSError)):
+        text = str(exc)
+        return any(marker in text for marker in _COMM_MARKERS)
+    return False
+
+
+#: The ``section`` of records the watchdog publishes for a lost, silent or hung rank.
+WATCHDOG_SECTION = "the watchdog"
 
 
 def describe_where(section: str, step: int | None = None, epoch: int | None = None) -> str:
@@ -98,7 +129,10 @@ class PeerFailedError(RuntimeError):
 
     def _format(self) -> str:
         who = "an unknown rank" if self.failed_rank is None else f"rank {self.failed_rank}"
-        text = f"{who} failed in {self.where or 'a fail-together section'}: {self.exc_type}: {self.exc_message}"
+        if self.section == WATCHDOG_SECTION:  # the message already says who and what
+            text = f"{self.exc_type}: {self.exc_message}"
+        else:
+            text = f"{who} failed in {self.where or 'a fail-together section'}: {self.exc_type}: {self.exc_message}"
         if self.others:
             also = "; ".join(f"rank {o['rank']}: {o['exc_type']}: {o['exc_message']}" for o in self.others)
             text += f"\nalso failed: {also}"

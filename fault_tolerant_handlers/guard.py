@@ -22,38 +22,13 @@ import torch.distributed as dist
 
 from ._log import log
 from .coordinator import Coordinator, get_coordinator
-from .errors import PeerFailedError
+from .errors import PeerFailedError, is_communication_error
 from .record import FailureRecord
-from .release import release_process_groups, teardown_at_exit
+from .release import release_process_groups
 from .watchdog import Watchdog, check_timedelta, start_watchdog
 
 #: Marks an exception object this process already handled (published or converted).
 _HANDLED_ATTR = "_fth_handled"
-
-#: Substrings of the messages torch.distributed backends raise when a peer or the store is gone.
-_COMM_MARKERS = (
-    "gloo",
-    "Connection closed",
-    "Connection reset",
-    "NCCL",
-    "ProcessGroup",
-    "Timed out",
-    "timed out",
-    "Broken pipe",
-    "recvValue",
-    "Socket",
-)
-
-
-def is_communication_error(exc: BaseException) -> bool:
-    """True for the errors a collective or the store raises when a peer is gone or released."""
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    if isinstance(exc, (RuntimeError, ConnectionError, OSError)):
-        text = str(exc)
-        return any(marker in text for marker in _COMM_MARKERS)
-    return False
-
 
 class Guard:
     """Fail-together state for one training loop on one process group.
@@ -129,10 +104,8 @@ class Guard:
             self._raise_peer(peer_error)
 
     def _acknowledge(self) -> None:
-        """This rank takes a peer's failure: no reported exit; orderly teardown at exit."""
-        if self.watchdog is not None:
-            self.watchdog.acknowledge()
-        teardown_at_exit()
+        if self.coord is not None:
+            self.coord.acknowledge()
 
     def _raise_peer(self, err: PeerFailedError) -> None:
         self._acknowledge()
@@ -167,8 +140,6 @@ class Guard:
         self.failures_seen += 1
         record = FailureRecord.from_exception(exc, rank=coord.rank, section=self.name, seq=-1, step=step, epoch=epoch)
         log(logging.ERROR, "failed: %s: %s", record.exc_type, record.exc_message, step=step)
-        if self.watchdog is not None:
-            self.watchdog.local_failure()
         coord.publish(record)
         if self.release_on_failure:
             what = release_process_groups(coord.store)

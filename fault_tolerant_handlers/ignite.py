@@ -136,6 +136,9 @@ class FaultTolerance:
             self.guard.sync("iteration", step=iteration, epoch=engine.state.epoch)
 
     def _epoch_completed(self, engine: Engine) -> None:
+        restarts = getattr(engine.state.dataloader, "restart_count", None)
+        if restarts is not None:  # a RestartableDataLoader: its worker restarts so far
+            engine.state.dataloader_restarts = restarts
         self.guard.sync("epoch end", step=engine.state.iteration, epoch=engine.state.epoch)
 
     def _completed(self, engine: Engine) -> None:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ._log import log
 from .coordinator import Coordinator, get_coordinator
+from .errors import is_communication_error
 from .record import FailureRecord
 
 
@@ -92,6 +93,13 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
             if exc is None and failure is not None:
                 raise failure
             return False
+        if exc is not None and is_communication_error(exc):
+            # A collective in the section failed: if a peer's failure is why (the watchdog released
+            # this rank, or the peer died), raise that instead of a bare backend error.
+            peer = coord.explain(exc)
+            if peer is not None:
+                coord.acknowledge()
+                raise peer from exc
         peer_error = _agree(coord, self.name, failure, self.step, self.epoch)
         if failure is not None:
             if exc is None:  # reported, not raised: raise it now, as the owner
@@ -111,6 +119,7 @@ def _agree(coord: Coordinator, name: str, failure: BaseException | None, step: i
     peer_error = coord.agree(seq, record)
     if peer_error is not None and failure is None:
         log(logging.ERROR, "stopping: %s", str(peer_error).splitlines()[0], step=step)
+        coord.acknowledge()
     return peer_error
 
 

@@ -35,6 +35,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -43,7 +44,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ._log import log
-from .errors import PeerFailedError
+from .errors import WATCHDOG_SECTION, PeerFailedError
 from .record import MAX_TRACEBACK_CHARS, FailureRecord, _cap_tail
 from .release import release_process_groups
 
@@ -64,7 +65,11 @@ EXIT_GRACE_ENV = "FTH_EXIT_GRACE_SEC"
 #: A peer on another host whose heartbeat has not moved for this long is declared lost. Default 60.
 HEARTBEAT_TIMEOUT_ENV = "FTH_HEARTBEAT_TIMEOUT_SEC"
 
+#: A store that does not answer for this long (and whose host's death cannot be seen) is declared lost.
+STORE_LOST_ENV = "FTH_STORE_LOST_SEC"
+
 DEFAULT_INTERVAL = timedelta(seconds=0.1)
+DEFAULT_STORE_LOST_AFTER = timedelta(seconds=10)
 DEFAULT_EXIT_GRACE = timedelta(seconds=3)
 DEFAULT_HEARTBEAT_TIMEOUT = timedelta(seconds=60)
 #: How long a failure record may stay unconsumed by a sync point before the watchdog releases.
@@ -128,6 +133,29 @@ def process_state(pid: int) -> str | None:
     return f"exited with code {(status >> 8) & 0xFF}"
 
 
+#: Where a main thread waits for its peers rather than being hung itself (innermost frames).
+_WAITING_MARKERS = (
+    f"torch{os.sep}distributed{os.sep}",
+    f"torch{os.sep}nn{os.sep}parallel{os.sep}",
+    f"torch{os.sep}autograd{os.sep}",
+    f"torch{os.sep}_tensor.py",
+    f"fault_tolerant_handlers{os.sep}coordinator.py",
+    f"fault_tolerant_handlers{os.sep}sections.py",
+    f"ignite{os.sep}distributed{os.sep}",
+)
+
+
+def _waiting_on_peers(frame) -> bool:
+    """True when the innermost Python frames are a collective or a backward pass (DDP all_reduce)."""
+    depth = 0
+    while frame is not None and depth < 4:
+        if any(marker in frame.f_code.co_filename for marker in _WAITING_MARKERS):
+            return True
+        frame = frame.f_back
+        depth += 1
+    return False
+
+
 class Watchdog:
     """One per process and process group; start it with :func:`start_watchdog` or an adapter."""
 
@@ -154,7 +182,15 @@ class Watchdog:
         self.rank = coord.rank
         self.peer_error: PeerFailedError | None = None
         self.store_ops = 0
-        self._store = coord.store.clone()  # its own connection: never shares a socket with the main thread
+        # Its own connection, never shared with the main thread, with a short timeout: a store whose
+        # host died while a child process still holds its socket open must not block this thread.
+        self._store = coord.store.clone()
+        self._store.set_timeout(timedelta(seconds=max(1.0, 5 * self.interval.total_seconds())))
+        self.store_lost_after = check_timedelta(
+            "store_lost_after", env_timedelta(STORE_LOST_ENV, DEFAULT_STORE_LOST_AFTER)
+        )
+        self._store_down_since: float | None = None
+        self._liveness_store = coord.store.clone()  # the liveness thread's own connection
         self._stop = threading.Event()
         self._acknowledged = threading.Event()
         self._finishing = False
@@ -174,11 +210,17 @@ class Watchdog:
         self._next = (coord.group_rank + 1) % coord.world_size
         self._next_hb = (-1, time.monotonic())
         self._next_hb_check = 0.0
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="fth-watchdog", daemon=True)
+        # Same-host liveness has its own thread: a store call may block when the store's host
+        # died while a child process still holds the socket; a pid check never does.
+        self._liveness = threading.Thread(target=self._run_liveness, name="fth-liveness", daemon=True)
 
     # -- main-thread API ----------------------------------------------------------------------
     def start(self) -> Watchdog:
         self._thread.start()
+        if self._same_host:
+            self._liveness.start()
         return self
 
     def stop(self) -> None:
@@ -203,9 +245,9 @@ class Watchdog:
         self._local_failure = True
 
     # -- thread ----------------------------------------------------------------------------------
-    def _add(self, key: str, value: int) -> int:
+    def _add(self, key: str, value: int, store=None) -> int:
         self.store_ops += 1
-        return self._store.add(key, value)
+        return (store or self._store).add(key, value)
 
     def _run(self) -> None:
         period = self.interval.total_seconds()
@@ -218,18 +260,21 @@ class Watchdog:
                 self._store_lost(err)
         log(logging.DEBUG, "watchdog stopped")
 
+    def _run_liveness(self) -> None:
+        period = self.interval.total_seconds()
+        while not self._stop.wait(period) and self.peer_error is None:
+            self._check_same_host_peers()
+
     def _tick(self) -> None:
         now = time.monotonic()
         if self.peer_error is None:
             self._check_records(now)
-        if self.peer_error is None:
-            self._check_same_host_peers()
+        self._store_down_since = None  # the store answered
         if self.peer_error is None and now >= self._next_hb_check:
             self._next_hb_check = now + HEARTBEAT_EVERY.total_seconds()
             self._heartbeat(now)
         if self.peer_error is None and self.hang_timeout is not None and not self._local_failure:
             self._check_self_hang(now)
-        self._escalate(now)
 
     def _check_records(self, now: float) -> None:
         count = self._add("n", 0)
@@ -281,87 +326,102 @@ class Watchdog:
 
     def _check_self_hang(self, now: float) -> None:
         stalled = now - self._last_beat
-        if stalled < self.hang_timeout.total_seconds():
+        limit = self.hang_timeout.total_seconds()
+        if stalled < limit:
             return
         frame = sys._current_frames().get(threading.main_thread().ident)
+        if stalled < 2 * limit and _waiting_on_peers(frame):
+            # Blocked in a collective: most likely waiting for the hung rank, which declares itself.
+            return
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)"
         step = f" at step {self._step}" if self._step is not None else ""
         message = f"rank {self.rank} hung: its main thread made no progress for {stalled:.1f} s{step}"
         self._declare(self.rank, "RankHung", message, traceback=f"Main thread stack of rank {self.rank}:\n{stack}",
                       time_ms=int(self._last_beat_wall * 1000))
         self._local_failure = True
-        err = PeerFailedError(self.rank, "RankHung", message, _cap_tail(stack, MAX_TRACEBACK_CHARS), "the watchdog")
+        err = PeerFailedError(self.rank, "RankHung", message, _cap_tail(stack, MAX_TRACEBACK_CHARS), WATCHDOG_SECTION,
+                              section=WATCHDOG_SECTION)
         # Give the peers a moment to read the record, then end: the main thread cannot be trusted.
         time.sleep(min(1.0, self.exit_grace.total_seconds()))
         self._reported_exit(err, EXIT_HUNG)
 
     def _declare_lost(self, rank: int, pid: int, state: str) -> None:
-        host = ""
-        self._declare(self.coord.ranks[rank], "PeerLost", f"rank {self.coord.ranks[rank]} (pid {pid}{host}) lost: {state}")
+        global_rank = self.coord.ranks[rank]
+        host = socket.gethostname()[:200]  # a same-host peer, by construction
+        self._declare(global_rank, "PeerLost", f"rank {global_rank} (pid {pid} on {host}) lost: {state}",
+                      store=self._liveness_store)
 
-    def _declare(self, rank: int, kind: str, message: str, traceback: str = "", time_ms: int | None = None) -> None:
+    def _declare(
+        self, rank: int, kind: str, message: str, traceback: str = "", time_ms: int | None = None, store=None
+    ) -> None:
         """Publish a record on behalf of ``rank`` (once per rank, whoever sees it first)."""
         record = FailureRecord(
             rank=rank,
             exc_type=kind,
             exc_message=message,
             traceback=traceback,
-            section="the watchdog",
+            section=WATCHDOG_SECTION,
             seq=-1,
             time_ms=int(time.time() * 1000) if time_ms is None else time_ms,
             pid=self.coord.pids[self.coord.ranks.index(rank)] if rank in self.coord.ranks else 0,
+            host="",
             extra={"kind": kind, "by": self.rank},
         )
-        first = True
-        try:
-            first = self._add(f"declared/{rank}", 1) == 1
-            if first:
-                index = self._add("n", 1)
-                self._store.set(f"r/{index}", record.to_json())
-                self._seen = max(self._seen, index)
-        except Exception as err:  # noqa: BLE001 - the store may be what died
-            log(logging.WARNING, "could not publish %s: %s", kind, err)
         log(logging.ERROR, "%s", message)
         if rank != self.rank:
             self._peer_failed(PeerFailedError.from_records([record]), time.monotonic())
+        try:
+            store = store or self._store
+            if self._add(f"declared/{rank}", 1, store) == 1:
+                index = self._add("n", 1, store)
+                store.set(f"r/{index}", record.to_json())
+                self._seen = max(self._seen, index)
+        except Exception as err:  # noqa: BLE001 - the store may be what died
+            log(logging.WARNING, "could not publish %s: %s", kind, str(err).splitlines()[0][:200])
 
     def _store_lost(self, err: Exception) -> None:
+        """A store call failed. A dead store-host rank on this node is declared at once; otherwise
+        the store must stay silent for ``store_lost_after`` before the job is declared failed."""
+        now = time.monotonic()
         if self.peer_error is not None:
-            self._escalate(time.monotonic())
             return
-        host_rank = 0
+        if self._store_down_since is None:
+            self._store_down_since = now
+            log(logging.WARNING, "the c10d store did not answer: %s", str(err).splitlines()[0][:200])
+        if now - self._store_down_since < self.store_lost_after.total_seconds():
+            return
         pid = self.coord.pids[0] if self.coord.pids else 0
-        state = process_state(pid) if self._same_host and any(r == 0 for r, _ in self._same_host) else None
-        cause = state or f"the c10d store stopped answering ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
-        message = f"rank {host_rank} (pid {pid}, hosts the c10d store) lost: {cause}"
+        message = (
+            f"rank 0 (pid {pid}, hosts the c10d store) lost: the store has not answered for "
+            f"{now - self._store_down_since:.1f} s ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        )
         log(logging.ERROR, "%s", message)
-        self._peer_failed(PeerFailedError(host_rank, "PeerLost", message, "", "the watchdog", pid=pid), time.monotonic())
-        # Without the store there is nothing more to poll; finish the escalation here.
-        while not self._acknowledged.is_set() and not self._stop.is_set():
-            if self._escalate(time.monotonic()):
-                return
-            time.sleep(self.interval.total_seconds())
+        self._peer_failed(
+            PeerFailedError(0, "PeerLost", message, "", WATCHDOG_SECTION, section=WATCHDOG_SECTION, pid=pid), now
+        )
 
     def _peer_failed(self, err: PeerFailedError, now: float) -> None:
-        if self.peer_error is not None:
-            return
-        self.peer_error = err
-        self._failed_at = now
+        with self._lock:
+            if self.peer_error is not None:
+                return
+            self.peer_error = err
+            self._failed_at = now
         log(logging.ERROR, "peer failure: %s", str(err).splitlines()[0], step=self._step)
+        threading.Thread(target=self._escalate, name="fth-escalate", daemon=True).start()
 
-    def _escalate(self, now: float) -> bool:
-        """Release, then (if nobody takes the failure) exit. Returns True once exited."""
-        if self.peer_error is None or self._local_failure or self._acknowledged.is_set():
-            return False
-        if not self._released:
-            self._released = True
-            what = release_process_groups(self.coord.store)
-            log(logging.WARNING, "released blocked collectives: %s", what, step=self._step)
-            return False
-        if now - self._failed_at >= self.exit_grace.total_seconds():
-            self._reported_exit(self.peer_error, EXIT_PEER_FAILED)
-            return True
-        return False
+    def _escalate(self) -> None:
+        """Release this process's collectives, then, if the main thread does not take the failure
+        within ``exit_grace``, end the process with a report. Touches no store: it must work when
+        the store is what died."""
+        if self._local_failure or self._acknowledged.is_set() or self._finishing:
+            return
+        what = release_process_groups(self.coord.store)
+        log(logging.WARNING, "released blocked collectives: %s", what, step=self._step)
+        if self._acknowledged.wait(self.exit_grace.total_seconds()):
+            return
+        if self._local_failure or self._finishing:
+            return
+        self._reported_exit(self.peer_error, EXIT_PEER_FAILED)
 
     def _reported_exit(self, err: BaseException, code: int) -> None:
         text = (

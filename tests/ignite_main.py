@@ -5,6 +5,9 @@
 
 Environment:
     FAULT        step | data | handler | rank0_handler | exc_collective | evaluator | none
+                 | kill (SIGKILL itself) | hang (time.sleep) | stop (SIGSTOP itself: even its watchdog is silent)
+    HANG         hang_timeout in seconds for FaultTolerance (default: off)
+    WORKERS      DataLoader workers (default 0)
     FAULT_RANK   rank that fails (default 1)
     FAULT_ITER   iteration at which it fails (default 3)
     USE_FT       1: attach FaultTolerance; 0: stock Ignite
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -34,6 +38,8 @@ FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
 FAULT_ITER = int(os.environ.get("FAULT_ITER", "3"))
 USE_FT = os.environ.get("USE_FT", "1") == "1"
 LINGER = float(os.environ.get("LINGER", "8"))
+HANG = float(os.environ["HANG"]) if os.environ.get("HANG") else None
+WORKERS = int(os.environ.get("WORKERS", "0"))
 PG_TIMEOUT = timedelta(seconds=float(os.environ.get("FTH_TEST_PG_TIMEOUT", "20")))
 BATCH = 4
 N = 64
@@ -78,13 +84,22 @@ def training(local_rank: int, outdir: str) -> None:
         # the first sample of batch FAULT_ITER on this rank (DistributedSampler, no shuffle)
         bad_index = FAULT_RANK + idist.get_world_size() * (FAULT_ITER - 1) * BATCH
     loader = idist.auto_dataloader(Samples(bad_index, fault), batch_size=BATCH * idist.get_world_size(), shuffle=False,
-                                   num_workers=0)
+                                   num_workers=WORKERS, persistent_workers=WORKERS > 0)
 
     def step(engine, batch):
         x, y = batch
         if FAULT in ("step", "exc_collective") and rank == FAULT_RANK and engine.state.iteration == FAULT_ITER:
             time.sleep(0.3)  # the other ranks are already in the gradient all_reduce
             fault(RuntimeError(f"CUDA-like failure at iteration {engine.state.iteration}"))
+        if FAULT in ("kill", "hang", "stop") and rank == FAULT_RANK and engine.state.iteration == FAULT_ITER:
+            time.sleep(0.3)  # the other ranks are already in the gradient all_reduce
+            record("fault", exc_type=FAULT, message=f"{FAULT} at iteration {FAULT_ITER}")
+            if FAULT == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif FAULT == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                time.sleep(1000)  # the hung line the report must show
         loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -127,7 +142,9 @@ def training(local_rank: int, outdir: str) -> None:
     if USE_FT:
         from fault_tolerant_handlers.ignite import FaultTolerance
 
-        FaultTolerance(sync_every=2).attach(trainer)
+        from datetime import timedelta as _td
+
+        FaultTolerance(sync_every=2, hang_timeout=_td(seconds=HANG) if HANG else None).attach(trainer)
 
     try:
         trainer.run(loader, max_epochs=3)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fault_tolerant_handlers import PeerFailedError, fail_together, one_rank_first
+from fault_tolerant_handlers import PeerFailedError, fail_together, one_rank_first, start_watchdog
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -226,7 +226,33 @@ def retry_stock() -> None:
     record("done")
 
 
-SCENARIOS = {f.__name__: f for f in (fail_each, two_fail, caught_outside, report_inside, rank_first_each,
+def blocked_release() -> None:
+    """Rank 1 fails inside a section while rank 0 is blocked in a data all_reduce that rank 1
+    never joins; rank 1 stays alive afterwards, so only the watchdog can release rank 0."""
+    start_watchdog()
+    t = torch.ones(4)
+
+    def body():
+        with fail_together("step"):
+            if RANK == 1:
+                time.sleep(0.3)
+                fault(ValueError("bad batch 5"))
+            record("entering_collective")
+            dist.all_reduce(t)
+
+    run_section("section", body)
+    if RANK == 1:
+        time.sleep(float(os.environ.get("LINGER", "5")))
+    record("done")
+
+
+def reported_exit() -> None:
+    """As ``blocked_release`` but with FTH_RELEASE=exit: rank 0 cannot be released in-process, so
+    its watchdog ends it with a report and EXIT_PEER_FAILED."""
+    blocked_release()
+
+
+SCENARIOS = {f.__name__: f for f in (blocked_release, reported_exit, fail_each, two_fail, caught_outside, report_inside, rank_first_each,
                                      rank_first_late, rank_first_local, bad_input, retry_ours, retry_stock)}
 
 

@@ -1,0 +1,253 @@
+"""RestartableDataLoader in one process: real workers, real SIGKILL on real worker pids.
+
+Every test that starts workers runs under a pytest timeout and kills every worker it started, by
+pid, in a ``finally`` (``dl_stress.kill_children``). The 300+ kill campaign is
+``bench/dataloader.py``; ``FTH_DL_STRESS_KILLS`` raises the kills per kind here.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import dl_stress
+from dl_stress import MapData, kill_children, make_loader
+from fault_tolerant_handlers.dataloader import (
+    DataLoaderRestartError,
+    RestartableDataLoader,
+    make_restartable,
+)
+
+KILLS = int(os.environ.get("FTH_DL_STRESS_KILLS", "14"))
+
+
+@pytest.fixture(autouse=True)
+def _reap():
+    try:
+        yield
+    finally:
+        kill_children()
+
+
+def flat(loader, epochs=1):
+    return dl_stress.epochs_of(loader, epochs)
+
+
+# -- many random kills per epoch, every kind ------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", dl_stress.KINDS)
+def test_random_kills_lose_and_repeat_nothing(kind):
+    res = dl_stress.campaign(kind, kills=KILLS, epochs=3, seed=hash(kind) % 1000)
+    assert res.kills >= KILLS // 2, f"the killer fired only {res.kills} times"
+    assert res.restarts >= res.kills // 3 and res.restarts >= 3, res
+    assert res.lost == 0 and res.duplicated == 0, res
+    assert res.order_ok, f"{kind}: an epoch differs from the uninterrupted one"
+    assert res.detection_ms and max(res.detection_ms) < 1000, res.detection_ms
+
+
+@pytest.mark.timeout(60)
+def test_distributed_ranks_together_cover_the_dataset_once():
+    per_rank = [dl_stress.campaign("distributed", kills=6, epochs=2, seed=r, rank=r) for r in (0, 1)]
+    for r in per_rank:
+        assert r.restarts >= 2 and r.order_ok and r.lost == 0 and r.duplicated == 0, r
+    for epoch in range(2):
+        both = per_rank[0].got[epoch] + per_rank[1].got[epoch]
+        assert sorted(both) == list(range(400)), f"epoch {epoch}: ranks do not cover each sample once"
+    assert per_rank[0].got[0] != per_rank[0].got[1], "set_epoch did not reshuffle"
+
+
+# -- what is and is not a death -------------------------------------------------------------------
+
+
+class Faulty(Dataset):
+    """Index ``at`` misbehaves once (a marker file remembers it did): raise, exit or hang."""
+
+    def __init__(self, n, at, how, marker):
+        self.n, self.at, self.how, self.marker = n, at, how, str(marker)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.at and self.how == "raise":
+            raise ValueError(f"bad sample {i}")
+        if i == self.at and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            if self.how == "exit":
+                os._exit(3)
+            if self.how == "hang":
+                time.sleep(600)
+        return i
+
+
+@pytest.mark.timeout(30)
+def test_dataset_error_propagates_with_worker_traceback_and_is_not_retried(tmp_path):
+    loader = RestartableDataLoader(Faulty(40, 13, "raise", tmp_path / "m"), batch_size=4, num_workers=2)
+    seen = []
+    with pytest.raises(ValueError) as info:
+        for batch in loader:
+            seen.extend(batch.tolist())
+    assert "bad sample 13" in str(info.value)
+    assert "Caught ValueError in DataLoader worker process" in str(info.value)
+    assert 'raise ValueError(f"bad sample {i}")' in str(info.value)  # the worker's traceback
+    assert seen == list(range(12)) and loader.restart_count == 0
+
+
+@pytest.mark.timeout(30)
+def test_worker_exit_is_restarted_exactly(tmp_path):
+    loader = RestartableDataLoader(Faulty(80, 50, "exit", tmp_path / "m"), batch_size=4, num_workers=2,
+                                   shuffle=True, generator=torch.Generator().manual_seed(1))
+    ref = DataLoader(MapData(80, 0), batch_size=4, num_workers=2, shuffle=True, generator=torch.Generator().manual_seed(1))
+    assert flat(loader) == flat(ref)
+    assert loader.restart_count == 1
+    rec = loader.restarts[0]
+    assert rec.exitcode == 3 and rec.signal is None and rec.reason == "exited with code 3"
+    assert rec.start_method == "fork" and rec.recovery_seconds is not None
+
+
+@pytest.mark.timeout(30)
+def test_stall_past_timeout_is_restarted(tmp_path):
+    loader = RestartableDataLoader(Faulty(40, 21, "hang", tmp_path / "m"), batch_size=4, num_workers=2, timeout=1.0)
+    t0 = time.monotonic()
+    assert flat(loader) == [list(range(40))]
+    assert time.monotonic() - t0 < 10
+    assert loader.restart_count == 1
+    rec = loader.restarts[0]
+    assert rec.reason.startswith("stalled for more than 1") and rec.batch_index == 5, rec
+
+
+@pytest.mark.timeout(30)
+def test_budget_spent_raises_listing_every_restart():
+    loader = RestartableDataLoader(MapData(200), batch_size=4, num_workers=2, max_restarts=1)
+    killed = []
+    with pytest.raises(DataLoaderRestartError) as info:
+        for k, _ in enumerate(loader):
+            if k in (3, 10):
+                pid = loader.worker_pids[0]
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+    err = info.value
+    assert len(killed) == 2 and [r.worker_pid for r in err.restarts] == killed
+    assert err.max_restarts == 1 and len(loader.restarts) == 1
+    msg = str(err)
+    assert "max_restarts=1" in msg
+    for r in err.restarts:  # each restart named with its batch, worker pid and signal
+        assert f"epoch 0, batch {r.batch_index}: worker {r.worker_id} (pid {r.worker_pid}) killed by SIGKILL" in msg, msg
+    # the loss is seen at the first batch that needs the dead worker: after the kill, before the next
+    assert 4 <= err.restarts[0].batch_index <= 10 and err.restarts[1].batch_index >= 11, msg
+
+
+@pytest.mark.timeout(30)
+def test_zero_budget_raises_at_first_death():
+    loader = RestartableDataLoader(MapData(80), batch_size=4, num_workers=2, max_restarts=0)
+    with pytest.raises(DataLoaderRestartError, match=r"not restarted: epoch 0, batch \d+: worker 1 \(pid \d+\) killed by SIGKILL") as info:
+        for k, _ in enumerate(loader):
+            if k == 2:
+                os.kill(loader.worker_pids[1], signal.SIGKILL)
+    assert info.value.restarts[0].batch_index >= 3 and loader.restart_count == 0
+
+
+# -- a death while the main process is inside the training step -----------------------------------
+
+
+def _kill_during_step(loader):
+    """Kill a worker while the main process is in its "step"; return the step's outcome and data."""
+    got, outcome = [], None
+    try:
+        for k, batch in enumerate(loader):
+            got.extend(batch.tolist())
+            if k == 3:
+                os.kill(loader_pids(loader)[0], signal.SIGKILL)
+                try:  # the step: torch's SIGCHLD handler, if armed, raises here
+                    time.sleep(0.3)
+                except RuntimeError as exc:
+                    outcome = exc
+                    break
+    finally:
+        kill_children()
+    return outcome, got
+
+
+def loader_pids(loader):
+    if isinstance(loader, RestartableDataLoader):
+        return loader.worker_pids
+    return [w.pid for w in loader._iterator._workers] if loader._iterator else []
+
+
+@pytest.mark.timeout(30)
+def test_death_inside_the_step_does_not_fail_the_step():
+    stock = DataLoader(MapData(80), batch_size=4, num_workers=2, persistent_workers=True)
+    outcome, _ = _kill_during_step(stock)
+    assert isinstance(outcome, RuntimeError) and "DataLoader worker" in str(outcome), outcome  # the fault fired
+    ours = RestartableDataLoader(MapData(80), batch_size=4, num_workers=2)
+    outcome, got = _kill_during_step(ours)
+    assert outcome is None and got == list(range(80)) and ours.restart_count == 1
+
+
+# -- API ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-1, "3", True, 1.5, None])
+def test_bad_max_restarts_is_named(bad):
+    with pytest.raises((TypeError, ValueError), match=r"max_restarts=.*must be an int >= 0"):
+        RestartableDataLoader(MapData(8), max_restarts=bad)
+
+
+def test_bad_start_method_and_in_order():
+    with pytest.raises(ValueError, match=r"restart_start_method='thread'.*\['fork', 'spawn', 'forkserver'\]"):
+        RestartableDataLoader(MapData(8), restart_start_method="thread")
+    with pytest.raises(ValueError, match="in_order=False"):
+        RestartableDataLoader(MapData(8), num_workers=2, in_order=False)
+    with pytest.raises(TypeError, match="make_restartable"):
+        make_restartable([1, 2])
+
+
+def test_no_workers_is_a_plain_dataloader():
+    loader = RestartableDataLoader(MapData(10, 0), batch_size=5)
+    assert isinstance(loader, DataLoader) and flat(loader) == [list(range(10))] and loader.restart_count == 0
+
+
+@pytest.mark.timeout(60)
+def test_lightning_sampler_injection_keeps_the_class_and_budget():
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    loader = RestartableDataLoader(MapData(40, 0), batch_size=4, shuffle=True, num_workers=2, max_restarts=7)
+    sampler = DistributedSampler(MapData(40, 0), num_replicas=2, rank=1, shuffle=False)
+    new = _update_dataloader(loader, sampler)
+    assert type(new) is RestartableDataLoader and new.max_restarts == 7 and new.sampler is sampler
+    assert flat(new) == [list(range(1, 40, 2))]
+
+
+@pytest.mark.timeout(30)
+def test_make_restartable_shares_the_sampler():
+    sampler = DistributedSampler(MapData(80), num_replicas=2, rank=0, shuffle=True, seed=5)
+    stock = DataLoader(MapData(80), batch_size=4, sampler=sampler, num_workers=2)
+    loader = make_restartable(stock, max_restarts=2)
+    assert isinstance(loader, RestartableDataLoader) and loader.sampler is sampler and loader.max_restarts == 2
+    sampler.set_epoch(1)
+    ref_sampler = DistributedSampler(MapData(80), num_replicas=2, rank=0, shuffle=True, seed=5)
+    ref_sampler.set_epoch(1)
+    want = list(ref_sampler)
+    got = []
+    for k, batch in enumerate(loader):
+        got.extend(batch.tolist())
+        if k == 2:
+            os.kill(loader.worker_pids[0], signal.SIGKILL)
+    assert got == want and loader.restart_count == 1
+    assert make_restartable(loader) is loader
+
+
+@pytest.mark.timeout(30)
+def test_no_collation_and_restart_records():
+    res = dl_stress.campaign("no-collation", kills=4, epochs=1, n=120)
+    assert res.kills >= 2 and res.restarts >= 1 and res.order_ok and res.lost == res.duplicated == 0, res
+    counts = collections.Counter(res.got[0])
+    assert set(counts.values()) == {1}

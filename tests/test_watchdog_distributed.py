@@ -1,0 +1,95 @@
+"""The out-of-band watchdog with real processes and real signals (gloo, 2 ranks): a failure while a
+peer is blocked in a collective, a SIGKILLed peer (also the store host), a hung peer, a peer whose
+watchdog is frozen (SIGSTOP). Ignite runs use the adapter; the failing rank stays alive after its
+failure where that matters, so a peer cannot be woken by its exit."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from launch import run_ranks
+
+IGNITE = Path(__file__).resolve().parent / "ignite_main.py"
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _fault(results, rank):
+    return results[rank].event("fault")
+
+
+def test_failure_while_peer_is_blocked_in_a_collective_is_released(tmp_path):
+    results = run_ranks(2, "blocked_release", tmp_path, env={"LINGER": "6"})
+    fault = _fault(results, 1)
+    assert results[0].has("entering_collective")  # rank 0 really was inside the all_reduce
+    peer = results[0].event("section")
+    assert peer["raised"] == "PeerFailedError" and peer["failed_rank"] == 1
+    assert peer["exc_type"] == "ValueError" and peer["exc_message"] == "bad batch 5"
+    assert peer["t"] - fault["t"] < 3.0
+    assert results[1].event("section")["raised"] == "ValueError"
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_without_in_process_release_the_blocked_rank_makes_a_reported_exit(tmp_path):
+    results = run_ranks(2, "reported_exit", tmp_path, env={"LINGER": "8", "FTH_RELEASE": "exit",
+                                                           "FTH_EXIT_GRACE_SEC": "1"})
+    fault = _fault(results, 1)
+    from fault_tolerant_handlers import EXIT_PEER_FAILED
+
+    assert results[0].returncode == EXIT_PEER_FAILED
+    assert not results[0].has("section")  # it never got out of the all_reduce by itself
+    report = results[0].stderr
+    assert "ending this process (exit code 87)" in report
+    assert "rank 1 failed in 'step': ValueError: bad batch 5" in report
+    assert "fault(ValueError(" in report  # the failing rank's traceback is in the report
+    # it ended within release grace + exit grace + a margin of the fault
+    assert results[1].returncode == 0
+
+
+def _ignite(tmp_path, fault, fault_rank, **env):
+    env = dict(FAULT=fault, FAULT_RANK=str(fault_rank), USE_FT="1", FTH_TEST_PG_TIMEOUT="30", **env)
+    return run_ranks(2, "", tmp_path, script=IGNITE, env=env, deadline=45,
+                     expect_hang=fault == "stop")
+
+
+@pytest.mark.parametrize("killed", [1, 0], ids=["peer", "store-host"])
+def test_sigkilled_peer_ends_every_survivor_naming_the_lost_rank(killed, tmp_path):
+    results = _ignite(tmp_path, "kill", killed, WORKERS="2")
+    fault = _fault(results, killed)
+    assert results[killed].returncode == -signal.SIGKILL
+    survivor = results[1 - killed]
+    seen = survivor.event("run_raised")
+    assert seen["raised"] == "PeerFailedError" and seen["failed_rank"] == killed
+    assert seen["exc_type"] == "PeerLost"
+    assert f"rank {killed} (pid " in seen["exc_message"] and "lost:" in seen["exc_message"]
+    assert seen["t"] - fault["t"] < 3.0
+    assert survivor.returncode == 0, survivor.stderr[-3000:]
+
+
+def test_hung_rank_is_reported_with_its_own_stack(tmp_path):
+    results = _ignite(tmp_path, "hang", 1, HANG="5")
+    fault = _fault(results, 1)
+    from fault_tolerant_handlers import EXIT_HUNG
+
+    assert results[1].returncode == EXIT_HUNG
+    assert "time.sleep(1000)  # the hung line the report must show" in results[1].stderr
+    seen = results[0].event("run_raised")
+    assert seen["raised"] == "PeerFailedError" and seen["failed_rank"] == 1 and seen["exc_type"] == "RankHung"
+    assert "time.sleep(1000)  # the hung line the report must show" in seen["message"]
+    assert seen["t"] - fault["t"] < 8.0
+    assert results[0].returncode == 0
+
+
+def test_frozen_rank_is_named_silent_by_its_neighbour(tmp_path):
+    results = _ignite(tmp_path, "stop", 1, HANG="3")
+    fault = _fault(results, 1)
+    seen = results[0].event("run_raised")
+    assert seen["raised"] == "PeerFailedError" and seen["failed_rank"] == 1 and seen["exc_type"] == "PeerSilent"
+    assert "no heartbeat" in seen["exc_message"]
+    assert seen["t"] - fault["t"] < 3 + 2 + 3  # hang_timeout + margin + poll/ring slack
+    assert results[0].returncode == 0
+    assert results[1].returncode is None  # still SIGSTOPped: its launcher ends it (here: the harness)
