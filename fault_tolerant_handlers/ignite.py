@@ -31,6 +31,7 @@ from ignite.engine import Engine, Events
 
 from ._log import log
 from .guard import Guard
+from .inject import Injector
 
 __all__ = ["FaultTolerance"]
 
@@ -97,6 +98,7 @@ class FaultTolerance:
     ) -> None:
         self.guard = Guard(sync_every=sync_every, hang_timeout=hang_timeout, watchdog=watchdog, name=name)
         self._owns_watchdog = False
+        self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
 
     # -- Ignite API --------------------------------------------------------------------------
     def attach(self, engine: Engine) -> FaultTolerance:
@@ -105,6 +107,8 @@ class FaultTolerance:
             raise TypeError(f"attach(engine=...) takes an ignite.engine.Engine, got {type(engine).__name__}")
         engine.add_event_handler(Events.STARTED, self._started)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
+        if self._injector is not None:
+            engine.add_event_handler(Events.ITERATION_STARTED, self._inject)
         _prepend(engine, Events.EPOCH_COMPLETED, self._epoch_completed)
         _prepend(engine, Events.COMPLETED, self._completed)
         _prepend(engine, Events.EXCEPTION_RAISED, self._exception_raised)
@@ -124,10 +128,15 @@ class FaultTolerance:
 
     # -- events --------------------------------------------------------------------------------
     def _started(self, engine: Engine) -> None:
-        had_watchdog = self.guard.coord is not None and self.guard.coord.watchdog is not None
+        coord = self.guard.coord
+        had_watchdog = coord is not None and coord.watchdog is not None and not coord.watchdog.stopped
         self.guard.start()
         self._owns_watchdog = self.guard.watchdog is not None and not had_watchdog
         self.guard.beat(engine.state.iteration)
+
+    def _inject(self, engine: Engine) -> None:
+        rank = self.guard.coord.rank if self.guard.coord is not None else 0
+        self._injector.maybe_fire(rank, engine.state.iteration, engine.state.epoch, engine.state.dataloader)
 
     def _iteration_completed(self, engine: Engine) -> None:
         iteration = engine.state.iteration

@@ -223,6 +223,10 @@ class Watchdog:
             self._liveness.start()
         return self
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     def stop(self) -> None:
         """A clean end (the job finished): stop watching; losing the store is no longer a failure."""
         self._finishing = True
@@ -330,8 +334,9 @@ class Watchdog:
         if stalled < limit:
             return
         frame = sys._current_frames().get(threading.main_thread().ident)
-        if stalled < 2 * limit and _waiting_on_peers(frame):
-            # Blocked in a collective: most likely waiting for the hung rank, which declares itself.
+        if stalled < 2 * limit + SILENT_MARGIN.total_seconds() and _waiting_on_peers(frame):
+            # Blocked in a collective: most likely waiting for the hung rank, which declares itself
+            # (or, if its watchdog is frozen too, is declared silent by its neighbour before this).
             return
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)"
         step = f" at step {self._step}" if self._step is not None else ""
@@ -463,7 +468,7 @@ def start_watchdog(
     coord = get_coordinator(group, caller="start_watchdog")
     if coord is None:
         return None
-    if coord.watchdog is None:
+    if coord.watchdog is None or coord.watchdog.stopped:
         coord.watchdog = Watchdog(
             coord, interval=interval, hang_timeout=hang_timeout, exit_grace=exit_grace, heartbeat_timeout=heartbeat_timeout
         ).start()

@@ -85,6 +85,10 @@ def training(local_rank: int, outdir: str) -> None:
         bad_index = FAULT_RANK + idist.get_world_size() * (FAULT_ITER - 1) * BATCH
     loader = idist.auto_dataloader(Samples(bad_index, fault), batch_size=BATCH * idist.get_world_size(), shuffle=False,
                                    num_workers=WORKERS, persistent_workers=WORKERS > 0)
+    if os.environ.get("RESTARTABLE") == "1":
+        from fault_tolerant_handlers import make_restartable
+
+        loader = make_restartable(loader)
 
     def step(engine, batch):
         x, y = batch
@@ -158,7 +162,8 @@ def training(local_rank: int, outdir: str) -> None:
             time.sleep(LINGER)
         record("exit")
         return
-    record("run_returned", iteration=trainer.state.iteration, epoch=trainer.state.epoch)
+    record("run_returned", iteration=trainer.state.iteration, epoch=trainer.state.epoch,
+           dataloader_restarts=getattr(trainer.state, "dataloader_restarts", None))
     record("exit")
 
 

@@ -93,3 +93,18 @@ def test_frozen_rank_is_named_silent_by_its_neighbour(tmp_path):
     assert seen["t"] - fault["t"] < 3 + 2 + 3  # hang_timeout + margin + poll/ring slack
     assert results[0].returncode == 0
     assert results[1].returncode is None  # still SIGSTOPped: its launcher ends it (here: the harness)
+
+
+@pytest.mark.parametrize("launch", ["ddp", "ddp_spawn"])
+def test_sigkilled_peer_in_a_lightning_fit(launch, tmp_path):
+    """A real ``Trainer.fit`` with the callback: rank 1 is SIGKILLed mid-epoch (ddp: Lightning's
+    subprocess launcher; ddp_spawn: rank 0 hosts the store in a spawned process)."""
+    script = Path(__file__).resolve().parent / "lightning_main.py"
+    env = dict(FAULT="kill", FAULT_RANK="1", FAULT_STEP="10", USE_FT="1", OEC="0", LAUNCH=launch, FTH_TEST_TOP="1")
+    results = run_ranks(1, "", tmp_path, script=script, env=env, result_ranks=2, deadline=60)
+    fault = results[1].event("fault")
+    assert fault["exc_type"] == "ProcessLookupError"  # the kill really fired on rank 1
+    seen = results[0].event("run_raised")
+    assert seen["raised"] == "PeerFailedError" and seen["failed_rank"] == 1, seen
+    assert seen["exc_type"] == "PeerLost" and "rank 1 (pid " in seen["exc_message"]
+    assert seen["t"] - fault["t"] < 3.0

@@ -1,0 +1,339 @@
+"""Lightning adapter: ``Trainer(callbacks=[FaultTolerance()])``.
+
+Maps Lightning's ``Callback`` hooks onto the framework-neutral
+:class:`~fault_tolerant_handlers.guard.Guard`:
+
+==============================  ======================================================================
+``setup``                       start (collective: side group, watchdog); this callback moves itself
+                                to the front of ``trainer.callbacks`` so that its ``on_exception``
+                                runs before any other (``OnExceptionCheckpoint``'s barrier)
+``on_*_batch_start/_end``       heartbeat, and a look at the watchdog (no communication); every
+                                ``sync_every`` training batches, one flag agreement
+``on_validation_end``,          agreement, *before* the monitoring callbacks (``ModelCheckpoint``,
+``on_train_epoch_end``          ``EarlyStopping``), so no checkpoint is written once any rank failed
+``on_train_end``                agreement (end of run), then a clean stop of the watchdog
+``on_exception``                record and release (local failure) or convert to ``PeerFailedError``;
+                                then finishes Lightning's exception path itself (see below)
+``teardown``                    clean stop of the watchdog (``validate``/``test``)
+==============================  ======================================================================
+
+Why ``on_exception`` finishes the exception path itself: Lightning re-raises the exception it
+caught and lets nothing replace it, and an ``on_exception`` hook that raises (``OnExceptionCheckpoint``
+whose barrier fails because the failing rank's collectives were released) would hide the cause. So
+this callback runs the other callbacks' ``on_exception`` (a failure there is logged, never raised),
+then the rest of Lightning's ``_interrupt`` and the trainer's teardown, and raises what this rank
+must raise: its own exception, or the peer's :class:`PeerFailedError`.
+
+Launchers. ``strategy="ddp"`` (Lightning's subprocess launcher) and ``torchrun`` call ``on_exception``
+in each rank. ``ddp_spawn`` / ``ddp_fork`` call it in the *parent* process only (after the ranks
+have exited); the ranks themselves get no hook on the exception path. For them, ``setup`` wraps the
+run of the training stage in the rank, so a failure is recorded and released, and a peer's failure
+converted, inside the rank, and the checkpoint callbacks' ``on_exception`` (``OnExceptionCheckpoint``)
+runs there, where the trained state is. In the parent, which holds only the untrained model, the
+callback skips the checkpoint callbacks (stock Lightning 2.6.6 saves the untrained parent model as
+``on_exception.ckpt``) and keeps the other callbacks' ``on_exception`` from hiding the rank's error.
+
+Private Lightning API (all in :class:`_LightningPrivate`, checked against lightning 2.6.6):
+``Trainer._teardown`` and ``Trainer._run_stage``; ``_MultiProcessingLauncher`` (to know where
+``on_exception`` runs). Everything else is public ``Callback``/``Trainer`` API.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, Checkpoint
+
+from ._log import log
+from .guard import Guard
+from .inject import Injector
+
+__all__ = ["FaultTolerance"]
+
+#: Set on an exception object once a FaultTolerance callback finished Lightning's exception path.
+_TAKEN_ATTR = "_fth_lightning_taken"
+
+
+class _LightningPrivate:
+    """Every use of Lightning's private API, in one place. Checked against lightning 2.6.6."""
+
+    @staticmethod
+    def on_exception_runs_in_rank(trainer: pl.Trainer) -> bool:
+        """False for ``ddp_spawn``/``ddp_fork``/``ddp_notebook``: ``_MultiProcessingLauncher`` runs the
+        stage in the ranks without ``_call_and_handle_interrupt``; ``on_exception`` runs in the parent."""
+        from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+        return not isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
+
+    @staticmethod
+    def wrap_run_stage(trainer: pl.Trainer, wrapper: Callable[[Callable[[], Any]], Any]) -> None:
+        """Run ``wrapper(original)`` instead of ``Trainer._run_stage`` (sanity check, fit loop) on this
+        trainer object (in a spawned rank: the rank's own copy)."""
+        original = trainer._run_stage
+        if getattr(original, "_fth_wrapped", False):
+            return
+
+        @functools.wraps(original)
+        def run_stage() -> Any:
+            return wrapper(original)
+
+        run_stage._fth_wrapped = True  # type: ignore[attr-defined]
+        trainer._run_stage = run_stage  # type: ignore[method-assign]
+
+    @staticmethod
+    def finish_interrupt(trainer: pl.Trainer, exception: BaseException) -> None:
+        """The rest of ``lightning.pytorch.trainer.call._interrupt`` after the callbacks' ``on_exception``,
+        and of the ``except BaseException`` branch of ``_call_and_handle_interrupt``: datamodule
+        ``on_exception``, ``strategy.on_exception``, ``logger.finalize("failed")``, ``Trainer._teardown``,
+        ``state.stage = None``. Each step is guarded: none may hide the cause."""
+        steps: list[tuple[str, Callable[[], Any]]] = []
+        if trainer.datamodule is not None:
+            steps.append(("datamodule.on_exception", lambda: trainer.datamodule.on_exception(exception)))
+        steps.append(("strategy.on_exception", lambda: trainer.strategy.on_exception(exception)))
+        for logger in trainer.loggers:
+            steps.append((f"{type(logger).__name__}.finalize", functools.partial(logger.finalize, "failed")))
+        steps.append(("Trainer._teardown", trainer._teardown))
+        for what, step in steps:
+            _guarded(what, step)
+        trainer.state.stage = None
+
+
+def _guarded(what: str, fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - logged: the cause must reach every rank unchanged
+        first = str(err).splitlines()[0][:300] if str(err) else ""
+        log(logging.WARNING, "%s failed while the job fails together (ignored, the cause is raised instead): %s: %s",
+            what, type(err).__name__, first)
+
+
+class FaultTolerance(Callback):
+    """Make a distributed Lightning run fail together: one callback, on every rank.
+
+    An exception on one rank (``training_step``, ``validation_step``, a dataloader, another
+    callback, a rank-zero-only block) makes ``trainer.fit`` raise on **every** rank within a couple
+    of seconds: the failing rank its own exception, the others
+    :class:`~fault_tolerant_handlers.PeerFailedError` with the failing rank, its exception, message
+    and traceback, the global step and the epoch. Ranks blocked in a collective with the failing
+    rank (DDP's gradient all_reduce, a barrier, ``OnExceptionCheckpoint``'s barrier) are released at
+    once instead of waiting for the process-group timeout. ``ModelCheckpoint`` writes nothing once a
+    rank failed (it runs after this callback's agreement at the end of an epoch and of validation),
+    so its last checkpoint stays the last good one; ``OnExceptionCheckpoint`` still saves rank 0's
+    state (complete; its closing barrier fails fast and is logged). On a single device it does
+    nothing.
+
+    Works with ``strategy="ddp"``, ``"ddp_spawn"`` and scripts started by ``torchrun``.
+
+    Args:
+        sync_every: training batches between flag agreements within an epoch (default 100;
+            ``None``: only at the end of validation, of each epoch and of the run). Each agreement
+            is one int64 all_reduce on a gloo side group; the watchdog covers the batches between.
+        hang_timeout: opt-in; a rank whose loop makes no progress for this long is declared hung
+            and every rank ends with its stack. Env override ``FTH_HANG_TIMEOUT_SEC``.
+        watchdog: start the out-of-band watchdog (default True).
+        name: the loop's name in reports (``'train' (epoch 1, iteration 12)``); also part of
+            :attr:`state_key`, so two instances with different names can coexist.
+
+    Raises:
+        ValueError: ``sync_every`` is not a positive int or ``None``, or ``name`` is empty.
+        TypeError: ``hang_timeout`` is not a ``timedelta`` or ``None``.
+
+    Examples:
+        .. code-block:: python
+
+            import lightning as L
+            from lightning.pytorch.callbacks import OnExceptionCheckpoint
+            from fault_tolerant_handlers.lightning import FaultTolerance
+
+            trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp",
+                                callbacks=[FaultTolerance(), OnExceptionCheckpoint("ckpts")])
+            trainer.fit(model, datamodule)   # raises on every rank if any rank raises
+
+    .. warning::
+        Give it to the ``Trainer`` of **every** rank. Wrong:
+        ``callbacks=[FaultTolerance()] if rank == 0 else []`` (the other ranks would not join the
+        agreements). Correct: ``callbacks=[FaultTolerance()]`` unconditionally.
+    """
+
+    def __init__(
+        self,
+        sync_every: int | None = 100,
+        hang_timeout: timedelta | None = None,
+        watchdog: bool = True,
+        name: str = "train",
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"FaultTolerance(name=...) must be a non-empty str, got {name!r}")
+        self.guard = Guard(sync_every=sync_every, hang_timeout=hang_timeout, watchdog=watchdog, name=name)
+        self.name = name
+        self._owns_watchdog = False
+        self._batches = 0
+        self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(name=self.name)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"failures_seen": self.guard.failures_seen, "batches": self._batches}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if "failures_seen" not in state_dict:
+            raise ValueError(f"state_dict is missing the required key 'failures_seen', got keys {sorted(state_dict)}")
+        self.guard.failures_seen = int(state_dict["failures_seen"])
+        self._batches = int(state_dict.get("batches", 0))
+
+    # -- helpers -----------------------------------------------------------------------------------
+    @staticmethod
+    def _where(trainer: pl.Trainer) -> dict[str, int]:
+        return {"step": int(trainer.global_step), "epoch": int(trainer.current_epoch)}
+
+    def _check(self, trainer: pl.Trainer) -> None:
+        """Raise the peer's failure if the watchdog already knows it (no communication)."""
+        watchdog = self.guard.watchdog
+        if watchdog is not None and watchdog.peer_error is not None:
+            raise self.guard.on_exception(watchdog.peer_error, **self._where(trainer))
+
+    def _sync(self, trainer: pl.Trainer, where: str) -> None:
+        self.guard.sync(where, **self._where(trainer))
+
+    def _convert(self, trainer: pl.Trainer, exception: BaseException) -> BaseException:
+        return self.guard.on_exception(exception, **self._where(trainer))
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        coord = self.guard.coord
+        had_watchdog = coord is not None and coord.watchdog is not None and not coord.watchdog.stopped
+        self.guard.start()
+        if not self.guard.active:
+            return  # a single device, or no process group: nothing to coordinate
+        self._owns_watchdog = self.guard.watchdog is not None and not had_watchdog
+        # First in line on the exception path: release before any other on_exception runs a collective.
+        # (Lightning iterates this very list; moving an already-called item to the front skips no one.)
+        callbacks = trainer.callbacks
+        if callbacks and callbacks[0] is not self and self in callbacks:
+            callbacks.remove(self)
+            callbacks.insert(0, self)
+        if not _LightningPrivate.on_exception_runs_in_rank(trainer):
+            _LightningPrivate.wrap_run_stage(trainer, functools.partial(self._run_stage_in_rank, trainer))
+        self.guard.beat(int(trainer.global_step))
+
+    def _run_stage_in_rank(self, trainer: pl.Trainer, run_stage: Callable[[], Any]) -> Any:
+        """Spawned ranks only: the exception path Lightning does not give them.
+
+        Records and releases (or converts), then runs the ``on_exception`` of the checkpoint
+        callbacks (``OnExceptionCheckpoint``) here, where the trained state is: the parent, which
+        Lightning would have run them in, holds only the untrained model.
+        """
+        try:
+            return run_stage()
+        except Exception as exc:
+            to_raise = self._convert(trainer, exc)
+            for callback in list(trainer.callbacks):
+                if isinstance(callback, Checkpoint):
+                    _guarded(f"{type(callback).__name__}.on_exception",
+                             functools.partial(callback.on_exception, trainer, trainer.lightning_module, exc))
+            if to_raise is exc:
+                raise
+            raise to_raise from exc
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.guard.beat(int(trainer.global_step))
+        self._check(trainer)
+        if self._injector is not None:
+            self._injector.maybe_fire(trainer.global_rank, int(trainer.global_step) + 1, trainer.current_epoch + 1,
+                                      trainer.train_dataloader)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._batches += 1
+        self.guard.beat(int(trainer.global_step))
+        if self.guard.due(self._batches):
+            self._sync(trainer, "training batch")
+        else:
+            self._check(trainer)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.guard.beat(int(trainer.global_step))
+        self._check(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sync(trainer, "validation end")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sync(trainer, "epoch end")
+        restarts = getattr(trainer.train_dataloader, "restart_count", None)
+        if restarts is not None:  # a RestartableDataLoader: its worker restarts, as a metric (max over ranks)
+            pl_module.log("dataloader_restarts", float(restarts), reduce_fx="max", sync_dist=self.guard.active)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sync(trainer, "end of run")
+        # Every rank is past the last agreement: a rank that now exits first is not a failure.
+        self._stop_watchdog()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_watchdog()
+
+    def _stop_watchdog(self) -> None:
+        if self._owns_watchdog:
+            self.guard.stop()
+            self._owns_watchdog = False
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if getattr(exception, _TAKEN_ATTR, False):
+            return  # another FaultTolerance instance already finished the exception path
+        in_parent = False
+        if self.guard.active:
+            to_raise = self._convert(trainer, exception)
+        elif _is_rank_process_error(exception):
+            to_raise, in_parent = exception, True  # the parent of spawned ranks: keep the rank's error visible
+        else:
+            return  # a single process: stock Lightning
+        if not isinstance(exception, Exception):
+            return  # KeyboardInterrupt / SystemExit: Lightning's own path (it also stops the launcher)
+        self._finish_exception_path(trainer, pl_module, exception, in_parent=in_parent)
+        _mark_taken(exception)
+        _mark_taken(to_raise)
+        if to_raise is exception:
+            raise exception
+        raise to_raise from exception
+
+    def _finish_exception_path(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException,
+                               *, in_parent: bool = False) -> None:
+        callbacks = list(trainer.callbacks)
+        start = callbacks.index(self) + 1 if self in callbacks else 0
+        for callback in callbacks[start:]:
+            if isinstance(callback, FaultTolerance):
+                continue
+            if in_parent and isinstance(callback, Checkpoint):
+                # Its rank already ran it (see _run_stage_in_rank); here it would save the untrained model.
+                log(logging.INFO, "%s.on_exception is not run in the parent of spawned ranks (it holds only the "
+                    "untrained model; the ranks ran it)", type(callback).__name__)
+                continue
+            _guarded(f"{type(callback).__name__}.on_exception",
+                     functools.partial(callback.on_exception, trainer, pl_module, exception))
+        _LightningPrivate.finish_interrupt(trainer, exception)
+
+
+def _mark_taken(exc: BaseException) -> None:
+    try:
+        setattr(exc, _TAKEN_ATTR, True)
+    except Exception:  # noqa: BLE001 - some exception types refuse attributes
+        pass
+
+
+def _is_rank_process_error(exc: BaseException) -> bool:
+    """The error ``torch.multiprocessing`` raises in the parent when a spawned rank failed."""
+    try:
+        from torch.multiprocessing.spawn import ProcessException
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(exc, ProcessException)
+
