@@ -196,6 +196,10 @@ class Coordinator:
         Looks at what the watchdog already knows and at unconsumed records from other ranks,
         for up to ``wait`` seconds (a killed peer is declared by a watchdog within ~0.1 s).
         """
+        if self.watchdog is not None:
+            known = self.watchdog.peer_error or self.watchdog.dead_peer_now()
+            if known is not None:
+                return known
         deadline = time.monotonic() + wait
         found: list[FailureRecord] = []
         done = threading.Event()
@@ -211,7 +215,8 @@ class Coordinator:
                 time.sleep(0.05)
             done.set()
 
-        threading.Thread(target=reader, name="fth-store-read", daemon=True).start()
+        thread = threading.Thread(target=reader, name="fth-store-read", daemon=True)
+        thread.start()
         try:
             while time.monotonic() < deadline:
                 if self.watchdog is not None and self.watchdog.peer_error is not None:
@@ -226,6 +231,9 @@ class Coordinator:
             return None
         finally:
             done.set()
+            # Let it leave its store call (bounded by the failure-path timeout) before going on:
+            # a daemon thread inside a torch call at interpreter exit aborts the process.
+            thread.join(timeout=FAILURE_PATH_STORE_TIMEOUT.total_seconds() + 0.5)
 
     def acknowledge(self) -> None:
         """The main thread takes a peer's failure and raises it: no reported exit by the watchdog,

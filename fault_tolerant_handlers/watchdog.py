@@ -31,6 +31,7 @@ Environment overrides (each documented where it is read): ``FTH_WATCHDOG_INTERVA
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -218,6 +219,7 @@ class Watchdog:
 
     # -- main-thread API ----------------------------------------------------------------------
     def start(self) -> Watchdog:
+        _stop_at_exit(self)
         self._thread.start()
         if self._same_host:
             self._liveness.start()
@@ -299,6 +301,21 @@ class Watchdog:
                 records.append(record)
         if records:
             self._peer_failed(PeerFailedError.from_records(records), now)
+
+    def dead_peer_now(self) -> PeerFailedError | None:
+        """For the main thread: a same-host peer that is gone, checked right now by pid.
+
+        Touches neither the store nor any thread (the liveness thread publishes the record); a
+        launcher may be about to signal this process, so the answer must come at once.
+        """
+        for rank, pid in self._same_host:
+            state = process_state(pid)
+            if state is not None:
+                global_rank = self.coord.ranks[rank]
+                message = f"rank {global_rank} (pid {pid} on {socket.gethostname()[:200]}) lost: {state}"
+                return PeerFailedError(global_rank, "PeerLost", message, "", WATCHDOG_SECTION,
+                                       section=WATCHDOG_SECTION, pid=pid)
+        return None
 
     def _check_same_host_peers(self) -> None:
         for rank, pid in self._same_host:
@@ -449,6 +466,32 @@ class Watchdog:
                     pass
         finally:
             os._exit(code)
+
+
+_running: list[Watchdog] = []
+_exit_hook_registered = False
+
+
+def _stop_at_exit(watchdog: Watchdog) -> None:
+    """Stop every watchdog before the interpreter finalizes: a daemon thread still inside a torch
+    C++ call (a store operation) when Python finalizes is ended by a forced unwind through C++
+    frames, which aborts the whole process (``terminate called without an active exception``)."""
+    global _exit_hook_registered
+    _running.append(watchdog)
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        atexit.register(_stop_all)
+
+
+def _stop_all() -> None:
+    deadline = time.monotonic() + 3.0
+    for watchdog in _running:
+        watchdog._finishing = True
+        watchdog._stop.set()
+    for watchdog in _running:
+        for thread in (watchdog._thread, watchdog._liveness):
+            if thread.is_alive():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def start_watchdog(

@@ -6,6 +6,8 @@
 Environment:
     FAULT        step | data | handler | rank0_handler | exc_collective | evaluator | none
                  | kill (SIGKILL itself) | hang (time.sleep) | stop (SIGSTOP itself: even its watchdog is silent)
+                 | rank_first (FAULT_RANK raises inside a one_rank_first block before training: ours with
+                 USE_FT=1, ignite.distributed.one_rank_first with USE_FT=0)
     HANG         hang_timeout in seconds for FaultTolerance (default: off)
     WORKERS      DataLoader workers (default 0)
     FAULT_RANK   rank that fails (default 1)
@@ -13,11 +15,17 @@ Environment:
     USE_FT       1: attach FaultTolerance; 0: stock Ignite
     LINGER       seconds the failing rank stays alive after its run raised (default 8), so that
                  the other ranks are not released by its exit
+    RERAISE      1: re-raise what the run raised after recording it (the process fails, as a real script's)
+    FTH_INJECT   as the adapter reads it; with USE_FT=0 this program fires it itself at the same point
+                 (ITERATION_STARTED), so that stock runs get the same fault. Either way the injection is
+                 recorded as the ``fault`` event (and DataLoader restarts as ``dataloader_restart``)
+    ITER_EVENTS  1: record ``iteration_completed`` events (to time a recovery)
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -40,6 +48,8 @@ USE_FT = os.environ.get("USE_FT", "1") == "1"
 LINGER = float(os.environ.get("LINGER", "8"))
 HANG = float(os.environ["HANG"]) if os.environ.get("HANG") else None
 WORKERS = int(os.environ.get("WORKERS", "0"))
+RERAISE = os.environ.get("RERAISE") == "1"
+ITER_EVENTS = os.environ.get("ITER_EVENTS") == "1"
 PG_TIMEOUT = timedelta(seconds=float(os.environ.get("FTH_TEST_PG_TIMEOUT", "20")))
 BATCH = 4
 N = 64
@@ -62,6 +72,24 @@ class Samples(Dataset):
         return self.x[i], self.y[i]
 
 
+class RecordInjected(logging.StreamHandler):
+    """With FTH_INJECT: record the injected fault and DataLoader restarts as events. It still prints
+    WARNING and above to stderr, as logging's last-resort handler would without it."""
+
+    def __init__(self, record) -> None:
+        super().__init__(sys.stderr)
+        self.setLevel(logging.WARNING)
+        self.record_event = record
+
+    def emit(self, rec: logging.LogRecord) -> None:
+        msg = rec.getMessage()
+        if "FTH_INJECT" in msg and "injecting" in msg:
+            self.record_event("fault", exc_type="injected", message=msg)
+        elif "restarting workers" in msg:
+            self.record_event("dataloader_restart", message=msg)
+        super().emit(rec)
+
+
 def training(local_rank: int, outdir: str) -> None:
     out = Path(outdir)
     rank = idist.get_rank()
@@ -75,7 +103,33 @@ def training(local_rank: int, outdir: str) -> None:
         record("fault", exc_type=type(exc).__name__, message=str(exc))
         raise exc
 
+    def ended(exc: BaseException) -> None:
+        fields = dict(raised=type(exc).__name__, message=str(exc)[:2000])
+        for attr in ("failed_rank", "exc_type", "exc_message", "where", "step", "epoch"):
+            if hasattr(exc, attr):
+                fields[attr] = getattr(exc, attr)
+        record("run_raised", **fields)
+        if rank == FAULT_RANK and FAULT != "none":
+            time.sleep(LINGER)
+        record("exit")
+        if RERAISE:
+            raise exc
+
     record("start", pid=os.getpid())
+    if os.environ.get("FTH_INJECT", "").strip():
+        logging.getLogger("fault_tolerant_handlers").addHandler(RecordInjected(record))
+    if FAULT == "rank_first":  # e.g. a dataset download that only the first rank does
+        if USE_FT:
+            from fault_tolerant_handlers import one_rank_first as first
+        else:
+            first = idist.one_rank_first
+        try:
+            with first():
+                if rank == FAULT_RANK:
+                    fault(OSError("mirror unreachable: https://example.invalid/data.tar.gz"))
+        except BaseException as exc:  # noqa: BLE001
+            ended(exc)
+            return
     torch.manual_seed(0)
     model = idist.auto_model(nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -143,6 +197,20 @@ def training(local_rank: int, outdir: str) -> None:
             idist.all_reduce(t)
             record("user_exc_handler_done")
 
+    if ITER_EVENTS:
+        @trainer.on(Events.ITERATION_COMPLETED)
+        def _iteration_done(e):
+            record("iteration_completed", iteration=e.state.iteration)
+
+    if not USE_FT and os.environ.get("FTH_INJECT", "").strip():  # stock: the same injection, fired here
+        from fault_tolerant_handlers.inject import Injector
+
+        injector = Injector.from_env()
+
+        @trainer.on(Events.ITERATION_STARTED)
+        def _inject(e):
+            injector.maybe_fire(rank, e.state.iteration, e.state.epoch, e.state.dataloader)
+
     if USE_FT:
         from fault_tolerant_handlers.ignite import FaultTolerance
 
@@ -153,14 +221,7 @@ def training(local_rank: int, outdir: str) -> None:
     try:
         trainer.run(loader, max_epochs=3)
     except BaseException as exc:  # noqa: BLE001
-        fields = dict(raised=type(exc).__name__, message=str(exc)[:2000])
-        for attr in ("failed_rank", "exc_type", "exc_message", "where", "step", "epoch"):
-            if hasattr(exc, attr):
-                fields[attr] = getattr(exc, attr)
-        record("run_raised", **fields)
-        if rank == FAULT_RANK and FAULT != "none":
-            time.sleep(LINGER)
-        record("exit")
+        ended(exc)
         return
     record("run_returned", iteration=trainer.state.iteration, epoch=trainer.state.epoch,
            dataloader_restarts=getattr(trainer.state, "dataloader_restarts", None))

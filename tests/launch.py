@@ -71,6 +71,7 @@ def run_ranks(
     script: Path = RANK_MAIN,
     result_ranks: int | None = None,
     launcher: list[str] | None = None,
+    stragglers_grace: float | None = None,
 ) -> list[RankResult]:
     """Run ``scenario`` on ``world_size`` real processes; return what every rank recorded.
 
@@ -78,7 +79,9 @@ def run_ranks(
     or just ``<outdir>`` when ``scenario`` is empty). ``result_ranks`` reads that many ranks'
     records when the processes started here spawn the ranks themselves (``idist.Parallel``, or a
     ``launcher`` such as ``["-m", "torch.distributed.run", "--nproc-per-node", "2"]`` put between the
-    interpreter and the script, which is given ``--master-port`` too).
+    interpreter and the script, which is given ``--master-port`` too). With ``stragglers_grace``,
+    once all but one process have exited, the last one gets that many seconds before it is killed
+    (for a rank frozen on purpose, which only its launcher would end).
 
     With ``expect_hang=False`` a rank still alive at ``deadline`` fails the test. Every process
     started here is killed by PID (its whole session) before this returns.
@@ -117,6 +120,9 @@ def run_ranks(
             )
         end = time.monotonic() + deadline
         while time.monotonic() < end and any(p.poll() is None for p in procs):
+            if stragglers_grace is not None and sum(p.poll() is None for p in procs) == 1 and len(procs) > 1:
+                end = min(end, time.monotonic() + stragglers_grace)
+                stragglers_grace = None
             time.sleep(0.05)
         hung = [r for r, p in enumerate(procs) if p.poll() is None]
     finally:

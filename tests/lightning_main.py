@@ -6,7 +6,11 @@ ranks (gloo), an injected fault, and a record of what every rank raised and when
     python -m torch.distributed.run --nproc-per-node=2 lightning_main.py <outdir>   (LAUNCH=torchrun)
 
 Environment:
-    FAULT        raise | rank0_callback | data | validation | none   (see examples/lightning_ddp.py)
+    FAULT        raise | rank0_callback | data | validation | kill | none   (see examples/lightning_ddp.py)
+                 | rank_first: rank FAULT_RANK (0) fails while preparing the data first: in ``setup`` inside
+                 ``fault_tolerant_handlers.one_rank_first`` with USE_FT=1, in ``prepare_data`` (Lightning's
+                 own rank-zero-first pattern) with USE_FT=0
+                 | exc_collective: ``raise``, plus a callback whose ``on_exception`` runs a collective
     FAULT_RANK   rank that fails (default 1); FAULT_STEP global step (default 10)
     USE_FT       1: FaultTolerance in the callbacks; 0: stock Lightning
     OEC          1: OnExceptionCheckpoint in the callbacks too
@@ -14,6 +18,13 @@ Environment:
                  other rank cannot be released by the failing process's exit
     FTH_TEST_TOP 1 in the process the test starts for ddp/ddp_spawn: drop the RANK/WORLD_SIZE/...
                  the harness sets, so that Lightning launches the ranks itself
+    RERAISE      1: re-raise what ``fit`` raised after recording it, without waiting for the ranks this
+                 process started (the process fails, as a real script's)
+    WORKERS      training DataLoader workers (default 0); RESTARTABLE=1: a ``RestartableDataLoader``
+    FTH_INJECT   as the adapter reads it; with USE_FT=0 a callback fires it at the same point, so that
+                 stock runs get the same fault. The injection is recorded as the ``fault`` event (and
+                 DataLoader restarts as ``dataloader_restart``)
+    ITER_EVENTS  1: record ``iteration_completed`` events (to time a recovery)
 
 Each rank appends JSON events to ``<outdir>/rank<r>.jsonl`` (``fault``, ``run_raised``,
 ``run_returned``, ``exit``); with ddp_spawn the parent writes ``parent.jsonl`` and the ranks record
@@ -24,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import sys
 import time
@@ -38,7 +50,12 @@ if os.environ.pop("FTH_TEST_TOP", None) == "1":  # before Lightning reads the en
 
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: E402
 
-from lightning_ddp import Fault, TinyData, TinyModel, make_trainer  # noqa: E402
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lightning_ddp import BATCH, Fault, TinyData, TinyModel, make_trainer  # noqa: E402
 
 LAUNCH = os.environ.get("LAUNCH", "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "ddp")
 FAULT = os.environ.get("FAULT", "raise")
@@ -48,6 +65,11 @@ USE_FT = os.environ.get("USE_FT", "1") == "1"
 OEC = os.environ.get("OEC", "0") == "1"
 LINGER = float(os.environ.get("LINGER", "4"))
 PG_TIMEOUT = float(os.environ.get("FTH_TEST_PG_TIMEOUT", "20"))
+RERAISE = os.environ.get("RERAISE") == "1"
+WORKERS = int(os.environ.get("WORKERS", "0"))
+RESTARTABLE = os.environ.get("RESTARTABLE") == "1"
+ITER_EVENTS = os.environ.get("ITER_EVENTS") == "1"
+INJECT = os.environ.get("FTH_INJECT", "").strip()
 
 
 def record(outdir: str, name: str, event: str, **fields) -> None:
@@ -69,6 +91,97 @@ def record_raised(outdir: str, name: str, exc: BaseException) -> None:
     record(outdir, name, "run_raised", **fields)
 
 
+class RecordInjected(logging.StreamHandler):
+    """With FTH_INJECT: record the injected fault and DataLoader restarts as events. It still prints
+    WARNING and above to stderr, as logging's last-resort handler would without it."""
+
+    def __init__(self, outdir: str, name: str) -> None:
+        super().__init__(sys.stderr)
+        self.setLevel(logging.WARNING)
+        self.outdir, self.name = outdir, name
+
+    def emit(self, rec: logging.LogRecord) -> None:
+        msg = rec.getMessage()
+        if "FTH_INJECT" in msg and "injecting" in msg:
+            record(self.outdir, self.name, "fault", exc_type="injected", message=msg)
+        elif "restarting workers" in msg:
+            record(self.outdir, self.name, "dataloader_restart", message=msg)
+        super().emit(rec)
+
+
+def record_injections(outdir: str, name: str) -> None:
+    if INJECT:
+        logging.getLogger("fault_tolerant_handlers").addHandler(RecordInjected(outdir, name))
+
+
+class BenchData(TinyData):
+    """``TinyData`` with a rank-first data preparation that fails (FAULT=rank_first) and DataLoader workers."""
+
+    def __init__(self, fault, outdir: str) -> None:
+        super().__init__(None if fault is not None and fault.kind == "rank_first" else fault)
+        self.first_fault = fault if fault is not None and fault.kind == "rank_first" else None
+        self.outdir = outdir
+
+    def _download(self) -> None:
+        record_fault(self.outdir, self.first_fault.rank, OSError("mirror unreachable: https://example.invalid/data.tar.gz"))
+
+    def prepare_data(self) -> None:  # Lightning runs it on local rank 0 only, then a barrier
+        if self.first_fault is not None and not USE_FT:
+            self._download()
+
+    def setup(self, stage: str) -> None:
+        if self.first_fault is not None and USE_FT:
+            from fault_tolerant_handlers import one_rank_first
+
+            with one_rank_first(rank=self.first_fault.rank):
+                if self.trainer.global_rank == self.first_fault.rank:
+                    self._download()
+        super().setup(stage)
+
+    def train_dataloader(self) -> DataLoader:
+        if not WORKERS:
+            return super().train_dataloader()
+        if RESTARTABLE:
+            from fault_tolerant_handlers import RestartableDataLoader
+
+            return RestartableDataLoader(self.train, batch_size=BATCH, shuffle=False, num_workers=WORKERS)
+        return DataLoader(self.train, batch_size=BATCH, shuffle=False, num_workers=WORKERS)
+
+
+class SyncOnException(pl.Callback):
+    """A user callback with a collective in ``on_exception`` (FAULT=exc_collective)."""
+
+    def __init__(self, outdir: str) -> None:
+        self.outdir = outdir
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if dist.is_available() and dist.is_initialized():
+            record(self.outdir, f"rank{trainer.global_rank}", "user_exc_handler")
+            dist.all_reduce(torch.ones(3))
+            record(self.outdir, f"rank{trainer.global_rank}", "user_exc_handler_done")
+
+
+class StockInjector(pl.Callback):
+    """Stock runs: fire FTH_INJECT where the adapter would (at the start of each training batch)."""
+
+    def __init__(self) -> None:
+        from fault_tolerant_handlers.inject import Injector
+
+        self.injector = Injector.from_env()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.injector.maybe_fire(trainer.global_rank, int(trainer.global_step) + 1, trainer.current_epoch + 1,
+                                 trainer.train_dataloader)
+
+
+class IterationEvents(pl.Callback):
+    def __init__(self, outdir: str) -> None:
+        self.outdir = outdir
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        record(self.outdir, f"rank{trainer.global_rank}", "iteration_completed", iteration=trainer.global_step)
+
+
 class RecordingLauncher(_MultiProcessingLauncher):
     """ddp_spawn, test only: record what the stage raised inside each spawned rank."""
 
@@ -77,6 +190,7 @@ class RecordingLauncher(_MultiProcessingLauncher):
     def _wrapping_function(self, process_idx, trainer, function, args, kwargs, return_queue, global_states=None):
         name = f"rank{process_idx}"
         record(self.outdir, name, "start")
+        record_injections(self.outdir, name)
         try:
             super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
         except BaseException as exc:
@@ -90,13 +204,19 @@ class RecordingLauncher(_MultiProcessingLauncher):
 def main() -> None:
     outdir = sys.argv[1]
     out = Path(outdir)
-    fault = None if FAULT == "none" else Fault(FAULT, FAULT_RANK, FAULT_STEP,
+    kind = "raise" if FAULT == "exc_collective" else FAULT
+    fault = None if FAULT == "none" else Fault(kind, FAULT_RANK, FAULT_STEP,
                                                functools.partial(record_fault, outdir, FAULT_RANK))
-    model, data = TinyModel(), TinyData(fault)
+    extra = [SyncOnException(outdir)] if FAULT == "exc_collective" else []
+    if INJECT and not USE_FT:
+        extra.append(StockInjector())
+    if ITER_EVENTS:
+        extra.append(IterationEvents(outdir))
+    model, data = TinyModel(), (BenchData(fault, outdir) if FAULT == "rank_first" or WORKERS else TinyData(fault))
     model.fault = fault
     strategy = "ddp_spawn" if LAUNCH == "ddp_spawn" else "ddp"
     trainer = make_trainer(strategy, out=out, fault=fault, fault_tolerance=USE_FT, on_exception_checkpoint=OEC,
-                           timeout=PG_TIMEOUT)
+                           timeout=PG_TIMEOUT, extra_callbacks=tuple(extra))
     if strategy == "ddp_spawn":
         launcher = RecordingLauncher(trainer.strategy, start_method="spawn")
         launcher.outdir = outdir
@@ -105,12 +225,16 @@ def main() -> None:
     else:
         name = f"rank{trainer.global_rank}"
         record(outdir, name, "start")
+        record_injections(outdir, name)
     try:
         trainer.fit(model, datamodule=data)
     except BaseException as exc:  # noqa: BLE001
         record_raised(outdir, name, exc)
         if name == f"rank{FAULT_RANK}" and FAULT != "none":
             time.sleep(LINGER)
+        if RERAISE:
+            record(outdir, name, "exit")
+            raise
     else:
         record(outdir, name, "run_returned", step=trainer.global_step, epoch=trainer.current_epoch)
     # ddp: rank 0 started rank 1; wait for it so that the harness sees every rank's record

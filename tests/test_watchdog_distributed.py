@@ -53,7 +53,7 @@ def test_without_in_process_release_the_blocked_rank_makes_a_reported_exit(tmp_p
 def _ignite(tmp_path, fault, fault_rank, **env):
     env = dict(FAULT=fault, FAULT_RANK=str(fault_rank), USE_FT="1", FTH_TEST_PG_TIMEOUT="30", **env)
     return run_ranks(2, "", tmp_path, script=IGNITE, env=env, deadline=45,
-                     expect_hang=fault == "stop")
+                     expect_hang=fault == "stop", stragglers_grace=2.0 if fault == "stop" else None)
 
 
 @pytest.mark.parametrize("killed", [1, 0], ids=["peer", "store-host"])
