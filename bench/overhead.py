@@ -16,17 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
-MODELS = {"small": (64, 256, 2), "large": (256, 1024, 2)}  # in_features, hidden, layers
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ranks import run_job  # noqa: E402
+
+MODELS = {"small": (64, 256, 2), "large": (512, 1536, 2)}  # in_features, hidden, layers
 #: Iterations per run relative to ``--iters`` (the large model's step is ~10x longer).
 ITER_SCALE = {"small": 1.0, "large": 0.25}
 
@@ -108,7 +108,7 @@ def lightning_run(kind: str, data, with_ft: bool) -> float:
 
         callbacks.append(FaultTolerance())
     callbacks.append(Timer())  # after ours: our batch-end work is inside the step time
-    trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), num_nodes=1, strategy="ddp",
+    trainer = pl.Trainer(accelerator="cpu", devices=torch.distributed.get_world_size(), num_nodes=1, strategy="ddp",
                          max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks, use_distributed_sampler=False)
     loader = torch.utils.data.DataLoader(data, batch_size=None)
@@ -160,27 +160,8 @@ def main() -> None:
         rank_main(args.rank_main, pairs, iters, args.frameworks)
         return
     outdir = Path(tempfile.mkdtemp(prefix="overhead-"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    try:
-        for rank in range(2):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", PYTHONWARNINGS="ignore")
-            cmd = [sys.executable, __file__, "--rank-main", str(outdir), "--pairs", str(pairs), "--iters", str(iters),
-                   "--frameworks", *args.frameworks]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                          stderr=None if rank == 0 else subprocess.DEVNULL, start_new_session=True))
-        deadline = time.monotonic() + 1800
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+    run_job(2, [__file__, "--rank-main", str(outdir), "--pairs", str(pairs), "--iters", str(iters),
+                "--frameworks", *args.frameworks], deadline=1800, env={"PYTHONWARNINGS": "ignore"}, quiet_ranks=False)
     results = json.loads((outdir / "result.json").read_text())
     print(f"step-time overhead, 2 gloo ranks on {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, "
           f"{pairs} A/B pairs x {iters} iterations, default settings")

@@ -16,15 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ranks import run_job  # noqa: E402
 
 
 def rank_main(outdir: Path, idle: float) -> None:
@@ -60,27 +60,8 @@ def rank_main(outdir: Path, idle: float) -> None:
 
 
 def run(world: int, idle: float) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     outdir = Path(tempfile.mkdtemp(prefix=f"wd{world}-"))
-    procs = []
-    try:
-        for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-            procs.append(subprocess.Popen([sys.executable, __file__, "--rank-main", str(outdir), "--idle", str(idle)],
-                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          start_new_session=True))
-        deadline = time.monotonic() + 120 + 4 * world
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+    run_job(world, [__file__, "--rank-main", str(outdir), "--idle", str(idle)], deadline=120 + 4 * world)
     results = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(world)
                if (outdir / f"rank{r}.json").exists()]
     t_fail = next(r["t_fail"] for r in results if "t_fail" in r)

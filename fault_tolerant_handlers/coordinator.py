@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from . import _dist
 from ._log import log
+from ._timeouts import check_timedelta, env_timedelta
 from .errors import PeerFailedError
 from .record import FailureRecord
 
@@ -59,29 +60,6 @@ def _host_id() -> int:
     return int.from_bytes(digest[:7], "big")
 
 
-def _timeout_from_env() -> timedelta | None:
-    raw = os.environ.get(SYNC_TIMEOUT_ENV)
-    if raw is None or raw == "":
-        return None
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{SYNC_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds, e.g. {SYNC_TIMEOUT_ENV}=600")
-    return timedelta(seconds=seconds)
-
-
-def validate_timeout(name: str, value: Any) -> timedelta | None:
-    if value is None:
-        return None
-    if not isinstance(value, timedelta):
-        raise TypeError(f"{name} must be a datetime.timedelta (e.g. timedelta(minutes=10)) or None, got {value!r}")
-    if value.total_seconds() <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return value
-
-
 class Coordinator:
     """Side group plus store namespace for one process group. Build it with :func:`get_coordinator`."""
 
@@ -95,7 +73,8 @@ class Coordinator:
         self.world_size = len(ranks)
         self.group_rank = ranks.index(self.rank)
         store = _dist.default_store()
-        timeout = validate_timeout("timeout", timeout) or _timeout_from_env() or store.timeout
+        timeout = check_timedelta("timeout", timeout, allow_none=True) or env_timedelta(SYNC_TIMEOUT_ENV, None) \
+            or store.timeout
         self.timeout = timeout
         # Collective, once: every member reaches its first section in the same order.
         self.side = dist.new_group(

@@ -25,7 +25,8 @@ from .coordinator import Coordinator, get_coordinator
 from .errors import PeerFailedError, is_communication_error
 from .record import FailureRecord
 from .release import release_process_groups
-from .watchdog import Watchdog, check_timedelta, start_watchdog
+from ._timeouts import check_timedelta
+from .watchdog import Watchdog, start_watchdog
 
 #: Marks an exception object this process already handled (published or converted).
 _HANDLED_ATTR = "_fth_handled"

@@ -37,6 +37,8 @@ class RankResult:
     returncode: int | None
     events: list[dict] = field(default_factory=list)
     stderr: str = ""
+    #: processes of this rank's session still alive after the rank process itself had exited
+    leaked: bool = False
 
     def event(self, name: str) -> dict:
         found = [e for e in self.events if e.get("event") == name]
@@ -45,6 +47,22 @@ class RankResult:
 
     def has(self, name: str) -> bool:
         return any(e.get("event") == name for e in self.events)
+
+
+def _session_alive(sid: int) -> bool:
+    """True if any process of session ``sid`` (a rank started with ``start_new_session``) runs."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 3 and fields[3] == str(sid) and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -91,6 +109,7 @@ def run_ranks(
     port = free_port()
     procs: list[subprocess.Popen] = []
     errs = []
+    leaked: list[int] = []
     try:
         for rank in range(world_size):
             rank_env = dict(os.environ)
@@ -125,6 +144,8 @@ def run_ranks(
                 stragglers_grace = None
             time.sleep(0.05)
         hung = [r for r, p in enumerate(procs) if p.poll() is None]
+        time.sleep(0.5)  # children (DataLoader workers) get a moment to follow their rank
+        leaked = [r for r, p in enumerate(procs) if r not in hung and _session_alive(p.pid)]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -147,7 +168,9 @@ def run_ranks(
         path = outdir / f"rank{rank}.jsonl"
         if path.exists():
             events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        results.append(RankResult(rank, None if procs.index(p) in hung else p.returncode, events, stderr))
+        index = procs.index(p)
+        results.append(RankResult(rank, None if index in hung else p.returncode, events, stderr,
+                                  leaked=index in leaked and len(procs) == (result_ranks or world_size)))
     if hung and not expect_hang:
         tails = "\n".join(f"--- rank {r.rank} (rc={r.returncode}) ---\n{r.stderr[-2000:]}" for r in results)
         raise AssertionError(f"ranks {hung} were still running after {deadline:.0f}s (killed):\n{tails}")

@@ -140,10 +140,17 @@ def test_peer_failed_error_message_attributes_and_pickle():
 
 
 def test_sync_timeout_env_is_validated(monkeypatch):
+    from fault_tolerant_handlers._timeouts import check_timedelta, env_timedelta
+
     monkeypatch.setenv(coord_mod.SYNC_TIMEOUT_ENV, "soon")
     with pytest.raises(ValueError, match="FTH_SYNC_TIMEOUT_SEC='soon'"):
-        coord_mod._timeout_from_env()
+        env_timedelta(coord_mod.SYNC_TIMEOUT_ENV, None)
+    monkeypatch.setenv(coord_mod.SYNC_TIMEOUT_ENV, "-3")
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        env_timedelta(coord_mod.SYNC_TIMEOUT_ENV, None)
     monkeypatch.setenv(coord_mod.SYNC_TIMEOUT_ENV, "90")
-    assert coord_mod._timeout_from_env() == timedelta(seconds=90)
-    with pytest.raises(TypeError, match="timedelta"):
-        coord_mod.validate_timeout("timeout", 30)
+    assert env_timedelta(coord_mod.SYNC_TIMEOUT_ENV, None) == timedelta(seconds=90)
+    with pytest.raises(TypeError, match="hang_timeout must be a datetime.timedelta"):
+        check_timedelta("hang_timeout", 30)
+    with pytest.raises(ValueError, match="must be positive"):
+        check_timedelta("exit_grace", timedelta(0))

@@ -41,6 +41,7 @@ def test_without_in_process_release_the_blocked_rank_makes_a_reported_exit(tmp_p
     from fault_tolerant_handlers import EXIT_PEER_FAILED
 
     assert results[0].returncode == EXIT_PEER_FAILED
+    assert not results[0].leaked
     assert not results[0].has("section")  # it never got out of the all_reduce by itself
     report = results[0].stderr
     assert "ending this process (exit code 87)" in report
@@ -68,6 +69,7 @@ def test_sigkilled_peer_ends_every_survivor_naming_the_lost_rank(killed, tmp_pat
     assert f"rank {killed} (pid " in seen["exc_message"] and "lost:" in seen["exc_message"]
     assert seen["t"] - fault["t"] < 3.0
     assert survivor.returncode == 0, survivor.stderr[-3000:]
+    assert not survivor.leaked  # its DataLoader workers ended with it
 
 
 def test_hung_rank_is_reported_with_its_own_stack(tmp_path):
@@ -82,6 +84,7 @@ def test_hung_rank_is_reported_with_its_own_stack(tmp_path):
     assert "time.sleep(1000)  # the hung line the report must show" in seen["message"]
     assert seen["t"] - fault["t"] < 8.0
     assert results[0].returncode == 0
+    assert not results[0].leaked and not results[1].leaked
 
 
 def test_frozen_rank_is_named_silent_by_its_neighbour(tmp_path):
