@@ -98,6 +98,8 @@ class FaultTolerance:
     ) -> None:
         self.guard = Guard(sync_every=sync_every, hang_timeout=hang_timeout, watchdog=watchdog, name=name)
         self._owns_watchdog = False
+        self._last_seen: BaseException | None = None
+        self._last_raised: BaseException | None = None
         self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
 
     # -- Ignite API --------------------------------------------------------------------------
@@ -156,10 +158,10 @@ class FaultTolerance:
             self.guard.stop()
 
     def _exception_raised(self, engine: Engine, exc: BaseException) -> None:
-        already = getattr(exc, "_fth_handled", False)
+        if exc is self._last_seen or exc is self._last_raised:
+            raise self._last_raised  # Ignite's outer loop handing us the same exception again
         to_raise = self.guard.on_exception(exc, step=engine.state.iteration, epoch=engine.state.epoch)
-        if already:
-            raise to_raise  # Ignite's outer loop handing us the same exception again
+        self._last_seen, self._last_raised = exc, to_raise
         # Run the engine's other exception handlers ourselves: an error in one of them (a
         # collective that fails now that peers are gone) is logged, never allowed to mask the cause.
         for entry in list(_handlers_of(engine, Events.EXCEPTION_RAISED)):

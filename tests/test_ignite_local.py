@@ -1,0 +1,84 @@
+"""The Ignite handler in one process: a no-op that changes nothing, clear errors, state."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from ignite.engine import Engine, Events
+
+from fault_tolerant_handlers.ignite import FaultTolerance
+
+
+def test_without_distribution_the_run_is_unchanged(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not dist.is_initialized()
+    seen = []
+    trainer = Engine(lambda e, b: seen.append(b))
+    handler = FaultTolerance(sync_every=1).attach(trainer)
+    assert isinstance(handler, FaultTolerance)
+    trainer.run([1, 2, 3], max_epochs=2)
+    assert seen == [1, 2, 3, 1, 2, 3]
+    assert handler.guard.coord is None and handler.guard.watchdog is None
+
+
+def test_exception_is_re_raised_even_with_other_exception_handlers(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    err = ValueError("bad sample 3")
+
+    def step(engine, batch):
+        if batch == 3:
+            raise err
+
+    trainer = Engine(step)
+    handled = []
+    trainer.add_event_handler(Events.EXCEPTION_RAISED, lambda e, exc: handled.append(exc))  # swallows, in stock Ignite
+    FaultTolerance().attach(trainer)
+    with pytest.raises(ValueError) as info:
+        trainer.run([1, 2, 3, 4], max_epochs=2)
+    assert info.value is err
+    assert handled == [err]  # the user's handler still ran, once
+    assert trainer.state.epoch == 1  # and the run did not go on to the next epoch
+
+
+def test_stock_ignite_swallows_it_and_continues():
+    """The rule the handler guards against: stock Ignite with an EXCEPTION_RAISED handler."""
+    def step(engine, batch):
+        if batch == 3 and engine.state.epoch == 1:
+            raise ValueError("bad sample 3")
+
+    trainer = Engine(step)
+    trainer.add_event_handler(Events.EXCEPTION_RAISED, lambda e, exc: None)
+    trainer.run([1, 2, 3, 4], max_epochs=2)  # no exception
+    assert trainer.state.epoch == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, says",
+    [
+        ({"sync_every": 0}, ValueError, "sync_every must be a positive int"),
+        ({"sync_every": 2.5}, ValueError, "sync_every must be a positive int"),
+        ({"hang_timeout": 5}, TypeError, "hang_timeout must be a datetime.timedelta"),
+        ({"hang_timeout": timedelta(0)}, ValueError, "hang_timeout must be positive"),
+        ({"watchdog": "yes"}, TypeError, "watchdog must be True or False"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, error, says):
+    with pytest.raises(error, match=says):
+        FaultTolerance(**kwargs)
+
+
+def test_attach_needs_an_engine():
+    with pytest.raises(TypeError, match=r"attach\(engine=...\) takes an ignite.engine.Engine"):
+        FaultTolerance().attach("trainer")
+
+
+def test_state_dict_round_trip_and_required_key():
+    handler = FaultTolerance()
+    handler.guard.failures_seen = 2
+    other = FaultTolerance()
+    other.load_state_dict(handler.state_dict())
+    assert other.state_dict() == {"failures_seen": 2}
+    with pytest.raises(ValueError, match="missing the required key 'failures_seen'"):
+        other.load_state_dict({})
