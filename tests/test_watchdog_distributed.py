@@ -5,6 +5,7 @@ failure where that matters, so a peer cannot be woken by its exit."""
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -107,7 +108,18 @@ def test_sigkilled_peer_in_a_lightning_fit(launch, tmp_path):
     results = run_ranks(1, "", tmp_path, script=script, env=env, result_ranks=2, deadline=60)
     fault = results[1].event("fault")
     assert fault["exc_type"] == "ProcessLookupError"  # the kill really fired on rank 1
-    seen = results[0].event("run_raised")
+    seen = [e for e in results[0].events if e["event"] == "run_raised"]
+    if launch == "ddp_spawn" and not (seen and seen[0]["raised"] == "PeerFailedError"):
+        # torch.multiprocessing's parent SIGTERMs the surviving ranks as soon as one dies, and
+        # Lightning's SIGTERM handler runs a broadcast: a race our rank may lose. The job still
+        # ends at once, and the launcher names the lost rank.
+        parent = [json.loads(line) for line in (tmp_path / "lightning_main-1" / "parent.jsonl").read_text().splitlines()]
+        ended = [e for e in parent if e["event"] == "run_raised"]
+        assert ended and "process 1 terminated with signal SIGKILL" in ended[0]["message"], parent
+        assert ended[0]["t"] - fault["t"] < 3.0
+        return
+    assert seen, results[0].events
+    seen = seen[0]
     assert seen["raised"] == "PeerFailedError" and seen["failed_rank"] == 1, seen
     assert seen["exc_type"] == "PeerLost" and "rank 1 (pid " in seen["exc_message"]
     assert seen["t"] - fault["t"] < 3.0
