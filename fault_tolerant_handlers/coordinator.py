@@ -230,7 +230,7 @@ class Coordinator:
             self._seq += 1
             return seq
 
-    def agree(self, seq: int, record: FailureRecord | None) -> PeerFailedError | None:
+    def agree(self, seq: int, record: FailureRecord | None, section: str = "") -> PeerFailedError | None:
         """Publish ``record`` if given, take part in the flag all_reduce, and say what happened.
 
         Returns ``None`` when no rank failed, else the :class:`PeerFailedError` describing the
@@ -258,7 +258,7 @@ class Coordinator:
         if flag == 0:
             return None
         records = self.read_records(seq)
-        return PeerFailedError.from_records(records, fallback_rank=flag - 1, section=record.section if record else "")
+        return PeerFailedError.from_records(records, fallback_rank=flag - 1, section=section)
 
 
 _registry: dict[tuple[int, int], Coordinator] = {}

@@ -100,7 +100,7 @@ class Guard:
             return
         if self.watchdog is not None and self.watchdog.peer_error is not None:
             self._raise_peer(self.watchdog.peer_error)
-        peer_error = coord.agree(coord.next_seq(), None)
+        peer_error = coord.agree(coord.next_seq(), None, section=self.name)
         if peer_error is not None:
             self._raise_peer(peer_error)
 

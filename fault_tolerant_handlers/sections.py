@@ -102,7 +102,7 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
                 raise peer from exc
         peer_error = _agree(coord, self.name, failure, self.step, self.epoch)
         if failure is not None:
-            if exc is None:  # reported, not raised: raise it now, as the owner
+            if exc is None:  # reported, not raised: this rank raises its own failure now
                 raise failure
             return False  # our own exception propagates unchanged
         if peer_error is not None:
@@ -116,7 +116,7 @@ def _agree(coord: Coordinator, name: str, failure: BaseException | None, step: i
     if failure is not None:
         record = FailureRecord.from_exception(failure, rank=coord.rank, section=name, seq=seq, step=step, epoch=epoch)
         log(logging.ERROR, "failed in %r: %s: %s", name, record.exc_type, record.exc_message, step=step)
-    peer_error = coord.agree(seq, record)
+    peer_error = coord.agree(seq, record, section=name)
     if peer_error is not None and failure is None:
         log(logging.ERROR, "stopping: %s", str(peer_error).splitlines()[0], step=step)
         coord.acknowledge()
