@@ -246,6 +246,16 @@ def reported_exit(output: str, rank: int) -> str | None:
     return output[i:i + 1500] if i >= 0 else None
 
 
+def logged_cause(output: str, rank: int, signature: str) -> str | None:
+    """A line ``rank`` logged (the library's ``[rank R]``/``[rank R step S]`` prefix) naming the fault,
+    other than the injection's own announcement."""
+    for line in output.splitlines():
+        if (line.startswith((f"[rank {rank}]", f"[rank {rank} step ")) and signature in line
+                and "injecting" not in line):
+            return line[:160]
+    return None
+
+
 def judge_rank(events: list[dict], output: str, rank: int, signature: str) -> tuple[bool | None, str]:
     """Did ``rank`` report the root cause? (True/False, what it said); None when its run completed."""
     raised = [e for e in events if e.get("event") == "run_raised"]
@@ -254,8 +264,11 @@ def judge_rank(events: list[dict], output: str, rank: int, signature: str) -> tu
         text = " ".join(str(e.get(k, "")) for k in ("raised", "message", "exc_type", "exc_message"))
         return signature in text, f"{e.get('raised')}: {str(e.get('message', '')).splitlines()[0][:160] if e.get('message') else ''}"
     exit_report = reported_exit(output, rank)
-    if exit_report is not None:
-        return signature in exit_report, exit_report.splitlines()[1][:160] if "\n" in exit_report else exit_report
+    if exit_report is not None and signature in exit_report:
+        return True, exit_report.splitlines()[1][:160] if "\n" in exit_report else exit_report
+    line = logged_cause(output, rank, signature)
+    if line is not None:  # e.g. a hung rank that its launcher ended before its reported exit
+        return True, f"logged: {line}"
     if any(e.get("event") == "run_returned" for e in events):
         return None, "run completed"
     return False, "ended without a word"
@@ -344,6 +357,7 @@ def run_cell(launcher: Launcher, scenario: Scenario, ours: bool, *, pg_timeout: 
             result.ranks[r] = dict(said="SIGKILLed (cannot report)", cause=None)
             continue
         cause, said = judge_rank(events[r], output, r, scenario.signature)
+        said = said if cause is not False or result.timed_out else said + f" (job exit code {proc.returncode})"
         result.ranks[r] = dict(said=said, cause=cause)
         if cause is not None:
             result.speaking_ranks += 1
@@ -440,7 +454,7 @@ def chart(cells: list[Cell], path: Path, *, pg_timeout: float, title_extra: str)
     launchers = list(dict.fromkeys(c.launcher for c in cells))
     scenarios = list(dict.fromkeys(c.scenario for c in cells))
     fig, axes = plt.subplots(len(launchers), 1, figsize=(12, 2.9 * len(launchers) + 1.2), squeeze=False)
-    floor, top = 0.01, 1000.0
+    floor, top = 0.01, 2000.0
     colors = {"stock": "#c0504d", "ours": "#4f81bd"}
     for ax, launcher in zip(axes[:, 0], launchers):
         row = {c.scenario: c for c in cells if c.launcher == launcher}
@@ -461,6 +475,8 @@ def chart(cells: list[Cell], path: Path, *, pg_timeout: float, title_extra: str)
                 text = format_seconds(r).replace(" (killed)", " killed").replace(" recovered", "\nrecovered")
                 mark = "" if r.recovered else ("\ncause ✓" if r.speaking_ranks and r.cause_ranks == r.speaking_ranks
                                                else "\ncause ✗")
+                if r.leaked:
+                    mark += f"\n{r.leaked} left alive" if r.timed_out else f"\n{r.leaked} leaked"
                 ax.text(x, value * 1.15, text + mark, ha="center", va="bottom", fontsize=6.5)
         ax.set_yscale("log")
         ax.set_ylim(floor, top)
@@ -474,11 +490,11 @@ def chart(cells: list[Cell], path: Path, *, pg_timeout: float, title_extra: str)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors["stock"]), plt.Rectangle((0, 0), 1, 1, color=colors["ours"]),
                plt.Line2D([0], [0], color="grey", lw=0.6, ls="--")]
     fig.legend(handles, ["stock", "with fault-tolerant-handlers", f"stock process-group timeout ({pg_timeout:g} s)"],
-               loc="upper right", ncol=3, fontsize=8)
+               loc="lower center", ncol=3, fontsize=8)
     fig.suptitle(f"Fault until every process exited, 2 ranks gloo CPU; stock with a {pg_timeout:g} s "
                  f"process-group timeout, ours with the default 30 min\n{title_extra}", fontsize=10, x=0.01,
                  ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.03, 1, 1 - 0.45 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -495,6 +511,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--hang-timeout", type=float, default=5.0, help="ours: FTH_HANG_TIMEOUT_SEC for the hang")
     p.add_argument("--deadline", type=float, default=None, help="per run, from its start (default 40 + 2 x pg)")
     p.add_argument("--grace", type=float, default=3.0, help="seconds after the end before counting leaks")
+    p.add_argument("--replot", type=Path, help="rewrite the table and chart from a detection.json (no runs)")
     p.add_argument("--docs", action=argparse.BooleanOptionalAction, default=None,
                    help="also write docs/detection.{md,png} (default: on for the full matrix)")
     args = p.parse_args(argv)
@@ -503,8 +520,40 @@ def _parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def cells_from_json(data: dict) -> list[Cell]:
+    launchers = {launcher.key: launcher for launcher in LAUNCHERS}
+    scenarios = {s.key: s for s in SCENARIOS}
+    return [Cell(launchers[c["launcher"]], scenarios[c["scenario"]],
+                 RunResult(**c["stock"]) if c["stock"] else None, RunResult(**c["ours"]) if c["ours"] else None)
+            for c in data["cells"]]
+
+
+def write_outputs(cells: list[Cell], args, header: str, title_extra: str, docs: bool) -> str:
+    table = markdown_table(cells, args.pg_timeout)
+    md = f"{header}\n\n![fault detection, stock vs. ours](detection.png)\n\n{table}\n\n{notes(cells, args)}\n"
+    (OUT / "detection.md").write_text(md)
+    chart(cells, OUT / "detection.png", pg_timeout=args.pg_timeout, title_extra=title_extra)
+    if docs:
+        DOCS.mkdir(exist_ok=True)
+        shutil.copy(OUT / "detection.md", DOCS / "detection.md")
+        shutil.copy(OUT / "detection.png", DOCS / "detection.png")
+    return table
+
+
 def main(argv=None) -> None:
     args = _parse(argv)
+    if args.replot:
+        data = json.loads(args.replot.read_text())
+        for key in ("pg_timeout", "hang_timeout", "deadline", "grace"):
+            setattr(args, key, data["args"][key])
+        OUT.mkdir(parents=True, exist_ok=True)
+        cells = cells_from_json(data)
+        table = write_outputs(cells, args, data["header"], f"{data['date']}, {data['machine']}", bool(args.docs))
+        print(data["header"])
+        print(table)
+        print()
+        print(notes(cells, args))
+        return
     keys = args.launchers or (QUICK if args.quick else [launcher.key for launcher in LAUNCHERS])
     launchers = [launcher for launcher in LAUNCHERS if launcher.key in keys]
     scenarios = [s for s in SCENARIOS if not args.scenarios or s.key in args.scenarios]
@@ -542,19 +591,12 @@ def main(argv=None) -> None:
             pass
     command = " ".join(["python bench/detection.py", *(sys.argv[1:] if argv is None else argv)])
     header = f"Measured {today} on {machine} ({', '.join(versions)}) with `{command}` ({elapsed / 60:.0f} min)."
-    table = markdown_table(cells, args.pg_timeout)
-    md = f"{header}\n\n![fault detection, stock vs. ours](detection.png)\n\n{table}\n\n{notes(cells, args)}\n"
-    (OUT / "detection.md").write_text(md)
-    chart(cells, OUT / "detection.png", pg_timeout=args.pg_timeout, title_extra=f"{today}, {machine}")
+    table = write_outputs(cells, args, header, f"{today}, {machine}", docs)
     details = [dict(launcher=c.launcher.key, scenario=c.scenario.key,
                     stock=dataclasses.asdict(c.stock) if c.stock else None,
                     ours=dataclasses.asdict(c.ours) if c.ours else None) for c in cells]
-    (OUT / "detection.json").write_text(json.dumps(dict(date=today, machine=machine, args=vars(args),
+    (OUT / "detection.json").write_text(json.dumps(dict(date=today, machine=machine, args=vars(args), header=header,
                                                         elapsed_sec=elapsed, cells=details), indent=1, default=str))
-    if docs:
-        DOCS.mkdir(exist_ok=True)
-        shutil.copy(OUT / "detection.md", DOCS / "detection.md")
-        shutil.copy(OUT / "detection.png", DOCS / "detection.png")
     print()
     print(header)
     print(table)

@@ -137,7 +137,8 @@ def training(local_rank: int, outdir: str) -> None:
     if FAULT == "data" and rank == FAULT_RANK:
         # the first sample of batch FAULT_ITER on this rank (DistributedSampler, no shuffle)
         bad_index = FAULT_RANK + idist.get_world_size() * (FAULT_ITER - 1) * BATCH
-    loader = idist.auto_dataloader(Samples(bad_index, fault), batch_size=BATCH * idist.get_world_size(), shuffle=False,
+    loader = idist.auto_dataloader(Samples(bad_index, fault if bad_index is not None else None),  # spawn workers pickle it
+                                   batch_size=BATCH * idist.get_world_size(), shuffle=False,
                                    num_workers=WORKERS, persistent_workers=WORKERS > 0)
     if os.environ.get("RESTARTABLE") == "1":
         from fault_tolerant_handlers import make_restartable

@@ -72,6 +72,10 @@ def test_judging_what_a_rank_reported(bench):
     assert bench.judge_rank(raised, "", 0, "hung")[0] is False
     output = "noise\n[rank 1] fault-tolerant-handlers: ending this process (exit code 88) because:\nrank 1 hung: ...\n"
     assert bench.judge_rank([], output, 1, "hung") == (True, "rank 1 hung: ...")
+    logged = "[rank 1 step 3] FTH_INJECT=hang@rank=1,iteration=3: injecting hang\n[rank 1] rank 1 hung: no progress\n"
+    assert bench.judge_rank([], logged, 1, "hung") == (True, "logged: [rank 1] rank 1 hung: no progress")
+    assert bench.judge_rank([], logged, 0, "hung")[0] is False
+    assert bench.judge_rank([], logged.splitlines()[0], 1, "hang@rank=1")[0] is False  # the injection itself
     assert bench.judge_rank([{"event": "run_returned"}], "", 0, "x")[0] is None
     assert bench.judge_rank([], "", 0, "x") == (False, "ended without a word")
 
