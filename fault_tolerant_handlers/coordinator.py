@@ -22,6 +22,8 @@ Timeouts:
 
 from __future__ import annotations
 
+import atexit
+import gc
 import hashlib
 import logging
 import os
@@ -265,6 +267,14 @@ _registry: dict[tuple[int, int], Coordinator] = {}
 _registry_lock = threading.Lock()
 
 
+def _forget_all() -> None:
+    """At interpreter exit, drop the side groups and store clients while Python is fully alive, so
+    their C++ destructors do not run late in finalization."""
+    with _registry_lock:
+        _registry.clear()
+    gc.collect()
+
+
 def get_coordinator(
     group: dist.ProcessGroup | None = None, *, timeout: timedelta | None = None, caller: str = "fail_together"
 ) -> Coordinator | None:
@@ -308,5 +318,7 @@ def get_coordinator(
                 for stale in [k for k in _registry if k[0] != key[0]]:
                     del _registry[stale]
                 coordinator = Coordinator(group, timeout=timeout)
+                if not _registry:
+                    atexit.register(_forget_all)  # registered after torch's own exit hooks: runs before them
                 _registry[key] = coordinator
     return coordinator

@@ -188,10 +188,20 @@ class Result:
     got: list = field(default_factory=list)
 
 
+def _shut_down(loader) -> None:
+    """End a stock loader's persistent workers now (and unregister them from torch's SIGCHLD check)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    loader._iterator = None
+
+
 def campaign(kind: str, kills: int = 15, epochs: int = 3, gap: float = 0.05, seed: int = 0, rank: int = 0,
              n: int = 400) -> Result:
     """Run ``kind`` for ``epochs`` with up to ``kills`` random SIGKILLs; compare with stock."""
-    reference = epochs_of(make_loader(kind, DataLoader, n=n, rank=rank), epochs)
+    stock = make_loader(kind, DataLoader, n=n, rank=rank)
+    reference = epochs_of(stock, epochs)
+    _shut_down(stock)  # its persistent workers must not outlive it: kill_children() below would hit them
     loader = make_loader(kind, n=n, rank=rank, max_restarts=10_000)
     killer = Killer(loader, gap, kills, seed)
     t0 = time.monotonic()
