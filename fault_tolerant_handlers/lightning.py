@@ -244,8 +244,7 @@ class FaultTolerance(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self.guard.beat(int(trainer.global_step))
-        self._check(trainer)
+        self._check(trainer)  # an attribute read: the watchdog may already know a peer failed
         if self._injector is not None:
             self._injector.maybe_fire(trainer.global_rank, int(trainer.global_step) + 1, trainer.current_epoch + 1,
                                       trainer.train_dataloader)
