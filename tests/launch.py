@@ -10,6 +10,7 @@ process group and the test fails with every rank's stderr tail.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -23,6 +24,17 @@ HERE = Path(__file__).resolve().parent
 RANK_MAIN = HERE / "rank_main.py"
 #: Process-group timeout the ranks use: far below the 30-minute gloo default.
 PG_TIMEOUT_SEC = 20
+
+
+ROOT = HERE.parent
+
+
+def readme_snippet(name: str) -> str:
+    """The README code block marked ``<!-- snippet: <name> -->``, as printed."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(rf"<!-- snippet: {name} -->\s*```python\n(.*?)```", text, re.S)
+    assert match, f"README.md has no '<!-- snippet: {name} -->' code block"
+    return match.group(1)
 
 
 def free_port() -> int:

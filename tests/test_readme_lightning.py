@@ -10,55 +10,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-SNIPPET = '''\
-import lightning as L
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-from fault_tolerant_handlers import PeerFailedError
-from fault_tolerant_handlers.lightning import FaultTolerance
-
-
-class Model(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(8, 1)
-
-    def training_step(self, batch, batch_idx):
-        if self.global_rank == 1 and self.global_step == 3:
-            raise ValueError("bad sample 17")            # one rank fails...
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-if __name__ == "__main__":
-    data = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=4)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False,
-                        enable_progress_bar=False, callbacks=[FaultTolerance()])
-    try:
-        trainer.fit(Model(), data)
-    except PeerFailedError as err:                          # ...every other rank learns why
-        print(f"rank {trainer.global_rank} stopped: rank {err.failed_rank} raised "
-              f"{err.exc_type}: {err.exc_message} at step {err.step}, epoch {err.epoch}")
-        raise
-'''
+from launch import ROOT, readme_snippet
 
 DEADLINE_SEC = 90
 
 
 def test_readme_snippet_fails_together(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(SNIPPET)
+    script.write_text(readme_snippet("lightning"))
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONUNBUFFERED"] = "1"
@@ -81,10 +40,3 @@ def test_readme_snippet_fails_together(tmp_path):
     assert "rank 0 stopped: rank 1 raised ValueError: bad sample 17 at step 3, epoch 0" in out, out[-4000:]
     assert re.search(r"^(\[rank1\]: )?ValueError: bad sample 17$", out, re.M), out[-4000:]  # rank 1: its own error
     assert proc.returncode != 0
-
-
-def test_readme_has_the_tested_snippet():
-    readme = (ROOT / "README.md").read_text()
-    if "## Lightning" not in readme or "<!-- lightning-section -->" in readme:
-        pytest.skip("README.md's Lightning section is not filled in yet")
-    assert SNIPPET.strip() in readme, "the README's Lightning snippet differs from the one tested here"
