@@ -14,9 +14,9 @@ import signal
 
 import pytest
 
-from launch import run_ranks
+from launch import PROGRAMS, run_ranks
 
-SCRIPT = Path(__file__).resolve().parent / "ignite_main.py"
+SCRIPT = PROGRAMS / "ignite_main.py"
 MAX_LATENCY_SEC = 5.0
 
 pytestmark = pytest.mark.timeout(120)

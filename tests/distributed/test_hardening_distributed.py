@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch import run_ranks
+from launch import PROGRAMS, run_ranks
 
-HERE = __import__("pathlib").Path(__file__).resolve().parent
-SCRIPT = HERE / "hardening_main.py"
+
+SCRIPT = PROGRAMS / "hardening_main.py"
 
 pytestmark = pytest.mark.timeout(150)
 
