@@ -176,7 +176,41 @@ def many_runs() -> None:
     record("done")
 
 
-SCENARIOS = {f.__name__: f for f in (caught_then_blocked, nested, mismatched, checkpoint_during_exit,
+def trainer_and_evaluator() -> None:
+    """A trainer and an evaluator, each with FaultTolerance (as the README's Limits section
+    advises for long evaluations). After the first evaluation the trainer's watchdog must still
+    run: in epoch 2 rank 1 fails in a section while rank 0 is blocked in a collective."""
+    from ignite.engine import Engine, Events
+
+    from fault_tolerant_handlers.ignite import FaultTolerance
+    from fault_tolerant_handlers.session import get_session
+
+    evaluator = Engine(lambda e, b: None)
+    FaultTolerance(name="evaluate").attach(evaluator)
+    trainer = Engine(lambda e, b: None)
+    FaultTolerance(name="train").attach(trainer)
+
+    @trainer.on(Events.EPOCH_COMPLETED)
+    def evaluate(engine):
+        evaluator.run(range(3))
+        watchdog = get_session().watchdog
+        record("after_evaluation", epoch=engine.state.epoch, running=watchdog is not None and not watchdog.stopped)
+
+    @trainer.on(Events.ITERATION_COMPLETED(once=6))
+    def fail_in_epoch_two(engine):
+        _blocked_while_peer_fails("epoch2", bad=1)
+        if RANK == 1:
+            time.sleep(1.5)
+        record("done")
+        raise SystemExit(0)
+
+    try:
+        trainer.run(range(4), max_epochs=3)
+    except SystemExit:
+        pass
+
+
+SCENARIOS = {f.__name__: f for f in (trainer_and_evaluator, caught_then_blocked, nested, mismatched, checkpoint_during_exit,
                                      garbage_in_store, many_runs)}
 
 

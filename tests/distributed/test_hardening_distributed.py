@@ -18,6 +18,17 @@ def _run(tmp_path, scenario, **kwargs):
     return run_ranks(2, scenario, tmp_path, script=SCRIPT, **kwargs)
 
 
+def test_a_trainer_and_an_evaluator_share_one_watchdog_that_outlives_the_evaluation(tmp_path):
+    r0, r1 = _run(tmp_path, "trainer_and_evaluator")
+    for r in (r0, r1):
+        assert r.returncode == 0 and r.has("done"), r.stderr[-3000:]
+        assert r.event("after_evaluation")["running"] is True
+    seen = r0.event("epoch2")
+    assert seen["raised"] == "PeerFailedError" and seen["failed_rank"] == 1
+    assert seen["t"] - r1.event("fault-epoch2")["t"] < 1.4  # released by the watchdog the evaluator did not stop
+    assert "released blocked collectives" in r0.stderr
+
+
 def test_a_caught_failure_does_not_blind_the_watchdog_to_a_later_one(tmp_path):
     r0, r1 = _run(tmp_path, "caught_then_blocked")
     for r in (r0, r1):
