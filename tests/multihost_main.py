@@ -7,8 +7,9 @@ Started by ``torchrun`` inside a simulated host (``tests/hosts.py``)::
 Every rank appends JSON events with wall-clock times to ``<outdir>/rank<r>.jsonl``: ``start``
 (host name, pid in its host), ``ready`` (iteration ``READY_ITER`` reached: the rig injects host
 faults after every rank is ready), ``fault`` (an ``FTH_INJECT`` injection firing on this rank),
-``run_raised`` (what ``run``/``fit`` raised, with ``PeerFailedError``'s fields), ``run_returned``
-and ``exit``.
+``peer_failure`` and ``watchdog_exit`` (the library's watchdog logged a detection / its reported
+exit), ``run_raised`` (what ``run``/``fit`` raised, with ``PeerFailedError``'s fields),
+``run_returned`` and ``exit``.
 
 Environment:
     FRAMEWORK    ignite (default) | lightning
@@ -61,8 +62,10 @@ def record(event: str, **fields) -> None:
 
 
 class RecordInjected(logging.StreamHandler):
-    """Record an ``FTH_INJECT`` injection firing on this rank as the ``fault`` event; print the
-    library's warnings and errors to stderr, as logging's last-resort handler would without it."""
+    """Record an ``FTH_INJECT`` injection firing on this rank as the ``fault`` event, the
+    watchdog's detection as ``peer_failure`` and its reported exit as ``watchdog_exit`` (the main
+    thread records nothing then); print the library's warnings and errors to stderr, as logging's
+    last-resort handler would without it."""
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
@@ -72,6 +75,10 @@ class RecordInjected(logging.StreamHandler):
         msg = rec.getMessage()
         if "FTH_INJECT" in msg and "injecting" in msg:
             record("fault", message=msg)
+        elif "] peer failure: " in msg:
+            record("peer_failure", message=msg)
+        elif "ending this process with exit code" in msg:
+            record("watchdog_exit", message=msg)
         super().emit(rec)
 
 
