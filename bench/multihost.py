@@ -144,6 +144,7 @@ def main(argv=None) -> None:
     p.add_argument("--after-fault", type=float, default=75.0,
                    help="seconds after the fault before everything is killed (default 75: past the 60 s timeout)")
     p.add_argument("--json", type=Path, help="also write every run's rows here")
+    p.add_argument("--keep", type=Path, help="keep every run's records and host logs under this directory")
     args = p.parse_args(argv)
     reason = hosts.unavailable()
     if reason:
@@ -153,6 +154,8 @@ def main(argv=None) -> None:
     rows: list[dict] = []
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="fth-multihost-") as tmp:
+        if args.keep:
+            tmp = str(args.keep)
         for rep in range(args.repeat):
             for fault in args.faults:
                 for mode in args.modes:

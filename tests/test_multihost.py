@@ -10,6 +10,7 @@ deselected from ``make test``; ``make test-multihost`` runs every test here).
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -77,6 +78,9 @@ def test_rank_on_other_host_raises(tmp_path):
     assert r0.raised["t"] - res.fault_at <= 1.0, res.describe()
     assert all(r.ended_by_itself for r in res.ranks), res.describe()
     assert all(h.ended_at is not None and not h.killed for h in res.hosts), res.describe()
+    left = [ns for ns in hosts._namespaces() if ns.startswith(f"{hosts.PREFIX}{os.getpid()}x")]
+    assert not left, f"namespaces left behind: {left}"
+    assert not any(hosts._alive(h.init_pid) for h in res.hosts), res.describe()
 
 
 @target
