@@ -12,8 +12,8 @@ variable                        default    accepted              meaning
 ``FTH_HANG_TIMEOUT_SEC``        (off)      1 .. 604800           opt-in hang detection
 ``FTH_EXIT_GRACE_SEC``          3          0.1 .. 3600           released rank: time to take the failure
 ``FTH_WRITE_GRACE_SEC``         120        0 .. 3600             reported exit waits for a checkpoint write
-``FTH_HEARTBEAT_TIMEOUT_SEC``   60         1 .. 86400            a silent peer on another host is lost
-``FTH_STORE_LOST_SEC``          10         1 .. 86400            a silent store is lost
+``FTH_HEARTBEAT_TIMEOUT_SEC``   3          1 .. 86400            a peer whose heartbeat stops is lost
+``FTH_STORE_LOST_SEC``          5          1 .. 86400            a store that does not answer is lost
 ``FTH_SYNC_TIMEOUT_SEC``        (group's)  1 .. 2592000          the side group's timeout
 ``FTH_RELEASE``                 auto       auto, exit            how blocked collectives are released
 ``FTH_INJECT``                  (none)     see ``inject.py``     rehearse a failure
@@ -110,8 +110,8 @@ DEFAULTS = {
     "interval": timedelta(seconds=0.1),
     "exit_grace": timedelta(seconds=3),
     "write_grace": timedelta(seconds=120),
-    "heartbeat_timeout": timedelta(seconds=60),
-    "store_lost_after": timedelta(seconds=10),
+    "heartbeat_timeout": timedelta(seconds=3),
+    "store_lost_after": timedelta(seconds=5),
 }
 
 

@@ -89,7 +89,8 @@ class HeartbeatProbe:
     ``limit`` seconds (once it has beaten at all) is declared silent."""
 
     def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
-                 limit: float) -> None:
+                 limit: float, host: str = "") -> None:
+        self.host = host
         self.schema = schema
         self.rank = rank
         self.successor = successor
@@ -112,10 +113,11 @@ class HeartbeatProbe:
             return None
         silent = now - self.last[1]
         if value > 0 and silent > self.limit:
-            message = (f"rank {self.successor} (pid {self.successor_pid}) lost: no heartbeat for {silent:.1f} s "
-                       "(its watchdog does not answer)")
+            on = f" on {self.host}" if self.host else ""
+            message = (f"rank {self.successor} (pid {self.successor_pid}{on}) lost: no heartbeat for {silent:.1f} s "
+                       "(its host or link is down, or its process is gone or frozen)")
             return declared_finding(FailureRecord.declared(rank=self.successor, kind="PeerSilent", message=message,
-                                                           by=self.rank, pid=self.successor_pid))
+                                                           by=self.rank, pid=self.successor_pid, host=self.host))
         return None
 
 

@@ -32,9 +32,13 @@ from __future__ import annotations
 import atexit
 import gc
 import hashlib
+import ipaddress
 import logging
 import os
 import random
+import re
+import socket
+import struct
 import threading
 import time
 import zlib
@@ -48,7 +52,7 @@ from . import _compat_torch, config
 from ._log import log
 from .errors import PeerFailedError, SectionMismatchError, is_backend_error
 from .probes import PeerPidProbe
-from .record import FailureRecord, host_name
+from .record import FailureRecord, host_name, sanitize
 from .release import release_process_groups, store_ports, teardown_at_exit
 from .schema import Connection, Schema
 
@@ -58,6 +62,9 @@ MAIN_STORE_TIMEOUT = timedelta(seconds=5)
 FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=2)
 #: How long a broken collective waits for the cause (a killed peer is declared within ~0.1 s).
 EXPLAIN_WAIT = 2.0
+#: A rank at the address a backend error names, whose heartbeat (every 0.5 s, from its liveness
+#: process) stands still this long, is lost.
+SUSPECT_SILENCE = 1.2
 #: How many delivered record indices are remembered for the watchdog.
 MAX_DELIVERED = 1024
 #: How long ranks found out of step wait for each other's section names.
@@ -70,9 +77,76 @@ PUBLISHED_ATTR = "_fth_published"
 AGREED_ATTR = "_fth_agreed"
 
 
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha1(text.encode("utf-8", "replace")).digest()[:7], "big")
+
+
 def _host_id() -> int:
-    digest = hashlib.sha1(host_name().encode("utf-8")).digest()
-    return int.from_bytes(digest[:7], "big")
+    return _digest(host_name())
+
+
+#: Bytes of a host name carried in the setup table (8 int64s).
+HOST_NAME_BYTES = 64
+_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
+
+
+def _interface_address(name: str) -> str | None:
+    """IPv4 address of network interface ``name`` (``GLOO_SOCKET_IFNAME``), Linux only."""
+    try:
+        import fcntl
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+        return socket.inet_ntoa(packed[20:24])
+    except (OSError, ImportError, ValueError):
+        return None
+
+
+def own_address() -> str:
+    """The address peers see this rank at (what a gloo error names): the ``GLOO_SOCKET_IFNAME``
+    interface's, else the one this host uses to reach ``MASTER_ADDR``, else its name's."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if ifname:
+        found = _interface_address(ifname)
+        if found:
+            return normalize_address(found)
+    master = os.environ.get("MASTER_ADDR", "")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, 9))
+                return normalize_address(s.getsockname()[0])
+        except OSError:
+            pass
+    try:
+        return normalize_address(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        return ""
+
+
+def normalize_address(text: str) -> str:
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return text
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
+
+
+def addresses_named(text: str) -> list[str]:
+    """The peer addresses a backend error names (``Connection reset by peer [10.0.0.2]:4242``)."""
+    return [normalize_address(m.group(1)) for m in _ADDRESS.finditer(text)]
+
+
+def _encode_name(name: str) -> list[int]:
+    data = name.encode("utf-8", "replace")[:HOST_NAME_BYTES].ljust(HOST_NAME_BYTES, b"\0")
+    return [int.from_bytes(data[i : i + 8], "big", signed=True) for i in range(0, HOST_NAME_BYTES, 8)]
+
+
+def _decode_name(words: list[int]) -> str:
+    data = b"".join(int(w).to_bytes(8, "big", signed=True) for w in words).rstrip(b"\0")
+    return sanitize(data.decode("utf-8", "replace"))
 
 
 def section_hash(kind: str, name: str) -> int:
@@ -132,15 +206,20 @@ class Session:
         # Collective, once: every member reaches its first section in the same order.
         self.side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
                                    use_local_synchronization=group is not None)
-        # One all_gather at setup tells every rank the run id (rank 0's), each rank's host and pid.
-        mine = torch.tensor([[random.getrandbits(62), _host_id(), os.getpid()]], dtype=torch.int64)
+        # One all_gather at setup tells every rank the run id (rank 0's), each rank's host (id and
+        # name), pid and the address its peers see it at (a hash: matched against backend errors).
+        self.host = host_name()
+        self.address = own_address()
+        mine = torch.tensor([[random.getrandbits(62), _host_id(), os.getpid(), _digest(self.address),
+                              *_encode_name(self.host)]], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in ranks]
         dist.all_gather(gathered, mine, group=self.side)
         table = torch.cat(gathered)
         self.run_id = f"{int(table[0, 0]):x}"
         self.host_ids = table[:, 1].tolist()
         self.pids = table[:, 2].tolist()
-        self.host = host_name()
+        self.address_ids = table[:, 3].tolist()
+        self.hosts = [_decode_name(row[4:].tolist()) for row in table]
         self.local_rank, self.local_world_size = self._local_layout()
         self.keep_ports = store_ports(self._pg_store)
         self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
@@ -330,28 +409,74 @@ class Session:
         if known is None:
             found = self._same_host_probe.poll(time.monotonic())
             known = found.error if found is not None else None
-        return known or self._undelivered_record()
+        return known or self._explain(exc)
 
-    def _undelivered_record(self) -> PeerFailedError | None:
+    def suspects(self, exc: BaseException) -> list[int]:
+        """Global ranks at the peer address a backend error names (never this rank)."""
+        wanted = {_digest(a) for a in addresses_named(str(exc))}
+        return [self.ranks[i] for i, a in enumerate(self.address_ids) if a in wanted and i != self.group_rank]
+
+    def _explain(self, exc: BaseException) -> PeerFailedError | None:
+        """Why a collective broke: a record of another rank not yet delivered, or a suspect (a rank at
+        the address the error names) whose heartbeat has stopped or whose host held the store that no
+        longer answers. Read in a thread of its own for up to :data:`EXPLAIN_WAIT`."""
+        suspects = self.suspects(exc)
         deadline = time.monotonic() + EXPLAIN_WAIT
         found: list[FailureRecord] = []
         done = threading.Event()
         conn = self.connection("explain", FAILURE_PATH_STORE_TIMEOUT)
         schema = Schema(conn, self.schema.world_size)
         start = self.consumed
+        first_line = (str(exc).splitlines() or [""])[0]
+        detail = next(iter(re.findall(r"(Connection [a-z ]+by peer|Connection closed|Read error|Timed out)", first_line)),
+                      "the connection broke")
+
+        def lost(rank: int, why: str) -> FailureRecord:
+            i = self.ranks.index(rank)
+            message = f"rank {rank} (pid {self.pids[i]} on {self.hosts[i]}) lost: {why}"
+            return FailureRecord.declared(rank=rank, kind="PeerLost", message=message, by=self.rank,
+                                          pid=self.pids[i], host=self.hosts[i])
 
         def reader() -> None:
             # Its own thread and connection: a store call can block when the store's host died with
             # its socket still held open by a child process; the main thread never waits past the deadline.
+            beats: dict[int, tuple[int, float]] = {}
             try:
                 while not done.is_set() and time.monotonic() < deadline:
-                    indices = schema.new_indices(start, schema.count())
-                    records = [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != self.rank]
+                    try:
+                        indices = schema.new_indices(start, schema.count())
+                        records = [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != self.rank]
+                    except Exception:  # noqa: BLE001 - the store does not answer
+                        store_hosts = {self.host_ids[0]}
+                        gone = [r for r in suspects if self.host_ids[self.ranks.index(r)] in store_hosts]
+                        if gone:
+                            found.extend(lost(r, f"{detail} from its host, which holds the c10d store, and the "
+                                                 "store does not answer") for r in gone)
+                            break
+                        time.sleep(0.1)
+                        continue
                     if records:
                         found.extend(records)
                         break
+                    now = time.monotonic()
+                    silent = []
+                    for r in suspects:
+                        value = schema.heartbeat_of(r)
+                        last = beats.setdefault(r, (value, now))
+                        if value != last[0]:
+                            beats[r] = (value, now)
+                        elif now - last[1] >= SUSPECT_SILENCE:
+                            silent.append(r)
+                    if silent:
+                        declared = [lost(r, f"{detail} [{', '.join(addresses_named(first_line))}] and no heartbeat "
+                                            f"for {SUSPECT_SILENCE:.1f} s") for r in silent]
+                        for record in declared:
+                            if schema.claim_declaration(record.rank):
+                                schema.publish(record)
+                        found.extend(declared)
+                        break
                     time.sleep(0.05)
-            except Exception:  # noqa: BLE001 - the store is gone: nothing to explain with
+            except Exception:  # noqa: BLE001 - nothing to explain with
                 pass
             finally:
                 done.set()
@@ -365,7 +490,15 @@ class Session:
                 time.sleep(0.02)
             if self.incident.peer_error is not None:
                 return self.incident.peer_error
-            return PeerFailedError.from_records(found) if found else None
+            if found:
+                return PeerFailedError.from_records(found)
+            if suspects:
+                # Alive and silent about it: not this rank's failure, and no culprit to name.
+                names = ", ".join(f"rank {r} on {self.hosts[self.ranks.index(r)]}" for r in suspects)
+                return PeerFailedError(None, "CommunicationError",
+                                       f"the connection to {names} broke ({first_line[:300]}) and no rank reported "
+                                       "why", where="a collective")
+            return None
         finally:
             done.set()
             # Let it leave its store call (bounded by its timeout) before going on: a daemon thread

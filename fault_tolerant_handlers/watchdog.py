@@ -2,10 +2,12 @@
 while the main thread may be stuck in a collective, and escalate what they find.
 
 * The **store loop** (``fth-watchdog``) polls every ``interval`` (0.1 s): the records probe (one
-  ``add`` on the record counter), the heartbeat probe (every :data:`HEARTBEAT_EVERY`: one ``add`` of
-  its own, one read of its ring successor's), the self-hang probe (no store) and the store-loss
-  probe (fed by failed store calls). A constant number of store calls per rank, whatever the world
-  size, on a connection of its own with a short timeout.
+  ``add`` on the record counter), the self-hang probe (no store) and the store-loss probe (fed by
+  failed store calls). A constant number of store calls per rank, whatever the world size, on a
+  connection of its own with a short timeout.
+* The **liveness process** (:mod:`.liveness`, a helper process of its own, so the GIL cannot stop
+  it): every :data:`HEARTBEAT_EVERY` one ``add`` of its own heartbeat and one read of its ring
+  successor's (the heartbeat probe), declaring a successor silent for ``FTH_HEARTBEAT_TIMEOUT_SEC``.
 * The **liveness loop** (``fth-liveness``, only when peers share this host) checks their pids every
   ``interval``: a system call, no store traffic, so it works when the store's host died with a
   child process still holding its socket open.
@@ -41,7 +43,9 @@ from typing import TYPE_CHECKING, Iterator
 
 from . import config
 from ._log import log
-from .probes import (Finding, HeartbeatProbe, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
+from .liveness import LivenessProcess
+from .liveness import kill_all as kill_all_liveness
+from .probes import (Finding, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
                      main_thread_frame)
 from .release import release_process_groups
 from .schema import Schema
@@ -122,14 +126,13 @@ class Watchdog:
         self._schema = Schema(self._conn, session.schema.world_size)
         self._liveness_conn = session.connection("liveness", LIVENESS_STORE_TIMEOUT)
         self._liveness_schema = Schema(self._liveness_conn, session.schema.world_size)
-        successor = (session.group_rank + 1) % session.world_size
         limit = cfg.heartbeat_timeout
         if self.hang_timeout is not None:
             limit = min(limit, self.hang_timeout + SILENT_MARGIN)
         self.records = RecordsProbe(self._schema, self.rank, RELEASE_GRACE.total_seconds(),
                                     lambda: session.delivered, start=session.consumed)
-        self.heartbeat = HeartbeatProbe(self._schema, self.rank, session.ranks[successor], session.pids[successor],
-                                        period=HEARTBEAT_EVERY.total_seconds(), limit=limit.total_seconds())
+        # The heartbeat and the ring check run in a helper process: the GIL cannot stop them.
+        self.liveness = LivenessProcess(session, period=HEARTBEAT_EVERY.total_seconds(), limit=limit.total_seconds())
         self.self_hang = None
         if self.hang_timeout is not None:
             self.self_hang = SelfHangProbe(self.rank, os.getpid(), self.hang_timeout.total_seconds(),
@@ -149,6 +152,7 @@ class Watchdog:
             _exit_hook_registered = True
             atexit.register(_stop_all)
         _running.add(self)
+        self.liveness.start()
         self._thread.start()
         if self.peer_pids is not None:
             self._liveness.start()
@@ -174,6 +178,7 @@ class Watchdog:
         if not (self._thread.is_alive() or self._liveness.is_alive()):
             self._conn.close()
             self._liveness_conn.close()
+        self.liveness.stop()
         _running.discard(self)
 
     def beat(self, step: int | None = None) -> None:
@@ -186,9 +191,8 @@ class Watchdog:
         while not self._stop.wait(period):
             now = time.monotonic()
             try:
-                for probe in (self.records, self.heartbeat):
-                    if self.session.known_failure is None:
-                        self._found(probe.poll(now), self._schema)
+                if self.session.known_failure is None:
+                    self._found(self.records.poll(now), self._schema)
                 self.store_loss.answered()
             except Exception as err:  # noqa: BLE001 - the store host is gone, or worse
                 if self._finishing or self._stop.is_set():
@@ -276,6 +280,7 @@ class Watchdog:
                     os.kill(child.pid, signal.SIGKILL)
                 except (ProcessLookupError, TypeError):
                     pass
+            kill_all_liveness()
         finally:
             os._exit(code)
 
