@@ -84,6 +84,15 @@ def abort_process_group(group: dist.ProcessGroup) -> None:
     distributed_c10d._abort_process_group(group)
 
 
+def tcp_store_of(store: dist.Store | None) -> dist.TCPStore | None:
+    """The ``TCPStore`` under ``store``'s ``PrefixStore`` wrappers (public ``underlying_store``)."""
+    for _ in range(16):
+        if store is None or isinstance(store, dist.TCPStore):
+            return store
+        store = getattr(store, "underlying_store", None)
+    return None
+
+
 def backend_error_types() -> tuple[type[BaseException], ...]:
     """torch's ``DistError`` family (public): what NCCL, the store and the network raise."""
     return tuple(t for t in (getattr(dist, "DistError", None),) if isinstance(t, type))

@@ -47,7 +47,7 @@ def _stopped(pid: int) -> bool:
     return bool(fields) and fields[_procfs.STATE] in ("T", "t")
 
 
-def _run(session: Session, parent: int, stop_fd: int, period: float, limit: float) -> None:
+def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: float, limit: float) -> None:
     try:
         with open("/proc/self/comm", "w") as f:
             f.write("fth-liveness")
@@ -55,8 +55,6 @@ def _run(session: Session, parent: int, stop_fd: int, period: float, limit: floa
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the rank; its end ends this process
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    conn = session.connection("helper", HELPER_STORE_TIMEOUT)
-    schema = Schema(conn, session.schema.world_size)
     successor = session.ranks[(session.group_rank + 1) % session.world_size]
     probe = HeartbeatProbe(schema, session.rank, successor, session.pids[session.ranks.index(successor)],
                            period=period, limit=limit, host=session.hosts[session.ranks.index(successor)])
@@ -90,6 +88,15 @@ class LivenessProcess:
     def start(self) -> LivenessProcess:
         if not sys.platform.startswith("linux"):
             return self
+        # Connected before the fork, by the rank: a new connection can take seconds (a store server
+        # resolving the client's name), and the helper must beat from its first period on.
+        conn = self.session.connection("helper", HELPER_STORE_TIMEOUT)
+        try:
+            conn.store()
+        except Exception as err:  # noqa: BLE001 - the helper connects by itself later
+            log(logging.WARNING, "the liveness process could not connect to the store yet: %s",
+                (str(err).splitlines() or [""])[0][:200])
+        schema = Schema(conn, self.session.schema.world_size)
         read_fd, write_fd = os.pipe()
         parent = os.getpid()
         try:
@@ -103,12 +110,13 @@ class LivenessProcess:
             code = 0
             try:
                 os.close(write_fd)
-                _run(self.session, parent, read_fd, self.period, self.limit)
+                _run(self.session, schema, parent, read_fd, self.period, self.limit)
             except BaseException:  # noqa: BLE001
                 code = 1
             finally:
                 os._exit(code)
         os.close(read_fd)
+        conn.close()  # the rank's copy; the helper keeps its own
         self.pid, self._stop_w = pid, write_fd
         _children.add(pid)
         return self

@@ -121,9 +121,15 @@ class HeartbeatProbe:
         return None
 
 
+#: How :func:`~._procfs.process_state` says a process ended cleanly: not a failure (a rank that
+#: finished first); if this rank then waits on it, the broken collective names it.
+CLEAN_EXIT = "exited with code 0"
+
+
 class PeerPidProbe:
     """Peers on this host, by pid: a process that is gone is declared lost (with the signal when
-    the kernel still shows it). A system call per peer, no store traffic."""
+    the kernel still shows it; a clean exit is not a failure). A system call per peer, no store
+    traffic."""
 
     def __init__(self, peers: Sequence[tuple[int, int]], *, by: int, host: str,
                  state: Callable[[int], str | None] = process_state) -> None:
@@ -135,7 +141,7 @@ class PeerPidProbe:
     def poll(self, now: float) -> Finding | None:
         for rank, pid in self.peers:
             state = self.state(pid)
-            if state is not None:
+            if state is not None and state != CLEAN_EXIT:
                 message = f"rank {rank} (pid {pid} on {self.host}) lost: {state}"
                 return declared_finding(FailureRecord.declared(rank=rank, kind="PeerLost", message=message,
                                                                by=self.by, pid=pid, host=self.host))

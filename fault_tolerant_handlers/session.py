@@ -258,9 +258,23 @@ class Session:
                 if i != self.group_rank and host == me]
 
     def connection(self, name: str, timeout: timedelta) -> Connection:
-        """A new store connection of this process's own, under the run's prefix."""
+        """A new store connection of this process's own, under the run's prefix.
+
+        For a TCP store it is a new client of the store's host and port whose connect is bounded by
+        ``timeout`` (``Store.clone`` would retry for the store's own timeout, up to 30 minutes,
+        when the store's host is unreachable); other stores are cloned."""
         prefix, base = f"fth/{self.run_id}", self._pg_store
-        return Connection(lambda: dist.PrefixStore(prefix, base.clone()), timeout, name)
+        tcp = _compat_torch.tcp_store_of(base)
+        if tcp is not None:
+            host, port = tcp.host, tcp.port
+
+            def factory() -> dist.Store:
+                return dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout,
+                                                              wait_for_workers=False))
+        else:
+            def factory() -> dist.Store:
+                return dist.PrefixStore(prefix, base.clone())
+        return Connection(factory, timeout, name)
 
     # -- the incident -----------------------------------------------------------------------------
     @property

@@ -126,6 +126,11 @@ class Watchdog:
         self._schema = Schema(self._conn, session.schema.world_size)
         self._liveness_conn = session.connection("liveness", LIVENESS_STORE_TIMEOUT)
         self._liveness_schema = Schema(self._liveness_conn, session.schema.world_size)
+        for conn in (self._conn, self._liveness_conn):  # connected now, not in the loops' first poll
+            try:
+                conn.store()
+            except Exception:  # noqa: BLE001 - the loops retry, and judge the store's loss
+                pass
         limit = cfg.heartbeat_timeout
         if self.hang_timeout is not None:
             limit = min(limit, self.hang_timeout + SILENT_MARGIN)

@@ -43,6 +43,30 @@ from torch.utils.data import Dataset
 FRAMEWORK = os.environ.get("FRAMEWORK", "ignite")
 USE_FT = os.environ.get("USE_FT", "1") == "1"
 READY_ITER = int(os.environ.get("READY_ITER", "10"))
+READY_SEEN = False
+
+
+def _settled() -> bool:
+    """With the library: every rank's liveness process has beaten twice (store connections on a
+    simulated host can take seconds to come up); a fault before that tests the start-up."""
+    if not USE_FT:
+        return True
+    from fault_tolerant_handlers.session import get_session
+
+    session = get_session()
+    conn = session.connection("ready-check", timedelta(seconds=5))
+    try:
+        return all(int(conn.call("add", f"hb/{r}", 0)) >= 2 for r in session.ranks)
+    except Exception:  # noqa: BLE001
+        return False
+    finally:
+        conn.close()
+
+
+def _ready(iteration: int) -> None:
+    global READY_SEEN
+    READY_SEEN = True
+    record("ready", iteration=iteration)
 STEP_SEC = float(os.environ.get("STEP_SEC", "0.02"))
 MAX_ITERS = int(os.environ.get("MAX_ITERS", "100000"))
 LINGER = float(os.environ.get("LINGER", "8"))
@@ -147,8 +171,8 @@ def run_ignite() -> None:
 
     @trainer.on(Events.ITERATION_STARTED)
     def _started(e):
-        if e.state.iteration == READY_ITER:
-            record("ready", iteration=e.state.iteration)
+        if e.state.iteration >= READY_ITER and not READY_SEEN and _settled():
+            _ready(e.state.iteration)
         if injector is not None:
             injector.maybe_fire(RANK, e.state.iteration, e.state.epoch, e.state.dataloader)
 
@@ -194,8 +218,8 @@ def run_lightning() -> None:
     class Recorder(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             iteration = trainer.global_step + 1
-            if iteration == READY_ITER:
-                record("ready", iteration=iteration)
+            if iteration >= READY_ITER and not READY_SEEN and _settled():
+                _ready(iteration)
             if injector is not None:
                 injector.maybe_fire(RANK, iteration, trainer.current_epoch + 1)
 

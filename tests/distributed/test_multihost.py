@@ -83,7 +83,6 @@ def test_rank_on_other_host_raises(tmp_path):
     assert not any(hosts._alive(h.init_pid) for h in res.hosts), res.describe()
 
 
-@target
 def test_host_dies(tmp_path):
     """Everything on node-b is SIGKILLed: rank 0 raises PeerFailedError naming rank 1 and node-b
     within 2 s, and never records a failure of its own."""
