@@ -7,8 +7,10 @@ Public names:
 * :class:`PeerFailedError`: what the ranks that did not fail raise, naming the one that did.
 * :func:`start_watchdog`: the out-of-band watchdog (the adapters start it for you).
 * :class:`RestartableDataLoader`, :func:`make_restartable`: a DataLoader that survives worker death.
+* :func:`latest_checkpoint`: the newest complete checkpoint in a directory, the same on every rank.
 """
 
+from .checkpoints import latest_checkpoint
 from .dataloader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
 from .errors import PeerFailedError
 from .sections import fail_together, one_rank_first
@@ -22,6 +24,7 @@ __all__ = [
     "RestartableDataLoader",
     "WorkerRestart",
     "fail_together",
+    "latest_checkpoint",
     "make_restartable",
     "one_rank_first",
     "start_watchdog",
