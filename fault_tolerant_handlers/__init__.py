@@ -10,6 +10,7 @@ Public names:
 * :func:`latest_checkpoint`: the newest complete checkpoint in a directory, the same on every rank.
 """
 
+from . import _compat_torchrun
 from .checkpoints import latest_checkpoint
 from .dataloader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
 from .errors import PeerFailedError
@@ -30,3 +31,6 @@ __all__ = [
     "start_watchdog",
 ]
 __version__ = "0.1.0"
+
+_compat_torchrun.install()  # under torchrun: every attempt's process groups in their own store namespace
+

@@ -1,0 +1,165 @@
+"""One worker of a seeded 2-rank training that resumes from its newest checkpoint: run by torchrun.
+
+``torchrun --standalone --nproc_per_node 2 --max-restarts 2 resume_main.py FRAMEWORK OUTDIR``
+
+FRAMEWORK is ``ignite`` (``Checkpoint`` + ``DiskSaver`` every ``EVERY`` iterations, resumed with
+``Checkpoint.load_objects``) or ``lightning`` (``ModelCheckpoint(every_n_train_steps=EVERY)``,
+resumed with ``trainer.fit(..., ckpt_path=latest_checkpoint(dir))``). Both with ``FaultTolerance``
+attached and ``DistributedSampler(shuffle=True, seed=0)`` over 400 samples, batch 4 per rank
+(50 iterations an epoch), 3 epochs. Faults come from ``FTH_INJECT`` (first attempt only, the default).
+
+Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` at its start (which checkpoint
+it resumed from, at which iteration) and appends the sample indices of every batch it trains to
+``OUTDIR/batches<R>.jsonl``; rank 0 writes ``OUTDIR/weights.pt`` at the end. ``BENCH=1`` also
+records the wall clock of the first trained step of the attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fault_tolerant_handlers import RestartableDataLoader, latest_checkpoint  # noqa: E402
+
+FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
+RANK = int(os.environ["RANK"])
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+EVERY = int(os.environ.get("EVERY", "10"))
+EPOCHS = int(os.environ.get("EPOCHS", "3"))
+WORKERS = int(os.environ.get("WORKERS", "2"))
+RESUME = os.environ.get("RESUME", "1") == "1"  # 0: a restart from scratch (the bench's baseline)
+PG_TIMEOUT = timedelta(seconds=float(os.environ.get("PG_TIMEOUT_SEC", "20")))
+HANG = os.environ.get("FTH_HANG_TIMEOUT_SEC")
+CKPT = OUT / "ckpt"
+
+
+class Regression(Dataset):
+    """Sample i is a fixed function of i only."""
+
+    def __len__(self) -> int:
+        return 400
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(8, generator=g)
+        return i, x, x.sum(0, keepdim=True) * 0.5 + 1.0
+
+
+def make_loader() -> RestartableDataLoader:
+    data = Regression()
+    sampler = DistributedSampler(data, num_replicas=2, rank=RANK, shuffle=True, seed=0)
+    return RestartableDataLoader(data, batch_size=4, sampler=sampler, num_workers=WORKERS, max_restarts=3)
+
+
+def note(info: dict) -> None:
+    info.update(attempt=ATTEMPT, rank=RANK, pid=os.getpid(), t=time.time())
+    (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(info))
+
+
+class Trace:
+    def __init__(self) -> None:
+        self.file = open(OUT / f"batches{RANK}.jsonl", "a")
+        self.first = None
+
+    def __call__(self, step: int, idx: torch.Tensor) -> None:
+        if self.first is None:
+            self.first = time.time()
+            first = json.loads((OUT / f"attempt{ATTEMPT}_rank{RANK}.json").read_text())
+            first["first_step_at"], first["first_step"] = self.first, step
+            (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(first))
+        self.file.write(json.dumps({"attempt": ATTEMPT, "step": step, "idx": idx.tolist()}) + "\n")
+        self.file.flush()
+
+
+def run_ignite() -> None:
+    from ignite.engine import Engine, Events
+    from ignite.handlers import Checkpoint, DiskSaver
+    from torch.nn.parallel import DistributedDataParallel
+
+    from fault_tolerant_handlers.ignite import FaultTolerance
+
+    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = make_loader()
+    trace = Trace()
+
+    def step(engine, batch):
+        idx, x, y = batch
+        trace(engine.state.iteration, idx)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+    trainer = Engine(step)
+    trainer.add_event_handler(Events.EPOCH_STARTED, lambda e: loader.sampler.set_epoch(e.state.epoch - 1))
+    FaultTolerance(hang_timeout=timedelta(seconds=float(HANG)) if HANG else None).attach(trainer)
+    to_save = {"model": model, "optimizer": opt, "trainer": trainer, "loader": loader}
+    saver = Checkpoint(to_save, DiskSaver(str(CKPT), require_empty=False), n_saved=2,
+                       global_step_transform=lambda e, _: e.state.iteration)
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(every=EVERY), saver)
+    path = latest_checkpoint(CKPT) if RESUME else None
+    if path:
+        Checkpoint.load_objects(to_load=to_save, checkpoint=path)
+    note({"resumed_from": path, "start_iteration": trainer.state.iteration})
+    trainer.run(loader, max_epochs=EPOCHS)
+    if RANK == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, OUT / "weights.pt")
+    dist.destroy_process_group()
+
+
+def run_lightning() -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from fault_tolerant_handlers.lightning import FaultTolerance
+
+    trace = Trace()
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            idx, x, y = batch
+            trace(self.global_step + 1, idx)
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo", timeout=PG_TIMEOUT),
+        max_epochs=EPOCHS, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, num_sanity_val_steps=0,
+        callbacks=[FaultTolerance(hang_timeout=timedelta(seconds=float(HANG)) if HANG else None),
+                   ModelCheckpoint(dirpath=str(CKPT), every_n_train_steps=EVERY, save_top_k=2, monitor="step",
+                                   mode="max", save_last=True)],
+    )
+    path = latest_checkpoint(CKPT) if RESUME else None
+    start = torch.load(path, map_location="cpu", weights_only=False)["global_step"] if path else 0
+    note({"resumed_from": path, "start_iteration": start})
+    model = Module()
+    trainer.fit(model, make_loader(), ckpt_path=path)
+    if trainer.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.layer.state_dict().items()}, OUT / "weights.pt")
+
+
+if __name__ == "__main__":
+    CKPT.mkdir(parents=True, exist_ok=True)
+    {"ignite": run_ignite, "lightning": run_lightning}[FRAMEWORK]()
