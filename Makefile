@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-resume bench-resume venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Every framework x fault of the exact-resume test under torchrun (the default suite runs three)
+test-resume: $(STAMP)
+	FTH_RESUME_FULL=1 $(PY) -m pytest -q tests/test_resume_distributed.py
+
+bench-resume: $(STAMP)
+	$(PY) bench/resume.py
 
 clean:
 	rm -rf $(VENV)

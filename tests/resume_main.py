@@ -66,6 +66,13 @@ def note(info: dict) -> None:
     (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(info))
 
 
+def done(loader) -> None:
+    path = OUT / f"attempt{ATTEMPT}_rank{RANK}.json"
+    info = json.loads(path.read_text())
+    info.update(done=True, worker_restarts=loader.restart_count)
+    path.write_text(json.dumps(info))
+
+
 class Trace:
     def __init__(self) -> None:
         self.file = open(OUT / f"batches{RANK}.jsonl", "a")
@@ -115,6 +122,7 @@ def run_ignite() -> None:
         Checkpoint.load_objects(to_load=to_save, checkpoint=path)
     note({"resumed_from": path, "start_iteration": trainer.state.iteration})
     trainer.run(loader, max_epochs=EPOCHS)
+    done(loader)
     if RANK == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, OUT / "weights.pt")
     dist.destroy_process_group()
@@ -156,6 +164,7 @@ def run_lightning() -> None:
     note({"resumed_from": path, "start_iteration": start})
     model = Module()
     trainer.fit(model, make_loader(), ckpt_path=path)
+    done(trainer.train_dataloader)
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.layer.state_dict().items()}, OUT / "weights.pt")
 

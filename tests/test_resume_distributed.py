@@ -1,0 +1,95 @@
+"""Exact resume under ``torchrun --max-restarts 2``: 2 ranks, Ignite and Lightning (``resume_main.py``).
+
+Rank 1 fails mid-epoch (iteration 37 of 150, checkpoints every 10) in the first attempt only
+(``FTH_INJECT``'s default ``attempt=0``). The job must exit 0; the second attempt must have started
+on both ranks from the newest checkpoint (iteration 30), trained exactly the batches of an
+uninterrupted run from iteration 31 on, and rank 0's final weights must be ``torch.equal`` to that
+run's. A DataLoader worker killed mid-epoch must need no restart at all.
+
+Default: three cases. ``FTH_RESUME_FULL=1`` (``make test-resume``) runs every framework x fault.
+torchrun runs in its own session, killed by pid (``launch.run_ranks``); process groups time out
+after 20 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import run_ranks
+
+SCRIPT = Path(__file__).resolve().parent / "resume_main.py"
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+            "--monitor-interval", "0.5"]
+FAULTS = {
+    "raise": "raise@rank=1,iteration=37",
+    "kill": "kill@rank=1,iteration=37",
+    "hang": "hang@rank=1,iteration=37",
+    "worker-kill": "worker-kill@rank=1,iteration=37",
+}
+DEFAULT = [("ignite", "raise"), ("ignite", "worker-kill"), ("lightning", "kill")]
+FULL = [(f, k) for f in ("ignite", "lightning") for k in FAULTS]
+CASES = FULL if os.environ.get("FTH_RESUME_FULL") == "1" else DEFAULT
+_reference: dict[str, Path] = {}
+
+
+def torchrun(framework: str, out: Path, env: dict[str, str]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_ranks(1, framework, out, script=SCRIPT, launcher=TORCHRUN, deadline=150,
+                        env={"PG_TIMEOUT_SEC": "20", "FTH_INJECT": "", **env})
+    run_dir = out / f"{framework}-1"
+    assert results[0].returncode == 0, f"torchrun exited {results[0].returncode}:\n{results[0].stderr[-4000:]}"
+    return run_dir
+
+
+def reference(framework: str, tmp_path_factory) -> Path:
+    if framework not in _reference:
+        _reference[framework] = torchrun(framework, tmp_path_factory.mktemp(f"ref-{framework}"), {})
+    return _reference[framework]
+
+
+def attempts(run_dir: Path, rank: int) -> dict[int, dict]:
+    return {int(p.name[7:p.name.index("_")]): json.loads(p.read_text()) for p in run_dir.glob(f"attempt*_rank{rank}.json")}
+
+
+def trained(run_dir: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / f"batches{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("framework, fault", CASES)
+def test_restarted_attempt_resumes_exactly(framework, fault, tmp_path, tmp_path_factory):
+    ref = reference(framework, tmp_path_factory)
+    env = {"FTH_INJECT": FAULTS[fault]}
+    if fault == "hang":
+        env["FTH_HANG_TIMEOUT_SEC"] = "4"
+    run = torchrun(framework, tmp_path / "faulted", env)
+
+    for rank in (0, 1):
+        got, want = trained(run, rank), trained(ref, rank)
+        tries = attempts(run, rank)
+        if fault == "worker-kill":  # no restart: the loader replaced its worker
+            assert set(tries) == {0} and tries[0]["done"], tries
+            assert tries[0]["worker_restarts"] == (1 if rank == 1 else 0), tries
+            assert got == want
+            continue
+        assert set(tries) == {0, 1}, f"rank {rank}: attempts {sorted(tries)} (expected exactly one restart)"
+        assert "done" not in tries[0] and tries[1]["done"]
+        first = tries[1]
+        # the newest checkpoint before the fault, on both ranks: iteration 30
+        assert first["start_iteration"] == 30 and first["first_step"] == 31, first
+        name = Path(first["resumed_from"]).name
+        assert name in (("checkpoint_30.pt",) if framework == "ignite" else ("last.ckpt", "epoch=0-step=30.ckpt")), name
+        assert first["resumed_from"] == attempts(run, 1 - rank)[1]["resumed_from"]
+        # attempt 0 got to the fault; attempt 1 trained exactly the rest of the uninterrupted run
+        steps0 = [e["step"] for e in got if e["attempt"] == 0]
+        assert steps0 == list(range(1, len(steps0) + 1)) and steps0[-1] >= 36
+        rest = [e for e in got if e["attempt"] == 1]
+        assert [(e["step"], e["idx"]) for e in rest] == [(e["step"], e["idx"]) for e in want[30:]]
+    final, expected = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), f"{framework}/{fault}: {key} differs from the uninterrupted run"
