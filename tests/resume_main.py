@@ -6,7 +6,8 @@ FRAMEWORK is ``ignite`` (``Checkpoint`` + ``DiskSaver`` every ``EVERY`` iteratio
 ``Checkpoint.load_objects``) or ``lightning`` (``ModelCheckpoint(every_n_train_steps=EVERY)``,
 resumed with ``trainer.fit(..., ckpt_path=latest_checkpoint(dir))``). Both with ``FaultTolerance``
 attached and ``DistributedSampler(shuffle=True, seed=0)`` over 400 samples, batch 4 per rank
-(50 iterations an epoch), 3 epochs. Faults come from ``FTH_INJECT`` (first attempt only, the default).
+(50 iterations an epoch), 3 epochs. Faults come from ``FTH_INJECT`` (first attempt only, the default),
+or, for Ignite, ``TORN_SAVE=<iteration>``: rank 0 killed in the middle of writing that checkpoint.
 
 Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` at its start (which checkpoint
 it resumed from, at which iteration) and appends the sample indices of every batch it trains to
@@ -16,9 +17,12 @@ records the wall clock of the first trained step of the attempt.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import signal
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +44,7 @@ WORKERS = int(os.environ.get("WORKERS", "2"))
 RESUME = os.environ.get("RESUME", "1") == "1"  # 0: a restart from scratch (the bench's baseline)
 PG_TIMEOUT = timedelta(seconds=float(os.environ.get("PG_TIMEOUT_SEC", "20")))
 HANG = os.environ.get("FTH_HANG_TIMEOUT_SEC")
+TORN_SAVE = int(os.environ.get("TORN_SAVE", "0"))
 CKPT = OUT / "ckpt"
 
 
@@ -84,7 +89,7 @@ class Trace:
             first = json.loads((OUT / f"attempt{ATTEMPT}_rank{RANK}.json").read_text())
             first["first_step_at"], first["first_step"] = self.first, step
             (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(first))
-        self.file.write(json.dumps({"attempt": ATTEMPT, "step": step, "idx": idx.tolist()}) + "\n")
+        self.file.write(json.dumps({"attempt": ATTEMPT, "step": step, "idx": idx.tolist(), "t": time.time()}) + "\n")
         self.file.flush()
 
 
@@ -92,6 +97,25 @@ def run_ignite() -> None:
     from ignite.engine import Engine, Events
     from ignite.handlers import Checkpoint, DiskSaver
     from torch.nn.parallel import DistributedDataParallel
+
+    class TornOnce(DiskSaver):
+        """With TORN_SAVE=<iteration>: rank 0 of the first attempt is SIGKILLed while writing that
+        checkpoint, leaving half of it under its final name (a non-atomic write) and the start of
+        DiskSaver's temporary file (an atomic one)."""
+
+        def __call__(self, checkpoint, filename, metadata=None):
+            if TORN_SAVE and ATTEMPT == 0 and RANK == 0 and filename == f"checkpoint_{TORN_SAVE}.pt":
+                buf = io.BytesIO()
+                torch.save(checkpoint, buf)
+                data = buf.getvalue()
+                with open(CKPT / filename, "wb") as f:
+                    f.write(data[: len(data) // 2])
+                    f.flush()
+                    os.fsync(f.fileno())
+                with tempfile.NamedTemporaryFile(delete=False, dir=CKPT) as tmp:
+                    tmp.write(data[:100])
+                os.kill(os.getpid(), signal.SIGKILL)
+            super().__call__(checkpoint, filename, metadata)
 
     from fault_tolerant_handlers.ignite import FaultTolerance
 
@@ -114,7 +138,7 @@ def run_ignite() -> None:
     trainer.add_event_handler(Events.EPOCH_STARTED, lambda e: loader.sampler.set_epoch(e.state.epoch - 1))
     FaultTolerance(hang_timeout=timedelta(seconds=float(HANG)) if HANG else None).attach(trainer)
     to_save = {"model": model, "optimizer": opt, "trainer": trainer, "loader": loader}
-    saver = Checkpoint(to_save, DiskSaver(str(CKPT), require_empty=False), n_saved=2,
+    saver = Checkpoint(to_save, TornOnce(str(CKPT), require_empty=False), n_saved=2,
                        global_step_transform=lambda e, _: e.state.iteration)
     trainer.add_event_handler(Events.ITERATION_COMPLETED(every=EVERY), saver)
     path = latest_checkpoint(CKPT) if RESUME else None
