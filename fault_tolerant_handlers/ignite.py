@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 from ignite.engine import Engine, Events
 
 from ._log import log
+from ._resume_ignite import check_mid_epoch_resume
 from .guard import Guard
 from .inject import Injector
 
@@ -135,6 +136,7 @@ class FaultTolerance:
         self.guard.start()
         self._owns_watchdog = self.guard.watchdog is not None and not had_watchdog
         self.guard.beat(engine.state.iteration)
+        check_mid_epoch_resume(engine)  # a mid-epoch resume whose loader would start the epoch over
 
     def _inject(self, engine: Engine) -> None:
         rank = self.guard.coord.rank if self.guard.coord is not None else 0

@@ -219,3 +219,31 @@ def test_state_is_small_plain_and_checked():
     short.load_state_dict({**state, "batches_yielded": 5})
     with pytest.raises(ValueError, match="the sampler now gives only 4 batches"):
         iter(short)
+
+
+def test_ignite_mid_epoch_resume_warns_when_the_loader_would_start_over():
+    from ignite.engine import Engine
+    from torch.utils.data import DataLoader
+
+    from fault_tolerant_handlers._resume_ignite import check_mid_epoch_resume
+
+    def engine_at(iteration, loader):
+        engine = Engine(lambda e, b: None)
+        engine.load_state_dict({"iteration": iteration, "epoch_length": 24, "max_epochs": 3})
+        engine.state.dataloader = loader
+        return engine
+
+    plain = DataLoader(MapData(N, 0), batch_size=BATCH)
+    with pytest.warns(RuntimeWarning, match=r"iteration 30 \(batch 6 of epoch 2.*DataLoader\) has no state_dict"):
+        check_mid_epoch_resume(engine_at(30, plain))
+    fresh = build("shuffle", "0")  # left out of to_load
+    with pytest.warns(RuntimeWarning, match="next iter\\(\\) starts at batch 0 of its epoch 1: was it left out"):
+        check_mid_epoch_resume(engine_at(30, fresh))
+    loaded = build("shuffle", "0")
+    source = build("shuffle", "0")
+    batches(iter(source))
+    it = iter(source)
+    batches(it, limit=6)
+    loaded.load_state_dict(source.state_dict())
+    assert check_mid_epoch_resume(engine_at(30, loaded)) is None  # where the engine is: silent
+    assert check_mid_epoch_resume(engine_at(48, plain)) is None  # an epoch boundary: nothing to resume

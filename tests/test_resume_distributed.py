@@ -101,6 +101,20 @@ def test_restarted_attempt_resumes_exactly(framework, fault, tmp_path, tmp_path_
         assert steps0 == list(range(1, len(steps0) + 1)) and steps0[-1] >= 36
         rest = [e for e in got if e["attempt"] == 1]
         assert [(e["step"], e["idx"]) for e in rest] == [(e["step"], e["idx"]) for e in want[30:]]
+    # every complete checkpoint: the loader's snapshot matches the iteration saved beside it
+    checked = 0
+    for path in sorted((run / "ckpt").glob("*.*")):
+        if fault == "torn-save" and path.name == "checkpoint_40.pt":
+            continue
+        ckpt = torch.load(path, map_location="cpu", weights_only=framework == "ignite")
+        if framework == "ignite":
+            step, loader = ckpt["trainer"]["iteration"], ckpt["loader"]
+        else:
+            step, loader = ckpt["global_step"], ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+        assert (loader["epoch"], loader["batches_yielded"]) == ((step - 1) // 50, (step - 1) % 50 + 1), (path.name, loader)
+        assert loader["epoch_finished"] == (step % 50 == 0)
+        checked += 1
+    assert checked >= 2
     final, expected = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
     for key in expected:
         assert torch.equal(final[key], expected[key]), f"{framework}/{fault}: {key} differs from the uninterrupted run"
