@@ -7,6 +7,11 @@ of ``Checkpoint.load_objects(to_load=...)``) gives the *first* batches of the ep
 goes on, on other samples than an uninterrupted one. Lightning warns in that case; Ignite does not.
 This check runs at ``Events.STARTED`` (before Ignite calls ``iter()``; public API only) and warns,
 naming the iteration, what the loader will do and how to fix it.
+
+Ignite's ``Checkpoint`` also removes the oldest of its ``n_saved`` files *before* it writes the
+new one (``Checkpoint.__call__``, pytorch-ignite 0.5.5): a kill during that write leaves one
+complete checkpoint fewer, and with the default ``n_saved=1`` none at all, so the restart begins
+from scratch. :class:`SafeDiskSaver` writes first and removes after.
 """
 
 from __future__ import annotations
@@ -15,7 +20,43 @@ import logging
 import warnings
 from typing import Any
 
+from ignite.handlers import DiskSaver
+
 from ._log import log
+
+__all__ = ["SafeDiskSaver", "check_mid_epoch_resume"]
+
+
+class SafeDiskSaver(DiskSaver):
+    """Ignite's ``DiskSaver`` (same arguments) that removes old checkpoints only once the new one is written.
+
+    ``Checkpoint`` asks its save handler to remove the oldest file before it saves the new one; a
+    kill in between would cost a checkpoint (with ``n_saved=1``, the only one). Here the removal
+    waits until the new file is complete on disk (``DiskSaver`` writes it to a temporary file and
+    renames it), so a kill at any moment leaves at least ``n_saved`` complete checkpoints once that
+    many were written, and :func:`~fault_tolerant_handlers.latest_checkpoint` finds the newest.
+
+    Examples:
+        .. code-block:: python
+
+            from fault_tolerant_handlers.ignite import SafeDiskSaver
+
+            saver = Checkpoint(to_save, SafeDiskSaver("ckpts", require_empty=False), n_saved=2)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fth_pending_removal: list[str] = []
+
+    def __call__(self, checkpoint: Any, filename: str, metadata: Any = None) -> None:
+        super().__call__(checkpoint, filename, metadata)  # raises (or is killed): nothing is removed
+        pending, self._fth_pending_removal = self._fth_pending_removal, []
+        for name in pending:
+            if name != filename:  # the same name saved again: the new file replaced it already
+                super().remove(name)
+
+    def remove(self, filename: str) -> None:
+        self._fth_pending_removal.append(filename)
 
 
 def _loader_next_position(loader: Any) -> tuple[int, int] | None:

@@ -30,11 +30,11 @@ from typing import Any, Callable, Mapping
 from ignite.engine import Engine, Events
 
 from ._log import log
-from ._resume_ignite import check_mid_epoch_resume
+from ._resume_ignite import SafeDiskSaver, check_mid_epoch_resume
 from .guard import Guard
 from .inject import Injector
 
-__all__ = ["FaultTolerance"]
+__all__ = ["FaultTolerance", "SafeDiskSaver"]
 
 
 def _handlers_of(engine: Engine, event: Any) -> list:

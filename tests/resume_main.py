@@ -67,7 +67,7 @@ def make_loader() -> RestartableDataLoader:
 
 
 def note(info: dict) -> None:
-    info.update(attempt=ATTEMPT, rank=RANK, pid=os.getpid(), t=time.time())
+    info.update(attempt=ATTEMPT, rank=RANK, pid=os.getpid(), t=time.time(), ckpt_files=sorted(os.listdir(CKPT)))
     (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(info))
 
 
@@ -95,10 +95,12 @@ class Trace:
 
 def run_ignite() -> None:
     from ignite.engine import Engine, Events
-    from ignite.handlers import Checkpoint, DiskSaver
+    from ignite.handlers import Checkpoint
     from torch.nn.parallel import DistributedDataParallel
 
-    class TornOnce(DiskSaver):
+    from fault_tolerant_handlers.ignite import SafeDiskSaver
+
+    class TornOnce(SafeDiskSaver):
         """With TORN_SAVE=<iteration>: rank 0 of the first attempt is SIGKILLed while writing that
         checkpoint, leaving half of it under its final name (a non-atomic write) and the start of
         DiskSaver's temporary file (an atomic one)."""
