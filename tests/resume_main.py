@@ -17,13 +17,16 @@ records the wall clock of the first trained step of the attempt.
 
 from __future__ import annotations
 
+import time
+
+T_START = time.time()  # the process's start, before the imports (the bench's breakdown)
+
 import io
 import json
 import os
 import signal
 import sys
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -67,7 +70,8 @@ def make_loader() -> RestartableDataLoader:
 
 
 def note(info: dict) -> None:
-    info.update(attempt=ATTEMPT, rank=RANK, pid=os.getpid(), t=time.time(), ckpt_files=sorted(os.listdir(CKPT)))
+    info.update(attempt=ATTEMPT, rank=RANK, pid=os.getpid(), t=time.time(), ckpt_files=sorted(os.listdir(CKPT)),
+                started_at=T_START)
     (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(info))
 
 
