@@ -21,7 +21,7 @@ import time
 
 T_START = time.time()  # the process's start, before the imports (the bench's breakdown)
 
-import io
+import io  # noqa: E402
 import json
 import os
 import signal
@@ -49,6 +49,11 @@ PG_TIMEOUT = timedelta(seconds=float(os.environ.get("PG_TIMEOUT_SEC", "20")))
 HANG = os.environ.get("FTH_HANG_TIMEOUT_SEC")
 TORN_SAVE = int(os.environ.get("TORN_SAVE", "0"))
 CKPT = OUT / "ckpt"
+MARKS: dict[str, float] = {}  # the attempt's start-up, step by step (the bench's breakdown)
+
+
+def mark(name: str) -> None:
+    MARKS[name] = time.time()
 
 
 class Regression(Dataset):
@@ -71,7 +76,7 @@ def make_loader() -> RestartableDataLoader:
 
 def note(info: dict) -> None:
     info.update(attempt=ATTEMPT, rank=RANK, pid=os.getpid(), t=time.time(), ckpt_files=sorted(os.listdir(CKPT)),
-                started_at=T_START)
+                started_at=T_START, marks=MARKS)
     (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(info))
 
 
@@ -125,7 +130,9 @@ def run_ignite() -> None:
 
     from fault_tolerant_handlers.ignite import FaultTolerance
 
+    mark("imported")
     dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    mark("process_group")
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     ddp = DistributedDataParallel(model)
@@ -147,9 +154,12 @@ def run_ignite() -> None:
     saver = Checkpoint(to_save, TornOnce(str(CKPT), require_empty=False), n_saved=2,
                        global_step_transform=lambda e, _: e.state.iteration)
     trainer.add_event_handler(Events.ITERATION_COMPLETED(every=EVERY), saver)
+    mark("ddp")
     path = latest_checkpoint(CKPT) if RESUME else None
+    mark("latest_checkpoint")
     if path:
         Checkpoint.load_objects(to_load=to_save, checkpoint=path)
+    mark("loaded")
     note({"resumed_from": path, "start_iteration": trainer.state.iteration})
     trainer.run(loader, max_epochs=EPOCHS)
     done(loader)
@@ -165,6 +175,7 @@ def run_lightning() -> None:
 
     from fault_tolerant_handlers.lightning import FaultTolerance
 
+    mark("imported")
     trace = Trace()
 
     class Module(pl.LightningModule):
@@ -190,6 +201,7 @@ def run_lightning() -> None:
                                    mode="max", save_last=True)],
     )
     path = latest_checkpoint(CKPT) if RESUME else None
+    mark("latest_checkpoint")
     start = torch.load(path, map_location="cpu", weights_only=False)["global_step"] if path else 0
     note({"resumed_from": path, "start_iteration": start})
     model = Module()

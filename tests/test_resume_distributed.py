@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -38,11 +39,31 @@ CASES = FULL if os.environ.get("FTH_RESUME_FULL") == "1" else DEFAULT
 _reference: dict[str, Path] = {}
 
 
+def kill_workers(out: Path) -> None:
+    """Kill, by pid, every worker of a job in ``out`` still running, with its DataLoader workers.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's session leaves them:
+    called once the job is over (every pid is checked to be this script).
+    """
+    for path in out.glob("attempt*_rank*.json"):
+        try:
+            pid = int(json.loads(path.read_text())["pid"])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"resume_main.py" not in f.read():
+                    continue
+            os.killpg(pid, signal.SIGKILL)  # the worker leads its session and process group
+        except (OSError, ValueError, KeyError):
+            continue
+
+
 def torchrun(framework: str, out: Path, env: dict[str, str]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    results = run_ranks(1, framework, out, script=SCRIPT, launcher=TORCHRUN, deadline=150,
-                        env={"PG_TIMEOUT_SEC": "20", "FTH_INJECT": "", **env})
     run_dir = out / f"{framework}-1"
+    try:
+        results = run_ranks(1, framework, out, script=SCRIPT, launcher=TORCHRUN, deadline=150,
+                            env={"PG_TIMEOUT_SEC": "20", "FTH_INJECT": "", **env})
+    finally:
+        kill_workers(run_dir)  # torchrun's workers have sessions of their own
     assert results[0].returncode == 0, f"torchrun exited {results[0].returncode}:\n{results[0].stderr[-4000:]}"
     return run_dir
 
