@@ -24,6 +24,10 @@ calls it inside ``fit``; for your own ``init_process_group``, import the library
 ``FTH_ATTEMPT_STORE=0`` turns it off; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's own
 environment is the launcher-side alternative (a new store per attempt, on a new port).
 
+It assumes every node counts the same attempts (a fixed number of nodes): with elastic membership
+(``--nnodes MIN:MAX``) a node that joins later counts from 0 and would not meet the others' prefix;
+use ``FTH_ATTEMPT_STORE=0`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` there.
+
 Private API: ``torch.distributed.rendezvous._rendezvous_handlers`` (the scheme -> handler table that
 ``init_process_group`` consults at each call), checked against torch 2.4-2.13.
 """
