@@ -33,4 +33,3 @@ __all__ = [
 __version__ = "0.1.0"
 
 _compat_torchrun.install()  # under torchrun: every attempt's process groups in their own store namespace
-
