@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-multihost venv clean
+.PHONY: demo test test-multihost test-resume bench-resume venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ test: $(STAMP)
 # Every multi-host test (simulated hosts: needs root, ip, unshare, tc), the target ones included.
 test-multihost: $(STAMP)
 	$(PY) -m pytest -q tests/distributed/test_multihost.py
+
+# Every framework x fault of the exact-resume test under torchrun (the default suite runs three)
+test-resume: $(STAMP)
+	FTH_RESUME_FULL=1 $(PY) -m pytest -q tests/distributed/test_resume_distributed.py
+
+bench-resume: $(STAMP)
+	$(PY) bench/resume.py
 
 clean:
 	rm -rf $(VENV)

@@ -9,8 +9,11 @@ Public names:
 * :func:`start_watchdog`: the out-of-band watchdog (the adapters start it for you).
 * :func:`writing_checkpoint`: mark a checkpoint write that a reported exit must wait for.
 * :class:`RestartableDataLoader`, :func:`make_restartable`: a DataLoader that survives worker death.
+* :func:`latest_checkpoint`: the newest complete checkpoint in a directory, the same on every rank.
 """
 
+from . import _compat_torchrun
+from .checkpoints import latest_checkpoint
 from .dataloader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
 from .errors import PeerFailedError, SectionMismatchError
 from .release import EXIT_TEARDOWN_STUCK
@@ -27,9 +30,12 @@ __all__ = [
     "SectionMismatchError",
     "WorkerRestart",
     "fail_together",
+    "latest_checkpoint",
     "make_restartable",
     "one_rank_first",
     "start_watchdog",
     "writing_checkpoint",
 ]
 __version__ = "0.1.0"
+
+_compat_torchrun.install()  # under torchrun: every attempt's process groups in their own store namespace

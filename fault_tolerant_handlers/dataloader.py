@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from . import _dataloader_resume as _resume
 from . import _log
 from ._dataloader_workers import (
     TorchWorkersIter,
@@ -225,6 +226,7 @@ class RestartableDataLoader(DataLoader):
         self._fth_persistent = None  # the persistent workers' iterator (map-style)
         self._fth_stateful = None  # the torchdata loader (iterable datasets)
         self._fth_run = None  # weak reference to the epoch being iterated
+        self._fth_pending = None  # resume: a snapshot from load_state_dict(), used by the next iter()
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -242,13 +244,47 @@ class RestartableDataLoader(DataLoader):
             return []
         return [w.pid for w in it.__dict__.get("_workers", ()) if w.pid is not None and w.exitcode is None]
 
+    # -- resume (state_dict / load_state_dict) ---------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the current epoch is: a small snapshot of plain types (no sample data).
+
+        As torchdata's ``StatefulDataLoader``: the epoch and the number of batches yielded in it,
+        plus what decides the epoch's order (sampler epoch, generator states). Taken between two
+        batches, it resumes at the next one; taken after the last batch of an epoch, the next
+        ``iter()`` starts the next epoch. Loadable with ``torch.load(..., weights_only=True)``.
+        """
+        return _resume_state(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` of a loader built the same way: on the next ``iter()``.
+
+        Raises:
+            TypeError, ValueError: a snapshot of another layout, version or kind of dataset.
+        """
+        kind = "iterable" if isinstance(self.dataset, IterableDataset) else "map"
+        state = _resume.check_state(state_dict, kind)
+        self._fth_epochs = state["epoch"] + (0 if _resume.resumes_mid_epoch(state) else 1)
+        self._fth_pending = state
+        self._fth_run = None
+
     def __iter__(self) -> Iterator[Any]:
-        if self.num_workers == 0:  # no worker process: nothing to restart
-            return super().__iter__()
+        pending, self._fth_pending = self._fth_pending, None
+        if pending is not None and not _resume.resumes_mid_epoch(pending):
+            if pending["kind"] == "map":
+                _resume.restore_generators(self, pending)  # the next epoch shuffles as it would have
+            pending = None
+        if self.num_workers == 0 and isinstance(self.dataset, IterableDataset):
+            return super().__iter__()  # no worker and no position to keep: torch's own iterator
         epoch = self._fth_epochs
         self._fth_epochs += 1
         self._fth_run = None
-        run = _IterableRun(self, epoch) if isinstance(self.dataset, IterableDataset) else _MapRun(self, epoch)
+        if self.num_workers == 0:  # no worker process: nothing to restart; the epoch is still tracked
+            run = _SingleRun(self, epoch, pending)
+        elif isinstance(self.dataset, IterableDataset):
+            run = _IterableRun(self, epoch, pending)
+        else:
+            run = _MapRun(self, epoch, pending)
         self._fth_run = weakref.ref(run)  # an abandoned epoch's workers still go when it is dropped
         return run
 
@@ -387,12 +423,16 @@ class _Run:
 
 
 class _MapRun(_Run):
-    def __init__(self, loader: RestartableDataLoader, epoch: int) -> None:
+    def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None = None) -> None:
         self.loader = loader
         self.epoch = epoch
-        self.yielded = 0
+        self.yielded = pending["batches_yielded"] if pending is not None else 0
+        self.finished = False
+        self.resumed = pending is not None
         self.source = _FeedSource(loader)
-        self.feed = _Feed(iter(loader._index_sampler))  # once per epoch, as torch does
+        # the sampler is iterated once per epoch, as torch does (a resume draws its first batches here)
+        self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
+        self.feed = _Feed(self.capture)
         self.source.feed = self.feed
         self.it = None
         persistent = loader._fth_persistent if loader.persistent_workers else None
@@ -419,7 +459,8 @@ class _MapRun(_Run):
                 generator = torch.Generator().manual_seed(1000003 * self.epoch + len(loader.restarts))
             else:
                 method = loader._fth_first_method()
-                generator = loader.generator
+                # a resumed epoch: the loader's generator is already where the sampler left it
+                generator = torch.Generator() if self.resumed else loader.generator
             view = _LoaderView(loader, self.source, hardened_context(method), generator)
             try:
                 it = construct(TorchWorkersIter, view)
@@ -441,6 +482,7 @@ class _MapRun(_Run):
             try:
                 data = next(it)
             except StopIteration:
+                self.finished = True
                 raise
             except WorkerLost as lost:
                 self._lost(lost, it)
@@ -479,12 +521,13 @@ def _or_aborted(it):
 class _IterableRun(_Run):
     """An epoch over an ``IterableDataset``: torchdata snapshots, committed after every batch."""
 
-    def __init__(self, loader: RestartableDataLoader, epoch: int) -> None:
+    def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None = None) -> None:
         from ._dataloader_stateful import InnerStatefulLoader
 
         self.loader = loader
         self.epoch = epoch
-        self.yielded = 0
+        self.yielded = pending["batches_yielded"] if pending is not None else 0
+        self.finished = False
         if loader._fth_stateful is None:
             loader._fth_stateful = InnerStatefulLoader(
                 loader.dataset,
@@ -506,6 +549,8 @@ class _IterableRun(_Run):
             self.sdl.multiprocessing_context = hardened_context(loader._fth_first_method())
         self.state = None
         self.it = None
+        if pending is not None and pending.get("torchdata") is not None:
+            self.sdl.load_state_dict(pending["torchdata"])  # resume: torchdata restores the workers' position
         try:
             self.it = iter(self.sdl)
             self.state = self.it.state_dict()
@@ -535,6 +580,7 @@ class _IterableRun(_Run):
             try:
                 data = next(it)
             except StopIteration:
+                self.finished = True
                 raise
             except WorkerLost as lost:
                 self._lost(lost, it)
@@ -551,6 +597,61 @@ class _IterableRun(_Run):
             self.state = it.state_dict()
             self._after_yield()
             return data
+
+
+# -- resume: the epoch without workers, and the snapshot of the epoch in progress ---------------------
+
+
+class _SingleRun(_Run):
+    """A map-style epoch without workers: torch's single-process iterator, fed from a tracked sampler."""
+
+    def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None) -> None:
+        from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+
+        self.loader = loader
+        self.epoch = epoch
+        self.yielded = pending["batches_yielded"] if pending is not None else 0
+        self.finished = False
+        self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
+        source = _FeedSource(loader)
+        source.feed = self.capture  # type: ignore[assignment]
+        generator = torch.Generator() if pending is not None else loader.generator
+        self.it = _SingleProcessDataLoaderIter(_LoaderView(loader, source, None, generator))
+
+    def __next__(self) -> Any:
+        try:
+            data = next(self.it)
+        except StopIteration:
+            self.finished = True
+            raise
+        except Exception:
+            self.yielded += 1  # the dataset's own error: that batch is consumed, as with torch
+            raise
+        self.yielded += 1
+        return data
+
+
+def _resume_state(loader: RestartableDataLoader) -> dict[str, Any]:
+    if loader._fth_pending is not None:  # loaded and not iterated yet: the same snapshot
+        return dict(loader._fth_pending)
+    run = loader._fth_run() if loader._fth_run is not None else None
+    if run is None:  # no epoch in progress: the next iter() starts epoch `_fth_epochs`
+        if isinstance(loader.dataset, IterableDataset):
+            return _resume.iterable_state(loader._fth_epochs - 1, 0, True, None)
+        return _resume.map_state(loader, loader._fth_epochs - 1, 0, True, None)
+    if isinstance(run, _IterableRun):
+        return _resume.iterable_state(run.epoch, run.yielded, run.finished, run.state)
+    finished = run.finished
+    try:
+        if not finished and run.yielded >= len(loader._index_sampler):
+            # Every batch taken, the end not yet seen: draw the sampler to its end now, as the next
+            # next() would (a RandomSampler draws from its generator once more there).
+            for _ in run.capture:
+                pass
+            finished = True
+    except TypeError:  # an unsized sampler
+        pass
+    return _resume.map_state(loader, run.epoch, run.yielded, finished, run.capture)
 
 
 def make_restartable(loader: DataLoader, max_restarts: int = 3, restart_start_method: str | None = None) -> RestartableDataLoader:

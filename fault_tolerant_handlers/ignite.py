@@ -27,10 +27,11 @@ from ignite.engine import Engine, Events
 
 from . import _compat_ignite
 from ._log import log
+from ._resume_ignite import SafeDiskSaver, check_mid_epoch_resume
 from .guard import Guard
 from .inject import Injector
 
-__all__ = ["FaultTolerance"]
+__all__ = ["FaultTolerance", "SafeDiskSaver"]
 
 
 class FaultTolerance:
@@ -104,6 +105,7 @@ class FaultTolerance:
     def _started(self, engine: Engine) -> None:
         self.guard.start()
         self.guard.beat(engine.state.iteration)
+        check_mid_epoch_resume(engine)  # a mid-epoch resume whose loader would start the epoch over
 
     def _inject(self, engine: Engine) -> None:
         self._injector.maybe_fire(self.guard.rank, engine.state.iteration, engine.state.epoch, engine.state.dataloader)

@@ -11,6 +11,13 @@ training iteration::
 
 ``iteration`` is the global iteration counter (Ignite ``engine.state.iteration``, Lightning
 ``trainer.global_step + 1``); ``epoch`` (1-based, optional) narrows it to one epoch.
+
+``attempt`` (optional) is the restart the injection fires in: torchrun's ``TORCHELASTIC_RESTART_COUNT``
+(0 for the first attempt; 0 too when the job was not started by torchrun). **The default is
+``attempt=0``**: the environment is handed to every attempt, so an injection that fired in every
+attempt would fail each restart in the same place and spend ``--max-restarts`` without ever showing
+a recovery; firing in the first attempt only is what rehearsing a restart needs. ``attempt=any``
+fires in every attempt (a fault that is in the data, say); ``attempt=2`` only in the third.
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ from ._log import log
 
 #: The environment variable the adapters read.
 INJECT_ENV = "FTH_INJECT"
+#: The attempt number, set by torchrun in every worker it starts (0, 1, ... one per restart).
+ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
 KINDS = ("raise", "kill", "hang", "worker-kill")
 FORMS = (
-    "'<kind>@rank=<int>,iteration=<int>[,epoch=<int>]' with <kind> one of "
+    "'<kind>@rank=<int>,iteration=<int>[,epoch=<int>][,attempt=<int>|any]' with <kind> one of "
     + ", ".join(KINDS)
     + "; several separated by ';' (e.g. FTH_INJECT=\"raise@rank=1,iteration=5\")"
 )
@@ -47,10 +56,12 @@ class Injection:
     rank: int
     iteration: int
     epoch: int | None = None
+    attempt: int | None = 0  #: None: every attempt
 
     def __str__(self) -> str:
         epoch = f",epoch={self.epoch}" if self.epoch is not None else ""
-        return f"{self.kind}@rank={self.rank},iteration={self.iteration}{epoch}"
+        attempt = "" if self.attempt == 0 else f",attempt={'any' if self.attempt is None else self.attempt}"
+        return f"{self.kind}@rank={self.rank},iteration={self.iteration}{epoch}{attempt}"
 
 
 def parse(text: str) -> list[Injection]:
@@ -69,14 +80,17 @@ def parse(text: str) -> list[Injection]:
         kind = match.group("kind")
         if kind not in KINDS:
             raise ValueError(f"{INJECT_ENV}: unknown kind {kind!r} in {part.strip()!r}; accepted: {FORMS}")
-        fields: dict[str, int] = {}
+        fields: dict[str, int | None] = {}
         for item in (i for i in match.group("args").split(",") if i.strip()):
             key, sep, value = item.partition("=")
             key, value = key.strip(), value.strip()
-            if not sep or key not in ("rank", "iteration", "epoch"):
+            if not sep or key not in ("rank", "iteration", "epoch", "attempt"):
                 raise ValueError(f"{INJECT_ENV}: unknown field {item.strip()!r} in {part.strip()!r}; accepted: {FORMS}")
             if key in fields:
                 raise ValueError(f"{INJECT_ENV}: {key} given twice in {part.strip()!r}; accepted: {FORMS}")
+            if key == "attempt" and value == "any":
+                fields[key] = None
+                continue
             if not re.fullmatch(r"\d+", value):
                 raise ValueError(f"{INJECT_ENV}: {key}={value!r} in {part.strip()!r} is not a non-negative int; "
                                  f"accepted: {FORMS}")
@@ -86,8 +100,15 @@ def parse(text: str) -> list[Injection]:
             raise ValueError(f"{INJECT_ENV}: {' and '.join(missing)} missing in {part.strip()!r}; accepted: {FORMS}")
         if fields["iteration"] < 1:
             raise ValueError(f"{INJECT_ENV}: iteration counts from 1, got 0 in {part.strip()!r}; accepted: {FORMS}")
-        injections.append(Injection(kind, fields["rank"], fields["iteration"], fields.get("epoch")))
+        injections.append(Injection(kind, fields["rank"], fields["iteration"], fields.get("epoch"),
+                                    fields.get("attempt", 0)))
     return injections
+
+
+def current_attempt() -> int:
+    """This process's attempt: torchrun's restart count, 0 without torchrun (or if it is malformed)."""
+    value = os.environ.get(ATTEMPT_ENV, "0").strip()
+    return int(value) if value.isdigit() else 0
 
 
 class Injector:
@@ -98,8 +119,13 @@ class Injector:
 
     @classmethod
     def from_env(cls) -> Injector | None:
+        """The injections of ``FTH_INJECT`` meant for this attempt (``TORCHELASTIC_RESTART_COUNT``)."""
         text = os.environ.get(INJECT_ENV, "")
-        return cls(parse(text)) if text.strip() else None
+        if not text.strip():
+            return None
+        injections = parse(text)
+        current = current_attempt()
+        return cls([i for i in injections if i.attempt is None or i.attempt == current])
 
     def maybe_fire(self, rank: int, iteration: int, epoch: int | None = None, dataloader: Any = None) -> None:
         for injection in list(self.pending):

@@ -45,6 +45,24 @@ def test_bad_specs_name_the_accepted_forms(spec, says):
     assert "raise, kill, hang, worker-kill" in str(info.value)
 
 
+def test_attempt_field_default_first_attempt_only(monkeypatch):
+    assert parse("raise@rank=1,iteration=5,attempt=2") == [Injection("raise", 1, 5, None, 2)]
+    assert parse("kill@rank=1,iteration=5,attempt=any")[0].attempt is None
+    assert str(parse("kill@rank=1,iteration=5,attempt=any")[0]) == "kill@rank=1,iteration=5,attempt=any"
+    with pytest.raises(ValueError, match="attempt='first'"):
+        parse("raise@rank=1,iteration=5,attempt=first")
+    spec = "raise@rank=1,iteration=5; kill@rank=0,iteration=7,attempt=1; hang@rank=1,iteration=9,attempt=any"
+    monkeypatch.setenv("FTH_INJECT", spec)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert [i.kind for i in Injector.from_env().pending] == ["raise", "hang"]  # not torchrun: attempt 0
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert [i.kind for i in Injector.from_env().pending] == ["raise", "hang"]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert [i.kind for i in Injector.from_env().pending] == ["kill", "hang"]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert [i.kind for i in Injector.from_env().pending] == ["hang"]
+
+
 def test_injector_fires_once_on_the_matching_rank_and_iteration():
     injector = Injector(parse("raise@rank=1,iteration=2,epoch=1"))
     injector.maybe_fire(0, 2, 1)  # other rank

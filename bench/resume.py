@@ -1,0 +1,129 @@
+"""Benchmark: from a fault to the first trained step of the restarted attempt, resumed vs. from scratch.
+
+    .venv/bin/python bench/resume.py                 # 3 runs per framework x mode
+    .venv/bin/python bench/resume.py --reps 5 --fault raise
+
+Each run is ``torchrun --standalone --nproc_per_node 2 --max-restarts 2 tests/resume_main.py``
+(``DistributedSampler(shuffle=True, seed=0)``, 400 samples, batch 4 per rank, 50 iterations an
+epoch, one epoch, a checkpoint every 10 iterations, ``FaultTolerance`` attached) with rank 1
+failing at iteration 37 in the first attempt (``--fault kill``: SIGKILL, the default; ``raise``).
+``resume`` restarts from ``latest_checkpoint`` (iteration 30); ``scratch`` restarts from iteration 0.
+
+Prints, per framework and mode, medians and [min, max] over the runs of:
+* ``fault -> first step``: from the start of the failing iteration on rank 1 (the end of the last
+  step it trained, from the script's trace) to the later of the two ranks' first trained step of
+  the second attempt: detection, exit, torchrun's restart, imports, process group, checkpoint
+  load, DataLoader workers, first batch;
+* ``recomputed``: iterations trained again (last iteration of attempt 0 - start of attempt 1);
+* the part of the first figure spent before the new processes started (detection, exit, torchrun's
+  restart) and in their Python imports (torch, the framework), which depend on the machine's load.
+Targets: resumed <= 15 s after the fault, recomputed <= the checkpoint interval (10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "resume_main.py"
+EVERY, FAULT_AT, DEADLINE = 10, 37, 180
+
+
+def kill_workers(out: Path) -> None:
+    """Kill, by pid, every worker of a job in ``out`` still running, with its DataLoader workers.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's session leaves them:
+    called once the job is over (every pid is checked to be this script).
+    """
+    for path in out.glob("attempt*_rank*.json"):
+        try:
+            pid = int(json.loads(path.read_text())["pid"])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"resume_main.py" not in f.read():
+                    continue
+            os.killpg(pid, signal.SIGKILL)  # the worker leads its session and process group
+        except (OSError, ValueError, KeyError):
+            continue
+
+
+def one_run(framework: str, mode: str, fault: str, out: Path) -> dict:
+    out.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), EVERY=str(EVERY), EPOCHS="1", RESUME="1" if mode == "resume" else "0",
+               FTH_INJECT=f"{fault}@rank=1,iteration={FAULT_AT}", PG_TIMEOUT_SEC="20", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "2", "--monitor-interval", "0.5", str(SCRIPT), framework, str(out)]
+    with open(out / "log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # torchrun and everything it started
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            kill_workers(out)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{framework}/{mode}: torchrun exited {proc.returncode}; see {out / 'log'}")
+    trace = [json.loads(line) for line in (out / "batches1.jsonl").read_text().splitlines()]
+    first = [json.loads((out / f"attempt1_rank{r}.json").read_text()) for r in (0, 1)]
+    last0 = [e for e in trace if e["attempt"] == 0][-1]
+    step_sec = statistics.median(b["t"] - a["t"] for a, b in zip(trace, trace[1:]) if a["attempt"] == b["attempt"] == 0)
+    fault_t = last0["t"] + step_sec  # the failing iteration starts one step after the last traced one
+    return {"resume_sec": max(f["first_step_at"] for f in first) - fault_t,
+            "restart_sec": min(f["started_at"] for f in first) - fault_t,
+            "import_sec": max(f["marks"]["imported"] - f["started_at"] for f in first),
+            "recomputed": last0["step"] - first[0]["start_iteration"],
+            "start_iteration": first[0]["start_iteration"], "load": os.getloadavg()[0]}
+
+
+def summary(values: list[float], fmt: str) -> str:
+    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--fault", choices=["kill", "raise"], default="kill")
+    parser.add_argument("--frameworks", default="ignite,lightning")
+    args = parser.parse_args()
+    results: dict[tuple[str, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="fth-bench-resume-") as tmp:
+        for rep in range(args.reps):
+            for framework in args.frameworks.split(","):
+                for mode in (("resume", "scratch") if rep % 2 == 0 else ("scratch", "resume")):
+                    res = one_run(framework, mode, args.fault, Path(tmp) / f"{framework}-{mode}-{rep}")
+                    results.setdefault((framework, mode), []).append(res)
+                    print(f"  {framework:9s} {mode:7s} run {rep + 1}: fault -> first step {res['resume_sec']:.2f} s "
+                          f"(new processes started after {res['restart_sec']:.2f} s, their imports "
+                          f"{res['import_sec']:.2f} s), recomputed {res['recomputed']}, "
+                          f"load average {res['load']:.1f}", flush=True)
+    print(f"\nfault={args.fault} at iteration {FAULT_AT}, checkpoint every {EVERY}, {args.reps} runs each "
+          "(median [min, max])")
+    print("| framework | restart | fault -> first trained step (s) | fault -> new processes (s) | "
+          "their imports (s) | iterations recomputed |")
+    print("|---|---|---:|---:|---:|---:|")
+    for (framework, mode), runs in sorted(results.items()):
+        print(f"| {framework} | {'from latest_checkpoint' if mode == 'resume' else 'from scratch'} | "
+              f"{summary([r['resume_sec'] for r in runs], '.2f')} | {summary([r['restart_sec'] for r in runs], '.2f')} | "
+              f"{summary([r['import_sec'] for r in runs], '.2f')} | {summary([r['recomputed'] for r in runs], 'd')} |")
+    print(f"load average during the runs: {summary([r['load'] for rs in results.values() for r in rs], '.1f')} "
+          f"on {os.cpu_count()} CPUs")
+    ok = all(r["resume_sec"] <= 15 and r["recomputed"] <= EVERY
+             for (f, m), runs in results.items() if m == "resume" for r in runs)
+    print(f"\ntargets (resumed <= 15 s, recomputed <= {EVERY}): {'met' if ok else 'NOT met'} in every resumed run")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Where an epoch of a ``RestartableDataLoader`` is, as a small snapshot, and how to go back there (private).
+
+``RestartableDataLoader.state_dict()`` / ``load_state_dict()`` follow torchdata's
+``StatefulDataLoader``: the snapshot says which epoch the loader is in and how many batches of it
+were yielded; ``load_state_dict`` only stores it, and the next ``iter()`` resumes there.
+
+**Map-style datasets.** The order of an epoch is a function of what the sampler reads when it
+draws its first index: a ``DistributedSampler``'s ``epoch`` (``set_epoch``), the state of the
+``torch.Generator`` objects the loader and its samplers hold, and, for a ``RandomSampler`` without
+a generator, torch's global RNG. ``_Capture`` records exactly that, at the moment of that first
+draw (after torch's iterator has drawn its base seed from the loader's generator, as it does when
+it is built). To resume, ``resume_feed`` puts those back, draws the sampler's first
+``batches_yielded`` index batches (indices only: no sample is loaded) and hands the rest of the
+same sampler iterator to the workers. The loader's generator is then in the state an uninterrupted
+epoch leaves it in, so later epochs shuffle the same way too. The global RNG is not the loader's:
+it is only borrowed for that first draw and given back unchanged.
+
+What is not restored: the workers' base seed (random augmentations inside workers draw other
+numbers after a resume; the indices are exact), and samplers whose order depends on anything else.
+
+**Iterable datasets** keep their position inside the workers: the snapshot carries torchdata's
+(``_dataloader_stateful``) state after the last yielded batch.
+
+Everything in a snapshot is an int, a bool, ``None``, a list, a dict or a ``uint8`` tensor (an RNG
+state), so a checkpoint holding it loads with ``torch.load(..., weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+
+#: Version of the snapshot layout; ``load_state_dict`` refuses others.
+STATE_VERSION = 1
+_REQUIRED = ("version", "kind", "epoch", "batches_yielded", "epoch_finished")
+_KNOWN_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler, BatchSampler)
+
+
+def _samplers(loader) -> list[Any]:
+    """The sampler objects of ``loader`` (batch sampler and the sampler inside it), deduplicated."""
+    found: list[Any] = []
+    for obj in (loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None), loader.sampler):
+        if obj is not None and all(obj is not o for o in found):
+            found.append(obj)
+    return found
+
+
+def _generators(loader) -> list[torch.Generator]:
+    """Every ``torch.Generator`` the loader and its samplers hold, in a fixed order, each once."""
+    gens: list[torch.Generator] = []
+    for obj in [loader, *_samplers(loader)]:
+        gen = getattr(obj, "generator", None)
+        if isinstance(gen, torch.Generator) and all(gen is not g for g in gens):
+            gens.append(gen)
+    return gens
+
+
+def _uses_global_rng(loader) -> bool:
+    """True when the epoch's order may come from torch's global RNG."""
+    for obj in _samplers(loader):
+        if isinstance(obj, RandomSampler) and obj.generator is None:
+            return True
+        if not isinstance(obj, _KNOWN_SAMPLERS) and getattr(obj, "generator", None) is None:
+            return True  # a custom sampler: it may draw from the global RNG
+    return False
+
+
+def _sampler_epoch_owner(loader) -> Any:
+    """The sampler whose ``epoch`` attribute (``set_epoch``) decides the order, if any."""
+    for obj in _samplers(loader):
+        if callable(getattr(obj, "set_epoch", None)) and isinstance(getattr(obj, "epoch", None), int):
+            return obj
+    return None
+
+
+class _Capture:
+    """Records what decides an epoch's order, at the first draw from its sampler iterator."""
+
+    def __init__(self, loader, source: Iterator[Any]) -> None:
+        self._loader = loader
+        self._source = source
+        self.taken = False
+        self.sampler_epoch: int | None = None
+        self.generators: list[torch.Tensor] = []
+        self.global_rng: torch.Tensor | None = None
+
+    def take(self) -> None:
+        loader = self._loader
+        owner = _sampler_epoch_owner(loader)
+        self.sampler_epoch = int(owner.epoch) if owner is not None else None
+        self.generators = [g.get_state() for g in _generators(loader)]
+        self.global_rng = torch.get_rng_state() if _uses_global_rng(loader) else None
+        self.taken = True
+
+    def __iter__(self) -> "_Capture":
+        return self
+
+    def __next__(self) -> Any:
+        if not self.taken:
+            self.take()
+        return next(self._source)
+
+
+def epoch_source(loader) -> _Capture:
+    """The sampler iterator of a new epoch, recording its starting point at its first draw."""
+    return _Capture(loader, iter(loader._index_sampler))
+
+
+def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
+    """The sampler iterator of the snapshot's epoch, positioned after its ``batches_yielded`` batches.
+
+    Puts the sampler epoch and the generators back first; the global RNG is borrowed and restored.
+    """
+    owner = _sampler_epoch_owner(loader)
+    if snapshot["sampler_epoch"] is not None and owner is not None:
+        owner.set_epoch(snapshot["sampler_epoch"])
+    restore_generators(loader, snapshot)
+    states = snapshot["generators"]
+    outer = torch.get_rng_state()
+    if snapshot["global_rng"] is not None:
+        torch.set_rng_state(snapshot["global_rng"])
+    try:
+        source = iter(loader._index_sampler)
+        capture = _Capture(loader, source)
+        capture.sampler_epoch = snapshot["sampler_epoch"]
+        capture.generators = list(states)
+        capture.global_rng = snapshot["global_rng"]
+        capture.taken = True
+        skipped = sum(1 for _ in itertools.islice(source, snapshot["batches_yielded"]))
+        ahead = list(itertools.islice(source, 1))  # the sampler's draws happen here, not in a worker later
+    finally:
+        if snapshot["global_rng"] is not None:
+            torch.set_rng_state(outer)
+    if skipped != snapshot["batches_yielded"]:
+        raise ValueError(
+            f"RestartableDataLoader.load_state_dict: the snapshot is {snapshot['batches_yielded']} batches into epoch "
+            f"{snapshot['epoch']}, but the sampler now gives only {skipped} batches; build the loader (dataset, "
+            "sampler, batch size, world size) as it was when the snapshot was taken"
+        )
+    capture._source = itertools.chain(ahead, source)
+    return capture
+
+
+def map_state(loader, epoch: int, yielded: int, finished: bool, capture: _Capture | None) -> dict[str, Any]:
+    """The snapshot of a map-style loader.
+
+    Inside an epoch, the generator states are those its sampler started from; after an epoch (or
+    before the first), they are the generators' states now, which the next epoch starts from.
+    """
+    if finished or capture is None:
+        return {
+            "version": STATE_VERSION,
+            "kind": "map",
+            "epoch": epoch,
+            "batches_yielded": yielded,
+            "epoch_finished": True,
+            "sampler_epoch": None,
+            "generators": [g.get_state() for g in _generators(loader)],
+            "global_rng": None,
+        }
+    if not capture.taken:
+        capture.take()  # nothing drawn yet: what the first draw will see is what decides the epoch
+    return {
+        "version": STATE_VERSION,
+        "kind": "map",
+        "epoch": epoch,
+        "batches_yielded": yielded,
+        "epoch_finished": False,
+        "sampler_epoch": capture.sampler_epoch,
+        "generators": [s.clone() for s in capture.generators],
+        "global_rng": capture.global_rng.clone() if capture.global_rng is not None else None,
+    }
+
+
+def restore_generators(loader, snapshot: Mapping[str, Any]) -> None:
+    """Before a new epoch after a finished one: the generators where the snapshot's loader left them."""
+    gens = _generators(loader)
+    states = snapshot.get("generators") or []
+    if len(states) != len(gens):
+        raise ValueError(
+            f"RestartableDataLoader.load_state_dict: the snapshot holds {len(states)} generator state(s) but this "
+            f"loader and its samplers hold {len(gens)} torch.Generator(s); build the loader as it was when the "
+            "snapshot was taken"
+        )
+    for gen, state in zip(gens, states):
+        gen.set_state(state)
+
+
+def iterable_state(epoch: int, yielded: int, finished: bool, inner: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {
+        "version": STATE_VERSION,
+        "kind": "iterable",
+        "epoch": epoch,
+        "batches_yielded": yielded,
+        "epoch_finished": finished,
+        "torchdata": dict(inner) if inner is not None else None,
+    }
+
+
+def check_state(state: Any, kind: str) -> dict[str, Any]:
+    """Validate a snapshot given to ``load_state_dict``; return a shallow copy."""
+    where = "RestartableDataLoader.load_state_dict(state_dict)"
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{where}: expected a dict from RestartableDataLoader.state_dict(), got {type(state).__name__}")
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing:
+        raise ValueError(f"{where}: missing required key(s) {missing}; got keys {sorted(state)}")
+    if state["version"] != STATE_VERSION:
+        raise ValueError(f"{where}: snapshot version {state['version']!r} is not supported (expected {STATE_VERSION})")
+    if state["kind"] != kind:
+        raise ValueError(f"{where}: the snapshot is of a {state['kind']!r}-style loader, this loader is {kind!r}-style")
+    for key in ("epoch", "batches_yielded"):
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < (-1 if key == "epoch" else 0):
+            raise ValueError(f"{where}: {key}={value!r} must be an int >= {-1 if key == 'epoch' else 0}")
+    if not isinstance(state["epoch_finished"], bool):
+        raise ValueError(f"{where}: epoch_finished={state['epoch_finished']!r} must be a bool")
+    out = dict(state)
+    if kind == "map":
+        out.setdefault("sampler_epoch", None)
+        out.setdefault("generators", [])
+        out.setdefault("global_rng", None)
+        if not isinstance(out["generators"], (list, tuple)) or not all(
+            isinstance(s, torch.Tensor) and s.dtype == torch.uint8 for s in out["generators"]
+        ):
+            raise ValueError(f"{where}: generators must be a list of uint8 tensors (generator states)")
+    return out
+
+
+def resumes_mid_epoch(state: Mapping[str, Any]) -> bool:
+    """False when the snapshot's epoch is over (or none had started): the next ``iter()`` starts a new one."""
+    return state["epoch"] >= 0 and not state["epoch_finished"]

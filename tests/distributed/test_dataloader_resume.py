@@ -1,0 +1,249 @@
+"""RestartableDataLoader.state_dict() / load_state_dict(): resume in a new loader, exactly.
+
+Every case runs a seeded loader uninterrupted for three epochs (the reference), then the same
+loader built afresh up to an interrupt point, takes ``state_dict()``, sends it through
+``torch.save`` / ``torch.load(weights_only=True)`` (what a checkpoint does), loads it into a third
+loader built afresh, and checks that what that loader yields from there is exactly the rest of the
+reference: over workers (0, 2, 2 persistent) x interrupt points (epoch start, inside the epoch,
+the last batch, past the end of the epoch). Workers started here are killed by pid after each test.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
+
+from dl_stress import MapData, StreamData, kill_children
+from fault_tolerant_handlers.dataloader import RestartableDataLoader
+
+N, BATCH, EPOCHS = 96, 4, 3  # 24 batches an epoch (DistributedSampler: 12 per rank)
+
+
+@pytest.fixture(autouse=True)
+def _reap():
+    try:
+        yield
+    finally:
+        kill_children()
+
+
+def build(kind: str, workers: str) -> RestartableDataLoader:
+    kw = dict(num_workers=0 if workers == "0" else 2, persistent_workers=workers == "2p", max_restarts=5)
+    data = MapData(N, delay=0.0005)
+    if kind == "shuffle":
+        return RestartableDataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(3), **kw)
+    if kind == "distributed":
+        sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=0)
+        return RestartableDataLoader(data, batch_size=BATCH, sampler=sampler, **kw)
+    if kind == "batch-sampler":
+        bs = BatchSampler(RandomSampler(data, generator=torch.Generator().manual_seed(5)), batch_size=3, drop_last=False)
+        return RestartableDataLoader(data, batch_sampler=bs, **kw)
+    if kind == "iterable":
+        return RestartableDataLoader(StreamData(N, delay=0.0005), batch_size=BATCH, **kw)
+    raise ValueError(kind)
+
+
+def start_epoch(loader, epoch: int):
+    if isinstance(loader.sampler, DistributedSampler):
+        loader.sampler.set_epoch(epoch)  # as Ignite's EPOCH_STARTED / Lightning's fit loop do
+    return iter(loader)
+
+
+def batches(it, limit=None) -> list[list[int]]:
+    out = []
+    for batch in it:
+        out.append(torch.as_tensor(batch).reshape(-1).tolist())
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+def through_checkpoint(state: dict) -> dict:
+    buf = io.BytesIO()
+    torch.save({"loader": state}, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)["loader"]
+
+
+def reference(kind: str, workers: str) -> list[list[list[int]]]:
+    loader = build(kind, workers)
+    return [batches(start_epoch(loader, e)) for e in range(EPOCHS)]
+
+
+def resumed(kind: str, workers: str, epoch: int, k: int, kill_after: int | None = None) -> tuple[list, list]:
+    """Batches of epoch ``epoch`` from batch ``k`` on, and of the later epochs, after a resume."""
+    first = build(kind, workers)
+    for e in range(epoch):
+        batches(start_epoch(first, e))
+    it = start_epoch(first, epoch)
+    taken = batches(it, limit=k) if k else []
+    assert len(taken) == k
+    state = through_checkpoint(first.state_dict())
+    del it, first
+    kill_children()
+
+    second = build(kind, workers)
+    second.load_state_dict(state)
+    again = second.state_dict()  # lazy: nothing happened yet
+    assert again["epoch"] == state["epoch"] and again["epoch_finished"] == state["epoch_finished"]
+    assert state["epoch_finished"] or again["batches_yielded"] == state["batches_yielded"]
+    it = start_epoch(second, epoch)
+    rest = []
+    if kill_after is not None:
+        rest = batches(it, limit=kill_after)
+        os.kill(second.worker_pids[0], signal.SIGKILL)
+        time.sleep(0.05)
+    rest += batches(it)
+    later = [batches(start_epoch(second, e)) for e in range(epoch + 1, EPOCHS)]
+    if kill_after is not None:
+        assert second.restart_count == 1, second.restarts
+    return rest, later
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", ["0", "2", "2p"])
+@pytest.mark.parametrize("kind", ["shuffle", "distributed", "batch-sampler"])
+def test_map_style_resume_equals_the_uninterrupted_epochs(kind, workers):
+    ref = reference(kind, workers)
+    length = len(ref[1])
+    for epoch, k in [(0, 0), (1, 1), (1, 7), (1, length - 1), (2, 5)]:
+        rest, later = resumed(kind, workers, epoch, k)
+        assert rest == ref[epoch][k:], f"{kind}/{workers}: epoch {epoch} resumed at batch {k} differs"
+        assert later == ref[epoch + 1:], f"{kind}/{workers}: the epochs after the resumed one differ"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_snapshot_after_the_last_batch_starts_the_next_epoch(workers):
+    ref = reference("shuffle", workers)
+    first = build("shuffle", workers)
+    batches(start_epoch(first, 0))
+    it = start_epoch(first, 1)
+    batches(it, limit=len(ref[1]))  # every batch taken, StopIteration not yet seen (Ignite's case)
+    state = through_checkpoint(first.state_dict())
+    assert state["epoch"] == 1 and state["epoch_finished"] is True
+    del it, first
+    second = build("shuffle", workers)
+    second.load_state_dict(state)
+    assert second.state_dict()["epoch"] == 1
+    assert batches(start_epoch(second, 2)) == ref[2]  # the generator is where the first loader left it
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", ["2", "2p"])
+def test_worker_killed_after_a_resume_is_still_exact(workers):
+    ref = reference("distributed", workers)
+    rest, later = resumed("distributed", workers, 1, 3, kill_after=2)
+    assert rest == ref[1][3:] and later == ref[2:]
+
+
+@pytest.mark.timeout(60)
+def test_snapshot_taken_after_a_worker_restart_is_exact():
+    ref = reference("shuffle", "2")
+    loader = build("shuffle", "2")
+    it = start_epoch(loader, 0)
+    head = batches(it, limit=4)
+    os.kill(loader.worker_pids[0], signal.SIGKILL)
+    head += batches(it, limit=3)
+    assert loader.restart_count == 1 and head == ref[0][:7]
+    state = through_checkpoint(loader.state_dict())
+    assert state["epoch"] == 0 and state["batches_yielded"] == 7
+    other = build("shuffle", "2")
+    other.load_state_dict(state)
+    assert batches(iter(other)) == ref[0][7:] and batches(iter(other)) == ref[1]
+
+
+@pytest.mark.timeout(60)
+def test_shuffle_without_generator_resumes_its_epoch_and_leaves_the_global_rng_alone():
+    def make():
+        return RestartableDataLoader(MapData(N, 0), batch_size=BATCH, shuffle=True, num_workers=2)
+
+    torch.manual_seed(11)
+    ref = batches(iter(make()))
+    torch.manual_seed(11)
+    first = make()
+    it = iter(first)
+    head = batches(it, limit=5)
+    state = through_checkpoint(first.state_dict())
+    assert state["global_rng"] is not None
+    torch.manual_seed(99)
+    before = torch.get_rng_state()
+    second = make()
+    second.load_state_dict(state)
+    rest = batches(iter(second))
+    assert head + rest == ref
+    # the global RNG was only borrowed for the sampler's first draw, and given back unchanged
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("workers", ["2", "2p"])
+def test_iterable_dataset_resumes_through_torchdata(workers):
+    ref = reference("iterable", workers)
+    for epoch, k in [(0, 3), (1, 10)]:
+        rest, later = resumed("iterable", workers, epoch, k)
+        assert sorted(sum(rest, [])) == sorted(sum(ref[epoch][k:], [])), f"{workers}: resumed at {k}"
+        assert rest == ref[epoch][k:]
+        assert later == ref[epoch + 1:]
+
+
+def test_state_is_small_plain_and_checked():
+    loader = build("distributed", "0")
+    it = start_epoch(loader, 0)
+    batches(it, limit=2)
+    state = loader.state_dict()
+    assert state == {**state, "version": 1, "kind": "map", "epoch": 0, "batches_yielded": 2, "epoch_finished": False,
+                     "sampler_epoch": 0, "generators": [], "global_rng": None}
+    fresh = RestartableDataLoader(MapData(8), batch_size=2)
+    assert fresh.state_dict()["epoch"] == -1 and fresh.state_dict()["epoch_finished"] is True
+    with pytest.raises(ValueError, match=r"missing required key\(s\) \['batches_yielded'"):
+        fresh.load_state_dict({"version": 1, "kind": "map", "epoch": 0, "epoch_finished": False})
+    with pytest.raises(ValueError, match="version 7 is not supported"):
+        fresh.load_state_dict({**state, "version": 7})
+    with pytest.raises(ValueError, match="'iterable'-style loader"):
+        fresh.load_state_dict({**state, "kind": "iterable"})
+    with pytest.raises(ValueError, match="batches_yielded=-3 must be an int >= 0"):
+        fresh.load_state_dict({**state, "batches_yielded": -3})
+    with pytest.raises(TypeError, match="expected a dict"):
+        fresh.load_state_dict([1, 2])
+    with pytest.raises(ValueError, match="1 generator state"):
+        fresh.load_state_dict({**state, "generators": [torch.Generator().get_state()]})
+        iter(fresh)
+    short = RestartableDataLoader(MapData(8), batch_size=2)
+    short.load_state_dict({**state, "batches_yielded": 5})
+    with pytest.raises(ValueError, match="the sampler now gives only 4 batches"):
+        iter(short)
+
+
+def test_ignite_mid_epoch_resume_warns_when_the_loader_would_start_over():
+    from ignite.engine import Engine
+    from torch.utils.data import DataLoader
+
+    from fault_tolerant_handlers._resume_ignite import check_mid_epoch_resume
+
+    def engine_at(iteration, loader):
+        engine = Engine(lambda e, b: None)
+        engine.load_state_dict({"iteration": iteration, "epoch_length": 24, "max_epochs": 3})
+        engine.state.dataloader = loader
+        return engine
+
+    plain = DataLoader(MapData(N, 0), batch_size=BATCH)
+    with pytest.warns(RuntimeWarning, match=r"iteration 30 \(batch 6 of epoch 2.*DataLoader\) has no state_dict"):
+        check_mid_epoch_resume(engine_at(30, plain))
+    fresh = build("shuffle", "0")  # left out of to_load
+    with pytest.warns(RuntimeWarning, match="next iter\\(\\) starts at batch 0 of its epoch 1: was it left out"):
+        check_mid_epoch_resume(engine_at(30, fresh))
+    loaded = build("shuffle", "0")
+    source = build("shuffle", "0")
+    batches(iter(source))
+    it = iter(source)
+    batches(it, limit=6)
+    loaded.load_state_dict(source.state_dict())
+    assert check_mid_epoch_resume(engine_at(30, loaded)) is None  # where the engine is: silent
+    assert check_mid_epoch_resume(engine_at(48, plain)) is None  # an epoch boundary: nothing to resume

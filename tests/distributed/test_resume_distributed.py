@@ -1,0 +1,141 @@
+"""Exact resume under ``torchrun --max-restarts 2``: 2 ranks, Ignite and Lightning (``resume_main.py``).
+
+Rank 1 fails mid-epoch (iteration 37 of 150, checkpoints every 10) in the first attempt only
+(``FTH_INJECT``'s default ``attempt=0``), or rank 0 is SIGKILLed while writing the checkpoint of
+iteration 40 (``torn-save``: half a file under its final name, and a temporary file). The job must exit 0; the second attempt must have started
+on both ranks from the newest checkpoint (iteration 30), trained exactly the batches of an
+uninterrupted run from iteration 31 on, and rank 0's final weights must be ``torch.equal`` to that
+run's. A DataLoader worker killed mid-epoch must need no restart at all.
+
+Default: two cases per framework. ``FTH_RESUME_FULL=1`` (``make test-resume``) runs every framework x fault.
+torchrun runs in its own session, killed by pid (``launch.run_ranks``); process groups time out
+after 20 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import PROGRAMS, run_ranks
+
+SCRIPT = PROGRAMS / "resume_main.py"
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+            "--monitor-interval", "0.5"]
+FAULTS = {
+    "raise": "raise@rank=1,iteration=37",
+    "kill": "kill@rank=1,iteration=37",
+    "hang": "hang@rank=1,iteration=37",
+    "worker-kill": "worker-kill@rank=1,iteration=37",
+}
+DEFAULT = [("ignite", "raise"), ("ignite", "torn-save"), ("lightning", "kill"), ("lightning", "worker-kill")]
+FULL = [(f, k) for f in ("ignite", "lightning") for k in FAULTS] + [("ignite", "torn-save")]
+CASES = FULL if os.environ.get("FTH_RESUME_FULL") == "1" else DEFAULT
+_reference: dict[str, Path] = {}
+
+
+def kill_workers(out: Path) -> None:
+    """Kill, by pid, every worker of a job in ``out`` still running, with its DataLoader workers.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's session leaves them:
+    called once the job is over (every pid is checked to be this script).
+    """
+    for path in out.glob("attempt*_rank*.json"):
+        try:
+            pid = int(json.loads(path.read_text())["pid"])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"resume_main.py" not in f.read():
+                    continue
+            os.killpg(pid, signal.SIGKILL)  # the worker leads its session and process group
+        except (OSError, ValueError, KeyError):
+            continue
+
+
+def torchrun(framework: str, out: Path, env: dict[str, str]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir = out / f"{framework}-1"
+    try:
+        results = run_ranks(1, framework, out, script=SCRIPT, launcher=TORCHRUN, deadline=150,
+                            env={"PG_TIMEOUT_SEC": "20", "FTH_INJECT": "", **env})
+    finally:
+        kill_workers(run_dir)  # torchrun's workers have sessions of their own
+    assert results[0].returncode == 0, f"torchrun exited {results[0].returncode}:\n{results[0].stderr[-4000:]}"
+    return run_dir
+
+
+def reference(framework: str, tmp_path_factory) -> Path:
+    if framework not in _reference:
+        _reference[framework] = torchrun(framework, tmp_path_factory.mktemp(f"ref-{framework}"), {})
+    return _reference[framework]
+
+
+def attempts(run_dir: Path, rank: int) -> dict[int, dict]:
+    return {int(p.name[7:p.name.index("_")]): json.loads(p.read_text()) for p in run_dir.glob(f"attempt*_rank{rank}.json")}
+
+
+def strip(entries: list[dict]) -> list[tuple]:
+    return [(e["attempt"], e["step"], e["idx"]) for e in entries]
+
+
+def trained(run_dir: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / f"batches{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("framework, fault", CASES)
+def test_restarted_attempt_resumes_exactly(framework, fault, tmp_path, tmp_path_factory):
+    ref = reference(framework, tmp_path_factory)
+    env = {"FTH_INJECT": FAULTS[fault]} if fault in FAULTS else {"TORN_SAVE": "40"}
+    if fault == "hang":
+        env["FTH_HANG_TIMEOUT_SEC"] = "4"
+    run = torchrun(framework, tmp_path / "faulted", env)
+    if fault == "torn-save":  # rank 0 killed while writing checkpoint_40: both earlier ones are still there
+        names = attempts(run, 0)[1]["ckpt_files"]  # what the second attempt found
+        assert {"checkpoint_20.pt", "checkpoint_30.pt", "checkpoint_40.pt"} <= set(names), names
+        assert any(n.startswith("tmp") for n in names), names
+        stderr = (run / "rank0.stderr").read_text()  # torchrun's output: every attempt of every rank
+        assert "skipping checkpoint_40.pt: does not load" in stderr and "a temporary file" in stderr
+
+    for rank in (0, 1):
+        got, want = trained(run, rank), trained(ref, rank)
+        tries = attempts(run, rank)
+        if fault == "worker-kill":  # no restart: the loader replaced its worker
+            assert set(tries) == {0} and tries[0]["done"], tries
+            assert tries[0]["worker_restarts"] == (1 if rank == 1 else 0), tries
+            assert strip(got) == strip(want)
+            continue
+        assert set(tries) == {0, 1}, f"rank {rank}: attempts {sorted(tries)} (expected exactly one restart)"
+        assert "done" not in tries[0] and tries[1]["done"]
+        first = tries[1]
+        # the newest checkpoint before the fault, on both ranks: iteration 30
+        assert first["start_iteration"] == 30 and first["first_step"] == 31, first
+        name = Path(first["resumed_from"]).name
+        assert name in (("checkpoint_30.pt",) if framework == "ignite" else ("last.ckpt", "epoch=0-step=30.ckpt")), name
+        assert first["resumed_from"] == attempts(run, 1 - rank)[1]["resumed_from"]
+        # attempt 0 got to the fault; attempt 1 trained exactly the rest of the uninterrupted run
+        steps0 = [e["step"] for e in got if e["attempt"] == 0]
+        assert steps0 == list(range(1, len(steps0) + 1)) and steps0[-1] >= 36
+        rest = [e for e in got if e["attempt"] == 1]
+        assert [(e["step"], e["idx"]) for e in rest] == [(e["step"], e["idx"]) for e in want[30:]]
+    # every complete checkpoint: the loader's snapshot matches the iteration saved beside it
+    checked = 0
+    for path in sorted((run / "ckpt").glob("*.*")):
+        if fault == "torn-save" and path.name == "checkpoint_40.pt":
+            continue
+        ckpt = torch.load(path, map_location="cpu", weights_only=framework == "ignite")
+        if framework == "ignite":
+            step, loader = ckpt["trainer"]["iteration"], ckpt["loader"]
+        else:
+            step, loader = ckpt["global_step"], ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+        assert (loader["epoch"], loader["batches_yielded"]) == ((step - 1) // 50, (step - 1) % 50 + 1), (path.name, loader)
+        assert loader["epoch_finished"] == (step % 50 == 0)
+        checked += 1
+    assert checked >= 2
+    final, expected = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), f"{framework}/{fault}: {key} differs from the uninterrupted run"

@@ -1,0 +1,67 @@
+"""Under torchrun, every attempt's process groups live in their own store namespace (``_compat_torchrun``).
+
+One process stands in for a restarted torchrun worker: it hosts a TCPStore as torchrun's agent does
+and initializes a gloo group the way torchrun's workers do (``env://`` with
+``TORCHELASTIC_USE_AGENT_STORE=True``, ``TORCHELASTIC_RESTART_COUNT=3``). The group's keys must land
+under ``fth/attempt_3/`` and not under torch's bare names, which every attempt shares (so the keys
+attempt 2 left under the same names can never be read). The full picture (20 restarts in a row of a
+real torchrun job) is ``bench/restart_loop.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from launch import ROOT, free_port
+
+CHILD = textwrap.dedent("""
+    import os, sys
+    from datetime import timedelta
+    import torch.distributed as dist
+    server = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=True, wait_for_workers=False)
+    import fault_tolerant_handlers  # installs the per-attempt namespace
+    from torch.distributed import distributed_c10d
+    dist.init_process_group("gloo", timeout=timedelta(seconds=10))
+    distributed_c10d._get_default_store().set("probe", "attempt-local")
+    expect = os.environ["EXPECT_PREFIX"]
+    print("prefixed", server.check([expect + "default_pg/0//probe"]), "bare", server.check(["default_pg/0//probe"]))
+    dist.destroy_process_group()
+""")
+
+
+def run_child(env: dict[str, str]) -> str:
+    port = free_port()
+    full = dict(os.environ, PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                WORLD_SIZE="1", LOCAL_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True", **env)
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=full, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip()
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_attempt_writes_under_its_own_prefix():
+    assert run_child({"TORCHELASTIC_RESTART_COUNT": "3", "EXPECT_PREFIX": "fth/attempt_3/"}) == "prefixed True bare False"
+
+
+@pytest.mark.timeout(120)
+def test_opt_out_leaves_torchs_shared_namespace():
+    out = run_child({"TORCHELASTIC_RESTART_COUNT": "3", "EXPECT_PREFIX": "fth/attempt_3/", "FTH_ATTEMPT_STORE": "0"})
+    assert out == "prefixed False bare True"
+
+
+def test_missing_private_table_is_named(monkeypatch):
+    import importlib
+
+    from fault_tolerant_handlers import _compat_torchrun
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setattr(rendezvous, "_rendezvous_handlers", {"file": None})
+    with pytest.raises(RuntimeError, match=r"_rendezvous_handlers has no handler for env, tcp .*FTH_ATTEMPT_STORE=0"):
+        _compat_torchrun.install()

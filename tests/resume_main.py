@@ -1,0 +1,216 @@
+"""One worker of a seeded 2-rank training that resumes from its newest checkpoint: run by torchrun.
+
+``torchrun --standalone --nproc_per_node 2 --max-restarts 2 resume_main.py FRAMEWORK OUTDIR``
+
+FRAMEWORK is ``ignite`` (``Checkpoint`` + ``DiskSaver`` every ``EVERY`` iterations, resumed with
+``Checkpoint.load_objects``) or ``lightning`` (``ModelCheckpoint(every_n_train_steps=EVERY)``,
+resumed with ``trainer.fit(..., ckpt_path=latest_checkpoint(dir))``). Both with ``FaultTolerance``
+attached and ``DistributedSampler(shuffle=True, seed=0)`` over 400 samples, batch 4 per rank
+(50 iterations an epoch), 3 epochs. Faults come from ``FTH_INJECT`` (first attempt only, the default),
+or, for Ignite, ``TORN_SAVE=<iteration>``: rank 0 killed in the middle of writing that checkpoint.
+
+Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` at its start (which checkpoint
+it resumed from, at which iteration) and appends the sample indices of every batch it trains to
+``OUTDIR/batches<R>.jsonl``; rank 0 writes ``OUTDIR/weights.pt`` at the end. ``BENCH=1`` also
+records the wall clock of the first trained step of the attempt.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_START = time.time()  # the process's start, before the imports (the bench's breakdown)
+
+import io  # noqa: E402
+import json
+import os
+import signal
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fault_tolerant_handlers import RestartableDataLoader, latest_checkpoint  # noqa: E402
+
+FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
+RANK = int(os.environ["RANK"])
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+EVERY = int(os.environ.get("EVERY", "10"))
+EPOCHS = int(os.environ.get("EPOCHS", "3"))
+WORKERS = int(os.environ.get("WORKERS", "2"))
+RESUME = os.environ.get("RESUME", "1") == "1"  # 0: a restart from scratch (the bench's baseline)
+PG_TIMEOUT = timedelta(seconds=float(os.environ.get("PG_TIMEOUT_SEC", "20")))
+HANG = os.environ.get("FTH_HANG_TIMEOUT_SEC")
+TORN_SAVE = int(os.environ.get("TORN_SAVE", "0"))
+CKPT = OUT / "ckpt"
+MARKS: dict[str, float] = {}  # the attempt's start-up, step by step (the bench's breakdown)
+
+
+def mark(name: str) -> None:
+    MARKS[name] = time.time()
+
+
+class Regression(Dataset):
+    """Sample i is a fixed function of i only."""
+
+    def __len__(self) -> int:
+        return 400
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(8, generator=g)
+        return i, x, x.sum(0, keepdim=True) * 0.5 + 1.0
+
+
+def make_loader() -> RestartableDataLoader:
+    data = Regression()
+    sampler = DistributedSampler(data, num_replicas=2, rank=RANK, shuffle=True, seed=0)
+    return RestartableDataLoader(data, batch_size=4, sampler=sampler, num_workers=WORKERS, max_restarts=3)
+
+
+def note(info: dict) -> None:
+    info.update(attempt=ATTEMPT, rank=RANK, pid=os.getpid(), t=time.time(), ckpt_files=sorted(os.listdir(CKPT)),
+                started_at=T_START, marks=MARKS)
+    (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(info))
+
+
+def done(loader) -> None:
+    path = OUT / f"attempt{ATTEMPT}_rank{RANK}.json"
+    info = json.loads(path.read_text())
+    info.update(done=True, worker_restarts=loader.restart_count)
+    path.write_text(json.dumps(info))
+
+
+class Trace:
+    def __init__(self) -> None:
+        self.file = open(OUT / f"batches{RANK}.jsonl", "a")
+        self.first = None
+
+    def __call__(self, step: int, idx: torch.Tensor) -> None:
+        if self.first is None:
+            self.first = time.time()
+            first = json.loads((OUT / f"attempt{ATTEMPT}_rank{RANK}.json").read_text())
+            first["first_step_at"], first["first_step"] = self.first, step
+            (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(first))
+        self.file.write(json.dumps({"attempt": ATTEMPT, "step": step, "idx": idx.tolist(), "t": time.time()}) + "\n")
+        self.file.flush()
+
+
+def run_ignite() -> None:
+    from ignite.engine import Engine, Events
+    from ignite.handlers import Checkpoint
+    from torch.nn.parallel import DistributedDataParallel
+
+    from fault_tolerant_handlers.ignite import SafeDiskSaver
+
+    class TornOnce(SafeDiskSaver):
+        """With TORN_SAVE=<iteration>: rank 0 of the first attempt is SIGKILLed while writing that
+        checkpoint, leaving half of it under its final name (a non-atomic write) and the start of
+        DiskSaver's temporary file (an atomic one)."""
+
+        def __call__(self, checkpoint, filename, metadata=None):
+            if TORN_SAVE and ATTEMPT == 0 and RANK == 0 and filename == f"checkpoint_{TORN_SAVE}.pt":
+                buf = io.BytesIO()
+                torch.save(checkpoint, buf)
+                data = buf.getvalue()
+                with open(CKPT / filename, "wb") as f:
+                    f.write(data[: len(data) // 2])
+                    f.flush()
+                    os.fsync(f.fileno())
+                with tempfile.NamedTemporaryFile(delete=False, dir=CKPT) as tmp:
+                    tmp.write(data[:100])
+                os.kill(os.getpid(), signal.SIGKILL)
+            super().__call__(checkpoint, filename, metadata)
+
+    from fault_tolerant_handlers.ignite import FaultTolerance
+
+    mark("imported")
+    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    mark("process_group")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = make_loader()
+    trace = Trace()
+
+    def step(engine, batch):
+        idx, x, y = batch
+        trace(engine.state.iteration, idx)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+    trainer = Engine(step)
+    trainer.add_event_handler(Events.EPOCH_STARTED, lambda e: loader.sampler.set_epoch(e.state.epoch - 1))
+    FaultTolerance(hang_timeout=timedelta(seconds=float(HANG)) if HANG else None).attach(trainer)
+    to_save = {"model": model, "optimizer": opt, "trainer": trainer, "loader": loader}
+    saver = Checkpoint(to_save, TornOnce(str(CKPT), require_empty=False), n_saved=2,
+                       global_step_transform=lambda e, _: e.state.iteration)
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(every=EVERY), saver)
+    mark("ddp")
+    path = latest_checkpoint(CKPT) if RESUME else None
+    mark("latest_checkpoint")
+    if path:
+        Checkpoint.load_objects(to_load=to_save, checkpoint=path)
+    mark("loaded")
+    note({"resumed_from": path, "start_iteration": trainer.state.iteration})
+    trainer.run(loader, max_epochs=EPOCHS)
+    done(loader)
+    if RANK == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, OUT / "weights.pt")
+    dist.destroy_process_group()
+
+
+def run_lightning() -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from fault_tolerant_handlers.lightning import FaultTolerance
+
+    mark("imported")
+    trace = Trace()
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            idx, x, y = batch
+            trace(self.global_step + 1, idx)
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo", timeout=PG_TIMEOUT),
+        max_epochs=EPOCHS, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, num_sanity_val_steps=0,
+        callbacks=[FaultTolerance(hang_timeout=timedelta(seconds=float(HANG)) if HANG else None),
+                   ModelCheckpoint(dirpath=str(CKPT), every_n_train_steps=EVERY, save_top_k=2, monitor="step",
+                                   mode="max", save_last=True)],
+    )
+    path = latest_checkpoint(CKPT) if RESUME else None
+    mark("latest_checkpoint")
+    start = torch.load(path, map_location="cpu", weights_only=False)["global_step"] if path else 0
+    note({"resumed_from": path, "start_iteration": start})
+    model = Module()
+    trainer.fit(model, make_loader(), ckpt_path=path)
+    done(trainer.train_dataloader)
+    if trainer.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.layer.state_dict().items()}, OUT / "weights.pt")
+
+
+if __name__ == "__main__":
+    CKPT.mkdir(parents=True, exist_ok=True)
+    {"ignite": run_ignite, "lightning": run_lightning}[FRAMEWORK]()
