@@ -44,6 +44,7 @@ import traceback
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from ._liveness import PidWatcher, WakeEvent
 from ._log import log
 from ._timeouts import check_timedelta, env_timedelta
 from .errors import WATCHDOG_SECTION, PeerFailedError
@@ -169,7 +170,7 @@ class Watchdog:
         )
         self._store_down_since: float | None = None
         self._liveness_store = coord.store.clone()  # the liveness thread's own connection
-        self._stop = threading.Event()
+        self._stop = WakeEvent()  # its set() also wakes the liveness thread's poll()
         self._acknowledged = threading.Event()
         self._finishing = False
         self._local_failure = False
@@ -244,9 +245,15 @@ class Watchdog:
         log(logging.DEBUG, "watchdog stopped")
 
     def _run_liveness(self) -> None:
-        period = self.interval.total_seconds()
-        while not self._stop.wait(period) and self.peer_error is None:
-            self._check_same_host_peers()
+        # Sleeps in poll() on the peers' pidfds: wakes when a peer ends or the watchdog stops, not
+        # every interval (pids without a pidfd are still checked every interval).
+        watcher = PidWatcher([pid for _, pid in self._same_host], self._stop, self.interval.total_seconds())
+        try:
+            while not self._stop.is_set() and self.peer_error is None:
+                if watcher.wait():
+                    self._check_same_host_peers()
+        finally:
+            watcher.close()
 
     def _tick(self) -> None:
         now = time.monotonic()
