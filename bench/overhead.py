@@ -206,8 +206,10 @@ def process_cpu_seconds(proc: str = "/proc") -> float:
     return stat_cpu_seconds(_read(f"{proc}/self/stat") or "")
 
 
-def cpu_rank_main(outdir: Path, seconds: float) -> None:
-    """One rank: an Ignite training with ``FaultTolerance`` for ``seconds``; the library's CPU over it."""
+def cpu_rank_main(outdir: Path, seconds: float, loader_workers: int = 0) -> None:
+    """One rank: an Ignite training with ``FaultTolerance`` for ``seconds``; the library's CPU over it.
+    With ``loader_workers``, the batches come from a ``RestartableDataLoader`` with that many workers
+    (its pump thread is one of the library's threads)."""
     import torch
     import torch.distributed as dist
     from ignite.engine import Engine, Events
@@ -246,7 +248,15 @@ def cpu_rank_main(outdir: Path, seconds: float) -> None:
                         ft.guard.watchdog.store_ops, engine.state.iteration))
 
     engine.add_event_handler(Events.ITERATION_COMPLETED(every=every), sample)
-    engine.run(itertools.cycle(data), max_epochs=1, epoch_length=iters)
+    if loader_workers:
+        from fault_tolerant_handlers import RestartableDataLoader
+
+        x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
+        loader = RestartableDataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64,
+                                       num_workers=loader_workers, persistent_workers=True)
+        engine.run(loader, max_epochs=max(1, round(iters / len(loader))))
+    else:
+        engine.run(itertools.cycle(data), max_epochs=1, epoch_length=iters)
     windows = []
     for (t0, c0, p0, s0, i0), (t1, c1, p1, s1, i1) in zip(samples, samples[1:]):
         d = cpu_delta(c0, c1)
@@ -490,13 +500,13 @@ def ratio_rows(results: dict) -> tuple[list[str], dict[str, float]]:
     return rows, worst
 
 
-def cpu_rows(by_world: dict[int, list[dict]]) -> tuple[list[str], float]:
+def cpu_rows(by_world: dict[str, list[dict]]) -> tuple[list[str], float]:
     """Per world size: the library's CPU per rank (median and min-max over ranks and over windows)."""
     rows = ["| ranks | library CPU per rank, % of a core: median (min-max over ranks) | over 1/10-run windows "
             "| /proc stat (10 ms ticks) | rank process CPU, % | store ops / rank / s | steps / s |",
             "|---:|---:|---:|---:|---:|---:|---:|"]
     worst = 0.0
-    for world, ranks in sorted(by_world.items()):
+    for world, ranks in by_world.items():
         precise = [r["sched"] if r["sched"] is not None else r["stat"] for r in ranks]
         windows = [w["sched"] if w["sched"] is not None else w["stat"] for r in ranks for w in r["windows"]]
         worst = max(worst, max(precise))
@@ -508,10 +518,10 @@ def cpu_rows(by_world: dict[int, list[dict]]) -> tuple[list[str], float]:
     return rows, worst
 
 
-def thread_rows(by_world: dict[int, list[dict]]) -> list[str]:
+def thread_rows(by_world: dict[str, list[dict]]) -> list[str]:
     """Which library thread takes what (median over ranks, % of a core)."""
     rows = ["| ranks | thread | % of a core, median (min-max over ranks) |", "|---:|---|---:|"]
-    for world, ranks in sorted(by_world.items()):
+    for world, ranks in by_world.items():
         names: dict[str, list[float]] = {}
         for r in ranks:
             for label, (stat, sched) in r["threads"].items():
@@ -544,6 +554,8 @@ def main() -> None:
     parser.add_argument("--cpu-seconds", type=float, default=None,
                         help="training time per world size for the background CPU (default 30; --quick 8)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8], help="world sizes for the background CPU")
+    parser.add_argument("--loader-workers", type=int, default=2,
+                        help="also measure 2 ranks fed by a RestartableDataLoader with this many workers (0: skip)")
     parser.add_argument("--frameworks", nargs="+", default=["ignite", "lightning"], choices=["ignite", "lightning"])
     parser.add_argument("--only", nargs="+", default=["ratio", "cpu", "hooks"], choices=["ratio", "cpu", "hooks"],
                         help="which figures to measure (default all three)")
@@ -554,6 +566,8 @@ def main() -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.loader_workers < 0:
+        parser.error(f"--loader-workers must be 0 or more, got {args.loader_workers}")
     if any(w < 2 for w in args.worlds):
         parser.error(f"--worlds: every world size must be at least 2, got {args.worlds}")
     pairs = args.pairs or (4 if args.quick else 10)
@@ -564,7 +578,7 @@ def main() -> None:
         if args.mode == "ratio":
             ab_rank_main(args.rank_main, pairs, iters, args.frameworks)
         elif args.mode == "cpu":
-            cpu_rank_main(args.rank_main, cpu_seconds)
+            cpu_rank_main(args.rank_main, cpu_seconds, args.loader_workers)
         else:
             hooks_rank_main(args.rank_main, calls, repeats, args.frameworks)
         return
@@ -587,16 +601,22 @@ def main() -> None:
         print("\n".join(rows))
         fields += [f"{k}={v:.3f}" for k, v in worst.items()]
     if "cpu" in args.only:
-        by_world: dict[int, list[dict]] = {}
-        for world in args.worlds:
+        by_world: dict[str, list[dict]] = {}
+        runs = [(world, 0) for world in args.worlds] + ([(2, args.loader_workers)] if args.loader_workers else [])
+        for world, workers in runs:
             outdir = Path(tempfile.mkdtemp(prefix="overhead-cpu-"))
-            run_job(world, [__file__, "--rank-main", str(outdir), "--mode", "cpu", *common],
-                    deadline=120 + 4 * cpu_seconds, env=env, quiet_ranks=False)
+            run_job(world, [__file__, "--rank-main", str(outdir), "--mode", "cpu", *common,
+                            "--loader-workers", str(workers)],
+                    deadline=180 + 4 * cpu_seconds, env=env, quiet_ranks=False)
             files = sorted(outdir.glob("cpu-*.json"))
             if len(files) != world:
                 raise SystemExit(f"background CPU at {world} ranks: {len(files)} of {world} ranks reported")
-            by_world[world] = [json.loads(f.read_text()) for f in files]
-        rows, worst = cpu_rows(by_world)
+            label = f"{world}" + (f", RestartableDataLoader({workers} workers)" if workers else "")
+            by_world[label] = [json.loads(f.read_text()) for f in files]
+        # the headline is the training alone: a RestartableDataLoader's pump mostly does the result
+        # unpickling that a stock DataLoader does on the training thread
+        _, worst = cpu_rows({k: v for k, v in by_world.items() if "," not in k})
+        rows, _ = cpu_rows(by_world)
         print(f"\n2. background CPU of the library's own threads (fth-*), Ignite training of ~{cpu_seconds:.0f} s "
               "with FaultTolerance, target <= 0.5 % of a core per rank")
         print("\n".join(rows))
