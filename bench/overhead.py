@@ -245,7 +245,7 @@ def cpu_rank_main(outdir: Path, seconds: float, loader_workers: int = 0) -> None
 
     def sample(engine) -> None:  # attached after the handler: the watchdog is running
         samples.append((time.monotonic(), cpu_of(library_tasks()), process_cpu_seconds(),
-                        ft.guard.watchdog.store_ops, engine.state.iteration))
+                        _session(ft.guard).watchdog.store_ops, engine.state.iteration))
 
     engine.add_event_handler(Events.ITERATION_COMPLETED(every=every), sample)
     if loader_workers:
@@ -307,6 +307,12 @@ def per_call_us(fn, baseline, calls: int, repeats: int, clock=time.thread_time_n
     return out
 
 
+def _session(guard):
+    """What owns the side group and the watchdog of an adapter's guard (``Session``; ``Coordinator``
+    in releases before it)."""
+    return getattr(guard, "session", None) or getattr(guard, "coord", None)
+
+
 def _owner(func):
     """The object a (possibly event-filtered) Ignite handler is bound to."""
     owner = getattr(func, "__self__", None)
@@ -332,7 +338,7 @@ def _time_agreement(guard, calls: int, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    side = guard.coord.side
+    side = _session(guard).side
     flag = torch.zeros(1, dtype=torch.int64)
     sync, raw = [], []
     for _ in range(repeats):

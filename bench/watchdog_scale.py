@@ -38,7 +38,7 @@ def rank_main(outdir: Path, idle: float) -> None:
     guard = Guard(sync_every=None, release_on_failure=False)
     guard.start()
     dist.barrier()
-    wd = guard.watchdog
+    wd = guard.session.watchdog
     ops0, t0 = wd.store_ops, time.monotonic()
     result: dict = {"rank": rank}
     if rank == world - 1:

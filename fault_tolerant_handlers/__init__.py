@@ -5,25 +5,31 @@ Public names:
 * :class:`fail_together`: a section that, if it raises on any rank, raises on every rank.
 * :class:`one_rank_first`: exception-safe drop-in for ``ignite.distributed.one_rank_first``.
 * :class:`PeerFailedError`: what the ranks that did not fail raise, naming the one that did.
+* :class:`SectionMismatchError`: ranks met in different sections (a bug in the job).
 * :func:`start_watchdog`: the out-of-band watchdog (the adapters start it for you).
+* :func:`writing_checkpoint`: mark a checkpoint write that a reported exit must wait for.
 * :class:`RestartableDataLoader`, :func:`make_restartable`: a DataLoader that survives worker death.
 """
 
 from .dataloader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
-from .errors import PeerFailedError
+from .errors import PeerFailedError, SectionMismatchError
+from .release import EXIT_TEARDOWN_STUCK
 from .sections import fail_together, one_rank_first
-from .watchdog import EXIT_HUNG, EXIT_PEER_FAILED, start_watchdog
+from .watchdog import EXIT_HUNG, EXIT_PEER_FAILED, start_watchdog, writing_checkpoint
 
 __all__ = [
     "EXIT_HUNG",
     "EXIT_PEER_FAILED",
+    "EXIT_TEARDOWN_STUCK",
     "DataLoaderRestartError",
     "PeerFailedError",
     "RestartableDataLoader",
+    "SectionMismatchError",
     "WorkerRestart",
     "fail_together",
     "make_restartable",
     "one_rank_first",
     "start_watchdog",
+    "writing_checkpoint",
 ]
 __version__ = "0.1.0"

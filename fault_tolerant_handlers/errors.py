@@ -1,41 +1,30 @@
-"""Named errors raised when ranks fail together."""
+"""Named errors raised when ranks fail together, and what counts as a backend's error."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch.distributed as dist
-
+from . import _compat_torch
 from .record import FailureRecord
 
-
-#: Substrings of the messages torch.distributed backends raise when a peer or the store is gone.
-_COMM_MARKERS = (
-    "gloo",
-    "Connection closed",
-    "Connection reset",
-    "NCCL",
-    "ProcessGroup",
-    "Timed out",
-    "timed out",
-    "Broken pipe",
-    "recvValue",
-    "Socket",
-)
+#: Where a gloo error comes from: its text points into gloo's transport (``.../gloo/transport/tcp/
+#: pair.cc:534] Connection closed by peer``) or into torch's gloo process group.
+_GLOO_MARKERS = ("gloo/transport/", "ProcessGroupGloo.cpp")
 
 
-def is_communication_error(exc: BaseException) -> bool:
-    """True for the errors a collective or the store raises when a peer is gone or released."""
-    if isinstance(exc, getattr(dist, "DistError", ())):
+def is_backend_error(exc: BaseException) -> bool:
+    """True for what a collective or the store raises when a peer is gone or this rank was released.
+
+    torch's ``DistError`` family (NCCL, the store, the network), and gloo's plain ``RuntimeError``
+    whose text points into gloo's transport. A ``socket.timeout``, ``TimeoutError``,
+    ``ConnectionResetError`` or any other error of user code is not one: it is the rank's own failure.
+    """
+    if isinstance(exc, _compat_torch.backend_error_types()):
         return True
-    if isinstance(exc, (RuntimeError, ConnectionError, OSError)):
+    if type(exc) is RuntimeError:
         text = str(exc)
-        return any(marker in text for marker in _COMM_MARKERS)
+        return any(marker in text for marker in _GLOO_MARKERS)
     return False
-
-
-#: The ``section`` of records the watchdog publishes for a lost, silent or hung rank.
-WATCHDOG_SECTION = "the watchdog"
 
 
 def describe_where(section: str, step: int | None = None, epoch: int | None = None) -> str:
@@ -50,21 +39,25 @@ def describe_where(section: str, step: int | None = None, epoch: int | None = No
 
 
 class PeerFailedError(RuntimeError):
-    """Raised on every rank that did not fail, when another rank failed at a sync point.
+    """Raised on every rank that did not fail, when another rank failed (or was lost or hung).
 
     The rank that failed re-raises its own exception unchanged; every other rank raises this error,
-    which carries what the failing rank reported through the store.
+    which carries what the failing rank (or the rank that saw it die) reported through the store.
 
     Attributes:
         failed_rank: global rank that failed first (earliest timestamp; lowest rank on a tie).
             ``None`` only when no rank could say who failed.
-        exc_type: the failing rank's exception type, e.g. ``"ValueError"``.
-        exc_message: ``str()`` of that exception (capped).
-        remote_traceback: the failing rank's formatted traceback (capped, tail kept).
+        exc_type: the failing rank's exception type (``"ValueError"``), or for a rank that was lost,
+            silent or hung the kind: ``"PeerLost"``, ``"PeerSilent"``, ``"RankHung"``.
+        exc_message: ``str()`` of that exception (capped), or what was seen of the lost rank.
+        remote_traceback: the failing rank's formatted traceback, or a hung rank's main-thread stack.
         where: the section name, with epoch and iteration when an adapter knows them.
         section, step, epoch: the parts of ``where``.
-        failed_at: wall-clock time of the failure on the failing rank (seconds since the epoch).
-        others: the other ranks that failed in the same section, as
+        failed_at: wall-clock time of the failure (seconds since the epoch).
+        pid, host: the failing process.
+        origin: ``"failure"`` (the rank reported its own failure) or ``"declared"`` (another rank,
+            or the watchdog of a hung rank, declared it lost, silent or hung).
+        others: the other ranks that failed in the same episode, as
             ``[{"rank": 3, "exc_type": "KeyError", "exc_message": "'x'"}, ...]``.
     """
 
@@ -82,6 +75,7 @@ class PeerFailedError(RuntimeError):
         failed_at: float | None = None,
         pid: int | None = None,
         host: str = "",
+        origin: str = "failure",
         others: Sequence[dict[str, Any]] = (),
     ) -> None:
         self.failed_rank = failed_rank
@@ -95,41 +89,40 @@ class PeerFailedError(RuntimeError):
         self.failed_at = failed_at
         self.pid = pid
         self.host = host
+        self.origin = origin
         self.others = [dict(o) for o in others]
         super().__init__(self._format())
 
     @classmethod
-    def from_records(cls, records: Sequence[FailureRecord], fallback_rank: int | None = None, section: str = "") -> PeerFailedError:
-        """Build the error from the records of one agreement; the earliest failure is the cause."""
+    def from_records(cls, records: Sequence[FailureRecord], fallback_rank: int | None = None,
+                     section: str = "") -> PeerFailedError:
+        """The error for the records of one failure episode; the earliest failure is the cause."""
         if not records:
-            return cls(
-                fallback_rank,
-                "unknown",
-                "the failing rank's record could not be read from the store",
-                where=repr(section),
-                section=section,
-            )
+            return cls(fallback_rank, "unknown", "the failing rank's record could not be read from the store",
+                       where=repr(section), section=section)
         ordered = sorted(records, key=lambda r: (r.time_ms, r.rank))
         first = ordered[0]
-        others = [{"rank": r.rank, "exc_type": r.exc_type, "exc_message": r.exc_message} for r in ordered[1:]]
+        others = [{"rank": r.rank, "exc_type": r.exc_type, "exc_message": r.exc_message} for r in ordered[1:]
+                  if (r.rank, r.exc_type) != (first.rank, first.exc_type)]
         return cls(
             first.rank,
             first.exc_type,
             first.exc_message,
             first.traceback,
-            describe_where(first.section, first.step, first.epoch),
+            describe_where(first.section, first.step, first.epoch) if first.origin == "failure" else "",
             section=first.section,
             step=first.step,
             epoch=first.epoch,
             failed_at=first.time_ms / 1000.0,
             pid=first.pid or None,
             host=first.host,
+            origin=first.origin,
             others=others,
         )
 
     def _format(self) -> str:
         who = "an unknown rank" if self.failed_rank is None else f"rank {self.failed_rank}"
-        if self.section == WATCHDOG_SECTION:  # the message already says who and what
+        if self.origin == "declared":  # the message already says who and what
             text = f"{self.exc_type}: {self.exc_message}"
         else:
             text = f"{who} failed in {self.where or 'a fail-together section'}: {self.exc_type}: {self.exc_message}"
@@ -137,7 +130,7 @@ class PeerFailedError(RuntimeError):
             also = "; ".join(f"rank {o['rank']}: {o['exc_type']}: {o['exc_message']}" for o in self.others)
             text += f"\nalso failed: {also}"
         if self.remote_traceback:
-            origin = f" (pid {self.pid} on {self.host})" if self.pid else ""
+            origin = f" (pid {self.pid} on {self.host})" if self.pid and self.host else ""
             text += f"\n\nTraceback of {who}{origin}:\n{self.remote_traceback.rstrip()}"
         return text
 
@@ -157,6 +150,7 @@ class PeerFailedError(RuntimeError):
                     "failed_at": self.failed_at,
                     "pid": self.pid,
                     "host": self.host,
+                    "origin": self.origin,
                     "others": self.others,
                 },
             ),
@@ -165,3 +159,19 @@ class PeerFailedError(RuntimeError):
 
 def _rebuild(failed_rank, exc_type, exc_message, remote_traceback, where, kwargs):
     return PeerFailedError(failed_rank, exc_type, exc_message, remote_traceback, where, **kwargs)
+
+
+class SectionMismatchError(RuntimeError):
+    """The ranks met in different fail-together sections (or at different agreements): a bug in
+    the job, like a collective called on some ranks only. Raised on every rank of the agreement.
+
+    Attributes:
+        sections: ``{rank: "fail_together 'x' (agreement 3)", ...}`` for the ranks that could say.
+    """
+
+    def __init__(self, message: str, sections: dict[int, str] | None = None) -> None:
+        self.sections = dict(sections or {})
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (SectionMismatchError, (str(self), self.sections))

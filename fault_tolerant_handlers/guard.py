@@ -1,156 +1,151 @@
-"""The framework-neutral core of the adapters: what a training loop calls at each of its hooks.
+"""What an adapter calls at its framework's hooks: one :class:`Guard` per training loop.
 
-An adapter (Ignite handler, Lightning callback) maps its framework's events onto four calls:
+An adapter (Ignite handler, Lightning callback) maps its framework's events onto these verbs of
+the loop's fail-together session (:class:`~.session.Session`):
 
-* :meth:`Guard.start` once, on every rank, before training (collective: creates the side group and
-  starts the watchdog);
-* :meth:`Guard.beat` every iteration (a couple of assignments: progress for hang detection);
+* :meth:`Guard.start` once, on every rank, before training (collective on first use: creates the
+  side group; takes a reference on the watchdog);
+* :meth:`Guard.beat` every iteration (one assignment: progress for hang detection);
+* :meth:`Guard.check` where a hook may raise without communicating (an attribute read);
 * :meth:`Guard.sync` at the points where every rank already synchronises (every ``sync_every``
-  iterations, epoch end, before a checkpoint, the end of the run): one small all_reduce, and every
-  rank raises :class:`PeerFailedError` together if any rank failed;
-* :meth:`Guard.on_exception` when the framework reports an exception: it tells a local failure
-  (record it, release the peers, re-raise it) from a consequence of a peer's failure (raise
-  :class:`PeerFailedError` with the peer's cause instead of a bare gloo error).
+  iterations, epoch end, before a checkpoint, the end of the run): one agreement, and every rank
+  raises together if any rank failed;
+* :meth:`Guard.on_exception` when the framework reports an exception: what this rank must raise;
+* :meth:`Guard.stop` when the loop ended normally (drops its watchdog reference).
 """
 
 from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from typing import Any, Mapping
 
 import torch.distributed as dist
 
+from . import config
 from ._log import log
-from .coordinator import Coordinator, get_coordinator
-from .errors import PeerFailedError, is_communication_error
-from .record import FailureRecord
-from .release import release_process_groups
-from ._timeouts import check_timedelta
-from .watchdog import Watchdog, start_watchdog
+from .errors import PeerFailedError
+from .sections import check_name
+from .session import AGREED_ATTR, Session, get_session, mark
 
 #: Marks an exception object this process already handled (published or converted).
-_HANDLED_ATTR = "_fth_handled"
+HANDLED_ATTR = "_fth_handled"
+
 
 class Guard:
-    """Fail-together state for one training loop on one process group.
+    """Fail-together verbs for one training loop on one process group.
 
     Args:
-        sync_every: iterations between flag agreements inside an epoch (``None``: only at epoch
-            ends and the other natural sync points). The watchdog covers what happens in between.
+        sync_every: iterations between agreements inside an epoch (``None``: only at epoch ends and
+            the other natural sync points). The watchdog covers what happens in between.
         hang_timeout: declare a rank hung when its loop makes no progress for this long
-            (``None``: off). Env override ``FTH_HANG_TIMEOUT_SEC``.
+            (``None``: off; env ``FTH_HANG_TIMEOUT_SEC``), from 1 s to 7 days.
         watchdog: start the out-of-band watchdog (default True).
         release_on_failure: when this rank fails, release its collectives at once so that peers
             blocked in a collective with it fail fast instead of waiting for a timeout.
         name: the loop's name in reports (``"train"``).
         group: process group (``None``: all ranks).
+
+    Raises:
+        TypeError, ValueError: an argument or an ``FTH_*`` variable out of range (named).
     """
 
-    def __init__(
-        self,
-        *,
-        sync_every: int | None = 100,
-        hang_timeout: timedelta | None = None,
-        watchdog: bool = True,
-        release_on_failure: bool = True,
-        name: str = "train",
-        group: dist.ProcessGroup | None = None,
-    ) -> None:
+    def __init__(self, *, sync_every: int | None = 100, hang_timeout: timedelta | None = None, watchdog: bool = True,
+                 release_on_failure: bool = True, name: str = "train", group: dist.ProcessGroup | None = None,
+                 owner: str = "FaultTolerance") -> None:
         if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
-            raise ValueError(f"sync_every must be a positive int (iterations) or None, got {sync_every!r}")
-        check_timedelta("hang_timeout", hang_timeout, allow_none=True)
+            raise ValueError(f"{owner}(sync_every=...) must be a positive int (iterations) or None, got {sync_every!r}")
+        config.check_timedelta("hang_timeout", hang_timeout, allow_none=True, what=f"{owner}(hang_timeout=...)")
         if not isinstance(watchdog, bool):
-            raise TypeError(f"watchdog must be True or False, got {watchdog!r}")
+            raise TypeError(f"{owner}(watchdog=...) must be True or False, got {watchdog!r}")
+        check_name(owner, name)
+        config.load()  # every FTH_* variable is checked now, not when a failure comes
         self.sync_every = sync_every
         self.hang_timeout = hang_timeout
         self.use_watchdog = watchdog
         self.release_on_failure = release_on_failure
         self.name = name
         self.group = group
-        self.coord: Coordinator | None = None
-        self.watchdog: Watchdog | None = None
-        self.failures_seen = 0
+        self.session: Session | None = None
+        self._watching = False
 
     @property
     def active(self) -> bool:
-        return self.coord is not None
+        return self.session is not None
+
+    @property
+    def rank(self) -> int:
+        return self.session.rank if self.session is not None else 0
 
     def start(self) -> None:
         """Collective on first use: call on every rank before training. A no-op without distribution."""
-        self.coord = get_coordinator(self.group, caller=type(self).__name__)
-        if self.coord is not None and self.use_watchdog:
-            self.watchdog = start_watchdog(self.group, hang_timeout=self.hang_timeout)
+        self.session = get_session(self.group, caller=type(self).__name__)
+        if self.session is not None and self.use_watchdog and not self._watching:
+            self.session.start_watchdog(self.hang_timeout)
+            self._watching = True
+        self.beat()
 
     def stop(self) -> None:
-        """The loop ended normally on every rank."""
-        if self.watchdog is not None:
-            self.watchdog.stop()
+        """The loop ended normally on every rank: drop this loop's watchdog reference."""
+        if self._watching and self.session is not None:
+            self._watching = False
+            self.session.stop_watchdog()
 
     def beat(self, step: int | None = None) -> None:
-        if self.watchdog is not None:
-            self.watchdog.beat(step)
+        watchdog = self.session.watchdog if self.session is not None else None
+        if watchdog is not None:
+            watchdog.beat(step)
 
     def due(self, iteration: int) -> bool:
         return self.sync_every is not None and iteration % self.sync_every == 0
 
+    def check(self, *, step: int | None = None, epoch: int | None = None) -> None:
+        """Raise the peer failure the watchdog already knows (no communication)."""
+        if self.session is not None and self.session.known_failure is not None:
+            raise self.on_exception(self.session.known_failure, step=step, epoch=epoch)
+
     def sync(self, where: str, *, step: int | None = None, epoch: int | None = None) -> None:
-        """One agreement: raise :class:`PeerFailedError` on every rank if any rank failed."""
-        coord = self.coord
-        if coord is None:
+        """One agreement at sync point ``where``: raise on every rank if any rank failed."""
+        session = self.session
+        if session is None:
             return
-        if self.watchdog is not None and self.watchdog.peer_error is not None:
-            self._raise_peer(self.watchdog.peer_error)
-        peer_error = coord.agree(coord.next_seq(), None, section=self.name)
-        if peer_error is not None:
-            self._raise_peer(peer_error)
-
-    def _acknowledge(self) -> None:
-        if self.coord is not None:
-            self.coord.acknowledge()
-
-    def _raise_peer(self, err: PeerFailedError) -> None:
-        self._acknowledge()
-        setattr(err, _HANDLED_ATTR, True)
-        log(logging.ERROR, "stopping: %s", str(err).splitlines()[0])
-        raise err
+        self.check(step=step, epoch=epoch)
+        outcome = session.agree("loop", f"{self.name}: {where}", step=step, epoch=epoch)
+        err = outcome.error_for_caller()
+        if err is not None:
+            mark(err, AGREED_ATTR)
+            raise self.on_exception(err, step=step, epoch=epoch)
 
     def on_exception(self, exc: BaseException, *, step: int | None = None, epoch: int | None = None) -> BaseException:
-        """What this rank must raise for ``exc``: ``exc`` itself, or a :class:`PeerFailedError`.
+        """What this rank must raise for ``exc``: ``exc`` itself, or the peer's error.
 
-        A local failure is published for the other ranks (and this rank's collectives are released
-        so that a peer blocked in one with it wakes up at once). An error that comes from a peer's
-        failure (a released or broken collective) becomes the peer's :class:`PeerFailedError`.
-        Idempotent: the same exception object is handled once.
+        A local failure is published for the other ranks (and, with ``release_on_failure``, this
+        rank's collectives are released so that a peer blocked in one with it wakes up at once).
+        An error that comes from a peer's failure (:meth:`Session.classify`) becomes the peer's
+        :class:`PeerFailedError`. Idempotent: the same exception object is handled once.
         """
-        coord = self.coord
-        if coord is None or getattr(exc, _HANDLED_ATTR, False):
+        session = self.session
+        if session is None or getattr(exc, HANDLED_ATTR, False):
             return exc
-        if isinstance(exc, PeerFailedError):
-            self._acknowledge()
-            _mark(exc)
-            return exc
-        if is_communication_error(exc):
-            peer = coord.explain(exc)
-            if peer is not None:
-                self._acknowledge()
-                _mark(peer)
+        peer = session.classify(exc)
+        if peer is not None:
+            session.acknowledge()
+            mark(peer, HANDLED_ATTR)
+            if peer is not exc:
                 peer.__cause__ = exc
-                log(logging.ERROR, "stopping: %s", str(peer).splitlines()[0], step=step)
-                return peer
-        # A failure of this rank: record it, then make sure no peer waits for us.
-        self.failures_seen += 1
-        record = FailureRecord.from_exception(exc, rank=coord.rank, section=self.name, seq=-1, step=step, epoch=epoch)
-        log(logging.ERROR, "failed: %s: %s", record.exc_type, record.exc_message, step=step)
-        coord.publish(record)
-        if self.release_on_failure:
-            what = release_process_groups(coord.store)
-            log(logging.INFO, "released this rank's collectives so that no peer waits: %s", what, step=step)
-        _mark(exc)
+            log(logging.ERROR, "stopping: %s", str(peer).splitlines()[0], step=step)
+            return peer
+        session.report_error(exc, section=self.name, step=step, epoch=epoch, release=self.release_on_failure)
+        mark(exc, HANDLED_ATTR)
         return exc
 
+    # -- state ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {}
 
-def _mark(exc: BaseException) -> None:
-    try:
-        setattr(exc, _HANDLED_ATTR, True)
-    except Exception:  # noqa: BLE001 - some exception types refuse attributes
-        pass
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"load_state_dict(state_dict=...) takes a mapping, got {type(state_dict).__name__}")
+
+
+__all__ = ["Guard", "PeerFailedError"]

@@ -33,9 +33,8 @@ runs there, where the trained state is. In the parent, which holds only the untr
 callback skips the checkpoint callbacks (stock Lightning 2.6.6 saves the untrained parent model as
 ``on_exception.ckpt``) and keeps the other callbacks' ``on_exception`` from hiding the rank's error.
 
-Private Lightning API (all in :class:`_LightningPrivate`, checked against lightning 2.6.6):
-``Trainer._teardown`` and ``Trainer._run_stage``; ``_MultiProcessingLauncher`` (to know where
-``on_exception`` runs). Everything else is public ``Callback``/``Trainer`` API.
+Private Lightning API: see :mod:`._compat_lightning`. Everything else is public
+``Callback``/``Trainer`` API.
 """
 
 from __future__ import annotations
@@ -48,6 +47,9 @@ from typing import Any, Callable, Mapping
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, Checkpoint
 
+from typing_extensions import override
+
+from . import _compat_lightning
 from ._log import log
 from .guard import Guard
 from .inject import Injector
@@ -56,50 +58,6 @@ __all__ = ["FaultTolerance"]
 
 #: Set on an exception object once a FaultTolerance callback finished Lightning's exception path.
 _TAKEN_ATTR = "_fth_lightning_taken"
-
-
-class _LightningPrivate:
-    """Every use of Lightning's private API, in one place. Checked against lightning 2.6.6."""
-
-    @staticmethod
-    def on_exception_runs_in_rank(trainer: pl.Trainer) -> bool:
-        """False for ``ddp_spawn``/``ddp_fork``/``ddp_notebook``: ``_MultiProcessingLauncher`` runs the
-        stage in the ranks without ``_call_and_handle_interrupt``; ``on_exception`` runs in the parent."""
-        from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-
-        return not isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
-
-    @staticmethod
-    def wrap_run_stage(trainer: pl.Trainer, wrapper: Callable[[Callable[[], Any]], Any]) -> None:
-        """Run ``wrapper(original)`` instead of ``Trainer._run_stage`` (sanity check, fit loop) on this
-        trainer object (in a spawned rank: the rank's own copy)."""
-        original = trainer._run_stage
-        if getattr(original, "_fth_wrapped", False):
-            return
-
-        @functools.wraps(original)
-        def run_stage() -> Any:
-            return wrapper(original)
-
-        run_stage._fth_wrapped = True  # type: ignore[attr-defined]
-        trainer._run_stage = run_stage  # type: ignore[method-assign]
-
-    @staticmethod
-    def finish_interrupt(trainer: pl.Trainer, exception: BaseException) -> None:
-        """The rest of ``lightning.pytorch.trainer.call._interrupt`` after the callbacks' ``on_exception``,
-        and of the ``except BaseException`` branch of ``_call_and_handle_interrupt``: datamodule
-        ``on_exception``, ``strategy.on_exception``, ``logger.finalize("failed")``, ``Trainer._teardown``,
-        ``state.stage = None``. Each step is guarded: none may hide the cause."""
-        steps: list[tuple[str, Callable[[], Any]]] = []
-        if trainer.datamodule is not None:
-            steps.append(("datamodule.on_exception", lambda: trainer.datamodule.on_exception(exception)))
-        steps.append(("strategy.on_exception", lambda: trainer.strategy.on_exception(exception)))
-        for logger in trainer.loggers:
-            steps.append((f"{type(logger).__name__}.finalize", functools.partial(logger.finalize, "failed")))
-        steps.append(("Trainer._teardown", trainer._teardown))
-        for what, step in steps:
-            _guarded(what, step)
-        trainer.state.stage = None
 
 
 def _guarded(what: str, fn: Callable[[], Any]) -> None:
@@ -166,11 +124,8 @@ class FaultTolerance(Callback):
         watchdog: bool = True,
         name: str = "train",
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"FaultTolerance(name=...) must be a non-empty str, got {name!r}")
         self.guard = Guard(sync_every=sync_every, hang_timeout=hang_timeout, watchdog=watchdog, name=name)
         self.name = name
-        self._owns_watchdog = False
         self._batches = 0
         self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
 
@@ -183,14 +138,16 @@ class FaultTolerance(Callback):
             cached = self._state_key_cache = (self.name, self._generate_state_key(name=self.name))
         return cached[1]
 
+    @override
     def state_dict(self) -> dict[str, int]:
-        return {"failures_seen": self.guard.failures_seen, "batches": self._batches}
+        return {"batches": self._batches}
 
+    @override
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        if "failures_seen" not in state_dict:
-            raise ValueError(f"state_dict is missing the required key 'failures_seen', got keys {sorted(state_dict)}")
-        self.guard.failures_seen = int(state_dict["failures_seen"])
-        self._batches = int(state_dict.get("batches", 0))
+        batches = state_dict.get("batches", 0)  # absent in checkpoints of version 0.1
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+            raise ValueError(f"state_dict['batches'] must be a non-negative int, got {batches!r}")
+        self._batches = batches
 
     # -- helpers -----------------------------------------------------------------------------------
     @staticmethod
@@ -199,9 +156,7 @@ class FaultTolerance(Callback):
 
     def _check(self, trainer: pl.Trainer) -> None:
         """Raise the peer's failure if the watchdog already knows it (no communication)."""
-        watchdog = self.guard.watchdog
-        if watchdog is not None and watchdog.peer_error is not None:
-            raise self.guard.on_exception(watchdog.peer_error, **self._where(trainer))
+        self.guard.check(**self._where(trainer))
 
     def _sync(self, trainer: pl.Trainer, where: str) -> None:
         self.guard.sync(where, **self._where(trainer))
@@ -210,21 +165,20 @@ class FaultTolerance(Callback):
         return self.guard.on_exception(exception, **self._where(trainer))
 
     # -- hooks -------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        coord = self.guard.coord
-        had_watchdog = coord is not None and coord.watchdog is not None and not coord.watchdog.stopped
         self.guard.start()
         if not self.guard.active:
             return  # a single device, or no process group: nothing to coordinate
-        self._owns_watchdog = self.guard.watchdog is not None and not had_watchdog
+        _compat_lightning.check(trainer)
         # First in line on the exception path: release before any other on_exception runs a collective.
         # (Lightning iterates this very list; moving an already-called item to the front skips no one.)
         callbacks = trainer.callbacks
         if callbacks and callbacks[0] is not self and self in callbacks:
             callbacks.remove(self)
             callbacks.insert(0, self)
-        if not _LightningPrivate.on_exception_runs_in_rank(trainer):
-            _LightningPrivate.wrap_run_stage(trainer, functools.partial(self._run_stage_in_rank, trainer))
+        if not _compat_lightning.on_exception_runs_in_rank(trainer):
+            _compat_lightning.wrap_run_stage(trainer, functools.partial(self._run_stage_in_rank, trainer))
         self.guard.beat(int(trainer.global_step))
 
     def _run_stage_in_rank(self, trainer: pl.Trainer, run_stage: Callable[[], Any]) -> Any:
@@ -246,6 +200,7 @@ class FaultTolerance(Callback):
                 raise
             raise to_raise from exc
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._check(trainer)  # an attribute read: the watchdog may already know a peer failed
@@ -253,6 +208,7 @@ class FaultTolerance(Callback):
             self._injector.maybe_fire(trainer.global_rank, int(trainer.global_step) + 1, trainer.current_epoch + 1,
                                       trainer.train_dataloader)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._batches += 1
@@ -262,33 +218,37 @@ class FaultTolerance(Callback):
         else:
             self._check(trainer)
 
+    @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         self.guard.beat(int(trainer.global_step))
         self._check(trainer)
 
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync(trainer, "validation end")
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync(trainer, "epoch end")
         restarts = getattr(trainer.train_dataloader, "restart_count", None)
         if restarts is not None:  # a RestartableDataLoader: its worker restarts, as a metric (max over ranks)
             pl_module.log("dataloader_restarts", float(restarts), reduce_fx="max", sync_dist=self.guard.active)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync(trainer, "end of run")
         # Every rank is past the last agreement: a rank that now exits first is not a failure.
         self._stop_watchdog()
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop_watchdog()
 
     def _stop_watchdog(self) -> None:
-        if self._owns_watchdog:
-            self.guard.stop()
-            self._owns_watchdog = False
+        self.guard.stop()
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if getattr(exception, _TAKEN_ATTR, False):
             return  # another FaultTolerance instance already finished the exception path
@@ -322,7 +282,9 @@ class FaultTolerance(Callback):
                 continue
             _guarded(f"{type(callback).__name__}.on_exception",
                      functools.partial(callback.on_exception, trainer, pl_module, exception))
-        _LightningPrivate.finish_interrupt(trainer, exception)
+        for what, step in _compat_lightning.interrupt_steps(trainer, exception):
+            _guarded(what, step)
+        trainer.state.stage = None
 
 
 def _mark_taken(exc: BaseException) -> None:

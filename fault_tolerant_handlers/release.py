@@ -2,18 +2,20 @@
 
 NCCL (and other backends with an abort) are aborted with ``torch.distributed``'s own abort. gloo
 has no in-process abort (``ProcessGroup.abort``/``shutdown`` leave a pending gloo operation
-blocked), so on Linux the release shuts down this process's *established TCP connections other
-than those of the c10d store*: the gloo pairs. The blocked gloo operation then fails at once with
-"Connection closed", on this rank and on the peers at the other end of those connections. The
+blocked: measured), so on Linux the release shuts down this process's *established TCP connections
+other than those of the c10d store*: the gloo pairs. The blocked gloo operation then fails at once
+with "Connection closed", on this rank and on the peers at the other end of those connections. The
 store's connections stay open, so failure records can still be read after the release.
 
-After a release the process groups of this process are unusable (as after an NCCL abort): it is
-only done once the job is known to be failing. Other TCP connections of a failing process (an
-HTTP logger, say) may be cut too; set ``FTH_RELEASE=exit`` to never cut sockets and rely on the
-reported exit instead.
+Which sockets are cut is decided by :func:`select_sockets`, a pure function of two tables read from
+``/proc`` (this process's socket fds; the established TCP connections of its network namespace) and
+the store's ports: every established TCP socket of this process neither of whose ends is a store
+port. It is unit-tested on made-up tables.
 
-Private API: ``torch.distributed.distributed_c10d._world.pg_map`` and
-``_abort_process_group`` (checked against torch 2.13).
+After a release the process groups of this process are unusable (as after an NCCL abort): it is
+only done once the job is known to be failing. Other TCP connections of a failing process (an HTTP
+logger, say) may be cut too; ``FTH_RELEASE=exit`` never cuts sockets and leaves a blocked rank to
+the watchdog's reported exit instead.
 """
 
 from __future__ import annotations
@@ -21,25 +23,22 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import threading
 import socket
 import sys
+import threading
 
 import torch.distributed as dist
 
+from . import _compat_torch
 from ._log import log
+from .config import release_mode
 
-#: ``auto`` (default): abort where the backend can, cut gloo connections on Linux. ``exit``: never
-#: touch the process groups; the watchdog's reported exit ends a blocked rank instead.
-RELEASE_ENV = "FTH_RELEASE"
-RELEASE_CHOICES = ("auto", "exit")
-
-
-def release_mode() -> str:
-    mode = os.environ.get(RELEASE_ENV, "auto").strip().lower() or "auto"
-    if mode not in RELEASE_CHOICES:
-        raise ValueError(f"{RELEASE_ENV}={mode!r}: expected one of {', '.join(RELEASE_CHOICES)}")
-    return mode
+#: Exit code when tearing down released process groups at exit did not finish in time.
+EXIT_TEARDOWN_STUCK = 89
+#: After a release, the process groups are torn down at interpreter exit while Python is still
+#: alive, bounded by this many seconds; left to C++ static destruction, a gloo worker thread that
+#: is still joinable can end the process with ``std::terminate`` (SIGABRT).
+EXIT_TEARDOWN_SEC = 3.0
 
 
 def store_ports(store: dist.Store | None) -> set[int]:
@@ -58,7 +57,8 @@ def store_ports(store: dist.Store | None) -> set[int]:
     return ports
 
 
-def _socket_inodes() -> dict[int, int]:
+def socket_fds() -> dict[int, int]:
+    """inode -> fd of this process's sockets (``/proc/self/fd``)."""
     found = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -70,35 +70,50 @@ def _socket_inodes() -> dict[int, int]:
     return found
 
 
-def _established_tcp() -> dict[int, tuple[int, int]]:
-    """inode -> (local port, remote port) of established TCP connections in this net namespace."""
+def parse_tcp_table(text: str) -> dict[int, tuple[int, int]]:
+    """inode -> (local port, remote port) of the ESTABLISHED rows of a ``/proc/net/tcp`` table."""
     table = {}
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(path) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
+    for line in text.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) < 10 or parts[3] != "01":  # 01 = ESTABLISHED
             continue
-        for line in lines:
-            parts = line.split()
-            if len(parts) < 10 or parts[3] != "01":  # 01 = ESTABLISHED
-                continue
+        try:
             local_port = int(parts[1].rsplit(":", 1)[1], 16)
             remote_port = int(parts[2].rsplit(":", 1)[1], 16)
             table[int(parts[9])] = (local_port, remote_port)
+        except (IndexError, ValueError):
+            continue
     return table
 
 
-def cut_gloo_connections(keep_ports: set[int]) -> int:
-    """Shut down this process's established TCP connections except those on ``keep_ports``."""
-    if not sys.platform.startswith("linux"):
-        return 0
-    table = _established_tcp()
-    cut = 0
-    for inode, fd in _socket_inodes().items():
-        ports = table.get(inode)
+def established_tcp() -> dict[int, tuple[int, int]]:
+    table: dict[int, tuple[int, int]] = {}
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                table.update(parse_tcp_table(f.read()))
+        except OSError:
+            continue
+    return table
+
+
+def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int]], keep_ports: set[int]) -> list[int]:
+    """The fds to shut down: this process's established TCP sockets not on a store port."""
+    chosen = []
+    for inode, fd in sorted(fds.items(), key=lambda item: item[1]):
+        ports = tcp.get(inode)
         if ports is None or ports[0] in keep_ports or ports[1] in keep_ports:
             continue
+        chosen.append(fd)
+    return chosen
+
+
+def cut_connections(keep_ports: set[int]) -> int:
+    """Shut down the sockets :func:`select_sockets` chooses; returns how many."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    cut = 0
+    for fd in select_sockets(socket_fds(), established_tcp(), keep_ports):
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
@@ -113,10 +128,6 @@ def cut_gloo_connections(keep_ports: set[int]) -> int:
     return cut
 
 
-#: After a release, the process groups are torn down at interpreter exit while Python is still
-#: alive, bounded by this many seconds; left to C++ static destruction, a gloo worker thread that
-#: is still joinable can end the process with ``std::terminate`` (SIGABRT).
-EXIT_TEARDOWN_SEC = 3.0
 _teardown_registered = False
 
 
@@ -135,15 +146,11 @@ def _teardown_after_release() -> None:
 
 
 def teardown_at_exit() -> None:
-    """Tear the process groups down at interpreter exit (once registered, for a failing job)."""
+    """Tear the process groups down at interpreter exit (registered once, for a failing job)."""
     global _teardown_registered
     if not _teardown_registered:
         _teardown_registered = True
         atexit.register(_teardown_after_release)
-
-
-#: Exit code when tearing down released process groups at exit did not finish in time.
-EXIT_TEARDOWN_STUCK = 89
 
 
 def release_process_groups(store: dist.Store | None) -> str:
@@ -152,26 +159,18 @@ def release_process_groups(store: dist.Store | None) -> str:
         return "release disabled (FTH_RELEASE=exit)"
     teardown_at_exit()
     done = []
-    try:
-        from torch.distributed import distributed_c10d
-
-        groups = list(distributed_c10d._world.pg_map.keys())
-    except Exception:  # noqa: BLE001 - nothing initialized, or a torch without this table
-        groups = []
-    for pg in groups:
+    for pg in _compat_torch.process_groups():
         try:
             backend = dist.get_backend(pg)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a group already destroyed
             continue
         if backend in ("nccl", "xccl"):
             try:
-                from torch.distributed import distributed_c10d
-
-                distributed_c10d._abort_process_group(pg)
+                _compat_torch.abort_process_group(pg)
                 done.append(f"aborted {backend} group")
             except Exception as err:  # noqa: BLE001
-                log(logging.WARNING, "could not abort a %s process group: %s", backend, err)
-    cut = cut_gloo_connections(store_ports(store))
+                log(logging.ERROR, "could not abort a %s process group: %s", backend, err)
+    cut = cut_connections(store_ports(store))
     if cut:
         done.append(f"closed {cut} gloo connections")
     return ", ".join(done) or "nothing to release"

@@ -8,9 +8,67 @@ from types import TracebackType
 import torch.distributed as dist
 
 from ._log import log
-from .coordinator import Coordinator, get_coordinator
-from .errors import is_communication_error
-from .record import FailureRecord
+from .errors import PeerFailedError, is_backend_error
+from .session import AGREED_ATTR, Session, get_session, mark
+
+
+def check_name(owner: str, name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{owner}(name=...) must be a non-empty str naming the section, got {name!r}")
+    return name
+
+
+def check_position(owner: str, arg: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"{owner}({arg}=...) must be a non-negative int or None, got {value!r}")
+    return value
+
+
+def conclude(session: Session, kind: str, name: str, exc: BaseException | None, reported: BaseException | None = None,
+             *, step: int | None = None, epoch: int | None = None) -> BaseException | None:
+    """End a section on this rank: what it must raise (``exc`` itself, a peer's error, a mismatch),
+    or ``None`` when no rank failed.
+
+    * an exception that came out of an inner agreement passes through: every rank of that agreement
+      raises already, and none joins another;
+    * a broken collective explained by a peer's failure becomes that peer's error (the side group is
+      broken too, so no agreement);
+    * a :class:`PeerFailedError` learned outside an agreement (from an adapter) joins the agreement
+      saying a peer failed, without a record of its own;
+    * this rank's own failure is recorded, then agreed: it re-raises its own exception.
+    """
+    if exc is not None and getattr(exc, AGREED_ATTR, False):
+        return exc
+    failure = exc if exc is not None else reported
+    peer = failure if isinstance(failure, PeerFailedError) else None
+    if failure is not None and peer is None and is_backend_error(failure):
+        explained = session.classify(failure)
+        if explained is not None:
+            return _peer(session, explained, step)
+    outcome = session.agree(kind, name, None if peer is not None else failure, step=step, epoch=epoch, peer=peer)
+    if failure is not None and peer is None:
+        mark(failure, AGREED_ATTR)
+        return failure
+    err = outcome.error_for_caller()
+    return None if err is None else _peer(session, err, step)
+
+
+def _peer(session: Session, err: BaseException, step: int | None) -> BaseException:
+    session.acknowledge()
+    mark(err, AGREED_ATTR)
+    log(logging.ERROR, "stopping: %s", str(err).splitlines()[0], step=step)
+    return err
+
+
+def _raise(err: BaseException | None, exc: BaseException | None) -> bool:
+    """``__exit__``'s ending: let ``exc`` propagate, or raise ``err`` instead of it."""
+    if err is None or err is exc:
+        return False
+    if exc is not None:
+        raise err from exc
+    raise err
 
 
 class fail_together:  # noqa: N801 - used like a function: ``with fail_together("load data"):``
@@ -28,10 +86,16 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
     Args:
         name: the section's name, used in every report (``"load data"``).
         group: the process group whose ranks fail together; ``None`` for all ranks.
-        step, epoch: where the job is, for reports (adapters fill these in).
+        step, epoch: where the job is, for reports (non-negative ints; adapters fill these in).
 
     Every rank of ``group`` must enter the same sections in the same order, exactly like a
-    collective.
+    collective. Ranks that meet in different sections raise
+    :class:`~fault_tolerant_handlers.SectionMismatchError` naming each rank's section. Sections nest:
+    a failure agreed by an inner section passes through the outer ones without another agreement.
+
+    Raises:
+        TypeError: ``name`` is not a non-empty str, ``group`` not a process group, ``step`` or
+            ``epoch`` not a non-negative int.
 
     Examples:
         .. code-block:: python
@@ -54,22 +118,22 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
                     section.report_error(err)   # every rank raises at the end of the section
     """
 
-    __slots__ = ("name", "group", "step", "epoch", "_coord", "_reported")
+    __slots__ = ("name", "group", "step", "epoch", "_session", "_reported")
 
     def __init__(
         self, name: str, group: dist.ProcessGroup | None = None, *, step: int | None = None, epoch: int | None = None
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"fail_together(name=...) must be a non-empty str naming the section, got {name!r}")
-        self.name = name
+        self.name = check_name("fail_together", name)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"fail_together(group=...) must be a torch.distributed.ProcessGroup or None, got {group!r}")
         self.group = group
-        self.step = step
-        self.epoch = epoch
-        self._coord: Coordinator | None = None
+        self.step = check_position("fail_together", "step", step)
+        self.epoch = check_position("fail_together", "epoch", epoch)
+        self._session: Session | None = None
         self._reported: BaseException | None = None
 
     def __enter__(self) -> fail_together:
-        self._coord = get_coordinator(self.group, caller="fail_together")
+        self._session = get_session(self.group, caller="fail_together")
         self._reported = None
         return self
 
@@ -87,40 +151,11 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
-        failure = exc if exc is not None else self._reported
-        coord = self._coord
-        if coord is None:
-            if exc is None and failure is not None:
-                raise failure
-            return False
-        if exc is not None and is_communication_error(exc):
-            # A collective in the section failed: if a peer's failure is why (the watchdog released
-            # this rank, or the peer died), raise that instead of a bare backend error.
-            peer = coord.explain(exc)
-            if peer is not None:
-                coord.acknowledge()
-                raise peer from exc
-        peer_error = _agree(coord, self.name, failure, self.step, self.epoch)
-        if failure is not None:
-            if exc is None:  # reported, not raised: this rank raises its own failure now
-                raise failure
-            return False  # our own exception propagates unchanged
-        if peer_error is not None:
-            raise peer_error
-        return False
-
-
-def _agree(coord: Coordinator, name: str, failure: BaseException | None, step: int | None, epoch: int | None):
-    seq = coord.next_seq()
-    record = None
-    if failure is not None:
-        record = FailureRecord.from_exception(failure, rank=coord.rank, section=name, seq=seq, step=step, epoch=epoch)
-        log(logging.ERROR, "failed in %r: %s: %s", name, record.exc_type, record.exc_message, step=step)
-    peer_error = coord.agree(seq, record, section=name)
-    if peer_error is not None and failure is None:
-        log(logging.ERROR, "stopping: %s", str(peer_error).splitlines()[0], step=step)
-        coord.acknowledge()
-    return peer_error
+        session = self._session
+        if session is None:
+            return _raise(self._reported if exc is None else None, exc)
+        err = conclude(session, "fail_together", self.name, exc, self._reported, step=self.step, epoch=self.epoch)
+        return _raise(err, exc)
 
 
 def _check_rank(rank: int, local: bool, size: int) -> None:
@@ -159,10 +194,11 @@ class one_rank_first:  # noqa: N801 - a drop-in for ``ignite.distributed.one_ran
                 dataset = MNIST(root, download=True)   # local rank 0 downloads, then the others read
 
     Raises:
-        TypeError, ValueError: ``rank`` is not an int in ``[0, world_size - 1]`` (local: ranks per node).
+        TypeError, ValueError: ``rank`` is not an int in ``[0, world_size - 1]`` (local: ranks per
+            node); ``local`` is not a bool; ``name`` is not a non-empty str.
     """
 
-    __slots__ = ("rank", "local", "name", "_coord", "_first")
+    __slots__ = ("rank", "local", "name", "_session", "_first")
 
     def __init__(self, rank: int = 0, local: bool = False, *, name: str = "one_rank_first") -> None:
         if not isinstance(local, bool):
@@ -171,44 +207,38 @@ class one_rank_first:  # noqa: N801 - a drop-in for ``ignite.distributed.one_ran
             raise TypeError(f"one_rank_first(rank=...) must be an int in [0, world_size - 1], got {rank!r}")
         self.rank = rank
         self.local = local
-        self.name = name
-        self._coord: Coordinator | None = None
+        self.name = check_name("one_rank_first", name)
+        self._session: Session | None = None
         self._first = True
 
     def __enter__(self) -> one_rank_first:
-        coord = self._coord = get_coordinator(caller="one_rank_first")
-        if coord is None:
+        session = self._session = get_session(caller="one_rank_first")
+        if session is None:
             _check_rank(self.rank, self.local, 1)
             self._first = True
             return self
-        size = coord.local_world_size if self.local else coord.world_size
+        size = session.local_world_size if self.local else session.world_size
         _check_rank(self.rank, self.local, size)
-        mine = coord.local_rank if self.local else coord.rank
+        mine = session.local_rank if self.local else session.rank
         self._first = mine == self.rank
         if not self._first:
             # Wait for the first rank(s) to finish the body; their outcome comes with the release.
-            peer_error = _agree(coord, self.name, None, None, None)
-            if peer_error is not None:
-                raise peer_error
+            err = conclude(session, "one_rank_first:first", self.name, None)
+            if err is not None:
+                raise err
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
-        coord = self._coord
-        if coord is None:
+        session = self._session
+        if session is None:
             return False
         if self._first:
             # Release the waiting ranks, telling them whether the body worked here.
-            peer_error = _agree(coord, self.name, exc, None, None)
-            if exc is not None:
-                return False
-            if peer_error is not None:  # another first rank (local=True) failed
-                raise peer_error
+            err = conclude(session, "one_rank_first:first", self.name, exc)
+            if err is not None:
+                return _raise(err, exc)
+            exc = None
         # Everyone has run the body: agree on the outcome of the later ranks.
-        peer_error = _agree(coord, self.name, None if self._first else exc, None, None)
-        if exc is not None:
-            return False
-        if peer_error is not None:
-            raise peer_error
-        return False
+        return _raise(conclude(session, "one_rank_first:rest", self.name, exc), exc)

@@ -13,7 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from fault_tolerant_handlers import PeerFailedError, fail_together, one_rank_first
-from fault_tolerant_handlers import coordinator as coord_mod
+from fault_tolerant_handlers import config
+from fault_tolerant_handlers import session as session_mod
 from fault_tolerant_handlers.record import MAX_RECORD_BYTES, MAX_TRACEBACK_CHARS, FailureRecord
 
 
@@ -81,7 +82,7 @@ def test_single_rank_process_group_creates_no_side_group(tmp_path, monkeypatch):
         with one_rank_first():
             pass
         assert len(distributed_c10d._world.pg_map) == groups_before
-        assert not coord_mod._registry
+        assert not session_mod._registry
     finally:
         dist.destroy_process_group()
 
@@ -91,18 +92,20 @@ def _record(**over):
         raise ValueError("bad sample 17")
     except ValueError as exc:
         rec = FailureRecord.from_exception(exc, rank=1, section="load data", seq=0, step=5, epoch=2)
+    if "time_ms" in over and over["time_ms"] < 10**9:
+        over["time_ms"] += rec.time_ms
     return FailureRecord(**{**rec.__dict__, **over})
 
 
 def test_record_round_trip_and_caps():
     rec = _record()
-    back = FailureRecord.from_json(rec.to_json())
+    back = FailureRecord.from_json(rec.to_json(), world_size=4)
     assert back == rec
     data = FailureRecord.from_exception(ValueError("m" * 100_000), rank=0, section="s", seq=0).to_json()
     assert len(data) < MAX_RECORD_BYTES
-    assert len(FailureRecord.from_json(data).exc_message) <= 2_000
+    assert len(FailureRecord.from_json(data, world_size=4).exc_message) <= 2_000
     # the traceback keeps its tail: the frames nearest the raise
-    long_tb = FailureRecord.from_json(json.dumps({**json.loads(rec.to_json()), "traceback": "a" * 9_000 + "TAIL"}))
+    long_tb = FailureRecord.from_json(json.dumps({**json.loads(rec.to_json()), "traceback": "a" * 9_000 + "TAIL"}), world_size=4)
     assert long_tb.traceback.endswith("TAIL") and len(long_tb.traceback) <= MAX_TRACEBACK_CHARS
 
 
@@ -113,14 +116,14 @@ def test_record_round_trip_and_caps():
         b"not json",
         b"[1, 2]",
         json.dumps({"v": 99}).encode(),
-        json.dumps({"v": 1, "rank": "0"}).encode(),
+        json.dumps({"v": 2, "rank": "0"}).encode(),
         b"{" + b" " * (MAX_RECORD_BYTES + 1) + b"}",
     ],
 )
 def test_malformed_or_oversized_records_are_ignored_with_a_warning(payload, caplog):
     with caplog.at_level("WARNING", logger="fault_tolerant_handlers"):
-        assert FailureRecord.from_json(payload) is None
-    assert "ignoring" in caplog.text
+        assert FailureRecord.from_json(payload, world_size=4, key="r/7") is None
+    assert "ignoring store key r/7" in caplog.text
 
 
 def test_peer_failed_error_message_attributes_and_pickle():
@@ -140,17 +143,15 @@ def test_peer_failed_error_message_attributes_and_pickle():
 
 
 def test_sync_timeout_env_is_validated(monkeypatch):
-    from fault_tolerant_handlers._timeouts import check_timedelta, env_timedelta
-
-    monkeypatch.setenv(coord_mod.SYNC_TIMEOUT_ENV, "soon")
+    monkeypatch.setenv(config.SYNC_TIMEOUT_ENV, "soon")
     with pytest.raises(ValueError, match="FTH_SYNC_TIMEOUT_SEC='soon'"):
-        env_timedelta(coord_mod.SYNC_TIMEOUT_ENV, None)
-    monkeypatch.setenv(coord_mod.SYNC_TIMEOUT_ENV, "-3")
-    with pytest.raises(ValueError, match="positive number of seconds"):
-        env_timedelta(coord_mod.SYNC_TIMEOUT_ENV, None)
-    monkeypatch.setenv(coord_mod.SYNC_TIMEOUT_ENV, "90")
-    assert env_timedelta(coord_mod.SYNC_TIMEOUT_ENV, None) == timedelta(seconds=90)
+        config.env_timedelta("sync_timeout")
+    monkeypatch.setenv(config.SYNC_TIMEOUT_ENV, "-3")
+    with pytest.raises(ValueError, match="from 1 to 2592000"):
+        config.env_timedelta("sync_timeout")
+    monkeypatch.setenv(config.SYNC_TIMEOUT_ENV, "90")
+    assert config.env_timedelta("sync_timeout") == timedelta(seconds=90)
     with pytest.raises(TypeError, match="hang_timeout must be a datetime.timedelta"):
-        check_timedelta("hang_timeout", 30)
-    with pytest.raises(ValueError, match="must be positive"):
-        check_timedelta("exit_grace", timedelta(0))
+        config.check_timedelta("hang_timeout", 30)
+    with pytest.raises(ValueError, match="exit_grace must be between"):
+        config.check_timedelta("exit_grace", timedelta(0))

@@ -1,0 +1,49 @@
+"""Every use of PyTorch-Ignite's private API, in one place, checked when a handler is attached.
+
+Checked against pytorch-ignite 0.5.5.
+
+* ``Engine._event_handlers``: ``{event: [(func, args, kwargs), ...]}``, the handlers an event
+  fires, where ``args[0]`` may be a weak reference to the engine (Ignite passes the engine first to
+  handlers that take it). Used to put a handler first for an event, and to run the engine's other
+  ``EXCEPTION_RAISED`` handlers ourselves (Ignite stops re-raising once any is attached).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+CHECKED_AGAINST = ("0.5.5",)
+
+
+def check(engine: Any) -> None:
+    """Raise ``RuntimeError`` naming what this Ignite version lacks."""
+    handlers = getattr(engine, "_event_handlers", None)
+    if not isinstance(handlers, dict):
+        import ignite
+
+        raise RuntimeError(
+            f"fault-tolerant-handlers needs ignite.engine.Engine._event_handlers (a dict of handler lists), which "
+            f"pytorch-ignite {ignite.__version__} does not have (checked against {', '.join(CHECKED_AGAINST)})")
+
+
+def handlers_of(engine: Any, event: Any) -> list:
+    return engine._event_handlers[event]
+
+
+def prepend(engine: Any, event: Any, handler: Callable) -> None:
+    """Attach ``handler`` to ``event`` so that it runs before the handlers already attached."""
+    engine.add_event_handler(event, handler)
+    handlers = handlers_of(engine, event)
+    handlers.insert(0, handlers.pop())
+
+
+def call_handler(engine: Any, entry: tuple, event_args: tuple) -> None:
+    """Run one ``(func, args, kwargs)`` entry as Ignite would."""
+    func, args, kwargs = entry
+    if args and isinstance(args[0], weakref.ref):
+        resolved = args[0]()
+        first, others = ((resolved,), args[1:]) if resolved is not None else ((engine,), args[1:])
+    else:
+        first, others = ((), args)
+    func(*first, *(event_args + tuple(others)), **kwargs)

@@ -1,0 +1,239 @@
+"""The watchdog's probes: small, independent checks, each with ``poll(now) -> Finding | None``.
+
+Each probe owns its own state, takes the time from its caller (so a unit test drives it with a fake
+clock) and reaches the job only through what it is given: a :class:`~.schema.Schema` (in tests over
+a ``torch.distributed.HashStore``), a pid table, or callables for the main thread's progress and
+stack. None of them starts a thread or a process; :class:`~.watchdog.Watchdog` runs them.
+
+=====================  ======================================  =========================================
+probe                  looks at                                finds
+=====================  ======================================  =========================================
+:class:`RecordsProbe`  the record counter (one ``add`` a poll)  a record of another rank that no sync
+                                                               point took within ``grace``
+:class:`HeartbeatProbe`its own and its ring successor's         the successor's counter still for
+                       heartbeat counters (every ``period``)    ``limit``: ``PeerSilent``
+:class:`PeerPidProbe`  same-host peers' pids (no store)         a peer process gone: ``PeerLost``
+:class:`SelfHangProbe` the main thread's last progress          no progress for ``hang_timeout``, not
+                                                               waiting on peers: ``RankHung`` (itself)
+:class:`StoreLossProbe`failed store calls reported to it        the store silent for ``lost_after``
+=====================  ======================================  =========================================
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ._procfs import process_state
+from .errors import PeerFailedError
+from .record import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
+from .schema import Schema
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What a probe found. ``error`` is what this rank's main thread must raise; ``declare`` is a
+    record to publish on behalf of the failed rank (the first rank to declare it does);
+    ``hung_self``: this rank itself is hung and must end."""
+
+    error: PeerFailedError
+    declare: FailureRecord | None = None
+    hung_self: bool = False
+
+
+def declared_finding(record: FailureRecord) -> Finding:
+    return Finding(PeerFailedError.from_records([record]), declare=record)
+
+
+class RecordsProbe:
+    """Failure records of other ranks that the main thread did not take at a sync point.
+
+    A record is left ``grace`` seconds to a sync point that would deliver it anyway; ``consumed()``
+    is the index up to which the main thread's agreements read the records.
+    """
+
+    def __init__(self, schema: Schema, rank: int, grace: float, consumed: Callable[[], int]) -> None:
+        self.schema = schema
+        self.rank = rank
+        self.grace = grace
+        self.consumed = consumed
+        self.seen = schema.count()
+        self.pending: dict[int, float] = {}
+
+    def poll(self, now: float) -> Finding | None:
+        count = self.schema.count()
+        for index in self.schema.new_indices(self.seen, count):
+            self.pending.setdefault(index, now)
+        self.seen = count
+        consumed = self.consumed()
+        for index in [i for i in self.pending if _not_after(i, consumed)]:
+            del self.pending[index]
+        due = [i for i, t in self.pending.items() if now - t >= self.grace]
+        records = []
+        for index in due:
+            del self.pending[index]
+            record = self.schema.read(index)
+            if record is not None and record.rank != self.rank:
+                records.append(record)
+        if records:
+            return Finding(PeerFailedError.from_records(records))
+        return None
+
+
+def _not_after(index: int, consumed: int) -> bool:
+    """``index <= consumed`` on the store's wrapping 64-bit counter (within a plausible distance)."""
+    return 0 <= (consumed - index) % (1 << 64) < (1 << 62)
+
+
+class HeartbeatProbe:
+    """Its own heartbeat, and its ring successor's: a successor whose counter stands still for
+    ``limit`` seconds (once it has beaten at all) is declared silent."""
+
+    def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
+                 limit: float) -> None:
+        self.schema = schema
+        self.rank = rank
+        self.successor = successor
+        self.successor_pid = successor_pid
+        self.period = period
+        self.limit = limit
+        self.next_at = 0.0
+        self.last = (-1, 0.0)  # (value, when it last moved)
+
+    def poll(self, now: float) -> Finding | None:
+        if now < self.next_at:
+            return None
+        self.next_at = now + self.period
+        self.schema.beat(self.rank)
+        if self.successor is None:
+            return None
+        value = self.schema.heartbeat_of(self.successor)
+        if value != self.last[0]:
+            self.last = (value, now)
+            return None
+        silent = now - self.last[1]
+        if value > 0 and silent > self.limit:
+            message = (f"rank {self.successor} (pid {self.successor_pid}) lost: no heartbeat for {silent:.1f} s "
+                       "(its watchdog does not answer)")
+            return declared_finding(FailureRecord.declared(rank=self.successor, kind="PeerSilent", message=message,
+                                                           by=self.rank, pid=self.successor_pid))
+        return None
+
+
+class PeerPidProbe:
+    """Peers on this host, by pid: a process that is gone is declared lost (with the signal when
+    the kernel still shows it). A system call per peer, no store traffic."""
+
+    def __init__(self, peers: Sequence[tuple[int, int]], *, by: int, host: str,
+                 state: Callable[[int], str | None] = process_state) -> None:
+        self.peers = list(peers)  # (global rank, pid)
+        self.by = by
+        self.host = host
+        self.state = state
+
+    def poll(self, now: float) -> Finding | None:
+        for rank, pid in self.peers:
+            state = self.state(pid)
+            if state is not None:
+                message = f"rank {rank} (pid {pid} on {self.host}) lost: {state}"
+                return declared_finding(FailureRecord.declared(rank=rank, kind="PeerLost", message=message,
+                                                               by=self.by, pid=pid, host=self.host))
+        return None
+
+
+#: Where a main thread waits for its peers rather than being hung itself (innermost frames).
+WAITING_MARKERS = (
+    f"torch{os.sep}distributed{os.sep}",
+    f"torch{os.sep}nn{os.sep}parallel{os.sep}",
+    f"torch{os.sep}autograd{os.sep}",
+    f"torch{os.sep}_tensor.py",
+    f"fault_tolerant_handlers{os.sep}session.py",
+    f"fault_tolerant_handlers{os.sep}sections.py",
+    f"ignite{os.sep}distributed{os.sep}",
+)
+
+
+def waiting_on_peers(frame) -> bool:
+    """True when the innermost Python frames are a collective or a backward pass (DDP all_reduce)."""
+    depth = 0
+    while frame is not None and depth < 4:
+        if any(marker in frame.f_code.co_filename for marker in WAITING_MARKERS):
+            return True
+        frame = frame.f_back
+        depth += 1
+    return False
+
+
+class SelfHangProbe:
+    """This rank's main thread made no progress (``progress()`` = monotonic time, wall time and
+    step of the last beat) for ``hang_timeout``, and is not merely waiting in a collective (then the
+    hung rank is the peer, which declares itself): ``RankHung`` with the main thread's stack."""
+
+    def __init__(self, rank: int, pid: int, hang_timeout: float, *, margin: float,
+                 progress: Callable[[], tuple[float, float, int | None]], frame: Callable[[], object]) -> None:
+        self.rank = rank
+        self.pid = pid
+        self.hang_timeout = hang_timeout
+        self.margin = margin
+        self.progress = progress
+        self.frame = frame
+
+    def poll(self, now: float) -> Finding | None:
+        last, last_wall, step = self.progress()
+        stalled = now - last
+        if stalled < self.hang_timeout:
+            return None
+        frame = self.frame()
+        if stalled < 2 * self.hang_timeout + self.margin and waiting_on_peers(frame):
+            return None
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
+        at = f" at step {step}" if step is not None else ""
+        message = f"rank {self.rank} hung: its main thread made no progress for {stalled:.1f} s{at}"
+        record = FailureRecord.declared(
+            rank=self.rank, kind="RankHung", message=message, by=self.rank, pid=self.pid,
+            traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
+            time_ms=int(last_wall * 1000), step=step,
+        )
+        return Finding(PeerFailedError.from_records([record]), declare=record, hung_self=True)
+
+
+def main_thread_frame():
+    import threading
+
+    return sys._current_frames().get(threading.main_thread().ident)
+
+
+class StoreLossProbe:
+    """The store did not answer: after ``lost_after`` seconds of failed calls (none answered in
+    between) the rank hosting it is declared lost."""
+
+    def __init__(self, lost_after: float, *, by: int, store_rank: int = 0, store_pid: int = 0) -> None:
+        self.lost_after = lost_after
+        self.by = by
+        self.store_rank = store_rank
+        self.store_pid = store_pid
+        self.down_since: float | None = None
+        self.last_error = ""
+
+    def failed(self, now: float, err: BaseException) -> bool:
+        """Report a failed call; True when it is the first of a silence (worth a warning)."""
+        self.last_error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+        if self.down_since is None:
+            self.down_since = now
+            return True
+        return False
+
+    def answered(self) -> None:
+        self.down_since = None
+
+    def poll(self, now: float) -> Finding | None:
+        if self.down_since is None or now - self.down_since < self.lost_after:
+            return None
+        message = (f"rank {self.store_rank} (pid {self.store_pid}, hosts the c10d store) lost: the store has not "
+                   f"answered for {now - self.down_since:.1f} s ({self.last_error})")
+        record = FailureRecord.declared(rank=self.store_rank, kind="PeerLost", message=message, by=self.by,
+                                        pid=self.store_pid)
+        return Finding(PeerFailedError.from_records([record]))

@@ -1,0 +1,212 @@
+"""The store schema: every key the library writes in the c10d store, defined once.
+
+All keys live under ``fth/<run id>/`` in the store the default process group was created with (the
+run id is rank 0's random number, gathered at setup, so a restarted job never reads an earlier
+attempt's keys):
+
+==================  =====================================================================
+``n``               failure-record counter (``add``); the watchdog polls it
+``r/<i>``           failure record number ``i`` (bounded JSON, :mod:`.record`)
+``hb/<rank>``       heartbeat counter of ``rank`` (``add``), read by its ring neighbour
+``declared/<rank>`` counts declarations of ``rank`` as lost/silent/hung: only the first publishes
+``sec/<rank>``      what ``rank`` was in when an agreement found the ranks out of step
+==================  =====================================================================
+
+The store is unauthenticated. Every value read is bounded and range-checked: a counter that jumps
+backwards or further than a job could move it is treated as corruption (a warning naming the key,
+then detection carries on from the new value), a non-integer where a counter belongs is repaired,
+a record that fails its checks is ignored. Each rank keeps at most :data:`MAX_OWN_RECORDS` records
+of its own in the store (older ones are deleted), so the keys stay bounded by the world size.
+
+Every process talks to the store through :class:`Connection`\\ s of its own, cloned from the process
+group's store and re-made after a failed call, so a value that makes the store server drop a
+connection never breaks the process group's own client (which training needs).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from ._log import log
+from .record import FailureRecord, sanitize
+
+KEY_COUNT = "n"
+#: At most this many records are taken from one move of the counter (newest kept).
+MAX_NEW_RECORDS = 256
+#: A counter move larger than this in one read is corruption: no job publishes that many at once.
+MAX_COUNTER_STEP = 1 << 20
+#: Records of its own a rank keeps in the store; publishing more deletes the oldest.
+MAX_OWN_RECORDS = 8
+_U64 = 1 << 64
+
+
+def record_key(index: int) -> str:
+    return f"r/{index}"
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"hb/{rank}"
+
+
+def declared_key(rank: int) -> str:
+    return f"declared/{rank}"
+
+
+def section_key(rank: int) -> str:
+    return f"sec/{rank}"
+
+
+def _wrap(value: int) -> int:
+    """``value`` as the signed 64-bit integer the store keeps."""
+    value %= _U64
+    return value - _U64 if value >= 1 << 63 else value
+
+
+class Connection:
+    """One store connection of this process's own, re-made from ``factory`` after a failed call.
+
+    ``factory`` returns a new store client (a clone of the process group's store, wrapped in the
+    run's prefix); its timeout bounds every call.
+    """
+
+    def __init__(self, factory: Callable[[], dist.Store], timeout: timedelta, name: str) -> None:
+        self._factory = factory
+        self._timeout = timeout
+        self.name = name
+        self._store: dist.Store | None = None
+        self._lock = threading.Lock()
+        self.calls = 0
+
+    def store(self) -> dist.Store:
+        with self._lock:
+            if self._store is None:
+                store = self._factory()
+                store.set_timeout(self._timeout)
+                self._store = store
+            return self._store
+
+    def reconnect(self) -> None:
+        with self._lock:
+            self._store = None
+
+    def close(self) -> None:
+        self.reconnect()
+
+    def call(self, method: str, *args):
+        """``store.<method>(*args)``; a failure drops this connection (the next call makes a new
+        one) and is raised."""
+        self.calls += 1
+        try:
+            return getattr(self.store(), method)(*args)
+        except Exception:
+            self.reconnect()
+            raise
+
+
+class Schema:
+    """Typed access to the keys of one run over one :class:`Connection`."""
+
+    def __init__(self, conn: Connection, world_size: int) -> None:
+        self.conn = conn
+        self.world_size = world_size
+        self._own: deque[int] = deque()
+        self._known: dict[str, int] = {}
+
+    # -- counters ----------------------------------------------------------------------------------
+    def _counter(self, key: str, amount: int) -> int:
+        """``add(key, amount)``; a key holding something that is not an integer is repaired."""
+        try:
+            value = int(self.conn.call("add", key, amount))
+        except Exception as err:
+            if not self._repair(key):
+                raise
+            log(logging.WARNING, "store key %s held a non-integer value (%s); reset to %d", key,
+                sanitize(str(err).splitlines()[0] if str(err) else type(err).__name__)[:120], self._known.get(key, 0))
+            value = int(self.conn.call("add", key, amount))
+        self._known[key] = value
+        return value
+
+    def _repair(self, key: str) -> bool:
+        """True if ``key`` held a non-integer (then it is set back to the last value seen)."""
+        try:
+            raw = self.conn.call("get", key)
+        except Exception:  # noqa: BLE001 - the store itself is unreachable: not a bad value
+            return False
+        try:
+            int(bytes(raw[:32]).decode("ascii"))
+            return False
+        except (UnicodeDecodeError, ValueError):
+            pass
+        self.conn.call("set", key, str(self._known.get(key, 0)))
+        return True
+
+    def count(self) -> int:
+        return self._counter(KEY_COUNT, 0)
+
+    def beat(self, rank: int) -> int:
+        return self._counter(heartbeat_key(rank), 1)
+
+    def heartbeat_of(self, rank: int) -> int:
+        return self._counter(heartbeat_key(rank), 0)
+
+    def claim_declaration(self, rank: int) -> bool:
+        """True for the first rank to declare ``rank`` lost/silent/hung (only it publishes)."""
+        return self._counter(declared_key(rank), 1) == 1
+
+    # -- records -----------------------------------------------------------------------------------
+    def publish(self, record: FailureRecord) -> int:
+        """Write ``record`` under a new index; returns the index."""
+        index = self._counter(KEY_COUNT, 1)
+        self.conn.call("set", record_key(index), record.to_json())
+        self._own.append(index)
+        while len(self._own) > MAX_OWN_RECORDS:
+            old = self._own.popleft()
+            try:
+                self.conn.call("delete_key", record_key(old))
+            except Exception:  # noqa: BLE001 - bounded growth is a nicety; never mask the failure
+                pass
+        return index
+
+    def read(self, index: int) -> FailureRecord | None:
+        """Record ``index``, or ``None`` (absent, unreadable or invalid: never executed)."""
+        key = record_key(index)
+        try:
+            if not self.conn.call("check", [key]):
+                return None
+            data = self.conn.call("get", key)
+        except Exception as err:  # noqa: BLE001
+            log(logging.WARNING, "could not read store key %s: %s", key, str(err).splitlines()[0][:200] if str(err) else err)
+            return None
+        return FailureRecord.from_json(data, world_size=self.world_size, key=f"{KEY_COUNT}-indexed {key}")
+
+    def new_indices(self, last: int, count: int) -> list[int]:
+        """The record indices after ``last`` up to ``count`` (wrap-aware). A move backwards or
+        larger than :data:`MAX_COUNTER_STEP` is corruption: a warning, and no index."""
+        step = (count - last) % _U64
+        if step == 0:
+            return []
+        if step > MAX_COUNTER_STEP:
+            log(logging.WARNING, "store key %s moved from %d to %d, which no job produces (corrupted or written "
+                "by another program); carrying on from %d", KEY_COUNT, last, count, count)
+            return []
+        first = max(1, step - MAX_NEW_RECORDS + 1)
+        return [_wrap(last + k) for k in range(first, step + 1)]
+
+    # -- the section of an out-of-step agreement ------------------------------------------------------
+    def set_section(self, rank: int, text: str) -> None:
+        self.conn.call("set", section_key(rank), text.encode("utf-8")[:400])
+
+    def section_of(self, rank: int) -> str | None:
+        key = section_key(rank)
+        try:
+            if not self.conn.call("check", [key]):
+                return None
+            return sanitize(bytes(self.conn.call("get", key)[:400]).decode("utf-8", "replace"))
+        except Exception:  # noqa: BLE001
+            return None

@@ -1,0 +1,465 @@
+"""The fail-together session: one object per process group that owns every decision.
+
+A :class:`Session` belongs to one process group (the world by default) and is shared by everything
+that runs on it in this process (sections, adapters, the watchdog). It owns
+
+* the **side group**: a gloo group over the same ranks, created once and collectively, so that the
+  agreement never interleaves with the data group's collectives (NCCL or gloo);
+* the run's **store keys** (:mod:`.schema`), through connections of its own;
+* the **agreement** (:meth:`Session.agree`): *record, agree, then raise*. A failing rank publishes
+  its record, then every rank joins **one** ``all_reduce(MAX)`` of five int64s: ``failing rank +
+  1`` (0 when it did not fail) and, to catch ranks that are out of step, the section's hash and
+  agreement number, each with its negation. It returns an :class:`Outcome` and never raises;
+* the **classification** of an exception (:meth:`Session.classify`): this rank's own failure, or a
+  consequence of a peer's (a released or broken collective), with the peer's error;
+* the current **incident** (what the watchdog knows of a peer's failure, whether this rank failed
+  itself, whether the main thread took the failure), reset after each agreement so that a failure
+  user code caught never blinds the watchdog later;
+* the **watchdog**, started and stopped by reference count (:meth:`start_watchdog`,
+  :meth:`stop_watchdog`): two loops sharing one group share one watchdog, which stops with the last.
+
+Timeouts:
+    The side group inherits the default store's timeout (the ``timeout`` given to
+    ``init_process_group``): an agreement may legitimately wait as long as the slowest rank takes to
+    reach it (``one_rank_first`` waits for a whole download). ``FTH_SYNC_TIMEOUT_SEC`` overrides it.
+    Store calls of the main thread use :data:`MAIN_STORE_TIMEOUT`; failure-path reads use
+    :data:`FAILURE_PATH_STORE_TIMEOUT`, in a thread the main thread never waits for past
+    :data:`EXPLAIN_WAIT`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import hashlib
+import logging
+import os
+import random
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import _compat_torch, config
+from ._log import log
+from .errors import PeerFailedError, SectionMismatchError, is_backend_error
+from .probes import PeerPidProbe
+from .record import FailureRecord, host_name
+from .release import release_process_groups, store_ports, teardown_at_exit
+from .schema import Connection, Schema
+
+#: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
+MAIN_STORE_TIMEOUT = timedelta(seconds=5)
+#: Timeout of the store calls made while explaining a broken collective.
+FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=2)
+#: How long a broken collective waits for the cause (a killed peer is declared within ~0.1 s).
+EXPLAIN_WAIT = 2.0
+#: How long ranks found out of step wait for each other's section names.
+MISMATCH_WAIT = 1.0
+
+#: Set on an exception whose record this rank already published (never published twice).
+PUBLISHED_ATTR = "_fth_published"
+#: Set on an exception that came out of an agreement: every rank of the agreement raised, so an
+#: enclosing section lets it through without agreeing again.
+AGREED_ATTR = "_fth_agreed"
+
+
+def _host_id() -> int:
+    digest = hashlib.sha1(host_name().encode("utf-8")).digest()
+    return int.from_bytes(digest[:7], "big")
+
+
+def section_hash(kind: str, name: str) -> int:
+    return zlib.crc32(f"{kind}\0{name}".encode("utf-8", "replace"))
+
+
+def mark(exc: BaseException, attr: str, value: object = True) -> None:
+    try:
+        setattr(exc, attr, value)
+    except Exception:  # noqa: BLE001 - some exception types refuse attributes
+        pass
+
+
+@dataclass
+class Incident:
+    """What this process knows of the failure under way (a fresh one after each agreement)."""
+
+    peer_error: PeerFailedError | None = None
+    local: bool = False
+    acknowledged: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an agreement decided. ``failed``: some rank failed (or the agreement itself broke);
+    ``peer_error``: what a rank that did not fail raises; ``mismatch``: the ranks were out of step."""
+
+    failed: bool
+    peer_error: PeerFailedError | None = None
+    mismatch: SectionMismatchError | None = None
+
+    def error_for_caller(self) -> BaseException | None:
+        return self.mismatch or self.peer_error
+
+
+class Session:
+    """Side group, store keys, agreement, classification and watchdog of one process group.
+
+    Build it with :func:`get_session`.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None) -> None:
+        _compat_torch.check()
+        self.config = config.load()
+        self.group = group
+        # Held so that the id() keying the registry cannot be reused by a later default group.
+        self._default_group = _compat_torch.default_group()
+        self.rank = dist.get_rank()
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self.ranks = ranks
+        self.world_size = len(ranks)
+        self.group_rank = ranks.index(self.rank)
+        self._pg_store = _compat_torch.default_store()
+        timeout = (config.check_timedelta("sync_timeout", timeout, allow_none=True, what="timeout")
+                   or self.config.sync_timeout or self._pg_store.timeout)
+        self.timeout = timeout
+        # Collective, once: every member reaches its first section in the same order.
+        self.side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
+                                   use_local_synchronization=group is not None)
+        # One all_gather at setup tells every rank the run id (rank 0's), each rank's host and pid.
+        mine = torch.tensor([[random.getrandbits(62), _host_id(), os.getpid()]], dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in ranks]
+        dist.all_gather(gathered, mine, group=self.side)
+        table = torch.cat(gathered)
+        self.run_id = f"{int(table[0, 0]):x}"
+        self.host_ids = table[:, 1].tolist()
+        self.pids = table[:, 2].tolist()
+        self.host = host_name()
+        self.local_rank, self.local_world_size = self._local_layout()
+        self.keep_ports = store_ports(self._pg_store)
+        self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
+        self._flag = torch.zeros(5, dtype=torch.int64)
+        self._seq = 0
+        #: Records up to this index were delivered by an agreement (written by the main thread only).
+        self.consumed = self.schema.count()
+        self.incident = Incident()
+        self._escalated: list[Incident] = []  # incidents the watchdog escalated, not yet acknowledged
+        self._watchdog = None
+        self._watchdog_refs = 0
+        self._lock = threading.Lock()
+        self._same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
+        log(logging.DEBUG, "fault-tolerance side group ready (run %s, %d ranks)", self.run_id, self.world_size)
+
+    # -- layout and connections -----------------------------------------------------------------
+    def _local_layout(self) -> tuple[int, int]:
+        """Local rank and ranks per node: from the launcher's env when set, else from host ids."""
+        env_rank, env_size = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+        if env_rank is not None and env_size is not None and self.group is None:
+            try:
+                return int(env_rank), int(env_size)
+            except ValueError:
+                pass
+        me = self.host_ids[self.group_rank]
+        same = [i for i, h in enumerate(self.host_ids) if h == me]
+        return same.index(self.group_rank), len(same)
+
+    def same_host_peers(self) -> list[tuple[int, int]]:
+        """(global rank, pid) of the other members on this host."""
+        me = self.host_ids[self.group_rank]
+        return [(self.ranks[i], pid) for i, (pid, host) in enumerate(zip(self.pids, self.host_ids))
+                if i != self.group_rank and host == me]
+
+    def connection(self, name: str, timeout: timedelta) -> Connection:
+        """A new store connection of this process's own, under the run's prefix."""
+        prefix, base = f"fth/{self.run_id}", self._pg_store
+        return Connection(lambda: dist.PrefixStore(prefix, base.clone()), timeout, name)
+
+    # -- the incident -----------------------------------------------------------------------------
+    @property
+    def known_failure(self) -> PeerFailedError | None:
+        """A peer's failure the watchdog already knows (an attribute read: no communication)."""
+        return self.incident.peer_error
+
+    def peer_failed(self, err: PeerFailedError) -> Incident | None:
+        """The watchdog found ``err``: returns the incident to escalate, or ``None`` when there is
+        nothing to do (already known, or this rank failed itself and raises its own error)."""
+        with self._lock:
+            incident = self.incident
+            if incident.peer_error is not None:
+                return None
+            incident.peer_error = err
+            if incident.local:
+                return None
+            self._escalated.append(incident)
+            return incident
+
+    def acknowledge(self) -> None:
+        """The main thread takes a peer's failure and raises it: no reported exit by the watchdog,
+        and an orderly teardown of the (released) process groups at interpreter exit."""
+        with self._lock:
+            for incident in (self.incident, *self._escalated):
+                incident.acknowledged.set()
+            self._escalated.clear()
+        teardown_at_exit()
+
+    def _next_incident(self) -> None:
+        with self._lock:
+            self.incident = Incident()
+
+    # -- record ------------------------------------------------------------------------------------
+    def report_error(self, exc: BaseException, *, section: str, step: int | None = None,
+                     epoch: int | None = None, seq: int | None = None, release: bool = False) -> FailureRecord:
+        """This rank failed with ``exc``: publish its record (before any agreement) and, with
+        ``release``, release its collectives so that no peer blocked in one with it waits."""
+        self.incident.local = True
+        mark(exc, PUBLISHED_ATTR)
+        record = FailureRecord.from_exception(exc, rank=self.rank, section=section, seq=seq, step=step, epoch=epoch)
+        log(logging.ERROR, "failed%s: %s: %s", f" in {section!r}" if seq is not None else "", record.exc_type,
+            record.exc_message, step=step)
+        try:
+            self.schema.publish(record)
+        except Exception as err:  # noqa: BLE001 - the flag still carries the rank; never mask the failure
+            log(logging.WARNING, "could not publish the failure record: %s", (str(err).splitlines() or [""])[0][:200])
+        if release:
+            what = release_process_groups(self._pg_store)
+            log(logging.INFO, "released this rank's collectives so that no peer waits: %s", what, step=step)
+        return record
+
+    # -- agree ---------------------------------------------------------------------------------------
+    def agree(self, kind: str, name: str, failure: BaseException | None = None, *, step: int | None = None,
+              epoch: int | None = None, peer: PeerFailedError | None = None) -> Outcome:
+        """One agreement. ``failure``: this rank's own (published first); ``peer``: a peer's failure
+        this rank already knows. Never raises: returns what every rank must do."""
+        seq = self._seq
+        self._seq += 1
+        try:
+            return self._agree(kind, name, seq, failure, step, epoch, peer)
+        finally:
+            self._next_incident()
+
+    def _agree(self, kind, name, seq, failure, step, epoch, peer) -> Outcome:
+        if failure is not None:
+            if getattr(failure, PUBLISHED_ATTR, False):
+                self.incident.local = True
+            else:
+                self.report_error(failure, section=name, step=step, epoch=epoch, seq=seq)
+        flag = self.rank + 1 if failure is not None else (0 if peer is None else 1 + (peer.failed_rank or 0))
+        digest = section_hash(kind, name)
+        self._flag.copy_(torch.tensor([flag, digest, -digest, seq, -seq], dtype=torch.int64))
+        try:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.side)
+        except Exception as err:  # noqa: BLE001 - a peer vanished, or this rank was released
+            if failure is not None:
+                return Outcome(True)  # this rank raises its own exception whatever the peers did
+            cause = peer or self.classify(err)
+            if cause is None:
+                cause = PeerFailedError(None, type(err).__name__, f"the fail-together agreement itself failed: {err}",
+                                        where=f"the agreement of {name!r}", section=name)
+            return Outcome(True, cause)
+        got_flag, hmax, hmin, smax, smin = (int(v) for v in self._flag.tolist())
+        if got_flag == 0:
+            if hmax != -hmin or smax != -smin:
+                return Outcome(True, mismatch=self._mismatch(kind, name, seq))
+            return Outcome(False)
+        if failure is not None or peer is not None:
+            self._consume(read=False)
+            return Outcome(True, peer)
+        records = self._consume(read=True)
+        return Outcome(True, PeerFailedError.from_records(records, fallback_rank=got_flag - 1, section=name))
+
+    def _consume(self, *, read: bool) -> list[FailureRecord]:
+        """Take the records published since the last agreement (the watchdog leaves them alone)."""
+        try:
+            count = self.schema.count()
+        except Exception as err:  # noqa: BLE001
+            log(logging.WARNING, "could not read failure records: %s", (str(err).splitlines() or [""])[0][:200])
+            return []
+        indices = self.schema.new_indices(self.consumed, count)
+        self.consumed = count
+        if not read:
+            return []
+        return [r for r in (self.schema.read(i) for i in indices) if r is not None]
+
+    def _mismatch(self, kind: str, name: str, seq: int) -> SectionMismatchError:
+        mine = f"{kind} {name!r} (agreement {seq})"
+        sections = {self.rank: mine}
+        try:
+            self.schema.set_section(self.rank, mine)
+            deadline = time.monotonic() + MISMATCH_WAIT
+            wanted = [r for r in self.ranks[:16] if r != self.rank]
+            while wanted and time.monotonic() < deadline:
+                for r in list(wanted):
+                    text = self.schema.section_of(r)
+                    if text is not None:
+                        sections[r] = text
+                        wanted.remove(r)
+                time.sleep(0.02)
+        except Exception:  # noqa: BLE001 - the report is a nicety; the mismatch is raised anyway
+            pass
+        listed = "; ".join(f"rank {r}: {sections[r]}" for r in sorted(sections))
+        message = (f"the ranks met in different fail-together sections: {listed}. Every rank must enter the same "
+                   "sections in the same order, like a collective")
+        log(logging.ERROR, "%s", message)
+        return SectionMismatchError(message, sections)
+
+    # -- classify ------------------------------------------------------------------------------------
+    def classify(self, exc: BaseException) -> PeerFailedError | None:
+        """``None`` if ``exc`` is this rank's own failure; otherwise the peer failure behind it.
+
+        A :class:`PeerFailedError` is a peer's. A backend error (a released or broken collective:
+        :func:`~.errors.is_backend_error`) is a peer's when the cause can be found: what the watchdog
+        knows, a same-host peer that is gone (pid check, now), or a record of another rank not yet
+        delivered (read for up to :data:`EXPLAIN_WAIT`). Anything else is this rank's own.
+        """
+        if isinstance(exc, PeerFailedError):
+            return exc
+        if not is_backend_error(exc):
+            return None
+        known = self.incident.peer_error
+        if known is None:
+            found = self._same_host_probe.poll(time.monotonic())
+            known = found.error if found is not None else None
+        return known or self._undelivered_record()
+
+    def _undelivered_record(self) -> PeerFailedError | None:
+        deadline = time.monotonic() + EXPLAIN_WAIT
+        found: list[FailureRecord] = []
+        done = threading.Event()
+        conn = self.connection("explain", FAILURE_PATH_STORE_TIMEOUT)
+        schema = Schema(conn, self.schema.world_size)
+        start = self.consumed
+
+        def reader() -> None:
+            # Its own thread and connection: a store call can block when the store's host died with
+            # its socket still held open by a child process; the main thread never waits past the deadline.
+            try:
+                while not done.is_set() and time.monotonic() < deadline:
+                    indices = schema.new_indices(start, schema.count())
+                    records = [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != self.rank]
+                    if records:
+                        found.extend(records)
+                        break
+                    time.sleep(0.05)
+            except Exception:  # noqa: BLE001 - the store is gone: nothing to explain with
+                pass
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=reader, name="fth-explain", daemon=True)
+        thread.start()
+        try:
+            while time.monotonic() < deadline and not done.is_set():
+                if self.incident.peer_error is not None:
+                    return self.incident.peer_error
+                time.sleep(0.02)
+            if self.incident.peer_error is not None:
+                return self.incident.peer_error
+            return PeerFailedError.from_records(found) if found else None
+        finally:
+            done.set()
+            # Let it leave its store call (bounded by its timeout) before going on: a daemon thread
+            # inside a torch call at interpreter exit aborts the process.
+            thread.join(timeout=FAILURE_PATH_STORE_TIMEOUT.total_seconds() + 0.5)
+            conn.close()
+
+    # -- watchdog ------------------------------------------------------------------------------------
+    def start_watchdog(self, hang_timeout: timedelta | None = None):
+        """Take a reference on this group's watchdog (started on the first)."""
+        from .watchdog import Watchdog
+
+        with self._lock:
+            if self._watchdog is None:
+                self._watchdog = Watchdog(self, hang_timeout=hang_timeout or self.config.hang_timeout).start()
+            elif hang_timeout is not None and self._watchdog.hang_timeout != hang_timeout:
+                log(logging.WARNING, "watchdog already running with hang_timeout=%s; keeping it",
+                    self._watchdog.hang_timeout)
+            self._watchdog_refs += 1
+            return self._watchdog
+
+    def stop_watchdog(self) -> None:
+        """Drop a reference; the last one stops the watchdog (and closes its connections)."""
+        with self._lock:
+            if self._watchdog_refs == 0:
+                return
+            self._watchdog_refs -= 1
+            if self._watchdog_refs:
+                return
+            watchdog, self._watchdog = self._watchdog, None
+        watchdog.stop()
+
+    @property
+    def watchdog(self):
+        return self._watchdog
+
+
+_registry: dict[tuple[int, int], Session] = {}
+_registry_lock = threading.Lock()
+
+
+def _forget_all() -> None:
+    """At interpreter exit, stop the watchdogs and drop the side groups and store clients while
+    Python is fully alive, so that their C++ destructors do not run late in finalization."""
+    with _registry_lock:
+        sessions = list(_registry.values())
+        _registry.clear()
+    for session in sessions:
+        watchdog = session._watchdog
+        if watchdog is not None:
+            watchdog.stop(join_timeout=3.0)
+    sessions.clear()
+    gc.collect()
+
+
+def get_session(group: dist.ProcessGroup | None = None, *, timeout: timedelta | None = None,
+                caller: str = "fail_together") -> Session | None:
+    """The session of ``group`` (the world when ``None``), or ``None`` when there is nothing to
+    coordinate (no process group and no multi-rank launcher, or a single rank).
+
+    Raises:
+        RuntimeError: the launcher says this is a multi-rank job but ``init_process_group`` has not
+            been called yet.
+        ValueError: this process is not a member of ``group``; an ``FTH_*`` variable is malformed.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError(
+                f"{caller}(group=...) was given a process group, but torch.distributed is not initialized; "
+                "call torch.distributed.init_process_group() first")
+        try:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            world = 1
+        if world > 1:
+            raise RuntimeError(
+                f"{caller} was called in a job of WORLD_SIZE={world} ranks before "
+                "torch.distributed.init_process_group(); call it after the process group is initialized "
+                "(init_process_group, idist.Parallel, or inside the Trainer's hooks)")
+        return None
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(
+            f"{caller}(group=...): this process (global rank {dist.get_rank()}) is not a member of the given group "
+            f"(ranks {dist.get_process_group_ranks(group)}); pass a group that contains this rank, or group=None "
+            "for all ranks")
+    world = dist.get_world_size(group) if group is not None else dist.get_world_size()
+    if world <= 1:
+        return None
+    key = (id(_compat_torch.default_group()), id(group))
+    session = _registry.get(key)
+    if session is None:
+        with _registry_lock:
+            session = _registry.get(key)
+            if session is None:
+                # A new default group (destroy + init) makes every older session stale.
+                for stale in [k for k in _registry if k[0] != key[0]]:
+                    old = _registry.pop(stale)
+                    if old._watchdog is not None:
+                        old._watchdog.stop()
+                session = Session(group, timeout=timeout)
+                if not _registry:
+                    atexit.register(_forget_all)  # registered after torch's own exit hooks: runs before them
+                _registry[key] = session
+    return session
