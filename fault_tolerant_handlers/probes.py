@@ -60,7 +60,7 @@ class RecordsProbe:
         self.rank = rank
         self.grace = grace
         self.consumed = consumed
-        self.seen = schema.count()
+        self.seen = consumed()
         self.pending: dict[int, float] = {}
 
     def poll(self, now: float) -> Finding | None:

@@ -124,7 +124,7 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
         self, name: str, group: dist.ProcessGroup | None = None, *, step: int | None = None, epoch: int | None = None
     ) -> None:
         self.name = check_name("fail_together", name)
-        if group is not None and not isinstance(group, dist.ProcessGroup):
+        if group is not None and not isinstance(group, dist.ProcessGroup) and group != dist.GroupMember.NON_GROUP_MEMBER:
             raise TypeError(f"fail_together(group=...) must be a torch.distributed.ProcessGroup or None, got {group!r}")
         self.group = group
         self.step = check_position("fail_together", "step", step)

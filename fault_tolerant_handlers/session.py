@@ -145,7 +145,8 @@ class Session:
         self._flag = torch.zeros(5, dtype=torch.int64)
         self._seq = 0
         #: Records up to this index were delivered by an agreement (written by the main thread only).
-        self.consumed = self.schema.count()
+        #: The run id is new, so the counter starts at 0 (a rank may publish before a peer reads it).
+        self.consumed = 0
         self.incident = Incident()
         self._escalated: list[Incident] = []  # incidents the watchdog escalated, not yet acknowledged
         self._watchdog = None

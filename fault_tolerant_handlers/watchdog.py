@@ -219,22 +219,29 @@ class Watchdog:
         if finding is None or self._finishing:
             return
         log(logging.ERROR, "%s", str(finding.error).splitlines()[0], step=self._progress[2])
-        if finding.declare is not None and schema is not None:
-            try:
-                if schema.claim_declaration(finding.declare.rank):
-                    schema.publish(finding.declare)
-            except Exception as err:  # noqa: BLE001 - the store may be what died
-                log(logging.WARNING, "could not publish %s: %s", finding.declare.exc_type,
-                    (str(err).splitlines() or [""])[0][:200])
         if finding.hung_self:
             self.session.incident.local = True
+            self._declare(finding, schema)
             # Give the peers a moment to read the record, then end: the main thread cannot be trusted.
             time.sleep(min(1.0, self.exit_grace.total_seconds()))
             self._reported_exit(finding.error, EXIT_HUNG)
             return
+        # Escalate first: publishing may block when the store is what died.
         incident = self.session.peer_failed(finding.error)
         if incident is not None:
             threading.Thread(target=self._escalate, args=(incident,), name="fth-escalate", daemon=True).start()
+        self._declare(finding, schema)
+
+    def _declare(self, finding: Finding, schema: Schema | None) -> None:
+        """Publish what this rank declares about another (the first rank to declare it does)."""
+        if finding.declare is None or schema is None:
+            return
+        try:
+            if schema.claim_declaration(finding.declare.rank):
+                schema.publish(finding.declare)
+        except Exception as err:  # noqa: BLE001 - the store may be what died
+            log(logging.WARNING, "could not publish %s: %s", finding.declare.exc_type,
+                (str(err).splitlines() or [""])[0][:200])
 
     def _escalate(self, incident: Incident) -> None:
         """Release this process's collectives, then, if the main thread does not take the failure
