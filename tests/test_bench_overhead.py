@@ -68,13 +68,19 @@ def test_library_threads_and_helper_processes_are_found_and_their_cpu_counted(be
         assert f"fth-spin/{ours.native_id}" in labels
         assert f"fth-helper/pid {helper.pid}" in labels
         assert not any(label.startswith("user-spin") or str(plain.pid) in label for label in labels)
+        spin, helper_label = f"fth-spin/{ours.native_id}", f"fth-helper/pid {helper.pid}"
         before = bench.cpu_of(tasks)
-        time.sleep(0.5)
-        delta = bench.cpu_delta(before, bench.cpu_of(tasks))
-        stat, sched = delta[f"fth-spin/{ours.native_id}"]
-        assert sched is not None and 0.05 < sched <= 0.6  # it spun for part of the 0.5 s (2 spinners + GIL)
-        assert 0 <= stat <= 0.6
-        assert delta[f"fth-helper/pid {helper.pid}"][1] > 0.05  # a whole process: not held by our GIL
+        start = time.monotonic()
+        while time.monotonic() - start < 15:  # a busy machine may give the spinners little CPU
+            time.sleep(0.2)
+            delta = bench.cpu_delta(before, bench.cpu_of(tasks))
+            if delta[spin][1] > 0.02 and delta[helper_label][1] > 0.02:
+                break
+        elapsed = time.monotonic() - start
+        stat, sched = delta[spin]
+        assert sched is not None and 0.02 < sched <= elapsed + 0.05  # one thread: never more than the wall time
+        assert 0 <= stat <= elapsed + 0.05
+        assert delta[helper_label][1] > 0.02  # a whole process, counted from /proc/<pid>
         # a task gone by the second sample is left out; one new in it counts whole
         assert bench.cpu_delta({"gone": (1.0, 1.0)}, {"new": (0.25, 0.5)}) == {"new": (0.25, 0.5)}
     finally:
