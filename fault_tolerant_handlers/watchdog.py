@@ -208,8 +208,13 @@ class Watchdog:
         # every interval (a pid without a pidfd is still checked every interval).
         watcher = PidWatcher([pid for _, pid in self.peer_pids.peers], self._stop, self.interval.total_seconds())
         try:
-            while not self._stop.is_set() and self.session.known_failure is None:
-                if watcher.wait():
+            while True:
+                ended = watcher.wait()
+                # looked at after the wait, which may have lasted long: a failure known meanwhile
+                # ends the loop, as it did when the loop woke every interval
+                if self._stop.is_set() or self.session.known_failure is not None:
+                    break
+                if ended:
                     self._found(self.peer_pids.poll(time.monotonic()), self._liveness_schema)
         finally:
             watcher.close()
