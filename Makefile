@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-multihost venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# The multi-host tests marked multihost_target state behaviour still to be built: deselected here.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests -m "not multihost_target"
+
+# Every multi-host test (simulated hosts: needs root, ip, unshare, tc), the target ones included.
+test-multihost: $(STAMP)
+	$(PY) -m pytest -q tests/distributed/test_multihost.py
 
 clean:
 	rm -rf $(VENV)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
+from pathlib import Path
 import subprocess
 import sys
 import time
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from launch import free_port  # noqa: E402 - the one free-port helper of the project (tests' harness)
 
 
 def run_job(world: int, argv: list[str], *, deadline: float, env: dict[str, str] | None = None,

@@ -45,6 +45,9 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
+from _ranks import free_port
+from fault_tolerant_handlers import _procfs
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 DOCS = ROOT / "docs"
@@ -130,12 +133,11 @@ def run_env(launcher: Launcher, scenario: Scenario, ours: bool, *, pg_timeout: f
 
 def _stat(pid: int) -> tuple[str, int, int, int] | None:
     """(state, ppid, session id, start time) of a process, or None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    fields = _procfs.stat_fields(pid)
+    if fields is None:
         return None
-    fields = text[text.rindex(")") + 2:].split()
-    return fields[0], int(fields[1]), int(fields[3]), int(fields[19])
+    return (fields[_procfs.STATE], int(fields[_procfs.PPID]), int(fields[_procfs.SESSION]),
+            int(fields[_procfs.START_TIME]))
 
 
 def _all_processes() -> dict[int, tuple[str, int, int, int]]:
@@ -210,12 +212,6 @@ class RunResult:
     error: str | None = None  # the run did not go as designed (e.g. the fault never fired)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _events(outdir: Path, name: str) -> list[dict]:
     path = outdir / f"{name}.jsonl"
     if not path.exists():
@@ -279,7 +275,7 @@ def run_cell(launcher: Launcher, scenario: Scenario, ours: bool, *, pg_timeout: 
     outdir = workdir / f"{launcher.key.replace('/', '-')}-{scenario.key}-{'ours' if ours else 'stock'}"
     shutil.rmtree(outdir, ignore_errors=True)
     outdir.mkdir(parents=True)
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "FTH_INJECT",
                 "FTH_HANG_TIMEOUT_SEC", "TORCHELASTIC_RUN_ID"):

@@ -13,6 +13,7 @@ import signal
 
 STATE, PPID, PGRP, SESSION = 0, 1, 2, 3
 UTIME, STIME = 11, 12  # fields 14, 15: clock ticks
+START_TIME = 19  # field 22: clock ticks after boot
 EXIT_CODE = 49  # field 52: the wait status of an exited (zombie) process
 
 _SIGNAL_NAMES = {int(s): s.name for s in signal.Signals}

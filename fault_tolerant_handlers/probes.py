@@ -25,7 +25,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Container, Sequence
 
 from ._procfs import process_state
 from .errors import PeerFailedError
@@ -51,25 +51,26 @@ def declared_finding(record: FailureRecord) -> Finding:
 class RecordsProbe:
     """Failure records of other ranks that the main thread did not take at a sync point.
 
-    A record is left ``grace`` seconds to a sync point that would deliver it anyway; ``consumed()``
-    is the index up to which the main thread's agreements read the records.
+    A record is left ``grace`` seconds to a sync point that would deliver it anyway; ``delivered()``
+    is the set of record indices the main thread's agreements took.
     """
 
-    def __init__(self, schema: Schema, rank: int, grace: float, consumed: Callable[[], int]) -> None:
+    def __init__(self, schema: Schema, rank: int, grace: float, delivered: Callable[[], Container[int]],
+                 start: int = 0) -> None:
         self.schema = schema
         self.rank = rank
         self.grace = grace
-        self.consumed = consumed
-        self.seen = consumed()
-        self.pending: dict[int, float] = {}
+        self.delivered = delivered
+        self.seen = start
+        self.pending: dict[int, float] = {}  # index -> first seen
 
     def poll(self, now: float) -> Finding | None:
         count = self.schema.count()
         for index in self.schema.new_indices(self.seen, count):
             self.pending.setdefault(index, now)
         self.seen = count
-        consumed = self.consumed()
-        for index in [i for i in self.pending if _not_after(i, consumed)]:
+        delivered = self.delivered()
+        for index in [i for i in self.pending if i in delivered]:
             del self.pending[index]
         due = [i for i, t in self.pending.items() if now - t >= self.grace]
         records = []
@@ -81,11 +82,6 @@ class RecordsProbe:
         if records:
             return Finding(PeerFailedError.from_records(records))
         return None
-
-
-def _not_after(index: int, consumed: int) -> bool:
-    """``index <= consumed`` on the store's wrapping 64-bit counter (within a plausible distance)."""
-    return 0 <= (consumed - index) % (1 << 64) < (1 << 62)
 
 
 class HeartbeatProbe:

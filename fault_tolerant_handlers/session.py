@@ -58,6 +58,8 @@ MAIN_STORE_TIMEOUT = timedelta(seconds=5)
 FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=2)
 #: How long a broken collective waits for the cause (a killed peer is declared within ~0.1 s).
 EXPLAIN_WAIT = 2.0
+#: How many delivered record indices are remembered for the watchdog.
+MAX_DELIVERED = 1024
 #: How long ranks found out of step wait for each other's section names.
 MISMATCH_WAIT = 1.0
 
@@ -144,9 +146,11 @@ class Session:
         self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
         self._flag = torch.zeros(5, dtype=torch.int64)
         self._seq = 0
-        #: Records up to this index were delivered by an agreement (written by the main thread only).
-        #: The run id is new, so the counter starts at 0 (a rank may publish before a peer reads it).
+        #: The record counter as the last agreement read it. The run id is new, so it starts at 0 (a
+        #: rank may publish before a peer reads it). Written by the main thread only.
         self.consumed = 0
+        #: Record indices agreements delivered (the watchdog leaves them alone); replaced, never mutated.
+        self.delivered: frozenset[int] = frozenset()
         self.incident = Incident()
         self._escalated: list[Incident] = []  # incidents the watchdog escalated, not yet acknowledged
         self._watchdog = None
@@ -281,6 +285,8 @@ class Session:
             return []
         indices = self.schema.new_indices(self.consumed, count)
         self.consumed = count
+        if indices:
+            self.delivered = frozenset(sorted(self.delivered | set(indices))[-MAX_DELIVERED:])
         if not read:
             return []
         return [r for r in (self.schema.read(i) for i in indices) if r is not None]

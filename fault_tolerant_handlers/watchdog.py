@@ -129,7 +129,8 @@ class Watchdog:
         limit = cfg.heartbeat_timeout
         if self.hang_timeout is not None:
             limit = min(limit, self.hang_timeout + SILENT_MARGIN)
-        self.records = RecordsProbe(self._schema, self.rank, RELEASE_GRACE.total_seconds(), lambda: session.consumed)
+        self.records = RecordsProbe(self._schema, self.rank, RELEASE_GRACE.total_seconds(),
+                                    lambda: session.delivered, start=session.consumed)
         self.heartbeat = HeartbeatProbe(self._schema, self.rank, session.ranks[successor], session.pids[successor],
                                         period=HEARTBEAT_EVERY.total_seconds(), limit=limit.total_seconds())
         self.self_hang = None

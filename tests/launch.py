@@ -10,6 +10,7 @@ process group and the test fails with every rank's stderr tail.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -19,10 +20,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fault_tolerant_handlers import _procfs
+
 HERE = Path(__file__).resolve().parent
 RANK_MAIN = HERE / "rank_main.py"
 #: Process-group timeout the ranks use: far below the 30-minute gloo default.
 PG_TIMEOUT_SEC = 20
+
+
+ROOT = HERE.parent
+#: The rank programs the tests start (``rank_main.py``, ``ignite_main.py``, ...) live beside this file.
+PROGRAMS = HERE
+
+
+def readme_snippet(name: str) -> str:
+    """The README code block marked ``<!-- snippet: <name> -->``, as printed."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(rf"<!-- snippet: {name} -->\s*```python\n(.*?)```", text, re.S)
+    assert match, f"README.md has no '<!-- snippet: {name} -->' code block"
+    return match.group(1)
 
 
 def free_port() -> int:
@@ -52,16 +68,10 @@ class RankResult:
 def _session_alive(sid: int) -> bool:
     """True if any process of session ``sid`` (a rank started with ``start_new_session``) runs."""
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 3 and fields[3] == str(sid) and fields[0] not in ("Z", "X"):
-            return True
+        if entry.isdigit():
+            fields = _procfs.stat_fields(int(entry))
+            if _procfs.is_running(fields) and fields[_procfs.SESSION] == str(sid):
+                return True
     return False
 
 

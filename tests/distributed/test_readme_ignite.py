@@ -5,18 +5,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _snippet(name: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    match = re.search(rf"<!-- snippet: {name} -->\s*```python\n(.*?)```", text, re.S)
-    assert match, f"README.md has no '<!-- snippet: {name} -->' code block"
-    return match.group(1)
+from launch import ROOT, readme_snippet as _snippet
 
 
 @pytest.mark.timeout(90)

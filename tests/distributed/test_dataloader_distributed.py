@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import free_port
+from launch import PROGRAMS, free_port
 
-SCRIPT = Path(__file__).resolve().parent / "dl_train.py"
+SCRIPT = PROGRAMS / "dl_train.py"
 DEADLINE = 90.0
 
 

@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(90)

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import run_ranks
+from launch import ROOT, PROGRAMS, run_ranks
 
-HERE = Path(__file__).resolve().parent
+HERE = PROGRAMS
 SCRIPT = HERE / "lightning_main.py"
 MAX_LATENCY_SEC = 5.0
 FAULT_STEP = 10  # epoch 1 (8 batches per epoch and rank): after the epoch-0 checkpoint
@@ -94,9 +94,9 @@ def _assert_checkpoints(outdir: Path, *, on_exception: bool):
 
 @pytest.fixture(autouse=True, scope="module")
 def _examples_on_path():
-    sys.path.insert(0, str(HERE.parent / "examples"))
+    sys.path.insert(0, str(ROOT / "examples"))
     yield
-    sys.path.remove(str(HERE.parent / "examples"))
+    sys.path.remove(str(ROOT / "examples"))
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from launch import run_ranks
+from launch import PROGRAMS, run_ranks
 
-IGNITE = Path(__file__).resolve().parent / "ignite_main.py"
+IGNITE = PROGRAMS / "ignite_main.py"
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,7 +103,7 @@ def test_frozen_rank_is_named_silent_by_its_neighbour(tmp_path):
 def test_sigkilled_peer_in_a_lightning_fit(launch, tmp_path):
     """A real ``Trainer.fit`` with the callback: rank 1 is SIGKILLed mid-epoch (ddp: Lightning's
     subprocess launcher; ddp_spawn: rank 0 hosts the store in a spawned process)."""
-    script = Path(__file__).resolve().parent / "lightning_main.py"
+    script = PROGRAMS / "lightning_main.py"
     env = dict(FAULT="kill", FAULT_RANK="1", FAULT_STEP="10", USE_FT="1", OEC="0", LAUNCH=launch, FTH_TEST_TOP="1")
     results = run_ranks(1, "", tmp_path, script=script, env=env, result_ranks=2, deadline=60)
     fault = results[1].event("fault")

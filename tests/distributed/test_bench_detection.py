@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import ROOT
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "detection.py"
+BENCH = ROOT / "bench" / "detection.py"
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from fault_tolerant_handlers.inject import FORMS, Injection, Injector, InjectedFault, parse
-from launch import run_ranks
+from launch import PROGRAMS, run_ranks
 
-IGNITE = Path(__file__).resolve().parent / "ignite_main.py"
+IGNITE = PROGRAMS / "ignite_main.py"
 
 
 def test_parse_accepted_forms():

@@ -1,0 +1,118 @@
+"""Across hosts: what every rank sees when a rank, a host or a link fails (2 hosts x 1 rank, Ignite,
+the library's default settings).
+
+Each test runs a real 2-host job on the rig of ``tests/hosts.py`` (two network namespaces joined by
+a veth pair, each with its own hostname and pid namespace, one ``torchrun`` agent per host with
+c10d rendezvous), injects one fault, and asserts what every rank recorded. The tests marked
+``multihost_target`` state the behaviour the library is to reach and fail today (they are
+deselected from ``make test``; ``make test-multihost`` runs every test here).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+import hosts
+from hosts import MultiHostResult, RankOutcome, run_hosts
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(hosts.unavailable() is not None, reason=str(hosts.unavailable())),
+    pytest.mark.timeout(240),
+]
+target = pytest.mark.multihost_target
+_EXIT_REPORT = re.compile(r"ending this process with exit code \d+: .*?\brank (\d+)\b")
+
+
+def reported_peer(r: RankOutcome) -> tuple[int, float, str] | None:
+    """(the rank it names as failed or lost, when, the text) from what rank ``r`` reported: its
+    run raised ``PeerFailedError``, or (its main thread stuck) the watchdog ended the process with
+    the same report."""
+    raised = r.raised
+    if raised is not None and raised["raised"] == "PeerFailedError":
+        return raised["failed_rank"], raised["t"], raised["message"]
+    ended = r.event("watchdog_exit")
+    if ended is not None:
+        m = _EXIT_REPORT.search(ended["message"])
+        if m:
+            return int(m.group(1)), ended["t"], ended["message"]
+    return None
+
+
+def assert_no_own_failure(res: MultiHostResult, rank: int) -> None:
+    """Rank ``rank`` never recorded (nor published) a failure of its own."""
+    raised = res.ranks[rank].raised
+    assert raised is None or raised["raised"] == "PeerFailedError", (
+        f"rank {rank} raised its own error for a peer's loss: {raised}\n{res.describe()}")
+    log = res.log(res.host_of(rank).index)
+    assert not re.search(rf"\[rank {rank}( step \d+)?\] failed: ", log), (
+        f"rank {rank} recorded its own failure:\n{res.describe()}")
+
+
+def assert_names(res: MultiHostResult, rank: int, lost: int, within: float, host: str | None = None) -> None:
+    got = reported_peer(res.ranks[rank])
+    assert got is not None, f"rank {rank} named no failed peer:\n{res.describe()}"
+    named, t, text = got
+    assert named == lost, f"rank {rank} named rank {named}, not {lost}: {text}\n{res.describe()}"
+    if host is not None:
+        assert host in text, f"rank {rank}'s report does not name host {host}: {text}"
+    assert t - res.fault_at <= within, (
+        f"rank {rank} named rank {lost} {t - res.fault_at:.2f} s after the fault (bound {within} s)\n{res.describe()}")
+
+
+def test_rank_on_other_host_raises(tmp_path):
+    """Rank 1 (host node-b) raises: every rank raises with the cause within 1 s, and every rank and
+    agent ends by itself."""
+    res = run_hosts(tmp_path, "raise", fault_host=1, after_fault=25, env={"LINGER": "3"})
+    assert res.fault_at is not None, res.describe()
+    r0, r1 = res.ranks
+    assert r0.host == "node-a" and r1.host == "node-b", res.describe()
+    assert r1.raised is not None and r1.raised["raised"] == "InjectedFault", res.describe()
+    assert r1.raised["t"] - res.fault_at <= 1.0, res.describe()
+    assert r0.raised is not None and r0.raised["raised"] == "PeerFailedError", res.describe()
+    assert r0.raised["failed_rank"] == 1 and r0.raised["host"] == "node-b", res.describe()
+    assert "InjectedFault" in r0.raised["exc_type"] and "raise@rank=1" in r0.raised["exc_message"], res.describe()
+    assert r0.raised["t"] - res.fault_at <= 1.0, res.describe()
+    assert all(r.ended_by_itself for r in res.ranks), res.describe()
+    assert all(h.ended_at is not None and not h.killed for h in res.hosts), res.describe()
+    left = [ns for ns in hosts._namespaces() if ns.startswith(f"{hosts.PREFIX}{os.getpid()}x")]
+    assert not left, f"namespaces left behind: {left}"
+    assert not any(hosts._alive(h.init_pid) for h in res.hosts), res.describe()
+
+
+@target
+def test_host_dies(tmp_path):
+    """Everything on node-b is SIGKILLed: rank 0 raises PeerFailedError naming rank 1 and node-b
+    within 2 s, and never records a failure of its own."""
+    res = run_hosts(tmp_path, "kill_host", fault_host=1, after_fault=20)
+    assert res.fault_at is not None, res.describe()
+    assert_names(res, 0, lost=1, within=2.0, host="node-b")
+    assert_no_own_failure(res, 0)
+    assert res.ranks[0].ended_by_itself, res.describe()
+
+
+@target
+def test_store_host_dies(tmp_path):
+    """Everything on node-a (rank 0, the c10d store, the rendezvous) is SIGKILLed: rank 1 names
+    rank 0 within 5 s, never records a failure of its own, and ends by itself."""
+    res = run_hosts(tmp_path, "kill_host", fault_host=0, after_fault=20)
+    assert res.fault_at is not None, res.describe()
+    assert_names(res, 1, lost=0, within=5.0, host="node-a")
+    assert_no_own_failure(res, 1)
+    assert res.ranks[1].ended_by_itself, res.describe()
+
+
+@target
+def test_link_cut(tmp_path):
+    """node-b's link goes down: rank 0 names rank 1 within 5 s; rank 1, cut off from rank 0 and the
+    store, names rank 0 and its process ends by itself within 10 s; so do both agents."""
+    res = run_hosts(tmp_path, "cut_link", fault_host=1, after_fault=25)
+    assert res.fault_at is not None, res.describe()
+    assert_names(res, 0, lost=1, within=5.0)
+    assert_names(res, 1, lost=0, within=10.0)
+    r1 = res.ranks[1]
+    assert r1.ended_by_itself and r1.ended_at - res.fault_at <= 10.0, res.describe()
+    assert all(h.ended_at is not None and not h.killed for h in res.hosts), res.describe()

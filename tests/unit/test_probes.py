@@ -1,0 +1,161 @@
+"""The watchdog's probes, one at a time: a fake clock, an in-memory store (HashStore), fake pids.
+No process or thread is started."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from fault_tolerant_handlers.probes import (HeartbeatProbe, PeerPidProbe, RecordsProbe, SelfHangProbe,
+                                            StoreLossProbe, waiting_on_peers)
+from fault_tolerant_handlers.record import FailureRecord
+from fault_tolerant_handlers.schema import Connection, Schema
+
+
+def schema_over(store: dist.Store, world_size: int = 4) -> Schema:
+    return Schema(Connection(lambda: dist.PrefixStore("fth/test", store), timedelta(seconds=1), "test"), world_size)
+
+
+def failure(rank: int, message: str = "bad sample 17") -> FailureRecord:
+    try:
+        raise ValueError(message)
+    except ValueError as exc:
+        return FailureRecord.from_exception(exc, rank=rank, section="train", step=3, epoch=1)
+
+
+def test_records_probe_waits_the_grace_then_reports_another_ranks_record():
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    probe = RecordsProbe(mine, rank=0, grace=0.3, delivered=frozenset)
+    assert probe.poll(10.0) is None
+    peer.publish(failure(rank=2))
+    assert probe.poll(10.1) is None            # seen, but a sync point may still deliver it
+    found = probe.poll(10.45)
+    assert found is not None and found.error.failed_rank == 2 and found.error.exc_type == "ValueError"
+    assert found.declare is None
+
+
+def test_records_probe_leaves_delivered_records_and_its_own_alone():
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    delivered = [frozenset()]
+    probe = RecordsProbe(mine, rank=0, grace=0.3, delivered=lambda: delivered[0])
+    peer.publish(failure(rank=1))
+    assert probe.poll(1.0) is None
+    delivered[0] = frozenset({1})              # an agreement delivered it to the main thread
+    assert probe.poll(2.0) is None
+    peer.publish(failure(rank=2))
+    delivered[0] = frozenset({1, 2})           # delivered before the probe even saw it
+    assert probe.poll(3.0) is None and probe.poll(4.0) is None
+    mine.publish(failure(rank=0))              # this rank's own failure: not a peer's
+    assert probe.poll(3.0) is None and probe.poll(4.0) is None
+
+
+@pytest.mark.parametrize("corrupt", [-5, 2**62, "wrap"])
+def test_a_manipulated_counter_warns_naming_the_key_and_detection_goes_on(corrupt, caplog):
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    probe = RecordsProbe(mine, rank=0, grace=0.0, delivered=frozenset)
+    value = 2**63 - 1 if corrupt == "wrap" else corrupt
+    store.set("fth/test/n", str(value))
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert probe.poll(1.0) is None
+    assert "store key n moved from 0" in caplog.text
+    peer.publish(failure(rank=3))              # the next add wraps past 2**63-1 in the "wrap" case
+    found = probe.poll(2.0)
+    assert found is not None and found.error.failed_rank == 3
+
+
+def test_a_garbage_counter_is_repaired_and_a_record_still_found(caplog):
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    probe = RecordsProbe(mine, rank=0, grace=0.0, delivered=frozenset)
+    peer.publish(failure(rank=1))
+    assert probe.poll(1.0) is not None
+    store.set("fth/test/n", "abc")
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert probe.poll(2.0) is None
+    assert "store key n held a non-integer value" in caplog.text
+    assert int(store.get("fth/test/n")) == 1
+    peer.publish(failure(rank=2))
+    assert probe.poll(3.0).error.failed_rank == 2
+
+
+def test_an_out_of_range_record_is_ignored_naming_its_key(caplog):
+    store = dist.HashStore()
+    mine, peer = schema_over(store, world_size=2), schema_over(store, world_size=2)
+    probe = RecordsProbe(mine, rank=0, grace=0.0, delivered=frozenset)
+    peer.publish(failure(rank=1))
+    store.set("fth/test/r/1", store.get("fth/test/r/1").replace(b'"rank":1', b'"rank":1000000000000000000000000000000'))
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert probe.poll(1.0) is None
+    assert "r/1" in caplog.text and "outside [0, 1]" in caplog.text
+
+
+def test_heartbeat_probe_declares_a_silent_successor_after_the_limit():
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=5.0)
+    other.beat(1)
+    assert probe.poll(0.0) is None              # first look: value 1
+    assert probe.poll(0.2) is None              # not due yet
+    other.beat(1)
+    assert probe.poll(1.0) is None              # moved
+    assert probe.poll(5.5) is None              # still for 4.5 s
+    found = probe.poll(6.5)
+    assert found is not None and found.error.exc_type == "PeerSilent" and found.error.failed_rank == 1
+    assert "no heartbeat for 5.5 s" in found.error.exc_message and found.declare.by == 0
+    assert int(store.get("fth/test/hb/0")) == 4  # its own heartbeat went on
+
+
+def test_heartbeat_probe_never_declares_a_successor_that_never_beat():
+    probe = HeartbeatProbe(schema_over(dist.HashStore()), rank=0, successor=1, successor_pid=1, period=0.5, limit=1.0)
+    assert all(probe.poll(t) is None for t in (0.0, 1.0, 5.0, 50.0))
+
+
+def test_pid_probe_names_the_signal():
+    states = {11: None, 12: "killed by SIGKILL"}
+    probe = PeerPidProbe([(1, 11), (2, 12)], by=0, host="node-a", state=states.get)
+    found = probe.poll(0.0)
+    assert found.error.failed_rank == 2 and found.error.exc_type == "PeerLost"
+    assert found.error.exc_message == "rank 2 (pid 12 on node-a) lost: killed by SIGKILL"
+    states[12] = None
+    assert probe.poll(1.0) is None
+
+
+def _frame_in(filename: str):
+    code = compile("import sys\nframe = sys._getframe()", filename, "exec")
+    scope: dict = {}
+    exec(code, scope)
+    return scope["frame"]
+
+
+def test_self_hang_probe_reports_the_main_thread_stack_and_spares_a_rank_waiting_on_peers():
+    progress = [(100.0, 1_700_000_000.0, 7)]
+    frame = [_frame_in("/x/train.py")]
+    probe = SelfHangProbe(1, 4242, 5.0, margin=2.0, progress=lambda: progress[0], frame=lambda: frame[0])
+    assert probe.poll(104.0) is None
+    found = probe.poll(105.5)
+    assert found.hung_self and found.error.exc_type == "RankHung" and found.error.failed_rank == 1
+    assert "no progress for 5.5 s at step 7" in found.error.exc_message
+    assert "/x/train.py" in found.error.remote_traceback
+    frame[0] = _frame_in("/site-packages/torch/distributed/distributed_c10d.py")
+    assert waiting_on_peers(frame[0])
+    assert probe.poll(105.5) is None            # blocked in a collective: the peer is the hung one
+    assert probe.poll(112.5).hung_self          # ... unless it stays blocked past 2 x timeout + margin
+
+
+def test_store_loss_probe_declares_the_store_host_after_the_silence():
+    probe = StoreLossProbe(10.0, by=1, store_pid=99)
+    assert probe.failed(0.0, ConnectionError("refused")) is True
+    assert probe.failed(5.0, ConnectionError("refused")) is False
+    assert probe.poll(9.0) is None
+    probe.answered()
+    assert probe.poll(20.0) is None
+    probe.failed(20.0, ConnectionError("refused"))
+    found = probe.poll(30.5)
+    assert found.error.failed_rank == 0 and found.error.exc_type == "PeerLost"
+    assert "hosts the c10d store" in found.error.exc_message and "ConnectionError: refused" in found.error.exc_message
