@@ -132,7 +132,11 @@ class FaultTolerance(Callback):
     # -- state ---------------------------------------------------------------------------------
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(name=self.name)
+        # Lightning formats it for every hook it dispatches (twice per batch): built once per name.
+        cached = self.__dict__.get("_state_key_cache")
+        if cached is None or cached[0] != self.name:
+            cached = self._state_key_cache = (self.name, self._generate_state_key(name=self.name))
+        return cached[1]
 
     @override
     def state_dict(self) -> dict[str, int]:

@@ -8,9 +8,11 @@ while the main thread may be stuck in a collective, and escalate what they find.
 * The **liveness process** (:mod:`.liveness`, a helper process of its own, so the GIL cannot stop
   it): every :data:`HEARTBEAT_EVERY` one ``add`` of its own heartbeat and one read of its ring
   successor's (the heartbeat probe), declaring a successor silent for ``FTH_HEARTBEAT_TIMEOUT_SEC``.
-* The **liveness loop** (``fth-liveness``, only when peers share this host) checks their pids every
-  ``interval``: a system call, no store traffic, so it works when the store's host died with a
-  child process still holding its socket open.
+* The **pid loop** (``fth-pids``, only when peers share this host) sleeps in one
+  ``poll()`` on the peers' pidfds (:mod:`._pidwatch`) and checks their pids when one ends (or every
+  ``interval`` for a pid without a pidfd): no store traffic and no periodic wake-up, so it works
+  when the store's host died with a child process still holding its socket open, and costs nothing
+  while nothing happens.
 
 A finding about another rank makes the session's incident a peer failure (the adapters raise it at
 their next hook) and starts the **escalation** (``fth-escalate``): release this process's
@@ -42,6 +44,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Iterator
 
 from . import config
+from ._pidwatch import PidWatcher, WakeEvent
 from ._log import log
 from .liveness import LivenessProcess
 from .liveness import kill_all as kill_all_liveness
@@ -119,7 +122,7 @@ class Watchdog:
         self.exit_grace = cfg.exit_grace
         self.write_grace = cfg.write_grace
         self._progress: tuple[float, float, int | None] = (time.monotonic(), time.time(), None)
-        self._stop = threading.Event()
+        self._stop = WakeEvent()  # its set() also wakes the liveness loop's poll()
         self._finishing = False
         store_timeout = timedelta(seconds=max(1.0, 5 * self.interval.total_seconds()))
         self._conn = session.connection("watchdog", store_timeout)
@@ -148,7 +151,7 @@ class Watchdog:
         peers = session.same_host_peers()
         self.peer_pids = PeerPidProbe(peers, by=self.rank, host=session.host) if peers else None
         self._thread = threading.Thread(target=self._run_store_loop, name="fth-watchdog", daemon=True)
-        self._liveness = threading.Thread(target=self._run_liveness_loop, name="fth-liveness", daemon=True)
+        self._liveness = threading.Thread(target=self._run_liveness_loop, name="fth-pids", daemon=True)
 
     # -- main-thread API ------------------------------------------------------------------------------
     def start(self) -> Watchdog:
@@ -211,9 +214,20 @@ class Watchdog:
         log(logging.DEBUG, "watchdog stopped")
 
     def _run_liveness_loop(self) -> None:
-        period = self.interval.total_seconds()
-        while not self._stop.wait(period) and self.session.known_failure is None:
-            self._found(self.peer_pids.poll(time.monotonic()), self._liveness_schema)
+        # Sleeps in poll() on the peers' pidfds: wakes when a peer ends or the watchdog stops, not
+        # every interval (a pid without a pidfd is still checked every interval).
+        watcher = PidWatcher([pid for _, pid in self.peer_pids.peers], self._stop, self.interval.total_seconds())
+        try:
+            while True:
+                ended = watcher.wait()
+                # looked at after the wait, which may have lasted long: a failure known meanwhile
+                # ends the loop, as it did when the loop woke every interval
+                if self._stop.is_set() or self.session.known_failure is not None:
+                    break
+                if ended:
+                    self._found(self.peer_pids.poll(time.monotonic()), self._liveness_schema)
+        finally:
+            watcher.close()
 
     # -- findings ------------------------------------------------------------------------------------
     def _found(self, finding: Finding | None, schema: Schema | None) -> None:
