@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
-from _ranks import free_port
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ranks import free_port  # noqa: E402
 from fault_tolerant_handlers import _procfs
 
 ROOT = Path(__file__).resolve().parents[1]

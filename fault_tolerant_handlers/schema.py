@@ -68,12 +68,23 @@ def _wrap(value: int) -> int:
     return value - _U64 if value >= 1 << 63 else value
 
 
+class StoreCallTimeout(TimeoutError):
+    """A store call did not return within its connection's budget (the store's host is gone, or the
+    network between is cut: a TCP read then blocks far longer than the store's own timeout)."""
+
+
 class Connection:
     """One store connection of this process's own, re-made from ``factory`` after a failed call.
 
-    ``factory`` returns a new store client (a clone of the process group's store, wrapped in the
-    run's prefix); its timeout bounds every call.
+    ``factory`` returns a new store client under the run's prefix; ``timeout`` bounds its connect
+    and every call. A call runs on the connection's own worker thread and the caller waits at most
+    ``timeout`` + :data:`CALL_SLACK`: c10d's client bounds waiting for a key, but not a read from a
+    peer that went silent (a cut link leaves it blocked for TCP's retransmission timeout, minutes).
+    A call that overruns abandons the connection (its worker stays blocked in the read until the
+    kernel gives up) and the next call makes a new one.
     """
+
+    CALL_SLACK = 0.5
 
     def __init__(self, factory: Callable[[], dist.Store], timeout: timedelta, name: str) -> None:
         self._factory = factory
@@ -81,6 +92,7 @@ class Connection:
         self.name = name
         self._store: dist.Store | None = None
         self._lock = threading.Lock()
+        self._worker: _Worker | None = None
         self.calls = 0
 
     def store(self) -> dist.Store:
@@ -96,17 +108,75 @@ class Connection:
             self._store = None
 
     def close(self) -> None:
-        self.reconnect()
+        with self._lock:
+            self._store = None
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
 
     def call(self, method: str, *args):
-        """``store.<method>(*args)``; a failure drops this connection (the next call makes a new
-        one) and is raised."""
+        """``store.<method>(*args)``, bounded; a failure drops this connection (the next call makes
+        a new one) and is raised."""
         self.calls += 1
+        with self._lock:
+            worker = self._worker
+            if worker is None or worker.stuck:
+                worker = self._worker = _Worker(f"fth-store-{self.name}")
         try:
-            return getattr(self.store(), method)(*args)
+            return worker.run(lambda: getattr(self.store(), method)(*args),
+                              self._timeout.total_seconds() + self.CALL_SLACK)
+        except StoreCallTimeout:
+            with self._lock:
+                self._store = None  # left to the blocked worker; the next call connects anew
+            raise
         except Exception:
             self.reconnect()
             raise
+
+
+class _Worker:
+    """A thread that runs one store call at a time for a :class:`Connection`."""
+
+    def __init__(self, name: str) -> None:
+        self.stuck = False
+        self._job: Callable[[], object] | None = None
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._result: tuple[bool, object] = (True, None)
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._ready.wait()
+            self._ready.clear()
+            if self._stopped:
+                return
+            try:
+                self._result = (True, self._job())
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                self._result = (False, err)
+            self._done.set()
+
+    def run(self, job: Callable[[], object], budget: float):
+        self._job = job
+        self._done.clear()
+        self._ready.set()
+        if not self._done.wait(budget):
+            self.stuck = True
+            self._stopped = True  # it ends when (if) the blocked call returns
+            raise StoreCallTimeout(f"a store call did not return within {budget:.1f} s")
+        ok, value = self._result
+        if ok:
+            return value
+        raise value  # type: ignore[misc]
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._ready.set()
+        if threading.current_thread() is not self._thread and not self.stuck:
+            self._thread.join(timeout=1.0)
 
 
 class Schema:
@@ -123,6 +193,8 @@ class Schema:
         """``add(key, amount)``; a key holding something that is not an integer is repaired."""
         try:
             value = int(self.conn.call("add", key, amount))
+        except StoreCallTimeout:
+            raise  # the store does not answer: nothing to repair
         except Exception as err:
             if not self._repair(key):
                 raise

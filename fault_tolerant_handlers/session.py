@@ -563,7 +563,7 @@ def _forget_all() -> None:
     for session in sessions:
         watchdog = session._watchdog
         if watchdog is not None:
-            watchdog.stop(join_timeout=3.0)
+            watchdog.stop(join_timeout=1.0)
     sessions.clear()
     gc.collect()
 

@@ -312,8 +312,9 @@ _exit_hook_registered = False
 def _stop_all() -> None:
     """Stop every watchdog before the interpreter finalizes: a daemon thread still inside a torch
     C++ call (a store operation) when Python finalizes is ended by a forced unwind through C++
-    frames, which aborts the whole process (``terminate called without an active exception``)."""
-    deadline = time.monotonic() + 3.0
+    frames, which aborts the whole process (``terminate called without an active exception``).
+    Bounded: a store call returns within its connection's budget (1.5 s)."""
+    deadline = time.monotonic() + 2.0
     watchdogs = list(_running)
     for watchdog in watchdogs:
         watchdog._finishing = True
