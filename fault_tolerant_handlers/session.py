@@ -48,7 +48,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import _compat_torch, config
+from . import _compat_torch, _termination, config
 from ._log import log
 from .errors import PeerFailedError, SectionMismatchError, is_backend_error
 from .probes import PeerPidProbe
@@ -59,7 +59,7 @@ from .schema import Connection, Schema
 #: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
 MAIN_STORE_TIMEOUT = timedelta(seconds=5)
 #: Timeout of the store calls made while explaining a broken collective.
-FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=2)
+FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=1)
 #: How long a broken collective waits for the cause (a killed peer is declared within ~0.1 s).
 EXPLAIN_WAIT = 2.0
 #: A rank at the address a backend error names, whose heartbeat (every 0.5 s, from its liveness
@@ -236,6 +236,8 @@ class Session:
         self._watchdog_refs = 0
         self._lock = threading.Lock()
         self._same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
+        self._explaining = None
+        _termination.watch(self)
         log(logging.DEBUG, "fault-tolerance side group ready (run %s, %d ranks)", self.run_id, self.world_size)
 
     # -- layout and connections -----------------------------------------------------------------
@@ -425,6 +427,18 @@ class Session:
             known = found.error if found is not None else None
         return known or self._explain(exc)
 
+    def failure_report(self, wait: float) -> PeerFailedError | None:
+        """What is known of a failure under way, waiting up to ``wait`` seconds for an explanation
+        in progress (for a rank that is being ended from outside, e.g. by its launcher's SIGTERM)."""
+        if self.incident.peer_error is not None:
+            return self.incident.peer_error
+        explaining = self._explaining
+        if explaining is None:
+            return None
+        done, outcome = explaining
+        done.wait(wait)
+        return outcome()
+
     def suspects(self, exc: BaseException) -> list[int]:
         """Global ranks at the peer address a backend error names (never this rank)."""
         wanted = {_digest(a) for a in addresses_named(str(exc))}
@@ -495,13 +509,7 @@ class Session:
             finally:
                 done.set()
 
-        thread = threading.Thread(target=reader, name="fth-explain", daemon=True)
-        thread.start()
-        try:
-            while time.monotonic() < deadline and not done.is_set():
-                if self.incident.peer_error is not None:
-                    return self.incident.peer_error
-                time.sleep(0.02)
+        def outcome() -> PeerFailedError | None:
             if self.incident.peer_error is not None:
                 return self.incident.peer_error
             if found:
@@ -511,9 +519,20 @@ class Session:
                 names = ", ".join(f"rank {r} on {self.hosts[self.ranks.index(r)]}" for r in suspects)
                 return PeerFailedError(None, "CommunicationError",
                                        f"the connection to {names} broke ({first_line[:300]}) and no rank reported "
-                                       "why", where="a collective")
+                                       "why", where="a collective", origin="declared")
             return None
+
+        thread = threading.Thread(target=reader, name="fth-explain", daemon=True)
+        thread.start()
+        self._explaining = (done, outcome)
+        try:
+            while time.monotonic() < deadline and not done.is_set():
+                if self.incident.peer_error is not None:
+                    return self.incident.peer_error
+                time.sleep(0.02)
+            return outcome()
         finally:
+            self._explaining = None
             done.set()
             # Let it leave its store call (bounded by its timeout) before going on: a daemon thread
             # inside a torch call at interpreter exit aborts the process.

@@ -93,7 +93,6 @@ def test_host_dies(tmp_path):
     assert res.ranks[0].ended_by_itself, res.describe()
 
 
-@target
 def test_store_host_dies(tmp_path):
     """Everything on node-a (rank 0, the c10d store, the rendezvous) is SIGKILLed: rank 1 names
     rank 0 within 5 s, never records a failure of its own, and ends by itself."""
