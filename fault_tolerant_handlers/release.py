@@ -38,7 +38,7 @@ EXIT_TEARDOWN_STUCK = 89
 #: After a release, the process groups are torn down at interpreter exit while Python is still
 #: alive, bounded by this many seconds; left to C++ static destruction, a gloo worker thread that
 #: is still joinable can end the process with ``std::terminate`` (SIGABRT).
-EXIT_TEARDOWN_SEC = 3.0
+EXIT_TEARDOWN_SEC = 2.0
 
 
 def store_ports(store: dist.Store | None) -> set[int]:
