@@ -210,7 +210,36 @@ def trainer_and_evaluator() -> None:
         pass
 
 
-SCENARIOS = {f.__name__: f for f in (trainer_and_evaluator, caught_then_blocked, nested, mismatched, checkpoint_during_exit,
+def gil_held() -> None:
+    """Rank 1's main thread holds the GIL for 20 s in one C call at iteration 5 (its watchdog
+    threads cannot run) while rank 0 waits for it in the gradient all_reduce; then both finish.
+    Nobody may be declared lost: the heartbeat comes from the liveness process."""
+    import ctypes
+
+    from ignite.engine import Engine, Events
+
+    from fault_tolerant_handlers.ignite import FaultTolerance
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(engine, batch):
+        if RANK == 1 and engine.state.iteration == 5:
+            record("gil_start")
+            ctypes.PyDLL(None).sleep(20)  # a C call that keeps the GIL
+            record("gil_end")
+        loss = model(torch.ones(2, 4)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    trainer = Engine(step)
+    FaultTolerance(sync_every=5).attach(trainer)
+    trainer.run(range(10), max_epochs=1)
+    record("done")
+
+
+SCENARIOS = {f.__name__: f for f in (gil_held, trainer_and_evaluator, caught_then_blocked, nested, mismatched, checkpoint_during_exit,
                                      garbage_in_store, many_runs)}
 
 

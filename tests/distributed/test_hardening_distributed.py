@@ -29,6 +29,14 @@ def test_a_trainer_and_an_evaluator_share_one_watchdog_that_outlives_the_evaluat
     assert "released blocked collectives" in r0.stderr
 
 
+def test_a_main_thread_holding_the_gil_for_20_s_is_not_declared_lost(tmp_path):
+    r0, r1 = _run(tmp_path, "gil_held", pg_timeout=60, deadline=90)
+    for r in (r0, r1):
+        assert r.returncode == 0 and r.has("done"), r.stderr[-3000:]
+        assert "lost" not in r.stderr and "PeerFailedError" not in r.stderr, r.stderr[-3000:]
+    assert r1.event("gil_end")["t"] - r1.event("gil_start")["t"] >= 19.5
+
+
 def test_a_caught_failure_does_not_blind_the_watchdog_to_a_later_one(tmp_path):
     r0, r1 = _run(tmp_path, "caught_then_blocked")
     for r in (r0, r1):
