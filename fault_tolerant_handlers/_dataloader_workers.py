@@ -31,10 +31,13 @@ Private torch API used (checked against torch 2.13, torchdata 0.11): the iterato
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import multiprocessing
 import os
 import queue
 import signal
+import tempfile
 import threading
 import time
 from multiprocessing import context as _mpc
@@ -48,6 +51,30 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 POLL_SEC = 0.05
 #: How long ``abort()`` waits for a SIGKILLed worker to be reaped (seconds).
 REAP_SEC = 2.0
+
+
+#: How many files ``_fd_limit_reached`` opens to tell an exhausted descriptor table.
+FD_MARGIN = 10
+FD_LIMIT_MESSAGE = (
+    "Too many open files. Communication with the workers is no longer possible. Please increase the "
+    "limit using `ulimit -n` in the shell or change the sharing strategy by calling "
+    "`torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning of your code"
+)
+
+
+def _fd_limit_reached() -> bool:
+    """Whether this process is within ``FD_MARGIN`` descriptors of its open-files limit.
+
+    A batch whose tensors travel as file descriptors cannot be received then (``received 0 items
+    of ancdata``); torch names the cause and the two cures, and so do we.
+    """
+    try:
+        with contextlib.ExitStack() as stack:
+            for _ in range(FD_MARGIN):
+                stack.enter_context(tempfile.TemporaryFile())
+    except OSError as exc:
+        return exc.errno == errno.EMFILE
+    return False
 
 
 class _SharedFlag:
@@ -238,6 +265,8 @@ class _Hardened:
                 while time.monotonic() < end_wait:
                     self._fth_check()
                     _mp_wait(list(self._fth_sentinels), timeout=POLL_SEC)
+                if _fd_limit_reached():
+                    raise RuntimeError(FD_LIMIT_MESSAGE) from item.exc
                 raise item.exc
             return (True, item)
 
