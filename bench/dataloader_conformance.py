@@ -28,6 +28,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -93,13 +94,14 @@ def run_suite(suite: str, files: list[Path], mode: str, timeout: int, extra: lis
         report = work / "report.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--timeout={timeout}",
                f"--junitxml={report}", "-o", "junit_family=xunit1", *[f.name for f in files]]
+        log = Path(tempfile.gettempdir()) / f"fth-conf-{suite}-{mode}.log"  # pytest's output, as it runs
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with open(log, "w") as out:
+            subprocess.run(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         wall = time.monotonic() - t0
-        (Path(tempfile.gettempdir()) / f"fth-conf-{suite}-{mode}.log").write_text(proc.stdout)
         results = _outcomes(report)
         counts = {k: sum(1 for o, _ in results.values() if o == k) for k in ("passed", "failed", "skipped")}
-        return {"results": results, "counts": counts, "wall": wall, "tail": proc.stdout.strip().splitlines()[-1:]}
+        return {"results": results, "counts": counts, "wall": wall, "tail": log.read_text().strip().splitlines()[-1:]}
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -139,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=300, help="pytest-timeout per test, seconds (300)")
     ap.add_argument("--extra-path", action="append", default=[], help="a folder to put on PYTHONPATH (e.g. expecttest)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folders")
+    ap.add_argument("--parallel", action="store_true",
+                    help="run stock and ours at the same time (a fairer time ratio on a machine others load)")
     args = ap.parse_args(argv)
     suites: list[tuple[str, list[Path]]] = []
     if args.torch_test:
@@ -156,7 +160,13 @@ def main(argv=None) -> int:
     regressions = []
     for suite, files in suites:
         modes = [args.only] if args.only else ["stock", "ours"]
-        res = {m: run_suite(suite, files, m, args.timeout, args.extra_path, args.keep) for m in modes}
+        if args.parallel and len(modes) == 2:  # both under the same load of a shared machine
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                futures = {m: pool.submit(run_suite, suite, files, m, args.timeout, args.extra_path, args.keep)
+                           for m in modes}
+                res = {m: f.result() for m, f in futures.items()}
+        else:
+            res = {m: run_suite(suite, files, m, args.timeout, args.extra_path, args.keep) for m in modes}
         for m, r in res.items():
             print(f"{suite} {m}: {r['counts']} in {r['wall']:.0f} s; pytest: {' '.join(r['tail'])}")
         if len(res) == 2:
