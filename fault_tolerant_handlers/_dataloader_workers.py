@@ -136,11 +136,16 @@ def hardened_context(method: str) -> _mpc.BaseContext:
     return _CONTEXTS[method]()
 
 
-class WorkerLost(Exception):
-    """Internal: a worker of the current iterator died or stalled (raised from ``next()``)."""
+class WorkerLost(RuntimeError):
+    """A worker of the current iterator died or stalled (raised from ``next()``).
 
-    def __init__(self, kind: str, worker_id: int | None, detected_at: float) -> None:
-        super().__init__(kind, worker_id)
+    ``RestartableDataLoader`` catches it and restarts; where these iterators are used on their own
+    (``_dataloader_stateful.InnerStatefulLoader``) it is the ``RuntimeError`` torch raises, in
+    torch's words.
+    """
+
+    def __init__(self, kind: str, worker_id: int | None, detected_at: float, message: str = "") -> None:
+        super().__init__(message or f"DataLoader worker {worker_id} {'stalled' if kind == 'stall' else 'exited unexpectedly'}")
         self.kind = kind  # "died" or "stall"
         self.worker_id = worker_id
         self.detected_at = detected_at  # time.time() when it was first seen
@@ -241,7 +246,8 @@ class _Hardened:
     def _fth_check(self) -> None:
         dead = self.fth_dead_worker()
         if dead is not None:
-            raise WorkerLost("died", dead[0], dead[1])
+            pid = self._workers[dead[0]].pid
+            raise WorkerLost("died", dead[0], dead[1], f"DataLoader worker (pid(s) {pid}) exited unexpectedly")
 
     def _try_get_data(self, timeout=_utils.MP_STATUS_CHECK_INTERVAL):
         self._fth_setup()
@@ -276,7 +282,8 @@ class _Hardened:
             if ok:
                 return data
             info = self._task_info.get(self._rcvd_idx) if hasattr(self, "_task_info") else None
-            raise WorkerLost("stall", info[0] if info else None, time.time())
+            raise WorkerLost("stall", info[0] if info else None, time.time(),
+                             f"DataLoader timed out after {self._timeout} seconds")
         while True:
             ok, data = self._try_get_data(3600.0)
             if ok:

@@ -213,12 +213,12 @@ FD_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)  # a fresh interpreter importing torch: slow on a loaded machine
 @pytest.mark.parametrize("persistent", [False, True])
 def test_too_many_open_files_names_ulimit_and_sharing_strategy(persistent):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", FD_SCRIPT, "1" if persistent else "0"], env=env,
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=200)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "RAISED" in out.stdout, out.stdout
     assert "ulimit -n" in out.stdout and "set_sharing_strategy" in out.stdout, out.stdout
@@ -326,3 +326,22 @@ def test_iterator_exposes_torch_iterator_attributes(tmp_path):
     assert _wait_gone([w.pid for w in workers], within=10.0) == []
     with pytest.raises(AttributeError):
         iter(loader).no_such_attribute  # noqa: B018
+
+
+# -- the iterable path's inner loader on its own: torchdata's StatefulDataLoader, same words ------
+
+
+class SlowStream(IterableDataset):
+    def __iter__(self):
+        time.sleep(3.0)
+        yield from range(4)
+
+
+@pytest.mark.timeout(60)
+def test_inner_stateful_loader_is_generic_and_raises_torch_errors():
+    from fault_tolerant_handlers._dataloader_stateful import InnerStatefulLoader
+
+    assert typing.get_origin(InnerStatefulLoader[int]) is InnerStatefulLoader  # torchdata's test_typing
+    loader = InnerStatefulLoader(SlowStream(), batch_size=2, num_workers=1, timeout=1)
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 1 seconds"):
+        next(iter(loader))
