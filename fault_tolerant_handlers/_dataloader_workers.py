@@ -144,7 +144,10 @@ class WorkerLost(RuntimeError):
     torch's words.
     """
 
-    def __init__(self, kind: str, worker_id: int | None, detected_at: float, message: str = "") -> None:
+    def __init__(self, kind: str, worker_id: int | None = None, detected_at: float | None = None, message: str = "") -> None:
+        if detected_at is None:  # rebuilt from its message alone, as code that re-raises a type does
+            message, detected_at = kind, time.time()
+            kind = "stall" if "timed out" in message else "died"
         super().__init__(message or f"DataLoader worker {worker_id} {'stalled' if kind == 'stall' else 'exited unexpectedly'}")
         self.kind = kind  # "died" or "stall"
         self.worker_id = worker_id

@@ -108,7 +108,11 @@ class DataLoaderRestartError(RuntimeError):
         max_restarts: the budget.
     """
 
-    def __init__(self, restarts: list[WorkerRestart], max_restarts: int, timeout: float = 0) -> None:
+    def __init__(self, restarts: list[WorkerRestart] | str, max_restarts: int | None = None, timeout: float = 0) -> None:
+        if isinstance(restarts, str):  # rebuilt from its message alone, as code that re-raises a type does
+            super().__init__(restarts)
+            self.restarts, self.max_restarts, self.timeout = [], max_restarts, timeout
+            return
         self.restarts = list(restarts)
         self.max_restarts = max_restarts
         self.timeout = timeout

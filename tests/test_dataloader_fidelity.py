@@ -170,6 +170,8 @@ def test_restart_error_pickles_with_its_restarts(tmp_path):
     assert back.restarts[-1].signal == "SIGKILL" and back.restarts[-1].batch_index >= 0
     made = DataLoaderRestartError([WorkerRestart(1, 2, 0, 42, None, None, "stalled for more than 1 s", 0.0)], 3, 1.0)
     assert str(pickle.loads(pickle.dumps(made))) == str(made)
+    # torch's tests rebuild an exception from its type and message: type(err)(str(err))
+    assert str(type(err)(str(err))) == str(err)
 
 
 # -- 3. generic like DataLoader[T_co] -------------------------------------------------------------
@@ -343,5 +345,6 @@ def test_inner_stateful_loader_is_generic_and_raises_torch_errors():
 
     assert typing.get_origin(InnerStatefulLoader[int]) is InnerStatefulLoader  # torchdata's test_typing
     loader = InnerStatefulLoader(SlowStream(), batch_size=2, num_workers=1, timeout=1)
-    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 1 seconds"):
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 1 seconds") as info:
         next(iter(loader))
+    assert str(type(info.value)(str(info.value))) == str(info.value)  # rebuilt as torch's tests do
