@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-multihost test-resume bench-resume venv clean
+.PHONY: demo test test-multihost test-resume bench-resume conformance venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ test-resume: $(STAMP)
 
 bench-resume: $(STAMP)
 	$(PY) bench/resume.py
+
+# torch's and torchdata's own DataLoader tests, stock loader vs ours (README "Restartable DataLoader").
+# The test files are theirs, not ours: pass their paths, e.g.
+#   make conformance TORCH_TEST=~/pytorch/test/test_dataloader.py TORCHDATA_TESTS=~/data/test/stateful_dataloader
+conformance: $(STAMP)
+	$(PY) -c "import expecttest" 2>/dev/null || $(PY) -m pip install -q expecttest
+	$(PY) bench/dataloader_conformance.py $(if $(TORCH_TEST),--torch-test $(TORCH_TEST)) \
+		$(if $(TORCHDATA_TESTS),--torchdata-tests $(TORCHDATA_TESTS))
 
 clean:
 	rm -rf $(VENV)

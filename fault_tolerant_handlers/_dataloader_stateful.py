@@ -10,6 +10,8 @@ with workers.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.stateful_dataloader import _StatefulMultiProcessingDataLoaderIter
 
@@ -20,7 +22,10 @@ class StatefulWorkersIter(_Hardened, _StatefulMultiProcessingDataLoaderIter):
     """torchdata's multiprocessing iterator, hardened."""
 
 
-class InnerStatefulLoader(StatefulDataLoader):
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class InnerStatefulLoader(StatefulDataLoader[_T_co]):
     """The ``StatefulDataLoader`` a ``RestartableDataLoader`` drives for an iterable dataset."""
 
     def _get_iterator(self):

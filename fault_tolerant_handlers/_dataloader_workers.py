@@ -31,10 +31,13 @@ Private torch API used (checked against torch 2.13, torchdata 0.11): the iterato
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import multiprocessing
 import os
 import queue
 import signal
+import tempfile
 import threading
 import time
 from multiprocessing import context as _mpc
@@ -48,6 +51,30 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 POLL_SEC = 0.05
 #: How long ``abort()`` waits for a SIGKILLed worker to be reaped (seconds).
 REAP_SEC = 2.0
+
+
+#: How many files ``_fd_limit_reached`` opens to tell an exhausted descriptor table.
+FD_MARGIN = 10
+FD_LIMIT_MESSAGE = (
+    "Too many open files. Communication with the workers is no longer possible. Please increase the "
+    "limit using `ulimit -n` in the shell or change the sharing strategy by calling "
+    "`torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning of your code"
+)
+
+
+def _fd_limit_reached() -> bool:
+    """Whether this process is within ``FD_MARGIN`` descriptors of its open-files limit.
+
+    A batch whose tensors travel as file descriptors cannot be received then (``received 0 items
+    of ancdata``); torch names the cause and the two cures, and so do we.
+    """
+    try:
+        with contextlib.ExitStack() as stack:
+            for _ in range(FD_MARGIN):
+                stack.enter_context(tempfile.TemporaryFile())
+    except OSError as exc:
+        return exc.errno == errno.EMFILE
+    return False
 
 
 class _SharedFlag:
@@ -109,11 +136,19 @@ def hardened_context(method: str) -> _mpc.BaseContext:
     return _CONTEXTS[method]()
 
 
-class WorkerLost(Exception):
-    """Internal: a worker of the current iterator died or stalled (raised from ``next()``)."""
+class WorkerLost(RuntimeError):
+    """A worker of the current iterator died or stalled (raised from ``next()``).
 
-    def __init__(self, kind: str, worker_id: int | None, detected_at: float) -> None:
-        super().__init__(kind, worker_id)
+    ``RestartableDataLoader`` catches it and restarts; where these iterators are used on their own
+    (``_dataloader_stateful.InnerStatefulLoader``) it is the ``RuntimeError`` torch raises, in
+    torch's words.
+    """
+
+    def __init__(self, kind: str, worker_id: int | None = None, detected_at: float | None = None, message: str = "") -> None:
+        if detected_at is None:  # rebuilt from its message alone, as code that re-raises a type does
+            message, detected_at = kind, time.time()
+            kind = "stall" if "timed out" in message else "died"
+        super().__init__(message or f"DataLoader worker {worker_id} {'stalled' if kind == 'stall' else 'exited unexpectedly'}")
         self.kind = kind  # "died" or "stall"
         self.worker_id = worker_id
         self.detected_at = detected_at  # time.time() when it was first seen
@@ -214,7 +249,8 @@ class _Hardened:
     def _fth_check(self) -> None:
         dead = self.fth_dead_worker()
         if dead is not None:
-            raise WorkerLost("died", dead[0], dead[1])
+            pid = self._workers[dead[0]].pid
+            raise WorkerLost("died", dead[0], dead[1], f"DataLoader worker (pid(s) {pid}) exited unexpectedly")
 
     def _try_get_data(self, timeout=_utils.MP_STATUS_CHECK_INTERVAL):
         self._fth_setup()
@@ -238,6 +274,8 @@ class _Hardened:
                 while time.monotonic() < end_wait:
                     self._fth_check()
                     _mp_wait(list(self._fth_sentinels), timeout=POLL_SEC)
+                if _fd_limit_reached():
+                    raise RuntimeError(FD_LIMIT_MESSAGE) from item.exc
                 raise item.exc
             return (True, item)
 
@@ -247,7 +285,8 @@ class _Hardened:
             if ok:
                 return data
             info = self._task_info.get(self._rcvd_idx) if hasattr(self, "_task_info") else None
-            raise WorkerLost("stall", info[0] if info else None, time.time())
+            raise WorkerLost("stall", info[0] if info else None, time.time(),
+                             f"DataLoader timed out after {self._timeout} seconds")
         while True:
             ok, data = self._try_get_data(3600.0)
             if ok:

@@ -25,10 +25,11 @@ from __future__ import annotations
 import collections
 import logging
 import multiprocessing
+import signal
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -47,6 +48,7 @@ from ._dataloader_workers import (
 __all__ = ["DataLoaderRestartError", "RestartableDataLoader", "WorkerRestart", "make_restartable"]
 
 _START_METHODS = ("fork", "spawn", "forkserver")
+_T_co = TypeVar("_T_co", covariant=True)
 
 
 @dataclass
@@ -85,6 +87,18 @@ class WorkerRestart:
             f"(pid {self.worker_pid}) {self.reason}"
         )
 
+    def torch_message(self, timeout: float) -> str:
+        """The loss in the words torch's own DataLoader uses for it (code matching them still works)."""
+        if self.exitcode is None:
+            return f"DataLoader timed out after {timeout:g} seconds"
+        if self.exitcode < 0:
+            try:
+                name = signal.strsignal(-self.exitcode) or self.signal
+            except ValueError:
+                name = self.signal
+            return f"DataLoader worker (pid {self.worker_pid}) is killed by signal: {name}."
+        return f"DataLoader worker (pid(s) {self.worker_pid}) exited unexpectedly with exit code {self.exitcode}."
+
 
 class DataLoaderRestartError(RuntimeError):
     """Raised when a worker is lost and the loader's ``max_restarts`` budget is already spent.
@@ -95,16 +109,25 @@ class DataLoaderRestartError(RuntimeError):
         max_restarts: the budget.
     """
 
-    def __init__(self, restarts: list[WorkerRestart], max_restarts: int) -> None:
+    def __init__(self, restarts: list[WorkerRestart] | str, max_restarts: int | None = None, timeout: float = 0) -> None:
+        if isinstance(restarts, str):  # rebuilt from its message alone, as code that re-raises a type does
+            super().__init__(restarts)
+            self.restarts, self.max_restarts, self.timeout = [], max_restarts, timeout
+            return
         self.restarts = list(restarts)
         self.max_restarts = max_restarts
+        self.timeout = timeout
         lines = [
             f"DataLoader worker lost after {max_restarts} restart(s) (max_restarts={max_restarts}): "
             f"{restarts[-1].describe()}"
         ]
         lines += [f"  restart {i + 1}: {r.describe()}" for i, r in enumerate(restarts[:-1])]
         lines.append(f"  not restarted: {restarts[-1].describe()}")
+        lines.append(f"  as torch reports it: {restarts[-1].torch_message(timeout)}")
         super().__init__("\n".join(lines))
+
+    def __reduce__(self):  # the constructor's arguments, not ``args``: picklable across processes
+        return (type(self), (self.restarts, self.max_restarts, self.timeout))
 
 
 def _check_max_restarts(value: object) -> int:
@@ -135,7 +158,7 @@ def _check_start_method(value: object) -> str | None:
     return value
 
 
-class RestartableDataLoader(DataLoader):
+class RestartableDataLoader(DataLoader[_T_co]):
     """A ``DataLoader`` that restarts dead workers and resumes at the exact next batch.
 
     All arguments are identical to ``torch.utils.data.DataLoader``, plus:
@@ -194,11 +217,6 @@ class RestartableDataLoader(DataLoader):
     ) -> None:
         max_restarts = _check_max_restarts(max_restarts)
         restart_start_method = _check_start_method(restart_start_method)
-        if not in_order:
-            raise ValueError(
-                "RestartableDataLoader(in_order=False) is not supported: batches are resumed in the "
-                "order of an uninterrupted epoch; use in_order=True (the default)"
-            )
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -316,7 +334,7 @@ class RestartableDataLoader(DataLoader):
         if len(self.restarts) >= self.max_restarts:
             _log.log(logging.ERROR, "DataLoader %s; restart budget spent (max_restarts=%d)",
                      record.describe(), self.max_restarts, step=record.batch_index)
-            raise DataLoaderRestartError(self.restarts + [record], self.max_restarts)
+            raise DataLoaderRestartError(self.restarts + [record], self.max_restarts, self.timeout)
         self.restarts.append(record)
 
 
@@ -330,36 +348,49 @@ def _cuda_initialized() -> bool:
 class _Feed:
     """The sampler iterator of one epoch, with the index batches sent but not yet yielded.
 
-    ``rewind()`` puts those back in front, in order: the next workers get them first.
+    ``rewind()`` puts those back in front, in order: the next workers get them first. Sent items are
+    keyed by their send index in the current torch iterator (the n-th item pulled since the last
+    rewind is its task ``n``), so that ``in_order=False`` can commit whichever batch came back.
     """
 
     def __init__(self, source: Iterator[Any]) -> None:
         self._source = source
         self._again: collections.deque = collections.deque()
-        self._sent: collections.deque = collections.deque()
+        self._sent: dict[int, Any] = {}  # send index -> index batch, in send order
+        self._seq = 0
 
     def __iter__(self) -> "_Feed":
         return self
 
     def __next__(self) -> Any:
         item = self._again.popleft() if self._again else next(self._source)
-        self._sent.append(item)
+        self._sent[self._seq] = item
+        self._seq += 1
         return item
 
     def commit(self, n: int = 1) -> None:
         for _ in range(n):
-            self._sent.popleft()
+            del self._sent[next(iter(self._sent))]
+
+    def commit_tasks(self, tasks) -> None:
+        """Commit the batches sent as these task indices (``in_order=False``: any of those in flight)."""
+        for task in tasks:
+            self._sent.pop(task, None)
 
     def rewind(self) -> None:
-        self._sent.extend(self._again)
-        self._again, self._sent = self._sent, collections.deque()
+        self._again.extendleft(reversed(self._sent.values()))
+        self._sent, self._seq = {}, 0
 
 
 class _FeedSource:
-    """Stands for the loader's index sampler inside torch's iterator: ``iter()`` gives the feed."""
+    """Stands for the loader's index sampler inside torch's iterator: ``iter()`` gives the feed.
+
+    Holds the index sampler, never the loader: a persistent iterator is kept by its loader, and a
+    reference back would make a cycle that only the cyclic GC frees, late and slowly.
+    """
 
     def __init__(self, loader: RestartableDataLoader) -> None:
-        self._loader = loader
+        self._index_sampler = loader._index_sampler
         self.feed: _Feed | None = None
 
     def __iter__(self) -> _Feed:
@@ -367,11 +398,14 @@ class _FeedSource:
         return self.feed
 
     def __len__(self) -> int:
-        return len(self._loader._index_sampler)
+        return len(self._index_sampler)
 
 
 class _LoaderView:
-    """What torch's iterator reads from its loader: the real loader with three attributes replaced."""
+    """What torch's iterator reads from its loader: the real loader with three attributes replaced.
+
+    Lent to torch's iterator for one call (its construction or ``_reset``), never stored on it.
+    """
 
     def __init__(self, loader, index_sampler, ctx, generator) -> None:
         self._loader = loader
@@ -396,6 +430,16 @@ class _Run:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def __getattr__(self, name: str) -> Any:
+        """What torch's iterator exposes (``_workers``, ``_shutdown_workers``, ...): the current one's.
+
+        After a restart these are the new workers' (the lost iterator is never reused).
+        """
+        it = self.__dict__.get("it")
+        if it is None or not name.startswith("_") or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(it, name)
+
     def _after_yield(self) -> None:
         self.yielded += 1
         if self.loader.restarts:
@@ -416,7 +460,7 @@ class _Run:
         self._restart_t0 = t0
 
     def _started(self) -> None:
-        t0 = getattr(self, "_restart_t0", None)
+        t0 = self.__dict__.get("_restart_t0")
         if t0 is not None:
             self.loader.restarts[-1].restart_seconds = time.monotonic() - t0
             self._restart_t0 = None
@@ -436,10 +480,13 @@ class _MapRun(_Run):
         self.source.feed = self.feed
         self.it = None
         persistent = loader._fth_persistent if loader.persistent_workers else None
+        if persistent is not None and persistent.__dict__.get("_shutdown", False):
+            persistent = loader._fth_persistent = None  # shut down from outside: start afresh
         if persistent is not None:
             persistent.fth_source.feed = self.feed
             try:
-                persistent._reset(persistent.fth_view, first_iter=False)
+                view = _LoaderView(loader, persistent.fth_source, loader.multiprocessing_context, loader.generator)
+                persistent._reset(view, first_iter=False)
                 self.it = persistent
                 self.source = persistent.fth_source
             except WorkerLost as lost:
@@ -468,7 +515,7 @@ class _MapRun(_Run):
                 self._lost(lost, _Aborted())
                 restart = True
                 continue
-            it.fth_view, it.fth_source = view, self.source
+            it.fth_source = self.source
             self.it = it
             if loader.persistent_workers:
                 loader._fth_persistent = it
@@ -479,6 +526,7 @@ class _MapRun(_Run):
         while True:
             it = self.it
             before = it._rcvd_idx
+            in_flight = None if self.loader.in_order else set(it._task_info)  # in_order=False
             try:
                 data = next(it)
             except StopIteration:
@@ -499,10 +547,18 @@ class _MapRun(_Run):
                     self._start(restart=True)
                     continue
                 # the dataset's own error: that batch is consumed, as with torch; not retried
+                if in_flight is not None:
+                    done = in_flight.difference(it._task_info)
+                    self.feed.commit_tasks(done)
+                    self.yielded += len(done)
+                    raise
                 self.feed.commit(it._rcvd_idx - before)
                 self.yielded += it._rcvd_idx - before
                 raise
-            self.feed.commit()
+            if in_flight is not None:
+                self.feed.commit_tasks(in_flight.difference(it._task_info))
+            else:
+                self.feed.commit()
             self._after_yield()
             return data
 
@@ -545,6 +601,8 @@ class _IterableRun(_Run):
                 snapshot_every_n_steps=1,
             )
         self.sdl = loader._fth_stateful
+        # len(loader) was asked of the outer loader: torch's "samples have been fetched" warning
+        self.sdl._IterableDataset_len_called = loader._IterableDataset_len_called
         if not (loader.persistent_workers and self.sdl._iterator is not None):
             self.sdl.multiprocessing_context = hardened_context(loader._fth_first_method())
         self.state = None

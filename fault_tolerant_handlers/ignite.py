@@ -9,6 +9,7 @@ Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.guard.Guar
 ``COMPLETED``             agreement, then the watchdog reference is dropped
 ``EXCEPTION_RAISED``      record and release (local failure) or convert to ``PeerFailedError``;
                           runs the engine's other exception handlers, then **re-raises**
+                          (with distribution; without, Ignite's own rule applies unchanged)
 ========================  ==========================================================================
 
 Ignite stops re-raising once any ``EXCEPTION_RAISED`` handler is attached (``Engine._handle_exception``)
@@ -42,7 +43,8 @@ class FaultTolerance:
     raise on **every** rank within about a second: the failing rank its own exception, the others
     :class:`~fault_tolerant_handlers.PeerFailedError` with the failing rank, exception, message,
     traceback, iteration and epoch. Ranks blocked in a DDP all_reduce with the failing rank are
-    released at once. Without distribution it does nothing.
+    released at once. Without distribution it does nothing: an exception is handled exactly as
+    stock Ignite handles it (re-raised, unless your own ``EXCEPTION_RAISED`` handler takes it).
 
     Args:
         sync_every: iterations between agreements within an epoch (default 100; ``None``: epoch
@@ -127,6 +129,13 @@ class FaultTolerance:
         self.guard.stop()
 
     def _exception_raised(self, engine: Engine, exc: BaseException) -> None:
+        # -- without distribution: exactly stock Ignite (README "Ignite", "Without distribution") --
+        if self.guard.session is None:
+            if any(getattr(e[0], "__self__", None) is not self
+                   for e in _compat_ignite.handlers_of(engine, Events.EXCEPTION_RAISED)):
+                return  # the user's handlers run next and decide, as without this handler
+            raise exc  # no other handler: Ignite itself would have raised it
+        # -- with distribution --
         if exc is self._last_seen or exc is self._last_raised:
             raise self._last_raised  # Ignite's outer loop handing us the same exception again
         to_raise = self.guard.on_exception(exc, step=engine.state.iteration, epoch=engine.state.epoch)

@@ -162,7 +162,9 @@ def _check_rank(rank: int, local: bool, size: int) -> None:
     if not 0 <= rank < size:
         what = "ranks per node" if local else "world size"
         raise ValueError(
-            f"one_rank_first(rank={rank}, local={local}): rank must be in [0, {size - 1}] (the {what} is {size})"
+            # Ignite's own words first (code and tests matching them keep working), then ours
+            f"one_rank_first(rank={rank}, local={local}): rank should be between 0 and {size - 1}, but given {rank} "
+            f"(rank must be in [0, {size - 1}]: the {what} is {size})"
         )
 
 

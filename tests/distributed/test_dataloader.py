@@ -202,11 +202,9 @@ def test_bad_max_restarts_is_named(bad):
         RestartableDataLoader(MapData(8), max_restarts=bad)
 
 
-def test_bad_start_method_and_in_order():
+def test_bad_start_method():
     with pytest.raises(ValueError, match=r"restart_start_method='thread'.*\['fork', 'spawn', 'forkserver'\]"):
         RestartableDataLoader(MapData(8), restart_start_method="thread")
-    with pytest.raises(ValueError, match="in_order=False"):
-        RestartableDataLoader(MapData(8), num_workers=2, in_order=False)
     with pytest.raises(TypeError, match="make_restartable"):
         make_restartable([1, 2])
 

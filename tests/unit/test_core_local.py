@@ -58,6 +58,8 @@ def test_before_init_on_a_multi_rank_job_is_a_clear_error(monkeypatch):
     "kwargs, exc, match",
     [
         ({"rank": 1}, ValueError, r"rank must be in \[0, 0\]"),
+        ({"rank": 1}, ValueError, "rank should be between 0 and 0, but given 1"),  # Ignite's own text
+        ({"rank": -1}, ValueError, "rank should be between 0 and 0, but given -1"),
         ({"rank": "0"}, TypeError, r"one_rank_first\(rank=\.\.\.\) must be an int"),
         ({"rank": False}, TypeError, "must be an int"),
         ({"local": "yes"}, TypeError, r"local=\.\.\.\) must be True or False"),

@@ -23,23 +23,37 @@ def test_without_distribution_the_run_is_unchanged(monkeypatch):
     assert handler.guard.session is None
 
 
-def test_exception_is_re_raised_even_with_other_exception_handlers(monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    err = ValueError("bad sample 3")
-
+def _engine_failing_at(batch_no: int, epoch: int = 1) -> Engine:
     def step(engine, batch):
-        if batch == 3:
-            raise err
+        if batch == batch_no and engine.state.epoch == epoch:
+            raise ValueError(f"bad sample {batch_no}")
 
-    trainer = Engine(step)
-    handled = []
-    trainer.add_event_handler(Events.EXCEPTION_RAISED, lambda e, exc: handled.append(exc))  # swallows, in stock Ignite
-    FaultTolerance().attach(trainer)
-    with pytest.raises(ValueError) as info:
+    return Engine(step)
+
+
+def test_without_distribution_an_exception_is_raised_as_by_stock_ignite(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    trainer = _engine_failing_at(3)
+    FaultTolerance().attach(trainer)  # the only EXCEPTION_RAISED handler
+    with pytest.raises(ValueError, match="bad sample 3"):
         trainer.run([1, 2, 3, 4], max_epochs=2)
-    assert info.value is err
-    assert handled == [err]  # the user's handler still ran, once
-    assert trainer.state.epoch == 1  # and the run did not go on to the next epoch
+    assert trainer.state.epoch == 1 and trainer.state.iteration == 3
+
+
+def test_without_distribution_a_user_exception_handler_decides_as_in_stock_ignite(monkeypatch):
+    """One process, no peer to wait: the user's handler takes the exception, exactly as without ours."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    outcomes = []
+    for attach in (False, True):
+        trainer = _engine_failing_at(3)
+        handled = []
+        trainer.add_event_handler(Events.EXCEPTION_RAISED, lambda e, exc, h=handled: h.append(str(exc)))
+        if attach:
+            FaultTolerance().attach(trainer)
+        trainer.run([1, 2, 3, 4], max_epochs=2)  # stock Ignite: no exception, the run goes on
+        outcomes.append((handled, trainer.state.epoch, trainer.state.iteration))
+    assert outcomes[0] == (["bad sample 3"], 2, 7)
+    assert outcomes[1] == outcomes[0]
 
 
 def test_stock_ignite_swallows_it_and_continues():
