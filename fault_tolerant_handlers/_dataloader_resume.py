@@ -27,6 +27,8 @@ state), so a checkpoint holding it loads with ``torch.load(..., weights_only=Tru
 
 from __future__ import annotations
 
+import weakref
+
 import itertools
 from typing import Any, Iterator, Mapping
 
@@ -80,7 +82,7 @@ class _Capture:
     """Records what decides an epoch's order, at the first draw from its sampler iterator."""
 
     def __init__(self, loader, source: Iterator[Any]) -> None:
-        self._loader = loader
+        self._loader = weakref.ref(loader)  # the iterator keeps this: no cycle back to the loader
         self._source = source
         self.taken = False
         self.sampler_epoch: int | None = None
@@ -88,7 +90,9 @@ class _Capture:
         self.global_rng: torch.Tensor | None = None
 
     def take(self) -> None:
-        loader = self._loader
+        loader = self._loader()
+        if loader is None:
+            return
         owner = _sampler_epoch_owner(loader)
         self.sampler_epoch = int(owner.epoch) if owner is not None else None
         self.generators = [g.get_state() for g in _generators(loader)]

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from dl_stress import MapData, kill_children
 from fault_tolerant_handlers.dataloader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
