@@ -29,7 +29,7 @@ It assumes every node counts the same attempts (a fixed number of nodes): with e
 use ``FTH_ATTEMPT_STORE=0`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` there.
 
 Private API: ``torch.distributed.rendezvous._rendezvous_handlers`` (the scheme -> handler table that
-``init_process_group`` consults at each call), checked against torch 2.4-2.13.
+``init_process_group`` consults at each call), checked against torch 2.13.0.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import logging
 import os
 from typing import Any, Iterator
 
+from . import config
 from ._log import log
 
 #: Set to ``0`` to leave torch's rendezvous alone.
@@ -57,7 +58,7 @@ def prefix() -> str:
 
 def _needed() -> bool:
     return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and os.environ.get(ATTEMPT_STORE_ENV, "1") != "0")
+            and config.attempt_store())
 
 
 def _table() -> dict:

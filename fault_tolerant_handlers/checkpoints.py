@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import config
 from ._log import log
 
 __all__ = ["latest_checkpoint"]
@@ -46,8 +47,8 @@ __all__ = ["latest_checkpoint"]
 SUFFIXES = (".pt", ".pth", ".ckpt")
 #: Longest path the ranks exchange (bytes).
 MAX_PATH_BYTES = 4096
-#: How long a rank waits for rank 0's answer in torchrun's store.
-AGREE_TIMEOUT = timedelta(seconds=float(os.environ.get("FTH_CKPT_AGREE_TIMEOUT_SEC", "300")))
+#: How long a rank waits for rank 0's answer in torchrun's store (``FTH_CKPT_AGREE_TIMEOUT_SEC``,
+#: default 300 s, see :mod:`.config`); read when it is needed.
 _STEP = re.compile(r"(?:step=|_)(\d+)(?=[.-]|$)")
 _calls = 0
 
@@ -148,7 +149,7 @@ def _torchrun_store():
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("WORLD_SIZE", "1")) <= 1:
         return None
-    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=AGREE_TIMEOUT)
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=config.ckpt_agree_timeout())
 
 
 def latest_checkpoint(dirname: str | os.PathLike) -> str | None:

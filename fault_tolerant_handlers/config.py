@@ -17,6 +17,9 @@ variable                        default    accepted              meaning
 ``FTH_SYNC_TIMEOUT_SEC``        (group's)  1 .. 2592000          the side group's timeout
 ``FTH_RELEASE``                 auto       auto, exit            how blocked collectives are released
 ``FTH_INJECT``                  (none)     see ``inject.py``     rehearse a failure
+``FTH_CKPT_AGREE_TIMEOUT_SEC``  300        1 .. 86400            ranks wait this long for rank 0's
+                                                                 ``latest_checkpoint`` answer
+``FTH_ATTEMPT_STORE``           1          0, 1                  one store namespace per torchrun attempt
 ==============================  =========  ====================  ======================================
 """
 
@@ -37,6 +40,9 @@ STORE_LOST_ENV = "FTH_STORE_LOST_SEC"
 SYNC_TIMEOUT_ENV = "FTH_SYNC_TIMEOUT_SEC"
 RELEASE_ENV = "FTH_RELEASE"
 INJECT_ENV = "FTH_INJECT"
+CKPT_AGREE_TIMEOUT_ENV = "FTH_CKPT_AGREE_TIMEOUT_SEC"
+ATTEMPT_STORE_ENV = "FTH_ATTEMPT_STORE"
+ATTEMPT_STORE_CHOICES = ("0", "1")
 
 RELEASE_CHOICES = ("auto", "exit")
 
@@ -49,6 +55,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "heartbeat_timeout": (1.0, 86400.0),
     "store_lost_after": (1.0, 86400.0),
     "sync_timeout": (1.0, 30 * 86400.0),
+    "ckpt_agree_timeout": (1.0, 86400.0),
 }
 _ENV_OF = {
     "interval": INTERVAL_ENV,
@@ -58,8 +65,9 @@ _ENV_OF = {
     "heartbeat_timeout": HEARTBEAT_TIMEOUT_ENV,
     "store_lost_after": STORE_LOST_ENV,
     "sync_timeout": SYNC_TIMEOUT_ENV,
+    "ckpt_agree_timeout": CKPT_AGREE_TIMEOUT_ENV,
 }
-KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV)
+KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV)
 
 
 def _range_text(name: str) -> str:
@@ -96,6 +104,18 @@ def env_timedelta(name: str) -> timedelta | None:
     if not (math.isfinite(seconds) and low <= seconds <= high):
         raise ValueError(f"{variable}={raw!r}: expected a number of seconds from {low:.15g} to {high:.15g}, e.g. {variable}=5")
     return timedelta(seconds=seconds)
+
+
+def attempt_store() -> bool:
+    raw = os.environ.get(ATTEMPT_STORE_ENV, "")
+    value = raw.strip() or "1"
+    if value not in ATTEMPT_STORE_CHOICES:
+        raise ValueError(f"{ATTEMPT_STORE_ENV}={raw!r}: expected one of {', '.join(ATTEMPT_STORE_CHOICES)}")
+    return value == "1"
+
+
+def ckpt_agree_timeout() -> timedelta:
+    return env_timedelta("ckpt_agree_timeout") or timedelta(seconds=300)
 
 
 def release_mode() -> str:
@@ -141,6 +161,7 @@ def load() -> Config:
         log(logging.WARNING, "ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
             ", ".join(KNOWN_ENV))
     values = {name: env_timedelta(name) for name in _ENV_OF}
+    attempt_store()
     return Config(
         interval=values["interval"] or DEFAULTS["interval"],
         hang_timeout=values["hang_timeout"],
