@@ -20,6 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from launch import free_port, torchrun_root_cause as root_cause  # noqa: E402 - the tests' harness
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "ignite_main.py"
 #: What the Root Cause must show for each fault (rank 1's own failure).
@@ -29,24 +32,6 @@ FAULT_ENV = {
     "kill": dict(FAULT="kill"),
     "hang": dict(FAULT="hang", HANG="3"),
 }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def root_cause(output: str) -> tuple[int | None, str]:
-    """(rank, text) of torchrun's Root Cause block."""
-    match = re.search(r"Root Cause \(first observed failure\):\n(.*?)(?:\n=====|\Z)", output, re.S)
-    if not match:
-        return None, ""
-    block = match.group(1)
-    rank = re.search(r"rank\s*:\s*(\d+)", block)
-    return (int(rank.group(1)) if rank else None), block
 
 
 def run_once(fault: str, monitor_interval: float, use_ft: bool, timeout: float = 90.0) -> tuple[int | None, str, str]:
