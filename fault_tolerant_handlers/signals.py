@@ -36,6 +36,7 @@ from . import errorfile
 from ._log import log
 from .errors import PeerFailedError
 from .record import FailureRecord
+from .release import release_process_groups
 from .schema import Schema
 
 if TYPE_CHECKING:
@@ -151,6 +152,11 @@ class _Watch:
             Schema(conn, session.schema.world_size).publish(record)
         finally:
             conn.close()
+        if callable(self.previous.get(signum)):
+            # The previous handler runs on (Lightning's broadcasts to the peers, which are leaving):
+            # this rank's collectives fail at once instead of waiting for them.
+            what = release_process_groups(session._pg_store)
+            log(logging.INFO, "released this rank's collectives: %s", what)
 
     @staticmethod
     def _peer_cause(session: Session) -> PeerFailedError | None:
