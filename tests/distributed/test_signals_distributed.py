@@ -34,3 +34,55 @@ def test_signalled_rank_is_named_by_its_peer_within_a_second(tmp_path, sig):
     else:  # Python's handler still raises KeyboardInterrupt in the main thread
         assert signalled.event("run_raised")["raised"] == "KeyboardInterrupt", signalled.stderr[-3000:]
     assert "received " + name in signalled.stderr
+
+
+def test_ctrl_c_to_torchrun_ends_every_rank_with_one_short_report(tmp_path):
+    """SIGINT to torchrun's process group (Ctrl-C in its terminal) while rank 1 is stuck in a step
+    and rank 0 waits for it in the gradient all_reduce: the agent forwards SIGINT to both ranks;
+    each says it was signalled, once, and ends; no thread dumps a traceback."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from launch import free_port
+
+    out = tmp_path / "ctrl-c"
+    out.mkdir()
+    env = dict(os.environ, FAULT="hang", LINGER="0", FTH_TEST_PG_TIMEOUT="20", PYTHONUNBUFFERED="1")
+    log = open(out / "torchrun.out", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                             f"--master-port={free_port()}", str(SCRIPT), str(out)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (out / "rank1.jsonl").exists() or \
+                "fault" not in (out / "rank1.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, "the training did not reach the hang"
+            time.sleep(0.2)
+        time.sleep(1.0)  # rank 0 is in the all_reduce, rank 1 in its sleep
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for rank_file in out.glob("rank*.jsonl"):
+            for line in rank_file.read_text().splitlines():
+                event = json.loads(line)
+                if event.get("pid"):
+                    try:
+                        os.kill(event["pid"], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+    log.seek(0)
+    text = log.read()
+    for rank in (0, 1):
+        assert text.count(f"[rank {rank}] rank {rank} (pid ") == 1, text[-4000:]
+        assert f"rank {rank} (pid " in text and "received SIGINT" in text
+        ended = [json.loads(l) for l in (out / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert [e for e in ended if e["event"] == "run_raised"][0]["raised"] == "KeyboardInterrupt", ended
+    worker_tracebacks = [l for l in text.splitlines() if l.startswith("[rank") and "Traceback" in l]
+    assert worker_tracebacks == [], text[-4000:]
+    assert "Exception in thread" not in text and "fth-" not in text, text[-4000:]
