@@ -182,7 +182,12 @@ _watch: _Watch | None = None
 def install(session: Session) -> None:
     """Put the handlers in front of the current ones (once per process, from the main thread only)."""
     global _watch
-    if _watch is not None or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if _watch is not None:
+        # The world's session speaks for this process (a new one after destroy + init replaces it).
+        if session.group is None or _watch._session() is None:
+            _watch._session = weakref.ref(session)
         return
     _watch = _Watch(session)
     _watch.install()
