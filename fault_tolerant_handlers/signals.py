@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: Timeout of the store calls made on a signal (publish the record, look for a peer's).
 SIGNAL_STORE_TIMEOUT = timedelta(seconds=1)
+#: How long a signalled rank whose signal ends it stays alive after publishing its record: the
+#: watchdog's record grace (0.3 s) and two polls, so that its peers name the signal.
+CAUSE_LINGER = 0.6
 #: How long the main thread's handler waits for the reaction under way in the thread.
 REACTION_WAIT = 3.0
 
@@ -108,7 +111,10 @@ class _Watch:
             return prev(signum, frame)
         if prev is signal.SIG_IGN:
             return None
-        # SIG_DFL (or a handler set outside Python): end as the signal would have.
+        # SIG_DFL (or a handler set outside Python): end as the signal would have, once the peers
+        # had the time to read the record (else a same-host peer sees only a process gone).
+        if self.kind == "cause":
+            time.sleep(CAUSE_LINGER)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return None
