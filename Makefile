@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-multihost test-resume bench-resume conformance venv clean
+.PHONY: demo test test-multihost test-resume bench-resume conformance root-cause venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ conformance: $(STAMP)
 	$(PY) -c "import expecttest" 2>/dev/null || $(PY) -m pip install -q expecttest
 	$(PY) bench/dataloader_conformance.py $(if $(TORCH_TEST),--torch-test $(TORCH_TEST)) \
 		$(if $(TORCHDATA_TESTS),--torchdata-tests $(TORCHDATA_TESTS))
+
+# torchrun's Root Cause over 20 runs per fault and monitor interval (about 40 min on 2 cores)
+root-cause: $(STAMP)
+	$(PY) bench/torchrun_root_cause.py --runs 20 --monitor-interval 0.1 1 --faults raise kill hang
 
 clean:
 	rm -rf $(VENV)

@@ -129,7 +129,7 @@ class Guard:
             return exc
         peer = session.classify(exc)
         if peer is not None:
-            session.acknowledge()
+            session.acknowledge(peer)
             mark(peer, HANDLED_ATTR)
             if peer is not exc:
                 peer.__cause__ = exc

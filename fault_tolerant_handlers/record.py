@@ -13,7 +13,8 @@ A record says where it came from in ``origin``:
 * ``"failure"``: the rank ``rank`` failed itself (in section ``section``, at agreement ``seq`` when
   the failure went through one);
 * ``"declared"``: rank ``by`` declares rank ``rank`` lost, silent or hung (``exc_type`` is the kind:
-  ``PeerLost``, ``PeerSilent``, ``RankHung``; a hung rank declares itself).
+  ``PeerLost``, ``PeerSilent``, ``RankHung``, ``RankSignalled``; a hung or signalled rank declares
+  itself).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ MAX_CLOCK_DISTANCE_MS = 366 * 86400 * 1000
 
 ORIGINS = ("failure", "declared")
 #: The kinds of a declared record.
-DECLARED_KINDS = ("PeerLost", "PeerSilent", "RankHung")
+DECLARED_KINDS = ("PeerLost", "PeerSilent", "RankHung", "RankSignalled")
 
 
 def cap_head(text: str, limit: int) -> str:

@@ -56,7 +56,7 @@ def conclude(session: Session, kind: str, name: str, exc: BaseException | None, 
 
 
 def _peer(session: Session, err: BaseException, step: int | None) -> BaseException:
-    session.acknowledge()
+    session.acknowledge(err)
     mark(err, AGREED_ATTR)
     log(logging.ERROR, "stopping: %s", str(err).splitlines()[0], step=step)
     return err

@@ -48,7 +48,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import _compat_torch, _termination, config
+from . import _compat_torch, config, errorfile, signals
 from ._log import log
 from .errors import PeerFailedError, SectionMismatchError, is_backend_error
 from .probes import PeerPidProbe
@@ -237,7 +237,7 @@ class Session:
         self._lock = threading.Lock()
         self._same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
         self._explaining = None
-        _termination.watch(self)
+        signals.install(self)  # SIGTERM/SIGINT: say so before the previous handler runs
         log(logging.DEBUG, "fault-tolerance side group ready (run %s, %d ranks)", self.run_id, self.world_size)
 
     # -- layout and connections -----------------------------------------------------------------
@@ -297,9 +297,10 @@ class Session:
             self._escalated.append(incident)
             return incident
 
-    def acknowledge(self) -> None:
-        """The main thread takes a peer's failure and raises it: no reported exit by the watchdog,
-        and an orderly teardown of the (released) process groups at interpreter exit."""
+    def acknowledge(self, err: PeerFailedError | None = None) -> None:
+        """The main thread takes a peer's failure (``err``) and raises it: no reported exit by the
+        watchdog, and an orderly teardown of the (released) process groups at interpreter exit."""
+        errorfile.survivor(self, err if isinstance(err, PeerFailedError) else self.incident.peer_error)
         with self._lock:
             for incident in (self.incident, *self._escalated):
                 incident.acknowledged.set()
@@ -318,6 +319,7 @@ class Session:
         self.incident.local = True
         mark(exc, PUBLISHED_ATTR)
         record = FailureRecord.from_exception(exc, rank=self.rank, section=section, seq=seq, step=step, epoch=epoch)
+        errorfile.failed(record)
         log(logging.ERROR, "failed%s: %s: %s", f" in {section!r}" if seq is not None else "", record.exc_type,
             record.exc_message, step=step)
         try:

@@ -43,7 +43,7 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Iterator
 
-from . import config
+from . import config, errorfile
 from ._pidwatch import PidWatcher, WakeEvent
 from ._log import log
 from .liveness import LivenessProcess
@@ -236,11 +236,13 @@ class Watchdog:
         log(logging.ERROR, "%s", str(finding.error).splitlines()[0], step=self._progress[2])
         if finding.hung_self:
             self.session.incident.local = True
+            errorfile.failed(finding.declare)
             self._declare(finding, schema)
             # Give the peers a moment to read the record, then end: the main thread cannot be trusted.
             time.sleep(min(1.0, self.exit_grace.total_seconds()))
             self._reported_exit(finding.error, EXIT_HUNG)
             return
+        errorfile.peer_lost(self.session, finding.error)
         # Escalate first: publishing may block when the store is what died.
         incident = self.session.peer_failed(finding.error)
         if incident is not None:
@@ -283,6 +285,8 @@ class Watchdog:
         self._reported_exit(incident.peer_error, EXIT_PEER_FAILED)
 
     def _reported_exit(self, err: BaseException, code: int) -> None:
+        if code == EXIT_PEER_FAILED:
+            errorfile.survivor(self.session, err)
         text = f"[rank {self.rank}] fault-tolerant-handlers: ending this process (exit code {code}) because:\n{err}\n"
         try:
             log(logging.CRITICAL, "ending this process with exit code %d: %s", code, str(err).splitlines()[0])

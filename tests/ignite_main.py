@@ -5,7 +5,7 @@
 
 Environment:
     FAULT        step | data | handler | rank0_handler | exc_collective | evaluator | none
-                 | kill (SIGKILL itself) | hang (time.sleep) | stop (SIGSTOP itself: even its watchdog is silent)
+                 | kill (SIGKILL itself) | sigterm | sigint (signals itself) | hang (time.sleep) | stop (SIGSTOP itself: even its watchdog is silent)
                  | rank_first (FAULT_RANK raises inside a one_rank_first block before training: ours with
                  USE_FT=1, ignite.distributed.one_rank_first with USE_FT=0)
     HANG         hang_timeout in seconds for FaultTolerance (default: off)
@@ -150,11 +150,13 @@ def training(local_rank: int, outdir: str) -> None:
         if FAULT in ("step", "exc_collective") and rank == FAULT_RANK and engine.state.iteration == FAULT_ITER:
             time.sleep(0.3)  # the other ranks are already in the gradient all_reduce
             fault(RuntimeError(f"CUDA-like failure at iteration {engine.state.iteration}"))
-        if FAULT in ("kill", "hang", "stop") and rank == FAULT_RANK and engine.state.iteration == FAULT_ITER:
+        if FAULT in ("kill", "hang", "stop", "sigterm", "sigint") and rank == FAULT_RANK and engine.state.iteration == FAULT_ITER:
             time.sleep(0.3)  # the other ranks are already in the gradient all_reduce
             record("fault", exc_type=FAULT, message=f"{FAULT} at iteration {FAULT_ITER}")
             if FAULT == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif FAULT in ("sigterm", "sigint"):  # a real signal, as a scheduler or Ctrl-C sends it
+                os.kill(os.getpid(), signal.SIGTERM if FAULT == "sigterm" else signal.SIGINT)
             elif FAULT == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:

@@ -185,3 +185,14 @@ def run_ranks(
         tails = "\n".join(f"--- rank {r.rank} (rc={r.returncode}) ---\n{r.stderr[-2000:]}" for r in results)
         raise AssertionError(f"ranks {hung} were still running after {deadline:.0f}s (killed):\n{tails}")
     return results
+
+
+def torchrun_root_cause(output: str) -> tuple[int | None, str]:
+    """(rank, text) of the "Root Cause" block torchrun prints when workers fail; ``(None, "")``
+    when there is none."""
+    match = re.search(r"Root Cause \(first observed failure\):\n(.*?)(?:\n=====|\Z)", output, re.S)
+    if not match:
+        return None, ""
+    block = match.group(1)
+    rank = re.search(r"rank\s*:\s*(\d+)", block)
+    return (int(rank.group(1)) if rank else None), block

@@ -7,6 +7,7 @@ ranks (gloo), an injected fault, and a record of what every rank raised and when
 
 Environment:
     FAULT        raise | rank0_callback | data | validation | kill | none   (see examples/lightning_ddp.py)
+                 | sigterm: rank FAULT_RANK sends itself SIGTERM (a preemption); Lightning's handler runs
                  | rank_first: rank FAULT_RANK (0) fails while preparing the data first: in ``setup`` inside
                  ``fault_tolerant_handlers.one_rank_first`` with USE_FT=1, in ``prepare_data`` (Lightning's
                  own rank-zero-first pattern) with USE_FT=0
@@ -37,6 +38,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -182,6 +184,21 @@ class IterationEvents(pl.Callback):
         record(self.outdir, f"rank{trainer.global_rank}", "iteration_completed", iteration=trainer.global_step)
 
 
+class SignalSelf(pl.Callback):
+    """FAULT=sigterm: rank FAULT_RANK sends itself a real SIGTERM at step FAULT_STEP (a preemption)."""
+
+    def __init__(self, outdir: str) -> None:
+        self.outdir = outdir
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == FAULT_RANK and trainer.global_step == FAULT_STEP:
+            record(self.outdir, f"rank{trainer.global_rank}", "fault", exc_type="sigterm")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        record(self.outdir, f"rank{trainer.global_rank}", "train_end", received_sigterm=trainer.received_sigterm)
+
+
 class RecordingLauncher(_MultiProcessingLauncher):
     """ddp_spawn, test only: record what the stage raised inside each spawned rank."""
 
@@ -205,13 +222,15 @@ def main() -> None:
     outdir = sys.argv[1]
     out = Path(outdir)
     kind = "raise" if FAULT == "exc_collective" else FAULT
-    fault = None if FAULT == "none" else Fault(kind, FAULT_RANK, FAULT_STEP,
+    fault = None if FAULT in ("none", "sigterm") else Fault(kind, FAULT_RANK, FAULT_STEP,
                                                functools.partial(record_fault, outdir, FAULT_RANK))
     extra = [SyncOnException(outdir)] if FAULT == "exc_collective" else []
     if INJECT and not USE_FT:
         extra.append(StockInjector())
     if ITER_EVENTS:
         extra.append(IterationEvents(outdir))
+    if FAULT == "sigterm":
+        extra.append(SignalSelf(outdir))
     model, data = TinyModel(), (BenchData(fault, outdir) if FAULT == "rank_first" or WORKERS else TinyData(fault))
     model.fault = fault
     strategy = "ddp_spawn" if LAUNCH == "ddp_spawn" else "ddp"

@@ -1,0 +1,180 @@
+"""torchrun's error files, written without ``@record``, so that its "Root Cause" names the rank that failed.
+
+torchrun (``torch.distributed.elastic``) gives every worker ``TORCHELASTIC_ERROR_FILE``
+(``<log dir>/<run>/attempt_<n>/<local rank>/error.json``) and, when workers fail, names as
+*Root Cause* the failure with the smallest ``timestamp`` (whole seconds), ties going to the lowest
+rank. A worker without a file gets the time the agent noticed its exit, so without files a victim
+often wins: the agent notices the failing rank and its survivors in the same second. This module
+writes the files in the format of ``torch.distributed.elastic.multiprocessing.errors.ErrorHandler``
+(``{"message": {"message": ..., "extraInfo": {"py_callstack": ..., "timestamp": "<s>"}}}``):
+
+* a rank that **fails itself** (:meth:`Session.report_error`, or the watchdog finding it hung)
+  writes its own file with the failure's time;
+* a **survivor** (it raises or ends because of a peer's failure, or is signalled after it) writes
+  its own file with a timestamp that cannot win: at least the failure's second + 1, and at least
+  the current second + 1 (the agent never notices an exit later than the survivor's own end);
+* a rank **killed by a signal** cannot write its file: a survivor on the same host that sees it
+  gone writes the dead rank's file (its path derived from torchrun's layout: the sibling
+  ``<local rank>`` directory), with the kill as the message, before its own.
+
+A file is never overwritten (created atomically with a hard link, so the agent never reads half a
+file, and only when absent): the first writer, usually the rank itself, wins. Outside torchrun
+(variable unset, empty or ``/dev/null``) nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from typing import TYPE_CHECKING
+
+from ._log import log
+from .errors import PeerFailedError
+from .record import FailureRecord
+
+if TYPE_CHECKING:
+    from .session import Session
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+ERROR_FILE_NAME = "error.json"
+#: Marks the files this library wrote (``extraInfo.writer``).
+WRITER = "fault_tolerant_handlers"
+
+
+def own_path() -> str | None:
+    """This worker's error file under torchrun, or ``None``."""
+    path = os.environ.get(ERROR_FILE_ENV, "")
+    if not path or path == os.devnull:
+        return None
+    return path
+
+
+def peer_path(own: str, local_rank: int, peer_local_rank: int) -> str | None:
+    """The error file of a peer on this host: ``<attempt dir>/<peer local rank>/error.json``,
+    ``None`` when ``own`` is not laid out as torchrun does or the directory is missing."""
+    parent = os.path.dirname(own)
+    if os.path.basename(own) != ERROR_FILE_NAME or os.path.basename(parent) != str(local_rank):
+        return None
+    directory = os.path.join(os.path.dirname(parent), str(peer_local_rank))
+    if not os.path.isdir(directory):
+        return None
+    return os.path.join(directory, ERROR_FILE_NAME)
+
+
+def payload(message: str, callstack: str, timestamp: int, role: str) -> dict:
+    return {"message": {"message": message,
+                        "extraInfo": {"py_callstack": callstack, "timestamp": str(int(timestamp)),
+                                      "writer": WRITER, "role": role}}}
+
+
+def write_once(path: str, data: dict) -> bool:
+    """Create ``path`` with ``data`` unless it exists (atomically); True when this call wrote it."""
+    if os.path.exists(path):
+        return False
+    directory = os.path.dirname(path) or "."
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".error-", suffix=".json", dir=directory)
+    except OSError as err:
+        log(logging.WARNING, "could not write torchrun's error file %s: %s", path, err)
+        return False
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.link(tmp, path)  # fails if the file exists: never overwrites
+        return True
+    except FileExistsError:
+        return False
+    except OSError as err:
+        log(logging.WARNING, "could not write torchrun's error file %s: %s", path, err)
+        return False
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def read_timestamp(path: str) -> int | None:
+    """The timestamp of an existing error file (``None`` if absent or unreadable)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        message = data["message"]
+        return int(message["extraInfo"]["timestamp"]) if isinstance(message, dict) else int(data.get("timestamp", 0))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def failed(record: FailureRecord) -> bool:
+    """This rank failed itself (``record`` is its own): write its file with the failure's time."""
+    path = own_path()
+    if path is None:
+        return False
+    message = f"{record.exc_type}: {record.exc_message}"
+    callstack = record.traceback if message in record.traceback else f"{message}\n{record.traceback}".rstrip()
+    return write_once(path, payload(message, callstack, record.time_ms // 1000, "failed"))
+
+
+def survivor_timestamp(failed_at: float | None, now: float | None = None) -> int:
+    """A survivor's timestamp: after the failure's second and after the current one."""
+    now = time.time() if now is None else now
+    base = int(now) if failed_at is None else max(int(failed_at), int(now))
+    return base + 1
+
+
+def _dead_peer_file(session: Session, err: PeerFailedError, own: str) -> None:
+    """``err`` says a same-host peer is gone (killed): write the file it could not write."""
+    rank = err.failed_rank
+    if err.exc_type != "PeerLost" or rank is None or err.host != session.host or rank == session.rank:
+        return
+    if rank not in session.ranks or session.pids[session.ranks.index(rank)] != err.pid:
+        return
+    peer_local = rank - (session.rank - session.local_rank)
+    if not 0 <= peer_local < session.local_world_size:
+        return
+    path = peer_path(own, session.local_rank, peer_local)
+    if path is None:
+        return
+    when = err.failed_at if err.failed_at is not None else time.time()
+    message = f"{err.exc_type}: {err.exc_message}"
+    if write_once(path, payload(message, f"{message}\n(written by rank {session.rank}, which saw it end)",
+                                int(when), "killed")):
+        log(logging.INFO, "wrote the error file of rank %d for torchrun: %s", rank, path)
+
+
+def peer_lost(session: Session, err: PeerFailedError) -> None:
+    """The watchdog found ``err``: if it is a same-host peer gone, write its file at once (the agent
+    reads a failed worker's file as soon as it notices the exit)."""
+    own = own_path()
+    if own is not None:
+        try:
+            _dead_peer_file(session, err, own)
+        except Exception as exc:  # noqa: BLE001
+            log(logging.WARNING, "could not write torchrun's error file: %s", exc)
+
+
+def survivor(session: Session, err: PeerFailedError | None) -> bool:
+    """This rank ends (or raises) because of a peer's failure ``err``: write the dead peer's file
+    when it was killed on this host, then this rank's own with a timestamp that cannot win."""
+    own = own_path()
+    if own is None:
+        return False
+    try:
+        if err is not None:
+            _dead_peer_file(session, err, own)
+        failed_at = err.failed_at if err is not None else None
+        summary = str(err).splitlines()[0] if err is not None else "a peer failed"
+        message = f"PeerFailedError: {summary}"
+        return write_once(own, payload(message, str(err) if err is not None else message,
+                                       survivor_timestamp(failed_at), "survivor"))
+    except Exception as exc:  # noqa: BLE001 - never mask the failure being reported
+        log(logging.WARNING, "could not write torchrun's error file: %s", exc)
+        return False
+
+
+def signalled(record: FailureRecord) -> bool:
+    """This rank received a terminating signal and knows of no peer's failure: it is the cause."""
+    return failed(record)

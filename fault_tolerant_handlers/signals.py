@@ -1,0 +1,211 @@
+"""SIGTERM and SIGINT: a signalled rank says so before the signal takes effect.
+
+A scheduler's preemption (``scancel``, a spot reclaim), ``kill`` or Ctrl-C ends a rank in a way its
+peers cannot explain: they only see a broken collective. When a fail-together session starts (in
+the main thread), this module puts a handler on ``SIGTERM`` and ``SIGINT`` **in front of** the one
+already there (Lightning's, a user's, Python's default), never replacing it:
+
+1. it reacts once: if this rank already knows of a peer's failure (the watchdog's incident, an
+   undelivered record, a same-host peer gone), the signal is a consequence (torchrun, ``mp.spawn``
+   end survivors with ``SIGTERM``) and only torchrun's error file is written (:mod:`.errorfile`, a
+   survivor's timestamp); otherwise this rank is the cause: it publishes a declared
+   ``RankSignalled`` record, so that every peer raises :class:`~.errors.PeerFailedError` naming it
+   and the signal within the watchdog's record grace, and writes its own error file;
+2. then it calls the previous handler (``SIGTERM``'s default ends the process with the signal, as
+   before; ``SIGINT``'s raises ``KeyboardInterrupt``; Lightning's runs as it would have).
+
+Python runs signal handlers in the main thread only, between bytecodes: a main thread blocked in a
+collective would run it late. So the reaction also runs from a thread (``fth-signals``) woken by
+``signal.set_wakeup_fd`` (the interpreter writes the signal number to it from the C-level handler,
+at once), unless another wakeup fd is already set (asyncio's), which is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from . import errorfile
+from ._log import log
+from .errors import PeerFailedError
+from .record import FailureRecord
+from .release import release_process_groups
+from .schema import Schema
+
+if TYPE_CHECKING:
+    from .session import Session
+
+#: The signals handled (each only if not ignored when the session starts).
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: Timeout of the store calls made on a signal (publish the record, look for a peer's).
+SIGNAL_STORE_TIMEOUT = timedelta(seconds=1)
+#: How long a signalled rank whose signal ends it stays alive after publishing its record: the
+#: watchdog's record grace (0.3 s) and two polls, so that its peers name the signal.
+CAUSE_LINGER = 0.6
+#: How long a rank ended while it works out a peer's failure waits for that explanation.
+REPORT_WAIT = 1.5
+#: How long the main thread's handler waits for the reaction under way in the thread.
+REACTION_WAIT = 3.0
+
+
+class _Watch:
+    def __init__(self, session: Session) -> None:
+        self._session = weakref.ref(session)
+        self.previous: dict[int, object] = {}
+        self.lock = threading.Lock()
+        self.started = False
+        self.done = threading.Event()
+        self.kind: str | None = None  # "cause" or "consequence", once reacted
+        self._rsock: socket.socket | None = None
+        self._wsock: socket.socket | None = None
+
+    # -- install ------------------------------------------------------------------------------------
+    def install(self) -> None:
+        for signum in SIGNALS:
+            prev = signal.getsignal(signum)
+            if prev is signal.SIG_IGN:
+                continue
+            self.previous[signum] = prev
+            signal.signal(signum, self._handler)
+        if not self.previous:
+            return
+        rsock, wsock = socket.socketpair()
+        wsock.setblocking(False)
+        try:
+            old = signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            old = None
+        if old is None or old != -1:
+            if old is not None:
+                signal.set_wakeup_fd(old)  # someone else's (asyncio): keep it
+            rsock.close()
+            wsock.close()
+            return
+        self._rsock, self._wsock = rsock, wsock
+        threading.Thread(target=self._wakeups, name="fth-signals", daemon=True).start()
+
+    def _wakeups(self) -> None:
+        rsock = self._rsock
+        while True:
+            try:
+                data = rsock.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in self.previous:
+                    self.react(signum)
+
+    # -- react --------------------------------------------------------------------------------------
+    def _handler(self, signum, frame):
+        self.react(signum)
+        self.done.wait(REACTION_WAIT)
+        prev = self.previous.get(signum)
+        if callable(prev):
+            return prev(signum, frame)
+        if prev is signal.SIG_IGN:
+            return None
+        # SIG_DFL (or a handler set outside Python): end as the signal would have, once the peers
+        # had the time to read the record (else a same-host peer sees only a process gone).
+        if self.kind == "cause":
+            time.sleep(CAUSE_LINGER)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return None
+
+    def react(self, signum: int) -> None:
+        with self.lock:
+            if self.started:
+                return
+            self.started = True
+        try:
+            self._react(signum)
+        except Exception as err:  # noqa: BLE001 - never stand in the way of the signal
+            log(logging.WARNING, "could not report signal %s: %s", signal.Signals(signum).name, err)
+        finally:
+            self.done.set()
+
+    def _react(self, signum: int) -> None:
+        session = self._session()
+        if session is None:
+            return
+        name = signal.Signals(signum).name
+        incident = session.incident
+        if incident.local:  # this rank failed itself: its own record and file say why
+            self.kind = "failed"
+            return
+        # A failure being explained right now (a broken collective: torchrun's agent ends the
+        # survivors when the store's host dies) is waited for, briefly: the report must come first.
+        peer = session.failure_report(REPORT_WAIT) or self._peer_cause(session)
+        if peer is not None:
+            self.kind = "consequence"
+            code = 128 + signum
+            log(logging.CRITICAL, "ending this process with exit code %d: terminated by %s while the job fails: %s",
+                code, name, str(peer).splitlines()[0])
+            try:
+                sys.stderr.write(f"[rank {session.rank}] fault-tolerant-handlers: {name} while the job fails:\n{peer}\n")
+                sys.stderr.flush()
+            except Exception:  # noqa: BLE001
+                pass
+            errorfile.survivor(session, peer)
+            return
+        self.kind = "cause"
+        incident.local = True  # the peers' reaction is not a failure to escalate here
+        message = f"rank {session.rank} (pid {os.getpid()} on {session.host}) received {name}"
+        record = FailureRecord.declared(rank=session.rank, kind="RankSignalled", message=message, by=session.rank,
+                                        pid=os.getpid(), host=session.host)
+        log(logging.ERROR, "%s: telling the other ranks", message)
+        errorfile.signalled(record)
+        conn = session.connection("signal", SIGNAL_STORE_TIMEOUT)
+        try:
+            Schema(conn, session.schema.world_size).publish(record)
+        finally:
+            conn.close()
+        if callable(self.previous.get(signum)):
+            # The previous handler runs on (Lightning's broadcasts to the peers, which are leaving):
+            # this rank's collectives fail at once instead of waiting for them.
+            what = release_process_groups(session._pg_store)
+            log(logging.INFO, "released this rank's collectives: %s", what)
+
+    @staticmethod
+    def _peer_cause(session: Session) -> PeerFailedError | None:
+        """A peer's failure this rank has not taken yet: a same-host peer gone, or a record."""
+        found = session._same_host_probe.poll(time.monotonic())
+        if found is not None:
+            return found.error
+        conn = session.connection("signal-read", SIGNAL_STORE_TIMEOUT)
+        try:
+            schema = Schema(conn, session.schema.world_size)
+            indices = [i for i in schema.new_indices(session.consumed, schema.count()) if i not in session.delivered]
+            records = [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != session.rank]
+            return PeerFailedError.from_records(records) if records else None
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to learn from it
+            return None
+        finally:
+            conn.close()
+
+
+_watch: _Watch | None = None
+
+
+def install(session: Session) -> None:
+    """Put the handlers in front of the current ones (once per process, from the main thread only)."""
+    global _watch
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if _watch is not None:
+        # The world's session speaks for this process (a new one after destroy + init replaces it).
+        if session.group is None or _watch._session() is None:
+            _watch._session = weakref.ref(session)
+        return
+    _watch = _Watch(session)
+    _watch.install()

@@ -1,0 +1,38 @@
+"""torchrun's own summary: its "Root Cause" names the rank that failed and its fault, never a
+survivor, for a raise, a SIGKILL and a hang (one run each; ``bench/torchrun_root_cause.py`` counts
+many). Real Ignite DDP training on 2 gloo ranks under ``python -m torch.distributed.run``."""
+
+from __future__ import annotations
+
+import pytest
+
+from launch import PROGRAMS, run_ranks, torchrun_root_cause
+
+SCRIPT = PROGRAMS / "ignite_main.py"
+
+pytestmark = pytest.mark.timeout(120)
+
+# fault -> (environment, what rank 1's Root Cause shows, what rank 0 raised)
+CASES = {
+    "raise": (dict(FAULT="step"), "RuntimeError: CUDA-like failure at iteration 3", "PeerFailedError"),
+    "kill": (dict(FAULT="kill"), "killed by SIGKILL", None),
+    "hang": (dict(FAULT="hang", HANG="3"), "RankHung: rank 1 hung", None),
+}
+
+
+@pytest.mark.parametrize("fault", list(CASES))
+def test_root_cause_is_the_failing_rank(tmp_path, fault):
+    env, shown, _ = CASES[fault]
+    results = run_ranks(1, "", tmp_path, script=SCRIPT, result_ranks=2, deadline=90,
+                        env=dict(env, RERAISE="1", LINGER="0"),
+                        launcher=["-m", "torch.distributed.run", "--nproc-per-node=2", "--monitor-interval=0.1"])
+    output = results[0].stderr
+    assert results[0].returncode != 0, output[-3000:]
+    rank, block = torchrun_root_cause(output)
+    assert rank == 1, output[-4000:]
+    assert shown in block, block
+    assert "error_file: <N/A>" not in block  # read from the file the library wrote
+    assert results[1].event("fault")
+    survivor = [e for e in results[0].events if e.get("event") == "run_raised"]
+    if survivor:  # the survivor may also be ended by the watchdog or the agent first
+        assert survivor[0]["raised"] == "PeerFailedError" and survivor[0]["failed_rank"] == 1

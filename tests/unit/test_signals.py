@@ -1,0 +1,122 @@
+"""The signal handler with a real signal sent to this process and a fake session over a HashStore:
+the record is published before the previous handler runs, which still runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from fault_tolerant_handlers import signals
+from fault_tolerant_handlers.probes import PeerPidProbe
+from fault_tolerant_handlers.record import FailureRecord
+from fault_tolerant_handlers.schema import Connection, Schema
+from fault_tolerant_handlers.session import Incident
+
+
+class FakeSession:
+    rank, host, group = 1, "node-a", None
+
+    def __init__(self, store):
+        self.store = store
+        self.schema = Schema(self.connection("main", timedelta(seconds=1)), 2)
+        self.consumed = 0
+        self.delivered = frozenset()
+        self.incident = Incident()
+        self._same_host_probe = PeerPidProbe([], by=1, host="node-a")
+        self._pg_store = None
+
+    def connection(self, name, timeout):
+        return Connection(lambda: dist.PrefixStore("fth/t", self.store), timeout, name)
+
+
+@pytest.fixture
+def restore_signals():
+    saved = {s: signal.getsignal(s) for s in signals.SIGNALS}
+    old_fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(old_fd)
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+    signal.set_wakeup_fd(old_fd)
+
+
+def _deliver(sig):
+    os.kill(os.getpid(), sig)
+    for _ in range(100):  # the handler runs in this (main) thread at the next bytecode
+        time.sleep(0.01)
+
+
+def test_signal_is_published_then_the_users_handler_runs(restore_signals, monkeypatch):
+    released = []
+    monkeypatch.setattr(signals, "release_process_groups", lambda store: released.append(True) or "nothing")
+    seen = []
+    store = dist.HashStore()
+    session = FakeSession(store)
+
+    def users_handler(signum, frame):
+        # by now the peers can read it
+        records = [session.schema.read(i) for i in session.schema.new_indices(0, session.schema.count())]
+        seen.append((signum, [(r.exc_type, r.rank, r.exc_message) for r in records]))
+
+    signal.signal(signal.SIGTERM, users_handler)
+    watch = signals._Watch(session)
+    watch.install()
+    assert signal.getsignal(signal.SIGTERM) == watch._handler
+    _deliver(signal.SIGTERM)
+    assert seen and seen[0][0] == signal.SIGTERM
+    kinds = seen[0][1]
+    assert len(kinds) == 1 and kinds[0][:2] == ("RankSignalled", 1) and "received SIGTERM" in kinds[0][2]
+    assert watch.kind == "cause" and session.incident.local
+    assert released == [True]  # a Python handler runs next: this rank's collectives were released
+
+
+def test_sigint_still_raises_keyboard_interrupt_and_reacts_once(restore_signals, monkeypatch):
+    monkeypatch.setattr(signals, "release_process_groups", lambda store: "nothing")
+    session = FakeSession(dist.HashStore())
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    watch = signals._Watch(session)
+    watch.install()
+    with pytest.raises(KeyboardInterrupt):
+        _deliver(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        _deliver(signal.SIGINT)
+    assert session.schema.count() == 1  # one record, whatever the number of signals
+
+
+def test_a_signal_after_a_peers_failure_publishes_nothing(restore_signals, monkeypatch):
+    monkeypatch.setattr(signals, "release_process_groups", lambda store: pytest.fail("released"))
+    store = dist.HashStore()
+    session = FakeSession(store)
+    try:
+        raise ValueError("bad sample 17")
+    except ValueError as exc:
+        session.schema.publish(FailureRecord.from_exception(exc, rank=0, section="train"))
+    calls = []
+    signal.signal(signal.SIGTERM, lambda s, f: calls.append(s))
+    watch = signals._Watch(session)
+    watch.install()
+    _deliver(signal.SIGTERM)
+    assert calls == [signal.SIGTERM]
+    assert watch.kind == "consequence" and session.schema.count() == 1
+
+
+def test_an_ignored_signal_stays_ignored(restore_signals):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    watch = signals._Watch(FakeSession(dist.HashStore()))
+    watch.install()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_not_installed_outside_the_main_thread(restore_signals, monkeypatch):
+    monkeypatch.setattr(signals, "_watch", None)
+    before = signal.getsignal(signal.SIGTERM)
+    t = threading.Thread(target=signals.install, args=(FakeSession(dist.HashStore()),))
+    t.start()
+    t.join()
+    assert signals._watch is None and signal.getsignal(signal.SIGTERM) == before
