@@ -63,6 +63,7 @@ def assert_names(res: MultiHostResult, rank: int, lost: int, within: float, host
         f"rank {rank} named rank {lost} {t - res.fault_at:.2f} s after the fault (bound {within} s)\n{res.describe()}")
 
 
+@pytest.mark.long
 def test_rank_on_other_host_raises(tmp_path):
     """Rank 1 (host node-b) raises: every rank raises with the cause within 1 s, and every rank and
     agent ends by itself."""
@@ -93,6 +94,7 @@ def test_host_dies(tmp_path):
     assert res.ranks[0].ended_by_itself, res.describe()
 
 
+@pytest.mark.long
 def test_store_host_dies(tmp_path):
     """Everything on node-a (rank 0, the c10d store, the rendezvous) is SIGKILLed: rank 1 names
     rank 0 within 5 s, never records a failure of its own, and ends by itself."""

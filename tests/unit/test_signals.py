@@ -34,6 +34,9 @@ class FakeSession:
     def connection(self, name, timeout):
         return Connection(lambda: dist.PrefixStore("fth/t", self.store), timeout, name)
 
+    def failure_report(self, wait):
+        return self.incident.peer_error  # nothing being explained in these scenarios
+
 
 @pytest.fixture
 def restore_signals():
