@@ -33,26 +33,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from launch import kill_workers  # noqa: E402 - the tests' harness
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "resume_main.py"
 EVERY, FAULT_AT, DEADLINE = 10, 37, 180
-
-
-def kill_workers(out: Path) -> None:
-    """Kill, by pid, every worker of a job in ``out`` still running, with its DataLoader workers.
-
-    torchrun starts each worker in a session of its own, so killing torchrun's session leaves them:
-    called once the job is over (every pid is checked to be this script).
-    """
-    for path in out.glob("attempt*_rank*.json"):
-        try:
-            pid = int(json.loads(path.read_text())["pid"])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"resume_main.py" not in f.read():
-                    continue
-            os.killpg(pid, signal.SIGKILL)  # the worker leads its session and process group
-        except (OSError, ValueError, KeyError):
-            continue
 
 
 def one_run(framework: str, mode: str, fault: str, out: Path) -> dict:

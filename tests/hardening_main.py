@@ -243,20 +243,5 @@ SCENARIOS = {f.__name__: f for f in (gil_held, trainer_and_evaluator, caught_the
                                      garbage_in_store, many_runs)}
 
 
-def main() -> None:
-    scenario, rank_main.OUT = sys.argv[1], Path(sys.argv[2])
-    timeout = timedelta(seconds=float(os.environ.get("FTH_TEST_PG_TIMEOUT", "20")))
-    dist.init_process_group("gloo", timeout=timeout)
-    record("start", pid=os.getpid())
-    try:
-        SCENARIOS[scenario]()
-    except BaseException as exc:
-        outcome("uncaught", exc)
-        raise
-    finally:
-        record("exit")
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    rank_main.main(SCENARIOS)

@@ -196,3 +196,19 @@ def torchrun_root_cause(output: str) -> tuple[int | None, str]:
     block = match.group(1)
     rank = re.search(r"rank\s*:\s*(\d+)", block)
     return (int(rank.group(1)) if rank else None), block
+
+
+def kill_workers(out: Path, program: str = "resume_main.py") -> None:
+    """Kill, by pid, every worker of a torchrun job in ``out`` still running, with its DataLoader
+    workers. Each worker writes ``attempt*_rank*.json`` with its pid; torchrun starts each worker in
+    a session of its own, so killing torchrun's session leaves them: called once the job is over
+    (every pid is checked to be ``program``)."""
+    for path in out.glob("attempt*_rank*.json"):
+        try:
+            pid = int(json.loads(path.read_text())["pid"])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if program.encode() not in f.read():
+                    continue
+            os.killpg(pid, signal.SIGKILL)  # the worker leads its session and process group
+        except (OSError, ValueError, KeyError):
+            continue

@@ -256,14 +256,15 @@ SCENARIOS = {f.__name__: f for f in (blocked_release, reported_exit, fail_each, 
                                      rank_first_late, rank_first_local, bad_input, retry_ours, retry_stock)}
 
 
-def main() -> None:
+def main(scenarios: dict | None = None) -> None:
+    """Run ``sys.argv[1]`` of ``scenarios`` (this file's by default) with events in ``sys.argv[2]``."""
     global OUT
     scenario, OUT = sys.argv[1], Path(sys.argv[2])
     timeout = timedelta(seconds=float(os.environ.get("FTH_TEST_PG_TIMEOUT", "20")))
     dist.init_process_group("gloo", timeout=timeout)
     record("start", pid=os.getpid())
     try:
-        SCENARIOS[scenario]()
+        (scenarios or SCENARIOS)[scenario]()
     except BaseException as exc:
         outcome("uncaught", exc)
         raise

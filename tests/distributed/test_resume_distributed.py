@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import PROGRAMS, run_ranks
+from launch import PROGRAMS, kill_workers, run_ranks
 
 SCRIPT = PROGRAMS / "resume_main.py"
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
@@ -37,23 +37,6 @@ DEFAULT = [("ignite", "torn-save"), ("lightning", "kill")]
 FULL = [(f, k) for f in ("ignite", "lightning") for k in FAULTS] + [("ignite", "torn-save")]
 CASES = FULL if os.environ.get("FTH_RESUME_FULL") == "1" else DEFAULT
 _reference: dict[str, Path] = {}
-
-
-def kill_workers(out: Path) -> None:
-    """Kill, by pid, every worker of a job in ``out`` still running, with its DataLoader workers.
-
-    torchrun starts each worker in a session of its own, so killing torchrun's session leaves them:
-    called once the job is over (every pid is checked to be this script).
-    """
-    for path in out.glob("attempt*_rank*.json"):
-        try:
-            pid = int(json.loads(path.read_text())["pid"])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"resume_main.py" not in f.read():
-                    continue
-            os.killpg(pid, signal.SIGKILL)  # the worker leads its session and process group
-        except (OSError, ValueError, KeyError):
-            continue
 
 
 def torchrun(framework: str, out: Path, env: dict[str, str]) -> Path:
