@@ -100,7 +100,7 @@ class PeerFailedError(RuntimeError):
         if not records:
             return cls(fallback_rank, "unknown", "the failing rank's record could not be read from the store",
                        where=repr(section), section=section)
-        ordered = sorted(records, key=lambda r: (r.time_ms, r.rank))
+        ordered = sorted(set(records), key=lambda r: (r.time_ms, r.rank))  # a record read twice counts once
         first = ordered[0]
         others = [{"rank": r.rank, "exc_type": r.exc_type, "exc_message": r.exc_message} for r in ordered[1:]
                   if (r.rank, r.exc_type) != (first.rank, first.exc_type)]

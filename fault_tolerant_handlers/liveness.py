@@ -58,21 +58,25 @@ def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: fl
     successor = session.ranks[(session.group_rank + 1) % session.world_size]
     probe = HeartbeatProbe(schema, session.rank, successor, session.pids[session.ranks.index(successor)],
                            period=period, limit=limit, host=session.hosts[session.ranks.index(successor)])
-    declared = False
+    declared = [False]
     while os.getppid() == parent:
+        if not _stopped(parent):  # frozen: its neighbour must see it, so no beat
+            _poll(probe, schema, declared)
         readable, _, _ = select.select([stop_fd], [], [], period)
         if readable:
             return  # the rank stopped its watchdog (or is gone: the pipe closed)
-        if _stopped(parent):
-            continue  # frozen: its neighbour must see it
-        try:
-            finding = probe.poll(time.monotonic())
-            if finding is not None and not declared:
-                declared = True
-                if schema.claim_declaration(finding.declare.rank):
-                    schema.publish(finding.declare)
-        except Exception:  # noqa: BLE001 - the store is unreachable: the rank's watchdog judges that
-            probe.next_at = 0.0
+
+
+def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool]) -> None:
+    """One beat and one look at the successor; declares it once when it is silent."""
+    try:
+        finding = probe.poll(time.monotonic())
+        if finding is not None and not declared[0]:
+            declared[0] = True
+            if schema.claim_declaration(finding.declare.rank):
+                schema.publish(finding.declare)
+    except Exception:  # noqa: BLE001 - the store is unreachable: the rank's watchdog judges that
+        probe.next_at = 0.0
 
 
 class LivenessProcess:
@@ -97,6 +101,10 @@ class LivenessProcess:
             log(logging.WARNING, "the liveness process could not connect to the store yet: %s",
                 (str(err).splitlines() or [""])[0][:200])
         schema = Schema(conn, self.session.schema.world_size)
+        try:
+            schema.beat(self.session.rank)  # a first beat now: a rank frozen at once is still seen
+        except Exception:  # noqa: BLE001
+            pass
         read_fd, write_fd = os.pipe()
         parent = os.getpid()
         try:

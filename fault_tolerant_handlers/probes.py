@@ -132,7 +132,9 @@ class PeerPidProbe:
     traffic."""
 
     def __init__(self, peers: Sequence[tuple[int, int]], *, by: int, host: str,
-                 state: Callable[[int], str | None] = process_state) -> None:
+                 state: Callable[[int], str | None] = process_state,
+                 after_failure: Callable[[], bool] = lambda: False) -> None:
+        self.after_failure = after_failure  # once the job failed, peers leaving is expected
         self.peers = list(peers)  # (global rank, pid)
         self.by = by
         self.host = host
@@ -141,10 +143,13 @@ class PeerPidProbe:
     def poll(self, now: float) -> Finding | None:
         for rank, pid in self.peers:
             state = self.state(pid)
-            if state is not None and state != CLEAN_EXIT:
-                message = f"rank {rank} (pid {pid} on {self.host}) lost: {state}"
-                return declared_finding(FailureRecord.declared(rank=rank, kind="PeerLost", message=message,
-                                                               by=self.by, pid=pid, host=self.host))
+            if state is None or state == CLEAN_EXIT:
+                continue
+            if self.after_failure() and not state.startswith("killed by"):
+                continue  # a peer that ended after the failure was agreed: the job is ending
+            message = f"rank {rank} (pid {pid} on {self.host}) lost: {state}"
+            return declared_finding(FailureRecord.declared(rank=rank, kind="PeerLost", message=message,
+                                                           by=self.by, pid=pid, host=self.host))
         return None
 
 

@@ -128,6 +128,31 @@ def cut_connections(keep_ports: set[int]) -> int:
     return cut
 
 
+def cut_connections_to(ports: set[int]) -> int:
+    """Shut down this process's established TCP connections *to* ``ports`` (the store's: only at
+    exit, when a store call is stuck); returns how many."""
+    if not sys.platform.startswith("linux") or not ports:
+        return 0
+    table = established_tcp()
+    cut = 0
+    for inode, fd in socket_fds().items():
+        ends = table.get(inode)
+        if ends is None or not (ends[0] in ports or ends[1] in ports):
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            cut += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return cut
+
+
 _teardown_registered = False
 
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+import weakref
 from collections import deque
 from datetime import timedelta
 from typing import Callable
@@ -134,6 +136,26 @@ class Connection:
             raise
 
 
+_stuck: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
+
+
+def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0) -> int:
+    """At exit: a worker still blocked in a store call (its store unreachable) would abort the
+    interpreter's finalization (a thread inside a C++ call). Shut down this process's connections
+    to the store's ports so that those reads return, then give the workers ``wait`` seconds.
+    Returns how many were stuck."""
+    workers = [w for w in list(_stuck) if w._thread.is_alive()]
+    if not workers:
+        return 0
+    from .release import cut_connections_to
+
+    cut_connections_to(keep_ports)
+    deadline = time.monotonic() + wait
+    for worker in workers:
+        worker._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    return len(workers)
+
+
 class _Worker:
     """A thread that runs one store call at a time for a :class:`Connection`."""
 
@@ -165,6 +187,7 @@ class _Worker:
         self._ready.set()
         if not self._done.wait(budget):
             self.stuck = True
+            _stuck.add(self)
             self._stopped = True  # it ends when (if) the blocked call returns
             raise StoreCallTimeout(f"a store call did not return within {budget:.1f} s")
         ok, value = self._result

@@ -235,6 +235,8 @@ class Session:
         self._watchdog = None
         self._watchdog_refs = 0
         self._lock = threading.Lock()
+        #: A failure was delivered on this session (an agreement failed, or this rank failed).
+        self.failed_before = False
         self._same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
         self._explaining = None
         signals.install(self)  # SIGTERM/SIGINT: say so before the previous handler runs
@@ -317,6 +319,7 @@ class Session:
         """This rank failed with ``exc``: publish its record (before any agreement) and, with
         ``release``, release its collectives so that no peer blocked in one with it waits."""
         self.incident.local = True
+        self.failed_before = True
         mark(exc, PUBLISHED_ATTR)
         record = FailureRecord.from_exception(exc, rank=self.rank, section=section, seq=seq, step=step, epoch=epoch)
         errorfile.failed(record)
@@ -339,7 +342,9 @@ class Session:
         seq = self._seq
         self._seq += 1
         try:
-            return self._agree(kind, name, seq, failure, step, epoch, peer)
+            outcome = self._agree(kind, name, seq, failure, step, epoch, peer)
+            self.failed_before = self.failed_before or outcome.failed
+            return outcome
         finally:
             self._next_incident()
 
@@ -585,6 +590,10 @@ def _forget_all() -> None:
         watchdog = session._watchdog
         if watchdog is not None:
             watchdog.stop(join_timeout=1.0)
+    from .schema import unblock_stuck_calls
+
+    for session in sessions:
+        unblock_stuck_calls(session.keep_ports)
     sessions.clear()
     gc.collect()
 

@@ -149,7 +149,8 @@ class Watchdog:
         self.store_loss = StoreLossProbe(cfg.store_lost_after.total_seconds(), by=self.rank, store_rank=0,
                                          store_pid=session.pids[0])
         peers = session.same_host_peers()
-        self.peer_pids = PeerPidProbe(peers, by=self.rank, host=session.host) if peers else None
+        self.peer_pids = (PeerPidProbe(peers, by=self.rank, host=session.host,
+                                       after_failure=lambda: session.failed_before) if peers else None)
         self._thread = threading.Thread(target=self._run_store_loop, name="fth-watchdog", daemon=True)
         self._liveness = threading.Thread(target=self._run_liveness_loop, name="fth-pids", daemon=True)
 
