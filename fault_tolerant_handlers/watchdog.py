@@ -234,6 +234,12 @@ class Watchdog:
     def _found(self, finding: Finding | None, schema: Schema | None) -> None:
         if finding is None or self._finishing:
             return
+        err = finding.error
+        if (self.session.failed_before and err.origin == "declared" and err.exc_type in ("PeerSilent", "PeerLost")
+                and "killed by" not in err.exc_message):
+            # The job already failed here: peers ending (and their heartbeats stopping) is expected.
+            log(logging.INFO, "after the failure: %s", str(err).splitlines()[0])
+            return
         log(logging.ERROR, "%s", str(finding.error).splitlines()[0], step=self._progress[2])
         if finding.hung_self:
             self.session.incident.local = True

@@ -142,9 +142,9 @@ def garbage_in_store() -> None:
     start_watchdog()
     session = get_session()
     if RANK == 0:
-        raw = dist.PrefixStore(f"fth/{session.run_id}", session._pg_store.clone())
-        raw.set("n", "abc")
-        raw.set("hb/1", "abc")
+        raw = session.connection("vandal", timedelta(seconds=5))  # a client of the same keys
+        raw.call("set", "n", "abc")
+        raw.call("set", "hb/1", "abc")
         record("vandalised")
     time.sleep(2.0)  # several watchdog polls on the bad values
     group = dist.new_group(backend="gloo")
