@@ -29,6 +29,7 @@ def test_a_trainer_and_an_evaluator_share_one_watchdog_that_outlives_the_evaluat
     assert "released blocked collectives" in r0.stderr
 
 
+@pytest.mark.long
 def test_a_main_thread_holding_the_gil_for_20_s_is_not_declared_lost(tmp_path):
     r0, r1 = _run(tmp_path, "gil_held", pg_timeout=60, deadline=90)
     for r in (r0, r1):
