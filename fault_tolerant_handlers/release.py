@@ -108,49 +108,39 @@ def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int]], keep_po
     return chosen
 
 
+def _shutdown(fds: list[int]) -> int:
+    """``shutdown(SHUT_RDWR)`` each socket fd (through a dup: the fd itself stays its owner's)."""
+    cut = 0
+    for fd in fds:
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            cut += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return cut
+
+
 def cut_connections(keep_ports: set[int]) -> int:
     """Shut down the sockets :func:`select_sockets` chooses; returns how many."""
     if not sys.platform.startswith("linux"):
         return 0
-    cut = 0
-    for fd in select_sockets(socket_fds(), established_tcp(), keep_ports):
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-            cut += 1
-        except OSError:
-            pass
-        finally:
-            sock.close()
-    return cut
+    return _shutdown(select_sockets(socket_fds(), established_tcp(), keep_ports))
 
 
 def cut_connections_to(ports: set[int]) -> int:
     """Shut down this process's established TCP connections *to* ``ports`` (the store's: only at
-    exit, when a store call is stuck); returns how many."""
+    exit, when a store call is stuck); returns how many: the complement of :func:`select_sockets`."""
     if not sys.platform.startswith("linux") or not ports:
         return 0
-    table = established_tcp()
-    cut = 0
-    for inode, fd in socket_fds().items():
-        ends = table.get(inode)
-        if ends is None or not (ends[0] in ports or ends[1] in ports):
-            continue
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-            cut += 1
-        except OSError:
-            pass
-        finally:
-            sock.close()
-    return cut
+    fds, tcp = socket_fds(), established_tcp()
+    others = set(select_sockets(fds, tcp, ports))
+    return _shutdown([fd for inode, fd in sorted(fds.items(), key=lambda i: i[1]) if inode in tcp and fd not in others])
 
 
 _teardown_registered = False
