@@ -100,10 +100,16 @@ class PeerFailedError(RuntimeError):
         if not records:
             return cls(fallback_rank, "unknown", "the failing rank's record could not be read from the store",
                        where=repr(section), section=section)
-        ordered = sorted(set(records), key=lambda r: (r.time_ms, r.rank))  # a record read twice counts once
+        # One record per rank: its own failure over a peer's declaration about it, then the earliest
+        # (a rank that raised and was also declared silent or lost by a watchdog is named once).
+        best: dict[int, FailureRecord] = {}
+        for r in records:
+            kept = best.get(r.rank)
+            if kept is None or (r.origin != "failure", r.time_ms) < (kept.origin != "failure", kept.time_ms):
+                best[r.rank] = r
+        ordered = sorted(best.values(), key=lambda r: (r.time_ms, r.rank))
         first = ordered[0]
-        others = [{"rank": r.rank, "exc_type": r.exc_type, "exc_message": r.exc_message} for r in ordered[1:]
-                  if (r.rank, r.exc_type) != (first.rank, first.exc_type)]
+        others = [{"rank": r.rank, "exc_type": r.exc_type, "exc_message": r.exc_message} for r in ordered[1:]]
         return cls(
             first.rank,
             first.exc_type,

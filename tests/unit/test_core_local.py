@@ -161,3 +161,13 @@ def test_sync_timeout_env_is_validated(monkeypatch):
         config.check_timedelta("hang_timeout", 30)
     with pytest.raises(ValueError, match="exit_grace must be between"):
         config.check_timedelta("exit_grace", timedelta(0))
+
+
+def test_a_rank_that_failed_and_was_also_declared_is_named_once_with_its_own_failure():
+    cause = _record(rank=1, time_ms=1000, exc_type="KeyError", exc_message="'first1'")
+    second = _record(rank=2, time_ms=1300, exc_type="IndexError", exc_message="second2")
+    declared = _record(rank=2, time_ms=1200, exc_type="PeerSilent", exc_message="rank 2 silent", origin="declared")
+    again = _record(rank=1, time_ms=1400, exc_type="PeerLost", exc_message="rank 1 lost", origin="declared")
+    err = PeerFailedError.from_records([again, declared, second, cause, second])
+    assert err.failed_rank == 1 and err.exc_type == "KeyError"
+    assert err.others == [{"rank": 2, "exc_type": "IndexError", "exc_message": "second2"}]
