@@ -100,12 +100,17 @@ class PeerFailedError(RuntimeError):
         if not records:
             return cls(fallback_rank, "unknown", "the failing rank's record could not be read from the store",
                        where=repr(section), section=section)
-        # One record per rank: its own failure over a peer's declaration about it, then the earliest
-        # (a rank that raised and was also declared silent or lost by a watchdog is named once).
+        # One record per rank: what it said itself (its failure, or a signal it received) over what
+        # a peer declared about it, then the earliest (a rank that raised and was also declared
+        # silent by a watchdog is named once, by its own error; SIGINT's RankSignalled comes before
+        # the KeyboardInterrupt it turns into).
+        def rank_of(r: FailureRecord) -> tuple[bool, int]:
+            return (r.origin != "failure" and r.by != r.rank, r.time_ms)
+
         best: dict[int, FailureRecord] = {}
         for r in records:
             kept = best.get(r.rank)
-            if kept is None or (r.origin != "failure", r.time_ms) < (kept.origin != "failure", kept.time_ms):
+            if kept is None or rank_of(r) < rank_of(kept):
                 best[r.rank] = r
         ordered = sorted(best.values(), key=lambda r: (r.time_ms, r.rank))
         first = ordered[0]

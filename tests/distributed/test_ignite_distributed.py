@@ -69,6 +69,7 @@ def test_every_rank_raises_with_the_cause(fault, tmp_path):
         assert results[1].has("user_exc_handler")
 
 
+@pytest.mark.long  # stock Ignite's behaviour, not the library's: make test-long
 @pytest.mark.parametrize("fault", ["step", "rank0_handler", "exc_collective"])
 def test_stock_ignite_waits_loses_the_cause_or_aborts(fault, tmp_path):
     bad = FAULTS[fault][0]

@@ -121,6 +121,7 @@ def test_every_rank_raises_with_the_cause(launch, fault, oec, tmp_path):
         assert FAULTS[fault][2].strip("'") in raised[0]["tail"], raised[0]["tail"]
 
 
+@pytest.mark.long  # stock Lightning's behaviour, not the library's: make test-long
 @pytest.mark.parametrize("launch", ["ddp", "ddp_spawn"])
 def test_stock_lightning_waits_to_the_timeout_and_loses_the_cause(launch, tmp_path):
     """Stock Lightning 2.6.6 with OnExceptionCheckpoint (4 s process-group timeout): the failing

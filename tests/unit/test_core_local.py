@@ -171,3 +171,11 @@ def test_a_rank_that_failed_and_was_also_declared_is_named_once_with_its_own_fai
     err = PeerFailedError.from_records([again, declared, second, cause, second])
     assert err.failed_rank == 1 and err.exc_type == "KeyError"
     assert err.others == [{"rank": 2, "exc_type": "IndexError", "exc_message": "second2"}]
+
+
+def test_a_signal_a_rank_declared_itself_comes_before_the_keyboard_interrupt_it_became():
+    signalled = _record(rank=1, time_ms=1000, exc_type="RankSignalled", exc_message="rank 1 received SIGINT",
+                        origin="declared", by=1)
+    interrupt = _record(rank=1, time_ms=1100, exc_type="KeyboardInterrupt", exc_message="")
+    err = PeerFailedError.from_records([interrupt, signalled])
+    assert err.failed_rank == 1 and err.exc_type == "RankSignalled" and err.others == []
