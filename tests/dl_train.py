@@ -76,7 +76,7 @@ def run_ignite() -> None:
     model = torch.nn.Linear(8, 1)
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    loader = make_restartable(idist.auto_dataloader(Regression(), batch_size=32, num_workers=4, shuffle=True), max_restarts=3)
+    loader = make_restartable(idist.auto_dataloader(Regression(), batch_size=32, num_workers=2, shuffle=True), max_restarts=3)
     info["first_start_method"] = multiprocessing.get_start_method()
 
     def step(engine, batch):
