@@ -134,7 +134,10 @@ class LivenessProcess:
             os.close(self._stop_w)
             self._stop_w = None
         if self.pid is not None:
-            deadline = time.monotonic() + 0.5  # it leaves its select() at once; it may be in a store call
+            # It leaves its select() at once, but may be in a store call; once the job failed (the
+            # store's host may be gone) it has nothing left to do: no wait.
+            failed = self.session.failed_before or self.session.known_failure is not None
+            deadline = time.monotonic() + (0.0 if failed else 0.5)
             while time.monotonic() < deadline:
                 try:
                     done, _ = os.waitpid(self.pid, os.WNOHANG)

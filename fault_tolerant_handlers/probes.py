@@ -238,6 +238,10 @@ class StoreLossProbe:
     def answered(self) -> None:
         self.down_since = None
 
+    def declare_at(self) -> float | None:
+        """When the silence under way becomes a loss (``time.monotonic()``), or ``None``."""
+        return None if self.down_since is None else self.down_since + self.lost_after
+
     def poll(self, now: float) -> Finding | None:
         if self.down_since is None or now - self.down_since < self.lost_after:
             return None

@@ -84,6 +84,10 @@ class Connection:
     peer that went silent (a cut link leaves it blocked for TCP's retransmission timeout, minutes).
     A call that overruns abandons the connection (its worker stays blocked in the read until the
     kernel gives up) and the next call makes a new one.
+
+    ``deadline`` (a ``time.monotonic()`` value, or ``None``) cuts every call's wait short at that
+    moment: the watchdog sets it to when a silent store is to be declared lost, so that a call
+    blocked on the cut link does not hold the declaration up by its budget.
     """
 
     CALL_SLACK = 0.5
@@ -96,22 +100,33 @@ class Connection:
         self._lock = threading.Lock()
         self._worker: _Worker | None = None
         self.calls = 0
+        self.deadline: float | None = None
+        self._generation = 0  # bumped when the client is dropped: a late connect is not kept
 
     def store(self) -> dist.Store:
+        """The connected client, connecting first if there is none. The connect runs outside the
+        lock: a connect that overruns its call's budget (an unreachable host) must not block the
+        next call, which gives up on it and makes its own."""
         with self._lock:
-            if self._store is None:
-                store = self._factory()
-                store.set_timeout(self._timeout)
+            if self._store is not None:
+                return self._store
+            generation = self._generation
+        store = self._factory()
+        store.set_timeout(self._timeout)
+        with self._lock:
+            if self._generation == generation and self._store is None:
                 self._store = store
-            return self._store
+            return store
 
     def reconnect(self) -> None:
         with self._lock:
             self._store = None
+            self._generation += 1
 
     def close(self) -> None:
         with self._lock:
             self._store = None
+            self._generation += 1
             worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop()
@@ -124,12 +139,13 @@ class Connection:
             worker = self._worker
             if worker is None or worker.stuck:
                 worker = self._worker = _Worker(f"fth-store-{self.name}")
+        budget = self._timeout.total_seconds() + self.CALL_SLACK
+        if self.deadline is not None:
+            budget = max(0.05, min(budget, self.deadline - time.monotonic()))
         try:
-            return worker.run(lambda: getattr(self.store(), method)(*args),
-                              self._timeout.total_seconds() + self.CALL_SLACK)
+            return worker.run(lambda: getattr(self.store(), method)(*args), budget)
         except StoreCallTimeout:
-            with self._lock:
-                self._store = None  # left to the blocked worker; the next call connects anew
+            self.reconnect()  # the client is left to the blocked worker; the next call connects anew
             raise
         except Exception:
             self.reconnect()
@@ -137,18 +153,24 @@ class Connection:
 
 
 _stuck: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
+#: Workers inside a call right now (stuck or not).
+_busy: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
 
 
-def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0) -> int:
+def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0, *, busy_too: bool = False) -> int:
     """At exit: a worker still blocked in a store call (its store unreachable) would abort the
     interpreter's finalization (a thread inside a C++ call). Shut down this process's connections
     to the store's ports so that those reads return, then give the workers ``wait`` seconds.
-    Returns how many were stuck."""
-    workers = [w for w in list(_stuck) if w._thread.is_alive()]
+    ``busy_too`` (the job failed: the store may be what is gone): also the calls under way that
+    have not yet overrun their budget, instead of waiting for them to. Returns how many were stuck."""
+    workers = [w for w in list(_stuck) + (list(_busy) if busy_too else []) if w._thread.is_alive()]
     if not workers:
         return 0
     from .release import cut_connections_to
 
+    for worker in workers:
+        worker.stuck = True  # no further call is given to it ...
+        worker._stopped = True  # ... and it ends as soon as its call returns
     cut_connections_to(keep_ports)
     deadline = time.monotonic() + wait
     for worker in workers:
@@ -180,16 +202,20 @@ class _Worker:
             except BaseException as err:  # noqa: BLE001 - handed to the caller
                 self._result = (False, err)
             self._done.set()
+            if self._stopped:  # given up on (stuck) or stopped at exit while in the call
+                return
 
     def run(self, job: Callable[[], object], budget: float):
         self._job = job
         self._done.clear()
+        _busy.add(self)
         self._ready.set()
         if not self._done.wait(budget):
             self.stuck = True
             _stuck.add(self)
             self._stopped = True  # it ends when (if) the blocked call returns
             raise StoreCallTimeout(f"a store call did not return within {budget:.1f} s")
+        _busy.discard(self)
         ok, value = self._result
         if ok:
             return value

@@ -593,7 +593,7 @@ def _forget_all() -> None:
     from .schema import unblock_stuck_calls
 
     for session in sessions:
-        unblock_stuck_calls(session.keep_ports)
+        unblock_stuck_calls(session.keep_ports, busy_too=session.failed_before or session.known_failure is not None)
     sessions.clear()
     gc.collect()
 

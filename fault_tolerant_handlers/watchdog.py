@@ -203,13 +203,16 @@ class Watchdog:
                 if self.session.known_failure is None:
                     self._found(self.records.poll(now), self._schema)
                 self.store_loss.answered()
+                self._conn.deadline = None
             except Exception as err:  # noqa: BLE001 - the store host is gone, or worse
                 if self._finishing or self._stop.is_set():
                     return
                 if self.store_loss.failed(now, err):
                     log(logging.WARNING, "the c10d store did not answer: %s", self.store_loss.last_error)
+                    self._conn.deadline = self.store_loss.declare_at()
             if self.session.known_failure is None:
-                self._found(self.store_loss.poll(now), None)
+                # the time after the calls: a call that timed out took most of a period's budget
+                self._found(self.store_loss.poll(time.monotonic()), None)
             if self.self_hang is not None and self.session.known_failure is None and not self.session.incident.local:
                 self._found(self.self_hang.poll(now), self._schema)
         log(logging.DEBUG, "watchdog stopped")
@@ -330,6 +333,13 @@ def _stop_all() -> None:
     for watchdog in watchdogs:
         watchdog._finishing = True
         watchdog._stop.set()
+    failed = [w.session for w in watchdogs if w.session.failed_before or w.session.known_failure is not None]
+    if failed:
+        # The job failed, perhaps because the store's host is gone: a watchdog waiting in a store
+        # call would hold the exit up to its budget. Cut those calls short instead.
+        from .schema import unblock_stuck_calls
+
+        unblock_stuck_calls(set().union(*(s.keep_ports for s in failed)), wait=0.5, busy_too=True)
     for watchdog in watchdogs:
         watchdog.stop(join_timeout=max(0.0, deadline - time.monotonic()))
 

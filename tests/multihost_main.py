@@ -131,6 +131,7 @@ def ended(exc: BaseException, injected_here: bool) -> None:
     if injected_here:
         time.sleep(LINGER)
     record("exit")
+    raise SystemExit(1)  # as the uncaught exception of a real training script: its agent sees a failure
 
 
 def _injector():

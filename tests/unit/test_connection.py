@@ -1,0 +1,100 @@
+"""The store connection of the library's own (``schema.Connection``) when the store's host is cut
+off: every call is bounded, a silent store's declaration is not held up by a call in flight, a
+connect that overruns does not block the next call, and an abandoned worker thread ends when its
+call returns (fake stores whose calls block on events: no network)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from fault_tolerant_handlers import schema
+from fault_tolerant_handlers.schema import Connection, StoreCallTimeout
+
+
+class BlockingStore:
+    """``add`` blocks until ``release`` is set (a read on a cut link)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    def set_timeout(self, timeout) -> None:
+        pass
+
+    def add(self, key, amount):
+        self.release.wait(10)
+        return 7
+
+
+def test_a_call_blocked_on_a_cut_link_returns_within_its_budget_and_its_worker_ends_after_it():
+    release = threading.Event()
+    conn = Connection(lambda: BlockingStore(release), timedelta(seconds=0.2), "t")
+    start = time.monotonic()
+    with pytest.raises(StoreCallTimeout):
+        conn.call("add", "k", 1)
+    assert time.monotonic() - start < 0.2 + Connection.CALL_SLACK + 0.3
+    stuck = [w for w in schema._stuck if w._thread.is_alive()]
+    assert stuck, "the abandoned worker is known as stuck"
+    release.set()  # the blocked read returns: the abandoned worker's thread ends
+    for w in stuck:
+        w._thread.join(2)
+    assert not any(w._thread.is_alive() for w in stuck)
+    assert conn.call("add", "k", 1) == 7  # a new worker and client serve the next call
+    conn.close()
+
+
+def test_the_deadline_cuts_a_call_in_flight_short():
+    release = threading.Event()
+    conn = Connection(lambda: BlockingStore(release), timedelta(seconds=5), "t")
+    conn.deadline = time.monotonic() + 0.3
+    start = time.monotonic()
+    with pytest.raises(StoreCallTimeout):
+        conn.call("add", "k", 1)
+    took = time.monotonic() - start
+    assert 0.25 <= took < 1.0, took  # the deadline, not the 5.5 s budget
+    release.set()
+    conn.close()
+
+
+def test_a_connect_that_overruns_does_not_block_the_next_call():
+    slow, calls = threading.Event(), []
+
+    def factory():
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            slow.wait(10)  # the first connect hangs (an unreachable host)
+        return BlockingStore(threading.Event() if len(calls) == 1 else _set())
+
+    conn = Connection(factory, timedelta(seconds=0.2), "t")
+    with pytest.raises(StoreCallTimeout):
+        conn.call("add", "k", 1)
+    start = time.monotonic()
+    assert conn.call("add", "k", 1) == 7  # its own connect, not waiting for the hung one
+    assert time.monotonic() - start < 0.5
+    slow.set()
+    conn.close()
+
+
+def test_unblocking_at_exit_ends_calls_in_flight_when_the_job_failed(monkeypatch):
+    release = threading.Event()
+    cut = []
+    monkeypatch.setattr("fault_tolerant_handlers.release.cut_connections_to", lambda ports: (cut.append(ports), release.set()))
+    conn = Connection(lambda: BlockingStore(release), timedelta(seconds=5), "t")
+    got = []
+    caller = threading.Thread(target=lambda: got.append(conn.call("add", "k", 1)))
+    caller.start()
+    time.sleep(0.2)  # the call is in flight, within its budget
+    start = time.monotonic()
+    assert schema.unblock_stuck_calls({1234}, wait=1.0, busy_too=True) >= 1
+    assert cut == [{1234}] and time.monotonic() - start < 0.5
+    caller.join(2)
+    assert not caller.is_alive() and got == [7]  # the cut call returned
+
+
+def _set() -> threading.Event:
+    e = threading.Event()
+    e.set()
+    return e
