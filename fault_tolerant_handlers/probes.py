@@ -182,9 +182,11 @@ class SelfHangProbe:
     hung rank is the peer, which declares itself): ``RankHung`` with the main thread's stack."""
 
     def __init__(self, rank: int, pid: int, hang_timeout: float, *, margin: float,
-                 progress: Callable[[], tuple[float, float, int | None]], frame: Callable[[], object]) -> None:
+                 progress: Callable[[], tuple[float, float, int | None]], frame: Callable[[], object],
+                 host: str = "") -> None:
         self.rank = rank
         self.pid = pid
+        self.host = host
         self.hang_timeout = hang_timeout
         self.margin = margin
         self.progress = progress
@@ -200,9 +202,10 @@ class SelfHangProbe:
             return None
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
         at = f" at step {step}" if step is not None else ""
-        message = f"rank {self.rank} hung: its main thread made no progress for {stalled:.1f} s{at}"
+        where = f" (pid {self.pid} on {self.host})" if self.host else ""
+        message = f"rank {self.rank}{where} hung: its main thread made no progress for {stalled:.1f} s{at}"
         record = FailureRecord.declared(
-            rank=self.rank, kind="RankHung", message=message, by=self.rank, pid=self.pid,
+            rank=self.rank, kind="RankHung", message=message, by=self.rank, pid=self.pid, host=self.host,
             traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
             time_ms=int(last_wall * 1000), step=step,
         )

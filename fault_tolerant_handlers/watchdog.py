@@ -145,7 +145,7 @@ class Watchdog:
         if self.hang_timeout is not None:
             self.self_hang = SelfHangProbe(self.rank, os.getpid(), self.hang_timeout.total_seconds(),
                                            margin=SILENT_MARGIN.total_seconds(), progress=lambda: self._progress,
-                                           frame=main_thread_frame)
+                                           frame=main_thread_frame, host=session.host)
         self.store_loss = StoreLossProbe(cfg.store_lost_after.total_seconds(), by=self.rank, store_rank=0,
                                          store_pid=session.pids[0])
         peers = session.same_host_peers()

@@ -120,3 +120,56 @@ def test_link_cut(tmp_path):
         assert r.ended_by_itself and r.ended_at - res.fault_at <= 10.0, res.describe()
     a = res.hosts[0]
     assert a.ended_at is not None and not a.killed and a.ended_at - res.fault_at <= 10.0, res.describe()
+
+
+@pytest.mark.long
+def test_hung_rank_on_other_host_sends_its_stack_to_every_host(tmp_path):
+    """Rank 1 (node-b) hangs in a step with ``hang_timeout`` 5 s: rank 0 raises ``RankHung`` for
+    rank 1 with the hung rank's own stack (the injected sleep) within 5 s + 3 s."""
+    res = run_hosts(tmp_path, "hang", fault_host=1, after_fault=25, env={"FTH_HANG_TIMEOUT_SEC": "5"})
+    assert res.fault_at is not None, res.describe()
+    raised = res.ranks[0].raised
+    assert raised is not None and raised["raised"] == "PeerFailedError", res.describe()
+    assert raised["failed_rank"] == 1 and raised["exc_type"] == "RankHung" and raised["host"] == "node-b", raised
+    assert "time.sleep(3600)" in raised["message"], raised["message"]  # the line rank 1 hangs on, from node-b
+    assert raised["t"] - res.fault_at <= 5.0 + 3.0, res.describe()
+    assert_no_own_failure(res, 0)
+
+
+@pytest.mark.long
+def test_four_hosts_a_rank_raises(tmp_path):
+    """4 hosts x 2 ranks, rank 2 (node-b) raises: every other rank, on every host, raises
+    ``PeerFailedError`` naming rank 2 and its error within 1 s."""
+    res = run_hosts(tmp_path, "raise", hosts=4, nproc_per_node=2, fault_host=1, after_fault=25, env={"LINGER": "3"})
+    assert res.fault_at is not None, res.describe()
+    assert res.ranks[2].raised is not None and res.ranks[2].raised["raised"] == "InjectedFault", res.describe()
+    for r in res.ranks:
+        if r.rank != 2:
+            assert_names(res, r.rank, lost=2, within=1.0, host="node-b")
+            assert "raise@rank=2" in r.raised["exc_message"], r.raised
+
+
+@pytest.mark.long
+def test_four_hosts_a_host_dies(tmp_path):
+    """4 hosts x 2 ranks, node-b (ranks 2 and 3) is SIGKILLed: each of the six survivors raises
+    ``PeerFailedError`` naming rank 2 or 3 on node-b within 2 s, and none records a failure of its
+    own."""
+    res = run_hosts(tmp_path, "kill_host", hosts=4, nproc_per_node=2, fault_host=1, after_fault=20)
+    assert res.fault_at is not None, res.describe()
+    for r in res.ranks:
+        if r.rank in (2, 3):
+            continue
+        got = reported_peer(r)
+        assert got is not None and got[0] in (2, 3), f"rank {r.rank}: {got}\n{res.describe()}"
+        assert "node-b" in got[2] and got[1] - res.fault_at <= 2.0, f"rank {r.rank}: {got}\n{res.describe()}"
+        assert_no_own_failure(res, r.rank)
+
+
+@pytest.mark.long
+def test_lightning_rank_on_other_host_raises(tmp_path):
+    """Lightning ``Trainer.fit`` with the callback, rank 1 (node-b) raises: rank 0 names it and its
+    error within 1 s."""
+    res = run_hosts(tmp_path, "raise", framework="lightning", fault_host=1, after_fault=25, env={"LINGER": "3"})
+    assert res.fault_at is not None, res.describe()
+    assert_names(res, 0, lost=1, within=1.0, host="node-b")
+    assert "raise@rank=1" in res.ranks[0].raised["exc_message"], res.ranks[0].raised
