@@ -155,8 +155,12 @@ class FaultTolerance(Callback):
         return {"step": int(trainer.global_step), "epoch": int(trainer.current_epoch)}
 
     def _check(self, trainer: pl.Trainer) -> None:
-        """Raise the peer's failure if the watchdog already knows it (no communication)."""
-        self.guard.check(**self._where(trainer))
+        """Raise the peer's failure if the watchdog already knows it (no communication). Called
+        twice per batch: two attribute reads unless there is a failure (where it happened, which
+        costs Lightning's property lookups, is only worked out then)."""
+        session = self.guard.session
+        if session is not None and session.known_failure is not None:
+            self.guard.check(**self._where(trainer))
 
     def _sync(self, trainer: pl.Trainer, where: str) -> None:
         self.guard.sync(where, **self._where(trainer))

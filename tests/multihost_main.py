@@ -20,6 +20,8 @@ Environment:
     STEP_SEC     extra time per step, seconds (default 0.02)
     MAX_ITERS    iterations before the run ends by itself (default 100000: the rig ends it)
     FTH_TEST_PG_TIMEOUT  process-group timeout, seconds (default 60)
+    GIL_HOLD     ``rank,iteration,seconds``: that rank's main thread holds the GIL for that long in
+                 one C call at the start of that iteration's step (records ``gil_start``/``gil_end``)
     LINGER       seconds a rank whose own injected fault raised stays alive (default 8), so that a
                  peer is not released by its exit
 """
@@ -43,6 +45,7 @@ from torch.utils.data import Dataset
 FRAMEWORK = os.environ.get("FRAMEWORK", "ignite")
 USE_FT = os.environ.get("USE_FT", "1") == "1"
 READY_ITER = int(os.environ.get("READY_ITER", "10"))
+GIL_HOLD = tuple(int(v) for v in os.environ["GIL_HOLD"].split(",")) if os.environ.get("GIL_HOLD") else ()
 READY_SEEN = False
 
 
@@ -160,6 +163,12 @@ def run_ignite() -> None:
 
     def step(engine, batch):
         x, y = batch
+        if GIL_HOLD and (RANK, engine.state.iteration) == GIL_HOLD[:2]:
+            import ctypes
+
+            record("gil_start")
+            ctypes.PyDLL(None).sleep(GIL_HOLD[2])  # a C call that keeps the GIL: no thread of this process runs
+            record("gil_end")
         time.sleep(STEP_SEC)
         loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()

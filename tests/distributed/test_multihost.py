@@ -173,3 +173,34 @@ def test_lightning_rank_on_other_host_raises(tmp_path):
     assert res.fault_at is not None, res.describe()
     assert_names(res, 0, lost=1, within=1.0, host="node-b")
     assert "raise@rank=1" in res.ranks[0].raised["exc_message"], res.ranks[0].raised
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_no_false_alarm_with_every_core_saturated_and_a_20_s_gil_hold(tmp_path):
+    """A healthy 2-host run of over two minutes (2000 iterations) while every core is busy with
+    other processes, and rank 1's main thread holds the GIL for 20 s in one C call at iteration
+    300 (hang detection off, the default): nobody is declared lost, silent or hung, and both ranks
+    finish the run."""
+    import subprocess
+    import sys
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 2))]
+    try:
+        res = run_hosts(tmp_path, "none", fault_host=1, after_fault=420, start_timeout=120,
+                        env={"MAX_ITERS": "2000", "STEP_SEC": "0.05", "GIL_HOLD": "1,300,20"})
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    for r in res.ranks:
+        assert r.raised is None, f"rank {r.rank} raised: {r.raised}\n{res.describe()}"
+        assert r.event("run_returned") is not None and r.event("run_returned")["iteration"] == 2000, res.describe()
+    for h in res.hosts:
+        log = res.log(h.index)
+        for word in ("PeerSilent", "PeerLost", "RankHung", "PeerFailedError", "did not answer"):
+            assert word not in log, f"{h.name}: {word!r} in its log\n{res.describe()}"
+    r1 = res.ranks[1]
+    assert r1.event("gil_end")["t"] - r1.event("gil_start")["t"] >= 19.5, res.describe()
+    took = res.ranks[0].event("run_returned")["t"] - res.ranks[0].event("start")["t"]
+    assert took >= 120, f"the run took {took:.0f} s"
