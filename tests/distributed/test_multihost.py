@@ -1,11 +1,10 @@
-"""Across hosts: what every rank sees when a rank, a host or a link fails (2 hosts x 1 rank, Ignite,
-the library's default settings).
+"""Across hosts: what every rank sees when a rank, a host or a link fails (2 hosts x 1 rank unless
+said, Ignite unless said, the library's default settings).
 
-Each test runs a real 2-host job on the rig of ``tests/hosts.py`` (two network namespaces joined by
-a veth pair, each with its own hostname and pid namespace, one ``torchrun`` agent per host with
-c10d rendezvous), injects one fault, and asserts what every rank recorded. The tests marked
-``multihost_target`` state the behaviour the library is to reach and fail today (they are
-deselected from ``make test``; ``make test-multihost`` runs every test here).
+Each test runs a real multi-host job on the rig of ``tests/hosts.py`` (network namespaces joined by
+a veth pair or a bridge, each with its own hostname and pid namespace, one ``torchrun`` agent per
+host with c10d rendezvous), injects one fault, and asserts what every rank recorded. The tests
+marked ``long`` run with ``make test-multihost`` and ``make test-long``, not ``make test``.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ pytestmark = [
     pytest.mark.skipif(hosts.unavailable() is not None, reason=str(hosts.unavailable())),
     pytest.mark.timeout(240),
 ]
-target = pytest.mark.multihost_target
 _EXIT_REPORT = re.compile(r"ending this process with exit code \d+: .*?\brank (\d+)\b")
 
 
