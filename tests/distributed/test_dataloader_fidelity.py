@@ -89,8 +89,10 @@ class Everywhere(IterableDataset):
 class KillOnce(Dataset):
     """Index in ``kill_at`` SIGKILLs (or ``how``) its worker the first time; index ``slow`` sleeps."""
 
-    def __init__(self, n: int, kill_at, marker_dir, slow: int | None = None, how: str = "kill") -> None:
+    def __init__(self, n: int, kill_at, marker_dir, slow: int | None = None, how: str = "kill",
+                 slow_sec: float = 0.6) -> None:
         self.n, self.kill_at, self.dir, self.slow, self.how = n, tuple(kill_at), str(marker_dir), slow, how
+        self.slow_sec = slow_sec
 
     def __len__(self) -> int:
         return self.n
@@ -104,7 +106,7 @@ class KillOnce(Dataset):
                     ctypes.string_at(0)
                 os.kill(os.getpid(), signal.SIGKILL)
         if i == self.slow:
-            time.sleep(0.6)
+            time.sleep(self.slow_sec)
         return i
 
 
@@ -251,8 +253,9 @@ def test_iterable_length_warning_as_stock():
 
 @pytest.mark.timeout(60)
 def test_in_order_false_yields_out_of_order(tmp_path):
-    loader = RestartableDataLoader(KillOnce(10, [], tmp_path, slow=0), batch_size=None, num_workers=2,
-                                   prefetch_factor=2, in_order=False)
+    # index 0 sleeps 2 s: time for the other worker to start and serve its indices on a loaded machine
+    loader = RestartableDataLoader(KillOnce(10, [], tmp_path, slow=0, slow_sec=2.0), batch_size=None,
+                                   num_workers=2, prefetch_factor=2, in_order=False)
     got = list(loader)
     assert sorted(got) == list(range(10))
     assert got != list(range(10)), "index 0 is slow: the other worker's batches should come first"
