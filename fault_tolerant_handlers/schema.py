@@ -70,6 +70,17 @@ def _wrap(value: int) -> int:
     return value - _U64 if value >= 1 << 63 else value
 
 
+class ConnectInProgress(RuntimeError):
+    """A call found its connection's previous connect still under way (raised inside the worker)."""
+
+
+#: How long past its own timeout a c10d connect may take (its retries can start just before it).
+CONNECT_SLACK = 1.0
+#: Connects under way in this process -> when each must be over (``time.monotonic()``).
+_connects: dict[object, float] = {}
+_connects_lock = threading.Lock()
+
+
 class StoreCallTimeout(TimeoutError):
     """A store call did not return within its connection's budget (the store's host is gone, or the
     network between is cut: a TCP read then blocks far longer than the store's own timeout)."""
@@ -102,17 +113,33 @@ class Connection:
         self.calls = 0
         self.deadline: float | None = None
         self._generation = 0  # bumped when the client is dropped: a late connect is not kept
+        self._connecting = False
 
     def store(self) -> dist.Store:
-        """The connected client, connecting first if there is none. The connect runs outside the
-        lock: a connect that overruns its call's budget (an unreachable host) must not block the
-        next call, which gives up on it and makes its own."""
+        """The connected client, connecting first if there is none.
+
+        The connect runs outside the lock, so that a connect that overruns its call's budget (an
+        unreachable host) does not block the next call; that call fails at once instead of
+        starting a second connect (one connect per connection at a time: a thread inside c10d's
+        connect cannot be cut short, and the interpreter's exit waits for it, :func:`unblock_stuck_calls`)."""
         with self._lock:
             if self._store is not None:
                 return self._store
+            if self._connecting:
+                raise ConnectInProgress("the connect to the store before this call has not ended yet")
+            self._connecting = True
             generation = self._generation
-        store = self._factory()
-        store.set_timeout(self._timeout)
+        key = object()
+        with _connects_lock:
+            _connects[key] = time.monotonic() + self._timeout.total_seconds() + CONNECT_SLACK
+        try:
+            store = self._factory()
+            store.set_timeout(self._timeout)
+        finally:
+            with self._lock:
+                self._connecting = False
+            with _connects_lock:
+                _connects.pop(key, None)
         with self._lock:
             if self._generation == generation and self._store is None:
                 self._store = store
@@ -136,6 +163,8 @@ class Connection:
         a new one) and is raised."""
         self.calls += 1
         with self._lock:
+            if self._store is None and self._connecting:
+                raise StoreCallTimeout("the store did not answer: its connect is still in progress")
             worker = self._worker
             if worker is None or worker.stuck:
                 worker = self._worker = _Worker(f"fth-store-{self.name}")
@@ -147,6 +176,8 @@ class Connection:
         except StoreCallTimeout:
             self.reconnect()  # the client is left to the blocked worker; the next call connects anew
             raise
+        except ConnectInProgress as err:
+            raise StoreCallTimeout(f"the store did not answer: {err}") from None
         except Exception:
             self.reconnect()
             raise
@@ -173,7 +204,12 @@ def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0, *, busy_too: bo
         worker.stuck = True  # no further call is given to it ...
         worker._stopped = True  # ... and it ends as soon as its call returns
     cut_connections_to(keep_ports)
-    deadline = time.monotonic() + wait
+    # A connect cannot be cut short (no socket to shut down yet, or a retry's sleep): wait for the
+    # connects under way to end, each within its own timeout, so that no thread comes back from
+    # c10d while the interpreter finalizes (that aborts the process).
+    with _connects_lock:
+        connects_end = max(_connects.values(), default=0.0)
+    deadline = max(time.monotonic() + wait, connects_end)
     for worker in workers:
         worker._thread.join(timeout=max(0.0, deadline - time.monotonic()))
     return len(workers)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(120)
 CASES = {
     "raise": (dict(FAULT="step"), "RuntimeError: CUDA-like failure at iteration 3", "PeerFailedError"),
     "kill": (dict(FAULT="kill"), "killed by SIGKILL", None),
-    "hang": (dict(FAULT="hang", HANG="3"), "RankHung: rank 1 hung", None),
+    "hang": (dict(FAULT="hang", HANG="3"), "RankHung: rank 1 (pid ", None),
 }
 
 

@@ -59,22 +59,29 @@ def test_the_deadline_cuts_a_call_in_flight_short():
     conn.close()
 
 
-def test_a_connect_that_overruns_does_not_block_the_next_call():
+def test_a_connect_that_overruns_does_not_block_the_next_call_and_only_one_runs_at_a_time():
     slow, calls = threading.Event(), []
 
     def factory():
         calls.append(time.monotonic())
         if len(calls) == 1:
             slow.wait(10)  # the first connect hangs (an unreachable host)
-        return BlockingStore(threading.Event() if len(calls) == 1 else _set())
+        return BlockingStore(_set())
 
     conn = Connection(factory, timedelta(seconds=0.2), "t")
     with pytest.raises(StoreCallTimeout):
         conn.call("add", "k", 1)
     start = time.monotonic()
-    assert conn.call("add", "k", 1) == 7  # its own connect, not waiting for the hung one
-    assert time.monotonic() - start < 0.5
+    with pytest.raises(StoreCallTimeout, match="connect is still in progress"):
+        conn.call("add", "k", 1)  # fails at once: no second connect while the first is under way
+    assert time.monotonic() - start < 0.2 and len(calls) == 1
+    assert schema._connects, "the connect under way is known (the exit waits for it)"
     slow.set()
+    deadline = time.monotonic() + 2
+    while schema._connects and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not schema._connects
+    assert conn.call("add", "k", 1) == 7  # then a new connect serves the next call
     conn.close()
 
 
@@ -98,3 +105,19 @@ def _set() -> threading.Event:
     e = threading.Event()
     e.set()
     return e
+
+
+def test_the_exit_waits_for_a_connect_under_way_which_it_cannot_cut(monkeypatch):
+    monkeypatch.setattr("fault_tolerant_handlers.release.cut_connections_to", lambda ports: 0)
+
+    def factory():
+        time.sleep(1.0)  # c10d retrying a connect to an unreachable host: no socket to shut down
+        return BlockingStore(_set())
+
+    conn = Connection(factory, timedelta(seconds=0.2), "t")
+    with pytest.raises(StoreCallTimeout):
+        conn.call("add", "k", 1)  # gives up after its budget; the connect goes on in its worker
+    worker = conn._worker
+    schema.unblock_stuck_calls({1234}, wait=0.0, busy_too=True)
+    assert not worker._thread.is_alive(), "the exit went on with a thread inside a connect"
+    conn.close()
