@@ -158,7 +158,7 @@ def garbage_in_store() -> None:
 
 
 def many_runs() -> None:
-    """20 Ignite runs in one process: the open file descriptors do not grow."""
+    """10 Ignite runs in one process: the open file descriptors do not grow."""
     from ignite.engine import Engine
 
     from fault_tolerant_handlers.ignite import FaultTolerance
@@ -167,7 +167,7 @@ def many_runs() -> None:
         return len(os.listdir("/proc/self/fd"))
 
     counts = []
-    for _ in range(20):
+    for _ in range(10):
         trainer = Engine(lambda e, b: dist.all_reduce(torch.ones(1)))
         FaultTolerance(sync_every=2).attach(trainer)
         trainer.run(range(4), max_epochs=1)
