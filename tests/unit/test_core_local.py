@@ -179,3 +179,24 @@ def test_a_signal_a_rank_declared_itself_comes_before_the_keyboard_interrupt_it_
     interrupt = _record(rank=1, time_ms=1100, exc_type="KeyboardInterrupt", exc_message="")
     err = PeerFailedError.from_records([interrupt, signalled])
     assert err.failed_rank == 1 and err.exc_type == "RankSignalled" and err.others == []
+
+
+@pytest.mark.parametrize(
+    "ranks, failed, in_step",
+    [
+        ([(0, 7, 3), (0, 7, 3), (0, 7, 3)], 0, True),  # everybody in the same section and agreement
+        ([(0, 7, 3), (0, 9, 3)], 0, False),  # different sections
+        ([(0, 7, 3), (0, 7, 4)], 0, False),  # the same section, one agreement apart
+        ([(0, 7, 3), (0, 7, 3 + (1 << 20))], 0, True),  # kept to 20 bits: 2**20 agreements apart is not seen
+        ([(0, 2**32 - 1, 5), (0, 0, 5)], 0, False),  # hashes at both ends of their range
+        ([(0, 7, 3), (2, 9, 4), (0, 7, 3)], 2, None),  # a failure: its flag, whatever the sections
+    ],
+)
+def test_the_two_integer_agreement_carries_the_flag_and_catches_ranks_out_of_step(ranks, failed, in_step):
+    from fault_tolerant_handlers.session import pack_agreement, unpack_agreement
+
+    packed = [pack_agreement(*r) for r in ranks]
+    flag, same = unpack_agreement(max(p[0] for p in packed), max(p[1] for p in packed))
+    assert flag == failed
+    if in_step is not None:
+        assert same is in_step
