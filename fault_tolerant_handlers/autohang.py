@@ -94,7 +94,7 @@ class AutoHangProbe:
         self.longest_any = 0.0
         self.steps = 0
         self.current: tuple[str, float, int | None] | None = None  # (kind, started at, step)
-        # watchdog thread only: (piece it applies to, kind, token, judged from)
+        # written by the watchdog thread only: (piece it applies to, kind, token, judged from)
         self._explained: tuple[tuple, str, object, float] | None = None
 
     # -- fed by the main thread -------------------------------------------------------------------
@@ -104,10 +104,13 @@ class AutoHangProbe:
         current = self.current
         self.current = None if kind is None else (kind, now, step)
         if current is not None:
-            done = current[0]
+            done = learned = current[0]
             seconds = now - current[1]
-            if seconds > self.longest.get(done, -1.0):
-                self.longest[done] = seconds
+            explained = self._explained
+            if explained is not None and explained[0] is current:
+                learned = explained[1]  # a checkpoint or evaluation within a step: not a step's duration
+            if seconds > self.longest.get(learned, -1.0):
+                self.longest[learned] = seconds
                 if seconds > self.longest_any:
                     self.longest_any = seconds
             if done == STEP:

@@ -115,7 +115,7 @@ class FaultTolerance:
     # -- events -------------------------------------------------------------------------------------
     def _started(self, engine: Engine) -> None:
         self.guard.start()
-        self.guard.beat(engine.state.iteration, STEP)
+        self.guard.beat(engine.state.iteration, "start")
         if self.guard.auto_hang is not None:
             _compat_ignite.check_running_engines()
             self.guard.explain_with(self._nested_engine)

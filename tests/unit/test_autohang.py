@@ -172,6 +172,17 @@ def test_when_recognised_work_ends_the_rest_of_the_piece_gets_its_own_deadline_a
     assert p.poll(t + 5.01 + 10.01 + 5.01) is not None
 
 
+def test_recognised_work_within_a_step_is_learned_as_its_kind_not_as_a_step():
+    p = probe()
+    t = steps(p, 3, 0.1)
+    p.explainers.append(explained_as([("checkpoint", None)]))
+    p.started("step", t)
+    assert p.poll(t + 5.01) is None               # recognised: a checkpoint written inside the step
+    p.mark("step", t + 8.0)
+    assert p.longest["step"] == pytest.approx(0.1) and p.longest["checkpoint"] == pytest.approx(8.0)
+    assert p.steps == 4
+
+
 def test_the_checkpoint_explainer_recognises_a_marked_write():
     from fault_tolerant_handlers.watchdog import writing_checkpoint
 

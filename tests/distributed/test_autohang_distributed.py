@@ -1,0 +1,69 @@
+"""``hang_timeout="auto"`` with real ranks (gloo, 2 ranks, real Ignite ``Engine`` / Lightning ``Trainer``),
+the rule shortened through its environment (floor 2 s, warm-up 5 steps): a rank hung in a step after
+the warm-up is reported on every rank with its own stack within the learned deadline + 1 s; long but
+normal work (an evaluation, a checkpoint write), each longer than the learned step deadline of the
+time, raises no alarm."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from launch import PROGRAMS, run_ranks
+
+IGNITE = PROGRAMS / "ignite_main.py"
+LIGHTNING = PROGRAMS / "lightning_main.py"
+RULE = {"FTH_AUTO_HANG_FLOOR_SEC": "2", "FTH_AUTO_HANG_WARMUP": "5"}
+FLOOR, MULTIPLE = 2.0, 10.0
+HUNG_LINE = "time.sleep(1000)  # the hung line the report must show"
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _learned_deadline(message: str) -> float:
+    found = re.search(r"over the learned deadline of ([0-9.]+) s", message)
+    assert found, message
+    return float(found.group(1))
+
+
+def _assert_reported_within_the_learned_deadline(fault: dict, hung, survivor) -> None:
+    from fault_tolerant_handlers import EXIT_HUNG
+
+    # the deadline the hung rank had learned when it hung: max(floor, 10 x its longest step)
+    assert fault["steps"] >= 5 and fault["step_deadline"] == pytest.approx(
+        max(FLOOR, MULTIPLE * fault["longest"]["step"]))
+    assert hung.returncode == EXIT_HUNG
+    assert HUNG_LINE in hung.stderr  # its own report, with its stack
+    seen = survivor.event("run_raised")
+    assert seen["raised"] == "PeerFailedError" and seen["failed_rank"] == hung.rank and seen["exc_type"] == "RankHung"
+    assert HUNG_LINE in seen["message"] or HUNG_LINE in seen.get("remote_traceback", "")
+    deadline = _learned_deadline(seen["exc_message"])
+    assert deadline == pytest.approx(fault["step_deadline"], abs=0.05)
+    latency = seen["t"] - fault["t"]
+    assert latency <= deadline + 1.0, (latency, deadline)
+    assert survivor.returncode == 0, survivor.stderr[-3000:]
+    assert not survivor.leaked and not hung.leaked
+
+
+def _assert_no_alarm(results, slow_kinds: set[str]) -> None:
+    slow = [e for r in results for e in r.events if e["event"] == "slow"]
+    assert {e["kind"] for e in slow} == slow_kinds, slow
+    for e in slow:  # each piece of work was longer than the deadline a step had at the time
+        assert e["step_deadline"] is not None and e["seconds"] > e["step_deadline"] >= FLOOR, e
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.has("run_returned"), r.events
+        assert "hung" not in r.stderr, r.stderr[-3000:]
+
+
+def test_ignite_rank_hung_in_a_step_after_warm_up_is_reported_within_the_learned_deadline(tmp_path):
+    env = dict(FAULT="hang", FAULT_RANK="1", FAULT_ITER="12", HANG="auto", USE_FT="1", FTH_TEST_PG_TIMEOUT="30", **RULE)
+    results = run_ranks(2, "", tmp_path, script=IGNITE, env=env, deadline=45)
+    _assert_reported_within_the_learned_deadline(results[1].event("fault"), results[1], results[0])
+
+
+def test_ignite_long_evaluations_and_a_slow_checkpoint_raise_no_alarm(tmp_path):
+    env = dict(FAULT="none", SLOW="1", HANG="auto", USE_FT="1", FTH_TEST_PG_TIMEOUT="30", **RULE)
+    results = run_ranks(2, "", tmp_path, script=IGNITE, env=env, deadline=60)
+    _assert_no_alarm(results, {"nested evaluation", "epoch-end evaluation", "checkpoint"})
