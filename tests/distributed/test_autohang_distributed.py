@@ -27,13 +27,13 @@ def _learned_deadline(message: str) -> float:
     return float(found.group(1))
 
 
-def _assert_reported_within_the_learned_deadline(fault: dict, hung, survivor) -> None:
+def _assert_reported_within_the_learned_deadline(fault: dict, hung, survivor, hung_exit: int | None) -> None:
     from fault_tolerant_handlers import EXIT_HUNG
 
     # the deadline the hung rank had learned when it hung: max(floor, 10 x its longest step)
     assert fault["steps"] >= 5 and fault["step_deadline"] == pytest.approx(
         max(FLOOR, MULTIPLE * fault["longest"]["step"]))
-    assert hung.returncode == EXIT_HUNG
+    assert hung_exit == EXIT_HUNG
     assert HUNG_LINE in hung.stderr  # its own report, with its stack
     seen = survivor.event("run_raised")
     assert seen["raised"] == "PeerFailedError" and seen["failed_rank"] == hung.rank and seen["exc_type"] == "RankHung"
@@ -60,10 +60,28 @@ def _assert_no_alarm(results, slow_kinds: set[str]) -> None:
 def test_ignite_rank_hung_in_a_step_after_warm_up_is_reported_within_the_learned_deadline(tmp_path):
     env = dict(FAULT="hang", FAULT_RANK="1", FAULT_ITER="12", HANG="auto", USE_FT="1", FTH_TEST_PG_TIMEOUT="30", **RULE)
     results = run_ranks(2, "", tmp_path, script=IGNITE, env=env, deadline=45)
-    _assert_reported_within_the_learned_deadline(results[1].event("fault"), results[1], results[0])
+    _assert_reported_within_the_learned_deadline(results[1].event("fault"), results[1], results[0], results[1].returncode)
 
 
 def test_ignite_long_evaluations_and_a_slow_checkpoint_raise_no_alarm(tmp_path):
     env = dict(FAULT="none", SLOW="1", HANG="auto", USE_FT="1", FTH_TEST_PG_TIMEOUT="30", **RULE)
     results = run_ranks(2, "", tmp_path, script=IGNITE, env=env, deadline=60)
     _assert_no_alarm(results, {"nested evaluation", "epoch-end evaluation", "checkpoint"})
+
+
+def _lightning(tmp_path, **env):
+    env = dict(USE_FT="1", OEC="0", LAUNCH="ddp", FTH_TEST_TOP="1", FTH_HANG_TIMEOUT_SEC="auto", **RULE, **env)
+    return run_ranks(1, "", tmp_path, script=LIGHTNING, env=env, result_ranks=2, deadline=60)
+
+
+def test_lightning_rank_hung_in_a_step_after_warm_up_is_reported_within_the_learned_deadline(tmp_path):
+    results = _lightning(tmp_path, FAULT="hang", FAULT_RANK="1", FAULT_STEP="12", LINGER="0")
+    hung, survivor = results[1], results[0]
+    # rank 1 is the child Lightning's launcher (rank 0) started: rank 0 records how it exited
+    _assert_reported_within_the_learned_deadline(hung.event("fault"), hung, survivor,
+                                                 survivor.event("child_exited")["returncode"])
+
+
+def test_lightning_long_validation_and_a_slow_checkpoint_raise_no_alarm(tmp_path):
+    results = _lightning(tmp_path, FAULT="none", SLOW="1")
+    _assert_no_alarm(results, {"validation", "checkpoint"})
