@@ -31,7 +31,7 @@ Environment:
     SLOW         1 (with FTH_HANG_TIMEOUT_SEC=auto): long but normal work on rank 0, each 1.3 x its learned
                  step deadline of the time: the first validation batch of epoch 0 and the write of a
                  checkpoint saved by ``ModelCheckpoint(every_n_train_steps=12)`` inside step 12 (a slow
-                 disk: ``CheckpointIO``); each is recorded as a ``slow`` event
+                 disk: ``CheckpointIO``); each is recorded as a ``slow`` event; 2 epochs instead of 3
 
 Each rank appends JSON events to ``<outdir>/rank<r>.jsonl`` (``fault``, ``run_raised``,
 ``run_returned``, ``exit``); with ddp_spawn the parent writes ``parent.jsonl`` and the ranks record
@@ -298,6 +298,7 @@ def main() -> None:
     model.outdir = outdir
     strategy = "ddp_spawn" if LAUNCH == "ddp_spawn" else "ddp"
     trainer = make_trainer(strategy, out=out, fault=fault, fault_tolerance=USE_FT, on_exception_checkpoint=OEC,
+                           max_epochs=2 if SLOW else 3,
                            timeout=PG_TIMEOUT, extra_callbacks=tuple(extra))
     if SLOW:
         trainer.strategy.checkpoint_io = slow_checkpoint_io(outdir, trainer)
