@@ -43,9 +43,9 @@ RULE = {"FTH_AUTO_HANG_FLOOR_SEC": "2", "FTH_AUTO_HANG_WARMUP": "5"}
 HUNG_LINE = "time.sleep(1000)  # the hung line the report must show"
 
 
-def _env(framework: str, case: str) -> tuple[Path, dict, dict]:
+def _env(framework: str, case: str, step_sleep: float = 0.0) -> tuple[Path, dict, dict]:
     if framework == "ignite":
-        env = dict(HANG="auto", USE_FT="1", FTH_TEST_PG_TIMEOUT="30", **RULE)
+        env = dict(HANG="auto", USE_FT="1", FTH_TEST_PG_TIMEOUT="30", STEP_SLEEP=str(step_sleep), **RULE)
         env.update(FAULT="hang", FAULT_RANK="1", FAULT_ITER="12") if case == "hang" else env.update(FAULT="none", SLOW="1")
         return PROGRAMS / "ignite_main.py", env, {}
     env = dict(USE_FT="1", OEC="0", LAUNCH="ddp", FTH_TEST_TOP="1", FTH_HANG_TIMEOUT_SEC="auto", **RULE)
@@ -54,8 +54,8 @@ def _env(framework: str, case: str) -> tuple[Path, dict, dict]:
     return PROGRAMS / "lightning_main.py", env, {"result_ranks": 2}
 
 
-def run(framework: str, case: str) -> dict:
-    script, env, extra = _env(framework, case)
+def run(framework: str, case: str, step_sleep: float = 0.0) -> dict:
+    script, env, extra = _env(framework, case, step_sleep)
     with tempfile.TemporaryDirectory(prefix=f"autohang-{framework}-{case}-") as tmp:
         world = 2 if framework == "ignite" else 1
         results = run_ranks(world, "", Path(tmp), script=script, env=env, deadline=90, **extra)
@@ -126,6 +126,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="runs of each case (default 5)")
     parser.add_argument("--frameworks", nargs="+", default=["ignite", "lightning"], choices=["ignite", "lightning"])
+    parser.add_argument("--step-sleep", type=float, default=0.3,
+                        help="also Ignite with every step sleeping this long (a deadline above the floor; 0: skip)")
     parser.add_argument("--only-mark-cost", action="store_true", help="only the cost of a mark (seconds)")
     args = parser.parse_args()
     if args.runs < 1:
@@ -138,17 +140,19 @@ def main() -> None:
             "| hang -> every rank raised (s) | latency - deadline (s) | longest step (ms) "
             "| slow work: runs without alarm | pieces over the step deadline |",
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for framework in args.frameworks:
-        hangs = [run(framework, "hang") for _ in range(args.runs)]
-        slows = [run(framework, "slow") for _ in range(args.runs)]
+    cases = [(f, 0.0) for f in args.frameworks] + ([("ignite", args.step_sleep)] if args.step_sleep else [])
+    for framework, step_sleep in cases:
+        label = framework + (f", {step_sleep:g} s steps" if step_sleep else "")
+        hangs = [run(framework, "hang", step_sleep) for _ in range(args.runs)]
+        slows = [run(framework, "slow", step_sleep) for _ in range(args.runs)]
         for i, h in enumerate(hangs):
-            print(f"  {framework} hang {i}: {h}", flush=True)
+            print(f"  {label} hang {i}: {h}", flush=True)
         for i, s in enumerate(slows):
-            print(f"  {framework} slow {i}: {s}", flush=True)
+            print(f"  {label} slow {i}: {s}", flush=True)
         over = sum(1 for s in slows for _, seconds, deadline in s["pieces"] if deadline and seconds > deadline)
         total = sum(len(s["pieces"]) for s in slows)
         rows.append(
-            f"| {framework} | {sum(h['ok'] for h in hangs)}/{len(hangs)} | {spread([h['deadline'] for h in hangs])} "
+            f"| {label} | {sum(h['ok'] for h in hangs)}/{len(hangs)} | {spread([h['deadline'] for h in hangs])} "
             f"| {spread([h['latency'] for h in hangs])} | {spread([h['latency'] - h['deadline'] for h in hangs])} "
             f"| {spread([1000 * h['longest_step'] for h in hangs])} | {sum(s['ok'] for s in slows)}/{len(slows)} "
             f"| {over}/{total} |")

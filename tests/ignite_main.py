@@ -25,6 +25,7 @@ Environment:
                  (ITERATION_STARTED), so that stock runs get the same fault. Either way the injection is
                  recorded as the ``fault`` event (and DataLoader restarts as ``dataloader_restart``)
     ITER_EVENTS  1: record ``iteration_completed`` events (to time a recovery)
+    STEP_SLEEP   seconds every step sleeps (default 0): steps of a known length
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ LINGER = float(os.environ.get("LINGER", "8"))
 HANG = os.environ.get("HANG") or None
 HANG = HANG if HANG in (None, "auto") else float(HANG)
 SLOW = os.environ.get("SLOW") == "1"
+STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))
 WORKERS = int(os.environ.get("WORKERS", "0"))
 RERAISE = os.environ.get("RERAISE") == "1"
 ITER_EVENTS = os.environ.get("ITER_EVENTS") == "1"
@@ -164,6 +166,8 @@ def training(local_rank: int, outdir: str) -> None:
 
     def step(engine, batch):
         x, y = batch
+        if STEP_SLEEP:
+            time.sleep(STEP_SLEEP)
         if FAULT in ("step", "exc_collective") and rank == FAULT_RANK and engine.state.iteration == FAULT_ITER:
             time.sleep(0.3)  # the other ranks are already in the gradient all_reduce
             fault(RuntimeError(f"CUDA-like failure at iteration {engine.state.iteration}"))
