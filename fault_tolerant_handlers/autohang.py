@@ -17,7 +17,9 @@ the piece under way, so every instant of the loop belongs to one piece. The rule
   - waiting in a collective or a backward pass (:func:`~.probes.waiting_on_peers`): **never** a
     hang of this rank. The rank it waits for is slow or hung, and judges itself (each rank learns
     its own deadlines: a peer running a long rank-0-only evaluation must not make this rank declare
-    itself hung); a dead or frozen peer is found by the liveness probes;
+    itself hung); a dead or frozen peer is found by the liveness probes. Once the wait is over,
+    the piece is judged again from when it was last seen waiting, and its duration (the peers'
+    work, not its own) is not learned;
   - in a debugger (``pdb``): not a hang;
   - an *explainer* recognises the work (``explain(frame) -> (kind, token) | None``: a checkpoint
     being written, an Ignite evaluator ``Engine`` run from a trainer's handler): the piece is judged
@@ -55,6 +57,8 @@ EVALUATION = "evaluation"
 CHECKPOINT = "checkpoint"
 
 Explainer = Callable[[object], "tuple[str, object] | None"]
+
+_WAITING = object()  # the token of a piece seen waiting for its peers
 
 _DEBUGGERS = (f"{os.sep}bdb.py", f"{os.sep}pdb.py")
 
@@ -94,8 +98,9 @@ class AutoHangProbe:
         self.longest_any = 0.0
         self.steps = 0
         self.current: tuple[str, float, int | None] | None = None  # (kind, started at, step)
-        # written by the watchdog thread only: (piece it applies to, kind, token, judged from)
-        self._explained: tuple[tuple, str, object, float] | None = None
+        # written by the watchdog thread only: (piece it applies to, kind, token, judged from, kind
+        # its duration is learned as, None: not learned)
+        self._explained: tuple[tuple, str, object, float, str | None] | None = None
 
     # -- fed by the main thread -------------------------------------------------------------------
     def mark(self, kind: str | None, now: float, step: int | None = None) -> None:
@@ -108,8 +113,10 @@ class AutoHangProbe:
             seconds = now - current[1]
             explained = self._explained
             if explained is not None and explained[0] is current:
-                learned = explained[1]  # a checkpoint or evaluation within a step: not a step's duration
-            if seconds > self.longest.get(learned, -1.0):
+                # a checkpoint or evaluation within a step is not a step's duration; a piece that
+                # waited for its peers past its deadline measured them, not itself: not learned
+                learned = explained[4]
+            if learned is not None and seconds > self.longest.get(learned, -1.0):
                 self.longest[learned] = seconds
                 if seconds > self.longest_any:
                     self.longest_any = seconds
@@ -160,14 +167,22 @@ class AutoHangProbe:
             if now - explained[3] < explained_limit:
                 return None
         frame = self.frame()
+        learn_as = explained[4] if explained is not None else kind
         if waiting_on_peers(frame) or in_debugger(frame):
+            # not this rank's hang; once it goes on, the piece gets its own deadline again, from the
+            # last time it was seen waiting (time spent waiting is not held against it)
+            if learn_as == kind:
+                learn_as = None
+            self._explained = (current, kind, _WAITING, now, learn_as)
             return None
         found = self._explain(frame)
         if found is None and explained is not None:
-            found = (kind, None)  # the recognised work is over: the piece's own deadline again, from now
+            found = (kind, None)  # the recognised work (or the wait) is over: the piece's own deadline, from now
         if found is not None:
             if explained is None or (found[0], found[1]) != (explained[1], explained[2]):
-                self._explained = (current, found[0], found[1], now)  # recognised, or progress: judged from now
+                if found[0] != kind:
+                    learn_as = found[0]
+                self._explained = (current, found[0], found[1], now, learn_as)  # recognised, or progress
                 return None
             what = f"its {found[0]}" + (f" (within a {kind})" if found[0] != kind else "")
             stalled, limit, longest = now - explained[3], explained_limit, self.longest.get(found[0], 0.0)

@@ -111,6 +111,28 @@ def test_waiting_in_a_collective_is_never_this_ranks_hang(monkeypatch):
     assert p.poll(t + 10_000.0) is None
 
 
+def test_time_spent_waiting_for_peers_is_not_held_against_the_piece_nor_learned(monkeypatch):
+    """Rank 1 waits in the agreement while rank 0 runs a long evaluation, then goes on with its step:
+    the step is judged from when it was last seen waiting, and the wait is not a step's duration."""
+    import fault_tolerant_handlers.autohang as autohang
+
+    waiting = [True]
+    monkeypatch.setattr(autohang, "waiting_on_peers", lambda frame: waiting[0])
+    p = probe()
+    t = steps(p, 3, 0.1)                          # step deadline: the floor, 5 s
+    p.started("step", t, 3)
+    assert p.poll(t + 5.01) is None               # waiting: not a hang, seen waiting at t + 5.01
+    assert p.poll(t + 10.02) is None              # still waiting, seen at t + 10.02
+    waiting[0] = False                            # the peer is back: the step goes on
+    assert p.poll(t + 14.0) is None               # within a deadline of the last time it waited
+    assert p.poll(t + 15.03) is None              # over it: no longer waiting, judged from now
+    assert p.poll(t + 20.0) is None
+    found = p.poll(t + 20.04)
+    assert found is not None and "its step at step 3 no progress for 5.0 s" in found.error.exc_message
+    p.mark("step", t + 21.0)
+    assert p.longest["step"] == pytest.approx(0.1) and p.steps == 4  # the wait was not learned
+
+
 def test_a_main_thread_in_the_debugger_is_not_hung():
     import bdb
 
@@ -121,7 +143,9 @@ def test_a_main_thread_in_the_debugger_is_not_hung():
     polled = []
     bdb.Bdb().runcall(lambda: polled.append(p.poll(t + 1000.0)))
     assert polled == [None]
-    assert p.poll(t + 1000.0) is not None  # the same stall outside the debugger is a hang
+    # out of the debugger, the piece has its deadline again (from when it was last seen in it)
+    assert p.poll(t + 1005.01) is None
+    assert p.poll(t + 1010.03) is not None
 
 
 def explained_as(kind_and_token):
