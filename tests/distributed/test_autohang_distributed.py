@@ -64,7 +64,8 @@ def test_ignite_rank_hung_in_a_step_after_warm_up_is_reported_within_the_learned
 
 
 def test_ignite_long_evaluations_and_a_slow_checkpoint_raise_no_alarm(tmp_path):
-    env = dict(FAULT="none", SLOW="1", HANG="auto", USE_FT="1", FTH_TEST_PG_TIMEOUT="30", **RULE)
+    # 0.1 s steps: after waiting for rank 0's work, rank 1 is still inside its step at a poll
+    env = dict(FAULT="none", SLOW="1", HANG="auto", USE_FT="1", FTH_TEST_PG_TIMEOUT="30", STEP_SLEEP="0.1", **RULE)
     results = run_ranks(2, "", tmp_path, script=IGNITE, env=env, deadline=60)
     _assert_no_alarm(results, {"nested evaluation", "epoch-end evaluation", "checkpoint"})
 
