@@ -6,10 +6,14 @@ Checked against pytorch-ignite 0.5.5.
   fires, where ``args[0]`` may be a weak reference to the engine (Ignite passes the engine first to
   handlers that take it). Used to put a handler first for an event, and to run the engine's other
   ``EXCEPTION_RAISED`` handlers ourselves (Ignite stops re-raising once any is attached).
+* ``Engine._run_once_on_dataset_as_gen`` / ``_run_once_on_dataset_legacy``: the functions whose frames
+  (with ``self``, the engine) are on the stack while an engine runs its epoch. ``hang_timeout="auto"``
+  reads them, from the watchdog thread, to recognise an evaluator run from a trainer's handler.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable
 
@@ -47,3 +51,33 @@ def call_handler(engine: Any, entry: tuple, event_args: tuple) -> None:
     else:
         first, others = ((), args)
     func(*first, *(event_args + tuple(others)), **kwargs)
+
+
+#: Names of ``Engine`` methods that run an epoch (one of them is on the stack while an engine runs).
+EPOCH_FUNCTIONS = ("_run_once_on_dataset_as_gen", "_run_once_on_dataset_legacy")
+_ENGINE_FILE = f"ignite{os.sep}engine{os.sep}engine.py"
+
+
+def check_running_engines() -> None:
+    """Raise ``RuntimeError`` when :func:`running_engines` cannot work with this Ignite version."""
+    from ignite.engine import Engine
+
+    if not any(callable(getattr(Engine, name, None)) for name in EPOCH_FUNCTIONS):
+        import ignite
+
+        raise RuntimeError(
+            f"fault-tolerant-handlers (hang_timeout='auto') needs ignite.engine.Engine.{EPOCH_FUNCTIONS[0]}, which "
+            f"pytorch-ignite {ignite.__version__} does not have (checked against {', '.join(CHECKED_AGAINST)})")
+
+
+def running_engines(frame: Any) -> list:
+    """The engines running an epoch on the stack that ends in ``frame``, innermost first."""
+    engines: list = []
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in EPOCH_FUNCTIONS and code.co_filename.endswith(_ENGINE_FILE):
+            engine = frame.f_locals.get("self")
+            if engine is not None and all(engine is not e for e in engines):
+                engines.append(engine)
+        frame = frame.f_back
+    return engines

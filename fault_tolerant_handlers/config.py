@@ -9,7 +9,10 @@ variable and its accepted range, never later inside a watchdog thread.
 variable                        default    accepted              meaning
 ==============================  =========  ====================  ======================================
 ``FTH_WATCHDOG_INTERVAL_SEC``   0.1        0.01 .. 10            watchdog poll period
-``FTH_HANG_TIMEOUT_SEC``        (off)      1 .. 604800           opt-in hang detection
+``FTH_HANG_TIMEOUT_SEC``        (off)      1 .. 604800, auto     opt-in hang detection (``auto``: learned)
+``FTH_AUTO_HANG_MULTIPLE``      10         1 .. 1000             ``auto``: deadline = multiple x longest
+``FTH_AUTO_HANG_FLOOR_SEC``     60         1 .. 604800           ``auto``: no deadline below this
+``FTH_AUTO_HANG_WARMUP``        20         1 .. 1000000          ``auto``: training steps before judging
 ``FTH_EXIT_GRACE_SEC``          3          0.1 .. 3600           released rank: time to take the failure
 ``FTH_WRITE_GRACE_SEC``         120        0 .. 3600             reported exit waits for a checkpoint write
 ``FTH_HEARTBEAT_TIMEOUT_SEC``   3          1 .. 86400            a peer whose heartbeat stops is lost
@@ -43,6 +46,11 @@ INJECT_ENV = "FTH_INJECT"
 CKPT_AGREE_TIMEOUT_ENV = "FTH_CKPT_AGREE_TIMEOUT_SEC"
 ATTEMPT_STORE_ENV = "FTH_ATTEMPT_STORE"
 ATTEMPT_STORE_CHOICES = ("0", "1")
+AUTO_HANG_MULTIPLE_ENV = "FTH_AUTO_HANG_MULTIPLE"
+AUTO_HANG_FLOOR_ENV = "FTH_AUTO_HANG_FLOOR_SEC"
+AUTO_HANG_WARMUP_ENV = "FTH_AUTO_HANG_WARMUP"
+#: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`.autohang`).
+AUTO = "auto"
 
 RELEASE_CHOICES = ("auto", "exit")
 
@@ -67,7 +75,8 @@ _ENV_OF = {
     "sync_timeout": SYNC_TIMEOUT_ENV,
     "ckpt_agree_timeout": CKPT_AGREE_TIMEOUT_ENV,
 }
-KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV)
+KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV, AUTO_HANG_MULTIPLE_ENV,
+             AUTO_HANG_FLOOR_ENV, AUTO_HANG_WARMUP_ENV)
 
 
 def _range_text(name: str) -> str:
@@ -88,6 +97,63 @@ def check_timedelta(name: str, value: object, *, allow_none: bool = False, what:
     if not low <= seconds <= high:
         raise ValueError(f"{label} must be between {_range_text(name)}, got {value!r}")
     return value
+
+
+def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelta | str | None:
+    """``hang_timeout``: ``None`` (off), a ``timedelta`` in range, or ``"auto"`` (learned)."""
+    if value == AUTO and isinstance(value, str):
+        return AUTO
+    if value is None or isinstance(value, timedelta):
+        return check_timedelta("hang_timeout", value, allow_none=True, what=what)
+    raise TypeError(f"{what} must be None (off), a datetime.timedelta (e.g. timedelta(minutes=5)) or "
+                    f"{AUTO!r} (a deadline learned from the run), got {value!r}")
+
+
+@dataclass(frozen=True)
+class AutoHang:
+    """The rule of ``hang_timeout="auto"`` (:class:`~.autohang.AutoHangProbe`)."""
+
+    multiple: float
+    floor: float
+    warmup: int
+
+
+#: (default, low, high) of each parameter of the ``auto`` rule, and its variable.
+AUTO_HANG_RANGES = {
+    "multiple": (AUTO_HANG_MULTIPLE_ENV, 10.0, 1.0, 1000.0),
+    "floor": (AUTO_HANG_FLOOR_ENV, 60.0, 1.0, 7 * 86400.0),
+    "warmup": (AUTO_HANG_WARMUP_ENV, 20, 1, 1_000_000),
+}
+
+
+def auto_hang() -> AutoHang:
+    """The ``auto`` rule's parameters, with their ``FTH_AUTO_HANG_*`` overrides, range-checked."""
+    values = {}
+    for name, (variable, default, low, high) in AUTO_HANG_RANGES.items():
+        raw = os.environ.get(variable, "").strip()
+        if not raw:
+            values[name] = default
+            continue
+        try:
+            value = int(raw) if isinstance(default, int) else float(raw)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and low <= value <= high):
+            kind = "an integer" if isinstance(default, int) else "a number"
+            raise ValueError(f"{variable}={raw!r}: expected {kind} from {low:.15g} to {high:.15g}, "
+                             f"e.g. {variable}={default:.15g}")
+        values[name] = value
+    return AutoHang(**values)
+
+
+def env_hang_timeout() -> timedelta | str | None:
+    """``FTH_HANG_TIMEOUT_SEC``: a number of seconds, or ``auto``."""
+    if os.environ.get(HANG_TIMEOUT_ENV, "").strip().lower() == AUTO:
+        return AUTO
+    try:
+        return env_timedelta("hang_timeout")
+    except ValueError as err:
+        raise ValueError(f"{err}, or {AUTO} (a deadline learned from the run)") from None
 
 
 def env_timedelta(name: str) -> timedelta | None:
@@ -140,7 +206,7 @@ class Config:
     """The checked settings of one process (environment overrides applied)."""
 
     interval: timedelta
-    hang_timeout: timedelta | None
+    hang_timeout: timedelta | str | None
     exit_grace: timedelta
     write_grace: timedelta
     heartbeat_timeout: timedelta
@@ -160,7 +226,9 @@ def load() -> Config:
 
         log(logging.WARNING, "ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
             ", ".join(KNOWN_ENV))
-    values = {name: env_timedelta(name) for name in _ENV_OF}
+    values = {name: env_timedelta(name) for name in _ENV_OF if name != "hang_timeout"}
+    values["hang_timeout"] = env_hang_timeout()
+    auto_hang()
     attempt_store()
     return Config(
         interval=values["interval"] or DEFAULTS["interval"],

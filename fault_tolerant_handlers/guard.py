@@ -5,7 +5,9 @@ the loop's fail-together session (:class:`~.session.Session`):
 
 * :meth:`Guard.start` once, on every rank, before training (collective on first use: creates the
   side group; takes a reference on the watchdog);
-* :meth:`Guard.beat` every iteration (one assignment: progress for hang detection);
+* :meth:`Guard.beat` every iteration (one assignment: progress for hang detection), with the kind
+  of work that begins (``"step"``, ``"evaluation"``, ``"checkpoint"``) for ``hang_timeout="auto"``;
+* :meth:`Guard.explain_with` once: how to recognise work from the main thread's stack (``"auto"``);
 * :meth:`Guard.check` where a hook may raise without communicating (an attribute read);
 * :meth:`Guard.sync` at the points where every rank already synchronises (every ``sync_every``
   iterations, epoch end, before a checkpoint, the end of the run): one agreement, and every rank
@@ -17,8 +19,9 @@ the loop's fail-together session (:class:`~.session.Session`):
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
@@ -38,8 +41,10 @@ class Guard:
     Args:
         sync_every: iterations between agreements inside an epoch (``None``: only at epoch ends and
             the other natural sync points). The watchdog covers what happens in between.
-        hang_timeout: declare a rank hung when its loop makes no progress for this long
-            (``None``: off; env ``FTH_HANG_TIMEOUT_SEC``), from 1 s to 7 days.
+        hang_timeout: declare a rank hung when its loop makes no progress for this long, from 1 s
+            to 7 days; ``"auto"``: when a piece of work (step, evaluation, checkpoint) runs far longer
+            than any like it so far (:mod:`.autohang`; ``FTH_AUTO_HANG_*``); ``None``: off unless
+            ``FTH_HANG_TIMEOUT_SEC`` (seconds, or ``auto``) is set.
         watchdog: start the out-of-band watchdog (default True).
         release_on_failure: when this rank fails, release its collectives at once so that peers
             blocked in a collective with it fail fast instead of waiting for a timeout.
@@ -50,12 +55,12 @@ class Guard:
         TypeError, ValueError: an argument or an ``FTH_*`` variable out of range (named).
     """
 
-    def __init__(self, *, sync_every: int | None = 100, hang_timeout: timedelta | None = None, watchdog: bool = True,
+    def __init__(self, *, sync_every: int | None = 100, hang_timeout: timedelta | str | None = None, watchdog: bool = True,
                  release_on_failure: bool = True, name: str = "train", group: dist.ProcessGroup | None = None,
                  owner: str = "FaultTolerance") -> None:
         if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
             raise ValueError(f"{owner}(sync_every=...) must be a positive int (iterations) or None, got {sync_every!r}")
-        config.check_timedelta("hang_timeout", hang_timeout, allow_none=True, what=f"{owner}(hang_timeout=...)")
+        config.check_hang_timeout(hang_timeout, what=f"{owner}(hang_timeout=...)")
         if not isinstance(watchdog, bool):
             raise TypeError(f"{owner}(watchdog=...) must be True or False, got {watchdog!r}")
         check_name(owner, name)
@@ -68,6 +73,7 @@ class Guard:
         self.group = group
         self.session: Session | None = None
         self._watching = False
+        self._explainers: list = []
 
     @property
     def active(self) -> bool:
@@ -88,13 +94,38 @@ class Guard:
     def stop(self) -> None:
         """The loop ended normally on every rank: drop this loop's watchdog reference."""
         if self._watching and self.session is not None:
+            auto = self.auto_hang
+            if auto is not None:  # this loop's work is over: nothing of it is watched any more
+                auto.mark(None, time.monotonic())
+                for explainer in self._explainers:
+                    if explainer in auto.explainers:
+                        auto.explainers.remove(explainer)
+            self._explainers = []
             self._watching = False
             self.session.stop_watchdog()
 
-    def beat(self, step: int | None = None) -> None:
+    def beat(self, step: int | None = None, work: str | None = None) -> None:
+        """Progress; with ``work``, the kind of work that begins now (ends the one under way)."""
         watchdog = self.session.watchdog if self.session is not None else None
         if watchdog is not None:
             watchdog.beat(step)
+            if work is not None:
+                auto = watchdog.auto_hang
+                if auto is not None:
+                    auto.mark(work, time.monotonic(), step)
+
+    @property
+    def auto_hang(self):
+        """The learned-deadline probe of ``hang_timeout="auto"`` (``None`` otherwise)."""
+        watchdog = self.session.watchdog if self.session is not None else None
+        return getattr(watchdog, "auto_hang", None)
+
+    def explain_with(self, explainer: Callable[[object], tuple[str, object] | None]) -> None:
+        """Add a way to recognise work from the main thread's stack (see :mod:`.autohang`)."""
+        auto = self.auto_hang
+        if auto is not None and explainer not in auto.explainers:
+            auto.explainers.append(explainer)
+            self._explainers.append(explainer)
 
     def due(self, iteration: int) -> bool:
         return self.sync_every is not None and iteration % self.sync_every == 0

@@ -5,7 +5,9 @@ Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.guard.Guar
 ========================  ==========================================================================
 ``STARTED``               start (collective: side group, watchdog reference)
 ``ITERATION_COMPLETED``   heartbeat; every ``sync_every`` iterations, one agreement
-``EPOCH_COMPLETED``       agreement, *before* the other epoch-end handlers (evaluation, checkpoint)
+``EPOCH_STARTED``         (``hang_timeout="auto"``) training steps begin
+``EPOCH_COMPLETED``       agreement, *before* the other epoch-end handlers (evaluation, checkpoint);
+                          (``"auto"``) what follows is judged as an evaluation
 ``COMPLETED``             agreement, then the watchdog reference is dropped
 ``EXCEPTION_RAISED``      record and release (local failure) or convert to ``PeerFailedError``;
                           runs the engine's other exception handlers, then **re-raises**
@@ -28,6 +30,7 @@ from ignite.engine import Engine, Events
 
 from . import _compat_ignite
 from ._log import log
+from .autohang import EVALUATION, STEP
 from ._resume_ignite import SafeDiskSaver, check_mid_epoch_resume
 from .guard import Guard
 from .inject import Injector
@@ -50,8 +53,11 @@ class FaultTolerance:
         sync_every: iterations between agreements within an epoch (default 100; ``None``: epoch
             ends and the end of the run only). Each agreement is one small all_reduce on a gloo side
             group (~0.8 ms at 2 ranks); the watchdog covers the iterations in between.
-        hang_timeout: opt-in; a rank whose loop makes no progress for this long is declared hung
-            and every rank ends with its stack. Env override ``FTH_HANG_TIMEOUT_SEC``.
+        hang_timeout: opt-in; a ``timedelta``: a rank whose loop makes no progress for this long is
+            declared hung and every rank ends with its stack. ``"auto"``: the deadline is learned
+            per kind of work (iterations; the epoch-end handlers and any evaluator ``Engine`` run
+            from a trainer's handler, as evaluations; checkpoint writes), see README "Hang
+            detection". ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
         watchdog: start the out-of-band watchdog (default True).
         name: the loop's name in reports (a non-empty str).
 
@@ -72,19 +78,22 @@ class FaultTolerance:
         (the other ranks would wait in the agreement). Correct: attach unconditionally.
     """
 
-    def __init__(self, sync_every: int | None = 100, hang_timeout: timedelta | None = None, watchdog: bool = True,
-                 name: str = "train") -> None:
+    def __init__(self, sync_every: int | None = 100, hang_timeout: timedelta | str | None = None,
+                 watchdog: bool = True, name: str = "train") -> None:
         self.guard = Guard(sync_every=sync_every, hang_timeout=hang_timeout, watchdog=watchdog, name=name)
         self._last_seen: BaseException | None = None
         self._last_raised: BaseException | None = None
         self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
+        self._engine: Engine | None = None
 
     def attach(self, engine: Engine) -> FaultTolerance:
         """Register every event this handler needs on ``engine`` and return ``self``."""
         if not isinstance(engine, Engine):
             raise TypeError(f"attach(engine=...) takes an ignite.engine.Engine, got {type(engine).__name__}")
         _compat_ignite.check(engine)
+        self._engine = engine
         engine.add_event_handler(Events.STARTED, self._started)
+        engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
         if self._injector is not None:
             engine.add_event_handler(Events.ITERATION_STARTED, self._inject)
@@ -106,15 +115,30 @@ class FaultTolerance:
     # -- events -------------------------------------------------------------------------------------
     def _started(self, engine: Engine) -> None:
         self.guard.start()
-        self.guard.beat(engine.state.iteration)
+        self.guard.beat(engine.state.iteration, "start")
+        if self.guard.auto_hang is not None:
+            _compat_ignite.check_running_engines()
+            self.guard.explain_with(self._nested_engine)
         check_mid_epoch_resume(engine)  # a mid-epoch resume whose loader would start the epoch over
 
     def _inject(self, engine: Engine) -> None:
         self._injector.maybe_fire(self.guard.rank, engine.state.iteration, engine.state.epoch, engine.state.dataloader)
 
+    def _epoch_started(self, engine: Engine) -> None:
+        self.guard.beat(engine.state.iteration, STEP)
+
+    def _nested_engine(self, frame) -> tuple[str, object] | None:
+        """``hang_timeout="auto"``, on the watchdog thread: an evaluator ``Engine`` running inside
+        this trainer's run (from any of its handlers) is an evaluation; its iteration is progress."""
+        engines = _compat_ignite.running_engines(frame)
+        if len(engines) >= 2 and engines[0] is not self._engine and any(e is self._engine for e in engines[1:]):
+            inner = engines[0]
+            return EVALUATION, (id(inner), inner.state.epoch, inner.state.iteration)
+        return None
+
     def _iteration_completed(self, engine: Engine) -> None:
         iteration = engine.state.iteration
-        self.guard.beat(iteration)
+        self.guard.beat(iteration, STEP)
         if self.guard.due(iteration):
             self.guard.sync("iteration", step=iteration, epoch=engine.state.epoch)
 
@@ -123,6 +147,7 @@ class FaultTolerance:
         if restarts is not None:  # a RestartableDataLoader: its worker restarts so far
             engine.state.dataloader_restarts = restarts
         self.guard.sync("epoch end", step=engine.state.iteration, epoch=engine.state.epoch)
+        self.guard.beat(engine.state.iteration, EVALUATION)  # the other epoch-end handlers
 
     def _completed(self, engine: Engine) -> None:
         self.guard.sync("end of run", step=engine.state.iteration, epoch=engine.state.epoch)

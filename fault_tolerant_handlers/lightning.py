@@ -9,6 +9,9 @@ Maps Lightning's ``Callback`` hooks onto the framework-neutral
                                 runs before any other (``OnExceptionCheckpoint``'s barrier)
 ``on_*_batch_start/_end``       heartbeat, and a look at the watchdog (no communication); every
                                 ``sync_every`` training batches, one flag agreement
+``on_train_epoch_start``,       (``hang_timeout="auto"``) where a kind of work begins: training
+``on_validation_start``,        steps, an evaluation (each validation batch), a checkpoint; the
+``on_save_checkpoint``          epoch-end hooks and what follows a validation are kinds of their own
 ``on_validation_end``,          agreement, *before* the monitoring callbacks (``ModelCheckpoint``,
 ``on_train_epoch_end``          ``EarlyStopping``), so no checkpoint is written once any rank failed
 ``on_train_end``                agreement (end of run), then a clean stop of the watchdog
@@ -51,6 +54,7 @@ from typing_extensions import override
 
 from . import _compat_lightning
 from ._log import log
+from .autohang import CHECKPOINT, EVALUATION, STEP
 from .guard import Guard
 from .inject import Injector
 
@@ -90,15 +94,17 @@ class FaultTolerance(Callback):
         sync_every: training batches between flag agreements within an epoch (default 100;
             ``None``: only at the end of validation, of each epoch and of the run). Each agreement
             is one int64 all_reduce on a gloo side group; the watchdog covers the batches between.
-        hang_timeout: opt-in; a rank whose loop makes no progress for this long is declared hung
-            and every rank ends with its stack. Env override ``FTH_HANG_TIMEOUT_SEC``.
+        hang_timeout: opt-in; a ``timedelta``: a rank whose loop makes no progress for this long is
+            declared hung and every rank ends with its stack. ``"auto"``: the deadline is learned
+            per kind of work (training batches; validation, batch by batch; checkpoint saves), see
+            README "Hang detection". ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
         watchdog: start the out-of-band watchdog (default True).
         name: the loop's name in reports (``'train' (epoch 1, iteration 12)``); also part of
             :attr:`state_key`, so two instances with different names can coexist.
 
     Raises:
         ValueError: ``sync_every`` is not a positive int or ``None``, or ``name`` is empty.
-        TypeError: ``hang_timeout`` is not a ``timedelta`` or ``None``.
+        TypeError: ``hang_timeout`` is not a ``timedelta``, ``"auto"`` or ``None``.
 
     Examples:
         .. code-block:: python
@@ -120,7 +126,7 @@ class FaultTolerance(Callback):
     def __init__(
         self,
         sync_every: int | None = 100,
-        hang_timeout: timedelta | None = None,
+        hang_timeout: timedelta | str | None = None,
         watchdog: bool = True,
         name: str = "train",
     ) -> None:
@@ -183,7 +189,7 @@ class FaultTolerance(Callback):
             callbacks.insert(0, self)
         if not _compat_lightning.on_exception_runs_in_rank(trainer):
             _compat_lightning.wrap_run_stage(trainer, functools.partial(self._run_stage_in_rank, trainer))
-        self.guard.beat(int(trainer.global_step))
+        self.guard.beat(int(trainer.global_step), "start")
 
     def _run_stage_in_rank(self, trainer: pl.Trainer, run_stage: Callable[[], Any]) -> Any:
         """Spawned ranks only: the exception path Lightning does not give them.
@@ -216,7 +222,7 @@ class FaultTolerance(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._batches += 1
-        self.guard.beat(int(trainer.global_step))
+        self.guard.beat(int(trainer.global_step), STEP)
         if self.guard.due(self._batches):
             self._sync(trainer, "training batch")
         else:
@@ -225,16 +231,31 @@ class FaultTolerance(Callback):
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.guard.beat(int(trainer.global_step))
+        self.guard.beat(int(trainer.global_step), _evaluation(trainer))
         self._check(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.guard.beat(int(trainer.global_step), STEP)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.guard.beat(int(trainer.global_step), _evaluation(trainer))
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        self.guard.beat(int(trainer.global_step), CHECKPOINT)  # the file is written after this hook
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync(trainer, "validation end")
+        self.guard.beat(int(trainer.global_step), "after evaluation")
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync(trainer, "epoch end")
+        self.guard.beat(int(trainer.global_step), "epoch end")
         restarts = getattr(trainer.train_dataloader, "restart_count", None)
         if restarts is not None:  # a RestartableDataLoader: its worker restarts, as a metric (max over ranks)
             pl_module.log("dataloader_restarts", float(restarts), reduce_fx="max", sync_dist=self.guard.active)
@@ -289,6 +310,12 @@ class FaultTolerance(Callback):
         for what, step in _compat_lightning.interrupt_steps(trainer, exception):
             _guarded(what, step)
         trainer.state.stage = None
+
+
+def _evaluation(trainer: pl.Trainer) -> str:
+    # Lightning's sanity check (a couple of batches before training) teaches nothing about a real
+    # validation: a kind of its own.
+    return "sanity check" if trainer.sanity_checking else EVALUATION
 
 
 def _mark_taken(exc: BaseException) -> None:

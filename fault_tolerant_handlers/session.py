@@ -575,7 +575,7 @@ class Session:
             conn.close()
 
     # -- watchdog ------------------------------------------------------------------------------------
-    def start_watchdog(self, hang_timeout: timedelta | None = None):
+    def start_watchdog(self, hang_timeout: timedelta | str | None = None):
         """Take a reference on this group's watchdog (started on the first)."""
         from .watchdog import Watchdog
 

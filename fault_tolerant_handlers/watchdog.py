@@ -43,7 +43,7 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Iterator
 
-from . import config, errorfile
+from . import autohang, config, errorfile
 from ._pidwatch import PidWatcher, WakeEvent
 from ._log import log
 from .liveness import LivenessProcess
@@ -113,12 +113,12 @@ def writing_now(frame) -> bool:
 class Watchdog:
     """One per process and process group; a :class:`~.session.Session` starts it by reference count."""
 
-    def __init__(self, session: Session, *, hang_timeout: timedelta | None = None) -> None:
+    def __init__(self, session: Session, *, hang_timeout: timedelta | str | None = None) -> None:
         cfg = session.config
         self.session = session
         self.rank = session.rank
         self.interval = cfg.interval
-        self.hang_timeout = config.check_timedelta("hang_timeout", hang_timeout, allow_none=True)
+        self.hang_timeout = config.check_hang_timeout(hang_timeout)
         self.exit_grace = cfg.exit_grace
         self.write_grace = cfg.write_grace
         self._progress: tuple[float, float, int | None] = (time.monotonic(), time.time(), None)
@@ -135,14 +135,18 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - the loops retry, and judge the store's loss
                 pass
         limit = cfg.heartbeat_timeout
-        if self.hang_timeout is not None:
+        if isinstance(self.hang_timeout, timedelta):
             limit = min(limit, self.hang_timeout + SILENT_MARGIN)
         self.records = RecordsProbe(self._schema, self.rank, RELEASE_GRACE.total_seconds(),
                                     lambda: session.delivered, start=session.consumed)
         # The heartbeat and the ring check run in a helper process: the GIL cannot stop them.
         self.liveness = LivenessProcess(session, period=HEARTBEAT_EVERY.total_seconds(), limit=limit.total_seconds())
         self.self_hang = None
-        if self.hang_timeout is not None:
+        #: ``hang_timeout="auto"``: the learned deadline (adapters mark their work on it), else None.
+        self.auto_hang = None
+        if self.hang_timeout == config.AUTO:
+            self.self_hang = self.auto_hang = autohang.from_config(self.rank, os.getpid(), main_thread_frame)
+        elif self.hang_timeout is not None:
             self.self_hang = SelfHangProbe(self.rank, os.getpid(), self.hang_timeout.total_seconds(),
                                            margin=SILENT_MARGIN.total_seconds(), progress=lambda: self._progress,
                                            frame=main_thread_frame, host=session.host)
@@ -345,13 +349,13 @@ def _stop_all() -> None:
 
 
 
-def start_watchdog(group=None, *, hang_timeout: timedelta | None = None) -> Watchdog | None:
+def start_watchdog(group=None, *, hang_timeout: timedelta | str | None = None) -> Watchdog | None:
     """Start (once per process group) and return the watchdog, for a loop of your own; ``None``
     without distribution. Collective on first use for the group (it creates the side group): call it
     on every rank. The watchdog runs until the end of the process."""
     from .session import get_session
 
-    config.check_timedelta("hang_timeout", hang_timeout, allow_none=True)
+    config.check_hang_timeout(hang_timeout)
     session = get_session(group, caller="start_watchdog")
     if session is None:
         return None

@@ -8,7 +8,12 @@ Environment:
                  | kill (SIGKILL itself) | sigterm | sigint (signals itself) | hang (time.sleep) | stop (SIGSTOP itself: even its watchdog is silent)
                  | rank_first (FAULT_RANK raises inside a one_rank_first block before training: ours with
                  USE_FT=1, ignite.distributed.one_rank_first with USE_FT=0)
-    HANG         hang_timeout in seconds for FaultTolerance (default: off)
+    HANG         hang_timeout in seconds for FaultTolerance, or ``auto`` (default: off)
+    SLOW         1 (with HANG=auto): long but normal work on rank 0 (rank 1 waits for it in the gradient
+                 all_reduce), each 1.3 x rank 0's learned step deadline of the time: an evaluator Engine
+                 run from an ITERATION_COMPLETED handler at iteration 6, a plain evaluation in an
+                 EPOCH_COMPLETED handler after epoch 1, a checkpoint written to a slow file at iteration
+                 12; each is recorded as a ``slow`` event
     WORKERS      DataLoader workers (default 0)
     FAULT_RANK   rank that fails (default 1)
     FAULT_ITER   iteration at which it fails (default 3)
@@ -20,10 +25,12 @@ Environment:
                  (ITERATION_STARTED), so that stock runs get the same fault. Either way the injection is
                  recorded as the ``fault`` event (and DataLoader restarts as ``dataloader_restart``)
     ITER_EVENTS  1: record ``iteration_completed`` events (to time a recovery)
+    STEP_SLEEP   seconds every step sleeps (default 0): steps of a known length
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -46,7 +53,10 @@ FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
 FAULT_ITER = int(os.environ.get("FAULT_ITER", "3"))
 USE_FT = os.environ.get("USE_FT", "1") == "1"
 LINGER = float(os.environ.get("LINGER", "8"))
-HANG = float(os.environ["HANG"]) if os.environ.get("HANG") else None
+HANG = os.environ.get("HANG") or None
+HANG = HANG if HANG in (None, "auto") else float(HANG)
+SLOW = os.environ.get("SLOW") == "1"
+STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))
 WORKERS = int(os.environ.get("WORKERS", "0"))
 RERAISE = os.environ.get("RERAISE") == "1"
 ITER_EVENTS = os.environ.get("ITER_EVENTS") == "1"
@@ -145,14 +155,25 @@ def training(local_rank: int, outdir: str) -> None:
 
         loader = make_restartable(loader)
 
+    ft = None
+
+    def auto_state() -> dict:
+        """What the learned hang deadline knows now (HANG=auto)."""
+        probe = ft.guard.auto_hang if ft is not None else None
+        if probe is None:
+            return {}
+        return dict(step_deadline=probe.deadline("step"), longest=dict(probe.longest), steps=probe.steps)
+
     def step(engine, batch):
         x, y = batch
+        if STEP_SLEEP:
+            time.sleep(STEP_SLEEP)
         if FAULT in ("step", "exc_collective") and rank == FAULT_RANK and engine.state.iteration == FAULT_ITER:
             time.sleep(0.3)  # the other ranks are already in the gradient all_reduce
             fault(RuntimeError(f"CUDA-like failure at iteration {engine.state.iteration}"))
         if FAULT in ("kill", "hang", "stop", "sigterm", "sigint") and rank == FAULT_RANK and engine.state.iteration == FAULT_ITER:
             time.sleep(0.3)  # the other ranks are already in the gradient all_reduce
-            record("fault", exc_type=FAULT, message=f"{FAULT} at iteration {FAULT_ITER}")
+            record("fault", exc_type=FAULT, message=f"{FAULT} at iteration {FAULT_ITER}", **auto_state())
             if FAULT == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif FAULT in ("sigterm", "sigint"):  # a real signal, as a scheduler or Ctrl-C sends it
@@ -200,6 +221,38 @@ def training(local_rank: int, outdir: str) -> None:
             idist.all_reduce(t)
             record("user_exc_handler_done")
 
+    if SLOW:
+        def slow_seconds() -> tuple[float, dict]:
+            state = auto_state()
+            return 1.3 * (state.get("step_deadline") or 0.0), state
+
+        def timed(kind: str, work) -> None:
+            seconds, state = slow_seconds()
+            t0 = time.monotonic()
+            work(seconds)
+            record("slow", kind=kind, seconds=time.monotonic() - t0, **state)
+
+        class SlowFile(io.BytesIO):  # a checkpoint written to a slow file system
+            def __init__(self, seconds: float) -> None:
+                super().__init__()
+                self.delay = seconds
+
+            def write(self, data) -> int:
+                if self.delay:
+                    time.sleep(self.delay)
+                    self.delay = 0.0
+                return super().write(data)
+
+        def nested_evaluation(seconds: float) -> None:
+            Engine(lambda e, b: time.sleep(seconds / 3)).run([0, 1, 2], max_epochs=1)
+
+        if rank == 0:
+            trainer.add_event_handler(Events.ITERATION_COMPLETED(once=6),
+                                      lambda e: timed("nested evaluation", nested_evaluation))
+            trainer.add_event_handler(Events.EPOCH_COMPLETED(once=1), lambda e: timed("epoch-end evaluation", time.sleep))
+            trainer.add_event_handler(Events.ITERATION_COMPLETED(once=12),
+                                      lambda e: timed("checkpoint", lambda s: torch.save(model.state_dict(), SlowFile(s))))
+
     if ITER_EVENTS:
         @trainer.on(Events.ITERATION_COMPLETED)
         def _iteration_done(e):
@@ -219,7 +272,8 @@ def training(local_rank: int, outdir: str) -> None:
 
         from datetime import timedelta as _td
 
-        FaultTolerance(sync_every=2, hang_timeout=_td(seconds=HANG) if HANG else None).attach(trainer)
+        ft = FaultTolerance(sync_every=2, hang_timeout=HANG if HANG in (None, "auto") else _td(seconds=HANG))
+        ft.attach(trainer)
 
     try:
         trainer.run(loader, max_epochs=3)

@@ -26,6 +26,12 @@ Environment:
                  stock runs get the same fault. The injection is recorded as the ``fault`` event (and
                  DataLoader restarts as ``dataloader_restart``)
     ITER_EVENTS  1: record ``iteration_completed`` events (to time a recovery)
+    FAULT=hang   rank FAULT_RANK sleeps forever in ``training_step`` at FAULT_STEP (set a hang timeout, e.g.
+                 FTH_HANG_TIMEOUT_SEC=auto); the ``fault`` event holds what the learned deadline knew
+    SLOW         1 (with FTH_HANG_TIMEOUT_SEC=auto): long but normal work on rank 0, each 1.3 x its learned
+                 step deadline of the time: the first validation batch of epoch 0 and the write of a
+                 checkpoint saved by ``ModelCheckpoint(every_n_train_steps=12)`` inside step 12 (a slow
+                 disk: ``CheckpointIO``); each is recorded as a ``slow`` event; 2 epochs instead of 3
 
 Each rank appends JSON events to ``<outdir>/rank<r>.jsonl`` (``fault``, ``run_raised``,
 ``run_returned``, ``exit``); with ddp_spawn the parent writes ``parent.jsonl`` and the ranks record
@@ -72,6 +78,7 @@ WORKERS = int(os.environ.get("WORKERS", "0"))
 RESTARTABLE = os.environ.get("RESTARTABLE") == "1"
 ITER_EVENTS = os.environ.get("ITER_EVENTS") == "1"
 INJECT = os.environ.get("FTH_INJECT", "").strip()
+SLOW = os.environ.get("SLOW") == "1"
 
 
 def record(outdir: str, name: str, event: str, **fields) -> None:
@@ -218,6 +225,56 @@ class RecordingLauncher(_MultiProcessingLauncher):
         record(self.outdir, name, "run_returned")
 
 
+def auto_state(trainer) -> dict:
+    """What the learned hang deadline (FTH_HANG_TIMEOUT_SEC=auto) of this rank knows now."""
+    from fault_tolerant_handlers.lightning import FaultTolerance
+
+    probe = next((cb.guard.auto_hang for cb in trainer.callbacks if isinstance(cb, FaultTolerance)), None)
+    if probe is None:
+        return {}
+    return dict(step_deadline=probe.deadline("step"), longest=dict(probe.longest), steps=probe.steps)
+
+
+def timed_slow(outdir: str, trainer, kind: str) -> None:
+    state = auto_state(trainer)
+    t0 = time.monotonic()
+    time.sleep(1.3 * (state.get("step_deadline") or 0.0))
+    record(outdir, f"rank{trainer.global_rank}", "slow", kind=kind, seconds=time.monotonic() - t0, **state)
+
+
+class AutoHangModel(TinyModel):
+    """FAULT=hang and SLOW=1 (see the module's docstring)."""
+
+    outdir = ""
+
+    def training_step(self, batch, batch_idx):
+        if FAULT == "hang" and self.global_rank == FAULT_RANK and self.global_step == FAULT_STEP:
+            time.sleep(0.3)  # the other rank is in the gradient all_reduce by now
+            record(self.outdir, f"rank{self.global_rank}", "fault", exc_type="hang", **auto_state(self.trainer))
+            time.sleep(1000)  # the hung line the report must show
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        if (SLOW and self.global_rank == 0 and not self.trainer.sanity_checking and self.current_epoch == 0
+                and batch_idx == 0):
+            timed_slow(self.outdir, self.trainer, "validation")
+        return super().validation_step(batch, batch_idx)
+
+
+def slow_checkpoint_io(outdir: str, trainer):
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    class SlowDisk(TorchCheckpointIO):
+        """Rank 0 writes the checkpoint of step 12 slowly."""
+
+        def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+            if trainer.global_step == 12 and "every12" in str(path):
+                timed_slow(outdir, trainer, "checkpoint")
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    return SlowDisk()
+
+
 def main() -> None:
     outdir = sys.argv[1]
     out = Path(outdir)
@@ -231,11 +288,20 @@ def main() -> None:
         extra.append(IterationEvents(outdir))
     if FAULT == "sigterm":
         extra.append(SignalSelf(outdir))
-    model, data = TinyModel(), (BenchData(fault, outdir) if FAULT == "rank_first" or WORKERS else TinyData(fault))
+    if SLOW:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        extra.append(ModelCheckpoint(dirpath=out / "every12", filename="every12-{step}", every_n_train_steps=12,
+                                     save_top_k=-1))
+    model, data = (AutoHangModel() if FAULT == "hang" or SLOW else TinyModel()), (BenchData(fault, outdir) if FAULT == "rank_first" or WORKERS else TinyData(fault))
     model.fault = fault
+    model.outdir = outdir
     strategy = "ddp_spawn" if LAUNCH == "ddp_spawn" else "ddp"
     trainer = make_trainer(strategy, out=out, fault=fault, fault_tolerance=USE_FT, on_exception_checkpoint=OEC,
+                           max_epochs=2 if SLOW else 3,
                            timeout=PG_TIMEOUT, extra_callbacks=tuple(extra))
+    if SLOW:
+        trainer.strategy.checkpoint_io = slow_checkpoint_io(outdir, trainer)
     if strategy == "ddp_spawn":
         launcher = RecordingLauncher(trainer.strategy, start_method="spawn")
         launcher.outdir = outdir
@@ -260,6 +326,7 @@ def main() -> None:
     for proc in getattr(trainer.strategy.launcher, "procs", []) if strategy == "ddp" else []:
         try:
             proc.wait(timeout=60)
+            record(outdir, name, "child_exited", returncode=proc.returncode)
         except Exception:  # noqa: BLE001
             pass
     record(outdir, name, "exit")

@@ -47,6 +47,8 @@ WORKERS = int(os.environ.get("WORKERS", "2"))
 RESUME = os.environ.get("RESUME", "1") == "1"  # 0: a restart from scratch (the bench's baseline)
 PG_TIMEOUT = timedelta(seconds=float(os.environ.get("PG_TIMEOUT_SEC", "20")))
 HANG = os.environ.get("FTH_HANG_TIMEOUT_SEC")
+#: hang_timeout for FaultTolerance: the variable's seconds, or "auto"
+HANG_TIMEOUT = None if not HANG else ("auto" if HANG.strip() == "auto" else timedelta(seconds=float(HANG)))
 TORN_SAVE = int(os.environ.get("TORN_SAVE", "0"))
 CKPT = OUT / "ckpt"
 MARKS: dict[str, float] = {}  # the attempt's start-up, step by step (the bench's breakdown)
@@ -149,7 +151,7 @@ def run_ignite() -> None:
 
     trainer = Engine(step)
     trainer.add_event_handler(Events.EPOCH_STARTED, lambda e: loader.sampler.set_epoch(e.state.epoch - 1))
-    FaultTolerance(hang_timeout=timedelta(seconds=float(HANG)) if HANG else None).attach(trainer)
+    FaultTolerance(hang_timeout=HANG_TIMEOUT).attach(trainer)
     to_save = {"model": model, "optimizer": opt, "trainer": trainer, "loader": loader}
     saver = Checkpoint(to_save, TornOnce(str(CKPT), require_empty=False), n_saved=2,
                        global_step_transform=lambda e, _: e.state.iteration)
@@ -196,7 +198,7 @@ def run_lightning() -> None:
         accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo", timeout=PG_TIMEOUT),
         max_epochs=EPOCHS, logger=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0,
-        callbacks=[FaultTolerance(hang_timeout=timedelta(seconds=float(HANG)) if HANG else None),
+        callbacks=[FaultTolerance(hang_timeout=HANG_TIMEOUT),
                    ModelCheckpoint(dirpath=str(CKPT), every_n_train_steps=EVERY, save_top_k=2, monitor="step",
                                    mode="max", save_last=True)],
     )
