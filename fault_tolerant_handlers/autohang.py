@@ -77,7 +77,7 @@ class AutoHangProbe:
     def __init__(self, rank: int, pid: int, *, frame: Callable[[], object], multiple: float = DEFAULT_MULTIPLE,
                  first_multiple: float = DEFAULT_FIRST_MULTIPLE, floor: float = DEFAULT_FLOOR,
                  warmup: int = DEFAULT_WARMUP, wall: Callable[[], float] = time.time,
-                 explain: Iterable[Explainer] = ()) -> None:
+                 explain: Iterable[Explainer] = (), host: str = "") -> None:
         for name, value, low in (("multiple", multiple, 1.0), ("first_multiple", first_multiple, 1.0),
                                  ("floor", floor, 0.0)):
             if not value >= low:
@@ -92,6 +92,7 @@ class AutoHangProbe:
         self.floor = floor
         self.warmup = warmup
         self.wall = wall
+        self.host = host  # this rank's host name, for the report
         #: Recognise work from the main thread's stack (called on the watchdog thread, past a deadline).
         self.explainers: list[Explainer] = list(explain)
         self.longest: dict[str, float] = {}
@@ -193,10 +194,11 @@ class AutoHangProbe:
             lead = f"has run {stalled:.1f} s"
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
         at = f" at step {step}" if step is not None else ""
-        message = (f"rank {self.rank} hung: {what}{at} {lead}, over the learned deadline of {limit:.1f} s "
+        where = f" (pid {self.pid} on {self.host})" if self.host else ""
+        message = (f"rank {self.rank}{where} hung: {what}{at} {lead}, over the learned deadline of {limit:.1f} s "
                    f"(longest {longest_of} so far: {longest:.2f} s)")
         record = FailureRecord.declared(
-            rank=self.rank, kind="RankHung", message=message, by=self.rank, pid=self.pid,
+            rank=self.rank, kind="RankHung", message=message, by=self.rank, pid=self.pid, host=self.host,
             traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
             time_ms=int((self.wall() - stalled) * 1000), step=step,
         )
@@ -211,10 +213,10 @@ def writing_checkpoint_explainer(frame) -> tuple[str, object] | None:
     return (CHECKPOINT, None) if writing_now(frame) else None
 
 
-def from_config(rank: int, pid: int, frame: Callable[[], object]) -> AutoHangProbe:
+def from_config(rank: int, pid: int, frame: Callable[[], object], host: str = "") -> AutoHangProbe:
     """The probe of ``hang_timeout="auto"`` with the ``FTH_AUTO_HANG_*`` settings."""
     from . import config
 
     rule = config.auto_hang()
     return AutoHangProbe(rank, pid, frame=frame, multiple=rule.multiple, floor=rule.floor, warmup=rule.warmup,
-                         explain=[writing_checkpoint_explainer])
+                         explain=[writing_checkpoint_explainer], host=host)

@@ -145,7 +145,8 @@ class Watchdog:
         #: ``hang_timeout="auto"``: the learned deadline (adapters mark their work on it), else None.
         self.auto_hang = None
         if self.hang_timeout == config.AUTO:
-            self.self_hang = self.auto_hang = autohang.from_config(self.rank, os.getpid(), main_thread_frame)
+            self.self_hang = self.auto_hang = autohang.from_config(self.rank, os.getpid(), main_thread_frame,
+                                                                          host=session.host)
         elif self.hang_timeout is not None:
             self.self_hang = SelfHangProbe(self.rank, os.getpid(), self.hang_timeout.total_seconds(),
                                            margin=SILENT_MARGIN.total_seconds(), progress=lambda: self._progress,
