@@ -8,6 +8,8 @@ ranks (gloo), an injected fault, and a record of what every rank raised and when
 Environment:
     FAULT        raise | rank0_callback | data | validation | kill | none   (see examples/lightning_ddp.py)
                  | sigterm: rank FAULT_RANK sends itself SIGTERM (a preemption); Lightning's handler runs
+                 | hang: rank FAULT_RANK sleeps in ``on_train_batch_start`` at step FAULT_STEP (set
+                 ``FTH_HANG_TIMEOUT_SEC`` for the watchdog to name it)
                  | rank_first: rank FAULT_RANK (0) fails while preparing the data first: in ``setup`` inside
                  ``fault_tolerant_handlers.one_rank_first`` with USE_FT=1, in ``prepare_data`` (Lightning's
                  own rank-zero-first pattern) with USE_FT=0
@@ -26,6 +28,7 @@ Environment:
                  stock runs get the same fault. The injection is recorded as the ``fault`` event (and
                  DataLoader restarts as ``dataloader_restart``)
     ITER_EVENTS  1: record ``iteration_completed`` events (to time a recovery)
+    OWN_OUTPUT   1 (ddp_spawn): each rank's stdout and stderr go to ``<outdir>/rank<r>.out`` from its start
 
 Each rank appends JSON events to ``<outdir>/rank<r>.jsonl`` (``fault``, ``run_raised``,
 ``run_returned``, ``exit``); with ddp_spawn the parent writes ``parent.jsonl`` and the ranks record
@@ -199,6 +202,18 @@ class SignalSelf(pl.Callback):
         record(self.outdir, f"rank{trainer.global_rank}", "train_end", received_sigterm=trainer.received_sigterm)
 
 
+class HangSelf(pl.Callback):
+    """FAULT=hang: rank FAULT_RANK stops making progress at step FAULT_STEP (a stuck step)."""
+
+    def __init__(self, outdir: str) -> None:
+        self.outdir = outdir
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == FAULT_RANK and trainer.global_step == FAULT_STEP:
+            record(self.outdir, f"rank{trainer.global_rank}", "fault", exc_type="hang")
+            time.sleep(1000)  # the hung line the report must show
+
+
 class RecordingLauncher(_MultiProcessingLauncher):
     """ddp_spawn, test only: record what the stage raised inside each spawned rank."""
 
@@ -206,6 +221,10 @@ class RecordingLauncher(_MultiProcessingLauncher):
 
     def _wrapping_function(self, process_idx, trainer, function, args, kwargs, return_queue, global_states=None):
         name = f"rank{process_idx}"
+        if os.environ.get("OWN_OUTPUT") == "1":
+            from launch import own_output
+
+            own_output(Path(self.outdir) / f"{name}.out")
         record(self.outdir, name, "start")
         record_injections(self.outdir, name)
         try:
@@ -222,7 +241,7 @@ def main() -> None:
     outdir = sys.argv[1]
     out = Path(outdir)
     kind = "raise" if FAULT == "exc_collective" else FAULT
-    fault = None if FAULT in ("none", "sigterm") else Fault(kind, FAULT_RANK, FAULT_STEP,
+    fault = None if FAULT in ("none", "sigterm", "hang") else Fault(kind, FAULT_RANK, FAULT_STEP,
                                                functools.partial(record_fault, outdir, FAULT_RANK))
     extra = [SyncOnException(outdir)] if FAULT == "exc_collective" else []
     if INJECT and not USE_FT:
@@ -231,6 +250,8 @@ def main() -> None:
         extra.append(IterationEvents(outdir))
     if FAULT == "sigterm":
         extra.append(SignalSelf(outdir))
+    if FAULT == "hang":
+        extra.append(HangSelf(outdir))
     model, data = TinyModel(), (BenchData(fault, outdir) if FAULT == "rank_first" or WORKERS else TinyData(fault))
     model.fault = fault
     strategy = "ddp_spawn" if LAUNCH == "ddp_spawn" else "ddp"

@@ -1,0 +1,63 @@
+"""``spawned``: a rank started by ``torch.multiprocessing.spawn`` is recognised, announces a failure
+once, and a reported exit's report reaches the parent's ``ProcessRaisedException`` (real
+``mp.spawn`` of one process; no process group)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.multiprocessing as mp
+
+from fault_tolerant_handlers import _compat_torch, spawned
+from fault_tolerant_handlers.errors import PeerFailedError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _detects(index: int, out: str) -> None:
+    found = _compat_torch.spawn_error_file()
+    with open(out, "w") as f:
+        f.write(repr(found))
+
+
+def _hung_exit(index: int) -> None:
+    assert spawned.detect()
+    err = PeerFailedError(1, "RankHung", "rank 1 hung: its main thread made no progress for 3.0 s at step 2",
+                          origin="declared")
+    spawned.exiting(err, 88)
+    os._exit(88)
+
+
+def test_a_spawned_rank_knows_its_error_file(tmp_path):
+    out = tmp_path / "found.txt"
+    mp.spawn(_detects, args=(str(out),), nprocs=1)
+    found = eval(out.read_text())  # noqa: S307 - our own repr of a str
+    assert isinstance(found, str) and os.path.basename(found).startswith("pytorch-errorfile-"), found
+
+
+def test_not_spawned_here():
+    assert _compat_torch.spawn_error_file() is None
+
+
+def test_a_reported_exit_is_what_the_parent_raises():
+    with pytest.raises(mp.ProcessRaisedException) as info:
+        mp.spawn(_hung_exit, nprocs=1)
+    text = str(info.value)
+    assert "-- Process 0 terminated with the following error:" in text
+    assert "ended this process (exit code 88)" in text and "RankHung: rank 1 hung" in text, text
+
+
+def test_announce_prints_each_failure_once(capsys, monkeypatch):
+    monkeypatch.setattr(spawned, "_state", spawned._Spawned(None, set(), __import__("threading").Lock()))
+    err = PeerFailedError(1, "ValueError", "bad sample 17", origin="record")
+    assert spawned.announce(0, err) and spawned.announce(0, err)
+    assert spawned.announced(err)
+    printed = capsys.readouterr().err
+    assert printed.count("fault-tolerant-handlers: the job fails:") == 1 and "bad sample 17" in printed
+
+
+def test_announce_is_silent_when_not_spawned(capsys, monkeypatch):
+    monkeypatch.setattr(spawned, "_state", None)
+    assert not spawned.announce(0, PeerFailedError(1, "ValueError", "bad sample 17"))
+    assert capsys.readouterr().err == ""
