@@ -19,7 +19,11 @@ launcher (found at session start from the main thread's stack, :func:`detect`), 
    after reaping a process that failed), waits up to :data:`SIGTERM_CAUSE_WAIT` for the cause
    (:func:`awaited_cause`): the watchdog's finding (which sees a killed peer's signal) or the peer's
    record in the store; failing both (the store's host is what died), the peer gone, by rank and pid;
-3. writes the report of a reported exit (a hung rank's exit 88, the watchdog ending a survivor with
+3. keeps a killed rank visible: its liveness helper (forked, so it holds the rank's end of the
+   parent's sentinel pipe) waits :data:`ZOMBIE_HOLD` before leaving when the rank is gone
+   (:func:`hold_zombie`), so the parent cannot reap the rank before its same-host peers read how
+   it ended (``killed by SIGKILL``) from ``/proc``;
+4. writes the report of a reported exit (a hung rank's exit 88, the watchdog ending a survivor with
    87) into torch's error file (:func:`exiting`), so that the parent raises
    ``ProcessRaisedException`` with the report instead of ``process 1 terminated with exit code 88``.
 
@@ -47,6 +51,9 @@ if TYPE_CHECKING:
 #: How long a SIGTERM that finds a same-host peer gone, and nothing known yet, waits for the cause
 #: (the watchdog's finding or the peer's record); well inside the parent's 30 s before SIGKILL.
 SIGTERM_CAUSE_WAIT = 1.0
+
+#: How long a gone rank's liveness helper stays (keeping the rank a zombie the parent cannot reap yet).
+ZOMBIE_HOLD = 0.5
 
 
 @dataclass
@@ -132,6 +139,22 @@ def awaited_cause(session: Session, records: Callable[[], PeerFailedError | None
             break
         time.sleep(0.05)
     return session.incident.peer_error or gone.error
+
+
+def hold_zombie(rank_pid: int) -> None:
+    """In a rank's liveness helper whose rank just went away: under ``mp.spawn``, if the rank is
+    a zombie (it died; its parent cannot reap it while this process holds the sentinel pipe), wait
+    :data:`ZOMBIE_HOLD` so that same-host peers read its exit status. Returns at once otherwise."""
+    if _state is None:
+        return
+    try:
+        with open(f"/proc/{rank_pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return
+    fields = stat[stat.rfind(")") + 2:].split()
+    if fields and fields[0] == "Z":
+        time.sleep(ZOMBIE_HOLD)
 
 
 def exiting(err: BaseException | None, code: int) -> None:

@@ -59,7 +59,7 @@ def _env(launcher: str, fault: str) -> dict[str, str]:
     return env
 
 
-def run_case(launcher: str, fault: str, tmp_path: Path, deadline: float = 60.0) -> CaseRun:
+def run_case(launcher: str, fault: str, tmp_path: Path, deadline: float = 150.0) -> CaseRun:
     if launcher not in LAUNCHERS or fault not in FAULTS:
         raise ValueError(f"case ({launcher!r}, {fault!r}): launcher one of {LAUNCHERS}, fault one of {tuple(FAULTS)}")
     script = PROGRAMS / ("ignite_main.py" if launcher == "parallel" else "lightning_main.py")

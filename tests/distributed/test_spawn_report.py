@@ -14,7 +14,7 @@ import pytest
 
 from spawn_cases import missing, run_case
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(200)
 
 #: (launcher, fault) run by the default suite; the other pairs are marked long.
 DEFAULT = {("parallel", "kill0"), ("parallel", "raise"), ("ddp_spawn", "kill0"), ("ddp_spawn", "hang")}

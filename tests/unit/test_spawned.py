@@ -61,3 +61,26 @@ def test_announce_is_silent_when_not_spawned(capsys, monkeypatch):
     monkeypatch.setattr(spawned, "_state", None)
     assert not spawned.announce(0, PeerFailedError(1, "ValueError", "bad sample 17"))
     assert capsys.readouterr().err == ""
+
+
+def test_a_dead_ranks_helper_holds_it_visible_for_its_peers(monkeypatch):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setattr(spawned, "_state", spawned._Spawned(None, set(), __import__("threading").Lock()))
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = time.monotonic()
+        spawned.hold_zombie(proc.pid)  # alive: no wait
+        assert time.monotonic() - start < 0.2
+        os.kill(proc.pid, signal.SIGKILL)
+        while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)  # dead, not reaped yet: a zombie
+        start = time.monotonic()
+        spawned.hold_zombie(proc.pid)
+        assert time.monotonic() - start >= spawned.ZOMBIE_HOLD - 0.01
+    finally:
+        proc.kill()
+        proc.wait()
