@@ -33,39 +33,43 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error(f"--runs {args.runs}: expected at least 1")
-    rows = []
-    for launcher in args.launchers:
-        for fault in args.faults:
-            named = parent = 0
-            seconds = []
-            for i in range(args.runs):
-                start = time.monotonic()
-                with tempfile.TemporaryDirectory() as tmp:
-                    try:
-                        run = run_case(launcher, fault, Path(tmp))
-                    except AssertionError as err:  # a rank still running at the deadline
-                        print(f"{launcher} {fault} run {i + 1}: {str(err).splitlines()[0]}", flush=True)
-                        continue
-                ok = cause_named(run)
-                named += ok
-                parent += parent_names_cause(run)
-                seconds.append(time.monotonic() - start)
-                if args.verbose and not ok:
-                    for r in run.survivors:
-                        print(f"{launcher} {fault} run {i + 1}: rank {r} lacks {missing(run, r)}\n"
-                              f"{run.outputs.get(r, '')[-3000:]}", flush=True)
-                if args.verbose and not parent_names_cause(run):
-                    print(f"{launcher} {fault} run {i + 1}: the launcher's output:\n{run.parent[-2500:]}", flush=True)
-            seconds.sort()
-            median = seconds[len(seconds) // 2] if seconds else float("nan")
-            rows.append((launcher, fault, named, parent, args.runs, median))
-            print(f"{launcher:10s} {fault:6s} cause named {named}/{args.runs}  parent leads {parent}/{args.runs}  "
-                  f"(median {median:.1f} s a run)", flush=True)
-    print("\n| launcher | fault | cause named (survivor's own output) | launcher's final error leads to it |")
-    print("|---|---|---:|---:|")
-    for launcher, fault, named, parent, n, _ in rows:
-        print(f"| {launcher} | {fault} | {named}/{n} | {parent}/{n} |")
-
+    cases = [(launcher, fault) for launcher in args.launchers for fault in args.faults]
+    named = {c: 0 for c in cases}
+    parent = {c: 0 for c in cases}
+    seconds: dict[tuple[str, str], list[float]] = {c: [] for c in cases}
+    # Round-robin (one run of every case per round), so that an interrupted bench still has
+    # comparable counts for every case: each round prints the counts so far.
+    for i in range(args.runs):
+        for case in cases:
+            launcher, fault = case
+            start = time.monotonic()
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    run = run_case(launcher, fault, Path(tmp))
+                except AssertionError as err:  # a rank still running at the deadline
+                    print(f"{launcher} {fault} run {i + 1}: {str(err).splitlines()[0]}", flush=True)
+                    continue
+            ok = cause_named(run)
+            named[case] += ok
+            parent[case] += parent_names_cause(run)
+            seconds[case].append(time.monotonic() - start)
+            if args.verbose and not ok:
+                for r in run.survivors:
+                    print(f"{launcher} {fault} run {i + 1}: rank {r} lacks {missing(run, r)}\n"
+                          f"{run.outputs.get(r, '')[-3000:]}", flush=True)
+            if args.verbose and not parent_names_cause(run):
+                print(f"{launcher} {fault} run {i + 1}: the launcher's output:\n{run.parent[-2500:]}", flush=True)
+        print(f"after {i + 1} runs each: " + ", ".join(f"{l} {f} {named[(l, f)]}/{i + 1}" for l, f in cases),
+              flush=True)
+    print("\n| launcher | fault | cause named (survivor's own output) | launcher's final error leads to it "
+          "| median s a run (spread) |")
+    print("|---|---|---:|---:|---:|")
+    for case in cases:
+        spent = sorted(seconds[case])
+        median = spent[len(spent) // 2] if spent else float("nan")
+        spread = f"{spent[0]:.0f}-{spent[-1]:.0f}" if spent else "-"
+        print(f"| {case[0]} | {case[1]} | cause named {named[case]}/{args.runs} | {parent[case]}/{args.runs} "
+              f"| {median:.0f} ({spread}) |")
 
 if __name__ == "__main__":
     main()
