@@ -84,3 +84,48 @@ def test_a_dead_ranks_helper_holds_it_visible_for_its_peers(monkeypatch):
     finally:
         proc.kill()
         proc.wait()
+
+
+class _Probe:
+    def __init__(self, finding):
+        self.finding = finding
+
+    def poll(self, now):
+        return self.finding
+
+
+def _session(finding):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(_same_host_probe=_Probe(finding), incident=SimpleNamespace(peer_error=None))
+
+
+def test_a_sigterm_with_no_peer_gone_is_not_waited_on(monkeypatch):
+    import time
+
+    monkeypatch.setattr(spawned, "_state", spawned._Spawned(None, set(), __import__("threading").Lock()))
+    start = time.monotonic()
+    assert spawned.awaited_cause(_session(None), lambda: None) is None
+    assert time.monotonic() - start < 0.1
+
+
+def test_a_sigterm_after_a_peer_is_gone_waits_for_the_watchdogs_finding(monkeypatch):
+    import threading
+    import time
+
+    from fault_tolerant_handlers.probes import Finding
+
+    monkeypatch.setattr(spawned, "_state", spawned._Spawned(None, set(), threading.Lock()))
+    gone = Finding(PeerFailedError(0, "PeerLost", "rank 0 (pid 7 on h) lost: process is gone", origin="declared"))
+    session = _session(gone)
+    better = PeerFailedError(0, "PeerLost", "rank 0 (pid 7 on h) lost: killed by SIGKILL", origin="declared")
+    threading.Timer(0.2, lambda: setattr(session.incident, "peer_error", better)).start()
+    assert spawned.awaited_cause(session, lambda: None, wait=2.0) is better
+    # nothing better within the wait (the store's host died): the peer gone, by rank and pid
+    session = _session(gone)
+    start = time.monotonic()
+    assert spawned.awaited_cause(session, lambda: None, wait=0.3) is gone.error
+    assert 0.3 <= time.monotonic() - start < 1.0
+    # a peer's record in the store wins over the pid
+    record = PeerFailedError(1, "ValueError", "bad sample 17", origin="record")
+    assert spawned.awaited_cause(_session(gone), lambda: record, wait=2.0) is record
