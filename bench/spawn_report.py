@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         spent = sorted(seconds[case])
         median = spent[len(spent) // 2] if spent else float("nan")
         spread = f"{spent[0]:.0f}-{spent[-1]:.0f}" if spent else "-"
-        print(f"| {case[0]} | {case[1]} | cause named {named[case]}/{args.runs} | {parent[case]}/{args.runs} "
+        print(f"| {case[0]} | {case[1]} | {named[case]}/{args.runs} | {parent[case]}/{args.runs} "
               f"| {median:.0f} ({spread}) |")
 
 if __name__ == "__main__":
