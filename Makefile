@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-long test-multihost test-resume bench-resume conformance root-cause venv clean
+.PHONY: demo test test-long test-multihost test-resume bench-resume bench-spawn conformance root-cause venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ conformance: $(STAMP)
 # torchrun's Root Cause over 20 runs per fault and monitor interval (about 40 min on 2 cores)
 root-cause: $(STAMP)
 	$(PY) bench/torchrun_root_cause.py --runs 20 --monitor-interval 0.1 1 --faults raise kill hang
+
+# Survivors' own output under idist.Parallel and ddp_spawn: N runs per launcher x fault (README "Spawn-family launchers")
+N ?= 20
+bench-spawn: $(STAMP)
+	$(PY) bench/spawn_report.py --runs $(N)
 
 clean:
 	rm -rf $(VENV)

@@ -11,7 +11,12 @@ with an error naming it, never later and never silently.
 ``torch.distributed.distributed_c10d._world.pg_map``        every process group of this process (release)
 ``torch.distributed.distributed_c10d._abort_process_group`` abort an NCCL/XCCL group (release)
 ``torch.distributed.Store.clone``                            a new connection to the same store (public, 2.8+)
+``torch.multiprocessing.spawn._wrap``, local ``error_file``  a rank started by ``mp.spawn`` and its error file
 =====================================================  ==============================================
+
+``_wrap`` is only looked for on the main thread's stack (:func:`spawn_error_file`): a torch whose
+``mp.spawn`` no longer has it is reported as not spawned, so the rank's report is printed by the
+interpreter as under any other launcher.
 """
 
 from __future__ import annotations
@@ -82,6 +87,27 @@ def abort_process_group(group: dist.ProcessGroup) -> None:
     from torch.distributed import distributed_c10d
 
     distributed_c10d._abort_process_group(group)
+
+
+def spawn_error_file() -> str | None:
+    """``None`` unless the main thread runs inside ``torch.multiprocessing.spawn._wrap`` (``mp.spawn``
+    and ``start_processes``); then the path of the error file that ``_wrap`` would write and the parent
+    reads (a pickled ``str``), or ``""`` when that frame holds none."""
+    import os
+    import sys
+    import threading
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    suffix = os.path.join("torch", "multiprocessing", "spawn.py")
+    depth = 0
+    while frame is not None and depth < 256:
+        code = frame.f_code
+        if code.co_name == "_wrap" and code.co_filename.endswith(suffix):
+            path = frame.f_locals.get("error_file")
+            return path if isinstance(path, str) else ""
+        frame = frame.f_back
+        depth += 1
+    return None
 
 
 def tcp_store_of(store: dist.Store | None) -> dist.TCPStore | None:

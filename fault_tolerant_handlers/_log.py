@@ -8,15 +8,20 @@ import os
 logger = logging.getLogger("fault_tolerant_handlers")
 
 
+_last_rank: str | None = None  # the rank as last seen in an initialized group (kept after teardown)
+
+
 def _rank() -> str:
+    global _last_rank
     try:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            return str(dist.get_rank())
+            _last_rank = str(dist.get_rank())
+            return _last_rank
     except Exception:  # pragma: no cover - logging must never raise
         pass
-    return os.environ.get("RANK", "?")
+    return _last_rank or os.environ.get("RANK", "?")
 
 
 def prefix(step: int | None = None) -> str:

@@ -30,7 +30,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from . import _procfs
+from . import _procfs, spawned
 from ._log import log
 from .probes import HeartbeatProbe
 from .schema import Schema
@@ -64,7 +64,8 @@ def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: fl
             _poll(probe, schema, declared)
         readable, _, _ = select.select([stop_fd], [], [], period)
         if readable:
-            return  # the rank stopped its watchdog (or is gone: the pipe closed)
+            break  # the rank stopped its watchdog (or is gone: the pipe closed)
+    spawned.hold_zombie(parent)  # under mp.spawn: same-host peers read how a dead rank ended
 
 
 def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool]) -> None:

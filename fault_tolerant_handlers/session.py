@@ -49,7 +49,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import _compat_torch, config, errorfile, signals
+from . import _compat_torch, config, errorfile, signals, spawned
 from ._log import log
 from .errors import PeerFailedError, SectionMismatchError, is_backend_error
 from .probes import PeerPidProbe
@@ -268,6 +268,7 @@ class Session:
         self._same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
         self._explaining = None
         signals.install(self)  # SIGTERM/SIGINT: say so before the previous handler runs
+        spawned.detect()  # under mp.spawn, this rank prints its report itself
         log(logging.DEBUG, "fault-tolerance side group ready (run %s, %d ranks)", self.run_id, self.world_size)
 
     # -- layout and connections -----------------------------------------------------------------
@@ -325,12 +326,14 @@ class Session:
             if incident.local:
                 return None
             self._escalated.append(incident)
-            return incident
+        spawned.announce(self.rank, err)  # under mp.spawn: the report, before the launcher's SIGTERM
+        return incident
 
     def acknowledge(self, err: PeerFailedError | None = None) -> None:
         """The main thread takes a peer's failure (``err``) and raises it: no reported exit by the
         watchdog, and an orderly teardown of the (released) process groups at interpreter exit."""
         errorfile.survivor(self, err if isinstance(err, PeerFailedError) else self.incident.peer_error)
+        spawned.announce(self.rank, err if err is not None else self.incident.peer_error)
         with self._lock:
             for incident in (self.incident, *self._escalated):
                 incident.acknowledged.set()

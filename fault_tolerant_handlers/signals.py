@@ -33,7 +33,7 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from . import errorfile
+from . import errorfile, spawned
 from ._log import log
 from .errors import PeerFailedError
 from .record import FailureRecord
@@ -52,8 +52,9 @@ SIGNAL_STORE_TIMEOUT = timedelta(seconds=1)
 CAUSE_LINGER = 0.6
 #: How long a rank ended while it works out a peer's failure waits for that explanation.
 REPORT_WAIT = 1.5
-#: How long the main thread's handler waits for the reaction under way in the thread.
-REACTION_WAIT = 3.0
+#: How long the main thread's handler waits for the reaction under way in the thread (under mp.spawn it
+#: may wait for the cause: REPORT_WAIT, spawned.SIGTERM_CAUSE_WAIT and a store call).
+REACTION_WAIT = 5.0
 
 
 class _Watch:
@@ -145,15 +146,18 @@ class _Watch:
             return
         # A failure being explained right now (a broken collective: torchrun's agent ends the
         # survivors when the store's host dies) is waited for, briefly: the report must come first.
-        peer = session.failure_report(REPORT_WAIT) or self._peer_cause(session)
+        # Under mp.spawn, a SIGTERM after a same-host peer's exit waits (briefly) for its cause.
+        peer = (session.failure_report(REPORT_WAIT) or spawned.awaited_cause(session, lambda: self._records(session))
+                or self._peer_cause(session))
         if peer is not None:
             self.kind = "consequence"
             code = 128 + signum
             log(logging.CRITICAL, "ending this process with exit code %d: terminated by %s while the job fails: %s",
                 code, name, str(peer).splitlines()[0])
             try:
-                sys.stderr.write(f"[rank {session.rank}] fault-tolerant-handlers: {name} while the job fails:\n{peer}\n")
-                sys.stderr.flush()
+                if not spawned.announced(peer):  # else printed in full already
+                    sys.stderr.write(f"[rank {session.rank}] fault-tolerant-handlers: {name} while the job fails:\n{peer}\n")
+                    sys.stderr.flush()
             except Exception:  # noqa: BLE001
                 pass
             errorfile.survivor(session, peer)
@@ -182,6 +186,11 @@ class _Watch:
         found = session._same_host_probe.poll(time.monotonic())
         if found is not None:
             return found.error
+        return _Watch._records(session)
+
+    @staticmethod
+    def _records(session: Session) -> PeerFailedError | None:
+        """The failure a peer's record not yet taken by this rank says (``None`` if none, or no store)."""
         conn = session.connection("signal-read", SIGNAL_STORE_TIMEOUT)
         try:
             schema = Schema(conn, session.schema.world_size)

@@ -43,7 +43,7 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Iterator
 
-from . import autohang, config, errorfile
+from . import autohang, config, errorfile, spawned
 from ._pidwatch import PidWatcher, WakeEvent
 from ._log import log
 from .liveness import LivenessProcess
@@ -304,6 +304,7 @@ class Watchdog:
             errorfile.survivor(self.session, err)
         text = f"[rank {self.rank}] fault-tolerant-handlers: ending this process (exit code {code}) because:\n{err}\n"
         try:
+            spawned.exiting(err, code)  # under mp.spawn: the parent raises this report
             log(logging.CRITICAL, "ending this process with exit code %d: %s", code, str(err).splitlines()[0])
             sys.stderr.write(text)
             sys.stderr.flush()

@@ -26,6 +26,9 @@ Environment:
                  recorded as the ``fault`` event (and DataLoader restarts as ``dataloader_restart``)
     ITER_EVENTS  1: record ``iteration_completed`` events (to time a recovery)
     STEP_SLEEP   seconds every step sleeps (default 0): steps of a known length
+    OWN_OUTPUT   1: each rank's stdout and stderr go to ``<outdir>/rank<r>.out`` from its start (under
+                 ``idist.Parallel`` the ranks share the parent's otherwise), so that what one rank
+                 printed is known
 """
 
 from __future__ import annotations
@@ -125,6 +128,10 @@ def training(local_rank: int, outdir: str) -> None:
         if RERAISE:
             raise exc
 
+    if os.environ.get("OWN_OUTPUT") == "1":
+        from launch import own_output
+
+        own_output(out / f"rank{rank}.out")
     record("start", pid=os.getpid())
     if os.environ.get("FTH_INJECT", "").strip():
         logging.getLogger("fault_tolerant_handlers").addHandler(RecordInjected(record))

@@ -41,6 +41,15 @@ def readme_snippet(name: str) -> str:
     return match.group(1)
 
 
+def own_output(path: Path) -> None:
+    """In a rank process: its stdout and stderr (file descriptors 1 and 2) go to ``path`` from now
+    on (ranks spawned by ``idist.Parallel`` or ``ddp_spawn`` otherwise share their parent's)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

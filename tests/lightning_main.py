@@ -8,6 +8,8 @@ ranks (gloo), an injected fault, and a record of what every rank raised and when
 Environment:
     FAULT        raise | rank0_callback | data | validation | kill | none   (see examples/lightning_ddp.py)
                  | sigterm: rank FAULT_RANK sends itself SIGTERM (a preemption); Lightning's handler runs
+                 | hang: rank FAULT_RANK sleeps in ``on_train_batch_start`` at step FAULT_STEP (set
+                 ``FTH_HANG_TIMEOUT_SEC`` for the watchdog to name it)
                  | rank_first: rank FAULT_RANK (0) fails while preparing the data first: in ``setup`` inside
                  ``fault_tolerant_handlers.one_rank_first`` with USE_FT=1, in ``prepare_data`` (Lightning's
                  own rank-zero-first pattern) with USE_FT=0
@@ -32,6 +34,7 @@ Environment:
                  step deadline of the time: the first validation batch of epoch 0 and the write of a
                  checkpoint saved by ``ModelCheckpoint(every_n_train_steps=12)`` inside step 12 (a slow
                  disk: ``CheckpointIO``); each is recorded as a ``slow`` event; 2 epochs instead of 3
+    OWN_OUTPUT   1 (ddp_spawn): each rank's stdout and stderr go to ``<outdir>/rank<r>.out`` from its start
 
 Each rank appends JSON events to ``<outdir>/rank<r>.jsonl`` (``fault``, ``run_raised``,
 ``run_returned``, ``exit``); with ddp_spawn the parent writes ``parent.jsonl`` and the ranks record
@@ -213,6 +216,10 @@ class RecordingLauncher(_MultiProcessingLauncher):
 
     def _wrapping_function(self, process_idx, trainer, function, args, kwargs, return_queue, global_states=None):
         name = f"rank{process_idx}"
+        if os.environ.get("OWN_OUTPUT") == "1":
+            from launch import own_output
+
+            own_output(Path(self.outdir) / f"{name}.out")
         record(self.outdir, name, "start")
         record_injections(self.outdir, name)
         try:
@@ -279,7 +286,7 @@ def main() -> None:
     outdir = sys.argv[1]
     out = Path(outdir)
     kind = "raise" if FAULT == "exc_collective" else FAULT
-    fault = None if FAULT in ("none", "sigterm") else Fault(kind, FAULT_RANK, FAULT_STEP,
+    fault = None if FAULT in ("none", "sigterm", "hang") else Fault(kind, FAULT_RANK, FAULT_STEP,
                                                functools.partial(record_fault, outdir, FAULT_RANK))
     extra = [SyncOnException(outdir)] if FAULT == "exc_collective" else []
     if INJECT and not USE_FT:

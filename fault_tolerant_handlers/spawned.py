@@ -1,0 +1,172 @@
+"""Ranks started by ``torch.multiprocessing`` print their report themselves.
+
+``mp.spawn`` / ``mp.start_processes`` (what Ignite's ``idist.Parallel`` / ``idist.spawn`` and
+Lightning's ``strategy="ddp_spawn"`` use) run each rank's function inside torch's ``_wrap``, and:
+
+* an exception that leaves the function is **not printed**: ``_wrap`` pickles its traceback into an
+  error file, and the parent prints only the one of the first process that failed;
+* as soon as one process exits non-zero, the parent SIGTERMs every other one, waits (30 s in torch
+  2.13: ``ProcessContext.join`` without a ``grace_period``, which neither Ignite 0.5.5 nor
+  Lightning 2.6.6 pass) and then SIGKILLs it.
+
+So a survivor's own output would hold at most the first line the watchdog logs. Under such a
+launcher (found at session start from the main thread's stack, :func:`detect`), this module:
+
+1. prints the full report (failing rank, exception or signal, remote traceback or hung stack) to
+   this rank's stderr as soon as the rank learns of the failure (:func:`announce`: the watchdog's
+   finding, the main thread taking a peer's failure, a SIGTERM while the job fails), once per failure;
+2. on a SIGTERM that finds nothing known yet, but a same-host peer gone (the parent SIGTERMs only
+   after reaping a process that failed), waits up to :data:`SIGTERM_CAUSE_WAIT` for the cause
+   (:func:`awaited_cause`): the watchdog's finding (which sees a killed peer's signal) or the peer's
+   record in the store; failing both (the store's host is what died), the peer gone, by rank and pid;
+3. keeps a killed rank visible: its liveness helper (forked, so it holds the rank's end of the
+   parent's sentinel pipe) waits :data:`ZOMBIE_HOLD` before leaving when the rank is gone
+   (:func:`hold_zombie`), so the parent cannot reap the rank before its same-host peers read how
+   it ended (``killed by SIGKILL``) from ``/proc``;
+4. writes the report of a reported exit (a hung rank's exit 88, the watchdog ending a survivor with
+   87) into torch's error file (:func:`exiting`), so that the parent raises
+   ``ProcessRaisedException`` with the report instead of ``process 1 terminated with exit code 88``.
+
+Elsewhere (torchrun, a plain script) it does nothing: the interpreter prints the exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from . import _compat_torch
+from ._log import log
+
+if TYPE_CHECKING:
+    from .errors import PeerFailedError
+    from .session import Session
+
+#: How long a SIGTERM that finds a same-host peer gone, and nothing known yet, waits for the cause
+#: (the watchdog's finding or the peer's record); well inside the parent's 30 s before SIGKILL.
+SIGTERM_CAUSE_WAIT = 1.0
+
+#: How long a gone rank's liveness helper stays (keeping the rank a zombie the parent cannot reap yet).
+ZOMBIE_HOLD = 0.5
+
+
+@dataclass
+class _Spawned:
+    error_file: str | None  # torch's error file of this process (None: not found)
+    announced: set[tuple]
+    lock: threading.Lock
+
+
+_state: _Spawned | None = None
+_detected = False
+
+
+def detect() -> bool:
+    """Whether this process runs a rank under ``torch.multiprocessing``'s ``_wrap`` (once per process)."""
+    global _state, _detected
+    if _detected:
+        return _state is not None
+    _detected = True
+    found = _compat_torch.spawn_error_file()
+    if found is not None:
+        _state = _Spawned(found or None, set(), threading.Lock())
+        if not found:
+            log(logging.WARNING, "started by torch.multiprocessing, but its error file was not found: the parent "
+                                 "will report a hung rank by its exit code only")
+    return _state is not None
+
+
+def active() -> bool:
+    return _state is not None
+
+
+def _key(err: BaseException) -> tuple:
+    return (getattr(err, "failed_rank", None), getattr(err, "exc_type", type(err).__name__),
+            (str(err).splitlines() or [""])[0])
+
+
+def announce(rank: int, err: BaseException | None, context: str = "the job fails") -> bool:
+    """Under ``mp.spawn``: print ``err`` in full on this rank's stderr, once per failure. True if the
+    report was printed (now or before)."""
+    state = _state
+    if state is None or err is None:
+        return False
+    key = _key(err)
+    with state.lock:
+        if key in state.announced:
+            return True
+        state.announced.add(key)
+    try:
+        sys.stderr.write(f"[rank {rank}] fault-tolerant-handlers: {context}:\n{err}\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - the report must never raise
+        pass
+    return True
+
+
+def announced(err: BaseException | None) -> bool:
+    state = _state
+    return state is not None and err is not None and _key(err) in state.announced
+
+
+def awaited_cause(session: Session, records: Callable[[], PeerFailedError | None],
+                  wait: float = SIGTERM_CAUSE_WAIT) -> PeerFailedError | None:
+    """On a SIGTERM under ``mp.spawn`` with nothing known yet: if a same-host peer is gone, the
+    cause, waited for up to ``wait`` seconds (the watchdog's finding, else ``records()``: a peer's
+    record in the store), else that peer gone. ``None`` when no peer is gone (this rank is the cause)."""
+    if _state is None:
+        return None
+    gone = session._same_host_probe.poll(time.monotonic())
+    if gone is None:
+        return None
+    deadline = time.monotonic() + wait
+    while True:
+        if session.incident.peer_error is not None:
+            return session.incident.peer_error
+        try:
+            found = records()
+        except Exception:  # noqa: BLE001 - the store may be what died
+            found = None
+        if found is not None:
+            return found
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    return session.incident.peer_error or gone.error
+
+
+def hold_zombie(rank_pid: int) -> None:
+    """In a rank's liveness helper whose rank just went away: under ``mp.spawn``, if the rank is
+    a zombie (it died; its parent cannot reap it while this process holds the sentinel pipe), wait
+    :data:`ZOMBIE_HOLD` so that same-host peers read its exit status. Returns at once otherwise."""
+    if _state is None:
+        return
+    try:
+        with open(f"/proc/{rank_pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return
+    fields = stat[stat.rfind(")") + 2:].split()
+    if fields and fields[0] == "Z":
+        time.sleep(ZOMBIE_HOLD)
+
+
+def exiting(err: BaseException | None, code: int) -> None:
+    """A reported exit under ``mp.spawn``: ``err``'s report goes into torch's error file (created
+    here, never overwritten), which the parent raises as ``ProcessRaisedException``."""
+    state = _state
+    if state is None or state.error_file is None or err is None:
+        return
+    text = f"fault-tolerant-handlers ended this process (exit code {code}) because:\n{err}\n"
+    try:
+        fd = os.open(state.error_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return
+    with os.fdopen(fd, "wb") as fh:
+        pickle.dump(text, fh)  # the format torch's parent reads: a pickled str

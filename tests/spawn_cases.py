@@ -1,0 +1,111 @@
+"""The faults of the spawn-family launcher tests and bench, and what a surviving rank must print.
+
+``idist.Parallel`` (Ignite) and Lightning's ``ddp_spawn`` start the ranks with
+``torch.multiprocessing``, whose parent SIGTERMs every other rank as soon as one exits. A case is
+(launcher, fault); :func:`run_case` runs it once on 2 gloo ranks, each rank's stdout and stderr in a
+file of its own (``OWN_OUTPUT=1``), and :func:`cause_named` says whether a survivor's own output
+names the failing rank and its fault with the remote traceback or the hung stack.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch import PROGRAMS, run_ranks
+
+LAUNCHERS = ("parallel", "ddp_spawn")
+#: fault -> failing rank
+FAULTS = {"kill0": 0, "kill1": 1, "raise": 1, "hang": 1}
+#: The hang deadline the hang cases use (seconds).
+HANG_SEC = 3
+#: The hung line both rank programs sleep on.
+HUNG_LINE = "time.sleep(1000)  # the hung line the report must show"
+#: launcher -> what the failing rank raises, and the line of the rank program that raises it
+RAISED = {
+    "parallel": ("RuntimeError: CUDA-like failure at iteration 3", "fault(RuntimeError("),
+    "ddp_spawn": ("RuntimeError: CUDA-like failure at step 10", "f.fire(RuntimeError("),
+}
+
+
+@dataclass
+class CaseRun:
+    launcher: str
+    fault: str
+    failing: int
+    pids: dict[int, int]
+    outputs: dict[int, str]  # rank -> its own stdout and stderr
+    parent: str  # what the launcher's process printed
+    returncode: int | None
+
+    @property
+    def survivors(self) -> list[int]:
+        return [r for r in (0, 1) if r != self.failing]
+
+
+def _env(launcher: str, fault: str) -> dict[str, str]:
+    failing = FAULTS[fault]
+    env = dict(FAULT_RANK=str(failing), LINGER="0", OWN_OUTPUT="1", USE_FT="1", RERAISE="1")
+    kind = {"kill0": "kill", "kill1": "kill"}.get(fault, fault)
+    if launcher == "parallel":
+        env.update(LAUNCH="parallel", FAULT={"raise": "step"}.get(kind, kind))
+        if fault == "hang":
+            env["HANG"] = str(HANG_SEC)
+    else:
+        env.update(LAUNCH="ddp_spawn", FTH_TEST_TOP="1", OEC="0", FAULT=kind)
+        if fault == "hang":
+            env["FTH_HANG_TIMEOUT_SEC"] = str(HANG_SEC)
+    return env
+
+
+def run_case(launcher: str, fault: str, tmp_path: Path, deadline: float = 150.0) -> CaseRun:
+    if launcher not in LAUNCHERS or fault not in FAULTS:
+        raise ValueError(f"case ({launcher!r}, {fault!r}): launcher one of {LAUNCHERS}, fault one of {tuple(FAULTS)}")
+    script = PROGRAMS / ("ignite_main.py" if launcher == "parallel" else "lightning_main.py")
+    results = run_ranks(1, "", tmp_path, script=script, env=_env(launcher, fault), result_ranks=2, deadline=deadline)
+    outdir = tmp_path / f"{script.stem}-1"
+    pids, outputs = {}, {}
+    for r in results:
+        starts = [e for e in r.events if e.get("event") == "start" and e.get("pid")]
+        if starts:
+            pids[r.rank] = int(starts[-1]["pid"])
+        path = outdir / f"rank{r.rank}.out"
+        outputs[r.rank] = path.read_text(errors="replace") if path.exists() else ""
+    return CaseRun(launcher, fault, FAULTS[fault], pids, outputs, results[0].stderr, results[0].returncode)
+
+
+def missing(run: CaseRun, rank: int) -> list[str]:
+    """What survivor ``rank``'s own output lacks of the cause (empty: it names it in full)."""
+    out, f = run.outputs.get(rank, ""), run.failing
+    wanted: list[str] = []
+    if run.fault in ("kill0", "kill1"):
+        pid = run.pids.get(f)
+        wanted += [f"rank {f} (pid {pid} on ", "lost: killed by SIGKILL"]
+    elif run.fault == "raise":
+        text, line = RAISED[run.launcher]
+        wanted += [f"rank {f} failed", text, f"Traceback of rank {f}", line]
+    else:
+        wanted += [f"RankHung: rank {f} (pid ", " hung: ", f"Main thread stack of rank {f}", HUNG_LINE]
+    return [w for w in wanted if w not in out]
+
+
+def cause_named(run: CaseRun) -> bool:
+    """Every survivor's own output names the cause in full."""
+    return all(not missing(run, r) for r in run.survivors)
+
+
+def parent_names_cause(run: CaseRun) -> bool:
+    """The launcher's final error leads to the failing rank and its fault."""
+    f = run.failing
+    text = run.parent
+    if run.fault in ("kill0", "kill1"):  # torch's own message, or a survivor's report it raises
+        return (f"process {f} terminated with signal SIGKILL" in text
+                or (f"rank {f} (pid {run.pids.get(f)} on " in text and "killed by SIGKILL" in text))
+    if run.fault == "raise":
+        return RAISED[run.launcher][0] in text
+    return f"RankHung: rank {f} hung" in text
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
