@@ -104,7 +104,7 @@ def parent_names_cause(run: CaseRun) -> bool:
                 or (f"rank {f} (pid {run.pids.get(f)} on " in text and "killed by SIGKILL" in text))
     if run.fault == "raise":
         return RAISED[run.launcher][0] in text
-    return f"RankHung: rank {f} hung" in text
+    return f"RankHung: rank {f} (pid {run.pids.get(f)} on " in text and " hung: " in text
 
 
 def events(path: Path) -> list[dict]:

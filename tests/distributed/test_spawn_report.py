@@ -33,4 +33,5 @@ def test_every_survivor_prints_the_cause(launcher, fault, tmp_path):
         # the hung rank's reported exit wrote torch's error file: the parent raises its report
         assert "ProcessRaisedException" in run.parent and "-- Process 1 terminated with the following error" \
             in run.parent, run.parent[-3000:]
-        assert "RankHung: rank 1 hung" in run.parent.split("-- Process 1 terminated")[-1], run.parent[-3000:]
+        tail = run.parent.split("-- Process 1 terminated")[-1]
+        assert "RankHung: rank 1 (pid " in tail and " hung: " in tail, run.parent[-3000:]
