@@ -63,6 +63,7 @@ def test_ignite_rank_hung_in_a_step_after_warm_up_is_reported_within_the_learned
     _assert_reported_within_the_learned_deadline(results[1].event("fault"), results[1], results[0], results[1].returncode)
 
 
+@pytest.mark.long  # suite time: the Lightning no-alarm case runs in make test
 def test_ignite_long_evaluations_and_a_slow_checkpoint_raise_no_alarm(tmp_path):
     # 0.1 s steps: after waiting for rank 0's work, rank 1 is still inside its step at a poll
     env = dict(FAULT="none", SLOW="1", HANG="auto", USE_FT="1", FTH_TEST_PG_TIMEOUT="30", STEP_SLEEP="0.1", **RULE)
@@ -75,6 +76,7 @@ def _lightning(tmp_path, **env):
     return run_ranks(1, "", tmp_path, script=LIGHTNING, env=env, result_ranks=2, deadline=60)
 
 
+@pytest.mark.long  # suite time: the Ignite hung-step case runs in make test
 def test_lightning_rank_hung_in_a_step_after_warm_up_is_reported_within_the_learned_deadline(tmp_path):
     results = _lightning(tmp_path, FAULT="hang", FAULT_RANK="1", FAULT_STEP="12", LINGER="0")
     hung, survivor = results[1], results[0]

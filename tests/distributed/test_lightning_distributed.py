@@ -105,7 +105,7 @@ def _examples_on_path():
         ("ddp", "raise", True),
         ("ddp", "rank0_callback", True),
         ("ddp_spawn", "raise", True),
-        ("ddp_spawn", "validation", False),
+        pytest.param("ddp_spawn", "validation", False, marks=pytest.mark.long),  # suite time
         ("torchrun", "data", False),
     ],
 )
