@@ -56,11 +56,12 @@ class RecordsProbe:
     """
 
     def __init__(self, schema: Schema, rank: int, grace: float, delivered: Callable[[], Container[int]],
-                 start: int = 0) -> None:
+                 start: int = 0, stale: Callable[[FailureRecord], bool] = lambda record: False) -> None:
         self.schema = schema
         self.rank = rank
         self.grace = grace
         self.delivered = delivered
+        self.stale = stale  # late news of a failure already agreed on: not a new failure
         self.seen = start
         self.pending: dict[int, float] = {}  # index -> first seen
 
@@ -77,7 +78,7 @@ class RecordsProbe:
         for index in due:
             del self.pending[index]
             record = self.schema.read(index)
-            if record is not None and record.rank != self.rank:
+            if record is not None and record.rank != self.rank and not self.stale(record):
                 records.append(record)
         if records:
             return Finding(PeerFailedError.from_records(records))

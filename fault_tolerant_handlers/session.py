@@ -253,6 +253,10 @@ class Session:
         self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
         self._flag = torch.zeros(2, dtype=torch.int64)
         self._seq = 0
+        #: The oldest agreement a failure record can still belong to: the one in progress, else the
+        #: next. A record of an earlier one is late news of a failure every rank already raised (a
+        #: rank released from that agreement moved on before a slower failing rank published).
+        self.live_seq = 0
         #: The record counter as the last agreement read it. The run id is new, so it starts at 0 (a
         #: rank may publish before a peer reads it). Written by the main thread only.
         self.consumed = 0
@@ -372,11 +376,13 @@ class Session:
         this rank already knows. Never raises: returns what every rank must do."""
         seq = self._seq
         self._seq += 1
+        self.live_seq = seq
         try:
             outcome = self._agree(kind, name, seq, failure, step, epoch, peer)
             self.failed_before = self.failed_before or outcome.failed
             return outcome
         finally:
+            self.live_seq = seq + 1
             self._next_incident()
 
     def _agree(self, kind, name, seq, failure, step, epoch, peer) -> Outcome:
@@ -422,7 +428,11 @@ class Session:
             self.delivered = frozenset(sorted(self.delivered | set(indices))[-MAX_DELIVERED:])
         if not read:
             return []
-        return [r for r in (self.schema.read(i) for i in indices) if r is not None]
+        return [r for r in (self.schema.read(i) for i in indices) if r is not None and not self.stale(r)]
+
+    def stale(self, record: FailureRecord) -> bool:
+        """A failure in an agreement that has already ended (see :attr:`live_seq`)."""
+        return record.origin == "failure" and record.seq is not None and record.seq < self.live_seq
 
     def _mismatch(self, kind: str, name: str, seq: int) -> SectionMismatchError:
         mine = f"{kind} {name!r} (agreement {seq})"
@@ -511,7 +521,8 @@ class Session:
                 while not done.is_set() and time.monotonic() < deadline:
                     try:
                         indices = schema.new_indices(start, schema.count())
-                        records = [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != self.rank]
+                        records = [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != self.rank
+                                   and not self.stale(r)]
                     except Exception:  # noqa: BLE001 - the store does not answer
                         store_hosts = {self.host_ids[0]}
                         gone = [r for r in suspects if self.host_ids[self.ranks.index(r)] in store_hosts]

@@ -195,7 +195,8 @@ class _Watch:
         try:
             schema = Schema(conn, session.schema.world_size)
             indices = [i for i in schema.new_indices(session.consumed, schema.count()) if i not in session.delivered]
-            records = [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != session.rank]
+            records = [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != session.rank
+                       and not session.stale(r)]
             return PeerFailedError.from_records(records) if records else None
         except Exception:  # noqa: BLE001 - the store is gone: nothing to learn from it
             return None

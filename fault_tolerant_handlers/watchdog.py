@@ -138,7 +138,7 @@ class Watchdog:
         if isinstance(self.hang_timeout, timedelta):
             limit = min(limit, self.hang_timeout + SILENT_MARGIN)
         self.records = RecordsProbe(self._schema, self.rank, RELEASE_GRACE.total_seconds(),
-                                    lambda: session.delivered, start=session.consumed)
+                                    lambda: session.delivered, start=session.consumed, stale=session.stale)
         # The heartbeat and the ring check run in a helper process: the GIL cannot stop them.
         self.liveness = LivenessProcess(session, period=HEARTBEAT_EVERY.total_seconds(), limit=limit.total_seconds())
         self.self_hang = None

@@ -159,3 +159,20 @@ def test_store_loss_probe_declares_the_store_host_after_the_silence():
     found = probe.poll(30.5)
     assert found.error.failed_rank == 0 and found.error.exc_type == "PeerLost"
     assert "hosts the c10d store" in found.error.exc_message and "ConnectionError: refused" in found.error.exc_message
+
+
+def test_records_probe_leaves_late_news_of_a_failure_already_agreed_on():
+    # rank 2 failed in agreement 3, which this rank left (released) before rank 2 published: this
+    # rank is at agreement 4 now, and every rank has already raised for that failure
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    probe = RecordsProbe(mine, rank=0, grace=0.3, delivered=frozenset,
+                         stale=lambda r: r.seq is not None and r.seq < 4)
+    probe.poll(10.0)
+    late = failure(rank=2)
+    peer.publish(FailureRecord(**{**late.__dict__, "seq": 3}))
+    assert probe.poll(10.1) is None and probe.poll(10.5) is None
+    peer.publish(FailureRecord(**{**late.__dict__, "rank": 3, "seq": 4}))  # a failure in the live agreement
+    probe.poll(10.6)
+    found = probe.poll(11.0)
+    assert found is not None and found.error.failed_rank == 3

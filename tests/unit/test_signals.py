@@ -37,6 +37,9 @@ class FakeSession:
     def failure_report(self, wait):
         return self.incident.peer_error  # nothing being explained in these scenarios
 
+    def stale(self, record):
+        return False  # no agreement has ended in these scenarios
+
 
 @pytest.fixture
 def restore_signals():
