@@ -39,17 +39,18 @@ import time
 import traceback
 from typing import Callable, Iterable
 
+from . import config
 from .errors import PeerFailedError
-from .probes import Finding, waiting_on_peers
+from .probes import Finding, hung_rank, waiting_on_peers
 from .record import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
 
 #: Defaults of the rule (seconds, counts); each is an argument of :class:`AutoHangProbe`, and
 #: ``FTH_AUTO_HANG_MULTIPLE``, ``FTH_AUTO_HANG_FLOOR_SEC``, ``FTH_AUTO_HANG_WARMUP`` override the first,
 #: third and fourth (:func:`~.config.auto_hang`).
-DEFAULT_MULTIPLE = 10.0
+DEFAULT_MULTIPLE = config.AUTO_HANG_RANGES["multiple"][1]
 DEFAULT_FIRST_MULTIPLE = 10.0
-DEFAULT_FLOOR = 60.0
-DEFAULT_WARMUP = 20
+DEFAULT_FLOOR = config.AUTO_HANG_RANGES["floor"][1]
+DEFAULT_WARMUP = config.AUTO_HANG_RANGES["warmup"][1]
 
 #: The kinds of work the adapters mark.
 STEP = "step"
@@ -194,8 +195,8 @@ class AutoHangProbe:
             lead = f"has run {stalled:.1f} s"
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
         at = f" at step {step}" if step is not None else ""
-        where = f" (pid {self.pid} on {self.host})" if self.host else ""
-        message = (f"rank {self.rank}{where} hung: {what}{at} {lead}, over the learned deadline of {limit:.1f} s "
+        message = (f"{hung_rank(self.rank, self.pid, self.host)} hung: {what}{at} {lead}, "
+                   f"over the learned deadline of {limit:.1f} s "
                    f"(longest {longest_of} so far: {longest:.2f} s)")
         record = FailureRecord.declared(
             rank=self.rank, kind="RankHung", message=message, by=self.rank, pid=self.pid, host=self.host,
@@ -215,8 +216,6 @@ def writing_checkpoint_explainer(frame) -> tuple[str, object] | None:
 
 def from_config(rank: int, pid: int, frame: Callable[[], object], host: str = "") -> AutoHangProbe:
     """The probe of ``hang_timeout="auto"`` with the ``FTH_AUTO_HANG_*`` settings."""
-    from . import config
-
     rule = config.auto_hang()
     return AutoHangProbe(rank, pid, frame=frame, multiple=rule.multiple, floor=rule.floor, warmup=rule.warmup,
                          explain=[writing_checkpoint_explainer], host=host)

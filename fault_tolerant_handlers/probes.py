@@ -203,14 +203,20 @@ class SelfHangProbe:
             return None
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
         at = f" at step {step}" if step is not None else ""
-        where = f" (pid {self.pid} on {self.host})" if self.host else ""
-        message = f"rank {self.rank}{where} hung: its main thread made no progress for {stalled:.1f} s{at}"
+        message = (f"{hung_rank(self.rank, self.pid, self.host)} hung: its main thread made no progress for "
+                   f"{stalled:.1f} s{at}")
         record = FailureRecord.declared(
             rank=self.rank, kind="RankHung", message=message, by=self.rank, pid=self.pid, host=self.host,
             traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
             time_ms=int(last_wall * 1000), step=step,
         )
         return Finding(PeerFailedError.from_records([record]), declare=record, hung_self=True)
+
+
+def hung_rank(rank: int, pid: int, host: str) -> str:
+    """How a hung rank names itself in its report: ``rank 1 (pid 42 on node-b)``, or ``rank 1``
+    where the host is not known."""
+    return f"rank {rank} (pid {pid} on {host})" if host else f"rank {rank}"
 
 
 def main_thread_frame():

@@ -315,6 +315,11 @@ class Session:
 
     # -- the incident -----------------------------------------------------------------------------
     @property
+    def failing(self) -> bool:
+        """This job has failed here: a failure was delivered, or the watchdog knows a peer's."""
+        return self.failed_before or self.incident.peer_error is not None
+
+    @property
     def known_failure(self) -> PeerFailedError | None:
         """A peer's failure the watchdog already knows (an attribute read: no communication)."""
         return self.incident.peer_error
@@ -434,6 +439,11 @@ class Session:
         """A failure in an agreement that has already ended (see :attr:`live_seq`)."""
         return record.origin == "failure" and record.seq is not None and record.seq < self.live_seq
 
+    def peer_records(self, schema: Schema, indices) -> list[FailureRecord]:
+        """The records at ``indices`` (read through ``schema``) of other ranks, late news left out."""
+        return [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != self.rank
+                and not self.stale(r)]
+
     def _mismatch(self, kind: str, name: str, seq: int) -> SectionMismatchError:
         mine = f"{kind} {name!r} (agreement {seq})"
         sections = {self.rank: mine}
@@ -521,8 +531,7 @@ class Session:
                 while not done.is_set() and time.monotonic() < deadline:
                     try:
                         indices = schema.new_indices(start, schema.count())
-                        records = [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != self.rank
-                                   and not self.stale(r)]
+                        records = self.peer_records(schema, indices)
                     except Exception:  # noqa: BLE001 - the store does not answer
                         store_hosts = {self.host_ids[0]}
                         gone = [r for r in suspects if self.host_ids[self.ranks.index(r)] in store_hosts]
@@ -635,7 +644,7 @@ def _forget_all() -> None:
     from .schema import unblock_stuck_calls
 
     for session in sessions:
-        unblock_stuck_calls(session.keep_ports, busy_too=session.failed_before or session.known_failure is not None)
+        unblock_stuck_calls(session.keep_ports, busy_too=session.failing)
     sessions.clear()
     gc.collect()
 

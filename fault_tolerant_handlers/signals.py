@@ -195,8 +195,7 @@ class _Watch:
         try:
             schema = Schema(conn, session.schema.world_size)
             indices = [i for i in schema.new_indices(session.consumed, schema.count()) if i not in session.delivered]
-            records = [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != session.rank
-                       and not session.stale(r)]
+            records = session.peer_records(schema, indices)
             return PeerFailedError.from_records(records) if records else None
         except Exception:  # noqa: BLE001 - the store is gone: nothing to learn from it
             return None

@@ -339,7 +339,7 @@ def _stop_all() -> None:
     for watchdog in watchdogs:
         watchdog._finishing = True
         watchdog._stop.set()
-    failed = [w.session for w in watchdogs if w.session.failed_before or w.session.known_failure is not None]
+    failed = [w.session for w in watchdogs if w.session.failing]
     if failed:
         # The job failed, perhaps because the store's host is gone: a watchdog waiting in a store
         # call would hold the exit up to its budget. Cut those calls short instead.

@@ -37,8 +37,8 @@ class FakeSession:
     def failure_report(self, wait):
         return self.incident.peer_error  # nothing being explained in these scenarios
 
-    def stale(self, record):
-        return False  # no agreement has ended in these scenarios
+    def peer_records(self, schema, indices):  # no agreement has ended in these scenarios
+        return [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != self.rank]
 
 
 @pytest.fixture
