@@ -549,6 +549,11 @@ def hook_rows(hooks: dict) -> tuple[list[str], float]:
         worst = max(worst, total)
         rows.append(f"| {framework} | {spread(h['hook_us'], '{:.2f}')} | {spread(h['agreement_us'], '{:.0f}')} "
                     f"| {spread(h['all_reduce_us'], '{:.0f}')} | {every or 'None'} | {total:.2f} |")
+    for framework, h in hooks.items():
+        if "noop_callback_us" in h and "direct_us" in h:
+            rows.append(f"{framework} hooks per step, split: the framework's dispatch of any callback (a no-op "
+                        f"Callback) {spread(h['noop_callback_us'], '{:.2f}')} us; the callback's own code called "
+                        f"directly {spread(h['direct_us'], '{:.2f}')} us")
     return rows, worst
 
 
