@@ -115,6 +115,11 @@ def test_report_tables_and_the_last_line_fields(bench):
     rows, hook = bench.hook_rows({"ignite": {"hook_us": [1.0, 2.0, 3.0], "agreement_us": [400.0] * 3,
                                              "all_reduce_us": [300.0] * 3, "sync_every": 100}})
     assert hook == pytest.approx(6.0) and rows[2].endswith("| 100 | 6.00 |")
+    rows, _ = bench.hook_rows({"lightning": {"hook_us": [8.0] * 3, "agreement_us": [700.0] * 3,
+                                             "all_reduce_us": [300.0] * 3, "sync_every": 100,
+                                             "noop_callback_us": [5.0, 6.0, 7.0], "direct_us": [2.0] * 3}})
+    assert rows[3] == ("lightning hooks per step, split: the framework's dispatch of any callback (a no-op Callback) "
+                       "6.00 (5.00-7.00) us; the callback's own code called directly 2.00 (2.00-2.00) us")
 
 
 def test_pid_watcher_wakes_when_a_peer_process_is_killed():
