@@ -26,6 +26,7 @@ connection never breaks the process group's own client (which training needs).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 import weakref
@@ -74,11 +75,32 @@ class ConnectInProgress(RuntimeError):
     """A call found its connection's previous connect still under way (raised inside the worker)."""
 
 
-#: How long past its own timeout a c10d connect may take (its retries can start just before it).
+#: How many times its timeout a c10d TCP client's connect may take: the client tries once more
+#: after a try that timed out (torch 2.13, measured: 1.8 s for a 1 s timeout, 9.8 s for 5 s).
+CONNECT_TRIES = 2
+#: How long past that a connect may take (thread scheduling on a loaded machine).
 CONNECT_SLACK = 1.0
-#: Connects under way in this process -> when each must be over (``time.monotonic()``).
-_connects: dict[object, float] = {}
+#: Connects under way in this process -> (when each must be over, ``time.monotonic()``; its thread).
+_connects: dict[object, tuple[float, threading.Thread]] = {}
 _connects_lock = threading.Lock()
+
+
+class StoreUnreachable(ConnectionError):
+    """The store's port refused a connection or did not answer one (raised before c10d's connect,
+    which would retry a refused port until its timeout, twice)."""
+
+
+def probe_store_port(host: str, port: int, timeout: timedelta) -> None:
+    """One plain TCP connect to the store's port, closed at once, before a c10d client is made.
+
+    A store whose host process has exited refuses the connection at once; c10d's client would
+    retry it for two timeouts (10 s for the main thread's 5 s), and a thread inside that connect
+    can neither be cut short nor left running at interpreter exit. The store's server ignores a
+    client that closes without a request."""
+    try:
+        socket.create_connection((host, port), timeout=timeout.total_seconds()).close()
+    except OSError as err:
+        raise StoreUnreachable(f"the store at {host}:{port} is unreachable: {err}") from None
 
 
 class StoreCallTimeout(TimeoutError):
@@ -131,7 +153,8 @@ class Connection:
             generation = self._generation
         key = object()
         with _connects_lock:
-            _connects[key] = time.monotonic() + self._timeout.total_seconds() + CONNECT_SLACK
+            _connects[key] = (time.monotonic() + CONNECT_TRIES * self._timeout.total_seconds() + CONNECT_SLACK,
+                              threading.current_thread())
         try:
             store = self._factory()
             store.set_timeout(self._timeout)
@@ -196,23 +219,26 @@ def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0, *, busy_too: bo
     have not yet overrun their budget, instead of waiting for them to. Returns how many were stuck."""
     workers = [w for w in set(_stuck) | ({w for w in list(_workers) if w.busy} if busy_too else set())
                if w._thread.is_alive()]
-    if not workers:
+    # A connect cannot be cut short (no socket to shut down yet, or a retry's sleep): the threads
+    # inside one are waited for, each until its connect's bound, busy or not, so that no thread
+    # comes back from c10d while the interpreter finalizes (that aborts the process).
+    with _connects_lock:
+        connects = [c for c in _connects.values() if c[1].is_alive() and c[1] is not threading.current_thread()]
+    if not workers and not connects:
         return 0
-    from .release import cut_connections_to
-
     for worker in workers:
         worker.stuck = True  # no further call is given to it ...
         worker._stopped = True  # ... and it ends as soon as its call returns
-    cut_connections_to(keep_ports)
-    # A connect cannot be cut short (no socket to shut down yet, or a retry's sleep): wait for the
-    # connects under way to end, each within its own timeout, so that no thread comes back from
-    # c10d while the interpreter finalizes (that aborts the process).
-    with _connects_lock:
-        connects_end = max(_connects.values(), default=0.0)
-    deadline = max(time.monotonic() + wait, connects_end)
+    if workers:
+        from .release import cut_connections_to
+
+        cut_connections_to(keep_ports)
+    deadline = time.monotonic() + wait
     for worker in workers:
         worker._thread.join(timeout=max(0.0, deadline - time.monotonic()))
-    return len(workers)
+    for end, thread in connects:
+        thread.join(timeout=max(0.0, end - time.monotonic()))
+    return len({w._thread for w in workers} | {t for _, t in connects})
 
 
 class _Worker:

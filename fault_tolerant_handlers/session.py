@@ -55,7 +55,7 @@ from .errors import PeerFailedError, SectionMismatchError, is_backend_error
 from .probes import PeerPidProbe
 from .record import FailureRecord, host_name, sanitize
 from .release import release_process_groups, store_ports, teardown_at_exit
-from .schema import Connection, Schema
+from .schema import Connection, Schema, probe_store_port
 
 #: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
 MAIN_STORE_TIMEOUT = timedelta(seconds=5)
@@ -299,13 +299,15 @@ class Session:
 
         For a TCP store it is a new client of the store's host and port whose connect is bounded by
         ``timeout`` (``Store.clone`` would retry for the store's own timeout, up to 30 minutes,
-        when the store's host is unreachable); other stores are cloned."""
+        when the store's host is unreachable), after :func:`~.schema.probe_store_port`; other
+        stores are cloned."""
         prefix, base = f"fth/{self.run_id}", self._pg_store
         tcp = _compat_torch.tcp_store_of(base)
         if tcp is not None:
             host, port = tcp.host, tcp.port
 
             def factory() -> dist.Store:
+                probe_store_port(host, port, timeout)
                 return dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout,
                                                               wait_for_workers=False))
         else:

@@ -50,11 +50,24 @@ SIGNAL_STORE_TIMEOUT = timedelta(seconds=1)
 #: How long a signalled rank whose signal ends it stays alive after publishing its record: the
 #: watchdog's record grace (0.3 s) and two polls, so that its peers name the signal.
 CAUSE_LINGER = 0.6
+#: A peer's record of the same signal received within this many seconds of this rank's is the same
+#: delivery (Ctrl-C in a terminal, a scheduler signalling every process): both ranks are causes. A
+#: launcher's SIGTERM to the survivors of a signalled rank comes after that rank's exit, so at least
+#: CAUSE_LINGER after its record: a consequence.
+SAME_DELIVERY = 0.3
 #: How long a rank ended while it works out a peer's failure waits for that explanation.
 REPORT_WAIT = 1.5
 #: How long the main thread's handler waits for the reaction under way in the thread (under mp.spawn it
 #: may wait for the cause: REPORT_WAIT, spawned.SIGTERM_CAUSE_WAIT and a store call).
 REACTION_WAIT = 5.0
+assert SAME_DELIVERY < CAUSE_LINGER
+
+
+def same_delivery(peer: PeerFailedError, name: str, received: float) -> bool:
+    """``peer`` is a peer that received the same signal as this rank at the same moment (one
+    delivery to every process: Ctrl-C, ``scancel``): this rank's own signal, not a consequence."""
+    return (peer.exc_type == "RankSignalled" and peer.exc_message.endswith(f" received {name}")
+            and peer.failed_at is not None and abs(peer.failed_at - received) <= SAME_DELIVERY)
 
 
 class _Watch:
@@ -128,14 +141,15 @@ class _Watch:
             if self.started:
                 return
             self.started = True
+        received = time.time()
         try:
-            self._react(signum)
+            self._react(signum, received)
         except Exception as err:  # noqa: BLE001 - never stand in the way of the signal
             log(logging.WARNING, "could not report signal %s: %s", signal.Signals(signum).name, err)
         finally:
             self.done.set()
 
-    def _react(self, signum: int) -> None:
+    def _react(self, signum: int, received: float) -> None:
         session = self._session()
         if session is None:
             return
@@ -149,7 +163,7 @@ class _Watch:
         # Under mp.spawn, a SIGTERM after a same-host peer's exit waits (briefly) for its cause.
         peer = (session.failure_report(REPORT_WAIT) or spawned.awaited_cause(session, lambda: self._records(session))
                 or self._peer_cause(session))
-        if peer is not None:
+        if peer is not None and not same_delivery(peer, name, received):
             self.kind = "consequence"
             code = 128 + signum
             log(logging.CRITICAL, "ending this process with exit code %d: terminated by %s while the job fails: %s",

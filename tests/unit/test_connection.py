@@ -121,3 +121,54 @@ def test_the_exit_waits_for_a_connect_under_way_which_it_cannot_cut(monkeypatch)
     schema.unblock_stuck_calls({1234}, wait=0.0, busy_too=True)
     assert not worker._thread.is_alive(), "the exit went on with a thread inside a connect"
     conn.close()
+
+
+def test_the_exit_waits_for_a_connect_under_way_even_when_the_job_did_not_fail(monkeypatch):
+    """A connect still within its call's budget (its worker neither stuck nor to be cut) is waited
+    for too: a thread coming back from c10d while the interpreter finalizes aborts the process."""
+    monkeypatch.setattr("fault_tolerant_handlers.release.cut_connections_to", lambda ports: 0)
+
+    def factory():
+        time.sleep(0.6)
+        return BlockingStore(_set())
+
+    conn = Connection(factory, timedelta(seconds=2), "t")
+    caller = threading.Thread(target=lambda: conn.call("add", "k", 1))
+    caller.start()
+    time.sleep(0.1)  # the call's connect is under way, well within the 2.5 s budget
+    worker = conn._worker
+    assert schema.unblock_stuck_calls({1234}, wait=0.0, busy_too=False) == 1
+    assert not worker._thread.is_alive() or not schema._connects, "the exit went on with a thread inside a connect"
+    assert not schema._connects
+    caller.join(2)
+    conn.close()
+
+
+def test_a_connect_is_bounded_by_two_tries_of_its_timeout():
+    """c10d's TCP client tries a timed-out connect once more: the exit's wait must cover both."""
+    go = threading.Event()
+    conn = Connection(lambda: (go.wait(5), BlockingStore(_set()))[1], timedelta(seconds=1), "t")
+    caller = threading.Thread(target=lambda: conn.call("add", "k", 1))
+    caller.start()
+    time.sleep(0.1)
+    [(end, thread)] = schema._connects.values()
+    assert thread is conn._worker._thread
+    assert 2.8 <= end - time.monotonic() <= 3.0  # 2 tries x 1 s + CONNECT_SLACK
+    go.set()
+    caller.join(2)
+    conn.close()
+
+
+def test_a_connection_to_a_store_whose_host_has_exited_fails_at_once():
+    """A refused port is the definitive answer of a host whose store has gone: no c10d connect,
+    which would retry it for two timeouts."""
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=2), wait_for_workers=False)
+    port = master.port
+    schema.probe_store_port("127.0.0.1", port, timedelta(seconds=1))  # listening: no error
+    del master
+    start = time.monotonic()
+    with pytest.raises(schema.StoreUnreachable, match=f"127.0.0.1:{port} is unreachable"):
+        schema.probe_store_port("127.0.0.1", port, timedelta(seconds=5))
+    assert time.monotonic() - start < 0.5

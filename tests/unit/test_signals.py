@@ -112,6 +112,41 @@ def test_a_signal_after_a_peers_failure_publishes_nothing(restore_signals, monke
     assert watch.kind == "consequence" and session.schema.count() == 1
 
 
+def _signalled_peer(store, name, at_ms):
+    session = FakeSession(store)
+    session.schema.publish(FailureRecord.declared(rank=0, kind="RankSignalled", by=0, pid=4242, host="node-a",
+                                                  message=f"rank 0 (pid 4242 on node-a) received {name}",
+                                                  time_ms=at_ms))
+    return session
+
+
+def test_a_signal_every_rank_received_at_once_is_each_ranks_own(restore_signals, monkeypatch):
+    """Ctrl-C in a terminal: rank 0's record of the same SIGINT at the same moment does not make
+    rank 1 a consequence; it publishes its own."""
+    monkeypatch.setattr(signals, "release_process_groups", lambda store: "nothing")
+    session = _signalled_peer(dist.HashStore(), "SIGINT", int(time.time() * 1000))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    watch = signals._Watch(session)
+    watch.install()
+    with pytest.raises(KeyboardInterrupt):
+        _deliver(signal.SIGINT)
+    assert watch.kind == "cause" and session.schema.count() == 2
+    assert session.schema.read(2).exc_message.startswith("rank 1 (pid ") and session.schema.read(2).rank == 1
+
+
+def test_a_launchers_sigterm_after_a_signalled_peer_left_is_a_consequence(restore_signals, monkeypatch):
+    """Rank 0 was SIGTERMed by the user and exited; the launcher's SIGTERM reaches rank 1 after
+    rank 0's linger: a consequence, nothing published."""
+    monkeypatch.setattr(signals, "release_process_groups", lambda store: pytest.fail("released"))
+    session = _signalled_peer(dist.HashStore(), "SIGTERM", int((time.time() - signals.CAUSE_LINGER) * 1000))
+    calls = []
+    signal.signal(signal.SIGTERM, lambda s, f: calls.append(s))
+    watch = signals._Watch(session)
+    watch.install()
+    _deliver(signal.SIGTERM)
+    assert calls == [signal.SIGTERM] and watch.kind == "consequence" and session.schema.count() == 1
+
+
 def test_an_ignored_signal_stays_ignored(restore_signals):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch = signals._Watch(FakeSession(dist.HashStore()))
