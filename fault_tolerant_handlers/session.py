@@ -423,19 +423,36 @@ class Session:
         return Outcome(True, PeerFailedError.from_records(records, fallback_rank=got_flag - 1, section=name))
 
     def _consume(self, *, read: bool) -> list[FailureRecord]:
-        """Take the records published since the last agreement (the watchdog leaves them alone)."""
+        """Take the records published since the last agreement (the watchdog leaves them alone).
+
+        A failure record of the *next* agreement ends the taking: a peer released from this
+        agreement before this rank may already have failed in the next one (never further: the one
+        after needs this rank), and that record is the next agreement's to deliver (taken now, the
+        next agreement would miss it and name a later failure instead). So every record is read,
+        also when this rank does not need their content (``read=False``: it raises its own failure
+        or a peer's it already knows)."""
         try:
             count = self.schema.count()
         except Exception as err:  # noqa: BLE001
             log(logging.WARNING, "could not read failure records: %s", (str(err).splitlines() or [""])[0][:200])
             return []
         indices = self.schema.new_indices(self.consumed, count)
-        self.consumed = count
-        if indices:
-            self.delivered = frozenset(sorted(self.delivered | set(indices))[-MAX_DELIVERED:])
-        if not read:
+        if not indices:
+            self.consumed = count  # nothing new, or a corrupted counter (warned): carry on from it
             return []
-        return [r for r in (self.schema.read(i) for i in indices) if r is not None and not self.stale(r)]
+        taken: list[int] = []
+        records: list[FailureRecord] = []
+        for index in indices:
+            record = self.schema.read(index)
+            if record is not None and record.origin == "failure" and record.seq == self.live_seq + 1:
+                break  # the next agreement's (no peer can be further ahead): left for it, with what follows
+            taken.append(index)
+            if record is not None and not self.stale(record):
+                records.append(record)
+        if taken:
+            self.consumed = taken[-1]
+            self.delivered = frozenset(sorted(self.delivered | set(taken))[-MAX_DELIVERED:])
+        return records if read else []
 
     def stale(self, record: FailureRecord) -> bool:
         """A failure in an agreement that has already ended (see :attr:`live_seq`)."""

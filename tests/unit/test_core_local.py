@@ -200,3 +200,42 @@ def test_the_two_integer_agreement_carries_the_flag_and_catches_ranks_out_of_ste
     assert flag == failed
     if in_step is not None:
         assert same is in_step
+
+
+def _consuming_session(store: dist.Store, live_seq: int) -> session_mod.Session:
+    """The parts of a session that taking records uses, over a HashStore (no process group)."""
+    from fault_tolerant_handlers.schema import Connection, Schema
+
+    s = session_mod.Session.__new__(session_mod.Session)
+    s.schema = Schema(Connection(lambda: dist.PrefixStore("fth/t", store), timedelta(seconds=1), "main"), 4)
+    s.consumed, s.delivered, s.live_seq = 0, frozenset(), live_seq
+    return s
+
+
+def _failure(rank: int, seq: int, message: str) -> FailureRecord:
+    try:
+        raise KeyError(message)
+    except KeyError as exc:
+        return FailureRecord.from_exception(exc, rank=rank, section="two", seq=seq)
+
+
+def test_a_failure_of_the_next_agreement_is_left_for_it():
+    """Agreement 3 ends; a peer released first fails at once in agreement 4 and publishes before
+    this rank takes agreement 3's records: agreement 3 names rank 1, agreement 4 names rank 2."""
+    store = dist.HashStore()
+    s = _consuming_session(store, live_seq=3)
+    publisher = _consuming_session(store, live_seq=3).schema
+    publisher.publish(_failure(1, 3, "first1"))
+    publisher.publish(_failure(2, 3, "second2"))
+    publisher.publish(_failure(2, 4, "first2"))  # the next agreement's
+    got = s._consume(read=True)
+    assert [(r.rank, r.seq) for r in got] == [(1, 3), (2, 3)]
+    assert s.consumed == 2 and s.delivered == {1, 2}
+    s.live_seq = 4
+    publisher.publish(_failure(1, 4, "second1"))
+    got = s._consume(read=False)  # this rank failed itself in agreement 4: the records are still taken
+    assert s.consumed == 4 and s.delivered == {1, 2, 3, 4} and got == []
+    s.consumed, s.delivered = 2, frozenset({1, 2})
+    got = s._consume(read=True)
+    assert [(r.rank, r.exc_message) for r in got] == [(2, "'first2'"), (1, "'second1'")]
+    assert PeerFailedError.from_records(got).failed_rank == 2
