@@ -34,7 +34,8 @@ Environment:
                  step deadline of the time: the first validation batch of epoch 0 and the write of a
                  checkpoint saved by ``ModelCheckpoint(every_n_train_steps=12)`` inside step 12 (a slow
                  disk: ``CheckpointIO``); each is recorded as a ``slow`` event; 2 epochs instead of 3
-    OWN_OUTPUT   1 (ddp_spawn): each rank's stdout and stderr go to ``<outdir>/rank<r>.out`` from its start
+    OWN_OUTPUT   1: each rank's stdout and stderr go to ``<outdir>/rank<r>.out`` from its start (with ddp,
+                 from just before ``trainer.fit``)
 
 Each rank appends JSON events to ``<outdir>/rank<r>.jsonl`` (``fault``, ``run_raised``,
 ``run_returned``, ``exit``); with ddp_spawn the parent writes ``parent.jsonl`` and the ranks record
@@ -316,6 +317,10 @@ def main() -> None:
         name = "parent"
     else:
         name = f"rank{trainer.global_rank}"
+        if os.environ.get("OWN_OUTPUT") == "1":
+            from launch import own_output
+
+            own_output(out / f"{name}.out")
         record(outdir, name, "start")
         record_injections(outdir, name)
     try:
