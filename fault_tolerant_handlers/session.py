@@ -479,6 +479,9 @@ class Session:
             return exc
         if not is_backend_error(exc):
             return None
+        own = signals.own_signal(self)  # this rank's own SIGTERM/SIGINT broke it: no peer to blame
+        if own is not None:
+            return own
         known = self.incident.peer_error
         if known is None:
             found = self._same_host_probe.poll(time.monotonic())

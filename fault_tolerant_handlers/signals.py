@@ -65,6 +65,8 @@ class _Watch:
         self.started = False
         self.done = threading.Event()
         self.kind: str | None = None  # "cause" or "consequence", once reacted
+        #: This rank's own signal, as the error its main thread raises for a collective broken after it.
+        self.cause: PeerFailedError | None = None
         self._rsock: socket.socket | None = None
         self._wsock: socket.socket | None = None
 
@@ -115,6 +117,11 @@ class _Watch:
             return prev(signum, frame)
         if prev is signal.SIG_IGN:
             return None
+        if self.kind == "cause" and signal.getsignal(signum) != self._handler:
+            # A handler put in front of this one later calls it (Lightning's, which chains the one
+            # it found): what the signal does is that handler's to say (Lightning's stops the fit
+            # at the next batch, through its exception path: checkpoints), not the default's.
+            return None
         # SIG_DFL (or a handler set outside Python): end as the signal would have, once the peers
         # had the time to read the record (else a same-host peer sees only a process gone).
         if self.kind == "cause":
@@ -162,11 +169,13 @@ class _Watch:
                 pass
             errorfile.survivor(session, peer)
             return
-        self.kind = "cause"
-        incident.local = True  # the peers' reaction is not a failure to escalate here
         message = f"rank {session.rank} (pid {os.getpid()} on {session.host}) received {name}"
         record = FailureRecord.declared(rank=session.rank, kind="RankSignalled", message=message, by=session.rank,
                                         pid=os.getpid(), host=session.host)
+        self.cause = PeerFailedError.from_records([record])
+        self.kind = "cause"
+        incident.local = True  # the peers' reaction is not a failure to escalate here
+        session.failed_before = True  # the job fails: its exit does not wait on a store that may be leaving
         log(logging.ERROR, "%s: telling the other ranks", message)
         errorfile.signalled(record)
         conn = session.connection("signal", SIGNAL_STORE_TIMEOUT)
@@ -204,6 +213,15 @@ class _Watch:
 
 
 _watch: _Watch | None = None
+
+
+def own_signal(session: Session) -> PeerFailedError | None:
+    """The signal this rank received as the job's cause (its ``RankSignalled``), or ``None``: a
+    collective broken after it is the consequence of that signal, not of a peer's failure."""
+    watch = _watch
+    if watch is None or watch.kind != "cause" or watch._session() is not session:
+        return None
+    return watch.cause
 
 
 def install(session: Session) -> None:
