@@ -12,7 +12,8 @@ under ``ddp_spawn`` and ``ddp``) with one fault: rank 0 or rank 1 SIGKILLed mid-
 its step, or rank 1 hung (hang deadline 3 s). A run counts as "cause named" when the survivor's own
 stdout/stderr names the failing rank and its fault (pid and ``killed by SIGKILL``; the exception with
 the remote traceback; ``RankHung`` with the hung line), and "parent leads" when the launcher's final
-error does (torch's parent error; torchrun's Root Cause; none for Lightning ``ddp``, whose launcher
+error does (torch's parent error, and for a SIGKILL whether it names the rank's pid and the
+signal, not only ``process 1 terminated with signal SIGKILL``; torchrun's Root Cause; none for Lightning ``ddp``, whose launcher
 is rank 0 itself: ``tests/spawn_cases.py``).
 """
 
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from spawn_cases import FAULTS, LAUNCHERS, cause_named, missing, parent_names_cause, run_case  # noqa: E402
+from spawn_cases import FAULTS, LAUNCHERS, cause_named, missing, parent_names_cause, parent_names_kill, run_case  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     cases = [(launcher, fault) for launcher in args.launchers for fault in args.faults]
     named = {c: 0 for c in cases}
     parent = {c: 0 for c in cases}
+    kill = {c: 0 for c in cases}
     seconds: dict[tuple[str, str], list[float]] = {c: [] for c in cases}
     # Round-robin (one run of every case per round), so that an interrupted bench still has
     # comparable counts for every case: each round prints the counts so far.
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
             named[case] += ok
             led = parent_names_cause(run)
             parent[case] = None if led is None else parent[case] + led
+            full = parent_names_kill(run)
+            kill[case] = None if full is None else kill[case] + full
             seconds[case].append(time.monotonic() - start)
             if args.verbose and not ok:
                 for r in run.survivors:
@@ -67,14 +71,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"after {i + 1} runs each: " + ", ".join(f"{l} {f} {named[(l, f)]}/{i + 1}" for l, f in cases),
               flush=True)
     print("\n| launcher | fault | cause named (survivor's own output) | launcher's final error leads to it "
-          "| median s a run (spread) |")
-    print("|---|---|---:|---:|---:|")
+          "| it names the killed rank's pid and signal | median s a run (spread) |")
+    print("|---|---|---:|---:|---:|---:|")
     for case in cases:
         spent = sorted(seconds[case])
         median = spent[len(spent) // 2] if spent else float("nan")
         spread = f"{spent[0]:.0f}-{spent[-1]:.0f}" if spent else "-"
         led = "-" if parent[case] is None else f"{parent[case]}/{args.runs}"
-        print(f"| {case[0]} | {case[1]} | {named[case]}/{args.runs} | {led} "
+        full = "-" if kill[case] is None else f"{kill[case]}/{args.runs}"
+        print(f"| {case[0]} | {case[1]} | {named[case]}/{args.runs} | {led} | {full} "
               f"| {median:.0f} ({spread}) |")
 
 if __name__ == "__main__":

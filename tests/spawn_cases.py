@@ -151,5 +151,15 @@ def parent_names_cause(run: CaseRun) -> bool | None:
     return f"RankHung: rank {f} (pid {run.pids.get(f)} on " in text and " hung: " in text
 
 
+def parent_names_kill(run: CaseRun) -> bool | None:
+    """For a SIGKILL under ``mp.spawn``: the parent's error names the killed rank, its pid and the
+    signal (the rank's liveness helper wrote torch's error file, or a survivor's report is raised)
+    rather than only ``process 1 terminated with signal SIGKILL``. ``None`` for other cases."""
+    if run.fault not in ("kill0", "kill1") or run.launcher not in ("parallel", "ddp_spawn"):
+        return None
+    f = run.failing
+    return f"rank {f} (pid {run.pids.get(f)} on " in run.parent and "killed by SIGKILL" in run.parent
+
+
 def events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
