@@ -50,6 +50,10 @@ SIGNAL_STORE_TIMEOUT = timedelta(seconds=1)
 #: How long a signalled rank whose signal ends it stays alive after publishing its record: the
 #: watchdog's record grace (0.3 s) and two polls, so that its peers name the signal.
 CAUSE_LINGER = 0.6
+#: A peer's ``RankSignalled`` this recent, when a framework's handler (Lightning's) is in front of
+#: this one, is the same signal to the whole job (a preemption; Lightning's ``ddp`` rank 0 forwards
+#: it to the ranks it started): this rank is signalled too, not a survivor being ended.
+SIGNALLED_TOGETHER = 1.0
 #: How long a rank ended while it works out a peer's failure waits for that explanation.
 REPORT_WAIT = 1.5
 #: How long the main thread's handler waits for the reaction under way in the thread (under mp.spawn it
@@ -156,6 +160,8 @@ class _Watch:
         # Under mp.spawn, a SIGTERM after a same-host peer's exit waits (briefly) for its cause.
         peer = (session.failure_report(REPORT_WAIT) or spawned.awaited_cause(session, lambda: self._records(session))
                 or self._peer_cause(session))
+        if peer is not None and self._signalled_together(peer, signum):
+            peer = None
         if peer is not None:
             self.kind = "consequence"
             code = 128 + signum
@@ -188,6 +194,12 @@ class _Watch:
             # this rank's collectives fail at once instead of waiting for them.
             what = release_process_groups(session._pg_store)
             log(logging.INFO, "released this rank's collectives: %s", what)
+
+    def _signalled_together(self, peer: PeerFailedError, signum: int) -> bool:
+        """``peer`` is a peer receiving this same signal just now, under a framework's handler."""
+        return (peer.exc_type == "RankSignalled" and peer.exc_message.endswith(f"received {signal.Signals(signum).name}")
+                and peer.failed_at is not None
+                and abs(time.time() - peer.failed_at) < SIGNALLED_TOGETHER and signal.getsignal(signum) != self._handler)
 
     @staticmethod
     def _peer_cause(session: Session) -> PeerFailedError | None:
