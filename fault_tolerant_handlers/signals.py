@@ -12,7 +12,12 @@ already there (Lightning's, a user's, Python's default), never replacing it:
    ``RankSignalled`` record, so that every peer raises :class:`~.errors.PeerFailedError` naming it
    and the signal within the watchdog's record grace, and writes its own error file;
 2. then it calls the previous handler (``SIGTERM``'s default ends the process with the signal, as
-   before; ``SIGINT``'s raises ``KeyboardInterrupt``; Lightning's runs as it would have).
+   before; ``SIGINT``'s raises ``KeyboardInterrupt``; Lightning's runs as it would have). When a
+   handler put in front of this one later calls it (Lightning's, registered in ``fit`` after the
+   session started), that handler says what the signal does: the default is not enacted after it,
+   a peer's ``RankSignalled`` of the same moment is the same preemption (this rank is signalled
+   too), and a collective broken after this rank's own signal raises its ``RankSignalled``
+   (:func:`own_signal`, read by ``Session.classify``).
 
 Python runs signal handlers in the main thread only, between bytecodes: a main thread blocked in a
 collective would run it late. So the reaction also runs from a thread (``fth-signals``) woken by
