@@ -331,6 +331,8 @@ class Session:
             incident = self.incident
             if incident.peer_error is not None:
                 return None
+            if signals.own_signal(self) is not None:
+                return None  # this rank's own SIGTERM/SIGINT ends it: a peer's failure after it changes nothing
             incident.peer_error = err
             if incident.local:
                 return None

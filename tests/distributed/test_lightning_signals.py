@@ -50,12 +50,12 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _signalled(tmp_path: Path, act) -> dict:
+def _signalled(tmp_path: Path, act, step_sleep: float = 0.2) -> dict:
     """Run the training; once both ranks are a few steps in, ``act(pids)`` sends the signals.
     Returns the signal's time, when each rank's process was gone, and every rank's events and output."""
     out = tmp_path / "lightning_main-1"
     env = dict(LAUNCH="ddp", FTH_TEST_TOP="1", FAULT="none", USE_FT="1", OEC="1", ITER_EVENTS="1",
-               STEP_SLEEP="0.2", SIGTERM_EVENTS="1", OWN_OUTPUT="1", RERAISE="1", LINGER="0")
+               STEP_SLEEP=str(step_sleep), SIGTERM_EVENTS="1", OWN_OUTPUT="1", RERAISE="1", LINGER="0")
     done: dict = {}
 
     def run() -> None:
@@ -145,14 +145,17 @@ def test_sigterm_after_the_store_host_was_killed(tmp_path):
 
 
 @pytest.mark.long  # make test-long
-def test_sigterm_to_the_whole_job_runs_lightnings_stop(tmp_path):
-    """SIGTERM to rank 0, which Lightning's handler forwards to rank 1: a preemption of the job."""
+@pytest.mark.parametrize("step_sleep", [0.2, 1.5])
+def test_sigterm_to_the_whole_job_runs_lightnings_stop(tmp_path, step_sleep):
+    """SIGTERM to rank 0, which Lightning's handler forwards to rank 1: a preemption of the job. With
+    1.5 s steps, the peers' records are read (0.3 s grace) and an agreement (every 4 steps) starts a
+    new incident long before the next batch, where Lightning stops: neither makes it a failure."""
     def act(pids):
         t = time.time()
         os.kill(pids[0], signal.SIGTERM)
         return t
 
-    run = _signalled(tmp_path, act)
+    run = _signalled(tmp_path, act, step_sleep)
     t = run["t"]
     for r in (0, 1):
         events = run["events"][r]
@@ -161,8 +164,8 @@ def test_sigterm_to_the_whole_job_runs_lightnings_stop(tmp_path):
         assert taken["exc_type"] == "SIGTERMException", taken
         raised = _one(events, "run_raised")
         assert raised["raised"] == "SIGTERMException", raised
-        assert raised["t"] - t < RAISE_BOUND, raised["t"] - t
-        assert run["ended"][r] - t < END_BOUND, run["ended"][r] - t
+        assert raised["t"] - t < RAISE_BOUND + step_sleep, raised["t"] - t  # at the next batch
+        assert run["ended"][r] - t < END_BOUND + step_sleep, run["ended"][r] - t
         assert f"rank {r} (pid {run['pids'][r]} on " in run["output"][r] and "received SIGTERM" in run["output"][r]
     # OnExceptionCheckpoint wrote the trained state (its barrier ran on unreleased collectives)
     import torch
