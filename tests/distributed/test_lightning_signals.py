@@ -14,11 +14,12 @@ waiting on a collective or on the lost store cannot end within the bound by a ti
 * rank 0 SIGKILLed (the store's host), then rank 1 SIGTERMed at once: rank 1 raises ``PeerLost:
   rank 0 ... killed by SIGKILL`` and ends, never waiting on the lost store;
 * rank 0 SIGTERMed (Lightning's launcher forwards it to rank 1: a preemption of the whole job):
-  Lightning's own stop runs on both ranks, ``SIGTERMException`` with ``OnExceptionCheckpoint``
-  writing its checkpoint, nothing released.
+  Lightning's own stop runs on both ranks, ``SIGTERMException`` at the next batch with
+  ``OnExceptionCheckpoint`` writing its checkpoint, nothing released, also with steps longer than
+  the watchdog's record grace.
 
 Every process is killed by PID at the end (``run_ranks``; rank 1 is in rank 0's session). About
-25 s each on the loaded machine: the default suite runs the first, ``make test-long`` all three.
+25 s each on the loaded machine: the default suite runs the first, ``make test-long`` every one.
 """
 
 from __future__ import annotations
