@@ -64,9 +64,11 @@ def main(argv: list[str] | None = None) -> None:
             seconds[case].append(time.monotonic() - start)
             if args.verbose and not ok:
                 for r in run.survivors:
-                    print(f"{launcher} {fault} run {i + 1}: rank {r} lacks {missing(run, r)}\n"
-                          f"{run.outputs.get(r, '')[-3000:]}", flush=True)
-            if args.verbose and led is False:
+                    out = run.outputs.get(r, "")
+                    said = [line for line in out.splitlines() if " lost" in line or "PeerFailedError" in line][-8:]
+                    print(f"{launcher} {fault} run {i + 1}: rank {r} lacks {missing(run, r)}; what it said:\n"
+                          + "\n".join(said) + f"\n--- its output's tail:\n{out[-3000:]}", flush=True)
+            if args.verbose and (led is False or full is False):
                 print(f"{launcher} {fault} run {i + 1}: the launcher's output:\n{run.parent[-2500:]}", flush=True)
         print(f"after {i + 1} runs each: " + ", ".join(f"{l} {f} {named[(l, f)]}/{i + 1}" for l, f in cases),
               flush=True)
