@@ -1,15 +1,20 @@
-"""How often every surviving rank of an ``mp.spawn``-family job names the cause in its own output.
+"""How often every surviving rank of a launched job names the cause in its own output.
 
     PYTHONPATH=. python bench/spawn_report.py --runs 20
     PYTHONPATH=. python bench/spawn_report.py --runs 5 --launchers parallel --faults kill0 hang
+    PYTHONPATH=. python bench/spawn_report.py --runs 20 --launchers lightning_ddp torchrun
 
 ``idist.Parallel`` (Ignite) and Lightning ``ddp_spawn`` SIGTERM every other rank as soon as one
-process exits. Each run is a real 2-rank gloo DDP training (``tests/ignite_main.py``,
-``tests/lightning_main.py``) with one fault: rank 0 or rank 1 SIGKILLed mid-step, rank 1 raising in
+process exits; Lightning ``ddp`` SIGKILLs every rank within 5 s of a child's failed exit; torchrun
+SIGTERMs the other workers within its monitor interval (0.1 s). Each run is a real 2-rank gloo DDP
+training (``tests/ignite_main.py`` under ``idist.Parallel`` and torchrun, ``tests/lightning_main.py``
+under ``ddp_spawn`` and ``ddp``) with one fault: rank 0 or rank 1 SIGKILLed mid-step, rank 1 raising in
 its step, or rank 1 hung (hang deadline 3 s). A run counts as "cause named" when the survivor's own
 stdout/stderr names the failing rank and its fault (pid and ``killed by SIGKILL``; the exception with
 the remote traceback; ``RankHung`` with the hung line), and "parent leads" when the launcher's final
-error does (``tests/spawn_cases.py``).
+error does (torch's parent error, and for a SIGKILL whether it names the rank's pid and the
+signal, not only ``process 1 terminated with signal SIGKILL``; torchrun's Root Cause; none for Lightning ``ddp``, whose launcher
+is rank 0 itself: ``tests/spawn_cases.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from spawn_cases import FAULTS, LAUNCHERS, cause_named, missing, parent_names_cause, run_case  # noqa: E402
+from spawn_cases import FAULTS, LAUNCHERS, cause_named, missing, parent_names_cause, parent_names_kill, run_case  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     cases = [(launcher, fault) for launcher in args.launchers for fault in args.faults]
     named = {c: 0 for c in cases}
     parent = {c: 0 for c in cases}
+    kill = {c: 0 for c in cases}
     seconds: dict[tuple[str, str], list[float]] = {c: [] for c in cases}
     # Round-robin (one run of every case per round), so that an interrupted bench still has
     # comparable counts for every case: each round prints the counts so far.
@@ -51,24 +57,31 @@ def main(argv: list[str] | None = None) -> None:
                     continue
             ok = cause_named(run)
             named[case] += ok
-            parent[case] += parent_names_cause(run)
+            led = parent_names_cause(run)
+            parent[case] = None if led is None else parent[case] + led
+            full = parent_names_kill(run)
+            kill[case] = None if full is None else kill[case] + full
             seconds[case].append(time.monotonic() - start)
             if args.verbose and not ok:
                 for r in run.survivors:
-                    print(f"{launcher} {fault} run {i + 1}: rank {r} lacks {missing(run, r)}\n"
-                          f"{run.outputs.get(r, '')[-3000:]}", flush=True)
-            if args.verbose and not parent_names_cause(run):
+                    out = run.outputs.get(r, "")
+                    said = [line for line in out.splitlines() if " lost" in line or "PeerFailedError" in line][-8:]
+                    print(f"{launcher} {fault} run {i + 1}: rank {r} lacks {missing(run, r)}; what it said:\n"
+                          + "\n".join(said) + f"\n--- its output's tail:\n{out[-3000:]}", flush=True)
+            if args.verbose and (led is False or full is False):
                 print(f"{launcher} {fault} run {i + 1}: the launcher's output:\n{run.parent[-2500:]}", flush=True)
         print(f"after {i + 1} runs each: " + ", ".join(f"{l} {f} {named[(l, f)]}/{i + 1}" for l, f in cases),
               flush=True)
     print("\n| launcher | fault | cause named (survivor's own output) | launcher's final error leads to it "
-          "| median s a run (spread) |")
-    print("|---|---|---:|---:|---:|")
+          "| it names the killed rank's pid and signal | median s a run (spread) |")
+    print("|---|---|---:|---:|---:|---:|")
     for case in cases:
         spent = sorted(seconds[case])
         median = spent[len(spent) // 2] if spent else float("nan")
         spread = f"{spent[0]:.0f}-{spent[-1]:.0f}" if spent else "-"
-        print(f"| {case[0]} | {case[1]} | {named[case]}/{args.runs} | {parent[case]}/{args.runs} "
+        led = "-" if parent[case] is None else f"{parent[case]}/{args.runs}"
+        full = "-" if kill[case] is None else f"{kill[case]}/{args.runs}"
+        print(f"| {case[0]} | {case[1]} | {named[case]}/{args.runs} | {led} | {full} "
               f"| {median:.0f} ({spread}) |")
 
 if __name__ == "__main__":

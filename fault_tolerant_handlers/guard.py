@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
-from . import config
+from . import config, signals
 from ._log import log
 from .errors import PeerFailedError
 from .sections import check_name
@@ -157,6 +157,12 @@ class Guard:
         """
         session = self.session
         if session is None or getattr(exc, HANDLED_ATTR, False):
+            return exc
+        if isinstance(exc, SystemExit) and signals.own_signal(session) is not None:
+            # The framework's answer to this rank's own SIGTERM (Lightning's SIGTERMException, at the
+            # next batch): the peers know it already (RankSignalled), and its exception path
+            # (checkpoints, their barriers) runs on unreleased.
+            mark(exc, HANDLED_ATTR)
             return exc
         peer = session.classify(exc)
         if peer is not None:

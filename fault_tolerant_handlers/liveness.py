@@ -65,7 +65,7 @@ def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: fl
         readable, _, _ = select.select([stop_fd], [], [], period)
         if readable:
             break  # the rank stopped its watchdog (or is gone: the pipe closed)
-    spawned.hold_zombie(parent)  # under mp.spawn: same-host peers read how a dead rank ended
+    spawned.hold_zombie(parent, session.rank, session.host)  # under mp.spawn: how a dead rank ended
 
 
 def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool]) -> None:

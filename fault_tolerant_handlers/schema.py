@@ -83,6 +83,15 @@ CONNECT_SLACK = 1.0
 #: Connects under way in this process -> (when each must be over, ``time.monotonic()``; its thread).
 _connects: dict[object, tuple[float, threading.Thread]] = {}
 _connects_lock = threading.Lock()
+#: Set at the exit of a failed job (:func:`stop_connecting`): no new connect starts, so that the
+#: exit waits only for the connects already under way (a lost store's host never answers).
+_no_new_connects = False
+
+
+def stop_connecting() -> None:
+    """From now on, a connection without a client fails its calls at once instead of connecting."""
+    global _no_new_connects
+    _no_new_connects = True
 
 
 class StoreUnreachable(ConnectionError):
@@ -149,6 +158,8 @@ class Connection:
                 return self._store
             if self._connecting:
                 raise ConnectInProgress("the connect to the store before this call has not ended yet")
+            if _no_new_connects:
+                raise ConnectInProgress("the process is exiting after the job failed: no new connect")
             self._connecting = True
             generation = self._generation
         key = object()

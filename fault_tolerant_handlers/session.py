@@ -333,6 +333,8 @@ class Session:
             incident = self.incident
             if incident.peer_error is not None:
                 return None
+            if signals.own_signal(self) is not None:
+                return None  # this rank's own SIGTERM/SIGINT ends it: a peer's failure after it changes nothing
             incident.peer_error = err
             if incident.local:
                 return None
@@ -498,6 +500,9 @@ class Session:
             return exc
         if not is_backend_error(exc):
             return None
+        own = signals.own_signal(self)  # this rank's own SIGTERM/SIGINT broke it: no peer to blame
+        if own is not None:
+            return own
         known = self.incident.peer_error
         if known is None:
             found = self._same_host_probe.poll(time.monotonic())

@@ -12,7 +12,12 @@ already there (Lightning's, a user's, Python's default), never replacing it:
    ``RankSignalled`` record, so that every peer raises :class:`~.errors.PeerFailedError` naming it
    and the signal within the watchdog's record grace, and writes its own error file;
 2. then it calls the previous handler (``SIGTERM``'s default ends the process with the signal, as
-   before; ``SIGINT``'s raises ``KeyboardInterrupt``; Lightning's runs as it would have).
+   before; ``SIGINT``'s raises ``KeyboardInterrupt``; Lightning's runs as it would have). When a
+   handler put in front of this one later calls it (Lightning's, registered in ``fit`` after the
+   session started), that handler says what the signal does: the default is not enacted after it,
+   a peer's ``RankSignalled`` of the same moment is the same preemption (this rank is signalled
+   too), and a collective broken after this rank's own signal raises its ``RankSignalled``
+   (:func:`own_signal`, read by ``Session.classify``).
 
 Python runs signal handlers in the main thread only, between bytecodes: a main thread blocked in a
 collective would run it late. So the reaction also runs from a thread (``fth-signals``) woken by
@@ -55,6 +60,10 @@ CAUSE_LINGER = 0.6
 #: launcher's SIGTERM to the survivors of a signalled rank comes after that rank's exit, so at least
 #: CAUSE_LINGER after its record: a consequence.
 SAME_DELIVERY = 0.3
+#: The same, when a framework's handler (Lightning's) is in front of this one: that handler does not
+#: end the process at once (no launcher's SIGTERM follows within a second), and Lightning's ``ddp``
+#: rank 0 forwards the signal to the ranks it started, later than a delivery to every process.
+SIGNALLED_TOGETHER = 1.0
 #: How long a rank ended while it works out a peer's failure waits for that explanation.
 REPORT_WAIT = 1.5
 #: How long the main thread's handler waits for the reaction under way in the thread (under mp.spawn it
@@ -63,11 +72,13 @@ REACTION_WAIT = 5.0
 assert SAME_DELIVERY < CAUSE_LINGER
 
 
-def same_delivery(peer: PeerFailedError, name: str, received: float) -> bool:
+def same_delivery(peer: PeerFailedError, name: str, received: float, window: float = SAME_DELIVERY) -> bool:
     """``peer`` is a peer that received the same signal as this rank at the same moment (one
-    delivery to every process: Ctrl-C, ``scancel``): this rank's own signal, not a consequence."""
+    delivery to every process: Ctrl-C, ``scancel``, a preemption): this rank's own signal, not a
+    consequence. ``window``: :data:`SAME_DELIVERY`, or :data:`SIGNALLED_TOGETHER` under a
+    framework's handler."""
     return (peer.exc_type == "RankSignalled" and peer.exc_message.endswith(f" received {name}")
-            and peer.failed_at is not None and abs(peer.failed_at - received) <= SAME_DELIVERY)
+            and peer.failed_at is not None and abs(peer.failed_at - received) <= window)
 
 
 class _Watch:
@@ -78,6 +89,8 @@ class _Watch:
         self.started = False
         self.done = threading.Event()
         self.kind: str | None = None  # "cause" or "consequence", once reacted
+        #: This rank's own signal, as the error its main thread raises for a collective broken after it.
+        self.cause: PeerFailedError | None = None
         self._rsock: socket.socket | None = None
         self._wsock: socket.socket | None = None
 
@@ -128,6 +141,11 @@ class _Watch:
             return prev(signum, frame)
         if prev is signal.SIG_IGN:
             return None
+        if self.kind == "cause" and signal.getsignal(signum) != self._handler:
+            # A handler put in front of this one later calls it (Lightning's, which chains the one
+            # it found): what the signal does is that handler's to say (Lightning's stops the fit
+            # at the next batch, through its exception path: checkpoints), not the default's.
+            return None
         # SIG_DFL (or a handler set outside Python): end as the signal would have, once the peers
         # had the time to read the record (else a same-host peer sees only a process gone).
         if self.kind == "cause":
@@ -163,7 +181,8 @@ class _Watch:
         # Under mp.spawn, a SIGTERM after a same-host peer's exit waits (briefly) for its cause.
         peer = (session.failure_report(REPORT_WAIT) or spawned.awaited_cause(session, lambda: self._records(session))
                 or self._peer_cause(session))
-        if peer is not None and not same_delivery(peer, name, received):
+        window = SAME_DELIVERY if signal.getsignal(signum) == self._handler else SIGNALLED_TOGETHER
+        if peer is not None and not same_delivery(peer, name, received, window):
             self.kind = "consequence"
             code = 128 + signum
             log(logging.CRITICAL, "ending this process with exit code %d: terminated by %s while the job fails: %s",
@@ -176,11 +195,13 @@ class _Watch:
                 pass
             errorfile.survivor(session, peer)
             return
-        self.kind = "cause"
-        incident.local = True  # the peers' reaction is not a failure to escalate here
         message = f"rank {session.rank} (pid {os.getpid()} on {session.host}) received {name}"
         record = FailureRecord.declared(rank=session.rank, kind="RankSignalled", message=message, by=session.rank,
                                         pid=os.getpid(), host=session.host)
+        self.cause = PeerFailedError.from_records([record])
+        self.kind = "cause"
+        incident.local = True  # the peers' reaction is not a failure to escalate here
+        session.failed_before = True  # the job fails: its exit does not wait on a store that may be leaving
         log(logging.ERROR, "%s: telling the other ranks", message)
         errorfile.signalled(record)
         conn = session.connection("signal", SIGNAL_STORE_TIMEOUT)
@@ -218,6 +239,15 @@ class _Watch:
 
 
 _watch: _Watch | None = None
+
+
+def own_signal(session: Session) -> PeerFailedError | None:
+    """The signal this rank received as the job's cause (its ``RankSignalled``), or ``None``: a
+    collective broken after it is the consequence of that signal, not of a peer's failure."""
+    watch = _watch
+    if watch is None or watch.kind != "cause" or watch._session() is not session:
+        return None
+    return watch.cause
 
 
 def install(session: Session) -> None:

@@ -22,7 +22,10 @@ launcher (found at session start from the main thread's stack, :func:`detect`), 
 3. keeps a killed rank visible: its liveness helper (forked, so it holds the rank's end of the
    parent's sentinel pipe) waits :data:`ZOMBIE_HOLD` before leaving when the rank is gone
    (:func:`hold_zombie`), so the parent cannot reap the rank before its same-host peers read how
-   it ended (``killed by SIGKILL``) from ``/proc``;
+   it ended (``killed by SIGKILL``) from ``/proc``; before that it writes torch's error file for a
+   rank killed by a signal (:func:`killed`: the helper knows the path, forked after the rank found
+   it), so that the parent raises ``ProcessRaisedException: ... rank 1 (pid N on host) lost: killed
+   by SIGKILL`` instead of ``process 1 terminated with signal SIGKILL``;
 4. writes the report of a reported exit (a hung rank's exit 88, the watchdog ending a survivor with
    87) into torch's error file (:func:`exiting`), so that the parent raises
    ``ProcessRaisedException`` with the report instead of ``process 1 terminated with exit code 88``.
@@ -141,9 +144,10 @@ def awaited_cause(session: Session, records: Callable[[], PeerFailedError | None
     return session.incident.peer_error or gone.error
 
 
-def hold_zombie(rank_pid: int) -> None:
+def hold_zombie(rank_pid: int, rank: int | None = None, host: str = "") -> None:
     """In a rank's liveness helper whose rank just went away: under ``mp.spawn``, if the rank is
-    a zombie (it died; its parent cannot reap it while this process holds the sentinel pipe), wait
+    a zombie (it died; its parent cannot reap it while this process holds the sentinel pipe), write
+    torch's error file for it when a signal killed it (:func:`killed`), then wait
     :data:`ZOMBIE_HOLD` so that same-host peers read its exit status. Returns at once otherwise."""
     if _state is None:
         return
@@ -154,7 +158,37 @@ def hold_zombie(rank_pid: int) -> None:
         return
     fields = stat[stat.rfind(")") + 2:].split()
     if fields and fields[0] == "Z":
+        if rank is not None:
+            killed(rank_pid, rank, host)
         time.sleep(ZOMBIE_HOLD)
+
+
+def killed(rank_pid: int, rank: int, host: str) -> bool:
+    """The rank (a zombie its parent cannot reap yet) was killed by a signal: write torch's error
+    file for it, so that the parent raises ``ProcessRaisedException`` naming the rank, its pid and
+    the signal instead of ``process 1 terminated with signal SIGKILL``. Created here only when
+    absent (a rank's own report stands); the parent reads it once every process has ended."""
+    state = _state
+    if state is None or state.error_file is None:
+        return False
+    from ._procfs import process_state
+
+    how = process_state(rank_pid) or ""
+    if not how.startswith("killed by "):
+        return False
+    text = (f"fault-tolerant-handlers: rank {rank} (pid {rank_pid} on {host}) lost: {how} (seen by its liveness "
+            f"helper: a killed process prints no traceback)\n")
+    return _write_error_file(state.error_file, text)
+
+
+def _write_error_file(path: str, text: str) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return False
+    with os.fdopen(fd, "wb") as fh:
+        pickle.dump(text, fh)  # the format torch's parent reads: a pickled str
+    return True
 
 
 def exiting(err: BaseException | None, code: int) -> None:
@@ -164,9 +198,4 @@ def exiting(err: BaseException | None, code: int) -> None:
     if state is None or state.error_file is None or err is None:
         return
     text = f"fault-tolerant-handlers ended this process (exit code {code}) because:\n{err}\n"
-    try:
-        fd = os.open(state.error_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
-        return
-    with os.fdopen(fd, "wb") as fh:
-        pickle.dump(text, fh)  # the format torch's parent reads: a pickled str
+    _write_error_file(state.error_file, text)

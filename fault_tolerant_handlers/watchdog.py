@@ -343,8 +343,9 @@ def _stop_all() -> None:
     if failed:
         # The job failed, perhaps because the store's host is gone: a watchdog waiting in a store
         # call would hold the exit up to its budget. Cut those calls short instead.
-        from .schema import unblock_stuck_calls
+        from .schema import stop_connecting, unblock_stuck_calls
 
+        stop_connecting()  # the store may be gone: no call may start a connect the exit would wait for
         unblock_stuck_calls(set().union(*(s.keep_ports for s in failed)), wait=0.5, busy_too=True)
     for watchdog in watchdogs:
         watchdog.stop(join_timeout=max(0.0, deadline - time.monotonic()))

@@ -109,6 +109,7 @@ def run_ranks(
     result_ranks: int | None = None,
     launcher: list[str] | None = None,
     stragglers_grace: float | None = None,
+    wait_sessions: bool = False,
 ) -> list[RankResult]:
     """Run ``scenario`` on ``world_size`` real processes; return what every rank recorded.
 
@@ -118,7 +119,9 @@ def run_ranks(
     ``launcher`` such as ``["-m", "torch.distributed.run", "--nproc-per-node", "2"]`` put between the
     interpreter and the script, which is given ``--master-port`` too). With ``stragglers_grace``,
     once all but one process have exited, the last one gets that many seconds before it is killed
-    (for a rank frozen on purpose, which only its launcher would end).
+    (for a rank frozen on purpose, which only its launcher would end). With ``wait_sessions``, the
+    processes those started (Lightning ``ddp``'s rank 1, a child of rank 0) are waited for too, up
+    to ``deadline``, once the started ones have exited.
 
     With ``expect_hang=False`` a rank still alive at ``deadline`` fails the test. Every process
     started here is killed by PID (its whole session) before this returns.
@@ -162,7 +165,9 @@ def run_ranks(
                 end = min(end, time.monotonic() + stragglers_grace)
                 stragglers_grace = None
             time.sleep(0.05)
-        hung = [r for r, p in enumerate(procs) if p.poll() is None]
+        while wait_sessions and time.monotonic() < end and any(_session_alive(p.pid) for p in procs):
+            time.sleep(0.05)
+        hung = [r for r, p in enumerate(procs) if p.poll() is None or (wait_sessions and _session_alive(p.pid))]
         time.sleep(0.5)  # children (DataLoader workers) get a moment to follow their rank
         leaked = [r for r, p in enumerate(procs) if r not in hung and _session_alive(p.pid)]
     finally:

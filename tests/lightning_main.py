@@ -34,7 +34,11 @@ Environment:
                  step deadline of the time: the first validation batch of epoch 0 and the write of a
                  checkpoint saved by ``ModelCheckpoint(every_n_train_steps=12)`` inside step 12 (a slow
                  disk: ``CheckpointIO``); each is recorded as a ``slow`` event; 2 epochs instead of 3
-    OWN_OUTPUT   1 (ddp_spawn): each rank's stdout and stderr go to ``<outdir>/rank<r>.out`` from its start
+    STEP_SLEEP   seconds every training step sleeps (default 0)
+    SIGTERM_EVENTS 1: record ``lightning_sigterm_start`` / ``lightning_sigterm_end`` around Lightning's own
+                 SIGTERM handler, and ``on_exception`` (what ``fit`` took) in a callback
+    OWN_OUTPUT   1: each rank's stdout and stderr go to ``<outdir>/rank<r>.out`` from its start (with ddp,
+                 from just before ``trainer.fit``)
 
 Each rank appends JSON events to ``<outdir>/rank<r>.jsonl`` (``fault``, ``run_raised``,
 ``run_returned``, ``exit``); with ddp_spawn the parent writes ``parent.jsonl`` and the ranks record
@@ -82,6 +86,7 @@ RESTARTABLE = os.environ.get("RESTARTABLE") == "1"
 ITER_EVENTS = os.environ.get("ITER_EVENTS") == "1"
 INJECT = os.environ.get("FTH_INJECT", "").strip()
 SLOW = os.environ.get("SLOW") == "1"
+STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))
 
 
 def record(outdir: str, name: str, event: str, **fields) -> None:
@@ -194,6 +199,13 @@ class IterationEvents(pl.Callback):
         record(self.outdir, f"rank{trainer.global_rank}", "iteration_completed", iteration=trainer.global_step)
 
 
+class StepSleep(pl.Callback):
+    """STEP_SLEEP: every training step sleeps that many seconds (a training long enough to be signalled)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        time.sleep(STEP_SLEEP)
+
+
 class SignalSelf(pl.Callback):
     """FAULT=sigterm: rank FAULT_RANK sends itself a real SIGTERM at step FAULT_STEP (a preemption)."""
 
@@ -282,9 +294,41 @@ def slow_checkpoint_io(outdir: str, trainer):
     return SlowDisk()
 
 
+def record_lightning_sigterm(outdir: str) -> None:
+    """SIGTERM_EVENTS=1: record when Lightning's own SIGTERM handler starts and ends (and what it raised)."""
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    notifier = _SignalConnector._sigterm_notifier_fn
+
+    def recorded(self, signum, frame):
+        name = f"rank{self.trainer.global_rank}"
+        record(outdir, name, "lightning_sigterm_start")
+        try:
+            notifier(self, signum, frame)
+        except BaseException as exc:
+            record(outdir, name, "lightning_sigterm_end", raised=type(exc).__name__, message=str(exc)[:500])
+            raise
+        record(outdir, name, "lightning_sigterm_end", raised=None)
+
+    _SignalConnector._sigterm_notifier_fn = recorded
+
+
+class RecordSigtermException(pl.Callback):
+    """SIGTERM_EVENTS=1: record the exception Lightning's fit takes (``SIGTERMException`` after its handler)."""
+
+    def __init__(self, outdir: str) -> None:
+        self.outdir = outdir
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        record(self.outdir, f"rank{trainer.global_rank}", "on_exception", exc_type=type(exception).__name__,
+               message=str(exception)[:500])
+
+
 def main() -> None:
     outdir = sys.argv[1]
     out = Path(outdir)
+    if os.environ.get("SIGTERM_EVENTS") == "1":
+        record_lightning_sigterm(outdir)
     kind = "raise" if FAULT == "exc_collective" else FAULT
     fault = None if FAULT in ("none", "sigterm", "hang") else Fault(kind, FAULT_RANK, FAULT_STEP,
                                                functools.partial(record_fault, outdir, FAULT_RANK))
@@ -295,6 +339,10 @@ def main() -> None:
         extra.append(IterationEvents(outdir))
     if FAULT == "sigterm":
         extra.append(SignalSelf(outdir))
+    if os.environ.get("SIGTERM_EVENTS") == "1":
+        extra.append(RecordSigtermException(outdir))
+    if STEP_SLEEP:
+        extra.append(StepSleep())
     if SLOW:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -316,6 +364,10 @@ def main() -> None:
         name = "parent"
     else:
         name = f"rank{trainer.global_rank}"
+        if os.environ.get("OWN_OUTPUT") == "1":
+            from launch import own_output
+
+            own_output(out / f"{name}.out")
         record(outdir, name, "start")
         record_injections(outdir, name)
     try:

@@ -3,6 +3,7 @@ the record is published before the previous handler runs, which still runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -161,3 +162,74 @@ def test_not_installed_outside_the_main_thread(restore_signals, monkeypatch):
     t.start()
     t.join()
     assert signals._watch is None and signal.getsignal(signal.SIGTERM) == before
+
+
+class _Os:
+    """``os`` for the signals module, with ``kill`` recorded instead of sent (SIGTERM's default would
+    end the test process)."""
+
+    def __init__(self):
+        self.killed = []
+
+    def getpid(self):
+        return os.getpid()
+
+    def kill(self, pid, signum):
+        self.killed.append(signum)
+
+
+def _in_front(watch, calls):
+    """A framework's handler installed after the session's, chaining to it (as Lightning's does)."""
+    def framework(signum, frame):
+        calls.append(signum)
+        watch._handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, framework)
+
+
+@pytest.mark.parametrize("framework_in_front", [True, False])
+def test_a_handler_put_in_front_decides_what_sigterm_does(restore_signals, monkeypatch, framework_in_front):
+    monkeypatch.setattr(signals, "release_process_groups", lambda store: "nothing")
+    fake_os = _Os()
+    monkeypatch.setattr(signals, "os", fake_os)
+    monkeypatch.setattr(signals, "CAUSE_LINGER", 0.0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    session = FakeSession(dist.HashStore())
+    watch = signals._Watch(session)
+    watch.install()
+    calls = []
+    if framework_in_front:
+        _in_front(watch, calls)
+        _deliver(signal.SIGTERM)
+        assert calls == [signal.SIGTERM] and fake_os.killed == []  # the framework's handler says what SIGTERM does
+    else:
+        watch._handler(signal.SIGTERM, None)  # as delivered: SIG_DFL was the previous handler
+        assert fake_os.killed == [signal.SIGTERM]  # its default still ends the process
+    assert watch.kind == "cause" and session.schema.count() == 1
+    assert signals.own_signal(session) is None  # this watch is not the process's installed one
+    monkeypatch.setattr(signals, "_watch", watch)
+    own = signals.own_signal(session)
+    assert own is not None and own.exc_type == "RankSignalled" and own.failed_rank == 1
+
+
+@pytest.mark.parametrize("framework_in_front, age", [(True, 0.0), (True, 0.8), (True, 5.0), (False, 0.0), (False, 0.6)])
+def test_a_peer_signalled_at_the_same_moment_is_the_same_preemption(restore_signals, monkeypatch,
+                                                                   framework_in_front, age):
+    monkeypatch.setattr(signals, "release_process_groups", lambda store: "nothing")
+    monkeypatch.setattr(signals, "os", _Os())
+    monkeypatch.setattr(signals, "CAUSE_LINGER", 0.0)
+    session = FakeSession(dist.HashStore())
+    record = FailureRecord.declared(rank=0, kind="RankSignalled", message="rank 0 (pid 7 on node-a) received SIGTERM",
+                                    by=0, pid=7, host="node-a")
+    record = dataclasses.replace(record, time_ms=record.time_ms - int(age * 1000))
+    session.schema.publish(record)
+    signal.signal(signal.SIGTERM, lambda s, f: None)
+    watch = signals._Watch(session)
+    watch.install()
+    if framework_in_front:
+        _in_front(watch, [])
+    _deliver(signal.SIGTERM)
+    together = age <= (signals.SIGNALLED_TOGETHER if framework_in_front else signals.SAME_DELIVERY)
+    # signalled with the job (a preemption: its own record too), or ended after the peer's signal
+    assert watch.kind == ("cause" if together else "consequence"), watch.kind
+    assert session.schema.count() == (2 if together else 1)

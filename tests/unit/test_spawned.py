@@ -40,6 +40,33 @@ def test_not_spawned_here():
     assert _compat_torch.spawn_error_file() is None
 
 
+def _killed_with_its_helper(index: int) -> None:
+    """A rank with a forked helper (as its liveness process is) SIGKILLs itself."""
+    import signal
+    import time
+
+    from fault_tolerant_handlers._procfs import process_state
+
+    assert spawned.detect()
+    rank_pid = os.getpid()
+    if os.fork() == 0:  # the helper: holds the parent's sentinel pipe, as every fork of the rank does
+        try:
+            while process_state(rank_pid) is None:
+                time.sleep(0.01)
+            spawned.hold_zombie(rank_pid, 1, "host-a")
+        finally:
+            os._exit(0)
+    os.kill(rank_pid, signal.SIGKILL)
+
+
+def test_a_killed_ranks_helper_writes_what_the_parent_raises():
+    with pytest.raises(mp.ProcessRaisedException) as info:
+        mp.spawn(_killed_with_its_helper, nprocs=1)
+    text = str(info.value)
+    assert "-- Process 0 terminated with the following error:" in text
+    assert f"rank 1 (pid {info.value.error_pid} on host-a) lost: killed by SIGKILL" in text, text
+
+
 def test_a_reported_exit_is_what_the_parent_raises():
     with pytest.raises(mp.ProcessRaisedException) as info:
         mp.spawn(_hung_exit, nprocs=1)
