@@ -22,7 +22,7 @@ demo: $(STAMP)
 # The tests marked long (stock-framework comparisons, more multi-host runs) keep the suite to its
 # time budget: deselected here.
 test: $(STAMP)
-	$(PY) -m pytest -q tests -m "not long"
+	$(PY) -m pytest -q tests -m "not long" --durations=25
 
 # Everything, the long tests included.
 test-long: $(STAMP)
