@@ -78,7 +78,7 @@ def check(framework: str, tmp_path: Path) -> list[dict]:
     return killed
 
 
-@pytest.mark.slow
+@pytest.mark.long  # suite time: a worker kill in a real Engine runs in test_inject.py (survived in place) and test_dataloader.py (nothing lost or repeated)
 @pytest.mark.timeout(200)
 def test_ignite_two_ranks_same_weights_after_worker_kill(tmp_path):
     killed = check("ignite", tmp_path)

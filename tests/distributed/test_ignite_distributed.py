@@ -94,6 +94,7 @@ def test_under_idist_parallel(tmp_path):
     _assert_failed_together(results, "step")
 
 
+@pytest.mark.long  # suite time: Ignite under torchrun runs in test_torchrun_distributed.py
 def test_under_torchrun(tmp_path):
     results = run_ranks(1, "", tmp_path, script=SCRIPT, env=dict(FAULT="handler", LINGER="3"), result_ranks=2,
                         deadline=60, launcher=["-m", "torch.distributed.run", "--nproc-per-node=2"])

@@ -103,8 +103,8 @@ def _examples_on_path():
     "launch, fault, oec",
     [
         ("ddp", "raise", True),
-        ("ddp", "rank0_callback", True),
-        ("ddp_spawn", "raise", True),
+        pytest.param("ddp", "rank0_callback", True, marks=pytest.mark.long),  # suite time: Ignite's rank0_handler runs
+        pytest.param("ddp_spawn", "raise", True, marks=pytest.mark.long),  # suite time: ddp_spawn in test_spawn_report.py
         pytest.param("ddp_spawn", "validation", False, marks=pytest.mark.long),  # suite time
         ("torchrun", "data", False),
     ],

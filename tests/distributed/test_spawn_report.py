@@ -21,8 +21,8 @@ from spawn_cases import LAUNCHERS, missing, run_case
 pytestmark = pytest.mark.timeout(200)
 
 #: (launcher, fault) run by the default suite; the other pairs are marked long.
-DEFAULT = {("parallel", "kill0"), ("ddp_spawn", "hang"),  # a ddp_spawn raise: test_lightning_distributed too
-           ("lightning_ddp", "kill1"), ("torchrun", "hang")}
+DEFAULT = {("parallel", "kill0"), ("ddp_spawn", "hang"),
+           ("lightning_ddp", "kill1")}  # torchrun: test_torchrun_distributed.py
 CASES = [pytest.param(launcher, fault, marks=() if (launcher, fault) in DEFAULT else pytest.mark.long)
          for launcher in LAUNCHERS for fault in ("kill0", "kill1", "raise", "hang")]
 

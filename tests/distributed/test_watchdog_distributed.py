@@ -99,7 +99,7 @@ def test_frozen_rank_is_named_silent_by_its_neighbour(tmp_path):
     assert results[1].returncode is None  # still SIGSTOPped: its launcher ends it (here: the harness)
 
 
-@pytest.mark.parametrize("launch", ["ddp", "ddp_spawn"])
+@pytest.mark.parametrize("launch", ["ddp", pytest.param("ddp_spawn", marks=pytest.mark.long)])  # suite time: a SIGKILL under mp.spawn also in test_spawn_report.py
 def test_sigkilled_peer_in_a_lightning_fit(launch, tmp_path):
     """A real ``Trainer.fit`` with the callback: rank 1 is SIGKILLed mid-epoch (ddp: Lightning's
     subprocess launcher; ddp_spawn: rank 0 hosts the store in a spawned process, and
