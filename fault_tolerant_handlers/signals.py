@@ -43,7 +43,7 @@ from ._log import log
 from .errors import PeerFailedError
 from .record import FailureRecord
 from .release import release_process_groups
-from .schema import Schema
+from .schema import Schema, StoreUnreachable
 
 if TYPE_CHECKING:
     from .session import Session
@@ -232,10 +232,27 @@ class _Watch:
             indices = [i for i in schema.new_indices(session.consumed, schema.count()) if i not in session.delivered]
             records = session.peer_records(schema, indices)
             return PeerFailedError.from_records(records) if records else None
+        except StoreUnreachable as err:  # its port refuses, or does not answer, a connection
+            return _store_host_lost(session, err)
         except Exception:  # noqa: BLE001 - the store is gone: nothing to learn from it
             return None
         finally:
             conn.close()
+
+
+def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError | None:
+    """Seen from another host, a store that refuses or does not answer connections is the store's
+    host gone: torchrun's agent SIGTERMs its workers when it loses its rendezvous store, sometimes
+    before the rank's own broken collective is explained. ``None`` on the store's own host (the
+    pid check says what happened there)."""
+    if session.host_ids[session.group_rank] == session.host_ids[0]:
+        return None
+    rank, pid, host = session.ranks[0], session.pids[0], session.hosts[0]
+    why = str(err).rsplit(": ", 1)[-1][:120]
+    record = FailureRecord.declared(rank=rank, kind="PeerLost", by=session.rank, pid=pid, host=host,
+                                    message=f"rank {rank} (pid {pid} on {host}) lost: its host, which holds the "
+                                            f"c10d store, no longer accepts connections ({why})")
+    return PeerFailedError.from_records([record])
 
 
 _watch: _Watch | None = None

@@ -50,8 +50,18 @@ def assert_no_own_failure(res: MultiHostResult, rank: int) -> None:
         f"rank {rank} recorded its own failure:\n{res.describe()}")
 
 
+#: What a rank its launcher SIGTERMs prints when that signal is the consequence of a peer's failure
+#: (``signals.py``): torchrun's agent on a store host's death, sometimes before the rank's main thread
+#: has raised. The process then ends by the signal (its ``ended_at`` bounds when it printed).
+_SIGTERM_REPORT = re.compile(r"\[rank (\d+)\] fault-tolerant-handlers: SIGTERM while the job fails:\n(\w+: rank (\d+) .*)")
+
+
 def assert_names(res: MultiHostResult, rank: int, lost: int, within: float, host: str | None = None) -> None:
     got = reported_peer(res.ranks[rank])
+    if got is None:
+        printed = [m for m in _SIGTERM_REPORT.finditer(res.log(res.host_of(rank).index)) if int(m.group(1)) == rank]
+        if printed and res.ranks[rank].ended_at is not None:
+            got = int(printed[0].group(3)), res.ranks[rank].ended_at, printed[0].group(2)
     assert got is not None, f"rank {rank} named no failed peer:\n{res.describe()}"
     named, t, text = got
     assert named == lost, f"rank {rank} named rank {named}, not {lost}: {text}\n{res.describe()}"

@@ -233,3 +233,28 @@ def test_a_peer_signalled_at_the_same_moment_is_the_same_preemption(restore_sign
     # signalled with the job (a preemption: its own record too), or ended after the peer's signal
     assert watch.kind == ("cause" if together else "consequence"), watch.kind
     assert session.schema.count() == (2 if together else 1)
+
+
+class _StoreGoneSession(FakeSession):
+    """Rank 1 on node-b; the store (and rank 0) on node-a, which now refuses connections."""
+
+    ranks, group_rank, pids, hosts = [0, 1], 1, [4242, 77], ["node-a", "node-b"]
+
+    def __init__(self, store_host_ids):
+        super().__init__(dist.HashStore())
+        self.host_ids = store_host_ids
+
+    def connection(self, name, timeout):
+        def refused():
+            raise signals.StoreUnreachable("the store at 10.0.0.1:29500 is unreachable: [Errno 111] Connection refused")
+        return Connection(refused, timeout, name)
+
+
+def test_a_sigterm_from_another_host_after_the_store_host_died_names_the_store_host():
+    """torchrun's agent SIGTERMs rank 1 when its rendezvous store (on node-a) is gone, before rank 1's
+    broken collective is explained: the store refusing connections names rank 0, not rank 1's signal."""
+    found = signals._Watch._records(_StoreGoneSession([11, 22]))
+    assert found is not None and found.failed_rank == 0 and found.exc_type == "PeerLost"
+    assert found.exc_message == ("rank 0 (pid 4242 on node-a) lost: its host, which holds the c10d store, no longer "
+                                 "accepts connections ([Errno 111] Connection refused)")
+    assert signals._Watch._records(_StoreGoneSession([11, 11])) is None  # same host: the pid check decides
