@@ -526,6 +526,13 @@ class Session:
         wanted = {_digest(a) for a in addresses_named(str(exc))}
         return [self.ranks[i] for i, a in enumerate(self.address_ids) if a in wanted and i != self.group_rank]
 
+    def lost_record(self, rank: int, why: str) -> FailureRecord:
+        """This rank declares global rank ``rank`` lost (``PeerLost``), naming its pid and host."""
+        i = self.ranks.index(rank)
+        message = f"rank {rank} (pid {self.pids[i]} on {self.hosts[i]}) lost: {why}"
+        return FailureRecord.declared(rank=rank, kind="PeerLost", message=message, by=self.rank,
+                                      pid=self.pids[i], host=self.hosts[i])
+
     def _explain(self, exc: BaseException) -> PeerFailedError | None:
         """Why a collective broke: a record of another rank not yet delivered, or a suspect (a rank at
         the address the error names) whose heartbeat has stopped or whose host held the store that no
@@ -541,12 +548,6 @@ class Session:
         detail = next(iter(re.findall(r"(Connection [a-z ]+by peer|Connection closed|Read error|Timed out)", first_line)),
                       "the connection broke")
 
-        def lost(rank: int, why: str) -> FailureRecord:
-            i = self.ranks.index(rank)
-            message = f"rank {rank} (pid {self.pids[i]} on {self.hosts[i]}) lost: {why}"
-            return FailureRecord.declared(rank=rank, kind="PeerLost", message=message, by=self.rank,
-                                          pid=self.pids[i], host=self.hosts[i])
-
         def reader() -> None:
             # Its own thread and connection: a store call can block when the store's host died with
             # its socket still held open by a child process; the main thread never waits past the deadline.
@@ -560,7 +561,7 @@ class Session:
                         store_hosts = {self.host_ids[0]}
                         gone = [r for r in suspects if self.host_ids[self.ranks.index(r)] in store_hosts]
                         if gone:
-                            found.extend(lost(r, f"{detail} from its host, which holds the c10d store, and the "
+                            found.extend(self.lost_record(r, f"{detail} from its host, which holds the c10d store, and the "
                                                  "store does not answer") for r in gone)
                             break
                         time.sleep(0.1)
@@ -578,7 +579,7 @@ class Session:
                         elif now - last[1] >= SUSPECT_SILENCE:
                             silent.append(r)
                     if silent:
-                        declared = [lost(r, f"{detail} [{', '.join(addresses_named(first_line))}] and no heartbeat "
+                        declared = [self.lost_record(r, f"{detail} [{', '.join(addresses_named(first_line))}] and no heartbeat "
                                             f"for {SUSPECT_SILENCE:.1f} s") for r in silent]
                         for record in declared:
                             if schema.claim_declaration(record.rank):

@@ -141,7 +141,7 @@ class _Watch:
             return prev(signum, frame)
         if prev is signal.SIG_IGN:
             return None
-        if self.kind == "cause" and signal.getsignal(signum) != self._handler:
+        if self.kind == "cause" and self._framework_in_front(signum):
             # A handler put in front of this one later calls it (Lightning's, which chains the one
             # it found): what the signal does is that handler's to say (Lightning's stops the fit
             # at the next batch, through its exception path: checkpoints), not the default's.
@@ -153,6 +153,10 @@ class _Watch:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return None
+
+    def _framework_in_front(self, signum: int) -> bool:
+        """A handler was put in front of this one after it was installed (Lightning's, in ``fit``)."""
+        return signal.getsignal(signum) != self._handler
 
     def react(self, signum: int) -> None:
         with self.lock:
@@ -181,7 +185,7 @@ class _Watch:
         # Under mp.spawn, a SIGTERM after a same-host peer's exit waits (briefly) for its cause.
         peer = (session.failure_report(REPORT_WAIT) or spawned.awaited_cause(session, lambda: self._records(session))
                 or self._peer_cause(session))
-        window = SAME_DELIVERY if signal.getsignal(signum) == self._handler else SIGNALLED_TOGETHER
+        window = SIGNALLED_TOGETHER if self._framework_in_front(signum) else SAME_DELIVERY
         if peer is not None and not same_delivery(peer, name, received, window):
             self.kind = "consequence"
             code = 128 + signum
@@ -247,12 +251,9 @@ def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError
     pid check says what happened there)."""
     if session.host_ids[session.group_rank] == session.host_ids[0]:
         return None
-    rank, pid, host = session.ranks[0], session.pids[0], session.hosts[0]
     why = str(err).rsplit(": ", 1)[-1][:120]
-    record = FailureRecord.declared(rank=rank, kind="PeerLost", by=session.rank, pid=pid, host=host,
-                                    message=f"rank {rank} (pid {pid} on {host}) lost: its host, which holds the "
-                                            f"c10d store, no longer accepts connections ({why})")
-    return PeerFailedError.from_records([record])
+    return PeerFailedError.from_records([session.lost_record(
+        session.ranks[0], f"its host, which holds the c10d store, no longer accepts connections ({why})")])
 
 
 _watch: _Watch | None = None

@@ -17,7 +17,7 @@ from fault_tolerant_handlers import signals
 from fault_tolerant_handlers.probes import PeerPidProbe
 from fault_tolerant_handlers.record import FailureRecord
 from fault_tolerant_handlers.schema import Connection, Schema
-from fault_tolerant_handlers.session import Incident
+from fault_tolerant_handlers.session import Incident, Session
 
 
 class FakeSession:
@@ -239,6 +239,7 @@ class _StoreGoneSession(FakeSession):
     """Rank 1 on node-b; the store (and rank 0) on node-a, which now refuses connections."""
 
     ranks, group_rank, pids, hosts = [0, 1], 1, [4242, 77], ["node-a", "node-b"]
+    lost_record = Session.lost_record
 
     def __init__(self, store_host_ids):
         super().__init__(dist.HashStore())
