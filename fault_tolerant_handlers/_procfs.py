@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 STATE, PPID, PGRP, SESSION = 0, 1, 2, 3
+FLAGS = 6  # field 9: the kernel's flags of the (thread group leader's) task
+PF_EXITING = 0x4  # set when the process starts to exit, before its files close
 UTIME, STIME = 11, 12  # fields 14, 15: clock ticks
 START_TIME = 19  # field 22: clock ticks after boot
 EXIT_CODE = 49  # field 52: the wait status of an exited (zombie) process
@@ -68,3 +71,22 @@ def process_state(pid: int) -> str | None:
     if status & 0x7F:
         return f"killed by {_SIGNAL_NAMES.get(status & 0x7F, f'signal {status & 0x7F}')}"
     return f"exited with code {(status >> 8) & 0xFF}"
+
+
+def ended(pid: int, within: float) -> str | None:
+    """How ``pid`` ended (:func:`process_state`), waiting up to ``within`` seconds while it is in
+    its exit but not yet a zombie (its files, a pipe, close before the kernel shows its exit
+    status). ``None`` when it runs and is not exiting."""
+    deadline = time.monotonic() + within
+    while True:
+        how = process_state(pid)
+        if how is not None:
+            return how
+        fields = stat_fields(pid)
+        try:
+            exiting = fields is not None and int(fields[FLAGS]) & PF_EXITING
+        except (IndexError, ValueError):
+            exiting = False
+        if not exiting or time.monotonic() >= deadline:
+            return None
+        time.sleep(0.001)

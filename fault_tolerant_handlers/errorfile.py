@@ -13,9 +13,12 @@ writes the files in the format of ``torch.distributed.elastic.multiprocessing.er
 * a **survivor** (it raises or ends because of a peer's failure, or is signalled after it) writes
   its own file with a timestamp that cannot win: at least the failure's second + 1, and at least
   the current second + 1 (the agent never notices an exit later than the survivor's own end);
-* a rank **killed by a signal** cannot write its file: a survivor on the same host that sees it
-  gone writes the dead rank's file (its path derived from torchrun's layout: the sibling
-  ``<local rank>`` directory), with the kill as the message, before its own.
+* a rank **killed by a signal** cannot write its file: its liveness helper (a process of its own,
+  woken by the rank's end, :func:`killed`) writes it, and so does a survivor on the same host that
+  sees it gone (its path derived from torchrun's layout: the sibling ``<local rank>`` directory),
+  with the kill as the message, before its own. Two writers because the agent reads a failed
+  worker's file as soon as its monitor (every 0.1 s by default) notices the exit: the helper, blocked
+  on nothing but the rank's end, is there first; the survivor's watchdog thread waits for its GIL.
 
 A file is never overwritten (created atomically with a hard link, so the agent never reads half a
 file, and only when absent): the first writer, usually the rank itself, wins. Outside torchrun
@@ -154,6 +157,24 @@ def peer_lost(session: Session, err: PeerFailedError) -> None:
             _dead_peer_file(session, err, own)
         except Exception as exc:  # noqa: BLE001
             log(logging.WARNING, "could not write torchrun's error file: %s", exc)
+
+
+#: Signals the library's own handler reports (:mod:`.signals`): a rank they end writes its own file.
+HANDLED_SIGNALS = ("SIGTERM", "SIGINT")
+
+
+def killed(rank: int, pid: int, host: str, how: str) -> bool:
+    """In the liveness helper of ``rank`` (process ``pid``), which just ended ``how``: when a signal
+    the rank could not report killed it (``killed by SIGKILL``, a crash), write its file for it."""
+    path = own_path()
+    if path is None or not how.startswith("killed by ") or how.split()[-1] in HANDLED_SIGNALS:
+        return False
+    message = f"PeerLost: rank {rank} (pid {pid} on {host}) lost: {how}"
+    try:
+        return write_once(path, payload(message, f"{message}\n(written by its liveness helper, which saw it end)",
+                                        int(time.time()), "killed"))
+    except Exception:  # noqa: BLE001 - the helper must end regardless
+        return False
 
 
 def survivor(session: Session, err: PeerFailedError | None) -> bool:

@@ -9,6 +9,9 @@ helper process, forked when the watchdog starts, that every :data:`~.watchdog.HE
   from the rank closed);
 * beats ``hb/<rank>`` in the store, unless its rank is *stopped* (SIGSTOP: a frozen rank must be
   noticed by its neighbour, so it stops beating for it);
+* when its rank was killed by a signal it could not report (SIGKILL: the OOM killer), says so where
+  the launcher reads it (:func:`rank_ended`, from a thread woken by the rank's end): torchrun's
+  error file, torch.multiprocessing's;
 * runs the :class:`~.probes.HeartbeatProbe` on its ring successor: a successor whose counter stands
   still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` (3 s) is declared lost, once, with a record the
   successor's peers' watchdogs read within a poll. Across hosts this is how a host that died or
@@ -26,11 +29,12 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from . import _procfs, spawned
+from . import _procfs, errorfile, spawned
 from ._log import log
 from .probes import HeartbeatProbe
 from .schema import Schema
@@ -40,6 +44,10 @@ if TYPE_CHECKING:
 
 #: Timeout of the helper's store calls: a call never blocks it longer than a heartbeat or two.
 HELPER_STORE_TIMEOUT = timedelta(seconds=1)
+
+#: How long the helper, woken by its rank's end, waits for the kernel to show the rank's exit
+#: status (its files, the pipe, close a moment before it becomes a zombie).
+RANK_EXIT_WAIT = 0.05
 
 
 def _stopped(pid: int) -> bool:
@@ -55,6 +63,13 @@ def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: fl
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the rank; its end ends this process
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # The rank's end is watched by a thread of its own, blocked on nothing else: the beat below can
+    # be inside a store call for its budget, and a killed rank's exit status is readable only until
+    # its launcher reaps it (torchrun's agent looks every 0.1 s).
+    woken = threading.Event()
+    ends = threading.Thread(target=_on_rank_end, args=(session, parent, stop_fd, woken), name="fth-rank-end",
+                            daemon=True)
+    ends.start()
     successor = session.ranks[(session.group_rank + 1) % session.world_size]
     probe = HeartbeatProbe(schema, session.rank, successor, session.pids[session.ranks.index(successor)],
                            period=period, limit=limit, host=session.hosts[session.ranks.index(successor)])
@@ -62,10 +77,38 @@ def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: fl
     while os.getppid() == parent:
         if not _stopped(parent):  # frozen: its neighbour must see it, so no beat
             _poll(probe, schema, declared)
-        readable, _, _ = select.select([stop_fd], [], [], period)
-        if readable:
-            break  # the rank stopped its watchdog (or is gone: the pipe closed)
-    spawned.hold_zombie(parent, session.rank, session.host)  # under mp.spawn: how a dead rank ended
+        time.sleep(period)
+    # The rank is gone (this process was re-parented). The thread says how, unless it was not woken:
+    # without pidfds, a DataLoader worker forked after this helper still holds the pipe.
+    if woken.wait(0.1):
+        ends.join(RANK_EXIT_WAIT + spawned.ZOMBIE_HOLD + 1.0)
+    else:
+        rank_ended(session.rank, parent, session.host)
+
+
+def _on_rank_end(session: Session, parent: int, stop_fd: int, woken: threading.Event) -> None:
+    """Blocks until the rank stops its watchdog (closes the pipe) or ends (its pidfd: the pipe may
+    also be held by a DataLoader worker forked after this helper), then ends the helper."""
+    watched = [stop_fd]
+    try:
+        watched.append(os.pidfd_open(parent))
+    except (AttributeError, OSError):  # no pidfds here: the pipe (or the loop's parent check)
+        pass
+    select.select(watched, [], [])
+    woken.set()
+    try:
+        rank_ended(session.rank, parent, session.host)
+    finally:
+        os._exit(0)
+
+
+def rank_ended(rank: int, pid: int, host: str) -> None:
+    """The rank closed the helper's pipe or ended: if it died rather than stopped its watchdog, say
+    how it ended where its launcher reads it (a killed rank writes nothing itself)."""
+    how = _procfs.ended(pid, RANK_EXIT_WAIT)  # None: the rank runs (it stopped its watchdog)
+    if how is not None:
+        errorfile.killed(rank, pid, host, how)  # torchrun's error file
+        spawned.hold_zombie(pid, rank, host)  # under mp.spawn: its error file, and the zombie held
 
 
 def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool]) -> None:
@@ -119,6 +162,7 @@ class LivenessProcess:
             code = 0
             try:
                 os.close(write_fd)
+                conn.forked()
                 _run(self.session, schema, parent, read_fd, self.period, self.limit)
             except BaseException:  # noqa: BLE001
                 code = 1

@@ -179,6 +179,12 @@ class Connection:
                 self._store = store
             return store
 
+    def forked(self) -> None:
+        """In a process forked with this connection: the connected client came along (its socket is
+        this process's too), its worker thread did not (a fork copies only the calling thread)."""
+        self._lock = threading.Lock()
+        self._worker = None
+
     def reconnect(self) -> None:
         with self._lock:
             self._store = None

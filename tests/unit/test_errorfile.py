@@ -120,3 +120,78 @@ def test_peer_path_follows_torchruns_layout_only(tmp_path):
     assert errorfile.peer_path(own, 3, 1) is None          # own path does not end in <local rank>/error.json
     assert errorfile.peer_path(own, 0, 5) is None          # no such directory
     assert errorfile.peer_path(str(tmp_path / "x.json"), 0, 1) is None
+
+
+
+
+_RANK = """
+import os, signal, threading, time, types
+from fault_tolerant_handlers import liveness
+rank_pid = os.getpid()
+r, w = os.pipe()
+helper = os.fork()
+if helper == 0:  # the liveness helper's watcher of its rank's end
+    os.close(w)
+    liveness._on_rank_end(types.SimpleNamespace(rank=1, host="node-a"), rank_pid, r, threading.Event())
+worker = os.fork()
+if worker == 0:  # a DataLoader worker forked after the helper: it holds the pipe's write end too
+    time.sleep(60)
+    os._exit(0)
+print(helper, worker, flush=True)
+os.kill(rank_pid, signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_sigkilled_ranks_helper_writes_its_file(tmp_path):
+    """A rank SIGKILLed (the OOM killer) writes nothing; its liveness helper, woken by its end (its
+    pidfd: a DataLoader worker still holds the helper's pipe), writes its file before the launcher
+    reaps it. A real process, a real forked helper and worker."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    own = _layout(tmp_path)[1]
+    env = dict(os.environ, **{errorfile.ERROR_FILE_ENV: own})
+    proc = subprocess.Popen([sys.executable, "-c", _RANK], env=env, stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        helper, worker = map(int, proc.stdout.readline().split())
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{helper}") and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the helper has ended (an orphan, reaped by init)
+        assert not os.path.exists(f"/proc/{helper}")
+        assert os.path.exists(f"/proc/{worker}")  # woken by the rank's end, not the pipe's
+        rc = proc.wait(timeout=20)
+    finally:
+        proc.kill()
+        proc.wait()
+        if worker is not None:
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    failure = ProcessFailure(local_rank=1, pid=proc.pid, exitcode=rc, error_file=own)
+    assert rc == -9
+    assert failure.message["message"] == f"PeerLost: rank 1 (pid {proc.pid} on node-a) lost: killed by SIGKILL"
+    assert "written by its liveness helper" in failure.message["extraInfo"]["py_callstack"]
+    assert abs(failure.timestamp - time.time()) < 30
+
+
+def test_a_helper_writes_nothing_for_a_signal_the_rank_reports_or_a_rank_that_runs(tmp_path, monkeypatch):
+    """SIGTERM and SIGINT are the signal handler's to report; a rank that only stopped its
+    watchdog (the pipe closed, the process runs) has not ended, and is not waited for."""
+    import time
+
+    from fault_tolerant_handlers import _procfs
+
+    own = _layout(tmp_path)[1]
+    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, own)
+    assert not errorfile.killed(1, 101, "node-a", "killed by SIGTERM")
+    assert not errorfile.killed(1, 101, "node-a", "killed by SIGINT")
+    assert not errorfile.killed(1, 101, "node-a", "exited with code 1")
+    assert not os.path.exists(own)
+    start = time.monotonic()
+    assert _procfs.ended(os.getpid(), 5.0) is None
+    assert time.monotonic() - start < 0.5
