@@ -72,12 +72,14 @@ def _wrap(value: int) -> int:
 
 
 class ConnectInProgress(RuntimeError):
-    """A call found its connection's previous connect still under way (raised inside the worker)."""
+    """A call cannot connect now: its connection's previous connect is still under way, or the
+    process is exiting after the job failed (:func:`stop_connecting`). Raised inside the worker."""
 
 
-#: How many times its timeout a c10d TCP client's connect may take: the client tries once more
-#: after a try that timed out (torch 2.13, measured: 1.8 s for a 1 s timeout, 9.8 s for 5 s).
-CONNECT_TRIES = 2
+#: How many times its timeout a connect may take: :func:`probe_store_port`'s connect (answered
+#: late: within the timeout), then c10d's client, which tries once more after a try that timed out
+#: (torch 2.13, measured: 1.8 s for a 1 s timeout, 9.8 s for 5 s).
+CONNECT_TRIES = 1 + 2
 #: How long past that a connect may take (thread scheduling on a loaded machine).
 CONNECT_SLACK = 1.0
 #: Connects under way in this process -> (when each must be over, ``time.monotonic()``; its thread).

@@ -144,8 +144,9 @@ def test_the_exit_waits_for_a_connect_under_way_even_when_the_job_did_not_fail(m
     conn.close()
 
 
-def test_a_connect_is_bounded_by_two_tries_of_its_timeout():
-    """c10d's TCP client tries a timed-out connect once more: the exit's wait must cover both."""
+def test_a_connect_is_bounded_by_three_tries_of_its_timeout():
+    """The port's probe may be answered late, and c10d's TCP client tries a timed-out connect once
+    more: the exit's wait must cover all three."""
     go = threading.Event()
     conn = Connection(lambda: (go.wait(5), BlockingStore(_set()))[1], timedelta(seconds=1), "t")
     caller = threading.Thread(target=lambda: conn.call("add", "k", 1))
@@ -153,7 +154,7 @@ def test_a_connect_is_bounded_by_two_tries_of_its_timeout():
     time.sleep(0.1)
     [(end, thread)] = schema._connects.values()
     assert thread is conn._worker._thread
-    assert 2.8 <= end - time.monotonic() <= 3.0  # 2 tries x 1 s + CONNECT_SLACK
+    assert 3.8 <= end - time.monotonic() <= 4.0  # (the probe + 2 tries) x 1 s + CONNECT_SLACK
     go.set()
     caller.join(2)
     conn.close()
