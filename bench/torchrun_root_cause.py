@@ -5,7 +5,8 @@
 Each run is a real 2-rank Ignite DDP training (``tests/ignite_main.py``) under
 ``python -m torch.distributed.run --nproc-per-node 2 --monitor-interval M``, with rank 1 failing at
 iteration 3; ``USE_FT=0`` runs stock Ignite for comparison. A run counts as right when the Root
-Cause block names rank 1 and the fault (the exception's text, ``SIGKILL`` or ``RankHung``).
+Cause block names rank 1 and the fault (the exception's text, ``SIGKILL`` or ``RankHung``), with the
+library read from the file it wrote (``killed by SIGKILL``; for a kill, who wrote it is counted).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from launch import free_port, torchrun_root_cause as root_cause  # noqa: E402 - 
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "ignite_main.py"
-#: What the Root Cause must show for each fault (rank 1's own failure).
+#: What the Root Cause must show for each fault (rank 1's own failure); with the library, read from
+#: the error file it wrote (``killed by SIGKILL`` is its text; torch's own is ``Signal 9 (SIGKILL)``).
 EXPECTED = {"raise": "CUDA-like failure", "kill": "SIGKILL", "hang": "RankHung"}
+EXPECTED_OURS = dict(EXPECTED, kill="killed by SIGKILL")
 FAULT_ENV = {
     "raise": dict(FAULT="step"),
     "kill": dict(FAULT="kill"),
@@ -57,8 +60,15 @@ def run_once(fault: str, monitor_interval: float, use_ft: bool, timeout: float =
     return rank, block, output
 
 
-def right(fault: str, rank: int | None, block: str) -> bool:
-    return rank == 1 and EXPECTED[fault] in block
+def right(fault: str, rank: int | None, block: str, use_ft: bool = True) -> bool:
+    if not use_ft:
+        return rank == 1 and EXPECTED[fault] in block
+    return rank == 1 and EXPECTED_OURS[fault] in block and "error_file: <N/A>" not in block
+
+
+def writer(block: str) -> str:
+    """Who wrote a killed rank's file: its liveness helper or a same-host survivor."""
+    return "helper" if "written by its liveness helper" in block else "survivor" if "which saw it end" in block else "-"
 
 
 def main() -> None:
@@ -72,16 +82,19 @@ def main() -> None:
     for fault in args.faults:
         for interval in args.monitor_interval:
             for use_ft in ([True, False] if args.stock else [True]):
-                ranks, good, start = [], 0, time.monotonic()
+                ranks, good, start, writers = [], 0, time.monotonic(), []
                 for _ in range(args.runs):
                     rank, block, output = run_once(fault, interval, use_ft)
                     ranks.append(rank)
-                    if right(fault, rank, block):
+                    writers.append(writer(block))
+                    if right(fault, rank, block, use_ft):
                         good += 1
                     elif os.environ.get("VERBOSE"):
                         print(output[-4000:])
+                wrote = (f"  file written by: helper {writers.count('helper')}, survivor {writers.count('survivor')}"
+                         if fault == "kill" and use_ft else "")
                 print(f"{fault:6} {interval:7.1f} {'ours' if use_ft else 'stock':>8} {good:3d}/{args.runs:<3d}  {ranks}"
-                      f"  ({time.monotonic() - start:.0f} s)", flush=True)
+                      f"  ({time.monotonic() - start:.0f} s){wrote}", flush=True)
 
 
 if __name__ == "__main__":

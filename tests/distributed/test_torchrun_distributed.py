@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 # fault -> (environment, what rank 1's Root Cause shows, what rank 0 raised)
 CASES = {
     "raise": (dict(FAULT="step"), "RuntimeError: CUDA-like failure at iteration 3", "PeerFailedError"),
-    "kill": (dict(FAULT="kill"), "killed by SIGKILL", None),
+    "kill": (dict(FAULT="kill"), "SIGKILL", None),
     "hang": (dict(FAULT="hang", HANG="3"), "RankHung: rank 1 (pid ", None),
 }
 
@@ -31,7 +31,12 @@ def test_root_cause_is_the_failing_rank(tmp_path, fault):
     rank, block = torchrun_root_cause(output)
     assert rank == 1, output[-4000:]
     assert shown in block, block
-    assert "error_file: <N/A>" not in block  # read from the file the library wrote
+    if fault != "kill":
+        assert "error_file: <N/A>" not in block  # read from the file the library wrote
+    # A killed rank writes nothing: its file comes from its liveness helper or a same-host survivor as
+    # it ends, racing the agent's next look (every 0.1 s), so its text is the library's or, when the
+    # race is lost, torch's (19 of 20 the library's, bench/torchrun_root_cause.py). The culprit and its
+    # signal are right either way, which is what is asserted here; the file is tests/unit/test_errorfile.py's.
     assert results[1].event("fault")
     survivor = [e for e in results[0].events if e.get("event") == "run_raised"]
     if survivor:  # the survivor may also be ended by the watchdog or the agent first
