@@ -163,11 +163,17 @@ def peer_lost(session: Session, err: PeerFailedError) -> None:
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT")
 
 
+def unreported(how: str) -> bool:
+    """A rank that ended ``how`` (:func:`~._procfs.process_state`) was killed by a signal it could
+    not report itself (SIGKILL: the OOM killer; a crash)."""
+    return how.startswith("killed by ") and how.split()[-1] not in HANDLED_SIGNALS
+
+
 def killed(rank: int, pid: int, host: str, how: str) -> bool:
     """In the liveness helper of ``rank`` (process ``pid``), which just ended ``how``: when a signal
     the rank could not report killed it (``killed by SIGKILL``, a crash), write its file for it."""
     path = own_path()
-    if path is None or not how.startswith("killed by ") or how.split()[-1] in HANDLED_SIGNALS:
+    if path is None or not unreported(how):
         return False
     message = f"PeerLost: rank {rank} (pid {pid} on {host}) lost: {how}"
     try:

@@ -11,7 +11,8 @@ helper process, forked when the watchdog starts, that every :data:`~.watchdog.HE
   noticed by its neighbour, so it stops beating for it);
 * when its rank was killed by a signal it could not report (SIGKILL: the OOM killer), says so where
   the launcher reads it (:func:`rank_ended`, from a thread woken by the rank's end): torchrun's
-  error file, torch.multiprocessing's;
+  error file, torch.multiprocessing's, and tells the rank's peers on every host with a ``PeerLost``
+  record (``rank 1 (pid 4242 on node-b) lost: killed by SIGKILL``);
 * runs the :class:`~.probes.HeartbeatProbe` on its ring successor: a successor whose counter stands
   still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` (3 s) is declared lost, once, with a record the
   successor's peers' watchdogs read within a poll. Across hosts this is how a host that died or
@@ -32,7 +33,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from . import _procfs, errorfile, spawned
 from ._log import log
@@ -67,7 +68,14 @@ def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: fl
     # be inside a store call for its budget, and a killed rank's exit status is readable only until
     # its launcher reaps it (torchrun's agent looks every 0.1 s).
     woken = threading.Event()
-    ends = threading.Thread(target=_on_rank_end, args=(session, parent, stop_fd, woken), name="fth-rank-end",
+    calls = threading.Lock()  # one store call at a time on the helper's one connection
+
+    def tell(how: str) -> None:  # the rank's peers, on every host, learn how it ended within a poll
+        with calls:
+            if schema.claim_declaration(session.rank):
+                schema.publish(session.lost_record(session.rank, how))
+
+    ends = threading.Thread(target=_on_rank_end, args=(session, parent, stop_fd, woken, tell), name="fth-rank-end",
                             daemon=True)
     ends.start()
     successor = session.ranks[(session.group_rank + 1) % session.world_size]
@@ -76,17 +84,19 @@ def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: fl
     declared = [False]
     while os.getppid() == parent:
         if not _stopped(parent):  # frozen: its neighbour must see it, so no beat
-            _poll(probe, schema, declared)
+            with calls:
+                _poll(probe, schema, declared)
         time.sleep(period)
     # The rank is gone (this process was re-parented). The thread says how, unless it was not woken:
     # without pidfds, a DataLoader worker forked after this helper still holds the pipe.
     if woken.wait(0.1):
-        ends.join(RANK_EXIT_WAIT + spawned.ZOMBIE_HOLD + 1.0)
+        ends.join(RANK_EXIT_WAIT + 2 * HELPER_STORE_TIMEOUT.total_seconds() + spawned.ZOMBIE_HOLD + 1.0)
     else:
-        rank_ended(session.rank, parent, session.host)
+        rank_ended(session.rank, parent, session.host, tell)
 
 
-def _on_rank_end(session: Session, parent: int, stop_fd: int, woken: threading.Event) -> None:
+def _on_rank_end(session: Session, parent: int, stop_fd: int, woken: threading.Event,
+                 tell: Callable[[str], None] | None = None) -> None:
     """Blocks until the rank stops its watchdog (closes the pipe) or ends (its pidfd: the pipe may
     also be held by a DataLoader worker forked after this helper), then ends the helper."""
     watched = [stop_fd]
@@ -97,18 +107,26 @@ def _on_rank_end(session: Session, parent: int, stop_fd: int, woken: threading.E
     select.select(watched, [], [])
     woken.set()
     try:
-        rank_ended(session.rank, parent, session.host)
+        rank_ended(session.rank, parent, session.host, tell)
     finally:
         os._exit(0)
 
 
-def rank_ended(rank: int, pid: int, host: str) -> None:
+def rank_ended(rank: int, pid: int, host: str, tell: Callable[[str], None] | None = None) -> None:
     """The rank closed the helper's pipe or ended: if it died rather than stopped its watchdog, say
-    how it ended where its launcher reads it (a killed rank writes nothing itself)."""
+    how it ended where its launcher reads it (a killed rank writes nothing itself), then, for a
+    signal it could not report, tell its peers (``tell``: a ``PeerLost`` record in the store; on
+    another host they would otherwise learn only that its connection or heartbeat stopped)."""
     how = _procfs.ended(pid, RANK_EXIT_WAIT)  # None: the rank runs (it stopped its watchdog)
-    if how is not None:
-        errorfile.killed(rank, pid, host, how)  # torchrun's error file
-        spawned.hold_zombie(pid, rank, host)  # under mp.spawn: its error file, and the zombie held
+    if how is None:
+        return
+    errorfile.killed(rank, pid, host, how)  # torchrun's error file: first, the agent reaps soon
+    if tell is not None and errorfile.unreported(how):
+        try:
+            tell(how)
+        except Exception:  # noqa: BLE001 - the store may be gone with the rank (its host held it)
+            pass
+    spawned.hold_zombie(pid, rank, host)  # under mp.spawn: its error file, and the zombie held
 
 
 def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool]) -> None:

@@ -102,6 +102,20 @@ def test_host_dies(tmp_path):
     assert res.ranks[0].ended_by_itself, res.describe()
 
 
+def test_rank_killed_on_other_host_is_named_with_its_signal(tmp_path):
+    """Rank 1, alone on node-b, is SIGKILLed (the OOM killer): rank 0, on another host and pid
+    namespace, cannot see how it ended, and its collective only breaks; rank 1's liveness helper
+    tells it. Rank 0 raises ``PeerFailedError`` naming rank 1 on node-b, killed by SIGKILL, within
+    2 s, records no failure of its own, and ends by itself."""
+    res = run_hosts(tmp_path, "kill", fault_host=1, after_fault=20)
+    assert res.fault_at is not None, res.describe()
+    assert_names(res, 0, lost=1, within=2.0, host="node-b")
+    named, _, text = reported_peer(res.ranks[0])
+    assert "PeerLost" in text and "killed by SIGKILL" in text, f"{text}\n{res.describe()}"
+    assert_no_own_failure(res, 0)
+    assert res.ranks[0].ended_by_itself, res.describe()
+
+
 @pytest.mark.long
 def test_store_host_dies(tmp_path):
     """Everything on node-a (rank 0, the c10d store, the rendezvous) is SIGKILLed: rank 1 names

@@ -125,14 +125,15 @@ def test_peer_path_follows_torchruns_layout_only(tmp_path):
 
 
 _RANK = """
-import os, signal, threading, time, types
+import os, signal, sys, threading, time, types
 from fault_tolerant_handlers import liveness
 rank_pid = os.getpid()
 r, w = os.pipe()
 helper = os.fork()
 if helper == 0:  # the liveness helper's watcher of its rank's end
     os.close(w)
-    liveness._on_rank_end(types.SimpleNamespace(rank=1, host="node-a"), rank_pid, r, threading.Event())
+    told = lambda how: open(sys.argv[1], "w").write(how)  # the PeerLost record, in the library
+    liveness._on_rank_end(types.SimpleNamespace(rank=1, host="node-a"), rank_pid, r, threading.Event(), told)
 worker = os.fork()
 if worker == 0:  # a DataLoader worker forked after the helper: it holds the pipe's write end too
     time.sleep(60)
@@ -146,7 +147,7 @@ os.kill(rank_pid, signal.SIGKILL)
 def test_a_sigkilled_ranks_helper_writes_its_file(tmp_path):
     """A rank SIGKILLed (the OOM killer) writes nothing; its liveness helper, woken by its end (its
     pidfd: a DataLoader worker still holds the helper's pipe), writes its file before the launcher
-    reaps it. A real process, a real forked helper and worker."""
+    reaps it and tells its peers how it ended. A real process, a real forked helper and worker."""
     import signal
     import subprocess
     import sys
@@ -154,7 +155,8 @@ def test_a_sigkilled_ranks_helper_writes_its_file(tmp_path):
 
     own = _layout(tmp_path)[1]
     env = dict(os.environ, **{errorfile.ERROR_FILE_ENV: own})
-    proc = subprocess.Popen([sys.executable, "-c", _RANK], env=env, stdout=subprocess.PIPE, text=True)
+    told = tmp_path / "told.txt"
+    proc = subprocess.Popen([sys.executable, "-c", _RANK, str(told)], env=env, stdout=subprocess.PIPE, text=True)
     worker = None
     try:
         helper, worker = map(int, proc.stdout.readline().split())
@@ -177,6 +179,7 @@ def test_a_sigkilled_ranks_helper_writes_its_file(tmp_path):
     assert failure.message["message"] == f"PeerLost: rank 1 (pid {proc.pid} on node-a) lost: killed by SIGKILL"
     assert "written by its liveness helper" in failure.message["extraInfo"]["py_callstack"]
     assert abs(failure.timestamp - time.time()) < 30
+    assert told.read_text() == "killed by SIGKILL"
 
 
 def test_a_helper_writes_nothing_for_a_signal_the_rank_reports_or_a_rank_that_runs(tmp_path, monkeypatch):
