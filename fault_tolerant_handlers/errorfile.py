@@ -169,16 +169,16 @@ def unreported(how: str) -> bool:
     return how.startswith("killed by ") and how.split()[-1] not in HANDLED_SIGNALS
 
 
-def killed(rank: int, pid: int, host: str, how: str) -> bool:
-    """In the liveness helper of ``rank`` (process ``pid``), which just ended ``how``: when a signal
-    the rank could not report killed it (``killed by SIGKILL``, a crash), write its file for it."""
+def killed(record: FailureRecord) -> bool:
+    """In the liveness helper of a rank killed by a signal it could not report (:func:`unreported`):
+    write its file for it, with ``record`` (its ``PeerLost``, which the helper also publishes)."""
     path = own_path()
-    if path is None or not unreported(how):
+    if path is None:
         return False
-    message = f"PeerLost: rank {rank} (pid {pid} on {host}) lost: {how}"
+    message = f"{record.exc_type}: {record.exc_message}"
     try:
         return write_once(path, payload(message, f"{message}\n(written by its liveness helper, which saw it end)",
-                                        int(time.time()), "killed"))
+                                        record.time_ms // 1000, "killed"))
     except Exception:  # noqa: BLE001 - the helper must end regardless
         return False
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Callable
 from . import _procfs, errorfile, spawned
 from ._log import log
 from .probes import HeartbeatProbe
+from .record import FailureRecord
 from .schema import Schema
 
 if TYPE_CHECKING:
@@ -70,10 +71,10 @@ def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: fl
     woken = threading.Event()
     calls = threading.Lock()  # one store call at a time on the helper's one connection
 
-    def tell(how: str) -> None:  # the rank's peers, on every host, learn how it ended within a poll
+    def tell(record: FailureRecord) -> None:  # the rank's peers, on every host, learn it within a poll
         with calls:
-            if schema.claim_declaration(session.rank):
-                schema.publish(session.lost_record(session.rank, how))
+            if schema.claim_declaration(record.rank):
+                schema.publish(record)
 
     ends = threading.Thread(target=_on_rank_end, args=(session, parent, stop_fd, woken, tell), name="fth-rank-end",
                             daemon=True)
@@ -96,7 +97,7 @@ def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: fl
 
 
 def _on_rank_end(session: Session, parent: int, stop_fd: int, woken: threading.Event,
-                 tell: Callable[[str], None] | None = None) -> None:
+                 tell: Callable[[FailureRecord], None] | None = None) -> None:
     """Blocks until the rank stops its watchdog (closes the pipe) or ends (its pidfd: the pipe may
     also be held by a DataLoader worker forked after this helper), then ends the helper."""
     watched = [stop_fd]
@@ -112,7 +113,7 @@ def _on_rank_end(session: Session, parent: int, stop_fd: int, woken: threading.E
         os._exit(0)
 
 
-def rank_ended(rank: int, pid: int, host: str, tell: Callable[[str], None] | None = None) -> None:
+def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], None] | None = None) -> None:
     """The rank closed the helper's pipe or ended: if it died rather than stopped its watchdog, say
     how it ended where its launcher reads it (a killed rank writes nothing itself), then, for a
     signal it could not report, tell its peers (``tell``: a ``PeerLost`` record in the store; on
@@ -120,12 +121,14 @@ def rank_ended(rank: int, pid: int, host: str, tell: Callable[[str], None] | Non
     how = _procfs.ended(pid, RANK_EXIT_WAIT)  # None: the rank runs (it stopped its watchdog)
     if how is None:
         return
-    errorfile.killed(rank, pid, host, how)  # torchrun's error file: first, the agent reaps soon
-    if tell is not None and errorfile.unreported(how):
-        try:
-            tell(how)
-        except Exception:  # noqa: BLE001 - the store may be gone with the rank (its host held it)
-            pass
+    if errorfile.unreported(how):
+        record = FailureRecord.lost(rank=rank, pid=pid, host=host, why=how, by=rank)
+        errorfile.killed(record)  # torchrun's error file: first, the agent reaps soon
+        if tell is not None:
+            try:
+                tell(record)
+            except Exception:  # noqa: BLE001 - the store may be gone with the rank (its host held it)
+                pass
     spawned.hold_zombie(pid, rank, host)  # under mp.spawn: its error file, and the zombie held
 
 

@@ -148,9 +148,7 @@ class PeerPidProbe:
                 continue
             if self.after_failure() and not state.startswith("killed by"):
                 continue  # a peer that ended after the failure was agreed: the job is ending
-            message = f"rank {rank} (pid {pid} on {self.host}) lost: {state}"
-            return declared_finding(FailureRecord.declared(rank=rank, kind="PeerLost", message=message,
-                                                           by=self.by, pid=pid, host=self.host))
+            return declared_finding(FailureRecord.lost(rank=rank, pid=pid, host=self.host, why=state, by=self.by))
         return None
 
 

@@ -155,6 +155,13 @@ class FailureRecord:
             by=by,
         )
 
+    @classmethod
+    def lost(cls, *, rank: int, pid: int, host: str, why: str, by: int) -> FailureRecord:
+        """Rank ``by`` says rank ``rank`` (process ``pid`` on ``host``) is lost (``PeerLost``):
+        ``rank 1 (pid 4242 on node-b) lost: killed by SIGKILL``."""
+        return cls.declared(rank=rank, kind="PeerLost", message=f"rank {rank} (pid {pid} on {host}) lost: {why}",
+                            by=by, pid=pid, host=host)
+
     def to_json(self) -> bytes:
         return json.dumps({"v": RECORD_VERSION, **asdict(self)}, separators=(",", ":")).encode("utf-8")
 

@@ -529,9 +529,7 @@ class Session:
     def lost_record(self, rank: int, why: str) -> FailureRecord:
         """This rank declares global rank ``rank`` lost (``PeerLost``), naming its pid and host."""
         i = self.ranks.index(rank)
-        message = f"rank {rank} (pid {self.pids[i]} on {self.hosts[i]}) lost: {why}"
-        return FailureRecord.declared(rank=rank, kind="PeerLost", message=message, by=self.rank,
-                                      pid=self.pids[i], host=self.hosts[i])
+        return FailureRecord.lost(rank=rank, pid=self.pids[i], host=self.hosts[i], why=why, by=self.rank)
 
     def _explain(self, exc: BaseException) -> PeerFailedError | None:
         """Why a collective broke: a record of another rank not yet delivered, or a suspect (a rank at

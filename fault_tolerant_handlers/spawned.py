@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Callable
 
 from . import _compat_torch
 from ._log import log
+from .record import FailureRecord
 
 if TYPE_CHECKING:
     from .errors import PeerFailedError
@@ -176,8 +177,8 @@ def killed(rank_pid: int, rank: int, host: str) -> bool:
     how = process_state(rank_pid) or ""
     if not how.startswith("killed by "):
         return False
-    text = (f"fault-tolerant-handlers: rank {rank} (pid {rank_pid} on {host}) lost: {how} (seen by its liveness "
-            f"helper: a killed process prints no traceback)\n")
+    lost = FailureRecord.lost(rank=rank, pid=rank_pid, host=host, why=how, by=rank).exc_message
+    text = f"fault-tolerant-handlers: {lost} (seen by its liveness helper: a killed process prints no traceback)\n"
     return _write_error_file(state.error_file, text)
 
 

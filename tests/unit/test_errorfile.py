@@ -132,7 +132,7 @@ r, w = os.pipe()
 helper = os.fork()
 if helper == 0:  # the liveness helper's watcher of its rank's end
     os.close(w)
-    told = lambda how: open(sys.argv[1], "w").write(how)  # the PeerLost record, in the library
+    told = lambda record: open(sys.argv[1], "w").write(record.exc_message)  # the PeerLost record it publishes
     liveness._on_rank_end(types.SimpleNamespace(rank=1, host="node-a"), rank_pid, r, threading.Event(), told)
 worker = os.fork()
 if worker == 0:  # a DataLoader worker forked after the helper: it holds the pipe's write end too
@@ -179,7 +179,7 @@ def test_a_sigkilled_ranks_helper_writes_its_file(tmp_path):
     assert failure.message["message"] == f"PeerLost: rank 1 (pid {proc.pid} on node-a) lost: killed by SIGKILL"
     assert "written by its liveness helper" in failure.message["extraInfo"]["py_callstack"]
     assert abs(failure.timestamp - time.time()) < 30
-    assert told.read_text() == "killed by SIGKILL"
+    assert told.read_text() == f"rank 1 (pid {proc.pid} on node-a) lost: killed by SIGKILL"
 
 
 def test_a_helper_writes_nothing_for_a_signal_the_rank_reports_or_a_rank_that_runs(tmp_path, monkeypatch):
@@ -189,11 +189,18 @@ def test_a_helper_writes_nothing_for_a_signal_the_rank_reports_or_a_rank_that_ru
 
     from fault_tolerant_handlers import _procfs
 
+    from fault_tolerant_handlers import liveness
+
     own = _layout(tmp_path)[1]
     monkeypatch.setenv(errorfile.ERROR_FILE_ENV, own)
-    assert not errorfile.killed(1, 101, "node-a", "killed by SIGTERM")
-    assert not errorfile.killed(1, 101, "node-a", "killed by SIGINT")
-    assert not errorfile.killed(1, 101, "node-a", "exited with code 1")
+    assert not errorfile.unreported("killed by SIGTERM")
+    assert not errorfile.unreported("killed by SIGINT")
+    assert not errorfile.unreported("exited with code 1")
+    assert errorfile.unreported("killed by SIGKILL") and errorfile.unreported("killed by SIGSEGV")
+    for how in ("killed by SIGTERM", "killed by SIGINT", "exited with code 1"):
+        with monkeypatch.context() as m:  # the rank ended so (a real one is the next test's)
+            m.setattr(liveness._procfs, "ended", lambda pid, within, how=how: how)
+            liveness.rank_ended(1, 101, "node-a", tell=lambda record: pytest.fail(f"told {record}"))
     assert not os.path.exists(own)
     start = time.monotonic()
     assert _procfs.ended(os.getpid(), 5.0) is None
