@@ -61,6 +61,17 @@ def fault(exc: BaseException, event: str = "fault") -> None:
     raise exc
 
 
+def _wait_for_fault(rank: int, message: str, bound: float = 10.0) -> None:
+    """Block until ``rank`` has recorded a fault with ``message`` in its events (same host, same dir)."""
+    path, deadline = OUT / f"rank{rank}.jsonl", time.monotonic() + bound
+    while time.monotonic() < deadline:
+        if path.exists() and any(json.loads(line).get("event") == "fault" and json.loads(line).get("message") == message
+                                 for line in path.read_text().splitlines() if line.strip()):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"rank {rank} recorded no fault {message} within {bound} s")
+
+
 def run_section(event: str, body, **fields) -> None:
     try:
         body()
@@ -91,7 +102,9 @@ def fail_each() -> None:
 
 
 def two_fail() -> None:
-    """Ranks 1 and 2 fail in the same section, 300 ms apart, in both orders."""
+    """Ranks 1 and 2 fail in the same section, in both orders: the second 300 ms after the first's
+    fault has happened (it waits for the first's recorded fault, not for a fixed time after its own
+    entry, since the ranks enter the section at different times)."""
     for first, second in ((1, 2), (2, 1)):
 
         def body():
@@ -99,6 +112,7 @@ def two_fail() -> None:
                 if RANK == first:
                     fault(KeyError(f"first{first}"))
                 if RANK == second:
+                    _wait_for_fault(first, f"'first{first}'")
                     time.sleep(0.3)
                     fault(IndexError(f"second{second}"))
 
