@@ -46,6 +46,8 @@ from multiprocessing.connection import wait as _mp_wait
 from torch.utils.data import _utils
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from . import _procfs
+
 #: How often the main thread re-checks worker liveness while it waits for a batch (seconds). The
 #: pump wakes it at once on a death; this bounds detection if the pump itself is stranded.
 POLL_SEC = 0.05
@@ -154,6 +156,8 @@ class WorkerLost(RuntimeError):
         self.detected_at = detected_at  # time.time() when it was first seen
         #: ``[(pid, exitcode)]`` of the iterator's workers, set when the iterator was already aborted
         self.pids: list | None = None
+        #: with ``pids``: the worker ids that had exited before that abort
+        self.exited: list[int] = []
 
 
 class _Wake:
@@ -308,6 +312,8 @@ class _Hardened:
         if stop is not None:
             stop.set()
         workers = list(self.__dict__.get("_workers", ()))
+        #: worker ids that had exited before this abort (two deaths seen as one restart)
+        self.fth_exited_before_abort = [wid for wid, w in enumerate(workers) if w.pid is not None and _exited(w)]
         for w in workers:
             if w.pid is not None and w.exitcode is None:
                 try:
@@ -342,14 +348,23 @@ def construct(cls, loader, *args):
         dead = it.fth_dead_worker() if "_workers" in it.__dict__ else None
         pids = it.abort()
         if isinstance(exc, WorkerLost):
-            exc.pids = pids
+            exc.pids, exc.exited = pids, it.fth_exited_before_abort
             raise
         if dead is not None:
             lost = WorkerLost("died", dead[0], dead[1])
-            lost.pids = pids
+            lost.pids, lost.exited = pids, it.fth_exited_before_abort
             raise lost from exc
         raise
     return it
+
+
+def _exited(worker) -> bool:
+    """The worker has exited or is exiting (a killed process is not waitable until its last thread
+    is gone, but its ``PF_EXITING`` flag is set at once)."""
+    if worker.exitcode is not None:
+        return True
+    fields = _procfs.stat_fields(worker.pid)
+    return fields is None or fields[_procfs.STATE] == "Z" or bool(int(fields[_procfs.FLAGS]) & _procfs.PF_EXITING)
 
 
 def describe_exit(exitcode: int | None) -> tuple[str | None, str]:

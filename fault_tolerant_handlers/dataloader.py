@@ -67,6 +67,8 @@ class WorkerRestart:
         restart_seconds: from detection to the new workers being started.
         recovery_seconds: from detection to the next batch yielded (``None`` until then).
         start_method: how the new workers were started (``"fork"``, ``"spawn"``, ...).
+        also_lost: the other workers found dead at the same restart, as ``(worker_id, pid, reason)``
+            (two workers ended together, e.g. by the OOM killer: one restart replaces both).
     """
 
     epoch: int
@@ -80,11 +82,13 @@ class WorkerRestart:
     restart_seconds: float = 0.0
     recovery_seconds: float | None = None
     start_method: str = ""
+    also_lost: tuple[tuple[int, int | None, str], ...] = ()
 
     def describe(self) -> str:
+        also = "".join(f", worker {w} (pid {p}) {why}" for w, p, why in self.also_lost)
         return (
             f"epoch {self.epoch}, batch {self.batch_index}: worker {self.worker_id} "
-            f"(pid {self.worker_pid}) {self.reason}"
+            f"(pid {self.worker_pid}) {self.reason}{also}"
         )
 
     def torch_message(self, timeout: float) -> str:
@@ -320,14 +324,16 @@ class RestartableDataLoader(DataLoader[_T_co]):
             return "fork"
         return multiprocessing.get_start_method()
 
-    def _fth_record(self, run: "_Run", lost: WorkerLost, pids: list[tuple[int, int | None]]) -> WorkerRestart:
+    def _fth_record(self, run: "_Run", lost: WorkerLost, pids: list[tuple[int, int | None]],
+                    exited: list[int]) -> WorkerRestart:
         wid = lost.worker_id
         pid, code = pids[wid] if wid is not None and wid < len(pids) else (None, None)
         if lost.kind == "stall":
             sig, reason, code = None, f"stalled for more than {self.timeout:g} s", None
         else:
             sig, reason = describe_exit(code)
-        return WorkerRestart(run.epoch, run.yielded, wid, pid, sig, code, reason, lost.detected_at)
+        also = tuple((w, pids[w][0], describe_exit(pids[w][1])[1]) for w in exited if w != wid and w < len(pids))
+        return WorkerRestart(run.epoch, run.yielded, wid, pid, sig, code, reason, lost.detected_at, also_lost=also)
 
     def _fth_spend(self, record: WorkerRestart) -> None:
         """Count a restart, or raise when the budget is spent."""
@@ -450,8 +456,12 @@ class _Run:
     def _lost(self, lost: WorkerLost, it) -> None:
         """Kill what is left of ``it``, record the restart (or raise), log it."""
         t0 = time.monotonic()
-        pids = lost.pids if lost.pids is not None else it.abort()
-        record = self.loader._fth_record(self, lost, pids)
+        if lost.pids is not None:
+            pids, exited = lost.pids, lost.exited
+        else:
+            pids = it.abort()
+            exited = getattr(it, "fth_exited_before_abort", [])
+        record = self.loader._fth_record(self, lost, pids, exited)
         self.loader._fth_spend(record)
         record.start_method = self.loader._fth_restart_method()
         _log.log(logging.WARNING, "DataLoader %s; restarting workers (%s, restart %d of %d), resuming at batch %d",

@@ -86,21 +86,44 @@ class Everywhere(IterableDataset):
         return iter(range(self.n))
 
 
+#: When each worker process served its first item (``KillOnce(serial=True)`` tells generations apart).
+_FIRST_ITEM: dict[int, float] = {}
+
+
 class KillOnce(Dataset):
-    """Index in ``kill_at`` SIGKILLs (or ``how``) its worker the first time; index ``slow`` sleeps."""
+    """Index in ``kill_at`` SIGKILLs (or ``how``) its worker the first time; index ``slow`` sleeps.
+
+    ``serial``: kill ``k`` fires only in a worker that started after kill ``k - 1`` had fired; an
+    older worker that gets it waits to be replaced (its generation is aborted when the earlier
+    death is seen). Without it, a fast loader (``in_order=False`` keeps yielding from the live
+    workers) can reach the next kill before the earlier death is seen: two deaths, one restart.
+    """
 
     def __init__(self, n: int, kill_at, marker_dir, slow: int | None = None, how: str = "kill",
-                 slow_sec: float = 0.6) -> None:
+                 slow_sec: float = 0.6, serial: bool = False) -> None:
         self.n, self.kill_at, self.dir, self.slow, self.how = n, tuple(kill_at), str(marker_dir), slow, how
-        self.slow_sec = slow_sec
+        self.slow_sec, self.serial = slow_sec, serial
 
     def __len__(self) -> int:
         return self.n
 
+    def _wait_for_a_newer_worker(self, k: int) -> None:
+        started = _FIRST_ITEM.setdefault(os.getpid(), time.time())
+        if not self.serial or k == 0:
+            return
+        previous = os.path.join(self.dir, f"k{self.kill_at[k - 1]}")
+        deadline = time.monotonic() + 30.0
+        while not (os.path.exists(previous) and os.stat(previous).st_mtime < started):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker {os.getpid()} was not replaced after kill {k - 1}")
+            time.sleep(0.01)  # an older worker: the restart for kill k - 1 ends it here
+
     def __getitem__(self, i: int) -> int:
+        _FIRST_ITEM.setdefault(os.getpid(), time.time())
         if i in self.kill_at:
             marker = os.path.join(self.dir, f"k{i}")
             if not os.path.exists(marker):
+                self._wait_for_a_newer_worker(self.kill_at.index(i))
                 open(marker, "w").close()
                 if self.how == "segv":
                     ctypes.string_at(0)
@@ -269,9 +292,9 @@ def test_in_order_false_restart_loses_and_repeats_nothing(tmp_path, persistent):
     common = dict(batch_size=2, shuffle=True, persistent_workers=persistent)
     ref = DataLoader(MapData(n, 0), num_workers=1, generator=torch.Generator().manual_seed(3), **common)
     expected = [[b.tolist() for b in ref] for _ in range(2)]  # the batches of each epoch, in sampler order
-    # three kills 20 batches apart in epoch 0's order: never two in flight together (6 are)
+    # three kills 20 batches apart in epoch 0's order, each in a worker started after the one before
     kill_at = [expected[0][k][0] for k in (10, 30, 50)]
-    loader = RestartableDataLoader(KillOnce(n, kill_at, tmp_path, slow=40), num_workers=3, in_order=False,
+    loader = RestartableDataLoader(KillOnce(n, kill_at, tmp_path, slow=40, serial=True), num_workers=3, in_order=False,
                                    generator=torch.Generator().manual_seed(3), max_restarts=5, **common)
     got = [[b.tolist() for b in loader] for _ in range(2)]
     for epoch in range(2):
@@ -280,6 +303,26 @@ def test_in_order_false_restart_loses_and_repeats_nothing(tmp_path, persistent):
     assert loader.restart_count == len(kill_at), loader.restarts  # every kill fired, in epoch 0
     assert all(r.epoch == 0 and r.signal == "SIGKILL" for r in loader.restarts)
     assert sorted(os.listdir(tmp_path)) == sorted(f"k{i}" for i in kill_at)
+
+
+@pytest.mark.timeout(60)
+def test_two_workers_killed_together_are_one_restart_naming_both():
+    n = 40
+    expected = [list(range(i, i + 2)) for i in range(0, n, 2)]
+    loader = RestartableDataLoader(MapData(n, 0), batch_size=2, num_workers=3, max_restarts=1)
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(3)]
+    victims = loader.worker_pids[:2]
+    for pid in victims:  # as the OOM killer does: both dead before the loader looks again
+        os.kill(pid, signal.SIGKILL)
+    assert _wait_gone(victims, within=10) == []  # zombies (the last threads may still be exiting)
+    got += [b.tolist() for b in it]
+    assert got == expected, "a batch lost or repeated"
+    assert loader.restart_count == 1, loader.restarts  # one restart replaced both (max_restarts=1 held)
+    (restart,) = loader.restarts
+    named = [(restart.worker_pid, restart.reason)] + [(pid, why) for _, pid, why in restart.also_lost]
+    assert sorted(named) == sorted((p, "killed by SIGKILL") for p in victims), restart
+    assert all(f"(pid {p}) killed by SIGKILL" in restart.describe() for p in victims), restart.describe()
 
 
 @pytest.mark.timeout(60)
