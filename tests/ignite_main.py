@@ -18,8 +18,9 @@ Environment:
     FAULT_RANK   rank that fails (default 1)
     FAULT_ITER   iteration at which it fails (default 3)
     USE_FT       1: attach FaultTolerance; 0: stock Ignite
-    LINGER       seconds the failing rank stays alive after its run raised (default 8), so that
-                 the other ranks are not released by its exit
+    LINGER       the failing rank stays alive after its run raised until every other rank recorded
+                 the end of its run, at most this many seconds (default 8), so that the other ranks
+                 are not released by its exit (``launch.linger``)
     RERAISE      1: re-raise what the run raised after recording it (the process fails, as a real script's)
     FTH_INJECT   as the adapter reads it; with USE_FT=0 this program fires it itself at the same point
                  (ITERATION_STARTED), so that stock runs get the same fault. Either way the injection is
@@ -105,7 +106,7 @@ class RecordInjected(logging.StreamHandler):
 
 def training(local_rank: int, outdir: str) -> None:
     out = Path(outdir)
-    rank = idist.get_rank()
+    rank, world = idist.get_rank(), idist.get_world_size()
 
     def record(event: str, **fields) -> None:
         fields.update(event=event, rank=rank, t=time.time())
@@ -123,7 +124,9 @@ def training(local_rank: int, outdir: str) -> None:
                 fields[attr] = getattr(exc, attr)
         record("run_raised", **fields)
         if rank == FAULT_RANK and FAULT != "none":
-            time.sleep(LINGER)
+            from launch import linger
+
+            linger(out, rank, world, LINGER)
         record("exit")
         if RERAISE:
             raise exc

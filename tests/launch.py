@@ -50,6 +50,25 @@ def own_output(path: Path) -> None:
     os.close(fd)
 
 
+def linger(outdir, rank: int, world: int, bound: float, grace: float = 1.0) -> None:
+    """In the failing rank, after its run raised: stay alive until every other rank has recorded the
+    end of its run (``run_raised`` or ``run_returned`` in ``<outdir>/rank<r>.jsonl``), then ``grace``
+    seconds more, ``bound`` seconds at most. A peer's end recorded while this process lives was not
+    caused by its exit (a stock run's peers record nothing: it stays the whole ``bound``)."""
+    end = time.monotonic() + bound
+    waiting = {r for r in range(world) if r != rank}
+    while waiting and time.monotonic() < end:
+        for r in list(waiting):
+            try:
+                lines = (Path(outdir) / f"rank{r}.jsonl").read_text().splitlines()
+            except FileNotFoundError:
+                continue
+            if any('"run_raised"' in line or '"run_returned"' in line for line in lines):
+                waiting.discard(r)
+        time.sleep(0.05)
+    time.sleep(max(0.0, min(grace, end - time.monotonic())))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,8 +17,9 @@ Environment:
     FAULT_RANK   rank that fails (default 1); FAULT_STEP global step (default 10)
     USE_FT       1: FaultTolerance in the callbacks; 0: stock Lightning
     OEC          1: OnExceptionCheckpoint in the callbacks too
-    LINGER       seconds the failing rank stays alive after its run raised (default 4), so that the
-                 other rank cannot be released by the failing process's exit
+    LINGER       the failing rank stays alive after its run raised until every other rank recorded
+                 the end of its run, at most this many seconds (default 4), so that no other rank can
+                 be released by the failing process's exit (``launch.linger``)
     FTH_TEST_TOP 1 in the process the test starts for ddp/ddp_spawn: drop the RANK/WORLD_SIZE/...
                  the harness sets, so that Lightning launches the ranks itself
     RERAISE      1: re-raise what ``fit`` raised after recording it, without waiting for the ranks this
@@ -239,7 +240,9 @@ class RecordingLauncher(_MultiProcessingLauncher):
         except BaseException as exc:
             record_raised(self.outdir, name, exc)
             if process_idx == FAULT_RANK and FAULT != "none":
-                time.sleep(LINGER)
+                from launch import linger
+
+                linger(self.outdir, process_idx, trainer.world_size, LINGER)
             raise
         record(self.outdir, name, "run_returned")
 
@@ -375,7 +378,9 @@ def main() -> None:
     except BaseException as exc:  # noqa: BLE001
         record_raised(outdir, name, exc)
         if name == f"rank{FAULT_RANK}" and FAULT != "none":
-            time.sleep(LINGER)
+            from launch import linger
+
+            linger(outdir, FAULT_RANK, trainer.world_size, LINGER)
         if RERAISE:
             record(outdir, name, "exit")
             raise
