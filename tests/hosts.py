@@ -331,6 +331,15 @@ class MultiHostResult:
     def host_of(self, rank: int) -> Host:
         return self.hosts[rank // self.nproc_per_node]
 
+    def host_dead_at(self, host: int) -> float | None:
+        """When the killed host ``host`` was dead: the fault, or the last of its ranks' processes
+        seen gone if that was later (under load the kernel can take seconds to end a pid namespace;
+        its peers see nothing, no reset and no silence, before its processes have ended)."""
+        ends = [r.ended_at for r in self.ranks if self.host_of(r.rank).index == host]
+        if self.fault_at is None or any(t is None for t in ends):
+            return None
+        return max([self.fault_at] + ends)
+
     def log(self, host: int) -> str:
         p = self.hosts[host].log
         return p.read_text(errors="replace") if p and p.exists() else ""
