@@ -135,7 +135,18 @@ def start_method_of(ctx: object | None) -> str:
 
 def hardened_context(method: str) -> _mpc.BaseContext:
     """A multiprocessing context for ``method`` whose ``Event()`` is lock-free."""
+    _import_what_workers_import()
     return _CONTEXTS[method]()
+
+
+def _import_what_workers_import() -> None:
+    """torch's worker loop seeds ``numpy.random``, which numpy 2 imports lazily: each forked worker
+    imported it itself. An import in a process forked while another thread of the parent was
+    importing can fail (the import lock's state is copied mid-way): measured once under load, a new
+    worker's ``np.random.seed`` raised ``KeyError`` inside importlib and the worker exited with code
+    1, a restart for nothing. Imported once in the parent, no worker imports it."""
+    if _utils.HAS_NUMPY:
+        import numpy.random  # noqa: F401
 
 
 class WorkerLost(RuntimeError):
