@@ -370,12 +370,11 @@ def construct(cls, loader, *args):
 
 
 def _exited(worker) -> bool:
-    """The worker has exited or is exiting (a killed process is not waitable until its last thread
-    is gone, but its ``PF_EXITING`` flag is set at once)."""
+    """The worker has exited or is exiting (:func:`~._procfs.exiting`: not yet waitable)."""
     if worker.exitcode is not None:
         return True
     fields = _procfs.stat_fields(worker.pid)
-    return fields is None or fields[_procfs.STATE] == "Z" or bool(int(fields[_procfs.FLAGS]) & _procfs.PF_EXITING)
+    return not _procfs.is_running(fields) or _procfs.exiting(fields)
 
 
 def describe_exit(exitcode: int | None) -> tuple[str | None, str]:

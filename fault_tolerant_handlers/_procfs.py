@@ -46,6 +46,15 @@ def is_running(fields: list[str] | None) -> bool:
     return bool(fields) and fields[STATE] not in ("Z", "X")
 
 
+def exiting(fields: list[str] | None) -> bool:
+    """The process has begun to exit (``PF_EXITING``): set at once, before its files close and
+    before it is a zombie (a killed process is not waitable until its last thread is gone)."""
+    try:
+        return fields is not None and bool(int(fields[FLAGS]) & PF_EXITING)
+    except (IndexError, ValueError):
+        return False
+
+
 def process_state(pid: int) -> str | None:
     """``None`` if ``pid`` runs; otherwise how it ended, as far as this host can see."""
     try:
@@ -82,11 +91,6 @@ def ended(pid: int, within: float) -> str | None:
         how = process_state(pid)
         if how is not None:
             return how
-        fields = stat_fields(pid)
-        try:
-            exiting = fields is not None and int(fields[FLAGS]) & PF_EXITING
-        except (IndexError, ValueError):
-            exiting = False
-        if not exiting or time.monotonic() >= deadline:
+        if not exiting(stat_fields(pid)) or time.monotonic() >= deadline:
             return None
         time.sleep(0.001)

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch import read_events
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MAIN = HERE / "multihost_main.py"
@@ -354,19 +356,6 @@ class MultiHostResult:
         return "\n".join(lines)
 
 
-def _read_events(outdir: Path, rank: int) -> list[dict]:
-    path = outdir / f"rank{rank}.jsonl"
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except ValueError:
-            pass  # a line cut by a SIGKILL
-    return events
-
-
 def run_hosts(
     workdir: Path,
     fault: str,
@@ -413,7 +402,7 @@ def run_hosts(
         while time.monotonic() < end:
             now = time.time()
             for r in ranks:
-                r.events = _read_events(outdir, r.rank)
+                r.events = read_events(outdir, r.rank)
                 start = r.event("start")
                 if start and r.rank not in pids:
                     r.host = start["host"]
@@ -443,7 +432,7 @@ def run_hosts(
             time.sleep(0.05)
         rig.close()
         for r in ranks:
-            r.events = _read_events(outdir, r.rank)
+            r.events = read_events(outdir, r.rank)
             host = rig.hosts[r.rank // nproc_per_node]
             r.ended_at = gone.get(r.rank)
             killed_by_fault = ((fault == "kill_host" and host.index == fault_host)

@@ -50,6 +50,21 @@ def own_output(path: Path) -> None:
     os.close(fd)
 
 
+def read_events(outdir, rank: int) -> list[dict]:
+    """The events ``rank`` has recorded so far in ``<outdir>/rank<r>.jsonl`` (it may be writing: a
+    line not yet whole, or cut by a SIGKILL, is left out)."""
+    path = Path(outdir) / f"rank{rank}.jsonl"
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            pass
+    return events
+
+
 def linger(outdir, rank: int, world: int, bound: float, grace: float = 1.0) -> None:
     """In the failing rank, after its run raised: stay alive until every other rank has recorded the
     end of its run (``run_raised`` or ``run_returned`` in ``<outdir>/rank<r>.jsonl``), then ``grace``
@@ -59,11 +74,7 @@ def linger(outdir, rank: int, world: int, bound: float, grace: float = 1.0) -> N
     waiting = {r for r in range(world) if r != rank}
     while waiting and time.monotonic() < end:
         for r in list(waiting):
-            try:
-                lines = (Path(outdir) / f"rank{r}.jsonl").read_text().splitlines()
-            except FileNotFoundError:
-                continue
-            if any('"run_raised"' in line or '"run_returned"' in line for line in lines):
+            if any(e.get("event") in ("run_raised", "run_returned") for e in read_events(outdir, r)):
                 waiting.discard(r)
         time.sleep(0.05)
     time.sleep(max(0.0, min(grace, end - time.monotonic())))

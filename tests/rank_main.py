@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fault_tolerant_handlers import PeerFailedError, fail_together, one_rank_first, start_watchdog
+from launch import read_events
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -63,10 +64,9 @@ def fault(exc: BaseException, event: str = "fault") -> None:
 
 def _wait_for_fault(rank: int, message: str, bound: float = 10.0) -> None:
     """Block until ``rank`` has recorded a fault with ``message`` in its events (same host, same dir)."""
-    path, deadline = OUT / f"rank{rank}.jsonl", time.monotonic() + bound
+    deadline = time.monotonic() + bound
     while time.monotonic() < deadline:
-        if path.exists() and any(json.loads(line).get("event") == "fault" and json.loads(line).get("message") == message
-                                 for line in path.read_text().splitlines() if line.strip()):
+        if any(e.get("event") == "fault" and e.get("message") == message for e in read_events(OUT, rank)):
             return
         time.sleep(0.01)
     raise TimeoutError(f"rank {rank} recorded no fault {message} within {bound} s")

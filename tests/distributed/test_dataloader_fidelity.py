@@ -108,9 +108,9 @@ class KillOnce(Dataset):
         return self.n
 
     def _wait_for_a_newer_worker(self, k: int) -> None:
-        started = _FIRST_ITEM.setdefault(os.getpid(), time.time())
         if not self.serial or k == 0:
             return
+        started = _FIRST_ITEM[os.getpid()]  # set by __getitem__ before it calls this
         previous = os.path.join(self.dir, f"k{self.kill_at[k - 1]}")
         deadline = time.monotonic() + 30.0
         while not (os.path.exists(previous) and os.stat(previous).st_mtime < started):
