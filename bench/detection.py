@@ -47,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ranks import free_port  # noqa: E402
+from launch import read_events  # noqa: E402 - via _ranks, which puts tests/ on the path
 from fault_tolerant_handlers import _procfs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,23 +214,10 @@ class RunResult:
     error: str | None = None  # the run did not go as designed (e.g. the fault never fired)
 
 
-def _events(outdir: Path, name: str) -> list[dict]:
-    path = outdir / f"{name}.jsonl"
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill
-            pass
-    return events
-
-
 def _rank_pids(outdir: Path, world: int) -> dict[int, int]:
     pids = {}
     for r in range(world):
-        for e in _events(outdir, f"rank{r}"):
+        for e in read_events(outdir, r):
             if e.get("pid"):
                 pids[r] = int(e["pid"])
                 break
@@ -331,7 +319,7 @@ def run_cell(launcher: Launcher, scenario: Scenario, ours: bool, *, pg_timeout: 
     output = log.read()
     log.close()
 
-    events = {r: _events(outdir, f"rank{r}") for r in range(2)}
+    events = {r: read_events(outdir, r) for r in range(2)}
     faults = [e["t"] for r in range(2) for e in events[r] if e.get("event") == "fault"]
     if not faults:
         result.error = "the fault never fired"
