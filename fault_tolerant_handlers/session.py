@@ -54,8 +54,8 @@ from ._log import log
 from .errors import PeerFailedError, SectionMismatchError, is_backend_error
 from .probes import PeerPidProbe
 from .record import FailureRecord, host_name, sanitize
-from .release import release_process_groups, store_ports, teardown_at_exit
-from .schema import Connection, Schema, probe_store_port
+from .release import listens_here, release_process_groups, store_ports, teardown_at_exit
+from .schema import Connection, Schema, probe_store_port, store_evidence
 
 #: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
 MAIN_STORE_TIMEOUT = timedelta(seconds=5)
@@ -66,6 +66,12 @@ EXPLAIN_WAIT = 2.0
 #: A rank at the address a backend error names, whose heartbeat (every 0.5 s, from its liveness
 #: process) stands still this long, is lost.
 SUSPECT_SILENCE = 1.2
+#: Bound of the plain connect that tells whether the store is gone while explaining a broken
+#: collective (past it: no answer from the store's host, with a connection from it already broken).
+EXPLAIN_EVIDENCE_TIMEOUT = 0.5
+#: Two reads of a suspect's heartbeat at most this far apart (seconds) observe the time between
+#: them; a longer gap (the store answered slowly) does not count as its silence.
+SUSPECT_OBSERVED_GAP = 0.5
 #: How many delivered record indices are remembered for the watchdog.
 MAX_DELIVERED = 1024
 #: How long ranks found out of step wait for each other's section names.
@@ -73,6 +79,8 @@ MISMATCH_WAIT = 1.0
 
 #: Set on an exception whose record this rank already published (never published twice).
 PUBLISHED_ATTR = "_fth_published"
+#: Set on the error an agreement delivered: the :class:`Incident` it belongs to.
+INCIDENT_ATTR = "_fth_incident"
 #: Set on an exception that came out of an agreement: every rank of the agreement raised, so an
 #: enclosing section lets it through without agreeing again.
 AGREED_ATTR = "_fth_agreed"
@@ -250,6 +258,11 @@ class Session:
         self.hosts = [_decode_name(row[4:].tolist()) for row in table]
         self.local_rank, self.local_world_size = self._local_layout()
         self.keep_ports = store_ports(self._pg_store)
+        tcp = _compat_torch.tcp_store_of(self._pg_store)
+        #: ``(host, port)`` of the TCP store, or ``None`` (another kind of store: it cannot be lost).
+        self.store_address: tuple[str, int] | None = (tcp.host, tcp.port) if tcp is not None else None
+        #: This process hosts the store (its server is a thread here): it never declares it lost.
+        self.hosts_store = self.store_address is not None and listens_here(self.store_address[1])
         self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
         self._flag = torch.zeros(2, dtype=torch.int64)
         self._seq = 0
@@ -294,7 +307,7 @@ class Session:
         return [(self.ranks[i], pid) for i, (pid, host) in enumerate(zip(self.pids, self.host_ids))
                 if i != self.group_rank and host == me]
 
-    def connection(self, name: str, timeout: timedelta) -> Connection:
+    def connection(self, name: str, timeout: timedelta, *, backoff: bool = False) -> Connection:
         """A new store connection of this process's own, under the run's prefix.
 
         For a TCP store it is a new client of the store's host and port whose connect is bounded by
@@ -302,9 +315,8 @@ class Session:
         when the store's host is unreachable), after :func:`~.schema.probe_store_port`; other
         stores are cloned."""
         prefix, base = f"fth/{self.run_id}", self._pg_store
-        tcp = _compat_torch.tcp_store_of(base)
-        if tcp is not None:
-            host, port = tcp.host, tcp.port
+        if self.store_address is not None:
+            host, port = self.store_address
 
             def factory() -> dist.Store:
                 probe_store_port(host, port, timeout)
@@ -313,7 +325,14 @@ class Session:
         else:
             def factory() -> dist.Store:
                 return dist.PrefixStore(prefix, base.clone())
-        return Connection(factory, timeout, name)
+        return Connection(factory, timeout, name, backoff=backoff)
+
+    def store_evidence(self, timeout: float) -> str | None:
+        """Evidence that the store is gone or unreachable (:func:`~.schema.store_evidence`), or
+        ``None`` when its port answers (or it is not a TCP store, or this process hosts it)."""
+        if self.store_address is None or self.hosts_store:
+            return None
+        return store_evidence(*self.store_address, timeout)
 
     # -- the incident -----------------------------------------------------------------------------
     @property
@@ -347,8 +366,11 @@ class Session:
         watchdog, and an orderly teardown of the (released) process groups at interpreter exit."""
         errorfile.survivor(self, err if isinstance(err, PeerFailedError) else self.incident.peer_error)
         spawned.announce(self.rank, err if err is not None else self.incident.peer_error)
+        # An agreement's error names its own incident: the current one has replaced it since, and
+        # acknowledging that would leave the watchdog blind to the next failure (no release).
+        taken = getattr(err, INCIDENT_ATTR, None) if err is not None else None
         with self._lock:
-            for incident in (self.incident, *self._escalated):
+            for incident in (taken or self.incident, *self._escalated):
                 incident.acknowledged.set()
             self._escalated.clear()
         teardown_at_exit()
@@ -386,9 +408,15 @@ class Session:
         seq = self._seq
         self._seq += 1
         self.live_seq = seq
+        incident = self.incident
         try:
             outcome = self._agree(kind, name, seq, failure, step, epoch, peer)
             self.failed_before = self.failed_before or outcome.failed
+            err = outcome.error_for_caller()
+            if err is not None:
+                # the incident this failure belongs to: the main thread's acknowledge() marks that
+                # one, not the fresh incident that replaces it below (which must stay watchful)
+                mark(err, INCIDENT_ATTR, incident)
             return outcome
         finally:
             self.live_seq = seq + 1
@@ -549,7 +577,7 @@ class Session:
         def reader() -> None:
             # Its own thread and connection: a store call can block when the store's host died with
             # its socket still held open by a child process; the main thread never waits past the deadline.
-            beats: dict[int, tuple[int, float]] = {}
+            beats: dict[int, tuple[int, float, float]] = {}  # rank -> (value, observed still, answered at)
             try:
                 while not done.is_set() and time.monotonic() < deadline:
                     try:
@@ -558,23 +586,30 @@ class Session:
                     except Exception:  # noqa: BLE001 - the store does not answer
                         store_hosts = {self.host_ids[0]}
                         gone = [r for r in suspects if self.host_ids[self.ranks.index(r)] in store_hosts]
-                        if gone:
+                        # only on evidence that the store is gone (its port refused, its host
+                        # unreachable): a store that is merely slow says nothing of its host
+                        evidence = self.store_evidence(EXPLAIN_EVIDENCE_TIMEOUT) if gone else None
+                        if evidence is not None:
                             found.extend(self.lost_record(r, f"{detail} from its host, which holds the c10d store, and the "
-                                                 "store does not answer") for r in gone)
+                                                 f"store does not answer ({evidence})") for r in gone)
                             break
                         time.sleep(0.1)
                         continue
                     if records:
                         found.extend(records)
                         break
-                    now = time.monotonic()
                     silent = []
                     for r in suspects:
                         value = schema.heartbeat_of(r)
-                        last = beats.setdefault(r, (value, now))
-                        if value != last[0]:
-                            beats[r] = (value, now)
-                        elif now - last[1] >= SUSPECT_SILENCE:
+                        # observed silence only: a slow read (a busy store) is no evidence
+                        now = time.monotonic()
+                        last_value, still, answered = beats.get(r, (value, 0.0, now))
+                        if value != last_value:
+                            still = 0.0
+                        elif now - answered <= SUSPECT_OBSERVED_GAP:
+                            still += now - answered
+                        beats[r] = (value, still, now)
+                        if still >= SUSPECT_SILENCE:
                             silent.append(r)
                     if silent:
                         declared = [self.lost_record(r, f"{detail} [{', '.join(addresses_named(first_line))}] and no heartbeat "

@@ -69,6 +69,13 @@ SILENT_MARGIN = timedelta(seconds=2)
 HEARTBEAT_EVERY = timedelta(seconds=0.5)
 #: Timeout of the liveness loop's store calls (only to publish what it declares).
 LIVENESS_STORE_TIMEOUT = timedelta(seconds=2)
+#: While the store does not answer, its port is tried this often (a plain TCP connect: evidence
+#: that it is gone, or that it is only slow), each try bounded by :data:`STORE_EVIDENCE_TIMEOUT`
+#: seconds (past the kernel's first SYN retransmission, 1 s: one lost packet is not evidence).
+STORE_CHECK_EVERY = 0.5
+STORE_EVIDENCE_TIMEOUT = 1.5
+#: A store that is slow but not gone is warned about at most this often (seconds).
+STORE_WARN_EVERY = 30.0
 
 _writes_in_progress = 0
 _writes_lock = threading.Lock()
@@ -124,10 +131,11 @@ class Watchdog:
         self._progress: tuple[float, float, int | None] = (time.monotonic(), time.time(), None)
         self._stop = WakeEvent()  # its set() also wakes the liveness loop's poll()
         self._finishing = False
+        self._store_warned_at = -STORE_WARN_EVERY
         store_timeout = timedelta(seconds=max(1.0, 5 * self.interval.total_seconds()))
-        self._conn = session.connection("watchdog", store_timeout)
+        self._conn = session.connection("watchdog", store_timeout, backoff=True)
         self._schema = Schema(self._conn, session.schema.world_size)
-        self._liveness_conn = session.connection("liveness", LIVENESS_STORE_TIMEOUT)
+        self._liveness_conn = session.connection("liveness", LIVENESS_STORE_TIMEOUT, backoff=True)
         self._liveness_schema = Schema(self._liveness_conn, session.schema.world_size)
         for conn in (self._conn, self._liveness_conn):  # connected now, not in the loops' first poll
             try:
@@ -152,7 +160,9 @@ class Watchdog:
                                            margin=SILENT_MARGIN.total_seconds(), progress=lambda: self._progress,
                                            frame=main_thread_frame, host=session.host)
         self.store_loss = StoreLossProbe(cfg.store_lost_after.total_seconds(), by=self.rank, store_rank=0,
-                                         store_pid=session.pids[0])
+                                         store_pid=session.pids[0], hosted_here=session.hosts_store,
+                                         evidence=lambda: session.store_evidence(STORE_EVIDENCE_TIMEOUT),
+                                         check_every=max(STORE_CHECK_EVERY, self.interval.total_seconds()))
         peers = session.same_host_peers()
         self.peer_pids = (PeerPidProbe(peers, by=self.rank, host=session.host,
                                        after_failure=lambda: session.failed_before) if peers else None)
@@ -213,7 +223,9 @@ class Watchdog:
                 if self._finishing or self._stop.is_set():
                     return
                 if self.store_loss.failed(now, err):
-                    log(logging.WARNING, "the c10d store did not answer: %s", self.store_loss.last_error)
+                    if now >= self._store_warned_at + STORE_WARN_EVERY:  # a slow store: once in a while
+                        self._store_warned_at = now
+                        log(logging.WARNING, "the c10d store did not answer: %s", self.store_loss.last_error)
                     self._conn.deadline = self.store_loss.declare_at()
             if self.session.known_failure is None:
                 # the time after the calls: a call that timed out took most of a period's budget
