@@ -28,15 +28,26 @@ It assumes every node counts the same attempts (a fixed number of nodes): with e
 (``--nnodes MIN:MAX``) a node that joins later counts from 0 and would not meet the others' prefix;
 use ``FTH_ATTEMPT_STORE=0`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` there.
 
+**Imported after ``init_process_group``.** Then this attempt's groups already wrote their keys under
+torch's bare names. So that the next attempt comes up anyway, a rank that knows the job failed
+(its own failure, an agreed one, or its watchdog's finding) deletes this attempt's gloo address
+keys from the shared store before it exits (:func:`forget_addresses`): every rank of the next
+attempt then waits for its peers' new addresses instead of reading a dead process's. Any surviving
+rank does it for all (a SIGKILLed rank cannot); it happens before the process ends, so before
+torchrun starts the next attempt.
+
 Private API: ``torch.distributed.rendezvous._rendezvous_handlers`` (the scheme -> handler table that
-``init_process_group`` consults at each call), checked against torch 2.13.0.
+``init_process_group`` consults at each call), checked against torch 2.13.0; the names gloo's
+address keys have in the store (:data:`ADDRESS_KEY`), checked at start against this rank's own
+(:func:`address_key_of`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterator
+import re
+from typing import Any, Callable, Iterator
 
 from . import config
 from ._log import log
@@ -80,13 +91,45 @@ def _table() -> dict:
     return table
 
 
+#: The process group was made through :func:`_wrap`'s handler: its keys are in the attempt's namespace.
+_prefixed = False
+
+#: gloo's address keys in the store (torch 2.13): the default group's
+#: ``default_pg/0//cpu//<context>/<rank>``, those of ``new_group`` number N
+#: ``default_pg/0//N//cpu//<context>/<rank>``.
+ADDRESS_KEY = re.compile(r"^default_pg/0//(?:[^/]+//)?cpu//\d+/\d+$")
+
+
+def shared_keys_left() -> bool:
+    """Under torchrun's shared store, this attempt's groups wrote their keys under torch's bare
+    names (the library was imported after ``init_process_group``): the next attempt would read them."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.attempt_store()
+            and not _prefixed)
+
+
+def address_key_of(rank: int) -> str:
+    """The key under which the default group's gloo context 0 published ``rank``'s address."""
+    return f"default_pg/0//cpu//0/{rank}"
+
+
+def forget_addresses(call: Callable[..., Any]) -> int:
+    """Delete every gloo address key of this attempt; ``call(method, *args)`` is a store call on a
+    client without a prefix. Returns how many were deleted."""
+    keys = [key for key in call("list_keys") if ADDRESS_KEY.match(key)]
+    for key in keys:
+        call("delete_key", key)
+    return len(keys)
+
+
 def _wrap(handler):
     def per_attempt(url: str, **kwargs: Any) -> Iterator[tuple]:
         import torch.distributed as dist
 
+        global _prefixed
         for store, rank, world_size in handler(url, **kwargs):
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 store = dist.PrefixStore(prefix(), store)
+                _prefixed = True
             yield store, rank, world_size
 
     setattr(per_attempt, _WRAPPED_ATTR, True)
@@ -107,7 +150,7 @@ def install() -> bool:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        log(logging.WARNING, "the process group was initialized before fault_tolerant_handlers was imported: "
-            "under torchrun its keys are not isolated per attempt, and a restarted attempt may fail in gloo's "
-            "connectFullMesh; import fault_tolerant_handlers before init_process_group")
+        log(logging.INFO, "the process group was initialized before fault_tolerant_handlers was imported: "
+            "under torchrun its keys are not isolated per attempt; if this attempt fails, its ranks delete "
+            "their address keys before they exit, so that the next attempt comes up")
     return True

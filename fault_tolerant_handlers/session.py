@@ -49,7 +49,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import _compat_torch, config, errorfile, signals, spawned
+from . import _compat_torch, _compat_torchrun, config, errorfile, signals, spawned
 from ._log import log
 from .errors import PeerFailedError, SectionMismatchError, is_backend_error
 from .probes import PeerPidProbe
@@ -283,6 +283,12 @@ class Session:
         #: A failure was delivered on this session (an agreement failed, or this rank failed).
         self.failed_before = False
         self._same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
+        #: Under torchrun with the library imported after init_process_group: a connection without a
+        #: prefix, to delete this attempt's gloo address keys once the job failed.
+        self._attempt_keys: Connection | None = None
+        self._attempt_keys_lock = threading.Lock()
+        if _compat_torchrun.shared_keys_left() and self.store_address is not None:
+            self._attempt_keys = self._check_address_keys()
         self._explaining = None
         signals.install(self)  # SIGTERM/SIGINT: say so before the previous handler runs
         spawned.detect()  # under mp.spawn, this rank prints its report itself
@@ -307,24 +313,28 @@ class Session:
         return [(self.ranks[i], pid) for i, (pid, host) in enumerate(zip(self.pids, self.host_ids))
                 if i != self.group_rank and host == me]
 
-    def connection(self, name: str, timeout: timedelta, *, backoff: bool = False) -> Connection:
+    def connection(self, name: str, timeout: timedelta, *, backoff: bool = False,
+                   prefix: str | None = None) -> Connection:
         """A new store connection of this process's own, under the run's prefix.
 
         For a TCP store it is a new client of the store's host and port whose connect is bounded by
         ``timeout`` (``Store.clone`` would retry for the store's own timeout, up to 30 minutes,
         when the store's host is unreachable), after :func:`~.schema.probe_store_port`; other
         stores are cloned."""
-        prefix, base = f"fth/{self.run_id}", self._pg_store
+        prefix, base = f"fth/{self.run_id}" if prefix is None else prefix, self._pg_store
+
+        def prefixed(store: dist.Store) -> dist.Store:
+            return dist.PrefixStore(prefix, store) if prefix else store
+
         if self.store_address is not None:
             host, port = self.store_address
 
             def factory() -> dist.Store:
                 probe_store_port(host, port, timeout)
-                return dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout,
-                                                              wait_for_workers=False))
+                return prefixed(dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False))
         else:
             def factory() -> dist.Store:
-                return dist.PrefixStore(prefix, base.clone())
+                return prefixed(base.clone())
         return Connection(factory, timeout, name, backoff=backoff)
 
     def store_evidence(self, timeout: float) -> str | None:
@@ -333,6 +343,43 @@ class Session:
         if self.store_address is None or self.hosts_store:
             return None
         return store_evidence(*self.store_address, timeout)
+
+    def _check_address_keys(self) -> Connection | None:
+        """The connection :meth:`forget_attempt_keys` uses, after checking that this rank's own gloo
+        address key is where :mod:`._compat_torchrun` expects it (else: a warning, and ``None``)."""
+        conn = self.connection("attempt-keys", MAIN_STORE_TIMEOUT, prefix="")
+        key = _compat_torchrun.address_key_of(self.rank)
+        try:
+            if conn.call("check", [key]):
+                return conn
+            why = f"no key {key!r} in the store (torch {torch.__version__})"
+        except Exception as err:  # noqa: BLE001
+            why = (str(err).splitlines() or [""])[0][:200]
+        conn.close()
+        log(logging.WARNING, "fault_tolerant_handlers was imported after init_process_group under torchrun, and "
+            "this attempt's gloo address keys cannot be found (%s): a restarted attempt may fail in gloo's "
+            "connectFullMesh; import fault_tolerant_handlers before init_process_group", why)
+        return None
+
+    def forget_attempt_keys(self) -> None:
+        """The job failed: delete this attempt's gloo address keys from torchrun's shared store (once),
+        so that the next attempt never reads them (only when the library was imported after
+        ``init_process_group``; otherwise each attempt has a namespace of its own)."""
+        # Held while deleting: a second caller (the main thread taking the failure, while the
+        # watchdog deletes) waits until the keys are gone, so that its exit never cuts it short.
+        with self._attempt_keys_lock:
+            conn, self._attempt_keys = self._attempt_keys, None
+            if conn is None:
+                return
+            try:
+                count = _compat_torchrun.forget_addresses(conn.call)
+                log(logging.INFO, "deleted this attempt's %d gloo address keys from torchrun's store, so that a "
+                    "restarted attempt connects to its new peers", count)
+            except Exception as err:  # noqa: BLE001 - the store may be what failed; never mask the failure
+                log(logging.WARNING, "could not delete this attempt's gloo address keys: %s",
+                    (str(err).splitlines() or [""])[0][:200])
+            finally:
+                conn.close()
 
     # -- the incident -----------------------------------------------------------------------------
     @property
@@ -373,6 +420,7 @@ class Session:
             for incident in (taken or self.incident, *self._escalated):
                 incident.acknowledged.set()
             self._escalated.clear()
+        self.forget_attempt_keys()  # before this thread raises on to the exit
         teardown_at_exit()
 
     def _next_incident(self) -> None:
@@ -395,6 +443,7 @@ class Session:
             self.schema.publish(record)
         except Exception as err:  # noqa: BLE001 - the flag still carries the rank; never mask the failure
             log(logging.WARNING, "could not publish the failure record: %s", (str(err).splitlines() or [""])[0][:200])
+        self.forget_attempt_keys()
         if release:
             what = release_process_groups(self._pg_store)
             log(logging.INFO, "released this rank's collectives so that no peer waits: %s", what, step=step)
@@ -412,6 +461,8 @@ class Session:
         try:
             outcome = self._agree(kind, name, seq, failure, step, epoch, peer)
             self.failed_before = self.failed_before or outcome.failed
+            if outcome.failed:
+                self.forget_attempt_keys()
             err = outcome.error_for_caller()
             if err is not None:
                 # the incident this failure belongs to: the main thread's acknowledge() marks that

@@ -275,6 +275,7 @@ class Watchdog:
         if incident is not None:
             threading.Thread(target=self._escalate, args=(incident,), name="fth-escalate", daemon=True).start()
         self._declare(finding, schema)
+        self.session.forget_attempt_keys()
 
     def _declare(self, finding: Finding, schema: Schema | None) -> None:
         """Publish what this rank declares about another (the first rank to declare it does)."""
