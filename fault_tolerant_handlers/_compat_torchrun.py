@@ -38,15 +38,14 @@ torchrun starts the next attempt.
 
 Private API: ``torch.distributed.rendezvous._rendezvous_handlers`` (the scheme -> handler table that
 ``init_process_group`` consults at each call), checked against torch 2.13.0; the names gloo's
-address keys have in the store (:data:`ADDRESS_KEY`), checked at start against this rank's own
-(:func:`address_key_of`).
+address keys have in the store (:func:`address_key_of`, from ``_world.pg_map`` and
+``_world.pg_names``), checked at start against this rank's own.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Any, Callable, Iterator
 
 from . import config
@@ -94,12 +93,6 @@ def _table() -> dict:
 #: The process group was made through :func:`_wrap`'s handler: its keys are in the attempt's namespace.
 _prefixed = False
 
-#: gloo's address keys in the store (torch 2.13): the default group's
-#: ``default_pg/0//cpu//<context>/<rank>``, those of ``new_group`` number N
-#: ``default_pg/0//N//cpu//<context>/<rank>``.
-ADDRESS_KEY = re.compile(r"^default_pg/0//(?:[^/]+//)?cpu//\d+/\d+$")
-
-
 def shared_keys_left() -> bool:
     """Under torchrun's shared store, this attempt's groups wrote their keys under torch's bare
     names (the library was imported after ``init_process_group``): the next attempt would read them."""
@@ -107,18 +100,38 @@ def shared_keys_left() -> bool:
             and not _prefixed)
 
 
-def address_key_of(rank: int) -> str:
-    """The key under which the default group's gloo context 0 published ``rank``'s address."""
-    return f"default_pg/0//cpu//0/{rank}"
+def address_key_of(rank: int, group: str | None = None) -> str:
+    """The key under which gloo context 0 of a group published ``rank``'s address (torch 2.13): the
+    default group's ``default_pg/0//cpu//0/<rank>``, group ``N``'s ``default_pg/0//N//cpu//0/<rank>``."""
+    return f"default_pg/0//{'' if group is None else group + '//'}cpu//0/{rank}"
+
+
+def address_keys() -> list[str]:
+    """Every gloo address key of this process's groups (private: ``_world.pg_map`` and
+    ``_world.pg_names``)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._world
+    default = distributed_c10d._get_default_group()
+    keys = []
+    for pg in list(world.pg_map):
+        try:
+            if dist.get_backend(pg) != "gloo":
+                continue
+            name = None if pg is default else world.pg_names[pg]
+            keys += [address_key_of(r, name) for r in range(pg.size())]
+        except Exception:  # noqa: BLE001 - a group being destroyed
+            continue
+    return keys
 
 
 def forget_addresses(call: Callable[..., Any]) -> int:
     """Delete every gloo address key of this attempt; ``call(method, *args)`` is a store call on a
-    client without a prefix. Returns how many were deleted."""
-    keys = [key for key in call("list_keys") if ADDRESS_KEY.match(key)]
-    for key in keys:
-        call("delete_key", key)
-    return len(keys)
+    client without a prefix. Returns how many were there. (Named one by one: listing the store's
+    keys holds the GIL for the whole call in torch 2.13, which freezes the process when the store
+    does not answer.)"""
+    return sum(bool(call("delete_key", key)) for key in address_keys())
 
 
 def _wrap(handler):

@@ -347,7 +347,7 @@ class Session:
     def _check_address_keys(self) -> Connection | None:
         """The connection :meth:`forget_attempt_keys` uses, after checking that this rank's own gloo
         address key is where :mod:`._compat_torchrun` expects it (else: a warning, and ``None``)."""
-        conn = self.connection("attempt-keys", MAIN_STORE_TIMEOUT, prefix="")
+        conn = self.connection("attempt-keys", FAILURE_PATH_STORE_TIMEOUT, prefix="")
         key = _compat_torchrun.address_key_of(self.rank)
         try:
             if conn.call("check", [key]):
@@ -372,6 +372,10 @@ class Session:
             if conn is None:
                 return
             try:
+                gone = self.store_evidence(EXPLAIN_EVIDENCE_TIMEOUT)
+                if gone is not None:  # the store (torchrun's rendezvous with it) is gone: nothing to delete
+                    log(logging.INFO, "not deleting this attempt's gloo address keys: %s", gone)
+                    return
                 count = _compat_torchrun.forget_addresses(conn.call)
                 log(logging.INFO, "deleted this attempt's %d gloo address keys from torchrun's store, so that a "
                     "restarted attempt connects to its new peers", count)
