@@ -250,3 +250,20 @@ def test_records_probe_leaves_late_news_of_a_failure_already_agreed_on():
     probe.poll(10.6)
     found = probe.poll(11.0)
     assert found is not None and found.error.failed_rank == 3
+
+
+def test_the_process_hosting_the_store_knows_it():
+    """``release.listens_here``: true in the process whose TCPStore server listens on the port (rank
+    0 under env:// rendezvous), false for a client of the same store."""
+    import subprocess
+    import sys
+
+    from fault_tolerant_handlers.release import listens_here
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert listens_here(server.port)
+    client = subprocess.run(
+        [sys.executable, "-c", "import sys, torch.distributed as dist; from fault_tolerant_handlers.release import "
+         f"listens_here; c = dist.TCPStore('127.0.0.1', {server.port}, is_master=False); "
+         f"print(listens_here({server.port}))"], capture_output=True, text=True, timeout=60)
+    assert client.stdout.strip() == "False", client.stderr[-2000:]
