@@ -57,6 +57,12 @@ def _stopped(pid: int) -> bool:
     return bool(fields) and fields[_procfs.STATE] in ("T", "t")
 
 
+def _running(pid: int) -> bool:
+    """``pid`` (a rank on this host) runs: neither gone, a zombie, nor stopped (SIGSTOP)."""
+    fields = _procfs.stat_fields(pid)
+    return _procfs.is_running(fields) and fields[_procfs.STATE] not in ("T", "t")
+
+
 def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: float, limit: float) -> None:
     try:
         with open("/proc/self/comm", "w") as f:
@@ -79,9 +85,11 @@ def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: fl
     ends = threading.Thread(target=_on_rank_end, args=(session, parent, stop_fd, woken, tell), name="fth-rank-end",
                             daemon=True)
     ends.start()
-    successor = session.ranks[(session.group_rank + 1) % session.world_size]
-    probe = HeartbeatProbe(schema, session.rank, successor, session.pids[session.ranks.index(successor)],
-                           period=period, limit=limit, host=session.hosts[session.ranks.index(successor)])
+    index = (session.group_rank + 1) % session.world_size
+    successor, successor_pid = session.ranks[index], session.pids[index]
+    same_host = session.host_ids[index] == session.host_ids[session.group_rank]
+    probe = HeartbeatProbe(schema, session.rank, successor, successor_pid, period=period, limit=limit,
+                           host=session.hosts[index], running=(lambda: _running(successor_pid)) if same_host else None)
     declared = [False]
     while os.getppid() == parent:
         if not _stopped(parent):  # frozen: its neighbour must see it, so no beat

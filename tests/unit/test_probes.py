@@ -267,3 +267,18 @@ def test_the_process_hosting_the_store_knows_it():
          f"listens_here; c = dist.TCPStore('127.0.0.1', {server.port}, is_master=False); "
          f"print(listens_here({server.port}))"], capture_output=True, text=True, timeout=60)
     assert client.stdout.strip() == "False", client.stderr[-2000:]
+
+
+def test_heartbeat_probe_never_declares_a_running_successor_on_its_own_host():
+    """A successor on this host whose process runs (not stopped, not gone) is only late with its
+    beats (its helper's store connection is slow): no declaration. Stopped (SIGSTOP), it is silent."""
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    state = {"running": True}
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=1.0,
+                           running=lambda: state["running"])
+    other.beat(1)
+    assert all(probe.poll(0.5 * k) is None for k in range(20))  # 9.5 s still, and it runs
+    state["running"] = False
+    found = probe.poll(10.0)
+    assert found is not None and found.error.exc_type == "PeerSilent"
