@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-long test-multihost test-resume bench-resume bench-spawn conformance root-cause venv clean
+.PHONY: demo test test-ranges test-long test-multihost test-resume bench-resume bench-spawn conformance root-cause venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,29 @@ demo: $(STAMP)
 # time budget: deselected here.
 test: $(STAMP)
 	$(PY) -m pytest -q tests -m "not long" --durations=25
+
+# The oldest and the newest end of each range in pyproject.toml's extras, each installed into a
+# fresh venv (.venv-ranges/<end>), then a fast subset: the unit tests, the README's snippets (the
+# Lightning one also under pytorch_lightning), Lightning's ddp_spawn path and Ignite's
+# hang_timeout="auto" (the other private APIs). torch is 2.13.0 (CPU) at both ends: other torch
+# versions pull a multi-GB CUDA build. Not part of `make test` (about 15 min more on 2 cores).
+RANGE_OLDEST := "pytorch-ignite==0.5.0.post2" "lightning==2.5.0" "pytorch-lightning==2.5.0" "torchdata==0.11.0"
+RANGE_NEWEST := "pytorch-ignite>=0.5,<0.6" "lightning>=2.5,<2.7" "pytorch-lightning>=2.5,<2.7" "torchdata>=0.11,<0.12"
+RANGE_TESTS  := tests/unit tests/distributed/test_readme_ignite.py tests/distributed/test_readme_lightning.py \
+	"tests/distributed/test_lightning_distributed.py::test_every_rank_raises_with_the_cause[ddp_spawn-raise-True]" \
+	tests/distributed/test_autohang_distributed.py::test_ignite_rank_hung_in_a_step_after_warm_up_is_reported_within_the_learned_deadline
+test-ranges:
+	set -e; for end in oldest newest; do \
+		v=.venv-ranges/$$end; rm -rf $$v; $(PYTHON) -m venv $$v; \
+		$$v/bin/python -m pip install -q --upgrade pip; \
+		$$v/bin/python -m pip install -q torch==2.13.0; \
+		if [ $$end = oldest ]; then $$v/bin/python -m pip install -q $(RANGE_OLDEST); \
+		else $$v/bin/python -m pip install -q --upgrade $(RANGE_NEWEST); fi; \
+		$$v/bin/python -m pip install -q "pytest>=8" "pytest-timeout>=2.3"; \
+		$$v/bin/python -m pip install -q --no-deps -e .; \
+		$$v/bin/python -m pip list 2>/dev/null | grep -iE "^(torch|pytorch-ignite|lightning|pytorch-lightning|torchdata) "; \
+		$$v/bin/python -m pytest -q -p no:cacheprovider $(RANGE_TESTS); \
+	done
 
 # Everything, the long tests included.
 test-long: $(STAMP)
