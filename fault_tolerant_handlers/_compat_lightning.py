@@ -1,8 +1,14 @@
 """Every use of Lightning's private API, in one place, checked when the callback is set up.
 
-Checked against lightning 2.6.6.
+Checked against lightning 2.5.0 and 2.6.6, and pytorch-lightning 2.6.6 (the standalone package).
 
-* ``lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher``: the launcher of
+Lightning ships under two names: ``lightning.pytorch`` (the ``lightning`` package) and
+``pytorch_lightning`` (the ``pytorch-lightning`` package), two copies of the same code whose classes
+are distinct. :data:`NAMESPACES` lists those installed; the callback derives from the ``Callback`` of
+each, and each private name below is looked up in the namespace of the trainer it is given
+(:func:`namespace`).
+
+* ``<namespace>.strategies.launchers.multiprocessing._MultiProcessingLauncher``: the launcher of
   ``ddp_spawn``/``ddp_fork``/``ddp_notebook``, which runs the stage in the ranks without
   ``_call_and_handle_interrupt`` (so ``on_exception`` runs in the parent only);
 * ``Trainer._run_stage``: wrapped in spawned ranks, to give them an exception path;
@@ -13,33 +19,79 @@ Checked against lightning 2.6.6.
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
+import sys
 from typing import Any, Callable
 
-CHECKED_AGAINST = ("2.6.6",)
+CHECKED_AGAINST = ("2.5.0", "2.6.6")
+
+#: The installed namespaces of Lightning's trainer, ``lightning.pytorch`` first.
+NAMESPACES: tuple[str, ...] = tuple(
+    name for name in ("lightning.pytorch", "pytorch_lightning") if importlib.util.find_spec(name.split(".")[0]) is not None
+)
+#: The distribution that provides each namespace (for error messages).
+_DISTRIBUTION = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch-lightning"}
+
+
+def _import(name: str) -> Any:
+    return importlib.import_module(name)
+
+
+def namespace(trainer: Any) -> str:
+    """``"lightning.pytorch"`` or ``"pytorch_lightning"``: the package whose ``Trainer`` this is."""
+    module = type(trainer).__module__
+    return "pytorch_lightning" if module.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
+
+
+def callback_bases() -> tuple[type, ...]:
+    """The ``Callback`` classes the callback derives from: that of every namespace already imported
+    (a user's ``import lightning`` or ``import pytorch_lightning`` usually comes first), else that
+    of the first installed one. Importing the other namespace would cost every rank its import
+    time (``lightning`` depends on ``pytorch-lightning``, so both are installed): a ``Trainer`` of a
+    namespace not among the bases still runs the callback (it calls hooks by name), only
+    ``isinstance(cb, Callback)`` of that namespace is false."""
+    names = [name for name in NAMESPACES if name in sys.modules] or list(NAMESPACES[:1])
+    bases = []
+    for name in names:
+        try:
+            bases.append(_import(name + ".callbacks").Callback)
+        except ImportError:
+            continue
+    if not bases:
+        raise ImportError("fault_tolerant_handlers.lightning needs Lightning: pip install "
+                          "'fault-tolerant-handlers[lightning]' (or pytorch-lightning)")
+    return tuple(bases)
+
+
+def checkpoint_types() -> tuple[type, ...]:
+    """``Checkpoint`` (the base of ``ModelCheckpoint`` and ``OnExceptionCheckpoint``) of every
+    namespace imported by now (a trainer's callbacks come from imported namespaces)."""
+    return tuple(sys.modules[name + ".callbacks"].Checkpoint for name in NAMESPACES
+                 if hasattr(sys.modules.get(name + ".callbacks"), "Checkpoint"))
 
 
 def check(trainer: Any) -> None:
     """Raise ``RuntimeError`` naming what this Lightning version lacks."""
+    ns = namespace(trainer)
     missing = []
     try:
-        from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: F401
-    except ImportError:
-        missing.append("lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher")
+        _import(ns + ".strategies.launchers.multiprocessing")._MultiProcessingLauncher  # noqa: B018
+    except (ImportError, AttributeError):
+        missing.append(f"{ns}.strategies.launchers.multiprocessing._MultiProcessingLauncher")
     for name in ("_run_stage", "_teardown"):
         if not callable(getattr(trainer, name, None)):
-            missing.append(f"lightning.pytorch.Trainer.{name}")
+            missing.append(f"{ns}.Trainer.{name}")
     if missing:
-        import lightning
-
-        raise RuntimeError(f"fault-tolerant-handlers needs {', '.join(missing)}, which lightning "
-                           f"{lightning.__version__} does not have (checked against {', '.join(CHECKED_AGAINST)})")
+        version = getattr(_import(ns), "__version__", "?")
+        raise RuntimeError(f"fault-tolerant-handlers needs {', '.join(missing)}, which {_DISTRIBUTION[ns]} "
+                           f"{version} does not have (checked against {', '.join(CHECKED_AGAINST)})")
 
 
 def on_exception_runs_in_rank(trainer: Any) -> bool:
     """False for ``ddp_spawn``/``ddp_fork``/``ddp_notebook``: ``on_exception`` runs in the parent."""
-    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-
-    return not isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
+    launcher_type = _import(namespace(trainer) + ".strategies.launchers.multiprocessing")._MultiProcessingLauncher
+    return not isinstance(trainer.strategy.launcher, launcher_type)
 
 
 def wrap_run_stage(trainer: Any, wrapper: Callable[[Callable[[], Any]], Any]) -> None:

@@ -36,6 +36,11 @@ runs there, where the trained state is. In the parent, which holds only the untr
 callback skips the checkpoint callbacks (stock Lightning 2.6.6 saves the untrained parent model as
 ``on_exception.ckpt``) and keeps the other callbacks' ``on_exception`` from hiding the rank's error.
 
+Both namespaces: ``lightning.Trainer`` and ``pytorch_lightning.Trainer`` both take the callback. It
+is a ``Callback`` of each of the two already imported when this module is (of ``lightning.pytorch``
+when neither is yet), and it looks Lightning's classes up in the namespace of the trainer it is
+given (:mod:`._compat_lightning`).
+
 Private Lightning API: see :mod:`._compat_lightning`. Everything else is public
 ``Callback``/``Trainer`` API.
 """
@@ -45,10 +50,7 @@ from __future__ import annotations
 import functools
 import logging
 from datetime import timedelta
-from typing import Any, Callable, Mapping
-
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, Checkpoint
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from typing_extensions import override
 
@@ -57,6 +59,16 @@ from ._log import log
 from .autohang import CHECKPOINT, EVALUATION, STEP
 from .guard import Guard
 from .inject import Injector
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback as _CallbackBase
+else:
+    _bases = _compat_lightning.callback_bases()
+    if len(_bases) == 1:
+        (_CallbackBase,) = _bases
+    else:  # lightning.pytorch and pytorch_lightning both imported: a Callback of either
+        _CallbackBase = type("_CallbackBase", _bases, {"__module__": __name__})
 
 __all__ = ["FaultTolerance"]
 
@@ -73,7 +85,7 @@ def _guarded(what: str, fn: Callable[[], Any]) -> None:
             what, type(err).__name__, first)
 
 
-class FaultTolerance(Callback):
+class FaultTolerance(_CallbackBase):
     """Make a distributed Lightning run fail together: one callback, on every rank.
 
     An exception on one rank (``training_step``, ``validation_step``, a dataloader, another
@@ -203,7 +215,7 @@ class FaultTolerance(Callback):
         except Exception as exc:
             to_raise = self._convert(trainer, exc)
             for callback in list(trainer.callbacks):
-                if isinstance(callback, Checkpoint):
+                if isinstance(callback, _compat_lightning.checkpoint_types()):
                     _guarded(f"{type(callback).__name__}.on_exception",
                              functools.partial(callback.on_exception, trainer, trainer.lightning_module, exc))
             if to_raise is exc:
@@ -300,7 +312,7 @@ class FaultTolerance(Callback):
         for callback in callbacks[start:]:
             if isinstance(callback, FaultTolerance):
                 continue
-            if in_parent and isinstance(callback, Checkpoint):
+            if in_parent and isinstance(callback, _compat_lightning.checkpoint_types()):
                 # Its rank already ran it (see _run_stage_in_rank); here it would save the untrained model.
                 log(logging.INFO, "%s.on_exception is not run in the parent of spawned ranks (it holds only the "
                     "untrained model; the ranks ran it)", type(callback).__name__)
