@@ -106,17 +106,21 @@ class FaultTolerance(_CallbackBase):
         sync_every: training batches between flag agreements within an epoch (default 100;
             ``None``: only at the end of validation, of each epoch and of the run). Each agreement
             is one int64 all_reduce on a gloo side group; the watchdog covers the batches between.
-        hang_timeout: opt-in; a ``timedelta``: a rank whose loop makes no progress for this long is
+        hang_timeout: opt-in; a duration (a ``timedelta``, a number of seconds, a
+            ``"DD:HH:MM:SS"`` string or a dict such as ``{"minutes": 5}``, as Lightning's ``Timer``
+            takes them; from 1 s to 7 days): a rank whose loop makes no progress for this long is
             declared hung and every rank ends with its stack. ``"auto"``: the deadline is learned
             per kind of work (training batches; validation, batch by batch; checkpoint saves), see
-            README "Hang detection". ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
+            docs/hang-detection.md. ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
         watchdog: start the out-of-band watchdog (default True).
         name: the loop's name in reports (``'train' (epoch 1, iteration 12)``); also part of
             :attr:`state_key`, so two instances with different names can coexist.
 
     Raises:
-        ValueError: ``sync_every`` is not a positive int or ``None``, or ``name`` is empty.
-        TypeError: ``hang_timeout`` is not a ``timedelta``, ``"auto"`` or ``None``.
+        ValueError: ``sync_every`` is not a positive int or ``None``; ``hang_timeout`` is a duration
+            outside 1 s to 7 days; an ``FTH_*`` environment variable is out of its range.
+        TypeError: ``hang_timeout`` is none of its accepted forms; ``watchdog`` is not a bool;
+            ``name`` is not a non-empty str (an empty name included).
 
     Examples:
         .. code-block:: python
@@ -138,7 +142,7 @@ class FaultTolerance(_CallbackBase):
     def __init__(
         self,
         sync_every: int | None = 100,
-        hang_timeout: timedelta | str | None = None,
+        hang_timeout: timedelta | float | str | dict | None = None,
         watchdog: bool = True,
         name: str = "train",
     ) -> None:
