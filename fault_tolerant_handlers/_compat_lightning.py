@@ -5,8 +5,8 @@ Checked against lightning 2.5.0 and 2.6.6, and pytorch-lightning 2.6.6 (the stan
 Lightning ships under two names: ``lightning.pytorch`` (the ``lightning`` package) and
 ``pytorch_lightning`` (the ``pytorch-lightning`` package), two copies of the same code whose classes
 are distinct. :data:`NAMESPACES` lists those installed; the callback derives from the ``Callback`` of
-each, and each private name below is looked up in the namespace of the trainer it is given
-(:func:`namespace`).
+each (:func:`callback_bases`), and each private name below is looked up in the namespace of the
+trainer it is given (:func:`namespace`).
 
 * ``<namespace>.strategies.launchers.multiprocessing._MultiProcessingLauncher``: the launcher of
   ``ddp_spawn``/``ddp_fork``/``ddp_notebook``, which runs the stage in the ranks without
@@ -26,9 +26,16 @@ from typing import Any, Callable
 
 CHECKED_AGAINST = ("2.5.0", "2.6.6")
 
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (blocked)
+        return False
+
+
 #: The installed namespaces of Lightning's trainer, ``lightning.pytorch`` first.
 NAMESPACES: tuple[str, ...] = tuple(
-    name for name in ("lightning.pytorch", "pytorch_lightning") if importlib.util.find_spec(name.split(".")[0]) is not None
+    name for name in ("lightning.pytorch", "pytorch_lightning") if _installed(name.split(".")[0])
 )
 #: The distribution that provides each namespace (for error messages).
 _DISTRIBUTION = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch-lightning"}
@@ -45,22 +52,22 @@ def namespace(trainer: Any) -> str:
 
 
 def callback_bases() -> tuple[type, ...]:
-    """The ``Callback`` classes the callback derives from: that of every namespace already imported
-    (a user's ``import lightning`` or ``import pytorch_lightning`` usually comes first), else that
-    of the first installed one. Importing the other namespace would cost every rank its import
-    time (``lightning`` depends on ``pytorch-lightning``, so both are installed): a ``Trainer`` of a
-    namespace not among the bases still runs the callback (it calls hooks by name), only
-    ``isinstance(cb, Callback)`` of that namespace is false."""
-    names = [name for name in NAMESPACES if name in sys.modules] or list(NAMESPACES[:1])
-    bases = []
-    for name in names:
+    """The ``Callback`` class of every installed namespace: the callback derives from each, so that
+    a ``Trainer`` of either takes it as its own (Lightning checks ``isinstance(cb, Callback)`` in
+    places, e.g. ``is_overridden`` without a parent in lightning 2.5). The ``lightning`` package
+    depends on ``pytorch-lightning``, so both are usually installed, and both are imported here
+    (the second costs a fraction of a second of import per rank). A namespace that is installed
+    but does not import is left out; none at all is an ``ImportError`` saying what to install."""
+    bases, errors = [], []
+    for name in NAMESPACES:
         try:
             bases.append(_import(name + ".callbacks").Callback)
-        except ImportError:
-            continue
+        except Exception as err:  # noqa: BLE001 - a broken second install must not break the first
+            errors.append(f"{name}: {type(err).__name__}: {err}")
     if not bases:
         raise ImportError("fault_tolerant_handlers.lightning needs Lightning: pip install "
-                          "'fault-tolerant-handlers[lightning]' (or pytorch-lightning)")
+                          "'fault-tolerant-handlers[lightning]' (or pytorch-lightning)"
+                          + (f" ({'; '.join(errors)})" if errors else ""))
     return tuple(bases)
 
 

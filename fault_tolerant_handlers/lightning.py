@@ -37,9 +37,8 @@ callback skips the checkpoint callbacks (stock Lightning 2.6.6 saves the untrain
 ``on_exception.ckpt``) and keeps the other callbacks' ``on_exception`` from hiding the rank's error.
 
 Both namespaces: ``lightning.Trainer`` and ``pytorch_lightning.Trainer`` both take the callback. It
-is a ``Callback`` of each of the two already imported when this module is (of ``lightning.pytorch``
-when neither is yet), and it looks Lightning's classes up in the namespace of the trainer it is
-given (:mod:`._compat_lightning`).
+is a ``Callback`` of each one installed, and it looks Lightning's classes up in the namespace of
+the trainer it is given (:mod:`._compat_lightning`).
 
 Private Lightning API: see :mod:`._compat_lightning`. Everything else is public
 ``Callback``/``Trainer`` API.
@@ -67,7 +66,7 @@ else:
     _bases = _compat_lightning.callback_bases()
     if len(_bases) == 1:
         (_CallbackBase,) = _bases
-    else:  # lightning.pytorch and pytorch_lightning both imported: a Callback of either
+    else:  # lightning.pytorch and pytorch_lightning both installed: a Callback of either
         _CallbackBase = type("_CallbackBase", _bases, {"__module__": __name__})
 
 __all__ = ["FaultTolerance"]
