@@ -35,17 +35,17 @@ RANGE_TESTS  := tests/unit tests/distributed/test_readme_ignite.py tests/distrib
 	"tests/distributed/test_lightning_distributed.py::test_every_rank_raises_with_the_cause[ddp_spawn-raise-True]" \
 	tests/distributed/test_autohang_distributed.py::test_ignite_rank_hung_in_a_step_after_warm_up_is_reported_within_the_learned_deadline
 test-ranges:
-	set -e; for end in oldest newest; do \
-		v=.venv-ranges/$$end; rm -rf $$v; $(PYTHON) -m venv $$v; \
-		$$v/bin/python -m pip install -q --upgrade pip; \
-		$$v/bin/python -m pip install -q torch==2.13.0; \
-		if [ $$end = oldest ]; then $$v/bin/python -m pip install -q $(RANGE_OLDEST); \
-		else $$v/bin/python -m pip install -q --upgrade $(RANGE_NEWEST); fi; \
-		$$v/bin/python -m pip install -q "pytest>=8" "pytest-timeout>=2.3"; \
-		$$v/bin/python -m pip install -q --no-deps -e .; \
-		$$v/bin/python -m pip list 2>/dev/null | grep -iE "^(torch|pytorch-ignite|lightning|pytorch-lightning|torchdata) "; \
-		$$v/bin/python -m pytest -q -p no:cacheprovider $(RANGE_TESTS); \
-	done
+	status=0; for end in oldest newest; do \
+		v=.venv-ranges/$$end; rm -rf $$v; $(PYTHON) -m venv $$v || exit 1; \
+		$$v/bin/python -m pip install -q --upgrade pip || exit 1; \
+		$$v/bin/python -m pip install -q torch==2.13.0 || exit 1; \
+		if [ $$end = oldest ]; then $$v/bin/python -m pip install -q $(RANGE_OLDEST) || exit 1; \
+		else $$v/bin/python -m pip install -q --upgrade $(RANGE_NEWEST) || exit 1; fi; \
+		$$v/bin/python -m pip install -q "pytest>=8" "pytest-timeout>=2.3" || exit 1; \
+		$$v/bin/python -m pip install -q --no-deps -e . || exit 1; \
+		echo "== $$end end:"; $$v/bin/python -m pip list 2>/dev/null | grep -iE "^(torch|pytorch-ignite|lightning|pytorch-lightning|torchdata) "; \
+		$$v/bin/python -m pytest -q -p no:cacheprovider $(RANGE_TESTS) || status=1; \
+	done; exit $$status
 
 # Everything, the long tests included.
 test-long: $(STAMP)
