@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-ranges test-long test-multihost test-resume bench-resume bench-spawn conformance root-cause venv clean
+.PHONY: demo test test-ranges dist test-long test-multihost test-resume bench-resume bench-spawn conformance root-cause venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,14 @@ test-ranges:
 		echo "== $$end end:"; $$v/bin/python -m pip list 2>/dev/null | grep -iE "^(torch|pytorch-ignite|lightning|pytorch-lightning|torchdata) "; \
 		$$v/bin/python -m pytest -q -p no:cacheprovider $(RANGE_TESTS) || status=1; \
 	done; exit $$status
+
+# The sdist and the wheel in dist/, checked as a package index would (twine check --strict: the
+# README renders as the long description). Build tools in their own venv, not in .venv.
+dist:
+	test -x .venv-dist/bin/python || $(PYTHON) -m venv .venv-dist
+	.venv-dist/bin/python -m pip install -q build twine
+	rm -rf dist && .venv-dist/bin/python -m build
+	.venv-dist/bin/python -m twine check --strict dist/*
 
 # Everything, the long tests included.
 test-long: $(STAMP)
