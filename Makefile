@@ -70,7 +70,7 @@ test-resume: $(STAMP)
 bench-resume: $(STAMP)
 	$(PY) bench/resume.py
 
-# torch's and torchdata's own DataLoader tests, stock loader vs ours (README "Restartable DataLoader").
+# torch's and torchdata's own DataLoader tests, stock loader vs ours (docs/benchmarks.md, "RestartableDataLoader").
 # The test files are theirs, not ours: pass their paths, e.g.
 #   make conformance TORCH_TEST=~/pytorch/test/test_dataloader.py TORCHDATA_TESTS=~/data/test/stateful_dataloader
 conformance: $(STAMP)
@@ -82,7 +82,7 @@ conformance: $(STAMP)
 root-cause: $(STAMP)
 	$(PY) bench/torchrun_root_cause.py --runs 20 --monitor-interval 0.1 1 --faults raise kill hang
 
-# Survivors' own output under idist.Parallel and ddp_spawn: N runs per launcher x fault (README "Spawn-family launchers")
+# Survivors' own output under idist.Parallel and ddp_spawn: N runs per launcher x fault (docs/benchmarks.md, "Spawn-family launchers")
 N ?= 20
 bench-spawn: $(STAMP)
 	$(PY) bench/spawn_report.py --runs $(N)

@@ -159,7 +159,7 @@ class FaultTolerance:
         self.guard.stop()
 
     def _exception_raised(self, engine: Engine, exc: BaseException) -> None:
-        # -- without distribution: exactly stock Ignite (README "Ignite", "Without distribution") --
+        # -- without distribution: exactly stock Ignite (docs/ignite.md, "Without distribution") --
         if self.guard.session is None:
             if any(getattr(e[0], "__self__", None) is not self
                    for e in _compat_ignite.handlers_of(engine, Events.EXCEPTION_RAISED)):
