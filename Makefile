@@ -28,7 +28,8 @@ test: $(STAMP)
 # fresh venv (.venv-ranges/<end>), then a fast subset: the unit tests, the README's snippets (the
 # Lightning one also under pytorch_lightning), Lightning's ddp_spawn path and Ignite's
 # hang_timeout="auto" (the other private APIs). torch is 2.13.0 (CPU) at both ends: other torch
-# versions pull a multi-GB CUDA build. Not part of `make test` (about 15 min more on 2 cores).
+# versions pull a multi-GB CUDA build. Not part of `make test`: 20-30 min on 2 shared cores (installs
+# included; docs/benchmarks.md, "Version ranges").
 RANGE_OLDEST := "pytorch-ignite==0.5.0.post2" "lightning==2.5.0" "pytorch-lightning==2.5.0" "torchdata==0.11.0"
 RANGE_NEWEST := "pytorch-ignite>=0.5,<0.6" "lightning>=2.5,<2.7" "pytorch-lightning>=2.5,<2.7" "torchdata>=0.11,<0.12"
 RANGE_TESTS  := tests/unit tests/distributed/test_readme_ignite.py tests/distributed/test_readme_lightning.py \
