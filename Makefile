@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-long test-multihost test-resume bench-resume bench-spawn bench-soak conformance root-cause venv clean
+.PHONY: demo test test-ranges dist test-long test-multihost test-resume bench-resume bench-spawn bench-soak conformance root-cause venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,38 @@ demo: $(STAMP)
 # time budget: deselected here.
 test: $(STAMP)
 	$(PY) -m pytest -q tests -m "not long" --durations=25
+
+# The oldest and the newest end of each range in pyproject.toml's extras, each installed into a
+# fresh venv (.venv-ranges/<end>), then a fast subset: the unit tests, the README's snippets (the
+# Lightning one also under pytorch_lightning), Lightning's ddp_spawn path and Ignite's
+# hang_timeout="auto" (the other private APIs). torch is 2.13.0 (CPU) at both ends: other torch
+# versions pull a multi-GB CUDA build. Not part of `make test`: 20-30 min on 2 shared cores (installs
+# included; docs/benchmarks.md, "Version ranges").
+RANGE_OLDEST := "pytorch-ignite==0.5.0.post2" "lightning==2.5.0" "pytorch-lightning==2.5.0" "torchdata==0.11.0"
+RANGE_NEWEST := "pytorch-ignite>=0.5,<0.6" "lightning>=2.5,<2.7" "pytorch-lightning>=2.5,<2.7" "torchdata>=0.11,<0.12"
+RANGE_TESTS  := tests/unit tests/distributed/test_readme_ignite.py tests/distributed/test_readme_lightning.py \
+	"tests/distributed/test_lightning_distributed.py::test_every_rank_raises_with_the_cause[ddp_spawn-raise-True]" \
+	tests/distributed/test_autohang_distributed.py::test_ignite_rank_hung_in_a_step_after_warm_up_is_reported_within_the_learned_deadline
+test-ranges:
+	status=0; for end in oldest newest; do \
+		v=.venv-ranges/$$end; rm -rf $$v; $(PYTHON) -m venv $$v || exit 1; \
+		$$v/bin/python -m pip install -q --upgrade pip || exit 1; \
+		$$v/bin/python -m pip install -q torch==2.13.0 || exit 1; \
+		if [ $$end = oldest ]; then $$v/bin/python -m pip install -q $(RANGE_OLDEST) || exit 1; \
+		else $$v/bin/python -m pip install -q --upgrade $(RANGE_NEWEST) || exit 1; fi; \
+		$$v/bin/python -m pip install -q "pytest>=8" "pytest-timeout>=2.3" || exit 1; \
+		$$v/bin/python -m pip install -q --no-deps -e . || exit 1; \
+		echo "== $$end end:"; $$v/bin/python -m pip list 2>/dev/null | grep -iE "^(torch|pytorch-ignite|lightning|pytorch-lightning|torchdata) "; \
+		$$v/bin/python -m pytest -q -p no:cacheprovider $(RANGE_TESTS) || status=1; \
+	done; exit $$status
+
+# The sdist and the wheel in dist/, checked as a package index would (twine check --strict: the
+# README renders as the long description). Build tools in their own venv, not in .venv.
+dist:
+	test -x .venv-dist/bin/python || $(PYTHON) -m venv .venv-dist
+	.venv-dist/bin/python -m pip install -q build twine
+	rm -rf dist && .venv-dist/bin/python -m build
+	.venv-dist/bin/python -m twine check --strict dist/*
 
 # Everything, the long tests included.
 test-long: $(STAMP)
@@ -44,7 +76,7 @@ bench-resume: $(STAMP)
 bench-soak: $(STAMP)
 	$(PY) bench/soak.py --runs 10
 
-# torch's and torchdata's own DataLoader tests, stock loader vs ours (README "Restartable DataLoader").
+# torch's and torchdata's own DataLoader tests, stock loader vs ours (docs/benchmarks.md, "RestartableDataLoader").
 # The test files are theirs, not ours: pass their paths, e.g.
 #   make conformance TORCH_TEST=~/pytorch/test/test_dataloader.py TORCHDATA_TESTS=~/data/test/stateful_dataloader
 conformance: $(STAMP)
@@ -56,7 +88,7 @@ conformance: $(STAMP)
 root-cause: $(STAMP)
 	$(PY) bench/torchrun_root_cause.py --runs 20 --monitor-interval 0.1 1 --faults raise kill hang
 
-# Survivors' own output under idist.Parallel and ddp_spawn: N runs per launcher x fault (README "Spawn-family launchers")
+# Survivors' own output under idist.Parallel and ddp_spawn: N runs per launcher x fault (docs/benchmarks.md, "Spawn-family launchers")
 N ?= 20
 bench-spawn: $(STAMP)
 	$(PY) bench/spawn_report.py --runs $(N)

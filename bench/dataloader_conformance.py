@@ -16,7 +16,7 @@ torch's test file imports ``expecttest`` (``pip install expecttest``, or ``--ext
 folder holding it). Each suite runs under pytest with a per-test timeout, stock first, then ours,
 one after the other (the figures compare wall times on the same machine). A test that passes with
 the stock loader and not with ours is a regression unless it is listed in ``INTENDED`` with the
-reason (the README's list); the exit status is 1 when there is one.
+reason (docs/dataloader.md, the table of intended differences); the exit status is 1 when there is one.
 
 Examples:
     .. code-block:: shell

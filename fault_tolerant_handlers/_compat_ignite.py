@@ -1,6 +1,6 @@
 """Every use of PyTorch-Ignite's private API, in one place, checked when a handler is attached.
 
-Checked against pytorch-ignite 0.5.5.
+Checked against pytorch-ignite 0.5.0.post2 (the first 0.5 release) and 0.5.5.
 
 * ``Engine._event_handlers``: ``{event: [(func, args, kwargs), ...]}``, the handlers an event
   fires, where ``args[0]`` may be a weak reference to the engine (Ignite passes the engine first to
@@ -17,7 +17,7 @@ import os
 import weakref
 from typing import Any, Callable
 
-CHECKED_AGAINST = ("0.5.5",)
+CHECKED_AGAINST = ("0.5.0.post2", "0.5.5")
 
 
 def check(engine: Any) -> None:

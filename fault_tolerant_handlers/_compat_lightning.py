@@ -1,8 +1,14 @@
 """Every use of Lightning's private API, in one place, checked when the callback is set up.
 
-Checked against lightning 2.6.6.
+Checked against lightning 2.5.0 and 2.6.6, and pytorch-lightning 2.6.6 (the standalone package).
 
-* ``lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher``: the launcher of
+Lightning ships under two names: ``lightning.pytorch`` (the ``lightning`` package) and
+``pytorch_lightning`` (the ``pytorch-lightning`` package), two copies of the same code whose classes
+are distinct. :data:`NAMESPACES` lists those installed; the callback derives from the ``Callback`` of
+each (:func:`callback_bases`), and each private name below is looked up in the namespace of the
+trainer it is given (:func:`namespace`).
+
+* ``<namespace>.strategies.launchers.multiprocessing._MultiProcessingLauncher``: the launcher of
   ``ddp_spawn``/``ddp_fork``/``ddp_notebook``, which runs the stage in the ranks without
   ``_call_and_handle_interrupt`` (so ``on_exception`` runs in the parent only);
 * ``Trainer._run_stage``: wrapped in spawned ranks, to give them an exception path;
@@ -13,33 +19,86 @@ Checked against lightning 2.6.6.
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
+import sys
 from typing import Any, Callable
 
-CHECKED_AGAINST = ("2.6.6",)
+CHECKED_AGAINST = ("2.5.0", "2.6.6")
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (blocked)
+        return False
+
+
+#: The installed namespaces of Lightning's trainer, ``lightning.pytorch`` first.
+NAMESPACES: tuple[str, ...] = tuple(
+    name for name in ("lightning.pytorch", "pytorch_lightning") if _installed(name.split(".")[0])
+)
+#: The distribution that provides each namespace (for error messages).
+_DISTRIBUTION = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch-lightning"}
+
+
+def _import(name: str) -> Any:
+    return importlib.import_module(name)
+
+
+def namespace(trainer: Any) -> str:
+    """``"lightning.pytorch"`` or ``"pytorch_lightning"``: the package whose ``Trainer`` this is."""
+    module = type(trainer).__module__
+    return "pytorch_lightning" if module.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
+
+
+def callback_bases() -> tuple[type, ...]:
+    """The ``Callback`` class of every installed namespace: the callback derives from each, so that
+    a ``Trainer`` of either takes it as its own (Lightning checks ``isinstance(cb, Callback)`` in
+    places, e.g. ``is_overridden`` without a parent in lightning 2.5). The ``lightning`` package
+    depends on ``pytorch-lightning``, so both are usually installed, and both are imported here
+    (the second costs a fraction of a second of import per rank). A namespace that is installed
+    but does not import is left out; none at all is an ``ImportError`` saying what to install."""
+    bases, errors = [], []
+    for name in NAMESPACES:
+        try:
+            bases.append(_import(name + ".callbacks").Callback)
+        except Exception as err:  # noqa: BLE001 - a broken second install must not break the first
+            errors.append(f"{name}: {type(err).__name__}: {err}")
+    if not bases:
+        raise ImportError("fault_tolerant_handlers.lightning needs Lightning: pip install "
+                          "'fault-tolerant-handlers[lightning]' (or pytorch-lightning)"
+                          + (f" ({'; '.join(errors)})" if errors else ""))
+    return tuple(bases)
+
+
+def checkpoint_types() -> tuple[type, ...]:
+    """``Checkpoint`` (the base of ``ModelCheckpoint`` and ``OnExceptionCheckpoint``) of every
+    namespace imported by now (a trainer's callbacks come from imported namespaces)."""
+    return tuple(sys.modules[name + ".callbacks"].Checkpoint for name in NAMESPACES
+                 if hasattr(sys.modules.get(name + ".callbacks"), "Checkpoint"))
 
 
 def check(trainer: Any) -> None:
     """Raise ``RuntimeError`` naming what this Lightning version lacks."""
+    ns = namespace(trainer)
     missing = []
     try:
-        from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: F401
-    except ImportError:
-        missing.append("lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher")
+        _import(ns + ".strategies.launchers.multiprocessing")._MultiProcessingLauncher  # noqa: B018
+    except (ImportError, AttributeError):
+        missing.append(f"{ns}.strategies.launchers.multiprocessing._MultiProcessingLauncher")
     for name in ("_run_stage", "_teardown"):
         if not callable(getattr(trainer, name, None)):
-            missing.append(f"lightning.pytorch.Trainer.{name}")
+            missing.append(f"{ns}.Trainer.{name}")
     if missing:
-        import lightning
-
-        raise RuntimeError(f"fault-tolerant-handlers needs {', '.join(missing)}, which lightning "
-                           f"{lightning.__version__} does not have (checked against {', '.join(CHECKED_AGAINST)})")
+        version = getattr(_import(ns), "__version__", "?")
+        raise RuntimeError(f"fault-tolerant-handlers needs {', '.join(missing)}, which {_DISTRIBUTION[ns]} "
+                           f"{version} does not have (checked against {', '.join(CHECKED_AGAINST)})")
 
 
 def on_exception_runs_in_rank(trainer: Any) -> bool:
     """False for ``ddp_spawn``/``ddp_fork``/``ddp_notebook``: ``on_exception`` runs in the parent."""
-    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-
-    return not isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
+    launcher_type = _import(namespace(trainer) + ".strategies.launchers.multiprocessing")._MultiProcessingLauncher
+    return not isinstance(trainer.strategy.launcher, launcher_type)
 
 
 def wrap_run_stage(trainer: Any, wrapper: Callable[[Callable[[], Any]], Any]) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -101,14 +102,56 @@ def check_timedelta(name: str, value: object, *, allow_none: bool = False, what:
     return value
 
 
+#: The forms ``hang_timeout`` accepts, as error messages name them.
+HANG_TIMEOUT_FORMS = ("None (off), a datetime.timedelta (e.g. timedelta(minutes=5)), a number of seconds (e.g. 300), "
+                      "a 'DD:HH:MM:SS' string (e.g. '00:00:05:00'), a dict of timedelta arguments (e.g. "
+                      "{'minutes': 5}) or 'auto' (a deadline learned from the run)")
+_DHMS = re.compile(r"\s*(\d+):(\d+):(\d+):(\d+)\s*")
+
+
+def _hang_timeout_as_timedelta(value: object) -> timedelta | None:
+    """A number of seconds, a ``"DD:HH:MM:SS"`` string or a dict of ``timedelta`` arguments (the
+    forms Lightning's ``Timer(duration=...)`` takes, for YAML, LightningCLI and Hydra configs) as a
+    ``timedelta``; ``None`` for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return timedelta(seconds=value) if math.isfinite(value) and abs(value) < 1e12 else timedelta.max
+    if isinstance(value, str):
+        match = _DHMS.fullmatch(value)
+        if match is None:
+            return None
+        days, hours, minutes, seconds = (int(part) for part in match.groups())
+        try:
+            return timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+        except OverflowError:
+            return timedelta.max
+    if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+        try:
+            return timedelta(**value)
+        except (TypeError, ValueError, OverflowError):
+            return None
+    return None
+
+
 def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelta | str | None:
-    """``hang_timeout``: ``None`` (off), a ``timedelta`` in range, or ``"auto"`` (learned)."""
+    """``hang_timeout`` as ``None`` (off), ``"auto"`` (learned) or a ``timedelta`` in range (1 s to
+    7 days). Accepted: ``None``, ``"auto"``, a ``timedelta``, a number of seconds, a
+    ``"DD:HH:MM:SS"`` string, a dict of ``timedelta`` arguments (``{"minutes": 5}``).
+
+    Raises:
+        TypeError: any other value (the message lists the accepted forms).
+        ValueError: a duration outside 1 s to 7 days.
+    """
     if value == AUTO and isinstance(value, str):
         return AUTO
     if value is None or isinstance(value, timedelta):
         return check_timedelta("hang_timeout", value, allow_none=True, what=what)
-    raise TypeError(f"{what} must be None (off), a datetime.timedelta (e.g. timedelta(minutes=5)) or "
-                    f"{AUTO!r} (a deadline learned from the run), got {value!r}")
+    duration = _hang_timeout_as_timedelta(value)
+    if duration is None:
+        raise TypeError(f"{what} must be {HANG_TIMEOUT_FORMS}, got {value!r}")
+    low, high = RANGES["hang_timeout"]
+    if not low <= duration.total_seconds() <= high:
+        raise ValueError(f"{what} must be between {_range_text('hang_timeout')}, got {value!r}")
+    return duration
 
 
 @dataclass(frozen=True)

@@ -191,8 +191,10 @@ class RestartableDataLoader(DataLoader[_T_co]):
             print(loader.restart_count, loader.restarts)
 
     Raises:
-        TypeError, ValueError: for a bad ``max_restarts`` / ``restart_start_method``, or
-            ``in_order=False`` (the order of an uninterrupted epoch is what is restored).
+        TypeError, ValueError: for a bad ``max_restarts`` / ``restart_start_method`` (and whatever
+            ``DataLoader`` itself refuses). ``in_order=False`` is accepted: map-style batches come
+            as workers finish them, each exactly once across restarts; an ``IterableDataset``'s
+            come in order (a restart resumes from torchdata's snapshot, kept only in order).
         DataLoaderRestartError: from ``next()``, when the budget is spent.
     """
 

@@ -55,12 +55,13 @@ class Guard:
         TypeError, ValueError: an argument or an ``FTH_*`` variable out of range (named).
     """
 
-    def __init__(self, *, sync_every: int | None = 100, hang_timeout: timedelta | str | None = None, watchdog: bool = True,
+    def __init__(self, *, sync_every: int | None = 100, hang_timeout: timedelta | float | str | dict | None = None,
+                 watchdog: bool = True,
                  release_on_failure: bool = True, name: str = "train", group: dist.ProcessGroup | None = None,
                  owner: str = "FaultTolerance") -> None:
         if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
             raise ValueError(f"{owner}(sync_every=...) must be a positive int (iterations) or None, got {sync_every!r}")
-        config.check_hang_timeout(hang_timeout, what=f"{owner}(hang_timeout=...)")
+        hang_timeout = config.check_hang_timeout(hang_timeout, what=f"{owner}(hang_timeout=...)")
         if not isinstance(watchdog, bool):
             raise TypeError(f"{owner}(watchdog=...) must be True or False, got {watchdog!r}")
         check_name(owner, name)

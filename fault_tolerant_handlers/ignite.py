@@ -53,16 +53,21 @@ class FaultTolerance:
         sync_every: iterations between agreements within an epoch (default 100; ``None``: epoch
             ends and the end of the run only). Each agreement is one small all_reduce on a gloo side
             group (~0.8 ms at 2 ranks); the watchdog covers the iterations in between.
-        hang_timeout: opt-in; a ``timedelta``: a rank whose loop makes no progress for this long is
-            declared hung and every rank ends with its stack. ``"auto"``: the deadline is learned
-            per kind of work (iterations; the epoch-end handlers and any evaluator ``Engine`` run
-            from a trainer's handler, as evaluations; checkpoint writes), see README "Hang
-            detection". ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
+        hang_timeout: opt-in; a duration (a ``timedelta``, a number of seconds, a
+            ``"DD:HH:MM:SS"`` string or a dict such as ``{"minutes": 5}``, from 1 s to 7 days): a
+            rank whose loop makes no progress for this long is declared hung and every rank ends
+            with its stack. ``"auto"``: the deadline is learned per kind of work (iterations; the
+            epoch-end handlers and any evaluator ``Engine`` run from a trainer's handler, as
+            evaluations; checkpoint writes), see docs/hang-detection.md. ``None``: off (env
+            ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
         watchdog: start the out-of-band watchdog (default True).
         name: the loop's name in reports (a non-empty str).
 
     Raises:
-        TypeError, ValueError: an argument, or an ``FTH_*`` environment variable, out of range.
+        ValueError: ``sync_every`` is not a positive int or ``None``; ``hang_timeout`` is a duration
+            outside 1 s to 7 days; an ``FTH_*`` environment variable is out of its range.
+        TypeError: ``hang_timeout`` is none of its accepted forms; ``watchdog`` is not a bool;
+            ``name`` is not a non-empty str.
 
     Examples:
         .. code-block:: python
@@ -78,7 +83,7 @@ class FaultTolerance:
         (the other ranks would wait in the agreement). Correct: attach unconditionally.
     """
 
-    def __init__(self, sync_every: int | None = 100, hang_timeout: timedelta | str | None = None,
+    def __init__(self, sync_every: int | None = 100, hang_timeout: timedelta | float | str | dict | None = None,
                  watchdog: bool = True, name: str = "train") -> None:
         self.guard = Guard(sync_every=sync_every, hang_timeout=hang_timeout, watchdog=watchdog, name=name)
         self._last_seen: BaseException | None = None
@@ -154,7 +159,7 @@ class FaultTolerance:
         self.guard.stop()
 
     def _exception_raised(self, engine: Engine, exc: BaseException) -> None:
-        # -- without distribution: exactly stock Ignite (README "Ignite", "Without distribution") --
+        # -- without distribution: exactly stock Ignite (docs/ignite.md, "Without distribution") --
         if self.guard.session is None:
             if any(getattr(e[0], "__self__", None) is not self
                    for e in _compat_ignite.handlers_of(engine, Events.EXCEPTION_RAISED)):

@@ -36,6 +36,10 @@ runs there, where the trained state is. In the parent, which holds only the untr
 callback skips the checkpoint callbacks (stock Lightning 2.6.6 saves the untrained parent model as
 ``on_exception.ckpt``) and keeps the other callbacks' ``on_exception`` from hiding the rank's error.
 
+Both namespaces: ``lightning.Trainer`` and ``pytorch_lightning.Trainer`` both take the callback. It
+is a ``Callback`` of each one installed, and it looks Lightning's classes up in the namespace of
+the trainer it is given (:mod:`._compat_lightning`).
+
 Private Lightning API: see :mod:`._compat_lightning`. Everything else is public
 ``Callback``/``Trainer`` API.
 """
@@ -45,10 +49,7 @@ from __future__ import annotations
 import functools
 import logging
 from datetime import timedelta
-from typing import Any, Callable, Mapping
-
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, Checkpoint
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from typing_extensions import override
 
@@ -57,6 +58,16 @@ from ._log import log
 from .autohang import CHECKPOINT, EVALUATION, STEP
 from .guard import Guard
 from .inject import Injector
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback as _CallbackBase
+else:
+    _bases = _compat_lightning.callback_bases()
+    if len(_bases) == 1:
+        (_CallbackBase,) = _bases
+    else:  # lightning.pytorch and pytorch_lightning both installed: a Callback of either
+        _CallbackBase = type("_CallbackBase", _bases, {"__module__": __name__})
 
 __all__ = ["FaultTolerance"]
 
@@ -73,7 +84,7 @@ def _guarded(what: str, fn: Callable[[], Any]) -> None:
             what, type(err).__name__, first)
 
 
-class FaultTolerance(Callback):
+class FaultTolerance(_CallbackBase):
     """Make a distributed Lightning run fail together: one callback, on every rank.
 
     An exception on one rank (``training_step``, ``validation_step``, a dataloader, another
@@ -94,17 +105,21 @@ class FaultTolerance(Callback):
         sync_every: training batches between flag agreements within an epoch (default 100;
             ``None``: only at the end of validation, of each epoch and of the run). Each agreement
             is one int64 all_reduce on a gloo side group; the watchdog covers the batches between.
-        hang_timeout: opt-in; a ``timedelta``: a rank whose loop makes no progress for this long is
+        hang_timeout: opt-in; a duration (a ``timedelta``, a number of seconds, a
+            ``"DD:HH:MM:SS"`` string or a dict such as ``{"minutes": 5}``, as Lightning's ``Timer``
+            takes them; from 1 s to 7 days): a rank whose loop makes no progress for this long is
             declared hung and every rank ends with its stack. ``"auto"``: the deadline is learned
             per kind of work (training batches; validation, batch by batch; checkpoint saves), see
-            README "Hang detection". ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
+            docs/hang-detection.md. ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
         watchdog: start the out-of-band watchdog (default True).
         name: the loop's name in reports (``'train' (epoch 1, iteration 12)``); also part of
             :attr:`state_key`, so two instances with different names can coexist.
 
     Raises:
-        ValueError: ``sync_every`` is not a positive int or ``None``, or ``name`` is empty.
-        TypeError: ``hang_timeout`` is not a ``timedelta``, ``"auto"`` or ``None``.
+        ValueError: ``sync_every`` is not a positive int or ``None``; ``hang_timeout`` is a duration
+            outside 1 s to 7 days; an ``FTH_*`` environment variable is out of its range.
+        TypeError: ``hang_timeout`` is none of its accepted forms; ``watchdog`` is not a bool;
+            ``name`` is not a non-empty str (an empty name included).
 
     Examples:
         .. code-block:: python
@@ -126,7 +141,7 @@ class FaultTolerance(Callback):
     def __init__(
         self,
         sync_every: int | None = 100,
-        hang_timeout: timedelta | str | None = None,
+        hang_timeout: timedelta | float | str | dict | None = None,
         watchdog: bool = True,
         name: str = "train",
     ) -> None:
@@ -203,7 +218,7 @@ class FaultTolerance(Callback):
         except Exception as exc:
             to_raise = self._convert(trainer, exc)
             for callback in list(trainer.callbacks):
-                if isinstance(callback, Checkpoint):
+                if isinstance(callback, _compat_lightning.checkpoint_types()):
                     _guarded(f"{type(callback).__name__}.on_exception",
                              functools.partial(callback.on_exception, trainer, trainer.lightning_module, exc))
             if to_raise is exc:
@@ -300,7 +315,7 @@ class FaultTolerance(Callback):
         for callback in callbacks[start:]:
             if isinstance(callback, FaultTolerance):
                 continue
-            if in_parent and isinstance(callback, Checkpoint):
+            if in_parent and isinstance(callback, _compat_lightning.checkpoint_types()):
                 # Its rank already ran it (see _run_stage_in_rank); here it would save the untrained model.
                 log(logging.INFO, "%s.on_exception is not run in the parent of spawned ranks (it holds only the "
                     "untrained model; the ranks ran it)", type(callback).__name__)

@@ -365,13 +365,13 @@ def _stop_all() -> None:
 
 
 
-def start_watchdog(group=None, *, hang_timeout: timedelta | str | None = None) -> Watchdog | None:
+def start_watchdog(group=None, *, hang_timeout: timedelta | float | str | dict | None = None) -> Watchdog | None:
     """Start (once per process group) and return the watchdog, for a loop of your own; ``None``
     without distribution. Collective on first use for the group (it creates the side group): call it
     on every rank. The watchdog runs until the end of the process."""
     from .session import get_session
 
-    config.check_hang_timeout(hang_timeout)
+    hang_timeout = config.check_hang_timeout(hang_timeout)
     session = get_session(group, caller="start_watchdog")
     if session is None:
         return None

@@ -184,8 +184,8 @@ def many_runs() -> None:
 
 
 def trainer_and_evaluator() -> None:
-    """A trainer and an evaluator, each with FaultTolerance (as the README's Limits section
-    advises for long evaluations). After the first evaluation the trainer's watchdog must still
+    """A trainer and an evaluator, each with FaultTolerance (they share one watchdog: docs/design.md,
+    "The watchdog"). After the first evaluation the trainer's watchdog must still
     run: in epoch 2 rank 1 fails in a section while rank 0 is blocked in a collective."""
     from ignite.engine import Engine, Events
 

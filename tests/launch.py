@@ -34,11 +34,12 @@ ROOT = HERE.parent
 PROGRAMS = HERE
 
 
-def readme_snippet(name: str) -> str:
-    """The README code block marked ``<!-- snippet: <name> -->``, as printed."""
-    text = (ROOT / "README.md").read_text()
+def readme_snippet(name: str, page: str = "README.md") -> str:
+    """The code block marked ``<!-- snippet: <name> -->`` in ``page`` (the README, or a page such
+    as ``docs/fabric.md``), as printed."""
+    text = (ROOT / page).read_text()
     match = re.search(rf"<!-- snippet: {name} -->\s*```python\n(.*?)```", text, re.S)
-    assert match, f"README.md has no '<!-- snippet: {name} -->' code block"
+    assert match, f"{page} has no '<!-- snippet: {name} -->' code block"
     return match.group(1)
 
 

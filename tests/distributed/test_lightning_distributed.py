@@ -190,7 +190,7 @@ def test_single_device_is_a_no_op_and_two_instances_keep_their_state(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs, error",
-    [({"sync_every": 0}, ValueError), ({"hang_timeout": 5}, TypeError), ({"name": ""}, TypeError),
+    [({"sync_every": 0}, ValueError), ({"hang_timeout": "5m"}, TypeError), ({"name": ""}, TypeError),
      ({"name": 123}, TypeError)],
 )
 def test_bad_arguments(kwargs, error):

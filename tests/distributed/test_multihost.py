@@ -136,8 +136,8 @@ def test_link_cut(tmp_path):
     """node-b's link goes down: rank 0 names rank 1 within 5 s; rank 1, cut off from rank 0 and the
     store, names rank 0 within 10 s; both rank processes end by themselves within 10 s, and
     node-a's agent (its rank failed) by itself after them. (node-b's agent is left blocked in its
-    own rendezvous read of the unreachable store, which no process of the library can reach: README
-    "Multiple hosts", Limits.)"""
+    own rendezvous read of the unreachable store, which no process of the library can reach:
+    docs/multiple-hosts.md, docs/limits.md.)"""
     res = run_hosts(tmp_path, "cut_link", fault_host=1, after_fault=20)
     assert res.fault_at is not None, res.describe()
     assert_names(res, 0, lost=1, within=5.0)

@@ -1,6 +1,8 @@
 """The README's Lightning snippet, run as written: 2 CPU ranks with ``strategy="ddp"``, rank 1 raises
 in ``training_step``; rank 0's ``trainer.fit`` raises ``PeerFailedError`` naming it, and the whole
-job ends in seconds (the process-group timeout is Lightning's default, 30 minutes)."""
+job ends in seconds (the process-group timeout is Lightning's default, 30 minutes). The same snippet
+also runs with ``import pytorch_lightning as L`` (the standalone ``pytorch-lightning`` package): its
+``Trainer``, ``LightningModule`` and the callback's lookups are those of that namespace."""
 
 from __future__ import annotations
 
@@ -10,14 +12,23 @@ import signal
 import subprocess
 import sys
 import time
+
+import pytest
+
 from launch import ROOT, readme_snippet
 
 DEADLINE_SEC = 90
 
 
-def test_readme_snippet_fails_together(tmp_path):
+@pytest.mark.parametrize("namespace", ["lightning", "pytorch_lightning"])
+def test_readme_snippet_fails_together(namespace, tmp_path):
+    code = readme_snippet("lightning")
+    if namespace == "pytorch_lightning":
+        pytest.importorskip("pytorch_lightning")
+        assert "import lightning as L\n" in code
+        code = code.replace("import lightning as L\n", "import pytorch_lightning as L\n")
     script = tmp_path / "train.py"
-    script.write_text(readme_snippet("lightning"))
+    script.write_text(code)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONUNBUFFERED"] = "1"

@@ -34,7 +34,7 @@ def test_every_survivor_prints_the_cause(launcher, fault, tmp_path):
         lacks = missing(run, rank)
         if (launcher, fault) == ("lightning_ddp", "kill0") and lacks == ["lost: killed by SIGKILL"]:
             # rank 0's parent (here the harness, in real use the shell) reaped it before rank 1 read
-            # its exit status: the signal is gone from the kernel (README Limits); the rest must be there
+            # its exit status: the signal is gone from the kernel (docs/limits.md); the rest must be there
             lacks = [] if "lost: process is gone (exit status not visible" in run.outputs[rank] else lacks
         assert not lacks, f"rank {rank}'s own output lacks {lacks}:\n{run.outputs.get(rank, '')[-4000:]}"
     if fault == "hang" and launcher == "torchrun":

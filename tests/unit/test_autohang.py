@@ -259,7 +259,8 @@ def test_hang_timeout_variable_takes_auto(monkeypatch):
 
 
 @pytest.mark.parametrize("adapter", ["ignite", "lightning"])
-@pytest.mark.parametrize("bad, error", [("automatic", TypeError), (30, TypeError), (timedelta(0), ValueError)])
+@pytest.mark.parametrize("bad, error", [("automatic", TypeError), ("5m", TypeError), (True, TypeError),
+                                        (timedelta(0), ValueError), (0.5, ValueError), ("08:00:00:00", ValueError)])
 def test_adapters_refuse_a_bad_hang_timeout_naming_the_choices(adapter, bad, error):
     if adapter == "ignite":
         from fault_tolerant_handlers.ignite import FaultTolerance
@@ -268,8 +269,45 @@ def test_adapters_refuse_a_bad_hang_timeout_naming_the_choices(adapter, bad, err
     with pytest.raises(error, match=r"FaultTolerance\(hang_timeout=\.\.\.\) must be"):
         FaultTolerance(hang_timeout=bad)
     if error is TypeError:
-        with pytest.raises(error, match=r"None \(off\), a datetime.timedelta .* or 'auto'"):
+        with pytest.raises(error, match=r"None \(off\), a datetime.timedelta .* a number of seconds .* "
+                                        r"a 'DD:HH:MM:SS' string .* or 'auto'"):
             FaultTolerance(hang_timeout=bad)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (300, timedelta(minutes=5)),
+    (2.5, timedelta(seconds=2.5)),
+    ("00:00:05:00", timedelta(minutes=5)),
+    ("01:02:03:04", timedelta(days=1, hours=2, minutes=3, seconds=4)),
+    ({"minutes": 5}, timedelta(minutes=5)),
+    ({"hours": 1, "seconds": 30}, timedelta(hours=1, seconds=30)),
+    (timedelta(minutes=5), timedelta(minutes=5)),
+    ("auto", "auto"),
+    (None, None),
+])
+def test_hang_timeout_takes_seconds_and_lightning_timer_forms(value, expected):
+    """What a YAML / LightningCLI / Hydra config gives: a number, Lightning Timer's string or dict."""
+    from fault_tolerant_handlers.guard import Guard
+    from fault_tolerant_handlers.ignite import FaultTolerance as IgniteFT
+    from fault_tolerant_handlers.lightning import FaultTolerance as LightningFT
+
+    assert config.check_hang_timeout(value) == expected
+    assert Guard(hang_timeout=value).hang_timeout == expected  # normalised once, at construction
+    assert IgniteFT(hang_timeout=value).guard.hang_timeout == expected
+    assert LightningFT(hang_timeout=value).guard.hang_timeout == expected
+
+
+@pytest.mark.parametrize("bad", [{"minute": 5}, {}, "5:00", "00:00:05:xx", float("nan"), float("inf"), [300], b"300"])
+def test_hang_timeout_refuses_other_forms_naming_the_valid_ones(bad):
+    with pytest.raises((TypeError, ValueError)) as err:
+        config.check_hang_timeout(bad)
+    text = str(err.value)
+    assert text.startswith("hang_timeout must be ") and text.endswith(f"got {bad!r}")
+    if err.type is TypeError:
+        for form in ("None (off)", "datetime.timedelta", "a number of seconds", "'DD:HH:MM:SS'", "a dict", "'auto'"):
+            assert form in text, text
+    else:  # nan, inf: a number, out of range
+        assert "between 1 and 604800 seconds" in text
 
 
 def test_guard_takes_auto():
