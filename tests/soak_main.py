@@ -6,7 +6,9 @@
 Ignite: ``init_process_group`` (gloo), a DDP model, ``FaultTolerance`` attached, 2 epochs of 30
 iterations over a ``DistributedSampler``. Lightning: ``Trainer(strategy="ddp", devices=SOAK_RANKS)``
 on CPU with the callback, 2 epochs of 30 steps. Each rank writes ``OUTDIR/rank<R>.json``: the
-iterations it finished, or what its run raised (type and first line).
+iterations it finished, or what its run raised (type and first line). The process groups' timeout
+is 10 minutes: 8 ranks importing torch and Lightning beside CPU hogs on 2 cores have taken over 2
+minutes to start (Lightning's own ``init_process_group`` waiting for its clients).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def run_ignite() -> None:
 
     from fault_tolerant_handlers.ignite import FaultTolerance
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     net = DistributedDataParallel(model())
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -100,7 +102,7 @@ def run_lightning() -> None:
         def train_dataloader(self):
             return DataLoader(data(world), batch_size=BATCH)
 
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(timeout=timedelta(seconds=120)),
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(timeout=timedelta(seconds=600)),
                          max_epochs=EPOCHS, callbacks=[FaultTolerance()], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
 
