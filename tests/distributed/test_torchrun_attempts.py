@@ -73,7 +73,7 @@ LATE = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault", ["raise", "kill"])
+@pytest.mark.parametrize("fault", ["raise", pytest.param("kill", marks=pytest.mark.long)])  # suite time: the raise deletes on both paths (the failing rank's and the survivor's)
 def test_a_restart_comes_up_when_the_library_is_imported_after_init_process_group(fault, tmp_path):
     """The script initializes the process group, then imports the library: the first attempt's
     groups write their keys under torch's bare names in torchrun's shared store. Rank 1 fails in
