@@ -52,11 +52,11 @@ from lightning.pytorch.callbacks import Callback, Checkpoint
 
 from typing_extensions import override
 
-from . import _compat_lightning
-from ._log import log
-from .autohang import CHECKPOINT, EVALUATION, STEP
-from .guard import Guard
-from .inject import Injector
+from .adapters import compat_lightning as _compat_lightning
+from .core.log import log
+from .detect.autohang import CHECKPOINT, EVALUATION, STEP
+from .adapters.guard import Guard
+from .core.inject import Injector
 
 __all__ = ["FaultTolerance"]
 

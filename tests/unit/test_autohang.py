@@ -8,8 +8,8 @@ from datetime import timedelta
 
 import pytest
 
-from fault_tolerant_handlers import config
-from fault_tolerant_handlers.autohang import AutoHangProbe, from_config, writing_checkpoint_explainer
+from fault_tolerant_handlers.core import config
+from fault_tolerant_handlers.detect.autohang import AutoHangProbe, from_config, writing_checkpoint_explainer
 
 
 def probe(**kw) -> AutoHangProbe:
@@ -101,7 +101,7 @@ def test_a_checkpoint_longer_than_any_step_is_learned_once_seen():
 def test_waiting_in_a_collective_is_never_this_ranks_hang(monkeypatch):
     """A peer running a long rank-0-only evaluation keeps this rank in the DDP all_reduce: the peer
     judges itself; this rank, whose deadlines are its own, never declares itself."""
-    import fault_tolerant_handlers.autohang as autohang
+    import fault_tolerant_handlers.detect.autohang as autohang
 
     monkeypatch.setattr(autohang, "waiting_on_peers", lambda frame: True)
     p = probe()
@@ -114,7 +114,7 @@ def test_waiting_in_a_collective_is_never_this_ranks_hang(monkeypatch):
 def test_time_spent_waiting_for_peers_is_not_held_against_the_piece_nor_learned(monkeypatch):
     """Rank 1 waits in the agreement while rank 0 runs a long evaluation, then goes on with its step:
     the step is judged from when it was last seen waiting, and the wait is not a step's duration."""
-    import fault_tolerant_handlers.autohang as autohang
+    import fault_tolerant_handlers.detect.autohang as autohang
 
     waiting = [True]
     monkeypatch.setattr(autohang, "waiting_on_peers", lambda frame: waiting[0])
@@ -208,7 +208,7 @@ def test_recognised_work_within_a_step_is_learned_as_its_kind_not_as_a_step():
 
 
 def test_the_checkpoint_explainer_recognises_a_marked_write():
-    from fault_tolerant_handlers.watchdog import writing_checkpoint
+    from fault_tolerant_handlers.detect.watchdog import writing_checkpoint
 
     assert writing_checkpoint_explainer(sys._getframe()) is None
     with writing_checkpoint():
@@ -273,7 +273,7 @@ def test_adapters_refuse_a_bad_hang_timeout_naming_the_choices(adapter, bad, err
 
 
 def test_guard_takes_auto():
-    from fault_tolerant_handlers.guard import Guard
+    from fault_tolerant_handlers.adapters.guard import Guard
 
     assert Guard(hang_timeout="auto").hang_timeout == "auto"
     with pytest.raises(TypeError, match=r"Guard\(hang_timeout=\.\.\.\) must be None \(off\)"):

@@ -14,9 +14,9 @@ import pytest
 import torch.distributed as dist
 
 from fault_tolerant_handlers import PeerFailedError, fail_together, one_rank_first
-from fault_tolerant_handlers import config
-from fault_tolerant_handlers import session as session_mod
-from fault_tolerant_handlers.record import MAX_RECORD_BYTES, MAX_TRACEBACK_CHARS, FailureRecord
+from fault_tolerant_handlers.core import config
+from fault_tolerant_handlers.core import session as session_mod
+from fault_tolerant_handlers.core.records import MAX_RECORD_BYTES, MAX_TRACEBACK_CHARS, FailureRecord
 
 
 def test_without_distribution_sections_are_plain(monkeypatch):
@@ -193,7 +193,7 @@ def test_a_signal_a_rank_declared_itself_comes_before_the_keyboard_interrupt_it_
     ],
 )
 def test_the_two_integer_agreement_carries_the_flag_and_catches_ranks_out_of_step(ranks, failed, in_step):
-    from fault_tolerant_handlers.session import pack_agreement, unpack_agreement
+    from fault_tolerant_handlers.core.session import pack_agreement, unpack_agreement
 
     packed = [pack_agreement(*r) for r in ranks]
     flag, same = unpack_agreement(max(p[0] for p in packed), max(p[1] for p in packed))
@@ -204,7 +204,7 @@ def test_the_two_integer_agreement_carries_the_flag_and_catches_ranks_out_of_ste
 
 def _consuming_session(store: dist.Store, live_seq: int) -> session_mod.Session:
     """The parts of a session that taking records uses, over a HashStore (no process group)."""
-    from fault_tolerant_handlers.schema import Connection, Schema
+    from fault_tolerant_handlers.core.schema import Connection, Schema
 
     s = session_mod.Session.__new__(session_mod.Session)
     s.schema = Schema(Connection(lambda: dist.PrefixStore("fth/t", store), timedelta(seconds=1), "main"), 4)

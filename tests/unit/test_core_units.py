@@ -12,11 +12,13 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fault_tolerant_handlers import _compat_torch, config, fail_together, one_rank_first
-from fault_tolerant_handlers.errors import PeerFailedError, is_backend_error
-from fault_tolerant_handlers.record import FailureRecord, sanitize
-from fault_tolerant_handlers.release import parse_tcp_table, select_sockets
-from fault_tolerant_handlers.schema import MAX_OWN_RECORDS, Connection, Schema
+from fault_tolerant_handlers import fail_together, one_rank_first
+from fault_tolerant_handlers.core import compat_torch as _compat_torch
+from fault_tolerant_handlers.core import config
+from fault_tolerant_handlers.core.errors import PeerFailedError, is_backend_error
+from fault_tolerant_handlers.core.records import FailureRecord, sanitize
+from fault_tolerant_handlers.core.release import parse_tcp_table, select_sockets
+from fault_tolerant_handlers.core.schema import MAX_OWN_RECORDS, Connection, Schema
 
 
 def schema_over(store, world_size=4):
@@ -207,7 +209,7 @@ def test_an_ignite_without_event_handlers_fails_at_attach_naming_it():
 
 
 def test_lightning_compat_check_names_what_is_missing():
-    from fault_tolerant_handlers import _compat_lightning
+    from fault_tolerant_handlers.adapters import compat_lightning as _compat_lightning
 
     class Bare:
         pass

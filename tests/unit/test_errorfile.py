@@ -9,9 +9,9 @@ import os
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from fault_tolerant_handlers import errorfile
-from fault_tolerant_handlers.errors import PeerFailedError
-from fault_tolerant_handlers.record import FailureRecord
+from fault_tolerant_handlers.launchers import errorfile
+from fault_tolerant_handlers.core.errors import PeerFailedError
+from fault_tolerant_handlers.core.records import FailureRecord
 
 
 def _layout(tmp_path, n=2):
@@ -126,7 +126,7 @@ def test_peer_path_follows_torchruns_layout_only(tmp_path):
 
 _RANK = """
 import os, signal, sys, threading, time, types
-from fault_tolerant_handlers import liveness
+from fault_tolerant_handlers.detect import liveness
 rank_pid = os.getpid()
 r, w = os.pipe()
 helper = os.fork()
@@ -187,9 +187,9 @@ def test_a_helper_writes_nothing_for_a_signal_the_rank_reports_or_a_rank_that_ru
     watchdog (the pipe closed, the process runs) has not ended, and is not waited for."""
     import time
 
-    from fault_tolerant_handlers import _procfs
+    from fault_tolerant_handlers.core import procfs as _procfs
 
-    from fault_tolerant_handlers import liveness
+    from fault_tolerant_handlers.detect import liveness
 
     own = _layout(tmp_path)[1]
     monkeypatch.setenv(errorfile.ERROR_FILE_ENV, own)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fault_tolerant_handlers import latest_checkpoint
-from fault_tolerant_handlers.checkpoints import check_file
+from fault_tolerant_handlers.data.checkpoints import check_file
 
 
 def save(path, step, mtime):

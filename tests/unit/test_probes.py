@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fault_tolerant_handlers.probes import (HeartbeatProbe, PeerPidProbe, RecordsProbe, SelfHangProbe,
+from fault_tolerant_handlers.detect.probes import (HeartbeatProbe, PeerPidProbe, RecordsProbe, SelfHangProbe,
                                             StoreLossProbe, waiting_on_peers)
-from fault_tolerant_handlers.record import FailureRecord
-from fault_tolerant_handlers.schema import Connection, Schema
+from fault_tolerant_handlers.core.records import FailureRecord
+from fault_tolerant_handlers.core.schema import Connection, Schema
 
 
 def schema_over(store: dist.Store, world_size: int = 4) -> Schema:

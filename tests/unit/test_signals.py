@@ -13,11 +13,11 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fault_tolerant_handlers import signals
-from fault_tolerant_handlers.probes import PeerPidProbe
-from fault_tolerant_handlers.record import FailureRecord
-from fault_tolerant_handlers.schema import Connection, Schema
-from fault_tolerant_handlers.session import Incident, Session
+from fault_tolerant_handlers.launchers import signals
+from fault_tolerant_handlers.detect.probes import PeerPidProbe
+from fault_tolerant_handlers.core.records import FailureRecord
+from fault_tolerant_handlers.core.schema import Connection, Schema
+from fault_tolerant_handlers.core.session import Incident, Session
 
 
 class FakeSession:

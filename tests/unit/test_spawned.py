@@ -9,8 +9,9 @@ import os
 import pytest
 import torch.multiprocessing as mp
 
-from fault_tolerant_handlers import _compat_torch, spawned
-from fault_tolerant_handlers.errors import PeerFailedError
+from fault_tolerant_handlers.core import compat_torch as _compat_torch
+from fault_tolerant_handlers.launchers import spawned
+from fault_tolerant_handlers.core.errors import PeerFailedError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,7 +46,7 @@ def _killed_with_its_helper(index: int) -> None:
     import signal
     import time
 
-    from fault_tolerant_handlers._procfs import process_state
+    from fault_tolerant_handlers.core.procfs import process_state
 
     assert spawned.detect()
     rank_pid = os.getpid()
@@ -140,7 +141,7 @@ def test_a_sigterm_after_a_peer_is_gone_waits_for_the_watchdogs_finding(monkeypa
     import threading
     import time
 
-    from fault_tolerant_handlers.probes import Finding
+    from fault_tolerant_handlers.detect.probes import Finding
 
     monkeypatch.setattr(spawned, "_state", spawned._Spawned(None, set(), threading.Lock()))
     gone = Finding(PeerFailedError(0, "PeerLost", "rank 0 (pid 7 on h) lost: process is gone", origin="declared"))

@@ -49,11 +49,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import _compat_torch, config, errorfile, signals, spawned
-from ._log import log
+from . import compat_torch as _compat_torch
+from . import config
+from ..launchers import errorfile
+from ..launchers import signals
+from ..launchers import spawned
+from .log import log
 from .errors import PeerFailedError, SectionMismatchError, is_backend_error
-from .probes import PeerPidProbe
-from .record import FailureRecord, host_name, sanitize
+from ..detect.probes import PeerPidProbe
+from .records import FailureRecord, host_name, sanitize
 from .release import release_process_groups, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port
 
@@ -623,7 +627,7 @@ class Session:
     # -- watchdog ------------------------------------------------------------------------------------
     def start_watchdog(self, hang_timeout: timedelta | str | None = None):
         """Take a reference on this group's watchdog (started on the first)."""
-        from .watchdog import Watchdog
+        from ..detect.watchdog import Watchdog
 
         with self._lock:
             if self._watchdog is None:

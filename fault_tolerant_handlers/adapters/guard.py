@@ -25,11 +25,12 @@ from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
-from . import config, signals
-from ._log import log
-from .errors import PeerFailedError
-from .sections import check_name
-from .session import AGREED_ATTR, Session, get_session, mark
+from ..core import config
+from ..launchers import signals
+from ..core.log import log
+from ..core.errors import PeerFailedError
+from ..core.sections import check_name
+from ..core.session import AGREED_ATTR, Session, get_session, mark
 
 #: Marks an exception object this process already handled (published or converted).
 HANDLED_ATTR = "_fth_handled"

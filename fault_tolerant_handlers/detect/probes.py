@@ -27,10 +27,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Container, Sequence
 
-from ._procfs import process_state
-from .errors import PeerFailedError
-from .record import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
-from .schema import Schema
+from ..core.procfs import process_state
+from ..core.errors import PeerFailedError
+from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
+from ..core.schema import Schema
 
 
 @dataclass(frozen=True)
@@ -158,8 +158,8 @@ WAITING_MARKERS = (
     f"torch{os.sep}nn{os.sep}parallel{os.sep}",
     f"torch{os.sep}autograd{os.sep}",
     f"torch{os.sep}_tensor.py",
-    f"fault_tolerant_handlers{os.sep}session.py",
-    f"fault_tolerant_handlers{os.sep}sections.py",
+    f"fault_tolerant_handlers{os.sep}core{os.sep}session.py",
+    f"fault_tolerant_handlers{os.sep}core{os.sep}sections.py",
     f"ignite{os.sep}distributed{os.sep}",
 )
 

@@ -38,8 +38,8 @@ import logging
 import os
 from typing import Any, Iterator
 
-from . import config
-from ._log import log
+from ..core import config
+from ..core.log import log
 
 #: Set to ``0`` to leave torch's rendezvous alone.
 ATTEMPT_STORE_ENV = "FTH_ATTEMPT_STORE"

@@ -15,7 +15,7 @@ from typing import TypeVar
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.stateful_dataloader import _StatefulMultiProcessingDataLoaderIter
 
-from ._dataloader_workers import _Hardened, construct
+from ._workers import _Hardened, construct
 
 
 class StatefulWorkersIter(_Hardened, _StatefulMultiProcessingDataLoaderIter):

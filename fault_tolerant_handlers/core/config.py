@@ -222,7 +222,7 @@ def load() -> Config:
     inject.Injector.from_env()
     unknown = sorted(k for k in os.environ if k.startswith("FTH_") and k not in KNOWN_ENV and not k.startswith("FTH_TEST"))
     if unknown:
-        from ._log import log
+        from .log import log
 
         log(logging.WARNING, "ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
             ", ".join(KNOWN_ENV))

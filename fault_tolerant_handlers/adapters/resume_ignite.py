@@ -22,7 +22,7 @@ from typing import Any
 
 from ignite.handlers import DiskSaver
 
-from ._log import log
+from ..core.log import log
 
 __all__ = ["SafeDiskSaver", "check_mid_epoch_resume"]
 
@@ -61,7 +61,7 @@ class SafeDiskSaver(DiskSaver):
 
 def _loader_next_position(loader: Any) -> tuple[int, int] | None:
     """(epoch, batches already yielded) where the loader's next ``iter()`` starts, if it says."""
-    from .dataloader import RestartableDataLoader
+    from ..data.loader import RestartableDataLoader
 
     if not isinstance(loader, RestartableDataLoader):
         return None

@@ -7,7 +7,7 @@ from types import TracebackType
 
 import torch.distributed as dist
 
-from ._log import log
+from .log import log
 from .errors import PeerFailedError, is_backend_error
 from .session import AGREED_ATTR, Session, get_session, mark
 

@@ -29,8 +29,8 @@ import threading
 
 import torch.distributed as dist
 
-from . import _compat_torch
-from ._log import log
+from . import compat_torch as _compat_torch
+from .log import log
 from .config import release_mode
 
 #: Exit code when tearing down released process groups at exit did not finish in time.

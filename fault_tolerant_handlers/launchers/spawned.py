@@ -44,13 +44,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from . import _compat_torch
-from ._log import log
-from .record import FailureRecord
+from ..core import compat_torch as _compat_torch
+from ..core.log import log
+from ..core.records import FailureRecord
 
 if TYPE_CHECKING:
-    from .errors import PeerFailedError
-    from .session import Session
+    from ..core.errors import PeerFailedError
+    from ..core.session import Session
 
 #: How long a SIGTERM that finds a same-host peer gone, and nothing known yet, waits for the cause
 #: (the watchdog's finding or the peer's record); well inside the parent's 30 s before SIGKILL.
@@ -172,7 +172,7 @@ def killed(rank_pid: int, rank: int, host: str) -> bool:
     state = _state
     if state is None or state.error_file is None:
         return False
-    from ._procfs import process_state
+    from ..core.procfs import process_state
 
     how = process_state(rank_pid) or ""
     if not how.startswith("killed by "):

@@ -36,8 +36,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from ._log import log
-from .record import FailureRecord, sanitize
+from .log import log
+from .records import FailureRecord, sanitize
 
 KEY_COUNT = "n"
 #: At most this many records are taken from one move of the counter (newest kept).

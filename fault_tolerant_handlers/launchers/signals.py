@@ -38,15 +38,16 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from . import errorfile, spawned
-from ._log import log
-from .errors import PeerFailedError
-from .record import FailureRecord
-from .release import release_process_groups
-from .schema import Schema, StoreUnreachable
+from . import errorfile
+from . import spawned
+from ..core.log import log
+from ..core.errors import PeerFailedError
+from ..core.records import FailureRecord
+from ..core.release import release_process_groups
+from ..core.schema import Schema, StoreUnreachable
 
 if TYPE_CHECKING:
-    from .session import Session
+    from ..core.session import Session
 
 #: The signals handled (each only if not ignored when the session starts).
 SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -29,7 +29,7 @@ import unicodedata
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ._log import log
+from .log import log
 
 #: Record format version; a reader ignores records of another version.
 RECORD_VERSION = 2

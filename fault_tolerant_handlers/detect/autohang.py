@@ -39,10 +39,10 @@ import time
 import traceback
 from typing import Callable, Iterable
 
-from . import config
-from .errors import PeerFailedError
+from ..core import config
+from ..core.errors import PeerFailedError
 from .probes import Finding, hung_rank, waiting_on_peers
-from .record import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
+from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
 
 #: Defaults of the rule (seconds, counts); each is an argument of :class:`AutoHangProbe`, and
 #: ``FTH_AUTO_HANG_MULTIPLE``, ``FTH_AUTO_HANG_FLOOR_SEC``, ``FTH_AUTO_HANG_WARMUP`` override the first,

@@ -35,14 +35,16 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable
 
-from . import _procfs, errorfile, spawned
-from ._log import log
+from ..core import procfs as _procfs
+from ..launchers import errorfile
+from ..launchers import spawned
+from ..core.log import log
 from .probes import HeartbeatProbe
-from .record import FailureRecord
-from .schema import Schema
+from ..core.records import FailureRecord
+from ..core.schema import Schema
 
 if TYPE_CHECKING:
-    from .session import Session
+    from ..core.session import Session
 
 #: Timeout of the helper's store calls: a call never blocks it longer than a heartbeat or two.
 HELPER_STORE_TIMEOUT = timedelta(seconds=1)

@@ -34,12 +34,12 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from ._log import log
-from .errors import PeerFailedError
-from .record import FailureRecord
+from ..core.log import log
+from ..core.errors import PeerFailedError
+from ..core.records import FailureRecord
 
 if TYPE_CHECKING:
-    from .session import Session
+    from ..core.session import Session
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 ERROR_FILE_NAME = "error.json"

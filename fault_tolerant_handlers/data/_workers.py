@@ -46,7 +46,7 @@ from multiprocessing.connection import wait as _mp_wait
 from torch.utils.data import _utils
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-from . import _procfs
+from ..core import procfs as _procfs
 
 #: How often the main thread re-checks worker liveness while it waits for a batch (seconds). The
 #: pump wakes it at once on a death; this bounds detection if the pump itself is stranded.
