@@ -26,11 +26,11 @@ from typing import Any, Callable, Mapping
 import torch.distributed as dist
 
 from ..core import config
-from ..launchers import signals
 from ..core.log import log
 from ..core.errors import PeerFailedError
 from ..core.sections import check_name
-from ..core.session import AGREED_ATTR, Session, get_session, mark
+from ..core.agreement import mark
+from ..core.session import AGREED_ATTR, Session, get_session
 
 #: Marks an exception object this process already handled (published or converted).
 HANDLED_ATTR = "_fth_handled"
@@ -159,7 +159,7 @@ class Guard:
         session = self.session
         if session is None or getattr(exc, HANDLED_ATTR, False):
             return exc
-        if isinstance(exc, SystemExit) and signals.own_signal(session) is not None:
+        if isinstance(exc, SystemExit) and session.signal_cause is not None:
             # The framework's answer to this rank's own SIGTERM (Lightning's SIGTERMException, at the
             # next batch): the peers know it already (RankSignalled), and its exception path
             # (checkpoints, their barriers) runs on unreleased.

@@ -34,6 +34,9 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 
+from . import inject
+from .log import log
+
 INTERVAL_ENV = "FTH_WATCHDOG_INTERVAL_SEC"
 HANG_TIMEOUT_ENV = "FTH_HANG_TIMEOUT_SEC"
 EXIT_GRACE_ENV = "FTH_EXIT_GRACE_SEC"
@@ -192,6 +195,10 @@ def release_mode() -> str:
     return mode
 
 
+#: How long a gone rank's liveness helper stays under ``mp.spawn``, keeping the rank a zombie its
+#: parent cannot reap yet (so that same-host peers read how it ended).
+ZOMBIE_HOLD = 0.5
+
 DEFAULTS = {
     "interval": timedelta(seconds=0.1),
     "exit_grace": timedelta(seconds=3),
@@ -217,13 +224,9 @@ class Config:
 
 def load() -> Config:
     """Read and check every ``FTH_*`` variable. Raises ``ValueError`` naming the first bad one."""
-    from . import inject  # FTH_INJECT is checked with the rest
-
-    inject.Injector.from_env()
+    inject.Injector.from_env()  # FTH_INJECT is checked with the rest
     unknown = sorted(k for k in os.environ if k.startswith("FTH_") and k not in KNOWN_ENV and not k.startswith("FTH_TEST"))
     if unknown:
-        from .log import log
-
         log(logging.WARNING, "ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
             ", ".join(KNOWN_ENV))
     values = {name: env_timedelta(name) for name in _ENV_OF if name != "hang_timeout"}

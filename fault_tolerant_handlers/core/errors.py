@@ -9,6 +9,11 @@ from .records import FailureRecord
 
 #: Where a gloo error comes from: its text points into gloo's transport (``.../gloo/transport/tcp/
 #: pair.cc:534] Connection closed by peer``) or into torch's gloo process group.
+#: Exit code of a rank ended by the watchdog because another rank failed, was lost or hung.
+EXIT_PEER_FAILED = 87
+#: Exit code of the rank that declared itself hung.
+EXIT_HUNG = 88
+
 _GLOO_MARKERS = ("gloo/transport/", "ProcessGroupGloo.cpp")
 
 

@@ -94,3 +94,13 @@ def ended(pid: int, within: float) -> str | None:
         if not exiting(stat_fields(pid)) or time.monotonic() >= deadline:
             return None
         time.sleep(0.001)
+
+
+#: Signals the library's own handler reports (:mod:`..launchers.signals`): a rank they end says so itself.
+HANDLED_SIGNALS = ("SIGTERM", "SIGINT")
+
+
+def unreported(how: str) -> bool:
+    """A rank that ended ``how`` (:func:`process_state`) was killed by a signal it could not
+    report itself (SIGKILL: the OOM killer; a crash)."""
+    return how.startswith("killed by ") and how.split()[-1] not in HANDLED_SIGNALS

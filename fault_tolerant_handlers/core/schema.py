@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from . import release
 from .log import log
 from .records import FailureRecord, sanitize
 
@@ -249,9 +250,7 @@ def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0, *, busy_too: bo
         worker.stuck = True  # no further call is given to it ...
         worker._stopped = True  # ... and it ends as soon as its call returns
     if workers:
-        from .release import cut_connections_to
-
-        cut_connections_to(keep_ports)
+        release.cut_connections_to(keep_ports)
     deadline = time.monotonic() + wait
     for worker in workers:
         worker._thread.join(timeout=max(0.0, deadline - time.monotonic()))

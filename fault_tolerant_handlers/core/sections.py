@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from .log import log
 from .errors import PeerFailedError, is_backend_error
-from .session import AGREED_ATTR, Session, get_session, mark
+from .agreement import mark
+from .session import AGREED_ATTR, Session, get_session
 
 
 def check_name(owner: str, name: object) -> str:

@@ -8,7 +8,7 @@ that runs on it in this process (sections, adapters, the watchdog). It owns
 * the run's **store keys** (:mod:`.schema`), through connections of its own;
 * the **agreement** (:meth:`Session.agree`): *record, agree, then raise*. A failing rank publishes
   its record, then every rank joins **one** ``all_reduce(MAX)`` of two int64s
-  (:func:`pack_agreement`): ``failing rank + 1`` (0 when it did not fail) and, to catch ranks that
+  (:func:`~.agreement.pack_agreement`): ``failing rank + 1`` (0 when it did not fail) and, to catch ranks that
   are out of step, the section's hash and agreement number, once as they are and once subtracted
   from a constant (their smallest). It returns an :class:`Outcome` and never raises;
 * the **classification** of an exception (:meth:`Session.classify`): this rank's own failure, or a
@@ -32,17 +32,12 @@ from __future__ import annotations
 
 import atexit
 import gc
-import hashlib
-import ipaddress
 import logging
 import os
 import random
 import re
-import socket
-import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -50,14 +45,13 @@ import torch
 import torch.distributed as dist
 
 from . import compat_torch as _compat_torch
-from . import config
-from ..launchers import errorfile
-from ..launchers import signals
-from ..launchers import spawned
-from .log import log
+from . import config, events, schema as _schema
+from .agreement import MAX_FLAG, mark, pack_agreement, section_hash, unpack_agreement
 from .errors import PeerFailedError, SectionMismatchError, is_backend_error
-from ..detect.probes import PeerPidProbe
-from .records import FailureRecord, host_name, sanitize
+from .log import log
+from .peers import PeerPidProbe
+from .ranks import RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout, own_address
+from .records import FailureRecord, host_name
 from .release import release_process_groups, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port
 
@@ -80,116 +74,6 @@ PUBLISHED_ATTR = "_fth_published"
 #: Set on an exception that came out of an agreement: every rank of the agreement raised, so an
 #: enclosing section lets it through without agreeing again.
 AGREED_ATTR = "_fth_agreed"
-
-
-def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.sha1(text.encode("utf-8", "replace")).digest()[:7], "big")
-
-
-def _host_id() -> int:
-    return _digest(host_name())
-
-
-#: Bytes of a host name carried in the setup table (8 int64s).
-HOST_NAME_BYTES = 64
-_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
-
-
-def _interface_address(name: str) -> str | None:
-    """IPv4 address of network interface ``name`` (``GLOO_SOCKET_IFNAME``), Linux only."""
-    try:
-        import fcntl
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
-        return socket.inet_ntoa(packed[20:24])
-    except (OSError, ImportError, ValueError):
-        return None
-
-
-def own_address() -> str:
-    """The address peers see this rank at (what a gloo error names): the ``GLOO_SOCKET_IFNAME``
-    interface's, else the one this host uses to reach ``MASTER_ADDR``, else its name's."""
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
-    if ifname:
-        found = _interface_address(ifname)
-        if found:
-            return normalize_address(found)
-    master = os.environ.get("MASTER_ADDR", "")
-    if master:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master, 9))
-                return normalize_address(s.getsockname()[0])
-        except OSError:
-            pass
-    try:
-        return normalize_address(socket.gethostbyname(socket.gethostname()))
-    except OSError:
-        return ""
-
-
-def normalize_address(text: str) -> str:
-    try:
-        address = ipaddress.ip_address(text)
-    except ValueError:
-        return text
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return str(address)
-
-
-def addresses_named(text: str) -> list[str]:
-    """The peer addresses a backend error names (``Connection reset by peer [10.0.0.2]:4242``)."""
-    return [normalize_address(m.group(1)) for m in _ADDRESS.finditer(text)]
-
-
-def _encode_name(name: str) -> list[int]:
-    data = name.encode("utf-8", "replace")[:HOST_NAME_BYTES].ljust(HOST_NAME_BYTES, b"\0")
-    return [int.from_bytes(data[i : i + 8], "big", signed=True) for i in range(0, HOST_NAME_BYTES, 8)]
-
-
-def _decode_name(words: list[int]) -> str:
-    data = b"".join(int(w).to_bytes(8, "big", signed=True) for w in words).rstrip(b"\0")
-    return sanitize(data.decode("utf-8", "replace"))
-
-
-def section_hash(kind: str, name: str) -> int:
-    return zlib.crc32(f"{kind}\0{name}".encode("utf-8", "replace"))
-
-
-#: Bits of the section hash and of the agreement's sequence number in the agreement's two integers.
-_FIELD_BITS = 20
-_FIELD = (1 << _FIELD_BITS) - 1
-#: The largest flag (a rank + 1) the first integer holds above them.
-MAX_FLAG = (1 << (63 - 2 * _FIELD_BITS)) - 1
-
-
-def pack_agreement(flag: int, digest: int, seq: int) -> tuple[int, int]:
-    """The two int64 every rank contributes to one agreement (reduced by MAX).
-
-    ``a = flag | hash | seq`` (high to low bits) and ``b = (M - hash) | (M - seq)``: the MAX of
-    ``a`` carries the largest flag and, when no rank failed, the largest (hash, seq) pair; the MAX
-    of ``b`` the smallest. Every rank is in the same section and agreement exactly when the two
-    pairs are the same (hash and seq kept to 20 bits). Two integers, not five: a gloo all_reduce of
-    two elements costs what one does, of five about twice as much."""
-    h, s = digest & _FIELD, seq & _FIELD
-    return (flag << 2 * _FIELD_BITS) | (h << _FIELD_BITS) | s, ((_FIELD - h) << _FIELD_BITS) | (_FIELD - s)
-
-
-def unpack_agreement(a: int, b: int) -> tuple[int, bool]:
-    """``(the largest flag, whether every rank was in step)`` from the reduced pair."""
-    flag = a >> 2 * _FIELD_BITS
-    hmax, smax = (a >> _FIELD_BITS) & _FIELD, a & _FIELD
-    hmin, smin = _FIELD - ((b >> _FIELD_BITS) & _FIELD), _FIELD - (b & _FIELD)
-    return flag, (hmax, smax) == (hmin, smin)
-
-
-def mark(exc: BaseException, attr: str, value: object = True) -> None:
-    try:
-        setattr(exc, attr, value)
-    except Exception:  # noqa: BLE001 - some exception types refuse attributes
-        pass
 
 
 @dataclass
@@ -226,11 +110,8 @@ class Session:
         self.group = group
         # Held so that the id() keying the registry cannot be reused by a later default group.
         self._default_group = _compat_torch.default_group()
-        self.rank = dist.get_rank()
+        rank = dist.get_rank()
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        self.ranks = ranks
-        self.world_size = len(ranks)
-        self.group_rank = ranks.index(self.rank)
         self._pg_store = _compat_torch.default_store()
         timeout = (config.check_timedelta("sync_timeout", timeout, allow_none=True, what="timeout")
                    or self.config.sync_timeout or self._pg_store.timeout)
@@ -240,19 +121,19 @@ class Session:
                                    use_local_synchronization=group is not None)
         # One all_gather at setup tells every rank the run id (rank 0's), each rank's host (id and
         # name), pid and the address its peers see it at (a hash: matched against backend errors).
-        self.host = host_name()
         self.address = own_address()
-        mine = torch.tensor([[random.getrandbits(62), _host_id(), os.getpid(), _digest(self.address),
-                              *_encode_name(self.host)]], dtype=torch.int64)
+        mine = torch.tensor([[random.getrandbits(62), host_id(), os.getpid(), digest(self.address),
+                              *encode_name(host_name())]], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in ranks]
         dist.all_gather(gathered, mine, group=self.side)
         table = torch.cat(gathered)
         self.run_id = f"{int(table[0, 0]):x}"
-        self.host_ids = table[:, 1].tolist()
-        self.pids = table[:, 2].tolist()
-        self.address_ids = table[:, 3].tolist()
-        self.hosts = [_decode_name(row[4:].tolist()) for row in table]
-        self.local_rank, self.local_world_size = self._local_layout()
+        host_ids = table[:, 1].tolist()
+        #: Who the ranks are (read-only): what probes and reporters are given instead of the session.
+        self.table = RankTable(rank, tuple(ranks), tuple(table[:, 2].tolist()),
+                               tuple(decode_name(row[4:].tolist()) for row in table), tuple(host_ids),
+                               tuple(table[:, 3].tolist()),
+                               *local_layout(host_ids, ranks.index(rank), whole_world=group is None))
         self.keep_ports = store_ports(self._pg_store)
         self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
         self._flag = torch.zeros(2, dtype=torch.int64)
@@ -273,30 +154,40 @@ class Session:
         self._lock = threading.Lock()
         #: A failure was delivered on this session (an agreement failed, or this rank failed).
         self.failed_before = False
-        self._same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
+        #: This rank's own SIGTERM/SIGINT, when it is the job's cause: pushed by the signal handler
+        #: (:mod:`..launchers.signals`); a collective broken after it is its consequence, not a peer's.
+        self.signal_cause: PeerFailedError | None = None
+        #: Same-host peers by pid, consulted at once when a collective breaks (and by the signal handler).
+        self.same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
         self._explaining = None
-        signals.install(self)  # SIGTERM/SIGINT: say so before the previous handler runs
-        spawned.detect()  # under mp.spawn, this rank prints its report itself
+        events.emit(events.SESSION_STARTED, self)  # the launchers: signal handlers, mp.spawn's report
         log(logging.DEBUG, "fault-tolerance side group ready (run %s, %d ranks)", self.run_id, self.world_size)
 
-    # -- layout and connections -----------------------------------------------------------------
-    def _local_layout(self) -> tuple[int, int]:
-        """Local rank and ranks per node: from the launcher's env when set, else from host ids."""
-        env_rank, env_size = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
-        if env_rank is not None and env_size is not None and self.group is None:
-            try:
-                return int(env_rank), int(env_size)
-            except ValueError:
-                pass
-        me = self.host_ids[self.group_rank]
-        same = [i for i, h in enumerate(self.host_ids) if h == me]
-        return same.index(self.group_rank), len(same)
+    # -- the ranks (read from :attr:`table`) and connections ---------------------------------------
+    rank = property(lambda self: self.table.rank, doc="This process's global rank.")
+    ranks = property(lambda self: list(self.table.ranks), doc="The group's global ranks, in group order.")
+    world_size = property(lambda self: self.table.world_size)
+    group_rank = property(lambda self: self.table.group_rank)
+    pids = property(lambda self: list(self.table.pids))
+    hosts = property(lambda self: list(self.table.hosts))
+    host_ids = property(lambda self: list(self.table.host_ids))
+    address_ids = property(lambda self: list(self.table.address_ids))
+    host = property(lambda self: self.table.host, doc="This rank's host name.")
+    local_rank = property(lambda self: self.table.local_rank)
+    local_world_size = property(lambda self: self.table.local_world_size)
+
+    @property
+    def pg_store(self) -> dist.Store:
+        """The default process group's store (what releasing this process's collectives cuts)."""
+        return self._pg_store
 
     def same_host_peers(self) -> list[tuple[int, int]]:
         """(global rank, pid) of the other members on this host."""
-        me = self.host_ids[self.group_rank]
-        return [(self.ranks[i], pid) for i, (pid, host) in enumerate(zip(self.pids, self.host_ids))
-                if i != self.group_rank and host == me]
+        return self.table.same_host_peers()
+
+    def release_collectives(self) -> str:
+        """Release this process's blocked collectives (a peer's failure, or its own): what was cut."""
+        return release_process_groups(self._pg_store)
 
     def connection(self, name: str, timeout: timedelta) -> Connection:
         """A new store connection of this process's own, under the run's prefix.
@@ -330,27 +221,29 @@ class Session:
         """A peer's failure the watchdog already knows (an attribute read: no communication)."""
         return self.incident.peer_error
 
-    def peer_failed(self, err: PeerFailedError) -> Incident | None:
+    def take_peer_failure(self, err: PeerFailedError) -> Incident | None:
         """The watchdog found ``err``: returns the incident to escalate, or ``None`` when there is
-        nothing to do (already known, or this rank failed itself and raises its own error)."""
+        nothing to do (already known, or this rank failed itself and raises its own error).
+        Emits :data:`~.events.PEER_FAILED` (the launchers: a killed same-host peer's error file and,
+        when escalated, mp.spawn's report before the launcher's SIGTERM)."""
         with self._lock:
             incident = self.incident
             if incident.peer_error is not None:
-                return None
-            if signals.own_signal(self) is not None:
-                return None  # this rank's own SIGTERM/SIGINT ends it: a peer's failure after it changes nothing
-            incident.peer_error = err
-            if incident.local:
-                return None
-            self._escalated.append(incident)
-        spawned.announce(self.rank, err)  # under mp.spawn: the report, before the launcher's SIGTERM
-        return incident
+                escalated = None
+            elif self.signal_cause is not None:
+                escalated = None  # this rank's own SIGTERM/SIGINT ends it: a peer's failure after it changes nothing
+            else:
+                incident.peer_error = err
+                escalated = None if incident.local else incident
+                if escalated is not None:
+                    self._escalated.append(incident)
+        events.emit(events.PEER_FAILED, self.table, err, escalated is not None)
+        return escalated
 
     def acknowledge(self, err: PeerFailedError | None = None) -> None:
         """The main thread takes a peer's failure (``err``) and raises it: no reported exit by the
         watchdog, and an orderly teardown of the (released) process groups at interpreter exit."""
-        errorfile.survivor(self, err if isinstance(err, PeerFailedError) else self.incident.peer_error)
-        spawned.announce(self.rank, err if err is not None else self.incident.peer_error)
+        events.emit(events.ACKNOWLEDGED, self.table, err, self.incident.peer_error)
         with self._lock:
             for incident in (self.incident, *self._escalated):
                 incident.acknowledged.set()
@@ -370,7 +263,7 @@ class Session:
         self.failed_before = True
         mark(exc, PUBLISHED_ATTR)
         record = FailureRecord.from_exception(exc, rank=self.rank, section=section, seq=seq, step=step, epoch=epoch)
-        errorfile.failed(record)
+        events.emit(events.RANK_FAILED, record)
         log(logging.ERROR, "failed%s: %s: %s", f" in {section!r}" if seq is not None else "", record.exc_type,
             record.exc_message, step=step)
         try:
@@ -378,7 +271,7 @@ class Session:
         except Exception as err:  # noqa: BLE001 - the flag still carries the rank; never mask the failure
             log(logging.WARNING, "could not publish the failure record: %s", (str(err).splitlines() or [""])[0][:200])
         if release:
-            what = release_process_groups(self._pg_store)
+            what = self.release_collectives()
             log(logging.INFO, "released this rank's collectives so that no peer waits: %s", what, step=step)
         return record
 
@@ -504,12 +397,12 @@ class Session:
             return exc
         if not is_backend_error(exc):
             return None
-        own = signals.own_signal(self)  # this rank's own SIGTERM/SIGINT broke it: no peer to blame
+        own = self.signal_cause  # this rank's own SIGTERM/SIGINT broke it: no peer to blame
         if own is not None:
             return own
         known = self.incident.peer_error
         if known is None:
-            found = self._same_host_probe.poll(time.monotonic())
+            found = self.same_host_probe.poll(time.monotonic())
             known = found.error if found is not None else None
         return known or self._explain(exc)
 
@@ -527,13 +420,11 @@ class Session:
 
     def suspects(self, exc: BaseException) -> list[int]:
         """Global ranks at the peer address a backend error names (never this rank)."""
-        wanted = {_digest(a) for a in addresses_named(str(exc))}
-        return [self.ranks[i] for i, a in enumerate(self.address_ids) if a in wanted and i != self.group_rank]
+        return self.table.suspects(exc)
 
     def lost_record(self, rank: int, why: str) -> FailureRecord:
         """This rank declares global rank ``rank`` lost (``PeerLost``), naming its pid and host."""
-        i = self.ranks.index(rank)
-        return FailureRecord.lost(rank=rank, pid=self.pids[i], host=self.hosts[i], why=why, by=self.rank)
+        return self.table.lost_record(rank, why)
 
     def _explain(self, exc: BaseException) -> PeerFailedError | None:
         """Why a collective broke: a record of another rank not yet delivered, or a suspect (a rank at
@@ -627,11 +518,12 @@ class Session:
     # -- watchdog ------------------------------------------------------------------------------------
     def start_watchdog(self, hang_timeout: timedelta | str | None = None):
         """Take a reference on this group's watchdog (started on the first)."""
-        from ..detect.watchdog import Watchdog
-
         with self._lock:
             if self._watchdog is None:
-                self._watchdog = Watchdog(self, hang_timeout=hang_timeout or self.config.hang_timeout).start()
+                if _watchdog_factory is None:
+                    raise RuntimeError("no watchdog is available: import fault_tolerant_handlers (its detect "
+                                       "package provides it) before starting one")
+                self._watchdog = _watchdog_factory(self, hang_timeout=hang_timeout or self.config.hang_timeout).start()
             elif hang_timeout is not None and self._watchdog.hang_timeout != hang_timeout:
                 log(logging.WARNING, "watchdog already running with hang_timeout=%s; keeping it",
                     self._watchdog.hang_timeout)
@@ -654,6 +546,17 @@ class Session:
         return self._watchdog
 
 
+#: Makes a session's watchdog (``factory(session, hang_timeout=...)``, with ``start()`` and
+#: ``stop(join_timeout=None)``): provided by :mod:`..detect.watchdog` when it is imported.
+_watchdog_factory = None
+
+
+def provide_watchdog(factory) -> None:
+    """Set what :meth:`Session.start_watchdog` starts (the detectors do, at import: the core knows no watchdog)."""
+    global _watchdog_factory
+    _watchdog_factory = factory
+
+
 _registry: dict[tuple[int, int], Session] = {}
 _registry_lock = threading.Lock()
 
@@ -668,10 +571,8 @@ def _forget_all() -> None:
         watchdog = session._watchdog
         if watchdog is not None:
             watchdog.stop(join_timeout=1.0)
-    from .schema import unblock_stuck_calls
-
     for session in sessions:
-        unblock_stuck_calls(session.keep_ports, busy_too=session.failing)
+        _schema.unblock_stuck_calls(session.keep_ports, busy_too=session.failing)
     sessions.clear()
     gc.collect()
 

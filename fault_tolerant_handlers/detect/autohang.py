@@ -42,6 +42,7 @@ from typing import Callable, Iterable
 from ..core import config
 from ..core.errors import PeerFailedError
 from .probes import Finding, hung_rank, waiting_on_peers
+from .writes import writing_now
 from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
 
 #: Defaults of the rule (seconds, counts); each is an argument of :class:`AutoHangProbe`, and
@@ -208,9 +209,7 @@ class AutoHangProbe:
 
 def writing_checkpoint_explainer(frame) -> tuple[str, object] | None:
     """A checkpoint being written (``torch.save``, a ``save_checkpoint``, Ignite's ``DiskSaver``, a
-    :func:`~.watchdog.writing_checkpoint` block): judged as a ``"checkpoint"``."""
-    from .watchdog import writing_now
-
+    :func:`~.writes.writing_checkpoint` block): judged as a ``"checkpoint"``."""
     return (CHECKPOINT, None) if writing_now(frame) else None
 
 

@@ -35,13 +35,14 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable
 
+from ..core import events
 from ..core import procfs as _procfs
-from ..launchers import errorfile
-from ..launchers import spawned
+from ..core.config import ZOMBIE_HOLD
 from ..core.log import log
-from .probes import HeartbeatProbe
+from ..core.ranks import RankTable
 from ..core.records import FailureRecord
 from ..core.schema import Schema
+from .probes import HeartbeatProbe
 
 if TYPE_CHECKING:
     from ..core.session import Session
@@ -59,7 +60,7 @@ def _stopped(pid: int) -> bool:
     return bool(fields) and fields[_procfs.STATE] in ("T", "t")
 
 
-def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: float, limit: float) -> None:
+def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: float, limit: float) -> None:
     try:
         with open("/proc/self/comm", "w") as f:
             f.write("fth-liveness")
@@ -78,12 +79,12 @@ def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: fl
             if schema.claim_declaration(record.rank):
                 schema.publish(record)
 
-    ends = threading.Thread(target=_on_rank_end, args=(session, parent, stop_fd, woken, tell), name="fth-rank-end",
+    ends = threading.Thread(target=_on_rank_end, args=(table, parent, stop_fd, woken, tell), name="fth-rank-end",
                             daemon=True)
     ends.start()
-    successor = session.ranks[(session.group_rank + 1) % session.world_size]
-    probe = HeartbeatProbe(schema, session.rank, successor, session.pids[session.ranks.index(successor)],
-                           period=period, limit=limit, host=session.hosts[session.ranks.index(successor)])
+    successor = table.successor()
+    probe = HeartbeatProbe(schema, table.rank, successor, table.pid_of(successor), period=period, limit=limit,
+                           host=table.host_of(successor))
     declared = [False]
     while os.getppid() == parent:
         if not _stopped(parent):  # frozen: its neighbour must see it, so no beat
@@ -93,12 +94,12 @@ def _run(session: Session, schema: Schema, parent: int, stop_fd: int, period: fl
     # The rank is gone (this process was re-parented). The thread says how, unless it was not woken:
     # without pidfds, a DataLoader worker forked after this helper still holds the pipe.
     if woken.wait(0.1):
-        ends.join(RANK_EXIT_WAIT + 2 * HELPER_STORE_TIMEOUT.total_seconds() + spawned.ZOMBIE_HOLD + 1.0)
+        ends.join(RANK_EXIT_WAIT + 2 * HELPER_STORE_TIMEOUT.total_seconds() + ZOMBIE_HOLD + 1.0)
     else:
-        rank_ended(session.rank, parent, session.host, tell)
+        rank_ended(table.rank, parent, table.host, tell)
 
 
-def _on_rank_end(session: Session, parent: int, stop_fd: int, woken: threading.Event,
+def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.Event,
                  tell: Callable[[FailureRecord], None] | None = None) -> None:
     """Blocks until the rank stops its watchdog (closes the pipe) or ends (its pidfd: the pipe may
     also be held by a DataLoader worker forked after this helper), then ends the helper."""
@@ -110,7 +111,7 @@ def _on_rank_end(session: Session, parent: int, stop_fd: int, woken: threading.E
     select.select(watched, [], [])
     woken.set()
     try:
-        rank_ended(session.rank, parent, session.host, tell)
+        rank_ended(table.rank, parent, table.host, tell)
     finally:
         os._exit(0)
 
@@ -123,15 +124,15 @@ def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], N
     how = _procfs.ended(pid, RANK_EXIT_WAIT)  # None: the rank runs (it stopped its watchdog)
     if how is None:
         return
-    if errorfile.unreported(how):
+    if _procfs.unreported(how):
         record = FailureRecord.lost(rank=rank, pid=pid, host=host, why=how, by=rank)
-        errorfile.killed(record)  # torchrun's error file: first, the agent reaps soon
+        events.emit(events.RANK_KILLED, record)  # the launchers: torchrun's error file, first (the agent reaps soon)
         if tell is not None:
             try:
                 tell(record)
             except Exception:  # noqa: BLE001 - the store may be gone with the rank (its host held it)
                 pass
-    spawned.hold_zombie(pid, rank, host)  # under mp.spawn: its error file, and the zombie held
+    events.emit(events.RANK_ENDED, pid, rank, host)  # the launchers: under mp.spawn, its error file and the zombie held
 
 
 def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool]) -> None:
@@ -186,7 +187,7 @@ class LivenessProcess:
             try:
                 os.close(write_fd)
                 conn.forked()
-                _run(self.session, schema, parent, read_fd, self.period, self.limit)
+                _run(self.session.table, schema, parent, read_fd, self.period, self.limit)
             except BaseException:  # noqa: BLE001
                 code = 1
             finally:

@@ -31,7 +31,6 @@ Settings and their environment overrides are in :mod:`.config`.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -41,28 +40,19 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterator
 
 from . import autohang
-from ..core import config
-from ..launchers import errorfile
-from ..launchers import spawned
+from ..core import config, events
+from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED
+from ..core.session import Incident, Session, get_session, provide_watchdog
 from .pidwatch import PidWatcher, WakeEvent
+from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
 from ..core.log import log
 from .liveness import LivenessProcess
 from .liveness import kill_all as kill_all_liveness
 from .probes import (Finding, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
                      main_thread_frame)
-from ..core.release import release_process_groups
-from ..core.schema import Schema
-
-if TYPE_CHECKING:
-    from ..core.session import Incident, Session
-
-#: Exit code of a rank ended by the watchdog because another rank failed, was lost or hung.
-EXIT_PEER_FAILED = 87
-#: Exit code of the rank that declared itself hung.
-EXIT_HUNG = 88
+from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
 
 #: How long a failure record may stay unconsumed by a sync point before the watchdog releases.
 RELEASE_GRACE = timedelta(seconds=0.3)
@@ -72,46 +62,6 @@ SILENT_MARGIN = timedelta(seconds=2)
 HEARTBEAT_EVERY = timedelta(seconds=0.5)
 #: Timeout of the liveness loop's store calls (only to publish what it declares).
 LIVENESS_STORE_TIMEOUT = timedelta(seconds=2)
-
-_writes_in_progress = 0
-_writes_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def writing_checkpoint() -> Iterator[None]:
-    """Mark a block that writes a checkpoint: a reported exit waits for it to finish (bounded by
-    ``FTH_WRITE_GRACE_SEC``). ``torch.save``, Lightning's ``save_checkpoint`` and Ignite's
-    ``DiskSaver`` are recognised without it."""
-    global _writes_in_progress
-    with _writes_lock:
-        _writes_in_progress += 1
-    try:
-        yield
-    finally:
-        with _writes_lock:
-            _writes_in_progress -= 1
-
-
-_WRITE_FUNCTIONS = ("save_checkpoint", "_save_checkpoint")
-
-
-def writing_now(frame) -> bool:
-    """True when the main thread is inside a checkpoint write."""
-    if _writes_in_progress:
-        return True
-    while frame is not None:
-        code = frame.f_code
-        name, path = code.co_name, code.co_filename
-        if name in _WRITE_FUNCTIONS:
-            return True
-        if name in ("save", "_save", "_legacy_save") and path.endswith(f"torch{os.sep}serialization.py"):
-            return True
-        if path.endswith(f"ignite{os.sep}handlers{os.sep}checkpoint.py") and name in ("__call__", "_save_func"):
-            if type(frame.f_locals.get("self")).__name__ == "DiskSaver":
-                return True
-        frame = frame.f_back
-    return False
-
 
 class Watchdog:
     """One per process and process group; a :class:`~.session.Session` starts it by reference count."""
@@ -254,15 +204,14 @@ class Watchdog:
         log(logging.ERROR, "%s", str(finding.error).splitlines()[0], step=self._progress[2])
         if finding.hung_self:
             self.session.incident.local = True
-            errorfile.failed(finding.declare)
+            events.emit(events.RANK_FAILED, finding.declare)  # the launchers: torchrun's error file
             self._declare(finding, schema)
             # Give the peers a moment to read the record, then end: the main thread cannot be trusted.
             time.sleep(min(1.0, self.exit_grace.total_seconds()))
             self._reported_exit(finding.error, EXIT_HUNG)
             return
-        errorfile.peer_lost(self.session, finding.error)
         # Escalate first: publishing may block when the store is what died.
-        incident = self.session.peer_failed(finding.error)
+        incident = self.session.take_peer_failure(finding.error)
         if incident is not None:
             threading.Thread(target=self._escalate, args=(incident,), name="fth-escalate", daemon=True).start()
         self._declare(finding, schema)
@@ -284,7 +233,7 @@ class Watchdog:
         the store is what died."""
         if incident.local or incident.acknowledged.is_set() or self._finishing:
             return
-        what = release_process_groups(self.session._pg_store)
+        what = self.session.release_collectives()
         log(logging.WARNING, "released blocked collectives: %s", what, step=self._progress[2])
         if incident.acknowledged.wait(self.exit_grace.total_seconds()):
             return
@@ -303,11 +252,10 @@ class Watchdog:
         self._reported_exit(incident.peer_error, EXIT_PEER_FAILED)
 
     def _reported_exit(self, err: BaseException, code: int) -> None:
-        if code == EXIT_PEER_FAILED:
-            errorfile.survivor(self.session, err)
         text = f"[rank {self.rank}] fault-tolerant-handlers: ending this process (exit code {code}) because:\n{err}\n"
         try:
-            spawned.exiting(err, code)  # under mp.spawn: the parent raises this report
+            # the launchers: torchrun's error file of a survivor, mp.spawn's (the parent raises this report)
+            events.emit(events.EXITING, self.session.table, err, code)
             log(logging.CRITICAL, "ending this process with exit code %d: %s", code, str(err).splitlines()[0])
             sys.stderr.write(text)
             sys.stderr.flush()
@@ -346,8 +294,6 @@ def _stop_all() -> None:
     if failed:
         # The job failed, perhaps because the store's host is gone: a watchdog waiting in a store
         # call would hold the exit up to its budget. Cut those calls short instead.
-        from ..core.schema import stop_connecting, unblock_stuck_calls
-
         stop_connecting()  # the store may be gone: no call may start a connect the exit would wait for
         unblock_stuck_calls(set().union(*(s.keep_ports for s in failed)), wait=0.5, busy_too=True)
     for watchdog in watchdogs:
@@ -359,10 +305,11 @@ def start_watchdog(group=None, *, hang_timeout: timedelta | str | None = None) -
     """Start (once per process group) and return the watchdog, for a loop of your own; ``None``
     without distribution. Collective on first use for the group (it creates the side group): call it
     on every rank. The watchdog runs until the end of the process."""
-    from ..core.session import get_session
-
     config.check_hang_timeout(hang_timeout)
     session = get_session(group, caller="start_watchdog")
     if session is None:
         return None
     return session.start_watchdog(hang_timeout)
+
+
+provide_watchdog(Watchdog)  # what Session.start_watchdog starts

@@ -8,14 +8,17 @@ often wins: the agent notices the failing rank and its survivors in the same sec
 writes the files in the format of ``torch.distributed.elastic.multiprocessing.errors.ErrorHandler``
 (``{"message": {"message": ..., "extraInfo": {"py_callstack": ..., "timestamp": "<s>"}}}``):
 
-* a rank that **fails itself** (:meth:`Session.report_error`, or the watchdog finding it hung)
-  writes its own file with the failure's time;
+* a rank that **fails itself** (:meth:`Session.report_error`, the watchdog finding it hung, its
+  own signal: the event ``RANK_FAILED``) writes its own file with the failure's time
+  (:func:`write_failed`);
 * a **survivor** (it raises or ends because of a peer's failure, or is signalled after it) writes
   its own file with a timestamp that cannot win: at least the failure's second + 1, and at least
-  the current second + 1 (the agent never notices an exit later than the survivor's own end);
+  the current second + 1 (the agent never notices an exit later than the survivor's own end)
+  (:func:`write_survivor`: the events ``ACKNOWLEDGED`` and ``EXITING``);
 * a rank **killed by a signal** cannot write its file: its liveness helper (a process of its own,
-  woken by the rank's end, :func:`killed`) writes it, and so does a survivor on the same host that
-  sees it gone (its path derived from torchrun's layout: the sibling ``<local rank>`` directory),
+  woken by the rank's end, :func:`write_killed`: the event ``RANK_KILLED``) writes it, and so does
+  a survivor on the same host that sees it gone (:func:`write_dead_peer`: the event ``PEER_FAILED``;
+  its path derived from torchrun's layout: the sibling ``<local rank>`` directory),
   with the kill as the message, before its own. Two writers because the agent reads a failed
   worker's file as soon as its monitor (every 0.1 s by default) notices the exit: the helper, blocked
   on nothing but the rank's end, is there first; the survivor's watchdog thread waits for its GIL.
@@ -32,14 +35,11 @@ import logging
 import os
 import tempfile
 import time
-from typing import TYPE_CHECKING
-
+from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
 from ..core.log import log
-from ..core.errors import PeerFailedError
+from ..core.procfs import HANDLED_SIGNALS, unreported  # noqa: F401 - read by the helper; kept here for readers
+from ..core.ranks import RankTable
 from ..core.records import FailureRecord
-
-if TYPE_CHECKING:
-    from ..core.session import Session
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 ERROR_FILE_NAME = "error.json"
@@ -111,8 +111,8 @@ def read_timestamp(path: str) -> int | None:
         return None
 
 
-def failed(record: FailureRecord) -> bool:
-    """This rank failed itself (``record`` is its own): write its file with the failure's time."""
+def write_failed(record: FailureRecord) -> bool:
+    """This rank failed itself (or its own signal is the cause) (``record`` is its own): write its file with the failure's time."""
     path = own_path()
     if path is None:
         return False
@@ -128,49 +128,39 @@ def survivor_timestamp(failed_at: float | None, now: float | None = None) -> int
     return base + 1
 
 
-def _dead_peer_file(session: Session, err: PeerFailedError, own: str) -> None:
+def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
     """``err`` says a same-host peer is gone (killed): write the file it could not write."""
     rank = err.failed_rank
-    if err.exc_type != "PeerLost" or rank is None or err.host != session.host or rank == session.rank:
+    if err.exc_type != "PeerLost" or rank is None or err.host != table.host or rank == table.rank:
         return
-    if rank not in session.ranks or session.pids[session.ranks.index(rank)] != err.pid:
+    if rank not in table.ranks or table.pid_of(rank) != err.pid:
         return
-    peer_local = rank - (session.rank - session.local_rank)
-    if not 0 <= peer_local < session.local_world_size:
+    peer_local = rank - (table.rank - table.local_rank)
+    if not 0 <= peer_local < table.local_world_size:
         return
-    path = peer_path(own, session.local_rank, peer_local)
+    path = peer_path(own, table.local_rank, peer_local)
     if path is None:
         return
     when = err.failed_at if err.failed_at is not None else time.time()
     message = f"{err.exc_type}: {err.exc_message}"
-    if write_once(path, payload(message, f"{message}\n(written by rank {session.rank}, which saw it end)",
+    if write_once(path, payload(message, f"{message}\n(written by rank {table.rank}, which saw it end)",
                                 int(when), "killed")):
         log(logging.INFO, "wrote the error file of rank %d for torchrun: %s", rank, path)
 
 
-def peer_lost(session: Session, err: PeerFailedError) -> None:
+def write_dead_peer(table: RankTable, err: PeerFailedError) -> None:
     """The watchdog found ``err``: if it is a same-host peer gone, write its file at once (the agent
     reads a failed worker's file as soon as it notices the exit)."""
     own = own_path()
     if own is not None:
         try:
-            _dead_peer_file(session, err, own)
+            _dead_peer_file(table, err, own)
         except Exception as exc:  # noqa: BLE001
             log(logging.WARNING, "could not write torchrun's error file: %s", exc)
 
 
-#: Signals the library's own handler reports (:mod:`.signals`): a rank they end writes its own file.
-HANDLED_SIGNALS = ("SIGTERM", "SIGINT")
-
-
-def unreported(how: str) -> bool:
-    """A rank that ended ``how`` (:func:`~._procfs.process_state`) was killed by a signal it could
-    not report itself (SIGKILL: the OOM killer; a crash)."""
-    return how.startswith("killed by ") and how.split()[-1] not in HANDLED_SIGNALS
-
-
-def killed(record: FailureRecord) -> bool:
-    """In the liveness helper of a rank killed by a signal it could not report (:func:`unreported`):
+def write_killed(record: FailureRecord) -> bool:
+    """In the liveness helper of a rank killed by a signal it could not report (:func:`~..core.procfs.unreported`):
     write its file for it, with ``record`` (its ``PeerLost``, which the helper also publishes)."""
     path = own_path()
     if path is None:
@@ -183,7 +173,7 @@ def killed(record: FailureRecord) -> bool:
         return False
 
 
-def survivor(session: Session, err: PeerFailedError | None) -> bool:
+def write_survivor(table: RankTable, err: PeerFailedError | None) -> bool:
     """This rank ends (or raises) because of a peer's failure ``err``: write the dead peer's file
     when it was killed on this host, then this rank's own with a timestamp that cannot win."""
     own = own_path()
@@ -191,7 +181,7 @@ def survivor(session: Session, err: PeerFailedError | None) -> bool:
         return False
     try:
         if err is not None:
-            _dead_peer_file(session, err, own)
+            _dead_peer_file(table, err, own)
         failed_at = err.failed_at if err is not None else None
         summary = str(err).splitlines()[0] if err is not None else "a peer failed"
         message = f"PeerFailedError: {summary}"
@@ -202,6 +192,15 @@ def survivor(session: Session, err: PeerFailedError | None) -> bool:
         return False
 
 
-def signalled(record: FailureRecord) -> bool:
-    """This rank received a terminating signal and knows of no peer's failure: it is the cause."""
-    return failed(record)
+# -- what this module does on the core's events (subscribed in ``launchers/__init__.py``) -------------
+def on_peer_failed(table: RankTable, err: PeerFailedError, escalated: bool) -> None:
+    write_dead_peer(table, err)  # the agent reads a failed worker's file as soon as it notices the exit
+
+
+def on_acknowledged(table: RankTable, err: BaseException | None, known: PeerFailedError | None) -> None:
+    write_survivor(table, err if isinstance(err, PeerFailedError) else known)
+
+
+def on_exiting(table: RankTable, err: BaseException | None, code: int) -> None:
+    if code == EXIT_PEER_FAILED:
+        write_survivor(table, err)

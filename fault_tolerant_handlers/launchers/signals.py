@@ -16,8 +16,8 @@ already there (Lightning's, a user's, Python's default), never replacing it:
    handler put in front of this one later calls it (Lightning's, registered in ``fit`` after the
    session started), that handler says what the signal does: the default is not enacted after it,
    a peer's ``RankSignalled`` of the same moment is the same preemption (this rank is signalled
-   too), and a collective broken after this rank's own signal raises its ``RankSignalled``
-   (:func:`own_signal`, read by ``Session.classify``).
+   too), and a collective broken after this rank's own signal raises its ``RankSignalled`` (pushed
+   into the session, ``Session.signal_cause``, which ``Session.classify`` reads).
 
 Python runs signal handlers in the main thread only, between bytecodes: a main thread blocked in a
 collective would run it late. So the reaction also runs from a thread (``fth-signals``) woken by
@@ -38,10 +38,10 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from . import errorfile
-from . import spawned
-from ..core.log import log
+from . import errorfile, spawned
 from ..core.errors import PeerFailedError
+from ..core.log import log
+from ..core.procfs import HANDLED_SIGNALS
 from ..core.records import FailureRecord
 from ..core.release import release_process_groups
 from ..core.schema import Schema, StoreUnreachable
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from ..core.session import Session
 
 #: The signals handled (each only if not ignored when the session starts).
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = tuple(signal.Signals[name] for name in HANDLED_SIGNALS)  # SIGTERM, SIGINT
 #: Timeout of the store calls made on a signal (publish the record, look for a peer's).
 SIGNAL_STORE_TIMEOUT = timedelta(seconds=1)
 #: How long a signalled rank whose signal ends it stays alive after publishing its record: the
@@ -184,7 +184,9 @@ class _Watch:
         # A failure being explained right now (a broken collective: torchrun's agent ends the
         # survivors when the store's host dies) is waited for, briefly: the report must come first.
         # Under mp.spawn, a SIGTERM after a same-host peer's exit waits (briefly) for its cause.
-        peer = (session.failure_report(REPORT_WAIT) or spawned.awaited_cause(session, lambda: self._records(session))
+        peer = (session.failure_report(REPORT_WAIT)
+                or spawned.awaited_cause(session.same_host_probe, lambda: session.incident.peer_error,
+                                         lambda: self._records(session))
                 or self._peer_cause(session))
         window = SIGNALLED_TOGETHER if self._framework_in_front(signum) else SAME_DELIVERY
         if peer is not None and not same_delivery(peer, name, received, window):
@@ -193,22 +195,23 @@ class _Watch:
             log(logging.CRITICAL, "ending this process with exit code %d: terminated by %s while the job fails: %s",
                 code, name, str(peer).splitlines()[0])
             try:
-                if not spawned.announced(peer):  # else printed in full already
+                if not spawned.printed(peer):  # else printed in full already
                     sys.stderr.write(f"[rank {session.rank}] fault-tolerant-handlers: {name} while the job fails:\n{peer}\n")
                     sys.stderr.flush()
             except Exception:  # noqa: BLE001
                 pass
-            errorfile.survivor(session, peer)
+            errorfile.write_survivor(session.table, peer)
             return
         message = f"rank {session.rank} (pid {os.getpid()} on {session.host}) received {name}"
         record = FailureRecord.declared(rank=session.rank, kind="RankSignalled", message=message, by=session.rank,
                                         pid=os.getpid(), host=session.host)
         self.cause = PeerFailedError.from_records([record])
         self.kind = "cause"
+        session.signal_cause = self.cause  # a collective broken from now on is this signal's consequence
         incident.local = True  # the peers' reaction is not a failure to escalate here
         session.failed_before = True  # the job fails: its exit does not wait on a store that may be leaving
         log(logging.ERROR, "%s: telling the other ranks", message)
-        errorfile.signalled(record)
+        errorfile.write_failed(record)  # this rank is the cause
         conn = session.connection("signal", SIGNAL_STORE_TIMEOUT)
         try:
             Schema(conn, session.schema.world_size).publish(record)
@@ -217,13 +220,13 @@ class _Watch:
         if callable(self.previous.get(signum)):
             # The previous handler runs on (Lightning's broadcasts to the peers, which are leaving):
             # this rank's collectives fail at once instead of waiting for them.
-            what = release_process_groups(session._pg_store)
+            what = release_process_groups(session.pg_store)
             log(logging.INFO, "released this rank's collectives: %s", what)
 
     @staticmethod
     def _peer_cause(session: Session) -> PeerFailedError | None:
         """A peer's failure this rank has not taken yet: a same-host peer gone, or a record."""
-        found = session._same_host_probe.poll(time.monotonic())
+        found = session.same_host_probe.poll(time.monotonic())
         if found is not None:
             return found.error
         return _Watch._records(session)
@@ -250,11 +253,11 @@ def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError
     host gone: torchrun's agent SIGTERMs its workers when it loses its rendezvous store, sometimes
     before the rank's own broken collective is explained. ``None`` on the store's own host (the
     pid check says what happened there)."""
-    if session.host_ids[session.group_rank] == session.host_ids[0]:
+    if session.table.on_store_host():
         return None
     why = str(err).rsplit(": ", 1)[-1][:120]
-    return PeerFailedError.from_records([session.lost_record(
-        session.ranks[0], f"its host, which holds the c10d store, no longer accepts connections ({why})")])
+    return PeerFailedError.from_records([session.table.lost_record(
+        session.table.ranks[0], f"its host, which holds the c10d store, no longer accepts connections ({why})")])
 
 
 _watch: _Watch | None = None
@@ -281,3 +284,8 @@ def install(session: Session) -> None:
         return
     _watch = _Watch(session)
     _watch.install()
+
+
+def on_session_started(session: Session) -> None:
+    """The core's ``SESSION_STARTED`` (subscribed in ``launchers/__init__.py``)."""
+    install(session)  # SIGTERM/SIGINT: say so before the previous handler runs

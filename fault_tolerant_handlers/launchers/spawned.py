@@ -10,24 +10,26 @@ Lightning's ``strategy="ddp_spawn"`` use) run each rank's function inside torch'
   Lightning 2.6.6 pass) and then SIGKILLs it.
 
 So a survivor's own output would hold at most the first line the watchdog logs. Under such a
-launcher (found at session start from the main thread's stack, :func:`detect`), this module:
+launcher (found at session start from the main thread's stack, :func:`detect`), this module,
+told by the core's events (subscribed in ``launchers/__init__.py``):
 
 1. prints the full report (failing rank, exception or signal, remote traceback or hung stack) to
-   this rank's stderr as soon as the rank learns of the failure (:func:`announce`: the watchdog's
-   finding, the main thread taking a peer's failure, a SIGTERM while the job fails), once per failure;
+   this rank's stderr as soon as the rank learns of the failure (:func:`print_report`: the watchdog's
+   finding, ``PEER_FAILED``; the main thread taking a peer's failure, ``ACKNOWLEDGED``; a SIGTERM
+   while the job fails), once per failure;
 2. on a SIGTERM that finds nothing known yet, but a same-host peer gone (the parent SIGTERMs only
    after reaping a process that failed), waits up to :data:`SIGTERM_CAUSE_WAIT` for the cause
    (:func:`awaited_cause`): the watchdog's finding (which sees a killed peer's signal) or the peer's
    record in the store; failing both (the store's host is what died), the peer gone, by rank and pid;
 3. keeps a killed rank visible: its liveness helper (forked, so it holds the rank's end of the
    parent's sentinel pipe) waits :data:`ZOMBIE_HOLD` before leaving when the rank is gone
-   (:func:`hold_zombie`), so the parent cannot reap the rank before its same-host peers read how
+   (:func:`hold_zombie`, on ``RANK_ENDED``), so the parent cannot reap the rank before its same-host peers read how
    it ended (``killed by SIGKILL``) from ``/proc``; before that it writes torch's error file for a
-   rank killed by a signal (:func:`killed`: the helper knows the path, forked after the rank found
+   rank killed by a signal (:func:`write_killed`: the helper knows the path, forked after the rank found
    it), so that the parent raises ``ProcessRaisedException: ... rank 1 (pid N on host) lost: killed
    by SIGKILL`` instead of ``process 1 terminated with signal SIGKILL``;
 4. writes the report of a reported exit (a hung rank's exit 88, the watchdog ending a survivor with
-   87) into torch's error file (:func:`exiting`), so that the parent raises
+   87) into torch's error file (:func:`write_exit_report`, on ``EXITING``), so that the parent raises
    ``ProcessRaisedException`` with the report instead of ``process 1 terminated with exit code 88``.
 
 Elsewhere (torchrun, a plain script) it does nothing: the interpreter prints the exception.
@@ -42,28 +44,25 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from ..core import compat_torch as _compat_torch
+from ..core.config import ZOMBIE_HOLD  # noqa: F401 - how long a gone rank's helper holds it
+from ..core.errors import PeerFailedError
 from ..core.log import log
+from ..core.procfs import process_state
+from ..core.ranks import RankTable
 from ..core.records import FailureRecord
-
-if TYPE_CHECKING:
-    from ..core.errors import PeerFailedError
-    from ..core.session import Session
 
 #: How long a SIGTERM that finds a same-host peer gone, and nothing known yet, waits for the cause
 #: (the watchdog's finding or the peer's record); well inside the parent's 30 s before SIGKILL.
 SIGTERM_CAUSE_WAIT = 1.0
 
-#: How long a gone rank's liveness helper stays (keeping the rank a zombie the parent cannot reap yet).
-ZOMBIE_HOLD = 0.5
-
 
 @dataclass
 class _Spawned:
     error_file: str | None  # torch's error file of this process (None: not found)
-    announced: set[tuple]
+    printed: set[tuple]  # the failures whose report was printed
     lock: threading.Lock
 
 
@@ -95,7 +94,7 @@ def _key(err: BaseException) -> tuple:
             (str(err).splitlines() or [""])[0])
 
 
-def announce(rank: int, err: BaseException | None, context: str = "the job fails") -> bool:
+def print_report(rank: int, err: BaseException | None, context: str = "the job fails") -> bool:
     """Under ``mp.spawn``: print ``err`` in full on this rank's stderr, once per failure. True if the
     report was printed (now or before)."""
     state = _state
@@ -103,9 +102,9 @@ def announce(rank: int, err: BaseException | None, context: str = "the job fails
         return False
     key = _key(err)
     with state.lock:
-        if key in state.announced:
+        if key in state.printed:
             return True
-        state.announced.add(key)
+        state.printed.add(key)
     try:
         sys.stderr.write(f"[rank {rank}] fault-tolerant-handlers: {context}:\n{err}\n")
         sys.stderr.flush()
@@ -114,25 +113,27 @@ def announce(rank: int, err: BaseException | None, context: str = "the job fails
     return True
 
 
-def announced(err: BaseException | None) -> bool:
+def printed(err: BaseException | None) -> bool:
+    """The report of ``err`` was printed already (:func:`print_report`)."""
     state = _state
-    return state is not None and err is not None and _key(err) in state.announced
+    return state is not None and err is not None and _key(err) in state.printed
 
 
-def awaited_cause(session: Session, records: Callable[[], PeerFailedError | None],
-                  wait: float = SIGTERM_CAUSE_WAIT) -> PeerFailedError | None:
-    """On a SIGTERM under ``mp.spawn`` with nothing known yet: if a same-host peer is gone, the
-    cause, waited for up to ``wait`` seconds (the watchdog's finding, else ``records()``: a peer's
-    record in the store), else that peer gone. ``None`` when no peer is gone (this rank is the cause)."""
+def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
+                  records: Callable[[], PeerFailedError | None], wait: float = SIGTERM_CAUSE_WAIT) -> PeerFailedError | None:
+    """On a SIGTERM under ``mp.spawn`` with nothing known yet: if a same-host peer is gone
+    (``same_host``: a :class:`~..core.peers.PeerPidProbe`), the cause, waited for up to ``wait``
+    seconds (``known()``: the watchdog's finding, else ``records()``: a peer's record in the store),
+    else that peer gone. ``None`` when no peer is gone (this rank is the cause)."""
     if _state is None:
         return None
-    gone = session._same_host_probe.poll(time.monotonic())
+    gone = same_host.poll(time.monotonic())
     if gone is None:
         return None
     deadline = time.monotonic() + wait
     while True:
-        if session.incident.peer_error is not None:
-            return session.incident.peer_error
+        if known() is not None:
+            return known()
         try:
             found = records()
         except Exception:  # noqa: BLE001 - the store may be what died
@@ -142,13 +143,13 @@ def awaited_cause(session: Session, records: Callable[[], PeerFailedError | None
         if time.monotonic() >= deadline:
             break
         time.sleep(0.05)
-    return session.incident.peer_error or gone.error
+    return known() or gone.error
 
 
 def hold_zombie(rank_pid: int, rank: int | None = None, host: str = "") -> None:
     """In a rank's liveness helper whose rank just went away: under ``mp.spawn``, if the rank is
     a zombie (it died; its parent cannot reap it while this process holds the sentinel pipe), write
-    torch's error file for it when a signal killed it (:func:`killed`), then wait
+    torch's error file for it when a signal killed it (:func:`write_killed`), then wait
     :data:`ZOMBIE_HOLD` so that same-host peers read its exit status. Returns at once otherwise."""
     if _state is None:
         return
@@ -160,11 +161,11 @@ def hold_zombie(rank_pid: int, rank: int | None = None, host: str = "") -> None:
     fields = stat[stat.rfind(")") + 2:].split()
     if fields and fields[0] == "Z":
         if rank is not None:
-            killed(rank_pid, rank, host)
+            write_killed(rank_pid, rank, host)
         time.sleep(ZOMBIE_HOLD)
 
 
-def killed(rank_pid: int, rank: int, host: str) -> bool:
+def write_killed(rank_pid: int, rank: int, host: str) -> bool:
     """The rank (a zombie its parent cannot reap yet) was killed by a signal: write torch's error
     file for it, so that the parent raises ``ProcessRaisedException`` naming the rank, its pid and
     the signal instead of ``process 1 terminated with signal SIGKILL``. Created here only when
@@ -172,8 +173,6 @@ def killed(rank_pid: int, rank: int, host: str) -> bool:
     state = _state
     if state is None or state.error_file is None:
         return False
-    from ..core.procfs import process_state
-
     how = process_state(rank_pid) or ""
     if not how.startswith("killed by "):
         return False
@@ -192,7 +191,7 @@ def _write_error_file(path: str, text: str) -> bool:
     return True
 
 
-def exiting(err: BaseException | None, code: int) -> None:
+def write_exit_report(err: BaseException | None, code: int) -> None:
     """A reported exit under ``mp.spawn``: ``err``'s report goes into torch's error file (created
     here, never overwritten), which the parent raises as ``ProcessRaisedException``."""
     state = _state
@@ -200,3 +199,25 @@ def exiting(err: BaseException | None, code: int) -> None:
         return
     text = f"fault-tolerant-handlers ended this process (exit code {code}) because:\n{err}\n"
     _write_error_file(state.error_file, text)
+
+
+# -- what this module does on the core's events (subscribed in ``launchers/__init__.py``) -------------
+def on_session_started(session) -> None:
+    detect()  # under mp.spawn, this rank prints its report itself
+
+
+def on_peer_failed(table: RankTable, err: PeerFailedError, escalated: bool) -> None:
+    if escalated:
+        print_report(table.rank, err)  # the report, before the launcher's SIGTERM
+
+
+def on_acknowledged(table: RankTable, err: BaseException | None, known: PeerFailedError | None) -> None:
+    print_report(table.rank, err if err is not None else known)
+
+
+def on_exiting(table: RankTable, err: BaseException | None, code: int) -> None:
+    write_exit_report(err, code)  # the parent raises this report
+
+
+def on_rank_ended(pid: int, rank: int, host: str) -> None:
+    hold_zombie(pid, rank, host)

@@ -11,6 +11,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from fault_tolerant_handlers.launchers import errorfile
 from fault_tolerant_handlers.core.errors import PeerFailedError
+from fault_tolerant_handlers.core.ranks import RankTable
 from fault_tolerant_handlers.core.records import FailureRecord
 
 
@@ -31,21 +32,16 @@ def _record(rank=1, time_ms=1_700_000_000_900):
     return FailureRecord(**{**rec.__dict__, "time_ms": time_ms})
 
 
-class FakeSession:
-    host = "node-a"
-
-    def __init__(self, rank, local_rank=None, pids=(100, 101)):
-        self.rank = rank
-        self.local_rank = rank if local_rank is None else local_rank
-        self.local_world_size = 2
-        self.ranks = [0, 1]
-        self.pids = list(pids)
+def FakeSession(rank, local_rank=None, pids=(100, 101)):  # noqa: N802 - the table a session would hold
+    """Ranks 0 and 1 on node-a."""
+    return RankTable(rank, (0, 1), tuple(pids), ("node-a", "node-a"),
+                     local_rank=rank if local_rank is None else local_rank, local_world_size=2)
 
 
 def test_failed_rank_file_is_read_by_torch_with_its_failure_second(tmp_path, monkeypatch):
     own = _layout(tmp_path)[1]
     monkeypatch.setenv(errorfile.ERROR_FILE_ENV, own)
-    assert errorfile.failed(_record())
+    assert errorfile.write_failed(_record())
     failure = ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=own)
     assert failure.timestamp == 1_700_000_000
     assert failure.message["message"] == "ValueError: bad sample 17"
@@ -55,27 +51,27 @@ def test_failed_rank_file_is_read_by_torch_with_its_failure_second(tmp_path, mon
 def test_a_file_is_never_overwritten(tmp_path, monkeypatch):
     own = _layout(tmp_path)[1]
     monkeypatch.setenv(errorfile.ERROR_FILE_ENV, own)
-    assert errorfile.failed(_record(time_ms=1_700_000_000_000))
-    assert not errorfile.failed(_record(time_ms=1_700_000_500_000))
-    assert not errorfile.survivor(FakeSession(1), None)
+    assert errorfile.write_failed(_record(time_ms=1_700_000_000_000))
+    assert not errorfile.write_failed(_record(time_ms=1_700_000_500_000))
+    assert not errorfile.write_survivor(FakeSession(1), None)
     assert errorfile.read_timestamp(own) == 1_700_000_000
     assert [p for p in os.listdir(os.path.dirname(own)) if p != "error.json"] == []  # no temp file left
 
 
 def test_nothing_is_written_outside_torchrun(tmp_path, monkeypatch):
     monkeypatch.setenv(errorfile.ERROR_FILE_ENV, os.devnull)
-    assert not errorfile.failed(_record())
+    assert not errorfile.write_failed(_record())
     monkeypatch.delenv(errorfile.ERROR_FILE_ENV)
-    assert not errorfile.failed(_record())
+    assert not errorfile.write_failed(_record())
 
 
 def test_survivor_loses_to_the_failing_rank_in_torchs_root_cause(tmp_path, monkeypatch):
     paths = _layout(tmp_path)
     monkeypatch.setenv(errorfile.ERROR_FILE_ENV, paths[1])
-    errorfile.failed(_record(rank=1, time_ms=int(1_700_000_000.95 * 1000)))
+    errorfile.write_failed(_record(rank=1, time_ms=int(1_700_000_000.95 * 1000)))
     peer = PeerFailedError.from_records([_record(rank=1, time_ms=int(1_700_000_000.95 * 1000))])
     monkeypatch.setenv(errorfile.ERROR_FILE_ENV, paths[0])
-    assert errorfile.survivor(FakeSession(0), peer)
+    assert errorfile.write_survivor(FakeSession(0), peer)
     assert errorfile.read_timestamp(paths[0]) >= 1_700_000_001
     failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file=paths[r]) for r in (0, 1)}
     rank, _ = ChildFailedError("train.py", failures).get_first_failure()
@@ -94,7 +90,7 @@ def test_survivor_writes_a_killed_same_host_peers_file_first(tmp_path, monkeypat
     lost = FailureRecord.declared(rank=1, kind="PeerLost", message="rank 1 (pid 101 on node-a) lost: killed by SIGKILL",
                                   by=0, pid=101, host="node-a", time_ms=1_700_000_000_300)
     err = PeerFailedError.from_records([lost])
-    assert errorfile.survivor(FakeSession(0), err)
+    assert errorfile.write_survivor(FakeSession(0), err)
     dead = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file=paths[1])
     assert dead.timestamp == 1_700_000_000 and "SIGKILL" in dead.message["message"]
     mine = ProcessFailure(local_rank=0, pid=100, exitcode=-15, error_file=paths[0])
@@ -110,7 +106,7 @@ def test_no_file_for_a_peer_this_host_cannot_vouch_for(tmp_path, monkeypatch, wh
     lost = FailureRecord.declared(rank=1, kind="PeerSilent" if what == "silent" else "PeerLost", message="rank 1 lost",
                                   by=0, pid=999 if what == "other pid" else 101,
                                   host="node-b" if what == "other host" else "node-a")
-    errorfile.survivor(FakeSession(0), PeerFailedError.from_records([lost]))
+    errorfile.write_survivor(FakeSession(0), PeerFailedError.from_records([lost]))
     assert not os.path.exists(paths[1])
 
 
@@ -126,6 +122,7 @@ def test_peer_path_follows_torchruns_layout_only(tmp_path):
 
 _RANK = """
 import os, signal, sys, threading, time, types
+from fault_tolerant_handlers.core.ranks import RankTable
 from fault_tolerant_handlers.detect import liveness
 rank_pid = os.getpid()
 r, w = os.pipe()
@@ -133,7 +130,7 @@ helper = os.fork()
 if helper == 0:  # the liveness helper's watcher of its rank's end
     os.close(w)
     told = lambda record: open(sys.argv[1], "w").write(record.exc_message)  # the PeerLost record it publishes
-    liveness._on_rank_end(types.SimpleNamespace(rank=1, host="node-a"), rank_pid, r, threading.Event(), told)
+    liveness._on_rank_end(RankTable(1, (0, 1), (0, rank_pid), ("node-a", "node-a")), rank_pid, r, threading.Event(), told)
 worker = os.fork()
 if worker == 0:  # a DataLoader worker forked after the helper: it holds the pipe's write end too
     time.sleep(60)

@@ -17,20 +17,23 @@ from fault_tolerant_handlers.launchers import signals
 from fault_tolerant_handlers.detect.probes import PeerPidProbe
 from fault_tolerant_handlers.core.records import FailureRecord
 from fault_tolerant_handlers.core.schema import Connection, Schema
-from fault_tolerant_handlers.core.session import Incident, Session
+from fault_tolerant_handlers.core.ranks import RankTable
+from fault_tolerant_handlers.core.session import Incident
 
 
 class FakeSession:
     rank, host, group = 1, "node-a", None
+    table = RankTable(1, (0, 1), (7, 8), ("node-a", "node-a"))
 
     def __init__(self, store):
         self.store = store
+        self.signal_cause = None
         self.schema = Schema(self.connection("main", timedelta(seconds=1)), 2)
         self.consumed = 0
         self.delivered = frozenset()
         self.incident = Incident()
-        self._same_host_probe = PeerPidProbe([], by=1, host="node-a")
-        self._pg_store = None
+        self.same_host_probe = PeerPidProbe([], by=1, host="node-a")
+        self.pg_store = None
 
     def connection(self, name, timeout):
         return Connection(lambda: dist.PrefixStore("fth/t", self.store), timeout, name)
@@ -238,12 +241,9 @@ def test_a_peer_signalled_at_the_same_moment_is_the_same_preemption(restore_sign
 class _StoreGoneSession(FakeSession):
     """Rank 1 on node-b; the store (and rank 0) on node-a, which now refuses connections."""
 
-    ranks, group_rank, pids, hosts = [0, 1], 1, [4242, 77], ["node-a", "node-b"]
-    lost_record = Session.lost_record
-
     def __init__(self, store_host_ids):
         super().__init__(dist.HashStore())
-        self.host_ids = store_host_ids
+        self.table = RankTable(1, (0, 1), (4242, 77), ("node-a", "node-b"), host_ids=tuple(store_host_ids))
 
     def connection(self, name, timeout):
         def refused():

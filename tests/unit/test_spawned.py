@@ -26,7 +26,7 @@ def _hung_exit(index: int) -> None:
     assert spawned.detect()
     err = PeerFailedError(1, "RankHung", "rank 1 hung: its main thread made no progress for 3.0 s at step 2",
                           origin="declared")
-    spawned.exiting(err, 88)
+    spawned.write_exit_report(err, 88)
     os._exit(88)
 
 
@@ -79,15 +79,15 @@ def test_a_reported_exit_is_what_the_parent_raises():
 def test_announce_prints_each_failure_once(capsys, monkeypatch):
     monkeypatch.setattr(spawned, "_state", spawned._Spawned(None, set(), __import__("threading").Lock()))
     err = PeerFailedError(1, "ValueError", "bad sample 17", origin="record")
-    assert spawned.announce(0, err) and spawned.announce(0, err)
-    assert spawned.announced(err)
+    assert spawned.print_report(0, err) and spawned.print_report(0, err)
+    assert spawned.printed(err)
     printed = capsys.readouterr().err
     assert printed.count("fault-tolerant-handlers: the job fails:") == 1 and "bad sample 17" in printed
 
 
 def test_announce_is_silent_when_not_spawned(capsys, monkeypatch):
     monkeypatch.setattr(spawned, "_state", None)
-    assert not spawned.announce(0, PeerFailedError(1, "ValueError", "bad sample 17"))
+    assert not spawned.print_report(0, PeerFailedError(1, "ValueError", "bad sample 17"))
     assert capsys.readouterr().err == ""
 
 
@@ -122,10 +122,19 @@ class _Probe:
         return self.finding
 
 
-def _session(finding):
-    from types import SimpleNamespace
+class _Session:
+    """What a SIGTERM's wait reads: the same-host pid check and what the watchdog knows."""
 
-    return SimpleNamespace(_same_host_probe=_Probe(finding), incident=SimpleNamespace(peer_error=None))
+    def __init__(self, finding):
+        self.same_host_probe = _Probe(finding)
+        self.peer_error = None
+
+    def awaited_cause(self, records, **kw):
+        return spawned.awaited_cause(self.same_host_probe, lambda: self.peer_error, records, **kw)
+
+
+def _session(finding):
+    return _Session(finding)
 
 
 def test_a_sigterm_with_no_peer_gone_is_not_waited_on(monkeypatch):
@@ -133,7 +142,7 @@ def test_a_sigterm_with_no_peer_gone_is_not_waited_on(monkeypatch):
 
     monkeypatch.setattr(spawned, "_state", spawned._Spawned(None, set(), __import__("threading").Lock()))
     start = time.monotonic()
-    assert spawned.awaited_cause(_session(None), lambda: None) is None
+    assert _session(None).awaited_cause(lambda: None) is None
     assert time.monotonic() - start < 0.1
 
 
@@ -147,13 +156,13 @@ def test_a_sigterm_after_a_peer_is_gone_waits_for_the_watchdogs_finding(monkeypa
     gone = Finding(PeerFailedError(0, "PeerLost", "rank 0 (pid 7 on h) lost: process is gone", origin="declared"))
     session = _session(gone)
     better = PeerFailedError(0, "PeerLost", "rank 0 (pid 7 on h) lost: killed by SIGKILL", origin="declared")
-    threading.Timer(0.2, lambda: setattr(session.incident, "peer_error", better)).start()
-    assert spawned.awaited_cause(session, lambda: None, wait=2.0) is better
+    threading.Timer(0.2, lambda: setattr(session, "peer_error", better)).start()
+    assert session.awaited_cause(lambda: None, wait=2.0) is better
     # nothing better within the wait (the store's host died): the peer gone, by rank and pid
     session = _session(gone)
     start = time.monotonic()
-    assert spawned.awaited_cause(session, lambda: None, wait=0.3) is gone.error
+    assert session.awaited_cause(lambda: None, wait=0.3) is gone.error
     assert 0.3 <= time.monotonic() - start < 1.0
     # a peer's record in the store wins over the pid
     record = PeerFailedError(1, "ValueError", "bad sample 17", origin="record")
-    assert spawned.awaited_cause(_session(gone), lambda: record, wait=2.0) is record
+    assert _session(gone).awaited_cause(lambda: record, wait=2.0) is record
