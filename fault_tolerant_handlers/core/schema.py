@@ -421,3 +421,14 @@ class Schema:
             return sanitize(bytes(self.conn.call("get", key)[:400]).decode("utf-8", "replace"))
         except Exception:  # noqa: BLE001
             return None
+
+    def remove_run_keys(self, rank: int, ranks, *, shared: bool) -> None:
+        """Delete this rank's keys of the run (its heartbeat and section) and, with ``shared``, the
+        keys every rank wrote to (the record counter, the records, the declarations): a run's keys
+        are left behind by nothing that ended cleanly. Call it once no rank reads them any more."""
+        keys = [heartbeat_key(rank), section_key(rank)]
+        if shared:
+            count = self.count()
+            keys += [record_key(i) for i in range(1, count + 1)] + [declared_key(r) for r in ranks] + [KEY_COUNT]
+        for key in keys:
+            self.conn.call("delete_key", key)

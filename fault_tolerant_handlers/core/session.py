@@ -545,6 +545,43 @@ class Session:
     def watchdog(self):
         return self._watchdog
 
+    # -- lifecycle -----------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.side is None
+
+    def close(self) -> None:
+        """Stop everything this session started and forget it, so that :func:`get_session` makes a
+        new one (in the same process, with nothing left behind). Collective: call it on every rank.
+
+        In order: it leaves the registry; its watchdog stops whatever its references (its threads,
+        its liveness helper, their connections); every rank waits for the others on the side group
+        (none reads the run's keys any more), then deletes its own keys of the run (rank 0 also the
+        shared ones: the record counter, the records, the declarations); its main connection
+        closes and its side group is destroyed. What is installed once per process stays, and
+        serves the next session: the SIGTERM/SIGINT handlers (they follow the world's newest
+        session) and the exit hooks."""
+        if self.side is None:
+            return
+        with _registry_lock:
+            for key in [k for k, v in _registry.items() if v is self]:
+                del _registry[key]
+        with self._lock:
+            watchdog, self._watchdog, self._watchdog_refs = self._watchdog, None, 0
+        if watchdog is not None:
+            watchdog.stop()
+        try:
+            dist.barrier(group=self.side)
+            self.schema.remove_run_keys(self.rank, self.ranks, shared=self.group_rank == 0)
+        except Exception as err:  # noqa: BLE001 - a peer is gone: its keys die with the store
+            log(logging.WARNING, "closing the session: %s", (str(err).splitlines() or [""])[0][:200])
+        self.schema.conn.close()
+        side, self.side = self.side, None
+        try:
+            dist.destroy_process_group(side)
+        except Exception as err:  # noqa: BLE001 - already destroyed (destroy_process_group() of all)
+            log(logging.DEBUG, "side group: %s", err)
+
 
 #: Makes a session's watchdog (``factory(session, hang_timeout=...)``, with ``start()`` and
 #: ``stop(join_timeout=None)``): provided by :mod:`..detect.watchdog` when it is imported.
@@ -559,6 +596,9 @@ def provide_watchdog(factory) -> None:
 
 _registry: dict[tuple[int, int], Session] = {}
 _registry_lock = threading.Lock()
+
+
+_exit_hook_registered = False
 
 
 def _forget_all() -> None:
@@ -622,7 +662,9 @@ def get_session(group: dist.ProcessGroup | None = None, *, timeout: timedelta | 
                     if old._watchdog is not None:
                         old._watchdog.stop()
                 session = Session(group, timeout=timeout)
-                if not _registry:
-                    atexit.register(_forget_all)  # registered after torch's own exit hooks: runs before them
+                global _exit_hook_registered
+                if not _exit_hook_registered:  # once per process; registered after torch's own: runs before them
+                    _exit_hook_registered = True
+                    atexit.register(_forget_all)
                 _registry[key] = session
     return session
