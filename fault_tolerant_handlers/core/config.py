@@ -195,10 +195,6 @@ def release_mode() -> str:
     return mode
 
 
-#: How long a gone rank's liveness helper stays under ``mp.spawn``, keeping the rank a zombie its
-#: parent cannot reap yet (so that same-host peers read how it ended).
-ZOMBIE_HOLD = 0.5
-
 DEFAULTS = {
     "interval": timedelta(seconds=0.1),
     "exit_grace": timedelta(seconds=3),
@@ -233,7 +229,7 @@ def load() -> Config:
     values["hang_timeout"] = env_hang_timeout()
     auto_hang()
     attempt_store()
-    return Config(
+    cfg = Config(
         interval=values["interval"] or DEFAULTS["interval"],
         hang_timeout=values["hang_timeout"],
         exit_grace=values["exit_grace"] or DEFAULTS["exit_grace"],
@@ -243,3 +239,132 @@ def load() -> Config:
         sync_timeout=values["sync_timeout"],
         release=release_mode(),
     )
+    for problem in check_timings(cfg):
+        log(logging.WARNING, "%s", problem)
+    return cfg
+
+# -- Fixed timings of the failure path ---------------------------------------------------------------
+# Every timeout and wait of the library that no variable sets, defined here once (the modules that
+# use one import it from here) and checked against each other and the settings above when a session
+# starts (:func:`check_timings`). Seconds unless a ``timedelta``.
+#
+# ===========================  =======  ===========================  ==============================================
+# name                         value    used by                      what it bounds
+# ===========================  =======  ===========================  ==============================================
+# MAIN_STORE_TIMEOUT           5 s      core.session                 the main thread's store calls (publish, read)
+# FAILURE_PATH_STORE_TIMEOUT   1 s      core.session                 store calls while explaining a broken collective
+# EXPLAIN_WAIT                 2.0      core.session                 a broken collective waits for its cause
+# SUSPECT_SILENCE              1.2      core.session                 a suspect's heartbeat stands still: it is lost
+# MISMATCH_WAIT                1.0      core.session                 out-of-step ranks wait for each other's sections
+# RELEASE_GRACE                0.3 s    detect.watchdog              a record waits for a sync point before release
+# SILENT_MARGIN                2 s      detect.watchdog              on top of hang_timeout before a silent rank
+# HEARTBEAT_EVERY              0.5 s    detect.watchdog, liveness    the helper's heartbeat and ring check period
+# LIVENESS_STORE_TIMEOUT       2 s      detect.watchdog              the pid loop's store calls (declarations)
+# HELPER_STORE_TIMEOUT         1 s      detect.liveness              the helper's store calls
+# RANK_EXIT_WAIT               0.05     detect.liveness              the kernel shows a dead rank's exit status
+# SIGNAL_STORE_TIMEOUT         1 s      launchers.signals            store calls on a signal
+# CAUSE_LINGER                 0.6      launchers.signals            a signalled cause stays for its peers to read
+# SAME_DELIVERY                0.3      launchers.signals            peers' signals this close are one delivery
+# SIGNALLED_TOGETHER           1.0      launchers.signals            the same, behind a framework's handler
+# REPORT_WAIT                  1.5      launchers.signals            a signalled survivor waits for the explanation
+# REACTION_WAIT                5.0      launchers.signals            the main thread waits for the signal thread
+# SIGTERM_CAUSE_WAIT           1.0      launchers.spawned            under mp.spawn, a SIGTERM waits for the cause
+# ZOMBIE_HOLD                  0.5      launchers.spawned, liveness  a dead rank is held a zombie for its peers
+# CONNECT_TRIES, CONNECT_SLACK 3x, 1.0  core.schema                  a store connect (kept there: its own logic)
+# CALL_SLACK                   0.5      core.schema                  a store call past its connection's timeout
+# ===========================  =======  ===========================  ==============================================
+
+#: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
+MAIN_STORE_TIMEOUT = timedelta(seconds=5)
+#: Timeout of the store calls made while explaining a broken collective.
+FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=1)
+#: How long a broken collective waits for the cause (a killed peer is declared within ~0.1 s).
+EXPLAIN_WAIT = 2.0
+#: A rank at the address a backend error names, whose heartbeat (every HEARTBEAT_EVERY, from its
+#: liveness process) stands still this long, is lost.
+SUSPECT_SILENCE = 1.2
+#: How long ranks found out of step wait for each other's section names.
+MISMATCH_WAIT = 1.0
+
+#: How long a failure record may stay unconsumed by a sync point before the watchdog releases.
+RELEASE_GRACE = timedelta(seconds=0.3)
+#: Extra time before a neighbour declares a silent rank, on top of ``hang_timeout``.
+SILENT_MARGIN = timedelta(seconds=2)
+#: Heartbeat period; the ring check runs at the same period.
+HEARTBEAT_EVERY = timedelta(seconds=0.5)
+#: Timeout of the liveness loop's store calls (only to publish what it declares).
+LIVENESS_STORE_TIMEOUT = timedelta(seconds=2)
+#: Timeout of the helper's store calls: a call never blocks it longer than a heartbeat or two.
+HELPER_STORE_TIMEOUT = timedelta(seconds=1)
+#: How long the helper, woken by its rank's end, waits for the kernel to show the rank's exit
+#: status (its files, the pipe, close a moment before it becomes a zombie).
+RANK_EXIT_WAIT = 0.05
+
+#: Timeout of the store calls made on a signal (publish the record, look for a peer's).
+SIGNAL_STORE_TIMEOUT = timedelta(seconds=1)
+#: How long a signalled rank whose signal ends it stays alive after publishing its record: the
+#: watchdog's record grace (RELEASE_GRACE) and two polls, so that its peers name the signal.
+CAUSE_LINGER = 0.6
+#: A peer's record of the same signal received within this many seconds of this rank's is the same
+#: delivery (Ctrl-C in a terminal, a scheduler signalling every process): both ranks are causes. A
+#: launcher's SIGTERM to the survivors of a signalled rank comes after that rank's exit, so at least
+#: CAUSE_LINGER after its record: a consequence.
+SAME_DELIVERY = 0.3
+#: The same, when a framework's handler (Lightning's) is in front of this one: that handler does not
+#: end the process at once (no launcher's SIGTERM follows within a second), and Lightning's ``ddp``
+#: rank 0 forwards the signal to the ranks it started, later than a delivery to every process.
+SIGNALLED_TOGETHER = 1.0
+#: How long a rank ended while it works out a peer's failure waits for that explanation.
+REPORT_WAIT = 1.5
+#: How long the main thread's handler waits for the reaction under way in the thread (under mp.spawn it
+#: may wait for the cause: REPORT_WAIT, SIGTERM_CAUSE_WAIT and a store call).
+REACTION_WAIT = 5.0
+#: How long a SIGTERM that finds a same-host peer gone, and nothing known yet, waits for the cause
+#: (the watchdog's finding or the peer's record); well inside the parent's 30 s before SIGKILL.
+SIGTERM_CAUSE_WAIT = 1.0
+#: How long a gone rank's liveness helper stays under ``mp.spawn``, keeping the rank a zombie its
+#: parent cannot reap yet (so that same-host peers read how it ended).
+ZOMBIE_HOLD = 0.5
+
+
+def check_timings(cfg: "Config | None" = None) -> list[str]:
+    """The relations the timings above must keep, with each other and with the settings ``cfg``.
+
+    A broken relation between two fixed timings is a bug of the library: ``AssertionError``. One
+    that a setting breaks (a poll interval of seconds) is returned, and logged as a warning when a
+    session starts: the job runs, but that part of the failure path is slower than it says."""
+    seconds = lambda t: t.total_seconds() if isinstance(t, timedelta) else float(t)  # noqa: E731
+    fixed = [
+        (SAME_DELIVERY < CAUSE_LINGER, "SAME_DELIVERY < CAUSE_LINGER: a launcher's SIGTERM after a signalled "
+                                       "rank's exit is told apart from one delivery to every rank"),
+        (SAME_DELIVERY <= SIGNALLED_TOGETHER, "SAME_DELIVERY <= SIGNALLED_TOGETHER"),
+        (CAUSE_LINGER >= seconds(RELEASE_GRACE), "CAUSE_LINGER >= RELEASE_GRACE"),
+        (REPORT_WAIT + SIGTERM_CAUSE_WAIT + seconds(SIGNAL_STORE_TIMEOUT) <= REACTION_WAIT,
+         "REPORT_WAIT + SIGTERM_CAUSE_WAIT + SIGNAL_STORE_TIMEOUT <= REACTION_WAIT: the main thread's "
+         "handler waits for the whole reaction"),
+        (seconds(FAILURE_PATH_STORE_TIMEOUT) < EXPLAIN_WAIT, "FAILURE_PATH_STORE_TIMEOUT < EXPLAIN_WAIT"),
+        (SUSPECT_SILENCE > 2 * seconds(HEARTBEAT_EVERY), "SUSPECT_SILENCE > 2 x HEARTBEAT_EVERY: a live "
+                                                        "suspect beats at least twice in it"),
+        (SUSPECT_SILENCE < EXPLAIN_WAIT, "SUSPECT_SILENCE < EXPLAIN_WAIT: a silent suspect is declared "
+                                         "before the explanation gives up"),
+        (seconds(HELPER_STORE_TIMEOUT) <= 2 * seconds(HEARTBEAT_EVERY), "HELPER_STORE_TIMEOUT <= 2 x "
+                                                                        "HEARTBEAT_EVERY"),
+        (ZOMBIE_HOLD < SIGTERM_CAUSE_WAIT + REPORT_WAIT, "ZOMBIE_HOLD < SIGTERM_CAUSE_WAIT + REPORT_WAIT"),
+    ]
+    broken = [what for ok, what in fixed if not ok]
+    assert not broken, f"the library's timings contradict each other: {'; '.join(broken)}"
+    problems = []
+    if cfg is not None:
+        poll = seconds(cfg.interval)
+        if CAUSE_LINGER < seconds(RELEASE_GRACE) + 2 * poll:
+            problems.append(f"{INTERVAL_ENV}={poll:g}: a rank ended by its own SIGTERM/SIGINT lingers "
+                            f"{CAUSE_LINGER:g} s for its peers to read its record, less than the record grace and "
+                            f"two polls ({seconds(RELEASE_GRACE) + 2 * poll:g} s): its peers may name a process "
+                            "gone instead of the signal")
+        if seconds(cfg.heartbeat_timeout) < 2 * seconds(HEARTBEAT_EVERY):
+            problems.append(f"{HEARTBEAT_TIMEOUT_ENV}: below two heartbeats ({2 * seconds(HEARTBEAT_EVERY):g} s)")
+        if max(1.0, 5 * poll) > seconds(cfg.store_lost_after):
+            problems.append(f"{INTERVAL_ENV}={poll:g}: the watchdog's store calls may take {max(1.0, 5 * poll):g} s, "
+                            f"longer than {STORE_LOST_ENV} ({seconds(cfg.store_lost_after):g} s): a lost store is "
+                            "declared late")
+    return problems

@@ -54,20 +54,11 @@ from .ranks import RankTable, addresses_named, decode_name, digest, encode_name,
 from .records import FailureRecord, host_name
 from .release import release_process_groups, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port
+from .config import (EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT, MAIN_STORE_TIMEOUT, MISMATCH_WAIT,  # timings: the
+                     SUSPECT_SILENCE)  # table in .config
 
-#: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
-MAIN_STORE_TIMEOUT = timedelta(seconds=5)
-#: Timeout of the store calls made while explaining a broken collective.
-FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=1)
-#: How long a broken collective waits for the cause (a killed peer is declared within ~0.1 s).
-EXPLAIN_WAIT = 2.0
-#: A rank at the address a backend error names, whose heartbeat (every 0.5 s, from its liveness
-#: process) stands still this long, is lost.
-SUSPECT_SILENCE = 1.2
 #: How many delivered record indices are remembered for the watchdog.
 MAX_DELIVERED = 1024
-#: How long ranks found out of step wait for each other's section names.
-MISMATCH_WAIT = 1.0
 
 #: Set on an exception whose record this rank already published (never published twice).
 PUBLISHED_ATTR = "_fth_published"

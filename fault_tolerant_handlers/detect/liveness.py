@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Callable
 from ..core import events
 from ..core import procfs as _procfs
 from ..core.config import ZOMBIE_HOLD
+from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT  # timings: the table in core.config
 from ..core.log import log
 from ..core.ranks import RankTable
 from ..core.records import FailureRecord
@@ -46,13 +47,6 @@ from .probes import HeartbeatProbe
 
 if TYPE_CHECKING:
     from ..core.session import Session
-
-#: Timeout of the helper's store calls: a call never blocks it longer than a heartbeat or two.
-HELPER_STORE_TIMEOUT = timedelta(seconds=1)
-
-#: How long the helper, woken by its rank's end, waits for the kernel to show the rank's exit
-#: status (its files, the pipe, close a moment before it becomes a zombie).
-RANK_EXIT_WAIT = 0.05
 
 
 def _stopped(pid: int) -> bool:

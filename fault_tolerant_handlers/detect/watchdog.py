@@ -53,15 +53,8 @@ from .liveness import kill_all as kill_all_liveness
 from .probes import (Finding, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
                      main_thread_frame)
 from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
+from ..core.config import HEARTBEAT_EVERY, LIVENESS_STORE_TIMEOUT, RELEASE_GRACE, SILENT_MARGIN  # timings: core.config
 
-#: How long a failure record may stay unconsumed by a sync point before the watchdog releases.
-RELEASE_GRACE = timedelta(seconds=0.3)
-#: Extra time before a neighbour declares a silent rank, on top of ``hang_timeout``.
-SILENT_MARGIN = timedelta(seconds=2)
-#: Heartbeat period; the ring check runs at the same period.
-HEARTBEAT_EVERY = timedelta(seconds=0.5)
-#: Timeout of the liveness loop's store calls (only to publish what it declares).
-LIVENESS_STORE_TIMEOUT = timedelta(seconds=2)
 
 class Watchdog:
     """One per process and process group; a :class:`~.session.Session` starts it by reference count."""

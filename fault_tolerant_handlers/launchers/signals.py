@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING
 
 from . import errorfile, spawned
 from ..core.errors import PeerFailedError
+from ..core.config import (CAUSE_LINGER, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the table in
+                           SIGNAL_STORE_TIMEOUT, SIGNALLED_TOGETHER)  # core.config, checked there
 from ..core.log import log
 from ..core.procfs import HANDLED_SIGNALS
 from ..core.records import FailureRecord
@@ -51,26 +53,6 @@ if TYPE_CHECKING:
 
 #: The signals handled (each only if not ignored when the session starts).
 SIGNALS = tuple(signal.Signals[name] for name in HANDLED_SIGNALS)  # SIGTERM, SIGINT
-#: Timeout of the store calls made on a signal (publish the record, look for a peer's).
-SIGNAL_STORE_TIMEOUT = timedelta(seconds=1)
-#: How long a signalled rank whose signal ends it stays alive after publishing its record: the
-#: watchdog's record grace (0.3 s) and two polls, so that its peers name the signal.
-CAUSE_LINGER = 0.6
-#: A peer's record of the same signal received within this many seconds of this rank's is the same
-#: delivery (Ctrl-C in a terminal, a scheduler signalling every process): both ranks are causes. A
-#: launcher's SIGTERM to the survivors of a signalled rank comes after that rank's exit, so at least
-#: CAUSE_LINGER after its record: a consequence.
-SAME_DELIVERY = 0.3
-#: The same, when a framework's handler (Lightning's) is in front of this one: that handler does not
-#: end the process at once (no launcher's SIGTERM follows within a second), and Lightning's ``ddp``
-#: rank 0 forwards the signal to the ranks it started, later than a delivery to every process.
-SIGNALLED_TOGETHER = 1.0
-#: How long a rank ended while it works out a peer's failure waits for that explanation.
-REPORT_WAIT = 1.5
-#: How long the main thread's handler waits for the reaction under way in the thread (under mp.spawn it
-#: may wait for the cause: REPORT_WAIT, spawned.SIGTERM_CAUSE_WAIT and a store call).
-REACTION_WAIT = 5.0
-assert SAME_DELIVERY < CAUSE_LINGER
 
 
 def same_delivery(peer: PeerFailedError, name: str, received: float, window: float = SAME_DELIVERY) -> bool:

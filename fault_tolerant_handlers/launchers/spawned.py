@@ -48,15 +48,13 @@ from typing import Callable
 
 from ..core import compat_torch as _compat_torch
 from ..core.config import ZOMBIE_HOLD  # noqa: F401 - how long a gone rank's helper holds it
+from ..core.config import SIGTERM_CAUSE_WAIT  # timings: the table in core.config
 from ..core.errors import PeerFailedError
 from ..core.log import log
 from ..core.procfs import process_state
 from ..core.ranks import RankTable
 from ..core.records import FailureRecord
 
-#: How long a SIGTERM that finds a same-host peer gone, and nothing known yet, waits for the cause
-#: (the watchdog's finding or the peer's record); well inside the parent's 30 s before SIGKILL.
-SIGTERM_CAUSE_WAIT = 1.0
 
 
 @dataclass
