@@ -1,6 +1,6 @@
 """PyTorch-Ignite adapter: ``FaultTolerance().attach(trainer)``.
 
-Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.guard.Guard`:
+Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.guard.Guard`:
 
 ========================  ==========================================================================
 ``STARTED``               start (collective: side group, watchdog reference)

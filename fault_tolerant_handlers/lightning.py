@@ -1,7 +1,7 @@
 """Lightning adapter: ``Trainer(callbacks=[FaultTolerance()])``.
 
 Maps Lightning's ``Callback`` hooks onto the framework-neutral
-:class:`~fault_tolerant_handlers.guard.Guard`:
+:class:`~fault_tolerant_handlers.adapters.guard.Guard`:
 
 ==============================  ======================================================================
 ``setup``                       start (collective: side group, watchdog); this callback moves itself

@@ -1,7 +1,7 @@
 """What an adapter calls at its framework's hooks: one :class:`Guard` per training loop.
 
 An adapter (Ignite handler, Lightning callback) maps its framework's events onto these verbs of
-the loop's fail-together session (:class:`~.session.Session`):
+the loop's fail-together session (:class:`~..core.session.Session`):
 
 * :meth:`Guard.start` once, on every rank, before training (collective on first use: creates the
   side group; takes a reference on the watchdog);

@@ -23,6 +23,7 @@ from typing import Any
 from ignite.handlers import DiskSaver
 
 from ..core.log import log
+from ..data.loader import RestartableDataLoader
 
 __all__ = ["SafeDiskSaver", "check_mid_epoch_resume"]
 
@@ -61,8 +62,6 @@ class SafeDiskSaver(DiskSaver):
 
 def _loader_next_position(loader: Any) -> tuple[int, int] | None:
     """(epoch, batches already yielded) where the loader's next ``iter()`` starts, if it says."""
-    from ..data.loader import RestartableDataLoader
-
     if not isinstance(loader, RestartableDataLoader):
         return None
     state = loader.state_dict()

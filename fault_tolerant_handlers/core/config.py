@@ -114,7 +114,7 @@ def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelt
 
 @dataclass(frozen=True)
 class AutoHang:
-    """The rule of ``hang_timeout="auto"`` (:class:`~.autohang.AutoHangProbe`)."""
+    """The rule of ``hang_timeout="auto"`` (:class:`~..detect.autohang.AutoHangProbe`)."""
 
     multiple: float
     floor: float

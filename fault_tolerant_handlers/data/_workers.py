@@ -370,7 +370,7 @@ def construct(cls, loader, *args):
 
 
 def _exited(worker) -> bool:
-    """The worker has exited or is exiting (:func:`~._procfs.exiting`: not yet waitable)."""
+    """The worker has exited or is exiting (:func:`~..core.procfs.exiting`: not yet waitable)."""
     if worker.exitcode is not None:
         return True
     fields = _procfs.stat_fields(worker.pid)

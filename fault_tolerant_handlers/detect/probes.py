@@ -1,7 +1,7 @@
 """The watchdog's probes: small, independent checks, each with ``poll(now) -> Finding | None``.
 
 Each probe owns its own state, takes the time from its caller (so a unit test drives it with a fake
-clock) and reaches the job only through what it is given: a :class:`~.schema.Schema` (in tests over
+clock) and reaches the job only through what it is given: a :class:`~..core.schema.Schema` (in tests over
 a ``torch.distributed.HashStore``), a pid table, or callables for the main thread's progress and
 stack. None of them starts a thread or a process; :class:`~.watchdog.Watchdog` runs them.
 

@@ -57,7 +57,7 @@ from ..core.config import HEARTBEAT_EVERY, LIVENESS_STORE_TIMEOUT, RELEASE_GRACE
 
 
 class Watchdog:
-    """One per process and process group; a :class:`~.session.Session` starts it by reference count."""
+    """One per process and process group; a :class:`~..core.session.Session` starts it by reference count."""
 
     def __init__(self, session: Session, *, hang_timeout: timedelta | str | None = None) -> None:
         cfg = session.config

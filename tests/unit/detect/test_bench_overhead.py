@@ -18,7 +18,7 @@ import pytest
 
 from fault_tolerant_handlers.detect.pidwatch import PidWatcher, WakeEvent
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "overhead.py"
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "overhead.py"
 
 pytestmark = pytest.mark.timeout(30)
 
