@@ -43,18 +43,19 @@ def _blocked_while_peer_fails(event: str, bad: int) -> None:
 
 
 def caught_then_blocked() -> None:
-    """Rank 0 fails in a section that user code catches on every rank; later rank 1 fails while
-    rank 0 is blocked in a collective. The earlier failure must not blind rank 0's watchdog."""
+    """Rank ``FIRST_BAD`` fails in a section that user code catches on every rank; right after it
+    (no agreement in between) rank 1 fails while rank 0 is blocked in a collective. The earlier
+    failure must not blind rank 0's watchdog, whether it was rank 0's own or the peer's that rank 0
+    took (and acknowledged) as a ``PeerFailedError``."""
     start_watchdog()
+    first_bad = int(os.environ.get("FIRST_BAD", "1"))
 
     def first():
         with fail_together("retryable"):
-            if RANK == 0:
+            if RANK == first_bad:
                 fault(OSError("transient"), event="fault-first")
 
     run_section("first", first)
-    with fail_together("back in step"):
-        pass
     record("in_step")
     _blocked_while_peer_fails("second", bad=1)
     if RANK == 1:

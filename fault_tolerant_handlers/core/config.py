@@ -255,11 +255,16 @@ def load() -> Config:
 # FAILURE_PATH_STORE_TIMEOUT   1 s      core.session                 store calls while explaining a broken collective
 # EXPLAIN_WAIT                 2.0      core.session                 a broken collective waits for its cause
 # SUSPECT_SILENCE              1.2      core.session                 a suspect's heartbeat stands still: it is lost
+# SUSPECT_OBSERVED_GAP         0.5      core.session                 reads this close observe a suspect's silence
+# EXPLAIN_EVIDENCE_TIMEOUT     0.5      core.session                 the plain connect telling the store is gone
 # MISMATCH_WAIT                1.0      core.session                 out-of-step ranks wait for each other's sections
 # RELEASE_GRACE                0.3 s    detect.watchdog              a record waits for a sync point before release
 # SILENT_MARGIN                2 s      detect.watchdog              on top of hang_timeout before a silent rank
 # HEARTBEAT_EVERY              0.5 s    detect.watchdog, liveness    the helper's heartbeat and ring check period
 # LIVENESS_STORE_TIMEOUT       2 s      detect.watchdog              the pid loop's store calls (declarations)
+# STORE_CHECK_EVERY            0.5      detect.watchdog              a silent store's port is tried this often
+# STORE_EVIDENCE_TIMEOUT       1.5      detect.watchdog              each such try (past one lost SYN)
+# STORE_WARN_EVERY             30.0     detect.watchdog              a slow (not gone) store is warned about
 # HELPER_STORE_TIMEOUT         1 s      detect.liveness              the helper's store calls
 # RANK_EXIT_WAIT               0.05     detect.liveness              the kernel shows a dead rank's exit status
 # SIGNAL_STORE_TIMEOUT         1 s      launchers.signals            store calls on a signal
@@ -285,6 +290,12 @@ EXPLAIN_WAIT = 2.0
 SUSPECT_SILENCE = 1.2
 #: How long ranks found out of step wait for each other's section names.
 MISMATCH_WAIT = 1.0
+#: Bound of the plain connect that tells whether the store is gone while explaining a broken
+#: collective (past it: no answer from the store's host, with a connection from it already broken).
+EXPLAIN_EVIDENCE_TIMEOUT = 0.5
+#: Two reads of a suspect's heartbeat at most this far apart (seconds) observe the time between
+#: them; a longer gap (the store answered slowly) does not count as its silence.
+SUSPECT_OBSERVED_GAP = 0.5
 
 #: How long a failure record may stay unconsumed by a sync point before the watchdog releases.
 RELEASE_GRACE = timedelta(seconds=0.3)
@@ -294,6 +305,13 @@ SILENT_MARGIN = timedelta(seconds=2)
 HEARTBEAT_EVERY = timedelta(seconds=0.5)
 #: Timeout of the liveness loop's store calls (only to publish what it declares).
 LIVENESS_STORE_TIMEOUT = timedelta(seconds=2)
+#: While the store does not answer, its port is tried this often (a plain TCP connect: evidence
+#: that it is gone, or that it is only slow), each try bounded by :data:`STORE_EVIDENCE_TIMEOUT`
+#: seconds (past the kernel's first SYN retransmission, 1 s: one lost packet is not evidence).
+STORE_CHECK_EVERY = 0.5
+STORE_EVIDENCE_TIMEOUT = 1.5
+#: A store that is slow but not gone is warned about at most this often (seconds).
+STORE_WARN_EVERY = 30.0
 #: Timeout of the helper's store calls: a call never blocks it longer than a heartbeat or two.
 HELPER_STORE_TIMEOUT = timedelta(seconds=1)
 #: How long the helper, woken by its rank's end, waits for the kernel to show the rank's exit
@@ -345,6 +363,9 @@ def check_timings(cfg: "Config | None" = None) -> list[str]:
         (seconds(FAILURE_PATH_STORE_TIMEOUT) < EXPLAIN_WAIT, "FAILURE_PATH_STORE_TIMEOUT < EXPLAIN_WAIT"),
         (SUSPECT_SILENCE > 2 * seconds(HEARTBEAT_EVERY), "SUSPECT_SILENCE > 2 x HEARTBEAT_EVERY: a live "
                                                         "suspect beats at least twice in it"),
+        (SUSPECT_OBSERVED_GAP < SUSPECT_SILENCE, "SUSPECT_OBSERVED_GAP < SUSPECT_SILENCE: a silence is observed"),
+        (EXPLAIN_EVIDENCE_TIMEOUT < EXPLAIN_WAIT, "EXPLAIN_EVIDENCE_TIMEOUT < EXPLAIN_WAIT"),
+        (STORE_CHECK_EVERY < STORE_EVIDENCE_TIMEOUT + STORE_WARN_EVERY, "STORE_CHECK_EVERY < STORE_WARN_EVERY"),
         (SUSPECT_SILENCE < EXPLAIN_WAIT, "SUSPECT_SILENCE < EXPLAIN_WAIT: a silent suspect is declared "
                                          "before the explanation gives up"),
         (seconds(HELPER_STORE_TIMEOUT) <= 2 * seconds(HEARTBEAT_EVERY), "HELPER_STORE_TIMEOUT <= 2 x "

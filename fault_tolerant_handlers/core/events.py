@@ -16,13 +16,17 @@ event                  emitted by, when                                  argumen
 ``PEER_FAILED``        ``Session.take_peer_failure``: the watchdog found   ``table, error, escalated``
                        a peer's failure (``escalated``: it became this
                        rank's incident, the main thread will be told)
-``ACKNOWLEDGED``       ``Session.acknowledge``: the main thread took a    ``table, error``
+``ACKNOWLEDGED``       ``Session.acknowledge``: the main thread took a    ``table, error, known``
                        peer's failure and raises it
+``JOB_FAILED``         this rank knows the job failed: its own failure    ``session``
+                       (``report_error``), a failed agreement, the
+                       watchdog's finding, ``acknowledge``
 ``EXITING``            the watchdog ends this process with a report       ``table, error, code``
 ``RANK_KILLED``        the liveness helper: its rank was killed by a      ``record`` (its PeerLost)
                        signal it could not report (SIGKILL)
 ``RANK_ENDED``         the liveness helper: its rank ended (after         ``pid, rank, host``
                        ``RANK_KILLED`` was told to the peers)
+``SESSION_CLOSED``     ``Session.close``, before its connections close    ``session``
 =====================  ================================================  ===================================
 """
 
@@ -41,8 +45,11 @@ ACKNOWLEDGED = "failure acknowledged"
 EXITING = "exiting"
 RANK_KILLED = "rank killed"
 RANK_ENDED = "rank ended"
+JOB_FAILED = "job failed"
+SESSION_CLOSED = "session closed"
 
-EVENTS = (SESSION_STARTED, RANK_FAILED, PEER_FAILED, ACKNOWLEDGED, EXITING, RANK_KILLED, RANK_ENDED)
+EVENTS = (SESSION_STARTED, RANK_FAILED, PEER_FAILED, ACKNOWLEDGED, JOB_FAILED, EXITING, RANK_KILLED, RANK_ENDED,
+          SESSION_CLOSED)
 
 _subscribers: dict[str, tuple[Callable[..., object], ...]] = {event: () for event in EVENTS}
 _lock = threading.Lock()

@@ -70,12 +70,17 @@ def socket_fds() -> dict[int, int]:
     return found
 
 
-def parse_tcp_table(text: str) -> dict[int, tuple[int, int]]:
-    """inode -> (local port, remote port) of the ESTABLISHED rows of a ``/proc/net/tcp`` table."""
+#: ``/proc/net/tcp`` states.
+ESTABLISHED, LISTEN = "01", "0A"
+
+
+def parse_tcp_table(text: str, state: str = ESTABLISHED) -> dict[int, tuple[int, int]]:
+    """inode -> (local port, remote port) of the rows in ``state`` (ESTABLISHED by default) of a
+    ``/proc/net/tcp`` table."""
     table = {}
     for line in text.splitlines()[1:]:
         parts = line.split()
-        if len(parts) < 10 or parts[3] != "01":  # 01 = ESTABLISHED
+        if len(parts) < 10 or parts[3] != state:
             continue
         try:
             local_port = int(parts[1].rsplit(":", 1)[1], 16)
@@ -86,15 +91,23 @@ def parse_tcp_table(text: str) -> dict[int, tuple[int, int]]:
     return table
 
 
-def established_tcp() -> dict[int, tuple[int, int]]:
+def established_tcp(state: str = ESTABLISHED) -> dict[int, tuple[int, int]]:
     table: dict[int, tuple[int, int]] = {}
     for path in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(path) as f:
-                table.update(parse_tcp_table(f.read()))
+                table.update(parse_tcp_table(f.read(), state))
         except OSError:
             continue
     return table
+
+
+def listens_here(port: int) -> bool:
+    """This process holds a socket listening on ``port`` (it hosts the store there)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    listening = {inode for inode, (local, _) in established_tcp(LISTEN).items() if local == port}
+    return bool(listening & set(socket_fds()))
 
 
 def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int]], keep_ports: set[int]) -> list[int]:

@@ -25,7 +25,9 @@ connection never breaks the process group's own client (which training needs).
 
 from __future__ import annotations
 
+import errno
 import logging
+import random
 import socket
 import threading
 import time
@@ -102,6 +104,33 @@ class StoreUnreachable(ConnectionError):
     which would retry a refused port until its timeout, twice)."""
 
 
+#: Errors of a plain TCP connect that are evidence that the store is gone or cannot be reached:
+#: nothing listens on its port (its process is gone), or its host or the network to it is down.
+#: (A connect the kernel of the store's host completed is the opposite: the host is up and a
+#: process holds the store's listening socket, however slowly its server answers.)
+_GONE_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTDOWN,
+                errno.ETIMEDOUT}
+
+
+def store_evidence(host: str, port: int, timeout: float) -> str | None:
+    """Evidence that the store at ``host:port`` is gone or unreachable, or ``None`` when its port
+    answers. One plain TCP connect, closed at once (the store's server ignores a client that closes
+    without a request): the handshake is the kernel's work on the store's host, not the server
+    thread's, so a store that is merely slow (a busy machine, many clients connecting at once)
+    completes it; only a closed port (refused), a host or link that is down (unreachable) or no
+    answer at all within ``timeout`` seconds is evidence."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return None
+    except socket.timeout:
+        return f"no answer to a TCP connect to {host}:{port} within {timeout:.1f} s"
+    except OSError as err:
+        if err.errno in _GONE_ERRNOS:
+            reason = "refused" if err.errno == errno.ECONNREFUSED else (err.strerror or str(err))
+            return f"a TCP connect to {host}:{port}: {reason}"
+        return None  # anything else (no file descriptor left, ...) says nothing about the store
+
+
 def probe_store_port(host: str, port: int, timeout: timedelta) -> None:
     """One plain TCP connect to the store's port, closed at once, before a c10d client is made.
 
@@ -113,6 +142,12 @@ def probe_store_port(host: str, port: int, timeout: timedelta) -> None:
         socket.create_connection((host, port), timeout=timeout.total_seconds()).close()
     except OSError as err:
         raise StoreUnreachable(f"the store at {host}:{port} is unreachable: {err}") from None
+
+
+#: Backoff of a periodic loop's connection after a failed connect: the first wait (seconds), and
+#: the longest (each failure doubles it; each wait is randomised by x0.5 .. x1.5).
+BACKOFF_FIRST = 0.25
+BACKOFF_MAX = 4.0
 
 
 class StoreCallTimeout(TimeoutError):
@@ -137,10 +172,18 @@ class Connection:
 
     CALL_SLACK = 0.5
 
-    def __init__(self, factory: Callable[[], dist.Store], timeout: timedelta, name: str) -> None:
+    def __init__(self, factory: Callable[[], dist.Store], timeout: timedelta, name: str, *,
+                 backoff: bool = False) -> None:
         self._factory = factory
         self._timeout = timeout
         self.name = name
+        #: A connection of a periodic loop (the watchdog's, the liveness helper's): after a failed
+        #: connect its calls fail at once until a backoff has passed (:data:`BACKOFF_FIRST`, doubled
+        #: up to :data:`BACKOFF_MAX`, randomised), so that many ranks starting at once on a busy
+        #: store's server do not retry their connects in step.
+        self.backoff = backoff
+        self._retry_at = 0.0
+        self._delay = 0.0
         self._store: dist.Store | None = None
         self._lock = threading.Lock()
         self._worker: _Worker | None = None
@@ -163,18 +206,26 @@ class Connection:
                 raise ConnectInProgress("the connect to the store before this call has not ended yet")
             if _no_new_connects:
                 raise ConnectInProgress("the process is exiting after the job failed: no new connect")
+            wait = self._retry_at - time.monotonic()
+            if wait > 0:
+                raise ConnectInProgress(f"backing off after a failed connect: the next one in {wait:.1f} s")
             self._connecting = True
             generation = self._generation
         key = object()
         with _connects_lock:
             _connects[key] = (time.monotonic() + CONNECT_TRIES * self._timeout.total_seconds() + CONNECT_SLACK,
                               threading.current_thread())
+        connected = False
         try:
             store = self._factory()
             store.set_timeout(self._timeout)
+            connected = True
         finally:
             with self._lock:
                 self._connecting = False
+                if self.backoff:
+                    self._delay = 0.0 if connected else min(BACKOFF_MAX, max(BACKOFF_FIRST, 2 * self._delay))
+                    self._retry_at = time.monotonic() + self._delay * random.uniform(0.5, 1.5)
             with _connects_lock:
                 _connects.pop(key, None)
         with self._lock:

@@ -52,16 +52,18 @@ from .log import log
 from .peers import PeerPidProbe
 from .ranks import RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout, own_address
 from .records import FailureRecord, host_name
-from .release import release_process_groups, store_ports, teardown_at_exit
-from .schema import Connection, Schema, probe_store_port
-from .config import (EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT, MAIN_STORE_TIMEOUT, MISMATCH_WAIT,  # timings: the
-                     SUSPECT_SILENCE)  # table in .config
+from .release import listens_here, release_process_groups, store_ports, teardown_at_exit
+from .schema import Connection, Schema, probe_store_port, store_evidence
+from .config import (EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT,  # timings: the table
+                     MAIN_STORE_TIMEOUT, MISMATCH_WAIT, SUSPECT_OBSERVED_GAP, SUSPECT_SILENCE)  # in .config
 
 #: How many delivered record indices are remembered for the watchdog.
 MAX_DELIVERED = 1024
 
 #: Set on an exception whose record this rank already published (never published twice).
 PUBLISHED_ATTR = "_fth_published"
+#: Set on the error an agreement delivered: the :class:`Incident` it belongs to.
+INCIDENT_ATTR = "_fth_incident"
 #: Set on an exception that came out of an agreement: every rank of the agreement raised, so an
 #: enclosing section lets it through without agreeing again.
 AGREED_ATTR = "_fth_agreed"
@@ -126,6 +128,11 @@ class Session:
                                tuple(table[:, 3].tolist()),
                                *local_layout(host_ids, ranks.index(rank), whole_world=group is None))
         self.keep_ports = store_ports(self._pg_store)
+        tcp = _compat_torch.tcp_store_of(self._pg_store)
+        #: ``(host, port)`` of the TCP store, or ``None`` (another kind of store: it cannot be lost).
+        self.store_address: tuple[str, int] | None = (tcp.host, tcp.port) if tcp is not None else None
+        #: This process hosts the store (its server is a thread here): it never declares it lost.
+        self.hosts_store = self.store_address is not None and listens_here(self.store_address[1])
         self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
         self._flag = torch.zeros(2, dtype=torch.int64)
         self._seq = 0
@@ -180,26 +187,36 @@ class Session:
         """Release this process's blocked collectives (a peer's failure, or its own): what was cut."""
         return release_process_groups(self._pg_store)
 
-    def connection(self, name: str, timeout: timedelta) -> Connection:
+    def connection(self, name: str, timeout: timedelta, *, backoff: bool = False,
+                   prefix: str | None = None) -> Connection:
         """A new store connection of this process's own, under the run's prefix.
 
         For a TCP store it is a new client of the store's host and port whose connect is bounded by
         ``timeout`` (``Store.clone`` would retry for the store's own timeout, up to 30 minutes,
         when the store's host is unreachable), after :func:`~.schema.probe_store_port`; other
         stores are cloned."""
-        prefix, base = f"fth/{self.run_id}", self._pg_store
-        tcp = _compat_torch.tcp_store_of(base)
-        if tcp is not None:
-            host, port = tcp.host, tcp.port
+        prefix, base = f"fth/{self.run_id}" if prefix is None else prefix, self._pg_store
+
+        def prefixed(store: dist.Store) -> dist.Store:
+            return dist.PrefixStore(prefix, store) if prefix else store
+
+        if self.store_address is not None:
+            host, port = self.store_address
 
             def factory() -> dist.Store:
                 probe_store_port(host, port, timeout)
-                return dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout,
-                                                              wait_for_workers=False))
+                return prefixed(dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False))
         else:
             def factory() -> dist.Store:
-                return dist.PrefixStore(prefix, base.clone())
-        return Connection(factory, timeout, name)
+                return prefixed(base.clone())
+        return Connection(factory, timeout, name, backoff=backoff)
+
+    def store_evidence(self, timeout: float) -> str | None:
+        """Evidence that the store is gone or unreachable (:func:`~.schema.store_evidence`), or
+        ``None`` when its port answers (or it is not a TCP store, or this process hosts it)."""
+        if self.store_address is None or self.hosts_store:
+            return None
+        return store_evidence(*self.store_address, timeout)
 
     # -- the incident -----------------------------------------------------------------------------
     @property
@@ -235,10 +252,14 @@ class Session:
         """The main thread takes a peer's failure (``err``) and raises it: no reported exit by the
         watchdog, and an orderly teardown of the (released) process groups at interpreter exit."""
         events.emit(events.ACKNOWLEDGED, self.table, err, self.incident.peer_error)
+        # An agreement's error names its own incident: the current one has replaced it since, and
+        # acknowledging that would leave the watchdog blind to the next failure (no release).
+        taken = getattr(err, INCIDENT_ATTR, None) if err is not None else None
         with self._lock:
-            for incident in (self.incident, *self._escalated):
+            for incident in (taken or self.incident, *self._escalated):
                 incident.acknowledged.set()
             self._escalated.clear()
+        events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys, before this thread raises on
         teardown_at_exit()
 
     def _next_incident(self) -> None:
@@ -261,6 +282,7 @@ class Session:
             self.schema.publish(record)
         except Exception as err:  # noqa: BLE001 - the flag still carries the rank; never mask the failure
             log(logging.WARNING, "could not publish the failure record: %s", (str(err).splitlines() or [""])[0][:200])
+        events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys
         if release:
             what = self.release_collectives()
             log(logging.INFO, "released this rank's collectives so that no peer waits: %s", what, step=step)
@@ -274,9 +296,17 @@ class Session:
         seq = self._seq
         self._seq += 1
         self.live_seq = seq
+        incident = self.incident
         try:
             outcome = self._agree(kind, name, seq, failure, step, epoch, peer)
             self.failed_before = self.failed_before or outcome.failed
+            if outcome.failed:
+                events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys
+            err = outcome.error_for_caller()
+            if err is not None:
+                # the incident this failure belongs to: the main thread's acknowledge() marks that
+                # one, not the fresh incident that replaces it below (which must stay watchful)
+                mark(err, INCIDENT_ATTR, incident)
             return outcome
         finally:
             self.live_seq = seq + 1
@@ -435,7 +465,7 @@ class Session:
         def reader() -> None:
             # Its own thread and connection: a store call can block when the store's host died with
             # its socket still held open by a child process; the main thread never waits past the deadline.
-            beats: dict[int, tuple[int, float]] = {}
+            beats: dict[int, tuple[int, float, float]] = {}  # rank -> (value, observed still, answered at)
             try:
                 while not done.is_set() and time.monotonic() < deadline:
                     try:
@@ -444,23 +474,30 @@ class Session:
                     except Exception:  # noqa: BLE001 - the store does not answer
                         store_hosts = {self.host_ids[0]}
                         gone = [r for r in suspects if self.host_ids[self.ranks.index(r)] in store_hosts]
-                        if gone:
+                        # only on evidence that the store is gone (its port refused, its host
+                        # unreachable): a store that is merely slow says nothing of its host
+                        evidence = self.store_evidence(EXPLAIN_EVIDENCE_TIMEOUT) if gone else None
+                        if evidence is not None:
                             found.extend(self.lost_record(r, f"{detail} from its host, which holds the c10d store, and the "
-                                                 "store does not answer") for r in gone)
+                                                 f"store does not answer ({evidence})") for r in gone)
                             break
                         time.sleep(0.1)
                         continue
                     if records:
                         found.extend(records)
                         break
-                    now = time.monotonic()
                     silent = []
                     for r in suspects:
                         value = schema.heartbeat_of(r)
-                        last = beats.setdefault(r, (value, now))
-                        if value != last[0]:
-                            beats[r] = (value, now)
-                        elif now - last[1] >= SUSPECT_SILENCE:
+                        # observed silence only: a slow read (a busy store) is no evidence
+                        now = time.monotonic()
+                        last_value, still, answered = beats.get(r, (value, 0.0, now))
+                        if value != last_value:
+                            still = 0.0
+                        elif now - answered <= SUSPECT_OBSERVED_GAP:
+                            still += now - answered
+                        beats[r] = (value, still, now)
+                        if still >= SUSPECT_SILENCE:
                             silent.append(r)
                     if silent:
                         declared = [self.lost_record(r, f"{detail} [{', '.join(addresses_named(first_line))}] and no heartbeat "
@@ -566,6 +603,7 @@ class Session:
             self.schema.remove_run_keys(self.rank, self.ranks, shared=self.group_rank == 0)
         except Exception as err:  # noqa: BLE001 - a peer is gone: its keys die with the store
             log(logging.WARNING, "closing the session: %s", (str(err).splitlines() or [""])[0][:200])
+        events.emit(events.SESSION_CLOSED, self)  # the launchers: what they hold for this session
         self.schema.conn.close()
         side, self.side = self.side, None
         try:

@@ -156,7 +156,7 @@ class LivenessProcess:
             return self
         # Connected before the fork, by the rank: a new connection can take seconds (a store server
         # resolving the client's name), and the helper must beat from its first period on.
-        conn = self.session.connection("helper", HELPER_STORE_TIMEOUT)
+        conn = self.session.connection("helper", HELPER_STORE_TIMEOUT, backoff=True)
         try:
             conn.store()
         except Exception as err:  # noqa: BLE001 - the helper connects by itself later

@@ -15,7 +15,8 @@ probe                  looks at                                finds
 :class:`PeerPidProbe`  same-host peers' pids (no store)         a peer process gone: ``PeerLost``
 :class:`SelfHangProbe` the main thread's last progress          no progress for ``hang_timeout``, not
                                                                waiting on peers: ``RankHung`` (itself)
-:class:`StoreLossProbe`failed store calls reported to it        the store silent for ``lost_after``
+:class:`StoreLossProbe`failed store calls reported to it, and  the store silent for ``lost_after`` and
+                       a plain connect to its port              its port refused or unreachable all along
 =====================  ======================================  =========================================
 """
 
@@ -71,7 +72,12 @@ class RecordsProbe:
 
 class HeartbeatProbe:
     """Its own heartbeat, and its ring successor's: a successor whose counter stands still for
-    ``limit`` seconds (once it has beaten at all) is declared silent."""
+    ``limit`` seconds of **observed** time (once it has beaten at all) is declared silent.
+
+    Observed time is the time between two polls that both got their answers, at most
+    :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow (a busy store,
+    a loaded machine), the successor's beats may be slow for the same reason, so that time is no
+    evidence of its silence and is not counted."""
 
     def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
                  limit: float, host: str = "") -> None:
@@ -83,7 +89,9 @@ class HeartbeatProbe:
         self.period = period
         self.limit = limit
         self.next_at = 0.0
-        self.last = (-1, 0.0)  # (value, when it last moved)
+        self.value = -1  # the successor's counter as last read
+        self.silent = 0.0  # observed time it has stood still
+        self.answered_at: float | None = None  # the last poll that got its answers
 
     def poll(self, now: float) -> Finding | None:
         if now < self.next_at:
@@ -93,17 +101,24 @@ class HeartbeatProbe:
         if self.successor is None:
             return None
         value = self.schema.heartbeat_of(self.successor)
-        if value != self.last[0]:
-            self.last = (value, now)
+        previous, self.answered_at = self.answered_at, now
+        if value != self.value:
+            self.value, self.silent = value, 0.0
             return None
-        silent = now - self.last[1]
-        if value > 0 and silent > self.limit:
+        if previous is not None and now - previous <= OBSERVED_GAP * self.period:
+            self.silent += now - previous
+        if value > 0 and self.silent > self.limit:
             on = f" on {self.host}" if self.host else ""
-            message = (f"rank {self.successor} (pid {self.successor_pid}{on}) lost: no heartbeat for {silent:.1f} s "
+            message = (f"rank {self.successor} (pid {self.successor_pid}{on}) lost: no heartbeat for {self.silent:.1f} s "
                        "(its host or link is down, or its process is gone or frozen)")
             return declared_finding(FailureRecord.declared(rank=self.successor, kind="PeerSilent", message=message,
                                                            by=self.rank, pid=self.successor_pid, host=self.host))
         return None
+
+
+#: :class:`HeartbeatProbe`: two answered polls at most this many periods apart observe the time
+#: between them; a longer gap (its own calls failed or were slow) is not counted as silence.
+OBSERVED_GAP = 3
 
 
 #: Where a main thread waits for its peers rather than being hung itself (innermost frames).
@@ -178,37 +193,74 @@ def main_thread_frame():
 
 
 class StoreLossProbe:
-    """The store did not answer: after ``lost_after`` seconds of failed calls (none answered in
-    between) the rank hosting it is declared lost."""
+    """The store did not answer: its host is declared lost only on **evidence** that the store is
+    gone, never because its answers are slow.
 
-    def __init__(self, lost_after: float, *, by: int, store_rank: int = 0, store_pid: int = 0) -> None:
+    Failed store calls start a silence (:meth:`failed`); during it, ``evidence()`` is asked at most
+    every ``check_every`` seconds (a plain TCP connect to the store's port,
+    :func:`~.schema.store_evidence`: a string when the port refused it, the host or link is down,
+    or nothing answered; ``None`` when the port answered). The rank hosting the store is declared
+    lost when the silence has lasted ``lost_after`` seconds **and** every check in it found
+    evidence, at least two of them. A port that answers (the kernel of the store's host completed
+    the handshake: that host is up and a process holds the store's listening socket) ends the
+    evidence: a store that is slow to validate connects or answer calls on a busy machine is not a
+    lost one. ``hosted_here``: this process hosts the store (its server is a thread of this
+    process): it never declares its own store lost.
+    """
+
+    def __init__(self, lost_after: float, *, by: int, store_rank: int = 0, store_pid: int = 0,
+                 evidence: Callable[[], str | None] = lambda: None, check_every: float = 0.5,
+                 hosted_here: bool = False) -> None:
         self.lost_after = lost_after
         self.by = by
         self.store_rank = store_rank
         self.store_pid = store_pid
+        self.evidence = evidence
+        self.check_every = check_every
+        self.hosted_here = hosted_here
         self.down_since: float | None = None
         self.last_error = ""
+        self.found: str | None = None  # the newest evidence of the silence under way
+        self.checks = 0  # checks of the silence under way, every one of them with evidence
+        self.next_check = 0.0
 
     def failed(self, now: float, err: BaseException) -> bool:
         """Report a failed call; True when it is the first of a silence (worth a warning)."""
         self.last_error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
         if self.down_since is None:
             self.down_since = now
+            self.checks, self.found, self.next_check = 0, None, now
             return True
         return False
 
     def answered(self) -> None:
         self.down_since = None
+        self.checks, self.found = 0, None
 
     def declare_at(self) -> float | None:
-        """When the silence under way becomes a loss (``time.monotonic()``), or ``None``."""
-        return None if self.down_since is None else self.down_since + self.lost_after
+        """When the silence under way becomes a loss if the evidence holds (``time.monotonic()``),
+        or ``None``."""
+        if self.down_since is None or self.hosted_here:
+            return None
+        return self.down_since + self.lost_after
 
     def poll(self, now: float) -> Finding | None:
-        if self.down_since is None or now - self.down_since < self.lost_after:
+        if self.down_since is None or self.hosted_here:
+            return None
+        if now >= self.next_check:
+            self.next_check = now + self.check_every
+            found = self.evidence()
+            if found is None:
+                # The port answers: the store is slow, not gone. A new silence starts with the next
+                # failed call, so that the time already spent is never counted as evidence.
+                self.answered()
+                return None
+            self.found = found
+            self.checks += 1
+        if self.found is None or self.checks < 2 or now - self.down_since < self.lost_after:
             return None
         message = (f"rank {self.store_rank} (pid {self.store_pid}, hosts the c10d store) lost: the store has not "
-                   f"answered for {now - self.down_since:.1f} s ({self.last_error})")
+                   f"answered for {now - self.down_since:.1f} s ({self.last_error}) and {self.found}")
         record = FailureRecord.declared(rank=self.store_rank, kind="PeerLost", message=message, by=self.by,
                                         pid=self.store_pid)
         return Finding(PeerFailedError.from_records([record]))

@@ -53,7 +53,8 @@ from .liveness import kill_all as kill_all_liveness
 from .probes import (Finding, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
                      main_thread_frame)
 from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
-from ..core.config import HEARTBEAT_EVERY, LIVENESS_STORE_TIMEOUT, RELEASE_GRACE, SILENT_MARGIN  # timings: core.config
+from ..core.config import (HEARTBEAT_EVERY, LIVENESS_STORE_TIMEOUT, RELEASE_GRACE, SILENT_MARGIN,  # timings:
+                           STORE_CHECK_EVERY, STORE_EVIDENCE_TIMEOUT, STORE_WARN_EVERY)  # the table in core.config
 
 
 class Watchdog:
@@ -70,10 +71,11 @@ class Watchdog:
         self._progress: tuple[float, float, int | None] = (time.monotonic(), time.time(), None)
         self._stop = WakeEvent()  # its set() also wakes the liveness loop's poll()
         self._finishing = False
+        self._store_warned_at = -STORE_WARN_EVERY
         store_timeout = timedelta(seconds=max(1.0, 5 * self.interval.total_seconds()))
-        self._conn = session.connection("watchdog", store_timeout)
+        self._conn = session.connection("watchdog", store_timeout, backoff=True)
         self._schema = Schema(self._conn, session.schema.world_size)
-        self._liveness_conn = session.connection("liveness", LIVENESS_STORE_TIMEOUT)
+        self._liveness_conn = session.connection("liveness", LIVENESS_STORE_TIMEOUT, backoff=True)
         self._liveness_schema = Schema(self._liveness_conn, session.schema.world_size)
         for conn in (self._conn, self._liveness_conn):  # connected now, not in the loops' first poll
             try:
@@ -98,7 +100,9 @@ class Watchdog:
                                            margin=SILENT_MARGIN.total_seconds(), progress=lambda: self._progress,
                                            frame=main_thread_frame, host=session.host)
         self.store_loss = StoreLossProbe(cfg.store_lost_after.total_seconds(), by=self.rank, store_rank=0,
-                                         store_pid=session.pids[0])
+                                         store_pid=session.pids[0], hosted_here=session.hosts_store,
+                                         evidence=lambda: session.store_evidence(STORE_EVIDENCE_TIMEOUT),
+                                         check_every=max(STORE_CHECK_EVERY, self.interval.total_seconds()))
         peers = session.same_host_peers()
         self.peer_pids = (PeerPidProbe(peers, by=self.rank, host=session.host,
                                        after_failure=lambda: session.failed_before) if peers else None)
@@ -159,7 +163,9 @@ class Watchdog:
                 if self._finishing or self._stop.is_set():
                     return
                 if self.store_loss.failed(now, err):
-                    log(logging.WARNING, "the c10d store did not answer: %s", self.store_loss.last_error)
+                    if now >= self._store_warned_at + STORE_WARN_EVERY:  # a slow store: once in a while
+                        self._store_warned_at = now
+                        log(logging.WARNING, "the c10d store did not answer: %s", self.store_loss.last_error)
                     self._conn.deadline = self.store_loss.declare_at()
             if self.session.known_failure is None:
                 # the time after the calls: a call that timed out took most of a period's budget
@@ -208,6 +214,7 @@ class Watchdog:
         if incident is not None:
             threading.Thread(target=self._escalate, args=(incident,), name="fth-escalate", daemon=True).start()
         self._declare(finding, schema)
+        events.emit(events.JOB_FAILED, self.session)  # the launchers: torchrun's attempt keys, once declared
 
     def _declare(self, finding: Finding, schema: Schema | None) -> None:
         """Publish what this rank declares about another (the first rank to declare it does)."""

@@ -28,18 +28,36 @@ It assumes every node counts the same attempts (a fixed number of nodes): with e
 (``--nnodes MIN:MAX``) a node that joins later counts from 0 and would not meet the others' prefix;
 use ``FTH_ATTEMPT_STORE=0`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` there.
 
+**Imported after ``init_process_group``.** Then this attempt's groups already wrote their keys under
+torch's bare names. So that the next attempt comes up anyway, a rank that knows the job failed
+(its own failure, an agreed one, or its watchdog's finding: the core's ``JOB_FAILED``) deletes this
+attempt's gloo address keys from the shared store before it exits (:func:`forget_attempt_keys`):
+every rank of the next attempt then waits for its peers' new addresses instead of reading a dead
+process's. Any surviving rank does it for all (a SIGKILLed rank cannot); it happens before the process ends, so before
+torchrun starts the next attempt.
+
 Private API: ``torch.distributed.rendezvous._rendezvous_handlers`` (the scheme -> handler table that
-``init_process_group`` consults at each call), checked against torch 2.13.0.
+``init_process_group`` consults at each call), checked against torch 2.13.0; the names gloo's
+address keys have in the store (:data:`ADDRESS_KEY`), checked at start against this rank's own
+(:func:`address_key_of`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterator
+import re
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..core import config
+from ..core.config import MAIN_STORE_TIMEOUT
 from ..core.log import log
+
+if TYPE_CHECKING:
+    from ..core.schema import Connection
+    from ..core.session import Session
 
 #: Set to ``0`` to leave torch's rendezvous alone.
 ATTEMPT_STORE_ENV = "FTH_ATTEMPT_STORE"
@@ -80,13 +98,120 @@ def _table() -> dict:
     return table
 
 
+#: The process group was made through :func:`_wrap`'s handler: its keys are in the attempt's namespace.
+_prefixed = False
+
+#: gloo's address keys in the store (torch 2.13): the default group's
+#: ``default_pg/0//cpu//<context>/<rank>``, those of ``new_group`` number N
+#: ``default_pg/0//N//cpu//<context>/<rank>``.
+ADDRESS_KEY = re.compile(r"^default_pg/0//(?:[^/]+//)?cpu//\d+/\d+$")
+
+
+def shared_keys_left() -> bool:
+    """Under torchrun's shared store, this attempt's groups wrote their keys under torch's bare
+    names (the library was imported after ``init_process_group``): the next attempt would read them."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.attempt_store()
+            and not _prefixed)
+
+
+def address_key_of(rank: int) -> str:
+    """The key under which the default group's gloo context 0 published ``rank``'s address."""
+    return f"default_pg/0//cpu//0/{rank}"
+
+
+def forget_addresses(call: Callable[..., Any]) -> int:
+    """Delete every gloo address key of this attempt; ``call(method, *args)`` is a store call on a
+    client without a prefix. Returns how many were deleted."""
+    keys = [key for key in call("list_keys") if ADDRESS_KEY.match(key)]
+    for key in keys:
+        call("delete_key", key)
+    return len(keys)
+
+
+class _AttemptKeys:
+    """What :func:`forget_attempt_keys` uses for one session: a connection without a prefix (``None``
+    once used), and a lock held while deleting."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn: Connection | None = conn
+        self.lock = threading.Lock()
+
+
+_attempt_keys: weakref.WeakKeyDictionary[Session, _AttemptKeys] = weakref.WeakKeyDictionary()
+
+
+def check_address_keys(session: Session) -> Connection | None:
+    """The connection :func:`forget_attempt_keys` uses, after checking that this rank's own gloo
+    address key is where this module expects it (else: a warning, and ``None``)."""
+    import torch
+
+    conn = session.connection("attempt-keys", MAIN_STORE_TIMEOUT, prefix="")
+    key = address_key_of(session.rank)
+    try:
+        if conn.call("check", [key]):
+            return conn
+        why = f"no key {key!r} in the store (torch {torch.__version__})"
+    except Exception as err:  # noqa: BLE001
+        why = (str(err).splitlines() or [""])[0][:200]
+    conn.close()
+    log(logging.WARNING, "fault_tolerant_handlers was imported after init_process_group under torchrun, and "
+        "this attempt's gloo address keys cannot be found (%s): a restarted attempt may fail in gloo's "
+        "connectFullMesh; import fault_tolerant_handlers before init_process_group", why)
+    return None
+
+
+def forget_attempt_keys(session: Session) -> None:
+    """The job failed: delete this attempt's gloo address keys from torchrun's shared store (once),
+    so that the next attempt never reads them (only when the library was imported after
+    ``init_process_group``; otherwise each attempt has a namespace of its own)."""
+    keys = _attempt_keys.get(session)
+    if keys is None:
+        return
+    # Held while deleting: a second caller (the main thread taking the failure, while the
+    # watchdog deletes) waits until the keys are gone, so that its exit never cuts it short.
+    with keys.lock:
+        conn, keys.conn = keys.conn, None
+        if conn is None:
+            return
+        try:
+            count = forget_addresses(conn.call)
+            log(logging.INFO, "deleted this attempt's %d gloo address keys from torchrun's store, so that a "
+                "restarted attempt connects to its new peers", count)
+        except Exception as err:  # noqa: BLE001 - the store may be what failed; never mask the failure
+            log(logging.WARNING, "could not delete this attempt's gloo address keys: %s",
+                (str(err).splitlines() or [""])[0][:200])
+        finally:
+            conn.close()
+
+
+# -- what this module does on the core's events (subscribed in ``launchers/__init__.py``) -------------
+def on_session_started(session: Session) -> None:
+    """Under torchrun with the library imported after init_process_group: keep a connection without
+    a prefix, to delete this attempt's gloo address keys once the job failed (``JOB_FAILED``)."""
+    if shared_keys_left() and session.store_address is not None:
+        conn = check_address_keys(session)
+        if conn is not None:
+            _attempt_keys[session] = _AttemptKeys(conn)
+
+
+def on_session_closed(session: Session) -> None:
+    keys = _attempt_keys.pop(session, None)
+    if keys is not None:
+        with keys.lock:
+            conn, keys.conn = keys.conn, None
+        if conn is not None:
+            conn.close()
+
+
 def _wrap(handler):
     def per_attempt(url: str, **kwargs: Any) -> Iterator[tuple]:
         import torch.distributed as dist
 
+        global _prefixed
         for store, rank, world_size in handler(url, **kwargs):
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 store = dist.PrefixStore(prefix(), store)
+                _prefixed = True
             yield store, rank, world_size
 
     setattr(per_attempt, _WRAPPED_ATTR, True)
@@ -107,7 +232,7 @@ def install() -> bool:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        log(logging.WARNING, "the process group was initialized before fault_tolerant_handlers was imported: "
-            "under torchrun its keys are not isolated per attempt, and a restarted attempt may fail in gloo's "
-            "connectFullMesh; import fault_tolerant_handlers before init_process_group")
+        log(logging.INFO, "the process group was initialized before fault_tolerant_handlers was imported: "
+            "under torchrun its keys are not isolated per attempt; if this attempt fails, its ranks delete "
+            "their address keys before they exit, so that the next attempt comes up")
     return True

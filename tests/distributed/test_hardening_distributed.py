@@ -38,12 +38,17 @@ def test_a_main_thread_holding_the_gil_for_20_s_is_not_declared_lost(tmp_path):
     assert r1.event("gil_end")["t"] - r1.event("gil_start")["t"] >= 19.5
 
 
-def test_a_caught_failure_does_not_blind_the_watchdog_to_a_later_one(tmp_path):
-    r0, r1 = _run(tmp_path, "caught_then_blocked")
+@pytest.mark.parametrize("first_bad", [1, 0], ids=["peer-failure-caught", "own-failure-caught"])
+def test_a_caught_failure_does_not_blind_the_watchdog_to_a_later_one(first_bad, tmp_path):
+    """Rank 0 takes a failure that user code catches (rank 1's, acknowledged as a PeerFailedError,
+    or its own), then blocks in a collective at once (no agreement in between) while rank 1 fails:
+    its watchdog must release it, not the 20 s process-group timeout."""
+    r0, r1 = _run(tmp_path, "caught_then_blocked", env={"FIRST_BAD": str(first_bad)})
     for r in (r0, r1):
         assert r.returncode == 0 and r.has("in_step"), r.stderr[-3000:]
-    assert r0.event("first")["raised"] == "OSError"
-    assert r1.event("first")["raised"] == "PeerFailedError" and r1.event("first")["exc_type"] == "OSError"
+    bad, other = (r1, r0) if first_bad == 1 else (r0, r1)
+    assert bad.event("first")["raised"] == "OSError"
+    assert other.event("first")["raised"] == "PeerFailedError" and other.event("first")["exc_type"] == "OSError"
     second = r0.event("second")
     assert second["raised"] == "PeerFailedError" and second["failed_rank"] == 1
     assert second["exc_message"] == "bad batch 1"

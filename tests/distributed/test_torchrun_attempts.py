@@ -10,6 +10,7 @@ real torchrun job) is ``bench/restart_loop.py``.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -65,3 +66,32 @@ def test_missing_private_table_is_named(monkeypatch):
     monkeypatch.setattr(rendezvous, "_rendezvous_handlers", {"file": None})
     with pytest.raises(RuntimeError, match=r"_rendezvous_handlers has no handler for env, tcp .*FTH_ATTEMPT_STORE=0"):
         _compat_torchrun.install()
+
+
+LATE = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+        "--monitor-interval", "0.5"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fault", ["raise", "kill"])
+def test_a_restart_comes_up_when_the_library_is_imported_after_init_process_group(fault, tmp_path):
+    """The script initializes the process group, then imports the library: the first attempt's
+    groups write their keys under torch's bare names in torchrun's shared store. Rank 1 fails in
+    attempt 0 (an exception, or SIGKILL); in attempt 1 it starts late, so rank 0 would read its
+    address of attempt 0 if it were left. Attempt 1 must come up and train to the end on both ranks."""
+    from launch import kill_workers, run_ranks
+
+    script = ROOT / "tests" / "late_import_main.py"
+    run_dir = tmp_path / "late_import_main-1"
+    try:
+        results = run_ranks(1, "", tmp_path, script=script, launcher=LATE, deadline=180, env={"FAULT": fault})
+    finally:
+        kill_workers(run_dir, program="late_import_main.py")
+    output = results[0].stderr
+    assert results[0].returncode == 0, output[-5000:]
+    first = [json.loads((run_dir / f"attempt0_rank{r}.json").read_text()) for r in (0, 1)]
+    assert all("finished" not in a for a in first), first  # the fault ended attempt 0 on both ranks
+    second = [json.loads((run_dir / f"attempt1_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [a.get("finished") for a in second] == [20, 20], (second, output[-5000:])
+    assert not (run_dir / "attempt2_rank0.json").exists()  # attempt 1 came up at once
+    assert "deleted this attempt's" in output

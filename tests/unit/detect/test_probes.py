@@ -104,11 +104,30 @@ def test_heartbeat_probe_declares_a_silent_successor_after_the_limit():
     assert probe.poll(0.2) is None              # not due yet
     other.beat(1)
     assert probe.poll(1.0) is None              # moved
-    assert probe.poll(5.5) is None              # still for 4.5 s
+    for k in range(1, 10):
+        assert probe.poll(1.0 + 0.5 * k) is None  # still for up to 4.5 s
+    assert probe.poll(6.0) is None              # 5.0 s: not past the limit
     found = probe.poll(6.5)
     assert found is not None and found.error.exc_type == "PeerSilent" and found.error.failed_rank == 1
     assert "no heartbeat for 5.5 s" in found.error.exc_message and found.declare.by == 0
-    assert int(store.get("fth/test/hb/0")) == 4  # its own heartbeat went on
+    assert int(store.get("fth/test/hb/0")) == 13  # its own heartbeat went on, once a poll
+
+
+def test_heartbeat_probe_counts_no_silence_while_its_own_calls_are_slow():
+    """A gap between two answered polls (this rank's own store calls failed or took long: the store
+    or the machine is busy, and the successor's beats are late for the same reason) is no evidence."""
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=3.0)
+    other.beat(1)
+    assert probe.poll(0.0) is None
+    assert probe.poll(0.5) is None              # 0.5 s observed
+    assert probe.poll(10.0) is None             # 9.5 s without an answer in between: not counted
+    assert probe.poll(10.5) is None and probe.poll(11.0) is None and probe.poll(11.5) is None  # 2.0 s
+    assert probe.poll(12.0) is None             # 2.5 s
+    assert probe.poll(12.5) is None             # 3.0 s: not past the limit
+    found = probe.poll(13.0)
+    assert found is not None and "no heartbeat for 3.5 s" in found.error.exc_message
 
 
 def test_heartbeat_probe_never_declares_a_successor_that_never_beat():
@@ -148,17 +167,72 @@ def test_self_hang_probe_reports_the_main_thread_stack_and_spares_a_rank_waiting
     assert probe.poll(112.5).hung_self          # ... unless it stays blocked past 2 x timeout + margin
 
 
-def test_store_loss_probe_declares_the_store_host_after_the_silence():
-    probe = StoreLossProbe(10.0, by=1, store_pid=99)
+def test_store_loss_probe_declares_the_store_host_after_the_silence_with_evidence():
+    probe = StoreLossProbe(10.0, by=1, store_pid=99, evidence=lambda: "a TCP connect to h:1: refused")
     assert probe.failed(0.0, ConnectionError("refused")) is True
     assert probe.failed(5.0, ConnectionError("refused")) is False
     assert probe.poll(9.0) is None
     probe.answered()
     assert probe.poll(20.0) is None
     probe.failed(20.0, ConnectionError("refused"))
+    assert probe.poll(20.0) is None  # one check only
     found = probe.poll(30.5)
     assert found.error.failed_rank == 0 and found.error.exc_type == "PeerLost"
     assert "hosts the c10d store" in found.error.exc_message and "ConnectionError: refused" in found.error.exc_message
+    assert "a TCP connect to h:1: refused" in found.error.exc_message
+
+
+def test_a_slow_store_is_never_declared_lost():
+    """Calls that time out while the store's port answers a plain connect (a busy store server on a
+    loaded machine): no declaration, however long it lasts."""
+    probe = StoreLossProbe(4.0, by=1, store_pid=99, evidence=lambda: None)
+    now = 0.0
+    while now < 60.0:
+        probe.failed(now, TimeoutError("a store call did not return within 1.5 s"))
+        assert probe.poll(now) is None
+        now += 0.1
+    probe.failed(now, TimeoutError("a store call did not return within 1.5 s"))
+    assert probe.declare_at() is not None  # a silence is under way ...
+    assert probe.poll(now + 100.0) is None  # ... and its port answers: never a loss
+
+
+def test_store_evidence_must_hold_the_whole_silence():
+    answers = iter(["refused", None] + ["refused"] * 100)
+    probe = StoreLossProbe(4.0, by=1, store_pid=99, evidence=lambda: next(answers), check_every=0.5)
+    probe.failed(0.0, TimeoutError("slow"))
+    assert probe.poll(0.0) is None     # refused once ...
+    assert probe.poll(0.5) is None     # ... then the port answered: the silence is over
+    assert probe.declare_at() is None
+    probe.failed(1.0, TimeoutError("slow"))
+    for t in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5):
+        assert probe.poll(t) is None   # evidence from 1.0 on, but not yet 4 s of it
+    assert probe.poll(5.0).error.exc_type == "PeerLost"
+
+
+def test_the_store_host_never_declares_its_own_store_lost():
+    probe = StoreLossProbe(1.0, by=0, store_pid=99, evidence=lambda: "refused", hosted_here=True)
+    probe.failed(0.0, TimeoutError("slow"))
+    assert probe.declare_at() is None
+    assert all(probe.poll(t) is None for t in (0.0, 0.5, 1.0, 5.0, 50.0))
+
+
+def test_store_evidence_of_a_real_port():
+    """A listening port answers (no evidence, however slow its server: nobody accepts here); a
+    closed one is refused."""
+    import socket
+
+    from fault_tolerant_handlers.core.schema import store_evidence
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)  # never accepted: the kernel completes the handshake anyway
+    port = server.getsockname()[1]
+    try:
+        assert store_evidence("127.0.0.1", port, 1.0) is None
+    finally:
+        server.close()
+    found = store_evidence("127.0.0.1", port, 1.0)
+    assert found is not None and "refused" in found
 
 
 def test_records_probe_leaves_late_news_of_a_failure_already_agreed_on():
