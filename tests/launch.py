@@ -9,6 +9,7 @@ process group and the test fails with every rank's stderr tail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import os
@@ -256,3 +257,85 @@ def kill_workers(out: Path, program: str = "resume_main.py") -> None:
             os.killpg(pid, signal.SIGKILL)  # the worker leads its session and process group
         except (OSError, ValueError, KeyError):
             continue
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int):
+    """``count`` processes that each keep a core busy for the block (a loaded machine), killed by
+    pid when it ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+             for _ in range(count)]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            _kill_tree(p)
+
+
+#: What the library prints when it declares a rank lost, silent or hung, or ends a job.
+DECLARATIONS = re.compile(r"PeerLost|PeerSilent|RankHung|hosts the c10d store\) lost|the job fails|"
+                          r"ending this process|PeerFailedError")
+
+
+@dataclass
+class HealthyRun:
+    """What a healthy job did: exit code, each rank's record (``tests/soak_main.py``), the library's
+    declarations found in its output, and its wall time."""
+
+    returncode: int | None
+    ranks: dict[int, dict]
+    declarations: list[str]
+    seconds: float
+    output: str
+
+    def clean(self, world: int, iterations: int) -> bool:
+        return (self.returncode == 0 and not self.declarations and len(self.ranks) == world
+                and all(r.get("finished") == iterations for r in self.ranks.values()))
+
+
+def healthy_run(framework: str, world: int, outdir: Path, *, deadline: float) -> HealthyRun:
+    """One run of ``tests/soak_main.py`` (Ignite under torchrun, or Lightning ``ddp``) on ``world``
+    ranks, no fault, bounded by ``deadline``; every process it started is killed by pid after."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    script = str(HERE / "soak_main.py")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SOAK_RANKS=str(world), PYTHONPATH=str(ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    if framework == "ignite":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                "--monitor-interval=0.5", script, framework, str(outdir)]
+    else:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        argv = [sys.executable, script, framework, str(outdir)]
+    log_path = outdir / "output.txt"
+    start = time.monotonic()
+    with open(log_path, "w+") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            returncode = proc.poll()
+            _kill_tree(proc)
+            # torchrun's workers and Lightning's ranks: every process still holding the output
+            for path in outdir.glob("rank*.json"):
+                try:
+                    pid = int(json.loads(path.read_text())["pid"])
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if b"soak_main.py" in f.read():
+                            os.killpg(pid, signal.SIGKILL)
+                except (OSError, ValueError, KeyError):
+                    pass
+        seconds = time.monotonic() - start
+        out.seek(0)
+        output = out.read()
+    ranks = {}
+    for path in outdir.glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+            ranks[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError):
+            continue
+    declarations = [line for line in output.splitlines() if DECLARATIONS.search(line)]
+    return HealthyRun(returncode, ranks, declarations, seconds, output)

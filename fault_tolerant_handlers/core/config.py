@@ -16,7 +16,9 @@ variable                        default    accepted              meaning
 ``FTH_EXIT_GRACE_SEC``          3          0.1 .. 3600           released rank: time to take the failure
 ``FTH_WRITE_GRACE_SEC``         120        0 .. 3600             reported exit waits for a checkpoint write
 ``FTH_HEARTBEAT_TIMEOUT_SEC``   3          1 .. 86400            a peer whose heartbeat stops is lost
-``FTH_STORE_LOST_SEC``          4          1 .. 86400            a store that does not answer is lost
+``FTH_STORE_LOST_SEC``          4          1 .. 86400            a store that does not answer, its port
+                                                                 refused or unreachable all along, is
+                                                                 lost (a slow store never is)
 ``FTH_SYNC_TIMEOUT_SEC``        (group's)  1 .. 2592000          the side group's timeout
 ``FTH_RELEASE``                 auto       auto, exit            how blocked collectives are released
 ``FTH_INJECT``                  (none)     see ``inject.py``     rehearse a failure

@@ -91,7 +91,8 @@ def parse_tcp_table(text: str, state: str = ESTABLISHED) -> dict[int, tuple[int,
     return table
 
 
-def established_tcp(state: str = ESTABLISHED) -> dict[int, tuple[int, int]]:
+def tcp_sockets(state: str = ESTABLISHED) -> dict[int, tuple[int, int]]:
+    """inode -> (local port, remote port) of this network namespace's TCP sockets in ``state``."""
     table: dict[int, tuple[int, int]] = {}
     for path in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -106,7 +107,7 @@ def listens_here(port: int) -> bool:
     """This process holds a socket listening on ``port`` (it hosts the store there)."""
     if not sys.platform.startswith("linux"):
         return False
-    listening = {inode for inode, (local, _) in established_tcp(LISTEN).items() if local == port}
+    listening = {inode for inode, (local, _) in tcp_sockets(LISTEN).items() if local == port}
     return bool(listening & set(socket_fds()))
 
 
@@ -143,7 +144,7 @@ def cut_connections(keep_ports: set[int]) -> int:
     """Shut down the sockets :func:`select_sockets` chooses; returns how many."""
     if not sys.platform.startswith("linux"):
         return 0
-    return _shutdown(select_sockets(socket_fds(), established_tcp(), keep_ports))
+    return _shutdown(select_sockets(socket_fds(), tcp_sockets(), keep_ports))
 
 
 def cut_connections_to(ports: set[int]) -> int:
@@ -151,7 +152,7 @@ def cut_connections_to(ports: set[int]) -> int:
     exit, when a store call is stuck); returns how many: the complement of :func:`select_sockets`."""
     if not sys.platform.startswith("linux") or not ports:
         return 0
-    fds, tcp = socket_fds(), established_tcp()
+    fds, tcp = socket_fds(), tcp_sockets()
     others = set(select_sockets(fds, tcp, ports))
     return _shutdown([fd for inode, fd in sorted(fds.items(), key=lambda i: i[1]) if inode in tcp and fd not in others])
 

@@ -54,6 +54,12 @@ def _stopped(pid: int) -> bool:
     return bool(fields) and fields[_procfs.STATE] in ("T", "t")
 
 
+def _running(pid: int) -> bool:
+    """``pid`` (a rank on this host) runs: neither gone, a zombie, nor stopped (SIGSTOP)."""
+    fields = _procfs.stat_fields(pid)
+    return _procfs.is_running(fields) and fields[_procfs.STATE] not in ("T", "t")
+
+
 def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: float, limit: float) -> None:
     try:
         with open("/proc/self/comm", "w") as f:
@@ -77,8 +83,10 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
                             daemon=True)
     ends.start()
     successor = table.successor()
-    probe = HeartbeatProbe(schema, table.rank, successor, table.pid_of(successor), period=period, limit=limit,
-                           host=table.host_of(successor))
+    successor_pid = table.pid_of(successor)
+    same_host = table.host_ids[table.ranks.index(successor)] == table.host_ids[table.group_rank]
+    probe = HeartbeatProbe(schema, table.rank, successor, successor_pid, period=period, limit=limit,
+                           host=table.host_of(successor), running=(lambda: _running(successor_pid)) if same_host else None)
     declared = [False]
     while os.getppid() == parent:
         if not _stopped(parent):  # frozen: its neighbour must see it, so no beat

@@ -80,8 +80,11 @@ class HeartbeatProbe:
     evidence of its silence and is not counted."""
 
     def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
-                 limit: float, host: str = "") -> None:
+                 limit: float, host: str = "", running: Callable[[], bool] | None = None) -> None:
         self.host = host
+        #: For a successor on this host: True while its process runs (not stopped, not gone). Its
+        #: silence is then no evidence (its beats are only late); its death is the pid probe's.
+        self.running = running
         self.schema = schema
         self.rank = rank
         self.successor = successor
@@ -107,7 +110,7 @@ class HeartbeatProbe:
             return None
         if previous is not None and now - previous <= OBSERVED_GAP * self.period:
             self.silent += now - previous
-        if value > 0 and self.silent > self.limit:
+        if value > 0 and self.silent > self.limit and not (self.running is not None and self.running()):
             on = f" on {self.host}" if self.host else ""
             message = (f"rank {self.successor} (pid {self.successor_pid}{on}) lost: no heartbeat for {self.silent:.1f} s "
                        "(its host or link is down, or its process is gone or frozen)")

@@ -38,21 +38,20 @@ torchrun starts the next attempt.
 
 Private API: ``torch.distributed.rendezvous._rendezvous_handlers`` (the scheme -> handler table that
 ``init_process_group`` consults at each call), checked against torch 2.13.0; the names gloo's
-address keys have in the store (:data:`ADDRESS_KEY`), checked at start against this rank's own
-(:func:`address_key_of`).
+address keys have in the store (:func:`address_key_of`, from ``_world.pg_map`` and
+``_world.pg_names``), checked at start against this rank's own.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..core import config
-from ..core.config import MAIN_STORE_TIMEOUT
+from ..core.config import EXPLAIN_EVIDENCE_TIMEOUT, FAILURE_PATH_STORE_TIMEOUT
 from ..core.log import log
 
 if TYPE_CHECKING:
@@ -101,12 +100,6 @@ def _table() -> dict:
 #: The process group was made through :func:`_wrap`'s handler: its keys are in the attempt's namespace.
 _prefixed = False
 
-#: gloo's address keys in the store (torch 2.13): the default group's
-#: ``default_pg/0//cpu//<context>/<rank>``, those of ``new_group`` number N
-#: ``default_pg/0//N//cpu//<context>/<rank>``.
-ADDRESS_KEY = re.compile(r"^default_pg/0//(?:[^/]+//)?cpu//\d+/\d+$")
-
-
 def shared_keys_left() -> bool:
     """Under torchrun's shared store, this attempt's groups wrote their keys under torch's bare
     names (the library was imported after ``init_process_group``): the next attempt would read them."""
@@ -114,18 +107,38 @@ def shared_keys_left() -> bool:
             and not _prefixed)
 
 
-def address_key_of(rank: int) -> str:
-    """The key under which the default group's gloo context 0 published ``rank``'s address."""
-    return f"default_pg/0//cpu//0/{rank}"
+def address_key_of(rank: int, group: str | None = None) -> str:
+    """The key under which gloo context 0 of a group published ``rank``'s address (torch 2.13): the
+    default group's ``default_pg/0//cpu//0/<rank>``, group ``N``'s ``default_pg/0//N//cpu//0/<rank>``."""
+    return f"default_pg/0//{'' if group is None else group + '//'}cpu//0/{rank}"
+
+
+def address_keys() -> list[str]:
+    """Every gloo address key of this process's groups (private: ``_world.pg_map`` and
+    ``_world.pg_names``)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._world
+    default = distributed_c10d._get_default_group()
+    keys = []
+    for pg in list(world.pg_map):
+        try:
+            if dist.get_backend(pg) != "gloo":
+                continue
+            name = None if pg is default else world.pg_names[pg]
+            keys += [address_key_of(r, name) for r in range(pg.size())]
+        except Exception:  # noqa: BLE001 - a group being destroyed
+            continue
+    return keys
 
 
 def forget_addresses(call: Callable[..., Any]) -> int:
     """Delete every gloo address key of this attempt; ``call(method, *args)`` is a store call on a
-    client without a prefix. Returns how many were deleted."""
-    keys = [key for key in call("list_keys") if ADDRESS_KEY.match(key)]
-    for key in keys:
-        call("delete_key", key)
-    return len(keys)
+    client without a prefix. Returns how many were there. (Named one by one: listing the store's
+    keys holds the GIL for the whole call in torch 2.13, which freezes the process when the store
+    does not answer.)"""
+    return sum(bool(call("delete_key", key)) for key in address_keys())
 
 
 class _AttemptKeys:
@@ -145,7 +158,7 @@ def check_address_keys(session: Session) -> Connection | None:
     address key is where this module expects it (else: a warning, and ``None``)."""
     import torch
 
-    conn = session.connection("attempt-keys", MAIN_STORE_TIMEOUT, prefix="")
+    conn = session.connection("attempt-keys", FAILURE_PATH_STORE_TIMEOUT, prefix="")
     key = address_key_of(session.rank)
     try:
         if conn.call("check", [key]):
@@ -174,6 +187,10 @@ def forget_attempt_keys(session: Session) -> None:
         if conn is None:
             return
         try:
+            gone = session.store_evidence(EXPLAIN_EVIDENCE_TIMEOUT)
+            if gone is not None:  # the store (torchrun's rendezvous with it) is gone: nothing to delete
+                log(logging.INFO, "not deleting this attempt's gloo address keys: %s", gone)
+                return
             count = forget_addresses(conn.call)
             log(logging.INFO, "deleted this attempt's %d gloo address keys from torchrun's store, so that a "
                 "restarted attempt connects to its new peers", count)

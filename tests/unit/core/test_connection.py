@@ -205,3 +205,58 @@ def test_a_forked_helper_uses_the_connection_made_before_the_fork_at_once():
         conn.close()
     assert os.waitstatus_to_exitcode(status) == 0
     assert master.get("child") == b"1"
+
+
+class CountingStore:
+    def set_timeout(self, timeout) -> None:
+        pass
+
+    def add(self, key, amount):
+        return 3
+
+
+def test_a_periodic_loops_connection_backs_off_after_a_failed_connect(monkeypatch):
+    """Many ranks starting at once on a busy store's server: a failed connect is not retried in step
+    by every loop; the next connect waits a randomised, doubling backoff (calls fail at once, without
+    a connect, until then); a connect that succeeds resets it."""
+    monkeypatch.setattr(schema.random, "uniform", lambda a, b: 1.0)
+    connects = []
+
+    def factory():
+        connects.append(time.monotonic())
+        if len(connects) <= 2:
+            raise ConnectionError("connect/validate timed out")
+        return CountingStore()
+
+    conn = Connection(factory, timedelta(seconds=0.5), "loop", backoff=True)
+    with pytest.raises(ConnectionError):
+        conn.call("add", "k", 0)
+    with pytest.raises(StoreCallTimeout, match="backing off after a failed connect"):
+        conn.call("add", "k", 0)  # within the first backoff (0.25 s): no connect
+    assert len(connects) == 1
+    time.sleep(schema.BACKOFF_FIRST + 0.05)
+    with pytest.raises(ConnectionError):
+        conn.call("add", "k", 0)  # the second connect fails: the backoff doubles
+    time.sleep(schema.BACKOFF_FIRST + 0.05)
+    with pytest.raises(StoreCallTimeout, match="backing off"):
+        conn.call("add", "k", 0)
+    time.sleep(schema.BACKOFF_FIRST + 0.1)
+    assert conn.call("add", "k", 0) == 3
+    assert len(connects) == 3 and connects[2] - connects[1] >= 2 * schema.BACKOFF_FIRST
+    conn.close()
+
+
+def test_a_connection_without_backoff_connects_again_at_the_next_call():
+    connects = []
+
+    def factory():
+        connects.append(1)
+        if len(connects) == 1:
+            raise ConnectionError("refused")
+        return CountingStore()
+
+    conn = Connection(factory, timedelta(seconds=0.5), "main")
+    with pytest.raises(ConnectionError):
+        conn.call("add", "k", 0)
+    assert conn.call("add", "k", 0) == 3
+    conn.close()

@@ -250,3 +250,35 @@ def test_records_probe_leaves_late_news_of_a_failure_already_agreed_on():
     probe.poll(10.6)
     found = probe.poll(11.0)
     assert found is not None and found.error.failed_rank == 3
+
+
+def test_the_process_hosting_the_store_knows_it():
+    """``release.listens_here``: true in the process whose TCPStore server listens on the port (rank
+    0 under env:// rendezvous), false for a client of the same store."""
+    import subprocess
+    import sys
+
+    from fault_tolerant_handlers.core.release import listens_here
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert listens_here(server.port)
+    client = subprocess.run(
+        [sys.executable, "-c", "import sys, torch.distributed as dist; from fault_tolerant_handlers.core.release import "
+         f"listens_here; c = dist.TCPStore('127.0.0.1', {server.port}, is_master=False); "
+         f"print(listens_here({server.port}))"], capture_output=True, text=True, timeout=60)
+    assert client.stdout.strip() == "False", client.stderr[-2000:]
+
+
+def test_heartbeat_probe_never_declares_a_running_successor_on_its_own_host():
+    """A successor on this host whose process runs (not stopped, not gone) is only late with its
+    beats (its helper's store connection is slow): no declaration. Stopped (SIGSTOP), it is silent."""
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    state = {"running": True}
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=1.0,
+                           running=lambda: state["running"])
+    other.beat(1)
+    assert all(probe.poll(0.5 * k) is None for k in range(20))  # 9.5 s still, and it runs
+    state["running"] = False
+    found = probe.poll(10.0)
+    assert found is not None and found.error.exc_type == "PeerSilent"
