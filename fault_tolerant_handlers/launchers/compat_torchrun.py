@@ -100,6 +100,7 @@ def _table() -> dict:
 #: The process group was made through :func:`_wrap`'s handler: its keys are in the attempt's namespace.
 _prefixed = False
 
+
 def shared_keys_left() -> bool:
     """Under torchrun's shared store, this attempt's groups wrote their keys under torch's bare
     names (the library was imported after ``init_process_group``): the next attempt would read them."""
