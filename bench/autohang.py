@@ -77,8 +77,8 @@ def run(framework: str, case: str, step_sleep: float = 0.0) -> dict:
 
 
 def mark_cost() -> list[str]:
-    from fault_tolerant_handlers.autohang import AutoHangProbe
-    from fault_tolerant_handlers.guard import Guard
+    from fault_tolerant_handlers.detect.autohang import AutoHangProbe
+    from fault_tolerant_handlers.adapters.guard import Guard
 
     class Watchdog:  # what Guard.beat reaches: Watchdog.beat's one assignment, and the probe
         def __init__(self, auto) -> None:

@@ -58,7 +58,7 @@ _SITE = {
     "torch": """
 import torch.utils.data
 import torch.utils.data.dataloader
-import fault_tolerant_handlers._dataloader_stateful  # torchdata's classes bind the stock DataLoader first
+import fault_tolerant_handlers.data._stateful  # torchdata's classes bind the stock DataLoader first
 from fault_tolerant_handlers.dataloader import RestartableDataLoader
 torch.utils.data.DataLoader = RestartableDataLoader
 torch.utils.data.dataloader.DataLoader = RestartableDataLoader
@@ -66,7 +66,7 @@ torch.utils.data.dataloader.DataLoader = RestartableDataLoader
     "torchdata": """
 import torchdata.stateful_dataloader
 import torchdata.stateful_dataloader.stateful_dataloader
-from fault_tolerant_handlers._dataloader_stateful import InnerStatefulLoader
+from fault_tolerant_handlers.data._stateful import InnerStatefulLoader
 torchdata.stateful_dataloader.StatefulDataLoader = InnerStatefulLoader
 torchdata.stateful_dataloader.stateful_dataloader.StatefulDataLoader = InnerStatefulLoader
 """,

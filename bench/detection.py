@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ranks import free_port  # noqa: E402
 from launch import read_events  # noqa: E402 - via _ranks, which puts tests/ on the path
-from fault_tolerant_handlers import _procfs
+from fault_tolerant_handlers.core import procfs as _procfs
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"

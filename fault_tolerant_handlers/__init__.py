@@ -12,13 +12,13 @@ Public names:
 * :func:`latest_checkpoint`: the newest complete checkpoint in a directory, the same on every rank.
 """
 
-from . import _compat_torchrun
-from .checkpoints import latest_checkpoint
-from .dataloader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
-from .errors import PeerFailedError, SectionMismatchError
-from .release import EXIT_TEARDOWN_STUCK
-from .sections import fail_together, one_rank_first
-from .watchdog import EXIT_HUNG, EXIT_PEER_FAILED, start_watchdog, writing_checkpoint
+from .launchers import compat_torchrun as _compat_torchrun
+from .data.checkpoints import latest_checkpoint
+from .data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
+from .core.errors import PeerFailedError, SectionMismatchError
+from .core.release import EXIT_TEARDOWN_STUCK
+from .core.sections import fail_together, one_rank_first
+from .detect.watchdog import EXIT_HUNG, EXIT_PEER_FAILED, start_watchdog, writing_checkpoint
 
 __all__ = [
     "EXIT_HUNG",

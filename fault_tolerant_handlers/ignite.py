@@ -1,6 +1,6 @@
 """PyTorch-Ignite adapter: ``FaultTolerance().attach(trainer)``.
 
-Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.guard.Guard`:
+Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.guard.Guard`:
 
 ========================  ==========================================================================
 ``STARTED``               start (collective: side group, watchdog reference)
@@ -28,12 +28,12 @@ from typing import Any, Mapping
 
 from ignite.engine import Engine, Events
 
-from . import _compat_ignite
-from ._log import log
-from .autohang import EVALUATION, STEP
-from ._resume_ignite import SafeDiskSaver, check_mid_epoch_resume
-from .guard import Guard
-from .inject import Injector
+from .adapters import compat_ignite as _compat_ignite
+from .core.log import log
+from .detect.autohang import EVALUATION, STEP
+from .adapters.resume_ignite import SafeDiskSaver, check_mid_epoch_resume
+from .adapters.guard import Guard
+from .core.inject import Injector
 
 __all__ = ["FaultTolerance", "SafeDiskSaver"]
 

@@ -1,7 +1,7 @@
 """Lightning adapter: ``Trainer(callbacks=[FaultTolerance()])``.
 
 Maps Lightning's ``Callback`` hooks onto the framework-neutral
-:class:`~fault_tolerant_handlers.guard.Guard`:
+:class:`~fault_tolerant_handlers.adapters.guard.Guard`:
 
 ==============================  ======================================================================
 ``setup``                       start (collective: side group, watchdog); this callback moves itself
@@ -53,11 +53,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from typing_extensions import override
 
-from . import _compat_lightning
-from ._log import log
-from .autohang import CHECKPOINT, EVALUATION, STEP
-from .guard import Guard
-from .inject import Injector
+from .adapters import compat_lightning as _compat_lightning
+from .core.log import log
+from .detect.autohang import CHECKPOINT, EVALUATION, STEP
+from .adapters.guard import Guard
+from .core.inject import Injector
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -138,7 +138,7 @@ def checkpoint_during_exit() -> None:
 def garbage_in_store() -> None:
     """A hostile writer sets the record counter and a heartbeat to 'abc'. The job carries on: new
     process groups can be made, and a real failure afterwards is still named."""
-    from fault_tolerant_handlers.session import get_session
+    from fault_tolerant_handlers.core.session import get_session
 
     start_watchdog()
     session = get_session()
@@ -190,7 +190,7 @@ def trainer_and_evaluator() -> None:
     from ignite.engine import Engine, Events
 
     from fault_tolerant_handlers.ignite import FaultTolerance
-    from fault_tolerant_handlers.session import get_session
+    from fault_tolerant_handlers.core.session import get_session
 
     evaluator = Engine(lambda e, b: None)
     FaultTolerance(name="evaluate").attach(evaluator)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fault_tolerant_handlers import _procfs
+from fault_tolerant_handlers.core import procfs as _procfs
 
 HERE = Path(__file__).resolve().parent
 RANK_MAIN = HERE / "rank_main.py"

@@ -54,7 +54,7 @@ def _settled() -> bool:
     simulated host can take seconds to come up); a fault before that tests the start-up."""
     if not USE_FT:
         return True
-    from fault_tolerant_handlers.session import get_session
+    from fault_tolerant_handlers.core.session import get_session
 
     session = get_session()
     conn = session.connection("ready-check", timedelta(seconds=5))

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import dl_stress
 from dl_stress import MapData, kill_children, make_loader
-from fault_tolerant_handlers.dataloader import (
+from fault_tolerant_handlers.data.loader import (
     DataLoaderRestartError,
     RestartableDataLoader,
     make_restartable,

@@ -89,7 +89,7 @@ def test_ignite_two_ranks_same_weights_after_worker_kill(tmp_path):
     assert rec["start_method"] == "fork" and rec["restart_seconds"] < 1.0, rec
 
 
-@pytest.mark.long  # a worker kill in a real Trainer also runs in tests/unit/test_lightning_local.py
+@pytest.mark.long  # a worker kill in a real Trainer also runs in tests/unit/adapters/test_lightning_local.py
 @pytest.mark.timeout(200)
 def test_lightning_two_ranks_same_weights_after_worker_kill(tmp_path):
     killed = check("lightning", tmp_path)

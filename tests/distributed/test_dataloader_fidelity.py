@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from dl_stress import MapData, kill_children
-from fault_tolerant_handlers.dataloader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart
+from fault_tolerant_handlers.data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -219,7 +219,7 @@ FD_SCRIPT = textwrap.dedent(
     """
     import resource, sys, torch
     from torch.utils.data import IterableDataset
-    from fault_tolerant_handlers.dataloader import RestartableDataLoader
+    from fault_tolerant_handlers.data.loader import RestartableDataLoader
 
     class Tensors(IterableDataset):
         def __iter__(self):
@@ -387,7 +387,7 @@ class SlowStream(IterableDataset):
 
 @pytest.mark.timeout(60)
 def test_inner_stateful_loader_is_generic_and_raises_torch_errors():
-    from fault_tolerant_handlers._dataloader_stateful import InnerStatefulLoader
+    from fault_tolerant_handlers.data._stateful import InnerStatefulLoader
 
     assert typing.get_origin(InnerStatefulLoader[int]) is InnerStatefulLoader  # torchdata's test_typing
     loader = InnerStatefulLoader(SlowStream(), batch_size=2, num_workers=1, timeout=1)

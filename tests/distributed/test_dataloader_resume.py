@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
 from dl_stress import MapData, StreamData, kill_children
-from fault_tolerant_handlers.dataloader import RestartableDataLoader
+from fault_tolerant_handlers.data.loader import RestartableDataLoader
 
 N, BATCH, EPOCHS = 96, 4, 3  # 24 batches an epoch (DistributedSampler: 12 per rank)
 
@@ -228,7 +228,7 @@ def test_ignite_mid_epoch_resume_warns_when_the_loader_would_start_over():
     from ignite.engine import Engine
     from torch.utils.data import DataLoader
 
-    from fault_tolerant_handlers._resume_ignite import check_mid_epoch_resume
+    from fault_tolerant_handlers.adapters.resume_ignite import check_mid_epoch_resume
 
     def engine_at(iteration, loader):
         engine = Engine(lambda e, b: None)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_tolerant_handlers.inject import FORMS, Injection, Injector, InjectedFault, parse
+from fault_tolerant_handlers.core.inject import FORMS, Injection, Injector, InjectedFault, parse
 from launch import PROGRAMS, run_ranks
 
 IGNITE = PROGRAMS / "ignite_main.py"

@@ -59,7 +59,7 @@ def test_opt_out_leaves_torchs_shared_namespace():
 def test_missing_private_table_is_named(monkeypatch):
     import importlib
 
-    from fault_tolerant_handlers import _compat_torchrun
+    from fault_tolerant_handlers.launchers import compat_torchrun as _compat_torchrun
 
     rendezvous = importlib.import_module("torch.distributed.rendezvous")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")

@@ -36,7 +36,7 @@ def test_root_cause_is_the_failing_rank(tmp_path, fault):
     # A killed rank writes nothing: its file comes from its liveness helper or a same-host survivor as
     # it ends, racing the agent's next look (every 0.1 s), so its text is the library's or, when the
     # race is lost, torch's (19 of 20 the library's, bench/torchrun_root_cause.py). The culprit and its
-    # signal are right either way, which is what is asserted here; the file is tests/unit/test_errorfile.py's.
+    # signal are right either way, which is what is asserted here; the file is tests/unit/launchers/test_errorfile.py's.
     assert results[1].event("fault")
     survivor = [e for e in results[0].events if e.get("event") == "run_raised"]
     if survivor:  # the survivor may also be ended by the watchdog or the agent first

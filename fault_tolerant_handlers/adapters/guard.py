@@ -1,0 +1,190 @@
+"""What an adapter calls at its framework's hooks: one :class:`Guard` per training loop.
+
+An adapter (Ignite handler, Lightning callback) maps its framework's events onto these verbs of
+the loop's fail-together session (:class:`~..core.session.Session`):
+
+* :meth:`Guard.start` once, on every rank, before training (collective on first use: creates the
+  side group; takes a reference on the watchdog);
+* :meth:`Guard.beat` every iteration (one assignment: progress for hang detection), with the kind
+  of work that begins (``"step"``, ``"evaluation"``, ``"checkpoint"``) for ``hang_timeout="auto"``;
+* :meth:`Guard.explain_with` once: how to recognise work from the main thread's stack (``"auto"``);
+* :meth:`Guard.check` where a hook may raise without communicating (an attribute read);
+* :meth:`Guard.sync` at the points where every rank already synchronises (every ``sync_every``
+  iterations, epoch end, before a checkpoint, the end of the run): one agreement, and every rank
+  raises together if any rank failed;
+* :meth:`Guard.on_exception` when the framework reports an exception: what this rank must raise;
+* :meth:`Guard.stop` when the loop ended normally (drops its watchdog reference).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+import torch.distributed as dist
+
+from ..core import config
+from ..core.log import log
+from ..core.errors import PeerFailedError
+from ..core.sections import check_name
+from ..core.agreement import mark
+from ..core.session import AGREED_ATTR, Session, get_session
+
+#: Marks an exception object this process already handled (published or converted).
+HANDLED_ATTR = "_fth_handled"
+
+
+class Guard:
+    """Fail-together verbs for one training loop on one process group.
+
+    Args:
+        sync_every: iterations between agreements inside an epoch (``None``: only at epoch ends and
+            the other natural sync points). The watchdog covers what happens in between.
+        hang_timeout: declare a rank hung when its loop makes no progress for this long, from 1 s
+            to 7 days; ``"auto"``: when a piece of work (step, evaluation, checkpoint) runs far longer
+            than any like it so far (:mod:`.autohang`; ``FTH_AUTO_HANG_*``); ``None``: off unless
+            ``FTH_HANG_TIMEOUT_SEC`` (seconds, or ``auto``) is set.
+        watchdog: start the out-of-band watchdog (default True).
+        release_on_failure: when this rank fails, release its collectives at once so that peers
+            blocked in a collective with it fail fast instead of waiting for a timeout.
+        name: the loop's name in reports (``"train"``).
+        group: process group (``None``: all ranks).
+
+    Raises:
+        TypeError, ValueError: an argument or an ``FTH_*`` variable out of range (named).
+    """
+
+    def __init__(self, *, sync_every: int | None = 100, hang_timeout: timedelta | float | str | dict | None = None,
+                 watchdog: bool = True,
+                 release_on_failure: bool = True, name: str = "train", group: dist.ProcessGroup | None = None,
+                 owner: str = "FaultTolerance") -> None:
+        if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
+            raise ValueError(f"{owner}(sync_every=...) must be a positive int (iterations) or None, got {sync_every!r}")
+        hang_timeout = config.check_hang_timeout(hang_timeout, what=f"{owner}(hang_timeout=...)")
+        if not isinstance(watchdog, bool):
+            raise TypeError(f"{owner}(watchdog=...) must be True or False, got {watchdog!r}")
+        check_name(owner, name)
+        config.load()  # every FTH_* variable is checked now, not when a failure comes
+        self.sync_every = sync_every
+        self.hang_timeout = hang_timeout
+        self.use_watchdog = watchdog
+        self.release_on_failure = release_on_failure
+        self.name = name
+        self.group = group
+        self.session: Session | None = None
+        self._watching = False
+        self._explainers: list = []
+
+    @property
+    def active(self) -> bool:
+        return self.session is not None
+
+    @property
+    def rank(self) -> int:
+        return self.session.rank if self.session is not None else 0
+
+    def start(self) -> None:
+        """Collective on first use: call on every rank before training. A no-op without distribution."""
+        self.session = get_session(self.group, caller=type(self).__name__)
+        if self.session is not None and self.use_watchdog and not self._watching:
+            self.session.start_watchdog(self.hang_timeout)
+            self._watching = True
+        self.beat()
+
+    def stop(self) -> None:
+        """The loop ended normally on every rank: drop this loop's watchdog reference."""
+        if self._watching and self.session is not None:
+            auto = self.auto_hang
+            if auto is not None:  # this loop's work is over: nothing of it is watched any more
+                auto.mark(None, time.monotonic())
+                for explainer in self._explainers:
+                    if explainer in auto.explainers:
+                        auto.explainers.remove(explainer)
+            self._explainers = []
+            self._watching = False
+            self.session.stop_watchdog()
+
+    def beat(self, step: int | None = None, work: str | None = None) -> None:
+        """Progress; with ``work``, the kind of work that begins now (ends the one under way)."""
+        watchdog = self.session.watchdog if self.session is not None else None
+        if watchdog is not None:
+            watchdog.beat(step)
+            if work is not None:
+                auto = watchdog.auto_hang
+                if auto is not None:
+                    auto.mark(work, time.monotonic(), step)
+
+    @property
+    def auto_hang(self):
+        """The learned-deadline probe of ``hang_timeout="auto"`` (``None`` otherwise)."""
+        watchdog = self.session.watchdog if self.session is not None else None
+        return getattr(watchdog, "auto_hang", None)
+
+    def explain_with(self, explainer: Callable[[object], tuple[str, object] | None]) -> None:
+        """Add a way to recognise work from the main thread's stack (see :mod:`.autohang`)."""
+        auto = self.auto_hang
+        if auto is not None and explainer not in auto.explainers:
+            auto.explainers.append(explainer)
+            self._explainers.append(explainer)
+
+    def due(self, iteration: int) -> bool:
+        return self.sync_every is not None and iteration % self.sync_every == 0
+
+    def check(self, *, step: int | None = None, epoch: int | None = None) -> None:
+        """Raise the peer failure the watchdog already knows (no communication)."""
+        if self.session is not None and self.session.known_failure is not None:
+            raise self.on_exception(self.session.known_failure, step=step, epoch=epoch)
+
+    def sync(self, where: str, *, step: int | None = None, epoch: int | None = None) -> None:
+        """One agreement at sync point ``where``: raise on every rank if any rank failed."""
+        session = self.session
+        if session is None:
+            return
+        self.check(step=step, epoch=epoch)
+        outcome = session.agree("loop", f"{self.name}: {where}", step=step, epoch=epoch)
+        err = outcome.error_for_caller()
+        if err is not None:
+            mark(err, AGREED_ATTR)
+            raise self.on_exception(err, step=step, epoch=epoch)
+
+    def on_exception(self, exc: BaseException, *, step: int | None = None, epoch: int | None = None) -> BaseException:
+        """What this rank must raise for ``exc``: ``exc`` itself, or the peer's error.
+
+        A local failure is published for the other ranks (and, with ``release_on_failure``, this
+        rank's collectives are released so that a peer blocked in one with it wakes up at once).
+        An error that comes from a peer's failure (:meth:`Session.classify`) becomes the peer's
+        :class:`PeerFailedError`. Idempotent: the same exception object is handled once.
+        """
+        session = self.session
+        if session is None or getattr(exc, HANDLED_ATTR, False):
+            return exc
+        if isinstance(exc, SystemExit) and session.signal_cause is not None:
+            # The framework's answer to this rank's own SIGTERM (Lightning's SIGTERMException, at the
+            # next batch): the peers know it already (RankSignalled), and its exception path
+            # (checkpoints, their barriers) runs on unreleased.
+            mark(exc, HANDLED_ATTR)
+            return exc
+        peer = session.classify(exc)
+        if peer is not None:
+            session.acknowledge(peer)
+            mark(peer, HANDLED_ATTR)
+            if peer is not exc:
+                peer.__cause__ = exc
+            log(logging.ERROR, "stopping: %s", str(peer).splitlines()[0], step=step)
+            return peer
+        session.report_error(exc, section=self.name, step=step, epoch=epoch, release=self.release_on_failure)
+        mark(exc, HANDLED_ATTR)
+        return exc
+
+    # -- state ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"load_state_dict(state_dict=...) takes a mapping, got {type(state_dict).__name__}")
+
+
+__all__ = ["Guard", "PeerFailedError"]

@@ -1,0 +1,436 @@
+"""Every setting of the library: its argument or environment variable, default and accepted range.
+
+Timeouts are ``datetime.timedelta`` values; each environment override is a number of seconds, in a
+documented range. Every ``FTH_*`` variable is read and checked when a fail-together session starts
+(and when an adapter is constructed), so a bad value stops the job at once with an error naming the
+variable and its accepted range, never later inside a watchdog thread.
+
+==============================  =========  ====================  ======================================
+variable                        default    accepted              meaning
+==============================  =========  ====================  ======================================
+``FTH_WATCHDOG_INTERVAL_SEC``   0.1        0.01 .. 10            watchdog poll period
+``FTH_HANG_TIMEOUT_SEC``        (off)      1 .. 604800, auto     opt-in hang detection (``auto``: learned)
+``FTH_AUTO_HANG_MULTIPLE``      10         1 .. 1000             ``auto``: deadline = multiple x longest
+``FTH_AUTO_HANG_FLOOR_SEC``     60         1 .. 604800           ``auto``: no deadline below this
+``FTH_AUTO_HANG_WARMUP``        20         1 .. 1000000          ``auto``: training steps before judging
+``FTH_EXIT_GRACE_SEC``          3          0.1 .. 3600           released rank: time to take the failure
+``FTH_WRITE_GRACE_SEC``         120        0 .. 3600             reported exit waits for a checkpoint write
+``FTH_HEARTBEAT_TIMEOUT_SEC``   3          1 .. 86400            a peer whose heartbeat stops is lost
+``FTH_STORE_LOST_SEC``          4          1 .. 86400            a store that does not answer, its port
+                                                                 refused or unreachable all along, is
+                                                                 lost (a slow store never is)
+``FTH_SYNC_TIMEOUT_SEC``        (group's)  1 .. 2592000          the side group's timeout
+``FTH_RELEASE``                 auto       auto, exit            how blocked collectives are released
+``FTH_INJECT``                  (none)     see ``inject.py``     rehearse a failure
+``FTH_CKPT_AGREE_TIMEOUT_SEC``  300        1 .. 86400            ranks wait this long for rank 0's
+                                                                 ``latest_checkpoint`` answer
+``FTH_ATTEMPT_STORE``           1          0, 1                  one store namespace per torchrun attempt
+==============================  =========  ====================  ======================================
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
+from . import inject
+from .log import log
+
+INTERVAL_ENV = "FTH_WATCHDOG_INTERVAL_SEC"
+HANG_TIMEOUT_ENV = "FTH_HANG_TIMEOUT_SEC"
+EXIT_GRACE_ENV = "FTH_EXIT_GRACE_SEC"
+WRITE_GRACE_ENV = "FTH_WRITE_GRACE_SEC"
+HEARTBEAT_TIMEOUT_ENV = "FTH_HEARTBEAT_TIMEOUT_SEC"
+STORE_LOST_ENV = "FTH_STORE_LOST_SEC"
+SYNC_TIMEOUT_ENV = "FTH_SYNC_TIMEOUT_SEC"
+RELEASE_ENV = "FTH_RELEASE"
+INJECT_ENV = "FTH_INJECT"
+CKPT_AGREE_TIMEOUT_ENV = "FTH_CKPT_AGREE_TIMEOUT_SEC"
+ATTEMPT_STORE_ENV = "FTH_ATTEMPT_STORE"
+ATTEMPT_STORE_CHOICES = ("0", "1")
+AUTO_HANG_MULTIPLE_ENV = "FTH_AUTO_HANG_MULTIPLE"
+AUTO_HANG_FLOOR_ENV = "FTH_AUTO_HANG_FLOOR_SEC"
+AUTO_HANG_WARMUP_ENV = "FTH_AUTO_HANG_WARMUP"
+#: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`.autohang`).
+AUTO = "auto"
+
+RELEASE_CHOICES = ("auto", "exit")
+
+#: (low, high) in seconds, inclusive, for every timeout setting (argument and variable alike).
+RANGES: dict[str, tuple[float, float]] = {
+    "interval": (0.01, 10.0),
+    "hang_timeout": (1.0, 7 * 86400.0),
+    "exit_grace": (0.1, 3600.0),
+    "write_grace": (0.0, 3600.0),
+    "heartbeat_timeout": (1.0, 86400.0),
+    "store_lost_after": (1.0, 86400.0),
+    "sync_timeout": (1.0, 30 * 86400.0),
+    "ckpt_agree_timeout": (1.0, 86400.0),
+}
+_ENV_OF = {
+    "interval": INTERVAL_ENV,
+    "hang_timeout": HANG_TIMEOUT_ENV,
+    "exit_grace": EXIT_GRACE_ENV,
+    "write_grace": WRITE_GRACE_ENV,
+    "heartbeat_timeout": HEARTBEAT_TIMEOUT_ENV,
+    "store_lost_after": STORE_LOST_ENV,
+    "sync_timeout": SYNC_TIMEOUT_ENV,
+    "ckpt_agree_timeout": CKPT_AGREE_TIMEOUT_ENV,
+}
+KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV, AUTO_HANG_MULTIPLE_ENV,
+             AUTO_HANG_FLOOR_ENV, AUTO_HANG_WARMUP_ENV)
+
+
+def _range_text(name: str) -> str:
+    low, high = RANGES[name]
+    return f"{low:.15g} and {high:.15g} seconds"
+
+
+def check_timedelta(name: str, value: object, *, allow_none: bool = False, what: str | None = None) -> timedelta | None:
+    """``value`` as a timedelta in the accepted range of setting ``name``; a clear error otherwise."""
+    label = what or name
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, timedelta):
+        hint = " or None" if allow_none else ""
+        raise TypeError(f"{label} must be a datetime.timedelta{hint} (e.g. timedelta(seconds=5)), got {value!r}")
+    seconds = value.total_seconds()
+    low, high = RANGES[name]
+    if not low <= seconds <= high:
+        raise ValueError(f"{label} must be between {_range_text(name)}, got {value!r}")
+    return value
+
+
+#: The forms ``hang_timeout`` accepts, as error messages name them.
+HANG_TIMEOUT_FORMS = ("None (off), a datetime.timedelta (e.g. timedelta(minutes=5)), a number of seconds (e.g. 300), "
+                      "a 'DD:HH:MM:SS' string (e.g. '00:00:05:00'), a dict of timedelta arguments (e.g. "
+                      "{'minutes': 5}) or 'auto' (a deadline learned from the run)")
+_DHMS = re.compile(r"\s*(\d+):(\d+):(\d+):(\d+)\s*")
+
+
+def _hang_timeout_as_timedelta(value: object) -> timedelta | None:
+    """A number of seconds, a ``"DD:HH:MM:SS"`` string or a dict of ``timedelta`` arguments (the
+    forms Lightning's ``Timer(duration=...)`` takes, for YAML, LightningCLI and Hydra configs) as a
+    ``timedelta``; ``None`` for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return timedelta(seconds=value) if math.isfinite(value) and abs(value) < 1e12 else timedelta.max
+    if isinstance(value, str):
+        match = _DHMS.fullmatch(value)
+        if match is None:
+            return None
+        days, hours, minutes, seconds = (int(part) for part in match.groups())
+        try:
+            return timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+        except OverflowError:
+            return timedelta.max
+    if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+        try:
+            return timedelta(**value)
+        except (TypeError, ValueError, OverflowError):
+            return None
+    return None
+
+
+def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelta | str | None:
+    """``hang_timeout`` as ``None`` (off), ``"auto"`` (learned) or a ``timedelta`` in range (1 s to
+    7 days). Accepted: ``None``, ``"auto"``, a ``timedelta``, a number of seconds, a
+    ``"DD:HH:MM:SS"`` string, a dict of ``timedelta`` arguments (``{"minutes": 5}``).
+
+    Raises:
+        TypeError: any other value (the message lists the accepted forms).
+        ValueError: a duration outside 1 s to 7 days.
+    """
+    if value == AUTO and isinstance(value, str):
+        return AUTO
+    if value is None or isinstance(value, timedelta):
+        return check_timedelta("hang_timeout", value, allow_none=True, what=what)
+    duration = _hang_timeout_as_timedelta(value)
+    if duration is None:
+        raise TypeError(f"{what} must be {HANG_TIMEOUT_FORMS}, got {value!r}")
+    low, high = RANGES["hang_timeout"]
+    if not low <= duration.total_seconds() <= high:
+        raise ValueError(f"{what} must be between {_range_text('hang_timeout')}, got {value!r}")
+    return duration
+
+
+@dataclass(frozen=True)
+class AutoHang:
+    """The rule of ``hang_timeout="auto"`` (:class:`~..detect.autohang.AutoHangProbe`)."""
+
+    multiple: float
+    floor: float
+    warmup: int
+
+
+#: (default, low, high) of each parameter of the ``auto`` rule, and its variable.
+AUTO_HANG_RANGES = {
+    "multiple": (AUTO_HANG_MULTIPLE_ENV, 10.0, 1.0, 1000.0),
+    "floor": (AUTO_HANG_FLOOR_ENV, 60.0, 1.0, 7 * 86400.0),
+    "warmup": (AUTO_HANG_WARMUP_ENV, 20, 1, 1_000_000),
+}
+
+
+def auto_hang() -> AutoHang:
+    """The ``auto`` rule's parameters, with their ``FTH_AUTO_HANG_*`` overrides, range-checked."""
+    values = {}
+    for name, (variable, default, low, high) in AUTO_HANG_RANGES.items():
+        raw = os.environ.get(variable, "").strip()
+        if not raw:
+            values[name] = default
+            continue
+        try:
+            value = int(raw) if isinstance(default, int) else float(raw)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and low <= value <= high):
+            kind = "an integer" if isinstance(default, int) else "a number"
+            raise ValueError(f"{variable}={raw!r}: expected {kind} from {low:.15g} to {high:.15g}, "
+                             f"e.g. {variable}={default:.15g}")
+        values[name] = value
+    return AutoHang(**values)
+
+
+def env_hang_timeout() -> timedelta | str | None:
+    """``FTH_HANG_TIMEOUT_SEC``: a number of seconds, or ``auto``."""
+    if os.environ.get(HANG_TIMEOUT_ENV, "").strip().lower() == AUTO:
+        return AUTO
+    try:
+        return env_timedelta("hang_timeout")
+    except ValueError as err:
+        raise ValueError(f"{err}, or {AUTO} (a deadline learned from the run)") from None
+
+
+def env_timedelta(name: str) -> timedelta | None:
+    """The environment override of setting ``name`` (``None`` when unset), range-checked."""
+    variable = _ENV_OF[name]
+    raw = os.environ.get(variable, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    low, high = RANGES[name]
+    if not (math.isfinite(seconds) and low <= seconds <= high):
+        raise ValueError(f"{variable}={raw!r}: expected a number of seconds from {low:.15g} to {high:.15g}, e.g. {variable}=5")
+    return timedelta(seconds=seconds)
+
+
+def attempt_store() -> bool:
+    raw = os.environ.get(ATTEMPT_STORE_ENV, "")
+    value = raw.strip() or "1"
+    if value not in ATTEMPT_STORE_CHOICES:
+        raise ValueError(f"{ATTEMPT_STORE_ENV}={raw!r}: expected one of {', '.join(ATTEMPT_STORE_CHOICES)}")
+    return value == "1"
+
+
+def ckpt_agree_timeout() -> timedelta:
+    return env_timedelta("ckpt_agree_timeout") or timedelta(seconds=300)
+
+
+def release_mode() -> str:
+    raw = os.environ.get(RELEASE_ENV, "")
+    mode = raw.strip().lower() or "auto"
+    if mode not in RELEASE_CHOICES:
+        raise ValueError(f"{RELEASE_ENV}={raw!r}: expected one of {', '.join(RELEASE_CHOICES)}")
+    return mode
+
+
+DEFAULTS = {
+    "interval": timedelta(seconds=0.1),
+    "exit_grace": timedelta(seconds=3),
+    "write_grace": timedelta(seconds=120),
+    "heartbeat_timeout": timedelta(seconds=3),
+    "store_lost_after": timedelta(seconds=4),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The checked settings of one process (environment overrides applied)."""
+
+    interval: timedelta
+    hang_timeout: timedelta | str | None
+    exit_grace: timedelta
+    write_grace: timedelta
+    heartbeat_timeout: timedelta
+    store_lost_after: timedelta
+    sync_timeout: timedelta | None
+    release: str
+
+
+def load() -> Config:
+    """Read and check every ``FTH_*`` variable. Raises ``ValueError`` naming the first bad one."""
+    inject.Injector.from_env()  # FTH_INJECT is checked with the rest
+    unknown = sorted(k for k in os.environ if k.startswith("FTH_") and k not in KNOWN_ENV and not k.startswith("FTH_TEST"))
+    if unknown:
+        log(logging.WARNING, "ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
+            ", ".join(KNOWN_ENV))
+    values = {name: env_timedelta(name) for name in _ENV_OF if name != "hang_timeout"}
+    values["hang_timeout"] = env_hang_timeout()
+    auto_hang()
+    attempt_store()
+    cfg = Config(
+        interval=values["interval"] or DEFAULTS["interval"],
+        hang_timeout=values["hang_timeout"],
+        exit_grace=values["exit_grace"] or DEFAULTS["exit_grace"],
+        write_grace=values["write_grace"] if values["write_grace"] is not None else DEFAULTS["write_grace"],
+        heartbeat_timeout=values["heartbeat_timeout"] or DEFAULTS["heartbeat_timeout"],
+        store_lost_after=values["store_lost_after"] or DEFAULTS["store_lost_after"],
+        sync_timeout=values["sync_timeout"],
+        release=release_mode(),
+    )
+    for problem in check_timings(cfg):
+        log(logging.WARNING, "%s", problem)
+    return cfg
+
+# -- Fixed timings of the failure path ---------------------------------------------------------------
+# Every timeout and wait of the library that no variable sets, defined here once (the modules that
+# use one import it from here) and checked against each other and the settings above when a session
+# starts (:func:`check_timings`). Seconds unless a ``timedelta``.
+#
+# ===========================  =======  ===========================  ==============================================
+# name                         value    used by                      what it bounds
+# ===========================  =======  ===========================  ==============================================
+# MAIN_STORE_TIMEOUT           5 s      core.session                 the main thread's store calls (publish, read)
+# FAILURE_PATH_STORE_TIMEOUT   1 s      core.session                 store calls while explaining a broken collective
+# EXPLAIN_WAIT                 2.0      core.session                 a broken collective waits for its cause
+# SUSPECT_SILENCE              1.2      core.session                 a suspect's heartbeat stands still: it is lost
+# SUSPECT_OBSERVED_GAP         0.5      core.session                 reads this close observe a suspect's silence
+# EXPLAIN_EVIDENCE_TIMEOUT     0.5      core.session                 the plain connect telling the store is gone
+# MISMATCH_WAIT                1.0      core.session                 out-of-step ranks wait for each other's sections
+# RELEASE_GRACE                0.3 s    detect.watchdog              a record waits for a sync point before release
+# SILENT_MARGIN                2 s      detect.watchdog              on top of hang_timeout before a silent rank
+# HEARTBEAT_EVERY              0.5 s    detect.watchdog, liveness    the helper's heartbeat and ring check period
+# LIVENESS_STORE_TIMEOUT       2 s      detect.watchdog              the pid loop's store calls (declarations)
+# STORE_CHECK_EVERY            0.5      detect.watchdog              a silent store's port is tried this often
+# STORE_EVIDENCE_TIMEOUT       1.5      detect.watchdog              each such try (past one lost SYN)
+# STORE_WARN_EVERY             30.0     detect.watchdog              a slow (not gone) store is warned about
+# HELPER_STORE_TIMEOUT         1 s      detect.liveness              the helper's store calls
+# RANK_EXIT_WAIT               0.05     detect.liveness              the kernel shows a dead rank's exit status
+# SIGNAL_STORE_TIMEOUT         1 s      launchers.signals            store calls on a signal
+# CAUSE_LINGER                 0.6      launchers.signals            a signalled cause stays for its peers to read
+# SAME_DELIVERY                0.3      launchers.signals            peers' signals this close are one delivery
+# SIGNALLED_TOGETHER           1.0      launchers.signals            the same, behind a framework's handler
+# REPORT_WAIT                  1.5      launchers.signals            a signalled survivor waits for the explanation
+# REACTION_WAIT                5.0      launchers.signals            the main thread waits for the signal thread
+# SIGTERM_CAUSE_WAIT           1.0      launchers.spawned            under mp.spawn, a SIGTERM waits for the cause
+# ZOMBIE_HOLD                  0.5      launchers.spawned, liveness  a dead rank is held a zombie for its peers
+# CONNECT_TRIES, CONNECT_SLACK 3x, 1.0  core.schema                  a store connect (kept there: its own logic)
+# CALL_SLACK                   0.5      core.schema                  a store call past its connection's timeout
+# ===========================  =======  ===========================  ==============================================
+
+#: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
+MAIN_STORE_TIMEOUT = timedelta(seconds=5)
+#: Timeout of the store calls made while explaining a broken collective.
+FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=1)
+#: How long a broken collective waits for the cause (a killed peer is declared within ~0.1 s).
+EXPLAIN_WAIT = 2.0
+#: A rank at the address a backend error names, whose heartbeat (every HEARTBEAT_EVERY, from its
+#: liveness process) stands still this long, is lost.
+SUSPECT_SILENCE = 1.2
+#: How long ranks found out of step wait for each other's section names.
+MISMATCH_WAIT = 1.0
+#: Bound of the plain connect that tells whether the store is gone while explaining a broken
+#: collective (past it: no answer from the store's host, with a connection from it already broken).
+EXPLAIN_EVIDENCE_TIMEOUT = 0.5
+#: Two reads of a suspect's heartbeat at most this far apart (seconds) observe the time between
+#: them; a longer gap (the store answered slowly) does not count as its silence.
+SUSPECT_OBSERVED_GAP = 0.5
+
+#: How long a failure record may stay unconsumed by a sync point before the watchdog releases.
+RELEASE_GRACE = timedelta(seconds=0.3)
+#: Extra time before a neighbour declares a silent rank, on top of ``hang_timeout``.
+SILENT_MARGIN = timedelta(seconds=2)
+#: Heartbeat period; the ring check runs at the same period.
+HEARTBEAT_EVERY = timedelta(seconds=0.5)
+#: Timeout of the liveness loop's store calls (only to publish what it declares).
+LIVENESS_STORE_TIMEOUT = timedelta(seconds=2)
+#: While the store does not answer, its port is tried this often (a plain TCP connect: evidence
+#: that it is gone, or that it is only slow), each try bounded by :data:`STORE_EVIDENCE_TIMEOUT`
+#: seconds (past the kernel's first SYN retransmission, 1 s: one lost packet is not evidence).
+STORE_CHECK_EVERY = 0.5
+STORE_EVIDENCE_TIMEOUT = 1.5
+#: A store that is slow but not gone is warned about at most this often (seconds).
+STORE_WARN_EVERY = 30.0
+#: Timeout of the helper's store calls: a call never blocks it longer than a heartbeat or two.
+HELPER_STORE_TIMEOUT = timedelta(seconds=1)
+#: How long the helper, woken by its rank's end, waits for the kernel to show the rank's exit
+#: status (its files, the pipe, close a moment before it becomes a zombie).
+RANK_EXIT_WAIT = 0.05
+
+#: Timeout of the store calls made on a signal (publish the record, look for a peer's).
+SIGNAL_STORE_TIMEOUT = timedelta(seconds=1)
+#: How long a signalled rank whose signal ends it stays alive after publishing its record: the
+#: watchdog's record grace (RELEASE_GRACE) and two polls, so that its peers name the signal.
+CAUSE_LINGER = 0.6
+#: A peer's record of the same signal received within this many seconds of this rank's is the same
+#: delivery (Ctrl-C in a terminal, a scheduler signalling every process): both ranks are causes. A
+#: launcher's SIGTERM to the survivors of a signalled rank comes after that rank's exit, so at least
+#: CAUSE_LINGER after its record: a consequence.
+SAME_DELIVERY = 0.3
+#: The same, when a framework's handler (Lightning's) is in front of this one: that handler does not
+#: end the process at once (no launcher's SIGTERM follows within a second), and Lightning's ``ddp``
+#: rank 0 forwards the signal to the ranks it started, later than a delivery to every process.
+SIGNALLED_TOGETHER = 1.0
+#: How long a rank ended while it works out a peer's failure waits for that explanation.
+REPORT_WAIT = 1.5
+#: How long the main thread's handler waits for the reaction under way in the thread (under mp.spawn it
+#: may wait for the cause: REPORT_WAIT, SIGTERM_CAUSE_WAIT and a store call).
+REACTION_WAIT = 5.0
+#: How long a SIGTERM that finds a same-host peer gone, and nothing known yet, waits for the cause
+#: (the watchdog's finding or the peer's record); well inside the parent's 30 s before SIGKILL.
+SIGTERM_CAUSE_WAIT = 1.0
+#: How long a gone rank's liveness helper stays under ``mp.spawn``, keeping the rank a zombie its
+#: parent cannot reap yet (so that same-host peers read how it ended).
+ZOMBIE_HOLD = 0.5
+
+
+def check_timings(cfg: "Config | None" = None) -> list[str]:
+    """The relations the timings above must keep, with each other and with the settings ``cfg``.
+
+    A broken relation between two fixed timings is a bug of the library: ``AssertionError``. One
+    that a setting breaks (a poll interval of seconds) is returned, and logged as a warning when a
+    session starts: the job runs, but that part of the failure path is slower than it says."""
+    seconds = lambda t: t.total_seconds() if isinstance(t, timedelta) else float(t)  # noqa: E731
+    fixed = [
+        (SAME_DELIVERY < CAUSE_LINGER, "SAME_DELIVERY < CAUSE_LINGER: a launcher's SIGTERM after a signalled "
+                                       "rank's exit is told apart from one delivery to every rank"),
+        (SAME_DELIVERY <= SIGNALLED_TOGETHER, "SAME_DELIVERY <= SIGNALLED_TOGETHER"),
+        (CAUSE_LINGER >= seconds(RELEASE_GRACE), "CAUSE_LINGER >= RELEASE_GRACE"),
+        (REPORT_WAIT + SIGTERM_CAUSE_WAIT + seconds(SIGNAL_STORE_TIMEOUT) <= REACTION_WAIT,
+         "REPORT_WAIT + SIGTERM_CAUSE_WAIT + SIGNAL_STORE_TIMEOUT <= REACTION_WAIT: the main thread's "
+         "handler waits for the whole reaction"),
+        (seconds(FAILURE_PATH_STORE_TIMEOUT) < EXPLAIN_WAIT, "FAILURE_PATH_STORE_TIMEOUT < EXPLAIN_WAIT"),
+        (SUSPECT_SILENCE > 2 * seconds(HEARTBEAT_EVERY), "SUSPECT_SILENCE > 2 x HEARTBEAT_EVERY: a live "
+                                                        "suspect beats at least twice in it"),
+        (SUSPECT_OBSERVED_GAP < SUSPECT_SILENCE, "SUSPECT_OBSERVED_GAP < SUSPECT_SILENCE: a silence is observed"),
+        (EXPLAIN_EVIDENCE_TIMEOUT < EXPLAIN_WAIT, "EXPLAIN_EVIDENCE_TIMEOUT < EXPLAIN_WAIT"),
+        (STORE_CHECK_EVERY < STORE_EVIDENCE_TIMEOUT + STORE_WARN_EVERY, "STORE_CHECK_EVERY < STORE_WARN_EVERY"),
+        (SUSPECT_SILENCE < EXPLAIN_WAIT, "SUSPECT_SILENCE < EXPLAIN_WAIT: a silent suspect is declared "
+                                         "before the explanation gives up"),
+        (seconds(HELPER_STORE_TIMEOUT) <= 2 * seconds(HEARTBEAT_EVERY), "HELPER_STORE_TIMEOUT <= 2 x "
+                                                                        "HEARTBEAT_EVERY"),
+        (ZOMBIE_HOLD < SIGTERM_CAUSE_WAIT + REPORT_WAIT, "ZOMBIE_HOLD < SIGTERM_CAUSE_WAIT + REPORT_WAIT"),
+    ]
+    broken = [what for ok, what in fixed if not ok]
+    assert not broken, f"the library's timings contradict each other: {'; '.join(broken)}"
+    problems = []
+    if cfg is not None:
+        poll = seconds(cfg.interval)
+        if CAUSE_LINGER < seconds(RELEASE_GRACE) + 2 * poll:
+            problems.append(f"{INTERVAL_ENV}={poll:g}: a rank ended by its own SIGTERM/SIGINT lingers "
+                            f"{CAUSE_LINGER:g} s for its peers to read its record, less than the record grace and "
+                            f"two polls ({seconds(RELEASE_GRACE) + 2 * poll:g} s): its peers may name a process "
+                            "gone instead of the signal")
+        if seconds(cfg.heartbeat_timeout) < 2 * seconds(HEARTBEAT_EVERY):
+            problems.append(f"{HEARTBEAT_TIMEOUT_ENV}: below two heartbeats ({2 * seconds(HEARTBEAT_EVERY):g} s)")
+        if max(1.0, 5 * poll) > seconds(cfg.store_lost_after):
+            problems.append(f"{INTERVAL_ENV}={poll:g}: the watchdog's store calls may take {max(1.0, 5 * poll):g} s, "
+                            f"longer than {STORE_LOST_ENV} ({seconds(cfg.store_lost_after):g} s): a lost store is "
+                            "declared late")
+    return problems

@@ -1,0 +1,159 @@
+"""Rehearse a failure in your own job, without editing it: the ``FTH_INJECT`` environment variable.
+
+Both adapters read it when they start and fire each injection once, at the start of the matching
+training iteration::
+
+    FTH_INJECT="raise@rank=1,iteration=5"              # rank 1 raises InjectedFault at iteration 5
+    FTH_INJECT="kill@rank=0,iteration=20"               # rank 0 SIGKILLs itself (an OOM kill)
+    FTH_INJECT="hang@rank=1,iteration=8"                # rank 1 sleeps forever (set hang_timeout)
+    FTH_INJECT="worker-kill@rank=1,iteration=3"         # SIGKILL one DataLoader worker of rank 1
+    FTH_INJECT="raise@rank=1,iteration=5,epoch=2; kill@rank=0,iteration=40"   # several, with ';'
+
+``iteration`` is the global iteration counter (Ignite ``engine.state.iteration``, Lightning
+``trainer.global_step + 1``); ``epoch`` (1-based, optional) narrows it to one epoch.
+
+``attempt`` (optional) is the restart the injection fires in: torchrun's ``TORCHELASTIC_RESTART_COUNT``
+(0 for the first attempt; 0 too when the job was not started by torchrun). **The default is
+``attempt=0``**: the environment is handed to every attempt, so an injection that fired in every
+attempt would fail each restart in the same place and spend ``--max-restarts`` without ever showing
+a recovery; firing in the first attempt only is what rehearsing a restart needs. ``attempt=any``
+fires in every attempt (a fault that is in the data, say); ``attempt=2`` only in the third.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .log import log
+
+#: The environment variable the adapters read.
+INJECT_ENV = "FTH_INJECT"
+#: The attempt number, set by torchrun in every worker it starts (0, 1, ... one per restart).
+ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
+KINDS = ("raise", "kill", "hang", "worker-kill")
+FORMS = (
+    "'<kind>@rank=<int>,iteration=<int>[,epoch=<int>][,attempt=<int>|any]' with <kind> one of "
+    + ", ".join(KINDS)
+    + "; several separated by ';' (e.g. FTH_INJECT=\"raise@rank=1,iteration=5\")"
+)
+_SPEC = re.compile(r"^\s*(?P<kind>[a-z-]+)\s*@\s*(?P<args>.*?)\s*$")
+
+
+class InjectedFault(RuntimeError):
+    """What ``raise@...`` raises."""
+
+
+@dataclass(frozen=True)
+class Injection:
+    kind: str
+    rank: int
+    iteration: int
+    epoch: int | None = None
+    attempt: int | None = 0  #: None: every attempt
+
+    def __str__(self) -> str:
+        epoch = f",epoch={self.epoch}" if self.epoch is not None else ""
+        attempt = "" if self.attempt == 0 else f",attempt={'any' if self.attempt is None else self.attempt}"
+        return f"{self.kind}@rank={self.rank},iteration={self.iteration}{epoch}{attempt}"
+
+
+def parse(text: str) -> list[Injection]:
+    """Parse an ``FTH_INJECT`` value.
+
+    Raises:
+        ValueError: naming the bad part and the accepted forms.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"{INJECT_ENV} must be a string of the form {FORMS}, got {text!r}")
+    injections = []
+    for part in (p for p in text.split(";") if p.strip()):
+        match = _SPEC.match(part)
+        if match is None:
+            raise ValueError(f"{INJECT_ENV}: cannot read {part.strip()!r}; accepted: {FORMS}")
+        kind = match.group("kind")
+        if kind not in KINDS:
+            raise ValueError(f"{INJECT_ENV}: unknown kind {kind!r} in {part.strip()!r}; accepted: {FORMS}")
+        fields: dict[str, int | None] = {}
+        for item in (i for i in match.group("args").split(",") if i.strip()):
+            key, sep, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or key not in ("rank", "iteration", "epoch", "attempt"):
+                raise ValueError(f"{INJECT_ENV}: unknown field {item.strip()!r} in {part.strip()!r}; accepted: {FORMS}")
+            if key in fields:
+                raise ValueError(f"{INJECT_ENV}: {key} given twice in {part.strip()!r}; accepted: {FORMS}")
+            if key == "attempt" and value == "any":
+                fields[key] = None
+                continue
+            if not re.fullmatch(r"\d+", value):
+                raise ValueError(f"{INJECT_ENV}: {key}={value!r} in {part.strip()!r} is not a non-negative int; "
+                                 f"accepted: {FORMS}")
+            fields[key] = int(value)
+        missing = [k for k in ("rank", "iteration") if k not in fields]
+        if missing:
+            raise ValueError(f"{INJECT_ENV}: {' and '.join(missing)} missing in {part.strip()!r}; accepted: {FORMS}")
+        if fields["iteration"] < 1:
+            raise ValueError(f"{INJECT_ENV}: iteration counts from 1, got 0 in {part.strip()!r}; accepted: {FORMS}")
+        injections.append(Injection(kind, fields["rank"], fields["iteration"], fields.get("epoch"),
+                                    fields.get("attempt", 0)))
+    return injections
+
+
+def current_attempt() -> int:
+    """This process's attempt: torchrun's restart count, 0 without torchrun (or if it is malformed)."""
+    value = os.environ.get(ATTEMPT_ENV, "0").strip()
+    return int(value) if value.isdigit() else 0
+
+
+class Injector:
+    """Fires the injections meant for this rank, each once."""
+
+    def __init__(self, injections: list[Injection]) -> None:
+        self.pending = list(injections)
+
+    @classmethod
+    def from_env(cls) -> Injector | None:
+        """The injections of ``FTH_INJECT`` meant for this attempt (``TORCHELASTIC_RESTART_COUNT``)."""
+        text = os.environ.get(INJECT_ENV, "")
+        if not text.strip():
+            return None
+        injections = parse(text)
+        current = current_attempt()
+        return cls([i for i in injections if i.attempt is None or i.attempt == current])
+
+    def maybe_fire(self, rank: int, iteration: int, epoch: int | None = None, dataloader: Any = None) -> None:
+        for injection in list(self.pending):
+            if injection.rank != rank or injection.iteration != iteration:
+                continue
+            if injection.epoch is not None and injection.epoch != epoch:
+                continue
+            self.pending.remove(injection)
+            self._fire(injection, dataloader, iteration)
+
+    def _fire(self, injection: Injection, dataloader: Any, step: int) -> None:
+        log(logging.WARNING, "%s=%s: injecting %s", INJECT_ENV, injection, injection.kind, step=step)
+        if injection.kind == "raise":
+            raise InjectedFault(f"injected by {INJECT_ENV}: {injection}")
+        if injection.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if injection.kind == "hang":
+            while True:
+                time.sleep(3600)
+        if injection.kind == "worker-kill":
+            pids = list(getattr(dataloader, "worker_pids", None) or [])
+            if not pids:
+                pids = [p.pid for p in multiprocessing.active_children() if p.pid]
+            if not pids:
+                log(logging.WARNING, "%s: no DataLoader worker to kill (num_workers=0?)", injection, step=step)
+                return
+            os.kill(pids[0], signal.SIGKILL)
+
+
+# Its public path (:mod:`fault_tolerant_handlers.inject`): what a failing rank's record names.
+InjectedFault.__module__ = "fault_tolerant_handlers.inject"

@@ -1,0 +1,58 @@
+"""What a probe found (:class:`Finding`), and the one probe the core runs itself: same-host peers
+by pid (:class:`PeerPidProbe`), which the session consults at once when a collective breaks (no
+thread, no store). The other probes are the detectors' (:mod:`..detect.probes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .errors import PeerFailedError
+from .procfs import process_state
+from .records import FailureRecord
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What a probe found. ``error`` is what this rank's main thread must raise; ``declare`` is a
+    record to publish on behalf of the failed rank (the first rank to declare it does);
+    ``hung_self``: this rank itself is hung and must end."""
+
+    error: PeerFailedError
+    declare: FailureRecord | None = None
+    hung_self: bool = False
+
+
+def declared_finding(record: FailureRecord) -> Finding:
+    return Finding(PeerFailedError.from_records([record]), declare=record)
+
+
+#: How :func:`~.procfs.process_state` says a process ended cleanly: not a failure (a rank that
+#: finished first); if this rank then waits on it, the broken collective names it.
+CLEAN_EXIT = "exited with code 0"
+
+
+class PeerPidProbe:
+    """Peers on this host, by pid: a process that is gone is declared lost (with the signal when
+    the kernel still shows it; a clean exit is not a failure). A system call per peer, no store
+    traffic."""
+
+    def __init__(self, peers: Sequence[tuple[int, int]], *, by: int, host: str,
+                 state: Callable[[int], str | None] = process_state,
+                 after_failure: Callable[[], bool] = lambda: False) -> None:
+        self.after_failure = after_failure  # once the job failed, peers leaving is expected
+        self.peers = list(peers)  # (global rank, pid)
+        self.by = by
+        self.host = host
+        self.state = state
+
+    def poll(self, now: float) -> Finding | None:
+        for rank, pid in self.peers:
+            state = self.state(pid)
+            if state is None or state == CLEAN_EXIT:
+                continue
+            if self.after_failure() and not state.startswith("killed by"):
+                continue  # a peer that ended after the failure was agreed: the job is ending
+            return declared_finding(FailureRecord.lost(rank=rank, pid=pid, host=self.host, why=state, by=self.by))
+        return None

@@ -1,0 +1,485 @@
+"""The store schema: every key the library writes in the c10d store, defined once.
+
+All keys live under ``fth/<run id>/`` in the store the default process group was created with (the
+run id is rank 0's random number, gathered at setup, so a restarted job never reads an earlier
+attempt's keys):
+
+==================  =====================================================================
+``n``               failure-record counter (``add``); the watchdog polls it
+``r/<i>``           failure record number ``i`` (bounded JSON, :mod:`.record`)
+``hb/<rank>``       heartbeat counter of ``rank`` (``add``), read by its ring neighbour
+``declared/<rank>`` counts declarations of ``rank`` as lost/silent/hung: only the first publishes
+``sec/<rank>``      what ``rank`` was in when an agreement found the ranks out of step
+==================  =====================================================================
+
+The store is unauthenticated. Every value read is bounded and range-checked: a counter that jumps
+backwards or further than a job could move it is treated as corruption (a warning naming the key,
+then detection carries on from the new value), a non-integer where a counter belongs is repaired,
+a record that fails its checks is ignored. Each rank keeps at most :data:`MAX_OWN_RECORDS` records
+of its own in the store (older ones are deleted), so the keys stay bounded by the world size.
+
+Every process talks to the store through :class:`Connection`\\ s of its own, cloned from the process
+group's store and re-made after a failed call, so a value that makes the store server drop a
+connection never breaks the process group's own client (which training needs).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import socket
+import threading
+import time
+import weakref
+from collections import deque
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from . import release
+from .log import log
+from .records import FailureRecord, sanitize
+
+KEY_COUNT = "n"
+#: At most this many records are taken from one move of the counter (newest kept).
+MAX_NEW_RECORDS = 256
+#: A counter move larger than this in one read is corruption: no job publishes that many at once.
+MAX_COUNTER_STEP = 1 << 20
+#: Records of its own a rank keeps in the store; publishing more deletes the oldest.
+MAX_OWN_RECORDS = 8
+_U64 = 1 << 64
+
+
+def record_key(index: int) -> str:
+    return f"r/{index}"
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"hb/{rank}"
+
+
+def declared_key(rank: int) -> str:
+    return f"declared/{rank}"
+
+
+def section_key(rank: int) -> str:
+    return f"sec/{rank}"
+
+
+def _wrap(value: int) -> int:
+    """``value`` as the signed 64-bit integer the store keeps."""
+    value %= _U64
+    return value - _U64 if value >= 1 << 63 else value
+
+
+class ConnectInProgress(RuntimeError):
+    """A call cannot connect now: its connection's previous connect is still under way, or the
+    process is exiting after the job failed (:func:`stop_connecting`). Raised inside the worker."""
+
+
+#: How many times its timeout a connect may take: :func:`probe_store_port`'s connect (answered
+#: late: within the timeout), then c10d's client, which tries once more after a try that timed out
+#: (torch 2.13, measured: 1.8 s for a 1 s timeout, 9.8 s for 5 s).
+CONNECT_TRIES = 1 + 2
+#: How long past that a connect may take (thread scheduling on a loaded machine).
+CONNECT_SLACK = 1.0
+#: Connects under way in this process -> (when each must be over, ``time.monotonic()``; its thread).
+_connects: dict[object, tuple[float, threading.Thread]] = {}
+_connects_lock = threading.Lock()
+#: Set at the exit of a failed job (:func:`stop_connecting`): no new connect starts, so that the
+#: exit waits only for the connects already under way (a lost store's host never answers).
+_no_new_connects = False
+
+
+def stop_connecting() -> None:
+    """From now on, a connection without a client fails its calls at once instead of connecting."""
+    global _no_new_connects
+    _no_new_connects = True
+
+
+class StoreUnreachable(ConnectionError):
+    """The store's port refused a connection or did not answer one (raised before c10d's connect,
+    which would retry a refused port until its timeout, twice)."""
+
+
+#: Errors of a plain TCP connect that are evidence that the store is gone or cannot be reached:
+#: nothing listens on its port (its process is gone), or its host or the network to it is down.
+#: (A connect the kernel of the store's host completed is the opposite: the host is up and a
+#: process holds the store's listening socket, however slowly its server answers.)
+_GONE_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTDOWN,
+                errno.ETIMEDOUT}
+
+
+def store_evidence(host: str, port: int, timeout: float) -> str | None:
+    """Evidence that the store at ``host:port`` is gone or unreachable, or ``None`` when its port
+    answers. One plain TCP connect, closed at once (the store's server ignores a client that closes
+    without a request): the handshake is the kernel's work on the store's host, not the server
+    thread's, so a store that is merely slow (a busy machine, many clients connecting at once)
+    completes it; only a closed port (refused), a host or link that is down (unreachable) or no
+    answer at all within ``timeout`` seconds is evidence."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return None
+    except socket.timeout:
+        return f"no answer to a TCP connect to {host}:{port} within {timeout:.1f} s"
+    except OSError as err:
+        if err.errno in _GONE_ERRNOS:
+            reason = "refused" if err.errno == errno.ECONNREFUSED else (err.strerror or str(err))
+            return f"a TCP connect to {host}:{port}: {reason}"
+        return None  # anything else (no file descriptor left, ...) says nothing about the store
+
+
+def probe_store_port(host: str, port: int, timeout: timedelta) -> None:
+    """One plain TCP connect to the store's port, closed at once, before a c10d client is made.
+
+    A store whose host process has exited refuses the connection at once; c10d's client would
+    retry it for two timeouts (10 s for the main thread's 5 s), and a thread inside that connect
+    can neither be cut short nor left running at interpreter exit. The store's server ignores a
+    client that closes without a request."""
+    try:
+        socket.create_connection((host, port), timeout=timeout.total_seconds()).close()
+    except OSError as err:
+        raise StoreUnreachable(f"the store at {host}:{port} is unreachable: {err}") from None
+
+
+#: Backoff of a periodic loop's connection after a failed connect: the first wait (seconds), and
+#: the longest (each failure doubles it; each wait is randomised by x0.5 .. x1.5).
+BACKOFF_FIRST = 0.25
+BACKOFF_MAX = 4.0
+
+
+class StoreCallTimeout(TimeoutError):
+    """A store call did not return within its connection's budget (the store's host is gone, or the
+    network between is cut: a TCP read then blocks far longer than the store's own timeout)."""
+
+
+class Connection:
+    """One store connection of this process's own, re-made from ``factory`` after a failed call.
+
+    ``factory`` returns a new store client under the run's prefix; ``timeout`` bounds its connect
+    and every call. A call runs on the connection's own worker thread and the caller waits at most
+    ``timeout`` + :data:`CALL_SLACK`: c10d's client bounds waiting for a key, but not a read from a
+    peer that went silent (a cut link leaves it blocked for TCP's retransmission timeout, minutes).
+    A call that overruns abandons the connection (its worker stays blocked in the read until the
+    kernel gives up) and the next call makes a new one.
+
+    ``deadline`` (a ``time.monotonic()`` value, or ``None``) cuts every call's wait short at that
+    moment: the watchdog sets it to when a silent store is to be declared lost, so that a call
+    blocked on the cut link does not hold the declaration up by its budget.
+    """
+
+    CALL_SLACK = 0.5
+
+    def __init__(self, factory: Callable[[], dist.Store], timeout: timedelta, name: str, *,
+                 backoff: bool = False) -> None:
+        self._factory = factory
+        self._timeout = timeout
+        self.name = name
+        #: A connection of a periodic loop (the watchdog's, the liveness helper's): after a failed
+        #: connect its calls fail at once until a backoff has passed (:data:`BACKOFF_FIRST`, doubled
+        #: up to :data:`BACKOFF_MAX`, randomised), so that many ranks starting at once on a busy
+        #: store's server do not retry their connects in step.
+        self.backoff = backoff
+        self._retry_at = 0.0
+        self._delay = 0.0
+        self._store: dist.Store | None = None
+        self._lock = threading.Lock()
+        self._worker: _Worker | None = None
+        self.calls = 0
+        self.deadline: float | None = None
+        self._generation = 0  # bumped when the client is dropped: a late connect is not kept
+        self._connecting = False
+
+    def store(self) -> dist.Store:
+        """The connected client, connecting first if there is none.
+
+        The connect runs outside the lock, so that a connect that overruns its call's budget (an
+        unreachable host) does not block the next call; that call fails at once instead of
+        starting a second connect (one connect per connection at a time: a thread inside c10d's
+        connect cannot be cut short, and the interpreter's exit waits for it, :func:`unblock_stuck_calls`)."""
+        with self._lock:
+            if self._store is not None:
+                return self._store
+            if self._connecting:
+                raise ConnectInProgress("the connect to the store before this call has not ended yet")
+            if _no_new_connects:
+                raise ConnectInProgress("the process is exiting after the job failed: no new connect")
+            wait = self._retry_at - time.monotonic()
+            if wait > 0:
+                raise ConnectInProgress(f"backing off after a failed connect: the next one in {wait:.1f} s")
+            self._connecting = True
+            generation = self._generation
+        key = object()
+        with _connects_lock:
+            _connects[key] = (time.monotonic() + CONNECT_TRIES * self._timeout.total_seconds() + CONNECT_SLACK,
+                              threading.current_thread())
+        connected = False
+        try:
+            store = self._factory()
+            store.set_timeout(self._timeout)
+            connected = True
+        finally:
+            with self._lock:
+                self._connecting = False
+                if self.backoff:
+                    self._delay = 0.0 if connected else min(BACKOFF_MAX, max(BACKOFF_FIRST, 2 * self._delay))
+                    self._retry_at = time.monotonic() + self._delay * random.uniform(0.5, 1.5)
+            with _connects_lock:
+                _connects.pop(key, None)
+        with self._lock:
+            if self._generation == generation and self._store is None:
+                self._store = store
+            return store
+
+    def forked(self) -> None:
+        """In a process forked with this connection: the connected client came along (its socket is
+        this process's too), its worker thread did not (a fork copies only the calling thread)."""
+        self._lock = threading.Lock()
+        self._worker = None
+
+    def reconnect(self) -> None:
+        with self._lock:
+            self._store = None
+            self._generation += 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._store = None
+            self._generation += 1
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
+
+    def call(self, method: str, *args):
+        """``store.<method>(*args)``, bounded; a failure drops this connection (the next call makes
+        a new one) and is raised."""
+        self.calls += 1
+        with self._lock:
+            if self._store is None and self._connecting:
+                raise StoreCallTimeout("the store did not answer: its connect is still in progress")
+            worker = self._worker
+            if worker is None or worker.stuck:
+                worker = self._worker = _Worker(f"fth-store-{self.name}")
+        budget = self._timeout.total_seconds() + self.CALL_SLACK
+        if self.deadline is not None:
+            budget = max(0.05, min(budget, self.deadline - time.monotonic()))
+        try:
+            return worker.run(lambda: getattr(self.store(), method)(*args), budget)
+        except StoreCallTimeout:
+            self.reconnect()  # the client is left to the blocked worker; the next call connects anew
+            raise
+        except ConnectInProgress as err:
+            raise StoreCallTimeout(f"the store did not answer: {err}") from None
+        except Exception:
+            self.reconnect()
+            raise
+
+
+_stuck: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
+#: Every worker (weakly held): the ones inside a call are ``busy``.
+_workers: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
+
+
+def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0, *, busy_too: bool = False) -> int:
+    """At exit: a worker still blocked in a store call (its store unreachable) would abort the
+    interpreter's finalization (a thread inside a C++ call). Shut down this process's connections
+    to the store's ports so that those reads return, then give the workers ``wait`` seconds.
+    ``busy_too`` (the job failed: the store may be what is gone): also the calls under way that
+    have not yet overrun their budget, instead of waiting for them to. Returns how many were stuck."""
+    workers = [w for w in set(_stuck) | ({w for w in list(_workers) if w.busy} if busy_too else set())
+               if w._thread.is_alive()]
+    # A connect cannot be cut short (no socket to shut down yet, or a retry's sleep): the threads
+    # inside one are waited for, each until its connect's bound, busy or not, so that no thread
+    # comes back from c10d while the interpreter finalizes (that aborts the process).
+    with _connects_lock:
+        connects = [c for c in _connects.values() if c[1].is_alive() and c[1] is not threading.current_thread()]
+    if not workers and not connects:
+        return 0
+    for worker in workers:
+        worker.stuck = True  # no further call is given to it ...
+        worker._stopped = True  # ... and it ends as soon as its call returns
+    if workers:
+        release.cut_connections_to(keep_ports)
+    deadline = time.monotonic() + wait
+    for worker in workers:
+        worker._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    for end, thread in connects:
+        thread.join(timeout=max(0.0, end - time.monotonic()))
+    return len({w._thread for w in workers} | {t for _, t in connects})
+
+
+class _Worker:
+    """A thread that runs one store call at a time for a :class:`Connection`.
+
+    The hand-over is two plain locks used as binary semaphores (``_go``: a job is there; ``_fin``:
+    its result is): the cheapest wake-up Python has, paid twice per call, 10 times a second."""
+
+    def __init__(self, name: str) -> None:
+        self.stuck = False
+        self.busy = False
+        self._job: Callable[[], object] | None = None
+        self._go = threading.Lock()
+        self._go.acquire()
+        self._fin = threading.Lock()
+        self._fin.acquire()
+        self._result: tuple[bool, object] = (True, None)
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        _workers.add(self)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._go.acquire()
+            if self._stopped:
+                return
+            try:
+                self._result = (True, self._job())
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                self._result = (False, err)
+            self.busy = False
+            self._fin.release()
+            if self._stopped:  # given up on (stuck) or stopped at exit while in the call
+                return
+
+    def run(self, job: Callable[[], object], budget: float):
+        self._job = job
+        self.busy = True
+        self._go.release()
+        if not self._fin.acquire(timeout=budget):
+            self.stuck = True
+            _stuck.add(self)
+            self._stopped = True  # it ends when (if) the blocked call returns
+            raise StoreCallTimeout(f"a store call did not return within {budget:.1f} s")
+        ok, value = self._result
+        if ok:
+            return value
+        raise value  # type: ignore[misc]
+
+    def stop(self) -> None:
+        self._stopped = True
+        if not self.busy:
+            try:
+                self._go.release()  # wakes the idle loop, which sees it stopped
+            except RuntimeError:  # already released: the loop is about to look
+                pass
+        if threading.current_thread() is not self._thread and not self.stuck:
+            self._thread.join(timeout=1.0)
+
+
+class Schema:
+    """Typed access to the keys of one run over one :class:`Connection`."""
+
+    def __init__(self, conn: Connection, world_size: int) -> None:
+        self.conn = conn
+        self.world_size = world_size
+        self._own: deque[int] = deque()
+        self._known: dict[str, int] = {}
+
+    # -- counters ----------------------------------------------------------------------------------
+    def _counter(self, key: str, amount: int) -> int:
+        """``add(key, amount)``; a key holding something that is not an integer is repaired."""
+        try:
+            value = int(self.conn.call("add", key, amount))
+        except StoreCallTimeout:
+            raise  # the store does not answer: nothing to repair
+        except Exception as err:
+            if not self._repair(key):
+                raise
+            log(logging.WARNING, "store key %s held a non-integer value (%s); reset to %d", key,
+                sanitize(str(err).splitlines()[0] if str(err) else type(err).__name__)[:120], self._known.get(key, 0))
+            value = int(self.conn.call("add", key, amount))
+        self._known[key] = value
+        return value
+
+    def _repair(self, key: str) -> bool:
+        """True if ``key`` held a non-integer (then it is set back to the last value seen)."""
+        try:
+            raw = self.conn.call("get", key)
+        except Exception:  # noqa: BLE001 - the store itself is unreachable: not a bad value
+            return False
+        try:
+            int(bytes(raw[:32]).decode("ascii"))
+            return False
+        except (UnicodeDecodeError, ValueError):
+            pass
+        self.conn.call("set", key, str(self._known.get(key, 0)))
+        return True
+
+    def count(self) -> int:
+        return self._counter(KEY_COUNT, 0)
+
+    def beat(self, rank: int) -> int:
+        return self._counter(heartbeat_key(rank), 1)
+
+    def heartbeat_of(self, rank: int) -> int:
+        return self._counter(heartbeat_key(rank), 0)
+
+    def claim_declaration(self, rank: int) -> bool:
+        """True for the first rank to declare ``rank`` lost/silent/hung (only it publishes)."""
+        return self._counter(declared_key(rank), 1) == 1
+
+    # -- records -----------------------------------------------------------------------------------
+    def publish(self, record: FailureRecord) -> int:
+        """Write ``record`` under a new index; returns the index."""
+        index = self._counter(KEY_COUNT, 1)
+        self.conn.call("set", record_key(index), record.to_json())
+        self._own.append(index)
+        while len(self._own) > MAX_OWN_RECORDS:
+            old = self._own.popleft()
+            try:
+                self.conn.call("delete_key", record_key(old))
+            except Exception:  # noqa: BLE001 - bounded growth is a nicety; never mask the failure
+                pass
+        return index
+
+    def read(self, index: int) -> FailureRecord | None:
+        """Record ``index``, or ``None`` (absent, unreadable or invalid: never executed)."""
+        key = record_key(index)
+        try:
+            if not self.conn.call("check", [key]):
+                return None
+            data = self.conn.call("get", key)
+        except Exception as err:  # noqa: BLE001
+            log(logging.WARNING, "could not read store key %s: %s", key, str(err).splitlines()[0][:200] if str(err) else err)
+            return None
+        return FailureRecord.from_json(data, world_size=self.world_size, key=f"{KEY_COUNT}-indexed {key}")
+
+    def new_indices(self, last: int, count: int) -> list[int]:
+        """The record indices after ``last`` up to ``count`` (wrap-aware). A move backwards or
+        larger than :data:`MAX_COUNTER_STEP` is corruption: a warning, and no index."""
+        step = (count - last) % _U64
+        if step == 0:
+            return []
+        if step > MAX_COUNTER_STEP:
+            log(logging.WARNING, "store key %s moved from %d to %d, which no job produces (corrupted or written "
+                "by another program); carrying on from %d", KEY_COUNT, last, count, count)
+            return []
+        first = max(1, step - MAX_NEW_RECORDS + 1)
+        return [_wrap(last + k) for k in range(first, step + 1)]
+
+    # -- the section of an out-of-step agreement ------------------------------------------------------
+    def set_section(self, rank: int, text: str) -> None:
+        self.conn.call("set", section_key(rank), text.encode("utf-8")[:400])
+
+    def section_of(self, rank: int) -> str | None:
+        key = section_key(rank)
+        try:
+            if not self.conn.call("check", [key]):
+                return None
+            return sanitize(bytes(self.conn.call("get", key)[:400]).decode("utf-8", "replace"))
+        except Exception:  # noqa: BLE001
+            return None
+
+    def remove_run_keys(self, rank: int, ranks, *, shared: bool) -> None:
+        """Delete this rank's keys of the run (its heartbeat and section) and, with ``shared``, the
+        keys every rank wrote to (the record counter, the records, the declarations): a run's keys
+        are left behind by nothing that ended cleanly. Call it once no rank reads them any more."""
+        keys = [heartbeat_key(rank), section_key(rank)]
+        if shared:
+            count = self.count()
+            keys += [record_key(i) for i in range(1, count + 1)] + [declared_key(r) for r in ranks] + [KEY_COUNT]
+        for key in keys:
+            self.conn.call("delete_key", key)

@@ -1,0 +1,699 @@
+"""The fail-together session: one object per process group that owns every decision.
+
+A :class:`Session` belongs to one process group (the world by default) and is shared by everything
+that runs on it in this process (sections, adapters, the watchdog). It owns
+
+* the **side group**: a gloo group over the same ranks, created once and collectively, so that the
+  agreement never interleaves with the data group's collectives (NCCL or gloo);
+* the run's **store keys** (:mod:`.schema`), through connections of its own;
+* the **agreement** (:meth:`Session.agree`): *record, agree, then raise*. A failing rank publishes
+  its record, then every rank joins **one** ``all_reduce(MAX)`` of two int64s
+  (:func:`~.agreement.pack_agreement`): ``failing rank + 1`` (0 when it did not fail) and, to catch ranks that
+  are out of step, the section's hash and agreement number, once as they are and once subtracted
+  from a constant (their smallest). It returns an :class:`Outcome` and never raises;
+* the **classification** of an exception (:meth:`Session.classify`): this rank's own failure, or a
+  consequence of a peer's (a released or broken collective), with the peer's error;
+* the current **incident** (what the watchdog knows of a peer's failure, whether this rank failed
+  itself, whether the main thread took the failure), reset after each agreement so that a failure
+  user code caught never blinds the watchdog later;
+* the **watchdog**, started and stopped by reference count (:meth:`start_watchdog`,
+  :meth:`stop_watchdog`): two loops sharing one group share one watchdog, which stops with the last.
+
+Timeouts:
+    The side group inherits the default store's timeout (the ``timeout`` given to
+    ``init_process_group``): an agreement may legitimately wait as long as the slowest rank takes to
+    reach it (``one_rank_first`` waits for a whole download). ``FTH_SYNC_TIMEOUT_SEC`` overrides it.
+    Store calls of the main thread use :data:`MAIN_STORE_TIMEOUT`; failure-path reads use
+    :data:`FAILURE_PATH_STORE_TIMEOUT`, in a thread the main thread never waits for past
+    :data:`EXPLAIN_WAIT`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import os
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import compat_torch as _compat_torch
+from . import config, events, schema as _schema
+from .agreement import MAX_FLAG, mark, pack_agreement, section_hash, unpack_agreement
+from .errors import PeerFailedError, SectionMismatchError, is_backend_error
+from .log import log
+from .peers import PeerPidProbe
+from .ranks import RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout, own_address
+from .records import FailureRecord, host_name
+from .release import listens_here, release_process_groups, store_ports, teardown_at_exit
+from .schema import Connection, Schema, probe_store_port, store_evidence
+from .config import (EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT,  # timings: the table
+                     MAIN_STORE_TIMEOUT, MISMATCH_WAIT, SUSPECT_OBSERVED_GAP, SUSPECT_SILENCE)  # in .config
+
+#: How many delivered record indices are remembered for the watchdog.
+MAX_DELIVERED = 1024
+
+#: Set on an exception whose record this rank already published (never published twice).
+PUBLISHED_ATTR = "_fth_published"
+#: Set on the error an agreement delivered: the :class:`Incident` it belongs to.
+INCIDENT_ATTR = "_fth_incident"
+#: Set on an exception that came out of an agreement: every rank of the agreement raised, so an
+#: enclosing section lets it through without agreeing again.
+AGREED_ATTR = "_fth_agreed"
+
+
+@dataclass
+class Incident:
+    """What this process knows of the failure under way (a fresh one after each agreement)."""
+
+    peer_error: PeerFailedError | None = None
+    local: bool = False
+    acknowledged: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an agreement decided. ``failed``: some rank failed (or the agreement itself broke);
+    ``peer_error``: what a rank that did not fail raises; ``mismatch``: the ranks were out of step."""
+
+    failed: bool
+    peer_error: PeerFailedError | None = None
+    mismatch: SectionMismatchError | None = None
+
+    def error_for_caller(self) -> BaseException | None:
+        return self.mismatch or self.peer_error
+
+
+class Session:
+    """Side group, store keys, agreement, classification and watchdog of one process group.
+
+    Build it with :func:`get_session`.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None) -> None:
+        _compat_torch.check()
+        self.config = config.load()
+        self.group = group
+        # Held so that the id() keying the registry cannot be reused by a later default group.
+        self._default_group = _compat_torch.default_group()
+        rank = dist.get_rank()
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self._pg_store = _compat_torch.default_store()
+        timeout = (config.check_timedelta("sync_timeout", timeout, allow_none=True, what="timeout")
+                   or self.config.sync_timeout or self._pg_store.timeout)
+        self.timeout = timeout
+        # Collective, once: every member reaches its first section in the same order.
+        self.side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
+                                   use_local_synchronization=group is not None)
+        # One all_gather at setup tells every rank the run id (rank 0's), each rank's host (id and
+        # name), pid and the address its peers see it at (a hash: matched against backend errors).
+        self.address = own_address()
+        mine = torch.tensor([[random.getrandbits(62), host_id(), os.getpid(), digest(self.address),
+                              *encode_name(host_name())]], dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in ranks]
+        dist.all_gather(gathered, mine, group=self.side)
+        table = torch.cat(gathered)
+        self.run_id = f"{int(table[0, 0]):x}"
+        host_ids = table[:, 1].tolist()
+        #: Who the ranks are (read-only): what probes and reporters are given instead of the session.
+        self.table = RankTable(rank, tuple(ranks), tuple(table[:, 2].tolist()),
+                               tuple(decode_name(row[4:].tolist()) for row in table), tuple(host_ids),
+                               tuple(table[:, 3].tolist()),
+                               *local_layout(host_ids, ranks.index(rank), whole_world=group is None))
+        self.keep_ports = store_ports(self._pg_store)
+        tcp = _compat_torch.tcp_store_of(self._pg_store)
+        #: ``(host, port)`` of the TCP store, or ``None`` (another kind of store: it cannot be lost).
+        self.store_address: tuple[str, int] | None = (tcp.host, tcp.port) if tcp is not None else None
+        #: This process hosts the store (its server is a thread here): it never declares it lost.
+        self.hosts_store = self.store_address is not None and listens_here(self.store_address[1])
+        self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
+        self._flag = torch.zeros(2, dtype=torch.int64)
+        self._seq = 0
+        #: The oldest agreement a failure record can still belong to: the one in progress, else the
+        #: next. A record of an earlier one is late news of a failure every rank already raised (a
+        #: rank released from that agreement moved on before a slower failing rank published).
+        self.live_seq = 0
+        #: The record counter as the last agreement read it. The run id is new, so it starts at 0 (a
+        #: rank may publish before a peer reads it). Written by the main thread only.
+        self.consumed = 0
+        #: Record indices agreements delivered (the watchdog leaves them alone); replaced, never mutated.
+        self.delivered: frozenset[int] = frozenset()
+        self.incident = Incident()
+        self._escalated: list[Incident] = []  # incidents the watchdog escalated, not yet acknowledged
+        self._watchdog = None
+        self._watchdog_refs = 0
+        self._lock = threading.Lock()
+        #: A failure was delivered on this session (an agreement failed, or this rank failed).
+        self.failed_before = False
+        #: This rank's own SIGTERM/SIGINT, when it is the job's cause: pushed by the signal handler
+        #: (:mod:`..launchers.signals`); a collective broken after it is its consequence, not a peer's.
+        self.signal_cause: PeerFailedError | None = None
+        #: Same-host peers by pid, consulted at once when a collective breaks (and by the signal handler).
+        self.same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
+        self._explaining = None
+        events.emit(events.SESSION_STARTED, self)  # the launchers: signal handlers, mp.spawn's report
+        log(logging.DEBUG, "fault-tolerance side group ready (run %s, %d ranks)", self.run_id, self.world_size)
+
+    # -- the ranks (read from :attr:`table`) and connections ---------------------------------------
+    rank = property(lambda self: self.table.rank, doc="This process's global rank.")
+    ranks = property(lambda self: list(self.table.ranks), doc="The group's global ranks, in group order.")
+    world_size = property(lambda self: self.table.world_size)
+    group_rank = property(lambda self: self.table.group_rank)
+    pids = property(lambda self: list(self.table.pids))
+    hosts = property(lambda self: list(self.table.hosts))
+    host_ids = property(lambda self: list(self.table.host_ids))
+    address_ids = property(lambda self: list(self.table.address_ids))
+    host = property(lambda self: self.table.host, doc="This rank's host name.")
+    local_rank = property(lambda self: self.table.local_rank)
+    local_world_size = property(lambda self: self.table.local_world_size)
+
+    @property
+    def pg_store(self) -> dist.Store:
+        """The default process group's store (what releasing this process's collectives cuts)."""
+        return self._pg_store
+
+    def same_host_peers(self) -> list[tuple[int, int]]:
+        """(global rank, pid) of the other members on this host."""
+        return self.table.same_host_peers()
+
+    def release_collectives(self) -> str:
+        """Release this process's blocked collectives (a peer's failure, or its own): what was cut."""
+        return release_process_groups(self._pg_store)
+
+    def connection(self, name: str, timeout: timedelta, *, backoff: bool = False,
+                   prefix: str | None = None) -> Connection:
+        """A new store connection of this process's own, under the run's prefix.
+
+        For a TCP store it is a new client of the store's host and port whose connect is bounded by
+        ``timeout`` (``Store.clone`` would retry for the store's own timeout, up to 30 minutes,
+        when the store's host is unreachable), after :func:`~.schema.probe_store_port`; other
+        stores are cloned."""
+        prefix, base = f"fth/{self.run_id}" if prefix is None else prefix, self._pg_store
+
+        def prefixed(store: dist.Store) -> dist.Store:
+            return dist.PrefixStore(prefix, store) if prefix else store
+
+        if self.store_address is not None:
+            host, port = self.store_address
+
+            def factory() -> dist.Store:
+                probe_store_port(host, port, timeout)
+                return prefixed(dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False))
+        else:
+            def factory() -> dist.Store:
+                return prefixed(base.clone())
+        return Connection(factory, timeout, name, backoff=backoff)
+
+    def store_evidence(self, timeout: float) -> str | None:
+        """Evidence that the store is gone or unreachable (:func:`~.schema.store_evidence`), or
+        ``None`` when its port answers (or it is not a TCP store, or this process hosts it)."""
+        if self.store_address is None or self.hosts_store:
+            return None
+        return store_evidence(*self.store_address, timeout)
+
+    # -- the incident -----------------------------------------------------------------------------
+    @property
+    def failing(self) -> bool:
+        """This job has failed here: a failure was delivered, or the watchdog knows a peer's."""
+        return self.failed_before or self.incident.peer_error is not None
+
+    @property
+    def known_failure(self) -> PeerFailedError | None:
+        """A peer's failure the watchdog already knows (an attribute read: no communication)."""
+        return self.incident.peer_error
+
+    def take_peer_failure(self, err: PeerFailedError) -> Incident | None:
+        """The watchdog found ``err``: returns the incident to escalate, or ``None`` when there is
+        nothing to do (already known, or this rank failed itself and raises its own error).
+        Emits :data:`~.events.PEER_FAILED` (the launchers: a killed same-host peer's error file and,
+        when escalated, mp.spawn's report before the launcher's SIGTERM)."""
+        with self._lock:
+            incident = self.incident
+            if incident.peer_error is not None:
+                escalated = None
+            elif self.signal_cause is not None:
+                escalated = None  # this rank's own SIGTERM/SIGINT ends it: a peer's failure after it changes nothing
+            else:
+                incident.peer_error = err
+                escalated = None if incident.local else incident
+                if escalated is not None:
+                    self._escalated.append(incident)
+        events.emit(events.PEER_FAILED, self.table, err, escalated is not None)
+        return escalated
+
+    def acknowledge(self, err: PeerFailedError | None = None) -> None:
+        """The main thread takes a peer's failure (``err``) and raises it: no reported exit by the
+        watchdog, and an orderly teardown of the (released) process groups at interpreter exit."""
+        events.emit(events.ACKNOWLEDGED, self.table, err, self.incident.peer_error)
+        # An agreement's error names its own incident: the current one has replaced it since, and
+        # acknowledging that would leave the watchdog blind to the next failure (no release).
+        taken = getattr(err, INCIDENT_ATTR, None) if err is not None else None
+        with self._lock:
+            for incident in (taken or self.incident, *self._escalated):
+                incident.acknowledged.set()
+            self._escalated.clear()
+        events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys, before this thread raises on
+        teardown_at_exit()
+
+    def _next_incident(self) -> None:
+        with self._lock:
+            self.incident = Incident()
+
+    # -- record ------------------------------------------------------------------------------------
+    def report_error(self, exc: BaseException, *, section: str, step: int | None = None,
+                     epoch: int | None = None, seq: int | None = None, release: bool = False) -> FailureRecord:
+        """This rank failed with ``exc``: publish its record (before any agreement) and, with
+        ``release``, release its collectives so that no peer blocked in one with it waits."""
+        self.incident.local = True
+        self.failed_before = True
+        mark(exc, PUBLISHED_ATTR)
+        record = FailureRecord.from_exception(exc, rank=self.rank, section=section, seq=seq, step=step, epoch=epoch)
+        events.emit(events.RANK_FAILED, record)
+        log(logging.ERROR, "failed%s: %s: %s", f" in {section!r}" if seq is not None else "", record.exc_type,
+            record.exc_message, step=step)
+        try:
+            self.schema.publish(record)
+        except Exception as err:  # noqa: BLE001 - the flag still carries the rank; never mask the failure
+            log(logging.WARNING, "could not publish the failure record: %s", (str(err).splitlines() or [""])[0][:200])
+        events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys
+        if release:
+            what = self.release_collectives()
+            log(logging.INFO, "released this rank's collectives so that no peer waits: %s", what, step=step)
+        return record
+
+    # -- agree ---------------------------------------------------------------------------------------
+    def agree(self, kind: str, name: str, failure: BaseException | None = None, *, step: int | None = None,
+              epoch: int | None = None, peer: PeerFailedError | None = None) -> Outcome:
+        """One agreement. ``failure``: this rank's own (published first); ``peer``: a peer's failure
+        this rank already knows. Never raises: returns what every rank must do."""
+        seq = self._seq
+        self._seq += 1
+        self.live_seq = seq
+        incident = self.incident
+        try:
+            outcome = self._agree(kind, name, seq, failure, step, epoch, peer)
+            self.failed_before = self.failed_before or outcome.failed
+            if outcome.failed:
+                events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys
+            err = outcome.error_for_caller()
+            if err is not None:
+                # the incident this failure belongs to: the main thread's acknowledge() marks that
+                # one, not the fresh incident that replaces it below (which must stay watchful)
+                mark(err, INCIDENT_ATTR, incident)
+            return outcome
+        finally:
+            self.live_seq = seq + 1
+            self._next_incident()
+
+    def _agree(self, kind, name, seq, failure, step, epoch, peer) -> Outcome:
+        if failure is not None:
+            if getattr(failure, PUBLISHED_ATTR, False):
+                self.incident.local = True
+            else:
+                self.report_error(failure, section=name, step=step, epoch=epoch, seq=seq)
+        flag = self.rank + 1 if failure is not None else (0 if peer is None else 1 + (peer.failed_rank or 0))
+        digest = section_hash(kind, name)
+        self._flag.copy_(torch.tensor(pack_agreement(min(flag, MAX_FLAG), digest, seq), dtype=torch.int64))
+        try:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.side)
+        except Exception as err:  # noqa: BLE001 - a peer vanished, or this rank was released
+            if failure is not None:
+                return Outcome(True)  # this rank raises its own exception whatever the peers did
+            cause = peer or self.classify(err)
+            if cause is None:
+                cause = PeerFailedError(None, type(err).__name__, f"the fail-together agreement itself failed: {err}",
+                                        where=f"the agreement of {name!r}", section=name)
+            return Outcome(True, cause)
+        got_flag, in_step = unpack_agreement(*(int(v) for v in self._flag.tolist()))
+        if got_flag == 0:
+            if not in_step:
+                return Outcome(True, mismatch=self._mismatch(kind, name, seq))
+            return Outcome(False)
+        if failure is not None or peer is not None:
+            self._consume(read=False)
+            return Outcome(True, peer)
+        records = self._consume(read=True)
+        return Outcome(True, PeerFailedError.from_records(records, fallback_rank=got_flag - 1, section=name))
+
+    def _consume(self, *, read: bool) -> list[FailureRecord]:
+        """Take the records published since the last agreement (the watchdog leaves them alone).
+
+        A failure record of the *next* agreement ends the taking: a peer released from this
+        agreement before this rank may already have failed in the next one (never further: the one
+        after needs this rank), and that record is the next agreement's to deliver (taken now, the
+        next agreement would miss it and name a later failure instead). So every record is read,
+        also when this rank does not need their content (``read=False``: it raises its own failure
+        or a peer's it already knows)."""
+        try:
+            count = self.schema.count()
+        except Exception as err:  # noqa: BLE001
+            log(logging.WARNING, "could not read failure records: %s", (str(err).splitlines() or [""])[0][:200])
+            return []
+        indices = self.schema.new_indices(self.consumed, count)
+        if not indices:
+            self.consumed = count  # nothing new, or a corrupted counter (warned): carry on from it
+            return []
+        taken: list[int] = []
+        records: list[FailureRecord] = []
+        for index in indices:
+            record = self.schema.read(index)
+            if record is not None and record.origin == "failure" and record.seq == self.live_seq + 1:
+                break  # the next agreement's (no peer can be further ahead): left for it, with what follows
+            taken.append(index)
+            if record is not None and not self.stale(record):
+                records.append(record)
+        if taken:
+            self.consumed = taken[-1]
+            self.delivered = frozenset(sorted(self.delivered | set(taken))[-MAX_DELIVERED:])
+        return records if read else []
+
+    def stale(self, record: FailureRecord) -> bool:
+        """A failure in an agreement that has already ended (see :attr:`live_seq`)."""
+        return record.origin == "failure" and record.seq is not None and record.seq < self.live_seq
+
+    def peer_records(self, schema: Schema, indices) -> list[FailureRecord]:
+        """The records at ``indices`` (read through ``schema``) of other ranks, late news left out."""
+        return [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != self.rank
+                and not self.stale(r)]
+
+    def _mismatch(self, kind: str, name: str, seq: int) -> SectionMismatchError:
+        mine = f"{kind} {name!r} (agreement {seq})"
+        sections = {self.rank: mine}
+        try:
+            self.schema.set_section(self.rank, mine)
+            deadline = time.monotonic() + MISMATCH_WAIT
+            wanted = [r for r in self.ranks[:16] if r != self.rank]
+            while wanted and time.monotonic() < deadline:
+                for r in list(wanted):
+                    text = self.schema.section_of(r)
+                    if text is not None:
+                        sections[r] = text
+                        wanted.remove(r)
+                time.sleep(0.02)
+        except Exception:  # noqa: BLE001 - the report is a nicety; the mismatch is raised anyway
+            pass
+        listed = "; ".join(f"rank {r}: {sections[r]}" for r in sorted(sections))
+        message = (f"the ranks met in different fail-together sections: {listed}. Every rank must enter the same "
+                   "sections in the same order, like a collective")
+        log(logging.ERROR, "%s", message)
+        return SectionMismatchError(message, sections)
+
+    # -- classify ------------------------------------------------------------------------------------
+    def classify(self, exc: BaseException) -> PeerFailedError | None:
+        """``None`` if ``exc`` is this rank's own failure; otherwise the peer failure behind it.
+
+        A :class:`PeerFailedError` is a peer's. A backend error (a released or broken collective:
+        :func:`~.errors.is_backend_error`) is a peer's when the cause can be found: what the watchdog
+        knows, a same-host peer that is gone (pid check, now), or a record of another rank not yet
+        delivered (read for up to :data:`EXPLAIN_WAIT`). Anything else is this rank's own.
+        """
+        if isinstance(exc, PeerFailedError):
+            return exc
+        if not is_backend_error(exc):
+            return None
+        own = self.signal_cause  # this rank's own SIGTERM/SIGINT broke it: no peer to blame
+        if own is not None:
+            return own
+        known = self.incident.peer_error
+        if known is None:
+            found = self.same_host_probe.poll(time.monotonic())
+            known = found.error if found is not None else None
+        return known or self._explain(exc)
+
+    def failure_report(self, wait: float) -> PeerFailedError | None:
+        """What is known of a failure under way, waiting up to ``wait`` seconds for an explanation
+        in progress (for a rank that is being ended from outside, e.g. by its launcher's SIGTERM)."""
+        if self.incident.peer_error is not None:
+            return self.incident.peer_error
+        explaining = self._explaining
+        if explaining is None:
+            return None
+        done, outcome = explaining
+        done.wait(wait)
+        return outcome()
+
+    def suspects(self, exc: BaseException) -> list[int]:
+        """Global ranks at the peer address a backend error names (never this rank)."""
+        return self.table.suspects(exc)
+
+    def lost_record(self, rank: int, why: str) -> FailureRecord:
+        """This rank declares global rank ``rank`` lost (``PeerLost``), naming its pid and host."""
+        return self.table.lost_record(rank, why)
+
+    def _explain(self, exc: BaseException) -> PeerFailedError | None:
+        """Why a collective broke: a record of another rank not yet delivered, or a suspect (a rank at
+        the address the error names) whose heartbeat has stopped or whose host held the store that no
+        longer answers. Read in a thread of its own for up to :data:`EXPLAIN_WAIT`."""
+        suspects = self.suspects(exc)
+        deadline = time.monotonic() + EXPLAIN_WAIT
+        found: list[FailureRecord] = []
+        done = threading.Event()
+        conn = self.connection("explain", FAILURE_PATH_STORE_TIMEOUT)
+        schema = Schema(conn, self.schema.world_size)
+        start = self.consumed
+        first_line = (str(exc).splitlines() or [""])[0]
+        detail = next(iter(re.findall(r"(Connection [a-z ]+by peer|Connection closed|Read error|Timed out)", first_line)),
+                      "the connection broke")
+
+        def reader() -> None:
+            # Its own thread and connection: a store call can block when the store's host died with
+            # its socket still held open by a child process; the main thread never waits past the deadline.
+            beats: dict[int, tuple[int, float, float]] = {}  # rank -> (value, observed still, answered at)
+            try:
+                while not done.is_set() and time.monotonic() < deadline:
+                    try:
+                        indices = schema.new_indices(start, schema.count())
+                        records = self.peer_records(schema, indices)
+                    except Exception:  # noqa: BLE001 - the store does not answer
+                        store_hosts = {self.host_ids[0]}
+                        gone = [r for r in suspects if self.host_ids[self.ranks.index(r)] in store_hosts]
+                        # only on evidence that the store is gone (its port refused, its host
+                        # unreachable): a store that is merely slow says nothing of its host
+                        evidence = self.store_evidence(EXPLAIN_EVIDENCE_TIMEOUT) if gone else None
+                        if evidence is not None:
+                            found.extend(self.lost_record(r, f"{detail} from its host, which holds the c10d store, and the "
+                                                 f"store does not answer ({evidence})") for r in gone)
+                            break
+                        time.sleep(0.1)
+                        continue
+                    if records:
+                        found.extend(records)
+                        break
+                    silent = []
+                    for r in suspects:
+                        value = schema.heartbeat_of(r)
+                        # observed silence only: a slow read (a busy store) is no evidence
+                        now = time.monotonic()
+                        last_value, still, answered = beats.get(r, (value, 0.0, now))
+                        if value != last_value:
+                            still = 0.0
+                        elif now - answered <= SUSPECT_OBSERVED_GAP:
+                            still += now - answered
+                        beats[r] = (value, still, now)
+                        if still >= SUSPECT_SILENCE:
+                            silent.append(r)
+                    if silent:
+                        declared = [self.lost_record(r, f"{detail} [{', '.join(addresses_named(first_line))}] and no heartbeat "
+                                            f"for {SUSPECT_SILENCE:.1f} s") for r in silent]
+                        for record in declared:
+                            if schema.claim_declaration(record.rank):
+                                schema.publish(record)
+                        found.extend(declared)
+                        break
+                    time.sleep(0.05)
+            except Exception:  # noqa: BLE001 - nothing to explain with
+                pass
+            finally:
+                done.set()
+
+        def outcome() -> PeerFailedError | None:
+            if self.incident.peer_error is not None:
+                return self.incident.peer_error
+            if found:
+                return PeerFailedError.from_records(found)
+            if suspects:
+                # Alive and silent about it: not this rank's failure, and no culprit to name.
+                names = ", ".join(f"rank {r} on {self.hosts[self.ranks.index(r)]}" for r in suspects)
+                return PeerFailedError(None, "CommunicationError",
+                                       f"the connection to {names} broke ({first_line[:300]}) and no rank reported "
+                                       "why", where="a collective", origin="declared")
+            return None
+
+        thread = threading.Thread(target=reader, name="fth-explain", daemon=True)
+        thread.start()
+        self._explaining = (done, outcome)
+        try:
+            while time.monotonic() < deadline and not done.is_set():
+                if self.incident.peer_error is not None:
+                    return self.incident.peer_error
+                time.sleep(0.02)
+            return outcome()
+        finally:
+            self._explaining = None
+            done.set()
+            # Let it leave its store call (bounded by its timeout) before going on: a daemon thread
+            # inside a torch call at interpreter exit aborts the process.
+            thread.join(timeout=FAILURE_PATH_STORE_TIMEOUT.total_seconds() + 0.5)
+            conn.close()
+
+    # -- watchdog ------------------------------------------------------------------------------------
+    def start_watchdog(self, hang_timeout: timedelta | str | None = None):
+        """Take a reference on this group's watchdog (started on the first)."""
+        with self._lock:
+            if self._watchdog is None:
+                if _watchdog_factory is None:
+                    raise RuntimeError("no watchdog is available: import fault_tolerant_handlers (its detect "
+                                       "package provides it) before starting one")
+                self._watchdog = _watchdog_factory(self, hang_timeout=hang_timeout or self.config.hang_timeout).start()
+            elif hang_timeout is not None and self._watchdog.hang_timeout != hang_timeout:
+                log(logging.WARNING, "watchdog already running with hang_timeout=%s; keeping it",
+                    self._watchdog.hang_timeout)
+            self._watchdog_refs += 1
+            return self._watchdog
+
+    def stop_watchdog(self) -> None:
+        """Drop a reference; the last one stops the watchdog (and closes its connections)."""
+        with self._lock:
+            if self._watchdog_refs == 0:
+                return
+            self._watchdog_refs -= 1
+            if self._watchdog_refs:
+                return
+            watchdog, self._watchdog = self._watchdog, None
+        watchdog.stop()
+
+    @property
+    def watchdog(self):
+        return self._watchdog
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.side is None
+
+    def close(self) -> None:
+        """Stop everything this session started and forget it, so that :func:`get_session` makes a
+        new one (in the same process, with nothing left behind). Collective: call it on every rank.
+
+        In order: it leaves the registry; its watchdog stops whatever its references (its threads,
+        its liveness helper, their connections); every rank waits for the others on the side group
+        (none reads the run's keys any more), then deletes its own keys of the run (rank 0 also the
+        shared ones: the record counter, the records, the declarations); its main connection
+        closes and its side group is destroyed. What is installed once per process stays, and
+        serves the next session: the SIGTERM/SIGINT handlers (they follow the world's newest
+        session) and the exit hooks."""
+        if self.side is None:
+            return
+        with _registry_lock:
+            for key in [k for k, v in _registry.items() if v is self]:
+                del _registry[key]
+        with self._lock:
+            watchdog, self._watchdog, self._watchdog_refs = self._watchdog, None, 0
+        if watchdog is not None:
+            watchdog.stop()
+        try:
+            dist.barrier(group=self.side)
+            self.schema.remove_run_keys(self.rank, self.ranks, shared=self.group_rank == 0)
+        except Exception as err:  # noqa: BLE001 - a peer is gone: its keys die with the store
+            log(logging.WARNING, "closing the session: %s", (str(err).splitlines() or [""])[0][:200])
+        events.emit(events.SESSION_CLOSED, self)  # the launchers: what they hold for this session
+        self.schema.conn.close()
+        side, self.side = self.side, None
+        try:
+            dist.destroy_process_group(side)
+        except Exception as err:  # noqa: BLE001 - already destroyed (destroy_process_group() of all)
+            log(logging.DEBUG, "side group: %s", err)
+
+
+#: Makes a session's watchdog (``factory(session, hang_timeout=...)``, with ``start()`` and
+#: ``stop(join_timeout=None)``): provided by :mod:`..detect.watchdog` when it is imported.
+_watchdog_factory = None
+
+
+def provide_watchdog(factory) -> None:
+    """Set what :meth:`Session.start_watchdog` starts (the detectors do, at import: the core knows no watchdog)."""
+    global _watchdog_factory
+    _watchdog_factory = factory
+
+
+_registry: dict[tuple[int, int], Session] = {}
+_registry_lock = threading.Lock()
+
+
+_exit_hook_registered = False
+
+
+def _forget_all() -> None:
+    """At interpreter exit, stop the watchdogs and drop the side groups and store clients while
+    Python is fully alive, so that their C++ destructors do not run late in finalization."""
+    with _registry_lock:
+        sessions = list(_registry.values())
+        _registry.clear()
+    for session in sessions:
+        watchdog = session._watchdog
+        if watchdog is not None:
+            watchdog.stop(join_timeout=1.0)
+    for session in sessions:
+        _schema.unblock_stuck_calls(session.keep_ports, busy_too=session.failing)
+    sessions.clear()
+    gc.collect()
+
+
+def get_session(group: dist.ProcessGroup | None = None, *, timeout: timedelta | None = None,
+                caller: str = "fail_together") -> Session | None:
+    """The session of ``group`` (the world when ``None``), or ``None`` when there is nothing to
+    coordinate (no process group and no multi-rank launcher, or a single rank).
+
+    Raises:
+        RuntimeError: the launcher says this is a multi-rank job but ``init_process_group`` has not
+            been called yet.
+        ValueError: this process is not a member of ``group``; an ``FTH_*`` variable is malformed.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError(
+                f"{caller}(group=...) was given a process group, but torch.distributed is not initialized; "
+                "call torch.distributed.init_process_group() first")
+        try:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            world = 1
+        if world > 1:
+            raise RuntimeError(
+                f"{caller} was called in a job of WORLD_SIZE={world} ranks before "
+                "torch.distributed.init_process_group(); call it after the process group is initialized "
+                "(init_process_group, idist.Parallel, or inside the Trainer's hooks)")
+        return None
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(
+            f"{caller}(group=...): this process (global rank {dist.get_rank()}) is not a member of the given group "
+            f"(ranks {dist.get_process_group_ranks(group)}); pass a group that contains this rank, or group=None "
+            "for all ranks")
+    world = dist.get_world_size(group) if group is not None else dist.get_world_size()
+    if world <= 1:
+        return None
+    key = (id(_compat_torch.default_group()), id(group))
+    session = _registry.get(key)
+    if session is None:
+        with _registry_lock:
+            session = _registry.get(key)
+            if session is None:
+                # A new default group (destroy + init) makes every older session stale.
+                for stale in [k for k in _registry if k[0] != key[0]]:
+                    old = _registry.pop(stale)
+                    if old._watchdog is not None:
+                        old._watchdog.stop()
+                session = Session(group, timeout=timeout)
+                global _exit_hook_registered
+                if not _exit_hook_registered:  # once per process; registered after torch's own: runs before them
+                    _exit_hook_registered = True
+                    atexit.register(_forget_all)
+                _registry[key] = session
+    return session

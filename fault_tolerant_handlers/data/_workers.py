@@ -1,0 +1,390 @@
+"""Worker processes that can die without taking the main process with them (private).
+
+``RestartableDataLoader`` runs its workers through the iterator classes defined here. They are
+torch's ``_MultiProcessingDataLoaderIter`` (and, for iterable datasets, torchdata's
+``_StatefulMultiProcessingDataLoaderIter``) with four changes, all made from the outside:
+
+* **No SIGCHLD error in user code.** torch registers worker pids with a process-wide SIGCHLD
+  handler that raises ``RuntimeError`` wherever the main thread happens to be (usually inside the
+  training step). These iterators unregister their pids before the first batch is requested, so a
+  worker death is only ever reported by this module, from inside ``next()``.
+* **No lock shared with a worker that can die.** ``multiprocessing.Event`` takes a lock in
+  ``is_set()``; workers call it in their loop, and a worker SIGKILLed while holding it made the main
+  process block forever in ``set()`` at shutdown. The iterators are built with a multiprocessing
+  context whose ``Event()`` is a byte of shared memory (``_SharedFlag``): reading and setting it
+  takes no lock.
+* **Fast detection.** A daemon thread (the pump) waits on the workers' process sentinels and on the
+  result pipe at once: a death is seen within milliseconds, while the main thread is anywhere, and
+  the main thread's wait (a ``queue.SimpleQueue`` poll, never a shared lock or a pipe read) wakes at
+  once. A pipe read the pump cannot finish (a worker killed mid-write) strands only the pump.
+* **Stalls.** With ``timeout > 0``, no batch within ``timeout`` seconds is reported as a stall of
+  the worker that owns the awaited batch, instead of torch's ``RuntimeError``.
+
+Every death or stall is raised as ``WorkerLost`` from ``next()``; ``abort()`` then SIGKILLs every
+worker of the iterator by pid and shuts it down without touching anything a dead worker may hold.
+
+Private torch API used (checked against torch 2.13, torchdata 0.11): the iterator attributes
+``_workers``, ``_worker_result_queue``, ``_data_queue``, ``_pin_memory``, ``_timeout``,
+``_task_info``, ``_rcvd_idx``, ``_worker_pids_set`` and the methods ``_reset``, ``_try_get_data``,
+``_get_data``, ``_shutdown_workers``; ``torch.utils.data._utils.signal_handling``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import multiprocessing
+import os
+import queue
+import signal
+import tempfile
+import threading
+import time
+from multiprocessing import context as _mpc
+from multiprocessing.connection import wait as _mp_wait
+
+from torch.utils.data import _utils
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+from ..core import procfs as _procfs
+
+#: How often the main thread re-checks worker liveness while it waits for a batch (seconds). The
+#: pump wakes it at once on a death; this bounds detection if the pump itself is stranded.
+POLL_SEC = 0.05
+#: How long ``abort()`` waits for a SIGKILLed worker to be reaped (seconds).
+REAP_SEC = 2.0
+
+
+#: How many files ``_fd_limit_reached`` opens to tell an exhausted descriptor table.
+FD_MARGIN = 10
+FD_LIMIT_MESSAGE = (
+    "Too many open files. Communication with the workers is no longer possible. Please increase the "
+    "limit using `ulimit -n` in the shell or change the sharing strategy by calling "
+    "`torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning of your code"
+)
+
+
+def _fd_limit_reached() -> bool:
+    """Whether this process is within ``FD_MARGIN`` descriptors of its open-files limit.
+
+    A batch whose tensors travel as file descriptors cannot be received then (``received 0 items
+    of ancdata``); torch names the cause and the two cures, and so do we.
+    """
+    try:
+        with contextlib.ExitStack() as stack:
+            for _ in range(FD_MARGIN):
+                stack.enter_context(tempfile.TemporaryFile())
+    except OSError as exc:
+        return exc.errno == errno.EMFILE
+    return False
+
+
+class _SharedFlag:
+    """``multiprocessing.Event`` without the lock: one byte of shared memory.
+
+    Only ``is_set()``/``set()``/``clear()`` are used by torch's worker loop and iterator; a worker
+    killed at any instruction cannot leave it in a state that blocks anybody.
+    """
+
+    def __init__(self, ctx: _mpc.BaseContext) -> None:
+        self._value = ctx.RawValue("b", 0)
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def clear(self) -> None:
+        self._value.value = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            if end is not None and time.monotonic() >= end:
+                return False
+            time.sleep(0.005)
+        return True
+
+
+class _ForkContext(_mpc.ForkContext):
+    def Event(self):  # noqa: N802 - multiprocessing's name
+        return _SharedFlag(self)
+
+
+class _SpawnContext(_mpc.SpawnContext):
+    def Event(self):  # noqa: N802
+        return _SharedFlag(self)
+
+
+class _ForkServerContext(_mpc.ForkServerContext):
+    def Event(self):  # noqa: N802
+        return _SharedFlag(self)
+
+
+_CONTEXTS = {"fork": _ForkContext, "spawn": _SpawnContext, "forkserver": _ForkServerContext}
+
+
+def start_method_of(ctx: object | None) -> str:
+    """The start method a DataLoader's ``multiprocessing_context`` (or the default) stands for."""
+    if ctx is None:
+        return multiprocessing.get_start_method()
+    name = ctx.get_start_method() if hasattr(ctx, "get_start_method") else getattr(ctx, "_name", None)
+    return name or multiprocessing.get_start_method()
+
+
+def hardened_context(method: str) -> _mpc.BaseContext:
+    """A multiprocessing context for ``method`` whose ``Event()`` is lock-free."""
+    _import_what_workers_import()
+    return _CONTEXTS[method]()
+
+
+def _import_what_workers_import() -> None:
+    """torch's worker loop seeds ``numpy.random``, which numpy 2 imports lazily: each forked worker
+    imported it itself. An import in a process forked while another thread of the parent was
+    importing can fail (the import lock's state is copied mid-way): measured once under load, a new
+    worker's ``np.random.seed`` raised ``KeyError`` inside importlib and the worker exited with code
+    1, a restart for nothing. Imported once in the parent, no worker imports it."""
+    if _utils.HAS_NUMPY:
+        import numpy.random  # noqa: F401
+
+
+class WorkerLost(RuntimeError):
+    """A worker of the current iterator died or stalled (raised from ``next()``).
+
+    ``RestartableDataLoader`` catches it and restarts; where these iterators are used on their own
+    (``_dataloader_stateful.InnerStatefulLoader``) it is the ``RuntimeError`` torch raises, in
+    torch's words.
+    """
+
+    def __init__(self, kind: str, worker_id: int | None = None, detected_at: float | None = None, message: str = "") -> None:
+        if detected_at is None:  # rebuilt from its message alone, as code that re-raises a type does
+            message, detected_at = kind, time.time()
+            kind = "stall" if "timed out" in message else "died"
+        super().__init__(message or f"DataLoader worker {worker_id} {'stalled' if kind == 'stall' else 'exited unexpectedly'}")
+        self.kind = kind  # "died" or "stall"
+        self.worker_id = worker_id
+        self.detected_at = detected_at  # time.time() when it was first seen
+        #: ``[(pid, exitcode)]`` of the iterator's workers, set when the iterator was already aborted
+        self.pids: list | None = None
+        #: with ``pids``: the worker ids that had exited before that abort
+        self.exited: list[int] = []
+
+
+class _Wake:
+    """Put in the main thread's queue by the pump to wake it at once."""
+
+
+_WAKE = _Wake()
+
+
+class _PumpError:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _pump(result_queue, sentinels: dict, out: queue.SimpleQueue, stop: threading.Event, exits: list, read: bool) -> None:
+    """Move results from the workers' pipe to ``out``; note every worker exit in ``exits``.
+
+    Holds no reference to the iterator (so that its ``__del__`` still runs when it is dropped). A
+    worker that exits is noted and the main thread woken; whether that exit was a death (the worker
+    was still active) is for the main thread to decide.
+    """
+    reader = result_queue._reader if read else None
+    sentinels = dict(sentinels)
+    try:
+        while not stop.is_set() and (sentinels or read):
+            ready = _mp_wait(list(sentinels) + ([reader] if read else []), timeout=0.2)
+            for s in ready:
+                if s in sentinels:
+                    exits.append((sentinels.pop(s), time.time()))
+                    out.put(_WAKE)
+            if read and reader in ready:
+                try:
+                    item = result_queue.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                except Exception as exc:  # noqa: BLE001 - e.g. a tensor whose sender just died
+                    out.put(_PumpError(exc))
+                    continue
+                out.put(item)
+    except (OSError, ValueError, EOFError):  # queues closed under us at shutdown
+        return
+
+
+class _Hardened:
+    """Mix-in over torch's / torchdata's multiprocessing iterator (see the module docstring)."""
+
+    def _fth_setup(self) -> None:
+        if self.__dict__.get("_fth_ready"):
+            return
+        self._fth_ready = True
+        if self._worker_pids_set:  # before anything else: no SIGCHLD error in user code
+            _utils.signal_handling._remove_worker_pids(id(self))
+            self._worker_pids_set = False
+        self._fth_death: list = []
+        self._fth_stop = threading.Event()
+        self._fth_sentinels = {w.sentinel: i for i, w in enumerate(self._workers)}
+        read = not self._pin_memory  # with pinning, torch's pin thread reads the pipe
+        self._fth_source = queue.SimpleQueue() if read else self._data_queue
+        thread = threading.Thread(
+            target=_pump,
+            args=(self._worker_result_queue, dict(self._fth_sentinels), self._fth_source if read else queue.SimpleQueue(),
+                  self._fth_stop, self._fth_death, read),
+            name="fth-dataloader-pump",
+            daemon=True,
+        )
+        thread.start()
+        self._fth_pump = thread
+
+    def _reset(self, loader, first_iter=False, *args, **kwargs):
+        self._fth_setup()
+        return super()._reset(loader, first_iter, *args, **kwargs)
+
+    def fth_dead_worker(self) -> tuple[int, float] | None:
+        """``(worker_id, time seen)`` of a worker that exited while still active, or ``None``.
+
+        A worker that exits after torch marked it unavailable (an exhausted iterable-dataset worker,
+        shutdown) is not a death.
+        """
+        if not self.__dict__.get("_fth_ready"):
+            return None
+        status = self.__dict__.get("_workers_status")
+        for wid, seen in list(self._fth_death):
+            if status is None or status[wid]:
+                return wid, seen
+        ready = _mp_wait(list(self._fth_sentinels), timeout=0)
+        for s in ready:
+            wid = self._fth_sentinels[s]
+            if status is None or status[wid]:
+                self._fth_death.append((wid, time.time()))
+                return self._fth_death[-1]
+        return None
+
+    def _fth_check(self) -> None:
+        dead = self.fth_dead_worker()
+        if dead is not None:
+            pid = self._workers[dead[0]].pid
+            raise WorkerLost("died", dead[0], dead[1], f"DataLoader worker (pid(s) {pid}) exited unexpectedly")
+
+    def _try_get_data(self, timeout=_utils.MP_STATUS_CHECK_INTERVAL):
+        self._fth_setup()
+        end = time.monotonic() + timeout
+        while True:
+            self._fth_check()
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                return (False, None)
+            try:
+                item = self._fth_source.get(timeout=min(remaining, POLL_SEC))
+            except queue.Empty:
+                continue
+            if item is _WAKE:
+                continue
+            if isinstance(item, _PumpError):
+                # A result that cannot be unpickled (its tensors are fetched from the sending
+                # worker's fd server) comes from a worker being killed: give its exit a moment to
+                # show; an error no death explains is raised as it is.
+                end_wait = time.monotonic() + REAP_SEC
+                while time.monotonic() < end_wait:
+                    self._fth_check()
+                    _mp_wait(list(self._fth_sentinels), timeout=POLL_SEC)
+                if _fd_limit_reached():
+                    raise RuntimeError(FD_LIMIT_MESSAGE) from item.exc
+                raise item.exc
+            return (True, item)
+
+    def _get_data(self):
+        if self._timeout > 0:
+            ok, data = self._try_get_data(self._timeout)
+            if ok:
+                return data
+            info = self._task_info.get(self._rcvd_idx) if hasattr(self, "_task_info") else None
+            raise WorkerLost("stall", info[0] if info else None, time.time(),
+                             f"DataLoader timed out after {self._timeout} seconds")
+        while True:
+            ok, data = self._try_get_data(3600.0)
+            if ok:
+                return data
+
+    def _shutdown_workers(self):
+        stop = self.__dict__.get("_fth_stop")
+        if stop is not None:
+            stop.set()
+        return super()._shutdown_workers()
+
+    def abort(self) -> list[tuple[int, int | None]]:
+        """SIGKILL every worker by pid, reap them, shut the iterator down; ``[(pid, exitcode)]``.
+
+        Safe on a half-constructed iterator and on one whose workers hold locks: it never waits on
+        anything a worker shares.
+        """
+        stop = self.__dict__.get("_fth_stop")
+        if stop is not None:
+            stop.set()
+        workers = list(self.__dict__.get("_workers", ()))
+        #: worker ids that had exited before this abort (two deaths seen as one restart)
+        self.fth_exited_before_abort = [wid for wid, w in enumerate(workers) if w.pid is not None and _exited(w)]
+        for w in workers:
+            if w.pid is not None and w.exitcode is None:
+                try:
+                    os.kill(w.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for w in workers:
+            w.join(timeout=REAP_SEC)
+        if self.__dict__.get("_worker_pids_set"):
+            _utils.signal_handling._remove_worker_pids(id(self))
+            self._worker_pids_set = False
+        if "_shutdown" in self.__dict__ and "_workers_status" in self.__dict__:
+            try:
+                super()._shutdown_workers()
+            except Exception:  # noqa: BLE001 - the workers are gone; nothing left to save
+                self._shutdown = True
+        else:
+            self.__dict__["_shutdown"] = True
+        return [(w.pid, w.exitcode) for w in workers]
+
+
+class TorchWorkersIter(_Hardened, _MultiProcessingDataLoaderIter):
+    """torch's multiprocessing iterator, hardened (map-style datasets)."""
+
+
+def construct(cls, loader, *args):
+    """``cls(loader, *args)``; if that raises, the workers it had started are killed first."""
+    it = cls.__new__(cls)
+    try:
+        it.__init__(loader, *args)
+    except BaseException as exc:
+        dead = it.fth_dead_worker() if "_workers" in it.__dict__ else None
+        pids = it.abort()
+        if isinstance(exc, WorkerLost):
+            exc.pids, exc.exited = pids, it.fth_exited_before_abort
+            raise
+        if dead is not None:
+            lost = WorkerLost("died", dead[0], dead[1])
+            lost.pids, lost.exited = pids, it.fth_exited_before_abort
+            raise lost from exc
+        raise
+    return it
+
+
+def _exited(worker) -> bool:
+    """The worker has exited or is exiting (:func:`~..core.procfs.exiting`: not yet waitable)."""
+    if worker.exitcode is not None:
+        return True
+    fields = _procfs.stat_fields(worker.pid)
+    return not _procfs.is_running(fields) or _procfs.exiting(fields)
+
+
+def describe_exit(exitcode: int | None) -> tuple[str | None, str]:
+    """``("SIGKILL", "killed by SIGKILL")`` or ``(None, "exited with code 1")``."""
+    if exitcode is None:
+        return None, "did not exit"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return name, f"killed by {name}"
+    return None, f"exited with code {exitcode}"

@@ -1,0 +1,768 @@
+"""A DataLoader whose workers can die: it starts new ones and resumes at the exact next batch.
+
+``RestartableDataLoader`` takes every ``torch.utils.data.DataLoader`` argument plus a restart
+budget. When a worker process is killed (OOM killer, a crash in a C extension), exits, or stalls
+past the loader's ``timeout``, the loader kills the remaining workers of that iterator, starts fresh
+ones and goes on with the batch after the last one it yielded: no sample lost, none duplicated,
+same order as an uninterrupted epoch.
+
+* **Map-style datasets** (any sampler or batch sampler): the loader iterates the sampler itself,
+  once per epoch as torch does, and remembers the index batches sent to workers but not yet
+  yielded. After a death those are sent again, in order, to the new workers, followed by the rest
+  of the same sampler iterator. The sampler is never re-iterated or fast-forwarded, so samplers
+  with hidden state (a shared ``generator``, a custom batch sampler) stay exact.
+* **Iterable datasets**: torchdata's ``StatefulDataLoader`` keeps a snapshot of every worker's
+  dataset state after each batch; after a death the new workers start from the snapshot taken
+  after the last yielded batch (``_dataloader_stateful``).
+
+An exception raised by the dataset's own code in a worker is a bug, not a death: it propagates
+unchanged (with the worker's traceback) and is not retried. When ``max_restarts`` is spent,
+``DataLoaderRestartError`` lists every restart.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing
+import signal
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator, TypeVar
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from . import _resume
+from ..core import log as _log
+from ._workers import (
+    TorchWorkersIter,
+    WorkerLost,
+    construct,
+    describe_exit,
+    hardened_context,
+    start_method_of,
+)
+
+__all__ = ["DataLoaderRestartError", "RestartableDataLoader", "WorkerRestart", "make_restartable"]
+
+_START_METHODS = ("fork", "spawn", "forkserver")
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+@dataclass
+class WorkerRestart:
+    """One restart of a loader's workers (``loader.restarts`` holds them in order).
+
+    Attributes:
+        epoch: how many times the loader had been iterated before (0 for the first epoch).
+        batch_index: index, within the epoch, of the batch the loader resumed at (the first batch
+            that was not yet yielded when the worker was lost).
+        worker_id, worker_pid: the worker that was lost.
+        signal: ``"SIGKILL"`` when it was killed by a signal, else ``None``.
+        exitcode: its exit code (negative: killed by that signal), ``None`` for a stall.
+        reason: ``"killed by SIGKILL"``, ``"exited with code 1"`` or ``"stalled for more than 5 s"``.
+        detected_at: wall-clock time the loss was seen (``time.time()``).
+        restart_seconds: from detection to the new workers being started.
+        recovery_seconds: from detection to the next batch yielded (``None`` until then).
+        start_method: how the new workers were started (``"fork"``, ``"spawn"``, ...).
+        also_lost: the other workers found dead at the same restart, as ``(worker_id, pid, reason)``
+            (two workers ended together, e.g. by the OOM killer: one restart replaces both).
+    """
+
+    epoch: int
+    batch_index: int
+    worker_id: int | None
+    worker_pid: int | None
+    signal: str | None
+    exitcode: int | None
+    reason: str
+    detected_at: float
+    restart_seconds: float = 0.0
+    recovery_seconds: float | None = None
+    start_method: str = ""
+    also_lost: tuple[tuple[int, int | None, str], ...] = ()
+
+    def describe(self) -> str:
+        also = "".join(f", worker {w} (pid {p}) {why}" for w, p, why in self.also_lost)
+        return (
+            f"epoch {self.epoch}, batch {self.batch_index}: worker {self.worker_id} "
+            f"(pid {self.worker_pid}) {self.reason}{also}"
+        )
+
+    def torch_message(self, timeout: float) -> str:
+        """The loss in the words torch's own DataLoader uses for it (code matching them still works)."""
+        if self.exitcode is None:
+            return f"DataLoader timed out after {timeout:g} seconds"
+        if self.exitcode < 0:
+            try:
+                name = signal.strsignal(-self.exitcode) or self.signal
+            except ValueError:
+                name = self.signal
+            return f"DataLoader worker (pid {self.worker_pid}) is killed by signal: {name}."
+        return f"DataLoader worker (pid(s) {self.worker_pid}) exited unexpectedly with exit code {self.exitcode}."
+
+
+class DataLoaderRestartError(RuntimeError):
+    """Raised when a worker is lost and the loader's ``max_restarts`` budget is already spent.
+
+    Attributes:
+        restarts: every restart made, in order, followed by the loss that could not be restarted
+            (its ``restart_seconds`` is 0).
+        max_restarts: the budget.
+    """
+
+    def __init__(self, restarts: list[WorkerRestart] | str, max_restarts: int | None = None, timeout: float = 0) -> None:
+        if isinstance(restarts, str):  # rebuilt from its message alone, as code that re-raises a type does
+            super().__init__(restarts)
+            self.restarts, self.max_restarts, self.timeout = [], max_restarts, timeout
+            return
+        self.restarts = list(restarts)
+        self.max_restarts = max_restarts
+        self.timeout = timeout
+        lines = [
+            f"DataLoader worker lost after {max_restarts} restart(s) (max_restarts={max_restarts}): "
+            f"{restarts[-1].describe()}"
+        ]
+        lines += [f"  restart {i + 1}: {r.describe()}" for i, r in enumerate(restarts[:-1])]
+        lines.append(f"  not restarted: {restarts[-1].describe()}")
+        lines.append(f"  as torch reports it: {restarts[-1].torch_message(timeout)}")
+        super().__init__("\n".join(lines))
+
+    def __reduce__(self):  # the constructor's arguments, not ``args``: picklable across processes
+        return (type(self), (self.restarts, self.max_restarts, self.timeout))
+
+
+def _check_max_restarts(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"RestartableDataLoader(max_restarts={value!r}): max_restarts must be an int >= 0 "
+            f"(0 disables restarts), got {type(value).__name__}"
+        )
+    if value < 0:
+        raise ValueError(
+            f"RestartableDataLoader(max_restarts={value!r}): max_restarts must be an int >= 0 "
+            "(0 disables restarts)"
+        )
+    return value
+
+
+def _check_start_method(value: object) -> str | None:
+    if value is not None and value not in _START_METHODS:
+        raise ValueError(
+            f"RestartableDataLoader(restart_start_method={value!r}): must be None (automatic) or one "
+            f"of {list(_START_METHODS)}"
+        )
+    if value is not None and value not in multiprocessing.get_all_start_methods():
+        raise ValueError(
+            f"RestartableDataLoader(restart_start_method={value!r}): not available on this platform; "
+            f"available: {multiprocessing.get_all_start_methods()}"
+        )
+    return value
+
+
+class RestartableDataLoader(DataLoader[_T_co]):
+    """A ``DataLoader`` that restarts dead workers and resumes at the exact next batch.
+
+    All arguments are identical to ``torch.utils.data.DataLoader``, plus:
+
+    Args:
+        max_restarts: how many times, over the loader's lifetime, workers may be restarted
+            (``int >= 0``, default 3). One more loss raises :class:`DataLoaderRestartError`.
+        restart_start_method: how restarted workers are started: ``"fork"``, ``"spawn"``,
+            ``"forkserver"``, or ``None`` (default) for automatic: the start method of an explicit
+            ``multiprocessing_context`` if one was given, otherwise ``"fork"`` where the platform
+            has it and CUDA is not initialized in this process (a spawned worker re-imports torch:
+            seconds instead of tens of milliseconds), otherwise the default start method.
+
+    Public state read by the Ignite / Lightning adapters:
+
+    * ``restarts``: list of :class:`WorkerRestart`, in order.
+    * ``restart_count``: ``len(restarts)``.
+
+    Examples:
+        .. code-block:: python
+
+            loader = RestartableDataLoader(dataset, batch_size=32, shuffle=True, num_workers=4,
+                                           generator=torch.Generator().manual_seed(0), max_restarts=5)
+            for batch in loader:       # a worker SIGKILLed here is replaced; no batch lost or repeated
+                train_step(batch)
+            print(loader.restart_count, loader.restarts)
+
+    Raises:
+        TypeError, ValueError: for a bad ``max_restarts`` / ``restart_start_method`` (and whatever
+            ``DataLoader`` itself refuses). ``in_order=False`` is accepted: map-style batches come
+            as workers finish them, each exactly once across restarts; an ``IterableDataset``'s
+            come in order (a restart resumes from torchdata's snapshot, kept only in order).
+        DataLoaderRestartError: from ``next()``, when the budget is spent.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler=None,
+        batch_sampler=None,
+        num_workers: int = 0,
+        collate_fn=None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn=None,
+        multiprocessing_context=None,
+        generator=None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        max_restarts: int = 3,
+        restart_start_method: str | None = None,
+    ) -> None:
+        max_restarts = _check_max_restarts(max_restarts)
+        restart_start_method = _check_start_method(restart_start_method)
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        self.max_restarts = max_restarts
+        self.restart_start_method = restart_start_method
+        self.restarts: list[WorkerRestart] = []
+        self._fth_user_method = None if multiprocessing_context is None else start_method_of(self.multiprocessing_context)
+        self._fth_epochs = 0
+        self._fth_persistent = None  # the persistent workers' iterator (map-style)
+        self._fth_stateful = None  # the torchdata loader (iterable datasets)
+        self._fth_run = None  # weak reference to the epoch being iterated
+        self._fth_pending = None  # resume: a snapshot from load_state_dict(), used by the next iter()
+
+    # -- public -----------------------------------------------------------------------------------
+
+    @property
+    def restart_count(self) -> int:
+        """How many times workers were restarted over the loader's lifetime."""
+        return len(self.restarts)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The pids of the workers currently serving this loader (for diagnostics and tests)."""
+        run = self._fth_run() if self._fth_run is not None else None
+        it = getattr(run, "it", None)
+        if it is None or it.__dict__.get("_shutdown", True):
+            return []
+        return [w.pid for w in it.__dict__.get("_workers", ()) if w.pid is not None and w.exitcode is None]
+
+    # -- resume (state_dict / load_state_dict) ---------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the current epoch is: a small snapshot of plain types (no sample data).
+
+        As torchdata's ``StatefulDataLoader``: the epoch and the number of batches yielded in it,
+        plus what decides the epoch's order (sampler epoch, generator states). Taken between two
+        batches, it resumes at the next one; taken after the last batch of an epoch, the next
+        ``iter()`` starts the next epoch. Loadable with ``torch.load(..., weights_only=True)``.
+        """
+        return _resume_state(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` of a loader built the same way: on the next ``iter()``.
+
+        Raises:
+            TypeError, ValueError: a snapshot of another layout, version or kind of dataset.
+        """
+        kind = "iterable" if isinstance(self.dataset, IterableDataset) else "map"
+        state = _resume.check_state(state_dict, kind)
+        self._fth_epochs = state["epoch"] + (0 if _resume.resumes_mid_epoch(state) else 1)
+        self._fth_pending = state
+        self._fth_run = None
+
+    def __iter__(self) -> Iterator[Any]:
+        pending, self._fth_pending = self._fth_pending, None
+        if pending is not None and not _resume.resumes_mid_epoch(pending):
+            if pending["kind"] == "map":
+                _resume.restore_generators(self, pending)  # the next epoch shuffles as it would have
+            pending = None
+        if self.num_workers == 0 and isinstance(self.dataset, IterableDataset):
+            return super().__iter__()  # no worker and no position to keep: torch's own iterator
+        epoch = self._fth_epochs
+        self._fth_epochs += 1
+        self._fth_run = None
+        if self.num_workers == 0:  # no worker process: nothing to restart; the epoch is still tracked
+            run = _SingleRun(self, epoch, pending)
+        elif isinstance(self.dataset, IterableDataset):
+            run = _IterableRun(self, epoch, pending)
+        else:
+            run = _MapRun(self, epoch, pending)
+        self._fth_run = weakref.ref(run)  # an abandoned epoch's workers still go when it is dropped
+        return run
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _fth_first_method(self) -> str:
+        return self._fth_user_method or multiprocessing.get_start_method()
+
+    def _fth_restart_method(self) -> str:
+        if self.restart_start_method is not None:
+            return self.restart_start_method
+        if self._fth_user_method is not None:
+            return self._fth_user_method
+        if "fork" in multiprocessing.get_all_start_methods() and not _cuda_initialized():
+            return "fork"
+        return multiprocessing.get_start_method()
+
+    def _fth_record(self, run: "_Run", lost: WorkerLost, pids: list[tuple[int, int | None]],
+                    exited: list[int]) -> WorkerRestart:
+        wid = lost.worker_id
+        pid, code = pids[wid] if wid is not None and wid < len(pids) else (None, None)
+        if lost.kind == "stall":
+            sig, reason, code = None, f"stalled for more than {self.timeout:g} s", None
+        else:
+            sig, reason = describe_exit(code)
+        also = tuple((w, pids[w][0], describe_exit(pids[w][1])[1]) for w in exited if w != wid and w < len(pids))
+        return WorkerRestart(run.epoch, run.yielded, wid, pid, sig, code, reason, lost.detected_at, also_lost=also)
+
+    def _fth_spend(self, record: WorkerRestart) -> None:
+        """Count a restart, or raise when the budget is spent."""
+        if len(self.restarts) >= self.max_restarts:
+            _log.log(logging.ERROR, "DataLoader %s; restart budget spent (max_restarts=%d)",
+                     record.describe(), self.max_restarts, step=record.batch_index)
+            raise DataLoaderRestartError(self.restarts + [record], self.max_restarts, self.timeout)
+        self.restarts.append(record)
+
+
+def _cuda_initialized() -> bool:
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class _Feed:
+    """The sampler iterator of one epoch, with the index batches sent but not yet yielded.
+
+    ``rewind()`` puts those back in front, in order: the next workers get them first. Sent items are
+    keyed by their send index in the current torch iterator (the n-th item pulled since the last
+    rewind is its task ``n``), so that ``in_order=False`` can commit whichever batch came back.
+    """
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self._source = source
+        self._again: collections.deque = collections.deque()
+        self._sent: dict[int, Any] = {}  # send index -> index batch, in send order
+        self._seq = 0
+
+    def __iter__(self) -> "_Feed":
+        return self
+
+    def __next__(self) -> Any:
+        item = self._again.popleft() if self._again else next(self._source)
+        self._sent[self._seq] = item
+        self._seq += 1
+        return item
+
+    def commit(self, n: int = 1) -> None:
+        for _ in range(n):
+            del self._sent[next(iter(self._sent))]
+
+    def commit_tasks(self, tasks) -> None:
+        """Commit the batches sent as these task indices (``in_order=False``: any of those in flight)."""
+        for task in tasks:
+            self._sent.pop(task, None)
+
+    def rewind(self) -> None:
+        self._again.extendleft(reversed(self._sent.values()))
+        self._sent, self._seq = {}, 0
+
+
+class _FeedSource:
+    """Stands for the loader's index sampler inside torch's iterator: ``iter()`` gives the feed.
+
+    Holds the index sampler, never the loader: a persistent iterator is kept by its loader, and a
+    reference back would make a cycle that only the cyclic GC frees, late and slowly.
+    """
+
+    def __init__(self, loader: RestartableDataLoader) -> None:
+        self._index_sampler = loader._index_sampler
+        self.feed: _Feed | None = None
+
+    def __iter__(self) -> _Feed:
+        assert self.feed is not None
+        return self.feed
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)
+
+
+class _LoaderView:
+    """What torch's iterator reads from its loader: the real loader with three attributes replaced.
+
+    Lent to torch's iterator for one call (its construction or ``_reset``), never stored on it.
+    """
+
+    def __init__(self, loader, index_sampler, ctx, generator) -> None:
+        self._loader = loader
+        self._index_sampler = index_sampler
+        self.multiprocessing_context = ctx
+        self.generator = generator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _Run:
+    """One epoch over a RestartableDataLoader."""
+
+    epoch: int
+    yielded: int
+    loader: RestartableDataLoader
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        """What torch's iterator exposes (``_workers``, ``_shutdown_workers``, ...): the current one's.
+
+        After a restart these are the new workers' (the lost iterator is never reused).
+        """
+        it = self.__dict__.get("it")
+        if it is None or not name.startswith("_") or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(it, name)
+
+    def _after_yield(self) -> None:
+        self.yielded += 1
+        if self.loader.restarts:
+            last = self.loader.restarts[-1]
+            if last.recovery_seconds is None:
+                last.recovery_seconds = time.time() - last.detected_at
+
+    def _lost(self, lost: WorkerLost, it) -> None:
+        """Kill what is left of ``it``, record the restart (or raise), log it."""
+        t0 = time.monotonic()
+        if lost.pids is not None:
+            pids, exited = lost.pids, lost.exited
+        else:
+            pids = it.abort()
+            exited = getattr(it, "fth_exited_before_abort", [])
+        record = self.loader._fth_record(self, lost, pids, exited)
+        self.loader._fth_spend(record)
+        record.start_method = self.loader._fth_restart_method()
+        _log.log(logging.WARNING, "DataLoader %s; restarting workers (%s, restart %d of %d), resuming at batch %d",
+                 record.describe(), record.start_method, len(self.loader.restarts), self.loader.max_restarts,
+                 self.yielded, step=self.yielded)
+        self._restart_t0 = t0
+
+    def _started(self) -> None:
+        t0 = self.__dict__.get("_restart_t0")
+        if t0 is not None:
+            self.loader.restarts[-1].restart_seconds = time.monotonic() - t0
+            self._restart_t0 = None
+
+
+class _MapRun(_Run):
+    def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None = None) -> None:
+        self.loader = loader
+        self.epoch = epoch
+        self.yielded = pending["batches_yielded"] if pending is not None else 0
+        self.finished = False
+        self.resumed = pending is not None
+        self.source = _FeedSource(loader)
+        # the sampler is iterated once per epoch, as torch does (a resume draws its first batches here)
+        self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
+        self.feed = _Feed(self.capture)
+        self.source.feed = self.feed
+        self.it = None
+        persistent = loader._fth_persistent if loader.persistent_workers else None
+        if persistent is not None and persistent.__dict__.get("_shutdown", False):
+            persistent = loader._fth_persistent = None  # shut down from outside: start afresh
+        if persistent is not None:
+            persistent.fth_source.feed = self.feed
+            try:
+                view = _LoaderView(loader, persistent.fth_source, loader.multiprocessing_context, loader.generator)
+                persistent._reset(view, first_iter=False)
+                self.it = persistent
+                self.source = persistent.fth_source
+            except WorkerLost as lost:
+                loader._fth_persistent = None
+                self._lost(lost, persistent)
+                self._start(restart=True)
+        else:
+            self._start(restart=False)
+
+    def _start(self, restart: bool) -> None:
+        """Start workers: the first of the epoch like torch does, later ones from the feed."""
+        loader = self.loader
+        while True:
+            if restart:
+                self.feed.rewind()
+                method = loader._fth_restart_method()
+                generator = torch.Generator().manual_seed(1000003 * self.epoch + len(loader.restarts))
+            else:
+                method = loader._fth_first_method()
+                # a resumed epoch: the loader's generator is already where the sampler left it
+                generator = torch.Generator() if self.resumed else loader.generator
+            view = _LoaderView(loader, self.source, hardened_context(method), generator)
+            try:
+                it = construct(TorchWorkersIter, view)
+            except WorkerLost as lost:  # a worker died while the iterator was being built
+                self._lost(lost, _Aborted())
+                restart = True
+                continue
+            it.fth_source = self.source
+            self.it = it
+            if loader.persistent_workers:
+                loader._fth_persistent = it
+            self._started()
+            return
+
+    def __next__(self) -> Any:
+        while True:
+            it = self.it
+            before = it._rcvd_idx
+            in_flight = None if self.loader.in_order else set(it._task_info)  # in_order=False
+            try:
+                data = next(it)
+            except StopIteration:
+                self.finished = True
+                raise
+            except WorkerLost as lost:
+                self._lost(lost, it)
+                if self.loader._fth_persistent is it:
+                    self.loader._fth_persistent = None
+                self._start(restart=True)
+                continue
+            except BaseException:
+                dead = it.fth_dead_worker()
+                if dead is not None:  # e.g. torch's own "worker exited unexpectedly"
+                    self._lost(WorkerLost("died", dead[0], dead[1]), it)
+                    if self.loader._fth_persistent is it:
+                        self.loader._fth_persistent = None
+                    self._start(restart=True)
+                    continue
+                # the dataset's own error: that batch is consumed, as with torch; not retried
+                if in_flight is not None:
+                    done = in_flight.difference(it._task_info)
+                    self.feed.commit_tasks(done)
+                    self.yielded += len(done)
+                    raise
+                self.feed.commit(it._rcvd_idx - before)
+                self.yielded += it._rcvd_idx - before
+                raise
+            if in_flight is not None:
+                self.feed.commit_tasks(in_flight.difference(it._task_info))
+            else:
+                self.feed.commit()
+            self._after_yield()
+            return data
+
+
+class _Aborted:
+    """Stands for an iterator whose construction failed (``construct`` already killed it)."""
+
+    def abort(self) -> list:
+        return []
+
+
+def _or_aborted(it):
+    return _Aborted() if it is None or not hasattr(it, "abort") else it
+
+
+class _IterableRun(_Run):
+    """An epoch over an ``IterableDataset``: torchdata snapshots, committed after every batch."""
+
+    def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None = None) -> None:
+        from ._stateful import InnerStatefulLoader
+
+        self.loader = loader
+        self.epoch = epoch
+        self.yielded = pending["batches_yielded"] if pending is not None else 0
+        self.finished = False
+        if loader._fth_stateful is None:
+            loader._fth_stateful = InnerStatefulLoader(
+                loader.dataset,
+                batch_size=loader.batch_size,
+                num_workers=loader.num_workers,
+                collate_fn=loader.collate_fn,
+                pin_memory=loader.pin_memory,
+                drop_last=loader.drop_last,
+                timeout=loader.timeout,
+                worker_init_fn=loader.worker_init_fn,
+                multiprocessing_context=hardened_context(loader._fth_first_method()),
+                generator=loader.generator,
+                prefetch_factor=loader.prefetch_factor,
+                persistent_workers=loader.persistent_workers,
+                snapshot_every_n_steps=1,
+            )
+        self.sdl = loader._fth_stateful
+        # len(loader) was asked of the outer loader: torch's "samples have been fetched" warning
+        self.sdl._IterableDataset_len_called = loader._IterableDataset_len_called
+        if not (loader.persistent_workers and self.sdl._iterator is not None):
+            self.sdl.multiprocessing_context = hardened_context(loader._fth_first_method())
+        self.state = None
+        self.it = None
+        if pending is not None and pending.get("torchdata") is not None:
+            self.sdl.load_state_dict(pending["torchdata"])  # resume: torchdata restores the workers' position
+        try:
+            self.it = iter(self.sdl)
+            self.state = self.it.state_dict()
+        except WorkerLost as lost:
+            self._lost(lost, _or_aborted(self.sdl._iterator))
+            self._restart()
+
+    def _restart(self) -> None:
+        while True:
+            self.sdl._iterator = None
+            self.sdl.multiprocessing_context = hardened_context(self.loader._fth_restart_method())
+            if self.state is not None:
+                self.sdl.load_state_dict(self.state)
+            try:
+                self.it = iter(self.sdl)
+                if self.state is None:
+                    self.state = self.it.state_dict()
+            except WorkerLost as lost:
+                self._lost(lost, _or_aborted(self.sdl._iterator))
+                continue
+            self._started()
+            return
+
+    def __next__(self) -> Any:
+        while True:
+            it = self.it
+            try:
+                data = next(it)
+            except StopIteration:
+                self.finished = True
+                raise
+            except WorkerLost as lost:
+                self._lost(lost, it)
+                self._restart()
+                continue
+            except BaseException:
+                dead = it.fth_dead_worker() if hasattr(it, "fth_dead_worker") else None
+                if dead is not None:
+                    self._lost(WorkerLost("died", dead[0], dead[1]), it)
+                    self._restart()
+                    continue
+                self.state = it.state_dict()  # the dataset's own error: not retried
+                raise
+            self.state = it.state_dict()
+            self._after_yield()
+            return data
+
+
+# -- resume: the epoch without workers, and the snapshot of the epoch in progress ---------------------
+
+
+class _SingleRun(_Run):
+    """A map-style epoch without workers: torch's single-process iterator, fed from a tracked sampler."""
+
+    def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None) -> None:
+        from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+
+        self.loader = loader
+        self.epoch = epoch
+        self.yielded = pending["batches_yielded"] if pending is not None else 0
+        self.finished = False
+        self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
+        source = _FeedSource(loader)
+        source.feed = self.capture  # type: ignore[assignment]
+        generator = torch.Generator() if pending is not None else loader.generator
+        self.it = _SingleProcessDataLoaderIter(_LoaderView(loader, source, None, generator))
+
+    def __next__(self) -> Any:
+        try:
+            data = next(self.it)
+        except StopIteration:
+            self.finished = True
+            raise
+        except Exception:
+            self.yielded += 1  # the dataset's own error: that batch is consumed, as with torch
+            raise
+        self.yielded += 1
+        return data
+
+
+def _resume_state(loader: RestartableDataLoader) -> dict[str, Any]:
+    if loader._fth_pending is not None:  # loaded and not iterated yet: the same snapshot
+        return dict(loader._fth_pending)
+    run = loader._fth_run() if loader._fth_run is not None else None
+    if run is None:  # no epoch in progress: the next iter() starts epoch `_fth_epochs`
+        if isinstance(loader.dataset, IterableDataset):
+            return _resume.iterable_state(loader._fth_epochs - 1, 0, True, None)
+        return _resume.map_state(loader, loader._fth_epochs - 1, 0, True, None)
+    if isinstance(run, _IterableRun):
+        return _resume.iterable_state(run.epoch, run.yielded, run.finished, run.state)
+    finished = run.finished
+    try:
+        if not finished and run.yielded >= len(loader._index_sampler):
+            # Every batch taken, the end not yet seen: draw the sampler to its end now, as the next
+            # next() would (a RandomSampler draws from its generator once more there).
+            for _ in run.capture:
+                pass
+            finished = True
+    except TypeError:  # an unsized sampler
+        pass
+    return _resume.map_state(loader, run.epoch, run.yielded, finished, run.capture)
+
+
+def make_restartable(loader: DataLoader, max_restarts: int = 3, restart_start_method: str | None = None) -> RestartableDataLoader:
+    """A :class:`RestartableDataLoader` with the same dataset, sampler and settings as ``loader``.
+
+    For code that builds its own loader, e.g. ``idist.auto_dataloader``. The sampler object is
+    shared, so ``loader.sampler.set_epoch(e)`` (a ``DistributedSampler``) still applies. Do not
+    iterate both loaders.
+
+    Examples:
+        .. code-block:: python
+
+            loader = make_restartable(idist.auto_dataloader(dataset, batch_size=32, num_workers=2,
+                                                            shuffle=True), max_restarts=5)
+    """
+    if isinstance(loader, RestartableDataLoader):
+        return loader
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"make_restartable(loader=...): expected a torch.utils.data.DataLoader, got {type(loader).__name__}")
+    common: dict[str, Any] = dict(
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+        in_order=getattr(loader, "in_order", True),
+        max_restarts=max_restarts,
+        restart_start_method=restart_start_method,
+    )
+    if isinstance(loader.dataset, IterableDataset):
+        return RestartableDataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **common)
+    if loader.batch_size is None and loader.batch_sampler is not None:  # a custom batch sampler
+        return RestartableDataLoader(loader.dataset, batch_size=1, batch_sampler=loader.batch_sampler, **common)
+    return RestartableDataLoader(loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler,
+                                 drop_last=loader.drop_last, **common)
+
+
+# Their public path (:mod:`fault_tolerant_handlers.dataloader`): what tracebacks and pickles name.
+DataLoaderRestartError.__module__ = WorkerRestart.__module__ = "fault_tolerant_handlers.dataloader"

@@ -1,0 +1,220 @@
+"""A hang deadline learned from the run itself (``hang_timeout="auto"``), as a watchdog probe
+(``poll(now) -> Finding | None``).
+
+The main thread tells the probe where each piece of work begins (:meth:`AutoHangProbe.mark`: a
+training ``"step"``, an ``"evaluation"``, a ``"checkpoint"``, or any other name); a mark also ends
+the piece under way, so every instant of the loop belongs to one piece. The rule:
+
+* the probe keeps the **longest** duration seen per kind of work (warm-up pieces included);
+* the deadline of a kind is ``max(floor, multiple x longest of that kind)``; a kind never seen
+  yet borrows the longest piece of any kind, times ``first_multiple`` on top (the first
+  evaluation or checkpoint can be much longer than a step: it gets a wide margin, later ones the
+  learned one);
+* nothing is judged during the **warm-up**: until ``warmup`` steps have finished (the first steps
+  include compilation, DataLoader start-up, caches warming);
+* past the deadline, the main thread's stack decides:
+
+  - waiting in a collective or a backward pass (:func:`~.probes.waiting_on_peers`): **never** a
+    hang of this rank. The rank it waits for is slow or hung, and judges itself (each rank learns
+    its own deadlines: a peer running a long rank-0-only evaluation must not make this rank declare
+    itself hung); a dead or frozen peer is found by the liveness probes. Once the wait is over,
+    the piece is judged again from when it was last seen waiting, and its duration (the peers'
+    work, not its own) is not learned;
+  - in a debugger (``pdb``): not a hang;
+  - an *explainer* recognises the work (``explain(frame) -> (kind, token) | None``: a checkpoint
+    being written, an Ignite evaluator ``Engine`` run from a trainer's handler): the piece is judged
+    again as that kind, from now, against that kind's deadline, and again each time ``token`` (the
+    evaluator's iteration) moves: progress;
+  - otherwise the rank is hung: a ``RankHung`` finding with the main thread's stack, like
+    :class:`~.probes.SelfHangProbe`.
+
+It starts no thread and reads the time from its caller, so a unit test drives it with a fake clock.
+:meth:`mark` runs on the training thread at every step: a few attribute stores, no lock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Callable, Iterable
+
+from ..core import config
+from ..core.errors import PeerFailedError
+from .probes import Finding, hung_rank, waiting_on_peers
+from .writes import writing_now
+from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
+
+#: Defaults of the rule (seconds, counts); each is an argument of :class:`AutoHangProbe`, and
+#: ``FTH_AUTO_HANG_MULTIPLE``, ``FTH_AUTO_HANG_FLOOR_SEC``, ``FTH_AUTO_HANG_WARMUP`` override the first,
+#: third and fourth (:func:`~.config.auto_hang`).
+DEFAULT_MULTIPLE = config.AUTO_HANG_RANGES["multiple"][1]
+DEFAULT_FIRST_MULTIPLE = 10.0
+DEFAULT_FLOOR = config.AUTO_HANG_RANGES["floor"][1]
+DEFAULT_WARMUP = config.AUTO_HANG_RANGES["warmup"][1]
+
+#: The kinds of work the adapters mark.
+STEP = "step"
+EVALUATION = "evaluation"
+CHECKPOINT = "checkpoint"
+
+Explainer = Callable[[object], "tuple[str, object] | None"]
+
+_WAITING = object()  # the token of a piece seen waiting for its peers
+
+_DEBUGGERS = (f"{os.sep}bdb.py", f"{os.sep}pdb.py")
+
+
+def in_debugger(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_DEBUGGERS):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class AutoHangProbe:
+    """This rank's main thread stuck in a piece of work far longer than any like it so far."""
+
+    def __init__(self, rank: int, pid: int, *, frame: Callable[[], object], multiple: float = DEFAULT_MULTIPLE,
+                 first_multiple: float = DEFAULT_FIRST_MULTIPLE, floor: float = DEFAULT_FLOOR,
+                 warmup: int = DEFAULT_WARMUP, wall: Callable[[], float] = time.time,
+                 explain: Iterable[Explainer] = (), host: str = "") -> None:
+        for name, value, low in (("multiple", multiple, 1.0), ("first_multiple", first_multiple, 1.0),
+                                 ("floor", floor, 0.0)):
+            if not value >= low:
+                raise ValueError(f"{name} must be >= {low:g}, got {value!r}")
+        if isinstance(warmup, bool) or not (isinstance(warmup, int) and warmup >= 1):
+            raise ValueError(f"warmup must be an int >= 1 (finished steps), got {warmup!r}")
+        self.rank = rank
+        self.pid = pid
+        self.frame = frame
+        self.multiple = multiple
+        self.first_multiple = first_multiple
+        self.floor = floor
+        self.warmup = warmup
+        self.wall = wall
+        self.host = host  # this rank's host name, for the report
+        #: Recognise work from the main thread's stack (called on the watchdog thread, past a deadline).
+        self.explainers: list[Explainer] = list(explain)
+        self.longest: dict[str, float] = {}
+        self.longest_any = 0.0
+        self.steps = 0
+        self.current: tuple[str, float, int | None] | None = None  # (kind, started at, step)
+        # written by the watchdog thread only: (piece it applies to, kind, token, judged from, kind
+        # its duration is learned as, None: not learned)
+        self._explained: tuple[tuple, str, object, float, str | None] | None = None
+
+    # -- fed by the main thread -------------------------------------------------------------------
+    def mark(self, kind: str | None, now: float, step: int | None = None) -> None:
+        """End the piece of work under way (its duration is learned) and begin ``kind`` (``None``:
+        nothing is watched until the next mark)."""
+        current = self.current
+        self.current = None if kind is None else (kind, now, step)
+        if current is not None:
+            done = learned = current[0]
+            seconds = now - current[1]
+            explained = self._explained
+            if explained is not None and explained[0] is current:
+                # a checkpoint or evaluation within a step is not a step's duration; a piece that
+                # waited for its peers past its deadline measured them, not itself: not learned
+                learned = explained[4]
+            if learned is not None and seconds > self.longest.get(learned, -1.0):
+                self.longest[learned] = seconds
+                if seconds > self.longest_any:
+                    self.longest_any = seconds
+            if done == STEP:
+                self.steps += 1
+
+    def started(self, kind: str, now: float, step: int | None = None) -> None:
+        self.mark(kind, now, step)
+
+    def finished(self, now: float) -> None:
+        self.mark(None, now)
+
+    # -- the rule ---------------------------------------------------------------------------------
+    @property
+    def warm(self) -> bool:
+        return self.steps >= self.warmup
+
+    def deadline(self, kind: str) -> float | None:
+        """Seconds the work ``kind`` may take; ``None`` during the warm-up."""
+        if self.steps < self.warmup:
+            return None
+        seen = self.longest.get(kind)
+        if seen is not None:
+            return max(self.floor, self.multiple * seen)
+        return max(self.floor, self.multiple * self.first_multiple * self.longest_any)
+
+    def _explain(self, frame) -> tuple[str, object] | None:
+        for explainer in list(self.explainers):
+            try:
+                found = explainer(frame)
+            except Exception:  # noqa: BLE001 - a frame that changed under us: no explanation
+                found = None
+            if found is not None:
+                return found
+        return None
+
+    def poll(self, now: float) -> Finding | None:
+        current = self.current
+        if current is None:
+            return None
+        kind, start, step = current
+        limit = self.deadline(kind)
+        if limit is None or now - start < limit:
+            return None
+        explained = self._explained if self._explained is not None and self._explained[0] is current else None
+        if explained is not None:
+            explained_limit = self.deadline(explained[1])
+            if now - explained[3] < explained_limit:
+                return None
+        frame = self.frame()
+        learn_as = explained[4] if explained is not None else kind
+        if waiting_on_peers(frame) or in_debugger(frame):
+            # not this rank's hang; once it goes on, the piece gets its own deadline again, from the
+            # last time it was seen waiting (time spent waiting is not held against it)
+            if learn_as == kind:
+                learn_as = None
+            self._explained = (current, kind, _WAITING, now, learn_as)
+            return None
+        found = self._explain(frame)
+        if found is None and explained is not None:
+            found = (kind, None)  # the recognised work (or the wait) is over: the piece's own deadline, from now
+        if found is not None:
+            if explained is None or (found[0], found[1]) != (explained[1], explained[2]):
+                if found[0] != kind:
+                    learn_as = found[0]
+                self._explained = (current, found[0], found[1], now, learn_as)  # recognised, or progress
+                return None
+            what = f"its {found[0]}" + (f" (within a {kind})" if found[0] != kind else "")
+            stalled, limit, longest = now - explained[3], explained_limit, self.longest.get(found[0], 0.0)
+            lead = f"no progress for {stalled:.1f} s"
+            longest_of = found[0]
+        else:
+            what, stalled, longest, longest_of = f"its {kind}", now - start, self.longest.get(kind, 0.0), kind
+            lead = f"has run {stalled:.1f} s"
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
+        at = f" at step {step}" if step is not None else ""
+        message = (f"{hung_rank(self.rank, self.pid, self.host)} hung: {what}{at} {lead}, "
+                   f"over the learned deadline of {limit:.1f} s "
+                   f"(longest {longest_of} so far: {longest:.2f} s)")
+        record = FailureRecord.declared(
+            rank=self.rank, kind="RankHung", message=message, by=self.rank, pid=self.pid, host=self.host,
+            traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
+            time_ms=int((self.wall() - stalled) * 1000), step=step,
+        )
+        return Finding(PeerFailedError.from_records([record]), declare=record, hung_self=True)
+
+
+def writing_checkpoint_explainer(frame) -> tuple[str, object] | None:
+    """A checkpoint being written (``torch.save``, a ``save_checkpoint``, Ignite's ``DiskSaver``, a
+    :func:`~.writes.writing_checkpoint` block): judged as a ``"checkpoint"``."""
+    return (CHECKPOINT, None) if writing_now(frame) else None
+
+
+def from_config(rank: int, pid: int, frame: Callable[[], object], host: str = "") -> AutoHangProbe:
+    """The probe of ``hang_timeout="auto"`` with the ``FTH_AUTO_HANG_*`` settings."""
+    rule = config.auto_hang()
+    return AutoHangProbe(rank, pid, frame=frame, multiple=rule.multiple, floor=rule.floor, warmup=rule.warmup,
+                         explain=[writing_checkpoint_explainer], host=host)

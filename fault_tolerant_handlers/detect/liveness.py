@@ -1,0 +1,243 @@
+"""Liveness that does not depend on the GIL: a small helper process per rank (``fth-liveness``).
+
+A rank's heartbeat must not stop when its main thread holds the GIL in a long C call, or when every
+core is busy: a neighbour would then declare a healthy rank lost. So the heartbeat comes from a
+helper process, forked when the watchdog starts, that every :data:`~.watchdog.HEARTBEAT_EVERY`
+(0.5 s):
+
+* ends at once when its rank's process is gone (its parent changed) or was told to stop (the pipe
+  from the rank closed);
+* beats ``hb/<rank>`` in the store, unless its rank is *stopped* (SIGSTOP: a frozen rank must be
+  noticed by its neighbour, so it stops beating for it);
+* when its rank was killed by a signal it could not report (SIGKILL: the OOM killer), says so where
+  the launcher reads it (:func:`rank_ended`, from a thread woken by the rank's end): torchrun's
+  error file, torch.multiprocessing's, and tells the rank's peers on every host with a ``PeerLost``
+  record (``rank 1 (pid 4242 on node-b) lost: killed by SIGKILL``);
+* runs the :class:`~.probes.HeartbeatProbe` on its ring successor: a successor whose counter stands
+  still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` (3 s) is declared lost, once, with a record the
+  successor's peers' watchdogs read within a poll. Across hosts this is how a host that died or
+  whose link was cut is named by the connected side.
+
+It has its own store connection (a clone of the rank's), touches nothing else of the rank, never
+runs the rank's exit hooks (``os._exit``), and is one of the rank's child processes, so the
+watchdog's reported exit kills it with the DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Callable
+
+from ..core import events
+from ..core import procfs as _procfs
+from ..core.config import ZOMBIE_HOLD
+from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT  # timings: the table in core.config
+from ..core.log import log
+from ..core.ranks import RankTable
+from ..core.records import FailureRecord
+from ..core.schema import Schema
+from .probes import HeartbeatProbe
+
+if TYPE_CHECKING:
+    from ..core.session import Session
+
+
+def _stopped(pid: int) -> bool:
+    fields = _procfs.stat_fields(pid)
+    return bool(fields) and fields[_procfs.STATE] in ("T", "t")
+
+
+def _running(pid: int) -> bool:
+    """``pid`` (a rank on this host) runs: neither gone, a zombie, nor stopped (SIGSTOP)."""
+    fields = _procfs.stat_fields(pid)
+    return _procfs.is_running(fields) and fields[_procfs.STATE] not in ("T", "t")
+
+
+def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: float, limit: float) -> None:
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write("fth-liveness")
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the rank; its end ends this process
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # The rank's end is watched by a thread of its own, blocked on nothing else: the beat below can
+    # be inside a store call for its budget, and a killed rank's exit status is readable only until
+    # its launcher reaps it (torchrun's agent looks every 0.1 s).
+    woken = threading.Event()
+    calls = threading.Lock()  # one store call at a time on the helper's one connection
+
+    def tell(record: FailureRecord) -> None:  # the rank's peers, on every host, learn it within a poll
+        with calls:
+            if schema.claim_declaration(record.rank):
+                schema.publish(record)
+
+    ends = threading.Thread(target=_on_rank_end, args=(table, parent, stop_fd, woken, tell), name="fth-rank-end",
+                            daemon=True)
+    ends.start()
+    successor = table.successor()
+    successor_pid = table.pid_of(successor)
+    same_host = table.host_ids[table.ranks.index(successor)] == table.host_ids[table.group_rank]
+    probe = HeartbeatProbe(schema, table.rank, successor, successor_pid, period=period, limit=limit,
+                           host=table.host_of(successor), running=(lambda: _running(successor_pid)) if same_host else None)
+    declared = [False]
+    while os.getppid() == parent:
+        if not _stopped(parent):  # frozen: its neighbour must see it, so no beat
+            with calls:
+                _poll(probe, schema, declared)
+        time.sleep(period)
+    # The rank is gone (this process was re-parented). The thread says how, unless it was not woken:
+    # without pidfds, a DataLoader worker forked after this helper still holds the pipe.
+    if woken.wait(0.1):
+        ends.join(RANK_EXIT_WAIT + 2 * HELPER_STORE_TIMEOUT.total_seconds() + ZOMBIE_HOLD + 1.0)
+    else:
+        rank_ended(table.rank, parent, table.host, tell)
+
+
+def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.Event,
+                 tell: Callable[[FailureRecord], None] | None = None) -> None:
+    """Blocks until the rank stops its watchdog (closes the pipe) or ends (its pidfd: the pipe may
+    also be held by a DataLoader worker forked after this helper), then ends the helper."""
+    watched = [stop_fd]
+    try:
+        watched.append(os.pidfd_open(parent))
+    except (AttributeError, OSError):  # no pidfds here: the pipe (or the loop's parent check)
+        pass
+    select.select(watched, [], [])
+    woken.set()
+    try:
+        rank_ended(table.rank, parent, table.host, tell)
+    finally:
+        os._exit(0)
+
+
+def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], None] | None = None) -> None:
+    """The rank closed the helper's pipe or ended: if it died rather than stopped its watchdog, say
+    how it ended where its launcher reads it (a killed rank writes nothing itself), then, for a
+    signal it could not report, tell its peers (``tell``: a ``PeerLost`` record in the store; on
+    another host they would otherwise learn only that its connection or heartbeat stopped)."""
+    how = _procfs.ended(pid, RANK_EXIT_WAIT)  # None: the rank runs (it stopped its watchdog)
+    if how is None:
+        return
+    if _procfs.unreported(how):
+        record = FailureRecord.lost(rank=rank, pid=pid, host=host, why=how, by=rank)
+        events.emit(events.RANK_KILLED, record)  # the launchers: torchrun's error file, first (the agent reaps soon)
+        if tell is not None:
+            try:
+                tell(record)
+            except Exception:  # noqa: BLE001 - the store may be gone with the rank (its host held it)
+                pass
+    events.emit(events.RANK_ENDED, pid, rank, host)  # the launchers: under mp.spawn, its error file and the zombie held
+
+
+def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool]) -> None:
+    """One beat and one look at the successor; declares it once when it is silent."""
+    try:
+        finding = probe.poll(time.monotonic())
+        if finding is not None and not declared[0]:
+            declared[0] = True
+            if schema.claim_declaration(finding.declare.rank):
+                schema.publish(finding.declare)
+    except Exception:  # noqa: BLE001 - the store is unreachable: the rank's watchdog judges that
+        probe.next_at = 0.0
+
+
+class LivenessProcess:
+    """The helper process of one rank; ``start()`` forks it, ``stop()`` ends it."""
+
+    def __init__(self, session: Session, *, period: float, limit: float) -> None:
+        self.session = session
+        self.period = period
+        self.limit = limit
+        self.pid: int | None = None
+        self._stop_w: int | None = None
+
+    def start(self) -> LivenessProcess:
+        if not sys.platform.startswith("linux"):
+            return self
+        # Connected before the fork, by the rank: a new connection can take seconds (a store server
+        # resolving the client's name), and the helper must beat from its first period on.
+        conn = self.session.connection("helper", HELPER_STORE_TIMEOUT, backoff=True)
+        try:
+            conn.store()
+        except Exception as err:  # noqa: BLE001 - the helper connects by itself later
+            log(logging.WARNING, "the liveness process could not connect to the store yet: %s",
+                (str(err).splitlines() or [""])[0][:200])
+        schema = Schema(conn, self.session.schema.world_size)
+        try:
+            schema.beat(self.session.rank)  # a first beat now: a rank frozen at once is still seen
+        except Exception:  # noqa: BLE001
+            pass
+        read_fd, write_fd = os.pipe()
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError as err:
+            os.close(read_fd)
+            os.close(write_fd)
+            log(logging.WARNING, "could not start the liveness process: %s", err)
+            return self
+        if pid == 0:  # the helper
+            code = 0
+            try:
+                os.close(write_fd)
+                conn.forked()
+                _run(self.session.table, schema, parent, read_fd, self.period, self.limit)
+            except BaseException:  # noqa: BLE001
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(read_fd)
+        conn.close()  # the rank's copy; the helper keeps its own
+        self.pid, self._stop_w = pid, write_fd
+        _children.add(pid)
+        return self
+
+    def stop(self) -> None:
+        if self._stop_w is not None:
+            os.close(self._stop_w)
+            self._stop_w = None
+        if self.pid is not None:
+            # It leaves its select() at once, but may be in a store call; once the job failed (the
+            # store's host may be gone) it has nothing left to do: no wait.
+            deadline = time.monotonic() + (0.0 if self.session.failing else 0.5)
+            while time.monotonic() < deadline:
+                try:
+                    done, _ = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if done:
+                    break
+                time.sleep(0.02)
+            else:
+                kill(self.pid)
+            _children.discard(self.pid)
+            self.pid = None
+
+
+_children: set[int] = set()
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def kill_all() -> None:
+    """For the reported exit: end every helper of this process."""
+    for pid in list(_children):
+        kill(pid)
+    _children.clear()
+
+
+__all__ = ["LivenessProcess", "kill_all"]

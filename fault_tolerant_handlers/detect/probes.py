@@ -1,0 +1,269 @@
+"""The watchdog's probes: small, independent checks, each with ``poll(now) -> Finding | None``.
+
+Each probe owns its own state, takes the time from its caller (so a unit test drives it with a fake
+clock) and reaches the job only through what it is given: a :class:`~..core.schema.Schema` (in tests over
+a ``torch.distributed.HashStore``), a pid table, or callables for the main thread's progress and
+stack. None of them starts a thread or a process; :class:`~.watchdog.Watchdog` runs them.
+
+=====================  ======================================  =========================================
+probe                  looks at                                finds
+=====================  ======================================  =========================================
+:class:`RecordsProbe`  the record counter (one ``add`` a poll)  a record of another rank that no sync
+                                                               point took within ``grace``
+:class:`HeartbeatProbe`its own and its ring successor's         the successor's counter still for
+                       heartbeat counters (every ``period``)    ``limit``: ``PeerSilent``
+:class:`PeerPidProbe`  same-host peers' pids (no store)         a peer process gone: ``PeerLost``
+:class:`SelfHangProbe` the main thread's last progress          no progress for ``hang_timeout``, not
+                                                               waiting on peers: ``RankHung`` (itself)
+:class:`StoreLossProbe`failed store calls reported to it, and  the store silent for ``lost_after`` and
+                       a plain connect to its port              its port refused or unreachable all along
+=====================  ======================================  =========================================
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Callable, Container
+
+from ..core.peers import CLEAN_EXIT, Finding, PeerPidProbe, declared_finding  # noqa: F401 - the core's own probe, re-exported
+from ..core.errors import PeerFailedError
+from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
+from ..core.schema import Schema
+
+
+class RecordsProbe:
+    """Failure records of other ranks that the main thread did not take at a sync point.
+
+    A record is left ``grace`` seconds to a sync point that would deliver it anyway; ``delivered()``
+    is the set of record indices the main thread's agreements took.
+    """
+
+    def __init__(self, schema: Schema, rank: int, grace: float, delivered: Callable[[], Container[int]],
+                 start: int = 0, stale: Callable[[FailureRecord], bool] = lambda record: False) -> None:
+        self.schema = schema
+        self.rank = rank
+        self.grace = grace
+        self.delivered = delivered
+        self.stale = stale  # late news of a failure already agreed on: not a new failure
+        self.seen = start
+        self.pending: dict[int, float] = {}  # index -> first seen
+
+    def poll(self, now: float) -> Finding | None:
+        count = self.schema.count()
+        for index in self.schema.new_indices(self.seen, count):
+            self.pending.setdefault(index, now)
+        self.seen = count
+        delivered = self.delivered()
+        for index in [i for i in self.pending if i in delivered]:
+            del self.pending[index]
+        due = [i for i, t in self.pending.items() if now - t >= self.grace]
+        records = []
+        for index in due:
+            del self.pending[index]
+            record = self.schema.read(index)
+            if record is not None and record.rank != self.rank and not self.stale(record):
+                records.append(record)
+        if records:
+            return Finding(PeerFailedError.from_records(records))
+        return None
+
+
+class HeartbeatProbe:
+    """Its own heartbeat, and its ring successor's: a successor whose counter stands still for
+    ``limit`` seconds of **observed** time (once it has beaten at all) is declared silent.
+
+    Observed time is the time between two polls that both got their answers, at most
+    :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow (a busy store,
+    a loaded machine), the successor's beats may be slow for the same reason, so that time is no
+    evidence of its silence and is not counted."""
+
+    def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
+                 limit: float, host: str = "", running: Callable[[], bool] | None = None) -> None:
+        self.host = host
+        #: For a successor on this host: True while its process runs (not stopped, not gone). Its
+        #: silence is then no evidence (its beats are only late); its death is the pid probe's.
+        self.running = running
+        self.schema = schema
+        self.rank = rank
+        self.successor = successor
+        self.successor_pid = successor_pid
+        self.period = period
+        self.limit = limit
+        self.next_at = 0.0
+        self.value = -1  # the successor's counter as last read
+        self.silent = 0.0  # observed time it has stood still
+        self.answered_at: float | None = None  # the last poll that got its answers
+
+    def poll(self, now: float) -> Finding | None:
+        if now < self.next_at:
+            return None
+        self.next_at = now + self.period
+        self.schema.beat(self.rank)
+        if self.successor is None:
+            return None
+        value = self.schema.heartbeat_of(self.successor)
+        previous, self.answered_at = self.answered_at, now
+        if value != self.value:
+            self.value, self.silent = value, 0.0
+            return None
+        if previous is not None and now - previous <= OBSERVED_GAP * self.period:
+            self.silent += now - previous
+        if value > 0 and self.silent > self.limit and not (self.running is not None and self.running()):
+            on = f" on {self.host}" if self.host else ""
+            message = (f"rank {self.successor} (pid {self.successor_pid}{on}) lost: no heartbeat for {self.silent:.1f} s "
+                       "(its host or link is down, or its process is gone or frozen)")
+            return declared_finding(FailureRecord.declared(rank=self.successor, kind="PeerSilent", message=message,
+                                                           by=self.rank, pid=self.successor_pid, host=self.host))
+        return None
+
+
+#: :class:`HeartbeatProbe`: two answered polls at most this many periods apart observe the time
+#: between them; a longer gap (its own calls failed or were slow) is not counted as silence.
+OBSERVED_GAP = 3
+
+
+#: Where a main thread waits for its peers rather than being hung itself (innermost frames).
+WAITING_MARKERS = (
+    f"torch{os.sep}distributed{os.sep}",
+    f"torch{os.sep}nn{os.sep}parallel{os.sep}",
+    f"torch{os.sep}autograd{os.sep}",
+    f"torch{os.sep}_tensor.py",
+    f"fault_tolerant_handlers{os.sep}core{os.sep}session.py",
+    f"fault_tolerant_handlers{os.sep}core{os.sep}sections.py",
+    f"ignite{os.sep}distributed{os.sep}",
+)
+
+
+def waiting_on_peers(frame) -> bool:
+    """True when the innermost Python frames are a collective or a backward pass (DDP all_reduce)."""
+    depth = 0
+    while frame is not None and depth < 4:
+        if any(marker in frame.f_code.co_filename for marker in WAITING_MARKERS):
+            return True
+        frame = frame.f_back
+        depth += 1
+    return False
+
+
+class SelfHangProbe:
+    """This rank's main thread made no progress (``progress()`` = monotonic time, wall time and
+    step of the last beat) for ``hang_timeout``, and is not merely waiting in a collective (then the
+    hung rank is the peer, which declares itself): ``RankHung`` with the main thread's stack."""
+
+    def __init__(self, rank: int, pid: int, hang_timeout: float, *, margin: float,
+                 progress: Callable[[], tuple[float, float, int | None]], frame: Callable[[], object],
+                 host: str = "") -> None:
+        self.rank = rank
+        self.pid = pid
+        self.host = host
+        self.hang_timeout = hang_timeout
+        self.margin = margin
+        self.progress = progress
+        self.frame = frame
+
+    def poll(self, now: float) -> Finding | None:
+        last, last_wall, step = self.progress()
+        stalled = now - last
+        if stalled < self.hang_timeout:
+            return None
+        frame = self.frame()
+        if stalled < 2 * self.hang_timeout + self.margin and waiting_on_peers(frame):
+            return None
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
+        at = f" at step {step}" if step is not None else ""
+        message = (f"{hung_rank(self.rank, self.pid, self.host)} hung: its main thread made no progress for "
+                   f"{stalled:.1f} s{at}")
+        record = FailureRecord.declared(
+            rank=self.rank, kind="RankHung", message=message, by=self.rank, pid=self.pid, host=self.host,
+            traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
+            time_ms=int(last_wall * 1000), step=step,
+        )
+        return Finding(PeerFailedError.from_records([record]), declare=record, hung_self=True)
+
+
+def hung_rank(rank: int, pid: int, host: str) -> str:
+    """How a hung rank names itself in its report: ``rank 1 (pid 42 on node-b)``, or ``rank 1``
+    where the host is not known."""
+    return f"rank {rank} (pid {pid} on {host})" if host else f"rank {rank}"
+
+
+def main_thread_frame():
+    import threading
+
+    return sys._current_frames().get(threading.main_thread().ident)
+
+
+class StoreLossProbe:
+    """The store did not answer: its host is declared lost only on **evidence** that the store is
+    gone, never because its answers are slow.
+
+    Failed store calls start a silence (:meth:`failed`); during it, ``evidence()`` is asked at most
+    every ``check_every`` seconds (a plain TCP connect to the store's port,
+    :func:`~.schema.store_evidence`: a string when the port refused it, the host or link is down,
+    or nothing answered; ``None`` when the port answered). The rank hosting the store is declared
+    lost when the silence has lasted ``lost_after`` seconds **and** every check in it found
+    evidence, at least two of them. A port that answers (the kernel of the store's host completed
+    the handshake: that host is up and a process holds the store's listening socket) ends the
+    evidence: a store that is slow to validate connects or answer calls on a busy machine is not a
+    lost one. ``hosted_here``: this process hosts the store (its server is a thread of this
+    process): it never declares its own store lost.
+    """
+
+    def __init__(self, lost_after: float, *, by: int, store_rank: int = 0, store_pid: int = 0,
+                 evidence: Callable[[], str | None] = lambda: None, check_every: float = 0.5,
+                 hosted_here: bool = False) -> None:
+        self.lost_after = lost_after
+        self.by = by
+        self.store_rank = store_rank
+        self.store_pid = store_pid
+        self.evidence = evidence
+        self.check_every = check_every
+        self.hosted_here = hosted_here
+        self.down_since: float | None = None
+        self.last_error = ""
+        self.found: str | None = None  # the newest evidence of the silence under way
+        self.checks = 0  # checks of the silence under way, every one of them with evidence
+        self.next_check = 0.0
+
+    def failed(self, now: float, err: BaseException) -> bool:
+        """Report a failed call; True when it is the first of a silence (worth a warning)."""
+        self.last_error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+        if self.down_since is None:
+            self.down_since = now
+            self.checks, self.found, self.next_check = 0, None, now
+            return True
+        return False
+
+    def answered(self) -> None:
+        self.down_since = None
+        self.checks, self.found = 0, None
+
+    def declare_at(self) -> float | None:
+        """When the silence under way becomes a loss if the evidence holds (``time.monotonic()``),
+        or ``None``."""
+        if self.down_since is None or self.hosted_here:
+            return None
+        return self.down_since + self.lost_after
+
+    def poll(self, now: float) -> Finding | None:
+        if self.down_since is None or self.hosted_here:
+            return None
+        if now >= self.next_check:
+            self.next_check = now + self.check_every
+            found = self.evidence()
+            if found is None:
+                # The port answers: the store is slow, not gone. A new silence starts with the next
+                # failed call, so that the time already spent is never counted as evidence.
+                self.answered()
+                return None
+            self.found = found
+            self.checks += 1
+        if self.found is None or self.checks < 2 or now - self.down_since < self.lost_after:
+            return None
+        message = (f"rank {self.store_rank} (pid {self.store_pid}, hosts the c10d store) lost: the store has not "
+                   f"answered for {now - self.down_since:.1f} s ({self.last_error}) and {self.found}")
+        record = FailureRecord.declared(rank=self.store_rank, kind="PeerLost", message=message, by=self.by,
+                                        pid=self.store_pid)
+        return Finding(PeerFailedError.from_records([record]))

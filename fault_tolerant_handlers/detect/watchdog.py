@@ -1,0 +1,315 @@
+"""The out-of-band watchdog: two daemon threads per process that run the probes (:mod:`.probes`)
+while the main thread may be stuck in a collective, and escalate what they find.
+
+* The **store loop** (``fth-watchdog``) polls every ``interval`` (0.1 s): the records probe (one
+  ``add`` on the record counter), the self-hang probe (no store) and the store-loss probe (fed by
+  failed store calls). A constant number of store calls per rank, whatever the world size, on a
+  connection of its own with a short timeout.
+* The **liveness process** (:mod:`.liveness`, a helper process of its own, so the GIL cannot stop
+  it): every :data:`HEARTBEAT_EVERY` one ``add`` of its own heartbeat and one read of its ring
+  successor's (the heartbeat probe), declaring a successor silent for ``FTH_HEARTBEAT_TIMEOUT_SEC``.
+* The **pid loop** (``fth-pids``, only when peers share this host) sleeps in one
+  ``poll()`` on the peers' pidfds (:mod:`._pidwatch`) and checks their pids when one ends (or every
+  ``interval`` for a pid without a pidfd): no store traffic and no periodic wake-up, so it works
+  when the store's host died with a child process still holding its socket open, and costs nothing
+  while nothing happens.
+
+A finding about another rank makes the session's incident a peer failure (the adapters raise it at
+their next hook) and starts the **escalation** (``fth-escalate``): release this process's
+collectives (:mod:`.release`), so that a main thread blocked in one fails at once; then, if the
+main thread has not taken the failure (``Session.acknowledge``) within ``exit_grace``, a **reported
+exit**: the report goes to stderr and the log, child processes (DataLoader workers) are killed, and
+the process ends with :data:`EXIT_PEER_FAILED`. A checkpoint write under way in the main thread
+(``torch.save``, a ``save_checkpoint``, Ignite's ``DiskSaver``, or a block marked with
+:func:`writing_checkpoint`) is waited for first, up to ``FTH_WRITE_GRACE_SEC`` (120 s), so no
+checkpoint is left torn. A rank that finds *itself* hung publishes its stack and ends with
+:data:`EXIT_HUNG`.
+
+Settings and their environment overrides are in :mod:`.config`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from datetime import timedelta
+
+from . import autohang
+from ..core import config, events
+from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED
+from ..core.session import Incident, Session, get_session, provide_watchdog
+from .pidwatch import PidWatcher, WakeEvent
+from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
+from ..core.log import log
+from .liveness import LivenessProcess
+from .liveness import kill_all as kill_all_liveness
+from .probes import (Finding, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
+                     main_thread_frame)
+from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
+from ..core.config import (HEARTBEAT_EVERY, LIVENESS_STORE_TIMEOUT, RELEASE_GRACE, SILENT_MARGIN,  # timings:
+                           STORE_CHECK_EVERY, STORE_EVIDENCE_TIMEOUT, STORE_WARN_EVERY)  # the table in core.config
+
+
+class Watchdog:
+    """One per process and process group; a :class:`~..core.session.Session` starts it by reference count."""
+
+    def __init__(self, session: Session, *, hang_timeout: timedelta | str | None = None) -> None:
+        cfg = session.config
+        self.session = session
+        self.rank = session.rank
+        self.interval = cfg.interval
+        self.hang_timeout = config.check_hang_timeout(hang_timeout)
+        self.exit_grace = cfg.exit_grace
+        self.write_grace = cfg.write_grace
+        self._progress: tuple[float, float, int | None] = (time.monotonic(), time.time(), None)
+        self._stop = WakeEvent()  # its set() also wakes the liveness loop's poll()
+        self._finishing = False
+        self._store_warned_at = -STORE_WARN_EVERY
+        store_timeout = timedelta(seconds=max(1.0, 5 * self.interval.total_seconds()))
+        self._conn = session.connection("watchdog", store_timeout, backoff=True)
+        self._schema = Schema(self._conn, session.schema.world_size)
+        self._liveness_conn = session.connection("liveness", LIVENESS_STORE_TIMEOUT, backoff=True)
+        self._liveness_schema = Schema(self._liveness_conn, session.schema.world_size)
+        for conn in (self._conn, self._liveness_conn):  # connected now, not in the loops' first poll
+            try:
+                conn.store()
+            except Exception:  # noqa: BLE001 - the loops retry, and judge the store's loss
+                pass
+        limit = cfg.heartbeat_timeout
+        if isinstance(self.hang_timeout, timedelta):
+            limit = min(limit, self.hang_timeout + SILENT_MARGIN)
+        self.records = RecordsProbe(self._schema, self.rank, RELEASE_GRACE.total_seconds(),
+                                    lambda: session.delivered, start=session.consumed, stale=session.stale)
+        # The heartbeat and the ring check run in a helper process: the GIL cannot stop them.
+        self.liveness = LivenessProcess(session, period=HEARTBEAT_EVERY.total_seconds(), limit=limit.total_seconds())
+        self.self_hang = None
+        #: ``hang_timeout="auto"``: the learned deadline (adapters mark their work on it), else None.
+        self.auto_hang = None
+        if self.hang_timeout == config.AUTO:
+            self.self_hang = self.auto_hang = autohang.from_config(self.rank, os.getpid(), main_thread_frame,
+                                                                          host=session.host)
+        elif self.hang_timeout is not None:
+            self.self_hang = SelfHangProbe(self.rank, os.getpid(), self.hang_timeout.total_seconds(),
+                                           margin=SILENT_MARGIN.total_seconds(), progress=lambda: self._progress,
+                                           frame=main_thread_frame, host=session.host)
+        self.store_loss = StoreLossProbe(cfg.store_lost_after.total_seconds(), by=self.rank, store_rank=0,
+                                         store_pid=session.pids[0], hosted_here=session.hosts_store,
+                                         evidence=lambda: session.store_evidence(STORE_EVIDENCE_TIMEOUT),
+                                         check_every=max(STORE_CHECK_EVERY, self.interval.total_seconds()))
+        peers = session.same_host_peers()
+        self.peer_pids = (PeerPidProbe(peers, by=self.rank, host=session.host,
+                                       after_failure=lambda: session.failed_before) if peers else None)
+        self._thread = threading.Thread(target=self._run_store_loop, name="fth-watchdog", daemon=True)
+        self._liveness = threading.Thread(target=self._run_liveness_loop, name="fth-pids", daemon=True)
+
+    # -- main-thread API ------------------------------------------------------------------------------
+    def start(self) -> Watchdog:
+        global _exit_hook_registered
+        if not _exit_hook_registered:  # registered after torch's own exit hooks: runs before them
+            _exit_hook_registered = True
+            atexit.register(_stop_all)
+        _running.add(self)
+        self.liveness.start()
+        self._thread.start()
+        if self.peer_pids is not None:
+            self._liveness.start()
+        return self
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    @property
+    def store_ops(self) -> int:
+        return self._conn.calls + self._liveness_conn.calls
+
+    def stop(self, join_timeout: float | None = None) -> None:
+        """A clean end: stop watching (losing the store is no longer a failure), join the threads
+        and close this watchdog's store connections."""
+        self._finishing = True
+        self._stop.set()
+        timeout = join_timeout if join_timeout is not None else 2 * self.interval.total_seconds() + 2
+        for thread in (self._thread, self._liveness):
+            if thread.is_alive() and threading.current_thread() is not thread:
+                thread.join(timeout=timeout)
+        if not (self._thread.is_alive() or self._liveness.is_alive()):
+            self._conn.close()
+            self._liveness_conn.close()
+        self.liveness.stop()
+        _running.discard(self)
+
+    def beat(self, step: int | None = None) -> None:
+        """The main thread made progress (one assignment; adapters call it every iteration)."""
+        self._progress = (time.monotonic(), time.time(), step)
+
+    # -- loops --------------------------------------------------------------------------------------
+    def _run_store_loop(self) -> None:
+        period = self.interval.total_seconds()
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            try:
+                if self.session.known_failure is None:
+                    self._found(self.records.poll(now), self._schema)
+                self.store_loss.answered()
+                self._conn.deadline = None
+            except Exception as err:  # noqa: BLE001 - the store host is gone, or worse
+                if self._finishing or self._stop.is_set():
+                    return
+                if self.store_loss.failed(now, err):
+                    if now >= self._store_warned_at + STORE_WARN_EVERY:  # a slow store: once in a while
+                        self._store_warned_at = now
+                        log(logging.WARNING, "the c10d store did not answer: %s", self.store_loss.last_error)
+                    self._conn.deadline = self.store_loss.declare_at()
+            if self.session.known_failure is None:
+                # the time after the calls: a call that timed out took most of a period's budget
+                self._found(self.store_loss.poll(time.monotonic()), None)
+            if self.self_hang is not None and self.session.known_failure is None and not self.session.incident.local:
+                self._found(self.self_hang.poll(now), self._schema)
+        log(logging.DEBUG, "watchdog stopped")
+
+    def _run_liveness_loop(self) -> None:
+        # Sleeps in poll() on the peers' pidfds: wakes when a peer ends or the watchdog stops, not
+        # every interval (a pid without a pidfd is still checked every interval).
+        watcher = PidWatcher([pid for _, pid in self.peer_pids.peers], self._stop, self.interval.total_seconds())
+        try:
+            while True:
+                ended = watcher.wait()
+                # looked at after the wait, which may have lasted long: a failure known meanwhile
+                # ends the loop, as it did when the loop woke every interval
+                if self._stop.is_set() or self.session.known_failure is not None:
+                    break
+                if ended:
+                    self._found(self.peer_pids.poll(time.monotonic()), self._liveness_schema)
+        finally:
+            watcher.close()
+
+    # -- findings ------------------------------------------------------------------------------------
+    def _found(self, finding: Finding | None, schema: Schema | None) -> None:
+        if finding is None or self._finishing:
+            return
+        err = finding.error
+        if (self.session.failed_before and err.origin == "declared" and err.exc_type in ("PeerSilent", "PeerLost")
+                and "killed by" not in err.exc_message):
+            # The job already failed here: peers ending (and their heartbeats stopping) is expected.
+            log(logging.INFO, "after the failure: %s", str(err).splitlines()[0])
+            return
+        log(logging.ERROR, "%s", str(finding.error).splitlines()[0], step=self._progress[2])
+        if finding.hung_self:
+            self.session.incident.local = True
+            events.emit(events.RANK_FAILED, finding.declare)  # the launchers: torchrun's error file
+            self._declare(finding, schema)
+            # Give the peers a moment to read the record, then end: the main thread cannot be trusted.
+            time.sleep(min(1.0, self.exit_grace.total_seconds()))
+            self._reported_exit(finding.error, EXIT_HUNG)
+            return
+        # Escalate first: publishing may block when the store is what died.
+        incident = self.session.take_peer_failure(finding.error)
+        if incident is not None:
+            threading.Thread(target=self._escalate, args=(incident,), name="fth-escalate", daemon=True).start()
+        self._declare(finding, schema)
+        events.emit(events.JOB_FAILED, self.session)  # the launchers: torchrun's attempt keys, once declared
+
+    def _declare(self, finding: Finding, schema: Schema | None) -> None:
+        """Publish what this rank declares about another (the first rank to declare it does)."""
+        if finding.declare is None or schema is None:
+            return
+        try:
+            if schema.claim_declaration(finding.declare.rank):
+                schema.publish(finding.declare)
+        except Exception as err:  # noqa: BLE001 - the store may be what died
+            log(logging.WARNING, "could not publish %s: %s", finding.declare.exc_type,
+                (str(err).splitlines() or [""])[0][:200])
+
+    def _escalate(self, incident: Incident) -> None:
+        """Release this process's collectives, then, if the main thread does not take the failure
+        within ``exit_grace``, end the process with a report. Touches no store: it must work when
+        the store is what died."""
+        if incident.local or incident.acknowledged.is_set() or self._finishing:
+            return
+        what = self.session.release_collectives()
+        log(logging.WARNING, "released blocked collectives: %s", what, step=self._progress[2])
+        if incident.acknowledged.wait(self.exit_grace.total_seconds()):
+            return
+        deadline = time.monotonic() + self.write_grace.total_seconds()
+        wrote = False
+        while writing_now(main_thread_frame()) and time.monotonic() < deadline:
+            if not wrote:
+                log(logging.WARNING, "waiting for the checkpoint being written before ending this process")
+                wrote = True
+            if incident.acknowledged.wait(0.05):
+                return
+        if wrote and incident.acknowledged.wait(self.exit_grace.total_seconds()):
+            return  # the write finished and the main thread took the failure at its next step
+        if incident.local or self._finishing or incident.acknowledged.is_set():
+            return
+        self._reported_exit(incident.peer_error, EXIT_PEER_FAILED)
+
+    def _reported_exit(self, err: BaseException, code: int) -> None:
+        text = f"[rank {self.rank}] fault-tolerant-handlers: ending this process (exit code {code}) because:\n{err}\n"
+        try:
+            # the launchers: torchrun's error file of a survivor, mp.spawn's (the parent raises this report)
+            events.emit(events.EXITING, self.session.table, err, code)
+            log(logging.CRITICAL, "ending this process with exit code %d: %s", code, str(err).splitlines()[0])
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            sys.stdout.flush()
+            for handler in logging.getLogger().handlers + logging.getLogger("fault_tolerant_handlers").handlers:
+                try:
+                    handler.flush()
+                except Exception:  # noqa: BLE001
+                    pass
+            for child in multiprocessing.active_children():  # DataLoader workers, among others
+                try:
+                    os.kill(child.pid, signal.SIGKILL)
+                except (ProcessLookupError, TypeError):
+                    pass
+            kill_all_liveness()
+        finally:
+            os._exit(code)
+
+
+#: Running watchdogs (weakly held: a stopped one is dropped, with its connections).
+_running: weakref.WeakSet[Watchdog] = weakref.WeakSet()
+_exit_hook_registered = False
+
+
+def _stop_all() -> None:
+    """Stop every watchdog before the interpreter finalizes: a daemon thread still inside a torch
+    C++ call (a store operation) when Python finalizes is ended by a forced unwind through C++
+    frames, which aborts the whole process (``terminate called without an active exception``).
+    Bounded: a store call returns within its connection's budget (1.5 s)."""
+    deadline = time.monotonic() + 2.0
+    watchdogs = list(_running)
+    for watchdog in watchdogs:
+        watchdog._finishing = True
+        watchdog._stop.set()
+    failed = [w.session for w in watchdogs if w.session.failing]
+    if failed:
+        # The job failed, perhaps because the store's host is gone: a watchdog waiting in a store
+        # call would hold the exit up to its budget. Cut those calls short instead.
+        stop_connecting()  # the store may be gone: no call may start a connect the exit would wait for
+        unblock_stuck_calls(set().union(*(s.keep_ports for s in failed)), wait=0.5, busy_too=True)
+    for watchdog in watchdogs:
+        watchdog.stop(join_timeout=max(0.0, deadline - time.monotonic()))
+
+
+
+def start_watchdog(group=None, *, hang_timeout: timedelta | float | str | dict | None = None) -> Watchdog | None:
+    """Start (once per process group) and return the watchdog, for a loop of your own; ``None``
+    without distribution. Collective on first use for the group (it creates the side group): call it
+    on every rank. The watchdog runs until the end of the process."""
+    hang_timeout = config.check_hang_timeout(hang_timeout)
+    session = get_session(group, caller="start_watchdog")
+    if session is None:
+        return None
+    return session.start_watchdog(hang_timeout)
+
+
+provide_watchdog(Watchdog)  # what Session.start_watchdog starts

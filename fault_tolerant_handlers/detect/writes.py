@@ -1,0 +1,50 @@
+"""Checkpoint writes under way in the main thread: a reported exit waits for them, and the learned
+hang deadline judges them as a ``"checkpoint"``. ``torch.save``, Lightning's ``save_checkpoint`` and
+Ignite's ``DiskSaver`` are recognised from the main thread's stack; other writes are marked with
+:func:`writing_checkpoint`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterator
+
+_writes_in_progress = 0
+_writes_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def writing_checkpoint() -> Iterator[None]:
+    """Mark a block that writes a checkpoint: a reported exit waits for it to finish (bounded by
+    ``FTH_WRITE_GRACE_SEC``). ``torch.save``, Lightning's ``save_checkpoint`` and Ignite's
+    ``DiskSaver`` are recognised without it."""
+    global _writes_in_progress
+    with _writes_lock:
+        _writes_in_progress += 1
+    try:
+        yield
+    finally:
+        with _writes_lock:
+            _writes_in_progress -= 1
+
+
+_WRITE_FUNCTIONS = ("save_checkpoint", "_save_checkpoint")
+
+
+def writing_now(frame) -> bool:
+    """True when the main thread is inside a checkpoint write."""
+    if _writes_in_progress:
+        return True
+    while frame is not None:
+        code = frame.f_code
+        name, path = code.co_name, code.co_filename
+        if name in _WRITE_FUNCTIONS:
+            return True
+        if name in ("save", "_save", "_legacy_save") and path.endswith(f"torch{os.sep}serialization.py"):
+            return True
+        if path.endswith(f"ignite{os.sep}handlers{os.sep}checkpoint.py") and name in ("__call__", "_save_func"):
+            if type(frame.f_locals.get("self")).__name__ == "DiskSaver":
+                return True
+        frame = frame.f_back
+    return False

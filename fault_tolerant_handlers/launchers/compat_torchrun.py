@@ -1,0 +1,256 @@
+"""torchrun restarts: one store namespace per attempt (torch's private rendezvous table, in one place).
+
+**The cause of ``Gloo connectFullMesh failed ... Connection refused`` on a restarted attempt.**
+torchrun's rendezvous (``--standalone`` or ``--rdzv-backend c10d``) creates one ``TCPStore`` server
+in the agent for the whole job and hands it to the workers (``TORCHELASTIC_USE_AGENT_STORE=True``,
+``MASTER_PORT`` is that store). A restart re-uses the same store: it is created again only when the
+agent's rank changes. The workers' ``env://`` / ``tcp://`` rendezvous (``_create_c10d_store``)
+connect to it *without* a per-attempt prefix (its comment assumes "a new TCPStore for every
+retry"). So every key of attempt N-1 is still there in attempt N, under the same names: the
+default group's (``default_pg/0/...``) and those of every ``new_group``, named by a counter
+(``1/``, ``2/``, ...: Lightning's groups, this library's side group). Gloo's ``connectFullMesh``
+publishes each rank's listening address under such a key and reads its peers'; a rank that reads
+before its peer of *this* attempt has written gets the address of the dead process of the attempt
+before, and fails with ``Connection refused`` to a port nobody listens on. Whether it happens is a
+race between the ranks' start-up times: Lightning's ranks (slower imports, a second group) lose it
+often, and each extra group (the side group) is one more chance to lose it.
+
+**The fix.** Under torchrun with the agent store, the ``env`` and ``tcp`` rendezvous handlers are
+wrapped so that the store they give ``init_process_group`` is
+``PrefixStore("fth/attempt_<TORCHELASTIC_RESTART_COUNT>", store)``: every key of every group of
+an attempt lives in that attempt's namespace, and nothing of an earlier attempt can be read.
+Installed when ``fault_tolerant_handlers`` is imported (before ``init_process_group``: Lightning
+calls it inside ``fit``; for your own ``init_process_group``, import the library first).
+``FTH_ATTEMPT_STORE=0`` turns it off; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's own
+environment is the launcher-side alternative (a new store per attempt, on a new port).
+
+It assumes every node counts the same attempts (a fixed number of nodes): with elastic membership
+(``--nnodes MIN:MAX``) a node that joins later counts from 0 and would not meet the others' prefix;
+use ``FTH_ATTEMPT_STORE=0`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` there.
+
+**Imported after ``init_process_group``.** Then this attempt's groups already wrote their keys under
+torch's bare names. So that the next attempt comes up anyway, a rank that knows the job failed
+(its own failure, an agreed one, or its watchdog's finding: the core's ``JOB_FAILED``) deletes this
+attempt's gloo address keys from the shared store before it exits (:func:`forget_attempt_keys`):
+every rank of the next attempt then waits for its peers' new addresses instead of reading a dead
+process's. Any surviving rank does it for all (a SIGKILLed rank cannot); it happens before the process ends, so before
+torchrun starts the next attempt.
+
+Private API: ``torch.distributed.rendezvous._rendezvous_handlers`` (the scheme -> handler table that
+``init_process_group`` consults at each call), checked against torch 2.13.0; the names gloo's
+address keys have in the store (:func:`address_key_of`, from ``_world.pg_map`` and
+``_world.pg_names``), checked at start against this rank's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from ..core import config
+from ..core.config import EXPLAIN_EVIDENCE_TIMEOUT, FAILURE_PATH_STORE_TIMEOUT
+from ..core.log import log
+
+if TYPE_CHECKING:
+    from ..core.schema import Connection
+    from ..core.session import Session
+
+#: Set to ``0`` to leave torch's rendezvous alone.
+ATTEMPT_STORE_ENV = "FTH_ATTEMPT_STORE"
+_WRAPPED_ATTR = "_fth_attempt_wrapped"
+_SCHEMES = ("env", "tcp")
+
+
+def attempt() -> int:
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def prefix() -> str:
+    return f"fth/attempt_{attempt()}"
+
+
+def _needed() -> bool:
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and config.attempt_store())
+
+
+def _table() -> dict:
+    import importlib
+
+    try:  # the module (``torch.distributed.rendezvous`` the attribute is a function of the same name)
+        rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    except ImportError:  # torch built without distributed
+        return {}
+    table = getattr(rendezvous, "_rendezvous_handlers", None)
+    missing = [s for s in _SCHEMES if not isinstance(table, dict) or s not in table]
+    if missing:
+        raise RuntimeError(
+            "fault_tolerant_handlers: torch.distributed.rendezvous._rendezvous_handlers "
+            f"{'is missing' if not isinstance(table, dict) else 'has no handler for ' + ', '.join(missing)} "
+            f"(torch {__import__('torch').__version__}); restarts under torchrun cannot be isolated per attempt. "
+            f"Set {ATTEMPT_STORE_ENV}=0 to go on without it, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"
+        )
+    return table
+
+
+#: The process group was made through :func:`_wrap`'s handler: its keys are in the attempt's namespace.
+_prefixed = False
+
+
+def shared_keys_left() -> bool:
+    """Under torchrun's shared store, this attempt's groups wrote their keys under torch's bare
+    names (the library was imported after ``init_process_group``): the next attempt would read them."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.attempt_store()
+            and not _prefixed)
+
+
+def address_key_of(rank: int, group: str | None = None) -> str:
+    """The key under which gloo context 0 of a group published ``rank``'s address (torch 2.13): the
+    default group's ``default_pg/0//cpu//0/<rank>``, group ``N``'s ``default_pg/0//N//cpu//0/<rank>``."""
+    return f"default_pg/0//{'' if group is None else group + '//'}cpu//0/{rank}"
+
+
+def address_keys() -> list[str]:
+    """Every gloo address key of this process's groups (private: ``_world.pg_map`` and
+    ``_world.pg_names``)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._world
+    default = distributed_c10d._get_default_group()
+    keys = []
+    for pg in list(world.pg_map):
+        try:
+            if dist.get_backend(pg) != "gloo":
+                continue
+            name = None if pg is default else world.pg_names[pg]
+            keys += [address_key_of(r, name) for r in range(pg.size())]
+        except Exception:  # noqa: BLE001 - a group being destroyed
+            continue
+    return keys
+
+
+def forget_addresses(call: Callable[..., Any]) -> int:
+    """Delete every gloo address key of this attempt; ``call(method, *args)`` is a store call on a
+    client without a prefix. Returns how many were there. (Named one by one: listing the store's
+    keys holds the GIL for the whole call in torch 2.13, which freezes the process when the store
+    does not answer.)"""
+    return sum(bool(call("delete_key", key)) for key in address_keys())
+
+
+class _AttemptKeys:
+    """What :func:`forget_attempt_keys` uses for one session: a connection without a prefix (``None``
+    once used), and a lock held while deleting."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn: Connection | None = conn
+        self.lock = threading.Lock()
+
+
+_attempt_keys: weakref.WeakKeyDictionary[Session, _AttemptKeys] = weakref.WeakKeyDictionary()
+
+
+def check_address_keys(session: Session) -> Connection | None:
+    """The connection :func:`forget_attempt_keys` uses, after checking that this rank's own gloo
+    address key is where this module expects it (else: a warning, and ``None``)."""
+    import torch
+
+    conn = session.connection("attempt-keys", FAILURE_PATH_STORE_TIMEOUT, prefix="")
+    key = address_key_of(session.rank)
+    try:
+        if conn.call("check", [key]):
+            return conn
+        why = f"no key {key!r} in the store (torch {torch.__version__})"
+    except Exception as err:  # noqa: BLE001
+        why = (str(err).splitlines() or [""])[0][:200]
+    conn.close()
+    log(logging.WARNING, "fault_tolerant_handlers was imported after init_process_group under torchrun, and "
+        "this attempt's gloo address keys cannot be found (%s): a restarted attempt may fail in gloo's "
+        "connectFullMesh; import fault_tolerant_handlers before init_process_group", why)
+    return None
+
+
+def forget_attempt_keys(session: Session) -> None:
+    """The job failed: delete this attempt's gloo address keys from torchrun's shared store (once),
+    so that the next attempt never reads them (only when the library was imported after
+    ``init_process_group``; otherwise each attempt has a namespace of its own)."""
+    keys = _attempt_keys.get(session)
+    if keys is None:
+        return
+    # Held while deleting: a second caller (the main thread taking the failure, while the
+    # watchdog deletes) waits until the keys are gone, so that its exit never cuts it short.
+    with keys.lock:
+        conn, keys.conn = keys.conn, None
+        if conn is None:
+            return
+        try:
+            gone = session.store_evidence(EXPLAIN_EVIDENCE_TIMEOUT)
+            if gone is not None:  # the store (torchrun's rendezvous with it) is gone: nothing to delete
+                log(logging.INFO, "not deleting this attempt's gloo address keys: %s", gone)
+                return
+            count = forget_addresses(conn.call)
+            log(logging.INFO, "deleted this attempt's %d gloo address keys from torchrun's store, so that a "
+                "restarted attempt connects to its new peers", count)
+        except Exception as err:  # noqa: BLE001 - the store may be what failed; never mask the failure
+            log(logging.WARNING, "could not delete this attempt's gloo address keys: %s",
+                (str(err).splitlines() or [""])[0][:200])
+        finally:
+            conn.close()
+
+
+# -- what this module does on the core's events (subscribed in ``launchers/__init__.py``) -------------
+def on_session_started(session: Session) -> None:
+    """Under torchrun with the library imported after init_process_group: keep a connection without
+    a prefix, to delete this attempt's gloo address keys once the job failed (``JOB_FAILED``)."""
+    if shared_keys_left() and session.store_address is not None:
+        conn = check_address_keys(session)
+        if conn is not None:
+            _attempt_keys[session] = _AttemptKeys(conn)
+
+
+def on_session_closed(session: Session) -> None:
+    keys = _attempt_keys.pop(session, None)
+    if keys is not None:
+        with keys.lock:
+            conn, keys.conn = keys.conn, None
+        if conn is not None:
+            conn.close()
+
+
+def _wrap(handler):
+    def per_attempt(url: str, **kwargs: Any) -> Iterator[tuple]:
+        import torch.distributed as dist
+
+        global _prefixed
+        for store, rank, world_size in handler(url, **kwargs):
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                store = dist.PrefixStore(prefix(), store)
+                _prefixed = True
+            yield store, rank, world_size
+
+    setattr(per_attempt, _WRAPPED_ATTR, True)
+    per_attempt.__wrapped__ = handler  # type: ignore[attr-defined]
+    return per_attempt
+
+
+def install() -> bool:
+    """Wrap the rendezvous handlers (idempotent). True when installed."""
+    if not _needed():
+        return False
+    table = _table()
+    if not table:
+        return False
+    for scheme in _SCHEMES:
+        if not getattr(table[scheme], _WRAPPED_ATTR, False):
+            table[scheme] = _wrap(table[scheme])
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        log(logging.INFO, "the process group was initialized before fault_tolerant_handlers was imported: "
+            "under torchrun its keys are not isolated per attempt; if this attempt fails, its ranks delete "
+            "their address keys before they exit, so that the next attempt comes up")
+    return True

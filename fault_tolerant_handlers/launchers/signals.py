@@ -1,0 +1,273 @@
+"""SIGTERM and SIGINT: a signalled rank says so before the signal takes effect.
+
+A scheduler's preemption (``scancel``, a spot reclaim), ``kill`` or Ctrl-C ends a rank in a way its
+peers cannot explain: they only see a broken collective. When a fail-together session starts (in
+the main thread), this module puts a handler on ``SIGTERM`` and ``SIGINT`` **in front of** the one
+already there (Lightning's, a user's, Python's default), never replacing it:
+
+1. it reacts once: if this rank already knows of a peer's failure (the watchdog's incident, an
+   undelivered record, a same-host peer gone), the signal is a consequence (torchrun, ``mp.spawn``
+   end survivors with ``SIGTERM``) and only torchrun's error file is written (:mod:`.errorfile`, a
+   survivor's timestamp); otherwise this rank is the cause: it publishes a declared
+   ``RankSignalled`` record, so that every peer raises :class:`~.errors.PeerFailedError` naming it
+   and the signal within the watchdog's record grace, and writes its own error file;
+2. then it calls the previous handler (``SIGTERM``'s default ends the process with the signal, as
+   before; ``SIGINT``'s raises ``KeyboardInterrupt``; Lightning's runs as it would have). When a
+   handler put in front of this one later calls it (Lightning's, registered in ``fit`` after the
+   session started), that handler says what the signal does: the default is not enacted after it,
+   a peer's ``RankSignalled`` of the same moment is the same preemption (this rank is signalled
+   too), and a collective broken after this rank's own signal raises its ``RankSignalled`` (pushed
+   into the session, ``Session.signal_cause``, which ``Session.classify`` reads).
+
+Python runs signal handlers in the main thread only, between bytecodes: a main thread blocked in a
+collective would run it late. So the reaction also runs from a thread (``fth-signals``) woken by
+``signal.set_wakeup_fd`` (the interpreter writes the signal number to it from the C-level handler,
+at once), unless another wakeup fd is already set (asyncio's), which is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from . import errorfile, spawned
+from ..core.errors import PeerFailedError
+from ..core.config import (CAUSE_LINGER, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the table in
+                           SIGNAL_STORE_TIMEOUT, SIGNALLED_TOGETHER)  # core.config, checked there
+from ..core.log import log
+from ..core.procfs import HANDLED_SIGNALS
+from ..core.records import FailureRecord
+from ..core.release import release_process_groups
+from ..core.schema import Schema, StoreUnreachable
+
+if TYPE_CHECKING:
+    from ..core.session import Session
+
+#: The signals handled (each only if not ignored when the session starts).
+SIGNALS = tuple(signal.Signals[name] for name in HANDLED_SIGNALS)  # SIGTERM, SIGINT
+
+
+def same_delivery(peer: PeerFailedError, name: str, received: float, window: float = SAME_DELIVERY) -> bool:
+    """``peer`` is a peer that received the same signal as this rank at the same moment (one
+    delivery to every process: Ctrl-C, ``scancel``, a preemption): this rank's own signal, not a
+    consequence. ``window``: :data:`SAME_DELIVERY`, or :data:`SIGNALLED_TOGETHER` under a
+    framework's handler."""
+    return (peer.exc_type == "RankSignalled" and peer.exc_message.endswith(f" received {name}")
+            and peer.failed_at is not None and abs(peer.failed_at - received) <= window)
+
+
+class _Watch:
+    def __init__(self, session: Session) -> None:
+        self._session = weakref.ref(session)
+        self.previous: dict[int, object] = {}
+        self.lock = threading.Lock()
+        self.started = False
+        self.done = threading.Event()
+        self.kind: str | None = None  # "cause" or "consequence", once reacted
+        #: This rank's own signal, as the error its main thread raises for a collective broken after it.
+        self.cause: PeerFailedError | None = None
+        self._rsock: socket.socket | None = None
+        self._wsock: socket.socket | None = None
+
+    # -- install ------------------------------------------------------------------------------------
+    def install(self) -> None:
+        for signum in SIGNALS:
+            prev = signal.getsignal(signum)
+            if prev is signal.SIG_IGN:
+                continue
+            self.previous[signum] = prev
+            signal.signal(signum, self._handler)
+        if not self.previous:
+            return
+        rsock, wsock = socket.socketpair()
+        wsock.setblocking(False)
+        try:
+            old = signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            old = None
+        if old is None or old != -1:
+            if old is not None:
+                signal.set_wakeup_fd(old)  # someone else's (asyncio): keep it
+            rsock.close()
+            wsock.close()
+            return
+        self._rsock, self._wsock = rsock, wsock
+        threading.Thread(target=self._wakeups, name="fth-signals", daemon=True).start()
+
+    def _wakeups(self) -> None:
+        rsock = self._rsock
+        while True:
+            try:
+                data = rsock.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in self.previous:
+                    self.react(signum)
+
+    # -- react --------------------------------------------------------------------------------------
+    def _handler(self, signum, frame):
+        self.react(signum)
+        self.done.wait(REACTION_WAIT)
+        prev = self.previous.get(signum)
+        if callable(prev):
+            return prev(signum, frame)
+        if prev is signal.SIG_IGN:
+            return None
+        if self.kind == "cause" and self._framework_in_front(signum):
+            # A handler put in front of this one later calls it (Lightning's, which chains the one
+            # it found): what the signal does is that handler's to say (Lightning's stops the fit
+            # at the next batch, through its exception path: checkpoints), not the default's.
+            return None
+        # SIG_DFL (or a handler set outside Python): end as the signal would have, once the peers
+        # had the time to read the record (else a same-host peer sees only a process gone).
+        if self.kind == "cause":
+            time.sleep(CAUSE_LINGER)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return None
+
+    def _framework_in_front(self, signum: int) -> bool:
+        """A handler was put in front of this one after it was installed (Lightning's, in ``fit``)."""
+        return signal.getsignal(signum) != self._handler
+
+    def react(self, signum: int) -> None:
+        with self.lock:
+            if self.started:
+                return
+            self.started = True
+        received = time.time()
+        try:
+            self._react(signum, received)
+        except Exception as err:  # noqa: BLE001 - never stand in the way of the signal
+            log(logging.WARNING, "could not report signal %s: %s", signal.Signals(signum).name, err)
+        finally:
+            self.done.set()
+
+    def _react(self, signum: int, received: float) -> None:
+        session = self._session()
+        if session is None:
+            return
+        name = signal.Signals(signum).name
+        incident = session.incident
+        if incident.local:  # this rank failed itself: its own record and file say why
+            self.kind = "failed"
+            return
+        # A failure being explained right now (a broken collective: torchrun's agent ends the
+        # survivors when the store's host dies) is waited for, briefly: the report must come first.
+        # Under mp.spawn, a SIGTERM after a same-host peer's exit waits (briefly) for its cause.
+        peer = (session.failure_report(REPORT_WAIT)
+                or spawned.awaited_cause(session.same_host_probe, lambda: session.incident.peer_error,
+                                         lambda: self._records(session))
+                or self._peer_cause(session))
+        window = SIGNALLED_TOGETHER if self._framework_in_front(signum) else SAME_DELIVERY
+        if peer is not None and not same_delivery(peer, name, received, window):
+            self.kind = "consequence"
+            code = 128 + signum
+            log(logging.CRITICAL, "ending this process with exit code %d: terminated by %s while the job fails: %s",
+                code, name, str(peer).splitlines()[0])
+            try:
+                if not spawned.printed(peer):  # else printed in full already
+                    sys.stderr.write(f"[rank {session.rank}] fault-tolerant-handlers: {name} while the job fails:\n{peer}\n")
+                    sys.stderr.flush()
+            except Exception:  # noqa: BLE001
+                pass
+            errorfile.write_survivor(session.table, peer)
+            return
+        message = f"rank {session.rank} (pid {os.getpid()} on {session.host}) received {name}"
+        record = FailureRecord.declared(rank=session.rank, kind="RankSignalled", message=message, by=session.rank,
+                                        pid=os.getpid(), host=session.host)
+        self.cause = PeerFailedError.from_records([record])
+        self.kind = "cause"
+        session.signal_cause = self.cause  # a collective broken from now on is this signal's consequence
+        incident.local = True  # the peers' reaction is not a failure to escalate here
+        session.failed_before = True  # the job fails: its exit does not wait on a store that may be leaving
+        log(logging.ERROR, "%s: telling the other ranks", message)
+        errorfile.write_failed(record)  # this rank is the cause
+        conn = session.connection("signal", SIGNAL_STORE_TIMEOUT)
+        try:
+            Schema(conn, session.schema.world_size).publish(record)
+        finally:
+            conn.close()
+        if callable(self.previous.get(signum)):
+            # The previous handler runs on (Lightning's broadcasts to the peers, which are leaving):
+            # this rank's collectives fail at once instead of waiting for them.
+            what = release_process_groups(session.pg_store)
+            log(logging.INFO, "released this rank's collectives: %s", what)
+
+    @staticmethod
+    def _peer_cause(session: Session) -> PeerFailedError | None:
+        """A peer's failure this rank has not taken yet: a same-host peer gone, or a record."""
+        found = session.same_host_probe.poll(time.monotonic())
+        if found is not None:
+            return found.error
+        return _Watch._records(session)
+
+    @staticmethod
+    def _records(session: Session) -> PeerFailedError | None:
+        """The failure a peer's record not yet taken by this rank says (``None`` if none, or no store)."""
+        conn = session.connection("signal-read", SIGNAL_STORE_TIMEOUT)
+        try:
+            schema = Schema(conn, session.schema.world_size)
+            indices = [i for i in schema.new_indices(session.consumed, schema.count()) if i not in session.delivered]
+            records = session.peer_records(schema, indices)
+            return PeerFailedError.from_records(records) if records else None
+        except StoreUnreachable as err:  # its port refuses, or does not answer, a connection
+            return _store_host_lost(session, err)
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to learn from it
+            return None
+        finally:
+            conn.close()
+
+
+def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError | None:
+    """Seen from another host, a store that refuses or does not answer connections is the store's
+    host gone: torchrun's agent SIGTERMs its workers when it loses its rendezvous store, sometimes
+    before the rank's own broken collective is explained. ``None`` on the store's own host (the
+    pid check says what happened there)."""
+    if session.table.on_store_host():
+        return None
+    why = str(err).rsplit(": ", 1)[-1][:120]
+    return PeerFailedError.from_records([session.table.lost_record(
+        session.table.ranks[0], f"its host, which holds the c10d store, no longer accepts connections ({why})")])
+
+
+_watch: _Watch | None = None
+
+
+def own_signal(session: Session) -> PeerFailedError | None:
+    """The signal this rank received as the job's cause (its ``RankSignalled``), or ``None``: a
+    collective broken after it is the consequence of that signal, not of a peer's failure."""
+    watch = _watch
+    if watch is None or watch.kind != "cause" or watch._session() is not session:
+        return None
+    return watch.cause
+
+
+def install(session: Session) -> None:
+    """Put the handlers in front of the current ones (once per process, from the main thread only)."""
+    global _watch
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if _watch is not None:
+        # The world's session speaks for this process (a new one after destroy + init replaces it).
+        if session.group is None or _watch._session() is None:
+            _watch._session = weakref.ref(session)
+        return
+    _watch = _Watch(session)
+    _watch.install()
+
+
+def on_session_started(session: Session) -> None:
+    """The core's ``SESSION_STARTED`` (subscribed in ``launchers/__init__.py``)."""
+    install(session)  # SIGTERM/SIGINT: say so before the previous handler runs

@@ -1,0 +1,218 @@
+"""Branch tests of the core's small units: socket selection, store schema, settings, records,
+classification of errors, compat checks, argument checks. No process group, no thread."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from fault_tolerant_handlers import fail_together, one_rank_first
+from fault_tolerant_handlers.core import compat_torch as _compat_torch
+from fault_tolerant_handlers.core import config
+from fault_tolerant_handlers.core.errors import PeerFailedError, is_backend_error
+from fault_tolerant_handlers.core.records import FailureRecord, sanitize
+from fault_tolerant_handlers.core.release import parse_tcp_table, select_sockets
+from fault_tolerant_handlers.core.schema import MAX_OWN_RECORDS, Connection, Schema
+
+
+def schema_over(store, world_size=4):
+    return Schema(Connection(lambda: dist.PrefixStore("fth/t", store), timedelta(seconds=1), "t"), world_size)
+
+
+# -- release: which sockets are cut ----------------------------------------------------------------
+TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F90 0100007F:A000 01 00000000:00000000 00:00000000 00000000     0        0 111 1
+   1: 0100007F:B000 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 222 1
+   2: 0100007F:C000 0100007F:D000 01 00000000:00000000 00:00000000 00000000     0        0 333 1
+   3: 0100007F:E000 0100007F:F000 0A 00000000:00000000 00:00000000 00000000     0        0 444 1
+"""
+
+
+def test_release_cuts_established_non_store_sockets_of_this_process_only():
+    table = parse_tcp_table(TCP)
+    assert table == {111: (0x1F90, 0xA000), 222: (0xB000, 0x1F90), 333: (0xC000, 0xD000)}  # 444 is LISTEN
+    fds = {111: 5, 222: 6, 333: 7, 444: 8, 555: 9}  # 555: a socket of this process not in the table (UDP)
+    assert select_sockets(fds, table, keep_ports={0x1F90}) == [7]  # both store ends kept
+    assert select_sockets(fds, table, keep_ports=set()) == [5, 6, 7]
+    assert select_sockets({}, table, keep_ports=set()) == []
+
+
+# -- schema --------------------------------------------------------------------------------------
+def _record(rank=1, **over):
+    try:
+        raise ValueError("bad sample 17")
+    except ValueError as exc:
+        rec = FailureRecord.from_exception(exc, rank=rank, section="train", step=3, epoch=1)
+    return FailureRecord(**{**rec.__dict__, **over})
+
+
+def test_a_rank_keeps_a_bounded_number_of_its_records_in_the_store():
+    store = dist.HashStore()
+    schema = schema_over(store)
+    indices = [schema.publish(_record()) for _ in range(3 * MAX_OWN_RECORDS)]
+    kept = [i for i in indices if store.check([f"fth/t/r/{i}"])]
+    assert kept == indices[-MAX_OWN_RECORDS:]
+    assert schema.read(indices[-1]).exc_message == "bad sample 17"
+    assert schema.read(indices[0]) is None
+
+
+def test_a_garbage_heartbeat_is_repaired_naming_the_key(caplog):
+    store = dist.HashStore()
+    schema = schema_over(store)
+    assert schema.beat(1) == 1 and schema.heartbeat_of(1) == 1
+    store.set("fth/t/hb/1", "abc")
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert schema.heartbeat_of(1) == 1
+    assert "store key hb/1 held a non-integer value" in caplog.text
+
+
+def test_counter_moves_are_range_checked_and_wrap_aware(caplog):
+    schema = schema_over(dist.HashStore())
+    assert schema.new_indices(3, 5) == [4, 5]
+    assert schema.new_indices(2**63 - 1, -(2**63)) == [-(2**63)]  # the store's counter wrapped
+    assert len(schema.new_indices(0, 10_000)) == 256  # newest kept
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert schema.new_indices(5, 2) == []
+        assert schema.new_indices(0, 2**40) == []
+    assert caplog.text.count("store key n moved") == 2
+
+
+# -- records ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value, problem", [
+    ("rank", 10**30, "outside [0, 3]"),
+    ("rank", -1, "outside [0, 3]"),
+    ("time_ms", -(10**400) if False else -(10**40), "more than a year from now"),
+    ("seq", 2**60, "outside [0,"),
+    ("step", -3, "outside [0,"),
+    ("by", 7, "outside [0, 3]"),
+    ("origin", "watchdog", "origin 'watchdog' is not one of"),
+    ("pid", 2**40, "field 'pid'"),
+])
+def test_out_of_range_record_fields_are_rejected_naming_the_key(field, value, problem, caplog):
+    payload = {**json.loads(_record().to_json()), field: value}
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert FailureRecord.from_json(json.dumps(payload), world_size=4, key="r/9") is None
+    assert "store key r/9" in caplog.text and problem in caplog.text
+
+
+def test_text_from_the_store_is_sanitised_before_it_is_printed():
+    raw = "bad\x1b[31m red\x1b[0m \u202eevil \ud800 ok\n\ttab é"
+    assert sanitize(raw) == "bad\ufffd[31m red\ufffd[0m \ufffdevil \ufffd ok\n\ttab é"
+    payload = {**json.loads(_record().to_json()), "exc_message": raw}
+    data = json.dumps(payload).encode()  # json escapes the lone surrogate as \\ud800
+    record = FailureRecord.from_json(data, world_size=4)
+    assert "\x1b" not in record.exc_message and "\ud800" not in record.exc_message
+    str(PeerFailedError.from_records([record])).encode("utf-8")  # printable without errors
+
+
+# -- classification ------------------------------------------------------------------------------
+@pytest.mark.parametrize("exc", [
+    socket.timeout("timed out"), TimeoutError("download timed out"), ConnectionResetError("Connection reset by peer"),
+    OSError("Socket closed"), RuntimeError("gloo says hello"), RuntimeError("Timed out waiting for the NCCL kernel"),
+])
+def test_errors_of_user_code_are_the_ranks_own(exc):
+    assert not is_backend_error(exc)
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4242"),
+    RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms"),
+    dist.DistNetworkError("recvValue failed"), dist.DistBackendError("NCCL communicator was aborted"),
+    dist.DistStoreError("store timeout"),
+])
+def test_backend_errors_are_recognised(exc):
+    assert is_backend_error(exc)
+
+
+# -- settings ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variable, value", [
+    ("FTH_WATCHDOG_INTERVAL_SEC", "1e10"), ("FTH_WATCHDOG_INTERVAL_SEC", "0"), ("FTH_EXIT_GRACE_SEC", "1e10"),
+    ("FTH_EXIT_GRACE_SEC", "inf"), ("FTH_HANG_TIMEOUT_SEC", "nan"), ("FTH_SYNC_TIMEOUT_SEC", "1e10"),
+    ("FTH_HEARTBEAT_TIMEOUT_SEC", "-1"), ("FTH_STORE_LOST_SEC", "abc"), ("FTH_WRITE_GRACE_SEC", "1e9"),
+])
+def test_every_timeout_variable_is_range_checked_naming_it(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=rf"{variable}='{value}': expected a number of seconds from"):
+        config.load()
+
+
+def test_release_and_inject_variables_are_checked_when_the_job_starts(monkeypatch):
+    monkeypatch.setenv("FTH_RELEASE", "abc")
+    with pytest.raises(ValueError, match="FTH_RELEASE='abc': expected one of auto, exit"):
+        config.load()
+    monkeypatch.delenv("FTH_RELEASE")
+    monkeypatch.setenv("FTH_INJECT", "explode@rank=1,iteration=5")
+    with pytest.raises(ValueError, match="FTH_INJECT: unknown kind 'explode'"):
+        config.load()
+
+
+def test_constructing_an_adapter_checks_the_environment(monkeypatch):
+    from fault_tolerant_handlers.ignite import FaultTolerance
+
+    monkeypatch.setenv("FTH_RELEASE", "abc")
+    with pytest.raises(ValueError, match="FTH_RELEASE"):
+        FaultTolerance()
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("hang_timeout", timedelta.max, "between 1 and 604800 seconds"),
+    ("hang_timeout", timedelta(0), "between 1 and 604800 seconds"),
+    ("interval", timedelta(0), "between 0.01 and 10 seconds"),
+    ("exit_grace", timedelta(days=10**5), "between 0.1 and 3600 seconds"),
+])
+def test_timeout_arguments_have_bounds(name, value, match):
+    with pytest.raises(ValueError, match=match):
+        config.check_timedelta(name, value)
+
+
+# -- names and positions are checked when constructed ---------------------------------------------
+def test_names_and_positions_are_checked_when_constructed():
+    from fault_tolerant_handlers.ignite import FaultTolerance
+
+    with pytest.raises(TypeError, match=r"FaultTolerance\(name=\.\.\.\) must be a non-empty str"):
+        FaultTolerance(name=123)
+    with pytest.raises(TypeError, match=r"one_rank_first\(name=\.\.\.\) must be a non-empty str"):
+        one_rank_first(name=123)
+    with pytest.raises(TypeError, match=r"fail_together\(step=\.\.\.\) must be a non-negative int or None"):
+        fail_together("x", step="3")
+    with pytest.raises(TypeError, match=r"fail_together\(epoch=\.\.\.\)"):
+        fail_together("x", epoch=-1)
+    with pytest.raises(TypeError, match=r"fail_together\(group=\.\.\.\) must be a torch.distributed.ProcessGroup"):
+        fail_together("x", group="world")
+
+
+# -- compat -------------------------------------------------------------------------------------
+def test_a_torch_without_a_private_api_fails_at_start_naming_it(monkeypatch):
+    from torch.distributed import distributed_c10d
+
+    monkeypatch.setattr(_compat_torch, "_checked", False)
+    monkeypatch.delattr(distributed_c10d, "_abort_process_group")
+    with pytest.raises(RuntimeError, match=r"needs torch\.distributed\.distributed_c10d\._abort_process_group"):
+        _compat_torch.check()
+
+
+def test_an_ignite_without_event_handlers_fails_at_attach_naming_it():
+    from ignite.engine import Engine
+
+    from fault_tolerant_handlers.ignite import FaultTolerance
+
+    engine = Engine(lambda e, b: None)
+    del engine._event_handlers
+    with pytest.raises(RuntimeError, match=r"Engine\._event_handlers"):
+        FaultTolerance().attach(engine)
+
+
+def test_lightning_compat_check_names_what_is_missing():
+    from fault_tolerant_handlers.adapters import compat_lightning as _compat_lightning
+
+    class Bare:
+        pass
+
+    with pytest.raises(RuntimeError, match=r"Trainer\._run_stage, lightning\.pytorch\.Trainer\._teardown"):
+        _compat_lightning.check(Bare())

@@ -1,0 +1,284 @@
+"""The watchdog's probes, one at a time: a fake clock, an in-memory store (HashStore), fake pids.
+No process or thread is started."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from fault_tolerant_handlers.detect.probes import (HeartbeatProbe, PeerPidProbe, RecordsProbe, SelfHangProbe,
+                                            StoreLossProbe, waiting_on_peers)
+from fault_tolerant_handlers.core.records import FailureRecord
+from fault_tolerant_handlers.core.schema import Connection, Schema
+
+
+def schema_over(store: dist.Store, world_size: int = 4) -> Schema:
+    return Schema(Connection(lambda: dist.PrefixStore("fth/test", store), timedelta(seconds=1), "test"), world_size)
+
+
+def failure(rank: int, message: str = "bad sample 17") -> FailureRecord:
+    try:
+        raise ValueError(message)
+    except ValueError as exc:
+        return FailureRecord.from_exception(exc, rank=rank, section="train", step=3, epoch=1)
+
+
+def test_records_probe_waits_the_grace_then_reports_another_ranks_record():
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    probe = RecordsProbe(mine, rank=0, grace=0.3, delivered=frozenset)
+    assert probe.poll(10.0) is None
+    peer.publish(failure(rank=2))
+    assert probe.poll(10.1) is None            # seen, but a sync point may still deliver it
+    found = probe.poll(10.45)
+    assert found is not None and found.error.failed_rank == 2 and found.error.exc_type == "ValueError"
+    assert found.declare is None
+
+
+def test_records_probe_leaves_delivered_records_and_its_own_alone():
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    delivered = [frozenset()]
+    probe = RecordsProbe(mine, rank=0, grace=0.3, delivered=lambda: delivered[0])
+    peer.publish(failure(rank=1))
+    assert probe.poll(1.0) is None
+    delivered[0] = frozenset({1})              # an agreement delivered it to the main thread
+    assert probe.poll(2.0) is None
+    peer.publish(failure(rank=2))
+    delivered[0] = frozenset({1, 2})           # delivered before the probe even saw it
+    assert probe.poll(3.0) is None and probe.poll(4.0) is None
+    mine.publish(failure(rank=0))              # this rank's own failure: not a peer's
+    assert probe.poll(3.0) is None and probe.poll(4.0) is None
+
+
+@pytest.mark.parametrize("corrupt", [-5, 2**62, "wrap"])
+def test_a_manipulated_counter_warns_naming_the_key_and_detection_goes_on(corrupt, caplog):
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    probe = RecordsProbe(mine, rank=0, grace=0.0, delivered=frozenset)
+    value = 2**63 - 1 if corrupt == "wrap" else corrupt
+    store.set("fth/test/n", str(value))
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert probe.poll(1.0) is None
+    assert "store key n moved from 0" in caplog.text
+    peer.publish(failure(rank=3))              # the next add wraps past 2**63-1 in the "wrap" case
+    found = probe.poll(2.0)
+    assert found is not None and found.error.failed_rank == 3
+
+
+def test_a_garbage_counter_is_repaired_and_a_record_still_found(caplog):
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    probe = RecordsProbe(mine, rank=0, grace=0.0, delivered=frozenset)
+    peer.publish(failure(rank=1))
+    assert probe.poll(1.0) is not None
+    store.set("fth/test/n", "abc")
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert probe.poll(2.0) is None
+    assert "store key n held a non-integer value" in caplog.text
+    assert int(store.get("fth/test/n")) == 1
+    peer.publish(failure(rank=2))
+    assert probe.poll(3.0).error.failed_rank == 2
+
+
+def test_an_out_of_range_record_is_ignored_naming_its_key(caplog):
+    store = dist.HashStore()
+    mine, peer = schema_over(store, world_size=2), schema_over(store, world_size=2)
+    probe = RecordsProbe(mine, rank=0, grace=0.0, delivered=frozenset)
+    peer.publish(failure(rank=1))
+    store.set("fth/test/r/1", store.get("fth/test/r/1").replace(b'"rank":1', b'"rank":1000000000000000000000000000000'))
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert probe.poll(1.0) is None
+    assert "r/1" in caplog.text and "outside [0, 1]" in caplog.text
+
+
+def test_heartbeat_probe_declares_a_silent_successor_after_the_limit():
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=5.0)
+    other.beat(1)
+    assert probe.poll(0.0) is None              # first look: value 1
+    assert probe.poll(0.2) is None              # not due yet
+    other.beat(1)
+    assert probe.poll(1.0) is None              # moved
+    for k in range(1, 10):
+        assert probe.poll(1.0 + 0.5 * k) is None  # still for up to 4.5 s
+    assert probe.poll(6.0) is None              # 5.0 s: not past the limit
+    found = probe.poll(6.5)
+    assert found is not None and found.error.exc_type == "PeerSilent" and found.error.failed_rank == 1
+    assert "no heartbeat for 5.5 s" in found.error.exc_message and found.declare.by == 0
+    assert int(store.get("fth/test/hb/0")) == 13  # its own heartbeat went on, once a poll
+
+
+def test_heartbeat_probe_counts_no_silence_while_its_own_calls_are_slow():
+    """A gap between two answered polls (this rank's own store calls failed or took long: the store
+    or the machine is busy, and the successor's beats are late for the same reason) is no evidence."""
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=3.0)
+    other.beat(1)
+    assert probe.poll(0.0) is None
+    assert probe.poll(0.5) is None              # 0.5 s observed
+    assert probe.poll(10.0) is None             # 9.5 s without an answer in between: not counted
+    assert probe.poll(10.5) is None and probe.poll(11.0) is None and probe.poll(11.5) is None  # 2.0 s
+    assert probe.poll(12.0) is None             # 2.5 s
+    assert probe.poll(12.5) is None             # 3.0 s: not past the limit
+    found = probe.poll(13.0)
+    assert found is not None and "no heartbeat for 3.5 s" in found.error.exc_message
+
+
+def test_heartbeat_probe_never_declares_a_successor_that_never_beat():
+    probe = HeartbeatProbe(schema_over(dist.HashStore()), rank=0, successor=1, successor_pid=1, period=0.5, limit=1.0)
+    assert all(probe.poll(t) is None for t in (0.0, 1.0, 5.0, 50.0))
+
+
+def test_pid_probe_names_the_signal():
+    states = {11: None, 12: "killed by SIGKILL"}
+    probe = PeerPidProbe([(1, 11), (2, 12)], by=0, host="node-a", state=states.get)
+    found = probe.poll(0.0)
+    assert found.error.failed_rank == 2 and found.error.exc_type == "PeerLost"
+    assert found.error.exc_message == "rank 2 (pid 12 on node-a) lost: killed by SIGKILL"
+    states[12] = None
+    assert probe.poll(1.0) is None
+
+
+def _frame_in(filename: str):
+    code = compile("import sys\nframe = sys._getframe()", filename, "exec")
+    scope: dict = {}
+    exec(code, scope)
+    return scope["frame"]
+
+
+def test_self_hang_probe_reports_the_main_thread_stack_and_spares_a_rank_waiting_on_peers():
+    progress = [(100.0, 1_700_000_000.0, 7)]
+    frame = [_frame_in("/x/train.py")]
+    probe = SelfHangProbe(1, 4242, 5.0, margin=2.0, progress=lambda: progress[0], frame=lambda: frame[0])
+    assert probe.poll(104.0) is None
+    found = probe.poll(105.5)
+    assert found.hung_self and found.error.exc_type == "RankHung" and found.error.failed_rank == 1
+    assert "no progress for 5.5 s at step 7" in found.error.exc_message
+    assert "/x/train.py" in found.error.remote_traceback
+    frame[0] = _frame_in("/site-packages/torch/distributed/distributed_c10d.py")
+    assert waiting_on_peers(frame[0])
+    assert probe.poll(105.5) is None            # blocked in a collective: the peer is the hung one
+    assert probe.poll(112.5).hung_self          # ... unless it stays blocked past 2 x timeout + margin
+
+
+def test_store_loss_probe_declares_the_store_host_after_the_silence_with_evidence():
+    probe = StoreLossProbe(10.0, by=1, store_pid=99, evidence=lambda: "a TCP connect to h:1: refused")
+    assert probe.failed(0.0, ConnectionError("refused")) is True
+    assert probe.failed(5.0, ConnectionError("refused")) is False
+    assert probe.poll(9.0) is None
+    probe.answered()
+    assert probe.poll(20.0) is None
+    probe.failed(20.0, ConnectionError("refused"))
+    assert probe.poll(20.0) is None  # one check only
+    found = probe.poll(30.5)
+    assert found.error.failed_rank == 0 and found.error.exc_type == "PeerLost"
+    assert "hosts the c10d store" in found.error.exc_message and "ConnectionError: refused" in found.error.exc_message
+    assert "a TCP connect to h:1: refused" in found.error.exc_message
+
+
+def test_a_slow_store_is_never_declared_lost():
+    """Calls that time out while the store's port answers a plain connect (a busy store server on a
+    loaded machine): no declaration, however long it lasts."""
+    probe = StoreLossProbe(4.0, by=1, store_pid=99, evidence=lambda: None)
+    now = 0.0
+    while now < 60.0:
+        probe.failed(now, TimeoutError("a store call did not return within 1.5 s"))
+        assert probe.poll(now) is None
+        now += 0.1
+    probe.failed(now, TimeoutError("a store call did not return within 1.5 s"))
+    assert probe.declare_at() is not None  # a silence is under way ...
+    assert probe.poll(now + 100.0) is None  # ... and its port answers: never a loss
+
+
+def test_store_evidence_must_hold_the_whole_silence():
+    answers = iter(["refused", None] + ["refused"] * 100)
+    probe = StoreLossProbe(4.0, by=1, store_pid=99, evidence=lambda: next(answers), check_every=0.5)
+    probe.failed(0.0, TimeoutError("slow"))
+    assert probe.poll(0.0) is None     # refused once ...
+    assert probe.poll(0.5) is None     # ... then the port answered: the silence is over
+    assert probe.declare_at() is None
+    probe.failed(1.0, TimeoutError("slow"))
+    for t in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5):
+        assert probe.poll(t) is None   # evidence from 1.0 on, but not yet 4 s of it
+    assert probe.poll(5.0).error.exc_type == "PeerLost"
+
+
+def test_the_store_host_never_declares_its_own_store_lost():
+    probe = StoreLossProbe(1.0, by=0, store_pid=99, evidence=lambda: "refused", hosted_here=True)
+    probe.failed(0.0, TimeoutError("slow"))
+    assert probe.declare_at() is None
+    assert all(probe.poll(t) is None for t in (0.0, 0.5, 1.0, 5.0, 50.0))
+
+
+def test_store_evidence_of_a_real_port():
+    """A listening port answers (no evidence, however slow its server: nobody accepts here); a
+    closed one is refused."""
+    import socket
+
+    from fault_tolerant_handlers.core.schema import store_evidence
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)  # never accepted: the kernel completes the handshake anyway
+    port = server.getsockname()[1]
+    try:
+        assert store_evidence("127.0.0.1", port, 1.0) is None
+    finally:
+        server.close()
+    found = store_evidence("127.0.0.1", port, 1.0)
+    assert found is not None and "refused" in found
+
+
+def test_records_probe_leaves_late_news_of_a_failure_already_agreed_on():
+    # rank 2 failed in agreement 3, which this rank left (released) before rank 2 published: this
+    # rank is at agreement 4 now, and every rank has already raised for that failure
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    probe = RecordsProbe(mine, rank=0, grace=0.3, delivered=frozenset,
+                         stale=lambda r: r.seq is not None and r.seq < 4)
+    probe.poll(10.0)
+    late = failure(rank=2)
+    peer.publish(FailureRecord(**{**late.__dict__, "seq": 3}))
+    assert probe.poll(10.1) is None and probe.poll(10.5) is None
+    peer.publish(FailureRecord(**{**late.__dict__, "rank": 3, "seq": 4}))  # a failure in the live agreement
+    probe.poll(10.6)
+    found = probe.poll(11.0)
+    assert found is not None and found.error.failed_rank == 3
+
+
+def test_the_process_hosting_the_store_knows_it():
+    """``release.listens_here``: true in the process whose TCPStore server listens on the port (rank
+    0 under env:// rendezvous), false for a client of the same store."""
+    import subprocess
+    import sys
+
+    from fault_tolerant_handlers.core.release import listens_here
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert listens_here(server.port)
+    client = subprocess.run(
+        [sys.executable, "-c", "import sys, torch.distributed as dist; from fault_tolerant_handlers.core.release import "
+         f"listens_here; c = dist.TCPStore('127.0.0.1', {server.port}, is_master=False); "
+         f"print(listens_here({server.port}))"], capture_output=True, text=True, timeout=60)
+    assert client.stdout.strip() == "False", client.stderr[-2000:]
+
+
+def test_heartbeat_probe_never_declares_a_running_successor_on_its_own_host():
+    """A successor on this host whose process runs (not stopped, not gone) is only late with its
+    beats (its helper's store connection is slow): no declaration. Stopped (SIGSTOP), it is silent."""
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    state = {"running": True}
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=1.0,
+                           running=lambda: state["running"])
+    other.beat(1)
+    assert all(probe.poll(0.5 * k) is None for k in range(20))  # 9.5 s still, and it runs
+    state["running"] = False
+    found = probe.poll(10.0)
+    assert found is not None and found.error.exc_type == "PeerSilent"

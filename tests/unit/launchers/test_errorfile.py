@@ -1,0 +1,204 @@
+"""torchrun's error files as this library writes them, read back by torch's own ``ProcessFailure``
+(the class the agent uses to pick the Root Cause)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from fault_tolerant_handlers.launchers import errorfile
+from fault_tolerant_handlers.core.errors import PeerFailedError
+from fault_tolerant_handlers.core.ranks import RankTable
+from fault_tolerant_handlers.core.records import FailureRecord
+
+
+def _layout(tmp_path, n=2):
+    """torchrun's ``attempt_0/<local rank>/`` directories."""
+    paths = []
+    for local in range(n):
+        (tmp_path / "attempt_0" / str(local)).mkdir(parents=True)
+        paths.append(str(tmp_path / "attempt_0" / str(local) / "error.json"))
+    return paths
+
+
+def _record(rank=1, time_ms=1_700_000_000_900):
+    try:
+        raise ValueError("bad sample 17")
+    except ValueError as exc:
+        rec = FailureRecord.from_exception(exc, rank=rank, section="train", step=3)
+    return FailureRecord(**{**rec.__dict__, "time_ms": time_ms})
+
+
+def FakeSession(rank, local_rank=None, pids=(100, 101)):  # noqa: N802 - the table a session would hold
+    """Ranks 0 and 1 on node-a."""
+    return RankTable(rank, (0, 1), tuple(pids), ("node-a", "node-a"),
+                     local_rank=rank if local_rank is None else local_rank, local_world_size=2)
+
+
+def test_failed_rank_file_is_read_by_torch_with_its_failure_second(tmp_path, monkeypatch):
+    own = _layout(tmp_path)[1]
+    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, own)
+    assert errorfile.write_failed(_record())
+    failure = ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=own)
+    assert failure.timestamp == 1_700_000_000
+    assert failure.message["message"] == "ValueError: bad sample 17"
+    assert "bad sample 17" in failure.message["extraInfo"]["py_callstack"]
+
+
+def test_a_file_is_never_overwritten(tmp_path, monkeypatch):
+    own = _layout(tmp_path)[1]
+    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, own)
+    assert errorfile.write_failed(_record(time_ms=1_700_000_000_000))
+    assert not errorfile.write_failed(_record(time_ms=1_700_000_500_000))
+    assert not errorfile.write_survivor(FakeSession(1), None)
+    assert errorfile.read_timestamp(own) == 1_700_000_000
+    assert [p for p in os.listdir(os.path.dirname(own)) if p != "error.json"] == []  # no temp file left
+
+
+def test_nothing_is_written_outside_torchrun(tmp_path, monkeypatch):
+    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, os.devnull)
+    assert not errorfile.write_failed(_record())
+    monkeypatch.delenv(errorfile.ERROR_FILE_ENV)
+    assert not errorfile.write_failed(_record())
+
+
+def test_survivor_loses_to_the_failing_rank_in_torchs_root_cause(tmp_path, monkeypatch):
+    paths = _layout(tmp_path)
+    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, paths[1])
+    errorfile.write_failed(_record(rank=1, time_ms=int(1_700_000_000.95 * 1000)))
+    peer = PeerFailedError.from_records([_record(rank=1, time_ms=int(1_700_000_000.95 * 1000))])
+    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, paths[0])
+    assert errorfile.write_survivor(FakeSession(0), peer)
+    assert errorfile.read_timestamp(paths[0]) >= 1_700_000_001
+    failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file=paths[r]) for r in (0, 1)}
+    rank, _ = ChildFailedError("train.py", failures).get_first_failure()
+    assert rank == 1  # without the survivor's later second, the tie would go to rank 0
+
+
+def test_survivor_timestamp_is_after_the_failure_and_after_now():
+    assert errorfile.survivor_timestamp(100.9, now=100.95) == 101
+    assert errorfile.survivor_timestamp(100.9, now=105.2) == 106
+    assert errorfile.survivor_timestamp(None, now=7.5) == 8
+
+
+def test_survivor_writes_a_killed_same_host_peers_file_first(tmp_path, monkeypatch):
+    paths = _layout(tmp_path)
+    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, paths[0])
+    lost = FailureRecord.declared(rank=1, kind="PeerLost", message="rank 1 (pid 101 on node-a) lost: killed by SIGKILL",
+                                  by=0, pid=101, host="node-a", time_ms=1_700_000_000_300)
+    err = PeerFailedError.from_records([lost])
+    assert errorfile.write_survivor(FakeSession(0), err)
+    dead = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file=paths[1])
+    assert dead.timestamp == 1_700_000_000 and "SIGKILL" in dead.message["message"]
+    mine = ProcessFailure(local_rank=0, pid=100, exitcode=-15, error_file=paths[0])
+    assert mine.timestamp > dead.timestamp
+    rank, _ = ChildFailedError("train.py", {0: mine, 1: dead}).get_first_failure()
+    assert rank == 1
+
+
+@pytest.mark.parametrize("what", ["other host", "other pid", "silent"])
+def test_no_file_for_a_peer_this_host_cannot_vouch_for(tmp_path, monkeypatch, what):
+    paths = _layout(tmp_path)
+    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, paths[0])
+    lost = FailureRecord.declared(rank=1, kind="PeerSilent" if what == "silent" else "PeerLost", message="rank 1 lost",
+                                  by=0, pid=999 if what == "other pid" else 101,
+                                  host="node-b" if what == "other host" else "node-a")
+    errorfile.write_survivor(FakeSession(0), PeerFailedError.from_records([lost]))
+    assert not os.path.exists(paths[1])
+
+
+def test_peer_path_follows_torchruns_layout_only(tmp_path):
+    own = _layout(tmp_path)[0]
+    assert errorfile.peer_path(own, 0, 1) == str(tmp_path / "attempt_0" / "1" / "error.json")
+    assert errorfile.peer_path(own, 3, 1) is None          # own path does not end in <local rank>/error.json
+    assert errorfile.peer_path(own, 0, 5) is None          # no such directory
+    assert errorfile.peer_path(str(tmp_path / "x.json"), 0, 1) is None
+
+
+
+
+_RANK = """
+import os, signal, sys, threading, time, types
+from fault_tolerant_handlers.core.ranks import RankTable
+from fault_tolerant_handlers.detect import liveness
+rank_pid = os.getpid()
+r, w = os.pipe()
+helper = os.fork()
+if helper == 0:  # the liveness helper's watcher of its rank's end
+    os.close(w)
+    told = lambda record: open(sys.argv[1], "w").write(record.exc_message)  # the PeerLost record it publishes
+    liveness._on_rank_end(RankTable(1, (0, 1), (0, rank_pid), ("node-a", "node-a")), rank_pid, r, threading.Event(), told)
+worker = os.fork()
+if worker == 0:  # a DataLoader worker forked after the helper: it holds the pipe's write end too
+    time.sleep(60)
+    os._exit(0)
+print(helper, worker, flush=True)
+os.kill(rank_pid, signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_sigkilled_ranks_helper_writes_its_file(tmp_path):
+    """A rank SIGKILLed (the OOM killer) writes nothing; its liveness helper, woken by its end (its
+    pidfd: a DataLoader worker still holds the helper's pipe), writes its file before the launcher
+    reaps it and tells its peers how it ended. A real process, a real forked helper and worker."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    own = _layout(tmp_path)[1]
+    env = dict(os.environ, **{errorfile.ERROR_FILE_ENV: own})
+    told = tmp_path / "told.txt"
+    proc = subprocess.Popen([sys.executable, "-c", _RANK, str(told)], env=env, stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        helper, worker = map(int, proc.stdout.readline().split())
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{helper}") and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the helper has ended (an orphan, reaped by init)
+        assert not os.path.exists(f"/proc/{helper}")
+        assert os.path.exists(f"/proc/{worker}")  # woken by the rank's end, not the pipe's
+        rc = proc.wait(timeout=20)
+    finally:
+        proc.kill()
+        proc.wait()
+        if worker is not None:
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    failure = ProcessFailure(local_rank=1, pid=proc.pid, exitcode=rc, error_file=own)
+    assert rc == -9
+    assert failure.message["message"] == f"PeerLost: rank 1 (pid {proc.pid} on node-a) lost: killed by SIGKILL"
+    assert "written by its liveness helper" in failure.message["extraInfo"]["py_callstack"]
+    assert abs(failure.timestamp - time.time()) < 30
+    assert told.read_text() == f"rank 1 (pid {proc.pid} on node-a) lost: killed by SIGKILL"
+
+
+def test_a_helper_writes_nothing_for_a_signal_the_rank_reports_or_a_rank_that_runs(tmp_path, monkeypatch):
+    """SIGTERM and SIGINT are the signal handler's to report; a rank that only stopped its
+    watchdog (the pipe closed, the process runs) has not ended, and is not waited for."""
+    import time
+
+    from fault_tolerant_handlers.core import procfs as _procfs
+
+    from fault_tolerant_handlers.detect import liveness
+
+    own = _layout(tmp_path)[1]
+    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, own)
+    assert not errorfile.unreported("killed by SIGTERM")
+    assert not errorfile.unreported("killed by SIGINT")
+    assert not errorfile.unreported("exited with code 1")
+    assert errorfile.unreported("killed by SIGKILL") and errorfile.unreported("killed by SIGSEGV")
+    for how in ("killed by SIGTERM", "killed by SIGINT", "exited with code 1"):
+        with monkeypatch.context() as m:  # the rank ended so (a real one is the next test's)
+            m.setattr(liveness._procfs, "ended", lambda pid, within, how=how: how)
+            liveness.rank_ended(1, 101, "node-a", tell=lambda record: pytest.fail(f"told {record}"))
+    assert not os.path.exists(own)
+    start = time.monotonic()
+    assert _procfs.ended(os.getpid(), 5.0) is None
+    assert time.monotonic() - start < 0.5
