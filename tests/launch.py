@@ -340,3 +340,29 @@ def healthy_run(framework: str, world: int, outdir: Path, *, deadline: float) ->
             continue
     declarations = [line for line in output.splitlines() if DECLARATIONS.search(line)]
     return HealthyRun(returncode, ranks, declarations, seconds, output)
+
+
+def run_script(script: Path, *, deadline: float, drop_fth: bool = False) -> tuple[int | None, str, float]:
+    """Run ``python <script>`` (a snippet from the docs, which launches its other ranks itself) in
+    its own folder and session, without the launcher variables this process may carry (and, with
+    ``drop_fth``, without ``FTH_*`` settings); every process of the session is killed after it ends
+    or at ``deadline``. Returns its exit code, its output and how long it ran."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+           and not (drop_fth and k.startswith("FTH_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=script.parent, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        out = ""
+    finally:
+        try:  # rank 0 and the ranks it started share this session
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait(timeout=10)
+    return proc.returncode, out, time.monotonic() - start

@@ -5,16 +5,11 @@ recipe with the ``raise`` replaced by a SIGKILL of rank 1: rank 0 names it, kill
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from launch import ROOT, readme_snippet
+from launch import readme_snippet, run_script
 
 DEADLINE_SEC = 90
 RAISE = 'raise ValueError("bad sample 17")   # one rank fails...'
@@ -23,27 +18,9 @@ RAISE = 'raise ValueError("bad sample 17")   # one rank fails...'
 def _run(tmp_path, code):
     script = tmp_path / "fabric_train.py"
     script.write_text(code)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith("FTH_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=DEADLINE_SEC)
-    except subprocess.TimeoutExpired:
-        out = ""
-    finally:
-        try:  # rank 0 and the rank 1 it started share this session
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait(timeout=10)
-    elapsed = time.monotonic() - start
+    returncode, out, elapsed = run_script(script, deadline=DEADLINE_SEC, drop_fth=True)
     assert elapsed < DEADLINE_SEC, f"the recipe hung:\n{out[-3000:]}"
-    return proc.returncode, out
+    return returncode, out
 
 
 def test_fabric_recipe_fails_together(tmp_path):

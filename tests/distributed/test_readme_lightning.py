@@ -6,16 +6,11 @@ also runs with ``import pytorch_lightning as L`` (the standalone ``pytorch-light
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from launch import ROOT, readme_snippet
+from launch import readme_snippet, run_script
 
 DEADLINE_SEC = 90
 
@@ -29,25 +24,8 @@ def test_readme_snippet_fails_together(namespace, tmp_path):
         code = code.replace("import lightning as L\n", "import pytorch_lightning as L\n")
     script = tmp_path / "train.py"
     script.write_text(code)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=DEADLINE_SEC)
-    except subprocess.TimeoutExpired:
-        out = ""
-    finally:
-        try:  # rank 0 and the rank 1 it started share this session
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait(timeout=10)
-    elapsed = time.monotonic() - start
+    returncode, out, elapsed = run_script(script, deadline=DEADLINE_SEC)
     assert elapsed < DEADLINE_SEC, f"the snippet hung:\n{out[-3000:]}"
     assert "rank 0 stopped: rank 1 raised ValueError: bad sample 17 at step 3, epoch 0" in out, out[-4000:]
     assert re.search(r"^(\[rank1\]: )?ValueError: bad sample 17$", out, re.M), out[-4000:]  # rank 1: its own error
-    assert proc.returncode != 0
+    assert returncode != 0
