@@ -287,7 +287,7 @@ def test_adapters_refuse_a_bad_hang_timeout_naming_the_choices(adapter, bad, err
 ])
 def test_hang_timeout_takes_seconds_and_lightning_timer_forms(value, expected):
     """What a YAML / LightningCLI / Hydra config gives: a number, Lightning Timer's string or dict."""
-    from fault_tolerant_handlers.guard import Guard
+    from fault_tolerant_handlers.adapters.guard import Guard
     from fault_tolerant_handlers.ignite import FaultTolerance as IgniteFT
     from fault_tolerant_handlers.lightning import FaultTolerance as LightningFT
 
