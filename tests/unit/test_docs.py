@@ -51,7 +51,7 @@ def test_python_blocks_compile(page, code):
 
 # -- quoted error messages ------------------------------------------------------------------------
 def _one_rank_first_rank_2_on_2_ranks(monkeypatch):
-    from fault_tolerant_handlers import sections
+    from fault_tolerant_handlers.core import sections
 
     sections._check_rank(2, False, 2)  # what one_rank_first(rank=2) runs once it knows the world size
 
@@ -70,7 +70,7 @@ def _lightning_ft(**kwargs):
 
 def _env(name, value):
     def call(monkeypatch):
-        from fault_tolerant_handlers import config
+        from fault_tolerant_handlers.core import config
 
         monkeypatch.setenv(name, value)
         config.load()
@@ -120,7 +120,7 @@ def test_every_mapped_error_is_quoted_somewhere():
 
 
 def test_the_hang_timeout_forms_the_docs_name_are_accepted():
-    from fault_tolerant_handlers import config
+    from fault_tolerant_handlers.core import config
 
     assert config.check_hang_timeout(300) == config.check_hang_timeout("00:00:05:00") == \
         config.check_hang_timeout({"minutes": 5}) == timedelta(minutes=5)

@@ -35,7 +35,7 @@ def test_standalone_pytorch_lightning_only():
         sys.modules["lightning"] = None  # as if only the pytorch-lightning distribution were installed
         import pytorch_lightning as pl
         from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
-        from fault_tolerant_handlers import _compat_lightning
+        from fault_tolerant_handlers.adapters import compat_lightning as _compat_lightning
         from fault_tolerant_handlers.lightning import FaultTolerance
 
         assert _compat_lightning.NAMESPACES == ("pytorch_lightning",)
@@ -92,7 +92,7 @@ def test_both_installed_the_callback_is_each_ones_whatever_the_import_order(firs
                "from fault_tolerant_handlers.lightning import FaultTolerance\nimport lightning.pytorch as lp\n"
                "import pytorch_lightning as ptl\n")
     out = _run(imports + textwrap.dedent("""
-        from fault_tolerant_handlers import _compat_lightning
+        from fault_tolerant_handlers.adapters import compat_lightning as _compat_lightning
 
         cb = FaultTolerance()
         assert isinstance(cb, lp.Callback) and isinstance(cb, ptl.Callback)
