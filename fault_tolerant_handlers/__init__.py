@@ -10,22 +10,27 @@ Public names:
 * :func:`writing_checkpoint`: mark a checkpoint write that a reported exit must wait for.
 * :class:`RestartableDataLoader`, :func:`make_restartable`: a DataLoader that survives worker death.
 * :func:`latest_checkpoint`: the newest complete checkpoint in a directory, the same on every rank.
+* :func:`recover_in_place`: after a failure, the same processes re-form the group and train on.
+* :func:`recovery_attempt`: how many times this process recovered in place.
 """
 
 from .launchers import compat_torchrun as _compat_torchrun
 from .data.checkpoints import latest_checkpoint
 from .data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
-from .core.errors import PeerFailedError, SectionMismatchError
+from .core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError
 from .core.release import EXIT_TEARDOWN_STUCK
 from .core.sections import fail_together, one_rank_first
 from .detect.watchdog import EXIT_HUNG, EXIT_PEER_FAILED, start_watchdog, writing_checkpoint
+from .recover import recover_in_place, recovery_attempt
 
 __all__ = [
     "EXIT_HUNG",
     "EXIT_PEER_FAILED",
     "EXIT_TEARDOWN_STUCK",
     "DataLoaderRestartError",
+    "HangInterrupted",
     "PeerFailedError",
+    "RecoveryError",
     "RestartableDataLoader",
     "SectionMismatchError",
     "WorkerRestart",
@@ -33,6 +38,8 @@ __all__ = [
     "latest_checkpoint",
     "make_restartable",
     "one_rank_first",
+    "recover_in_place",
+    "recovery_attempt",
     "start_watchdog",
     "writing_checkpoint",
 ]

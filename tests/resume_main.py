@@ -40,7 +40,27 @@ from fault_tolerant_handlers import RestartableDataLoader, latest_checkpoint  # 
 
 FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
 RANK = int(os.environ["RANK"])
-ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+#: With INPLACE=<max_restarts>, the run is wrapped in recover_in_place: attempts then also count
+#: the recoveries in place (each writes its own attempt<A>_rank<R>.json).
+INPLACE = os.environ.get("INPLACE", "")
+
+
+class _Attempt:
+    """The attempt: torchrun's restart count plus this process's recoveries in place."""
+
+    def __int__(self) -> int:
+        from fault_tolerant_handlers import recovery_attempt
+
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + recovery_attempt()
+
+    def __format__(self, spec: str) -> str:
+        return format(int(self), spec)
+
+    def __eq__(self, other: object) -> bool:
+        return int(self) == other
+
+
+ATTEMPT = _Attempt()
 EVERY = int(os.environ.get("EVERY", "10"))
 EPOCHS = int(os.environ.get("EPOCHS", "3"))
 WORKERS = int(os.environ.get("WORKERS", "2"))
@@ -77,7 +97,7 @@ def make_loader() -> RestartableDataLoader:
 
 
 def note(info: dict) -> None:
-    info.update(attempt=ATTEMPT, rank=RANK, pid=os.getpid(), t=time.time(), ckpt_files=sorted(os.listdir(CKPT)),
+    info.update(attempt=int(ATTEMPT), rank=RANK, pid=os.getpid(), t=time.time(), ckpt_files=sorted(os.listdir(CKPT)),
                 started_at=T_START, marks=MARKS)
     (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(info))
 
@@ -100,7 +120,7 @@ class Trace:
             first = json.loads((OUT / f"attempt{ATTEMPT}_rank{RANK}.json").read_text())
             first["first_step_at"], first["first_step"] = self.first, step
             (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(first))
-        self.file.write(json.dumps({"attempt": ATTEMPT, "step": step, "idx": idx.tolist(), "t": time.time()}) + "\n")
+        self.file.write(json.dumps({"attempt": int(ATTEMPT), "step": step, "idx": idx.tolist(), "t": time.time()}) + "\n")
         self.file.flush()
 
 
@@ -215,4 +235,9 @@ def run_lightning() -> None:
 
 if __name__ == "__main__":
     CKPT.mkdir(parents=True, exist_ok=True)
-    {"ignite": run_ignite, "lightning": run_lightning}[FRAMEWORK]()
+    run = {"ignite": run_ignite, "lightning": run_lightning}[FRAMEWORK]
+    if INPLACE:
+        from fault_tolerant_handlers import recover_in_place
+
+        run = recover_in_place(run, max_restarts=int(INPLACE))
+    run()

@@ -25,6 +25,8 @@ variable                        default    accepted              meaning
 ``FTH_CKPT_AGREE_TIMEOUT_SEC``  300        1 .. 86400            ranks wait this long for rank 0's
                                                                  ``latest_checkpoint`` answer
 ``FTH_ATTEMPT_STORE``           1          0, 1                  one store namespace per torchrun attempt
+``FTH_RECOVER_JOIN_SEC``        60         1 .. 86400            recovering in place: every rank must reach
+                                                                 the recovery this soon after the first
 ==============================  =========  ====================  ======================================
 """
 
@@ -55,6 +57,7 @@ ATTEMPT_STORE_CHOICES = ("0", "1")
 AUTO_HANG_MULTIPLE_ENV = "FTH_AUTO_HANG_MULTIPLE"
 AUTO_HANG_FLOOR_ENV = "FTH_AUTO_HANG_FLOOR_SEC"
 AUTO_HANG_WARMUP_ENV = "FTH_AUTO_HANG_WARMUP"
+RECOVER_JOIN_ENV = "FTH_RECOVER_JOIN_SEC"
 #: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`.autohang`).
 AUTO = "auto"
 
@@ -70,6 +73,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "store_lost_after": (1.0, 86400.0),
     "sync_timeout": (1.0, 30 * 86400.0),
     "ckpt_agree_timeout": (1.0, 86400.0),
+    "recover_join_timeout": (1.0, 86400.0),
 }
 _ENV_OF = {
     "interval": INTERVAL_ENV,
@@ -80,6 +84,7 @@ _ENV_OF = {
     "store_lost_after": STORE_LOST_ENV,
     "sync_timeout": SYNC_TIMEOUT_ENV,
     "ckpt_agree_timeout": CKPT_AGREE_TIMEOUT_ENV,
+    "recover_join_timeout": RECOVER_JOIN_ENV,
 }
 KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV, AUTO_HANG_MULTIPLE_ENV,
              AUTO_HANG_FLOOR_ENV, AUTO_HANG_WARMUP_ENV)
@@ -228,6 +233,10 @@ def attempt_store() -> bool:
     return value == "1"
 
 
+def recover_join_timeout() -> timedelta:
+    return env_timedelta("recover_join_timeout") or timedelta(seconds=60)
+
+
 def ckpt_agree_timeout() -> timedelta:
     return env_timedelta("ckpt_agree_timeout") or timedelta(seconds=300)
 
@@ -270,7 +279,8 @@ def load() -> Config:
     if unknown:
         log(logging.WARNING, "ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
             ", ".join(KNOWN_ENV))
-    values = {name: env_timedelta(name) for name in _ENV_OF if name != "hang_timeout"}
+    values = {name: env_timedelta(name) for name in _ENV_OF if name not in ("hang_timeout", "recover_join_timeout")}
+    recover_join_timeout()
     values["hang_timeout"] = env_hang_timeout()
     auto_hang()
     attempt_store()
@@ -322,6 +332,9 @@ def load() -> Config:
 # ZOMBIE_HOLD                  0.5      launchers.spawned, liveness  a dead rank is held a zombie for its peers
 # CONNECT_TRIES, CONNECT_SLACK 3x, 1.0  core.schema                  a store connect (kept there: its own logic)
 # CALL_SLACK                   0.5      core.schema                  a store call past its connection's timeout
+# RECOVER_POLL                 0.01     recover.inplace              rank 0 counts the ranks that reached a recovery
+# RECOVER_TEARDOWN_SEC         10       recover.inplace              destroying a failed attempt's groups
+# INTERRUPT_WAIT               2.0      detect.watchdog              a hung main thread leaves its hang when interrupted
 # ===========================  =======  ===========================  ==============================================
 
 #: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
@@ -388,6 +401,15 @@ SIGTERM_CAUSE_WAIT = 1.0
 #: How long a gone rank's liveness helper stays under ``mp.spawn``, keeping the rank a zombie its
 #: parent cannot reap yet (so that same-host peers read how it ended).
 ZOMBIE_HOLD = 0.5
+
+#: Recovering in place: how often rank 0 counts the ranks that reached the recovery.
+RECOVER_POLL = 0.01
+#: Recovering in place: destroying a failed attempt's process groups (measured: 20 ms) must end
+#: within this many seconds, else the process ends (EXIT_TEARDOWN_STUCK) and its launcher relaunches.
+RECOVER_TEARDOWN_SEC = 10.0
+#: Recovering in place, a rank hung in Python is interrupted; if its main thread has not left the
+#: hang this many seconds later (stuck in C), it ends as without recovery (EXIT_HUNG).
+INTERRUPT_WAIT = 2.0
 
 
 def check_timings(cfg: "Config | None" = None) -> list[str]:

@@ -195,3 +195,16 @@ class SectionMismatchError(RuntimeError):
 
 # Their public path (:mod:`fault_tolerant_handlers.errors`): what tracebacks, records and pickles name.
 PeerFailedError.__module__ = SectionMismatchError.__module__ = "fault_tolerant_handlers.errors"
+
+
+class HangInterrupted(RuntimeError):
+    """Raised in a hung rank's main thread, where it hangs, when the job recovers in place
+    (:func:`fault_tolerant_handlers.recover_in_place` with ``hang_timeout`` set): the rank's own
+    failure, whose message is what its watchdog found (no progress for ``hang_timeout``)."""
+
+
+class RecoveryError(RuntimeError):
+    """Recovering in place could not go on: the training function cannot be called twice in one
+    process (a later attempt failed before its process group was formed), or the failed attempt could
+    not be torn down. The exception of the attempt is its ``__cause__``; the job ends as it would have
+    without recovery in place (a relaunch resumes it)."""

@@ -12,8 +12,8 @@ training iteration::
 ``iteration`` is the global iteration counter (Ignite ``engine.state.iteration``, Lightning
 ``trainer.global_step + 1``); ``epoch`` (1-based, optional) narrows it to one epoch.
 
-``attempt`` (optional) is the restart the injection fires in: torchrun's ``TORCHELASTIC_RESTART_COUNT``
-(0 for the first attempt; 0 too when the job was not started by torchrun). **The default is
+``attempt`` (optional) is the attempt the injection fires in: torchrun's ``TORCHELASTIC_RESTART_COUNT``
+plus the recoveries in place so far (:mod:`.attempts`; 0 for the first attempt, also without torchrun). **The default is
 ``attempt=0``**: the environment is handed to every attempt, so an injection that fired in every
 attempt would fail each restart in the same place and spend ``--max-restarts`` without ever showing
 a recovery; firing in the first attempt only is what rehearsing a restart needs. ``attempt=any``
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .log import log
+from . import attempts
 
 #: The environment variable the adapters read.
 INJECT_ENV = "FTH_INJECT"
@@ -106,9 +107,9 @@ def parse(text: str) -> list[Injection]:
 
 
 def current_attempt() -> int:
-    """This process's attempt: torchrun's restart count, 0 without torchrun (or if it is malformed)."""
-    value = os.environ.get(ATTEMPT_ENV, "0").strip()
-    return int(value) if value.isdigit() else 0
+    """This process's attempt: torchrun's restart count plus the recoveries in place so far (0 for
+    the first attempt, and without torchrun)."""
+    return attempts.current()
 
 
 class Injector:

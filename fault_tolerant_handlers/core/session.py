@@ -60,7 +60,7 @@ from .config import (EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_
 #: How many delivered record indices are remembered for the watchdog.
 MAX_DELIVERED = 1024
 
-#: Set on an exception whose record this rank already published (never published twice).
+#: Set on an exception whose record this rank already published (never published twice): the record.
 PUBLISHED_ATTR = "_fth_published"
 #: Set on the error an agreement delivered: the :class:`Incident` it belongs to.
 INCIDENT_ATTR = "_fth_incident"
@@ -273,8 +273,8 @@ class Session:
         ``release``, release its collectives so that no peer blocked in one with it waits."""
         self.incident.local = True
         self.failed_before = True
-        mark(exc, PUBLISHED_ATTR)
         record = FailureRecord.from_exception(exc, rank=self.rank, section=section, seq=seq, step=step, epoch=epoch)
+        mark(exc, PUBLISHED_ATTR, record)
         events.emit(events.RANK_FAILED, record)
         log(logging.ERROR, "failed%s: %s: %s", f" in {section!r}" if seq is not None else "", record.exc_type,
             record.exc_message, step=step)
@@ -591,6 +591,18 @@ class Session:
         session) and the exit hooks."""
         if self.side is None:
             return
+        self.stop()
+        try:
+            dist.barrier(group=self.side)
+            self.schema.remove_run_keys(self.rank, self.ranks, shared=self.group_rank == 0)
+        except Exception as err:  # noqa: BLE001 - a peer is gone: its keys die with the store
+            log(logging.WARNING, "closing the session: %s", (str(err).splitlines() or [""])[0][:200])
+        self._close_connections()
+
+    def stop(self) -> None:
+        """The part of :meth:`close` that needs no peer: leave the registry and stop the watchdog
+        (its threads, its liveness helper), so that nothing of this session declares or ends
+        anything any more. Recovering in place calls it on a failed group, then :meth:`abandon`."""
         with _registry_lock:
             for key in [k for k, v in _registry.items() if v is self]:
                 del _registry[key]
@@ -598,11 +610,21 @@ class Session:
             watchdog, self._watchdog, self._watchdog_refs = self._watchdog, None, 0
         if watchdog is not None:
             watchdog.stop()
+
+    def abandon(self, *, shared_keys: bool) -> None:
+        """Close a session whose group failed, without its peers (no collective): :meth:`stop`, then
+        delete this rank's keys of the run (with ``shared_keys`` also the shared ones: only once
+        no rank reads them, which the caller knows), close the connections and destroy the side group."""
+        if self.side is None:
+            return
+        self.stop()
         try:
-            dist.barrier(group=self.side)
-            self.schema.remove_run_keys(self.rank, self.ranks, shared=self.group_rank == 0)
-        except Exception as err:  # noqa: BLE001 - a peer is gone: its keys die with the store
-            log(logging.WARNING, "closing the session: %s", (str(err).splitlines() or [""])[0][:200])
+            self.schema.remove_run_keys(self.rank, self.ranks, shared=shared_keys)
+        except Exception as err:  # noqa: BLE001 - the store may be what failed
+            log(logging.DEBUG, "abandoning the session: %s", (str(err).splitlines() or [""])[0][:200])
+        self._close_connections()
+
+    def _close_connections(self) -> None:
         events.emit(events.SESSION_CLOSED, self)  # the launchers: what they hold for this session
         self.schema.conn.close()
         side, self.side = self.side, None
@@ -628,6 +650,12 @@ _registry_lock = threading.Lock()
 
 
 _exit_hook_registered = False
+
+
+def live_sessions() -> list[Session]:
+    """Every session of this process that is not closed (recovering in place abandons them)."""
+    with _registry_lock:
+        return list(dict.fromkeys(_registry.values()))
 
 
 def _forget_all() -> None:

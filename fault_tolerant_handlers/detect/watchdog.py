@@ -42,8 +42,8 @@ import weakref
 from datetime import timedelta
 
 from . import autohang
-from ..core import config, events
-from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED
+from ..core import attempts, config, events
+from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted
 from ..core.session import Incident, Session, get_session, provide_watchdog
 from .pidwatch import PidWatcher, WakeEvent
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
@@ -53,7 +53,8 @@ from .liveness import kill_all as kill_all_liveness
 from .probes import (Finding, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
                      main_thread_frame)
 from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
-from ..core.config import (HEARTBEAT_EVERY, LIVENESS_STORE_TIMEOUT, RELEASE_GRACE, SILENT_MARGIN,  # timings:
+from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_WAIT, LIVENESS_STORE_TIMEOUT, RELEASE_GRACE,  # timings:
+                           SILENT_MARGIN,
                            STORE_CHECK_EVERY, STORE_EVIDENCE_TIMEOUT, STORE_WARN_EVERY)  # the table in core.config
 
 
@@ -205,6 +206,12 @@ class Watchdog:
             self.session.incident.local = True
             events.emit(events.RANK_FAILED, finding.declare)  # the launchers: torchrun's error file
             self._declare(finding, schema)
+            # Recovering in place: interrupt the main thread where it hangs (in Python it leaves at
+            # once); if it does not reach the recovery in time (stuck in C), end as without recovery.
+            left = attempts.interrupt_main(HangInterrupted(str(finding.error).splitlines()[0]))
+            if left is not None and left.wait(INTERRUPT_WAIT):
+                log(logging.WARNING, "the hung main thread was interrupted: recovering in place")
+                return
             # Give the peers a moment to read the record, then end: the main thread cannot be trusted.
             time.sleep(min(1.0, self.exit_grace.total_seconds()))
             self._reported_exit(finding.error, EXIT_HUNG)

@@ -50,7 +50,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from ..core import config
+from ..core import attempts, config
 from ..core.config import EXPLAIN_EVIDENCE_TIMEOUT, FAILURE_PATH_STORE_TIMEOUT
 from ..core.log import log
 
@@ -65,12 +65,13 @@ _SCHEMES = ("env", "tcp")
 
 
 def attempt() -> int:
-    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
-    return int(value) if value.isdigit() else 0
+    return attempts.restart()
 
 
 def prefix() -> str:
-    return f"fth/attempt_{attempt()}"
+    """This attempt's namespace (:func:`..core.attempts.namespace`: torchrun's restart, and the
+    recoveries in place)."""
+    return attempts.namespace()
 
 
 def _needed() -> bool:
@@ -221,13 +222,55 @@ def on_session_closed(session: Session) -> None:
             conn.close()
 
 
+#: ``(store, rank, world_size)`` the rendezvous gives every attempt after a recovery in place
+#: (:func:`rendezvous_in_place`): the first attempt's store without its prefixes.
+_in_place: tuple[Any, int, int] | None = None
+
+
+#: Recovering in place: the first rendezvous's ``(store, rank, world_size)`` is kept (:func:`first_rendezvous`).
+_capture = False
+_first: tuple[Any, int, int] | None = None
+
+
+def capture_rendezvous() -> None:
+    """Keep the next rendezvous's store (recovering in place re-forms the group over it; under
+    ``env://`` without torchrun, rank 0's copy is the store's server, which must outlive the group)."""
+    global _capture
+    _capture = True
+    install(in_place=True)
+
+
+def first_rendezvous() -> tuple[Any, int, int] | None:
+    """``(store, rank, world_size)`` of the first rendezvous since :func:`capture_rendezvous`."""
+    return _first
+
+
+def rendezvous_in_place(store: Any | None, rank: int = -1, world_size: int = -1) -> None:
+    """From now on, ``init_process_group`` of any scheme (``env``, ``tcp``, ``file``) is given
+    ``PrefixStore(<this attempt's namespace>, store)`` with ``rank`` and ``world_size``, without
+    connecting again: recovering in place re-forms the group over the store of the first attempt
+    (whose server may live in this very process: a second one on its port would fail). ``None``
+    goes back to torch's own rendezvous."""
+    global _in_place
+    _in_place = None if store is None else (store, rank, world_size)
+    if store is not None:
+        install(in_place=True)
+
+
 def _wrap(handler):
     def per_attempt(url: str, **kwargs: Any) -> Iterator[tuple]:
         import torch.distributed as dist
 
-        global _prefixed
+        global _prefixed, _first
+        if _in_place is not None:
+            store, rank, world_size = _in_place
+            _prefixed = True
+            yield dist.PrefixStore(prefix(), store), rank, world_size
+            return
         for store, rank, world_size in handler(url, **kwargs):
-            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            if _capture and _first is None:
+                _first = (store, rank, world_size)
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.attempt_store():
                 store = dist.PrefixStore(prefix(), store)
                 _prefixed = True
             yield store, rank, world_size
@@ -237,19 +280,20 @@ def _wrap(handler):
     return per_attempt
 
 
-def install() -> bool:
-    """Wrap the rendezvous handlers (idempotent). True when installed."""
-    if not _needed():
+def install(*, in_place: bool = False) -> bool:
+    """Wrap the rendezvous handlers (idempotent). True when installed: under torchrun's agent store
+    (``env``, ``tcp``), and, with ``in_place``, for recovering in place (``file`` too) under any launcher."""
+    if not (in_place or _needed()):
         return False
     table = _table()
     if not table:
         return False
-    for scheme in _SCHEMES:
+    for scheme in _SCHEMES + (("file",) if in_place and "file" in table else ()):
         if not getattr(table[scheme], _WRAPPED_ATTR, False):
             table[scheme] = _wrap(table[scheme])
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if not in_place and dist.is_available() and dist.is_initialized():
         log(logging.INFO, "the process group was initialized before fault_tolerant_handlers was imported: "
             "under torchrun its keys are not isolated per attempt; if this attempt fails, its ranks delete "
             "their address keys before they exit, so that the next attempt comes up")

@@ -3,7 +3,7 @@ type-only ones too): no import circle, and no import from a folder to one above 
 
     core/                  level 0: imports nothing of the package outside core/
     detect/ launchers/ data/   level 1: core/ only (and their own folder)
-    adapters/              level 2: the levels below
+    adapters/ recover/     level 2: the levels below
     the package root       level 3: anything (what users import, and the public shims)
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import fault_tolerant_handlers
 
 PACKAGE = Path(fault_tolerant_handlers.__file__).parent
-LEVELS = {"core": 0, "detect": 1, "launchers": 1, "data": 1, "adapters": 2}
+LEVELS = {"core": 0, "detect": 1, "launchers": 1, "data": 1, "adapters": 2, "recover": 2}
 ROOT_LEVEL = 3
 
 

@@ -1,0 +1,63 @@
+"""Which attempt of the job this process runs.
+
+An attempt is one try at the training function: torchrun starts attempt ``r`` of its workers
+(``TORCHELASTIC_RESTART_COUNT``, 0 without torchrun), and inside one such process
+:func:`fault_tolerant_handlers.recover_in_place` may run the function again after a failure: the
+in-place recoveries ``g`` = 0, 1, ... The job's attempt is ``r + g`` (what ``FTH_INJECT``'s
+``attempt=`` counts and user code reads with :func:`fault_tolerant_handlers.recovery_attempt`), and
+each ``(r, g)`` has a store namespace of its own (:func:`namespace`), so that nothing of a failed
+attempt's process groups is ever read by the next.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: Set by torchrun in every worker it starts (0, 1, ... one per restart of its workers).
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+_in_place = 0
+
+
+def restart() -> int:
+    """torchrun's restart count (0 without torchrun, or when the variable is malformed)."""
+    value = os.environ.get(RESTART_ENV, "0").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def in_place() -> int:
+    """How many times this process recovered in place (0 until the first recovery)."""
+    return _in_place
+
+
+def set_in_place(count: int) -> None:
+    global _in_place
+    if not isinstance(count, int) or count < 0:
+        raise ValueError(f"in-place recovery count must be an int >= 0, got {count!r}")
+    _in_place = count
+
+
+def current() -> int:
+    """The job's attempt as this process sees it: torchrun's restarts plus the in-place recoveries."""
+    return restart() + _in_place
+
+
+def namespace() -> str:
+    """The store namespace of this attempt's process groups: ``fth/attempt_<r>`` (as before any
+    recovery in place), then ``fth/attempt_<r>.<g>`` after the ``g``-th recovery."""
+    return f"fth/attempt_{restart()}" + (f".{_in_place}" if _in_place else "")
+
+
+# -- interrupting a hung main thread (recovering in place) -------------------------------------------
+#: Set by :func:`fault_tolerant_handlers.recover_in_place` while it runs: ``interrupt(error)`` makes
+#: the main thread raise ``error`` where it is (a rank hung in Python), and returns an event that is
+#: set once the main thread reached the recovery. ``None``: nothing to interrupt (the watchdog ends a
+#: hung rank's process, as without recovery).
+interrupter = None
+
+
+def interrupt_main(error: BaseException):
+    """Ask the recovery to interrupt the main thread with ``error``: the event that tells it left, or
+    ``None`` when no recovery runs."""
+    hook = interrupter
+    return None if hook is None else hook(error)

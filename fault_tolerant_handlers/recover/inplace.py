@@ -1,0 +1,485 @@
+"""Recover in place: after a failure every rank tears the attempt down and calls the training
+function again, in the same process, over a re-formed process group.
+
+``recover_in_place(train, max_restarts=2)(args)`` calls ``train(args)``. ``train`` is what a relaunched
+process would run after its imports: it builds the model, optimizer, loaders and ``Engine``/``Trainer``,
+calls ``init_process_group`` where it would (or runs inside a group that already exists), resumes from
+``latest_checkpoint`` and trains. When it raises on every rank (the library's adapters or sections
+make every rank raise together: the failing rank its own exception, the others ``PeerFailedError``),
+each rank
+
+1. **records** the failure (published for the peers' watchdogs, if no section did) and stops its
+   watchdogs, so that nothing of the failed attempt declares or ends anything any more;
+2. **agrees** on the store the first attempt's group was made over (not on the broken group): each rank
+   writes what it knows of the failure and counts itself in; rank 0 decides, once every rank is in,
+   whether the job recovers (:class:`Decision`), and every rank follows that decision;
+3. **tears down** the attempt: the library's sessions (side groups, store keys), every process group,
+   the DataLoader workers (the attempt's objects are collected);
+4. **re-forms** the default group: same backend, ranks and world size, over the same store under a new
+   namespace (:func:`..core.attempts.namespace`), so nothing of the failed attempt is ever read. Where
+   ``train`` calls ``init_process_group`` itself, its call is given that store
+   (:func:`..launchers.compat_torchrun.rendezvous_in_place`); where the group existed when
+   ``recover_in_place`` was called, the group is re-made here before the next call;
+5. calls ``train`` again: attempt ``g`` (:func:`recovery_attempt`), which resumes from the newest checkpoint.
+
+What is not recovered in place (the job ends as it does without it, with the cause, and a relaunch
+resumes exactly): a rank lost (killed, its host gone, unreachable), the store lost, a signal
+(SIGTERM/SIGINT: someone wants the job to end), ranks out of step (a bug), more than
+``max_restarts`` failures, and a failure that repeats: the same rank, exception type and iteration
+as the failure before (retrying it would fail again). The exception of the last attempt is raised,
+with a note naming the cause of every attempt.
+
+A rank hung in Python (``hang_timeout`` set) is interrupted where it hangs: its watchdog raises
+:class:`~..core.errors.HangInterrupted` in its main thread (a signal, :data:`INTERRUPT_SIGNAL`, whose
+handler raises), and the rank recovers with the others. A main thread stuck in C does not leave within
+:data:`~..core.config.INTERRUPT_WAIT`; that rank ends as without recovery.
+
+Timeouts:
+    ``join_timeout`` (``FTH_RECOVER_JOIN_SEC``, 60 s): every rank must reach the recovery this soon
+    after rank 0 did, or the job ends as without recovery. Store calls of the recovery are bounded by
+    the same timeout.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from ..core import attempts, compat_torch as _compat_torch, config
+from ..core.config import RECOVER_POLL, RECOVER_TEARDOWN_SEC
+from ..core.errors import PeerFailedError, RecoveryError, SectionMismatchError
+from ..core.log import log
+from ..core.records import cap_head, sanitize
+from ..core.release import EXIT_TEARDOWN_STUCK
+from ..core.session import AGREED_ATTR, PUBLISHED_ATTR, live_sessions
+from ..data import loader as _loader
+from ..launchers import compat_torchrun
+
+T = TypeVar("T")
+
+#: The signal whose handler raises a hung rank's :class:`HangInterrupted` in its main thread (a
+#: real-time signal: no launcher or framework uses it; its arrival also ends a blocking ``sleep``).
+INTERRUPT_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
+#: Declared kinds that end the job as without recovery: a process or host gone, or signalled.
+NOT_IN_PLACE = {
+    "PeerLost": "a rank was lost (its process or host is gone): a relaunch replaces it",
+    "PeerSilent": "a rank went silent (its host or network may be gone): a relaunch replaces it",
+    "RankSignalled": "a rank was sent a signal that ends the job",
+}
+#: A cause read back from the store larger than this (bytes) is ignored.
+MAX_CAUSE_BYTES = 8 * 1024
+#: Key namespace of the recoveries in the first attempt's store.
+KEY_ROOT = "fth/recover"
+
+
+def recovery_attempt() -> int:
+    """How many times this process recovered in place so far: 0 in the first call of the training
+    function, 1 in the call after the first recovery, ... (torchrun's restarts not counted: its
+    ``TORCHELASTIC_RESTART_COUNT`` tells those)."""
+    return attempts.in_place()
+
+
+@dataclass(frozen=True)
+class Cause:
+    """What one rank knows of an attempt's failure (JSON in the store, bounded and checked on read)."""
+
+    by: int  #: the rank that says it
+    failed_rank: int  #: the rank that failed first (-1: unknown)
+    exc_type: str
+    message: str
+    where: str
+    step: int  #: -1: unknown
+    own: bool  #: ``by`` failed itself
+    not_in_place: str  #: why this failure cannot be recovered in place ("" when it can)
+
+    def describe(self) -> str:
+        who = f"rank {self.failed_rank}" if self.failed_rank >= 0 else "a rank"
+        where = f" in {self.where}" if self.where else ""
+        return f"{who} failed{where}: {self.exc_type}: {self.message.splitlines()[0] if self.message else ''}".rstrip(": ")
+
+    def signature(self) -> tuple:
+        """Same rank, same exception type, same iteration: the failure repeats."""
+        return (self.failed_rank, self.exc_type, self.step)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes, world_size: int) -> Cause | None:
+        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
+            return None
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            cause = cls(by=int(data["by"]), failed_rank=int(data["failed_rank"]), exc_type=str(data["exc_type"]),
+                        message=str(data["message"]), where=str(data["where"]), step=int(data["step"]),
+                        own=bool(data["own"]), not_in_place=str(data["not_in_place"]))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return None
+        if not (0 <= cause.by < world_size and -1 <= cause.failed_rank < world_size and -1 <= cause.step < 2**53):
+            return None
+        return cls(cause.by, cause.failed_rank, cap_head(sanitize(cause.exc_type), 200),
+                   cap_head(sanitize(cause.message), 500), cap_head(sanitize(cause.where), 300), cause.step,
+                   cause.own, cap_head(sanitize(cause.not_in_place), 300))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Rank 0's decision, which every rank follows: recover (``restart``) or end, and why."""
+
+    restart: bool
+    why: str
+    cause: dict | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"restart": self.restart, "why": self.why, "cause": self.cause})
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Decision | None:
+        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
+            return None
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            return cls(bool(data["restart"]), cap_head(sanitize(str(data["why"])), 500),
+                       data["cause"] if isinstance(data.get("cause"), dict) else None)
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return None
+
+
+def _cause_of(err: BaseException, rank: int) -> Cause:
+    """This rank's view of ``err``, the exception that ended its call of the training function."""
+    if isinstance(err, PeerFailedError):
+        kind = err.exc_type if err.origin == "declared" else ""
+        return Cause(rank, err.failed_rank if err.failed_rank is not None else -1, err.exc_type, err.exc_message,
+                     err.where, err.step if err.step is not None else -1, False, NOT_IN_PLACE.get(kind, ""))
+    record = getattr(err, PUBLISHED_ATTR, None)
+    step = getattr(record, "step", None)
+    where = getattr(record, "section", "") or ""
+    not_in_place = ""
+    if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        not_in_place = f"this rank's {type(err).__name__} ends the job"
+    elif isinstance(err, SectionMismatchError):
+        not_in_place = "the ranks were out of step (a bug in the job: it would repeat)"
+    try:
+        message = str(err)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not stop the recovery
+        message = f"<str() failed for {type(err).__name__}>"
+    return Cause(rank, rank, type(err).__name__, cap_head(message, 500), where,
+                 step if isinstance(step, int) else -1, True, not_in_place)
+
+
+def _base_of(store: Any) -> Any:
+    """The store under every ``PrefixStore`` of ``store`` (the rendezvous's own)."""
+    for _ in range(16):
+        under = getattr(store, "underlying_store", None)
+        if under is None:
+            return store
+        store = under
+    return store
+
+
+def _reap_loader_workers(timeout: float = 2.0) -> int:
+    """DataLoader workers of the failed attempt still alive once its objects were collected: joined,
+    then killed. Returns how many had to be killed."""
+    killed = 0
+    deadline = time.monotonic() + timeout
+    for child in multiprocessing.active_children():
+        target = getattr(child, "_target", None)
+        if not (getattr(target, "__module__", "") or "").startswith(("torch.utils.data", _loader.__name__.rsplit(".", 1)[0])):
+            continue
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            child.kill()
+            child.join(1.0)
+            killed += 1
+    return killed
+
+
+class _Recovery:
+    def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta) -> None:
+        self.fn = fn
+        self.max_restarts = max_restarts
+        self.join_timeout = join_timeout
+        self.causes: list[Cause] = []  # the primary cause of each failed attempt
+        self._pending: BaseException | None = None  # the error a hung main thread is interrupted with
+        self._left = threading.Event()  # the main thread reached the recovery
+
+    # -- the world the attempts share ------------------------------------------------------------------
+    def _world(self) -> tuple[Any, int, int, str, timedelta] | None:
+        """``(store, rank, world_size, backend, timeout)`` of the first attempt's group."""
+        if self.given is not None:
+            return self.given
+        first = compat_torchrun.first_rendezvous()
+        if first is None:
+            return None
+        store, rank, world = first
+        backend = self.backend or "gloo"
+        return _base_of(store), rank, world, backend, self.timeout or store.timeout
+
+    def _note_group(self) -> None:
+        """Remember the current default group's backend and timeout (for the rendezvous's store)."""
+        if dist.is_available() and dist.is_initialized():
+            try:
+                self.backend = str(dist.get_backend())
+                self.timeout = _compat_torch.default_store().timeout
+            except Exception:  # noqa: BLE001
+                pass
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> T:
+        self.backend: str | None = None
+        self.timeout: timedelta | None = None
+        self.given = None
+        if dist.is_available() and dist.is_initialized():  # the group exists: re-made here after a failure
+            self._note_group()
+            self.given = (_base_of(_compat_torch.default_store()), dist.get_rank(), dist.get_world_size(),
+                          self.backend or "gloo", self.timeout)
+        compat_torchrun.capture_rendezvous()
+        previous = self._install_interrupter()
+        try:
+            while True:
+                started = time.monotonic()
+                try:
+                    return self.fn(*args, **kwargs)
+                except BaseException as err:  # noqa: BLE001 - decided below; re-raised unless recovered
+                    self._left.set()
+                    decision, timings = self._failed(err, started)
+                    if not decision.restart:
+                        if attempts.in_place() and isinstance(decision, _Unsafe):
+                            raise RecoveryError(decision.why) from err
+                        self._add_note(err, decision)
+                        raise
+                # Outside the except block: the failed attempt's frames (and its loaders) are free.
+                self._teardown(timings)
+                self._reform(timings)
+        finally:
+            self._restore_interrupter(previous)
+
+    def _failed(self, err: BaseException, started: float) -> tuple[Decision, dict]:
+        t0 = time.monotonic()
+        self._note_group()
+        world = self._world()
+        sessions = live_sessions()
+        rank = world[1] if world is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        cause = _cause_of(err, rank)
+        if world is None:
+            return _Unsafe(False, "recover_in_place found no process group store to recover over (the group "
+                                  "was made with init_process_group(store=...), or never)"), {}
+        if attempts.in_place() and not sessions and not isinstance(err, PeerFailedError) \
+                and not getattr(err, PUBLISHED_ATTR, None):
+            return _Unsafe(False, (
+                f"recover_in_place: attempt {attempts.in_place()} of the training function failed before it "
+                f"trained (no fail-together session had started): {type(err).__name__}: {cap_head(str(err), 300)}. "
+                "The function must build everything it uses each time it is called (init_process_group, model, "
+                "optimizer, loaders, Engine/Trainer and FaultTolerance): an object made once outside it, or a "
+                "global only a fresh process has, breaks the second call")), {}
+        if not sessions and not attempts.in_place():
+            return Decision(False, "no fail-together session ran (attach FaultTolerance, or use fail_together): "
+                                   "the peers cannot be told"), {}
+        # 1. record: a failure no section published is published now, for the peers' watchdogs
+        if cause.own and not getattr(err, PUBLISHED_ATTR, None) and not getattr(err, AGREED_ATTR, False):
+            for session in sessions:
+                if session.group is None:
+                    session.report_error(err, section="recover_in_place", release=True)
+        for session in sessions:
+            session.stop()
+        # 2. agree, on the first attempt's store
+        decision = self._agree(world, cause)
+        timings = {"detected": t0, "agreed": time.monotonic(), "attempt_ran": t0 - started}
+        if decision.restart:
+            self.causes.append(Cause(**decision.cause) if decision.cause else cause)
+        return decision, timings
+
+    def _agree(self, world: tuple, cause: Cause) -> Decision:
+        store, rank, world_size, _, _ = world
+        gen = attempts.in_place()
+        prefix = f"{KEY_ROOT}/{attempts.restart()}/{gen}/"
+        seconds = self.join_timeout.total_seconds()
+        try:
+            store.set_timeout(self.join_timeout)
+            store.set(f"{prefix}cause/{rank}", cause.to_json())
+            if cause.not_in_place:
+                store.add(f"{prefix}stop", 1)
+            store.add(f"{prefix}arrived", 1)
+            if cause.not_in_place:
+                return Decision(False, cause.not_in_place)
+            if rank != 0:
+                store.wait([f"{prefix}decision"], timedelta(seconds=seconds + 5))
+                decision = Decision.from_json(store.get(f"{prefix}decision"))
+                return decision or Decision(False, "rank 0's decision could not be read")
+            decision = self._decide(store, prefix, world_size, gen, seconds)
+            store.set(f"{prefix}decision", decision.to_json())
+            if decision.restart and gen:  # every rank passed the recovery before this one: its keys go
+                old = f"{KEY_ROOT}/{attempts.restart()}/{gen - 1}/"
+                for key in [f"{old}cause/{r}" for r in range(world_size)] + [f"{old}{k}" for k in ("arrived", "stop", "decision")]:
+                    store.delete_key(key)
+            return decision
+        except Exception as err:  # noqa: BLE001 - the store may be what failed: end as without recovery
+            return Decision(False, f"the recovery's store calls failed: {(str(err).splitlines() or [''])[0][:200]}")
+
+    def _decide(self, store: Any, prefix: str, world_size: int, gen: int, seconds: float) -> Decision:
+        deadline = time.monotonic() + seconds
+        while True:
+            arrived, stopped = store.add(f"{prefix}arrived", 0), store.add(f"{prefix}stop", 0)
+            if stopped:
+                break
+            if arrived >= world_size:
+                break
+            if time.monotonic() > deadline:
+                return Decision(False, f"only {arrived} of {world_size} ranks reached the recovery within "
+                                       f"{seconds:g} s ({config.RECOVER_JOIN_ENV})")
+            time.sleep(RECOVER_POLL)
+        keys = [f"{prefix}cause/{r}" for r in range(world_size)]
+        present = [k for k in keys if store.check([k])]
+        causes = [c for c in (Cause.from_json(raw, world_size) for raw in (store.multi_get(present) if present else []))
+                  if c is not None]
+        blocking = [c for c in causes if c.not_in_place]
+        if blocking:
+            return Decision(False, f"{blocking[0].not_in_place} (rank {blocking[0].by}: {blocking[0].describe()})")
+        own = sorted((c for c in causes if c.own), key=lambda c: c.by)
+        primary = own[0] if own else (causes[0] if causes else None)
+        if primary is None:
+            return Decision(False, "no rank could say what failed")
+        if gen >= self.max_restarts:
+            return Decision(False, f"max_restarts={self.max_restarts} recoveries in place already spent", asdict(primary))
+        if self.causes and primary.step >= 0 and primary.signature() == self.causes[-1].signature():
+            return Decision(False, f"the failure repeats at the same iteration ({primary.describe()}): recovering "
+                                   "again would fail again", asdict(primary))
+        return Decision(True, primary.describe(), asdict(primary))
+
+    def _add_note(self, err: BaseException, decision: Decision) -> None:
+        lines = [f"fault-tolerant-handlers: not recovered in place: {decision.why}"]
+        lines += [f"  attempt {i}: {c.describe()}" for i, c in enumerate(self.causes)]
+        if lines[1:]:
+            lines.insert(1, "causes of the attempts recovered in place before:")
+        log(logging.ERROR, "%s", "\n".join(lines))
+        try:
+            err.add_note("\n".join(lines))
+        except Exception:  # noqa: BLE001 - an exception type that refuses notes
+            pass
+
+    # -- teardown and re-forming -------------------------------------------------------------------------
+    def _teardown(self, timings: dict) -> None:
+        world = self._world()
+        for session in live_sessions():  # every rank reached the recovery: nobody reads their keys any more
+            session.abandon(shared_keys=session.group_rank == 0)
+        timer = threading.Timer(RECOVER_TEARDOWN_SEC, lambda: os._exit(EXIT_TEARDOWN_STUCK))
+        timer.daemon = True
+        timer.start()
+        try:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as err:  # noqa: BLE001 - released groups may complain; they are gone either way
+            log(logging.DEBUG, "destroying the failed attempt's groups: %s", err)
+        finally:
+            timer.cancel()
+        gc.collect()  # the failed attempt's loaders: their workers are shut down with them
+        killed = _reap_loader_workers()
+        if killed:
+            log(logging.WARNING, "killed %d DataLoader worker(s) of the failed attempt that were still running", killed)
+        if world is not None:
+            world[0].set_timeout(world[4])
+        timings["torn_down"] = time.monotonic()
+
+    def _reform(self, timings: dict) -> None:
+        store, rank, world_size, backend, timeout = self._world()
+        attempts.set_in_place(attempts.in_place() + 1)
+        compat_torchrun.rendezvous_in_place(store, rank, world_size)
+        if self.given is not None:
+            dist.init_process_group(backend, store=dist.PrefixStore(attempts.namespace(), store), rank=rank,
+                                    world_size=world_size, timeout=timeout)
+        timings["reformed"] = time.monotonic()
+        cause = self.causes[-1]
+        log(logging.WARNING, "recovering in place, attempt %d (max_restarts=%d), after %s; agreed %.2f s, torn down "
+            "%.2f s, re-formed %.2f s after the failure reached this rank", attempts.in_place(), self.max_restarts,
+            cause.describe(), timings["agreed"] - timings["detected"], timings["torn_down"] - timings["detected"],
+            timings["reformed"] - timings["detected"])
+
+    # -- interrupting a hung main thread -------------------------------------------------------------------
+    def _install_interrupter(self):
+        if INTERRUPT_SIGNAL is None or threading.current_thread() is not threading.main_thread():
+            log(logging.INFO, "recover_in_place runs outside the main thread: a hung rank ends as without recovery")
+            return None
+
+        def handler(signum, frame):
+            err, self._pending = self._pending, None
+            if err is not None:
+                raise err
+
+        previous = signal.signal(INTERRUPT_SIGNAL, handler)
+        attempts.interrupter = self._interrupt
+        return (previous,)
+
+    def _restore_interrupter(self, previous) -> None:
+        attempts.interrupter = None
+        compat_torchrun.rendezvous_in_place(None)
+        if previous is not None:
+            signal.signal(INTERRUPT_SIGNAL, previous[0])
+
+    def _interrupt(self, error: BaseException) -> threading.Event:
+        self._left.clear()
+        self._pending = error
+        signal.pthread_kill(threading.main_thread().ident, INTERRUPT_SIGNAL)
+        return self._left
+
+
+class _Unsafe(Decision):
+    """A decision to stop because the function cannot be called again (raised as :class:`RecoveryError`)."""
+
+
+def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 3,
+                     join_timeout: timedelta | None = None):
+    """Run ``fn`` and, when it fails on every rank, recover in place: tear the attempt down, re-form the
+    process group in the same processes and call ``fn`` again (see the module's text).
+
+    Use it as a decorator (``@recover_in_place(max_restarts=2)``) or a call
+    (``recover_in_place(train, max_restarts=2)(cfg)``). It returns what ``fn`` returns.
+
+    Args:
+        fn: the training function; it must build everything it uses each time it is called.
+        max_restarts: how many recoveries in place at most (an int >= 0); one more failure ends the job.
+        join_timeout: how long ranks wait for each other at a recovery (``FTH_RECOVER_JOIN_SEC``, 60 s).
+
+    Raises:
+        TypeError, ValueError: a bad argument (named, with what it accepts).
+        RecoveryError: a later attempt failed before it trained: ``fn`` cannot be called twice.
+        The last attempt's exception, with a note naming each attempt's cause, when the job is not
+        recovered in place.
+
+    Examples:
+        .. code-block:: python
+
+            @recover_in_place(max_restarts=2)
+            def train(cfg):
+                dist.init_process_group("gloo")
+                ...  # model, optimizer, loader, Engine with FaultTolerance().attach(engine)
+                Checkpoint.load_objects(to_load, latest_checkpoint(cfg.dir))  # resume
+                engine.run(loader, max_epochs=cfg.epochs)
+
+            train(cfg)
+    """
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"recover_in_place(max_restarts=...) must be an int >= 0 (0: never recover), got {max_restarts!r}")
+    join = (config.check_timedelta("recover_join_timeout", join_timeout, what="recover_in_place(join_timeout=...)")
+            if join_timeout is not None else config.recover_join_timeout())
+    if fn is None:
+        return lambda f: recover_in_place(f, max_restarts=max_restarts, join_timeout=join)
+    if not callable(fn):
+        raise TypeError(f"recover_in_place(fn): fn must be the training function (a callable), got {fn!r}")
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> T:
+        return _Recovery(fn, max_restarts, join)(*args, **kwargs)
+
+    return run
