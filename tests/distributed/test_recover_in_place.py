@@ -1,0 +1,146 @@
+"""Recovering in place under ``torchrun --max-restarts 0``: the same processes re-form the group and
+train on from the newest checkpoint (``resume_main.py`` with ``INPLACE=<max_restarts>``).
+
+2 ranks, 50 iterations (one epoch), a checkpoint every 10, ``FaultTolerance`` attached, rank 1 failing
+at iteration 37 in the first attempt (``FTH_INJECT``'s default ``attempt=0``). torchrun restarts
+nothing (``--max-restarts 0``), so an attempt 1 can only be a recovery in place. Every case asserts
+what every rank saw: the pids of both attempts (the same processes), where attempt 1 resumed, the
+batches it trained (exactly the uninterrupted run's from iteration 31), the final weights
+(``torch.equal``), and for the cases that must not recover, the cause each rank ended with.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import PROGRAMS, kill_workers, run_ranks
+
+SCRIPT = PROGRAMS / "resume_main.py"
+ENV = {"PG_TIMEOUT_SEC": "20", "EPOCHS": "1", "EVERY": "10", "FTH_INJECT": ""}
+_reference: dict[str, Path] = {}
+
+
+def torchrun(framework: str, out: Path, env: dict[str, str], *, max_restarts: int = 0, expect_ok: bool = True):
+    out.mkdir(parents=True, exist_ok=True)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+                str(max_restarts), "--monitor-interval", "0.5"]
+    run_dir = out / f"{framework}-1"
+    try:
+        results = run_ranks(1, framework, out, script=SCRIPT, launcher=launcher, deadline=150, env={**ENV, **env})
+    finally:
+        kill_workers(run_dir)  # torchrun's workers have sessions of their own
+    code, output = results[0].returncode, results[0].stderr
+    if expect_ok:
+        assert code == 0, f"torchrun exited {code}:\n{output[-4000:]}"
+    return run_dir, code, output
+
+
+def reference(framework: str, tmp_path_factory) -> Path:
+    if framework not in _reference:
+        _reference[framework] = torchrun(framework, tmp_path_factory.mktemp(f"ref-{framework}"), {})[0]
+    return _reference[framework]
+
+
+def tries(run_dir: Path, rank: int) -> dict[int, dict]:
+    return {int(p.name[7:p.name.index("_")]): json.loads(p.read_text()) for p in run_dir.glob(f"attempt*_rank{rank}.json")}
+
+
+def trained(run_dir: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / f"batches{rank}.jsonl").read_text().splitlines()]
+
+
+def assert_recovered_exactly(run: Path, ref: Path, framework: str, attempts: int = 1) -> None:
+    for rank in (0, 1):
+        seen = tries(run, rank)
+        assert set(seen) == set(range(attempts + 1)), f"rank {rank}: attempts {sorted(seen)}"
+        assert len({t["pid"] for t in seen.values()}) == 1, f"rank {rank}: not the same process: {seen}"
+        assert seen[attempts]["done"] and not any(seen[a].get("done") for a in range(attempts))
+        last = seen[attempts]
+        assert last["start_iteration"] % 10 == 0 and last["first_step"] == last["start_iteration"] + 1, last
+        name = Path(last["resumed_from"]).name
+        assert name in ((f"checkpoint_{last['start_iteration']}.pt",) if framework == "ignite"
+                        else ("last.ckpt", f"epoch=0-step={last['start_iteration']}.ckpt")), name
+        got, want = trained(run, rank), trained(ref, rank)
+        before = [e["step"] for e in got if e["attempt"] == attempts - 1]
+        assert before[-1] - last["start_iteration"] <= 10, "recomputed more than the checkpoint interval"
+        rest = [(e["step"], e["idx"]) for e in got if e["attempt"] == attempts]
+        assert rest == [(e["step"], e["idx"]) for e in want[last["start_iteration"]:]]
+    final, expected = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), f"{framework}: {key} differs from the uninterrupted run"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("framework", ["ignite", "lightning"])
+def test_a_raise_recovers_in_place_exactly(framework, tmp_path, tmp_path_factory):
+    ref = reference(framework, tmp_path_factory)
+    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "FTH_INJECT": "raise@rank=1,iteration=37"})
+    assert_recovered_exactly(run, ref, framework)
+    for rank in (0, 1):  # one log line per recovery, on every rank, naming the cause and the attempt
+        assert f"[rank {rank}] recovering in place, attempt 1 (max_restarts=2), after rank 1 failed in train: " \
+               "InjectedFault" in output
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_rank_is_interrupted_and_recovers_in_place(tmp_path, tmp_path_factory):
+    ref = reference("ignite", tmp_path_factory)
+    run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "FTH_INJECT": "hang@rank=1,iteration=37",
+                                                   "FTH_HANG_TIMEOUT_SEC": "3"})
+    assert_recovered_exactly(run, ref, "ignite")
+    assert "[rank 1] the hung main thread was interrupted: recovering in place" in output
+    assert "HangInterrupted" in output
+
+
+@pytest.mark.timeout(300)
+def test_two_failures_recover_twice_and_the_log_names_each(tmp_path, tmp_path_factory):
+    ref = reference("ignite", tmp_path_factory)
+    run, _, output = torchrun("ignite", tmp_path, {
+        "INPLACE": "2", "FTH_INJECT": "raise@rank=1,iteration=37; raise@rank=0,iteration=44,attempt=1"})
+    assert_recovered_exactly(run, ref, "ignite", attempts=2)
+    assert tries(run, 0)[2]["start_iteration"] == 40
+    assert "recovering in place, attempt 2 (max_restarts=2), after rank 0 failed in train" in output
+
+
+@pytest.mark.timeout(300)
+def test_a_failure_that_repeats_at_the_same_iteration_ends_the_job(tmp_path):
+    run, code, output = torchrun("ignite", tmp_path, {"INPLACE": "3", "FTH_INJECT": "raise@rank=1,iteration=37,attempt=any"},
+                                 expect_ok=False)
+    assert code != 0
+    for rank in (0, 1):
+        assert set(tries(run, rank)) == {0, 1}, "one recovery, then the repeat ended the job"
+    for rank in (0, 1):  # every rank logs it (and notes it on the exception it raises)
+        assert (f"[rank {rank}] fault-tolerant-handlers: not recovered in place: the failure repeats at the same "
+                "iteration (rank 1 failed in train: InjectedFault") in output, output[-3000:]
+    assert "attempt 0: rank 1 failed in train: InjectedFault" in output
+
+
+@pytest.mark.timeout(300)
+def test_max_restarts_spent_ends_the_job_naming_every_attempt(tmp_path):
+    run, code, output = torchrun("ignite", tmp_path, {
+        "INPLACE": "1", "FTH_INJECT": "raise@rank=1,iteration=37; raise@rank=0,iteration=44,attempt=1"}, expect_ok=False)
+    assert code != 0
+    for rank in (0, 1):
+        assert set(tries(run, rank)) == {0, 1}
+    for rank in (0, 1):
+        assert f"[rank {rank}] fault-tolerant-handlers: not recovered in place: max_restarts=1 recoveries in place " \
+               "already spent" in output
+    assert "attempt 0: rank 1 failed in train: InjectedFault" in output
+    # torchrun's Root Cause is still the rank that failed last (rank 0, its own exception)
+    assert "InjectedFault: injected by FTH_INJECT: raise@rank=0,iteration=44,attempt=1" in output
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_rank_is_not_recovered_in_place_and_the_relaunch_resumes(tmp_path, tmp_path_factory):
+    ref = reference("ignite", tmp_path_factory)
+    run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "FTH_INJECT": "kill@rank=1,iteration=37"},
+                              max_restarts=1)
+    pids = [{a: t["pid"] for a, t in tries(run, rank).items()} for rank in (0, 1)]
+    assert all(set(p) == {0, 1} and p[0] != p[1] for p in pids), f"expected a relaunch (new processes): {pids}"
+    assert "PeerLost: rank 1 (pid" in output and "killed by SIGKILL" in output
+    for rank in (0, 1):
+        got, want = trained(run, rank), trained(ref, rank)
+        assert [(e["step"], e["idx"]) for e in got if e["attempt"] == 1] == [(e["step"], e["idx"]) for e in want[30:]]
