@@ -115,9 +115,9 @@ def address_key_of(rank: int, group: str | None = None) -> str:
     return f"default_pg/0//{'' if group is None else group + '//'}cpu//0/{rank}"
 
 
-def address_keys() -> list[str]:
+def address_keys(*, own: bool = False) -> list[str]:
     """Every gloo address key of this process's groups (private: ``_world.pg_map`` and
-    ``_world.pg_names``)."""
+    ``_world.pg_names``); with ``own``, only this rank's (its rank in each group)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -129,7 +129,7 @@ def address_keys() -> list[str]:
             if dist.get_backend(pg) != "gloo":
                 continue
             name = None if pg is default else world.pg_names[pg]
-            keys += [address_key_of(r, name) for r in range(pg.size())]
+            keys += [address_key_of(r, name) for r in ((pg.rank(),) if own else range(pg.size()))]
         except Exception:  # noqa: BLE001 - a group being destroyed
             continue
     return keys
@@ -245,6 +245,20 @@ def first_rendezvous() -> tuple[Any, int, int] | None:
     return _first
 
 
+#: The prefix the last rendezvous through :func:`_wrap` put its store under ("" for none).
+_last_prefix = ""
+
+
+def forget_own_addresses(store: Any) -> int:
+    """Recovering in place, before the failed attempt's groups are destroyed: delete this rank's gloo
+    address keys of every group from ``store`` (the rendezvous's own), under the prefix they were
+    written with, so that the store does not grow by an attempt's keys at each recovery."""
+    import torch.distributed as dist
+
+    target = dist.PrefixStore(_last_prefix, store) if _last_prefix else store
+    return sum(bool(target.delete_key(key)) for key in address_keys(own=True))
+
+
 def rendezvous_in_place(store: Any | None, rank: int = -1, world_size: int = -1) -> None:
     """From now on, ``init_process_group`` of any scheme (``env``, ``tcp``, ``file``) is given
     ``PrefixStore(<this attempt's namespace>, store)`` with ``rank`` and ``world_size``, without
@@ -261,17 +275,19 @@ def _wrap(handler):
     def per_attempt(url: str, **kwargs: Any) -> Iterator[tuple]:
         import torch.distributed as dist
 
-        global _prefixed, _first
+        global _prefixed, _first, _last_prefix
         if _in_place is not None:
             store, rank, world_size = _in_place
-            _prefixed = True
-            yield dist.PrefixStore(prefix(), store), rank, world_size
+            _prefixed, _last_prefix = True, prefix()
+            yield dist.PrefixStore(_last_prefix, store), rank, world_size
             return
         for store, rank, world_size in handler(url, **kwargs):
             if _capture and _first is None:
                 _first = (store, rank, world_size)
+            _last_prefix = ""
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.attempt_store():
-                store = dist.PrefixStore(prefix(), store)
+                _last_prefix = prefix()
+                store = dist.PrefixStore(_last_prefix, store)
                 _prefixed = True
             yield store, rank, world_size
 

@@ -214,6 +214,7 @@ class _Recovery:
         self.causes: list[Cause] = []  # the primary cause of each failed attempt
         self._pending: BaseException | None = None  # the error a hung main thread is interrupted with
         self._left = threading.Event()  # the main thread reached the recovery
+        self._sessions: list = []  # the failed attempt's sessions, stopped, to abandon
 
     # -- the world the attempts share ------------------------------------------------------------------
     def _world(self) -> tuple[Any, int, int, str, timedelta] | None:
@@ -292,6 +293,7 @@ class _Recovery:
             for session in sessions:
                 if session.group is None:
                     session.report_error(err, section="recover_in_place", release=True)
+        self._sessions = sessions  # stopped: out of the registry, abandoned at the teardown
         for session in sessions:
             session.stop()
         # 2. agree, on the first attempt's store
@@ -372,7 +374,13 @@ class _Recovery:
     # -- teardown and re-forming -------------------------------------------------------------------------
     def _teardown(self, timings: dict) -> None:
         world = self._world()
-        for session in live_sessions():  # every rank reached the recovery: nobody reads their keys any more
+        if world is not None and dist.is_available() and dist.is_initialized():
+            try:  # before the groups go: their names are read from them
+                compat_torchrun.forget_own_addresses(world[0])
+            except Exception as err:  # noqa: BLE001 - a few keys left behind must not stop the recovery
+                log(logging.DEBUG, "deleting the failed attempt's address keys: %s", err)
+        sessions, self._sessions = self._sessions + live_sessions(), []
+        for session in sessions:  # every rank reached the recovery: nobody reads their keys any more
             session.abandon(shared_keys=session.group_rank == 0)
         timer = threading.Timer(RECOVER_TEARDOWN_SEC, lambda: os._exit(EXIT_TEARDOWN_STUCK))
         timer.daemon = True
