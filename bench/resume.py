@@ -1,13 +1,17 @@
-"""Benchmark: from a fault to the first trained step of the restarted attempt, resumed vs. from scratch.
+"""Benchmark: from a fault to the first trained step of the next attempt: recovered in place, relaunched
+and resumed, relaunched from scratch.
 
     .venv/bin/python bench/resume.py                 # 3 runs per framework x mode
-    .venv/bin/python bench/resume.py --reps 5 --fault raise
+    .venv/bin/python bench/resume.py --reps 5 --fault raise --modes inplace,resume
+    .venv/bin/python bench/resume.py --reps 5 --fault hang --modes inplace,resume   # hang_timeout 3 s
 
 Each run is ``torchrun --standalone --nproc_per_node 2 --max-restarts 2 tests/resume_main.py``
 (``DistributedSampler(shuffle=True, seed=0)``, 400 samples, batch 4 per rank, 50 iterations an
 epoch, one epoch, a checkpoint every 10 iterations, ``FaultTolerance`` attached) with rank 1
 failing at iteration 37 in the first attempt (``--fault kill``: SIGKILL, the default; ``raise``).
-``resume`` restarts from ``latest_checkpoint`` (iteration 30); ``scratch`` restarts from iteration 0.
+``resume`` restarts from ``latest_checkpoint`` (iteration 30); ``scratch`` restarts from iteration 0;
+``inplace`` (``INPLACE=2``: ``recover_in_place``, torchrun ``--max-restarts 0``) recovers in the same
+processes and resumes from ``latest_checkpoint``. ``--fault hang`` sets ``FTH_HANG_TIMEOUT_SEC=3``.
 
 Prints, per framework and mode, medians and [min, max] over the runs of:
 * ``fault -> first step``: from the start of the failing iteration on rank 1 (the end of the last
@@ -16,8 +20,12 @@ Prints, per framework and mode, medians and [min, max] over the runs of:
   load, DataLoader workers, first batch;
 * ``recomputed``: iterations trained again (last iteration of attempt 0 - start of attempt 1);
 * the part of the first figure spent before the new processes started (detection, exit, torchrun's
-  restart) and in their Python imports (torch, the framework), which depend on the machine's load.
-Targets: resumed <= 15 s after the fault, recomputed <= the checkpoint interval (10).
+  restart) and in their Python imports (torch, the framework), which depend on the machine's load;
+  in place: before the training function was called again (detection, agreement, teardown, the
+  group re-formed) and from that call to the first step (the framework's start, the checkpoint, the
+  DataLoader workers).
+Targets: resumed <= 15 s after the fault, recomputed <= the checkpoint interval (10); in place,
+<= 1.5 s for a raise (<= 3 s worst), hang_timeout + 1.5 s for a hang.
 """
 
 from __future__ import annotations
@@ -41,12 +49,18 @@ SCRIPT = ROOT / "tests" / "resume_main.py"
 EVERY, FAULT_AT, DEADLINE = 10, 37, 180
 
 
+HANG_TIMEOUT = 3
+
+
 def one_run(framework: str, mode: str, fault: str, out: Path) -> dict:
     out.mkdir(parents=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), EVERY=str(EVERY), EPOCHS="1", RESUME="1" if mode == "resume" else "0",
-               FTH_INJECT=f"{fault}@rank=1,iteration={FAULT_AT}", PG_TIMEOUT_SEC="20", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), EVERY=str(EVERY), EPOCHS="1", RESUME="0" if mode == "scratch" else "1",
+               FTH_INJECT=f"{fault}@rank=1,iteration={FAULT_AT}", PG_TIMEOUT_SEC="20", PYTHONUNBUFFERED="1",
+               INPLACE="2" if mode == "inplace" else "")
+    if fault == "hang":
+        env["FTH_HANG_TIMEOUT_SEC"] = str(HANG_TIMEOUT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "2", "--monitor-interval", "0.5", str(SCRIPT), framework, str(out)]
+           "--max-restarts", "0" if mode == "inplace" else "2", "--monitor-interval", "0.5", str(SCRIPT), framework, str(out)]
     with open(out / "log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -67,9 +81,13 @@ def one_run(framework: str, mode: str, fault: str, out: Path) -> dict:
     last0 = [e for e in trace if e["attempt"] == 0][-1]
     step_sec = statistics.median(b["t"] - a["t"] for a, b in zip(trace, trace[1:]) if a["attempt"] == b["attempt"] == 0)
     fault_t = last0["t"] + step_sec  # the failing iteration starts one step after the last traced one
+    recalled = min(f["marks"]["imported"] for f in first)  # in place: the training function called again
+    in_place = first[0]["pid"] == json.loads((out / "attempt0_rank0.json").read_text())["pid"]
+    assert in_place == (mode == "inplace"), f"{mode}: attempt 1 ran in {'the same' if in_place else 'a new'} process"
     return {"resume_sec": max(f["first_step_at"] for f in first) - fault_t,
-            "restart_sec": min(f["started_at"] for f in first) - fault_t,
-            "import_sec": max(f["marks"]["imported"] - f["started_at"] for f in first),
+            "restart_sec": (recalled if in_place else min(f["started_at"] for f in first)) - fault_t,
+            "import_sec": max(f["first_step_at"] for f in first) - recalled if in_place else
+            max(f["marks"]["imported"] - f["started_at"] for f in first),
             "recomputed": last0["step"] - first[0]["start_iteration"],
             "start_iteration": first[0]["start_iteration"], "load": os.getloadavg()[0]}
 
@@ -81,27 +99,39 @@ def summary(values: list[float], fmt: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--fault", choices=["kill", "raise"], default="kill")
+    parser.add_argument("--fault", choices=["kill", "raise", "hang"], default="kill")
     parser.add_argument("--frameworks", default="ignite,lightning")
+    parser.add_argument("--modes", default="resume,scratch",
+                        help="comma-separated, from inplace (recover_in_place; not for --fault kill), resume, scratch")
     args = parser.parse_args()
+    unknown = set(args.modes.split(",")) - {"inplace", "resume", "scratch"}
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from inplace, resume, scratch")
+    if args.fault == "kill" and "inplace" in args.modes.split(","):
+        parser.error("--fault kill is not recovered in place (a lost rank falls back to the relaunch): "
+                     "use --fault raise or hang with --modes inplace")
     results: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="fth-bench-resume-") as tmp:
         for rep in range(args.reps):
             for framework in args.frameworks.split(","):
-                for mode in (("resume", "scratch") if rep % 2 == 0 else ("scratch", "resume")):
+                modes = args.modes.split(",")
+                for mode in (modes if rep % 2 == 0 else modes[::-1]):
                     res = one_run(framework, mode, args.fault, Path(tmp) / f"{framework}-{mode}-{rep}")
                     results.setdefault((framework, mode), []).append(res)
                     print(f"  {framework:9s} {mode:7s} run {rep + 1}: fault -> first step {res['resume_sec']:.2f} s "
-                          f"(new processes started after {res['restart_sec']:.2f} s, their imports "
-                          f"{res['import_sec']:.2f} s), recomputed {res['recomputed']}, "
-                          f"load average {res['load']:.1f}", flush=True)
+                          f"({'called again' if mode == 'inplace' else 'new processes started'} after "
+                          f"{res['restart_sec']:.2f} s, then {res['import_sec']:.2f} s "
+                          f"{'to the first step' if mode == 'inplace' else 'of imports'}), recomputed "
+                          f"{res['recomputed']}, load average {res['load']:.1f}", flush=True)
     print(f"\nfault={args.fault} at iteration {FAULT_AT}, checkpoint every {EVERY}, {args.reps} runs each "
           "(median [min, max])")
-    print("| framework | restart | fault -> first trained step (s) | fault -> new processes (s) | "
-          "their imports (s) | iterations recomputed |")
+    print("| framework | restart | fault -> first trained step (s) | fault -> new processes, or the call "
+          "again in place (s) | their imports, or that call -> first step in place (s) | iterations recomputed |")
     print("|---|---|---:|---:|---:|---:|")
+    names = {"resume": "relaunch, from latest_checkpoint", "scratch": "relaunch, from scratch",
+             "inplace": "in place (recover_in_place), from latest_checkpoint"}
     for (framework, mode), runs in sorted(results.items()):
-        print(f"| {framework} | {'from latest_checkpoint' if mode == 'resume' else 'from scratch'} | "
+        print(f"| {framework} | {names[mode]} | "
               f"{summary([r['resume_sec'] for r in runs], '.2f')} | {summary([r['restart_sec'] for r in runs], '.2f')} | "
               f"{summary([r['import_sec'] for r in runs], '.2f')} | {summary([r['recomputed'] for r in runs], 'd')} |")
     print(f"load average during the runs: {summary([r['load'] for rs in results.values() for r in rs], '.1f')} "
@@ -109,6 +139,13 @@ def main() -> None:
     ok = all(r["resume_sec"] <= 15 and r["recomputed"] <= EVERY
              for (f, m), runs in results.items() if m == "resume" for r in runs)
     print(f"\ntargets (resumed <= 15 s, recomputed <= {EVERY}): {'met' if ok else 'NOT met'} in every resumed run")
+    inplace = [r for (f, m), runs in results.items() if m == "inplace" for r in runs]
+    if inplace:
+        extra = HANG_TIMEOUT if args.fault == "hang" else 0
+        med, worst = statistics.median(r["resume_sec"] for r in inplace), max(r["resume_sec"] for r in inplace)
+        ok = med <= extra + 1.5 and worst <= extra + 3 and all(r["recomputed"] <= EVERY for r in inplace)
+        print(f"targets in place (median <= {extra + 1.5:g} s, worst <= {extra + 3:g} s, recomputed <= {EVERY}): "
+              f"{'met' if ok else 'NOT met'} (median {med:.2f} s, worst {worst:.2f} s)")
 
 
 if __name__ == "__main__":

@@ -240,6 +240,12 @@ def capture_rendezvous() -> None:
     install(in_place=True)
 
 
+def release_rendezvous() -> None:
+    """The recovery is over: forget the first rendezvous's store (and stop keeping the next one)."""
+    global _capture, _first, _in_place
+    _capture, _first, _in_place = False, None, None
+
+
 def first_rendezvous() -> tuple[Any, int, int] | None:
     """``(store, rank, world_size)`` of the first rendezvous since :func:`capture_rendezvous`."""
     return _first

@@ -431,7 +431,7 @@ class _Recovery:
 
     def _restore_interrupter(self, previous) -> None:
         attempts.interrupter = None
-        compat_torchrun.rendezvous_in_place(None)
+        compat_torchrun.release_rendezvous()
         if previous is not None:
             signal.signal(INTERRUPT_SIGNAL, previous[0])
 

@@ -1,0 +1,108 @@
+"""Recovering in place, branch by branch: the arguments, what a rank says of a failure, and rank 0's
+decision over a real (in-process) c10d store. The recoveries themselves are proven on real ranks in
+``tests/distributed/test_recover_in_place.py``."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from fault_tolerant_handlers import PeerFailedError, SectionMismatchError, recover_in_place
+from fault_tolerant_handlers.recover.inplace import Cause, Decision, _cause_of, _Recovery
+
+
+def test_bad_arguments_are_named_with_what_is_accepted():
+    with pytest.raises(ValueError, match=r"max_restarts=\.\.\.\) must be an int >= 0 .* got -1"):
+        recover_in_place(print, max_restarts=-1)
+    with pytest.raises(ValueError, match="got True"):
+        recover_in_place(print, max_restarts=True)
+    with pytest.raises(TypeError, match=r"join_timeout=\.\.\.\) must be a datetime.timedelta"):
+        recover_in_place(print, join_timeout=5)
+    with pytest.raises(ValueError, match="between 1 and 86400 seconds"):
+        recover_in_place(print, join_timeout=timedelta(0))
+    with pytest.raises(TypeError, match="fn must be the training function"):
+        recover_in_place(42)
+
+
+def test_the_variable_is_checked_too(monkeypatch):
+    monkeypatch.setenv("FTH_RECOVER_JOIN_SEC", "soon")
+    with pytest.raises(ValueError, match="FTH_RECOVER_JOIN_SEC='soon': expected a number of seconds"):
+        recover_in_place(print)
+
+
+def test_a_single_process_returns_what_fn_returns_and_raises_what_it_raises():
+    assert recover_in_place(lambda x: x + 1)(1) == 2
+    with pytest.raises(ZeroDivisionError):  # no process group: nothing to recover with, raised as it is
+        recover_in_place(lambda: 1 / 0, max_restarts=3)()
+
+
+def peer(kind="ValueError", origin="failure", step=7) -> PeerFailedError:
+    return PeerFailedError(1, kind, "boom", "tb", "'train' (iteration 7)", section="train", step=step, origin=origin)
+
+
+def test_what_a_rank_says_of_its_failure():
+    own = _cause_of(ValueError("bad batch"), 0)
+    assert (own.by, own.failed_rank, own.exc_type, own.own, own.not_in_place) == (0, 0, "ValueError", True, "")
+    seen = _cause_of(peer(), 0)
+    assert (seen.failed_rank, seen.exc_type, seen.step, seen.own, seen.not_in_place) == (1, "ValueError", 7, False, "")
+    assert "a rank was lost" in _cause_of(peer("PeerLost", "declared"), 0).not_in_place
+    assert "silent" in _cause_of(peer("PeerSilent", "declared"), 0).not_in_place
+    assert "signal" in _cause_of(peer("RankSignalled", "declared"), 0).not_in_place
+    assert _cause_of(peer("RankHung", "declared"), 0).not_in_place == ""  # interrupted: recovered
+    assert "KeyboardInterrupt ends the job" in _cause_of(KeyboardInterrupt(), 0).not_in_place
+    assert "out of step" in _cause_of(SectionMismatchError("x"), 0).not_in_place
+
+
+def test_a_cause_read_from_the_store_is_bounded_and_checked():
+    good = Cause(1, 1, "ValueError", "m" * 100, "train", 5, True, "")
+    assert Cause.from_json(good.to_json().encode(), world_size=2) == good
+    assert Cause.from_json(good.to_json().encode(), world_size=1) is None  # rank out of range
+    assert Cause.from_json(b"x" * 9000, world_size=2) is None
+    assert Cause.from_json(b"\x80not json", world_size=2) is None
+    assert Cause.from_json(json.dumps({"by": 0}).encode(), world_size=2) is None
+    loud = json.loads(good.to_json()) | {"message": "\x1b[31m" + "z" * 5000}
+    read = Cause.from_json(json.dumps(loud).encode(), world_size=2)
+    assert "\x1b" not in read.message and len(read.message) <= 500
+    assert Decision.from_json(b"[1, 2]") is None
+
+
+def decide(store, causes: list[Cause], *, world=2, gen=0, max_restarts=3, history=(), seconds=0.2) -> Decision:
+    prefix = f"fth/recover/0/{gen}/"
+    for cause in causes:
+        store.set(f"{prefix}cause/{cause.by}", cause.to_json())
+        if cause.not_in_place:
+            store.add(f"{prefix}stop", 1)
+        store.add(f"{prefix}arrived", 1)
+    recovery = _Recovery(print, max_restarts, timedelta(seconds=seconds))
+    recovery.causes = list(history)
+    return recovery._decide(store, prefix, world, gen, seconds)
+
+
+def failure(by=1, step=37, not_in_place="") -> Cause:
+    return Cause(by, 1, "ValueError", "bad", "train", step, by == 1, not_in_place)
+
+
+def test_rank_0_recovers_when_every_rank_is_in_and_names_the_failing_rank():
+    decision = decide(dist.HashStore(), [failure(0), failure(1)])
+    assert decision.restart and decision.why == "rank 1 failed in train: ValueError: bad"
+
+
+def test_rank_0_ends_the_job_when_a_rank_does_not_come():
+    decision = decide(dist.HashStore(), [failure(0)], seconds=0.2)
+    assert not decision.restart and decision.why.startswith("only 1 of 2 ranks reached the recovery within 0.2 s")
+
+
+def test_a_lost_rank_ends_the_job_at_once():
+    decision = decide(dist.HashStore(), [failure(0, not_in_place="a rank was lost (...)")], seconds=30)
+    assert not decision.restart and decision.why.startswith("a rank was lost")
+
+
+def test_max_restarts_and_a_repeat_end_the_job():
+    assert decide(dist.HashStore(), [failure(0), failure(1)], gen=2, max_restarts=2).why.startswith("max_restarts=2")
+    repeat = decide(dist.HashStore(), [failure(0), failure(1)], gen=1, history=[failure(1)])
+    assert not repeat.restart and "repeats at the same iteration" in repeat.why
+    moved_on = decide(dist.HashStore(), [failure(0, step=45), failure(1, step=45)], gen=1, history=[failure(1)])
+    assert moved_on.restart
