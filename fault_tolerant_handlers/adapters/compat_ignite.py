@@ -6,6 +6,11 @@ Checked against pytorch-ignite 0.5.0.post2 (the first 0.5 release) and 0.5.5.
   fires, where ``args[0]`` may be a weak reference to the engine (Ignite passes the engine first to
   handlers that take it). Used to put a handler first for an event, and to run the engine's other
   ``EXCEPTION_RAISED`` handlers ourselves (Ignite stops re-raising once any is attached).
+* ``ignite.distributed.utils._model`` / ``_need_to_sync`` / ``_SerialModel``: idist's process-wide
+  model of the distributed context. Recovering in place puts them back as a fresh process has them
+  (:func:`reset_idist`): idist computes its model lazily with a collective (``new_group``), so a
+  survivor that kept the failed attempt's model and a replacement process that computes it anew would
+  be out of step by one collective.
 * ``Engine._run_once_on_dataset_as_gen`` / ``_run_once_on_dataset_legacy``: the functions whose frames
   (with ``self``, the engine) are on the stack while an engine runs its epoch. ``hang_timeout="auto"``
   reads them, from the watchdog thread, to recognise an evaluator run from a trainer's handler.
@@ -81,3 +86,23 @@ def running_engines(frame: Any) -> list:
                 engines.append(engine)
         frame = frame.f_back
     return engines
+
+
+def reset_idist(attempt: int | None = None) -> None:
+    """Recovering in place, after the failed attempt's groups are gone: idist's model of the
+    distributed context goes back to a fresh process's (``ATTEMPT_ENDED``). Nothing when Ignite's
+    idist was never imported."""
+    import sys
+
+    utils = sys.modules.get("ignite.distributed.utils")
+    if utils is None:
+        return
+    missing = [name for name in ("_model", "_need_to_sync", "_SerialModel") if not hasattr(utils, name)]
+    if missing:
+        import ignite
+
+        raise RuntimeError(f"fault-tolerant-handlers needs ignite.distributed.utils.{', '.join(missing)} to recover in "
+                           f"place, which pytorch-ignite {ignite.__version__} does not have (checked against "
+                           f"{', '.join(CHECKED_AGAINST)})")
+    utils._model = utils._SerialModel()
+    utils._need_to_sync = True

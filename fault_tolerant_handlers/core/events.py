@@ -27,6 +27,9 @@ event                  emitted by, when                                  argumen
 ``RANK_ENDED``         the liveness helper: its rank ended (after         ``pid, rank, host``
                        ``RANK_KILLED`` was told to the peers)
 ``SESSION_CLOSED``     ``Session.close``, before its connections close    ``session``
+``ATTEMPT_ENDED``      recovering in place: the failed attempt's groups    ``attempt`` (its number)
+                       are gone; process-wide state of a framework goes
+                       back to a fresh process's (the adapters)
 =====================  ================================================  ===================================
 """
 
@@ -47,9 +50,10 @@ RANK_KILLED = "rank killed"
 RANK_ENDED = "rank ended"
 JOB_FAILED = "job failed"
 SESSION_CLOSED = "session closed"
+ATTEMPT_ENDED = "attempt ended"
 
 EVENTS = (SESSION_STARTED, RANK_FAILED, PEER_FAILED, ACKNOWLEDGED, JOB_FAILED, EXITING, RANK_KILLED, RANK_ENDED,
-          SESSION_CLOSED)
+          SESSION_CLOSED, ATTEMPT_ENDED)
 
 _subscribers: dict[str, tuple[Callable[..., object], ...]] = {event: () for event in EVENTS}
 _lock = threading.Lock()

@@ -77,6 +77,11 @@ def process_state(pid: int) -> str | None:
         status = int(fields[EXIT_CODE])
     except (IndexError, ValueError):
         return "process exited"
+    return describe_status(status)
+
+
+def describe_status(status: int) -> str:
+    """``killed by SIGKILL`` or ``exited with code 1``, from a wait status."""
     if status & 0x7F:
         return f"killed by {_SIGNAL_NAMES.get(status & 0x7F, f'signal {status & 0x7F}')}"
     return f"exited with code {(status >> 8) & 0xFF}"

@@ -246,6 +246,13 @@ def release_rendezvous() -> None:
     _capture, _first, _in_place = False, None, None
 
 
+def set_first_rendezvous(store: Any, rank: int, world_size: int) -> None:
+    """A process that joins an existing job (a keeper's replacement) sets what the first rendezvous
+    would have given it."""
+    global _first
+    _first = (store, rank, world_size)
+
+
 def first_rendezvous() -> tuple[Any, int, int] | None:
     """``(store, rank, world_size)`` of the first rendezvous since :func:`capture_rendezvous`."""
     return _first

@@ -44,46 +44,35 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import logging
 import multiprocessing
 import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from ..core import attempts, compat_torch as _compat_torch, config
+from ..core import attempts, compat_torch as _compat_torch, config, events
 from ..core.config import RECOVER_POLL, RECOVER_TEARDOWN_SEC
 from ..core.errors import PeerFailedError, RecoveryError, SectionMismatchError
 from ..core.log import log
-from ..core.records import cap_head, sanitize
+from ..core.records import cap_head
 from ..core.release import EXIT_TEARDOWN_STUCK
 from ..core.session import AGREED_ATTR, PUBLISHED_ATTR, live_sessions
 from ..data import loader as _loader
 from ..launchers import compat_torchrun
+from . import keeper
+from .causes import KEY_ROOT, NOT_IN_PLACE, Cause, Decision, _base_of, _needs_keeper, keeper_key
 
 T = TypeVar("T")
 
 #: The signal whose handler raises a hung rank's :class:`HangInterrupted` in its main thread (a
 #: real-time signal: no launcher or framework uses it; its arrival also ends a blocking ``sleep``).
 INTERRUPT_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
-#: Declared kinds that end the job as without recovery: a process or host gone, or signalled.
-NOT_IN_PLACE = {
-    "PeerLost": "a rank was lost (its process or host is gone): a relaunch replaces it",
-    "PeerSilent": "a rank went silent (its host or network may be gone): a relaunch replaces it",
-    "RankSignalled": "a rank was sent a signal that ends the job",
-}
-#: A cause read back from the store larger than this (bytes) is ignored.
-MAX_CAUSE_BYTES = 8 * 1024
-#: Key namespace of the recoveries in the first attempt's store.
-KEY_ROOT = "fth/recover"
-
-
 def recovery_attempt() -> int:
     """How many times this process recovered in place so far: 0 in the first call of the training
     function, 1 in the call after the first recovery, ... (torchrun's restarts not counted: its
@@ -91,76 +80,12 @@ def recovery_attempt() -> int:
     return attempts.in_place()
 
 
-@dataclass(frozen=True)
-class Cause:
-    """What one rank knows of an attempt's failure (JSON in the store, bounded and checked on read)."""
-
-    by: int  #: the rank that says it
-    failed_rank: int  #: the rank that failed first (-1: unknown)
-    exc_type: str
-    message: str
-    where: str
-    step: int  #: -1: unknown
-    own: bool  #: ``by`` failed itself
-    not_in_place: str  #: why this failure cannot be recovered in place ("" when it can)
-
-    def describe(self) -> str:
-        who = f"rank {self.failed_rank}" if self.failed_rank >= 0 else "a rank"
-        where = f" in {self.where}" if self.where else ""
-        return f"{who} failed{where}: {self.exc_type}: {self.message.splitlines()[0] if self.message else ''}".rstrip(": ")
-
-    def signature(self) -> tuple:
-        """Same rank, same exception type, same iteration: the failure repeats."""
-        return (self.failed_rank, self.exc_type, self.step)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: bytes, world_size: int) -> Cause | None:
-        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
-            return None
-        try:
-            data = json.loads(raw.decode("utf-8"))
-            cause = cls(by=int(data["by"]), failed_rank=int(data["failed_rank"]), exc_type=str(data["exc_type"]),
-                        message=str(data["message"]), where=str(data["where"]), step=int(data["step"]),
-                        own=bool(data["own"]), not_in_place=str(data["not_in_place"]))
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            return None
-        if not (0 <= cause.by < world_size and -1 <= cause.failed_rank < world_size and -1 <= cause.step < 2**53):
-            return None
-        return cls(cause.by, cause.failed_rank, cap_head(sanitize(cause.exc_type), 200),
-                   cap_head(sanitize(cause.message), 500), cap_head(sanitize(cause.where), 300), cause.step,
-                   cause.own, cap_head(sanitize(cause.not_in_place), 300))
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Rank 0's decision, which every rank follows: recover (``restart``) or end, and why."""
-
-    restart: bool
-    why: str
-    cause: dict | None = None
-
-    def to_json(self) -> str:
-        return json.dumps({"restart": self.restart, "why": self.why, "cause": self.cause})
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Decision | None:
-        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
-            return None
-        try:
-            data = json.loads(raw.decode("utf-8"))
-            return cls(bool(data["restart"]), cap_head(sanitize(str(data["why"])), 500),
-                       data["cause"] if isinstance(data.get("cause"), dict) else None)
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            return None
-
-
 def _cause_of(err: BaseException, rank: int) -> Cause:
     """This rank's view of ``err``, the exception that ended its call of the training function."""
     if isinstance(err, PeerFailedError):
         kind = err.exc_type if err.origin == "declared" else ""
+        if kind == "PeerLost" and any(how in err.exc_message for how in ("killed by ", "exited with code", "process is gone")):
+            kind = "PeerEnded"  # its process ended on a live host: its keeper replaces it (checked in _agree)
         return Cause(rank, err.failed_rank if err.failed_rank is not None else -1, err.exc_type, err.exc_message,
                      err.where, err.step if err.step is not None else -1, False, NOT_IN_PLACE.get(kind, ""))
     record = getattr(err, PUBLISHED_ATTR, None)
@@ -177,16 +102,6 @@ def _cause_of(err: BaseException, rank: int) -> Cause:
         message = f"<str() failed for {type(err).__name__}>"
     return Cause(rank, rank, type(err).__name__, cap_head(message, 500), where,
                  step if isinstance(step, int) else -1, True, not_in_place)
-
-
-def _base_of(store: Any) -> Any:
-    """The store under every ``PrefixStore`` of ``store`` (the rendezvous's own)."""
-    for _ in range(16):
-        under = getattr(store, "underlying_store", None)
-        if under is None:
-            return store
-        store = under
-    return store
 
 
 def _reap_loader_workers(timeout: float = 2.0) -> int:
@@ -207,10 +122,14 @@ def _reap_loader_workers(timeout: float = 2.0) -> int:
 
 
 class _Recovery:
-    def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta) -> None:
+    def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta,
+                 replace_dead: bool = False) -> None:
         self.fn = fn
         self.max_restarts = max_restarts
         self.join_timeout = join_timeout
+        self.replace_dead = replace_dead
+        #: Told each attempt's number as it starts (a keeper's child tells its keeper).
+        self.on_attempt: Callable[[int], None] | None = None
         self.causes: list[Cause] = []  # the primary cause of each failed attempt
         self._pending: BaseException | None = None  # the error a hung main thread is interrupted with
         self._left = threading.Event()  # the main thread reached the recovery
@@ -246,9 +165,22 @@ class _Recovery:
             self._note_group()
             self.given = (_base_of(_compat_torch.default_store()), dist.get_rank(), dist.get_world_size(),
                           self.backend or "gloo", self.timeout)
+        if self.replace_dead:
+            why = keeper.why_not(self)
+            if why is None:
+                return keeper.Keeper(self).run(args, kwargs)
+            log(logging.INFO, "a dead rank's process cannot be replaced in place here (%s): its death ends the job "
+                "as without recovery in place", why)
+        return self.run(args, kwargs)
+
+    def run(self, args: tuple, kwargs: dict, replacement: Cause | None = None) -> T:
+        """The attempts, in this process; a ``replacement`` (a keeper's new child) first joins the
+        recovery its peers wait in."""
         compat_torchrun.capture_rendezvous()
         previous = self._install_interrupter()
         try:
+            if replacement is not None:
+                self._reform(self._join_as_replacement(replacement))
             while True:
                 started = time.monotonic()
                 try:
@@ -266,6 +198,21 @@ class _Recovery:
                 self._reform(timings)
         finally:
             self._restore_interrupter(previous)
+
+    def _join_as_replacement(self, cause: Cause) -> dict:
+        """A keeper's new child: connect to torchrun's store as the rendezvous would, and take part in
+        the recovery of the attempt the dead child was in (:attr:`attempts.in_place`)."""
+        t0 = time.monotonic()
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=self.join_timeout)
+        compat_torchrun.set_first_rendezvous(store, rank, world_size)
+        decision = self._agree(self._world(), cause)
+        if not decision.restart:
+            raise RecoveryError(f"the replacement of rank {rank}'s process could not join the recovery: {decision.why}")
+        self.causes.append(Cause(**decision.cause) if decision.cause else cause)
+        now = time.monotonic()
+        return {"detected": t0, "agreed": now, "torn_down": now}
 
     def _failed(self, err: BaseException, started: float) -> tuple[Decision, dict]:
         t0 = time.monotonic()
@@ -310,6 +257,8 @@ class _Recovery:
         seconds = self.join_timeout.total_seconds()
         try:
             store.set_timeout(self.join_timeout)
+            if _needs_keeper(cause) and not store.check([keeper_key(cause.failed_rank)]):
+                cause = replace(cause, not_in_place=NOT_IN_PLACE["PeerLost"])
             store.set(f"{prefix}cause/{rank}", cause.to_json())
             if cause.not_in_place:
                 store.add(f"{prefix}stop", 1)
@@ -392,6 +341,7 @@ class _Recovery:
             log(logging.DEBUG, "destroying the failed attempt's groups: %s", err)
         finally:
             timer.cancel()
+        events.emit(events.ATTEMPT_ENDED, attempts.in_place())  # the adapters: frameworks' process-wide state
         gc.collect()  # the failed attempt's loaders: their workers are shut down with them
         killed = _reap_loader_workers()
         if killed:
@@ -403,6 +353,8 @@ class _Recovery:
     def _reform(self, timings: dict) -> None:
         store, rank, world_size, backend, timeout = self._world()
         attempts.set_in_place(attempts.in_place() + 1)
+        if self.on_attempt is not None:
+            self.on_attempt(attempts.in_place())
         compat_torchrun.rendezvous_in_place(store, rank, world_size)
         if self.given is not None:
             dist.init_process_group(backend, store=dist.PrefixStore(attempts.namespace(), store), rank=rank,
@@ -447,7 +399,7 @@ class _Unsafe(Decision):
 
 
 def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 3,
-                     join_timeout: timedelta | None = None):
+                     join_timeout: timedelta | None = None, replace_dead: bool = True):
     """Run ``fn`` and, when it fails on every rank, recover in place: tear the attempt down, re-form the
     process group in the same processes and call ``fn`` again (see the module's text).
 
@@ -458,6 +410,10 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
         fn: the training function; it must build everything it uses each time it is called.
         max_restarts: how many recoveries in place at most (an int >= 0); one more failure ends the job.
         join_timeout: how long ranks wait for each other at a recovery (``FTH_RECOVER_JOIN_SEC``, 60 s).
+        replace_dead: under torchrun, run ``fn`` in a child of the launcher's process that is replaced
+            when it dies (:mod:`.keeper`): a killed rank recovers in place too. ``fn``'s return value
+            is handed back pickled. ``False``: ``fn`` runs in the launcher's process, and a dead rank
+            ends the job as without recovery.
 
     Raises:
         TypeError, ValueError: a bad argument (named, with what it accepts).
@@ -481,13 +437,15 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
         raise ValueError(f"recover_in_place(max_restarts=...) must be an int >= 0 (0: never recover), got {max_restarts!r}")
     join = (config.check_timedelta("recover_join_timeout", join_timeout, what="recover_in_place(join_timeout=...)")
             if join_timeout is not None else config.recover_join_timeout())
+    if not isinstance(replace_dead, bool):
+        raise TypeError(f"recover_in_place(replace_dead=...) must be True or False, got {replace_dead!r}")
     if fn is None:
-        return lambda f: recover_in_place(f, max_restarts=max_restarts, join_timeout=join)
+        return lambda f: recover_in_place(f, max_restarts=max_restarts, join_timeout=join, replace_dead=replace_dead)
     if not callable(fn):
         raise TypeError(f"recover_in_place(fn): fn must be the training function (a callable), got {fn!r}")
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> T:
-        return _Recovery(fn, max_restarts, join)(*args, **kwargs)
+        return _Recovery(fn, max_restarts, join, replace_dead)(*args, **kwargs)
 
     return run

@@ -11,7 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from fault_tolerant_handlers import PeerFailedError, SectionMismatchError, recover_in_place
-from fault_tolerant_handlers.recover.inplace import Cause, Decision, _cause_of, _Recovery
+from fault_tolerant_handlers.recover.causes import Cause, Decision
+from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
 
 
 def test_bad_arguments_are_named_with_what_is_accepted():

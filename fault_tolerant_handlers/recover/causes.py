@@ -1,0 +1,109 @@
+"""What recovering in place agrees on: each rank's view of a failure (:class:`Cause`) and rank 0's
+:class:`Decision`, as bounded JSON in the first attempt's store (checked on read, never unpickled),
+and the keys they live under."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..core import attempts
+from ..core.records import cap_head, sanitize
+
+#: Declared kinds that end the job as without recovery: a process or host gone, or signalled.
+NOT_IN_PLACE = {
+    "PeerLost": "a rank was lost (its process or host is gone): a relaunch replaces it",
+    "PeerSilent": "a rank went silent (its host or network may be gone): a relaunch replaces it",
+    "RankSignalled": "a rank was sent a signal that ends the job",
+}
+#: A cause read back from the store larger than this (bytes) is ignored.
+MAX_CAUSE_BYTES = 8 * 1024
+#: Key namespace of the recoveries in the first attempt's store.
+KEY_ROOT = "fth/recover"
+
+
+@dataclass(frozen=True)
+class Cause:
+    """What one rank knows of an attempt's failure (JSON in the store, bounded and checked on read)."""
+
+    by: int  #: the rank that says it
+    failed_rank: int  #: the rank that failed first (-1: unknown)
+    exc_type: str
+    message: str
+    where: str
+    step: int  #: -1: unknown
+    own: bool  #: ``by`` failed itself
+    not_in_place: str  #: why this failure cannot be recovered in place ("" when it can)
+
+    def describe(self) -> str:
+        who = f"rank {self.failed_rank}" if self.failed_rank >= 0 else "a rank"
+        where = f" in {self.where}" if self.where else ""
+        return f"{who} failed{where}: {self.exc_type}: {self.message.splitlines()[0] if self.message else ''}".rstrip(": ")
+
+    def signature(self) -> tuple:
+        """Same rank, same exception type, same iteration: the failure repeats."""
+        return (self.failed_rank, self.exc_type, self.step)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes, world_size: int) -> Cause | None:
+        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
+            return None
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            cause = cls(by=int(data["by"]), failed_rank=int(data["failed_rank"]), exc_type=str(data["exc_type"]),
+                        message=str(data["message"]), where=str(data["where"]), step=int(data["step"]),
+                        own=bool(data["own"]), not_in_place=str(data["not_in_place"]))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return None
+        if not (0 <= cause.by < world_size and -1 <= cause.failed_rank < world_size and -1 <= cause.step < 2**53):
+            return None
+        return cls(cause.by, cause.failed_rank, cap_head(sanitize(cause.exc_type), 200),
+                   cap_head(sanitize(cause.message), 500), cap_head(sanitize(cause.where), 300), cause.step,
+                   cause.own, cap_head(sanitize(cause.not_in_place), 300))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Rank 0's decision, which every rank follows: recover (``restart``) or end, and why."""
+
+    restart: bool
+    why: str
+    cause: dict | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"restart": self.restart, "why": self.why, "cause": self.cause})
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Decision | None:
+        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
+            return None
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            return cls(bool(data["restart"]), cap_head(sanitize(str(data["why"])), 500),
+                       data["cause"] if isinstance(data.get("cause"), dict) else None)
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return None
+
+
+def _needs_keeper(cause: Cause) -> bool:
+    """A peer's process ended (its host lives): recovered in place only by its keeper's replacement."""
+    return not cause.own and cause.exc_type == "PeerLost" and not cause.not_in_place
+
+
+def keeper_key(rank: int) -> str:
+    """Set by a keeper's child when its first session starts: rank ``rank`` has a keeper."""
+    return f"{KEY_ROOT}/{attempts.restart()}/keeper/{rank}"
+
+
+def _base_of(store: Any) -> Any:
+    """The store under every ``PrefixStore`` of ``store`` (the rendezvous's own)."""
+    for _ in range(16):
+        under = getattr(store, "underlying_store", None)
+        if under is None:
+            return store
+        store = under
+    return store

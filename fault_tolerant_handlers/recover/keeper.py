@@ -1,0 +1,246 @@
+"""Replacing a dead rank's process in place: the process the launcher started keeps a forked child
+that trains, and forks a new one when that child dies.
+
+Under torchrun, :func:`~.inplace.recover_in_place` (with ``replace_dead=True``, the default) makes the
+worker torchrun started the **keeper** of its rank: it forks a child, which runs the training function
+with every recovery in place, and waits for it. When the child is killed (SIGKILL, the OOM killer, a
+segfault) or ends as a hung rank (:data:`~..core.errors.EXIT_HUNG`: hung in C, where it could not be
+interrupted), the keeper forks a **replacement**, which joins the recovery its peers are waiting in
+(the same attempt number, read from a page the two share) and trains on with them from the newest
+checkpoint; the other ranks keep their processes. torchrun sees nothing: its worker, the keeper, lives on.
+
+The replacement is a copy of the keeper, made after the imports and before anything of the training
+ran in it, so it starts in a few milliseconds instead of importing torch again. For the same reason the
+keeper must not have initialised CUDA (a forked child cannot use a CUDA context of its parent): call
+``recover_in_place`` before anything touches the GPU; each child initialises CUDA itself (as a relaunched
+process would). The keeper refuses to start when CUDA is already initialised, and says so.
+
+What changes for the script: the training function runs in the child. Its return value is handed to
+the keeper (pickled into a file of the keeper's own: nothing is read from the store), and the code after
+the call runs once, in the keeper. Anything else the function leaves behind (a process group, a model
+in memory) stays in the child: return what the rest of the script needs. ``replace_dead=False`` runs
+the function in the launcher's own process (a dead rank then ends the job, and a relaunch resumes it).
+
+The keeper starts only where a replacement can join: under torchrun (its store lives in the agent, so
+it outlives any worker), on Linux, when no process group exists yet (its sockets would be shared with
+the child), in the main thread, and without CUDA initialised. Elsewhere the function runs in the
+launcher's process and a dead rank ends the job as without recovery; the reason is logged.
+
+Signals: SIGTERM and SIGINT sent to the keeper (torchrun stopping its workers) are forwarded to the
+child, whose own handlers make the job fail together as without a keeper; the keeper then ends the way
+its child did. The child dies with the keeper (``PR_SET_PDEATHSIG``), so a keeper killed outright leaves
+no training process behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import pickle
+import signal
+import struct
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from ..core import attempts, events
+from ..core.config import ZOMBIE_HOLD
+from ..core.errors import EXIT_HUNG
+from ..core.log import log
+from ..core.procfs import describe_status
+
+from .causes import Cause, _base_of, keeper_key
+
+#: What a keeper runs (``recover.inplace._Recovery``, not imported: it imports this module): its
+#: ``given``, ``max_restarts``, ``on_attempt`` and ``run(args, kwargs, replacement=...)``.
+_Recovery = Any
+
+#: ``prctl`` option: the signal this process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+#: Signals the keeper forwards to its child.
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
+#: Largest return value the child may hand back (bytes, pickled).
+MAX_RESULT_BYTES = 256 * 1024 * 1024
+
+
+def why_not(recovery: _Recovery) -> str | None:
+    """Why no keeper can be started here (``None``: it can)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return "only on Linux"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return "not under torchrun: the store's server may live in a rank's own process"
+    if recovery.given is not None:
+        return "the process group existed before recover_in_place was called; call it before init_process_group"
+    if threading.current_thread() is not threading.main_thread():
+        return "recover_in_place was not called in the main thread"
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return ("CUDA was initialised before recover_in_place was called: call it before anything touches the "
+                "GPU (each child initialises CUDA itself)")
+    return None
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except Exception as err:  # noqa: BLE001 - best effort: without it a killed keeper leaves its child
+        log(logging.WARNING, "could not tie this process to its keeper: %s", err)
+
+
+def _announce(session) -> None:
+    """In a keeper's child, when the world's session starts: its peers may wait for a replacement of
+    this rank (:func:`~.inplace.keeper_key`)."""
+    if session.group is not None:
+        return
+    try:
+        _base_of(session.pg_store).set(keeper_key(session.rank), "1")
+    except Exception as err:  # noqa: BLE001 - without it a death of this rank ends the job, as without a keeper
+        log(logging.WARNING, "could not announce this rank's keeper: %s", err)
+
+
+class Keeper:
+    """The launcher's process of one rank, keeping the child that trains (see the module's text)."""
+
+    def __init__(self, recovery: _Recovery) -> None:
+        self.recovery = recovery
+        #: Shared with every child: the attempt (recoveries in place so far) the child is in.
+        self.page = mmap.mmap(-1, mmap.PAGESIZE)
+        self.child: int | None = None
+        #: Where the child leaves its return value (a file of this process's own: not the store).
+        fd, self.result_path = tempfile.mkstemp(prefix="fth-result-")
+        os.close(fd)
+
+    # -- in the child ---------------------------------------------------------------------------------
+    def _write_attempt(self, count: int) -> None:
+        self.page.seek(0)
+        self.page.write(struct.pack("<q", count))
+
+    def _read_attempt(self) -> int:
+        self.page.seek(0)
+        return struct.unpack("<q", self.page.read(8))[0]
+
+    def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: Cause | None) -> None:
+        """The training child: never returns (its exit code tells the keeper how it ended)."""
+        code = 1
+        try:
+            _die_with_parent()
+            for sig in FORWARDED:
+                signal.signal(sig, signal.SIG_DFL)
+            self.recovery.on_attempt = self._write_attempt
+            events.subscribe(events.SESSION_STARTED, _announce)
+            result = self.recovery.run(args, kwargs, replacement=replacement)
+            try:
+                data = pickle.dumps(result)
+            except Exception as err:  # noqa: BLE001
+                log(logging.WARNING, "the training function's return value cannot be handed to the keeper "
+                    "(%s: %s): it returns None", type(err).__name__, err)
+                data = pickle.dumps(None)
+            with open(result_path, "wb") as file:
+                file.write(data)
+            code = 0
+        except SystemExit as err:
+            code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+        except BaseException:  # noqa: BLE001 - printed as the interpreter would, then the exit code says it
+            sys.excepthook(*sys.exc_info())
+        finally:
+            try:
+                import atexit
+
+                atexit._run_exitfuncs()  # the library's and torch's exit hooks, as at a normal exit
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+
+    # -- in the keeper --------------------------------------------------------------------------------
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
+        replacement = None
+        dead = None
+        rank = os.environ.get("RANK", "?")
+        try:
+            while True:
+                pid = os.fork()
+                if pid == 0:
+                    self._child(self.result_path, args, kwargs, replacement)
+                self.child = pid
+                if dead is not None:  # the child before, a zombie until its peers read how it ended
+                    time.sleep(ZOMBIE_HOLD)
+                    os.waitpid(dead, 0)
+                    dead = None
+                status = self._wait(pid)
+                self.child = None
+                how = describe_status(status)
+                if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+                    os.waitpid(pid, 0)
+                    return self._result()
+                attempt = self._read_attempt()
+                replaceable = os.WIFSIGNALED(status) or os.WEXITSTATUS(status) == EXIT_HUNG
+                if replaceable and attempt < self.recovery.max_restarts and not self._stopping:
+                    replacement = Cause(int(rank), int(rank), "RankReplaced", f"the process of rank {rank} (pid {pid}) "
+                                        f"{how}: replaced in place", "", -1, True, "")
+                    attempts.set_in_place(attempt)
+                    dead = pid
+                    log(logging.WARNING, "the training process of rank %s (pid %d) %s: starting its replacement, which "
+                        "joins the recovery of attempt %d", rank, pid, how, attempt)
+                    continue
+                log(logging.ERROR, "the training process of rank %s (pid %d) %s%s", rank, pid, how,
+                    "" if not replaceable else (": not replaced (a signal to stop)" if self._stopping else
+                                                f": not replaced (max_restarts={self.recovery.max_restarts} spent)"))
+                os.waitpid(pid, 0)
+                self._end_like(status)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if os.path.exists(self.result_path):
+                os.unlink(self.result_path)
+
+    @staticmethod
+    def _wait(pid: int) -> int:
+        """The wait status of ``pid`` once it ended, leaving it a zombie (``WNOWAIT``): the same-host
+        peers and its liveness helper read how it ended (``killed by SIGKILL``) before it is reaped."""
+        while True:
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+                break
+            except InterruptedError:  # a forwarded signal
+                continue
+        if info.si_code == os.CLD_EXITED:
+            return (info.si_status & 0xFF) << 8
+        return info.si_status & 0x7F  # killed (or dumped core): the signal's number
+
+    def _result(self) -> Any:
+        try:
+            with open(self.result_path, "rb") as file:
+                data = file.read(MAX_RESULT_BYTES + 1)
+        finally:
+            os.unlink(self.result_path)
+        if not data or len(data) > MAX_RESULT_BYTES:
+            return None
+        return pickle.loads(data)  # noqa: S301 - written by this process's own child, not read from the store
+
+    _stopping = False
+
+    def _forward(self, signum, frame) -> None:
+        self._stopping = True
+        if self.child is not None:
+            try:
+                os.kill(self.child, signum)
+            except ProcessLookupError:
+                pass
+
+    @staticmethod
+    def _end_like(status: int) -> None:
+        """End the keeper the way its child ended: the same signal, or the same exit code."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        raise SystemExit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
