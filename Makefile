@@ -71,11 +71,12 @@ test-resume: $(STAMP)
 bench-resume: $(STAMP)
 	$(PY) bench/resume.py
 
-# Recovering in place beside the relaunch, in one run: a raise, then a hang (hang_timeout 3 s), 5 runs
-# per framework and mode.
+# Recovering in place beside the relaunch, in one run each: a raise, a hang (hang_timeout 3 s), a SIGKILL;
+# 5 runs per framework and mode.
 bench-inplace: $(STAMP)
 	$(PY) bench/resume.py --reps 5 --fault raise --modes inplace,resume
 	$(PY) bench/resume.py --reps 5 --fault hang --modes inplace,resume
+	$(PY) bench/resume.py --reps 5 --fault kill --modes inplace,resume
 
 # No false alarm: healthy 8-rank Ignite and Lightning trainings beside 2 CPU hogs, 10 runs each
 # (about 40 min on 2 cores); passes only when no run declared anything

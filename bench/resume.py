@@ -25,7 +25,8 @@ Prints, per framework and mode, medians and [min, max] over the runs of:
   group re-formed) and from that call to the first step (the framework's start, the checkpoint, the
   DataLoader workers).
 Targets: resumed <= 15 s after the fault, recomputed <= the checkpoint interval (10); in place,
-<= 1.5 s for a raise (<= 3 s worst), hang_timeout + 1.5 s for a hang.
+<= 1.5 s for a raise (<= 3 s worst), hang_timeout + 1.5 s for a hang, <= 3 s for a SIGKILL (the killed
+rank's process replaced by its keeper: the figures "called again" are then the replacement's).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def one_run(framework: str, mode: str, fault: str, out: Path) -> dict:
     fault_t = last0["t"] + step_sec  # the failing iteration starts one step after the last traced one
     recalled = min(f["marks"]["imported"] for f in first)  # in place: the training function called again
     in_place = first[0]["pid"] == json.loads((out / "attempt0_rank0.json").read_text())["pid"]
+    # in place, rank 0 keeps its process (rank 1's is replaced after a kill)
     assert in_place == (mode == "inplace"), f"{mode}: attempt 1 ran in {'the same' if in_place else 'a new'} process"
     return {"resume_sec": max(f["first_step_at"] for f in first) - fault_t,
             "restart_sec": (recalled if in_place else min(f["started_at"] for f in first)) - fault_t,
@@ -102,14 +104,11 @@ def main() -> None:
     parser.add_argument("--fault", choices=["kill", "raise", "hang"], default="kill")
     parser.add_argument("--frameworks", default="ignite,lightning")
     parser.add_argument("--modes", default="resume,scratch",
-                        help="comma-separated, from inplace (recover_in_place; not for --fault kill), resume, scratch")
+                        help="comma-separated, from inplace (recover_in_place), resume, scratch")
     args = parser.parse_args()
     unknown = set(args.modes.split(",")) - {"inplace", "resume", "scratch"}
     if unknown:
         parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from inplace, resume, scratch")
-    if args.fault == "kill" and "inplace" in args.modes.split(","):
-        parser.error("--fault kill is not recovered in place (a lost rank falls back to the relaunch): "
-                     "use --fault raise or hang with --modes inplace")
     results: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="fth-bench-resume-") as tmp:
         for rep in range(args.reps):
@@ -141,10 +140,11 @@ def main() -> None:
     print(f"\ntargets (resumed <= 15 s, recomputed <= {EVERY}): {'met' if ok else 'NOT met'} in every resumed run")
     inplace = [r for (f, m), runs in results.items() if m == "inplace" for r in runs]
     if inplace:
-        extra = HANG_TIMEOUT if args.fault == "hang" else 0
+        median_target, worst_target = {"raise": (1.5, 3), "hang": (HANG_TIMEOUT + 1.5, HANG_TIMEOUT + 3),
+                                       "kill": (3, 3)}[args.fault]
         med, worst = statistics.median(r["resume_sec"] for r in inplace), max(r["resume_sec"] for r in inplace)
-        ok = med <= extra + 1.5 and worst <= extra + 3 and all(r["recomputed"] <= EVERY for r in inplace)
-        print(f"targets in place (median <= {extra + 1.5:g} s, worst <= {extra + 3:g} s, recomputed <= {EVERY}): "
+        ok = med <= median_target and worst <= worst_target and all(r["recomputed"] <= EVERY for r in inplace)
+        print(f"targets in place (median <= {median_target:g} s, worst <= {worst_target:g} s, recomputed <= {EVERY}): "
               f"{'met' if ok else 'NOT met'} (median {med:.2f} s, worst {worst:.2f} s)")
 
 

@@ -40,8 +40,9 @@ from fault_tolerant_handlers import RestartableDataLoader, latest_checkpoint  # 
 
 FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
 RANK = int(os.environ["RANK"])
-#: With INPLACE=<max_restarts>, the run is wrapped in recover_in_place: attempts then also count
-#: the recoveries in place (each writes its own attempt<A>_rank<R>.json).
+#: With INPLACE=<max_restarts>, the run is wrapped in recover_in_place (INPLACE_REPLACE=0:
+#: replace_dead=False): attempts then also count the recoveries in place (each writes its own
+#: attempt<A>_rank<R>.json).
 INPLACE = os.environ.get("INPLACE", "")
 
 
@@ -239,5 +240,8 @@ if __name__ == "__main__":
     if INPLACE:
         from fault_tolerant_handlers import recover_in_place
 
-        run = recover_in_place(run, max_restarts=int(INPLACE))
+        # A script imports its framework at its top, before the training function runs: a replaced
+        # rank's new process (a fork of the one torchrun started) then has it already.
+        __import__("ignite.engine" if FRAMEWORK == "ignite" else "lightning.pytorch")
+        run = recover_in_place(run, max_restarts=int(INPLACE), replace_dead=os.environ.get("INPLACE_REPLACE", "1") == "1")
     run()

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..core import config
+from ..core import attempts, config
 from ..core.log import log
 
 __all__ = ["latest_checkpoint"]
@@ -50,7 +50,7 @@ MAX_PATH_BYTES = 4096
 #: How long a rank waits for rank 0's answer in torchrun's store (``FTH_CKPT_AGREE_TIMEOUT_SEC``,
 #: default 300 s, see :mod:`.config`); read when it is needed.
 _STEP = re.compile(r"(?:step=|_)(\d+)(?=[.-]|$)")
-_calls = 0
+_calls: dict[str, int] = {}  # calls of latest_checkpoint per attempt (its namespace)
 
 
 def _step_of(name: str) -> int:
@@ -174,7 +174,6 @@ def latest_checkpoint(dirname: str | os.PathLike) -> str | None:
     Raises:
         TypeError: ``dirname`` is not a str or path.
     """
-    global _calls
     if not isinstance(dirname, (str, os.PathLike)):
         raise TypeError(f"latest_checkpoint(dirname={dirname!r}): expected a str or os.PathLike")
     folder = Path(dirname)
@@ -183,9 +182,11 @@ def latest_checkpoint(dirname: str | os.PathLike) -> str | None:
     store = _torchrun_store()
     if store is None:
         return _decide(folder)
-    _calls += 1
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    key = f"fth/latest_checkpoint/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{attempt}/{_calls}"
+    # The n-th call of this attempt (torchrun's restart and the recoveries in place: a replacement
+    # process counts from 1 in the attempt it joins, like its peers).
+    namespace = attempts.namespace()
+    _calls[namespace] = count = _calls.get(namespace, 0) + 1
+    key = f"fth/latest_checkpoint/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{namespace}/{count}"
     if int(os.environ.get("RANK", "0")) == 0:
         answer = _decide(folder)
         store.set(key, _encode(answer))

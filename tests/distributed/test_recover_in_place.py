@@ -7,6 +7,10 @@ nothing (``--max-restarts 0``), so an attempt 1 can only be a recovery in place.
 what every rank saw: the pids of both attempts (the same processes), where attempt 1 resumed, the
 batches it trained (exactly the uninterrupted run's from iteration 31), the final weights
 (``torch.equal``), and for the cases that must not recover, the cause each rank ended with.
+
+Default suite: Ignite raising, a SIGKILLed rank replaced, and 20 recoveries; the rest is ``long``
+(``make test-long``): Lightning, a hang, two recoveries, a repeat, ``max_restarts`` spent,
+``replace_dead=False``.
 """
 
 from __future__ import annotations
@@ -53,11 +57,13 @@ def trained(run_dir: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / f"batches{rank}.jsonl").read_text().splitlines()]
 
 
-def assert_recovered_exactly(run: Path, ref: Path, framework: str, attempts: int = 1) -> None:
+def assert_recovered_exactly(run: Path, ref: Path, framework: str, attempts: int = 1,
+                             same_process: tuple[bool, bool] = (True, True)) -> None:
     for rank in (0, 1):
         seen = tries(run, rank)
         assert set(seen) == set(range(attempts + 1)), f"rank {rank}: attempts {sorted(seen)}"
-        assert len({t["pid"] for t in seen.values()}) == 1, f"rank {rank}: not the same process: {seen}"
+        pids = {t["pid"] for t in seen.values()}
+        assert (len(pids) == 1) == same_process[rank], f"rank {rank}: pids of its attempts {pids}"
         assert seen[attempts]["done"] and not any(seen[a].get("done") for a in range(attempts))
         last = seen[attempts]
         assert last["start_iteration"] % 10 == 0 and last["first_step"] == last["start_iteration"] + 1, last
@@ -75,7 +81,7 @@ def assert_recovered_exactly(run: Path, ref: Path, framework: str, attempts: int
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("framework", ["ignite", "lightning"])
+@pytest.mark.parametrize("framework", ["ignite", pytest.param("lightning", marks=pytest.mark.long)])
 def test_a_raise_recovers_in_place_exactly(framework, tmp_path, tmp_path_factory):
     ref = reference(framework, tmp_path_factory)
     run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "FTH_INJECT": "raise@rank=1,iteration=37"})
@@ -85,6 +91,7 @@ def test_a_raise_recovers_in_place_exactly(framework, tmp_path, tmp_path_factory
                "InjectedFault" in output
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_a_hung_rank_is_interrupted_and_recovers_in_place(tmp_path, tmp_path_factory):
     ref = reference("ignite", tmp_path_factory)
@@ -95,6 +102,7 @@ def test_a_hung_rank_is_interrupted_and_recovers_in_place(tmp_path, tmp_path_fac
     assert "HangInterrupted" in output
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_two_failures_recover_twice_and_the_log_names_each(tmp_path, tmp_path_factory):
     ref = reference("ignite", tmp_path_factory)
@@ -105,6 +113,7 @@ def test_two_failures_recover_twice_and_the_log_names_each(tmp_path, tmp_path_fa
     assert "recovering in place, attempt 2 (max_restarts=2), after rank 0 failed in train" in output
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_a_failure_that_repeats_at_the_same_iteration_ends_the_job(tmp_path):
     run, code, output = torchrun("ignite", tmp_path, {"INPLACE": "3", "FTH_INJECT": "raise@rank=1,iteration=37,attempt=any"},
@@ -118,6 +127,7 @@ def test_a_failure_that_repeats_at_the_same_iteration_ends_the_job(tmp_path):
     assert "attempt 0: rank 1 failed in train: InjectedFault" in output
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_max_restarts_spent_ends_the_job_naming_every_attempt(tmp_path):
     run, code, output = torchrun("ignite", tmp_path, {
@@ -134,13 +144,26 @@ def test_max_restarts_spent_ends_the_job_naming_every_attempt(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_rank_is_not_recovered_in_place_and_the_relaunch_resumes(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("framework", ["ignite", pytest.param("lightning", marks=pytest.mark.long)])
+def test_a_killed_rank_is_replaced_in_place_and_the_others_keep_their_processes(framework, tmp_path, tmp_path_factory):
+    ref = reference(framework, tmp_path_factory)
+    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "FTH_INJECT": "kill@rank=1,iteration=37"})
+    assert_recovered_exactly(run, ref, framework, same_process=(True, False))
+    assert "PeerLost: rank 1 (pid" in output and "killed by SIGKILL" in output
+    assert "[rank 1] the training process of rank 1 (pid" in output and "killed by SIGKILL: starting its replacement" in output
+    assert "after rank 1 failed: RankReplaced" in output
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_without_replace_dead_a_killed_rank_ends_the_attempt_and_the_relaunch_resumes(tmp_path, tmp_path_factory):
     ref = reference("ignite", tmp_path_factory)
-    run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "FTH_INJECT": "kill@rank=1,iteration=37"},
-                              max_restarts=1)
+    run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "INPLACE_REPLACE": "0",
+                                                   "FTH_INJECT": "kill@rank=1,iteration=37"}, max_restarts=1)
     pids = [{a: t["pid"] for a, t in tries(run, rank).items()} for rank in (0, 1)]
     assert all(set(p) == {0, 1} and p[0] != p[1] for p in pids), f"expected a relaunch (new processes): {pids}"
     assert "PeerLost: rank 1 (pid" in output and "killed by SIGKILL" in output
+    assert "a dead rank's process cannot be replaced in place here (replace_dead=False)" not in output
     for rank in (0, 1):
         got, want = trained(run, rank), trained(ref, rank)
         assert [(e["step"], e["idx"]) for e in got if e["attempt"] == 1] == [(e["step"], e["idx"]) for e in want[30:]]
