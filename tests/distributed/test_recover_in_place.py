@@ -198,3 +198,36 @@ def test_twenty_recoveries_leave_nothing_behind(tmp_path):
         keys = [r["keys"] for r in rows]
         assert max(keys[11:]) <= max(keys[2:11]) <= keys[2] + 8, f"rank {rank}: the store's keys grow: {keys}"
         assert rows[-1]["rss_kb"] - settled["rss_kb"] < 32 * 1024, "memory grows with the recoveries"
+
+
+@pytest.mark.timeout(300)
+def test_a_function_that_cannot_be_called_twice_ends_with_a_clear_error(tmp_path):
+    script = PROGRAMS / "inplace_unsafe_main.py"
+    out = tmp_path / f"{script.stem}-1"
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0"]
+    try:
+        results = run_ranks(1, "", tmp_path, script=script, launcher=launcher, deadline=120, env={"FTH_INJECT": ""})
+    finally:
+        kill_workers(out, program=script.name)
+    output = results[0].stderr
+    assert results[0].returncode != 0
+    for rank in (0, 1):
+        assert f"[rank {rank}] recovering in place, attempt 1 (max_restarts=2)" in output
+    assert output.count("RecoveryError: recover_in_place: attempt 1 of the training function failed before it "
+                        "trained (no fail-together session had started): RuntimeError:") == 2, output[-3000:]
+    assert "The function must build everything it uses each time it is called" in output
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("framework", ["ignite", "lightning"])
+def test_a_killed_dataloader_worker_needs_no_recovery(framework, tmp_path, tmp_path_factory):
+    """The loader replaces its worker in place: attempt 0 trains to the end, exactly."""
+    ref = reference(framework, tmp_path_factory)
+    run, _, _ = torchrun(framework, tmp_path, {"INPLACE": "2", "FTH_INJECT": "worker-kill@rank=1,iteration=37"})
+    for rank in (0, 1):
+        seen = tries(run, rank)
+        assert set(seen) == {0} and seen[0]["done"] and seen[0]["worker_restarts"] == (1 if rank == 1 else 0), seen
+        assert [(e["step"], e["idx"]) for e in trained(run, rank)] == [(e["step"], e["idx"]) for e in trained(ref, rank)]
+    final, expected = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
