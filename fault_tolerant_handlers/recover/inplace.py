@@ -49,6 +49,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -478,8 +479,39 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
     if not callable(fn):
         raise TypeError(f"recover_in_place(fn): fn must be the training function (a callable), got {fn!r}")
 
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> T:
-        return _Recovery(fn, max_restarts, join)(*args, **kwargs)
+    return _InPlace(fn, max_restarts, join)
 
-    return run
+
+class _InPlace:
+    """What :func:`recover_in_place` returns: ``fn`` wrapped, as a picklable object rather than a
+    closure, because launchers that spawn their ranks (``idist.Parallel(nproc_per_node=...)``,
+    ``mp.spawn``) pickle the function they run in each rank. It pickles by the name it is bound to
+    where it is a decorator (``@recover_in_place(...)``: the module's name *is* this object), and
+    otherwise as ``fn`` (by its own name) with the settings (``p.run(recover_in_place(train), cfg)``)."""
+
+    def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta) -> None:
+        self.fn = fn
+        self.max_restarts = max_restarts
+        self.join_timeout = join_timeout
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> T:
+        return _Recovery(self.fn, self.max_restarts, self.join_timeout)(*args, **kwargs)
+
+    def __reduce__(self) -> str | tuple:
+        if _bound_as(self) is self:
+            return self.__qualname__
+        return _InPlace, (self.fn, self.max_restarts, self.join_timeout)
+
+    def __repr__(self) -> str:
+        return f"recover_in_place({self.fn!r}, max_restarts={self.max_restarts})"
+
+
+def _bound_as(obj: Any) -> Any:
+    """The object named ``obj.__module__`` + ``obj.__qualname__`` (``None``: no such name)."""
+    target = sys.modules.get(getattr(obj, "__module__", None) or "")
+    for part in (getattr(obj, "__qualname__", "") or "").split("."):
+        target = getattr(target, part, None)  # None for a function defined in a function (<locals>)
+        if target is None:
+            return None
+    return target
