@@ -247,6 +247,7 @@ class _Recovery:
             self.given = (_base_of(_compat_torch.default_store()), dist.get_rank(), dist.get_world_size(),
                           self.backend or "gloo", self.timeout)
         compat_torchrun.capture_rendezvous()
+        running = attempts.enter_recovery()
         previous = self._install_interrupter()
         try:
             while True:
@@ -257,7 +258,7 @@ class _Recovery:
                     self._left.set()
                     decision, timings = self._failed(err, started)
                     if not decision.restart:
-                        if attempts.in_place() and isinstance(decision, _Unsafe):
+                        if isinstance(decision, _Misplaced) or (attempts.in_place() and isinstance(decision, _Unsafe)):
                             raise RecoveryError(decision.why) from err
                         self._add_note(err, decision)
                         raise
@@ -266,6 +267,7 @@ class _Recovery:
                 self._reform(timings)
         finally:
             self._restore_interrupter(previous)
+            attempts.leave_recovery(running)
 
     def _failed(self, err: BaseException, started: float) -> tuple[Decision, dict]:
         t0 = time.monotonic()
@@ -274,6 +276,13 @@ class _Recovery:
         sessions = live_sessions()
         rank = world[1] if world is not None else (dist.get_rank() if dist.is_initialized() else 0)
         cause = _cause_of(err, rank)
+        if world is None and _ranks_spawned_here(err):
+            return _Misplaced(False, (
+                "recover_in_place wraps a function that spawned the ranks (idist.Parallel(nproc_per_node=...), "
+                "Lightning strategy='ddp_spawn' or 'ddp_fork', torch.multiprocessing.spawn): a rank failed "
+                f"({type(err).__name__}), and its process is gone, so nothing can be recovered in place. Wrap the "
+                "function each rank runs instead: with idist.Parallel(...) as p: p.run(recover_in_place(training, "
+                "max_restarts=N), cfg); with Lightning, strategy='ddp' or torchrun")), {}
         if world is None:
             return _Unsafe(False, "recover_in_place found no process group store to recover over (the group "
                                   "was made with init_process_group(store=...), or never)"), {}
@@ -437,6 +446,19 @@ class _Recovery:
 
 class _Unsafe(Decision):
     """A decision to stop because the function cannot be called again (raised as :class:`RecoveryError`)."""
+
+
+class _Misplaced(_Unsafe):
+    """A decision to stop because the recovery wraps the launcher, not the ranks (always raised as
+    :class:`RecoveryError`, in the first attempt too)."""
+
+
+def _ranks_spawned_here(err: BaseException) -> bool:
+    """``err`` is what ``torch.multiprocessing`` raises in the process that spawned the ranks when one
+    failed (``idist.Parallel(nproc_per_node=...)``, Lightning ``ddp_spawn``)."""
+    import torch.multiprocessing as mp
+
+    return isinstance(err, (mp.ProcessRaisedException, mp.ProcessExitedException))
 
 
 def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 3,
