@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
+from .core import attempts
 from .core.log import log
 from .detect.autohang import CHECKPOINT, EVALUATION, STEP
 from .adapters.guard import Guard
@@ -196,6 +197,9 @@ class FaultTolerance(_CallbackBase):
         if not self.guard.active:
             return  # a single device, or no process group: nothing to coordinate
         _compat_lightning.check(trainer)
+        if attempts.recovering() and _compat_lightning.keep_launched_ranks(trainer):
+            log(logging.INFO, "recover_in_place: LOCAL_RANK set in this process, which started the other ranks, so "
+                "that the next attempt's Trainer does not start them again")
         # First in line on the exception path: release before any other on_exception runs a collective.
         # (Lightning iterates this very list; moving an already-called item to the front skips no one.)
         callbacks = trainer.callbacks
