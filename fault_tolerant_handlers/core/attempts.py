@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 
-from .config import RECOVERING_PID_ENV
-
 #: Set by torchrun in every worker it starts (0, 1, ... one per restart of its workers).
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
@@ -70,7 +68,7 @@ def interrupt_main(error: BaseException):
 #: (its pid), for the processes it starts: a rank that finds its *parent's* pid there, and runs no
 #: recovery itself, was spawned by the function the recovery wraps (:func:`spawned_by_recovery`).
 #: Not a setting.
-RUNNING_ENV = RECOVERING_PID_ENV
+RUNNING_ENV = "FTH_RECOVER_IN_PLACE_PID"
 
 _running_pid: int | None = None  # a pid, not a flag: a forked child inherits this module's state
 

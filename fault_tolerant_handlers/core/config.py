@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass
 from datetime import timedelta
 
-from . import inject
+from . import attempts, inject
 from .log import log
 
 INTERVAL_ENV = "FTH_WATCHDOG_INTERVAL_SEC"
@@ -58,8 +58,6 @@ AUTO_HANG_MULTIPLE_ENV = "FTH_AUTO_HANG_MULTIPLE"
 AUTO_HANG_FLOOR_ENV = "FTH_AUTO_HANG_FLOOR_SEC"
 AUTO_HANG_WARMUP_ENV = "FTH_AUTO_HANG_WARMUP"
 RECOVER_JOIN_ENV = "FTH_RECOVER_JOIN_SEC"
-#: Not a setting: set by ``recover_in_place`` for the processes it starts (:mod:`.attempts`).
-RECOVERING_PID_ENV = "FTH_RECOVER_IN_PLACE_PID"
 #: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`.autohang`).
 AUTO = "auto"
 
@@ -278,7 +276,7 @@ def load() -> Config:
     """Read and check every ``FTH_*`` variable. Raises ``ValueError`` naming the first bad one."""
     inject.Injector.from_env()  # FTH_INJECT is checked with the rest
     unknown = sorted(k for k in os.environ if k.startswith("FTH_") and k not in KNOWN_ENV
-                     and k != RECOVERING_PID_ENV and not k.startswith("FTH_TEST"))
+                     and k != attempts.RUNNING_ENV and not k.startswith("FTH_TEST"))
     if unknown:
         log(logging.WARNING, "ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
             ", ".join(KNOWN_ENV))
