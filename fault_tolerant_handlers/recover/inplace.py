@@ -34,6 +34,30 @@ A rank hung in Python (``hang_timeout`` set) is interrupted where it hangs: its 
 handler raises), and the rank recovers with the others. A main thread stuck in C does not leave within
 :data:`~..core.config.INTERRUPT_WAIT`; that rank ends as without recovery.
 
+Launchers. ``recover_in_place`` runs in every rank's process, around what that rank runs:
+
+* **torchrun** (``--max-restarts 0`` or more): around the script's training function, which calls
+  ``init_process_group`` (or opens ``idist.Parallel(backend)``, or fits a Lightning ``Trainer``).
+* **Ignite's** ``idist.Parallel``: around the function each rank runs,
+  ``p.run(recover_in_place(training, max_restarts=2), cfg)``, with the ranks spawned
+  (``nproc_per_node=...``: the wrapped function pickles) or under torchrun. The group exists when the
+  recovery starts: it is re-made here over the same store (under spawn, rank 0 hosts that store on
+  ``MASTER_PORT``: it is re-used, never served twice), and ``idist`` keeps telling it (same backend,
+  ranks, world size). Under torchrun, ``recover_in_place(main)`` where ``main`` opens
+  ``idist.Parallel(backend)`` works too: its ``__exit__`` destroys the group on the failure path, the
+  recovery re-forms over the first rendezvous's store, and ``idist`` makes a new model for the next
+  attempt.
+* **Lightning's** ``strategy="ddp"`` run as ``python script.py``: Lightning starts the script again for
+  every other rank, so each rank wraps its own training; rank 0, which started them, starts none in
+  the next attempt (``LOCAL_RANK`` stays in its environment: :func:`..adapters.compat_lightning.keep_launched_ranks`).
+
+Not supported: ``recover_in_place`` around a launcher that *spawns* the ranks from its own process
+(``idist.Parallel(nproc_per_node=...)`` inside the wrapped function, Lightning ``ddp_spawn``,
+``ddp_fork``, ``ddp_notebook``, ``torch.multiprocessing.spawn``): it runs in the parent, and a failed
+rank's process ends. Every rank raises :class:`~..core.errors.RecoveryError` when its fail-together
+session starts, before any batch, and so does the parent once a rank failed, each naming what to
+wrap instead.
+
 Timeouts:
     ``join_timeout`` (``FTH_RECOVER_JOIN_SEC``, 60 s): every rank must reach the recovery this soon
     after rank 0 did, or the job ends as without recovery. Store calls of the recovery are bounded by
@@ -476,7 +500,9 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
 
     Raises:
         TypeError, ValueError: a bad argument (named, with what it accepts).
-        RecoveryError: a later attempt failed before it trained: ``fn`` cannot be called twice.
+        RecoveryError: a later attempt failed before it trained: ``fn`` cannot be called twice; or
+            ``fn`` spawns the ranks (``idist.Parallel(nproc_per_node=...)``, Lightning ``ddp_spawn``):
+            wrap the function each rank runs instead.
         The last attempt's exception, with a note naming each attempt's cause, when the job is not
         recovered in place.
 
@@ -512,10 +538,10 @@ class _InPlace:
     otherwise as ``fn`` (by its own name) with the settings (``p.run(recover_in_place(train), cfg)``)."""
 
     def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta) -> None:
+        functools.update_wrapper(self, fn)  # first: it copies fn's attributes, which must not replace these
         self.fn = fn
         self.max_restarts = max_restarts
         self.join_timeout = join_timeout
-        functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> T:
         return _Recovery(self.fn, self.max_restarts, self.join_timeout)(*args, **kwargs)

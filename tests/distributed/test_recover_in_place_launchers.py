@@ -2,8 +2,10 @@
 ``init_process_group``: Ignite's ``idist.Parallel`` (spawning its ranks, and under torchrun, in both
 shapes users write) and Lightning's ``strategy="ddp"`` (``python script.py``: rank 0 starts rank 1).
 
-Each job trains 2 gloo ranks for 50 iterations (``inplace_launchers_main.py``), checkpoints every
-10, and rank 1 raises at iteration 37 in the first attempt only (``FTH_INJECT``). Every rank must
+Each job trains 2 gloo ranks for 50 iterations (``inplace_launchers_main.py``; 2 DataLoader workers
+under Lightning and in one torchrun case, none where ``idist.Parallel`` spawns the ranks: its ranks'
+workers would be spawned too, seconds each), checkpoints every 10, and rank 1 raises at iteration 37
+in the first attempt only (``FTH_INJECT``). Every rank must
 recover in its own process (the same pid in attempt 0 and 1, no process started again), resume from
 the checkpoint of iteration 30, train exactly the rest of an uninterrupted run's batches, and end
 with its weights (``torch.equal``). Where the recovery wraps the launcher instead of the ranks
@@ -155,7 +157,9 @@ def test_idist_parallel_under_torchrun_recovers_in_place(shape, tmp_path, tmp_pa
     ``main`` opens ``idist.Parallel(backend)`` itself (its ``__exit__`` destroys the group on the
     failure path: the recovery finds the first rendezvous's store, and idist a new group)."""
     ref = reference("ignite", tmp_path_factory)
-    code, output, elapsed = run_job(shape, tmp_path / "run", torchrun=True, env={"FTH_INJECT": FAULT})
+    workers = "2" if shape == "parallel-inside" else "0"  # torn down with the attempt (forked: cheap)
+    code, output, elapsed = run_job(shape, tmp_path / "run", torchrun=True,
+                                    env={"FTH_INJECT": FAULT, "WORKERS": workers})
     assert code == 0, f"exit {code} after {elapsed:.0f} s:\n{output[-4000:]}"
     tries = assert_recovered_in_place(tmp_path / "run", ref, ("checkpoint_30.pt",), output)
     assert_idist_follows(tries, same_model=shape == "parallel")
@@ -165,7 +169,7 @@ def test_lightning_ddp_recovers_in_place(tmp_path, tmp_path_factory):
     """``python script.py`` with ``Trainer(strategy="ddp", devices=2)``: rank 0 started rank 1 in the
     first attempt and starts nobody in the second; both recover in their own processes."""
     ref = reference("lightning", tmp_path_factory)
-    code, output, elapsed = run_job("ddp", tmp_path / "run", env={"FTH_INJECT": FAULT})
+    code, output, elapsed = run_job("ddp", tmp_path / "run", env={"FTH_INJECT": FAULT, "WORKERS": "2"})
     assert code == 0, f"exit {code} after {elapsed:.0f} s:\n{output[-4000:]}"
     tries = assert_recovered_in_place(tmp_path / "run", ref, ("last.ckpt", "epoch=1-step=30.ckpt"), output)
     assert tries[0][1]["children_started"] == 0 and tries[0][1]["global_rank"] == 0, tries[0][1]
