@@ -681,9 +681,10 @@ def _check_not_spawned_by_recovery(caller: str) -> None:
     parent = attempts.spawned_by_recovery()
     if parent is not None:
         raise RecoveryError(
-            f"{caller} cannot start: recover_in_place runs in the parent process (pid {parent}) that started "
-            "this rank (idist.Parallel(nproc_per_node=...), Lightning strategy='ddp_spawn' or 'ddp_fork', "
-            "torch.multiprocessing.spawn), so a failed rank could not be recovered in place: its process ends. "
+            f"this rank's fail-together session ({caller}) cannot start: recover_in_place runs in the parent "
+            f"process (pid {parent}) that started this rank (idist.Parallel(nproc_per_node=...), Lightning "
+            "strategy='ddp_spawn' or 'ddp_fork', torch.multiprocessing.spawn), so a failed rank could not be "
+            "recovered in place: its process ends. "
             "Wrap the function each rank runs instead: with idist.Parallel(...) as p: "
             "p.run(recover_in_place(training, max_restarts=N), cfg); with Lightning, strategy='ddp' or torchrun, "
             "the script calling recover_in_place(train)(...) around the Trainer")

@@ -183,7 +183,7 @@ def test_recovery_around_a_spawning_launcher_fails_at_start(shape, tmp_path):
     out = tmp_path / "run"
     code, output, elapsed = run_job(shape, out, env={"FTH_INJECT": FAULT}, deadline=60)
     assert code not in (0, None), f"exit {code} after {elapsed:.0f} s:\n{output[-4000:]}"
-    assert "cannot start: recover_in_place runs in the parent process" in output, output[-4000:]
+    assert "session (Guard) cannot start: recover_in_place runs in the parent process" in output, output[-4000:]
     assert "RecoveryError: recover_in_place wraps a function that spawned the ranks" in output, output[-4000:]
     assert "p.run(recover_in_place(training, max_restarts=N), cfg)" in output
     assert not trained(out, 0) and not trained(out, 1), "a rank trained before the error"
