@@ -196,6 +196,8 @@ def _cause_of(err: BaseException, rank: int) -> Cause:
         not_in_place = f"this rank's {type(err).__name__} ends the job"
     elif isinstance(err, SectionMismatchError):
         not_in_place = "the ranks were out of step (a bug in the job: it would repeat)"
+    elif isinstance(err, RecoveryError):  # raised by the attempt: recovering in place cannot work in this job
+        not_in_place = f"this rank found it cannot recover in place: {(str(err).splitlines() or [''])[0][:300]}"
     try:
         message = str(err)
     except Exception:  # noqa: BLE001 - a broken __str__ must not stop the recovery

@@ -133,3 +133,13 @@ def test_keep_launched_ranks_names_an_environment_that_would_start_them_again(no
     environment.__class__ = type("Stubborn", (type(environment),), {"creates_processes_externally": False})
     with pytest.raises(RuntimeError, match="Stubborn would start the other ranks again.*torchrun"):
         compat_lightning.keep_launched_ranks(trainer)
+
+
+def test_a_recovery_error_inside_the_attempt_ends_the_job():
+    """The attempt found recovering in place cannot work (e.g. Lightning would start the ranks again):
+    no rank recovers."""
+    from fault_tolerant_handlers.core.errors import RecoveryError
+    from fault_tolerant_handlers.recover.inplace import _cause_of
+
+    cause = _cause_of(RecoveryError("the cluster environment Stubborn would start the other ranks again"), 0)
+    assert cause.not_in_place.startswith("this rank found it cannot recover in place: the cluster environment")
