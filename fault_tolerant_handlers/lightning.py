@@ -54,6 +54,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
+from .core import attempts
+from .core.errors import RecoveryError
 from .core.log import log
 from .detect.autohang import CHECKPOINT, EVALUATION, STEP
 from .adapters.guard import Guard
@@ -196,6 +198,8 @@ class FaultTolerance(_CallbackBase):
         if not self.guard.active:
             return  # a single device, or no process group: nothing to coordinate
         _compat_lightning.check(trainer)
+        if attempts.recovering():
+            self._keep_launched_ranks(trainer)
         # First in line on the exception path: release before any other on_exception runs a collective.
         # (Lightning iterates this very list; moving an already-called item to the front skips no one.)
         callbacks = trainer.callbacks
@@ -205,6 +209,17 @@ class FaultTolerance(_CallbackBase):
         if not _compat_lightning.on_exception_runs_in_rank(trainer):
             _compat_lightning.wrap_run_stage(trainer, functools.partial(self._run_stage_in_rank, trainer))
         self.guard.beat(int(trainer.global_step), "start")
+
+    @staticmethod
+    def _keep_launched_ranks(trainer: pl.Trainer) -> None:
+        """Recovering in place: the next attempt's Trainer must not start the other ranks again (a
+        :class:`RecoveryError` if it would: every rank fails, and none recovers)."""
+        try:
+            if _compat_lightning.keep_launched_ranks(trainer):
+                log(logging.INFO, "recover_in_place: LOCAL_RANK set in this process, which started the other ranks, "
+                    "so that the next attempt's Trainer does not start them again")
+        except RuntimeError as err:
+            raise RecoveryError(str(err)) from err
 
     def _run_stage_in_rank(self, trainer: pl.Trainer, run_stage: Callable[[], Any]) -> Any:
         """Spawned ranks only: the exception path Lightning does not give them.

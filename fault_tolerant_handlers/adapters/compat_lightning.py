@@ -13,7 +13,11 @@ trainer it is given (:func:`namespace`).
   ``_call_and_handle_interrupt`` (so ``on_exception`` runs in the parent only);
 * ``Trainer._run_stage``: wrapped in spawned ranks, to give them an exception path;
 * ``Trainer._teardown``: the last step of Lightning's exception path (``trainer.call._interrupt``),
-  which the callback finishes itself.
+  which the callback finishes itself;
+* ``<namespace>.strategies.launchers.subprocess_script._SubprocessScriptLauncher``: the launcher of
+  ``strategy="ddp"``, whose ``_call_children_scripts`` sets ``LOCAL_RANK`` in the environment of the
+  process that started the other ranks; recovering in place relies on it (:func:`keep_launched_ranks`,
+  looked up only then).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import os
 import sys
 from typing import Any, Callable
 
@@ -128,3 +133,33 @@ def interrupt_steps(trainer: Any, exception: BaseException) -> list[tuple[str, C
         steps.append((f"{type(logger).__name__}.finalize", functools.partial(logger.finalize, "failed")))
     steps.append(("Trainer._teardown", trainer._teardown))
     return steps
+
+
+def keep_launched_ranks(trainer: Any) -> bool:
+    """In the process of a ``strategy="ddp"`` run that started the other ranks (rank 0, Lightning's
+    ``_SubprocessScriptLauncher``), recovering in place: make sure the ``Trainer`` of the next attempt
+    does not start them again. Lightning's environment starts them unless it ``creates_processes_externally``,
+    which ``LightningEnvironment`` reads from ``LOCAL_RANK``; ``_call_children_scripts`` sets that variable
+    in this process itself (lightning 2.5.0, 2.6.6), and this sets it where a version would not. Returns
+    True if it had to. Raises ``RuntimeError`` when the launcher is missing or the cluster environment
+    would start the ranks again anyway."""
+    ns = namespace(trainer)
+    try:
+        launcher_type = _import(ns + ".strategies.launchers.subprocess_script")._SubprocessScriptLauncher
+    except (ImportError, AttributeError):
+        version = getattr(_import(ns), "__version__", "?")
+        raise RuntimeError(
+            f"recover_in_place under Lightning needs {ns}.strategies.launchers.subprocess_script."
+            f"_SubprocessScriptLauncher, which {_DISTRIBUTION[ns]} {version} does not have (checked against {', '.join(CHECKED_AGAINST)}); "
+            "launch the ranks with torchrun instead") from None
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if not isinstance(trainer.strategy.launcher, launcher_type) or environment is None \
+            or environment.creates_processes_externally:
+        return False
+    os.environ["LOCAL_RANK"] = str(environment.local_rank())
+    if not environment.creates_processes_externally:
+        raise RuntimeError(
+            f"recover_in_place with strategy='ddp': the cluster environment {type(environment).__name__} would start "
+            "the other ranks again in the next attempt (its creates_processes_externally stays False once they were "
+            "started); launch the ranks with torchrun instead")
+    return True

@@ -61,3 +61,47 @@ def interrupt_main(error: BaseException):
     ``None`` when no recovery runs."""
     hook = interrupter
     return None if hook is None else hook(error)
+
+
+# -- the process that runs the recovery ---------------------------------------------------------------
+#: Set by :func:`fault_tolerant_handlers.recover_in_place` in its process's environment while it runs
+#: (its pid), for the processes it starts: a rank that finds its *parent's* pid there, and runs no
+#: recovery itself, was spawned by the function the recovery wraps (:func:`spawned_by_recovery`).
+#: Not a setting.
+RUNNING_ENV = "FTH_RECOVER_IN_PLACE_PID"
+
+_running_pid: int | None = None  # a pid, not a flag: a forked child inherits this module's state
+
+
+def enter_recovery() -> tuple[int | None, str | None]:
+    """``recover_in_place`` starts in this process; returns what :func:`leave_recovery` restores."""
+    global _running_pid
+    previous = (_running_pid, os.environ.get(RUNNING_ENV))
+    _running_pid = os.getpid()
+    os.environ[RUNNING_ENV] = str(_running_pid)
+    return previous
+
+
+def leave_recovery(previous: tuple[int | None, str | None]) -> None:
+    global _running_pid
+    _running_pid, env = previous
+    if env is None:
+        os.environ.pop(RUNNING_ENV, None)
+    else:
+        os.environ[RUNNING_ENV] = env
+
+
+def recovering() -> bool:
+    """``recover_in_place`` runs in this process (not merely in the process this one was forked from)."""
+    return _running_pid == os.getpid()
+
+
+def spawned_by_recovery() -> int | None:
+    """The parent's pid when this process was started by a process running ``recover_in_place`` and
+    runs none itself: the recovery then wraps the launcher that spawned this rank
+    (``idist.Parallel(nproc_per_node=...)``, Lightning ``ddp_spawn``, ``mp.spawn``), not the rank, and
+    cannot recover it in place. ``None`` otherwise."""
+    parent = os.getppid()
+    if recovering() or os.environ.get(RUNNING_ENV) != str(parent):
+        return None
+    return parent

@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass
 from datetime import timedelta
 
-from . import inject
+from . import attempts, inject
 from .log import log
 
 INTERVAL_ENV = "FTH_WATCHDOG_INTERVAL_SEC"
@@ -275,7 +275,8 @@ class Config:
 def load() -> Config:
     """Read and check every ``FTH_*`` variable. Raises ``ValueError`` naming the first bad one."""
     inject.Injector.from_env()  # FTH_INJECT is checked with the rest
-    unknown = sorted(k for k in os.environ if k.startswith("FTH_") and k not in KNOWN_ENV and not k.startswith("FTH_TEST"))
+    unknown = sorted(k for k in os.environ if k.startswith("FTH_") and k not in KNOWN_ENV
+                     and k != attempts.RUNNING_ENV and not k.startswith("FTH_TEST"))
     if unknown:
         log(logging.WARNING, "ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
             ", ".join(KNOWN_ENV))

@@ -205,6 +205,8 @@ class HangInterrupted(RuntimeError):
 
 class RecoveryError(RuntimeError):
     """Recovering in place could not go on: the training function cannot be called twice in one
-    process (a later attempt failed before its process group was formed), or the failed attempt could
-    not be torn down. The exception of the attempt is its ``__cause__``; the job ends as it would have
-    without recovery in place (a relaunch resumes it)."""
+    process (a later attempt failed before its process group was formed), the failed attempt could
+    not be torn down, or ``recover_in_place`` wraps the launcher that spawns the ranks rather than the
+    function each rank runs (raised in the ranks at start, and in the launching process). The
+    exception of the attempt, if any, is its ``__cause__``; the job ends as it would have without
+    recovery in place (a relaunch resumes it)."""

@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 
 from . import compat_torch as _compat_torch
-from . import config, events, schema as _schema
+from . import attempts, config, events, schema as _schema
 from .agreement import MAX_FLAG, mark, pack_agreement, section_hash, unpack_agreement
-from .errors import PeerFailedError, SectionMismatchError, is_backend_error
+from .errors import PeerFailedError, RecoveryError, SectionMismatchError, is_backend_error
 from .log import log
 from .peers import PeerPidProbe
 from .ranks import RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout, own_address
@@ -674,6 +674,22 @@ def _forget_all() -> None:
     gc.collect()
 
 
+def _check_not_spawned_by_recovery(caller: str) -> None:
+    """Raise :class:`RecoveryError` in a rank started by a function that ``recover_in_place`` wraps
+    (:func:`.attempts.spawned_by_recovery`): before training, rather than at the first failure,
+    when the rank's process is gone and nothing can be recovered in place."""
+    parent = attempts.spawned_by_recovery()
+    if parent is not None:
+        raise RecoveryError(
+            f"this rank's fail-together session ({caller}) cannot start: recover_in_place runs in the parent "
+            f"process (pid {parent}) that started this rank (idist.Parallel(nproc_per_node=...), Lightning "
+            "strategy='ddp_spawn' or 'ddp_fork', torch.multiprocessing.spawn), so a failed rank could not be "
+            "recovered in place: its process ends. "
+            "Wrap the function each rank runs instead: with idist.Parallel(...) as p: "
+            "p.run(recover_in_place(training, max_restarts=N), cfg); with Lightning, strategy='ddp' or torchrun, "
+            "the script calling recover_in_place(train)(...) around the Trainer")
+
+
 def get_session(group: dist.ProcessGroup | None = None, *, timeout: timedelta | None = None,
                 caller: str = "fail_together") -> Session | None:
     """The session of ``group`` (the world when ``None``), or ``None`` when there is nothing to
@@ -683,6 +699,8 @@ def get_session(group: dist.ProcessGroup | None = None, *, timeout: timedelta | 
         RuntimeError: the launcher says this is a multi-rank job but ``init_process_group`` has not
             been called yet.
         ValueError: this process is not a member of ``group``; an ``FTH_*`` variable is malformed.
+        RecoveryError: ``recover_in_place`` wraps the launcher that spawned this rank, not the rank's
+            function (it could not recover this rank in place).
     """
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
@@ -713,6 +731,7 @@ def get_session(group: dist.ProcessGroup | None = None, *, timeout: timedelta | 
         with _registry_lock:
             session = _registry.get(key)
             if session is None:
+                _check_not_spawned_by_recovery(caller)
                 # A new default group (destroy + init) makes every older session stale.
                 for stale in [k for k in _registry if k[0] != key[0]]:
                     old = _registry.pop(stale)

@@ -34,6 +34,30 @@ A rank hung in Python (``hang_timeout`` set) is interrupted where it hangs: its 
 handler raises), and the rank recovers with the others. A main thread stuck in C does not leave within
 :data:`~..core.config.INTERRUPT_WAIT`; that rank ends as without recovery.
 
+Launchers. ``recover_in_place`` runs in every rank's process, around what that rank runs:
+
+* **torchrun** (``--max-restarts 0`` or more): around the script's training function, which calls
+  ``init_process_group`` (or opens ``idist.Parallel(backend)``, or fits a Lightning ``Trainer``).
+* **Ignite's** ``idist.Parallel``: around the function each rank runs,
+  ``p.run(recover_in_place(training, max_restarts=2), cfg)``, with the ranks spawned
+  (``nproc_per_node=...``: the wrapped function pickles) or under torchrun. The group exists when the
+  recovery starts: it is re-made here over the same store (under spawn, rank 0 hosts that store on
+  ``MASTER_PORT``: it is re-used, never served twice), and ``idist`` keeps telling it (same backend,
+  ranks, world size). Under torchrun, ``recover_in_place(main)`` where ``main`` opens
+  ``idist.Parallel(backend)`` works too: its ``__exit__`` destroys the group on the failure path, the
+  recovery re-forms over the first rendezvous's store, and ``idist`` makes a new model for the next
+  attempt.
+* **Lightning's** ``strategy="ddp"`` run as ``python script.py``: Lightning starts the script again for
+  every other rank, so each rank wraps its own training; rank 0, which started them, starts none in
+  the next attempt (``LOCAL_RANK`` stays in its environment: :func:`..adapters.compat_lightning.keep_launched_ranks`).
+
+Not supported: ``recover_in_place`` around a launcher that *spawns* the ranks from its own process
+(``idist.Parallel(nproc_per_node=...)`` inside the wrapped function, Lightning ``ddp_spawn``,
+``ddp_fork``, ``ddp_notebook``, ``torch.multiprocessing.spawn``): it runs in the parent, and a failed
+rank's process ends. Every rank raises :class:`~..core.errors.RecoveryError` when its fail-together
+session starts, before any batch, and so does the parent once a rank failed, each naming what to
+wrap instead.
+
 Timeouts:
     ``join_timeout`` (``FTH_RECOVER_JOIN_SEC``, 60 s): every rank must reach the recovery this soon
     after rank 0 did, or the job ends as without recovery. Store calls of the recovery are bounded by
@@ -48,6 +72,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import asdict, replace
@@ -96,6 +121,8 @@ def _cause_of(err: BaseException, rank: int) -> Cause:
         not_in_place = f"this rank's {type(err).__name__} ends the job"
     elif isinstance(err, SectionMismatchError):
         not_in_place = "the ranks were out of step (a bug in the job: it would repeat)"
+    elif isinstance(err, RecoveryError):  # raised by the attempt: recovering in place cannot work in this job
+        not_in_place = f"this rank found it cannot recover in place: {(str(err).splitlines() or [''])[0][:300]}"
     try:
         message = str(err)
     except Exception:  # noqa: BLE001 - a broken __str__ must not stop the recovery
@@ -177,6 +204,7 @@ class _Recovery:
         """The attempts, in this process; a ``replacement`` (a keeper's new child) first joins the
         recovery its peers wait in."""
         compat_torchrun.capture_rendezvous()
+        running = attempts.enter_recovery()
         previous = self._install_interrupter()
         try:
             if replacement is not None:
@@ -189,7 +217,7 @@ class _Recovery:
                     self._left.set()
                     decision, timings = self._failed(err, started)
                     if not decision.restart:
-                        if attempts.in_place() and isinstance(decision, _Unsafe):
+                        if isinstance(decision, _Misplaced) or (attempts.in_place() and isinstance(decision, _Unsafe)):
                             raise RecoveryError(decision.why) from err
                         self._add_note(err, decision)
                         raise
@@ -198,6 +226,7 @@ class _Recovery:
                 self._reform(timings)
         finally:
             self._restore_interrupter(previous)
+            attempts.leave_recovery(running)
 
     def _join_as_replacement(self, cause: Cause) -> dict:
         """A keeper's new child: connect to torchrun's store as the rendezvous would, and take part in
@@ -221,6 +250,13 @@ class _Recovery:
         sessions = live_sessions()
         rank = world[1] if world is not None else (dist.get_rank() if dist.is_initialized() else 0)
         cause = _cause_of(err, rank)
+        if world is None and _ranks_spawned_here(err):
+            return _Misplaced(False, (
+                "recover_in_place wraps a function that spawned the ranks (idist.Parallel(nproc_per_node=...), "
+                "Lightning strategy='ddp_spawn' or 'ddp_fork', torch.multiprocessing.spawn): a rank failed "
+                f"({type(err).__name__}), and its process is gone, so nothing can be recovered in place. Wrap the "
+                "function each rank runs instead: with idist.Parallel(...) as p: p.run(recover_in_place(training, "
+                "max_restarts=N), cfg); with Lightning, strategy='ddp' or torchrun")), {}
         if world is None:
             return _Unsafe(False, "recover_in_place found no process group store to recover over (the group "
                                   "was made with init_process_group(store=...), or never)"), {}
@@ -398,6 +434,19 @@ class _Unsafe(Decision):
     """A decision to stop because the function cannot be called again (raised as :class:`RecoveryError`)."""
 
 
+class _Misplaced(_Unsafe):
+    """A decision to stop because the recovery wraps the launcher, not the ranks (always raised as
+    :class:`RecoveryError`, in the first attempt too)."""
+
+
+def _ranks_spawned_here(err: BaseException) -> bool:
+    """``err`` is what ``torch.multiprocessing`` raises in the process that spawned the ranks when one
+    failed (``idist.Parallel(nproc_per_node=...)``, Lightning ``ddp_spawn``)."""
+    import torch.multiprocessing as mp
+
+    return isinstance(err, (mp.ProcessRaisedException, mp.ProcessExitedException))
+
+
 def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 3,
                      join_timeout: timedelta | None = None, replace_dead: bool = True):
     """Run ``fn`` and, when it fails on every rank, recover in place: tear the attempt down, re-form the
@@ -417,7 +466,9 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
 
     Raises:
         TypeError, ValueError: a bad argument (named, with what it accepts).
-        RecoveryError: a later attempt failed before it trained: ``fn`` cannot be called twice.
+        RecoveryError: a later attempt failed before it trained: ``fn`` cannot be called twice; or
+            ``fn`` spawns the ranks (``idist.Parallel(nproc_per_node=...)``, Lightning ``ddp_spawn``):
+            wrap the function each rank runs instead.
         The last attempt's exception, with a note naming each attempt's cause, when the job is not
         recovered in place.
 
@@ -444,8 +495,41 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
     if not callable(fn):
         raise TypeError(f"recover_in_place(fn): fn must be the training function (a callable), got {fn!r}")
 
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> T:
-        return _Recovery(fn, max_restarts, join, replace_dead)(*args, **kwargs)
+    return _InPlace(fn, max_restarts, join, replace_dead)
 
-    return run
+
+class _InPlace:
+    """What :func:`recover_in_place` returns: ``fn`` wrapped, as a picklable object rather than a
+    closure, because launchers that spawn their ranks (``idist.Parallel(nproc_per_node=...)``,
+    ``mp.spawn``) pickle the function they run in each rank. It pickles by the name it is bound to
+    where it is a decorator (``@recover_in_place(...)``: the module's name *is* this object), and
+    otherwise as ``fn`` (by its own name) with the settings (``p.run(recover_in_place(train), cfg)``)."""
+
+    def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta,
+                 replace_dead: bool = True) -> None:
+        functools.update_wrapper(self, fn)  # first: it copies fn's attributes, which must not replace these
+        self.fn = fn
+        self.max_restarts = max_restarts
+        self.join_timeout = join_timeout
+        self.replace_dead = replace_dead
+
+    def __call__(self, *args: Any, **kwargs: Any) -> T:
+        return _Recovery(self.fn, self.max_restarts, self.join_timeout, self.replace_dead)(*args, **kwargs)
+
+    def __reduce__(self) -> str | tuple:
+        if _bound_as(self) is self:
+            return self.__qualname__
+        return _InPlace, (self.fn, self.max_restarts, self.join_timeout, self.replace_dead)
+
+    def __repr__(self) -> str:
+        return f"recover_in_place({self.fn!r}, max_restarts={self.max_restarts})"
+
+
+def _bound_as(obj: Any) -> Any:
+    """The object named ``obj.__module__`` + ``obj.__qualname__`` (``None``: no such name)."""
+    target = sys.modules.get(getattr(obj, "__module__", None) or "")
+    for part in (getattr(obj, "__qualname__", "") or "").split("."):
+        target = getattr(target, part, None)  # None for a function defined in a function (<locals>)
+        if target is None:
+            return None
+    return target
