@@ -110,12 +110,18 @@ def main() -> None:
     if unknown:
         parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from inplace, resume, scratch")
     results: dict[tuple[str, str], list[dict]] = {}
+    failed: dict[tuple[str, str], list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="fth-bench-resume-") as tmp:
         for rep in range(args.reps):
             for framework in args.frameworks.split(","):
                 modes = args.modes.split(",")
                 for mode in (modes if rep % 2 == 0 else modes[::-1]):
-                    res = one_run(framework, mode, args.fault, Path(tmp) / f"{framework}-{mode}-{rep}")
+                    try:
+                        res = one_run(framework, mode, args.fault, Path(tmp) / f"{framework}-{mode}-{rep}")
+                    except Exception as err:  # noqa: BLE001 - a run that did not recover is a result too
+                        failed.setdefault((framework, mode), []).append(f"run {rep + 1}: {err}")
+                        print(f"  {framework:9s} {mode:7s} run {rep + 1}: FAILED: {err}", flush=True)
+                        continue
                     results.setdefault((framework, mode), []).append(res)
                     print(f"  {framework:9s} {mode:7s} run {rep + 1}: fault -> first step {res['resume_sec']:.2f} s "
                           f"({'called again' if mode == 'inplace' else 'new processes started'} after "
@@ -133,6 +139,8 @@ def main() -> None:
         print(f"| {framework} | {names[mode]} | "
               f"{summary([r['resume_sec'] for r in runs], '.2f')} | {summary([r['restart_sec'] for r in runs], '.2f')} | "
               f"{summary([r['import_sec'] for r in runs], '.2f')} | {summary([r['recomputed'] for r in runs], 'd')} |")
+    for (framework, mode), why in sorted(failed.items()):
+        print(f"FAILED {framework} {mode}: {len(why)} run(s): {'; '.join(why)}")
     print(f"load average during the runs: {summary([r['load'] for rs in results.values() for r in rs], '.1f')} "
           f"on {os.cpu_count()} CPUs")
     ok = all(r["resume_sec"] <= 15 and r["recomputed"] <= EVERY
