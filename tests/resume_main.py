@@ -7,7 +7,8 @@ FRAMEWORK is ``ignite`` (``Checkpoint`` + ``DiskSaver`` every ``EVERY`` iteratio
 resumed with ``trainer.fit(..., ckpt_path=latest_checkpoint(dir))``). Both with ``FaultTolerance``
 attached and ``DistributedSampler(shuffle=True, seed=0)`` over 400 samples, batch 4 per rank
 (50 iterations an epoch), 3 epochs. Faults come from ``FTH_INJECT`` (first attempt only, the default),
-or, for Ignite, ``TORN_SAVE=<iteration>``: rank 0 killed in the middle of writing that checkpoint.
+or, for Ignite, ``TORN_SAVE=<iteration>``: rank 0 killed in the middle of writing that checkpoint, or
+``HANG_IN_C=<iteration>``: rank 1 hung where no signal reaches it.
 
 Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` at its start (which checkpoint
 it resumed from, at which iteration) and appends the sample indices of every batch it trains to
@@ -71,6 +72,9 @@ HANG = os.environ.get("FTH_HANG_TIMEOUT_SEC")
 #: hang_timeout for FaultTolerance: the variable's seconds, or "auto"
 HANG_TIMEOUT = None if not HANG else ("auto" if HANG.strip() == "auto" else timedelta(seconds=float(HANG)))
 TORN_SAVE = int(os.environ.get("TORN_SAVE", "0"))
+#: HANG_IN_C=<iteration>: Ignite's rank 1 hangs there in the first attempt where no signal reaches it
+#: (the interrupting signal blocked: what a hang inside a C call looks like to the recovery).
+HANG_IN_C = int(os.environ.get("HANG_IN_C", "0"))
 CKPT = OUT / "ckpt"
 MARKS: dict[str, float] = {}  # the attempt's start-up, step by step (the bench's breakdown)
 
@@ -166,6 +170,12 @@ def run_ignite() -> None:
     def step(engine, batch):
         idx, x, y = batch
         trace(engine.state.iteration, idx)
+        if HANG_IN_C and ATTEMPT == 0 and RANK == 1 and engine.state.iteration == HANG_IN_C:
+            from fault_tolerant_handlers.recover import INTERRUPT_SIGNAL
+
+            signal.pthread_sigmask(signal.SIG_BLOCK, {INTERRUPT_SIGNAL})
+            while True:
+                time.sleep(3600)
         opt.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()

@@ -231,3 +231,24 @@ def test_a_killed_dataloader_worker_needs_no_recovery(framework, tmp_path, tmp_p
         assert [(e["step"], e["idx"]) for e in trained(run, rank)] == [(e["step"], e["idx"]) for e in trained(ref, rank)]
     final, expected = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
     assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_a_rank_hung_where_no_signal_reaches_it_is_replaced_in_place(tmp_path, tmp_path_factory):
+    """Its main thread cannot be interrupted (``HANG_IN_C``: the signal blocked, as in a C call): it
+    ends as a hung rank (exit code 88) and its keeper replaces it."""
+    ref = reference("ignite", tmp_path_factory)
+    run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "HANG_IN_C": "37", "FTH_HANG_TIMEOUT_SEC": "3"})
+    assert_recovered_exactly(run, ref, "ignite", same_process=(True, False))
+    assert "exited with code 88: starting its replacement" in output
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_rank_0_killed_is_replaced_in_place(tmp_path, tmp_path_factory):
+    """Rank 0 decides each recovery: its replacement does, with the survivors waiting for it."""
+    ref = reference("ignite", tmp_path_factory)
+    run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "FTH_INJECT": "kill@rank=0,iteration=37"})
+    assert_recovered_exactly(run, ref, "ignite", same_process=(False, True))
+    assert "[rank 0] the training process of rank 0 (pid" in output
