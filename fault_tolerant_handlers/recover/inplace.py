@@ -293,6 +293,8 @@ class _Recovery:
         seconds = self.join_timeout.total_seconds()
         try:
             store.set_timeout(self.join_timeout)
+            if gen >= self.max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
+                cause = replace(cause, not_in_place=f"max_restarts={self.max_restarts} recoveries in place already spent")
             if _needs_keeper(cause) and not store.check([keeper_key(cause.failed_rank)]):
                 cause = replace(cause, not_in_place=NOT_IN_PLACE["PeerLost"])
             store.set(f"{prefix}cause/{rank}", cause.to_json())
