@@ -107,3 +107,29 @@ def test_max_restarts_and_a_repeat_end_the_job():
     assert not repeat.restart and "repeats at the same iteration" in repeat.why
     moved_on = decide(dist.HashStore(), [failure(0, step=45), failure(1, step=45)], gen=1, history=[failure(1)])
     assert moved_on.restart
+
+
+def test_with_max_restarts_spent_a_rank_ends_at_once_without_waiting_for_rank_0(monkeypatch):
+    from fault_tolerant_handlers.core import attempts
+
+    monkeypatch.setattr(attempts, "_in_place", 2)
+    store = dist.HashStore()
+    recovery = _Recovery(print, 2, timedelta(seconds=30))
+    decision = recovery._agree((store, 1, 2, "gloo", timedelta(seconds=30)), failure(1))
+    assert not decision.restart and decision.why == "max_restarts=2 recoveries in place already spent"
+    assert store.add("fth/recover/0/2/stop", 0) == 1  # rank 0 learns it too, without waiting for anyone
+
+
+def test_a_killed_peer_is_waited_for_only_when_it_has_a_keeper():
+    killed = Cause(0, 1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", "", -1, False, "")
+    recovery = _Recovery(print, 3, timedelta(seconds=30))
+    alone = dist.HashStore()
+    decision = recovery._agree((alone, 0, 2, "gloo", timedelta(seconds=30)), killed)
+    assert not decision.restart and decision.why.startswith("a rank was lost")
+    kept = dist.HashStore()
+    kept.set("fth/recover/0/keeper/1", "1")
+    replacement = Cause(1, 1, "RankReplaced", "the process of rank 1 (pid 7) killed by SIGKILL: replaced", "", -1, True, "")
+    kept.set("fth/recover/0/0/cause/1", replacement.to_json())  # rank 1's replacement is already in
+    kept.add("fth/recover/0/0/arrived", 1)
+    decision = recovery._agree((kept, 0, 2, "gloo", timedelta(seconds=30)), killed)
+    assert decision.restart and decision.why.startswith("rank 1 failed: RankReplaced"), decision
