@@ -10,12 +10,14 @@ Public names:
 * :func:`writing_checkpoint`: mark a checkpoint write that a reported exit must wait for.
 * :class:`RestartableDataLoader`, :func:`make_restartable`: a DataLoader that survives worker death.
 * :func:`latest_checkpoint`: the newest complete checkpoint in a directory, the same on every rank.
+* :func:`load_checkpoint`: ``torch.load``, from this process's memory after a recovery in place.
 * :func:`recover_in_place`: after a failure, the same processes re-form the group and train on.
 * :func:`recovery_attempt`: how many times this process recovered in place.
 """
 
 from .launchers import compat_torchrun as _compat_torchrun
 from .data.checkpoints import latest_checkpoint
+from .data.snapshots import load_checkpoint
 from .data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
 from .core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError
 from .core.release import EXIT_TEARDOWN_STUCK
@@ -37,6 +39,7 @@ __all__ = [
     "WorkerRestart",
     "fail_together",
     "latest_checkpoint",
+    "load_checkpoint",
     "make_restartable",
     "one_rank_first",
     "recover_in_place",

@@ -55,6 +55,7 @@ from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
 from .core import attempts
+from .data import snapshots
 from .core.errors import RecoveryError
 from .core.log import log
 from .detect.autohang import CHECKPOINT, EVALUATION, STEP
@@ -200,6 +201,8 @@ class FaultTolerance(_CallbackBase):
         _compat_lightning.check(trainer)
         if attempts.recovering():
             self._keep_launched_ranks(trainer)
+            # the newest checkpoint in memory: the next attempt's fit(ckpt_path=...) reads it from there
+            _compat_lightning.keep_checkpoints_in_memory(trainer.strategy, snapshots.keep, snapshots.copy_of_newest)
         # First in line on the exception path: release before any other on_exception runs a collective.
         # (Lightning iterates this very list; moving an already-called item to the front skips no one.)
         callbacks = trainer.callbacks

@@ -37,7 +37,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fault_tolerant_handlers import RestartableDataLoader, latest_checkpoint  # noqa: E402
+from fault_tolerant_handlers import RestartableDataLoader, latest_checkpoint, load_checkpoint  # noqa: E402
 
 FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
 RANK = int(os.environ["RANK"])
@@ -99,6 +99,13 @@ def make_loader() -> RestartableDataLoader:
     data = Regression()
     sampler = DistributedSampler(data, num_replicas=2, rank=RANK, shuffle=True, seed=0)
     return RestartableDataLoader(data, batch_size=4, sampler=sampler, num_workers=WORKERS, max_restarts=3)
+
+
+def in_memory(path: str | None) -> bool:
+    """This process holds the checkpoint at ``path`` in memory (recovering in place: data.snapshots)."""
+    from fault_tolerant_handlers.data import snapshots
+
+    return path is not None and snapshots.newest(path) is not None
 
 
 def note(info: dict) -> None:
@@ -190,10 +197,10 @@ def run_ignite() -> None:
     mark("ddp")
     path = latest_checkpoint(CKPT) if RESUME else None
     mark("latest_checkpoint")
-    if path:
-        Checkpoint.load_objects(to_load=to_save, checkpoint=path)
+    if path:  # load_checkpoint: torch.load, or this process's copy after a recovery in place
+        Checkpoint.load_objects(to_load=to_save, checkpoint=load_checkpoint(path))
     mark("loaded")
-    note({"resumed_from": path, "start_iteration": trainer.state.iteration})
+    note({"resumed_from": path, "start_iteration": trainer.state.iteration, "in_memory": in_memory(path)})
     trainer.run(loader, max_epochs=EPOCHS)
     done(loader)
     if RANK == 0:
@@ -235,8 +242,8 @@ def run_lightning() -> None:
     )
     path = latest_checkpoint(CKPT) if RESUME else None
     mark("latest_checkpoint")
-    start = torch.load(path, map_location="cpu", weights_only=False)["global_step"] if path else 0
-    note({"resumed_from": path, "start_iteration": start})
+    start = load_checkpoint(path, map_location="cpu", weights_only=False)["global_step"] if path else 0
+    note({"resumed_from": path, "start_iteration": start, "in_memory": in_memory(path)})
     model = Module()
     trainer.fit(model, make_loader(), ckpt_path=path)
     done(trainer.train_dataloader)

@@ -163,3 +163,28 @@ def keep_launched_ranks(trainer: Any) -> bool:
             "the other ranks again in the next attempt (its creates_processes_externally stays False once they were "
             "started); launch the ranks with torchrun instead")
     return True
+
+
+def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any], newest: Callable[[Any], Any]) -> None:
+    """Recovering in place: ``Strategy.save_checkpoint(checkpoint, filepath, ...)`` (public, called on
+    every rank; it writes on rank 0) also calls ``keep(filepath, checkpoint)``, and
+    ``Strategy.load_checkpoint(path, ...)`` returns ``newest(path)`` when that is not ``None``
+    (:mod:`..data.snapshots`). On this strategy object only; once."""
+    if getattr(strategy, "_fth_snapshots", False):
+        return
+    save, load = strategy.save_checkpoint, strategy.load_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(checkpoint: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        result = save(checkpoint, filepath, *args, **kwargs)
+        keep(filepath, checkpoint)
+        return result
+
+    @functools.wraps(load)
+    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        kept = newest(checkpoint_path)
+        return kept if kept is not None else load(checkpoint_path, *args, **kwargs)
+
+    strategy.save_checkpoint = save_checkpoint
+    strategy.load_checkpoint = load_checkpoint
+    strategy._fth_snapshots = True

@@ -24,6 +24,7 @@ from ignite.handlers import DiskSaver
 
 from ..core.log import log
 from ..data.loader import RestartableDataLoader
+from ..data import snapshots
 
 __all__ = ["SafeDiskSaver", "check_mid_epoch_resume"]
 
@@ -51,6 +52,7 @@ class SafeDiskSaver(DiskSaver):
 
     def __call__(self, checkpoint: Any, filename: str, metadata: Any = None) -> None:
         super().__call__(checkpoint, filename, metadata)  # raises (or is killed): nothing is removed
+        snapshots.keep(self.dirname / filename, checkpoint)  # recovering in place: read from memory
         pending, self._fth_pending_removal = self._fth_pending_removal, []
         for name in pending:
             if name != filename:  # the same name saved again: the new file replaced it already

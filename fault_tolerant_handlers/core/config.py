@@ -27,6 +27,8 @@ variable                        default    accepted              meaning
 ``FTH_ATTEMPT_STORE``           1          0, 1                  one store namespace per torchrun attempt
 ``FTH_RECOVER_JOIN_SEC``        60         1 .. 86400            recovering in place: every rank must reach
                                                                  the recovery this soon after the first
+``FTH_SNAPSHOT``                1          0, 1                  recovering in place: the newest checkpoint
+                                                                 also kept in memory (data.snapshots)
 ==============================  =========  ====================  ======================================
 """
 
@@ -58,6 +60,7 @@ AUTO_HANG_MULTIPLE_ENV = "FTH_AUTO_HANG_MULTIPLE"
 AUTO_HANG_FLOOR_ENV = "FTH_AUTO_HANG_FLOOR_SEC"
 AUTO_HANG_WARMUP_ENV = "FTH_AUTO_HANG_WARMUP"
 RECOVER_JOIN_ENV = "FTH_RECOVER_JOIN_SEC"
+SNAPSHOT_ENV = "FTH_SNAPSHOT"
 #: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`.autohang`).
 AUTO = "auto"
 
@@ -86,7 +89,7 @@ _ENV_OF = {
     "ckpt_agree_timeout": CKPT_AGREE_TIMEOUT_ENV,
     "recover_join_timeout": RECOVER_JOIN_ENV,
 }
-KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV, AUTO_HANG_MULTIPLE_ENV,
+KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, AUTO_HANG_MULTIPLE_ENV,
              AUTO_HANG_FLOOR_ENV, AUTO_HANG_WARMUP_ENV)
 
 

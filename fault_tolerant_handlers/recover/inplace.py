@@ -88,7 +88,7 @@ from ..core.log import log
 from ..core.records import cap_head
 from ..core.release import EXIT_TEARDOWN_STUCK
 from ..core.session import AGREED_ATTR, PUBLISHED_ATTR, live_sessions
-from ..data import loader as _loader
+from ..data import loader as _loader, snapshots
 from ..launchers import compat_torchrun
 from . import keeper
 from .causes import KEY_ROOT, NOT_IN_PLACE, Cause, Decision, _base_of, _needs_keeper, keeper_key
@@ -227,6 +227,7 @@ class _Recovery:
         finally:
             self._restore_interrupter(previous)
             attempts.leave_recovery(running)
+            snapshots.forget()  # the newest checkpoint's copy in memory: no attempt will read it now
 
     def _join_as_replacement(self, cause: Cause) -> dict:
         """A keeper's new child: connect to torchrun's store as the rendezvous would, and take part in

@@ -66,6 +66,8 @@ def assert_recovered_exactly(run: Path, ref: Path, framework: str, attempts: int
         assert (len(pids) == 1) == same_process[rank], f"rank {rank}: pids of its attempts {pids}"
         assert seen[attempts]["done"] and not any(seen[a].get("done") for a in range(attempts))
         last = seen[attempts]
+        # a process that saved the newest checkpoint reads it from its memory; a replacement from the file
+        assert last["in_memory"] == same_process[rank], last
         assert last["start_iteration"] % 10 == 0 and last["first_step"] == last["start_iteration"] + 1, last
         name = Path(last["resumed_from"]).name
         assert name in ((f"checkpoint_{last['start_iteration']}.pt",) if framework == "ignite"

@@ -1,0 +1,133 @@
+"""The newest checkpoint kept in this process's memory, so that recovering in place does not read it
+back from (shared) storage.
+
+While :func:`~fault_tolerant_handlers.recover_in_place` runs, every checkpoint the library sees being
+written (Ignite's :class:`~fault_tolerant_handlers.ignite.SafeDiskSaver`, on every rank; Lightning's
+``ModelCheckpoint`` through the callback, on every rank) is also copied into memory: its tensors to
+CPU (``clone``), the rest deep-copied. Only the newest is kept. After a recovery,
+:func:`load_checkpoint` returns that copy for the path :func:`~fault_tolerant_handlers.latest_checkpoint`
+names, instead of reading the file; anything else (another file, a process that has no copy: a
+replaced rank's new process, a relaunch) reads the file, as ``torch.load`` would. The Lightning
+callback makes ``trainer.fit(ckpt_path=...)`` use it by itself; with Ignite, load with
+``Checkpoint.load_objects(to_load, checkpoint=load_checkpoint(path))``.
+
+Cost, per checkpoint while a recovery runs: one copy of what is saved (model, optimizer, loader
+state) in this process's memory, and the time to copy it (a memcpy of the tensors; from a GPU, a
+device-to-host copy, as ``torch.save`` makes too). Outside ``recover_in_place`` nothing is copied.
+``FTH_SNAPSHOT=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core import attempts
+from ..core.config import SNAPSHOT_ENV  # ``0``: keep no checkpoint in memory
+from ..core.log import log
+
+_lock = threading.Lock()
+#: (resolved paths, the copy, its bytes, its stamp): one copy, under every name it was written to in
+#: the same round (Lightning writes ``last.ckpt`` beside the step's file: the same global step).
+_newest: tuple[frozenset[str], Any, int, tuple | None] | None = None
+#: What the last copy cost: seconds and bytes (the bench reads them).
+last_cost: tuple[float, int] = (0.0, 0)
+
+
+def enabled() -> bool:
+    value = os.environ.get(SNAPSHOT_ENV, "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{SNAPSHOT_ENV}={value!r}: expected one of 0, 1")
+    return value == "1" and attempts.recovering()
+
+
+def _key(path: str | os.PathLike) -> str:
+    return str(Path(path).resolve())
+
+
+def _copy(obj: Any, sizes: list[int]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        sizes.append(obj.numel() * obj.element_size())
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        copied = {k: _copy(v, sizes) for k, v in obj.items()}
+        if type(obj) is not dict:
+            copied = type(obj)(copied.items())
+        if hasattr(obj, "_metadata"):  # a module's state_dict: the versions its load_state_dict reads
+            copied._metadata = copy.deepcopy(obj._metadata)
+        return copied
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_copy(v, sizes) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _stamp(checkpoint: Any) -> tuple | None:
+    """Lightning's (epoch, global step) of a checkpoint, ``None`` for anything else."""
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("global_step"), int):
+        return checkpoint.get("epoch"), checkpoint["global_step"]
+    return None
+
+
+def keep(path: str | os.PathLike, checkpoint: Any) -> bool:
+    """``checkpoint`` is being written to ``path``: keep a copy (the newest only) while a recovery
+    in place runs. Never raises: a checkpoint that cannot be copied is simply read from the file."""
+    global _newest, last_cost
+    try:
+        if not enabled():
+            return False
+        stamp = _stamp(checkpoint)
+        with _lock:
+            if _newest is not None and stamp is not None and _newest[3] == stamp:
+                _newest = (_newest[0] | {_key(path)}, *_newest[1:])
+                return True
+        start, sizes = time.perf_counter(), []
+        copied = _copy(checkpoint, sizes)
+        with _lock:
+            _newest = (frozenset({_key(path)}), copied, sum(sizes), stamp)
+        last_cost = (time.perf_counter() - start, sum(sizes))
+        return True
+    except Exception as err:  # noqa: BLE001 - the file is the fallback
+        log(logging.DEBUG, "not keeping checkpoint %s in memory: %s", path, err)
+        with _lock:
+            _newest = None
+        return False
+
+
+def forget() -> None:
+    global _newest
+    with _lock:
+        _newest = None
+
+
+def newest(path: str | os.PathLike) -> Any | None:
+    """The copy kept for ``path``, or ``None``."""
+    with _lock:
+        kept = _newest
+    if kept is None or _key(path) not in kept[0]:
+        return None
+    return kept[1]
+
+
+def copy_of_newest(path: str | os.PathLike) -> Any | None:
+    """A copy of the copy kept for ``path`` (see :func:`load_checkpoint`), or ``None``."""
+    kept = newest(path)
+    if kept is None:
+        return None
+    log(logging.INFO, "checkpoint %s read from this process's memory", Path(path).name)
+    return _copy(kept, [])
+
+
+def load_checkpoint(path: str | os.PathLike, **torch_load_kwargs: Any) -> Any:
+    """The checkpoint at ``path``: this process's copy in memory when it has the newest one (after a
+    recovery in place), else ``torch.load(path, **torch_load_kwargs)``. A copy of the copy is handed
+    out (an optimizer's ``load_state_dict`` may keep the tensors it is given and update them in
+    place), so the one kept stays valid for the next recovery."""
+    kept = copy_of_newest(path)
+    return kept if kept is not None else torch.load(path, **torch_load_kwargs)
