@@ -202,7 +202,7 @@ class FaultTolerance(_CallbackBase):
         if attempts.recovering():
             self._keep_launched_ranks(trainer)
             # the newest checkpoint in memory: the next attempt's fit(ckpt_path=...) reads it from there
-            _compat_lightning.keep_checkpoints_in_memory(trainer.strategy, snapshots.keep, snapshots.copy_of_newest)
+            _compat_lightning.keep_checkpoints_in_memory(trainer.strategy, snapshots.keep, snapshots.take)
         # First in line on the exception path: release before any other on_exception runs a collective.
         # (Lightning iterates this very list; moving an already-called item to the front skips no one.)
         callbacks = trainer.callbacks

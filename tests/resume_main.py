@@ -242,7 +242,11 @@ def run_lightning() -> None:
     )
     path = latest_checkpoint(CKPT) if RESUME else None
     mark("latest_checkpoint")
-    start = load_checkpoint(path, map_location="cpu", weights_only=False)["global_step"] if path else 0
+    from fault_tolerant_handlers.data import snapshots
+
+    # the step it resumes at (from the copy in memory without taking it: fit() takes it)
+    kept = snapshots.newest(path) if path else None
+    start = (kept or torch.load(path, map_location="cpu", weights_only=False))["global_step"] if path else 0
     note({"resumed_from": path, "start_iteration": start, "in_memory": in_memory(path)})
     model = Module()
     trainer.fit(model, make_loader(), ckpt_path=path)

@@ -236,6 +236,15 @@ def attempt_store() -> bool:
     return value == "1"
 
 
+def snapshot() -> bool:
+    """``FTH_SNAPSHOT``: keep the newest checkpoint in memory while recovering in place (default 1)."""
+    raw = os.environ.get(SNAPSHOT_ENV, "")
+    value = raw.strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{SNAPSHOT_ENV}={raw!r}: expected one of 0, 1")
+    return value == "1"
+
+
 def recover_join_timeout() -> timedelta:
     return env_timedelta("recover_join_timeout") or timedelta(seconds=60)
 
@@ -285,6 +294,7 @@ def load() -> Config:
             ", ".join(KNOWN_ENV))
     values = {name: env_timedelta(name) for name in _ENV_OF if name not in ("hang_timeout", "recover_join_timeout")}
     recover_join_timeout()
+    snapshot()
     values["hang_timeout"] = env_hang_timeout()
     auto_hang()
     attempt_store()

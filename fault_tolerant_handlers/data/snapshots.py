@@ -5,7 +5,7 @@ While :func:`~fault_tolerant_handlers.recover_in_place` runs, every checkpoint t
 written (Ignite's :class:`~fault_tolerant_handlers.ignite.SafeDiskSaver`, on every rank; Lightning's
 ``ModelCheckpoint`` through the callback, on every rank) is also copied into memory: its tensors to
 CPU (``clone``), the rest deep-copied. Only the newest is kept. After a recovery,
-:func:`load_checkpoint` returns that copy for the path :func:`~fault_tolerant_handlers.latest_checkpoint`
+:func:`load_checkpoint` hands that copy over (once) for the path :func:`~fault_tolerant_handlers.latest_checkpoint`
 names, instead of reading the file; anything else (another file, a process that has no copy: a
 replaced rank's new process, a relaunch) reads the file, as ``torch.load`` would. The Lightning
 callback makes ``trainer.fit(ckpt_path=...)`` use it by itself; with Ignite, load with
@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-from ..core import attempts
-from ..core.config import SNAPSHOT_ENV  # ``0``: keep no checkpoint in memory
+from ..core import attempts, config
 from ..core.log import log
 
 _lock = threading.Lock()
@@ -42,10 +41,9 @@ last_cost: tuple[float, int] = (0.0, 0)
 
 
 def enabled() -> bool:
-    value = os.environ.get(SNAPSHOT_ENV, "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{SNAPSHOT_ENV}={value!r}: expected one of 0, 1")
-    return value == "1" and attempts.recovering()
+    """A copy is kept: a recovery in place runs here, and ``FTH_SNAPSHOT`` is not ``0`` (checked with
+    the other settings when a session starts)."""
+    return attempts.recovering() and config.snapshot()
 
 
 def _key(path: str | os.PathLike) -> str:
@@ -115,19 +113,23 @@ def newest(path: str | os.PathLike) -> Any | None:
     return kept[1]
 
 
-def copy_of_newest(path: str | os.PathLike) -> Any | None:
-    """A copy of the copy kept for ``path`` (see :func:`load_checkpoint`), or ``None``."""
-    kept = newest(path)
-    if kept is None:
-        return None
+def take(path: str | os.PathLike) -> Any | None:
+    """The copy kept for ``path``, handed over once (it is forgotten here: the loader may keep its
+    tensors, as an optimizer's ``load_state_dict`` does, and update them in place); ``None`` when
+    this process keeps none for ``path``."""
+    global _newest
+    with _lock:
+        kept = _newest
+        if kept is None or _key(path) not in kept[0]:
+            return None
+        _newest = None
     log(logging.INFO, "checkpoint %s read from this process's memory", Path(path).name)
-    return _copy(kept, [])
+    return kept[1]
 
 
 def load_checkpoint(path: str | os.PathLike, **torch_load_kwargs: Any) -> Any:
-    """The checkpoint at ``path``: this process's copy in memory when it has the newest one (after a
-    recovery in place), else ``torch.load(path, **torch_load_kwargs)``. A copy of the copy is handed
-    out (an optimizer's ``load_state_dict`` may keep the tensors it is given and update them in
-    place), so the one kept stays valid for the next recovery."""
-    kept = copy_of_newest(path)
+    """The checkpoint at ``path``: this process's copy in memory when it keeps the newest one (after
+    a recovery in place; handed over once, :func:`take`), else ``torch.load(path, **torch_load_kwargs)``
+    (a second recovery before the next checkpoint reads the file)."""
+    kept = take(path)
     return kept if kept is not None else torch.load(path, **torch_load_kwargs)
