@@ -95,11 +95,12 @@ def test_a_raise_recovers_in_place_exactly(framework, tmp_path, tmp_path_factory
 
 @pytest.mark.long
 @pytest.mark.timeout(300)
-def test_a_hung_rank_is_interrupted_and_recovers_in_place(tmp_path, tmp_path_factory):
-    ref = reference("ignite", tmp_path_factory)
-    run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "FTH_INJECT": "hang@rank=1,iteration=37",
-                                                   "FTH_HANG_TIMEOUT_SEC": "3"})
-    assert_recovered_exactly(run, ref, "ignite")
+@pytest.mark.parametrize("framework", ["ignite", "lightning"])
+def test_a_hung_rank_is_interrupted_and_recovers_in_place(framework, tmp_path, tmp_path_factory):
+    ref = reference(framework, tmp_path_factory)
+    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "FTH_INJECT": "hang@rank=1,iteration=37",
+                                                    "FTH_HANG_TIMEOUT_SEC": "3"})
+    assert_recovered_exactly(run, ref, framework)
     assert "[rank 1] the hung main thread was interrupted: recovering in place" in output
     assert "HangInterrupted" in output
 
