@@ -41,9 +41,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from regression_data import Regression  # noqa: E402 - beside this program
 
 from fault_tolerant_handlers import RestartableDataLoader, latest_checkpoint, recover_in_place, recovery_attempt  # noqa: E402
 
@@ -56,20 +57,8 @@ PG_TIMEOUT = timedelta(seconds=float(os.environ.get("PG_TIMEOUT_SEC", "20")))
 CKPT = OUT / "ckpt"
 
 
-class Regression(Dataset):
-    """Sample i is a fixed function of i only."""
-
-    def __len__(self) -> int:
-        return 200
-
-    def __getitem__(self, i: int):
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(8, generator=g)
-        return i, x, x.sum(0, keepdim=True) * 0.5 + 1.0
-
-
 def make_loader(rank: int, world: int) -> RestartableDataLoader:
-    data = Regression()
+    data = Regression(200)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     return RestartableDataLoader(data, batch_size=4, sampler=sampler, num_workers=WORKERS, max_restarts=3)
 
