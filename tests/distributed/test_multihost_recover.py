@@ -7,13 +7,13 @@ a checkpoint every 10 iterations, wrapped in ``recover_in_place(max_restarts=2)`
   checkpoint and end with the weights of an uninterrupted run on the rig (``torch.equal``);
 * a SIGKILLed rank on node-b: node-b's keeper forks its replacement, node-a's rank keeps its
   process, the weights are the uninterrupted run's;
-* node-b dies, or its link is cut: not recovered in place; the survivors end within a few seconds
-  (not after the 60 s recovery join timeout) naming the lost rank, with the log line
-  ``not recovered in place: ...`` saying why.
+* node-b dies, node-a (the store's host) dies, or node-b's link is cut: not recovered in place;
+  the survivors end within a few seconds (not after the 60 s recovery join timeout) naming the lost
+  rank, with the log line ``not recovered in place: ...`` saying why.
 
 The SIGKILL and the cut link run in the default suite (the cut link is the regression test of the
 recovery's bounded store calls); the raise (proven on one host by ``test_recover_in_place.py``) and
-the lost host are ``long`` (``make test-multihost``, ``make test-long``). Each run takes 10-20 s here;
+the lost hosts are ``long`` (``make test-multihost``, ``make test-long``). Each run takes 10-20 s here;
 the reference run on the rig (no fault) is made once per session.
 """
 
@@ -172,6 +172,8 @@ def assert_recovered_exactly(run: Run, ref: Path, same_process: tuple[bool, bool
         got, want = run.trained(rank), [(e["step"], e["idx"]) for e in json_lines(ref / f"batches{rank}.jsonl")]
         assert [(e["step"], e["idx"]) for e in got if e["attempt"] == 0] == want[:len([e for e in got if e["attempt"] == 0])]
         assert [(e["step"], e["idx"]) for e in got if e["attempt"] == 1] == want[30:], f"rank {rank}: attempt 1's batches"
+        print(f"rank {rank} on {run.host_of(rank)}: keeper pid {keeper}, attempt 0 pid {calls[0]['pid']}, attempt 1 pid "
+              f"{calls[1]['pid']}, resumed from {Path(last['resumed_from']).name}, trained to the end")
     final, expected = torch.load(run.out / "weights.pt"), torch.load(ref / "weights.pt")
     assert set(final) == set(expected)
     for key in expected:
@@ -203,6 +205,8 @@ def assert_ended_naming(run: Run, rank: int, lost: int, host: str | None, kinds:
     assert rank in run.ended_at and run.ended_at[rank] - since <= ended_within, (
         f"rank {rank} ended {run.ended_at.get(rank, float('inf')) - since:.1f} s after the fault (bound {ended_within} s; "
         f"the recovery's join timeout is 60 s)\n{run.describe()}")
+    print(f"rank {rank} on {run.host_of(rank)}: raised {raised['exc_type']} naming rank {lost} {raised['t'] - since:.2f} s "
+          f"after the fault, its process ended {run.ended_at[rank] - since:.2f} s after; not recovered in place: {logged[0]}")
     return logged[0]
 
 
@@ -252,12 +256,27 @@ def test_a_lost_host_is_not_recovered_in_place_and_the_survivor_ends_at_once(tmp
     assert why.startswith(("a rank was lost", "a rank went silent")), why
 
 
+@pytest.mark.long
+def test_a_lost_store_host_is_not_recovered_in_place_and_the_survivor_ends_at_once(tmp_path):
+    """Everything on node-a (rank 0, torchrun's store, the rendezvous) is SIGKILLed mid-run: rank 1
+    (node-b) names rank 0 on node-a within 5 s, does not recover in place (its store is gone), logs
+    why and its process ends within 10 s."""
+    run = run_recover(tmp_path, "kill_host", fault_host=0, env=LONG_RUN, after_fault=20)
+    assert_on_their_hosts(run)
+    assert run.fault_at is not None and 0 in run.ended_at, run.describe()
+    why = assert_ended_naming(run, 1, 0, "node-a", ("PeerLost", "PeerSilent"), since=max(run.fault_at, run.ended_at[0]),
+                              named_within=5.0, ended_within=10.0)
+    assert why.startswith(("a rank was lost", "a rank went silent")), why
+
+
 def test_a_cut_link_is_not_recovered_in_place_and_both_sides_end_at_once(tmp_path):
-    """node-b's link goes down mid-run: rank 0 (node-a, with the store) names rank 1 within 5 s,
-    rank 1 (cut off from the store) names rank 0 within 10 s; neither recovers in place, each logs
-    why, and both processes end within 10 s of the cut. Rank 1's recovery cannot reach the store: it
-    tells what it can within 2 s and ends (a store call blocked on the cut link used to hold it
-    for TCP's retransmission timeout, far past the 60 s join timeout)."""
+    """node-b's link goes down mid-run: rank 0 (node-a, with the store) names rank 1 within 5 s and
+    its process ends within 10 s; rank 1 (cut off from the store) names rank 0 within 10 s and ends
+    within 12 s (measured: 6.2 s and 7.5 s: the store declared lost after FTH_STORE_LOST_SEC, 4 s,
+    then its recovery tells the peers what it can within RECOVER_TELL_SEC, 2 s). Neither recovers in
+    place, each logs why. Before the recovery's store calls were bounded, rank 1 stayed blocked in
+    the call telling its cause (a read on the cut link waits for TCP's retransmission timeout),
+    far past the 60 s join timeout."""
     run = run_recover(tmp_path, "cut_link", env=LONG_RUN, after_fault=20)
     assert_on_their_hosts(run)
     assert run.fault_at is not None, run.describe()
@@ -265,5 +284,5 @@ def test_a_cut_link_is_not_recovered_in_place_and_both_sides_end_at_once(tmp_pat
                               ended_within=10.0)
     assert why.startswith(("a rank was lost", "a rank went silent")), why
     why = assert_ended_naming(run, 1, 0, None, ("PeerLost", "PeerSilent"), since=run.fault_at, named_within=10.0,
-                              ended_within=10.0)
+                              ended_within=12.0)
     assert why.startswith(("a rank was lost", "a rank went silent")), why
