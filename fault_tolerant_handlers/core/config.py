@@ -348,6 +348,7 @@ def load() -> Config:
 # CALL_SLACK                   0.5      core.schema                  a store call past its connection's timeout
 # RECOVER_POLL                 0.01     recover.inplace              rank 0 counts the ranks that reached a recovery
 # RECOVER_TEARDOWN_SEC         10       recover.inplace              destroying a failed attempt's groups
+# RECOVER_TELL_SEC             2.0      recover.inplace              a rank that ends tells its peers why (store calls)
 # INTERRUPT_WAIT               2.0      detect.watchdog              a hung main thread leaves its hang when interrupted
 # ===========================  =======  ===========================  ==============================================
 
@@ -421,6 +422,11 @@ RECOVER_POLL = 0.01
 #: Recovering in place: destroying a failed attempt's process groups (measured: 20 ms) must end
 #: within this many seconds, else the process ends (EXIT_TEARDOWN_STUCK) and its launcher relaunches.
 RECOVER_TEARDOWN_SEC = 10.0
+#: Recovering in place, a rank whose cause is not recovered in place (a rank or the store lost, a
+#: signal) ends at once; its store calls only tell its peers why (so that rank 0 ends the job without
+#: waiting for the join timeout), and all of them together are given this many seconds: the store may
+#: be what is gone, and a read from a store whose host or link is gone blocks for minutes.
+RECOVER_TELL_SEC = 2.0
 #: Recovering in place, a rank hung in Python is interrupted; if its main thread has not left the
 #: hang this many seconds later (stuck in C), it ends as without recovery (EXIT_HUNG).
 INTERRUPT_WAIT = 2.0

@@ -61,7 +61,10 @@ wrap instead.
 Timeouts:
     ``join_timeout`` (``FTH_RECOVER_JOIN_SEC``, 60 s): every rank must reach the recovery this soon
     after rank 0 did, or the job ends as without recovery. Store calls of the recovery are bounded by
-    the same timeout.
+    the same timeout, each on a thread of its own (a read from a store whose host or link is gone
+    would block for minutes). A rank whose cause is not recovered in place (a rank or the store
+    lost, a signal) only tells the others why, within :data:`~..core.config.RECOVER_TELL_SEC` (2 s),
+    and ends: a rank cut off from the store ends as soon as it has named the cause.
 """
 
 from __future__ import annotations
@@ -82,11 +85,12 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from ..core import attempts, compat_torch as _compat_torch, config, events
-from ..core.config import RECOVER_POLL, RECOVER_TEARDOWN_SEC
+from ..core.config import RECOVER_POLL, RECOVER_TEARDOWN_SEC, RECOVER_TELL_SEC
 from ..core.errors import PeerFailedError, RecoveryError, SectionMismatchError
 from ..core.log import log
 from ..core.records import cap_head
-from ..core.release import EXIT_TEARDOWN_STUCK
+from ..core.release import EXIT_TEARDOWN_STUCK, store_ports
+from ..core.schema import Connection, StoreCallTimeout, unblock_stuck_calls
 from ..core.session import AGREED_ATTR, PUBLISHED_ATTR, live_sessions
 from ..data import loader as _loader, snapshots
 from ..launchers import compat_torchrun
@@ -292,31 +296,53 @@ class _Recovery:
         gen = attempts.in_place()
         prefix = f"{KEY_ROOT}/{attempts.restart()}/{gen}/"
         seconds = self.join_timeout.total_seconds()
+        # Every store call here runs on a thread of its own and is waited for within a deadline:
+        # c10d bounds waiting for a key, not a read from a store whose host or link is gone (that
+        # blocks for TCP's retransmission timeout, minutes). A rank that ends anyway (its cause is not
+        # recovered in place, or tells it is: the keeper's key) only tells its peers, within
+        # RECOVER_TELL_SEC; the others wait for each other within the join timeout (c10d's own
+        # timeout of a wait for a key comes first: this deadline is for a store that does not answer).
+        conn = Connection(lambda: store, timedelta(seconds=seconds + 5), "recover")
+        bounded = _Bounded(conn)
+        started = time.monotonic()
+        conn.deadline = started + RECOVER_TELL_SEC
         try:
-            store.set_timeout(self.join_timeout)
             if gen >= self.max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
                 cause = replace(cause, not_in_place=f"max_restarts={self.max_restarts} recoveries in place already spent")
-            if _needs_keeper(cause) and not store.check([keeper_key(cause.failed_rank)]):
+            if _needs_keeper(cause) and not bounded.check([keeper_key(cause.failed_rank)]):
                 cause = replace(cause, not_in_place=NOT_IN_PLACE["PeerLost"])
-            store.set(f"{prefix}cause/{rank}", cause.to_json())
+            if not cause.not_in_place:
+                conn.deadline = started + seconds + 10
+            bounded.set(f"{prefix}cause/{rank}", cause.to_json())
             if cause.not_in_place:
-                store.add(f"{prefix}stop", 1)
-            store.add(f"{prefix}arrived", 1)
+                bounded.add(f"{prefix}stop", 1)
+            bounded.add(f"{prefix}arrived", 1)
             if cause.not_in_place:
                 return Decision(False, cause.not_in_place)
             if rank != 0:
-                store.wait([f"{prefix}decision"], timedelta(seconds=seconds + 5))
-                decision = Decision.from_json(store.get(f"{prefix}decision"))
+                bounded.wait([f"{prefix}decision"], timedelta(seconds=seconds + 5))
+                decision = Decision.from_json(bounded.get(f"{prefix}decision"))
                 return decision or Decision(False, "rank 0's decision could not be read")
-            decision = self._decide(store, prefix, world_size, gen, seconds)
-            store.set(f"{prefix}decision", decision.to_json())
+            decision = self._decide(bounded, prefix, world_size, gen, seconds)
+            bounded.set(f"{prefix}decision", decision.to_json())
             if decision.restart and gen:  # every rank passed the recovery before this one: its keys go
                 old = f"{KEY_ROOT}/{attempts.restart()}/{gen - 1}/"
                 for key in [f"{old}cause/{r}" for r in range(world_size)] + [f"{old}{k}" for k in ("arrived", "stop", "decision")]:
-                    store.delete_key(key)
+                    bounded.delete_key(key)
             return decision
         except Exception as err:  # noqa: BLE001 - the store may be what failed: end as without recovery
-            return Decision(False, f"the recovery's store calls failed: {(str(err).splitlines() or [''])[0][:200]}")
+            why = (str(err).splitlines() or [""])[0][:200]
+            if isinstance(err, StoreCallTimeout):
+                # the call is left blocked in c10d: its connection is shut down, so that it returns
+                # (a thread inside c10d at the interpreter's exit aborts it)
+                unblock_stuck_calls(store_ports(store), wait=0.5, busy_too=True)
+                why = f"the store did not answer within {time.monotonic() - started:.1f} s"
+            if cause.not_in_place:
+                log(logging.WARNING, "could not tell the other ranks why this rank ends (%s)", why)
+                return Decision(False, cause.not_in_place)
+            return Decision(False, f"the recovery's store calls failed: {why}")
+        finally:
+            conn.close()
 
     def _decide(self, store: Any, prefix: str, world_size: int, gen: int, seconds: float) -> Decision:
         deadline = time.monotonic() + seconds
@@ -431,6 +457,17 @@ class _Recovery:
         self._pending = error
         signal.pthread_kill(threading.main_thread().ident, INTERRUPT_SIGNAL)
         return self._left
+
+
+class _Bounded:
+    """A store whose every call (``bounded.add(key, 1)``) is :meth:`Connection.call`'s: on a thread
+    of its own, waited for within the connection's deadline (:class:`StoreCallTimeout` past it)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        return functools.partial(self._conn.call, method)
 
 
 class _Unsafe(Decision):

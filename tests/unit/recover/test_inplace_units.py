@@ -5,12 +5,15 @@ decision over a real (in-process) c10d store. The recoveries themselves are prov
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from fault_tolerant_handlers import PeerFailedError, SectionMismatchError, recover_in_place
+from fault_tolerant_handlers.core.config import RECOVER_TELL_SEC
 from fault_tolerant_handlers.recover.causes import Cause, Decision
 from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
 
@@ -133,3 +136,44 @@ def test_a_killed_peer_is_waited_for_only_when_it_has_a_keeper():
     kept.add("fth/recover/0/0/arrived", 1)
     decision = recovery._agree((kept, 0, 2, "gloo", timedelta(seconds=30)), killed)
     assert decision.restart and decision.why.startswith("rank 1 failed: RankReplaced"), decision
+
+
+class Unanswering:
+    """The first attempt's store with its host or link gone: every call blocks (a TCP read on a cut
+    link waits for minutes) until the test releases it."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+        self.calls: list[str] = []
+
+    def set_timeout(self, timeout) -> None:
+        pass
+
+    def _call(self, name: str):
+        self.calls.append(name)
+        self.released.wait(30)
+        raise RuntimeError("Connection reset by peer")
+
+    def set(self, *args):
+        return self._call("set")
+
+    def add(self, *args):
+        return self._call("add")
+
+    def check(self, *args):
+        return self._call("check")
+
+
+def test_a_rank_that_ends_tells_its_peers_within_a_bound_and_does_not_wait_for_a_store_that_is_gone():
+    store = Unanswering()
+    lost = _cause_of(peer("PeerLost", "declared"), 1)
+    assert lost.not_in_place
+    t0 = time.monotonic()
+    try:
+        decision = _Recovery(print, 3, timedelta(seconds=60))._agree((store, 1, 2, "gloo", timedelta(seconds=60)), lost)
+    finally:
+        store.released.set()
+    took = time.monotonic() - t0
+    assert not decision.restart and decision.why == lost.not_in_place
+    assert store.calls == ["set"]  # its cause, given up on at the bound
+    assert RECOVER_TELL_SEC - 0.1 <= took <= RECOVER_TELL_SEC + 1.5, f"took {took:.1f} s"
