@@ -186,10 +186,11 @@ def run_ignite() -> None:
     mark("ddp")
     path = latest_checkpoint(CKPT) if RESUME else None
     mark("latest_checkpoint")
+    kept = in_memory(path)  # before the load, which takes the copy
     if path:  # load_checkpoint: torch.load, or this process's copy after a recovery in place
         Checkpoint.load_objects(to_load=to_save, checkpoint=load_checkpoint(path))
     mark("loaded")
-    note({"resumed_from": path, "start_iteration": trainer.state.iteration, "in_memory": in_memory(path)})
+    note({"resumed_from": path, "start_iteration": trainer.state.iteration, "in_memory": kept})
     trainer.run(loader, max_epochs=EPOCHS)
     done(loader)
     if RANK == 0:

@@ -11,9 +11,9 @@ a checkpoint every 10 iterations, wrapped in ``recover_in_place(max_restarts=2)`
   the survivors end within a few seconds (not after the 60 s recovery join timeout) naming the lost
   rank, with the log line ``not recovered in place: ...`` saying why.
 
-The SIGKILL and the cut link run in the default suite (the cut link is the regression test of the
-recovery's bounded store calls); the raise (proven on one host by ``test_recover_in_place.py``) and
-the lost hosts are ``long`` (``make test-multihost``, ``make test-long``). Each run takes 10-20 s here;
+The cut link runs in the default suite (the regression test of the recovery's bounded store calls);
+the raise and the SIGKILL (proven on one host by ``test_recover_in_place.py``) and the lost hosts are
+``long`` (``make test-multihost``, ``make test-long``). Each run takes 10-20 s here;
 the reference run on the rig (no fault) is made once per session.
 """
 
@@ -225,6 +225,7 @@ def test_a_raise_on_the_other_host_recovers_in_place_on_both_hosts(tmp_path, tmp
                 "InjectedFault") in run.log(host), run.describe()
 
 
+@pytest.mark.long
 def test_a_killed_rank_on_the_other_host_is_replaced_by_its_keeper(tmp_path, tmp_path_factory):
     """Rank 1 (node-b) is SIGKILLed at iteration 37: rank 0, on node-a, learns it from rank 1's
     liveness helper (killed by SIGKILL), waits in the recovery; node-b's keeper forks a replacement

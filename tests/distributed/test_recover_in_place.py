@@ -8,9 +8,9 @@ what every rank saw: the pids of both attempts (the same processes), where attem
 batches it trained (exactly the uninterrupted run's from iteration 31), the final weights
 (``torch.equal``), and for the cases that must not recover, the cause each rank ended with.
 
-Default suite: Ignite raising, a SIGKILLed rank replaced, and 20 recoveries; the rest is ``long``
-(``make test-long``): Lightning, a hang, two recoveries, a repeat, ``max_restarts`` spent,
-``replace_dead=False``.
+Default suite: Ignite raising, a SIGKILLed rank replaced, 6 recoveries in one job; the rest is ``long``
+(``make test-long``): Lightning, 20 recoveries, a hang, two recoveries, a repeat, ``max_restarts``
+spent, ``replace_dead=False``.
 """
 
 from __future__ import annotations
@@ -173,33 +173,35 @@ def test_without_replace_dead_a_killed_rank_ends_the_attempt_and_the_relaunch_re
 
 
 @pytest.mark.timeout(300)
-def test_twenty_recoveries_leave_nothing_behind(tmp_path):
-    """20 recoveries in one job (``inplace_lifecycle_main.py``): each attempt starts with the same fds,
-    threads, child processes and keys in torchrun's store as the one before, and memory stays flat."""
+@pytest.mark.parametrize("recoveries", [6, pytest.param(20, marks=pytest.mark.long)])
+def test_twenty_recoveries_leave_nothing_behind(recoveries, tmp_path):
+    """20 recoveries in one job (``inplace_lifecycle_main.py``; 6 in the default suite): each attempt
+    starts with the same fds, threads, child processes and keys in torchrun's store as the one before,
+    and memory stays flat."""
     script = PROGRAMS / "inplace_lifecycle_main.py"
     out = tmp_path / f"{script.stem}-1"
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0"]
     try:
         results = run_ranks(1, "", tmp_path, script=script, launcher=launcher, deadline=240,
-                            env={"FTH_INJECT": "", "RECOVERIES": "20"})
+                            env={"FTH_INJECT": "", "RECOVERIES": str(recoveries)})
     finally:
         kill_workers(out, program=script.name)
     output = results[0].stderr
     assert results[0].returncode == 0, output[-4000:]
     for rank in (0, 1):
-        assert f"rank {rank}: trained to the end in attempt 20" in output
+        assert f"rank {rank}: trained to the end in attempt {recoveries}" in output
         rows = [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()][:-1]
         print(f"rank {rank}:", *(f"attempt {r['attempt']}: fds {r['fds']} threads {r['threads']} children "
                                  f"{r['children']} store keys {r['keys']} rss {r['rss_kb'] // 1024} MB" for r in rows), sep="\n  ")
-        assert [r["attempt"] for r in rows] == list(range(21))
+        assert [r["attempt"] for r in rows] == list(range(recoveries + 1))
         settled = rows[2]  # the first attempts import lazily (Ignite, the signal thread)
         for row in rows[2:]:
             for what in ("fds", "threads", "children"):
                 assert row[what] == settled[what], f"rank {rank} attempt {row['attempt']}: {what} {row[what]} != {settled[what]}"
         # The store is shared: a peer may be a few keys ahead or behind at the moment of the count,
         # but the second half of the recoveries never holds more keys than the first.
-        keys = [r["keys"] for r in rows]
-        assert max(keys[11:]) <= max(keys[2:11]) <= keys[2] + 8, f"rank {rank}: the store's keys grow: {keys}"
+        keys, half = [r["keys"] for r in rows], 2 + (recoveries - 1) // 2
+        assert max(keys[half:]) <= max(keys[2:half]) <= keys[2] + 8, f"rank {rank}: the store's keys grow: {keys}"
         assert rows[-1]["rss_kb"] - settled["rss_kb"] < 32 * 1024, "memory grows with the recoveries"
 
 

@@ -13,8 +13,8 @@ with its weights (``torch.equal``). Where the recovery wraps the launcher instea
 start, before any batch, with a :class:`RecoveryError` saying what to wrap instead.
 
 Every job runs in its own session under a deadline; its session is killed afterwards, and so are
-torchrun's workers (sessions of their own), by the pids they recorded. Default suite: ``idist.Parallel``
-under torchrun; the rest is ``long``.
+torchrun's workers (sessions of their own), by the pids they recorded. All ``long``: the default
+suite proves recovering in place under torchrun (``test_recover_in_place.py``).
 """
 
 from __future__ import annotations
@@ -152,7 +152,8 @@ def test_idist_parallel_spawn_recovers_in_place(tmp_path, tmp_path_factory):
     assert_idist_follows(tries)
 
 
-@pytest.mark.parametrize("shape", ["parallel", pytest.param("parallel-inside", marks=pytest.mark.long)])
+@pytest.mark.long
+@pytest.mark.parametrize("shape", ["parallel", "parallel-inside"])
 def test_idist_parallel_under_torchrun_recovers_in_place(shape, tmp_path, tmp_path_factory):
     """Under torchrun: ``p.run(recover_in_place(training, ...))`` inside ``idist.Parallel(backend)``
     (the group exists when the recovery starts: it re-makes it), and ``recover_in_place(main)`` where
