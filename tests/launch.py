@@ -127,6 +127,13 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
+def _default_sigint() -> None:
+    """In a rank about to start: SIGINT's default action, as a terminal gives it. A suite started as a
+    background job of a non-interactive shell inherits SIGINT ignored, and so would every rank (a rank
+    sent SIGINT would then train on)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_ranks(
     world_size: int,
     scenario: str,
@@ -189,6 +196,7 @@ def run_ranks(
                     stdout=err,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=_default_sigint,
                 )
             )
         end = time.monotonic() + deadline

@@ -198,10 +198,11 @@ def test_twenty_recoveries_leave_nothing_behind(recoveries, tmp_path):
         for row in rows[2:]:
             for what in ("fds", "threads", "children"):
                 assert row[what] == settled[what], f"rank {rank} attempt {row['attempt']}: {what} {row[what]} != {settled[what]}"
-        # The store is shared: a peer may be a few keys ahead or behind at the moment of the count,
-        # but the second half of the recoveries never holds more keys than the first.
-        keys, half = [r["keys"] for r in rows], 2 + (recoveries - 1) // 2
-        assert max(keys[half:]) <= max(keys[2:half]) <= keys[2] + 8, f"rank {rank}: the store's keys grow: {keys}"
+        # The store is shared: the peer may be a key or two ahead or behind at the moment of the count
+        # (its recovery's keys, its session's), but the count does not grow with the recoveries (an
+        # attempt's leaked keys were 4 to 8 more per recovery).
+        keys = [r["keys"] for r in rows]
+        assert max(keys[2:]) - min(keys[2:]) <= 2, f"rank {rank}: the store's keys grow: {keys}"
         assert rows[-1]["rss_kb"] - settled["rss_kb"] < 32 * 1024, "memory grows with the recoveries"
 
 
