@@ -70,7 +70,6 @@ def main() -> None:
                 from_file.append(timed(lambda: snapshots.load_checkpoint(path, weights_only=True)))
             print(f"| {mb} MB | {summary(keep)} | {summary(save)} | {summary(from_memory)} | {summary(from_file)} | "
                   f"{snapshots.last_cost[1] / 2**20:.0f} MB |", flush=True)
-            del ckpt
 
 
 if __name__ == "__main__":
