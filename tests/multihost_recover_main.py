@@ -24,18 +24,19 @@ Environment (besides ``resume_main.py``'s ``EPOCHS``, ``EVERY``, ``FTH_INJECT``,
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 OUT = Path(sys.argv[1])
-sys.argv = [sys.argv[0], "ignite", str(OUT)]  # resume_main reads its framework and directory from argv
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# multihost_main's event log and readiness check, the same for this program (it reads its directory
+# from argv too: imported before argv is rewritten for resume_main)
+from multihost_main import _settled, record  # noqa: E402
+sys.argv = [sys.argv[0], "ignite", str(OUT)]  # resume_main reads its framework and directory from argv
 
 import ignite.engine  # noqa: E402, F401 - imported before the keeper forks, as a script's imports are
 import resume_main  # noqa: E402
@@ -46,28 +47,6 @@ RANK = int(os.environ["RANK"])
 INPLACE = int(os.environ.get("INPLACE", "2"))
 STEP_SEC = float(os.environ.get("STEP_SEC", "0"))
 READY_ITER = int(os.environ.get("READY_ITER", "10"))
-
-
-def record(event: str, **fields) -> None:
-    fields.update(event=event, rank=RANK, t=time.time())
-    with open(OUT / f"rank{RANK}.jsonl", "a") as f:
-        f.write(json.dumps(fields, default=str) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _settled() -> bool:
-    """Every rank's liveness helper has beaten twice (a fault before that tests the start-up)."""
-    from fault_tolerant_handlers.core.session import get_session
-
-    session = get_session()
-    conn = session.connection("ready-check", timedelta(seconds=5))
-    try:
-        return all(int(conn.call("add", f"hb/{r}", 0)) >= 2 for r in session.ranks)
-    except Exception:  # noqa: BLE001
-        return False
-    finally:
-        conn.close()
 
 
 class Trace(resume_main.Trace):
