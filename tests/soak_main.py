@@ -7,8 +7,11 @@ Ignite: ``init_process_group`` (gloo), a DDP model, ``FaultTolerance`` attached,
 iterations over a ``DistributedSampler``. Lightning: ``Trainer(strategy="ddp", devices=SOAK_RANKS)``
 on CPU with the callback, 2 epochs of 30 steps. Each rank writes ``OUTDIR/rank<R>.json``: the
 iterations it finished, or what its run raised (type and first line). The process groups' timeout
-is 10 minutes: 8 ranks importing torch and Lightning beside CPU hogs on 2 cores have taken over 2
-minutes to start (Lightning's own ``init_process_group`` waiting for its clients).
+is ``SOAK_PG_TIMEOUT`` seconds (default 60): a rank stalled for a minute must fail the run, not pass
+unseen under a longer timeout. Each rank also records when it finished its first iteration
+(``first``, ``time.time()``) and ``launched`` (``SOAK_LAUNCHED``, set by the harness), so that the time
+from launch to the first trained iteration can be compared with and without the library
+(``SOAK_LIBRARY=0``: the same job, stock).
 """
 
 from __future__ import annotations
@@ -23,10 +26,18 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import fault_tolerant_handlers  # noqa: F401 - before init_process_group, as documented
+LIBRARY = os.environ.get("SOAK_LIBRARY", "1") != "0"
+if LIBRARY:
+    import fault_tolerant_handlers  # noqa: F401 - before init_process_group, as documented
 
 FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
 EPOCHS, ITERS, BATCH = 2, 30, 4
+PG_TIMEOUT = timedelta(seconds=float(os.environ.get("SOAK_PG_TIMEOUT", "60")))
+FIRST: dict = {}
+
+
+def first_done() -> None:
+    FIRST.setdefault("first", time.time())
 
 
 def data(world: int) -> TensorDataset:
@@ -42,7 +53,8 @@ def model() -> torch.nn.Module:
 
 def note(rank: int, **info) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "pid": os.getpid(), "t": time.time(), **info}))
+    (OUT / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "pid": os.getpid(), "t": time.time(),
+                                                      **FIRST, **info}))
 
 
 def run_ignite() -> None:
@@ -50,9 +62,7 @@ def run_ignite() -> None:
     from ignite.engine import Engine
     from torch.nn.parallel import DistributedDataParallel
 
-    from fault_tolerant_handlers.ignite import FaultTolerance
-
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
     rank, world = dist.get_rank(), dist.get_world_size()
     net = DistributedDataParallel(model())
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -65,10 +75,13 @@ def run_ignite() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        first_done()
         return loss.item()
 
     trainer = Engine(step)
-    FaultTolerance().attach(trainer)
+    if LIBRARY:
+        from fault_tolerant_handlers.ignite import FaultTolerance
+        FaultTolerance().attach(trainer)
 
     try:
         trainer.run(loader, max_epochs=EPOCHS)
@@ -83,8 +96,6 @@ def run_lightning() -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
-    from fault_tolerant_handlers.lightning import FaultTolerance
-
     world = int(os.environ.get("SOAK_RANKS", "8"))
 
     class Net(pl.LightningModule):
@@ -96,14 +107,19 @@ def run_lightning() -> None:
             x, y = batch
             return torch.nn.functional.mse_loss(self.net(x), y)
 
+        def on_train_batch_end(self, *args) -> None:
+            first_done()
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
         def train_dataloader(self):
             return DataLoader(data(world), batch_size=BATCH)
 
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(timeout=timedelta(seconds=600)),
-                         max_epochs=EPOCHS, callbacks=[FaultTolerance()], logger=False, enable_checkpointing=False,
+    if LIBRARY:
+        from fault_tolerant_handlers.lightning import FaultTolerance
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(timeout=PG_TIMEOUT),
+                         max_epochs=EPOCHS, callbacks=[FaultTolerance()] if LIBRARY else [], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
 
     try:
