@@ -143,7 +143,7 @@ class FaultTolerance:
 
     def _iteration_completed(self, engine: Engine) -> None:
         iteration = engine.state.iteration
-        self.guard.beat(iteration, STEP)
+        self.guard.beat(iteration, STEP, completed=True)
         if self.guard.due(iteration):
             self.guard.sync("iteration", step=iteration, epoch=engine.state.epoch)
 

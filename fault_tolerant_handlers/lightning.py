@@ -255,7 +255,7 @@ class FaultTolerance(_CallbackBase):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._batches += 1
-        self.guard.beat(int(trainer.global_step), STEP)
+        self.guard.beat(int(trainer.global_step), STEP, completed=True)
         if self.guard.due(self._batches):
             self._sync(trainer, "training batch")
         else:
@@ -264,7 +264,7 @@ class FaultTolerance(_CallbackBase):
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.guard.beat(int(trainer.global_step), _evaluation(trainer))
+        self.guard.beat(int(trainer.global_step), _evaluation(trainer), completed=True)
         self._check(trainer)
 
     @override

@@ -106,11 +106,12 @@ class Guard:
             self._watching = False
             self.session.stop_watchdog()
 
-    def beat(self, step: int | None = None, work: str | None = None) -> None:
-        """Progress; with ``work``, the kind of work that begins now (ends the one under way)."""
+    def beat(self, step: int | None = None, work: str | None = None, *, completed: bool = False) -> None:
+        """Progress; with ``work``, the kind of work that begins now (ends the one under way);
+        ``completed``: an iteration (training or evaluation batch) completed."""
         watchdog = self.session.watchdog if self.session is not None else None
         if watchdog is not None:
-            watchdog.beat(step)
+            watchdog.beat(step, completed=completed)
             if work is not None:
                 auto = watchdog.auto_hang
                 if auto is not None:

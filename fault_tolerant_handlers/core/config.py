@@ -10,6 +10,10 @@ variable                        default    accepted              meaning
 ==============================  =========  ====================  ======================================
 ``FTH_WATCHDOG_INTERVAL_SEC``   0.1        0.01 .. 10            watchdog poll period
 ``FTH_HANG_TIMEOUT_SEC``        (off)      1 .. 604800, auto     opt-in hang detection (``auto``: learned)
+``FTH_START_TIMEOUT_SEC``       600        1 .. 604800           a set ``hang_timeout`` applies from the
+                                                                 first completed iteration; before it
+                                                                 (workers starting, DDP's first pass, a
+                                                                 cold store, a compile) this one does
 ``FTH_AUTO_HANG_MULTIPLE``      10         1 .. 1000             ``auto``: deadline = multiple x longest
 ``FTH_AUTO_HANG_FLOOR_SEC``     60         1 .. 604800           ``auto``: no deadline below this
 ``FTH_AUTO_HANG_WARMUP``        20         1 .. 1000000          ``auto``: training steps before judging
@@ -46,6 +50,7 @@ from .log import log
 
 INTERVAL_ENV = "FTH_WATCHDOG_INTERVAL_SEC"
 HANG_TIMEOUT_ENV = "FTH_HANG_TIMEOUT_SEC"
+START_TIMEOUT_ENV = "FTH_START_TIMEOUT_SEC"
 EXIT_GRACE_ENV = "FTH_EXIT_GRACE_SEC"
 WRITE_GRACE_ENV = "FTH_WRITE_GRACE_SEC"
 HEARTBEAT_TIMEOUT_ENV = "FTH_HEARTBEAT_TIMEOUT_SEC"
@@ -70,6 +75,7 @@ RELEASE_CHOICES = ("auto", "exit")
 RANGES: dict[str, tuple[float, float]] = {
     "interval": (0.01, 10.0),
     "hang_timeout": (1.0, 7 * 86400.0),
+    "start_timeout": (1.0, 7 * 86400.0),
     "exit_grace": (0.1, 3600.0),
     "write_grace": (0.0, 3600.0),
     "heartbeat_timeout": (1.0, 86400.0),
@@ -81,6 +87,7 @@ RANGES: dict[str, tuple[float, float]] = {
 _ENV_OF = {
     "interval": INTERVAL_ENV,
     "hang_timeout": HANG_TIMEOUT_ENV,
+    "start_timeout": START_TIMEOUT_ENV,
     "exit_grace": EXIT_GRACE_ENV,
     "write_grace": WRITE_GRACE_ENV,
     "heartbeat_timeout": HEARTBEAT_TIMEOUT_ENV,
@@ -263,6 +270,11 @@ def release_mode() -> str:
 
 DEFAULTS = {
     "interval": timedelta(seconds=0.1),
+    # The start (until the first iteration completes) is not judged by hang_timeout: at 8 ranks on
+    # a loaded machine it took 78 s here (imports, the side group, DDP's first pass), and a compile
+    # takes minutes on a GPU. Ten minutes still names a rank stuck at start before a 30-minute
+    # collective timeout would.
+    "start_timeout": timedelta(seconds=600),
     "exit_grace": timedelta(seconds=3),
     "write_grace": timedelta(seconds=120),
     "heartbeat_timeout": timedelta(seconds=3),
@@ -276,6 +288,7 @@ class Config:
 
     interval: timedelta
     hang_timeout: timedelta | str | None
+    start_timeout: timedelta
     exit_grace: timedelta
     write_grace: timedelta
     heartbeat_timeout: timedelta
@@ -301,6 +314,7 @@ def load() -> Config:
     cfg = Config(
         interval=values["interval"] or DEFAULTS["interval"],
         hang_timeout=values["hang_timeout"],
+        start_timeout=values["start_timeout"] or DEFAULTS["start_timeout"],
         exit_grace=values["exit_grace"] or DEFAULTS["exit_grace"],
         write_grace=values["write_grace"] if values["write_grace"] is not None else DEFAULTS["write_grace"],
         heartbeat_timeout=values["heartbeat_timeout"] or DEFAULTS["heartbeat_timeout"],

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import random
 import socket
 import threading
@@ -91,6 +92,17 @@ _connects_lock = threading.Lock()
 #: Set at the exit of a failed job (:func:`stop_connecting`): no new connect starts, so that the
 #: exit waits only for the connects already under way (a lost store's host never answers).
 _no_new_connects = False
+
+
+def _after_fork_in_child() -> None:
+    # A helper forked while another thread held the lock (a watchdog connecting) would wait forever;
+    # the threads inside those connects did not come along.
+    global _connects_lock
+    _connects_lock = threading.Lock()
+    _connects.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def stop_connecting() -> None:

@@ -18,7 +18,7 @@ helper process, forked when the watchdog starts, that every :data:`~.watchdog.HE
   successor's peers' watchdogs read within a poll. Across hosts this is how a host that died or
   whose link was cut is named by the connected side.
 
-It has its own store connection (a clone of the rank's), touches nothing else of the rank, never
+It has its own store connection, made after the fork (the rank never waits for it), touches nothing else of the rank, never
 runs the rank's exit hooks (``os._exit``), and is one of the rank's child processes, so the
 watchdog's reported exit kills it with the DataLoader workers.
 """
@@ -88,6 +88,15 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
     probe = HeartbeatProbe(schema, table.rank, successor, successor_pid, period=period, limit=limit,
                            host=table.host_of(successor), running=(lambda: _running(successor_pid)) if same_host else None)
     declared = [False]
+    # A first beat as soon as the store answers, whatever the rank's state: a rank frozen (SIGSTOP)
+    # from its start is then seen by its neighbour, which judges only a heartbeat that began.
+    while os.getppid() == parent:
+        try:
+            with calls:
+                schema.beat(table.rank)
+            break
+        except Exception:  # noqa: BLE001 - connecting (backing off), or a busy store: try again
+            time.sleep(period)
     while os.getppid() == parent:
         if not _stopped(parent):  # frozen: its neighbour must see it, so no beat
             with calls:
@@ -162,19 +171,12 @@ class LivenessProcess:
     def start(self) -> LivenessProcess:
         if not sys.platform.startswith("linux"):
             return self
-        # Connected before the fork, by the rank: a new connection can take seconds (a store server
-        # resolving the client's name), and the helper must beat from its first period on.
+        # Connected by the helper after the fork, never by the rank: 8 ranks connecting at once to a
+        # busy store's host took seconds each, and a rank waiting for it missed its first collective.
+        # A peer judges this heartbeat only once it has beaten (HeartbeatProbe), so a late first beat
+        # is no false alarm.
         conn = self.session.connection("helper", HELPER_STORE_TIMEOUT, backoff=True)
-        try:
-            conn.store()
-        except Exception as err:  # noqa: BLE001 - the helper connects by itself later
-            log(logging.WARNING, "the liveness process could not connect to the store yet: %s",
-                (str(err).splitlines() or [""])[0][:200])
         schema = Schema(conn, self.session.schema.world_size)
-        try:
-            schema.beat(self.session.rank)  # a first beat now: a rank frozen at once is still seen
-        except Exception:  # noqa: BLE001
-            pass
         read_fd, write_fd = os.pipe()
         parent = os.getpid()
         try:
@@ -188,14 +190,12 @@ class LivenessProcess:
             code = 0
             try:
                 os.close(write_fd)
-                conn.forked()
                 _run(self.session.table, schema, parent, read_fd, self.period, self.limit)
             except BaseException:  # noqa: BLE001
                 code = 1
             finally:
                 os._exit(code)
         os.close(read_fd)
-        conn.close()  # the rank's copy; the helper keeps its own
         self.pid, self._stop_w = pid, write_fd
         _children.add(pid)
         return self

@@ -150,31 +150,40 @@ def waiting_on_peers(frame) -> bool:
 class SelfHangProbe:
     """This rank's main thread made no progress (``progress()`` = monotonic time, wall time and
     step of the last beat) for ``hang_timeout``, and is not merely waiting in a collective (then the
-    hung rank is the peer, which declares itself): ``RankHung`` with the main thread's stack."""
+    hung rank is the peer, which declares itself): ``RankHung`` with the main thread's stack.
+
+    Until ``warm()`` (the first iteration completed) the deadline is ``start_timeout`` instead: a
+    slow start (DataLoader workers starting, DDP's first pass, a cold store, 8 ranks importing on a
+    loaded machine) is not a hang."""
 
     def __init__(self, rank: int, pid: int, hang_timeout: float, *, margin: float,
                  progress: Callable[[], tuple[float, float, int | None]], frame: Callable[[], object],
-                 host: str = "") -> None:
+                 host: str = "", start_timeout: float | None = None, warm: Callable[[], bool] = lambda: True) -> None:
         self.rank = rank
         self.pid = pid
         self.host = host
         self.hang_timeout = hang_timeout
+        self.start_timeout = hang_timeout if start_timeout is None else start_timeout
+        self.warm = warm
         self.margin = margin
         self.progress = progress
         self.frame = frame
 
     def poll(self, now: float) -> Finding | None:
         last, last_wall, step = self.progress()
+        warm = self.warm()
+        limit = self.hang_timeout if warm else self.start_timeout
         stalled = now - last
-        if stalled < self.hang_timeout:
+        if stalled < limit:
             return None
         frame = self.frame()
-        if stalled < 2 * self.hang_timeout + self.margin and waiting_on_peers(frame):
+        if stalled < 2 * limit + self.margin and waiting_on_peers(frame):
             return None
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
         at = f" at step {step}" if step is not None else ""
+        before = "" if warm else " before its first iteration completed (the start's deadline)"
         message = (f"{hung_rank(self.rank, self.pid, self.host)} hung: its main thread made no progress for "
-                   f"{stalled:.1f} s{at}")
+                   f"{stalled:.1f} s{at}{before}")
         record = FailureRecord.declared(
             rank=self.rank, kind="RankHung", message=message, by=self.rank, pid=self.pid, host=self.host,
             traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",

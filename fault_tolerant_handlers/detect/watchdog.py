@@ -70,19 +70,25 @@ class Watchdog:
         self.exit_grace = cfg.exit_grace
         self.write_grace = cfg.write_grace
         self._progress: tuple[float, float, int | None] = (time.monotonic(), time.time(), None)
+        #: The first iteration completed (a beat with ``completed``, or a beat whose step differs
+        #: from the first step beaten: a loop of one's own calls ``beat(step)``): ``hang_timeout``
+        #: applies from then on, the start's own deadline (``FTH_START_TIMEOUT_SEC``) before.
+        self.warm = False
+        self._first_step: int | None = None
         self._stop = WakeEvent()  # its set() also wakes the liveness loop's poll()
         self._finishing = False
         self._store_warned_at = -STORE_WARN_EVERY
         store_timeout = timedelta(seconds=max(1.0, 5 * self.interval.total_seconds()))
+        # Connected by the loops that use them, never by the main thread: 8 ranks connecting at once
+        # to a store whose host is busy starting them took seconds per connect, and a main thread
+        # waiting for them missed its first collective (a 60 s stall at start). The pid loop's
+        # connection publishes only what it declares: it connects on its first declaration, so a
+        # healthy rank holds two connections of the library's (this loop's and its liveness helper's).
         self._conn = session.connection("watchdog", store_timeout, backoff=True)
         self._schema = Schema(self._conn, session.schema.world_size)
         self._liveness_conn = session.connection("liveness", LIVENESS_STORE_TIMEOUT, backoff=True)
         self._liveness_schema = Schema(self._liveness_conn, session.schema.world_size)
-        for conn in (self._conn, self._liveness_conn):  # connected now, not in the loops' first poll
-            try:
-                conn.store()
-            except Exception:  # noqa: BLE001 - the loops retry, and judge the store's loss
-                pass
+        self._answered = False  # the store loop's first call returned: a failed connect before is no news
         limit = cfg.heartbeat_timeout
         if isinstance(self.hang_timeout, timedelta):
             limit = min(limit, self.hang_timeout + SILENT_MARGIN)
@@ -99,7 +105,8 @@ class Watchdog:
         elif self.hang_timeout is not None:
             self.self_hang = SelfHangProbe(self.rank, os.getpid(), self.hang_timeout.total_seconds(),
                                            margin=SILENT_MARGIN.total_seconds(), progress=lambda: self._progress,
-                                           frame=main_thread_frame, host=session.host)
+                                           frame=main_thread_frame, host=session.host,
+                                           start_timeout=cfg.start_timeout.total_seconds(), warm=lambda: self.warm)
         self.store_loss = StoreLossProbe(cfg.store_lost_after.total_seconds(), by=self.rank, store_rank=0,
                                          store_pid=session.pids[0], hosted_here=session.hosts_store,
                                          evidence=lambda: session.store_evidence(STORE_EVIDENCE_TIMEOUT),
@@ -146,9 +153,16 @@ class Watchdog:
         self.liveness.stop()
         _running.discard(self)
 
-    def beat(self, step: int | None = None) -> None:
-        """The main thread made progress (one assignment; adapters call it every iteration)."""
+    def beat(self, step: int | None = None, *, completed: bool = False) -> None:
+        """The main thread made progress (one assignment; adapters call it every iteration);
+        ``completed``: an iteration completed (from the first on, ``hang_timeout`` applies)."""
         self._progress = (time.monotonic(), time.time(), step)
+        if not self.warm and step is not None:
+            if self._first_step is None:
+                self._first_step = step
+            completed = completed or step != self._first_step
+        if completed:
+            self.warm = True
 
     # -- loops --------------------------------------------------------------------------------------
     def _run_store_loop(self) -> None:
@@ -160,11 +174,14 @@ class Watchdog:
                     self._found(self.records.poll(now), self._schema)
                 self.store_loss.answered()
                 self._conn.deadline = None
+                self._answered = True
             except Exception as err:  # noqa: BLE001 - the store host is gone, or worse
                 if self._finishing or self._stop.is_set():
                     return
                 if self.store_loss.failed(now, err):
-                    if now >= self._store_warned_at + STORE_WARN_EVERY:  # a slow store: once in a while
+                    if not self._answered:  # still connecting at start (many ranks, a busy host): no warning
+                        log(logging.DEBUG, "the c10d store has not answered yet: %s", self.store_loss.last_error)
+                    elif now >= self._store_warned_at + STORE_WARN_EVERY:  # a slow store: once in a while
                         self._store_warned_at = now
                         log(logging.WARNING, "the c10d store did not answer: %s", self.store_loss.last_error)
                     self._conn.deadline = self.store_loss.declare_at()
