@@ -297,17 +297,43 @@ class HealthyRun:
     seconds: float
     output: str
 
+    launched: float = 0.0  # time.time() when the job was started
+
     def clean(self, world: int, iterations: int) -> bool:
         return (self.returncode == 0 and not self.declarations and len(self.ranks) == world
                 and all(r.get("finished") == iterations for r in self.ranks.values()))
 
+    def finished(self, iterations: int) -> int:
+        return sum(r.get("finished") == iterations for r in self.ranks.values())
 
-def healthy_run(framework: str, world: int, outdir: Path, *, deadline: float) -> HealthyRun:
+    @property
+    def first_step(self) -> float | None:
+        """Seconds from the launch to the slowest rank's first trained iteration."""
+        firsts = [r["first"] for r in self.ranks.values() if "first" in r]
+        return max(firsts) - self.launched if firsts and len(firsts) == len(self.ranks) else None
+
+    @property
+    def max_lag(self) -> float | None:
+        """The most any rank finished an iteration after the first rank that finished it (seconds)."""
+        times = [r["times"] for r in self.ranks.values() if r.get("times")]
+        if not times or len(times) < len(self.ranks):
+            return None
+        steps = min(len(t) for t in times)
+        return max(max(t[i] for t in times) - min(t[i] for t in times) for i in range(steps))
+
+    def per_rank(self, key: str) -> list:
+        return [r[key] for r in self.ranks.values() if key in r]
+
+
+def healthy_run(framework: str, world: int, outdir: Path, *, deadline: float,
+                env: dict[str, str] | None = None) -> HealthyRun:
     """One run of ``tests/soak_main.py`` (Ignite under torchrun, or Lightning ``ddp``) on ``world``
-    ranks, no fault, bounded by ``deadline``; every process it started is killed by pid after."""
+    ranks, no fault, bounded by ``deadline``; every process it started is killed by pid after.
+    ``env``: its ``SOAK_*`` settings (see the program's text)."""
     outdir.mkdir(parents=True, exist_ok=True)
     script = str(HERE / "soak_main.py")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", SOAK_RANKS=str(world), PYTHONPATH=str(ROOT))
+    extra = env or {}
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SOAK_RANKS=str(world), PYTHONPATH=str(ROOT), **extra)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     if framework == "ignite":
@@ -317,7 +343,7 @@ def healthy_run(framework: str, world: int, outdir: Path, *, deadline: float) ->
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         argv = [sys.executable, script, framework, str(outdir)]
     log_path = outdir / "output.txt"
-    start = time.monotonic()
+    start, launched = time.monotonic(), time.time()
     with open(log_path, "w+") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -347,7 +373,7 @@ def healthy_run(framework: str, world: int, outdir: Path, *, deadline: float) ->
         except (OSError, ValueError, KeyError):
             continue
     declarations = [line for line in output.splitlines() if DECLARATIONS.search(line)]
-    return HealthyRun(returncode, ranks, declarations, seconds, output)
+    return HealthyRun(returncode, ranks, declarations, seconds, output, launched)
 
 
 def run_script(script: Path, *, deadline: float, drop_fth: bool = False) -> tuple[int | None, str, float]:

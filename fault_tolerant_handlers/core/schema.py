@@ -277,10 +277,22 @@ class Connection:
         budget = self._timeout.total_seconds() + self.CALL_SLACK
         if self.deadline is not None:
             budget = max(0.05, min(budget, self.deadline - time.monotonic()))
+        connected = []
+
+        def job():
+            store = self.store()
+            connected.append(True)
+            return getattr(store, method)(*args)
+
         try:
-            return worker.run(lambda: getattr(self.store(), method)(*args), budget)
+            return worker.run(job, budget)
         except StoreCallTimeout:
-            self.reconnect()  # the client is left to the blocked worker; the next call connects anew
+            # A call blocked on its client: the client is left to the blocked worker, the next call
+            # connects anew. A call still connecting keeps its connect: a connect slower than a call's
+            # budget (many ranks starting on a busy store's host) is kept when it ends, not thrown
+            # away and made again by every rank, which only adds to the load that made it slow.
+            if connected:
+                self.reconnect()
             raise
         except ConnectInProgress as err:
             raise StoreCallTimeout(f"the store did not answer: {err}") from None

@@ -18,8 +18,10 @@ from fault_tolerant_handlers.core.schema import Connection, StoreCallTimeout
 class BlockingStore:
     """``add`` blocks until ``release`` is set (a read on a cut link)."""
 
-    def __init__(self, release: threading.Event) -> None:
+    def __init__(self, release: threading.Event, answer_at_once: bool = False) -> None:
         self.release = release
+        if answer_at_once:
+            release.set()
 
     def set_timeout(self, timeout) -> None:
         pass
@@ -259,4 +261,25 @@ def test_a_connection_without_backoff_connects_again_at_the_next_call():
     with pytest.raises(ConnectionError):
         conn.call("add", "k", 0)
     assert conn.call("add", "k", 0) == 3
+    conn.close()
+
+
+def test_a_connect_slower_than_a_call_is_kept_when_it_ends_not_made_again():
+    """Many ranks starting on a busy store's host: a connect takes longer than a call's budget. The
+    call fails (bounded), but the connect goes on and its client serves the next call: the store is
+    not asked for a new connection by every call of every rank, which only adds to its load."""
+    made = []
+    slow = threading.Event()
+
+    def factory():
+        made.append(time.monotonic())
+        slow.wait(0.8)  # the connect's handshake, answered late
+        return BlockingStore(threading.Event(), answer_at_once=True)
+
+    conn = Connection(factory, timedelta(seconds=0.1), "t")
+    with pytest.raises(StoreCallTimeout):
+        conn.call("add", "k", 1)  # its budget (0.6 s) ends inside the connect
+    time.sleep(0.6)  # the connect has ended meanwhile
+    assert conn.call("add", "k", 1) == 7
+    assert len(made) == 1, "the slow connect was thrown away and made again"
     conn.close()
