@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-ranges dist test-long test-multihost test-resume bench-resume bench-inplace bench-spawn bench-soak conformance root-cause venv clean
+.PHONY: demo test test-ranges dist test-long test-multihost test-resume test-scale bench-resume bench-inplace bench-spawn bench-soak bench-scale conformance root-cause venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,18 @@ test-multihost: $(STAMP)
 # Every framework x fault of the exact-resume test under torchrun (the default suite runs three)
 test-resume: $(STAMP)
 	FTH_RESUME_FULL=1 $(PY) -m pytest -q tests/distributed/test_resume_distributed.py
+
+# Healthy jobs at 4, 8 and 16 ranks (the 8 and 16 beside 2 CPU hogs): no stall at start, no false
+# alarm, two store connections per rank (about 15 min on 2 cores)
+test-scale: $(STAMP)
+	$(PY) -m pytest -q tests/distributed/test_scale.py
+
+# Healthy jobs at 2, 4, 8 and 16 ranks, stock and with the library side by side: time to the first
+# trained iteration, lag, the library's store connections and CPU per rank; then 8 and 16 ranks in
+# recover_in_place with hang_timeout 5 s beside 2 CPU hogs (docs/benchmarks.md, "Scale")
+bench-scale: $(STAMP)
+	$(PY) bench/scale.py --worlds 2 4 8 16 --reps 5
+	$(PY) bench/scale.py --worlds 8 16 --reps 3 --hogs 2 --hang-timeout 5 --inplace 2 --no-stock
 
 bench-resume: $(STAMP)
 	$(PY) bench/resume.py
