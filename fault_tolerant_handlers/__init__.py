@@ -13,11 +13,13 @@ Public names:
 * :func:`load_checkpoint`: ``torch.load``, from this process's memory after a recovery in place.
 * :func:`recover_in_place`: after a failure, the same processes re-form the group and train on.
 * :func:`recovery_attempt`: how many times this process recovered in place.
+* :class:`DDPBucketLayout`: a DDP's bucket layout in the checkpoint: a resume exact at any world size.
 """
 
 from .launchers import compat_torchrun as _compat_torchrun
 from .data.checkpoints import latest_checkpoint
 from .data.snapshots import load_checkpoint
+from .data.ddp_buckets import DDPBucketLayout
 from .data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
 from .core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError
 from .core.release import EXIT_TEARDOWN_STUCK
@@ -30,6 +32,7 @@ __all__ = [
     "EXIT_HUNG",
     "EXIT_PEER_FAILED",
     "EXIT_TEARDOWN_STUCK",
+    "DDPBucketLayout",
     "DataLoaderRestartError",
     "HangInterrupted",
     "PeerFailedError",

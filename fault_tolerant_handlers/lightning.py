@@ -18,6 +18,9 @@ Maps Lightning's ``Callback`` hooks onto the framework-neutral
 ``on_exception``                record and release (local failure) or convert to ``PeerFailedError``;
                                 then finishes Lightning's exception path itself (see below)
 ``teardown``                    clean stop of the watchdog (``validate``/``test``)
+``on_fit_start``,               a DDP model's bucket layout (:class:`..data.ddp_buckets.DDPBucketLayout`):
+``state_dict``,                 saved in this callback's state, given back to the new DDP before its
+``load_state_dict``             first step, so that a resumed run is exact at any world size
 ==============================  ======================================================================
 
 Why ``on_exception`` finishes the exception path itself: Lightning re-raises the exception it
@@ -56,6 +59,7 @@ from typing_extensions import override
 from .adapters import compat_lightning as _compat_lightning
 from .core import attempts
 from .data import snapshots
+from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import RecoveryError
 from .core.log import log
 from .detect.autohang import CHECKPOINT, EVALUATION, STEP
@@ -151,6 +155,8 @@ class FaultTolerance(_CallbackBase):
         self.guard = Guard(sync_every=sync_every, hang_timeout=hang_timeout, watchdog=watchdog, name=name)
         self.name = name
         self._batches = 0
+        self._buckets: DDPBucketLayout | None = None  # the DDP's bucket layout, from on_fit_start on
+        self._loaded_buckets: Any = None  # the checkpoint's, until the DDP exists (on_fit_start)
         self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
 
     # -- state ---------------------------------------------------------------------------------
@@ -163,8 +169,12 @@ class FaultTolerance(_CallbackBase):
         return cached[1]
 
     @override
-    def state_dict(self) -> dict[str, int]:
-        return {"batches": self._batches}
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"batches": self._batches}
+        buckets = self._buckets.buckets if self._buckets is not None else self._loaded_buckets
+        if buckets is not None:
+            state["ddp_buckets"] = buckets
+        return state
 
     @override
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -172,6 +182,7 @@ class FaultTolerance(_CallbackBase):
         if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
             raise ValueError(f"state_dict['batches'] must be a non-negative int, got {batches!r}")
         self._batches = batches
+        self._loaded_buckets = state_dict.get("ddp_buckets")  # absent before 0.2; given to the DDP in on_fit_start
 
     # -- helpers -----------------------------------------------------------------------------------
     @staticmethod
@@ -212,6 +223,20 @@ class FaultTolerance(_CallbackBase):
         if not _compat_lightning.on_exception_runs_in_rank(trainer):
             _compat_lightning.wrap_run_stage(trainer, functools.partial(self._run_stage_in_rank, trainer))
         self.guard.beat(int(trainer.global_step), "start")
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The strategy wrapped the model (DDP) and the checkpoint's callback states are loaded: the
+        DDP gets the checkpoint's bucket layout before its first step (a resume exact at 3+ ranks)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = getattr(trainer.strategy, "model", None)
+        if not isinstance(model, DistributedDataParallel):
+            self._buckets = None
+            return
+        self._buckets = DDPBucketLayout(model)
+        if self._loaded_buckets is not None:
+            self._buckets.load_state_dict({"buckets": self._loaded_buckets})
 
     @staticmethod
     def _keep_launched_ranks(trainer: pl.Trainer) -> None:

@@ -8,7 +8,11 @@ resumed with ``trainer.fit(..., ckpt_path=latest_checkpoint(dir))``). Both with 
 attached and ``DistributedSampler(shuffle=True, seed=0)`` over 400 samples, batch 4 per rank
 (50 iterations an epoch), 3 epochs. Faults come from ``FTH_INJECT`` (first attempt only, the default),
 or, for Ignite, ``TORN_SAVE=<iteration>``: rank 0 killed in the middle of writing that checkpoint, or
-``HANG_IN_C=<iteration>``: rank 1 hung where no signal reaches it.
+``HANG_IN_C=<iteration>``: rank 1 hung where no signal reaches it. Any number of ranks (the
+sampler's replicas are torchrun's world size). ``BUCKETS=0``: the DDP's bucket layout is left out of
+the checkpoint (Ignite: no ``DDPBucketLayout`` in ``to_save``; Lightning: the callback's
+``on_fit_start`` does not give it back), which makes a resume at 3 ranks or more inexact. ``HIDDEN=<n>``: a model with a hidden layer;
+``KEEP=<n>``: checkpoints kept (2).
 
 Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` at its start (which checkpoint
 it resumed from, at which iteration) and appends the sample indices of every batch it trains to
@@ -42,6 +46,12 @@ from fault_tolerant_handlers import RestartableDataLoader, latest_checkpoint, lo
 
 FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
 RANK = int(os.environ["RANK"])
+WORLD = int(os.environ.get("WORLD_SIZE", "2"))
+BUCKETS = os.environ.get("BUCKETS", "1") == "1"
+#: HIDDEN=<n>: the model is Linear(8, n), Tanh, Linear(n, 1) instead of Linear(8, 1) (whose 9 gradient
+#: elements gloo happens to sum alike in either bucket layout at 4 ranks)
+HIDDEN = int(os.environ.get("HIDDEN", "0"))
+KEEP = int(os.environ.get("KEEP", "2"))  # checkpoints kept (n_saved, save_top_k)
 #: With INPLACE=<max_restarts>, the run is wrapped in recover_in_place (INPLACE_REPLACE=0:
 #: replace_dead=False): attempts then also count the recoveries in place (each writes its own
 #: attempt<A>_rank<R>.json).
@@ -86,8 +96,14 @@ def mark(name: str) -> None:
 
 def make_loader() -> RestartableDataLoader:
     data = Regression(400)
-    sampler = DistributedSampler(data, num_replicas=2, rank=RANK, shuffle=True, seed=0)
+    sampler = DistributedSampler(data, num_replicas=WORLD, rank=RANK, shuffle=True, seed=0)
     return RestartableDataLoader(data, batch_size=4, sampler=sampler, num_workers=WORKERS, max_restarts=3)
+
+
+def make_model() -> torch.nn.Module:
+    if not HIDDEN:
+        return torch.nn.Linear(8, 1)
+    return torch.nn.Sequential(torch.nn.Linear(8, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
 
 
 def in_memory(path: str | None) -> bool:
@@ -157,7 +173,7 @@ def run_ignite() -> None:
     dist.init_process_group("gloo", timeout=PG_TIMEOUT)
     mark("process_group")
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 1)
+    model = make_model()
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = make_loader()
@@ -180,7 +196,11 @@ def run_ignite() -> None:
     trainer.add_event_handler(Events.EPOCH_STARTED, lambda e: loader.sampler.set_epoch(e.state.epoch - 1))
     FaultTolerance(hang_timeout=HANG_TIMEOUT).attach(trainer)
     to_save = {"model": model, "optimizer": opt, "trainer": trainer, "loader": loader}
-    saver = Checkpoint(to_save, TornOnce(str(CKPT), require_empty=False), n_saved=2,
+    if BUCKETS:
+        from fault_tolerant_handlers import DDPBucketLayout
+
+        to_save["ddp"] = DDPBucketLayout(ddp)
+    saver = Checkpoint(to_save, TornOnce(str(CKPT), require_empty=False), n_saved=KEEP,
                        global_step_transform=lambda e, _: e.state.iteration)
     trainer.add_event_handler(Events.ITERATION_COMPLETED(every=EVERY), saver)
     mark("ddp")
@@ -207,12 +227,16 @@ def run_lightning() -> None:
 
     mark("imported")
     trace = Trace()
+    if not BUCKETS:
+        class FaultTolerance(FaultTolerance):  # noqa: F811 - the checkpoint's bucket layout not given back
+            def on_fit_start(self, trainer, pl_module):
+                pass
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.layer = torch.nn.Linear(8, 1)
+            self.layer = make_model()
 
         def training_step(self, batch, batch_idx):
             idx, x, y = batch
@@ -223,11 +247,11 @@ def run_lightning() -> None:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo", timeout=PG_TIMEOUT),
+        accelerator="cpu", devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo", timeout=PG_TIMEOUT),
         max_epochs=EPOCHS, logger=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0,
         callbacks=[FaultTolerance(hang_timeout=HANG_TIMEOUT),
-                   ModelCheckpoint(dirpath=str(CKPT), every_n_train_steps=EVERY, save_top_k=2, monitor="step",
+                   ModelCheckpoint(dirpath=str(CKPT), every_n_train_steps=EVERY, save_top_k=KEEP, monitor="step",
                                    mode="max", save_last=True)],
     )
     path = latest_checkpoint(CKPT) if RESUME else None

@@ -14,6 +14,22 @@ with an error naming it, never later and never silently.
 ``torch.multiprocessing.spawn._wrap``, local ``error_file``  a rank started by ``mp.spawn`` and its error file
 =====================================================  ==============================================
 
+A DDP model's bucket layout (:func:`ddp_bucket_layout`, :func:`use_ddp_bucket_layout`), checked by
+:func:`check_ddp` when a :class:`~..data.ddp_buckets.DDPBucketLayout` is made, not when a session
+starts (a job that never uses it needs none of these):
+
+=====================================================  ==============================================
+``DistributedDataParallel._get_ddp_logging_data``      ``rebuilt_per_bucket_param_indices``: the layout
+                                                       the reducer rebuilt after its first iteration
+``DistributedDataParallel._ddp_init_helper``            builds the reducer (as ``__setstate__`` does)
+``DistributedDataParallel._build_params_for_reducer``  its parameters, in the reducer's order
+``DistributedDataParallel._build_debug_param_to_name_mapping``  its names (debug mode)
+``DistributedDataParallel._comm_hooks``, ``.static_graph``, ``.reducer``, ``.logger``  what is replayed
+``torch.distributed._compute_bucket_assignment_by_size``  the layout ``_ddp_init_helper`` asks for
+``torch.distributed._register_comm_hook``              a registered comm hook, onto the new reducer
+``Reducer._remove_autograd_hooks``, ``Reducer._set_static_graph``, ``Logger._set_static_graph``
+=====================================================  ==============================================
+
 ``_wrap`` is only looked for on the main thread's stack (:func:`spawn_error_file`): a torch whose
 ``mp.spawn`` no longer has it is reported as not spawned, so the rank's report is printed by the
 interpreter as under any other launcher.
@@ -21,12 +37,15 @@ interpreter as under any other launcher.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 CHECKED_AGAINST = ("2.13.0",)
+#: The DDP bucket-layout calls below were read in and checked against these torch versions.
+DDP_CHECKED_AGAINST = ("2.13.0",)
 
 _REQUIRED = (
     ("torch.distributed.distributed_c10d", "_get_default_store"),
@@ -122,3 +141,117 @@ def tcp_store_of(store: dist.Store | None) -> dist.TCPStore | None:
 def backend_error_types() -> tuple[type[BaseException], ...]:
     """torch's ``DistError`` family (public): what NCCL, the store and the network raise."""
     return tuple(t for t in (getattr(dist, "DistError", None),) if isinstance(t, type))
+
+
+# -- a DDP model's bucket layout -------------------------------------------------------------------
+
+_DDP_REQUIRED = (
+    ("torch.nn.parallel.DistributedDataParallel", "_get_ddp_logging_data"),
+    ("torch.nn.parallel.DistributedDataParallel", "_ddp_init_helper"),
+    ("torch.nn.parallel.DistributedDataParallel", "_build_params_for_reducer"),
+    ("torch.nn.parallel.DistributedDataParallel", "_build_debug_param_to_name_mapping"),
+    ("torch.distributed", "_compute_bucket_assignment_by_size"),
+    ("torch.distributed", "_register_comm_hook"),
+    ("torch.distributed.Reducer", "_remove_autograd_hooks"),
+    ("torch.distributed.Reducer", "_set_static_graph"),
+    ("torch.distributed.Logger", "_set_static_graph"),
+)
+_DDP_ATTRS = ("reducer", "logger", "static_graph", "_comm_hooks")
+_DDP_LOCK = threading.Lock()  # one patched _compute_bucket_assignment_by_size at a time
+
+
+def check_ddp(ddp: Any = None) -> None:
+    """Raise ``RuntimeError`` naming every private torch name the bucket layout needs that this torch
+    (or ``ddp``, a ``DistributedDataParallel``) lacks."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    owners = {"torch.nn.parallel.DistributedDataParallel": DistributedDataParallel, "torch.distributed": dist,
+              "torch.distributed.Reducer": getattr(dist, "Reducer", None),
+              "torch.distributed.Logger": getattr(dist, "Logger", None)}
+    missing = [f"{owner}.{name}" for owner, name in _DDP_REQUIRED if not hasattr(owners[owner], name)]
+    if ddp is not None:
+        missing += [f"DistributedDataParallel().{name}" for name in _DDP_ATTRS if not hasattr(ddp, name)]
+    if missing:
+        raise RuntimeError(
+            f"fault-tolerant-handlers' DDPBucketLayout needs {', '.join(missing)}, which torch {torch.__version__} "
+            f"does not have (checked against torch {', '.join(DDP_CHECKED_AGAINST)})"
+        )
+
+
+def ddp_bucket_layout(ddp: Any) -> list[list[int]] | None:
+    """The parameter indices of each of ``ddp``'s buckets, in its reducer's order, once the reducer has
+    rebuilt them after its first iteration (``None`` before; also with ``find_unused_parameters=True``,
+    whose buckets are never rebuilt). Read from the DDP's logging data, which torch records at the
+    start of each of the first 10 iterations and every 100th after: known from the 3rd iteration on
+    (the 4th with ``static_graph=True``, whose reducer rebuilds after its 2nd iteration)."""
+    data = ddp._get_ddp_logging_data()
+    text = data.get("rebuilt_per_bucket_param_indices")
+    if not data.get("has_rebuilt_buckets") or not isinstance(text, str) or not text.strip():
+        return None
+    return [[int(i) for i in bucket.split()] for bucket in text.split(",")]
+
+
+def ddp_bucket_sizes(ddp: Any) -> list[int]:
+    """The bytes of each bucket of ``ddp``'s reducer when it was built (its logging data)."""
+    text = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+    return [int(s) for s in str(text).split(",") if s.strip()]
+
+
+def use_ddp_bucket_layout(ddp: Any, layout: list[list[int]]) -> None:
+    """Give ``ddp`` a new reducer whose buckets are ``layout`` (parameter indices per bucket, in the
+    reducer's order) from its first iteration on: what ``DistributedDataParallel.__setstate__`` does
+    to build a reducer, with ``torch.distributed._compute_bucket_assignment_by_size`` answering
+    ``layout`` for that one call. The old reducer's autograd hooks are removed first; the static graph
+    setting and the comm hooks registered with ``register_comm_hook`` are carried over. A builtin comm
+    hook (``_register_builtin_comm_hook``) cannot be, nor an optimizer applied in backward: a
+    ``RuntimeError`` says so. Raises ``RuntimeError`` also when the new reducer's buckets are not
+    those of ``layout`` (a torch whose ``_ddp_init_helper`` builds them otherwise)."""
+    check_ddp(ddp)
+    params, expect_sparse = ddp._build_params_for_reducer()
+    flat = sorted(i for bucket in layout for i in bucket)
+    if flat != list(range(len(params))):
+        raise ValueError(f"a DDP bucket layout of {len(flat)} parameter indices does not fit this model's "
+                         f"{len(params)} parameters (a checkpoint of another model?)")
+    if getattr(ddp, "_use_python_reducer", False):
+        return  # the compiled (Python) reducer reduces parameter by parameter: no buckets
+    if any(hasattr(p, "_in_backward_optimizers") for p in params):
+        raise RuntimeError("DDPBucketLayout cannot rebuild the reducer of a DDP whose optimizer runs in backward "
+                           "(apply_optimizer_in_backward)")
+    hooks = list(ddp._comm_hooks)
+    registered = ddp._get_ddp_logging_data().get("comm_hook")
+    if registered and not hooks:
+        raise RuntimeError(f"DDPBucketLayout cannot carry the builtin comm hook {registered!r} over to a new "
+                           "reducer: register it after the layout is loaded, or with register_comm_hook")
+    sizes = [sum(params[i].numel() * params[i].element_size() for i in bucket) for bucket in layout]
+    calls = []
+    original = dist._compute_bucket_assignment_by_size
+    me = threading.get_ident()
+
+    def assignment(tensors: Any, *args: Any, **kwargs: Any) -> tuple[list[list[int]], list[int]]:
+        if threading.get_ident() != me or len(tensors) != len(params):
+            return original(tensors, *args, **kwargs)
+        calls.append(len(tensors))
+        # _ddp_init_helper hands the reducer the buckets reversed (its guess at the backward order)
+        return [list(b) for b in reversed(layout)], list(reversed(sizes))
+
+    ddp.reducer._remove_autograd_hooks()
+    mapping = ddp._build_debug_param_to_name_mapping(params)
+    with _DDP_LOCK:
+        dist._compute_bucket_assignment_by_size = assignment
+        try:
+            ddp._ddp_init_helper(params, expect_sparse, mapping, ddp.static_graph)
+        finally:
+            dist._compute_bucket_assignment_by_size = original
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+    if getattr(ddp, "mixed_precision", None) is not None:  # as DistributedDataParallel.__init__ does
+        ddp.reducer._set_mixed_precision_param_dtype(ddp.mixed_precision.param_dtype)
+    for hook, state in hooks:
+        dist._register_comm_hook(ddp.reducer, state, hook)
+    if calls != [len(params)] or ddp_bucket_sizes(ddp) != sizes:
+        raise RuntimeError(
+            f"DDPBucketLayout: torch {torch.__version__}'s DistributedDataParallel._ddp_init_helper did not build "
+            f"the reducer with the given buckets (sizes {ddp_bucket_sizes(ddp)}, expected {sizes}; checked against "
+            f"torch {', '.join(DDP_CHECKED_AGAINST)})")
+
