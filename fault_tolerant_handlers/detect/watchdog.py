@@ -75,6 +75,8 @@ class Watchdog:
         #: applies from then on, the start's own deadline (``FTH_START_TIMEOUT_SEC``) before.
         self.warm = False
         self._first_step: int | None = None
+        self._quiet_since: tuple | None = None  # the progress when this rank learned the job failed
+        self._failed_seen = session.failed_before
         self._stop = WakeEvent()  # its set() also wakes the liveness loop's poll()
         self._finishing = False
         self._store_warned_at = -STORE_WARN_EVERY
@@ -188,9 +190,22 @@ class Watchdog:
             if self.session.known_failure is None:
                 # the time after the calls: a call that timed out took most of a period's budget
                 self._found(self.store_loss.poll(time.monotonic()), None)
-            if self.self_hang is not None and self.session.known_failure is None and not self.session.incident.local:
+            if self.self_hang is not None and self._judges_hangs():
                 self._found(self.self_hang.poll(now), self._schema)
         log(logging.DEBUG, "watchdog stopped")
+
+    def _judges_hangs(self) -> bool:
+        """The self-hang probe judges a main thread that trains. From the moment this rank knows the
+        job failed (its own failure, a peer's, an agreement that failed) until its next beat, its
+        main thread handles the failure (raising, ``on_exception`` callbacks, a recovery waiting for
+        its peers): that is not a hang, and declaring it named a second culprit beside the hung
+        rank (rank 0 ``RankHung`` at 5.2 s while it waited to recover with the rank that hung)."""
+        session = self.session
+        failed_now = session.failed_before and not self._failed_seen
+        self._failed_seen = session.failed_before
+        if session.known_failure is not None or session.incident.local or failed_now:
+            self._quiet_since = self._progress
+        return self._progress is not self._quiet_since
 
     def _run_liveness_loop(self) -> None:
         # Sleeps in poll() on the peers' pidfds: wakes when a peer ends or the watchdog stops, not

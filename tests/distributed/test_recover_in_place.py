@@ -105,6 +105,23 @@ def test_a_hung_rank_is_interrupted_and_recovers_in_place(framework, tmp_path, t
     assert "HangInterrupted" in output
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("framework", ["lightning", pytest.param("ignite", marks=pytest.mark.long)])
+def test_a_peer_waiting_to_recover_with_a_hung_rank_is_not_named_hung_too(framework, tmp_path):
+    """No checkpoint in the run, ``hang_timeout`` 5 s, rank 1 asleep at iteration 37: rank 1 is named
+    hung and interrupted; rank 0, whose main thread meanwhile handles the failure (it took rank 1's
+    and waits in the recovery), made no progress for as long, but is not hung: it must not name
+    itself (it did, 2 runs of 3, and the job ended instead of recovering). Both recover from scratch."""
+    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "EVERY": "1000", "FTH_HANG_TIMEOUT_SEC": "5",
+                                                   "FTH_INJECT": "hang@rank=1,iteration=37"})
+    assert "RankHung: rank 1 " in output
+    assert "RankHung: rank 0 " not in output, output[-4000:]
+    for rank in (0, 1):
+        seen = tries(run, rank)
+        assert set(seen) == {0, 1}, f"rank {rank}: attempts {sorted(seen)}"
+        assert seen[1]["done"] and seen[1]["start_iteration"] == 0 and seen[1]["resumed_from"] is None, seen[1]
+
+
 @pytest.mark.long
 @pytest.mark.timeout(300)
 def test_two_failures_recover_twice_and_the_log_names_each(tmp_path, tmp_path_factory):
