@@ -5,15 +5,16 @@ and resumed, relaunched from scratch.
     .venv/bin/python bench/resume.py --reps 5 --fault raise --modes inplace,resume
     .venv/bin/python bench/resume.py --reps 5 --fault hang --modes inplace,resume   # hang_timeout 3 s
 
-Each run is ``torchrun --standalone --nproc_per_node 2 --max-restarts 2 tests/resume_main.py``
-(``DistributedSampler(shuffle=True, seed=0)``, 400 samples, batch 4 per rank, 50 iterations an
+Each run is ``torchrun --standalone --nproc_per_node N --max-restarts 2 tests/resume_main.py`` (N from
+``--worlds``, 2 by default; ``--worlds 2,4,8`` puts the world sizes side by side)
+(``DistributedSampler(shuffle=True, seed=0)``, 200 x N samples, batch 4 per rank, 50 iterations an
 epoch, one epoch, a checkpoint every 10 iterations, ``FaultTolerance`` attached) with rank 1
 failing at iteration 37 in the first attempt (``--fault kill``: SIGKILL, the default; ``raise``).
 ``resume`` restarts from ``latest_checkpoint`` (iteration 30); ``scratch`` restarts from iteration 0;
 ``inplace`` (``INPLACE=2``: ``recover_in_place``, torchrun ``--max-restarts 0``) recovers in the same
 processes and resumes from ``latest_checkpoint``. ``--fault hang`` sets ``FTH_HANG_TIMEOUT_SEC=3``.
 
-Prints, per framework and mode, medians and [min, max] over the runs of:
+Prints, per world size, framework and mode, medians and [min, max] over the runs of:
 * ``fault -> first step``: from the start of the failing iteration on rank 1 (the end of the last
   step it trained, from the script's trace) to the later of the two ranks' first trained step of
   the second attempt: detection, exit, torchrun's restart, imports, process group, checkpoint
@@ -24,6 +25,9 @@ Prints, per framework and mode, medians and [min, max] over the runs of:
   in place: before the training function was called again (detection, agreement, teardown, the
   group re-formed) and from that call to the first step (the framework's start, the checkpoint, the
   DataLoader workers).
+In place, a second table breaks the recovery down per phase, from each rank's log line (the
+slowest rank's figure per phase: watchdogs stopped, agreed, torn down, re-formed, each counted from
+when the failure reached that rank), so that the part that grows with the world is visible.
 Targets: resumed <= 15 s after the fault, recomputed <= the checkpoint interval (10); in place,
 <= 1.5 s for a raise (<= 3 s worst), hang_timeout + 1.5 s for a hang, <= 3 s for a SIGKILL (the killed
 rank's process replaced by its keeper: the figures "called again" are then the replacement's).
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -53,14 +58,21 @@ EVERY, FAULT_AT, DEADLINE = 10, 37, 180
 HANG_TIMEOUT = 3
 
 
-def one_run(framework: str, mode: str, fault: str, out: Path) -> dict:
+#: ``[rank R] recovering in place, ...; watchdogs stopped A s, agreed B s, torn down C s (...), re-formed D s``
+PHASES = re.compile(r"\[rank (\d+)\] recovering in place, .*; watchdogs stopped ([\d.]+) s, agreed ([\d.]+) s, "
+                    r"torn down ([\d.]+) s .*re-formed ([\d.]+) s")
+
+
+def one_run(framework: str, mode: str, fault: str, out: Path, world: int = 2) -> dict:
     out.mkdir(parents=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), EVERY=str(EVERY), EPOCHS="1", RESUME="0" if mode == "scratch" else "1",
+    # 50 iterations an epoch at any world size (batch 4 per rank)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), EVERY=str(EVERY), EPOCHS="1", SAMPLES=str(200 * world),
+               RESUME="0" if mode == "scratch" else "1",
                FTH_INJECT=f"{fault}@rank=1,iteration={FAULT_AT}", PG_TIMEOUT_SEC="20", PYTHONUNBUFFERED="1",
                INPLACE="2" if mode == "inplace" else "")
     if fault == "hang":
         env["FTH_HANG_TIMEOUT_SEC"] = str(HANG_TIMEOUT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            "--max-restarts", "0" if mode == "inplace" else "2", "--monitor-interval", "0.5", str(SCRIPT), framework, str(out)]
     with open(out / "log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -78,7 +90,7 @@ def one_run(framework: str, mode: str, fault: str, out: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{framework}/{mode}: torchrun exited {proc.returncode}; see {out / 'log'}")
     trace = [json.loads(line) for line in (out / "batches1.jsonl").read_text().splitlines()]
-    first = [json.loads((out / f"attempt1_rank{r}.json").read_text()) for r in (0, 1)]
+    first = [json.loads((out / f"attempt1_rank{r}.json").read_text()) for r in range(world)]
     last0 = [e for e in trace if e["attempt"] == 0][-1]
     step_sec = statistics.median(b["t"] - a["t"] for a, b in zip(trace, trace[1:]) if a["attempt"] == b["attempt"] == 0)
     fault_t = last0["t"] + step_sec  # the failing iteration starts one step after the last traced one
@@ -86,7 +98,11 @@ def one_run(framework: str, mode: str, fault: str, out: Path) -> dict:
     in_place = first[0]["pid"] == json.loads((out / "attempt0_rank0.json").read_text())["pid"]
     # in place, rank 0 keeps its process (rank 1's is replaced after a kill)
     assert in_place == (mode == "inplace"), f"{mode}: attempt 1 ran in {'the same' if in_place else 'a new'} process"
-    return {"resume_sec": max(f["first_step_at"] for f in first) - fault_t,
+    # in place: each rank's phases after the failure reached it (the slowest rank's, per phase)
+    phases = [tuple(float(x) for x in m.groups()[1:]) for m in PHASES.finditer((out / "log").read_text())]
+    phase = {name: max(p[i] for p in phases) if phases else float("nan")
+             for i, name in enumerate(("stopped", "agreed", "torn_down", "reformed"))}
+    return {"resume_sec": max(f["first_step_at"] for f in first) - fault_t, **phase,
             "restart_sec": (recalled if in_place else min(f["started_at"] for f in first)) - fault_t,
             "import_sec": max(f["first_step_at"] for f in first) - recalled if in_place else
             max(f["marks"]["imported"] - f["started_at"] for f in first),
@@ -103,57 +119,85 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--fault", choices=["kill", "raise", "hang"], default="kill")
     parser.add_argument("--frameworks", default="ignite,lightning")
+    parser.add_argument("--worlds", default="2", help="comma-separated world sizes (ranks), e.g. 2,4,8")
     parser.add_argument("--modes", default="resume,scratch",
                         help="comma-separated, from inplace (recover_in_place), resume, scratch")
     args = parser.parse_args()
     unknown = set(args.modes.split(",")) - {"inplace", "resume", "scratch"}
     if unknown:
         parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from inplace, resume, scratch")
-    results: dict[tuple[str, str], list[dict]] = {}
-    failed: dict[tuple[str, str], list[str]] = {}
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if min(worlds) < 2:
+        parser.error("--worlds: every world size must be >= 2 (rank 1 fails)")
+    results: dict[tuple, list[dict]] = {}
+    failed: dict[tuple, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="fth-bench-resume-") as tmp:
         for rep in range(args.reps):
-            for framework in args.frameworks.split(","):
-                modes = args.modes.split(",")
-                for mode in (modes if rep % 2 == 0 else modes[::-1]):
-                    try:
-                        res = one_run(framework, mode, args.fault, Path(tmp) / f"{framework}-{mode}-{rep}")
-                    except Exception as err:  # noqa: BLE001 - a run that did not recover is a result too
-                        failed.setdefault((framework, mode), []).append(f"run {rep + 1}: {err}")
-                        print(f"  {framework:9s} {mode:7s} run {rep + 1}: FAILED: {err}", flush=True)
-                        continue
-                    results.setdefault((framework, mode), []).append(res)
-                    print(f"  {framework:9s} {mode:7s} run {rep + 1}: fault -> first step {res['resume_sec']:.2f} s "
-                          f"({'called again' if mode == 'inplace' else 'new processes started'} after "
-                          f"{res['restart_sec']:.2f} s, then {res['import_sec']:.2f} s "
-                          f"{'to the first step' if mode == 'inplace' else 'of imports'}), recomputed "
-                          f"{res['recomputed']}, load average {res['load']:.1f}", flush=True)
+            for world in worlds:
+                for framework in args.frameworks.split(","):
+                    modes = args.modes.split(",")
+                    for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                        run_once(results, failed, (world, framework, mode), rep, args.fault,
+                                 Path(tmp) / f"{framework}-{mode}-{world}-{rep}")
+    report(results, failed, args)
+
+
+def run_once(results: dict, failed: dict, key: tuple, rep: int, fault: str, out: Path) -> None:
+    world, framework, mode = key
+    try:
+        res = one_run(framework, mode, fault, out, world)
+    except Exception as err:  # noqa: BLE001 - a run that did not recover is a result too
+        failed.setdefault(key, []).append(f"run {rep + 1}: {err}")
+        print(f"  {world} ranks {framework:9s} {mode:7s} run {rep + 1}: FAILED: {err}", flush=True)
+        return
+    results.setdefault(key, []).append(res)
+    print(f"  {world} ranks {framework:9s} {mode:7s} run {rep + 1}: fault -> first step {res['resume_sec']:.2f} s "
+          f"({'called again' if mode == 'inplace' else 'new processes started'} after "
+          f"{res['restart_sec']:.2f} s, then {res['import_sec']:.2f} s "
+          f"{'to the first step' if mode == 'inplace' else 'of imports'}), recomputed "
+          f"{res['recomputed']}, load average {res['load']:.1f}", flush=True)
+
+
+def report(results: dict, failed: dict, args) -> None:
     print(f"\nfault={args.fault} at iteration {FAULT_AT}, checkpoint every {EVERY}, {args.reps} runs each "
           "(median [min, max])")
-    print("| framework | restart | fault -> first trained step (s) | fault -> new processes, or the call "
+    print("| ranks | framework | restart | fault -> first trained step (s) | fault -> new processes, or the call "
           "again in place (s) | their imports, or that call -> first step in place (s) | iterations recomputed |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|")
     names = {"resume": "relaunch, from latest_checkpoint", "scratch": "relaunch, from scratch",
              "inplace": "in place (recover_in_place), from latest_checkpoint"}
-    for (framework, mode), runs in sorted(results.items()):
-        print(f"| {framework} | {names[mode]} | "
+    for (world, framework, mode), runs in sorted(results.items()):
+        print(f"| {world} | {framework} | {names[mode]} | "
               f"{summary([r['resume_sec'] for r in runs], '.2f')} | {summary([r['restart_sec'] for r in runs], '.2f')} | "
               f"{summary([r['import_sec'] for r in runs], '.2f')} | {summary([r['recomputed'] for r in runs], 'd')} |")
-    for (framework, mode), why in sorted(failed.items()):
-        print(f"FAILED {framework} {mode}: {len(why)} run(s): {'; '.join(why)}")
+    inplace_rows = [(key, runs) for key, runs in sorted(results.items()) if key[2] == "inplace"]
+    if inplace_rows:
+        print("\nIn place, per phase: seconds after the failure reached each rank, the slowest rank's, then the "
+              "call again -> the slowest rank's first step (median [min, max])")
+        print("| ranks | framework | watchdogs stopped | agreed | torn down | re-formed | call -> first step | "
+              "fault -> first step |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for (world, framework, _), runs in inplace_rows:
+            cells = " | ".join(summary([r[p] for r in runs], ".2f") for p in ("stopped", "agreed", "torn_down", "reformed"))
+            print(f"| {world} | {framework} | {cells} | {summary([r['import_sec'] for r in runs], '.2f')} | "
+                  f"{summary([r['resume_sec'] for r in runs], '.2f')} |")
+    for (world, framework, mode), why in sorted(failed.items()):
+        print(f"FAILED {world} ranks {framework} {mode}: {len(why)} run(s): {'; '.join(why)}")
     print(f"load average during the runs: {summary([r['load'] for rs in results.values() for r in rs], '.1f')} "
           f"on {os.cpu_count()} CPUs")
     ok = all(r["resume_sec"] <= 15 and r["recomputed"] <= EVERY
-             for (f, m), runs in results.items() if m == "resume" for r in runs)
+             for (_, _, mode), runs in results.items() if mode == "resume" for r in runs)
     print(f"\ntargets (resumed <= 15 s, recomputed <= {EVERY}): {'met' if ok else 'NOT met'} in every resumed run")
-    inplace = [r for (f, m), runs in results.items() if m == "inplace" for r in runs]
-    if inplace:
+    for world in sorted({key[0] for key in results}):
+        inplace = [r for (w, _, mode), runs in results.items() if w == world and mode == "inplace" for r in runs]
+        if not inplace:
+            continue
         median_target, worst_target = {"raise": (1.5, 3), "hang": (HANG_TIMEOUT + 1.5, HANG_TIMEOUT + 3),
                                        "kill": (3, 3)}[args.fault]
         med, worst = statistics.median(r["resume_sec"] for r in inplace), max(r["resume_sec"] for r in inplace)
         ok = med <= median_target and worst <= worst_target and all(r["recomputed"] <= EVERY for r in inplace)
-        print(f"targets in place (median <= {median_target:g} s, worst <= {worst_target:g} s, recomputed <= {EVERY}): "
-              f"{'met' if ok else 'NOT met'} (median {med:.2f} s, worst {worst:.2f} s)")
+        print(f"targets in place at {world} ranks (median <= {median_target:g} s, worst <= {worst_target:g} s, "
+              f"recomputed <= {EVERY}): {'met' if ok else 'NOT met'} (median {med:.2f} s, worst {worst:.2f} s)")
 
 
 if __name__ == "__main__":

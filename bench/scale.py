@@ -93,8 +93,12 @@ def main() -> int:
         lib, stock = runs["library"], runs.get("stock", [])
         starts = lambda rs: [r.first_step for r in rs if r.first_step is not None]  # noqa: E731
         lags = [r.max_lag for r in lib if r.max_lag is not None]
-        stock_conns = statistics.median([c for r in stock for c in r.per_rank("store_conns")] or [0])
-        conns = [c - stock_conns for r in lib for c in r.per_rank("store_conns")]
+        # per rank: the stock job's own connections differ by rank (Lightning's rank 0 hosts the store)
+        stock_conns = {rank: statistics.median(vals) for rank in range(world)
+                       if (vals := [r.ranks[rank]["store_conns"] for r in stock
+                                    if "store_conns" in r.ranks.get(rank, {})])}
+        conns = [r.ranks[rank]["store_conns"] - stock_conns.get(rank, 0) for r in lib for rank in r.ranks
+                 if "store_conns" in r.ranks[rank]]
         cpu = [c for r in lib for c in r.per_rank("lib_cpu")]
         done = lambda rs: sum(r.finished(ITERATIONS) == world for r in rs)  # noqa: E731
         print(f"| {world} | {framework} | {spread(starts(stock))} | {spread(starts(lib))} | "

@@ -12,7 +12,7 @@ or, for Ignite, ``TORN_SAVE=<iteration>``: rank 0 killed in the middle of writin
 sampler's replicas are torchrun's world size). ``BUCKETS=0``: the DDP's bucket layout is left out of
 the checkpoint (Ignite: no ``DDPBucketLayout`` in ``to_save``; Lightning: the callback's
 ``on_fit_start`` does not give it back), which makes a resume at 3 ranks or more inexact. ``HIDDEN=<n>``: a model with a hidden layer;
-``KEEP=<n>``: checkpoints kept (2).
+``KEEP=<n>``: checkpoints kept (2); ``SAMPLES=<n>``: the data set's size (400).
 
 Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` at its start (which checkpoint
 it resumed from, at which iteration) and appends the sample indices of every batch it trains to
@@ -95,7 +95,7 @@ def mark(name: str) -> None:
 
 
 def make_loader() -> RestartableDataLoader:
-    data = Regression(400)
+    data = Regression(int(os.environ.get("SAMPLES", "400")))
     sampler = DistributedSampler(data, num_replicas=WORLD, rank=RANK, shuffle=True, seed=0)
     return RestartableDataLoader(data, batch_size=4, sampler=sampler, num_workers=WORKERS, max_restarts=3)
 

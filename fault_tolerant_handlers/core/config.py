@@ -336,6 +336,7 @@ def load() -> Config:
 # ===========================  =======  ===========================  ==============================================
 # MAIN_STORE_TIMEOUT           5 s      core.session                 the main thread's store calls (publish, read)
 # FAILURE_PATH_STORE_TIMEOUT   1 s      core.session                 store calls while explaining a broken collective
+# BACKGROUND_CONNECT_TIMEOUT   5 s      core.session                 a loop's connect (watchdog, liveness helper)
 # EXPLAIN_WAIT                 2.0      core.session                 a broken collective waits for its cause
 # SUSPECT_SILENCE              1.2      core.session                 a suspect's heartbeat stands still: it is lost
 # SUSPECT_OBSERVED_GAP         0.5      core.session                 reads this close observe a suspect's silence
@@ -370,6 +371,10 @@ def load() -> Config:
 MAIN_STORE_TIMEOUT = timedelta(seconds=5)
 #: Timeout of the store calls made while explaining a broken collective.
 FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=1)
+#: The connect of a connection a loop makes in its own thread (the watchdog's, the liveness
+#: helper's): nothing waits for it, and 8 ranks starting on a busy store's host took seconds to be
+#: answered; a 1 s connect failed and was made again by every rank, adding to that load.
+BACKGROUND_CONNECT_TIMEOUT = timedelta(seconds=5)
 #: How long a broken collective waits for the cause (a killed peer is declared within ~0.1 s).
 EXPLAIN_WAIT = 2.0
 #: A rank at the address a backend error names, whose heartbeat (every HEARTBEAT_EVERY, from its

@@ -185,9 +185,11 @@ class Connection:
     CALL_SLACK = 0.5
 
     def __init__(self, factory: Callable[[], dist.Store], timeout: timedelta, name: str, *,
-                 backoff: bool = False) -> None:
+                 backoff: bool = False, connect_timeout: timedelta | None = None) -> None:
         self._factory = factory
         self._timeout = timeout
+        #: What ``factory`` gives its connect (``timeout`` unless said): bounds the wait for it at exit.
+        self._connect_timeout = connect_timeout or timeout
         self.name = name
         #: A connection of a periodic loop (the watchdog's, the liveness helper's): after a failed
         #: connect its calls fail at once until a backoff has passed (:data:`BACKOFF_FIRST`, doubled
@@ -225,7 +227,7 @@ class Connection:
             generation = self._generation
         key = object()
         with _connects_lock:
-            _connects[key] = (time.monotonic() + CONNECT_TRIES * self._timeout.total_seconds() + CONNECT_SLACK,
+            _connects[key] = (time.monotonic() + CONNECT_TRIES * self._connect_timeout.total_seconds() + CONNECT_SLACK,
                               threading.current_thread())
         connected = False
         try:

@@ -54,7 +54,7 @@ from .ranks import RankTable, addresses_named, decode_name, digest, encode_name,
 from .records import FailureRecord, host_name
 from .release import listens_here, release_process_groups, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port, store_evidence
-from .config import (EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT,  # timings: the table
+from .config import (BACKGROUND_CONNECT_TIMEOUT, EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT,  # timings: the table
                      MAIN_STORE_TIMEOUT, MISMATCH_WAIT, SUSPECT_OBSERVED_GAP, SUSPECT_SILENCE)  # in .config
 
 #: How many delivered record indices are remembered for the watchdog.
@@ -200,16 +200,19 @@ class Session:
         def prefixed(store: dist.Store) -> dist.Store:
             return dist.PrefixStore(prefix, store) if prefix else store
 
+        # A loop's connection (``backoff``) connects in its own thread: a connect that is only slow (a
+        # store whose host is busy starting many ranks) is waited for, not failed and made again.
+        connect = max(timeout, BACKGROUND_CONNECT_TIMEOUT) if backoff else timeout
         if self.store_address is not None:
             host, port = self.store_address
 
             def factory() -> dist.Store:
-                probe_store_port(host, port, timeout)
-                return prefixed(dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False))
+                probe_store_port(host, port, connect)
+                return prefixed(dist.TCPStore(host, port, is_master=False, timeout=connect, wait_for_workers=False))
         else:
             def factory() -> dist.Store:
                 return prefixed(base.clone())
-        return Connection(factory, timeout, name, backoff=backoff)
+        return Connection(factory, timeout, name, backoff=backoff, connect_timeout=connect)
 
     def store_evidence(self, timeout: float) -> str | None:
         """Evidence that the store is gone or unreachable (:func:`~.schema.store_evidence`), or

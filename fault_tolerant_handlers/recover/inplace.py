@@ -210,11 +210,17 @@ class _Recovery:
         compat_torchrun.capture_rendezvous()
         running = attempts.enter_recovery()
         previous = self._install_interrupter()
+        frozen_by_caller = gc.get_freeze_count() > 0
         try:
             if replacement is not None:
                 self._reform(self._join_as_replacement(replacement))
             while True:
                 started = time.monotonic()
+                # What lives now (modules, the library, the caller's objects) is left out of the
+                # collector's walks: the teardown's full collection then visits only what the attempt
+                # made. Measured here: 0.6 s per collection without, 0.01 s with; 8 ranks on 2 cores
+                # spent 1 s of every recovery in it. Undone when the recovery ends.
+                gc.freeze()
                 try:
                     return self.fn(*args, **kwargs)
                 except BaseException as err:  # noqa: BLE001 - decided below; re-raised unless recovered
@@ -229,6 +235,8 @@ class _Recovery:
                 self._teardown(timings)
                 self._reform(timings)
         finally:
+            if not frozen_by_caller:
+                gc.unfreeze()
             self._restore_interrupter(previous)
             attempts.leave_recovery(running)
             snapshots.forget()  # the newest checkpoint's copy in memory: no attempt will read it now
@@ -284,9 +292,10 @@ class _Recovery:
         self._sessions = sessions  # stopped: out of the registry, abandoned at the teardown
         for session in sessions:
             session.stop()
+        stopped = time.monotonic()
         # 2. agree, on the first attempt's store
         decision = self._agree(world, cause)
-        timings = {"detected": t0, "agreed": time.monotonic(), "attempt_ran": t0 - started}
+        timings = {"detected": t0, "stopped": stopped, "agreed": time.monotonic(), "attempt_ran": t0 - started}
         if decision.restart:
             self.causes.append(Cause(**decision.cause) if decision.cause else cause)
         return decision, timings
@@ -393,9 +402,20 @@ class _Recovery:
                 compat_torchrun.forget_own_addresses(world[0])
             except Exception as err:  # noqa: BLE001 - a few keys left behind must not stop the recovery
                 log(logging.DEBUG, "deleting the failed attempt's address keys: %s", err)
+        parts = timings.setdefault("parts", {})
+        mark = time.monotonic()
+
+        def part(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            parts[name] = parts.get(name, 0.0) + now - mark
+            mark = now
+
+        part("keys")
         sessions, self._sessions = self._sessions + live_sessions(), []
         for session in sessions:  # every rank reached the recovery: nobody reads their keys any more
             session.abandon(shared_keys=session.group_rank == 0)
+        part("sessions")
         timer = threading.Timer(RECOVER_TEARDOWN_SEC, lambda: os._exit(EXIT_TEARDOWN_STUCK))
         timer.daemon = True
         timer.start()
@@ -406,13 +426,17 @@ class _Recovery:
             log(logging.DEBUG, "destroying the failed attempt's groups: %s", err)
         finally:
             timer.cancel()
+        part("groups")
         events.emit(events.ATTEMPT_ENDED, attempts.in_place())  # the adapters: frameworks' process-wide state
+        part("frameworks")
         gc.collect()  # the failed attempt's loaders: their workers are shut down with them
+        part("collected")
         killed = _reap_loader_workers()
         if killed:
             log(logging.WARNING, "killed %d DataLoader worker(s) of the failed attempt that were still running", killed)
         if world is not None:
             world[0].set_timeout(world[4])
+        part("workers")
         timings["torn_down"] = time.monotonic()
 
     def _reform(self, timings: dict) -> None:
@@ -426,9 +450,11 @@ class _Recovery:
                                     world_size=world_size, timeout=timeout)
         timings["reformed"] = time.monotonic()
         cause = self.causes[-1]
-        log(logging.WARNING, "recovering in place, attempt %d (max_restarts=%d), after %s; agreed %.2f s, torn down "
-            "%.2f s, re-formed %.2f s after the failure reached this rank", attempts.in_place(), self.max_restarts,
-            cause.describe(), timings["agreed"] - timings["detected"], timings["torn_down"] - timings["detected"],
+        parts = ", ".join(f"{name} {took:.2f}" for name, took in timings.get("parts", {}).items() if took >= 0.005)
+        log(logging.WARNING, "recovering in place, attempt %d (max_restarts=%d), after %s; watchdogs stopped %.2f s, "
+            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank",
+            attempts.in_place(), self.max_restarts, cause.describe(), timings["stopped"] - timings["detected"],
+            timings["agreed"] - timings["detected"], timings["torn_down"] - timings["detected"], parts or "-",
             timings["reformed"] - timings["detected"])
 
     # -- interrupting a hung main thread -------------------------------------------------------------------
