@@ -314,7 +314,7 @@ def cpu_rank_main(outdir: Path, seconds: float, loader_workers: int = 0) -> None
         loaders = {"torch": torch.utils.data.DataLoader(dataset, **kwargs),
                    "restartable": RestartableDataLoader(dataset, **kwargs)}
         # the loader's batches cost more than in-memory ones: about half of `seconds` per run
-        epochs = max(2, round(seconds / 2 / (2 * per_step.item()) / len(data)))
+        epochs = max(1, round(seconds / 2 / (2 * per_step.item()) / len(data)))
         runs: dict[str, list] = {"torch": [], "restartable": []}
         steps: dict[str, list] = {"torch": [], "restartable": []}
         for side in ("torch", "restartable", "restartable", "torch"):
@@ -690,7 +690,7 @@ def main() -> None:
             outdir = Path(tempfile.mkdtemp(prefix="overhead-cpu-"))
             run_job(world, [__file__, "--rank-main", str(outdir), "--mode", "cpu", *common,
                             "--loader-workers", str(workers)],
-                    deadline=180 + 10 * world + (8 if workers else 4) * cpu_seconds, env=env, quiet_ranks=False)
+                    deadline=180 + (30 if workers else 10) * world + (8 if workers else 4) * cpu_seconds, env=env, quiet_ranks=False)
             files = sorted(outdir.glob("cpu-*.json"))
             if len(files) != world:
                 raise SystemExit(f"background CPU at {world} ranks: {len(files)} of {world} ranks reported")
