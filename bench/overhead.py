@@ -13,16 +13,21 @@
    stime`` of ``/proc/self/task/<tid>/stat``, and the nanosecond ``schedstat``) of every thread
    whose name starts with ``fth-`` and of every child process whose ``comm`` starts with ``fth``,
    divided by the wall time of an Ignite training with ``FaultTolerance`` at 2, 4 and 8 ranks. CPU
-   time is what the library takes from the training whoever else shares the machine.
+   time is what the library takes from the training whoever else shares the machine. Then (2b) the
+   same training fed by a DataLoader with ``--loader-workers`` persistent workers at
+   ``--loader-worlds`` ranks: torch's own ``DataLoader`` and ``RestartableDataLoader`` alternately
+   in the same ranks, each side's step time (batch fetch included) beside the library's CPU with
+   it, and the share of our loader's thread (``fth-dataloader-pump``).
 3. **Per-step cost on the training thread**: the adapters' per-iteration hooks (Ignite
    ``ITERATION_STARTED``/``ITERATION_COMPLETED`` handlers as attached to a real ``Engine``, the
    Lightning callback's ``on_train_batch_start``/``_end`` with the real ``Trainer``), called in a
    tight loop from inside a running training, plus one agreement (a one-int gloo all_reduce on the
    side group, 2 ranks) divided by ``sync_every``.
 
-The last line is ``overhead_ratio ignite=<x> lightning=<y> cpu_per_rank=<fraction> hook_us=<us>``:
-the larger of the two models' ratios per framework, the largest per-rank background CPU over the
-world sizes, and the larger of the two adapters' per-step cost.
+The last line is ``overhead_ratio ignite=<x> lightning=<y> cpu_per_rank=<fraction>
+cpu_per_rank_loader=<fraction> hook_us=<us>``: the larger of the two models' ratios per framework,
+the largest per-rank background CPU over the world sizes without and with our loader, and the
+larger of the two adapters' per-step cost.
 """
 
 from __future__ import annotations
@@ -206,10 +211,54 @@ def process_cpu_seconds(proc: str = "/proc") -> float:
     return stat_cpu_seconds(_read(f"{proc}/self/stat") or "")
 
 
+def _windows_and_total(runs: list[list]) -> tuple[list[dict], dict]:
+    """Per-window figures and the totals over several runs' samples (each run's own first to last)."""
+    windows = []
+    wall = process = store_ops = steps = 0.0
+    threads: dict[str, list] = {}
+    for samples in runs:
+        for (t0, c0, p0, s0, i0), (t1, c1, p1, s1, i1) in zip(samples, samples[1:]):
+            d = cpu_delta(c0, c1)
+            w = t1 - t0
+            windows.append({
+                "wall": w,
+                "stat": sum(v[0] for v in d.values()) / w,
+                "sched": (sum(v[1] for v in d.values()) / w) if all(v[1] is not None for v in d.values()) else None,
+                "process": (p1 - p0) / w,
+                "store_ops_per_s": (s1 - s0) / w,
+                "steps_per_s": (i1 - i0) / w,
+            })
+        (t0, c0, p0, s0, i0), (t1, c1, p1, s1, i1) = samples[0], samples[-1]
+        wall += t1 - t0
+        process += p1 - p0
+        store_ops += s1 - s0
+        steps += i1 - i0
+        for label, (stat, sched) in cpu_delta(c0, c1).items():
+            acc = threads.setdefault(label, [0.0, 0.0])
+            acc[0] += stat
+            acc[1] = None if sched is None or acc[1] is None else acc[1] + sched
+    total = {
+        "wall": wall,
+        "threads": {k: [v[0] / wall, None if v[1] is None else v[1] / wall] for k, v in threads.items()},
+        "stat": sum(v[0] for v in threads.values()) / wall,
+        "sched": (sum(v[1] for v in threads.values()) / wall) if all(v[1] is not None for v in threads.values()) else None,
+        "process": process / wall,
+        "store_ops_per_s": store_ops / wall,
+        "steps_per_s": steps / wall,
+        "windows": windows,
+    }
+    return windows, total
+
+
 def cpu_rank_main(outdir: Path, seconds: float, loader_workers: int = 0) -> None:
     """One rank: an Ignite training with ``FaultTolerance`` for ``seconds``; the library's CPU over it.
-    With ``loader_workers``, the batches come from a ``RestartableDataLoader`` with that many workers
-    (its pump thread is one of the library's threads)."""
+
+    With ``loader_workers``, the batches come from a DataLoader with that many workers (persistent):
+    torch's own ``DataLoader`` and a ``RestartableDataLoader`` alternately (torch, ours, ours, torch),
+    each run ``seconds / 2`` long, a fresh ``Engine`` with ``FaultTolerance`` each time. The
+    library's CPU is measured over our loader's runs (its pump thread is one of the library's
+    threads) and, for comparison, over torch's; the step time (from one iteration's end to the next:
+    fetching the batch included) of each side is the median of its iterations."""
     import torch
     import torch.distributed as dist
     from ignite.engine import Engine, Events
@@ -236,53 +285,50 @@ def cpu_rank_main(outdir: Path, seconds: float, loader_workers: int = 0) -> None
         step(None, batch)
     per_step = torch.tensor([(time.perf_counter() - start) / 20], dtype=torch.float64)
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
-    iters = max(60, int(seconds / per_step.item()))
-    every = max(5, iters // 10)
 
-    engine = Engine(step)
-    ft = FaultTolerance().attach(engine)
-    samples: list = []
+    def train(source, iters: int, **run_kwargs) -> tuple[list, list[float]]:
+        """``(samples of the library's CPU, step times)`` of one fresh Engine with FaultTolerance."""
+        engine = Engine(step)
+        ft = FaultTolerance().attach(engine)
+        samples: list = []
+        every = max(5, iters // 10)
 
-    def sample(engine) -> None:  # attached after the handler: the watchdog is running
-        samples.append((time.monotonic(), cpu_of(library_tasks()), process_cpu_seconds(),
-                        _session(ft.guard).watchdog.store_ops, engine.state.iteration))
+        def sample(engine) -> None:  # attached after the handler: the watchdog is running
+            samples.append((time.monotonic(), cpu_of(library_tasks()), process_cpu_seconds(),
+                            _session(ft.guard).watchdog.store_ops, engine.state.iteration))
 
-    engine.add_event_handler(Events.ITERATION_COMPLETED(every=every), sample)
+        ends: list[float] = []
+        engine.add_event_handler(Events.ITERATION_COMPLETED(every=every), sample)
+        engine.add_event_handler(Events.ITERATION_COMPLETED, lambda e: ends.append(time.perf_counter()))
+        engine.run(source, **run_kwargs)
+        gaps = [b - a for a, b in zip(ends, ends[1:])]
+        return samples, gaps[2:]
+
+    result: dict = {"rank": rank}
     if loader_workers:
         from fault_tolerant_handlers import RestartableDataLoader
 
         x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
-        loader = RestartableDataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64,
-                                       num_workers=loader_workers, persistent_workers=True)
-        engine.run(loader, max_epochs=max(1, round(iters / len(loader))))
+        dataset = torch.utils.data.TensorDataset(x, y)
+        kwargs = dict(batch_size=64, num_workers=loader_workers, persistent_workers=True)
+        loaders = {"torch": torch.utils.data.DataLoader(dataset, **kwargs),
+                   "restartable": RestartableDataLoader(dataset, **kwargs)}
+        # the loader's batches cost more than in-memory ones: about half of `seconds` per run
+        epochs = max(1, round(seconds / 2 / (2 * per_step.item()) / len(data)))
+        runs: dict[str, list] = {"torch": [], "restartable": []}
+        steps: dict[str, list] = {"torch": [], "restartable": []}
+        for side in ("torch", "restartable", "restartable", "torch"):
+            samples, gaps = train(loaders[side], epochs * len(loaders[side]), max_epochs=epochs)
+            runs[side].append(samples)
+            steps[side].append(statistics.median(gaps))
+        _, result["torch_loader"] = _windows_and_total(runs["torch"])
+        result["step_s"] = steps
+        _, total = _windows_and_total(runs["restartable"])
     else:
-        engine.run(itertools.cycle(data), max_epochs=1, epoch_length=iters)
-    windows = []
-    for (t0, c0, p0, s0, i0), (t1, c1, p1, s1, i1) in zip(samples, samples[1:]):
-        d = cpu_delta(c0, c1)
-        wall = t1 - t0
-        windows.append({
-            "wall": wall,
-            "stat": sum(v[0] for v in d.values()) / wall,
-            "sched": (sum(v[1] for v in d.values()) / wall) if all(v[1] is not None for v in d.values()) else None,
-            "process": (p1 - p0) / wall,
-            "store_ops_per_s": (s1 - s0) / wall,
-            "steps_per_s": (i1 - i0) / wall,
-        })
-    (t0, c0, p0, s0, i0), (t1, c1, p1, s1, i1) = samples[0], samples[-1]
-    wall = t1 - t0
-    total = cpu_delta(c0, c1)
-    result = {
-        "rank": rank,
-        "wall": wall,
-        "threads": {k: [v[0] / wall, None if v[1] is None else v[1] / wall] for k, v in total.items()},
-        "stat": sum(v[0] for v in total.values()) / wall,
-        "sched": (sum(v[1] for v in total.values()) / wall) if all(v[1] is not None for v in total.values()) else None,
-        "process": (p1 - p0) / wall,
-        "store_ops_per_s": (s1 - s0) / wall,
-        "steps_per_s": (i1 - i0) / wall,
-        "windows": windows,
-    }
+        iters = max(60, int(seconds / per_step.item()))
+        samples, _ = train(itertools.cycle(data), iters, max_epochs=1, epoch_length=iters)
+        _, total = _windows_and_total([samples])
+    result.update(total)
     (outdir / f"cpu-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     os._exit(0)
@@ -537,6 +583,27 @@ def thread_rows(by_world: dict[str, list[dict]]) -> list[str]:
     return rows
 
 
+def loader_rows(by_world: dict[str, list[dict]]) -> tuple[list[str], float]:
+    """Per world size fed by a loader: step time with torch's DataLoader and with ours, and the
+    library's CPU beside each (median (min-max) over ranks of each rank's figure)."""
+    rows = ["| ranks | step, torch DataLoader (ms) | step, RestartableDataLoader (ms) | step ratio ours/torch "
+            "| library CPU per rank with torch's loader, % of a core | with ours, % | of which fth-dataloader-pump, % |",
+            "|---:|---:|---:|---:|---:|---:|---:|"]
+    worst = 0.0
+    for world, ranks in by_world.items():
+        sched = lambda r: r["sched"] if r["sched"] is not None else r["stat"]  # noqa: E731
+        torch_ms = [1e3 * statistics.median(r["step_s"]["torch"]) for r in ranks]
+        ours_ms = [1e3 * statistics.median(r["step_s"]["restartable"]) for r in ranks]
+        ratios = [o / t for o, t in zip(ours_ms, torch_ms)]
+        pump = [100 * sum(v[1] if v[1] is not None else v[0] for k, v in r["threads"].items()
+                          if k.startswith("fth-dataloader-pump")) for r in ranks]
+        worst = max(worst, max(sched(r) for r in ranks))
+        rows.append(f"| {world} | {spread(torch_ms, '{:.2f}')} | {spread(ours_ms, '{:.2f}')} | {spread(ratios)} "
+                    f"| {spread([100 * sched(r['torch_loader']) for r in ranks])} "
+                    f"| {spread([100 * sched(r) for r in ranks])} | {spread(pump)} |")
+    return rows, worst
+
+
 def hook_rows(hooks: dict) -> tuple[list[str], float]:
     rows = ["| adapter | hooks per step (us) | agreement (us) | bare all_reduce (us) | sync_every "
             "| per step: hooks + agreement / sync_every (us) |", "|---|---:|---:|---:|---:|---:|"]
@@ -566,7 +633,10 @@ def main() -> None:
                         help="training time per world size for the background CPU (default 30; --quick 8)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8], help="world sizes for the background CPU")
     parser.add_argument("--loader-workers", type=int, default=2,
-                        help="also measure 2 ranks fed by a RestartableDataLoader with this many workers (0: skip)")
+                        help="also measure ranks fed by a RestartableDataLoader with this many workers, beside "
+                             "torch's DataLoader (0: skip)")
+    parser.add_argument("--loader-worlds", type=int, nargs="+", default=[2],
+                        help="world sizes for the loader's figures (default 2)")
     parser.add_argument("--frameworks", nargs="+", default=["ignite", "lightning"], choices=["ignite", "lightning"])
     parser.add_argument("--only", nargs="+", default=["ratio", "cpu", "hooks"], choices=["ratio", "cpu", "hooks"],
                         help="which figures to measure (default all three)")
@@ -579,8 +649,9 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.loader_workers < 0:
         parser.error(f"--loader-workers must be 0 or more, got {args.loader_workers}")
-    if any(w < 2 for w in args.worlds):
-        parser.error(f"--worlds: every world size must be at least 2, got {args.worlds}")
+    if any(w < 2 for w in args.worlds + args.loader_worlds):
+        parser.error(f"--worlds, --loader-worlds: every world size must be at least 2, got {args.worlds} "
+                     f"{args.loader_worlds}")
     pairs = args.pairs or (4 if args.quick else 10)
     iters = args.iters or (80 if args.quick else 300)
     cpu_seconds = args.cpu_seconds or (8.0 if args.quick else 30.0)
@@ -613,20 +684,21 @@ def main() -> None:
         fields += [f"{k}={v:.3f}" for k, v in worst.items()]
     if "cpu" in args.only:
         by_world: dict[str, list[dict]] = {}
-        runs = [(world, 0) for world in args.worlds] + ([(2, args.loader_workers)] if args.loader_workers else [])
+        runs = [(world, 0) for world in args.worlds]
+        runs += [(world, args.loader_workers) for world in args.loader_worlds] if args.loader_workers else []
         for world, workers in runs:
             outdir = Path(tempfile.mkdtemp(prefix="overhead-cpu-"))
             run_job(world, [__file__, "--rank-main", str(outdir), "--mode", "cpu", *common,
                             "--loader-workers", str(workers)],
-                    deadline=180 + 4 * cpu_seconds, env=env, quiet_ranks=False)
+                    deadline=180 + (30 if workers else 10) * world + (8 if workers else 4) * cpu_seconds, env=env, quiet_ranks=False)
             files = sorted(outdir.glob("cpu-*.json"))
             if len(files) != world:
                 raise SystemExit(f"background CPU at {world} ranks: {len(files)} of {world} ranks reported")
             label = f"{world}" + (f", RestartableDataLoader({workers} workers)" if workers else "")
             by_world[label] = [json.loads(f.read_text()) for f in files]
-        # the headline is the training alone: a RestartableDataLoader's pump mostly does the result
-        # unpickling that a stock DataLoader does on the training thread
-        _, worst = cpu_rows({k: v for k, v in by_world.items() if "," not in k})
+        plain = {k: v for k, v in by_world.items() if "," not in k}
+        fed = {k.split(",")[0]: v for k, v in by_world.items() if "," in k}
+        _, worst = cpu_rows(plain)
         rows, _ = cpu_rows(by_world)
         print(f"\n2. background CPU of the library's own threads (fth-*), Ignite training of ~{cpu_seconds:.0f} s "
               "with FaultTolerance, target <= 0.5 % of a core per rank")
@@ -634,6 +706,13 @@ def main() -> None:
         print()
         print("\n".join(thread_rows(by_world)))
         fields.append(f"cpu_per_rank={worst:.5f}")
+        if fed:
+            rows, worst_fed = loader_rows(fed)
+            print(f"\n2b. fed by a DataLoader ({args.loader_workers} workers, persistent): torch's own and "
+                  "RestartableDataLoader alternately (torch, ours, ours, torch) in the same ranks; step time "
+                  "from one iteration's end to the next, median (min-max over ranks)")
+            print("\n".join(rows))
+            fields.append(f"cpu_per_rank_loader={worst_fed:.5f}")
     if "hooks" in args.only:
         outdir = Path(tempfile.mkdtemp(prefix="overhead-hooks-"))
         run_job(2, [__file__, "--rank-main", str(outdir), "--mode", "hooks", *common], deadline=600, env=env,

@@ -8,8 +8,10 @@ pid, in a ``finally`` (``dl_stress.kill_children``). The 300+ kill campaign is
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -191,6 +193,97 @@ def test_death_inside_the_step_does_not_fail_the_step():
     ours = RestartableDataLoader(MapData(80), batch_size=4, num_workers=2)
     outcome, got = _kill_during_step(ours)
     assert outcome is None and got == list(range(80)) and ours.restart_count == 1
+
+
+# -- the pump waits on events: it does not turn while nothing happens -------------------------------
+
+
+def _first_batch_and_pump(loader):
+    """``(iterator, its pump thread)`` after the first batch."""
+    before = set(threading.enumerate())
+    it = iter(loader)
+    next(it)
+    pumps = [t for t in threading.enumerate() if t.name == "fth-dataloader-pump" and t not in before]
+    assert len(pumps) == 1, f"expected one new pump thread, found {len(pumps)}"
+    return it, pumps[0]
+
+
+def _wakeups(tid: int) -> int:
+    """How many times thread ``tid`` was switched out (each blocking wait it returns from is one)."""
+    with open(f"/proc/self/task/{tid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+
+
+def _cpu_seconds(tid: int) -> float:
+    with open(f"/proc/self/task/{tid}/schedstat") as f:  # nanoseconds on CPU
+        return int(f.read().split()[0]) / 1e9
+
+
+def _tensor_batches(n=64 * 40):
+    """Batches of two tensors, as a training's: each one reaches the main process as file descriptors."""
+    return torch.utils.data.TensorDataset(torch.randn(n, 64), torch.randn(n, 1))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("timeout", [0, 30.0])
+def test_pump_sleeps_while_the_training_holds_every_batch(timeout):
+    """The training is in a long step; every prefetched batch has arrived: the pump must not run
+    at all (it used to wake every 0.2 s to look at its stop flag, ~7 times over this wait)."""
+    loader = RestartableDataLoader(_tensor_batches(), batch_size=64, num_workers=2, persistent_workers=True,
+                                   timeout=timeout)
+    it, pump = _first_batch_and_pump(loader)
+    tid = pump.native_id
+    time.sleep(0.5)  # the 2 x prefetch_factor batches in flight arrive
+    before = _wakeups(tid)
+    time.sleep(1.5)  # the step
+    woken = _wakeups(tid) - before
+    assert woken <= 2, f"the idle pump woke {woken} times in 1.5 s"
+    assert len(list(it)) == len(loader) - 1  # and it still delivers every batch
+
+
+@pytest.mark.timeout(30)
+def test_pump_cpu_under_a_slow_consumer_is_a_small_fraction():
+    """A 10 ms step per batch: the pump only moves each batch's bytes; unpickling them (fetching
+    every tensor's file descriptor from its worker, ~1 ms a batch) is the consumer's, as with torch's
+    own iterator. It took ~9 % of a core here; the bound is generous (2 %) so that it is no timed
+    flake: the figures are bench/overhead.py's."""
+    loader = RestartableDataLoader(_tensor_batches(), batch_size=64, num_workers=2, persistent_workers=True)
+    it, pump = _first_batch_and_pump(loader)
+    tid = pump.native_id
+    cpu0, t0, n = _cpu_seconds(tid), time.monotonic(), 0
+    while n < 150:
+        for _ in it:
+            time.sleep(0.01)
+            n += 1
+        it = iter(loader)
+    share = (_cpu_seconds(tid) - cpu0) / (time.monotonic() - t0)
+    assert share < 0.02, f"the pump took {100 * share:.1f} % of a core for {n} batches"
+
+
+@pytest.mark.timeout(60)
+def test_stopped_pumps_leave_no_thread_and_no_descriptor():
+    """Ten iterators made and dropped: each one's pump ends with it and closes its stop pipe."""
+    gc.collect()  # earlier tests' iterators
+    others = set(threading.enumerate())
+    loader = RestartableDataLoader(_tensor_batches(64 * 4), batch_size=64, num_workers=2)
+    list(loader)  # torch's and multiprocessing's own lazily opened descriptors
+
+    def settled():
+        end = time.monotonic() + 5
+        while time.monotonic() < end and pumps_alive():
+            time.sleep(0.05)
+        gc.collect()
+        return pumps_alive(), len(os.listdir("/proc/self/fd"))
+
+    def pumps_alive():
+        return [t for t in threading.enumerate() if t.name == "fth-dataloader-pump" and t not in others]
+
+    pumps, fds = settled()
+    assert pumps == []
+    for _ in range(10):
+        list(loader)
+    assert settled() == ([], fds)
 
 
 # -- API ------------------------------------------------------------------------------------------
