@@ -169,7 +169,7 @@ def report(results: dict, failed: dict, args) -> None:
     for (world, framework, mode), runs in sorted(results.items()):
         print(f"| {world} | {framework} | {names[mode]} | "
               f"{summary([r['resume_sec'] for r in runs], '.2f')} | {summary([r['restart_sec'] for r in runs], '.2f')} | "
-              f"{summary([r['import_sec'] for r in runs], '.2f')} | {summary([r['recomputed'] for r in runs], 'd')} |")
+              f"{summary([r['import_sec'] for r in runs], '.2f')} | {summary([r['recomputed'] for r in runs], 'g')} |")
     inplace_rows = [(key, runs) for key, runs in sorted(results.items()) if key[2] == "inplace"]
     if inplace_rows:
         print("\nIn place, per phase: seconds after the failure reached each rank, the slowest rank's, then the "

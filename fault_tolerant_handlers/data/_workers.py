@@ -18,13 +18,12 @@ torch's ``_MultiProcessingDataLoaderIter`` (and, for iterable datasets, torchdat
   thread is anywhere, and the main thread's wait (a ``queue.SimpleQueue`` poll, never a shared lock
   or a pipe read) wakes at once. A pipe read the pump cannot finish (a worker killed mid-write)
   strands only the pump. The pump has no timeout: it runs when a result arrives, a worker exits or
-  the iterator stops, never otherwise (it used to wake every 0.2 s). It moves each result as the
-  bytes the pipe holds; the main thread unpickles them, as torch's iterator does on its own thread
-  (the unpickling fetches every tensor's file descriptor from the sending worker, ~0.6 ms a batch of
-  two tensors: done in the pump it was ~10 % of a core per rank at 100 batches a second). With
-  ``timeout > 0`` the pump unpickles, as before: a living worker that does not hand over a
-  descriptor (stopped, or holding its GIL) then blocks the pump, not the main thread, and is still
-  reported as a stall.
+  the iterator stops, never otherwise (it used to wake every 0.2 s). It unpickles each result (which
+  fetches every tensor's file descriptor from the sending worker, ~0.6 ms a batch of two tensors)
+  while the training thread computes: torch's iterator does that work on the training thread, and
+  moving it back there made a step 1.14-1.24x torch's instead of 0.49-0.82x (docs/benchmarks.md,
+  figure 2b). A living worker that does not hand over a descriptor (stopped, or holding its GIL)
+  blocks the pump, not the main thread, and is reported as a stall.
 * **Stalls.** With ``timeout > 0``, no batch within ``timeout`` seconds is reported as a stall of
   the worker that owns the awaited batch, instead of torch's ``RuntimeError``.
 
@@ -231,13 +230,13 @@ class _StopPipe:
         os.close(self._r)
 
 
-def _pump(reader, sentinels: dict, out: queue.SimpleQueue, stop: _StopPipe, exits: list, decode: bool) -> None:
+def _pump(reader, sentinels: dict, out: queue.SimpleQueue, stop: _StopPipe, exits: list) -> None:
     """Move results from the workers' pipe (``reader``; ``None``: only watch the workers) to
     ``out``; note every worker exit in ``exits``.
 
     One wait with no timeout over the stop pipe, the sentinels and the pipe: the thread runs only
-    when something happened. A result goes to ``out`` as the bytes of its pickle (``decode``: as
-    the object), for the main thread to unpickle. Holds no reference to the iterator (so that its
+    when something happened. A result goes to ``out`` unpickled (a :class:`_PumpError` where it
+    cannot be). Holds no reference to the iterator (so that its
     ``__del__`` still runs when it is dropped). A worker that exits is noted and the main thread
     woken; whether that exit was a death (the worker was still active) is for the main thread to
     decide.
@@ -258,11 +257,10 @@ def _pump(reader, sentinels: dict, out: queue.SimpleQueue, stop: _StopPipe, exit
                 out.put(_WAKE)
             if reader_fd in ready:
                 data = reader.recv_bytes()
-                if decode:
-                    try:
-                        data = _ForkingPickler.loads(data)
-                    except Exception as exc:  # noqa: BLE001 - e.g. a tensor whose sender just died
-                        data = _PumpError(exc)
+                try:
+                    data = _ForkingPickler.loads(data)
+                except Exception as exc:  # noqa: BLE001 - e.g. a tensor whose sender just died
+                    data = _PumpError(exc)
                 out.put(data)
     except (OSError, ValueError, EOFError):  # queues closed under us at shutdown
         return
@@ -288,8 +286,7 @@ class _Hardened:
         thread = threading.Thread(
             target=_pump,
             args=(self._worker_result_queue._reader if read else None, dict(self._fth_sentinels),
-                  self._fth_source if read else queue.SimpleQueue(), self._fth_stop, self._fth_death,
-                  self._timeout > 0),
+                  self._fth_source if read else queue.SimpleQueue(), self._fth_stop, self._fth_death),
             name="fth-dataloader-pump",
             daemon=True,
         )
@@ -340,11 +337,6 @@ class _Hardened:
                 continue
             if item is _WAKE:
                 continue
-            if isinstance(item, bytes):  # a pickle as the pump read it (torch's results are tuples)
-                try:
-                    item = _ForkingPickler.loads(item)
-                except Exception as exc:  # noqa: BLE001 - e.g. a tensor whose sender just died
-                    item = _PumpError(exc)
             if isinstance(item, _PumpError):
                 self._fth_unreadable(item.exc)
             return (True, item)
