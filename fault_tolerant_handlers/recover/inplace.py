@@ -254,7 +254,7 @@ class _Recovery:
             raise RecoveryError(f"the replacement of rank {rank}'s process could not join the recovery: {decision.why}")
         self.causes.append(Cause(**decision.cause) if decision.cause else cause)
         now = time.monotonic()
-        return {"detected": t0, "agreed": now, "torn_down": now}
+        return {"detected": t0, "stopped": t0, "agreed": now, "torn_down": now}
 
     def _failed(self, err: BaseException, started: float) -> tuple[Decision, dict]:
         t0 = time.monotonic()
