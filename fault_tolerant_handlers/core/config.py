@@ -350,10 +350,15 @@ def load() -> Config:
 # RECOVER_TEARDOWN_SEC         10       recover.inplace              destroying a failed attempt's groups
 # RECOVER_TELL_SEC             2.0      recover.inplace              a rank that ends tells its peers why (store calls)
 # INTERRUPT_WAIT               2.0      detect.watchdog              a hung main thread leaves its hang when interrupted
+# ATTEMPT_KEYS_WAIT            3.0      launchers.compat_torchrun    deleting the read gloo keys at a session's start
 # ===========================  =======  ===========================  ==============================================
 
 #: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
 MAIN_STORE_TIMEOUT = timedelta(seconds=5)
+#: Under torchrun with the library imported after ``init_process_group``: the main thread's bound for
+#: deleting the gloo address keys every peer has read, when a session starts (its peers wait for it in
+#: their first collective; past it, they are deleted on the way out instead).
+ATTEMPT_KEYS_WAIT = 3.0
 #: Timeout of the store calls made while explaining a broken collective.
 FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=1)
 #: How long a broken collective waits for the cause (a killed peer is declared within ~0.1 s).
