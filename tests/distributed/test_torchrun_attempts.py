@@ -6,6 +6,11 @@ and initializes a gloo group the way torchrun's workers do (``env://`` with
 under ``fth/attempt_3/`` and not under torch's bare names, which every attempt shares (so the keys
 attempt 2 left under the same names can never be read). The full picture (20 restarts in a row of a
 real torchrun job) is ``bench/restart_loop.py``.
+
+Issue 27: a real ``torchrun --max-restarts 2`` job of ``late_import_main.py`` (Ignite, DDP, a
+checkpoint every epoch) at 4 ranks (8 in the long suite), rank 1 failing at iteration 14 by a raise
+or SIGKILL, with the library imported after ``init_process_group`` or before it: every attempt
+comes up, and the resumed run trains the batches of an uninterrupted one.
 """
 
 from __future__ import annotations
