@@ -365,10 +365,17 @@ def load() -> Config:
 # RECOVER_TEARDOWN_SEC         10       recover.inplace              destroying a failed attempt's groups
 # RECOVER_TELL_SEC             2.0      recover.inplace              a rank that ends tells its peers why (store calls)
 # INTERRUPT_WAIT               2.0      detect.watchdog              a hung main thread leaves its hang when interrupted
+# ATTEMPT_KEYS_WAIT            3.0      launchers.compat_torchrun    one try at deleting the read gloo keys (fth-attempt-keys)
+# ATTEMPT_KEYS_PATIENCE        60       launchers.compat_torchrun    tries at it before leaving it to the way out
 # ===========================  =======  ===========================  ==============================================
 
 #: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
 MAIN_STORE_TIMEOUT = timedelta(seconds=5)
+#: Under torchrun with the library imported after ``init_process_group``: the bound of one try of the
+#: ``fth-attempt-keys`` thread at deleting the gloo address keys every peer has read (the way out waits
+#: for a try in progress), and how long it tries before leaving them to the way out.
+ATTEMPT_KEYS_WAIT = 3.0
+ATTEMPT_KEYS_PATIENCE = 60.0
 #: Timeout of the store calls made while explaining a broken collective.
 FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=1)
 #: The connect of a connection a loop makes in its own thread (the watchdog's, the liveness

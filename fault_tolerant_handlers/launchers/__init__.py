@@ -7,7 +7,7 @@ from . import compat_torchrun, errorfile, signals, spawned
 
 #: What the launchers do on each of the core's events, in this order (emit runs them in order).
 SUBSCRIPTIONS = (
-    (events.SESSION_STARTED, compat_torchrun.on_session_started),  # torchrun, late import: the attempt's keys
+    (events.SESSION_STARTED, compat_torchrun.on_session_started),  # torchrun, late import: the read gloo keys go
     (events.SESSION_STARTED, signals.on_session_started),  # SIGTERM/SIGINT handlers, in front
     (events.SESSION_STARTED, spawned.on_session_started),  # under mp.spawn: this rank reports itself
     (events.RANK_FAILED, errorfile.write_failed),  # torchrun: this rank's own file, the failure's time

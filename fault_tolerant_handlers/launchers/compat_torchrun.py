@@ -29,17 +29,48 @@ It assumes every node counts the same attempts (a fixed number of nodes): with e
 use ``FTH_ATTEMPT_STORE=0`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` there.
 
 **Imported after ``init_process_group``.** Then this attempt's groups already wrote their keys under
-torch's bare names. So that the next attempt comes up anyway, a rank that knows the job failed
-(its own failure, an agreed one, or its watchdog's finding: the core's ``JOB_FAILED``) deletes this
-attempt's gloo address keys from the shared store before it exits (:func:`forget_attempt_keys`):
-every rank of the next attempt then waits for its peers' new addresses instead of reading a dead
-process's. Any surviving rank does it for all (a SIGKILLed rank cannot); it happens before the process ends, so before
-torchrun starts the next attempt.
+torch's bare names, and the next attempt (its library imported late too) cannot be given a prefix
+either: its ``connectFullMesh`` reads ``default_pg/0//cpu//0/<rank>`` whatever is there. So this
+attempt's address keys must be gone before the next attempt reads them, and nothing of this attempt
+may touch the store once the next attempt started.
+
+Deleting them on the way out (once the job failed: the core's ``JOB_FAILED``) missed keys, and its
+timing was not its own:
+
+* a destroyed group's keys stay in the store, and a group no longer in ``_world.pg_map`` was not
+  deleted: Ignite's ``idist`` makes a gloo group on its first use (``_compute_nproc_per_node``:
+  ``new_group``, one ``all_reduce``, ``destroy_process_group``; a ``Checkpoint``/``DiskSaver`` is
+  enough), so group ``1``'s keys of attempt 0 were still there when attempt 1's ``idist`` made its
+  group ``1`` under the same names (torch's group counter starts again in every process): its
+  ``connectFullMesh`` read a dead peer's address, ``Connection refused`` (or, when the kernel had
+  given that port to a listener of the new attempt, a handshake with the wrong process that hangs
+  until the group's timeout);
+* torchrun's agent ends the survivors with ``SIGTERM`` as soon as it sees one worker fail (every
+  ``--monitor-interval``, 0.1 s by default), and a survivor ended before its watchdog found the
+  failure deletes nothing; a SIGKILLed rank never does; the failing rank's own deletion ran on the
+  failure path with its 1 s store budget.
+
+**The fix: the keys go while the attempt is healthy.** A gloo address key is read only while its
+group is made (every peer reads it in ``connectFullMesh``, before its constructor returns). When a
+session starts, its side group has just completed an ``all_gather``, which no peer enters before it
+made every group made before the side group (torch makes groups in the same order on every rank,
+members or not). So at ``SESSION_STARTED`` every peer has read every key of those groups, and each
+rank deletes its share (:func:`read_keys`: its own key of each live group; when the session spans
+the world, key ``<its rank>`` of every counted group not live here, the destroyed ones included:
+together every key of every group made so far), with ordinary store calls in a thread of its own
+(``fth-attempt-keys``: the main thread makes no store connection, which stalled the start of 8
+ranks on a busy store), nothing on the failure path. A rank SIGKILLed in the moment before that
+thread ran leaves its keys; a failure before it ran in a live rank deletes them on the way out. From then on the attempt leaves nothing the next one could read, and nothing of it deletes or
+writes a key the next attempt uses, whenever and on whichever host its processes die. Only the keys
+of a group made *after* the session started are still deleted on ``JOB_FAILED``, as before
+(:func:`forget_attempt_keys`, best effort: on one host torchrun's agent restarts only once every
+local worker exited, which orders it; a group made before ``idist``'s first use inside the loop
+is such a group).
 
 Private API: ``torch.distributed.rendezvous._rendezvous_handlers`` (the scheme -> handler table that
 ``init_process_group`` consults at each call), checked against torch 2.13.0; the names gloo's
-address keys have in the store (:func:`address_key_of`, from ``_world.pg_map`` and
-``_world.pg_names``), checked at start against this rank's own.
+address keys have in the store (:func:`address_key_of`, from ``_world.pg_map``, ``_world.pg_names``
+and ``_world.group_count``), checked at start against this rank's own.
 """
 
 from __future__ import annotations
@@ -47,11 +78,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..core import attempts, config
-from ..core.config import EXPLAIN_EVIDENCE_TIMEOUT, FAILURE_PATH_STORE_TIMEOUT
+from ..core.config import ATTEMPT_KEYS_PATIENCE, ATTEMPT_KEYS_WAIT, EXPLAIN_EVIDENCE_TIMEOUT, MAIN_STORE_TIMEOUT
 from ..core.log import log
 
 if TYPE_CHECKING:
@@ -115,68 +147,138 @@ def address_key_of(rank: int, group: str | None = None) -> str:
     return f"default_pg/0//{'' if group is None else group + '//'}cpu//0/{rank}"
 
 
-def address_keys(*, own: bool = False) -> list[str]:
-    """Every gloo address key of this process's groups (private: ``_world.pg_map`` and
-    ``_world.pg_names``); with ``own``, only this rank's (its rank in each group)."""
+def _gloo_groups() -> list[tuple[Any, str | None]]:
+    """``(group, name)`` of every gloo group of this process (private: ``_world.pg_map`` and
+    ``_world.pg_names``; ``None`` names the default group)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
     world = distributed_c10d._world
     default = distributed_c10d._get_default_group()
-    keys = []
+    groups = []
     for pg in list(world.pg_map):
         try:
-            if dist.get_backend(pg) != "gloo":
-                continue
-            name = None if pg is default else world.pg_names[pg]
+            if dist.get_backend(pg) == "gloo":
+                groups.append((pg, None if pg is default else world.pg_names[pg]))
+        except Exception:  # noqa: BLE001 - a group being destroyed
+            continue
+    return groups
+
+
+def _keys(groups: list[tuple[Any, str | None]], *, own: bool) -> list[str]:
+    keys = []
+    for pg, name in groups:
+        try:
             keys += [address_key_of(r, name) for r in ((pg.rank(),) if own else range(pg.size()))]
         except Exception:  # noqa: BLE001 - a group being destroyed
             continue
     return keys
 
 
-def forget_addresses(call: Callable[..., Any]) -> int:
-    """Delete every gloo address key of this attempt; ``call(method, *args)`` is a store call on a
-    client without a prefix. Returns how many were there. (Named one by one: listing the store's
-    keys holds the GIL for the whole call in torch 2.13, which freezes the process when the store
-    does not answer.)"""
-    return sum(bool(call("delete_key", key)) for key in address_keys())
+def address_keys(*, own: bool = False) -> list[str]:
+    """Every gloo address key of this process's groups; with ``own``, only this rank's (its rank in
+    each group)."""
+    return _keys(_gloo_groups(), own=own)
+
+
+def group_count() -> int:
+    """How many groups this process made with a counted name (private: ``_world.group_count``, the
+    counter behind the names ``0`` (the default group), ``1``, ``2``...; destroying a group does not
+    give its number back, nor delete its keys)."""
+    from torch.distributed import distributed_c10d
+
+    return int(distributed_c10d._world.group_count)
+
+
+def counted_keys(first: int, last: int, ranks: range) -> list[str]:
+    """The gloo address keys of ``ranks`` in the groups numbered ``first`` to ``last - 1`` (live or
+    destroyed: a destroyed group, such as the one Ignite's ``idist`` makes and destroys to count the
+    ranks of a node, leaves its keys)."""
+    return [address_key_of(r, None if n == 0 else str(n)) for n in range(first, last) for r in ranks]
+
+
+def forget_addresses(call: Callable[..., Any], keys: list[str] | None = None) -> int:
+    """Delete ``keys`` (default: every gloo address key of this process's live groups); ``call(method,
+    *args)`` is a store call on a client without a prefix. Returns how many were there. (Named one by
+    one: listing the store's keys holds the GIL for the whole call in torch 2.13, which freezes the
+    process when the store does not answer.)"""
+    return sum(bool(call("delete_key", key)) for key in (address_keys() if keys is None else keys))
+
+
+def read_keys(session: Session) -> tuple[list[str], int]:
+    """The gloo address keys this rank deletes when ``session`` starts, all read by every peer by then
+    (the side group's all_gather, which a peer enters only after it made every group made before the
+    side group), and the group count they cover. This rank's own key of each live group whose ranks are
+    all the session's; when the session spans the world, also key ``<global rank>`` of every counted
+    group not live here (destroyed, or one this rank is not in): over the ranks, every key of every
+    group made so far. (Each rank its own: a rank checks its own key before it deletes, and a peer
+    deleting it would make the check fail.)"""
+    import torch.distributed as dist
+
+    members = set(dist.get_process_group_ranks(session.side))
+    count = group_count()
+    live, keys = set(), []
+    for pg, name in _gloo_groups():
+        try:
+            ranks = set(dist.get_process_group_ranks(pg))
+        except Exception:  # noqa: BLE001 - a group being destroyed
+            continue
+        live.add(name)
+        if ranks <= members:
+            keys.append(address_key_of(pg.rank(), name))
+    if len(members) == dist.get_world_size():
+        keys += [key for n in range(count) if (None if n == 0 else str(n)) not in live
+                 for key in counted_keys(n, n + 1, range(session.rank, session.rank + 1))]
+    return keys, count
 
 
 class _AttemptKeys:
     """What :func:`forget_attempt_keys` uses for one session: a connection without a prefix (``None``
-    once used), and a lock held while deleting."""
+    once used), a lock held while deleting, and what went when the session started: the live groups'
+    names and the group count."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, done: set[str | None], count: int) -> None:
         self.conn: Connection | None = conn
         self.lock = threading.Lock()
+        self.done = done
+        self.count = count
+
+    def later(self, world_size: int) -> list[str]:
+        """The address keys of the groups made since: every rank's (a destroyed group is not known
+        any more, and its members are not either)."""
+        keys = counted_keys(self.count, group_count(), range(world_size))
+        return keys + [key for pg, name in _gloo_groups() if name not in self.done and not (
+            name is not None and name.isdigit() and int(name) >= self.count) for key in _keys([(pg, name)], own=False)]
 
 
 _attempt_keys: weakref.WeakKeyDictionary[Session, _AttemptKeys] = weakref.WeakKeyDictionary()
 
 
-def check_address_keys(session: Session) -> Connection | None:
-    """The connection :func:`forget_attempt_keys` uses, after checking that this rank's own gloo
-    address key is where this module expects it (else: a warning, and ``None``)."""
+def check_address_keys(session: Session, conn: Connection, *, quiet: bool = False) -> bool | None:
+    """This rank's own gloo address key is where this module expects it: True; not there (a warning):
+    False; the store did not tell: None (a warning unless ``quiet``)."""
     import torch
 
-    conn = session.connection("attempt-keys", FAILURE_PATH_STORE_TIMEOUT, prefix="")
     key = address_key_of(session.rank)
     try:
         if conn.call("check", [key]):
-            return conn
-        why = f"no key {key!r} in the store (torch {torch.__version__})"
+            return True
     except Exception as err:  # noqa: BLE001
-        why = (str(err).splitlines() or [""])[0][:200]
-    conn.close()
+        if quiet:
+            raise
+        log(logging.WARNING, "could not check this attempt's gloo address keys in torchrun's store (%s): they are "
+            "deleted on the way out instead", (str(err).splitlines() or [""])[0][:200])
+        return None
     log(logging.WARNING, "fault_tolerant_handlers was imported after init_process_group under torchrun, and "
-        "this attempt's gloo address keys cannot be found (%s): a restarted attempt may fail in gloo's "
-        "connectFullMesh; import fault_tolerant_handlers before init_process_group", why)
-    return None
+        "this attempt's gloo address keys cannot be found (no key %r in the store, torch %s): a restarted attempt "
+        "may fail in gloo's connectFullMesh; import fault_tolerant_handlers before init_process_group",
+        key, torch.__version__)
+    return False
 
 
 def forget_attempt_keys(session: Session) -> None:
-    """The job failed: delete this attempt's gloo address keys from torchrun's shared store (once),
+    """The job failed: delete the gloo address keys of the groups made after ``session`` started
+    from torchrun's shared store (once; those made before went when it started: :func:`on_session_started`),
     so that the next attempt never reads them (only when the library was imported after
     ``init_process_group``; otherwise each attempt has a namespace of its own)."""
     keys = _attempt_keys.get(session)
@@ -189,15 +291,19 @@ def forget_attempt_keys(session: Session) -> None:
         if conn is None:
             return
         try:
+            later = keys.later(session.world_size)
+            if not later:  # the usual case: nothing is deleted on the way out
+                return
             gone = session.store_evidence(EXPLAIN_EVIDENCE_TIMEOUT)
             if gone is not None:  # the store (torchrun's rendezvous with it) is gone: nothing to delete
-                log(logging.INFO, "not deleting this attempt's gloo address keys: %s", gone)
+                log(logging.INFO, "not deleting the gloo address keys of the groups made later: %s", gone)
                 return
-            count = forget_addresses(conn.call)
-            log(logging.INFO, "deleted this attempt's %d gloo address keys from torchrun's store, so that a "
-                "restarted attempt connects to its new peers", count)
+            conn.deadline = time.monotonic() + ATTEMPT_KEYS_WAIT  # the failure path: bounded
+            count = forget_addresses(conn.call, later)
+            log(logging.INFO, "deleted %d gloo address keys of groups made after the session started from "
+                "torchrun's store, so that a restarted attempt connects to its new peers", count)
         except Exception as err:  # noqa: BLE001 - the store may be what failed; never mask the failure
-            log(logging.WARNING, "could not delete this attempt's gloo address keys: %s",
+            log(logging.WARNING, "could not delete the gloo address keys of later groups: %s",
                 (str(err).splitlines() or [""])[0][:200])
         finally:
             conn.close()
@@ -205,12 +311,56 @@ def forget_attempt_keys(session: Session) -> None:
 
 # -- what this module does on the core's events (subscribed in ``launchers/__init__.py``) -------------
 def on_session_started(session: Session) -> None:
-    """Under torchrun with the library imported after init_process_group: keep a connection without
-    a prefix, to delete this attempt's gloo address keys once the job failed (``JOB_FAILED``)."""
-    if shared_keys_left() and session.store_address is not None:
-        conn = check_address_keys(session)
-        if conn is not None:
-            _attempt_keys[session] = _AttemptKeys(conn)
+    """Under torchrun with the library imported after init_process_group: every peer has read the
+    gloo address keys of the groups made so far (the side group's all_gather just passed), so they go
+    now, while the attempt is healthy (:func:`read_keys`), in a thread of their own (``fth-attempt-keys``:
+    the main thread makes no store connection, which at 8 ranks on a busy store stalled the start); the
+    connection is kept for the groups made later (``JOB_FAILED``: :func:`forget_attempt_keys`, which
+    deletes every key when it comes before the thread did)."""
+    if not (shared_keys_left() and session.store_address is not None):
+        return
+    keys, upto = read_keys(session)  # no store call: torch's group table
+    names = {name for _, name in _gloo_groups()}
+    conn = session.connection("attempt-keys", MAIN_STORE_TIMEOUT, prefix="", backoff=True)
+    entry = _AttemptKeys(conn, set(), 1)  # until the thread deleted them, all go on the way out
+    _attempt_keys[session] = entry
+    threading.Thread(target=_forget_read_keys, args=(session, entry, keys, names, upto), name="fth-attempt-keys",
+                     daemon=True).start()
+
+
+def _forget_read_keys(session: Session, entry: _AttemptKeys, keys: list[str], names: set[str | None],
+                      upto: int) -> None:
+    # Tries of ATTEMPT_KEYS_WAIT each, under the lock (the way out, forget_attempt_keys, waits for one
+    # try, or comes first and leaves nothing to do); a connect slower than a try is kept for the next.
+    end = time.monotonic() + ATTEMPT_KEYS_PATIENCE
+    while True:
+        with entry.lock:
+            conn = entry.conn
+            if conn is None:
+                return
+            conn.deadline = time.monotonic() + ATTEMPT_KEYS_WAIT
+            try:
+                found = check_address_keys(session, conn, quiet=time.monotonic() < end)
+                if found is False:
+                    entry.conn = None
+                    conn.close()
+                    return
+                if found:
+                    deleted = forget_addresses(conn.call, keys)
+                    entry.done, entry.count = names, upto
+                    log(logging.INFO, "deleted %d gloo address keys of %d groups from torchrun's shared store: "
+                        "every peer has read them, and a restarted attempt must not", deleted, upto)
+                    return
+            except Exception as err:  # noqa: BLE001 - never stop the session
+                if time.monotonic() >= end:
+                    log(logging.WARNING, "could not delete the gloo address keys from torchrun's shared store now "
+                        "(%s): they are deleted on the way out instead", (str(err).splitlines() or [""])[0][:200])
+                    return
+            finally:
+                conn.deadline = None
+            if time.monotonic() >= end:
+                return
+        time.sleep(0.5)
 
 
 def on_session_closed(session: Session) -> None:
@@ -324,6 +474,6 @@ def install(*, in_place: bool = False) -> bool:
 
     if not in_place and dist.is_available() and dist.is_initialized():
         log(logging.INFO, "the process group was initialized before fault_tolerant_handlers was imported: "
-            "under torchrun its keys are not isolated per attempt; if this attempt fails, its ranks delete "
-            "their address keys before they exit, so that the next attempt comes up")
+            "under torchrun its keys are not isolated per attempt; each rank deletes its address keys once "
+            "every peer has read them (when the session starts), so that a restarted attempt comes up")
     return True

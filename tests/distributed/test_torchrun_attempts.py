@@ -6,6 +6,11 @@ and initializes a gloo group the way torchrun's workers do (``env://`` with
 under ``fth/attempt_3/`` and not under torch's bare names, which every attempt shares (so the keys
 attempt 2 left under the same names can never be read). The full picture (20 restarts in a row of a
 real torchrun job) is ``bench/restart_loop.py``.
+
+Issue 27: a real ``torchrun --max-restarts 2`` job of ``late_import_main.py`` (Ignite, DDP, a
+checkpoint every epoch) at 4 ranks (8 in the long suite), rank 1 failing at iteration 14 by a raise
+or SIGKILL, with the library imported after ``init_process_group`` or before it: every attempt
+comes up, and the resumed run trains the batches of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -68,30 +73,63 @@ def test_missing_private_table_is_named(monkeypatch):
         _compat_torchrun.install()
 
 
-LATE = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
-        "--monitor-interval", "0.5"]
+def uninterrupted(world: int, rank: int) -> dict[int, list[int]]:
+    """The sample ids of every iteration of ``rank`` in an uninterrupted run of ``late_import_main.py``."""
+    from torch.utils.data import DistributedSampler
+
+    epoch_length, epochs, batch = 5, 4, 4
+    sampler = DistributedSampler(range(batch * world * epoch_length), num_replicas=world, rank=rank, shuffle=True, seed=0)
+    out = {}
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        ids = list(sampler)
+        for j in range(epoch_length):
+            out[epoch * epoch_length + j + 1] = ids[j * batch:(j + 1) * batch]
+    return out
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault", ["raise", pytest.param("kill", marks=pytest.mark.long)])  # suite time: the raise deletes on both paths (the failing rank's and the survivor's)
-def test_a_restart_comes_up_when_the_library_is_imported_after_init_process_group(fault, tmp_path):
-    """The script initializes the process group, then imports the library: the first attempt's
-    groups write their keys under torch's bare names in torchrun's shared store. Rank 1 fails in
-    attempt 0 (an exception, or SIGKILL); in attempt 1 it starts late, so rank 0 would read its
-    address of attempt 0 if it were left. Attempt 1 must come up and train to the end on both ranks."""
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.long)])
+@pytest.mark.parametrize("fault", ["raise", "kill"])
+@pytest.mark.parametrize("order", ["late", "early"])
+def test_a_restart_comes_up_and_resumes_whatever_the_import_order(order, fault, world, tmp_path):
+    """Issue 27: ``torchrun --max-restarts 2`` (its default ``--monitor-interval``, 0.1 s), Ignite,
+    ``world`` ranks; the library is imported after ``init_process_group`` (``late``: the first
+    attempt's groups write their keys under torch's bare names in torchrun's shared store) or before
+    it. Rank 1 fails at iteration 14 of attempt 0 (an exception, or SIGKILL: torchrun's agent then
+    ends the survivors with SIGTERM, often before they learned of the failure). In attempt 1 rank 1
+    starts 1.5 s late, so its peers would read its address of attempt 0 if it were left. Every rank
+    of both attempts must come up, attempt 1 resumes at iteration 10 (the last checkpoint) and
+    trains the batches of an uninterrupted run to the end; there is no attempt 2."""
     from launch import kill_workers, run_ranks
 
     script = ROOT / "tests" / "late_import_main.py"
     run_dir = tmp_path / "late_import_main-1"
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "--max-restarts", "2"]
     try:
-        results = run_ranks(1, "", tmp_path, script=script, launcher=LATE, deadline=180, env={"FAULT": fault})
+        results = run_ranks(1, "", tmp_path, script=script, launcher=launcher, deadline=150 if world <= 4 else 360,
+                            env={"FAULT": fault, "IMPORT": order, "FAIL_AT": "14"})
     finally:
         kill_workers(run_dir, program="late_import_main.py")
     output = results[0].stderr
+    attempts = {int(p.name[len("attempt"):].split("_")[0]) for p in run_dir.glob("attempt*_rank*.json")}
+    assert attempts == {0, 1}, (sorted(attempts), output[-5000:])  # attempt 1 came up at once
     assert results[0].returncode == 0, output[-5000:]
-    first = [json.loads((run_dir / f"attempt0_rank{r}.json").read_text()) for r in (0, 1)]
-    assert all("finished" not in a for a in first), first  # the fault ended attempt 0 on both ranks
-    second = [json.loads((run_dir / f"attempt1_rank{r}.json").read_text()) for r in (0, 1)]
-    assert [a.get("finished") for a in second] == [20, 20], (second, output[-5000:])
-    assert not (run_dir / "attempt2_rank0.json").exists()  # attempt 1 came up at once
-    assert "deleted this attempt's" in output
+    first = [json.loads((run_dir / f"attempt0_rank{r}.json").read_text()) for r in range(world)]
+    second = [json.loads((run_dir / f"attempt1_rank{r}.json").read_text()) for r in range(world)]
+    assert all("up" in a and "finished" not in a for a in first), first  # the fault ended attempt 0 on every rank
+    assert all("up" in a for a in second), second
+    assert [a.get("resumed_at") for a in second] == [10] * world, second
+    assert [a.get("finished") for a in second] == [20] * world, (second, output[-5000:])
+    for rank in range(world):
+        trained = [json.loads(line) for line in (run_dir / f"batches{rank}.jsonl").read_text().splitlines()]
+        assert [it for a, it, _ in trained if a == 1] == list(range(11, 21)), (rank, trained)
+        before = [it for a, it, _ in trained if a == 0]
+        assert before == list(range(1, len(before) + 1)) and 10 <= len(before) <= 13, (rank, trained)
+        kept = {it: ids for a, it, ids in trained if a == 1 or it <= 10}  # what the resumed run is made of
+        assert kept == uninterrupted(world, rank), (rank, trained)
+    if order == "late":
+        assert "gloo address keys of" in output and "from torchrun's shared store" in output
+        assert "cannot be found" not in output
+
+
