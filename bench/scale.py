@@ -16,7 +16,9 @@ library) and the job with the library (``FaultTolerance``, and with ``--inplace`
   (any is a false alarm here);
 * **lag**: the most any rank finished an iteration after the first rank that finished it, worst run;
 * **conns**: TCP connections to the c10d store per rank held by the library (its rank's and its
-  helper processes', minus the stock job's), read near the end of training;
+  helper processes', minus the stock job's), read near the end of training: median over ranks and
+  runs, and the most any rank held (a call that overran leaves its socket to its blocked worker
+  while a new one connects);
 * **cpu**: the library's threads and helper processes' CPU per rank, as a fraction of one core,
   from the first iteration to near the end (``SOAK_STEP_SLEEP`` of 0.05 s per step gives a steady
   phase of 3 s).
@@ -104,7 +106,7 @@ def main() -> int:
         print(f"| {world} | {framework} | {spread(starts(stock))} | {spread(starts(lib))} | "
               f"{done(stock) if stock else '-'}/{len(stock)} / {done(lib)}/{len(lib)} | "
               f"{sum(len(r.declarations) for r in lib)} | {max(lags) if lags else float('nan'):.2f} | "
-              f"{max(conns) if conns else '-'} | {(100 * statistics.median(cpu)) if cpu else float('nan'):.2f} % |")
+              f"{f'{statistics.median(conns):g} (max {max(conns):g})' if conns else '-'} | {(100 * statistics.median(cpu)) if cpu else float('nan'):.2f} % |")
     return 1 if bad else 0
 
 
