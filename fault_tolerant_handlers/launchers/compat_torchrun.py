@@ -197,18 +197,17 @@ def counted_keys(first: int, last: int, ranks: range) -> list[str]:
     return [address_key_of(r, None if n == 0 else str(n)) for n in range(first, last) for r in ranks]
 
 
-def forget_addresses(call: Callable[..., Any], keys: list[str] | None = None) -> int:
-    """Delete ``keys`` (default: every gloo address key of this process's live groups); ``call(method,
-    *args)`` is a store call on a client without a prefix. Returns how many were there. (Named one by
-    one: listing the store's keys holds the GIL for the whole call in torch 2.13, which freezes the
-    process when the store does not answer.)"""
-    return sum(bool(call("delete_key", key)) for key in (address_keys() if keys is None else keys))
+def forget_addresses(call: Callable[..., Any], keys: list[str]) -> int:
+    """Delete ``keys``; ``call(method, *args)`` is a store call on a client without a prefix. Returns
+    how many were there. (Named one by one: listing the store's keys holds the GIL for the whole call
+    in torch 2.13, which freezes the process when the store does not answer.)"""
+    return sum(bool(call("delete_key", key)) for key in keys)
 
 
-def read_keys(session: Session) -> tuple[list[str], int]:
+def read_keys(session: Session) -> tuple[list[str], set[str | None], int]:
     """The gloo address keys this rank deletes when ``session`` starts, all read by every peer by then
     (the side group's all_gather, which a peer enters only after it made every group made before the
-    side group), and the group count they cover. This rank's own key of each live group whose ranks are
+    side group), the names of the live groups and the group count they cover. This rank's own key of each live group whose ranks are
     all the session's; when the session spans the world, also key ``<global rank>`` of every counted
     group not live here (destroyed, or one this rank is not in): over the ranks, every key of every
     group made so far. (Each rank its own: a rank checks its own key before it deletes, and a peer
@@ -229,7 +228,7 @@ def read_keys(session: Session) -> tuple[list[str], int]:
     if len(members) == dist.get_world_size():
         keys += [key for n in range(count) if (None if n == 0 else str(n)) not in live
                  for key in counted_keys(n, n + 1, range(session.rank, session.rank + 1))]
-    return keys, count
+    return keys, live, count
 
 
 class _AttemptKeys:
@@ -254,21 +253,14 @@ class _AttemptKeys:
 _attempt_keys: weakref.WeakKeyDictionary[Session, _AttemptKeys] = weakref.WeakKeyDictionary()
 
 
-def check_address_keys(session: Session, conn: Connection, *, quiet: bool = False) -> bool | None:
-    """This rank's own gloo address key is where this module expects it: True; not there (a warning):
-    False; the store did not tell: None (a warning unless ``quiet``)."""
+def check_address_keys(session: Session, conn: Connection) -> bool:
+    """This rank's own gloo address key is where this module expects it: True; not there: False, and a
+    warning (a store call that fails raises)."""
     import torch
 
     key = address_key_of(session.rank)
-    try:
-        if conn.call("check", [key]):
-            return True
-    except Exception as err:  # noqa: BLE001
-        if quiet:
-            raise
-        log(logging.WARNING, "could not check this attempt's gloo address keys in torchrun's store (%s): they are "
-            "deleted on the way out instead", (str(err).splitlines() or [""])[0][:200])
-        return None
+    if conn.call("check", [key]):
+        return True
     log(logging.WARNING, "fault_tolerant_handlers was imported after init_process_group under torchrun, and "
         "this attempt's gloo address keys cannot be found (no key %r in the store, torch %s): a restarted attempt "
         "may fail in gloo's connectFullMesh; import fault_tolerant_handlers before init_process_group",
@@ -319,8 +311,7 @@ def on_session_started(session: Session) -> None:
     deletes every key when it comes before the thread did)."""
     if not (shared_keys_left() and session.store_address is not None):
         return
-    keys, upto = read_keys(session)  # no store call: torch's group table
-    names = {name for _, name in _gloo_groups()}
+    keys, names, upto = read_keys(session)  # no store call: torch's group table
     conn = session.connection("attempt-keys", MAIN_STORE_TIMEOUT, prefix="", backoff=True)
     entry = _AttemptKeys(conn, set(), 1)  # until the thread deleted them, all go on the way out
     _attempt_keys[session] = entry
@@ -332,7 +323,7 @@ def _forget_read_keys(session: Session, entry: _AttemptKeys, keys: list[str], na
                       upto: int) -> None:
     # Tries of ATTEMPT_KEYS_WAIT each, under the lock (the way out, forget_attempt_keys, waits for one
     # try, or comes first and leaves nothing to do); a connect slower than a try is kept for the next.
-    end = time.monotonic() + ATTEMPT_KEYS_PATIENCE
+    end, checked = time.monotonic() + ATTEMPT_KEYS_PATIENCE, False
     while True:
         with entry.lock:
             conn = entry.conn
@@ -340,17 +331,17 @@ def _forget_read_keys(session: Session, entry: _AttemptKeys, keys: list[str], na
                 return
             conn.deadline = time.monotonic() + ATTEMPT_KEYS_WAIT
             try:
-                found = check_address_keys(session, conn, quiet=time.monotonic() < end)
-                if found is False:
+                # Checked once: a try that failed part-way may have deleted this rank's own key.
+                if not checked and not check_address_keys(session, conn):
                     entry.conn = None
                     conn.close()
                     return
-                if found:
-                    deleted = forget_addresses(conn.call, keys)
-                    entry.done, entry.count = names, upto
-                    log(logging.INFO, "deleted %d gloo address keys of %d groups from torchrun's shared store: "
-                        "every peer has read them, and a restarted attempt must not", deleted, upto)
-                    return
+                checked = True
+                deleted = forget_addresses(conn.call, keys)
+                entry.done, entry.count = names, upto
+                log(logging.INFO, "deleted %d gloo address keys of %d groups from torchrun's shared store: "
+                    "every peer has read them, and a restarted attempt must not", deleted, upto)
+                return
             except Exception as err:  # noqa: BLE001 - never stop the session
                 if time.monotonic() >= end:
                     log(logging.WARNING, "could not delete the gloo address keys from torchrun's shared store now "
@@ -358,8 +349,6 @@ def _forget_read_keys(session: Session, entry: _AttemptKeys, keys: list[str], na
                     return
             finally:
                 conn.deadline = None
-            if time.monotonic() >= end:
-                return
         time.sleep(0.5)
 
 
