@@ -66,7 +66,7 @@ AUTO_HANG_FLOOR_ENV = "FTH_AUTO_HANG_FLOOR_SEC"
 AUTO_HANG_WARMUP_ENV = "FTH_AUTO_HANG_WARMUP"
 RECOVER_JOIN_ENV = "FTH_RECOVER_JOIN_SEC"
 SNAPSHOT_ENV = "FTH_SNAPSHOT"
-#: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`.autohang`).
+#: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`..detect.autohang`).
 AUTO = "auto"
 
 RELEASE_CHOICES = ("auto", "exit")
