@@ -17,7 +17,7 @@ Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.g
 Ignite stops re-raising once any ``EXCEPTION_RAISED`` handler is attached (``Engine._handle_exception``)
 and, for an exception in the process function, even goes on to the next epoch. In a distributed run
 this handler always re-raises, so the run can never silently continue. Private Ignite API: see
-:mod:`._compat_ignite`.
+:mod:`.adapters.compat_ignite`.
 """
 
 from __future__ import annotations

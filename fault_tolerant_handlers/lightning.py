@@ -18,7 +18,7 @@ Maps Lightning's ``Callback`` hooks onto the framework-neutral
 ``on_exception``                record and release (local failure) or convert to ``PeerFailedError``;
                                 then finishes Lightning's exception path itself (see below)
 ``teardown``                    clean stop of the watchdog (``validate``/``test``)
-``on_fit_start``,               a DDP model's bucket layout (:class:`..data.ddp_buckets.DDPBucketLayout`):
+``on_fit_start``,               a DDP model's bucket layout (:class:`.data.ddp_buckets.DDPBucketLayout`):
 ``state_dict``,                 saved in this callback's state, given back to the new DDP before its
 ``load_state_dict``             first step, so that a resumed run is exact at any world size
 ==============================  ======================================================================
@@ -41,9 +41,9 @@ callback skips the checkpoint callbacks (stock Lightning 2.6.6 saves the untrain
 
 Both namespaces: ``lightning.Trainer`` and ``pytorch_lightning.Trainer`` both take the callback. It
 is a ``Callback`` of each one installed, and it looks Lightning's classes up in the namespace of
-the trainer it is given (:mod:`._compat_lightning`).
+the trainer it is given (:mod:`.adapters.compat_lightning`).
 
-Private Lightning API: see :mod:`._compat_lightning`. Everything else is public
+Private Lightning API: see :mod:`.adapters.compat_lightning`. Everything else is public
 ``Callback``/``Trainer`` API.
 """
 

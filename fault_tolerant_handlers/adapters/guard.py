@@ -44,7 +44,7 @@ class Guard:
             the other natural sync points). The watchdog covers what happens in between.
         hang_timeout: declare a rank hung when its loop makes no progress for this long, from 1 s
             to 7 days; ``"auto"``: when a piece of work (step, evaluation, checkpoint) runs far longer
-            than any like it so far (:mod:`.autohang`; ``FTH_AUTO_HANG_*``); ``None``: off unless
+            than any like it so far (:mod:`..detect.autohang`; ``FTH_AUTO_HANG_*``); ``None``: off unless
             ``FTH_HANG_TIMEOUT_SEC`` (seconds, or ``auto``) is set.
         watchdog: start the out-of-band watchdog (default True).
         release_on_failure: when this rank fails, release its collectives at once so that peers
@@ -124,7 +124,7 @@ class Guard:
         return getattr(watchdog, "auto_hang", None)
 
     def explain_with(self, explainer: Callable[[object], tuple[str, object] | None]) -> None:
-        """Add a way to recognise work from the main thread's stack (see :mod:`.autohang`)."""
+        """Add a way to recognise work from the main thread's stack (see :mod:`..detect.autohang`)."""
         auto = self.auto_hang
         if auto is not None and explainer not in auto.explainers:
             auto.explainers.append(explainer)

@@ -66,7 +66,7 @@ AUTO_HANG_FLOOR_ENV = "FTH_AUTO_HANG_FLOOR_SEC"
 AUTO_HANG_WARMUP_ENV = "FTH_AUTO_HANG_WARMUP"
 RECOVER_JOIN_ENV = "FTH_RECOVER_JOIN_SEC"
 SNAPSHOT_ENV = "FTH_SNAPSHOT"
-#: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`.autohang`).
+#: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`..detect.autohang`).
 AUTO = "auto"
 
 RELEASE_CHOICES = ("auto", "exit")
@@ -124,10 +124,15 @@ def check_timedelta(name: str, value: object, *, allow_none: bool = False, what:
 HANG_TIMEOUT_FORMS = ("None (off), a datetime.timedelta (e.g. timedelta(minutes=5)), a number of seconds (e.g. 300), "
                       "a 'DD:HH:MM:SS' string (e.g. '00:00:05:00'), a dict of timedelta arguments (e.g. "
                       "{'minutes': 5}) or 'auto' (a deadline learned from the run)")
+#: The forms ``recover_in_place(join_timeout=...)`` accepts: those of ``hang_timeout`` but ``'auto'``
+#: (no deadline is learned for ranks meeting at a recovery).
+JOIN_TIMEOUT_FORMS = ("None (FTH_RECOVER_JOIN_SEC, else 60 s), a datetime.timedelta (e.g. timedelta(minutes=2)), "
+                      "a number of seconds (e.g. 120), a 'DD:HH:MM:SS' string (e.g. '00:00:02:00') or a dict of "
+                      "timedelta arguments (e.g. {'minutes': 2})")
 _DHMS = re.compile(r"\s*(\d+):(\d+):(\d+):(\d+)\s*")
 
 
-def _hang_timeout_as_timedelta(value: object) -> timedelta | None:
+def _as_timedelta(value: object) -> timedelta | None:
     """A number of seconds, a ``"DD:HH:MM:SS"`` string or a dict of ``timedelta`` arguments (the
     forms Lightning's ``Timer(duration=...)`` takes, for YAML, LightningCLI and Hydra configs) as a
     ``timedelta``; ``None`` for anything else."""
@@ -150,6 +155,21 @@ def _hang_timeout_as_timedelta(value: object) -> timedelta | None:
     return None
 
 
+def _check_duration(name: str, value: object, what: str, forms: str) -> timedelta | None:
+    """``value`` (``None``, a ``timedelta``, seconds, ``"DD:HH:MM:SS"``, a dict) as a ``timedelta``
+    in the range of setting ``name``: ``TypeError`` naming ``forms`` for any other value,
+    ``ValueError`` for a duration out of range."""
+    if value is None or isinstance(value, timedelta):
+        return check_timedelta(name, value, allow_none=True, what=what)
+    duration = _as_timedelta(value)
+    if duration is None:
+        raise TypeError(f"{what} must be {forms}, got {value!r}")
+    low, high = RANGES[name]
+    if not low <= duration.total_seconds() <= high:
+        raise ValueError(f"{what} must be between {_range_text(name)}, got {value!r}")
+    return duration
+
+
 def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelta | str | None:
     """``hang_timeout`` as ``None`` (off), ``"auto"`` (learned) or a ``timedelta`` in range (1 s to
     7 days). Accepted: ``None``, ``"auto"``, a ``timedelta``, a number of seconds, a
@@ -161,15 +181,24 @@ def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelt
     """
     if value == AUTO and isinstance(value, str):
         return AUTO
-    if value is None or isinstance(value, timedelta):
-        return check_timedelta("hang_timeout", value, allow_none=True, what=what)
-    duration = _hang_timeout_as_timedelta(value)
-    if duration is None:
-        raise TypeError(f"{what} must be {HANG_TIMEOUT_FORMS}, got {value!r}")
-    low, high = RANGES["hang_timeout"]
-    if not low <= duration.total_seconds() <= high:
-        raise ValueError(f"{what} must be between {_range_text('hang_timeout')}, got {value!r}")
-    return duration
+    return _check_duration("hang_timeout", value, what, HANG_TIMEOUT_FORMS)
+
+
+def check_join_timeout(value: object, *, what: str = "join_timeout") -> timedelta | None:
+    """``recover_in_place(join_timeout=...)`` as ``None`` (``FTH_RECOVER_JOIN_SEC``, else 60 s) or a
+    ``timedelta`` from 1 s to 1 day. Accepted: the forms of ``hang_timeout`` but ``"auto"``: ``None``,
+    a ``timedelta``, a number of seconds, a ``"DD:HH:MM:SS"`` string, a dict of ``timedelta``
+    arguments (``{"minutes": 2}``).
+
+    Raises:
+        TypeError: any other value (the message lists the accepted forms).
+        ValueError: ``"auto"`` (a learned deadline is for ``hang_timeout`` only); a duration outside
+            1 s to 1 day.
+    """
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        raise ValueError(f"{what} has no {AUTO!r} (a learned deadline is for hang_timeout only): it must be "
+                         f"{JOIN_TIMEOUT_FORMS}, got {value!r}")
+    return _check_duration("recover_join_timeout", value, what, JOIN_TIMEOUT_FORMS)
 
 
 @dataclass(frozen=True)

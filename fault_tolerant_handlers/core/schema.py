@@ -6,7 +6,7 @@ attempt's keys):
 
 ==================  =====================================================================
 ``n``               failure-record counter (``add``); the watchdog polls it
-``r/<i>``           failure record number ``i`` (bounded JSON, :mod:`.record`)
+``r/<i>``           failure record number ``i`` (bounded JSON, :mod:`.records`)
 ``hb/<rank>``       heartbeat counter of ``rank`` (``add``), read by its ring neighbour
 ``declared/<rank>`` counts declarations of ``rank`` as lost/silent/hung: only the first publishes
 ``sec/<rank>``      what ``rank`` was in when an agreement found the ranks out of step

@@ -48,7 +48,7 @@ SUFFIXES = (".pt", ".pth", ".ckpt")
 #: Longest path the ranks exchange (bytes).
 MAX_PATH_BYTES = 4096
 #: How long a rank waits for rank 0's answer in torchrun's store (``FTH_CKPT_AGREE_TIMEOUT_SEC``,
-#: default 300 s, see :mod:`.config`); read when it is needed.
+#: default 300 s, see :mod:`..core.config`); read when it is needed.
 _STEP = re.compile(r"(?:step=|_)(\d+)(?=[.-]|$)")
 _calls: dict[str, int] = {}  # calls of latest_checkpoint per attempt (its namespace)
 

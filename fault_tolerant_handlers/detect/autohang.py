@@ -47,7 +47,7 @@ from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
 
 #: Defaults of the rule (seconds, counts); each is an argument of :class:`AutoHangProbe`, and
 #: ``FTH_AUTO_HANG_MULTIPLE``, ``FTH_AUTO_HANG_FLOOR_SEC``, ``FTH_AUTO_HANG_WARMUP`` override the first,
-#: third and fourth (:func:`~.config.auto_hang`).
+#: third and fourth (:func:`~..core.config.auto_hang`).
 DEFAULT_MULTIPLE = config.AUTO_HANG_RANGES["multiple"][1]
 DEFAULT_FIRST_MULTIPLE = 10.0
 DEFAULT_FLOOR = config.AUTO_HANG_RANGES["floor"][1]

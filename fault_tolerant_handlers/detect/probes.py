@@ -210,7 +210,7 @@ class StoreLossProbe:
 
     Failed store calls start a silence (:meth:`failed`); during it, ``evidence()`` is asked at most
     every ``check_every`` seconds (a plain TCP connect to the store's port,
-    :func:`~.schema.store_evidence`: a string when the port refused it, the host or link is down,
+    :func:`~..core.schema.store_evidence`: a string when the port refused it, the host or link is down,
     or nothing answered; ``None`` when the port answered). The rank hosting the store is declared
     lost when the silence has lasted ``lost_after`` seconds **and** every check in it found
     evidence, at least two of them. A port that answers (the kernel of the store's host completed

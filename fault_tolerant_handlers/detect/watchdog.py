@@ -9,14 +9,14 @@ while the main thread may be stuck in a collective, and escalate what they find.
   it): every :data:`HEARTBEAT_EVERY` one ``add`` of its own heartbeat and one read of its ring
   successor's (the heartbeat probe), declaring a successor silent for ``FTH_HEARTBEAT_TIMEOUT_SEC``.
 * The **pid loop** (``fth-pids``, only when peers share this host) sleeps in one
-  ``poll()`` on the peers' pidfds (:mod:`._pidwatch`) and checks their pids when one ends (or every
+  ``poll()`` on the peers' pidfds (:mod:`.pidwatch`) and checks their pids when one ends (or every
   ``interval`` for a pid without a pidfd): no store traffic and no periodic wake-up, so it works
   when the store's host died with a child process still holding its socket open, and costs nothing
   while nothing happens.
 
 A finding about another rank makes the session's incident a peer failure (the adapters raise it at
 their next hook) and starts the **escalation** (``fth-escalate``): release this process's
-collectives (:mod:`.release`), so that a main thread blocked in one fails at once; then, if the
+collectives (:mod:`..core.release`), so that a main thread blocked in one fails at once; then, if the
 main thread has not taken the failure (``Session.acknowledge``) within ``exit_grace``, a **reported
 exit**: the report goes to stderr and the log, child processes (DataLoader workers) are killed, and
 the process ends with :data:`EXIT_PEER_FAILED`. A checkpoint write under way in the main thread
@@ -25,7 +25,7 @@ the process ends with :data:`EXIT_PEER_FAILED`. A checkpoint write under way in 
 checkpoint is left torn. A rank that finds *itself* hung publishes its stack and ends with
 :data:`EXIT_HUNG`.
 
-Settings and their environment overrides are in :mod:`.config`.
+Settings and their environment overrides are in :mod:`..core.config`.
 """
 
 from __future__ import annotations
@@ -343,7 +343,21 @@ def _stop_all() -> None:
 def start_watchdog(group=None, *, hang_timeout: timedelta | float | str | dict | None = None) -> Watchdog | None:
     """Start (once per process group) and return the watchdog, for a loop of your own; ``None``
     without distribution. Collective on first use for the group (it creates the side group): call it
-    on every rank. The watchdog runs until the end of the process."""
+    on every rank. The watchdog runs until the end of the process.
+
+    With ``hang_timeout`` (the adapters' forms), the watchdog knows only of the progress you report:
+    call ``beat(step)`` on what this returns once per step; with ``"auto"``, mark where each piece of
+    work begins instead: ``auto_hang.mark("step", time.monotonic(), step)``.
+
+    Examples:
+        .. code-block:: python
+
+            wd = start_watchdog(hang_timeout=300)   # on every rank, once the process group is up
+            for step, batch in enumerate(loader):
+                if wd is not None:
+                    wd.beat(step)
+                train_step(batch)
+    """
     hang_timeout = config.check_hang_timeout(hang_timeout)
     session = get_session(group, caller="start_watchdog")
     if session is None:

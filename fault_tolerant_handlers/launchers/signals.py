@@ -9,7 +9,7 @@ already there (Lightning's, a user's, Python's default), never replacing it:
    undelivered record, a same-host peer gone), the signal is a consequence (torchrun, ``mp.spawn``
    end survivors with ``SIGTERM``) and only torchrun's error file is written (:mod:`.errorfile`, a
    survivor's timestamp); otherwise this rank is the cause: it publishes a declared
-   ``RankSignalled`` record, so that every peer raises :class:`~.errors.PeerFailedError` naming it
+   ``RankSignalled`` record, so that every peer raises :class:`~..core.errors.PeerFailedError` naming it
    and the signal within the watchdog's record grace, and writes its own error file;
 2. then it calls the previous handler (``SIGTERM``'s default ends the process with the signal, as
    before; ``SIGINT``'s raises ``KeyboardInterrupt``; Lightning's runs as it would have). When a

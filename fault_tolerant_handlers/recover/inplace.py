@@ -514,7 +514,7 @@ def _ranks_spawned_here(err: BaseException) -> bool:
 
 
 def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 3,
-                     join_timeout: timedelta | None = None, replace_dead: bool = True):
+                     join_timeout: timedelta | float | str | dict | None = None, replace_dead: bool = True):
     """Run ``fn`` and, when it fails on every rank, recover in place: tear the attempt down, re-form the
     process group in the same processes and call ``fn`` again (see the module's text).
 
@@ -524,14 +524,18 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
     Args:
         fn: the training function; it must build everything it uses each time it is called.
         max_restarts: how many recoveries in place at most (an int >= 0); one more failure ends the job.
-        join_timeout: how long ranks wait for each other at a recovery (``FTH_RECOVER_JOIN_SEC``, 60 s).
+        join_timeout: how long ranks wait for each other at a recovery, from 1 s to 1 day: a
+            ``timedelta``, a number of seconds, a ``"DD:HH:MM:SS"`` string or a dict such as
+            ``{"minutes": 2}`` (the forms of ``hang_timeout``, but ``"auto"``); ``None``:
+            ``FTH_RECOVER_JOIN_SEC``, else 60 s.
         replace_dead: under torchrun, run ``fn`` in a child of the launcher's process that is replaced
             when it dies (:mod:`.keeper`): a killed rank recovers in place too. ``fn``'s return value
             is handed back pickled. ``False``: ``fn`` runs in the launcher's process, and a dead rank
             ends the job as without recovery.
 
     Raises:
-        TypeError, ValueError: a bad argument (named, with what it accepts).
+        TypeError, ValueError: a bad argument (named, with what it accepts), at the call: e.g.
+            ``join_timeout="auto"`` or a duration outside 1 s to 1 day.
         RecoveryError: a later attempt failed before it trained: ``fn`` cannot be called twice; or
             ``fn`` spawns the ranks (``idist.Parallel(nproc_per_node=...)``, Lightning ``ddp_spawn``):
             wrap the function each rank runs instead.
@@ -552,8 +556,9 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
     """
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"recover_in_place(max_restarts=...) must be an int >= 0 (0: never recover), got {max_restarts!r}")
-    join = (config.check_timedelta("recover_join_timeout", join_timeout, what="recover_in_place(join_timeout=...)")
-            if join_timeout is not None else config.recover_join_timeout())
+    join = config.check_join_timeout(join_timeout, what="recover_in_place(join_timeout=...)")
+    if join is None:
+        join = config.recover_join_timeout()
     if not isinstance(replace_dead, bool):
         raise TypeError(f"recover_in_place(replace_dead=...) must be True or False, got {replace_dead!r}")
     if fn is None:

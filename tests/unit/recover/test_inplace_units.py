@@ -23,12 +23,61 @@ def test_bad_arguments_are_named_with_what_is_accepted():
         recover_in_place(print, max_restarts=-1)
     with pytest.raises(ValueError, match="got True"):
         recover_in_place(print, max_restarts=True)
-    with pytest.raises(TypeError, match=r"join_timeout=\.\.\.\) must be a datetime.timedelta"):
-        recover_in_place(print, join_timeout=5)
     with pytest.raises(ValueError, match="between 1 and 86400 seconds"):
         recover_in_place(print, join_timeout=timedelta(0))
     with pytest.raises(TypeError, match="fn must be the training function"):
         recover_in_place(42)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (5, timedelta(seconds=5)),
+    (2.5, timedelta(seconds=2.5)),
+    ("00:00:02:00", timedelta(minutes=2)),
+    ("01:00:00:00", timedelta(days=1)),
+    ({"minutes": 2}, timedelta(minutes=2)),
+    ({"hours": 1, "seconds": 30}, timedelta(hours=1, seconds=30)),
+    (timedelta(seconds=90), timedelta(seconds=90)),
+    (None, timedelta(seconds=60)),
+])
+def test_join_timeout_takes_the_forms_of_hang_timeout(value, expected, monkeypatch):
+    monkeypatch.delenv("FTH_RECOVER_JOIN_SEC", raising=False)
+    assert recover_in_place(print, join_timeout=value).join_timeout == expected
+    assert recover_in_place(join_timeout=value)(print).join_timeout == expected  # as a decorator
+
+
+def test_join_timeout_none_is_the_variable_s(monkeypatch):
+    monkeypatch.setenv("FTH_RECOVER_JOIN_SEC", "7")
+    assert recover_in_place(print).join_timeout == timedelta(seconds=7)
+    assert recover_in_place(print, join_timeout=3).join_timeout == timedelta(seconds=3)  # the argument wins
+
+
+@pytest.mark.parametrize("bad", ["auto", " Auto "])
+def test_join_timeout_has_no_auto(bad):
+    with pytest.raises(ValueError) as err:
+        recover_in_place(print, join_timeout=bad)  # at the call, not at a recovery
+    text = str(err.value)
+    assert text.startswith("recover_in_place(join_timeout=...) has no 'auto'") and text.endswith(f"got {bad!r}")
+    for form in ("None (FTH_RECOVER_JOIN_SEC, else 60 s)", "datetime.timedelta", "a number of seconds",
+                 "'DD:HH:MM:SS'", "a dict of timedelta arguments"):
+        assert form in text, text
+    with pytest.raises(ValueError, match="has no 'auto'"):
+        recover_in_place(join_timeout=bad)  # the decorator form too, before any function is given
+
+
+@pytest.mark.parametrize("bad", ["5m", "5:00", "00:00:05:xx", {}, {"minute": 5}, [60], b"60", True, object()])
+def test_join_timeout_refuses_other_forms_naming_the_valid_ones(bad):
+    with pytest.raises(TypeError) as err:
+        recover_in_place(print, join_timeout=bad)
+    text = str(err.value)
+    assert text.startswith("recover_in_place(join_timeout=...) must be None (FTH_RECOVER_JOIN_SEC, else 60 s), ")
+    assert text.endswith(f"got {bad!r}") and "'auto'" not in text
+
+
+@pytest.mark.parametrize("bad", [0, 0.5, -3, 86401, float("nan"), float("inf"), "02:00:00:00", {"days": 2},
+                                 timedelta(seconds=0.5)])
+def test_join_timeout_out_of_range(bad):
+    with pytest.raises(ValueError, match=r"^recover_in_place\(join_timeout=\.\.\.\) must be between 1 and 86400 seconds"):
+        recover_in_place(print, join_timeout=bad)
 
 
 def test_the_variable_is_checked_too(monkeypatch):

@@ -1,0 +1,117 @@
+"""The recovery examples run as their docstrings print them: each ``FTH_INJECT=... torchrun ...`` line
+of ``examples/resume_ignite.py`` and ``examples/resume_lightning.py`` (relaunch and resume, and
+``--in-place``) on 2 CPU ranks. Rank 1 raises at iteration 14; the next attempt (torchrun's restart,
+or a recovery in place) resumes from the checkpoint of iteration 10 on every rank and trains to 60,
+and the job exits 0. Every run is bounded; each is started from a copy of the example in its own
+folder, and every process whose command line names that copy is killed by pid afterwards (torchrun
+starts each worker in a session of its own)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import ROOT
+
+DEADLINE_SEC = 150
+EXAMPLES = {"ignite": ROOT / "examples" / "resume_ignite.py", "lightning": ROOT / "examples" / "resume_lightning.py"}
+#: what each rank prints when the next attempt resumes, and when it has trained to the end
+RESUMED = {"ignite": "resumed from checkpoint_10.pt at iteration 10", "lightning": "resuming from epoch=0-step=10.ckpt"}
+FINISHED = {"ignite": "finished at iteration 60", "lightning": "finished at step 60"}
+
+
+def _commands(example: Path) -> list[str]:
+    """The rehearsal lines of the example's docstring."""
+    text = example.read_text()
+    doc = text[: text.index('"""', 3)]
+    return [line.strip() for line in doc.splitlines() if line.strip().startswith("FTH_INJECT=")]
+
+
+def _kill_named(marker: str) -> None:
+    """SIGKILL, by pid, every process whose command line contains ``marker`` (a path only this test uses)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    os.kill(int(entry), signal.SIGKILL)
+        except OSError:
+            continue
+
+
+def _run(line: str, example: Path, tmp_path: Path) -> tuple[int | None, str]:
+    """Run one printed command line in ``tmp_path``, with the example copied there (a path no other
+    process has), torchrun as ``python -m torch.distributed.run``. Returns the exit code (``None``:
+    killed at the deadline) and the output."""
+    words = shlex.split(line)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FTH_")
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    while "=" in words[0]:
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    assert words[0] == "torchrun", line
+    copy = tmp_path / example.name
+    shutil.copy(example, copy)
+    argv = [sys.executable, "-m", "torch.distributed.run",
+            *[str(copy) if w == f"examples/{example.name}" else w for w in words[1:]]]
+    assert str(copy) in argv, line
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    with open(tmp_path / "output.txt", "w+") as out:
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=DEADLINE_SEC)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            returncode = proc.poll()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait(timeout=10)
+            time.sleep(0.2)
+            _kill_named(str(copy))  # the workers and their children, in sessions of their own
+        out.seek(0)
+        return returncode, out.read()
+
+
+CASES = [pytest.param(framework, line, id=f"{framework}-{'in-place' if '--in-place' in line else 'relaunch'}")
+         for framework, example in EXAMPLES.items() for line in _commands(example)]
+
+
+def test_every_example_prints_both_rehearsals():
+    assert len(CASES) == 4, CASES
+    for framework, example in EXAMPLES.items():
+        modes = {"--in-place" in line for line in _commands(example)}
+        assert modes == {True, False}, (example, modes)
+        assert all("--standalone --nproc-per-node 2" in line for line in _commands(example))
+
+
+@pytest.mark.timeout(DEADLINE_SEC + 30)
+@pytest.mark.parametrize("framework, line", CASES)
+def test_example_recovers_and_finishes(framework, line, tmp_path):
+    if framework == "lightning":
+        pytest.importorskip("lightning")
+    else:
+        pytest.importorskip("ignite")
+    returncode, out = _run(line, EXAMPLES[framework], tmp_path)
+    assert returncode is not None, f"still running after {DEADLINE_SEC} s (killed):\n{out[-4000:]}"
+    assert "FTH_INJECT=raise@rank=1,iteration=14: injecting raise" in out, out[-4000:]  # the fault fired
+    assert re.search(r"\[rank 0 step \d+\] stopping: rank 1 failed in 'train'", out), out[-4000:]  # rank 0 learnt it
+    for rank in (0, 1):
+        assert f"[rank {rank}] attempt 1: {RESUMED[framework]}" in out, out[-4000:]
+        assert f"[rank {rank}] {FINISHED[framework]}" in out, out[-4000:]
+    if "--in-place" in line:
+        assert "recovering in place, attempt 1" in out, out[-4000:]
+    assert returncode == 0, out[-4000:]
