@@ -205,11 +205,11 @@ class HangInterrupted(RuntimeError):
 
 class StateTransferError(RuntimeError):
     """A transfer of live state over the re-formed group (:func:`..recover.live_state.transfer`)
-    failed: a chunk that arrived with another checksum than the source's, a header that could not be
-    read, or a source whose state was not the one agreed on. Raised on every rank of the group
-    together (one small ``all_gather`` after the last chunk), so that every rank falls back to the
-    newest checkpoint together. A receiver's state is then not to be trusted (chunks before the bad
-    one were already written into it).
+    failed: a chunk that arrived with another CRC than the source's, a header that could not be
+    read, a received state without the agreed checksum, or a source that could not send. Raised on
+    every rank of the group together (one small ``all_gather`` after the last chunk), so that every
+    rank falls back to the newest checkpoint together. A receiver's state is then not to be trusted
+    (what arrived before the bad chunk, and a bad slice itself, was already written into it).
 
     Attributes:
         source: the group rank that sent.

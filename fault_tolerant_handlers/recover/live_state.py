@@ -13,10 +13,12 @@ Three calls, made by every rank of the group in the same order (each is collecti
   :class:`StateAgreement`: the step the job carries on from, the source rank, and the ranks that must
   receive and why (:class:`Receive`), or why live state cannot serve (:class:`Fallback`).
 * :func:`transfer` (point to point from the source to each receiver, then one ``all_gather`` of 3
-  int64 per rank): the source's state in chunks of :data:`DEFAULT_CHUNK_BYTES`, each checked on
-  receipt; receivers rebuild the structure, writing into their own tensors where they hold one of the
-  same dtype and shape. Every rank returns the state to carry on from, or every rank raises
-  :class:`~..core.errors.StateTransferError` together.
+  int64 per rank): the structure as JSON, then the tensors' bytes in segments of at most
+  :data:`DEFAULT_CHUNK_BYTES` (a large tensor straight from its memory into the receiver's, small
+  ones packed), each followed by a CRC-32 checked on receipt; given the agreed checksum, receivers
+  also check that what they rebuilt has it. Receivers rebuild the structure, writing into their own
+  tensors where they hold one of the same dtype and shape. Every rank returns the state to carry on
+  from, or every rank raises :class:`~..core.errors.StateTransferError` together.
 
 The rule (issue 28, item 1). Only trusted ranks with state vote. The job carries on from the newest
 step a trusted rank completed: in data-parallel training a step that some ranks completed and others
@@ -54,11 +56,12 @@ shares its tensors with the model's parameters, and an ``optimizer.state_dict()`
 with the optimizer, so they are updated with no second copy; the non-tensor leaves (``lr``, counters)
 are only in the returned structure: load it (``load_state_dict``) as a checkpoint would be.
 
-Cost. :func:`checksum` reads every byte once (SHA-256: 1.75 GB/s here with the CPU's SHA
-instructions). :func:`transfer` holds one chunk (plus 16 bytes) beyond the state on the source and on
-each receiver (a tensor on another device or not contiguous is staged through that chunk; a
-non-contiguous tensor on the source is made contiguous first: a copy of that tensor). Its time is
-one hash pass on each side plus the send: ``bench/state_transfer.py``.
+Cost (``bench/state_transfer.py``). :func:`checksum` reads every byte once (SHA-256, 1.75 GB/s on
+one core here with the CPU's SHA instructions). :func:`transfer` reads every byte once on each side
+for the CRC (4 GB/s), and once more on receivers given ``checksum=``; a tensor of at least
+:data:`DIRECT_BYTES` on the CPU is neither copied nor staged. Beyond the state a rank holds at most two
+staging buffers of a chunk (small tensors packed, tensors on another device), and a copy of a
+non-contiguous tensor of the source while it is sent.
 
 Non-tensor leaves travel as JSON, never pickled: ``None``, ``bool``, ``int``, ``float`` (NaN and
 infinities too), ``str``; ``bytes`` as base64; numpy arrays like tensors; dict keys of those types or
@@ -77,12 +80,14 @@ import collections
 import ctypes
 import enum
 import hashlib
+import itertools
 import json
 import logging
 import math
 import sys
 import time
 import warnings
+import zlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -92,12 +97,19 @@ import torch.distributed as dist
 from ..core.errors import StateTransferError
 from ..core.log import log
 
-#: Bytes of state per chunk sent (each with its checksum). ``bench/state_transfer.py`` measured 4 to
-#: 128 MB at 2 ranks here; from 16 MB on the time per byte does not fall (memory held does: one chunk
-#: per rank).
-DEFAULT_CHUNK_BYTES = 32 * 2**20
-#: Bytes of the (truncated SHA-256) digests: :func:`checksum` is this many bytes in hex.
+#: Bytes per segment at most (a slice of a large tensor, or small tensors packed), and of each of
+#: the two staging buffers a rank may hold. ``bench/state_transfer.py`` found no difference above its
+#: noise from 4 to 64 MB at 100 MB and 1 GB of state here: 16 MB keeps what a rank holds beyond the
+#: state to 32 MB at most, and cuts a large tensor into slices whose check overlaps the sending of
+#: the next one.
+DEFAULT_CHUNK_BYTES = 16 * 2**20
+#: Leaves of at least this many bytes (or a chunk, if smaller) travel straight from the source's tensor
+#: into the receiver's, in slices of at most a chunk; smaller ones are packed together into chunks.
+DIRECT_BYTES = 2**20
+#: Bytes of the (truncated SHA-256) digest: :func:`checksum` is this many bytes in hex.
 DIGEST_BYTES = 16
+#: Bytes of the check after each segment of a transfer: the CRC-32 of everything sent so far.
+TAIL_BYTES = 4
 #: Trusted ranks more steps apart than this are out of step (a step is an optimizer step).
 MAX_STEPS_APART = 1
 #: Hashed before the structure: a change of this format changes every checksum.
@@ -117,15 +129,15 @@ class Fallback(str, enum.Enum):
     """Why live state cannot serve (the recovery falls back to the newest checkpoint)."""
 
     NO_TRUSTED_STATE = "no rank holds a state that can be trusted"
-    STEPS_APART = "the trusted ranks are more steps apart than one step can make them"
+    STEPS_APART = "the trusted ranks are further apart than max_apart steps (out of step)"
 
 
 class TransferFailure(str, enum.Enum):
     """What went wrong on one rank in :func:`transfer` (:attr:`StateTransferError.failures`)."""
 
-    CHUNK = "a chunk arrived with another checksum than the source's"
+    CHUNK = "a chunk arrived with another CRC than the source's"
     HEADER = "the header (structure of the state) could not be read"
-    AGREED = "the state sent is not the one agreed on (its checksum differs from the agreement's)"
+    AGREED = "the state received does not have the agreed checksum"
     SOURCE = "the source could not send its state"
 
 
@@ -318,8 +330,9 @@ def checksum(state: Any) -> str:
     """A digest of ``state``: 32 hex characters, the same in every process for the same state.
 
     It covers the structure (container types, keys and their order, dtypes and shapes, non-tensor
-    leaves) and every tensor's bytes (not its device, not ``requires_grad``). Tensors on the CPU are
-    read in place; others are read through one buffer of :data:`DEFAULT_CHUNK_BYTES`.
+    leaves) and every tensor's bytes (not its device, not ``requires_grad``). A contiguous tensor on
+    the CPU is read in place; one on another device through one buffer of
+    :data:`DEFAULT_CHUNK_BYTES`; a non-contiguous one is made contiguous first (a copy of it).
 
     Raises:
         TypeError: a leaf live state cannot carry, naming its path (``state['opt']['x']``).
@@ -353,8 +366,8 @@ def decide(ranks: Sequence[RankState], max_apart: int = MAX_STEPS_APART) -> Stat
     ranks = tuple(ranks)
     voters = [r for r in ranks if r.step is not None and r.trusted]
     if not voters:
-        return StateAgreement(None, None, None, tuple((r.rank, Receive.NO_STATE if r.step is None else Receive.UNTRUSTED)
-                                                      for r in ranks), ranks, Fallback.NO_TRUSTED_STATE)
+        receiving = tuple((r.rank, Receive.NO_STATE if r.step is None else Receive.UNTRUSTED) for r in ranks)
+        return StateAgreement(None, None, None, receiving, ranks, Fallback.NO_TRUSTED_STATE)
     step = max(r.step for r in voters)
     if step - min(r.step for r in voters) > max_apart:
         return StateAgreement(None, None, None, (), ranks, Fallback.STEPS_APART)
@@ -425,15 +438,20 @@ def agree_on_source(step: int | None, checksum: str | None, trusted: bool, group
 
 # --- transfer ------------------------------------------------------------------------------------
 
-def _send(buffer: torch.Tensor, receivers: Sequence[int], group: Any) -> None:
-    """Send ``buffer`` to every receiver at once (the tests wrap this to corrupt a chunk in flight)."""
-    works = [dist.isend(buffer, group=group, group_dst=r) for r in receivers]
-    for work in works:
+def _send(buffer: torch.Tensor, receivers: Sequence[int], group: Any) -> list:
+    """Start sending ``buffer`` to every receiver; the works to wait for."""
+    return [dist.isend(buffer, group=group, group_dst=r) for r in receivers]
+
+
+def _recv(buffer: torch.Tensor, source: int, group: Any) -> Any:
+    """Start receiving into ``buffer``; the work to wait for (the tests wrap this to corrupt a
+    chunk in flight)."""
+    return dist.irecv(buffer, group=group, group_src=source)
+
+
+def _wait(works: Any) -> None:
+    for work in works if isinstance(works, list) else [works]:
         work.wait()
-
-
-def _recv(buffer: torch.Tensor, source: int, group: Any) -> None:
-    dist.recv(buffer, group=group, group_src=source)
 
 
 def _unflatten(node: Any, local: Any, path: str, dests: list[torch.Tensor], device: Any) -> Any:
@@ -495,6 +513,205 @@ def _header(values: Sequence[int]) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64)
 
 
+def _tail(crc: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(crc.to_bytes(TAIL_BYTES, "big")), dtype=torch.uint8)
+
+
+def _plan(sizes: Sequence[int], chunk_bytes: int, direct_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """The segments the leaves' bytes travel in, the same on both sides: each a list of pieces
+    ``(leaf, offset, length)``. A leaf of at least ``direct_bytes`` travels alone in slices of at
+    most ``chunk_bytes`` (direct: from the source's tensor into the receiver's); smaller leaves are
+    packed together into segments of at most ``chunk_bytes``. A state without bytes has one empty
+    segment (its check still travels)."""
+    segments: list[list[tuple[int, int, int]]] = []
+    pack: list[tuple[int, int, int]] = []
+    packed = 0
+    for leaf, size in enumerate(sizes):
+        if size >= direct_bytes:
+            if pack:
+                segments.append(pack)
+                pack, packed = [], 0
+            segments.extend([(leaf, offset, min(chunk_bytes, size - offset))] for offset in range(0, size, chunk_bytes))
+            continue
+        if pack and packed + size > chunk_bytes:
+            segments.append(pack)
+            pack, packed = [], 0
+        pack.append((leaf, 0, size))
+        packed += size
+    if pack or not segments:
+        segments.append(pack)
+    return segments
+
+
+def _is_direct(segment: list[tuple[int, int, int]], sizes: Sequence[int], direct_bytes: int) -> bool:
+    return len(segment) == 1 and sizes[segment[0][0]] >= direct_bytes
+
+
+def _messages(plan: list, sizes: Sequence[int], direct_bytes: int) -> list[int]:
+    """The length of every message after the header, in order: a direct segment is two (its bytes,
+    then its check), a packed one is one (its bytes and its check)."""
+    lengths = []
+    for segment in plan:
+        n = sum(piece[2] for piece in segment)
+        lengths.extend([n, TAIL_BYTES] if _is_direct(segment, sizes, direct_bytes) else [n + TAIL_BYTES])
+    return lengths
+
+
+class _Staging:
+    """Two buffers of one chunk each, made on first use, taken in turn: one is filled or checked
+    while the other's message is on its way (at most two segments are in flight)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.buffers, self.works, self.turn = size, [None, None], [[], []], 0
+
+    def take(self) -> tuple[int, torch.Tensor]:
+        slot, self.turn = self.turn, 1 - self.turn
+        _wait(self.works[slot])  # what was sent from it is through
+        self.works[slot] = []
+        if self.buffers[slot] is None:
+            self.buffers[slot] = torch.empty(self.size, dtype=torch.uint8)
+        return slot, self.buffers[slot]
+
+
+def _send_state(state: Any, receivers: Sequence[int], group: Any, chunk_bytes: int,
+                ) -> tuple[int, tuple[TransferFailure, int] | None, BaseException | None]:
+    """The source's part: ``(bytes sent, its failure, its own error)``. A direct segment is sent
+    from the tensor itself and its CRC computed while it is on its way; packed segments go through
+    :class:`_Staging`."""
+    try:
+        structure, leaves = _structure(state)
+    except TypeError as exc:  # told to the receivers, raised here once the others know
+        _wait(_send(_header([-1, 0, 0, 0, 0]), receivers, group))
+        return 0, (TransferFailure.SOURCE, -1), exc
+    sizes = [_nbytes(leaf.dtype if isinstance(leaf, torch.Tensor) else _numpy_dtype(leaf), leaf.shape)
+             for leaf, _ in leaves]
+    total, direct = sum(sizes), min(DIRECT_BYTES, chunk_bytes)
+    plan = _plan(sizes, chunk_bytes, direct)
+    lengths = _messages(plan, sizes, direct)
+    _wait(_send(_header([len(structure), total, len(lengths), chunk_bytes, direct]), receivers, group))
+    _wait(_send(_header(lengths), receivers, group))
+    _wait(_send(torch.frombuffer(bytearray(structure), dtype=torch.uint8), receivers, group))
+    crc = zlib.crc32(structure, zlib.crc32(_FORMAT))
+    staging = _Staging(min(chunk_bytes, total) + TAIL_BYTES)
+    flats: dict[int, torch.Tensor] = {}
+    in_flight: collections.deque = collections.deque()
+
+    def flat(leaf: int) -> torch.Tensor:
+        if leaf not in flats:
+            flats.clear()  # segments follow the leaves' order: only the current one is needed
+            flats[leaf] = _flat_bytes(leaves[leaf][0])
+        return flats[leaf]
+
+    for segment in plan:
+        if _is_direct(segment, sizes, direct):
+            leaf, offset, n = segment[0]
+            source = flat(leaf)[offset:offset + n]
+            if source.device.type == "cpu":
+                works = _send(source, receivers, group)
+            else:
+                slot, buffer = staging.take()
+                buffer[:n].copy_(source)
+                source, works = buffer[:n], _send(buffer[:n], receivers, group)
+                staging.works[slot] = works
+            crc = zlib.crc32(_memory(source), crc)
+            tail = _tail(crc)
+            in_flight.append((works + _send(tail, receivers, group), source, tail))
+        else:
+            slot, buffer = staging.take()
+            n = 0
+            for leaf, offset, k in segment:
+                if k:
+                    buffer[n:n + k].copy_(flat(leaf)[offset:offset + k])
+                n += k
+            crc = zlib.crc32(_memory(buffer[:n]), crc)
+            buffer[n:n + TAIL_BYTES].copy_(_tail(crc))
+            staging.works[slot] = _send(buffer[:n + TAIL_BYTES], receivers, group)
+        while len(in_flight) > 2:
+            _wait(in_flight.popleft()[0])
+    for works, *_ in in_flight:
+        _wait(works)
+    for works in staging.works:
+        _wait(works)
+    return total, None, None
+
+
+def _receive_state(state: Any, source: int, group: Any, expected: str | None,
+                   device: Any) -> tuple[Any, int, tuple[TransferFailure, int] | None]:
+    """A receiver's part: ``(the state rebuilt, bytes received, its failure)``. A direct segment is
+    received straight into its tensor (on the CPU), then hashed; a packed one into a staging buffer,
+    checked, then copied into its tensors. The next segment arrives while this one is checked. Every
+    message is received, also after a failure, so that the source is never left blocked. With
+    ``expected``, the bytes are also hashed as they arrive (SHA-256, as :func:`checksum`)."""
+    header = _header([0, 0, 0, 0, 0])
+    _wait(_recv(header, source, group))
+    length, total, count, chunk, direct = (int(v) for v in header)
+    if length < 0:  # the source could not send: nothing follows
+        return state, 0, None
+    lengths_tensor = _header([0] * count)
+    _wait(_recv(lengths_tensor, source, group))
+    lengths = [int(v) for v in lengths_tensor]
+    raw = torch.empty(length, dtype=torch.uint8)
+    _wait(_recv(raw, source, group))
+    structure = bytes(_memory(raw))
+    try:
+        dests: list[torch.Tensor] = []
+        result = _unflatten(json.loads(structure.decode("ascii")), state, "state", dests, device)
+        sizes = [d.numel() * d.element_size() for d in dests]
+        plan = _plan(sizes, chunk, direct)
+        if sum(sizes) != total or _messages(plan, sizes, direct) != lengths:
+            raise ValueError("the structure's sizes are not the header's")
+    except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError, AttributeError):
+        scratch = torch.empty(max(lengths, default=0), dtype=torch.uint8)
+        for n in lengths:  # drained, so that the source finishes
+            _wait(_recv(scratch[:n], source, group))
+        return state, total, (TransferFailure.HEADER, -1)
+    flats = [d.reshape(-1).view(torch.uint8) if d.numel() else torch.empty(0, dtype=torch.uint8) for d in dests]
+    crc = zlib.crc32(structure, zlib.crc32(_FORMAT))
+    digest = None
+    if expected is not None:
+        digest = hashlib.sha256(_FORMAT)
+        digest.update(structure)
+    staging = _Staging(min(chunk, total) + TAIL_BYTES)
+
+    def post(segment: list[tuple[int, int, int]]) -> tuple:
+        """Start receiving a segment: ``(works, its bytes, its check, where they go or None)``."""
+        if _is_direct(segment, sizes, direct):
+            leaf, offset, n = segment[0]
+            target = flats[leaf][offset:offset + n]
+            data = target if target.device.type == "cpu" else staging.take()[1][:n]
+            tail = torch.empty(TAIL_BYTES, dtype=torch.uint8)
+            return [_recv(data, source, group), _recv(tail, source, group)], data, tail, (
+                None if data is target else [(target, 0, n)])
+        n = sum(piece[2] for piece in segment)
+        buffer = staging.take()[1][:n + TAIL_BYTES]
+        return ([_recv(buffer, source, group)], buffer[:n], buffer[n:],
+                [(flats[leaf][offset:offset + k], pos, k) for (leaf, offset, k), pos in
+                 zip(segment, itertools.accumulate([0] + [piece[2] for piece in segment]))])
+
+    failure: tuple[TransferFailure, int] | None = None
+    posted = collections.deque([post(plan[0])])
+    with torch.no_grad():
+        for index in range(len(plan)):
+            if index + 1 < len(plan):
+                posted.append(post(plan[index + 1]))  # arrives while this one is checked
+            works, data, tail, copies = posted.popleft()
+            _wait(works)
+            if failure is not None:
+                continue
+            crc = zlib.crc32(_memory(data), crc)
+            if crc.to_bytes(TAIL_BYTES, "big") != bytes(_memory(tail)):
+                failure = (TransferFailure.CHUNK, index)
+                continue
+            if digest is not None:
+                digest.update(_memory(data))
+            for target, pos, k in copies or ():
+                if k:
+                    target.copy_(data[pos:pos + k])
+    if failure is None and digest is not None and digest.digest()[:DIGEST_BYTES].hex() != expected:
+        failure = (TransferFailure.AGREED, -1)
+    return result, total, failure
+
+
 def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = None, *,
              checksum: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
              device: Any = "cpu") -> Any:
@@ -502,12 +719,13 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
     with the same ``source``, ``receivers`` and ``chunk_bytes`` (those of one
     :class:`StateAgreement`); with no receivers it returns at once on every rank.
 
-    The source sends a header (the structure as JSON, its size in bytes) and then its tensors' bytes
-    in chunks of ``chunk_bytes``, each followed by the running SHA-256 digest of everything sent so
-    far: a receiver checks each chunk before writing it, and the last digest is :func:`checksum` of
-    the state. Receivers that hold a tensor of the same dtype and shape at the same place write into
-    it (any device); others get a new tensor on ``device``. A failure anywhere is gathered once the
-    last chunk is through, and then every rank raises.
+    The source sends a header (the structure as JSON, the length of every message), then its
+    tensors' bytes: a tensor of at least :data:`DIRECT_BYTES` straight from its memory in slices of
+    at most ``chunk_bytes``, smaller ones packed into chunks of at most ``chunk_bytes``. Each
+    segment is followed by the CRC-32 of everything sent so far, checked by each receiver before it
+    copies a packed chunk out (a slice lands in its tensor first). Receivers that hold a tensor of
+    the same dtype and shape at the same place write into it (any device); others get a new tensor
+    on ``device``. Failures are gathered once the last segment is through, and then every rank raises.
 
     Args:
         state: the source's state; on a receiver its own (stale) state to write into, or ``None``;
@@ -515,9 +733,13 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
         source: the group rank that sends (:attr:`StateAgreement.source`).
         receivers: group ranks that receive (:attr:`StateAgreement.receivers`).
         group: the process group (default: the default group); it must carry CPU tensors (gloo).
-        checksum: the agreed checksum (:attr:`StateAgreement.checksum`): what the received state
-            must end as, and what the source's state must still be.
-        chunk_bytes: bytes per chunk (memory held by each rank involved beyond the state).
+        checksum: the agreed checksum (:attr:`StateAgreement.checksum`), or ``None``. Given, each
+            receiver also hashes the bytes as they arrive and checks that the state it rebuilt has
+            this :func:`checksum` (one more pass over the bytes on the receivers; the CRC alone
+            catches what the wire corrupts, this also a source whose state changed since the
+            agreement).
+        chunk_bytes: bytes per segment at most (and per staging buffer: each rank involved holds
+            at most two beyond the state).
         device: where a receiver puts a tensor it had no place for.
 
     Returns:
@@ -525,9 +747,9 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
         every other rank, ``state`` itself.
 
     Raises:
-        StateTransferError: on every rank, when any rank failed (a chunk with another checksum, a
-            header that could not be read, a state other than the agreed one, a source that could
-            not send); its ``failures`` name each.
+        StateTransferError: on every rank, when any rank failed (a segment whose CRC differs, a
+            header that could not be read, a state without the agreed checksum, a source that could
+            not send); its ``failures`` name each. A receiver's state is then not to be trusted.
         TypeError: on the source, a leaf that cannot be carried (its path named); the other ranks
             raise :class:`StateTransferError` naming the source.
     """
@@ -546,85 +768,9 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
     started = time.monotonic()
     total = 0
     if me == source:
-        try:
-            structure, leaves = _structure(state)
-        except TypeError as exc:  # told to the receivers, raised here after the others know
-            own_error, failure = exc, (TransferFailure.SOURCE, -1)
-            structure, leaves = b"", []
-        flats = [None] * len(leaves)
-        sizes = [_nbytes(leaf.dtype if isinstance(leaf, torch.Tensor) else _numpy_dtype(leaf), leaf.shape)
-                 for leaf, _ in leaves]
-        total = sum(sizes)
-        chunks = max(1, -(-total // chunk_bytes))
-        header = _header([-1 if own_error else len(structure), total, chunk_bytes, chunks])
-        _send(header, receivers, group)
-        if own_error is None:
-            _send(torch.frombuffer(bytearray(structure), dtype=torch.uint8), receivers, group)
-            digest = hashlib.sha256(_FORMAT)
-            digest.update(structure)
-            buffer = torch.empty(min(chunk_bytes, total) + DIGEST_BYTES, dtype=torch.uint8)
-            leaf, offset = 0, 0
-            for _ in range(chunks):
-                n = 0
-                while n < buffer.numel() - DIGEST_BYTES and leaf < len(leaves):
-                    if flats[leaf] is None:
-                        flats[leaf] = _flat_bytes(leaves[leaf][0])
-                    k = min(sizes[leaf] - offset, buffer.numel() - DIGEST_BYTES - n)
-                    if k:
-                        buffer[n:n + k].copy_(flats[leaf][offset:offset + k])
-                    n, offset = n + k, offset + k
-                    if offset == sizes[leaf]:
-                        flats[leaf], leaf, offset = None, leaf + 1, 0
-                digest.update(_memory(buffer[:n]))
-                buffer[n:n + DIGEST_BYTES].copy_(torch.frombuffer(bytearray(digest.digest()[:DIGEST_BYTES]),
-                                                                  dtype=torch.uint8))
-                _send(buffer[:n + DIGEST_BYTES], receivers, group)
-            del buffer
-            if checksum is not None and digest.digest()[:DIGEST_BYTES].hex() != checksum:
-                failure = (TransferFailure.AGREED, -1)
+        total, failure, own_error = _send_state(state, receivers, group, chunk_bytes)
     elif me in receivers:
-        header = _header([0, 0, 0, 0])
-        _recv(header, source, group)
-        length, total, chunk, chunks = (int(v) for v in header)
-        if length >= 0:
-            raw = torch.empty(length, dtype=torch.uint8)
-            _recv(raw, source, group)
-            structure = bytes(_memory(raw))
-            dests: list[torch.Tensor] = []
-            try:
-                result = _unflatten(json.loads(structure.decode("ascii")), state, "state", dests, device)
-                if sum(d.numel() * d.element_size() for d in dests) != total:
-                    raise ValueError("sizes differ")
-                flats = [d.reshape(-1).view(torch.uint8) if d.numel() else torch.empty(0, dtype=torch.uint8)
-                         for d in dests]
-            except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError, AttributeError):
-                failure, flats = (TransferFailure.HEADER, -1), []
-            digest = hashlib.sha256(_FORMAT)
-            digest.update(structure)
-            buffer = torch.empty(min(chunk, total) + DIGEST_BYTES, dtype=torch.uint8)
-            leaf, offset, remaining = 0, 0, total
-            with torch.no_grad():
-                for index in range(chunks):
-                    n = min(chunk, remaining)
-                    remaining -= n
-                    _recv(buffer[:n + DIGEST_BYTES], source, group)  # every chunk, even after a failure
-                    if failure is not None:
-                        continue
-                    digest.update(_memory(buffer[:n]))
-                    if digest.digest()[:DIGEST_BYTES] != bytes(_memory(buffer[n:n + DIGEST_BYTES])):
-                        failure = (TransferFailure.CHUNK, index)
-                        continue
-                    pos = 0
-                    while pos < n:
-                        k = min(flats[leaf].numel() - offset, n - pos)
-                        if k:
-                            flats[leaf][offset:offset + k].copy_(buffer[pos:pos + k])
-                        pos, offset = pos + k, offset + k
-                        if offset == flats[leaf].numel():
-                            leaf, offset = leaf + 1, 0
-            del buffer
-            if failure is None and checksum is not None and digest.digest()[:DIGEST_BYTES].hex() != checksum:
-                failure = (TransferFailure.AGREED, -1)
+        result, total, failure = _receive_state(state, source, group, checksum, device)
     # every rank learns every failure (one small all_gather), then all raise together
     kinds = list(TransferFailure)
     mine = _header([0, 0, 0] if failure is None else [1, kinds.index(failure[0]), failure[1]])

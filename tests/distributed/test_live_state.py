@@ -12,7 +12,7 @@ import torch
 from launch import HERE, run_ranks
 
 PROGRAM = HERE / "programs" / "live_state_main.py"
-CASES_2 = ["equal", "behind", "untrusted", "zeroed", "replaced", "diverged", "corrupt", "refused"]
+CASES_2 = ["equal", "behind", "untrusted", "zeroed", "replaced", "diverged", "corrupt", "refused", "changed"]
 CASES_4 = ["mixed", "majority", "corrupt4"]
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
@@ -74,11 +74,15 @@ def _assert_carried_on(results, outdir, case, source, receiving):
     return done
 
 
+def _bytes(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 def _assert_identical(a, b, path):
     assert type(a) is type(b), path
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b), path
+        assert torch.equal(_bytes(a), _bytes(b)), path
     elif isinstance(a, dict):
         assert list(a) == list(b), path
         for k in a:
@@ -109,7 +113,7 @@ def test_a_corrupted_chunk_is_detected_and_every_rank_raises(two):
     results, _ = two
     for d in _events(results, "corrupt", "transferred"):
         assert d["raised"] == "StateTransferError" and d["failures"] == {"1": ["CHUNK", 1]}, d
-        assert "rank 1: a chunk arrived with another checksum than the source's (chunk 1)" in d["message"]
+        assert "rank 1: a chunk arrived with another CRC than the source's (chunk 1)" in d["message"]
 
 
 def test_a_leaf_json_cannot_carry_is_named_on_the_source_and_the_others_raise(two):
@@ -117,6 +121,13 @@ def test_a_leaf_json_cannot_carry_is_named_on_the_source_and_the_others_raise(tw
     source, receiver = _events(results, "refused", "transferred")
     assert source["raised"] == "TypeError" and "state['engine']['handler'] is a builtins.object" in source["message"]
     assert receiver["raised"] == "StateTransferError" and receiver["failures"] == {"0": ["SOURCE", -1]}
+
+
+def test_a_source_whose_state_moved_after_the_agreement_fails_every_rank(two):
+    results, _ = two
+    for d in _events(results, "changed", "transferred"):
+        assert d["raised"] == "StateTransferError" and d["failures"] == {"1": ["AGREED", -1]}, d
+        assert "rank 1: the state received does not have the agreed checksum" in d["message"]
 
 
 def test_four_ranks_behind_untrusted_and_replaced_receive_from_rank_0(four):

@@ -35,7 +35,8 @@ CHUNK = 4096
 #: case -> (optimizer, {rank: role}, options). Roles: behind (one step fewer), untrusted (one step
 #: fewer, then half an update, and says so), zeroed (every tensor zeroed in place, untrusted), replaced
 #: (no state), diverged (a weight nudged, same step). Options: corrupt=k flips a byte of chunk k in
-#: flight on the source; refuse puts a leaf JSON cannot carry in the source's state.
+#: flight (as the receivers see it); refuse puts a leaf JSON cannot carry in the source's state;
+#: change alters the source's state after the agreement.
 CASES = {
     "equal": ("sgd", {}, {}),
     "behind": ("sgd", {1: "behind"}, {}),
@@ -45,6 +46,7 @@ CASES = {
     "diverged": ("sgd", {1: "diverged"}, {}),
     "corrupt": ("sgd", {1: "behind"}, {"corrupt": 1}),
     "refused": ("sgd", {1: "behind"}, {"refuse": True}),
+    "changed": ("sgd", {1: "behind"}, {"change": True}),
     "mixed": ("adam", {1: "behind", 2: "untrusted", 3: "replaced"}, {}),
     "majority": ("sgd", {0: "diverged"}, {}),
     "corrupt4": ("adam", {2: "replaced", 3: "behind"}, {"corrupt": 0}),
@@ -80,7 +82,11 @@ def train(model, opt, steps: int, start: int = 0) -> None:
 def state_of(model, opt, steps: int) -> dict:
     return {"model": model.state_dict(), "optimizer": opt.state_dict(),
             "engine": {"iteration": steps, "epoch": 1, "metrics": {"loss": 0.25}},
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            # a leaf in three slices (12 kB, chunks of 4 kB), a strided view, an empty one, a 2-byte dtype
+            "extra": {"big": torch.arange(1500, dtype=torch.float64) * steps,
+                      "strided": (torch.arange(12.0) * steps).view(3, 4).t(), "empty": torch.empty(0, 4),
+                      "half": torch.full((5,), steps, dtype=torch.bfloat16)}}
 
 
 def run_case(name: str) -> None:
@@ -109,19 +115,35 @@ def run_case(name: str) -> None:
     agreed = live_state.agree_on_source(None if state is None else steps, digest, trusted)
     if options.get("refuse") and RANK == agreed.source:
         state["engine"]["handler"] = object()
+    if options.get("change") and RANK == agreed.source:  # a bug: the state moves after the agreement
+        with torch.no_grad():
+            state["model"]["0.bias"].add_(1)
     record("agreed", case=name, role=role, step=agreed.step, source=agreed.source, checksum=agreed.checksum,
            receiving=[[r, why.name] for r, why in agreed.receiving], fallback=agreed.fallback,
            before=digest, describe=agreed.describe())
 
-    sends = []
-    original_send = live_state._send
-    if "corrupt" in options and RANK == agreed.source:
-        def corrupting(buffer, receivers, group):
-            sends.append(buffer.numel())
-            if len(sends) == options["corrupt"] + 3:  # header, structure, then the chunks
-                buffer[0] ^= 0xFF
-            original_send(buffer, receivers, group)
-        live_state._send = corrupting
+    original_recv = live_state._recv
+    if "corrupt" in options and RANK in agreed.receivers:
+        calls = []
+
+        class Corrupted:  # the bytes arrive, then one of them is flipped, before they are checked
+            def __init__(self, work, buffer):
+                self.work, self.buffer = work, buffer
+
+            def wait(self):
+                self.work.wait()
+                self.buffer[0] ^= 0xFF
+
+        def corrupting(buffer, source, group):
+            work = original_recv(buffer, source, group)
+            calls.append(buffer.numel())
+            # after the header, the lengths and the structure, each segment has one message of more
+            # than a check's bytes (its data): corrupt the one of segment ``corrupt``
+            if len(calls) > 3 and buffer.numel() > live_state.TAIL_BYTES:
+                if sum(n > live_state.TAIL_BYTES for n in calls[3:]) == options["corrupt"] + 1:
+                    return Corrupted(work, buffer)
+            return work
+        live_state._recv = corrupting
     started = time.monotonic()
     try:
         state = live_state.transfer(state, agreed.source, agreed.receivers, checksum=agreed.checksum,
@@ -134,7 +156,7 @@ def run_case(name: str) -> None:
         record("transferred", case=name, raised="TypeError", message=str(exc))
         return
     finally:
-        live_state._send = original_send
+        live_state._recv = original_recv
     seconds = time.monotonic() - started
     after = live_state.checksum(state)
     in_place = all(v.data_ptr() == pointers[k] for k, v in state["model"].items()) if role != "replaced" else None
@@ -147,8 +169,8 @@ def run_case(name: str) -> None:
     random.setstate(state["rng"]["python"])
     loaded = live_state.checksum(state_of(model, opt, state["engine"]["iteration"]))
     train(model, opt, 1, start=state["engine"]["iteration"])
-    record("transferred", case=name, raised=None, after=after, loaded=loaded, in_place=in_place, seconds=seconds, type_model=type(state["model"]).__name__,
-           metadata=getattr(state["model"], "_metadata", None) is not None,
+    record("transferred", case=name, raised=None, after=after, loaded=loaded, in_place=in_place, seconds=seconds,
+           type_model=type(state["model"]).__name__, metadata=getattr(state["model"], "_metadata", None) is not None,
            next_step=live_state.checksum(model.state_dict()))
 
 

@@ -73,7 +73,8 @@ def _variants():
         ("one bit", t, flipped),
         ("signed zero", torch.tensor([0.0]), torch.tensor([-0.0])),
         ("tensor vs list", torch.tensor([1]), [1]),
-        ("which leaf holds the bytes", {"a": t[:2].clone(), "b": t[2:].clone()}, {"a": t[:3].clone(), "b": t[3:].clone()}),
+        ("which leaf holds the bytes", {"a": t[:2].clone(), "b": t[2:].clone()},
+         {"a": t[:3].clone(), "b": t[3:].clone()}),
     ]
 
 
@@ -220,3 +221,15 @@ def test_the_transfer_error_pickles_with_its_fields():
     err = StateTransferError("x", 0, {1: ("CHUNK", 2)})
     back = pickle.loads(pickle.dumps(err))
     assert (str(back), back.source, back.failures) == ("x", 0, {1: ("CHUNK", 2)})
+
+
+def test_the_segments_leaves_travel_in():
+    plan = live_state._plan([10, 3000, 0, 20, 9000, 5], chunk_bytes=4096, direct_bytes=1024)
+    # small leaves packed, large ones alone in slices of at most a chunk, every byte once, in order
+    assert plan == [[(0, 0, 10)], [(1, 0, 3000)], [(2, 0, 0), (3, 0, 20)], [(4, 0, 4096)], [(4, 4096, 4096)],
+                    [(4, 8192, 808)], [(5, 0, 5)]]
+    # a packed segment is one message (its bytes and the CRC), a direct one two
+    assert live_state._messages(plan, [10, 3000, 0, 20, 9000, 5], 1024) == [
+        14, 3000, 4, 24, 4096, 4, 4096, 4, 808, 4, 9]
+    assert live_state._plan([], 4096, 1024) == [[]]  # no bytes: one segment carries the digest
+    assert live_state._plan([600, 600, 600], 1024, 1024) == [[(0, 0, 600)], [(1, 0, 600)], [(2, 0, 600)]]
