@@ -19,6 +19,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -36,7 +37,7 @@ CHUNK = 4096
 #: fewer, then half an update, and says so), zeroed (every tensor zeroed in place, untrusted), replaced
 #: (no state), diverged (a weight nudged, same step). Options: corrupt=k flips a byte of chunk k in
 #: flight (as the receivers see it); refuse puts a leaf JSON cannot carry in the source's state;
-#: change alters the source's state after the agreement.
+#: change alters the source's state after the agreement; unchecked leaves the agreed checksum out.
 CASES = {
     "equal": ("sgd", {}, {}),
     "behind": ("sgd", {1: "behind"}, {}),
@@ -47,7 +48,7 @@ CASES = {
     "corrupt": ("sgd", {1: "behind"}, {"corrupt": 1}),
     "refused": ("sgd", {1: "behind"}, {"refuse": True}),
     "changed": ("sgd", {1: "behind"}, {"change": True}),
-    "mixed": ("adam", {1: "behind", 2: "untrusted", 3: "replaced"}, {}),
+    "mixed": ("adam", {1: "behind", 2: "untrusted", 3: "replaced"}, {"unchecked": True}),
     "majority": ("sgd", {0: "diverged"}, {}),
     "corrupt4": ("adam", {2: "replaced", 3: "behind"}, {"corrupt": 0}),
 }
@@ -81,8 +82,9 @@ def train(model, opt, steps: int, start: int = 0) -> None:
 
 def state_of(model, opt, steps: int) -> dict:
     return {"model": model.state_dict(), "optimizer": opt.state_dict(),
-            "engine": {"iteration": steps, "epoch": 1, "metrics": {"loss": 0.25}},
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "engine": {"iteration": steps, "epoch": 1, "metrics": {"loss": 0.25}, "tag": b"\x00run\xff"},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": numpy.random.RandomState(steps).get_state()},
             # a leaf in three slices (12 kB, chunks of 4 kB), a strided view, an empty one, a 2-byte dtype
             "extra": {"big": torch.arange(1500, dtype=torch.float64) * steps,
                       "strided": (torch.arange(12.0) * steps).view(3, 4).t(), "empty": torch.empty(0, 4),
@@ -146,8 +148,8 @@ def run_case(name: str) -> None:
         live_state._recv = corrupting
     started = time.monotonic()
     try:
-        state = live_state.transfer(state, agreed.source, agreed.receivers, checksum=agreed.checksum,
-                                    chunk_bytes=CHUNK)
+        state = live_state.transfer(state, agreed.source, agreed.receivers, chunk_bytes=CHUNK,
+                                    checksum=None if options.get("unchecked") else agreed.checksum)
     except StateTransferError as exc:
         record("transferred", case=name, raised="StateTransferError", failures=exc.failures, source=exc.source,
                message=str(exc))
