@@ -203,6 +203,31 @@ class HangInterrupted(RuntimeError):
     failure, whose message is what its watchdog found (no progress for ``hang_timeout``)."""
 
 
+class StateTransferError(RuntimeError):
+    """A transfer of live state over the re-formed group (:func:`..recover.live_state.transfer`)
+    failed: a chunk that arrived with another CRC than the source's, a header that could not be
+    read, a received state without the agreed checksum, or a source that could not send. Raised on
+    every rank of the group together (one small ``all_gather`` after the last chunk), so that every
+    rank falls back to the newest checkpoint together. A receiver's state is then not to be trusted
+    (what arrived before the bad chunk, and a bad slice itself, was already written into it).
+
+    Attributes:
+        source: the group rank that sent.
+        failures: ``{group rank: (kind, chunk)}`` for every rank that failed; ``kind`` is a
+            :class:`~..recover.live_state.TransferFailure` value, ``chunk`` the 0-based chunk
+            (-1: not a chunk's fault).
+    """
+
+    def __init__(self, message: str, source: int | None = None,
+                 failures: dict[int, tuple[str, int]] | None = None) -> None:
+        self.source = source
+        self.failures = dict(failures or {})
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (StateTransferError, (str(self), self.source, self.failures))
+
+
 class RecoveryError(RuntimeError):
     """Recovering in place could not go on: the training function cannot be called twice in one
     process (a later attempt failed before its process group was formed), the failed attempt could

@@ -1,0 +1,796 @@
+"""Live state: after a failure, the ranks agree on whose in-memory state the job carries on from and
+send it to the ranks that need it, over the re-formed group, instead of reading a checkpoint back.
+
+Three calls, made by every rank of the group in the same order (each is collective or local as said):
+
+* :func:`checksum` (local): a digest of a nested state (dicts, lists, tuples of tensors, numbers,
+  strings, bytes, ``None``: what a model's and an optimizer's ``state_dict()`` and Ignite's or
+  Lightning's counters hold). SHA-256 over the structure (keys, container types, dtypes, shapes, the
+  non-tensor leaves) and every tensor's bytes, read in place (a contiguous CPU tensor is not copied).
+  The same on every process for the same state, bit for bit.
+* :func:`agree_on_source` (one ``all_gather`` of 4 int64 per rank): each rank gives the last step it
+  completed, its checksum and whether its state can be trusted; every rank gets the same
+  :class:`StateAgreement`: the step the job carries on from, the source rank, and the ranks that must
+  receive and why (:class:`Receive`), or why live state cannot serve (:class:`Fallback`).
+* :func:`transfer` (point to point from the source to each receiver, then one ``all_gather`` of 3
+  int64 per rank): the structure as JSON, then the tensors' bytes in segments of at most
+  :data:`DEFAULT_CHUNK_BYTES` (a large tensor straight from its memory into the receiver's, small
+  ones packed), each followed by a CRC-32 checked on receipt; given the agreed checksum, receivers
+  also check that what they rebuilt has it. Receivers rebuild the structure, writing into their own
+  tensors where they hold one of the same dtype and shape. Every rank returns the state to carry on
+  from, or every rank raises :class:`~..core.errors.StateTransferError` together.
+
+The rule (issue 28, item 1). Only trusted ranks with state vote. The job carries on from the newest
+step a trusted rank completed: in data-parallel training a step that some ranks completed and others
+did not had its gradients reduced everywhere (the collective of that step returned on every rank),
+so the ranks that completed it hold a state every rank can take. Trusted ranks more than
+``max_apart`` (1) steps apart are out of step: :attr:`Fallback.STEPS_APART`. Among the trusted ranks
+at that step, the checksum most of them hold wins (a tie: the one the lowest rank holds), and the
+source is the lowest rank holding it. Every other rank receives: one without state (a replaced
+rank's new process), one whose state cannot be trusted (it failed inside an optimizer step), one
+behind, one whose checksum differs from the source's (diverged). No trusted rank with state:
+:attr:`Fallback.NO_TRUSTED_STATE`.
+
+Wiring into :func:`~.inplace.recover_in_place` (phases of its docstring):
+
+1. **records**: each rank keeps a reference to its live state (``{"model": model.state_dict(),
+   "optimizer": optimizer.state_dict(), "loader": ..., "engine": ...}``: references, no copy), with
+   the number of optimizer steps it completed and ``trusted=False`` if it failed inside one. A
+   replaced rank's new process has none (``step=None``). The attempt's teardown must not drop what
+   those references hold.
+2. **re-forms** the group; then, before calling ``train`` again, every rank::
+
+       digest = checksum(state) if state is not None else None
+       agreed = agree_on_source(step, digest, trusted)        # collective, every rank
+       if not agreed.usable:                                   # log agreed.describe(); checkpoint
+           ...
+       state = transfer(state, agreed.source, agreed.receivers, checksum=agreed.checksum)
+       # StateTransferError on every rank together (on the source a TypeError instead, when its
+       # state holds a leaf JSON cannot carry): fall back to the checkpoint, every rank
+
+   ``checksum=`` costs one more pass over the bytes on the receivers (bench: +60 ms per 100 MB
+   here) and proves each of them rebuilt exactly the agreed state; without it the CRC-32 per
+   segment still catches what the wire corrupts.
+
+3. the training function's next call gets ``state`` where it asks for a checkpoint
+   (``latest_checkpoint`` / ``load_checkpoint``); one log line per recovery is
+   ``agreed.describe()`` (from which step, from which rank, who received and why).
+
+Receivers that hold a structure of the same shape are written **in place**: a ``model.state_dict()``
+shares its tensors with the model's parameters, and an ``optimizer.state_dict()`` its state tensors
+with the optimizer, so they are updated with no second copy; the non-tensor leaves (``lr``, counters)
+are only in the returned structure: load it (``load_state_dict``) as a checkpoint would be.
+
+Cost (``bench/state_transfer.py``). :func:`checksum` reads every byte once (SHA-256, 1.75 GB/s on
+one core here with the CPU's SHA instructions). :func:`transfer` reads every byte once on each side
+for the CRC (4 GB/s), and once more on receivers given ``checksum=``; a tensor of at least
+:data:`DIRECT_BYTES` on the CPU is neither copied nor staged. Beyond the state a rank holds at most two
+staging buffers of a chunk (small tensors packed, tensors on another device), and a copy of a
+non-contiguous tensor of the source while it is sent.
+
+Non-tensor leaves travel as JSON, never pickled: ``None``, ``bool``, ``int``, ``float`` (NaN and
+infinities too), ``str``; ``bytes`` as base64; numpy arrays like tensors; dict keys of those types or
+tuples of them. Anything else (a ``namedtuple``, a dict subclass other than ``OrderedDict``, an
+object) is refused with a ``TypeError`` naming its path in the state. ``OrderedDict`` keeps its type
+and its ``_metadata`` (what ``Module.load_state_dict`` reads the modules' versions from).
+
+Timeouts: every collective and point-to-point operation here is bounded by the group's timeout
+(``init_process_group(timeout=...)``). The group must carry CPU tensors (gloo, or a gloo side group).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import ctypes
+import enum
+import hashlib
+import itertools
+import json
+import logging
+import math
+import sys
+import time
+import warnings
+import zlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..core.errors import StateTransferError
+from ..core.log import log
+
+#: Bytes per segment at most (a slice of a large tensor, or small tensors packed), and of each of
+#: the two staging buffers a rank may hold. ``bench/state_transfer.py`` found no difference above its
+#: noise from 4 to 64 MB at 100 MB and 1 GB of state here: 16 MB keeps what a rank holds beyond the
+#: state to 32 MB at most, and cuts a large tensor into slices whose check overlaps the sending of
+#: the next one.
+DEFAULT_CHUNK_BYTES = 16 * 2**20
+#: Leaves of at least this many bytes (or a chunk, if smaller) travel straight from the source's tensor
+#: into the receiver's, in slices of at most a chunk; smaller ones are packed together into chunks.
+DIRECT_BYTES = 2**20
+#: Bytes of the (truncated SHA-256) digest: :func:`checksum` is this many bytes in hex.
+DIGEST_BYTES = 16
+#: Bytes of the check after each segment of a transfer: the CRC-32 of everything sent so far.
+TAIL_BYTES = 4
+#: Trusted ranks more steps apart than this are out of step (a step is an optimizer step).
+MAX_STEPS_APART = 1
+#: Hashed before the structure: a change of this format changes every checksum.
+_FORMAT = b"fth-live-state-1\0"
+
+
+class Receive(str, enum.Enum):
+    """Why a rank receives the state."""
+
+    NO_STATE = "no state"  #: a replaced rank's new process, or a rank that kept nothing
+    UNTRUSTED = "untrusted"  #: it failed where its state may be half-updated (inside an optimizer step)
+    BEHIND = "behind"  #: it completed fewer steps than the step the job carries on from
+    DIVERGED = "diverged"  #: same step as the source, another checksum
+
+
+class Fallback(str, enum.Enum):
+    """Why live state cannot serve (the recovery falls back to the newest checkpoint)."""
+
+    NO_TRUSTED_STATE = "no rank holds a state that can be trusted"
+    STEPS_APART = "the trusted ranks are further apart than max_apart steps (out of step)"
+
+
+class TransferFailure(str, enum.Enum):
+    """What went wrong on one rank in :func:`transfer` (:attr:`StateTransferError.failures`)."""
+
+    CHUNK = "a chunk arrived with another CRC than the source's"
+    HEADER = "the header (structure of the state) could not be read"
+    AGREED = "the state received does not have the agreed checksum"
+    SOURCE = "the source could not send its state"
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What one rank contributed to :func:`agree_on_source`."""
+
+    rank: int
+    step: int | None  #: last step it completed; ``None``: it holds no state
+    checksum: str | None
+    trusted: bool
+
+
+@dataclass(frozen=True)
+class StateAgreement:
+    """What every rank learned from :func:`agree_on_source` (the same on every rank).
+
+    ``step``, ``source`` and ``checksum`` are ``None`` when live state cannot serve, and
+    ``fallback`` says why. ``receiving`` lists ``(rank, why)`` for every rank that must receive,
+    lowest rank first; ``ranks`` what each rank contributed. Ranks are ranks of the group.
+    """
+
+    step: int | None
+    source: int | None
+    checksum: str | None
+    receiving: tuple[tuple[int, Receive], ...]
+    ranks: tuple[RankState, ...]
+    fallback: Fallback | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.fallback is None
+
+    @property
+    def receivers(self) -> tuple[int, ...]:
+        return tuple(rank for rank, _ in self.receiving)
+
+    def describe(self) -> str:
+        """One line for the recovery's log."""
+        if self.fallback is not None:
+            steps = ", ".join(f"{r.rank}:{'-' if r.step is None else r.step}{'' if r.trusted else '?'}"
+                              for r in self.ranks)
+            return f"live state cannot serve: {self.fallback.value} (rank:step, ? untrusted: {steps})"
+        whom = ", ".join(f"{rank} ({why.value})" for rank, why in self.receiving) or "none"
+        return (f"carrying on from step {self.step}, the live state of rank {self.source} "
+                f"(checksum {self.checksum}); receiving: {whom}")
+
+
+# --- the state's structure (JSON) and its tensors ------------------------------------------------
+
+def _path(path: str, key: Any) -> str:
+    return f"{path}[{key!r}]"
+
+
+def _refuse(path: str, obj: Any) -> TypeError:
+    return TypeError(
+        f"{path} is a {type(obj).__module__}.{type(obj).__qualname__}, which live state cannot carry: "
+        "accepted are tensors, numpy arrays, None, bool, int, float, str, bytes, and dict (or "
+        "OrderedDict), list and tuple of those (dict keys: None, bool, int, float, str or tuples of "
+        "them). Convert it, or leave it out of the state")
+
+
+def _is_ndarray(obj: Any) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and type(obj) is numpy.ndarray
+
+
+def _numpy_dtype(array: Any) -> torch.dtype | None:
+    """The torch dtype of a numpy array's elements, or ``None`` when torch has none (object,
+    strings, non-native byte order)."""
+    try:
+        return torch.from_numpy(array.reshape(-1)[:0].copy()).dtype
+    except (TypeError, ValueError):
+        return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).rpartition(".")[2]
+
+
+def _dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+def _key(key: Any, path: str) -> Any:
+    if key is None or type(key) in (bool, int, float, str):
+        return key
+    if type(key) is tuple:
+        return {"t": [_key(k, path) for k in key]}
+    raise TypeError(f"{path} has a key {key!r} of type {type(key).__qualname__}, which live state cannot "
+                    "carry (dict keys: None, bool, int, float, str or tuples of them)")
+
+
+def _flatten(obj: Any, path: str, leaves: list[tuple[Any, str]]) -> Any:
+    """The JSON form of ``obj`` with a tag for every container and tensor (so that a plain JSON
+    object or list never stands for itself), appending each tensor (or array) with its path to
+    ``leaves`` in the order they appear."""
+    kind = type(obj)
+    if obj is None or kind in (bool, int, float, str):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        if obj.layout is not torch.strided or obj.is_quantized or obj.is_meta or obj.is_nested:
+            raise TypeError(f"{path} is a tensor live state cannot carry (layout {obj.layout}, "
+                            f"{'quantized' if obj.is_quantized else 'meta' if obj.is_meta else 'not dense'}): "
+                            "only dense tensors with data")
+        leaves.append((obj, path))
+        return {"x": [_dtype_name(obj.dtype), list(obj.shape)]}
+    if _is_ndarray(obj):
+        dtype = _numpy_dtype(obj)
+        if dtype is None:
+            raise _refuse(path, obj)
+        leaves.append((obj, path))
+        return {"a": [_dtype_name(dtype), list(obj.shape)]}
+    if kind is list:
+        return {"l": [_flatten(v, _path(path, i), leaves) for i, v in enumerate(obj)]}
+    if kind is tuple:
+        return {"t": [_flatten(v, _path(path, i), leaves) for i, v in enumerate(obj)]}
+    if kind is dict or kind is collections.OrderedDict:
+        pairs = [[_key(k, path), _flatten(v, _path(path, k), leaves)] for k, v in obj.items()]
+        if kind is dict:
+            return {"d": pairs}
+        metadata = getattr(obj, "_metadata", None)
+        if metadata is None:
+            return {"o": pairs}
+        return {"o": pairs, "m": _flatten(metadata, f"{path}._metadata", leaves)}
+    if kind is bytes:
+        return {"b": base64.b64encode(obj).decode("ascii")}
+    raise _refuse(path, obj)
+
+
+def _structure(state: Any) -> tuple[bytes, list[tuple[Any, str]]]:
+    """``(canonical JSON of the structure, [(tensor or array, path), ...])``."""
+    leaves: list[tuple[Any, str]] = []
+    skeleton = _flatten(state, "state", leaves)
+    text = json.dumps(skeleton, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return text.encode("ascii"), leaves
+
+
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _flat_bytes(leaf: Any) -> torch.Tensor:
+    """A 1-D uint8 view of a leaf's bytes in row-major order, on its device (a copy only when the
+    leaf is not contiguous)."""
+    if isinstance(leaf, torch.Tensor):
+        t = leaf.detach()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        t = t.contiguous()
+    else:  # a numpy array: read in place (never written through)
+        numpy = sys.modules["numpy"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only array
+            t = torch.from_numpy(numpy.ascontiguousarray(leaf))
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _memory(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous 1-D uint8 CPU tensor, in place (valid while ``t`` lives)."""
+    n = t.numel()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _pieces(flat: torch.Tensor, stage: list) -> Iterator[memoryview]:
+    """The bytes of ``flat`` as memoryviews: in place on the CPU, else through a staging buffer of
+    at most :data:`DEFAULT_CHUNK_BYTES` (made once, in ``stage``)."""
+    if flat.device.type == "cpu":
+        yield _memory(flat)
+        return
+    if not stage:
+        stage.append(torch.empty(DEFAULT_CHUNK_BYTES, dtype=torch.uint8))
+    buffer = stage[0]
+    for start in range(0, flat.numel(), buffer.numel()):
+        n = min(buffer.numel(), flat.numel() - start)
+        buffer[:n].copy_(flat[start:start + n])
+        yield _memory(buffer[:n])
+
+
+def checksum(state: Any) -> str:
+    """A digest of ``state``: 32 hex characters, the same in every process for the same state.
+
+    It covers the structure (container types, keys and their order, dtypes and shapes, non-tensor
+    leaves) and every tensor's bytes (not its device, not ``requires_grad``). A contiguous tensor on
+    the CPU is read in place; one on another device through one buffer of
+    :data:`DEFAULT_CHUNK_BYTES`; a non-contiguous one is made contiguous first (a copy of it).
+
+    Raises:
+        TypeError: a leaf live state cannot carry, naming its path (``state['opt']['x']``).
+    """
+    structure, leaves = _structure(state)
+    digest = hashlib.sha256(_FORMAT)
+    digest.update(structure)
+    stage: list = []
+    for leaf, _ in leaves:
+        for piece in _pieces(_flat_bytes(leaf), stage):
+            digest.update(piece)
+    return digest.digest()[:DIGEST_BYTES].hex()
+
+
+# --- agreement -----------------------------------------------------------------------------------
+
+def _checksum_ints(digest: str | None) -> tuple[int, int]:
+    if digest is None:
+        return 0, 0
+    raw = bytes.fromhex(digest)
+    return int.from_bytes(raw[:8], "big", signed=True), int.from_bytes(raw[8:], "big", signed=True)
+
+
+def _checksum_hex(high: int, low: int) -> str:
+    return (high.to_bytes(8, "big", signed=True) + low.to_bytes(8, "big", signed=True)).hex()
+
+
+def decide(ranks: Sequence[RankState], max_apart: int = MAX_STEPS_APART) -> StateAgreement:
+    """The rule of :func:`agree_on_source` on what every rank contributed (local; every rank runs it
+    on the same gathered values)."""
+    ranks = tuple(ranks)
+    voters = [r for r in ranks if r.step is not None and r.trusted]
+    if not voters:
+        receiving = tuple((r.rank, Receive.NO_STATE if r.step is None else Receive.UNTRUSTED) for r in ranks)
+        return StateAgreement(None, None, None, receiving, ranks, Fallback.NO_TRUSTED_STATE)
+    step = max(r.step for r in voters)
+    if step - min(r.step for r in voters) > max_apart:
+        return StateAgreement(None, None, None, (), ranks, Fallback.STEPS_APART)
+    holders = [r for r in voters if r.step == step]
+    counts = collections.Counter(r.checksum for r in holders)
+    # the most held checksum; among equals, the one the lowest rank holds (holders are in rank order)
+    chosen = max(counts, key=lambda c: (counts[c], -min(r.rank for r in holders if r.checksum == c)))
+    source = min(r.rank for r in holders if r.checksum == chosen)
+    receiving = []
+    for r in ranks:
+        if r.step is None:
+            receiving.append((r.rank, Receive.NO_STATE))
+        elif not r.trusted:
+            receiving.append((r.rank, Receive.UNTRUSTED))
+        elif r.step < step:
+            receiving.append((r.rank, Receive.BEHIND))
+        elif r.checksum != chosen:
+            receiving.append((r.rank, Receive.DIVERGED))
+    return StateAgreement(step, source, chosen, tuple(receiving), ranks)
+
+
+def agree_on_source(step: int | None, checksum: str | None, trusted: bool, group: Any = None, *,
+                    max_apart: int = MAX_STEPS_APART) -> StateAgreement:
+    """Agree on whose state the job carries on from. Collective: every rank of ``group`` calls it
+    (one ``all_gather`` of 4 int64 per rank); every rank returns the same :class:`StateAgreement`.
+
+    Args:
+        step: the last step this rank completed (optimizer steps; >= 0), or ``None`` if it holds no
+            state (a replaced rank's new process).
+        checksum: :func:`checksum` of this rank's state (``None`` with ``step=None``).
+        trusted: ``False`` if this rank's state may be half-updated (it failed inside an optimizer
+            step); such a rank receives and does not vote.
+        group: the process group (default: the default group); ranks in the answer are its ranks.
+        max_apart: trusted ranks more steps apart than this make live state unusable.
+
+    Raises:
+        ValueError: ``step`` negative, or a checksum that is not one of :func:`checksum`'s, or a
+            checksum without a step.
+    """
+    if step is not None and (type(step) is not int or step < 0):
+        raise ValueError(f"agree_on_source(step={step!r}): the last completed step, an int >= 0, or None "
+                         "for a rank without state")
+    if checksum is not None:
+        try:
+            valid = len(bytes.fromhex(checksum)) == DIGEST_BYTES
+        except (TypeError, ValueError):
+            valid = False
+        if not valid:
+            raise ValueError(f"agree_on_source(checksum={checksum!r}): expected checksum(state), "
+                             f"{2 * DIGEST_BYTES} hex characters")
+    if step is None and checksum is not None:
+        raise ValueError("agree_on_source(step=None, checksum=...): a rank without state has no checksum")
+    if step is not None and checksum is None:
+        raise ValueError(f"agree_on_source(step={step}, checksum=None): give checksum(state) with the step")
+    high, low = _checksum_ints(checksum)
+    mine = torch.tensor([-1 if step is None else step, int(bool(trusted)), high, low], dtype=torch.int64)
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    ranks = []
+    for rank, values in enumerate(gathered):
+        s, t, h, lo = (int(v) for v in values)
+        ranks.append(RankState(rank, None if s < 0 else s, None if s < 0 else _checksum_hex(h, lo), bool(t) and s >= 0))
+    agreed = decide(ranks, max_apart)
+    log(logging.DEBUG, "live state: %s", agreed.describe(), step=agreed.step)
+    return agreed
+
+
+# --- transfer ------------------------------------------------------------------------------------
+
+def _send(buffer: torch.Tensor, receivers: Sequence[int], group: Any) -> list:
+    """Start sending ``buffer`` to every receiver; the works to wait for."""
+    return [dist.isend(buffer, group=group, group_dst=r) for r in receivers]
+
+
+def _recv(buffer: torch.Tensor, source: int, group: Any) -> Any:
+    """Start receiving into ``buffer``; the work to wait for (the tests wrap this to corrupt a
+    chunk in flight)."""
+    return dist.irecv(buffer, group=group, group_src=source)
+
+
+def _wait(works: Any) -> None:
+    for work in works if isinstance(works, list) else [works]:
+        work.wait()
+
+
+def _unflatten(node: Any, local: Any, path: str, dests: list[torch.Tensor], device: Any) -> Any:
+    """Rebuild the structure ``node`` (JSON form), taking from ``local`` (the receiver's own state,
+    or ``None``) every tensor of the same dtype and shape to write into; the tensors to write, in
+    order, go to ``dests``."""
+    if node is None or type(node) in (bool, int, float, str):
+        return node
+    if type(node) is not dict or len(node) not in (1, 2):
+        raise ValueError(f"{path}: unexpected {node!r}")
+    tag, value = next(iter(node.items()))
+    if tag in ("x", "a"):
+        dtype, shape = _dtype(value[0]), tuple(int(n) for n in value[1])
+        if tag == "a":
+            numpy = sys.modules.get("numpy")
+            if numpy is None:
+                import numpy  # noqa: F811 - the source sent an array: numpy is installed there
+            if (type(local) is numpy.ndarray and local.shape == shape and local.flags.c_contiguous
+                    and local.flags.writeable and _numpy_dtype(local) == dtype):
+                dests.append(torch.from_numpy(local))
+                return local
+            out = torch.empty(shape, dtype=dtype)
+            dests.append(out)
+            return out.numpy()
+        if (isinstance(local, torch.Tensor) and local.dtype == dtype and tuple(local.shape) == shape
+                and local.layout is torch.strided and not local.is_meta and local.is_contiguous()
+                and not local.is_conj() and not local.is_neg()):
+            dests.append(local.detach())
+            return local
+        out = torch.empty(shape, dtype=dtype, device=device)
+        dests.append(out)
+        return out
+    if tag in ("l", "t"):
+        items = local if isinstance(local, (list, tuple)) else ()
+        out = [_unflatten(v, items[i] if i < len(items) else None, _path(path, i), dests, device)
+               for i, v in enumerate(value)]
+        return out if tag == "l" else tuple(out)
+    if tag in ("d", "o"):
+        mapping = local if isinstance(local, dict) else {}
+        out = {} if tag == "d" else collections.OrderedDict()
+        for k, v in value:
+            key = _unkey(k)
+            out[key] = _unflatten(v, mapping.get(key), _path(path, key), dests, device)
+        if "m" in node:
+            out._metadata = _unflatten(node["m"], None, f"{path}._metadata", dests, device)
+        return out
+    if tag == "b":
+        return base64.b64decode(value.encode("ascii"), validate=True)
+    raise ValueError(f"{path}: unknown tag {tag!r}")
+
+
+def _unkey(key: Any) -> Any:
+    if type(key) is dict:
+        return tuple(_unkey(k) for k in key["t"])
+    return key
+
+
+def _header(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64)
+
+
+def _tail(crc: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(crc.to_bytes(TAIL_BYTES, "big")), dtype=torch.uint8)
+
+
+def _plan(sizes: Sequence[int], chunk_bytes: int, direct_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """The segments the leaves' bytes travel in, the same on both sides: each a list of pieces
+    ``(leaf, offset, length)``. A leaf of at least ``direct_bytes`` travels alone in slices of at
+    most ``chunk_bytes`` (direct: from the source's tensor into the receiver's); smaller leaves are
+    packed together into segments of at most ``chunk_bytes``. A state without bytes has one empty
+    segment (its check still travels)."""
+    segments: list[list[tuple[int, int, int]]] = []
+    pack: list[tuple[int, int, int]] = []
+    packed = 0
+    for leaf, size in enumerate(sizes):
+        if size >= direct_bytes:
+            if pack:
+                segments.append(pack)
+                pack, packed = [], 0
+            segments.extend([(leaf, offset, min(chunk_bytes, size - offset))] for offset in range(0, size, chunk_bytes))
+            continue
+        if pack and packed + size > chunk_bytes:
+            segments.append(pack)
+            pack, packed = [], 0
+        pack.append((leaf, 0, size))
+        packed += size
+    if pack or not segments:
+        segments.append(pack)
+    return segments
+
+
+def _is_direct(segment: list[tuple[int, int, int]], sizes: Sequence[int], direct_bytes: int) -> bool:
+    return len(segment) == 1 and sizes[segment[0][0]] >= direct_bytes
+
+
+def _messages(plan: list, sizes: Sequence[int], direct_bytes: int) -> list[int]:
+    """The length of every message after the header, in order: a direct segment is two (its bytes,
+    then its check), a packed one is one (its bytes and its check)."""
+    lengths = []
+    for segment in plan:
+        n = sum(piece[2] for piece in segment)
+        lengths.extend([n, TAIL_BYTES] if _is_direct(segment, sizes, direct_bytes) else [n + TAIL_BYTES])
+    return lengths
+
+
+class _Staging:
+    """Two buffers of one chunk each, made on first use, taken in turn: one is filled or checked
+    while the other's message is on its way (at most two segments are in flight)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.buffers, self.works, self.turn = size, [None, None], [[], []], 0
+
+    def take(self) -> tuple[int, torch.Tensor]:
+        slot, self.turn = self.turn, 1 - self.turn
+        _wait(self.works[slot])  # what was sent from it is through
+        self.works[slot] = []
+        if self.buffers[slot] is None:
+            self.buffers[slot] = torch.empty(self.size, dtype=torch.uint8)
+        return slot, self.buffers[slot]
+
+
+def _send_state(state: Any, receivers: Sequence[int], group: Any, chunk_bytes: int,
+                ) -> tuple[int, tuple[TransferFailure, int] | None, BaseException | None]:
+    """The source's part: ``(bytes sent, its failure, its own error)``. A direct segment is sent
+    from the tensor itself and its CRC computed while it is on its way; packed segments go through
+    :class:`_Staging`."""
+    try:
+        structure, leaves = _structure(state)
+    except TypeError as exc:  # told to the receivers, raised here once the others know
+        _wait(_send(_header([-1, 0, 0, 0, 0]), receivers, group))
+        return 0, (TransferFailure.SOURCE, -1), exc
+    sizes = [_nbytes(leaf.dtype if isinstance(leaf, torch.Tensor) else _numpy_dtype(leaf), leaf.shape)
+             for leaf, _ in leaves]
+    total, direct = sum(sizes), min(DIRECT_BYTES, chunk_bytes)
+    plan = _plan(sizes, chunk_bytes, direct)
+    lengths = _messages(plan, sizes, direct)
+    _wait(_send(_header([len(structure), total, len(lengths), chunk_bytes, direct]), receivers, group))
+    _wait(_send(_header(lengths), receivers, group))
+    _wait(_send(torch.frombuffer(bytearray(structure), dtype=torch.uint8), receivers, group))
+    crc = zlib.crc32(structure, zlib.crc32(_FORMAT))
+    staging = _Staging(min(chunk_bytes, total) + TAIL_BYTES)
+    flats: dict[int, torch.Tensor] = {}
+    in_flight: collections.deque = collections.deque()
+
+    def flat(leaf: int) -> torch.Tensor:
+        if leaf not in flats:
+            flats.clear()  # segments follow the leaves' order: only the current one is needed
+            flats[leaf] = _flat_bytes(leaves[leaf][0])
+        return flats[leaf]
+
+    for segment in plan:
+        if _is_direct(segment, sizes, direct):
+            leaf, offset, n = segment[0]
+            source = flat(leaf)[offset:offset + n]
+            if source.device.type == "cpu":
+                works = _send(source, receivers, group)
+            else:
+                slot, buffer = staging.take()
+                buffer[:n].copy_(source)
+                source, works = buffer[:n], _send(buffer[:n], receivers, group)
+                staging.works[slot] = works
+            crc = zlib.crc32(_memory(source), crc)
+            tail = _tail(crc)
+            in_flight.append((works + _send(tail, receivers, group), source, tail))
+        else:
+            slot, buffer = staging.take()
+            n = 0
+            for leaf, offset, k in segment:
+                if k:
+                    buffer[n:n + k].copy_(flat(leaf)[offset:offset + k])
+                n += k
+            crc = zlib.crc32(_memory(buffer[:n]), crc)
+            buffer[n:n + TAIL_BYTES].copy_(_tail(crc))
+            staging.works[slot] = _send(buffer[:n + TAIL_BYTES], receivers, group)
+        while len(in_flight) > 2:
+            _wait(in_flight.popleft()[0])
+    for works, *_ in in_flight:
+        _wait(works)
+    for works in staging.works:
+        _wait(works)
+    return total, None, None
+
+
+def _receive_state(state: Any, source: int, group: Any, expected: str | None,
+                   device: Any) -> tuple[Any, int, tuple[TransferFailure, int] | None]:
+    """A receiver's part: ``(the state rebuilt, bytes received, its failure)``. A direct segment is
+    received straight into its tensor (on the CPU), then hashed; a packed one into a staging buffer,
+    checked, then copied into its tensors. The next segment arrives while this one is checked. Every
+    message is received, also after a failure, so that the source is never left blocked. With
+    ``expected``, the bytes are also hashed as they arrive (SHA-256, as :func:`checksum`)."""
+    header = _header([0, 0, 0, 0, 0])
+    _wait(_recv(header, source, group))
+    length, total, count, chunk, direct = (int(v) for v in header)
+    if length < 0:  # the source could not send: nothing follows
+        return state, 0, None
+    lengths_tensor = _header([0] * count)
+    _wait(_recv(lengths_tensor, source, group))
+    lengths = [int(v) for v in lengths_tensor]
+    raw = torch.empty(length, dtype=torch.uint8)
+    _wait(_recv(raw, source, group))
+    structure = bytes(_memory(raw))
+    try:
+        dests: list[torch.Tensor] = []
+        result = _unflatten(json.loads(structure.decode("ascii")), state, "state", dests, device)
+        sizes = [d.numel() * d.element_size() for d in dests]
+        plan = _plan(sizes, chunk, direct)
+        if sum(sizes) != total or _messages(plan, sizes, direct) != lengths:
+            raise ValueError("the structure's sizes are not the header's")
+    except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError, AttributeError):
+        scratch = torch.empty(max(lengths, default=0), dtype=torch.uint8)
+        for n in lengths:  # drained, so that the source finishes
+            _wait(_recv(scratch[:n], source, group))
+        return state, total, (TransferFailure.HEADER, -1)
+    flats = [d.reshape(-1).view(torch.uint8) if d.numel() else torch.empty(0, dtype=torch.uint8) for d in dests]
+    crc = zlib.crc32(structure, zlib.crc32(_FORMAT))
+    digest = None
+    if expected is not None:
+        digest = hashlib.sha256(_FORMAT)
+        digest.update(structure)
+    staging = _Staging(min(chunk, total) + TAIL_BYTES)
+
+    def post(segment: list[tuple[int, int, int]]) -> tuple:
+        """Start receiving a segment: ``(works, its bytes, its check, where they go or None)``."""
+        if _is_direct(segment, sizes, direct):
+            leaf, offset, n = segment[0]
+            target = flats[leaf][offset:offset + n]
+            data = target if target.device.type == "cpu" else staging.take()[1][:n]
+            tail = torch.empty(TAIL_BYTES, dtype=torch.uint8)
+            return [_recv(data, source, group), _recv(tail, source, group)], data, tail, (
+                None if data is target else [(target, 0, n)])
+        n = sum(piece[2] for piece in segment)
+        buffer = staging.take()[1][:n + TAIL_BYTES]
+        return ([_recv(buffer, source, group)], buffer[:n], buffer[n:],
+                [(flats[leaf][offset:offset + k], pos, k) for (leaf, offset, k), pos in
+                 zip(segment, itertools.accumulate([0] + [piece[2] for piece in segment]))])
+
+    failure: tuple[TransferFailure, int] | None = None
+    posted = collections.deque([post(plan[0])])
+    with torch.no_grad():
+        for index in range(len(plan)):
+            if index + 1 < len(plan):
+                posted.append(post(plan[index + 1]))  # arrives while this one is checked
+            works, data, tail, copies = posted.popleft()
+            _wait(works)
+            if failure is not None:
+                continue
+            crc = zlib.crc32(_memory(data), crc)
+            if crc.to_bytes(TAIL_BYTES, "big") != bytes(_memory(tail)):
+                failure = (TransferFailure.CHUNK, index)
+                continue
+            if digest is not None:
+                digest.update(_memory(data))
+            for target, pos, k in copies or ():
+                if k:
+                    target.copy_(data[pos:pos + k])
+    if failure is None and digest is not None and digest.digest()[:DIGEST_BYTES].hex() != expected:
+        failure = (TransferFailure.AGREED, -1)
+    return result, total, failure
+
+
+def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = None, *,
+             checksum: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+             device: Any = "cpu") -> Any:
+    """Send the source's ``state`` to ``receivers``. Collective: every rank of ``group`` calls it
+    with the same ``source``, ``receivers`` and ``chunk_bytes`` (those of one
+    :class:`StateAgreement`); with no receivers it returns at once on every rank.
+
+    The source sends a header (the structure as JSON, the length of every message), then its
+    tensors' bytes: a tensor of at least :data:`DIRECT_BYTES` straight from its memory in slices of
+    at most ``chunk_bytes``, smaller ones packed into chunks of at most ``chunk_bytes``. Each
+    segment is followed by the CRC-32 of everything sent so far, checked by each receiver before it
+    copies a packed chunk out (a slice lands in its tensor first). Receivers that hold a tensor of
+    the same dtype and shape at the same place write into it (any device); others get a new tensor
+    on ``device``. Failures are gathered once the last segment is through, and then every rank raises.
+
+    Args:
+        state: the source's state; on a receiver its own (stale) state to write into, or ``None``;
+            ignored elsewhere.
+        source: the group rank that sends (:attr:`StateAgreement.source`).
+        receivers: group ranks that receive (:attr:`StateAgreement.receivers`).
+        group: the process group (default: the default group); it must carry CPU tensors (gloo).
+        checksum: the agreed checksum (:attr:`StateAgreement.checksum`), or ``None``. Given, each
+            receiver also hashes the bytes as they arrive and checks that the state it rebuilt has
+            this :func:`checksum` (one more pass over the bytes on the receivers; the CRC alone
+            catches what the wire corrupts, this also a source whose state changed since the
+            agreement).
+        chunk_bytes: bytes per segment at most (and per staging buffer: each rank involved holds
+            at most two beyond the state).
+        device: where a receiver puts a tensor it had no place for.
+
+    Returns:
+        On a receiver, the state rebuilt (its own tensors where they fitted, written in place); on
+        every other rank, ``state`` itself.
+
+    Raises:
+        StateTransferError: on every rank, when any rank failed (a segment whose CRC differs, a
+            header that could not be read, a state without the agreed checksum, a source that could
+            not send); its ``failures`` name each. A receiver's state is then not to be trusted.
+        TypeError: on the source, a leaf that cannot be carried (its path named); the other ranks
+            raise :class:`StateTransferError` naming the source.
+    """
+    receivers = sorted(set(int(r) for r in receivers))
+    if not receivers:
+        return state
+    if source is None or source in receivers:
+        raise ValueError(f"transfer(source={source!r}, receivers={receivers}): the source must be a rank "
+                         "that does not receive (live state cannot serve when there is none)")
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1024:
+        raise ValueError(f"transfer(chunk_bytes={chunk_bytes!r}): an int >= 1024")
+    me = dist.get_rank(group)
+    failure: tuple[TransferFailure, int] | None = None
+    own_error: BaseException | None = None
+    result = state
+    started = time.monotonic()
+    total = 0
+    if me == source:
+        total, failure, own_error = _send_state(state, receivers, group, chunk_bytes)
+    elif me in receivers:
+        result, total, failure = _receive_state(state, source, group, checksum, device)
+    # every rank learns every failure (one small all_gather), then all raise together
+    kinds = list(TransferFailure)
+    mine = _header([0, 0, 0] if failure is None else [1, kinds.index(failure[0]), failure[1]])
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    failures = {rank: (kinds[int(v[1])].name, int(v[2])) for rank, v in enumerate(gathered) if int(v[0])}
+    if failures:
+        text = "; ".join(f"rank {rank}: {TransferFailure[kind].value}"
+                         + (f" (chunk {chunk})" if chunk >= 0 else "")
+                         for rank, (kind, chunk) in sorted(failures.items()))
+        error = StateTransferError(f"live state from rank {source} to {receivers} failed: {text}", source, failures)
+        if own_error is not None:
+            raise own_error  # the source's own error; the others raise the named one
+        raise error
+    if me in receivers:
+        seconds = time.monotonic() - started
+        log(logging.INFO, "live state: received %.1f MB from rank %d in %.2f s", total / 2**20, source, seconds)
+    return result

@@ -1,0 +1,189 @@
+"""One rank of the live-state tests: ``python live_state_main.py <outdir>`` (started by ``launch.run_ranks``).
+
+Runs the cases named in ``CASES`` (comma-separated, see :data:`CASES`) one after another over one gloo
+group. In each, every rank trains the same model and optimizer on the same data (so that their states
+are the same), then some ranks are made behind, untrusted, zeroed, replaced or diverged; the ranks
+agree on a source (:func:`agree_on_source`), the state is transferred, loaded into the model and
+optimizer, and one more step is trained. Each rank records the agreement, what the transfer raised,
+the checksums before and after, whether it was written in place, and saves the state it ended with
+(``<outdir>/<case>-rank<r>.pt``) for the test to compare tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy
+import torch
+import torch.distributed as dist
+
+from fault_tolerant_handlers.core.errors import StateTransferError
+from fault_tolerant_handlers.recover import live_state
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+OUT = Path(sys.argv[1])
+STEPS = 3
+#: Small chunks: a few tensors per chunk and tensors cut across chunks.
+CHUNK = 4096
+
+#: case -> (optimizer, {rank: role}, options). Roles: behind (one step fewer), untrusted (one step
+#: fewer, then half an update, and says so), zeroed (every tensor zeroed in place, untrusted), replaced
+#: (no state), diverged (a weight nudged, same step). Options: corrupt=k flips a byte of chunk k in
+#: flight (as the receivers see it); refuse puts a leaf JSON cannot carry in the source's state;
+#: change alters the source's state after the agreement; unchecked leaves the agreed checksum out.
+CASES = {
+    "equal": ("sgd", {}, {}),
+    "behind": ("sgd", {1: "behind"}, {}),
+    "untrusted": ("adam", {1: "untrusted"}, {}),
+    "zeroed": ("sgd", {1: "zeroed"}, {}),
+    "replaced": ("adam", {1: "replaced"}, {}),
+    "diverged": ("sgd", {1: "diverged"}, {}),
+    "corrupt": ("sgd", {1: "behind"}, {"corrupt": 1}),
+    "refused": ("sgd", {1: "behind"}, {"refuse": True}),
+    "changed": ("sgd", {1: "behind"}, {"change": True}),
+    "mixed": ("adam", {1: "behind", 2: "untrusted", 3: "replaced"}, {"unchecked": True}),
+    "majority": ("sgd", {0: "diverged"}, {}),
+    "corrupt4": ("adam", {2: "replaced", 3: "behind"}, {"corrupt": 0}),
+}
+
+
+def record(event: str, **fields) -> None:
+    fields.update(event=event, rank=RANK, t=time.time())
+    with open(OUT / f"rank{RANK}.jsonl", "a") as f:
+        f.write(json.dumps(fields, default=str) + "\n")
+
+
+def build(optim: str):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 8))
+    if optim == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def train(model, opt, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def state_of(model, opt, steps: int) -> dict:
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(),
+            "engine": {"iteration": steps, "epoch": 1, "metrics": {"loss": 0.25}, "tag": b"\x00run\xff"},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": numpy.random.RandomState(steps).get_state()},
+            # a leaf in three slices (12 kB, chunks of 4 kB), a strided view, an empty one, a 2-byte dtype
+            "extra": {"big": torch.arange(1500, dtype=torch.float64) * steps,
+                      "strided": (torch.arange(12.0) * steps).view(3, 4).t(), "empty": torch.empty(0, 4),
+                      "half": torch.full((5,), steps, dtype=torch.bfloat16)}}
+
+
+def run_case(name: str) -> None:
+    optim, roles, options = CASES[name]
+    role = roles.get(RANK, "ok")
+    model, opt = build(optim)
+    steps = STEPS - 1 if role in ("behind", "untrusted") else STEPS
+    train(model, opt, steps)
+    trusted = role not in ("untrusted", "zeroed")
+    random.seed(steps)
+    torch.manual_seed(steps)
+    with torch.no_grad():
+        if role == "untrusted":  # half an optimizer step: some weights moved, the counters not
+            for p in list(model.parameters())[::2]:
+                p.mul_(0.5)
+        elif role == "zeroed":
+            for t in [*model.state_dict().values(),
+                      *(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))]:
+                t.zero_()
+        elif role == "diverged":
+            next(model.parameters()).view(-1)[0] += 1e-3
+    state = None if role == "replaced" else state_of(model, opt, steps)
+    pointers = {k: v.data_ptr() for k, v in model.state_dict().items()}
+
+    digest = live_state.checksum(state) if state is not None else None
+    agreed = live_state.agree_on_source(None if state is None else steps, digest, trusted)
+    if options.get("refuse") and RANK == agreed.source:
+        state["engine"]["handler"] = object()
+    if options.get("change") and RANK == agreed.source:  # a bug: the state moves after the agreement
+        with torch.no_grad():
+            state["model"]["0.bias"].add_(1)
+    record("agreed", case=name, role=role, step=agreed.step, source=agreed.source, checksum=agreed.checksum,
+           receiving=[[r, why.name] for r, why in agreed.receiving], fallback=agreed.fallback,
+           before=digest, describe=agreed.describe())
+
+    original_recv = live_state._recv
+    if "corrupt" in options and RANK in agreed.receivers:
+        calls = []
+
+        class Corrupted:  # the bytes arrive, then one of them is flipped, before they are checked
+            def __init__(self, work, buffer):
+                self.work, self.buffer = work, buffer
+
+            def wait(self):
+                self.work.wait()
+                self.buffer[0] ^= 0xFF
+
+        def corrupting(buffer, source, group):
+            work = original_recv(buffer, source, group)
+            calls.append(buffer.numel())
+            # after the header, the lengths and the structure, each segment has one message of more
+            # than a check's bytes (its data): corrupt the one of segment ``corrupt``
+            if len(calls) > 3 and buffer.numel() > live_state.TAIL_BYTES:
+                if sum(n > live_state.TAIL_BYTES for n in calls[3:]) == options["corrupt"] + 1:
+                    return Corrupted(work, buffer)
+            return work
+        live_state._recv = corrupting
+    started = time.monotonic()
+    try:
+        state = live_state.transfer(state, agreed.source, agreed.receivers, chunk_bytes=CHUNK,
+                                    checksum=None if options.get("unchecked") else agreed.checksum)
+    except StateTransferError as exc:
+        record("transferred", case=name, raised="StateTransferError", failures=exc.failures, source=exc.source,
+               message=str(exc))
+        return
+    except TypeError as exc:
+        record("transferred", case=name, raised="TypeError", message=str(exc))
+        return
+    finally:
+        live_state._recv = original_recv
+    seconds = time.monotonic() - started
+    after = live_state.checksum(state)
+    in_place = all(v.data_ptr() == pointers[k] for k, v in state["model"].items()) if role != "replaced" else None
+    torch.save(state, OUT / f"{name}-rank{RANK}.pt")
+    if role == "replaced":
+        model, opt = build(optim)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    loaded = live_state.checksum(state_of(model, opt, state["engine"]["iteration"]))
+    train(model, opt, 1, start=state["engine"]["iteration"])
+    record("transferred", case=name, raised=None, after=after, loaded=loaded, in_place=in_place, seconds=seconds,
+           type_model=type(state["model"]).__name__, metadata=getattr(state["model"], "_metadata", None) is not None,
+           next_step=live_state.checksum(model.state_dict()))
+
+
+def main() -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("FTH_TEST_PG_TIMEOUT", "20"))))
+    for name in os.environ["CASES"].split(","):
+        run_case(name)
+        dist.barrier()
+    record("done")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

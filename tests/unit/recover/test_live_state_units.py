@@ -1,0 +1,235 @@
+"""Live state, branch by branch: the checksum (deterministic, sensitive to structure and bytes, refusing
+what JSON cannot carry, by path), the agreement's rule, the rebuild of the structure on a receiver
+(in place where it can), and the arguments. Transfers between real ranks are in
+``tests/distributed/test_live_state.py``."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fault_tolerant_handlers.core.errors import StateTransferError
+from fault_tolerant_handlers.recover import live_state
+from fault_tolerant_handlers.recover.live_state import (Fallback, RankState, Receive, agree_on_source, checksum,
+                                                        decide, transfer)
+
+ROOT = Path(__file__).resolve().parents[3]
+
+_MAKE = """
+import random, torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model(torch.randn(4, 8)).sum().backward()
+opt.step()
+random.seed(3)
+state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "python": random.getstate(),
+         "engine": {"iteration": 7, "epoch": 1, "loss": float("nan"), "tag": b"\\x00\\xff", "best": None}}
+"""
+
+
+def _state() -> dict:
+    scope: dict = {}
+    exec(_MAKE, scope)
+    return scope["state"]
+
+
+def test_checksum_is_the_same_for_the_same_state_in_another_process():
+    here = checksum(_state())
+    assert checksum(_state()) == here and len(here) == 32
+    code = _MAKE + "from fault_tolerant_handlers.recover.live_state import checksum\nprint(checksum(state))"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="123")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == here
+
+
+def _variants():
+    t = torch.arange(4, dtype=torch.float32)
+    flipped = t.clone()
+    flipped.view(torch.int32)[2] ^= 1  # one bit
+    od = collections.OrderedDict(a=1)
+    od_meta = collections.OrderedDict(a=1)
+    od_meta._metadata = {"": {"version": 2}}
+    return [
+        ("list vs tuple", [1, 2], (1, 2)),
+        ("dict vs OrderedDict", {"a": 1}, od),
+        ("_metadata", od, od_meta),
+        ("int key vs str key", {0: 1}, {"0": 1}),
+        ("key order", {"a": 1, "b": 2}, {"b": 2, "a": 1}),
+        ("int vs float vs bool", 1, 1.0),
+        ("int vs bool", 1, True),
+        ("bytes vs str", b"ab", "ab"),
+        ("None vs missing", {"a": None}, {}),
+        ("dtype, same bytes", t, t.view(torch.int32)),
+        ("shape, same bytes", t, t.view(2, 2)),
+        ("one bit", t, flipped),
+        ("signed zero", torch.tensor([0.0]), torch.tensor([-0.0])),
+        ("tensor vs list", torch.tensor([1]), [1]),
+        ("which leaf holds the bytes", {"a": t[:2].clone(), "b": t[2:].clone()},
+         {"a": t[:3].clone(), "b": t[3:].clone()}),
+    ]
+
+
+@pytest.mark.parametrize("name, a, b", _variants(), ids=[v[0] for v in _variants()])
+def test_checksum_tells_apart_structure_types_and_bytes(name, a, b):
+    assert checksum(a) != checksum(b)
+
+
+def test_checksum_reads_the_values_not_the_layout_device_or_grad():
+    t = torch.randn(3, 5)
+    assert checksum(t.t()) == checksum(t.t().contiguous())  # a strided view: its values in row-major order
+    z = torch.randn(4, dtype=torch.complex64)
+    assert checksum(z.conj()) == checksum(z.conj().resolve_conj())
+    assert checksum(torch.nn.Parameter(t.clone())) == checksum(t)
+    assert checksum(torch.empty(0, 3)) != checksum(torch.empty(3, 0))
+
+
+def test_numpy_arrays_are_carried_like_tensors():
+    numpy = pytest.importorskip("numpy")
+    rng = numpy.random.RandomState(1).get_state()
+    assert checksum(rng) == checksum(numpy.random.RandomState(1).get_state())
+    assert checksum(rng) != checksum(numpy.random.RandomState(2).get_state())
+    with pytest.raises(TypeError, match=r"state\[0\] is a numpy.ndarray"):
+        checksum([numpy.array([object()])])
+
+
+@pytest.mark.parametrize("bad, path", [
+    ({"a": [1, {"b": object()}]}, r"state\['a'\]\[1\]\['b'\] is a builtins.object"),
+    ({"p": collections.namedtuple("P", "x")(1)}, r"state\['p'\] is a .*P,"),
+    ({"s": {1, 2}}, r"state\['s'\] is a builtins.set"),
+    ({"d": collections.defaultdict(int)}, r"state\['d'\] is a collections.defaultdict"),
+    ({"f": torch.float32}, r"state\['f'\] is a torch.dtype"),
+    ({"x": {torch.tensor(1): 2}}, r"state\['x'\] has a key tensor\(1\)"),
+    ({"sp": torch.eye(2).to_sparse()}, r"state\['sp'\] is a tensor live state cannot carry"),
+])
+def test_what_json_cannot_carry_is_refused_by_its_path(bad, path):
+    with pytest.raises(TypeError, match=path):
+        checksum(bad)
+
+
+def _roundtrip(state, local):
+    """What a receiver rebuilds from ``state``'s structure and bytes, given its own ``local`` state."""
+    structure, leaves = live_state._structure(state)
+    dests: list = []
+    out = live_state._unflatten(json.loads(structure), local, "state", dests, "cpu")
+    assert len(dests) == len(leaves)
+    with torch.no_grad():
+        for dest, (leaf, _) in zip(dests, leaves):
+            if dest.numel():
+                dest.reshape(-1).view(torch.uint8).copy_(live_state._flat_bytes(leaf))
+    return out
+
+
+def test_a_receiver_writes_into_its_own_tensors_where_dtype_and_shape_match():
+    source = _state()
+    mine = _state()
+    with torch.no_grad():
+        for t in mine["model"].values():
+            t.zero_()
+    mine["model"]["0.weight"] = torch.zeros(3)  # another shape: a new tensor
+    mine["model"]["extra"] = torch.zeros(2)  # not in the source: dropped
+    pointers = {k: v.data_ptr() for k, v in mine["model"].items()}
+    momentum = mine["optimizer"]["state"][0]["momentum_buffer"]
+    out = _roundtrip(source, mine)
+    assert checksum(out) == checksum(source)
+    assert type(out["model"]) is collections.OrderedDict and out["model"]._metadata == source["model"]._metadata
+    assert out["model"]["0.bias"].data_ptr() == pointers["0.bias"]  # in place
+    assert out["model"]["0.weight"].data_ptr() != pointers["0.weight"] and out["model"]["0.weight"].shape == (16, 8)
+    assert "extra" not in out["model"]
+    assert out["optimizer"]["state"][0]["momentum_buffer"] is momentum  # in place, int keys kept
+    assert out["python"] == source["python"] and type(out["python"]) is tuple
+    assert out["engine"]["tag"] == b"\x00\xff"
+
+
+def test_a_receiver_without_state_gets_new_tensors_that_load():
+    source = _state()
+    out = _roundtrip(source, None)
+    assert checksum(out) == checksum(source)
+    scope: dict = {}
+    exec(_MAKE, scope)
+    scope["model"].load_state_dict(out["model"])
+    scope["opt"].load_state_dict(out["optimizer"])
+
+
+def _r(rank, step, digest="a", trusted=True):
+    return RankState(rank, step, None if step is None else digest * 32, trusted and step is not None)
+
+
+@pytest.mark.parametrize("ranks, step, source, receiving", [
+    ([_r(0, 5), _r(1, 5)], 5, 0, ()),
+    ([_r(0, 5), _r(1, 4)], 5, 0, ((1, Receive.BEHIND),)),
+    ([_r(0, 4), _r(1, 5)], 5, 1, ((0, Receive.BEHIND),)),  # resolved toward the step completed
+    ([_r(0, 5, trusted=False), _r(1, 5)], 5, 1, ((0, Receive.UNTRUSTED),)),
+    ([_r(0, 5), _r(1, None)], 5, 0, ((1, Receive.NO_STATE),)),
+    ([_r(0, 5), _r(1, 5, "b")], 5, 0, ((1, Receive.DIVERGED),)),  # a tie: the lowest rank's
+    ([_r(0, 5, "b"), _r(1, 5), _r(2, 5)], 5, 1, ((0, Receive.DIVERGED),)),  # the most held checksum
+    ([_r(0, 9, trusted=False), _r(1, 5), _r(2, 4), _r(3, None)], 5, 1,
+     ((0, Receive.UNTRUSTED), (2, Receive.BEHIND), (3, Receive.NO_STATE))),  # untrusted ranks do not vote
+])
+def test_the_rule(ranks, step, source, receiving):
+    agreed = decide(ranks)
+    assert (agreed.step, agreed.source, agreed.receiving, agreed.fallback) == (step, source, receiving, None)
+    assert agreed.usable and agreed.checksum == ranks[source].checksum
+    assert agreed.receivers == tuple(r for r, _ in receiving)
+    assert f"carrying on from step {step}, the live state of rank {source}" in agreed.describe()
+
+
+@pytest.mark.parametrize("ranks, fallback", [
+    ([_r(0, None), _r(1, 5, trusted=False)], Fallback.NO_TRUSTED_STATE),
+    ([_r(0, 7), _r(1, 5)], Fallback.STEPS_APART),
+])
+def test_when_live_state_cannot_serve(ranks, fallback):
+    agreed = decide(ranks)
+    assert not agreed.usable and agreed.fallback is fallback and agreed.source is None
+    assert agreed.describe().startswith(f"live state cannot serve: {fallback.value}")
+    assert decide(ranks, max_apart=2).usable is (fallback is Fallback.STEPS_APART)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((-1, "a" * 32, True), r"step=-1"),
+    ((True, "a" * 32, True), r"step=True"),
+    ((3, "xyz", True), r"checksum='xyz'"),
+    ((3, "ab" * 8, True), r"32 hex characters"),
+    ((None, "a" * 32, False), r"a rank without state has no checksum"),
+    ((3, None, True), r"give checksum\(state\) with the step"),
+])
+def test_agreement_arguments_are_checked_before_any_collective(args, match):
+    with pytest.raises(ValueError, match=match):
+        agree_on_source(*args)
+
+
+def test_transfer_arguments():
+    state = {"a": 1}
+    assert transfer(state, 0, []) is state  # nobody receives: no collective at all
+    with pytest.raises(ValueError, match="the source must be a rank that does not receive"):
+        transfer(state, 1, [1])
+    with pytest.raises(ValueError, match="the source must be a rank"):
+        transfer(state, None, [1])
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        transfer(state, 0, [1], chunk_bytes=10)
+
+
+def test_the_transfer_error_pickles_with_its_fields():
+    err = StateTransferError("x", 0, {1: ("CHUNK", 2)})
+    back = pickle.loads(pickle.dumps(err))
+    assert (str(back), back.source, back.failures) == ("x", 0, {1: ("CHUNK", 2)})
+
+
+def test_the_segments_leaves_travel_in():
+    plan = live_state._plan([10, 3000, 0, 20, 9000, 5], chunk_bytes=4096, direct_bytes=1024)
+    # small leaves packed, large ones alone in slices of at most a chunk, every byte once, in order
+    assert plan == [[(0, 0, 10)], [(1, 0, 3000)], [(2, 0, 0), (3, 0, 20)], [(4, 0, 4096)], [(4, 4096, 4096)],
+                    [(4, 8192, 808)], [(5, 0, 5)]]
+    # a packed segment is one message (its bytes and the CRC), a direct one two
+    assert live_state._messages(plan, [10, 3000, 0, 20, 9000, 5], 1024) == [
+        14, 3000, 4, 24, 4096, 4, 4096, 4, 808, 4, 9]
+    assert live_state._plan([], 4096, 1024) == [[]]  # no bytes: one segment carries the digest
+    assert live_state._plan([600, 600, 600], 1024, 1024) == [[(0, 0, 600)], [(1, 0, 600)], [(2, 0, 600)]]
