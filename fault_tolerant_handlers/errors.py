@@ -1,5 +1,7 @@
-"""Public path of the errors the ranks raise (defined in :mod:`.core.errors`)."""
+"""Public path of the errors the ranks raise (defined in :mod:`.core.errors`), and of what they
+carry as data (:mod:`.core.kinds`)."""
 
 from .core.errors import PeerFailedError, SectionMismatchError, is_backend_error
+from .core.kinds import Ended, FailureKind
 
-__all__ = ["PeerFailedError", "SectionMismatchError", "is_backend_error"]
+__all__ = ["Ended", "FailureKind", "PeerFailedError", "SectionMismatchError", "is_backend_error"]

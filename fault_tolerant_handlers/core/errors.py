@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from . import compat_torch as _compat_torch
+from .kinds import Ended, FailureKind
 from .records import FailureRecord
 
 #: Where a gloo error comes from: its text points into gloo's transport (``.../gloo/transport/tcp/
@@ -54,6 +55,11 @@ class PeerFailedError(RuntimeError):
             ``None`` only when no rank could say who failed.
         exc_type: the failing rank's exception type (``"ValueError"``), or for a rank that was lost,
             silent or hung the kind: ``"PeerLost"``, ``"PeerSilent"``, ``"RankHung"``.
+        kind: the :class:`FailureKind` (``FailureKind.RAISED`` for an exception a rank raised,
+            ``FailureKind.PEER_LOST``, ...): what code compares, rather than ``exc_type`` or the message.
+        ended: how a lost rank's process ended (:class:`Ended`: its exit code or the signal that
+            killed it), or the signal a signalled rank received; ``None`` when not known (a rank
+            whose host or store is gone, an exception).
         exc_message: ``str()`` of that exception (capped), or what was seen of the lost rank.
         remote_traceback: the failing rank's formatted traceback, or a hung rank's main-thread stack.
         where: the section name, with epoch and iteration when an adapter knows them.
@@ -82,6 +88,8 @@ class PeerFailedError(RuntimeError):
         host: str = "",
         origin: str = "failure",
         others: Sequence[dict[str, Any]] = (),
+        kind: FailureKind | None = None,
+        ended: Ended | None = None,
     ) -> None:
         self.failed_rank = failed_rank
         self.exc_type = exc_type
@@ -96,6 +104,8 @@ class PeerFailedError(RuntimeError):
         self.host = host
         self.origin = origin
         self.others = [dict(o) for o in others]
+        self.kind = FailureKind.of(exc_type, origin) if kind is None else FailureKind(kind)
+        self.ended = ended
         super().__init__(self._format())
 
     @classmethod
@@ -103,8 +113,8 @@ class PeerFailedError(RuntimeError):
                      section: str = "") -> PeerFailedError:
         """The error for the records of one failure episode; the earliest failure is the cause."""
         if not records:
-            return cls(fallback_rank, "unknown", "the failing rank's record could not be read from the store",
-                       where=repr(section), section=section)
+            return cls(fallback_rank, FailureKind.UNKNOWN.value, "the failing rank's record could not be read from "
+                       "the store", where=repr(section), section=section, kind=FailureKind.UNKNOWN)
         # One record per rank: what it said itself (its failure, or a signal it received) over what
         # a peer declared about it, then the earliest (a rank that raised and was also declared
         # silent by a watchdog is named once, by its own error; SIGINT's RankSignalled comes before
@@ -134,6 +144,8 @@ class PeerFailedError(RuntimeError):
             host=first.host,
             origin=first.origin,
             others=others,
+            kind=first.kind,
+            ended=first.ended,
         )
 
     def _format(self) -> str:
@@ -168,6 +180,8 @@ class PeerFailedError(RuntimeError):
                     "host": self.host,
                     "origin": self.origin,
                     "others": self.others,
+                    "kind": self.kind,
+                    "ended": self.ended,
                 },
             ),
         )
@@ -195,6 +209,7 @@ class SectionMismatchError(RuntimeError):
 
 # Their public path (:mod:`fault_tolerant_handlers.errors`): what tracebacks, records and pickles name.
 PeerFailedError.__module__ = SectionMismatchError.__module__ = "fault_tolerant_handlers.errors"
+FailureKind.__module__ = Ended.__module__ = "fault_tolerant_handlers.errors"
 
 
 class HangInterrupted(RuntimeError):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .errors import PeerFailedError
+from .kinds import Ended
 from .procfs import process_state
 from .records import FailureRecord
 
@@ -30,7 +31,7 @@ def declared_finding(record: FailureRecord) -> Finding:
 
 #: How :func:`~.procfs.process_state` says a process ended cleanly: not a failure (a rank that
 #: finished first); if this rank then waits on it, the broken collective names it.
-CLEAN_EXIT = "exited with code 0"
+CLEAN_EXIT = Ended(exit_code=0)
 
 
 class PeerPidProbe:
@@ -39,7 +40,7 @@ class PeerPidProbe:
     traffic."""
 
     def __init__(self, peers: Sequence[tuple[int, int]], *, by: int, host: str,
-                 state: Callable[[int], str | None] = process_state,
+                 state: Callable[[int], Ended | None] = process_state,
                  after_failure: Callable[[], bool] = lambda: False) -> None:
         self.after_failure = after_failure  # once the job failed, peers leaving is expected
         self.peers = list(peers)  # (global rank, pid)
@@ -52,7 +53,7 @@ class PeerPidProbe:
             state = self.state(pid)
             if state is None or state == CLEAN_EXIT:
                 continue
-            if self.after_failure() and not state.startswith("killed by"):
+            if self.after_failure() and not state.killed:
                 continue  # a peer that ended after the failure was agreed: the job is ending
             return declared_finding(FailureRecord.lost(rank=rank, pid=pid, host=self.host, why=state, by=self.by))
         return None

@@ -9,8 +9,9 @@ parentheses, so the fields are split after the *last* ``)``. Field numbers below
 from __future__ import annotations
 
 import os
-import signal
 import time
+
+from .kinds import Ended
 
 STATE, PPID, PGRP, SESSION = 0, 1, 2, 3
 FLAGS = 6  # field 9: the kernel's flags of the (thread group leader's) task
@@ -19,7 +20,6 @@ UTIME, STIME = 11, 12  # fields 14, 15: clock ticks
 START_TIME = 19  # field 22: clock ticks after boot
 EXIT_CODE = 49  # field 52: the wait status of an exited (zombie) process
 
-_SIGNAL_NAMES = {int(s): s.name for s in signal.Signals}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -55,39 +55,32 @@ def exiting(fields: list[str] | None) -> bool:
         return False
 
 
-def process_state(pid: int) -> str | None:
-    """``None`` if ``pid`` runs; otherwise how it ended, as far as this host can see."""
+def process_state(pid: int) -> Ended | None:
+    """``None`` if ``pid`` runs; otherwise how it ended, as far as this host can see (``Ended()``:
+    gone, its exit status not visible from this process)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except FileNotFoundError:
-        return "process is gone (exit status not visible from this process)"
+        return Ended()
     except OSError:
         try:
             os.kill(pid, 0)
             return None
         except ProcessLookupError:
-            return "process is gone"
+            return Ended()
         except PermissionError:
             return None
     fields = stat[stat.rfind(")") + 2 :].split()
     if not fields or fields[STATE] not in ("Z", "X"):
         return None
     try:
-        status = int(fields[EXIT_CODE])
+        return Ended.from_status(int(fields[EXIT_CODE]))
     except (IndexError, ValueError):
-        return "process exited"
-    return describe_status(status)
+        return Ended()
 
 
-def describe_status(status: int) -> str:
-    """``killed by SIGKILL`` or ``exited with code 1``, from a wait status."""
-    if status & 0x7F:
-        return f"killed by {_SIGNAL_NAMES.get(status & 0x7F, f'signal {status & 0x7F}')}"
-    return f"exited with code {(status >> 8) & 0xFF}"
-
-
-def ended(pid: int, within: float) -> str | None:
+def ended(pid: int, within: float) -> Ended | None:
     """How ``pid`` ended (:func:`process_state`), waiting up to ``within`` seconds while it is in
     its exit but not yet a zombie (its files, a pipe, close before the kernel shows its exit
     status). ``None`` when it runs and is not exiting."""
@@ -105,7 +98,7 @@ def ended(pid: int, within: float) -> str | None:
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT")
 
 
-def unreported(how: str) -> bool:
+def unreported(how: Ended) -> bool:
     """A rank that ended ``how`` (:func:`process_state`) was killed by a signal it could not
     report itself (SIGKILL: the OOM killer; a crash)."""
-    return how.startswith("killed by ") and how.split()[-1] not in HANDLED_SIGNALS
+    return how.killed and how.signal_name not in HANDLED_SIGNALS

@@ -12,9 +12,13 @@ A record says where it came from in ``origin``:
 
 * ``"failure"``: the rank ``rank`` failed itself (in section ``section``, at agreement ``seq`` when
   the failure went through one);
-* ``"declared"``: rank ``by`` declares rank ``rank`` lost, silent or hung (``exc_type`` is the kind:
-  ``PeerLost``, ``PeerSilent``, ``RankHung``, ``RankSignalled``; a hung or signalled rank declares
-  itself).
+* ``"declared"``: rank ``by`` declares rank ``rank`` lost, silent or hung (``exc_type`` is the
+  :class:`~.kinds.FailureKind`'s value: ``PeerLost``, ``PeerSilent``, ``RankHung``,
+  ``RankSignalled``; a hung or signalled rank declares itself).
+
+The record's :attr:`~FailureRecord.kind` and ``ended`` (how a lost rank's process ended, or the signal
+a rank received: :class:`~.kinds.Ended`) are what code decides on; the message is for people. A
+record without ``ended``, or with one out of range, is read with ``ended`` ``None``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import unicodedata
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .kinds import DECLARED_KINDS, Ended, FailureKind, is_int
 from .log import log
 
 #: Record format version; a reader ignores records of another version.
@@ -47,8 +52,6 @@ MAX_PID = 2**31
 MAX_CLOCK_DISTANCE_MS = 366 * 86400 * 1000
 
 ORIGINS = ("failure", "declared")
-#: The kinds of a declared record.
-DECLARED_KINDS = ("PeerLost", "PeerSilent", "RankHung", "RankSignalled")
 
 
 def cap_head(text: str, limit: int) -> str:
@@ -102,6 +105,11 @@ class FailureRecord:
     step: int | None = None
     epoch: int | None = None
     by: int | None = None
+    ended: Ended | None = None
+
+    @property
+    def kind(self) -> FailureKind:
+        return FailureKind.of(self.exc_type, self.origin)
 
     @classmethod
     def from_exception(
@@ -136,14 +144,15 @@ class FailureRecord:
 
     @classmethod
     def declared(
-        cls, *, rank: int, kind: str, message: str, by: int, pid: int = 0, host: str = "", traceback: str = "",
-        time_ms: int | None = None, step: int | None = None,
+        cls, *, rank: int, kind: FailureKind, message: str, by: int, pid: int = 0, host: str = "", traceback: str = "",
+        time_ms: int | None = None, step: int | None = None, ended: Ended | None = None,
     ) -> FailureRecord:
         """Rank ``by`` says rank ``rank`` is lost, silent or hung (``kind``)."""
+        kind = FailureKind(kind)
         assert kind in DECLARED_KINDS, kind
         return cls(
             rank=rank,
-            exc_type=kind,
+            exc_type=kind.value,
             exc_message=cap_head(message, MAX_MESSAGE_CHARS),
             traceback=cap_tail(traceback, MAX_TRACEBACK_CHARS),
             section="",
@@ -153,14 +162,18 @@ class FailureRecord:
             host=cap_head(host, MAX_NAME_CHARS),
             step=step,
             by=by,
+            ended=ended,
         )
 
     @classmethod
-    def lost(cls, *, rank: int, pid: int, host: str, why: str, by: int) -> FailureRecord:
+    def lost(cls, *, rank: int, pid: int, host: str, why: str | Ended, by: int) -> FailureRecord:
         """Rank ``by`` says rank ``rank`` (process ``pid`` on ``host``) is lost (``PeerLost``):
-        ``rank 1 (pid 4242 on node-b) lost: killed by SIGKILL``."""
-        return cls.declared(rank=rank, kind="PeerLost", message=f"rank {rank} (pid {pid} on {host}) lost: {why}",
-                            by=by, pid=pid, host=host)
+        ``rank 1 (pid 4242 on node-b) lost: killed by SIGKILL``. ``why``: how its process ended
+        (carried by the record as ``ended``), or what was seen of a rank not seen to end."""
+        ended = why if isinstance(why, Ended) else None
+        how = why if ended is None else ended.describe()
+        return cls.declared(rank=rank, kind=FailureKind.PEER_LOST, by=by, pid=pid, host=host, ended=ended,
+                            message=f"rank {rank} (pid {pid} on {host}) lost: {how}")
 
     def to_json(self) -> bytes:
         return json.dumps({"v": RECORD_VERSION, **asdict(self)}, separators=(",", ":")).encode("utf-8")
@@ -198,6 +211,7 @@ class FailureRecord:
             step=obj.get("step"),
             epoch=obj.get("epoch"),
             by=obj.get("by"),
+            ended=Ended.from_json(obj.get("ended")),
         )
 
 
@@ -211,10 +225,6 @@ _REQUIRED: dict[str, type] = {
     "origin": str,
 }
 _OPTIONAL_INT = ("seq", "step", "epoch", "by")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def schema_problem(obj: Any, world_size: int) -> str | None:
@@ -238,7 +248,7 @@ def schema_problem(obj: Any, world_size: int) -> str | None:
         value = obj.get(key)
         if value is None:
             continue
-        if not _is_int(value):
+        if not is_int(value):
             return f"field {key!r} must be an int or null, got {type(value).__name__}"
         if not 0 <= value <= MAX_COUNTER:
             return f"field {key!r} = {value} is outside [0, {MAX_COUNTER}]"
@@ -248,7 +258,7 @@ def schema_problem(obj: Any, world_size: int) -> str | None:
     if obj["origin"] == "declared" and (by is None or obj["exc_type"] not in DECLARED_KINDS):
         return f"a declared record needs 'by' and a kind among {', '.join(DECLARED_KINDS)}"
     pid = obj.get("pid", 0)
-    if not _is_int(pid) or not 0 <= pid < MAX_PID:
+    if not is_int(pid) or not 0 <= pid < MAX_PID:
         return f"field 'pid' must be an int in [0, {MAX_PID})"
     if not isinstance(obj.get("host", ""), str):
         return "field 'host' must be a str"

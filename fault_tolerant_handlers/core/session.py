@@ -48,6 +48,7 @@ from . import compat_torch as _compat_torch
 from . import attempts, config, events, schema as _schema
 from .agreement import MAX_FLAG, mark, pack_agreement, section_hash, unpack_agreement
 from .errors import PeerFailedError, RecoveryError, SectionMismatchError, is_backend_error
+from .kinds import FailureKind
 from .log import log
 from .peers import PeerPidProbe
 from .ranks import RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout, own_address
@@ -524,9 +525,9 @@ class Session:
             if suspects:
                 # Alive and silent about it: not this rank's failure, and no culprit to name.
                 names = ", ".join(f"rank {r} on {self.hosts[self.ranks.index(r)]}" for r in suspects)
-                return PeerFailedError(None, "CommunicationError",
+                return PeerFailedError(None, FailureKind.COMMUNICATION.value,
                                        f"the connection to {names} broke ({first_line[:300]}) and no rank reported "
-                                       "why", where="a collective", origin="declared")
+                                       "why", where="a collective", origin="declared", kind=FailureKind.COMMUNICATION)
             return None
 
         thread = threading.Thread(target=reader, name="fth-explain", daemon=True)

@@ -41,6 +41,7 @@ from typing import Callable, Iterable
 
 from ..core import config
 from ..core.errors import PeerFailedError
+from ..core.kinds import FailureKind
 from .probes import Finding, hung_rank, waiting_on_peers
 from .writes import writing_now
 from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
@@ -200,7 +201,7 @@ class AutoHangProbe:
                    f"over the learned deadline of {limit:.1f} s "
                    f"(longest {longest_of} so far: {longest:.2f} s)")
         record = FailureRecord.declared(
-            rank=self.rank, kind="RankHung", message=message, by=self.rank, pid=self.pid, host=self.host,
+            rank=self.rank, kind=FailureKind.RANK_HUNG, message=message, by=self.rank, pid=self.pid, host=self.host,
             traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
             time_ms=int((self.wall() - stalled) * 1000), step=step,
         )

@@ -29,6 +29,7 @@ from typing import Callable, Container
 
 from ..core.peers import CLEAN_EXIT, Finding, PeerPidProbe, declared_finding  # noqa: F401 - the core's own probe, re-exported
 from ..core.errors import PeerFailedError
+from ..core.kinds import FailureKind
 from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
 from ..core.schema import Schema
 
@@ -114,8 +115,9 @@ class HeartbeatProbe:
             on = f" on {self.host}" if self.host else ""
             message = (f"rank {self.successor} (pid {self.successor_pid}{on}) lost: no heartbeat for {self.silent:.1f} s "
                        "(its host or link is down, or its process is gone or frozen)")
-            return declared_finding(FailureRecord.declared(rank=self.successor, kind="PeerSilent", message=message,
-                                                           by=self.rank, pid=self.successor_pid, host=self.host))
+            return declared_finding(FailureRecord.declared(rank=self.successor, kind=FailureKind.PEER_SILENT,
+                                                           message=message, by=self.rank, pid=self.successor_pid,
+                                                           host=self.host))
         return None
 
 
@@ -185,7 +187,7 @@ class SelfHangProbe:
         message = (f"{hung_rank(self.rank, self.pid, self.host)} hung: its main thread made no progress for "
                    f"{stalled:.1f} s{at}{before}")
         record = FailureRecord.declared(
-            rank=self.rank, kind="RankHung", message=message, by=self.rank, pid=self.pid, host=self.host,
+            rank=self.rank, kind=FailureKind.RANK_HUNG, message=message, by=self.rank, pid=self.pid, host=self.host,
             traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
             time_ms=int(last_wall * 1000), step=step,
         )
@@ -273,6 +275,6 @@ class StoreLossProbe:
             return None
         message = (f"rank {self.store_rank} (pid {self.store_pid}, hosts the c10d store) lost: the store has not "
                    f"answered for {now - self.down_since:.1f} s ({self.last_error}) and {self.found}")
-        record = FailureRecord.declared(rank=self.store_rank, kind="PeerLost", message=message, by=self.by,
+        record = FailureRecord.declared(rank=self.store_rank, kind=FailureKind.PEER_LOST, message=message, by=self.by,
                                         pid=self.store_pid)
         return Finding(PeerFailedError.from_records([record]))

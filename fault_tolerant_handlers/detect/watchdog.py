@@ -44,6 +44,7 @@ from datetime import timedelta
 from . import autohang
 from ..core import attempts, config, events
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted
+from ..core.kinds import FailureKind
 from ..core.session import Incident, Session, get_session, provide_watchdog
 from .pidwatch import PidWatcher, WakeEvent
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
@@ -228,8 +229,8 @@ class Watchdog:
         if finding is None or self._finishing:
             return
         err = finding.error
-        if (self.session.failed_before and err.origin == "declared" and err.exc_type in ("PeerSilent", "PeerLost")
-                and "killed by" not in err.exc_message):
+        if (self.session.failed_before and err.kind in (FailureKind.PEER_SILENT, FailureKind.PEER_LOST)
+                and not (err.ended is not None and err.ended.killed)):
             # The job already failed here: peers ending (and their heartbeats stopping) is expected.
             log(logging.INFO, "after the failure: %s", str(err).splitlines()[0])
             return

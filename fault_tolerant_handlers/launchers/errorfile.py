@@ -36,6 +36,7 @@ import os
 import tempfile
 import time
 from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
+from ..core.kinds import FailureKind
 from ..core.log import log
 from ..core.procfs import HANDLED_SIGNALS, unreported  # noqa: F401 - read by the helper; kept here for readers
 from ..core.ranks import RankTable
@@ -131,7 +132,7 @@ def survivor_timestamp(failed_at: float | None, now: float | None = None) -> int
 def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
     """``err`` says a same-host peer is gone (killed): write the file it could not write."""
     rank = err.failed_rank
-    if err.exc_type != "PeerLost" or rank is None or err.host != table.host or rank == table.rank:
+    if err.kind is not FailureKind.PEER_LOST or rank is None or err.host != table.host or rank == table.rank:
         return
     if rank not in table.ranks or table.pid_of(rank) != err.pid:
         return

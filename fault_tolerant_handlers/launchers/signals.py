@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from . import errorfile, spawned
 from ..core.errors import PeerFailedError
+from ..core.kinds import Ended, FailureKind
 from ..core.config import (CAUSE_LINGER, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the table in
                            SIGNAL_STORE_TIMEOUT, SIGNALLED_TOGETHER)  # core.config, checked there
 from ..core.log import log
@@ -60,7 +61,7 @@ def same_delivery(peer: PeerFailedError, name: str, received: float, window: flo
     delivery to every process: Ctrl-C, ``scancel``, a preemption): this rank's own signal, not a
     consequence. ``window``: :data:`SAME_DELIVERY`, or :data:`SIGNALLED_TOGETHER` under a
     framework's handler."""
-    return (peer.exc_type == "RankSignalled" and peer.exc_message.endswith(f" received {name}")
+    return (peer.kind is FailureKind.RANK_SIGNALLED and peer.ended is not None and peer.ended.signal_name == name
             and peer.failed_at is not None and abs(peer.failed_at - received) <= window)
 
 
@@ -185,8 +186,9 @@ class _Watch:
             errorfile.write_survivor(session.table, peer)
             return
         message = f"rank {session.rank} (pid {os.getpid()} on {session.host}) received {name}"
-        record = FailureRecord.declared(rank=session.rank, kind="RankSignalled", message=message, by=session.rank,
-                                        pid=os.getpid(), host=session.host)
+        record = FailureRecord.declared(rank=session.rank, kind=FailureKind.RANK_SIGNALLED, message=message,
+                                        by=session.rank, pid=os.getpid(), host=session.host,
+                                        ended=Ended(signal=int(signum)))
         self.cause = PeerFailedError.from_records([record])
         self.kind = "cause"
         session.signal_cause = self.cause  # a collective broken from now on is this signal's consequence

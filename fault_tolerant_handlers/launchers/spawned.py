@@ -171,8 +171,8 @@ def write_killed(rank_pid: int, rank: int, host: str) -> bool:
     state = _state
     if state is None or state.error_file is None:
         return False
-    how = process_state(rank_pid) or ""
-    if not how.startswith("killed by "):
+    how = process_state(rank_pid)
+    if how is None or not how.killed:
         return False
     lost = FailureRecord.lost(rank=rank, pid=rank_pid, host=host, why=how, by=rank).exc_message
     text = f"fault-tolerant-handlers: {lost} (seen by its liveness helper: a killed process prints no traceback)\n"

@@ -9,13 +9,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..core import attempts
+from ..core.kinds import FailureKind
 from ..core.records import cap_head, sanitize
 
 #: Declared kinds that end the job as without recovery: a process or host gone, or signalled.
 NOT_IN_PLACE = {
-    "PeerLost": "a rank was lost (its process or host is gone): a relaunch replaces it",
-    "PeerSilent": "a rank went silent (its host or network may be gone): a relaunch replaces it",
-    "RankSignalled": "a rank was sent a signal that ends the job",
+    FailureKind.PEER_LOST: "a rank was lost (its process or host is gone): a relaunch replaces it",
+    FailureKind.PEER_SILENT: "a rank went silent (its host or network may be gone): a relaunch replaces it",
+    FailureKind.RANK_SIGNALLED: "a rank was sent a signal that ends the job",
 }
 #: A cause read back from the store larger than this (bytes) is ignored.
 MAX_CAUSE_BYTES = 8 * 1024
@@ -91,7 +92,7 @@ class Decision:
 
 def _needs_keeper(cause: Cause) -> bool:
     """A peer's process ended (its host lives): recovered in place only by its keeper's replacement."""
-    return not cause.own and cause.exc_type == "PeerLost" and not cause.not_in_place
+    return not cause.own and cause.exc_type == FailureKind.PEER_LOST and not cause.not_in_place
 
 
 def keeper_key(rank: int) -> str:

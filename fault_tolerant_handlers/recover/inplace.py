@@ -87,6 +87,7 @@ import torch.distributed as dist
 from ..core import attempts, compat_torch as _compat_torch, config, events
 from ..core.config import RECOVER_POLL, RECOVER_TEARDOWN_SEC, RECOVER_TELL_SEC
 from ..core.errors import PeerFailedError, RecoveryError, SectionMismatchError
+from ..core.kinds import FailureKind
 from ..core.log import log
 from ..core.records import cap_head
 from ..core.release import EXIT_TEARDOWN_STUCK, store_ports
@@ -112,11 +113,11 @@ def recovery_attempt() -> int:
 def _cause_of(err: BaseException, rank: int) -> Cause:
     """This rank's view of ``err``, the exception that ended its call of the training function."""
     if isinstance(err, PeerFailedError):
-        kind = err.exc_type if err.origin == "declared" else ""
-        if kind == "PeerLost" and any(how in err.exc_message for how in ("killed by ", "exited with code", "process is gone")):
-            kind = "PeerEnded"  # its process ended on a live host: its keeper replaces it (checked in _agree)
+        # a peer's process that ended (its host lives) is replaced by its keeper (checked in _agree)
+        ended = err.kind is FailureKind.PEER_LOST and err.ended is not None
         return Cause(rank, err.failed_rank if err.failed_rank is not None else -1, err.exc_type, err.exc_message,
-                     err.where, err.step if err.step is not None else -1, False, NOT_IN_PLACE.get(kind, ""))
+                     err.where, err.step if err.step is not None else -1, False,
+                     "" if ended else NOT_IN_PLACE.get(err.kind, ""))
     record = getattr(err, PUBLISHED_ATTR, None)
     step = getattr(record, "step", None)
     where = getattr(record, "section", "") or ""
@@ -319,7 +320,7 @@ class _Recovery:
             if gen >= self.max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
                 cause = replace(cause, not_in_place=f"max_restarts={self.max_restarts} recoveries in place already spent")
             if _needs_keeper(cause) and not bounded.check([keeper_key(cause.failed_rank)]):
-                cause = replace(cause, not_in_place=NOT_IN_PLACE["PeerLost"])
+                cause = replace(cause, not_in_place=NOT_IN_PLACE[FailureKind.PEER_LOST])
             if not cause.not_in_place:
                 conn.deadline = started + seconds + 10
             bounded.set(f"{prefix}cause/{rank}", cause.to_json())

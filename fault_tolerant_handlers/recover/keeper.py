@@ -50,8 +50,8 @@ from typing import Any
 from ..core import attempts, events
 from ..core.config import ZOMBIE_HOLD
 from ..core.errors import EXIT_HUNG
+from ..core.kinds import Ended, FailureKind
 from ..core.log import log
-from ..core.procfs import describe_status
 
 from .causes import Cause, _base_of, keeper_key
 
@@ -175,15 +175,15 @@ class Keeper:
                     dead = None
                 status = self._wait(pid)
                 self.child = None
-                how = describe_status(status)
+                how = Ended.from_status(status).describe()
                 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
                     os.waitpid(pid, 0)
                     return self._result()
                 attempt = self._read_attempt()
                 replaceable = os.WIFSIGNALED(status) or os.WEXITSTATUS(status) == EXIT_HUNG
                 if replaceable and attempt < self.recovery.max_restarts and not self._stopping:
-                    replacement = Cause(int(rank), int(rank), "RankReplaced", f"the process of rank {rank} (pid {pid}) "
-                                        f"{how}: replaced in place", "", -1, True, "")
+                    replacement = Cause(int(rank), int(rank), FailureKind.RANK_REPLACED.value, f"the process of rank "
+                                        f"{rank} (pid {pid}) {how}: replaced in place", "", -1, True, "")
                     attempts.set_in_place(attempt)
                     dead = pid
                     log(logging.WARNING, "the training process of rank %s (pid %d) %s: starting its replacement, which "

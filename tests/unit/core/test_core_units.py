@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import socket
 import time
 from datetime import timedelta
@@ -16,6 +17,7 @@ from fault_tolerant_handlers import fail_together, one_rank_first
 from fault_tolerant_handlers.core import compat_torch as _compat_torch
 from fault_tolerant_handlers.core import config
 from fault_tolerant_handlers.core.errors import PeerFailedError, is_backend_error
+from fault_tolerant_handlers.core.kinds import Ended, FailureKind
 from fault_tolerant_handlers.core.records import FailureRecord, sanitize
 from fault_tolerant_handlers.core.release import parse_tcp_table, select_sockets
 from fault_tolerant_handlers.core.schema import MAX_OWN_RECORDS, Connection, Schema
@@ -109,6 +111,65 @@ def test_text_from_the_store_is_sanitised_before_it_is_printed():
     record = FailureRecord.from_json(data, world_size=4)
     assert "\x1b" not in record.exc_message and "\ud800" not in record.exc_message
     str(PeerFailedError.from_records([record])).encode("utf-8")  # printable without errors
+
+
+# -- kinds ---------------------------------------------------------------------------------------
+def test_a_kind_keeps_its_text_and_an_ended_process_says_how():
+    assert FailureKind.PEER_LOST == "PeerLost" and f"{FailureKind.RANK_HUNG}: x" == "RankHung: x"
+    assert json.dumps({"k": FailureKind.PEER_SILENT}) == '{"k": "PeerSilent"}'
+    assert FailureKind.of("PeerLost", "declared") is FailureKind.PEER_LOST
+    assert FailureKind.of("PeerLost", "failure") is FailureKind.RAISED  # an exception a rank raised
+    assert FailureKind.of("KeyError", "declared") is FailureKind.RAISED
+    killed = Ended.from_status(9)
+    assert killed == Ended(signal=9) and killed.killed and killed.describe() == "killed by SIGKILL"
+    assert Ended.from_status(3 << 8) == Ended(exit_code=3) and Ended(exit_code=3).describe() == "exited with code 3"
+    assert Ended(signal=63).signal_name == "signal 63" and not Ended(exit_code=0).killed
+    assert Ended().describe() == "process is gone (exit status not visible from this process)"
+    with pytest.raises(AttributeError):
+        killed.signal = 15  # frozen
+
+
+def test_a_record_carries_its_kind_and_how_the_process_ended_through_the_store():
+    lost = FailureRecord.lost(rank=1, pid=42, host="node-b", why=Ended(signal=9), by=0)
+    assert lost.exc_message == "rank 1 (pid 42 on node-b) lost: killed by SIGKILL"
+    read = FailureRecord.from_json(lost.to_json(), world_size=4)
+    assert read == lost and read.kind is FailureKind.PEER_LOST and read.ended == Ended(signal=9)
+    err = PeerFailedError.from_records([read])
+    assert (err.kind, err.ended, err.exc_type) == (FailureKind.PEER_LOST, Ended(signal=9), "PeerLost")
+    assert str(err) == "PeerLost: rank 1 (pid 42 on node-b) lost: killed by SIGKILL"  # the message as before
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.kind, again.ended, str(again)) == (err.kind, err.ended, str(err))
+    host = FailureRecord.lost(rank=1, pid=42, host="node-b", why="its host no longer accepts connections", by=0)
+    assert host.ended is None and FailureRecord.from_json(host.to_json(), world_size=4).ended is None
+    own = PeerFailedError.from_records([_record()])
+    assert own.kind is FailureKind.RAISED and own.ended is None
+    assert PeerFailedError.from_records([]).kind is FailureKind.UNKNOWN
+
+
+@pytest.mark.parametrize("ended", [
+    "missing", None, "killed by SIGKILL", [9], {"signal": 0}, {"signal": 65}, {"signal": True}, {"signal": 9.0},
+    {"exit_code": 256}, {"exit_code": -1}, {"exit_code": "1"}, {"exit_code": 1, "signal": 9}, {"signal": 2**70},
+])
+def test_a_record_with_a_bad_or_missing_ending_is_read_without_it(ended):
+    """An old record (no ``ended``) or a malformed one is still read: how the process ended is not known."""
+    payload = json.loads(FailureRecord.lost(rank=1, pid=42, host="h", why=Ended(signal=9), by=0).to_json())
+    if ended == "missing":
+        del payload["ended"]
+    else:
+        payload["ended"] = ended
+    record = FailureRecord.from_json(json.dumps(payload), world_size=4)
+    assert record is not None and record.ended is None and record.kind is FailureKind.PEER_LOST
+    assert record.exc_message == "rank 1 (pid 42 on h) lost: killed by SIGKILL"
+
+
+@pytest.mark.parametrize("kind", ["PeerEnded", "", 7, None, "raised"])
+def test_a_declared_record_of_an_unknown_kind_is_rejected_naming_the_key(kind, caplog):
+    payload = {**json.loads(FailureRecord.lost(rank=1, pid=42, host="h", why="gone", by=0).to_json()), "exc_type": kind}
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert FailureRecord.from_json(json.dumps(payload), world_size=4, key="r/5") is None
+    assert "store key r/5" in caplog.text
+    with pytest.raises(ValueError):
+        FailureRecord.declared(rank=1, kind="PeerEnded", message="x", by=0)
 
 
 # -- classification ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers.detect.probes import (HeartbeatProbe, PeerPidProbe, RecordsProbe, SelfHangProbe,
                                             StoreLossProbe, waiting_on_peers)
+from fault_tolerant_handlers.core.kinds import Ended, FailureKind
 from fault_tolerant_handlers.core.records import FailureRecord
 from fault_tolerant_handlers.core.schema import Connection, Schema
 
@@ -136,13 +137,23 @@ def test_heartbeat_probe_never_declares_a_successor_that_never_beat():
 
 
 def test_pid_probe_names_the_signal():
-    states = {11: None, 12: "killed by SIGKILL"}
+    states = {11: None, 12: Ended(signal=9)}
     probe = PeerPidProbe([(1, 11), (2, 12)], by=0, host="node-a", state=states.get)
     found = probe.poll(0.0)
     assert found.error.failed_rank == 2 and found.error.exc_type == "PeerLost"
     assert found.error.exc_message == "rank 2 (pid 12 on node-a) lost: killed by SIGKILL"
+    assert found.error.kind is FailureKind.PEER_LOST and found.error.ended == Ended(signal=9)
+    assert found.declare.ended == Ended(signal=9)
     states[12] = None
     assert probe.poll(1.0) is None
+    states[12] = Ended(exit_code=0)
+    assert probe.poll(2.0) is None  # a clean exit is no failure
+    failed = [True]  # once the job failed, only a killed peer is news
+    probe = PeerPidProbe([(2, 12)], by=0, host="node-a", state=states.get, after_failure=lambda: failed[0])
+    states[12] = Ended(exit_code=1)
+    assert probe.poll(3.0) is None
+    states[12] = Ended(signal=9)
+    assert probe.poll(4.0).error.ended.killed
 
 
 def _frame_in(filename: str):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from fault_tolerant_handlers.launchers import errorfile
 from fault_tolerant_handlers.core.errors import PeerFailedError
+from fault_tolerant_handlers.core.kinds import Ended
 from fault_tolerant_handlers.core.ranks import RankTable
 from fault_tolerant_handlers.core.records import FailureRecord
 
@@ -145,7 +147,6 @@ def test_a_sigkilled_ranks_helper_writes_its_file(tmp_path):
     """A rank SIGKILLed (the OOM killer) writes nothing; its liveness helper, woken by its end (its
     pidfd: a DataLoader worker still holds the helper's pipe), writes its file before the launcher
     reaps it and tells its peers how it ended. A real process, a real forked helper and worker."""
-    import signal
     import subprocess
     import sys
     import time
@@ -190,11 +191,10 @@ def test_a_helper_writes_nothing_for_a_signal_the_rank_reports_or_a_rank_that_ru
 
     own = _layout(tmp_path)[1]
     monkeypatch.setenv(errorfile.ERROR_FILE_ENV, own)
-    assert not errorfile.unreported("killed by SIGTERM")
-    assert not errorfile.unreported("killed by SIGINT")
-    assert not errorfile.unreported("exited with code 1")
-    assert errorfile.unreported("killed by SIGKILL") and errorfile.unreported("killed by SIGSEGV")
-    for how in ("killed by SIGTERM", "killed by SIGINT", "exited with code 1"):
+    reported = (Ended(signal=signal.SIGTERM), Ended(signal=signal.SIGINT), Ended(exit_code=1))
+    assert not any(errorfile.unreported(how) for how in reported)
+    assert errorfile.unreported(Ended(signal=signal.SIGKILL)) and errorfile.unreported(Ended(signal=signal.SIGSEGV))
+    for how in reported:
         with monkeypatch.context() as m:  # the rank ended so (a real one is the next test's)
             m.setattr(liveness._procfs, "ended", lambda pid, within, how=how: how)
             liveness.rank_ended(1, 101, "node-a", tell=lambda record: pytest.fail(f"told {record}"))

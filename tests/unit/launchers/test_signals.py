@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers.launchers import signals
 from fault_tolerant_handlers.detect.probes import PeerPidProbe
+from fault_tolerant_handlers.core.kinds import Ended
 from fault_tolerant_handlers.core.records import FailureRecord
 from fault_tolerant_handlers.core.schema import Connection, Schema
 from fault_tolerant_handlers.core.ranks import RankTable
@@ -120,7 +121,7 @@ def _signalled_peer(store, name, at_ms):
     session = FakeSession(store)
     session.schema.publish(FailureRecord.declared(rank=0, kind="RankSignalled", by=0, pid=4242, host="node-a",
                                                   message=f"rank 0 (pid 4242 on node-a) received {name}",
-                                                  time_ms=at_ms))
+                                                  time_ms=at_ms, ended=Ended(signal=signal.Signals[name])))
     return session
 
 
@@ -223,7 +224,7 @@ def test_a_peer_signalled_at_the_same_moment_is_the_same_preemption(restore_sign
     monkeypatch.setattr(signals, "CAUSE_LINGER", 0.0)
     session = FakeSession(dist.HashStore())
     record = FailureRecord.declared(rank=0, kind="RankSignalled", message="rank 0 (pid 7 on node-a) received SIGTERM",
-                                    by=0, pid=7, host="node-a")
+                                    by=0, pid=7, host="node-a", ended=Ended(signal=signal.SIGTERM))
     record = dataclasses.replace(record, time_ms=record.time_ms - int(age * 1000))
     session.schema.publish(record)
     signal.signal(signal.SIGTERM, lambda s, f: None)

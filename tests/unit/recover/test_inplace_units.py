@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers import PeerFailedError, SectionMismatchError, recover_in_place
 from fault_tolerant_handlers.core.config import RECOVER_TELL_SEC
+from fault_tolerant_handlers.core.kinds import Ended
 from fault_tolerant_handlers.recover.causes import Cause, Decision
 from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
 
@@ -101,7 +102,10 @@ def test_what_a_rank_says_of_its_failure():
     assert (own.by, own.failed_rank, own.exc_type, own.own, own.not_in_place) == (0, 0, "ValueError", True, "")
     seen = _cause_of(peer(), 0)
     assert (seen.failed_rank, seen.exc_type, seen.step, seen.own, seen.not_in_place) == (1, "ValueError", 7, False, "")
-    assert "a rank was lost" in _cause_of(peer("PeerLost", "declared"), 0).not_in_place
+    assert "a rank was lost" in _cause_of(peer("PeerLost", "declared"), 0).not_in_place  # its host or store: gone
+    killed = PeerFailedError(1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", origin="declared",
+                             ended=Ended(signal=9))
+    assert _cause_of(killed, 0).not_in_place == ""  # its process ended: its keeper may replace it (checked in _agree)
     assert "silent" in _cause_of(peer("PeerSilent", "declared"), 0).not_in_place
     assert "signal" in _cause_of(peer("RankSignalled", "declared"), 0).not_in_place
     assert _cause_of(peer("RankHung", "declared"), 0).not_in_place == ""  # interrupted: recovered
