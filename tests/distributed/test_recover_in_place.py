@@ -107,17 +107,22 @@ def test_a_hung_rank_is_interrupted_and_recovers_in_place(framework, tmp_path, t
 
 
 @pytest.mark.timeout(300)
-def test_a_hang_inside_a_step_that_swallows_every_exception_recovers_in_place(tmp_path, tmp_path_factory):
-    """The training step wraps its body in ``try/except Exception: pass`` and rank 1 hangs inside it
-    (``SWALLOW=1``: the step fires ``FTH_INJECT``). The interrupt, a ``BaseException``, goes through
-    the user's ``except Exception`` and the job recovers in place exactly. (With the interrupt a
-    ``RuntimeError``, the step swallowed it, rank 1 trained on alone and the job did not recover.)"""
-    ref = reference("ignite", tmp_path_factory)
+def test_a_hang_inside_a_step_that_swallows_every_exception_recovers_in_place(tmp_path):
+    """Every rank's training step wraps its body in ``try/except Exception: pass``, and rank 1 hangs
+    inside it (``SWALLOW=1``: the step fires ``FTH_INJECT``). The interrupt, a ``BaseException``, goes
+    through the user's ``except Exception``: both ranks recover in place, in their own processes.
+    (Not checked exactly: rank 0's step swallows its released collectives too and trains on alone
+    until its watchdog has the failure, a few steps here, where steps take a millisecond.)"""
     run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "SWALLOW": "1", "FTH_HANG_TIMEOUT_SEC": "3",
                                                    "FTH_INJECT": "hang@rank=1,iteration=37"})
-    assert_recovered_exactly(run, ref, "ignite")
+    for rank in (0, 1):
+        seen = tries(run, rank)
+        assert set(seen) == {0, 1}, f"rank {rank}: attempts {sorted(seen)}"
+        assert len({t["pid"] for t in seen.values()}) == 1, f"rank {rank}: not recovered in its own process"
+        assert seen[1]["done"] and not seen[0].get("done"), seen
+        assert f"[rank {rank}] recovering in place, attempt 1 (max_restarts=2), after rank 1 failed in train: " \
+               "HangInterrupted: RankHung: rank 1" in output
     assert "[rank 1] the hung main thread was interrupted: recovering in place" in output
-    assert "HangInterrupted" in output
 
 
 @pytest.mark.timeout(300)
