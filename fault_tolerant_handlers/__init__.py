@@ -8,6 +8,7 @@ Public names:
 * :class:`SectionMismatchError`: ranks met in different sections (a bug in the job).
 * :func:`start_watchdog`: the out-of-band watchdog (the adapters start it for you).
 * :func:`writing_checkpoint`: mark a checkpoint write that a reported exit must wait for.
+* :class:`deferred_interrupt`: a section the interrupt of a hung rank (recovering in place) waits outside.
 * :class:`RestartableDataLoader`, :func:`make_restartable`: a DataLoader that survives worker death.
 * :func:`latest_checkpoint`: the newest complete checkpoint in a directory, the same on every rank.
 * :func:`load_checkpoint`: ``torch.load``, from this process's memory after a recovery in place.
@@ -22,6 +23,7 @@ from .data.snapshots import load_checkpoint
 from .data.ddp_buckets import DDPBucketLayout
 from .data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
 from .core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError
+from .core.interrupts import deferred_interrupt
 from .core.release import EXIT_TEARDOWN_STUCK
 from .core.sections import fail_together, one_rank_first
 from .detect.watchdog import EXIT_HUNG, EXIT_PEER_FAILED, start_watchdog, writing_checkpoint
@@ -40,6 +42,7 @@ __all__ = [
     "RestartableDataLoader",
     "SectionMismatchError",
     "WorkerRestart",
+    "deferred_interrupt",
     "fail_together",
     "latest_checkpoint",
     "load_checkpoint",

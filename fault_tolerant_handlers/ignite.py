@@ -4,7 +4,8 @@ Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.g
 
 ========================  ==========================================================================
 ``STARTED``               start (collective: side group, watchdog reference)
-``ITERATION_COMPLETED``   heartbeat; every ``sync_every`` iterations, one agreement
+``ITERATION_COMPLETED``   heartbeat; every ``sync_every`` iterations, one agreement; between them, a
+                          peer's failure the watchdog knows is raised (an attribute read)
 ``EPOCH_STARTED``         (``hang_timeout="auto"``) training steps begin
 ``EPOCH_COMPLETED``       agreement, *before* the other epoch-end handlers (evaluation, checkpoint);
                           (``"auto"``) what follows is judged as an evaluation
@@ -146,6 +147,9 @@ class FaultTolerance:
         self.guard.beat(iteration, STEP, completed=True)
         if self.guard.due(iteration):
             self.guard.sync("iteration", step=iteration, epoch=engine.state.epoch)
+        else:  # an attribute read: a peer's failure the watchdog knows, which a step that swallows
+            self.guard.check(step=iteration, epoch=engine.state.epoch)  # every error did not raise
+
 
     def _epoch_completed(self, engine: Engine) -> None:
         restarts = getattr(engine.state.dataloader, "restart_count", None)

@@ -57,10 +57,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
-from .core import attempts
+from .core import attempts, interrupts
 from .data import snapshots
 from .data.ddp_buckets import DDPBucketLayout
-from .core.errors import RecoveryError
+from .core.errors import HangInterrupted, RecoveryError
 from .core.log import log
 from .detect.autohang import CHECKPOINT, EVALUATION, STEP
 from .adapters.guard import Guard
@@ -193,6 +193,7 @@ class FaultTolerance(_CallbackBase):
         """Raise the peer's failure if the watchdog already knows it (no communication). Called
         twice per batch: two attribute reads unless there is a failure (where it happened, which
         costs Lightning's property lookups, is only worked out then)."""
+        interrupts.raise_pending()  # a hung main thread's interrupt that user code swallowed
         session = self.guard.session
         if session is not None and session.known_failure is not None:
             self.guard.check(**self._where(trainer))
@@ -258,7 +259,7 @@ class FaultTolerance(_CallbackBase):
         """
         try:
             return run_stage()
-        except Exception as exc:
+        except (Exception, HangInterrupted) as exc:
             to_raise = self._convert(trainer, exc)
             for callback in list(trainer.callbacks):
                 if isinstance(callback, _compat_lightning.checkpoint_types()):
@@ -342,7 +343,7 @@ class FaultTolerance(_CallbackBase):
             to_raise, in_parent = exception, True  # the parent of spawned ranks: keep the rank's error visible
         else:
             return  # a single process: stock Lightning
-        if not isinstance(exception, Exception):
+        if not isinstance(exception, (Exception, HangInterrupted)):
             return  # KeyboardInterrupt / SystemExit: Lightning's own path (it also stops the launcher)
         self._finish_exception_path(trainer, pl_module, exception, in_parent=in_parent)
         _mark_taken(exception)

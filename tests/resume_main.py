@@ -8,7 +8,9 @@ resumed with ``trainer.fit(..., ckpt_path=latest_checkpoint(dir))``). Both with 
 attached and ``DistributedSampler(shuffle=True, seed=0)`` over 400 samples, batch 4 per rank
 (50 iterations an epoch), 3 epochs. Faults come from ``FTH_INJECT`` (first attempt only, the default),
 or, for Ignite, ``TORN_SAVE=<iteration>``: rank 0 killed in the middle of writing that checkpoint, or
-``HANG_IN_C=<iteration>``: rank 1 hung where no signal reaches it. Any number of ranks (the
+``HANG_IN_C=<iteration>``: rank 1 hung where no signal reaches it, or ``SWALLOW=1``: the training
+step wraps its body in ``try/except Exception: pass`` and fires ``FTH_INJECT``'s injections inside it
+(a user's step that swallows every error; the adapter fires none). Any number of ranks (the
 sampler's replicas are torchrun's world size). ``BUCKETS=0``: the DDP's bucket layout is left out of
 the checkpoint (Ignite: no ``DDPBucketLayout`` in ``to_save``; Lightning: the callback's
 ``on_fit_start`` does not give it back), which makes a resume at 3 ranks or more inexact. ``HIDDEN=<n>``: a model with a hidden layer;
@@ -86,6 +88,14 @@ TORN_SAVE = int(os.environ.get("TORN_SAVE", "0"))
 #: HANG_IN_C=<iteration>: Ignite's rank 1 hangs there in the first attempt where no signal reaches it
 #: (the interrupting signal blocked: what a hang inside a C call looks like to the recovery).
 HANG_IN_C = int(os.environ.get("HANG_IN_C", "0"))
+#: SWALLOW=1 (Ignite): FTH_INJECT is taken out of the environment before the adapter reads it, and
+#: fired by the training step, inside its try/except Exception: pass.
+SWALLOW = os.environ.get("SWALLOW", "0") == "1"
+if SWALLOW:
+    from fault_tolerant_handlers.core.inject import Injector
+
+    STEP_INJECTOR = Injector.from_env()
+    os.environ.pop("FTH_INJECT", None)
 CKPT = OUT / "ckpt"
 MARKS: dict[str, float] = {}  # the attempt's start-up, step by step (the bench's breakdown)
 
@@ -188,6 +198,16 @@ def run_ignite() -> None:
             signal.pthread_sigmask(signal.SIG_BLOCK, {INTERRUPT_SIGNAL})
             while True:
                 time.sleep(3600)
+        if SWALLOW:
+            try:  # a user's step that swallows every error
+                if STEP_INJECTOR is not None:
+                    STEP_INJECTOR.maybe_fire(RANK, engine.state.iteration, engine.state.epoch)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+            except Exception:
+                pass
+            return
         opt.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()

@@ -29,6 +29,8 @@ import os
 import sys
 from typing import Any, Callable
 
+from ..core import interrupts
+
 CHECKED_AGAINST = ("2.5.0", "2.6.6")
 
 def _installed(package: str) -> bool:
@@ -169,15 +171,17 @@ def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any], n
     """Recovering in place: ``Strategy.save_checkpoint(checkpoint, filepath, ...)`` (public, called on
     every rank; it writes on rank 0) also calls ``keep(filepath, checkpoint)``, and
     ``Strategy.load_checkpoint(path, ...)`` returns ``newest(path)`` when that is not ``None``
-    (:mod:`..data.snapshots`). On this strategy object only; once."""
+    (:mod:`..data.snapshots`). The save is a deferred section (:mod:`..core.interrupts`). On this
+    strategy object only; once."""
     if getattr(strategy, "_fth_snapshots", False):
         return
     save, load = strategy.save_checkpoint, strategy.load_checkpoint
 
     @functools.wraps(save)
     def save_checkpoint(checkpoint: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
-        result = save(checkpoint, filepath, *args, **kwargs)
-        keep(filepath, checkpoint)
+        with interrupts.SECTION:  # the interrupt of a hung main thread waits until the file is written
+            result = save(checkpoint, filepath, *args, **kwargs)
+            keep(filepath, checkpoint)
         return result
 
     @functools.wraps(load)

@@ -9,6 +9,8 @@ the loop's fail-together session (:class:`~..core.session.Session`):
   of work that begins (``"step"``, ``"evaluation"``, ``"checkpoint"``) for ``hang_timeout="auto"``;
 * :meth:`Guard.explain_with` once: how to recognise work from the main thread's stack (``"auto"``);
 * :meth:`Guard.check` where a hook may raise without communicating (an attribute read);
+  ``beat`` and ``check`` also raise a hung main thread's interrupt again if user code swallowed it
+  (:func:`~..core.interrupts.raise_pending`);
 * :meth:`Guard.sync` at the points where every rank already synchronises (every ``sync_every``
   iterations, epoch end, before a checkpoint, the end of the run): one agreement, and every rank
   raises together if any rank failed;
@@ -25,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
-from ..core import config
+from ..core import config, interrupts
 from ..core.log import log
 from ..core.errors import PeerFailedError
 from ..core.sections import check_name
@@ -108,7 +110,9 @@ class Guard:
 
     def beat(self, step: int | None = None, work: str | None = None, *, completed: bool = False) -> None:
         """Progress; with ``work``, the kind of work that begins now (ends the one under way);
-        ``completed``: an iteration (training or evaluation batch) completed."""
+        ``completed``: an iteration (training or evaluation batch) completed. Raises the interrupt
+        of a hung main thread again if user code swallowed it (:func:`~..core.interrupts.raise_pending`)."""
+        interrupts.raise_pending()
         watchdog = self.session.watchdog if self.session is not None else None
         if watchdog is not None:
             watchdog.beat(step, completed=completed)
@@ -134,7 +138,9 @@ class Guard:
         return self.sync_every is not None and iteration % self.sync_every == 0
 
     def check(self, *, step: int | None = None, epoch: int | None = None) -> None:
-        """Raise the peer failure the watchdog already knows (no communication)."""
+        """Raise the peer failure the watchdog already knows (no communication), or the interrupt
+        of a hung main thread that user code swallowed."""
+        interrupts.raise_pending()
         if self.session is not None and self.session.known_failure is not None:
             raise self.on_exception(self.session.known_failure, step=step, epoch=epoch)
 

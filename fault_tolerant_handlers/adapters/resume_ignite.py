@@ -22,6 +22,7 @@ from typing import Any
 
 from ignite.handlers import DiskSaver
 
+from ..core import interrupts
 from ..core.log import log
 from ..data.loader import RestartableDataLoader
 from ..data import snapshots
@@ -37,6 +38,8 @@ class SafeDiskSaver(DiskSaver):
     waits until the new file is complete on disk (``DiskSaver`` writes it to a temporary file and
     renames it), so a kill at any moment leaves at least ``n_saved`` complete checkpoints once that
     many were written, and :func:`~fault_tolerant_handlers.latest_checkpoint` finds the newest.
+    Recovering in place, the interrupt of a hung main thread waits until the write and the removal
+    are over (a :class:`~fault_tolerant_handlers.deferred_interrupt` section).
 
     Examples:
         .. code-block:: python
@@ -51,12 +54,15 @@ class SafeDiskSaver(DiskSaver):
         self._fth_pending_removal: list[str] = []
 
     def __call__(self, checkpoint: Any, filename: str, metadata: Any = None) -> None:
-        super().__call__(checkpoint, filename, metadata)  # raises (or is killed): nothing is removed
-        snapshots.keep(self.dirname / filename, checkpoint)  # recovering in place: read from memory
-        pending, self._fth_pending_removal = self._fth_pending_removal, []
-        for name in pending:
-            if name != filename:  # the same name saved again: the new file replaced it already
-                super().remove(name)
+        # Recovering in place, the interrupt of a hung main thread waits until the file is written
+        # and the old ones removed (a deferred section, bounded by FTH_INTERRUPT_DEFER_SEC).
+        with interrupts.SECTION:
+            super().__call__(checkpoint, filename, metadata)  # raises (or is killed): nothing is removed
+            snapshots.keep(self.dirname / filename, checkpoint)  # recovering in place: read from memory
+            pending, self._fth_pending_removal = self._fth_pending_removal, []
+            for name in pending:
+                if name != filename:  # the same name saved again: the new file replaced it already
+                    super().remove(name)
 
     def remove(self, filename: str) -> None:
         self._fth_pending_removal.append(filename)

@@ -33,6 +33,10 @@ variable                        default    accepted              meaning
                                                                  the recovery this soon after the first
 ``FTH_SNAPSHOT``                1          0, 1                  recovering in place: the newest checkpoint
                                                                  also kept in memory (data.snapshots)
+``FTH_INTERRUPT_DEFER_SEC``     30         0.1 .. 3600           recovering in place: a deferred section
+                                                                 (a checkpoint write, a store call,
+                                                                 ``deferred_interrupt``) holds a hung
+                                                                 rank's interrupt back this long at most
 ==============================  =========  ====================  ======================================
 """
 
@@ -66,6 +70,7 @@ AUTO_HANG_FLOOR_ENV = "FTH_AUTO_HANG_FLOOR_SEC"
 AUTO_HANG_WARMUP_ENV = "FTH_AUTO_HANG_WARMUP"
 RECOVER_JOIN_ENV = "FTH_RECOVER_JOIN_SEC"
 SNAPSHOT_ENV = "FTH_SNAPSHOT"
+INTERRUPT_DEFER_ENV = "FTH_INTERRUPT_DEFER_SEC"
 #: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`..detect.autohang`).
 AUTO = "auto"
 
@@ -83,6 +88,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "sync_timeout": (1.0, 30 * 86400.0),
     "ckpt_agree_timeout": (1.0, 86400.0),
     "recover_join_timeout": (1.0, 86400.0),
+    "interrupt_defer": (0.1, 3600.0),
 }
 _ENV_OF = {
     "interval": INTERVAL_ENV,
@@ -95,6 +101,7 @@ _ENV_OF = {
     "sync_timeout": SYNC_TIMEOUT_ENV,
     "ckpt_agree_timeout": CKPT_AGREE_TIMEOUT_ENV,
     "recover_join_timeout": RECOVER_JOIN_ENV,
+    "interrupt_defer": INTERRUPT_DEFER_ENV,
 }
 KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, AUTO_HANG_MULTIPLE_ENV,
              AUTO_HANG_FLOOR_ENV, AUTO_HANG_WARMUP_ENV)
@@ -285,6 +292,22 @@ def recover_join_timeout() -> timedelta:
     return env_timedelta("recover_join_timeout") or timedelta(seconds=60)
 
 
+#: Recovering in place, the longest a deferred section (:class:`~.interrupts.deferred_interrupt`: the
+#: library's checkpoint writes and main-thread store calls, a user's own section) holds a hung rank's
+#: interrupt back, counted from the interrupt's first arrival; past it the section is interrupted
+#: inside. Below the peers' ``FTH_RECOVER_JOIN_SEC`` (60 s) with room for the exception path, so
+#: that a section that hangs itself still lets the rank reach the recovery in time. A checkpoint
+#: write of more than this is interrupted (its file is either complete or a temporary file that
+#: :func:`~..data.checkpoints.latest_checkpoint` skips, for the library's writes and Ignite's
+#: ``DiskSaver``). ``FTH_INTERRUPT_DEFER_SEC`` overrides it.
+INTERRUPT_DEFER = timedelta(seconds=30)
+
+
+def interrupt_defer() -> timedelta:
+    """``FTH_INTERRUPT_DEFER_SEC``, or :data:`INTERRUPT_DEFER`."""
+    return env_timedelta("interrupt_defer") or INTERRUPT_DEFER
+
+
 def ckpt_agree_timeout() -> timedelta:
     return env_timedelta("ckpt_agree_timeout") or timedelta(seconds=300)
 
@@ -334,8 +357,10 @@ def load() -> Config:
     if unknown:
         log(logging.WARNING, "ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
             ", ".join(KNOWN_ENV))
-    values = {name: env_timedelta(name) for name in _ENV_OF if name not in ("hang_timeout", "recover_join_timeout")}
+    values = {name: env_timedelta(name) for name in _ENV_OF
+              if name not in ("hang_timeout", "recover_join_timeout", "interrupt_defer")}
     recover_join_timeout()
+    interrupt_defer()
     snapshot()
     values["hang_timeout"] = env_hang_timeout()
     auto_hang()
@@ -394,6 +419,7 @@ def load() -> Config:
 # RECOVER_TEARDOWN_SEC         10       recover.inplace              destroying a failed attempt's groups
 # RECOVER_TELL_SEC             2.0      recover.inplace              a rank that ends tells its peers why (store calls)
 # INTERRUPT_WAIT               2.0      detect.watchdog              a hung main thread leaves its hang when interrupted
+# INTERRUPT_RESEND             0.5      detect.watchdog              the interrupt's signal again, until it is taken
 # ATTEMPT_KEYS_WAIT            3.0      launchers.compat_torchrun    one try at deleting the read gloo keys (fth-attempt-keys)
 # ATTEMPT_KEYS_PATIENCE        60       launchers.compat_torchrun    tries at it before leaving it to the way out
 # ===========================  =======  ===========================  ==============================================
@@ -485,6 +511,12 @@ RECOVER_TELL_SEC = 2.0
 #: Recovering in place, a rank hung in Python is interrupted; if its main thread has not left the
 #: hang this many seconds later (stuck in C), it ends as without recovery (EXIT_HUNG).
 INTERRUPT_WAIT = 2.0
+#: Recovering in place, while a hung rank's interrupt is not taken by the recovery, the watchdog
+#: signals the main thread again this often (seconds): an interrupt caught and not re-raised (an
+#: ``except BaseException``) is raised again, one held back by a checkpoint write the stack shows is
+#: delivered after it. The wait for the main thread (INTERRUPT_WAIT) is extended while a deferred
+#: section holds the interrupt back (by INTERRUPT_DEFER at most).
+INTERRUPT_RESEND = 0.5
 
 
 def check_timings(cfg: "Config | None" = None) -> list[str]:
@@ -513,6 +545,10 @@ def check_timings(cfg: "Config | None" = None) -> list[str]:
         (seconds(HELPER_STORE_TIMEOUT) <= 2 * seconds(HEARTBEAT_EVERY), "HELPER_STORE_TIMEOUT <= 2 x "
                                                                         "HEARTBEAT_EVERY"),
         (ZOMBIE_HOLD < SIGTERM_CAUSE_WAIT + REPORT_WAIT, "ZOMBIE_HOLD < SIGTERM_CAUSE_WAIT + REPORT_WAIT"),
+        (INTERRUPT_RESEND < INTERRUPT_WAIT, "INTERRUPT_RESEND < INTERRUPT_WAIT: a swallowed interrupt is raised "
+                                            "again before the hung rank is given up"),
+        (seconds(INTERRUPT_DEFER) + INTERRUPT_WAIT < 60, "INTERRUPT_DEFER + INTERRUPT_WAIT < the default "
+                                                          "FTH_RECOVER_JOIN_SEC (60 s)"),
     ]
     broken = [what for ok, what in fixed if not ok]
     assert not broken, f"the library's timings contradict each other: {'; '.join(broken)}"
@@ -526,6 +562,11 @@ def check_timings(cfg: "Config | None" = None) -> list[str]:
                             "gone instead of the signal")
         if seconds(cfg.heartbeat_timeout) < 2 * seconds(HEARTBEAT_EVERY):
             problems.append(f"{HEARTBEAT_TIMEOUT_ENV}: below two heartbeats ({2 * seconds(HEARTBEAT_EVERY):g} s)")
+        defer, join = seconds(interrupt_defer()), seconds(recover_join_timeout())
+        if defer + INTERRUPT_WAIT >= join:
+            problems.append(f"{INTERRUPT_DEFER_ENV}={defer:g}: recovering in place, a hung rank whose deferred section "
+                            f"holds its interrupt back that long reaches the recovery after its peers stopped "
+                            f"waiting for it ({RECOVER_JOIN_ENV}={join:g} s): the job ends instead of recovering")
         if max(1.0, 5 * poll) > seconds(cfg.store_lost_after):
             problems.append(f"{INTERVAL_ENV}={poll:g}: the watchdog's store calls may take {max(1.0, 5 * poll):g} s, "
                             f"longer than {STORE_LOST_ENV} ({seconds(cfg.store_lost_after):g} s): a lost store is "

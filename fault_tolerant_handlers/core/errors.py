@@ -212,10 +212,16 @@ PeerFailedError.__module__ = SectionMismatchError.__module__ = "fault_tolerant_h
 FailureKind.__module__ = Ended.__module__ = "fault_tolerant_handlers.errors"
 
 
-class HangInterrupted(RuntimeError):
+class HangInterrupted(BaseException):
     """Raised in a hung rank's main thread, where it hangs, when the job recovers in place
     (:func:`fault_tolerant_handlers.recover_in_place` with ``hang_timeout`` set): the rank's own
-    failure, whose message is what its watchdog found (no progress for ``hang_timeout``)."""
+    failure, whose message is what its watchdog found (no progress for ``hang_timeout``).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: an ``except Exception:`` lets it through. Code
+    that catches it anyway and carries on meets it again at the library's next hook, until the
+    recovery takes it. It waits outside :class:`~fault_tolerant_handlers.deferred_interrupt`
+    sections (:mod:`.interrupts`). (Before: a ``RuntimeError``.)
+    """
 
 
 class StateTransferError(RuntimeError):

@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from . import release
+from . import interrupts, release
 from .log import log
 from .records import FailureRecord, sanitize
 
@@ -268,7 +268,12 @@ class Connection:
 
     def call(self, method: str, *args):
         """``store.<method>(*args)``, bounded; a failure drops this connection (the next call makes
-        a new one) and is raised."""
+        a new one) and is raised. In the main thread, a deferred section (:mod:`.interrupts`): the
+        interrupt of a hung main thread waits for it (the call is bounded by its budget)."""
+        with interrupts.SECTION:
+            return self._call(method, *args)
+
+    def _call(self, method: str, *args):
         self.calls += 1
         with self._lock:
             if self._store is None and self._connecting:
@@ -405,6 +410,7 @@ class Schema:
         self._known: dict[str, int] = {}
 
     # -- counters ----------------------------------------------------------------------------------
+    @interrupts.SECTION
     def _counter(self, key: str, amount: int) -> int:
         """``add(key, amount)``; a key holding something that is not an integer is repaired."""
         try:
@@ -448,8 +454,10 @@ class Schema:
         return self._counter(declared_key(rank), 1) == 1
 
     # -- records -----------------------------------------------------------------------------------
+    @interrupts.SECTION
     def publish(self, record: FailureRecord) -> int:
-        """Write ``record`` under a new index; returns the index."""
+        """Write ``record`` under a new index; returns the index. A deferred section: an index is
+        never taken without its record written (:mod:`.interrupts`)."""
         index = self._counter(KEY_COUNT, 1)
         self.conn.call("set", record_key(index), record.to_json())
         self._own.append(index)

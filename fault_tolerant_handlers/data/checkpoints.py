@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..core import attempts, config
+from ..core import attempts, config, interrupts
 from ..core.log import log
 
 __all__ = ["latest_checkpoint"]
@@ -189,6 +189,7 @@ def latest_checkpoint(dirname: str | os.PathLike) -> str | None:
     key = f"fth/latest_checkpoint/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{namespace}/{count}"
     if int(os.environ.get("RANK", "0")) == 0:
         answer = _decide(folder)
-        store.set(key, _encode(answer))
+        with interrupts.SECTION:  # a main-thread store call: a hung rank's interrupt waits for it
+            store.set(key, _encode(answer))
         return answer
     return _decode(store.get(key))

@@ -42,7 +42,7 @@ import weakref
 from datetime import timedelta
 
 from . import autohang
-from ..core import attempts, config, events
+from ..core import attempts, config, events, interrupts
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted
 from ..core.kinds import FailureKind
 from ..core.session import Incident, Session, get_session, provide_watchdog
@@ -54,7 +54,8 @@ from .liveness import kill_all as kill_all_liveness
 from .probes import (Finding, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
                      main_thread_frame)
 from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
-from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_WAIT, LIVENESS_STORE_TIMEOUT, RELEASE_GRACE,  # timings:
+from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_RESEND, INTERRUPT_WAIT, LIVENESS_STORE_TIMEOUT,  # timings:
+                           RELEASE_GRACE,
                            SILENT_MARGIN,
                            STORE_CHECK_EVERY, STORE_EVIDENCE_TIMEOUT, STORE_WARN_EVERY)  # the table in core.config
 
@@ -242,7 +243,7 @@ class Watchdog:
             # Recovering in place: interrupt the main thread where it hangs (in Python it leaves at
             # once); if it does not reach the recovery in time (stuck in C), end as without recovery.
             left = attempts.interrupt_main(HangInterrupted(str(finding.error).splitlines()[0]))
-            if left is not None and left.wait(INTERRUPT_WAIT):
+            if left is not None and self._interrupted(left):
                 log(logging.WARNING, "the hung main thread was interrupted: recovering in place")
                 return
             # Give the peers a moment to read the record, then end: the main thread cannot be trusted.
@@ -255,6 +256,25 @@ class Watchdog:
             threading.Thread(target=self._escalate, args=(incident,), name="fth-escalate", daemon=True).start()
         self._declare(finding, schema)
         events.emit(events.JOB_FAILED, self.session)  # the launchers: torchrun's attempt keys, once declared
+
+    @staticmethod
+    def _interrupted(left: threading.Event) -> bool:
+        """Whether the interrupted main thread reached the recovery (``left``): within INTERRUPT_WAIT,
+        or, while a deferred section holds the interrupt back, within INTERRUPT_WAIT after the
+        section's bound. The signal is sent again every INTERRUPT_RESEND meanwhile: an interrupt
+        caught and not re-raised is raised again, one deferred by a checkpoint write the stack
+        shows is delivered once the write is over."""
+        deadline = time.monotonic() + INTERRUPT_WAIT
+        while True:
+            now = time.monotonic()
+            held = interrupts.deferred_until()
+            if held is not None:
+                deadline = max(deadline, held + INTERRUPT_WAIT)
+            if left.wait(max(0.0, min(INTERRUPT_RESEND, deadline - now))):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            interrupts.resend()
 
     def _declare(self, finding: Finding, schema: Schema | None) -> None:
         """Publish what this rank declares about another (the first rank to declare it does)."""

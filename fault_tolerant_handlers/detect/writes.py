@@ -1,5 +1,6 @@
-"""Checkpoint writes under way in the main thread: a reported exit waits for them, and the learned
-hang deadline judges them as a ``"checkpoint"``. ``torch.save``, Lightning's ``save_checkpoint`` and
+"""Checkpoint writes under way in the main thread: a reported exit waits for them, the learned
+hang deadline judges them as a ``"checkpoint"``, and the interrupt of a hung main thread (recovering
+in place) waits for them (:mod:`..core.interrupts`). ``torch.save``, Lightning's ``save_checkpoint`` and
 Ignite's ``DiskSaver`` are recognised from the main thread's stack; other writes are marked with
 :func:`writing_checkpoint`."""
 
@@ -10,6 +11,8 @@ import os
 import threading
 from typing import Iterator
 
+from ..core import interrupts
+
 _writes_in_progress = 0
 _writes_lock = threading.Lock()
 
@@ -17,13 +20,16 @@ _writes_lock = threading.Lock()
 @contextlib.contextmanager
 def writing_checkpoint() -> Iterator[None]:
     """Mark a block that writes a checkpoint: a reported exit waits for it to finish (bounded by
-    ``FTH_WRITE_GRACE_SEC``). ``torch.save``, Lightning's ``save_checkpoint`` and Ignite's
+    ``FTH_WRITE_GRACE_SEC``), and so does the interrupt of a hung main thread when recovering in
+    place (it is a :class:`~fault_tolerant_handlers.deferred_interrupt` section: bounded by
+    ``FTH_INTERRUPT_DEFER_SEC``). ``torch.save``, Lightning's ``save_checkpoint`` and Ignite's
     ``DiskSaver`` are recognised without it."""
     global _writes_in_progress
     with _writes_lock:
         _writes_in_progress += 1
     try:
-        yield
+        with interrupts.SECTION:
+            yield
     finally:
         with _writes_lock:
             _writes_in_progress -= 1
@@ -34,8 +40,12 @@ _WRITE_FUNCTIONS = ("save_checkpoint", "_save_checkpoint")
 
 def writing_now(frame) -> bool:
     """True when the main thread is inside a checkpoint write."""
-    if _writes_in_progress:
-        return True
+    return bool(_writes_in_progress) or stack_writes(frame)
+
+
+def stack_writes(frame) -> bool:
+    """True when the stack from ``frame`` outwards is inside a checkpoint write it shows (``torch.save``,
+    a ``save_checkpoint``, Ignite's ``DiskSaver``)."""
     while frame is not None:
         code = frame.f_code
         name, path = code.co_name, code.co_filename
@@ -48,3 +58,7 @@ def writing_now(frame) -> bool:
                 return True
         frame = frame.f_back
     return False
+
+
+# The interrupt of a hung main thread waits for a write its stack shows (recovering in place).
+interrupts.defer_while(stack_writes)

@@ -31,8 +31,11 @@ with a note naming the cause of every attempt.
 
 A rank hung in Python (``hang_timeout`` set) is interrupted where it hangs: its watchdog raises
 :class:`~..core.errors.HangInterrupted` in its main thread (a signal, :data:`INTERRUPT_SIGNAL`, whose
-handler raises), and the rank recovers with the others. A main thread stuck in C does not leave within
-:data:`~..core.config.INTERRUPT_WAIT`; that rank ends as without recovery.
+handler raises), and the rank recovers with the others. The interrupt is a ``BaseException``, raised
+again until the recovery takes it, and it waits outside deferred sections (the library's checkpoint
+writes and store calls, :class:`~..core.interrupts.deferred_interrupt`) for
+``FTH_INTERRUPT_DEFER_SEC`` at most: :mod:`..core.interrupts`. A main thread stuck in C does not leave
+within :data:`~..core.config.INTERRUPT_WAIT`; that rank ends as without recovery.
 
 Launchers. ``recover_in_place`` runs in every rank's process, around what that rank runs:
 
@@ -84,7 +87,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from ..core import attempts, compat_torch as _compat_torch, config, events
+from ..core import attempts, compat_torch as _compat_torch, config, events, interrupts
 from ..core.config import RECOVER_POLL, RECOVER_TEARDOWN_SEC, RECOVER_TELL_SEC
 from ..core.errors import PeerFailedError, RecoveryError, SectionMismatchError
 from ..core.kinds import FailureKind
@@ -163,7 +166,6 @@ class _Recovery:
         #: Told each attempt's number as it starts (a keeper's child tells its keeper).
         self.on_attempt: Callable[[int], None] | None = None
         self.causes: list[Cause] = []  # the primary cause of each failed attempt
-        self._pending: BaseException | None = None  # the error a hung main thread is interrupted with
         self._left = threading.Event()  # the main thread reached the recovery
         self._sessions: list = []  # the failed attempt's sessions, stopped, to abandon
 
@@ -225,6 +227,9 @@ class _Recovery:
                 try:
                     return self.fn(*args, **kwargs)
                 except BaseException as err:  # noqa: BLE001 - decided below; re-raised unless recovered
+                    # First: the interrupt (if any) is taken, whatever ended the attempt; from here on
+                    # no signal raises it (the handler never raises in this frame, nor in take()).
+                    interrupts.take()
                     self._left.set()
                     decision, timings = self._failed(err, started)
                     if not decision.restart:
@@ -463,26 +468,21 @@ class _Recovery:
         if INTERRUPT_SIGNAL is None or threading.current_thread() is not threading.main_thread():
             log(logging.INFO, "recover_in_place runs outside the main thread: a hung rank ends as without recovery")
             return None
-
-        def handler(signum, frame):
-            err, self._pending = self._pending, None
-            if err is not None:
-                raise err
-
-        previous = signal.signal(INTERRUPT_SIGNAL, handler)
+        # This frame (_Recovery.run) takes the interrupt: a signal that arrives while it runs (the
+        # training function has returned or raised) raises nothing.
+        state = interrupts.install(INTERRUPT_SIGNAL, config.interrupt_defer(), takers=(_Recovery.run.__code__,))
         attempts.interrupter = self._interrupt
-        return (previous,)
+        return (state,)
 
     def _restore_interrupter(self, previous) -> None:
         attempts.interrupter = None
         compat_torchrun.release_rendezvous()
         if previous is not None:
-            signal.signal(INTERRUPT_SIGNAL, previous[0])
+            interrupts.uninstall(previous[0])
 
     def _interrupt(self, error: BaseException) -> threading.Event:
         self._left.clear()
-        self._pending = error
-        signal.pthread_kill(threading.main_thread().ident, INTERRUPT_SIGNAL)
+        interrupts.interrupt(error)
         return self._left
 
 

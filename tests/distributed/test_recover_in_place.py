@@ -8,7 +8,8 @@ what every rank saw: the pids of both attempts (the same processes), where attem
 batches it trained (exactly the uninterrupted run's from iteration 31), the final weights
 (``torch.equal``), and for the cases that must not recover, the cause each rank ended with.
 
-Default suite: Ignite raising, a SIGKILLed rank replaced, 6 recoveries in one job; the rest is ``long``
+Default suite: Ignite raising, a SIGKILLed rank replaced, 6 recoveries in one job, a hang inside a step
+that swallows every exception; the rest is ``long``
 (``make test-long``): Lightning, 20 recoveries, a hang, two recoveries, a repeat, ``max_restarts``
 spent, ``replace_dead=False``.
 """
@@ -103,6 +104,25 @@ def test_a_hung_rank_is_interrupted_and_recovers_in_place(framework, tmp_path, t
     assert_recovered_exactly(run, ref, framework)
     assert "[rank 1] the hung main thread was interrupted: recovering in place" in output
     assert "HangInterrupted" in output
+
+
+@pytest.mark.timeout(300)
+def test_a_hang_inside_a_step_that_swallows_every_exception_recovers_in_place(tmp_path):
+    """Every rank's training step wraps its body in ``try/except Exception: pass``, and rank 1 hangs
+    inside it (``SWALLOW=1``: the step fires ``FTH_INJECT``). The interrupt, a ``BaseException``, goes
+    through the user's ``except Exception``: both ranks recover in place, in their own processes.
+    (Not checked exactly: rank 0's step swallows its released collectives too and trains on alone
+    until its watchdog has the failure, a few steps here, where steps take a millisecond.)"""
+    run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "SWALLOW": "1", "FTH_HANG_TIMEOUT_SEC": "3",
+                                                   "FTH_INJECT": "hang@rank=1,iteration=37"})
+    for rank in (0, 1):
+        seen = tries(run, rank)
+        assert set(seen) == {0, 1}, f"rank {rank}: attempts {sorted(seen)}"
+        assert len({t["pid"] for t in seen.values()}) == 1, f"rank {rank}: not recovered in its own process"
+        assert seen[1]["done"] and not seen[0].get("done"), seen
+        assert f"[rank {rank}] recovering in place, attempt 1 (max_restarts=2), after rank 1 failed in train: " \
+               "HangInterrupted: RankHung: rank 1" in output
+    assert "[rank 1] the hung main thread was interrupted: recovering in place" in output
 
 
 @pytest.mark.timeout(300)
