@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
+from .adapters.live_lightning import LightningLive
 from .core import attempts
 from .data import snapshots
 from .data.ddp_buckets import DDPBucketLayout
@@ -158,6 +159,7 @@ class FaultTolerance(_CallbackBase):
         self._buckets: DDPBucketLayout | None = None  # the DDP's bucket layout, from on_fit_start on
         self._loaded_buckets: Any = None  # the checkpoint's, until the DDP exists (on_fit_start)
         self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
+        self._live = LightningLive()  # recovering in place: the trainer's live state (data.live)
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -269,8 +271,18 @@ class FaultTolerance(_CallbackBase):
             raise to_raise from exc
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.guard.active and attempts.recovering():
+            self._live.train_start(trainer)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._live.update_begins()
+
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        self._live.batch_start(trainer)
         self._check(trainer)  # an attribute read: the watchdog may already know a peer failed
         if self._injector is not None:
             self._injector.maybe_fire(trainer.global_rank, int(trainer.global_step) + 1, trainer.current_epoch + 1,
@@ -280,6 +292,7 @@ class FaultTolerance(_CallbackBase):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._batches += 1
+        self._live.batch_end()
         self.guard.beat(int(trainer.global_step), STEP, completed=True)
         if self.guard.due(self._batches):
             self._sync(trainer, "training batch")
@@ -321,6 +334,7 @@ class FaultTolerance(_CallbackBase):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync(trainer, "end of run")
+        self._live.close()
         # Every rank is past the last agreement: a rank that now exits first is not a failure.
         self._stop_watchdog()
 
@@ -337,6 +351,7 @@ class FaultTolerance(_CallbackBase):
             return  # another FaultTolerance instance already finished the exception path
         in_parent = False
         if self.guard.active:
+            self._live.failed()  # before anything else runs: the state as the failure left it
             to_raise = self._convert(trainer, exception)
         elif _is_rank_process_error(exception):
             to_raise, in_parent = exception, True  # the parent of spawned ranks: keep the rank's error visible

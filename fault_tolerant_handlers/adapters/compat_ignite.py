@@ -11,6 +11,10 @@ Checked against pytorch-ignite 0.5.0.post2 (the first 0.5 release) and 0.5.5.
   (:func:`reset_idist`): idist computes its model lazily with a collective (``new_group``), so a
   survivor that kept the failed attempt's model and a replacement process that computes it anew would
   be out of step by one collective.
+* ``Engine._handler_wrapper``'s ``_parent``: a handler attached to a filtered event
+  (``Events.ITERATION_COMPLETED(every=10)``) is registered as a wrapper whose ``_parent`` is a weak
+  reference to the handler. Used to find the ``Checkpoint`` handlers attached to a trainer, whose
+  ``to_save`` is what live state captures (:func:`attached_handlers`).
 * ``Engine._run_once_on_dataset_as_gen`` / ``_run_once_on_dataset_legacy``: the functions whose frames
   (with ``self``, the engine) are on the stack while an engine runs its epoch. ``hang_timeout="auto"``
   reads them, from the watchdog thread, to recognise an evaluator run from a trainer's handler.
@@ -45,6 +49,30 @@ def prepend(engine: Any, event: Any, handler: Callable) -> None:
     engine.add_event_handler(event, handler)
     handlers = handlers_of(engine, event)
     handlers.insert(0, handlers.pop())
+
+
+def append_last(engine: Any, event: Any, handler: Callable) -> None:
+    """Move ``handler`` (attached to ``event``) after every handler attached to it now."""
+    handlers = handlers_of(engine, event)
+    for i, entry in enumerate(handlers):
+        if entry[0] == handler:
+            handlers.append(handlers.pop(i))
+            return
+
+
+def attached_handlers(engine: Any) -> list:
+    """Every handler attached to ``engine``, on any event, as it was given (a filtered event's wrapper
+    unwrapped), each once."""
+    found: list = []
+    for entries in engine._event_handlers.values():
+        for entry in entries:
+            func = entry[0]
+            parent = getattr(func, "_parent", None)
+            if isinstance(parent, weakref.ref) and parent() is not None:
+                func = parent()
+            if all(func is not f for f in found):
+                found.append(func)
+    return found
 
 
 def call_handler(engine: Any, entry: tuple, event_args: tuple) -> None:

@@ -18,10 +18,18 @@ trainer it is given (:func:`namespace`).
   ``strategy="ddp"``, whose ``_call_children_scripts`` sets ``LOCAL_RANK`` in the environment of the
   process that started the other ranks; recovering in place relies on it (:func:`keep_launched_ranks`,
   looked up only then).
+* ``Trainer._checkpoint_connector.dump_checkpoint(weights_only=False)``: the dict
+  ``trainer.save_checkpoint`` writes, without its barrier and file (live state, :func:`dump_checkpoint`);
+* ``<namespace>.loops.loop._Loop`` and ``<namespace>.loops.progress._BaseProgress``: the loops' state as
+  ``_Loop.state_dict`` walks it (``on_save_checkpoint()`` of each loop, the progress objects in its
+  ``__dict__``), copied cheaply at every completed batch (:func:`loop_parts`, :func:`snapshot_loops`);
+* ``<namespace>.strategies.DDPStrategy`` / ``DeepSpeedStrategy``: live state only under a plain DDP
+  strategy, whose checkpoint is built without collectives (:func:`plain_ddp`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -188,3 +196,57 @@ def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any], n
     strategy.save_checkpoint = save_checkpoint
     strategy.load_checkpoint = load_checkpoint
     strategy._fth_snapshots = True
+
+
+def plain_ddp(strategy: Any) -> bool:
+    """``strategy`` is Lightning's ``DDPStrategy`` (not DeepSpeed, FSDP...): its checkpoint dict is
+    built from this rank's objects alone, without collectives."""
+    ns = "pytorch_lightning" if type(strategy).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
+    strategies = _import(ns + ".strategies")
+    deepspeed = getattr(strategies, "DeepSpeedStrategy", ())
+    return isinstance(strategy, strategies.DDPStrategy) and not isinstance(strategy, deepspeed)
+
+
+def dump_checkpoint(trainer: Any) -> dict:
+    """The dict ``trainer.save_checkpoint(path)`` would write (no barrier, no file)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def loop_parts(loop: Any) -> tuple[list, list]:
+    """``([(key, loop)], [(key, progress)])``: every loop under ``loop`` and every progress object,
+    keyed as ``loop.state_dict()`` keys them (the structure is fixed once the trainer is set up)."""
+    ns = "pytorch_lightning" if type(loop).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
+    loop_type = _import(ns + ".loops.loop")._Loop
+    progress_type = _import(ns + ".loops.progress")._BaseProgress
+    loops: list = []
+    progresses: list = []
+
+    def walk(node: Any, prefix: str) -> None:
+        loops.append((prefix + "state_dict", node))
+        for key, value in node.__dict__.items():
+            if isinstance(value, progress_type):
+                progresses.append((prefix + key, value))
+            elif isinstance(value, loop_type):
+                walk(value, prefix + key + ".")
+
+    walk(loop, "")
+    return loops, progresses
+
+
+def _clone(obj: Any) -> Any:
+    new = object.__new__(type(obj))
+    for key, value in obj.__dict__.items():
+        new.__dict__[key] = _clone(value) if dataclasses.is_dataclass(value) else value
+    return new
+
+
+def snapshot_loops(parts: tuple[list, list]) -> list:
+    """A copy of the loops' state now (cheap: ``loop.state_dict()`` turns every progress object into a
+    dict with ``dataclasses.asdict``; here they are copied, and turned into dicts by :func:`loop_state`)."""
+    loops, progresses = parts
+    return [(key, node.on_save_checkpoint()) for key, node in loops] + [(key, _clone(p)) for key, p in progresses]
+
+
+def loop_state(snapshot: list) -> dict:
+    """What ``loop.state_dict()`` returned when :func:`snapshot_loops` took ``snapshot``."""
+    return {key: value.state_dict() if dataclasses.is_dataclass(value) else value for key, value in snapshot}

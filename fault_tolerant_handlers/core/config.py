@@ -33,6 +33,10 @@ variable                        default    accepted              meaning
                                                                  the recovery this soon after the first
 ``FTH_SNAPSHOT``                1          0, 1                  recovering in place: the newest checkpoint
                                                                  also kept in memory (data.snapshots)
+``FTH_LIVE_STATE``              1          0, 1                  recovering in place: carry on from the
+                                                                 ranks' live state at the last completed
+                                                                 step, not the newest checkpoint
+                                                                 (data.live)
 ==============================  =========  ====================  ======================================
 """
 
@@ -66,6 +70,7 @@ AUTO_HANG_FLOOR_ENV = "FTH_AUTO_HANG_FLOOR_SEC"
 AUTO_HANG_WARMUP_ENV = "FTH_AUTO_HANG_WARMUP"
 RECOVER_JOIN_ENV = "FTH_RECOVER_JOIN_SEC"
 SNAPSHOT_ENV = "FTH_SNAPSHOT"
+LIVE_STATE_ENV = "FTH_LIVE_STATE"
 #: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`.autohang`).
 AUTO = "auto"
 
@@ -96,7 +101,8 @@ _ENV_OF = {
     "ckpt_agree_timeout": CKPT_AGREE_TIMEOUT_ENV,
     "recover_join_timeout": RECOVER_JOIN_ENV,
 }
-KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, AUTO_HANG_MULTIPLE_ENV,
+KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV,
+             AUTO_HANG_MULTIPLE_ENV,
              AUTO_HANG_FLOOR_ENV, AUTO_HANG_WARMUP_ENV)
 
 
@@ -252,6 +258,16 @@ def snapshot() -> bool:
     return value == "1"
 
 
+def live_state() -> bool:
+    """``FTH_LIVE_STATE``: recovering in place, carry on from the ranks' live state (default 1)."""
+    raw = os.environ.get(LIVE_STATE_ENV, "")
+    value = raw.strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{LIVE_STATE_ENV}={raw!r}: expected 0 (resume from the newest checkpoint) or 1 (from "
+                         "the ranks' live state, the default)")
+    return value == "1"
+
+
 def recover_join_timeout() -> timedelta:
     return env_timedelta("recover_join_timeout") or timedelta(seconds=60)
 
@@ -308,6 +324,7 @@ def load() -> Config:
     values = {name: env_timedelta(name) for name in _ENV_OF if name not in ("hang_timeout", "recover_join_timeout")}
     recover_join_timeout()
     snapshot()
+    live_state()
     values["hang_timeout"] = env_hang_timeout()
     auto_hang()
     attempt_store()

@@ -92,10 +92,11 @@ from ..core.records import cap_head
 from ..core.release import EXIT_TEARDOWN_STUCK, store_ports
 from ..core.schema import Connection, StoreCallTimeout, unblock_stuck_calls
 from ..core.session import AGREED_ATTR, PUBLISHED_ATTR, live_sessions
-from ..data import loader as _loader, snapshots
+from ..data import live as _live, loader as _loader, snapshots
 from ..launchers import compat_torchrun
 from . import keeper
-from .causes import KEY_ROOT, NOT_IN_PLACE, Cause, Decision, _base_of, _needs_keeper, keeper_key
+from .causes import (KEY_ROOT, NOT_IN_PLACE, Cause, Decision, LivePlan, LiveReport, _base_of, _needs_keeper, keeper_key,
+                     plan_live)
 
 T = TypeVar("T")
 
@@ -165,6 +166,9 @@ class _Recovery:
         self._pending: BaseException | None = None  # the error a hung main thread is interrupted with
         self._left = threading.Event()  # the main thread reached the recovery
         self._sessions: list = []  # the failed attempt's sessions, stopped, to abandon
+        self._captured: _live.Captured | None = None  # this rank's live state of the failed attempt
+        self._live_report: LiveReport | None = None  # what this rank tells the others it holds
+        self._live_plan: LivePlan | None = None  # where the next attempt's state comes from (rank 0's plan)
 
     # -- the world the attempts share ------------------------------------------------------------------
     def _world(self) -> tuple[Any, int, int, str, timedelta] | None:
@@ -240,6 +244,7 @@ class _Recovery:
             self._restore_interrupter(previous)
             attempts.leave_recovery(running)
             snapshots.forget()  # the newest checkpoint's copy in memory: no attempt will read it now
+            _live.forget()
 
     def _join_as_replacement(self, cause: Cause) -> dict:
         """A keeper's new child: connect to torchrun's store as the rendezvous would, and take part in
@@ -253,6 +258,7 @@ class _Recovery:
         if not decision.restart:
             raise RecoveryError(f"the replacement of rank {rank}'s process could not join the recovery: {decision.why}")
         self.causes.append(Cause(**decision.cause) if decision.cause else cause)
+        self._settle_live(decision)
         now = time.monotonic()
         return {"detected": t0, "stopped": t0, "agreed": now, "torn_down": now}
 
@@ -293,12 +299,37 @@ class _Recovery:
         for session in sessions:
             session.stop()
         stopped = time.monotonic()
+        self._collect_live(rank)  # the state this rank holds, as of the last step it completed
         # 2. agree, on the first attempt's store
         decision = self._agree(world, cause)
         timings = {"detected": t0, "stopped": stopped, "agreed": time.monotonic(), "attempt_ran": t0 - started}
         if decision.restart:
             self.causes.append(Cause(**decision.cause) if decision.cause else cause)
+        self._settle_live(decision)
         return decision, timings
+
+    # -- live state (data.live) ------------------------------------------------------------------------
+    def _collect_live(self, rank: int) -> None:
+        """This rank's live state of the failed attempt, and what it tells the others."""
+        try:
+            self._captured = _live.collect()
+            self._live_report = LiveReport(rank, self._captured.step, self._captured.unit, "")
+        except _live.NotLive as why:
+            self._captured = None
+            self._live_report = LiveReport(rank, -1, "", cap_head(str(why), 300))
+
+    def _settle_live(self, decision: Decision) -> None:
+        """Follow rank 0's plan: hold this rank's live state for the next attempt, or nothing (it
+        resumes from its checkpoint)."""
+        captured, self._captured = self._captured, None
+        if not decision.restart:
+            _live.hold(None)
+            return
+        plan = LivePlan.from_dict(decision.live) if decision.live else LivePlan(-1, "", "rank 0 made no plan")
+        if plan.step >= 0 and (captured is None or captured.step != plan.step or captured.unit != plan.unit):
+            plan = LivePlan(-1, "", "this rank does not hold the agreed step (a bug: the plan says it does)")
+        self._live_plan = plan
+        _live.hold(captured if plan.step >= 0 else None)
 
     def _agree(self, world: tuple, cause: Cause) -> Decision:
         store, rank, world_size, _, _ = world
@@ -323,6 +354,9 @@ class _Recovery:
             if not cause.not_in_place:
                 conn.deadline = started + seconds + 10
             bounded.set(f"{prefix}cause/{rank}", cause.to_json())
+            if not cause.not_in_place:  # before it counts itself in: rank 0 reads it once every rank is
+                report = self._live_report or LiveReport(rank, -1, "", "its process was replaced (its state ended with it)")
+                bounded.set(f"{prefix}live/{rank}", report.to_json())
             if cause.not_in_place:
                 bounded.add(f"{prefix}stop", 1)
             bounded.add(f"{prefix}arrived", 1)
@@ -336,7 +370,8 @@ class _Recovery:
             bounded.set(f"{prefix}decision", decision.to_json())
             if decision.restart and gen:  # every rank passed the recovery before this one: its keys go
                 old = f"{KEY_ROOT}/{attempts.restart()}/{gen - 1}/"
-                for key in [f"{old}cause/{r}" for r in range(world_size)] + [f"{old}{k}" for k in ("arrived", "stop", "decision")]:
+                old_keys = [f"{old}{kind}/{r}" for kind in ("cause", "live") for r in range(world_size)]
+                for key in old_keys + [f"{old}{k}" for k in ("arrived", "stop", "decision")]:
                     bounded.delete_key(key)
             return decision
         except Exception as err:  # noqa: BLE001 - the store may be what failed: end as without recovery
@@ -381,7 +416,10 @@ class _Recovery:
         if self.causes and primary.step >= 0 and primary.signature() == self.causes[-1].signature():
             return Decision(False, f"the failure repeats at the same iteration ({primary.describe()}): recovering "
                                    "again would fail again", asdict(primary))
-        return Decision(True, primary.describe(), asdict(primary))
+        live_keys = [f"{prefix}live/{r}" for r in range(world_size)]
+        present = [k for k in live_keys if store.check([k])]
+        reports = [LiveReport.from_json(raw, world_size) for raw in (store.multi_get(present) if present else [])]
+        return Decision(True, primary.describe(), asdict(primary), asdict(plan_live(reports, world_size)))
 
     def _add_note(self, err: BaseException, decision: Decision) -> None:
         lines = [f"fault-tolerant-handlers: not recovered in place: {decision.why}"]
@@ -451,11 +489,13 @@ class _Recovery:
         timings["reformed"] = time.monotonic()
         cause = self.causes[-1]
         parts = ", ".join(f"{name} {took:.2f}" for name, took in timings.get("parts", {}).items() if took >= 0.005)
+        plan = self._live_plan or LivePlan(-1, "", "no plan was made")
         log(logging.WARNING, "recovering in place, attempt %d (max_restarts=%d), after %s; watchdogs stopped %.2f s, "
-            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank",
-            attempts.in_place(), self.max_restarts, cause.describe(), timings["stopped"] - timings["detected"],
-            timings["agreed"] - timings["detected"], timings["torn_down"] - timings["detected"], parts or "-",
-            timings["reformed"] - timings["detected"])
+            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank; the next "
+            "call carries on from %s", attempts.in_place(), self.max_restarts, cause.describe(),
+            timings["stopped"] - timings["detected"], timings["agreed"] - timings["detected"],
+            timings["torn_down"] - timings["detected"], parts or "-", timings["reformed"] - timings["detected"],
+            plan.describe())
 
     # -- interrupting a hung main thread -------------------------------------------------------------------
     def _install_interrupter(self):
