@@ -286,7 +286,7 @@ class _Recovery:
                 f"trained (no fail-together session had started): {type(err).__name__}: {cap_head(str(err), 300)}. "
                 "The function must build everything it uses each time it is called (init_process_group, model, "
                 "optimizer, loaders, Engine/Trainer and FaultTolerance): an object made once outside it, or a "
-                "global only a fresh process has, breaks the second call")), {}
+                "global only a fresh process has, breaks the second call" + _live_name_read_as_file(err))), {}
         if not sessions and not attempts.in_place():
             return Decision(False, "no fail-together session ran (attach FaultTolerance, or use fail_together): "
                                    "the peers cannot be told"), {}
@@ -543,6 +543,15 @@ class _Unsafe(Decision):
 class _Misplaced(_Unsafe):
     """A decision to stop because the recovery wraps the launcher, not the ranks (always raised as
     :class:`RecoveryError`, in the first attempt too)."""
+
+
+def _live_name_read_as_file(err: BaseException) -> str:
+    """A hint when ``err`` is a file's absence under the name ``latest_checkpoint`` gave for live state."""
+    if isinstance(err, OSError) and _live.NAME.split("{")[0] in str(err):
+        return (f". It read the name latest_checkpoint gave for the live state as a file: load it with "
+                f"load_checkpoint(path), Checkpoint.load_objects(to_load, path) or trainer.fit(ckpt_path=path), or set "
+                f"{config.LIVE_STATE_ENV}=0 (resume from the newest checkpoint)")
+    return ""
 
 
 def _ranks_spawned_here(err: BaseException) -> bool:
