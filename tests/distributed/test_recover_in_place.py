@@ -117,8 +117,8 @@ def test_a_raise_recovers_in_place_from_live_state_exactly(framework, every, tmp
     ref = reference(framework, tmp_path_factory)
     run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "EVERY": every,
                                                     "FTH_INJECT": "raise@rank=1,iteration=37"})
+    assert recomputed(run) == 0  # before live state: 6 (from the checkpoint of 30), 36 without a checkpoint
     assert_recovered_exactly(run, ref, framework, live=True)
-    assert recomputed(run) == 0
     for rank in (0, 1):  # one log line per recovery, on every rank, naming the cause, the attempt, the state
         assert f"[rank {rank}] recovering in place, attempt 1 (max_restarts=2), after rank 1 failed in train: " \
                "InjectedFault" in output
@@ -132,8 +132,8 @@ def test_a_hung_rank_is_interrupted_and_recovers_in_place_from_live_state(framew
     ref = reference(framework, tmp_path_factory)
     run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "EVERY": every, "FTH_INJECT": "hang@rank=1,iteration=37",
                                                     "FTH_HANG_TIMEOUT_SEC": "3"})
+    assert recomputed(run) == 0  # before live state: 6 (from the checkpoint of 30), 36 without a checkpoint
     assert_recovered_exactly(run, ref, framework, live=True)
-    assert recomputed(run) == 0
     assert "[rank 1] the hung main thread was interrupted: recovering in place" in output
     assert "HangInterrupted" in output
 
