@@ -60,12 +60,12 @@ def trained(run_dir: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / f"batches{rank}.jsonl").read_text().splitlines()]
 
 
-def recomputed(run: Path, attempt: int = 1) -> int:
-    """Iterations trained twice by the recovery into ``attempt``: rank 1 fails as its iteration
-    starts, before it traces it, so the last iteration it traced in the attempt before completed;
-    ``attempt`` starts after its ``start_iteration``."""
-    before = [e["step"] for e in trained(run, 1) if e["attempt"] == attempt - 1]
-    return before[-1] - tries(run, 1)[attempt]["start_iteration"]
+def recomputed(run: Path, attempt: int = 1, failing: int = 1) -> int:
+    """Iterations trained twice by the recovery into ``attempt``: the ``failing`` rank fails as its
+    iteration starts, before it traces it, so the last iteration it traced in the attempt before
+    completed; ``attempt`` starts after its ``start_iteration``."""
+    before = [e["step"] for e in trained(run, failing) if e["attempt"] == attempt - 1]
+    return before[-1] - tries(run, failing)[attempt]["start_iteration"]
 
 
 def assert_recovered_exactly(run: Path, ref: Path, framework: str, attempts: int = 1,
@@ -179,7 +179,7 @@ def test_two_failures_recover_twice_and_the_log_names_each(tmp_path, tmp_path_fa
     run, _, output = torchrun("ignite", tmp_path, {
         "INPLACE": "2", "FTH_INJECT": "raise@rank=1,iteration=37; raise@rank=0,iteration=44,attempt=1"})
     assert_recovered_exactly(run, ref, "ignite", attempts=2, live=True)
-    assert tries(run, 0)[2]["start_iteration"] == 43 and recomputed(run, 2) == 0
+    assert tries(run, 0)[2]["start_iteration"] == 43 and recomputed(run, 2, failing=0) == 0
     assert "recovering in place, attempt 2 (max_restarts=2), after rank 0 failed in train" in output
 
 
