@@ -212,9 +212,21 @@ def dump_checkpoint(trainer: Any) -> dict:
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
+def _nodes(progress: Any) -> list:
+    """``progress`` and the progress objects inside it (trackers), depth first."""
+    found = [progress]
+    for value in progress.__dict__.values():
+        if dataclasses.is_dataclass(value):
+            found += _nodes(value)
+    return found
+
+
 def loop_parts(loop: Any) -> tuple[list, list]:
-    """``([(key, loop)], [(key, progress)])``: every loop under ``loop`` and every progress object,
-    keyed as ``loop.state_dict()`` keys them (the structure is fixed once the trainer is set up)."""
+    """``([(key, loop)], [(key, progress, [(node, fields, getter)])])``: every loop under ``loop`` and
+    every progress object, keyed as ``loop.state_dict()`` keys them, with a getter of the plain fields
+    of each of its nodes (the structure is fixed once the trainer is set up)."""
+    import operator
+
     ns = "pytorch_lightning" if type(loop).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
     loop_type = _import(ns + ".loops.loop")._Loop
     progress_type = _import(ns + ".loops.progress")._BaseProgress
@@ -225,12 +237,25 @@ def loop_parts(loop: Any) -> tuple[list, list]:
         loops.append((prefix + "state_dict", node))
         for key, value in node.__dict__.items():
             if isinstance(value, progress_type):
-                progresses.append((prefix + key, value))
+                plain = []
+                for part in _nodes(value):
+                    fields = tuple(k for k, v in part.__dict__.items() if not dataclasses.is_dataclass(v))
+                    plain.append((part, fields, operator.itemgetter(*fields) if fields else None))
+                progresses.append((prefix + key, value, plain))
             elif isinstance(value, loop_type):
                 walk(value, prefix + key + ".")
 
     walk(loop, "")
     return loops, progresses
+
+
+def snapshot_loops(parts: tuple[list, list]) -> tuple[list, list]:
+    """The loops' state now, cheaply (``loop.state_dict()`` turns every progress object into a dict
+    with ``dataclasses.asdict``, tens of microseconds; here only their plain fields are read, and
+    :func:`loop_state` builds the dict when it is needed)."""
+    loops, progresses = parts
+    return ([(key, node.on_save_checkpoint()) for key, node in loops],
+            [getter(part.__dict__) for _, _, plain in progresses for part, _, getter in plain if getter is not None])
 
 
 def _clone(obj: Any) -> Any:
@@ -240,13 +265,16 @@ def _clone(obj: Any) -> Any:
     return new
 
 
-def snapshot_loops(parts: tuple[list, list]) -> list:
-    """A copy of the loops' state now (cheap: ``loop.state_dict()`` turns every progress object into a
-    dict with ``dataclasses.asdict``; here they are copied, and turned into dicts by :func:`loop_state`)."""
-    loops, progresses = parts
-    return [(key, node.on_save_checkpoint()) for key, node in loops] + [(key, _clone(p)) for key, p in progresses]
-
-
-def loop_state(snapshot: list) -> dict:
+def loop_state(parts: tuple[list, list], snapshot: tuple[list, list]) -> dict:
     """What ``loop.state_dict()`` returned when :func:`snapshot_loops` took ``snapshot``."""
-    return {key: value.state_dict() if dataclasses.is_dataclass(value) else value for key, value in snapshot}
+    saved, values = snapshot
+    state = dict(saved)
+    taken = iter(values)
+    for key, progress, plain in parts[1]:
+        copy = _clone(progress)
+        for (_, fields, getter), node in zip(plain, _nodes(copy)):
+            if getter is not None:
+                value = next(taken)
+                node.__dict__.update(zip(fields, value if len(fields) > 1 else (value,)))
+        state[key] = copy.state_dict()
+    return state

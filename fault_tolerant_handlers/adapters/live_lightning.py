@@ -98,7 +98,7 @@ class LightningLive:
         tracker.check("global step")
         small = tracker.small
         checkpoint = _compat_lightning.dump_checkpoint(self.trainer)
-        checkpoint["loops"]["fit_loop"] = _compat_lightning.loop_state(small["loops"])
+        checkpoint["loops"]["fit_loop"] = _compat_lightning.loop_state(self._parts, small["loops"])
         checkpoint["global_step"], checkpoint["epoch"] = tracker.step, small["epoch"]
         if "lr_schedulers" in checkpoint:
             checkpoint["lr_schedulers"] = small["lr_schedulers"]
