@@ -208,17 +208,18 @@ def report(results: dict, failed: dict, args) -> None:
               f"{summary([r['resume_sec'] for r in runs], '.2f')} | {summary([r['restart_sec'] for r in runs], '.2f')} | "
               f"{summary([r['import_sec'] for r in runs], '.2f')} | {summary([r['recomputed'] for r in runs], 'g')} | "
               f"{summary([r['again_sec'] for r in runs], '.2f')} |")
-    inplace_rows = [((world, framework, every), runs) for (every, world, framework, mode), runs in sorted(results.items())
-                    if mode.startswith("inplace")]
+    inplace_rows = [((world, framework, every, mode), runs) for (every, world, framework, mode), runs
+                    in sorted(results.items()) if mode.startswith("inplace")]
     if inplace_rows:
         print("\nIn place, per phase: seconds after the failure reached each rank, the slowest rank's, then the "
               "call again -> the slowest rank's first step (median [min, max])")
-        print("| ranks | framework | checkpoint every | watchdogs stopped | agreed | torn down | re-formed | call -> "
-              "first step | fault -> first step |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-        for (world, framework, every), runs in inplace_rows:
+        print("| ranks | framework | checkpoint every | state | watchdogs stopped | agreed | torn down | re-formed | "
+              "call -> first step | fault -> first step |")
+        print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+        for (world, framework, every, mode), runs in inplace_rows:
             cells = " | ".join(summary([r[p] for r in runs], ".2f") for p in ("stopped", "agreed", "torn_down", "reformed"))
-            print(f"| {world} | {framework} | {every} | {cells} | {summary([r['import_sec'] for r in runs], '.2f')} | "
+            state = "live" if mode == "inplace" else "checkpoint"
+            print(f"| {world} | {framework} | {every} | {state} | {cells} | {summary([r['import_sec'] for r in runs], '.2f')} | "
                   f"{summary([r['resume_sec'] for r in runs], '.2f')} |")
     for (every, world, framework, mode), why in sorted(failed.items()):
         print(f"FAILED every {every} {world} ranks {framework} {mode}: {len(why)} run(s): {'; '.join(why)}")

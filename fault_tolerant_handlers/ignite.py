@@ -12,6 +12,9 @@ Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.g
 ``EXCEPTION_RAISED``      record and release (local failure) or convert to ``PeerFailedError``;
                           runs the engine's other exception handlers, then **re-raises**
                           (with distribution; without, Ignite's own rule applies unchanged)
+``ITERATION_STARTED``,    recovering in place only: live state's bookkeeping (the first and the
+``ITERATION_COMPLETED``   last handler) and its capture at ``EXCEPTION_RAISED``
+                          (:mod:`.adapters.live_ignite`)
 ========================  ==========================================================================
 
 Ignite stops re-raising once any ``EXCEPTION_RAISED`` handler is attached (``Engine._handle_exception``)

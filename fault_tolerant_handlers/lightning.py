@@ -18,6 +18,8 @@ Maps Lightning's ``Callback`` hooks onto the framework-neutral
 ``on_exception``                record and release (local failure) or convert to ``PeerFailedError``;
                                 then finishes Lightning's exception path itself (see below)
 ``teardown``                    clean stop of the watchdog (``validate``/``test``)
+``on_train_start``,             recovering in place only: live state's bookkeeping and its capture at
+``on_before_optimizer_step``    ``on_exception`` (:mod:`.adapters.live_lightning`)
 ``on_fit_start``,               a DDP model's bucket layout (:class:`..data.ddp_buckets.DDPBucketLayout`):
 ``state_dict``,                 saved in this callback's state, given back to the new DDP before its
 ``load_state_dict``             first step, so that a resumed run is exact at any world size

@@ -11,8 +11,10 @@ each rank
 1. **records** the failure (published for the peers' watchdogs, if no section did) and stops its
    watchdogs, so that nothing of the failed attempt declares or ends anything any more;
 2. **agrees** on the store the first attempt's group was made over (not on the broken group): each rank
-   writes what it knows of the failure and counts itself in; rank 0 decides, once every rank is in,
-   whether the job recovers (:class:`Decision`), and every rank follows that decision;
+   writes what it knows of the failure and the live state it holds (:mod:`..data.live`: the state of
+   the last step it completed, captured when the failure was raised) and counts itself in; rank 0
+   decides, once every rank is in, whether the job recovers (:class:`Decision`) and from which state
+   (:func:`.causes.plan_live`), and every rank follows that decision;
 3. **tears down** the attempt: the library's sessions (side groups, store keys), every process group,
    the DataLoader workers (the attempt's objects are collected);
 4. **re-forms** the default group: same backend, ranks and world size, over the same store under a new
@@ -20,7 +22,9 @@ each rank
    ``train`` calls ``init_process_group`` itself, its call is given that store
    (:func:`..launchers.compat_torchrun.rendezvous_in_place`); where the group existed when
    ``recover_in_place`` was called, the group is re-made here before the next call;
-5. calls ``train`` again: attempt ``g`` (:func:`recovery_attempt`), which resumes from the newest checkpoint.
+5. calls ``train`` again: attempt ``g`` (:func:`recovery_attempt`), which carries on from the agreed live
+   state (``latest_checkpoint`` names it, ``load_checkpoint`` hands it over: no step computed twice) or,
+   where live state cannot serve (the log line says why), resumes from the newest checkpoint.
 
 What is not recovered in place (the job ends as it does without it, with the cause, and a relaunch
 resumes exactly): a rank lost (killed, its host gone, unreachable), the store lost, a signal
