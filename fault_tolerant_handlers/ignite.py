@@ -177,9 +177,9 @@ class FaultTolerance:
         # -- with distribution --
         if exc is self._last_seen or exc is self._last_raised:
             raise self._last_raised  # Ignite's outer loop handing us the same exception again
-        if self._live is not None:
-            self._live.failed()  # before anything else runs: the state as the failure left it
         to_raise = self.guard.on_exception(exc, step=engine.state.iteration, epoch=engine.state.epoch)
+        if self._live is not None:  # the peers told first; then, before the other handlers run, the state
+            self._live.failed()
         self._last_seen, self._last_raised = exc, to_raise
         # Run the engine's other exception handlers ourselves: an error in one of them (a
         # collective that fails now that peers are gone) is logged, never allowed to mask the cause.

@@ -353,8 +353,8 @@ class FaultTolerance(_CallbackBase):
             return  # another FaultTolerance instance already finished the exception path
         in_parent = False
         if self.guard.active:
-            self._live.failed()  # before anything else runs: the state as the failure left it
             to_raise = self._convert(trainer, exception)
+            self._live.failed()  # the peers told first; then, before the exception path tears down, the state
         elif _is_rank_process_error(exception):
             to_raise, in_parent = exception, True  # the parent of spawned ranks: keep the rank's error visible
         else:
