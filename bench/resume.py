@@ -4,15 +4,20 @@ and resumed, relaunched from scratch.
     .venv/bin/python bench/resume.py                 # 3 runs per framework x mode
     .venv/bin/python bench/resume.py --reps 5 --fault raise --modes inplace,resume
     .venv/bin/python bench/resume.py --reps 5 --fault hang --modes inplace,resume   # hang_timeout 3 s
+    .venv/bin/python bench/resume.py --fault raise --modes inplace,inplace-ckpt,resume --checkpoint-every 10,100,1000
 
 Each run is ``torchrun --standalone --nproc_per_node N --max-restarts 2 tests/resume_main.py`` (N from
 ``--worlds``, 2 by default; ``--worlds 2,4,8`` puts the world sizes side by side)
-(``DistributedSampler(shuffle=True, seed=0)``, 200 x N samples, batch 4 per rank, 50 iterations an
-epoch, one epoch, a checkpoint every 10 iterations, ``FaultTolerance`` attached) with rank 1
-failing at iteration 37 in the first attempt (``--fault kill``: SIGKILL, the default; ``raise``).
-``resume`` restarts from ``latest_checkpoint`` (iteration 30); ``scratch`` restarts from iteration 0;
-``inplace`` (``INPLACE=2``: ``recover_in_place``, torchrun ``--max-restarts 0``) recovers in the same
-processes and resumes from ``latest_checkpoint``. ``--fault hang`` sets ``FTH_HANG_TIMEOUT_SEC=3``.
+(``DistributedSampler(shuffle=True, seed=0)``, batch 4 per rank, one epoch of the fault's iteration
++ 13 iterations, a checkpoint every ``--checkpoint-every`` iterations (10 by default; a comma-separated
+list puts intervals side by side), ``FaultTolerance`` attached) with rank 1 failing in the first
+attempt 0.7 of an interval after a checkpoint, at iteration 37 or later (37 with a checkpoint every
+10, 170 every 100, 1700 every 1000; ``--fault kill``: SIGKILL, the default; ``raise``).
+``resume`` restarts from ``latest_checkpoint``; ``scratch`` restarts from iteration 0; ``inplace``
+(``INPLACE=2``: ``recover_in_place``, torchrun ``--max-restarts 0``) recovers in the same processes and
+carries on from the ranks' live state at the last completed iteration (the newest checkpoint where it
+cannot serve: a SIGKILLed rank's new process holds none); ``inplace-ckpt`` the same with
+``FTH_LIVE_STATE=0``: from the newest checkpoint. ``--fault hang`` sets ``FTH_HANG_TIMEOUT_SEC=3``.
 
 Prints, per world size, framework and mode, medians and [min, max] over the runs of:
 * ``fault -> first step``: from the start of the failing iteration on rank 1 (the end of the last
@@ -20,6 +25,8 @@ Prints, per world size, framework and mode, medians and [min, max] over the runs
   the second attempt: detection, exit, torchrun's restart, imports, process group, checkpoint
   load, DataLoader workers, first batch;
 * ``recomputed``: iterations trained again (last iteration of attempt 0 - start of attempt 1);
+* ``fault -> failed step again``: to the later of the two ranks' training of the failed iteration in
+  the second attempt (after the recomputed ones);
 * the part of the first figure spent before the new processes started (detection, exit, torchrun's
   restart) and in their Python imports (torch, the framework), which depend on the machine's load;
   in place: before the training function was called again (detection, agreement, teardown, the
@@ -52,7 +59,15 @@ from launch import kill_workers  # noqa: E402 - the tests' harness
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "resume_main.py"
-EVERY, FAULT_AT, DEADLINE = 10, 37, 180
+DEADLINE = 180
+
+
+def fault_at(every: int) -> int:
+    """0.7 of an interval after a checkpoint, at iteration 37 or later (37, 170, 1700 for 10, 100, 1000)."""
+    k = 1
+    while k * every + (7 * every + 9) // 10 < 37:
+        k += 1
+    return k * every + (7 * every + 9) // 10
 
 
 HANG_TIMEOUT = 3
@@ -63,21 +78,22 @@ PHASES = re.compile(r"\[rank (\d+)\] recovering in place, .*; watchdogs stopped 
                     r"torn down ([\d.]+) s .*re-formed ([\d.]+) s")
 
 
-def one_run(framework: str, mode: str, fault: str, out: Path, world: int = 2) -> dict:
+def one_run(framework: str, mode: str, fault: str, out: Path, world: int = 2, every: int = 10) -> dict:
     out.mkdir(parents=True)
-    # 50 iterations an epoch at any world size (batch 4 per rank)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), EVERY=str(EVERY), EPOCHS="1", SAMPLES=str(200 * world),
+    at = fault_at(every)
+    # one epoch of at + 13 iterations at any world size (batch 4 per rank): 50 with a checkpoint every 10
+    env = dict(os.environ, PYTHONPATH=str(ROOT), EVERY=str(every), EPOCHS="1", SAMPLES=str(4 * world * (at + 13)),
                RESUME="0" if mode == "scratch" else "1",
-               FTH_INJECT=f"{fault}@rank=1,iteration={FAULT_AT}", PG_TIMEOUT_SEC="20", PYTHONUNBUFFERED="1",
-               INPLACE="2" if mode == "inplace" else "")
+               FTH_INJECT=f"{fault}@rank=1,iteration={at}", PG_TIMEOUT_SEC="20", PYTHONUNBUFFERED="1",
+               INPLACE="2" if mode.startswith("inplace") else "", FTH_LIVE_STATE="0" if mode == "inplace-ckpt" else "1")
     if fault == "hang":
         env["FTH_HANG_TIMEOUT_SEC"] = str(HANG_TIMEOUT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           "--max-restarts", "0" if mode == "inplace" else "2", "--monitor-interval", "0.5", str(SCRIPT), framework, str(out)]
+           "--max-restarts", "0" if mode.startswith("inplace") else "2", "--monitor-interval", "0.5", str(SCRIPT), framework, str(out)]
     with open(out / "log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc.wait(timeout=DEADLINE)
+            proc.wait(timeout=DEADLINE + at // 20)
         except subprocess.TimeoutExpired:
             pass
         finally:
@@ -97,7 +113,7 @@ def one_run(framework: str, mode: str, fault: str, out: Path, world: int = 2) ->
     recalled = min(f["marks"]["imported"] for f in first)  # in place: the training function called again
     in_place = first[0]["pid"] == json.loads((out / "attempt0_rank0.json").read_text())["pid"]
     # in place, rank 0 keeps its process (rank 1's is replaced after a kill)
-    assert in_place == (mode == "inplace"), f"{mode}: attempt 1 ran in {'the same' if in_place else 'a new'} process"
+    assert in_place == mode.startswith("inplace"), f"{mode}: attempt 1 ran in {'the same' if in_place else 'a new'} process"
     # in place: each rank's phases after the failure reached it (the slowest rank's, per phase)
     phases = [tuple(float(x) for x in m.groups()[1:]) for m in PHASES.finditer((out / "log").read_text())]
     phase = {name: max(p[i] for p in phases) if phases else float("nan")
@@ -107,7 +123,13 @@ def one_run(framework: str, mode: str, fault: str, out: Path, world: int = 2) ->
             "import_sec": max(f["first_step_at"] for f in first) - recalled if in_place else
             max(f["marks"]["imported"] - f["started_at"] for f in first),
             "recomputed": last0["step"] - first[0]["start_iteration"],
+            "again_sec": max(again_at(out / f"batches{r}.jsonl", at) for r in range(world)) - fault_t,
             "start_iteration": first[0]["start_iteration"], "load": os.getloadavg()[0]}
+
+
+def again_at(trace: Path, step: int) -> float:
+    """When the second attempt trained ``step`` (the failed iteration) on this rank."""
+    return next(e["t"] for e in map(json.loads, trace.read_text().splitlines()) if e["attempt"] == 1 and e["step"] == step)
 
 
 def summary(values: list[float], fmt: str) -> str:
@@ -121,11 +143,20 @@ def main() -> None:
     parser.add_argument("--frameworks", default="ignite,lightning")
     parser.add_argument("--worlds", default="2", help="comma-separated world sizes (ranks), e.g. 2,4,8")
     parser.add_argument("--modes", default="resume,scratch",
-                        help="comma-separated, from inplace (recover_in_place), resume, scratch")
+                        help="comma-separated, from inplace (recover_in_place, live state), inplace-ckpt (recover_in_place, "
+                             "FTH_LIVE_STATE=0), resume, scratch")
+    parser.add_argument("--checkpoint-every", default="10",
+                        help="comma-separated checkpoint intervals (iterations), e.g. 10,100,1000")
     args = parser.parse_args()
-    unknown = set(args.modes.split(",")) - {"inplace", "resume", "scratch"}
+    unknown = set(args.modes.split(",")) - set(NAMES)
     if unknown:
-        parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from inplace, resume, scratch")
+        parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(NAMES)}")
+    try:
+        intervals = [int(e) for e in args.checkpoint_every.split(",")]
+    except ValueError:
+        intervals = [0]
+    if min(intervals) < 1:
+        parser.error(f"--checkpoint-every: positive ints (iterations), comma-separated; got {args.checkpoint_every!r}")
     worlds = [int(w) for w in args.worlds.split(",")]
     if min(worlds) < 2:
         parser.error("--worlds: every world size must be >= 2 (rank 1 fails)")
@@ -133,71 +164,86 @@ def main() -> None:
     failed: dict[tuple, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="fth-bench-resume-") as tmp:
         for rep in range(args.reps):
-            for world in worlds:
-                for framework in args.frameworks.split(","):
-                    modes = args.modes.split(",")
-                    for mode in (modes if rep % 2 == 0 else modes[::-1]):
-                        run_once(results, failed, (world, framework, mode), rep, args.fault,
-                                 Path(tmp) / f"{framework}-{mode}-{world}-{rep}")
+            for every in intervals:
+                for world in worlds:
+                    for framework in args.frameworks.split(","):
+                        modes = args.modes.split(",")
+                        for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                            run_once(results, failed, (every, world, framework, mode), rep, args.fault,
+                                     Path(tmp) / f"{framework}-{mode}-{world}-{every}-{rep}")
     report(results, failed, args)
 
 
 def run_once(results: dict, failed: dict, key: tuple, rep: int, fault: str, out: Path) -> None:
-    world, framework, mode = key
+    every, world, framework, mode = key
     try:
-        res = one_run(framework, mode, fault, out, world)
+        res = one_run(framework, mode, fault, out, world, every)
     except Exception as err:  # noqa: BLE001 - a run that did not recover is a result too
         failed.setdefault(key, []).append(f"run {rep + 1}: {err}")
-        print(f"  {world} ranks {framework:9s} {mode:7s} run {rep + 1}: FAILED: {err}", flush=True)
+        print(f"  every {every} {world} ranks {framework:9s} {mode:12s} run {rep + 1}: FAILED: {err}", flush=True)
         return
     results.setdefault(key, []).append(res)
-    print(f"  {world} ranks {framework:9s} {mode:7s} run {rep + 1}: fault -> first step {res['resume_sec']:.2f} s "
-          f"({'called again' if mode == 'inplace' else 'new processes started'} after "
+    inplace = mode.startswith("inplace")
+    print(f"  every {every} {world} ranks {framework:9s} {mode:12s} run {rep + 1}: fault -> first step "
+          f"{res['resume_sec']:.2f} s ({'called again' if inplace else 'new processes started'} after "
           f"{res['restart_sec']:.2f} s, then {res['import_sec']:.2f} s "
-          f"{'to the first step' if mode == 'inplace' else 'of imports'}), recomputed "
-          f"{res['recomputed']}, load average {res['load']:.1f}", flush=True)
+          f"{'to the first step' if inplace else 'of imports'}), recomputed {res['recomputed']}, the failed step "
+          f"again {res['again_sec']:.2f} s after the fault, load average {res['load']:.1f}", flush=True)
+
+
+NAMES = {"resume": "relaunch, from latest_checkpoint", "scratch": "relaunch, from scratch",
+         "inplace": "in place (recover_in_place), from live state", "inplace-ckpt": "in place, from the newest checkpoint "
+         "(FTH_LIVE_STATE=0)"}
 
 
 def report(results: dict, failed: dict, args) -> None:
-    print(f"\nfault={args.fault} at iteration {FAULT_AT}, checkpoint every {EVERY}, {args.reps} runs each "
+    print(f"\nfault={args.fault}, 0.7 of a checkpoint interval after a checkpoint, {args.reps} runs each "
           "(median [min, max])")
-    print("| ranks | framework | restart | fault -> first trained step (s) | fault -> new processes, or the call "
-          "again in place (s) | their imports, or that call -> first step in place (s) | iterations recomputed |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    names = {"resume": "relaunch, from latest_checkpoint", "scratch": "relaunch, from scratch",
-             "inplace": "in place (recover_in_place), from latest_checkpoint"}
-    for (world, framework, mode), runs in sorted(results.items()):
-        print(f"| {world} | {framework} | {names[mode]} | "
+    print("| checkpoint every | fault at | ranks | framework | restart | fault -> first trained step (s) | fault -> new "
+          "processes, or the call again in place (s) | their imports, or that call -> first step in place (s) | "
+          "iterations recomputed | fault -> failed step trained again (s) |")
+    print("|---:|---:|---|---|---|---:|---:|---:|---:|---:|")
+    for (every, world, framework, mode), runs in sorted(results.items()):
+        print(f"| {every} | {fault_at(every)} | {world} | {framework} | {NAMES[mode]} | "
               f"{summary([r['resume_sec'] for r in runs], '.2f')} | {summary([r['restart_sec'] for r in runs], '.2f')} | "
-              f"{summary([r['import_sec'] for r in runs], '.2f')} | {summary([r['recomputed'] for r in runs], 'g')} |")
-    inplace_rows = [(key, runs) for key, runs in sorted(results.items()) if key[2] == "inplace"]
+              f"{summary([r['import_sec'] for r in runs], '.2f')} | {summary([r['recomputed'] for r in runs], 'g')} | "
+              f"{summary([r['again_sec'] for r in runs], '.2f')} |")
+    inplace_rows = [((world, framework, every, mode), runs) for (every, world, framework, mode), runs
+                    in sorted(results.items()) if mode.startswith("inplace")]
     if inplace_rows:
         print("\nIn place, per phase: seconds after the failure reached each rank, the slowest rank's, then the "
               "call again -> the slowest rank's first step (median [min, max])")
-        print("| ranks | framework | watchdogs stopped | agreed | torn down | re-formed | call -> first step | "
-              "fault -> first step |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
-        for (world, framework, _), runs in inplace_rows:
+        print("| ranks | framework | checkpoint every | state | watchdogs stopped | agreed | torn down | re-formed | "
+              "call -> first step | fault -> first step |")
+        print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+        for (world, framework, every, mode), runs in inplace_rows:
             cells = " | ".join(summary([r[p] for r in runs], ".2f") for p in ("stopped", "agreed", "torn_down", "reformed"))
-            print(f"| {world} | {framework} | {cells} | {summary([r['import_sec'] for r in runs], '.2f')} | "
+            state = "live" if mode == "inplace" else "checkpoint"
+            print(f"| {world} | {framework} | {every} | {state} | {cells} | {summary([r['import_sec'] for r in runs], '.2f')} | "
                   f"{summary([r['resume_sec'] for r in runs], '.2f')} |")
-    for (world, framework, mode), why in sorted(failed.items()):
-        print(f"FAILED {world} ranks {framework} {mode}: {len(why)} run(s): {'; '.join(why)}")
+    for (every, world, framework, mode), why in sorted(failed.items()):
+        print(f"FAILED every {every} {world} ranks {framework} {mode}: {len(why)} run(s): {'; '.join(why)}")
     print(f"load average during the runs: {summary([r['load'] for rs in results.values() for r in rs], '.1f')} "
           f"on {os.cpu_count()} CPUs")
-    ok = all(r["resume_sec"] <= 15 and r["recomputed"] <= EVERY
-             for (_, _, mode), runs in results.items() if mode == "resume" for r in runs)
-    print(f"\ntargets (resumed <= 15 s, recomputed <= {EVERY}): {'met' if ok else 'NOT met'} in every resumed run")
-    for world in sorted({key[0] for key in results}):
-        inplace = [r for (w, _, mode), runs in results.items() if w == world and mode == "inplace" for r in runs]
+    ok = all(r["resume_sec"] <= 15 and r["recomputed"] <= every
+             for (every, _, _, mode), runs in results.items() if mode == "resume" for r in runs)
+    print(f"\ntargets (resumed <= 15 s, recomputed <= the checkpoint interval): {'met' if ok else 'NOT met'} in every "
+          "resumed run")
+    live = [r for (_, _, _, mode), runs in results.items() if mode == "inplace" for r in runs]
+    if live and args.fault != "kill":
+        print(f"target in place from live state (0 iterations recomputed): "
+              f"{'met' if all(r['recomputed'] == 0 for r in live) else 'NOT met'} in every run")
+    for world in sorted({key[1] for key in results}):
+        inplace = [r for (every, w, _, mode), runs in results.items() if w == world and mode.startswith("inplace")
+                   for r in runs]
         if not inplace:
             continue
         median_target, worst_target = {"raise": (1.5, 3), "hang": (HANG_TIMEOUT + 1.5, HANG_TIMEOUT + 3),
                                        "kill": (3, 3)}[args.fault]
         med, worst = statistics.median(r["resume_sec"] for r in inplace), max(r["resume_sec"] for r in inplace)
-        ok = med <= median_target and worst <= worst_target and all(r["recomputed"] <= EVERY for r in inplace)
-        print(f"targets in place at {world} ranks (median <= {median_target:g} s, worst <= {worst_target:g} s, "
-              f"recomputed <= {EVERY}): {'met' if ok else 'NOT met'} (median {med:.2f} s, worst {worst:.2f} s)")
+        ok = med <= median_target and worst <= worst_target
+        print(f"targets in place at {world} ranks (fault -> first step: median <= {median_target:g} s, worst <= "
+              f"{worst_target:g} s): {'met' if ok else 'NOT met'} (median {med:.2f} s, worst {worst:.2f} s)")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.g
 ``EXCEPTION_RAISED``      record and release (local failure) or convert to ``PeerFailedError``;
                           runs the engine's other exception handlers, then **re-raises**
                           (with distribution; without, Ignite's own rule applies unchanged)
+``ITERATION_STARTED``,    recovering in place only: live state's bookkeeping (the first and the
+``ITERATION_COMPLETED``   last handler) and its capture at ``EXCEPTION_RAISED``
+                          (:mod:`.adapters.live_ignite`)
 ========================  ==========================================================================
 
 Ignite stops re-raising once any ``EXCEPTION_RAISED`` handler is attached (``Engine._handle_exception``)
@@ -30,6 +33,8 @@ from typing import Any, Mapping
 from ignite.engine import Engine, Events
 
 from .adapters import compat_ignite as _compat_ignite
+from .adapters.live_ignite import IgniteLive
+from .core import attempts
 from .core.log import log
 from .detect.autohang import EVALUATION, STEP
 from .adapters.resume_ignite import SafeDiskSaver, check_mid_epoch_resume
@@ -91,6 +96,7 @@ class FaultTolerance:
         self._last_raised: BaseException | None = None
         self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
         self._engine: Engine | None = None
+        self._live: IgniteLive | None = None  # recovering in place: the trainer's live state (data.live)
 
     def attach(self, engine: Engine) -> FaultTolerance:
         """Register every event this handler needs on ``engine`` and return ``self``."""
@@ -101,6 +107,9 @@ class FaultTolerance:
         engine.add_event_handler(Events.STARTED, self._started)
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
+        if attempts.recovering():
+            self._live = IgniteLive()
+            self._live.attach(engine)
         if self._injector is not None:
             engine.add_event_handler(Events.ITERATION_STARTED, self._inject)
         _compat_ignite.prepend(engine, Events.EPOCH_COMPLETED, self._epoch_completed)
@@ -173,6 +182,8 @@ class FaultTolerance:
         if exc is self._last_seen or exc is self._last_raised:
             raise self._last_raised  # Ignite's outer loop handing us the same exception again
         to_raise = self.guard.on_exception(exc, step=engine.state.iteration, epoch=engine.state.epoch)
+        if self._live is not None:  # the peers told first; then, before the other handlers run, the state
+            self._live.failed()
         self._last_seen, self._last_raised = exc, to_raise
         # Run the engine's other exception handlers ourselves: an error in one of them (a
         # collective that fails now that peers are gone) is logged, never allowed to mask the cause.

@@ -18,6 +18,8 @@ Maps Lightning's ``Callback`` hooks onto the framework-neutral
 ``on_exception``                record and release (local failure) or convert to ``PeerFailedError``;
                                 then finishes Lightning's exception path itself (see below)
 ``teardown``                    clean stop of the watchdog (``validate``/``test``)
+``on_train_start``,             recovering in place only: live state's bookkeeping and its capture at
+``on_before_optimizer_step``    ``on_exception`` (:mod:`.adapters.live_lightning`)
 ``on_fit_start``,               a DDP model's bucket layout (:class:`.data.ddp_buckets.DDPBucketLayout`):
 ``state_dict``,                 saved in this callback's state, given back to the new DDP before its
 ``load_state_dict``             first step, so that a resumed run is exact at any world size
@@ -57,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
+from .adapters.live_lightning import LightningLive
 from .core import attempts, interrupts
 from .data import snapshots
 from .data.ddp_buckets import DDPBucketLayout
@@ -158,6 +161,7 @@ class FaultTolerance(_CallbackBase):
         self._buckets: DDPBucketLayout | None = None  # the DDP's bucket layout, from on_fit_start on
         self._loaded_buckets: Any = None  # the checkpoint's, until the DDP exists (on_fit_start)
         self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
+        self._live = LightningLive()  # recovering in place: the trainer's live state (data.live)
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -270,8 +274,18 @@ class FaultTolerance(_CallbackBase):
             raise to_raise from exc
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.guard.active and attempts.recovering():
+            self._live.train_start(trainer)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._live.update_begins()
+
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        self._live.batch_start(trainer)
         self._check(trainer)  # an attribute read: the watchdog may already know a peer failed
         if self._injector is not None:
             self._injector.maybe_fire(trainer.global_rank, int(trainer.global_step) + 1, trainer.current_epoch + 1,
@@ -281,6 +295,7 @@ class FaultTolerance(_CallbackBase):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._batches += 1
+        self._live.batch_end()
         self.guard.beat(int(trainer.global_step), STEP, completed=True)
         if self.guard.due(self._batches):
             self._sync(trainer, "training batch")
@@ -322,6 +337,7 @@ class FaultTolerance(_CallbackBase):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync(trainer, "end of run")
+        self._live.close()
         # Every rank is past the last agreement: a rank that now exits first is not a failure.
         self._stop_watchdog()
 
@@ -339,6 +355,7 @@ class FaultTolerance(_CallbackBase):
         in_parent = False
         if self.guard.active:
             to_raise = self._convert(trainer, exception)
+            self._live.failed()  # the peers told first; then, before the exception path tears down, the state
         elif _is_rank_process_error(exception):
             to_raise, in_parent = exception, True  # the parent of spawned ranks: keep the rank's error visible
         else:

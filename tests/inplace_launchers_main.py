@@ -188,7 +188,11 @@ def train_lightning() -> None:
                                    mode="max", save_last=True)],
     )
     path = latest_checkpoint(CKPT)
-    start = torch.load(path, map_location="cpu", weights_only=False)["global_step"] if path else 0
+    from fault_tolerant_handlers.data import snapshots
+
+    # the step it resumes at (from the live state or the copy in memory without taking it: fit() takes it)
+    kept = snapshots.newest(path) if path else None
+    start = (kept or torch.load(path, map_location="cpu", weights_only=False))["global_step"] if path else 0
     note(rank, {"resumed_from": path, "start_iteration": start})
     model = Module()
     trainer.fit(model, make_loader(rank, 2), ckpt_path=path)

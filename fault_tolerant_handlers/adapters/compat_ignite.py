@@ -11,6 +11,14 @@ Checked against pytorch-ignite 0.5.0.post2 (the first 0.5 release) and 0.5.5.
   (:func:`reset_idist`): idist computes its model lazily with a collective (``new_group``), so a
   survivor that kept the failed attempt's model and a replacement process that computes it anew would
   be out of step by one collective.
+* ``Engine._handler_wrapper``'s ``_parent``: a handler attached to a filtered event
+  (``Events.ITERATION_COMPLETED(every=10)``) is registered as a wrapper whose ``_parent`` is a weak
+  reference to the handler. Used to find the ``Checkpoint`` handlers attached to a trainer, whose
+  ``to_save`` is what live state captures (:func:`attached_handlers`).
+* ``Checkpoint.load_objects`` (public, a ``staticmethod``) is wrapped process-wide once a recovery in
+  place carries on from live state (:func:`resolve_live_names`): given a path, it first asks for the
+  live state under that name (a name ``latest_checkpoint`` gave, which no file has) and loads that;
+  any other path is loaded as before.
 * ``Engine._run_once_on_dataset_as_gen`` / ``_run_once_on_dataset_legacy``: the functions whose frames
   (with ``self``, the engine) are on the stack while an engine runs its epoch. ``hang_timeout="auto"``
   reads them, from the watchdog thread, to recognise an evaluator run from a trainer's handler.
@@ -18,8 +26,11 @@ Checked against pytorch-ignite 0.5.0.post2 (the first 0.5 release) and 0.5.5.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 CHECKED_AGAINST = ("0.5.0.post2", "0.5.5")
@@ -45,6 +56,30 @@ def prepend(engine: Any, event: Any, handler: Callable) -> None:
     engine.add_event_handler(event, handler)
     handlers = handlers_of(engine, event)
     handlers.insert(0, handlers.pop())
+
+
+def append_last(engine: Any, event: Any, handler: Callable) -> None:
+    """Move ``handler`` (attached to ``event``) after every handler attached to it now."""
+    handlers = handlers_of(engine, event)
+    for i, entry in enumerate(handlers):
+        if entry[0] == handler:
+            handlers.append(handlers.pop(i))
+            return
+
+
+def attached_handlers(engine: Any) -> list:
+    """Every handler attached to ``engine``, on any event, as it was given (a filtered event's wrapper
+    unwrapped), each once."""
+    found: list = []
+    for entries in engine._event_handlers.values():
+        for entry in entries:
+            func = entry[0]
+            parent = getattr(func, "_parent", None)
+            if isinstance(parent, weakref.ref) and parent() is not None:
+                func = parent()
+            if all(func is not f for f in found):
+                found.append(func)
+    return found
 
 
 def call_handler(engine: Any, entry: tuple, event_args: tuple) -> None:
@@ -106,3 +141,26 @@ def reset_idist(attempt: int | None = None) -> None:
                            f"{', '.join(CHECKED_AGAINST)})")
     utils._model = utils._SerialModel()
     utils._need_to_sync = True
+
+
+def resolve_live_names(take: Callable[[Any], Any]) -> None:
+    """Make ``Checkpoint.load_objects(to_load, path)`` load ``take(path)`` when that is not ``None``
+    (the live state for a name ``latest_checkpoint`` gave), as ``load_objects(to_load, load_checkpoint(path))``
+    does. Once per process; nothing when Ignite's checkpoint module was never imported."""
+    module = sys.modules.get("ignite.handlers.checkpoint")
+    checkpoint_type = getattr(module, "Checkpoint", None)
+    original = getattr(checkpoint_type, "__dict__", {}).get("load_objects")
+    if not isinstance(original, staticmethod) or getattr(original.__func__, "_fth_live", False):
+        return
+    load = original.__func__
+
+    @functools.wraps(load)
+    def load_objects(to_load: Any, checkpoint: Any, **kwargs: Any) -> Any:
+        if isinstance(checkpoint, (str, Path)):
+            state = take(checkpoint)
+            if state is not None:
+                checkpoint = state
+        return load(to_load, checkpoint, **kwargs)
+
+    load_objects._fth_live = True  # type: ignore[attr-defined]
+    checkpoint_type.load_objects = staticmethod(load_objects)

@@ -18,10 +18,18 @@ trainer it is given (:func:`namespace`).
   ``strategy="ddp"``, whose ``_call_children_scripts`` sets ``LOCAL_RANK`` in the environment of the
   process that started the other ranks; recovering in place relies on it (:func:`keep_launched_ranks`,
   looked up only then).
+* ``Trainer._checkpoint_connector.dump_checkpoint(weights_only=False)``: the dict
+  ``trainer.save_checkpoint`` writes, without its barrier and file (live state, :func:`dump_checkpoint`);
+* ``<namespace>.loops.loop._Loop`` and ``<namespace>.loops.progress._BaseProgress``: the loops' state as
+  ``_Loop.state_dict`` walks it (``on_save_checkpoint()`` of each loop, the progress objects in its
+  ``__dict__``), copied cheaply at every completed batch (:func:`loop_parts`, :func:`snapshot_loops`);
+* ``<namespace>.strategies.DDPStrategy`` / ``DeepSpeedStrategy``: live state only under a plain DDP
+  strategy, whose checkpoint is built without collectives (:func:`plain_ddp`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -192,3 +200,85 @@ def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any], n
     strategy.save_checkpoint = save_checkpoint
     strategy.load_checkpoint = load_checkpoint
     strategy._fth_snapshots = True
+
+
+def plain_ddp(strategy: Any) -> bool:
+    """``strategy`` is Lightning's ``DDPStrategy`` (not DeepSpeed, FSDP...): its checkpoint dict is
+    built from this rank's objects alone, without collectives."""
+    ns = "pytorch_lightning" if type(strategy).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
+    strategies = _import(ns + ".strategies")
+    deepspeed = getattr(strategies, "DeepSpeedStrategy", ())
+    return isinstance(strategy, strategies.DDPStrategy) and not isinstance(strategy, deepspeed)
+
+
+def dump_checkpoint(trainer: Any) -> dict:
+    """The dict ``trainer.save_checkpoint(path)`` would write (no barrier, no file)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def _nodes(progress: Any) -> list:
+    """``progress`` and the progress objects inside it (trackers), depth first."""
+    found = [progress]
+    for value in progress.__dict__.values():
+        if dataclasses.is_dataclass(value):
+            found += _nodes(value)
+    return found
+
+
+def loop_parts(loop: Any) -> tuple[list, list]:
+    """``([(key, loop)], [(key, progress, [(node, fields, getter)])])``: every loop under ``loop`` and
+    every progress object, keyed as ``loop.state_dict()`` keys them, with a getter of the plain fields
+    of each of its nodes (the structure is fixed once the trainer is set up)."""
+    import operator
+
+    ns = "pytorch_lightning" if type(loop).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
+    loop_type = _import(ns + ".loops.loop")._Loop
+    progress_type = _import(ns + ".loops.progress")._BaseProgress
+    loops: list = []
+    progresses: list = []
+
+    def walk(node: Any, prefix: str) -> None:
+        loops.append((prefix + "state_dict", node))
+        for key, value in node.__dict__.items():
+            if isinstance(value, progress_type):
+                plain = []
+                for part in _nodes(value):
+                    fields = tuple(k for k, v in part.__dict__.items() if not dataclasses.is_dataclass(v))
+                    plain.append((part, fields, operator.itemgetter(*fields) if fields else None))
+                progresses.append((prefix + key, value, plain))
+            elif isinstance(value, loop_type):
+                walk(value, prefix + key + ".")
+
+    walk(loop, "")
+    return loops, progresses
+
+
+def snapshot_loops(parts: tuple[list, list]) -> tuple[list, list]:
+    """The loops' state now, cheaply (``loop.state_dict()`` turns every progress object into a dict
+    with ``dataclasses.asdict``, tens of microseconds; here only their plain fields are read, and
+    :func:`loop_state` builds the dict when it is needed)."""
+    loops, progresses = parts
+    return ([(key, node.on_save_checkpoint()) for key, node in loops],
+            [getter(part.__dict__) for _, _, plain in progresses for part, _, getter in plain if getter is not None])
+
+
+def _clone(obj: Any) -> Any:
+    new = object.__new__(type(obj))
+    for key, value in obj.__dict__.items():
+        new.__dict__[key] = _clone(value) if dataclasses.is_dataclass(value) else value
+    return new
+
+
+def loop_state(parts: tuple[list, list], snapshot: tuple[list, list]) -> dict:
+    """What ``loop.state_dict()`` returned when :func:`snapshot_loops` took ``snapshot``."""
+    saved, values = snapshot
+    state = dict(saved)
+    taken = iter(values)
+    for key, progress, plain in parts[1]:
+        copy = _clone(progress)
+        for (_, fields, getter), node in zip(plain, _nodes(copy)):
+            if getter is not None:
+                value = next(taken)
+                node.__dict__.update(zip(fields, value if len(fields) > 1 else (value,)))
+        state[key] = copy.state_dict()
+    return state

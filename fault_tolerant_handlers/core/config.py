@@ -37,6 +37,10 @@ variable                        default    accepted              meaning
                                                                  (a checkpoint write, a store call,
                                                                  ``deferred_interrupt``) holds a hung
                                                                  rank's interrupt back this long at most
+``FTH_LIVE_STATE``              1          0, 1                  recovering in place: carry on from the
+                                                                 ranks' live state at the last completed
+                                                                 step, not the newest checkpoint
+                                                                 (data.live)
 ==============================  =========  ====================  ======================================
 """
 
@@ -71,6 +75,7 @@ AUTO_HANG_WARMUP_ENV = "FTH_AUTO_HANG_WARMUP"
 RECOVER_JOIN_ENV = "FTH_RECOVER_JOIN_SEC"
 SNAPSHOT_ENV = "FTH_SNAPSHOT"
 INTERRUPT_DEFER_ENV = "FTH_INTERRUPT_DEFER_SEC"
+LIVE_STATE_ENV = "FTH_LIVE_STATE"
 #: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`..detect.autohang`).
 AUTO = "auto"
 
@@ -103,7 +108,8 @@ _ENV_OF = {
     "recover_join_timeout": RECOVER_JOIN_ENV,
     "interrupt_defer": INTERRUPT_DEFER_ENV,
 }
-KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, AUTO_HANG_MULTIPLE_ENV,
+KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV,
+             AUTO_HANG_MULTIPLE_ENV,
              AUTO_HANG_FLOOR_ENV, AUTO_HANG_WARMUP_ENV)
 
 
@@ -288,6 +294,16 @@ def snapshot() -> bool:
     return value == "1"
 
 
+def live_state() -> bool:
+    """``FTH_LIVE_STATE``: recovering in place, carry on from the ranks' live state (default 1)."""
+    raw = os.environ.get(LIVE_STATE_ENV, "")
+    value = raw.strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{LIVE_STATE_ENV}={raw!r}: expected 0 (resume from the newest checkpoint) or 1 (from "
+                         "the ranks' live state, the default)")
+    return value == "1"
+
+
 def recover_join_timeout() -> timedelta:
     return env_timedelta("recover_join_timeout") or timedelta(seconds=60)
 
@@ -362,6 +378,7 @@ def load() -> Config:
     recover_join_timeout()
     interrupt_defer()
     snapshot()
+    live_state()
     values["hang_timeout"] = env_hang_timeout()
     auto_hang()
     attempt_store()

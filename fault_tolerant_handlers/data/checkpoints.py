@@ -24,6 +24,11 @@ Every rank gets the same answer: with a process group up, rank 0 decides and bro
 inside ``fit``, after this is called), rank 0 publishes it in torchrun's store under a key that
 names the attempt (``TORCHELASTIC_RESTART_COUNT``) and the call's number, and the other ranks read
 it: bytes, length-checked, decoded as UTF-8, never unpickled. Otherwise each process decides alone.
+
+After a recovery in place that carries on from live state (:mod:`.live`), the answer is a name in
+``dirname`` that no file has, ``live-state-step=<step>.pt``: :func:`~fault_tolerant_handlers.load_checkpoint`
+and Lightning's ``fit(ckpt_path=...)`` hand over the live state for it. Every rank answers so without
+communicating (they agreed on it in the recovery).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch.distributed as dist
 
 from ..core import attempts, config, interrupts
 from ..core.log import log
+from . import live
 
 __all__ = ["latest_checkpoint"]
 
@@ -177,6 +183,9 @@ def latest_checkpoint(dirname: str | os.PathLike) -> str | None:
     if not isinstance(dirname, (str, os.PathLike)):
         raise TypeError(f"latest_checkpoint(dirname={dirname!r}): expected a str or os.PathLike")
     folder = Path(dirname)
+    live_name = live.latest_checkpoint_answer(folder)
+    if live_name is not None:  # recovering in place from live state: every rank holds the same plan
+        return live_name
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return _broadcast(_decide(folder) if dist.get_rank() == 0 else None)
     store = _torchrun_store()

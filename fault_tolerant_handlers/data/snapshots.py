@@ -31,6 +31,7 @@ import torch
 
 from ..core import attempts, config
 from ..core.log import log
+from . import live
 
 _lock = threading.Lock()
 #: (resolved paths, the copy, its bytes, its stamp): one copy, under every name it was written to in
@@ -105,7 +106,10 @@ def forget() -> None:
 
 
 def newest(path: str | os.PathLike) -> Any | None:
-    """The copy kept for ``path``, or ``None``."""
+    """The copy kept for ``path`` (or the live state, :mod:`.live`, for the name it answers to), or ``None``."""
+    state = live.newest(path)
+    if state is not None:
+        return state
     with _lock:
         kept = _newest
     if kept is None or _key(path) not in kept[0]:
@@ -116,8 +120,11 @@ def newest(path: str | os.PathLike) -> Any | None:
 def take(path: str | os.PathLike) -> Any | None:
     """The copy kept for ``path``, handed over once (it is forgotten here: the loader may keep its
     tensors, as an optimizer's ``load_state_dict`` does, and update them in place); ``None`` when
-    this process keeps none for ``path``."""
+    this process keeps none for ``path``. The live state (:mod:`.live`) for the name it answers to."""
     global _newest
+    state = live.take(path)
+    if state is not None:
+        return state
     with _lock:
         kept = _newest
         if kept is None or _key(path) not in kept[0]:
@@ -128,8 +135,9 @@ def take(path: str | os.PathLike) -> Any | None:
 
 
 def load_checkpoint(path: str | os.PathLike, **torch_load_kwargs: Any) -> Any:
-    """The checkpoint at ``path``: this process's copy in memory when it keeps the newest one (after
-    a recovery in place; handed over once, :func:`take`), else ``torch.load(path, **torch_load_kwargs)``
+    """The checkpoint at ``path``: after a recovery in place, the live state when ``path`` is the name
+    ``latest_checkpoint`` gave for it, or this process's copy in memory when it keeps the newest
+    checkpoint (each handed over once, :func:`take`); else ``torch.load(path, **torch_load_kwargs)``
     (a second recovery before the next checkpoint reads the file)."""
     kept = take(path)
     return kept if kept is not None else torch.load(path, **torch_load_kwargs)

@@ -1,6 +1,7 @@
-"""What recovering in place agrees on: each rank's view of a failure (:class:`Cause`) and rank 0's
-:class:`Decision`, as bounded JSON in the first attempt's store (checked on read, never unpickled),
-and the keys they live under."""
+"""What recovering in place agrees on: each rank's view of a failure (:class:`Cause`), each rank's
+live state (:class:`LiveReport`) and rank 0's :class:`Decision` (with its :class:`LivePlan`), as
+bounded JSON in the first attempt's store (checked on read, never unpickled), and the keys they
+live under."""
 
 from __future__ import annotations
 
@@ -68,15 +69,92 @@ class Cause:
 
 
 @dataclass(frozen=True)
+class LiveReport:
+    """What one rank holds for the next attempt: its live state at step ``step`` (-1: none, ``why``)."""
+
+    by: int  #: the rank that says it
+    step: int  #: the last step it completed, whose state it holds (-1: none)
+    unit: str  #: "iteration" (Ignite), "global step" (Lightning), "" (none)
+    why: str  #: why it holds none ("" when it does)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes, world_size: int) -> LiveReport | None:
+        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
+            return None
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            report = cls(by=int(data["by"]), step=int(data["step"]), unit=str(data["unit"]), why=str(data["why"]))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return None
+        if not (0 <= report.by < world_size and -1 <= report.step < 2**53):
+            return None
+        return cls(report.by, report.step, cap_head(sanitize(report.unit), 40), cap_head(sanitize(report.why), 300))
+
+
+@dataclass(frozen=True)
+class LivePlan:
+    """Where the next attempt's state comes from, the same for every rank: live state at ``step``
+    (each rank its own), or (``step`` -1) the newest checkpoint, because of ``why``."""
+
+    step: int
+    unit: str = ""
+    why: str = ""
+
+    def describe(self) -> str:
+        if self.step >= 0:
+            return f"live state, {self.unit} {self.step} (each rank's own)"
+        return f"the newest checkpoint (live state cannot serve: {self.why})"
+
+    @classmethod
+    def from_dict(cls, data: Any) -> LivePlan:
+        try:
+            return cls(int(data["step"]), cap_head(sanitize(str(data["unit"])), 40), cap_head(sanitize(str(data["why"])), 400))
+        except (KeyError, TypeError, ValueError):
+            return cls(-1, "", "rank 0's plan could not be read")
+
+
+def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
+    """Rank 0's rule: from which state every rank carries on, given what each holds.
+
+    Live state serves when every rank holds its own at the same step. Otherwise every rank falls
+    back to the newest checkpoint, and the plan says why (the first reason found, by rank).
+
+    This is where the transfer of state between ranks plugs in: a rank that holds nothing (its
+    process was replaced), whose state is not trusted (it failed inside an optimizer step) or that
+    is a step behind its peers falls back today; with a transfer, the plan names a source rank
+    and the receivers instead, and the receivers get the state over the re-formed group before
+    the next call loads it (:func:`..data.live.take`).
+    """
+    by_rank = {r.by: r for r in reports if r is not None}
+    for rank in range(world_size):
+        report = by_rank.get(rank)
+        if report is None:
+            return LivePlan(-1, "", f"rank {rank}'s report could not be read")
+        if report.step < 0:
+            return LivePlan(-1, "", f"rank {rank}: {report.why or 'no live state'}")
+    steps = {r.step for r in by_rank.values()}
+    units = {r.unit for r in by_rank.values()}
+    if len(steps) > 1 or len(units) > 1:
+        held = ", ".join(f"rank {r.by} at {r.unit} {r.step}" for r in sorted(by_rank.values(), key=lambda r: r.by))
+        return LivePlan(-1, "", f"the ranks completed different steps ({held})")
+    return LivePlan(steps.pop(), units.pop(), "")
+
+
+@dataclass(frozen=True)
 class Decision:
-    """Rank 0's decision, which every rank follows: recover (``restart``) or end, and why."""
+    """Rank 0's decision, which every rank follows: recover (``restart``) or end, and why; when it
+    recovers, where the next attempt's state comes from (``live``: a :class:`LivePlan` as a dict)."""
 
     restart: bool
     why: str
     cause: dict | None = None
+    live: dict | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"restart": self.restart, "why": self.why, "cause": self.cause})
+        return json.dumps({"restart": self.restart, "why": self.why, "cause": self.cause, "live": self.live})
 
     @classmethod
     def from_json(cls, raw: bytes) -> Decision | None:
@@ -85,7 +163,8 @@ class Decision:
         try:
             data = json.loads(raw.decode("utf-8"))
             return cls(bool(data["restart"]), cap_head(sanitize(str(data["why"])), 500),
-                       data["cause"] if isinstance(data.get("cause"), dict) else None)
+                       data["cause"] if isinstance(data.get("cause"), dict) else None,
+                       data["live"] if isinstance(data.get("live"), dict) else None)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             return None
 

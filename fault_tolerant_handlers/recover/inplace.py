@@ -11,8 +11,10 @@ each rank
 1. **records** the failure (published for the peers' watchdogs, if no section did) and stops its
    watchdogs, so that nothing of the failed attempt declares or ends anything any more;
 2. **agrees** on the store the first attempt's group was made over (not on the broken group): each rank
-   writes what it knows of the failure and counts itself in; rank 0 decides, once every rank is in,
-   whether the job recovers (:class:`Decision`), and every rank follows that decision;
+   writes what it knows of the failure and the live state it holds (:mod:`..data.live`: the state of
+   the last step it completed, captured when the failure was raised) and counts itself in; rank 0
+   decides, once every rank is in, whether the job recovers (:class:`Decision`) and from which state
+   (:func:`.causes.plan_live`), and every rank follows that decision;
 3. **tears down** the attempt: the library's sessions (side groups, store keys), every process group,
    the DataLoader workers (the attempt's objects are collected);
 4. **re-forms** the default group: same backend, ranks and world size, over the same store under a new
@@ -20,7 +22,9 @@ each rank
    ``train`` calls ``init_process_group`` itself, its call is given that store
    (:func:`..launchers.compat_torchrun.rendezvous_in_place`); where the group existed when
    ``recover_in_place`` was called, the group is re-made here before the next call;
-5. calls ``train`` again: attempt ``g`` (:func:`recovery_attempt`), which resumes from the newest checkpoint.
+5. calls ``train`` again: attempt ``g`` (:func:`recovery_attempt`), which carries on from the agreed live
+   state (``latest_checkpoint`` names it, ``load_checkpoint`` hands it over: no step computed twice) or,
+   where live state cannot serve (the log line says why), resumes from the newest checkpoint.
 
 What is not recovered in place (the job ends as it does without it, with the cause, and a relaunch
 resumes exactly): a rank lost (killed, its host gone, unreachable), the store lost, a signal
@@ -96,10 +100,11 @@ from ..core.records import cap_head
 from ..core.release import EXIT_TEARDOWN_STUCK, store_ports
 from ..core.schema import Connection, StoreCallTimeout, unblock_stuck_calls
 from ..core.session import AGREED_ATTR, PUBLISHED_ATTR, live_sessions
-from ..data import loader as _loader, snapshots
+from ..data import live as _live, loader as _loader, snapshots
 from ..launchers import compat_torchrun
 from . import keeper
-from .causes import KEY_ROOT, NOT_IN_PLACE, Cause, Decision, _base_of, _needs_keeper, keeper_key
+from .causes import (KEY_ROOT, NOT_IN_PLACE, Cause, Decision, LivePlan, LiveReport, _base_of, _needs_keeper, keeper_key,
+                     plan_live)
 
 T = TypeVar("T")
 
@@ -168,6 +173,9 @@ class _Recovery:
         self.causes: list[Cause] = []  # the primary cause of each failed attempt
         self._left = threading.Event()  # the main thread reached the recovery
         self._sessions: list = []  # the failed attempt's sessions, stopped, to abandon
+        self._captured: _live.Captured | None = None  # this rank's live state of the failed attempt
+        self._live_report: LiveReport | None = None  # what this rank tells the others it holds
+        self._live_plan: LivePlan | None = None  # where the next attempt's state comes from (rank 0's plan)
 
     # -- the world the attempts share ------------------------------------------------------------------
     def _world(self) -> tuple[Any, int, int, str, timedelta] | None:
@@ -246,6 +254,7 @@ class _Recovery:
             self._restore_interrupter(previous)
             attempts.leave_recovery(running)
             snapshots.forget()  # the newest checkpoint's copy in memory: no attempt will read it now
+            _live.forget()
 
     def _join_as_replacement(self, cause: Cause) -> dict:
         """A keeper's new child: connect to torchrun's store as the rendezvous would, and take part in
@@ -259,6 +268,7 @@ class _Recovery:
         if not decision.restart:
             raise RecoveryError(f"the replacement of rank {rank}'s process could not join the recovery: {decision.why}")
         self.causes.append(Cause(**decision.cause) if decision.cause else cause)
+        self._settle_live(decision)
         now = time.monotonic()
         return {"detected": t0, "stopped": t0, "agreed": now, "torn_down": now}
 
@@ -286,7 +296,7 @@ class _Recovery:
                 f"trained (no fail-together session had started): {type(err).__name__}: {cap_head(str(err), 300)}. "
                 "The function must build everything it uses each time it is called (init_process_group, model, "
                 "optimizer, loaders, Engine/Trainer and FaultTolerance): an object made once outside it, or a "
-                "global only a fresh process has, breaks the second call")), {}
+                "global only a fresh process has, breaks the second call" + _live_name_read_as_file(err))), {}
         if not sessions and not attempts.in_place():
             return Decision(False, "no fail-together session ran (attach FaultTolerance, or use fail_together): "
                                    "the peers cannot be told"), {}
@@ -299,12 +309,37 @@ class _Recovery:
         for session in sessions:
             session.stop()
         stopped = time.monotonic()
+        self._collect_live(rank)  # the state this rank holds, as of the last step it completed
         # 2. agree, on the first attempt's store
         decision = self._agree(world, cause)
         timings = {"detected": t0, "stopped": stopped, "agreed": time.monotonic(), "attempt_ran": t0 - started}
         if decision.restart:
             self.causes.append(Cause(**decision.cause) if decision.cause else cause)
+        self._settle_live(decision)
         return decision, timings
+
+    # -- live state (data.live) ------------------------------------------------------------------------
+    def _collect_live(self, rank: int) -> None:
+        """This rank's live state of the failed attempt, and what it tells the others."""
+        try:
+            self._captured = _live.collect()
+            self._live_report = LiveReport(rank, self._captured.step, self._captured.unit, "")
+        except _live.NotLive as why:
+            self._captured = None
+            self._live_report = LiveReport(rank, -1, "", cap_head(str(why), 300))
+
+    def _settle_live(self, decision: Decision) -> None:
+        """Follow rank 0's plan: hold this rank's live state for the next attempt, or nothing (it
+        resumes from its checkpoint)."""
+        captured, self._captured = self._captured, None
+        if not decision.restart:
+            _live.hold(None)
+            return
+        plan = LivePlan.from_dict(decision.live) if decision.live else LivePlan(-1, "", "rank 0 made no plan")
+        if plan.step >= 0 and (captured is None or captured.step != plan.step or captured.unit != plan.unit):
+            plan = LivePlan(-1, "", "this rank does not hold the agreed step (a bug: the plan says it does)")
+        self._live_plan = plan
+        _live.hold(captured if plan.step >= 0 else None)
 
     def _agree(self, world: tuple, cause: Cause) -> Decision:
         store, rank, world_size, _, _ = world
@@ -329,6 +364,9 @@ class _Recovery:
             if not cause.not_in_place:
                 conn.deadline = started + seconds + 10
             bounded.set(f"{prefix}cause/{rank}", cause.to_json())
+            if not cause.not_in_place:  # before it counts itself in: rank 0 reads it once every rank is
+                report = self._live_report or LiveReport(rank, -1, "", "its process was replaced (its state ended with it)")
+                bounded.set(f"{prefix}live/{rank}", report.to_json())
             if cause.not_in_place:
                 bounded.add(f"{prefix}stop", 1)
             bounded.add(f"{prefix}arrived", 1)
@@ -342,7 +380,8 @@ class _Recovery:
             bounded.set(f"{prefix}decision", decision.to_json())
             if decision.restart and gen:  # every rank passed the recovery before this one: its keys go
                 old = f"{KEY_ROOT}/{attempts.restart()}/{gen - 1}/"
-                for key in [f"{old}cause/{r}" for r in range(world_size)] + [f"{old}{k}" for k in ("arrived", "stop", "decision")]:
+                old_keys = [f"{old}{kind}/{r}" for kind in ("cause", "live") for r in range(world_size)]
+                for key in old_keys + [f"{old}{k}" for k in ("arrived", "stop", "decision")]:
                     bounded.delete_key(key)
             return decision
         except Exception as err:  # noqa: BLE001 - the store may be what failed: end as without recovery
@@ -387,7 +426,10 @@ class _Recovery:
         if self.causes and primary.step >= 0 and primary.signature() == self.causes[-1].signature():
             return Decision(False, f"the failure repeats at the same iteration ({primary.describe()}): recovering "
                                    "again would fail again", asdict(primary))
-        return Decision(True, primary.describe(), asdict(primary))
+        live_keys = [f"{prefix}live/{r}" for r in range(world_size)]
+        present = [k for k in live_keys if store.check([k])]
+        reports = [LiveReport.from_json(raw, world_size) for raw in (store.multi_get(present) if present else [])]
+        return Decision(True, primary.describe(), asdict(primary), asdict(plan_live(reports, world_size)))
 
     def _add_note(self, err: BaseException, decision: Decision) -> None:
         lines = [f"fault-tolerant-handlers: not recovered in place: {decision.why}"]
@@ -457,11 +499,13 @@ class _Recovery:
         timings["reformed"] = time.monotonic()
         cause = self.causes[-1]
         parts = ", ".join(f"{name} {took:.2f}" for name, took in timings.get("parts", {}).items() if took >= 0.005)
+        plan = self._live_plan or LivePlan(-1, "", "no plan was made")
         log(logging.WARNING, "recovering in place, attempt %d (max_restarts=%d), after %s; watchdogs stopped %.2f s, "
-            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank",
-            attempts.in_place(), self.max_restarts, cause.describe(), timings["stopped"] - timings["detected"],
-            timings["agreed"] - timings["detected"], timings["torn_down"] - timings["detected"], parts or "-",
-            timings["reformed"] - timings["detected"])
+            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank; the next "
+            "call carries on from %s", attempts.in_place(), self.max_restarts, cause.describe(),
+            timings["stopped"] - timings["detected"], timings["agreed"] - timings["detected"],
+            timings["torn_down"] - timings["detected"], parts or "-", timings["reformed"] - timings["detected"],
+            plan.describe())
 
     # -- interrupting a hung main thread -------------------------------------------------------------------
     def _install_interrupter(self):
@@ -504,6 +548,15 @@ class _Unsafe(Decision):
 class _Misplaced(_Unsafe):
     """A decision to stop because the recovery wraps the launcher, not the ranks (always raised as
     :class:`RecoveryError`, in the first attempt too)."""
+
+
+def _live_name_read_as_file(err: BaseException) -> str:
+    """A hint when ``err`` is a file's absence under the name ``latest_checkpoint`` gave for live state."""
+    if isinstance(err, OSError) and _live.NAME.split("{")[0] in str(err):
+        return (f". It read the name latest_checkpoint gave for the live state as a file: load it with "
+                f"load_checkpoint(path), Checkpoint.load_objects(to_load, path) or trainer.fit(ckpt_path=path), or set "
+                f"{config.LIVE_STATE_ENV}=0 (resume from the newest checkpoint)")
+    return ""
 
 
 def _ranks_spawned_here(err: BaseException) -> bool:

@@ -154,8 +154,10 @@ def assert_on_their_hosts(run: Run) -> None:
 def assert_recovered_exactly(run: Run, ref: Path, same_process: tuple[bool, bool]) -> None:
     """Every rank trained attempt 0, then attempt 1 (a recovery in place: torchrun restarts nothing)
     in the same process or, where ``same_process`` says not, in its keeper's new child; attempt 1
-    resumed from the newest checkpoint, trained exactly the uninterrupted run's batches from there
-    and the final weights are the uninterrupted run's."""
+    carried on from the ranks' live state at iteration 36 when every rank kept its process, else from
+    the newest checkpoint (iteration 30: a new process holds no state), trained exactly the
+    uninterrupted run's batches from there and the final weights are the uninterrupted run's."""
+    start, name = (36, "live-state-step=36.pt") if all(same_process) else (30, "checkpoint_30.pt")
     for rank in range(WORLD):
         keeper = run.event(rank, "start")["pid"]
         calls = run.all(rank, "attempt")
@@ -167,11 +169,11 @@ def assert_recovered_exactly(run: Run, ref: Path, same_process: tuple[bool, bool
         assert set(seen) == {0, 1} and seen[1]["done"] and not seen[0].get("done"), f"rank {rank}: {seen}"
         assert seen[1]["pid"] == calls[1]["pid"], (seen, calls)
         last = seen[1]
-        assert last["start_iteration"] == 30 and last["first_step"] == 31, last  # the fault at 37, a checkpoint every 10
-        assert Path(last["resumed_from"]).name == "checkpoint_30.pt", last
+        assert last["start_iteration"] == start and last["first_step"] == start + 1, last  # the fault at 37
+        assert Path(last["resumed_from"]).name == name, last
         got, want = run.trained(rank), [(e["step"], e["idx"]) for e in json_lines(ref / f"batches{rank}.jsonl")]
         assert [(e["step"], e["idx"]) for e in got if e["attempt"] == 0] == want[:len([e for e in got if e["attempt"] == 0])]
-        assert [(e["step"], e["idx"]) for e in got if e["attempt"] == 1] == want[30:], f"rank {rank}: attempt 1's batches"
+        assert [(e["step"], e["idx"]) for e in got if e["attempt"] == 1] == want[start:], f"rank {rank}: attempt 1's batches"
         print(f"rank {rank} on {run.host_of(rank)}: keeper pid {keeper}, attempt 0 pid {calls[0]['pid']}, attempt 1 pid "
               f"{calls[1]['pid']}, resumed from {Path(last['resumed_from']).name}, trained to the end")
     final, expected = torch.load(run.out / "weights.pt"), torch.load(ref / "weights.pt")

@@ -1,17 +1,20 @@
 """Recovering in place under ``torchrun --max-restarts 0``: the same processes re-form the group and
-train on from the newest checkpoint (``resume_main.py`` with ``INPLACE=<max_restarts>``).
+train on from their live state at the last completed iteration, or from the newest checkpoint where
+live state cannot serve (``resume_main.py`` with ``INPLACE=<max_restarts>``).
 
-2 ranks, 50 iterations (one epoch), a checkpoint every 10, ``FaultTolerance`` attached, rank 1 failing
-at iteration 37 in the first attempt (``FTH_INJECT``'s default ``attempt=0``). torchrun restarts
-nothing (``--max-restarts 0``), so an attempt 1 can only be a recovery in place. Every case asserts
-what every rank saw: the pids of both attempts (the same processes), where attempt 1 resumed, the
-batches it trained (exactly the uninterrupted run's from iteration 31), the final weights
+2 ranks, 50 iterations (one epoch), a checkpoint every 10 (or, ``EVERY=1000``, none at all),
+``FaultTolerance`` attached, rank 1 failing at iteration 37 in the first attempt (``FTH_INJECT``'s
+default ``attempt=0``). torchrun restarts nothing (``--max-restarts 0``), so an attempt 1 can only be
+a recovery in place. Every case asserts what every rank saw: the pids of both attempts (the same
+processes), where attempt 1 resumed (live state: iteration 36, none computed twice; a checkpoint:
+iteration 30), the batches it trained (exactly the uninterrupted run's from there), the final weights
 (``torch.equal``), and for the cases that must not recover, the cause each rank ended with.
 
-Default suite: Ignite raising, a SIGKILLed rank replaced, 6 recoveries in one job, a hang inside a step
-that swallows every exception; the rest is ``long``
-(``make test-long``): Lightning, 20 recoveries, a hang, two recoveries, a repeat, ``max_restarts``
-spent, ``replace_dead=False``.
+Default suite: Ignite raising (live state), a SIGKILLed rank replaced (the checkpoint: the new process
+holds no state), 6 recoveries in one job, a hang inside a step
+that swallows every exception; the rest is ``long`` (``make test-long``): Lightning, no
+checkpoint at all, hangs, ``FTH_LIVE_STATE=0``, 20 recoveries, two recoveries, a repeat,
+``max_restarts`` spent, ``replace_dead=False``.
 """
 
 from __future__ import annotations
@@ -58,8 +61,18 @@ def trained(run_dir: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / f"batches{rank}.jsonl").read_text().splitlines()]
 
 
+def recomputed(run: Path, attempt: int = 1, failing: int = 1) -> int:
+    """Iterations trained twice by the recovery into ``attempt``: the ``failing`` rank fails as its
+    iteration starts, before it traces it, so the last iteration it traced in the attempt before
+    completed; ``attempt`` starts after its ``start_iteration``."""
+    before = [e["step"] for e in trained(run, failing) if e["attempt"] == attempt - 1]
+    return before[-1] - tries(run, failing)[attempt]["start_iteration"]
+
+
 def assert_recovered_exactly(run: Path, ref: Path, framework: str, attempts: int = 1,
-                             same_process: tuple[bool, bool] = (True, True)) -> None:
+                             same_process: tuple[bool, bool] = (True, True), live: bool = False) -> None:
+    """``live``: the last attempt carried on from the live state of the last completed iteration
+    (none trained twice); else from the newest checkpoint (at most its interval trained twice)."""
     for rank in (0, 1):
         seen = tries(run, rank)
         assert set(seen) == set(range(attempts + 1)), f"rank {rank}: attempts {sorted(seen)}"
@@ -69,13 +82,18 @@ def assert_recovered_exactly(run: Path, ref: Path, framework: str, attempts: int
         last = seen[attempts]
         # a process that saved the newest checkpoint reads it from its memory; a replacement from the file
         assert last["in_memory"] == same_process[rank], last
-        assert last["start_iteration"] % 10 == 0 and last["first_step"] == last["start_iteration"] + 1, last
+        assert last["first_step"] == last["start_iteration"] + 1, last
         name = Path(last["resumed_from"]).name
-        assert name in ((f"checkpoint_{last['start_iteration']}.pt",) if framework == "ignite"
-                        else ("last.ckpt", f"epoch=0-step={last['start_iteration']}.ckpt")), name
         got, want = trained(run, rank), trained(ref, rank)
         before = [e["step"] for e in got if e["attempt"] == attempts - 1]
-        assert before[-1] - last["start_iteration"] <= 10, "recomputed more than the checkpoint interval"
+        if live:  # the last iteration completed (a peer may have started the next one, and failed in it)
+            assert name == f"live-state-step={last['start_iteration']}.pt", name
+            assert before[-1] - last["start_iteration"] in (0, 1), (before[-1], last)
+        else:
+            assert last["start_iteration"] % 10 == 0, last
+            assert name in ((f"checkpoint_{last['start_iteration']}.pt",) if framework == "ignite"
+                            else ("last.ckpt", f"epoch=0-step={last['start_iteration']}.ckpt")), name
+            assert before[-1] - last["start_iteration"] <= 10, "recomputed more than the checkpoint interval"
         rest = [(e["step"], e["idx"]) for e in got if e["attempt"] == attempts]
         assert rest == [(e["step"], e["idx"]) for e in want[last["start_iteration"]:]]
     final, expected = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
@@ -83,27 +101,57 @@ def assert_recovered_exactly(run: Path, ref: Path, framework: str, attempts: int
         assert torch.equal(final[key], expected[key]), f"{framework}: {key} differs from the uninterrupted run"
 
 
+UNIT = {"ignite": "iteration", "lightning": "global step"}
+LIVE_CASES = [
+    pytest.param("ignite", "10", id="ignite-every-10"),
+    pytest.param("ignite", "1000", id="ignite-no-checkpoint", marks=pytest.mark.long),
+    pytest.param("lightning", "10", id="lightning-every-10", marks=pytest.mark.long),
+    pytest.param("lightning", "1000", id="lightning-no-checkpoint", marks=pytest.mark.long),
+]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("framework", ["ignite", pytest.param("lightning", marks=pytest.mark.long)])
-def test_a_raise_recovers_in_place_exactly(framework, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("framework, every", LIVE_CASES)
+def test_a_raise_recovers_in_place_from_live_state_exactly(framework, every, tmp_path, tmp_path_factory):
+    """No iteration trained twice, whatever the checkpoint interval (``EVERY=1000``: no checkpoint at
+    all), and the uninterrupted run's weights, bit for bit."""
     ref = reference(framework, tmp_path_factory)
-    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "FTH_INJECT": "raise@rank=1,iteration=37"})
-    assert_recovered_exactly(run, ref, framework)
-    for rank in (0, 1):  # one log line per recovery, on every rank, naming the cause and the attempt
+    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "EVERY": every,
+                                                    "FTH_INJECT": "raise@rank=1,iteration=37"})
+    assert recomputed(run) == 0  # before live state: 6 (from the checkpoint of 30), 36 without a checkpoint
+    assert_recovered_exactly(run, ref, framework, live=True)
+    for rank in (0, 1):  # one log line per recovery, on every rank, naming the cause, the attempt, the state
         assert f"[rank {rank}] recovering in place, attempt 1 (max_restarts=2), after rank 1 failed in train: " \
                "InjectedFault" in output
+    assert output.count(f"the next call carries on from live state, {UNIT[framework]} 36 (each rank's own)") == 2
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("framework, every", LIVE_CASES)
+def test_a_hung_rank_is_interrupted_and_recovers_in_place_from_live_state(framework, every, tmp_path, tmp_path_factory):
+    ref = reference(framework, tmp_path_factory)
+    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "EVERY": every, "FTH_INJECT": "hang@rank=1,iteration=37",
+                                                    "FTH_HANG_TIMEOUT_SEC": "3"})
+    assert recomputed(run) == 0  # before live state: 6 (from the checkpoint of 30), 36 without a checkpoint
+    assert_recovered_exactly(run, ref, framework, live=True)
+    assert "[rank 1] the hung main thread was interrupted: recovering in place" in output
+    assert "HangInterrupted" in output
 
 
 @pytest.mark.long
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("framework", ["ignite", "lightning"])
-def test_a_hung_rank_is_interrupted_and_recovers_in_place(framework, tmp_path, tmp_path_factory):
+def test_without_live_state_the_newest_checkpoint_serves(framework, tmp_path, tmp_path_factory):
+    """``FTH_LIVE_STATE=0``: as before live state, from the checkpoint of iteration 30, and the log
+    line says why."""
     ref = reference(framework, tmp_path_factory)
-    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "FTH_INJECT": "hang@rank=1,iteration=37",
-                                                    "FTH_HANG_TIMEOUT_SEC": "3"})
+    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "FTH_LIVE_STATE": "0",
+                                                    "FTH_INJECT": "raise@rank=1,iteration=37"})
     assert_recovered_exactly(run, ref, framework)
-    assert "[rank 1] the hung main thread was interrupted: recovering in place" in output
-    assert "HangInterrupted" in output
+    assert recomputed(run) == 6
+    assert output.count("the next call carries on from the newest checkpoint (live state cannot serve: rank 0: "
+                        "FTH_LIVE_STATE=0)") == 2, output[-3000:]
 
 
 @pytest.mark.timeout(300)
@@ -131,7 +179,8 @@ def test_a_peer_waiting_to_recover_with_a_hung_rank_is_not_named_hung_too(framew
     """No checkpoint in the run, ``hang_timeout`` 5 s, rank 1 asleep at iteration 37: rank 1 is named
     hung and interrupted; rank 0, whose main thread meanwhile handles the failure (it took rank 1's
     and waits in the recovery), made no progress for as long, but is not hung: it must not name
-    itself (it did, 2 runs of 3, and the job ended instead of recovering). Both recover from scratch."""
+    itself (it did, 2 runs of 3, and the job ended instead of recovering). Both recover from their
+    live state (iteration 36)."""
     run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "EVERY": "1000", "FTH_HANG_TIMEOUT_SEC": "5",
                                                    "FTH_INJECT": "hang@rank=1,iteration=37"})
     assert "RankHung: rank 1 " in output
@@ -139,7 +188,8 @@ def test_a_peer_waiting_to_recover_with_a_hung_rank_is_not_named_hung_too(framew
     for rank in (0, 1):
         seen = tries(run, rank)
         assert set(seen) == {0, 1}, f"rank {rank}: attempts {sorted(seen)}"
-        assert seen[1]["done"] and seen[1]["start_iteration"] == 0 and seen[1]["resumed_from"] is None, seen[1]
+        assert seen[1]["done"] and seen[1]["start_iteration"] == 36, seen[1]
+        assert Path(seen[1]["resumed_from"]).name == "live-state-step=36.pt", seen[1]
 
 
 @pytest.mark.long
@@ -148,8 +198,8 @@ def test_two_failures_recover_twice_and_the_log_names_each(tmp_path, tmp_path_fa
     ref = reference("ignite", tmp_path_factory)
     run, _, output = torchrun("ignite", tmp_path, {
         "INPLACE": "2", "FTH_INJECT": "raise@rank=1,iteration=37; raise@rank=0,iteration=44,attempt=1"})
-    assert_recovered_exactly(run, ref, "ignite", attempts=2)
-    assert tries(run, 0)[2]["start_iteration"] == 40
+    assert_recovered_exactly(run, ref, "ignite", attempts=2, live=True)
+    assert tries(run, 0)[2]["start_iteration"] == 43 and recomputed(run, 2, failing=0) == 0
     assert "recovering in place, attempt 2 (max_restarts=2), after rank 0 failed in train" in output
 
 
@@ -192,6 +242,9 @@ def test_a_killed_rank_is_replaced_in_place_and_the_others_keep_their_processes(
     assert "PeerLost: rank 1 (pid" in output and "killed by SIGKILL" in output
     assert "[rank 1] the training process of rank 1 (pid" in output and "killed by SIGKILL: starting its replacement" in output
     assert "after rank 1 failed: RankReplaced" in output
+    # the survivor holds its live state, the new process none: both carry on from the checkpoint, and say why
+    assert output.count("the next call carries on from the newest checkpoint (live state cannot serve: rank 1: its "
+                        "process was replaced (its state ended with it))") == 2, output[-3000:]
 
 
 @pytest.mark.long

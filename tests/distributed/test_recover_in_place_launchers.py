@@ -7,8 +7,9 @@ under Lightning and in one torchrun case, none where ``idist.Parallel`` spawns t
 workers would be spawned too, seconds each), checkpoints every 10, and rank 1 raises at iteration 37
 in the first attempt only (``FTH_INJECT``). Every rank must
 recover in its own process (the same pid in attempt 0 and 1, no process started again), resume from
-the checkpoint of iteration 30, train exactly the rest of an uninterrupted run's batches, and end
-with its weights (``torch.equal``). Where the recovery wraps the launcher instead of the ranks
+its live state at iteration 36 (the last completed: no iteration trained twice; the Ignite job loads
+it with ``Checkpoint.load_objects(to_load, path)``, Lightning's with ``fit(ckpt_path=path)``), train
+exactly the rest of an uninterrupted run's batches, and end with its weights (``torch.equal``). Where the recovery wraps the launcher instead of the ranks
 (``idist.Parallel(nproc_per_node=...)`` inside it, Lightning ``ddp_spawn``), the job fails at
 start, before any batch, with a :class:`RecoveryError` saying what to wrap instead.
 
@@ -98,9 +99,10 @@ def trained(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def assert_recovered_in_place(out: Path, ref: Path, checkpoints: tuple[str, ...], output: str) -> dict[int, dict]:
-    """Both ranks: attempt 0 failed at the fault, attempt 1 ran in the same process, resumed from
-    iteration 30, trained exactly the uninterrupted run's remaining batches; the weights are equal."""
+def assert_recovered_in_place(out: Path, ref: Path, output: str) -> dict[int, dict]:
+    """Both ranks: attempt 0 failed at the fault, attempt 1 ran in the same process, resumed from the
+    live state of iteration 36, trained exactly the uninterrupted run's remaining batches; the weights
+    are equal."""
     tries = {rank: attempts(out, rank) for rank in (0, 1)}
     for rank in (0, 1):
         got, want = tries[rank], trained(ref, rank)
@@ -108,14 +110,14 @@ def assert_recovered_in_place(out: Path, ref: Path, checkpoints: tuple[str, ...]
         assert got[0]["pid"] == got[1]["pid"], f"rank {rank} did not recover in its own process: {got}"
         assert "done" not in got[0] and got[1]["done"] and got[1]["iteration"] == 50, got
         first = got[1]
-        assert first["start_iteration"] == 30 and first["first_step"] == 31, first
-        assert Path(first["resumed_from"]).name in checkpoints, first["resumed_from"]
+        assert first["start_iteration"] == 36 and first["first_step"] == 37, first
+        assert Path(first["resumed_from"]).name == "live-state-step=36.pt", first["resumed_from"]
         assert first["resumed_from"] == tries[1 - rank][1]["resumed_from"]
         batches = trained(out, rank)
         steps0 = [e["step"] for e in batches if e["attempt"] == 0]
         assert steps0 == list(range(1, len(steps0) + 1)) and steps0[-1] >= 36, steps0
         rest = [(e["step"], e["idx"]) for e in batches if e["attempt"] == 1]
-        assert rest == [(e["step"], e["idx"]) for e in want[30:]], f"rank {rank}: attempt 1 trained other batches"
+        assert rest == [(e["step"], e["idx"]) for e in want[36:]], f"rank {rank}: attempt 1 trained other batches"
         assert f"[rank {rank}] recovering in place, attempt 1 (max_restarts=2)" in output, output[-4000:]
     pids = {a["pid"] for rank in (0, 1) for a in tries[rank].values()}
     assert len(pids) == 2, f"a rank process was started again: pids {pids}"
@@ -148,7 +150,7 @@ def test_idist_parallel_spawn_recovers_in_place(tmp_path, tmp_path_factory):
     ref = reference("ignite", tmp_path_factory)
     code, output, elapsed = run_job("parallel", tmp_path / "run", env={"FTH_INJECT": FAULT})
     assert code == 0, f"exit {code} after {elapsed:.0f} s:\n{output[-4000:]}"
-    tries = assert_recovered_in_place(tmp_path / "run", ref, ("checkpoint_30.pt",), output)
+    tries = assert_recovered_in_place(tmp_path / "run", ref, output)
     assert_idist_follows(tries)
 
 
@@ -164,7 +166,7 @@ def test_idist_parallel_under_torchrun_recovers_in_place(shape, tmp_path, tmp_pa
     code, output, elapsed = run_job(shape, tmp_path / "run", torchrun=True,
                                     env={"FTH_INJECT": FAULT, "WORKERS": workers})
     assert code == 0, f"exit {code} after {elapsed:.0f} s:\n{output[-4000:]}"
-    tries = assert_recovered_in_place(tmp_path / "run", ref, ("checkpoint_30.pt",), output)
+    tries = assert_recovered_in_place(tmp_path / "run", ref, output)
     assert_idist_follows(tries)
 
 
@@ -175,7 +177,7 @@ def test_lightning_ddp_recovers_in_place(tmp_path, tmp_path_factory):
     ref = reference("lightning", tmp_path_factory)
     code, output, elapsed = run_job("ddp", tmp_path / "run", env={"FTH_INJECT": FAULT, "WORKERS": "2"})
     assert code == 0, f"exit {code} after {elapsed:.0f} s:\n{output[-4000:]}"
-    tries = assert_recovered_in_place(tmp_path / "run", ref, ("last.ckpt", "epoch=1-step=30.ckpt"), output)
+    tries = assert_recovered_in_place(tmp_path / "run", ref, output)
     assert tries[0][1]["children_started"] == 0 and tries[0][1]["global_rank"] == 0, tries[0][1]
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fault_tolerant_handlers import PeerFailedError, SectionMismatchError, recover_in_place
 from fault_tolerant_handlers.core.config import RECOVER_TELL_SEC
 from fault_tolerant_handlers.core.kinds import Ended
-from fault_tolerant_handlers.recover.causes import Cause, Decision
+from fault_tolerant_handlers.recover.causes import Cause, Decision, LivePlan, LiveReport, plan_live
 from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
 
 
@@ -230,3 +230,41 @@ def test_a_rank_that_ends_tells_its_peers_within_a_bound_and_does_not_wait_for_a
     assert not decision.restart and decision.why == lost.not_in_place
     assert store.calls == ["set"]  # its cause, given up on at the bound
     assert RECOVER_TELL_SEC - 0.1 <= took <= RECOVER_TELL_SEC + 1.5, f"took {took:.1f} s"
+
+
+# -- live state: what each rank holds, and rank 0's plan ----------------------------------------------------
+def test_a_live_report_read_from_the_store_is_bounded_and_checked():
+    good = LiveReport(1, 36, "iteration", "")
+    assert LiveReport.from_json(good.to_json().encode(), world_size=2) == good
+    assert LiveReport.from_json(good.to_json().encode(), world_size=1) is None
+    assert LiveReport.from_json(b"x" * 9000, world_size=2) is None
+    assert LiveReport.from_json(json.dumps({"by": 0, "step": "x", "unit": "", "why": ""}).encode(), world_size=2) is None
+    loud = LiveReport(0, -1, "", "\x1b[31m" + "z" * 5000).to_json().encode()
+    read = LiveReport.from_json(loud, world_size=2)
+    assert "\x1b" not in read.why and len(read.why) <= 300
+
+
+def test_live_state_serves_only_when_every_rank_holds_the_same_step():
+    def plan(*reports):
+        return plan_live(list(reports), 2)
+
+    assert plan(LiveReport(0, 36, "iteration", ""), LiveReport(1, 36, "iteration", "")) == LivePlan(36, "iteration", "")
+    replaced = plan(LiveReport(0, 36, "iteration", ""), LiveReport(1, -1, "", "its process was replaced"))
+    assert replaced.step == -1 and replaced.why == "rank 1: its process was replaced"
+    assert "the newest checkpoint (live state cannot serve: rank 1: its process" in replaced.describe()
+    apart = plan(LiveReport(0, 37, "iteration", ""), LiveReport(1, 36, "iteration", ""))
+    assert apart.step == -1 and apart.why == "the ranks completed different steps (rank 0 at iteration 37, rank 1 at iteration 36)"
+    assert plan(LiveReport(0, 36, "iteration", ""), None).why == "rank 1's report could not be read"
+    assert LivePlan.from_dict({"step": "x"}).step == -1
+
+
+def test_rank_0s_decision_carries_the_plan_every_rank_follows():
+    store = dist.HashStore()
+    for rank, step in ((0, 36), (1, 36)):
+        store.set(f"fth/recover/0/0/live/{rank}", LiveReport(rank, step, "iteration", "").to_json())
+    decision = decide(store, [failure(0), failure(1)])
+    assert decision.restart and decision.live == {"step": 36, "unit": "iteration", "why": ""}
+    assert Decision.from_json(decision.to_json().encode()) == decision
+    apart = dist.HashStore()
+    apart.set("fth/recover/0/0/live/0", LiveReport(0, 36, "iteration", "").to_json())
+    assert decide(apart, [failure(0), failure(1)]).live["why"] == "rank 1's report could not be read"

@@ -1,0 +1,298 @@
+"""Live state: after a failure, carry on from the state the surviving processes hold, at the step they
+last completed, instead of the newest checkpoint (zero steps computed twice).
+
+While :func:`~fault_tolerant_handlers.recover_in_place` runs, the adapters keep a little bookkeeping per
+step (:class:`StepTracker`) and, when the training loop fails, capture what the checkpoint of that loop
+would hold (:class:`Captured`): Ignite's ``Checkpoint`` handler's ``to_save``, Lightning's
+``trainer.save_checkpoint``. The recovery asks for the capture (:func:`collect`), the ranks agree on it
+(:func:`..recover.causes.plan_live`), and the next call of the training function gets it where it asks
+for a checkpoint: :func:`latest_checkpoint_answer` gives :func:`~fault_tolerant_handlers.latest_checkpoint`
+a name (:data:`NAME` in the checkpoint directory, a file that does not exist), and
+:func:`take` hands the state over for that name (``load_checkpoint``, Lightning's ``fit(ckpt_path=...)``).
+
+What is taken when. Big state (the model's and the optimizer's tensors) is never copied: the capture
+holds the tensors the failed attempt's objects held, which nothing changes once the attempt failed;
+they are trusted only if nothing changed them since the step completed (:meth:`StepTracker.check`: no
+optimizer update began after it, no buffer changed). Small state (counters, the loader's position, LR
+schedulers, the optimizer's hyper-parameters, RNG) changes between a step's end and the failure (the
+next batch fetched, the engine's counter incremented, a scheduler run at the iteration's start): it is
+recorded at the end of every step (:meth:`StepTracker.complete`) and torch's RNG at the start of every
+step (:meth:`StepTracker.start_step`), a few microseconds each, and only while a recovery in place runs.
+
+``FTH_LIVE_STATE=0`` turns it off (the newest checkpoint, as before).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ..core import attempts, config
+from ..core.log import log
+
+#: The name :func:`~fault_tolerant_handlers.latest_checkpoint` answers with (in the directory it was
+#: asked about) when live state serves: no such file is ever written.
+NAME = "live-state-step={step}.pt"
+
+
+class NotLive(Exception):
+    """This rank's live state cannot serve; the message says why (for the recovery's log line)."""
+
+
+@dataclass
+class Captured:
+    """One rank's state as of the last step it completed, in the form its framework loads."""
+
+    step: int  #: the step completed (Ignite: the engine's iteration; Lightning: the global step)
+    unit: str  #: ``"iteration"`` or ``"global step"``
+    state: Any  #: what the checkpoint would hold (a dict of state dicts)
+    directory: str | None  #: where that loop's checkpoints are written (resolved), if known
+    rng: tuple | None = None  #: torch's RNG states at the start of the next step, if recorded
+
+
+def enabled() -> bool:
+    """Live state is kept: a recovery in place runs here and ``FTH_LIVE_STATE`` is not ``0``."""
+    return attempts.recovering() and config.live_state()
+
+
+# -- the optimizer hooks (process-wide, one pair while any tracker lives) --------------------------------
+_lock = threading.Lock()
+_trackers: list[StepTracker] = []
+_hook_handles: list[Any] = []
+
+
+def _pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for tracker in _trackers:
+        if tracker.update_at_pre_hook:
+            tracker.updating = True
+
+
+def _post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for tracker in _trackers:
+        tracker.updating = False
+        tracker.updates += 1
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+class StepTracker:
+    """Per-step bookkeeping of one training loop, on its training thread (owned by an adapter).
+
+    Args:
+        modules: the modules whose buffers the capture trusts (their versions are compared).
+        update_at_pre_hook: an optimizer update begins when ``optimizer.step`` is called (Ignite);
+            ``False``: when the adapter says so (:meth:`update_begins`: Lightning, whose
+            ``optimizer.step`` first runs the closure with the training step).
+    """
+
+    def __init__(self, modules: Iterable[torch.nn.Module], *, update_at_pre_hook: bool) -> None:
+        self.update_at_pre_hook = update_at_pre_hook
+        self.buffers = [b for m in modules for b in m.buffers()]
+        self.step = -1  #: the last step completed (-1: none yet)
+        self.small: dict[str, Any] = {}  #: small state recorded when it completed
+        self.versions = 0
+        self.stepped = True  #: an optimizer update ran in the step that completed last
+        self.updating = False  #: an optimizer update runs now
+        self.updates = 0  #: optimizer updates since the last step completed
+        self.rng: tuple | None = None  #: (step it follows, torch's RNG states) at the start of a step
+        with _lock:
+            if not _trackers:
+                _hook_handles[:] = [register_optimizer_step_pre_hook(_pre_hook),
+                                    register_optimizer_step_post_hook(_post_hook)]
+            _trackers.append(self)
+
+    def close(self) -> None:
+        """Stop tracking (the loop ended, or the attempt did); the optimizer hooks go with the last."""
+        with _lock:
+            if self in _trackers:
+                _trackers.remove(self)
+            if not _trackers:
+                for handle in _hook_handles:
+                    handle.remove()
+                _hook_handles.clear()
+
+    def update_begins(self) -> None:
+        self.updating = True
+
+    def start_step(self, after: int) -> None:
+        """The step after step ``after`` begins: torch's RNG as it starts."""
+        self.rng = (after, _rng_state())
+
+    def complete(self, step: int, small: dict[str, Any], *, initial: bool = False) -> None:
+        """Step ``step`` completed (or, ``initial``, the loop starts from it): ``small`` is its small state."""
+        self.stepped = initial or self.updates > 0
+        self.step, self.small, self.updates, self.updating = step, small, 0, False
+        self.versions = sum(b._version for b in self.buffers)
+
+    def check(self, unit: str) -> None:
+        """Raise :class:`NotLive` unless the live tensors are still those of step :attr:`step`."""
+        if self.step < 0:
+            raise NotLive("no step completed in this attempt")
+        if self.updating:
+            raise NotLive(f"it failed inside the optimizer step of the {unit} after {self.step}: its state is not trusted")
+        if self.updates:
+            raise NotLive(f"it failed after the optimizer step of the {unit} after {self.step}, before that {unit} "
+                          "completed")
+        if not self.stepped:
+            raise NotLive(f"{unit} {self.step} completed without an optimizer step (gradient accumulation): the "
+                          "accumulated gradients are not part of the state")
+        if sum(b._version for b in self.buffers) != self.versions:
+            raise NotLive(f"the model's buffers changed after {unit} {self.step} (BatchNorm statistics of the failed "
+                          "step's forward)")
+
+    def rng_after(self, step: int) -> tuple | None:
+        return self.rng[1] if self.rng is not None and self.rng[0] == step else None
+
+
+# -- the capture of the failed attempt ---------------------------------------------------------------------
+_capturers: list[Callable[[], Captured]] = []
+_captured: Captured | NotLive | None = None
+
+
+def register(capture: Callable[[], Captured]) -> None:
+    """An adapter's loop runs: ``capture()`` gives its state (or raises :class:`NotLive`)."""
+    if capture not in _capturers:
+        _capturers.append(capture)
+
+
+def unregister(capture: Callable[[], Captured]) -> None:
+    if capture in _capturers:
+        _capturers.remove(capture)
+
+
+def capture_now(capture: Callable[[], Captured]) -> None:
+    """The loop failed: capture its state now, where the failure is raised (before its framework's
+    exception path tears anything down). The last capture of an attempt is the one kept: an outer
+    loop's (a trainer's) after an inner one's (an evaluator run from a handler)."""
+    global _captured
+    try:
+        _captured = capture()
+    except NotLive as why:
+        _captured = why
+    except Exception as err:  # noqa: BLE001 - a capture that fails: the checkpoint serves
+        _captured = NotLive(f"capturing it failed: {type(err).__name__}: {str(err)[:200]}")
+
+
+def collect() -> Captured:
+    """The failed attempt's capture (raises :class:`NotLive` saying why there is none); the adapters'
+    registrations end with it."""
+    global _captured
+    try:
+        if not config.live_state():
+            raise NotLive(f"{config.LIVE_STATE_ENV}=0")
+        if _captured is None and _capturers:
+            capture_now(_capturers[-1])
+        captured = _captured
+    finally:
+        _captured = None
+        _capturers.clear()
+        _close_trackers()
+    if captured is None:
+        raise NotLive("no training loop of the library's adapters was running when it failed")
+    if isinstance(captured, NotLive):
+        raise captured
+    return captured
+
+
+# -- the state the next attempt resumes from ---------------------------------------------------------------
+_held: tuple[str, Captured] | None = None  # (the resolved name it answers to, the capture)
+_armed_rng: tuple[int, tuple] | None = None  # (the step it follows, states): restored as that step starts
+
+
+def _key(path: str | os.PathLike) -> str:
+    return str(Path(path).resolve())
+
+
+def hold(captured: Captured | None) -> None:
+    """Every rank agreed: the next attempt resumes from ``captured`` (``None``: from its checkpoint)."""
+    global _held
+    with _lock:
+        _held = None if captured is None else ("", captured)
+
+
+def held() -> Captured | None:
+    with _lock:
+        return _held[1] if _held is not None else None
+
+
+def latest_checkpoint_answer(dirname: str | os.PathLike) -> str | None:
+    """What ``latest_checkpoint(dirname)`` answers while live state is held for that directory (any
+    directory when the loop's is not known), else ``None``. The same on every rank: they agreed."""
+    global _held
+    with _lock:
+        if _held is None:
+            return None
+        captured = _held[1]
+        if captured.directory is not None and _key(dirname) != captured.directory:
+            return None
+        name = str(Path(dirname) / NAME.format(step=captured.step))
+        _held = (_key(name), captured)
+    return name
+
+
+def newest(path: str | os.PathLike) -> Any | None:
+    """The live state for ``path`` (a name :func:`latest_checkpoint_answer` gave), without taking it."""
+    with _lock:
+        if _held is None or not _held[0] or _key(path) != _held[0]:
+            return None
+        return _held[1].state
+
+
+def take(path: str | os.PathLike) -> Any | None:
+    """The live state for ``path``, handed over once (its RNG states are then put back when the step
+    after it starts: :func:`restore_rng`); ``None`` for any other path."""
+    global _held, _armed_rng
+    with _lock:
+        if _held is None or not _held[0] or _key(path) != _held[0]:
+            return None
+        captured, _held = _held[1], None
+        _armed_rng = (captured.step, captured.rng) if captured.rng is not None else None
+    log(logging.INFO, "resuming from this process's live state: %s %d (no step computed twice)", captured.unit,
+        captured.step)
+    return captured.state
+
+
+def restore_rng(after: int) -> bool:
+    """The step after step ``after`` starts: put back torch's RNG as the failed attempt had it there,
+    once, if live state was loaded for step ``after``. Returns whether it did."""
+    global _armed_rng
+    armed = _armed_rng
+    if armed is None:
+        return False
+    _armed_rng = None
+    if armed[0] != after:
+        return False
+    cpu, cuda = armed[1]
+    torch.set_rng_state(cpu)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    return True
+
+
+def _close_trackers() -> None:
+    for tracker in list(_trackers):
+        tracker.close()
+
+
+def forget() -> None:
+    """The recovery ends: nothing held or captured any more."""
+    global _held, _captured, _armed_rng
+    with _lock:
+        _held = None
+    _captured, _armed_rng = None, None
+    _capturers.clear()
+    _close_trackers()
+
+
+__all__ = ["Captured", "NAME", "NotLive", "StepTracker", "collect", "enabled", "forget", "hold", "latest_checkpoint_answer",
+           "newest", "register", "restore_rng", "take", "unregister"]

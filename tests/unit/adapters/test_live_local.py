@@ -1,0 +1,111 @@
+"""Live state with Ignite in one process (``adapters/live_ignite.py``): what a failure at iteration 7
+leaves is what the trainer's ``Checkpoint`` would have saved at iteration 6; loaded through
+``latest_checkpoint`` and ``Checkpoint.load_objects(to_load, path)``, the run ends with the weights of
+an uninterrupted one, bit for bit, with a step that draws from torch's RNG. The distributed cases
+(2 ranks, raise and hang, Ignite and Lightning) are in ``tests/distributed/test_recover_in_place.py``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from ignite.engine import Engine, Events
+from ignite.handlers import Checkpoint, DiskSaver
+from torch.utils.data import TensorDataset
+
+from fault_tolerant_handlers import RestartableDataLoader, latest_checkpoint
+from fault_tolerant_handlers.adapters import compat_ignite
+from fault_tolerant_handlers.adapters.live_ignite import IgniteLive
+from fault_tolerant_handlers.core import attempts
+from fault_tolerant_handlers.data import live
+
+
+@pytest.fixture
+def recovering(monkeypatch):
+    monkeypatch.setattr(attempts, "_running_pid", os.getpid())
+    yield
+    live.forget()
+
+
+class Boom(Exception):
+    pass
+
+
+def job(ckpt, fail_at: int = 0, in_step: bool = False):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+    loader = RestartableDataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+    def step(engine, batch):
+        x, y = batch
+        optimizer.zero_grad()
+        noise = 0.01 * torch.randn_like(y)  # the step draws from torch's RNG: put back after a failure
+        torch.nn.functional.mse_loss(model(x) + noise, y).backward()
+        if in_step and engine.state.iteration == fail_at:
+            handle = optimizer.register_step_pre_hook(lambda *a: (_ for _ in ()).throw(Boom("inside the step")))
+            try:
+                optimizer.step()
+            finally:
+                handle.remove()
+        optimizer.step()
+
+    engine = Engine(step)
+    capture = IgniteLive()
+    capture.attach(engine)
+    to_save = {"model": model, "optimizer": optimizer, "trainer": engine, "loader": loader}
+    engine.add_event_handler(Events.ITERATION_COMPLETED(every=1000), Checkpoint(to_save, DiskSaver(ckpt, require_empty=False)))
+    if fail_at and not in_step:
+        engine.add_event_handler(Events.ITERATION_STARTED(once=fail_at), lambda: (_ for _ in ()).throw(Boom("raised")))
+
+    def failed(engine, exc):
+        capture.failed()  # what FaultTolerance does at EXCEPTION_RAISED
+        raise exc
+
+    engine.add_event_handler(Events.EXCEPTION_RAISED, failed)
+    return engine, model, loader, to_save
+
+
+def test_a_failure_leaves_the_last_completed_iterations_state_and_resuming_from_it_is_exact(recovering, tmp_path):
+    engine, model, loader, _ = job(tmp_path / "ref")
+    engine.run(loader, max_epochs=2)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(live.NotLive, match="no training loop"):  # its registration ended with the run
+        live.collect()
+
+    engine, model, loader, _ = job(tmp_path / "run", fail_at=17)  # in the second epoch (10 iterations each)
+    with pytest.raises(Boom):
+        engine.run(loader, max_epochs=2)
+    captured = live.collect()
+    assert captured.step == 16 and captured.state["trainer"]["iteration"] == 16
+    assert captured.state["loader"]["batches_yielded"] == 6 and captured.rng is not None
+    live.hold(captured)
+    compat_ignite.resolve_live_names(live.take)  # what the recovery installs
+
+    engine, model, loader, to_save = job(tmp_path / "run")
+    path = latest_checkpoint(tmp_path / "run")
+    assert path.endswith("live-state-step=16.pt")
+    Checkpoint.load_objects(to_load=to_save, checkpoint=path)
+    engine.run(loader, max_epochs=2)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_a_failure_inside_the_optimizer_step_leaves_no_live_state(recovering, tmp_path):
+    engine, _, loader, _ = job(tmp_path, fail_at=5, in_step=True)
+    with pytest.raises(Boom):
+        engine.run(loader, max_epochs=1)
+    with pytest.raises(live.NotLive, match="inside the optimizer step of the iteration after 4"):
+        live.collect()
+
+
+def test_without_a_checkpoint_handler_it_says_so(recovering):
+    engine = Engine(lambda e, b: (_ for _ in ()).throw(Boom("x")))
+    capture = IgniteLive()
+    capture.attach(engine)
+    engine.add_event_handler(Events.EXCEPTION_RAISED, lambda e, exc: (capture.failed(), (_ for _ in ()).throw(exc)))
+    with pytest.raises(Boom):
+        engine.run([1, 2], max_epochs=1)
+    with pytest.raises(live.NotLive, match="no ignite Checkpoint handler"):
+        live.collect()

@@ -1,0 +1,201 @@
+"""Live state (``data/live.py``): the per-step bookkeeping, what the capture trusts, and how the next
+attempt gets it (``latest_checkpoint``, ``load_checkpoint``, the RNG put back)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fault_tolerant_handlers import latest_checkpoint, load_checkpoint
+from fault_tolerant_handlers.core import attempts, config
+from fault_tolerant_handlers.data import live, snapshots
+
+
+@pytest.fixture
+def recovering(monkeypatch):
+    monkeypatch.setattr(attempts, "_running_pid", os.getpid())
+    yield
+    live.forget()
+    snapshots.forget()
+
+
+def model_and_optimizer(batchnorm: bool = False):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4)] + ([torch.nn.BatchNorm1d(4)] if batchnorm else [])
+    model = torch.nn.Sequential(*layers)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train_step(model, optimizer) -> None:
+    optimizer.zero_grad()
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+
+
+def test_a_completed_step_is_trusted_and_the_next_forward_backward_do_not_change_that(recovering):
+    model, optimizer = model_and_optimizer()
+    tracker = live.StepTracker([model], update_at_pre_hook=True)
+    try:
+        train_step(model, optimizer)
+        tracker.complete(1, {"engine": 1})
+        model(torch.randn(8, 4)).sum().backward()  # the failed step got this far
+        tracker.check("iteration")
+        assert tracker.step == 1 and tracker.small == {"engine": 1}
+    finally:
+        tracker.close()
+
+
+def test_a_failure_inside_the_optimizer_step_is_not_trusted(recovering):
+    model, optimizer = model_and_optimizer()
+    tracker = live.StepTracker([model], update_at_pre_hook=True)
+    try:
+        train_step(model, optimizer)
+        tracker.complete(1, {})
+
+        def fails(opt, args, kwargs):
+            raise RuntimeError("inside the step")
+
+        handle = optimizer.register_step_pre_hook(fails)  # runs after the library's global pre-hook
+        with pytest.raises(RuntimeError):
+            train_step(model, optimizer)
+        handle.remove()
+        with pytest.raises(live.NotLive, match="inside the optimizer step of the iteration after 1"):
+            tracker.check("iteration")
+    finally:
+        tracker.close()
+
+
+def test_a_failure_after_the_optimizer_step_before_the_step_completed_is_not_trusted(recovering):
+    model, optimizer = model_and_optimizer()
+    tracker = live.StepTracker([model], update_at_pre_hook=True)
+    try:
+        tracker.complete(0, {}, initial=True)
+        train_step(model, optimizer)
+        with pytest.raises(live.NotLive, match="after the optimizer step of the iteration after 0"):
+            tracker.check("iteration")
+    finally:
+        tracker.close()
+
+
+def test_lightnings_closure_runs_inside_optimizer_step_and_is_not_the_update(recovering):
+    """``update_at_pre_hook=False``: ``optimizer.step(closure)`` runs the training step first; only
+    what follows ``update_begins`` (Lightning's ``on_before_optimizer_step``) is the update."""
+    model, optimizer = model_and_optimizer()
+    tracker = live.StepTracker([model], update_at_pre_hook=False)
+    try:
+        tracker.complete(3, {}, initial=True)
+
+        def closure():
+            model(torch.randn(8, 4)).sum().backward()
+            raise RuntimeError("the training step failed")
+
+        with pytest.raises(RuntimeError):
+            optimizer.step(closure)
+        tracker.check("global step")  # trusted: no update began
+        tracker.update_begins()
+        with pytest.raises(live.NotLive, match="inside the optimizer step"):
+            tracker.check("global step")
+    finally:
+        tracker.close()
+
+
+def test_a_step_without_an_update_and_changed_buffers_are_not_trusted(recovering):
+    model, optimizer = model_and_optimizer(batchnorm=True)
+    tracker = live.StepTracker([model], update_at_pre_hook=True)
+    try:
+        tracker.complete(0, {}, initial=True)
+        tracker.complete(1, {})  # no optimizer step in it: gradient accumulation
+        with pytest.raises(live.NotLive, match="without an optimizer step"):
+            tracker.check("iteration")
+        train_step(model, optimizer)
+        tracker.complete(2, {})
+        tracker.check("iteration")
+        model(torch.randn(8, 4))  # BatchNorm's running statistics move in the failed step's forward
+        with pytest.raises(live.NotLive, match="buffers changed after iteration 2"):
+            tracker.check("iteration")
+    finally:
+        tracker.close()
+
+
+def test_the_optimizer_hooks_go_with_the_last_tracker():
+    first = live.StepTracker([], update_at_pre_hook=True)
+    second = live.StepTracker([], update_at_pre_hook=True)
+    assert len(live._hook_handles) == 2
+    first.close()
+    assert len(live._hook_handles) == 2
+    second.close()
+    second.close()
+    assert live._hook_handles == [] and live._trackers == []
+
+
+def captured(step: int = 36, directory: str | None = None, rng: tuple | None = None) -> live.Captured:
+    return live.Captured(step, "iteration", {"model": {"w": torch.full((2,), float(step))}}, directory, rng)
+
+
+def test_latest_checkpoint_names_the_held_state_and_load_checkpoint_hands_it_over_once(recovering, tmp_path):
+    torch.save({"model": {"w": torch.zeros(2)}}, tmp_path / "checkpoint_30.pt")
+    live.hold(captured(directory=str(tmp_path.resolve())))
+    assert latest_checkpoint(tmp_path / "other") != str(tmp_path / "other" / "live-state-step=36.pt")
+    path = latest_checkpoint(tmp_path)
+    assert path == str(tmp_path / "live-state-step=36.pt") and not os.path.exists(path)
+    assert snapshots.newest(path) is not None  # without taking it (resume_main reads the step so)
+    assert torch.equal(load_checkpoint(path)["model"]["w"], torch.full((2,), 36.0))
+    assert live.held() is None and snapshots.newest(path) is None
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "checkpoint_30.pt")  # then the files, as before
+
+
+def test_a_held_state_whose_directory_is_unknown_answers_for_any_directory(recovering, tmp_path):
+    live.hold(captured(step=7))
+    assert latest_checkpoint(tmp_path / "empty") == str(tmp_path / "empty" / "live-state-step=7.pt")
+
+
+def test_the_rng_is_put_back_as_the_step_after_the_held_one_starts(recovering, tmp_path):
+    torch.manual_seed(1)
+    state = live._rng_state()
+    expected = torch.rand(3)
+    live.hold(captured(step=36, rng=state))
+    load_checkpoint(latest_checkpoint(tmp_path))
+    torch.manual_seed(2)
+    assert not live.restore_rng(35)  # another step: disarmed, nothing put back
+    live.hold(captured(step=36, rng=state))
+    load_checkpoint(latest_checkpoint(tmp_path))
+    assert live.restore_rng(36) and torch.equal(torch.rand(3), expected)
+    assert not live.restore_rng(36)  # once
+
+
+def test_collect_says_why_there_is_no_live_state(recovering, monkeypatch):
+    with pytest.raises(live.NotLive, match="no training loop"):
+        live.collect()
+
+    def untrusted():
+        raise live.NotLive("it failed inside the optimizer step")
+
+    live.capture_now(untrusted)
+    with pytest.raises(live.NotLive, match="inside the optimizer step"):
+        live.collect()
+
+    def broken():
+        raise KeyError("x")
+
+    live.register(broken)
+    with pytest.raises(live.NotLive, match="capturing it failed: KeyError"):
+        live.collect()
+    live.capture_now(lambda: captured())
+    assert live.collect().step == 36
+    live.capture_now(lambda: captured())
+    monkeypatch.setenv(config.LIVE_STATE_ENV, "0")
+    with pytest.raises(live.NotLive, match="FTH_LIVE_STATE=0"):
+        live.collect()
+    with pytest.raises(live.NotLive, match="no training loop"):  # the capture went with the collect
+        monkeypatch.delenv(config.LIVE_STATE_ENV)
+        live.collect()
+
+
+def test_the_variable_is_checked(monkeypatch):
+    monkeypatch.setenv(config.LIVE_STATE_ENV, "off")
+    with pytest.raises(ValueError, match="FTH_LIVE_STATE='off': expected 0 .* or 1"):
+        config.load()
+    monkeypatch.setenv(config.LIVE_STATE_ENV, " 0 ")
+    assert not config.live_state()
