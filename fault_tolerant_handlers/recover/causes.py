@@ -68,14 +68,32 @@ class Cause:
                    cause.own, cap_head(sanitize(cause.not_in_place), 300))
 
 
+#: A checksum in a report: :func:`.live_state.checksum`'s hex digest (or "" when none was taken).
+_CHECKSUM_CHARS = 64
+#: Ranks whose completed steps differ by more than this: live state cannot serve (out of step).
+MAX_STEPS_APART = 1
+
+
+def _hex(value: Any, chars: int) -> str:
+    """``value`` if it is a lower-case hex string of at most ``chars`` characters, else ""."""
+    text = str(value)
+    return text if len(text) <= chars and all(c in "0123456789abcdef" for c in text) else ""
+
+
 @dataclass(frozen=True)
 class LiveReport:
-    """What one rank holds for the next attempt: its live state at step ``step`` (-1: none, ``why``)."""
+    """What one rank holds for the next attempt: its live state at step ``step`` (-1: none, ``why``),
+    the :func:`.live_state.checksum` of that state ("" if it could not be taken: ``portable`` says
+    why it cannot be sent either) and a CRC of torch's RNG states recorded for the next step ("":
+    none)."""
 
     by: int  #: the rank that says it
     step: int  #: the last step it completed, whose state it holds (-1: none)
     unit: str  #: "iteration" (Ignite), "global step" (Lightning), "" (none)
     why: str  #: why it holds none ("" when it does)
+    checksum: str = ""  #: hex SHA-256 of the state ("": not taken)
+    rng: str = ""  #: hex CRC-32 of the RNG states recorded for the next step ("": none)
+    portable: str = ""  #: why this state cannot be sent to another rank ("" when it can)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -86,61 +104,126 @@ class LiveReport:
             return None
         try:
             data = json.loads(raw.decode("utf-8"))
-            report = cls(by=int(data["by"]), step=int(data["step"]), unit=str(data["unit"]), why=str(data["why"]))
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            report = cls(by=int(data["by"]), step=int(data["step"]), unit=str(data["unit"]), why=str(data["why"]),
+                         checksum=str(data.get("checksum", "")), rng=str(data.get("rng", "")),
+                         portable=str(data.get("portable", "")))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
             return None
         if not (0 <= report.by < world_size and -1 <= report.step < 2**53):
             return None
-        return cls(report.by, report.step, cap_head(sanitize(report.unit), 40), cap_head(sanitize(report.why), 300))
+        return cls(report.by, report.step, cap_head(sanitize(report.unit), 40), cap_head(sanitize(report.why), 300),
+                   _hex(report.checksum, _CHECKSUM_CHARS), _hex(report.rng, 8), cap_head(sanitize(report.portable), 300))
 
 
 @dataclass(frozen=True)
 class LivePlan:
-    """Where the next attempt's state comes from, the same for every rank: live state at ``step``
-    (each rank its own), or (``step`` -1) the newest checkpoint, because of ``why``."""
+    """Where the next attempt's state comes from, the same for every rank: live state at ``step``,
+    each rank its own, except ``receivers``, who get ``source``'s over a group the recovery forms
+    (``rng_shared``: the source's RNG states too, the holders' being the same); or (``step`` -1) the
+    newest checkpoint, because of ``why``."""
 
     step: int
     unit: str = ""
     why: str = ""
+    source: int = -1  #: the rank whose state the receivers get (-1: nobody receives)
+    receivers: tuple[int, ...] = ()  #: ranks that get the source's state, each with its reason in ``whom``
+    whom: str = ""  #: why each receiver receives, for the log ("rank 1: its process was replaced")
+    checksum: str = ""  #: the source's state's checksum ("": not taken), checked by the receivers
+    rng_shared: bool = False  #: the receivers take the source's RNG states too
 
     def describe(self) -> str:
-        if self.step >= 0:
+        if self.step < 0:
+            return f"the newest checkpoint (live state cannot serve: {self.why})"
+        if not self.receivers:
             return f"live state, {self.unit} {self.step} (each rank's own)"
-        return f"the newest checkpoint (live state cannot serve: {self.why})"
+        rng = "its RNG states too" if self.rng_shared else "not its RNG states (the ranks' differ or none were recorded)"
+        return (f"live state, {self.unit} {self.step} (each rank's own; sent from rank {self.source} to "
+                f"{self.whom}; {rng})")
+
+    def to_dict(self) -> dict:
+        """As JSON holds it (what :meth:`from_dict` reads back)."""
+        return {**asdict(self), "receivers": list(self.receivers)}
 
     @classmethod
     def from_dict(cls, data: Any) -> LivePlan:
         try:
-            return cls(int(data["step"]), cap_head(sanitize(str(data["unit"])), 40), cap_head(sanitize(str(data["why"])), 400))
-        except (KeyError, TypeError, ValueError):
+            receivers = tuple(int(r) for r in data.get("receivers", ()))[:4096]
+            return cls(int(data["step"]), cap_head(sanitize(str(data["unit"])), 40), cap_head(sanitize(str(data["why"])), 400),
+                       int(data.get("source", -1)), receivers, cap_head(sanitize(str(data.get("whom", ""))), 400),
+                       _hex(data.get("checksum", ""), _CHECKSUM_CHARS), bool(data.get("rng_shared", False)))
+        except (KeyError, TypeError, ValueError, AttributeError):
             return cls(-1, "", "rank 0's plan could not be read")
+
+    def checked(self, world_size: int) -> LivePlan:
+        """This plan, or a fallback when its ranks are not ranks of the world (a plan read back from
+        the store is checked before any rank acts on it)."""
+        if self.step < 0 or not self.receivers:
+            return self
+        if not (0 <= self.source < world_size and self.source not in self.receivers
+                and all(0 <= r < world_size for r in self.receivers)):
+            return LivePlan(-1, "", "rank 0's plan names ranks outside the world")
+        return self
 
 
 def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
     """Rank 0's rule: from which state every rank carries on, given what each holds.
 
-    Live state serves when every rank holds its own at the same step. Otherwise every rank falls
-    back to the newest checkpoint, and the plan says why (the first reason found, by rank).
+    The job carries on from the newest step a rank holds the state of (in data-parallel training a
+    step that some ranks completed and others did not had its gradients reduced on every rank: the
+    ranks that completed it hold the state every rank would have). Among the ranks at that step, the
+    checksum most of them hold wins (a tie: the lowest rank's); the source is the lowest rank holding
+    it. Every other rank receives the source's state: one without state (a replaced rank's new
+    process, a rank that failed inside an optimizer step, one whose buffers changed), one a step
+    behind, one whose checksum differs (diverged). The source's RNG states go with it when every
+    rank at that step recorded the same ones.
 
-    This is where the transfer of state between ranks plugs in: a rank that holds nothing (its
-    process was replaced), whose state is not trusted (it failed inside an optimizer step) or that
-    is a step behind its peers falls back today; with a transfer, the plan names a source rank
-    and the receivers instead, and the receivers get the state over the re-formed group before
-    the next call loads it (:func:`..data.live.take`).
+    Every rank falls back to the newest checkpoint (the plan says why, the first reason found) when a
+    report cannot be read, no rank holds state, the ranks disagree on the unit or are more than
+    :data:`MAX_STEPS_APART` steps apart, or a rank must receive and the source's state cannot be sent.
     """
     by_rank = {r.by: r for r in reports if r is not None}
     for rank in range(world_size):
-        report = by_rank.get(rank)
-        if report is None:
+        if rank not in by_rank:
             return LivePlan(-1, "", f"rank {rank}'s report could not be read")
+    holders = [by_rank[r] for r in range(world_size) if by_rank[r].step >= 0]
+    if not holders:
+        first = by_rank[0]
+        return LivePlan(-1, "", f"no rank holds live state (rank 0: {first.why or 'no live state'})")
+    units = {r.unit for r in holders}
+    step = max(r.step for r in holders)
+    if len(units) > 1 or step - min(r.step for r in holders) > MAX_STEPS_APART:
+        held = ", ".join(f"rank {r.by} at {r.unit} {r.step}" for r in holders)
+        return LivePlan(-1, "", f"the ranks completed steps too far apart ({held})")
+    unit = units.pop()
+    newest = [r for r in holders if r.step == step]
+    counts: dict[str, int] = {}
+    for r in newest:
+        counts[r.checksum] = counts.get(r.checksum, 0) + 1
+    chosen = max(counts, key=lambda c: (counts[c], -min(r.by for r in newest if r.checksum == c)))
+    agreeing = [r for r in newest if r.checksum == chosen]
+    whom, receivers = [], []
+    for rank in range(world_size):
+        report = by_rank[rank]
         if report.step < 0:
-            return LivePlan(-1, "", f"rank {rank}: {report.why or 'no live state'}")
-    steps = {r.step for r in by_rank.values()}
-    units = {r.unit for r in by_rank.values()}
-    if len(steps) > 1 or len(units) > 1:
-        held = ", ".join(f"rank {r.by} at {r.unit} {r.step}" for r in sorted(by_rank.values(), key=lambda r: r.by))
-        return LivePlan(-1, "", f"the ranks completed different steps ({held})")
-    return LivePlan(steps.pop(), units.pop(), "")
+            why = report.why or "no live state"
+        elif report.step < step:
+            why = f"a step behind ({unit} {report.step})"
+        elif report.checksum != chosen:
+            why = "its state's checksum differs (diverged)"
+        else:
+            continue
+        receivers.append(rank)
+        whom.append(f"rank {rank}: {why}")
+    if not receivers:
+        return LivePlan(step, unit, "")
+    portable = [r for r in agreeing if not r.portable]
+    if not portable:
+        return LivePlan(-1, "", f"{'; '.join(whom)}, and rank {agreeing[0].by}'s state cannot be sent: "
+                                f"{agreeing[0].portable}")
+    source = portable[0].by
+    rngs = {r.rng for r in agreeing}
+    return LivePlan(step, unit, "", source, tuple(receivers), "; ".join(whom), chosen,
+                    rng_shared=len(rngs) == 1 and "" not in rngs)
 
 
 @dataclass(frozen=True)

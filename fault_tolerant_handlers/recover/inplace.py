@@ -85,6 +85,7 @@ import signal
 import sys
 import threading
 import time
+import zlib
 from dataclasses import asdict, replace
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
@@ -93,7 +94,7 @@ import torch.distributed as dist
 
 from ..core import attempts, compat_torch as _compat_torch, config, events, interrupts
 from ..core.config import RECOVER_POLL, RECOVER_TEARDOWN_SEC, RECOVER_TELL_SEC
-from ..core.errors import PeerFailedError, RecoveryError, SectionMismatchError
+from ..core.errors import PeerFailedError, RecoveryError, SectionMismatchError, StateTransferError
 from ..core.kinds import FailureKind
 from ..core.log import log
 from ..core.records import cap_head
@@ -102,7 +103,7 @@ from ..core.schema import Connection, StoreCallTimeout, unblock_stuck_calls
 from ..core.session import AGREED_ATTR, PUBLISHED_ATTR, live_sessions
 from ..data import live as _live, loader as _loader, snapshots
 from ..launchers import compat_torchrun
-from . import keeper
+from . import keeper, live_state
 from .causes import (KEY_ROOT, NOT_IN_PLACE, Cause, Decision, LivePlan, LiveReport, _base_of, _needs_keeper, keeper_key,
                      plan_live)
 
@@ -176,6 +177,7 @@ class _Recovery:
         self._captured: _live.Captured | None = None  # this rank's live state of the failed attempt
         self._live_report: LiveReport | None = None  # what this rank tells the others it holds
         self._live_plan: LivePlan | None = None  # where the next attempt's state comes from (rank 0's plan)
+        self._sending: _live.Captured | None = None  # this rank's live state, kept for the transfer
 
     # -- the world the attempts share ------------------------------------------------------------------
     def _world(self) -> tuple[Any, int, int, str, timedelta] | None:
@@ -320,26 +322,84 @@ class _Recovery:
 
     # -- live state (data.live) ------------------------------------------------------------------------
     def _collect_live(self, rank: int) -> None:
-        """This rank's live state of the failed attempt, and what it tells the others."""
+        """This rank's live state of the failed attempt, and what it tells the others (with its
+        checksum, which tells a diverged rank, and whether it can be sent to a rank that needs it)."""
         try:
             self._captured = _live.collect()
-            self._live_report = LiveReport(rank, self._captured.step, self._captured.unit, "")
         except _live.NotLive as why:
             self._captured = None
             self._live_report = LiveReport(rank, -1, "", cap_head(str(why), 300))
+            return
+        digest, portable = "", ""
+        try:
+            digest = live_state.checksum(self._captured.state)
+        except TypeError as err:  # a leaf that cannot be sent (named by its path): kept for this rank only
+            portable = cap_head(str(err), 300)
+        rng = self._captured.rng
+        self._live_report = LiveReport(rank, self._captured.step, self._captured.unit, "", digest,
+                                       "" if rng is None else f"{_rng_crc(rng):08x}", portable)
 
     def _settle_live(self, decision: Decision) -> None:
-        """Follow rank 0's plan: hold this rank's live state for the next attempt, or nothing (it
-        resumes from its checkpoint)."""
-        captured, self._captured = self._captured, None
+        """Follow rank 0's plan: hold this rank's live state for the next attempt (a receiver gets the
+        source's when the group is re-formed: :meth:`_transfer_live`), or nothing (it resumes from
+        its checkpoint)."""
+        captured = self._captured
+        self._captured = None
         if not decision.restart:
             _live.hold(None)
             return
+        world = self._world()
+        world_size = world[2] if world is not None else 1
+        rank = world[1] if world is not None else 0
         plan = LivePlan.from_dict(decision.live) if decision.live else LivePlan(-1, "", "rank 0 made no plan")
-        if plan.step >= 0 and (captured is None or captured.step != plan.step or captured.unit != plan.unit):
+        plan = plan.checked(world_size)
+        receives = plan.step >= 0 and rank in plan.receivers
+        if plan.step >= 0 and not receives and (captured is None or captured.step != plan.step
+                                                or captured.unit != plan.unit):
             plan = LivePlan(-1, "", "this rank does not hold the agreed step (a bug: the plan says it does)")
         self._live_plan = plan
-        _live.hold(captured if plan.step >= 0 else None)
+        # a receiver keeps its stale state until the transfer, which writes into its tensors
+        self._sending = captured if plan.step >= 0 and plan.receivers else None
+        _live.hold(captured if plan.step >= 0 and not receives else None)
+
+    def _transfer_live(self, store: Any, rank: int, world_size: int, timings: dict) -> None:
+        """The plan names receivers: the source sends them its live state over a gloo group the
+        recovery forms for it (on the first attempt's store, this attempt's namespace), before the
+        training function is called again. A transfer that fails, fails on every rank together:
+        every rank then resumes from its newest checkpoint."""
+        plan, own = self._live_plan, self._sending
+        self._sending = None
+        if plan is None or plan.step < 0 or not plan.receivers:
+            return
+        t0 = time.monotonic()
+        receives = rank in plan.receivers
+        group_store = dist.PrefixStore(f"{attempts.namespace()}/live-state/", store)
+        try:
+            dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world_size,
+                                    timeout=self.join_timeout)
+            try:
+                mine = own.state if own is not None and (rank == plan.source or receives) else None
+                state = live_state.transfer(mine, plan.source, plan.receivers, checksum=plan.checksum or None)
+                extras = None
+                if rank == plan.source:
+                    extras = {"directory": own.directory,
+                              "rng": list(own.rng) if plan.rng_shared and own.rng is not None else None}
+                extras = live_state.transfer(extras, plan.source, plan.receivers)
+            finally:
+                dist.destroy_process_group()
+        except (StateTransferError, TypeError, RuntimeError, ValueError) as err:
+            why = f"sending it from rank {plan.source} failed: {type(err).__name__}: {cap_head(str(err), 200)}"
+            self._live_plan = LivePlan(-1, "", why)
+            _live.hold(None)
+            timings["transferred"] = time.monotonic()
+            return
+        if receives:
+            directory = extras.get("directory") if isinstance(extras, dict) else None
+            rng = extras.get("rng") if isinstance(extras, dict) else None
+            _live.hold(_live.Captured(plan.step, plan.unit, state, directory if isinstance(directory, str) else None,
+                                      tuple(rng) if isinstance(rng, list) and len(rng) == 2 else None))
+        timings["transferred"] = time.monotonic()
+        timings.setdefault("parts", {})["live state sent"] = timings["transferred"] - t0
 
     def _agree(self, world: tuple, cause: Cause) -> Decision:
         store, rank, world_size, _, _ = world
@@ -429,7 +489,7 @@ class _Recovery:
         live_keys = [f"{prefix}live/{r}" for r in range(world_size)]
         present = [k for k in live_keys if store.check([k])]
         reports = [LiveReport.from_json(raw, world_size) for raw in (store.multi_get(present) if present else [])]
-        return Decision(True, primary.describe(), asdict(primary), asdict(plan_live(reports, world_size)))
+        return Decision(True, primary.describe(), asdict(primary), plan_live(reports, world_size).to_dict())
 
     def _add_note(self, err: BaseException, decision: Decision) -> None:
         lines = [f"fault-tolerant-handlers: not recovered in place: {decision.why}"]
@@ -493,6 +553,7 @@ class _Recovery:
         if self.on_attempt is not None:
             self.on_attempt(attempts.in_place())
         compat_torchrun.rendezvous_in_place(store, rank, world_size)
+        self._transfer_live(store, rank, world_size, timings)
         if self.given is not None:
             dist.init_process_group(backend, store=dist.PrefixStore(attempts.namespace(), store), rank=rank,
                                     world_size=world_size, timeout=timeout)
@@ -548,6 +609,14 @@ class _Unsafe(Decision):
 class _Misplaced(_Unsafe):
     """A decision to stop because the recovery wraps the launcher, not the ranks (always raised as
     :class:`RecoveryError`, in the first attempt too)."""
+
+
+def _rng_crc(rng: tuple) -> int:
+    """A CRC-32 of recorded RNG states (CPU and, if any, CUDA): equal on ranks whose RNG is the same."""
+    crc = 0
+    for state in [rng[0], *(rng[1] or [])]:
+        crc = zlib.crc32(state.numpy().tobytes(), crc)
+    return crc
 
 
 def _live_name_read_as_file(err: BaseException) -> str:

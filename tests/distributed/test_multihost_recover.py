@@ -154,10 +154,10 @@ def assert_on_their_hosts(run: Run) -> None:
 def assert_recovered_exactly(run: Run, ref: Path, same_process: tuple[bool, bool]) -> None:
     """Every rank trained attempt 0, then attempt 1 (a recovery in place: torchrun restarts nothing)
     in the same process or, where ``same_process`` says not, in its keeper's new child; attempt 1
-    carried on from the ranks' live state at iteration 36 when every rank kept its process, else from
-    the newest checkpoint (iteration 30: a new process holds no state), trained exactly the
-    uninterrupted run's batches from there and the final weights are the uninterrupted run's."""
-    start, name = (36, "live-state-step=36.pt") if all(same_process) else (30, "checkpoint_30.pt")
+    carried on from the ranks' live state at iteration 36 (a keeper's new child was sent a survivor's),
+    trained exactly the uninterrupted run's batches from there and the final weights are the
+    uninterrupted run's."""
+    start, name = 36, "live-state-step=36.pt"
     for rank in range(WORLD):
         keeper = run.event(rank, "start")["pid"]
         calls = run.all(rank, "attempt")

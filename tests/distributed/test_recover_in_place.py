@@ -10,8 +10,8 @@ processes), where attempt 1 resumed (live state: iteration 36, none computed twi
 iteration 30), the batches it trained (exactly the uninterrupted run's from there), the final weights
 (``torch.equal``), and for the cases that must not recover, the cause each rank ended with.
 
-Default suite: Ignite raising (live state), a SIGKILLed rank replaced (the checkpoint: the new process
-holds no state), 6 recoveries in one job, a hang inside a step
+Default suite: Ignite raising (live state), a SIGKILLed rank replaced (live state sent to its new
+process), 6 recoveries in one job, a hang inside a step
 that swallows every exception; the rest is ``long`` (``make test-long``): Lightning, no
 checkpoint at all, hangs, ``FTH_LIVE_STATE=0``, 20 recoveries, two recoveries, a repeat,
 ``max_restarts`` spent, ``replace_dead=False``.
@@ -80,8 +80,9 @@ def assert_recovered_exactly(run: Path, ref: Path, framework: str, attempts: int
         assert (len(pids) == 1) == same_process[rank], f"rank {rank}: pids of its attempts {pids}"
         assert seen[attempts]["done"] and not any(seen[a].get("done") for a in range(attempts))
         last = seen[attempts]
-        # a process that saved the newest checkpoint reads it from its memory; a replacement from the file
-        assert last["in_memory"] == same_process[rank], last
+        # a process that saved the newest checkpoint reads it from its memory; a replacement from the
+        # file; live state is in memory everywhere (a replacement's was sent to it)
+        assert last["in_memory"] == (same_process[rank] or live), last
         assert last["first_step"] == last["start_iteration"] + 1, last
         name = Path(last["resumed_from"]).name
         got, want = trained(run, rank), trained(ref, rank)
@@ -150,8 +151,8 @@ def test_without_live_state_the_newest_checkpoint_serves(framework, tmp_path, tm
                                                     "FTH_INJECT": "raise@rank=1,iteration=37"})
     assert_recovered_exactly(run, ref, framework)
     assert recomputed(run) == 6
-    assert output.count("the next call carries on from the newest checkpoint (live state cannot serve: rank 0: "
-                        "FTH_LIVE_STATE=0)") == 2, output[-3000:]
+    assert output.count("the next call carries on from the newest checkpoint (live state cannot serve: no rank holds "
+                        "live state (rank 0: FTH_LIVE_STATE=0))") == 2, output[-3000:]
 
 
 @pytest.mark.timeout(300)
@@ -236,15 +237,20 @@ def test_max_restarts_spent_ends_the_job_naming_every_attempt(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("framework", ["ignite", pytest.param("lightning", marks=pytest.mark.long)])
 def test_a_killed_rank_is_replaced_in_place_and_the_others_keep_their_processes(framework, tmp_path, tmp_path_factory):
+    """The killed rank's new process holds no state: the survivor sends it its live state over a group
+    the recovery forms, and both carry on from the last completed iteration (none trained twice)."""
     ref = reference(framework, tmp_path_factory)
     run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "FTH_INJECT": "kill@rank=1,iteration=37"})
-    assert_recovered_exactly(run, ref, framework, same_process=(True, False))
+    assert_recovered_exactly(run, ref, framework, same_process=(True, False), live=True)
+    assert recomputed(run) == 0  # before the transfer: 6 (from the checkpoint of 30)
     assert "PeerLost: rank 1 (pid" in output and "killed by SIGKILL" in output
     assert "[rank 1] the training process of rank 1 (pid" in output and "killed by SIGKILL: starting its replacement" in output
     assert "after rank 1 failed: RankReplaced" in output
-    # the survivor holds its live state, the new process none: both carry on from the checkpoint, and say why
-    assert output.count("the next call carries on from the newest checkpoint (live state cannot serve: rank 1: its "
-                        "process was replaced (its state ended with it))") == 2, output[-3000:]
+    step = tries(run, 0)[1]["start_iteration"]
+    assert output.count(f"the next call carries on from live state, {UNIT[framework]} {step} (each rank's own; sent "
+                        "from rank 0 to rank 1: its process was replaced (its state ended with it); its RNG states "
+                        "too)") == 2, output[-3000:]
+    assert output.count("live state sent ") == 2, output[-3000:]  # a part of the recovery's timings
 
 
 @pytest.mark.long
@@ -336,7 +342,7 @@ def test_a_rank_hung_where_no_signal_reaches_it_is_replaced_in_place(tmp_path, t
     ends as a hung rank (exit code 88) and its keeper replaces it."""
     ref = reference("ignite", tmp_path_factory)
     run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "HANG_IN_C": "37", "FTH_HANG_TIMEOUT_SEC": "3"})
-    assert_recovered_exactly(run, ref, "ignite", same_process=(True, False))
+    assert_recovered_exactly(run, ref, "ignite", same_process=(True, False), live=True)
     assert "exited with code 88: starting its replacement" in output
 
 
@@ -346,5 +352,5 @@ def test_rank_0_killed_is_replaced_in_place(tmp_path, tmp_path_factory):
     """Rank 0 decides each recovery: its replacement does, with the survivors waiting for it."""
     ref = reference("ignite", tmp_path_factory)
     run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "FTH_INJECT": "kill@rank=0,iteration=37"})
-    assert_recovered_exactly(run, ref, "ignite", same_process=(False, True))
+    assert_recovered_exactly(run, ref, "ignite", same_process=(False, True), live=True)
     assert "[rank 0] the training process of rank 0 (pid" in output

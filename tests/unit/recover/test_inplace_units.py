@@ -5,6 +5,7 @@ decision over a real (in-process) c10d store. The recoveries themselves are prov
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import threading
 import time
 from datetime import timedelta
@@ -244,18 +245,70 @@ def test_a_live_report_read_from_the_store_is_bounded_and_checked():
     assert "\x1b" not in read.why and len(read.why) <= 300
 
 
-def test_live_state_serves_only_when_every_rank_holds_the_same_step():
-    def plan(*reports):
-        return plan_live(list(reports), 2)
+A = "a" * 32  # two checksums
+B = "b" * 32
 
-    assert plan(LiveReport(0, 36, "iteration", ""), LiveReport(1, 36, "iteration", "")) == LivePlan(36, "iteration", "")
-    replaced = plan(LiveReport(0, 36, "iteration", ""), LiveReport(1, -1, "", "its process was replaced"))
-    assert replaced.step == -1 and replaced.why == "rank 1: its process was replaced"
-    assert "the newest checkpoint (live state cannot serve: rank 1: its process" in replaced.describe()
-    apart = plan(LiveReport(0, 37, "iteration", ""), LiveReport(1, 36, "iteration", ""))
-    assert apart.step == -1 and apart.why == "the ranks completed different steps (rank 0 at iteration 37, rank 1 at iteration 36)"
-    assert plan(LiveReport(0, 36, "iteration", ""), None).why == "rank 1's report could not be read"
+
+def held(rank: int, step: int, checksum: str = A, rng: str = "0000abcd", portable: str = "") -> LiveReport:
+    return LiveReport(rank, step, "iteration", "", checksum, rng, portable)
+
+
+def test_live_state_serves_each_rank_its_own_when_every_rank_holds_the_same_step():
+    assert plan_live([held(0, 36), held(1, 36)], 2) == LivePlan(36, "iteration", "")
+    assert plan_live([held(0, 36), held(1, 36)], 2).describe() == "live state, iteration 36 (each rank's own)"
+
+
+def test_a_rank_without_state_a_step_behind_or_diverged_receives_from_the_lowest_agreeing_rank():
+    replaced = LiveReport(1, -1, "", "its process was replaced")
+    plan = plan_live([held(0, 36), replaced, held(2, 35), held(3, 36, B), held(4, 36)], 5)
+    assert (plan.step, plan.source, plan.receivers, plan.checksum, plan.rng_shared) == (36, 0, (1, 2, 3), A, True)
+    assert plan.whom == ("rank 1: its process was replaced; rank 2: a step behind (iteration 35); rank 3: its "
+                         "state's checksum differs (diverged)")
+    assert "sent from rank 0 to rank 1: its process was replaced;" in plan.describe()
+    # the checksum most ranks hold wins, whichever rank is lowest
+    assert plan_live([held(0, 36, B), held(1, 36), held(2, 36)], 3).receivers == (0,)
+    assert plan_live([held(0, 36, B), held(1, 36), held(2, 36)], 3).source == 1
+    # a tie: the lowest rank's checksum
+    assert plan_live([held(0, 36, B), held(1, 36)], 2).source == 0
+    # the newest step wins: a rank that completed it holds what every rank would
+    assert plan_live([held(0, 36), held(1, 37)], 2).source == 1
+
+
+def test_the_source_sends_its_rng_only_when_the_ranks_at_that_step_recorded_the_same():
+    replaced = LiveReport(2, -1, "", "its process was replaced")
+    assert not plan_live([held(0, 36, rng="00000001"), held(1, 36, rng="00000002"), replaced], 3).rng_shared
+    assert not plan_live([held(0, 36, rng=""), held(1, 36, rng=""), replaced], 3).rng_shared
+    assert plan_live([held(0, 36), held(1, 35, rng="00000002"), replaced], 3).rng_shared  # behind: another step's
+
+
+def test_live_state_falls_back_to_the_checkpoint_and_says_why():
+    def why(*reports):
+        plan = plan_live(list(reports), len(reports))
+        assert plan.step == -1 and plan.describe().startswith("the newest checkpoint (live state cannot serve: ")
+        return plan.why
+
+    none = LiveReport(0, -1, "", "FTH_LIVE_STATE=0")
+    assert why(none, LiveReport(1, -1, "", "x")) == "no rank holds live state (rank 0: FTH_LIVE_STATE=0)"
+    assert why(held(0, 37), held(1, 35)) == "the ranks completed steps too far apart (rank 0 at iteration 37, " \
+                                            "rank 1 at iteration 35)"
+    assert why(held(0, 36), LiveReport(1, 36, "global step", "")).startswith("the ranks completed steps too far apart")
+    assert why(held(0, 36, portable="state['x']: a Foo"), LiveReport(1, -1, "", "replaced")) == \
+        "rank 1: replaced, and rank 0's state cannot be sent: state['x']: a Foo"
+    assert plan_live([held(0, 36), None], 2).why == "rank 1's report could not be read"
+    # nobody needs to receive: a state that cannot be sent serves its own rank
+    assert plan_live([held(0, 36, portable="x"), held(1, 36, portable="x")], 2).step == 36
+
+
+def test_a_plan_read_back_is_bounded_and_its_ranks_checked():
     assert LivePlan.from_dict({"step": "x"}).step == -1
+    plan = plan_live([held(0, 36), LiveReport(1, -1, "", "replaced")], 2)
+    assert LivePlan.from_dict(json.loads(json.dumps(asdict(plan)))) == plan
+    assert plan.checked(2) == plan
+    assert plan.checked(1).why == "rank 0's plan names ranks outside the world"
+    hostile = LivePlan.from_dict({**asdict(plan), "checksum": "not hex!", "whom": "\x1b[31m" + "z" * 5000})
+    assert hostile.checksum == "" and "\x1b" not in hostile.whom and len(hostile.whom) <= 400
+    assert LivePlan.from_dict({**asdict(plan), "receivers": "ab"}).why == "rank 0's plan could not be read"
+    assert LiveReport.from_json(json.dumps({**asdict(held(0, 36)), "checksum": "ZZ"}).encode(), 2).checksum == ""
 
 
 def test_rank_0s_decision_carries_the_plan_every_rank_follows():
@@ -263,7 +316,7 @@ def test_rank_0s_decision_carries_the_plan_every_rank_follows():
     for rank, step in ((0, 36), (1, 36)):
         store.set(f"fth/recover/0/0/live/{rank}", LiveReport(rank, step, "iteration", "").to_json())
     decision = decide(store, [failure(0), failure(1)])
-    assert decision.restart and decision.live == {"step": 36, "unit": "iteration", "why": ""}
+    assert decision.restart and LivePlan.from_dict(decision.live) == LivePlan(36, "iteration", "")
     assert Decision.from_json(decision.to_json().encode()) == decision
     apart = dist.HashStore()
     apart.set("fth/recover/0/0/live/0", LiveReport(0, 36, "iteration", "").to_json())
