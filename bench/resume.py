@@ -5,6 +5,7 @@ and resumed, relaunched from scratch.
     .venv/bin/python bench/resume.py --reps 5 --fault raise --modes inplace,resume
     .venv/bin/python bench/resume.py --reps 5 --fault hang --modes inplace,resume   # hang_timeout 3 s
     .venv/bin/python bench/resume.py --fault raise --modes inplace,inplace-ckpt,resume --checkpoint-every 10,100,1000
+    .venv/bin/python bench/resume.py --fault kill --modes inplace,inplace-ckpt --state-mb 100   # live state sent
 
 Each run is ``torchrun --standalone --nproc_per_node N --max-restarts 2 tests/resume_main.py`` (N from
 ``--worlds``, 2 by default; ``--worlds 2,4,8`` puts the world sizes side by side)
@@ -15,8 +16,8 @@ attempt 0.7 of an interval after a checkpoint, at iteration 37 or later (37 with
 10, 170 every 100, 1700 every 1000; ``--fault kill``: SIGKILL, the default; ``raise``).
 ``resume`` restarts from ``latest_checkpoint``; ``scratch`` restarts from iteration 0; ``inplace``
 (``INPLACE=2``: ``recover_in_place``, torchrun ``--max-restarts 0``) recovers in the same processes and
-carries on from the ranks' live state at the last completed iteration (the newest checkpoint where it
-cannot serve: a SIGKILLed rank's new process holds none); ``inplace-ckpt`` the same with
+carries on from the ranks' live state at the last completed iteration (a SIGKILLed rank's new process
+is sent a survivor's; ``--state-mb`` sets the state's size); ``inplace-ckpt`` the same with
 ``FTH_LIVE_STATE=0``: from the newest checkpoint. ``--fault hang`` sets ``FTH_HANG_TIMEOUT_SEC=3``.
 
 Prints, per world size, framework and mode, medians and [min, max] over the runs of:
@@ -78,14 +79,15 @@ PHASES = re.compile(r"\[rank (\d+)\] recovering in place, .*; watchdogs stopped 
                     r"torn down ([\d.]+) s .*re-formed ([\d.]+) s")
 
 
-def one_run(framework: str, mode: str, fault: str, out: Path, world: int = 2, every: int = 10) -> dict:
+def one_run(framework: str, mode: str, fault: str, out: Path, world: int = 2, every: int = 10, hidden: int = 0) -> dict:
     out.mkdir(parents=True)
     at = fault_at(every)
     # one epoch of at + 13 iterations at any world size (batch 4 per rank): 50 with a checkpoint every 10
     env = dict(os.environ, PYTHONPATH=str(ROOT), EVERY=str(every), EPOCHS="1", SAMPLES=str(4 * world * (at + 13)),
                RESUME="0" if mode == "scratch" else "1",
                FTH_INJECT=f"{fault}@rank=1,iteration={at}", PG_TIMEOUT_SEC="20", PYTHONUNBUFFERED="1",
-               INPLACE="2" if mode.startswith("inplace") else "", FTH_LIVE_STATE="0" if mode == "inplace-ckpt" else "1")
+               INPLACE="2" if mode.startswith("inplace") else "", FTH_LIVE_STATE="0" if mode == "inplace-ckpt" else "1",
+               HIDDEN=str(hidden))
     if fault == "hang":
         env["FTH_HANG_TIMEOUT_SEC"] = str(HANG_TIMEOUT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
@@ -145,6 +147,9 @@ def main() -> None:
     parser.add_argument("--modes", default="resume,scratch",
                         help="comma-separated, from inplace (recover_in_place, live state), inplace-ckpt (recover_in_place, "
                              "FTH_LIVE_STATE=0), resume, scratch")
+    parser.add_argument("--state-mb", type=float, default=0,
+                        help="the model's size: Linear(8, n), Tanh, Linear(n, 1) with n such that its parameters (the "
+                             "whole state: SGD without momentum) take this many MB; 0: Linear(8, 1)")
     parser.add_argument("--checkpoint-every", default="10",
                         help="comma-separated checkpoint intervals (iterations), e.g. 10,100,1000")
     args = parser.parse_args()
@@ -157,6 +162,9 @@ def main() -> None:
         intervals = [0]
     if min(intervals) < 1:
         parser.error(f"--checkpoint-every: positive ints (iterations), comma-separated; got {args.checkpoint_every!r}")
+    if args.state_mb < 0:
+        parser.error(f"--state-mb: a size in MB >= 0; got {args.state_mb}")
+    args.hidden = int(args.state_mb * 2**20 / 4 / 10) if args.state_mb else 0  # 10 floats per hidden unit
     worlds = [int(w) for w in args.worlds.split(",")]
     if min(worlds) < 2:
         parser.error("--worlds: every world size must be >= 2 (rank 1 fails)")
@@ -170,14 +178,14 @@ def main() -> None:
                         modes = args.modes.split(",")
                         for mode in (modes if rep % 2 == 0 else modes[::-1]):
                             run_once(results, failed, (every, world, framework, mode), rep, args.fault,
-                                     Path(tmp) / f"{framework}-{mode}-{world}-{every}-{rep}")
+                                     Path(tmp) / f"{framework}-{mode}-{world}-{every}-{rep}", args.hidden)
     report(results, failed, args)
 
 
-def run_once(results: dict, failed: dict, key: tuple, rep: int, fault: str, out: Path) -> None:
+def run_once(results: dict, failed: dict, key: tuple, rep: int, fault: str, out: Path, hidden: int = 0) -> None:
     every, world, framework, mode = key
     try:
-        res = one_run(framework, mode, fault, out, world, every)
+        res = one_run(framework, mode, fault, out, world, every, hidden)
     except Exception as err:  # noqa: BLE001 - a run that did not recover is a result too
         failed.setdefault(key, []).append(f"run {rep + 1}: {err}")
         print(f"  every {every} {world} ranks {framework:9s} {mode:12s} run {rep + 1}: FAILED: {err}", flush=True)
@@ -197,7 +205,8 @@ NAMES = {"resume": "relaunch, from latest_checkpoint", "scratch": "relaunch, fro
 
 
 def report(results: dict, failed: dict, args) -> None:
-    print(f"\nfault={args.fault}, 0.7 of a checkpoint interval after a checkpoint, {args.reps} runs each "
+    size = f"state {args.hidden * 10 * 4 / 2**20:.0f} MB (HIDDEN={args.hidden})" if args.hidden else "state 36 bytes"
+    print(f"\nfault={args.fault}, 0.7 of a checkpoint interval after a checkpoint, {size}, {args.reps} runs each "
           "(median [min, max])")
     print("| checkpoint every | fault at | ranks | framework | restart | fault -> first trained step (s) | fault -> new "
           "processes, or the call again in place (s) | their imports, or that call -> first step in place (s) | "

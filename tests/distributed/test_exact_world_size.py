@@ -9,14 +9,15 @@ reduces its first iteration in the uninterrupted run's buckets.
 
 Each case: an uninterrupted run; the same run with rank 1 raising at iteration 8 (a checkpoint every
 5; ``Linear(8, 32), Tanh, Linear(32, 1)``, one epoch: 25 iterations at 4 ranks, 13 at 8), recovered by
-a relaunch (``torchrun --max-restarts 1``) or in place (``recover_in_place``); its second attempt
-must resume from iteration 5 (in place: from the live state of iteration 7, the last completed, whose
-bucket layout is the live DDP's), train exactly the uninterrupted run's batches and end with its
+a relaunch (``torchrun --max-restarts 1``) or in place (``recover_in_place``), or rank 1 SIGKILLed
+there and replaced in place; its second attempt must resume from iteration 5 (in place: from the live
+state of iteration 7, the last completed, whose bucket layout is the live DDP's; a replaced rank is
+sent rank 0's), train exactly the uninterrupted run's batches and end with its
 weights (``torch.equal``). The property the layout gives is checked too: a relaunch from the same kind of
 checkpoint (iteration 5) *without* it (``BUCKETS=0``) ends with other weights.
 
-Default suite: Ignite at 4 ranks, relaunched (and the stock relaunch that differs) and in place.
-``long``: Lightning at 4 ranks, and both frameworks at 8.
+Default suite: Ignite at 4 ranks, relaunched (and the stock relaunch that differs), in place, and
+killed and replaced. ``long``: Lightning at 4 ranks, and both frameworks at 8.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ CASES = [
     pytest.param("ignite", 8, "relaunch", id="ignite-8-relaunch", marks=pytest.mark.long),
     pytest.param("lightning", 8, "relaunch", id="lightning-8-relaunch", marks=pytest.mark.long),
     pytest.param("ignite", 8, "inplace", id="ignite-8-inplace", marks=pytest.mark.long),
+    pytest.param("ignite", 4, "killed", id="ignite-4-killed"),
+    pytest.param("lightning", 4, "killed", id="lightning-4-killed", marks=pytest.mark.long),
+    pytest.param("ignite", 8, "killed", id="ignite-8-killed", marks=pytest.mark.long),
 ]
 
 
@@ -103,9 +107,16 @@ def test_a_resume_is_bit_identical_at_any_world_size(framework, nproc, how, tmp_
     ref = reference(framework, nproc, tmp_path_factory)
     if how == "relaunch":
         run = torchrun(framework, nproc, tmp_path / "faulted", {"FTH_INJECT": FAULT}, max_restarts=1)
-    else:
+    elif how == "inplace":
         run = torchrun(framework, nproc, tmp_path / "faulted", {"FTH_INJECT": FAULT, "INPLACE": "2"})
         assert attempts(run, 0)[0]["pid"] == attempts(run, 0)[1]["pid"], "not recovered in the same process"
+    else:  # SIGKILLed: its keeper's new process is sent rank 0's live state
+        run = torchrun(framework, nproc, tmp_path / "faulted", {"FTH_INJECT": FAULT.replace("raise", "kill"),
+                                                                "INPLACE": "2"})
+        for rank in range(nproc):
+            pids = {t["pid"] for t in attempts(run, rank).values()}
+            assert (len(pids) == 1) == (rank != 1), f"rank {rank}: pids of its attempts {pids}"
+        assert all(Path(attempts(run, r)[1]["resumed_from"]).name == "live-state-step=7.pt" for r in range(nproc))
     assert_resumed_exactly(run, ref, nproc, start=5 if how == "relaunch" else 7)
     if how != "relaunch":
         return

@@ -235,14 +235,21 @@ def test_max_restarts_spent_ends_the_job_naming_every_attempt(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("framework", ["ignite", pytest.param("lightning", marks=pytest.mark.long)])
-def test_a_killed_rank_is_replaced_in_place_and_the_others_keep_their_processes(framework, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("framework, every", [
+    pytest.param("ignite", "10", id="ignite-every-10"),
+    pytest.param("ignite", "1000", id="ignite-no-checkpoint", marks=pytest.mark.long),
+    pytest.param("lightning", "10", id="lightning-every-10", marks=pytest.mark.long),
+])
+def test_a_killed_rank_is_replaced_in_place_and_the_others_keep_their_processes(framework, every, tmp_path,
+                                                                                 tmp_path_factory):
     """The killed rank's new process holds no state: the survivor sends it its live state over a group
-    the recovery forms, and both carry on from the last completed iteration (none trained twice)."""
+    the recovery forms, and both carry on from the last completed iteration (none trained twice), with
+    a checkpoint every 10 iterations or none at all."""
     ref = reference(framework, tmp_path_factory)
-    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "FTH_INJECT": "kill@rank=1,iteration=37"})
+    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "EVERY": every,
+                                                    "FTH_INJECT": "kill@rank=1,iteration=37"})
     assert_recovered_exactly(run, ref, framework, same_process=(True, False), live=True)
-    assert recomputed(run) == 0  # before the transfer: 6 (from the checkpoint of 30)
+    assert recomputed(run) == 0  # before the transfer: 6 (from the checkpoint of 30), 36 without a checkpoint
     assert "PeerLost: rank 1 (pid" in output and "killed by SIGKILL" in output
     assert "[rank 1] the training process of rank 1 (pid" in output and "killed by SIGKILL: starting its replacement" in output
     assert "after rank 1 failed: RankReplaced" in output
