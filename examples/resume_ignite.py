@@ -6,13 +6,14 @@ at the exact next batch::
     FTH_INJECT=raise@rank=1,iteration=14 torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/resume_ignite.py
 
 Recover in place (``--in-place``): the same processes re-form the process group and call ``train``
-again, which resumes the same way, without a relaunch::
+again, without a relaunch, from the ranks' live state at the last completed iteration::
 
     FTH_INJECT=raise@rank=1,iteration=14 torchrun --standalone --nproc-per-node 2 examples/resume_ignite.py --in-place
 
 Rank 1 raises at iteration 14 (``FTH_INJECT`` fires in the first attempt only); every rank stops
-together, and the next attempt resumes from ``checkpoint_10.pt`` at iteration 10 and trains to
-iteration 60. Without ``FTH_INJECT`` nothing fails. Checkpoints go to ``--dir`` (``ckpts/ignite``):
+together, and the next attempt resumes from ``checkpoint_10.pt`` at iteration 10 (in place: from
+``live-state-step=13.pt``, a name ``latest_checkpoint`` gives the live state, at iteration 13, nothing
+trained twice) and trains to iteration 60. Without ``FTH_INJECT`` nothing fails. Checkpoints go to ``--dir`` (``ckpts/ignite``):
 remove it to start from scratch.
 """
 

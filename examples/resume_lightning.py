@@ -6,13 +6,14 @@ checkpoint at the exact next batch::
     FTH_INJECT=raise@rank=1,iteration=14 torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/resume_lightning.py
 
 Recover in place (``--in-place``): the same processes call ``train`` again (Lightning re-forms the
-process group inside ``fit``), which resumes the same way, without a relaunch::
+process group inside ``fit``), without a relaunch, from the ranks' live state at the last completed step::
 
     FTH_INJECT=raise@rank=1,iteration=14 torchrun --standalone --nproc-per-node 2 examples/resume_lightning.py --in-place
 
 Rank 1 raises at global step 14 (``FTH_INJECT``'s iteration is ``trainer.global_step + 1``; it fires
 in the first attempt only); every rank stops together, and the next attempt resumes from the
-checkpoint of step 10 and trains to step 60. Without ``FTH_INJECT`` nothing fails. Checkpoints go to
+checkpoint of step 10 (in place: from ``live-state-step=13.pt``, the live state of step 13, nothing
+trained twice) and trains to step 60. Without ``FTH_INJECT`` nothing fails. Checkpoints go to
 ``--dir`` (``ckpts/lightning``): remove it to start from scratch.
 """
 

@@ -1,8 +1,8 @@
 """The recovery examples run as their docstrings print them: each ``FTH_INJECT=... torchrun ...`` line
 of ``examples/resume_ignite.py`` and ``examples/resume_lightning.py`` (relaunch and resume, and
 ``--in-place``) on 2 CPU ranks. Rank 1 raises at iteration 14; the next attempt (torchrun's restart,
-or a recovery in place) resumes from the checkpoint of iteration 10 on every rank and trains to 60,
-and the job exits 0. Every run is bounded; each is started from a copy of the example in its own
+or a recovery in place) resumes on every rank (a relaunch from the checkpoint of iteration 10, in
+place from the live state of 13) and trains to 60, and the job exits 0. Every run is bounded; each is started from a copy of the example in its own
 folder, and every process whose command line names that copy is killed by pid afterwards (torchrun
 starts each worker in a session of its own)."""
 
@@ -26,6 +26,9 @@ DEADLINE_SEC = 150
 EXAMPLES = {"ignite": ROOT / "examples" / "resume_ignite.py", "lightning": ROOT / "examples" / "resume_lightning.py"}
 #: what each rank prints when the next attempt resumes, and when it has trained to the end
 RESUMED = {"ignite": "resumed from checkpoint_10.pt at iteration 10", "lightning": "resuming from epoch=0-step=10.ckpt"}
+#: In place, from the ranks' live state at the last completed step (the fault is at 14).
+RESUMED_IN_PLACE = {"ignite": "resumed from live-state-step=13.pt at iteration 13",
+                    "lightning": "resuming from live-state-step=13.pt"}
 FINISHED = {"ignite": "finished at iteration 60", "lightning": "finished at step 60"}
 
 
@@ -110,7 +113,8 @@ def test_example_recovers_and_finishes(framework, line, tmp_path):
     assert "FTH_INJECT=raise@rank=1,iteration=14: injecting raise" in out, out[-4000:]  # the fault fired
     assert re.search(r"\[rank 0 step \d+\] stopping: rank 1 failed in 'train'", out), out[-4000:]  # rank 0 learnt it
     for rank in (0, 1):
-        assert f"[rank {rank}] attempt 1: {RESUMED[framework]}" in out, out[-4000:]
+        resumed = (RESUMED_IN_PLACE if "--in-place" in line else RESUMED)[framework]
+        assert f"[rank {rank}] attempt 1: {resumed}" in out, out[-4000:]
         assert f"[rank {rank}] {FINISHED[framework]}" in out, out[-4000:]
     if "--in-place" in line:
         assert "recovering in place, attempt 1" in out, out[-4000:]
