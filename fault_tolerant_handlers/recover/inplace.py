@@ -396,8 +396,11 @@ class _Recovery:
         if receives:
             directory = extras.get("directory") if isinstance(extras, dict) else None
             rng = extras.get("rng") if isinstance(extras, dict) else None
+            rng = tuple(rng) if isinstance(rng, list) and len(rng) == 2 else None
+            if rng is None and own is not None and own.step == plan.step:
+                rng = own.rng  # diverged at the same step: its own RNG states are those of that step
             _live.hold(_live.Captured(plan.step, plan.unit, state, directory if isinstance(directory, str) else None,
-                                      tuple(rng) if isinstance(rng, list) and len(rng) == 2 else None))
+                                      rng))
         timings["transferred"] = time.monotonic()
         timings.setdefault("parts", {})["live state sent"] = timings["transferred"] - t0
 
