@@ -526,7 +526,7 @@ class _Recovery:
                 phase, attempts.in_place() + (phase is not RecoveryPhase.RECOVERED), rank,
                 RecoveryCause(cause.failed_rank if cause.failed_rank >= 0 else None, cause.failure_kind, cause.exc_type,
                               cause.message, cause.step if cause.step >= 0 else None, cause.where),
-                max(0.0, (time.monotonic() if now is None else now) - since),
+                0.0 if plan is None else max(0.0, (time.monotonic() if now is None else now) - since),
                 None if plan is None else (recoveries.LIVE if live else recoveries.CHECKPOINT),
                 plan.step if live else None, 0 if live else None)
         except Exception as err:  # noqa: BLE001

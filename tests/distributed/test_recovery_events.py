@@ -56,7 +56,7 @@ def check_sequence(events: list[dict], via: str, rank: int, live: bool) -> list[
     for e, phase in zip(seen, PHASES):
         check_info(e["info"], phase, rank)
     first, started, recovered = (e["info"] for e in seen)
-    assert first["source"] is None and first["step"] is None, first
+    assert first["source"] is None and first["step"] is None and first["seconds"] == 0, first
     assert [e["attempt"] for e in seen] == [0, 0, 1], "failure seen, started in attempt 0; recovered in attempt 1"
     if live:
         assert started["source"] == recovered["source"] == "live", (started, recovered)
