@@ -14,6 +14,8 @@ Public names:
 * :func:`load_checkpoint`: ``torch.load``, from this process's memory after a recovery in place.
 * :func:`recover_in_place`: after a failure, the same processes re-form the group and train on.
 * :func:`recovery_attempt`: how many times this process recovered in place.
+* :func:`recovery_history`, :func:`on_recovery`: a recovery in place's moments (:class:`RecoveryInfo`:
+  failure seen, recovery started, recovered), as a list or as they happen.
 * :class:`DDPBucketLayout`: a DDP's bucket layout in the checkpoint: a resume exact at any world size.
 """
 
@@ -24,6 +26,8 @@ from .data.ddp_buckets import DDPBucketLayout
 from .data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
 from .core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError
 from .core.interrupts import deferred_interrupt
+from .core.recoveries import (RecoveryCause, RecoveryInfo, RecoveryMetrics, RecoveryPhase, on_recovery,
+                              recovery_history)
 from .core.release import EXIT_TEARDOWN_STUCK
 from .core.sections import fail_together, one_rank_first
 from .detect.watchdog import EXIT_HUNG, EXIT_PEER_FAILED, start_watchdog, writing_checkpoint
@@ -38,7 +42,11 @@ __all__ = [
     "DataLoaderRestartError",
     "HangInterrupted",
     "PeerFailedError",
+    "RecoveryCause",
     "RecoveryError",
+    "RecoveryInfo",
+    "RecoveryMetrics",
+    "RecoveryPhase",
     "RestartableDataLoader",
     "SectionMismatchError",
     "WorkerRestart",
@@ -47,9 +55,11 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "make_restartable",
+    "on_recovery",
     "one_rank_first",
     "recover_in_place",
     "recovery_attempt",
+    "recovery_history",
     "start_watchdog",
     "writing_checkpoint",
 ]

@@ -16,6 +16,10 @@ Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.g
 ``ITERATION_STARTED``,    recovering in place only: live state's bookkeeping (the first and the
 ``ITERATION_COMPLETED``   last handler) and its capture at ``EXCEPTION_RAISED``
                           (:mod:`.adapters.live_ignite`)
+``FaultToleranceEvents``  registered on the engine: a recovery in place's ``FAILURE_SEEN``,
+                          ``RECOVERY_STARTED`` (on the failed attempt's engine) and ``RECOVERED``
+                          (on the next one's, at ``STARTED``); ``engine.state.fault_tolerance``
+                          holds the numbers (:mod:`.adapters.recovery_ignite`)
 ========================  ==========================================================================
 
 Ignite stops re-raising once any ``EXCEPTION_RAISED`` handler is attached (``Engine._handle_exception``)
@@ -34,6 +38,7 @@ from ignite.engine import Engine, Events
 
 from .adapters import compat_ignite as _compat_ignite
 from .adapters.live_ignite import IgniteLive
+from .adapters.recovery_ignite import FaultToleranceEvents, IgniteRecovery
 from .core import attempts
 from .core.log import log
 from .detect.autohang import EVALUATION, STEP
@@ -41,7 +46,7 @@ from .adapters.resume_ignite import SafeDiskSaver, check_mid_epoch_resume
 from .adapters.guard import Guard
 from .core.inject import Injector
 
-__all__ = ["FaultTolerance", "SafeDiskSaver"]
+__all__ = ["FaultTolerance", "FaultToleranceEvents", "SafeDiskSaver"]
 
 
 class FaultTolerance:
@@ -97,9 +102,12 @@ class FaultTolerance:
         self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
         self._engine: Engine | None = None
         self._live: IgniteLive | None = None  # recovering in place: the trainer's live state (data.live)
+        self._recovery = IgniteRecovery()  # FaultToleranceEvents, engine.state.fault_tolerance
 
     def attach(self, engine: Engine) -> FaultTolerance:
-        """Register every event this handler needs on ``engine`` and return ``self``."""
+        """Register every event this handler needs on ``engine`` and return ``self``; also registers
+        :class:`FaultToleranceEvents` (a recovery in place's moments) and sets
+        ``engine.state.fault_tolerance`` (:class:`~fault_tolerant_handlers.RecoveryMetrics`)."""
         if not isinstance(engine, Engine):
             raise TypeError(f"attach(engine=...) takes an ignite.engine.Engine, got {type(engine).__name__}")
         _compat_ignite.check(engine)
@@ -107,6 +115,7 @@ class FaultTolerance:
         engine.add_event_handler(Events.STARTED, self._started)
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
+        self._recovery.attach(engine)
         if attempts.recovering():
             self._live = IgniteLive()
             self._live.attach(engine)
@@ -153,6 +162,7 @@ class FaultTolerance:
 
     def _iteration_completed(self, engine: Engine) -> None:
         iteration = engine.state.iteration
+        self._recovery.completed = iteration
         self.guard.beat(iteration, STEP, completed=True)
         if self.guard.due(iteration):
             self.guard.sync("iteration", step=iteration, epoch=engine.state.epoch)
@@ -184,6 +194,7 @@ class FaultTolerance:
         to_raise = self.guard.on_exception(exc, step=engine.state.iteration, epoch=engine.state.epoch)
         if self._live is not None:  # the peers told first; then, before the other handlers run, the state
             self._live.failed()
+        self._recovery.failed()
         self._last_seen, self._last_raised = exc, to_raise
         # Run the engine's other exception handlers ourselves: an error in one of them (a
         # collective that fails now that peers are gone) is logged, never allowed to mask the cause.

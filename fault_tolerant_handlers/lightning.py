@@ -23,6 +23,10 @@ Maps Lightning's ``Callback`` hooks onto the framework-neutral
 ``on_fit_start``,               a DDP model's bucket layout (:class:`.data.ddp_buckets.DDPBucketLayout`):
 ``state_dict``,                 saved in this callback's state, given back to the new DDP before its
 ``load_state_dict``             first step, so that a resumed run is exact at any world size
+``on_train_start``,             recovering in place: the hooks ``on_failure_seen``,
+``on_train_batch_end``,         ``on_recovery_started``, ``on_recovered`` called on every callback (and
+``on_exception``                the module) that defines them; the recovery's numbers logged at the
+                                first batch after it (:mod:`.adapters.recovery_lightning`)
 ==============================  ======================================================================
 
 Why ``on_exception`` finishes the exception path itself: Lightning re-raises the exception it
@@ -60,6 +64,7 @@ from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
 from .adapters.live_lightning import LightningLive
+from .adapters.recovery_lightning import LightningRecovery
 from .core import attempts, interrupts
 from .data import snapshots
 from .data.ddp_buckets import DDPBucketLayout
@@ -162,6 +167,7 @@ class FaultTolerance(_CallbackBase):
         self._loaded_buckets: Any = None  # the checkpoint's, until the DDP exists (on_fit_start)
         self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
         self._live = LightningLive()  # recovering in place: the trainer's live state (data.live)
+        self._recovery = LightningRecovery()  # recovering in place: its hooks and numbers
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -216,6 +222,7 @@ class FaultTolerance(_CallbackBase):
             return  # a single device, or no process group: nothing to coordinate
         _compat_lightning.check(trainer)
         if attempts.recovering():
+            self._recovery.setup(trainer)
             self._keep_launched_ranks(trainer)
             # the newest checkpoint in memory: the next attempt's fit(ckpt_path=...) reads it from there
             _compat_lightning.keep_checkpoints_in_memory(trainer.strategy, snapshots.keep, snapshots.take)
@@ -277,6 +284,7 @@ class FaultTolerance(_CallbackBase):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard.active and attempts.recovering():
             self._live.train_start(trainer)
+            self._recovery.train_start(trainer)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -296,6 +304,7 @@ class FaultTolerance(_CallbackBase):
                            batch_idx: int) -> None:
         self._batches += 1
         self._live.batch_end()
+        self._recovery.batch_end(trainer, pl_module)
         self.guard.beat(int(trainer.global_step), STEP, completed=True)
         if self.guard.due(self._batches):
             self._sync(trainer, "training batch")
@@ -356,6 +365,7 @@ class FaultTolerance(_CallbackBase):
         if self.guard.active:
             to_raise = self._convert(trainer, exception)
             self._live.failed()  # the peers told first; then, before the exception path tears down, the state
+            self._recovery.failed()
         elif _is_rank_process_error(exception):
             to_raise, in_parent = exception, True  # the parent of spawned ranks: keep the rank's error visible
         else:

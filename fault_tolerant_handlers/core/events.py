@@ -30,6 +30,11 @@ event                  emitted by, when                                  argumen
 ``ATTEMPT_ENDED``      recovering in place: the failed attempt's groups    ``attempt`` (its number)
                        are gone; process-wide state of a framework goes
                        back to a fresh process's (the adapters)
+``FAILURE_SEEN``       recovering in place: the failure reached this      ``info`` (a :class:`~.recoveries.
+                       rank's recovery                                    RecoveryInfo`)
+``RECOVERY_STARTED``   recovering in place: the ranks agreed to recover   ``info``
+``RECOVERED``          recovering in place: the group is re-formed, the   ``info``
+                       training function is called again
 =====================  ================================================  ===================================
 """
 
@@ -51,9 +56,12 @@ RANK_ENDED = "rank ended"
 JOB_FAILED = "job failed"
 SESSION_CLOSED = "session closed"
 ATTEMPT_ENDED = "attempt ended"
+FAILURE_SEEN = "failure seen"
+RECOVERY_STARTED = "recovery started"
+RECOVERED = "recovered"
 
 EVENTS = (SESSION_STARTED, RANK_FAILED, PEER_FAILED, ACKNOWLEDGED, JOB_FAILED, EXITING, RANK_KILLED, RANK_ENDED,
-          SESSION_CLOSED, ATTEMPT_ENDED)
+          SESSION_CLOSED, ATTEMPT_ENDED, FAILURE_SEEN, RECOVERY_STARTED, RECOVERED)
 
 _subscribers: dict[str, tuple[Callable[..., object], ...]] = {event: () for event in EVENTS}
 _lock = threading.Lock()

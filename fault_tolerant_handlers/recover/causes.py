@@ -37,6 +37,17 @@ class Cause:
     step: int  #: -1: unknown
     own: bool  #: ``by`` failed itself
     not_in_place: str  #: why this failure cannot be recovered in place ("" when it can)
+    kind: str = ""  #: a FailureKind's value ("": read from exc_type, see failure_kind)
+
+    @property
+    def failure_kind(self) -> FailureKind:
+        """The kind: as given, else a declared failure's ``exc_type`` (``RankReplaced``), else ``RAISED``."""
+        if self.kind:
+            try:
+                return FailureKind(self.kind)
+            except ValueError:
+                pass
+        return FailureKind.of(self.exc_type, "declared")
 
     def describe(self) -> str:
         who = f"rank {self.failed_rank}" if self.failed_rank >= 0 else "a rank"
@@ -58,14 +69,15 @@ class Cause:
             data = json.loads(raw.decode("utf-8"))
             cause = cls(by=int(data["by"]), failed_rank=int(data["failed_rank"]), exc_type=str(data["exc_type"]),
                         message=str(data["message"]), where=str(data["where"]), step=int(data["step"]),
-                        own=bool(data["own"]), not_in_place=str(data["not_in_place"]))
+                        own=bool(data["own"]), not_in_place=str(data["not_in_place"]), kind=str(data.get("kind", "")))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             return None
         if not (0 <= cause.by < world_size and -1 <= cause.failed_rank < world_size and -1 <= cause.step < 2**53):
             return None
         return cls(cause.by, cause.failed_rank, cap_head(sanitize(cause.exc_type), 200),
                    cap_head(sanitize(cause.message), 500), cap_head(sanitize(cause.where), 300), cause.step,
-                   cause.own, cap_head(sanitize(cause.not_in_place), 300))
+                   cause.own, cap_head(sanitize(cause.not_in_place), 300),
+                   cause.kind if cause.kind in {k.value for k in FailureKind} else "")
 
 
 #: A checksum in a report: :func:`.live_state.checksum`'s hex digest (or "" when none was taken).

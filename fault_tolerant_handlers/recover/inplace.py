@@ -92,12 +92,13 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from ..core import attempts, compat_torch as _compat_torch, config, events, interrupts
+from ..core import attempts, compat_torch as _compat_torch, config, events, interrupts, recoveries
 from ..core.config import RECOVER_POLL, RECOVER_TEARDOWN_SEC, RECOVER_TELL_SEC
-from ..core.errors import PeerFailedError, RecoveryError, SectionMismatchError, StateTransferError
+from ..core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError, StateTransferError
 from ..core.kinds import FailureKind
 from ..core.log import log
 from ..core.records import cap_head
+from ..core.recoveries import RecoveryCause, RecoveryInfo, RecoveryPhase
 from ..core.release import EXIT_TEARDOWN_STUCK, store_ports
 from ..core.schema import Connection, StoreCallTimeout, unblock_stuck_calls
 from ..core.session import AGREED_ATTR, PUBLISHED_ATTR, live_sessions
@@ -126,7 +127,7 @@ def _cause_of(err: BaseException, rank: int) -> Cause:
         ended = err.kind is FailureKind.PEER_LOST and err.ended is not None
         return Cause(rank, err.failed_rank if err.failed_rank is not None else -1, err.exc_type, err.exc_message,
                      err.where, err.step if err.step is not None else -1, False,
-                     "" if ended else NOT_IN_PLACE.get(err.kind, ""))
+                     "" if ended else NOT_IN_PLACE.get(err.kind, ""), err.kind.value)
     record = getattr(err, PUBLISHED_ATTR, None)
     step = getattr(record, "step", None)
     where = getattr(record, "section", "") or ""
@@ -141,8 +142,9 @@ def _cause_of(err: BaseException, rank: int) -> Cause:
         message = str(err)
     except Exception:  # noqa: BLE001 - a broken __str__ must not stop the recovery
         message = f"<str() failed for {type(err).__name__}>"
+    kind = FailureKind.RANK_HUNG if isinstance(err, HangInterrupted) else FailureKind.RAISED
     return Cause(rank, rank, type(err).__name__, cap_head(message, 500), where,
-                 step if isinstance(step, int) else -1, True, not_in_place)
+                 step if isinstance(step, int) else -1, True, not_in_place, kind.value)
 
 
 def _reap_loader_workers(timeout: float = 2.0) -> int:
@@ -221,6 +223,7 @@ class _Recovery:
         """The attempts, in this process; a ``replacement`` (a keeper's new child) first joins the
         recovery its peers wait in."""
         compat_torchrun.capture_rendezvous()
+        recoveries.forget()  # recovery_history(): this recovery's moments only
         running = attempts.enter_recovery()
         previous = self._install_interrupter()
         frozen_by_caller = gc.get_freeze_count() > 0
@@ -271,6 +274,8 @@ class _Recovery:
             raise RecoveryError(f"the replacement of rank {rank}'s process could not join the recovery: {decision.why}")
         self.causes.append(Cause(**decision.cause) if decision.cause else cause)
         self._settle_live(decision)
+        self._announce(RecoveryPhase.FAILURE_SEEN, rank, cause, t0)
+        self._announce(RecoveryPhase.RECOVERY_STARTED, rank, self.causes[-1], t0)
         now = time.monotonic()
         return {"detected": t0, "stopped": t0, "agreed": now, "torn_down": now}
 
@@ -302,6 +307,7 @@ class _Recovery:
         if not sessions and not attempts.in_place():
             return Decision(False, "no fail-together session ran (attach FaultTolerance, or use fail_together): "
                                    "the peers cannot be told"), {}
+        self._announce(RecoveryPhase.FAILURE_SEEN, rank, cause, t0)
         # 1. record: a failure no section published is published now, for the peers' watchdogs
         if cause.own and not getattr(err, PUBLISHED_ATTR, None) and not getattr(err, AGREED_ATTR, False):
             for session in sessions:
@@ -318,6 +324,8 @@ class _Recovery:
         if decision.restart:
             self.causes.append(Cause(**decision.cause) if decision.cause else cause)
         self._settle_live(decision)
+        if decision.restart:
+            self._announce(RecoveryPhase.RECOVERY_STARTED, rank, self.causes[-1], t0)
         return decision, timings
 
     # -- live state (data.live) ------------------------------------------------------------------------
@@ -570,6 +578,25 @@ class _Recovery:
             timings["stopped"] - timings["detected"], timings["agreed"] - timings["detected"],
             timings["torn_down"] - timings["detected"], parts or "-", timings["reformed"] - timings["detected"],
             plan.describe())
+        self._announce(RecoveryPhase.RECOVERED, rank, cause, timings["detected"], timings["reformed"])
+
+    def _announce(self, phase: RecoveryPhase, rank: int, cause: Cause, since: float, now: float | None = None) -> None:
+        """Tell the recovery's moment ``phase`` (:mod:`..core.recoveries`), ``since`` the failure reached
+        this rank; never raises (a report must not stop the recovery)."""
+        try:
+            plan = None if phase is RecoveryPhase.FAILURE_SEEN else self._live_plan
+            live = plan is not None and plan.step >= 0
+            info = RecoveryInfo(
+                phase, attempts.in_place() + (phase is not RecoveryPhase.RECOVERED), rank,
+                RecoveryCause(cause.failed_rank if cause.failed_rank >= 0 else None, cause.failure_kind, cause.exc_type,
+                              cause.message, cause.step if cause.step >= 0 else None, cause.where),
+                0.0 if plan is None else max(0.0, (time.monotonic() if now is None else now) - since),
+                None if plan is None else (recoveries.LIVE if live else recoveries.CHECKPOINT),
+                plan.step if live else None, 0 if live else None)
+        except Exception as err:  # noqa: BLE001
+            log(logging.WARNING, "%s: its RecoveryInfo could not be made: %s: %s", phase, type(err).__name__, err)
+            return
+        recoveries.announce(info)
 
     # -- interrupting a hung main thread -------------------------------------------------------------------
     def _install_interrupter(self):

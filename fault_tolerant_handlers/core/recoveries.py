@@ -1,0 +1,293 @@
+"""Recovery made visible: what a recovery in place tells the world, as data.
+
+A recovery in place (:func:`fault_tolerant_handlers.recover_in_place`) goes through three moments on
+every rank, and announces each through :mod:`.events` with one frozen :class:`RecoveryInfo`:
+
+=====================  ==============================================================================
+``FAILURE_SEEN``       the failure reached this rank's recovery (its cause as this rank sees it: its
+                       own exception, or a peer's ``PeerFailedError``); no decision yet
+``RECOVERY_STARTED``   the ranks agreed to recover: the cause is the agreed one (the same on every
+                       rank), and where the next attempt's state comes from is decided
+``RECOVERED``          the process group is re-formed: the training function is called again
+=====================  ==============================================================================
+
+This module keeps them (:func:`recovery_history`), lets anyone subscribe (:func:`on_recovery`), and
+holds the one fact only the next attempt's loop knows: the step it carried on from when it resumed
+from a checkpoint, and how many steps it computes twice (:func:`carried_on`, called by the
+adapters as the loop starts). :func:`metrics` sums it up per process (:class:`RecoveryMetrics`),
+what the Ignite adapter keeps on ``engine.state.fault_tolerance`` and the Lightning callback logs.
+
+Framework-neutral: the adapters translate these into Ignite events and Lightning hooks.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Callable
+
+from . import events
+from .kinds import FailureKind, is_int
+
+
+class RecoveryPhase(str, Enum):
+    """The moment of a recovery a :class:`RecoveryInfo` tells of (its value, in messages)."""
+
+    FAILURE_SEEN = "failure seen"
+    RECOVERY_STARTED = "recovery started"
+    RECOVERED = "recovered"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+#: ``RecoveryInfo.source``: the next attempt carries on from the ranks' live state (no step twice).
+LIVE = "live"
+#: ``RecoveryInfo.source``: the next attempt resumes from the newest checkpoint.
+CHECKPOINT = "checkpoint"
+SOURCES = (LIVE, CHECKPOINT)
+
+_EVENT = {RecoveryPhase.FAILURE_SEEN: events.FAILURE_SEEN, RecoveryPhase.RECOVERY_STARTED: events.RECOVERY_STARTED,
+          RecoveryPhase.RECOVERED: events.RECOVERED}
+
+
+def _check_int(owner: str, name: str, value: object, low: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not is_int(value) or value < low:
+        what = f"an int >= {low}" + (" or None" if optional else "")
+        raise (ValueError if is_int(value) else TypeError)(f"{owner}({name}=...) must be {what}, got {value!r}")
+
+
+def _check_str(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{owner}({name}=...) must be a str, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RecoveryCause:
+    """What failed.
+
+    Attributes:
+        rank: the rank that failed first, or ``None`` when no rank could say.
+        kind: a :class:`~fault_tolerant_handlers.errors.FailureKind` (``RAISED`` for an exception a
+            rank raised, ``RANK_HUNG``, ``RANK_REPLACED``, ...).
+        exc_type: the exception's type name (``"ValueError"``), or the kind for a declared failure.
+        message: the exception's message (capped at 500 characters).
+        step: the step (Ignite: iteration; Lightning: global step) its record names, or ``None``.
+        where: the section it failed in (``"train"``), or ``""``.
+    """
+
+    rank: int | None
+    kind: FailureKind
+    exc_type: str
+    message: str
+    step: int | None = None
+    where: str = ""
+
+    def __post_init__(self) -> None:
+        _check_int("RecoveryCause", "rank", self.rank, 0, optional=True)
+        if not isinstance(self.kind, FailureKind):
+            raise TypeError(f"RecoveryCause(kind=...) must be a FailureKind (one of "
+                            f"{', '.join(k.name for k in FailureKind)}), got {self.kind!r}")
+        _check_str("RecoveryCause", "exc_type", self.exc_type)
+        _check_str("RecoveryCause", "message", self.message)
+        _check_int("RecoveryCause", "step", self.step, 0, optional=True)
+        _check_str("RecoveryCause", "where", self.where)
+
+    def describe(self) -> str:
+        """``rank 1 failed (raised) in train: ValueError: bad sample``."""
+        who = f"rank {self.rank}" if self.rank is not None else "a rank"
+        where = f" in {self.where}" if self.where else ""
+        first = self.message.splitlines()[0] if self.message else ""
+        return f"{who} failed ({self.kind}){where}: {self.exc_type}" + (f": {first}" if first else "")
+
+
+@dataclass(frozen=True)
+class RecoveryInfo:
+    """One moment of one recovery in place, on one rank (see the module's text).
+
+    Attributes:
+        phase: a :class:`RecoveryPhase`.
+        attempt: the recovery's number in this process: 1 for the first (what
+            :func:`~fault_tolerant_handlers.recovery_attempt` returns in the call it starts).
+        rank: the rank that tells it (this process's).
+        cause: the :class:`RecoveryCause`; from ``RECOVERY_STARTED`` on, the agreed one (the same on
+            every rank); at ``FAILURE_SEEN``, this rank's view (a peer's failure names the peer).
+        seconds: time taken since the failure reached this rank's recovery: 0 at ``FAILURE_SEEN``,
+            the agreement at ``RECOVERY_STARTED``, the whole recovery (agreed, torn down, re-formed) at
+            ``RECOVERED``.
+        source: where the next attempt's state comes from: ``"live"`` (the ranks' live state, no step
+            computed twice), ``"checkpoint"`` (the newest checkpoint), ``None`` (not decided yet:
+            ``FAILURE_SEEN``).
+        step: the step the next attempt carries on from (Ignite: iteration; Lightning: global step).
+            Live state: its step, from ``RECOVERY_STARTED`` on. A checkpoint: ``None`` until the next
+            attempt's loop started (the training function picks the checkpoint); the adapters' event
+            and hook, and :func:`recovery_history` from then on, carry it.
+        steps_computed_twice: steps this rank completed before the failure that it computes again
+            (0 from live state), or ``None`` until the next attempt's loop started (or when the
+            adapters did not see the failed loop).
+    """
+
+    phase: RecoveryPhase
+    attempt: int
+    rank: int
+    cause: RecoveryCause
+    seconds: float = 0.0
+    source: str | None = None
+    step: int | None = None
+    steps_computed_twice: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.phase, RecoveryPhase):
+            raise TypeError(f"RecoveryInfo(phase=...) must be a RecoveryPhase (one of "
+                            f"{', '.join(p.name for p in RecoveryPhase)}), got {self.phase!r}")
+        _check_int("RecoveryInfo", "attempt", self.attempt, 1)
+        _check_int("RecoveryInfo", "rank", self.rank, 0)
+        if not isinstance(self.cause, RecoveryCause):
+            raise TypeError(f"RecoveryInfo(cause=...) must be a RecoveryCause, got {self.cause!r}")
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)):
+            raise TypeError(f"RecoveryInfo(seconds=...) must be a number of seconds >= 0, got {self.seconds!r}")
+        if not math.isfinite(self.seconds) or self.seconds < 0:
+            raise ValueError(f"RecoveryInfo(seconds=...) must be a number of seconds >= 0, got {self.seconds!r}")
+        if self.source is not None and self.source not in SOURCES:
+            raise ValueError(f"RecoveryInfo(source=...) must be one of {', '.join(map(repr, SOURCES))} or None, "
+                             f"got {self.source!r}")
+        _check_int("RecoveryInfo", "step", self.step, 0, optional=True)
+        _check_int("RecoveryInfo", "steps_computed_twice", self.steps_computed_twice, 0, optional=True)
+
+    @property
+    def live(self) -> bool:
+        """The next attempt carries on from live state."""
+        return self.source == LIVE
+
+    def describe(self) -> str:
+        state = {None: "", LIVE: ", from live state", CHECKPOINT: ", from the newest checkpoint"}[self.source]
+        at = f" at step {self.step}" if self.step is not None else ""
+        return f"[rank {self.rank}] {self.phase}, attempt {self.attempt}{state}{at}, {self.seconds:.2f} s: " \
+               f"{self.cause.describe()}"
+
+
+@dataclass
+class RecoveryMetrics:
+    """The recoveries in place of this process so far (:func:`metrics`); the Ignite adapter keeps
+    it on ``engine.state.fault_tolerance``.
+
+    Attributes:
+        recoveries: recoveries in place completed (``RECOVERED``).
+        time_to_recover: the last recovery's ``seconds`` (failure to re-formed group), or ``None``.
+        total_time_to_recover: the sum over the recoveries (seconds).
+        steps_computed_twice: the last recovery's (0 from live state), or ``None`` (not known yet).
+        total_steps_computed_twice: the sum over the recoveries whose count is known.
+        last: the last :class:`RecoveryInfo` of any phase, or ``None``.
+    """
+
+    recoveries: int = 0
+    time_to_recover: float | None = None
+    total_time_to_recover: float = 0.0
+    steps_computed_twice: int | None = None
+    total_steps_computed_twice: int = 0
+    last: RecoveryInfo | None = None
+
+    def as_dict(self, prefix: str = "fault_tolerance/") -> dict[str, float]:
+        """The numbers, as a logger takes them (``None`` left out)."""
+        values = {"recoveries": self.recoveries, "time_to_recover": self.time_to_recover,
+                  "steps_computed_twice": self.steps_computed_twice}
+        return {f"{prefix}{k}": float(v) for k, v in values.items() if v is not None}
+
+
+# -- this process's history ---------------------------------------------------------------------------
+_lock = threading.Lock()
+_history: list[RecoveryInfo] = []
+_carried: set[int] = set()  # the recoveries whose next loop started (carried_on)
+
+
+def recovery_history() -> tuple[RecoveryInfo, ...]:
+    """Every :class:`RecoveryInfo` this process told since its recovery in place started, oldest
+    first (three per recovery). Under torchrun with the keeper, the training runs in the keeper's
+    child: ask there (in the training function or a handler)."""
+    return tuple(_history)
+
+
+def metrics() -> RecoveryMetrics:
+    """This process's :class:`RecoveryMetrics`, from :func:`recovery_history`."""
+    done = [i for i in _history if i.phase is RecoveryPhase.RECOVERED]
+    last = done[-1] if done else None
+    return RecoveryMetrics(
+        recoveries=len(done),
+        time_to_recover=last.seconds if last else None,
+        total_time_to_recover=sum(i.seconds for i in done),
+        steps_computed_twice=last.steps_computed_twice if last else None,
+        total_steps_computed_twice=sum(i.steps_computed_twice or 0 for i in done),
+        last=_history[-1] if _history else None)
+
+
+def forget() -> None:
+    """A new recovery in place starts in this process: the history of the one before goes."""
+    with _lock:
+        _history.clear()
+        _carried.clear()
+
+
+def _record(info: RecoveryInfo) -> None:
+    with _lock:
+        _history.append(info)
+
+
+def announce(info: RecoveryInfo) -> None:
+    """Record ``info`` and tell its event's subscribers (the recovery calls it; never raises)."""
+    events.emit(_EVENT[info.phase], info)
+
+
+def carried_on(step: int, last_completed: int | None) -> RecoveryInfo | None:
+    """The first loop of the attempt after a recovery started at ``step``; this rank had completed
+    ``last_completed`` (``None``: unknown) before the failure. Fills the step carried on from (a
+    checkpoint's) and the steps computed twice into the last ``RECOVERED``; returns it, or ``None``
+    when no recovery is waiting for its loop (called by the adapters as the loop starts)."""
+    with _lock:
+        for i in range(len(_history) - 1, -1, -1):
+            info = _history[i]
+            if info.phase is RecoveryPhase.RECOVERED:
+                break
+        else:
+            return None
+        if info.attempt in _carried:
+            return None  # delivered already: a second loop (an evaluator, another run) is not the one resumed
+        _carried.add(info.attempt)
+        start = info.step if info.live and info.step is not None else step
+        twice = 0 if info.live else (max(0, last_completed - start) if last_completed is not None else None)
+        _history[i] = info = replace(info, step=start, steps_computed_twice=twice)
+        return info
+
+
+def on_recovery(callback: Callable[[RecoveryInfo], object]) -> Callable[[], None]:
+    """Call ``callback(info)`` at every moment of every recovery in place in this process (each
+    :class:`RecoveryPhase`), in the recovering thread; an exception it raises is logged, never passed
+    on. Returns a function that unsubscribes it.
+
+    Raises:
+        TypeError: ``callback`` is not callable.
+
+    Examples:
+        .. code-block:: python
+
+            from fault_tolerant_handlers import on_recovery
+
+            stop = on_recovery(lambda info: print(info.describe()))
+    """
+    if not callable(callback):
+        raise TypeError(f"on_recovery(callback): callback must be a callable taking a RecoveryInfo, got {callback!r}")
+    for event in _EVENT.values():
+        events.subscribe(event, callback)
+
+    def unsubscribe() -> None:
+        for event in _EVENT.values():
+            events.unsubscribe(event, callback)
+
+    return unsubscribe
+
+
+for _event in _EVENT.values():  # first in line: a subscriber that reads the history finds its info there
+    events.subscribe(_event, _record)

@@ -1,0 +1,216 @@
+"""Recovery made visible, in one process: the frozen :class:`RecoveryInfo` and its checks, the
+history and subscriptions of :mod:`fault_tolerant_handlers.core.recoveries`, the kind a cause carries,
+and the adapters' translation (Ignite events on an engine, Lightning hooks by name). The moments of a
+real recovery on real ranks: ``tests/distributed/test_recovery_events.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from fault_tolerant_handlers import (RecoveryCause, RecoveryInfo, RecoveryMetrics, RecoveryPhase, on_recovery,
+                                     recovery_history)
+from fault_tolerant_handlers.core import recoveries
+from fault_tolerant_handlers.core.errors import HangInterrupted, PeerFailedError
+from fault_tolerant_handlers.errors import FailureKind
+
+CAUSE = RecoveryCause(1, FailureKind.RAISED, "ValueError", "bad sample 42", 37, "train")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    recoveries.forget()
+    yield
+    recoveries.forget()
+
+
+def info(phase=RecoveryPhase.FAILURE_SEEN, **kw) -> RecoveryInfo:
+    return RecoveryInfo(**{"phase": phase, "attempt": 1, "rank": 0, "cause": CAUSE, **kw})
+
+
+# -- the data type ------------------------------------------------------------------------------------
+def test_a_recovery_info_is_frozen_and_says_what_happened():
+    got = info(RecoveryPhase.RECOVERED, seconds=0.25, source="live", step=36, steps_computed_twice=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.step = 3
+    assert got.live and got.cause.kind is FailureKind.RAISED
+    assert got.describe() == ("[rank 0] recovered, attempt 1, from live state at step 36, 0.25 s: rank 1 failed "
+                              "(raised) in train: ValueError: bad sample 42")
+    assert RecoveryCause(None, FailureKind.UNKNOWN, "x", "").describe() == "a rank failed (unknown): x"
+    assert hash(got) == hash(dataclasses.replace(got))  # frozen: usable as a key
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"phase": "recovered"}, TypeError, "RecoveryInfo(phase=...) must be a RecoveryPhase (one of FAILURE_SEEN, "
+                                        "RECOVERY_STARTED, RECOVERED), got 'recovered'"),
+    ({"attempt": 0}, ValueError, "RecoveryInfo(attempt=...) must be an int >= 1, got 0"),
+    ({"attempt": "1"}, TypeError, "RecoveryInfo(attempt=...) must be an int >= 1, got '1'"),
+    ({"attempt": True}, TypeError, "RecoveryInfo(attempt=...) must be an int >= 1, got True"),
+    ({"rank": -1}, ValueError, "RecoveryInfo(rank=...) must be an int >= 0, got -1"),
+    ({"cause": "rank 1 failed"}, TypeError, "RecoveryInfo(cause=...) must be a RecoveryCause, got 'rank 1 failed'"),
+    ({"seconds": -0.5}, ValueError, "RecoveryInfo(seconds=...) must be a number of seconds >= 0, got -0.5"),
+    ({"seconds": math.nan}, ValueError, "RecoveryInfo(seconds=...) must be a number of seconds >= 0, got nan"),
+    ({"seconds": "1"}, TypeError, "RecoveryInfo(seconds=...) must be a number of seconds >= 0, got '1'"),
+    ({"source": "disk"}, ValueError, "RecoveryInfo(source=...) must be one of 'live', 'checkpoint' or None, got 'disk'"),
+    ({"step": -1}, ValueError, "RecoveryInfo(step=...) must be an int >= 0 or None, got -1"),
+    ({"steps_computed_twice": 1.0}, TypeError, "RecoveryInfo(steps_computed_twice=...) must be an int >= 0 or None, "
+                                               "got 1.0"),
+])
+def test_a_bad_recovery_info_names_the_field_and_what_it_takes(kwargs, error, text):
+    with pytest.raises(error) as err:
+        info(**kwargs)
+    assert str(err.value) == text
+
+
+@pytest.mark.parametrize("args, error, text", [
+    ((1, "raised", "ValueError", ""), TypeError, "RecoveryCause(kind=...) must be a FailureKind (one of RAISED, "
+                                                 "PEER_LOST, PEER_SILENT, RANK_HUNG, RANK_SIGNALLED, COMMUNICATION, "
+                                                 "UNKNOWN, RANK_REPLACED), got 'raised'"),
+    ((-1, FailureKind.RAISED, "ValueError", ""), ValueError, "RecoveryCause(rank=...) must be an int >= 0 or None, got -1"),
+    ((1, FailureKind.RAISED, ValueError, ""), TypeError, "RecoveryCause(exc_type=...) must be a str, got <class 'ValueError'>"),
+    ((1, FailureKind.RAISED, "ValueError", None), TypeError, "RecoveryCause(message=...) must be a str, got None"),
+])
+def test_a_bad_recovery_cause_names_the_field_and_what_it_takes(args, error, text):
+    with pytest.raises(error) as err:
+        RecoveryCause(*args)
+    assert str(err.value) == text
+
+
+# -- history, subscriptions, the loop that carried on ----------------------------------------------------
+def _recover(source: str, step: int | None) -> None:
+    recoveries.announce(info())
+    recoveries.announce(info(RecoveryPhase.RECOVERY_STARTED, seconds=0.1, source=source, step=step,
+                             steps_computed_twice=0 if source == "live" else None))
+    recoveries.announce(info(RecoveryPhase.RECOVERED, seconds=0.4, source=source, step=step,
+                             steps_computed_twice=0 if source == "live" else None))
+
+
+def test_every_moment_is_told_to_subscribers_and_kept_in_order():
+    seen = []
+    stop = on_recovery(seen.append)
+    try:
+        _recover("checkpoint", None)
+    finally:
+        stop()
+    assert [i.phase for i in seen] == list(RecoveryPhase)
+    assert recovery_history() == tuple(seen)
+    recoveries.announce(info())
+    assert len(seen) == 3, "unsubscribed"
+
+
+def test_a_subscriber_that_raises_does_not_stop_the_others(caplog):
+    seen = []
+
+    def broken(_):
+        raise RuntimeError("a bug in a user's callback")
+
+    stops = [on_recovery(broken), on_recovery(seen.append)]
+    try:
+        recoveries.announce(info())
+    finally:
+        for stop in stops:
+            stop()
+    assert len(seen) == 1 and "a bug in a user's callback" in caplog.text
+
+
+def test_on_recovery_takes_a_callable():
+    with pytest.raises(TypeError, match=r"on_recovery\(callback\): callback must be a callable taking a "
+                                        r"RecoveryInfo, got 'print'"):
+        on_recovery("print")
+
+
+def test_the_loop_that_carried_on_from_a_checkpoint_completes_the_recovered_info_once():
+    assert recoveries.carried_on(30, 36) is None  # no recovery yet: the first attempt's loop
+    _recover("checkpoint", None)
+    got = recoveries.carried_on(30, 36)
+    assert (got.step, got.steps_computed_twice, got.source) == (30, 6, "checkpoint")
+    assert recovery_history()[-1] == got
+    assert recoveries.carried_on(0, 36) is None, "a second loop (an evaluator) is not the one that carried on"
+    m = recoveries.metrics()
+    assert m == RecoveryMetrics(recoveries=1, time_to_recover=0.4, total_time_to_recover=0.4, steps_computed_twice=6,
+                                total_steps_computed_twice=6, last=got)
+    assert m.as_dict() == {"fault_tolerance/recoveries": 1.0, "fault_tolerance/time_to_recover": 0.4,
+                           "fault_tolerance/steps_computed_twice": 6.0}
+
+
+def test_from_live_state_no_step_is_computed_twice_and_an_unknown_count_stays_unknown():
+    _recover("live", 36)
+    got = recoveries.carried_on(36, 36)
+    assert (got.step, got.steps_computed_twice) == (36, 0)
+    recoveries.forget()
+    _recover("checkpoint", None)
+    got = recoveries.carried_on(30, None)  # the failed loop was not seen (no adapter)
+    assert (got.step, got.steps_computed_twice) == (30, None)
+    assert "fault_tolerance/steps_computed_twice" not in recoveries.metrics().as_dict()
+
+
+def test_no_recovery_no_numbers():
+    assert recoveries.metrics() == RecoveryMetrics()
+    assert RecoveryMetrics().as_dict() == {"fault_tolerance/recoveries": 0.0}
+
+
+# -- the kind a cause carries (recover_in_place's view of an exception) -----------------------------------
+def test_a_cause_carries_its_kind_through_the_store():
+    from fault_tolerant_handlers.recover.causes import Cause
+    from fault_tolerant_handlers.recover.inplace import _cause_of
+
+    assert _cause_of(ValueError("x"), 1).failure_kind is FailureKind.RAISED
+    assert _cause_of(HangInterrupted("RankHung: rank 1"), 1).failure_kind is FailureKind.RANK_HUNG
+    peer = PeerFailedError(1, "RankHung", "no progress", origin="declared")
+    assert _cause_of(peer, 0).failure_kind is FailureKind.RANK_HUNG
+    hung = _cause_of(HangInterrupted("RankHung: rank 1"), 1)
+    assert Cause.from_json(hung.to_json().encode(), 2) == hung
+    forged = dataclasses.replace(hung, kind="Bogus")
+    assert Cause.from_json(forged.to_json().encode(), 2).kind == ""  # an unknown kind is dropped on read
+    replaced = Cause(1, 1, FailureKind.RANK_REPLACED.value, "replaced", "", -1, True, "")  # the keeper's: no kind given
+    assert replaced.failure_kind is FailureKind.RANK_REPLACED
+
+
+# -- the adapters' translation --------------------------------------------------------------------------
+def test_ignite_events_are_registered_and_fired_on_the_failed_and_the_next_engine():
+    from ignite.engine import Engine
+
+    from fault_tolerant_handlers.core import attempts
+    from fault_tolerant_handlers.ignite import FaultTolerance, FaultToleranceEvents
+
+    failed = Engine(lambda e, b: None)
+    FaultTolerance().attach(failed)
+    assert isinstance(failed.state.fault_tolerance, RecoveryMetrics)
+    seen = []
+    for event in FaultToleranceEvents:
+        failed.add_event_handler(event, lambda e, n=event.name: seen.append(("failed", n, e.state.fault_tolerance.last)))
+    recoveries.announce(info())
+    recoveries.announce(info(RecoveryPhase.RECOVERY_STARTED, source="checkpoint"))
+    attempts.set_in_place(1)
+    try:
+        recoveries.announce(info(RecoveryPhase.RECOVERED, seconds=0.4, source="checkpoint"))
+        nxt = Engine(lambda e, b: None)
+        FaultTolerance().attach(nxt)
+        nxt.add_event_handler(FaultToleranceEvents.RECOVERED,
+                              lambda e: seen.append(("next", "RECOVERED", e.state.fault_tolerance.last)))
+        nxt.run([0, 1], max_epochs=1)
+    finally:
+        attempts.set_in_place(0)
+    assert [(w, n) for w, n, _ in seen] == [("failed", "FAILURE_SEEN"), ("failed", "RECOVERY_STARTED"),
+                                          ("next", "RECOVERED")]
+    assert seen[2][2].step == 0 and nxt.state.fault_tolerance.recoveries == 1
+
+
+def test_lightning_hooks_are_called_by_name_on_callbacks_and_the_module():
+    from types import SimpleNamespace
+
+    from fault_tolerant_handlers.adapters.recovery_lightning import dispatch
+
+    calls = []
+
+    class Hooked:
+        def on_recovered(self, trainer, pl_module, got):
+            calls.append(("callback", pl_module, got))
+
+    module = SimpleNamespace(on_recovered=lambda got: calls.append(("module", None, got)))
+    trainer = SimpleNamespace(callbacks=[object(), Hooked()], lightning_module=module)
+    got = info(RecoveryPhase.RECOVERED)
+    dispatch(trainer, "on_recovered", got)
+    assert calls == [("callback", module, got), ("module", None, got)]
