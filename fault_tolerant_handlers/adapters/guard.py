@@ -31,11 +31,8 @@ from ..core import config, interrupts
 from ..core.log import log
 from ..core.errors import PeerFailedError
 from ..core.sections import check_name
-from ..core.agreement import mark
-from ..core.session import AGREED_ATTR, Session, get_session
-
-#: Marks an exception object this process already handled (published or converted).
-HANDLED_ATTR = "_fth_handled"
+from ..core.failure import tag, tag_of
+from ..core.session import Session, get_session
 
 
 class Guard:
@@ -141,8 +138,9 @@ class Guard:
         """Raise the peer failure the watchdog already knows (no communication), or the interrupt
         of a hung main thread that user code swallowed."""
         interrupts.raise_pending()
-        if self.session is not None and self.session.known_failure is not None:
-            raise self.on_exception(self.session.known_failure, step=step, epoch=epoch)
+        known = self.session.failure.peer_error if self.session is not None else None
+        if known is not None:
+            raise self.on_exception(known, step=step, epoch=epoch)
 
     def sync(self, where: str, *, step: int | None = None, epoch: int | None = None) -> None:
         """One agreement at sync point ``where``: raise on every rank if any rank failed."""
@@ -153,7 +151,7 @@ class Guard:
         outcome = session.agree("loop", f"{self.name}: {where}", step=step, epoch=epoch)
         err = outcome.error_for_caller()
         if err is not None:
-            mark(err, AGREED_ATTR)
+            tag(err, agreed=True)
             raise self.on_exception(err, step=step, epoch=epoch)
 
     def on_exception(self, exc: BaseException, *, step: int | None = None, epoch: int | None = None) -> BaseException:
@@ -165,24 +163,24 @@ class Guard:
         :class:`PeerFailedError`. Idempotent: the same exception object is handled once.
         """
         session = self.session
-        if session is None or getattr(exc, HANDLED_ATTR, False):
+        if session is None or tag_of(exc).handled:
             return exc
-        if isinstance(exc, SystemExit) and session.signal_cause is not None:
+        if isinstance(exc, SystemExit) and session.failure.signal is not None:
             # The framework's answer to this rank's own SIGTERM (Lightning's SIGTERMException, at the
             # next batch): the peers know it already (RankSignalled), and its exception path
             # (checkpoints, their barriers) runs on unreleased.
-            mark(exc, HANDLED_ATTR)
+            tag(exc, handled=True)
             return exc
         peer = session.classify(exc)
         if peer is not None:
             session.acknowledge(peer)
-            mark(peer, HANDLED_ATTR)
+            tag(peer, handled=True)
             if peer is not exc:
                 peer.__cause__ = exc
             log(logging.ERROR, "stopping: %s", str(peer).splitlines()[0], step=step)
             return peer
         session.report_error(exc, section=self.name, step=step, epoch=epoch, release=self.release_on_failure)
-        mark(exc, HANDLED_ATTR)
+        tag(exc, handled=True)
         return exc
 
     # -- state ----------------------------------------------------------------------------------------
