@@ -547,6 +547,7 @@ class Session:
         session) and the exit hooks."""
         if self.side is None:
             return
+        self.failure.ended(recovered=False)
         self.stop()
         try:
             dist.barrier(group=self.side)

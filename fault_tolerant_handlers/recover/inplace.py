@@ -315,6 +315,8 @@ class _Recovery:
         self._collect_live(rank)  # the state this rank holds, as of the last step it completed
         # 2. agree, on the first attempt's store
         decision = self._agree(world, cause)
+        for session in sessions:  # the failed attempt is over: recovered in place, or it ends the job
+            session.failure.ended(recovered=decision.restart)
         timings = {"detected": t0, "stopped": stopped, "agreed": time.monotonic(), "attempt_ran": t0 - started}
         if decision.restart:
             self.causes.append(Cause(**decision.cause) if decision.cause else cause)
