@@ -4,23 +4,19 @@
 group and attempt: :attr:`.session.Session.failure`). Everything that learns of a failure drives it
 through a named transition; nothing else writes its fields:
 
-==========================  ==============================================  =========================
-transition                  called by, when                                 returns
-==========================  ==============================================  =========================
-:meth:`~FailureState.failed_here`   this rank failed itself: its exception      it became the cause
-                            published (``Session.report_error``), or the
-                            watchdog found it hung (``told=False``)
-:meth:`~FailureState.peer_failed`   the watchdog found a peer's failure          the incident to escalate
-                            (``Session.take_peer_failure``)                  (or ``None``)
-:meth:`~FailureState.signalled`     this rank's own SIGTERM/SIGINT is the cause  it was the first signal
-                            (``launchers/signals.py``)
-:meth:`~FailureState.acknowledged`  the main thread takes a peer's failure and   an incident was newly
-                            raises it (``Session.acknowledge``)              acknowledged
-:meth:`~FailureState.agreement_ended`  an agreement ended (``Session.agree``):   the incident it ended
-                            a fresh incident begins
-:meth:`~FailureState.ended`         the attempt is over: recovered in place,     it was not over yet
-                            or ended
-==========================  ==============================================  =========================
+* :meth:`~FailureState.failed_here`: this rank failed itself, its exception published
+  (``Session.report_error``) or found hung by the watchdog (``told=False``). Returns whether it
+  became the attempt's cause.
+* :meth:`~FailureState.peer_failed`: the watchdog found a peer's failure
+  (``Session.take_peer_failure``). Returns the incident to escalate, or ``None``.
+* :meth:`~FailureState.signalled`: this rank's own SIGTERM/SIGINT is the cause
+  (``launchers/signals.py``). Returns whether it was the first.
+* :meth:`~FailureState.acknowledged`: the main thread takes a peer's failure and raises it
+  (``Session.acknowledge``). Returns whether an incident was newly acknowledged.
+* :meth:`~FailureState.agreement_ended`: an agreement ended (``Session.agree``); a fresh incident
+  begins. Returns the incident it ended.
+* :meth:`~FailureState.ended`: the attempt is over, recovered in place (``recover_in_place``) or
+  ended (``Session.close``). Returns whether it was not over yet.
 
 The **phase** is the attempt's, and the first failure wins (it is the :attr:`~FailureState.cause`;
 later ones are kept in :attr:`~FailureState.others`)::
@@ -31,7 +27,8 @@ later ones are kept in :attr:`~FailureState.others`)::
     (any phase but RECOVERED and ENDED) ──ended──> RECOVERED | ENDED
 
 An agreement that delivers a peer's failure this rank had not heard of moves RUNNING to
-PEER_FAILED. Each change of phase is announced (:data:`.events.FAILURE_PHASE`).
+PEER_FAILED; ``acknowledged`` also leaves RUNNING (the main thread found a peer's failure itself,
+``Session.classify``). Each change of phase is announced (:data:`.events.FAILURE_PHASE`).
 
 The **incident** is narrower: what this process knows of the failure under way since the last
 agreement (a peer's error, whether this rank failed itself, whether the main thread took it). An
@@ -223,7 +220,8 @@ class FailureState:
     def acknowledged(self, err: BaseException | None = None) -> bool:
         """The main thread takes a peer's failure (``err``) and raises it: the incident ``err`` was
         delivered in (its tag), else the current one, and every escalated one, are acknowledged (no
-        reported exit by the watchdog). Returns whether one was not acknowledged yet."""
+        reported exit by the watchdog). Returns whether one was not acknowledged yet. Any phase but
+        the final ones becomes ACKNOWLEDGED."""
         taken = tag_of(err).incident if err is not None else None
         with self._lock:
             incidents = (taken or self._incident, *self._escalated)
