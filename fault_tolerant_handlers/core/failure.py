@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 
 from . import events
 from .errors import PeerFailedError
+from .kinds import Ended, FailureKind
 
 if TYPE_CHECKING:
     from .records import FailureRecord
@@ -96,13 +97,48 @@ class Incident:
 
 
 @dataclass(frozen=True)
+class Failure:
+    """One failure as the state keeps it: data, never the exception object (its traceback would
+    keep the frames of the attempt that raised it alive, its model and loaders with them).
+
+    Attributes:
+        kind: what happened (``RAISED`` for an exception).
+        rank: the global rank that failed, when known.
+        exc_type: the exception's type name, or the kind's name for a declared failure.
+        message: the first line of its message (at most 300 characters).
+        ended: how the rank's process ended, when known.
+    """
+
+    kind: FailureKind
+    rank: int | None
+    exc_type: str
+    message: str
+    ended: Ended | None = None
+
+    @classmethod
+    def of(cls, failure: object) -> Failure:
+        """From a :class:`~.records.FailureRecord`, a :class:`~.errors.PeerFailedError` or any exception."""
+        if isinstance(failure, Failure):
+            return failure
+        if isinstance(failure, PeerFailedError):
+            return cls(failure.kind, failure.failed_rank, failure.exc_type, _line(failure.exc_message), failure.ended)
+        if isinstance(failure, BaseException):
+            return cls(FailureKind.RAISED, None, type(failure).__name__, _line(str(failure)))
+        return cls(failure.kind, failure.rank, failure.exc_type, _line(failure.exc_message), failure.ended)
+
+
+def _line(text: str) -> str:
+    return (str(text).splitlines() or [""])[0][:300]
+
+
+@dataclass(frozen=True)
 class Verdict:
     """:meth:`FailureState.outcome`: the answer to "has this job failed?" at one moment."""
 
     phase: Phase
     failed: bool
-    cause: object = None
-    others: tuple = ()
+    cause: Failure | None = None
+    others: tuple[Failure, ...] = ()
 
 
 class FailureState:
@@ -112,8 +148,8 @@ class FailureState:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._phase = Phase.RUNNING
-        self._cause: object = None
-        self._others: list[object] = []
+        self._cause: Failure | None = None
+        self._others: list[Failure] = []
         self._incident = Incident()
         self._escalated: list[Incident] = []  # incidents escalated, not yet acknowledged
         self._delivered = False
@@ -125,12 +161,12 @@ class FailureState:
         return self._phase
 
     @property
-    def cause(self) -> object:
-        """The attempt's first failure: this rank's record, a peer's error, its own signal (``None``: none)."""
+    def cause(self) -> Failure | None:
+        """The attempt's first failure (this rank's own, a peer's, its own signal), as data; ``None``: none."""
         return self._cause
 
     @property
-    def others(self) -> tuple:
+    def others(self) -> tuple[Failure, ...]:
         """Failures learned after the cause, in order (at most :data:`MAX_OTHERS`)."""
         return tuple(self._others)
 
@@ -261,8 +297,12 @@ class FailureState:
 
     # -- helpers (under the lock) ---------------------------------------------------------------------
     def _note(self, failure: object, *, known: bool = False) -> bool:
-        """Keep ``failure``: the cause when there is none yet and the phase is not final (returns True)."""
-        if failure is None or failure is self._cause or any(failure is o for o in self._others):
+        """Keep ``failure`` (as a :class:`Failure`): the cause when there is none yet and the phase is
+        not final (returns True); the same failure seen again is not kept twice."""
+        if failure is None:
+            return False
+        failure = Failure.of(failure)
+        if failure == self._cause or failure in self._others:
             return False
         if self._cause is None and not known and self._phase not in FINAL:
             self._cause = failure

@@ -9,7 +9,7 @@ import pytest
 
 from fault_tolerant_handlers.core import events
 from fault_tolerant_handlers.core.errors import PeerFailedError
-from fault_tolerant_handlers.core.failure import TAG_ATTR, FailureState, Phase, Tag, tag, tag_of
+from fault_tolerant_handlers.core.failure import TAG_ATTR, Failure, FailureState, Phase, Tag, tag, tag_of
 from fault_tolerant_handlers.core.kinds import Ended, FailureKind
 from fault_tolerant_handlers.core.records import FailureRecord
 
@@ -54,7 +54,7 @@ def test_a_rank_that_fails_itself_is_the_cause_and_the_job_has_failed(phases):
     state = FailureState()
     record = own_record()
     assert state.failed_here(record) is True
-    assert state.phase is Phase.FAILED_HERE and state.cause is record
+    assert state.phase is Phase.FAILED_HERE and state.cause == Failure.of(record)
     assert state.local and state.delivered and state.failing
     assert phases == [(Phase.RUNNING, Phase.FAILED_HERE)]
 
@@ -65,7 +65,7 @@ def test_a_peers_failure_learned_after_this_rank_failed_itself_does_not_replace_
     state.failed_here(record)
     lost = peer(0)
     assert state.peer_failed(lost) is None  # this rank raises its own error: nothing to escalate
-    assert state.cause is record and state.others == (lost,)
+    assert state.cause == Failure.of(record) and state.others == (Failure.of(lost),)
     assert state.phase is Phase.FAILED_HERE
     assert state.peer_error is lost  # what the watchdog knows, still readable
 
@@ -75,10 +75,10 @@ def test_a_peers_failure_found_while_training_is_escalated_once():
     first, again = peer(0), peer(2)
     incident = state.peer_failed(first)
     assert incident is not None and incident.peer_error is first and not incident.acknowledged.is_set()
-    assert state.phase is Phase.PEER_FAILED and state.cause is first and state.failing
+    assert state.phase is Phase.PEER_FAILED and state.cause == Failure.of(first) and state.failing
     assert not state.delivered  # the main thread has not taken it yet
     assert state.peer_failed(again) is None  # already known in this incident
-    assert state.cause is first and state.others == (again,)
+    assert state.cause == Failure.of(first) and state.others == (Failure.of(again),)
 
 
 def test_the_main_thread_taking_a_peers_failure_acknowledges_every_escalated_incident(phases):
@@ -97,7 +97,7 @@ def test_after_its_own_signal_a_peers_failure_is_a_consequence_not_escalated():
     assert state.signalled(cause) is True
     assert state.phase is Phase.SIGNALLED and state.signal is cause and state.local and state.delivered
     assert state.peer_failed(peer(0)) is None
-    assert state.peer_error is None and state.cause is cause
+    assert state.peer_error is None and state.cause == Failure.of(cause)
     assert state.signalled(signal_cause()) is False  # one signal is the cause; a second changes nothing
     assert state.signal is cause
 
@@ -122,13 +122,13 @@ def test_a_failure_user_code_caught_leaves_the_job_failed_but_never_blinds_the_w
     state = FailureState()
     first = peer(0)
     state.agreement_ended(True, first)  # a fail_together section raised it; the user caught it
-    assert state.phase is Phase.PEER_FAILED and state.cause is first
+    assert state.phase is Phase.PEER_FAILED and state.cause == Failure.of(first)
     state.acknowledged(first)
     assert state.delivered and state.failing and state.peer_error is None
     later = peer(2)
     incident = state.peer_failed(later)
     assert incident is not None  # escalated: the main thread is told again
-    assert state.cause is first and state.others == (later,) and state.phase is Phase.ACKNOWLEDGED
+    assert state.cause == Failure.of(first) and state.others == (Failure.of(later),) and state.phase is Phase.ACKNOWLEDGED
 
 
 def test_an_agreement_in_which_nobody_failed_changes_nothing_but_the_incident():
@@ -147,7 +147,7 @@ def test_a_hang_found_by_the_watchdog_is_this_ranks_failure_before_its_main_thre
     assert state.peer_failed(peer(0)) is None  # it fails itself: a peer's failure is not escalated
     interrupted = own_record("HangInterrupted")  # the main thread, interrupted, publishes its exception
     assert state.failed_here(interrupted) is False
-    assert state.cause is hung and state.others[-1] is interrupted and state.delivered
+    assert state.cause == Failure.of(hung) and state.others[-1] == Failure.of(interrupted) and state.delivered
 
 
 @pytest.mark.parametrize("recovered, final", [(True, Phase.RECOVERED), (False, Phase.ENDED)])
@@ -183,7 +183,7 @@ def test_concurrent_findings_of_one_failure_are_escalated_once():
         t.start()
     for t in threads:
         t.join()
-    assert len(escalated) == 1 and state.cause is state.peer_error
+    assert len(escalated) == 1 and state.cause == Failure.of(state.peer_error)
     assert len(state.others) == 7
 
 
@@ -250,3 +250,29 @@ def test_a_signal_taken_while_an_agreement_ends_leaves_the_job_failed(monkeypatc
     assert session.failure.signal is cause
     assert session.failure.delivered and session.failure.failing
     assert session.failure.phase is Phase.SIGNALLED
+
+
+def test_the_state_keeps_a_failure_as_data_never_the_exception_that_pins_an_attempts_frames():
+    """A peer's error raised through the training loop carries a traceback (the loop's frames: its
+    model, its loaders). The state keeps what it says, not the object, so a failed attempt's frames
+    are freed with it (recovering in place, the next attempt starts with the same fds and threads)."""
+    import gc
+    import weakref
+
+    state = FailureState()
+
+    class Frames:  # stands for what the attempt's frames hold
+        pass
+
+    def attempt():
+        held = Frames()  # noqa: F841 - a local of the frame the traceback keeps
+        raise peer(0)
+
+    try:
+        attempt()
+    except PeerFailedError as err:
+        state.acknowledged(err)
+        frames = weakref.ref(err.__traceback__.tb_next.tb_frame.f_locals["held"])
+    gc.collect()
+    assert frames() is None
+    assert state.cause == Failure(FailureKind.PEER_LOST, 0, "PeerLost", "rank 0 is gone", Ended(signal=9))
