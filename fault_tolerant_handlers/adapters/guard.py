@@ -21,7 +21,6 @@ the loop's fail-together session (:class:`~..core.session.Session`):
 from __future__ import annotations
 
 import logging
-import time
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
@@ -95,12 +94,11 @@ class Guard:
     def stop(self) -> None:
         """The loop ended normally on every rank: drop this loop's watchdog reference."""
         if self._watching and self.session is not None:
-            auto = self.auto_hang
-            if auto is not None:  # this loop's work is over: nothing of it is watched any more
-                auto.mark(None, time.monotonic())
+            watchdog = self.session.watchdog
+            if watchdog is not None:  # this loop's work is over: nothing of it is watched any more
+                watchdog.work(None)
                 for explainer in self._explainers:
-                    if explainer in auto.explainers:
-                        auto.explainers.remove(explainer)
+                    watchdog.forget_explainer(explainer)
             self._explainers = []
             self._watching = False
             self.session.stop_watchdog()
@@ -114,21 +112,19 @@ class Guard:
         if watchdog is not None:
             watchdog.beat(step, completed=completed)
             if work is not None:
-                auto = watchdog.auto_hang
-                if auto is not None:
-                    auto.mark(work, time.monotonic(), step)
+                watchdog.work(work, step)
 
     @property
     def auto_hang(self):
-        """The learned-deadline probe of ``hang_timeout="auto"`` (``None`` otherwise)."""
+        """The learned-deadline probe of ``hang_timeout="auto"`` (``None`` otherwise), to read:
+        the guard tells it about work through the watchdog's verbs."""
         watchdog = self.session.watchdog if self.session is not None else None
         return getattr(watchdog, "auto_hang", None)
 
     def explain_with(self, explainer: Callable[[object], tuple[str, object] | None]) -> None:
         """Add a way to recognise work from the main thread's stack (see :mod:`..detect.autohang`)."""
-        auto = self.auto_hang
-        if auto is not None and explainer not in auto.explainers:
-            auto.explainers.append(explainer)
+        watchdog = self.session.watchdog if self.session is not None else None
+        if watchdog is not None and watchdog.explain_with(explainer):
             self._explainers.append(explainer)
 
     def due(self, iteration: int) -> bool:

@@ -169,6 +169,28 @@ class Watchdog:
         if completed:
             self.warm = True
 
+    # -- the learned deadline (``hang_timeout="auto"``): what the adapters tell it ------------------
+    def work(self, kind: str | None, step: int | None = None) -> None:
+        """The kind of work that begins now on the main thread, ending the one under way (``None``:
+        the loop's work is over, nothing of it is watched any more). A no-op without ``"auto"``."""
+        if self.auto_hang is not None:
+            self.auto_hang.mark(kind, time.monotonic(), step)
+
+    def explain_with(self, explainer) -> bool:
+        """Add a way to recognise work from the main thread's stack (:mod:`.autohang`); ``False``
+        when nothing was added (no learned deadline, or already added)."""
+        auto = self.auto_hang
+        if auto is None or explainer in auto.explainers:
+            return False
+        auto.explainers.append(explainer)
+        return True
+
+    def forget_explainer(self, explainer) -> None:
+        """Remove what :meth:`explain_with` added (its loop ended)."""
+        auto = self.auto_hang
+        if auto is not None and explainer in auto.explainers:
+            auto.explainers.remove(explainer)
+
     # -- loops --------------------------------------------------------------------------------------
     def _run_store_loop(self) -> None:
         period = self.interval.total_seconds()
