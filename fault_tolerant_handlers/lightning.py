@@ -69,6 +69,7 @@ from .core import attempts, interrupts
 from .data import snapshots
 from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
+from .core.failure import tag, tag_of
 from .core.log import log
 from .detect.autohang import CHECKPOINT, EVALUATION, STEP
 from .adapters.guard import Guard
@@ -85,9 +86,6 @@ else:
         _CallbackBase = type("_CallbackBase", _bases, {"__module__": __name__})
 
 __all__ = ["FaultTolerance"]
-
-#: Set on an exception object once a FaultTolerance callback finished Lightning's exception path.
-_TAKEN_ATTR = "_fth_lightning_taken"
 
 
 def _guarded(what: str, fn: Callable[[], Any]) -> None:
@@ -205,7 +203,7 @@ class FaultTolerance(_CallbackBase):
         costs Lightning's property lookups, is only worked out then)."""
         interrupts.raise_pending()  # a hung main thread's interrupt that user code swallowed
         session = self.guard.session
-        if session is not None and session.known_failure is not None:
+        if session is not None and session.failure.peer_error is not None:
             self.guard.check(**self._where(trainer))
 
     def _sync(self, trainer: pl.Trainer, where: str) -> None:
@@ -359,7 +357,7 @@ class FaultTolerance(_CallbackBase):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if getattr(exception, _TAKEN_ATTR, False):
+        if tag_of(exception).taken:
             return  # another FaultTolerance instance already finished the exception path
         in_parent = False
         if self.guard.active:
@@ -373,8 +371,8 @@ class FaultTolerance(_CallbackBase):
         if not isinstance(exception, (Exception, HangInterrupted)):
             return  # KeyboardInterrupt / SystemExit: Lightning's own path (it also stops the launcher)
         self._finish_exception_path(trainer, pl_module, exception, in_parent=in_parent)
-        _mark_taken(exception)
-        _mark_taken(to_raise)
+        tag(exception, taken=True)  # once a FaultTolerance callback finished Lightning's exception path
+        tag(to_raise, taken=True)
         if to_raise is exception:
             raise exception
         raise to_raise from exception
@@ -402,13 +400,6 @@ def _evaluation(trainer: pl.Trainer) -> str:
     # Lightning's sanity check (a couple of batches before training) teaches nothing about a real
     # validation: a kind of its own.
     return "sanity check" if trainer.sanity_checking else EVALUATION
-
-
-def _mark_taken(exc: BaseException) -> None:
-    try:
-        setattr(exc, _TAKEN_ATTR, True)
-    except Exception:  # noqa: BLE001 - some exception types refuse attributes
-        pass
 
 
 def _is_rank_process_error(exc: BaseException) -> bool:

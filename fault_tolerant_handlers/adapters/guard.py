@@ -21,7 +21,6 @@ the loop's fail-together session (:class:`~..core.session.Session`):
 from __future__ import annotations
 
 import logging
-import time
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
@@ -31,11 +30,8 @@ from ..core import config, interrupts
 from ..core.log import log
 from ..core.errors import PeerFailedError
 from ..core.sections import check_name
-from ..core.agreement import mark
-from ..core.session import AGREED_ATTR, Session, get_session
-
-#: Marks an exception object this process already handled (published or converted).
-HANDLED_ATTR = "_fth_handled"
+from ..core.failure import tag, tag_of
+from ..core.session import Session, get_session
 
 
 class Guard:
@@ -98,12 +94,11 @@ class Guard:
     def stop(self) -> None:
         """The loop ended normally on every rank: drop this loop's watchdog reference."""
         if self._watching and self.session is not None:
-            auto = self.auto_hang
-            if auto is not None:  # this loop's work is over: nothing of it is watched any more
-                auto.mark(None, time.monotonic())
+            watchdog = self.session.watchdog
+            if watchdog is not None:  # this loop's work is over: nothing of it is watched any more
+                watchdog.work(None)
                 for explainer in self._explainers:
-                    if explainer in auto.explainers:
-                        auto.explainers.remove(explainer)
+                    watchdog.forget_explainer(explainer)
             self._explainers = []
             self._watching = False
             self.session.stop_watchdog()
@@ -117,21 +112,19 @@ class Guard:
         if watchdog is not None:
             watchdog.beat(step, completed=completed)
             if work is not None:
-                auto = watchdog.auto_hang
-                if auto is not None:
-                    auto.mark(work, time.monotonic(), step)
+                watchdog.work(work, step)
 
     @property
     def auto_hang(self):
-        """The learned-deadline probe of ``hang_timeout="auto"`` (``None`` otherwise)."""
+        """The learned-deadline probe of ``hang_timeout="auto"`` (``None`` otherwise), to read:
+        the guard tells it about work through the watchdog's verbs."""
         watchdog = self.session.watchdog if self.session is not None else None
         return getattr(watchdog, "auto_hang", None)
 
     def explain_with(self, explainer: Callable[[object], tuple[str, object] | None]) -> None:
         """Add a way to recognise work from the main thread's stack (see :mod:`..detect.autohang`)."""
-        auto = self.auto_hang
-        if auto is not None and explainer not in auto.explainers:
-            auto.explainers.append(explainer)
+        watchdog = self.session.watchdog if self.session is not None else None
+        if watchdog is not None and watchdog.explain_with(explainer):
             self._explainers.append(explainer)
 
     def due(self, iteration: int) -> bool:
@@ -141,8 +134,9 @@ class Guard:
         """Raise the peer failure the watchdog already knows (no communication), or the interrupt
         of a hung main thread that user code swallowed."""
         interrupts.raise_pending()
-        if self.session is not None and self.session.known_failure is not None:
-            raise self.on_exception(self.session.known_failure, step=step, epoch=epoch)
+        known = self.session.failure.peer_error if self.session is not None else None
+        if known is not None:
+            raise self.on_exception(known, step=step, epoch=epoch)
 
     def sync(self, where: str, *, step: int | None = None, epoch: int | None = None) -> None:
         """One agreement at sync point ``where``: raise on every rank if any rank failed."""
@@ -153,7 +147,7 @@ class Guard:
         outcome = session.agree("loop", f"{self.name}: {where}", step=step, epoch=epoch)
         err = outcome.error_for_caller()
         if err is not None:
-            mark(err, AGREED_ATTR)
+            tag(err, agreed=True)
             raise self.on_exception(err, step=step, epoch=epoch)
 
     def on_exception(self, exc: BaseException, *, step: int | None = None, epoch: int | None = None) -> BaseException:
@@ -165,24 +159,24 @@ class Guard:
         :class:`PeerFailedError`. Idempotent: the same exception object is handled once.
         """
         session = self.session
-        if session is None or getattr(exc, HANDLED_ATTR, False):
+        if session is None or tag_of(exc).handled:
             return exc
-        if isinstance(exc, SystemExit) and session.signal_cause is not None:
+        if isinstance(exc, SystemExit) and session.failure.signal is not None:
             # The framework's answer to this rank's own SIGTERM (Lightning's SIGTERMException, at the
             # next batch): the peers know it already (RankSignalled), and its exception path
             # (checkpoints, their barriers) runs on unreleased.
-            mark(exc, HANDLED_ATTR)
+            tag(exc, handled=True)
             return exc
         peer = session.classify(exc)
         if peer is not None:
             session.acknowledge(peer)
-            mark(peer, HANDLED_ATTR)
+            tag(peer, handled=True)
             if peer is not exc:
                 peer.__cause__ = exc
             log(logging.ERROR, "stopping: %s", str(peer).splitlines()[0], step=step)
             return peer
         session.report_error(exc, section=self.name, step=step, epoch=epoch, release=self.release_on_failure)
-        mark(exc, HANDLED_ATTR)
+        tag(exc, handled=True)
         return exc
 
     # -- state ----------------------------------------------------------------------------------------

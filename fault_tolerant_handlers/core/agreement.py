@@ -41,10 +41,3 @@ def unpack_agreement(a: int, b: int) -> tuple[int, bool]:
     hmin, smin = _FIELD - ((b >> _FIELD_BITS) & _FIELD), _FIELD - (b & _FIELD)
     return flag, (hmax, smax) == (hmin, smin)
 
-
-def mark(exc: BaseException, attr: str, value: object = True) -> None:
-    """Set ``attr`` on an exception (what an agreement learned of it), where its type allows."""
-    try:
-        setattr(exc, attr, value)
-    except Exception:  # noqa: BLE001 - some exception types refuse attributes
-        pass

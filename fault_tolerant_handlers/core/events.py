@@ -27,6 +27,9 @@ event                  emitted by, when                                  argumen
 ``RANK_ENDED``         the liveness helper: its rank ended (after         ``pid, rank, host``
                        ``RANK_KILLED`` was told to the peers)
 ``SESSION_CLOSED``     ``Session.close``, before its connections close    ``session``
+``FAILURE_PHASE``      a transition changed the phase of a session's      ``state, old, new``
+                       ``FailureState`` (:mod:`.failure`), in the thread
+                       that drove it
 ``ATTEMPT_ENDED``      recovering in place: the failed attempt's groups    ``attempt`` (its number)
                        are gone; process-wide state of a framework goes
                        back to a fresh process's (the adapters)
@@ -59,9 +62,10 @@ ATTEMPT_ENDED = "attempt ended"
 FAILURE_SEEN = "failure seen"
 RECOVERY_STARTED = "recovery started"
 RECOVERED = "recovered"
+FAILURE_PHASE = "failure phase"
 
 EVENTS = (SESSION_STARTED, RANK_FAILED, PEER_FAILED, ACKNOWLEDGED, JOB_FAILED, EXITING, RANK_KILLED, RANK_ENDED,
-          SESSION_CLOSED, ATTEMPT_ENDED, FAILURE_SEEN, RECOVERY_STARTED, RECOVERED)
+          SESSION_CLOSED, ATTEMPT_ENDED, FAILURE_SEEN, RECOVERY_STARTED, RECOVERED, FAILURE_PHASE)
 
 _subscribers: dict[str, tuple[Callable[..., object], ...]] = {event: () for event in EVENTS}
 _lock = threading.Lock()

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from .log import log
 from .errors import PeerFailedError, is_backend_error
-from .agreement import mark
-from .session import AGREED_ATTR, Session, get_session
+from .failure import tag, tag_of
+from .session import Session, get_session
 
 
 def check_name(owner: str, name: object) -> str:
@@ -40,7 +40,7 @@ def conclude(session: Session, kind: str, name: str, exc: BaseException | None, 
       saying a peer failed, without a record of its own;
     * this rank's own failure is recorded, then agreed: it re-raises its own exception.
     """
-    if exc is not None and getattr(exc, AGREED_ATTR, False):
+    if exc is not None and tag_of(exc).agreed:
         return exc
     failure = exc if exc is not None else reported
     peer = failure if isinstance(failure, PeerFailedError) else None
@@ -50,7 +50,7 @@ def conclude(session: Session, kind: str, name: str, exc: BaseException | None, 
             return _peer(session, explained, step)
     outcome = session.agree(kind, name, None if peer is not None else failure, step=step, epoch=epoch, peer=peer)
     if failure is not None and peer is None:
-        mark(failure, AGREED_ATTR)
+        tag(failure, agreed=True)
         return failure
     err = outcome.error_for_caller()
     return None if err is None else _peer(session, err, step)
@@ -58,7 +58,7 @@ def conclude(session: Session, kind: str, name: str, exc: BaseException | None, 
 
 def _peer(session: Session, err: BaseException, step: int | None) -> BaseException:
     session.acknowledge(err)
-    mark(err, AGREED_ATTR)
+    tag(err, agreed=True)
     log(logging.ERROR, "stopping: %s", str(err).splitlines()[0], step=step)
     return err
 

@@ -13,9 +13,10 @@ that runs on it in this process (sections, adapters, the watchdog). It owns
   from a constant (their smallest). It returns an :class:`Outcome` and never raises;
 * the **classification** of an exception (:meth:`Session.classify`): this rank's own failure, or a
   consequence of a peer's (a released or broken collective), with the peer's error;
-* the current **incident** (what the watchdog knows of a peer's failure, whether this rank failed
-  itself, whether the main thread took the failure), reset after each agreement so that a failure
-  user code caught never blinds the watchdog later;
+* the **failure state** (:attr:`Session.failure`, a :class:`~.failure.FailureState`): the one
+  answer to "has this job failed?", driven through named transitions (this rank failed, a peer
+  failed, its own signal, the main thread took it, an agreement ended), with the current incident
+  reset after each agreement so that a failure user code caught never blinds the watchdog later;
 * the **watchdog**, started and stopped by reference count (:meth:`start_watchdog`,
   :meth:`stop_watchdog`): two loops sharing one group share one watchdog, which stops with the last.
 
@@ -38,7 +39,7 @@ import random
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -46,8 +47,9 @@ import torch.distributed as dist
 
 from . import compat_torch as _compat_torch
 from . import attempts, config, events, schema as _schema
-from .agreement import MAX_FLAG, mark, pack_agreement, section_hash, unpack_agreement
+from .agreement import MAX_FLAG, pack_agreement, section_hash, unpack_agreement
 from .errors import PeerFailedError, RecoveryError, SectionMismatchError, is_backend_error
+from .failure import FailureState, Incident, tag, tag_of
 from .kinds import FailureKind
 from .log import log
 from .peers import PeerPidProbe
@@ -60,24 +62,6 @@ from .config import (BACKGROUND_CONNECT_TIMEOUT, EXPLAIN_EVIDENCE_TIMEOUT, EXPLA
 
 #: How many delivered record indices are remembered for the watchdog.
 MAX_DELIVERED = 1024
-
-#: Set on an exception whose record this rank already published (never published twice): the record.
-PUBLISHED_ATTR = "_fth_published"
-#: Set on the error an agreement delivered: the :class:`Incident` it belongs to.
-INCIDENT_ATTR = "_fth_incident"
-#: Set on an exception that came out of an agreement: every rank of the agreement raised, so an
-#: enclosing section lets it through without agreeing again.
-AGREED_ATTR = "_fth_agreed"
-
-
-@dataclass
-class Incident:
-    """What this process knows of the failure under way (a fresh one after each agreement)."""
-
-    peer_error: PeerFailedError | None = None
-    local: bool = False
-    acknowledged: threading.Event = field(default_factory=threading.Event)
-
 
 @dataclass(frozen=True)
 class Outcome:
@@ -146,16 +130,12 @@ class Session:
         self.consumed = 0
         #: Record indices agreements delivered (the watchdog leaves them alone); replaced, never mutated.
         self.delivered: frozenset[int] = frozenset()
-        self.incident = Incident()
-        self._escalated: list[Incident] = []  # incidents the watchdog escalated, not yet acknowledged
+        #: Has this job failed? This attempt's failure state on this group (:mod:`.failure`): callers
+        #: ask it, and drive it through the session's verbs or its transitions, never its fields.
+        self.failure = FailureState()
         self._watchdog = None
         self._watchdog_refs = 0
         self._lock = threading.Lock()
-        #: A failure was delivered on this session (an agreement failed, or this rank failed).
-        self.failed_before = False
-        #: This rank's own SIGTERM/SIGINT, when it is the job's cause: pushed by the signal handler
-        #: (:mod:`..launchers.signals`); a collective broken after it is its consequence, not a peer's.
-        self.signal_cause: PeerFailedError | None = None
         #: Same-host peers by pid, consulted at once when a collective breaks (and by the signal handler).
         self.same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
         self._explaining = None
@@ -222,63 +202,34 @@ class Session:
             return None
         return store_evidence(*self.store_address, timeout)
 
-    # -- the incident -----------------------------------------------------------------------------
-    @property
-    def failing(self) -> bool:
-        """This job has failed here: a failure was delivered, or the watchdog knows a peer's."""
-        return self.failed_before or self.incident.peer_error is not None
-
-    @property
-    def known_failure(self) -> PeerFailedError | None:
-        """A peer's failure the watchdog already knows (an attribute read: no communication)."""
-        return self.incident.peer_error
-
+    # -- the failure state -------------------------------------------------------------------------
     def take_peer_failure(self, err: PeerFailedError) -> Incident | None:
         """The watchdog found ``err``: returns the incident to escalate, or ``None`` when there is
         nothing to do (already known, or this rank failed itself and raises its own error).
         Emits :data:`~.events.PEER_FAILED` (the launchers: a killed same-host peer's error file and,
         when escalated, mp.spawn's report before the launcher's SIGTERM)."""
-        with self._lock:
-            incident = self.incident
-            if incident.peer_error is not None:
-                escalated = None
-            elif self.signal_cause is not None:
-                escalated = None  # this rank's own SIGTERM/SIGINT ends it: a peer's failure after it changes nothing
-            else:
-                incident.peer_error = err
-                escalated = None if incident.local else incident
-                if escalated is not None:
-                    self._escalated.append(incident)
+        escalated = self.failure.peer_failed(err)
         events.emit(events.PEER_FAILED, self.table, err, escalated is not None)
         return escalated
 
     def acknowledge(self, err: PeerFailedError | None = None) -> None:
         """The main thread takes a peer's failure (``err``) and raises it: no reported exit by the
         watchdog, and an orderly teardown of the (released) process groups at interpreter exit."""
-        events.emit(events.ACKNOWLEDGED, self.table, err, self.incident.peer_error)
-        # An agreement's error names its own incident: the current one has replaced it since, and
-        # acknowledging that would leave the watchdog blind to the next failure (no release).
-        taken = getattr(err, INCIDENT_ATTR, None) if err is not None else None
-        with self._lock:
-            for incident in (taken or self.incident, *self._escalated):
-                incident.acknowledged.set()
-            self._escalated.clear()
+        events.emit(events.ACKNOWLEDGED, self.table, err, self.failure.peer_error)
+        # An agreement's error names its own incident (its tag): the current one has replaced it
+        # since, and acknowledging that would leave the watchdog blind to the next failure (no release).
+        self.failure.acknowledged(err)
         events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys, before this thread raises on
         teardown_at_exit()
-
-    def _next_incident(self) -> None:
-        with self._lock:
-            self.incident = Incident()
 
     # -- record ------------------------------------------------------------------------------------
     def report_error(self, exc: BaseException, *, section: str, step: int | None = None,
                      epoch: int | None = None, seq: int | None = None, release: bool = False) -> FailureRecord:
         """This rank failed with ``exc``: publish its record (before any agreement) and, with
         ``release``, release its collectives so that no peer blocked in one with it waits."""
-        self.incident.local = True
-        self.failed_before = True
         record = FailureRecord.from_exception(exc, rank=self.rank, section=section, seq=seq, step=step, epoch=epoch)
-        mark(exc, PUBLISHED_ATTR, record)
+        self.failure.failed_here(record)
+        tag(exc, record=record)
         events.emit(events.RANK_FAILED, record)
         log(logging.ERROR, "failed%s: %s: %s", f" in {section!r}" if seq is not None else "", record.exc_type,
             record.exc_message, step=step)
@@ -300,26 +251,27 @@ class Session:
         seq = self._seq
         self._seq += 1
         self.live_seq = seq
-        incident = self.incident
+        outcome = None
         try:
             outcome = self._agree(kind, name, seq, failure, step, epoch, peer)
-            self.failed_before = self.failed_before or outcome.failed
-            if outcome.failed:
-                events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys
-            err = outcome.error_for_caller()
-            if err is not None:
-                # the incident this failure belongs to: the main thread's acknowledge() marks that
-                # one, not the fresh incident that replaces it below (which must stay watchful)
-                mark(err, INCIDENT_ATTR, incident)
             return outcome
         finally:
             self.live_seq = seq + 1
-            self._next_incident()
+            err = outcome.error_for_caller() if outcome is not None else None
+            # a fresh incident begins: it must stay watchful
+            incident = self.failure.agreement_ended(outcome is not None and outcome.failed, err)
+            if outcome is not None and outcome.failed:
+                events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys
+            if err is not None:
+                # the incident this failure belongs to: the main thread's acknowledge() marks that
+                # one, not the fresh incident that replaced it (which must stay watchful)
+                tag(err, incident=incident)
 
     def _agree(self, kind, name, seq, failure, step, epoch, peer) -> Outcome:
         if failure is not None:
-            if getattr(failure, PUBLISHED_ATTR, False):
-                self.incident.local = True
+            published = tag_of(failure).record
+            if published is not None:
+                self.failure.failed_here(published, told=False)
             else:
                 self.report_error(failure, section=name, step=step, epoch=epoch, seq=seq)
         flag = self.rank + 1 if failure is not None else (0 if peer is None else 1 + (peer.failed_rank or 0))
@@ -422,10 +374,10 @@ class Session:
             return exc
         if not is_backend_error(exc):
             return None
-        own = self.signal_cause  # this rank's own SIGTERM/SIGINT broke it: no peer to blame
+        own = self.failure.signal  # this rank's own SIGTERM/SIGINT broke it: no peer to blame
         if own is not None:
             return own
-        known = self.incident.peer_error
+        known = self.failure.peer_error
         if known is None:
             found = self.same_host_probe.poll(time.monotonic())
             known = found.error if found is not None else None
@@ -434,8 +386,8 @@ class Session:
     def failure_report(self, wait: float) -> PeerFailedError | None:
         """What is known of a failure under way, waiting up to ``wait`` seconds for an explanation
         in progress (for a rank that is being ended from outside, e.g. by its launcher's SIGTERM)."""
-        if self.incident.peer_error is not None:
-            return self.incident.peer_error
+        if self.failure.peer_error is not None:
+            return self.failure.peer_error
         explaining = self._explaining
         if explaining is None:
             return None
@@ -518,8 +470,8 @@ class Session:
                 done.set()
 
         def outcome() -> PeerFailedError | None:
-            if self.incident.peer_error is not None:
-                return self.incident.peer_error
+            if self.failure.peer_error is not None:
+                return self.failure.peer_error
             if found:
                 return PeerFailedError.from_records(found)
             if suspects:
@@ -535,8 +487,8 @@ class Session:
         self._explaining = (done, outcome)
         try:
             while time.monotonic() < deadline and not done.is_set():
-                if self.incident.peer_error is not None:
-                    return self.incident.peer_error
+                if self.failure.peer_error is not None:
+                    return self.failure.peer_error
                 time.sleep(0.02)
             return outcome()
         finally:
@@ -595,6 +547,7 @@ class Session:
         session) and the exit hooks."""
         if self.side is None:
             return
+        self.failure.ended(recovered=False)
         self.stop()
         try:
             dist.barrier(group=self.side)
@@ -673,7 +626,7 @@ def _forget_all() -> None:
         if watchdog is not None:
             watchdog.stop(join_timeout=1.0)
     for session in sessions:
-        _schema.unblock_stuck_calls(session.keep_ports, busy_too=session.failing)
+        _schema.unblock_stuck_calls(session.keep_ports, busy_too=session.failure.failing)
     sessions.clear()
     gc.collect()
 

@@ -207,7 +207,7 @@ class LivenessProcess:
         if self.pid is not None:
             # It leaves its select() at once, but may be in a store call; once the job failed (the
             # store's host may be gone) it has nothing left to do: no wait.
-            deadline = time.monotonic() + (0.0 if self.session.failing else 0.5)
+            deadline = time.monotonic() + (0.0 if self.session.failure.failing else 0.5)
             while time.monotonic() < deadline:
                 try:
                     done, _ = os.waitpid(self.pid, os.WNOHANG)

@@ -45,7 +45,8 @@ from . import autohang
 from ..core import attempts, config, events, interrupts
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted
 from ..core.kinds import FailureKind
-from ..core.session import Incident, Session, get_session, provide_watchdog
+from ..core.failure import Incident
+from ..core.session import Session, get_session, provide_watchdog
 from .pidwatch import PidWatcher, WakeEvent
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
 from ..core.log import log
@@ -78,7 +79,7 @@ class Watchdog:
         self.warm = False
         self._first_step: int | None = None
         self._quiet_since: tuple | None = None  # the progress when this rank learned the job failed
-        self._failed_seen = session.failed_before
+        self._failed_seen = session.failure.delivered
         self._stop = WakeEvent()  # its set() also wakes the liveness loop's poll()
         self._finishing = False
         self._store_warned_at = -STORE_WARN_EVERY
@@ -117,7 +118,7 @@ class Watchdog:
                                          check_every=max(STORE_CHECK_EVERY, self.interval.total_seconds()))
         peers = session.same_host_peers()
         self.peer_pids = (PeerPidProbe(peers, by=self.rank, host=session.host,
-                                       after_failure=lambda: session.failed_before) if peers else None)
+                                       after_failure=lambda: session.failure.delivered) if peers else None)
         self._thread = threading.Thread(target=self._run_store_loop, name="fth-watchdog", daemon=True)
         self._liveness = threading.Thread(target=self._run_liveness_loop, name="fth-pids", daemon=True)
 
@@ -168,13 +169,35 @@ class Watchdog:
         if completed:
             self.warm = True
 
+    # -- the learned deadline (``hang_timeout="auto"``): what the adapters tell it ------------------
+    def work(self, kind: str | None, step: int | None = None) -> None:
+        """The kind of work that begins now on the main thread, ending the one under way (``None``:
+        the loop's work is over, nothing of it is watched any more). A no-op without ``"auto"``."""
+        if self.auto_hang is not None:
+            self.auto_hang.mark(kind, time.monotonic(), step)
+
+    def explain_with(self, explainer) -> bool:
+        """Add a way to recognise work from the main thread's stack (:mod:`.autohang`); ``False``
+        when nothing was added (no learned deadline, or already added)."""
+        auto = self.auto_hang
+        if auto is None or explainer in auto.explainers:
+            return False
+        auto.explainers.append(explainer)
+        return True
+
+    def forget_explainer(self, explainer) -> None:
+        """Remove what :meth:`explain_with` added (its loop ended)."""
+        auto = self.auto_hang
+        if auto is not None and explainer in auto.explainers:
+            auto.explainers.remove(explainer)
+
     # -- loops --------------------------------------------------------------------------------------
     def _run_store_loop(self) -> None:
         period = self.interval.total_seconds()
         while not self._stop.wait(period):
             now = time.monotonic()
             try:
-                if self.session.known_failure is None:
+                if self.session.failure.peer_error is None:
                     self._found(self.records.poll(now), self._schema)
                 self.store_loss.answered()
                 self._conn.deadline = None
@@ -189,7 +212,7 @@ class Watchdog:
                         self._store_warned_at = now
                         log(logging.WARNING, "the c10d store did not answer: %s", self.store_loss.last_error)
                     self._conn.deadline = self.store_loss.declare_at()
-            if self.session.known_failure is None:
+            if self.session.failure.peer_error is None:
                 # the time after the calls: a call that timed out took most of a period's budget
                 self._found(self.store_loss.poll(time.monotonic()), None)
             if self.self_hang is not None and self._judges_hangs():
@@ -202,10 +225,11 @@ class Watchdog:
         main thread handles the failure (raising, ``on_exception`` callbacks, a recovery waiting for
         its peers): that is not a hang, and declaring it named a second culprit beside the hung
         rank (rank 0 ``RankHung`` at 5.2 s while it waited to recover with the rank that hung)."""
-        session = self.session
-        failed_now = session.failed_before and not self._failed_seen
-        self._failed_seen = session.failed_before
-        if session.known_failure is not None or session.incident.local or failed_now:
+        failure = self.session.failure
+        delivered = failure.delivered
+        failed_now = delivered and not self._failed_seen
+        self._failed_seen = delivered
+        if failure.peer_error is not None or failure.local or failed_now:
             self._quiet_since = self._progress
         return self._progress is not self._quiet_since
 
@@ -218,7 +242,7 @@ class Watchdog:
                 ended = watcher.wait()
                 # looked at after the wait, which may have lasted long: a failure known meanwhile
                 # ends the loop, as it did when the loop woke every interval
-                if self._stop.is_set() or self.session.known_failure is not None:
+                if self._stop.is_set() or self.session.failure.peer_error is not None:
                     break
                 if ended:
                     self._found(self.peer_pids.poll(time.monotonic()), self._liveness_schema)
@@ -230,14 +254,14 @@ class Watchdog:
         if finding is None or self._finishing:
             return
         err = finding.error
-        if (self.session.failed_before and err.kind in (FailureKind.PEER_SILENT, FailureKind.PEER_LOST)
+        if (self.session.failure.delivered and err.kind in (FailureKind.PEER_SILENT, FailureKind.PEER_LOST)
                 and not (err.ended is not None and err.ended.killed)):
             # The job already failed here: peers ending (and their heartbeats stopping) is expected.
             log(logging.INFO, "after the failure: %s", str(err).splitlines()[0])
             return
         log(logging.ERROR, "%s", str(finding.error).splitlines()[0], step=self._progress[2])
         if finding.hung_self:
-            self.session.incident.local = True
+            self.session.failure.failed_here(finding.declare or err, told=False)  # the main thread is interrupted
             events.emit(events.RANK_FAILED, finding.declare)  # the launchers: torchrun's error file
             self._declare(finding, schema)
             # Recovering in place: interrupt the main thread where it hangs (in Python it leaves at
@@ -350,7 +374,7 @@ def _stop_all() -> None:
     for watchdog in watchdogs:
         watchdog._finishing = True
         watchdog._stop.set()
-    failed = [w.session for w in watchdogs if w.session.failing]
+    failed = [w.session for w in watchdogs if w.session.failure.failing]
     if failed:
         # The job failed, perhaps because the store's host is gone: a watchdog waiting in a store
         # call would hold the exit up to its budget. Cut those calls short instead.

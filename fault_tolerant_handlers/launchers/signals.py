@@ -17,7 +17,8 @@ already there (Lightning's, a user's, Python's default), never replacing it:
    session started), that handler says what the signal does: the default is not enacted after it,
    a peer's ``RankSignalled`` of the same moment is the same preemption (this rank is signalled
    too), and a collective broken after this rank's own signal raises its ``RankSignalled`` (pushed
-   into the session, ``Session.signal_cause``, which ``Session.classify`` reads).
+   into the session's failure state, ``session.failure.signalled(...)``, whose ``signal``
+   ``Session.classify`` reads).
 
 Python runs signal handlers in the main thread only, between bytecodes: a main thread blocked in a
 collective would run it late. So the reaction also runs from a thread (``fth-signals``) woken by
@@ -160,15 +161,15 @@ class _Watch:
         if session is None:
             return
         name = signal.Signals(signum).name
-        incident = session.incident
-        if incident.local:  # this rank failed itself: its own record and file say why
+        failure = session.failure  # read here; driven through its transitions only
+        if failure.local:  # this rank failed itself: its own record and file say why
             self.kind = "failed"
             return
         # A failure being explained right now (a broken collective: torchrun's agent ends the
         # survivors when the store's host dies) is waited for, briefly: the report must come first.
         # Under mp.spawn, a SIGTERM after a same-host peer's exit waits (briefly) for its cause.
         peer = (session.failure_report(REPORT_WAIT)
-                or spawned.awaited_cause(session.same_host_probe, lambda: session.incident.peer_error,
+                or spawned.awaited_cause(session.same_host_probe, lambda: failure.peer_error,
                                          lambda: self._records(session))
                 or self._peer_cause(session))
         window = SIGNALLED_TOGETHER if self._framework_in_front(signum) else SAME_DELIVERY
@@ -191,9 +192,9 @@ class _Watch:
                                         ended=Ended(signal=int(signum)))
         self.cause = PeerFailedError.from_records([record])
         self.kind = "cause"
-        session.signal_cause = self.cause  # a collective broken from now on is this signal's consequence
-        incident.local = True  # the peers' reaction is not a failure to escalate here
-        session.failed_before = True  # the job fails: its exit does not wait on a store that may be leaving
+        # A collective broken from now on is this signal's consequence; the peers' reaction is not a
+        # failure to escalate here; the job fails: its exit does not wait on a store that may be leaving.
+        failure.signalled(self.cause)
         log(logging.ERROR, "%s: telling the other ranks", message)
         errorfile.write_failed(record)  # this rank is the cause
         conn = session.connection("signal", SIGNAL_STORE_TIMEOUT)

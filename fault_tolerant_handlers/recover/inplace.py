@@ -101,7 +101,8 @@ from ..core.records import cap_head
 from ..core.recoveries import RecoveryCause, RecoveryInfo, RecoveryPhase
 from ..core.release import EXIT_TEARDOWN_STUCK, store_ports
 from ..core.schema import Connection, StoreCallTimeout, unblock_stuck_calls
-from ..core.session import AGREED_ATTR, PUBLISHED_ATTR, live_sessions
+from ..core.failure import tag_of
+from ..core.session import live_sessions
 from ..data import live as _live, loader as _loader, snapshots
 from ..launchers import compat_torchrun
 from . import keeper, live_state
@@ -128,7 +129,7 @@ def _cause_of(err: BaseException, rank: int) -> Cause:
         return Cause(rank, err.failed_rank if err.failed_rank is not None else -1, err.exc_type, err.exc_message,
                      err.where, err.step if err.step is not None else -1, False,
                      "" if ended else NOT_IN_PLACE.get(err.kind, ""), err.kind.value)
-    record = getattr(err, PUBLISHED_ATTR, None)
+    record = tag_of(err).record
     step = getattr(record, "step", None)
     where = getattr(record, "section", "") or ""
     not_in_place = ""
@@ -297,7 +298,7 @@ class _Recovery:
             return _Unsafe(False, "recover_in_place found no process group store to recover over (the group "
                                   "was made with init_process_group(store=...), or never)"), {}
         if attempts.in_place() and not sessions and not isinstance(err, PeerFailedError) \
-                and not getattr(err, PUBLISHED_ATTR, None):
+                and tag_of(err).record is None:
             return _Unsafe(False, (
                 f"recover_in_place: attempt {attempts.in_place()} of the training function failed before it "
                 f"trained (no fail-together session had started): {type(err).__name__}: {cap_head(str(err), 300)}. "
@@ -309,7 +310,7 @@ class _Recovery:
                                    "the peers cannot be told"), {}
         self._announce(RecoveryPhase.FAILURE_SEEN, rank, cause, t0)
         # 1. record: a failure no section published is published now, for the peers' watchdogs
-        if cause.own and not getattr(err, PUBLISHED_ATTR, None) and not getattr(err, AGREED_ATTR, False):
+        if cause.own and tag_of(err).record is None and not tag_of(err).agreed:
             for session in sessions:
                 if session.group is None:
                     session.report_error(err, section="recover_in_place", release=True)
@@ -320,6 +321,8 @@ class _Recovery:
         self._collect_live(rank)  # the state this rank holds, as of the last step it completed
         # 2. agree, on the first attempt's store
         decision = self._agree(world, cause)
+        for session in sessions:  # the failed attempt is over: recovered in place, or it ends the job
+            session.failure.ended(recovered=decision.restart)
         timings = {"detected": t0, "stopped": stopped, "agreed": time.monotonic(), "attempt_ran": t0 - started}
         if decision.restart:
             self.causes.append(Cause(**decision.cause) if decision.cause else cause)

@@ -19,7 +19,7 @@ from fault_tolerant_handlers.core.kinds import Ended
 from fault_tolerant_handlers.core.records import FailureRecord
 from fault_tolerant_handlers.core.schema import Connection, Schema
 from fault_tolerant_handlers.core.ranks import RankTable
-from fault_tolerant_handlers.core.session import Incident
+from fault_tolerant_handlers.core.failure import FailureState
 
 
 class FakeSession:
@@ -28,11 +28,10 @@ class FakeSession:
 
     def __init__(self, store):
         self.store = store
-        self.signal_cause = None
         self.schema = Schema(self.connection("main", timedelta(seconds=1)), 2)
         self.consumed = 0
         self.delivered = frozenset()
-        self.incident = Incident()
+        self.failure = FailureState()
         self.same_host_probe = PeerPidProbe([], by=1, host="node-a")
         self.pg_store = None
 
@@ -40,7 +39,7 @@ class FakeSession:
         return Connection(lambda: dist.PrefixStore("fth/t", self.store), timeout, name)
 
     def failure_report(self, wait):
-        return self.incident.peer_error  # nothing being explained in these scenarios
+        return self.failure.peer_error  # nothing being explained in these scenarios
 
     def peer_records(self, schema, indices):  # no agreement has ended in these scenarios
         return [r for r in (schema.read(i) for i in indices) if r is not None and r.rank != self.rank]
@@ -83,7 +82,7 @@ def test_signal_is_published_then_the_users_handler_runs(restore_signals, monkey
     assert seen and seen[0][0] == signal.SIGTERM
     kinds = seen[0][1]
     assert len(kinds) == 1 and kinds[0][:2] == ("RankSignalled", 1) and "received SIGTERM" in kinds[0][2]
-    assert watch.kind == "cause" and session.incident.local
+    assert watch.kind == "cause" and session.failure.local
     assert released == [True]  # a Python handler runs next: this rank's collectives were released
 
 

@@ -1,0 +1,278 @@
+"""The failure state machine (core/failure.py) and the one tag on an exception, as scenarios of
+one attempt on one rank. No process group: the state is plain Python."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from fault_tolerant_handlers.core import events
+from fault_tolerant_handlers.core.errors import PeerFailedError
+from fault_tolerant_handlers.core.failure import TAG_ATTR, Failure, FailureState, Phase, Tag, tag, tag_of
+from fault_tolerant_handlers.core.kinds import Ended, FailureKind
+from fault_tolerant_handlers.core.records import FailureRecord
+
+
+def own_record(message: str = "bad sample 17") -> FailureRecord:
+    try:
+        raise ValueError(message)
+    except ValueError as exc:
+        return FailureRecord.from_exception(exc, rank=1, section="train", step=5)
+
+
+def peer(rank: int = 0, kind: FailureKind = FailureKind.PEER_LOST) -> PeerFailedError:
+    return PeerFailedError(rank, kind.value, f"rank {rank} is gone", where="a collective", origin="declared",
+                           kind=kind, ended=Ended(signal=9) if kind is FailureKind.PEER_LOST else None)
+
+
+def signal_cause() -> PeerFailedError:
+    return PeerFailedError(1, FailureKind.RANK_SIGNALLED.value, "rank 1 received SIGTERM", origin="declared",
+                           kind=FailureKind.RANK_SIGNALLED, ended=Ended(signal=15))
+
+
+@pytest.fixture
+def phases():
+    seen = []
+
+    def record(state, old, new):
+        seen.append((old, new))
+
+    events.subscribe(events.FAILURE_PHASE, record)
+    yield seen
+    events.unsubscribe(events.FAILURE_PHASE, record)
+
+
+def test_a_healthy_attempt_has_not_failed():
+    state = FailureState()
+    assert state.phase is Phase.RUNNING and not state.failing and state.cause is None
+    verdict = state.outcome()
+    assert (verdict.phase, verdict.failed, verdict.cause, verdict.others) == (Phase.RUNNING, False, None, ())
+
+
+def test_a_rank_that_fails_itself_is_the_cause_and_the_job_has_failed(phases):
+    state = FailureState()
+    record = own_record()
+    assert state.failed_here(record) is True
+    assert state.phase is Phase.FAILED_HERE and state.cause == Failure.of(record)
+    assert state.local and state.delivered and state.failing
+    assert phases == [(Phase.RUNNING, Phase.FAILED_HERE)]
+
+
+def test_a_peers_failure_learned_after_this_rank_failed_itself_does_not_replace_its_own_cause():
+    state = FailureState()
+    record = own_record()
+    state.failed_here(record)
+    lost = peer(0)
+    assert state.peer_failed(lost) is None  # this rank raises its own error: nothing to escalate
+    assert state.cause == Failure.of(record) and state.others == (Failure.of(lost),)
+    assert state.phase is Phase.FAILED_HERE
+    assert state.peer_error is lost  # what the watchdog knows, still readable
+
+
+def test_a_peers_failure_found_while_training_is_escalated_once():
+    state = FailureState()
+    first, again = peer(0), peer(2)
+    incident = state.peer_failed(first)
+    assert incident is not None and incident.peer_error is first and not incident.acknowledged.is_set()
+    assert state.phase is Phase.PEER_FAILED and state.cause == Failure.of(first) and state.failing
+    assert not state.delivered  # the main thread has not taken it yet
+    assert state.peer_failed(again) is None  # already known in this incident
+    assert state.cause == Failure.of(first) and state.others == (Failure.of(again),)
+
+
+def test_the_main_thread_taking_a_peers_failure_acknowledges_every_escalated_incident(phases):
+    state = FailureState()
+    lost = peer(0)
+    incident = state.peer_failed(lost)
+    assert state.acknowledged(lost) is True
+    assert incident.acknowledged.is_set() and state.phase is Phase.ACKNOWLEDGED
+    assert state.acknowledged(lost) is False  # nothing new to acknowledge
+    assert phases == [(Phase.RUNNING, Phase.PEER_FAILED), (Phase.PEER_FAILED, Phase.ACKNOWLEDGED)]
+
+
+def test_after_its_own_signal_a_peers_failure_is_a_consequence_not_escalated():
+    state = FailureState()
+    cause = signal_cause()
+    assert state.signalled(cause) is True
+    assert state.phase is Phase.SIGNALLED and state.signal is cause and state.local and state.delivered
+    assert state.peer_failed(peer(0)) is None
+    assert state.peer_error is None and state.cause == Failure.of(cause)
+    assert state.signalled(signal_cause()) is False  # one signal is the cause; a second changes nothing
+    assert state.signal is cause
+
+
+def test_acknowledging_an_agreements_error_marks_that_agreements_incident_not_the_fresh_one():
+    """The watchdog found a peer's failure during an agreement; the agreement delivered it; a fresh
+    incident began. The main thread takes the error afterwards: the incident acknowledged is the
+    agreement's, and the fresh one stays watchful (else the next failure would never be released)."""
+    state = FailureState()
+    lost = peer(0)
+    escalated = state.peer_failed(lost)
+    ended = state.agreement_ended(True, lost)
+    assert ended is escalated
+    tag(lost, incident=ended)
+    fresh = state.incident
+    assert fresh is not ended and fresh.peer_error is None and not fresh.local
+    state.acknowledged(lost)
+    assert ended.acknowledged.is_set() and not fresh.acknowledged.is_set()
+
+
+def test_a_failure_user_code_caught_leaves_the_job_failed_but_never_blinds_the_watchdog():
+    state = FailureState()
+    first = peer(0)
+    state.agreement_ended(True, first)  # a fail_together section raised it; the user caught it
+    assert state.phase is Phase.PEER_FAILED and state.cause == Failure.of(first)
+    state.acknowledged(first)
+    assert state.delivered and state.failing and state.peer_error is None
+    later = peer(2)
+    incident = state.peer_failed(later)
+    assert incident is not None  # escalated: the main thread is told again
+    assert state.cause == Failure.of(first) and state.others == (Failure.of(later),) and state.phase is Phase.ACKNOWLEDGED
+
+
+def test_an_agreement_in_which_nobody_failed_changes_nothing_but_the_incident():
+    state = FailureState()
+    before = state.incident
+    assert state.agreement_ended(False) is before
+    assert state.incident is not before and state.phase is Phase.RUNNING and not state.failing
+
+
+def test_a_hang_found_by_the_watchdog_is_this_ranks_failure_before_its_main_thread_knows():
+    state = FailureState()
+    hung = FailureRecord.declared(rank=1, kind=FailureKind.RANK_HUNG, message="rank 1 hung", by=1, pid=8,
+                                  host="node-a")
+    assert state.failed_here(hung, told=False) is True
+    assert state.phase is Phase.FAILED_HERE and state.local and not state.delivered
+    assert state.peer_failed(peer(0)) is None  # it fails itself: a peer's failure is not escalated
+    interrupted = own_record("HangInterrupted")  # the main thread, interrupted, publishes its exception
+    assert state.failed_here(interrupted) is False
+    assert state.cause == Failure.of(hung) and state.others[-1] == Failure.of(interrupted) and state.delivered
+
+
+@pytest.mark.parametrize("recovered, final", [(True, Phase.RECOVERED), (False, Phase.ENDED)])
+def test_an_attempt_that_is_over_stays_over(recovered, final):
+    state = FailureState()
+    state.failed_here(own_record())
+    assert state.ended(recovered=recovered) is True
+    assert state.phase is final
+    assert state.ended(recovered=not recovered) is False
+    state.acknowledged(peer(0))
+    assert state.phase is final
+
+
+def test_an_attempt_that_ended_before_any_failure_names_no_cause():
+    state = FailureState()
+    state.ended(recovered=False)
+    state.peer_failed(peer(0))
+    assert state.phase is Phase.ENDED and state.cause is None
+
+
+def test_concurrent_findings_of_one_failure_are_escalated_once():
+    state = FailureState()
+    start = threading.Barrier(8)
+    escalated = []
+
+    def find(rank):
+        start.wait()
+        if state.peer_failed(peer(rank)) is not None:
+            escalated.append(rank)
+
+    threads = [threading.Thread(target=find, args=(r,)) for r in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(escalated) == 1 and state.cause == Failure.of(state.peer_error)
+    assert len(state.others) == 7
+
+
+# -- the tag ----------------------------------------------------------------------------------------
+def test_one_tag_carries_everything_learned_of_an_exception():
+    exc = ValueError("bad sample 17")
+    assert tag_of(exc) == Tag() and tag_of(None) == Tag()
+    record = own_record()
+    tag(exc, record=record)
+    tag(exc, agreed=True)
+    tag(exc, handled=True)
+    assert tag_of(exc) == Tag(record=record, agreed=True, handled=True)
+    assert [name for name in vars(exc) if name.startswith("_fth")] == [TAG_ATTR]
+
+
+def test_a_misspelt_tag_field_is_an_error_not_a_silent_no_op():
+    with pytest.raises(TypeError):
+        tag(ValueError(), agred=True)
+
+
+def test_an_exception_that_refuses_attributes_is_left_alone():
+    class Frozen(Exception):
+        def __setattr__(self, name, value):
+            raise AttributeError(name)
+
+    exc = Frozen()
+    tag(exc, handled=True)
+    assert tag_of(exc) == Tag()
+
+
+# -- what the state machine fixes ---------------------------------------------------------------------
+class _SignalledMeanwhile:
+    """An agreement's outcome (nobody failed) whose reading lets this rank's SIGTERM reaction run
+    in between, as the signal thread may at any bytecode of the main thread."""
+
+    def __init__(self, react):
+        self._react = react
+
+    @property
+    def failed(self) -> bool:
+        react, self._react = self._react, (lambda: None)  # the signal comes once
+        react()
+        return False
+
+    def error_for_caller(self):
+        return None
+
+
+def test_a_signal_taken_while_an_agreement_ends_leaves_the_job_failed(monkeypatch):
+    """This rank's SIGTERM is the job's cause; its reaction (thread ``fth-signals``) marks the job
+    failed just as the main thread ends an agreement in which nobody failed. The job stays failed
+    (so its exit does not wait on a store that may be leaving, and peers ending are expected).
+    Before, the agreement wrote back the flag it had read before the signal
+    (``failed_before = failed_before or outcome.failed``) and the signal was forgotten."""
+    from fault_tolerant_handlers.core import session as session_mod
+
+    session = session_mod.Session.__new__(session_mod.Session)
+    session._seq = session.live_seq = 0
+    session.failure = FailureState()
+    cause = signal_cause()
+    monkeypatch.setattr(session, "_agree",
+                        lambda *a: _SignalledMeanwhile(lambda: session.failure.signalled(cause)), raising=False)
+    session.agree("loop", "train: iteration", step=3)
+    assert session.failure.signal is cause
+    assert session.failure.delivered and session.failure.failing
+    assert session.failure.phase is Phase.SIGNALLED
+
+
+def test_the_state_keeps_a_failure_as_data_never_the_exception_that_pins_an_attempts_frames():
+    """A peer's error raised through the training loop carries a traceback (the loop's frames: its
+    model, its loaders). The state keeps what it says, not the object, so a failed attempt's frames
+    are freed with it (recovering in place, the next attempt starts with the same fds and threads)."""
+    import gc
+    import weakref
+
+    state = FailureState()
+
+    class Frames:  # stands for what the attempt's frames hold
+        pass
+
+    def attempt():
+        held = Frames()  # noqa: F841 - a local of the frame the traceback keeps
+        raise peer(0)
+
+    try:
+        attempt()
+    except PeerFailedError as err:
+        state.acknowledged(err)
+        frames = weakref.ref(err.__traceback__.tb_next.tb_frame.f_locals["held"])
+    gc.collect()
+    assert frames() is None
+    assert state.cause == Failure(FailureKind.PEER_LOST, 0, "PeerLost", "rank 0 is gone", Ended(signal=9))
