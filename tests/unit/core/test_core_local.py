@@ -4,6 +4,8 @@ proven by the multi-process tests.)"""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import os
 import pickle
@@ -212,11 +214,17 @@ def _consuming_session(store: dist.Store, live_seq: int) -> session_mod.Session:
     return s
 
 
+_clock = itertools.count(int(time.time() * 1000))
+
+
 def _failure(rank: int, seq: int, message: str) -> FailureRecord:
+    """A record of a failure that happened after every record made before it (its own millisecond:
+    records made within one would sort by rank, and the order these tests describe would be lost)."""
     try:
         raise KeyError(message)
     except KeyError as exc:
-        return FailureRecord.from_exception(exc, rank=rank, section="two", seq=seq)
+        record = FailureRecord.from_exception(exc, rank=rank, section="two", seq=seq)
+    return dataclasses.replace(record, time_ms=next(_clock))
 
 
 def test_a_failure_of_the_next_agreement_is_left_for_it():
