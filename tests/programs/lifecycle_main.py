@@ -83,6 +83,7 @@ def main() -> None:
         assert session.closed and session not in _registry.values()
         del session
         gc.collect()
+        dist.barrier()  # every rank closed (each deletes its own keys, rank 0 the shared ones): then none is left
         record("round", round=round_, helper=helper, heartbeats=beats, **held(store, run_keys))
     dist.barrier()
     record("done")
