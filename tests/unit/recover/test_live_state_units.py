@@ -1,7 +1,7 @@
 """Live state, branch by branch: the checksum (deterministic, sensitive to structure and bytes, refusing
 what JSON cannot carry, by path), the agreement's rule, the rebuild of the structure on a receiver
 (in place where it can), and the arguments. Transfers between real ranks are in
-``tests/distributed/test_live_state.py``."""
+``tests/distributed/test_state_transfer.py``."""
 
 from __future__ import annotations
 
