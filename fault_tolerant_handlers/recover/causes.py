@@ -12,6 +12,7 @@ from typing import Any
 from ..core import attempts
 from ..core.kinds import FailureKind
 from ..core.records import cap_head, sanitize
+from .live_state import MAX_STEPS_APART, Fallback, Receive, RankState, decide
 
 #: Declared kinds that end the job as without recovery: a process or host gone, or signalled.
 NOT_IN_PLACE = {
@@ -23,6 +24,17 @@ NOT_IN_PLACE = {
 MAX_CAUSE_BYTES = 8 * 1024
 #: Key namespace of the recoveries in the first attempt's store.
 KEY_ROOT = "fth/recover"
+
+
+def _read(raw: Any) -> Any:
+    """The JSON value a store key holds (``None`` if it is not bytes, longer than
+    :data:`MAX_CAUSE_BYTES` or not JSON); the readers below check its fields."""
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
+        return None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -63,14 +75,12 @@ class Cause:
 
     @classmethod
     def from_json(cls, raw: bytes, world_size: int) -> Cause | None:
-        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
-            return None
+        data = _read(raw)
         try:
-            data = json.loads(raw.decode("utf-8"))
             cause = cls(by=int(data["by"]), failed_rank=int(data["failed_rank"]), exc_type=str(data["exc_type"]),
                         message=str(data["message"]), where=str(data["where"]), step=int(data["step"]),
                         own=bool(data["own"]), not_in_place=str(data["not_in_place"]), kind=str(data.get("kind", "")))
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        except (ValueError, KeyError, TypeError):
             return None
         if not (0 <= cause.by < world_size and -1 <= cause.failed_rank < world_size and -1 <= cause.step < 2**53):
             return None
@@ -82,8 +92,6 @@ class Cause:
 
 #: A checksum in a report: :func:`.live_state.checksum`'s hex digest (or "" when none was taken).
 _CHECKSUM_CHARS = 64
-#: Ranks whose completed steps differ by more than this: live state cannot serve (out of step).
-MAX_STEPS_APART = 1
 
 
 def _hex(value: Any, chars: int) -> str:
@@ -112,14 +120,12 @@ class LiveReport:
 
     @classmethod
     def from_json(cls, raw: bytes, world_size: int) -> LiveReport | None:
-        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
-            return None
+        data = _read(raw)
         try:
-            data = json.loads(raw.decode("utf-8"))
             report = cls(by=int(data["by"]), step=int(data["step"]), unit=str(data["unit"]), why=str(data["why"]),
                          checksum=str(data.get("checksum", "")), rng=str(data.get("rng", "")),
                          portable=str(data.get("portable", "")))
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
         if not (0 <= report.by < world_size and -1 <= report.step < 2**53):
             return None
@@ -178,7 +184,8 @@ class LivePlan:
 
 
 def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
-    """Rank 0's rule: from which state every rank carries on, given what each holds.
+    """Rank 0's rule: from which state every rank carries on, given what each holds
+    (:func:`.live_state.decide`'s rule, on the reports read from the store).
 
     The job carries on from the newest step a rank holds the state of (in data-parallel training a
     step that some ranks completed and others did not had its gradients reduced on every rank: the
@@ -198,34 +205,26 @@ def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
         if rank not in by_rank:
             return LivePlan(-1, "", f"rank {rank}'s report could not be read")
     holders = [by_rank[r] for r in range(world_size) if by_rank[r].step >= 0]
-    if not holders:
-        first = by_rank[0]
-        return LivePlan(-1, "", f"no rank holds live state (rank 0: {first.why or 'no live state'})")
     units = {r.unit for r in holders}
-    step = max(r.step for r in holders)
-    if len(units) > 1 or step - min(r.step for r in holders) > MAX_STEPS_APART:
+    agreed = decide([RankState(r.by, r.step if r.step >= 0 else None, r.checksum if r.step >= 0 else None, True)
+                     for r in (by_rank[rank] for rank in range(world_size))], MAX_STEPS_APART)
+    if agreed.fallback is Fallback.NO_TRUSTED_STATE:
+        return LivePlan(-1, "", f"no rank holds live state (rank 0: {by_rank[0].why or 'no live state'})")
+    if len(units) > 1 or agreed.fallback is not None:
         held = ", ".join(f"rank {r.by} at {r.unit} {r.step}" for r in holders)
         return LivePlan(-1, "", f"the ranks completed steps too far apart ({held})")
-    unit = units.pop()
-    newest = [r for r in holders if r.step == step]
-    counts: dict[str, int] = {}
-    for r in newest:
-        counts[r.checksum] = counts.get(r.checksum, 0) + 1
-    chosen = max(counts, key=lambda c: (counts[c], -min(r.by for r in newest if r.checksum == c)))
-    agreeing = [r for r in newest if r.checksum == chosen]
-    whom, receivers = [], []
-    for rank in range(world_size):
-        report = by_rank[rank]
-        if report.step < 0:
-            why = report.why or "no live state"
-        elif report.step < step:
-            why = f"a step behind ({unit} {report.step})"
-        elif report.checksum != chosen:
-            why = "its state's checksum differs (diverged)"
-        else:
-            continue
-        receivers.append(rank)
-        whom.append(f"rank {rank}: {why}")
+    step, chosen, unit = agreed.step, agreed.checksum, units.pop()
+    agreeing = [r for r in holders if r.step == step and r.checksum == chosen]
+
+    def reason(rank: int, why: Receive) -> str:
+        if why is Receive.BEHIND:
+            return f"a step behind ({unit} {by_rank[rank].step})"
+        if why is Receive.DIVERGED:
+            return "its state's checksum differs (diverged)"
+        return by_rank[rank].why or "no live state"
+
+    whom = [f"rank {rank}: {reason(rank, why)}" for rank, why in agreed.receiving]
+    receivers = agreed.receivers
     if not receivers:
         return LivePlan(step, unit, "")
     portable = [r for r in agreeing if not r.portable]
@@ -234,7 +233,7 @@ def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
                                 f"{agreeing[0].portable}")
     source = portable[0].by
     rngs = {r.rng for r in agreeing}
-    return LivePlan(step, unit, "", source, tuple(receivers), "; ".join(whom), chosen,
+    return LivePlan(step, unit, "", source, receivers, "; ".join(whom), chosen,
                     rng_shared=len(rngs) == 1 and "" not in rngs)
 
 
@@ -253,14 +252,12 @@ class Decision:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Decision | None:
-        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
-            return None
+        data = _read(raw)
         try:
-            data = json.loads(raw.decode("utf-8"))
             return cls(bool(data["restart"]), cap_head(sanitize(str(data["why"])), 500),
                        data["cause"] if isinstance(data.get("cause"), dict) else None,
                        data["live"] if isinstance(data.get("live"), dict) else None)
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        except (ValueError, KeyError, TypeError):
             return None
 
 
