@@ -402,7 +402,6 @@ class _Recovery:
             why = f"sending it from rank {plan.source} failed: {type(err).__name__}: {cap_head(str(err), 200)}"
             self._live_plan = LivePlan(-1, "", why)
             _live.hold(None)
-            timings["transferred"] = time.monotonic()
             return
         if receives:
             directory = extras.get("directory") if isinstance(extras, dict) else None
@@ -412,8 +411,7 @@ class _Recovery:
                 rng = own.rng  # diverged at the same step: its own RNG states are those of that step
             _live.hold(_live.Captured(plan.step, plan.unit, state, directory if isinstance(directory, str) else None,
                                       rng))
-        timings["transferred"] = time.monotonic()
-        timings.setdefault("parts", {})["live state sent"] = timings["transferred"] - t0
+        timings.setdefault("parts", {})["live state sent"] = time.monotonic() - t0
 
     def _agree(self, world: tuple, cause: Cause) -> Decision:
         store, rank, world_size, _, _ = world
