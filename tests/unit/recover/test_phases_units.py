@@ -206,3 +206,13 @@ def test_the_adapters_steps_are_tolerated_the_data_layers_are_not(one_rank_group
     recovery, timings = _recovery(one_rank_group)
     with pytest.raises(OSError, match="cannot be joined"):  # as when the recovery reaped them itself
         recovery._teardown(timings)
+
+
+def test_address_keys_left_behind_do_not_stop_the_teardown(one_rank_group, caplog):
+    class Refusing:
+        def delete_key(self, key):
+            raise RuntimeError(f"cannot delete {key}")
+
+    with caplog.at_level(logging.DEBUG, logger="fault_tolerant_handlers"):
+        phases.run(Phase.TEAR_DOWN, RecoveryState(rank=0, world_size=1, store=Refusing()))
+    assert "deleting the failed attempt's address keys: cannot delete " in caplog.text
