@@ -470,7 +470,7 @@ def begin_recovery(state: RecoveryState) -> None:
 
 
 def world_of_recovery(state: RecoveryState) -> RecoveryState:
-    """``WORLD``: the first rendezvous's store (without its prefixes), rank and world size, if there was one."""
+    """``WORLD``: the first rendezvous's store, rank and world size, if there was one."""
     first = first_rendezvous()
     if first is None:
         return state
