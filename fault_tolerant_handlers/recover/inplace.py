@@ -185,9 +185,11 @@ class _Recovery:
     def _state(self, **changes: Any) -> RecoveryState:
         """The recovery as its phases' steps see it (:mod:`..core.phases`)."""
         world = self._world()
-        return RecoveryState(world[1] if world is not None else -1, world[2] if world is not None else -1,
-                             world[0] if world is not None else None, attempts.in_place(),
-                             self.causes[-1] if self.causes else None, self._live_plan, **changes)
+        fields: dict[str, Any] = {"attempt": attempts.in_place(), "cause": self.causes[-1] if self.causes else None,
+                                  "plan": self._live_plan}
+        if world is not None:
+            fields.update(store=world[0], rank=world[1], world_size=world[2])
+        return RecoveryState(**{**fields, **changes})
 
     def _note_group(self) -> None:
         """Remember the current default group's backend and timeout (for the rendezvous's store)."""

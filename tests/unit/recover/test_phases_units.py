@@ -216,3 +216,10 @@ def test_address_keys_left_behind_do_not_stop_the_teardown(one_rank_group, caplo
     with caplog.at_level(logging.DEBUG, logger="fault_tolerant_handlers"):
         phases.run(Phase.TEAR_DOWN, RecoveryState(rank=0, world_size=1, store=Refusing()))
     assert "deleting the failed attempt's address keys: cannot delete " in caplog.text
+
+
+def test_the_recoverys_state_carries_its_world_and_takes_any_field(one_rank_group):
+    recovery, _ = _recovery(one_rank_group)
+    state = recovery._state(cause="this rank's own", live=None)
+    assert (state.rank, state.world_size, state.store, state.cause) == (0, 1, one_rank_group, "this rank's own")
+    assert recovery._state().cause is recovery.causes[-1]
