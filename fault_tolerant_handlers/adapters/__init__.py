@@ -1,18 +1,30 @@
 """What the Ignite and Lightning adapters share (:mod:`.guard`), and the private APIs of Ignite and
 Lightning they use, each checked at start (:mod:`.compat_ignite`, :mod:`.compat_lightning`)."""
 
-from ..core import events
+from ..core import phases
+from ..core.phases import Phase, RecoveryState
 from ..data import live
 from . import compat_ignite
 
 
-def _resolve_live_names(attempt: int) -> None:
+def _reset_idist(state: RecoveryState) -> None:
+    """idist's model of the distributed context goes back to a fresh process's (:func:`.compat_ignite.reset_idist`)."""
+    compat_ignite.reset_idist()
+
+
+def _resolve_live_names(state: RecoveryState) -> None:
     """The next attempt may carry on from live state: Ignite's ``Checkpoint.load_objects(to_load, path)``
     resolves the name ``latest_checkpoint`` gives for it."""
     if live.held() is not None:
         compat_ignite.resolve_live_names(live.take)
 
 
-#: The adapters' answer to the core's events: a framework's process-wide state after a failed attempt.
-events.subscribe(events.ATTEMPT_ENDED, compat_ignite.reset_idist)
-events.subscribe(events.ATTEMPT_ENDED, _resolve_live_names)
+#: What the adapters do in a recovery in place (:mod:`..core.phases`), registered at import: once the
+#: failed attempt's groups are gone, a framework's process-wide state goes back to a fresh process's.
+#: A step that fails is logged and the recovery goes on (the next attempt may not use that framework).
+STEPS = (
+    (Phase.RESET_FRAMEWORKS, _reset_idist),
+    (Phase.RESET_FRAMEWORKS, _resolve_live_names),
+)
+for _phase, _step in STEPS:
+    phases.register(_phase, _step, tolerate=True)

@@ -123,9 +123,9 @@ def running_engines(frame: Any) -> list:
     return engines
 
 
-def reset_idist(attempt: int | None = None) -> None:
+def reset_idist() -> None:
     """Recovering in place, after the failed attempt's groups are gone: idist's model of the
-    distributed context goes back to a fresh process's (``ATTEMPT_ENDED``). Nothing when Ignite's
+    distributed context goes back to a fresh process's (``RESET_FRAMEWORKS``). Nothing when Ignite's
     idist was never imported."""
     import sys
 

@@ -30,9 +30,6 @@ event                  emitted by, when                                  argumen
 ``FAILURE_PHASE``      a transition changed the phase of a session's      ``state, old, new``
                        ``FailureState`` (:mod:`.failure`), in the thread
                        that drove it
-``ATTEMPT_ENDED``      recovering in place: the failed attempt's groups    ``attempt`` (its number)
-                       are gone; process-wide state of a framework goes
-                       back to a fresh process's (the adapters)
 ``FAILURE_SEEN``       recovering in place: the failure reached this      ``info`` (a :class:`~.recoveries.
                        rank's recovery                                    RecoveryInfo`)
 ``RECOVERY_STARTED``   recovering in place: the ranks agreed to recover   ``info``
@@ -58,14 +55,13 @@ RANK_KILLED = "rank killed"
 RANK_ENDED = "rank ended"
 JOB_FAILED = "job failed"
 SESSION_CLOSED = "session closed"
-ATTEMPT_ENDED = "attempt ended"
 FAILURE_SEEN = "failure seen"
 RECOVERY_STARTED = "recovery started"
 RECOVERED = "recovered"
 FAILURE_PHASE = "failure phase"
 
 EVENTS = (SESSION_STARTED, RANK_FAILED, PEER_FAILED, ACKNOWLEDGED, JOB_FAILED, EXITING, RANK_KILLED, RANK_ENDED,
-          SESSION_CLOSED, ATTEMPT_ENDED, FAILURE_SEEN, RECOVERY_STARTED, RECOVERED, FAILURE_PHASE)
+          SESSION_CLOSED, FAILURE_SEEN, RECOVERY_STARTED, RECOVERED, FAILURE_PHASE)
 
 _subscribers: dict[str, tuple[Callable[..., object], ...]] = {event: () for event in EVENTS}
 _lock = threading.Lock()

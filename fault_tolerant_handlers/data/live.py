@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -36,25 +35,15 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from ..core import attempts, config
 from ..core.log import log
+from ..core.phases import LIVE_NAME, Captured  # the recovery hands a capture between ranks: its type is the core's
 
 #: The name :func:`~fault_tolerant_handlers.latest_checkpoint` answers with (in the directory it was
-#: asked about) when live state serves: no such file is ever written.
-NAME = "live-state-step={step}.pt"
+#: asked about) when live state serves: no such file is ever written (:data:`..core.phases.LIVE_NAME`).
+NAME = LIVE_NAME
 
 
 class NotLive(Exception):
     """This rank's live state cannot serve; the message says why (for the recovery's log line)."""
-
-
-@dataclass
-class Captured:
-    """One rank's state as of the last step it completed, in the form its framework loads."""
-
-    step: int  #: the step completed (Ignite: the engine's iteration; Lightning: the global step)
-    unit: str  #: ``"iteration"`` or ``"global step"``
-    state: Any  #: what the checkpoint would hold (a dict of state dicts)
-    directory: str | None  #: where that loop's checkpoints are written (resolved), if known
-    rng: tuple | None = None  #: torch's RNG states at the start of the next step, if recorded
 
 
 def enabled() -> bool:

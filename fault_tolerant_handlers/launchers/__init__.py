@@ -1,8 +1,10 @@
 """What launchers read: torchrun's error files (its "Root Cause"), ``torch.multiprocessing``'s
-error files and reports, the SIGTERM/SIGINT handler, and torchrun's per-attempt store namespace.
+error files and reports, the SIGTERM/SIGINT handler, torchrun's per-attempt store namespace, and
+the rendezvous of a recovery in place (its phases' steps: :data:`STEPS`).
 They stand on :mod:`..core` only."""
 
-from ..core import events
+from ..core import events, phases
+from ..core.phases import Phase
 from . import compat_torchrun, errorfile, signals, spawned
 
 #: What the launchers do on each of the core's events, in this order (emit runs them in order).
@@ -24,6 +26,16 @@ SUBSCRIPTIONS = (
 )
 
 
+#: What the launchers do in the phases of a recovery in place (:mod:`..core.phases`), registered at import.
+STEPS = (
+    (Phase.BEGIN, compat_torchrun.begin_recovery),  # keep the first rendezvous's store
+    (Phase.WORLD, compat_torchrun.world_of_recovery),  # the store, rank and world size the attempts share
+    (Phase.TEAR_DOWN, compat_torchrun.forget_addresses_of_attempt),  # before the groups go: this rank's keys
+    (Phase.RE_FORM, compat_torchrun.re_form),  # init_process_group is given the store under the new namespace
+    (Phase.END, compat_torchrun.end_recovery),  # the first rendezvous's store forgotten
+)
+
+
 def subscribe() -> None:
     """Subscribe the launchers to the core's events (at import; again after an ``unsubscribe``)."""
     for event, callback in SUBSCRIPTIONS:
@@ -36,3 +48,5 @@ def unsubscribe() -> None:
 
 
 subscribe()
+for _phase, _step in STEPS:
+    phases.register(_phase, _step)

@@ -80,11 +80,13 @@ import os
 import threading
 import time
 import weakref
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..core import attempts, config
 from ..core.config import ATTEMPT_KEYS_PATIENCE, ATTEMPT_KEYS_WAIT, EXPLAIN_EVIDENCE_TIMEOUT, MAIN_STORE_TIMEOUT
 from ..core.log import log
+from ..core.phases import RecoveryState
 
 if TYPE_CHECKING:
     from ..core.schema import Connection
@@ -385,13 +387,6 @@ def release_rendezvous() -> None:
     _capture, _first, _in_place = False, None, None
 
 
-def set_first_rendezvous(store: Any, rank: int, world_size: int) -> None:
-    """A process that joins an existing job (a keeper's replacement) sets what the first rendezvous
-    would have given it."""
-    global _first
-    _first = (store, rank, world_size)
-
-
 def first_rendezvous() -> tuple[Any, int, int] | None:
     """``(store, rank, world_size)`` of the first rendezvous since :func:`capture_rendezvous`."""
     return _first
@@ -466,3 +461,40 @@ def install(*, in_place: bool = False) -> bool:
             "under torchrun its keys are not isolated per attempt; each rank deletes its address keys once "
             "every peer has read them (when the session starts), so that a restarted attempt comes up")
     return True
+
+
+# -- the launchers' steps of a recovery in place (registered in launchers/__init__.py) ----------------------
+def begin_recovery(state: RecoveryState) -> None:
+    """``BEGIN``: keep the first rendezvous's store."""
+    capture_rendezvous()
+
+
+def world_of_recovery(state: RecoveryState) -> RecoveryState:
+    """``WORLD``: the first rendezvous's store, rank and world size, if there was one."""
+    first = first_rendezvous()
+    if first is None:
+        return state
+    store, rank, world_size = first
+    return replace(state, store=store, rank=rank, world_size=world_size)
+
+
+def forget_addresses_of_attempt(state: RecoveryState) -> None:
+    """``TEAR_DOWN``, before the groups go (their names are read from them): this rank's address keys."""
+    import torch.distributed as dist
+
+    if state.store is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        forget_own_addresses(state.store)
+    except Exception as err:  # noqa: BLE001 - a few keys left behind must not stop the recovery
+        log(logging.DEBUG, "deleting the failed attempt's address keys: %s", err)
+
+
+def re_form(state: RecoveryState) -> None:
+    """``RE_FORM``: the next ``init_process_group`` is given ``state.store`` under the new namespace."""
+    rendezvous_in_place(state.store, state.rank, state.world_size)
+
+
+def end_recovery(state: RecoveryState) -> None:
+    """``END``: forget the first rendezvous's store."""
+    release_rendezvous()

@@ -1,5 +1,6 @@
 """Recovering in place: the same processes re-form the group and call the training function again.
-It stands on the layers below (core, detect, launchers, data), like the adapters."""
+It stands on :mod:`..core` only: the launchers, the data layer and the adapters register their parts
+of a recovery in its phases (:mod:`..core.phases`)."""
 
 from .inplace import INTERRUPT_SIGNAL, recover_in_place, recovery_attempt
 

@@ -6,22 +6,25 @@ process would run after its imports: it builds the model, optimizer, loaders and
 calls ``init_process_group`` where it would (or runs inside a group that already exists), resumes from
 ``latest_checkpoint`` and trains. When it raises on every rank (the library's adapters or sections
 make every rank raise together: the failing rank its own exception, the others ``PeerFailedError``),
-each rank
+each rank runs the recovery's phases (:mod:`..core.phases`: the launchers, the data layer and the
+adapters register their parts; this module imports none of them)
 
 1. **records** the failure (published for the peers' watchdogs, if no section did) and stops its
    watchdogs, so that nothing of the failed attempt declares or ends anything any more;
 2. **agrees** on the store the first attempt's group was made over (not on the broken group): each rank
-   writes what it knows of the failure and the live state it holds (:mod:`..data.live`: the state of
-   the last step it completed, captured when the failure was raised) and counts itself in; rank 0
-   decides, once every rank is in, whether the job recovers (:class:`Decision`) and from which state
-   (:func:`.causes.plan_live`), and every rank follows that decision;
+   writes what it knows of the failure and the live state it holds (the data layer's
+   ``CAPTURE_LIVE``: the state of the last step it completed, captured when the failure was
+   raised) and counts itself in; rank 0 decides, once every rank is in, whether the job recovers
+   (:class:`Decision`) and from which state (:func:`.causes.plan_live`), and every rank follows
+   that decision (the data layer's ``SETTLE_LIVE``);
 3. **tears down** the attempt: the library's sessions (side groups, store keys), every process group,
-   the DataLoader workers (the attempt's objects are collected);
+   the frameworks' process-wide state (the adapters' ``RESET_FRAMEWORKS``), the DataLoader workers
+   (the attempt's objects are collected, then the data layer's ``COLLECTED``);
 4. **re-forms** the default group: same backend, ranks and world size, over the same store under a new
    namespace (:func:`..core.attempts.namespace`), so nothing of the failed attempt is ever read. Where
-   ``train`` calls ``init_process_group`` itself, its call is given that store
-   (:func:`..launchers.compat_torchrun.rendezvous_in_place`); where the group existed when
-   ``recover_in_place`` was called, the group is re-made here before the next call;
+   ``train`` calls ``init_process_group`` itself, its call is given that store (the launchers'
+   ``RE_FORM``); where the group existed when ``recover_in_place`` was called, the group is re-made
+   here before the next call;
 5. calls ``train`` again: attempt ``g`` (:func:`recovery_attempt`), which carries on from the agreed live
    state (``latest_checkpoint`` names it, ``load_checkpoint`` hands it over: no step computed twice) or,
    where live state cannot serve (the log line says why), resumes from the newest checkpoint.
@@ -79,7 +82,6 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -92,19 +94,18 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from ..core import attempts, compat_torch as _compat_torch, config, events, interrupts, recoveries
+from ..core import attempts, compat_torch as _compat_torch, config, interrupts, phases, recoveries
 from ..core.config import RECOVER_POLL, RECOVER_TEARDOWN_SEC, RECOVER_TELL_SEC
 from ..core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError, StateTransferError
 from ..core.kinds import FailureKind
 from ..core.log import log
+from ..core.phases import LIVE_NAME, Captured, Phase, RecoveryState
 from ..core.records import cap_head
 from ..core.recoveries import RecoveryCause, RecoveryInfo, RecoveryPhase
 from ..core.release import EXIT_TEARDOWN_STUCK, store_ports
 from ..core.schema import Connection, StoreCallTimeout, unblock_stuck_calls
 from ..core.failure import tag_of
 from ..core.session import live_sessions
-from ..data import live as _live, loader as _loader, snapshots
-from ..launchers import compat_torchrun
 from . import keeper, live_state
 from .causes import (KEY_ROOT, NOT_IN_PLACE, Cause, Decision, LivePlan, LiveReport, _base_of, _needs_keeper, keeper_key,
                      plan_live)
@@ -148,23 +149,6 @@ def _cause_of(err: BaseException, rank: int) -> Cause:
                  step if isinstance(step, int) else -1, True, not_in_place, kind.value)
 
 
-def _reap_loader_workers(timeout: float = 2.0) -> int:
-    """DataLoader workers of the failed attempt still alive once its objects were collected: joined,
-    then killed. Returns how many had to be killed."""
-    killed = 0
-    deadline = time.monotonic() + timeout
-    for child in multiprocessing.active_children():
-        target = getattr(child, "_target", None)
-        if not (getattr(target, "__module__", "") or "").startswith(("torch.utils.data", _loader.__name__.rsplit(".", 1)[0])):
-            continue
-        child.join(max(0.0, deadline - time.monotonic()))
-        if child.is_alive():
-            child.kill()
-            child.join(1.0)
-            killed += 1
-    return killed
-
-
 class _Recovery:
     def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta,
                  replace_dead: bool = False) -> None:
@@ -177,22 +161,35 @@ class _Recovery:
         self.causes: list[Cause] = []  # the primary cause of each failed attempt
         self._left = threading.Event()  # the main thread reached the recovery
         self._sessions: list = []  # the failed attempt's sessions, stopped, to abandon
-        self._captured: _live.Captured | None = None  # this rank's live state of the failed attempt
+        self._captured: Captured | None = None  # this rank's live state of the failed attempt
         self._live_report: LiveReport | None = None  # what this rank tells the others it holds
         self._live_plan: LivePlan | None = None  # where the next attempt's state comes from (rank 0's plan)
-        self._sending: _live.Captured | None = None  # this rank's live state, kept for the transfer
+        self._sending: Captured | None = None  # this rank's live state, kept for the transfer
+        self._joined: tuple[Any, int, int] | None = None  # a keeper's replacement: the store it joined over
 
     # -- the world the attempts share ------------------------------------------------------------------
     def _world(self) -> tuple[Any, int, int, str, timedelta] | None:
         """``(store, rank, world_size, backend, timeout)`` of the first attempt's group."""
         if self.given is not None:
             return self.given
-        first = compat_torchrun.first_rendezvous()
+        first = self._joined
+        if first is None:  # the launchers know the first rendezvous's
+            found = phases.run(Phase.WORLD, RecoveryState())
+            first = None if found.store is None else (found.store, found.rank, found.world_size)
         if first is None:
             return None
         store, rank, world = first
         backend = self.backend or "gloo"
         return _base_of(store), rank, world, backend, self.timeout or store.timeout
+
+    def _state(self, **changes: Any) -> RecoveryState:
+        """The recovery as its phases' steps see it (:mod:`..core.phases`)."""
+        world = self._world()
+        fields: dict[str, Any] = {"attempt": attempts.in_place(), "cause": self.causes[-1] if self.causes else None,
+                                  "plan": self._live_plan}
+        if world is not None:
+            fields.update(store=world[0], rank=world[1], world_size=world[2])
+        return RecoveryState(**{**fields, **changes})
 
     def _note_group(self) -> None:
         """Remember the current default group's backend and timeout (for the rendezvous's store)."""
@@ -223,7 +220,7 @@ class _Recovery:
     def run(self, args: tuple, kwargs: dict, replacement: Cause | None = None) -> T:
         """The attempts, in this process; a ``replacement`` (a keeper's new child) first joins the
         recovery its peers wait in."""
-        compat_torchrun.capture_rendezvous()
+        phases.run(Phase.BEGIN, RecoveryState(attempt=attempts.in_place()))
         recoveries.forget()  # recovery_history(): this recovery's moments only
         running = attempts.enter_recovery()
         previous = self._install_interrupter()
@@ -254,13 +251,14 @@ class _Recovery:
                 # Outside the except block: the failed attempt's frames (and its loaders) are free.
                 self._teardown(timings)
                 self._reform(timings)
+                phases.run(Phase.CALL_AGAIN, self._state(timings=timings))
         finally:
             if not frozen_by_caller:
                 gc.unfreeze()
             self._restore_interrupter(previous)
             attempts.leave_recovery(running)
-            snapshots.forget()  # the newest checkpoint's copy in memory: no attempt will read it now
-            _live.forget()
+            # the launchers forget the first rendezvous; the data layer its snapshots and live state
+            phases.run(Phase.END, RecoveryState(attempt=attempts.in_place()))
 
     def _join_as_replacement(self, cause: Cause) -> dict:
         """A keeper's new child: connect to torchrun's store as the rendezvous would, and take part in
@@ -269,7 +267,7 @@ class _Recovery:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                               is_master=False, timeout=self.join_timeout)
-        compat_torchrun.set_first_rendezvous(store, rank, world_size)
+        self._joined = (store, rank, world_size)
         decision = self._agree(self._world(), cause)
         if not decision.restart:
             raise RecoveryError(f"the replacement of rank {rank}'s process could not join the recovery: {decision.why}")
@@ -318,6 +316,7 @@ class _Recovery:
         for session in sessions:
             session.stop()
         stopped = time.monotonic()
+        phases.run(Phase.RECORD, self._state(cause=cause))
         self._collect_live(rank)  # the state this rank holds, as of the last step it completed
         # 2. agree, on the first attempt's store
         decision = self._agree(world, cause)
@@ -328,18 +327,18 @@ class _Recovery:
             self.causes.append(Cause(**decision.cause) if decision.cause else cause)
         self._settle_live(decision)
         if decision.restart:
+            phases.run(Phase.AGREE, self._state(timings=timings))
             self._announce(RecoveryPhase.RECOVERY_STARTED, rank, self.causes[-1], t0)
         return decision, timings
 
-    # -- live state (data.live) ------------------------------------------------------------------------
+    # -- live state (captured and held by the data layer: its CAPTURE_LIVE and SETTLE_LIVE steps) --------
     def _collect_live(self, rank: int) -> None:
         """This rank's live state of the failed attempt, and what it tells the others (with its
         checksum, which tells a diverged rank, and whether it can be sent to a rank that needs it)."""
-        try:
-            self._captured = _live.collect()
-        except _live.NotLive as why:
-            self._captured = None
-            self._live_report = LiveReport(rank, -1, "", cap_head(str(why), 300))
+        captured = phases.run(Phase.CAPTURE_LIVE, self._state())
+        self._captured = captured.live
+        if self._captured is None:
+            self._live_report = LiveReport(rank, -1, "", cap_head(captured.live_why or "no layer captures it", 300))
             return
         digest, portable = "", ""
         try:
@@ -357,7 +356,7 @@ class _Recovery:
         captured = self._captured
         self._captured = None
         if not decision.restart:
-            _live.hold(None)
+            self._hold(None)
             return
         world = self._world()
         world_size = world[2] if world is not None else 1
@@ -371,7 +370,11 @@ class _Recovery:
         self._live_plan = plan
         # a receiver keeps its stale state until the transfer, which writes into its tensors
         self._sending = captured if plan.step >= 0 and plan.receivers else None
-        _live.hold(captured if plan.step >= 0 and not receives else None)
+        self._hold(captured if plan.step >= 0 and not receives else None)
+
+    def _hold(self, captured: Captured | None) -> None:
+        """What the next attempt resumes from: ``captured`` (``None``: its newest checkpoint)."""
+        phases.run(Phase.SETTLE_LIVE, self._state(live=captured))
 
     def _transfer_live(self, store: Any, rank: int, world_size: int, timings: dict) -> None:
         """The plan names receivers: the source sends them its live state over a gloo group the
@@ -401,7 +404,7 @@ class _Recovery:
         except (StateTransferError, TypeError, RuntimeError, ValueError) as err:
             why = f"sending it from rank {plan.source} failed: {type(err).__name__}: {cap_head(str(err), 200)}"
             self._live_plan = LivePlan(-1, "", why)
-            _live.hold(None)
+            self._hold(None)
             return
         if receives:
             directory = extras.get("directory") if isinstance(extras, dict) else None
@@ -409,8 +412,7 @@ class _Recovery:
             rng = tuple(rng) if isinstance(rng, list) and len(rng) == 2 else None
             if rng is None and own is not None and own.step == plan.step:
                 rng = own.rng  # diverged at the same step: its own RNG states are those of that step
-            _live.hold(_live.Captured(plan.step, plan.unit, state, directory if isinstance(directory, str) else None,
-                                      rng))
+            self._hold(Captured(plan.step, plan.unit, state, directory if isinstance(directory, str) else None, rng))
         timings.setdefault("parts", {})["live state sent"] = time.monotonic() - t0
 
     def _agree(self, world: tuple, cause: Cause) -> Decision:
@@ -517,11 +519,8 @@ class _Recovery:
     # -- teardown and re-forming -------------------------------------------------------------------------
     def _teardown(self, timings: dict) -> None:
         world = self._world()
-        if world is not None and dist.is_available() and dist.is_initialized():
-            try:  # before the groups go: their names are read from them
-                compat_torchrun.forget_own_addresses(world[0])
-            except Exception as err:  # noqa: BLE001 - a few keys left behind must not stop the recovery
-                log(logging.DEBUG, "deleting the failed attempt's address keys: %s", err)
+        state = self._state(timings=timings)
+        phases.run(Phase.TEAR_DOWN, state)  # before the groups go (the launchers: this rank's address keys)
         parts = timings.setdefault("parts", {})
         mark = time.monotonic()
 
@@ -547,13 +546,11 @@ class _Recovery:
         finally:
             timer.cancel()
         part("groups")
-        events.emit(events.ATTEMPT_ENDED, attempts.in_place())  # the adapters: frameworks' process-wide state
+        phases.run(Phase.RESET_FRAMEWORKS, state)  # the adapters: frameworks' process-wide state
         part("frameworks")
         gc.collect()  # the failed attempt's loaders: their workers are shut down with them
         part("collected")
-        killed = _reap_loader_workers()
-        if killed:
-            log(logging.WARNING, "killed %d DataLoader worker(s) of the failed attempt that were still running", killed)
+        phases.run(Phase.COLLECTED, state)  # the data layer: the DataLoader workers still running
         if world is not None:
             world[0].set_timeout(world[4])
         part("workers")
@@ -564,7 +561,7 @@ class _Recovery:
         attempts.set_in_place(attempts.in_place() + 1)
         if self.on_attempt is not None:
             self.on_attempt(attempts.in_place())
-        compat_torchrun.rendezvous_in_place(store, rank, world_size)
+        phases.run(Phase.RE_FORM, self._state(timings=timings))  # the launchers: the rendezvous over ``store``
         self._transfer_live(store, rank, world_size, timings)
         if self.given is not None:
             dist.init_process_group(backend, store=dist.PrefixStore(attempts.namespace(), store), rank=rank,
@@ -612,7 +609,6 @@ class _Recovery:
 
     def _restore_interrupter(self, previous) -> None:
         attempts.interrupter = None
-        compat_torchrun.release_rendezvous()
         if previous is not None:
             interrupts.uninstall(previous[0])
 
@@ -652,7 +648,7 @@ def _rng_crc(rng: tuple) -> int:
 
 def _live_name_read_as_file(err: BaseException) -> str:
     """A hint when ``err`` is a file's absence under the name ``latest_checkpoint`` gave for live state."""
-    if isinstance(err, OSError) and _live.NAME.split("{")[0] in str(err):
+    if isinstance(err, OSError) and LIVE_NAME.split("{")[0] in str(err):
         return (f". It read the name latest_checkpoint gave for the live state as a file: load it with "
                 f"load_checkpoint(path), Checkpoint.load_objects(to_load, path) or trainer.fit(ckpt_path=path), or set "
                 f"{config.LIVE_STATE_ENV}=0 (resume from the newest checkpoint)")
