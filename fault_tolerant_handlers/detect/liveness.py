@@ -25,6 +25,11 @@ watchdog's reported exit kills it with the DataLoader workers.
 
 from __future__ import annotations
 
+# The helper is forked while other threads of the rank run (the watchdog's connects among them): a
+# module that one of them was importing at that moment stays locked in the helper for ever, and
+# the helper's first import of it blocks. Its store connect resolves the store's host name, which
+# imports the idna codec on first use: imported here, at the library's import, before any thread.
+import encodings.idna  # noqa: F401
 import logging
 import os
 import select
