@@ -40,6 +40,7 @@ from .adapters import compat_ignite as _compat_ignite
 from .adapters.live_ignite import IgniteLive
 from .adapters.recovery_ignite import FaultToleranceEvents, IgniteRecovery
 from .core import attempts
+from .core.failure import tag, tag_of
 from .core.log import log
 from .detect.autohang import EVALUATION, STEP
 from .adapters.resume_ignite import SafeDiskSaver, check_mid_epoch_resume
@@ -97,8 +98,6 @@ class FaultTolerance:
     def __init__(self, sync_every: int | None = 100, hang_timeout: timedelta | float | str | dict | None = None,
                  watchdog: bool = True, name: str = "train") -> None:
         self.guard = Guard(sync_every=sync_every, hang_timeout=hang_timeout, watchdog=watchdog, name=name)
-        self._last_seen: BaseException | None = None
-        self._last_raised: BaseException | None = None
         self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
         self._engine: Engine | None = None
         self._live: IgniteLive | None = None  # recovering in place: the trainer's live state (data.live)
@@ -189,13 +188,15 @@ class FaultTolerance:
                 return  # the user's handlers run next and decide, as without this handler
             raise exc  # no other handler: Ignite itself would have raised it
         # -- with distribution --
-        if exc is self._last_seen or exc is self._last_raised:
-            raise self._last_raised  # Ignite's outer loop handing us the same exception again
+        again = tag_of(exc).raised_as
+        if again is not None:
+            raise again  # Ignite's outer loop handing us the same exception (or the one raised for it) again
         to_raise = self.guard.on_exception(exc, step=engine.state.iteration, epoch=engine.state.epoch)
         if self._live is not None:  # the peers told first; then, before the other handlers run, the state
             self._live.failed()
         self._recovery.failed()
-        self._last_seen, self._last_raised = exc, to_raise
+        tag(exc, raised_as=to_raise)
+        tag(to_raise, raised_as=to_raise)
         # Run the engine's other exception handlers ourselves: an error in one of them (a
         # collective that fails now that peers are gone) is logged, never allowed to mask the cause.
         for entry in list(_compat_ignite.handlers_of(engine, Events.EXCEPTION_RAISED)):

@@ -336,6 +336,8 @@ class Tag:
             section lets it through without agreeing again.
         handled: an adapter handled it (published, or converted to a peer's error).
         taken: a Lightning ``FaultTolerance`` callback finished Lightning's exception path for it.
+        raised_as: what an adapter raised for it (itself, or the peer's error it became): an
+            engine that hands the same exception, or the raised one, to the adapter again gets it.
     """
 
     record: FailureRecord | None = None
@@ -343,6 +345,7 @@ class Tag:
     agreed: bool = False
     handled: bool = False
     taken: bool = False
+    raised_as: BaseException | None = None
 
 
 _UNTAGGED = Tag()

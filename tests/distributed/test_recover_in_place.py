@@ -260,6 +260,22 @@ def test_a_killed_rank_is_replaced_in_place_and_the_others_keep_their_processes(
     assert output.count("live state sent ") == 2, output[-3000:]  # a part of the recovery's timings
 
 
+@pytest.mark.timeout(300)
+def test_live_state_that_arrives_corrupted_is_refused_and_every_rank_resumes_from_its_checkpoint(
+        tmp_path, tmp_path_factory):
+    """Rank 1 is SIGKILLed at iteration 37; rank 0's live state reaches its new process with one
+    byte flipped on the way (``CORRUPT_LIVE_STATE``). The receiver's check refuses it, every rank
+    learns so, and both carry on from the newest checkpoint (iteration 30: 6 trained twice), not from
+    a state that is not the survivor's; the log says why, and the weights are the uninterrupted run's."""
+    ref = reference("ignite", tmp_path_factory)
+    run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "EVERY": "10", "CORRUPT_LIVE_STATE": "1",
+                                                   "FTH_INJECT": "kill@rank=1,iteration=37"})
+    assert_recovered_exactly(run, ref, "ignite", same_process=(True, False), live=False)
+    assert recomputed(run) == 6
+    assert output.count("the next call carries on from the newest checkpoint (live state cannot serve: sending it "
+                        "from rank 0 failed: StateTransferError") == 2, output[-3000:]
+
+
 @pytest.mark.long
 @pytest.mark.timeout(300)
 def test_without_replace_dead_a_killed_rank_ends_the_attempt_and_the_relaunch_resumes(tmp_path, tmp_path_factory):
