@@ -261,7 +261,7 @@ class Decision:
             return None
 
 
-def _needs_keeper(cause: Cause) -> bool:
+def needs_keeper(cause: Cause) -> bool:
     """A peer's process ended (its host lives): recovered in place only by its keeper's replacement."""
     return not cause.own and cause.exc_type == FailureKind.PEER_LOST and not cause.not_in_place
 
@@ -271,7 +271,7 @@ def keeper_key(rank: int) -> str:
     return f"{KEY_ROOT}/{attempts.restart()}/keeper/{rank}"
 
 
-def _base_of(store: Any) -> Any:
+def base_of(store: Any) -> Any:
     """The store under every ``PrefixStore`` of ``store`` (the rendezvous's own)."""
     for _ in range(16):
         under = getattr(store, "underlying_store", None)

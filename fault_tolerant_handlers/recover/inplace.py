@@ -107,7 +107,7 @@ from ..core.schema import Connection, StoreCallTimeout, unblock_stuck_calls
 from ..core.failure import tag_of
 from ..core.session import live_sessions
 from . import keeper, live_state
-from .causes import (KEY_ROOT, NOT_IN_PLACE, Cause, Decision, LivePlan, LiveReport, _base_of, _needs_keeper, keeper_key,
+from .causes import (KEY_ROOT, NOT_IN_PLACE, Cause, Decision, LivePlan, LiveReport, base_of, needs_keeper, keeper_key,
                      plan_live)
 
 T = TypeVar("T")
@@ -180,7 +180,7 @@ class _Recovery:
             return None
         store, rank, world = first
         backend = self.backend or "gloo"
-        return _base_of(store), rank, world, backend, self.timeout or store.timeout
+        return base_of(store), rank, world, backend, self.timeout or store.timeout
 
     def _state(self, **changes: Any) -> RecoveryState:
         """The recovery as its phases' steps see it (:mod:`..core.phases`)."""
@@ -207,7 +207,7 @@ class _Recovery:
         self.given = None
         if dist.is_available() and dist.is_initialized():  # the group exists: re-made here after a failure
             self._note_group()
-            self.given = (_base_of(_compat_torch.default_store()), dist.get_rank(), dist.get_world_size(),
+            self.given = (base_of(_compat_torch.default_store()), dist.get_rank(), dist.get_world_size(),
                           self.backend or "gloo", self.timeout)
         if self.replace_dead:
             why = keeper.why_not(self)
@@ -433,7 +433,7 @@ class _Recovery:
         try:
             if gen >= self.max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
                 cause = replace(cause, not_in_place=f"max_restarts={self.max_restarts} recoveries in place already spent")
-            if _needs_keeper(cause) and not bounded.check([keeper_key(cause.failed_rank)]):
+            if needs_keeper(cause) and not bounded.check([keeper_key(cause.failed_rank)]):
                 cause = replace(cause, not_in_place=NOT_IN_PLACE[FailureKind.PEER_LOST])
             if not cause.not_in_place:
                 conn.deadline = started + seconds + 10

@@ -53,7 +53,7 @@ from ..core.errors import EXIT_HUNG
 from ..core.kinds import Ended, FailureKind
 from ..core.log import log
 
-from .causes import Cause, _base_of, keeper_key
+from .causes import Cause, base_of, keeper_key
 
 #: What a keeper runs (``recover.inplace._Recovery``, not imported: it imports this module): its
 #: ``given``, ``max_restarts``, ``on_attempt`` and ``run(args, kwargs, replacement=...)``.
@@ -98,7 +98,7 @@ def _announce(session) -> None:
     if session.group is not None:
         return
     try:
-        _base_of(session.pg_store).set(keeper_key(session.rank), "1")
+        base_of(session.pg_store).set(keeper_key(session.rank), "1")
     except Exception as err:  # noqa: BLE001 - without it a death of this rank ends the job, as without a keeper
         log(logging.WARNING, "could not announce this rank's keeper: %s", err)
 
