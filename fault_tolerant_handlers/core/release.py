@@ -140,11 +140,26 @@ def _shutdown(fds: list[int]) -> int:
     return cut
 
 
+#: Sockets this process shares with the process it was forked from (a keeper's training child):
+#: ``shutdown()`` acts on the socket, not the descriptor, so cutting one here would break it in the
+#: other process too (the keeper's own store client, made before ``recover_in_place``). Never cut.
+_spared: set[int] = set()
+
+
+def spare_inherited_sockets() -> None:
+    """In a forked child that may cut connections: the sockets it holds now are its parent's too."""
+    _spared.update(socket_fds())
+
+
+def _own_socket_fds() -> dict[int, int]:
+    return {inode: fd for inode, fd in socket_fds().items() if inode not in _spared}
+
+
 def cut_connections(keep_ports: set[int]) -> int:
     """Shut down the sockets :func:`select_sockets` chooses; returns how many."""
     if not sys.platform.startswith("linux"):
         return 0
-    return _shutdown(select_sockets(socket_fds(), tcp_sockets(), keep_ports))
+    return _shutdown(select_sockets(_own_socket_fds(), tcp_sockets(), keep_ports))
 
 
 def cut_connections_to(ports: set[int]) -> int:
@@ -152,7 +167,7 @@ def cut_connections_to(ports: set[int]) -> int:
     exit, when a store call is stuck); returns how many: the complement of :func:`select_sockets`."""
     if not sys.platform.startswith("linux") or not ports:
         return 0
-    fds, tcp = socket_fds(), tcp_sockets()
+    fds, tcp = _own_socket_fds(), tcp_sockets()
     others = set(select_sockets(fds, tcp, ports))
     return _shutdown([fd for inode, fd in sorted(fds.items(), key=lambda i: i[1]) if inode in tcp and fd not in others])
 

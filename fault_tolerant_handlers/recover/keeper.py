@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Any
 
-from ..core import attempts, events
+from ..core import attempts, events, release
 from ..core.config import ZOMBIE_HOLD
 from ..core.errors import EXIT_HUNG
 from ..core.kinds import Ended, FailureKind
@@ -129,6 +129,7 @@ class Keeper:
         code = 1
         try:
             _die_with_parent()
+            release.spare_inherited_sockets()  # the keeper's (a store client of its own): never cut here
             for sig in FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
             self.recovery.on_attempt = self._write_attempt
