@@ -289,36 +289,12 @@ def run_lightning() -> None:
         torch.save({k: v.detach().clone() for k, v in model.layer.state_dict().items()}, OUT / "weights.pt")
 
 
-def corrupt_live_state_in_flight() -> None:
-    """CORRUPT_LIVE_STATE=1: the first segment of live state a rank receives arrives with one byte
-    flipped (a bad link), as the receiver's checks see it."""
-    from fault_tolerant_handlers.recover import live_state
-
-    original, calls = live_state._recv, []
-
-    class Flipped:
-        def __init__(self, work, buffer):
-            self.work, self.buffer = work, buffer
-
-        def wait(self):
-            self.work.wait()
-            self.buffer[0] ^= 0xFF
-
-    def corrupting(buffer, source, group):
-        work = original(buffer, source, group)
-        calls.append(buffer.numel())
-        # after the header, the lengths and the structure: the first segment's data
-        if len(calls) > 3 and buffer.numel() > live_state.TAIL_BYTES and sum(n > live_state.TAIL_BYTES for n in calls[3:]) == 1:
-            return Flipped(work, buffer)
-        return work
-
-    live_state._recv = corrupting
-
-
 if __name__ == "__main__":
     CKPT.mkdir(parents=True, exist_ok=True)
-    if os.environ.get("CORRUPT_LIVE_STATE") == "1":
-        corrupt_live_state_in_flight()
+    if os.environ.get("CORRUPT_LIVE_STATE") == "1":  # the first segment of live state a rank receives
+        from wire import flip_in_flight  # beside this program
+
+        flip_in_flight(0)
     run = {"ignite": run_ignite, "lightning": run_lightning}[FRAMEWORK]
     if INPLACE:
         from fault_tolerant_handlers import recover_in_place

@@ -26,6 +26,9 @@ import torch.distributed as dist
 from fault_tolerant_handlers.core.errors import StateTransferError
 from fault_tolerant_handlers.recover import live_state
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from wire import flip_in_flight  # noqa: E402 - tests/wire.py
+
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 OUT = Path(sys.argv[1])
@@ -126,26 +129,7 @@ def run_case(name: str) -> None:
 
     original_recv = live_state._recv
     if "corrupt" in options and RANK in agreed.receivers:
-        calls = []
-
-        class Corrupted:  # the bytes arrive, then one of them is flipped, before they are checked
-            def __init__(self, work, buffer):
-                self.work, self.buffer = work, buffer
-
-            def wait(self):
-                self.work.wait()
-                self.buffer[0] ^= 0xFF
-
-        def corrupting(buffer, source, group):
-            work = original_recv(buffer, source, group)
-            calls.append(buffer.numel())
-            # after the header, the lengths and the structure, each segment has one message of more
-            # than a check's bytes (its data): corrupt the one of segment ``corrupt``
-            if len(calls) > 3 and buffer.numel() > live_state.TAIL_BYTES:
-                if sum(n > live_state.TAIL_BYTES for n in calls[3:]) == options["corrupt"] + 1:
-                    return Corrupted(work, buffer)
-            return work
-        live_state._recv = corrupting
+        flip_in_flight(options["corrupt"])
     started = time.monotonic()
     try:
         state = live_state.transfer(state, agreed.source, agreed.receivers, chunk_bytes=CHUNK,
