@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from ..core import attempts
+from ..core import attempts, config
+from ..core.config import SPARE_WAIT_ENV  # noqa: F401 - its variable, named where the wait is
 from ..core.errors import RecoveryError
 from ..core.log import log
 from ..core.records import cap_head, host_name, sanitize
@@ -54,8 +55,6 @@ from .causes import KEY_ROOT, MAX_CAUSE_BYTES
 #: Python handler must run waits (a spare has none: torchrun's SIGTERM ends it at once).
 #: ``FTH_SPARE_WAIT_SEC`` overrides it (1 s to 3600 s).
 SPARE_WAIT = timedelta(seconds=60)
-SPARE_WAIT_ENV = "FTH_SPARE_WAIT_SEC"
-_SPARE_WAIT_RANGE = (1.0, 3600.0)
 
 TAKE = "take"
 END = "end"
@@ -77,18 +76,7 @@ def _set_left(count: int | None) -> None:
 
 def spare_wait() -> timedelta:
     """``FTH_SPARE_WAIT_SEC``, or :data:`SPARE_WAIT`."""
-    raw = os.environ.get(SPARE_WAIT_ENV, "").strip()
-    if not raw:
-        return SPARE_WAIT
-    low, high = _SPARE_WAIT_RANGE
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float("nan")
-    if not low <= seconds <= high:
-        raise ValueError(f"{SPARE_WAIT_ENV}={raw!r}: expected a number of seconds from {low:g} to {high:g}, "
-                         f"e.g. {SPARE_WAIT_ENV}=5")
-    return timedelta(seconds=seconds)
+    return config.env_timedelta("spare_wait") or SPARE_WAIT
 
 
 def check_spares(spares: Any) -> int:
