@@ -139,7 +139,8 @@ def note(info: dict) -> None:
     from fault_tolerant_handlers import spares_left
 
     info.update(dist_rank=dist.get_rank(), dist_world=dist.get_world_size(), env_world=int(os.environ["WORLD_SIZE"]),
-                local_world=os.environ.get("LOCAL_WORLD_SIZE"), spares_left=spares_left())
+                local_world=os.environ.get("LOCAL_WORLD_SIZE"), local_rank=os.environ.get("LOCAL_RANK"),
+                spares_left=spares_left())
     info.update(attempt=int(ATTEMPT), rank=RANK, pid=os.getpid(), t=time.time(), ckpt_files=sorted(os.listdir(CKPT)),
                 started_at=T_START, marks=MARKS)
     (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(info))

@@ -205,10 +205,13 @@ def _text(value: Any, chars: int) -> str:
 
 @dataclass(frozen=True)
 class Seat:
-    """The process holding a training rank: its launched rank and its host."""
+    """The process holding a training rank: its launched rank, its host, and its ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` as training (-1: not set)."""
 
     launched: int
     host: str
+    local_rank: int = -1
+    local_world: int = -1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -217,10 +220,14 @@ class Seat:
     def from_json(cls, raw: Any, launched_world: int) -> Seat | None:
         data = _read(raw)
         try:
-            seat = cls(int(data["launched"]), _text(data["host"], 200))
-        except (KeyError, TypeError, ValueError):
+            seat = cls(int(data["launched"]), _text(data["host"], 200), int(data.get("local_rank", -1)),
+                       int(data.get("local_world", -1)))
+        except (KeyError, TypeError, ValueError, AttributeError):
             return None
-        return seat if 0 <= seat.launched < launched_world else None
+        if not (0 <= seat.launched < launched_world and -1 <= seat.local_rank < launched_world
+                and -1 <= seat.local_world <= launched_world):
+            return None
+        return seat
 
     def describe(self) -> str:
         return f"launched rank {self.launched} on host {self.host}"
@@ -240,6 +247,9 @@ class Order:
     left: int = 0
     lost: str = ""  #: the lost rank's seat, described ("" when unknown)
     ok: bool = False
+    lost_host: str = ""  #: the lost rank's host ("" when unknown)
+    lost_local_rank: int = -1  #: its LOCAL_RANK (-1: unknown)
+    lost_local_world: int = -1  #: its LOCAL_WORLD_SIZE (-1: unknown)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -250,13 +260,16 @@ class Order:
         try:
             order = cls(str(data["kind"]), _text(data["why"], 500), int(data.get("rank", -1)),
                         int(data.get("attempt", -1)), float(data.get("since", 0.0)), int(data.get("left", 0)),
-                        _text(data.get("lost", ""), 300), bool(data.get("ok", False)))
+                        _text(data.get("lost", ""), 300), bool(data.get("ok", False)),
+                        _text(data.get("lost_host", ""), 200), int(data.get("lost_local_rank", -1)),
+                        int(data.get("lost_local_world", -1)))
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
         if order.kind == END:
             return order
         if order.kind != TAKE or not (0 <= order.rank < training_world and 0 <= order.attempt < 2**31
-                                      and order.left >= 0):
+                                      and order.left >= 0 and order.lost_local_rank >= -1
+                                      and order.lost_local_world >= -1):
             return None
         return order
 
@@ -284,7 +297,10 @@ class Answer:
 
 # -- the protocol ------------------------------------------------------------------------------------
 def write_seat(store: Any, rank: int, lay: Layout, launched_rank: int) -> None:
-    store.set(seat_key(rank), Seat(launched_rank, host_name()).to_json())
+    """This process holds training rank ``rank`` (its local names as its environment says now)."""
+    local_rank, local_world = _int_env("LOCAL_RANK"), _int_env("LOCAL_WORLD_SIZE")
+    store.set(seat_key(rank), Seat(launched_rank, host_name(), -1 if local_rank is None else local_rank,
+                                   -1 if local_world is None else local_world).to_json())
 
 
 def claim(store: Any, lay: Layout, rank: int, gen: int, why: str, since: float, wait: timedelta) -> Answer:
@@ -299,8 +315,10 @@ def claim(store: Any, lay: Layout, rank: int, gen: int, why: str, since: float, 
             answer = Answer(lay.spare_rank(taken), lay.spares - taken)
             raw = store.get(seat_key(rank)) if store.check([seat_key(rank)]) else None
             seat = Seat.from_json(raw, lay.launched_world)
-            store.set(order_key(answer.spare), Order(TAKE, why, rank, gen, since, answer.left,
-                                                     seat.describe() if seat else "").to_json())
+            store.set(order_key(answer.spare), Order(
+                TAKE, why, rank, gen, since, answer.left, seat.describe() if seat else "",
+                lost_host=seat.host if seat else "", lost_local_rank=seat.local_rank if seat else -1,
+                lost_local_world=seat.local_world if seat else -1).to_json())
         store.set(answer_key(gen, rank), answer.to_json())
     else:
         store.wait([answer_key(gen, rank)], wait)
@@ -351,10 +369,15 @@ def wait_for_order(store: Any, lay: Layout, launched_rank: int, stop: Any = None
 
 def take_seat(lay: Layout, order: Order) -> None:
     """A spare taking training rank ``order.rank``: its environment names that rank of the training
-    world; ``LOCAL_RANK`` stays its own (the device it was launched for) and ``LOCAL_WORLD_SIZE`` its
-    host's launched one."""
+    world. On the lost rank's host it takes the lost rank's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
+    too (the device its process left, as a keeper's replacement would: the host's local names stay
+    those of its training ranks); on another host it keeps its own (the device it was launched for)."""
     os.environ["RANK"] = str(order.rank)
     os.environ["WORLD_SIZE"] = str(lay.training_world)
+    if order.lost_host and order.lost_host == host_name() and order.lost_local_rank >= 0:
+        os.environ["LOCAL_RANK"] = str(order.lost_local_rank)
+        if order.lost_local_world >= 0:
+            os.environ["LOCAL_WORLD_SIZE"] = str(order.lost_local_world)
     _set_left(order.left)
 
 

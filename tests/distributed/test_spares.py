@@ -107,6 +107,7 @@ def test_a_rank_lost_with_no_keeper_is_replaced_by_the_spare_and_the_run_stays_e
     spare = tries(run, 1)[1]
     assert spare["pid"] != tries(run, 1)[0]["pid"]
     assert (spare["dist_rank"], spare["dist_world"], spare["env_world"], spare["spares_left"]) == (1, 2, 2, 0), spare
+    assert (spare["local_rank"], spare["local_world"]) == ("1", "2"), spare  # on the lost rank's host: its names
     assert tries(run, 0)[1]["spares_left"] == 0
     assert "lost for good (FTH_INJECT lose): not replaced" in output
     assert "[rank 0] rank 1 was lost with no keeper to replace it: spare launched rank 2 takes its place (0 spares " \

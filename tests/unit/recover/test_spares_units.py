@@ -101,7 +101,8 @@ def test_the_first_survivor_claims_the_next_spare_and_every_survivor_learns_the_
     later.join(10)
     assert first == got[0] == Answer(2, 1)  # launched rank 2, the first spare; one left after it
     order = Order.from_json(store.get(spares.order_key(2)), lay.training_world)
-    assert order == Order(spares.TAKE, "rank 1 failed", 1, 0, 12.5, 1, "launched rank 1 on host host-b")
+    assert order == Order(spares.TAKE, "rank 1 failed", 1, 0, 12.5, 1, "launched rank 1 on host host-b",
+                          lost_host="host-b")
     assert not store.check([spares.order_key(3)])
     assert spares_left() == 1
     # the next loss takes the next spare, the one after finds none
@@ -118,6 +119,19 @@ def test_a_waiting_spare_is_told_to_take_a_rank_or_that_the_job_ended(monkeypatc
     assert (order.kind, order.ok, order.why) == (spares.END, True, "the training ended")
     spares.end(store, lay, False, "rank 0 failed")
     assert all(not spares.wait_for_order(store, lay, launched).ok for launched in range(3))  # a lost keeper too
+
+
+def test_a_spare_on_the_lost_rank_s_host_takes_its_local_names_and_elsewhere_keeps_its_own(torchrun_env):
+    import os
+
+    from fault_tolerant_handlers.core.records import host_name
+
+    lay = Layout(3, 1, 2, 2, 3)
+    torchrun_env.setenv("LOCAL_RANK", "2")
+    spares.take_seat(lay, Order(spares.TAKE, "", 1, 0, lost_host="elsewhere", lost_local_rank=1, lost_local_world=2))
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("1", "2", "2")
+    spares.take_seat(lay, Order(spares.TAKE, "", 1, 0, lost_host=host_name(), lost_local_rank=1, lost_local_world=2))
+    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("1", "2")
 
 
 @pytest.mark.parametrize("raw", [b"not json", b'{"kind": "take", "why": "", "rank": 2, "attempt": 0}',
