@@ -138,7 +138,9 @@ def world_seen() -> None:
 def note(info: dict) -> None:
     from fault_tolerant_handlers import spares_left
 
-    info.update(dist_rank=dist.get_rank(), dist_world=dist.get_world_size(), env_world=int(os.environ["WORLD_SIZE"]),
+    group = dist.is_initialized()  # Lightning makes its group later, in fit
+    info.update(dist_rank=dist.get_rank() if group else None, dist_world=dist.get_world_size() if group else None,
+                env_world=int(os.environ["WORLD_SIZE"]),
                 local_world=os.environ.get("LOCAL_WORLD_SIZE"), local_rank=os.environ.get("LOCAL_RANK"),
                 spares_left=spares_left())
     info.update(attempt=int(ATTEMPT), rank=RANK, pid=os.getpid(), t=time.time(), ckpt_files=sorted(os.listdir(CKPT)),

@@ -151,9 +151,12 @@ def layout(spares: int) -> Layout:
 
 def enter_training_world(lay: Layout) -> None:
     """A training rank at start: its environment names the training world (its rank is its launched
-    rank; ``WORLD_SIZE`` the training world's; ``LOCAL_WORLD_SIZE`` the training ranks of its host)."""
+    rank; ``WORLD_SIZE`` and torchrun's ``ROLE_WORLD_SIZE`` the training world's; ``LOCAL_WORLD_SIZE``
+    the training ranks of its host)."""
     os.environ["RANK"] = str(lay.launched_rank)
     os.environ["WORLD_SIZE"] = str(lay.training_world)
+    if "ROLE_WORLD_SIZE" in os.environ:  # torchrun's one role: the same as the world
+        os.environ["ROLE_WORLD_SIZE"] = str(lay.training_world)
     local = lay.training_local_world()
     if local is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(local)
@@ -374,6 +377,9 @@ def take_seat(lay: Layout, order: Order) -> None:
     those of its training ranks); on another host it keeps its own (the device it was launched for)."""
     os.environ["RANK"] = str(order.rank)
     os.environ["WORLD_SIZE"] = str(lay.training_world)
+    for name, value in (("ROLE_RANK", order.rank), ("ROLE_WORLD_SIZE", lay.training_world)):
+        if name in os.environ:  # torchrun's one role: the same as the world
+            os.environ[name] = str(value)
     if order.lost_host and order.lost_host == host_name() and order.lost_local_rank >= 0:
         os.environ["LOCAL_RANK"] = str(order.lost_local_rank)
         if order.lost_local_world >= 0:

@@ -120,6 +120,19 @@ def test_a_rank_lost_with_no_keeper_is_replaced_by_the_spare_and_the_run_stays_e
 
 
 @pytest.mark.timeout(300)
+def test_a_killed_rank_whose_keeper_lives_is_replaced_by_its_keeper_and_no_spare_is_spent(tmp_path, tmp_path_factory):
+    ref = reference(tmp_path_factory)
+    run, _, output = torchrun(tmp_path, {**SPARE, "FTH_INJECT": "kill@rank=1,iteration=37"})
+    assert_recovered_exactly(run, ref, "ignite", same_process=(True, False), live=True)
+    assert recomputed(run) == 0
+    assert "killed by SIGKILL: starting its replacement" in output
+    assert "took the place of lost rank" not in output
+    assert all(tries(run, rank)[1]["spares_left"] == 1 for rank in (0, 1))
+    spare = json.loads((run / "process_launched2.json").read_text())["pid"]
+    assert json.loads((run / f"returned_pid{spare}.json").read_text())["result"] is None
+
+
+@pytest.mark.timeout(300)
 def test_a_second_rank_lost_with_no_spare_left_ends_the_job_with_the_cause(tmp_path):
     run, code, output = torchrun(tmp_path, {**SPARE, "FTH_INJECT": "lose@rank=1,iteration=37; "
                                                                    "lose@rank=0,iteration=45,attempt=1"},
