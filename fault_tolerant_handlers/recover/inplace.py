@@ -29,8 +29,12 @@ adapters register their parts; this module imports none of them)
    state (``latest_checkpoint`` names it, ``load_checkpoint`` hands it over: no step computed twice) or,
    where live state cannot serve (the log line says why), resumes from the newest checkpoint.
 
+A rank whose process ended is replaced by its keeper (:mod:`.keeper`); one lost with no keeper to
+replace it (its host gone, ``replace_dead=False``) by a spare rank, where the job was launched with
+some (``spares=k``: :mod:`.spares`).
+
 What is not recovered in place (the job ends as it does without it, with the cause, and a relaunch
-resumes exactly): a rank lost (killed, its host gone, unreachable), the store lost, a signal
+resumes exactly): a rank lost (killed, its host gone, unreachable) with no keeper and no spare left, the store lost, a signal
 (SIGTERM/SIGINT: someone wants the job to end), ranks out of step (a bug), more than
 ``max_restarts`` failures, and a failure that repeats: the same rank, exception type and iteration
 as the failure before (retrying it would fail again). The exception of the last attempt is raised,
