@@ -60,6 +60,15 @@ def test_spares_need_torchrun_s_store(monkeypatch):
         recover_in_place(print, spares=1)()
 
 
+def test_spares_after_init_process_group_are_refused_naming_why(torchrun_env):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RecoveryError, match=r"spares=1\) must be called before init_process_group"):
+            recover_in_place(print, spares=1)()
+    finally:
+        dist.destroy_process_group()
+
+
 # -- which ranks train -------------------------------------------------------------------------------
 def test_the_last_launched_ranks_are_the_spares():
     lay = Layout(launched_world=6, spares=2, launched_rank=3)
