@@ -44,6 +44,7 @@ rank's process replaced by its keeper: the figures "called again" are then the r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -150,6 +151,8 @@ def main() -> None:
     parser.add_argument("--state-mb", type=float, default=0,
                         help="the model's size: Linear(8, n), Tanh, Linear(n, 1) with n such that its parameters (the "
                              "whole state: SGD without momentum) take this many MB; 0: Linear(8, 1)")
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="keep every run's records and logs under DIR (one folder per run) instead of a temporary folder")
     parser.add_argument("--checkpoint-every", default="10",
                         help="comma-separated checkpoint intervals (iterations), e.g. 10,100,1000")
     args = parser.parse_args()
@@ -170,7 +173,8 @@ def main() -> None:
         parser.error("--worlds: every world size must be >= 2 (rank 1 fails)")
     results: dict[tuple, list[dict]] = {}
     failed: dict[tuple, list[str]] = {}
-    with tempfile.TemporaryDirectory(prefix="fth-bench-resume-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="fth-bench-resume-"))
         for rep in range(args.reps):
             for every in intervals:
                 for world in worlds:

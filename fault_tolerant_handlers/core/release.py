@@ -122,13 +122,25 @@ def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int]], keep_po
     return chosen
 
 
-def _shutdown(fds: list[int]) -> int:
-    """``shutdown(SHUT_RDWR)`` each socket fd (through a dup: the fd itself stays its owner's)."""
+def _shutdown(fds: list[int], inodes: dict[int, int]) -> int:
+    """``shutdown(SHUT_RDWR)`` each socket fd (through a dup: the fd itself stays its owner's), if it
+    is still the socket it was chosen as (``inodes``: fd -> inode). A socket cut before it may end
+    others of its owner's (a gloo pair's error closes them) and a connect in another thread then
+    gets that fd number: it must not be cut in its place (a store client's new connection, seen
+    at 8 ranks: its validation read 0 bytes)."""
     cut = 0
     for fd in fds:
         try:
-            sock = socket.socket(fileno=os.dup(fd))
+            dup = os.dup(fd)
         except OSError:
+            continue
+        try:
+            if os.fstat(dup).st_ino != inodes.get(fd):
+                os.close(dup)
+                continue
+            sock = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)
             continue
         try:
             sock.shutdown(socket.SHUT_RDWR)
@@ -159,7 +171,8 @@ def cut_connections(keep_ports: set[int]) -> int:
     """Shut down the sockets :func:`select_sockets` chooses; returns how many."""
     if not sys.platform.startswith("linux"):
         return 0
-    return _shutdown(select_sockets(_own_socket_fds(), tcp_sockets(), keep_ports))
+    fds = _own_socket_fds()
+    return _shutdown(select_sockets(fds, tcp_sockets(), keep_ports), {fd: inode for inode, fd in fds.items()})
 
 
 def cut_connections_to(ports: set[int]) -> int:
@@ -169,7 +182,8 @@ def cut_connections_to(ports: set[int]) -> int:
         return 0
     fds, tcp = _own_socket_fds(), tcp_sockets()
     others = set(select_sockets(fds, tcp, ports))
-    return _shutdown([fd for inode, fd in sorted(fds.items(), key=lambda i: i[1]) if inode in tcp and fd not in others])
+    return _shutdown([fd for inode, fd in sorted(fds.items(), key=lambda i: i[1]) if inode in tcp and fd not in others],
+                     {fd: inode for inode, fd in fds.items()})
 
 
 _teardown_registered = False

@@ -174,8 +174,9 @@ class Connection:
     and every call. A call runs on the connection's own worker thread and the caller waits at most
     ``timeout`` + :data:`CALL_SLACK`: c10d's client bounds waiting for a key, but not a read from a
     peer that went silent (a cut link leaves it blocked for TCP's retransmission timeout, minutes).
-    A call that overruns abandons the connection (its worker stays blocked in the read until the
-    kernel gives up) and the next call makes a new one.
+    A call that overruns keeps the connection: the calls after it fail at once
+    (:class:`StoreCallTimeout`) until it returns, on a cut link when the kernel gives up; a call that
+    fails drops the connection, and the next call makes a new one.
 
     ``deadline`` (a ``time.monotonic()`` value, or ``None``) cuts every call's wait short at that
     moment: the watchdog sets it to when a silent store is to be declared lost, so that a call
@@ -279,27 +280,28 @@ class Connection:
             if self._store is None and self._connecting:
                 raise StoreCallTimeout("the store did not answer: its connect is still in progress")
             worker = self._worker
+            if worker is not None and worker.stuck and not worker._stopped:
+                # The call before overran its budget and has not returned: it keeps this client. A
+                # new connection now would cost the store's server a reverse DNS lookup of this
+                # client in its only thread, for every client (seconds where DNS is slow), and the
+                # calls of every rank timing out together made one each: the store stayed silent.
+                raise StoreCallTimeout("the store did not answer: the call before this one has not returned yet")
             if worker is None or worker.stuck:
                 worker = self._worker = _Worker(f"fth-store-{self.name}")
         budget = self._timeout.total_seconds() + self.CALL_SLACK
         if self.deadline is not None:
             budget = max(0.05, min(budget, self.deadline - time.monotonic()))
-        connected = []
-
         def job():
-            store = self.store()
-            connected.append(True)
-            return getattr(store, method)(*args)
+            return getattr(self.store(), method)(*args)
 
         try:
             return worker.run(job, budget)
         except StoreCallTimeout:
-            # A call blocked on its client: the client is left to the blocked worker, the next call
-            # connects anew. A call still connecting keeps its connect: a connect slower than a call's
-            # budget (many ranks starting on a busy store's host) is kept when it ends, not thrown
-            # away and made again by every rank, which only adds to the load that made it slow.
-            if connected:
-                self.reconnect()
+            # A call blocked on its client keeps it, and so does a call still connecting: a call or
+            # a connect slower than its budget (a busy store's server) ends when it does, and the
+            # next calls fail at once until then; it is not thrown away and made again by every
+            # rank, which only added to the load that made it slow. (A store that is gone is told
+            # by the watchdog's evidence, a plain connect to its port, not by these calls.)
             raise
         except ConnectInProgress as err:
             raise StoreCallTimeout(f"the store did not answer: {err}") from None
@@ -357,6 +359,8 @@ class _Worker:
         self._fin.acquire()
         self._result: tuple[bool, object] = (True, None)
         self._stopped = False
+        self._late = False  # the call under way overran its budget: nobody waits for its result
+        self._state = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         _workers.add(self)
         self._thread.start()
@@ -367,12 +371,19 @@ class _Worker:
             if self._stopped:
                 return
             try:
-                self._result = (True, self._job())
+                result: tuple[bool, object] = (True, self._job())
             except BaseException as err:  # noqa: BLE001 - handed to the caller
-                self._result = (False, err)
-            self.busy = False
-            self._fin.release()
-            if self._stopped:  # given up on (stuck) or stopped at exit while in the call
+                result = (False, err)
+            with self._state:
+                self._result = result
+                self.busy = False
+                if self._late:  # its caller gave up waiting: nobody takes the result; ready again
+                    self._late = False
+                    self.stuck = False
+                    _stuck.discard(self)
+                else:
+                    self._fin.release()
+            if self._stopped:  # stopped at exit while in the call
                 return
 
     def run(self, job: Callable[[], object], budget: float):
@@ -380,10 +391,14 @@ class _Worker:
         self.busy = True
         self._go.release()
         if not self._fin.acquire(timeout=budget):
-            self.stuck = True
-            _stuck.add(self)
-            self._stopped = True  # it ends when (if) the blocked call returns
-            raise StoreCallTimeout(f"a store call did not return within {budget:.1f} s")
+            with self._state:
+                if not self._fin.acquire(blocking=False):  # (it may have returned just now)
+                    # Left to return when it does (on the same client, which is kept): until then
+                    # the connection's calls fail at once instead of connecting anew.
+                    self._late = True
+                    self.stuck = True
+                    _stuck.add(self)
+                    raise StoreCallTimeout(f"a store call did not return within {budget:.1f} s")
         ok, value = self._result
         if ok:
             return value

@@ -174,8 +174,8 @@ class Session:
 
         For a TCP store it is a new client of the store's host and port whose connect is bounded by
         ``timeout`` (``Store.clone`` would retry for the store's own timeout, up to 30 minutes,
-        when the store's host is unreachable), after :func:`~.schema.probe_store_port`; other
-        stores are cloned."""
+        when the store's host is unreachable), after :func:`~.schema.probe_store_port` (but for a
+        loop's first connect: ``backoff``); other stores are cloned."""
         prefix, base = f"fth/{self.run_id}" if prefix is None else prefix, self._pg_store
 
         def prefixed(store: dist.Store) -> dist.Store:
@@ -186,9 +186,16 @@ class Session:
         connect = max(timeout, BACKGROUND_CONNECT_TIMEOUT) if backoff else timeout
         if self.store_address is not None:
             host, port = self.store_address
+            made = []
 
             def factory() -> dist.Store:
-                probe_store_port(host, port, connect)
+                # The port is tried first, except for a loop's first connect at the session's start
+                # (its group was just made over this store): the store's server accepts the try
+                # too, and names every client it accepts by a reverse DNS lookup in its only
+                # thread, which where DNS is slow holds every client of the store for seconds.
+                if made or not backoff:
+                    probe_store_port(host, port, connect)
+                made.append(True)
                 return prefixed(dist.TCPStore(host, port, is_master=False, timeout=connect, wait_for_workers=False))
         else:
             def factory() -> dist.Store:

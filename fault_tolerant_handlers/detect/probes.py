@@ -206,6 +206,11 @@ def main_thread_frame():
     return sys._current_frames().get(threading.main_thread().ident)
 
 
+#: The longest wait between two checks of a store whose port answered the last one (seconds): a
+#: store that is slow and then dies is declared at most this much later.
+MAX_CHECK_HOLD = 2.0
+
+
 class StoreLossProbe:
     """The store did not answer: its host is declared lost only on **evidence** that the store is
     gone, never because its answers are slow.
@@ -220,6 +225,13 @@ class StoreLossProbe:
     evidence: a store that is slow to validate connects or answer calls on a busy machine is not a
     lost one. ``hosted_here``: this process hosts the store (its server is a thread of this
     process): it never declares its own store lost.
+
+    Each check is a connection the store's server accepts, and c10d's server names every accepted
+    client by a reverse DNS lookup in its only thread: where DNS is slow to answer, each costs every
+    client of the store up to seconds (seen at 8 ranks: 5 s a lookup, the store silent for 8 s
+    while every rank checked it twice a second). So after a port that answered, the next check
+    waits twice as long as the one before, up to :data:`MAX_CHECK_HOLD` seconds, until a call is
+    answered again.
     """
 
     def __init__(self, lost_after: float, *, by: int, store_rank: int = 0, store_pid: int = 0,
@@ -237,17 +249,23 @@ class StoreLossProbe:
         self.found: str | None = None  # the newest evidence of the silence under way
         self.checks = 0  # checks of the silence under way, every one of them with evidence
         self.next_check = 0.0
+        self.hold = check_every  # the wait before a check after the port answered the last one
 
     def failed(self, now: float, err: BaseException) -> bool:
         """Report a failed call; True when it is the first of a silence (worth a warning)."""
         self.last_error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
         if self.down_since is None:
             self.down_since = now
-            self.checks, self.found, self.next_check = 0, None, now
+            self.checks, self.found, self.next_check = 0, None, max(now, self.next_check)
             return True
         return False
 
     def answered(self) -> None:
+        """A call was answered: the store is back, the next silence is checked at once."""
+        self._end_silence()
+        self.next_check, self.hold = 0.0, self.check_every
+
+    def _end_silence(self) -> None:
         self.down_since = None
         self.checks, self.found = 0, None
 
@@ -266,8 +284,11 @@ class StoreLossProbe:
             found = self.evidence()
             if found is None:
                 # The port answers: the store is slow, not gone. A new silence starts with the next
-                # failed call, so that the time already spent is never counted as evidence.
-                self.answered()
+                # failed call, so that the time already spent is never counted as evidence; its
+                # first check waits (the store's server pays for each check it accepts).
+                self._end_silence()
+                self.next_check = now + self.hold
+                self.hold = min(MAX_CHECK_HOLD, 2 * self.hold)
                 return None
             self.found = found
             self.checks += 1

@@ -198,3 +198,18 @@ def test_bad_arguments(kwargs, error):
 
     with pytest.raises(error):
         FaultTolerance(**kwargs)
+
+
+def test_the_failing_ranks_own_on_exception_collective_is_released_too(tmp_path):
+    """A callback of the user's whose ``on_exception`` runs an ``all_reduce`` (``ddp``, rank 1 raises
+    at step 10, a 30 s process-group timeout): both ranks enter it after the failure. Rank 1, the
+    failing rank, must leave its own collective as surely as rank 0 does, not wait the 30 s
+    timeout once rank 0 has gone (it did, 1 run in 4)."""
+    results, _ = _run(tmp_path, "ddp", "exc_collective", oec=False, pg_timeout=30.0, deadline=50)
+    fault_event = results[1].event("fault")
+    for r in results:
+        assert r.has("user_exc_handler"), (r.rank, r.events)
+        seen = r.event("run_raised")
+        assert seen["t"] - fault_event["t"] < MAX_LATENCY_SEC, (r.rank, seen["t"] - fault_event["t"], r.events)
+    assert results[1].event("run_raised")["raised"] == "RuntimeError"
+    assert results[0].event("run_raised")["raised"] == "PeerFailedError"

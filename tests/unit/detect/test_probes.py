@@ -207,6 +207,30 @@ def test_a_slow_store_is_never_declared_lost():
     assert probe.poll(now + 100.0) is None  # ... and its port answers: never a loss
 
 
+def test_a_slow_store_is_checked_less_and_less_often():
+    """Every check is a connection the store's server accepts and names by a reverse DNS lookup in
+    its only thread: a slow store checked by every rank after each failed call (10 times a second)
+    was kept slow by the checks. After a port that answered, the next check waits twice as long,
+    up to MAX_CHECK_HOLD; an answered call makes the next silence checked at once again."""
+    from fault_tolerant_handlers.detect.probes import MAX_CHECK_HOLD
+
+    checks = []
+    probe = StoreLossProbe(4.0, by=1, store_pid=99, evidence=lambda: checks.append(now), check_every=0.5)
+    now = 0.0
+    while now < 60.0:
+        probe.failed(now, TimeoutError("a store call did not return within 1.5 s"))
+        assert probe.poll(now) is None
+        now = round(now + 0.1, 1)
+    gaps = [b - a for a, b in zip(checks, checks[1:])]
+    assert gaps[:3] == pytest.approx([0.5, 1.0, 2.0])
+    assert all(gap == pytest.approx(MAX_CHECK_HOLD) for gap in gaps[2:])
+    assert len(checks) <= 60 / MAX_CHECK_HOLD + 2
+    probe.answered()  # the store is back: a new silence is checked at once
+    probe.failed(now, TimeoutError("slow"))
+    probe.poll(now)
+    assert checks[-1] == now
+
+
 def test_store_evidence_must_hold_the_whole_silence():
     answers = iter(["refused", None] + ["refused"] * 100)
     probe = StoreLossProbe(4.0, by=1, store_pid=99, evidence=lambda: next(answers), check_every=0.5)
