@@ -14,6 +14,7 @@ Public names:
 * :func:`load_checkpoint`: ``torch.load``, from this process's memory after a recovery in place.
 * :func:`recover_in_place`: after a failure, the same processes re-form the group and train on.
 * :func:`recovery_attempt`: how many times this process recovered in place.
+* :func:`spares_left`: how many spare ranks are left (``recover_in_place(fn, spares=k)``).
 * :func:`recovery_history`, :func:`on_recovery`: a recovery in place's moments (:class:`RecoveryInfo`:
   failure seen, recovery started, recovered), as a list or as they happen.
 * :class:`DDPBucketLayout`: a DDP's bucket layout in the checkpoint: a resume exact at any world size.
@@ -31,7 +32,7 @@ from .core.recoveries import (RecoveryCause, RecoveryInfo, RecoveryMetrics, Reco
 from .core.release import EXIT_TEARDOWN_STUCK
 from .core.sections import fail_together, one_rank_first
 from .detect.watchdog import EXIT_HUNG, EXIT_PEER_FAILED, start_watchdog, writing_checkpoint
-from .recover import recover_in_place, recovery_attempt
+from .recover import recover_in_place, recovery_attempt, spares_left
 from . import adapters as _adapters  # noqa: F401 - subscribes the adapters to the core's events
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "recover_in_place",
     "recovery_attempt",
     "recovery_history",
+    "spares_left",
     "start_watchdog",
     "writing_checkpoint",
 ]

@@ -58,6 +58,10 @@ KEEP = int(os.environ.get("KEEP", "2"))  # checkpoints kept (n_saved, save_top_k
 #: replace_dead=False): attempts then also count the recoveries in place (each writes its own
 #: attempt<A>_rank<R>.json).
 INPLACE = os.environ.get("INPLACE", "")
+#: With INPLACE: SPARES=<k> launches k spare ranks (the last ones): recover_in_place(spares=k). RANK and
+#: WORLD_SIZE are then read when the training function starts (a spare that takes a rank's place, and
+#: the training world's size, are known only then).
+SPARES = int(os.environ.get("SPARES", "0"))
 
 
 class _Attempt:
@@ -123,7 +127,22 @@ def in_memory(path: str | None) -> bool:
     return path is not None and snapshots.newest(path) is not None
 
 
+def world_seen() -> None:
+    """The names of the world the training function sees (RANK and WORLD_SIZE read again: with
+    spares, recover_in_place sets them to the training world's before the call)."""
+    global RANK, WORLD
+    RANK = int(os.environ["RANK"])
+    WORLD = int(os.environ.get("WORLD_SIZE", "2"))
+
+
 def note(info: dict) -> None:
+    from fault_tolerant_handlers import spares_left
+
+    group = dist.is_initialized()  # Lightning makes its group later, in fit
+    info.update(dist_rank=dist.get_rank() if group else None, dist_world=dist.get_world_size() if group else None,
+                env_world=int(os.environ["WORLD_SIZE"]),
+                local_world=os.environ.get("LOCAL_WORLD_SIZE"), local_rank=os.environ.get("LOCAL_RANK"),
+                spares_left=spares_left())
     info.update(attempt=int(ATTEMPT), rank=RANK, pid=os.getpid(), t=time.time(), ckpt_files=sorted(os.listdir(CKPT)),
                 started_at=T_START, marks=MARKS)
     (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(info))
@@ -179,6 +198,7 @@ def run_ignite() -> None:
 
     from fault_tolerant_handlers.ignite import FaultTolerance
 
+    world_seen()
     mark("imported")
     dist.init_process_group("gloo", timeout=PG_TIMEOUT)
     mark("process_group")
@@ -245,6 +265,7 @@ def run_lightning() -> None:
 
     from fault_tolerant_handlers.lightning import FaultTolerance
 
+    world_seen()
     mark("imported")
     trace = Trace()
     if not BUCKETS:
@@ -291,6 +312,8 @@ def run_lightning() -> None:
 
 if __name__ == "__main__":
     CKPT.mkdir(parents=True, exist_ok=True)
+    if SPARES:  # every launched process, spares too: killed by pid (its process group) after the test
+        (OUT / f"process_launched{RANK}.json").write_text(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0)}))
     if os.environ.get("CORRUPT_LIVE_STATE") == "1":  # the first segment of live state a rank receives
         from wire import flip_in_flight  # beside this program
 
@@ -302,5 +325,8 @@ if __name__ == "__main__":
         # A script imports its framework at its top, before the training function runs: a replaced
         # rank's new process (a fork of the one torchrun started) then has it already.
         __import__("ignite.engine" if FRAMEWORK == "ignite" else "lightning.pytorch")
-        run = recover_in_place(run, max_restarts=int(INPLACE), replace_dead=os.environ.get("INPLACE_REPLACE", "1") == "1")
-    run()
+        run = recover_in_place(run, max_restarts=int(INPLACE), replace_dead=os.environ.get("INPLACE_REPLACE", "1") == "1",
+                               spares=SPARES)
+    result = run()
+    if SPARES:  # what each launched process's call returned (a spare's: None)
+        (OUT / f"returned_pid{os.getpid()}.json").write_text(json.dumps({"result": result, "pid": os.getpid()}))

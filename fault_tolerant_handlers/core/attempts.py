@@ -63,6 +63,20 @@ def interrupt_main(error: BaseException):
     return None if hook is None else hook(error)
 
 
+# -- a rank lost on purpose (FTH_INJECT's ``lose``) ---------------------------------------------------
+#: Set by a keeper's training child (:mod:`..recover.keeper`): called before this process kills itself
+#: as a lost rank, so that its keeper does not replace it (as if the keeper's host were gone with it).
+#: ``None``: no keeper (the process is torchrun's own worker).
+on_lost = None
+
+
+def lose() -> None:
+    """Tell this rank's keeper, if any, that this process is lost for good (never replaced)."""
+    hook = on_lost
+    if hook is not None:
+        hook()
+
+
 # -- the process that runs the recovery ---------------------------------------------------------------
 #: Set by :func:`fault_tolerant_handlers.recover_in_place` in its process's environment while it runs
 #: (its pid), for the processes it starts: a rank that finds its *parent's* pid there, and runs no

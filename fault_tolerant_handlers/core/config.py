@@ -76,6 +76,7 @@ RECOVER_JOIN_ENV = "FTH_RECOVER_JOIN_SEC"
 SNAPSHOT_ENV = "FTH_SNAPSHOT"
 INTERRUPT_DEFER_ENV = "FTH_INTERRUPT_DEFER_SEC"
 LIVE_STATE_ENV = "FTH_LIVE_STATE"
+SPARE_WAIT_ENV = "FTH_SPARE_WAIT_SEC"
 #: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`..detect.autohang`).
 AUTO = "auto"
 
@@ -94,6 +95,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "ckpt_agree_timeout": (1.0, 86400.0),
     "recover_join_timeout": (1.0, 86400.0),
     "interrupt_defer": (0.1, 3600.0),
+    "spare_wait": (1.0, 3600.0),
 }
 _ENV_OF = {
     "interval": INTERVAL_ENV,
@@ -107,6 +109,7 @@ _ENV_OF = {
     "ckpt_agree_timeout": CKPT_AGREE_TIMEOUT_ENV,
     "recover_join_timeout": RECOVER_JOIN_ENV,
     "interrupt_defer": INTERRUPT_DEFER_ENV,
+    "spare_wait": SPARE_WAIT_ENV,
 }
 KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV,
              AUTO_HANG_MULTIPLE_ENV,

@@ -7,7 +7,14 @@ training iteration::
     FTH_INJECT="kill@rank=0,iteration=20"               # rank 0 SIGKILLs itself (an OOM kill)
     FTH_INJECT="hang@rank=1,iteration=8"                # rank 1 sleeps forever (set hang_timeout)
     FTH_INJECT="worker-kill@rank=1,iteration=3"         # SIGKILL one DataLoader worker of rank 1
+    FTH_INJECT="lose@rank=1,iteration=37"               # rank 1 SIGKILLs itself and is never replaced
     FTH_INJECT="raise@rank=1,iteration=5,epoch=2; kill@rank=0,iteration=40"   # several, with ';'
+
+``lose`` is ``kill`` for a rank lost with no process to come back in (its host gone): recovering in
+place with a keeper (``recover_in_place(replace_dead=True)``), the keeper is told first not to replace
+it (it keeps torchrun's worker alive and idle until the job ends, which one host's torchrun needs: its
+agent ends the job when any worker dies); only a spare (``spares=k``) can take its place. Without a
+keeper it is ``kill``.
 
 ``iteration`` is the global iteration counter (Ignite ``engine.state.iteration``, Lightning
 ``trainer.global_step + 1``); ``epoch`` (1-based, optional) narrows it to one epoch.
@@ -38,7 +45,7 @@ from . import attempts
 INJECT_ENV = "FTH_INJECT"
 #: The attempt number, set by torchrun in every worker it starts (0, 1, ... one per restart).
 ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
-KINDS = ("raise", "kill", "hang", "worker-kill")
+KINDS = ("raise", "kill", "hang", "worker-kill", "lose")
 FORMS = (
     "'<kind>@rank=<int>,iteration=<int>[,epoch=<int>][,attempt=<int>|any]' with <kind> one of "
     + ", ".join(KINDS)
@@ -141,7 +148,9 @@ class Injector:
         log(logging.WARNING, "%s=%s: injecting %s", INJECT_ENV, injection, injection.kind, step=step)
         if injection.kind == "raise":
             raise InjectedFault(f"injected by {INJECT_ENV}: {injection}")
-        if injection.kind == "kill":
+        if injection.kind == "lose":
+            attempts.lose()  # its keeper, if any, will not replace it
+        if injection.kind in ("kill", "lose"):
             os.kill(os.getpid(), signal.SIGKILL)
         if injection.kind == "hang":
             while True:

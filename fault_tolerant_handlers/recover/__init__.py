@@ -3,5 +3,6 @@ It stands on :mod:`..core` only: the launchers, the data layer and the adapters 
 of a recovery in its phases (:mod:`..core.phases`)."""
 
 from .inplace import INTERRUPT_SIGNAL, recover_in_place, recovery_attempt
+from .spares import spares_left
 
-__all__ = ["INTERRUPT_SIGNAL", "recover_in_place", "recovery_attempt"]
+__all__ = ["INTERRUPT_SIGNAL", "recover_in_place", "recovery_attempt", "spares_left"]

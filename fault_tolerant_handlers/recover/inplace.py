@@ -29,8 +29,12 @@ adapters register their parts; this module imports none of them)
    state (``latest_checkpoint`` names it, ``load_checkpoint`` hands it over: no step computed twice) or,
    where live state cannot serve (the log line says why), resumes from the newest checkpoint.
 
+A rank whose process ended is replaced by its keeper (:mod:`.keeper`); one lost with no keeper to
+replace it (its host gone, ``replace_dead=False``) by a spare rank, where the job was launched with
+some (``spares=k``: :mod:`.spares`).
+
 What is not recovered in place (the job ends as it does without it, with the cause, and a relaunch
-resumes exactly): a rank lost (killed, its host gone, unreachable), the store lost, a signal
+resumes exactly): a rank lost (killed, its host gone, unreachable) with no keeper and no spare left, the store lost, a signal
 (SIGTERM/SIGINT: someone wants the job to end), ranks out of step (a bug), more than
 ``max_restarts`` failures, and a failure that repeats: the same rank, exception type and iteration
 as the failure before (retrying it would fail again). The exception of the last attempt is raised,
@@ -106,7 +110,8 @@ from ..core.release import EXIT_TEARDOWN_STUCK, store_ports
 from ..core.schema import Connection, StoreCallTimeout, unblock_stuck_calls
 from ..core.failure import tag_of
 from ..core.session import live_sessions
-from . import keeper, live_state
+from . import keeper, live_state, spares
+from .spares import check_spares
 from .causes import (KEY_ROOT, NOT_IN_PLACE, Cause, Decision, LivePlan, LiveReport, base_of, needs_keeper, keeper_key,
                      plan_live)
 
@@ -151,11 +156,16 @@ def _cause_of(err: BaseException, rank: int) -> Cause:
 
 class _Recovery:
     def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta,
-                 replace_dead: bool = False) -> None:
+                 replace_dead: bool = False, spares: int = 0) -> None:
         self.fn = fn
         self.max_restarts = max_restarts
         self.join_timeout = join_timeout
         self.replace_dead = replace_dead
+        self.spares = spares
+        #: With spares: this process's place in the launched world (:mod:`.spares`).
+        self.layout: spares.Layout | None = None
+        self._order: spares.Order | None = None  # a spare's order to take a lost rank's place
+        self._failure_wall = 0.0  # when the failure reached this rank (wall clock: a spare's log line)
         #: Told each attempt's number as it starts (a keeper's child tells its keeper).
         self.on_attempt: Callable[[int], None] | None = None
         self.causes: list[Cause] = []  # the primary cause of each failed attempt
@@ -209,6 +219,15 @@ class _Recovery:
             self._note_group()
             self.given = (base_of(_compat_torch.default_store()), dist.get_rank(), dist.get_world_size(),
                           self.backend or "gloo", self.timeout)
+        if self.spares:
+            if self.given is not None:
+                raise RecoveryError(f"recover_in_place(spares={self.spares}) must be called before "
+                                    "init_process_group: the training world's group is made inside the training "
+                                    "function (the launched world, spares included, never forms one)")
+            self.layout = spares.layout(self.spares)
+            if self.layout.is_spare:
+                return self._serve_as_spare(args, kwargs)
+            spares.enter_training_world(self.layout)
         if self.replace_dead:
             why = keeper.why_not(self)
             if why is None:
@@ -228,6 +247,10 @@ class _Recovery:
         try:
             if replacement is not None:
                 self._reform(self._join_as_replacement(replacement))
+                if self._order is not None:
+                    spares.log_takeover(self.layout, self._order, time.time())
+            elif self.layout is not None and self._joined is None:
+                self._enter_training_world()
             while True:
                 started = time.monotonic()
                 # What lives now (modules, the library, the caller's objects) is left out of the
@@ -236,7 +259,10 @@ class _Recovery:
                 # spent 1 s of every recovery in it. Undone when the recovery ends.
                 gc.freeze()
                 try:
-                    return self.fn(*args, **kwargs)
+                    result = self.fn(*args, **kwargs)
+                    if self.layout is not None and self._world()[1] == 0:
+                        self._end_spares(True, "the training ended")
+                    return result
                 except BaseException as err:  # noqa: BLE001 - decided below; re-raised unless recovered
                     # First: the interrupt (if any) is taken, whatever ended the attempt; from here on
                     # no signal raises it (the handler never raises in this frame, nor in take()).
@@ -244,6 +270,8 @@ class _Recovery:
                     self._left.set()
                     decision, timings = self._failed(err, started)
                     if not decision.restart:
+                        if self.layout is not None:
+                            self._end_spares(False, decision.why)
                         if isinstance(decision, _Misplaced) or (attempts.in_place() and isinstance(decision, _Unsafe)):
                             raise RecoveryError(decision.why) from err
                         self._add_note(err, decision)
@@ -268,6 +296,8 @@ class _Recovery:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                               is_master=False, timeout=self.join_timeout)
         self._joined = (store, rank, world_size)
+        if self.layout is not None:
+            spares.write_seat(store, rank, self.layout, self.layout.launched_rank)
         decision = self._agree(self._world(), cause)
         if not decision.restart:
             raise RecoveryError(f"the replacement of rank {rank}'s process could not join the recovery: {decision.why}")
@@ -280,6 +310,7 @@ class _Recovery:
 
     def _failed(self, err: BaseException, started: float) -> tuple[Decision, dict]:
         t0 = time.monotonic()
+        self._failure_wall = time.time()
         self._note_group()
         world = self._world()
         sessions = live_sessions()
@@ -330,6 +361,82 @@ class _Recovery:
             phases.run(Phase.AGREE, self._state(timings=timings))
             self._announce(RecoveryPhase.RECOVERY_STARTED, rank, self.causes[-1], t0)
         return decision, timings
+
+    # -- spares (:mod:`.spares`) ------------------------------------------------------------------------------
+    def _serve_as_spare(self, args: tuple, kwargs: dict) -> Any:
+        """A spare: wait for an order; take a lost rank's place (then train as that rank, in this
+        process, without a keeper) or return ``None`` when the training ended."""
+        lay = self.layout
+        spares._set_left(lay.spares)
+        store = spares.connect(self.join_timeout)
+        log(logging.INFO, "launched rank %d of %d is a spare: it waits for a training rank (%d of them) lost with no "
+            "keeper to replace it", lay.launched_rank, lay.launched_world, lay.training_world)
+        order = spares.wait_for_order(store, lay, lay.launched_rank)
+        del store
+        if order.kind == spares.END:
+            if order.ok:
+                log(logging.INFO, "spare launched rank %d: %s; it never trained (its call returns None)",
+                    lay.launched_rank, order.why)
+                return None
+            raise RecoveryError(f"spare launched rank {lay.launched_rank}: the job ended without it: {order.why}")
+        self._order = order
+        spares.take_seat(lay, order)
+        attempts.set_in_place(order.attempt)
+        cause = Cause(order.rank, order.rank, FailureKind.RANK_REPLACED.value,
+                      f"rank {order.rank}'s process was lost with no keeper to replace it: spare launched rank "
+                      f"{lay.launched_rank} took its place", "", -1, True, "")
+        return self.run(args, kwargs, replacement=cause)
+
+    def _enter_training_world(self) -> None:
+        """A training rank's first attempt, with spares: the store the attempts share is torchrun's, and
+        the training function's ``init_process_group`` makes the training world's group over it."""
+        lay = self.layout
+        store = spares.connect(self.join_timeout)
+        self._joined = (store, lay.launched_rank, lay.training_world)
+        spares.write_seat(store, lay.launched_rank, lay, lay.launched_rank)
+        phases.run(Phase.RE_FORM, self._state())  # the launchers: init_process_group is given this world
+        log(logging.INFO, "rank %d of a training world of %d (%d spare%s launched beside it)", lay.launched_rank,
+            lay.training_world, lay.spares, "" if lay.spares == 1 else "s")
+
+    def _end_spares(self, ok: bool, why: str) -> None:
+        """Tell whoever waits for an order (the spares left, a keeper whose rank was lost) that the job
+        ended; bounded by :data:`RECOVER_TELL_SEC` (the store may be what failed)."""
+        world = self._world()
+        if world is None:
+            return
+        conn = Connection(lambda: world[0], timedelta(seconds=RECOVER_TELL_SEC), "spares")
+        conn.deadline = time.monotonic() + RECOVER_TELL_SEC
+        try:
+            spares.end(_Bounded(conn), self.layout, ok, why)
+        except Exception as err:  # noqa: BLE001 - torchrun ends them anyway once a rank exits with an error
+            log(logging.WARNING, "could not tell the spares that the job ended: %s: %s", type(err).__name__,
+                (str(err).splitlines() or [""])[0][:200])
+        finally:
+            conn.close()
+
+    def _lost_for_good(self, cause: Cause) -> bool:
+        """A peer's process ended (or, with spares, its end was not seen: another host's rank), and only
+        its keeper or a spare can replace it."""
+        if needs_keeper(cause):
+            return True
+        return (self.layout is not None and not cause.own and cause.failed_rank >= 0
+                and cause.failure_kind is FailureKind.PEER_LOST
+                and cause.not_in_place == NOT_IN_PLACE[FailureKind.PEER_LOST])
+
+    def _call_spare(self, cause: Cause, store: Any, gen: int, seconds: float) -> Cause:
+        """Rank ``cause.failed_rank`` was lost with no keeper to replace it: a spare takes its place
+        (:func:`.spares.claim`), or, none left, the cause ends the job as without spares."""
+        if self.layout is None or not self.layout.spares:
+            return replace(cause, not_in_place=NOT_IN_PLACE[FailureKind.PEER_LOST])
+        answer = spares.claim(store, self.layout, cause.failed_rank, gen, cause.describe(), self._failure_wall,
+                              timedelta(seconds=seconds))
+        if answer.spare < 0:
+            return replace(cause, not_in_place=(
+                f"rank {cause.failed_rank} was lost with no keeper to replace it, and no spare is left "
+                f"(spares={self.layout.spares}, all taken): a relaunch replaces it"))
+        log(logging.WARNING, "rank %d was lost with no keeper to replace it: spare launched rank %d takes its place "
+            "(%d spare%s left after it)", cause.failed_rank, answer.spare, answer.left, "" if answer.left == 1 else "s")
+        return replace(cause, not_in_place="")
 
     # -- live state (captured and held by the data layer: its CAPTURE_LIVE and SETTLE_LIVE steps) --------
     def _collect_live(self, rank: int) -> None:
@@ -433,13 +540,16 @@ class _Recovery:
         try:
             if gen >= self.max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
                 cause = replace(cause, not_in_place=f"max_restarts={self.max_restarts} recoveries in place already spent")
-            if needs_keeper(cause) and not bounded.check([keeper_key(cause.failed_rank)]):
-                cause = replace(cause, not_in_place=NOT_IN_PLACE[FailureKind.PEER_LOST])
+            if self._lost_for_good(cause) and not bounded.check([keeper_key(cause.failed_rank)]):
+                conn.deadline = started + seconds + 10
+                cause = self._call_spare(cause, bounded, gen, seconds)
             if not cause.not_in_place:
                 conn.deadline = started + seconds + 10
             bounded.set(f"{prefix}cause/{rank}", cause.to_json())
             if not cause.not_in_place:  # before it counts itself in: rank 0 reads it once every rank is
-                report = self._live_report or LiveReport(rank, -1, "", "its process was replaced (its state ended with it)")
+                report = self._live_report or LiveReport(rank, -1, "", "a spare took its place (it holds no state)"
+                                                         if self._order is not None else
+                                                         "its process was replaced (its state ended with it)")
                 bounded.set(f"{prefix}live/{rank}", report.to_json())
             if cause.not_in_place:
                 bounded.add(f"{prefix}stop", 1)
@@ -664,7 +774,8 @@ def _ranks_spawned_here(err: BaseException) -> bool:
 
 
 def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 3,
-                     join_timeout: timedelta | float | str | dict | None = None, replace_dead: bool = True):
+                     join_timeout: timedelta | float | str | dict | None = None, replace_dead: bool = True,
+                     spares: int = 0):
     """Run ``fn`` and, when it fails on every rank, recover in place: tear the attempt down, re-form the
     process group in the same processes and call ``fn`` again (see the module's text).
 
@@ -682,11 +793,18 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
             when it dies (:mod:`.keeper`): a killed rank recovers in place too. ``fn``'s return value
             is handed back pickled. ``False``: ``fn`` runs in the launcher's process, and a dead rank
             ends the job as without recovery.
+        spares: under torchrun, how many of the launched ranks (the last ones) are spares: they never
+            call ``fn`` and wait until a training rank is lost with no keeper to replace it, then one
+            takes its place and every training rank calls ``fn`` again (:mod:`.spares`). Inside ``fn``
+            the world is the training world (``WORLD_SIZE``, ``RANK``, ``dist.get_world_size()``).
+            An int from 0 (the default: none) to the launched world size - 1. A spare's call returns
+            ``None`` when the training ended without needing it.
 
     Raises:
         TypeError, ValueError: a bad argument (named, with what it accepts), at the call: e.g.
             ``join_timeout="auto"`` or a duration outside 1 s to 1 day.
-        RecoveryError: a later attempt failed before it trained: ``fn`` cannot be called twice; or
+        ValueError: ``spares`` leaves no training rank (at the call, naming the launched world size).
+        RecoveryError: ``spares`` outside torchrun, or after ``init_process_group``; a later attempt failed before it trained: ``fn`` cannot be called twice; or
             ``fn`` spawns the ranks (``idist.Parallel(nproc_per_node=...)``, Lightning ``ddp_spawn``):
             wrap the function each rank runs instead.
         The last attempt's exception, with a note naming each attempt's cause, when the job is not
@@ -711,12 +829,14 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
         join = config.recover_join_timeout()
     if not isinstance(replace_dead, bool):
         raise TypeError(f"recover_in_place(replace_dead=...) must be True or False, got {replace_dead!r}")
+    spares = check_spares(spares)
     if fn is None:
-        return lambda f: recover_in_place(f, max_restarts=max_restarts, join_timeout=join, replace_dead=replace_dead)
+        return lambda f: recover_in_place(f, max_restarts=max_restarts, join_timeout=join, replace_dead=replace_dead,
+                                          spares=spares)
     if not callable(fn):
         raise TypeError(f"recover_in_place(fn): fn must be the training function (a callable), got {fn!r}")
 
-    return _InPlace(fn, max_restarts, join, replace_dead)
+    return _InPlace(fn, max_restarts, join, replace_dead, spares)
 
 
 class _InPlace:
@@ -727,20 +847,21 @@ class _InPlace:
     otherwise as ``fn`` (by its own name) with the settings (``p.run(recover_in_place(train), cfg)``)."""
 
     def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta,
-                 replace_dead: bool = True) -> None:
+                 replace_dead: bool = True, spares: int = 0) -> None:
         functools.update_wrapper(self, fn)  # first: it copies fn's attributes, which must not replace these
         self.fn = fn
         self.max_restarts = max_restarts
         self.join_timeout = join_timeout
         self.replace_dead = replace_dead
+        self.spares = spares
 
     def __call__(self, *args: Any, **kwargs: Any) -> T:
-        return _Recovery(self.fn, self.max_restarts, self.join_timeout, self.replace_dead)(*args, **kwargs)
+        return _Recovery(self.fn, self.max_restarts, self.join_timeout, self.replace_dead, self.spares)(*args, **kwargs)
 
     def __reduce__(self) -> str | tuple:
         if _bound_as(self) is self:
             return self.__qualname__
-        return _InPlace, (self.fn, self.max_restarts, self.join_timeout, self.replace_dead)
+        return _InPlace, (self.fn, self.max_restarts, self.join_timeout, self.replace_dead, self.spares)
 
     def __repr__(self) -> str:
         return f"recover_in_place({self.fn!r}, max_restarts={self.max_restarts})"

@@ -53,6 +53,7 @@ from ..core.errors import EXIT_HUNG
 from ..core.kinds import Ended, FailureKind
 from ..core.log import log
 
+from . import spares
 from .causes import Cause, base_of, keeper_key
 
 #: What a keeper runs (``recover.inplace._Recovery``, not imported: it imports this module): its
@@ -92,13 +93,19 @@ def _die_with_parent() -> None:
         log(logging.WARNING, "could not tie this process to its keeper: %s", err)
 
 
+#: In a keeper's child: the store its keeper key was announced in (deleted there when the rank is lost).
+_announced = None
+
+
 def _announce(session) -> None:
     """In a keeper's child, when the world's session starts: its peers may wait for a replacement of
     this rank (:func:`~.inplace.keeper_key`)."""
+    global _announced
     if session.group is not None:
         return
     try:
-        base_of(session.pg_store).set(keeper_key(session.rank), "1")
+        _announced = base_of(session.pg_store)
+        _announced.set(keeper_key(session.rank), "1")
     except Exception as err:  # noqa: BLE001 - without it a death of this rank ends the job, as without a keeper
         log(logging.WARNING, "could not announce this rank's keeper: %s", err)
 
@@ -124,6 +131,22 @@ class Keeper:
         self.page.seek(0)
         return struct.unpack("<q", self.page.read(8))[0]
 
+    def _lost(self) -> None:
+        """In the child, before it kills itself as a lost rank (``FTH_INJECT``'s ``lose``): its keeper
+        will not replace it, and its peers find no keeper for its rank (its key goes first)."""
+        self.page.seek(8)
+        self.page.write(struct.pack("<q", 1))
+        store = _announced
+        if store is not None:
+            try:
+                store.delete_key(keeper_key(int(os.environ.get("RANK", "-1"))))
+            except Exception as err:  # noqa: BLE001 - its peers then wait for a replacement that never comes
+                log(logging.WARNING, "could not withdraw this rank's keeper key: %s", err)
+
+    def _read_lost(self) -> bool:
+        self.page.seek(8)
+        return struct.unpack("<q", self.page.read(8))[0] == 1
+
     def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: Cause | None) -> None:
         """The training child: never returns (its exit code tells the keeper how it ended)."""
         code = 1
@@ -133,6 +156,7 @@ class Keeper:
             for sig in FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
             self.recovery.on_attempt = self._write_attempt
+            attempts.on_lost = self._lost
             events.subscribe(events.SESSION_STARTED, _announce)
             result = self.recovery.run(args, kwargs, replacement=replacement)
             try:
@@ -180,6 +204,10 @@ class Keeper:
                 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
                     os.waitpid(pid, 0)
                     return self._result()
+                if self._read_lost() and self.recovery.layout is not None:
+                    time.sleep(ZOMBIE_HOLD)  # a zombie until its peers read how it ended
+                    os.waitpid(pid, 0)
+                    return self._stand_by(pid, how)
                 attempt = self._read_attempt()
                 replaceable = os.WIFSIGNALED(status) or os.WEXITSTATUS(status) == EXIT_HUNG
                 if replaceable and attempt < self.recovery.max_restarts and not self._stopping:
@@ -200,6 +228,23 @@ class Keeper:
                 signal.signal(sig, handler)
             if os.path.exists(self.result_path):
                 os.unlink(self.result_path)
+
+    def _stand_by(self, pid: int, how: str) -> Any:
+        """The child was lost on purpose (a rank lost with its host, rehearsed on one host): it is not
+        replaced (a spare takes its rank), and this process, torchrun's worker, stays until the job
+        ends (torchrun ends every worker of its host when one dies): ``None`` when the training ended,
+        else it exits 1."""
+        lay = self.recovery.layout
+        for sig in FORWARDED:  # nothing to forward to: torchrun's SIGTERM ends this process
+            signal.signal(sig, signal.SIG_DFL)
+        log(logging.WARNING, "the training process of rank %s (pid %d) %s, lost for good (FTH_INJECT lose): not "
+            "replaced; this process (launched rank %d) stays idle until the job ends", os.environ.get("RANK", "?"),
+            pid, how, lay.launched_rank)
+        order = spares.wait_for_order(spares.connect(self.recovery.join_timeout), lay, lay.launched_rank)
+        if order.kind == spares.END and order.ok:
+            return None
+        log(logging.ERROR, "launched rank %d: the job ended: %s", lay.launched_rank, order.why)
+        raise SystemExit(1)
 
     @staticmethod
     def _wait(pid: int) -> int:

@@ -1,0 +1,200 @@
+"""Spares, branch by branch, over a real (in-process) c10d store: the argument, which launched ranks
+train, what a training rank's environment says, which spare replaces a lost rank (every survivor
+learns the same), what a spare is told, and rank 0's decision when a rank is lost with no keeper. The
+recoveries themselves run on real ranks in ``tests/distributed/test_spares.py``."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from fault_tolerant_handlers import RecoveryError, recover_in_place, spares_left
+from fault_tolerant_handlers.recover import spares
+from fault_tolerant_handlers.recover.causes import Cause
+from fault_tolerant_handlers.recover.inplace import _Recovery
+from fault_tolerant_handlers.recover.spares import Answer, Layout, Order, Seat
+
+TORCHRUN = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+            "RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3"}
+
+
+@pytest.fixture(autouse=True)
+def forget_spares_left(monkeypatch):
+    monkeypatch.setattr(spares, "_left", None)  # what this process learned: each test's own
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    for name, value in TORCHRUN.items():
+        monkeypatch.setenv(name, value)
+    return monkeypatch
+
+
+# -- the argument ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [-1, -5])
+def test_a_negative_number_of_spares_is_refused_at_the_call_naming_the_valid_range(bad):
+    with pytest.raises(ValueError, match=rf"recover_in_place\(spares=\.\.\.\) must be an int from 0 to the launched "
+                                         rf"world size - 1 \(0: no spares\), got {bad}"):
+        recover_in_place(print, spares=bad)
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, "1", None])
+def test_spares_that_is_not_an_int_is_refused_naming_what_it_accepts(bad):
+    with pytest.raises(TypeError, match=r"spares=\.\.\.\) must be an int from 0 to the launched world size - 1"):
+        recover_in_place(print, spares=bad)
+
+
+@pytest.mark.parametrize("bad", [3, 4])
+def test_spares_that_leave_no_training_rank_are_refused_when_the_launched_world_is_known(bad, torchrun_env):
+    with pytest.raises(ValueError, match=rf"recover_in_place\(spares={bad}\): the job was launched with 3 ranks "
+                                         r"\(WORLD_SIZE=3\), so spares must be from 0 to 2 \(at least 1 rank trains\)"):
+        recover_in_place(print, spares=bad)()
+
+
+def test_spares_need_torchrun_s_store(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(RecoveryError, match=r"spares=1\) needs torchrun"):
+        recover_in_place(print, spares=1)()
+
+
+def test_spares_after_init_process_group_are_refused_naming_why(torchrun_env):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RecoveryError, match=r"spares=1\) must be called before init_process_group"):
+            recover_in_place(print, spares=1)()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- which ranks train -------------------------------------------------------------------------------
+def test_the_last_launched_ranks_are_the_spares():
+    lay = Layout(launched_world=6, spares=2, launched_rank=3)
+    assert lay.training_world == 4 and not lay.is_spare
+    assert Layout(6, 2, 4).is_spare and Layout(6, 2, 5).is_spare
+    assert [lay.spare_rank(taken) for taken in (1, 2)] == [4, 5]
+
+
+@pytest.mark.parametrize("world, rank, local_rank, local_world, spares_count, expected", [
+    (3, 0, 0, 3, 1, 2),  # one host of 3 with 1 spare: 2 train there
+    (6, 1, 1, 2, 2, 2),  # 3 hosts x 2, the last host's 2 ranks spares: hosts 0 and 1 train with 2 each
+    (6, 4, 0, 2, 2, 0),  # ... and the spare host has none
+    (4, 2, 0, 2, 1, 1),  # 2 hosts x 2, 1 spare: the second host trains with 1
+])
+def test_a_training_rank_s_local_world_counts_the_training_ranks_of_its_host(world, rank, local_rank, local_world,
+                                                                            spares_count, expected):
+    assert Layout(world, spares_count, rank, local_rank, local_world).training_local_world() == expected
+
+
+def test_a_training_rank_s_environment_names_the_training_world(torchrun_env):
+    lay = spares.layout(1)
+    assert (lay.launched_world, lay.training_world, lay.is_spare) == (3, 2, False)
+    spares.enter_training_world(lay)
+    import os
+
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"]) == ("0", "2", "2")
+    assert spares_left() == 1
+
+
+# -- which spare replaces a lost rank -------------------------------------------------------------------
+def test_the_first_survivor_claims_the_next_spare_and_every_survivor_learns_the_same():
+    store, lay = dist.HashStore(), Layout(4, 2, 0)
+    store.set(spares.seat_key(1), Seat(1, "host-b").to_json())
+    wait = timedelta(seconds=5)
+    got = []
+    later = threading.Thread(target=lambda: got.append(spares.claim(store, lay, 1, 0, "rank 1 failed", 12.5, wait)))
+    first = spares.claim(store, lay, 1, 0, "rank 1 failed", 12.5, wait)
+    later.start()
+    later.join(10)
+    assert first == got[0] == Answer(2, 1)  # launched rank 2, the first spare; one left after it
+    order = Order.from_json(store.get(spares.order_key(2)), lay.training_world)
+    assert order == Order(spares.TAKE, "rank 1 failed", 1, 0, 12.5, 1, "launched rank 1 on host host-b",
+                          lost_host="host-b")
+    assert not store.check([spares.order_key(3)])
+    assert spares_left() == 1
+    # the next loss takes the next spare, the one after finds none
+    assert spares.claim(store, lay, 0, 1, "rank 0 failed", 0.0, wait) == Answer(3, 0)
+    assert spares.claim(store, lay, 1, 2, "rank 1 failed", 0.0, wait) == Answer(-1, 0)
+    assert spares_left() == 0
+
+
+def test_a_waiting_spare_is_told_to_take_a_rank_or_that_the_job_ended(monkeypatch):
+    monkeypatch.setenv(spares.SPARE_WAIT_ENV, "1")
+    store, lay = dist.HashStore(), Layout(3, 1, 2)
+    threading.Timer(0.2, lambda: spares.end(store, lay, True, "the training ended")).start()
+    order = spares.wait_for_order(store, lay, 2)  # across a wait that times out: no order lost
+    assert (order.kind, order.ok, order.why) == (spares.END, True, "the training ended")
+    spares.end(store, lay, False, "rank 0 failed")
+    assert all(not spares.wait_for_order(store, lay, launched).ok for launched in range(3))  # a lost keeper too
+
+
+def test_a_spare_on_the_lost_rank_s_host_takes_its_local_names_and_elsewhere_keeps_its_own(torchrun_env):
+    import os
+
+    from fault_tolerant_handlers.core.records import host_name
+
+    lay = Layout(3, 1, 2, 2, 3)
+    torchrun_env.setenv("LOCAL_RANK", "2")
+    spares.take_seat(lay, Order(spares.TAKE, "", 1, 0, lost_host="elsewhere", lost_local_rank=1, lost_local_world=2))
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("1", "2", "2")
+    spares.take_seat(lay, Order(spares.TAKE, "", 1, 0, lost_host=host_name(), lost_local_rank=1, lost_local_world=2))
+    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("1", "2")
+
+
+@pytest.mark.parametrize("raw", [b"not json", b'{"kind": "take", "why": "", "rank": 2, "attempt": 0}',
+                                 b'{"kind": "take", "why": "", "rank": -1, "attempt": 0}',
+                                 b'{"kind": "take", "why": "", "rank": 0, "attempt": -1}',
+                                 b'{"kind": "reboot", "why": ""}', b"{" + b" " * 9000 + b"}"])
+def test_an_order_read_from_the_store_is_bounded_and_checked(raw):
+    assert Order.from_json(raw, training_world=2) is None
+
+
+def test_an_answer_and_a_seat_read_from_the_store_are_checked():
+    assert Answer.from_json(b'{"spare": 3, "left": 0}', 3) is None
+    assert Answer.from_json(b'{"spare": -1, "left": 0}', 3) == Answer(-1, 0)
+    assert Seat.from_json(b'{"launched": 5, "host": "a"}', 3) is None
+    assert Seat.from_json(b'{"launched": 1, "host": "a\\u0000b"}', 3).launched == 1
+
+
+@pytest.mark.parametrize("bad", ["0", "0.5", "abc", "4000"])
+def test_the_spare_s_wait_variable_is_checked(bad, monkeypatch):
+    monkeypatch.setenv(spares.SPARE_WAIT_ENV, bad)
+    with pytest.raises(ValueError, match=r"FTH_SPARE_WAIT_SEC=.*expected a number of seconds from 1 to 3600"):
+        spares.spare_wait()
+
+
+# -- rank 0's decision when a rank is lost with no keeper ---------------------------------------------------
+KILLED = Cause(0, 1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", "", -1, False, "")
+
+
+def _survivor(spares_count: int) -> _Recovery:
+    recovery = _Recovery(print, 3, timedelta(seconds=30), spares=spares_count)
+    recovery.layout = Layout(2 + spares_count, spares_count, 0)
+    return recovery
+
+
+def test_a_rank_lost_with_no_keeper_is_recovered_when_a_spare_comes_in_its_place():
+    store = dist.HashStore()
+    spare = Cause(1, 1, "RankReplaced", "rank 1's process was lost with no keeper to replace it: spare launched "
+                                        "rank 2 took its place", "", -1, True, "")
+    store.set("fth/recover/0/0/cause/1", spare.to_json())  # the spare is already in
+    store.add("fth/recover/0/0/arrived", 1)
+    decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), KILLED)
+    assert decision.restart and decision.why.startswith("rank 1 failed: RankReplaced"), decision
+    assert Order.from_json(store.get(spares.order_key(2)), 2).rank == 1
+
+
+def test_a_rank_lost_with_no_spare_left_ends_the_job_at_once_naming_why():
+    store = dist.HashStore()
+    store.add(spares.taken_key(), 1)  # the only spare was taken before
+    decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), KILLED)
+    assert not decision.restart
+    assert decision.why == ("rank 1 was lost with no keeper to replace it, and no spare is left (spares=1, all "
+                            "taken): a relaunch replaces it")
+
+
+def test_without_spares_a_rank_lost_with_no_keeper_ends_the_job_as_before():
+    decision = _survivor(0)._agree((dist.HashStore(), 0, 2, "gloo", timedelta(seconds=30)), KILLED)
+    assert not decision.restart and decision.why.startswith("a rank was lost")
