@@ -259,7 +259,9 @@ def test_stopped_pumps_leave_no_thread_and_no_descriptor():
     assert pumps == []
     for _ in range(10):
         list(loader)
-    assert settled() == ([], fds)
+    pumps, after = settled()
+    # none left open by the pumps; one of the process's own may have closed meanwhile (CI: 17 -> 16)
+    assert pumps == [] and after <= fds, (pumps, after, fds)
 
 
 # -- API ------------------------------------------------------------------------------------------
