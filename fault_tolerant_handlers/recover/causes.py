@@ -26,7 +26,7 @@ MAX_CAUSE_BYTES = 8 * 1024
 KEY_ROOT = "fth/recover"
 
 
-def _read(raw: Any) -> Any:
+def read_json(raw: Any) -> Any:
     """The JSON value a store key holds (``None`` if it is not bytes, longer than
     :data:`MAX_CAUSE_BYTES` or not JSON); the readers below check its fields."""
     if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
@@ -75,7 +75,7 @@ class Cause:
 
     @classmethod
     def from_json(cls, raw: bytes, world_size: int) -> Cause | None:
-        data = _read(raw)
+        data = read_json(raw)
         try:
             cause = cls(by=int(data["by"]), failed_rank=int(data["failed_rank"]), exc_type=str(data["exc_type"]),
                         message=str(data["message"]), where=str(data["where"]), step=int(data["step"]),
@@ -120,7 +120,7 @@ class LiveReport:
 
     @classmethod
     def from_json(cls, raw: bytes, world_size: int) -> LiveReport | None:
-        data = _read(raw)
+        data = read_json(raw)
         try:
             report = cls(by=int(data["by"]), step=int(data["step"]), unit=str(data["unit"]), why=str(data["why"]),
                          checksum=str(data.get("checksum", "")), rng=str(data.get("rng", "")),
@@ -252,7 +252,7 @@ class Decision:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Decision | None:
-        data = _read(raw)
+        data = read_json(raw)
         try:
             return cls(bool(data["restart"]), cap_head(sanitize(str(data["why"])), 500),
                        data["cause"] if isinstance(data.get("cause"), dict) else None,

@@ -46,7 +46,7 @@ from ..core.config import SPARE_WAIT_ENV  # noqa: F401 - its variable, named whe
 from ..core.errors import RecoveryError
 from ..core.log import log
 from ..core.records import cap_head, host_name, sanitize
-from .causes import KEY_ROOT, MAX_CAUSE_BYTES
+from .causes import KEY_ROOT, read_json
 
 #: A spare waits for its order in blocking store waits of this long each: one request to the store
 #: per wait, and an order is seen as soon as it is written, whatever this is (the store answers a
@@ -193,15 +193,6 @@ def seat_key(rank: int) -> str:
     return f"{_root()}/seat/{rank}"
 
 
-def _read(raw: Any) -> Any:
-    if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
-        return None
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
 def _text(value: Any, chars: int) -> str:
     return cap_head(sanitize(str(value)), chars)
 
@@ -221,7 +212,7 @@ class Seat:
 
     @classmethod
     def from_json(cls, raw: Any, launched_world: int) -> Seat | None:
-        data = _read(raw)
+        data = read_json(raw)
         try:
             seat = cls(int(data["launched"]), _text(data["host"], 200), int(data.get("local_rank", -1)),
                        int(data.get("local_world", -1)))
@@ -259,7 +250,7 @@ class Order:
 
     @classmethod
     def from_json(cls, raw: Any, training_world: int) -> Order | None:
-        data = _read(raw)
+        data = read_json(raw)
         try:
             order = cls(str(data["kind"]), _text(data["why"], 500), int(data.get("rank", -1)),
                         int(data.get("attempt", -1)), float(data.get("since", 0.0)), int(data.get("left", 0)),
@@ -290,7 +281,7 @@ class Answer:
 
     @classmethod
     def from_json(cls, raw: Any, launched_world: int) -> Answer | None:
-        data = _read(raw)
+        data = read_json(raw)
         try:
             answer = cls(int(data["spare"]), int(data["left"]))
         except (KeyError, TypeError, ValueError):
