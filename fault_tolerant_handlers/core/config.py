@@ -520,6 +520,9 @@ ZOMBIE_HOLD = 0.5
 
 #: Recovering in place: how often rank 0 counts the ranks that reached the recovery.
 RECOVER_POLL = 0.01
+#: With spares: how often rank 0, waiting for the ranks to reach the recovery, reads the failed
+#: attempt's records for more ranks lost with no keeper (each gets a spare).
+LOOK_FOR_LOST = 0.5
 #: Recovering in place: destroying a failed attempt's process groups (measured: 20 ms) must end
 #: within this many seconds, else the process ends (EXIT_TEARDOWN_STUCK) and its launcher relaunches.
 RECOVER_TEARDOWN_SEC = 10.0

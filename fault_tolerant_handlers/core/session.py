@@ -410,6 +410,18 @@ class Session:
         """This rank declares global rank ``rank`` lost (``PeerLost``), naming its pid and host."""
         return self.table.lost_record(rank, why)
 
+    def lost_ranks(self) -> dict[int, FailureRecord]:
+        """Rank -> its ``PeerLost`` record, for every rank this run's failure records declare lost
+        (its process ended, or its host is gone or unreachable), as the store holds them now (the
+        newest :data:`~.schema.MAX_NEW_RECORDS`). Read on the main connection (each call bounded);
+        a record that cannot be read is left out."""
+        lost: dict[int, FailureRecord] = {}
+        for index in self.schema.new_indices(0, self.schema.count()):
+            record = self.schema.read(index)
+            if record is not None and record.kind is FailureKind.PEER_LOST and record.rank not in lost:
+                lost[record.rank] = record
+        return lost
+
     def _explain(self, exc: BaseException) -> PeerFailedError | None:
         """Why a collective broke: a record of another rank not yet delivered, or a suspect (a rank at
         the address the error names) whose heartbeat has stopped or whose host held the store that no

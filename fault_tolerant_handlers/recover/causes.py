@@ -246,18 +246,22 @@ class Decision:
     why: str
     cause: dict | None = None
     live: dict | None = None
+    spares_left: int = -1  #: with spares, how many are left after this recovery (-1: no spares)
 
     def to_json(self) -> str:
-        return json.dumps({"restart": self.restart, "why": self.why, "cause": self.cause, "live": self.live})
+        return json.dumps({"restart": self.restart, "why": self.why, "cause": self.cause, "live": self.live,
+                           "spares_left": self.spares_left})
 
     @classmethod
     def from_json(cls, raw: bytes) -> Decision | None:
         data = read_json(raw)
         try:
+            left = int(data.get("spares_left", -1))
             return cls(bool(data["restart"]), cap_head(sanitize(str(data["why"])), 500),
                        data["cause"] if isinstance(data.get("cause"), dict) else None,
-                       data["live"] if isinstance(data.get("live"), dict) else None)
-        except (ValueError, KeyError, TypeError):
+                       data["live"] if isinstance(data.get("live"), dict) else None,
+                       left if -1 <= left < 2**31 else -1)
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
 

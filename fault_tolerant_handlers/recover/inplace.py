@@ -99,7 +99,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from ..core import attempts, compat_torch as _compat_torch, config, interrupts, phases, recoveries
-from ..core.config import RECOVER_POLL, RECOVER_TEARDOWN_SEC, RECOVER_TELL_SEC
+from ..core.config import LOOK_FOR_LOST, RECOVER_POLL, RECOVER_TEARDOWN_SEC, RECOVER_TELL_SEC
 from ..core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError, StateTransferError
 from ..core.kinds import FailureKind
 from ..core.log import log
@@ -165,6 +165,7 @@ class _Recovery:
         #: With spares: this process's place in the launched world (:mod:`.spares`).
         self.layout: spares.Layout | None = None
         self._order: spares.Order | None = None  # a spare's order to take a lost rank's place
+        self._claimed: set[int] = set()  # lost ranks this rank found a spare for, this recovery
         self._failure_wall = 0.0  # when the failure reached this rank (wall clock: a spare's log line)
         #: Told each attempt's number as it starts (a keeper's child tells its keeper).
         self.on_attempt: Callable[[int], None] | None = None
@@ -438,6 +439,33 @@ class _Recovery:
             "(%d spare%s left after it)", cause.failed_rank, answer.spare, answer.left, "" if answer.left == 1 else "s")
         return replace(cause, not_in_place="")
 
+    def _spares_for_lost(self, store: Any, prefix: str, gen: int, seconds: float) -> str:
+        """Every rank the failed attempt's records declare lost (not only the cause's: a host of
+        several ranks, two processes killed at once) that has not reached the recovery and has no
+        keeper to replace it (none announced, or its host is gone: ``ended`` unknown) gets a spare
+        (:func:`.spares.claim`, once per rank and recovery whoever asks). Returns why the job ends
+        when one is left without a spare, else ``""``."""
+        lost: dict[int, Any] = {}
+        for session in self._sessions:
+            try:
+                lost.update(session.lost_ranks())
+            except Exception as err:  # noqa: BLE001 - the recovery's join timeout then names what is missing
+                log(logging.DEBUG, "reading the lost ranks: %s", (str(err).splitlines() or [""])[0][:200])
+        for rank, record in sorted(lost.items()):
+            if rank in self._claimed or store.check([f"{prefix}cause/{rank}"]):
+                continue  # found a spare already, or it (or its replacement) reached the recovery
+            if record.ended is not None and store.check([keeper_key(rank)]):
+                continue  # its keeper replaces it
+            self._claimed.add(rank)
+            why = f"rank {rank} failed: PeerLost: {cap_head(record.exc_message, 200)}"
+            answer = spares.claim(store, self.layout, rank, gen, why, self._failure_wall, timedelta(seconds=seconds))
+            if answer.spare < 0:
+                return (f"rank {rank} was lost with no keeper to replace it, and no spare is left "
+                        f"(spares={self.layout.spares}, all taken): a relaunch replaces it")
+            log(logging.WARNING, "rank %d was lost too, with no keeper to replace it: spare launched rank %d takes its "
+                "place (%d spare%s left after it)", rank, answer.spare, answer.left, "" if answer.left == 1 else "s")
+        return ""
+
     # -- live state (captured and held by the data layer: its CAPTURE_LIVE and SETTLE_LIVE steps) --------
     def _collect_live(self, rank: int) -> None:
         """This rank's live state of the failed attempt, and what it tells the others (with its
@@ -543,6 +571,12 @@ class _Recovery:
             if self._lost_for_good(cause) and not bounded.check([keeper_key(cause.failed_rank)]):
                 conn.deadline = started + seconds + 10
                 cause = self._call_spare(cause, bounded, gen, seconds)
+            if not cause.not_in_place and self.layout is not None and self.layout.spares:
+                conn.deadline = started + seconds + 10  # other ranks lost at once: a spare each
+                self._claimed = {cause.failed_rank} if self._lost_for_good(cause) else set()
+                more = self._spares_for_lost(bounded, prefix, gen, seconds)
+                if more:
+                    cause = replace(cause, not_in_place=more)
             if not cause.not_in_place:
                 conn.deadline = started + seconds + 10
             bounded.set(f"{prefix}cause/{rank}", cause.to_json())
@@ -559,8 +593,13 @@ class _Recovery:
             if rank != 0:
                 bounded.wait([f"{prefix}decision"], timedelta(seconds=seconds + 5))
                 decision = Decision.from_json(bounded.get(f"{prefix}decision"))
+                if decision is not None and decision.spares_left >= 0:
+                    spares._set_left(decision.spares_left)  # every rank tells the same after several took
                 return decision or Decision(False, "rank 0's decision could not be read")
             decision = self._decide(bounded, prefix, world_size, gen, seconds)
+            if decision.restart and self.layout is not None and self.layout.spares:
+                decision = replace(decision, spares_left=spares.left_after(bounded, self.layout))
+                spares._set_left(decision.spares_left)
             bounded.set(f"{prefix}decision", decision.to_json())
             if decision.restart and gen:  # every rank passed the recovery before this one: its keys go
                 old = f"{KEY_ROOT}/{attempts.restart()}/{gen - 1}/"
@@ -584,12 +623,19 @@ class _Recovery:
 
     def _decide(self, store: Any, prefix: str, world_size: int, gen: int, seconds: float) -> Decision:
         deadline = time.monotonic() + seconds
+        look_again = time.monotonic() + LOOK_FOR_LOST
         while True:
             arrived, stopped = store.add(f"{prefix}arrived", 0), store.add(f"{prefix}stop", 0)
             if stopped:
                 break
             if arrived >= world_size:
                 break
+            if self.layout is not None and self.layout.spares and time.monotonic() >= look_again:
+                # a rank lost after this one's failure (or at once, seen later): a spare for it too
+                look_again = time.monotonic() + LOOK_FOR_LOST
+                more = self._spares_for_lost(store, prefix, gen, seconds)
+                if more:
+                    return Decision(False, more)
             if time.monotonic() > deadline:
                 return Decision(False, f"only {arrived} of {world_size} ranks reached the recovery within "
                                        f"{seconds:g} s ({config.RECOVER_JOIN_ENV})")

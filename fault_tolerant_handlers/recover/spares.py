@@ -321,6 +321,11 @@ def claim(store: Any, lay: Layout, rank: int, gen: int, why: str, since: float, 
     return answer
 
 
+def left_after(store: Any, lay: Layout) -> int:
+    """How many spares are left, as the store counts the ones taken (rank 0, deciding a recovery)."""
+    return max(0, lay.spares - max(0, int(store.add(taken_key(), 0))))
+
+
 def end(store: Any, lay: Layout, ok: bool, why: str) -> None:
     """Training rank 0, when the training ended (``ok``) or the job ends with a failure: every launched
     rank that waits for an order (the spares left, a keeper whose rank was lost) is told."""

@@ -70,10 +70,11 @@ def recomputed(run: Path, attempt: int = 1, failing: int = 1) -> int:
 
 
 def assert_recovered_exactly(run: Path, ref: Path, framework: str, attempts: int = 1,
-                             same_process: tuple[bool, bool] = (True, True), live: bool = False) -> None:
+                             same_process: tuple[bool, ...] = (True, True), live: bool = False) -> None:
     """``live``: the last attempt carried on from the live state of the last completed iteration
-    (none trained twice); else from the newest checkpoint (at most its interval trained twice)."""
-    for rank in (0, 1):
+    (none trained twice); else from the newest checkpoint (at most its interval trained twice).
+    ``same_process``: for each training rank, whether all its attempts ran in one process."""
+    for rank in range(len(same_process)):
         seen = tries(run, rank)
         assert set(seen) == set(range(attempts + 1)), f"rank {rank}: attempts {sorted(seen)}"
         pids = {t["pid"] for t in seen.values()}

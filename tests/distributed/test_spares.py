@@ -10,6 +10,8 @@ and 1 spare (``recover_in_place(spares=1)``, ``resume_main.py``'s seeded Ignite 
   rank 0's live state, and the run carries on at iteration 37: nothing computed twice, the weights
   of the uninterrupted 2-rank run bit for bit, every process exits 0, one log line names the lost
   rank, the spare and the time;
+* two of 3 training ranks lost at once (5 launched, 2 spares; ``long``): each gets a spare, both
+  receive rank 0's live state, and the weights are an uninterrupted 3-rank run's;
 * a second rank lost with no spare left ends the job with that cause;
 * ``spares`` that leaves no training rank ends every process at start with the error naming it.
 
@@ -35,7 +37,7 @@ from test_recover_in_place import assert_recovered_exactly, recomputed, tries, t
 SCRIPT = PROGRAMS / "resume_main.py"
 ENV = {"PG_TIMEOUT_SEC": "20", "EPOCHS": "1", "EVERY": "10", "FTH_INJECT": ""}
 SPARE = {"INPLACE": "2", "SPARES": "1"}
-_reference: dict[str, Path] = {}
+_reference: dict[tuple[str, int], Path] = {}
 
 
 def kill_launched(run_dir: Path) -> None:
@@ -67,12 +69,12 @@ def torchrun(out: Path, env: dict[str, str], *, nproc: int = 3, expect_ok: bool 
     return run_dir, code, output
 
 
-def reference(tmp_path_factory, framework: str = "ignite") -> Path:
-    """The uninterrupted 2-rank run, without spares."""
-    if framework not in _reference:
-        _reference[framework] = torchrun(tmp_path_factory.mktemp(f"ref-2-ranks-{framework}"), {}, nproc=2,
-                                         framework=framework)[0]
-    return _reference[framework]
+def reference(tmp_path_factory, framework: str = "ignite", world: int = 2) -> Path:
+    """The uninterrupted run of ``world`` ranks, without spares."""
+    if (framework, world) not in _reference:
+        _reference[framework, world] = torchrun(tmp_path_factory.mktemp(f"ref-{world}-ranks-{framework}"), {},
+                                                nproc=world, framework=framework)[0]
+    return _reference[framework, world]
 
 
 def assert_same_weights(run: Path, ref: Path) -> None:
@@ -138,6 +140,27 @@ def test_a_killed_rank_whose_keeper_lives_is_replaced_by_its_keeper_and_no_spare
     assert all(tries(run, rank)[1]["spares_left"] == 1 for rank in (0, 1))
     spare = json.loads((run / "process_launched2.json").read_text())["pid"]
     assert json.loads((run / f"returned_pid{spare}.json").read_text())["result"] is None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.long
+def test_two_ranks_lost_at_once_are_replaced_by_two_spares_and_the_run_stays_exact(tmp_path, tmp_path_factory):
+    """5 launched: 3 training ranks and 2 spares; ranks 1 and 2 are lost at the same iteration. Each
+    lost rank gets its own spare (in launched order), both receive rank 0's live state, and the run
+    ends with the weights of an uninterrupted 3-rank run."""
+    ref = reference(tmp_path_factory, world=3)
+    run, _, output = torchrun(tmp_path, {"INPLACE": "2", "SPARES": "2",
+                                         "FTH_INJECT": "lose@rank=1,iteration=27; lose@rank=2,iteration=27"}, nproc=5)
+    assert_recovered_exactly(run, ref, "ignite", same_process=(True, False, False), live=True)
+    assert recomputed(run) == 0
+    took = {}
+    for lost in (1, 2):
+        line = next(line for line in output.splitlines() if f"took the place of lost rank {lost}" in line)
+        took[lost] = line.split("spare launched rank ")[1].split(" ")[0]
+        assert (tries(run, lost)[1]["env_world"], tries(run, lost)[1]["spares_left"]) == (3, 0)
+    assert sorted(took.values()) == ["3", "4"], took  # one spare each, none twice
+    assert tries(run, 0)[1]["spares_left"] == 0
+    assert "was lost too, with no keeper to replace it: spare launched rank" in output, output[-4000:]
 
 
 @pytest.mark.timeout(300)

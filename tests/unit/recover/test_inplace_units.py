@@ -125,6 +125,11 @@ def test_a_cause_read_from_the_store_is_bounded_and_checked():
     read = Cause.from_json(json.dumps(loud).encode(), world_size=2)
     assert "\x1b" not in read.message and len(read.message) <= 500
     assert Decision.from_json(b"[1, 2]") is None
+    told = Decision(True, "rank 1 failed", spares_left=2)
+    assert Decision.from_json(told.to_json().encode()) == told
+    for wrong in (-5, 2**40, "x"):  # a count of spares left out of range is not believed
+        assert Decision.from_json(json.dumps(json.loads(told.to_json()) | {"spares_left": wrong}).encode()) in (
+            None, Decision(True, "rank 1 failed"))
 
 
 def decide(store, causes: list[Cause], *, world=2, gen=0, max_restarts=3, history=(), seconds=0.2) -> Decision:
