@@ -19,6 +19,12 @@ attempt 0.7 of an interval after a checkpoint, at iteration 37 or later (37 with
 carries on from the ranks' live state at the last completed iteration (a SIGKILLed rank's new process
 is sent a survivor's; ``--state-mb`` sets the state's size); ``inplace-ckpt`` the same with
 ``FTH_LIVE_STATE=0``: from the newest checkpoint. ``--fault hang`` sets ``FTH_HANG_TIMEOUT_SEC=3``.
+``--fault lose --spares K`` (in place only) launches K spare ranks more (``SPARES=K``) and loses rank 1
+with no process to come back in (``FTH_INJECT=lose@...``): a spare takes its place and is sent a
+survivor's live state; a third table gives the spare's figures: its takeover (the failure reaching a
+survivor -> the re-formed group, from its log line), the live state sent, and what it cost while it
+waited (CPU and resident memory, sampled from ``/proc`` between the training's first step and the
+fault, beside training rank 0's memory).
 
 Prints, per world size, framework and mode, medians and [min, max] over the runs of:
 * ``fault -> first step``: from the start of the failing iteration on rank 1 (the end of the last
@@ -53,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -80,7 +87,52 @@ PHASES = re.compile(r"\[rank (\d+)\] recovering in place, .*; watchdogs stopped 
                     r"torn down ([\d.]+) s .*re-formed ([\d.]+) s")
 
 
-def one_run(framework: str, mode: str, fault: str, out: Path, world: int = 2, every: int = 10, hidden: int = 0) -> dict:
+#: ``spare launched rank S on host H took the place of lost rank R (...): X s from the failure reaching a survivor``
+TOOK = re.compile(r"took the place of lost rank \d+ .*: ([\d.]+) s from the failure reaching a survivor")
+#: ``... torn down C s (..., live state sent X, ...)``
+SENT = re.compile(r"live state sent ([\d.]+)")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _sample(pid: int) -> tuple[float, float] | None:
+    """``(CPU seconds, resident MB)`` of ``pid`` now, or ``None`` once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK, rss / 1024
+
+
+def _watch_spares(out: Path, world: int, spares: int, stop: threading.Event, samples: dict) -> None:
+    """Every 0.2 s until ``stop``: ``(wall time, CPU s, RSS MB)`` of each launched spare and of rank 0."""
+    while not stop.wait(0.2):
+        for launched in [0, *range(world, world + spares)]:
+            try:
+                pid = json.loads((out / f"process_launched{launched}.json").read_text())["pid"]
+            except (OSError, ValueError, KeyError):
+                continue
+            got = _sample(pid)
+            if got is not None:
+                samples.setdefault(launched, []).append((time.time(), *got))
+
+
+def _idle_cost(samples: dict, world: int, spares: int, since: float, until: float) -> dict:
+    """The spares' CPU (% of a core) and memory while they waited (``since`` -> ``until``), and rank 0's memory."""
+    cpu, rss = [], []
+    for launched in range(world, world + spares):
+        idle = [s for s in samples.get(launched, []) if since <= s[0] <= until]
+        if len(idle) >= 2 and idle[-1][0] > idle[0][0]:
+            cpu.append(100 * (idle[-1][1] - idle[0][1]) / (idle[-1][0] - idle[0][0]))
+            rss.append(idle[-1][2])
+    trainer = [s for s in samples.get(0, []) if since <= s[0] <= until]
+    return {"spare_cpu": max(cpu) if cpu else float("nan"), "spare_mb": max(rss) if rss else float("nan"),
+            "rank0_mb": trainer[-1][2] if trainer else float("nan")}
+
+
+def one_run(framework: str, mode: str, fault: str, out: Path, world: int = 2, every: int = 10, hidden: int = 0,
+            spares: int = 0) -> dict:
     out.mkdir(parents=True)
     at = fault_at(every)
     # one epoch of at + 13 iterations at any world size (batch 4 per rank): 50 with a checkpoint every 10
@@ -88,10 +140,15 @@ def one_run(framework: str, mode: str, fault: str, out: Path, world: int = 2, ev
                RESUME="0" if mode == "scratch" else "1",
                FTH_INJECT=f"{fault}@rank=1,iteration={at}", PG_TIMEOUT_SEC="20", PYTHONUNBUFFERED="1",
                INPLACE="2" if mode.startswith("inplace") else "", FTH_LIVE_STATE="0" if mode == "inplace-ckpt" else "1",
-               HIDDEN=str(hidden))
+               HIDDEN=str(hidden), SPARES=str(spares))
     if fault == "hang":
         env["FTH_HANG_TIMEOUT_SEC"] = str(HANG_TIMEOUT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+    samples: dict = {}
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_spares, args=(out, world, spares, stop, samples), daemon=True)
+    if spares:
+        watcher.start()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world + spares),
            "--max-restarts", "0" if mode.startswith("inplace") else "2", "--monitor-interval", "0.5", str(SCRIPT), framework, str(out)]
     with open(out / "log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -106,6 +163,7 @@ def one_run(framework: str, mode: str, fault: str, out: Path, world: int = 2, ev
                 pass
             proc.wait()
             kill_workers(out)
+            stop.set()
     if proc.returncode != 0:
         raise RuntimeError(f"{framework}/{mode}: torchrun exited {proc.returncode}; see {out / 'log'}")
     trace = [json.loads(line) for line in (out / "batches1.jsonl").read_text().splitlines()]
@@ -121,6 +179,13 @@ def one_run(framework: str, mode: str, fault: str, out: Path, world: int = 2, ev
     phases = [tuple(float(x) for x in m.groups()[1:]) for m in PHASES.finditer((out / "log").read_text())]
     phase = {name: max(p[i] for p in phases) if phases else float("nan")
              for i, name in enumerate(("stopped", "agreed", "torn_down", "reformed"))}
+    if spares:
+        text = (out / "log").read_text()
+        took = [float(m.group(1)) for m in TOOK.finditer(text)]
+        sent = [float(m.group(1)) for m in SENT.finditer(text)]
+        zero = json.loads((out / "attempt0_rank0.json").read_text())
+        phase.update(_idle_cost(samples, world, spares, zero["first_step_at"], fault_t),
+                     took=max(took) if took else float("nan"), sent=max(sent) if sent else float("nan"))
     return {"resume_sec": max(f["first_step_at"] for f in first) - fault_t, **phase,
             "restart_sec": (recalled if in_place else min(f["started_at"] for f in first)) - fault_t,
             "import_sec": max(f["first_step_at"] for f in first) - recalled if in_place else
@@ -142,7 +207,9 @@ def summary(values: list[float], fmt: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--fault", choices=["kill", "raise", "hang"], default="kill")
+    parser.add_argument("--fault", choices=["kill", "raise", "hang", "lose"], default="kill")
+    parser.add_argument("--spares", type=int, default=0,
+                        help="spare ranks launched beside the world (--fault lose: at least 1; in place only)")
     parser.add_argument("--frameworks", default="ignite,lightning")
     parser.add_argument("--worlds", default="2", help="comma-separated world sizes (ranks), e.g. 2,4,8")
     parser.add_argument("--modes", default="resume,scratch",
@@ -168,6 +235,11 @@ def main() -> None:
     if args.state_mb < 0:
         parser.error(f"--state-mb: a size in MB >= 0; got {args.state_mb}")
     args.hidden = int(args.state_mb * 2**20 / 4 / 10) if args.state_mb else 0  # 10 floats per hidden unit
+    if args.spares < 0 or (args.fault == "lose") != (args.spares > 0):
+        parser.error(f"--spares {args.spares}: --fault lose needs --spares >= 1 (a spare takes the lost rank's place), "
+                     "and the other faults run without spares")
+    if args.fault == "lose" and set(args.modes.split(",")) - {"inplace", "inplace-ckpt"}:
+        parser.error(f"--fault lose --modes {args.modes}: spares recover in place only (inplace, inplace-ckpt)")
     worlds = [int(w) for w in args.worlds.split(",")]
     if min(worlds) < 2:
         parser.error("--worlds: every world size must be >= 2 (rank 1 fails)")
@@ -182,14 +254,15 @@ def main() -> None:
                         modes = args.modes.split(",")
                         for mode in (modes if rep % 2 == 0 else modes[::-1]):
                             run_once(results, failed, (every, world, framework, mode), rep, args.fault,
-                                     Path(tmp) / f"{framework}-{mode}-{world}-{every}-{rep}", args.hidden)
+                                     Path(tmp) / f"{framework}-{mode}-{world}-{every}-{rep}", args.hidden, args.spares)
     report(results, failed, args)
 
 
-def run_once(results: dict, failed: dict, key: tuple, rep: int, fault: str, out: Path, hidden: int = 0) -> None:
+def run_once(results: dict, failed: dict, key: tuple, rep: int, fault: str, out: Path, hidden: int = 0,
+             spares: int = 0) -> None:
     every, world, framework, mode = key
     try:
-        res = one_run(framework, mode, fault, out, world, every, hidden)
+        res = one_run(framework, mode, fault, out, world, every, hidden, spares)
     except Exception as err:  # noqa: BLE001 - a run that did not recover is a result too
         failed.setdefault(key, []).append(f"run {rep + 1}: {err}")
         print(f"  every {every} {world} ranks {framework:9s} {mode:12s} run {rep + 1}: FAILED: {err}", flush=True)
@@ -234,6 +307,18 @@ def report(results: dict, failed: dict, args) -> None:
             state = "live" if mode == "inplace" else "checkpoint"
             print(f"| {world} | {framework} | {every} | {state} | {cells} | {summary([r['import_sec'] for r in runs], '.2f')} | "
                   f"{summary([r['resume_sec'] for r in runs], '.2f')} |")
+    if args.spares:
+        print(f"\nSpares ({args.spares} launched beside the world): the takeover, the failure reaching a survivor -> the "
+              "re-formed group (the spare's log line); the live state sent to it (the slowest rank's); while it "
+              "waited, its CPU (% of a core) and resident memory, beside training rank 0's (median [min, max])")
+        print("| ranks | framework | takeover (s) | live state sent (s) | fault -> first trained step (s) | idle spare "
+              "CPU (%) | idle spare RSS (MB) | training rank 0 RSS (MB) |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for (world, framework, every, mode), runs in inplace_rows:
+            cells = " | ".join(summary([r[p] for r in runs], f) for p, f in
+                               (("took", ".2f"), ("sent", ".2f"), ("resume_sec", ".2f"), ("spare_cpu", ".2f"),
+                                ("spare_mb", ".0f"), ("rank0_mb", ".0f")))
+            print(f"| {world} + {args.spares} | {framework} | {cells} |")
     for (every, world, framework, mode), why in sorted(failed.items()):
         print(f"FAILED every {every} {world} ranks {framework} {mode}: {len(why)} run(s): {'; '.join(why)}")
     print(f"load average during the runs: {summary([r['load'] for rs in results.values() for r in rs], '.1f')} "
@@ -252,7 +337,7 @@ def report(results: dict, failed: dict, args) -> None:
         if not inplace:
             continue
         median_target, worst_target = {"raise": (1.5, 3), "hang": (HANG_TIMEOUT + 1.5, HANG_TIMEOUT + 3),
-                                       "kill": (3, 3)}[args.fault]
+                                       "kill": (3, 3), "lose": (3, 3)}[args.fault]
         med, worst = statistics.median(r["resume_sec"] for r in inplace), max(r["resume_sec"] for r in inplace)
         ok = med <= median_target and worst <= worst_target
         print(f"targets in place at {world} ranks (fault -> first step: median <= {median_target:g} s, worst <= "
