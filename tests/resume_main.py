@@ -34,6 +34,7 @@ import os
 import signal
 import sys
 import tempfile
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -127,6 +128,10 @@ def in_memory(path: str | None) -> bool:
     return path is not None and snapshots.newest(path) is not None
 
 
+#: Ignite: a weak reference to each attempt's default group, in this process.
+GROUPS: list = []
+
+
 def world_seen() -> None:
     """The names of the world the training function sees (RANK and WORLD_SIZE read again: with
     spares, recover_in_place sets them to the training world's before the call)."""
@@ -142,7 +147,9 @@ def note(info: dict) -> None:
     info.update(dist_rank=dist.get_rank() if group else None, dist_world=dist.get_world_size() if group else None,
                 env_world=int(os.environ["WORLD_SIZE"]),
                 local_world=os.environ.get("LOCAL_WORLD_SIZE"), local_rank=os.environ.get("LOCAL_RANK"),
-                spares_left=spares_left())
+                spares_left=spares_left(),
+                # the default groups of this process's earlier attempts that still live (each was destroyed)
+                earlier_groups_alive=sum(ref() is not None for ref in GROUPS[:-1]))
     info.update(attempt=int(ATTEMPT), rank=RANK, pid=os.getpid(), t=time.time(), ckpt_files=sorted(os.listdir(CKPT)),
                 started_at=T_START, marks=MARKS)
     (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(info))
@@ -202,6 +209,7 @@ def run_ignite() -> None:
     mark("imported")
     dist.init_process_group("gloo", timeout=PG_TIMEOUT)
     mark("process_group")
+    GROUPS.append(weakref.ref(dist.group.WORLD))
     torch.manual_seed(0)
     model = make_model()
     ddp = DistributedDataParallel(model)

@@ -369,6 +369,8 @@ class _Recovery:
         process, without a keeper) or return ``None`` when the training ended."""
         lay = self.layout
         spares._set_left(lay.spares)
+        # what the training's first optimizer would import (seconds), imported while nothing waits for it
+        _compat_torch.import_lazy_modules()
         store = spares.connect(self.join_timeout)
         log(logging.INFO, "launched rank %d of %d is a spare: it waits for a training rank (%d of them) lost with no "
             "keeper to replace it", lay.launched_rank, lay.launched_world, lay.training_world)

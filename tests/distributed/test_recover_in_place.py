@@ -126,6 +126,8 @@ def test_a_raise_recovers_in_place_from_live_state_exactly(framework, every, tmp
         assert f"[rank {rank}] recovering in place, attempt 1 (max_restarts=2), after rank 1 failed in train: " \
                "InjectedFault" in output
     assert output.count(f"the next call carries on from live state, {UNIT[framework]} 36 (each rank's own)") == 2
+    if framework == "ignite":  # the first attempt's group, destroyed by the recovery, is freed (its threads, sockets)
+        assert [tries(run, rank)[1]["earlier_groups_alive"] for rank in (0, 1)] == [0, 0]
 
 
 @pytest.mark.long

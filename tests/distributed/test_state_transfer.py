@@ -23,6 +23,8 @@ def _job(world, cases, tmp_path_factory):
     results = run_ranks(world, "", tmp, script=PROGRAM, env={"CASES": ",".join(cases)}, deadline=120)
     for r in results:
         assert r.returncode == 0 and r.has("done"), r.stderr[-3000:]
+        # destroyed, the group is freed at once, not at the interpreter's exit (see the program's main)
+        assert r.event("done")["group_freed"], r.rank
     return results, tmp / f"live_state_main-{world}"
 
 
