@@ -540,7 +540,12 @@ class _Recovery:
         try:
             if gen >= self.max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
                 cause = replace(cause, not_in_place=f"max_restarts={self.max_restarts} recoveries in place already spent")
-            if self._lost_for_good(cause) and not bounded.check([keeper_key(cause.failed_rank)]):
+            # A keeper key tells that a keeper may replace the rank only when the rank's end was seen
+            # (needs_keeper: its host lives, its liveness helper told how its process ended). A rank
+            # whose end was not seen (another host's, gone with its host or cut off) left its key
+            # behind, announced when it started: its keeper, if it lives, is where no peer can reach it.
+            if self._lost_for_good(cause) and (not needs_keeper(cause)
+                                               or not bounded.check([keeper_key(cause.failed_rank)])):
                 conn.deadline = started + seconds + 10
                 cause = self._call_spare(cause, bounded, gen, seconds)
             if not cause.not_in_place:
