@@ -37,7 +37,7 @@ import torch
 import hosts
 from hosts import Rig, _alive
 from launch import read_events
-from test_multihost_recover import LONG_RUN, MAIN, Run, json_lines
+from test_multihost_recover import LONG_RUN, MAIN, NOT_RECOVERED, Run, json_lines
 
 pytestmark = [
     pytest.mark.slow,
@@ -173,10 +173,31 @@ def test_a_lost_host_is_replaced_by_the_spare_on_another_host_and_the_run_stays_
     assert all(0 < t < 20 for t in took.values()), took
 
 
+def assert_cut_off_rank_ended(run: Run) -> None:
+    """node-b's rank, cut off from the store and from rank 0, trained nothing after the fault: its
+    training process raised ``PeerFailedError`` with the note and the log line saying why it was not
+    recovered in place, made no attempt 1, and its process (the keeper torchrun started) ended by
+    itself, exiting 1."""
+    raised = run.event(1, "run_raised")
+    assert raised is not None and raised["raised"] == "PeerFailedError", f"{raised}\n{run.describe()}"
+    note = [n for n in raised["notes"] if n.startswith("fault-tolerant-handlers: not recovered in place: ")]
+    assert note, raised
+    logged = [m.group(2) for m in NOT_RECOVERED.finditer(run.log("node-b")) if int(m.group(1)) == 1]
+    assert logged and note[0].endswith(logged[0]), f"logged {logged}, noted {note}\n{run.describe()}"
+    assert [c["attempt"] for c in run.all(1, "attempt")] == [0], run.describe()
+    assert 1 in run.ended_at and run.event(1, "exit")["how"] == "SystemExit: 1", run.describe()
+    spare_first = run.tries(1)[1]["first_step_at"]
+    old = [e for e in run.trained(1) if e["attempt"] == 0]
+    assert old and all(e["t"] < run.fault_at < spare_first for e in old), "node-b's rank trained after the fault"
+    print(f"node-b's rank: raised {raised['exc_type']} naming rank {raised['failed_rank']} "
+          f"{raised['t'] - run.fault_at:.2f} s after the fault, its process ended {run.ended_at[1] - run.fault_at:.2f} s "
+          f"after; not recovered in place: {logged[0]}")
+
+
 def test_a_cut_link_is_replaced_by_the_spare_and_the_cut_off_rank_never_trains_again(tmp_path, tmp_path_factory):
     ref = reference(tmp_path_factory)
     run = run_spares(tmp_path, "cut_link")
     assert run.fault_at is not None, run.describe()
     took = assert_spare_took_rank_1(run, ref)
     assert all(0 < t < 20 for t in took.values()), took
-    print(run.describe())
+    assert_cut_off_rank_ended(run)
