@@ -282,7 +282,8 @@ def test_a_rank_whose_place_a_spare_took_never_rejoins_and_counts_nothing(taken)
         store.set(spares.seat_key(1), Seat(2, "node-c").to_json())
     decision = _displaced_rank_1()._agree((store, 1, 2, "gloo", timedelta(seconds=30)), STORE_HOST_SILENT)
     assert not decision.restart
-    where = "spare launched rank 2 takes its place" if taken == "ordered" else "launched rank 2 on host node-c holds its seat"
+    where = ("spare launched rank 2 takes its place" if taken == "ordered"
+             else "launched rank 2 on host node-c holds its seat")
     assert decision.why == (f"rank 1 was declared lost by its peers and {where}: this process (launched rank 1) does "
                             "not rejoin the job"), decision
     assert not store.check(["fth/recover/0/0/cause/1", "fth/recover/0/0/arrived", spares.taken_key()])
