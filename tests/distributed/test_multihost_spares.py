@@ -29,6 +29,7 @@ the reference (an uninterrupted 2-rank run on one host, :func:`reference`) is ma
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -65,6 +66,7 @@ def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = LAUNCHED, s
     end = time.monotonic() + deadline
     with Rig(hosts_n, out) as rig:
         run = Run(out, fault, None, rig)
+        run.thawed_at = None
         rig.start([str(MAIN), str(out)], env={**ENV, "SPARES": str(spares)})
         pids: dict[int, int] = {}  # launched rank -> pid on the machine of the process torchrun started
         while time.monotonic() < end:
@@ -87,6 +89,10 @@ def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = LAUNCHED, s
                 getattr(rig, fault)(1)
                 run.fault_at = time.time()
                 end = min(end, time.monotonic() + after_fault)
+            if fault == "freeze_host" and run.thawed_at is None and run.fault_at is not None \
+                    and _trains(out / "attempt1_rank1.json"):  # the spare trains rank 1: node-b goes on
+                rig.freeze_host(1, thaw=True)
+                run.thawed_at = time.time()
             expected = [r for r in range(hosts_n) if not (fault == "kill_host" and r == 1)]
             if (fault == "none" or run.fault_at is not None) and len(run.ended_at) == hosts_n \
                     and all(run.event(r, "exit") for r in expected):
@@ -97,6 +103,14 @@ def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = LAUNCHED, s
         for rank in range(hosts_n):
             run.events[rank] = read_events(out, rank)
     return run
+
+
+def _trains(path: Path) -> bool:
+    """``resume_main.py``'s attempt file ``path`` tells a first trained step (it may be being written)."""
+    try:
+        return bool(json.loads(path.read_text()).get("first_step_at"))
+    except (OSError, ValueError):
+        return False
 
 
 def reference(tmp_path_factory) -> Path:
@@ -204,3 +218,27 @@ def test_a_cut_link_is_replaced_by_the_spare_and_the_cut_off_rank_never_trains_a
     took = assert_spare_took_rank_1(run, ref)
     assert all(0 < t < 20 for t in took.values()), took
     assert_cut_off_rank_ended(run)
+
+
+@pytest.mark.long
+def test_a_frozen_host_is_replaced_by_the_spare_and_once_thawed_its_rank_never_rejoins(tmp_path, tmp_path_factory):
+    """Every process of node-b stops (SIGSTOP): rank 0 names rank 1 silent, the spare takes its place
+    as for a cut link; once the spare trains, node-b goes on (SIGCONT). Its rank, back with the store
+    in reach, finds at its recovery that a spare holds its place and ends naming it: it writes no
+    cause, is counted nowhere and trains nothing more; the run stays exact."""
+    ref = reference(tmp_path_factory)
+    run = run_spares(tmp_path, "freeze_host")
+    assert run.fault_at is not None and run.thawed_at is not None, run.describe()
+    took = assert_spare_took_rank_1(run, ref)
+    assert all(0 < t < 20 for t in took.values()), took
+    raised = run.event(1, "run_raised")
+    assert raised is not None and raised["t"] > run.thawed_at, f"{raised}\n{run.describe()}"
+    why = ("rank 1 was declared lost by its peers and spare launched rank 2 takes its place: this process "
+           "(launched rank 1) does not rejoin the job")
+    assert any(n.endswith(why) for n in raised["notes"]), f"{raised}\n{run.describe()}"
+    assert f"[rank 1] {why}" in run.log("node-b"), run.describe()
+    assert [c["attempt"] for c in run.all(1, "attempt")] == [0], run.describe()
+    assert 1 in run.ended_at and run.event(1, "exit")["how"] == "SystemExit: 1", run.describe()
+    print(f"node-b thawed {run.thawed_at - run.fault_at:.2f} s after the freeze; its rank raised "
+          f"{raised['raised']} {raised['t'] - run.thawed_at:.2f} s after, its process ended "
+          f"{run.ended_at[1] - run.thawed_at:.2f} s after: {why}")
