@@ -10,7 +10,10 @@ c10d rendezvous's host), node-b launched rank 1, node-c launched rank 2: the spa
   weights are an uninterrupted 2-rank run's, bit for bit; rank 0 and the spare end their calls
   normally; the spare's log line names the lost rank, its host, the spare and its host, and the time;
 * with the link cut, node-b's rank (alive, cut off from the store) never trains again: it ends,
-  naming why (no split brain).
+  naming why (no split brain);
+* node-b frozen whole (SIGSTOP), then thawed once the spare trains: the same takeover, and node-b's
+  rank, back with the store in reach, finds a spare in its place and ends naming it (it never
+  rejoins).
 
 The time from the fault to the first step trained after it, on each training rank, is measured (the
 rig's wall clock at the fault to the rank's first traced step of attempt 1: the clocks are the
@@ -21,8 +24,8 @@ The end of the job: rank 0 and the spare return, but torchrun's agents on node-a
 wait in their exit barrier for node-b's agent (gone, or cut off), 300 s by default; the test reads
 the ranks' own records and exits, then kills the agents by pid (``Rig.close``).
 
-The lost host runs in the default suite (the cheaper: found in 1.5 s, not 3 s); the cut link is
-``long`` (``make test-multihost``; its silent rank and the no-rejoin check have unit tests in
+The lost host runs in the default suite (the cheaper: found in 1.5 s, not 3 s); the cut link and
+the frozen host are ``long`` (``make test-multihost``; its silent rank and the no-rejoin check have unit tests in
 ``tests/unit/recover/test_spares_units.py``). Each run takes 30-60 s here (load average up to 10 on 2 cores);
 the reference (an uninterrupted 2-rank run on one host, :func:`reference`) is made once per session.
 """
