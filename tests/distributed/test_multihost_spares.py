@@ -60,8 +60,8 @@ _reference: dict[str, Path] = {}
 def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = LAUNCHED, spares: int = 1,
                after_fault: float = 60.0, deadline: float = 200.0) -> Run:
     """Run ``multihost_recover_main.py`` on ``hosts_n`` simulated hosts, 1 rank each, ``spares`` of them
-    spares; inject ``fault`` (``kill_host``, ``cut_link`` or ``none``) at node-b once both training
-    ranks are ready. The run lasts until every launched rank that did not die with its host has
+    spares; inject ``fault`` (``kill_host``, ``cut_link``, ``freeze_host``: thawed once the spare trains
+    rank 1, or ``none``) at node-b once both training ranks are ready. The run lasts until every launched rank that did not die with its host has
     recorded its exit, and every such rank's process has ended (or ``after_fault`` s after the
     fault, or ``deadline``); then every agent and namespace is removed."""
     out = workdir / f"spares-{fault}-{hosts_n}"
