@@ -62,7 +62,8 @@ test-long: $(STAMP)
 
 # Every multi-host test (simulated hosts: needs root, ip, unshare, tc), the long ones included.
 test-multihost: $(STAMP)
-	$(PY) -m pytest -q tests/distributed/test_multihost.py tests/distributed/test_multihost_recover.py
+	$(PY) -m pytest -q tests/distributed/test_multihost.py tests/distributed/test_multihost_recover.py \
+		tests/distributed/test_multihost_spares.py
 
 # Every framework x fault of the exact-resume test under torchrun (the default suite runs three)
 test-resume: $(STAMP)

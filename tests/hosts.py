@@ -283,6 +283,15 @@ class Rig:
         """Host ``i``'s network link goes down (both ends see it)."""
         _ip("-n", self.hosts[i].ns, "link", "set", DEV, "down")
 
+    def freeze_host(self, i: int, thaw: bool = False) -> None:
+        """Every process of host ``i`` stops (SIGSTOP, by pid), as a host that hangs whole; ``thaw``:
+        they go on (SIGCONT)."""
+        for pid in self.host_pids(self.hosts[i]).values():
+            try:
+                os.kill(pid, signal.SIGCONT if thaw else signal.SIGSTOP)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def drop_packets(self, i: int) -> None:
         """Every packet host ``i`` sends is dropped; its link stays up."""
         subprocess.run(["ip", "netns", "exec", self.hosts[i].ns, "tc", "qdisc", "add", "dev", DEV, "root",

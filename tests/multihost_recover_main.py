@@ -20,6 +20,9 @@ Environment (besides ``resume_main.py``'s ``EPOCHS``, ``EVERY``, ``FTH_INJECT``,
     INPLACE      max_restarts of ``recover_in_place`` (default 2)
     STEP_SEC     extra time per step, seconds (default 0): a run long enough for a host fault
     READY_ITER   iteration of attempt 0 at which ``ready`` is recorded (default 10)
+    SPARES       spares of ``recover_in_place`` (default 0): the last launched ranks wait, and one takes
+                 the place of a rank lost with no keeper; a spare's events stay in the file of its
+                 launched rank (``rank<launched>.jsonl``), its training files are the rank's it took
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ RANK = int(os.environ["RANK"])
 INPLACE = int(os.environ.get("INPLACE", "2"))
 STEP_SEC = float(os.environ.get("STEP_SEC", "0"))
 READY_ITER = int(os.environ.get("READY_ITER", "10"))
+SPARES = int(os.environ.get("SPARES", "0"))
 
 
 class Trace(resume_main.Trace):
@@ -104,7 +108,7 @@ def main() -> None:
     logging.getLogger("fault_tolerant_handlers").addHandler(RecordInjected())
     sys.excepthook = excepthook
     try:
-        recover_in_place(train, max_restarts=INPLACE)()
+        recover_in_place(train, max_restarts=INPLACE, spares=SPARES)()
     except BaseException as exc:
         record("exit", how=f"{type(exc).__name__}: {exc}", pid=os.getpid())
         raise

@@ -213,6 +213,7 @@ def run_ignite() -> None:
     torch.manual_seed(0)
     model = make_model()
     ddp = DistributedDataParallel(model)
+    mark("ddp_made")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = make_loader()
     trace = Trace()
@@ -243,6 +244,7 @@ def run_ignite() -> None:
     trainer = Engine(step)
     trainer.add_event_handler(Events.EPOCH_STARTED, lambda e: loader.sampler.set_epoch(e.state.epoch - 1))
     FaultTolerance(hang_timeout=HANG_TIMEOUT).attach(trainer)
+    mark("attached")
     to_save = {"model": model, "optimizer": opt, "trainer": trainer, "loader": loader}
     if BUCKETS:
         from fault_tolerant_handlers import DDPBucketLayout

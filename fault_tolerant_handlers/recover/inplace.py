@@ -418,19 +418,40 @@ class _Recovery:
             conn.close()
 
     def _lost_for_good(self, cause: Cause) -> bool:
-        """A peer's process ended (or, with spares, its end was not seen: another host's rank), and only
-        its keeper or a spare can replace it."""
+        """A peer's process ended (or, with spares, its end was not seen: another host's rank lost, or
+        silent: its host or link gone), and only its keeper or a spare can replace it. A silent rank
+        that still lives never rejoins once a spare holds its seat (:meth:`_displaced`)."""
         if needs_keeper(cause):
             return True
         return (self.layout is not None and not cause.own and cause.failed_rank >= 0
-                and cause.failure_kind is FailureKind.PEER_LOST
-                and cause.not_in_place == NOT_IN_PLACE[FailureKind.PEER_LOST])
+                and cause.failure_kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
+                and cause.not_in_place == NOT_IN_PLACE[cause.failure_kind])
+
+    def _displaced(self, store: Any, rank: int, gen: int) -> str:
+        """With spares, why this process must not take part in the recovery as ``rank`` any more: a
+        spare was ordered to take that rank at this recovery, or holds its seat (its peers declared this
+        process lost or silent: cut off, frozen, then back). "" when it holds its seat."""
+        lay = self.layout
+        if lay is None or not lay.spares:
+            return ""
+        mine = lay.launched_rank  # a spare that took the seat: its own launched rank is the seat's
+        if store.check([spares.answer_key(gen, rank)]):
+            answer = spares.Answer.from_json(store.get(spares.answer_key(gen, rank)), lay.launched_world)
+            if answer is not None and answer.spare >= 0 and answer.spare != mine:
+                return (f"rank {rank} was declared lost by its peers and spare launched rank {answer.spare} takes its "
+                        f"place: this process (launched rank {mine}) does not rejoin the job")
+        if store.check([spares.seat_key(rank)]):
+            seat = spares.Seat.from_json(store.get(spares.seat_key(rank)), lay.launched_world)
+            if seat is not None and seat.launched != mine:
+                return (f"rank {rank} was declared lost by its peers and {seat.describe()} holds its seat: this "
+                        f"process (launched rank {mine}) does not rejoin the job")
+        return ""
 
     def _call_spare(self, cause: Cause, store: Any, gen: int, seconds: float) -> Cause:
         """Rank ``cause.failed_rank`` was lost with no keeper to replace it: a spare takes its place
         (:func:`.spares.claim`), or, none left, the cause ends the job as without spares."""
-        if self.layout is None or not self.layout.spares:
-            return replace(cause, not_in_place=NOT_IN_PLACE[FailureKind.PEER_LOST])
+        if self.layout is None or not self.layout.spares:  # a silent rank stays silent, a lost one lost
+            return replace(cause, not_in_place=cause.not_in_place or NOT_IN_PLACE[FailureKind.PEER_LOST])
         answer = spares.claim(store, self.layout, cause.failed_rank, gen, cause.describe(), self._failure_wall,
                               timedelta(seconds=seconds))
         if answer.spare < 0:
@@ -568,9 +589,18 @@ class _Recovery:
         started = time.monotonic()
         conn.deadline = started + RECOVER_TELL_SEC
         try:
+            displaced = self._displaced(bounded, rank, gen)
+            if displaced:  # before it writes or counts anything: the rank is another process's now
+                log(logging.ERROR, "%s", displaced)
+                return Decision(False, displaced)
             if gen >= self.max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
                 cause = replace(cause, not_in_place=f"max_restarts={self.max_restarts} recoveries in place already spent")
-            if self._lost_for_good(cause) and not bounded.check([keeper_key(cause.failed_rank)]):
+            # A keeper key tells that a keeper may replace the rank only when the rank's end was seen
+            # (needs_keeper: its host lives, its liveness helper told how its process ended). A rank
+            # whose end was not seen (another host's, gone with its host or cut off) left its key
+            # behind, announced when it started: its keeper, if it lives, is where no peer can reach it.
+            if self._lost_for_good(cause) and (not needs_keeper(cause)
+                                               or not bounded.check([keeper_key(cause.failed_rank)])):
                 conn.deadline = started + seconds + 10
                 cause = self._call_spare(cause, bounded, gen, seconds)
             if not cause.not_in_place and self.layout is not None and self.layout.spares:

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers import RecoveryError, recover_in_place, spares_left
 from fault_tolerant_handlers.recover import spares
-from fault_tolerant_handlers.recover.causes import Cause
+from fault_tolerant_handlers.core.kinds import FailureKind
+from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE, Cause, keeper_key
 from fault_tolerant_handlers.recover.inplace import _Recovery
 from fault_tolerant_handlers.recover.spares import Answer, Layout, Order, Seat
 
@@ -198,3 +199,100 @@ def test_a_rank_lost_with_no_spare_left_ends_the_job_at_once_naming_why():
 def test_without_spares_a_rank_lost_with_no_keeper_ends_the_job_as_before():
     decision = _survivor(0)._agree((dist.HashStore(), 0, 2, "gloo", timedelta(seconds=30)), KILLED)
     assert not decision.restart and decision.why.startswith("a rank was lost")
+
+
+# -- a rank on another host: its keeper key is left behind when its host goes -------------------------------
+#: rank 0's view of rank 1 lost with its host: its end not seen (no helper told how its process ended)
+HOST_GONE = Cause(0, 1, "PeerLost", "rank 1 (pid 9 on node-b) lost: Read error [10.231.0.2] and no heartbeat "
+                                    "for 1.2 s", "", -1, False, NOT_IN_PLACE[FailureKind.PEER_LOST], "PeerLost")
+
+
+def test_a_rank_lost_with_its_host_is_replaced_by_a_spare_though_its_keeper_had_announced_itself():
+    """node-b died whole: its keeper had set rank 1's keeper key when rank 1 started, and nobody took it
+    back. The key is no evidence of a keeper that lives: the spare is ordered in, and the job recovers."""
+    store = dist.HashStore()
+    store.set(keeper_key(1), "1")  # announced by rank 1's keeper, before node-b died
+    spare = Cause(1, 1, "RankReplaced", "rank 1's process was lost with no keeper to replace it: spare launched "
+                                        "rank 2 took its place", "", -1, True, "")
+    store.set("fth/recover/0/0/cause/1", spare.to_json())  # the spare is already in
+    store.add("fth/recover/0/0/arrived", 1)
+    decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), HOST_GONE)
+    assert decision.restart, decision
+    assert Order.from_json(store.get(spares.order_key(2)), 2).rank == 1
+
+
+def test_a_killed_rank_whose_keeper_lives_waits_for_its_keeper_and_no_spare_is_ordered():
+    """Rank 1's process was killed on a host that lives (its end seen: ``KILLED``) and its keeper key is
+    set: the keeper's replacement comes; no spare is spent."""
+    store = dist.HashStore()
+    store.set(keeper_key(1), "1")
+    replaced = Cause(1, 1, "RankReplaced", "the process of rank 1 (pid 7) killed by SIGKILL: replaced in place", "",
+                     -1, True, "")
+    store.set("fth/recover/0/0/cause/1", replaced.to_json())  # its keeper's replacement is already in
+    store.add("fth/recover/0/0/arrived", 1)
+    decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), KILLED)
+    assert decision.restart, decision
+    assert not store.check([spares.order_key(2)]) and not store.check([spares.taken_key()])
+
+
+# -- a rank cut off from its peers: replaced by a spare, and it never rejoins ------------------------------
+#: rank 0's view of rank 1 whose link went down: silent, its end not seen
+LINK_CUT = Cause(0, 1, "PeerSilent", "rank 1 (pid 9 on node-b) lost: no heartbeat for 3.0 s (its host or link is "
+                                     "down, or its process is gone or frozen)", "", -1, False,
+                 NOT_IN_PLACE[FailureKind.PEER_SILENT], "PeerSilent")
+
+
+def test_a_silent_rank_on_another_host_is_replaced_by_a_spare():
+    store = dist.HashStore()
+    store.set(keeper_key(1), "1")
+    spare = Cause(1, 1, "RankReplaced", "rank 1's process was lost with no keeper to replace it: spare launched "
+                                        "rank 2 took its place", "", -1, True, "")
+    store.set("fth/recover/0/0/cause/1", spare.to_json())
+    store.add("fth/recover/0/0/arrived", 1)
+    decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), LINK_CUT)
+    assert decision.restart, decision
+    assert Order.from_json(store.get(spares.order_key(2)), 2).rank == 1
+
+
+def test_without_spares_a_silent_rank_ends_the_job_as_before():
+    decision = _survivor(0)._agree((dist.HashStore(), 0, 2, "gloo", timedelta(seconds=30)), LINK_CUT)
+    assert not decision.restart and decision.why.startswith("a rank went silent"), decision
+
+
+def _displaced_rank_1() -> _Recovery:
+    recovery = _Recovery(print, 3, timedelta(seconds=30), spares=1)
+    recovery.layout = Layout(3, 1, 1)  # launched rank 1: training rank 1
+    return recovery
+
+
+#: what the cut-off rank 1 knows when it comes back: rank 0 (the store's host) went silent
+STORE_HOST_SILENT = Cause(1, 0, "PeerSilent", "rank 0 lost: no heartbeat for 3.0 s", "", -1, False,
+                          NOT_IN_PLACE[FailureKind.PEER_SILENT], "PeerSilent")
+
+
+@pytest.mark.parametrize("taken", ["ordered", "seated"])
+def test_a_rank_whose_place_a_spare_took_never_rejoins_and_counts_nothing(taken):
+    """Rank 1 was declared lost (cut off, frozen) and spare launched rank 2 was ordered to its place (or
+    already sits in it); rank 1's process comes back and reaches the recovery: it ends naming why,
+    writes no cause, claims no spare and is not counted in."""
+    store = dist.HashStore()
+    if taken == "ordered":
+        store.set(spares.answer_key(0, 1), Answer(2, 0).to_json())
+    else:
+        store.set(spares.seat_key(1), Seat(2, "node-c").to_json())
+    decision = _displaced_rank_1()._agree((store, 1, 2, "gloo", timedelta(seconds=30)), STORE_HOST_SILENT)
+    assert not decision.restart
+    where = ("spare launched rank 2 takes its place" if taken == "ordered"
+             else "launched rank 2 on host node-c holds its seat")
+    assert decision.why == (f"rank 1 was declared lost by its peers and {where}: this process (launched rank 1) does "
+                            "not rejoin the job"), decision
+    assert not store.check(["fth/recover/0/0/cause/1", "fth/recover/0/0/arrived", spares.taken_key()])
+
+
+def test_a_rank_in_its_own_seat_takes_part_in_the_recovery():
+    store = dist.HashStore()
+    store.set(spares.seat_key(1), Seat(1, "node-b").to_json())
+    store.set("fth/recover/0/0/decision", '{"restart": true, "why": "rank 1 failed: x"}')
+    raised = Cause(1, 1, "ValueError", "x", "", 5, True, "")
+    _displaced_rank_1()._agree((store, 1, 2, "gloo", timedelta(seconds=30)), raised)
+    assert store.check(["fth/recover/0/0/cause/1"]) and store.add("fth/recover/0/0/arrived", 0) == 1
