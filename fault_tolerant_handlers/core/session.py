@@ -411,14 +411,17 @@ class Session:
         return self.table.lost_record(rank, why)
 
     def lost_ranks(self) -> dict[int, FailureRecord]:
-        """Rank -> its ``PeerLost`` record, for every rank this run's failure records declare lost
-        (its process ended, or its host is gone or unreachable), as the store holds them now (the
-        newest :data:`~.schema.MAX_NEW_RECORDS`). Read on the main connection (each call bounded);
-        a record that cannot be read is left out."""
+        """Rank -> its record, for every rank this run's failure records declare lost (``PeerLost``:
+        its process ended, or its host is gone or unreachable) or silent (``PeerSilent``: its
+        heartbeat stopped), as the store holds them now (the newest :data:`~.schema.MAX_NEW_RECORDS`;
+        a rank declared both is given by its ``PeerLost``). Read on the main connection (each call
+        bounded); a record that cannot be read is left out."""
         lost: dict[int, FailureRecord] = {}
         for index in self.schema.new_indices(0, self.schema.count()):
             record = self.schema.read(index)
-            if record is not None and record.kind is FailureKind.PEER_LOST and record.rank not in lost:
+            if record is None or record.kind not in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT):
+                continue
+            if record.rank not in lost or record.kind is FailureKind.PEER_LOST:
                 lost[record.rank] = record
         return lost
 

@@ -463,9 +463,9 @@ class _Recovery:
         return replace(cause, not_in_place="")
 
     def _spares_for_lost(self, store: Any, prefix: str, gen: int, seconds: float) -> str:
-        """Every rank the failed attempt's records declare lost (not only the cause's: a host of
-        several ranks, two processes killed at once) that has not reached the recovery and has no
-        keeper to replace it (none announced, or its host is gone: ``ended`` unknown) gets a spare
+        """Every rank the failed attempt's records declare lost or silent (not only the cause's: a host
+        of several ranks, two processes killed at once) that has not reached the recovery and has no
+        keeper to replace it (none announced, or its end was not seen: ``ended`` unknown) gets a spare
         (:func:`.spares.claim`, once per rank and recovery whoever asks). Returns why the job ends
         when one is left without a spare, else ``""``."""
         lost: dict[int, Any] = {}
@@ -480,7 +480,7 @@ class _Recovery:
             if record.ended is not None and store.check([keeper_key(rank)]):
                 continue  # its keeper replaces it
             self._claimed.add(rank)
-            why = f"rank {rank} failed: PeerLost: {cap_head(record.exc_message, 200)}"
+            why = f"rank {rank} failed: {record.exc_type}: {cap_head(record.exc_message, 200)}"
             answer = spares.claim(store, self.layout, rank, gen, why, self._failure_wall, timedelta(seconds=seconds))
             if answer.spare < 0:
                 return (f"rank {rank} was lost with no keeper to replace it, and no spare is left "

@@ -323,7 +323,8 @@ def claim(store: Any, lay: Layout, rank: int, gen: int, why: str, since: float, 
 
 def left_after(store: Any, lay: Layout) -> int:
     """How many spares are left, as the store counts the ones taken (rank 0, deciding a recovery)."""
-    return max(0, lay.spares - max(0, int(store.add(taken_key(), 0))))
+    taken = int(store.add(taken_key(), 0)) if store.check([taken_key()]) else 0  # no key made: none taken
+    return max(0, lay.spares - max(0, taken))
 
 
 def end(store: Any, lay: Layout, ok: bool, why: str) -> None:
