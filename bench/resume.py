@@ -66,6 +66,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from launch import kill_workers  # noqa: E402 - the tests' harness
 
+from fault_tolerant_handlers.core import procfs  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "resume_main.py"
 DEADLINE = 180
@@ -91,18 +93,17 @@ PHASES = re.compile(r"\[rank (\d+)\] recovering in place, .*; watchdogs stopped 
 TOOK = re.compile(r"took the place of lost rank \d+ .*: ([\d.]+) s from the failure reaching a survivor")
 #: ``... torn down C s (..., live state sent X, ...)``
 SENT = re.compile(r"live state sent ([\d.]+)")
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _sample(pid: int) -> tuple[float, float] | None:
     """``(CPU seconds, resident MB)`` of ``pid`` now, or ``None`` once it is gone."""
+    cpu = procfs.cpu_seconds(pid)
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                    if line.startswith("VmRSS:"))
     except (OSError, StopIteration, IndexError, ValueError):
         return None
-    return (int(fields[11]) + int(fields[12])) / _TICK, rss / 1024
+    return None if cpu is None else (cpu, rss / 1024)
 
 
 def _watch_spares(out: Path, world: int, spares: int, stop: threading.Event, samples: dict) -> None:
