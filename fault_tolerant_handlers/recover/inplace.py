@@ -452,15 +452,19 @@ class _Recovery:
         (:func:`.spares.claim`), or, none left, the cause ends the job as without spares."""
         if self.layout is None or not self.layout.spares:  # a silent rank stays silent, a lost one lost
             return replace(cause, not_in_place=cause.not_in_place or NOT_IN_PLACE[FailureKind.PEER_LOST])
-        answer = spares.claim(store, self.layout, cause.failed_rank, gen, cause.describe(), self._failure_wall,
-                              timedelta(seconds=seconds))
+        return replace(cause, not_in_place=self._claim_spare(store, cause.failed_rank, gen, cause.describe(), seconds))
+
+    def _claim_spare(self, store: Any, rank: int, gen: int, why: str, seconds: float, *, too: bool = False) -> str:
+        """A spare for lost rank ``rank`` (:func:`.spares.claim`), logged; why the job ends when none
+        is left, else ``""``. ``too``: a rank lost beside the cause's."""
+        answer = spares.claim(store, self.layout, rank, gen, why, self._failure_wall, timedelta(seconds=seconds))
         if answer.spare < 0:
-            return replace(cause, not_in_place=(
-                f"rank {cause.failed_rank} was lost with no keeper to replace it, and no spare is left "
-                f"(spares={self.layout.spares}, all taken): a relaunch replaces it"))
-        log(logging.WARNING, "rank %d was lost with no keeper to replace it: spare launched rank %d takes its place "
-            "(%d spare%s left after it)", cause.failed_rank, answer.spare, answer.left, "" if answer.left == 1 else "s")
-        return replace(cause, not_in_place="")
+            return (f"rank {rank} was lost with no keeper to replace it, and no spare is left "
+                    f"(spares={self.layout.spares}, all taken): a relaunch replaces it")
+        log(logging.WARNING, "rank %d was lost%s with no keeper to replace it: spare launched rank %d takes its place "
+            "(%d spare%s left after it)", rank, " too," if too else "", answer.spare, answer.left,
+            "" if answer.left == 1 else "s")
+        return ""
 
     def _spares_for_lost(self, store: Any, prefix: str, gen: int, seconds: float) -> str:
         """Every rank the failed attempt's records declare lost or silent (not only the cause's: a host
@@ -481,12 +485,9 @@ class _Recovery:
                 continue  # its keeper replaces it
             self._claimed.add(rank)
             why = f"rank {rank} failed: {record.exc_type}: {cap_head(record.exc_message, 200)}"
-            answer = spares.claim(store, self.layout, rank, gen, why, self._failure_wall, timedelta(seconds=seconds))
-            if answer.spare < 0:
-                return (f"rank {rank} was lost with no keeper to replace it, and no spare is left "
-                        f"(spares={self.layout.spares}, all taken): a relaunch replaces it")
-            log(logging.WARNING, "rank %d was lost too, with no keeper to replace it: spare launched rank %d takes its "
-                "place (%d spare%s left after it)", rank, answer.spare, answer.left, "" if answer.left == 1 else "s")
+            ends = self._claim_spare(store, rank, gen, why, seconds, too=True)
+            if ends:
+                return ends
         return ""
 
     # -- live state (captured and held by the data layer: its CAPTURE_LIVE and SETTLE_LIVE steps) --------
