@@ -79,6 +79,25 @@ class Run:
         path = self.out / f"batches{rank}.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
+    def watch(self, ranks: int, pids: dict[int, int]) -> None:
+        """One look at the run: each rank's events so far; ``pids`` (rank -> the machine's pid of the
+        process torchrun started for it) filled in as the ranks start; when each of those processes
+        and each host's agent was first seen gone."""
+        now = time.time()
+        for rank in range(ranks):
+            self.events[rank] = read_events(self.out, rank)
+            start = self.event(rank, "start")
+            if start and rank not in pids:
+                host = next(h for h in self.rig.hosts if h.name == start["host"])
+                inner = self.rig.host_pids(host)
+                if start["pid"] in inner:
+                    pids[rank] = inner[start["pid"]]
+            if rank in pids and rank not in self.ended_at and not _alive(pids[rank]):
+                self.ended_at[rank] = now
+        for h in self.rig.hosts:
+            if h.ended_at is None and h.proc is not None and h.proc.poll() is not None:
+                h.ended_at = now
+
     def describe(self) -> str:
         lines = [f"fault {self.fault} at {self.fault_at}"]
         for rank in sorted(self.events):
@@ -103,20 +122,7 @@ def run_recover(workdir: Path, fault: str = "none", *, fault_host: int = 1, env:
         rig.start([str(MAIN), str(out)], env={**ENV, **(env or {})})
         pids: dict[int, int] = {}  # rank -> pid on the machine of its keeper
         while time.monotonic() < end:
-            now = time.time()
-            for rank in range(WORLD):
-                run.events[rank] = read_events(out, rank)
-                start = run.event(rank, "start")
-                if start and rank not in pids:
-                    host = next(h for h in rig.hosts if h.name == start["host"])
-                    inner = rig.host_pids(host)
-                    if start["pid"] in inner:
-                        pids[rank] = inner[start["pid"]]
-                if rank in pids and rank not in run.ended_at and not _alive(pids[rank]):
-                    run.ended_at[rank] = now
-            for h in rig.hosts:
-                if h.ended_at is None and h.proc is not None and h.proc.poll() is not None:
-                    h.ended_at = now
+            run.watch(WORLD, pids)
             if run.fault_at is None and fault != "none" and len(pids) == WORLD \
                     and all(run.event(r, "ready") for r in range(WORLD)):
                 getattr(rig, fault)(fault_host)

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 import hosts
-from hosts import Rig, _alive
+from hosts import Rig
 from launch import read_events
 from test_multihost_recover import LONG_RUN, MAIN, NOT_RECOVERED, Run, json_lines
 from test_spares import torchrun as spares_torchrun
@@ -73,20 +73,7 @@ def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = LAUNCHED, s
         rig.start([str(MAIN), str(out)], env={**ENV, "SPARES": str(spares)})
         pids: dict[int, int] = {}  # launched rank -> pid on the machine of the process torchrun started
         while time.monotonic() < end:
-            now = time.time()
-            for rank in range(hosts_n):
-                run.events[rank] = read_events(out, rank)
-                start = run.event(rank, "start")
-                if start and rank not in pids:
-                    host = next(h for h in rig.hosts if h.name == start["host"])
-                    inner = rig.host_pids(host)
-                    if start["pid"] in inner:
-                        pids[rank] = inner[start["pid"]]
-                if rank in pids and rank not in run.ended_at and not _alive(pids[rank]):
-                    run.ended_at[rank] = now
-            for h in rig.hosts:
-                if h.ended_at is None and h.proc is not None and h.proc.poll() is not None:
-                    h.ended_at = now
+            run.watch(hosts_n, pids)
             if run.fault_at is None and fault != "none" and len(pids) == hosts_n \
                     and all(run.event(r, "ready") for r in range(hosts_n - spares)):
                 getattr(rig, fault)(1)
@@ -131,8 +118,10 @@ def assert_spare_took_rank_1(run: Run, ref: Path) -> dict[int, float]:
     """Launched rank 0 (node-a) recovered in place in its own process; the spare (launched rank 2,
     node-c) never trained in attempt 0 and trained rank 1 in attempt 1; attempt 1 carried on from
     the live state of the last completed step (none trained twice), trained the uninterrupted run's
-    batches from there, and the final weights are the uninterrupted run's. Returns, per training
-    rank, the seconds from the fault to its first step of attempt 1."""
+    batches from there, and the final weights are the uninterrupted run's; every training rank's
+    first step of attempt 1 came within 20 s of the fault (a sanity bound, not the 3 s target).
+    Returns, per training rank, the seconds from the fault to that step."""
+    assert run.fault_at is not None, run.describe()
     assert [run.host_of(r) for r in range(LAUNCHED)] == ["node-a", "node-b", "node-c"], run.describe()
     keeper0 = run.event(0, "start")["pid"]
     calls0 = run.all(0, "attempt")
@@ -181,15 +170,14 @@ def assert_spare_took_rank_1(run: Run, ref: Path) -> dict[int, float]:
     assert 0 < reformed < 20, line
     print(f"{line}\nfault at {run.fault_at:.2f}: first step of attempt 1 (iteration {start + 1}) "
           + ", ".join(f"rank {r} +{t:.2f} s" for r, t in took.items()) + f"; agents at the end: {run.agents_at_end}")
+    assert all(0 < t < 20 for t in took.values()), took
     return took
 
 
 def test_a_lost_host_is_replaced_by_the_spare_on_another_host_and_the_run_stays_exact(tmp_path, tmp_path_factory):
     ref = reference(tmp_path_factory)
     run = run_spares(tmp_path, "kill_host")
-    assert run.fault_at is not None, run.describe()
-    took = assert_spare_took_rank_1(run, ref)
-    assert all(0 < t < 20 for t in took.values()), took
+    assert_spare_took_rank_1(run, ref)
 
 
 def assert_cut_off_rank_ended(run: Run) -> None:
@@ -217,9 +205,7 @@ def assert_cut_off_rank_ended(run: Run) -> None:
 def test_a_cut_link_is_replaced_by_the_spare_and_the_cut_off_rank_never_trains_again(tmp_path, tmp_path_factory):
     ref = reference(tmp_path_factory)
     run = run_spares(tmp_path, "cut_link")
-    assert run.fault_at is not None, run.describe()
-    took = assert_spare_took_rank_1(run, ref)
-    assert all(0 < t < 20 for t in took.values()), took
+    assert_spare_took_rank_1(run, ref)
     assert_cut_off_rank_ended(run)
 
 
@@ -231,9 +217,8 @@ def test_a_frozen_host_is_replaced_by_the_spare_and_once_thawed_its_rank_never_r
     cause, is counted nowhere and trains nothing more; the run stays exact."""
     ref = reference(tmp_path_factory)
     run = run_spares(tmp_path, "freeze_host")
-    assert run.fault_at is not None and run.thawed_at is not None, run.describe()
-    took = assert_spare_took_rank_1(run, ref)
-    assert all(0 < t < 20 for t in took.values()), took
+    assert run.thawed_at is not None, run.describe()
+    assert_spare_took_rank_1(run, ref)
     raised = run.event(1, "run_raised")
     assert raised is not None and raised["t"] > run.thawed_at, f"{raised}\n{run.describe()}"
     why = ("rank 1 was declared lost by its peers and spare launched rank 2 takes its place: this process "
