@@ -68,6 +68,10 @@ def interrupt_main(error: BaseException):
 #: as a lost rank, so that its keeper does not replace it (as if the keeper's host were gone with it).
 #: ``None``: no keeper (the process is torchrun's own worker).
 on_lost = None
+#: Set by a keeper's training child: its keeper's pid (the process that would replace it). The rank's
+#: liveness helper, forked from the child, checks at the rank's end that the keeper still lives
+#: (:attr:`~.kinds.Ended.keeper_gone`). ``None``: no keeper.
+keeper_pid: int | None = None
 
 
 def lose() -> None:

@@ -65,12 +65,17 @@ class Ended:
     Attributes:
         exit_code: it exited with this code (0 to 255), or ``None``.
         signal: the number of the signal that killed it (or that it received), or ``None``.
+        keeper_gone: the process that would have replaced it in place (its keeper,
+            ``recover_in_place``) was gone too when it ended, as seen on its own host: nothing
+            replaces it there, whatever its keeper announced when it started.
 
-    Neither set: its process is gone and its exit status was not visible from where it was seen.
+    Neither ``exit_code`` nor ``signal`` set: its process is gone and its exit status was not
+    visible from where it was seen.
     """
 
     exit_code: int | None = None
     signal: int | None = None
+    keeper_gone: bool = False
 
     @classmethod
     def from_status(cls, status: int) -> Ended:
@@ -94,26 +99,30 @@ class Ended:
         """``killed by SIGKILL``, ``exited with code 1``, or ``process is gone (exit status not visible
         from this process)``."""
         if self.signal is not None:
-            return f"killed by {self.signal_name}"
-        if self.exit_code is not None:
-            return f"exited with code {self.exit_code}"
-        return "process is gone (exit status not visible from this process)"
+            how = f"killed by {self.signal_name}"
+        elif self.exit_code is not None:
+            how = f"exited with code {self.exit_code}"
+        else:
+            how = "process is gone (exit status not visible from this process)"
+        return f"{how}, and its keeper is gone too" if self.keeper_gone else how
 
     @classmethod
     def from_json(cls, obj: Any) -> Ended | None:
         """An :class:`Ended` read back from a record (the store is unauthenticated): ``None`` unless
         ``obj`` is an object whose ``exit_code`` and ``signal`` are each null or an int in range, not
-        both set (other keys are ignored)."""
+        both set, and whose ``keeper_gone``, if present, is a bool (other keys are ignored)."""
         if not isinstance(obj, dict):
             return None
-        code, sig = obj.get("exit_code"), obj.get("signal")
+        code, sig, keeper_gone = obj.get("exit_code"), obj.get("signal"), obj.get("keeper_gone", False)
+        if not isinstance(keeper_gone, bool):
+            return None
         if code is not None and not (is_int(code) and 0 <= code <= MAX_EXIT_CODE):
             return None
         if sig is not None and not (is_int(sig) and 1 <= sig <= MAX_SIGNAL):
             return None
         if code is not None and sig is not None:
             return None
-        return cls(exit_code=code, signal=sig)
+        return cls(exit_code=code, signal=sig, keeper_gone=keeper_gone)
 
 
 def is_int(value: Any) -> bool:

@@ -159,6 +159,22 @@ class RankTable:
         """The next member in the ring (whose heartbeat this rank's helper watches)."""
         return self.ranks[(self.group_rank + 1) % self.world_size]
 
+    def watched(self) -> list[int]:
+        """The members whose heartbeat this rank's helper watches: its ring successor and, when the
+        successor is on another host, every other member of that host too. A host cut off whole
+        takes with it the watchers of its own members after the first; the last rank before it
+        (on a host that still reaches the store) watches them all, so each is named, not only the
+        first (a spare is then called for each)."""
+        successor = self.successor()
+        if successor == self.rank:
+            return []
+        i = self.ranks.index(successor)
+        if self.host_ids[i] == self.host_ids[self.group_rank]:
+            return [successor]
+        n = self.world_size
+        return [successor] + [self.ranks[(i + k) % n] for k in range(1, n)
+                              if self.host_ids[(i + k) % n] == self.host_ids[i] and (i + k) % n != self.group_rank]
+
     def on_store_host(self) -> bool:
         """This rank runs on the host of the group's first member (which holds the c10d store)."""
         return self.host_ids[self.group_rank] == self.host_ids[0]

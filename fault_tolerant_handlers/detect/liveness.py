@@ -13,10 +13,11 @@ helper process, forked when the watchdog starts, that every :data:`~.watchdog.HE
   the launcher reads it (:func:`rank_ended`, from a thread woken by the rank's end): torchrun's
   error file, torch.multiprocessing's, and tells the rank's peers on every host with a ``PeerLost``
   record (``rank 1 (pid 4242 on node-b) lost: killed by SIGKILL``);
-* runs the :class:`~.probes.HeartbeatProbe` on its ring successor: a successor whose counter stands
-  still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` (3 s) is declared lost, once, with a record the
-  successor's peers' watchdogs read within a poll. Across hosts this is how a host that died or
-  whose link was cut is named by the connected side.
+* runs the :class:`~.probes.HeartbeatProbe` on its ring successor (and, when the successor is on
+  another host, on every rank of that host: :meth:`~..core.ranks.RankTable.watched`): a rank whose
+  counter stands still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` (3 s) is declared lost, once, with a
+  record its peers' watchdogs read within a poll. Across hosts this is how a host that died or
+  whose link was cut is named by the connected side, every rank of it.
 
 It has its own store connection, made after the fork (the rank never waits for it), touches nothing else of the rank, never
 runs the rank's exit hooks (``os._exit``), and is one of the rank's child processes, so the
@@ -30,6 +31,7 @@ from __future__ import annotations
 # the helper's first import of it blocks. Its store connect resolves the store's host name, which
 # imports the idna codec on first use: imported here, at the library's import, before any thread.
 import encodings.idna  # noqa: F401
+import dataclasses
 import logging
 import os
 import select
@@ -40,7 +42,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable
 
-from ..core import events
+from ..core import attempts, events
 from ..core import procfs as _procfs
 from ..core.config import ZOMBIE_HOLD
 from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT  # timings: the table in core.config
@@ -87,12 +89,14 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
     ends = threading.Thread(target=_on_rank_end, args=(table, parent, stop_fd, woken, tell), name="fth-rank-end",
                             daemon=True)
     ends.start()
-    successor = table.successor()
-    successor_pid = table.pid_of(successor)
-    same_host = table.host_ids[table.ranks.index(successor)] == table.host_ids[table.group_rank]
-    probe = HeartbeatProbe(schema, table.rank, successor, successor_pid, period=period, limit=limit,
-                           host=table.host_of(successor), running=(lambda: _running(successor_pid)) if same_host else None)
-    declared = [False]
+    probes = []
+    for watched in table.watched() or [None]:  # the first probe beats this rank's heartbeat
+        pid = table.pid_of(watched) if watched is not None else 0
+        same_host = watched is not None and table.host_ids[table.ranks.index(watched)] == table.host_ids[table.group_rank]
+        probes.append(HeartbeatProbe(schema, table.rank, watched, pid, period=period, limit=limit,
+                                     host=table.host_of(watched) if watched is not None else "",
+                                     running=(lambda pid=pid: _running(pid)) if same_host else None, beats=not probes))
+    declared = [False] * len(probes)
     # A first beat as soon as the store answers, whatever the rank's state: a rank frozen (SIGSTOP)
     # from its start is then seen by its neighbour, which judges only a heartbeat that began.
     while os.getppid() == parent:
@@ -105,7 +109,8 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
     while os.getppid() == parent:
         if not _stopped(parent):  # frozen: its neighbour must see it, so no beat
             with calls:
-                _poll(probe, schema, declared)
+                for i, probe in enumerate(probes):
+                    _poll(probe, schema, declared, i)
         time.sleep(period)
     # The rank is gone (this process was re-parented). The thread says how, unless it was not woken:
     # without pidfds, a DataLoader worker forked after this helper still holds the pipe.
@@ -135,12 +140,17 @@ def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.E
 def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], None] | None = None) -> None:
     """The rank closed the helper's pipe or ended: if it died rather than stopped its watchdog, say
     how it ended where its launcher reads it (a killed rank writes nothing itself), then, for a
-    signal it could not report, tell its peers (``tell``: a ``PeerLost`` record in the store; on
+    signal it could not report or a rank whose keeper is gone too, tell its peers (``tell``: a ``PeerLost`` record in the store; on
     another host they would otherwise learn only that its connection or heartbeat stopped)."""
     how = _procfs.ended(pid, RANK_EXIT_WAIT)  # None: the rank runs (it stopped its watchdog)
     if how is None:
         return
-    if _procfs.unreported(how):
+    keeper = attempts.keeper_pid
+    if keeper is not None and _procfs.process_state(keeper) is not None:
+        # its keeper died first (the child dies with it): it left its key behind, announced when the
+        # rank started, and its peers would wait for a replacement that never comes
+        how = dataclasses.replace(how, keeper_gone=True)
+    if _procfs.unreported(how) or how.keeper_gone:
         record = FailureRecord.lost(rank=rank, pid=pid, host=host, why=how, by=rank)
         events.emit(events.RANK_KILLED, record)  # the launchers: torchrun's error file, first (the agent reaps soon)
         if tell is not None:
@@ -151,12 +161,13 @@ def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], N
     events.emit(events.RANK_ENDED, pid, rank, host)  # the launchers: under mp.spawn, its error file and the zombie held
 
 
-def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool]) -> None:
-    """One beat and one look at the successor; declares it once when it is silent."""
+def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool], i: int = 0) -> None:
+    """One look at a watched rank (and the beat, for the probe that beats); declares it once when it
+    is silent (``declared[i]``)."""
     try:
         finding = probe.poll(time.monotonic())
-        if finding is not None and not declared[0]:
-            declared[0] = True
+        if finding is not None and not declared[i]:
+            declared[i] = True
             if schema.claim_declaration(finding.declare.rank):
                 schema.publish(finding.declare)
     except Exception:  # noqa: BLE001 - the store is unreachable: the rank's watchdog judges that

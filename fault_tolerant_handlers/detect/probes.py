@@ -81,8 +81,10 @@ class HeartbeatProbe:
     evidence of its silence and is not counted."""
 
     def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
-                 limit: float, host: str = "", running: Callable[[], bool] | None = None) -> None:
+                 limit: float, host: str = "", running: Callable[[], bool] | None = None, beats: bool = True) -> None:
         self.host = host
+        #: This probe beats this rank's own heartbeat at each poll (one probe of a helper's does).
+        self.beats = beats
         #: For a successor on this host: True while its process runs (not stopped, not gone). Its
         #: silence is then no evidence (its beats are only late); its death is the pid probe's.
         self.running = running
@@ -101,7 +103,8 @@ class HeartbeatProbe:
         if now < self.next_at:
             return None
         self.next_at = now + self.period
-        self.schema.beat(self.rank)
+        if self.beats:
+            self.schema.beat(self.rank)
         if self.successor is None:
             return None
         value = self.schema.heartbeat_of(self.successor)

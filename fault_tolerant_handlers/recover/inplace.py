@@ -130,8 +130,9 @@ def recovery_attempt() -> int:
 def _cause_of(err: BaseException, rank: int) -> Cause:
     """This rank's view of ``err``, the exception that ended its call of the training function."""
     if isinstance(err, PeerFailedError):
-        # a peer's process that ended (its host lives) is replaced by its keeper (checked in _agree)
-        ended = err.kind is FailureKind.PEER_LOST and err.ended is not None
+        # a peer's process that ended (its host lives) is replaced by its keeper (checked in _agree),
+        # unless its keeper was seen gone too
+        ended = err.kind is FailureKind.PEER_LOST and err.ended is not None and not err.ended.keeper_gone
         return Cause(rank, err.failed_rank if err.failed_rank is not None else -1, err.exc_type, err.exc_message,
                      err.where, err.step if err.step is not None else -1, False,
                      "" if ended else NOT_IN_PLACE.get(err.kind, ""), err.kind.value)
@@ -469,9 +470,9 @@ class _Recovery:
     def _spares_for_lost(self, store: Any, prefix: str, gen: int, seconds: float) -> str:
         """Every rank the failed attempt's records declare lost or silent (not only the cause's: a host
         of several ranks, two processes killed at once) that has not reached the recovery and has no
-        keeper to replace it (none announced, or its end was not seen: ``ended`` unknown) gets a spare
-        (:func:`.spares.claim`, once per rank and recovery whoever asks). Returns why the job ends
-        when one is left without a spare, else ``""``."""
+        keeper to replace it (none announced, its end not seen: ``ended`` unknown, or its keeper seen gone
+        with it: ``ended.keeper_gone``) gets a spare (:func:`.spares.claim`, once per rank and recovery
+        whoever asks). Returns why the job ends when one is left without a spare, else ``""``."""
         lost: dict[int, Any] = {}
         for session in self._sessions:
             try:
@@ -481,7 +482,7 @@ class _Recovery:
         for rank, record in sorted(lost.items()):
             if rank in self._claimed or store.check([f"{prefix}cause/{rank}"]):
                 continue  # found a spare already, or it (or its replacement) reached the recovery
-            if record.ended is not None and store.check([keeper_key(rank)]):
+            if record.ended is not None and not record.ended.keeper_gone and store.check([keeper_key(rank)]):
                 continue  # its keeper replaces it
             self._claimed.add(rank)
             why = f"rank {rank} failed: {record.exc_type}: {cap_head(record.exc_message, 200)}"
@@ -600,13 +601,13 @@ class _Recovery:
             # (needs_keeper: its host lives, its liveness helper told how its process ended). A rank
             # whose end was not seen (another host's, gone with its host or cut off) left its key
             # behind, announced when it started: its keeper, if it lives, is where no peer can reach it.
-            if self._lost_for_good(cause) and (not needs_keeper(cause)
-                                               or not bounded.check([keeper_key(cause.failed_rank)])):
+            lost = self._lost_for_good(cause)  # before a spare's claim clears its not_in_place
+            if lost and (not needs_keeper(cause) or not bounded.check([keeper_key(cause.failed_rank)])):
                 conn.deadline = started + seconds + 10
                 cause = self._call_spare(cause, bounded, gen, seconds)
             if not cause.not_in_place and self.layout is not None and self.layout.spares:
                 conn.deadline = started + seconds + 10  # other ranks lost at once: a spare each
-                self._claimed = {cause.failed_rank} if self._lost_for_good(cause) else set()
+                self._claimed = {cause.failed_rank} if lost else set()
                 more = self._spares_for_lost(bounded, prefix, gen, seconds)
                 if more:
                     cause = replace(cause, not_in_place=more)

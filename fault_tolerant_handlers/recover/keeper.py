@@ -157,6 +157,7 @@ class Keeper:
                 signal.signal(sig, signal.SIG_DFL)
             self.recovery.on_attempt = self._write_attempt
             attempts.on_lost = self._lost
+            attempts.keeper_pid = os.getppid()
             events.subscribe(events.SESSION_STARTED, _announce)
             result = self.recovery.run(args, kwargs, replacement=replacement)
             try:

@@ -14,6 +14,13 @@ c10d rendezvous's host), node-b launched rank 1, node-c launched rank 2: the spa
 * node-b frozen whole (SIGSTOP), then thawed once the spare trains: the same takeover, and node-b's
   rank, back with the store in reach, finds a spare in its place and ends naming it (it never
   rejoins).
+* node-b's keeper SIGKILLed (its training child dies with it): the keeper's key is left behind, but
+  the rank's liveness helper saw the keeper gone, so the spare takes its place at once;
+* 3 hosts x 2 ranks (node-c's 2 ranks the spares): node-b dies whole, or its link goes down, and
+  both its ranks are lost at once: each gets a spare, and the weights are an uninterrupted 4-rank
+  run's;
+* node-b dies, the spare takes its place, then node-c (the spare, now training) dies too: no spare
+  is left, and rank 0 ends at once naming the cause (a relaunch resumes).
 
 The time from the fault to the first step trained after it, on each training rank, is measured (the
 rig's wall clock at the fault to the rank's first traced step of attempt 1: the clocks are the
@@ -24,15 +31,18 @@ The end of the job: rank 0 and the spare return, but torchrun's agents on node-a
 wait in their exit barrier for node-b's agent (gone, or cut off), 300 s by default; the test reads
 the ranks' own records and exits, then kills the agents by pid (``Rig.close``).
 
-The lost host runs in the default suite (the cheaper: found in 1.5 s, not 3 s); the cut link and
-the frozen host are ``long`` (``make test-multihost``; its silent rank and the no-rejoin check have unit tests in
+The lost host runs in the default suite (the cheaper: found in 1.5 s, not 3 s); the others are
+``long`` (``make test-multihost``; its silent rank and the no-rejoin check have unit tests in
 ``tests/unit/recover/test_spares_units.py``). Each run takes 30-60 s here (load average up to 10 on 2 cores);
-the reference (an uninterrupted 2-rank run on one host, :func:`reference`) is made once per session.
+the references (uninterrupted 2- and 4-rank runs on one host, :func:`reference`) are made once per session.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import time
 from pathlib import Path
 
@@ -50,47 +60,58 @@ pytestmark = [
     pytest.mark.skipif(hosts.unavailable() is not None, reason=str(hosts.unavailable())),
     pytest.mark.timeout(300),
 ]
-LAUNCHED = 3
-TRAINING = 2
 #: a checkpoint every 10 iterations, 150 iterations of 0.05 s at least, a 20 s process-group timeout
 ENV = {"INPLACE": "2", "EVERY": "10", "PG_TIMEOUT_SEC": "20", "WORKERS": "0", "FTH_INJECT": "", **LONG_RUN}
 _reference: dict[str, Path] = {}
 
 
-def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = LAUNCHED, spares: int = 1,
+def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host: int = 1, then_kill_spares: bool = False,
                after_fault: float = 60.0, deadline: float = 200.0) -> Run:
-    """Run ``multihost_recover_main.py`` on ``hosts_n`` simulated hosts, 1 rank each, ``spares`` of them
-    spares; inject ``fault`` (``kill_host``, ``cut_link``, ``freeze_host``: thawed once the spare trains
-    rank 1, or ``none``) at node-b once both training ranks are ready. The run lasts until every launched rank that did not die with its host has
-    recorded its exit, and every such rank's process has ended (or ``after_fault`` s after the
-    fault, or ``deadline``); then every agent and namespace is removed."""
-    out = workdir / f"spares-{fault}-{hosts_n}"
+    """Run ``multihost_recover_main.py`` on ``hosts_n`` simulated hosts, ``per_host`` ranks each, the
+    last host's ranks the spares; inject ``fault`` (``kill_host``, ``cut_link``, ``freeze_host``:
+    thawed once the spares train, ``kill_keeper``: SIGKILL the process torchrun started for node-b's
+    first rank, its keeper, whose training child dies with it, or ``none``) at node-b once every training rank is ready;
+    ``then_kill_spares``: once the spares train, node-c dies whole too. The run
+    lasts until every launched rank that did not die with its host has recorded its exit, and every
+    such rank's process has ended (or ``after_fault`` s after the fault, or ``deadline``); then every
+    agent and namespace is removed."""
+    out = workdir / f"spares-{fault}-{hosts_n}x{per_host}"
     out.mkdir(parents=True, exist_ok=True)
+    launched, spares = hosts_n * per_host, per_host
+    on_b = range(per_host, 2 * per_host)
     end = time.monotonic() + deadline
     with Rig(hosts_n, out) as rig:
         run = Run(out, fault, None, rig)
-        run.thawed_at = None
-        rig.start([str(MAIN), str(out)], env={**ENV, "SPARES": str(spares)})
+        run.thawed_at = run.second_at = None
+        rig.start([str(MAIN), str(out)], nproc_per_node=per_host, env={**ENV, "SPARES": str(spares)})
         pids: dict[int, int] = {}  # launched rank -> pid on the machine of the process torchrun started
         while time.monotonic() < end:
-            run.watch(hosts_n, pids)
-            if run.fault_at is None and fault != "none" and len(pids) == hosts_n \
-                    and all(run.event(r, "ready") for r in range(hosts_n - spares)):
-                getattr(rig, fault)(1)
+            run.watch(launched, pids)
+            if run.fault_at is None and fault != "none" and len(pids) == launched \
+                    and all(run.event(r, "ready") for r in range(launched - spares)):
+                if fault == "kill_keeper":  # the process torchrun started for node-b's first rank
+                    os.kill(pids[per_host], signal.SIGKILL)
+                else:
+                    getattr(rig, fault)(1)
                 run.fault_at = time.time()
                 end = min(end, time.monotonic() + after_fault)
             if fault == "freeze_host" and run.thawed_at is None and run.fault_at is not None \
-                    and _trains(out / "attempt1_rank1.json"):  # the spare trains rank 1: node-b goes on
+                    and all(_trains(out / f"attempt1_rank{r}.json") for r in on_b):  # spares train: node-b goes on
                 rig.freeze_host(1, thaw=True)
                 run.thawed_at = time.time()
-            expected = [r for r in range(hosts_n) if not (fault == "kill_host" and r == 1)]
-            if (fault == "none" or run.fault_at is not None) and len(run.ended_at) == hosts_n \
+            if then_kill_spares and run.second_at is None and run.fault_at is not None \
+                    and all(_trains(out / f"attempt1_rank{r}.json") for r in on_b):
+                rig.kill_host(2)
+                run.second_at = time.time()
+            gone = [*(on_b if fault == "kill_host" else ()), *(range(2 * per_host, launched) if then_kill_spares else ())]
+            expected = [r for r in range(launched) if r not in gone]
+            if (fault == "none" or run.fault_at is not None) and len(run.ended_at) == launched \
                     and all(run.event(r, "exit") for r in expected):
                 break
             time.sleep(0.05)
         run.agents_at_end = {h.name: h.proc.poll() if h.proc is not None else None for h in rig.hosts}
         rig.close()
-        for rank in range(hosts_n):
+        for rank in range(launched):
             run.events[rank] = read_events(out, rank)
     return run
 
@@ -103,39 +124,68 @@ def _trains(path: Path) -> bool:
         return False
 
 
-def reference(tmp_path_factory) -> Path:
-    """An uninterrupted 2-rank run of the same training (``resume_main.py``, the same settings, no
-    spare) on one host: ``torchrun --standalone --nproc-per-node 2`` (18 s here, against 30 s for 2
-    simulated hosts). Its weights and batches were the same as a 2-rank run on 2 simulated hosts
-    (``run_spares(..., hosts_n=2, spares=0)``), bit for bit, once checked (2026-12-03): with 2 ranks
-    gloo's sum of two gradients is one addition, the same whatever the hosts."""
-    if "ref" not in _reference:
-        _reference["ref"] = spares_torchrun(tmp_path_factory.mktemp("ref"), ENV, nproc=TRAINING)[0]
-    return _reference["ref"]
+def reference(tmp_path_factory, world: int = 2) -> Path:
+    """An uninterrupted run of the same training on ``world`` ranks (``resume_main.py``, the same
+    settings, no spare) on one host: ``torchrun --standalone --nproc-per-node <world>`` (18 s here at 2
+    ranks, against 30 s for 2 simulated hosts). At 2 ranks its weights and batches were the same as a
+    run on 2 simulated hosts of 1 rank each with no spare, bit for bit,
+    once checked (2026-12-03): gloo's sums depend on the ranks' order, not on which host holds them."""
+    if world not in _reference:
+        _reference[world] = spares_torchrun(tmp_path_factory.mktemp(f"ref{world}"), ENV, nproc=world)[0]
+    return _reference[world]
 
 
-def assert_spare_took_rank_1(run: Run, ref: Path) -> dict[int, float]:
-    """Launched rank 0 (node-a) recovered in place in its own process; the spare (launched rank 2,
-    node-c) never trained in attempt 0 and trained rank 1 in attempt 1; attempt 1 carried on from
-    the live state of the last completed step (none trained twice), trained the uninterrupted run's
-    batches from there, and the final weights are the uninterrupted run's; every training rank's
-    first step of attempt 1 came within 20 s of the fault (a sanity bound, not the 3 s target).
-    Returns, per training rank, the seconds from the fault to that step."""
+#: a survivor's log line: a spare ordered to a lost rank's seat
+CLAIMED = re.compile(r"\[rank (\d+)\] rank (\d+) was lost(?: too,)? with no keeper to replace it: spare launched "
+                     r"rank (\d+) takes its place \((\d+) spares? left after it\)")
+#: a spare's log line once it trains: whom it replaced, where, and the time it took
+TOOK = re.compile(r"spare launched rank (\d+) on host (\S+) took the place of lost rank (\d+) \(launched rank "
+                  r"(\d+) on host (\S+)\)[^\n]*?: ([0-9.]+) s from the failure")
+
+
+def assert_spares_took(run: Run, ref: Path, per_host: int = 1) -> dict[int, float]:
+    """node-b's ranks (``per_host`` of them) were lost; node-a's recovered in place, each in its own
+    process; node-c's ranks (the spares) never trained in attempt 0, and each took one lost rank's seat
+    in attempt 1 (each seat one spare, each spare one seat, the log lines of the survivors and of the
+    spares naming the same); attempt 1 carried on from the live state of the last completed step
+    (none trained twice), trained the uninterrupted run's batches from there, and the final weights
+    are the uninterrupted run's; every training rank's first step of attempt 1 came within 20 s of the
+    fault (a sanity bound, not the 3 s target). Returns, per training rank, the seconds from the fault
+    to that step."""
+    training, launched = 2 * per_host, 3 * per_host
+    survivors, lost, spare_ranks = range(per_host), range(per_host, training), range(training, launched)
     assert run.fault_at is not None, run.describe()
-    assert [run.host_of(r) for r in range(LAUNCHED)] == ["node-a", "node-b", "node-c"], run.describe()
-    keeper0 = run.event(0, "start")["pid"]
-    calls0 = run.all(0, "attempt")
-    assert [c["attempt"] for c in calls0] == [0, 1] and calls0[0]["pid"] == calls0[1]["pid"], \
-        f"rank 0: {calls0}\n{run.describe()}"
-    assert all(c["ppid"] == keeper0 for c in calls0), calls0
-    assert [c["attempt"] for c in run.all(1, "attempt")] == [0], f"node-b's rank trained again\n{run.describe()}"
-    spare_calls = run.all(2, "attempt")
-    assert [c["attempt"] for c in spare_calls] == [1], f"the spare: {spare_calls}\n{run.describe()}"
-    for rank in (0, 2):
+    assert [run.host_of(r) for r in range(launched)] == [f"node-{'abc'[r // per_host]}" for r in range(launched)], \
+        run.describe()
+    for rank in survivors:
+        keeper, calls = run.event(rank, "start")["pid"], run.all(rank, "attempt")
+        assert [c["attempt"] for c in calls] == [0, 1] and calls[0]["pid"] == calls[1]["pid"], \
+            f"rank {rank}: {calls}\n{run.describe()}"
+        assert all(c["ppid"] == keeper for c in calls), calls
+    for rank in lost:
+        assert [c["attempt"] for c in run.all(rank, "attempt")] == [0], f"node-b's rank {rank} trained again\n{run.describe()}"
+    spare_pid = {}
+    for spare in spare_ranks:
+        calls = run.all(spare, "attempt")
+        assert [c["attempt"] for c in calls] == [1], f"spare {spare}: {calls}\n{run.describe()}"
+        spare_pid[spare] = calls[0]["pid"]
+    for rank in [*survivors, *spare_ranks]:
         assert run.event(rank, "exit") is not None and run.event(rank, "exit")["how"] == "returned", run.describe()
+    # who took which seat: the survivors' claims and the spares' own lines agree, one spare per seat
+    logs = {h: run.log(h) for h in ("node-a", "node-c")}
+    claimed = {int(m.group(2)): int(m.group(3)) for m in CLAIMED.finditer(logs["node-a"])}
+    took_lines = {int(m.group(3)): m for m in TOOK.finditer(logs["node-c"])}
+    assert sorted(claimed) == list(lost) and sorted(claimed.values()) == list(spare_ranks), \
+        f"claims {claimed}\n{run.describe()}"
+    assert sorted(took_lines) == list(lost), f"took {list(took_lines)}\n{run.describe()}"
+    for seat, m in took_lines.items():
+        assert (int(m.group(1)), m.group(2), int(m.group(4)), m.group(5)) == (claimed[seat], "node-c", seat, "node-b"), \
+            m.group(0)
+        assert 0 < float(m.group(6)) < 20, m.group(0)
+        assert run.tries(seat)[1]["pid"] == spare_pid[claimed[seat]] != run.tries(seat)[0]["pid"]
     took: dict[int, float] = {}
     start = None
-    for rank in range(TRAINING):
+    for rank in range(training):
         seen = run.tries(rank)
         assert set(seen) == {0, 1} and seen[1]["done"] and not seen[0].get("done"), f"rank {rank}: {seen}"
         last = seen[1]
@@ -143,34 +193,35 @@ def assert_spare_took_rank_1(run: Run, ref: Path) -> dict[int, float]:
             start = last["start_iteration"]
         assert last["start_iteration"] == start and last["first_step"] == start + 1, last
         assert Path(last["resumed_from"]).name == f"live-state-step={start}.pt", last
-        assert last["in_memory"], last  # the spare's was sent to it
-        assert (last["dist_rank"], last["dist_world"], last["spares_left"]) == (rank, TRAINING, 0), last
+        assert last["in_memory"], last  # a spare's was sent to it
+        assert (last["dist_rank"], last["dist_world"], last["spares_left"]) == (rank, training, 0), last
         got = run.trained(rank)
         want = [(e["step"], e["idx"]) for e in json_lines(ref / f"batches{rank}.jsonl")]
         before = [(e["step"], e["idx"]) for e in got if e["attempt"] == 0]
         after = [(e["step"], e["idx"]) for e in got if e["attempt"] == 1]
         assert before == want[:len(before)], f"rank {rank}: attempt 0's batches"
-        # nothing trained twice: attempt 1 starts after the last step every rank completed (rank 0 may
+        # nothing trained twice: attempt 1 starts after the last step every rank completed (a rank may
         # have begun the next one, in which the failure reached it)
         assert before[-1][0] - start in (0, 1), (before[-1][0], start)
         assert after == want[start:], f"rank {rank}: attempt 1's batches"
         took[rank] = last["first_step_at"] - run.fault_at
-    assert run.tries(1)[1]["pid"] == spare_calls[0]["pid"] != run.tries(1)[0]["pid"]
     final, expected = torch.load(run.out / "weights.pt"), torch.load(ref / "weights.pt")
     assert set(final) == set(expected)
     for key in expected:
-        assert torch.equal(final[key], expected[key]), f"{key} differs from the uninterrupted 2-rank run's"
-    a, c = run.log("node-a"), run.log("node-c")
-    assert "[rank 0] rank 1 was lost with no keeper to replace it: spare launched rank 2 takes its place (0 spares " \
-           "left after it)" in a, run.describe()
-    line = next((line for line in c.splitlines() if "took the place of lost rank 1" in line), None)
-    assert line is not None, run.describe()
-    assert "spare launched rank 2 on host node-c took the place of lost rank 1 (launched rank 1 on host node-b)" in line
-    reformed = float(line.split("): ")[-1].split(" s from the failure")[0])
-    assert 0 < reformed < 20, line
-    print(f"{line}\nfault at {run.fault_at:.2f}: first step of attempt 1 (iteration {start + 1}) "
+        assert torch.equal(final[key], expected[key]), f"{key} differs from the uninterrupted {training}-rank run's"
+    for m in took_lines.values():
+        print(m.group(0))
+    print(f"fault at {run.fault_at:.2f}: first step of attempt 1 (iteration {start + 1}) "
           + ", ".join(f"rank {r} +{t:.2f} s" for r, t in took.items()) + f"; agents at the end: {run.agents_at_end}")
     assert all(0 < t < 20 for t in took.values()), took
+    return took
+
+
+def assert_spare_took_rank_1(run: Run, ref: Path) -> dict[int, float]:
+    """One rank per host: the spare (launched rank 2, node-c) took lost rank 1's seat (node-b)."""
+    took = assert_spares_took(run, ref)
+    assert "[rank 0] rank 1 was lost with no keeper to replace it: spare launched rank 2 takes its place (0 spares " \
+           "left after it)" in run.log("node-a"), run.describe()
     return took
 
 
@@ -180,25 +231,37 @@ def test_a_lost_host_is_replaced_by_the_spare_on_another_host_and_the_run_stays_
     assert_spare_took_rank_1(run, ref)
 
 
-def assert_cut_off_rank_ended(run: Run) -> None:
-    """node-b's rank, cut off from the store and from rank 0, trained nothing after the fault: its
+@pytest.mark.long
+def test_a_lost_host_of_2_ranks_is_replaced_by_the_2_spares_of_another_host_and_the_run_stays_exact(
+        tmp_path, tmp_path_factory):
+    """3 hosts x 2 ranks: node-a ranks 0-1, node-b ranks 2-3, node-c ranks 4-5 (the spares). node-b dies
+    whole: both its ranks are lost at once, each gets one of node-c's spares, both receive live state,
+    and the weights are an uninterrupted 4-rank run's."""
+    ref = reference(tmp_path_factory, world=4)
+    run = run_spares(tmp_path, "kill_host", per_host=2)
+    assert_spares_took(run, ref, per_host=2)
+
+
+def assert_cut_off_ranks_ended(run: Run, per_host: int = 1) -> None:
+    """node-b's ranks, cut off from the store and from node-a, trained nothing after the fault: each
     training process raised ``PeerFailedError`` with the note and the log line saying why it was not
     recovered in place, made no attempt 1, and its process (the keeper torchrun started) ended by
     itself, exiting 1."""
-    raised = run.event(1, "run_raised")
-    assert raised is not None and raised["raised"] == "PeerFailedError", f"{raised}\n{run.describe()}"
-    note = [n for n in raised["notes"] if n.startswith("fault-tolerant-handlers: not recovered in place: ")]
-    assert note, raised
-    logged = [m.group(2) for m in NOT_RECOVERED.finditer(run.log("node-b")) if int(m.group(1)) == 1]
-    assert logged and note[0].endswith(logged[0]), f"logged {logged}, noted {note}\n{run.describe()}"
-    assert [c["attempt"] for c in run.all(1, "attempt")] == [0], run.describe()
-    assert 1 in run.ended_at and run.event(1, "exit")["how"] == "SystemExit: 1", run.describe()
-    spare_first = run.tries(1)[1]["first_step_at"]
-    old = [e for e in run.trained(1) if e["attempt"] == 0]
-    assert old and all(e["t"] < run.fault_at < spare_first for e in old), "node-b's rank trained after the fault"
-    print(f"node-b's rank: raised {raised['exc_type']} naming rank {raised['failed_rank']} "
-          f"{raised['t'] - run.fault_at:.2f} s after the fault, its process ended "
-          f"{run.ended_at[1] - run.fault_at:.2f} s after; not recovered in place: {logged[0]}")
+    for rank in range(per_host, 2 * per_host):
+        raised = run.event(rank, "run_raised")
+        assert raised is not None and raised["raised"] == "PeerFailedError", f"rank {rank}: {raised}\n{run.describe()}"
+        note = [n for n in raised["notes"] if n.startswith("fault-tolerant-handlers: not recovered in place: ")]
+        assert note, raised
+        logged = [m.group(2) for m in NOT_RECOVERED.finditer(run.log("node-b")) if int(m.group(1)) == rank]
+        assert logged and note[0].endswith(logged[0]), f"logged {logged}, noted {note}\n{run.describe()}"
+        assert [c["attempt"] for c in run.all(rank, "attempt")] == [0], run.describe()
+        assert rank in run.ended_at and run.event(rank, "exit")["how"] == "SystemExit: 1", run.describe()
+        spare_first = run.tries(rank)[1]["first_step_at"]
+        old = [e for e in run.trained(rank) if e["attempt"] == 0]
+        assert old and all(e["t"] < run.fault_at < spare_first for e in old), f"node-b's rank {rank} trained after the fault"
+        print(f"node-b's rank {rank}: raised {raised['exc_type']} naming rank {raised['failed_rank']} "
+              f"{raised['t'] - run.fault_at:.2f} s after the fault, its process ended "
+              f"{run.ended_at[rank] - run.fault_at:.2f} s after; not recovered in place: {logged[0]}")
 
 
 @pytest.mark.long
@@ -206,7 +269,7 @@ def test_a_cut_link_is_replaced_by_the_spare_and_the_cut_off_rank_never_trains_a
     ref = reference(tmp_path_factory)
     run = run_spares(tmp_path, "cut_link")
     assert_spare_took_rank_1(run, ref)
-    assert_cut_off_rank_ended(run)
+    assert_cut_off_ranks_ended(run)
 
 
 @pytest.mark.long
@@ -230,3 +293,52 @@ def test_a_frozen_host_is_replaced_by_the_spare_and_once_thawed_its_rank_never_r
     print(f"node-b thawed {run.thawed_at - run.fault_at:.2f} s after the freeze; its rank raised "
           f"{raised['raised']} {raised['t'] - run.thawed_at:.2f} s after, its process ended "
           f"{run.ended_at[1] - run.thawed_at:.2f} s after: {why}")
+
+
+@pytest.mark.long
+def test_a_rank_killed_with_its_keeper_is_replaced_by_the_spare_and_the_run_stays_exact(tmp_path, tmp_path_factory):
+    """node-b's keeper is SIGKILLed (its training child dies with it): the keeper key it set when the
+    rank started is left behind, but rank 1's liveness helper saw the keeper gone when the rank ended
+    and said so in its record. Rank 0 claims the spare at once instead of waiting the join timeout for
+    a replacement that never comes."""
+    ref = reference(tmp_path_factory)
+    run = run_spares(tmp_path, "kill_keeper")
+    took = assert_spare_took_rank_1(run, ref)
+    assert "killed by SIGKILL, and its keeper is gone too" in run.log("node-a"), run.describe()
+    assert all(t < 15 for t in took.values()), took  # not the 60 s join timeout
+
+
+@pytest.mark.long
+def test_a_second_lost_host_with_no_spare_left_ends_the_job_at_once_with_the_cause(tmp_path):
+    """node-b dies and node-c's spare takes rank 1; then node-c dies too: no spare is left, and rank 0
+    (node-a) ends at once (not after the 60 s join timeout) naming the lost rank and why; it trained
+    nothing after the second fault."""
+    run = run_spares(tmp_path, "kill_host", then_kill_spares=True)
+    assert run.second_at is not None, run.describe()
+    assert "took the place of lost rank 1" in run.log("node-c"), run.describe()
+    raised = run.event(0, "run_raised")
+    assert raised is not None and raised["raised"] == "PeerFailedError" and raised["failed_rank"] == 1, \
+        f"{raised}\n{run.describe()}"
+    assert raised["peer_host"] == "node-c", raised
+    why = "rank 1 was lost with no keeper to replace it, and no spare is left (spares=1, all taken): a relaunch replaces it"
+    assert any(n.splitlines()[0] == f"fault-tolerant-handlers: not recovered in place: {why}" for n in raised["notes"]), \
+        raised["notes"]
+    assert f"[rank 0] fault-tolerant-handlers: not recovered in place: {why}" in run.log("node-a"), run.describe()
+    assert [c["attempt"] for c in run.all(0, "attempt")] == [0, 1], run.describe()
+    assert not [e for e in run.trained(0) if e["t"] > raised["t"]], "rank 0 trained after it ended"
+    assert raised["t"] - run.second_at < 10 and run.ended_at[0] - run.second_at < 20, (
+        f"rank 0 raised {raised['t'] - run.second_at:.1f} s and ended {run.ended_at[0] - run.second_at:.1f} s after "
+        f"the second fault (the join timeout is 60 s)\n{run.describe()}")
+    print(f"node-c died {run.second_at - run.fault_at:.2f} s after node-b; rank 0 raised {raised['exc_type']} "
+          f"{raised['t'] - run.second_at:.2f} s after, ended {run.ended_at[0] - run.second_at:.2f} s after: {why}")
+
+
+@pytest.mark.long
+def test_a_cut_link_to_a_host_of_2_ranks_is_replaced_by_the_2_spares_and_neither_cut_off_rank_trains_again(
+        tmp_path, tmp_path_factory):
+    """3 hosts x 2 ranks: node-b's link goes down; both its ranks go silent for node-a at once, each
+    gets one of node-c's spares, and both cut-off ranks end naming why (no split brain)."""
+    ref = reference(tmp_path_factory, world=4)
+    run = run_spares(tmp_path, "cut_link", per_host=2)
+    assert_spares_took(run, ref, per_host=2)
+    assert_cut_off_ranks_ended(run, per_host=2)

@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from fault_tolerant_handlers.core.ranks import RankTable
 from fault_tolerant_handlers.detect.probes import (HeartbeatProbe, PeerPidProbe, RecordsProbe, SelfHangProbe,
                                             StoreLossProbe, waiting_on_peers)
 from fault_tolerant_handlers.core.kinds import Ended, FailureKind
@@ -112,6 +113,36 @@ def test_heartbeat_probe_declares_a_silent_successor_after_the_limit():
     assert found is not None and found.error.exc_type == "PeerSilent" and found.error.failed_rank == 1
     assert "no heartbeat for 5.5 s" in found.error.exc_message and found.declare.by == 0
     assert int(store.get("fth/test/hb/0")) == 13  # its own heartbeat went on, once a poll
+
+
+def _table(rank: int, hosts: tuple[str, ...]) -> RankTable:
+    n = len(hosts)
+    return RankTable(rank, tuple(range(n)), tuple(100 + r for r in range(n)), hosts)
+
+
+def test_the_last_rank_before_another_host_watches_every_rank_of_that_host():
+    """3 hosts x 2 ranks: a host cut off whole silences its second rank's only watcher (its first
+    rank, cut off with it); the last rank of the host before it watches both, so both are named."""
+    hosts = ("a", "a", "b", "b", "c", "c")
+    assert [_table(r, hosts).watched() for r in range(6)] == [[1], [2, 3], [3], [4, 5], [5], [0, 1]]
+    assert _table(0, ("a", "b")).watched() == [1] and _table(1, ("a", "b")).watched() == [0]
+    assert _table(0, ("a", "a")).watched() == [1]  # one host: its ring successor only
+    assert _table(0, ("a",)).watched() == []
+    # ranks placed round-robin: each rank watches the other host's ranks (more watchers, none missing)
+    assert [_table(r, ("a", "b", "a", "b")).watched() for r in range(4)] == [[1, 3], [2, 0], [3, 1], [0, 2]]
+
+
+def test_only_the_probe_that_beats_moves_this_rank_s_heartbeat():
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    first = HeartbeatProbe(mine, rank=1, successor=2, successor_pid=42, period=0.5, limit=3.0)
+    second = HeartbeatProbe(mine, rank=1, successor=3, successor_pid=43, period=0.5, limit=3.0, beats=False)
+    other.beat(2), other.beat(3)
+    for k in range(10):
+        first.poll(0.5 * k), second.poll(0.5 * k)
+        other.beat(2)  # rank 3 stands still
+    assert int(store.get("fth/test/hb/1")) == 10
+    assert second.poll(5.0).error.failed_rank == 3
 
 
 def test_heartbeat_probe_counts_no_silence_while_its_own_calls_are_slow():

@@ -202,3 +202,36 @@ def test_a_helper_writes_nothing_for_a_signal_the_rank_reports_or_a_rank_that_ru
     start = time.monotonic()
     assert _procfs.ended(os.getpid(), 5.0) is None
     assert time.monotonic() - start < 0.5
+
+
+def test_a_rank_whose_keeper_died_first_is_told_to_its_peers_with_its_keeper_gone(tmp_path, monkeypatch):
+    """A keeper SIGKILLed: its training child dies with it and is reaped by whoever adopted it (its
+    exit status not visible: ``Ended()``, which alone its helper would not report). The helper finds
+    the keeper's pid gone (a real process, ended and reaped) and tells the peers, ``keeper_gone`` set:
+    they do not wait for a replacement the keeper's key promised. A keeper that lives changes nothing."""
+    import subprocess
+    import sys
+
+    from fault_tolerant_handlers.core import attempts
+    from fault_tolerant_handlers.detect import liveness
+
+    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, _layout(tmp_path)[1])
+    keeper = subprocess.Popen([sys.executable, "-c", "pass"])
+    keeper.wait()  # ended and reaped: its pid is gone
+    told = []
+    monkeypatch.setattr(liveness._procfs, "ended", lambda pid, within: Ended())
+    monkeypatch.setattr(attempts, "keeper_pid", os.getpid())  # a keeper that lives: nothing told
+    liveness.rank_ended(1, 101, "node-b", tell=told.append)
+    assert told == []
+    monkeypatch.setattr(attempts, "keeper_pid", keeper.pid)
+    liveness.rank_ended(1, 101, "node-b", tell=told.append)
+    assert len(told) == 1 and told[0].ended == Ended(keeper_gone=True), told
+    assert told[0].exc_message == ("rank 1 (pid 101 on node-b) lost: process is gone (exit status not visible from "
+                                   "this process), and its keeper is gone too")
+
+
+def test_keeper_gone_is_read_back_only_as_a_bool():
+    assert Ended.from_json({"signal": 9, "keeper_gone": True}) == Ended(signal=9, keeper_gone=True)
+    assert Ended.from_json({"signal": 9}) == Ended(signal=9)
+    assert Ended.from_json({"signal": 9, "keeper_gone": "yes"}) is None
+    assert Ended.from_json({"signal": 9, "keeper_gone": 1}) is None

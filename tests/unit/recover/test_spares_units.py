@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers import RecoveryError, recover_in_place, spares_left
 from fault_tolerant_handlers.recover import spares
-from fault_tolerant_handlers.core.kinds import FailureKind
+from fault_tolerant_handlers.core.errors import PeerFailedError
+from fault_tolerant_handlers.core.kinds import Ended, FailureKind
 from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE, Cause, keeper_key
-from fault_tolerant_handlers.recover.inplace import _Recovery
+from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
 from fault_tolerant_handlers.recover.spares import Answer, Layout, Order, Seat
 
 TORCHRUN = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
@@ -233,6 +234,38 @@ def test_a_killed_rank_whose_keeper_lives_waits_for_its_keeper_and_no_spare_is_o
     decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), KILLED)
     assert decision.restart, decision
     assert not store.check([spares.order_key(2)]) and not store.check([spares.taken_key()])
+
+
+def _keeper_gone_too() -> Cause:
+    """Rank 0's view of rank 1 killed (SIGKILL, its end seen by its liveness helper) after its keeper
+    died: the helper saw the keeper gone (``Ended.keeper_gone``)."""
+    err = PeerFailedError(1, "PeerLost", "rank 1 (pid 7 on node-b) lost: killed by SIGKILL, and its keeper is gone "
+                          "too", origin="declared", ended=Ended(signal=9, keeper_gone=True))
+    return _cause_of(err, 0)
+
+
+def test_a_killed_rank_whose_keeper_is_gone_too_gets_a_spare_though_its_keeper_key_is_set():
+    """The keeper was killed first (its child dies with it): its key, set when the rank started, is
+    left behind. The helper's word that the keeper is gone outranks the key: a spare is ordered in, and
+    nobody waits the join timeout for a replacement that never comes."""
+    cause = _keeper_gone_too()
+    assert cause.not_in_place == NOT_IN_PLACE[FailureKind.PEER_LOST]  # no keeper replaces it
+    store = dist.HashStore()
+    store.set(keeper_key(1), "1")
+    spare = Cause(1, 1, "RankReplaced", "rank 1's process was lost with no keeper to replace it: spare launched "
+                                        "rank 2 took its place", "", -1, True, "")
+    store.set("fth/recover/0/0/cause/1", spare.to_json())
+    store.add("fth/recover/0/0/arrived", 1)
+    decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), cause)
+    assert decision.restart, decision
+    assert Order.from_json(store.get(spares.order_key(2)), 2).rank == 1
+
+
+def test_without_spares_a_killed_rank_whose_keeper_is_gone_ends_the_job_at_once():
+    store = dist.HashStore()
+    store.set(keeper_key(1), "1")
+    decision = _survivor(0)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), _keeper_gone_too())
+    assert not decision.restart and decision.why.startswith("a rank was lost"), decision
 
 
 # -- a rank cut off from its peers: replaced by a spare, and it never rejoins ------------------------------
