@@ -482,8 +482,8 @@ class _Recovery:
         for rank, record in sorted(lost.items()):
             if rank in self._claimed or store.check([f"{prefix}cause/{rank}"]):
                 continue  # found a spare already, or it (or its replacement) reached the recovery
-            if record.ended is not None and not record.ended.keeper_gone and store.check([keeper_key(rank)]):
-                continue  # its keeper replaces it
+            if _keeper_replaces(store, rank, record.ended is not None and not record.ended.keeper_gone):
+                continue
             self._claimed.add(rank)
             why = f"rank {rank} failed: {record.exc_type}: {cap_head(record.exc_message, 200)}"
             ends = self._claim_spare(store, rank, gen, why, seconds, too=True)
@@ -597,12 +597,8 @@ class _Recovery:
                 return Decision(False, displaced)
             if gen >= self.max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
                 cause = replace(cause, not_in_place=f"max_restarts={self.max_restarts} recoveries in place already spent")
-            # A keeper key tells that a keeper may replace the rank only when the rank's end was seen
-            # (needs_keeper: its host lives, its liveness helper told how its process ended). A rank
-            # whose end was not seen (another host's, gone with its host or cut off) left its key
-            # behind, announced when it started: its keeper, if it lives, is where no peer can reach it.
             lost = self._lost_for_good(cause)  # before a spare's claim clears its not_in_place
-            if lost and (not needs_keeper(cause) or not bounded.check([keeper_key(cause.failed_rank)])):
+            if lost and not _keeper_replaces(bounded, cause.failed_rank, needs_keeper(cause)):
                 conn.deadline = started + seconds + 10
                 cause = self._call_spare(cause, bounded, gen, seconds)
             if not cause.not_in_place and self.layout is not None and self.layout.spares:
@@ -826,6 +822,14 @@ class _Unsafe(Decision):
 class _Misplaced(_Unsafe):
     """A decision to stop because the recovery wraps the launcher, not the ranks (always raised as
     :class:`RecoveryError`, in the first attempt too)."""
+
+
+def _keeper_replaces(store: Any, rank: int, end_seen: bool) -> bool:
+    """A keeper replaces lost rank ``rank``: its end was seen (by a peer on its host, or its liveness
+    helper, which saw its keeper live on) and its keeper announced itself (:func:`keeper_key`). A key
+    alone is no evidence: a rank whose host is gone or cut off left its key behind, announced when it
+    started, and so did a keeper killed with its rank."""
+    return end_seen and bool(store.check([keeper_key(rank)]))
 
 
 def _rng_crc(rng: tuple) -> int:
