@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-ranges dist test-long test-multihost test-resume test-scale bench-resume bench-inplace bench-spawn bench-soak bench-scale conformance root-cause venv clean
+.PHONY: demo test test-ranges dist test-long test-multihost test-resume test-scale bench-resume bench-inplace bench-spawn bench-soak bench-scale bench-spares conformance root-cause venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,10 @@ bench-scale: $(STAMP)
 
 bench-resume: $(STAMP)
 	$(PY) bench/resume.py
+
+# A lost host taken over by spares on simulated hosts (root), per phase (docs/benchmarks.md, "Spares").
+bench-spares: $(STAMP)
+	$(PY) bench/multihost_spares.py --reps 3
 
 # Recovering in place beside the relaunch, in one run each: a raise, a hang (hang_timeout 3 s), a SIGKILL;
 # 5 runs per framework and mode.
