@@ -319,6 +319,13 @@ class Rig:
         _kill(h.init_pid)
         h.killed = True
 
+    def kill_store_host(self) -> None:
+        """Everything on the store's own host (node-s) dies at once."""
+        if self.store is None or self.store.init_pid is None:
+            raise RuntimeError("the rig has no store host running")
+        _kill(self.store.init_pid)
+        self.store.killed = True
+
     def cut_link(self, i: int) -> None:
         """Host ``i``'s network link goes down (both ends see it)."""
         _ip("-n", self.hosts[i].ns, "link", "set", DEV, "down")

@@ -50,10 +50,11 @@ pytestmark = [
 def run_store_host(workdir: Path, fault: str = "none", *, fault_host: int = 0, after_fault: float = 60.0,
                    deadline: float = 200.0) -> Run:
     """Run ``multihost_recover_main.py`` on 3 simulated hosts (1 rank each, the last a spare) and the
-    store host node-s; inject ``fault`` (``kill_host``, ``cut_link`` or ``none``) at host
-    ``fault_host`` once both training ranks are ready. The run lasts until every launched rank that
-    did not die with its host has recorded its exit and every such rank's process has ended (or
-    ``after_fault`` s after the fault, or ``deadline``); then every process and namespace is removed."""
+    store host node-s; inject ``fault`` (``kill_host``, ``cut_link``, ``kill_store_host``: node-s, or
+    ``none``) at host ``fault_host`` once both training ranks are ready. The run lasts until every
+    launched rank that did not die with its host has recorded its exit and every such rank's process
+    has ended (or ``after_fault`` s after the fault, or ``deadline``); then every process and namespace
+    is removed."""
     out = workdir / f"store-host-{fault}-{fault_host}"
     out.mkdir(parents=True, exist_ok=True)
     end = time.monotonic() + deadline
@@ -65,16 +66,21 @@ def run_store_host(workdir: Path, fault: str = "none", *, fault_host: int = 0, a
             run.watch(LAUNCHED, pids)
             if run.fault_at is None and fault != "none" and len(pids) == LAUNCHED \
                     and all(run.event(r, "ready") for r in range(TRAINING)):
-                getattr(rig, fault)(fault_host)
+                if fault == "kill_store_host":
+                    rig.kill_store_host()
+                else:
+                    getattr(rig, fault)(fault_host)
                 run.fault_at = time.time()
                 end = min(end, time.monotonic() + after_fault)
             expected = [r for r in range(LAUNCHED) if not (fault == "kill_host" and r == fault_host)]
             if (fault == "none" or run.fault_at is not None) and len(run.ended_at) == LAUNCHED \
                     and all(run.event(r, "exit") for r in expected):
                 break
+            if fault == "kill_store_host" and run.fault_at is not None and len(run.ended_at) == LAUNCHED:
+                break  # with their store gone, the agents may be left blocked
             time.sleep(0.05)
         run.agents_at_end = {h.name: h.proc.poll() if h.proc is not None else None for h in rig.hosts}
-        run.store_alive_at_end = rig.store.proc.poll() is None
+        run.store_alive_at_end = rig.store.proc.poll() is None and not rig.store.killed
         rig.close()
         for rank in range(LAUNCHED):
             run.events[rank] = read_events(out, rank)
@@ -173,3 +179,25 @@ def test_a_cut_link_of_rank_0_is_replaced_by_the_spare_and_the_cut_off_rank_neve
     print(f"node-a's rank: raised {raised['exc_type']} naming rank {raised['failed_rank']} "
           f"{raised['t'] - run.fault_at:.2f} s after the fault, its process ended "
           f"{run.ended_at[0] - run.fault_at:.2f} s after; not recovered in place: {logged[0]}")
+
+
+@pytest.mark.long
+def test_a_lost_store_host_ends_every_rank_at_once(tmp_path):
+    """node-s dies whole: what the layout does not buy. Both training ranks and the spare lose the
+    store every agreement lives in: no rank recovers in place or trains again, each training rank
+    raises ``PeerFailedError`` with the note saying why, and every process ends within 20 s (not
+    after the 60 s recovery join timeout)."""
+    run = run_store_host(tmp_path, "kill_store_host", after_fault=40)
+    assert run.fault_at is not None, run.describe()
+    for rank in range(TRAINING):
+        raised = run.event(rank, "run_raised")
+        assert raised is not None and raised["raised"] == "PeerFailedError", f"rank {rank}: {raised}\n{run.describe()}"
+        assert any(n.startswith("fault-tolerant-handlers: not recovered in place: ") for n in raised["notes"]), raised
+        assert [c["attempt"] for c in run.all(rank, "attempt")] == [0], run.describe()
+        print(f"rank {rank}: raised {raised['exc_type']} naming rank {raised['failed_rank']} "
+              f"{raised['t'] - run.fault_at:.2f} s after the fault: {raised['message'][:200]}; notes {raised['notes']}")
+    assert not run.all(2, "attempt"), f"the spare trained\n{run.describe()}"
+    for rank in range(LAUNCHED):
+        assert rank in run.ended_at and run.ended_at[rank] - run.fault_at < 20, run.describe()
+        print(f"launched rank {rank}: ended {run.ended_at[rank] - run.fault_at:.2f} s after the fault: "
+              f"{(run.event(rank, 'exit') or {}).get('how')}")
