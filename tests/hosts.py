@@ -15,7 +15,8 @@ node-s's and no training host's. All traffic stays inside namespaces made here.
 Faults from outside: :meth:`Rig.kill_host` (SIGKILL the first process of the host's pid namespace:
 the kernel kills everything in it), :meth:`Rig.cut_link` (``ip link set eth0 down``),
 :meth:`Rig.drop_packets` (``tc qdisc add dev eth0 root pfifo limit 0``: every packet the host sends
-is dropped); a rank's own fault (raise, SIGKILL, hang) comes from ``FTH_INJECT``.
+is dropped), :meth:`Rig.kill_store_host` (node-s, with ``store_host=True``); a rank's own fault
+(raise, SIGKILL, hang) comes from ``FTH_INJECT``.
 
 :func:`run_hosts` runs one scenario and returns what every rank recorded (``multihost_main.py``
 writes ``<outdir>/rank<r>.jsonl``), when each rank's process and each host's agent ended, and each

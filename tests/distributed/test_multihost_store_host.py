@@ -19,7 +19,10 @@ launched rank 1, node-c launched rank 2: the spare.
   carries on at the failed step (nothing trained twice); the final weights are an uninterrupted 2-rank
   run's, bit for bit; rank 1 and the spare end their calls normally; the store host serves on;
 * node-a's link goes down (``long``): the same takeover, and node-a's rank, alive but cut off from
-  the store, ends naming why and never trains again.
+  the store, ends naming why and never trains again;
+* node-s dies whole (``long``): what the layout does not buy: every rank ends within seconds, none
+  recovers in place (their message still names rank 0 as the store's host: the watchdog's
+  ``StoreLossProbe`` takes the store for rank 0's whatever the layout).
 
 The time from the fault to the first step trained after it, on each training rank, is measured and
 printed, and bounded only loosely (a timed assertion would be a flaky one on 2 shared cores). The
