@@ -41,13 +41,15 @@ import hosts
 from hosts import Rig
 from launch import read_events
 from test_multihost_recover import MAIN, NOT_RECOVERED, Run, json_lines
-from test_multihost_spares import ENV, LAUNCHED, TRAINING, reference
+from test_multihost_spares import ENV, reference
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(hosts.unavailable() is not None, reason=str(hosts.unavailable())),
     pytest.mark.timeout(300),
 ]
+LAUNCHED = 3  # node-a, node-b, node-c: 1 rank each
+TRAINING = 2  # the last launched rank (node-c's) is the spare
 
 
 def run_store_host(workdir: Path, fault: str = "none", *, fault_host: int = 0, after_fault: float = 60.0,
