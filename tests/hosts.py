@@ -6,12 +6,17 @@ the library's same-host pid check would "see" a remote rank and a test would lie
 joined by a veth pair, more by a bridge in a namespace of the rig's own; every host has the address
 ``10.231.0.<i+1>/24`` on its ``eth0``, ``/etc/hosts`` naming every host (bind-mounted in its mount
 namespace, so nothing waits for DNS) and runs one ``torchrun`` agent with c10d rendezvous on host
-0. All traffic stays inside namespaces made here.
+0. With ``store_host=True`` the job's store has a host of its own, ``node-s`` (``10.231.0.254``, on
+the bridge too): it runs only ``python -m fault_tolerant_handlers.launchers.store_host``, no
+torchrun, and every host's torchrun uses the static rendezvous at it (``--rdzv-backend static
+--rdzv-endpoint node-s:29400 --node-rank i``), so that the workers' store (``MASTER_ADDR``) is
+node-s's and no training host's. All traffic stays inside namespaces made here.
 
 Faults from outside: :meth:`Rig.kill_host` (SIGKILL the first process of the host's pid namespace:
 the kernel kills everything in it), :meth:`Rig.cut_link` (``ip link set eth0 down``),
 :meth:`Rig.drop_packets` (``tc qdisc add dev eth0 root pfifo limit 0``: every packet the host sends
-is dropped); a rank's own fault (raise, SIGKILL, hang) comes from ``FTH_INJECT``.
+is dropped), :meth:`Rig.kill_store_host` (node-s, with ``store_host=True``); a rank's own fault
+(raise, SIGKILL, hang) comes from ``FTH_INJECT``.
 
 :func:`run_hosts` runs one scenario and returns what every rank recorded (``multihost_main.py``
 writes ``<outdir>/rank<r>.jsonl``), when each rank's process and each host's agent ended, and each
@@ -42,6 +47,10 @@ PREFIX = "fthmh"
 SUBNET = "10.231.0"
 DEV = "eth0"
 RDZV_PORT = 29400
+#: the hostname of the store's own host (``Rig(..., store_host=True)``)
+STORE_HOST = "node-s"
+#: how long the store host may take to serve (it imports torch: seconds on a loaded machine)
+STORE_START_SEC = 60.0
 #: Process-group timeout of the ranks (stock gloo's default is 30 minutes).
 PG_TIMEOUT_SEC = 60
 _seq = itertools.count()
@@ -128,9 +137,10 @@ class Host:
 
 
 class Rig:
-    """``n`` simulated hosts; a context manager that removes every namespace and process it made."""
+    """``n`` simulated hosts (and, with ``store_host``, the store's own host ``node-s``, not in
+    :attr:`hosts`: :attr:`store`); a context manager that removes every namespace and process it made."""
 
-    def __init__(self, n: int, workdir: Path) -> None:
+    def __init__(self, n: int, workdir: Path, *, store_host: bool = False) -> None:
         if n < 2 or n > 26:
             raise ValueError(f"Rig(n={n}): n must be in [2, 26]")
         reason = unavailable()
@@ -139,8 +149,10 @@ class Rig:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         tag = f"{PREFIX}{os.getpid()}x{next(_seq)}"
-        self.bridge_ns = f"{tag}br" if n > 2 else None
+        self.bridge_ns = f"{tag}br" if n > 2 or store_host else None
         self.hosts = [Host(i, f"node-{chr(ord('a') + i)}", f"{tag}h{i}", f"{SUBNET}.{i + 1}") for i in range(n)]
+        #: the store's host (``store_host=True``): no torchrun, only the store module
+        self.store = Host(n, STORE_HOST, f"{tag}s", f"{SUBNET}.254") if store_host else None
         self._hosts_file = workdir / "etc-hosts"
         self._resolv_file = workdir / "etc-resolv.conf"
 
@@ -157,9 +169,12 @@ class Rig:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _all_hosts(self) -> list[Host]:
+        return self.hosts + ([self.store] if self.store is not None else [])
+
     def _build(self) -> None:
         cleanup_leftovers()
-        for h in self.hosts:
+        for h in self._all_hosts():
             _ip("netns", "add", h.ns)
             _ip("-n", h.ns, "link", "set", "lo", "up")
         if self.bridge_ns is None:
@@ -169,67 +184,93 @@ class Rig:
             _ip("netns", "add", self.bridge_ns)
             _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
             _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
-            for h in self.hosts:
+            for h in self._all_hosts():
                 port = f"p{h.index}"
                 _ip("link", "add", DEV, "netns", h.ns, "type", "veth", "peer", "name", port, "netns", self.bridge_ns)
                 _ip("-n", self.bridge_ns, "link", "set", port, "master", "br0")
                 _ip("-n", self.bridge_ns, "link", "set", port, "up")
-        for h in self.hosts:
+        for h in self._all_hosts():
             _ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", DEV)
             _ip("-n", h.ns, "link", "set", DEV, "up")
-        self._hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{h.addr} {h.name}\n" for h in self.hosts))
+        self._hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{h.addr} {h.name}\n" for h in self._all_hosts()))
         self._resolv_file.write_text("")  # no name server: nothing waits for DNS
 
     def close(self) -> None:
         """Kill every process of every host (by pid) and remove every namespace; idempotent."""
-        for h in self.hosts:
+        for h in self._all_hosts():
             if h.init_pid is not None and _alive(h.init_pid):
                 _kill(h.init_pid)
                 h.killed = True
             if h.proc is not None and h.proc.poll() is None:
                 _kill(h.proc.pid)
                 h.killed = True
-        for h in self.hosts:
+        for h in self._all_hosts():
             if h.proc is not None:
                 try:
                     h.proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:  # pragma: no cover
                     pass
-        for ns in [h.ns for h in self.hosts] + ([self.bridge_ns] if self.bridge_ns else []):
+        for ns in [h.ns for h in self._all_hosts()] + ([self.bridge_ns] if self.bridge_ns else []):
             if ns in _namespaces():
                 _remove_namespace(ns)
 
     # -- processes ----------------------------------------------------------------------------
 
-    def start(self, argv: list[str], *, nproc_per_node: int = 1, env: dict[str, str] | None = None) -> None:
-        """Start ``torchrun ... <argv>`` on every host (``argv``: the script and its arguments)."""
-        for h in self.hosts:
-            host_env = dict(os.environ)
-            host_env.update(
-                PYTHONPATH=str(ROOT) + os.pathsep + host_env.get("PYTHONPATH", ""),
-                PYTHONUNBUFFERED="1",
-                GLOO_SOCKET_IFNAME=DEV,
-                FTH_TEST_PG_TIMEOUT=str(PG_TIMEOUT_SEC),
+    def _env(self, env: dict[str, str] | None) -> dict[str, str]:
+        host_env = dict(os.environ)
+        host_env.update(
+            PYTHONPATH=str(ROOT) + os.pathsep + host_env.get("PYTHONPATH", ""),
+            PYTHONUNBUFFERED="1",
+            GLOO_SOCKET_IFNAME=DEV,
+            FTH_TEST_PG_TIMEOUT=str(PG_TIMEOUT_SEC),
+        )
+        host_env.update(env or {})
+        return host_env
+
+    def _spawn(self, h: Host, argv: list[str], env: dict[str, str]) -> None:
+        """Run ``argv`` as the first process of host ``h`` (its hostname, /etc/hosts, pid namespace)."""
+        inner = (f"mount --bind {self._hosts_file} /etc/hosts && "
+                 f"mount --bind {self._resolv_file} /etc/resolv.conf && hostname {h.name} && exec \"$@\"")
+        h.log = self.workdir / f"{h.name}.log"
+        with open(h.log, "w") as log:
+            h.proc = subprocess.Popen(
+                ["ip", "netns", "exec", h.ns, "unshare", "--uts", "--pid", "--fork", "--mount-proc",
+                 "sh", "-c", inner, "sh", *argv],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
-            host_env.update(env or {})
+
+    def start_store(self) -> None:
+        """Start the store module on node-s and wait (bounded) until it serves."""
+        h = self.store
+        self._spawn(h, [sys.executable, "-m", "fault_tolerant_handlers.launchers.store_host", "--port", str(RDZV_PORT),
+                        "--host", h.addr], self._env(None))
+        h.init_pid = self._first_child(h.proc.pid)
+        end = time.monotonic() + STORE_START_SEC
+        while "serves the job's c10d store" not in h.log.read_text(errors="replace"):
+            if h.proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"the store host did not serve (exit {h.proc.poll()}): {h.log.read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def start(self, argv: list[str], *, nproc_per_node: int = 1, env: dict[str, str] | None = None) -> None:
+        """Start ``torchrun ... <argv>`` on every host (``argv``: the script and its arguments); with a
+        store host, the store first, and every torchrun's static rendezvous at it."""
+        if self.store is not None:
+            self.start_store()
+        for h in self.hosts:
+            if self.store is None:
+                rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.hosts[0].addr}:{RDZV_PORT}",
+                        "--rdzv-conf", f"is_host={'true' if h.index == 0 else 'false'}"]
+            else:
+                rdzv = ["--rdzv-backend", "static", "--rdzv-endpoint", f"{self.store.addr}:{RDZV_PORT}",
+                        "--node-rank", str(h.index)]
             torchrun = [
                 sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", str(len(self.hosts)), "--nproc-per-node", str(nproc_per_node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.hosts[0].addr}:{RDZV_PORT}",
-                "--rdzv-conf", f"is_host={'true' if h.index == 0 else 'false'}",
+                "--nnodes", str(len(self.hosts)), "--nproc-per-node", str(nproc_per_node), *rdzv,
                 "--local-addr", h.addr, "--max-restarts", "0", "--monitor-interval", "0.1",
                 *argv,
             ]
-            inner = (f"mount --bind {self._hosts_file} /etc/hosts && "
-                     f"mount --bind {self._resolv_file} /etc/resolv.conf && hostname {h.name} && exec \"$@\"")
-            h.log = self.workdir / f"{h.name}.log"
-            with open(h.log, "w") as log:
-                h.proc = subprocess.Popen(
-                    ["ip", "netns", "exec", h.ns, "unshare", "--uts", "--pid", "--fork", "--mount-proc",
-                     "sh", "-c", inner, "sh", *torchrun],
-                    env=host_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
+            self._spawn(h, torchrun, self._env(env))
         for h in self.hosts:
             h.init_pid = self._first_child(h.proc.pid)
 
@@ -278,6 +319,13 @@ class Rig:
             raise RuntimeError(f"host {h.name} has no running process")
         _kill(h.init_pid)
         h.killed = True
+
+    def kill_store_host(self) -> None:
+        """Everything on the store's own host (node-s) dies at once."""
+        if self.store is None or self.store.init_pid is None:
+            raise RuntimeError("the rig has no store host running")
+        _kill(self.store.init_pid)
+        self.store.killed = True
 
     def cut_link(self, i: int) -> None:
         """Host ``i``'s network link goes down (both ends see it)."""

@@ -1,0 +1,126 @@
+"""The job's c10d store on a host of its own, so that losing any training host leaves it standing.
+
+Under torchrun the store every rank of the job talks to (``MASTER_ADDR``/``MASTER_PORT``, torchrun's
+agent store: the rendezvous of every process group, this library's failure records, the spares'
+waiting room, the recovery's agreement) is a ``TCPStore`` server inside one torchrun agent: with
+``--rdzv-backend c10d`` the agent that the rendezvous makes rank 0, which also launches training
+rank 0. When that host is lost, the store goes with it, and no rank can agree on anything any more:
+every rank ends, spares or not. (``--rdzv-conf is_host=false`` on every agent moves only the
+*rendezvous's* store elsewhere: the agent store that the workers are given is still served by agent
+rank 0, at its own address, on a port of its own; torch 2.13.0, ``DynamicRendezvousHandler
+.next_rendezvous``.)
+
+This module serves that store on a machine that trains nothing::
+
+    # on the store host (node-s)
+    python -m fault_tolerant_handlers.launchers.store_host --port 29400
+
+    # on each of the N training hosts, i = 0 .. N-1
+    torchrun --nnodes N --node-rank i --rdzv-backend static --rdzv-endpoint node-s:29400 ... train.py
+
+With the static rendezvous, torchrun gives every worker ``MASTER_ADDR``/``MASTER_PORT`` = the
+endpoint and ``TORCHELASTIC_USE_AGENT_STORE=True``, and every agent (node rank 0's too) is a client
+of the store at the endpoint for its own rendezvous and barriers. Node rank 0's agent also starts a
+server on the endpoint's port on its own host (``StaticTCPRendezvous`` makes its ``TCPStore`` with
+``is_master=True``): nothing connects to it, and its loss changes nothing. A job laid out this way
+recovers the loss of any training host, training rank 0's included, when a spare is left
+(``recover_in_place(spares=k)``); the loss of the store host still ends every rank.
+
+The server is made as torchrun makes its own (libuv, ``multi_tenant``); it does not wait for
+workers (a client may come and go: a spare, a replacement). It runs until ``SIGTERM`` or ``SIGINT``
+and then exits 0: stop it after the job, not before (an agent in its exit barrier still uses it).
+It stores what the job writes and reads nothing itself: there is nothing in it to trust.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+from datetime import timedelta
+from typing import Sequence
+
+import torch.distributed as dist
+
+#: Port torchrun's rendezvous endpoint uses when none is given (``torch.distributed.elastic``'s
+#: ``DEFAULT_PORT``).
+DEFAULT_PORT = 29400
+#: How long the server's own client waits to connect to it at start.
+CONNECT_TIMEOUT = timedelta(seconds=30)
+
+
+class StoreHostArgumentError(ValueError):
+    """An argument of the store host is out of its range."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m fault_tolerant_handlers.launchers.store_host",
+        description="Serve a job's c10d store (torchrun's agent store) on a host of its own.")
+    parser.add_argument("--port", type=str, default=str(DEFAULT_PORT),
+                        help=f"TCP port to serve on, 1-65535 (default {DEFAULT_PORT})")
+    parser.add_argument("--host", type=str, default="0.0.0.0",
+                        help="the address this host's own client connects to and the log names (default 0.0.0.0; "
+                             "the server listens on every interface, as torchrun's does)")
+    args = parser.parse_args(argv)
+    validate(args.port, args.host)
+    args.port = int(args.port)
+    return args
+
+
+def validate(port: str | int, host: str) -> None:
+    """Raise :class:`StoreHostArgumentError` naming the argument and its valid range."""
+    text = str(port).strip()
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise StoreHostArgumentError(f"store_host --port {port!r}: the port must be an integer in [1, 65535]")
+    if not host or not host.strip() or any(c.isspace() for c in host):
+        raise StoreHostArgumentError(f"store_host --host {host!r}: the host must be a non-empty address or name "
+                                     "without spaces")
+
+
+def serve(port: int, host: str = "0.0.0.0") -> dist.TCPStore:
+    """Start the server (listening on every interface at ``port``) and return its store."""
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                         use_libuv=True, timeout=CONNECT_TIMEOUT)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except StoreHostArgumentError as exc:
+        print(f"fault-tolerant-handlers: {exc}", file=sys.stderr, flush=True)
+        return 2
+    stop = threading.Event()
+    stopped_by: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopped_by.append(signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            store = serve(args.port, args.host)
+        except (RuntimeError, ValueError, OSError) as exc:  # the port is taken, the host unknown
+            print(f"fault-tolerant-handlers: store_host --host {args.host} --port {args.port}: the store could not "
+                  f"be served: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                  file=sys.stderr, flush=True)
+            return 1
+        print(f"fault-tolerant-handlers: store host {socket.gethostname()} serves the job's c10d store on "
+              f"{args.host}:{store.port} (pid {os.getpid()}); torchrun on every training host: "
+              f"--rdzv-backend static --rdzv-endpoint {socket.gethostname()}:{store.port}", flush=True)
+        while not stop.wait(1.0):  # a timed wait: the signal handler runs between waits
+            pass
+        print(f"fault-tolerant-handlers: store host {socket.gethostname()} stops ({stopped_by[0]})", flush=True)
+        del store
+        return 0
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
