@@ -27,6 +27,9 @@ class FailureKind(str, Enum):
     PEER_LOST = "PeerLost"
     #: Declared by a peer: the rank's heartbeat stopped (its host or link is down, or it is frozen).
     PEER_SILENT = "PeerSilent"
+    #: Seen by a rank: the c10d store stopped answering, and no rank runs on its host (a store on a
+    #: host of its own): no rank is to blame. Never published (the store is what is gone).
+    STORE_LOST = "StoreLost"
     #: Declared by the rank itself: its main thread made no progress for ``hang_timeout``.
     RANK_HUNG = "RankHung"
     #: Declared by the rank itself: it received a signal that ends the job (``ended.signal``).

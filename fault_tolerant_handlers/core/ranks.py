@@ -175,10 +175,6 @@ class RankTable:
         return [successor] + [self.ranks[(i + k) % n] for k in range(1, n)
                               if self.host_ids[(i + k) % n] == self.host_ids[i] and (i + k) % n != self.group_rank]
 
-    def on_store_host(self) -> bool:
-        """This rank runs on the host of the group's first member (which holds the c10d store)."""
-        return self.host_ids[self.group_rank] == self.host_ids[0]
-
     def suspects(self, exc: BaseException) -> list[int]:
         """Global ranks at the peer address a backend error names (never this rank)."""
         wanted = {digest(a) for a in addresses_named(str(exc))}

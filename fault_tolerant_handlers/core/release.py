@@ -111,6 +111,28 @@ def listens_here(port: int) -> bool:
     return bool(listening & set(socket_fds()))
 
 
+def store_peer_address(ports: set[int]) -> str | None:
+    """The address this process's connection to the store (a remote port in ``ports``) reaches:
+    the store's host as the network sees it, read from the connection itself (no name lookup).
+    ``None`` without such a connection (or off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fds = socket_fds()
+    for inode, (_, remote) in tcp_sockets().items():
+        if remote not in ports or inode not in fds:
+            continue
+        try:
+            dup = os.dup(fds[inode])
+        except OSError:
+            continue
+        try:
+            with socket.socket(fileno=dup) as sock:  # closes the dup only
+                return str(sock.getpeername()[0])
+        except OSError:
+            continue
+    return None
+
+
 def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int]], keep_ports: set[int]) -> list[int]:
     """The fds to shut down: this process's established TCP sockets not on a store port."""
     chosen = []

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import ipaddress
 import logging
 import os
 import random
@@ -53,9 +54,10 @@ from .failure import FailureState, Incident, tag, tag_of
 from .kinds import FailureKind
 from .log import log
 from .peers import PeerPidProbe
-from .ranks import RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout, own_address
+from .ranks import (RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout,
+                    normalize_address, own_address)
 from .records import FailureRecord, host_name
-from .release import listens_here, release_process_groups, store_ports, teardown_at_exit
+from .release import listens_here, release_process_groups, store_peer_address, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port, store_evidence
 from .config import (BACKGROUND_CONNECT_TIMEOUT, EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT,  # timings: the table
                      MAIN_STORE_TIMEOUT, MISMATCH_WAIT, SUSPECT_OBSERVED_GAP, SUSPECT_SILENCE)  # in .config
@@ -118,6 +120,9 @@ class Session:
         self.store_address: tuple[str, int] | None = (tcp.host, tcp.port) if tcp is not None else None
         #: This process hosts the store (its server is a thread here): it never declares it lost.
         self.hosts_store = self.store_address is not None and listens_here(self.store_address[1])
+        #: The rank on the store's host (its first in group order), or ``None``: no rank runs there
+        #: (a store on a host of its own), and the store's loss names no rank (``StoreLost``).
+        self.store_rank: int | None = self._store_rank()
         self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
         self._flag = torch.zeros(2, dtype=torch.int64)
         self._seq = 0
@@ -201,6 +206,30 @@ class Session:
             def factory() -> dist.Store:
                 return prefixed(base.clone())
         return Connection(factory, timeout, name, backoff=backoff, connect_timeout=connect)
+
+    def _store_rank(self) -> int | None:
+        """Where the store runs, from this process's connection to it (the address it reaches, no name
+        lookup): this process, a loopback address (this host), or the host of the first rank seen at
+        that address. Any other address (a host of no rank's, or one of a rank's host's other
+        addresses) names no rank: an unknown culprit is better than a wrong one."""
+        if self.store_address is None:
+            return self.ranks[0]
+        table = self.table
+        if self.hosts_store:
+            return self.rank
+        peer = store_peer_address(self.keep_ports)
+        if peer is None:
+            return self.ranks[0]  # not seen (not Linux): as the launchers lay it out, rank 0's host
+        peer = normalize_address(peer)
+        try:
+            loopback = ipaddress.ip_address(peer).is_loopback
+        except ValueError:
+            loopback = False
+        if loopback:
+            me = table.host_ids[table.group_rank]
+            return next(r for r, h in zip(table.ranks, table.host_ids) if h == me)
+        wanted = digest(peer)
+        return next((r for r, a in zip(table.ranks, table.address_ids) if a == wanted), None)
 
     def store_evidence(self, timeout: float) -> str | None:
         """Evidence that the store is gone or unreachable (:func:`~.schema.store_evidence`), or
@@ -450,7 +479,8 @@ class Session:
                         indices = schema.new_indices(start, schema.count())
                         records = self.peer_records(schema, indices)
                     except Exception:  # noqa: BLE001 - the store does not answer
-                        store_hosts = {self.host_ids[0]}
+                        store_hosts = {self.host_ids[self.ranks.index(self.store_rank)]} \
+                            if self.store_rank is not None else set()  # a store on a host of its own: none
                         gone = [r for r in suspects if self.host_ids[self.ranks.index(r)] in store_hosts]
                         # only on evidence that the store is gone (its port refused, its host
                         # unreachable): a store that is merely slow says nothing of its host

@@ -223,7 +223,8 @@ class StoreLossProbe:
     :func:`~..core.schema.store_evidence`: a string when the port refused it, the host or link is down,
     or nothing answered; ``None`` when the port answered). The rank hosting the store is declared
     lost when the silence has lasted ``lost_after`` seconds **and** every check in it found
-    evidence, at least two of them. A port that answers (the kernel of the store's host completed
+    evidence, at least two of them; with no rank on the store's host (``store_rank`` ``None``: a store
+    on a host of its own), no rank is named, and the error is ``StoreLost``. A port that answers (the kernel of the store's host completed
     the handshake: that host is up and a process holds the store's listening socket) ends the
     evidence: a store that is slow to validate connects or answer calls on a busy machine is not a
     lost one. ``hosted_here``: this process hosts the store (its server is a thread of this
@@ -237,9 +238,9 @@ class StoreLossProbe:
     answered again.
     """
 
-    def __init__(self, lost_after: float, *, by: int, store_rank: int = 0, store_pid: int = 0,
+    def __init__(self, lost_after: float, *, by: int, store_rank: int | None = 0, store_pid: int = 0,
                  evidence: Callable[[], str | None] = lambda: None, check_every: float = 0.5,
-                 hosted_here: bool = False) -> None:
+                 hosted_here: bool = False, store_at: str = "") -> None:
         self.lost_after = lost_after
         self.by = by
         self.store_rank = store_rank
@@ -247,6 +248,8 @@ class StoreLossProbe:
         self.evidence = evidence
         self.check_every = check_every
         self.hosted_here = hosted_here
+        #: ``host:port`` of the store, named when no rank runs on its host (``store_rank`` ``None``)
+        self.store_at = store_at
         self.down_since: float | None = None
         self.last_error = ""
         self.found: str | None = None  # the newest evidence of the silence under way
@@ -297,8 +300,12 @@ class StoreLossProbe:
             self.checks += 1
         if self.found is None or self.checks < 2 or now - self.down_since < self.lost_after:
             return None
-        message = (f"rank {self.store_rank} (pid {self.store_pid}, hosts the c10d store) lost: the store has not "
-                   f"answered for {now - self.down_since:.1f} s ({self.last_error}) and {self.found}")
+        silence = f"the store has not answered for {now - self.down_since:.1f} s ({self.last_error}) and {self.found}"
+        if self.store_rank is None:  # a store on a host of its own: no rank is to blame
+            at = f" at {self.store_at}" if self.store_at else ""
+            return Finding(PeerFailedError(None, FailureKind.STORE_LOST.value, f"the c10d store{at}, on a host of no "
+                                           f"rank's, is lost: {silence}", origin="declared", kind=FailureKind.STORE_LOST))
+        message = f"rank {self.store_rank} (pid {self.store_pid}, hosts the c10d store) lost: {silence}"
         record = FailureRecord.declared(rank=self.store_rank, kind=FailureKind.PEER_LOST, message=message, by=self.by,
                                         pid=self.store_pid)
         return Finding(PeerFailedError.from_records([record]))

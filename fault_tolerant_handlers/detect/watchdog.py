@@ -112,8 +112,11 @@ class Watchdog:
                                            margin=SILENT_MARGIN.total_seconds(), progress=lambda: self._progress,
                                            frame=main_thread_frame, host=session.host,
                                            start_timeout=cfg.start_timeout.total_seconds(), warm=lambda: self.warm)
-        self.store_loss = StoreLossProbe(cfg.store_lost_after.total_seconds(), by=self.rank, store_rank=0,
-                                         store_pid=session.pids[0], hosted_here=session.hosts_store,
+        store_rank = session.store_rank
+        self.store_loss = StoreLossProbe(cfg.store_lost_after.total_seconds(), by=self.rank, store_rank=store_rank,
+                                         store_pid=session.pids[session.ranks.index(store_rank)] if store_rank is not None
+                                         else 0, hosted_here=session.hosts_store,
+                                         store_at=":".join(map(str, session.store_address or ())),
                                          evidence=lambda: session.store_evidence(STORE_EVIDENCE_TIMEOUT),
                                          check_every=max(STORE_CHECK_EVERY, self.interval.total_seconds()))
         peers = session.same_host_peers()
@@ -254,7 +257,8 @@ class Watchdog:
         if finding is None or self._finishing:
             return
         err = finding.error
-        if (self.session.failure.delivered and err.kind in (FailureKind.PEER_SILENT, FailureKind.PEER_LOST)
+        if (self.session.failure.delivered and err.kind in (FailureKind.PEER_SILENT, FailureKind.PEER_LOST,
+                                                            FailureKind.STORE_LOST)
                 and not (err.ended is not None and err.ended.killed)):
             # The job already failed here: peers ending (and their heartbeats stopping) is expected.
             log(logging.INFO, "after the failure: %s", str(err).splitlines()[0])

@@ -237,12 +237,18 @@ def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError
     """Seen from another host, a store that refuses or does not answer connections is the store's
     host gone: torchrun's agent SIGTERMs its workers when it loses its rendezvous store, sometimes
     before the rank's own broken collective is explained. ``None`` on the store's own host (the
-    pid check says what happened there)."""
-    if session.table.on_store_host():
-        return None
+    pid check says what happened there). With no rank on the store's host (a store on a host of its
+    own) no rank is named: ``StoreLost``."""
     why = str(err).rsplit(": ", 1)[-1][:120]
-    return PeerFailedError.from_records([session.table.lost_record(
-        session.table.ranks[0], f"its host, which holds the c10d store, no longer accepts connections ({why})")])
+    table, store_rank = session.table, session.store_rank
+    if store_rank is None:
+        at = ":".join(map(str, session.store_address or ()))
+        return PeerFailedError(None, FailureKind.STORE_LOST.value, f"the c10d store at {at}, on a host of no rank's, no "
+                               f"longer accepts connections ({why})", origin="declared", kind=FailureKind.STORE_LOST)
+    if table.host_ids[table.ranks.index(store_rank)] == table.host_ids[table.group_rank]:
+        return None
+    return PeerFailedError.from_records([table.lost_record(
+        store_rank, f"its host, which holds the c10d store, no longer accepts connections ({why})")])
 
 
 _watch: _Watch | None = None

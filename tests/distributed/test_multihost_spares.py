@@ -65,22 +65,25 @@ ENV = {"INPLACE": "2", "EVERY": "10", "PG_TIMEOUT_SEC": "20", "WORKERS": "0", "F
 _reference: dict[str, Path] = {}
 
 
-def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host: int = 1, then_kill_spares: bool = False,
-               after_fault: float = 60.0, deadline: float = 200.0) -> Run:
+def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host: int = 1, fault_host: int = 1,
+               store_host: bool = False, then_kill_spares: bool = False, after_fault: float = 60.0,
+               deadline: float = 200.0) -> Run:
     """Run ``multihost_recover_main.py`` on ``hosts_n`` simulated hosts, ``per_host`` ranks each, the
     last host's ranks the spares; inject ``fault`` (``kill_host``, ``cut_link``, ``freeze_host``:
     thawed once the spares train, ``kill_keeper``: SIGKILL the process torchrun started for node-b's
-    first rank, its keeper, whose training child dies with it, or ``none``) at node-b once every training rank is ready;
-    ``then_kill_spares``: once the spares train, node-c dies whole too. The run
+    first rank, its keeper, whose training child dies with it, ``kill_store_host``, or ``none``) at host
+    ``fault_host`` (node-b by default) once every training rank is ready; ``store_host``: the store on
+    a host of its own (``Rig(..., store_host=True)``); ``then_kill_spares``: once the spares train,
+    node-c dies whole too. The run
     lasts until every launched rank that did not die with its host has recorded its exit, and every
     such rank's process has ended (or ``after_fault`` s after the fault, or ``deadline``); then every
     agent and namespace is removed."""
-    out = workdir / f"spares-{fault}-{hosts_n}x{per_host}"
+    out = workdir / f"spares-{fault}-{hosts_n}x{per_host}-{fault_host}"
     out.mkdir(parents=True, exist_ok=True)
     launched, spares = hosts_n * per_host, per_host
-    on_b = range(per_host, 2 * per_host)
+    on_b = range(fault_host * per_host, (fault_host + 1) * per_host)  # the faulty host's ranks
     end = time.monotonic() + deadline
-    with Rig(hosts_n, out) as rig:
+    with Rig(hosts_n, out, store_host=store_host) as rig:
         run = Run(out, fault, None, rig)
         run.thawed_at = run.second_at = None
         rig.start([str(MAIN), str(out)], nproc_per_node=per_host, env={**ENV, "SPARES": str(spares)})
@@ -89,15 +92,17 @@ def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host
             run.watch(launched, pids)
             if run.fault_at is None and fault != "none" and len(pids) == launched \
                     and all(run.event(r, "ready") for r in range(launched - spares)):
-                if fault == "kill_keeper":  # the process torchrun started for node-b's first rank
-                    os.kill(pids[per_host], signal.SIGKILL)
+                if fault == "kill_keeper":  # the process torchrun started for the host's first rank
+                    os.kill(pids[on_b[0]], signal.SIGKILL)
+                elif fault == "kill_store_host":
+                    rig.kill_store_host()
                 else:
-                    getattr(rig, fault)(1)
+                    getattr(rig, fault)(fault_host)
                 run.fault_at = time.time()
                 end = min(end, time.monotonic() + after_fault)
             if fault == "freeze_host" and run.thawed_at is None and run.fault_at is not None \
                     and all(_trains(out / f"attempt1_rank{r}.json") for r in on_b):  # spares train: node-b goes on
-                rig.freeze_host(1, thaw=True)
+                rig.freeze_host(fault_host, thaw=True)
                 run.thawed_at = time.time()
             if then_kill_spares and run.second_at is None and run.fault_at is not None \
                     and all(_trains(out / f"attempt1_rank{r}.json") for r in on_b):
@@ -108,8 +113,11 @@ def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host
             if (fault == "none" or run.fault_at is not None) and len(run.ended_at) == launched \
                     and all(run.event(r, "exit") for r in expected):
                 break
+            if fault == "kill_store_host" and run.fault_at is not None and len(run.ended_at) == launched:
+                break  # with their store gone, the agents may be left blocked
             time.sleep(0.05)
         run.agents_at_end = {h.name: h.proc.poll() if h.proc is not None else None for h in rig.hosts}
+        run.store_alive_at_end = rig.store is not None and rig.store.proc.poll() is None and not rig.store.killed
         rig.close()
         for rank in range(launched):
             run.events[rank] = read_events(out, rank)
@@ -143,9 +151,9 @@ TOOK = re.compile(r"spare launched rank (\d+) on host (\S+) took the place of lo
                   r"(\d+) on host (\S+)\)[^\n]*?: ([0-9.]+) s from the failure")
 
 
-def assert_spares_took(run: Run, ref: Path, per_host: int = 1) -> dict[int, float]:
-    """node-b's ranks (``per_host`` of them) were lost; node-a's recovered in place, each in its own
-    process; node-c's ranks (the spares) never trained in attempt 0, and each took one lost rank's seat
+def assert_spares_took(run: Run, ref: Path, per_host: int = 1, lost_host: int = 1) -> dict[int, float]:
+    """The ranks of host ``lost_host`` (node-b by default; ``per_host`` of them) were lost; the other
+    training host's recovered in place, each in its own process; node-c's ranks (the spares) never trained in attempt 0, and each took one lost rank's seat
     in attempt 1 (each seat one spare, each spare one seat, the log lines of the survivors and of the
     spares naming the same); attempt 1 carried on from the live state of the last completed step
     (none trained twice), trained the uninterrupted run's batches from there, and the final weights
@@ -153,7 +161,9 @@ def assert_spares_took(run: Run, ref: Path, per_host: int = 1) -> dict[int, floa
     fault (a sanity bound, not the 3 s target). Returns, per training rank, the seconds from the fault
     to that step."""
     training, launched = 2 * per_host, 3 * per_host
-    survivors, lost, spare_ranks = range(per_host), range(per_host, training), range(training, launched)
+    lost = range(lost_host * per_host, (lost_host + 1) * per_host)
+    survivors, spare_ranks = [r for r in range(training) if r not in lost], range(training, launched)
+    lost_name, survivor_name = f"node-{'ab'[lost_host]}", f"node-{'ab'[1 - lost_host]}"
     assert run.fault_at is not None, run.describe()
     assert [run.host_of(r) for r in range(launched)] == [f"node-{'abc'[r // per_host]}" for r in range(launched)], \
         run.describe()
@@ -163,7 +173,7 @@ def assert_spares_took(run: Run, ref: Path, per_host: int = 1) -> dict[int, floa
             f"rank {rank}: {calls}\n{run.describe()}"
         assert all(c["ppid"] == keeper for c in calls), calls
     for rank in lost:
-        assert [c["attempt"] for c in run.all(rank, "attempt")] == [0], f"node-b's rank {rank} trained again\n{run.describe()}"
+        assert [c["attempt"] for c in run.all(rank, "attempt")] == [0], f"lost rank {rank} trained again\n{run.describe()}"
     spare_pid = {}
     for spare in spare_ranks:
         calls = run.all(spare, "attempt")
@@ -172,14 +182,13 @@ def assert_spares_took(run: Run, ref: Path, per_host: int = 1) -> dict[int, floa
     for rank in [*survivors, *spare_ranks]:
         assert run.event(rank, "exit") is not None and run.event(rank, "exit")["how"] == "returned", run.describe()
     # who took which seat: the survivors' claims and the spares' own lines agree, one spare per seat
-    logs = {h: run.log(h) for h in ("node-a", "node-c")}
-    claimed = {int(m.group(2)): int(m.group(3)) for m in CLAIMED.finditer(logs["node-a"])}
-    took_lines = {int(m.group(3)): m for m in TOOK.finditer(logs["node-c"])}
+    claimed = {int(m.group(2)): int(m.group(3)) for m in CLAIMED.finditer(run.log(survivor_name))}
+    took_lines = {int(m.group(3)): m for m in TOOK.finditer(run.log("node-c"))}
     assert sorted(claimed) == list(lost) and sorted(claimed.values()) == list(spare_ranks), \
         f"claims {claimed}\n{run.describe()}"
     assert sorted(took_lines) == list(lost), f"took {list(took_lines)}\n{run.describe()}"
     for seat, m in took_lines.items():
-        assert (int(m.group(1)), m.group(2), int(m.group(4)), m.group(5)) == (claimed[seat], "node-c", seat, "node-b"), \
+        assert (int(m.group(1)), m.group(2), int(m.group(4)), m.group(5)) == (claimed[seat], "node-c", seat, lost_name), \
             m.group(0)
         assert 0 < float(m.group(6)) < 20, m.group(0)
         assert run.tries(seat)[1]["pid"] == spare_pid[claimed[seat]] != run.tries(seat)[0]["pid"]
@@ -242,24 +251,26 @@ def test_a_lost_host_of_2_ranks_is_replaced_by_the_2_spares_of_another_host_and_
     assert_spares_took(run, ref, per_host=2)
 
 
-def assert_cut_off_ranks_ended(run: Run, per_host: int = 1) -> None:
-    """node-b's ranks, cut off from the store and from node-a, trained nothing after the fault: each
+def assert_cut_off_ranks_ended(run: Run, per_host: int = 1, lost_host: int = 1) -> None:
+    """The ranks of host ``lost_host`` (node-b by default), cut off from the store and from their peers,
+    trained nothing after the fault: each
     training process raised ``PeerFailedError`` with the note and the log line saying why it was not
     recovered in place, made no attempt 1, and its process (the keeper torchrun started) ended by
     itself, exiting 1."""
-    for rank in range(per_host, 2 * per_host):
+    name = f"node-{'ab'[lost_host]}"
+    for rank in range(lost_host * per_host, (lost_host + 1) * per_host):
         raised = run.event(rank, "run_raised")
         assert raised is not None and raised["raised"] == "PeerFailedError", f"rank {rank}: {raised}\n{run.describe()}"
         note = [n for n in raised["notes"] if n.startswith("fault-tolerant-handlers: not recovered in place: ")]
         assert note, raised
-        logged = [m.group(2) for m in NOT_RECOVERED.finditer(run.log("node-b")) if int(m.group(1)) == rank]
+        logged = [m.group(2) for m in NOT_RECOVERED.finditer(run.log(name)) if int(m.group(1)) == rank]
         assert logged and note[0].endswith(logged[0]), f"logged {logged}, noted {note}\n{run.describe()}"
         assert [c["attempt"] for c in run.all(rank, "attempt")] == [0], run.describe()
         assert rank in run.ended_at and run.event(rank, "exit")["how"] == "SystemExit: 1", run.describe()
         spare_first = run.tries(rank)[1]["first_step_at"]
         old = [e for e in run.trained(rank) if e["attempt"] == 0]
-        assert old and all(e["t"] < run.fault_at < spare_first for e in old), f"node-b's rank {rank} trained after the fault"
-        print(f"node-b's rank {rank}: raised {raised['exc_type']} naming rank {raised['failed_rank']} "
+        assert old and all(e["t"] < run.fault_at < spare_first for e in old), f"{name}'s rank {rank} trained after the fault"
+        print(f"{name}'s rank {rank}: raised {raised['exc_type']} naming rank {raised['failed_rank']} "
               f"{raised['t'] - run.fault_at:.2f} s after the fault, its process ended "
               f"{run.ended_at[rank] - run.fault_at:.2f} s after; not recovered in place: {logged[0]}")
 

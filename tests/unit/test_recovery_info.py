@@ -66,7 +66,7 @@ def test_a_bad_recovery_info_names_the_field_and_what_it_takes(kwargs, error, te
 
 @pytest.mark.parametrize("args, error, text", [
     ((1, "raised", "ValueError", ""), TypeError, "RecoveryCause(kind=...) must be a FailureKind (one of RAISED, "
-                                                 "PEER_LOST, PEER_SILENT, RANK_HUNG, RANK_SIGNALLED, COMMUNICATION, "
+                                                 "PEER_LOST, PEER_SILENT, STORE_LOST, RANK_HUNG, RANK_SIGNALLED, COMMUNICATION, "
                                                  "UNKNOWN, RANK_REPLACED), got 'raised'"),
     ((-1, FailureKind.RAISED, "ValueError", ""), ValueError, "RecoveryCause(rank=...) must be an int >= 0 or None, got -1"),
     ((1, FailureKind.RAISED, ValueError, ""), TypeError, "RecoveryCause(exc_type=...) must be a str, got <class 'ValueError'>"),

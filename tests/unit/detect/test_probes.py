@@ -224,6 +224,29 @@ def test_store_loss_probe_declares_the_store_host_after_the_silence_with_evidenc
     assert "a TCP connect to h:1: refused" in found.error.exc_message
 
 
+def test_the_loss_of_a_store_on_a_host_of_its_own_names_no_rank():
+    probe = StoreLossProbe(4.0, by=1, store_rank=None, store_at="10.231.0.254:29400",
+                           evidence=lambda: "a TCP connect to 10.231.0.254:29400: refused")
+    probe.failed(0.0, ConnectionError("refused"))
+    probe.poll(0.0)
+    found = probe.poll(4.5)
+    assert found.declare is None  # nothing to publish: the store is what is gone
+    assert found.error.failed_rank is None and found.error.kind.value == "StoreLost"
+    assert found.error.exc_message.startswith("the c10d store at 10.231.0.254:29400, on a host of no rank's, is lost: "
+                                              "the store has not answered for 4.5 s"), found.error.exc_message
+
+
+def test_the_store_s_address_is_read_from_this_process_s_connection_to_it():
+    """``release.store_peer_address``: the address a client's connection to the store reaches (what
+    the session matches against the ranks' addresses to tell on which rank's host the store runs)."""
+    from fault_tolerant_handlers.core.ranks import normalize_address
+    from fault_tolerant_handlers.core.release import store_peer_address
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert normalize_address(store_peer_address({server.port})) == "127.0.0.1"  # its client to its own server
+    assert store_peer_address({1}) is None
+
+
 def test_a_slow_store_is_never_declared_lost():
     """Calls that time out while the store's port answers a plain connect (a busy store server on a
     loaded machine): no declaration, however long it lasts."""

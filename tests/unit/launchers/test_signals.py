@@ -241,9 +241,11 @@ def test_a_peer_signalled_at_the_same_moment_is_the_same_preemption(restore_sign
 class _StoreGoneSession(FakeSession):
     """Rank 1 on node-b; the store (and rank 0) on node-a, which now refuses connections."""
 
-    def __init__(self, store_host_ids):
+    def __init__(self, store_host_ids, store_rank=0):
         super().__init__(dist.HashStore())
         self.table = RankTable(1, (0, 1), (4242, 77), ("node-a", "node-b"), host_ids=tuple(store_host_ids))
+        self.store_rank = store_rank  # None: a store on a host of its own
+        self.store_address = ("10.0.0.9", 29400)
 
     def connection(self, name, timeout):
         def refused():
@@ -259,3 +261,12 @@ def test_a_sigterm_from_another_host_after_the_store_host_died_names_the_store_h
     assert found.exc_message == ("rank 0 (pid 4242 on node-a) lost: its host, which holds the c10d store, no longer "
                                  "accepts connections ([Errno 111] Connection refused)")
     assert signals._Watch._records(_StoreGoneSession([11, 11])) is None  # same host: the pid check decides
+
+
+def test_a_sigterm_after_a_store_on_a_host_of_its_own_died_names_no_rank():
+    """The store runs on a host no rank runs on: its loss is nobody's, and blaming rank 0 (whose host
+    lives) would be a wrong culprit; with spares, a spare would be called for a rank that lives."""
+    found = signals._Watch._records(_StoreGoneSession([11, 22], store_rank=None))
+    assert found is not None and found.failed_rank is None and found.kind.value == "StoreLost"
+    assert found.exc_message == ("the c10d store at 10.0.0.9:29400, on a host of no rank's, no longer accepts "
+                                 "connections ([Errno 111] Connection refused)")
