@@ -140,6 +140,7 @@ class Session:
         self.failure = FailureState()
         self._watchdog = None
         self._watchdog_refs = 0
+        self._kept_liveness = None  # the liveness helper a recovery keeps until abandon()
         self._lock = threading.Lock()
         #: Same-host peers by pid, consulted at once when a collective breaks (and by the signal handler).
         self.same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
@@ -608,17 +609,25 @@ class Session:
             log(logging.WARNING, "closing the session: %s", (str(err).splitlines() or [""])[0][:200])
         self._close_connections()
 
-    def stop(self) -> None:
+    def stop(self, *, keep_liveness: bool = False) -> None:
         """The part of :meth:`close` that needs no peer: leave the registry and stop the watchdog
-        (its threads, its liveness helper), so that nothing of this session declares or ends
-        anything any more. Recovering in place calls it on a failed group, then :meth:`abandon`."""
+        (its threads, its liveness helper), so that nothing of this session raises or ends anything
+        any more. Recovering in place calls it on a failed group with ``keep_liveness``, then
+        :meth:`abandon`: until then the liveness helper beats and watches its ranks, so that a rank
+        found silent during the recovery (the second rank of a host cut off whole, whose silence
+        passed the limit a poll after the first's) is still declared, and given a spare."""
         with _registry_lock:
             for key in [k for k, v in _registry.items() if v is self]:
                 del _registry[key]
         with self._lock:
             watchdog, self._watchdog, self._watchdog_refs = self._watchdog, None, 0
         if watchdog is not None:
-            watchdog.stop()
+            watchdog.stop(keep_liveness=keep_liveness)
+            if keep_liveness:
+                self._kept_liveness = watchdog.liveness
+        if not keep_liveness and self._kept_liveness is not None:
+            kept, self._kept_liveness = self._kept_liveness, None
+            kept.stop()
 
     def abandon(self, *, shared_keys: bool) -> None:
         """Close a session whose group failed, without its peers (no collective): :meth:`stop`, then

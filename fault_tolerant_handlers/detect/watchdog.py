@@ -146,9 +146,10 @@ class Watchdog:
     def store_ops(self) -> int:
         return self._conn.calls + self._liveness_conn.calls
 
-    def stop(self, join_timeout: float | None = None) -> None:
+    def stop(self, join_timeout: float | None = None, *, keep_liveness: bool = False) -> None:
         """A clean end: stop watching (losing the store is no longer a failure), join the threads
-        and close this watchdog's store connections."""
+        and close this watchdog's store connections. ``keep_liveness``: the liveness helper goes on
+        (beating, and declaring silent ranks) until its owner stops it."""
         self._finishing = True
         self._stop.set()
         timeout = join_timeout if join_timeout is not None else 2 * self.interval.total_seconds() + 2
@@ -158,7 +159,8 @@ class Watchdog:
         if not (self._thread.is_alive() or self._liveness.is_alive()):
             self._conn.close()
             self._liveness_conn.close()
-        self.liveness.stop()
+        if not keep_liveness:
+            self.liveness.stop()
         _running.discard(self)
 
     def beat(self, step: int | None = None, *, completed: bool = False) -> None:

@@ -346,8 +346,8 @@ class _Recovery:
                 if session.group is None:
                     session.report_error(err, section="recover_in_place", release=True)
         self._sessions = sessions  # stopped: out of the registry, abandoned at the teardown
-        for session in sessions:
-            session.stop()
+        for session in sessions:  # its liveness helper goes on until the teardown (abandon)
+            session.stop(keep_liveness=True)
         stopped = time.monotonic()
         phases.run(Phase.RECORD, self._state(cause=cause))
         self._collect_live(rank)  # the state this rank holds, as of the last step it completed

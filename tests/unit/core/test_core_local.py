@@ -247,3 +247,33 @@ def test_a_failure_of_the_next_agreement_is_left_for_it():
     got = s._consume(read=True)
     assert [(r.rank, r.exc_message) for r in got] == [(2, "'first2'"), (1, "'second1'")]
     assert PeerFailedError.from_records(got).failed_rank == 2
+
+
+def test_a_failed_session_s_liveness_helper_beats_on_until_the_session_is_abandoned():
+    """Recovering in place stops a failed session with ``keep_liveness``: its watchdog's threads stop
+    at once, its liveness helper only when the session is abandoned (the teardown), so a rank that
+    goes silent a poll after the failure (a host cut off whole: its second rank) is still declared."""
+    import threading
+
+    calls = []
+
+    class Liveness:
+        def stop(self):
+            calls.append("liveness stopped")
+
+    class Watchdog:
+        liveness = Liveness()
+
+        def stop(self, join_timeout=None, *, keep_liveness=False):
+            calls.append(f"watchdog stopped, keep_liveness={keep_liveness}")
+            if not keep_liveness:
+                self.liveness.stop()
+
+    s = session_mod.Session.__new__(session_mod.Session)
+    s._lock, s._watchdog, s._watchdog_refs, s._kept_liveness = threading.Lock(), Watchdog(), 1, None
+    s.stop(keep_liveness=True)
+    assert calls == ["watchdog stopped, keep_liveness=True"]
+    s.stop()  # what abandon() does first
+    assert calls == ["watchdog stopped, keep_liveness=True", "liveness stopped"]
+    s.stop()
+    assert calls.count("liveness stopped") == 1
