@@ -327,9 +327,9 @@ class Rig:
         _kill(self.store.init_pid)
         self.store.killed = True
 
-    def cut_link(self, i: int) -> None:
-        """Host ``i``'s network link goes down (both ends see it)."""
-        _ip("-n", self.hosts[i].ns, "link", "set", DEV, "down")
+    def cut_link(self, i: int, restore: bool = False) -> None:
+        """Host ``i``'s network link goes down (both ends see it); ``restore``: it comes back up."""
+        _ip("-n", self.hosts[i].ns, "link", "set", DEV, "up" if restore else "down")
 
     def freeze_host(self, i: int, thaw: bool = False) -> None:
         """Every process of host ``i`` stops (SIGSTOP, by pid), as a host that hangs whole; ``thaw``:

@@ -70,7 +70,8 @@ def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host
                deadline: float = 200.0) -> Run:
     """Run ``multihost_recover_main.py`` on ``hosts_n`` simulated hosts, ``per_host`` ranks each, the
     last host's ranks the spares; inject ``fault`` (``kill_host``, ``cut_link``, ``freeze_host``:
-    thawed once the spares train, ``kill_keeper``: SIGKILL the process torchrun started for node-b's
+    thawed once the spares train, ``cut_link_back``: the link cut, then back up once the spares
+    train, ``kill_keeper``: SIGKILL the process torchrun started for node-b's
     first rank, its keeper, whose training child dies with it, ``kill_store_host``, or ``none``) at host
     ``fault_host`` (node-b by default) once every training rank is ready; ``store_host``: the store on
     a host of its own (``Rig(..., store_host=True)``); ``then_kill_spares``: once the spares train,
@@ -96,13 +97,18 @@ def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host
                     os.kill(pids[on_b[0]], signal.SIGKILL)
                 elif fault == "kill_store_host":
                     rig.kill_store_host()
+                elif fault == "cut_link_back":
+                    rig.cut_link(fault_host)
                 else:
                     getattr(rig, fault)(fault_host)
                 run.fault_at = time.time()
                 end = min(end, time.monotonic() + after_fault)
-            if fault == "freeze_host" and run.thawed_at is None and run.fault_at is not None \
+            if fault in ("freeze_host", "cut_link_back") and run.thawed_at is None and run.fault_at is not None \
                     and all(_trains(out / f"attempt1_rank{r}.json") for r in on_b):  # spares train: node-b goes on
-                rig.freeze_host(fault_host, thaw=True)
+                if fault == "freeze_host":
+                    rig.freeze_host(fault_host, thaw=True)
+                else:
+                    rig.cut_link(fault_host, restore=True)
                 run.thawed_at = time.time()
             if then_kill_spares and run.second_at is None and run.fault_at is not None \
                     and all(_trains(out / f"attempt1_rank{r}.json") for r in on_b):
@@ -353,3 +359,24 @@ def test_a_cut_link_to_a_host_of_2_ranks_is_replaced_by_the_2_spares_and_neither
     run = run_spares(tmp_path, "cut_link", per_host=2)
     assert_spares_took(run, ref, per_host=2)
     assert_cut_off_ranks_ended(run, per_host=2)
+
+
+@pytest.mark.long
+def test_a_cut_link_that_comes_back_never_lets_the_cut_off_rank_rejoin(tmp_path, tmp_path_factory):
+    """node-b's link goes down, the spare takes rank 1's place, then the link comes back up (before
+    node-b's rank has ended on its own): node-b's rank, with the store and its peers in reach again,
+    never trains again nor takes part in a recovery: it ends by itself, and the run stays exact."""
+    ref = reference(tmp_path_factory)
+    run = run_spares(tmp_path, "cut_link_back")
+    assert run.thawed_at is not None, run.describe()
+    assert_spare_took_rank_1(run, ref)
+    raised = run.event(1, "run_raised")
+    assert raised is not None, run.describe()
+    assert [c["attempt"] for c in run.all(1, "attempt")] == [0], run.describe()
+    assert 1 in run.ended_at and run.event(1, "exit")["how"] == "SystemExit: 1", run.describe()
+    old = [e for e in run.trained(1) if e["attempt"] == 0]
+    assert old and all(e["t"] < run.fault_at for e in old), "node-b's rank trained after the cut"
+    notes = [n.splitlines()[0] for n in raised["notes"]]
+    print(f"node-b's link back {run.thawed_at - run.fault_at:.2f} s after the cut; its rank raised {raised['raised']} "
+          f"({raised.get('exc_type')}, rank {raised.get('failed_rank')}) {raised['t'] - run.fault_at:.2f} s after the "
+          f"cut, its process ended {run.ended_at[1] - run.fault_at:.2f} s after: {notes}")
