@@ -38,6 +38,7 @@ import logging
 import os
 import random
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -102,7 +103,13 @@ class Session:
         # One all_gather at setup tells every rank the run id (rank 0's), each rank's host (id and
         # name), pid and the address its peers see it at (a hash: matched against backend errors).
         self.address = own_address()
-        mine = torch.tensor([[random.getrandbits(62), host_id(), os.getpid(), digest(self.address),
+        self.keep_ports = store_ports(self._pg_store)
+        tcp = _compat_torch.tcp_store_of(self._pg_store)
+        #: ``(host, port)`` of the TCP store, or ``None`` (another kind of store: it cannot be lost).
+        self.store_address: tuple[str, int] | None = (tcp.host, tcp.port) if tcp is not None else None
+        #: This process hosts the store (its server is a thread here): it never declares it lost.
+        self.hosts_store = self.store_address is not None and listens_here(self.store_address[1])
+        mine = torch.tensor([[random.getrandbits(62), host_id(), os.getpid(), digest(self.address), self._store_here(),
                               *encode_name(host_name())]], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in ranks]
         dist.all_gather(gathered, mine, group=self.side)
@@ -111,18 +118,13 @@ class Session:
         host_ids = table[:, 1].tolist()
         #: Who the ranks are (read-only): what probes and reporters are given instead of the session.
         self.table = RankTable(rank, tuple(ranks), tuple(table[:, 2].tolist()),
-                               tuple(decode_name(row[4:].tolist()) for row in table), tuple(host_ids),
+                               tuple(decode_name(row[5:].tolist()) for row in table), tuple(host_ids),
                                tuple(table[:, 3].tolist()),
                                *local_layout(host_ids, ranks.index(rank), whole_world=group is None))
-        self.keep_ports = store_ports(self._pg_store)
-        tcp = _compat_torch.tcp_store_of(self._pg_store)
-        #: ``(host, port)`` of the TCP store, or ``None`` (another kind of store: it cannot be lost).
-        self.store_address: tuple[str, int] | None = (tcp.host, tcp.port) if tcp is not None else None
-        #: This process hosts the store (its server is a thread here): it never declares it lost.
-        self.hosts_store = self.store_address is not None and listens_here(self.store_address[1])
-        #: The rank on the store's host (its first in group order), or ``None``: no rank runs there
-        #: (a store on a host of its own), and the store's loss names no rank (``StoreLost``).
-        self.store_rank: int | None = self._store_rank()
+        #: The first rank (in group order) on the store's host, the same on every rank (each said
+        #: whether the store is on its host, in the gather above), or ``None``: no rank runs there (a
+        #: store on a host of its own), and the store's loss names no rank (``StoreLost``).
+        self.store_rank: int | None = store_rank_of(list(ranks), table[:, 4].tolist())
         self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
         self._flag = torch.zeros(2, dtype=torch.int64)
         self._seq = 0
@@ -208,29 +210,20 @@ class Session:
                 return prefixed(base.clone())
         return Connection(factory, timeout, name, backoff=backoff, connect_timeout=connect)
 
-    def _store_rank(self) -> int | None:
-        """Where the store runs, from this process's connection to it (the address it reaches, no name
-        lookup): this process, a loopback address (this host), or the host of the first rank seen at
-        that address. Any other address (a host of no rank's, or one of a rank's host's other
-        addresses) names no rank: an unknown culprit is better than a wrong one."""
+    def _store_here(self) -> int:
+        """Whether the store runs on this host, from this process's connection to it (the address it
+        reaches: no name lookup): :data:`STORE_HERE` when this process hosts it, or that address is a
+        loopback one or one of this host's own (a host of several addresses: the store's on another
+        interface than gloo's); :data:`STORE_ELSEWHERE` when it is not; :data:`STORE_UNSEEN` when it
+        cannot be told (another kind of store, no connection seen: not Linux)."""
         if self.store_address is None:
-            return self.ranks[0]
-        table = self.table
+            return STORE_UNSEEN
         if self.hosts_store:
-            return self.rank
+            return STORE_HERE
         peer = store_peer_address(self.keep_ports)
         if peer is None:
-            return self.ranks[0]  # not seen (not Linux): as the launchers lay it out, rank 0's host
-        peer = normalize_address(peer)
-        try:
-            loopback = ipaddress.ip_address(peer).is_loopback
-        except ValueError:
-            loopback = False
-        if loopback:
-            me = table.host_ids[table.group_rank]
-            return next(r for r, h in zip(table.ranks, table.host_ids) if h == me)
-        wanted = digest(peer)
-        return next((r for r, a in zip(table.ranks, table.address_ids) if a == wanted), None)
+            return STORE_UNSEEN
+        return STORE_HERE if is_local_address(normalize_address(peer)) else STORE_ELSEWHERE
 
     def store_evidence(self, timeout: float) -> str | None:
         """Evidence that the store is gone or unreachable (:func:`~.schema.store_evidence`), or
@@ -444,14 +437,15 @@ class Session:
         """Rank -> its record, for every rank this run's failure records declare lost (``PeerLost``:
         its process ended, or its host is gone or unreachable) or silent (``PeerSilent``: its
         heartbeat stopped), as the store holds them now (the newest :data:`~.schema.MAX_NEW_RECORDS`;
-        a rank declared both is given by its ``PeerLost``). Read on the main connection (each call
+        a rank declared both is given by its ``PeerLost``, one that says its keeper is gone first). Read on the main connection (each call
         bounded); a record that cannot be read is left out."""
         lost: dict[int, FailureRecord] = {}
         for index in self.schema.new_indices(0, self.schema.count()):
             record = self.schema.read(index)
             if record is None or record.kind not in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT):
                 continue
-            if record.rank not in lost or record.kind is FailureKind.PEER_LOST:
+            kept = lost.get(record.rank)
+            if kept is None or (record.kind is FailureKind.PEER_LOST and not _keeper_gone(kept)):
                 lost[record.rank] = record
         return lost
 
@@ -650,6 +644,44 @@ class Session:
             dist.destroy_process_group(side)
         except Exception as err:  # noqa: BLE001 - already destroyed (destroy_process_group() of all)
             log(logging.DEBUG, "side group: %s", err)
+
+
+#: What a rank says of the store's host at the setup gather (:meth:`Session._store_here`).
+STORE_ELSEWHERE, STORE_HERE, STORE_UNSEEN = 0, 1, 2
+
+
+def store_rank_of(ranks: list[int], said: list[int]) -> int | None:
+    """The store's rank from what every rank said (``said``, in group order): the first rank on the
+    store's host; when no rank could tell, the group's first (as launchers lay it out: torchrun's
+    agent and ``env://`` host it with rank 0); ``None`` when every rank that could tell said it is
+    not on its host: the store is on a host of its own (an unknown culprit rather than a wrong one)."""
+    for rank, here in zip(ranks, said):
+        if here == STORE_HERE:
+            return rank
+    if all(here == STORE_UNSEEN for here in said):
+        return ranks[0]
+    return None
+
+
+def is_local_address(address: str) -> bool:
+    """``address`` (an IP) is this host's: loopback, or one a socket can bind to here."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if ip.is_loopback:
+        return True
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _keeper_gone(record: FailureRecord) -> bool:
+    return record.ended is not None and record.ended.keeper_gone
 
 
 #: Makes a session's watchdog (``factory(session, hang_timeout=...)``, with ``start()`` and

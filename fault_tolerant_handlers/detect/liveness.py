@@ -83,7 +83,9 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
 
     def tell(record: FailureRecord) -> None:  # the rank's peers, on every host, learn it within a poll
         with calls:
-            if schema.claim_declaration(record.rank):
+            # a keeper seen gone is news a peer's declaration of the same death (a same-host pid
+            # check) does not carry: published whoever declared first
+            if schema.claim_declaration(record.rank) or (record.ended is not None and record.ended.keeper_gone):
                 schema.publish(record)
 
     ends = threading.Thread(target=_on_rank_end, args=(table, parent, stop_fd, woken, tell), name="fth-rank-end",
@@ -106,11 +108,21 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
             break
         except Exception:  # noqa: BLE001 - connecting (backing off), or a busy store: try again
             time.sleep(period)
+    others = list(range(1, len(probes)))
     while os.getppid() == parent:
         if not _stopped(parent):  # frozen: its neighbour must see it, so no beat
+            beat_at = time.monotonic()
             with calls:
-                for i, probe in enumerate(probes):
-                    _poll(probe, schema, declared, i)
+                _poll(probes[0], schema, declared, 0)  # the beat, and the first watched rank
+            # The other watched ranks (a host's, after its first) within the period, from a turning
+            # start: however slow the store, this rank's own beat is never held up by more than
+            # one of their reads, and each of them is read in turn.
+            for i in others:
+                if time.monotonic() - beat_at > period:
+                    break
+                with calls:
+                    _poll(probes[i], schema, declared, i)
+            others = others[1:] + others[:1]
         time.sleep(period)
     # The rank is gone (this process was re-parented). The thread says how, unless it was not woken:
     # without pidfds, a DataLoader worker forked after this helper still holds the pipe.
@@ -146,7 +158,7 @@ def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], N
     if how is None:
         return
     keeper = attempts.keeper_pid
-    if keeper is not None and _procfs.process_state(keeper) is not None:
+    if keeper is not None and _procfs.ended(keeper, RANK_EXIT_WAIT) is not None:
         # its keeper died first (the child dies with it): it left its key behind, announced when the
         # rank started, and its peers would wait for a replacement that never comes
         how = dataclasses.replace(how, keeper_gone=True)

@@ -72,8 +72,9 @@ class RecordsProbe:
 
 
 class HeartbeatProbe:
-    """Its own heartbeat, and its ring successor's: a successor whose counter stands still for
-    ``limit`` seconds of **observed** time (once it has beaten at all) is declared silent.
+    """Its own heartbeat (``beats``: one probe of a helper's beats), and one watched rank's (its ring
+    successor, or another rank of the successor's host): a watched rank whose counter stands still
+    for ``limit`` seconds of **observed** time (once it has beaten at all) is declared silent.
 
     Observed time is the time between two polls that both got their answers, at most
     :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow (a busy store,

@@ -109,9 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"be served: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                   file=sys.stderr, flush=True)
             return 1
+        endpoint = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host  # an address others reach
         print(f"fault-tolerant-handlers: store host {socket.gethostname()} serves the job's c10d store on "
               f"{args.host}:{store.port} (pid {os.getpid()}); torchrun on every training host: "
-              f"--rdzv-backend static --rdzv-endpoint {socket.gethostname()}:{store.port}", flush=True)
+              f"--rdzv-backend static --rdzv-endpoint {endpoint}:{store.port}", flush=True)
         while not stop.wait(1.0):  # a timed wait: the signal handler runs between waits
             pass
         print(f"fault-tolerant-handlers: store host {socket.gethostname()} stops ({stopped_by[0]})", flush=True)

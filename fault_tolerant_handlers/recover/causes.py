@@ -19,8 +19,8 @@ NOT_IN_PLACE = {
     FailureKind.PEER_LOST: "a rank was lost (its process or host is gone): a relaunch replaces it",
     FailureKind.PEER_SILENT: "a rank went silent (its host or network may be gone): a relaunch replaces it",
     FailureKind.RANK_SIGNALLED: "a rank was sent a signal that ends the job",
-    FailureKind.STORE_LOST: "the c10d store, on a host of its own, was lost (every recovery agrees in it): a relaunch "
-                            "with a store that answers resumes",
+    FailureKind.STORE_LOST: "the c10d store was lost (every recovery is agreed on in it), on a host no rank runs on: a "
+                            "relaunch with a store that answers resumes",
 }
 #: A cause read back from the store larger than this (bytes) is ignored.
 MAX_CAUSE_BYTES = 8 * 1024

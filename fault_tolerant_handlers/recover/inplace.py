@@ -283,6 +283,9 @@ class _Recovery:
                 self._reform(timings)
                 phases.run(Phase.CALL_AGAIN, self._state(timings=timings))
         finally:
+            sessions, self._sessions = self._sessions, []
+            for session in sessions:  # not abandoned: the liveness helpers a recovery kept, stopped on every way out
+                session.stop()
             if not frozen_by_caller:
                 gc.unfreeze()
             self._restore_interrupter(previous)
@@ -467,19 +470,29 @@ class _Recovery:
             "" if answer.left == 1 else "s")
         return ""
 
-    def _spares_for_lost(self, store: Any, prefix: str, gen: int, seconds: float) -> str:
-        """Every rank the failed attempt's records declare lost or silent (not only the cause's: a host
-        of several ranks, two processes killed at once) that has not reached the recovery and has no
-        keeper to replace it (none announced, its end not seen: ``ended`` unknown, or its keeper seen gone
-        with it: ``ended.keeper_gone``) gets a spare (:func:`.spares.claim`, once per rank and recovery
-        whoever asks). Returns why the job ends when one is left without a spare, else ``""``."""
+    def _lost_records(self) -> dict[int, Any]:
+        """Rank -> the failed attempt's record declaring it lost or silent (:meth:`Session.lost_ranks`)."""
         lost: dict[int, Any] = {}
         for session in self._sessions:
             try:
                 lost.update(session.lost_ranks())
             except Exception as err:  # noqa: BLE001 - the recovery's join timeout then names what is missing
                 log(logging.DEBUG, "reading the lost ranks: %s", (str(err).splitlines() or [""])[0][:200])
-        for rank, record in sorted(lost.items()):
+        return lost
+
+    def _keeper_seen_gone(self, rank: int) -> bool:
+        """A record of the failed attempt says rank ``rank``'s keeper was gone when it died (its
+        liveness helper's, which may come after a same-host peer's record of the same death)."""
+        record = self._lost_records().get(rank)
+        return record is not None and record.ended is not None and record.ended.keeper_gone
+
+    def _spares_for_lost(self, store: Any, prefix: str, gen: int, seconds: float) -> str:
+        """Every rank the failed attempt's records declare lost or silent (not only the cause's: a host
+        of several ranks, two processes killed at once) that has not reached the recovery and has no
+        keeper to replace it (none announced, its end not seen: ``ended`` unknown, or its keeper seen gone
+        with it: ``ended.keeper_gone``) gets a spare (:func:`.spares.claim`, once per rank and recovery
+        whoever asks). Returns why the job ends when one is left without a spare, else ``""``."""
+        for rank, record in sorted(self._lost_records().items()):
             if rank in self._claimed or store.check([f"{prefix}cause/{rank}"]):
                 continue  # found a spare already, or it (or its replacement) reached the recovery
             if _keeper_replaces(store, rank, record.ended is not None and not record.ended.keeper_gone):
@@ -597,13 +610,14 @@ class _Recovery:
                 return Decision(False, displaced)
             if gen >= self.max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
                 cause = replace(cause, not_in_place=f"max_restarts={self.max_restarts} recoveries in place already spent")
-            lost = self._lost_for_good(cause)  # before a spare's claim clears its not_in_place
-            if lost and not _keeper_replaces(bounded, cause.failed_rank, needs_keeper(cause)):
+            end_seen = needs_keeper(cause) and not self._keeper_seen_gone(cause.failed_rank)
+            claim = self._lost_for_good(cause) and not _keeper_replaces(bounded, cause.failed_rank, end_seen)
+            if claim:
                 conn.deadline = started + seconds + 10
                 cause = self._call_spare(cause, bounded, gen, seconds)
             if not cause.not_in_place and self.layout is not None and self.layout.spares:
                 conn.deadline = started + seconds + 10  # other ranks lost at once: a spare each
-                self._claimed = {cause.failed_rank} if lost else set()
+                self._claimed = {cause.failed_rank} if claim else set()
                 more = self._spares_for_lost(bounded, prefix, gen, seconds)
                 if more:
                     cause = replace(cause, not_in_place=more)
@@ -717,7 +731,10 @@ class _Recovery:
             mark = now
 
         part("keys")
-        sessions, self._sessions = self._sessions + live_sessions(), []
+        sessions = self._sessions + live_sessions()
+        for session in sessions:  # the liveness helpers kept for the recovery, first: none writes after
+            session.stop()
+        self._sessions = []
         for session in sessions:  # every rank reached the recovery: nobody reads their keys any more
             session.abandon(shared_keys=session.group_rank == 0)
         part("sessions")

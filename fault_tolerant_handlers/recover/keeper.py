@@ -157,7 +157,6 @@ class Keeper:
                 signal.signal(sig, signal.SIG_DFL)
             self.recovery.on_attempt = self._write_attempt
             attempts.on_lost = self._lost
-            attempts.keeper_pid = os.getppid()
             events.subscribe(events.SESSION_STARTED, _announce)
             result = self.recovery.run(args, kwargs, replacement=replacement)
             try:
@@ -191,8 +190,10 @@ class Keeper:
         rank = os.environ.get("RANK", "?")
         try:
             while True:
+                keeper = os.getpid()  # read here: a child whose keeper died before it looked would read its reaper
                 pid = os.fork()
                 if pid == 0:
+                    attempts.keeper_pid = keeper
                     self._child(self.result_path, args, kwargs, replacement)
                 self.child = pid
                 if dead is not None:  # the child before, a zombie until its peers read how it ended

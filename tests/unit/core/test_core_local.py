@@ -18,6 +18,7 @@ import torch.distributed as dist
 from fault_tolerant_handlers import PeerFailedError, fail_together, one_rank_first
 from fault_tolerant_handlers.core import config
 from fault_tolerant_handlers.core import session as session_mod
+from fault_tolerant_handlers.core.kinds import Ended, FailureKind
 from fault_tolerant_handlers.core.records import MAX_RECORD_BYTES, MAX_TRACEBACK_CHARS, FailureRecord
 
 
@@ -277,3 +278,30 @@ def test_a_failed_session_s_liveness_helper_beats_on_until_the_session_is_abando
     assert calls == ["watchdog stopped, keep_liveness=True", "liveness stopped"]
     s.stop()
     assert calls.count("liveness stopped") == 1
+
+
+def test_every_rank_names_the_same_store_rank_from_what_each_said_of_its_host():
+    """At setup each rank tells whether the store is on its host (its connection to the store leads
+    to a loopback address or one of its own, or it hosts the store); the first such rank is the
+    store's rank on every rank; none: the store is on a host of its own (no rank is blamed for its
+    loss); nobody could tell (no TCP store seen): the group's first, as the launchers lay it out."""
+    here, elsewhere, unseen = session_mod.STORE_HERE, session_mod.STORE_ELSEWHERE, session_mod.STORE_UNSEEN
+    assert session_mod.store_rank_of([0, 1, 2, 3], [elsewhere, elsewhere, here, here]) == 2
+    assert session_mod.store_rank_of([0, 1], [elsewhere, elsewhere]) is None
+    assert session_mod.store_rank_of([0, 1], [unseen, unseen]) == 0
+    assert session_mod.store_rank_of([4, 6], [unseen, elsewhere]) is None
+    assert session_mod.is_local_address("127.0.0.1") and session_mod.is_local_address("::1")
+    assert not session_mod.is_local_address("192.0.2.7")  # TEST-NET-1: no host's own
+    assert not session_mod.is_local_address("node-a")  # a name is never looked up
+
+
+def test_a_record_that_says_the_keeper_is_gone_is_the_one_kept_for_its_rank():
+    """The same death declared twice: by a same-host peer's pid check (no word of the keeper) and by
+    the rank's liveness helper (its keeper gone too). The recovery must see the second."""
+    s = _consuming_session(dist.HashStore(), 0)
+    peer = FailureRecord.lost(rank=1, pid=7, host="node-b", why=Ended(signal=9), by=2)
+    helper = FailureRecord.lost(rank=1, pid=7, host="node-b", why=Ended(signal=9, keeper_gone=True), by=1)
+    silent = FailureRecord.declared(rank=1, kind=FailureKind.PEER_SILENT, message="no heartbeat", by=0)
+    for record in (silent, helper, peer):
+        s.schema.publish(record)
+    assert s.lost_ranks()[1].ended == Ended(signal=9, keeper_gone=True)

@@ -15,6 +15,7 @@ from fault_tolerant_handlers import RecoveryError, recover_in_place, spares_left
 from fault_tolerant_handlers.recover import spares
 from fault_tolerant_handlers.core.errors import PeerFailedError
 from fault_tolerant_handlers.core.kinds import Ended, FailureKind
+from fault_tolerant_handlers.core.records import FailureRecord
 from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE, Cause, keeper_key
 from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
 from fault_tolerant_handlers.recover.spares import Answer, Layout, Order, Seat
@@ -258,6 +259,34 @@ def test_a_killed_rank_whose_keeper_is_gone_too_gets_a_spare_though_its_keeper_k
     store.add("fth/recover/0/0/arrived", 1)
     decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), cause)
     assert decision.restart, decision
+    assert Order.from_json(store.get(spares.order_key(2)), 2).rank == 1
+
+
+class _Records:
+    """A failed session's records, as ``Session.lost_ranks`` gives them."""
+
+    def __init__(self, lost):
+        self.lost = lost
+
+    def lost_ranks(self):
+        return dict(self.lost)
+
+
+def test_a_killed_rank_whose_keeper_the_records_say_is_gone_gets_a_spare_though_the_cause_does_not_say_so():
+    """The cause came from a same-host peer's record of the death (no word of the keeper), the rank's
+    liveness helper's record says its keeper is gone too: the records win over the keeper key."""
+    store = dist.HashStore()
+    store.set(keeper_key(1), "1")
+    spare = Cause(1, 1, "RankReplaced", "rank 1's process was lost with no keeper to replace it: spare launched "
+                                        "rank 2 took its place", "", -1, True, "")
+    store.set("fth/recover/0/0/cause/1", spare.to_json())
+    store.add("fth/recover/0/0/arrived", 1)
+    survivor = _survivor(1)
+    survivor._sessions = [_Records({1: FailureRecord.lost(rank=1, pid=7, host="node-b", by=1,
+                                                          why=Ended(signal=9, keeper_gone=True))})]
+    decision = survivor._agree((store, 0, 2, "gloo", timedelta(seconds=30)), KILLED)
+    assert decision.restart, decision
+    assert store.check([spares.order_key(2)]), "no spare was ordered in"
     assert Order.from_json(store.get(spares.order_key(2)), 2).rank == 1
 
 
