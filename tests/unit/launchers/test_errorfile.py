@@ -219,7 +219,8 @@ def test_a_rank_whose_keeper_died_first_is_told_to_its_peers_with_its_keeper_gon
     keeper = subprocess.Popen([sys.executable, "-c", "pass"])
     keeper.wait()  # ended and reaped: its pid is gone
     told = []
-    monkeypatch.setattr(liveness._procfs, "ended", lambda pid, within: Ended())
+    real = liveness._procfs.ended
+    monkeypatch.setattr(liveness._procfs, "ended", lambda pid, within: Ended() if pid == 101 else real(pid, within))
     monkeypatch.setattr(attempts, "keeper_pid", os.getpid())  # a keeper that lives: nothing told
     liveness.rank_ended(1, 101, "node-b", tell=told.append)
     assert told == []
