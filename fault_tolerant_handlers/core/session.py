@@ -606,7 +606,7 @@ class Session:
     def stop(self, *, keep_liveness: bool = False) -> None:
         """The part of :meth:`close` that needs no peer: leave the registry and stop the watchdog
         (its threads, its liveness helper), so that nothing of this session raises or ends anything
-        any more. Recovering in place calls it on a failed group with ``keep_liveness``, then
+        any more. Recovering in place with spares calls it on a failed group with ``keep_liveness``, then
         :meth:`abandon`: until then the liveness helper beats and watches its ranks, so that a rank
         found silent during the recovery (the second rank of a host cut off whole, whose silence
         passed the limit a poll after the first's) is still declared, and given a spare."""

@@ -349,8 +349,12 @@ class _Recovery:
                 if session.group is None:
                     session.report_error(err, section="recover_in_place", release=True)
         self._sessions = sessions  # stopped: out of the registry, abandoned at the teardown
-        for session in sessions:  # its liveness helper goes on until the teardown (abandon)
-            session.stop(keep_liveness=True)
+        # With spares, its liveness helper goes on until the teardown (abandon): a rank found silent a
+        # poll later gets a spare too. Without, nothing reads what it would find: it stops now (a kept
+        # helper, a moment behind a peer's teardown, would write its session's keys again).
+        keep = self.layout is not None and self.layout.spares > 0
+        for session in sessions:
+            session.stop(keep_liveness=keep)
         stopped = time.monotonic()
         phases.run(Phase.RECORD, self._state(cause=cause))
         self._collect_live(rank)  # the state this rank holds, as of the last step it completed
