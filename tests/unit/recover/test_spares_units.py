@@ -178,12 +178,22 @@ def _survivor(spares_count: int) -> _Recovery:
     return recovery
 
 
-def test_a_rank_lost_with_no_keeper_is_recovered_when_a_spare_comes_in_its_place():
+def _spare_already_in(keeper_announced: bool = True) -> dist.HashStore:
+    """The store as rank 0 finds it at the recovery: the spare ordered to rank 1's seat is already in
+    (its cause written, counted as arrived); ``keeper_announced``: rank 1's keeper had set its key when
+    rank 1 started, and nobody took it back."""
     store = dist.HashStore()
+    if keeper_announced:
+        store.set(keeper_key(1), "1")
     spare = Cause(1, 1, "RankReplaced", "rank 1's process was lost with no keeper to replace it: spare launched "
                                         "rank 2 took its place", "", -1, True, "")
-    store.set("fth/recover/0/0/cause/1", spare.to_json())  # the spare is already in
+    store.set("fth/recover/0/0/cause/1", spare.to_json())
     store.add("fth/recover/0/0/arrived", 1)
+    return store
+
+
+def test_a_rank_lost_with_no_keeper_is_recovered_when_a_spare_comes_in_its_place():
+    store = _spare_already_in(keeper_announced=False)
     decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), KILLED)
     assert decision.restart and decision.why.startswith("rank 1 failed: RankReplaced"), decision
     assert Order.from_json(store.get(spares.order_key(2)), 2).rank == 1
@@ -212,12 +222,7 @@ HOST_GONE = Cause(0, 1, "PeerLost", "rank 1 (pid 9 on node-b) lost: Read error [
 def test_a_rank_lost_with_its_host_is_replaced_by_a_spare_though_its_keeper_had_announced_itself():
     """node-b died whole: its keeper had set rank 1's keeper key when rank 1 started, and nobody took it
     back. The key is no evidence of a keeper that lives: the spare is ordered in, and the job recovers."""
-    store = dist.HashStore()
-    store.set(keeper_key(1), "1")  # announced by rank 1's keeper, before node-b died
-    spare = Cause(1, 1, "RankReplaced", "rank 1's process was lost with no keeper to replace it: spare launched "
-                                        "rank 2 took its place", "", -1, True, "")
-    store.set("fth/recover/0/0/cause/1", spare.to_json())  # the spare is already in
-    store.add("fth/recover/0/0/arrived", 1)
+    store = _spare_already_in()
     decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), HOST_GONE)
     assert decision.restart, decision
     assert Order.from_json(store.get(spares.order_key(2)), 2).rank == 1
@@ -251,12 +256,7 @@ def test_a_killed_rank_whose_keeper_is_gone_too_gets_a_spare_though_its_keeper_k
     nobody waits the join timeout for a replacement that never comes."""
     cause = _keeper_gone_too()
     assert cause.not_in_place == NOT_IN_PLACE[FailureKind.PEER_LOST]  # no keeper replaces it
-    store = dist.HashStore()
-    store.set(keeper_key(1), "1")
-    spare = Cause(1, 1, "RankReplaced", "rank 1's process was lost with no keeper to replace it: spare launched "
-                                        "rank 2 took its place", "", -1, True, "")
-    store.set("fth/recover/0/0/cause/1", spare.to_json())
-    store.add("fth/recover/0/0/arrived", 1)
+    store = _spare_already_in()
     decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), cause)
     assert decision.restart, decision
     assert Order.from_json(store.get(spares.order_key(2)), 2).rank == 1
@@ -275,12 +275,7 @@ class _Records:
 def test_a_killed_rank_whose_keeper_the_records_say_is_gone_gets_a_spare_though_the_cause_does_not_say_so():
     """The cause came from a same-host peer's record of the death (no word of the keeper), the rank's
     liveness helper's record says its keeper is gone too: the records win over the keeper key."""
-    store = dist.HashStore()
-    store.set(keeper_key(1), "1")
-    spare = Cause(1, 1, "RankReplaced", "rank 1's process was lost with no keeper to replace it: spare launched "
-                                        "rank 2 took its place", "", -1, True, "")
-    store.set("fth/recover/0/0/cause/1", spare.to_json())
-    store.add("fth/recover/0/0/arrived", 1)
+    store = _spare_already_in()
     survivor = _survivor(1)
     survivor._sessions = [_Records({1: FailureRecord.lost(rank=1, pid=7, host="node-b", by=1,
                                                           why=Ended(signal=9, keeper_gone=True))})]
@@ -305,12 +300,7 @@ LINK_CUT = Cause(0, 1, "PeerSilent", "rank 1 (pid 9 on node-b) lost: no heartbea
 
 
 def test_a_silent_rank_on_another_host_is_replaced_by_a_spare():
-    store = dist.HashStore()
-    store.set(keeper_key(1), "1")
-    spare = Cause(1, 1, "RankReplaced", "rank 1's process was lost with no keeper to replace it: spare launched "
-                                        "rank 2 took its place", "", -1, True, "")
-    store.set("fth/recover/0/0/cause/1", spare.to_json())
-    store.add("fth/recover/0/0/arrived", 1)
+    store = _spare_already_in()
     decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), LINK_CUT)
     assert decision.restart, decision
     assert Order.from_json(store.get(spares.order_key(2)), 2).rank == 1
