@@ -14,6 +14,9 @@ library) and the job with the library (``FaultTolerance``, and with ``--inplace`
 * **finished**: runs in which every rank finished every iteration (stock and library);
 * **declarations**: lines in which the library declared a rank lost, silent or hung, or ended a job
   (any is a false alarm here);
+* **heartbeat near misses**: the library's warnings that a live rank's heartbeat stood still for
+  half of ``FTH_HEARTBEAT_TIMEOUT_SEC`` (the margin left before a false alarm: none means every
+  heartbeat was seen within half the limit);
 * **lag**: the most any rank finished an iteration after the first rank that finished it, worst run;
 * **conns**: TCP connections to the c10d store per rank held by the library (its rank's and its
   helper processes', minus the stock job's), read near the end of training: median over ranks and
@@ -82,15 +85,18 @@ def main() -> int:
                         runs[mode].append(run)
                         print(f"{framework} {world} ranks {mode} run {i + 1}: finished {run.finished(ITERATIONS)}/{world} "
                               f"start {run.first_step if run.first_step is not None else float('nan'):.1f} s "
-                              f"declarations {len(run.declarations)} rc={run.returncode}", flush=True)
+                              f"declarations {len(run.declarations)} near misses {len(run.near_misses)} "
+                              f"rc={run.returncode}", flush=True)
+                        for line in run.near_misses[:3]:
+                            print("  " + line.strip()[:300], flush=True)
                         if mode == "library" and (run.finished(ITERATIONS) != world or run.declarations):
                             bad += 1
                             print("\n".join(run.declarations[:10]) or run.output[-2000:], flush=True)
                 rows.append((world, framework, runs))
     print()
     print("| ranks | framework | start, stock (s) | start, library (s) | finished stock / library | declarations "
-          "| lag, worst (s) | conns per rank | cpu per rank |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| heartbeat near misses | lag, worst (s) | conns per rank | cpu per rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for world, framework, runs in rows:
         lib, stock = runs["library"], runs.get("stock", [])
         starts = lambda rs: [r.first_step for r in rs if r.first_step is not None]  # noqa: E731
@@ -105,7 +111,7 @@ def main() -> int:
         done = lambda rs: sum(r.finished(ITERATIONS) == world for r in rs)  # noqa: E731
         print(f"| {world} | {framework} | {spread(starts(stock))} | {spread(starts(lib))} | "
               f"{done(stock) if stock else '-'}/{len(stock)} / {done(lib)}/{len(lib)} | "
-              f"{sum(len(r.declarations) for r in lib)} | {max(lags) if lags else float('nan'):.2f} | "
+              f"{sum(len(r.declarations) for r in lib)} | {sum(len(r.near_misses) for r in lib)} | {max(lags) if lags else float('nan'):.2f} | "
               f"{f'{statistics.median(conns):g} (max {max(conns):g})' if conns else '-'} | {(100 * statistics.median(cpu)) if cpu else float('nan'):.2f} % |")
     return 1 if bad else 0
 

@@ -285,6 +285,9 @@ def cpu_hogs(count: int):
 DECLARATIONS = re.compile(r"PeerLost|PeerSilent|RankHung|hosts the c10d store\) lost|the job fails|"
                           r"ending this process|PeerFailedError")
 
+#: What the library logs when a live rank's heartbeat stood still for half the limit (a near miss).
+NEAR_MISSES = re.compile(r"heartbeat \(pid \d+[^)]*\) has stood still for")
+
 
 @dataclass
 class HealthyRun:
@@ -302,6 +305,11 @@ class HealthyRun:
     def clean(self, world: int, iterations: int) -> bool:
         return (self.returncode == 0 and not self.declarations and len(self.ranks) == world
                 and all(r.get("finished") == iterations for r in self.ranks.values()))
+
+    @property
+    def near_misses(self) -> list[str]:
+        """The library's warnings that a heartbeat stood still for half its limit."""
+        return [line for line in self.output.splitlines() if NEAR_MISSES.search(line)]
 
     def finished(self, iterations: int) -> int:
         return sum(r.get("finished") == iterations for r in self.ranks.values())

@@ -19,7 +19,7 @@ variable                        default    accepted              meaning
 ``FTH_AUTO_HANG_WARMUP``        20         1 .. 1000000          ``auto``: training steps before judging
 ``FTH_EXIT_GRACE_SEC``          3          0.1 .. 3600           released rank: time to take the failure
 ``FTH_WRITE_GRACE_SEC``         120        0 .. 3600             reported exit waits for a checkpoint write
-``FTH_HEARTBEAT_TIMEOUT_SEC``   3          1 .. 86400            a peer whose heartbeat stops is lost
+``FTH_HEARTBEAT_TIMEOUT_SEC``   2          1 .. 86400            a peer whose heartbeat stops is lost
 ``FTH_STORE_LOST_SEC``          4          1 .. 86400            a store that does not answer, its port
                                                                  refused or unreachable all along, is
                                                                  lost (a slow store never is)
@@ -348,7 +348,7 @@ DEFAULTS = {
     "start_timeout": timedelta(seconds=600),
     "exit_grace": timedelta(seconds=3),
     "write_grace": timedelta(seconds=120),
-    "heartbeat_timeout": timedelta(seconds=3),
+    "heartbeat_timeout": timedelta(seconds=2),
     "store_lost_after": timedelta(seconds=4),
 }
 

@@ -15,7 +15,7 @@ helper process, forked when the watchdog starts, that every :data:`~.watchdog.HE
   record (``rank 1 (pid 4242 on node-b) lost: killed by SIGKILL``);
 * runs the :class:`~.probes.HeartbeatProbe` on its ring successor (and, when the successor is on
   another host, on every rank of that host: :meth:`~..core.ranks.RankTable.watched`): a rank whose
-  counter stands still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` (3 s) is declared lost, once, with a
+  counter stands still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` (2 s) is declared lost, once, with a
   record its peers' watchdogs read within a poll. Across hosts this is how a host that died or
   whose link was cut is named by the connected side, every rank of it.
 

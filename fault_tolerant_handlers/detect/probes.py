@@ -22,14 +22,17 @@ probe                  looks at                                finds
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
 from typing import Callable, Container
 
 from ..core.peers import CLEAN_EXIT, Finding, PeerPidProbe, declared_finding  # noqa: F401 - the core's own probe, re-exported
+from ..core.config import HEARTBEAT_TIMEOUT_ENV
 from ..core.errors import PeerFailedError
 from ..core.kinds import FailureKind
+from ..core.log import log
 from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
 from ..core.schema import Schema
 
@@ -99,6 +102,7 @@ class HeartbeatProbe:
         self.value = -1  # the successor's counter as last read
         self.silent = 0.0  # observed time it has stood still
         self.answered_at: float | None = None  # the last poll that got its answers
+        self.warned = False  # this silence passed NEAR_MISS of the limit (logged once)
 
     def poll(self, now: float) -> Finding | None:
         if now < self.next_at:
@@ -111,10 +115,22 @@ class HeartbeatProbe:
         value = self.schema.heartbeat_of(self.successor)
         previous, self.answered_at = self.answered_at, now
         if value != self.value:
-            self.value, self.silent = value, 0.0
+            if self.warned:
+                log(logging.INFO, "rank %d's heartbeat moves again after %.1f s of observed silence",
+                    self.successor, self.silent)
+            self.value, self.silent, self.warned = value, 0.0, False
             return None
         if previous is not None and now - previous <= OBSERVED_GAP * self.period:
             self.silent += now - previous
+        if value > 0 and not self.warned and self.silent >= NEAR_MISS * self.limit and not (
+                self.running is not None and self.running()):
+            # the margin an operator should see: a live rank this close to the limit is a loaded
+            # machine or a lossy link, and a lower FTH_HEARTBEAT_TIMEOUT_SEC would be a false alarm
+            self.warned = True
+            on = f" on {self.host}" if self.host else ""
+            log(logging.WARNING, "rank %d's heartbeat (pid %d%s) has stood still for %.1f s of observed time; "
+                "it is declared at %g s (%s)", self.successor, self.successor_pid, on, self.silent, self.limit,
+                HEARTBEAT_TIMEOUT_ENV)
         if value > 0 and self.silent > self.limit and not (self.running is not None and self.running()):
             on = f" on {self.host}" if self.host else ""
             message = (f"rank {self.successor} (pid {self.successor_pid}{on}) lost: no heartbeat for {self.silent:.1f} s "
@@ -124,6 +140,10 @@ class HeartbeatProbe:
                                                            host=self.host))
         return None
 
+
+#: :class:`HeartbeatProbe`: a silence this fraction of the limit long is logged (a warning, once),
+#: so that a margin grown thin shows before it becomes a false alarm.
+NEAR_MISS = 0.5
 
 #: :class:`HeartbeatProbe`: two answered polls at most this many periods apart observe the time
 #: between them; a longer gap (its own calls failed or were slow) is not counted as silence.

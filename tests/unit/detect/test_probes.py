@@ -371,3 +371,36 @@ def test_heartbeat_probe_never_declares_a_running_successor_on_its_own_host():
     state["running"] = False
     found = probe.poll(10.0)
     assert found is not None and found.error.exc_type == "PeerSilent"
+
+
+def test_a_live_rank_half_way_to_the_heartbeat_limit_is_warned_about_once_and_not_declared(caplog):
+    """A loaded machine or a lossy link: a heartbeat that stands still for half the limit, then
+    moves again, leaves a warning naming the rank and the setting (the margin shown before it is
+    gone), never a declaration; a second such silence warns again."""
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=2.0, host="node-b")
+    other.beat(1)
+    with caplog.at_level(logging.INFO, logger="fault_tolerant_handlers"):
+        assert probe.poll(0.0) is None
+        assert probe.poll(0.5) is None and probe.poll(1.0) is None  # 0.5, 1.0 s still
+        assert probe.poll(1.5) is None and probe.poll(2.0) is None  # 1.5, 2.0 s: at the limit, not past it
+        other.beat(1)
+        assert probe.poll(2.5) is None
+        for k in range(1, 4):
+            assert probe.poll(2.5 + 0.5 * k) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "rank 1's heartbeat (pid 4242 on node-b) has stood still for 1.0 s" in warnings[0]
+    assert "FTH_HEARTBEAT_TIMEOUT_SEC" in warnings[0]
+    assert any("moves again after 2.0 s" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+
+
+def test_a_running_same_host_rank_s_late_heartbeat_is_no_near_miss(caplog):
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=2.0, running=lambda: True)
+    other.beat(1)
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert all(probe.poll(0.5 * k) is None for k in range(12))
+    assert not caplog.records
