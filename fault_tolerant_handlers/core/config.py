@@ -416,6 +416,7 @@ def load() -> Config:
 # SUSPECT_OBSERVED_GAP         0.5      core.session                 reads this close observe a suspect's silence
 # EXPLAIN_EVIDENCE_TIMEOUT     0.5      core.session                 the plain connect telling the store is gone
 # MISMATCH_WAIT                1.0      core.session                 out-of-step ranks wait for each other's sections
+# LEAVE_WAIT                   1.0      core.session                 a rank that finished marks itself left (at exit too)
 # RELEASE_GRACE                0.3 s    detect.watchdog              a record waits for a sync point before release
 # SILENT_MARGIN                2 s      detect.watchdog              on top of hang_timeout before a silent rank
 # HEARTBEAT_EVERY              0.5 s    detect.watchdog, liveness    the helper's heartbeat and ring check period
@@ -464,6 +465,9 @@ EXPLAIN_WAIT = 2.0
 SUSPECT_SILENCE = 1.2
 #: How long ranks found out of step wait for each other's section names.
 MISMATCH_WAIT = 1.0
+#: Bound of the store call of a rank whose watchdog stops cleanly (its left mark), also at the
+#: interpreter's exit, where the store's host may already be gone.
+LEAVE_WAIT = 1.0
 #: Bound of the plain connect that tells whether the store is gone while explaining a broken
 #: collective (past it: no answer from the store's host, with a connection from it already broken).
 EXPLAIN_EVIDENCE_TIMEOUT = 0.5

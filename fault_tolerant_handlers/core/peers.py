@@ -36,24 +36,39 @@ CLEAN_EXIT = Ended(exit_code=0)
 
 class PeerPidProbe:
     """Peers on this host, by pid: a process that is gone is declared lost (with the signal when
-    the kernel still shows it; a clean exit is not a failure). A system call per peer, no store
-    traffic."""
+    the kernel still shows it; a clean exit is not a failure). A system call per peer; the store is
+    asked only about a peer that is gone other than by a clean exit (a launcher that reaps at once
+    leaves no exit status to see): ``left(rank)`` true (it stopped its watchdog cleanly first:
+    ``left/<rank>``) means it finished first, and it is no longer watched."""
 
     def __init__(self, peers: Sequence[tuple[int, int]], *, by: int, host: str,
                  state: Callable[[int], Ended | None] = process_state,
-                 after_failure: Callable[[], bool] = lambda: False) -> None:
+                 after_failure: Callable[[], bool] = lambda: False,
+                 left: Callable[[int], bool] = lambda rank: False) -> None:
         self.after_failure = after_failure  # once the job failed, peers leaving is expected
+        self.left = left
         self.peers = list(peers)  # (global rank, pid)
         self.by = by
         self.host = host
         self.state = state
 
     def poll(self, now: float) -> Finding | None:
-        for rank, pid in self.peers:
+        for rank, pid in list(self.peers):
             state = self.state(pid)
             if state is None or state == CLEAN_EXIT:
                 continue
             if self.after_failure() and not state.killed:
                 continue  # a peer that ended after the failure was agreed: the job is ending
+            if self._left(rank):
+                # it finished first (whatever ended its process afterwards is its launcher's to
+                # report: no rank that still runs waits for it): gone for good, not watched any more
+                self.peers.remove((rank, pid))
+                continue
             return declared_finding(FailureRecord.lost(rank=rank, pid=pid, host=self.host, why=state, by=self.by))
         return None
+
+    def _left(self, rank: int) -> bool:
+        try:
+            return self.left(rank)
+        except Exception:  # noqa: BLE001 - no answer is no evidence that it left: declared as before
+            return False

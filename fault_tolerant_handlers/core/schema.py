@@ -10,6 +10,8 @@ attempt's keys):
 ``hb/<rank>``       heartbeat counter of ``rank`` (``add``), read by its ring neighbour
 ``declared/<rank>`` counts declarations of ``rank`` as lost/silent/hung: only the first publishes
 ``sec/<rank>``      what ``rank`` was in when an agreement found the ranks out of step
+``left/<rank>``     ``rank`` stopped its watchdog cleanly (its loops ended normally): its
+                    heartbeat stopping and its process ending next are not a failure
 ==================  =====================================================================
 
 The store is unauthenticated. Every value read is bounded and range-checked: a counter that jumps
@@ -67,6 +69,10 @@ def declared_key(rank: int) -> str:
 
 def section_key(rank: int) -> str:
     return f"sec/{rank}"
+
+
+def left_key(rank: int) -> str:
+    return f"left/{rank}"
 
 
 def _wrap(value: int) -> int:
@@ -509,6 +515,20 @@ class Schema:
         first = max(1, step - MAX_NEW_RECORDS + 1)
         return [_wrap(last + k) for k in range(first, step + 1)]
 
+    # -- a rank that left cleanly ----------------------------------------------------------------------
+    def mark_left(self, rank: int) -> None:
+        """``rank`` stopped its watchdog cleanly: a peer that then finds its heartbeat still or its
+        process gone does not declare it (written before its liveness helper stops beating)."""
+        self.conn.call("set", left_key(rank), b"1")
+
+    def clear_left(self, rank: int) -> None:
+        """``rank`` watches again (a new watchdog in the same process): its silence counts again."""
+        self.conn.call("delete_key", left_key(rank))
+
+    def has_left(self, rank: int) -> bool:
+        """``rank`` stopped its watchdog cleanly (:meth:`mark_left`) and has not started one since."""
+        return bool(self.conn.call("check", [left_key(rank)]))
+
     # -- the section of an out-of-step agreement ------------------------------------------------------
     def set_section(self, rank: int, text: str) -> None:
         self.conn.call("set", section_key(rank), text.encode("utf-8")[:400])
@@ -523,10 +543,10 @@ class Schema:
             return None
 
     def remove_run_keys(self, rank: int, ranks, *, shared: bool) -> None:
-        """Delete this rank's keys of the run (its heartbeat and section) and, with ``shared``, the
+        """Delete this rank's keys of the run (its heartbeat, section and left mark) and, with ``shared``, the
         keys every rank wrote to (the record counter, the records, the declarations): a run's keys
         are left behind by nothing that ended cleanly. Call it once no rank reads them any more."""
-        keys = [heartbeat_key(rank), section_key(rank)]
+        keys = [heartbeat_key(rank), section_key(rank), left_key(rank)]
         if shared:
             count = self.count()
             keys += [record_key(i) for i in range(1, count + 1)] + [declared_key(r) for r in ranks] + [KEY_COUNT]

@@ -61,7 +61,7 @@ from .records import FailureRecord, host_name
 from .release import listens_here, release_process_groups, store_peer_address, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port, store_evidence
 from .config import (BACKGROUND_CONNECT_TIMEOUT, EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT,  # timings: the table
-                     MAIN_STORE_TIMEOUT, MISMATCH_WAIT, SUSPECT_OBSERVED_GAP, SUSPECT_SILENCE)  # in .config
+                     LEAVE_WAIT, MAIN_STORE_TIMEOUT, MISMATCH_WAIT, SUSPECT_OBSERVED_GAP, SUSPECT_SILENCE)  # in .config
 
 #: How many delivered record indices are remembered for the watchdog.
 MAX_DELIVERED = 1024
@@ -143,6 +143,7 @@ class Session:
         self._watchdog = None
         self._watchdog_refs = 0
         self._kept_liveness = None  # the liveness helper a recovery keeps until abandon()
+        self._left = False  # this rank's left mark is in the store (its watchdog stopped cleanly)
         self._lock = threading.Lock()
         #: Same-host peers by pid, consulted at once when a collective breaks (and by the signal handler).
         self.same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
@@ -554,6 +555,12 @@ class Session:
                 if _watchdog_factory is None:
                     raise RuntimeError("no watchdog is available: import fault_tolerant_handlers (its detect "
                                        "package provides it) before starting one")
+                if self._left:  # it watches again: its silence and its end count again
+                    self._left = False
+                    try:
+                        self.schema.clear_left(self.rank)
+                    except Exception as err:  # noqa: BLE001 - the watchdog judges an unreachable store
+                        log(logging.DEBUG, "could not clear the left mark: %s", (str(err).splitlines() or [""])[0][:200])
                 self._watchdog = _watchdog_factory(self, hang_timeout=hang_timeout or self.config.hang_timeout).start()
             elif hang_timeout is not None and self._watchdog.hang_timeout != hang_timeout:
                 log(logging.WARNING, "watchdog already running with hang_timeout=%s; keeping it",
@@ -570,7 +577,27 @@ class Session:
             if self._watchdog_refs:
                 return
             watchdog, self._watchdog = self._watchdog, None
+        self.leave()
         watchdog.stop()
+
+    def leave(self) -> None:
+        """A clean stop of this rank's watchdog (not failing; the last reference dropped, the session
+        closed, or the interpreter ending without an uncaught exception): say so in the store
+        (``left/<rank>``) before its liveness helper stops beating, so that its peers, still
+        watching, take its silence and its process's end for what they are: a rank that finished
+        first, not a lost one. Should they still wait for it in a collective, the broken collective
+        names it."""
+        if self.failure.failing or self._left:
+            return
+        conn = self.schema.conn
+        held, conn.deadline = conn.deadline, time.monotonic() + LEAVE_WAIT
+        try:
+            self.schema.mark_left(self.rank)
+            self._left = True
+        except Exception as err:  # noqa: BLE001 - the store is gone: nothing is watched any more anyway
+            log(logging.DEBUG, "could not mark this rank as left: %s", (str(err).splitlines() or [""])[0][:200])
+        finally:
+            conn.deadline = held
 
     @property
     def watchdog(self):
@@ -616,6 +643,8 @@ class Session:
         with self._lock:
             watchdog, self._watchdog, self._watchdog_refs = self._watchdog, None, 0
         if watchdog is not None:
+            if not keep_liveness:
+                self.leave()
             watchdog.stop(keep_liveness=keep_liveness)
             if keep_liveness:
                 self._kept_liveness = watchdog.liveness

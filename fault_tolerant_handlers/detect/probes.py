@@ -82,7 +82,13 @@ class HeartbeatProbe:
     Observed time is the time between two polls that both got their answers, at most
     :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow (a busy store,
     a loaded machine), the successor's beats may be slow for the same reason, so that time is no
-    evidence of its silence and is not counted."""
+    evidence of its silence and is not counted.
+
+    A watched rank that stopped its watchdog cleanly (``left/<rank>``, written before its helper
+    stops beating: it finished first) is neither warned about nor declared: the store is asked
+    once its silence is worth a warning or a declaration, and again at most once per
+    :data:`LEFT_CHECK_EVERY` seconds while it stays still; its counter moving again (it watches
+    again) starts over."""
 
     def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
                  limit: float, host: str = "", running: Callable[[], bool] | None = None, beats: bool = True) -> None:
@@ -103,6 +109,8 @@ class HeartbeatProbe:
         self.silent = 0.0  # observed time it has stood still
         self.answered_at: float | None = None  # the last poll that got its answers
         self.warned = False  # this silence passed NEAR_MISS of the limit (logged once)
+        self.left = False  # the watched rank left cleanly (its counter has not moved since)
+        self.left_checked_at: float | None = None
 
     def poll(self, now: float) -> Finding | None:
         if now < self.next_at:
@@ -118,10 +126,12 @@ class HeartbeatProbe:
             if self.warned:
                 log(logging.INFO, "rank %d's heartbeat moves again after %.1f s of observed silence",
                     self.successor, self.silent)
-            self.value, self.silent, self.warned = value, 0.0, False
+            self.value, self.silent, self.warned, self.left, self.left_checked_at = value, 0.0, False, False, None
             return None
         if previous is not None and now - previous <= OBSERVED_GAP * self.period:
             self.silent += now - previous
+        if self.left or (value > 0 and self.silent >= NEAR_MISS * self.limit and self._has_left(now)):
+            return None
         if value > 0 and not self.warned and self.silent >= NEAR_MISS * self.limit and not (
                 self.running is not None and self.running()):
             # the margin an operator should see: a live rank this close to the limit is a loaded
@@ -140,6 +150,19 @@ class HeartbeatProbe:
                                                            host=self.host))
         return None
 
+    def _has_left(self, now: float) -> bool:
+        """The watched rank stopped its watchdog cleanly (asked at most every :data:`LEFT_CHECK_EVERY`)."""
+        if self.left_checked_at is not None and now - self.left_checked_at < LEFT_CHECK_EVERY:
+            return False
+        self.left_checked_at = now
+        self.left = self.schema.has_left(self.successor)
+        if self.left:
+            log(logging.DEBUG, "rank %d stopped watching cleanly: its silence is not a failure", self.successor)
+        return self.left
+
+
+#: :class:`HeartbeatProbe`: a silent rank is asked for its left mark at most this often (seconds).
+LEFT_CHECK_EVERY = 0.5
 
 #: :class:`HeartbeatProbe`: a silence this fraction of the limit long is logged (a warning, once),
 #: so that a margin grown thin shows before it becomes a false alarm.

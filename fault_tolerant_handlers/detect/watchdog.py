@@ -121,7 +121,8 @@ class Watchdog:
                                          check_every=max(STORE_CHECK_EVERY, self.interval.total_seconds()))
         peers = session.same_host_peers()
         self.peer_pids = (PeerPidProbe(peers, by=self.rank, host=session.host,
-                                       after_failure=lambda: session.failure.delivered) if peers else None)
+                                       after_failure=lambda: session.failure.delivered,
+                                       left=self._liveness_schema.has_left) if peers else None)
         self._thread = threading.Thread(target=self._run_store_loop, name="fth-watchdog", daemon=True)
         self._liveness = threading.Thread(target=self._run_liveness_loop, name="fth-pids", daemon=True)
 
@@ -370,6 +371,11 @@ _running: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 _exit_hook_registered = False
 
 
+def _uncaught() -> bool:
+    """The interpreter ends because of an uncaught exception (printed: ``sys.last_value`` is set)."""
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+
+
 def _stop_all() -> None:
     """Stop every watchdog before the interpreter finalizes: a daemon thread still inside a torch
     C++ call (a store operation) when Python finalizes is ended by a forced unwind through C++
@@ -380,6 +386,9 @@ def _stop_all() -> None:
     for watchdog in watchdogs:
         watchdog._finishing = True
         watchdog._stop.set()
+    if not _uncaught():  # the script ran to its end: this rank finished first, it is not lost
+        for watchdog in watchdogs:
+            watchdog.session.leave()  # (not when its job failed)
     failed = [w.session for w in watchdogs if w.session.failure.failing]
     if failed:
         # The job failed, perhaps because the store's host is gone: a watchdog waiting in a store

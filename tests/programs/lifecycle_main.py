@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers import fail_together
 from fault_tolerant_handlers.core import procfs
-from fault_tolerant_handlers.core.schema import KEY_COUNT, declared_key, heartbeat_key, record_key, section_key
+from fault_tolerant_handlers.core.schema import KEY_COUNT, declared_key, heartbeat_key, left_key, record_key, section_key
 from fault_tolerant_handlers.core.session import _registry, get_session
 
 RANK = int(os.environ["RANK"])
@@ -75,7 +75,7 @@ def main() -> None:
         time.sleep(0.6)  # a heartbeat or two from the helper, a few watchdog polls
         prefix = f"fth/{session.run_id}/"
         run_keys = [prefix + k for k in (KEY_COUNT, record_key(1), *(heartbeat_key(r) for r in range(WORLD)),
-                                         *(section_key(r) for r in range(WORLD)),
+                                         *(section_key(r) for r in range(WORLD)), *(left_key(r) for r in range(WORLD)),
                                          *(declared_key(r) for r in range(WORLD)))]
         beats = [k for k in run_keys if "/hb/" in k and store.check([k])]
         session.stop_watchdog()

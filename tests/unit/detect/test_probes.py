@@ -404,3 +404,43 @@ def test_a_running_same_host_rank_s_late_heartbeat_is_no_near_miss(caplog):
     with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
         assert all(probe.poll(0.5 * k) is None for k in range(12))
     assert not caplog.records
+
+
+def test_a_rank_that_left_cleanly_is_neither_warned_about_nor_declared_until_it_watches_again(caplog):
+    """Rank 1 finished first: it marked itself left, then its heartbeat stopped. Its watcher never
+    warns or declares it, however long it is still; once it watches again (its mark cleared, its
+    counter moving) and then falls silent without leaving, it is declared."""
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=2.0, host="node-b")
+    other.beat(1)
+    other.mark_left(1)
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert all(probe.poll(0.5 * k) is None for k in range(20))  # 9.5 s still
+    assert not caplog.records
+    other.clear_left(1)
+    other.beat(1)
+    assert probe.poll(10.0) is None  # moved: watched again
+    found = [probe.poll(10.0 + 0.5 * k) for k in range(1, 7)]
+    assert found[-1] is not None and found[-1].error.exc_type == "PeerSilent", found
+
+
+def test_pid_probe_does_not_declare_a_peer_gone_after_it_left_cleanly():
+    """Under torchrun the agent reaps a rank at once: a rank that exited cleanly is only 'gone'. Left
+    marked (it stopped its watchdog cleanly first), it is no failure and is no longer watched; a
+    peer gone without the mark is declared, as before."""
+    left = {1}
+    asked = []
+
+    def has_left(rank: int) -> bool:
+        asked.append(rank)
+        return rank in left
+
+    states = {11: Ended(), 12: None}
+    probe = PeerPidProbe([(1, 11), (2, 12)], by=0, host="node-a", state=states.get, left=has_left)
+    assert probe.poll(0.0) is None and probe.peers == [(2, 12)]
+    assert probe.poll(1.0) is None and asked == [1]  # asked once: not watched any more
+    states[12] = Ended()
+    found = probe.poll(2.0)
+    assert found is not None and found.error.failed_rank == 2
+    assert "process is gone" in found.error.exc_message
