@@ -17,7 +17,7 @@ Per run, on training rank 0 (a survivor on node-a; times from the rig's clock at
 machine, one clock):
 
 * ``detection``: the fault -> the failure reaching rank 0 (a closed connection and a heartbeat
-  stopped for 1.2 s, or a heartbeat silent for ``FTH_HEARTBEAT_TIMEOUT_SEC``, 3 s);
+  stopped for 1.2 s, or a heartbeat silent for ``FTH_HEARTBEAT_TIMEOUT_SEC``, 2 s);
 * ``agreement``: -> every rank in the recovery and rank 0's decision, the spares' claims included
   (rank 0's log line: ``agreed``, less ``watchdogs stopped``);
 * ``claim -> seat``: the spares' own line (the failure reaching the claiming survivor -> the re-formed
