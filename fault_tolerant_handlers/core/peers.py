@@ -37,9 +37,9 @@ CLEAN_EXIT = Ended(exit_code=0)
 class PeerPidProbe:
     """Peers on this host, by pid: a process that is gone is declared lost (with the signal when
     the kernel still shows it; a clean exit is not a failure). A system call per peer; the store is
-    asked only about a peer that is gone other than by a clean exit (a launcher that reaps at once
-    leaves no exit status to see): ``left(rank)`` true (it stopped its watchdog cleanly first:
-    ``left/<rank>``) means it finished first, and it is no longer watched."""
+    asked only about a peer gone with no exit status to see (a launcher that reaps at once):
+    ``left(rank)`` true (it stopped its watchdog cleanly first: ``left/<rank>``) means it finished
+    first, and it is no longer watched."""
 
     def __init__(self, peers: Sequence[tuple[int, int]], *, by: int, host: str,
                  state: Callable[[int], Ended | None] = process_state,
@@ -59,9 +59,11 @@ class PeerPidProbe:
                 continue
             if self.after_failure() and not state.killed:
                 continue  # a peer that ended after the failure was agreed: the job is ending
-            if self._left(rank):
-                # it finished first (whatever ended its process afterwards is its launcher's to
-                # report: no rank that still runs waits for it): gone for good, not watched any more
+            if state.exit_code is None and state.signal is None and self._left(rank):
+                # gone, its exit status not visible (a launcher that reaps at once), after it
+                # finished first: no failure, and no longer watched. A status that shows a failure
+                # (a signal, a non-zero code: ``sys.exit(1)`` under ``mp.spawn`` leaves no uncaught
+                # exception for the left mark to see) is declared, left mark or not.
                 self.peers.remove((rank, pid))
                 continue
             return declared_finding(FailureRecord.lost(rank=rank, pid=pid, host=self.host, why=state, by=self.by))

@@ -428,7 +428,8 @@ def test_a_rank_that_left_cleanly_is_neither_warned_about_nor_declared_until_it_
 def test_pid_probe_does_not_declare_a_peer_gone_after_it_left_cleanly():
     """Under torchrun the agent reaps a rank at once: a rank that exited cleanly is only 'gone'. Left
     marked (it stopped its watchdog cleanly first), it is no failure and is no longer watched; a
-    peer gone without the mark is declared, as before."""
+    peer gone without the mark is declared, as before, and so is a left peer whose exit status
+    shows a failure."""
     left = {1}
     asked = []
 
@@ -444,3 +445,8 @@ def test_pid_probe_does_not_declare_a_peer_gone_after_it_left_cleanly():
     found = probe.poll(2.0)
     assert found is not None and found.error.failed_rank == 2
     assert "process is gone" in found.error.exc_message
+    # a status that shows a failure is declared, left mark or not (sys.exit(1) under mp.spawn)
+    for how, text in ((Ended(exit_code=1), "exited with code 1"), (Ended(signal=9), "killed by SIGKILL")):
+        probe = PeerPidProbe([(1, 11)], by=0, host="node-a", state={11: how}.get, left=lambda rank: True)
+        found = probe.poll(3.0)
+        assert found is not None and text in found.error.exc_message, found
