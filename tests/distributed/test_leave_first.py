@@ -37,15 +37,19 @@ def _assert_rank_0_stayed(events: dict[int, list[dict]], output: str) -> None:
     assert " lost: " not in output and "declared" not in output.lower(), output[-3000:]
 
 
-@pytest.mark.timeout(120)
-def test_a_rank_that_finished_first_under_torchrun_is_not_declared_lost(tmp_path):
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
-                "--monitor-interval", "0.1"]
-    results = run_ranks(1, "", tmp_path, script=SCRIPT, launcher=launcher, result_ranks=2, deadline=90,
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_that_finished_first_under_torchrun_are_not_declared_lost(world, tmp_path):
+    """At 4 ranks, ranks 1-3 leave together: rank 0 watches rank 1's heartbeat and every pid."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "--max-restarts",
+                "0", "--monitor-interval", "0.1"]
+    results = run_ranks(1, "", tmp_path, script=SCRIPT, launcher=launcher, result_ranks=world, deadline=120,
                         env={"STAY": str(STAY)})
     output = results[0].stderr
     assert results[0].returncode == 0, output[-4000:]
-    _assert_rank_0_stayed({r.rank: r.events for r in results}, output)
+    events = {r.rank: r.events for r in results}
+    _assert_rank_0_stayed(events, output)
+    assert all("leaving" in [e["event"] for e in events[r]] for r in range(1, world)), events
 
 
 @pytest.mark.long
