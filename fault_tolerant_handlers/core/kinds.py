@@ -92,6 +92,11 @@ class Ended:
         return self.signal is not None
 
     @property
+    def unseen(self) -> bool:
+        """Gone, with no exit status to see (a parent reaped it first)."""
+        return self.exit_code is None and self.signal is None
+
+    @property
     def signal_name(self) -> str | None:
         """``"SIGKILL"`` (``"signal 42"`` for a number without a name), or ``None``."""
         if self.signal is None:

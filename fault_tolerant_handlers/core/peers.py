@@ -59,7 +59,7 @@ class PeerPidProbe:
                 continue
             if self.after_failure() and not state.killed:
                 continue  # a peer that ended after the failure was agreed: the job is ending
-            if state.exit_code is None and state.signal is None and self._left(rank):
+            if state.unseen and self._left(rank):
                 # gone, its exit status not visible (a launcher that reaps at once), after it
                 # finished first: no failure, and no longer watched. A status that shows a failure
                 # (a signal, a non-zero code: ``sys.exit(1)`` under ``mp.spawn`` leaves no uncaught

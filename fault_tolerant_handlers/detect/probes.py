@@ -130,19 +130,19 @@ class HeartbeatProbe:
             return None
         if previous is not None and now - previous <= OBSERVED_GAP * self.period:
             self.silent += now - previous
-        if self.left or (value > 0 and self.silent >= NEAR_MISS * self.limit and self._has_left(now)):
-            return None
-        if value > 0 and not self.warned and self.silent >= NEAR_MISS * self.limit and not (
-                self.running is not None and self.running()):
+        if value <= 0 or self.silent < NEAR_MISS * self.limit or self.left or self._has_left(now):
+            return None  # not beaten yet, still too briefly to judge, or it finished first
+        if self.running is not None and self.running():
+            return None  # on this host and running: its beats are only late
+        on = f" on {self.host}" if self.host else ""
+        if not self.warned:
             # the margin an operator should see: a live rank this close to the limit is a loaded
             # machine or a lossy link, and a lower FTH_HEARTBEAT_TIMEOUT_SEC would be a false alarm
             self.warned = True
-            on = f" on {self.host}" if self.host else ""
             log(logging.WARNING, "rank %d's heartbeat (pid %d%s) has stood still for %.1f s of observed time; "
                 "it is declared at %g s (%s)", self.successor, self.successor_pid, on, self.silent, self.limit,
                 HEARTBEAT_TIMEOUT_ENV)
-        if value > 0 and self.silent > self.limit and not (self.running is not None and self.running()):
-            on = f" on {self.host}" if self.host else ""
+        if self.silent > self.limit:
             message = (f"rank {self.successor} (pid {self.successor_pid}{on}) lost: no heartbeat for {self.silent:.1f} s "
                        "(its host or link is down, or its process is gone or frozen)")
             return declared_finding(FailureRecord.declared(rank=self.successor, kind=FailureKind.PEER_SILENT,
