@@ -6,10 +6,19 @@ Public names:
 * :class:`one_rank_first`: exception-safe drop-in for ``ignite.distributed.one_rank_first``.
 * :class:`PeerFailedError`: what the ranks that did not fail raise, naming the one that did.
 * :class:`SectionMismatchError`: ranks met in different sections (a bug in the job).
+* :class:`HangInterrupted`: what a hung rank's main thread is interrupted with while recovering in
+  place (a ``BaseException``: an ``except Exception`` cannot swallow it).
+* :class:`RecoveryError`: a recovery in place could not be made (the message says why).
+* :class:`StateTransferError`: live state sent at a recovery arrived damaged or not at all, on every
+  rank together (the recovery falls back to the newest checkpoint).
+* ``EXIT_PEER_FAILED`` (87), ``EXIT_HUNG`` (88), ``EXIT_TEARDOWN_STUCK`` (89): the exit codes of a
+  process the library ends (a released rank, a hung rank, a teardown that did not finish).
 * :func:`start_watchdog`: the out-of-band watchdog (the adapters start it for you).
 * :func:`writing_checkpoint`: mark a checkpoint write that a reported exit must wait for.
 * :class:`deferred_interrupt`: a section the interrupt of a hung rank (recovering in place) waits outside.
-* :class:`RestartableDataLoader`, :func:`make_restartable`: a DataLoader that survives worker death.
+* :class:`RestartableDataLoader`, :func:`make_restartable`: a DataLoader that survives worker death;
+  :class:`WorkerRestart` (one restart, in ``loader.restarts``), :class:`DataLoaderRestartError` (a
+  worker lost with the ``max_restarts`` budget spent).
 * :func:`latest_checkpoint`: the newest complete checkpoint in a directory, the same on every rank.
 * :func:`load_checkpoint`: ``torch.load``, from this process's memory after a recovery in place.
 * :func:`recover_in_place`: after a failure, the same processes re-form the group and train on.
@@ -25,7 +34,7 @@ from .data.checkpoints import latest_checkpoint
 from .data.snapshots import load_checkpoint
 from .data.ddp_buckets import DDPBucketLayout
 from .data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
-from .core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError
+from .core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError, StateTransferError
 from .core.interrupts import deferred_interrupt
 from .core.recoveries import (RecoveryCause, RecoveryInfo, RecoveryMetrics, RecoveryPhase, on_recovery,
                               recovery_history)
@@ -50,6 +59,7 @@ __all__ = [
     "RecoveryPhase",
     "RestartableDataLoader",
     "SectionMismatchError",
+    "StateTransferError",
     "WorkerRestart",
     "deferred_interrupt",
     "fail_together",

@@ -9,7 +9,8 @@ variable and its accepted range, never later inside a watchdog thread.
 variable                        default    accepted              meaning
 ==============================  =========  ====================  ======================================
 ``FTH_WATCHDOG_INTERVAL_SEC``   0.1        0.01 .. 10            watchdog poll period
-``FTH_HANG_TIMEOUT_SEC``        (off)      1 .. 604800, auto     opt-in hang detection (``auto``: learned)
+``FTH_HANG_TIMEOUT_SEC``        (off)      1 .. 604800, auto     opt-in hang detection (``auto``: learned;
+                                 DD:HH:MM:SS also)
 ``FTH_START_TIMEOUT_SEC``       600        1 .. 604800           a set ``hang_timeout`` applies from the
                                                                  first completed iteration; before it
                                                                  (workers starting, DDP's first pass, a
@@ -171,6 +172,20 @@ def _as_timedelta(value: object) -> timedelta | None:
     return None
 
 
+#: The keys a dict duration may have (``datetime.timedelta``'s keyword arguments).
+TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
+
+
+def _check_dict_keys(value: object, what: str, forms: str) -> None:
+    """A dict duration with a key ``timedelta`` does not take: ``TypeError`` naming the key and the valid ones."""
+    if not isinstance(value, dict):
+        return
+    bad = [key for key in value if key not in TIMEDELTA_KEYS]
+    if bad:
+        raise TypeError(f"{what} must be {forms}; unknown key(s) {', '.join(repr(k) for k in bad)} (the keys are "
+                        f"{', '.join(TIMEDELTA_KEYS)}: datetime.timedelta's arguments), got {value!r}")
+
+
 def _check_duration(name: str, value: object, what: str, forms: str) -> timedelta | None:
     """``value`` (``None``, a ``timedelta``, seconds, ``"DD:HH:MM:SS"``, a dict) as a ``timedelta``
     in the range of setting ``name``: ``TypeError`` naming ``forms`` for any other value,
@@ -195,8 +210,9 @@ def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelt
         TypeError: any other value (the message lists the accepted forms).
         ValueError: a duration outside 1 s to 7 days.
     """
-    if value == AUTO and isinstance(value, str):
+    if isinstance(value, str) and value.strip().lower() == AUTO:
         return AUTO
+    _check_dict_keys(value, what, HANG_TIMEOUT_FORMS)
     return _check_duration("hang_timeout", value, what, HANG_TIMEOUT_FORMS)
 
 
@@ -214,6 +230,7 @@ def check_join_timeout(value: object, *, what: str = "join_timeout") -> timedelt
     if isinstance(value, str) and value.strip().lower() == AUTO:
         raise ValueError(f"{what} has no {AUTO!r} (a learned deadline is for hang_timeout only): it must be "
                          f"{JOIN_TIMEOUT_FORMS}, got {value!r}")
+    _check_dict_keys(value, what, JOIN_TIMEOUT_FORMS)
     return _check_duration("recover_join_timeout", value, what, JOIN_TIMEOUT_FORMS)
 
 
@@ -255,9 +272,13 @@ def auto_hang() -> AutoHang:
 
 
 def env_hang_timeout() -> timedelta | str | None:
-    """``FTH_HANG_TIMEOUT_SEC``: a number of seconds, or ``auto``."""
-    if os.environ.get(HANG_TIMEOUT_ENV, "").strip().lower() == AUTO:
+    """``FTH_HANG_TIMEOUT_SEC``: a number of seconds, a ``DD:HH:MM:SS`` string (the form the argument
+    takes too), or ``auto``."""
+    raw = os.environ.get(HANG_TIMEOUT_ENV, "").strip()
+    if raw.lower() == AUTO:
         return AUTO
+    if _DHMS.fullmatch(raw):
+        return _check_duration("hang_timeout", raw, f"{HANG_TIMEOUT_ENV}={raw!r}", HANG_TIMEOUT_FORMS)
     try:
         return env_timedelta("hang_timeout")
     except ValueError as err:

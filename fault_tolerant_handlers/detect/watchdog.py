@@ -40,6 +40,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
+import torch.distributed as dist
 
 from . import autohang
 from ..core import attempts, config, events, interrupts
@@ -418,7 +419,10 @@ def start_watchdog(group=None, *, hang_timeout: timedelta | float | str | dict |
                     wd.beat(step)
                 train_step(batch)
     """
-    hang_timeout = config.check_hang_timeout(hang_timeout)
+    hang_timeout = config.check_hang_timeout(hang_timeout, what="start_watchdog(hang_timeout=...)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"start_watchdog(group={group!r}): expected None (the default group) or a "
+                        f"torch.distributed.ProcessGroup (e.g. dist.new_group(ranks))")
     session = get_session(group, caller="start_watchdog")
     if session is None:
         return None

@@ -234,7 +234,10 @@ class _Recovery:
             why = keeper.why_not(self)
             if why is None:
                 return keeper.Keeper(self).run(args, kwargs)
-            log(logging.INFO, "a dead rank's process cannot be replaced in place here (%s): its death ends the job "
+            # A reason the script can change (CUDA touched first, a group made first, another
+            # thread) is a WARNING; where no keeper can exist at all (not torchrun, not Linux), INFO.
+            level = logging.INFO if why.startswith(keeper.NO_KEEPER_HERE) else logging.WARNING
+            log(level, "a dead rank's process cannot be replaced in place here (%s): its death ends the job "
                 "as without recovery in place", why)
         return self.run(args, kwargs)
 

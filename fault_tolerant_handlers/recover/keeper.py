@@ -68,8 +68,13 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT)
 MAX_RESULT_BYTES = 256 * 1024 * 1024
 
 
+#: Reasons of :func:`why_not` that no change to the script can remove (the launcher, the platform).
+NO_KEEPER_HERE = ("only on Linux", "not under torchrun")
+
+
 def why_not(recovery: _Recovery) -> str | None:
-    """Why no keeper can be started here (``None``: it can)."""
+    """Why no keeper can be started here (``None``: it can). A reason that starts with one of
+    :data:`NO_KEEPER_HERE` comes from the launcher or the platform; the others from the script."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return "only on Linux"
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

@@ -74,7 +74,7 @@ def test_stock_ignite_swallows_it_and_continues():
         ({"sync_every": 0}, ValueError, r"FaultTolerance\(sync_every=\.\.\.\) must be a positive int"),
         ({"sync_every": 2.5}, ValueError, r"FaultTolerance\(sync_every=\.\.\.\) must be a positive int"),
         ({"hang_timeout": "5m"}, TypeError, r"FaultTolerance\(hang_timeout=\.\.\.\) must be None \(off\), a datetime.timedelta"),
-        ({"hang_timeout": "Auto"}, TypeError, r"FaultTolerance\(hang_timeout=\.\.\.\) must be None \(off\), a "
+        ({"hang_timeout": "automatic"}, TypeError, r"FaultTolerance\(hang_timeout=\.\.\.\) must be None \(off\), a "
                                               r"datetime.timedelta \(e.g. timedelta\(minutes=5\)\), .* or 'auto'"),
         ({"hang_timeout": 0.5}, ValueError, r"FaultTolerance\(hang_timeout=\.\.\.\) must be between 1 and 604800 seconds"),
         ({"hang_timeout": timedelta(0)}, ValueError, r"FaultTolerance\(hang_timeout=\.\.\.\) must be between 1 and 604800 seconds"),

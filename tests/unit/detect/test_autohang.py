@@ -310,12 +310,13 @@ def test_hang_timeout_refuses_other_forms_naming_the_valid_ones(bad):
         assert "between 1 and 604800 seconds" in text
 
 
-def test_guard_takes_auto():
+def test_guard_takes_auto_in_any_case():
     from fault_tolerant_handlers.adapters.guard import Guard
 
     assert Guard(hang_timeout="auto").hang_timeout == "auto"
+    assert Guard(hang_timeout="AUTO", owner="Guard").hang_timeout == "auto"  # as join_timeout and the variable
     with pytest.raises(TypeError, match=r"Guard\(hang_timeout=\.\.\.\) must be None \(off\)"):
-        Guard(hang_timeout="AUTO", owner="Guard")
+        Guard(hang_timeout="automatic", owner="Guard")
 
 
 # -- the Ignite adapter's evaluator recognition ---------------------------------------------------------
