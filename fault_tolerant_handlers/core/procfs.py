@@ -16,11 +16,8 @@ from .kinds import Ended
 STATE, PPID, PGRP, SESSION = 0, 1, 2, 3
 FLAGS = 6  # field 9: the kernel's flags of the (thread group leader's) task
 PF_EXITING = 0x4  # set when the process starts to exit, before its files close
-UTIME, STIME = 11, 12  # fields 14, 15: clock ticks
 START_TIME = 19  # field 22: clock ticks after boot
 EXIT_CODE = 49  # field 52: the wait status of an exited (zombie) process
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def stat_fields(pid: int, tid: int | None = None) -> list[str] | None:
@@ -32,14 +29,6 @@ def stat_fields(pid: int, tid: int | None = None) -> list[str] | None:
     except OSError:
         return None
     return stat[stat.rfind(")") + 2 :].split()
-
-
-def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
-    """User + system CPU time of a process (or one of its threads), seconds."""
-    fields = stat_fields(pid, tid)
-    if fields is None or len(fields) <= STIME:
-        return None
-    return (int(fields[UTIME]) + int(fields[STIME])) / CLOCK_TICKS
 
 
 def is_running(fields: list[str] | None) -> bool:

@@ -101,17 +101,6 @@ def write_once(path: str, data: dict) -> bool:
             pass
 
 
-def read_timestamp(path: str) -> int | None:
-    """The timestamp of an existing error file (``None`` if absent or unreadable)."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        message = data["message"]
-        return int(message["extraInfo"]["timestamp"]) if isinstance(message, dict) else int(data.get("timestamp", 0))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def write_failed(record: FailureRecord) -> bool:
     """This rank failed itself (or its own signal is the cause) (``record`` is its own): write its file with the failure's time."""
     path = own_path()

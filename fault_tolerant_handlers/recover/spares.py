@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -391,7 +390,3 @@ def log_takeover(lay: Layout, order: Order, reformed_wall: float) -> None:
         "survivor to the re-formed group; %d spare%s left", Seat(lay.launched_rank, host_name()).describe(),
         order.rank, f" ({order.lost})" if order.lost else "", order.why, took, order.left,
         "" if order.left == 1 else "s")
-
-
-def now_wall() -> float:
-    return time.time()
