@@ -21,7 +21,7 @@ Public names:
 """
 
 from .launchers import compat_torchrun as _compat_torchrun
-from .data.checkpoints import latest_checkpoint
+from .checkpoints import latest_checkpoint
 from .data.snapshots import load_checkpoint
 from .data.ddp_buckets import DDPBucketLayout
 from .data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
