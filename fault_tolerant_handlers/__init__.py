@@ -10,7 +10,7 @@ Public names:
 * :func:`writing_checkpoint`: mark a checkpoint write that a reported exit must wait for.
 * :class:`deferred_interrupt`: a section the interrupt of a hung rank (recovering in place) waits outside.
 * :class:`RestartableDataLoader`, :func:`make_restartable`: a DataLoader that survives worker death.
-* :func:`latest_checkpoint`: the newest complete checkpoint in a directory, the same on every rank.
+* :func:`latest_checkpoint`: the newest complete checkpoint in a folder or of a trainer, the same on every rank.
 * :func:`load_checkpoint`: ``torch.load``, from this process's memory after a recovery in place.
 * :func:`recover_in_place`: after a failure, the same processes re-form the group and train on.
 * :func:`recovery_attempt`: how many times this process recovered in place.
