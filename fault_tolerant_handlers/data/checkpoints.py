@@ -200,8 +200,9 @@ def _decide(source: Source) -> str | None:
     if not any(folder.is_dir() for folder in source.folders):
         if source.label not in _warned_missing:
             _warned_missing.add(source.label)
-            log(logging.WARNING, "latest_checkpoint(%s): no such folder: nothing to resume from (a first run starts "
-                "from scratch; otherwise check the path)", source.label)
+            what = "not a folder" if any(folder.exists() for folder in source.folders) else "no such folder"
+            log(logging.WARNING, "latest_checkpoint(%s): %s: nothing to resume from (a first run starts from "
+                "scratch; otherwise check the path)", source.label, what)
         return None
     found, skipped = candidates(source)
     chosen = None
