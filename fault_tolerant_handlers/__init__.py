@@ -19,7 +19,7 @@ Public names:
 * :class:`RestartableDataLoader`, :func:`make_restartable`: a DataLoader that survives worker death;
   :class:`WorkerRestart` (one restart, in ``loader.restarts``), :class:`DataLoaderRestartError` (a
   worker lost with the ``max_restarts`` budget spent).
-* :func:`latest_checkpoint`: the newest complete checkpoint in a directory, the same on every rank.
+* :func:`latest_checkpoint`: the newest complete checkpoint in a folder or of a trainer, the same on every rank.
 * :func:`load_checkpoint`: ``torch.load``, from this process's memory after a recovery in place.
 * :func:`recover_in_place`: after a failure, the same processes re-form the group and train on.
 * :func:`recovery_attempt`: how many times this process recovered in place.
@@ -30,7 +30,7 @@ Public names:
 """
 
 from .launchers import compat_torchrun as _compat_torchrun
-from .data.checkpoints import latest_checkpoint
+from .checkpoints import latest_checkpoint
 from .data.snapshots import load_checkpoint
 from .data.ddp_buckets import DDPBucketLayout
 from .data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable

@@ -25,6 +25,10 @@ trainer it is given (:func:`namespace`).
   ``__dict__``), copied cheaply at every completed batch (:func:`loop_parts`, :func:`snapshot_loops`);
 * ``<namespace>.strategies.DDPStrategy`` / ``DeepSpeedStrategy``: live state only under a plain DDP
   strategy, whose checkpoint is built without collectives (:func:`plain_ddp`).
+* ``ModelCheckpoint.__resolve_ckpt_dir`` (name-mangled, called in its ``setup``): where a
+  ``ModelCheckpoint`` without ``dirpath`` writes, mirrored (not called) by :func:`checkpoint_folders`
+  for ``latest_checkpoint(trainer)`` before ``fit``: ``<logger save_dir or default_root_dir>/<logger
+  name>/<version>/checkpoints``, or ``<default_root_dir>/checkpoints`` without a logger.
 """
 
 from __future__ import annotations
@@ -282,3 +286,32 @@ def loop_state(parts: tuple[list, list], snapshot: tuple[list, list]) -> dict:
                 node.__dict__.update(zip(fields, value if len(fields) > 1 else (value,)))
         state[key] = copy.state_dict()
     return state
+
+
+def checkpoint_folders(trainer: Any) -> tuple[list[str], str]:
+    """The folders the trainer's ``ModelCheckpoint`` writes to, and in earlier runs wrote to, and a
+    label naming them: its ``dirpath`` when set; else, as Lightning resolves it at setup (mirroring
+    ``ModelCheckpoint.__resolve_ckpt_dir``), the ``checkpoints`` folder of every version of the first
+    logger (``lightning_logs/version_<n>``: each run, and each ``fit`` in the same process, opens a new
+    version, so the newest checkpoint is usually in an earlier version's folder), or
+    ``<default_root_dir>/checkpoints`` without a logger. The logger's ``version`` is not read: reading
+    it fixes it before ``fit`` would, differently on each rank."""
+    callback = getattr(trainer, "checkpoint_callback", None)
+    if callback is None:
+        raise ValueError("latest_checkpoint(trainer): the trainer has no ModelCheckpoint (enable_checkpointing=False "
+                         "and none in its callbacks): nothing writes checkpoints to resume from")
+    if callback.dirpath is not None:
+        folder = os.path.abspath(os.fspath(callback.dirpath))
+        return [folder], folder
+    loggers = list(trainer.loggers)
+    if not loggers:
+        folder = os.path.abspath(os.path.join(trainer.default_root_dir, "checkpoints"))
+        return [folder], folder
+    logger = loggers[0]
+    save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
+    root = os.path.abspath(os.path.join(save_dir, str(logger.name)))
+    versions = []
+    if os.path.isdir(root):
+        versions = sorted(os.path.join(root, entry, "checkpoints") for entry in os.listdir(root)
+                          if os.path.isdir(os.path.join(root, entry, "checkpoints")))
+    return versions or [root], os.path.join(root, "*", "checkpoints")

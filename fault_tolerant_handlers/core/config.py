@@ -27,8 +27,9 @@ variable                        default    accepted              meaning
 ``FTH_SYNC_TIMEOUT_SEC``        (group's)  1 .. 2592000          the side group's timeout
 ``FTH_RELEASE``                 auto       auto, exit            how blocked collectives are released
 ``FTH_INJECT``                  (none)     see ``inject.py``     rehearse a failure
-``FTH_CKPT_AGREE_TIMEOUT_SEC``  300        1 .. 86400            ranks wait this long for rank 0's
-                                                                 ``latest_checkpoint`` answer
+``FTH_CKPT_AGREE_TIMEOUT_SEC``  300        1 .. 86400            ``latest_checkpoint``: rank 0 waits
+                                                                 this long for every rank's question,
+                                                                 the others twice as long for its answer
 ``FTH_ATTEMPT_STORE``           1          0, 1                  one store namespace per torchrun attempt
 ``FTH_RECOVER_JOIN_SEC``        60         1 .. 86400            recovering in place: every rank must reach
                                                                  the recovery this soon after the first

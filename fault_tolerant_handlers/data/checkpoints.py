@@ -1,34 +1,44 @@
-"""``latest_checkpoint(dirname)``: the newest complete checkpoint to resume from, the same on every rank.
+"""Finding the newest checkpoint to resume from, the same on every rank (:func:`find`, behind
+:func:`fault_tolerant_handlers.latest_checkpoint`).
 
 A job restarted by ``torchrun --max-restarts`` (or requeued by its cluster) resumes from the newest
 checkpoint its previous attempt left. That attempt may have been killed while writing one: a
 truncated file, or a leftover temporary file (Ignite's ``DiskSaver`` writes ``tmpXXXXXXXX`` in the
-checkpoint directory and renames it). ``latest_checkpoint`` skips those with a warning naming them.
+checkpoint directory and renames it). Those are skipped with a warning naming them.
 
-Checkpoint names recognised: anything ending in ``.pt``, ``.pth`` or ``.ckpt``: Ignite's
-``Checkpoint``/``DiskSaver`` (``checkpoint_40.pt``, ``best_model_3_val_loss=0.1.pt``), Lightning's
-``ModelCheckpoint`` (``epoch=0-step=40.ckpt``, ``last.ckpt``, ``last-v1.ckpt``). Newest means the
+What is looked at is a :class:`Source`: one folder or several (Lightning's logger versions), the
+names a file must start with (a ``prefix``: Ignite's ``Checkpoint`` of the trainer writes
+``training_checkpoint_40.pt`` beside the ``best_model_*.pt`` of another ``Checkpoint``) and the keys
+the load needs (a file that lacks one, a model-only file, is skipped with a warning naming the key).
+Checkpoint names recognised: anything ending in ``.pt``, ``.pth`` or ``.ckpt``. Newest means the
 latest modification time; a tie goes to the larger step number in the name.
 
 How a file is checked, without running its pickle more than needed: a file written by
 ``torch.save`` is a zip archive whose directory is written last, so a torn file has none; every
 member's CRC is verified (``zipfile.testzip``: bytes only, nothing unpickled). Then the pickle is
 loaded with ``torch.load(weights_only=True, mmap=True)`` (the restricted unpickler, tensors mapped,
-not read). Ignite's ``Checkpoint.load_objects`` loads with ``weights_only=True`` too; a Lightning
-checkpoint may hold objects the restricted unpickler refuses (hyper-parameters of custom types):
-such a file, complete by its CRCs, is accepted and left to Lightning's own loading, never
+not read), and its top-level keys are compared with the required ones. A Lightning checkpoint may
+hold objects the restricted unpickler refuses (hyper-parameters of custom types): such a file,
+complete by its CRCs, is accepted (its keys unchecked) and left to Lightning's own loading, never
 unpickled here without the restriction.
 
-Every rank gets the same answer: with a process group up, rank 0 decides and broadcasts the path
-(a byte tensor on the default group). Without one but under torchrun (Lightning creates its group
-inside ``fit``, after this is called), rank 0 publishes it in torchrun's store under a key that
-names the attempt (``TORCHELASTIC_RESTART_COUNT``) and the call's number, and the other ranks read
-it: bytes, length-checked, decoded as UTF-8, never unpickled. Otherwise each process decides alone.
+Every rank gets the same answer, and no rank waits for a peer that is not coming. Whenever the ranks
+can talk (a process group is up: its store; or, before one, torchrun's store), every rank publishes
+what it asks for (its folders and filters, as text) under a key naming the attempt and the call's
+number, and rank 0 reads them all, then publishes one verdict: the path it chose, ``None``, the live
+state, or an error. Ranks that asked for different folders all raise the same ``ValueError`` naming
+each rank's folder (a folder only rank 0 knows, such as a timestamped output folder made on rank 0,
+is such a mismatch: pass the same folder on every rank, or the trainer or its ``Checkpoint``, whose
+folder on rank 0 serves every rank since only rank 0 writes it). A rank that does not call within
+``FTH_CKPT_AGREE_TIMEOUT_SEC`` (default 300 s) is named in a ``TimeoutError`` on the ranks that did.
+Only store keys are exchanged, never a collective, so a rank that skipped the call leaves its peers
+waiting in nothing they cannot leave. Values are bytes, length-checked, decoded as UTF-8, never
+unpickled. Without a group or torchrun's store each process decides alone.
 
 After a recovery in place that carries on from live state (:mod:`.live`), the answer is a name in
-``dirname`` that no file has, ``live-state-step=<step>.pt``: :func:`~fault_tolerant_handlers.load_checkpoint`
-and Lightning's ``fit(ckpt_path=...)`` hand over the live state for it. Every rank answers so without
-communicating (they agreed on it in the recovery).
+the folder that no file has, ``live-state-step=<step>.pt``: :func:`~fault_tolerant_handlers.load_checkpoint`
+and Lightning's ``fit(ckpt_path=...)`` hand over the live state for it. It is given when rank 0's
+live state answers for its folder and every rank holds live state (they agreed on it in the recovery).
 """
 
 from __future__ import annotations
@@ -38,27 +48,95 @@ import os
 import re
 import warnings
 import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
-from ..core import attempts, config, interrupts
+from ..core import attempts, compat_torch, config, interrupts
 from ..core.log import log
 from . import live
 
-__all__ = ["latest_checkpoint"]
-
 SUFFIXES = (".pt", ".pth", ".ckpt")
-#: Longest path the ranks exchange (bytes).
+#: Longest path or request text the ranks exchange (bytes).
 MAX_PATH_BYTES = 4096
-#: How long a rank waits for rank 0's answer in torchrun's store (``FTH_CKPT_AGREE_TIMEOUT_SEC``,
-#: default 300 s, see :mod:`..core.config`); read when it is needed.
+#: Longest verdict (an error naming every rank's folder, shortened).
+MAX_VERDICT_BYTES = 16384
+#: How long a rank waits for its peers' requests and for rank 0's verdict in the store
+#: (``FTH_CKPT_AGREE_TIMEOUT_SEC``, default 300 s, see :mod:`..core.config`; the ranks other than 0
+#: wait twice as long: rank 0's own wait, then its decision); read when it is needed.
 _STEP = re.compile(r"(?:step=|_)(\d+)(?=[.-]|$)")
-_calls: dict[str, int] = {}  # calls of latest_checkpoint per attempt (its namespace)
+_calls: dict[str, int] = {}  # calls per attempt (its namespace)
+_warned_missing: set[str] = set()  # folders already named as missing (once per process)
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where to look and what a usable file is.
+
+    Attributes:
+        folders: the folders searched together (the newest file among them wins).
+        label: how messages name it; compared across ranks, so it is built from absolute paths.
+        prefix: a file's name must start with it (``""``: any name).
+        required_keys: top-level keys the load needs; a file without one is skipped with a warning.
+        compared: this rank's request must match rank 0's (``False`` where the framework writes on
+            rank 0 only, Ignite's ``DiskSaver``: another rank's folder is never read).
+    """
+
+    folders: tuple[Path, ...]
+    label: str
+    prefix: str = ""
+    required_keys: tuple[str, ...] = ()
+    compared: bool = True
+
+
+def folder_source(dirname: str | os.PathLike, *, prefix: str | None = None,
+                  required_keys: Iterable[str] | Mapping | None = None, what: str = "dirname") -> Source:
+    """The :class:`Source` of a folder argument (checked: ``TypeError``/``ValueError`` naming it)."""
+    if not isinstance(dirname, (str, os.PathLike)):
+        raise TypeError(f"latest_checkpoint({what}={dirname!r}): expected a folder (a str or os.PathLike), an ignite "
+                        "Engine or Checkpoint, or a Lightning Trainer")
+    prefix = check_prefix(prefix)
+    keys = check_keys(required_keys)
+    folder = Path(os.path.abspath(os.fspath(dirname)))
+    return Source((folder,), label_of((folder,), prefix, keys), prefix, keys)
+
+
+def check_prefix(prefix: Any) -> str:
+    if prefix is None:
+        return ""
+    if not isinstance(prefix, str) or os.sep in prefix:
+        raise TypeError(f"latest_checkpoint(prefix={prefix!r}): expected a str (the start of a file's name, no "
+                        "folder), or None")
+    return prefix
+
+
+def check_keys(required_keys: Any) -> tuple[str, ...]:
+    if required_keys is None:
+        return ()
+    if isinstance(required_keys, str) or not isinstance(required_keys, (Mapping, Iterable)):
+        raise TypeError(f"latest_checkpoint(required_keys={required_keys!r}): expected the keys a checkpoint must "
+                        "hold (an iterable of str, or the to_save/to_load dict), or None")
+    keys = tuple(required_keys)
+    if not all(isinstance(k, str) for k in keys):
+        raise TypeError(f"latest_checkpoint(required_keys={required_keys!r}): every key must be a str")
+    return keys
+
+
+def label_of(folders: tuple[Path, ...], prefix: str, keys: tuple[str, ...], kind: str = "") -> str:
+    text = kind + (repr(str(folders[0])) if len(folders) == 1 else "[" + ", ".join(repr(str(f)) for f in folders) + "]")
+    if prefix:
+        text += f" (names starting with {prefix!r})"
+    if keys:
+        text += f" (keys {', '.join(keys)})"
+    return text
+
+
+# -- one decision ------------------------------------------------------------------------------------------
 def _step_of(name: str) -> int:
     found = _STEP.findall(Path(name).stem)
     return int(found[-1]) if found else -1
@@ -68,8 +146,8 @@ def _is_temporary(name: str) -> bool:
     return name.startswith("tmp") and Path(name).suffix not in SUFFIXES or name.endswith((".tmp", ".part"))
 
 
-def check_file(path: Path) -> str | None:
-    """``None`` if ``path`` is a complete checkpoint, else why not."""
+def check_file(path: Path, required_keys: tuple[str, ...] = ()) -> str | None:
+    """``None`` if ``path`` is a complete checkpoint holding ``required_keys``, else why not."""
     try:
         if path.stat().st_size == 0:
             return "empty"
@@ -83,72 +161,192 @@ def check_file(path: Path) -> str | None:
     except (OSError, zipfile.BadZipFile, EOFError) as err:
         return f"unreadable: {type(err).__name__}: {err}"
     try:
-        torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as err:  # noqa: BLE001
         text = str(err)
         if "Weights only load failed" in text and "unsupported global" in text.lower() and zipfile.is_zipfile(path):
             return None  # complete (CRCs checked); objects beyond tensors: left to the framework's own load
         first = text.splitlines()[0][:200] if text else ""
         return f"does not load: {type(err).__name__}: {first}"
+    if required_keys:
+        if not isinstance(loaded, Mapping):
+            return f"holds a {type(loaded).__name__}, not the keys the load needs ({', '.join(required_keys)})"
+        missing = [k for k in required_keys if k not in loaded]
+        if missing:
+            return (f"missing key {', '.join(repr(k) for k in missing)} (the load needs {', '.join(required_keys)}: "
+                    "a file of another Checkpoint, such as a model-only best-model file?)")
     return None
 
 
-def _decide(dirname: Path) -> str | None:
-    if not dirname.is_dir():
+def candidates(source: Source) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """The files of ``source``'s folders that may be checkpoints, newest first, and the temporary files
+    skipped (with why). Missing folders give nothing."""
+    found, skipped = [], []
+    for folder in source.folders:
+        if not folder.is_dir():
+            continue
+        for entry in folder.iterdir():
+            if not entry.name.startswith(source.prefix) or not entry.is_file():
+                continue
+            if _is_temporary(entry.name):
+                skipped.append((entry, "a temporary file (a write that did not finish)"))
+            elif entry.suffix in SUFFIXES:
+                found.append(entry)
+    found.sort(key=lambda p: (p.stat().st_mtime_ns, _step_of(p.name), p.name), reverse=True)
+    return found, skipped
+
+
+def _decide(source: Source) -> str | None:
+    if not any(folder.is_dir() for folder in source.folders):
+        if source.label not in _warned_missing:
+            _warned_missing.add(source.label)
+            what = "not a folder" if any(folder.exists() for folder in source.folders) else "no such folder"
+            log(logging.WARNING, "latest_checkpoint(%s): %s: nothing to resume from (a first run starts from "
+                "scratch; otherwise check the path)", source.label, what)
         return None
-    candidates, skipped = [], []
-    for entry in dirname.iterdir():
-        if not entry.is_file():
-            continue
-        if _is_temporary(entry.name):
-            skipped.append((entry, "a temporary file (a write that did not finish)"))
-            continue
-        if entry.suffix in SUFFIXES:
-            candidates.append(entry)
-    candidates.sort(key=lambda p: (p.stat().st_mtime_ns, _step_of(p.name), p.name), reverse=True)
+    found, skipped = candidates(source)
     chosen = None
-    for path in candidates:
-        why = check_file(path)
+    for path in found:
+        why = check_file(path, source.required_keys)
         if why is None:
             chosen = path
             break
         skipped.append((path, why))
     for path, why in skipped:
-        message = f"latest_checkpoint({str(dirname)!r}): skipping {path.name}: {why}"
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        message = f"latest_checkpoint({source.label}): skipping {path.name}: {why}"
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
         log(logging.WARNING, "%s", message)
     return str(chosen) if chosen is not None else None
 
 
-def _encode(path: str | None) -> bytes:
-    data = b"" if path is None else path.encode("utf-8")
-    if len(data) > MAX_PATH_BYTES:
-        raise ValueError(f"latest_checkpoint: path longer than {MAX_PATH_BYTES} bytes: {path[:100]}...")
-    return b"\x00" if path is None else b"\x01" + data
+# -- the live state ----------------------------------------------------------------------------------------
+def _live_answers(source: Source) -> bool:
+    return any(live.answers_for(folder) for folder in source.folders)
 
 
-def _decode(data: bytes) -> str | None:
-    if not data or len(data) > MAX_PATH_BYTES + 1 or data[:1] not in (b"\x00", b"\x01"):
+def _live_claim(source: Source) -> str | None:
+    for folder in source.folders:
+        name = live.latest_checkpoint_answer(folder, any_directory=False)
+        if name is not None:
+            return name
+    return live.latest_checkpoint_answer(source.folders[0], any_directory=True)
+
+
+# -- the exchange ------------------------------------------------------------------------------------------
+_NONE, _PATH, _LIVE, _MISMATCH, _MISSING = b"\x00", b"\x01", b"\x02", b"\x03", b"\x04"
+_COMPARED, _LIVE_ANSWERS, _LIVE_HELD = 1, 2, 4
+
+
+def _encode_request(source: Source) -> bytes:
+    flags = (_COMPARED if source.compared else 0) | (_LIVE_ANSWERS if _live_answers(source) else 0) \
+        | (_LIVE_HELD if live.held() is not None else 0)
+    text = source.label.encode("utf-8")
+    if len(text) > MAX_PATH_BYTES:
+        raise ValueError(f"latest_checkpoint: folder longer than {MAX_PATH_BYTES} bytes: {source.label[:100]}...")
+    return b"R" + bytes([flags]) + text
+
+
+def _decode_request(data: bytes, rank: int) -> tuple[int, str]:
+    if not 2 <= len(data) <= MAX_PATH_BYTES + 2 or data[:1] != b"R" or data[1] > 7:
+        raise RuntimeError(f"latest_checkpoint: rank {rank}'s request is malformed ({len(data)} bytes)")
+    return data[1], data[2:].decode("utf-8", "replace")
+
+
+def _encode_verdict(kind: bytes, text: str = "") -> bytes:
+    data = text.encode("utf-8")
+    if kind == _PATH and len(data) > MAX_PATH_BYTES:
+        raise ValueError(f"latest_checkpoint: path longer than {MAX_PATH_BYTES} bytes: {text[:100]}...")
+    return kind + data[: MAX_VERDICT_BYTES - 1]
+
+
+def _decode_verdict(data: bytes) -> tuple[bytes, str]:
+    if not data or len(data) > MAX_VERDICT_BYTES or data[:1] not in (_NONE, _PATH, _LIVE, _MISMATCH, _MISSING):
         raise RuntimeError(f"latest_checkpoint: rank 0's answer is malformed ({len(data)} bytes)")
-    return None if data[:1] == b"\x00" else data[1:].decode("utf-8")
+    return data[:1], data[1:].decode("utf-8", "replace")
 
 
-def _broadcast(answer: str | None) -> str | None:
-    rank = dist.get_rank()
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    payload = _encode(answer) if rank == 0 else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
-    n = int(size.item())
-    if not 0 < n <= MAX_PATH_BYTES + 1:
-        raise RuntimeError(f"latest_checkpoint: rank 0 announced an answer of {n} bytes")
-    buf = torch.zeros(n, dtype=torch.uint8, device=device)
+def _ranks_text(ranks: list[int]) -> str:
+    spans, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            spans.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
+
+
+def _mismatch_text(requests: dict[int, tuple[int, str]]) -> str | None:
+    """The error when the compared ranks asked for different things, else ``None``."""
+    labels = {r: label for r, (flags, label) in requests.items() if flags & _COMPARED or r == 0}
+    if len(set(labels.values())) <= 1:
+        return None
+    by_label: dict[str, list[int]] = {}
+    for r in sorted(labels):
+        by_label.setdefault(labels[r], []).append(r)
+    named = "; ".join(f"{_ranks_text(ranks)}: {label[:300]}" for label, ranks in by_label.items())
+    return (f"latest_checkpoint: the ranks passed different folders ({named}). Every rank must pass the same folder "
+            "(one decision serves every rank); a folder made on rank 0 only (a timestamped output folder) must be "
+            "given to the other ranks too, or pass the trainer or its Checkpoint (Ignite: the folder of rank 0's "
+            "Checkpoint serves every rank)")
+
+
+def _rank0(store: dist.Store, key: str, world: int, source: Source, timeout: timedelta) -> tuple[bytes, str]:
+    keys = [f"{key}/ask/{r}" for r in range(1, world)]
+    try:
+        if keys:
+            store.wait(keys, timeout)
+    except Exception:  # noqa: BLE001 - a store timeout (DistStoreError): name who did not ask
+        missing = [r for r, k in zip(range(1, world), keys) if not store.check([k])]
+        if missing:
+            return _MISSING, (f"latest_checkpoint: {_ranks_text(missing)} did not call latest_checkpoint within "
+                              f"{timeout.total_seconds():g} s of rank 0 ({config.CKPT_AGREE_TIMEOUT_ENV}): call it on "
+                              "every rank, the same number of times")
+        raise
+    requests = {0: _decode_request(_encode_request(source), 0)}
+    for r, k in zip(range(1, world), keys):
+        requests[r] = _decode_request(store.get(k), r)
+    mismatch = _mismatch_text(requests)
+    if mismatch is not None:
+        return _MISMATCH, mismatch
+    answers = [r for r, (flags, _) in requests.items() if flags & _LIVE_ANSWERS]
+    if 0 in answers and all(flags & _LIVE_HELD for flags, _ in requests.values()):
+        return _LIVE, ""
+    if answers:
+        without = [r for r, (flags, _) in requests.items() if not flags & _LIVE_HELD]
+        log(logging.WARNING, "latest_checkpoint(%s): the live state is not used for it (%s): the newest checkpoint "
+            "serves", source.label, f"{_ranks_text(without)} hold none" if without
+            else "rank 0's live state is of another folder")
+    answer = _decide(source)
+    return (_NONE, "") if answer is None else (_PATH, answer)
+
+
+def agree(store: dist.Store, key: str, rank: int, world: int, source: Source, timeout: timedelta) -> str | None:
+    """Every rank's one answer for ``source``, exchanged through ``store`` under ``key`` (see the module)."""
     if rank == 0:
-        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(buf, src=0)
-    return _decode(bytes(buf.cpu().tolist()))
+        verdict = _rank0(store, key, world, source, timeout)
+        with interrupts.SECTION:  # a main-thread store call: a hung rank's interrupt waits for it
+            store.set(f"{key}/verdict", _encode_verdict(*verdict))
+    else:
+        with interrupts.SECTION:
+            store.set(f"{key}/ask/{rank}", _encode_request(source))
+        try:
+            store.wait([f"{key}/verdict"], timeout * 2)
+        except Exception as err:  # noqa: BLE001 - a store timeout (DistStoreError)
+            if store.check([f"{key}/verdict"]):
+                raise
+            raise TimeoutError(f"latest_checkpoint({source.label}): no answer from rank 0 within "
+                               f"{2 * timeout.total_seconds():g} s ({config.CKPT_AGREE_TIMEOUT_ENV} x 2): did rank 0 "
+                               "call latest_checkpoint? Call it on every rank, the same number of times") from err
+        verdict = _decode_verdict(store.get(f"{key}/verdict"))
+    kind, text = verdict
+    if kind == _MISMATCH:
+        raise ValueError(text)
+    if kind == _MISSING:
+        raise TimeoutError(text)
+    if kind == _LIVE:
+        return _live_claim(source)
+    return text if kind == _PATH else None
 
 
 def _torchrun_store():
@@ -158,47 +356,31 @@ def _torchrun_store():
     return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=config.ckpt_agree_timeout())
 
 
-def latest_checkpoint(dirname: str | os.PathLike) -> str | None:
-    """The newest complete, loadable checkpoint file in ``dirname``, or ``None``; the same on every rank.
-
-    Torn files (a kill during the write) and leftover temporary files are skipped with a
-    ``RuntimeWarning`` naming them. Call it on every rank, the same number of times (like a
-    collective), before or after the process group is set up.
-
-    Examples:
-        .. code-block:: python
-
-            # Ignite
-            path = latest_checkpoint("ckpts")
-            if path:
-                Checkpoint.load_objects(to_load=to_save, checkpoint=path)
-            trainer.run(loader, max_epochs=3)
-
-            # Lightning
-            trainer.fit(model, loader, ckpt_path=latest_checkpoint("ckpts"))
-
-    Raises:
-        TypeError: ``dirname`` is not a str or path.
-    """
-    if not isinstance(dirname, (str, os.PathLike)):
-        raise TypeError(f"latest_checkpoint(dirname={dirname!r}): expected a str or os.PathLike")
-    folder = Path(dirname)
-    live_name = live.latest_checkpoint_answer(folder)
-    if live_name is not None:  # recovering in place from live state: every rank holds the same plan
-        return live_name
+def _medium() -> tuple[dist.Store, int, int] | None:
+    """(store, rank, world size) to agree over, or ``None`` to decide alone."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return _broadcast(_decide(folder) if dist.get_rank() == 0 else None)
+        return compat_torch.default_store(), dist.get_rank(), dist.get_world_size()
     store = _torchrun_store()
     if store is None:
-        return _decide(folder)
+        return None
+    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
+        raise RuntimeError(f"latest_checkpoint: torchrun's RANK={rank!r} / WORLD_SIZE={world!r} are not a rank and a "
+                           "size")
+    return store, int(rank), int(world)
+
+
+def find(source: Source) -> str | None:
+    """The newest usable checkpoint of ``source`` (or the live state's name, or ``None``), the same on
+    every rank; see the module."""
+    medium = _medium()
+    if medium is None:
+        name = _live_claim(source) if _live_answers(source) else None
+        return name if name is not None else _decide(source)
+    store, rank, world = medium
     # The n-th call of this attempt (torchrun's restart and the recoveries in place: a replacement
     # process counts from 1 in the attempt it joins, like its peers).
     namespace = attempts.namespace()
     _calls[namespace] = count = _calls.get(namespace, 0) + 1
     key = f"fth/latest_checkpoint/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{namespace}/{count}"
-    if int(os.environ.get("RANK", "0")) == 0:
-        answer = _decide(folder)
-        with interrupts.SECTION:  # a main-thread store call: a hung rank's interrupt waits for it
-            store.set(key, _encode(answer))
-        return answer
-    return _decode(store.get(key))
+    return agree(store, key, rank, world, source, config.ckpt_agree_timeout())

@@ -214,16 +214,28 @@ def held() -> Captured | None:
         return _held[1] if _held is not None else None
 
 
-def latest_checkpoint_answer(dirname: str | os.PathLike) -> str | None:
+def answers_for(dirname: str | os.PathLike) -> bool:
+    """Live state is held for ``dirname`` (the folder the failed loop wrote its checkpoints to, or any
+    folder when that one is not known)."""
+    with _lock:
+        if _held is None:
+            return False
+        directory = _held[1].directory
+    return directory is None or _key(dirname) == directory
+
+
+def latest_checkpoint_answer(dirname: str | os.PathLike, *, any_directory: bool = False) -> str | None:
     """What ``latest_checkpoint(dirname)`` answers while live state is held for that directory (any
-    directory when the loop's is not known), else ``None``. The same on every rank: they agreed."""
+    directory when the loop's is not known, or with ``any_directory``: every rank agreed that rank 0's
+    live state answers, and this rank's loop wrote elsewhere), else ``None``. The same on every rank:
+    they agreed on the step."""
     global _held
+    if not any_directory and not answers_for(dirname):
+        return None
     with _lock:
         if _held is None:
             return None
         captured = _held[1]
-        if captured.directory is not None and _key(dirname) != captured.directory:
-            return None
         name = str(Path(dirname) / NAME.format(step=captured.step))
         _held = (_key(name), captured)
     return name
@@ -283,5 +295,5 @@ def forget() -> None:
     _close_trackers()
 
 
-__all__ = ["Captured", "NAME", "NotLive", "StepTracker", "collect", "enabled", "forget", "hold", "latest_checkpoint_answer",
+__all__ = ["Captured", "NAME", "NotLive", "StepTracker", "answers_for", "collect", "enabled", "forget", "hold", "latest_checkpoint_answer",
            "newest", "register", "restore_rng", "take", "unregister"]

@@ -138,6 +138,13 @@ def load_checkpoint(path: str | os.PathLike, **torch_load_kwargs: Any) -> Any:
     """The checkpoint at ``path``: after a recovery in place, the live state when ``path`` is the name
     ``latest_checkpoint`` gave for it, or this process's copy in memory when it keeps the newest
     checkpoint (each handed over once, :func:`take`); else ``torch.load(path, **torch_load_kwargs)``
-    (a second recovery before the next checkpoint reads the file)."""
+    (a second recovery before the next checkpoint reads the file).
+
+    Raises:
+        TypeError: ``path`` is not a str or os.PathLike.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_checkpoint(path={path!r}): expected a file's path (a str or os.PathLike, such as "
+                        "latest_checkpoint's answer)")
     kept = take(path)
     return kept if kept is not None else torch.load(path, **torch_load_kwargs)

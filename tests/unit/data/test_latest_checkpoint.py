@@ -70,3 +70,111 @@ def test_a_pickle_that_would_run_code_is_not_run(tmp_path):
     torch.save({"x": Evil()}, tmp_path / "checkpoint_1.pt")
     assert check_file(tmp_path / "checkpoint_1.pt") is None  # complete; the framework decides how to load it
     assert not (tmp_path / "pwned").exists()
+
+
+# -- filters: a prefix, the keys the load needs --------------------------------------------------------------
+def test_prefix_and_required_keys_skip_a_model_only_file(tmp_path, caplog):
+    base = time.time_ns()
+    save(tmp_path / "training_checkpoint_40.pt", 40, base)
+    torch.save({"w": torch.zeros(3)}, tmp_path / "best_model_2_test_accuracy=0.5.pt")  # model only, newer
+    os.utime(tmp_path / "best_model_2_test_accuracy=0.5.pt", ns=(base + 10**9,) * 2)
+    assert latest_checkpoint(tmp_path, prefix="training_") == str(tmp_path / "training_checkpoint_40.pt")
+    with pytest.warns(RuntimeWarning, match=r"skipping best_model_2_test_accuracy=0.5.pt: missing key 'trainer'"):
+        found = latest_checkpoint(tmp_path, required_keys={"trainer": None, "model": None})
+    assert found == str(tmp_path / "training_checkpoint_40.pt")
+    with pytest.raises(TypeError, match="prefix=3"):
+        latest_checkpoint(tmp_path, prefix=3)
+    with pytest.raises(TypeError, match="required_keys='trainer'"):
+        latest_checkpoint(tmp_path, required_keys="trainer")
+
+
+def test_a_missing_folder_is_named_once(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="fault_tolerant_handlers")
+    for _ in range(2):
+        assert latest_checkpoint(tmp_path / "typo") is None
+    named = [r for r in caplog.records if "typo" in r.getMessage() and "no such folder" in r.getMessage()]
+    assert len(named) == 1, caplog.text
+
+
+def test_load_checkpoint_names_a_bad_path():
+    from fault_tolerant_handlers import load_checkpoint
+
+    with pytest.raises(TypeError, match=r"load_checkpoint\(path=123\)"):
+        load_checkpoint(123)
+
+
+# -- the agreement, ranks as threads over one store -------------------------------------------------------------
+def _agree_all(sources, timeout=5.0, skip=()):
+    import threading
+    from datetime import timedelta
+
+    from fault_tolerant_handlers.data.checkpoints import agree
+
+    store = torch.distributed.HashStore()
+    results = {}
+
+    def run(rank):
+        try:
+            results[rank] = agree(store, "k/1", rank, len(sources), sources[rank], timedelta(seconds=timeout))
+        except Exception as err:  # noqa: BLE001
+            results[rank] = err
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(sources)) if r not in skip]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return results
+
+
+def test_ranks_with_different_folders_all_raise_naming_each_folder(tmp_path):
+    from fault_tolerant_handlers.data.checkpoints import folder_source
+
+    stamped = tmp_path / "run_20260101-120000"
+    sources = [folder_source(stamped), folder_source(tmp_path), folder_source(tmp_path)]
+    results = _agree_all(sources)
+    assert all(isinstance(results[r], ValueError) for r in range(3)), results
+    text = str(results[1])
+    assert str(results[0]) == text and "rank 0: " + repr(str(stamped)) in text and f"ranks 1-2: {str(tmp_path)!r}" in text
+    assert "same folder" in text
+
+
+def test_same_folder_one_answer_and_ignite_sources_of_other_ranks_not_compared(tmp_path):
+    from fault_tolerant_handlers.data.checkpoints import Source, folder_source
+
+    base = time.time_ns()
+    save(tmp_path / "checkpoint_10.pt", 10, base)
+    results = _agree_all([folder_source(tmp_path), folder_source(str(tmp_path) + "/")])
+    assert results == {0: str(tmp_path / "checkpoint_10.pt"), 1: str(tmp_path / "checkpoint_10.pt")}
+    elsewhere = Source((tmp_path / "base",), "'elsewhere'", compared=False)  # a Checkpoint on rank 1: never read
+    results = _agree_all([folder_source(tmp_path), elsewhere])
+    assert results[1] == results[0] == str(tmp_path / "checkpoint_10.pt")
+
+
+def test_a_rank_that_never_calls_is_named_within_the_timeout(tmp_path):
+    from fault_tolerant_handlers.data.checkpoints import folder_source
+
+    start = time.monotonic()
+    results = _agree_all([folder_source(tmp_path)] * 3, timeout=1.0, skip=(2,))
+    assert time.monotonic() - start < 10
+    assert isinstance(results[0], TimeoutError) and "rank 2 did not call latest_checkpoint" in str(results[0])
+    assert isinstance(results[1], TimeoutError) and str(results[1]) == str(results[0])
+    results = _agree_all([folder_source(tmp_path)] * 2, timeout=1.0, skip=(0,))
+    assert isinstance(results[1], TimeoutError) and "no answer from rank 0" in str(results[1])
+
+
+def test_live_state_answers_only_when_rank_0_answers_and_every_rank_holds_it(tmp_path, monkeypatch):
+    from fault_tolerant_handlers.data import checkpoints, live
+
+    monkeypatch.setattr(live, "held", lambda: object())
+    monkeypatch.setattr(checkpoints, "_live_answers", lambda source: source.folders[0].name == "mine")
+    monkeypatch.setattr(checkpoints, "_live_claim", lambda source: f"LIVE:{source.folders[0]}")
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    mine.mkdir()
+    other.mkdir()
+    same = checkpoints.folder_source(mine)
+    assert _agree_all([same, same]) == {0: f"LIVE:{mine}", 1: f"LIVE:{mine}"}
+    ignite_like = checkpoints.Source((other,), "'other'", compared=False)  # rank 1's loop wrote elsewhere
+    assert _agree_all([same, ignite_like]) == {0: f"LIVE:{mine}", 1: f"LIVE:{other}"}
+    assert _agree_all([checkpoints.Source((other,), "'x'"), checkpoints.Source((mine,), "'x'")]) == {0: None, 1: None}

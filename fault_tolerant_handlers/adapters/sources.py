@@ -1,0 +1,86 @@
+"""What ``latest_checkpoint`` looks at when it is given a framework's object instead of a folder: an
+Ignite ``Checkpoint`` or the ``Engine`` it saves, a Lightning ``Trainer`` (:func:`source_of`).
+
+* An Ignite ``Checkpoint`` with a ``DiskSaver`` (or ``SafeDiskSaver``): its saver's ``dirname``, the
+  names it writes (``{filename_prefix}_{name}_...``, the default pattern: ``training_checkpoint_40.pt``,
+  not the ``best_model_*.pt`` of another ``Checkpoint`` in the same folder), and its ``to_save`` keys
+  (a file without one is skipped). Only rank 0's folder counts: ``DiskSaver`` writes on one rank (its
+  ``save_on_rank``, rank 0 by default), and other ranks' folders, which a script may set differently
+  (a timestamped folder made on rank 0), are never read.
+* An Ignite ``Engine``: the one ``Checkpoint`` attached to it whose ``to_save`` holds the engine.
+* A Lightning ``Trainer``: the folders of its ``ModelCheckpoint`` (:func:`.compat_lightning.checkpoint_folders`),
+  before ``fit`` too, when the default folder is not yet known.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..data.checkpoints import Source, check_keys, check_prefix, folder_source, label_of
+from . import compat_ignite, compat_lightning
+
+
+def _ignite_class(module: str, name: str) -> type | None:
+    return getattr(sys.modules.get(module), name, None)
+
+
+def _lightning_trainer(obj: Any) -> bool:
+    return any(isinstance(obj, cls) for cls in (_ignite_class(ns + ".trainer.trainer", "Trainer")
+                                                for ns in compat_lightning.NAMESPACES) if cls is not None)
+
+
+def checkpoint_source(checkpoint: Any, prefix: str | None, required_keys: Any) -> Source:
+    saver = checkpoint.save_handler
+    dirname = getattr(saver, "dirname", None)
+    if dirname is None:
+        raise TypeError(f"latest_checkpoint(checkpoint): its save_handler is a {type(saver).__name__}, which names "
+                        "no folder (a DiskSaver does): pass the folder it writes to")
+    to_save = dict(checkpoint.to_save or {})
+    if prefix is None and checkpoint.filename_pattern is None:
+        name = next(iter(to_save)) if len(to_save) == 1 else "checkpoint"
+        prefix = f"{checkpoint.filename_prefix}_{name}_" if checkpoint.filename_prefix else f"{name}_"
+    keys = check_keys(required_keys) if required_keys is not None else (tuple(to_save) if len(to_save) > 1 else ())
+    prefix = check_prefix(prefix)
+    folders = (Path(os.path.abspath(os.fspath(dirname))),)
+    return Source(folders, label_of(folders, prefix, keys), prefix, keys, compared=False)
+
+
+def engine_source(engine: Any, prefix: str | None, required_keys: Any) -> Source:
+    checkpoint_cls = _ignite_class("ignite.handlers.checkpoint", "Checkpoint")
+    compat_ignite.check(engine)
+    found = [h for h in compat_ignite.attached_handlers(engine) if checkpoint_cls is not None
+             and isinstance(h, checkpoint_cls) and any(v is engine for v in (h.to_save or {}).values())]
+    if not found:
+        raise ValueError("latest_checkpoint(engine): no ignite Checkpoint whose to_save holds this engine is attached "
+                         "to it: attach it first (it names the folder and its files), or pass the Checkpoint or the "
+                         "folder")
+    sources = {checkpoint_source(h, prefix, required_keys) for h in found}
+    if len(sources) > 1:
+        raise ValueError(f"latest_checkpoint(engine): {len(found)} Checkpoint handlers attached to it save it, to "
+                         f"{'; '.join(sorted(s.label for s in sources))}: pass the one to resume from")
+    return sources.pop()
+
+
+def trainer_source(trainer: Any, prefix: str | None, required_keys: Any) -> Source:
+    folders, label = compat_lightning.checkpoint_folders(trainer)
+    prefix, keys = check_prefix(prefix), check_keys(required_keys)
+    paths = tuple(Path(f) for f in folders)
+    return Source(paths, label_of((Path(label),), prefix, keys), prefix, keys)
+
+
+def source_of(where: Any, *, prefix: str | None = None, required_keys: Any = None) -> Source:
+    """The :class:`~..data.checkpoints.Source` for ``latest_checkpoint``'s first argument."""
+    if isinstance(where, (str, os.PathLike)):
+        return folder_source(where, prefix=prefix, required_keys=required_keys)
+    checkpoint_cls = _ignite_class("ignite.handlers.checkpoint", "Checkpoint")
+    if checkpoint_cls is not None and isinstance(where, checkpoint_cls):
+        return checkpoint_source(where, prefix, required_keys)
+    engine_cls = _ignite_class("ignite.engine.engine", "Engine")
+    if engine_cls is not None and isinstance(where, engine_cls):
+        return engine_source(where, prefix, required_keys)
+    if _lightning_trainer(where):
+        return trainer_source(where, prefix, required_keys)
+    return folder_source(where)  # raises the TypeError naming the accepted kinds
