@@ -167,7 +167,7 @@ def _dataloader_scenes(stock: bool) -> list[tuple[str, list[str]]]:
 
 EXAMPLE = Path(__file__).resolve().parent / "resume_ignite.py"
 #: Bounds each torchrun of scenes 6 and 7 (imports and recovery included), on a loaded machine too.
-TORCHRUN_DEADLINE_SEC = 150
+TORCHRUN_DEADLINE_SEC = 240
 
 
 def _kill_named(marker: str) -> None:
