@@ -204,8 +204,9 @@ def _finish(run: tuple[subprocess.Popen, float], folder: Path, deadline: float) 
         proc.wait(timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
         pass
-    took = time.time() - began
     code = proc.poll()
+    # the output's last write: torchrun's own end (the runs are waited for one after the other)
+    took = ((folder / "output.txt").stat().st_mtime if code is not None else time.time()) - began
     if code is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
