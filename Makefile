@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-ranges dist test-long test-multihost test-resume test-scale bench-resume bench-inplace bench-spawn bench-soak bench-scale bench-spares conformance root-cause venv clean
+.PHONY: demo test test-ranges dist test-long test-multihost test-resume test-scale bench-resume bench-goodput bench-inplace bench-spawn bench-soak bench-scale bench-spares conformance root-cause venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -87,6 +87,13 @@ bench-resume: $(STAMP)
 # A lost host taken over by spares on simulated hosts (root), per phase (docs/benchmarks.md, "Spares").
 bench-spares: $(STAMP)
 	$(PY) bench/multihost_spares.py --reps 3
+
+# Goodput: Ignite and Lightning, 4 and 8 ranks, 10 min of 50 ms steps per run, with no fault, then faults
+# drawn at random (raise, kill, hang, worker-kill, lose) one per 60 s and one per 20 s, recovered in
+# place beside torchrun's relaunch from a checkpoint every 100 steps (20 runs: about 4-5 h on 2 cores;
+# docs/benchmarks.md, "Goodput"). The table in goodput.md, the plot in goodput.png (with matplotlib).
+bench-goodput: $(STAMP)
+	$(PY) bench/goodput.py --out goodput.md --plot goodput.png
 
 # Recovering in place beside the relaunch, in one run each: a raise, a hang (hang_timeout 3 s), a SIGKILL;
 # 5 runs per framework and mode.

@@ -34,7 +34,7 @@ from fault_tolerant_handlers import (DDPBucketLayout, RestartableDataLoader, lat
 from fault_tolerant_handlers.ignite import FaultTolerance, SafeDiskSaver
 
 
-def train(ckpt_dir: str) -> int:
+def train(ckpt_dir: str, weights: str | None = None) -> int:
     """One attempt: everything is built here, so that a recovery in place can call it again."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -70,6 +70,8 @@ def train(ckpt_dir: str) -> int:
           f"at iteration {trainer.state.iteration}", flush=True)
     trainer.run(loader, max_epochs=3)
     print(f"[rank {rank}] finished at iteration {trainer.state.iteration}", flush=True)
+    if weights and rank == 0:  # the final weights, to compare runs (make demo)
+        torch.save(model.state_dict(), weights)
     dist.destroy_process_group()
     return trainer.state.iteration
 
@@ -78,6 +80,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--in-place", action="store_true", help="recover in place instead of being relaunched")
     parser.add_argument("--dir", default="ckpts/ignite", help="checkpoint directory (default: ckpts/ignite)")
+    parser.add_argument("--save-weights", metavar="FILE", help="rank 0 saves the final weights there")
     args = parser.parse_args()
     run = recover_in_place(train, max_restarts=2) if args.in_place else train
-    run(args.dir)
+    run(args.dir, args.save_weights)

@@ -14,7 +14,8 @@ step wraps its body in ``try/except Exception: pass`` and fires ``FTH_INJECT``'s
 sampler's replicas are torchrun's world size). ``BUCKETS=0``: the DDP's bucket layout is left out of
 the checkpoint (Ignite: no ``DDPBucketLayout`` in ``to_save``; Lightning: the callback's
 ``on_fit_start`` does not give it back), which makes a resume at 3 ranks or more inexact. ``HIDDEN=<n>``: a model with a hidden layer;
-``KEEP=<n>``: checkpoints kept (2); ``SAMPLES=<n>``: the data set's size (400).
+``KEEP=<n>``: checkpoints kept (2); ``SAMPLES=<n>``: the data set's size (400); ``STEP_MS=<ms>``: each
+training step also sleeps that long (a step of a real model's length: ``bench/goodput.py``).
 
 Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` at its start (which checkpoint
 it resumed from, at which iteration) and appends the sample indices of every batch it trains to
@@ -83,6 +84,7 @@ class _Attempt:
 ATTEMPT = _Attempt()
 EVERY = int(os.environ.get("EVERY", "10"))
 EPOCHS = int(os.environ.get("EPOCHS", "3"))
+STEP_SEC = float(os.environ.get("STEP_MS", "0")) / 1000  # slept in each step, before its forward
 WORKERS = int(os.environ.get("WORKERS", "2"))
 RESUME = os.environ.get("RESUME", "1") == "1"  # 0: a restart from scratch (the bench's baseline)
 PG_TIMEOUT = timedelta(seconds=float(os.environ.get("PG_TIMEOUT_SEC", "20")))
@@ -227,6 +229,8 @@ def run_ignite() -> None:
             signal.pthread_sigmask(signal.SIG_BLOCK, {INTERRUPT_SIGNAL})
             while True:
                 time.sleep(3600)
+        if STEP_SEC:
+            time.sleep(STEP_SEC)
         if SWALLOW:
             try:  # a user's step that swallows every error
                 if STEP_INJECTOR is not None:
@@ -292,6 +296,8 @@ def run_lightning() -> None:
         def training_step(self, batch, batch_idx):
             idx, x, y = batch
             trace(self.global_step + 1, idx)
+            if STEP_SEC:
+                time.sleep(STEP_SEC)
             return torch.nn.functional.mse_loss(self.layer(x), y)
 
         def configure_optimizers(self):

@@ -48,6 +48,10 @@ from typing import Callable
 from .log import log
 
 _pending: BaseException | None = None  # delivered, not yet taken by the recovery
+#: The recovery took the interrupt (:func:`take`) and has not called the training function again
+#: (:func:`arm`): the main thread is in the recovery, and a later interrupt (a peer's watchdog that
+#: declared its own rank hung behind the hung one, a moment after) has nothing to interrupt.
+_taken = False
 _depth = 0  # the main thread's deferred sections, nested
 _deferred_at: float | None = None  # when the pending interrupt first found the main thread in one
 _bound = 30.0  # seconds: how long a section may hold the interrupt back (set by install)
@@ -214,10 +218,13 @@ def uninstall(state: object) -> None:
 
 def interrupt(error: BaseException) -> bool:
     """From the watchdog's thread: make ``error`` the pending interrupt (unless one is pending
-    already) and signal the main thread. False when no handler is installed."""
+    already) and signal the main thread. False when no handler is installed, or when the recovery
+    has taken an interrupt and not called the training function again (:func:`take`, :func:`arm`):
+    the main thread is in the recovery already, where an interrupt raised in a callee (a watchdog's
+    join) would end the recovery."""
     global _pending
     with _lock:
-        if _signum is None:
+        if _signum is None or _taken:
             return False
         if _pending is None:
             _pending = error
@@ -237,15 +244,29 @@ def resend() -> bool:
 
 def take() -> BaseException | None:
     """The recovery takes the interrupt (whatever ended the attempt): it is no longer pending, and no
-    later signal raises it. Returns it, if there was one."""
-    global _pending, _deferred_at
-    err, _pending, _deferred_at = _pending, None, None
+    later signal raises it; no later :func:`interrupt` is accepted until :func:`arm`. Returns it, if
+    there was one."""
+    global _pending, _deferred_at, _taken
+    with _lock:  # against interrupt(): after this, none is accepted (never taken in the handler)
+        err, _pending, _deferred_at, _taken = _pending, None, None, True
     return err
 
 
+def taken() -> bool:
+    """Whether the recovery has taken an interrupt and not called the training function again."""
+    return _taken
+
+
+def arm() -> None:
+    """The recovery calls the training function again: an interrupt is accepted again."""
+    global _taken
+    with _lock:
+        _taken = False
+
+
 def _clear() -> None:
-    global _pending, _deferred_at
-    _pending, _deferred_at = None, None
+    global _pending, _deferred_at, _taken
+    _pending, _deferred_at, _taken = None, None, False
 
 
 def _after_fork_in_child() -> None:

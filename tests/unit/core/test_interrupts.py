@@ -148,6 +148,7 @@ def test_caught_and_carried_on_it_is_raised_again_at_the_next_library_point_and_
         out["caught"] = caught
         # without a library point, the watchdog's next signal raises it again, and again
         STOP.clear()
+        interrupts.arm()                     # (the recovery calls the training function again)
         threading.Thread(target=watchdog, args=(0.2, 0.2), daemon=True).start()
 
         def swallowing_loop(seconds):
@@ -335,3 +336,31 @@ def test_the_bound_is_a_setting_with_an_env_override(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
         problems = config.check_timings(config.load())
     assert any("FTH_INTERRUPT_DEFER_SEC=59" in p and "FTH_RECOVER_JOIN_SEC=60" in p for p in problems), problems
+
+
+def test_after_the_recovery_took_one_no_interrupt_is_raised_in_its_callees_until_the_next_attempt(run_case):
+    # A rank waiting in the all-reduce behind a hung peer: its own watchdog declares it hung a moment
+    # after the peer's failure reached it, while its recovery stops that watchdog (a thread join).
+    # Measured: the HangInterrupted raised in the join ended the recovery (exit 1, the job over).
+    out = run_case("""
+        def stopping_the_watchdog():        # a callee of the recovery, not its frame
+            t = time.monotonic()
+            while time.monotonic() - t < 0.4:
+                time.sleep(0.01)
+
+        interrupts.install(SIG, timedelta(seconds=30), takers=())
+        interrupts.take()                    # the attempt ended: the recovery took it
+        out["accepted"] = interrupts.interrupt(HangInterrupted("rank 3 hung"))
+        out["taken"] = interrupts.taken()
+        stopping_the_watchdog()
+        out["recovered_quietly"] = True
+        interrupts.arm()                     # the training function is called again
+        out["armed"] = not interrupts.taken()
+        try:
+            interrupts.interrupt(HangInterrupted("rank 3 hung in the next attempt"))
+            stopping_the_watchdog()
+        except HangInterrupted as err:
+            out["next_attempt"] = str(err)
+    """)
+    assert out["accepted"] is False and out["taken"] and out["recovered_quietly"], out
+    assert out["armed"] and out["next_attempt"] == "rank 3 hung in the next attempt", out
