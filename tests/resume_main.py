@@ -101,6 +101,10 @@ if SWALLOW:
 
     STEP_INJECTOR = Injector.from_env()
     os.environ.pop("FTH_INJECT", None)
+#: STALL_AFTER_STEP=<rank>:<iteration> (Ignite): that rank, in the first attempt, waits after the optimizer
+#: step of that iteration until its watchdog knows a peer failed (up to 30 s): the failure then reaches it
+#: between the step's update and the iteration's end, deterministically.
+STALL = tuple(int(v) for v in os.environ["STALL_AFTER_STEP"].split(":")) if os.environ.get("STALL_AFTER_STEP") else None
 CKPT = OUT / "ckpt"
 MARKS: dict[str, float] = {}  # the attempt's start-up, step by step (the bench's breakdown)
 
@@ -177,6 +181,16 @@ class Trace:
         self.file.flush()
 
 
+def stall_until_a_peer_failed() -> None:
+    from fault_tolerant_handlers.core.session import live_sessions
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(s.failure.peer_error is not None for s in live_sessions()):
+        time.sleep(0.05)
+    (OUT / f"stalled_rank{RANK}.json").write_text(json.dumps(
+        {"peer_failed": any(s.failure.peer_error is not None for s in live_sessions())}))
+
+
 def run_ignite() -> None:
     from ignite.engine import Engine, Events
     from ignite.handlers import Checkpoint
@@ -240,6 +254,8 @@ def run_ignite() -> None:
         opt.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
+        if STALL and ATTEMPT == 0 and (RANK, engine.state.iteration) == STALL:
+            stall_until_a_peer_failed()
 
     trainer = Engine(step)
     trainer.add_event_handler(Events.EPOCH_STARTED, lambda e: loader.sampler.set_epoch(e.state.epoch - 1))
