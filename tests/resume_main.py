@@ -175,7 +175,7 @@ class Trace:
         if self.first is None:
             self.first = time.time()
             first = json.loads((OUT / f"attempt{ATTEMPT}_rank{RANK}.json").read_text())
-            first["first_step_at"], first["first_step"] = self.first, step
+            first["first_step_at"], first["first_step"], first["marks"] = self.first, step, MARKS
             (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(first))
         self.file.write(json.dumps({"attempt": int(ATTEMPT), "step": step, "idx": idx.tolist(), "t": time.time()}) + "\n")
         self.file.flush()
@@ -299,6 +299,22 @@ def run_lightning() -> None:
             def on_fit_start(self, trainer, pl_module):
                 pass
 
+    class Marks(pl.Callback):
+        """The start of fit, phase by phase (the bench's breakdown; the first batch's start once)."""
+
+        def setup(self, trainer, pl_module, stage):
+            mark("setup")  # after FaultTolerance's (its session: the side group, the watchdog)
+
+        def on_fit_start(self, trainer, pl_module):
+            mark("fit_start")  # the model wrapped in DDP
+
+        def on_train_start(self, trainer, pl_module):
+            mark("train_start")  # the checkpoint restored
+            MARKS.pop("first_batch", None)  # an earlier attempt's, in this process
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            MARKS.setdefault("first_batch", time.time())  # the loader's workers and the first batch
+
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
@@ -319,7 +335,7 @@ def run_lightning() -> None:
         use_distributed_sampler=False, num_sanity_val_steps=0,
         callbacks=[FaultTolerance(hang_timeout=HANG_TIMEOUT),
                    ModelCheckpoint(dirpath=str(CKPT), every_n_train_steps=EVERY, save_top_k=KEEP, monitor="step",
-                                   mode="max", save_last=True)],
+                                   mode="max", save_last=True), Marks()],
     )
     path = latest_checkpoint(CKPT) if RESUME else None
     mark("latest_checkpoint")
