@@ -12,6 +12,7 @@ from ignite.handlers import Checkpoint, DiskSaver
 from torch.nn.parallel import DistributedDataParallel
 
 from fault_tolerant_handlers import DDPBucketLayout
+from fault_tolerant_handlers.adapters.compat_ignite import reset_idist
 from fault_tolerant_handlers.adapters.resume_ignite import LAYOUT_KEY, add_bucket_layouts, find_ddp
 from fault_tolerant_handlers.ignite import FaultTolerance
 
@@ -21,6 +22,7 @@ def group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+    reset_idist()  # DiskSaver asked idist, which keeps its model of a distributed context otherwise
 
 
 def build(tmp_path, wrapped: bool, extra: dict | None = None):
