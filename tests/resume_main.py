@@ -11,9 +11,11 @@ or, for Ignite, ``TORN_SAVE=<iteration>``: rank 0 killed in the middle of writin
 ``HANG_IN_C=<iteration>``: rank 1 hung where no signal reaches it, or ``SWALLOW=1``: the training
 step wraps its body in ``try/except Exception: pass`` and fires ``FTH_INJECT``'s injections inside it
 (a user's step that swallows every error; the adapter fires none). Any number of ranks (the
-sampler's replicas are torchrun's world size). ``BUCKETS=0``: the DDP's bucket layout is left out of
-the checkpoint (Ignite: no ``DDPBucketLayout`` in ``to_save``; Lightning: the callback's
-``on_fit_start`` does not give it back), which makes a resume at 3 ranks or more inexact. ``HIDDEN=<n>``: a model with a hidden layer;
+sampler's replicas are torchrun's world size). ``BUCKETS=0``: Ignite: no ``DDPBucketLayout`` line in
+``to_save`` (the adapter then saves the layout itself, finding the DDP from the step's closure; a
+checkpoint written with the line gives the DDP nothing: an earlier version's checkpoint); Lightning:
+the callback's ``on_fit_start`` does not give the layout back. Resumed from such a checkpoint, a run
+at 3 ranks or more is inexact. ``HIDDEN=<n>``: a model with a hidden layer;
 ``KEEP=<n>``: checkpoints kept (2); ``SAMPLES=<n>``: the data set's size (400).
 
 Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` at its start (which checkpoint

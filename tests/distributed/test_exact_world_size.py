@@ -13,8 +13,10 @@ a relaunch (``torchrun --max-restarts 1``) or in place (``recover_in_place``), o
 there and replaced in place; its second attempt must resume from iteration 5 (in place: from the live
 state of iteration 7, the last completed, whose bucket layout is the live DDP's; a replaced rank is
 sent rank 0's), train exactly the uninterrupted run's batches and end with its
-weights (``torch.equal``). The property the layout gives is checked too: a relaunch from the same kind of
-checkpoint (iteration 5) *without* it (``BUCKETS=0``) ends with other weights.
+weights (``torch.equal``); killed and replaced, with no ``DDPBucketLayout`` line (Ignite's adapter saves the
+layout itself, the DDP found from the step's closure). The property the layout gives is checked too: a relaunch
+from the same kind of checkpoint (iteration 5) that gives the DDP no layout (``BUCKETS=0`` loading a checkpoint
+written with the explicit line, as an earlier version's) ends with other weights.
 
 Default suite: Ignite at 4 ranks, relaunched (and the stock relaunch that differs), in place, and
 killed and replaced. ``long``: Lightning at 4 ranks, and both frameworks at 8.
@@ -111,8 +113,9 @@ def test_a_resume_is_bit_identical_at_any_world_size(framework, nproc, how, tmp_
         run = torchrun(framework, nproc, tmp_path / "faulted", {"FTH_INJECT": FAULT, "INPLACE": "2"})
         assert attempts(run, 0)[0]["pid"] == attempts(run, 0)[1]["pid"], "not recovered in the same process"
     else:  # SIGKILLed: its keeper's new process is sent rank 0's live state
+        # Ignite with no DDPBucketLayout line: the adapter saves the layout itself (the DDP named by the step)
         run = torchrun(framework, nproc, tmp_path / "faulted", {"FTH_INJECT": FAULT.replace("raise", "kill"),
-                                                                "INPLACE": "2"})
+                                                                "INPLACE": "2", "BUCKETS": "0"})
         for rank in range(nproc):
             pids = {t["pid"] for t in attempts(run, rank).values()}
             assert (len(pids) == 1) == (rank != 1), f"rank {rank}: pids of its attempts {pids}"
