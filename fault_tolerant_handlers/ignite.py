@@ -3,9 +3,11 @@
 Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.guard.Guard`:
 
 ========================  ==========================================================================
-``STARTED``               start (collective: side group, watchdog reference)
+``STARTED``               start (collective: side group, watchdog reference); a DDP's bucket layout
+                          goes into each ``Checkpoint``'s ``to_save`` (:mod:`.adapters.resume_ignite`)
 ``ITERATION_COMPLETED``   heartbeat; every ``sync_every`` iterations, one agreement; between them, a
-                          peer's failure the watchdog knows is raised (an attribute read)
+                          peer's failure the watchdog knows is raised (an attribute read);
+                          recovering in place, the last handler, after live state's mark
 ``EPOCH_STARTED``         (``hang_timeout="auto"``) training steps begin
 ``EPOCH_COMPLETED``       agreement, *before* the other epoch-end handlers (evaluation, checkpoint);
                           (``"auto"``) what follows is judged as an evaluation
@@ -14,7 +16,7 @@ Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.g
                           runs the engine's other exception handlers, then **re-raises**
                           (with distribution; without, Ignite's own rule applies unchanged)
 ``ITERATION_STARTED``,    recovering in place only: live state's bookkeeping (the first and the
-``ITERATION_COMPLETED``   last handler) and its capture at ``EXCEPTION_RAISED``
+``ITERATION_COMPLETED``   last handler but the agreement) and its capture at ``EXCEPTION_RAISED``
                           (:mod:`.adapters.live_ignite`)
 ``FaultToleranceEvents``  registered on the engine: a recovery in place's ``FAILURE_SEEN``,
                           ``RECOVERY_STARTED`` (on the failed attempt's engine) and ``RECOVERED``
@@ -24,8 +26,9 @@ Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.g
 
 Ignite stops re-raising once any ``EXCEPTION_RAISED`` handler is attached (``Engine._handle_exception``)
 and, for an exception in the process function, even goes on to the next epoch. In a distributed run
-this handler always re-raises, so the run can never silently continue. Private Ignite API: see
-:mod:`.adapters.compat_ignite`.
+this handler always re-raises, so the run can never silently continue. Importing this module makes
+Ignite's ``Checkpoint.load_objects`` give a DDP the bucket layout saved beside it (process-wide: the
+load often comes before ``attach``). Private Ignite API: see :mod:`.adapters.compat_ignite`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from datetime import timedelta
 from typing import Any, Mapping
 
 from ignite.engine import Engine, Events
+from ignite.handlers import Checkpoint
 
 from .adapters import compat_ignite as _compat_ignite
 from .adapters.live_ignite import IgniteLive
@@ -43,11 +47,13 @@ from .core import attempts
 from .core.failure import tag, tag_of
 from .core.log import log
 from .detect.autohang import EVALUATION, STEP
-from .adapters.resume_ignite import SafeDiskSaver, check_mid_epoch_resume
+from .adapters.resume_ignite import SafeDiskSaver, add_bucket_layouts, check_mid_epoch_resume, hook_load_objects
 from .adapters.guard import Guard
 from .core.inject import Injector
 
 __all__ = ["FaultTolerance", "FaultToleranceEvents", "SafeDiskSaver"]
+
+hook_load_objects()  # Checkpoint.load_objects gives a DDP its checkpoint's bucket layout (adapters.resume_ignite)
 
 
 class FaultTolerance:
@@ -118,6 +124,7 @@ class FaultTolerance:
         if attempts.recovering():
             self._live = IgniteLive()
             self._live.attach(engine)
+            engine.add_event_handler(Events.STARTED, self._after_live_started)
         if self._injector is not None:
             engine.add_event_handler(Events.ITERATION_STARTED, self._inject)
         _compat_ignite.prepend(engine, Events.EPOCH_COMPLETED, self._epoch_completed)
@@ -143,6 +150,14 @@ class FaultTolerance:
             _compat_ignite.check_running_engines()
             self.guard.explain_with(self._nested_engine)
         check_mid_epoch_resume(engine)  # a mid-epoch resume whose loader would start the epoch over
+        # the DDP's bucket layout beside the model in every Checkpoint's to_save (a resume exact at 3+ ranks)
+        add_bucket_layouts(engine, [h for h in _compat_ignite.attached_handlers(engine) if isinstance(h, Checkpoint)])
+
+    def _after_live_started(self, engine: Engine) -> None:
+        """Recovering in place: a peer's failure is raised at the end of an iteration only after live
+        state marked it completed (its last handler), so that a survivor that completed the optimizer
+        step of that iteration holds its live state whenever the failure reaches it."""
+        _compat_ignite.append_last(engine, Events.ITERATION_COMPLETED, self._iteration_completed)
 
     def _inject(self, engine: Engine) -> None:
         self._injector.maybe_fire(self.guard.rank, engine.state.iteration, engine.state.epoch, engine.state.dataloader)

@@ -11,9 +11,11 @@ or, for Ignite, ``TORN_SAVE=<iteration>``: rank 0 killed in the middle of writin
 ``HANG_IN_C=<iteration>``: rank 1 hung where no signal reaches it, or ``SWALLOW=1``: the training
 step wraps its body in ``try/except Exception: pass`` and fires ``FTH_INJECT``'s injections inside it
 (a user's step that swallows every error; the adapter fires none). Any number of ranks (the
-sampler's replicas are torchrun's world size). ``BUCKETS=0``: the DDP's bucket layout is left out of
-the checkpoint (Ignite: no ``DDPBucketLayout`` in ``to_save``; Lightning: the callback's
-``on_fit_start`` does not give it back), which makes a resume at 3 ranks or more inexact. ``HIDDEN=<n>``: a model with a hidden layer;
+sampler's replicas are torchrun's world size). ``BUCKETS=0``: Ignite: no ``DDPBucketLayout`` line in
+``to_save`` (the adapter then saves the layout itself, finding the DDP from the step's closure; a
+checkpoint written with the line gives the DDP nothing: an earlier version's checkpoint); Lightning:
+the callback's ``on_fit_start`` does not give the layout back. Resumed from such a checkpoint, a run
+at 3 ranks or more is inexact. ``HIDDEN=<n>``: a model with a hidden layer;
 ``KEEP=<n>``: checkpoints kept (2); ``SAMPLES=<n>``: the data set's size (400); ``STEP_MS=<ms>``: each
 training step also sleeps that long (a step of a real model's length: ``bench/goodput.py``).
 
@@ -103,6 +105,10 @@ if SWALLOW:
 
     STEP_INJECTOR = Injector.from_env()
     os.environ.pop("FTH_INJECT", None)
+#: STALL_AFTER_STEP=<rank>:<iteration> (Ignite): that rank, in the first attempt, waits after the optimizer
+#: step of that iteration until its watchdog knows a peer failed (up to 30 s): the failure then reaches it
+#: between the step's update and the iteration's end, deterministically.
+STALL = tuple(int(v) for v in os.environ["STALL_AFTER_STEP"].split(":")) if os.environ.get("STALL_AFTER_STEP") else None
 CKPT = OUT / "ckpt"
 MARKS: dict[str, float] = {}  # the attempt's start-up, step by step (the bench's breakdown)
 
@@ -173,10 +179,20 @@ class Trace:
         if self.first is None:
             self.first = time.time()
             first = json.loads((OUT / f"attempt{ATTEMPT}_rank{RANK}.json").read_text())
-            first["first_step_at"], first["first_step"] = self.first, step
+            first["first_step_at"], first["first_step"], first["marks"] = self.first, step, MARKS
             (OUT / f"attempt{ATTEMPT}_rank{RANK}.json").write_text(json.dumps(first))
         self.file.write(json.dumps({"attempt": int(ATTEMPT), "step": step, "idx": idx.tolist(), "t": time.time()}) + "\n")
         self.file.flush()
+
+
+def stall_until_a_peer_failed() -> None:
+    from fault_tolerant_handlers.core.session import live_sessions
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(s.failure.peer_error is not None for s in live_sessions()):
+        time.sleep(0.05)
+    (OUT / f"stalled_rank{RANK}.json").write_text(json.dumps(
+        {"peer_failed": any(s.failure.peer_error is not None for s in live_sessions())}))
 
 
 def run_ignite() -> None:
@@ -244,6 +260,8 @@ def run_ignite() -> None:
         opt.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
+        if STALL and ATTEMPT == 0 and (RANK, engine.state.iteration) == STALL:
+            stall_until_a_peer_failed()
 
     trainer = Engine(step)
     trainer.add_event_handler(Events.EPOCH_STARTED, lambda e: loader.sampler.set_epoch(e.state.epoch - 1))
@@ -287,6 +305,22 @@ def run_lightning() -> None:
             def on_fit_start(self, trainer, pl_module):
                 pass
 
+    class Marks(pl.Callback):
+        """The start of fit, phase by phase (the bench's breakdown; the first batch's start once)."""
+
+        def setup(self, trainer, pl_module, stage):
+            mark("setup")  # after FaultTolerance's (its session: the side group, the watchdog)
+
+        def on_fit_start(self, trainer, pl_module):
+            mark("fit_start")  # the model wrapped in DDP
+
+        def on_train_start(self, trainer, pl_module):
+            mark("train_start")  # the checkpoint restored
+            MARKS.pop("first_batch", None)  # an earlier attempt's, in this process
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            MARKS.setdefault("first_batch", time.time())  # the loader's workers and the first batch
+
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
@@ -309,7 +343,7 @@ def run_lightning() -> None:
         use_distributed_sampler=False, num_sanity_val_steps=0,
         callbacks=[FaultTolerance(hang_timeout=HANG_TIMEOUT),
                    ModelCheckpoint(dirpath=str(CKPT), every_n_train_steps=EVERY, save_top_k=KEEP, monitor="step",
-                                   mode="max", save_last=True)],
+                                   mode="max", save_last=True), Marks()],
     )
     path = latest_checkpoint(CKPT) if RESUME else None
     mark("latest_checkpoint")

@@ -18,7 +18,11 @@ Checked against pytorch-ignite 0.5.0.post2 (the first 0.5 release) and 0.5.5.
 * ``Checkpoint.load_objects`` (public, a ``staticmethod``) is wrapped process-wide once a recovery in
   place carries on from live state (:func:`resolve_live_names`): given a path, it first asks for the
   live state under that name (a name ``latest_checkpoint`` gave, which no file has) and loads that;
-  any other path is loaded as before.
+  any other path is loaded as before. It is also wrapped once the Ignite adapter is imported
+  (:func:`after_load_objects`): once the objects are loaded, a DDP's bucket layout saved beside them
+  is given to the DDP (:mod:`.resume_ignite`).
+* ``Engine._process_function``: the training step an ``Engine`` runs, whose closure and globals name
+  the ``DistributedDataParallel`` that wraps a model ``to_save`` holds unwrapped (:func:`step_names`).
 * ``Engine._run_once_on_dataset_as_gen`` / ``_run_once_on_dataset_legacy``: the functions whose frames
   (with ``self``, the engine) are on the stack while an engine runs its epoch. ``hang_timeout="auto"``
   reads them, from the watchdog thread, to recognise an evaluator run from a trainer's handler.
@@ -164,3 +168,48 @@ def resolve_live_names(take: Callable[[Any], Any]) -> None:
 
     load_objects._fth_live = True  # type: ignore[attr-defined]
     checkpoint_type.load_objects = staticmethod(load_objects)
+
+
+def after_load_objects(read: Callable[[Any], Any], after: Callable[[Any, Any], None]) -> None:
+    """Make ``Checkpoint.load_objects(to_load, checkpoint)`` call ``after(to_load, checkpoint)`` once
+    it loaded, with ``checkpoint`` as loaded (a path read with ``read(path)``, what Ignite would read).
+    Once per process; ``after`` does not run when the load raised."""
+    from ignite.handlers import Checkpoint
+
+    original = Checkpoint.__dict__.get("load_objects")
+    if not isinstance(original, staticmethod) or getattr(original.__func__, "_fth_after", False):
+        return
+    load = original.__func__
+
+    @functools.wraps(load)
+    def load_objects(to_load: Any, checkpoint: Any, **kwargs: Any) -> Any:
+        if isinstance(checkpoint, (str, Path)):
+            checkpoint = read(checkpoint)
+        result = load(to_load, checkpoint, **kwargs)
+        after(to_load, checkpoint)
+        return result
+
+    load_objects._fth_after = True  # type: ignore[attr-defined]
+    Checkpoint.load_objects = staticmethod(load_objects)
+
+
+def step_names(engine: Any) -> list:
+    """The values the training step of ``engine`` names: its closure's cells and the globals its code
+    names (its own code only, one level)."""
+    func = getattr(engine, "_process_function", None)
+    func = getattr(func, "func", func)  # a functools.partial
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return []
+    found = [cell.cell_contents for cell in (func.__closure__ or ()) if _filled(cell)]
+    names = getattr(func, "__globals__", {})
+    found += [names[name] for name in code.co_names if name in names]
+    return found
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True

@@ -23,7 +23,7 @@ A callback's hook is called ``hook(trainer, pl_module, info)``, with ``info`` a
 first training batch after a recovery the callback logs ``fault_tolerance/recoveries``,
 ``fault_tolerance/time_to_recover`` and ``fault_tolerance/steps_computed_twice`` to every logger of
 the trainer (``logger.log_metrics``, at that step: not held back to ``log_every_n_steps``) and into
-``trainer.callback_metrics`` (``pl_module.log(..., logger=False)``).
+``trainer.callback_metrics`` (put there directly: :func:`.compat_lightning.put_callback_metrics`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any
 
 from ..core import attempts, events, recoveries
 from ..core.log import log
+from . import compat_lightning as _compat_lightning
 
 #: The hooks, by the moment they tell.
 HOOKS = {recoveries.RecoveryPhase.FAILURE_SEEN: "on_failure_seen",
@@ -83,8 +84,9 @@ class LightningRecovery:
             return
         self._log_pending = False
         values = recoveries.metrics().as_dict()
-        for name, value in values.items():
-            pl_module.log(name, value, on_step=True, on_epoch=False, logger=False, sync_dist=False)
+        if not _compat_lightning.put_callback_metrics(trainer, values):
+            for name, value in values.items():
+                pl_module.log(name, value, on_step=True, on_epoch=False, logger=False, sync_dist=False)
         for logger in trainer.loggers:
             logger.log_metrics(values, step=int(trainer.global_step))
 

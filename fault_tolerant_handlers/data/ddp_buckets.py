@@ -38,7 +38,9 @@ class DDPBucketLayout:
     DDP a reducer built with those buckets, so that its first iteration already reduces in them: call
     it before the first training step (Ignite's ``Checkpoint.load_objects`` before ``trainer.run``).
     The Lightning callback :class:`~fault_tolerant_handlers.lightning.FaultTolerance` does all this by
-    itself; with Ignite or a loop of your own, put it in the checkpoint beside the model.
+    itself, and so does the Ignite one for the DDP of its trainer's ``Checkpoint`` handlers
+    (:mod:`..adapters.resume_ignite`); with a loop of your own (or, optionally, with Ignite), put it in
+    the checkpoint beside the model.
 
     Args:
         ddp: the ``torch.nn.parallel.DistributedDataParallel`` model (what ``idist.auto_model``

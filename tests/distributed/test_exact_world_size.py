@@ -13,8 +13,10 @@ a relaunch (``torchrun --max-restarts 1``) or in place (``recover_in_place``), o
 there and replaced in place; its second attempt must resume from iteration 5 (in place: from the live
 state of iteration 7, the last completed, whose bucket layout is the live DDP's; a replaced rank is
 sent rank 0's), train exactly the uninterrupted run's batches and end with its
-weights (``torch.equal``). The property the layout gives is checked too: a relaunch from the same kind of
-checkpoint (iteration 5) *without* it (``BUCKETS=0``) ends with other weights.
+weights (``torch.equal``); killed and replaced, with no ``DDPBucketLayout`` line (Ignite's adapter saves the
+layout itself, the DDP found from the step's closure). The property the layout gives is checked too: a relaunch
+from the same kind of checkpoint (iteration 5) that gives the DDP no layout (``BUCKETS=0`` loading a checkpoint
+written with the explicit line, as an earlier version's) ends with other weights.
 
 Default suite: Ignite at 4 ranks, relaunched (and the stock relaunch that differs), in place, and
 killed and replaced. ``long``: Lightning at 4 ranks, and both frameworks at 8.
@@ -111,8 +113,9 @@ def test_a_resume_is_bit_identical_at_any_world_size(framework, nproc, how, tmp_
         run = torchrun(framework, nproc, tmp_path / "faulted", {"FTH_INJECT": FAULT, "INPLACE": "2"})
         assert attempts(run, 0)[0]["pid"] == attempts(run, 0)[1]["pid"], "not recovered in the same process"
     else:  # SIGKILLed: its keeper's new process is sent rank 0's live state
+        # Ignite with no DDPBucketLayout line: the adapter saves the layout itself (the DDP named by the step)
         run = torchrun(framework, nproc, tmp_path / "faulted", {"FTH_INJECT": FAULT.replace("raise", "kill"),
-                                                                "INPLACE": "2"})
+                                                                "INPLACE": "2", "BUCKETS": "0"})
         for rank in range(nproc):
             pids = {t["pid"] for t in attempts(run, rank).values()}
             assert (len(pids) == 1) == (rank != 1), f"rank {rank}: pids of its attempts {pids}"
@@ -130,3 +133,56 @@ def test_a_resume_is_bit_identical_at_any_world_size(framework, nproc, how, tmp_
     assert not same_weights(stock_run, ref), (
         f"a relaunch without the bucket layout from {older.name} ended with the uninterrupted run's weights: "
         "this test no longer shows what DDPBucketLayout is for")
+
+
+# -- a script written from Ignite's quick start: no DDPBucketLayout line ------------------------------------
+QUICKSTART = PROGRAMS / "programs" / "ignite_quickstart_main.py"
+_quickstart_reference: dict[tuple[int, str], Path] = {}
+
+
+def quickstart(nproc: int, out: Path, env: dict[str, str], max_restarts: int = 0) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "--max-restarts",
+                str(max_restarts), "--monitor-interval", "0.5"]
+    run_dir = out / f"{QUICKSTART.stem}-1"
+    try:
+        results = run_ranks(1, "", out, script=QUICKSTART, launcher=launcher, deadline=60 + 30 * nproc,
+                            env={"FTH_INJECT": "", **env})
+    finally:
+        kill_workers(run_dir, program=QUICKSTART.name)
+    assert results[0].returncode == 0, f"torchrun exited {results[0].returncode}:\n{results[0].stderr[-4000:]}"
+    return run_dir
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nproc, how, module", [
+    pytest.param(4, "relaunch", "0", id="4-relaunch", marks=pytest.mark.long),
+    pytest.param(4, "inplace", "0", id="4-inplace"),
+    pytest.param(4, "relaunch", "1", id="4-relaunch-module", marks=pytest.mark.long),
+    pytest.param(8, "relaunch", "0", id="8-relaunch", marks=pytest.mark.long),
+    pytest.param(8, "inplace", "0", id="8-inplace", marks=pytest.mark.long),
+])
+def test_the_ignite_quick_start_resumes_bit_identically_with_no_layout_line(nproc, how, module, tmp_path,
+                                                                             tmp_path_factory):
+    """``ignite_quickstart_main.py`` (``idist.auto_model``, ``create_supervised_trainer``, ``to_save`` with
+    the DDP, or with ``MODULE=1`` the model it wraps; no ``DDPBucketLayout``): rank 1 raises at iteration 8,
+    relaunched by torchrun (from the checkpoint of iteration 5) or recovered in place (from the live state of
+    iteration 7); the weights equal the uninterrupted run's. Its checkpoints hold the DDP's layout."""
+    env = {"MODULE": module}
+    if (nproc, module) not in _quickstart_reference:
+        _quickstart_reference[nproc, module] = quickstart(nproc, tmp_path_factory.mktemp(f"quick-{nproc}"), env)
+    ref = _quickstart_reference[nproc, module]
+    fault = {**env, "FTH_INJECT": FAULT}
+    if how == "relaunch":
+        run = quickstart(nproc, tmp_path, fault, max_restarts=1)
+    else:
+        run = quickstart(nproc, tmp_path, {**fault, "INPLACE": "2"})
+    for rank in range(nproc):
+        tries = attempts(run, rank)
+        assert set(tries) == {0, 1}, f"rank {rank}: attempts {sorted(tries)}"
+        assert tries[1]["start_iteration"] == (5 if how == "relaunch" else 7), tries[1]
+        assert tries[0]["ddp"] == "DistributedDataParallel"
+        assert (tries[0]["pid"] == tries[1]["pid"]) == (how == "inplace")
+    assert same_weights(run, ref), "the resumed run's weights differ from the uninterrupted run's"
+    saved = torch.load(next((ref / "ckpt").glob("checkpoint_*.pt")), weights_only=True)
+    assert saved["fault_tolerance_ddp_buckets"]["buckets"], sorted(saved)

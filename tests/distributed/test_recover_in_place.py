@@ -264,6 +264,23 @@ def test_a_killed_rank_is_replaced_in_place_and_the_others_keep_their_processes(
 
 
 @pytest.mark.timeout(300)
+def test_a_failure_between_a_survivors_optimizer_step_and_the_iterations_end_leaves_it_live_state(
+        tmp_path, tmp_path_factory):
+    """Rank 1 is SIGKILLed as iteration 37 starts; rank 0, past the optimizer step of iteration 36, waits
+    there until its watchdog knows (``STALL_AFTER_STEP``): the failure reaches it between the step's
+    update and the iteration's end, where the end-of-iteration check raises it. Rank 0 still holds the
+    live state of iteration 36 (the mark comes before the check): its replaced peer receives it and both
+    carry on from there, nothing trained twice (before: 'no rank holds live state', back to iteration 30)."""
+    ref = reference("ignite", tmp_path_factory)
+    run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "STALL_AFTER_STEP": "0:36",
+                                                   "FTH_INJECT": "kill@rank=1,iteration=37"})
+    assert json.loads((run / "stalled_rank0.json").read_text())["peer_failed"], "the failure did not come in the stall"
+    assert_recovered_exactly(run, ref, "ignite", same_process=(True, False), live=True)
+    assert recomputed(run) == 0
+    assert output.count("the next call carries on from live state, iteration 36") == 2, output[-3000:]
+
+
+@pytest.mark.timeout(300)
 def test_live_state_that_arrives_corrupted_is_refused_and_every_rank_resumes_from_its_checkpoint(
         tmp_path, tmp_path_factory):
     """Rank 1 is SIGKILLed at iteration 37; rank 0's live state reaches its new process with one
