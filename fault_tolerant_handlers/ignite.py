@@ -142,7 +142,8 @@ class FaultTolerance:
         if self.guard.auto_hang is not None:
             _compat_ignite.check_running_engines()
             self.guard.explain_with(self._nested_engine)
-        check_mid_epoch_resume(engine)  # a mid-epoch resume whose loader would start the epoch over
+        if self.guard.session is not None:  # without distribution it does nothing (docs/ignite.md)
+            check_mid_epoch_resume(engine)  # a mid-epoch resume whose loader would start the epoch over
 
     def _inject(self, engine: Engine) -> None:
         self._injector.maybe_fire(self.guard.rank, engine.state.iteration, engine.state.epoch, engine.state.dataloader)

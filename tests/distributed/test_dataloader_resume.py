@@ -240,7 +240,7 @@ def test_ignite_mid_epoch_resume_warns_when_the_loader_would_start_over():
     with pytest.warns(RuntimeWarning, match=r"iteration 30 \(batch 6 of epoch 2.*DataLoader\) has no state_dict"):
         check_mid_epoch_resume(engine_at(30, plain))
     fresh = build("shuffle", "0")  # left out of to_load
-    with pytest.warns(RuntimeWarning, match="next iter\\(\\) starts at batch 0 of its epoch 1: was it left out"):
+    with pytest.warns(RuntimeWarning, match=r"next iter\(\) starts at batch 0 \(a new pass over the data\): was it left out"):
         check_mid_epoch_resume(engine_at(30, fresh))
     loaded = build("shuffle", "0")
     source = build("shuffle", "0")
@@ -250,3 +250,39 @@ def test_ignite_mid_epoch_resume_warns_when_the_loader_would_start_over():
     loaded.load_state_dict(source.state_dict())
     assert check_mid_epoch_resume(engine_at(30, loaded)) is None  # where the engine is: silent
     assert check_mid_epoch_resume(engine_at(48, plain)) is None  # an epoch boundary: nothing to resume
+    elsewhere = build("shuffle", "0")
+    elsewhere.load_state_dict(source.state_dict())
+    with pytest.warns(RuntimeWarning, match=r"starts at batch 6: was it left out"):
+        check_mid_epoch_resume(engine_at(33, elsewhere))  # restored, but not where the engine is
+
+
+def test_ignite_resume_is_silent_when_an_evaluator_also_iterates_the_training_loader():
+    """Ignite's cifar10 example shape: ``train_evaluator.run(train_loader)`` at each epoch end, a
+    checkpoint (trainer and loader) every few iterations. The loader counts the evaluator's passes
+    too, so its pass number is not the trainer's epoch; the loader was restored where the trainer
+    resumes, and nothing is said."""
+    from ignite.engine import Engine, Events
+
+    from fault_tolerant_handlers.adapters.resume_ignite import check_mid_epoch_resume
+
+    saved = {}
+
+    def run(loader, max_epochs, load=None):
+        trainer, evaluator = Engine(lambda e, b: None), Engine(lambda e, b: None)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(loader))
+
+        @trainer.on(Events.ITERATION_COMPLETED(every=10))
+        def save():
+            saved["checkpoint"] = through_checkpoint({"trainer": trainer.state_dict(), "loader": loader.state_dict()})
+
+        if load is not None:
+            trainer.load_state_dict(load["trainer"])
+            loader.load_state_dict(load["loader"])
+        trainer.state.dataloader = loader
+        return trainer, check_mid_epoch_resume(trainer) if load is not None else trainer.run(loader, max_epochs)
+
+    run(build("shuffle", "0"), max_epochs=2)  # iterations 1-48, one evaluation pass after each epoch
+    checkpoint = saved["checkpoint"]
+    assert checkpoint["trainer"]["iteration"] == 40 and checkpoint["loader"]["epoch"] == 2  # 3rd pass: epoch 2
+    trainer, warning = run(build("shuffle", "0"), max_epochs=3, load=checkpoint)
+    assert trainer.state.iteration == 40 and warning is None
