@@ -42,7 +42,7 @@ import weakref
 from datetime import timedelta
 
 from . import autohang
-from ..core import attempts, config, events, interrupts
+from ..core import attempts, config, events, inject, interrupts
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted
 from ..core.kinds import FailureKind
 from ..core.failure import Incident
@@ -420,6 +420,7 @@ def start_watchdog(group=None, *, hang_timeout: timedelta | float | str | dict |
     """
     hang_timeout = config.check_hang_timeout(hang_timeout)
     session = get_session(group, caller="start_watchdog")
+    inject.plain_injector()  # FTH_INJECT in a loop of your own: named at exit if nothing could fire it
     if session is None:
         return None
     return session.start_watchdog(hang_timeout)
