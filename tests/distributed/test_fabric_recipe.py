@@ -166,3 +166,19 @@ def test_fabric_recipe_relaunches_exactly_after_an_injected_raise(tmp_path):
     code = readme_snippet("fabric-checkpoint", page="docs/fabric.md")
     returncode, out = run_torchrun(tmp_path, code, env={"FTH_INJECT": INJECT}, deadline=240)
     _check_relaunch(tmp_path, returncode, out, final_key="model")
+
+
+@pytest.mark.long  # suite time: the relaunch above is the default suite's
+@pytest.mark.timeout(240)
+def test_plain_loop_recipe_recovers_in_place_exactly(tmp_path):
+    """The same recipe wrapped as the page says, ``recover_in_place(train, max_restarts=1)()``, under
+    ``torchrun --max-restarts 0``: both ranks recover in their own processes, carry on from
+    step_20.pt (a loop of its own holds no live state: the line says so), and end bit for bit."""
+    code = readme_snippet("plain-checkpoint", page="docs/fabric.md")
+    code = code.replace("load_checkpoint, start_watchdog)", "load_checkpoint, recover_in_place, start_watchdog)")
+    code = code.replace("    train()\n", "    recover_in_place(train, max_restarts=1)()\n")
+    assert "recover_in_place(train, max_restarts=1)()" in code and "recover_in_place, start" in code
+    returncode, out = run_torchrun(tmp_path, code, env={"FTH_INJECT": INJECT}, deadline=180, max_restarts=0)
+    _check_relaunch(tmp_path, returncode, out)
+    assert out.count("recovering in place, attempt 1") == 2 and "carries on from the newest checkpoint" in out, \
+        out[-5000:]
