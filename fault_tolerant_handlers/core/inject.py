@@ -180,7 +180,8 @@ _plain: tuple[tuple[str, int], Injector | None] | None = None  #: (FTH_INJECT, a
 _exit_check: list[int] = []  #: the rank whose unfired injections are named at exit (registered once)
 
 
-def _rank() -> int:
+def current_rank() -> int:
+    """This process's global rank: the process group's, else ``RANK`` (0 without either)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -200,7 +201,7 @@ def plain_injector() -> Injector | None:
     if _plain is None or _plain[0] != key:
         injector = Injector.from_env() if key[0].strip() else None
         _plain = (key, injector)
-        rank = _rank()
+        rank = current_rank()
         if injector is not None and any(i.rank == rank for i in injector.pending) and not _exit_check:
             _exit_check.append(rank)
             atexit.register(_unfired)
@@ -240,7 +241,7 @@ def step(iteration: int, epoch: int | None = None, *, dataloader: Any = None) ->
         return
     injector = plain_injector()
     if injector is not None:
-        injector.maybe_fire(_rank(), iteration, epoch, dataloader)
+        injector.maybe_fire(current_rank(), iteration, epoch, dataloader)
 
 
 def _unfired() -> None:

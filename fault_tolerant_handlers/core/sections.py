@@ -143,7 +143,7 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
         injector = inject.plain_injector()  # FTH_INJECT: rehearse a failure in a loop of your own
         if injector is not None and self.step is not None:
             try:
-                injector.maybe_fire(inject._rank(), self.step, self.epoch)
+                injector.maybe_fire(inject.current_rank(), self.step, self.epoch)
             except BaseException as exc:  # raised in the section: it ends as any failure in it does
                 if not self.__exit__(type(exc), exc, exc.__traceback__):
                     raise
