@@ -14,7 +14,8 @@ step wraps its body in ``try/except Exception: pass`` and fires ``FTH_INJECT``'s
 sampler's replicas are torchrun's world size). ``BUCKETS=0``: the DDP's bucket layout is left out of
 the checkpoint (Ignite: no ``DDPBucketLayout`` in ``to_save``; Lightning: the callback's
 ``on_fit_start`` does not give it back), which makes a resume at 3 ranks or more inexact. ``HIDDEN=<n>``: a model with a hidden layer;
-``KEEP=<n>``: checkpoints kept (2); ``SAMPLES=<n>``: the data set's size (400).
+``KEEP=<n>``: checkpoints kept (2); ``SAMPLES=<n>``: the data set's size (400). ``EVAL_TRAIN=1`` (Ignite):
+an evaluator ``Engine`` runs over the training loader at each epoch's end (Ignite's cifar10 example).
 
 Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` at its start (which checkpoint
 it resumed from, at which iteration) and appends the sample indices of every batch it trains to
@@ -82,6 +83,7 @@ class _Attempt:
 
 ATTEMPT = _Attempt()
 EVERY = int(os.environ.get("EVERY", "10"))
+EVAL_TRAIN = os.environ.get("EVAL_TRAIN", "0") == "1"  # Ignite: an evaluator runs over the training loader
 EPOCHS = int(os.environ.get("EPOCHS", "3"))
 WORKERS = int(os.environ.get("WORKERS", "2"))
 RESUME = os.environ.get("RESUME", "1") == "1"  # 0: a restart from scratch (the bench's baseline)
@@ -244,6 +246,9 @@ def run_ignite() -> None:
     trainer = Engine(step)
     trainer.add_event_handler(Events.EPOCH_STARTED, lambda e: loader.sampler.set_epoch(e.state.epoch - 1))
     FaultTolerance(hang_timeout=HANG_TIMEOUT).attach(trainer)
+    if EVAL_TRAIN:  # Ignite's cifar10 example: an evaluator over the training loader at each epoch's end
+        evaluator = Engine(lambda e, batch: None)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(loader))
     mark("attached")
     to_save = {"model": model, "optimizer": opt, "trainer": trainer, "loader": loader}
     if BUCKETS:
