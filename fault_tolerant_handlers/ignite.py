@@ -149,7 +149,8 @@ class FaultTolerance:
         if self.guard.auto_hang is not None:
             _compat_ignite.check_running_engines()
             self.guard.explain_with(self._nested_engine)
-        check_mid_epoch_resume(engine)  # a mid-epoch resume whose loader would start the epoch over
+        if self.guard.session is not None:  # without distribution it does nothing (docs/ignite.md)
+            check_mid_epoch_resume(engine)  # a mid-epoch resume whose loader would start the epoch over
         # the DDP's bucket layout beside the model in every Checkpoint's to_save (a resume exact at 3+ ranks)
         add_bucket_layouts(engine, [h for h in _compat_ignite.attached_handlers(engine) if isinstance(h, Checkpoint)])
 

@@ -266,7 +266,19 @@ def reported_exit() -> None:
     blocked_release()
 
 
-SCENARIOS = {f.__name__: f for f in (blocked_release, reported_exit, fail_each, two_fail, caught_outside, report_inside, rank_first_each,
+def step_sections() -> None:
+    """A loop of one ``fail_together`` section per step, given its step: ``FTH_INJECT`` (set by the
+    test) fires as the section of its iteration begins, and that section fails on every rank."""
+    def body():
+        for step in range(1, 11):
+            record("step", step=step)
+            with fail_together("step", step=step, epoch=0):
+                time.sleep(0.01)
+
+    run_section("loop", body)
+
+
+SCENARIOS = {f.__name__: f for f in (blocked_release, step_sections, reported_exit, fail_each, two_fail, caught_outside, report_inside, rank_first_each,
                                      rank_first_late, rank_first_local, bad_input, retry_ours, retry_stock)}
 
 

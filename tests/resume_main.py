@@ -17,7 +17,8 @@ checkpoint written with the line gives the DDP nothing: an earlier version's che
 the callback's ``on_fit_start`` does not give the layout back. Resumed from such a checkpoint, a run
 at 3 ranks or more is inexact. ``HIDDEN=<n>``: a model with a hidden layer;
 ``KEEP=<n>``: checkpoints kept (2); ``SAMPLES=<n>``: the data set's size (400); ``STEP_MS=<ms>``: each
-training step also sleeps that long (a step of a real model's length: ``bench/goodput.py``).
+training step also sleeps that long (a step of a real model's length: ``bench/goodput.py``). ``EVAL_TRAIN=1`` (Ignite):
+an evaluator ``Engine`` runs over the training loader at each epoch's end (Ignite's cifar10 example).
 
 Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` at its start (which checkpoint
 it resumed from, at which iteration) and appends the sample indices of every batch it trains to
@@ -85,6 +86,7 @@ class _Attempt:
 
 ATTEMPT = _Attempt()
 EVERY = int(os.environ.get("EVERY", "10"))
+EVAL_TRAIN = os.environ.get("EVAL_TRAIN", "0") == "1"  # Ignite: an evaluator runs over the training loader
 EPOCHS = int(os.environ.get("EPOCHS", "3"))
 STEP_SEC = float(os.environ.get("STEP_MS", "0")) / 1000  # slept in each step, before its forward
 WORKERS = int(os.environ.get("WORKERS", "2"))
@@ -266,6 +268,9 @@ def run_ignite() -> None:
     trainer = Engine(step)
     trainer.add_event_handler(Events.EPOCH_STARTED, lambda e: loader.sampler.set_epoch(e.state.epoch - 1))
     FaultTolerance(hang_timeout=HANG_TIMEOUT).attach(trainer)
+    if EVAL_TRAIN:  # Ignite's cifar10 example: an evaluator over the training loader at each epoch's end
+        evaluator = Engine(lambda e, batch: None)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(loader))
     mark("attached")
     to_save = {"model": model, "optimizer": opt, "trainer": trainer, "loader": loader}
     if BUCKETS:

@@ -78,14 +78,16 @@ class SafeDiskSaver(DiskSaver):
         self._fth_pending_removal.append(filename)
 
 
-def _loader_next_position(loader: Any) -> tuple[int, int] | None:
-    """(epoch, batches already yielded) where the loader's next ``iter()`` starts, if it says."""
+def _loader_next_batch(loader: Any) -> int | None:
+    """The batch of its pass the loader's next ``iter()`` starts at (0: a new pass), if it says.
+
+    Only the batch is compared with the engine's: the loader counts every ``iter()`` as a pass (an
+    evaluator run over the training loader is one too), so its pass number is not the engine's epoch.
+    """
     if not isinstance(loader, RestartableDataLoader):
         return None
     state = loader.state_dict()
-    if state["epoch_finished"]:
-        return state["epoch"] + 1, 0
-    return state["epoch"], state["batches_yielded"]
+    return 0 if state["epoch_finished"] else state["batches_yielded"]
 
 
 def check_mid_epoch_resume(engine: Any) -> str | None:
@@ -102,11 +104,12 @@ def check_mid_epoch_resume(engine: Any) -> str | None:
                    "uninterrupted run trains. Use fault_tolerant_handlers.RestartableDataLoader (or make_restartable) "
                    "and put it in the checkpoint's to_save / to_load")
     else:
-        position = _loader_next_position(loader)
-        if position is None or position == (epoch, done):
+        batch = _loader_next_batch(loader)
+        if batch is None or batch == done:
             return None
-        message = (f"{where}, but the loader's next iter() starts at batch {position[1]} of its epoch {position[0] + 1}: "
-                   "was it left out of Checkpoint.load_objects(to_load=...)? Put the loader in to_save and to_load")
+        start = "batch 0 (a new pass over the data)" if batch == 0 else f"batch {batch}"
+        message = (f"{where}, but the loader's next iter() starts at {start}: was it left out of "
+                   "Checkpoint.load_objects(to_load=...)? Put the loader in to_save and to_load")
     warnings.warn(message, RuntimeWarning, stacklevel=2)
     log(logging.WARNING, "%s", message, step=iteration)
     return message

@@ -1,7 +1,8 @@
 """Rehearse a failure in your own job, without editing it: the ``FTH_INJECT`` environment variable.
 
 Both adapters read it when they start and fire each injection once, at the start of the matching
-training iteration::
+training iteration; in a loop of your own, a ``fail_together`` section given ``step=`` fires it as
+it begins, and so does :func:`step` (one call at the start of each iteration)::
 
     FTH_INJECT="raise@rank=1,iteration=5"              # rank 1 raises InjectedFault at iteration 5
     FTH_INJECT="kill@rank=0,iteration=20"               # rank 0 SIGKILLs itself (an OOM kill)
@@ -17,7 +18,11 @@ agent ends the job when any worker dies); only a spare (``spares=k``) can take i
 keeper it is ``kill``.
 
 ``iteration`` is the global iteration counter (Ignite ``engine.state.iteration``, Lightning
-``trainer.global_step + 1``); ``epoch`` (1-based, optional) narrows it to one epoch.
+``trainer.global_step + 1``); ``epoch`` (1-based, optional) narrows it to one epoch. In a loop of
+your own they are your own numbers, as the reports name them: the ``step`` and ``epoch`` given to
+``fail_together(name, step=..., epoch=...)`` or to :func:`step`. A rank an injection targets that
+ends with it unfired, nothing having told it an iteration, says so at exit (a WARNING naming the
+lines that fire it).
 
 ``attempt`` (optional) is the attempt the injection fires in: torchrun's ``TORCHELASTIC_RESTART_COUNT``
 plus the recoveries in place so far (:mod:`.attempts`; 0 for the first attempt, also without torchrun). **The default is
@@ -29,6 +34,7 @@ fires in every attempt (a fault that is in the data, say); ``attempt=2`` only in
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -136,6 +142,8 @@ class Injector:
         return cls([i for i in injections if i.attempt is None or i.attempt == current])
 
     def maybe_fire(self, rank: int, iteration: int, epoch: int | None = None, dataloader: Any = None) -> None:
+        global _told
+        _told = True
         for injection in list(self.pending):
             if injection.rank != rank or injection.iteration != iteration:
                 continue
@@ -163,6 +171,92 @@ class Injector:
                 log(logging.WARNING, "%s: no DataLoader worker to kill (num_workers=0?)", injection, step=step)
                 return
             os.kill(pids[0], signal.SIGKILL)
+
+
+# -- loops of your own: fail_together(step=...) sections and step() --------------------------------------
+
+_told = False  #: something in this process told an injector an iteration (an adapter, a section, step())
+_plain: tuple[tuple[str, int], Injector | None] | None = None  #: (FTH_INJECT, attempt) -> its injector
+_exit_check: list[int] = []  #: the rank whose unfired injections are named at exit (registered once)
+
+
+def current_rank() -> int:
+    """This process's global rank: the process group's, else ``RANK`` (0 without either)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def plain_injector() -> Injector | None:
+    """This process's injector for loops of your own (``fail_together(step=...)`` and :func:`step`),
+    one per attempt; made at the first section, so that an injection for this rank that nothing
+    could fire is named at exit."""
+    global _plain
+    key = (os.environ.get(INJECT_ENV, ""), current_attempt())
+    if _plain is None or _plain[0] != key:
+        injector = Injector.from_env() if key[0].strip() else None
+        _plain = (key, injector)
+        rank = current_rank()
+        if injector is not None and any(i.rank == rank for i in injector.pending) and not _exit_check:
+            _exit_check.append(rank)
+            atexit.register(_unfired)
+    return _plain[1]
+
+
+def step(iteration: int, epoch: int | None = None, *, dataloader: Any = None) -> None:
+    """In a loop of your own: iteration ``iteration`` begins. Fires the ``FTH_INJECT`` injection
+    meant for this rank at this iteration (and ``epoch``, if the injection names one), once; does
+    nothing when ``FTH_INJECT`` is not set (an environment read).
+
+    A ``fail_together`` section given ``step=`` does the same as it begins; call this where the loop
+    has one section per epoch (or none). ``dataloader`` (optional): the loader whose worker
+    ``worker-kill`` kills (by default, any child process of this rank).
+
+    Raises:
+        TypeError: ``iteration`` is not an int >= 0 or ``epoch`` not an int >= 0 or None.
+        InjectedFault: the ``raise`` injection for this iteration.
+
+    Examples:
+        .. code-block:: python
+
+            from fault_tolerant_handlers import inject
+
+            for epoch in range(epochs):
+                with fail_together("train", epoch=epoch):
+                    for i, batch in enumerate(loader):
+                        inject.step(epoch * len(loader) + i + 1, epoch)  # FTH_INJECT=raise@rank=1,iteration=5
+                        train_step(batch)
+    """
+    for name, value in (("iteration", iteration), ("epoch", epoch)):
+        if (value is not None or name == "iteration") and (isinstance(value, bool) or not isinstance(value, int)
+                                                          or value < 0):
+            raise TypeError(f"inject.step({name}=...) must be an int >= 0{'' if name == 'iteration' else ' or None'}, "
+                            f"got {value!r}")
+    if not os.environ.get(INJECT_ENV, "").strip():
+        return
+    injector = plain_injector()
+    if injector is not None:
+        injector.maybe_fire(current_rank(), iteration, epoch, dataloader)
+
+
+def _unfired() -> None:
+    """At exit: the injections meant for this rank that nothing could fire, named with why."""
+    injector = _plain[1] if _plain is not None else None
+    rank = _exit_check[0] if _exit_check else None
+    if _told or injector is None:
+        return
+    left = [i for i in injector.pending if i.rank == rank]
+    if left:
+        log(logging.WARNING, "%s=%s: nothing fired on rank %s: nothing in this job told the library its iteration. An "
+            "injection fires at the start of the matching iteration of the Ignite handler or the Lightning callback; in "
+            "a loop of your own, give each step's section its step (fail_together(name, step=N)) or call "
+            "fault_tolerant_handlers.inject.step(N) at the start of each iteration (docs/rehearsing.md)",
+            INJECT_ENV, "; ".join(str(i) for i in left), rank)
 
 
 # Its public path (:mod:`fault_tolerant_handlers.inject`): what a failing rank's record names.

@@ -7,6 +7,7 @@ from types import TracebackType
 
 import torch.distributed as dist
 
+from . import inject
 from .log import log
 from .errors import PeerFailedError, is_backend_error
 from .failure import tag, tag_of
@@ -88,6 +89,9 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
         name: the section's name, used in every report (``"load data"``).
         group: the process group whose ranks fail together; ``None`` for all ranks.
         step, epoch: where the job is, for reports (non-negative ints; adapters fill these in).
+            With ``step``, the section fires the ``FTH_INJECT`` injection meant for this rank at
+            iteration ``step`` (and ``epoch``) as it begins, as the adapters do at the start of an
+            iteration (:mod:`fault_tolerant_handlers.inject`).
 
     Every rank of ``group`` must enter the same sections in the same order, exactly like a
     collective. Ranks that meet in different sections raise
@@ -136,6 +140,13 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
     def __enter__(self) -> fail_together:
         self._session = get_session(self.group, caller="fail_together")
         self._reported = None
+        injector = inject.plain_injector()  # FTH_INJECT: rehearse a failure in a loop of your own
+        if injector is not None and self.step is not None:
+            try:
+                injector.maybe_fire(inject.current_rank(), self.step, self.epoch)
+            except BaseException as exc:  # raised in the section: it ends as any failure in it does
+                if not self.__exit__(type(exc), exc, exc.__traceback__):
+                    raise
         return self
 
     def report_error(self, exc: BaseException) -> None:

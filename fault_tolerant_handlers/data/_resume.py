@@ -70,7 +70,7 @@ def _uses_global_rng(loader) -> bool:
     return False
 
 
-def _sampler_epoch_owner(loader) -> Any:
+def sampler_epoch_owner(loader) -> Any:
     """The sampler whose ``epoch`` attribute (``set_epoch``) decides the order, if any."""
     for obj in _samplers(loader):
         if callable(getattr(obj, "set_epoch", None)) and isinstance(getattr(obj, "epoch", None), int):
@@ -93,7 +93,7 @@ class _Capture:
         loader = self._loader()
         if loader is None:
             return
-        owner = _sampler_epoch_owner(loader)
+        owner = sampler_epoch_owner(loader)
         self.sampler_epoch = int(owner.epoch) if owner is not None else None
         self.generators = [g.get_state() for g in _generators(loader)]
         self.global_rng = torch.get_rng_state() if _uses_global_rng(loader) else None
@@ -118,7 +118,7 @@ def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
 
     Puts the sampler epoch and the generators back first; the global RNG is borrowed and restored.
     """
-    owner = _sampler_epoch_owner(loader)
+    owner = sampler_epoch_owner(loader)
     if snapshot["sampler_epoch"] is not None and owner is not None:
         owner.set_epoch(snapshot["sampler_epoch"])
     restore_generators(loader, snapshot)
@@ -140,8 +140,8 @@ def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
             torch.set_rng_state(outer)
     if skipped != snapshot["batches_yielded"]:
         raise ValueError(
-            f"RestartableDataLoader.load_state_dict: the snapshot is {snapshot['batches_yielded']} batches into epoch "
-            f"{snapshot['epoch']}, but the sampler now gives only {skipped} batches; build the loader (dataset, "
+            f"RestartableDataLoader.load_state_dict: the snapshot is {snapshot['batches_yielded']} batches into the "
+            f"loader's pass {snapshot['epoch'] + 1}, but the sampler now gives only {skipped} batches; build the loader (dataset, "
             "sampler, batch size, world size) as it was when the snapshot was taken"
         )
     capture._source = itertools.chain(ahead, source)

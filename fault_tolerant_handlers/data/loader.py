@@ -48,6 +48,10 @@ from ._workers import (
 __all__ = ["DataLoaderRestartError", "RestartableDataLoader", "WorkerRestart", "make_restartable"]
 
 _START_METHODS = ("fork", "spawn", "forkserver")
+#: A pass resumed from ``load_state_dict`` and dropped after at most this many batches (a peek such
+#: as ``next(iter(loader))`` at the start of each epoch) leaves the restored position to the next
+#: ``iter()``, as torch's loader leaves the epoch's start to the ``iter()`` after a peek.
+PEEK_BATCHES = 1
 _T_co = TypeVar("_T_co", covariant=True)
 
 
@@ -56,8 +60,11 @@ class WorkerRestart:
     """One restart of a loader's workers (``loader.restarts`` holds them in order).
 
     Attributes:
-        epoch: how many times the loader had been iterated before (0 for the first epoch).
-        batch_index: index, within the epoch, of the batch the loader resumed at (the first batch
+        epoch: the loader's pass: how many times it had been iterated before (0 for its first
+            ``iter()``). Not the training epoch: a peek ``next(iter(loader))`` or an evaluator run
+            over the training loader is a pass too; ``sampler_epoch`` is the training epoch as the
+            sampler was told it.
+        batch_index: index, within the pass, of the batch the loader resumed at (the first batch
             that was not yet yielded when the worker was lost).
         worker_id, worker_pid: the worker that was lost.
         signal: ``"SIGKILL"`` when it was killed by a signal, else ``None``.
@@ -69,6 +76,8 @@ class WorkerRestart:
         start_method: how the new workers were started (``"fork"``, ``"spawn"``, ...).
         also_lost: the other workers found dead at the same restart, as ``(worker_id, pid, reason)``
             (two workers ended together, e.g. by the OOM killer: one restart replaces both).
+        sampler_epoch: the epoch given to the sampler's ``set_epoch`` (a ``DistributedSampler``:
+            what the training loop calls its epoch), ``None`` without such a sampler.
     """
 
     epoch: int
@@ -83,11 +92,12 @@ class WorkerRestart:
     recovery_seconds: float | None = None
     start_method: str = ""
     also_lost: tuple[tuple[int, int | None, str], ...] = ()
+    sampler_epoch: int | None = None
 
     def describe(self) -> str:
         also = "".join(f", worker {w} (pid {p}) {why}" for w, p, why in self.also_lost)
         return (
-            f"epoch {self.epoch}, batch {self.batch_index}: worker {self.worker_id} "
+            f"{where(self.epoch, self.batch_index, self.sampler_epoch)}: worker {self.worker_id} "
             f"(pid {self.worker_pid}) {self.reason}{also}"
         )
 
@@ -102,6 +112,18 @@ class WorkerRestart:
                 name = self.signal
             return f"DataLoader worker (pid {self.worker_pid}) is killed by signal: {name}."
         return f"DataLoader worker (pid(s) {self.worker_pid}) exited unexpectedly with exit code {self.exitcode}."
+
+
+def where(pass_index: int, batch: int, sampler_epoch: int | None) -> str:
+    """A position in the loader's words: ``batch 8 of pass 5 (set_epoch(2))``. The loader counts
+    ``iter()`` calls (passes), not training epochs; the sampler's epoch is the training loop's."""
+    told = f" (set_epoch({sampler_epoch}))" if sampler_epoch is not None else ""
+    return f"batch {batch} of pass {pass_index + 1}{told}"
+
+
+def _sampler_epoch(loader: Any) -> int | None:
+    owner = _resume.sampler_epoch_owner(loader)
+    return int(owner.epoch) if owner is not None else None
 
 
 class DataLoaderRestartError(RuntimeError):
@@ -251,6 +273,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
         self._fth_stateful = None  # the torchdata loader (iterable datasets)
         self._fth_run = None  # weak reference to the epoch being iterated
         self._fth_pending = None  # resume: a snapshot from load_state_dict(), used by the next iter()
+        self._fth_restored = None  # resume: that snapshot and the pass started from it (a peek gives it back)
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -290,10 +313,14 @@ class RestartableDataLoader(DataLoader[_T_co]):
         state = _resume.check_state(state_dict, kind)
         self._fth_epochs = state["epoch"] + (0 if _resume.resumes_mid_epoch(state) else 1)
         self._fth_pending = state
+        self._fth_restored = None
         self._fth_run = None
 
     def __iter__(self) -> Iterator[Any]:
         pending, self._fth_pending = self._fth_pending, None
+        restored, self._fth_restored = self._fth_restored, None
+        if pending is None and restored is not None:
+            pending = self._fth_peeked(restored)
         if pending is not None and not _resume.resumes_mid_epoch(pending):
             if pending["kind"] == "map":
                 _resume.restore_generators(self, pending)  # the next epoch shuffles as it would have
@@ -310,9 +337,45 @@ class RestartableDataLoader(DataLoader[_T_co]):
         else:
             run = _MapRun(self, epoch, pending)
         self._fth_run = weakref.ref(run)  # an abandoned epoch's workers still go when it is dropped
+        if pending is not None:
+            self._fth_restored = run.restored = _Restored(pending, run)
         return run
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _fth_peeked(self, restored: "_Restored") -> dict[str, Any] | None:
+        """The restored snapshot again when the pass resumed from it was dropped after a peek.
+
+        A pass resumed by ``load_state_dict`` and dropped (no reference left) after at most
+        ``PEEK_BATCHES`` batches, neither at the end of its pass nor saved by ``state_dict()`` since,
+        was a peek (``next(iter(loader))``, as PyTorch's DDP tutorial does at each epoch's start):
+        torch's loader starts the epoch again at the next ``iter()``, so this loader starts the
+        restored position again (map-style: the snapshot is applied again, exactly). An
+        ``IterableDataset``'s position cannot be told from the end of its data: a WARNING says the
+        position is used up.
+        """
+        snapshot, at, taken = restored.snapshot, restored.snapshot["batches_yielded"], restored.taken
+        if restored.saved or restored.finished or taken > PEEK_BATCHES or restored.run() is not None:
+            return None
+        where_ = where(snapshot["epoch"], at, snapshot.get("sampler_epoch"))
+        if snapshot["kind"] == "map":
+            try:
+                length: int | None = len(self._index_sampler)
+            except TypeError:
+                length = None
+            if length is not None and at + taken >= length:
+                return None  # its pass was over: the next iter() is a new one
+            if length is not None:
+                self._fth_epochs = snapshot["epoch"]
+                _log.log(logging.INFO, "RestartableDataLoader: the pass restored by load_state_dict at %s was dropped "
+                         "after %d batch(es) (a peek such as next(iter(loader))): this iter() resumes at batch %d "
+                         "again", where_, taken, at)
+                return snapshot
+        _log.log(logging.WARNING, "RestartableDataLoader: the pass restored by load_state_dict at %s was dropped after "
+                 "%d batch(es) (a peek such as next(iter(loader))?): it used up the restored position, and this iter() "
+                 "starts a new pass at batch 0, not at batch %d. Peek before load_state_dict, or keep the iterator "
+                 "you peek with and train on it", where_, taken, at)
+        return None
 
     def _fth_first_method(self) -> str:
         return self._fth_user_method or multiprocessing.get_start_method()
@@ -335,13 +398,14 @@ class RestartableDataLoader(DataLoader[_T_co]):
         else:
             sig, reason = describe_exit(code)
         also = tuple((w, pids[w][0], describe_exit(pids[w][1])[1]) for w in exited if w != wid and w < len(pids))
-        return WorkerRestart(run.epoch, run.yielded, wid, pid, sig, code, reason, lost.detected_at, also_lost=also)
+        return WorkerRestart(run.epoch, run.yielded, wid, pid, sig, code, reason, lost.detected_at, also_lost=also,
+                             sampler_epoch=_sampler_epoch(self))
 
     def _fth_spend(self, record: WorkerRestart) -> None:
         """Count a restart, or raise when the budget is spent."""
         if len(self.restarts) >= self.max_restarts:
             _log.log(logging.ERROR, "DataLoader %s; restart budget spent (max_restarts=%d)",
-                     record.describe(), self.max_restarts, step=record.batch_index)
+                     record.describe(), self.max_restarts)
             raise DataLoaderRestartError(self.restarts + [record], self.max_restarts, self.timeout)
         self.restarts.append(record)
 
@@ -425,12 +489,26 @@ class _LoaderView:
         return getattr(self._loader, name)
 
 
-class _Run:
-    """One epoch over a RestartableDataLoader."""
+class _Restored:
+    """A snapshot given to ``load_state_dict`` and what the pass resumed from it did (private)."""
 
-    epoch: int
+    __slots__ = ("snapshot", "run", "taken", "finished", "saved")
+
+    def __init__(self, snapshot: dict[str, Any], run: "_Run") -> None:
+        self.snapshot = snapshot
+        self.run = weakref.ref(run)
+        self.taken = 0  # batches the pass yielded
+        self.finished = False  # it reached the end of its data
+        self.saved = False  # state_dict() was taken after it moved: a checkpoint holds its progress
+
+
+class _Run:
+    """One pass (``iter()``) over a RestartableDataLoader."""
+
+    epoch: int  # the loader's pass (0 for its first iter()), not the training epoch
     yielded: int
     loader: RestartableDataLoader
+    restored: _Restored | None = None  # resumed from load_state_dict's snapshot
 
     def __iter__(self):
         return self
@@ -448,8 +526,15 @@ class _Run:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(it, name)
 
+    def _ended(self) -> None:
+        self.finished = True
+        if self.restored is not None:
+            self.restored.finished = True
+
     def _after_yield(self) -> None:
         self.yielded += 1
+        if self.restored is not None:
+            self.restored.taken += 1
         if self.loader.restarts:
             last = self.loader.restarts[-1]
             if last.recovery_seconds is None:
@@ -468,7 +553,7 @@ class _Run:
         record.start_method = self.loader._fth_restart_method()
         _log.log(logging.WARNING, "DataLoader %s; restarting workers (%s, restart %d of %d), resuming at batch %d",
                  record.describe(), record.start_method, len(self.loader.restarts), self.loader.max_restarts,
-                 self.yielded, step=self.yielded)
+                 self.yielded)
         self._restart_t0 = t0
 
     def _started(self) -> None:
@@ -542,7 +627,7 @@ class _MapRun(_Run):
             try:
                 data = next(it)
             except StopIteration:
-                self.finished = True
+                self._ended()
                 raise
             except WorkerLost as lost:
                 self._lost(lost, it)
@@ -650,7 +735,7 @@ class _IterableRun(_Run):
             try:
                 data = next(it)
             except StopIteration:
-                self.finished = True
+                self._ended()
                 raise
             except WorkerLost as lost:
                 self._lost(lost, it)
@@ -692,12 +777,12 @@ class _SingleRun(_Run):
         try:
             data = next(self.it)
         except StopIteration:
-            self.finished = True
+            self._ended()
             raise
         except Exception:
             self.yielded += 1  # the dataset's own error: that batch is consumed, as with torch
             raise
-        self.yielded += 1
+        self._after_yield()
         return data
 
 
@@ -709,6 +794,9 @@ def _resume_state(loader: RestartableDataLoader) -> dict[str, Any]:
         if isinstance(loader.dataset, IterableDataset):
             return _resume.iterable_state(loader._fth_epochs - 1, 0, True, None)
         return _resume.map_state(loader, loader._fth_epochs - 1, 0, True, None)
+    restored = loader._fth_restored
+    if restored is not None and restored.taken and restored.run() is run:
+        restored.saved = True  # its progress may be in a checkpoint now: a later iter() does not go back
     if isinstance(run, _IterableRun):
         return _resume.iterable_state(run.epoch, run.yielded, run.finished, run.state)
     finished = run.finished

@@ -143,7 +143,7 @@ def test_budget_spent_raises_listing_every_restart():
     msg = str(err)
     assert "max_restarts=1" in msg
     for r in err.restarts:  # each restart named with its batch, worker pid and signal
-        assert f"epoch 0, batch {r.batch_index}: worker {r.worker_id} (pid {r.worker_pid}) killed by SIGKILL" in msg, msg
+        assert f"batch {r.batch_index} of pass 1: worker {r.worker_id} (pid {r.worker_pid}) killed by SIGKILL" in msg, msg
     # the loss is seen at the first batch that needs the dead worker: after the kill, before the next
     assert 4 <= err.restarts[0].batch_index <= 10 and err.restarts[1].batch_index >= 11, msg
 
@@ -151,7 +151,7 @@ def test_budget_spent_raises_listing_every_restart():
 @pytest.mark.timeout(30)
 def test_zero_budget_raises_at_first_death():
     loader = RestartableDataLoader(MapData(80), batch_size=4, num_workers=2, max_restarts=0)
-    with pytest.raises(DataLoaderRestartError, match=r"not restarted: epoch 0, batch \d+: worker 1 \(pid \d+\) killed by SIGKILL") as info:
+    with pytest.raises(DataLoaderRestartError, match=r"not restarted: batch \d+ of pass 1: worker 1 \(pid \d+\) killed by SIGKILL") as info:
         for k, _ in enumerate(loader):
             if k == 2:
                 os.kill(loader.worker_pids[1], signal.SIGKILL)

@@ -196,6 +196,107 @@ def test_iterable_dataset_resumes_through_torchdata(workers):
         assert later == ref[epoch + 1:]
 
 
+def _peek_then_train(loader, epoch):
+    """PyTorch's DDP tutorial at each epoch's start: the batch size from a peek, then the epoch."""
+    peek = next(iter(loader))
+    assert len(peek) == (3 if isinstance(loader.batch_sampler, BatchSampler) and loader.batch_size is None else BATCH)
+    return batches(start_epoch(loader, epoch))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind, workers", [("distributed", "0"), ("distributed", "2"), ("distributed", "2p"),
+                                           ("batch-sampler", "0"), ("batch-sampler", "2p")])
+def test_a_peek_at_a_restored_loader_leaves_its_position(kind, workers, caplog):
+    """``next(iter(loader))`` after ``load_state_dict`` (the tutorial's peek at each epoch's start)
+    takes the restored pass's first batch and drops it: torch's loader starts the epoch over at the
+    next iter(), so this one starts the restored position over, and trains exactly the rest of the
+    epoch (before: batch 0 of a new pass, silently). Later peeks are ordinary passes."""
+    caplog.set_level("INFO", logger="fault_tolerant_handlers")
+    uninterrupted = build(kind, workers)
+    ref = [_peek_then_train(uninterrupted, e) for e in range(EPOCHS)]  # a peek draws a RandomSampler's order
+    first = build(kind, workers)
+    _peek_then_train(first, 0)
+    next(iter(first))
+    it = start_epoch(first, 1)
+    batches(it, limit=5)
+    state = through_checkpoint(first.state_dict())
+    del it, first
+    kill_children()
+    second = build(kind, workers)
+    second.load_state_dict(state)
+    assert _peek_then_train(second, 1) == ref[1][5:]
+    assert _peek_then_train(second, 2) == ref[2]
+    assert "this iter() resumes at batch 5 again" in caplog.text and "WARNING" not in caplog.text, caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_restored_pass_that_moved_on_is_not_given_back(caplog):
+    """Only a peek gives the position back: a pass that took two batches, one whose progress was
+    saved by state_dict(), or one that reached the end of its data leaves the next iter() a new pass."""
+    ref = reference("shuffle", "0")
+    first = build("shuffle", "0")
+    it = iter(first)
+    batches(it, limit=5)
+    state = through_checkpoint(first.state_dict())
+    length = len(ref[0])
+
+    def loaded(st=state):
+        loader = build("shuffle", "0")
+        loader.load_state_dict(st)
+        return loader
+
+    def dropped_after(k):
+        """What a loader never restored gives: pass 0 dropped after k batches, then pass 1 (a
+        RandomSampler draws from its generator once more at the end of its data: a pass dropped
+        before draws other numbers for the next one)."""
+        loader = build("shuffle", "0")
+        assert batches(iter(loader), limit=k) == ref[0][:k]
+        return batches(iter(loader))
+
+    two = loaded()
+    assert batches(iter(two), limit=2) == ref[0][5:7]
+    assert batches(iter(two)) == dropped_after(7)  # the next pass (no batch of pass 0 again)
+    saved = loaded()
+    peek = iter(saved)
+    next(peek)
+    after = saved.state_dict()  # a checkpoint holds batch 6 as the next: it stands
+    del peek
+    assert after["batches_yielded"] == 6 and batches(iter(saved)) == dropped_after(6)
+    last = loaded({**state, "batches_yielded": length - 1})
+    assert batches(iter(last), limit=1) == ref[0][-1:]  # Ignite's epoch_length: no StopIteration seen
+    assert batches(iter(last)) == dropped_after(length)
+    assert "WARNING" not in caplog.text, caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_peek_at_a_restored_iterable_loader_is_reported(caplog):
+    """An IterableDataset's position cannot be told from the end of its data: a WARNING names the
+    batch the peek took the restored pass from, and what the next pass does."""
+    first = build("iterable", "2")
+    it = iter(first)
+    batches(it, limit=5)
+    state = through_checkpoint(first.state_dict())
+    del it, first
+    kill_children()
+    second = build("iterable", "2")
+    second.load_state_dict(state)
+    next(iter(second))
+    rest = batches(iter(second))
+    assert len(rest) == N // BATCH
+    assert ("the pass restored by load_state_dict at batch 5 of pass 1 was dropped after 1 batch(es)" in caplog.text
+            and "starts a new pass at batch 0, not at batch 5" in caplog.text), caplog.text
+
+
+def test_restart_messages_name_the_pass_and_the_sampler_epoch():
+    """The loader counts iter() calls, not training epochs: its messages say pass, and name the
+    sampler's set_epoch (the training loop's epoch) when there is one."""
+    from fault_tolerant_handlers.data.loader import WorkerRestart
+
+    record = WorkerRestart(4, 8, 1, 4242, "SIGKILL", -9, "killed by SIGKILL", 0.0, sampler_epoch=2)
+    assert record.describe() == "batch 8 of pass 5 (set_epoch(2)): worker 1 (pid 4242) killed by SIGKILL"
+    assert "epoch 4" not in record.describe()
+
+
 def test_state_is_small_plain_and_checked():
     loader = build("distributed", "0")
     it = start_epoch(loader, 0)
@@ -240,7 +341,7 @@ def test_ignite_mid_epoch_resume_warns_when_the_loader_would_start_over():
     with pytest.warns(RuntimeWarning, match=r"iteration 30 \(batch 6 of epoch 2.*DataLoader\) has no state_dict"):
         check_mid_epoch_resume(engine_at(30, plain))
     fresh = build("shuffle", "0")  # left out of to_load
-    with pytest.warns(RuntimeWarning, match="next iter\\(\\) starts at batch 0 of its epoch 1: was it left out"):
+    with pytest.warns(RuntimeWarning, match=r"next iter\(\) starts at batch 0 \(a new pass over the data\): was it left out"):
         check_mid_epoch_resume(engine_at(30, fresh))
     loaded = build("shuffle", "0")
     source = build("shuffle", "0")
@@ -250,3 +351,39 @@ def test_ignite_mid_epoch_resume_warns_when_the_loader_would_start_over():
     loaded.load_state_dict(source.state_dict())
     assert check_mid_epoch_resume(engine_at(30, loaded)) is None  # where the engine is: silent
     assert check_mid_epoch_resume(engine_at(48, plain)) is None  # an epoch boundary: nothing to resume
+    elsewhere = build("shuffle", "0")
+    elsewhere.load_state_dict(source.state_dict())
+    with pytest.warns(RuntimeWarning, match=r"starts at batch 6: was it left out"):
+        check_mid_epoch_resume(engine_at(33, elsewhere))  # restored, but not where the engine is
+
+
+def test_ignite_resume_is_silent_when_an_evaluator_also_iterates_the_training_loader():
+    """Ignite's cifar10 example shape: ``train_evaluator.run(train_loader)`` at each epoch end, a
+    checkpoint (trainer and loader) every few iterations. The loader counts the evaluator's passes
+    too, so its pass number is not the trainer's epoch; the loader was restored where the trainer
+    resumes, and nothing is said."""
+    from ignite.engine import Engine, Events
+
+    from fault_tolerant_handlers.adapters.resume_ignite import check_mid_epoch_resume
+
+    saved = {}
+
+    def run(loader, max_epochs, load=None):
+        trainer, evaluator = Engine(lambda e, b: None), Engine(lambda e, b: None)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(loader))
+
+        @trainer.on(Events.ITERATION_COMPLETED(every=10))
+        def save():
+            saved["checkpoint"] = through_checkpoint({"trainer": trainer.state_dict(), "loader": loader.state_dict()})
+
+        if load is not None:
+            trainer.load_state_dict(load["trainer"])
+            loader.load_state_dict(load["loader"])
+        trainer.state.dataloader = loader
+        return trainer, check_mid_epoch_resume(trainer) if load is not None else trainer.run(loader, max_epochs)
+
+    run(build("shuffle", "0"), max_epochs=2)  # iterations 1-48, one evaluation pass after each epoch
+    checkpoint = saved["checkpoint"]
+    assert checkpoint["trainer"]["iteration"] == 40 and checkpoint["loader"]["epoch"] == 2  # 3rd pass: epoch 2
+    trainer, warning = run(build("shuffle", "0"), max_epochs=3, load=checkpoint)
+    assert trainer.state.iteration == 40 and warning is None

@@ -122,3 +122,37 @@ def test_restarted_attempt_resumes_exactly(framework, fault, tmp_path, tmp_path_
     final, expected = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
     for key in expected:
         assert torch.equal(final[key], expected[key]), f"{framework}/{fault}: {key} differs from the uninterrupted run"
+
+
+@pytest.mark.long  # suite time: a torchrun relaunch; the check itself is unit-tested in test_dataloader_resume.py
+@pytest.mark.timeout(420)
+def test_an_evaluator_over_the_training_loader_resumes_silently_and_exactly(tmp_path):
+    """Ignite's cifar10 example shape (``EVAL_TRAIN=1``: an evaluator runs over the training loader
+    at each epoch's end, so the loader counts two passes an epoch). Rank 1 raises at iteration 87
+    (epoch 2); the relaunch resumes from checkpoint_80 with the loader restored: no resume warning
+    (before: "the loader's next iter() starts at batch 30 of its epoch 3: was it left out of ..."),
+    and every rank trains the batches of an uninterrupted run."""
+    from torch.utils.data import DistributedSampler
+
+    out = tmp_path / "faulted"
+    out.mkdir()
+    run_dir = out / "ignite-1"
+    try:
+        results = run_ranks(1, "ignite", out, script=SCRIPT, launcher=TORCHRUN, deadline=200,
+                            env={"PG_TIMEOUT_SEC": "20", "FTH_INJECT": "raise@rank=1,iteration=87", "EVAL_TRAIN": "1"})
+    finally:
+        kill_workers(run_dir)
+    output = results[0].stderr
+    assert results[0].returncode == 0, output[-4000:]
+    assert "left out of Checkpoint.load_objects" not in output and "the engine resumes at" not in output, output[-4000:]
+    for rank in (0, 1):
+        assert attempts(run_dir, rank)[1]["start_iteration"] == 80, attempts(run_dir, rank)
+        sampler = DistributedSampler(range(400), num_replicas=2, rank=rank, shuffle=True, seed=0)
+        expected = {}
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            ids = list(sampler)
+            for j in range(50):
+                expected[epoch * 50 + j + 1] = ids[j * 4:(j + 1) * 4]
+        kept = {e["step"]: e["idx"] for e in trained(run_dir, rank) if e["attempt"] == 1 or e["step"] <= 80}
+        assert kept == expected, rank

@@ -140,7 +140,10 @@ def test_docs_copy_of_a_readme_quick_start_is_the_readme_s(page, name, code):
 
 
 #: docs snippets that fail on purpose, run (with their expected output) by a test of their own
-RUN_ELSEWHERE = {"fabric": "tests/distributed/test_fabric_recipe.py"}
+RUN_ELSEWHERE = {"fabric": "tests/distributed/test_fabric_recipe.py",
+                 # under torchrun (a relaunch), by the same file
+                 "plain-checkpoint": "tests/distributed/test_fabric_recipe.py",
+                 "fabric-checkpoint": "tests/distributed/test_fabric_recipe.py"}
 
 
 @pytest.mark.timeout(120)

@@ -99,3 +99,29 @@ def test_state_dict_round_trip_reads_older_checkpoints():
     other.load_state_dict({"failures_seen": 2})  # written by version 0.1: still loads
     with pytest.raises(TypeError, match="takes a mapping"):
         other.load_state_dict([1])
+
+
+def test_without_distribution_a_run_terminated_mid_epoch_and_run_again_says_nothing(monkeypatch, caplog, recwarn):
+    """Ignite's own ``test_terminate_stops_run_mid_epoch`` / ``test_resume_after_terminate_resets_init_iter``
+    shape with the handler attached: terminated at iteration 13 of a 10-iteration epoch over a list,
+    run again (it resumes there). Without a process group the handler does nothing, so it says
+    nothing either (no resume warning about the list having no state_dict)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    seen = []
+    engine = Engine(lambda e, b: seen.append(b))
+    FaultTolerance().attach(engine)
+    stops = [13]
+
+    @engine.on(Events.ITERATION_STARTED)
+    def stop_once(e):
+        if stops and e.state.iteration == stops[0]:
+            stops.pop()
+            e.terminate()
+
+    caplog.set_level("DEBUG", logger="fault_tolerant_handlers")
+    engine.run(list(range(10)), max_epochs=3)
+    assert engine.state.iteration == 13 and engine.state.epoch == 2
+    engine.run(list(range(10)), max_epochs=3)  # resumes mid-epoch, as stock Ignite does
+    assert engine.state.iteration > 13  # resumed mid-epoch, ran on
+    assert not [str(w.message) for w in recwarn.list], [str(w.message) for w in recwarn.list]
+    assert not caplog.records, caplog.text
