@@ -43,11 +43,11 @@ from .core import attempts
 from .core.failure import tag, tag_of
 from .core.log import log
 from .detect.autohang import EVALUATION, STEP
-from .adapters.resume_ignite import SafeDiskSaver, check_mid_epoch_resume
+from .adapters.resume_ignite import DCPSaver, SafeDiskSaver, check_mid_epoch_resume
 from .adapters.guard import Guard
 from .core.inject import Injector
 
-__all__ = ["FaultTolerance", "FaultToleranceEvents", "SafeDiskSaver"]
+__all__ = ["DCPSaver", "FaultTolerance", "FaultToleranceEvents", "SafeDiskSaver"]
 
 
 class FaultTolerance:

@@ -5,6 +5,13 @@ checkpoint its previous attempt left. That attempt may have been killed while wr
 truncated file, or a leftover temporary file (Ignite's ``DiskSaver`` writes ``tmpXXXXXXXX`` in the
 checkpoint directory and renames it). ``latest_checkpoint`` skips those with a warning naming them.
 
+Distributed checkpoints (``torch.distributed.checkpoint``: a directory per checkpoint, every rank's
+shards and DCP's ``.metadata``) count beside files: a directory holding ``.metadata`` or ``.distcp``
+shards, or named like a checkpoint file (Lightning's sharded ``epoch=0-step=10.ckpt``); it is
+complete once ``.metadata`` is there (DCP writes it last), and for a ``.ckpt`` directory also
+Lightning's ``meta.pt`` (written after it). :class:`~fault_tolerant_handlers.ignite.DCPSaver` writes
+into ``tmp-<name>`` first, skipped as a temporary directory. Its age is that of its metadata.
+
 Checkpoint names recognised: anything ending in ``.pt``, ``.pth`` or ``.ckpt``: Ignite's
 ``Checkpoint``/``DiskSaver`` (``checkpoint_40.pt``, ``best_model_3_val_loss=0.1.pt``), Lightning's
 ``ModelCheckpoint`` (``epoch=0-step=40.ckpt``, ``last.ckpt``, ``last-v1.ckpt``). Newest means the
@@ -51,6 +58,10 @@ from . import live
 __all__ = ["latest_checkpoint"]
 
 SUFFIXES = (".pt", ".pth", ".ckpt")
+#: DCP's metadata file, written last (a distributed checkpoint is complete once it exists).
+DCP_METADATA = ".metadata"
+#: What Lightning's sharded strategies write into a distributed checkpoint after DCP's shards.
+LIGHTNING_META = "meta.pt"
 #: Longest path the ranks exchange (bytes).
 MAX_PATH_BYTES = 4096
 #: How long a rank waits for rank 0's answer in torchrun's store (``FTH_CKPT_AGREE_TIMEOUT_SEC``,
@@ -93,22 +104,65 @@ def check_file(path: Path) -> str | None:
     return None
 
 
+def _is_distributed(path: Path) -> bool:
+    """A directory that is (or was being written as) a distributed checkpoint: DCP's metadata or
+    shards in it, or a name a checkpoint file would have (Lightning's sharded ``epoch=0-step=10.ckpt``)."""
+    if path.suffix in SUFFIXES or (path / DCP_METADATA).exists():
+        return True
+    try:
+        return any(child.suffix == ".distcp" for child in path.iterdir())
+    except OSError:
+        return False
+
+
+def check_dir(path: Path) -> str | None:
+    """``None`` if the directory ``path`` is a complete distributed checkpoint, else why not.
+
+    DCP writes every rank's shards, then its ``.metadata`` (to a temporary name, renamed): without
+    it the write did not finish. Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` write
+    ``meta.pt`` (loops, callbacks) after it: a ``.ckpt`` directory needs it too, complete. The
+    metadata is a pickle and is not loaded here."""
+    try:
+        metadata = path / DCP_METADATA
+        if not metadata.is_file() or metadata.stat().st_size == 0:
+            return f"no {DCP_METADATA} (a distributed checkpoint whose write did not finish)"
+        meta = path / LIGHTNING_META
+        if meta.exists():
+            why = check_file(meta)
+            return f"{LIGHTNING_META} {why}" if why else None
+        if path.suffix == ".ckpt":
+            return f"no {LIGHTNING_META} (Lightning writes it after the shards: a write that did not finish)"
+    except OSError as err:
+        return f"unreadable: {type(err).__name__}: {err}"
+    return None
+
+
+def _mtime_ns(path: Path) -> int:
+    """When a checkpoint was completed: a file's modification time; a directory's, of what was
+    written last in it (its metadata)."""
+    if path.is_dir():
+        times = [p.stat().st_mtime_ns for p in (path / LIGHTNING_META, path / DCP_METADATA) if p.exists()]
+        return max(times, default=path.stat().st_mtime_ns)
+    return path.stat().st_mtime_ns
+
+
 def _decide(dirname: Path) -> str | None:
     if not dirname.is_dir():
         return None
     candidates, skipped = [], []
     for entry in dirname.iterdir():
-        if not entry.is_file():
+        is_dir = entry.is_dir()
+        if not entry.is_file() and not (is_dir and _is_distributed(entry)):
             continue
         if _is_temporary(entry.name):
-            skipped.append((entry, "a temporary file (a write that did not finish)"))
+            skipped.append((entry, f"a temporary {'directory' if is_dir else 'file'} (a write that did not finish)"))
             continue
-        if entry.suffix in SUFFIXES:
+        if is_dir or entry.suffix in SUFFIXES:
             candidates.append(entry)
-    candidates.sort(key=lambda p: (p.stat().st_mtime_ns, _step_of(p.name), p.name), reverse=True)
+    candidates.sort(key=lambda p: (_mtime_ns(p), _step_of(p.name), p.name), reverse=True)
     chosen = None
     for path in candidates:
-        why = check_file(path)
+        why = check_dir(path) if path.is_dir() else check_file(path)
         if why is None:
             chosen = path
             break
