@@ -31,14 +31,23 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT
-from test_examples import DEADLINE_SEC, _commands, _run
+import test_examples
+from test_examples import _commands
 
 from fault_tolerant_handlers import latest_checkpoint
 
 IGNITE = ROOT / "examples" / "ignite_fsdp.py"
 LIGHTNING = ROOT / "examples" / "lightning_model_parallel.py"
 SAVE_MAIN = ROOT / "tests" / "programs" / "dcp_save_main.py"
-DIGEST = re.compile(r"\[rank (\d)\] finished at (?:iteration|step) 60, weights sha256 ([0-9a-f]{64})")
+#: A bound per torchrun job (a relaunched job runs twice; unloaded, a run takes 10-30 s here).
+DEADLINE_SEC = 300
+DIGEST = re.compile(r"\[rank (\d)\] finished at (?:iteration|step) \d+, weights sha256 ([0-9a-f]{64})")
+
+
+def _run(line: str, example: Path, tmp_path: Path) -> tuple[int | None, str]:
+    """``test_examples._run`` (the printed command in ``tmp_path``, every process killed by pid
+    afterwards) bounded by :data:`DEADLINE_SEC`."""
+    return test_examples._run(line, example, tmp_path, deadline=DEADLINE_SEC)
 
 
 def _line(example: Path, in_place: bool, *, world: int = 2) -> str:
