@@ -34,7 +34,11 @@ def group():
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        idist = sys.modules.get("ignite.distributed")
+        if idist is not None and idist.model_name() != "serial":
+            idist.finalize()  # Ignite's saver saw the group: it forgets it (and destroys it)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _sharded_model() -> torch.nn.Module:
