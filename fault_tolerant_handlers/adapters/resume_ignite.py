@@ -136,11 +136,11 @@ class DCPSaver(BaseSaveHandler):
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
             dcp.save_dcp(checkpoint, temporary)  # collective; returns once .metadata is written
+            pending, self._pending_removal = self._pending_removal, []
             if rank == 0:
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(temporary, final)
-                pending, self._pending_removal = self._pending_removal, []
                 for old in pending:
                     if self._name(old) != name:
                         shutil.rmtree(self.dirname / self._name(old), ignore_errors=True)

@@ -213,7 +213,8 @@ def _torchrun_store():
 
 
 def latest_checkpoint(dirname: str | os.PathLike) -> str | None:
-    """The newest complete, loadable checkpoint file in ``dirname``, or ``None``; the same on every rank.
+    """The newest complete, loadable checkpoint in ``dirname`` (a file, or a distributed checkpoint's
+    directory), or ``None``; the same on every rank.
 
     Torn files (a kill during the write) and leftover temporary files are skipped with a
     ``RuntimeWarning`` naming them. Call it on every rank, the same number of times (like a
