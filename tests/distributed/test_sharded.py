@@ -136,6 +136,8 @@ def test_lightning_model_parallel_relaunch_resumes_exactly(distributed, lightnin
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "relaunch"])
 def test_ignite_fsdp_at_4_ranks(in_place, tmp_path):
     pytest.importorskip("ignite")
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "run").mkdir()
     reference = _reference(IGNITE, tmp_path / "reference", world=4)
     returncode, out = _run(_line(IGNITE, in_place, world=4), IGNITE, tmp_path / "run")
     assert returncode == 0, out[-4000:]
