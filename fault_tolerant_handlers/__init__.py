@@ -27,12 +27,14 @@ Public names:
 * :func:`recovery_history`, :func:`on_recovery`: a recovery in place's moments (:class:`RecoveryInfo`:
   failure seen, recovery started, recovered), as a list or as they happen.
 * :class:`DDPBucketLayout`: a DDP's bucket layout in the checkpoint: a resume exact at any world size.
+* :class:`ShardedState`, :func:`load_dcp`: a sharded model's distributed checkpoint (``DCPSaver`` for Ignite).
 """
 
 from .launchers import compat_torchrun as _compat_torchrun
 from .checkpoints import latest_checkpoint
 from .data.snapshots import load_checkpoint
 from .data.ddp_buckets import DDPBucketLayout
+from .data.dcp import ShardedState, load_dcp
 from .data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
 from .core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError, StateTransferError
 from .core.interrupts import deferred_interrupt
@@ -59,12 +61,14 @@ __all__ = [
     "RecoveryPhase",
     "RestartableDataLoader",
     "SectionMismatchError",
+    "ShardedState",
     "StateTransferError",
     "WorkerRestart",
     "deferred_interrupt",
     "fail_together",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_dcp",
     "make_restartable",
     "on_recovery",
     "one_rank_first",

@@ -15,7 +15,10 @@ __all__ = ["latest_checkpoint"]
 
 def latest_checkpoint(dirname: str | os.PathLike | Any, *, prefix: str | None = None,
                       required_keys: Iterable[str] | Mapping | None = None) -> str | None:
-    """The newest complete checkpoint to resume from, or ``None``; the same on every rank.
+    """The newest complete checkpoint to resume from, or ``None``; the same on every rank. A checkpoint
+    is a file, or a distributed checkpoint's directory (``torch.distributed.checkpoint``, Lightning's
+    sharded ``.ckpt`` directories, :class:`~fault_tolerant_handlers.ignite.DCPSaver`'s), chosen only once
+    complete (its ``.metadata`` written).
 
     ``dirname`` is a folder, or the object that writes the checkpoints:
 

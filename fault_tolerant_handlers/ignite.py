@@ -47,11 +47,12 @@ from .core import attempts
 from .core.failure import tag, tag_of
 from .core.log import log
 from .detect.autohang import EVALUATION, STEP
-from .adapters.resume_ignite import SafeDiskSaver, add_bucket_layouts, check_mid_epoch_resume, hook_load_objects
+from .adapters.resume_ignite import (DCPSaver, SafeDiskSaver, add_bucket_layouts, check_mid_epoch_resume,
+                                     hook_load_objects)
 from .adapters.guard import Guard
 from .core.inject import Injector
 
-__all__ = ["FaultTolerance", "FaultToleranceEvents", "SafeDiskSaver"]
+__all__ = ["DCPSaver", "FaultTolerance", "FaultToleranceEvents", "SafeDiskSaver"]
 
 hook_load_objects()  # Checkpoint.load_objects gives a DDP its checkpoint's bucket layout (adapters.resume_ignite)
 

@@ -222,8 +222,13 @@ class FaultTolerance(_CallbackBase):
         if attempts.recovering():
             self._recovery.setup(trainer)
             self._keep_launched_ranks(trainer)
-            # the newest checkpoint in memory: the next attempt's fit(ckpt_path=...) reads it from there
-            _compat_lightning.keep_checkpoints_in_memory(trainer.strategy, snapshots.keep, snapshots.take)
+            # the newest checkpoint in memory: the next attempt's fit(ckpt_path=...) reads it from there,
+            # unless the strategy loads the weights itself (sharded: ModelParallelStrategy, FSDPStrategy)
+            why = _compat_lightning.restores_itself(trainer.strategy)
+            if why:
+                log(logging.WARNING, "checkpoints are not kept in memory for a recovery in place: %s", why)
+            else:
+                _compat_lightning.keep_checkpoints_in_memory(trainer.strategy, snapshots.keep, snapshots.take)
         # First in line on the exception path: release before any other on_exception runs a collective.
         # (Lightning iterates this very list; moving an already-called item to the front skips no one.)
         callbacks = trainer.callbacks

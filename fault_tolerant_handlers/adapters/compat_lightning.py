@@ -212,6 +212,24 @@ def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any], n
     strategy._fth_snapshots = True
 
 
+def restores_itself(strategy: Any) -> str:
+    """Why a checkpoint dict handed to ``strategy`` would not be what it loads ("" when it is).
+
+    Lightning's ``Strategy.load_checkpoint`` reads the file and ``load_model_state_dict`` /
+    ``load_optimizer_state_dict`` apply the dict it returned. ``ModelParallelStrategy``,
+    ``FSDPStrategy`` (and DeepSpeed) load the weights and the optimizer inside their own
+    ``load_checkpoint`` and make those two methods no-ops (checked against Lightning 2.5.0, 2.6.6):
+    a dict returned instead of the file's is never applied."""
+    ns = "pytorch_lightning" if type(strategy).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
+    base = _import(ns + ".strategies").Strategy
+    overridden = [name for name in ("load_checkpoint", "load_model_state_dict", "load_optimizer_state_dict")
+                  if getattr(type(strategy), name, None) is not getattr(base, name)]
+    if not overridden:
+        return ""
+    return (f"the strategy {type(strategy).__name__} restores the weights and optimizer in its own load_checkpoint "
+            f"({', '.join(overridden)} overridden): fit(ckpt_path=...) reads the checkpoint where it was written")
+
+
 def plain_ddp(strategy: Any) -> bool:
     """``strategy`` is Lightning's ``DDPStrategy`` (not DeepSpeed, FSDP...): its checkpoint dict is
     built from this rank's objects alone, without collectives."""

@@ -16,13 +16,17 @@ then, every iteration:
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..core import sharded
+from ..core.log import log
 from ..data import live
+from ..data.dcp import ShardedState
 from ..data.ddp_buckets import DDPBucketLayout
 from . import compat_ignite as _compat_ignite
 
@@ -73,6 +77,13 @@ class IgniteLive:
         elif any(not callable(getattr(obj, "state_dict", None)) for obj in self.to_save.values()):
             self.why_not = "the Checkpoint's to_save holds objects without state_dict (nested containers)"
         modules = [_unwrap(o) for o in self.to_save.values() if isinstance(o, torch.nn.Module)]
+        shards = [f"to_save[{key!r}] is a {type(obj).__name__}" for key, obj in self.to_save.items()
+                  if isinstance(obj, ShardedState)]
+        shards += [f"{why}" for why in map(sharded.in_module, modules) if why]
+        if shards:  # shards in the peers' memory: not served (a recovery resumes from the newest checkpoint)
+            self.why_not = f"the model is sharded ({shards[0]}): live state carries replicated models only"
+            log(logging.WARNING, "live state refused: %s; a recovery in place resumes from the newest checkpoint",
+                self.why_not)
         self.tracker = live.StepTracker(modules, update_at_pre_hook=True)
         self._mark(engine, initial=True)
         live.register(self.capture)

@@ -17,9 +17,12 @@ recovery in place runs:
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
+from ..core import sharded
+from ..core.log import log
 from ..data import live
 from . import compat_lightning as _compat_lightning
 
@@ -42,6 +45,11 @@ class LightningLive:
         if not _compat_lightning.plain_ddp(trainer.strategy):
             self.why_not = (f"the strategy {type(trainer.strategy).__name__} builds its checkpoint with collectives "
                             "(live state: DDPStrategy only)")
+            found = sharded.in_module(trainer.lightning_module)
+            if found:  # shards in the peers' memory: not served (a recovery resumes from the newest checkpoint)
+                self.why_not = f"{self.why_not}; the model is sharded ({found})"
+            log(logging.WARNING, "live state refused: %s; a recovery in place resumes from the newest checkpoint",
+                self.why_not)
         for callback in trainer.checkpoint_callbacks:
             dirpath = getattr(callback, "dirpath", None)
             if dirpath:

@@ -18,22 +18,26 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import shutil
 import warnings
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 from ignite.handlers import DiskSaver
+from ignite.handlers.checkpoint import BaseSaveHandler
 from torch.nn.parallel import DistributedDataParallel
 
-from ..core import interrupts
+from ..core import interrupts, sharded
 from ..core.log import log
 from ..data.ddp_buckets import DDPBucketLayout
 from ..data.loader import RestartableDataLoader
-from ..data import live, snapshots
+from ..data import dcp, live, snapshots
 from . import compat_ignite as _compat_ignite
 
-__all__ = ["LAYOUT_KEY", "SafeDiskSaver", "add_bucket_layouts", "check_mid_epoch_resume", "give_bucket_layout"]
+__all__ = ["DCPSaver", "LAYOUT_KEY", "SafeDiskSaver", "add_bucket_layouts", "check_mid_epoch_resume", "give_bucket_layout"]
 
 #: The key of a DDP's bucket layout in a checkpoint written through an Ignite ``Checkpoint`` whose
 #: ``to_save`` holds the DDP (or the model it wraps) and no ``DDPBucketLayout`` of its own.
@@ -67,6 +71,11 @@ class SafeDiskSaver(DiskSaver):
         # Recovering in place, the interrupt of a hung main thread waits until the file is written
         # and the old ones removed (a deferred section, bounded by FTH_INTERRUPT_DEFER_SEC).
         with interrupts.SECTION:
+            found = sharded.find(checkpoint, "checkpoint")
+            if found is not None:
+                raise TypeError(f"SafeDiskSaver: {found[0]} is {found[1]}: a saver that writes on rank "
+                                f"{self.save_on_rank} only would keep that rank's shards alone; save a sharded model "
+                                "with fault_tolerant_handlers.ignite.DCPSaver (every rank writes its shards)")
             super().__call__(checkpoint, filename, metadata)  # raises (or is killed): nothing is removed
             snapshots.keep(self.dirname / filename, checkpoint)  # recovering in place: read from memory
             pending, self._fth_pending_removal = self._fth_pending_removal, []
@@ -76,6 +85,77 @@ class SafeDiskSaver(DiskSaver):
 
     def remove(self, filename: str) -> None:
         self._fth_pending_removal.append(filename)
+
+
+class DCPSaver(BaseSaveHandler):
+    """A save handler for Ignite's ``Checkpoint`` that writes a distributed checkpoint
+    (``torch.distributed.checkpoint``) on **every** rank: a sharded model's shards from each rank
+    (Ignite's ``DiskSaver`` writes on one rank only, which loses every other rank's shards).
+
+    Each checkpoint is a directory in ``dirname`` named after Ignite's file name without its
+    extension (``checkpoint_20``): every rank writes its shards into ``tmp-checkpoint_20`` first
+    (the entries of ``to_save`` holding sharded tensors through DCP, the others, such as the engine
+    and the loader, to a file per rank), and rank 0 renames it once DCP has written its
+    ``.metadata`` (last, after every rank's shards). Old checkpoints are removed after the new one
+    is complete, as :class:`SafeDiskSaver` does. :func:`~fault_tolerant_handlers.latest_checkpoint`
+    finds the newest complete one; :func:`~fault_tolerant_handlers.load_dcp` loads it on every rank.
+    ``dirname`` must be one folder every rank sees (a shared file system across hosts).
+
+    Put the model and its optimizers in ``to_save`` as a
+    :class:`~fault_tolerant_handlers.ShardedState` (torch's ``get_state_dict`` /
+    ``set_state_dict``: an optimizer that has not stepped yet can be loaded into).
+
+    Examples:
+        .. code-block:: python
+
+            from fault_tolerant_handlers import ShardedState, latest_checkpoint, load_dcp
+            from fault_tolerant_handlers.ignite import DCPSaver
+
+            to_save = {"app": ShardedState(model, optimizer), "trainer": trainer, "loader": loader}
+            trainer.add_event_handler(Events.ITERATION_COMPLETED(every=10),
+                                      Checkpoint(to_save, DCPSaver("ckpts"), n_saved=2))
+            path = latest_checkpoint("ckpts")      # a directory, the same on every rank
+            if path:
+                load_dcp(to_save, path)            # every rank
+
+    Args:
+        dirname: the checkpoint directory (made if missing).
+    """
+
+    def __init__(self, dirname: str | os.PathLike) -> None:
+        if not isinstance(dirname, (str, os.PathLike)):
+            raise TypeError(f"DCPSaver(dirname={dirname!r}): expected a str or os.PathLike")
+        self.dirname = Path(dirname).expanduser()
+        self._pending_removal: list[str] = []
+
+    @staticmethod
+    def _name(filename: str) -> str:
+        stem, ext = os.path.splitext(filename)
+        return stem if ext in (".pt", ".pth") else filename
+
+    def __call__(self, checkpoint: Any, filename: str, metadata: Any = None) -> None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        name = self._name(filename)
+        final, temporary = self.dirname / name, self.dirname / f"tmp-{name}"
+        with interrupts.SECTION:
+            if rank == 0:
+                self.dirname.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(temporary, ignore_errors=True)  # a write a killed attempt left
+                temporary.mkdir()
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier()
+            dcp.save_dcp(checkpoint, temporary)  # collective; returns once .metadata is written
+            pending, self._pending_removal = self._pending_removal, []
+            if rank == 0:
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(temporary, final)
+                for old in pending:
+                    if self._name(old) != name:
+                        shutil.rmtree(self.dirname / self._name(old), ignore_errors=True)
+
+    def remove(self, filename: str) -> None:
+        self._pending_removal.append(filename)
 
 
 def _loader_next_batch(loader: Any) -> int | None:

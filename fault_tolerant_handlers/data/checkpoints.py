@@ -10,7 +10,16 @@ What is looked at is a :class:`Source`: one folder or several (Lightning's logge
 names a file must start with (a ``prefix``: Ignite's ``Checkpoint`` of the trainer writes
 ``training_checkpoint_40.pt`` beside the ``best_model_*.pt`` of another ``Checkpoint``) and the keys
 the load needs (a file that lacks one, a model-only file, is skipped with a warning naming the key).
-Checkpoint names recognised: anything ending in ``.pt``, ``.pth`` or ``.ckpt``. Newest means the
+Distributed checkpoints (``torch.distributed.checkpoint``: a directory per checkpoint, every rank's
+shards and DCP's ``.metadata``) count beside files: a directory holding ``.metadata`` or ``.distcp``
+shards, or named like a checkpoint file (Lightning's sharded ``epoch=0-step=10.ckpt``); it is
+complete once ``.metadata`` is there (DCP writes it last), and for a ``.ckpt`` directory also
+Lightning's ``meta.pt`` (written after it). :class:`~fault_tolerant_handlers.ignite.DCPSaver` writes
+into ``tmp-<name>`` first, skipped as a temporary directory. Its age is that of its metadata.
+
+Checkpoint names recognised: anything ending in ``.pt``, ``.pth`` or ``.ckpt``: Ignite's
+``Checkpoint``/``DiskSaver`` (``checkpoint_40.pt``, ``best_model_3_val_loss=0.1.pt``), Lightning's
+``ModelCheckpoint`` (``epoch=0-step=40.ckpt``, ``last.ckpt``, ``last-v1.ckpt``). Newest means the
 latest modification time; a tie goes to the larger step number in the name.
 
 How a file is checked, without running its pickle more than needed: a file written by
@@ -62,6 +71,10 @@ from ..core.log import log
 from . import live
 
 SUFFIXES = (".pt", ".pth", ".ckpt")
+#: DCP's metadata file, written last (a distributed checkpoint is complete once it exists).
+DCP_METADATA = ".metadata"
+#: What Lightning's sharded strategies write into a distributed checkpoint after DCP's shards.
+LIGHTNING_META = "meta.pt"
 #: Longest path or request text the ranks exchange (bytes).
 MAX_PATH_BYTES = 4096
 #: Longest verdict (an error naming every rank's folder, shortened).
@@ -178,21 +191,68 @@ def check_file(path: Path, required_keys: tuple[str, ...] = ()) -> str | None:
     return None
 
 
+def _is_distributed(path: Path) -> bool:
+    """A directory that is (or was being written as) a distributed checkpoint: DCP's metadata or
+    shards in it, or a name a checkpoint file would have (Lightning's sharded ``epoch=0-step=10.ckpt``)."""
+    if path.suffix in SUFFIXES or (path / DCP_METADATA).exists():
+        return True
+    try:
+        return any(child.suffix == ".distcp" for child in path.iterdir())
+    except OSError:
+        return False
+
+
+def check_dir(path: Path) -> str | None:
+    """``None`` if the directory ``path`` is a complete distributed checkpoint, else why not.
+
+    DCP writes every rank's shards, then its ``.metadata`` (to a temporary name, renamed): without
+    it the write did not finish. Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` write
+    ``meta.pt`` (loops, callbacks) after it: a ``.ckpt`` directory needs it too, complete. The
+    metadata is a pickle and is not loaded here."""
+    try:
+        metadata = path / DCP_METADATA
+        if not metadata.is_file() or metadata.stat().st_size == 0:
+            return f"no {DCP_METADATA} (a distributed checkpoint whose write did not finish)"
+        meta = path / LIGHTNING_META
+        if meta.exists():
+            why = check_file(meta)
+            return f"{LIGHTNING_META} {why}" if why else None
+        if path.suffix == ".ckpt":
+            return f"no {LIGHTNING_META} (Lightning writes it after the shards: a write that did not finish)"
+    except OSError as err:
+        return f"unreadable: {type(err).__name__}: {err}"
+    return None
+
+
+def _mtime_ns(path: Path) -> int:
+    """When a checkpoint was completed: a file's modification time; a directory's, of what was
+    written last in it (its metadata)."""
+    if path.is_dir():
+        times = [p.stat().st_mtime_ns for p in (path / LIGHTNING_META, path / DCP_METADATA) if p.exists()]
+        return max(times, default=path.stat().st_mtime_ns)
+    return path.stat().st_mtime_ns
+
+
 def candidates(source: Source) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """The files of ``source``'s folders that may be checkpoints, newest first, and the temporary files
+    """The files and distributed checkpoints' directories of ``source``'s folders that may be
+    checkpoints, newest first, and the temporary files
     skipped (with why). Missing folders give nothing."""
     found, skipped = [], []
     for folder in source.folders:
         if not folder.is_dir():
             continue
         for entry in folder.iterdir():
-            if not entry.name.startswith(source.prefix) or not entry.is_file():
+            name = entry.name[4:] if entry.name.startswith("tmp-") else entry.name  # DCPSaver's temporary
+            if not name.startswith(source.prefix):
+                continue
+            is_dir = entry.is_dir()
+            if not entry.is_file() and not (is_dir and _is_distributed(entry)):
                 continue
             if _is_temporary(entry.name):
-                skipped.append((entry, "a temporary file (a write that did not finish)"))
-            elif entry.suffix in SUFFIXES:
+                skipped.append((entry, f"a temporary {'directory' if is_dir else 'file'} (a write that did not finish)"))
+            elif is_dir or entry.suffix in SUFFIXES:
                 found.append(entry)
-    found.sort(key=lambda p: (p.stat().st_mtime_ns, _step_of(p.name), p.name), reverse=True)
+    found.sort(key=lambda p: (_mtime_ns(p), _step_of(p.name), p.name), reverse=True)
     return found, skipped
 
 
@@ -207,7 +267,7 @@ def _decide(source: Source) -> str | None:
     found, skipped = candidates(source)
     chosen = None
     for path in found:
-        why = check_file(path, source.required_keys)
+        why = check_dir(path) if path.is_dir() else check_file(path, source.required_keys)
         if why is None:
             chosen = path
             break

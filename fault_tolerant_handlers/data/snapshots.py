@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..core import attempts, config
+from ..core import attempts, config, sharded
 from ..core.log import log
 from . import live
 
@@ -81,6 +81,10 @@ def keep(path: str | os.PathLike, checkpoint: Any) -> bool:
     try:
         if not enabled():
             return False
+        found = sharded.find(checkpoint, "checkpoint")
+        if found is not None:
+            _refuse_sharded(path, *found)
+            return False
         stamp = _stamp(checkpoint)
         with _lock:
             if _newest is not None and stamp is not None and _newest[3] == stamp:
@@ -97,6 +101,21 @@ def keep(path: str | os.PathLike, checkpoint: Any) -> bool:
         with _lock:
             _newest = None
         return False
+
+
+_warned_sharded = False
+
+
+def _refuse_sharded(path: str | os.PathLike, where: str, why: str) -> None:
+    """A checkpoint holding sharded tensors is not copied (one rank's shards are not a state to hand
+    back); once per process, at WARNING. The next attempt reads it where it was written."""
+    global _newest, _warned_sharded
+    with _lock:
+        _newest = None
+    if not _warned_sharded:
+        _warned_sharded = True
+        log(logging.WARNING, "not keeping checkpoint %s in memory: %s is %s; a recovery in place reads it where "
+            "it was written", Path(path).name, where, why)
 
 
 def forget() -> None:
@@ -147,4 +166,11 @@ def load_checkpoint(path: str | os.PathLike, **torch_load_kwargs: Any) -> Any:
         raise TypeError(f"load_checkpoint(path={path!r}): expected a file's path (a str or os.PathLike, such as "
                         "latest_checkpoint's answer)")
     kept = take(path)
-    return kept if kept is not None else torch.load(path, **torch_load_kwargs)
+    if kept is not None:
+        return kept
+    if Path(path).is_dir():
+        raise IsADirectoryError(
+            f"load_checkpoint({str(path)!r}): a directory, a distributed checkpoint (torch.distributed.checkpoint) "
+            "that torch.load cannot read: load it into your objects on every rank with "
+            "fault_tolerant_handlers.load_dcp(to_load, path) (Lightning: trainer.fit(ckpt_path=path))")
+    return torch.load(path, **torch_load_kwargs)

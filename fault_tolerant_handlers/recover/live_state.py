@@ -101,6 +101,7 @@ import torch.distributed as dist
 
 from ..core.errors import StateTransferError
 from ..core.log import log
+from ..core import sharded
 
 #: Bytes per segment at most (a slice of a large tensor, or small tensors packed), and of each of
 #: the two staging buffers a rank may hold. ``bench/state_transfer.py`` found no difference above its
@@ -251,6 +252,10 @@ def _flatten(obj: Any, path: str, leaves: list[tuple[Any, str]]) -> Any:
             raise TypeError(f"{path} is a tensor live state cannot carry (layout {obj.layout}, "
                             f"{'quantized' if obj.is_quantized else 'meta' if obj.is_meta else 'not dense'}): "
                             "only dense tensors with data")
+        why = sharded.unbacked(obj)
+        if why:
+            raise TypeError(f"{path} is {why}: live state carries tensors each process holds whole (its memory read "
+                            "in place); a sharded model recovers from its newest checkpoint")
         leaves.append((obj, path))
         return {"x": [_dtype_name(obj.dtype), list(obj.shape)]}
     if _is_ndarray(obj):
@@ -313,6 +318,8 @@ def _memory(t: torch.Tensor) -> memoryview:
     n = t.numel()
     if n == 0:
         return memoryview(b"")
+    if type(t) is not torch.Tensor or t.device.type != "cpu" or not t.data_ptr():
+        raise TypeError(f"not a CPU tensor with memory of its own ({type(t).__qualname__} on {t.device})")
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 

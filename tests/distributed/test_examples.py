@@ -52,7 +52,7 @@ def _kill_named(marker: str) -> None:
             continue
 
 
-def _run(line: str, example: Path, tmp_path: Path) -> tuple[int | None, str]:
+def _run(line: str, example: Path, tmp_path: Path, deadline: float = DEADLINE_SEC) -> tuple[int | None, str]:
     """Run one printed command line in ``tmp_path``, with the example copied there (a path no other
     process has), torchrun as ``python -m torch.distributed.run``. Returns the exit code (``None``:
     killed at the deadline) and the output."""
@@ -73,7 +73,7 @@ def _run(line: str, example: Path, tmp_path: Path) -> tuple[int | None, str]:
         proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            proc.wait(timeout=DEADLINE_SEC)
+            proc.wait(timeout=deadline)
         except subprocess.TimeoutExpired:
             pass
         finally:

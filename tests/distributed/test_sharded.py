@@ -1,0 +1,187 @@
+"""Sharded models (FSDP2 ``fully_shard``, Lightning ``ModelParallelStrategy``) and distributed
+checkpoints (``torch.distributed.checkpoint``, DCP), as the examples run them, on 2 CPU ranks (gloo).
+
+* ``examples/ignite_fsdp.py``: Ignite + FSDP2 with ``DCPSaver``; rank 1 raises at iteration 17; a
+  recovery in place (live state refused with a WARNING: a sharded model's shards are in the peers'
+  memory) and a torchrun relaunch both resume from ``checkpoint_10`` and end with the SHA-256 of
+  the final weights (``full_tensor()``) of an uninterrupted run. Before this: the in-place run died
+  of SIGSEGV (the live-state checksum read a ``DTensor``'s ``data_ptr()``, 0).
+* ``examples/lightning_model_parallel.py``: ``ModelParallelStrategy`` with
+  ``save_distributed_checkpoint`` False (a file) and True (a directory); in place, resumed from
+  ``epoch=0-step=10.ckpt`` with the checkpoint's weights. Before this: the file's in-memory copy was
+  handed to a strategy that ignores it (the run went on from step 10 with freshly initialised
+  weights: another SHA-256, exit 0), and the directory was not found (trained from step 0 again).
+* A save killed midway (DCP's shards written, its ``.metadata`` not; Lightning's ``meta.pt`` not;
+  ``DCPSaver``'s temporary directory) is never what ``latest_checkpoint`` chooses.
+
+Every run is bounded and every process it started is killed by pid (see ``test_examples._run``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from launch import ROOT
+import test_examples
+from test_examples import _commands
+
+from fault_tolerant_handlers import latest_checkpoint
+
+IGNITE = ROOT / "examples" / "ignite_fsdp.py"
+LIGHTNING = ROOT / "examples" / "lightning_model_parallel.py"
+SAVE_MAIN = ROOT / "tests" / "programs" / "dcp_save_main.py"
+#: A bound per torchrun job (a relaunched job runs twice; unloaded, a run takes 10-30 s here).
+DEADLINE_SEC = 300
+DIGEST = re.compile(r"\[rank (\d)\] finished at (?:iteration|step) \d+, weights sha256 ([0-9a-f]{64})")
+
+
+def _run(line: str, example: Path, tmp_path: Path) -> tuple[int | None, str]:
+    """``test_examples._run`` (the printed command in ``tmp_path``, every process killed by pid
+    afterwards) bounded by :data:`DEADLINE_SEC`."""
+    return test_examples._run(line, example, tmp_path, deadline=DEADLINE_SEC)
+
+
+def _line(example: Path, in_place: bool, *, world: int = 2) -> str:
+    [line] = [c for c in _commands(example) if ("--in-place" in c) == in_place]
+    return line.replace("--nproc-per-node 2", f"--nproc-per-node {world}")
+
+
+def _digests(out: str, world: int) -> set[str]:
+    found = dict(DIGEST.findall(out))
+    assert sorted(found) == [str(r) for r in range(world)], out[-4000:]
+    return set(found.values())
+
+
+def _reference(example: Path, tmp_path: Path, world: int = 2, extra: str = "") -> str:
+    """The final weights of an uninterrupted run (no FTH_INJECT)."""
+    line = _line(example, in_place=False, world=world).split(" ", 1)[1].replace("--max-restarts 1 ", "") + extra
+    returncode, out = _run(line, example, tmp_path)
+    assert returncode == 0, out[-4000:]
+    digests = _digests(out, world)
+    assert len(digests) == 1, out[-4000:]
+    return digests.pop()
+
+
+@pytest.fixture(scope="module")
+def ignite_reference(tmp_path_factory) -> str:
+    pytest.importorskip("ignite")
+    return _reference(IGNITE, tmp_path_factory.mktemp("ignite-reference"))
+
+
+@pytest.fixture(scope="module")
+def lightning_reference(tmp_path_factory) -> str:
+    pytest.importorskip("lightning")
+    return _reference(LIGHTNING, tmp_path_factory.mktemp("lightning-reference"))
+
+
+def test_sharded_examples_print_both_rehearsals():
+    for example in (IGNITE, LIGHTNING):
+        lines = _commands(example)
+        assert {"--in-place" in line for line in lines} == {True, False}, lines
+        assert all("FTH_INJECT=raise@rank=1,iteration=17 torchrun --standalone --nproc-per-node 2" in line
+                   for line in lines), lines
+
+
+def _check_recovered(out: str, returncode: int | None, resumed: str, reference: str, in_place: bool) -> None:
+    assert returncode is not None, f"still running after {DEADLINE_SEC} s (killed):\n{out[-4000:]}"
+    assert "SIGSEGV" not in out and "Segmentation fault" not in out, out[-4000:]
+    assert "FTH_INJECT=raise@rank=1,iteration=17: injecting raise" in out, out[-4000:]  # the fault fired
+    assert re.search(r"\[rank 0 step \d+\] stopping: rank 1 failed in 'train'", out), out[-4000:]  # together
+    for rank in (0, 1):
+        assert f"[rank {rank}] attempt 1: {resumed}" in out, out[-4000:]
+    if in_place:
+        assert "recovering in place, attempt 1" in out, out[-4000:]
+        assert re.search(r"\[rank 0\] live state refused: .*sharded", out), out[-4000:]  # the WARNING, named
+    assert returncode == 0, out[-4000:]
+    assert _digests(out, 2) == {reference}, f"final weights differ from an uninterrupted run's:\n{out[-4000:]}"
+
+
+@pytest.mark.timeout(2 * DEADLINE_SEC + 60)
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "relaunch"])
+def test_ignite_fsdp_resumes_exactly_from_a_distributed_checkpoint(in_place, ignite_reference, tmp_path):
+    returncode, out = _run(_line(IGNITE, in_place), IGNITE, tmp_path)
+    _check_recovered(out, returncode, "resumed from checkpoint_10 at iteration 10", ignite_reference, in_place)
+
+
+@pytest.mark.timeout(2 * DEADLINE_SEC + 60)
+@pytest.mark.parametrize("distributed", [False, True], ids=["file", "directory"])
+def test_lightning_model_parallel_in_place_resumes_with_the_checkpoints_weights(distributed, lightning_reference,
+                                                                                 tmp_path):
+    line = _line(LIGHTNING, in_place=True) + (" --distributed" if distributed else "")
+    returncode, out = _run(line, LIGHTNING, tmp_path)
+    _check_recovered(out, returncode, "resuming from epoch=0-step=10.ckpt", lightning_reference, True)
+    assert "checkpoints are not kept in memory for a recovery in place: the strategy ModelParallelStrategy" in out
+
+
+@pytest.mark.long
+@pytest.mark.timeout(2 * DEADLINE_SEC + 60)
+@pytest.mark.parametrize("distributed", [False, True], ids=["file", "directory"])
+def test_lightning_model_parallel_relaunch_resumes_exactly(distributed, lightning_reference, tmp_path):
+    line = _line(LIGHTNING, in_place=False) + (" --distributed" if distributed else "")
+    returncode, out = _run(line, LIGHTNING, tmp_path)
+    _check_recovered(out, returncode, "resuming from epoch=0-step=10.ckpt", lightning_reference, False)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(3 * DEADLINE_SEC + 60)
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "relaunch"])
+def test_ignite_fsdp_at_4_ranks(in_place, tmp_path):
+    pytest.importorskip("ignite")
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "run").mkdir()
+    reference = _reference(IGNITE, tmp_path / "reference", world=4)
+    returncode, out = _run(_line(IGNITE, in_place, world=4), IGNITE, tmp_path / "run")
+    assert returncode == 0, out[-4000:]
+    assert "FTH_INJECT=raise@rank=1,iteration=17: injecting raise" in out, out[-4000:]
+    for rank in range(4):
+        assert f"[rank {rank}] attempt 1: resumed from checkpoint_10 at iteration 10" in out, out[-4000:]
+    assert _digests(out, 4) == {reference}, out[-4000:]
+
+
+# -- a save killed midway ------------------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_latest_checkpoint_never_chooses_a_distributed_save_killed_midway(tmp_path):
+    """``dcp_save_main.py`` writes a complete checkpoint of step 10 in three folders, starts one of
+    step 20 in each and stops midway; it is SIGKILLed (by pid) there. Before this, the directories
+    were not checkpoints at all: ``latest_checkpoint`` answered ``None`` (the job started over)."""
+    root = tmp_path / "ckpts"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    with open(tmp_path / "output.txt", "w+") as out:
+        proc = subprocess.Popen([sys.executable, str(SAVE_MAIN), str(root)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            end = time.monotonic() + 150
+            while time.monotonic() < end and proc.poll() is None and not (root / "stopped").exists():
+                time.sleep(0.1)
+        finally:
+            stopped = (root / "stopped").exists()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait(timeout=10)
+        out.seek(0)
+        assert stopped, f"the saves did not reach their stop (rc={proc.returncode}):\n{out.read()[-3000:]}"
+    cases = [("dcp", "checkpoint_10", "checkpoint_20"),  # DCP's shards written, its .metadata not
+             ("saver", "checkpoint_10", "tmp-checkpoint_20"),  # DCPSaver's temporary directory
+             ("lightning", "epoch=0-step=10.ckpt", "epoch=0-step=20.ckpt")]  # .metadata, no Lightning meta.pt
+    for case, complete, torn in cases:
+        folder = root / case
+        assert (folder / torn).is_dir() and any((folder / torn).iterdir()), case  # the kill left it half-written
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            chosen = latest_checkpoint(folder)
+        assert chosen == str(folder / complete), case
+        assert any(torn in str(w.message) for w in caught), (case, [str(w.message) for w in caught])

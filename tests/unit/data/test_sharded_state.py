@@ -1,0 +1,198 @@
+"""Sharded state (``DTensor``: FSDP2 ``fully_shard``) in every path that reads, copies, saves or loads
+state, and distributed checkpoints (directories) in ``latest_checkpoint`` / ``load_checkpoint``.
+
+A one-rank gloo group (made for these tests, destroyed after); the live-state checksum of a
+``DTensor`` runs in a child process: before the fix it ended the interpreter with SIGSEGV (a
+``DTensor``'s ``data_ptr()`` is 0, read through ctypes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fault_tolerant_handlers import ShardedState, latest_checkpoint, load_checkpoint, load_dcp
+from fault_tolerant_handlers.core import sharded
+from fault_tolerant_handlers.data import snapshots
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def group():
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        idist = sys.modules.get("ignite.distributed")
+        if idist is not None and idist.model_name() != "serial":
+            idist.finalize()  # Ignite's saver saw the group: it forgets it (and destroys it)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _sharded_model() -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    for layer in model:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+CHECKSUM = """
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from fault_tolerant_handlers.recover import live_state
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = fully_shard(torch.nn.Linear(4, 4))
+try:
+    live_state.checksum({"w": model.state_dict()["weight"]})
+except TypeError as err:
+    print("refused:", err)
+print("alive")
+"""
+
+
+def test_checksum_of_a_dtensor_is_refused_not_a_segfault():
+    proc = subprocess.run([sys.executable, "-c", CHECKSUM], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])  # before: -11 (SIGSEGV)
+    assert "refused: state['w'] is a DTensor (sharded: placements (S(0))" in proc.stdout, proc.stdout
+    assert "alive" in proc.stdout
+
+
+def test_sharded_find_names_the_path(group):
+    model = _sharded_model()
+    assert sharded.find({"model": model.state_dict()})[0] == "state['model']['0.weight']"
+    assert "DTensor" in sharded.in_module(model)
+    assert sharded.find({"w": torch.ones(2), "n": [1, {"x": torch.zeros(1)}]}) is None
+    assert sharded.in_module(torch.nn.Linear(2, 2)) == ""
+
+
+def test_snapshot_refuses_sharded_state_at_warning(group, monkeypatch, caplog):
+    monkeypatch.setattr(snapshots, "enabled", lambda: True)
+    monkeypatch.setattr(snapshots, "_warned_sharded", False)
+    model = _sharded_model()
+    with caplog.at_level(logging.WARNING):
+        assert snapshots.keep("ckpt/checkpoint_10.pt", {"model": model.state_dict()}) is False
+    assert snapshots.newest("ckpt/checkpoint_10.pt") is None
+    assert "checkpoint['model']['0.weight'] is a DTensor" in caplog.text
+    assert snapshots.keep("ckpt/checkpoint_10.pt", {"model": torch.nn.Linear(2, 2).state_dict()}) is True
+    snapshots.forget()
+
+
+def test_safe_disk_saver_refuses_a_sharded_model(group, tmp_path):
+    pytest.importorskip("ignite")
+    from fault_tolerant_handlers.ignite import SafeDiskSaver
+
+    model = _sharded_model()
+    with pytest.raises(TypeError, match="DTensor.*DCPSaver"):
+        SafeDiskSaver(tmp_path, require_empty=False)({"model": model.state_dict()}, "checkpoint_10.pt")
+    assert not list(tmp_path.glob("*.pt"))
+
+
+def test_dcp_saver_round_trip_and_discovery(group, tmp_path):
+    pytest.importorskip("ignite")
+    from fault_tolerant_handlers.ignite import DCPSaver
+
+    model = _sharded_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    to_save = {"app": ShardedState(model, optimizer), "counter": _Counter(7)}
+    saver = DCPSaver(tmp_path)
+    saver({k: v.state_dict() for k, v in to_save.items()}, "checkpoint_10.pt")
+    saver.remove("checkpoint_10.pt")  # Checkpoint asks before the next save: done after it
+    saver({k: v.state_dict() for k, v in to_save.items()}, "checkpoint_20.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_20"]
+    path = latest_checkpoint(tmp_path)
+    assert path == str(tmp_path / "checkpoint_20")
+    expected = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    fresh = _sharded_model()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)  # never stepped: its state is made to load into
+    counter = _Counter(0)
+    load_dcp({"app": ShardedState(fresh, fresh_opt), "counter": counter}, path)
+    assert counter.n == 7
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value.full_tensor(), expected[key]), key
+    assert fresh_opt.state_dict()["state"][0]["step"] == 1
+    with pytest.raises(IsADirectoryError, match="load_dcp"):
+        load_checkpoint(path)
+
+
+class _Counter:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+def _dcp_dir(path: Path, mtime: int, *, metadata: bool = True, meta_pt: bool | None = None) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(path), no_dist=True)
+    if not metadata:
+        (path / ".metadata").unlink()
+    if meta_pt:
+        torch.save({"global_step": 1}, path / "meta.pt")
+    for p in [path, *path.iterdir()]:
+        os.utime(p, ns=(mtime, mtime))
+    return path
+
+
+def test_latest_checkpoint_finds_complete_distributed_checkpoints_beside_files(tmp_path):
+    base = time.time_ns()
+    torch.save({"w": torch.ones(1)}, tmp_path / "checkpoint_10.pt")
+    os.utime(tmp_path / "checkpoint_10.pt", ns=(base, base))
+    _dcp_dir(tmp_path / "checkpoint_20", base + 10**9)
+    (tmp_path / "lightning_logs").mkdir()  # not a checkpoint: not named
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "checkpoint_20")
+    _dcp_dir(tmp_path / "checkpoint_30", base + 2 * 10**9, metadata=False)  # its write did not finish
+    _dcp_dir(tmp_path / "tmp-checkpoint_40", base + 3 * 10**9)  # DCPSaver's, not yet renamed
+    with pytest.warns(RuntimeWarning) as record:
+        assert latest_checkpoint(tmp_path) == str(tmp_path / "checkpoint_20")
+    text = "\n".join(str(w.message) for w in record)
+    assert "skipping checkpoint_30: no .metadata" in text and "skipping tmp-checkpoint_40: a temporary directory" in text
+    assert "lightning_logs" not in text
+
+
+def test_latest_checkpoint_lightning_sharded_directories(tmp_path):
+    base = time.time_ns()
+    _dcp_dir(tmp_path / "epoch=0-step=10.ckpt", base, meta_pt=True)
+    _dcp_dir(tmp_path / "epoch=0-step=20.ckpt", base + 10**9, meta_pt=False)  # meta.pt is written last
+    with pytest.warns(RuntimeWarning, match="skipping epoch=0-step=20.ckpt: no meta.pt"):
+        assert latest_checkpoint(tmp_path) == str(tmp_path / "epoch=0-step=10.ckpt")
+    # the same modification time: the larger step
+    _dcp_dir(tmp_path / "epoch=0-step=30.ckpt", base + 2 * 10**9, meta_pt=True)
+    _dcp_dir(tmp_path / "epoch=0-step=40.ckpt", base + 2 * 10**9, meta_pt=True)
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "epoch=0-step=40.ckpt")
+
+
+def test_lightning_strategies_that_restore_themselves_are_named():
+    pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from fault_tolerant_handlers.adapters import compat_lightning
+
+    assert compat_lightning.restores_itself(DDPStrategy()) == ""
+    for strategy in (ModelParallelStrategy(), FSDPStrategy()):
+        why = compat_lightning.restores_itself(strategy)
+        assert type(strategy).__name__ in why and "load_model_state_dict" in why, why
