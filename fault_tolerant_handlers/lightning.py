@@ -66,7 +66,7 @@ from .adapters import compat_lightning as _compat_lightning
 from .adapters.live_lightning import LightningLive
 from .adapters.recovery_lightning import LightningRecovery
 from .core import attempts, interrupts
-from .data import snapshots
+from .data import live, snapshots
 from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
 from .core.failure import tag, tag_of
@@ -222,6 +222,9 @@ class FaultTolerance(_CallbackBase):
         if attempts.recovering():
             self._recovery.setup(trainer)
             self._keep_launched_ranks(trainer)
+            if stage == "fit":  # live state the script did not pass as ckpt_path: loaded by fit all the same
+                _compat_lightning.substitute_ckpt_path(
+                    trainer, lambda path: live.substitute(path, "the trainer's fit(ckpt_path=...)"))
             # the newest checkpoint in memory: the next attempt's fit(ckpt_path=...) reads it from there
             _compat_lightning.keep_checkpoints_in_memory(trainer.strategy, snapshots.keep, snapshots.take)
         # First in line on the exception path: release before any other on_exception runs a collective.
@@ -281,6 +284,8 @@ class FaultTolerance(_CallbackBase):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard.active and attempts.recovering():
+            live.loop_starts("global step", lambda: int(trainer.global_step), None,
+                             "fit(ckpt_path=...) did not load it")
             self._live.train_start(trainer)
             self._recovery.train_start(trainer)
 

@@ -25,6 +25,13 @@ trainer it is given (:func:`namespace`).
   ``__dict__``), copied cheaply at every completed batch (:func:`loop_parts`, :func:`snapshot_loops`);
 * ``<namespace>.strategies.DDPStrategy`` / ``DeepSpeedStrategy``: live state only under a plain DDP
   strategy, whose checkpoint is built without collectives (:func:`plain_ddp`).
+* ``Trainer._checkpoint_connector.resume_start(checkpoint_path, ...)``: where ``fit`` loads the
+  ``ckpt_path`` it was given (``None``: nothing); recovering in place with live state held, the path
+  is replaced by the live state's name, whatever the script passed (:func:`substitute_ckpt_path`).
+* ``<logger>._version`` (``CSVLogger``, ``TensorBoardLogger``: the version computed on first use, from
+  the folders that exist) and CSV's ``ExperimentWriter`` (which deletes ``metrics.csv`` of a folder it
+  opens): recovering in place, the next attempt's loggers keep the first attempt's version
+  (:func:`pin_logger_version`).
 """
 
 from __future__ import annotations
@@ -282,3 +289,61 @@ def loop_state(parts: tuple[list, list], snapshot: tuple[list, list]) -> dict:
                 node.__dict__.update(zip(fields, value if len(fields) > 1 else (value,)))
         state[key] = copy.state_dict()
     return state
+
+
+def substitute_ckpt_path(trainer: Any, substitute: Callable[[Any], Any]) -> None:
+    """``fit`` on this trainer loads ``substitute(ckpt_path)`` instead of ``ckpt_path`` when that is not
+    ``None`` (``Trainer._checkpoint_connector.resume_start``, lightning 2.5.0, 2.6.6). Once per trainer."""
+    connector = trainer._checkpoint_connector
+    original = connector.resume_start
+    if getattr(original, "_fth_substitute", False):
+        return
+
+    @functools.wraps(original)
+    def resume_start(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if getattr(getattr(trainer, "state", None), "fn", None) == "fit":
+            checkpoint_path = substitute(checkpoint_path) or checkpoint_path
+        return original(checkpoint_path, *args, **kwargs)
+
+    resume_start._fth_substitute = True  # type: ignore[attr-defined]
+    connector.resume_start = resume_start
+
+
+def logger_versions(trainer: Any) -> list[tuple[str, str, Any]]:
+    """``(type, root folder, version)`` of each logger of ``trainer`` that numbers its versions."""
+    found = []
+    for logger in trainer.loggers:
+        if hasattr(logger, "_version") and getattr(logger, "root_dir", None) is not None:
+            found.append((type(logger).__name__, str(logger.root_dir), logger.version))
+    return found
+
+
+def pin_logger_version(trainer: Any, versions: list[tuple[str, str, Any]]) -> list[str]:
+    """Give each logger of ``trainer`` the version in ``versions`` of the logger of the same type and
+    root folder (the first attempt's), before it writes anything; a CSV logger keeps the rows of its
+    ``metrics.csv`` (its writer deletes the file of a folder it opens). Returns the loggers pinned."""
+    import warnings
+
+    pinned = []
+    wanted = {(kind, root): version for kind, root, version in versions}
+    for logger in trainer.loggers:
+        root = getattr(logger, "root_dir", None)
+        version = wanted.get((type(logger).__name__, str(root)))
+        if version is None or not hasattr(logger, "_version") or getattr(logger, "_experiment", None) is not None \
+                or logger.version == version:
+            continue
+        logger._version = version
+        pinned.append(f"{type(logger).__name__} {logger.log_dir}")
+        metrics = os.path.join(logger.log_dir, "metrics.csv")
+        if type(logger).__name__ == "CSVLogger" and trainer.global_rank == 0 and os.path.isfile(metrics):
+            with open(metrics, "rb") as f:
+                kept = f.read()
+            with warnings.catch_warnings():  # "Previous log files in this directory will be deleted": not so
+                warnings.simplefilter("ignore")
+                writer = logger.experiment
+            with open(metrics, "wb") as f:
+                f.write(kept)
+            header = kept.decode("utf-8", "replace").splitlines()[:1]
+            if header and hasattr(writer, "metrics_keys"):
+                writer.metrics_keys = sorted(k for k in header[0].split(",") if k)
+    return pinned

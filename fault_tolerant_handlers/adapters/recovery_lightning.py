@@ -34,6 +34,7 @@ from typing import Any
 
 from ..core import attempts, events, recoveries
 from ..core.log import log
+from . import compat_lightning as _compat_lightning
 
 #: The hooks, by the moment they tell.
 HOOKS = {recoveries.RecoveryPhase.FAILURE_SEEN: "on_failure_seen",
@@ -44,6 +45,8 @@ HOOKS = {recoveries.RecoveryPhase.FAILURE_SEEN: "on_failure_seen",
 _trainers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 #: The failed attempt's last completed global step (set at its ``on_exception``).
 _last_completed: int | None = None
+#: The first attempt's loggers' ``(type, root folder, version)`` (:func:`.compat_lightning.logger_versions`).
+_logger_versions: list | None = None
 
 
 def dispatch(trainer: Any, hook: str, info: recoveries.RecoveryInfo) -> None:
@@ -66,7 +69,21 @@ class LightningRecovery:
         self._log_pending = False
 
     def setup(self, trainer: Any) -> None:
+        global _logger_versions
         _trainers[trainer] = attempts.in_place()
+        # One logger version for the whole run: the next attempt's loggers keep the first attempt's
+        # (a new Trainer's logger would take the next free version_N, splitting the run's logs).
+        try:
+            if not attempts.in_place() or _logger_versions is None:
+                _logger_versions = _compat_lightning.logger_versions(trainer)
+            else:
+                pinned = _compat_lightning.pin_logger_version(trainer, _logger_versions)
+                if pinned:
+                    log(logging.INFO, "the recovered attempt logs on in the first attempt's folder: %s",
+                        "; ".join(pinned))
+        except Exception as err:  # noqa: BLE001 - a logger of another shape: a version of its own, as before
+            log(logging.WARNING, "could not keep the first attempt's logger version: %s: %s", type(err).__name__,
+                (str(err).splitlines() or [""])[0][:200])
 
     def train_start(self, trainer: Any) -> None:
         global _last_completed

@@ -26,8 +26,10 @@ adapters register their parts; this module imports none of them)
    ``RE_FORM``); where the group existed when ``recover_in_place`` was called, the group is re-made
    here before the next call;
 5. calls ``train`` again: attempt ``g`` (:func:`recovery_attempt`), which carries on from the agreed live
-   state (``latest_checkpoint`` names it, ``load_checkpoint`` hands it over: no step computed twice) or,
-   where live state cannot serve (the log line says why), resumes from the newest checkpoint.
+   state (the adapters restore it into what the loop saves when its loop starts, unless the script
+   loaded it itself: ``latest_checkpoint`` names it, ``load_checkpoint`` hands it over; no step
+   computed twice) or, where live state cannot serve (the log line says why), from what the script
+   loads (its newest checkpoint, or nothing). What it carried on from is told when its loop started.
 
 A rank whose process ended is replaced by its keeper (:mod:`.keeper`); one lost with no keeper to
 replace it (its host gone, ``replace_dead=False``) by a spare rank, where the job was launched with
@@ -234,6 +236,8 @@ class _Recovery:
             why = keeper.why_not(self)
             if why is None:
                 return keeper.Keeper(self).run(args, kwargs)
+            if self.given is not None and keeper.under_torchrun():
+                _warn_group_made_before()
             log(logging.INFO, "a dead rank's process cannot be replaced in place here (%s): its death ends the job "
                 "as without recovery in place", why)
         return self.run(args, kwargs)
@@ -274,6 +278,8 @@ class _Recovery:
                     if not decision.restart:
                         if self.layout is not None:
                             self._end_spares(False, decision.why)
+                        if isinstance(decision, _AsIs):
+                            raise
                         if isinstance(decision, _Misplaced) or (attempts.in_place() and isinstance(decision, _Unsafe)):
                             raise RecoveryError(decision.why) from err
                         self._add_note(err, decision)
@@ -328,9 +334,13 @@ class _Recovery:
                 f"({type(err).__name__}), and its process is gone, so nothing can be recovered in place. Wrap the "
                 "function each rank runs instead: with idist.Parallel(...) as p: p.run(recover_in_place(training, "
                 "max_restarts=N), cfg); with Lightning, strategy='ddp' or torchrun")), {}
+        if world is None and not sessions and not isinstance(err, PeerFailedError):
+            # raised before any process group existed (a bad argument, a missing file): no rank was told,
+            # nothing is recovered; the error is the job's own and is reported as itself, unchanged
+            return _AsIs(False, "it was raised before any process group existed"), {}
         if world is None:
             return _Unsafe(False, "recover_in_place found no process group store to recover over (the group "
-                                  "was made with init_process_group(store=...), or never)"), {}
+                                  "was made with init_process_group(store=...))"), {}
         if attempts.in_place() and not sessions and not isinstance(err, PeerFailedError) \
                 and tag_of(err).record is None:
             return _Unsafe(False, (
@@ -778,8 +788,7 @@ class _Recovery:
         parts = ", ".join(f"{name} {took:.2f}" for name, took in timings.get("parts", {}).items() if took >= 0.005)
         plan = self._live_plan or LivePlan(-1, "", "no plan was made")
         log(logging.WARNING, "recovering in place, attempt %d (max_restarts=%d), after %s; watchdogs stopped %.2f s, "
-            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank; the next "
-            "call carries on from %s", attempts.in_place(), self.max_restarts, cause.describe(),
+            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank; %s", attempts.in_place(), self.max_restarts, cause.describe(),
             timings["stopped"] - timings["detected"], timings["agreed"] - timings["detected"],
             timings["torn_down"] - timings["detected"], parts or "-", timings["reformed"] - timings["detected"],
             plan.describe())
@@ -836,6 +845,11 @@ class _Bounded:
         return functools.partial(self._conn.call, method)
 
 
+class _AsIs(Decision):
+    """A decision to raise the exception as it is, with no note and no line (nothing was recovered or
+    could be: the job's own error before any process group existed)."""
+
+
 class _Unsafe(Decision):
     """A decision to stop because the function cannot be called again (raised as :class:`RecoveryError`)."""
 
@@ -843,6 +857,27 @@ class _Unsafe(Decision):
 class _Misplaced(_Unsafe):
     """A decision to stop because the recovery wraps the launcher, not the ranks (always raised as
     :class:`RecoveryError`, in the first attempt too)."""
+
+
+_warned_group_before = False
+
+
+def _warn_group_made_before() -> None:
+    """Once per process: under torchrun, ``recover_in_place`` called inside a process group that exists
+    already (the documented ``idist.Parallel`` form: ``p.run(recover_in_place(training), cfg)``) cannot
+    replace a killed rank: the process torchrun started is the rank itself, and a keeper must fork before
+    any group exists (a forked copy of a gloo context has none of its threads). Say the line to change."""
+    global _warned_group_before
+    if _warned_group_before:
+        return
+    _warned_group_before = True
+    log(logging.WARNING, "recover_in_place was called inside a process group that exists already, so a killed rank "
+        "(SIGKILL, the OOM killer, a segfault) cannot be replaced in place and ends the job (exceptions and hangs in "
+        "Python still recover in place). To recover it too, wrap the function that makes the group instead: "
+        "replace 'with idist.Parallel(backend=...) as p: p.run(recover_in_place(training, ...), cfg)' with "
+        "'recover_in_place(main, ...)(cfg)' where main(cfg) runs 'with idist.Parallel(backend=...) as p: "
+        "p.run(training, cfg)'; or call the wrapped function before init_process_group (docs/recovering.md, "
+        "\"Launchers\")")
 
 
 def _keeper_replaces(store: Any, rank: int, end_seen: bool) -> bool:

@@ -260,7 +260,7 @@ def held(rank: int, step: int, checksum: str = A, rng: str = "0000abcd", portabl
 
 def test_live_state_serves_each_rank_its_own_when_every_rank_holds_the_same_step():
     assert plan_live([held(0, 36), held(1, 36)], 2) == LivePlan(36, "iteration", "")
-    assert plan_live([held(0, 36), held(1, 36)], 2).describe() == "live state, iteration 36 (each rank's own)"
+    assert plan_live([held(0, 36), held(1, 36)], 2).describe() == "live state, iteration 36 (each rank's own), is held for the next call"
 
 
 def test_a_rank_without_state_a_step_behind_or_diverged_receives_from_the_lowest_agreeing_rank():
@@ -289,7 +289,7 @@ def test_the_source_sends_its_rng_only_when_the_ranks_at_that_step_recorded_the_
 def test_live_state_falls_back_to_the_checkpoint_and_says_why():
     def why(*reports):
         plan = plan_live(list(reports), len(reports))
-        assert plan.step == -1 and plan.describe().startswith("the newest checkpoint (live state cannot serve: ")
+        assert plan.step == -1 and "(live state cannot serve: " in plan.describe()
         return plan.why
 
     none = LiveReport(0, -1, "", "FTH_LIVE_STATE=0")
