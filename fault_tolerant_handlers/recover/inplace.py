@@ -54,15 +54,16 @@ Launchers. ``recover_in_place`` runs in every rank's process, around what that r
 
 * **torchrun** (``--max-restarts 0`` or more): around the script's training function, which calls
   ``init_process_group`` (or opens ``idist.Parallel(backend)``, or fits a Lightning ``Trainer``).
-* **Ignite's** ``idist.Parallel``: around the function each rank runs,
+* **Ignite's** ``idist.Parallel``: under torchrun, ``recover_in_place(main)`` where ``main`` opens
+  ``idist.Parallel(backend)``: its ``__exit__`` destroys the group on the failure path, the recovery
+  re-forms over the first rendezvous's store, and ``idist`` makes a new model for the next attempt; a
+  killed rank is replaced by its keeper. Around the function each rank runs,
   ``p.run(recover_in_place(training, max_restarts=2), cfg)``, with the ranks spawned
-  (``nproc_per_node=...``: the wrapped function pickles) or under torchrun. The group exists when the
-  recovery starts: it is re-made here over the same store (under spawn, rank 0 hosts that store on
+  (``nproc_per_node=...``: the wrapped function pickles) or under torchrun: the group exists when the
+  recovery starts, it is re-made here over the same store (under spawn, rank 0 hosts that store on
   ``MASTER_PORT``: it is re-used, never served twice), and ``idist`` keeps telling it (same backend,
-  ranks, world size). Under torchrun, ``recover_in_place(main)`` where ``main`` opens
-  ``idist.Parallel(backend)`` works too: its ``__exit__`` destroys the group on the failure path, the
-  recovery re-forms over the first rendezvous's store, and ``idist`` makes a new model for the next
-  attempt.
+  ranks, world size); but no keeper can start inside an existing group, so a killed rank ends the job
+  (under torchrun the first call warns with the line to change).
 * **Lightning's** ``strategy="ddp"`` run as ``python script.py``: Lightning starts the script again for
   every other rank, so each rank wraps its own training; rank 0, which started them, starts none in
   the next attempt (``LOCAL_RANK`` stays in its environment: :func:`..adapters.compat_lightning.keep_launched_ranks`).

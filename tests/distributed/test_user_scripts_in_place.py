@@ -92,15 +92,15 @@ def test_a_folder_made_at_each_call_carries_on_from_live_state(tmp_path, tmp_pat
     """Every rank names a new timestamped folder at each call and loads nothing itself: the live state
     reaches the trainer's ``to_save`` all the same."""
     ref, ref_output = reference(tmp_path_factory)
-    # the form the docs showed first: warned once per rank, with the line to change
-    assert ref_output.count("recover_in_place was called inside a process group that exists already") == 2
-    assert "'recover_in_place(main, ...)(cfg)' where main(cfg) runs 'with idist.Parallel(backend=...) as p: " \
-           "p.run(training, cfg)'" in ref_output
     run, _, output = job("documented", tmp_path, {"FOLDER": "every-rank", "RESUME": "none",
                                                   "FTH_INJECT": "raise@rank=1,iteration=45"})
     folders = {tries(run, 0)[a]["folder"] for a in (0, 1)}
     assert len(folders) == 2, folders  # a new folder in the recovered attempt: no checkpoint in it
     assert_carried_on_from_live_state(run, ref, output, (True, True))
+    # the form the docs showed first: warned once per rank, with the line to change
+    assert ref_output.count("recover_in_place was called inside a process group that exists already") == 2
+    assert "'recover_in_place(main, ...)(cfg)' where main(cfg) runs 'with idist.Parallel(backend=...) as p: " \
+           "p.run(training, cfg)'" in ref_output
     assert output.count("carries on from live state, iteration 44 (restored into the trainer's Checkpoint objects "
                         "(trainer, model, optimizer, lr_scheduler, loader)): no step computed twice") == 2, output[-4000:]
 
@@ -128,3 +128,34 @@ def test_the_documented_form_warns_and_a_killed_rank_ends_the_job_naming_it(tmp_
     assert code not in (0, None), output[-4000:]
     assert output.count("recover_in_place was called inside a process group that exists already") == 2
     assert "not recovered in place: a rank was lost" in output, output[-4000:]
+
+
+def test_lightning_in_place_keeps_one_logger_version(tmp_path):
+    """The default logger and ``ModelCheckpoint``, ``fit(ckpt_path=None)``, rank 1 raising in its 37th
+    training batch (``FTH_INJECT=raise@rank=1,iteration=37``): reported as iteration 37; the recovered
+    attempt's ``fit`` is given the live state of global step 36 although the script passed no path; its
+    logger writes on in ``lightning_logs/version_0`` (no ``version_1``), whose ``metrics.csv`` keeps the
+    first attempt's rows."""
+    script = PROGRAMS / "programs" / "user_lightning_main.py"
+    out = tmp_path / "job"
+    out.mkdir()
+    try:
+        results = run_ranks(1, "", out, script=script, launcher=TORCHRUN, deadline=180,
+                            env={"FTH_INJECT": "raise@rank=1,iteration=37"})
+    finally:
+        kill_workers(out / "user_lightning_main-1", script.name)
+    run, code, output = out / "user_lightning_main-1", results[0].returncode, results[0].stderr
+    assert code == 0, f"torchrun exited {code}:\n{output[-5000:]}"
+    assert "rank 1 failed in 'train' (epoch 1, iteration 37)" in output, output[-4000:]
+    for rank in (0, 1):
+        seen = tries(run, rank)
+        assert set(seen) == {0, 1} and seen[0]["pid"] == seen[1]["pid"], seen
+        assert seen[1]["start_step"] == 36 and seen[1]["done"] and seen[1]["step"] == 64, seen
+    assert output.count("carries on from live state, global step 36 (restored through the trainer's "
+                        "fit(ckpt_path=...)): no step computed twice") == 2, output[-4000:]
+    versions = sorted(p.name for p in (run / "lightning_logs").iterdir())
+    assert versions == ["version_0"], versions
+    assert tries(run, 0)[1]["log_dir"] == tries(run, 0)[0]["log_dir"]
+    rows = (run / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    steps = sorted({int(line.split(",")[rows[0].split(",").index("step")]) for line in rows[1:]})
+    assert steps[0] < 30 and steps[-1] >= 60, steps  # both attempts' rows
