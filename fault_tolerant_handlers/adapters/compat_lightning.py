@@ -28,10 +28,11 @@ trainer it is given (:func:`namespace`).
 * ``Trainer._checkpoint_connector.resume_start(checkpoint_path, ...)``: where ``fit`` loads the
   ``ckpt_path`` it was given (``None``: nothing); recovering in place with live state held, the path
   is replaced by the live state's name, whatever the script passed (:func:`substitute_ckpt_path`).
-* ``<logger>._version`` (``CSVLogger``, ``TensorBoardLogger``: the version computed on first use, from
-  the folders that exist) and CSV's ``ExperimentWriter`` (which deletes ``metrics.csv`` of a folder it
-  opens): recovering in place, the next attempt's loggers keep the first attempt's version
-  (:func:`pin_logger_version`).
+* ``<logger class>._get_next_version`` (``CSVLogger``, ``TensorBoardLogger``: the version a logger
+  takes when none is given, from the folders that exist) and CSV's ``_ExperimentWriter`` (its
+  ``metrics_file_path``, ``metrics_keys``, ``metrics``; it deletes ``metrics.csv`` of a folder it opens):
+  recovering in place, the next attempt's loggers keep the first attempt's version and rows
+  (:func:`pin_next_versions`, :func:`restore_csv_metrics`).
 """
 
 from __future__ import annotations
@@ -309,41 +310,51 @@ def substitute_ckpt_path(trainer: Any, substitute: Callable[[Any], Any]) -> None
     connector.resume_start = resume_start
 
 
-def logger_versions(trainer: Any) -> list[tuple[str, str, Any]]:
-    """``(type, root folder, version)`` of each logger of ``trainer`` that numbers its versions."""
+def logger_versions(trainer: Any) -> list[tuple[type, str, Any, str]]:
+    """``(class, root folder, version, folder)`` of each logger of ``trainer`` that numbers its versions
+    (``_get_next_version``: ``CSVLogger``, ``TensorBoardLogger``)."""
     found = []
     for logger in trainer.loggers:
-        if hasattr(logger, "_version") and getattr(logger, "root_dir", None) is not None:
-            found.append((type(logger).__name__, str(logger.root_dir), logger.version))
+        if callable(getattr(logger, "_get_next_version", None)) and getattr(logger, "root_dir", None) is not None:
+            found.append((type(logger), str(logger.root_dir), logger.version, str(logger.log_dir)))
     return found
 
 
-def pin_logger_version(trainer: Any, versions: list[tuple[str, str, Any]]) -> list[str]:
-    """Give each logger of ``trainer`` the version in ``versions`` of the logger of the same type and
-    root folder (the first attempt's), before it writes anything; a CSV logger keeps the rows of its
-    ``metrics.csv`` (its writer deletes the file of a folder it opens). Returns the loggers pinned."""
-    import warnings
-
-    pinned = []
-    wanted = {(kind, root): version for kind, root, version in versions}
-    for logger in trainer.loggers:
-        root = getattr(logger, "root_dir", None)
-        version = wanted.get((type(logger).__name__, str(root)))
-        if version is None or not hasattr(logger, "_version") or getattr(logger, "_experiment", None) is not None \
-                or logger.version == version:
+def pin_next_versions(classes: Any, pinned: Callable[[Any], Any]) -> None:
+    """A logger of one of ``classes`` whose version is not given takes ``pinned(logger)`` when that is
+    not ``None``, instead of the next free ``version_N`` (``_get_next_version``, lightning 2.5.0,
+    2.6.6). Each class once; ``pinned`` is asked every time (``None``: the next free one, as before)."""
+    for cls in classes:
+        original = cls.__dict__.get("_fth_original_next_version") or getattr(cls, "_get_next_version")
+        if getattr(cls.__dict__.get("_get_next_version"), "_fth_pinned", False):
             continue
-        logger._version = version
-        pinned.append(f"{type(logger).__name__} {logger.log_dir}")
-        metrics = os.path.join(logger.log_dir, "metrics.csv")
-        if type(logger).__name__ == "CSVLogger" and trainer.global_rank == 0 and os.path.isfile(metrics):
-            with open(metrics, "rb") as f:
-                kept = f.read()
-            with warnings.catch_warnings():  # "Previous log files in this directory will be deleted": not so
-                warnings.simplefilter("ignore")
-                writer = logger.experiment
-            with open(metrics, "wb") as f:
-                f.write(kept)
-            header = kept.decode("utf-8", "replace").splitlines()[:1]
-            if header and hasattr(writer, "metrics_keys"):
-                writer.metrics_keys = sorted(k for k in header[0].split(",") if k)
-    return pinned
+
+        def _get_next_version(self: Any, _original: Any = original) -> Any:
+            version = pinned(self)
+            return version if version is not None else _original(self)
+
+        _get_next_version._fth_pinned = True  # type: ignore[attr-defined]
+        cls._fth_original_next_version = original
+        cls._get_next_version = _get_next_version
+
+
+def restore_csv_metrics(trainer: Any, kept: dict[str, bytes]) -> list[str]:
+    """On global rank 0: a ``CSVLogger`` opened again in a folder of ``kept`` (its writer deleted the
+    folder's ``metrics.csv`` as it opened) gets the file's rows back, before it writes any, and appends
+    to them. Returns the folders restored."""
+    restored = []
+    if trainer.global_rank != 0:
+        return restored
+    for logger in trainer.loggers:
+        writer = getattr(logger, "_experiment", None)
+        path = getattr(writer, "metrics_file_path", None)
+        data = kept.get(str(getattr(writer, "log_dir", "")))
+        if not data or path is None or os.path.isfile(path) or getattr(writer, "metrics", None):
+            continue
+        with open(path, "wb") as f:
+            f.write(data)
+        header = data.decode("utf-8", "replace").splitlines()[:1]
+        if header and hasattr(writer, "metrics_keys"):
+            writer.metrics_keys = sorted(k for k in header[0].split(",") if k)
+        restored.append(str(writer.log_dir))
+    return restored
