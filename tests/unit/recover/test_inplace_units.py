@@ -326,3 +326,20 @@ def test_rank_0s_decision_carries_the_plan_every_rank_follows():
     apart = dist.HashStore()
     apart.set("fth/recover/0/0/live/0", LiveReport(0, 36, "iteration", "").to_json())
     assert decide(apart, [failure(0), failure(1)]).live["why"] == "rank 1's report could not be read"
+
+
+def test_an_error_raised_before_any_process_group_is_raised_as_itself(caplog, monkeypatch):
+    """``trainer.fit(ckpt_path=latest_checkpoint(None))`` raises a TypeError before Lightning made the
+    group: it is the job's own error, raised unchanged, with no note and no line saying the recovery
+    found no store (it said so before, as if the recovery were the problem)."""
+    for name in ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def train():
+        raise TypeError("latest_checkpoint(dirname=None): expected a str or os.PathLike")
+
+    with caplog.at_level("INFO", logger="fault_tolerant_handlers"):
+        with pytest.raises(TypeError, match="expected a str or os.PathLike") as raised:
+            recover_in_place(train, max_restarts=2)()
+    assert not getattr(raised.value, "__notes__", None), raised.value.__notes__
+    assert "not recovered in place" not in caplog.text and "no process group store" not in caplog.text
