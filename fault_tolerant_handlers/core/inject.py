@@ -17,7 +17,9 @@ agent ends the job when any worker dies); only a spare (``spares=k``) can take i
 keeper it is ``kill``.
 
 ``iteration`` is the global iteration counter (Ignite ``engine.state.iteration``, Lightning
-``trainer.global_step + 1``); ``epoch`` (1-based, optional) narrows it to one epoch.
+``trainer.global_step + 1``: the step the batch trains, 1-based), the number the failure reports then
+name (both adapters report a failure inside a training step with that step); ``epoch`` (1-based,
+optional) narrows it to one epoch.
 
 ``attempt`` (optional) is the attempt the injection fires in: torchrun's ``TORCHELASTIC_RESTART_COUNT``
 plus the recoveries in place so far (:mod:`.attempts`; 0 for the first attempt, also without torchrun). **The default is
