@@ -66,7 +66,7 @@ from .adapters import compat_lightning as _compat_lightning
 from .adapters.live_lightning import LightningLive
 from .adapters.recovery_lightning import LightningRecovery
 from .core import attempts, interrupts
-from .data import snapshots
+from .data import live, snapshots
 from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
 from .core.failure import tag, tag_of
@@ -161,6 +161,7 @@ class FaultTolerance(_CallbackBase):
         self.guard = Guard(sync_every=sync_every, hang_timeout=hang_timeout, watchdog=watchdog, name=name)
         self.name = name
         self._batches = 0
+        self._in_batch: int | None = None  # the step a training batch trains (global_step + 1), while it runs
         self._buckets: DDPBucketLayout | None = None  # the DDP's bucket layout, from on_fit_start on
         self._loaded_buckets: Any = None  # the checkpoint's, until the DDP exists (on_fit_start)
         self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
@@ -193,9 +194,12 @@ class FaultTolerance(_CallbackBase):
         self._loaded_buckets = state_dict.get("ddp_buckets")  # absent before 0.2; given to the DDP in on_fit_start
 
     # -- helpers -----------------------------------------------------------------------------------
-    @staticmethod
-    def _where(trainer: pl.Trainer) -> dict[str, int]:
-        return {"step": int(trainer.global_step), "epoch": int(trainer.current_epoch)}
+    def _where(self, trainer: pl.Trainer) -> dict[str, int]:
+        """Where a report says this rank is: inside a training batch, the step it trains (``global_step + 1``,
+        1-based, the number ``FTH_INJECT``'s ``iteration=`` takes and Ignite's ``engine.state.iteration``
+        tells); elsewhere (validation, an epoch's end) the steps completed (``global_step``)."""
+        step = self._in_batch if self._in_batch is not None else int(trainer.global_step)
+        return {"step": step, "epoch": int(trainer.current_epoch)}
 
     def _check(self, trainer: pl.Trainer) -> None:
         """Raise the peer's failure if the watchdog already knows it (no communication). Called
@@ -215,6 +219,7 @@ class FaultTolerance(_CallbackBase):
     # -- hooks -------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._in_batch = None
         self.guard.start()
         if not self.guard.active:
             return  # a single device, or no process group: nothing to coordinate
@@ -222,6 +227,9 @@ class FaultTolerance(_CallbackBase):
         if attempts.recovering():
             self._recovery.setup(trainer)
             self._keep_launched_ranks(trainer)
+            if stage == "fit":  # live state the script did not pass as ckpt_path: loaded by fit all the same
+                _compat_lightning.substitute_ckpt_path(
+                    trainer, lambda path: live.substitute(path, "the trainer's fit(ckpt_path=...)"))
             # the newest checkpoint in memory: the next attempt's fit(ckpt_path=...) reads it from there,
             # unless the strategy loads the weights itself (sharded: ModelParallelStrategy, FSDPStrategy)
             why = _compat_lightning.restores_itself(trainer.strategy)
@@ -286,6 +294,8 @@ class FaultTolerance(_CallbackBase):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard.active and attempts.recovering():
+            live.loop_starts("global step", lambda: int(trainer.global_step), None,
+                             "fit(ckpt_path=...) did not load it")
             self._live.train_start(trainer)
             self._recovery.train_start(trainer)
 
@@ -296,16 +306,18 @@ class FaultTolerance(_CallbackBase):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        self._in_batch = int(trainer.global_step) + 1  # taken before the optimizer step moves global_step
         self._live.batch_start(trainer)
         self._check(trainer)  # an attribute read: the watchdog may already know a peer failed
         if self._injector is not None:
-            self._injector.maybe_fire(trainer.global_rank, int(trainer.global_step) + 1, trainer.current_epoch + 1,
+            self._injector.maybe_fire(trainer.global_rank, self._in_batch, trainer.current_epoch + 1,
                                       trainer.train_dataloader)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._batches += 1
+        self._in_batch = None
         self._live.batch_end()
         self._recovery.batch_end(trainer, pl_module)
         self.guard.beat(int(trainer.global_step), STEP, completed=True)

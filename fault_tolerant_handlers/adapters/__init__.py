@@ -25,6 +25,8 @@ def _resolve_live_names(state: RecoveryState) -> None:
 STEPS = (
     (Phase.RESET_FRAMEWORKS, _reset_idist),
     (Phase.RESET_FRAMEWORKS, _resolve_live_names),
+    # a keeper's replacement process runs no teardown: it learns of the live state as it is held
+    (Phase.SETTLE_LIVE, _resolve_live_names),
 )
 for _phase, _step in STEPS:
     phases.register(_phase, _step, tolerate=True)

@@ -35,6 +35,14 @@ trainer it is given (:func:`namespace`).
   costs 0.5-0.9 s at 4 ranks on 2 loaded cores (its result collection's ``apply_to_collection``
   meeting each type for the first time: ABC subclass checks over every class torch defines), paid at
   the first batch after the first recovery.
+* ``Trainer._checkpoint_connector.resume_start(checkpoint_path, ...)``: where ``fit`` loads the
+  ``ckpt_path`` it was given (``None``: nothing); recovering in place with live state held, the path
+  is replaced by the live state's name, whatever the script passed (:func:`substitute_ckpt_path`).
+* ``<logger class>._get_next_version`` (``CSVLogger``, ``TensorBoardLogger``: the version a logger
+  takes when none is given, from the folders that exist) and CSV's ``_ExperimentWriter`` (its
+  ``metrics_file_path``, ``metrics_keys``, ``metrics``; it deletes ``metrics.csv`` of a folder it opens):
+  recovering in place, the next attempt's loggers keep the first attempt's version and rows
+  (:func:`pin_next_versions`, :func:`restore_csv_metrics`).
 """
 
 from __future__ import annotations
@@ -351,3 +359,71 @@ def put_callback_metrics(trainer: Any, values: dict[str, float]) -> bool:
         metrics[name] = torch.tensor(float(value))
     kept = trainer.callback_metrics
     return all(name in kept for name in values)
+
+
+def substitute_ckpt_path(trainer: Any, substitute: Callable[[Any], Any]) -> None:
+    """``fit`` on this trainer loads ``substitute(ckpt_path)`` instead of ``ckpt_path`` when that is not
+    ``None`` (``Trainer._checkpoint_connector.resume_start``, lightning 2.5.0, 2.6.6). Once per trainer."""
+    connector = trainer._checkpoint_connector
+    original = connector.resume_start
+    if getattr(original, "_fth_substitute", False):
+        return
+
+    @functools.wraps(original)
+    def resume_start(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if getattr(getattr(trainer, "state", None), "fn", None) == "fit":
+            checkpoint_path = substitute(checkpoint_path) or checkpoint_path
+        return original(checkpoint_path, *args, **kwargs)
+
+    resume_start._fth_substitute = True  # type: ignore[attr-defined]
+    connector.resume_start = resume_start
+
+
+def logger_versions(trainer: Any) -> list[tuple[type, str, Any, str]]:
+    """``(class, root folder, version, folder)`` of each logger of ``trainer`` that numbers its versions
+    (``_get_next_version``: ``CSVLogger``, ``TensorBoardLogger``)."""
+    found = []
+    for logger in trainer.loggers:
+        if callable(getattr(logger, "_get_next_version", None)) and getattr(logger, "root_dir", None) is not None:
+            found.append((type(logger), str(logger.root_dir), logger.version, str(logger.log_dir)))
+    return found
+
+
+def pin_next_versions(classes: Any, pinned: Callable[[Any], Any]) -> None:
+    """A logger of one of ``classes`` whose version is not given takes ``pinned(logger)`` when that is
+    not ``None``, instead of the next free ``version_N`` (``_get_next_version``, lightning 2.5.0,
+    2.6.6). Each class once; ``pinned`` is asked every time (``None``: the next free one, as before)."""
+    for cls in classes:
+        original = cls.__dict__.get("_fth_original_next_version") or getattr(cls, "_get_next_version")
+        if getattr(cls.__dict__.get("_get_next_version"), "_fth_pinned", False):
+            continue
+
+        def _get_next_version(self: Any, _original: Any = original) -> Any:
+            version = pinned(self)
+            return version if version is not None else _original(self)
+
+        _get_next_version._fth_pinned = True  # type: ignore[attr-defined]
+        cls._fth_original_next_version = original
+        cls._get_next_version = _get_next_version
+
+
+def restore_csv_metrics(trainer: Any, kept: dict[str, bytes]) -> list[str]:
+    """On global rank 0: a ``CSVLogger`` opened again in a folder of ``kept`` (its writer deleted the
+    folder's ``metrics.csv`` as it opened) gets the file's rows back, before it writes any, and appends
+    to them. Returns the folders restored."""
+    restored = []
+    if trainer.global_rank != 0:
+        return restored
+    for logger in trainer.loggers:
+        writer = getattr(logger, "_experiment", None)
+        path = getattr(writer, "metrics_file_path", None)
+        data = kept.get(str(getattr(writer, "log_dir", "")))
+        if not data or path is None or os.path.isfile(path) or getattr(writer, "metrics", None):
+            continue
+        with open(path, "wb") as f:
+            f.write(data)
+        header = data.decode("utf-8", "replace").splitlines()[:1]
+        if header and hasattr(writer, "metrics_keys"):
+            writer.metrics_keys = sorted(k for k in header[0].split(",") if k)
+        restored.append(str(writer.log_dir))
+    return restored

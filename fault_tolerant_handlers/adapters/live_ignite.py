@@ -1,8 +1,12 @@
 """Ignite: live state (:mod:`..data.live`) from what the trainer's ``Checkpoint`` handler saves.
 
 Attached by :class:`~fault_tolerant_handlers.ignite.FaultTolerance` while a recovery in place runs.
-At ``STARTED`` it finds the ``Checkpoint`` handlers attached to the engine and their ``to_save``;
-then, every iteration:
+At ``STARTED`` it finds the ``Checkpoint`` handlers attached to the engine and their ``to_save``.
+After a recovery, its first ``STARTED`` handler (before any other, after the script loaded what it
+loads) restores the live state the ranks agreed on into that ``to_save``, unless the script loaded it
+itself (``latest_checkpoint`` named it): whatever folder the script names, a folder made anew at each
+call or known to rank 0 only (:func:`..data.live.loop_starts` tells what the run carries on from).
+Then, every iteration:
 
 * ``ITERATION_STARTED`` (first handler): torch's RNG as the iteration starts (and, in the first
   iteration after live state was loaded, put back as the failed attempt had it there);
@@ -50,20 +54,18 @@ class IgniteLive:
     def attach(self, engine: Any) -> None:
         from ignite.engine import Events
 
+        _compat_ignite.prepend(engine, Events.STARTED, self._restore)
         _compat_ignite.prepend(engine, Events.ITERATION_STARTED, self._iteration_started)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
         engine.add_event_handler(Events.STARTED, self._started)
         engine.add_event_handler(Events.COMPLETED, self._completed)
 
     # -- events ---------------------------------------------------------------------------------------
-    def _started(self, engine: Any) -> None:
-        from ignite.engine import Events
+    def _find(self, engine: Any) -> None:
+        """The ``to_save`` of the ``Checkpoint`` handlers attached to ``engine`` (the first handler's
+        object for a key that several save), their folder, or why there is nothing to capture."""
         from ignite.handlers import Checkpoint
 
-        self._close()
-        if not live.enabled():
-            return
-        _compat_ignite.append_last(engine, Events.ITERATION_COMPLETED, self._iteration_completed)
         checkpoints = [h for h in _compat_ignite.attached_handlers(engine) if isinstance(h, Checkpoint)]
         self.to_save, self.directory, self.why_not = {}, None, ""
         for handler in checkpoints:
@@ -76,6 +78,31 @@ class IgniteLive:
             self.why_not = "no ignite Checkpoint handler is attached to the trainer: nothing says what to capture"
         elif any(not callable(getattr(obj, "state_dict", None)) for obj in self.to_save.values()):
             self.why_not = "the Checkpoint's to_save holds objects without state_dict (nested containers)"
+
+    def _restore(self, engine: Any) -> None:
+        """The first ``STARTED`` handler: live state the script did not load goes into ``to_save``."""
+        from ignite.handlers import Checkpoint
+
+        self._find(engine)
+        to_save, why = dict(self.to_save), self.why_not
+
+        def restore(state: Any) -> str:
+            to_load = {key: obj for key, obj in to_save.items() if key in state}
+            Checkpoint.load_objects(to_load=to_load, checkpoint=state)
+            left = sorted(set(to_save) - set(to_load))
+            return (f"the trainer's Checkpoint objects ({', '.join(to_load)})"
+                    + (f"; not in the live state: {', '.join(left)}" if left else ""))
+
+        live.loop_starts("iteration", lambda: int(engine.state.iteration), None if why else restore, why)
+
+    def _started(self, engine: Any) -> None:
+        from ignite.engine import Events
+
+        self._close()
+        if not live.enabled():
+            return
+        _compat_ignite.append_last(engine, Events.ITERATION_COMPLETED, self._iteration_completed)
+        self._find(engine)
         modules = [_unwrap(o) for o in self.to_save.values() if isinstance(o, torch.nn.Module)]
         shards = [f"to_save[{key!r}] is a {type(obj).__name__}" for key, obj in self.to_save.items()
                   if isinstance(obj, ShardedState)]

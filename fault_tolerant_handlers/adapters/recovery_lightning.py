@@ -29,10 +29,11 @@ the trainer (``logger.log_metrics``, at that step: not held back to ``log_every_
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from typing import Any
 
-from ..core import attempts, events, recoveries
+from ..core import attempts, events, phases, recoveries
 from ..core.log import log
 from . import compat_lightning as _compat_lightning
 
@@ -45,6 +46,38 @@ HOOKS = {recoveries.RecoveryPhase.FAILURE_SEEN: "on_failure_seen",
 _trainers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 #: The failed attempt's last completed global step (set at its ``on_exception``).
 _last_completed: int | None = None
+#: The first attempt's loggers' ``(class, root folder, version, folder)`` (:func:`.compat_lightning.logger_versions`),
+#: while a recovery in place runs.
+_logger_versions: list = []
+#: A CSV logger's ``metrics.csv`` as the failed attempt left it, by folder (read at the teardown).
+_kept_metrics: dict[str, bytes] = {}
+
+
+def _pinned_version(logger: Any) -> Any:
+    """The first attempt's version for a logger of the same class and root folder (``None``: none)."""
+    for cls, root, version, _ in _logger_versions:
+        if type(logger) is cls and str(getattr(logger, "root_dir", "")) == root:
+            return version
+    return None
+
+
+def _keep_logger_versions(state: phases.RecoveryState) -> None:
+    """``RESET_FRAMEWORKS``: the next attempt's loggers take the first attempt's versions; a CSV
+    logger's rows are read now (its writer deletes the file when the next attempt opens the folder)."""
+    if not _logger_versions:
+        return
+    _compat_lightning.pin_next_versions({cls for cls, *_ in _logger_versions}, _pinned_version)
+    for *_, folder in _logger_versions:
+        path = os.path.join(folder, "metrics.csv")
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                _kept_metrics[folder] = f.read()
+
+
+def _forget_logger_versions(state: phases.RecoveryState) -> None:
+    """``END``: loggers made after the recovery take the next free version again."""
+    _logger_versions.clear()
+    _kept_metrics.clear()
 
 
 def dispatch(trainer: Any, hook: str, info: recoveries.RecoveryInfo) -> None:
@@ -68,6 +101,19 @@ class LightningRecovery:
 
     def setup(self, trainer: Any) -> None:
         _trainers[trainer] = attempts.in_place()
+        # One logger version for the whole run: the first attempt's loggers' versions are recorded; a
+        # recovered attempt's loggers take them (a new Trainer's would take the next free version_N).
+        try:
+            if not attempts.in_place():
+                _logger_versions[:] = _compat_lightning.logger_versions(trainer)
+            else:
+                restored = _compat_lightning.restore_csv_metrics(trainer, _kept_metrics)
+                if restored:
+                    log(logging.INFO, "the recovered attempt logs on in the first attempt's folder: %s",
+                        "; ".join(restored))
+        except Exception as err:  # noqa: BLE001 - a logger of another shape: a version of its own, as before
+            log(logging.WARNING, "could not keep the first attempt's logger version: %s: %s", type(err).__name__,
+                (str(err).splitlines() or [""])[0][:200])
 
     def train_start(self, trainer: Any) -> None:
         global _last_completed
@@ -109,3 +155,5 @@ def _hook(info: recoveries.RecoveryInfo) -> None:
 
 events.subscribe(events.FAILURE_SEEN, _hook)
 events.subscribe(events.RECOVERY_STARTED, _hook)
+phases.register(phases.Phase.RESET_FRAMEWORKS, _keep_logger_versions, tolerate=True)
+phases.register(phases.Phase.END, _forget_logger_versions, tolerate=True)

@@ -281,15 +281,14 @@ def _decide(source: Source) -> str | None:
 
 # -- the live state ----------------------------------------------------------------------------------------
 def _live_answers(source: Source) -> bool:
-    return any(live.answers_for(folder) for folder in source.folders)
+    """Live state is held: after a recovery in place every rank holds it for the same agreed step
+    (a replaced process receives it), whatever folder each passes (a timestamp made at each call, a
+    folder only rank 0 knows)."""
+    return live.held() is not None
 
 
 def _live_claim(source: Source) -> str | None:
-    for folder in source.folders:
-        name = live.latest_checkpoint_answer(folder, any_directory=False)
-        if name is not None:
-            return name
-    return live.latest_checkpoint_answer(source.folders[0], any_directory=True)
+    return live.latest_checkpoint_answer(source.folders[0])
 
 
 # -- the exchange ------------------------------------------------------------------------------------------
@@ -433,10 +432,12 @@ def _medium() -> tuple[dist.Store, int, int] | None:
 def find(source: Source) -> str | None:
     """The newest usable checkpoint of ``source`` (or the live state's name, or ``None``), the same on
     every rank; see the module."""
+    name = _live_claim(source)
+    if name is not None:  # recovering in place from live state: every rank holds it, no exchange needed
+        return name
     medium = _medium()
     if medium is None:
-        name = _live_claim(source) if _live_answers(source) else None
-        return name if name is not None else _decide(source)
+        return _decide(source)
     store, rank, world = medium
     # The n-th call of this attempt (torchrun's restart and the recoveries in place: a replacement
     # process counts from 1 in the attempt it joins, like its peers).

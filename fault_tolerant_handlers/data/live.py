@@ -195,6 +195,8 @@ def collect() -> Captured:
 
 # -- the state the next attempt resumes from ---------------------------------------------------------------
 _held: tuple[str, Captured] | None = None  # (the resolved name it answers to, the capture)
+_handed: tuple[Captured, str] | None = None  # taken, until the next loop starts: (the capture, how it was loaded)
+_fallback: str | None = None  # live state cannot serve this attempt: why (told when its loop starts)
 _armed_rng: tuple[int, tuple] | None = None  # (the step it follows, states): restored as that step starts
 
 
@@ -202,11 +204,14 @@ def _key(path: str | os.PathLike) -> str:
     return str(Path(path).resolve())
 
 
-def hold(captured: Captured | None) -> None:
-    """Every rank agreed: the next attempt resumes from ``captured`` (``None``: from its checkpoint)."""
-    global _held
+def hold(captured: Captured | None, why: str = "") -> None:
+    """Every rank agreed: the next attempt resumes from ``captured`` (``None``: from what it loads
+    itself, because of ``why``)."""
+    global _held, _handed, _fallback
     with _lock:
         _held = None if captured is None else ("", captured)
+        _handed = None
+        _fallback = None if captured is not None else f"live state could not serve: {why or 'no plan was made'}"
 
 
 def held() -> Captured | None:
@@ -214,24 +219,11 @@ def held() -> Captured | None:
         return _held[1] if _held is not None else None
 
 
-def answers_for(dirname: str | os.PathLike) -> bool:
-    """Live state is held for ``dirname`` (the folder the failed loop wrote its checkpoints to, or any
-    folder when that one is not known)."""
-    with _lock:
-        if _held is None:
-            return False
-        directory = _held[1].directory
-    return directory is None or _key(dirname) == directory
-
-
-def latest_checkpoint_answer(dirname: str | os.PathLike, *, any_directory: bool = False) -> str | None:
-    """What ``latest_checkpoint(dirname)`` answers while live state is held for that directory (any
-    directory when the loop's is not known, or with ``any_directory``: every rank agreed that rank 0's
-    live state answers, and this rank's loop wrote elsewhere), else ``None``. The same on every rank:
-    they agreed on the step."""
+def latest_checkpoint_answer(dirname: str | os.PathLike) -> str | None:
+    """What ``latest_checkpoint(dirname)`` answers while live state is held, whatever the directory
+    (a folder named anew at each call, a folder only rank 0 knows: every rank agreed on the live
+    state, so every rank answers so without communicating), else ``None``."""
     global _held
-    if not any_directory and not answers_for(dirname):
-        return None
     with _lock:
         if _held is None:
             return None
@@ -249,18 +241,96 @@ def newest(path: str | os.PathLike) -> Any | None:
         return _held[1].state
 
 
+def _hand_over(how: str) -> Captured:
+    """Under the lock: the held state, handed over once; its RNG states are put back when the step
+    after it starts (:func:`restore_rng`)."""
+    global _held, _handed, _armed_rng
+    captured, _held = _held[1], None
+    _handed = (captured, how)
+    _armed_rng = (captured.step, captured.rng) if captured.rng is not None else None
+    return captured
+
+
 def take(path: str | os.PathLike) -> Any | None:
-    """The live state for ``path``, handed over once (its RNG states are then put back when the step
-    after it starts: :func:`restore_rng`); ``None`` for any other path."""
-    global _held, _armed_rng
+    """The live state for ``path`` (a name :func:`latest_checkpoint_answer` or :func:`substitute`
+    gave), handed over once; ``None`` for any other path. Whether it was restored is told when the
+    loop starts (:func:`loop_starts`)."""
+    global _how
     with _lock:
         if _held is None or not _held[0] or _key(path) != _held[0]:
             return None
-        captured, _held = _held[1], None
-        _armed_rng = (captured.step, captured.rng) if captured.rng is not None else None
-    log(logging.INFO, "resuming from this process's live state: %s %d (no step computed twice)", captured.unit,
-        captured.step)
+        how, _how = _how, None
+        captured = _hand_over(how or f"loaded by the script from {Path(path).name}")
     return captured.state
+
+
+_how: str | None = None  # how the name :func:`substitute` gave is loaded
+
+
+def substitute(path: str | os.PathLike | None, what: str) -> str | None:
+    """An adapter's loading is about to load ``path`` (``None``: nothing): the name to load instead
+    while live state is held and ``path`` is not the name the script was given for it (it loaded
+    another checkpoint, or none), else ``None``. ``what``: the loading, for the log."""
+    global _held, _how
+    with _lock:
+        if _held is None or (path is not None and _held[0] and _key(path) == _held[0]):
+            return None
+        captured = _held[1]
+        name = str(Path(path).parent if path else Path.cwd()) + os.sep + NAME.format(step=captured.step)
+        _held = (_key(name), captured)
+        _how = f"restored through {what}" + (f", instead of {Path(path).name}, which the script passed" if path else "")
+    return name
+
+
+def loop_starts(unit: str, position: Callable[[], int], restore: Callable[[Any], str] | None,
+                why_not: str = "") -> None:
+    """The next attempt's training loop starts (after the script loaded what it loads): tell what it
+    carries on from, once, and only now that it happened.
+
+    Live state held and not taken by the script (it loaded another checkpoint, or none, or asked
+    ``latest_checkpoint`` nothing): ``restore(state)`` restores it into the loop's objects and returns
+    what it restored into; without ``restore`` (``why_not`` says why) a WARNING says that live state
+    was not used and where the loop starts instead. ``position()``: the loop's step now (Ignite's
+    iteration, Lightning's global step)."""
+    global _handed, _fallback
+    with _lock:
+        pending = _hand_over("restored") if _held is not None and restore is not None else None
+        unused = _held[1] if _held is not None and restore is None else None
+        handed, _handed = (_handed, None) if pending is None else (None, None)
+        fallback, _fallback = _fallback, None
+    if pending is not None:
+        before = position()
+        what = restore(pending.state)
+        _tell(pending, position(), f"restored into {what}" + (f"; it replaces what the script loaded ({unit} {before})"
+                                                              if before else ""))
+    elif handed is not None:
+        _tell(handed[0], position(), handed[1])
+    elif unused is not None:
+        forget_held()
+        log(logging.WARNING, "live state of %s %d was not restored: %s; the script did not load it either "
+            "(load_checkpoint(latest_checkpoint(...))), so the run starts at %s %d, from what the script loaded",
+            unused.unit, unused.step, why_not or "nothing here can restore it", unit, position())
+    elif fallback is not None:
+        now = position()
+        log(logging.WARNING, "this attempt starts at %s %d: %s (%s)", unit, now,
+            "from the checkpoint the script loaded" if now else "the script loaded no checkpoint, so from the start",
+            fallback)
+
+
+def _tell(captured: Captured, now: int, how: str) -> None:
+    if now == captured.step:
+        log(logging.WARNING, "carries on from live state, %s %d (%s): no step computed twice", captured.unit,
+            captured.step, how)
+    else:
+        log(logging.WARNING, "live state of %s %d was handed over (%s), but the loop starts at %s %d: the script "
+            "loaded something else after it", captured.unit, captured.step, how, captured.unit, now)
+
+
+def forget_held() -> None:
+    """What is held is not for this process's next loop any more."""
+    global _held
+    with _lock:
+        _held = None
 
 
 def restore_rng(after: int) -> bool:
@@ -287,13 +357,13 @@ def _close_trackers() -> None:
 
 def forget() -> None:
     """The recovery ends: nothing held or captured any more."""
-    global _held, _captured, _armed_rng
+    global _held, _captured, _armed_rng, _handed, _fallback
     with _lock:
-        _held = None
+        _held, _handed, _fallback = None, None, None
     _captured, _armed_rng = None, None
     _capturers.clear()
     _close_trackers()
 
 
-__all__ = ["Captured", "NAME", "NotLive", "StepTracker", "answers_for", "collect", "enabled", "forget", "hold", "latest_checkpoint_answer",
-           "newest", "register", "restore_rng", "take", "unregister"]
+__all__ = ["Captured", "NAME", "NotLive", "StepTracker", "collect", "enabled", "forget", "hold", "latest_checkpoint_answer",
+           "loop_starts", "newest", "register", "restore_rng", "substitute", "take", "unregister"]

@@ -26,8 +26,9 @@ def capture_live(state: RecoveryState) -> RecoveryState:
 
 
 def settle_live(state: RecoveryState) -> None:
-    """``SETTLE_LIVE``: the next attempt resumes from ``state.live`` (``None``: from its checkpoint)."""
-    live.hold(state.live)
+    """``SETTLE_LIVE``: the next attempt resumes from ``state.live`` (``None``: from what it loads
+    itself, the plan saying why)."""
+    live.hold(state.live, getattr(state.plan, "why", "") or "")
 
 
 def reap_loader_workers(timeout: float = 2.0) -> int:

@@ -152,13 +152,16 @@ class LivePlan:
     rng_shared: bool = False  #: the receivers take the source's RNG states too
 
     def describe(self) -> str:
+        """The plan, as the recovery's line tells it before the next call: what is held for it (what
+        the next attempt really carried on from is told when its loop starts, :func:`..data.live.loop_starts`)."""
         if self.step < 0:
-            return f"the newest checkpoint (live state cannot serve: {self.why})"
+            return ("the next call starts from what it loads itself: the newest checkpoint, or the start if it loads "
+                    f"none (live state cannot serve: {self.why})")
         if not self.receivers:
-            return f"live state, {self.unit} {self.step} (each rank's own)"
+            return f"live state, {self.unit} {self.step} (each rank's own), is held for the next call"
         rng = "its RNG states too" if self.rng_shared else "not its RNG states (the ranks' differ or none were recorded)"
         return (f"live state, {self.unit} {self.step} (each rank's own; sent from rank {self.source} to "
-                f"{self.whom}; {rng})")
+                f"{self.whom}; {rng}), is held for the next call")
 
     def to_dict(self) -> dict:
         """As JSON holds it (what :meth:`from_dict` reads back)."""

@@ -26,8 +26,10 @@ adapters register their parts; this module imports none of them)
    ``RE_FORM``); where the group existed when ``recover_in_place`` was called, the group is re-made
    here before the next call;
 5. calls ``train`` again: attempt ``g`` (:func:`recovery_attempt`), which carries on from the agreed live
-   state (``latest_checkpoint`` names it, ``load_checkpoint`` hands it over: no step computed twice) or,
-   where live state cannot serve (the log line says why), resumes from the newest checkpoint.
+   state (the adapters restore it into what the loop saves when its loop starts, unless the script
+   loaded it itself: ``latest_checkpoint`` names it, ``load_checkpoint`` hands it over; no step
+   computed twice) or, where live state cannot serve (the log line says why), from what the script
+   loads (its newest checkpoint, or nothing). What it carried on from is told when its loop started.
 
 A rank whose process ended is replaced by its keeper (:mod:`.keeper`); one lost with no keeper to
 replace it (its host gone, ``replace_dead=False``) by a spare rank, where the job was launched with
@@ -52,15 +54,16 @@ Launchers. ``recover_in_place`` runs in every rank's process, around what that r
 
 * **torchrun** (``--max-restarts 0`` or more): around the script's training function, which calls
   ``init_process_group`` (or opens ``idist.Parallel(backend)``, or fits a Lightning ``Trainer``).
-* **Ignite's** ``idist.Parallel``: around the function each rank runs,
+* **Ignite's** ``idist.Parallel``: under torchrun, ``recover_in_place(main)`` where ``main`` opens
+  ``idist.Parallel(backend)``: its ``__exit__`` destroys the group on the failure path, the recovery
+  re-forms over the first rendezvous's store, and ``idist`` makes a new model for the next attempt; a
+  killed rank is replaced by its keeper. Around the function each rank runs,
   ``p.run(recover_in_place(training, max_restarts=2), cfg)``, with the ranks spawned
-  (``nproc_per_node=...``: the wrapped function pickles) or under torchrun. The group exists when the
-  recovery starts: it is re-made here over the same store (under spawn, rank 0 hosts that store on
+  (``nproc_per_node=...``: the wrapped function pickles) or under torchrun: the group exists when the
+  recovery starts, it is re-made here over the same store (under spawn, rank 0 hosts that store on
   ``MASTER_PORT``: it is re-used, never served twice), and ``idist`` keeps telling it (same backend,
-  ranks, world size). Under torchrun, ``recover_in_place(main)`` where ``main`` opens
-  ``idist.Parallel(backend)`` works too: its ``__exit__`` destroys the group on the failure path, the
-  recovery re-forms over the first rendezvous's store, and ``idist`` makes a new model for the next
-  attempt.
+  ranks, world size); but no keeper can start inside an existing group, so a killed rank ends the job
+  (under torchrun the first call warns with the line to change).
 * **Lightning's** ``strategy="ddp"`` run as ``python script.py``: Lightning starts the script again for
   every other rank, so each rank wraps its own training; rank 0, which started them, starts none in
   the next attempt (``LOCAL_RANK`` stays in its environment: :func:`..adapters.compat_lightning.keep_launched_ranks`).
@@ -234,9 +237,13 @@ class _Recovery:
             why = keeper.why_not(self)
             if why is None:
                 return keeper.Keeper(self).run(args, kwargs)
-            # A reason the script can change (CUDA touched first, a group made first, another
-            # thread) is a WARNING; where no keeper can exist at all (not torchrun, not Linux), INFO.
-            level = logging.INFO if why.startswith(keeper.NO_KEEPER_HERE) else logging.WARNING
+            if self.given is not None and keeper.under_torchrun():
+                _warn_group_made_before()  # names the line to change
+                level = logging.INFO
+            else:
+                # A reason the script can change (CUDA touched first, another thread) is a WARNING;
+                # where no keeper can exist at all (not torchrun, not Linux), INFO.
+                level = logging.INFO if why.startswith(keeper.NO_KEEPER_HERE) else logging.WARNING
             log(level, "a dead rank's process cannot be replaced in place here (%s): its death ends the job "
                 "as without recovery in place", why)
         return self.run(args, kwargs)
@@ -278,6 +285,8 @@ class _Recovery:
                     if not decision.restart:
                         if self.layout is not None:
                             self._end_spares(False, decision.why)
+                        if isinstance(decision, _AsIs):
+                            raise
                         if isinstance(decision, _Misplaced) or (attempts.in_place() and isinstance(decision, _Unsafe)):
                             raise RecoveryError(decision.why) from err
                         self._add_note(err, decision)
@@ -332,9 +341,13 @@ class _Recovery:
                 f"({type(err).__name__}), and its process is gone, so nothing can be recovered in place. Wrap the "
                 "function each rank runs instead: with idist.Parallel(...) as p: p.run(recover_in_place(training, "
                 "max_restarts=N), cfg); with Lightning, strategy='ddp' or torchrun")), {}
+        if world is None and not sessions and not isinstance(err, PeerFailedError):
+            # raised before any process group existed (a bad argument, a missing file): no rank was told,
+            # nothing is recovered; the error is the job's own and is reported as itself, unchanged
+            return _AsIs(False, "it was raised before any process group existed"), {}
         if world is None:
             return _Unsafe(False, "recover_in_place found no process group store to recover over (the group "
-                                  "was made with init_process_group(store=...), or never)"), {}
+                                  "was made with init_process_group(store=...))"), {}
         if attempts.in_place() and not sessions and not isinstance(err, PeerFailedError) \
                 and tag_of(err).record is None:
             return _Unsafe(False, (
@@ -782,8 +795,7 @@ class _Recovery:
         parts = ", ".join(f"{name} {took:.2f}" for name, took in timings.get("parts", {}).items() if took >= 0.005)
         plan = self._live_plan or LivePlan(-1, "", "no plan was made")
         log(logging.WARNING, "recovering in place, attempt %d (max_restarts=%d), after %s; watchdogs stopped %.2f s, "
-            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank; the next "
-            "call carries on from %s", attempts.in_place(), self.max_restarts, cause.describe(),
+            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank; %s", attempts.in_place(), self.max_restarts, cause.describe(),
             timings["stopped"] - timings["detected"], timings["agreed"] - timings["detected"],
             timings["torn_down"] - timings["detected"], parts or "-", timings["reformed"] - timings["detected"],
             plan.describe())
@@ -841,6 +853,11 @@ class _Bounded:
         return functools.partial(self._conn.call, method)
 
 
+class _AsIs(Decision):
+    """A decision to raise the exception as it is, with no note and no line (nothing was recovered or
+    could be: the job's own error before any process group existed)."""
+
+
 class _Unsafe(Decision):
     """A decision to stop because the function cannot be called again (raised as :class:`RecoveryError`)."""
 
@@ -848,6 +865,27 @@ class _Unsafe(Decision):
 class _Misplaced(_Unsafe):
     """A decision to stop because the recovery wraps the launcher, not the ranks (always raised as
     :class:`RecoveryError`, in the first attempt too)."""
+
+
+_warned_group_before = False
+
+
+def _warn_group_made_before() -> None:
+    """Once per process: under torchrun, ``recover_in_place`` called inside a process group that exists
+    already (the documented ``idist.Parallel`` form: ``p.run(recover_in_place(training), cfg)``) cannot
+    replace a killed rank: the process torchrun started is the rank itself, and a keeper must fork before
+    any group exists (a forked copy of a gloo context has none of its threads). Say the line to change."""
+    global _warned_group_before
+    if _warned_group_before:
+        return
+    _warned_group_before = True
+    log(logging.WARNING, "recover_in_place was called inside a process group that exists already, so a killed rank "
+        "(SIGKILL, the OOM killer, a segfault) cannot be replaced in place and ends the job (exceptions and hangs in "
+        "Python still recover in place). To recover it too, wrap the function that makes the group instead: "
+        "replace 'with idist.Parallel(backend=...) as p: p.run(recover_in_place(training, ...), cfg)' with "
+        "'recover_in_place(main, ...)(cfg)' where main(cfg) runs 'with idist.Parallel(backend=...) as p: "
+        "p.run(training, cfg)'; or call the wrapped function before init_process_group (docs/recovering.md, "
+        "\"Launchers\")")
 
 
 def _keeper_replaces(store: Any, rank: int, end_seen: bool) -> bool:

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(120)
 
 # fault kind -> (failing rank, exception type, message prefix, global step, epoch in the report)
 FAULTS = {
-    "raise": (1, "RuntimeError", "CUDA-like failure at step 10", 10, 1),
+    "raise": (1, "RuntimeError", "CUDA-like failure at step 10", 11, 1),  # in the batch of global_step 10: step 11
     "rank0_callback": (0, "PermissionError", "cannot write /logs/step10.json", 10, 1),
     "data": (1, "ValueError", "bad sample ", 10, 1),
     "validation": (1, "KeyError", "'missing label column'", 16, 1),

@@ -26,6 +26,6 @@ def test_readme_snippet_fails_together(namespace, tmp_path):
     script.write_text(code)
     returncode, out, elapsed = run_script(script, deadline=DEADLINE_SEC)
     assert elapsed < DEADLINE_SEC, f"the snippet hung:\n{out[-3000:]}"
-    assert "rank 0 stopped: rank 1 raised ValueError: bad sample 17 at step 3, epoch 0" in out, out[-4000:]
+    assert "rank 0 stopped: rank 1 raised ValueError: bad sample 17 at step 4, epoch 0" in out, out[-4000:]
     assert re.search(r"^(\[rank1\]: )?ValueError: bad sample 17$", out, re.M), out[-4000:]  # rank 1: its own error
     assert returncode != 0

@@ -125,7 +125,9 @@ def test_a_raise_recovers_in_place_from_live_state_exactly(framework, every, tmp
     for rank in (0, 1):  # one log line per recovery, on every rank, naming the cause, the attempt, the state
         assert f"[rank {rank}] recovering in place, attempt 1 (max_restarts=2), after rank 1 failed in train: " \
                "InjectedFault" in output
-    assert output.count(f"the next call carries on from live state, {UNIT[framework]} 36 (each rank's own)") == 2
+    assert output.count(f"live state, {UNIT[framework]} 36 (each rank's own), is held for the next call") == 2
+    # told once the next call's loop started from it (the script loads the name latest_checkpoint gave)
+    assert output.count(f"carries on from live state, {UNIT[framework]} 36 (") == 2, output[-3000:]
     if framework == "ignite":  # the first attempt's group, destroyed by the recovery, is freed (its threads, sockets)
         assert [tries(run, rank)[1]["earlier_groups_alive"] for rank in (0, 1)] == [0, 0]
 
@@ -154,7 +156,8 @@ def test_without_live_state_the_newest_checkpoint_serves(framework, tmp_path, tm
                                                     "FTH_INJECT": "raise@rank=1,iteration=37"})
     assert_recovered_exactly(run, ref, framework)
     assert recomputed(run) == 6
-    assert output.count("the next call carries on from the newest checkpoint (live state cannot serve: no rank holds "
+    assert output.count("the next call starts from what it loads itself: the newest checkpoint, or the start if it "
+                        "loads none (live state cannot serve: no rank holds "
                         "live state (rank 0: FTH_LIVE_STATE=0))") == 2, output[-3000:]
 
 
@@ -257,9 +260,10 @@ def test_a_killed_rank_is_replaced_in_place_and_the_others_keep_their_processes(
     assert "[rank 1] the training process of rank 1 (pid" in output and "killed by SIGKILL: starting its replacement" in output
     assert "after rank 1 failed: RankReplaced" in output
     step = tries(run, 0)[1]["start_iteration"]
-    assert output.count(f"the next call carries on from live state, {UNIT[framework]} {step} (each rank's own; sent "
+    assert output.count(f"live state, {UNIT[framework]} {step} (each rank's own; sent "
                         "from rank 0 to rank 1: its process was replaced (its state ended with it); its RNG states "
-                        "too)") == 2, output[-3000:]
+                        "too), is held for the next call") == 2, output[-3000:]
+    assert output.count(f"carries on from live state, {UNIT[framework]} {step} (") == 2, output[-3000:]
     assert output.count("live state sent ") == 2, output[-3000:]  # a part of the recovery's timings
 
 
@@ -292,8 +296,11 @@ def test_live_state_that_arrives_corrupted_is_refused_and_every_rank_resumes_fro
                                                    "FTH_INJECT": "kill@rank=1,iteration=37"})
     assert_recovered_exactly(run, ref, "ignite", same_process=(True, False), live=False)
     assert recomputed(run) == 6
-    assert output.count("the next call carries on from the newest checkpoint (live state cannot serve: sending it "
-                        "from rank 0 failed: StateTransferError") == 2, output[-3000:]
+    assert output.count("the next call starts from what it loads itself: the newest checkpoint, or the start if it "
+                        "loads none (live state cannot serve: sending it from rank 0 failed: StateTransferError") == 2, \
+        output[-3000:]
+    assert output.count("this attempt starts at iteration 30: from the checkpoint the script loaded (live state could "
+                        "not serve: sending it from rank 0 failed") == 2, output[-3000:]
 
 
 @pytest.mark.long

@@ -137,13 +137,66 @@ def captured(step: int = 36, directory: str | None = None, rng: tuple | None = N
 def test_latest_checkpoint_names_the_held_state_and_load_checkpoint_hands_it_over_once(recovering, tmp_path):
     torch.save({"model": {"w": torch.zeros(2)}}, tmp_path / "checkpoint_30.pt")
     live.hold(captured(directory=str(tmp_path.resolve())))
-    assert latest_checkpoint(tmp_path / "other") != str(tmp_path / "other" / "live-state-step=36.pt")
+    # any folder (a folder named anew at each call, one only rank 0 knows): the last name given is the one
+    assert latest_checkpoint(tmp_path / "other") == str(tmp_path / "other" / "live-state-step=36.pt")
     path = latest_checkpoint(tmp_path)
     assert path == str(tmp_path / "live-state-step=36.pt") and not os.path.exists(path)
     assert snapshots.newest(path) is not None  # without taking it (resume_main reads the step so)
     assert torch.equal(load_checkpoint(path)["model"]["w"], torch.full((2,), 36.0))
     assert live.held() is None and snapshots.newest(path) is None
     assert latest_checkpoint(tmp_path) == str(tmp_path / "checkpoint_30.pt")  # then the files, as before
+
+
+def test_a_loop_start_restores_held_state_the_script_did_not_load_and_says_so_after(recovering, tmp_path, caplog):
+    """Live state reaches the loop whatever the script asked: ``restore`` is called at the loop's start,
+    and the line saying it carries on from live state comes after the restore, checked against where
+    the loop really starts."""
+    position = {"step": 0}
+
+    def restore(state):
+        position["step"] = 36
+        return "the objects"
+
+    live.hold(captured(step=36))
+    with caplog.at_level("WARNING", logger="fault_tolerant_handlers"):
+        live.loop_starts("iteration", lambda: position["step"], restore)
+    assert position["step"] == 36 and live.held() is None
+    assert "carries on from live state, iteration 36 (restored into the objects)" in caplog.text
+    caplog.clear()
+    live.loop_starts("iteration", lambda: 36, restore)  # told once
+    assert caplog.text == ""
+
+
+def test_a_loop_start_that_cannot_restore_warns_where_it_starts_instead(recovering, caplog):
+    live.hold(captured(step=36))
+    with caplog.at_level("WARNING", logger="fault_tolerant_handlers"):
+        live.loop_starts("iteration", lambda: 30, None, "no Checkpoint handler")
+    assert "live state of iteration 36 was not restored: no Checkpoint handler" in caplog.text
+    assert "the run starts at iteration 30" in caplog.text and "carries on from live state" not in caplog.text
+    caplog.clear()
+    live.hold(None, "no rank holds live state (rank 0: FTH_LIVE_STATE=0)")
+    with caplog.at_level("WARNING", logger="fault_tolerant_handlers"):
+        live.loop_starts("iteration", lambda: 0, None)
+    assert "this attempt starts at iteration 0: the script loaded no checkpoint, so from the start (live state could " \
+           "not serve: no rank holds live state" in caplog.text
+
+
+def test_a_script_load_of_the_live_name_is_told_at_the_loop_start_and_checked(recovering, tmp_path, caplog):
+    live.hold(captured(step=36))
+    load_checkpoint(latest_checkpoint(tmp_path / "a-folder-of-this-call"))
+    with caplog.at_level("WARNING", logger="fault_tolerant_handlers"):
+        live.loop_starts("iteration", lambda: 30, lambda state: "x")  # the script loaded a file after it
+    assert "live state of iteration 36 was handed over (loaded by the script from live-state-step=36.pt), but " \
+           "the loop starts at iteration 30" in caplog.text
+
+
+def test_substitute_names_the_held_state_for_a_framework_load_of_another_path(recovering, tmp_path):
+    live.hold(captured(step=36))
+    name = live.substitute(tmp_path / "epoch=0-step=30.ckpt", "fit")
+    assert name == str(tmp_path / "live-state-step=36.pt")
+    assert live.substitute(name, "fit") is None  # the name itself: nothing to replace
+    assert torch.equal(load_checkpoint(name)["model"]["w"], torch.full((2,), 36.0))
+    assert live.substitute(None, "fit") is None  # taken: nothing held
 
 
 def test_a_held_state_whose_directory_is_unknown_answers_for_any_directory(recovering, tmp_path):

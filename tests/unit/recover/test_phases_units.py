@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import fault_tolerant_handlers
 from fault_tolerant_handlers import adapters, launchers
-from fault_tolerant_handlers.adapters import compat_ignite
+from fault_tolerant_handlers.adapters import compat_ignite, recovery_lightning
 from fault_tolerant_handlers.core import attempts, phases
 from fault_tolerant_handlers.core.phases import Phase, RecoveryState
 from fault_tolerant_handlers.data import recovery as data_recovery
@@ -108,12 +108,17 @@ def test_each_layer_registers_its_part_in_order():
     assert phases.steps(Phase.BEGIN) == (compat_torchrun.begin_recovery,)
     assert phases.steps(Phase.WORLD) == (compat_torchrun.world_of_recovery,)
     assert phases.steps(Phase.CAPTURE_LIVE) == (data_recovery.capture_live,)
-    assert phases.steps(Phase.SETTLE_LIVE) == (data_recovery.settle_live,)
+    # the data layer holds the live state, then the adapters learn of it (a keeper's replacement runs no teardown)
+    assert phases.steps(Phase.SETTLE_LIVE) == (data_recovery.settle_live, adapters._resolve_live_names)
     assert phases.steps(Phase.TEAR_DOWN) == (compat_torchrun.forget_addresses_of_attempt,)
-    assert phases.steps(Phase.RESET_FRAMEWORKS) == tuple(step for _, step in adapters.STEPS)
+    # the adapters' (registered with the package), then the Lightning adapter's (with its module)
+    assert phases.steps(Phase.RESET_FRAMEWORKS) == tuple(
+        step for phase, step in adapters.STEPS if phase is Phase.RESET_FRAMEWORKS) + (
+        recovery_lightning._keep_logger_versions,)
     assert phases.steps(Phase.COLLECTED) == (data_recovery.reap_workers,)
     assert phases.steps(Phase.RE_FORM) == (compat_torchrun.re_form,)
-    assert set(phases.steps(Phase.END)) == {compat_torchrun.end_recovery, data_recovery.end_recovery}
+    assert set(phases.steps(Phase.END)) == {compat_torchrun.end_recovery, data_recovery.end_recovery,
+                                            recovery_lightning._forget_logger_versions}
     assert all(step in phases.steps(phase) for phase, step in launchers.STEPS + data_recovery.STEPS)
 
 
