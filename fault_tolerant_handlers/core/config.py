@@ -432,6 +432,8 @@ def load() -> Config:
 # SIGNALLED_TOGETHER           1.0      launchers.signals            the same, behind a framework's handler
 # REPORT_WAIT                  1.5      launchers.signals            a signalled survivor waits for the explanation
 # REACTION_WAIT                5.0      launchers.signals            the main thread waits for the signal thread
+# MAIN_STUCK_WAIT              1.0      launchers.signals            a signal waits for a blocked main thread
+# SIGNAL_EXIT_WAIT             2.0      launchers.signals            ... then, released, for it to take the signal
 # SIGTERM_CAUSE_WAIT           1.0      launchers.spawned            under mp.spawn, a SIGTERM waits for the cause
 # ZOMBIE_HOLD                  0.5      launchers.spawned, liveness  a dead rank is held a zombie for its peers
 # CONNECT_TRIES, CONNECT_SLACK 3x, 1.0  core.schema                  a store connect (kept there: its own logic)
@@ -515,6 +517,14 @@ REPORT_WAIT = 1.5
 #: How long the main thread's handler waits for the reaction under way in the thread (under mp.spawn it
 #: may wait for the cause: REPORT_WAIT, SIGTERM_CAUSE_WAIT and a store call).
 REACTION_WAIT = 5.0
+#: How long the signal thread, its reaction done, waits for the main thread to enter the handler
+#: before it takes the main thread for blocked in C (a collective its peer never joins, a store call)
+#: and releases it (:mod:`..launchers.signals`). A main thread running Python enters it at once.
+MAIN_STUCK_WAIT = 1.0
+#: How long it then waits for the released main thread to take the signal before it ends the process
+#: itself (the signal's default action only): a signal ends a rank within a few seconds whatever
+#: the main thread is blocked in.
+SIGNAL_EXIT_WAIT = 2.0
 #: How long a SIGTERM that finds a same-host peer gone, and nothing known yet, waits for the cause
 #: (the watchdog's finding or the peer's record); well inside the parent's 30 s before SIGKILL.
 SIGTERM_CAUSE_WAIT = 1.0

@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING
 from . import errorfile, spawned
 from ..core.errors import PeerFailedError
 from ..core.kinds import Ended, FailureKind
-from ..core.config import (CAUSE_LINGER, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the table in
-                           SIGNAL_STORE_TIMEOUT, SIGNALLED_TOGETHER)  # core.config, checked there
+from ..core.config import (CAUSE_LINGER, MAIN_STUCK_WAIT, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the
+                           SIGNAL_EXIT_WAIT, SIGNAL_STORE_TIMEOUT, SIGNALLED_TOGETHER)  # table in core.config
 from ..core.log import log
 from ..core.procfs import HANDLED_SIGNALS
 from ..core.records import FailureRecord
-from ..core.release import release_process_groups
+from ..core.release import cut_connections_to, release_process_groups, store_ports
 from ..core.schema import Schema, StoreUnreachable
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ class _Watch:
         self.lock = threading.Lock()
         self.started = False
         self.done = threading.Event()
+        self.handled = threading.Event()  # the main thread entered a handler of this module's
         self.kind: str | None = None  # "cause" or "consequence", once reacted
         #: This rank's own signal, as the error its main thread raises for a collective broken after it.
         self.cause: PeerFailedError | None = None
@@ -115,10 +116,44 @@ class _Watch:
                 return
             for signum in data:
                 if signum in self.previous:
+                    main = _main_position()  # where the main thread is as the signal arrives
                     self.react(signum)
+                    self._unblock(signum, main)
+
+    def _unblock(self, signum: int, main: tuple[int, int] | None) -> None:
+        """The main thread runs a Python handler only between bytecodes: blocked in a collective its
+        peer never joins, or in a store call, it would never run it, and the launcher's SIGTERM would
+        end nothing (torchrun: ``forcefully exiting via 9`` 30 s later). If it has run no bytecode
+        for :data:`MAIN_STUCK_WAIT` (its frame stands at the same instruction) and no handler of this
+        module's was entered, this process's collectives and store connections are cut (the process
+        is being ended: nothing of it is needed any more), so that the blocked call raises and the
+        handler runs. If it still has not after :data:`SIGNAL_EXIT_WAIT`, and the signal's action
+        is the default one (no handler of a framework's or the user's to decide), the process ends
+        here with the shell's code for the signal (``128 + signum``)."""
+        if self.handled.wait(MAIN_STUCK_WAIT) or main is None or _main_position() != main:
+            return
+        session = self._session()
+        name = signal.Signals(signum).name
+        log(logging.WARNING, "%s: the main thread is blocked (in a collective or a store call): releasing this "
+            "process's collectives and store connections so that the signal takes effect", name)
+        try:
+            store = session.pg_store if session is not None else None
+            what = release_process_groups(store)
+            cut = cut_connections_to(store_ports(store))
+            log(logging.INFO, "released: %s; %d store connections closed", what, cut)
+        except Exception as err:  # noqa: BLE001 - the process is being ended: never stand in the way
+            log(logging.WARNING, "could not release the blocked main thread: %s", err)
+        if self.handled.wait(SIGNAL_EXIT_WAIT):
+            return
+        if self.previous.get(signum) is signal.SIG_DFL and not self._framework_in_front(signum):
+            log(logging.CRITICAL, "%s: the main thread is still blocked after %.0f s; ending this process with exit "
+                "code %d", name, MAIN_STUCK_WAIT + SIGNAL_EXIT_WAIT, 128 + signum)
+            _flush()
+            os._exit(128 + signum)
 
     # -- react --------------------------------------------------------------------------------------
     def _handler(self, signum, frame):
+        self.handled.set()
         self.react(signum)
         self.done.wait(REACTION_WAIT)
         prev = self.previous.get(signum)
@@ -249,6 +284,21 @@ def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError
         return None
     return PeerFailedError.from_records([table.lost_record(
         store_rank, f"its host, which holds the c10d store, no longer accepts connections ({why})")])
+
+
+def _main_position() -> tuple[int, int] | None:
+    """The main thread's innermost Python frame and instruction (``None``: not found): the same
+    pair twice, some time apart, is a main thread that ran no bytecode in between (blocked in C)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return None if frame is None else (id(frame), frame.f_lasti)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 _watch: _Watch | None = None
