@@ -374,8 +374,7 @@ def load() -> Config:
     unknown = sorted(k for k in os.environ if k.startswith("FTH_") and k not in KNOWN_ENV
                      and k != attempts.RUNNING_ENV and not k.startswith("FTH_TEST"))
     if unknown:
-        log(logging.WARNING, "ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
-            ", ".join(KNOWN_ENV))
+        warn_once("ignoring unknown environment variable(s) %s; known: %s" % (", ".join(unknown), ", ".join(KNOWN_ENV)))
     values = {name: env_timedelta(name) for name in _ENV_OF
               if name not in ("hang_timeout", "recover_join_timeout", "interrupt_defer")}
     recover_join_timeout()
@@ -397,8 +396,19 @@ def load() -> Config:
         release=release_mode(),
     )
     for problem in check_timings(cfg):
-        log(logging.WARNING, "%s", problem)
+        warn_once(problem)
     return cfg
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """A configuration warning, once per process (every session reads the configuration again: a
+    job that makes several, or recovers in place, would repeat it at each)."""
+    if message not in _warned:
+        _warned.add(message)
+        log(logging.WARNING, "%s", message)
 
 # -- Fixed timings of the failure path ---------------------------------------------------------------
 # Every timeout and wait of the library that no variable sets, defined here once (the modules that
