@@ -19,7 +19,8 @@ the frameworks' own examples do, and resumes from its newest checkpoint (issue 4
 Every one: ``Linear(4, 1)`` over ``DistributedSampler(shuffle=True)`` batches of 4 (5 iterations an
 epoch, ``EPOCHS`` epochs), deterministic otherwise. ``FAULTS`` lists ``attempt:rank:iteration``
 (comma-separated): in attempt ``TORCHELASTIC_RESTART_COUNT`` that rank raises at that iteration
-(1-based over the whole run). Each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` (``resumed_at``:
+(1-based over the whole run); with ``EXIT_LINGER`` it then spends that many seconds in an exit hook
+(a logger's flush). Each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` (``resumed_at``:
 the iteration resumed from; ``finished``) and, at the end, ``OUTDIR/final_rank<R>.pt`` (the weights).
 """
 
@@ -221,6 +222,10 @@ def run_fabric() -> None:
 
 
 if __name__ == "__main__":
+    if (ATTEMPT, RANK) in FAULTS and os.environ.get("EXIT_LINGER"):  # a slow exit hook (a logger's flush)
+        import atexit
+
+        atexit.register(time.sleep, float(os.environ["EXIT_LINGER"]))
     OUT.mkdir(parents=True, exist_ok=True)
     note(started=time.time())
     {"ignite": run_ignite, "plain": run_plain, "lightning": run_lightning, "fabric": run_fabric}[FRAMEWORK]()

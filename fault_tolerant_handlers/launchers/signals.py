@@ -146,6 +146,8 @@ class _Watch:
         if self.handled.wait(SIGNAL_EXIT_WAIT):
             return
         if self.previous.get(signum) is signal.SIG_DFL and not self._framework_in_front(signum):
+            if self.kind == "failed":
+                self._exit_failed(signum)
             log(logging.CRITICAL, "%s: the main thread is still blocked after %.0f s; ending this process with exit "
                 "code %d", name, MAIN_STUCK_WAIT + SIGNAL_EXIT_WAIT, 128 + signum)
             _flush()
@@ -159,6 +161,9 @@ class _Watch:
         prev = self.previous.get(signum)
         if callable(prev):
             return prev(signum, frame)
+        if self.kind == "failed" and prev is signal.SIG_DFL:
+            # (a framework's handler in front of this one, Lightning's, has run: it calls this one last)
+            self._exit_failed(signum)
         if prev is signal.SIG_IGN:
             return None
         if self.kind == "cause" and self._framework_in_front(signum):
@@ -173,6 +178,26 @@ class _Watch:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return None
+
+    def _exit_failed(self, signum: int) -> None:
+        """This rank failed itself, then was signalled: the launcher ending the job's ranks once a
+        survivor exited (torchrun does at its next monitor tick), while this rank still ran its
+        exception path or its exit hooks. It exits with the code of an uncaught exception (1), not
+        by the signal, so that the launcher names its failure (torchrun's Root Cause: its error file,
+        exit code 1, not ``-15 (SIGTERM)``), and at once: its failure is published and its error
+        file written."""
+        session = self._session()
+        cause = _own_failure
+        what = f" ({cause.exc_type}: {cause.exc_message.splitlines()[0][:200]})" \
+            if cause is not None and cause.exc_message else ""
+        try:
+            sys.stderr.write(f"[rank {cause.rank if cause is not None else '?'}] fault-tolerant-handlers: "
+                             f"{signal.Signals(signum).name} after this rank's own failure{what}: exiting with "
+                             "code 1\n")
+        except Exception:  # noqa: BLE001
+            pass
+        _flush()
+        os._exit(1)
 
     def _framework_in_front(self, signum: int) -> bool:
         """A handler was put in front of this one after it was installed (Lightning's, in ``fit``)."""
@@ -193,11 +218,16 @@ class _Watch:
 
     def _react(self, signum: int, received: float) -> None:
         session = self._session()
-        if session is None:
+        if session is None:  # the session is gone (the interpreter's exit hooks): its failure is known
+            if _own_failure is not None:
+                self.kind = "failed"
             return
         name = signal.Signals(signum).name
         failure = session.failure  # read here; driven through its transitions only
-        if failure.local:  # this rank failed itself: its own record and file say why
+        cause = failure.cause
+        if failure.local or (cause is not None and cause.kind is FailureKind.RAISED and cause.rank == session.rank):
+            # this rank failed itself (in the current incident, or as the attempt's first failure, which
+            # an agreement delivered since): its own record and file say why
             self.kind = "failed"
             return
         # A failure being explained right now (a broken collective: torchrun's agent ends the
@@ -327,6 +357,20 @@ def install(session: Session) -> None:
     _watch.install()
 
 
+#: This process's own failure in its current session (the core's ``RANK_FAILED``), kept after the
+#: session is gone: a launcher's SIGTERM that comes during the interpreter's exit hooks (a slow
+#: logger's flush) still finds that this rank failed itself.
+_own_failure: FailureRecord | None = None
+
+
+def on_rank_failed(record: FailureRecord) -> None:
+    """The core's ``RANK_FAILED``."""
+    global _own_failure
+    _own_failure = record
+
+
 def on_session_started(session: Session) -> None:
     """The core's ``SESSION_STARTED`` (subscribed in ``launchers/__init__.py``)."""
+    global _own_failure
+    _own_failure = None  # a new session: a new attempt (recovering in place), no failure of its own yet
     install(session)  # SIGTERM/SIGINT: say so before the previous handler runs

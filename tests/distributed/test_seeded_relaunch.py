@@ -86,3 +86,27 @@ def test_a_seeded_job_relaunches_three_times_in_a_row_and_ends_exact(framework, 
     for rank in range(2):
         got = torch.load(out / f"final_rank{rank}.pt")
         assert all(torch.equal(got[k], expected[k]) for k in expected), (rank, got, expected)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_a_lightning_rank_that_raised_is_named_by_torchruns_root_cause_with_its_own_exit_code(tmp_path):
+    """Issue 46: with Lightning and no recovery, rank 1 raises at iteration 7 and then spends 6 s in an
+    exit hook (a logger's flush); rank 0 ends first (PeerFailedError) and torchrun SIGTERMs rank 1.
+    Rank 1 must exit with its own code (1, as stock Lightning's), so that torchrun's Root Cause
+    names its exception, not ``exitcode: -15 (SIGTERM)``."""
+    from launch import torchrun_root_cause
+
+    out = tmp_path / "lightning-1"
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0"]
+    try:
+        results = run_ranks(1, "lightning", tmp_path, script=SCRIPT, launcher=launcher, deadline=200,
+                            env={"FAULTS": "0:1:7", "EXIT_LINGER": "6"})
+    finally:
+        kill_workers(out, program=SCRIPT.name)
+    output = results[0].stderr
+    assert results[0].returncode == 1, output[-5000:]
+    rank, block = torchrun_root_cause(output)
+    assert rank == 1, block or output[-5000:]
+    assert "exitcode  : 1 " in block and "SIGTERM" not in block, block
+    assert "ValueError: bad batch at iteration 7 (attempt 0)" in block, block
