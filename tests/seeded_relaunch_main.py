@@ -13,7 +13,8 @@ the frameworks' own examples do, and resumes from its newest checkpoint (issue 4
   ``fail_together`` section per epoch, ``latest_checkpoint`` / ``load_checkpoint``;
 * ``lightning``: ``seed_everything(1)``, ``Trainer(strategy="ddp", callbacks=[FaultTolerance(),
   ModelCheckpoint(every_n_epochs=1, save_top_k=-1)])``, ``fit(ckpt_path=latest_checkpoint(...))``;
-* ``fabric``: ``seed_everything(1)`` before ``start_watchdog()``, ``fabric.save`` at each epoch's end,
+* ``fabric``: ``seed_everything(1)`` before ``start_watchdog()``, a ``DistributedSampler`` of its own,
+  ``fabric.save`` at each epoch's end,
   ``fabric.load(latest_checkpoint(...))``, one ``fail_together`` section per epoch.
 
 Every one: ``Linear(4, 1)`` over ``DistributedSampler(shuffle=True)`` batches of 4 (5 iterations an
@@ -200,7 +201,10 @@ def run_fabric() -> None:
     fabric.seed_everything(1)
     layer = torch.nn.Linear(4, 1)
     model, optimizer = fabric.setup(layer, torch.optim.SGD(layer.parameters(), lr=0.05))
-    loader = fabric.setup_dataloaders(DataLoader(Samples(), batch_size=BATCH, shuffle=True))
+    # Not fabric.setup_dataloaders: its loader calls set_epoch with the number of its own iter() calls
+    # in this process, which starts at 0 in every attempt (a resumed run would shuffle as epoch 0).
+    sampler = torch.utils.data.DistributedSampler(Samples(), shuffle=True, seed=1)
+    loader = DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler)
     start_watchdog()
     state = {"model": model, "optimizer": optimizer, "epochs_run": 0}
     path = latest_checkpoint(CKPT)
@@ -209,7 +213,7 @@ def run_fabric() -> None:
     first = state["epochs_run"]
     note(resumed_at=first * EPOCH_LENGTH)
     for epoch in range(first, EPOCHS):
-        loader.sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)
         with fail_together("train", epoch=epoch):
             for i, (x, y) in enumerate(loader):
                 maybe_fail(epoch * EPOCH_LENGTH + i + 1)

@@ -28,9 +28,11 @@ SCRIPT = ROOT / "tests" / "seeded_relaunch_main.py"
 FAULTS = "0:1:7,1:0:13,2:1:19"
 #: The seed the weights are initialized with (rank 0's: DDP gives every rank rank 0's weights).
 INIT_SEED = {"ignite": 543, "plain": 1, "lightning": 1, "fabric": 1}
+#: The ``DistributedSampler``'s seed (Lightning's and Fabric's: the one ``seed_everything`` was given).
+SAMPLER_SEED = {"ignite": 0, "plain": 0, "lightning": 1, "fabric": 1}
 
 
-def uninterrupted(init_seed: int, epochs: int = 5, lr: float = 0.05) -> dict[str, torch.Tensor]:
+def uninterrupted(init_seed: int, sampler_seed: int = 0, epochs: int = 5, lr: float = 0.05) -> dict[str, torch.Tensor]:
     """The weights of an uninterrupted 2-rank run of ``seeded_relaunch_main.py``, computed here."""
     from torch.utils.data import DistributedSampler
 
@@ -41,7 +43,7 @@ def uninterrupted(init_seed: int, epochs: int = 5, lr: float = 0.05) -> dict[str
     layer = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(layer.parameters(), lr=lr)
     data = Samples()
-    samplers = [DistributedSampler(data, num_replicas=2, rank=r, shuffle=True) for r in range(2)]
+    samplers = [DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=sampler_seed) for r in range(2)]
     for epoch in range(epochs):
         orders = []
         for sampler in samplers:
@@ -82,7 +84,7 @@ def test_a_seeded_job_relaunches_three_times_in_a_row_and_ends_exact(framework, 
             assert ("finished" in note) == (attempt == 3), (attempt, rank, note, output[-4000:])
             assert note["resumed_at"] in ((None, 0) if attempt == 0 else (5 * attempt,)), (attempt, rank, note)
     assert "attempt 0)" not in output.split("bad batch at iteration 13 (attempt 1)")[-1], output[-6000:]
-    expected = uninterrupted(INIT_SEED[framework])
+    expected = uninterrupted(INIT_SEED[framework], SAMPLER_SEED[framework])
     for rank in range(2):
         got = torch.load(out / f"final_rank{rank}.pt")
         assert all(torch.equal(got[k], expected[k]) for k in expected), (rank, got, expected)
