@@ -90,7 +90,6 @@ def test_a_seeded_job_relaunches_three_times_in_a_row_and_ends_exact(framework, 
         assert all(torch.equal(got[k], expected[k]) for k in expected), (rank, got, expected)
 
 
-@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_a_lightning_rank_that_raised_is_named_by_torchruns_root_cause_with_its_own_exit_code(tmp_path):
     """Issue 46: with Lightning and no recovery, rank 1 raises at iteration 7 and then spends 6 s in an
