@@ -396,8 +396,7 @@ def load() -> Config:
     unknown = sorted(k for k in os.environ if k.startswith("FTH_") and k not in KNOWN_ENV
                      and k != attempts.RUNNING_ENV and not k.startswith("FTH_TEST"))
     if unknown:
-        log(logging.WARNING, "ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
-            ", ".join(KNOWN_ENV))
+        warn_once("ignoring unknown environment variable(s) %s; known: %s" % (", ".join(unknown), ", ".join(KNOWN_ENV)))
     values = {name: env_timedelta(name) for name in _ENV_OF
               if name not in ("hang_timeout", "recover_join_timeout", "interrupt_defer")}
     recover_join_timeout()
@@ -419,8 +418,19 @@ def load() -> Config:
         release=release_mode(),
     )
     for problem in check_timings(cfg):
-        log(logging.WARNING, "%s", problem)
+        warn_once(problem)
     return cfg
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """A configuration warning, once per process (every session reads the configuration again: a
+    job that makes several, or recovers in place, would repeat it at each)."""
+    if message not in _warned:
+        _warned.add(message)
+        log(logging.WARNING, "%s", message)
 
 # -- Fixed timings of the failure path ---------------------------------------------------------------
 # Every timeout and wait of the library that no variable sets, defined here once (the modules that
@@ -454,6 +464,8 @@ def load() -> Config:
 # SIGNALLED_TOGETHER           1.0      launchers.signals            the same, behind a framework's handler
 # REPORT_WAIT                  1.5      launchers.signals            a signalled survivor waits for the explanation
 # REACTION_WAIT                5.0      launchers.signals            the main thread waits for the signal thread
+# MAIN_STUCK_WAIT              1.0      launchers.signals            a signal waits for a blocked main thread
+# SIGNAL_EXIT_WAIT             2.0      launchers.signals            ... then, released, for it to take the signal
 # SIGTERM_CAUSE_WAIT           1.0      launchers.spawned            under mp.spawn, a SIGTERM waits for the cause
 # ZOMBIE_HOLD                  0.5      launchers.spawned, liveness  a dead rank is held a zombie for its peers
 # CONNECT_TRIES, CONNECT_SLACK 3x, 1.0  core.schema                  a store connect (kept there: its own logic)
@@ -537,6 +549,14 @@ REPORT_WAIT = 1.5
 #: How long the main thread's handler waits for the reaction under way in the thread (under mp.spawn it
 #: may wait for the cause: REPORT_WAIT, SIGTERM_CAUSE_WAIT and a store call).
 REACTION_WAIT = 5.0
+#: How long the signal thread, its reaction done, waits for the main thread to enter the handler
+#: before it takes the main thread for blocked in C (a collective its peer never joins, a store call)
+#: and releases it (:mod:`..launchers.signals`). A main thread running Python enters it at once.
+MAIN_STUCK_WAIT = 1.0
+#: How long it then waits for the released main thread to take the signal before it ends the process
+#: itself (the signal's default action only): a signal ends a rank within a few seconds whatever
+#: the main thread is blocked in.
+SIGNAL_EXIT_WAIT = 2.0
 #: How long a SIGTERM that finds a same-host peer gone, and nothing known yet, waits for the cause
 #: (the watchdog's finding or the peer's record); well inside the parent's 30 s before SIGKILL.
 SIGTERM_CAUSE_WAIT = 1.0

@@ -1,8 +1,8 @@
 """The store schema: every key the library writes in the c10d store, defined once.
 
 All keys live under ``fth/<run id>/`` in the store the default process group was created with (the
-run id is rank 0's random number, gathered at setup, so a restarted job never reads an earlier
-attempt's keys):
+run id is a random number rank 0 draws from the operating system (``secrets``, never the user's
+seeded generators), gathered at setup, so a restarted job never reads an earlier attempt's keys):
 
 ==================  =====================================================================
 ``n``               failure-record counter (``add``); the watchdog polls it
@@ -46,6 +46,9 @@ from .log import log
 from .records import FailureRecord, sanitize
 
 KEY_COUNT = "n"
+#: The connect back-off's jitter: a generator of the library's own, seeded by the operating system,
+#: so that the library never draws from (nor shifts) the user's ``random`` stream.
+_jitter = random.Random(int.from_bytes(os.urandom(8), "little"))
 #: At most this many records are taken from one move of the counter (newest kept).
 MAX_NEW_RECORDS = 256
 #: A counter move larger than this in one read is corruption: no job publishes that many at once.
@@ -246,7 +249,7 @@ class Connection:
                 self._connecting = False
                 if self.backoff:
                     self._delay = 0.0 if connected else min(BACKOFF_MAX, max(BACKOFF_FIRST, 2 * self._delay))
-                    self._retry_at = time.monotonic() + self._delay * random.uniform(0.5, 1.5)
+                    self._retry_at = time.monotonic() + self._delay * _jitter.uniform(0.5, 1.5)
             with _connects_lock:
                 _connects.pop(key, None)
         with self._lock:

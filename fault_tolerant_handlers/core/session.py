@@ -36,8 +36,8 @@ import gc
 import ipaddress
 import logging
 import os
-import random
 import re
+import secrets
 import socket
 import threading
 import time
@@ -102,6 +102,10 @@ class Session:
                                    use_local_synchronization=group is not None)
         # One all_gather at setup tells every rank the run id (rank 0's), each rank's host (id and
         # name), pid and the address its peers see it at (a hash: matched against backend errors).
+        # The run id comes from the operating system (``secrets``), never from the user's generators: a
+        # script that seeds ``random`` the same way in every attempt (``ignite.utils.manual_seed``,
+        # ``seed_everything``) would otherwise give every torchrun attempt the same id, and the next
+        # attempt would read the keys of the one before (its failure records as new failures).
         self.address = own_address()
         self.keep_ports = store_ports(self._pg_store)
         tcp = _compat_torch.tcp_store_of(self._pg_store)
@@ -109,7 +113,7 @@ class Session:
         self.store_address: tuple[str, int] | None = (tcp.host, tcp.port) if tcp is not None else None
         #: This process hosts the store (its server is a thread here): it never declares it lost.
         self.hosts_store = self.store_address is not None and listens_here(self.store_address[1])
-        mine = torch.tensor([[random.getrandbits(62), host_id(), os.getpid(), digest(self.address), self._store_here(),
+        mine = torch.tensor([[secrets.randbits(62), host_id(), os.getpid(), digest(self.address), self._store_here(),
                               *encode_name(host_name())]], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in ranks]
         dist.all_gather(gathered, mine, group=self.side)
@@ -362,8 +366,13 @@ class Session:
         return records if read else []
 
     def stale(self, record: FailureRecord) -> bool:
-        """A failure in an agreement that has already ended (see :attr:`live_seq`)."""
-        return record.origin == "failure" and record.seq is not None and record.seq < self.live_seq
+        """A failure in an agreement that has already ended (see :attr:`live_seq`), or one published
+        by another process than this run's rank (an earlier attempt's: never a failure of this one)."""
+        if record.origin != "failure":
+            return False
+        if record.seq is not None and record.seq < self.live_seq:
+            return True
+        return record.rank in self.table.ranks and record.pid != self.table.pid_of(record.rank)
 
     def peer_records(self, schema: Schema, indices) -> list[FailureRecord]:
         """The records at ``indices`` (read through ``schema``) of other ranks, late news left out."""

@@ -13,6 +13,7 @@ SUBSCRIPTIONS = (
     (events.SESSION_STARTED, signals.on_session_started),  # SIGTERM/SIGINT handlers, in front
     (events.SESSION_STARTED, spawned.on_session_started),  # under mp.spawn: this rank reports itself
     (events.RANK_FAILED, errorfile.write_failed),  # torchrun: this rank's own file, the failure's time
+    (events.RANK_FAILED, signals.on_rank_failed),  # a launcher's SIGTERM after it: exit code 1, not -15
     (events.PEER_FAILED, errorfile.on_peer_failed),  # torchrun: a killed same-host peer's file
     (events.PEER_FAILED, spawned.on_peer_failed),  # mp.spawn: the report, before the launcher's SIGTERM
     (events.ACKNOWLEDGED, errorfile.on_acknowledged),  # torchrun: a survivor's file

@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING
 from . import errorfile, spawned
 from ..core.errors import PeerFailedError
 from ..core.kinds import Ended, FailureKind
-from ..core.config import (CAUSE_LINGER, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the table in
-                           SIGNAL_STORE_TIMEOUT, SIGNALLED_TOGETHER)  # core.config, checked there
+from ..core.config import (CAUSE_LINGER, MAIN_STUCK_WAIT, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the
+                           SIGNAL_EXIT_WAIT, SIGNAL_STORE_TIMEOUT, SIGNALLED_TOGETHER)  # table in core.config
 from ..core.log import log
 from ..core.procfs import HANDLED_SIGNALS
 from ..core.records import FailureRecord
-from ..core.release import release_process_groups
+from ..core.release import cut_connections_to, release_process_groups, store_ports
 from ..core.schema import Schema, StoreUnreachable
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ class _Watch:
         self.lock = threading.Lock()
         self.started = False
         self.done = threading.Event()
+        self.handled = threading.Event()  # the main thread entered a handler of this module's
         self.kind: str | None = None  # "cause" or "consequence", once reacted
         #: This rank's own signal, as the error its main thread raises for a collective broken after it.
         self.cause: PeerFailedError | None = None
@@ -115,15 +116,54 @@ class _Watch:
                 return
             for signum in data:
                 if signum in self.previous:
+                    main = _main_position()  # where the main thread is as the signal arrives
                     self.react(signum)
+                    self._unblock(signum, main)
+
+    def _unblock(self, signum: int, main: tuple[int, int] | None) -> None:
+        """The main thread runs a Python handler only between bytecodes: blocked in a collective its
+        peer never joins, or in a store call, it would never run it, and the launcher's SIGTERM would
+        end nothing (torchrun: ``forcefully exiting via 9`` 30 s later). If it has run no bytecode
+        for :data:`MAIN_STUCK_WAIT` (its frame stands at the same instruction) and no handler of this
+        module's was entered, this process's collectives and store connections are cut (the process
+        is being ended: nothing of it is needed any more), so that the blocked call raises and the
+        handler runs. If it still has not after :data:`SIGNAL_EXIT_WAIT`, and the signal's action
+        is the default one (no handler of a framework's or the user's to decide), the process ends
+        here with the shell's code for the signal (``128 + signum``)."""
+        if self.handled.wait(MAIN_STUCK_WAIT) or main is None or _main_position() != main:
+            return
+        session = self._session()
+        name = signal.Signals(signum).name
+        log(logging.WARNING, "%s: the main thread is blocked (in a collective or a store call): releasing this "
+            "process's collectives and store connections so that the signal takes effect", name)
+        try:
+            store = session.pg_store if session is not None else None
+            what = release_process_groups(store)
+            cut = cut_connections_to(store_ports(store))
+            log(logging.INFO, "released: %s; %d store connections closed", what, cut)
+        except Exception as err:  # noqa: BLE001 - the process is being ended: never stand in the way
+            log(logging.WARNING, "could not release the blocked main thread: %s", err)
+        if self.handled.wait(SIGNAL_EXIT_WAIT):
+            return
+        if self.previous.get(signum) is signal.SIG_DFL and not self._framework_in_front(signum):
+            if self.kind == "failed":
+                self._exit_failed(signum)
+            log(logging.CRITICAL, "%s: the main thread is still blocked after %.0f s; ending this process with exit "
+                "code %d", name, MAIN_STUCK_WAIT + SIGNAL_EXIT_WAIT, 128 + signum)
+            _flush()
+            os._exit(128 + signum)
 
     # -- react --------------------------------------------------------------------------------------
     def _handler(self, signum, frame):
+        self.handled.set()
         self.react(signum)
         self.done.wait(REACTION_WAIT)
         prev = self.previous.get(signum)
         if callable(prev):
             return prev(signum, frame)
+        if self.kind == "failed" and prev is signal.SIG_DFL:
+            # (a framework's handler in front of this one, Lightning's, has run: it calls this one last)
+            self._exit_failed(signum)
         if prev is signal.SIG_IGN:
             return None
         if self.kind == "cause" and self._framework_in_front(signum):
@@ -138,6 +178,26 @@ class _Watch:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return None
+
+    def _exit_failed(self, signum: int) -> None:
+        """This rank failed itself, then was signalled: the launcher ending the job's ranks once a
+        survivor exited (torchrun does at its next monitor tick), while this rank still ran its
+        exception path or its exit hooks. It exits with the code of an uncaught exception (1), not
+        by the signal, so that the launcher names its failure (torchrun's Root Cause: its error file,
+        exit code 1, not ``-15 (SIGTERM)``), and at once: its failure is published and its error
+        file written."""
+        session = self._session()
+        cause = _own_failure
+        what = f" ({cause.exc_type}: {cause.exc_message.splitlines()[0][:200]})" \
+            if cause is not None and cause.exc_message else ""
+        try:
+            sys.stderr.write(f"[rank {cause.rank if cause is not None else '?'}] fault-tolerant-handlers: "
+                             f"{signal.Signals(signum).name} after this rank's own failure{what}: exiting with "
+                             "code 1\n")
+        except Exception:  # noqa: BLE001
+            pass
+        _flush()
+        os._exit(1)
 
     def _framework_in_front(self, signum: int) -> bool:
         """A handler was put in front of this one after it was installed (Lightning's, in ``fit``)."""
@@ -158,11 +218,16 @@ class _Watch:
 
     def _react(self, signum: int, received: float) -> None:
         session = self._session()
-        if session is None:
+        if session is None:  # the session is gone (the interpreter's exit hooks): its failure is known
+            if _own_failure is not None:
+                self.kind = "failed"
             return
         name = signal.Signals(signum).name
         failure = session.failure  # read here; driven through its transitions only
-        if failure.local:  # this rank failed itself: its own record and file say why
+        cause = failure.cause
+        if failure.local or (cause is not None and cause.kind is FailureKind.RAISED and cause.rank == session.rank):
+            # this rank failed itself (in the current incident, or as the attempt's first failure, which
+            # an agreement delivered since): its own record and file say why
             self.kind = "failed"
             return
         # A failure being explained right now (a broken collective: torchrun's agent ends the
@@ -251,6 +316,21 @@ def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError
         store_rank, f"its host, which holds the c10d store, no longer accepts connections ({why})")])
 
 
+def _main_position() -> tuple[int, int] | None:
+    """The main thread's innermost Python frame and instruction (``None``: not found): the same
+    pair twice, some time apart, is a main thread that ran no bytecode in between (blocked in C)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return None if frame is None else (id(frame), frame.f_lasti)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 _watch: _Watch | None = None
 
 
@@ -277,6 +357,20 @@ def install(session: Session) -> None:
     _watch.install()
 
 
+#: This process's own failure in its current session (the core's ``RANK_FAILED``), kept after the
+#: session is gone: a launcher's SIGTERM that comes during the interpreter's exit hooks (a slow
+#: logger's flush) still finds that this rank failed itself.
+_own_failure: FailureRecord | None = None
+
+
+def on_rank_failed(record: FailureRecord) -> None:
+    """The core's ``RANK_FAILED``."""
+    global _own_failure
+    _own_failure = record
+
+
 def on_session_started(session: Session) -> None:
     """The core's ``SESSION_STARTED`` (subscribed in ``launchers/__init__.py``)."""
+    global _own_failure
+    _own_failure = None  # a new session: a new attempt (recovering in place), no failure of its own yet
     install(session)  # SIGTERM/SIGINT: say so before the previous handler runs

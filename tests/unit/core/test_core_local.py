@@ -19,6 +19,7 @@ from fault_tolerant_handlers import PeerFailedError, fail_together, one_rank_fir
 from fault_tolerant_handlers.core import config
 from fault_tolerant_handlers.core import session as session_mod
 from fault_tolerant_handlers.core.kinds import Ended, FailureKind
+from fault_tolerant_handlers.core.ranks import RankTable
 from fault_tolerant_handlers.core.records import MAX_RECORD_BYTES, MAX_TRACEBACK_CHARS, FailureRecord
 
 
@@ -212,6 +213,7 @@ def _consuming_session(store: dist.Store, live_seq: int) -> session_mod.Session:
     s = session_mod.Session.__new__(session_mod.Session)
     s.schema = Schema(Connection(lambda: dist.PrefixStore("fth/t", store), timedelta(seconds=1), "main"), 4)
     s.consumed, s.delivered, s.live_seq = 0, frozenset(), live_seq
+    s.table = RankTable(0, (0, 1, 2, 3), (os.getpid(),) * 4, ("h",) * 4)  # every record here is this process's
     return s
 
 

@@ -45,3 +45,19 @@ def test_contradicting_fixed_timings_are_a_bug(monkeypatch):
         assert "SAME_DELIVERY < CAUSE_LINGER" in str(err)
     else:
         raise AssertionError("not caught")
+
+
+def test_a_configuration_warning_is_logged_once_per_process(monkeypatch, caplog):
+    """Every session reads the configuration again (several loops, a recovery in place): its warnings
+    are the process's, logged once (issue 46: the unknown variable was warned at every session)."""
+    import logging
+
+    monkeypatch.setenv("FTH_NOT_A_SETTING_46", "1")
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        for _ in range(3):
+            config.load()
+    assert caplog.text.count("ignoring unknown environment variable(s) FTH_NOT_A_SETTING_46") == 1, caplog.text
+    monkeypatch.setenv("FTH_NOT_A_SETTING_46B", "1")  # another configuration: its own warning
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        config.load()
+    assert "FTH_NOT_A_SETTING_46, FTH_NOT_A_SETTING_46B" in caplog.text
