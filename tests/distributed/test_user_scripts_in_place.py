@@ -106,11 +106,12 @@ def test_a_folder_made_at_each_call_carries_on_from_live_state(tmp_path, tmp_pat
 
 
 def test_a_folder_only_rank_0_knows_and_a_killed_rank_carry_on_from_live_state(tmp_path, tmp_path_factory):
-    """Rank 0 makes the folder, rank 1 keeps the base one, both ask ``latest_checkpoint`` (different
-    folders); rank 1 is SIGKILLed, its keeper's new process receives rank 0's live state (the form
-    with ``recover_in_place`` around the function that opens ``idist.Parallel``)."""
+    """Rank 0 makes the folder, rank 1 keeps the base one, both ask ``latest_checkpoint(trainer)`` (the
+    documented line: the folder of rank 0's ``Checkpoint`` serves); rank 1 is SIGKILLed, its keeper's
+    new process receives rank 0's live state (the form with ``recover_in_place`` around the function
+    that opens ``idist.Parallel``)."""
     ref, _ = reference(tmp_path_factory)
-    run, _, output = job("around", tmp_path, {"FOLDER": "rank-0", "RESUME": "latest",
+    run, _, output = job("around", tmp_path, {"FOLDER": "rank-0", "RESUME": "trainer",
                                               "FTH_INJECT": "kill@rank=1,iteration=45"})
     assert_carried_on_from_live_state(run, ref, output, (True, False))
     assert "sent from rank 0 to rank 1" in output

@@ -19,8 +19,9 @@ FORM
 
 Environment: ``FOLDER`` ``every-rank`` (each rank makes its own timestamped folder, default) or ``rank-0``
 (the example's: only rank 0 makes it, rank 1 keeps the base folder); ``RESUME`` ``none`` (the example's
-``resume_from=None``: the script loads nothing, default) or ``latest`` (``latest_checkpoint(output_path)``
-loaded with ``Checkpoint.load_objects``); ``FTH_INJECT`` the fault.
+``resume_from=None``: the script loads nothing, default), ``latest`` (``latest_checkpoint(output_path)``
+loaded with ``Checkpoint.load_objects``: every rank must make the same folder) or ``trainer``
+(``latest_checkpoint(trainer)``, the documented line for a folder only rank 0 knows); ``FTH_INJECT`` the fault.
 
 Each rank writes ``attempt<a>_rank<r>.json`` (pid, folder, where its trainer started and ended) and
 appends every trained batch to ``batches<r>.jsonl``; rank 0 saves the final weights to ``weights.pt``.
@@ -97,8 +98,8 @@ def training(local_rank: int, config: dict) -> None:
                                           output_names=["batch loss"], with_pbars=False, clear_cuda_cache=False)
     FaultTolerance().attach(trainer)
 
-    if RESUME == "latest":
-        path = latest_checkpoint(output_path)
+    if RESUME in ("latest", "trainer"):
+        path = latest_checkpoint(trainer if RESUME == "trainer" else output_path)
         note(rank, resumed_from=path)
         if path:
             Checkpoint.load_objects(to_load=to_save, checkpoint=path)
