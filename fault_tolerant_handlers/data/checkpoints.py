@@ -34,8 +34,8 @@ unpickled here without the restriction.
 Every rank gets the same answer, and no rank waits for a peer that is not coming. Whenever the ranks
 can talk (a process group is up: its store; or, before one, torchrun's store), every rank publishes
 what it asks for (its folders and filters, as text) under a key naming the attempt and the call's
-number, and rank 0 reads them all, then publishes one verdict: the path it chose, ``None``, the live
-state, or an error. Ranks that asked for different folders all raise the same ``ValueError`` naming
+number, and rank 0 reads them all, then publishes one verdict: the path it chose, ``None``, or an
+error. Ranks that asked for different folders all raise the same ``ValueError`` naming
 each rank's folder (a folder only rank 0 knows, such as a timestamped output folder made on rank 0,
 is such a mismatch: pass the same folder on every rank, or the trainer or its ``Checkpoint``, whose
 folder on rank 0 serves every rank since only rank 0 writes it). A rank that does not call within
@@ -46,8 +46,8 @@ unpickled. Without a group or torchrun's store each process decides alone.
 
 After a recovery in place that carries on from live state (:mod:`.live`), the answer is a name in
 the folder that no file has, ``live-state-step=<step>.pt``: :func:`~fault_tolerant_handlers.load_checkpoint`
-and Lightning's ``fit(ckpt_path=...)`` hand over the live state for it. It is given when rank 0's
-live state answers for its folder and every rank holds live state (they agreed on it in the recovery).
+and Lightning's ``fit(ckpt_path=...)`` hand over the live state for it. It is given for any folder
+and without an exchange: every rank holds live state of the step they agreed on in the recovery.
 """
 
 from __future__ import annotations
@@ -280,25 +280,20 @@ def _decide(source: Source) -> str | None:
 
 
 # -- the live state ----------------------------------------------------------------------------------------
-def _live_answers(source: Source) -> bool:
-    """Live state is held: after a recovery in place every rank holds it for the same agreed step
-    (a replaced process receives it), whatever folder each passes (a timestamp made at each call, a
-    folder only rank 0 knows)."""
-    return live.held() is not None
-
-
 def _live_claim(source: Source) -> str | None:
+    """The live state's name while it is held: after a recovery in place every rank holds it for the
+    same agreed step (a replaced process receives it), whatever folder each passes (a timestamp made
+    at each call, a folder only rank 0 knows), so no exchange is needed."""
     return live.latest_checkpoint_answer(source.folders[0])
 
 
 # -- the exchange ------------------------------------------------------------------------------------------
-_NONE, _PATH, _LIVE, _MISMATCH, _MISSING = b"\x00", b"\x01", b"\x02", b"\x03", b"\x04"
-_COMPARED, _LIVE_ANSWERS, _LIVE_HELD = 1, 2, 4
+_NONE, _PATH, _MISMATCH, _MISSING = b"\x00", b"\x01", b"\x03", b"\x04"
+_COMPARED = 1
 
 
 def _encode_request(source: Source) -> bytes:
-    flags = (_COMPARED if source.compared else 0) | (_LIVE_ANSWERS if _live_answers(source) else 0) \
-        | (_LIVE_HELD if live.held() is not None else 0)
+    flags = _COMPARED if source.compared else 0
     text = source.label.encode("utf-8")
     if len(text) > MAX_PATH_BYTES:
         raise ValueError(f"latest_checkpoint: folder longer than {MAX_PATH_BYTES} bytes: {source.label[:100]}...")
@@ -306,7 +301,7 @@ def _encode_request(source: Source) -> bytes:
 
 
 def _decode_request(data: bytes, rank: int) -> tuple[int, str]:
-    if not 2 <= len(data) <= MAX_PATH_BYTES + 2 or data[:1] != b"R" or data[1] > 7:
+    if not 2 <= len(data) <= MAX_PATH_BYTES + 2 or data[:1] != b"R" or data[1] > _COMPARED:
         raise RuntimeError(f"latest_checkpoint: rank {rank}'s request is malformed ({len(data)} bytes)")
     return data[1], data[2:].decode("utf-8", "replace")
 
@@ -319,7 +314,7 @@ def _encode_verdict(kind: bytes, text: str = "") -> bytes:
 
 
 def _decode_verdict(data: bytes) -> tuple[bytes, str]:
-    if not data or len(data) > MAX_VERDICT_BYTES or data[:1] not in (_NONE, _PATH, _LIVE, _MISMATCH, _MISSING):
+    if not data or len(data) > MAX_VERDICT_BYTES or data[:1] not in (_NONE, _PATH, _MISMATCH, _MISSING):
         raise RuntimeError(f"latest_checkpoint: rank 0's answer is malformed ({len(data)} bytes)")
     return data[:1], data[1:].decode("utf-8", "replace")
 
@@ -368,14 +363,6 @@ def _rank0(store: dist.Store, key: str, world: int, source: Source, timeout: tim
     mismatch = _mismatch_text(requests)
     if mismatch is not None:
         return _MISMATCH, mismatch
-    answers = [r for r, (flags, _) in requests.items() if flags & _LIVE_ANSWERS]
-    if 0 in answers and all(flags & _LIVE_HELD for flags, _ in requests.values()):
-        return _LIVE, ""
-    if answers:
-        without = [r for r, (flags, _) in requests.items() if not flags & _LIVE_HELD]
-        log(logging.WARNING, "latest_checkpoint(%s): the live state is not used for it (%s): the newest checkpoint "
-            "serves", source.label, f"{_ranks_text(without)} hold none" if without
-            else "rank 0's live state is of another folder")
     answer = _decide(source)
     return (_NONE, "") if answer is None else (_PATH, answer)
 
@@ -403,8 +390,6 @@ def agree(store: dist.Store, key: str, rank: int, world: int, source: Source, ti
         raise ValueError(text)
     if kind == _MISSING:
         raise TimeoutError(text)
-    if kind == _LIVE:
-        return _live_claim(source)
     return text if kind == _PATH else None
 
 
@@ -433,7 +418,7 @@ def find(source: Source) -> str | None:
     """The newest usable checkpoint of ``source`` (or the live state's name, or ``None``), the same on
     every rank; see the module."""
     name = _live_claim(source)
-    if name is not None:  # recovering in place from live state: every rank holds it, no exchange needed
+    if name is not None:
         return name
     medium = _medium()
     if medium is None:

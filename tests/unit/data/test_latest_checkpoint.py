@@ -164,17 +164,14 @@ def test_a_rank_that_never_calls_is_named_within_the_timeout(tmp_path):
     assert isinstance(results[1], TimeoutError) and "no answer from rank 0" in str(results[1])
 
 
-def test_live_state_answers_only_when_rank_0_answers_and_every_rank_holds_it(tmp_path, monkeypatch):
+def test_held_live_state_answers_for_any_folder_without_an_exchange(tmp_path, monkeypatch):
     from fault_tolerant_handlers.data import checkpoints, live
 
-    monkeypatch.setattr(live, "held", lambda: object())
-    monkeypatch.setattr(checkpoints, "_live_answers", lambda source: source.folders[0].name == "mine")
-    monkeypatch.setattr(checkpoints, "_live_claim", lambda source: f"LIVE:{source.folders[0]}")
-    mine, other = tmp_path / "mine", tmp_path / "other"
-    mine.mkdir()
-    other.mkdir()
-    same = checkpoints.folder_source(mine)
-    assert _agree_all([same, same]) == {0: f"LIVE:{mine}", 1: f"LIVE:{mine}"}
-    ignite_like = checkpoints.Source((other,), "'other'", compared=False)  # rank 1's loop wrote elsewhere
-    assert _agree_all([same, ignite_like]) == {0: f"LIVE:{mine}", 1: f"LIVE:{other}"}
-    assert _agree_all([checkpoints.Source((other,), "'x'"), checkpoints.Source((mine,), "'x'")]) == {0: None, 1: None}
+    def no_exchange():
+        raise AssertionError("latest_checkpoint exchanged with its peers while live state was held")
+
+    monkeypatch.setattr(checkpoints, "_medium", no_exchange)
+    monkeypatch.setattr(live, "latest_checkpoint_answer", lambda folder: f"LIVE:{folder}")
+    mine, other = tmp_path / "mine", tmp_path / "other"  # each rank's own folder: a timestamp per call
+    assert checkpoints.find(checkpoints.folder_source(mine)) == f"LIVE:{mine}"
+    assert checkpoints.find(checkpoints.folder_source(other)) == f"LIVE:{other}"
