@@ -16,7 +16,7 @@ def _resolve_live_names(state: RecoveryState) -> None:
     """The next attempt may carry on from live state: Ignite's ``Checkpoint.load_objects(to_load, path)``
     resolves the name ``latest_checkpoint`` gives for it."""
     if live.held() is not None:
-        compat_ignite.resolve_live_names(live.take)
+        compat_ignite.hook_load_objects(take=live.take)
 
 
 #: What the adapters do in a recovery in place (:mod:`..core.phases`), registered at import: once the

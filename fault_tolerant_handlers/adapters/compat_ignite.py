@@ -15,12 +15,12 @@ Checked against pytorch-ignite 0.5.0.post2 (the first 0.5 release) and 0.5.5.
   (``Events.ITERATION_COMPLETED(every=10)``) is registered as a wrapper whose ``_parent`` is a weak
   reference to the handler. Used to find the ``Checkpoint`` handlers attached to a trainer, whose
   ``to_save`` is what live state captures (:func:`attached_handlers`).
-* ``Checkpoint.load_objects`` (public, a ``staticmethod``) is wrapped process-wide once a recovery in
-  place carries on from live state (:func:`resolve_live_names`): given a path, it first asks for the
-  live state under that name (a name ``latest_checkpoint`` gave, which no file has) and loads that;
-  any other path is loaded as before. It is also wrapped once the Ignite adapter is imported
-  (:func:`after_load_objects`): once the objects are loaded, a DDP's bucket layout saved beside them
-  is given to the DDP (:mod:`.resume_ignite`).
+* ``Checkpoint.load_objects`` (public, a ``staticmethod``) is wrapped once per process
+  (:func:`hook_load_objects`) when a recovery in place carries on from live state or the Ignite
+  adapter is imported: given a path, it first asks for the live state under that name (a name
+  ``latest_checkpoint`` gave, which no file has) and loads that; any other path is loaded as before;
+  once the objects are loaded, a DDP's bucket layout saved beside them is given to the DDP
+  (:mod:`.resume_ignite`).
 * ``Engine._process_function``: the training step an ``Engine`` runs, whose closure and globals name
   the ``DistributedDataParallel`` that wraps a model ``to_save`` holds unwrapped (:func:`step_names`).
 * ``Engine._run_once_on_dataset_as_gen`` / ``_run_once_on_dataset_legacy``: the functions whose frames
@@ -147,50 +147,43 @@ def reset_idist() -> None:
     utils._need_to_sync = True
 
 
-def resolve_live_names(take: Callable[[Any], Any]) -> None:
-    """Make ``Checkpoint.load_objects(to_load, path)`` load ``take(path)`` when that is not ``None``
-    (the live state for a name ``latest_checkpoint`` gave), as ``load_objects(to_load, load_checkpoint(path))``
-    does. Once per process; nothing when Ignite's checkpoint module was never imported."""
+#: What the one wrapper of ``Checkpoint.load_objects`` calls (:func:`hook_load_objects`): ``take(path)``,
+#: the live state for a name ``latest_checkpoint`` gave; ``read(path)``, what Ignite would read for a
+#: path; ``after(to_load, checkpoint)``, once the objects are loaded.
+_load_hooks: dict[str, Callable] = {}
+
+
+def hook_load_objects(*, take: Callable[[Any], Any] | None = None, read: Callable[[Any], Any] | None = None,
+                      after: Callable[[Any, Any], None] | None = None) -> None:
+    """Wrap ``Checkpoint.load_objects`` once per process and add the hooks given (see :data:`_load_hooks`):
+    given a path, it loads ``take(path)`` when that is not ``None`` (as ``load_objects(to_load,
+    load_checkpoint(path))`` does), else, with ``after``, ``read(path)``; then calls ``after``, which
+    does not run when the load raised. Nothing when Ignite's checkpoint module was never imported."""
+    _load_hooks.update({name: hook for name, hook in (("take", take), ("read", read), ("after", after))
+                        if hook is not None})
     module = sys.modules.get("ignite.handlers.checkpoint")
     checkpoint_type = getattr(module, "Checkpoint", None)
     original = getattr(checkpoint_type, "__dict__", {}).get("load_objects")
-    if not isinstance(original, staticmethod) or getattr(original.__func__, "_fth_live", False):
+    if not isinstance(original, staticmethod) or getattr(original.__func__, "_fth_hooked", False):
         return
     load = original.__func__
 
     @functools.wraps(load)
     def load_objects(to_load: Any, checkpoint: Any, **kwargs: Any) -> Any:
+        take, read, after = (_load_hooks.get(name) for name in ("take", "read", "after"))
         if isinstance(checkpoint, (str, Path)):
-            state = take(checkpoint)
+            state = take(checkpoint) if take is not None else None
             if state is not None:
                 checkpoint = state
-        return load(to_load, checkpoint, **kwargs)
-
-    load_objects._fth_live = True  # type: ignore[attr-defined]
-    checkpoint_type.load_objects = staticmethod(load_objects)
-
-
-def after_load_objects(read: Callable[[Any], Any], after: Callable[[Any, Any], None]) -> None:
-    """Make ``Checkpoint.load_objects(to_load, checkpoint)`` call ``after(to_load, checkpoint)`` once
-    it loaded, with ``checkpoint`` as loaded (a path read with ``read(path)``, what Ignite would read).
-    Once per process; ``after`` does not run when the load raised."""
-    from ignite.handlers import Checkpoint
-
-    original = Checkpoint.__dict__.get("load_objects")
-    if not isinstance(original, staticmethod) or getattr(original.__func__, "_fth_after", False):
-        return
-    load = original.__func__
-
-    @functools.wraps(load)
-    def load_objects(to_load: Any, checkpoint: Any, **kwargs: Any) -> Any:
-        if isinstance(checkpoint, (str, Path)):
-            checkpoint = read(checkpoint)
+            elif after is not None and read is not None:
+                checkpoint = read(checkpoint)
         result = load(to_load, checkpoint, **kwargs)
-        after(to_load, checkpoint)
+        if after is not None:
+            after(to_load, checkpoint)
         return result
 
-    load_objects._fth_after = True  # type: ignore[attr-defined]
-    Checkpoint.load_objects = staticmethod(load_objects)
+    load_objects._fth_hooked = True  # type: ignore[attr-defined]
+    checkpoint_type.load_objects = staticmethod(load_objects)
 
 
 def step_names(engine: Any) -> list:

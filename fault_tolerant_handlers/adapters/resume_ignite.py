@@ -283,11 +283,10 @@ def give_bucket_layout(to_load: Any, checkpoint: Any) -> None:
 
 
 def _read(path: Any) -> Any:
-    """What ``Checkpoint.load_objects`` reads for a path (the live state for the name it answers to)."""
-    state = live.take(path)
-    return state if state is not None else torch.load(path, weights_only=True)
+    """What ``Checkpoint.load_objects`` reads for a path that is not a live state's name."""
+    return torch.load(path, weights_only=True)
 
 
 def hook_load_objects() -> None:
     """Once per process: every ``Checkpoint.load_objects`` gives a DDP its checkpoint's bucket layout."""
-    _compat_ignite.after_load_objects(_read, give_bucket_layout)
+    _compat_ignite.hook_load_objects(take=live.take, read=_read, after=give_bucket_layout)

@@ -82,7 +82,7 @@ def test_a_failure_leaves_the_last_completed_iterations_state_and_resuming_from_
     assert captured.step == 16 and captured.state["trainer"]["iteration"] == 16
     assert captured.state["loader"]["batches_yielded"] == 6 and captured.rng is not None
     live.hold(captured)
-    compat_ignite.resolve_live_names(live.take)  # what the recovery installs
+    compat_ignite.hook_load_objects(take=live.take)  # what the recovery installs
 
     engine, model, loader, to_save = job(tmp_path / "run")
     path = latest_checkpoint(tmp_path / "run")
