@@ -236,7 +236,7 @@ def test_a_periodic_loops_connection_backs_off_after_a_failed_connect(monkeypatc
     """Many ranks starting at once on a busy store's server: a failed connect is not retried in step
     by every loop; the next connect waits a randomised, doubling backoff (calls fail at once, without
     a connect, until then); a connect that succeeds resets it."""
-    monkeypatch.setattr(schema.random, "uniform", lambda a, b: 1.0)
+    monkeypatch.setattr(schema._jitter, "uniform", lambda a, b: 1.0)  # the library's own generator
     connects = []
 
     def factory():
