@@ -397,7 +397,7 @@ def _torchrun_store():
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("WORLD_SIZE", "1")) <= 1:
         return None
-    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=config.ckpt_agree_timeout())
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=config.settings().ckpt_agree_timeout)
 
 
 def _medium() -> tuple[dist.Store, int, int] | None:
@@ -429,4 +429,4 @@ def find(source: Source) -> str | None:
     namespace = attempts.namespace()
     _calls[namespace] = count = _calls.get(namespace, 0) + 1
     key = f"fth/latest_checkpoint/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{namespace}/{count}"
-    return agree(store, key, rank, world, source, config.ckpt_agree_timeout())
+    return agree(store, key, rank, world, source, config.settings().ckpt_agree_timeout)

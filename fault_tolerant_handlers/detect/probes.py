@@ -29,7 +29,7 @@ import traceback
 from typing import Callable, Container
 
 from ..core.peers import CLEAN_EXIT, Finding, PeerPidProbe, declared_finding  # noqa: F401 - the core's own probe, re-exported
-from ..core.config import HEARTBEAT_TIMEOUT_ENV
+from ..core.config import HEARTBEAT_TIMEOUT_ENV, LEFT_CHECK_EVERY, MAX_CHECK_HOLD
 from ..core.errors import PeerFailedError
 from ..core.kinds import FailureKind
 from ..core.log import log
@@ -161,8 +161,7 @@ class HeartbeatProbe:
         return self.left
 
 
-#: :class:`HeartbeatProbe`: a silent rank is asked for its left mark at most this often (seconds).
-LEFT_CHECK_EVERY = 0.5
+
 
 #: :class:`HeartbeatProbe`: a silence this fraction of the limit long is logged (a warning, once),
 #: so that a margin grown thin shows before it becomes a false alarm.
@@ -253,9 +252,6 @@ def main_thread_frame():
     return sys._current_frames().get(threading.main_thread().ident)
 
 
-#: The longest wait between two checks of a store whose port answered the last one (seconds): a
-#: store that is slow and then dies is declared at most this much later.
-MAX_CHECK_HOLD = 2.0
 
 
 class StoreLossProbe:

@@ -92,8 +92,6 @@ if TYPE_CHECKING:
     from ..core.schema import Connection
     from ..core.session import Session
 
-#: Set to ``0`` to leave torch's rendezvous alone.
-ATTEMPT_STORE_ENV = "FTH_ATTEMPT_STORE"
 _WRAPPED_ATTR = "_fth_attempt_wrapped"
 _SCHEMES = ("env", "tcp")
 
@@ -110,7 +108,7 @@ def prefix() -> str:
 
 def _needed() -> bool:
     return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and config.attempt_store())
+            and config.settings().attempt_store)
 
 
 def _table() -> dict:
@@ -127,7 +125,7 @@ def _table() -> dict:
             "fault_tolerant_handlers: torch.distributed.rendezvous._rendezvous_handlers "
             f"{'is missing' if not isinstance(table, dict) else 'has no handler for ' + ', '.join(missing)} "
             f"(torch {__import__('torch').__version__}); restarts under torchrun cannot be isolated per attempt. "
-            f"Set {ATTEMPT_STORE_ENV}=0 to go on without it, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"
+            f"Set {config.ATTEMPT_STORE_ENV}=0 to go on without it, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"
         )
     return table
 
@@ -139,7 +137,7 @@ _prefixed = False
 def shared_keys_left() -> bool:
     """Under torchrun's shared store, this attempt's groups wrote their keys under torch's bare
     names (the library was imported after ``init_process_group``): the next attempt would read them."""
-    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.attempt_store()
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.settings().attempt_store
             and not _prefixed)
 
 
@@ -432,7 +430,7 @@ def _wrap(handler):
             if _capture and _first is None:
                 _first = (store, rank, world_size)
             _last_prefix = ""
-            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.attempt_store():
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.settings().attempt_store:
                 _last_prefix = prefix()
                 store = dist.PrefixStore(_last_prefix, store)
                 _prefixed = True

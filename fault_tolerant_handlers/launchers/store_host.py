@@ -40,16 +40,15 @@ import signal
 import socket
 import sys
 import threading
-from datetime import timedelta
 from typing import Sequence
 
 import torch.distributed as dist
 
+from ..core.config import STORE_HOST_CONNECT_TIMEOUT
+
 #: Port torchrun's rendezvous endpoint uses when none is given (``torch.distributed.elastic``'s
 #: ``DEFAULT_PORT``).
 DEFAULT_PORT = 29400
-#: How long the server's own client waits to connect to it at start.
-CONNECT_TIMEOUT = timedelta(seconds=30)
 
 
 class StoreHostArgumentError(ValueError):
@@ -84,7 +83,7 @@ def validate(port: str | int, host: str) -> None:
 def serve(port: int, host: str = "0.0.0.0") -> dist.TCPStore:
     """Start the server (listening on every interface at ``port``) and return its store."""
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                         use_libuv=True, timeout=CONNECT_TIMEOUT)
+                         use_libuv=True, timeout=STORE_HOST_CONNECT_TIMEOUT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -826,7 +826,7 @@ class _Recovery:
             return None
         # This frame (_Recovery.run) takes the interrupt: a signal that arrives while it runs (the
         # training function has returned or raised) raises nothing.
-        state = interrupts.install(INTERRUPT_SIGNAL, config.interrupt_defer(), takers=(_Recovery.run.__code__,))
+        state = interrupts.install(INTERRUPT_SIGNAL, config.settings().interrupt_defer, takers=(_Recovery.run.__code__,))
         attempts.interrupter = self._interrupt
         return (state,)
 
@@ -974,7 +974,7 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
         raise ValueError(f"recover_in_place(max_restarts=...) must be an int >= 0 (0: never recover), got {max_restarts!r}")
     join = config.check_join_timeout(join_timeout, what="recover_in_place(join_timeout=...)")
     if join is None:
-        join = config.recover_join_timeout()
+        join = config.settings().recover_join_timeout
     if not isinstance(replace_dead, bool):
         raise TypeError(f"recover_in_place(replace_dead=...) must be True or False, got {replace_dead!r}")
     spares = check_spares(spares)
