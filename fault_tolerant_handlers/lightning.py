@@ -70,7 +70,7 @@ from .data import live, snapshots
 from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
 from .core.failure import tag, tag_of
-from .core.log import log
+from .core.log import first_line, log
 from .detect.autohang import CHECKPOINT, EVALUATION, STEP
 from .adapters.guard import Guard
 from .core.inject import Injector
@@ -92,7 +92,7 @@ def _guarded(what: str, fn: Callable[[], Any]) -> None:
     try:
         fn()
     except Exception as err:  # noqa: BLE001 - logged: the cause must reach every rank unchanged
-        first = str(err).splitlines()[0][:300] if str(err) else ""
+        first = first_line(err, 300)
         log(logging.WARNING, "%s failed while the job fails together (ignored, the cause is raised instead): %s: %s",
             what, type(err).__name__, first)
 

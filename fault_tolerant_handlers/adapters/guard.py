@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 import torch.distributed as dist
 
 from ..core import config, interrupts
-from ..core.log import log
+from ..core.log import first_line, log
 from ..core.errors import PeerFailedError
 from ..core.sections import check_name
 from ..core.failure import tag, tag_of
@@ -173,7 +173,7 @@ class Guard:
             tag(peer, handled=True)
             if peer is not exc:
                 peer.__cause__ = exc
-            log(logging.ERROR, "stopping: %s", str(peer).splitlines()[0], step=step)
+            log(logging.ERROR, "stopping: %s", first_line(peer, None), step=step)
             return peer
         session.report_error(exc, section=self.name, step=step, epoch=epoch, release=self.release_on_failure)
         tag(exc, handled=True)

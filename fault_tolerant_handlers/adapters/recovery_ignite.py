@@ -22,7 +22,7 @@ from typing import Any
 from ignite.engine import Engine, EventEnum, Events
 
 from ..core import attempts, events, recoveries
-from ..core.log import log
+from ..core.log import first_line, log
 
 
 class FaultToleranceEvents(EventEnum):
@@ -90,7 +90,7 @@ def _fire(event: FaultToleranceEvents):
                 engine.fire_event(event)
             except Exception as err:  # noqa: BLE001 - a handler must not stop the recovery (nor the others)
                 log(logging.WARNING, "a %s handler failed: %s: %s", event.name, type(err).__name__,
-                    (str(err).splitlines() or [""])[0][:200])
+                    first_line(err))
     fire.__qualname__ = f"ignite {event.name}"
     return fire
 

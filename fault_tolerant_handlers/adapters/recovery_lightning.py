@@ -34,7 +34,7 @@ import weakref
 from typing import Any
 
 from ..core import attempts, events, phases, recoveries
-from ..core.log import log
+from ..core.log import first_line, log
 from . import compat_lightning as _compat_lightning
 
 #: The hooks, by the moment they tell.
@@ -113,7 +113,7 @@ class LightningRecovery:
                         "; ".join(restored))
         except Exception as err:  # noqa: BLE001 - a logger of another shape: a version of its own, as before
             log(logging.WARNING, "could not keep the first attempt's logger version: %s: %s", type(err).__name__,
-                (str(err).splitlines() or [""])[0][:200])
+                first_line(err))
 
     def train_start(self, trainer: Any) -> None:
         global _last_completed
@@ -150,7 +150,7 @@ def _hook(info: recoveries.RecoveryInfo) -> None:
             dispatch(trainer, HOOKS[info.phase], info)
         except Exception as err:  # noqa: BLE001 - a hook must not stop the recovery (nor the other trainers)
             log(logging.WARNING, "a %s hook failed: %s: %s", HOOKS[info.phase], type(err).__name__,
-                (str(err).splitlines() or [""])[0][:200])
+                first_line(err))
 
 
 events.subscribe(events.FAILURE_SEEN, _hook)

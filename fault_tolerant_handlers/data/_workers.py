@@ -30,10 +30,8 @@ torch's ``_MultiProcessingDataLoaderIter`` (and, for iterable datasets, torchdat
 Every death or stall is raised as ``WorkerLost`` from ``next()``; ``abort()`` then SIGKILLs every
 worker of the iterator by pid and shuts it down without touching anything a dead worker may hold.
 
-Private torch API used (checked against torch 2.13, torchdata 0.11): the iterator attributes
-``_workers``, ``_worker_result_queue``, ``_data_queue``, ``_pin_memory``, ``_timeout``,
-``_task_info``, ``_rcvd_idx``, ``_worker_pids_set`` and the methods ``_reset``, ``_try_get_data``,
-``_get_data``, ``_shutdown_workers``; ``torch.utils.data._utils.signal_handling``.
+Private torch API used: the iterator's attributes and methods listed, and checked when a loader is
+made, in :mod:`..core.compat_torch` (``_LOADER_REQUIRED``).
 """
 
 from __future__ import annotations

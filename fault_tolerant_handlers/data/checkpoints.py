@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import attempts, compat_torch, config, interrupts
-from ..core.log import log
+from ..core.log import first_line, log
 from . import live
 
 SUFFIXES = (".pt", ".pth", ".ckpt")
@@ -179,7 +179,7 @@ def check_file(path: Path, required_keys: tuple[str, ...] = ()) -> str | None:
         text = str(err)
         if "Weights only load failed" in text and "unsupported global" in text.lower() and zipfile.is_zipfile(path):
             return None  # complete (CRCs checked); objects beyond tensors: left to the framework's own load
-        first = text.splitlines()[0][:200] if text else ""
+        first = first_line(text)
         return f"does not load: {type(err).__name__}: {first}"
     if required_keys:
         if not isinstance(loaded, Mapping):

@@ -32,7 +32,7 @@ from ..core.peers import CLEAN_EXIT, Finding, PeerPidProbe, declared_finding  # 
 from ..core.config import HEARTBEAT_TIMEOUT_ENV, LEFT_CHECK_EVERY, MAX_CHECK_HOLD
 from ..core.errors import PeerFailedError
 from ..core.kinds import FailureKind
-from ..core.log import log
+from ..core.log import first_line, log
 from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
 from ..core.schema import Schema
 
@@ -299,7 +299,7 @@ class StoreLossProbe:
 
     def failed(self, now: float, err: BaseException) -> bool:
         """Report a failed call; True when it is the first of a silence (worth a warning)."""
-        self.last_error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+        self.last_error = f"{type(err).__name__}: {first_line(err)}"
         if self.down_since is None:
             self.down_since = now
             self.checks, self.found, self.next_check = 0, None, max(now, self.next_check)

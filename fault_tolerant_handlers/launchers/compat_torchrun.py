@@ -85,7 +85,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..core import attempts, config
 from ..core.config import ATTEMPT_KEYS_PATIENCE, ATTEMPT_KEYS_WAIT, EXPLAIN_EVIDENCE_TIMEOUT, MAIN_STORE_TIMEOUT
-from ..core.log import log
+from ..core.log import first_line, log
 from ..core.phases import RecoveryState
 
 if TYPE_CHECKING:
@@ -296,7 +296,7 @@ def forget_attempt_keys(session: Session) -> None:
                 "torchrun's store, so that a restarted attempt connects to its new peers", count)
         except Exception as err:  # noqa: BLE001 - the store may be what failed; never mask the failure
             log(logging.WARNING, "could not delete the gloo address keys of later groups: %s",
-                (str(err).splitlines() or [""])[0][:200])
+                first_line(err))
         finally:
             conn.close()
 
@@ -345,7 +345,7 @@ def _forget_read_keys(session: Session, entry: _AttemptKeys, keys: list[str], na
             except Exception as err:  # noqa: BLE001 - never stop the session
                 if time.monotonic() >= end:
                     log(logging.WARNING, "could not delete the gloo address keys from torchrun's shared store now "
-                        "(%s): they are deleted on the way out instead", (str(err).splitlines() or [""])[0][:200])
+                        "(%s): they are deleted on the way out instead", first_line(err))
                     return
             finally:
                 conn.deadline = None

@@ -45,6 +45,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from ..core.config import STORE_HOST_CONNECT_TIMEOUT
+from ..core.log import first_line
 
 #: Port torchrun's rendezvous endpoint uses when none is given (``torch.distributed.elastic``'s
 #: ``DEFAULT_PORT``).
@@ -105,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             store = serve(args.port, args.host)
         except (RuntimeError, ValueError, OSError) as exc:  # the port is taken, the host unknown
             print(f"fault-tolerant-handlers: store_host --host {args.host} --port {args.port}: the store could not "
-                  f"be served: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                  f"be served: {type(exc).__name__}: {first_line(exc, None)}",
                   file=sys.stderr, flush=True)
             return 1
         endpoint = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host  # an address others reach

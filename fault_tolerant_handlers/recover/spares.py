@@ -42,7 +42,7 @@ from typing import Any
 
 from ..core import attempts, config
 from ..core.errors import RecoveryError
-from ..core.log import log
+from ..core.log import first_line, log
 from ..core.records import cap_head, host_name, sanitize
 from .causes import KEY_ROOT, read_json
 
@@ -345,7 +345,7 @@ def wait_for_order(store: Any, lay: Layout, launched_rank: int, stop: Any = None
             if isinstance(err, DistStoreError) and "timeout" in str(err).lower():
                 continue
             raise RecoveryError(f"launched rank {launched_rank} (a spare) lost torchrun's store while waiting: "
-                                f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}") from err
+                                f"{type(err).__name__}: {first_line(err)}") from err
         order = Order.from_json(store.get(key), lay.training_world)
         if order is None:
             raise RecoveryError(f"launched rank {launched_rank} (a spare) read an order it cannot understand")
