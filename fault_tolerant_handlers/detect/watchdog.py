@@ -144,6 +144,11 @@ class Watchdog:
     def stopped(self) -> bool:
         return self._stop.is_set()
 
+    @property
+    def store_ops(self) -> int:
+        """Store calls made so far by this watchdog's connections (bench/overhead.py, bench/watchdog_scale.py)."""
+        return self._conn.calls + self._liveness_conn.calls
+
     def stop(self, join_timeout: float | None = None, *, keep_liveness: bool = False) -> None:
         """A clean end: stop watching (losing the store is no longer a failure), join the threads
         and close this watchdog's store connections. ``keep_liveness``: the liveness helper goes on
