@@ -12,11 +12,16 @@ Before the fix the run id came from the global ``random``, which the script had 
 had the same run id, and the relaunch read the failure records of the attempt before as new failures
 (the plain loop: attempt 1 raised attempt 0's ``ValueError`` as a ``PeerFailedError``, and no
 attempt ever finished).
+
+The same Ignite script at 4 ranks with no restart: the library's line naming rank 1 and its cause is
+the first error line on every rank (before, Ignite's "Current run is terminating due to exception:
+... Connection closed by peer" came first on the survivors, and its own line on rank 1).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -111,3 +116,28 @@ def test_a_lightning_rank_that_raised_is_named_by_torchruns_root_cause_with_its_
     assert rank == 1, block or output[-5000:]
     assert "exitcode  : 1 " in block and "SIGTERM" not in block, block
     assert "ValueError: bad batch at iteration 7 (attempt 0)" in block, block
+
+
+@pytest.mark.timeout(240)
+def test_the_librarys_cause_is_the_first_error_line_on_every_ignite_rank(tmp_path):
+    world = 4
+    out = tmp_path / "ignite-1"
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "--max-restarts", "0",
+                "--tee", "2"]  # each rank's stderr line prefixed with [default<rank>]:
+    try:
+        results = run_ranks(1, "ignite", tmp_path, script=SCRIPT, launcher=launcher, deadline=200,
+                            env={"FAULTS": "0:1:7"})
+    finally:
+        kill_workers(out, program=SCRIPT.name)
+    output = results[0].stderr
+    assert results[0].returncode == 1, output[-5000:]
+    cause = "ValueError: bad batch at iteration 7 (attempt 0)"
+    for rank in range(world):
+        lines = [line.split(":", 1)[1] for line in output.splitlines() if line.startswith(f"[default{rank}]:")]
+        errors = [line for line in lines if re.search(r"(?i)exception|error|fail|traceback", line)]
+        # rank 1's own line; a survivor's, from its watchdog or its main thread ("stopping: ...")
+        expected = f"failed: {cause}" if rank == 1 else f"rank 1 failed in 'train' (epoch 3, iteration 7): {cause}"
+        assert errors and errors[0].startswith(f"[rank {rank} step ") and errors[0].endswith(expected), \
+            (rank, errors[:3], output[-5000:])
+        ignite_line = [i for i, line in enumerate(errors) if "Current run is terminating due to exception" in line]
+        assert ignite_line and ignite_line[0] > 0, (rank, errors[:3])  # Ignite's line is still there, after

@@ -21,7 +21,9 @@ the line saying it carries on from live state is logged once it did.
 
 ``test_lightning_in_place_keeps_one_logger_version``: a Lightning recovery in place logs on in the first
 attempt's ``lightning_logs/version_0`` (before: a ``version_1`` per recovery), and a failure injected at
-``iteration=37`` is reported as iteration 37.
+``iteration=37,epoch=1`` fires and is reported as ``(epoch 1, iteration 37)``: the injection and the
+report name the same step and epoch (before, ``epoch=`` counted from 1 and the report from 0: this
+injection never fired).
 """
 
 from __future__ import annotations
@@ -133,7 +135,8 @@ def test_the_documented_form_warns_and_a_killed_rank_ends_the_job_naming_it(tmp_
 
 def test_lightning_in_place_keeps_one_logger_version(tmp_path):
     """The default logger and ``ModelCheckpoint``, ``fit(ckpt_path=None)``, rank 1 raising in its 37th
-    training batch (``FTH_INJECT=raise@rank=1,iteration=37``): reported as iteration 37; the recovered
+    training batch, in epoch 1 (``FTH_INJECT=raise@rank=1,iteration=37,epoch=1``, Lightning's
+    ``current_epoch``): reported as epoch 1, iteration 37; the recovered
     attempt's ``fit`` is given the live state of global step 36 although the script passed no path; its
     logger writes on in ``lightning_logs/version_0`` (no ``version_1``), whose ``metrics.csv`` keeps the
     first attempt's rows."""
@@ -142,7 +145,7 @@ def test_lightning_in_place_keeps_one_logger_version(tmp_path):
     out.mkdir()
     try:
         results = run_ranks(1, "", out, script=script, launcher=TORCHRUN, deadline=180,
-                            env={"FTH_INJECT": "raise@rank=1,iteration=37"})
+                            env={"FTH_INJECT": "raise@rank=1,iteration=37,epoch=1"})
     finally:
         kill_workers(out / "user_lightning_main-1", script.name)
     run, code, output = out / "user_lightning_main-1", results[0].returncode, results[0].stderr
