@@ -1,8 +1,8 @@
 """``latest_checkpoint`` in scripts shaped like users' (issue 46): 2 ranks under torchrun
-(``programs/ckpt_users_main.py``).
+(``programs/ckpt_users_main.py``; the folder only rank 0 knows at 4 ranks too).
 
 * Ignite's cifar10 shape with ``recover_in_place``: rank 0 makes a timestamped output folder, the
-  other rank keeps the base folder, and both pass theirs. Before, the ranks agreed by a broadcast
+  other ranks keep the base folder, and all pass theirs. Before, the ranks agreed by a broadcast
   that the live state let one rank skip after a recovery: a deadlock. Now every rank raises the same
   ``ValueError`` naming both folders, at once, and the job ends.
 * Before any process group, under torchrun (Lightning's case): different folders raise the same
@@ -31,13 +31,13 @@ from launch import PROGRAMS, kill_workers, run_ranks
 SCRIPT = PROGRAMS / "programs" / "ckpt_users_main.py"
 
 
-def torchrun(mode: str, out: Path, env: dict[str, str], *, restarts: int = 0, deadline: float = 120):
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+def torchrun(mode: str, out: Path, env: dict[str, str], *, restarts: int = 0, deadline: float = 120, world: int = 2):
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "--max-restarts",
                 str(restarts), "--monitor-interval", "0.5"]
     out.mkdir(parents=True, exist_ok=True)
     run_dir = out / f"{mode}-1"
     try:
-        results = run_ranks(1, mode, out, script=SCRIPT, launcher=launcher, deadline=deadline, result_ranks=2,
+        results = run_ranks(1, mode, out, script=SCRIPT, launcher=launcher, deadline=deadline, result_ranks=world,
                             env={"FTH_INJECT": "", **env})
     finally:
         kill_workers(run_dir, program=SCRIPT.name)  # torchrun's workers have sessions of their own
@@ -51,16 +51,18 @@ def events(run_dir: Path, rank: int, name: str) -> list[dict]:
 
 
 @pytest.mark.timeout(200)
-def test_a_folder_only_rank_0_knows_is_named_on_every_rank_in_place(tmp_path):
-    results, run = torchrun("ignite-folders", tmp_path, {"FTH_INJECT": "raise@rank=1,iteration=7"}, deadline=90)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_folder_only_rank_0_knows_is_named_on_every_rank_in_place(world, tmp_path):
+    results, run = torchrun("ignite-folders", tmp_path, {"FTH_INJECT": "raise@rank=1,iteration=7"},
+                            deadline=90 if world == 2 else 150, world=world)
     output = results[0].stderr
-    asked = {r: events(run, r, "asked") for r in (0, 1)}
-    for rank in (0, 1):
+    asked = {r: events(run, r, "asked") for r in range(world)}
+    for rank in range(world):
         assert asked[rank] and all(a.get("raised") == "ValueError" for a in asked[rank]), (rank, asked, output[-4000:])
         message = asked[rank][0]["message"]
         assert "different folders" in message and "run_" in message and repr(str(run / "output")) in message, message
         assert asked[rank][0]["seconds"] < 30, asked[rank]
-    assert asked[0][0]["message"] == asked[1][0]["message"]
+    assert all(asked[r][0]["message"] == asked[0][0]["message"] for r in range(world))
     assert results[0].returncode not in (None, 0)
 
 
