@@ -110,7 +110,7 @@ class FaultTolerance:
         self._engine: Engine | None = None
         self._live: IgniteLive | None = None  # recovering in place: the trainer's live state (data.live)
         self._recovery = IgniteRecovery()  # FaultToleranceEvents, engine.state.fault_tolerance
-        self._cause_first: _compat_ignite.BeforeErrorLog | None = None  # on engine.logger (_watch_errors)
+        self._cause_first: Any = None  # a filter on engine.logger while the run runs (_decide)
 
     def attach(self, engine: Engine) -> FaultTolerance:
         """Register every event this handler needs on ``engine`` and return ``self``; also registers
@@ -120,7 +120,7 @@ class FaultTolerance:
             raise TypeError(f"attach(engine=...) takes an ignite.engine.Engine, got {type(engine).__name__}")
         _compat_ignite.check(engine)
         self._engine = engine
-        self._cause_first = _compat_ignite.BeforeErrorLog(engine, lambda exc: self._decide(engine, exc))
+        self._cause_first = _compat_ignite.before_error_log(engine, lambda exc: self._decide(engine, exc))
         engine.add_event_handler(Events.STARTED, self._started)
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
@@ -205,7 +205,7 @@ class FaultTolerance:
     def _decide(self, engine: Engine, exc: BaseException) -> BaseException:
         """What this rank raises for ``exc``, decided once: Ignite logs the exception ("Current run is
         terminating due to exception") before it fires ``EXCEPTION_RAISED``; deciding then
-        (:class:`~.adapters.compat_ignite.BeforeErrorLog`) puts the library's line, naming the failing
+        (:func:`~.adapters.compat_ignite.before_error_log`) puts the library's line, naming the failing
         rank and its cause, first."""
         decided = tag_of(exc).raised_as
         if decided is None and self.guard.session is not None:

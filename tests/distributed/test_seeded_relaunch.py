@@ -147,7 +147,7 @@ def test_the_librarys_cause_is_the_first_error_line_on_every_ignite_rank(tmp_pat
         lines = [line.split(":", 1)[1] for line in output.splitlines() if line.startswith(f"[default{rank}]:")]
         errors = [line for line in lines if re.search(r"(?i)exception|error|fail|traceback", line)]
         # rank 1's own line; a survivor's, from its watchdog or its main thread ("stopping: ...")
-        expected = f"failed: {cause}" if rank == 1 else f"rank 1 failed in 'train' (epoch 3, iteration 7): {cause}"
+        expected = f"failed: {cause}" if rank == 1 else f"rank 1 failed in 'train' (epoch 2, iteration 7): {cause}"
         assert errors and errors[0].startswith(f"[rank {rank} step ") and errors[0].endswith(expected), \
             (rank, errors[:3], output[-5000:])
         ignite_line = [i for i, line in enumerate(errors) if "Current run is terminating due to exception" in line]
