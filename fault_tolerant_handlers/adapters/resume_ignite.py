@@ -89,7 +89,8 @@ class SafeDiskSaver(DiskSaver):
 
 def _discard(path: Path, then: Callable[[], None] = lambda: None) -> None:
     """Remove the directory ``path`` (if there), renamed first to a temporary name ``latest_checkpoint``
-    skips (``tmp-<name>.old``), and call ``then`` between the rename and the removal."""
+    skips (``tmp-<name>.old``: a kill inside the removal never leaves a complete-looking checkpoint with
+    files missing), and call ``then`` between the rename and the removal."""
     trash = path.with_name(f"tmp-{path.name}.old")
     shutil.rmtree(trash, ignore_errors=True)  # a removal a killed attempt left
     if path.exists():
@@ -159,10 +160,7 @@ class DCPSaver(BaseSaveHandler):
             dcp.save_dcp(checkpoint, temporary)  # collective; returns once .metadata is written
             pending, self._pending_removal = self._pending_removal, []
             if rank == 0:
-                # A directory replaced or removed is renamed to a temporary name first (the new one is in place
-                # before an old one goes): a kill inside a removal leaves a directory latest_checkpoint skips,
-                # never a complete-looking one with files missing.
-                _discard(final, then=lambda: os.replace(temporary, final))
+                _discard(final, then=lambda: os.replace(temporary, final))  # the new one in place before any goes
                 for old in pending:
                     if self._name(old) != name:
                         _discard(self.dirname / self._name(old))
