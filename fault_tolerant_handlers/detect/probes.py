@@ -201,12 +201,10 @@ class SelfHangProbe:
     step of the last beat) for ``hang_timeout``, and is not merely waiting in a collective (then the
     hung rank is the peer, which declares itself): ``RankHung`` with the main thread's stack.
 
-    Time seen waiting on peers is not held against it: once a wait is over, the stall counts from
-    the last poll that saw it waiting (each poll looks), so a rank released from the collective of
-    a hung peer is not hung while it handles the peer's failure (at 4 ranks one named itself hung
-    0.3 s after its release). A wait that lasts ``2 x hang_timeout`` + ``margin`` from the last
-    progress is declared all the same: no rank declared itself (one stuck in C holding the GIL, a
-    collective that every rank waits in), and the job must not wait forever.
+    Time seen waiting is not held against it (the stall counts from the last poll that saw it
+    waiting): a rank released from a hung peer's collective is not hung while it handles the
+    failure. A wait of ``2 x hang_timeout + margin`` is declared all the same (no rank declared
+    itself: one stuck in C holding the GIL, a collective every rank waits in).
 
     Until ``warm()`` (the first iteration completed) the deadline is ``start_timeout`` instead: a
     slow start (DataLoader workers starting, DDP's first pass, a cold store, 8 ranks importing on a

@@ -232,9 +232,7 @@ class Watchdog:
         main thread handles the failure (raising, ``on_exception`` callbacks, a recovery waiting for
         its peers): that is not a hang, and declaring it named a second culprit beside the hung
         rank (rank 0 ``RankHung`` at 5.2 s while it waited to recover with the rank that hung). A
-        failure the main thread took by itself counts too (its collective released, it read the
-        hung rank's record and acknowledged it: the failure's phase moved, and no flag of the
-        watchdog's was set; at 4 ranks a peer of the hung rank declared itself 0.1 s later)."""
+        failure the main thread found itself counts too (the failure's phase moved)."""
         failure = self.session.failure
         seen = (failure.delivered, failure.phase)
         failed_now = seen != self._failed_seen
