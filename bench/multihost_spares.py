@@ -3,10 +3,11 @@ trained again, per phase.
 
     sudo python bench/multihost_spares.py                                   # every scenario, 3 runs each
     sudo python bench/multihost_spares.py --scenarios kill_host:2 --reps 5  # 3 hosts x 2 ranks only
+    sudo python bench/multihost_spares.py --scenarios cut_link:1 --frameworks ignite lightning --reps 5
 
 Each run is ``tests/distributed/test_multihost_spares.py``'s: 3 simulated hosts (``tests/hosts.py``),
 ``--nproc-per-node`` 1 or 2 (the scenario's ``:N``), torchrun per host with ``--max-restarts 0``,
-``recover_in_place(max_restarts=2, spares=N)`` around ``resume_main.py``'s seeded Ignite training
+``recover_in_place(max_restarts=2, spares=N)`` around ``resume_main.py``'s seeded Ignite (or Lightning) training
 (``multihost_recover_main.py``); node-c's ranks are the spares. Once every training rank is past
 iteration 15, node-b is killed whole (``kill_host``), its link cut (``cut_link``) or its first
 rank's keeper SIGKILLed (``kill_keeper``: its training child dies with it). Every run is checked as
@@ -100,6 +101,8 @@ def main() -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help=f"comma-separated FAULT:RANKS_PER_HOST, of {', '.join(SCENARIOS)}")
     parser.add_argument("--reps", type=int, default=3, help="runs per scenario (1-50)")
+    parser.add_argument("--frameworks", nargs="+", default=["ignite"], choices=["ignite", "lightning"],
+                        help="the training of resume_main.py each scenario runs (default: ignite)")
     args = parser.parse_args()
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     bad = [s for s in scenarios if s not in SCENARIOS]
@@ -114,31 +117,32 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="fth-bench-spares-") as tmp:
         factory = _Factory(Path(tmp))
-        for scenario in scenarios:
+        for framework, scenario in [(f, s) for f in args.frameworks for s in scenarios]:
             fault, per_host = scenario.split(":")[0], int(scenario.split(":")[1])
-            ref = reference(factory, world=2 * per_host)
+            ref = reference(factory, world=2 * per_host, framework=framework)
             got: dict[str, list[float]] = {}
             failed = []
             for rep in range(args.reps):
-                run = run_spares(Path(tmp) / f"{fault}-{per_host}-{rep}", fault, per_host=per_host)
+                run = run_spares(Path(tmp) / f"{framework}-{fault}-{per_host}-{rep}", fault, per_host=per_host,
+                                 framework=framework)
                 try:
                     assert_spares_took(run, ref, per_host=per_host)
                     measured = phases(run, per_host)
                 except AssertionError as err:
                     failed.append(str(err).splitlines()[0][:200])
-                    print(f"{scenario} run {rep + 1}: failed: {failed[-1]}", flush=True)
+                    print(f"{framework} {scenario} run {rep + 1}: failed: {failed[-1]}", flush=True)
                     continue
                 for name, value in measured.items():
                     got.setdefault(name, []).append(value)
-                print(f"{scenario} run {rep + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in measured.items()), flush=True)
-            rows.append((scenario, got, failed))
+                print(f"{framework} {scenario} run {rep + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in measured.items()), flush=True)
+            rows.append((framework, scenario, got, failed))
     names = ["detection", "agreement", "claim -> seat", "state sent", "re-formed", "first step", "fault -> step"]
-    print("\n| hosts x ranks | fault | runs ok | " + " | ".join(f"{n} (s)" for n in names) + " |")
-    print("|---|---|---:|" + "---:|" * len(names))
-    for scenario, got, failed in rows:
+    print("\n| framework | hosts x ranks | fault | runs ok | " + " | ".join(f"{n} (s)" for n in names) + " |")
+    print("|---|---|---|---:|" + "---:|" * len(names))
+    for framework, scenario, got, failed in rows:
         fault, per_host = scenario.split(":")
         ok = len(got.get("detection", []))
-        print(f"| 3 x {per_host} | {fault} | {ok}/{ok + len(failed)} | " + " | ".join(cell(got.get(n, [])) for n in names) + " |")
+        print(f"| {framework} | 3 x {per_host} | {fault} | {ok}/{ok + len(failed)} | " + " | ".join(cell(got.get(n, [])) for n in names) + " |")
         for why in failed:
             print(f"  failed: {why}")
     return 0
