@@ -41,7 +41,9 @@ class RecordsProbe:
     """Failure records of other ranks that the main thread did not take at a sync point.
 
     A record is left ``grace`` seconds to a sync point that would deliver it anyway; ``delivered()``
-    is the set of record indices the main thread's agreements took.
+    is the set of record indices the main thread's agreements took. A record declaring a rank lost
+    or silent is not: a sync point is an agreement of every rank, that rank's too, so none can
+    take it (the grace was 0.3 s more of every lost host's and cut link's detection).
     """
 
     def __init__(self, schema: Schema, rank: int, grace: float, delivered: Callable[[], Container[int]],
@@ -57,7 +59,9 @@ class RecordsProbe:
     def poll(self, now: float) -> Finding | None:
         count = self.schema.count()
         for index in self.schema.new_indices(self.seen, count):
-            self.pending.setdefault(index, now)
+            record = self.schema.read(index)
+            gone = record is not None and record.kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
+            self.pending.setdefault(index, now - self.grace if gone else now)
         self.seen = count
         delivered = self.delivered()
         for index in [i for i in self.pending if i in delivered]:
@@ -107,6 +111,7 @@ class HeartbeatProbe:
         self.next_at = 0.0  # the next read of the watched rank's counter
         self.beat_at = 0.0  # the next beat of this rank's own (``beats``)
         self.value = -1  # the successor's counter as last read
+        self.stood = False  # the last read found it where the read before had
         self.silent = 0.0  # observed time it has stood still
         self.answered_at: float | None = None  # the last poll that got its answers
         self.warned = False  # this silence passed NEAR_MISS of the limit (logged once)
@@ -129,18 +134,21 @@ class HeartbeatProbe:
             return None
         value = self.schema.heartbeat_of(self.successor)
         previous, self.answered_at = self.answered_at, now
+        stood, self.stood = self.stood, value == self.value
         if value != self.value:
             if self.warned:
                 log(logging.INFO, "rank %d's heartbeat moves again after %.1f s of observed silence",
                     self.successor, self.silent)
             self.value, self.silent, self.warned, self.left, self.left_checked_at = value, 0.0, False, False, None
             if self.running is None:
-                # On another host (its silence is all there is to see): the next read lands a little
-                # before its next beat is due; from there the counter is read every SILENCE_POLL
-                # until it moves (below). So the read that sees a beat comes within SILENCE_POLL
-                # after it, and a silence is counted from there (not from up to a period later), at
-                # the cost of a second read a period.
-                self.next_at = now + self.period - SILENCE_POLL
+                # On another host (its silence is all there is to see), the reads follow its beats:
+                # once a read saw the beat that the read before (SILENCE_POLL earlier) had not, the
+                # next lands a little before the next beat is due; from there, and until a beat is
+                # seen so (the first reads), the counter is read every SILENCE_POLL until it moves
+                # (below). So the read that sees a beat comes within SILENCE_POLL after it, and a
+                # silence is counted from there (not from up to a period later), at the cost of a
+                # second read a period.
+                self.next_at = now + (self.period - SILENCE_POLL if stood else SILENCE_POLL)
             return None
         if value > 0 and not self.left and self.running is None:  # standing still: read again soon,
             self.next_at = now + SILENCE_POLL  # and declared within SILENCE_POLL past the limit
