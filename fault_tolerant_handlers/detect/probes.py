@@ -41,9 +41,8 @@ class RecordsProbe:
     """Failure records of other ranks that the main thread did not take at a sync point.
 
     A record is left ``grace`` seconds to a sync point that would deliver it anyway; ``delivered()``
-    is the set of record indices the main thread's agreements took. A record declaring a rank lost
-    or silent is not: a sync point is an agreement of every rank, that rank's too, so none can
-    take it (the grace was 0.3 s more of every lost host's and cut link's detection).
+    is the set of record indices the main thread's agreements took. Not a record declaring a rank
+    lost or silent: no agreement can take it without that rank.
     """
 
     def __init__(self, schema: Schema, rank: int, grace: float, delivered: Callable[[], Container[int]],
@@ -141,13 +140,10 @@ class HeartbeatProbe:
                     self.successor, self.silent)
             self.value, self.silent, self.warned, self.left, self.left_checked_at = value, 0.0, False, False, None
             if self.running is None:
-                # On another host (its silence is all there is to see), the reads follow its beats:
-                # once a read saw the beat that the read before (SILENCE_POLL earlier) had not, the
-                # next lands a little before the next beat is due; from there, and until a beat is
-                # seen so (the first reads), the counter is read every SILENCE_POLL until it moves
-                # (below). So the read that sees a beat comes within SILENCE_POLL after it, and a
-                # silence is counted from there (not from up to a period later), at the cost of a
-                # second read a period.
+                # On another host (its silence is all there is to see): a beat seen SILENCE_POLL after
+                # a read that had not seen it, the next read lands just before the next beat is due,
+                # then every SILENCE_POLL until it moves (below); so a silence counts from within
+                # SILENCE_POLL of the last beat, for a second read a period.
                 self.next_at = now + (self.period - SILENCE_POLL if stood else SILENCE_POLL)
             return None
         if value > 0 and not self.left and self.running is None:  # standing still: read again soon,
