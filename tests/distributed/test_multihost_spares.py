@@ -284,9 +284,11 @@ def assert_cut_off_ranks_ended(run: Run, per_host: int = 1, lost_host: int = 1) 
 
 
 @pytest.mark.long
-def test_a_cut_link_is_replaced_by_the_spare_and_the_cut_off_rank_never_trains_again(tmp_path, tmp_path_factory):
-    ref = reference(tmp_path_factory)
-    run = run_spares(tmp_path, "cut_link")
+@pytest.mark.parametrize("framework", ["ignite", "lightning"])
+def test_a_cut_link_is_replaced_by_the_spare_and_the_cut_off_rank_never_trains_again(framework, tmp_path,
+                                                                                      tmp_path_factory):
+    ref = reference(tmp_path_factory, framework=framework)
+    run = run_spares(tmp_path, "cut_link", framework=framework)
     assert_spare_took_rank_1(run, ref)
     assert_cut_off_ranks_ended(run)
 
