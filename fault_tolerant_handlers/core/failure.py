@@ -335,7 +335,8 @@ class Tag:
         agreed: it came out of an agreement: every rank of that agreement raises, so an enclosing
             section lets it through without agreeing again.
         handled: an adapter handled it (published, or converted to a peer's error).
-        taken: a Lightning ``FaultTolerance`` callback finished Lightning's exception path for it.
+        taken: an adapter finished its framework's exception path for it (a Lightning callback, an
+            Ignite ``EXCEPTION_RAISED`` handler).
         raised_as: what an adapter raised for it (itself, or the peer's error it became): an
             engine that hands the same exception, or the raised one, to the adapter again gets it.
     """
