@@ -436,6 +436,10 @@ INTERRUPT_RESEND = 0.5
 
 #: :class:`~..detect.probes.HeartbeatProbe`: a silent rank is asked for its left mark at most this often.
 LEFT_CHECK_EVERY = 0.5
+#: :class:`~..detect.probes.HeartbeatProbe`: while a watched counter stands still, it is read this often
+#: instead of every period. The silence is what is measured more closely, not shortened: it is still
+#: counted from a read that saw the counter move, and declared past the same limit.
+SILENCE_POLL = 0.1
 #: The longest wait between two checks of a store whose port answered the last one: a store that is
 #: slow and then dies is declared at most this much later.
 MAX_CHECK_HOLD = 2.0
