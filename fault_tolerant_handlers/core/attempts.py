@@ -70,7 +70,7 @@ def interrupt_main(error: BaseException):
 on_lost = None
 #: Set by a keeper's training child: its keeper's pid (the process that would replace it). The rank's
 #: liveness helper, forked from the child, checks at the rank's end that the keeper still lives
-#: (:attr:`~.kinds.Ended.keeper_gone`). ``None``: no keeper.
+#: (:attr:`~.failure.Ended.keeper_gone`). ``None``: no keeper.
 keeper_pid: int | None = None
 
 

@@ -27,9 +27,6 @@ event                  emitted by, when                                  argumen
 ``RANK_ENDED``         the liveness helper: its rank ended (after         ``pid, rank, host``
                        ``RANK_KILLED`` was told to the peers)
 ``SESSION_CLOSED``     ``Session.close``, before its connections close    ``session``
-``FAILURE_PHASE``      a transition changed the phase of a session's      ``state, old, new``
-                       ``FailureState`` (:mod:`.failure`), in the thread
-                       that drove it
 ``FAILURE_SEEN``       recovering in place: the failure reached this      ``info`` (a :class:`~.recoveries.
                        rank's recovery                                    RecoveryInfo`)
 ``RECOVERY_STARTED``   recovering in place: the ranks agreed to recover   ``info``
@@ -58,10 +55,9 @@ SESSION_CLOSED = "session closed"
 FAILURE_SEEN = "failure seen"
 RECOVERY_STARTED = "recovery started"
 RECOVERED = "recovered"
-FAILURE_PHASE = "failure phase"
 
 EVENTS = (SESSION_STARTED, RANK_FAILED, PEER_FAILED, ACKNOWLEDGED, JOB_FAILED, EXITING, RANK_KILLED, RANK_ENDED,
-          SESSION_CLOSED, FAILURE_SEEN, RECOVERY_STARTED, RECOVERED, FAILURE_PHASE)
+          SESSION_CLOSED, FAILURE_SEEN, RECOVERY_STARTED, RECOVERED)
 
 _subscribers: dict[str, tuple[Callable[..., object], ...]] = {event: () for event in EVENTS}
 _lock = threading.Lock()

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .errors import PeerFailedError
-from .kinds import Ended
+from .failure import Ended, FailureRecord
 from .procfs import process_state
-from .records import FailureRecord
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from .kinds import Ended
+from .failure import Ended
 
 STATE, PPID, PGRP, SESSION = 0, 1, 2, 3
 FLAGS = 6  # field 9: the kernel's flags of the (thread group leader's) task

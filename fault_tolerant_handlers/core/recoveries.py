@@ -29,7 +29,7 @@ from enum import Enum
 from typing import Callable
 
 from . import events
-from .kinds import FailureKind, is_int
+from .failure import FailureKind, is_int
 
 
 class RecoveryPhase(str, Enum):

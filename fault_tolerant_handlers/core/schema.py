@@ -6,7 +6,7 @@ seeded generators), gathered at setup, so a restarted job never reads an earlier
 
 ==================  =====================================================================
 ``n``               failure-record counter (``add``); the watchdog polls it
-``r/<i>``           failure record number ``i`` (bounded JSON, :mod:`.records`)
+``r/<i>``           failure record number ``i`` (bounded JSON, :mod:`.failure`)
 ``hb/<rank>``       heartbeat counter of ``rank`` (``add``), read by its ring neighbour
 ``declared/<rank>`` counts declarations of ``rank`` as lost/silent/hung: only the first publishes
 ``sec/<rank>``      what ``rank`` was in when an agreement found the ranks out of step
@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from . import interrupts, release
 from .log import log
-from .records import FailureRecord, sanitize
+from .failure import FailureRecord, sanitize
 
 KEY_COUNT = "n"
 #: The connect back-off's jitter: a generator of the library's own, seeded by the operating system,

@@ -51,13 +51,11 @@ from . import compat_torch as _compat_torch
 from . import attempts, config, events, schema as _schema
 from .agreement import MAX_FLAG, pack_agreement, section_hash, unpack_agreement
 from .errors import PeerFailedError, RecoveryError, SectionMismatchError, is_backend_error
-from .failure import FailureState, Incident, tag, tag_of
-from .kinds import FailureKind
+from .failure import FailureKind, FailureRecord, FailureState, Incident, host_name, tag, tag_of
 from .log import log
 from .peers import PeerPidProbe
 from .ranks import (RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout,
                     normalize_address, own_address)
-from .records import FailureRecord, host_name
 from .release import listens_here, release_process_groups, store_peer_address, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port, store_evidence
 from .config import (BACKGROUND_CONNECT_TIMEOUT, EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT,  # timings: the table
@@ -630,7 +628,6 @@ class Session:
         session) and the exit hooks."""
         if self.side is None:
             return
-        self.failure.ended(recovered=False)
         self.stop()
         try:
             dist.barrier(group=self.side)

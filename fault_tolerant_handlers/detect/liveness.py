@@ -48,7 +48,7 @@ from ..core.config import ZOMBIE_HOLD
 from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT  # timings: the table in core.config
 from ..core.log import log
 from ..core.ranks import RankTable
-from ..core.records import FailureRecord
+from ..core.failure import FailureRecord
 from ..core.schema import Schema
 from .probes import HeartbeatProbe
 

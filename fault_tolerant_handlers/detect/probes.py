@@ -31,9 +31,8 @@ from typing import Callable, Container
 from ..core.peers import CLEAN_EXIT, Finding, PeerPidProbe, declared_finding  # noqa: F401 - the core's own probe, re-exported
 from ..core.config import HEARTBEAT_TIMEOUT_ENV
 from ..core.errors import PeerFailedError
-from ..core.kinds import FailureKind
+from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, cap_tail
 from ..core.log import log
-from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
 from ..core.schema import Schema
 
 

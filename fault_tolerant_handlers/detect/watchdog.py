@@ -45,8 +45,7 @@ import torch.distributed as dist
 from . import autohang
 from ..core import attempts, config, events, inject, interrupts
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted
-from ..core.kinds import FailureKind
-from ..core.failure import Incident
+from ..core.failure import FailureKind, Incident
 from ..core.session import Session, get_session, provide_watchdog
 from .pidwatch import PidWatcher, WakeEvent
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
@@ -269,7 +268,7 @@ class Watchdog:
             return
         log(logging.ERROR, "%s", str(finding.error).splitlines()[0], step=self._progress[2])
         if finding.hung_self:
-            self.session.failure.failed_here(finding.declare or err, told=False)  # the main thread is interrupted
+            self.session.failure.failed_here(finding.declare or err.record, told=False)  # the main thread is interrupted
             events.emit(events.RANK_FAILED, finding.declare)  # the launchers: torchrun's error file
             self._declare(finding, schema)
             # Recovering in place: interrupt the main thread where it hangs (in Python it leaves at

@@ -53,7 +53,7 @@ from ..core.errors import PeerFailedError
 from ..core.log import log
 from ..core.procfs import process_state
 from ..core.ranks import RankTable
-from ..core.records import FailureRecord
+from ..core.failure import FailureRecord
 
 
 

@@ -10,8 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..core import attempts
-from ..core.kinds import FailureKind
-from ..core.records import cap_head, sanitize
+from ..core.failure import FailureKind, cap_head, sanitize
 from .live_state import MAX_STEPS_APART, Fallback, Receive, RankState, decide
 
 #: Declared kinds that end the job as without recovery: a process or host gone, or signalled.

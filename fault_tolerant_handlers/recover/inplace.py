@@ -104,14 +104,12 @@ import torch.distributed as dist
 from ..core import attempts, compat_torch as _compat_torch, config, interrupts, phases, recoveries
 from ..core.config import LOOK_FOR_LOST, RECOVER_POLL, RECOVER_TEARDOWN_SEC, RECOVER_TELL_SEC
 from ..core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError, StateTransferError
-from ..core.kinds import FailureKind
+from ..core.failure import FailureKind, cap_head, tag_of
 from ..core.log import log
 from ..core.phases import LIVE_NAME, Captured, Phase, RecoveryState
-from ..core.records import cap_head
 from ..core.recoveries import RecoveryCause, RecoveryInfo, RecoveryPhase
 from ..core.release import EXIT_TEARDOWN_STUCK, store_ports
 from ..core.schema import Connection, StoreCallTimeout, unblock_stuck_calls
-from ..core.failure import tag_of
 from ..core.session import live_sessions
 from . import keeper, live_state, spares
 from .spares import check_spares
@@ -377,8 +375,6 @@ class _Recovery:
         self._collect_live(rank)  # the state this rank holds, as of the last step it completed
         # 2. agree, on the first attempt's store
         decision = self._agree(world, cause)
-        for session in sessions:  # the failed attempt is over: recovered in place, or it ends the job
-            session.failure.ended(recovered=decision.restart)
         timings = {"detected": t0, "stopped": stopped, "agreed": time.monotonic(), "attempt_ran": t0 - started}
         if decision.restart:
             self.causes.append(Cause(**decision.cause) if decision.cause else cause)

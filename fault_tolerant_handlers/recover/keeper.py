@@ -50,7 +50,7 @@ from typing import Any
 from ..core import attempts, events, release
 from ..core.config import ZOMBIE_HOLD
 from ..core.errors import EXIT_HUNG
-from ..core.kinds import Ended, FailureKind
+from ..core.failure import Ended, FailureKind
 from ..core.log import log
 
 from . import spares

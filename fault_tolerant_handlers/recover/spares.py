@@ -44,7 +44,7 @@ from ..core import attempts, config
 from ..core.config import SPARE_WAIT_ENV  # noqa: F401 - its variable, named where the wait is
 from ..core.errors import RecoveryError
 from ..core.log import log
-from ..core.records import cap_head, host_name, sanitize
+from ..core.failure import cap_head, host_name, sanitize
 from .causes import KEY_ROOT, read_json
 
 #: A spare waits for its order in blocking store waits of this long each: one request to the store

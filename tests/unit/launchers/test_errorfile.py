@@ -12,9 +12,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from fault_tolerant_handlers.launchers import errorfile
 from fault_tolerant_handlers.core.errors import PeerFailedError
-from fault_tolerant_handlers.core.kinds import Ended
+from fault_tolerant_handlers.core.failure import Ended, FailureRecord
 from fault_tolerant_handlers.core.ranks import RankTable
-from fault_tolerant_handlers.core.records import FailureRecord
 
 
 def _read_timestamp(path: str) -> int | None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers import PeerFailedError, SectionMismatchError, recover_in_place
 from fault_tolerant_handlers.core.config import RECOVER_TELL_SEC
-from fault_tolerant_handlers.core.kinds import Ended
+from fault_tolerant_handlers.core.failure import Ended
 from fault_tolerant_handlers.recover.causes import Cause, Decision, LivePlan, LiveReport, plan_live
 from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
 

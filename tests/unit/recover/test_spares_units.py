@@ -14,8 +14,7 @@ import torch.distributed as dist
 from fault_tolerant_handlers import RecoveryError, recover_in_place, spares_left
 from fault_tolerant_handlers.recover import spares
 from fault_tolerant_handlers.core.errors import PeerFailedError
-from fault_tolerant_handlers.core.kinds import Ended, FailureKind
-from fault_tolerant_handlers.core.records import FailureRecord
+from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord
 from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE, Cause, keeper_key
 from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
 from fault_tolerant_handlers.recover.spares import Answer, Layout, Order, Seat
@@ -136,7 +135,7 @@ def test_a_waiting_spare_is_told_to_take_a_rank_or_that_the_job_ended(monkeypatc
 def test_a_spare_on_the_lost_rank_s_host_takes_its_local_names_and_elsewhere_keeps_its_own(torchrun_env):
     import os
 
-    from fault_tolerant_handlers.core.records import host_name
+    from fault_tolerant_handlers.core.failure import host_name
 
     lay = Layout(3, 1, 2, 2, 3)
     torchrun_env.setenv("LOCAL_RANK", "2")
