@@ -64,12 +64,17 @@ import socket
 import threading
 import time
 import traceback
+import typing
 import unicodedata
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 from .log import log
+
+#: In a field's bounds (:func:`decode`): the upper bound of a rank of the reader's world (below its size).
+WORLD = "world"
+
 
 # -- kinds as data -----------------------------------------------------------------------------------
 _SIGNAL_NAMES = {int(s): s.name for s in _signal.Signals}
@@ -177,23 +182,11 @@ class Ended:
             how = "process is gone (exit status not visible from this process)"
         return f"{how}, and its keeper is gone too" if self.keeper_gone else how
 
-    @classmethod
-    def from_json(cls, obj: Any) -> Ended | None:
-        """An :class:`Ended` read back from a record (the store is unauthenticated): ``None`` unless
-        ``obj`` is an object whose ``exit_code`` and ``signal`` are each null or an int in range, not
-        both set, and whose ``keeper_gone``, if present, is a bool (other keys are ignored)."""
-        if not isinstance(obj, dict):
-            return None
-        code, sig, keeper_gone = obj.get("exit_code"), obj.get("signal"), obj.get("keeper_gone", False)
-        if not isinstance(keeper_gone, bool):
-            return None
-        if code is not None and not (is_int(code) and 0 <= code <= MAX_EXIT_CODE):
-            return None
-        if sig is not None and not (is_int(sig) and 1 <= sig <= MAX_SIGNAL):
-            return None
-        if code is not None and sig is not None:
-            return None
-        return cls(exit_code=code, signal=sig, keeper_gone=keeper_gone)
+    #: The bounds of its fields read back from the store (:func:`decode`).
+    BOUNDS: ClassVar[dict] = {"exit_code": (0, MAX_EXIT_CODE), "signal": (1, MAX_SIGNAL)}
+
+    def problem(self, world: int) -> str | None:
+        return "both an exit code and a signal" if self.exit_code is not None and self.signal is not None else None
 
 
 def is_int(value: Any) -> bool:
@@ -340,94 +333,130 @@ class FailureRecord:
         return cls.declared(rank=rank, kind=FailureKind.PEER_LOST, by=by, pid=pid, host=host, ended=ended,
                             message=f"rank {rank} (pid {pid} on {host}) lost: {how}")
 
+    VERSION: ClassVar[int] = RECORD_VERSION
+    BOUNDS: ClassVar[dict] = {
+        "rank": (0, WORLD), "exc_type": MAX_NAME_CHARS, "exc_message": MAX_MESSAGE_CHARS,
+        "traceback": -MAX_TRACEBACK_CHARS, "section": MAX_NAME_CHARS, "time_ms": (0, 2**62), "seq": (0, MAX_COUNTER),
+        "pid": (0, MAX_PID - 1), "host": MAX_NAME_CHARS, "step": (0, MAX_COUNTER), "epoch": (0, MAX_COUNTER),
+        "by": (0, WORLD), "origin": 20}
+
+    def problem(self, world: int) -> str | None:
+        """What the field bounds cannot say: a known origin, a time near the reader's, a declared
+        record's declaring rank and kind."""
+        if self.rank is None:
+            return "field 'rank' must be an int"
+        if self.origin not in ORIGINS:
+            return f"origin {self.origin!r} is not one of {', '.join(ORIGINS)}"
+        if abs(self.time_ms - time.time() * 1000) > MAX_CLOCK_DISTANCE_MS:
+            return f"time_ms {self.time_ms} is more than a year from now"
+        if self.origin == "declared" and (self.by is None or self.exc_type not in DECLARED_KINDS):
+            return f"a declared record needs 'by' and a kind among {', '.join(DECLARED_KINDS)}"
+        return None
+
     def to_json(self) -> bytes:
-        return json.dumps({"v": RECORD_VERSION, **asdict(self)}, separators=(",", ":")).encode("utf-8")
+        return encode(self)
 
     @classmethod
     def from_json(cls, data: bytes | str, *, world_size: int, key: str = "a record") -> FailureRecord | None:
         """Parse and check a record read from store key ``key``; ``None`` (and a warning naming
         the key) for anything malformed or out of range."""
-        if isinstance(data, str):
-            data = data.encode("utf-8", "replace")
-        if len(data) > MAX_RECORD_BYTES:
-            log(logging.WARNING, "ignoring store key %s: %d bytes, over the %d-byte limit of a failure record",
-                key, len(data), MAX_RECORD_BYTES)
-            return None
+        return decode(cls, data, world=world_size, max_bytes=MAX_RECORD_BYTES, key=key)
+
+
+# -- one bounded JSON codec for every frozen record of the store -------------------------------------
+_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
+
+
+def encode(record: Any) -> bytes:
+    """A frozen dataclass as compact JSON (with its ``VERSION`` when it has one): what :func:`decode` reads."""
+    version = getattr(record, "VERSION", None)
+    return json.dumps({**({} if version is None else {"v": version}), **asdict(record)},
+                      separators=(",", ":")).encode("utf-8")
+
+
+def decode(cls: type, raw: Any, *, world: int, max_bytes: int, key: str | None = None) -> Any:
+    """A ``cls`` (a frozen dataclass) read back from the store, which is unauthenticated: never
+    unpickled, every value bounded and range-checked. ``None`` (with a warning naming ``key``, when
+    given) for anything larger than ``max_bytes``, not JSON, of another ``VERSION``, or with a
+    field of the wrong type or outside ``cls.BOUNDS``:
+
+    * an ``int`` or ``float`` field: ``(low, high)``, inclusive; ``high`` :data:`WORLD`: a rank of a
+      world of ``world`` ranks; a ``tuple[int, ...]`` field: ``(low, high, most items)``;
+    * a ``str`` field: its most characters (negative: the tail is kept), or ``("hex", chars)`` for a
+      lower-case hex digest ("" otherwise); text is sanitised (:func:`sanitize`);
+    * a field of a dataclass type is read the same way (``None``, where allowed, when it is malformed);
+    * ``cls.problem(record, world)``, when defined, says what the bounds cannot.
+
+    A field missing from the JSON takes its default; one without a default must be there."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "replace")
+    if not isinstance(raw, (bytes, bytearray)):
+        problem = f"not bytes but {type(raw).__name__}"
+    elif len(raw) > max_bytes:
+        problem = f"{len(raw)} bytes, over the {max_bytes}-byte limit"
+    else:
         try:
-            obj = json.loads(data.decode("utf-8"))
+            obj = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as err:
-            log(logging.WARNING, "ignoring store key %s: not a JSON failure record (%s)", key, sanitize(str(err))[:200])
-            return None
-        problem = schema_problem(obj, world_size)
-        if problem:
-            log(logging.WARNING, "ignoring store key %s: malformed failure record: %s", key, sanitize(problem)[:300])
-            return None
-        return cls(
-            rank=obj["rank"],
-            exc_type=sanitize(cap_head(obj["exc_type"], MAX_NAME_CHARS)),
-            exc_message=sanitize(cap_head(obj["exc_message"], MAX_MESSAGE_CHARS)),
-            traceback=sanitize(cap_tail(obj["traceback"], MAX_TRACEBACK_CHARS)),
-            section=sanitize(cap_head(obj["section"], MAX_NAME_CHARS)),
-            time_ms=obj["time_ms"],
-            origin=obj["origin"],
-            seq=obj.get("seq"),
-            pid=obj.get("pid", 0),
-            host=sanitize(cap_head(obj.get("host", ""), MAX_NAME_CHARS)),
-            step=obj.get("step"),
-            epoch=obj.get("epoch"),
-            by=obj.get("by"),
-            ended=Ended.from_json(obj.get("ended")),
-        )
-
-
-_REQUIRED: dict[str, type] = {
-    "rank": int,
-    "exc_type": str,
-    "exc_message": str,
-    "traceback": str,
-    "section": str,
-    "time_ms": int,
-    "origin": str,
-}
-_OPTIONAL_INT = ("seq", "step", "epoch", "by")
-
-
-def schema_problem(obj: Any, world_size: int) -> str | None:
-    """Why ``obj`` is not a valid record for a job of ``world_size`` ranks (``None``: it is)."""
-    if not isinstance(obj, dict):
-        return f"expected an object, got {type(obj).__name__}"
-    if obj.get("v") != RECORD_VERSION:
-        return f"version {obj.get('v')!r}, expected {RECORD_VERSION}"
-    for key, kind in _REQUIRED.items():
-        value = obj.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            return f"field {key!r} must be {kind.__name__}, got {type(value).__name__}"
-    if not 0 <= obj["rank"] < world_size:
-        return f"rank {obj['rank']} is outside [0, {world_size - 1}]"
-    if obj["origin"] not in ORIGINS:
-        return f"origin {obj['origin']!r} is not one of {', '.join(ORIGINS)}"
-    now_ms = int(time.time() * 1000)
-    if abs(obj["time_ms"] - now_ms) > MAX_CLOCK_DISTANCE_MS:
-        return f"time_ms {obj['time_ms']} is more than a year from now"
-    for key in _OPTIONAL_INT:
-        value = obj.get(key)
-        if value is None:
-            continue
-        if not is_int(value):
-            return f"field {key!r} must be an int or null, got {type(value).__name__}"
-        if not 0 <= value <= MAX_COUNTER:
-            return f"field {key!r} = {value} is outside [0, {MAX_COUNTER}]"
-    by = obj.get("by")
-    if by is not None and not by < world_size:
-        return f"by = {by} is outside [0, {world_size - 1}]"
-    if obj["origin"] == "declared" and (by is None or obj["exc_type"] not in DECLARED_KINDS):
-        return f"a declared record needs 'by' and a kind among {', '.join(DECLARED_KINDS)}"
-    pid = obj.get("pid", 0)
-    if not is_int(pid) or not 0 <= pid < MAX_PID:
-        return f"field 'pid' must be an int in [0, {MAX_PID})"
-    if not isinstance(obj.get("host", ""), str):
-        return "field 'host' must be a str"
+            problem = f"not JSON ({sanitize(str(err))[:200]})"
+        else:
+            record, problem = _from_obj(cls, obj, world)
+            if problem is None:
+                return record
+    if key is not None:
+        log(logging.WARNING, "ignoring store key %s: not a valid %s: %s", key, cls.__name__, sanitize(problem)[:300])
     return None
+
+
+def _from_obj(cls: type, obj: Any, world: int) -> tuple[Any, str | None]:
+    if not isinstance(obj, dict):
+        return None, f"expected an object, got {type(obj).__name__}"
+    version = getattr(cls, "VERSION", None)
+    if version is not None and obj.get("v") != version:
+        return None, f"version {obj.get('v')!r}, expected {version}"
+    hints, bounds, values = typing.get_type_hints(cls, localns=globals()), getattr(cls, "BOUNDS", {}), {}
+    for f in dataclasses.fields(cls):
+        if f.name not in obj:
+            if f.default is dataclasses.MISSING:
+                return None, f"field {f.name!r} is missing"
+            continue
+        value, problem = _field(f.name, hints[f.name], bounds.get(f.name), obj[f.name], world)
+        if problem is not None:
+            return None, problem
+        values[f.name] = value
+    record = cls(**values)
+    check = getattr(cls, "problem", None)
+    problem = check(record, world) if check is not None else None
+    return (None, problem) if problem else (record, None)
+
+
+def _field(name: str, hint: Any, bound: Any, value: Any, world: int) -> tuple[Any, str | None]:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = type(None) in typing.get_args(hint)
+    if value is None:
+        return (None, None) if optional else (None, f"field {name!r} must not be null")
+    kind = args[0] if optional and len(args) == 1 else hint
+    if dataclasses.is_dataclass(kind):
+        nested, problem = _from_obj(kind, value, world)
+        return (nested, None) if problem is None or optional else (None, f"field {name!r}: {problem}")
+    if typing.get_origin(kind) is tuple:
+        if not isinstance(value, list) or len(value) > bound[2] or not all(is_int(v) for v in value):
+            return None, f"field {name!r} must be a list of at most {bound[2]} ints"
+        if not all(bound[0] <= v <= (world - 1 if bound[1] == WORLD else bound[1]) for v in value):
+            return None, f"field {name!r} holds a value outside its bounds"
+        return tuple(value), None
+    expected = _TYPES[kind.__name__ if isinstance(kind, type) else str(kind)]
+    if not isinstance(value, expected) or (kind is not bool and isinstance(value, bool)):
+        return None, f"field {name!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}"
+    if kind is str:
+        if isinstance(bound, tuple):  # ("hex", chars)
+            return (value if len(value) <= bound[1] and all(c in "0123456789abcdef" for c in value) else ""), None
+        return sanitize(cap_tail(value, -bound) if bound < 0 else cap_head(value, bound)), None
+    if bound is not None:
+        low, high = bound[0], (world - 1 if bound[1] == WORLD else bound[1])
+        if not low <= value <= high:
+            return None, f"field {name!r} = {value} is outside [{low}, {high}]"
+    return value, None
 
 
 # -- the error every other rank raises ---------------------------------------------------------------

@@ -12,7 +12,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from fault_tolerant_handlers.launchers import errorfile
 from fault_tolerant_handlers.core.errors import PeerFailedError
-from fault_tolerant_handlers.core.failure import Ended, FailureRecord
+from fault_tolerant_handlers.core.failure import Ended, FailureRecord, decode
 from fault_tolerant_handlers.core.ranks import RankTable
 
 
@@ -242,7 +242,12 @@ def test_a_rank_whose_keeper_died_first_is_told_to_its_peers_with_its_keeper_gon
 
 
 def test_keeper_gone_is_read_back_only_as_a_bool():
-    assert Ended.from_json({"signal": 9, "keeper_gone": True}) == Ended(signal=9, keeper_gone=True)
-    assert Ended.from_json({"signal": 9}) == Ended(signal=9)
-    assert Ended.from_json({"signal": 9, "keeper_gone": "yes"}) is None
-    assert Ended.from_json({"signal": 9, "keeper_gone": 1}) is None
+    assert _ended({"signal": 9, "keeper_gone": True}) == Ended(signal=9, keeper_gone=True)
+    assert _ended({"signal": 9}) == Ended(signal=9)
+    assert _ended({"signal": 9, "keeper_gone": "yes"}) is None
+    assert _ended({"signal": 9, "keeper_gone": 1}) is None
+
+
+def _ended(obj):
+    """An ``Ended`` as the one store codec reads it back."""
+    return decode(Ended, json.dumps(obj), world=1, max_bytes=1024)
