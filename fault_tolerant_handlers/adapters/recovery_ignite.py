@@ -21,7 +21,7 @@ from typing import Any
 
 from ignite.engine import Engine, EventEnum, Events
 
-from ..core import attempts, events, recoveries
+from ..core import attempts, hooks, recoveries
 from ..core.log import log
 
 
@@ -95,5 +95,5 @@ def _fire(event: FaultToleranceEvents):
     return fire
 
 
-events.subscribe(events.FAILURE_SEEN, _fire(FaultToleranceEvents.FAILURE_SEEN))
-events.subscribe(events.RECOVERY_STARTED, _fire(FaultToleranceEvents.RECOVERY_STARTED))
+hooks.add(hooks.FAILURE_SEEN, _fire(FaultToleranceEvents.FAILURE_SEEN))
+hooks.add(hooks.RECOVERY_STARTED, _fire(FaultToleranceEvents.RECOVERY_STARTED))

@@ -33,7 +33,7 @@ import os
 import weakref
 from typing import Any
 
-from ..core import attempts, events, phases, recoveries
+from ..core import attempts, hooks, phases, recoveries
 from ..core.log import log
 from . import compat_lightning as _compat_lightning
 
@@ -153,7 +153,7 @@ def _hook(info: recoveries.RecoveryInfo) -> None:
                 (str(err).splitlines() or [""])[0][:200])
 
 
-events.subscribe(events.FAILURE_SEEN, _hook)
-events.subscribe(events.RECOVERY_STARTED, _hook)
-phases.register(phases.Phase.RESET_FRAMEWORKS, _keep_logger_versions, tolerate=True)
-phases.register(phases.Phase.END, _forget_logger_versions, tolerate=True)
+hooks.add(hooks.FAILURE_SEEN, _hook)
+hooks.add(hooks.RECOVERY_STARTED, _hook)
+hooks.add(hooks.RESET_FRAMEWORKS, _keep_logger_versions, tolerate=True)
+hooks.add(hooks.END, _forget_logger_versions, tolerate=True)

@@ -1,33 +1,14 @@
-"""Named errors raised when ranks fail together, and what counts as a backend's error."""
+"""Named errors raised when ranks fail together (the failure itself: :mod:`.failure`)."""
 
 from __future__ import annotations
 
-from . import compat_torch as _compat_torch
+from .compat_torch import is_backend_error  # noqa: F401 - re-exported
 from .failure import Ended, FailureKind, PeerFailedError, describe_where  # noqa: F401 - re-exported
 
-#: Where a gloo error comes from: its text points into gloo's transport (``.../gloo/transport/tcp/
-#: pair.cc:534] Connection closed by peer``) or into torch's gloo process group.
 #: Exit code of a rank ended by the watchdog because another rank failed, was lost or hung.
 EXIT_PEER_FAILED = 87
 #: Exit code of the rank that declared itself hung.
 EXIT_HUNG = 88
-
-_GLOO_MARKERS = ("gloo/transport/", "ProcessGroupGloo.cpp")
-
-
-def is_backend_error(exc: BaseException) -> bool:
-    """True for what a collective or the store raises when a peer is gone or this rank was released.
-
-    torch's ``DistError`` family (NCCL, the store, the network), and gloo's plain ``RuntimeError``
-    whose text points into gloo's transport. A ``socket.timeout``, ``TimeoutError``,
-    ``ConnectionResetError`` or any other error of user code is not one: it is the rank's own failure.
-    """
-    if isinstance(exc, _compat_torch.backend_error_types()):
-        return True
-    if type(exc) is RuntimeError:
-        text = str(exc)
-        return any(marker in text for marker in _GLOO_MARKERS)
-    return False
 
 
 class SectionMismatchError(RuntimeError):

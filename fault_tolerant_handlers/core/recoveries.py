@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Callable
 
-from . import events
+from . import hooks
 from .failure import FailureKind, is_int
 
 
@@ -49,8 +49,8 @@ LIVE = "live"
 CHECKPOINT = "checkpoint"
 SOURCES = (LIVE, CHECKPOINT)
 
-_EVENT = {RecoveryPhase.FAILURE_SEEN: events.FAILURE_SEEN, RecoveryPhase.RECOVERY_STARTED: events.RECOVERY_STARTED,
-          RecoveryPhase.RECOVERED: events.RECOVERED}
+_EVENT = {RecoveryPhase.FAILURE_SEEN: hooks.FAILURE_SEEN, RecoveryPhase.RECOVERY_STARTED: hooks.RECOVERY_STARTED,
+          RecoveryPhase.RECOVERED: hooks.RECOVERED}
 
 
 def _check_int(owner: str, name: str, value: object, low: int, optional: bool = False) -> None:
@@ -238,7 +238,7 @@ def _record(info: RecoveryInfo) -> None:
 
 def announce(info: RecoveryInfo) -> None:
     """Record ``info`` and tell its event's subscribers (the recovery calls it; never raises)."""
-    events.emit(_EVENT[info.phase], info)
+    hooks.emit(_EVENT[info.phase], info)
 
 
 def carried_on(step: int, last_completed: int | None) -> RecoveryInfo | None:
@@ -280,14 +280,14 @@ def on_recovery(callback: Callable[[RecoveryInfo], object]) -> Callable[[], None
     if not callable(callback):
         raise TypeError(f"on_recovery(callback): callback must be a callable taking a RecoveryInfo, got {callback!r}")
     for event in _EVENT.values():
-        events.subscribe(event, callback)
+        hooks.add(event, callback)
 
     def unsubscribe() -> None:
         for event in _EVENT.values():
-            events.unsubscribe(event, callback)
+            hooks.remove(event, callback)
 
     return unsubscribe
 
 
 for _event in _EVENT.values():  # first in line: a subscriber that reads the history finds its info there
-    events.subscribe(_event, _record)
+    hooks.add(_event, _record)

@@ -43,10 +43,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from . import autohang
-from ..core import attempts, config, events, inject, interrupts
+from ..core import config, hooks, inject, interrupts
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted
 from ..core.failure import FailureKind, Incident
-from ..core.session import Session, get_session, provide_watchdog
+from ..core.session import Session, get_session
 from .pidwatch import PidWatcher, WakeEvent
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
 from ..core.log import log
@@ -269,11 +269,12 @@ class Watchdog:
         log(logging.ERROR, "%s", str(finding.error).splitlines()[0], step=self._progress[2])
         if finding.hung_self:
             self.session.failure.failed_here(finding.declare or err.record, told=False)  # the main thread is interrupted
-            events.emit(events.RANK_FAILED, finding.declare)  # the launchers: torchrun's error file
+            hooks.emit(hooks.RANK_FAILED, finding.declare)  # the launchers: torchrun's error file
             self._declare(finding, schema)
             # Recovering in place: interrupt the main thread where it hangs (in Python it leaves at
             # once); if it does not reach the recovery in time (stuck in C), end as without recovery.
-            left = attempts.interrupt_main(HangInterrupted(str(finding.error).splitlines()[0]))
+            interrupt = hooks.provider(hooks.INTERRUPT)  # recovering in place: the recovery's
+            left = None if interrupt is None else interrupt(HangInterrupted(str(finding.error).splitlines()[0]))
             if left is not None and self._interrupted(left):
                 log(logging.WARNING, "the hung main thread was interrupted: recovering in place")
                 return
@@ -286,7 +287,7 @@ class Watchdog:
         if incident is not None:
             threading.Thread(target=self._escalate, args=(incident,), name="fth-escalate", daemon=True).start()
         self._declare(finding, schema)
-        events.emit(events.JOB_FAILED, self.session)  # the launchers: torchrun's attempt keys, once declared
+        hooks.emit(hooks.JOB_FAILED, self.session)  # the launchers: torchrun's attempt keys, once declared
 
     @staticmethod
     def _interrupted(left: threading.Event) -> bool:
@@ -346,7 +347,7 @@ class Watchdog:
         text = f"[rank {self.rank}] fault-tolerant-handlers: ending this process (exit code {code}) because:\n{err}\n"
         try:
             # the launchers: torchrun's error file of a survivor, mp.spawn's (the parent raises this report)
-            events.emit(events.EXITING, self.session.table, err, code)
+            hooks.emit(hooks.EXITING, self.session.table, err, code)
             log(logging.CRITICAL, "ending this process with exit code %d: %s", code, str(err).splitlines()[0])
             sys.stderr.write(text)
             sys.stderr.flush()
@@ -429,4 +430,4 @@ def start_watchdog(group=None, *, hang_timeout: timedelta | float | str | dict |
     return session.start_watchdog(hang_timeout)
 
 
-provide_watchdog(Watchdog)  # what Session.start_watchdog starts
+hooks.add(hooks.WATCHDOG, Watchdog)  # what Session.start_watchdog starts

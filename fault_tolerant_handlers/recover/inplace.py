@@ -101,12 +101,12 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from ..core import attempts, compat_torch as _compat_torch, config, interrupts, phases, recoveries
+from ..core import attempts, compat_torch as _compat_torch, config, hooks, interrupts, recoveries
 from ..core.config import LOOK_FOR_LOST, RECOVER_POLL, RECOVER_TEARDOWN_SEC, RECOVER_TELL_SEC
 from ..core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError, StateTransferError
 from ..core.failure import FailureKind, cap_head, tag_of
 from ..core.log import log
-from ..core.phases import LIVE_NAME, Captured, Phase, RecoveryState
+from ..core.phases import LIVE_NAME, Captured, RecoveryState
 from ..core.recoveries import RecoveryCause, RecoveryInfo, RecoveryPhase
 from ..core.release import EXIT_TEARDOWN_STUCK, store_ports
 from ..core.schema import Connection, StoreCallTimeout, unblock_stuck_calls
@@ -187,8 +187,8 @@ class _Recovery:
             return self.given
         first = self._joined
         if first is None:  # the launchers know the first rendezvous's
-            found = phases.run(Phase.WORLD, RecoveryState())
-            first = None if found.store is None else (found.store, found.rank, found.world_size)
+            world = hooks.provider(hooks.WORLD)
+            first = None if world is None else world()
         if first is None:
             return None
         store, rank, world = first
@@ -249,7 +249,7 @@ class _Recovery:
     def run(self, args: tuple, kwargs: dict, replacement: Cause | None = None) -> T:
         """The attempts, in this process; a ``replacement`` (a keeper's new child) first joins the
         recovery its peers wait in."""
-        phases.run(Phase.BEGIN, RecoveryState(attempt=attempts.in_place()))
+        hooks.run(hooks.BEGIN, RecoveryState(attempt=attempts.in_place()))
         recoveries.forget()  # recovery_history(): this recovery's moments only
         running = attempts.enter_recovery()
         previous = self._install_interrupter()
@@ -292,7 +292,6 @@ class _Recovery:
                 # Outside the except block: the failed attempt's frames (and its loaders) are free.
                 self._teardown(timings)
                 self._reform(timings)
-                phases.run(Phase.CALL_AGAIN, self._state(timings=timings))
         finally:
             sessions, self._sessions = self._sessions, []
             for session in sessions:  # not abandoned: the liveness helpers a recovery kept, stopped on every way out
@@ -302,7 +301,7 @@ class _Recovery:
             self._restore_interrupter(previous)
             attempts.leave_recovery(running)
             # the launchers forget the first rendezvous; the data layer its snapshots and live state
-            phases.run(Phase.END, RecoveryState(attempt=attempts.in_place()))
+            hooks.run(hooks.END, RecoveryState(attempt=attempts.in_place()))
 
     def _join_as_replacement(self, cause: Cause) -> dict:
         """A keeper's new child: connect to torchrun's store as the rendezvous would, and take part in
@@ -371,7 +370,6 @@ class _Recovery:
         for session in sessions:
             session.stop(keep_liveness=keep)
         stopped = time.monotonic()
-        phases.run(Phase.RECORD, self._state(cause=cause))
         self._collect_live(rank)  # the state this rank holds, as of the last step it completed
         # 2. agree, on the first attempt's store
         decision = self._agree(world, cause)
@@ -380,7 +378,6 @@ class _Recovery:
             self.causes.append(Cause(**decision.cause) if decision.cause else cause)
         self._settle_live(decision)
         if decision.restart:
-            phases.run(Phase.AGREE, self._state(timings=timings))
             self._announce(RecoveryPhase.RECOVERY_STARTED, rank, self.causes[-1], t0)
         return decision, timings
 
@@ -418,7 +415,7 @@ class _Recovery:
         store = spares.connect(self.join_timeout)
         self._joined = (store, lay.launched_rank, lay.training_world)
         spares.write_seat(store, lay.launched_rank, lay, lay.launched_rank)
-        phases.run(Phase.RE_FORM, self._state())  # the launchers: init_process_group is given this world
+        hooks.run(hooks.RE_FORM, self._state())  # the launchers: init_process_group is given this world
         log(logging.INFO, "rank %d of a training world of %d (%d spare%s launched beside it)", lay.launched_rank,
             lay.training_world, lay.spares, "" if lay.spares == 1 else "s")
 
@@ -525,7 +522,7 @@ class _Recovery:
     def _collect_live(self, rank: int) -> None:
         """This rank's live state of the failed attempt, and what it tells the others (with its
         checksum, which tells a diverged rank, and whether it can be sent to a rank that needs it)."""
-        captured = phases.run(Phase.CAPTURE_LIVE, self._state())
+        captured = hooks.run(hooks.CAPTURE_LIVE, self._state())
         self._captured = captured.live
         if self._captured is None:
             self._live_report = LiveReport(rank, -1, "", cap_head(captured.live_why or "no layer captures it", 300))
@@ -564,7 +561,7 @@ class _Recovery:
 
     def _hold(self, captured: Captured | None) -> None:
         """What the next attempt resumes from: ``captured`` (``None``: its newest checkpoint)."""
-        phases.run(Phase.SETTLE_LIVE, self._state(live=captured))
+        hooks.run(hooks.SETTLE_LIVE, self._state(live=captured))
 
     def _transfer_live(self, store: Any, rank: int, world_size: int, timings: dict) -> None:
         """The plan names receivers: the source sends them its live state over a gloo group the
@@ -737,7 +734,7 @@ class _Recovery:
     def _teardown(self, timings: dict) -> None:
         world = self._world()
         state = self._state(timings=timings)
-        phases.run(Phase.TEAR_DOWN, state)  # before the groups go (the launchers: this rank's address keys)
+        hooks.run(hooks.TEAR_DOWN, state)  # before the groups go (the launchers: this rank's address keys)
         parts = timings.setdefault("parts", {})
         mark = time.monotonic()
 
@@ -766,11 +763,11 @@ class _Recovery:
         finally:
             timer.cancel()
         part("groups")
-        phases.run(Phase.RESET_FRAMEWORKS, state)  # the adapters: frameworks' process-wide state
+        hooks.run(hooks.RESET_FRAMEWORKS, state)  # the adapters: frameworks' process-wide state
         part("frameworks")
         gc.collect()  # the failed attempt's loaders: their workers are shut down with them
         part("collected")
-        phases.run(Phase.COLLECTED, state)  # the data layer: the DataLoader workers still running
+        hooks.run(hooks.COLLECTED, state)  # the data layer: the DataLoader workers still running
         if world is not None:
             world[0].set_timeout(world[4])
         part("workers")
@@ -781,7 +778,7 @@ class _Recovery:
         attempts.set_in_place(attempts.in_place() + 1)
         if self.on_attempt is not None:
             self.on_attempt(attempts.in_place())
-        phases.run(Phase.RE_FORM, self._state(timings=timings))  # the launchers: the rendezvous over ``store``
+        hooks.run(hooks.RE_FORM, self._state(timings=timings))  # the launchers: the rendezvous over ``store``
         self._transfer_live(store, rank, world_size, timings)
         if self.given is not None:
             dist.init_process_group(backend, store=dist.PrefixStore(attempts.namespace(), store), rank=rank,
@@ -823,11 +820,11 @@ class _Recovery:
         # This frame (_Recovery.run) takes the interrupt: a signal that arrives while it runs (the
         # training function has returned or raised) raises nothing.
         state = interrupts.install(INTERRUPT_SIGNAL, config.interrupt_defer(), takers=(_Recovery.run.__code__,))
-        attempts.interrupter = self._interrupt
+        hooks.add(hooks.INTERRUPT, self._interrupt)
         return (state,)
 
     def _restore_interrupter(self, previous) -> None:
-        attempts.interrupter = None
+        hooks.remove(hooks.INTERRUPT, self._interrupt)
         if previous is not None:
             interrupts.uninstall(previous[0])
 

@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Any
 
-from ..core import attempts, events, release
+from ..core import attempts, hooks, release
 from ..core.config import ZOMBIE_HOLD
 from ..core.errors import EXIT_HUNG
 from ..core.failure import Ended, FailureKind
@@ -166,8 +166,8 @@ class Keeper:
             for sig in FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
             self.recovery.on_attempt = self._write_attempt
-            attempts.on_lost = self._lost
-            events.subscribe(events.SESSION_STARTED, _announce)
+            hooks.add(hooks.LOSE, self._lost)
+            hooks.add(hooks.SESSION_STARTED, _announce)
             result = self.recovery.run(args, kwargs, replacement=replacement)
             try:
                 data = pickle.dumps(result)
@@ -203,7 +203,7 @@ class Keeper:
                 keeper = os.getpid()  # read here: a child whose keeper died before it looked would read its reaper
                 pid = os.fork()
                 if pid == 0:
-                    attempts.keeper_pid = keeper
+                    hooks.add(hooks.KEEPER_PID, lambda keeper=keeper: keeper)
                     self._child(self.result_path, args, kwargs, replacement)
                 self.child = pid
                 if dead is not None:  # the child before, a zombie until its peers read how it ended
