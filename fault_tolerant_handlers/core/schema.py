@@ -28,6 +28,7 @@ connection never breaks the process group's own client (which training needs).
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import random
@@ -322,6 +323,17 @@ class Connection:
 _stuck: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
 #: Every worker (weakly held): the ones inside a call are ``busy``.
 _workers: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
+
+
+class Bounded:
+    """A store whose every call (``bounded.add(key, 1)``) is ``conn``'s :meth:`Connection.call`: on a
+    thread of its own, waited for within the connection's deadline (:class:`StoreCallTimeout` past it)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def __getattr__(self, method: str) -> Callable:
+        return functools.partial(self._conn.call, method)
 
 
 def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0, *, busy_too: bool = False) -> int:

@@ -11,7 +11,6 @@ from typing import Any
 
 from ..core import attempts
 from ..core.failure import FailureKind, cap_head, sanitize
-from .live_state import MAX_STEPS_APART, Fallback, Receive, RankState, decide
 
 #: Declared kinds that end the job as without recovery: a process or host gone, or signalled.
 NOT_IN_PLACE = {
@@ -187,60 +186,6 @@ class LivePlan:
         return self
 
 
-def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
-    """Rank 0's rule: from which state every rank carries on, given what each holds
-    (:func:`.live_state.decide`'s rule, on the reports read from the store).
-
-    The job carries on from the newest step a rank holds the state of (in data-parallel training a
-    step that some ranks completed and others did not had its gradients reduced on every rank: the
-    ranks that completed it hold the state every rank would have). Among the ranks at that step, the
-    checksum most of them hold wins (a tie: the lowest rank's); the source is the lowest rank holding
-    it. Every other rank receives the source's state: one without state (a replaced rank's new
-    process, a rank that failed inside an optimizer step, one whose buffers changed), one a step
-    behind, one whose checksum differs (diverged). The source's RNG states go with it when every
-    rank at that step recorded the same ones.
-
-    Every rank falls back to the newest checkpoint (the plan says why, the first reason found) when a
-    report cannot be read, no rank holds state, the ranks disagree on the unit or are more than
-    :data:`MAX_STEPS_APART` steps apart, or a rank must receive and the source's state cannot be sent.
-    """
-    by_rank = {r.by: r for r in reports if r is not None}
-    for rank in range(world_size):
-        if rank not in by_rank:
-            return LivePlan(-1, "", f"rank {rank}'s report could not be read")
-    holders = [by_rank[r] for r in range(world_size) if by_rank[r].step >= 0]
-    units = {r.unit for r in holders}
-    agreed = decide([RankState(r.by, r.step if r.step >= 0 else None, r.checksum if r.step >= 0 else None, True)
-                     for r in (by_rank[rank] for rank in range(world_size))], MAX_STEPS_APART)
-    if agreed.fallback is Fallback.NO_TRUSTED_STATE:
-        return LivePlan(-1, "", f"no rank holds live state (rank 0: {by_rank[0].why or 'no live state'})")
-    if len(units) > 1 or agreed.fallback is not None:
-        held = ", ".join(f"rank {r.by} at {r.unit} {r.step}" for r in holders)
-        return LivePlan(-1, "", f"the ranks completed steps too far apart ({held})")
-    step, chosen, unit = agreed.step, agreed.checksum, units.pop()
-    agreeing = [r for r in holders if r.step == step and r.checksum == chosen]
-
-    def reason(rank: int, why: Receive) -> str:
-        if why is Receive.BEHIND:
-            return f"a step behind ({unit} {by_rank[rank].step})"
-        if why is Receive.DIVERGED:
-            return "its state's checksum differs (diverged)"
-        return by_rank[rank].why or "no live state"
-
-    whom = [f"rank {rank}: {reason(rank, why)}" for rank, why in agreed.receiving]
-    receivers = agreed.receivers
-    if not receivers:
-        return LivePlan(step, unit, "")
-    portable = [r for r in agreeing if not r.portable]
-    if not portable:
-        return LivePlan(-1, "", f"{'; '.join(whom)}, and rank {agreeing[0].by}'s state cannot be sent: "
-                                f"{agreeing[0].portable}")
-    source = portable[0].by
-    rngs = {r.rng for r in agreeing}
-    return LivePlan(step, unit, "", source, receivers, "; ".join(whom), chosen,
-                    rng_shared=len(rngs) == 1 and "" not in rngs)
-
-
 @dataclass(frozen=True)
 class Decision:
     """Rank 0's decision, which every rank follows: recover (``restart``) or end, and why; when it
@@ -277,6 +222,14 @@ def needs_keeper(cause: Cause) -> bool:
 def keeper_key(rank: int) -> str:
     """Set by a keeper's child when its first session starts: rank ``rank`` has a keeper."""
     return f"{KEY_ROOT}/{attempts.restart()}/keeper/{rank}"
+
+
+def keeper_replaces(store: Any, rank: int, end_seen: bool) -> bool:
+    """A keeper replaces lost rank ``rank``: its end was seen (by a peer on its host, or its liveness
+    helper, which saw its keeper live on) and its keeper announced itself (:func:`keeper_key`). A key
+    alone is no evidence: a rank whose host is gone or cut off left its key behind, announced when it
+    started, and so did a keeper killed with its rank."""
+    return end_seen and bool(store.check([keeper_key(rank)]))
 
 
 def base_of(store: Any) -> Any:

@@ -57,7 +57,8 @@ from . import spares
 from .causes import Cause, base_of, keeper_key
 
 #: What a keeper runs (``recover.inplace._Recovery``, not imported: it imports this module): its
-#: ``given``, ``max_restarts``, ``on_attempt`` and ``run(args, kwargs, replacement=...)``.
+#: ``given``, ``layout``, ``join_timeout``, ``max_restarts``, ``on_attempt`` and
+#: ``run(args, kwargs, replacement=...)``.
 _Recovery = Any
 
 #: ``prctl`` option: the signal this process gets when its parent dies.
@@ -96,6 +97,45 @@ def why_not(recovery: _Recovery) -> str | None:
     return None
 
 
+def run(recovery: _Recovery, args: tuple, kwargs: dict) -> Any:
+    """``recovery``'s attempts under a keeper where one can start (:func:`why_not`); else, with the
+    reason logged, in this process (a dead rank then ends the job as without recovery in place)."""
+    why = why_not(recovery)
+    if why is None:
+        return Keeper(recovery).run(args, kwargs)
+    if recovery.given is not None and under_torchrun():
+        _warn_group_made_before()  # names the line to change
+        level = logging.INFO
+    else:
+        # A reason the script can change (CUDA touched first, another thread) is a WARNING;
+        # where no keeper can exist at all (not torchrun, not Linux), INFO.
+        level = logging.INFO if why.startswith(NO_KEEPER_HERE) else logging.WARNING
+    log(level, "a dead rank's process cannot be replaced in place here (%s): its death ends the job "
+        "as without recovery in place", why)
+    return recovery.run(args, kwargs)
+
+
+_warned_group_before = False
+
+
+def _warn_group_made_before() -> None:
+    """Once per process: under torchrun, ``recover_in_place`` called inside a process group that exists
+    already (the documented ``idist.Parallel`` form: ``p.run(recover_in_place(training), cfg)``) cannot
+    replace a killed rank: the process torchrun started is the rank itself, and a keeper must fork before
+    any group exists (a forked copy of a gloo context has none of its threads). Say the line to change."""
+    global _warned_group_before
+    if _warned_group_before:
+        return
+    _warned_group_before = True
+    log(logging.WARNING, "recover_in_place was called inside a process group that exists already, so a killed rank "
+        "(SIGKILL, the OOM killer, a segfault) cannot be replaced in place and ends the job (exceptions and hangs in "
+        "Python still recover in place). To recover it too, wrap the function that makes the group instead: "
+        "replace 'with idist.Parallel(backend=...) as p: p.run(recover_in_place(training, ...), cfg)' with "
+        "'recover_in_place(main, ...)(cfg)' where main(cfg) runs 'with idist.Parallel(backend=...) as p: "
+        "p.run(training, cfg)'; or call the wrapped function before init_process_group (docs/recovering.md, "
+        "\"Launchers\")")
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -109,7 +149,7 @@ _announced = None
 
 def _announce(session) -> None:
     """In a keeper's child, when the world's session starts: its peers may wait for a replacement of
-    this rank (:func:`~.inplace.keeper_key`)."""
+    this rank (:func:`.causes.keeper_key`)."""
     global _announced
     if session.group is not None:
         return

@@ -36,16 +36,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
-from ..core import attempts, config
-from ..core.config import SPARE_WAIT_ENV  # noqa: F401 - its variable, named where the wait is
+from ..core import attempts, compat_torch, config
+from ..core.config import RECOVER_TELL_SEC, SPARE_WAIT_ENV  # noqa: F401 - its variable, named where the wait is
 from ..core.errors import RecoveryError
 from ..core.log import log
-from ..core.failure import cap_head, host_name, sanitize
-from .causes import KEY_ROOT, read_json
+from ..core.failure import FailureKind, cap_head, host_name, sanitize
+from ..core.schema import Bounded, Connection
+from .causes import KEY_ROOT, NOT_IN_PLACE, Cause, keeper_replaces, read_json
 
 #: A spare waits for its order in blocking store waits of this long each: one request to the store
 #: per wait, and an order is seen as soon as it is written, whatever this is (the store answers a
@@ -68,7 +70,8 @@ def spares_left() -> int | None:
     return _left
 
 
-def _set_left(count: int | None) -> None:
+def learned(count: int | None) -> None:
+    """How many spares are left, as this process learned it now (:func:`spares_left`)."""
     global _left
     _left = count
 
@@ -159,7 +162,7 @@ def enter_training_world(lay: Layout) -> None:
     local = lay.training_local_world()
     if local is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(local)
-    _set_left(lay.spares)
+    learned(lay.spares)
 
 
 # -- the store schema (every key of the spares, once) ----------------------------------------------------
@@ -316,7 +319,7 @@ def claim(store: Any, lay: Layout, rank: int, gen: int, why: str, since: float, 
     else:
         store.wait([answer_key(gen, rank)], wait)
         answer = Answer.from_json(store.get(answer_key(gen, rank)), lay.launched_world) or Answer(-1, 0)
-    _set_left(answer.left)
+    learned(answer.left)
     return answer
 
 
@@ -380,7 +383,7 @@ def take_seat(lay: Layout, order: Order) -> None:
         os.environ["LOCAL_RANK"] = str(order.lost_local_rank)
         if order.lost_local_world >= 0:
             os.environ["LOCAL_WORLD_SIZE"] = str(order.lost_local_world)
-    _set_left(order.left)
+    learned(order.left)
 
 
 def log_takeover(lay: Layout, order: Order, reformed_wall: float) -> None:
@@ -390,3 +393,118 @@ def log_takeover(lay: Layout, order: Order, reformed_wall: float) -> None:
         "survivor to the re-formed group; %d spare%s left", Seat(lay.launched_rank, host_name()).describe(),
         order.rank, f" ({order.lost})" if order.lost else "", order.why, took, order.left,
         "" if order.left == 1 else "s")
+
+
+# -- a process's part, as the recovery's loop calls it ------------------------------------------------
+def serve(lay: Layout, timeout: timedelta) -> tuple[Order, Cause] | None:
+    """A spare: wait for an order. ``None`` when the training ended without needing it; else the order
+    to take a lost rank's place, this process now that rank (:func:`take_seat`, in the recovery of
+    ``order.attempt``), and the cause it joins the recovery with. Raises :class:`RecoveryError` when
+    the job ended with a failure."""
+    learned(lay.spares)
+    # what the training's first optimizer would import (seconds), imported while nothing waits for it
+    compat_torch.import_lazy_modules()
+    log(logging.INFO, "launched rank %d of %d is a spare: it waits for a training rank (%d of them) lost with no "
+        "keeper to replace it", lay.launched_rank, lay.launched_world, lay.training_world)
+    order = wait_for_order(connect(timeout), lay, lay.launched_rank)
+    if order.kind == END:
+        if order.ok:
+            log(logging.INFO, "spare launched rank %d: %s; it never trained (its call returns None)",
+                lay.launched_rank, order.why)
+            return None
+        raise RecoveryError(f"spare launched rank {lay.launched_rank}: the job ended without it: {order.why}")
+    take_seat(lay, order)
+    attempts.set_in_place(order.attempt)
+    return order, Cause(order.rank, order.rank, FailureKind.RANK_REPLACED.value,
+                        f"rank {order.rank}'s process was lost with no keeper to replace it: spare launched rank "
+                        f"{lay.launched_rank} took its place", "", -1, True, "")
+
+
+def take_own_seat(lay: Layout, timeout: timedelta) -> Any:
+    """A training rank's first attempt: connect to torchrun's store (the store the attempts share, over
+    which the training function's ``init_process_group`` makes the training world's group) and hold
+    its seat; returns that store."""
+    store = connect(timeout)
+    write_seat(store, lay.launched_rank, lay, lay.launched_rank)
+    log(logging.INFO, "rank %d of a training world of %d (%d spare%s launched beside it)", lay.launched_rank,
+        lay.training_world, lay.spares, "" if lay.spares == 1 else "s")
+    return store
+
+
+def tell_end(store: Any, lay: Layout, ok: bool, why: str) -> None:
+    """:func:`end`, bounded by :data:`RECOVER_TELL_SEC` (the store may be what failed); never raises."""
+    conn = Connection(lambda: store, timedelta(seconds=RECOVER_TELL_SEC), "spares")
+    conn.deadline = time.monotonic() + RECOVER_TELL_SEC
+    try:
+        end(Bounded(conn), lay, ok, why)
+    except Exception as err:  # noqa: BLE001 - torchrun ends them anyway once a rank exits with an error
+        log(logging.WARNING, "could not tell the spares that the job ended: %s: %s", type(err).__name__,
+            cap_head(str(err), 200))
+    finally:
+        conn.close()
+
+
+def lost_or_silent(cause: Cause) -> bool:
+    """A peer declared lost or silent with its end not seen (another host's rank, or its host or link
+    gone): with spares, one takes its place unless its keeper replaces it."""
+    return (not cause.own and cause.failed_rank >= 0
+            and cause.failure_kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
+            and cause.not_in_place == NOT_IN_PLACE[cause.failure_kind])
+
+
+class Claims:
+    """A survivor's part in one recovery's agreement (recovery ``gen``) when the job has spares:
+    ``store`` is the agreement's bounded store, ``since`` when the failure reached this rank (wall
+    clock), ``lost()`` the failed attempt's records of the ranks lost or silent."""
+
+    def __init__(self, store: Any, lay: Layout, gen: int, since: float, seconds: float,
+                 lost: Callable[[], dict[int, Any]]) -> None:
+        self.store, self.lay, self.gen, self.since, self.seconds, self.lost = store, lay, gen, since, seconds, lost
+        self.claimed: set[int] = set()  # lost ranks this rank found a spare for, this recovery
+
+    def displaced(self, rank: int) -> str:
+        """Why this process must not take part in the recovery as ``rank`` any more: a spare was ordered
+        to take that rank at this recovery, or holds its seat (its peers declared this process lost or
+        silent: cut off, frozen, then back). "" when it holds its seat."""
+        mine = self.lay.launched_rank  # a spare that took the seat: its own launched rank is the seat's
+        if self.store.check([answer_key(self.gen, rank)]):
+            answer = Answer.from_json(self.store.get(answer_key(self.gen, rank)), self.lay.launched_world)
+            if answer is not None and answer.spare >= 0 and answer.spare != mine:
+                return (f"rank {rank} was declared lost by its peers and spare launched rank {answer.spare} takes its "
+                        f"place: this process (launched rank {mine}) does not rejoin the job")
+        if self.store.check([seat_key(rank)]):
+            seat = Seat.from_json(self.store.get(seat_key(rank)), self.lay.launched_world)
+            if seat is not None and seat.launched != mine:
+                return (f"rank {rank} was declared lost by its peers and {seat.describe()} holds its seat: this "
+                        f"process (launched rank {mine}) does not rejoin the job")
+        return ""
+
+    def claim(self, rank: int, why: str, *, too: bool = False) -> str:
+        """A spare for lost rank ``rank`` (:func:`claim`), logged; why the job ends when none is left,
+        else ``""``. ``too``: a rank lost beside the cause's."""
+        self.claimed.add(rank)
+        answer = claim(self.store, self.lay, rank, self.gen, why, self.since, timedelta(seconds=self.seconds))
+        if answer.spare < 0:
+            return (f"rank {rank} was lost with no keeper to replace it, and no spare is left "
+                    f"(spares={self.lay.spares}, all taken): a relaunch replaces it")
+        log(logging.WARNING, "rank %d was lost%s with no keeper to replace it: spare launched rank %d takes its place "
+            "(%d spare%s left after it)", rank, " too," if too else "", answer.spare, answer.left,
+            "" if answer.left == 1 else "s")
+        return ""
+
+    def for_lost(self, prefix: str) -> str:
+        """Every rank the failed attempt's records declare lost or silent (not only the cause's: a host
+        of several ranks, two processes killed at once) that has not reached the recovery (its cause
+        under ``prefix``) and has no keeper to replace it (none announced, its end not seen: ``ended``
+        unknown, or its keeper seen gone with it: ``ended.keeper_gone``) gets a spare (once per rank
+        and recovery whoever asks). Returns why the job ends when one is left without a spare, else ``""``."""
+        for rank, record in sorted(self.lost().items()):
+            if rank in self.claimed or self.store.check([f"{prefix}cause/{rank}"]):
+                continue  # found a spare already, or it (or its replacement) reached the recovery
+            if keeper_replaces(self.store, rank, record.ended is not None and not record.ended.keeper_gone):
+                continue
+            ends = self.claim(rank, f"rank {rank} failed: {record.exc_type}: {cap_head(record.exc_message, 200)}",
+                              too=True)
+            if ends:
+                return ends
+        return ""

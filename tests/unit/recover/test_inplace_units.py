@@ -16,8 +16,11 @@ import torch.distributed as dist
 from fault_tolerant_handlers import PeerFailedError, SectionMismatchError, recover_in_place
 from fault_tolerant_handlers.core.config import RECOVER_TELL_SEC
 from fault_tolerant_handlers.core.failure import Ended
-from fault_tolerant_handlers.recover.causes import Cause, Decision, LivePlan, LiveReport, plan_live
-from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
+from fault_tolerant_handlers.recover import agree
+from fault_tolerant_handlers.recover.agree import cause_of
+from fault_tolerant_handlers.recover.causes import Cause, Decision, LivePlan, LiveReport
+from fault_tolerant_handlers.recover.inplace import _Recovery
+from fault_tolerant_handlers.recover.live_state import plan_live
 
 
 def test_bad_arguments_are_named_with_what_is_accepted():
@@ -99,19 +102,19 @@ def peer(kind="ValueError", origin="failure", step=7) -> PeerFailedError:
 
 
 def test_what_a_rank_says_of_its_failure():
-    own = _cause_of(ValueError("bad batch"), 0)
+    own = cause_of(ValueError("bad batch"), 0)
     assert (own.by, own.failed_rank, own.exc_type, own.own, own.not_in_place) == (0, 0, "ValueError", True, "")
-    seen = _cause_of(peer(), 0)
+    seen = cause_of(peer(), 0)
     assert (seen.failed_rank, seen.exc_type, seen.step, seen.own, seen.not_in_place) == (1, "ValueError", 7, False, "")
-    assert "a rank was lost" in _cause_of(peer("PeerLost", "declared"), 0).not_in_place  # its host or store: gone
+    assert "a rank was lost" in cause_of(peer("PeerLost", "declared"), 0).not_in_place  # its host or store: gone
     killed = PeerFailedError(1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", origin="declared",
                              ended=Ended(signal=9))
-    assert _cause_of(killed, 0).not_in_place == ""  # its process ended: its keeper may replace it (checked in _agree)
-    assert "silent" in _cause_of(peer("PeerSilent", "declared"), 0).not_in_place
-    assert "signal" in _cause_of(peer("RankSignalled", "declared"), 0).not_in_place
-    assert _cause_of(peer("RankHung", "declared"), 0).not_in_place == ""  # interrupted: recovered
-    assert "KeyboardInterrupt ends the job" in _cause_of(KeyboardInterrupt(), 0).not_in_place
-    assert "out of step" in _cause_of(SectionMismatchError("x"), 0).not_in_place
+    assert cause_of(killed, 0).not_in_place == ""  # its process ended: its keeper may replace it (checked in _agree)
+    assert "silent" in cause_of(peer("PeerSilent", "declared"), 0).not_in_place
+    assert "signal" in cause_of(peer("RankSignalled", "declared"), 0).not_in_place
+    assert cause_of(peer("RankHung", "declared"), 0).not_in_place == ""  # interrupted: recovered
+    assert "KeyboardInterrupt ends the job" in cause_of(KeyboardInterrupt(), 0).not_in_place
+    assert "out of step" in cause_of(SectionMismatchError("x"), 0).not_in_place
 
 
 def test_a_cause_read_from_the_store_is_bounded_and_checked():
@@ -139,9 +142,7 @@ def decide(store, causes: list[Cause], *, world=2, gen=0, max_restarts=3, histor
         if cause.not_in_place:
             store.add(f"{prefix}stop", 1)
         store.add(f"{prefix}arrived", 1)
-    recovery = _Recovery(print, max_restarts, timedelta(seconds=seconds))
-    recovery.causes = list(history)
-    return recovery._decide(store, prefix, world, gen, seconds)
+    return agree.decide(store, prefix, world, gen, seconds, max_restarts, list(history))
 
 
 def failure(by=1, step=37, not_in_place="") -> Cause:
@@ -225,7 +226,7 @@ class Unanswering:
 
 def test_a_rank_that_ends_tells_its_peers_within_a_bound_and_does_not_wait_for_a_store_that_is_gone():
     store = Unanswering()
-    lost = _cause_of(peer("PeerLost", "declared"), 1)
+    lost = cause_of(peer("PeerLost", "declared"), 1)
     assert lost.not_in_place
     t0 = time.monotonic()
     try:

@@ -22,7 +22,8 @@ from fault_tolerant_handlers.core import attempts, hooks
 from fault_tolerant_handlers.core.phases import RecoveryState
 from fault_tolerant_handlers.data import recovery as data_recovery
 from fault_tolerant_handlers.launchers import compat_torchrun
-from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
+from fault_tolerant_handlers.recover.agree import cause_of
+from fault_tolerant_handlers.recover.inplace import _Recovery
 
 
 @pytest.fixture
@@ -172,7 +173,7 @@ def _recovery(store) -> tuple[_Recovery, dict]:
     recovery = _Recovery(print, 2, timedelta(seconds=10))
     recovery.backend, recovery.timeout = "gloo", timedelta(seconds=10)
     recovery.given = (store, 0, 1, "gloo", timedelta(seconds=10))
-    recovery.causes.append(_cause_of(ValueError("boom"), 0))
+    recovery.causes.append(cause_of(ValueError("boom"), 0))
     now = time.monotonic()
     return recovery, {"detected": now, "stopped": now, "agreed": now}
 

@@ -16,7 +16,8 @@ from fault_tolerant_handlers.recover import spares
 from fault_tolerant_handlers.core.errors import PeerFailedError
 from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord
 from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE, Cause, keeper_key
-from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
+from fault_tolerant_handlers.recover.agree import cause_of
+from fault_tolerant_handlers.recover.inplace import _Recovery
 from fault_tolerant_handlers.recover.spares import Answer, Layout, Order, Seat
 
 TORCHRUN = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
@@ -246,7 +247,7 @@ def _keeper_gone_too() -> Cause:
     died: the helper saw the keeper gone (``Ended.keeper_gone``)."""
     err = PeerFailedError(1, "PeerLost", "rank 1 (pid 7 on node-b) lost: killed by SIGKILL, and its keeper is gone "
                           "too", origin="declared", ended=Ended(signal=9, keeper_gone=True))
-    return _cause_of(err, 0)
+    return cause_of(err, 0)
 
 
 def test_a_killed_rank_whose_keeper_is_gone_too_gets_a_spare_though_its_keeper_key_is_set():
