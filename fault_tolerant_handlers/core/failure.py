@@ -193,6 +193,23 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class Stored:
+    """A frozen dataclass the store holds: what it costs is its fields and their ``BOUNDS``; the one
+    codec (:func:`encode`, :func:`decode`) writes and reads it."""
+
+    #: Larger than this (bytes), it is ignored unread.
+    MAX_BYTES: ClassVar[int] = 8 * 1024
+    BOUNDS: ClassVar[dict] = {}
+
+    def to_json(self) -> bytes:
+        return encode(self)
+
+    @classmethod
+    def from_json(cls, raw: Any, world_size: int, *, key: str | None = None) -> Any:
+        """Read back (``None``: malformed or out of range, see :func:`decode`), for a world of ``world_size``."""
+        return decode(cls, raw, world=world_size, max_bytes=cls.MAX_BYTES, key=key)
+
+
 # -- the record and its codec ------------------------------------------------------------------------
 #: Record format version; a reader ignores records of another version.
 RECORD_VERSION = 2
@@ -247,7 +264,7 @@ def host_name() -> str:
 
 
 @dataclass(frozen=True)
-class FailureRecord:
+class FailureRecord(Stored):
     """One failure, as published in the store (see the module docstring for ``origin``)."""
 
     rank: int | None
@@ -334,6 +351,7 @@ class FailureRecord:
                             message=f"rank {rank} (pid {pid} on {host}) lost: {how}")
 
     VERSION: ClassVar[int] = RECORD_VERSION
+    MAX_BYTES: ClassVar[int] = MAX_RECORD_BYTES
     BOUNDS: ClassVar[dict] = {
         "rank": (0, WORLD), "exc_type": MAX_NAME_CHARS, "exc_message": MAX_MESSAGE_CHARS,
         "traceback": -MAX_TRACEBACK_CHARS, "section": MAX_NAME_CHARS, "time_ms": (0, 2**62), "seq": (0, MAX_COUNTER),
@@ -352,15 +370,6 @@ class FailureRecord:
         if self.origin == "declared" and (self.by is None or self.exc_type not in DECLARED_KINDS):
             return f"a declared record needs 'by' and a kind among {', '.join(DECLARED_KINDS)}"
         return None
-
-    def to_json(self) -> bytes:
-        return encode(self)
-
-    @classmethod
-    def from_json(cls, data: bytes | str, *, world_size: int, key: str = "a record") -> FailureRecord | None:
-        """Parse and check a record read from store key ``key``; ``None`` (and a warning naming
-        the key) for anything malformed or out of range."""
-        return decode(cls, data, world=world_size, max_bytes=MAX_RECORD_BYTES, key=key)
 
 
 # -- one bounded JSON codec for every frozen record of the store -------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -147,7 +147,7 @@ def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveRepo
             return Decision(False, cause.not_in_place)
         if rank != 0:
             bounded.wait([f"{prefix}decision"], timedelta(seconds=seconds + 5))
-            decision = Decision.from_json(bounded.get(f"{prefix}decision"))
+            decision = Decision.from_json(bounded.get(f"{prefix}decision"), world_size)
             if decision is not None and decision.spares_left >= 0:
                 spares.learned(decision.spares_left)  # every rank tells the same after several took
             return decision or Decision(False, "rank 0's decision could not be read")
@@ -214,9 +214,9 @@ def decide(store: Any, prefix: str, world_size: int, gen: int, seconds: float, m
     if primary is None:
         return Decision(False, "no rank could say what failed")
     if gen >= max_restarts:
-        return Decision(False, f"max_restarts={max_restarts} recoveries in place already spent", asdict(primary))
+        return Decision(False, f"max_restarts={max_restarts} recoveries in place already spent", primary)
     if history and primary.step >= 0 and primary.signature() == history[-1].signature():
         return Decision(False, f"the failure repeats at the same iteration ({primary.describe()}): recovering "
-                               "again would fail again", asdict(primary))
+                               "again would fail again", primary)
     reports = [LiveReport.from_json(raw, world_size) for raw in read("live")]
-    return Decision(True, primary.describe(), asdict(primary), plan_live(reports, world_size).to_dict())
+    return Decision(True, primary.describe(), primary, plan_live(reports, world_size))

@@ -278,7 +278,7 @@ class _Recovery:
         decision = self._agree(self._world(), cause)
         if not decision.restart:
             raise RecoveryError(f"the replacement of rank {rank}'s process could not join the recovery: {decision.why}")
-        self.causes.append(Cause(**decision.cause) if decision.cause else cause)
+        self.causes.append(decision.cause or cause)
         self.live.settle(decision, rank, world_size)
         self._announce(RecoveryPhase.FAILURE_SEEN, rank, cause, t0)
         self._announce(RecoveryPhase.RECOVERY_STARTED, rank, self.causes[-1], t0)
@@ -337,7 +337,7 @@ class _Recovery:
         decision = self._agree(world, cause)
         timings = {"detected": t0, "stopped": stopped, "agreed": time.monotonic(), "attempt_ran": t0 - started}
         if decision.restart:
-            self.causes.append(Cause(**decision.cause) if decision.cause else cause)
+            self.causes.append(decision.cause or cause)
         self.live.settle(decision, world[1], world[2])
         if decision.restart:
             self._announce(RecoveryPhase.RECOVERY_STARTED, rank, self.causes[-1], t0)

@@ -726,7 +726,7 @@ class Held:
         if not decision.restart:
             self.hold(None)
             return
-        plan = LivePlan.from_dict(decision.live) if decision.live else LivePlan(-1, "", "rank 0 made no plan")
+        plan = decision.live or LivePlan(-1, "", "rank 0 made no plan (or it could not be read)")
         plan = plan.checked(world_size)
         receives = plan.step >= 0 and rank in plan.receivers
         if plan.step >= 0 and not receives and (captured is None or captured.step != plan.step

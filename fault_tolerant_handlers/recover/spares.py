@@ -33,21 +33,20 @@ attempt's store, as every recovery's keys), each value bounded JSON checked on r
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from ..core import attempts, compat_torch, config
 from ..core.config import RECOVER_TELL_SEC, SPARE_WAIT_ENV  # noqa: F401 - its variable, named where the wait is
 from ..core.errors import RecoveryError
 from ..core.log import log
-from ..core.failure import FailureKind, cap_head, host_name, sanitize
+from ..core.failure import WORLD, FailureKind, Stored, cap_head, host_name
 from ..core.schema import Bounded, Connection
-from .causes import KEY_ROOT, NOT_IN_PLACE, Cause, keeper_replaces, read_json
+from .causes import KEY_ROOT, NOT_IN_PLACE, Cause, keeper_replaces
 
 #: A spare waits for its order in blocking store waits of this long each: one request to the store
 #: per wait, and an order is seen as soon as it is written, whatever this is (the store answers a
@@ -195,12 +194,8 @@ def seat_key(rank: int) -> str:
     return f"{_root()}/seat/{rank}"
 
 
-def _text(value: Any, chars: int) -> str:
-    return cap_head(sanitize(str(value)), chars)
-
-
 @dataclass(frozen=True)
-class Seat:
+class Seat(Stored):
     """The process holding a training rank: its launched rank, its host, and its ``LOCAL_RANK`` and
     ``LOCAL_WORLD_SIZE`` as training (-1: not set)."""
 
@@ -209,28 +204,17 @@ class Seat:
     local_rank: int = -1
     local_world: int = -1
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
+    BOUNDS: ClassVar[dict] = {"launched": (0, WORLD), "host": 200, "local_rank": (-1, WORLD), "local_world": (-1, 2**31 - 1)}
 
-    @classmethod
-    def from_json(cls, raw: Any, launched_world: int) -> Seat | None:
-        data = read_json(raw)
-        try:
-            seat = cls(int(data["launched"]), _text(data["host"], 200), int(data.get("local_rank", -1)),
-                       int(data.get("local_world", -1)))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return None
-        if not (0 <= seat.launched < launched_world and -1 <= seat.local_rank < launched_world
-                and -1 <= seat.local_world <= launched_world):
-            return None
-        return seat
+    def problem(self, world: int) -> str | None:
+        return f"local_world {self.local_world} is over {world}" if self.local_world > world else None
 
     def describe(self) -> str:
         return f"launched rank {self.launched} on host {self.host}"
 
 
 @dataclass(frozen=True)
-class Order:
+class Order(Stored):
     """What a waiting spare is told: ``take`` training rank ``rank`` at recovery ``attempt`` (the lost
     rank's ``lost`` seat, why it was lost, when the failure reached the claimer: ``since``, wall
     clock, and the spares left after this one), or ``end`` (``ok``: the training ended)."""
@@ -247,48 +231,26 @@ class Order:
     lost_local_rank: int = -1  #: its LOCAL_RANK (-1: unknown)
     lost_local_world: int = -1  #: its LOCAL_WORLD_SIZE (-1: unknown)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
+    BOUNDS: ClassVar[dict] = {"kind": 10, "why": 500, "rank": (-1, WORLD), "attempt": (-1, 2**31 - 1),
+                              "since": (0.0, 1e13), "left": (0, 2**31 - 1), "lost": 300, "lost_host": 200,
+                              "lost_local_rank": (-1, 2**31 - 1), "lost_local_world": (-1, 2**31 - 1)}
 
-    @classmethod
-    def from_json(cls, raw: Any, training_world: int) -> Order | None:
-        data = read_json(raw)
-        try:
-            order = cls(str(data["kind"]), _text(data["why"], 500), int(data.get("rank", -1)),
-                        int(data.get("attempt", -1)), float(data.get("since", 0.0)), int(data.get("left", 0)),
-                        _text(data.get("lost", ""), 300), bool(data.get("ok", False)),
-                        _text(data.get("lost_host", ""), 200), int(data.get("lost_local_rank", -1)),
-                        int(data.get("lost_local_world", -1)))
-        except (KeyError, TypeError, ValueError, AttributeError):
+    def problem(self, world: int) -> str | None:
+        """An order to take a rank names one, at a recovery; an order to end needs nothing more."""
+        if self.kind == END or (self.kind == TAKE and self.rank >= 0 and self.attempt >= 0):
             return None
-        if order.kind == END:
-            return order
-        if order.kind != TAKE or not (0 <= order.rank < training_world and 0 <= order.attempt < 2**31
-                                      and order.left >= 0 and order.lost_local_rank >= -1
-                                      and order.lost_local_world >= -1):
-            return None
-        return order
+        return f"an order of kind {self.kind!r} for rank {self.rank} at recovery {self.attempt}"
 
 
 @dataclass(frozen=True)
-class Answer:
+class Answer(Stored):
     """Which spare replaces a lost rank (``spare``: its launched rank; -1: none left) and how many are
     left after it."""
 
     spare: int
     left: int
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: Any, launched_world: int) -> Answer | None:
-        data = read_json(raw)
-        try:
-            answer = cls(int(data["spare"]), int(data["left"]))
-        except (KeyError, TypeError, ValueError):
-            return None
-        return answer if -1 <= answer.spare < launched_world and answer.left >= 0 else None
+    BOUNDS: ClassVar[dict] = {"spare": (-1, WORLD), "left": (0, 2**31 - 1)}
 
 
 # -- the protocol ------------------------------------------------------------------------------------

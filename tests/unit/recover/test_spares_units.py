@@ -151,7 +151,7 @@ def test_a_spare_on_the_lost_rank_s_host_takes_its_local_names_and_elsewhere_kee
                                  b'{"kind": "take", "why": "", "rank": 0, "attempt": -1}',
                                  b'{"kind": "reboot", "why": ""}', b"{" + b" " * 9000 + b"}"])
 def test_an_order_read_from_the_store_is_bounded_and_checked(raw):
-    assert Order.from_json(raw, training_world=2) is None
+    assert Order.from_json(raw, world_size=2) is None
 
 
 def test_an_answer_and_a_seat_read_from_the_store_are_checked():
