@@ -53,7 +53,7 @@ from .agreement import MAX_FLAG, pack_agreement, section_hash, unpack_agreement
 from .errors import PeerFailedError, RecoveryError, SectionMismatchError
 from .failure import FailureKind, FailureRecord, FailureState, Incident, host_name, tag, tag_of
 from .log import log
-from .peers import PeerPidProbe
+from .procfs import PeerPidProbe
 from .ranks import (RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout,
                     normalize_address, own_address)
 from .release import listens_here, release_process_groups, store_peer_address, store_ports, teardown_at_exit

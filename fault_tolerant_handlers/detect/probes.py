@@ -28,10 +28,10 @@ import sys
 import traceback
 from typing import Callable, Container
 
-from ..core.peers import CLEAN_EXIT, Finding, PeerPidProbe, declared_finding  # noqa: F401 - the core's own probe, re-exported
+from ..core.procfs import CLEAN_EXIT, PeerPidProbe  # noqa: F401 - the core's own probe, re-exported
 from ..core.config import HEARTBEAT_TIMEOUT_ENV
 from ..core.errors import PeerFailedError
-from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, cap_tail
+from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Finding, cap_tail, declared_finding
 from ..core.log import log
 from ..core.schema import Schema
 
