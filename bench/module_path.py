@@ -89,7 +89,8 @@ def rank_main(out: Path) -> None:
 
 
 def measure(timeout: float = 120.0) -> dict:
-    """Run the job once; returns ``{"modules": [...], "calls": [...], "returncode": int}``."""
+    """Run the job once; returns ``{"modules": [...], "calls": [...], "returncode": int, "output": str}``
+    (killed at ``timeout``: its return code is then the kill's)."""
     with tempfile.TemporaryDirectory(prefix="fth-module-path-") as tmp:
         out = Path(tmp)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -101,6 +102,9 @@ def measure(timeout: float = 120.0) -> dict:
                                 start_new_session=True)
         try:
             output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the job's whole session, by its leader's pid
+            output, _ = proc.communicate()
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
@@ -121,7 +125,9 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--rank":
         rank_main(Path(sys.argv[2]))
         return
-    result = measure()
+    result = measure(float(os.environ.get("TIMEOUT", "240")))
+    if result["returncode"] != 1:
+        print(result["output"][-4000:])
     print(f"{len(result['modules'])} modules from the raise to every rank's exit (torchrun exit code "
           f"{result['returncode']}):")
     for module in result["modules"]:
