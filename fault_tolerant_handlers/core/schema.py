@@ -14,6 +14,24 @@ seeded generators), gathered at setup, so a restarted job never reads an earlier
                     heartbeat stopping and its process ending next are not a failure
 ==================  =====================================================================
 
+A recovery in place agrees in the first attempt's store, under ``fth/recover/<torchrun restart>/``
+(no run id: a recovery outlives the sessions it abandons), with :func:`recovery_key`:
+
+===============================  ========================================================================
+``<g>/cause/<rank>``             ``rank``'s view of the failure of in-place attempt ``g`` (``Cause``)
+``<g>/live/<rank>``              the live state ``rank`` holds for the next attempt (``LiveReport``)
+``<g>/arrived``, ``<g>/stop``    how many ranks reached the recovery, how many end the job (``add``)
+``<g>/decision``                 rank 0's ``Decision``
+``keeper/<rank>``                ``rank`` has a keeper (its process is replaced in place)
+``spares/seat/<rank>``           who holds training rank ``rank`` (``Seat``)
+``spares/order/<launched>``      what launched rank ``launched`` is told (``Order``)
+``spares/taken``                 how many spares were taken (``add``)
+``spares/<g>/claim/<rank>``      the first survivor to ``add`` here finds a spare for lost ``rank``
+``spares/<g>/answer/<rank>``     which spare replaces lost ``rank`` (``Answer``)
+===============================  ========================================================================
+
+Every value is a record of the one codec (:class:`~.failure.Stored`) or a counter.
+
 The store is unauthenticated. Every value read is bounded and range-checked: a counter that jumps
 backwards or further than a job could move it is treated as corruption (a warning naming the key,
 then detection carries on from the new value), a non-integer where a counter belongs is repaired,
@@ -42,7 +60,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from . import interrupts, release
+from . import attempts, interrupts, release
 from .log import log
 from .failure import FailureRecord, sanitize
 
@@ -57,6 +75,47 @@ MAX_COUNTER_STEP = 1 << 20
 #: Records of its own a rank keeps in the store; publishing more deletes the oldest.
 MAX_OWN_RECORDS = 8
 _U64 = 1 << 64
+
+
+
+#: The root of the keys of the recoveries in place (see the module's second table).
+RECOVER_ROOT = "fth/recover"
+
+
+def recovery_key(*parts: object) -> str:
+    """``fth/recover/<torchrun restart>/<parts...>``: a key of this torchrun attempt's recoveries in place."""
+    return "/".join((RECOVER_ROOT, str(attempts.restart()), *map(str, parts)))
+
+
+def agreement_key(gen: int, part: str, rank: int | None = None) -> str:
+    """A key of the agreement on in-place attempt ``gen``: ``cause``/``live`` (of ``rank``), ``arrived``,
+    ``stop``, ``decision``."""
+    return recovery_key(gen, part) if rank is None else recovery_key(gen, part, rank)
+
+
+def keeper_key(rank: int) -> str:
+    """Set by a keeper's child when its first session starts: rank ``rank`` has a keeper."""
+    return recovery_key("keeper", rank)
+
+
+def seat_key(rank: int) -> str:
+    return recovery_key("spares", "seat", rank)
+
+
+def order_key(launched_rank: int) -> str:
+    return recovery_key("spares", "order", launched_rank)
+
+
+def taken_key() -> str:
+    return recovery_key("spares", "taken")
+
+
+def claim_key(gen: int, rank: int) -> str:
+    return recovery_key("spares", gen, "claim", rank)
+
+
+def answer_key(gen: int, rank: int) -> str:
+    return recovery_key("spares", gen, "answer", rank)
 
 
 def record_key(index: int) -> str:

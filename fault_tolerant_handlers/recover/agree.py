@@ -23,9 +23,9 @@ from ..core.errors import HangInterrupted, PeerFailedError, RecoveryError, Secti
 from ..core.failure import FailureKind, cap_head, tag_of
 from ..core.log import log
 from ..core.release import store_ports
-from ..core.schema import Bounded, Connection, StoreCallTimeout, unblock_stuck_calls
+from ..core.schema import Bounded, Connection, StoreCallTimeout, agreement_key, unblock_stuck_calls
 from . import spares
-from .causes import KEY_ROOT, NOT_IN_PLACE, Cause, Decision, LiveReport, keeper_replaces, needs_keeper
+from .causes import NOT_IN_PLACE, Cause, Decision, LiveReport, keeper_replaces, needs_keeper
 from .live_state import plan_live
 
 
@@ -97,7 +97,6 @@ def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveRepo
     place in the launched world; ``since``: when the failure reached this rank (wall clock, told to
     a spare); ``sessions``: the failed attempt's, whose records name the ranks lost."""
     gen = attempts.in_place()
-    prefix = f"{KEY_ROOT}/{attempts.restart()}/{gen}/"
     seconds = join_timeout.total_seconds()
     # Every store call here runs on a thread of its own and is waited for within a deadline:
     # c10d bounds waiting for a key, not a read from a store whose host or link is gone (that
@@ -132,34 +131,33 @@ def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveRepo
                 cause = replace(cause, not_in_place=claims.claim(cause.failed_rank, cause.describe()))
         if not cause.not_in_place and claims is not None:
             conn.deadline = started + seconds + 10  # other ranks lost at once: a spare each
-            more = claims.for_lost(prefix)
+            more = claims.for_lost(gen)
             if more:
                 cause = replace(cause, not_in_place=more)
         if not cause.not_in_place:
             conn.deadline = started + seconds + 10
-        bounded.set(f"{prefix}cause/{rank}", cause.to_json())
+        bounded.set(agreement_key(gen, "cause", rank), cause.to_json())
         if not cause.not_in_place:  # before it counts itself in: rank 0 reads it once every rank is
-            bounded.set(f"{prefix}live/{rank}", report.to_json())
+            bounded.set(agreement_key(gen, "live", rank), report.to_json())
         else:
-            bounded.add(f"{prefix}stop", 1)
-        bounded.add(f"{prefix}arrived", 1)
+            bounded.add(agreement_key(gen, "stop"), 1)
+        bounded.add(agreement_key(gen, "arrived"), 1)
         if cause.not_in_place:
             return Decision(False, cause.not_in_place)
         if rank != 0:
-            bounded.wait([f"{prefix}decision"], timedelta(seconds=seconds + 5))
-            decision = Decision.from_json(bounded.get(f"{prefix}decision"), world_size)
+            bounded.wait([agreement_key(gen, "decision")], timedelta(seconds=seconds + 5))
+            decision = Decision.from_json(bounded.get(agreement_key(gen, "decision")), world_size)
             if decision is not None and decision.spares_left >= 0:
                 spares.learned(decision.spares_left)  # every rank tells the same after several took
             return decision or Decision(False, "rank 0's decision could not be read")
-        decision = decide(bounded, prefix, world_size, gen, seconds, max_restarts, history, claims)
+        decision = decide(bounded, world_size, gen, seconds, max_restarts, history, claims)
         if decision.restart and claims is not None:
             decision = replace(decision, spares_left=spares.left_after(bounded, layout))
             spares.learned(decision.spares_left)
-        bounded.set(f"{prefix}decision", decision.to_json())
+        bounded.set(agreement_key(gen, "decision"), decision.to_json())
         if decision.restart and gen:  # every rank passed the recovery before this one: its keys go
-            old = f"{KEY_ROOT}/{attempts.restart()}/{gen - 1}/"
-            old_keys = [f"{old}{kind}/{r}" for kind in ("cause", "live") for r in range(world_size)]
-            for key in old_keys + [f"{old}{k}" for k in ("arrived", "stop", "decision")]:
+            old_keys = [agreement_key(gen - 1, kind, r) for kind in ("cause", "live") for r in range(world_size)]
+            for key in old_keys + [agreement_key(gen - 1, k) for k in ("arrived", "stop", "decision")]:
                 bounded.delete_key(key)
         return decision
     except Exception as err:  # noqa: BLE001 - the store may be what failed: end as without recovery
@@ -177,7 +175,7 @@ def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveRepo
         conn.close()
 
 
-def decide(store: Any, prefix: str, world_size: int, gen: int, seconds: float, max_restarts: int,
+def decide(store: Any, world_size: int, gen: int, seconds: float, max_restarts: int,
            history: Sequence[Cause] = (), claims: spares.Claims | None = None) -> Decision:
     """Rank 0's decision, once every rank is in (or one said it ends, or ``seconds`` passed): the
     primary cause (the lowest rank that failed itself), whether it repeats the last one or
@@ -186,13 +184,13 @@ def decide(store: Any, prefix: str, world_size: int, gen: int, seconds: float, m
     deadline = time.monotonic() + seconds
     look_again = time.monotonic() + LOOK_FOR_LOST
     while True:
-        arrived, stopped = store.add(f"{prefix}arrived", 0), store.add(f"{prefix}stop", 0)
+        arrived, stopped = store.add(agreement_key(gen, "arrived"), 0), store.add(agreement_key(gen, "stop"), 0)
         if stopped or arrived >= world_size:
             break
         if claims is not None and time.monotonic() >= look_again:
             # a rank lost after this one's failure (or at once, seen later): a spare for it too
             look_again = time.monotonic() + LOOK_FOR_LOST
-            more = claims.for_lost(prefix)
+            more = claims.for_lost(gen)
             if more:
                 return Decision(False, more)
         if time.monotonic() > deadline:
@@ -201,7 +199,7 @@ def decide(store: Any, prefix: str, world_size: int, gen: int, seconds: float, m
         time.sleep(RECOVER_POLL)
 
     def read(kind: str) -> list:
-        keys = [f"{prefix}{kind}/{r}" for r in range(world_size)]
+        keys = [agreement_key(gen, kind, r) for r in range(world_size)]
         present = [k for k in keys if store.check([k])]
         return store.multi_get(present) if present else []
 

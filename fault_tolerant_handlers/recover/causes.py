@@ -1,14 +1,15 @@
 """What recovering in place agrees on: each rank's view of a failure (:class:`Cause`), each rank's
 live state (:class:`LiveReport`) and rank 0's :class:`Decision` (with its :class:`LivePlan`), as
 bounded JSON in the first attempt's store (the one codec, :class:`~..core.failure.Stored`: checked
-on read, never unpickled), and the keys they live under."""
+on read, never unpickled), and the keys they live under (:mod:`..core.schema`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..core import attempts, compat_torch
+from ..core import compat_torch
+from ..core.schema import keeper_key
 from ..core.failure import WORLD, FailureKind, Stored
 
 #: Declared kinds that end the job as without recovery: a process or host gone, or signalled.
@@ -19,8 +20,6 @@ NOT_IN_PLACE = {
     FailureKind.STORE_LOST: "the c10d store was lost (every recovery is agreed on in it), on a host no rank runs on: a "
                             "relaunch with a store that answers resumes",
 }
-#: Key namespace of the recoveries in the first attempt's store.
-KEY_ROOT = "fth/recover"
 
 
 @dataclass(frozen=True)
@@ -142,11 +141,6 @@ class Decision(Stored):
 def needs_keeper(cause: Cause) -> bool:
     """A peer's process ended (its host lives): recovered in place only by its keeper's replacement."""
     return not cause.own and cause.failure_kind is FailureKind.PEER_LOST and not cause.not_in_place
-
-
-def keeper_key(rank: int) -> str:
-    """Set by a keeper's child when its first session starts: rank ``rank`` has a keeper."""
-    return f"{KEY_ROOT}/{attempts.restart()}/keeper/{rank}"
 
 
 def keeper_replaces(store: Any, rank: int, end_seen: bool) -> bool:

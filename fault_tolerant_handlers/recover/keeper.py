@@ -54,7 +54,8 @@ from ..core.failure import Ended, FailureKind
 from ..core.log import log
 
 from . import spares
-from .causes import Cause, base_of, keeper_key
+from ..core.schema import keeper_key
+from .causes import Cause, base_of
 
 #: What a keeper runs (``recover.inplace._Recovery``, not imported: it imports this module): its
 #: ``given``, ``layout``, ``join_timeout``, ``max_restarts``, ``on_attempt`` and
@@ -149,7 +150,7 @@ _announced = None
 
 def _announce(session) -> None:
     """In a keeper's child, when the world's session starts: its peers may wait for a replacement of
-    this rank (:func:`.causes.keeper_key`)."""
+    this rank (:func:`..core.schema.keeper_key`)."""
     global _announced
     if session.group is not None:
         return

@@ -45,8 +45,9 @@ from ..core.config import RECOVER_TELL_SEC, SPARE_WAIT_ENV  # noqa: F401 - its v
 from ..core.errors import RecoveryError
 from ..core.log import log
 from ..core.failure import WORLD, FailureKind, Stored, cap_head, host_name
-from ..core.schema import Bounded, Connection
-from .causes import KEY_ROOT, NOT_IN_PLACE, Cause, keeper_replaces
+from ..core.schema import (Bounded, Connection, agreement_key, answer_key, claim_key, order_key,  # noqa: F401
+                           seat_key, taken_key)
+from .causes import NOT_IN_PLACE, Cause, keeper_replaces
 
 #: A spare waits for its order in blocking store waits of this long each: one request to the store
 #: per wait, and an order is seen as soon as it is written, whatever this is (the store answers a
@@ -162,36 +163,6 @@ def enter_training_world(lay: Layout) -> None:
     if local is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(local)
     learned(lay.spares)
-
-
-# -- the store schema (every key of the spares, once) ----------------------------------------------------
-def _root() -> str:
-    return f"{KEY_ROOT}/{attempts.restart()}/spares"
-
-
-def order_key(launched_rank: int) -> str:
-    """What launched rank ``launched_rank`` is told to do (a spare, or a keeper whose rank was lost)."""
-    return f"{_root()}/order/{launched_rank}"
-
-
-def taken_key() -> str:
-    """How many spares were taken (an ``add`` counter, over the whole torchrun attempt)."""
-    return f"{_root()}/taken"
-
-
-def claim_key(gen: int, rank: int) -> str:
-    """The first survivor to ``add`` 1 here at recovery ``gen`` finds a spare for lost rank ``rank``."""
-    return f"{_root()}/{gen}/claim/{rank}"
-
-
-def answer_key(gen: int, rank: int) -> str:
-    """Which spare replaces lost rank ``rank`` at recovery ``gen`` (:class:`Answer`)."""
-    return f"{_root()}/{gen}/answer/{rank}"
-
-
-def seat_key(rank: int) -> str:
-    """Who holds training rank ``rank`` (:class:`Seat`), written when it starts training."""
-    return f"{_root()}/seat/{rank}"
 
 
 @dataclass(frozen=True)
@@ -454,14 +425,14 @@ class Claims:
             "" if answer.left == 1 else "s")
         return ""
 
-    def for_lost(self, prefix: str) -> str:
+    def for_lost(self, gen: int) -> str:
         """Every rank the failed attempt's records declare lost or silent (not only the cause's: a host
         of several ranks, two processes killed at once) that has not reached the recovery (its cause
-        under ``prefix``) and has no keeper to replace it (none announced, its end not seen: ``ended``
+        of recovery ``gen``) and has no keeper to replace it (none announced, its end not seen: ``ended``
         unknown, or its keeper seen gone with it: ``ended.keeper_gone``) gets a spare (once per rank
         and recovery whoever asks). Returns why the job ends when one is left without a spare, else ``""``."""
         for rank, record in sorted(self.lost().items()):
-            if rank in self.claimed or self.store.check([f"{prefix}cause/{rank}"]):
+            if rank in self.claimed or self.store.check([agreement_key(gen, "cause", rank)]):
                 continue  # found a spare already, or it (or its replacement) reached the recovery
             if keeper_replaces(self.store, rank, record.ended is not None and not record.ended.keeper_gone):
                 continue

@@ -141,7 +141,7 @@ def decide(store, causes: list[Cause], *, world=2, gen=0, max_restarts=3, histor
         if cause.not_in_place:
             store.add(f"{prefix}stop", 1)
         store.add(f"{prefix}arrived", 1)
-    return agree.decide(store, prefix, world, gen, seconds, max_restarts, list(history))
+    return agree.decide(store, world, gen, seconds, max_restarts, list(history))
 
 
 def failure(by=1, step=37, not_in_place="") -> Cause:

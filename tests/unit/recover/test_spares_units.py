@@ -15,7 +15,8 @@ from fault_tolerant_handlers import RecoveryError, recover_in_place, spares_left
 from fault_tolerant_handlers.recover import spares
 from fault_tolerant_handlers.core.errors import PeerFailedError
 from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord
-from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE, Cause, keeper_key
+from fault_tolerant_handlers.core.schema import keeper_key
+from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE, Cause
 from fault_tolerant_handlers.recover.agree import cause_of
 from fault_tolerant_handlers.recover.inplace import _Recovery
 from fault_tolerant_handlers.recover.spares import Answer, Layout, Order, Seat
