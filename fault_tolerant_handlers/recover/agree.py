@@ -66,7 +66,7 @@ def cause_of(err: BaseException, rank: int) -> Cause:
     elif isinstance(err, SectionMismatchError):
         not_in_place = "the ranks were out of step (a bug in the job: it would repeat)"
     elif isinstance(err, RecoveryError):  # raised by the attempt: recovering in place cannot work in this job
-        not_in_place = f"this rank found it cannot recover in place: {cap_head(str(err), 300)}"
+        not_in_place = f"this rank found it cannot recover in place: {(str(err).splitlines() or [''])[0][:300]}"
     try:
         message = str(err)
     except Exception:  # noqa: BLE001 - a broken __str__ must not stop the recovery
@@ -83,7 +83,7 @@ def lost_records(sessions: Sequence[Any]) -> dict[int, Any]:
         try:
             lost.update(session.lost_ranks())
         except Exception as err:  # noqa: BLE001 - the recovery's join timeout then names what is missing
-            log(logging.DEBUG, "reading the lost ranks: %s", cap_head(str(err), 200))
+            log(logging.DEBUG, "reading the lost ranks: %s", (str(err).splitlines() or [""])[0][:200])
     return lost
 
 
@@ -163,7 +163,7 @@ def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveRepo
                 bounded.delete_key(key)
         return decision
     except Exception as err:  # noqa: BLE001 - the store may be what failed: end as without recovery
-        why = cap_head(str(err), 200)
+        why = (str(err).splitlines() or [""])[0][:200]
         if isinstance(err, StoreCallTimeout):
             # the call is left blocked in c10d: its connection is shut down, so that it returns
             # (a thread inside c10d at the interpreter's exit aborts it)

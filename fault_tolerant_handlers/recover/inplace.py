@@ -227,8 +227,9 @@ class _Recovery:
                 interrupts.arm()  # a hang of this attempt is interrupted again (take() stopped them)
                 try:
                     result = self.fn(*args, **kwargs)
-                    if self.layout is not None and self._world()[1] == 0:
-                        spares.tell_end(self._world()[0], self.layout, True, "the training ended")
+                    world = self._world() if self.layout is not None else None
+                    if world is not None and world[1] == 0:
+                        spares.tell_end(world[0], self.layout, True, "the training ended")
                     return result
                 except BaseException as err:  # noqa: BLE001 - decided below; re-raised unless recovered
                     # First: the interrupt (if any) is taken, whatever ended the attempt; from here on
@@ -237,8 +238,9 @@ class _Recovery:
                     self._left.set()
                     decision, timings = self._failed(err, started)
                     if not decision.restart:
-                        if self.layout is not None and self._world() is not None:
-                            spares.tell_end(self._world()[0], self.layout, False, decision.why)
+                        world = self._world() if self.layout is not None else None
+                        if world is not None:
+                            spares.tell_end(world[0], self.layout, False, decision.why)
                         if isinstance(decision, AsIs):
                             raise
                         if isinstance(decision, Misplaced) or (attempts.in_place() and isinstance(decision, Unsafe)):
