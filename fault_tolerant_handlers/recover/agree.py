@@ -3,8 +3,11 @@ on the broken group): each rank writes what it knows of the failure (:func:`caus
 state it holds, and counts itself in; rank 0 decides (:func:`decide`), once every rank is in,
 whether the job recovers and from which state; every rank follows that :class:`~.causes.Decision`.
 
-A rank whose cause is not recovered in place (a rank or the store lost, a signal) only tells the
-others why, within :data:`~..core.config.RECOVER_TELL_SEC`, and ends. A rank lost with no keeper to
+Every store call is bounded by the join timeout (``FTH_RECOVER_JOIN_SEC``), each on a thread of its
+own (a read from a store whose host or link is gone would block for minutes). A rank whose cause is
+not recovered in place (a rank or the store lost, a signal) only tells the others why, within
+:data:`~..core.config.RECOVER_TELL_SEC` (2 s), and ends: a rank cut off from the store ends as soon
+as it has named the cause. A rank lost with no keeper to
 replace it gets a spare where the job has some (:class:`.spares.Claims`); a rank whose seat a spare
 took never takes part again.
 """
@@ -61,7 +64,7 @@ def cause_of(err: BaseException, rank: int) -> Cause:
     elif isinstance(err, SectionMismatchError):
         not_in_place = "the ranks were out of step (a bug in the job: it would repeat)"
     elif isinstance(err, RecoveryError):  # raised by the attempt: recovering in place cannot work in this job
-        not_in_place = f"this rank found it cannot recover in place: {cap_head(str(err), 300)}"
+        not_in_place = f"this rank found it cannot recover in place: {(str(err).splitlines() or [''])[0][:300]}"
     try:
         message = str(err)
     except Exception:  # noqa: BLE001 - a broken __str__ must not stop the recovery
@@ -78,7 +81,7 @@ def lost_records(sessions: Sequence[Any]) -> dict[int, Any]:
         try:
             lost.update(session.lost_ranks())
         except Exception as err:  # noqa: BLE001 - the recovery's join timeout then names what is missing
-            log(logging.DEBUG, "reading the lost ranks: %s", cap_head(str(err), 200))
+            log(logging.DEBUG, "reading the lost ranks: %s", (str(err).splitlines() or [""])[0][:200])
     return lost
 
 
@@ -123,19 +126,14 @@ def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveRepo
         end_seen = needs_keeper(cause) and not _keeper_gone(lost_records(sessions).get(cause.failed_rank))
         lost = needs_keeper(cause) or (claims is not None and spares.lost_or_silent(cause))
         claim = lost and not keeper_replaces(bounded, cause.failed_rank, end_seen)
-        if claim:
+        if claim or not cause.not_in_place:  # it takes part: it waits for the others (and claims a spare)
             conn.deadline = started + seconds + 10
-            if claims is None:  # a silent rank stays silent, a lost one lost
-                cause = replace(cause, not_in_place=cause.not_in_place or NOT_IN_PLACE[FailureKind.PEER_LOST])
-            else:
-                cause = replace(cause, not_in_place=claims.claim(cause.failed_rank, cause.describe()))
-        if not cause.not_in_place and claims is not None:
-            conn.deadline = started + seconds + 10  # other ranks lost at once: a spare each
-            more = claims.for_lost(gen)
-            if more:
-                cause = replace(cause, not_in_place=more)
-        if not cause.not_in_place:
-            conn.deadline = started + seconds + 10
+        if claim and claims is None:  # a silent rank stays silent, a lost one lost
+            cause = replace(cause, not_in_place=cause.not_in_place or NOT_IN_PLACE[FailureKind.PEER_LOST])
+        elif claim:
+            cause = replace(cause, not_in_place=claims.claim(cause.failed_rank, cause.describe()))
+        if not cause.not_in_place and claims is not None:  # other ranks lost at once: a spare each
+            cause = replace(cause, not_in_place=claims.for_lost(gen))
         bounded.set(agreement_key(gen, "cause", rank), cause.to_json())
         if not cause.not_in_place:  # before it counts itself in: rank 0 reads it once every rank is
             bounded.set(agreement_key(gen, "live", rank), report.to_json())
@@ -161,7 +159,7 @@ def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveRepo
                 bounded.delete_key(key)
         return decision
     except Exception as err:  # noqa: BLE001 - the store may be what failed: end as without recovery
-        why = cap_head(str(err), 200)
+        why = (str(err).splitlines() or [""])[0][:200]
         if isinstance(err, StoreCallTimeout):
             # the call is left blocked in c10d: its connection is shut down, so that it returns
             # (a thread inside c10d at the interpreter's exit aborts it)

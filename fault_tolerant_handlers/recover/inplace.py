@@ -11,12 +11,8 @@ adapters register their parts; this module imports none of them)
 
 1. **records** the failure (published for the peers' watchdogs, if no section did) and stops its
    watchdogs, so that nothing of the failed attempt declares or ends anything any more;
-2. **agrees** on the store the first attempt's group was made over (not on the broken group): each rank
-   writes what it knows of the failure and the live state it holds (the data layer's
-   ``CAPTURE_LIVE``: the state of the last step it completed, captured when the failure was
-   raised) and counts itself in; rank 0 decides, once every rank is in, whether the job recovers
-   (:class:`Decision`) and from which state (:func:`.causes.plan_live`), and every rank follows
-   that decision (the data layer's ``SETTLE_LIVE``);
+2. **agrees** on the store the first attempt's group was made over (:mod:`.agree`): whether the job
+   recovers, and from which state (:mod:`.live_state`: each rank's own, or a peer's sent to it);
 3. **tears down** the attempt: the library's sessions (side groups, store keys), every process group,
    the frameworks' process-wide state (the adapters' ``RESET_FRAMEWORKS``), the DataLoader workers
    (the attempt's objects are collected, then the data layer's ``COLLECTED``);
@@ -77,11 +73,8 @@ wrap instead.
 
 Timeouts:
     ``join_timeout`` (``FTH_RECOVER_JOIN_SEC``, 60 s): every rank must reach the recovery this soon
-    after rank 0 did, or the job ends as without recovery. Store calls of the recovery are bounded by
-    the same timeout, each on a thread of its own (a read from a store whose host or link is gone
-    would block for minutes). A rank whose cause is not recovered in place (a rank or the store
-    lost, a signal) only tells the others why, within :data:`~..core.config.RECOVER_TELL_SEC` (2 s),
-    and ends: a rank cut off from the store ends as soon as it has named the cause.
+    after rank 0 did, or the job ends as without recovery; it bounds the agreement's store calls too
+    (:mod:`.agree`).
 """
 
 from __future__ import annotations
@@ -233,8 +226,9 @@ class _Recovery:
                 interrupts.arm()  # a hang of this attempt is interrupted again (take() stopped them)
                 try:
                     result = self.fn(*args, **kwargs)
-                    if self.layout is not None and self._world()[1] == 0:
-                        spares.tell_end(self._world()[0], self.layout, True, "the training ended")
+                    world = self._world() if self.layout is not None else None
+                    if world is not None and world[1] == 0:
+                        spares.tell_end(world[0], self.layout, True, "the training ended")
                     return result
                 except BaseException as err:  # noqa: BLE001 - decided below; re-raised unless recovered
                     # First: the interrupt (if any) is taken, whatever ended the attempt; from here on
@@ -243,8 +237,9 @@ class _Recovery:
                     self._left.set()
                     decision, timings = self._failed(err, started)
                     if not decision.restart:
-                        if self.layout is not None and self._world() is not None:
-                            spares.tell_end(self._world()[0], self.layout, False, decision.why)
+                        world = self._world() if self.layout is not None else None
+                        if world is not None:
+                            spares.tell_end(world[0], self.layout, False, decision.why)
                         if isinstance(decision, AsIs):
                             raise
                         if isinstance(decision, Misplaced) or (attempts.in_place() and isinstance(decision, Unsafe)):

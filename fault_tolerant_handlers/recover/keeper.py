@@ -35,6 +35,7 @@ no training process behind.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -116,18 +117,12 @@ def run(recovery: _Recovery, args: tuple, kwargs: dict) -> Any:
     return recovery.run(args, kwargs)
 
 
-_warned_group_before = False
-
-
+@functools.cache
 def _warn_group_made_before() -> None:
     """Once per process: under torchrun, ``recover_in_place`` called inside a process group that exists
     already (the documented ``idist.Parallel`` form: ``p.run(recover_in_place(training), cfg)``) cannot
     replace a killed rank: the process torchrun started is the rank itself, and a keeper must fork before
     any group exists (a forked copy of a gloo context has none of its threads). Say the line to change."""
-    global _warned_group_before
-    if _warned_group_before:
-        return
-    _warned_group_before = True
     log(logging.WARNING, "recover_in_place was called inside a process group that exists already, so a killed rank "
         "(SIGKILL, the OOM killer, a segfault) cannot be replaced in place and ends the job (exceptions and hangs in "
         "Python still recover in place). To recover it too, wrap the function that makes the group instead: "

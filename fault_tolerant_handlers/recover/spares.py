@@ -372,7 +372,7 @@ def tell_end(store: Any, lay: Layout, ok: bool, why: str) -> None:
         end(Bounded(conn), lay, ok, why)
     except Exception as err:  # noqa: BLE001 - torchrun ends them anyway once a rank exits with an error
         log(logging.WARNING, "could not tell the spares that the job ended: %s: %s", type(err).__name__,
-            cap_head(str(err), 200))
+            (str(err).splitlines() or [""])[0][:200])
     finally:
         conn.close()
 
