@@ -12,9 +12,10 @@ Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.g
 ``EPOCH_COMPLETED``       agreement, *before* the other epoch-end handlers (evaluation, checkpoint);
                           (``"auto"``) what follows is judged as an evaluation
 ``COMPLETED``             agreement, then the watchdog reference is dropped
-``EXCEPTION_RAISED``      record and release (local failure) or convert to ``PeerFailedError``;
-                          runs the engine's other exception handlers, then **re-raises**
-                          (with distribution; without, Ignite's own rule applies unchanged)
+``EXCEPTION_RAISED``      record and release (local failure) or convert to ``PeerFailedError``
+                          (decided as Ignite logs the exception, so that the library's line naming
+                          the failing rank comes first); runs the engine's other exception handlers,
+                          then **re-raises** (with distribution; without, Ignite's own rule applies)
 ``ITERATION_STARTED``,    recovering in place only: live state's bookkeeping (the first and the
 ``ITERATION_COMPLETED``   last handler but the agreement) and its capture at ``EXCEPTION_RAISED``
                           (:mod:`.adapters.live_ignite`)
@@ -109,6 +110,7 @@ class FaultTolerance:
         self._engine: Engine | None = None
         self._live: IgniteLive | None = None  # recovering in place: the trainer's live state (data.live)
         self._recovery = IgniteRecovery()  # FaultToleranceEvents, engine.state.fault_tolerance
+        self._cause_first: Any = None  # a filter on engine.logger while the run runs (_decide)
 
     def attach(self, engine: Engine) -> FaultTolerance:
         """Register every event this handler needs on ``engine`` and return ``self``; also registers
@@ -118,6 +120,7 @@ class FaultTolerance:
             raise TypeError(f"attach(engine=...) takes an ignite.engine.Engine, got {type(engine).__name__}")
         _compat_ignite.check(engine)
         self._engine = engine
+        self._cause_first = _compat_ignite.before_error_log(engine, lambda exc: self._decide(engine, exc))
         engine.add_event_handler(Events.STARTED, self._started)
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
@@ -145,6 +148,7 @@ class FaultTolerance:
 
     # -- events -------------------------------------------------------------------------------------
     def _started(self, engine: Engine) -> None:
+        engine.logger.addFilter(self._cause_first)  # the logger the run logs with (a script may set its own)
         self.guard.start()
         self.guard.beat(engine.state.iteration, "start")
         if self.guard.auto_hang is not None:
@@ -196,6 +200,19 @@ class FaultTolerance:
     def _completed(self, engine: Engine) -> None:
         self.guard.sync("end of run", step=engine.state.iteration, epoch=engine.state.epoch)
         self.guard.stop()
+        engine.logger.removeFilter(self._cause_first)
+
+    def _decide(self, engine: Engine, exc: BaseException) -> BaseException:
+        """What this rank raises for ``exc``, decided once: Ignite logs the exception ("Current run is
+        terminating due to exception") before it fires ``EXCEPTION_RAISED``; deciding then
+        (:func:`~.adapters.compat_ignite.before_error_log`) puts the library's line, naming the failing
+        rank and its cause, first."""
+        decided = tag_of(exc).raised_as
+        if decided is None and self.guard.session is not None:
+            decided = self.guard.on_exception(exc, step=engine.state.iteration, epoch=engine.state.epoch)
+            tag(exc, raised_as=decided)
+            tag(decided, raised_as=decided)
+        return decided if decided is not None else exc
 
     def _exception_raised(self, engine: Engine, exc: BaseException) -> None:
         # -- without distribution: exactly stock Ignite (docs/ignite.md, "Without distribution") --
@@ -205,15 +222,15 @@ class FaultTolerance:
                 return  # the user's handlers run next and decide, as without this handler
             raise exc  # no other handler: Ignite itself would have raised it
         # -- with distribution --
-        again = tag_of(exc).raised_as
-        if again is not None:
-            raise again  # Ignite's outer loop handing us the same exception (or the one raised for it) again
-        to_raise = self.guard.on_exception(exc, step=engine.state.iteration, epoch=engine.state.epoch)
+        to_raise = self._decide(engine, exc)
+        if tag_of(exc).taken:
+            raise to_raise  # Ignite's outer loop handing us the same exception (or the one raised for it) again
+        tag(exc, taken=True)
+        tag(to_raise, taken=True)
+        engine.logger.removeFilter(self._cause_first)
         if self._live is not None:  # the peers told first; then, before the other handlers run, the state
             self._live.failed()
         self._recovery.failed()
-        tag(exc, raised_as=to_raise)
-        tag(to_raise, raised_as=to_raise)
         # Run the engine's other exception handlers ourselves: an error in one of them (a
         # collective that fails now that peers are gone) is logged, never allowed to mask the cause.
         for entry in list(_compat_ignite.handlers_of(engine, Events.EXCEPTION_RAISED)):

@@ -310,7 +310,7 @@ class FaultTolerance(_CallbackBase):
         self._live.batch_start(trainer)
         self._check(trainer)  # an attribute read: the watchdog may already know a peer failed
         if self._injector is not None:
-            self._injector.maybe_fire(trainer.global_rank, self._in_batch, trainer.current_epoch + 1,
+            self._injector.maybe_fire(trainer.global_rank, self._in_batch, trainer.current_epoch,
                                       trainer.train_dataloader)
 
     @override

@@ -188,7 +188,7 @@ class StockInjector(pl.Callback):
         self.injector = Injector.from_env()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.injector.maybe_fire(trainer.global_rank, int(trainer.global_step) + 1, trainer.current_epoch + 1,
+        self.injector.maybe_fire(trainer.global_rank, int(trainer.global_step) + 1, trainer.current_epoch,
                                  trainer.train_dataloader)
 
 

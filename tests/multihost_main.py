@@ -231,7 +231,7 @@ def run_lightning() -> None:
             if iteration >= READY_ITER and not READY_SEEN and _settled():
                 _ready(iteration)
             if injector is not None:
-                injector.maybe_fire(RANK, iteration, trainer.current_epoch + 1)
+                injector.maybe_fire(RANK, iteration, trainer.current_epoch)
 
     callbacks: list = [Recorder()]
     if USE_FT:

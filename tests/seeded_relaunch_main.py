@@ -2,6 +2,7 @@
 the frameworks' own examples do, and resumes from its newest checkpoint (issue 46).
 
 ``torchrun --standalone --nproc-per-node 2 --max-restarts 3 seeded_relaunch_main.py FRAMEWORK OUTDIR``
+(or 4 ranks: the data grows with the world size, 5 iterations an epoch at any)
 
 ``FRAMEWORK``:
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 FRAMEWORK, OUT = (sys.argv[1], Path(sys.argv[2])) if __name__ == "__main__" else ("", Path("."))
 RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 FAULTS = {(int(a), int(r)): int(i) for a, r, i in (f.split(":") for f in os.environ.get("FAULTS", "").split(",") if f)}
 EPOCH_LENGTH, EPOCHS, BATCH = 5, int(os.environ.get("EPOCHS", "5")), 4
@@ -60,8 +62,11 @@ def maybe_fail(iteration: int) -> None:
 
 
 class Samples(torch.utils.data.Dataset):
+    def __init__(self, world: int = WORLD) -> None:
+        self.world = world
+
     def __len__(self) -> int:
-        return BATCH * 2 * EPOCH_LENGTH
+        return BATCH * self.world * EPOCH_LENGTH
 
     def __getitem__(self, i: int):
         g = torch.Generator().manual_seed(i)

@@ -26,11 +26,17 @@ Checked against pytorch-ignite 0.5.0.post2 (the first 0.5 release) and 0.5.5.
 * ``Engine._run_once_on_dataset_as_gen`` / ``_run_once_on_dataset_legacy``: the functions whose frames
   (with ``self``, the engine) are on the stack while an engine runs its epoch. ``hang_timeout="auto"``
   reads them, from the watchdog thread, to recognise an evaluator run from a trainer's handler.
+* ``Engine._internal_run_as_gen`` / ``_internal_run_legacy`` and the two above log the exception they
+  caught at ERROR on ``Engine.logger`` ("Current run is terminating due to exception: ...") right
+  before they fire ``EXCEPTION_RAISED``. :func:`before_error_log`, a filter on that logger, lets the
+  handler decide what the rank raises, and log the library's line naming the failing rank and cause,
+  before Ignite's line is written.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import weakref
@@ -125,6 +131,28 @@ def running_engines(frame: Any) -> list:
                 engines.append(engine)
         frame = frame.f_back
     return engines
+
+
+#: Every ``Engine`` method that logs the exception it caught, then fires ``EXCEPTION_RAISED``.
+RUN_FUNCTIONS = EPOCH_FUNCTIONS + ("_internal_run_as_gen", "_internal_run_legacy")
+
+
+def before_error_log(engine: Any, first: Callable[[BaseException], Any]) -> Callable[[logging.LogRecord], bool]:
+    """A filter for ``engine.logger`` that calls ``first(exc)`` when ``engine``'s run loop logs the
+    exception ``exc`` it is about to hand to its ``EXCEPTION_RAISED`` handlers, before the line is
+    written. Any other record passes untouched; an error of ``first`` is left to the handler."""
+    def cause_first(record: logging.LogRecord) -> bool:
+        exc = sys.exc_info()[1] if record.levelno >= logging.ERROR else None
+        frame = sys._getframe(1) if exc is not None else None
+        while frame is not None and not frame.f_code.co_filename.endswith(_ENGINE_FILE):
+            frame = frame.f_back  # up to the engine's code that logs
+        if frame is not None and frame.f_code.co_name in RUN_FUNCTIONS and frame.f_locals.get("self") is engine:
+            try:
+                first(exc)
+            except Exception:  # noqa: BLE001 - the EXCEPTION_RAISED handler decides again and raises it
+                pass
+        return True
+    return cause_first
 
 
 def reset_idist() -> None:

@@ -645,12 +645,19 @@ class FailureState:
         self._escalated: list[Incident] = []  # incidents escalated, not yet acknowledged
         self._delivered = False
         self._signal: PeerFailedError | None = None
+        self._moves = 0
 
     # -- queries --------------------------------------------------------------------------------------
     @property
     def cause(self) -> FailureRecord | None:
         """The attempt's first failure (this rank's own, a peer's, its own signal); ``None``: none."""
         return self._cause
+
+    @property
+    def moves(self) -> int:
+        """How often the attempt's failure moved on: its cause was set, or the main thread took a
+        failure (the watchdog's hang check is quiet after either, until the next beat)."""
+        return self._moves
 
     @property
     def delivered(self) -> bool:
@@ -690,7 +697,7 @@ class FailureState:
         with self._lock:
             self._incident.local = True
             self._delivered = self._delivered or told
-            self._cause = self._cause or record
+            self._set_cause(record)
 
     def peer_failed(self, err: PeerFailedError) -> Incident | None:
         """The watchdog found a peer's failure: the incident to escalate (release this rank's
@@ -701,7 +708,7 @@ class FailureState:
             if incident.peer_error is not None or self._signal is not None:
                 return None
             incident.peer_error = err
-            self._cause = self._cause or err.record
+            self._set_cause(err.record)
             if incident.local:
                 return None
             self._escalated.append(incident)
@@ -716,7 +723,7 @@ class FailureState:
             self._signal = cause
             self._incident.local = True  # the peers' reaction is not a failure to escalate here
             self._delivered = True  # the job fails: its exit does not wait on a store that may be leaving
-            self._cause = self._cause or cause.record
+            self._set_cause(cause.record)
             return True
 
     def acknowledged(self, err: BaseException | None = None) -> None:
@@ -725,11 +732,18 @@ class FailureState:
         reported exit by the watchdog)."""
         taken = tag_of(err).incident if err is not None else None
         with self._lock:
+            self._moves += 1
             for incident in (taken or self._incident, *self._escalated):
                 incident.acknowledged.set()
             self._escalated.clear()
             if isinstance(err, PeerFailedError):
-                self._cause = self._cause or err.record
+                self._set_cause(err.record)
+
+    def _set_cause(self, failure: FailureRecord) -> None:
+        """Under the lock: the first failure is the cause."""
+        if self._cause is None:
+            self._cause = failure
+            self._moves += 1
 
     def agreement_ended(self, failed: bool, error: BaseException | None = None) -> Incident:
         """An agreement ended (``failed``: some rank failed; ``error``: what this rank raises for a
@@ -738,7 +752,7 @@ class FailureState:
             ended = self._incident
             self._delivered = self._delivered or failed
             if failed and isinstance(error, PeerFailedError):
-                self._cause = self._cause or error.record
+                self._set_cause(error.record)
             self._incident = Incident()
             return ended
 
@@ -759,7 +773,8 @@ class Tag:
         agreed: it came out of an agreement: every rank of that agreement raises, so an enclosing
             section lets it through without agreeing again.
         handled: an adapter handled it (published, or converted to a peer's error).
-        taken: a Lightning ``FaultTolerance`` callback finished Lightning's exception path for it.
+        taken: an adapter finished its framework's exception path for it (a Lightning callback, an
+            Ignite ``EXCEPTION_RAISED`` handler).
         raised_as: what an adapter raised for it (itself, or the peer's error it became): an
             engine that hands the same exception, or the raised one, to the adapter again gets it.
     """

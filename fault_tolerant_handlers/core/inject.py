@@ -19,10 +19,11 @@ keeper it is ``kill``.
 
 ``iteration`` is the global iteration counter (Ignite ``engine.state.iteration``, Lightning
 ``trainer.global_step + 1``: the step the batch trains, 1-based), the number the failure reports then
-name (both adapters report a failure inside a training step with that step); ``epoch`` (1-based,
-optional) narrows it to one epoch. In a loop of your own they are your own numbers, as the reports
-name them: the ``step`` and ``epoch`` given to ``fail_together(name, step=..., epoch=...)`` or to
-:func:`step`. A rank an injection targets that ends with it unfired, nothing having told it an
+name (both adapters report a failure inside a training step with that step); ``epoch`` (optional)
+narrows it to one epoch, the framework's own as the reports name it (Ignite ``engine.state.epoch``,
+from 1; Lightning ``trainer.current_epoch``, from 0). In a loop of your own they are your own numbers,
+as the reports name them: the ``step`` and ``epoch`` given to ``fail_together(name, step=...,
+epoch=...)`` or to :func:`step`. A rank an injection targets that ends with it unfired, nothing having told it an
 iteration, says so at exit (a WARNING naming the lines that fire it).
 
 ``attempt`` (optional) is the attempt the injection fires in: torchrun's ``TORCHELASTIC_RESTART_COUNT``

@@ -200,6 +200,11 @@ class SelfHangProbe:
     step of the last beat) for ``hang_timeout``, and is not merely waiting in a collective (then the
     hung rank is the peer, which declares itself): ``RankHung`` with the main thread's stack.
 
+    Time seen waiting is not held against it (the stall counts from the last poll that saw it
+    waiting): a rank released from a hung peer's collective is not hung while it handles the
+    failure. A wait of ``2 x hang_timeout + margin`` is declared all the same (no rank declared
+    itself: one stuck in C holding the GIL, a collective every rank waits in).
+
     Until ``warm()`` (the first iteration completed) the deadline is ``start_timeout`` instead: a
     slow start (DataLoader workers starting, DDP's first pass, a cold store, 8 ranks importing on a
     loaded machine) is not a hang."""
@@ -216,16 +221,20 @@ class SelfHangProbe:
         self.margin = margin
         self.progress = progress
         self.frame = frame
+        self._waited: tuple[tuple, float] | None = None  # (the progress then, when) last seen waiting on peers
 
     def poll(self, now: float) -> Finding | None:
-        last, last_wall, step = self.progress()
+        progress = self.progress()
+        last, last_wall, step = progress
         warm = self.warm()
         limit = self.hang_timeout if warm else self.start_timeout
         stalled = now - last
-        if stalled < limit:
-            return None
         frame = self.frame()
-        if stalled < 2 * limit + self.margin and waiting_on_peers(frame):
+        if waiting_on_peers(frame):
+            self._waited = (progress, now)
+            if stalled < 2 * limit + self.margin:
+                return None
+        elif now - (self._waited[1] if self._waited is not None and self._waited[0] is progress else last) < limit:
             return None
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
         at = f" at step {step}" if step is not None else ""

@@ -191,16 +191,22 @@ class _Recovery:
                 served = spares.serve(self.layout, self.join_timeout)
                 if served is None:
                     return None
-                self._order, cause = served
-                return self.run(args, kwargs, replacement=cause)
+                # it takes the seat under a keeper of its own, as every training rank: a later death of
+                # the seat's process is replaced in place too
+                order, cause = served
+                if self.replace_dead and keeper.why_not(self) is None:
+                    return keeper.Keeper(self).run(args, kwargs, replacement=cause, order=order)
+                return self.run(args, kwargs, replacement=cause, order=order)
             spares.enter_training_world(self.layout)
         if self.replace_dead:
             return keeper.run(self, args, kwargs)
         return self.run(args, kwargs)
 
-    def run(self, args: tuple, kwargs: dict, replacement: Cause | None = None) -> T:
-        """The attempts, in this process; a ``replacement`` (a keeper's new child) first joins the
-        recovery its peers wait in."""
+    def run(self, args: tuple, kwargs: dict, replacement: Cause | None = None,
+            order: spares.Order | None = None) -> T:
+        """The attempts, in this process; a ``replacement`` (a keeper's new child, or a spare taking
+        the seat its ``order`` names) first joins the recovery its peers wait in."""
+        self._order = order
         hooks.run(hooks.BEGIN, RecoveryState(attempt=attempts.in_place()))
         recoveries.forget()  # recovery_history(): this recovery's moments only
         running = attempts.enter_recovery()

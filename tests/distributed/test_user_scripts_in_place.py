@@ -3,8 +3,8 @@
 ``tests/programs/user_ignite_main.py`` is an Ignite script shaped like PyTorch-Ignite's cifar10 example:
 ``training(local_rank, config)`` under ``idist.Parallel``, an output folder named by a timestamp taken at
 each call, ``setup_common_training_handlers`` (a ``Checkpoint`` with a ``DiskSaver`` in that folder, a
-``PiecewiseLinear`` schedule), and the documented lines added. 2 ranks under torchrun, 64 iterations, a
-checkpoint every 20. Each case asserts where every rank's trainer started in the recovered attempt, the
+``PiecewiseLinear`` schedule), and the documented lines added. 2 ranks under torchrun (the folder made
+at each call also at 4, ``long``), 64 iterations, a checkpoint every 20. Each case asserts where every rank's trainer started in the recovered attempt, the
 batches it trained (the uninterrupted run's from there) and the final weights (``torch.equal``), and that
 the line saying it carries on from live state is logged once it did.
 
@@ -21,7 +21,9 @@ the line saying it carries on from live state is logged once it did.
 
 ``test_lightning_in_place_keeps_one_logger_version``: a Lightning recovery in place logs on in the first
 attempt's ``lightning_logs/version_0`` (before: a ``version_1`` per recovery), and a failure injected at
-``iteration=37`` is reported as iteration 37.
+``iteration=37,epoch=1`` fires and is reported as ``(epoch 1, iteration 37)``: the injection and the
+report name the same step and epoch (before, ``epoch=`` counted from 1 and the report from 0: this
+injection never fired).
 """
 
 from __future__ import annotations
@@ -37,16 +39,18 @@ from launch import PROGRAMS, kill_workers, run_ranks
 SCRIPT = PROGRAMS / "programs" / "user_ignite_main.py"
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
             "--monitor-interval", "0.5"]
-_reference: dict[str, Path] = {}
+_reference: dict[int, tuple[Path, str]] = {}
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def job(form: str, out: Path, env: dict[str, str], *, expect_ok: bool = True) -> tuple[Path, int | None, str]:
+def job(form: str, out: Path, env: dict[str, str], *, expect_ok: bool = True,
+        world: int = 2) -> tuple[Path, int | None, str]:
     out.mkdir(parents=True, exist_ok=True)
     run_dir = out / f"{form}-1"
+    launcher = [str(world) if arg == "2" else arg for arg in TORCHRUN]
     try:
-        results = run_ranks(1, form, out, script=SCRIPT, launcher=TORCHRUN, deadline=150,
+        results = run_ranks(1, form, out, script=SCRIPT, launcher=launcher, deadline=150 * world // 2,
                             env={"PG_TIMEOUT_SEC": "20", "FTH_INJECT": "", **env})
     finally:
         kill_workers(run_dir, SCRIPT.name)  # torchrun's workers lead sessions of their own
@@ -56,13 +60,12 @@ def job(form: str, out: Path, env: dict[str, str], *, expect_ok: bool = True) ->
     return run_dir, code, output
 
 
-def reference(tmp_path_factory) -> tuple[Path, str]:
+def reference(tmp_path_factory, world: int = 2) -> tuple[Path, str]:
     """An uninterrupted run, in the form the docs showed first (its output is checked for the warning)."""
-    if "ignite" not in _reference:
-        run, _, output = job("documented", tmp_path_factory.mktemp("reference"), {})
-        _reference["ignite"] = run
-        _reference["output"] = output
-    return _reference["ignite"], _reference["output"]
+    if world not in _reference:
+        run, _, output = job("documented", tmp_path_factory.mktemp("reference"), {}, world=world)
+        _reference[world] = run, output
+    return _reference[world]
 
 
 def tries(run: Path, rank: int) -> dict[int, dict]:
@@ -73,8 +76,8 @@ def trained(run: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (run / f"batches{rank}.jsonl").read_text().splitlines()]
 
 
-def assert_carried_on_from_live_state(run: Path, ref: Path, output: str, same_process: tuple[bool, bool]) -> None:
-    for rank in (0, 1):
+def assert_carried_on_from_live_state(run: Path, ref: Path, output: str, same_process: tuple[bool, ...]) -> None:
+    for rank in range(len(same_process)):
         seen = tries(run, rank)
         assert set(seen) == {0, 1}, f"rank {rank}: attempts {sorted(seen)}\n{output[-4000:]}"
         assert (seen[0]["pid"] == seen[1]["pid"]) == same_process[rank], (rank, seen)
@@ -88,21 +91,23 @@ def assert_carried_on_from_live_state(run: Path, ref: Path, output: str, same_pr
     assert "is held for the next call" in output
 
 
-def test_a_folder_made_at_each_call_carries_on_from_live_state(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
+def test_a_folder_made_at_each_call_carries_on_from_live_state(world, tmp_path, tmp_path_factory):
     """Every rank names a new timestamped folder at each call and loads nothing itself: the live state
     reaches the trainer's ``to_save`` all the same."""
-    ref, ref_output = reference(tmp_path_factory)
+    ref, ref_output = reference(tmp_path_factory, world)
     run, _, output = job("documented", tmp_path, {"FOLDER": "every-rank", "RESUME": "none",
-                                                  "FTH_INJECT": "raise@rank=1,iteration=45"})
+                                                  "FTH_INJECT": "raise@rank=1,iteration=45"}, world=world)
     folders = {tries(run, 0)[a]["folder"] for a in (0, 1)}
     assert len(folders) == 2, folders  # a new folder in the recovered attempt: no checkpoint in it
-    assert_carried_on_from_live_state(run, ref, output, (True, True))
+    assert_carried_on_from_live_state(run, ref, output, (True,) * world)
     # the form the docs showed first: warned once per rank, with the line to change
-    assert ref_output.count("recover_in_place was called inside a process group that exists already") == 2
+    assert ref_output.count("recover_in_place was called inside a process group that exists already") == world
     assert "'recover_in_place(main, ...)(cfg)' where main(cfg) runs 'with idist.Parallel(backend=...) as p: " \
            "p.run(training, cfg)'" in ref_output
     assert output.count("carries on from live state, iteration 44 (restored into the trainer's Checkpoint objects "
-                        "(trainer, model, optimizer, lr_scheduler, loader)): no step computed twice") == 2, output[-4000:]
+                        "(trainer, model, optimizer, lr_scheduler, loader)): no step computed twice") == world, \
+        output[-4000:]
 
 
 def test_a_folder_only_rank_0_knows_and_a_killed_rank_carry_on_from_live_state(tmp_path, tmp_path_factory):
@@ -133,7 +138,8 @@ def test_the_documented_form_warns_and_a_killed_rank_ends_the_job_naming_it(tmp_
 
 def test_lightning_in_place_keeps_one_logger_version(tmp_path):
     """The default logger and ``ModelCheckpoint``, ``fit(ckpt_path=None)``, rank 1 raising in its 37th
-    training batch (``FTH_INJECT=raise@rank=1,iteration=37``): reported as iteration 37; the recovered
+    training batch, in epoch 1 (``FTH_INJECT=raise@rank=1,iteration=37,epoch=1``, Lightning's
+    ``current_epoch``): reported as epoch 1, iteration 37; the recovered
     attempt's ``fit`` is given the live state of global step 36 although the script passed no path; its
     logger writes on in ``lightning_logs/version_0`` (no ``version_1``), whose ``metrics.csv`` keeps the
     first attempt's rows."""
@@ -142,7 +148,7 @@ def test_lightning_in_place_keeps_one_logger_version(tmp_path):
     out.mkdir()
     try:
         results = run_ranks(1, "", out, script=script, launcher=TORCHRUN, deadline=180,
-                            env={"FTH_INJECT": "raise@rank=1,iteration=37"})
+                            env={"FTH_INJECT": "raise@rank=1,iteration=37,epoch=1"})
     finally:
         kill_workers(out / "user_lightning_main-1", script.name)
     run, code, output = out / "user_lightning_main-1", results[0].returncode, results[0].stderr

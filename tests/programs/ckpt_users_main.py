@@ -1,4 +1,5 @@
-"""One worker of the ``latest_checkpoint`` scenarios shaped like users' scripts, run by torchrun (2 ranks):
+"""One worker of the ``latest_checkpoint`` scenarios shaped like users' scripts, run by torchrun (2 ranks;
+``ignite-folders`` also 4):
 
 ``torchrun --standalone --nproc-per-node 2 [--max-restarts 1] ckpt_users_main.py MODE OUTDIR``
 
@@ -42,6 +43,7 @@ from fault_tolerant_handlers import latest_checkpoint, recover_in_place, recover
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 PG_TIMEOUT = timedelta(seconds=20)
 
@@ -81,7 +83,7 @@ def ignite_trainer(config: dict, *, best: bool):
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = Regression(80)
-    sampler = DistributedSampler(data, num_replicas=2, rank=RANK, shuffle=True, seed=0)
+    sampler = DistributedSampler(data, num_replicas=WORLD, rank=RANK, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=4, sampler=sampler)
 
     def step(engine, batch):

@@ -1,5 +1,6 @@
 """An Ignite training script shaped like PyTorch-Ignite's ``examples/cifar10/main.py`` (written for these
-tests, data synthetic), with the documented lines added, run under torchrun with 2 gloo ranks.
+tests, data synthetic), with the documented lines added, run under torchrun with 2 or 4 gloo ranks (32
+iterations an epoch at any world size).
 
     torchrun --nproc-per-node 2 user_ignite_main.py FORM OUTDIR
 
@@ -18,7 +19,7 @@ FORM
     plain        no ``recover_in_place`` (the reference: an uninterrupted run)
 
 Environment: ``FOLDER`` ``every-rank`` (each rank makes its own timestamped folder, default) or ``rank-0``
-(the example's: only rank 0 makes it, rank 1 keeps the base folder); ``RESUME`` ``none`` (the example's
+(the example's: only rank 0 makes it, the other ranks keep the base folder); ``RESUME`` ``none`` (the example's
 ``resume_from=None``: the script loads nothing, default), ``latest`` (``latest_checkpoint(output_path)``
 loaded with ``Checkpoint.load_objects``: every rank must make the same folder) or ``trainer``
 (``latest_checkpoint(trainer)``, the documented line for a folder only rank 0 knows); ``FTH_INJECT`` the fault.
@@ -70,8 +71,9 @@ def training(local_rank: int, config: dict) -> None:
     note(rank, folder=str(output_path))
 
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=generator)
-    dataset = TensorDataset(torch.arange(256), x, x.sum(1, keepdim=True))
+    size = 128 * idist.get_world_size()
+    x = torch.randn(size, 8, generator=generator)
+    dataset = TensorDataset(torch.arange(size), x, x.sum(1, keepdim=True))
     sampler = DistributedSampler(dataset, num_replicas=idist.get_world_size(), rank=rank, shuffle=True, seed=0)
     loader = RestartableDataLoader(dataset, batch_size=4, sampler=sampler)  # 32 iterations per epoch and rank
     model = idist.auto_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))

@@ -208,6 +208,27 @@ def test_self_hang_probe_reports_the_main_thread_stack_and_spares_a_rank_waiting
     assert probe.poll(112.5).hung_self          # ... unless it stays blocked past 2 x timeout + margin
 
 
+def test_a_rank_released_from_a_hung_peers_collective_is_not_hung_while_it_handles_the_failure():
+    """4 ranks, rank 2 hung at step 16: the others wait in the DDP all_reduce from their last beat
+    until rank 2's failure releases them 5.1 s later, and handle it (the DataLoader's workers shut
+    down, the recovery begins) without a beat. The wait is not held against them: the stall counts
+    from the last poll that saw it (one of them named itself hung 0.1 s after its release)."""
+    progress = [(100.0, 1_700_000_000.0, 16)]
+    waiting, handling = _frame_in("/site-packages/torch/autograd/graph.py"), _frame_in("/x/torch/utils/data/dataloader.py")
+    frame = [waiting]
+    probe = SelfHangProbe(1, 4242, 5.0, margin=2.0, progress=lambda: progress[0], frame=lambda: frame[0])
+    for now in (100.1, 102.0, 104.0, 105.0):    # every poll looks, before hang_timeout too
+        assert probe.poll(now) is None
+    frame[0] = handling                         # released at 105.1
+    assert probe.poll(105.2) is None            # 5.2 s from its last beat, 0.2 s from its wait
+    assert probe.poll(109.9) is None
+    found = probe.poll(110.1)                   # stuck outside any wait for hang_timeout: hung after all
+    assert found.hung_self and "no progress for 10.1 s at step 16" in found.error.exc_message
+    progress[0] = (111.0, 1_700_000_011.0, 17)  # a beat: a wait before it counts for nothing after it
+    assert probe.poll(115.9) is None
+    assert probe.poll(116.1).hung_self
+
+
 def test_store_loss_probe_declares_the_store_host_after_the_silence_with_evidence():
     probe = StoreLossProbe(10.0, by=1, store_pid=99, evidence=lambda: "a TCP connect to h:1: refused")
     assert probe.failed(0.0, ConnectionError("refused")) is True
