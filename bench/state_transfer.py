@@ -65,6 +65,7 @@ def worker(out: Path, mb: int, chunk_mb: int, mode: str, reps: int) -> None:
     import torch.distributed as dist
 
     from fault_tolerant_handlers.recover import live_state
+    from fault_tolerant_handlers.recover.causes import LiveReport
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank = dist.get_rank()
@@ -83,9 +84,13 @@ def worker(out: Path, mb: int, chunk_mb: int, mode: str, reps: int) -> None:
             live_state.checksum(state)
             times.append(time.perf_counter() - start)
         result["checksum"] = times
-    # as a recovery would: the receiver says what it holds (nothing, or a state one step behind)
-    digest = live_state.checksum(state) if state is not None else None
-    agreed = live_state.agree_on_source(None if state is None else 10 - rank, digest, True)
+    # as a recovery would: each rank reports what it holds (nothing, or a state one step behind), and
+    # rank 0's rule plans from whom the other receives
+    digest = live_state.checksum(state) if state is not None else ""
+    reports = [None, None]
+    dist.all_gather_object(reports, LiveReport(rank, -1, "", "replaced") if state is None else
+                           LiveReport(rank, 10 - rank, "iteration", "", digest))
+    agreed = live_state.plan_live(reports, 2)
     assert (agreed.source, agreed.receivers) == (0, (1,)), agreed.describe()
     times = []
     for _ in range(reps):

@@ -44,7 +44,7 @@ from .core.release import EXIT_TEARDOWN_STUCK
 from .core.sections import fail_together, one_rank_first
 from .detect.watchdog import EXIT_HUNG, EXIT_PEER_FAILED, start_watchdog, writing_checkpoint
 from .recover import recover_in_place, recovery_attempt, spares_left
-from . import adapters as _adapters  # noqa: F401 - subscribes the adapters to the core's events
+from . import adapters as _adapters  # noqa: F401 - subscribes the adapters to the core's hooks
 
 __all__ = [
     "EXIT_HUNG",

@@ -1,8 +1,8 @@
 """What the Ignite and Lightning adapters share (:mod:`.guard`), and the private APIs of Ignite and
 Lightning they use, each checked at start (:mod:`.compat_ignite`, :mod:`.compat_lightning`)."""
 
-from ..core import phases
-from ..core.phases import Phase, RecoveryState
+from ..core import hooks
+from ..core.phases import RecoveryState
 from ..data import live
 from . import compat_ignite
 
@@ -19,14 +19,14 @@ def _resolve_live_names(state: RecoveryState) -> None:
         compat_ignite.hook_load_objects(take=live.take)
 
 
-#: What the adapters do in a recovery in place (:mod:`..core.phases`), registered at import: once the
+#: What the adapters do in a recovery in place (:mod:`..core.hooks`), registered at import: once the
 #: failed attempt's groups are gone, a framework's process-wide state goes back to a fresh process's.
 #: A step that fails is logged and the recovery goes on (the next attempt may not use that framework).
 STEPS = (
-    (Phase.RESET_FRAMEWORKS, _reset_idist),
-    (Phase.RESET_FRAMEWORKS, _resolve_live_names),
+    (hooks.RESET_FRAMEWORKS, _reset_idist),
+    (hooks.RESET_FRAMEWORKS, _resolve_live_names),
     # a keeper's replacement process runs no teardown: it learns of the live state as it is held
-    (Phase.SETTLE_LIVE, _resolve_live_names),
+    (hooks.SETTLE_LIVE, _resolve_live_names),
 )
 for _phase, _step in STEPS:
-    phases.register(_phase, _step, tolerate=True)
+    hooks.add(_phase, _step, tolerate=True)

@@ -48,39 +48,6 @@ def namespace() -> str:
     return f"fth/attempt_{restart()}" + (f".{_in_place}" if _in_place else "")
 
 
-# -- interrupting a hung main thread (recovering in place) -------------------------------------------
-#: Set by :func:`fault_tolerant_handlers.recover_in_place` while it runs: ``interrupt(error)`` makes
-#: the main thread raise ``error`` where it is (a rank hung in Python), and returns an event that is
-#: set once the main thread reached the recovery. ``None``: nothing to interrupt (the watchdog ends a
-#: hung rank's process, as without recovery).
-interrupter = None
-
-
-def interrupt_main(error: BaseException):
-    """Ask the recovery to interrupt the main thread with ``error``: the event that tells it left, or
-    ``None`` when no recovery runs."""
-    hook = interrupter
-    return None if hook is None else hook(error)
-
-
-# -- a rank lost on purpose (FTH_INJECT's ``lose``) ---------------------------------------------------
-#: Set by a keeper's training child (:mod:`..recover.keeper`): called before this process kills itself
-#: as a lost rank, so that its keeper does not replace it (as if the keeper's host were gone with it).
-#: ``None``: no keeper (the process is torchrun's own worker).
-on_lost = None
-#: Set by a keeper's training child: its keeper's pid (the process that would replace it). The rank's
-#: liveness helper, forked from the child, checks at the rank's end that the keeper still lives
-#: (:attr:`~.kinds.Ended.keeper_gone`). ``None``: no keeper.
-keeper_pid: int | None = None
-
-
-def lose() -> None:
-    """Tell this rank's keeper, if any, that this process is lost for good (never replaced)."""
-    hook = on_lost
-    if hook is not None:
-        hook()
-
-
 # -- the process that runs the recovery ---------------------------------------------------------------
 #: Set by :func:`fault_tolerant_handlers.recover_in_place` in its process's environment while it runs
 #: (its pid), for the processes it starts: a rank that finds its *parent's* pid there, and runs no

@@ -151,18 +151,38 @@ def spawn_error_file() -> str | None:
     return None
 
 
-def tcp_store_of(store: dist.Store | None) -> dist.TCPStore | None:
-    """The ``TCPStore`` under ``store``'s ``PrefixStore`` wrappers (public ``underlying_store``)."""
-    for _ in range(16):
-        if store is None or isinstance(store, dist.TCPStore):
-            return store
+def store_chain(store: dist.Store | None) -> list[dist.Store]:
+    """``store`` and every store under its ``PrefixStore`` wrappers (public ``underlying_store``),
+    outermost first, the base store last (16 at most): the one unwrap of the project."""
+    chain: list[dist.Store] = []
+    while store is not None and len(chain) < 16:
+        chain.append(store)
         store = getattr(store, "underlying_store", None)
-    return None
+    return chain
 
 
-def backend_error_types() -> tuple[type[BaseException], ...]:
-    """torch's ``DistError`` family (public): what NCCL, the store and the network raise."""
-    return tuple(t for t in (getattr(dist, "DistError", None),) if isinstance(t, type))
+def tcp_store_of(store: dist.Store | None) -> dist.TCPStore | None:
+    """The ``TCPStore`` under ``store``'s ``PrefixStore`` wrappers."""
+    return next((s for s in store_chain(store) if isinstance(s, dist.TCPStore)), None)
+
+
+#: Where a gloo error comes from: its text points into gloo's transport (``.../gloo/transport/tcp/
+#: pair.cc:534] Connection closed by peer``) or into torch's gloo process group.
+_GLOO_MARKERS = ("gloo/transport/", "ProcessGroupGloo.cpp")
+
+
+def is_backend_error(exc: BaseException) -> bool:
+    """True for what a collective or the store raises when a peer is gone or this rank was released.
+
+    torch's ``DistError`` family (public: NCCL, the store, the network), and gloo's plain
+    ``RuntimeError`` whose text points into gloo's transport (the text of torch's gloo backend: no
+    type tells it). A ``socket.timeout``, ``TimeoutError``, ``ConnectionResetError`` or any other
+    error of user code is not one: it is the rank's own failure.
+    """
+    dist_error = getattr(dist, "DistError", None)
+    if isinstance(dist_error, type) and isinstance(exc, dist_error):
+        return True
+    return type(exc) is RuntimeError and any(marker in str(exc) for marker in _GLOO_MARKERS)
 
 
 # -- a DDP model's bucket layout -------------------------------------------------------------------

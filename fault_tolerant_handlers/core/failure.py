@@ -1,40 +1,51 @@
-"""One failure state machine per attempt, and one tag on an exception.
+"""The one failure value, from the moment a failure is recorded to the moment every rank raises.
 
-"Has this job failed?" has one answer: the :class:`FailureState` of the session (one per process
-group and attempt: :attr:`.session.Session.failure`). Everything that learns of a failure drives it
-through a named transition; nothing else writes its fields:
+A failure is one :class:`FailureRecord`: its kind (:class:`FailureKind`), the rank, the exception's
+type, message and traceback, where (section, step, epoch), when, the process (pid, host) and how it
+ended (:class:`Ended`). The detectors declare one, a failing rank publishes one (bounded JSON in the
+c10d store, :meth:`FailureRecord.to_json` / :meth:`FailureRecord.from_json`), every other rank
+raises a :class:`PeerFailedError` that carries it (``err.record``), and the attempt's
+:class:`FailureState` keeps the first as its :attr:`~FailureState.cause`, which the recovery reads.
+
+The store is unauthenticated and shared by every process of the job, so a record is plain JSON with
+a cap on every text field, and :meth:`FailureRecord.from_json` rejects (with a warning naming the
+store key) anything too large, not JSON, of another version, of the wrong shape or out of range (a
+rank outside the world, an absurd time or counter). Text read back is sanitised before it can reach
+a log: control characters (terminal escapes), format characters and lone surrogates are replaced.
+Nothing read from the store is ever unpickled or executed.
+
+A record says where it came from in ``origin``:
+
+* ``"failure"``: the rank ``rank`` failed itself (in section ``section``, at agreement ``seq`` when
+  the failure went through one);
+* ``"declared"``: rank ``by`` declares rank ``rank`` lost, silent or hung (``exc_type`` is the
+  :class:`FailureKind`'s value: ``PeerLost``, ``PeerSilent``, ``RankHung``, ``RankSignalled``; a
+  hung or signalled rank declares itself).
+
+Kinds are data, messages are for people: code decides on :attr:`FailureRecord.kind` and ``ended``,
+never on message text. A record without ``ended``, or with one out of range, is read with ``ended``
+``None``.
+
+**The failure state** (:class:`FailureState`, one per process group and attempt:
+:attr:`.session.Session.failure`) answers "has this job failed?". Everything that learns of a
+failure drives it through a named transition; nothing else writes its fields:
 
 * :meth:`~FailureState.failed_here`: this rank failed itself, its exception published
-  (``Session.report_error``) or found hung by the watchdog (``told=False``). Returns whether it
-  became the attempt's cause.
+  (``Session.report_error``) or found hung by the watchdog (``told=False``);
 * :meth:`~FailureState.peer_failed`: the watchdog found a peer's failure
-  (``Session.take_peer_failure``). Returns the incident to escalate, or ``None``.
+  (``Session.take_peer_failure``); returns the incident to escalate, or ``None``;
 * :meth:`~FailureState.signalled`: this rank's own SIGTERM/SIGINT is the cause
-  (``launchers/signals.py``). Returns whether it was the first.
+  (``launchers/signals.py``); returns whether it was the first;
 * :meth:`~FailureState.acknowledged`: the main thread takes a peer's failure and raises it
-  (``Session.acknowledge``). Returns whether an incident was newly acknowledged.
+  (``Session.acknowledge``);
 * :meth:`~FailureState.agreement_ended`: an agreement ended (``Session.agree``); a fresh incident
-  begins. Returns the incident it ended.
-* :meth:`~FailureState.ended`: the attempt is over, recovered in place (``recover_in_place``) or
-  ended (``Session.close``). Returns whether it was not over yet.
+  begins; returns the incident it ended.
 
-The **phase** is the attempt's, and the first failure wins (it is the :attr:`~FailureState.cause`;
-later ones are kept in :attr:`~FailureState.others`)::
-
-    RUNNING ──failed_here──> FAILED_HERE ─┐
-       │ ───peer_failed───> PEER_FAILED ──┼──acknowledged──> ACKNOWLEDGED ──ended──> RECOVERED | ENDED
-       └────signalled─────> SIGNALLED ────┘
-    (any phase but RECOVERED and ENDED) ──ended──> RECOVERED | ENDED
-
-An agreement that delivers a peer's failure this rank had not heard of moves RUNNING to
-PEER_FAILED; ``acknowledged`` also leaves RUNNING (the main thread found a peer's failure itself,
-``Session.classify``). Each change of phase is announced (:data:`.events.FAILURE_PHASE`).
-
-The **incident** is narrower: what this process knows of the failure under way since the last
-agreement (a peer's error, whether this rank failed itself, whether the main thread took it). An
-agreement ends it (:meth:`~FailureState.agreement_ended`), so that a failure user code caught never
-blinds the watchdog to the next one; :attr:`~FailureState.delivered` (a failure reached this rank's
-main thread) stays.
+The first failure wins: it is the attempt's :attr:`~FailureState.cause`. The **incident** is
+narrower: what this process knows of the failure under way since the last agreement (a peer's
+error, whether this rank failed itself, whether the main thread took it). An agreement ends it, so
+that a failure user code caught never blinds the watchdog to the next one;
+:attr:`~FailureState.delivered` (a failure reached this rank's main thread) stays.
 
 The **tag** (:class:`Tag`, under one attribute, read with :func:`tag_of`, set with :func:`tag`) is
 what the library learned of an exception object: the record this rank published for it, the
@@ -45,41 +56,568 @@ it, that Lightning's exception path was finished for it.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
+import signal as _signal
+import socket
 import threading
-from dataclasses import dataclass, field
+import time
+import traceback
+import typing
+import unicodedata
+from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Any, ClassVar, Sequence
 
-from . import events
-from .errors import PeerFailedError
-from .kinds import Ended, FailureKind
+from .log import log
 
-if TYPE_CHECKING:
-    from .records import FailureRecord
-
-#: How many later failures :attr:`FailureState.others` keeps (the first ones).
-MAX_OTHERS = 16
+#: In a field's bounds (:func:`decode`): the upper bound of a rank of the reader's world (below its size).
+WORLD = "world"
 
 
-class Phase(str, Enum):
-    """Where an attempt stands (see the module's diagram)."""
+# -- kinds as data -----------------------------------------------------------------------------------
+_SIGNAL_NAMES = {int(s): s.name for s in _signal.Signals}
+#: Largest signal number (Linux: 64, the last real-time signal) and exit code an :class:`Ended`
+#: read back from the store may carry.
+MAX_SIGNAL = 64
+MAX_EXIT_CODE = 255
 
-    RUNNING = "running"
-    FAILED_HERE = "failed here"
-    PEER_FAILED = "peer failed"
-    SIGNALLED = "signalled"
-    ACKNOWLEDGED = "acknowledged"
-    RECOVERED = "recovered"
-    ENDED = "ended"
 
-    __str__ = str.__str__
+class FailureKind(str, Enum):
+    """The kind of a failure. Its value is the name records and messages have always shown (a
+    declared record's ``exc_type``), so the JSON in the store and the messages keep their text."""
+
+    #: A rank raised an exception (``exc_type`` names its type).
+    RAISED = "raised"
+    #: Declared by a peer: the rank's process ended (``ended`` says how), or its host, or the
+    #: store it held, is gone (``ended`` is ``None``).
+    PEER_LOST = "PeerLost"
+    #: Declared by a peer: the rank's heartbeat stopped (its host or link is down, or it is frozen).
+    PEER_SILENT = "PeerSilent"
+    #: Seen by a rank: the c10d store stopped answering, and no rank runs on its host (a store on a
+    #: host of its own): no rank is to blame. Never published (the store is what is gone).
+    STORE_LOST = "StoreLost"
+    #: Declared by the rank itself: its main thread made no progress for ``hang_timeout``.
+    RANK_HUNG = "RankHung"
+    #: Declared by the rank itself: it received a signal that ends the job (``ended.signal``).
+    RANK_SIGNALLED = "RankSignalled"
+    #: A collective broke and no rank said why.
+    COMMUNICATION = "CommunicationError"
+    #: No rank's record of the failure could be read.
+    UNKNOWN = "unknown"
+    #: Recovering in place: the process of a rank that died was replaced by its keeper.
+    RANK_REPLACED = "RankReplaced"
+
+    __str__ = str.__str__  # the value, in messages and f-strings, on every Python version
     __format__ = str.__format__
 
+    @classmethod
+    def of(cls, exc_type: str, origin: str) -> FailureKind:
+        """The kind of a record or error of ``origin`` whose ``exc_type`` is ``exc_type``: a declared
+        one's ``exc_type`` is its kind; anything else is an exception a rank raised."""
+        if origin == "declared":
+            try:
+                return cls(exc_type)
+            except ValueError:
+                pass
+        return cls.RAISED
 
-#: Phases no transition leaves.
-FINAL = (Phase.RECOVERED, Phase.ENDED)
+
+#: The kinds a record of origin ``"declared"`` may have.
+DECLARED_KINDS = (FailureKind.PEER_LOST, FailureKind.PEER_SILENT, FailureKind.RANK_HUNG, FailureKind.RANK_SIGNALLED)
 
 
+@dataclass(frozen=True)
+class Ended:
+    """How a rank's process ended, as far as the rank that saw it could tell (``PeerLost``), or the
+    signal a rank received and reported (``RankSignalled``).
+
+    Attributes:
+        exit_code: it exited with this code (0 to 255), or ``None``.
+        signal: the number of the signal that killed it (or that it received), or ``None``.
+        keeper_gone: the process that would have replaced it in place (its keeper,
+            ``recover_in_place``) was gone too when it ended, as seen on its own host: nothing
+            replaces it there, whatever its keeper announced when it started.
+
+    Neither ``exit_code`` nor ``signal`` set: its process is gone and its exit status was not
+    visible from where it was seen.
+    """
+
+    exit_code: int | None = None
+    signal: int | None = None
+    keeper_gone: bool = False
+
+    @classmethod
+    def from_status(cls, status: int) -> Ended:
+        """From a wait status (``os.waitpid``'s, or the exit code field of ``/proc/<pid>/stat``)."""
+        if status & 0x7F:
+            return cls(signal=status & 0x7F)
+        return cls(exit_code=(status >> 8) & 0xFF)
+
+    @property
+    def killed(self) -> bool:
+        return self.signal is not None
+
+    @property
+    def unseen(self) -> bool:
+        """Gone, with no exit status to see (a parent reaped it first)."""
+        return self.exit_code is None and self.signal is None
+
+    @property
+    def signal_name(self) -> str | None:
+        """``"SIGKILL"`` (``"signal 42"`` for a number without a name), or ``None``."""
+        if self.signal is None:
+            return None
+        return _SIGNAL_NAMES.get(self.signal, f"signal {self.signal}")
+
+    def describe(self) -> str:
+        """``killed by SIGKILL``, ``exited with code 1``, or ``process is gone (exit status not visible
+        from this process)``."""
+        if self.signal is not None:
+            how = f"killed by {self.signal_name}"
+        elif self.exit_code is not None:
+            how = f"exited with code {self.exit_code}"
+        else:
+            how = "process is gone (exit status not visible from this process)"
+        return f"{how}, and its keeper is gone too" if self.keeper_gone else how
+
+    #: The bounds of its fields read back from the store (:func:`decode`).
+    BOUNDS: ClassVar[dict] = {"exit_code": (0, MAX_EXIT_CODE), "signal": (1, MAX_SIGNAL)}
+
+    def problem(self, world: int) -> str | None:
+        return "both an exit code and a signal" if self.exit_code is not None and self.signal is not None else None
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Stored:
+    """A frozen dataclass the store holds: what it costs is its fields and their ``BOUNDS``; the one
+    codec (:func:`encode`, :func:`decode`) writes and reads it."""
+
+    #: Larger than this (bytes), it is ignored unread.
+    MAX_BYTES: ClassVar[int] = 8 * 1024
+    BOUNDS: ClassVar[dict] = {}
+
+    def to_json(self) -> bytes:
+        return encode(self)
+
+    @classmethod
+    def from_json(cls, raw: Any, world_size: int, *, key: str | None = None) -> Any:
+        """Read back (``None``: malformed or out of range, see :func:`decode`), for a world of ``world_size``."""
+        return decode(cls, raw, world=world_size, max_bytes=cls.MAX_BYTES, key=key)
+
+
+# -- the record and its codec ------------------------------------------------------------------------
+#: Record format version; a reader ignores records of another version.
+RECORD_VERSION = 2
+#: Caps on the text fields of a record (characters). The traceback keeps its *tail*: the frames
+#: nearest the raise are the ones that explain it.
+MAX_MESSAGE_CHARS = 2_000
+MAX_TRACEBACK_CHARS = 8_000
+MAX_NAME_CHARS = 200
+#: A record read back from the store larger than this (bytes) is ignored unread.
+MAX_RECORD_BYTES = 16 * 1024
+#: Largest step, epoch or agreement number a record may carry (a job never gets near it).
+MAX_COUNTER = 2**53
+MAX_PID = 2**31
+#: A record whose time is further than this from the reader's clock (ms) is rejected.
+MAX_CLOCK_DISTANCE_MS = 366 * 86400 * 1000
+
+ORIGINS = ("failure", "declared")
+
+
+def cap_head(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 15] + " ...[truncated]"
+
+
+def cap_tail(text: str, limit: int) -> str:
+    return text if len(text) <= limit else "...[truncated]...\n" + text[-(limit - 19) :]
+
+
+def sanitize(text: str) -> str:
+    """Text from another process, safe to print: no terminal escapes, bidi tricks or surrogates."""
+    if text.isascii() and text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch in "\n\t":
+            out.append(ch)
+            continue
+        category = unicodedata.category(ch)
+        out.append("\ufffd" if category in ("Cc", "Cf", "Cs", "Co", "Cn") else ch)
+    return "".join(out)
+
+
+def exception_type_name(exc: BaseException) -> str:
+    """``ValueError`` for builtins, ``package.module.Name`` otherwise."""
+    cls = type(exc)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def host_name() -> str:
+    return cap_head(socket.gethostname(), MAX_NAME_CHARS)
+
+
+@dataclass(frozen=True)
+class FailureRecord(Stored):
+    """One failure, as published in the store (see the module docstring for ``origin``)."""
+
+    rank: int | None
+    exc_type: str
+    exc_message: str
+    traceback: str
+    section: str
+    time_ms: int
+    origin: str = "failure"
+    seq: int | None = None
+    pid: int = 0
+    host: str = ""
+    step: int | None = None
+    epoch: int | None = None
+    by: int | None = None
+    ended: Ended | None = None
+
+    @property
+    def kind(self) -> FailureKind:
+        return FailureKind.of(self.exc_type, self.origin)
+
+    @classmethod
+    def from_exception(
+        cls,
+        exc: BaseException,
+        *,
+        rank: int,
+        section: str,
+        seq: int | None = None,
+        step: int | None = None,
+        epoch: int | None = None,
+    ) -> FailureRecord:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        try:
+            message = str(exc)
+        except Exception as err:  # noqa: BLE001 - a broken __str__ must not replace the failure
+            message = f"<str() of the exception failed: {type(err).__name__}>"
+        return cls(
+            rank=rank,
+            exc_type=cap_head(exception_type_name(exc), MAX_NAME_CHARS),
+            exc_message=cap_head(message, MAX_MESSAGE_CHARS),
+            traceback=cap_tail(tb, MAX_TRACEBACK_CHARS),
+            section=cap_head(section, MAX_NAME_CHARS),
+            time_ms=int(time.time() * 1000),
+            origin="failure",
+            seq=seq,
+            pid=os.getpid(),
+            host=host_name(),
+            step=step,
+            epoch=epoch,
+        )
+
+    @classmethod
+    def declared(
+        cls, *, rank: int, kind: FailureKind, message: str, by: int, pid: int = 0, host: str = "", traceback: str = "",
+        time_ms: int | None = None, step: int | None = None, ended: Ended | None = None,
+    ) -> FailureRecord:
+        """Rank ``by`` says rank ``rank`` is lost, silent or hung (``kind``)."""
+        kind = FailureKind(kind)
+        assert kind in DECLARED_KINDS, kind
+        return cls(
+            rank=rank,
+            exc_type=kind.value,
+            exc_message=cap_head(message, MAX_MESSAGE_CHARS),
+            traceback=cap_tail(traceback, MAX_TRACEBACK_CHARS),
+            section="",
+            time_ms=int(time.time() * 1000) if time_ms is None else time_ms,
+            origin="declared",
+            pid=pid,
+            host=cap_head(host, MAX_NAME_CHARS),
+            step=step,
+            by=by,
+            ended=ended,
+        )
+
+    @classmethod
+    def lost(cls, *, rank: int, pid: int, host: str, why: str | Ended, by: int) -> FailureRecord:
+        """Rank ``by`` says rank ``rank`` (process ``pid`` on ``host``) is lost (``PeerLost``):
+        ``rank 1 (pid 4242 on node-b) lost: killed by SIGKILL``. ``why``: how its process ended
+        (carried by the record as ``ended``), or what was seen of a rank not seen to end."""
+        ended = why if isinstance(why, Ended) else None
+        how = why if ended is None else ended.describe()
+        return cls.declared(rank=rank, kind=FailureKind.PEER_LOST, by=by, pid=pid, host=host, ended=ended,
+                            message=f"rank {rank} (pid {pid} on {host}) lost: {how}")
+
+    VERSION: ClassVar[int] = RECORD_VERSION
+    MAX_BYTES: ClassVar[int] = MAX_RECORD_BYTES
+    BOUNDS: ClassVar[dict] = {
+        "rank": (0, WORLD), "exc_type": MAX_NAME_CHARS, "exc_message": MAX_MESSAGE_CHARS,
+        "traceback": -MAX_TRACEBACK_CHARS, "section": MAX_NAME_CHARS, "time_ms": (0, 2**62), "seq": (0, MAX_COUNTER),
+        "pid": (0, MAX_PID - 1), "host": MAX_NAME_CHARS, "step": (0, MAX_COUNTER), "epoch": (0, MAX_COUNTER),
+        "by": (0, WORLD), "origin": 20}
+
+    def problem(self, world: int) -> str | None:
+        """What the field bounds cannot say: a known origin, a time near the reader's, a declared
+        record's declaring rank and kind."""
+        if self.rank is None:
+            return "field 'rank' must be an int"
+        if self.origin not in ORIGINS:
+            return f"origin {self.origin!r} is not one of {', '.join(ORIGINS)}"
+        if abs(self.time_ms - time.time() * 1000) > MAX_CLOCK_DISTANCE_MS:
+            return f"time_ms {self.time_ms} is more than a year from now"
+        if self.origin == "declared" and (self.by is None or self.exc_type not in DECLARED_KINDS):
+            return f"a declared record needs 'by' and a kind among {', '.join(DECLARED_KINDS)}"
+        return None
+
+
+# -- one bounded JSON codec for every frozen record of the store -------------------------------------
+_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
+
+
+def encode(record: Any) -> bytes:
+    """A frozen dataclass as compact JSON (with its ``VERSION`` when it has one): what :func:`decode` reads."""
+    version = getattr(record, "VERSION", None)
+    return json.dumps({**({} if version is None else {"v": version}), **asdict(record)},
+                      separators=(",", ":")).encode("utf-8")
+
+
+def decode(cls: type, raw: Any, *, world: int, max_bytes: int, key: str | None = None) -> Any:
+    """A ``cls`` (a frozen dataclass) read back from the store, which is unauthenticated: never
+    unpickled, every value bounded and range-checked. ``None`` (with a warning naming ``key``, when
+    given) for anything larger than ``max_bytes``, not JSON, of another ``VERSION``, or with a
+    field of the wrong type or outside ``cls.BOUNDS``:
+
+    * an ``int`` or ``float`` field: ``(low, high)``, inclusive; ``high`` :data:`WORLD`: a rank of a
+      world of ``world`` ranks; a ``tuple[int, ...]`` field: ``(low, high, most items)``;
+    * a ``str`` field: its most characters (negative: the tail is kept), or ``("hex", chars)`` for a
+      lower-case hex digest ("" otherwise); text is sanitised (:func:`sanitize`);
+    * a field of a dataclass type is read the same way (``None``, where allowed, when it is malformed);
+    * ``cls.problem(record, world)``, when defined, says what the bounds cannot.
+
+    A field missing from the JSON takes its default; one without a default must be there."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "replace")
+    if not isinstance(raw, (bytes, bytearray)):
+        problem = f"not bytes but {type(raw).__name__}"
+    elif len(raw) > max_bytes:
+        problem = f"{len(raw)} bytes, over the {max_bytes}-byte limit"
+    else:
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
+            problem = f"not JSON ({sanitize(str(err))[:200]})"
+        else:
+            record, problem = _from_obj(cls, obj, world)
+            if problem is None:
+                return record
+    if key is not None:
+        log(logging.WARNING, "ignoring store key %s: not a valid %s: %s", key, cls.__name__, sanitize(problem)[:300])
+    return None
+
+
+def _from_obj(cls: type, obj: Any, world: int) -> tuple[Any, str | None]:
+    if not isinstance(obj, dict):
+        return None, f"expected an object, got {type(obj).__name__}"
+    version = getattr(cls, "VERSION", None)
+    if version is not None and obj.get("v") != version:
+        return None, f"version {obj.get('v')!r}, expected {version}"
+    hints, bounds, values = typing.get_type_hints(cls, localns=globals()), getattr(cls, "BOUNDS", {}), {}
+    for f in dataclasses.fields(cls):
+        if f.name not in obj:
+            if f.default is dataclasses.MISSING:
+                return None, f"field {f.name!r} is missing"
+            continue
+        value, problem = _field(f.name, hints[f.name], bounds.get(f.name), obj[f.name], world)
+        if problem is not None:
+            return None, problem
+        values[f.name] = value
+    record = cls(**values)
+    check = getattr(cls, "problem", None)
+    problem = check(record, world) if check is not None else None
+    return (None, problem) if problem else (record, None)
+
+
+def _field(name: str, hint: Any, bound: Any, value: Any, world: int) -> tuple[Any, str | None]:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = type(None) in typing.get_args(hint)
+    if value is None:
+        return (None, None) if optional else (None, f"field {name!r} must not be null")
+    kind = args[0] if optional and len(args) == 1 else hint
+    if dataclasses.is_dataclass(kind):
+        nested, problem = _from_obj(kind, value, world)
+        return (nested, None) if problem is None or optional else (None, f"field {name!r}: {problem}")
+    if typing.get_origin(kind) is tuple:
+        if not isinstance(value, list) or len(value) > bound[2] or not all(is_int(v) for v in value):
+            return None, f"field {name!r} must be a list of at most {bound[2]} ints"
+        if not all(bound[0] <= v <= (world - 1 if bound[1] == WORLD else bound[1]) for v in value):
+            return None, f"field {name!r} holds a value outside its bounds"
+        return tuple(value), None
+    expected = _TYPES[kind.__name__ if isinstance(kind, type) else str(kind)]
+    if not isinstance(value, expected) or (kind is not bool and isinstance(value, bool)):
+        return None, f"field {name!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}"
+    if kind is str:
+        if isinstance(bound, tuple):  # ("hex", chars)
+            return (value if len(value) <= bound[1] and all(c in "0123456789abcdef" for c in value) else ""), None
+        return sanitize(cap_tail(value, -bound) if bound < 0 else cap_head(value, bound)), None
+    if bound is not None:
+        low, high = bound[0], (world - 1 if bound[1] == WORLD else bound[1])
+        if not low <= value <= high:
+            return None, f"field {name!r} = {value} is outside [{low}, {high}]"
+    return value, None
+
+
+# -- the error every other rank raises ---------------------------------------------------------------
+def describe_where(section: str, step: int | None = None, epoch: int | None = None) -> str:
+    """``'load data'`` or ``'train' (epoch 2, iteration 17)``."""
+    parts = []
+    if epoch is not None:
+        parts.append(f"epoch {epoch}")
+    if step is not None:
+        parts.append(f"iteration {step}")
+    where = repr(section)
+    return f"{where} ({', '.join(parts)})" if parts else where
+
+
+class PeerFailedError(RuntimeError):
+    """Raised on every rank that did not fail, when another rank failed (or was lost or hung).
+
+    The rank that failed re-raises its own exception unchanged; every other rank raises this error,
+    which carries what the failing rank (or the rank that saw it die) reported through the store.
+
+    Attributes:
+        record: the failure, as the one :class:`FailureRecord` the rest are read from.
+        failed_rank: global rank that failed first (earliest timestamp; lowest rank on a tie).
+            ``None`` only when no rank could say who failed.
+        exc_type: the failing rank's exception type (``"ValueError"``), or for a rank that was lost,
+            silent or hung the kind: ``"PeerLost"``, ``"PeerSilent"``, ``"RankHung"``.
+        kind: the :class:`FailureKind` (``FailureKind.RAISED`` for an exception a rank raised,
+            ``FailureKind.PEER_LOST``, ...): what code compares, rather than ``exc_type`` or the message.
+        ended: how a lost rank's process ended (:class:`Ended`: its exit code or the signal that
+            killed it), or the signal a signalled rank received; ``None`` when not known (a rank
+            whose host or store is gone, an exception).
+        exc_message: ``str()`` of that exception (capped), or what was seen of the lost rank.
+        remote_traceback: the failing rank's formatted traceback, or a hung rank's main-thread stack.
+        where: the section name, with epoch and iteration when an adapter knows them.
+        section, step, epoch: the parts of ``where``.
+        failed_at: wall-clock time of the failure (seconds since the epoch).
+        pid, host: the failing process.
+        origin: ``"failure"`` (the rank reported its own failure) or ``"declared"`` (another rank,
+            or the watchdog of a hung rank, declared it lost, silent or hung).
+        others: the other ranks that failed in the same episode, as
+            ``[{"rank": 3, "exc_type": "KeyError", "exc_message": "'x'"}, ...]``.
+    """
+
+    def __init__(
+        self,
+        failed_rank: int | None = None,
+        exc_type: str = "",
+        exc_message: str = "",
+        remote_traceback: str = "",
+        where: str = "",
+        *,
+        section: str = "",
+        step: int | None = None,
+        epoch: int | None = None,
+        failed_at: float | None = None,
+        pid: int | None = None,
+        host: str = "",
+        origin: str = "failure",
+        others: Sequence[dict[str, Any]] = (),
+        kind: FailureKind | None = None,
+        ended: Ended | None = None,
+        record: FailureRecord | None = None,
+    ) -> None:
+        if record is None:
+            record = FailureRecord(failed_rank, exc_type, exc_message, remote_traceback, section,
+                                   0 if failed_at is None else round(failed_at * 1000), origin, pid=pid or 0,
+                                   host=host, step=step, epoch=epoch, ended=ended)
+        self.record = record
+        self.where = where
+        self.others = [dict(o) for o in others]
+        self.kind = record.kind if kind is None else FailureKind(kind)
+        super().__init__(self._format())
+
+    failed_rank = property(lambda self: self.record.rank)
+    exc_type = property(lambda self: self.record.exc_type)
+    exc_message = property(lambda self: self.record.exc_message)
+    remote_traceback = property(lambda self: self.record.traceback)
+    section = property(lambda self: self.record.section)
+    step = property(lambda self: self.record.step)
+    epoch = property(lambda self: self.record.epoch)
+    failed_at = property(lambda self: self.record.time_ms / 1000.0 if self.record.time_ms else None)
+    pid = property(lambda self: self.record.pid or None)
+    host = property(lambda self: self.record.host)
+    origin = property(lambda self: self.record.origin)
+    ended = property(lambda self: self.record.ended)
+
+    @classmethod
+    def from_records(cls, records: Sequence[FailureRecord], fallback_rank: int | None = None,
+                     section: str = "") -> PeerFailedError:
+        """The error for the records of one failure episode; the earliest failure is the cause."""
+        if not records:
+            return cls(fallback_rank, FailureKind.UNKNOWN.value, "the failing rank's record could not be read from "
+                       "the store", where=repr(section), section=section, kind=FailureKind.UNKNOWN)
+        # One record per rank: what it said itself (its failure, or a signal it received) over what
+        # a peer declared about it, then the earliest (a rank that raised and was also declared
+        # silent by a watchdog is named once, by its own error; SIGINT's RankSignalled comes before
+        # the KeyboardInterrupt it turns into).
+        def rank_of(r: FailureRecord) -> tuple[bool, int]:
+            return (r.origin != "failure" and r.by != r.rank, r.time_ms)
+
+        best: dict[int, FailureRecord] = {}
+        for r in records:
+            kept = best.get(r.rank)
+            if kept is None or rank_of(r) < rank_of(kept):
+                best[r.rank] = r
+        first, *rest = sorted(best.values(), key=lambda r: (r.time_ms, r.rank))
+        return cls(record=first, others=[{"rank": r.rank, "exc_type": r.exc_type, "exc_message": r.exc_message}
+                                         for r in rest],
+                   where=describe_where(first.section, first.step, first.epoch) if first.origin == "failure" else "")
+
+    def _format(self) -> str:
+        who = "an unknown rank" if self.failed_rank is None else f"rank {self.failed_rank}"
+        if self.origin == "declared":  # the message already says who and what
+            text = f"{self.exc_type}: {self.exc_message}"
+        else:
+            text = f"{who} failed in {self.where or 'a fail-together section'}: {self.exc_type}: {self.exc_message}"
+        if self.others:
+            also = "; ".join(f"rank {o['rank']}: {o['exc_type']}: {o['exc_message']}" for o in self.others)
+            text += f"\nalso failed: {also}"
+        if self.remote_traceback:
+            origin = f" (pid {self.pid} on {self.host})" if self.pid and self.host else ""
+            text += f"\n\nTraceback of {who}{origin}:\n{self.remote_traceback.rstrip()}"
+        return text
+
+    def __reduce__(self):  # picklable for launchers that ship exceptions between processes
+        return (_rebuild, (self.record, self.where, self.others, self.kind))
+
+
+def _rebuild(record, where, others, kind):
+    return PeerFailedError(record=record, where=where, others=others, kind=kind)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What a probe found. ``error`` is what this rank's main thread must raise; ``declare`` is a
+    record to publish on behalf of the failed rank (the first rank to declare it does);
+    ``hung_self``: this rank itself is hung and must end."""
+
+    error: PeerFailedError
+    declare: FailureRecord | None = None
+    hung_self: bool = False
+
+
+def declared_finding(record: FailureRecord) -> Finding:
+    return Finding(PeerFailedError.from_records([record]), declare=record)
+
+
+# Their public path (:mod:`fault_tolerant_handlers.errors`): what tracebacks, records and pickles name.
+PeerFailedError.__module__ = FailureKind.__module__ = Ended.__module__ = "fault_tolerant_handlers.errors"
+
+
+# -- the failure state of an attempt -----------------------------------------------------------------
 @dataclass
 class Incident:
     """What this process knows of the failure under way since the last agreement. Written by its
@@ -96,79 +634,30 @@ class Incident:
     acknowledged: threading.Event = field(default_factory=threading.Event)
 
 
-@dataclass(frozen=True)
-class Failure:
-    """One failure as the state keeps it: data, never the exception object (its traceback would
-    keep the frames of the attempt that raised it alive, its model and loaders with them).
-
-    Attributes:
-        kind: what happened (``RAISED`` for an exception).
-        rank: the global rank that failed, when known.
-        exc_type: the exception's type name, or the kind's name for a declared failure.
-        message: the first line of its message (at most 300 characters).
-        ended: how the rank's process ended, when known.
-    """
-
-    kind: FailureKind
-    rank: int | None
-    exc_type: str
-    message: str
-    ended: Ended | None = None
-
-    @classmethod
-    def of(cls, failure: object) -> Failure:
-        """From a :class:`~.records.FailureRecord`, a :class:`~.errors.PeerFailedError` or any exception."""
-        if isinstance(failure, Failure):
-            return failure
-        if isinstance(failure, PeerFailedError):
-            return cls(failure.kind, failure.failed_rank, failure.exc_type, _line(failure.exc_message), failure.ended)
-        if isinstance(failure, BaseException):
-            return cls(FailureKind.RAISED, None, type(failure).__name__, _line(str(failure)))
-        return cls(failure.kind, failure.rank, failure.exc_type, _line(failure.exc_message), failure.ended)
-
-
-def _line(text: str) -> str:
-    return (str(text).splitlines() or [""])[0][:300]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """:meth:`FailureState.outcome`: the answer to "has this job failed?" at one moment."""
-
-    phase: Phase
-    failed: bool
-    cause: Failure | None = None
-    others: tuple[Failure, ...] = ()
-
-
 class FailureState:
     """The failure state of one attempt on one process group. Thread-safe: transitions take a lock,
     queries are attribute reads (the adapters make two per batch)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._phase = Phase.RUNNING
-        self._cause: Failure | None = None
-        self._others: list[Failure] = []
+        self._cause: FailureRecord | None = None
         self._incident = Incident()
         self._escalated: list[Incident] = []  # incidents escalated, not yet acknowledged
         self._delivered = False
         self._signal: PeerFailedError | None = None
+        self._moves = 0
 
     # -- queries --------------------------------------------------------------------------------------
     @property
-    def phase(self) -> Phase:
-        return self._phase
-
-    @property
-    def cause(self) -> Failure | None:
-        """The attempt's first failure (this rank's own, a peer's, its own signal), as data; ``None``: none."""
+    def cause(self) -> FailureRecord | None:
+        """The attempt's first failure (this rank's own, a peer's, its own signal); ``None``: none."""
         return self._cause
 
     @property
-    def others(self) -> tuple[Failure, ...]:
-        """Failures learned after the cause, in order (at most :data:`MAX_OTHERS`)."""
-        return tuple(self._others)
+    def moves(self) -> int:
+        """How often the attempt's failure moved on: its cause was set, or the main thread took a
+        failure (the watchdog's hang check is quiet after either, until the next beat)."""
+        return self._moves
 
     @property
     def delivered(self) -> bool:
@@ -201,42 +690,29 @@ class FailureState:
         """The current incident (read it; its fields are written here only)."""
         return self._incident
 
-    def outcome(self) -> Verdict:
-        with self._lock:
-            return Verdict(self._phase, self.failing, self._cause, tuple(self._others))
-
     # -- transitions ----------------------------------------------------------------------------------
-    def failed_here(self, cause: object, *, told: bool = True) -> bool:
-        """This rank failed itself: ``cause`` is its record (or error). ``told``: its main thread
-        knows (it raised); ``False`` for a hang the watchdog found (the main thread is interrupted).
-        Returns whether it became the attempt's cause."""
+    def failed_here(self, record: FailureRecord, *, told: bool = True) -> None:
+        """This rank failed itself: ``record`` is its record. ``told``: its main thread knows (it
+        raised); ``False`` for a hang the watchdog found (the main thread is interrupted)."""
         with self._lock:
             self._incident.local = True
-            if told:
-                self._delivered = True
-            old, first = self._phase, self._note(cause)
-            if first:
-                self._phase = Phase.FAILED_HERE
-        return self._announce(old)
+            self._delivered = self._delivered or told
+            self._set_cause(record)
 
     def peer_failed(self, err: PeerFailedError) -> Incident | None:
         """The watchdog found a peer's failure: the incident to escalate (release this rank's
         collectives, tell the main thread), or ``None`` when there is nothing to do (already known
         in this incident, this rank's own signal is the cause, or this rank failed itself)."""
         with self._lock:
-            incident, old = self._incident, self._phase
+            incident = self._incident
             if incident.peer_error is not None or self._signal is not None:
-                self._note(err, known=True)
-                escalated = None
-            else:
-                incident.peer_error = err
-                escalated = None if incident.local else incident
-                if escalated is not None:
-                    self._escalated.append(incident)
-                if self._note(err):
-                    self._phase = Phase.PEER_FAILED
-        self._announce(old)
-        return escalated
+                return None
+            incident.peer_error = err
+            self._set_cause(err.record)
+            if incident.local:
+                return None
+            self._escalated.append(incident)
+            return incident
 
     def signalled(self, cause: PeerFailedError) -> bool:
         """This rank's own SIGTERM/SIGINT is the job's cause (``cause``: its ``RankSignalled``).
@@ -247,76 +723,38 @@ class FailureState:
             self._signal = cause
             self._incident.local = True  # the peers' reaction is not a failure to escalate here
             self._delivered = True  # the job fails: its exit does not wait on a store that may be leaving
-            old = self._phase
-            if self._note(cause):
-                self._phase = Phase.SIGNALLED
-        self._announce(old)
-        return True
+            self._set_cause(cause.record)
+            return True
 
-    def acknowledged(self, err: BaseException | None = None) -> bool:
+    def acknowledged(self, err: BaseException | None = None) -> None:
         """The main thread takes a peer's failure (``err``) and raises it: the incident ``err`` was
         delivered in (its tag), else the current one, and every escalated one, are acknowledged (no
-        reported exit by the watchdog). Returns whether one was not acknowledged yet. Any phase but
-        the final ones becomes ACKNOWLEDGED."""
+        reported exit by the watchdog)."""
         taken = tag_of(err).incident if err is not None else None
         with self._lock:
-            incidents = (taken or self._incident, *self._escalated)
-            applied = any(not i.acknowledged.is_set() for i in incidents)
-            for incident in incidents:
+            self._moves += 1
+            for incident in (taken or self._incident, *self._escalated):
                 incident.acknowledged.set()
             self._escalated.clear()
-            old = self._phase
-            if err is not None:
-                self._note(err)
-            if old not in FINAL:
-                self._phase = Phase.ACKNOWLEDGED
-        self._announce(old)
-        return applied
+            if isinstance(err, PeerFailedError):
+                self._set_cause(err.record)
+
+    def _set_cause(self, failure: FailureRecord) -> None:
+        """Under the lock: the first failure is the cause."""
+        if self._cause is None:
+            self._cause = failure
+            self._moves += 1
 
     def agreement_ended(self, failed: bool, error: BaseException | None = None) -> Incident:
         """An agreement ended (``failed``: some rank failed; ``error``: what this rank raises for a
         peer's failure or a mismatch). A fresh incident begins; returns the one that ended."""
         with self._lock:
-            ended, old = self._incident, self._phase
+            ended = self._incident
             self._delivered = self._delivered or failed
-            if failed and isinstance(error, PeerFailedError) and self._note(error):
-                self._phase = Phase.PEER_FAILED
+            if failed and isinstance(error, PeerFailedError):
+                self._set_cause(error.record)
             self._incident = Incident()
-        self._announce(old)
-        return ended
-
-    def ended(self, *, recovered: bool) -> bool:
-        """The attempt is over: ``recovered`` in place, or ended. Returns whether it was not over yet."""
-        with self._lock:
-            old = self._phase
-            if old in FINAL:
-                return False
-            self._phase = Phase.RECOVERED if recovered else Phase.ENDED
-        self._announce(old)
-        return True
-
-    # -- helpers (under the lock) ---------------------------------------------------------------------
-    def _note(self, failure: object, *, known: bool = False) -> bool:
-        """Keep ``failure`` (as a :class:`Failure`): the cause when there is none yet and the phase is
-        not final (returns True); the same failure seen again is not kept twice."""
-        if failure is None:
-            return False
-        failure = Failure.of(failure)
-        if failure == self._cause or failure in self._others:
-            return False
-        if self._cause is None and not known and self._phase not in FINAL:
-            self._cause = failure
-            return True
-        if len(self._others) < MAX_OTHERS:
-            self._others.append(failure)
-        return False
-
-    def _announce(self, old: Phase) -> bool:
-        new = self._phase
-        if new is not old:
-            events.emit(events.FAILURE_PHASE, self, old, new)
-            return True
-        return False
+            return ended
 
 
 # -- the tag ----------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .log import log
-from . import attempts
+from . import attempts, hooks
 
 #: The environment variable the adapters read.
 INJECT_ENV = "FTH_INJECT"
@@ -157,7 +157,8 @@ class Injector:
         if injection.kind == "raise":
             raise InjectedFault(f"injected by {INJECT_ENV}: {injection}")
         if injection.kind == "lose":
-            attempts.lose()  # its keeper, if any, will not replace it
+            for lose in hooks.callbacks(hooks.LOSE):  # its keeper, if any, will not replace it
+                lose()
         if injection.kind in ("kill", "lose"):
             os.kill(os.getpid(), signal.SIGKILL)
         if injection.kind == "hang":

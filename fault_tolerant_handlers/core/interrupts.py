@@ -43,8 +43,8 @@ import time
 from contextlib import ContextDecorator
 from datetime import timedelta
 from types import CodeType, FrameType, TracebackType
-from typing import Callable
 
+from . import hooks
 from .log import log
 
 _pending: BaseException | None = None  # delivered, not yet taken by the recovery
@@ -58,19 +58,6 @@ _bound = 30.0  # seconds: how long a section may hold the interrupt back (set by
 _signum: int | None = None  # the signal of the installed handler
 _takers: frozenset[CodeType] = frozenset()  # frames that take the interrupt: never raised in them
 _lock = threading.Lock()  # interrupt / resend / uninstall against each other (never in the handler)
-#: Tell from the main thread's innermost frame that it writes a checkpoint (registered by
-#: :mod:`..detect.writes` at its import: the core knows no detector).
-_deferrers: list[Callable[[FrameType], bool]] = []
-
-
-def defer_while(predicate: Callable[[FrameType], bool]) -> None:
-    """Also defer the interrupt while ``predicate(frame)`` is true of the main thread's innermost
-    frame (a checkpoint write recognised from the stack); its delivery is then the watchdog's next
-    signal after it."""
-    if predicate not in _deferrers:
-        _deferrers.append(predicate)
-
-
 def _in_main_thread() -> bool:
     return threading.get_ident() == threading.main_thread().ident
 
@@ -178,7 +165,7 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
         return  # the recovery's own frame: it takes the interrupt there
     if _handling(err):
         return  # on its way out already (an exception path, a finally)
-    if _depth or (frame is not None and any(defer(frame) for defer in _deferrers)):
+    if _depth or (frame is not None and any(defer(frame) for defer in hooks.callbacks(hooks.DEFER))):
         now = time.monotonic()
         if _deferred_at is None:
             _deferred_at = now

@@ -15,7 +15,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from .records import FailureRecord, host_name, sanitize
+from .failure import FailureRecord, host_name, sanitize
 
 
 def digest(text: str) -> int:

@@ -1,7 +1,7 @@
 """Recovery made visible: what a recovery in place tells the world, as data.
 
 A recovery in place (:func:`fault_tolerant_handlers.recover_in_place`) goes through three moments on
-every rank, and announces each through :mod:`.events` with one frozen :class:`RecoveryInfo`:
+every rank, and announces each through :mod:`.hooks` with one frozen :class:`RecoveryInfo`:
 
 =====================  ==============================================================================
 ``FAILURE_SEEN``       the failure reached this rank's recovery (its cause as this rank sees it: its
@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Callable
 
-from . import events
-from .kinds import FailureKind, is_int
+from . import hooks
+from .failure import FailureKind, is_int
 from .log import first_line
 
 
@@ -50,8 +50,8 @@ LIVE = "live"
 CHECKPOINT = "checkpoint"
 SOURCES = (LIVE, CHECKPOINT)
 
-_EVENT = {RecoveryPhase.FAILURE_SEEN: events.FAILURE_SEEN, RecoveryPhase.RECOVERY_STARTED: events.RECOVERY_STARTED,
-          RecoveryPhase.RECOVERED: events.RECOVERED}
+_EVENT = {RecoveryPhase.FAILURE_SEEN: hooks.FAILURE_SEEN, RecoveryPhase.RECOVERY_STARTED: hooks.RECOVERY_STARTED,
+          RecoveryPhase.RECOVERED: hooks.RECOVERED}
 
 
 def _check_int(owner: str, name: str, value: object, low: int, optional: bool = False) -> None:
@@ -239,7 +239,7 @@ def _record(info: RecoveryInfo) -> None:
 
 def announce(info: RecoveryInfo) -> None:
     """Record ``info`` and tell its event's subscribers (the recovery calls it; never raises)."""
-    events.emit(_EVENT[info.phase], info)
+    hooks.emit(_EVENT[info.phase], info)
 
 
 def carried_on(step: int, last_completed: int | None) -> RecoveryInfo | None:
@@ -281,14 +281,14 @@ def on_recovery(callback: Callable[[RecoveryInfo], object]) -> Callable[[], None
     if not callable(callback):
         raise TypeError(f"on_recovery(callback): callback must be a callable taking a RecoveryInfo, got {callback!r}")
     for event in _EVENT.values():
-        events.subscribe(event, callback)
+        hooks.add(event, callback)
 
     def unsubscribe() -> None:
         for event in _EVENT.values():
-            events.unsubscribe(event, callback)
+            hooks.remove(event, callback)
 
     return unsubscribe
 
 
 for _event in _EVENT.values():  # first in line: a subscriber that reads the history finds its info there
-    events.subscribe(_event, _record)
+    hooks.add(_event, _record)

@@ -40,14 +40,7 @@ EXIT_TEARDOWN_STUCK = 89
 
 def store_ports(store: dist.Store | None) -> set[int]:
     """The TCP port(s) of the c10d store behind ``store`` (through any PrefixStore wrappers)."""
-    ports: set[int] = set()
-    seen = 0
-    while store is not None and seen < 16:
-        port = getattr(store, "port", None)
-        if isinstance(port, int) and port > 0:
-            ports.add(port)
-        store = getattr(store, "underlying_store", None)
-        seen += 1
+    ports = {p for p in (getattr(s, "port", None) for s in _compat_torch.store_chain(store)) if isinstance(p, int) and p > 0}
     env_port = os.environ.get("MASTER_PORT", "")
     if env_port.isdigit():
         ports.add(int(env_port))

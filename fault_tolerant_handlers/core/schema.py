@@ -6,13 +6,31 @@ seeded generators), gathered at setup, so a restarted job never reads an earlier
 
 ==================  =====================================================================
 ``n``               failure-record counter (``add``); the watchdog polls it
-``r/<i>``           failure record number ``i`` (bounded JSON, :mod:`.records`)
+``r/<i>``           failure record number ``i`` (bounded JSON, :mod:`.failure`)
 ``hb/<rank>``       heartbeat counter of ``rank`` (``add``), read by its ring neighbour
 ``declared/<rank>`` counts declarations of ``rank`` as lost/silent/hung: only the first publishes
 ``sec/<rank>``      what ``rank`` was in when an agreement found the ranks out of step
 ``left/<rank>``     ``rank`` stopped its watchdog cleanly (its loops ended normally): its
                     heartbeat stopping and its process ending next are not a failure
 ==================  =====================================================================
+
+A recovery in place agrees in the first attempt's store, under ``fth/recover/<torchrun restart>/``
+(no run id: a recovery outlives the sessions it abandons), with :func:`recovery_key`:
+
+===============================  ========================================================================
+``<g>/cause/<rank>``             ``rank``'s view of the failure of in-place attempt ``g`` (``Cause``)
+``<g>/live/<rank>``              the live state ``rank`` holds for the next attempt (``LiveReport``)
+``<g>/arrived``, ``<g>/stop``    how many ranks reached the recovery, how many end the job (``add``)
+``<g>/decision``                 rank 0's ``Decision``
+``keeper/<rank>``                ``rank`` has a keeper (its process is replaced in place)
+``spares/seat/<rank>``           who holds training rank ``rank`` (``Seat``)
+``spares/order/<launched>``      what launched rank ``launched`` is told (``Order``)
+``spares/taken``                 how many spares were taken (``add``)
+``spares/<g>/claim/<rank>``      the first survivor to ``add`` here finds a spare for lost ``rank``
+``spares/<g>/answer/<rank>``     which spare replaces lost ``rank`` (``Answer``)
+===============================  ========================================================================
+
+Every value is a record of the one codec (:class:`~.failure.Stored`) or a counter.
 
 The store is unauthenticated. Every value read is bounded and range-checked: a counter that jumps
 backwards or further than a job could move it is treated as corruption (a warning naming the key,
@@ -28,6 +46,7 @@ connection never breaks the process group's own client (which training needs).
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import random
@@ -41,9 +60,9 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from . import interrupts, release
+from . import attempts, interrupts, release
 from .log import first_line, log
-from .records import FailureRecord, sanitize
+from .failure import FailureRecord, sanitize
 
 KEY_COUNT = "n"
 #: The connect back-off's jitter: a generator of the library's own, seeded by the operating system,
@@ -56,6 +75,47 @@ MAX_COUNTER_STEP = 1 << 20
 #: Records of its own a rank keeps in the store; publishing more deletes the oldest.
 MAX_OWN_RECORDS = 8
 _U64 = 1 << 64
+
+
+
+#: The root of the keys of the recoveries in place (see the module's second table).
+RECOVER_ROOT = "fth/recover"
+
+
+def recovery_key(*parts: object) -> str:
+    """``fth/recover/<torchrun restart>/<parts...>``: a key of this torchrun attempt's recoveries in place."""
+    return "/".join((RECOVER_ROOT, str(attempts.restart()), *map(str, parts)))
+
+
+def agreement_key(gen: int, part: str, rank: int | None = None) -> str:
+    """A key of the agreement on in-place attempt ``gen``: ``cause``/``live`` (of ``rank``), ``arrived``,
+    ``stop``, ``decision``."""
+    return recovery_key(gen, part) if rank is None else recovery_key(gen, part, rank)
+
+
+def keeper_key(rank: int) -> str:
+    """Set by a keeper's child when its first session starts: rank ``rank`` has a keeper."""
+    return recovery_key("keeper", rank)
+
+
+def seat_key(rank: int) -> str:
+    return recovery_key("spares", "seat", rank)
+
+
+def order_key(launched_rank: int) -> str:
+    return recovery_key("spares", "order", launched_rank)
+
+
+def taken_key() -> str:
+    return recovery_key("spares", "taken")
+
+
+def claim_key(gen: int, rank: int) -> str:
+    return recovery_key("spares", gen, "claim", rank)
+
+
+def answer_key(gen: int, rank: int) -> str:
+    return recovery_key("spares", gen, "answer", rank)
 
 
 def record_key(index: int) -> str:
@@ -322,6 +382,17 @@ class Connection:
 _stuck: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
 #: Every worker (weakly held): the ones inside a call are ``busy``.
 _workers: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
+
+
+class Bounded:
+    """A store whose every call (``bounded.add(key, 1)``) is ``conn``'s :meth:`Connection.call`: on a
+    thread of its own, waited for within the connection's deadline (:class:`StoreCallTimeout` past it)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def __getattr__(self, method: str) -> Callable:
+        return functools.partial(self._conn.call, method)
 
 
 def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0, *, busy_too: bool = False) -> int:

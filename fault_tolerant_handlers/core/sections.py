@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from . import inject
 from .log import first_line, log
-from .errors import PeerFailedError, is_backend_error
+from .compat_torch import is_backend_error
+from .errors import PeerFailedError
 from .failure import tag, tag_of
 from .session import Session, get_session
 

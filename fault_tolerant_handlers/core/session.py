@@ -48,16 +48,14 @@ import torch
 import torch.distributed as dist
 
 from . import compat_torch as _compat_torch
-from . import attempts, config, events, schema as _schema
+from . import attempts, config, hooks, schema as _schema
 from .agreement import MAX_FLAG, pack_agreement, section_hash, unpack_agreement
-from .errors import PeerFailedError, RecoveryError, SectionMismatchError, is_backend_error
-from .failure import FailureState, Incident, tag, tag_of
-from .kinds import FailureKind
+from .errors import PeerFailedError, RecoveryError, SectionMismatchError
+from .failure import FailureKind, FailureRecord, FailureState, Incident, host_name, tag, tag_of
 from .log import first_line, log
-from .peers import PeerPidProbe
+from .procfs import PeerPidProbe
 from .ranks import (RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout,
                     normalize_address, own_address)
-from .records import FailureRecord, host_name
 from .release import listens_here, release_process_groups, store_peer_address, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port, store_evidence
 from .config import (BACKGROUND_CONNECT_TIMEOUT, EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT,  # timings: the table
@@ -152,7 +150,7 @@ class Session:
         #: Same-host peers by pid, consulted at once when a collective breaks (and by the signal handler).
         self.same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
         self._explaining = None
-        events.emit(events.SESSION_STARTED, self)  # the launchers: signal handlers, mp.spawn's report
+        hooks.emit(hooks.SESSION_STARTED, self)  # the launchers: signal handlers, mp.spawn's report
         log(logging.DEBUG, "fault-tolerance side group ready (run %s, %d ranks)", self.run_id, self.world_size)
 
     # -- the ranks (read from :attr:`table`) and connections ---------------------------------------
@@ -241,20 +239,20 @@ class Session:
     def take_peer_failure(self, err: PeerFailedError) -> Incident | None:
         """The watchdog found ``err``: returns the incident to escalate, or ``None`` when there is
         nothing to do (already known, or this rank failed itself and raises its own error).
-        Emits :data:`~.events.PEER_FAILED` (the launchers: a killed same-host peer's error file and,
+        Emits :data:`~.hooks.PEER_FAILED` (the launchers: a killed same-host peer's error file and,
         when escalated, mp.spawn's report before the launcher's SIGTERM)."""
         escalated = self.failure.peer_failed(err)
-        events.emit(events.PEER_FAILED, self.table, err, escalated is not None)
+        hooks.emit(hooks.PEER_FAILED, self.table, err, escalated is not None)
         return escalated
 
     def acknowledge(self, err: PeerFailedError | None = None) -> None:
         """The main thread takes a peer's failure (``err``) and raises it: no reported exit by the
         watchdog, and an orderly teardown of the (released) process groups at interpreter exit."""
-        events.emit(events.ACKNOWLEDGED, self.table, err, self.failure.peer_error)
+        hooks.emit(hooks.ACKNOWLEDGED, self.table, err, self.failure.peer_error)
         # An agreement's error names its own incident (its tag): the current one has replaced it
         # since, and acknowledging that would leave the watchdog blind to the next failure (no release).
         self.failure.acknowledged(err)
-        events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys, before this thread raises on
+        hooks.emit(hooks.JOB_FAILED, self)  # the launchers: torchrun's attempt keys, before this thread raises on
         teardown_at_exit()
 
     # -- record ------------------------------------------------------------------------------------
@@ -265,14 +263,14 @@ class Session:
         record = FailureRecord.from_exception(exc, rank=self.rank, section=section, seq=seq, step=step, epoch=epoch)
         self.failure.failed_here(record)
         tag(exc, record=record)
-        events.emit(events.RANK_FAILED, record)
+        hooks.emit(hooks.RANK_FAILED, record)
         log(logging.ERROR, "failed%s: %s: %s", f" in {section!r}" if seq is not None else "", record.exc_type,
             record.exc_message, step=step)
         try:
             self.schema.publish(record)
         except Exception as err:  # noqa: BLE001 - the flag still carries the rank; never mask the failure
             log(logging.WARNING, "could not publish the failure record: %s", first_line(err))
-        events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys
+        hooks.emit(hooks.JOB_FAILED, self)  # the launchers: torchrun's attempt keys
         if release:
             what = self.release_collectives()
             log(logging.INFO, "released this rank's collectives so that no peer waits: %s", what, step=step)
@@ -296,7 +294,7 @@ class Session:
             # a fresh incident begins: it must stay watchful
             incident = self.failure.agreement_ended(outcome is not None and outcome.failed, err)
             if outcome is not None and outcome.failed:
-                events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys
+                hooks.emit(hooks.JOB_FAILED, self)  # the launchers: torchrun's attempt keys
             if err is not None:
                 # the incident this failure belongs to: the main thread's acknowledge() marks that
                 # one, not the fresh incident that replaced it (which must stay watchful)
@@ -406,13 +404,13 @@ class Session:
         """``None`` if ``exc`` is this rank's own failure; otherwise the peer failure behind it.
 
         A :class:`PeerFailedError` is a peer's. A backend error (a released or broken collective:
-        :func:`~.errors.is_backend_error`) is a peer's when the cause can be found: what the watchdog
+        :func:`~.compat_torch.is_backend_error`) is a peer's when the cause can be found: what the watchdog
         knows, a same-host peer that is gone (pid check, now), or a record of another rank not yet
         delivered (read for up to :data:`EXPLAIN_WAIT`). Anything else is this rank's own.
         """
         if isinstance(exc, PeerFailedError):
             return exc
-        if not is_backend_error(exc):
+        if not _compat_torch.is_backend_error(exc):
             return None
         own = self.failure.signal  # this rank's own SIGTERM/SIGINT broke it: no peer to blame
         if own is not None:
@@ -561,7 +559,8 @@ class Session:
         """Take a reference on this group's watchdog (started on the first)."""
         with self._lock:
             if self._watchdog is None:
-                if _watchdog_factory is None:
+                factory = hooks.provider(hooks.WATCHDOG)  # the detectors': the core knows no watchdog
+                if factory is None:
                     raise RuntimeError("no watchdog is available: import fault_tolerant_handlers (its detect "
                                        "package provides it) before starting one")
                 if self._left:  # it watches again: its silence and its end count again
@@ -570,7 +569,7 @@ class Session:
                         self.schema.clear_left(self.rank)
                     except Exception as err:  # noqa: BLE001 - the watchdog judges an unreachable store
                         log(logging.DEBUG, "could not clear the left mark: %s", first_line(err))
-                self._watchdog = _watchdog_factory(self, hang_timeout=hang_timeout or self.config.hang_timeout).start()
+                self._watchdog = factory(self, hang_timeout=hang_timeout or self.config.hang_timeout).start()
             elif hang_timeout is not None and self._watchdog.hang_timeout != hang_timeout:
                 log(logging.WARNING, "watchdog already running with hang_timeout=%s; keeping it",
                     self._watchdog.hang_timeout)
@@ -630,7 +629,6 @@ class Session:
         session) and the exit hooks."""
         if self.side is None:
             return
-        self.failure.ended(recovered=False)
         self.stop()
         try:
             dist.barrier(group=self.side)
@@ -675,7 +673,7 @@ class Session:
         self._close_connections()
 
     def _close_connections(self) -> None:
-        events.emit(events.SESSION_CLOSED, self)  # the launchers: what they hold for this session
+        hooks.emit(hooks.SESSION_CLOSED, self)  # the launchers: what they hold for this session
         self.schema.conn.close()
         side, self.side = self.side, None
         try:
@@ -720,17 +718,6 @@ def is_local_address(address: str) -> bool:
 
 def _keeper_gone(record: FailureRecord) -> bool:
     return record.ended is not None and record.ended.keeper_gone
-
-
-#: Makes a session's watchdog (``factory(session, hang_timeout=...)``, with ``start()`` and
-#: ``stop(join_timeout=None)``): provided by :mod:`..detect.watchdog` when it is imported.
-_watchdog_factory = None
-
-
-def provide_watchdog(factory) -> None:
-    """Set what :meth:`Session.start_watchdog` starts (the detectors do, at import: the core knows no watchdog)."""
-    global _watchdog_factory
-    _watchdog_factory = factory
 
 
 _registry: dict[tuple[int, int], Session] = {}

@@ -5,7 +5,7 @@ While :func:`~fault_tolerant_handlers.recover_in_place` runs, the adapters keep 
 step (:class:`StepTracker`) and, when the training loop fails, capture what the checkpoint of that loop
 would hold (:class:`Captured`): Ignite's ``Checkpoint`` handler's ``to_save``, Lightning's
 ``trainer.save_checkpoint``. The recovery asks for the capture (:func:`collect`), the ranks agree on it
-(:func:`..recover.causes.plan_live`), and the next call of the training function gets it where it asks
+(:func:`..recover.live_state.plan_live`), and the next call of the training function gets it where it asks
 for a checkpoint: :func:`latest_checkpoint_answer` gives :func:`~fault_tolerant_handlers.latest_checkpoint`
 a name (:data:`NAME` in the checkpoint directory, a file that does not exist), and
 :func:`take` hands the state over for that name (``load_checkpoint``, Lightning's ``fit(ckpt_path=...)``).

@@ -11,7 +11,8 @@ from dataclasses import replace
 
 from ..core.config import WORKER_REAP
 from ..core.log import log
-from ..core.phases import Phase, RecoveryState
+from ..core import hooks
+from ..core.phases import RecoveryState
 from . import live, snapshots
 
 #: The modules whose processes are DataLoader workers: torch's and this package's (the data layer).
@@ -65,8 +66,8 @@ def end_recovery(state: RecoveryState) -> None:
 
 #: What the data layer does in each phase, in this order.
 STEPS = (
-    (Phase.CAPTURE_LIVE, capture_live),
-    (Phase.SETTLE_LIVE, settle_live),
-    (Phase.COLLECTED, reap_workers),
-    (Phase.END, end_recovery),
+    (hooks.CAPTURE_LIVE, capture_live),
+    (hooks.SETTLE_LIVE, settle_live),
+    (hooks.COLLECTED, reap_workers),
+    (hooks.END, end_recovery),
 )

@@ -43,10 +43,9 @@ from typing import Callable, Iterable
 
 from ..core import config
 from ..core.errors import PeerFailedError
-from ..core.kinds import FailureKind
+from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, cap_tail
 from .probes import Finding, hung_rank, waiting_on_peers
 from .writes import writing_now
-from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
 
 #: Defaults of the rule (seconds, counts); each is an argument of :class:`AutoHangProbe`, and
 #: ``FTH_AUTO_HANG_MULTIPLE``, ``FTH_AUTO_HANG_FLOOR_SEC``, ``FTH_AUTO_HANG_WARMUP`` override the first,

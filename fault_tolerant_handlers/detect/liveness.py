@@ -41,16 +41,15 @@ import signal
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import TYPE_CHECKING, Callable
 
-from ..core import attempts, events
+from ..core import hooks
 from ..core import procfs as _procfs
 from ..core.config import ZOMBIE_HOLD
 from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT  # timings: the table in core.config
 from ..core.log import log
 from ..core.ranks import RankTable
-from ..core.records import FailureRecord
+from ..core.failure import FailureRecord
 from ..core.schema import Schema
 from .probes import HeartbeatProbe
 
@@ -162,20 +161,21 @@ def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], N
     how = _procfs.ended(pid, RANK_EXIT_WAIT)  # None: the rank runs (it stopped its watchdog)
     if how is None:
         return
-    keeper = attempts.keeper_pid
+    keeper_pid = hooks.provider(hooks.KEEPER_PID)  # a keeper's child: the process that would replace it
+    keeper = None if keeper_pid is None else keeper_pid()
     if keeper is not None and _procfs.ended(keeper, RANK_EXIT_WAIT) is not None:
         # its keeper died first (the child dies with it): it left its key behind, announced when the
         # rank started, and its peers would wait for a replacement that never comes
         how = dataclasses.replace(how, keeper_gone=True)
     if _procfs.unreported(how) or how.keeper_gone:
         record = FailureRecord.lost(rank=rank, pid=pid, host=host, why=how, by=rank)
-        events.emit(events.RANK_KILLED, record)  # the launchers: torchrun's error file, first (the agent reaps soon)
+        hooks.emit(hooks.RANK_KILLED, record)  # the launchers: torchrun's error file, first (the agent reaps soon)
         if tell is not None:
             try:
                 tell(record)
             except Exception:  # noqa: BLE001 - the store may be gone with the rank (its host held it)
                 pass
-    events.emit(events.RANK_ENDED, pid, rank, host)  # the launchers: under mp.spawn, its error file and the zombie held
+    hooks.emit(hooks.RANK_ENDED, pid, rank, host)  # the launchers: under mp.spawn, its error file and the zombie held
 
 
 def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool], i: int = 0) -> None:

@@ -28,12 +28,11 @@ import sys
 import traceback
 from typing import Callable, Container
 
-from ..core.peers import CLEAN_EXIT, Finding, PeerPidProbe, declared_finding  # noqa: F401 - the core's own probe, re-exported
+from ..core.procfs import CLEAN_EXIT, PeerPidProbe  # noqa: F401 - the core's own probe, re-exported
 from ..core.config import HEARTBEAT_TIMEOUT_ENV, LEFT_CHECK_EVERY, MAX_CHECK_HOLD, SILENCE_POLL
 from ..core.errors import PeerFailedError
-from ..core.kinds import FailureKind
+from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Finding, cap_tail, declared_finding
 from ..core.log import first_line, log
-from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
 from ..core.schema import Schema
 
 

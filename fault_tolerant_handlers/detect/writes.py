@@ -11,7 +11,7 @@ import os
 import threading
 from typing import Iterator
 
-from ..core import interrupts
+from ..core import hooks, interrupts
 
 _writes_in_progress = 0
 _writes_lock = threading.Lock()
@@ -61,4 +61,4 @@ def stack_writes(frame) -> bool:
 
 
 # The interrupt of a hung main thread waits for a write its stack shows (recovering in place).
-interrupts.defer_while(stack_writes)
+hooks.add(hooks.DEFER, stack_writes)

@@ -80,7 +80,6 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..core import attempts, config
@@ -465,15 +464,6 @@ def install(*, in_place: bool = False) -> bool:
 def begin_recovery(state: RecoveryState) -> None:
     """``BEGIN``: keep the first rendezvous's store."""
     capture_rendezvous()
-
-
-def world_of_recovery(state: RecoveryState) -> RecoveryState:
-    """``WORLD``: the first rendezvous's store, rank and world size, if there was one."""
-    first = first_rendezvous()
-    if first is None:
-        return state
-    store, rank, world_size = first
-    return replace(state, store=store, rank=rank, world_size=world_size)
 
 
 def forget_addresses_of_attempt(state: RecoveryState) -> None:

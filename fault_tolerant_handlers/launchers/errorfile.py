@@ -36,11 +36,10 @@ import os
 import tempfile
 import time
 from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
-from ..core.kinds import FailureKind
+from ..core.failure import FailureKind, FailureRecord
 from ..core.log import first_line, log
 from ..core.procfs import HANDLED_SIGNALS, unreported  # noqa: F401 - read by the helper; kept here for readers
 from ..core.ranks import RankTable
-from ..core.records import FailureRecord
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 ERROR_FILE_NAME = "error.json"

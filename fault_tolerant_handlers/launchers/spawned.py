@@ -53,7 +53,7 @@ from ..core.errors import PeerFailedError
 from ..core.log import first_line, log
 from ..core.procfs import process_state
 from ..core.ranks import RankTable
-from ..core.records import FailureRecord
+from ..core.failure import FailureRecord
 
 
 
@@ -120,7 +120,7 @@ def printed(err: BaseException | None) -> bool:
 def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
                   records: Callable[[], PeerFailedError | None], wait: float = SIGTERM_CAUSE_WAIT) -> PeerFailedError | None:
     """On a SIGTERM under ``mp.spawn`` with nothing known yet: if a same-host peer is gone
-    (``same_host``: a :class:`~..core.peers.PeerPidProbe`), the cause, waited for up to ``wait``
+    (``same_host``: a :class:`~..core.procfs.PeerPidProbe`), the cause, waited for up to ``wait``
     seconds (``known()``: the watchdog's finding, else ``records()``: a peer's record in the store),
     else that peer gone. ``None`` when no peer is gone (this rank is the cause)."""
     if _state is None:

@@ -1,18 +1,16 @@
 """What recovering in place agrees on: each rank's view of a failure (:class:`Cause`), each rank's
 live state (:class:`LiveReport`) and rank 0's :class:`Decision` (with its :class:`LivePlan`), as
-bounded JSON in the first attempt's store (checked on read, never unpickled), and the keys they
-live under."""
+bounded JSON in the first attempt's store (the one codec, :class:`~..core.failure.Stored`: checked
+on read, never unpickled), and the keys they live under (:mod:`..core.schema`)."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from ..core import attempts
-from ..core.kinds import FailureKind
-from ..core.records import cap_head, sanitize
-from .live_state import MAX_STEPS_APART, Fallback, Receive, RankState, decide
+from ..core import compat_torch
+from ..core.schema import keeper_key
+from ..core.failure import WORLD, FailureKind, Stored
 
 #: Declared kinds that end the job as without recovery: a process or host gone, or signalled.
 NOT_IN_PLACE = {
@@ -22,25 +20,10 @@ NOT_IN_PLACE = {
     FailureKind.STORE_LOST: "the c10d store was lost (every recovery is agreed on in it), on a host no rank runs on: a "
                             "relaunch with a store that answers resumes",
 }
-#: A cause read back from the store larger than this (bytes) is ignored.
-MAX_CAUSE_BYTES = 8 * 1024
-#: Key namespace of the recoveries in the first attempt's store.
-KEY_ROOT = "fth/recover"
-
-
-def read_json(raw: Any) -> Any:
-    """The JSON value a store key holds (``None`` if it is not bytes, longer than
-    :data:`MAX_CAUSE_BYTES` or not JSON); the readers below check its fields."""
-    if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_CAUSE_BYTES:
-        return None
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return None
 
 
 @dataclass(frozen=True)
-class Cause:
+class Cause(Stored):
     """What one rank knows of an attempt's failure (JSON in the store, bounded and checked on read)."""
 
     by: int  #: the rank that says it
@@ -52,6 +35,9 @@ class Cause:
     own: bool  #: ``by`` failed itself
     not_in_place: str  #: why this failure cannot be recovered in place ("" when it can)
     kind: str = ""  #: a FailureKind's value ("": read from exc_type, see failure_kind)
+
+    BOUNDS: ClassVar[dict] = {"by": (0, WORLD), "failed_rank": (-1, WORLD), "exc_type": 200, "message": 500,
+                              "where": 300, "step": (-1, 2**53 - 1), "not_in_place": 300, "kind": 40}
 
     @property
     def failure_kind(self) -> FailureKind:
@@ -72,38 +58,13 @@ class Cause:
         """Same rank, same exception type, same iteration: the failure repeats."""
         return (self.failed_rank, self.exc_type, self.step)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: bytes, world_size: int) -> Cause | None:
-        data = read_json(raw)
-        try:
-            cause = cls(by=int(data["by"]), failed_rank=int(data["failed_rank"]), exc_type=str(data["exc_type"]),
-                        message=str(data["message"]), where=str(data["where"]), step=int(data["step"]),
-                        own=bool(data["own"]), not_in_place=str(data["not_in_place"]), kind=str(data.get("kind", "")))
-        except (ValueError, KeyError, TypeError):
-            return None
-        if not (0 <= cause.by < world_size and -1 <= cause.failed_rank < world_size and -1 <= cause.step < 2**53):
-            return None
-        return cls(cause.by, cause.failed_rank, cap_head(sanitize(cause.exc_type), 200),
-                   cap_head(sanitize(cause.message), 500), cap_head(sanitize(cause.where), 300), cause.step,
-                   cause.own, cap_head(sanitize(cause.not_in_place), 300),
-                   cause.kind if cause.kind in {k.value for k in FailureKind} else "")
-
 
 #: A checksum in a report: :func:`.live_state.checksum`'s hex digest (or "" when none was taken).
 _CHECKSUM_CHARS = 64
 
 
-def _hex(value: Any, chars: int) -> str:
-    """``value`` if it is a lower-case hex string of at most ``chars`` characters, else ""."""
-    text = str(value)
-    return text if len(text) <= chars and all(c in "0123456789abcdef" for c in text) else ""
-
-
 @dataclass(frozen=True)
-class LiveReport:
+class LiveReport(Stored):
     """What one rank holds for the next attempt: its live state at step ``step`` (-1: none, ``why``),
     the :func:`.live_state.checksum` of that state ("" if it could not be taken: ``portable`` says
     why it cannot be sent either) and a CRC of torch's RNG states recorded for the next step ("":
@@ -117,22 +78,8 @@ class LiveReport:
     rng: str = ""  #: hex CRC-32 of the RNG states recorded for the next step ("": none)
     portable: str = ""  #: why this state cannot be sent to another rank ("" when it can)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: bytes, world_size: int) -> LiveReport | None:
-        data = read_json(raw)
-        try:
-            report = cls(by=int(data["by"]), step=int(data["step"]), unit=str(data["unit"]), why=str(data["why"]),
-                         checksum=str(data.get("checksum", "")), rng=str(data.get("rng", "")),
-                         portable=str(data.get("portable", "")))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return None
-        if not (0 <= report.by < world_size and -1 <= report.step < 2**53):
-            return None
-        return cls(report.by, report.step, cap_head(sanitize(report.unit), 40), cap_head(sanitize(report.why), 300),
-                   _hex(report.checksum, _CHECKSUM_CHARS), _hex(report.rng, 8), cap_head(sanitize(report.portable), 300))
+    BOUNDS: ClassVar[dict] = {"by": (0, WORLD), "step": (-1, 2**53 - 1), "unit": 40, "why": 300,
+                              "checksum": ("hex", _CHECKSUM_CHARS), "rng": ("hex", 8), "portable": 300}
 
 
 @dataclass(frozen=True)
@@ -151,6 +98,9 @@ class LivePlan:
     checksum: str = ""  #: the source's state's checksum ("": not taken), checked by the receivers
     rng_shared: bool = False  #: the receivers take the source's RNG states too
 
+    BOUNDS: ClassVar[dict] = {"step": (-1, 2**53 - 1), "unit": 40, "why": 400, "source": (-1, WORLD),
+                              "receivers": (0, WORLD, 4096), "whom": 400, "checksum": ("hex", _CHECKSUM_CHARS)}
+
     def describe(self) -> str:
         """The plan, as the recovery's line tells it before the next call: what is held for it (what
         the next attempt really carried on from is told when its loop starts, :func:`..data.live.loop_starts`)."""
@@ -163,128 +113,44 @@ class LivePlan:
         return (f"live state, {self.unit} {self.step} (each rank's own; sent from rank {self.source} to "
                 f"{self.whom}; {rng}), is held for the next call")
 
-    def to_dict(self) -> dict:
-        """As JSON holds it (what :meth:`from_dict` reads back)."""
-        return {**asdict(self), "receivers": list(self.receivers)}
-
-    @classmethod
-    def from_dict(cls, data: Any) -> LivePlan:
-        try:
-            receivers = tuple(int(r) for r in data.get("receivers", ()))[:4096]
-            return cls(int(data["step"]), cap_head(sanitize(str(data["unit"])), 40), cap_head(sanitize(str(data["why"])), 400),
-                       int(data.get("source", -1)), receivers, cap_head(sanitize(str(data.get("whom", ""))), 400),
-                       _hex(data.get("checksum", ""), _CHECKSUM_CHARS), bool(data.get("rng_shared", False)))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return cls(-1, "", "rank 0's plan could not be read")
-
     def checked(self, world_size: int) -> LivePlan:
         """This plan, or a fallback when its ranks are not ranks of the world (a plan read back from
         the store is checked before any rank acts on it)."""
         if self.step < 0 or not self.receivers:
             return self
         if not (0 <= self.source < world_size and self.source not in self.receivers
-                and all(0 <= r < world_size for r in self.receivers)):
+                and all(0 <= r < world_size for r in self.receivers)):  # also for a plan made here
             return LivePlan(-1, "", "rank 0's plan names ranks outside the world")
         return self
 
 
-def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
-    """Rank 0's rule: from which state every rank carries on, given what each holds
-    (:func:`.live_state.decide`'s rule, on the reports read from the store).
-
-    The job carries on from the newest step a rank holds the state of (in data-parallel training a
-    step that some ranks completed and others did not had its gradients reduced on every rank: the
-    ranks that completed it hold the state every rank would have). Among the ranks at that step, the
-    checksum most of them hold wins (a tie: the lowest rank's); the source is the lowest rank holding
-    it. Every other rank receives the source's state: one without state (a replaced rank's new
-    process, a rank that failed inside an optimizer step, one whose buffers changed), one a step
-    behind, one whose checksum differs (diverged). The source's RNG states go with it when every
-    rank at that step recorded the same ones.
-
-    Every rank falls back to the newest checkpoint (the plan says why, the first reason found) when a
-    report cannot be read, no rank holds state, the ranks disagree on the unit or are more than
-    :data:`MAX_STEPS_APART` steps apart, or a rank must receive and the source's state cannot be sent.
-    """
-    by_rank = {r.by: r for r in reports if r is not None}
-    for rank in range(world_size):
-        if rank not in by_rank:
-            return LivePlan(-1, "", f"rank {rank}'s report could not be read")
-    holders = [by_rank[r] for r in range(world_size) if by_rank[r].step >= 0]
-    units = {r.unit for r in holders}
-    agreed = decide([RankState(r.by, r.step if r.step >= 0 else None, r.checksum if r.step >= 0 else None, True)
-                     for r in (by_rank[rank] for rank in range(world_size))], MAX_STEPS_APART)
-    if agreed.fallback is Fallback.NO_TRUSTED_STATE:
-        return LivePlan(-1, "", f"no rank holds live state (rank 0: {by_rank[0].why or 'no live state'})")
-    if len(units) > 1 or agreed.fallback is not None:
-        held = ", ".join(f"rank {r.by} at {r.unit} {r.step}" for r in holders)
-        return LivePlan(-1, "", f"the ranks completed steps too far apart ({held})")
-    step, chosen, unit = agreed.step, agreed.checksum, units.pop()
-    agreeing = [r for r in holders if r.step == step and r.checksum == chosen]
-
-    def reason(rank: int, why: Receive) -> str:
-        if why is Receive.BEHIND:
-            return f"a step behind ({unit} {by_rank[rank].step})"
-        if why is Receive.DIVERGED:
-            return "its state's checksum differs (diverged)"
-        return by_rank[rank].why or "no live state"
-
-    whom = [f"rank {rank}: {reason(rank, why)}" for rank, why in agreed.receiving]
-    receivers = agreed.receivers
-    if not receivers:
-        return LivePlan(step, unit, "")
-    portable = [r for r in agreeing if not r.portable]
-    if not portable:
-        return LivePlan(-1, "", f"{'; '.join(whom)}, and rank {agreeing[0].by}'s state cannot be sent: "
-                                f"{agreeing[0].portable}")
-    source = portable[0].by
-    rngs = {r.rng for r in agreeing}
-    return LivePlan(step, unit, "", source, receivers, "; ".join(whom), chosen,
-                    rng_shared=len(rngs) == 1 and "" not in rngs)
-
-
 @dataclass(frozen=True)
-class Decision:
+class Decision(Stored):
     """Rank 0's decision, which every rank follows: recover (``restart``) or end, and why; when it
-    recovers, where the next attempt's state comes from (``live``: a :class:`LivePlan` as a dict)."""
+    recovers, the agreed cause and where the next attempt's state comes from (``live``)."""
 
     restart: bool
     why: str
-    cause: dict | None = None
-    live: dict | None = None
+    cause: Cause | None = None
+    live: LivePlan | None = None
     spares_left: int = -1  #: with spares, how many are left after this recovery (-1: no spares)
 
-    def to_json(self) -> str:
-        return json.dumps({"restart": self.restart, "why": self.why, "cause": self.cause, "live": self.live,
-                           "spares_left": self.spares_left})
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Decision | None:
-        data = read_json(raw)
-        try:
-            left = int(data.get("spares_left", -1))
-            return cls(bool(data["restart"]), cap_head(sanitize(str(data["why"])), 500),
-                       data["cause"] if isinstance(data.get("cause"), dict) else None,
-                       data["live"] if isinstance(data.get("live"), dict) else None,
-                       left if -1 <= left < 2**31 else -1)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return None
+    BOUNDS: ClassVar[dict] = {"why": 500, "spares_left": (-1, 2**31 - 1)}
 
 
 def needs_keeper(cause: Cause) -> bool:
     """A peer's process ended (its host lives): recovered in place only by its keeper's replacement."""
-    return not cause.own and cause.exc_type == FailureKind.PEER_LOST and not cause.not_in_place
+    return not cause.own and cause.failure_kind is FailureKind.PEER_LOST and not cause.not_in_place
 
 
-def keeper_key(rank: int) -> str:
-    """Set by a keeper's child when its first session starts: rank ``rank`` has a keeper."""
-    return f"{KEY_ROOT}/{attempts.restart()}/keeper/{rank}"
+def keeper_replaces(store: Any, rank: int, end_seen: bool) -> bool:
+    """A keeper replaces lost rank ``rank``: its end was seen (by a peer on its host, or its liveness
+    helper, which saw its keeper live on) and its keeper announced itself (:func:`keeper_key`). A key
+    alone is no evidence: a rank whose host is gone or cut off left its key behind, announced when it
+    started, and so did a keeper killed with its rank."""
+    return end_seen and bool(store.check([keeper_key(rank)]))
 
 
 def base_of(store: Any) -> Any:
     """The store under every ``PrefixStore`` of ``store`` (the rendezvous's own)."""
-    for _ in range(16):
-        under = getattr(store, "underlying_store", None)
-        if under is None:
-            return store
-        store = under
-    return store
+    return compat_torch.store_chain(store)[-1]

@@ -35,6 +35,7 @@ no training process behind.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -47,17 +48,19 @@ import threading
 import time
 from typing import Any
 
-from ..core import attempts, events, release
+from ..core import attempts, hooks, release
 from ..core.config import ZOMBIE_HOLD
 from ..core.errors import EXIT_HUNG
-from ..core.kinds import Ended, FailureKind
+from ..core.failure import Ended, FailureKind
 from ..core.log import log
 
 from . import spares
-from .causes import Cause, base_of, keeper_key
+from ..core.schema import keeper_key
+from .causes import Cause, base_of
 
 #: What a keeper runs (``recover.inplace._Recovery``, not imported: it imports this module): its
-#: ``given``, ``max_restarts``, ``on_attempt`` and ``run(args, kwargs, replacement=...)``.
+#: ``given``, ``layout``, ``join_timeout``, ``max_restarts``, ``on_attempt`` and
+#: ``run(args, kwargs, replacement=...)``.
 _Recovery = Any
 
 #: ``prctl`` option: the signal this process gets when its parent dies.
@@ -96,6 +99,39 @@ def why_not(recovery: _Recovery) -> str | None:
     return None
 
 
+def run(recovery: _Recovery, args: tuple, kwargs: dict) -> Any:
+    """``recovery``'s attempts under a keeper where one can start (:func:`why_not`); else, with the
+    reason logged, in this process (a dead rank then ends the job as without recovery in place)."""
+    why = why_not(recovery)
+    if why is None:
+        return Keeper(recovery).run(args, kwargs)
+    if recovery.given is not None and under_torchrun():
+        _warn_group_made_before()  # names the line to change
+        level = logging.INFO
+    else:
+        # A reason the script can change (CUDA touched first, another thread) is a WARNING;
+        # where no keeper can exist at all (not torchrun, not Linux), INFO.
+        level = logging.INFO if why.startswith(NO_KEEPER_HERE) else logging.WARNING
+    log(level, "a dead rank's process cannot be replaced in place here (%s): its death ends the job "
+        "as without recovery in place", why)
+    return recovery.run(args, kwargs)
+
+
+@functools.cache
+def _warn_group_made_before() -> None:
+    """Once per process: under torchrun, ``recover_in_place`` called inside a process group that exists
+    already (the documented ``idist.Parallel`` form: ``p.run(recover_in_place(training), cfg)``) cannot
+    replace a killed rank: the process torchrun started is the rank itself, and a keeper must fork before
+    any group exists (a forked copy of a gloo context has none of its threads). Say the line to change."""
+    log(logging.WARNING, "recover_in_place was called inside a process group that exists already, so a killed rank "
+        "(SIGKILL, the OOM killer, a segfault) cannot be replaced in place and ends the job (exceptions and hangs in "
+        "Python still recover in place). To recover it too, wrap the function that makes the group instead: "
+        "replace 'with idist.Parallel(backend=...) as p: p.run(recover_in_place(training, ...), cfg)' with "
+        "'recover_in_place(main, ...)(cfg)' where main(cfg) runs 'with idist.Parallel(backend=...) as p: "
+        "p.run(training, cfg)'; or call the wrapped function before init_process_group (docs/recovering.md, "
+        "\"Launchers\")")
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -109,7 +145,7 @@ _announced = None
 
 def _announce(session) -> None:
     """In a keeper's child, when the world's session starts: its peers may wait for a replacement of
-    this rank (:func:`~.inplace.keeper_key`)."""
+    this rank (:func:`..core.schema.keeper_key`)."""
     global _announced
     if session.group is not None:
         return
@@ -167,8 +203,8 @@ class Keeper:
             for sig in FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
             self.recovery.on_attempt = self._write_attempt
-            attempts.on_lost = self._lost
-            events.subscribe(events.SESSION_STARTED, _announce)
+            hooks.add(hooks.LOSE, self._lost)
+            hooks.add(hooks.SESSION_STARTED, _announce)
             result = self.recovery.run(args, kwargs, replacement=replacement, order=order)
             try:
                 data = pickle.dumps(result)
@@ -206,7 +242,7 @@ class Keeper:
                 keeper = os.getpid()  # read here: a child whose keeper died before it looked would read its reaper
                 pid = os.fork()
                 if pid == 0:
-                    attempts.keeper_pid = keeper
+                    hooks.add(hooks.KEEPER_PID, lambda keeper=keeper: keeper)
                     self._child(self.result_path, args, kwargs, replacement, order)
                 order = None  # a spare's order was its first child's; a later child is a keeper's replacement
                 self.child = pid

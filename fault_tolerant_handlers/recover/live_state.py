@@ -1,65 +1,45 @@
 """Live state: after a failure, the ranks agree on whose in-memory state the job carries on from and
 send it to the ranks that need it, over the re-formed group, instead of reading a checkpoint back.
 
-Three calls, made by every rank of the group in the same order (each is collective or local as said):
+A recovery in place (:mod:`.inplace`) takes these steps with a :class:`Held` (one per recovery):
 
-* :func:`checksum` (local): a digest of a nested state (dicts, lists, tuples of tensors, numbers,
-  strings, bytes, ``None``: what a model's and an optimizer's ``state_dict()`` and Ignite's or
-  Lightning's counters hold). SHA-256 over the structure (keys, container types, dtypes, shapes, the
-  non-tensor leaves) and every tensor's bytes, read in place (a contiguous CPU tensor is not copied).
-  The same on every process for the same state, bit for bit.
-* :func:`agree_on_source` (one ``all_gather`` of 4 int64 per rank): each rank gives the last step it
-  completed, its checksum and whether its state can be trusted; every rank gets the same
-  :class:`StateAgreement`: the step the job carries on from, the source rank, and the ranks that must
-  receive and why (:class:`Receive`), or why live state cannot serve (:class:`Fallback`).
-* :func:`transfer` (point to point from the source to each receiver, then one ``all_gather`` of 3
-  int64 per rank): the structure as JSON, then the tensors' bytes in segments of at most
-  :data:`DEFAULT_CHUNK_BYTES` (a large tensor straight from its memory into the receiver's, small
-  ones packed), each followed by a CRC-32 checked on receipt; given the agreed checksum, receivers
-  also check that what they rebuilt has it. Receivers rebuild the structure, writing into their own
-  tensors where they hold one of the same dtype and shape. Every rank returns the state to carry on
-  from, or every rank raises :class:`~..core.errors.StateTransferError` together.
+1. **collect** (:meth:`Held.collect`): the data layer's ``CAPTURE_LIVE`` gives the state of the last
+   step this rank completed, captured when the failure was raised; its :func:`checksum` (which tells a
+   diverged rank) and a CRC of its RNG states go into the :class:`~.causes.LiveReport` this rank writes
+   in the agreement (:mod:`.agree`);
+2. **plan** (:func:`plan_live`, rank 0, once every rank is in): from which step and rank every rank
+   carries on, and who receives;
+3. **settle** (:meth:`Held.settle`): each rank follows rank 0's plan: it holds its own state for the
+   next attempt (the data layer's ``SETTLE_LIVE``), or waits to receive, or nothing (its checkpoint);
+4. **send** (:meth:`Held.send`), once the group is re-formed: the source sends its state to the
+   receivers over a gloo group the recovery forms for it (:func:`transfer`). A transfer that fails,
+   fails on every rank together: every rank then resumes from its newest checkpoint.
 
-The rule (issue 28, item 1). Only trusted ranks with state vote. The job carries on from the newest
-step a trusted rank completed: in data-parallel training a step that some ranks completed and others
-did not had its gradients reduced everywhere (the collective of that step returned on every rank),
-so the ranks that completed it hold a state every rank can take. Trusted ranks more than
-``max_apart`` (1) steps apart are out of step: :attr:`Fallback.STEPS_APART`. Among the trusted ranks
-at that step, the checksum most of them hold wins (a tie: the one the lowest rank holds), and the
-source is the lowest rank holding it. Every other rank receives: one without state (a replaced
-rank's new process), one whose state cannot be trusted (it failed inside an optimizer step), one
-behind, one whose checksum differs from the source's (diverged). No trusted rank with state:
-:attr:`Fallback.NO_TRUSTED_STATE`.
+The rule (:func:`plan_live`). The job carries on from the newest step a rank holds the state of: in
+data-parallel training a step that some ranks completed and others did not had its gradients reduced
+everywhere (the collective of that step returned on every rank), so the ranks that completed it hold
+a state every rank can take. Ranks more than :data:`MAX_STEPS_APART` steps apart are out of step.
+Among the ranks at that step, the checksum most of them hold wins (a tie: the one the lowest rank
+holds), and the source is the lowest rank holding it. Every other rank receives: one without state (a
+replaced rank's new process, one that failed inside an optimizer step), one behind, one whose checksum
+differs from the source's (diverged).
 
-Wiring into :func:`~.inplace.recover_in_place` (phases of its docstring):
+:func:`checksum` (local): a digest of a nested state (dicts, lists, tuples of tensors, numbers,
+strings, bytes, ``None``: what a model's and an optimizer's ``state_dict()`` and Ignite's or
+Lightning's counters hold). SHA-256 over the structure (keys, container types, dtypes, shapes, the
+non-tensor leaves) and every tensor's bytes, read in place (a contiguous CPU tensor is not copied).
+The same on every process for the same state, bit for bit.
 
-1. **records**: each rank keeps a reference to its live state (``{"model": model.state_dict(),
-   "optimizer": optimizer.state_dict(), "loader": ..., "engine": ...}``: references, no copy), with
-   the number of optimizer steps it completed and ``trusted=False`` if it failed inside one. A
-   replaced rank's new process has none (``step=None``). The attempt's teardown must not drop what
-   those references hold.
-2. **re-forms** the group; then, before calling ``train`` again, every rank::
-
-       digest = checksum(state) if state is not None else None
-       agreed = agree_on_source(step, digest, trusted)        # collective, every rank
-       if not agreed.usable:                                   # log agreed.describe(); checkpoint
-           ...
-       state = transfer(state, agreed.source, agreed.receivers, checksum=agreed.checksum)
-       # StateTransferError on every rank together (on the source a TypeError instead, when its
-       # state holds a leaf JSON cannot carry): fall back to the checkpoint, every rank
-
-   ``checksum=`` costs one more pass over the bytes on the receivers (bench: +60 ms per 100 MB
-   here) and proves each of them rebuilt exactly the agreed state; without it the CRC-32 per
-   segment still catches what the wire corrupts.
-
-3. the training function's next call gets ``state`` where it asks for a checkpoint
-   (``latest_checkpoint`` / ``load_checkpoint``); one log line per recovery is
-   ``agreed.describe()`` (from which step, from which rank, who received and why).
-
-Receivers that hold a structure of the same shape are written **in place**: a ``model.state_dict()``
-shares its tensors with the model's parameters, and an ``optimizer.state_dict()`` its state tensors
-with the optimizer, so they are updated with no second copy; the non-tensor leaves (``lr``, counters)
-are only in the returned structure: load it (``load_state_dict``) as a checkpoint would be.
+:func:`transfer` (point to point from the source to each receiver, then one ``all_gather`` of 3
+int64 per rank): the structure as JSON, then the tensors' bytes in segments of at most
+:data:`DEFAULT_CHUNK_BYTES` (a large tensor straight from its memory into the receiver's, small ones
+packed), each followed by a CRC-32 checked on receipt; given the agreed checksum, receivers also
+check that what they rebuilt has it (bench: +60 ms per 100 MB here). Receivers rebuild the structure,
+writing into their own tensors where they hold one of the same dtype and shape: a
+``model.state_dict()`` shares its tensors with the model's parameters, and an
+``optimizer.state_dict()`` its state tensors with the optimizer, so they are updated with no second
+copy. Every rank returns the state to carry on from, or every rank raises
+:class:`~..core.errors.StateTransferError` together.
 
 Cost (``bench/state_transfer.py``). :func:`checksum` reads every byte once (SHA-256, 1.75 GB/s on
 one core here with the CPU's SHA instructions). :func:`transfer` reads every byte once on each side
@@ -93,15 +73,18 @@ import sys
 import time
 import warnings
 import zlib
-from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..core import attempts, hooks, sharded
 from ..core.errors import StateTransferError
 from ..core.log import log
-from ..core import sharded
+from ..core.phases import Captured, RecoveryState
+from ..core.failure import cap_head
+from .causes import Decision, LivePlan, LiveReport
 
 #: Bytes per segment at most (a slice of a large tensor, or small tensors packed), and of each of
 #: the two staging buffers a rank may hold. ``bench/state_transfer.py`` found no difference above its
@@ -116,26 +99,10 @@ DIRECT_BYTES = 2**20
 DIGEST_BYTES = 16
 #: Bytes of the check after each segment of a transfer: the CRC-32 of everything sent so far.
 TAIL_BYTES = 4
-#: Trusted ranks more steps apart than this are out of step (a step is an optimizer step).
+#: Ranks holding state more steps apart than this are out of step (a step is an optimizer step).
 MAX_STEPS_APART = 1
 #: Hashed before the structure: a change of this format changes every checksum.
 _FORMAT = b"fth-live-state-1\0"
-
-
-class Receive(str, enum.Enum):
-    """Why a rank receives the state."""
-
-    NO_STATE = "no state"  #: a replaced rank's new process, or a rank that kept nothing
-    UNTRUSTED = "untrusted"  #: it failed where its state may be half-updated (inside an optimizer step)
-    BEHIND = "behind"  #: it completed fewer steps than the step the job carries on from
-    DIVERGED = "diverged"  #: same step as the source, another checksum
-
-
-class Fallback(str, enum.Enum):
-    """Why live state cannot serve (the recovery falls back to the newest checkpoint)."""
-
-    NO_TRUSTED_STATE = "no rank holds a state that can be trusted"
-    STEPS_APART = "the trusted ranks are further apart than max_apart steps (out of step)"
 
 
 class TransferFailure(str, enum.Enum):
@@ -145,51 +112,6 @@ class TransferFailure(str, enum.Enum):
     HEADER = "the header (structure of the state) could not be read"
     AGREED = "the state received does not have the agreed checksum"
     SOURCE = "the source could not send its state"
-
-
-@dataclass(frozen=True)
-class RankState:
-    """What one rank contributed to :func:`agree_on_source`."""
-
-    rank: int
-    step: int | None  #: last step it completed; ``None``: it holds no state
-    checksum: str | None
-    trusted: bool
-
-
-@dataclass(frozen=True)
-class StateAgreement:
-    """What every rank learned from :func:`agree_on_source` (the same on every rank).
-
-    ``step``, ``source`` and ``checksum`` are ``None`` when live state cannot serve, and
-    ``fallback`` says why. ``receiving`` lists ``(rank, why)`` for every rank that must receive,
-    lowest rank first; ``ranks`` what each rank contributed. Ranks are ranks of the group.
-    """
-
-    step: int | None
-    source: int | None
-    checksum: str | None
-    receiving: tuple[tuple[int, Receive], ...]
-    ranks: tuple[RankState, ...]
-    fallback: Fallback | None = None
-
-    @property
-    def usable(self) -> bool:
-        return self.fallback is None
-
-    @property
-    def receivers(self) -> tuple[int, ...]:
-        return tuple(rank for rank, _ in self.receiving)
-
-    def describe(self) -> str:
-        """One line for the recovery's log."""
-        if self.fallback is not None:
-            steps = ", ".join(f"{r.rank}:{'-' if r.step is None else r.step}{'' if r.trusted else '?'}"
-                              for r in self.ranks)
-            return f"live state cannot serve: {self.fallback.value} (rank:step, ? untrusted: {steps})"
-        whom = ", ".join(f"{rank} ({why.value})" for rank, why in self.receiving) or "none"
-        return (f"carrying on from step {self.step}, the live state of rank {self.source} "
-                f"(checksum {self.checksum}); receiving: {whom}")
 
 
 # --- the state's structure (JSON) and its tensors ------------------------------------------------
@@ -357,95 +279,6 @@ def checksum(state: Any) -> str:
         for piece in _pieces(_flat_bytes(leaf), stage):
             digest.update(piece)
     return digest.digest()[:DIGEST_BYTES].hex()
-
-
-# --- agreement -----------------------------------------------------------------------------------
-
-def _checksum_ints(digest: str | None) -> tuple[int, int]:
-    if digest is None:
-        return 0, 0
-    raw = bytes.fromhex(digest)
-    return int.from_bytes(raw[:8], "big", signed=True), int.from_bytes(raw[8:], "big", signed=True)
-
-
-def _checksum_hex(high: int, low: int) -> str:
-    return (high.to_bytes(8, "big", signed=True) + low.to_bytes(8, "big", signed=True)).hex()
-
-
-def decide(ranks: Sequence[RankState], max_apart: int = MAX_STEPS_APART) -> StateAgreement:
-    """The rule of :func:`agree_on_source` on what every rank contributed (local; every rank runs it
-    on the same gathered values)."""
-    ranks = tuple(ranks)
-    voters = [r for r in ranks if r.step is not None and r.trusted]
-    if not voters:
-        receiving = tuple((r.rank, Receive.NO_STATE if r.step is None else Receive.UNTRUSTED) for r in ranks)
-        return StateAgreement(None, None, None, receiving, ranks, Fallback.NO_TRUSTED_STATE)
-    step = max(r.step for r in voters)
-    if step - min(r.step for r in voters) > max_apart:
-        return StateAgreement(None, None, None, (), ranks, Fallback.STEPS_APART)
-    holders = [r for r in voters if r.step == step]
-    counts = collections.Counter(r.checksum for r in holders)
-    # the most held checksum; among equals, the one the lowest rank holds (holders are in rank order)
-    chosen = max(counts, key=lambda c: (counts[c], -min(r.rank for r in holders if r.checksum == c)))
-    source = min(r.rank for r in holders if r.checksum == chosen)
-    receiving = []
-    for r in ranks:
-        if r.step is None:
-            receiving.append((r.rank, Receive.NO_STATE))
-        elif not r.trusted:
-            receiving.append((r.rank, Receive.UNTRUSTED))
-        elif r.step < step:
-            receiving.append((r.rank, Receive.BEHIND))
-        elif r.checksum != chosen:
-            receiving.append((r.rank, Receive.DIVERGED))
-    return StateAgreement(step, source, chosen, tuple(receiving), ranks)
-
-
-def agree_on_source(step: int | None, checksum: str | None, trusted: bool, group: Any = None, *,
-                    max_apart: int = MAX_STEPS_APART) -> StateAgreement:
-    """Agree on whose state the job carries on from. Collective: every rank of ``group`` calls it
-    (one ``all_gather`` of 4 int64 per rank); every rank returns the same :class:`StateAgreement`.
-
-    Args:
-        step: the last step this rank completed (optimizer steps; >= 0), or ``None`` if it holds no
-            state (a replaced rank's new process).
-        checksum: :func:`checksum` of this rank's state (``None`` with ``step=None``).
-        trusted: ``False`` if this rank's state may be half-updated (it failed inside an optimizer
-            step); such a rank receives and does not vote.
-        group: the process group (default: the default group); ranks in the answer are its ranks.
-        max_apart: trusted ranks more steps apart than this make live state unusable.
-
-    Raises:
-        ValueError: ``step`` negative, or a checksum that is not one of :func:`checksum`'s, or a
-            checksum without a step.
-    """
-    if step is not None and (type(step) is not int or step < 0):
-        raise ValueError(f"agree_on_source(step={step!r}): the last completed step, an int >= 0, or None "
-                         "for a rank without state")
-    if checksum is not None:
-        try:
-            valid = len(bytes.fromhex(checksum)) == DIGEST_BYTES
-        except (TypeError, ValueError):
-            valid = False
-        if not valid:
-            raise ValueError(f"agree_on_source(checksum={checksum!r}): expected checksum(state), "
-                             f"{2 * DIGEST_BYTES} hex characters")
-    if step is None and checksum is not None:
-        raise ValueError("agree_on_source(step=None, checksum=...): a rank without state has no checksum")
-    if step is not None and checksum is None:
-        raise ValueError(f"agree_on_source(step={step}, checksum=None): give checksum(state) with the step")
-    high, low = _checksum_ints(checksum)
-    mine = torch.tensor([-1 if step is None else step, int(bool(trusted)), high, low], dtype=torch.int64)
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    ranks = []
-    for rank, values in enumerate(gathered):
-        s, t, h, lo = (int(v) for v in values)
-        ranks.append(RankState(rank, None if s < 0 else s, None if s < 0 else _checksum_hex(h, lo), bool(t) and s >= 0))
-    agreed = decide(ranks, max_apart)
-    log(logging.DEBUG, "live state: %s", agreed.describe(), step=agreed.step)
-    return agreed
 
 
 # --- transfer ------------------------------------------------------------------------------------
@@ -729,7 +562,7 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
              device: Any = "cpu") -> Any:
     """Send the source's ``state`` to ``receivers``. Collective: every rank of ``group`` calls it
     with the same ``source``, ``receivers`` and ``chunk_bytes`` (those of one
-    :class:`StateAgreement`); with no receivers it returns at once on every rank.
+    :class:`~.causes.LivePlan`); with no receivers it returns at once on every rank.
 
     The source sends a header (the structure as JSON, the length of every message), then its
     tensors' bytes: a tensor of at least :data:`DIRECT_BYTES` straight from its memory in slices of
@@ -742,10 +575,10 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
     Args:
         state: the source's state; on a receiver its own (stale) state to write into, or ``None``;
             ignored elsewhere.
-        source: the group rank that sends (:attr:`StateAgreement.source`).
-        receivers: group ranks that receive (:attr:`StateAgreement.receivers`).
+        source: the group rank that sends (:attr:`LivePlan.source`).
+        receivers: group ranks that receive (:attr:`LivePlan.receivers`).
         group: the process group (default: the default group); it must carry CPU tensors (gloo).
-        checksum: the agreed checksum (:attr:`StateAgreement.checksum`), or ``None``. Given, each
+        checksum: the agreed checksum (:attr:`LivePlan.checksum`), or ``None``. Given, each
             receiver also hashes the bytes as they arrive and checks that the state it rebuilt has
             this :func:`checksum` (one more pass over the bytes on the receivers; the CRC alone
             catches what the wire corrupts, this also a source whose state changed since the
@@ -801,3 +634,141 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
         seconds = time.monotonic() - started
         log(logging.INFO, "live state: received %.1f MB from rank %d in %.2f s", total / 2**20, source, seconds)
     return result
+
+
+# --- the recovery's steps ------------------------------------------------------------------------
+
+def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
+    """Rank 0's rule (the module's text): from which state every rank carries on, given what each holds
+    (the reports read from the store). The source's RNG states go with it when every rank at that step
+    recorded the same ones.
+
+    Every rank falls back to the newest checkpoint (the plan says why, the first reason found) when a
+    report cannot be read, no rank holds state, the ranks disagree on the unit or are more than
+    :data:`MAX_STEPS_APART` steps apart, or a rank must receive and the source's state cannot be sent.
+    """
+    by_rank = {r.by: r for r in reports if r is not None}
+    for rank in range(world_size):
+        if rank not in by_rank:
+            return LivePlan(-1, "", f"rank {rank}'s report could not be read")
+    ranks = [by_rank[r] for r in range(world_size)]
+    holders = [r for r in ranks if r.step >= 0]
+    if not holders:
+        return LivePlan(-1, "", f"no rank holds live state (rank 0: {ranks[0].why or 'no live state'})")
+    step, units = max(r.step for r in holders), {r.unit for r in holders}
+    if len(units) > 1 or step - min(r.step for r in holders) > MAX_STEPS_APART:
+        held = ", ".join(f"rank {r.by} at {r.unit} {r.step}" for r in holders)
+        return LivePlan(-1, "", f"the ranks completed steps too far apart ({held})")
+    unit = units.pop()
+    at_step = [r for r in holders if r.step == step]
+    counts = collections.Counter(r.checksum for r in at_step)
+    # the most held checksum; among equals, the one the lowest rank holds (at_step is in rank order)
+    chosen = max(counts, key=lambda c: (counts[c], -min(r.by for r in at_step if r.checksum == c)))
+    agreeing = [r for r in at_step if r.checksum == chosen]
+    whom = [(r.by, r.why or "no live state" if r.step < 0 else
+             f"a step behind ({unit} {r.step})" if r.step < step else "its state's checksum differs (diverged)")
+            for r in ranks if r.step < step or r.checksum != chosen]
+    if not whom:
+        return LivePlan(step, unit, "")
+    told = "; ".join(f"rank {rank}: {why}" for rank, why in whom)
+    portable = [r for r in agreeing if not r.portable]
+    if not portable:
+        return LivePlan(-1, "", f"{told}, and rank {agreeing[0].by}'s state cannot be sent: {agreeing[0].portable}")
+    rngs = {r.rng for r in agreeing}
+    return LivePlan(step, unit, "", portable[0].by, tuple(rank for rank, _ in whom), told, chosen,
+                    rng_shared=len(rngs) == 1 and "" not in rngs)
+
+
+def _rng_crc(rng: tuple) -> int:
+    """A CRC-32 of recorded RNG states (CPU and, if any, CUDA): equal on ranks whose RNG is the same."""
+    crc = 0
+    for state in [rng[0], *(rng[1] or [])]:
+        crc = zlib.crc32(state.numpy().tobytes(), crc)
+    return crc
+
+
+class Held:
+    """This rank's live state through one recovery (the module's steps). ``state_of(**changes)`` makes
+    the recovery's :class:`~..core.phases.RecoveryState` (with :attr:`plan`) for the data layer's steps."""
+
+    def __init__(self, state_of: Callable[..., RecoveryState]) -> None:
+        self.state_of = state_of
+        self.captured: Captured | None = None  # this rank's live state of the failed attempt
+        self.report: LiveReport | None = None  # what this rank tells the others it holds
+        self.plan: LivePlan | None = None  # where the next attempt's state comes from (rank 0's plan)
+        self.sending: Captured | None = None  # this rank's live state, kept for the transfer
+
+    def collect(self, rank: int) -> None:
+        """This rank's live state of the failed attempt, and what it tells the others (with its
+        checksum, and whether it can be sent to a rank that needs it)."""
+        captured = hooks.run(hooks.CAPTURE_LIVE, self.state_of())
+        self.captured = captured.live
+        if self.captured is None:
+            self.report = LiveReport(rank, -1, "", cap_head(captured.live_why or "no layer captures it", 300))
+            return
+        digest, portable = "", ""
+        try:
+            digest = checksum(self.captured.state)
+        except TypeError as err:  # a leaf that cannot be sent (named by its path): kept for this rank only
+            portable = cap_head(str(err), 300)
+        rng = self.captured.rng
+        self.report = LiveReport(rank, self.captured.step, self.captured.unit, "", digest,
+                                 "" if rng is None else f"{_rng_crc(rng):08x}", portable)
+
+    def hold(self, captured: Captured | None) -> None:
+        """What the next attempt resumes from: ``captured`` (``None``: its newest checkpoint)."""
+        hooks.run(hooks.SETTLE_LIVE, self.state_of(live=captured))
+
+    def settle(self, decision: Decision, rank: int, world_size: int) -> None:
+        """Follow rank 0's plan: hold this rank's live state for the next attempt (a receiver gets the
+        source's when the group is re-formed: :meth:`send`), or nothing (it resumes from its checkpoint)."""
+        captured, self.captured = self.captured, None
+        if not decision.restart:
+            self.hold(None)
+            return
+        plan = decision.live or LivePlan(-1, "", "rank 0 made no plan (or it could not be read)")
+        plan = plan.checked(world_size)
+        receives = plan.step >= 0 and rank in plan.receivers
+        if plan.step >= 0 and not receives and (captured is None or captured.step != plan.step
+                                                or captured.unit != plan.unit):
+            plan = LivePlan(-1, "", "this rank does not hold the agreed step (a bug: the plan says it does)")
+        self.plan = plan
+        # a receiver keeps its stale state until the transfer, which writes into its tensors
+        self.sending = captured if plan.step >= 0 and plan.receivers else None
+        self.hold(captured if plan.step >= 0 and not receives else None)
+
+    def send(self, store: Any, rank: int, world_size: int, timeout: timedelta, timings: dict) -> None:
+        """The plan names receivers: the source sends them its live state over a gloo group formed for
+        it (on the first attempt's ``store``, this attempt's namespace), before the training function
+        is called again."""
+        plan, own, self.sending = self.plan, self.sending, None
+        if plan is None or plan.step < 0 or not plan.receivers:
+            return
+        t0 = time.monotonic()
+        receives = rank in plan.receivers
+        group_store = dist.PrefixStore(f"{attempts.namespace()}/live-state/", store)
+        try:
+            dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world_size, timeout=timeout)
+            try:
+                mine = own.state if own is not None and (rank == plan.source or receives) else None
+                state = transfer(mine, plan.source, plan.receivers, checksum=plan.checksum or None)
+                extras = None
+                if rank == plan.source:
+                    extras = {"directory": own.directory,
+                              "rng": list(own.rng) if plan.rng_shared and own.rng is not None else None}
+                extras = transfer(extras, plan.source, plan.receivers)
+            finally:
+                dist.destroy_process_group()
+        except (StateTransferError, TypeError, RuntimeError, ValueError) as err:
+            self.plan = LivePlan(-1, "", f"sending it from rank {plan.source} failed: {type(err).__name__}: "
+                                         f"{cap_head(str(err), 200)}")
+            self.hold(None)
+            return
+        if receives:
+            extras = extras if isinstance(extras, dict) else {}
+            directory, rng = extras.get("directory"), extras.get("rng")
+            rng = tuple(rng) if isinstance(rng, list) and len(rng) == 2 else None
+            if rng is None and own is not None and own.step == plan.step:
+                rng = own.rng  # diverged at the same step: its own RNG states are those of that step
+            self.hold(Captured(plan.step, plan.unit, state, directory if isinstance(directory, str) else None, rng))
+        timings.setdefault("parts", {})["live state sent"] = time.monotonic() - t0

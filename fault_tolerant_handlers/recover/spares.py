@@ -34,18 +34,21 @@ attempt's store, as every recovery's keys), each value bounded JSON checked on r
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, ClassVar
 
-from ..core import attempts, config
+from ..core import attempts, compat_torch, config
+from ..core.config import RECOVER_TELL_SEC, SPARE_WAIT_ENV  # noqa: F401 - its variable, named where the wait is
 from ..core.errors import RecoveryError
 from ..core.log import first_line, log
-from ..core.records import cap_head, host_name, sanitize
-from .causes import KEY_ROOT, read_json
+from ..core.failure import WORLD, FailureKind, Stored, cap_head, host_name
+from ..core.schema import (Bounded, Connection, agreement_key, answer_key, claim_key, order_key,  # noqa: F401
+                           seat_key, taken_key)
+from .causes import NOT_IN_PLACE, Cause, keeper_replaces
 
 TAKE = "take"
 END = "end"
@@ -60,7 +63,8 @@ def spares_left() -> int | None:
     return _left
 
 
-def _set_left(count: int | None) -> None:
+def learned(count: int | None) -> None:
+    """How many spares are left, as this process learned it now (:func:`spares_left`)."""
     global _left
     _left = count
 
@@ -146,45 +150,11 @@ def enter_training_world(lay: Layout) -> None:
     local = lay.training_local_world()
     if local is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(local)
-    _set_left(lay.spares)
-
-
-# -- the store schema (every key of the spares, once) ----------------------------------------------------
-def _root() -> str:
-    return f"{KEY_ROOT}/{attempts.restart()}/spares"
-
-
-def order_key(launched_rank: int) -> str:
-    """What launched rank ``launched_rank`` is told to do (a spare, or a keeper whose rank was lost)."""
-    return f"{_root()}/order/{launched_rank}"
-
-
-def taken_key() -> str:
-    """How many spares were taken (an ``add`` counter, over the whole torchrun attempt)."""
-    return f"{_root()}/taken"
-
-
-def claim_key(gen: int, rank: int) -> str:
-    """The first survivor to ``add`` 1 here at recovery ``gen`` finds a spare for lost rank ``rank``."""
-    return f"{_root()}/{gen}/claim/{rank}"
-
-
-def answer_key(gen: int, rank: int) -> str:
-    """Which spare replaces lost rank ``rank`` at recovery ``gen`` (:class:`Answer`)."""
-    return f"{_root()}/{gen}/answer/{rank}"
-
-
-def seat_key(rank: int) -> str:
-    """Who holds training rank ``rank`` (:class:`Seat`), written when it starts training."""
-    return f"{_root()}/seat/{rank}"
-
-
-def _text(value: Any, chars: int) -> str:
-    return cap_head(sanitize(str(value)), chars)
+    learned(lay.spares)
 
 
 @dataclass(frozen=True)
-class Seat:
+class Seat(Stored):
     """The process holding a training rank: its launched rank, its host, and its ``LOCAL_RANK`` and
     ``LOCAL_WORLD_SIZE`` as training (-1: not set)."""
 
@@ -193,28 +163,17 @@ class Seat:
     local_rank: int = -1
     local_world: int = -1
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
+    BOUNDS: ClassVar[dict] = {"launched": (0, WORLD), "host": 200, "local_rank": (-1, WORLD), "local_world": (-1, 2**31 - 1)}
 
-    @classmethod
-    def from_json(cls, raw: Any, launched_world: int) -> Seat | None:
-        data = read_json(raw)
-        try:
-            seat = cls(int(data["launched"]), _text(data["host"], 200), int(data.get("local_rank", -1)),
-                       int(data.get("local_world", -1)))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return None
-        if not (0 <= seat.launched < launched_world and -1 <= seat.local_rank < launched_world
-                and -1 <= seat.local_world <= launched_world):
-            return None
-        return seat
+    def problem(self, world: int) -> str | None:
+        return f"local_world {self.local_world} is over {world}" if self.local_world > world else None
 
     def describe(self) -> str:
         return f"launched rank {self.launched} on host {self.host}"
 
 
 @dataclass(frozen=True)
-class Order:
+class Order(Stored):
     """What a waiting spare is told: ``take`` training rank ``rank`` at recovery ``attempt`` (the lost
     rank's ``lost`` seat, why it was lost, when the failure reached the claimer: ``since``, wall
     clock, and the spares left after this one), or ``end`` (``ok``: the training ended)."""
@@ -231,48 +190,26 @@ class Order:
     lost_local_rank: int = -1  #: its LOCAL_RANK (-1: unknown)
     lost_local_world: int = -1  #: its LOCAL_WORLD_SIZE (-1: unknown)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
+    BOUNDS: ClassVar[dict] = {"kind": 10, "why": 500, "rank": (-1, WORLD), "attempt": (-1, 2**31 - 1),
+                              "since": (0.0, 1e13), "left": (0, 2**31 - 1), "lost": 300, "lost_host": 200,
+                              "lost_local_rank": (-1, 2**31 - 1), "lost_local_world": (-1, 2**31 - 1)}
 
-    @classmethod
-    def from_json(cls, raw: Any, training_world: int) -> Order | None:
-        data = read_json(raw)
-        try:
-            order = cls(str(data["kind"]), _text(data["why"], 500), int(data.get("rank", -1)),
-                        int(data.get("attempt", -1)), float(data.get("since", 0.0)), int(data.get("left", 0)),
-                        _text(data.get("lost", ""), 300), bool(data.get("ok", False)),
-                        _text(data.get("lost_host", ""), 200), int(data.get("lost_local_rank", -1)),
-                        int(data.get("lost_local_world", -1)))
-        except (KeyError, TypeError, ValueError, AttributeError):
+    def problem(self, world: int) -> str | None:
+        """An order to take a rank names one, at a recovery; an order to end needs nothing more."""
+        if self.kind == END or (self.kind == TAKE and self.rank >= 0 and self.attempt >= 0):
             return None
-        if order.kind == END:
-            return order
-        if order.kind != TAKE or not (0 <= order.rank < training_world and 0 <= order.attempt < 2**31
-                                      and order.left >= 0 and order.lost_local_rank >= -1
-                                      and order.lost_local_world >= -1):
-            return None
-        return order
+        return f"an order of kind {self.kind!r} for rank {self.rank} at recovery {self.attempt}"
 
 
 @dataclass(frozen=True)
-class Answer:
+class Answer(Stored):
     """Which spare replaces a lost rank (``spare``: its launched rank; -1: none left) and how many are
     left after it."""
 
     spare: int
     left: int
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: Any, launched_world: int) -> Answer | None:
-        data = read_json(raw)
-        try:
-            answer = cls(int(data["spare"]), int(data["left"]))
-        except (KeyError, TypeError, ValueError):
-            return None
-        return answer if -1 <= answer.spare < launched_world and answer.left >= 0 else None
+    BOUNDS: ClassVar[dict] = {"spare": (-1, WORLD), "left": (0, 2**31 - 1)}
 
 
 # -- the protocol ------------------------------------------------------------------------------------
@@ -303,7 +240,7 @@ def claim(store: Any, lay: Layout, rank: int, gen: int, why: str, since: float, 
     else:
         store.wait([answer_key(gen, rank)], wait)
         answer = Answer.from_json(store.get(answer_key(gen, rank)), lay.launched_world) or Answer(-1, 0)
-    _set_left(answer.left)
+    learned(answer.left)
     return answer
 
 
@@ -367,7 +304,7 @@ def take_seat(lay: Layout, order: Order) -> None:
         os.environ["LOCAL_RANK"] = str(order.lost_local_rank)
         if order.lost_local_world >= 0:
             os.environ["LOCAL_WORLD_SIZE"] = str(order.lost_local_world)
-    _set_left(order.left)
+    learned(order.left)
 
 
 def log_takeover(lay: Layout, order: Order, reformed_wall: float) -> None:
@@ -377,3 +314,118 @@ def log_takeover(lay: Layout, order: Order, reformed_wall: float) -> None:
         "survivor to the re-formed group; %d spare%s left", Seat(lay.launched_rank, host_name()).describe(),
         order.rank, f" ({order.lost})" if order.lost else "", order.why, took, order.left,
         "" if order.left == 1 else "s")
+
+
+# -- a process's part, as the recovery's loop calls it ------------------------------------------------
+def serve(lay: Layout, timeout: timedelta) -> tuple[Order, Cause] | None:
+    """A spare: wait for an order. ``None`` when the training ended without needing it; else the order
+    to take a lost rank's place, this process now that rank (:func:`take_seat`, in the recovery of
+    ``order.attempt``), and the cause it joins the recovery with. Raises :class:`RecoveryError` when
+    the job ended with a failure."""
+    learned(lay.spares)
+    # what the training's first optimizer would import (seconds), imported while nothing waits for it
+    compat_torch.import_lazy_modules()
+    log(logging.INFO, "launched rank %d of %d is a spare: it waits for a training rank (%d of them) lost with no "
+        "keeper to replace it", lay.launched_rank, lay.launched_world, lay.training_world)
+    order = wait_for_order(connect(timeout), lay, lay.launched_rank)
+    if order.kind == END:
+        if order.ok:
+            log(logging.INFO, "spare launched rank %d: %s; it never trained (its call returns None)",
+                lay.launched_rank, order.why)
+            return None
+        raise RecoveryError(f"spare launched rank {lay.launched_rank}: the job ended without it: {order.why}")
+    take_seat(lay, order)
+    attempts.set_in_place(order.attempt)
+    return order, Cause(order.rank, order.rank, FailureKind.RANK_REPLACED.value,
+                        f"rank {order.rank}'s process was lost with no keeper to replace it: spare launched rank "
+                        f"{lay.launched_rank} took its place", "", -1, True, "")
+
+
+def take_own_seat(lay: Layout, timeout: timedelta) -> Any:
+    """A training rank's first attempt: connect to torchrun's store (the store the attempts share, over
+    which the training function's ``init_process_group`` makes the training world's group) and hold
+    its seat; returns that store."""
+    store = connect(timeout)
+    write_seat(store, lay.launched_rank, lay, lay.launched_rank)
+    log(logging.INFO, "rank %d of a training world of %d (%d spare%s launched beside it)", lay.launched_rank,
+        lay.training_world, lay.spares, "" if lay.spares == 1 else "s")
+    return store
+
+
+def tell_end(store: Any, lay: Layout, ok: bool, why: str) -> None:
+    """:func:`end`, bounded by :data:`RECOVER_TELL_SEC` (the store may be what failed); never raises."""
+    conn = Connection(lambda: store, timedelta(seconds=RECOVER_TELL_SEC), "spares")
+    conn.deadline = time.monotonic() + RECOVER_TELL_SEC
+    try:
+        end(Bounded(conn), lay, ok, why)
+    except Exception as err:  # noqa: BLE001 - torchrun ends them anyway once a rank exits with an error
+        log(logging.WARNING, "could not tell the spares that the job ended: %s: %s", type(err).__name__,
+            first_line(err))
+    finally:
+        conn.close()
+
+
+def lost_or_silent(cause: Cause) -> bool:
+    """A peer declared lost or silent with its end not seen (another host's rank, or its host or link
+    gone): with spares, one takes its place unless its keeper replaces it."""
+    return (not cause.own and cause.failed_rank >= 0
+            and cause.failure_kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
+            and cause.not_in_place == NOT_IN_PLACE[cause.failure_kind])
+
+
+class Claims:
+    """A survivor's part in one recovery's agreement (recovery ``gen``) when the job has spares:
+    ``store`` is the agreement's bounded store, ``since`` when the failure reached this rank (wall
+    clock), ``lost()`` the failed attempt's records of the ranks lost or silent."""
+
+    def __init__(self, store: Any, lay: Layout, gen: int, since: float, seconds: float,
+                 lost: Callable[[], dict[int, Any]]) -> None:
+        self.store, self.lay, self.gen, self.since, self.seconds, self.lost = store, lay, gen, since, seconds, lost
+        self.claimed: set[int] = set()  # lost ranks this rank found a spare for, this recovery
+
+    def displaced(self, rank: int) -> str:
+        """Why this process must not take part in the recovery as ``rank`` any more: a spare was ordered
+        to take that rank at this recovery, or holds its seat (its peers declared this process lost or
+        silent: cut off, frozen, then back). "" when it holds its seat."""
+        mine = self.lay.launched_rank  # a spare that took the seat: its own launched rank is the seat's
+        if self.store.check([answer_key(self.gen, rank)]):
+            answer = Answer.from_json(self.store.get(answer_key(self.gen, rank)), self.lay.launched_world)
+            if answer is not None and answer.spare >= 0 and answer.spare != mine:
+                return (f"rank {rank} was declared lost by its peers and spare launched rank {answer.spare} takes its "
+                        f"place: this process (launched rank {mine}) does not rejoin the job")
+        if self.store.check([seat_key(rank)]):
+            seat = Seat.from_json(self.store.get(seat_key(rank)), self.lay.launched_world)
+            if seat is not None and seat.launched != mine:
+                return (f"rank {rank} was declared lost by its peers and {seat.describe()} holds its seat: this "
+                        f"process (launched rank {mine}) does not rejoin the job")
+        return ""
+
+    def claim(self, rank: int, why: str, *, too: bool = False) -> str:
+        """A spare for lost rank ``rank`` (:func:`claim`), logged; why the job ends when none is left,
+        else ``""``. ``too``: a rank lost beside the cause's."""
+        self.claimed.add(rank)
+        answer = claim(self.store, self.lay, rank, self.gen, why, self.since, timedelta(seconds=self.seconds))
+        if answer.spare < 0:
+            return (f"rank {rank} was lost with no keeper to replace it, and no spare is left "
+                    f"(spares={self.lay.spares}, all taken): a relaunch replaces it")
+        log(logging.WARNING, "rank %d was lost%s with no keeper to replace it: spare launched rank %d takes its place "
+            "(%d spare%s left after it)", rank, " too," if too else "", answer.spare, answer.left,
+            "" if answer.left == 1 else "s")
+        return ""
+
+    def for_lost(self, gen: int) -> str:
+        """Every rank the failed attempt's records declare lost or silent (not only the cause's: a host
+        of several ranks, two processes killed at once) that has not reached the recovery (its cause
+        of recovery ``gen``) and has no keeper to replace it (none announced, its end not seen: ``ended``
+        unknown, or its keeper seen gone with it: ``ended.keeper_gone``) gets a spare (once per rank
+        and recovery whoever asks). Returns why the job ends when one is left without a spare, else ``""``."""
+        for rank, record in sorted(self.lost().items()):
+            if rank in self.claimed or self.store.check([agreement_key(gen, "cause", rank)]):
+                continue  # found a spare already, or it (or its replacement) reached the recovery
+            if keeper_replaces(self.store, rank, record.ended is not None and not record.ended.keeper_gone):
+                continue
+            ends = self.claim(rank, f"rank {rank} failed: {record.exc_type}: {cap_head(record.exc_message, 200)}",
+                              too=True)
+            if ends:
+                return ends
+        return ""

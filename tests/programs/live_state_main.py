@@ -3,7 +3,8 @@
 Runs the cases named in ``CASES`` (comma-separated, see :data:`CASES`) one after another over one gloo
 group. In each, every rank trains the same model and optimizer on the same data (so that their states
 are the same), then some ranks are made behind, untrusted, zeroed, replaced or diverged; the ranks
-agree on a source (:func:`agree_on_source`), the state is transferred, loaded into the model and
+agree on a source as a recovery does (each rank's :class:`LiveReport`, gathered, and rank 0's rule,
+:func:`live_state.plan_live`, run on every rank), the state is transferred, loaded into the model and
 optimizer, and one more step is trained. Each rank records the agreement, what the transfer raised,
 the checksums before and after, whether it was written in place, and saves the state it ended with
 (``<outdir>/<case>-rank<r>.pt``) for the test to compare tensor by tensor.
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers.core.errors import StateTransferError
 from fault_tolerant_handlers.recover import live_state
+from fault_tolerant_handlers.recover.causes import LiveReport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from wire import flip_in_flight  # noqa: E402 - tests/wire.py
@@ -39,8 +41,9 @@ STEPS = 3
 CHUNK = 4096
 
 #: case -> (optimizer, {rank: role}, options). Roles: behind (one step fewer), untrusted (one step
-#: fewer, then half an update, and says so), zeroed (every tensor zeroed in place, untrusted), replaced
-#: (no state), diverged (a weight nudged, same step). Options: corrupt=k flips a byte of chunk k in
+#: fewer, then half an update: it failed inside an optimizer step, so it reports no state, as the data
+#: layer captures none then), zeroed (every tensor zeroed in place, untrusted), replaced (no state),
+#: diverged (a weight nudged, same step). Options: corrupt=k flips a byte of chunk k in
 #: flight (as the receivers see it); refuse puts a leaf JSON cannot carry in the source's state;
 #: change alters the source's state after the agreement; unchecked leaves the agreed checksum out.
 CASES = {
@@ -119,14 +122,21 @@ def run_case(name: str) -> None:
     pointers = {k: v.data_ptr() for k, v in model.state_dict().items()}
 
     digest = live_state.checksum(state) if state is not None else None
-    agreed = live_state.agree_on_source(None if state is None else steps, digest, trusted)
+    if state is None or not trusted:
+        mine = LiveReport(RANK, -1, "", "its process was replaced" if state is None else
+                          "it failed inside an optimizer step (untrusted)")
+    else:
+        mine = LiveReport(RANK, steps, "iteration", "", digest)
+    reports = [None] * WORLD
+    dist.all_gather_object(reports, mine)
+    agreed = live_state.plan_live(reports, WORLD)
     if options.get("refuse") and RANK == agreed.source:
         state["engine"]["handler"] = object()
     if options.get("change") and RANK == agreed.source:  # a bug: the state moves after the agreement
         with torch.no_grad():
             state["model"]["0.bias"].add_(1)
     record("agreed", case=name, role=role, step=agreed.step, source=agreed.source, checksum=agreed.checksum,
-           receiving=[[r, why.name] for r, why in agreed.receiving], fallback=agreed.fallback,
+           receivers=list(agreed.receivers), whom=agreed.whom, fallback=agreed.why or None,
            before=digest, describe=agreed.describe())
 
     original_recv = live_state._recv

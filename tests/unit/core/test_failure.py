@@ -1,17 +1,16 @@
-"""The failure state machine (core/failure.py) and the one tag on an exception, as scenarios of
-one attempt on one rank. No process group: the state is plain Python."""
+"""The failure state of one attempt (core/failure.py) and the one tag on an exception, as scenarios
+of one attempt on one rank. No process group: the state is plain Python."""
 
 from __future__ import annotations
 
+import pickle
 import threading
 
 import pytest
 
-from fault_tolerant_handlers.core import events
 from fault_tolerant_handlers.core.errors import PeerFailedError
-from fault_tolerant_handlers.core.failure import TAG_ATTR, Failure, FailureState, Phase, Tag, tag, tag_of
-from fault_tolerant_handlers.core.kinds import Ended, FailureKind
-from fault_tolerant_handlers.core.records import FailureRecord
+from fault_tolerant_handlers.core.failure import (Ended, FailureKind, FailureRecord, FailureState, TAG_ATTR, Tag, tag,
+                                                  tag_of)
 
 
 def own_record(message: str = "bad sample 17") -> FailureRecord:
@@ -31,32 +30,17 @@ def signal_cause() -> PeerFailedError:
                            kind=FailureKind.RANK_SIGNALLED, ended=Ended(signal=15))
 
 
-@pytest.fixture
-def phases():
-    seen = []
-
-    def record(state, old, new):
-        seen.append((old, new))
-
-    events.subscribe(events.FAILURE_PHASE, record)
-    yield seen
-    events.unsubscribe(events.FAILURE_PHASE, record)
-
-
 def test_a_healthy_attempt_has_not_failed():
     state = FailureState()
-    assert state.phase is Phase.RUNNING and not state.failing and state.cause is None
-    verdict = state.outcome()
-    assert (verdict.phase, verdict.failed, verdict.cause, verdict.others) == (Phase.RUNNING, False, None, ())
+    assert not state.failing and state.cause is None
 
 
-def test_a_rank_that_fails_itself_is_the_cause_and_the_job_has_failed(phases):
+def test_a_rank_that_fails_itself_is_the_cause_and_the_job_has_failed():
     state = FailureState()
     record = own_record()
-    assert state.failed_here(record) is True
-    assert state.phase is Phase.FAILED_HERE and state.cause == Failure.of(record)
+    state.failed_here(record)
+    assert state.cause is record and state.cause.kind is FailureKind.RAISED
     assert state.local and state.delivered and state.failing
-    assert phases == [(Phase.RUNNING, Phase.FAILED_HERE)]
 
 
 def test_a_peers_failure_learned_after_this_rank_failed_itself_does_not_replace_its_own_cause():
@@ -65,8 +49,7 @@ def test_a_peers_failure_learned_after_this_rank_failed_itself_does_not_replace_
     state.failed_here(record)
     lost = peer(0)
     assert state.peer_failed(lost) is None  # this rank raises its own error: nothing to escalate
-    assert state.cause == Failure.of(record) and state.others == (Failure.of(lost),)
-    assert state.phase is Phase.FAILED_HERE
+    assert state.cause is record
     assert state.peer_error is lost  # what the watchdog knows, still readable
 
 
@@ -75,29 +58,28 @@ def test_a_peers_failure_found_while_training_is_escalated_once():
     first, again = peer(0), peer(2)
     incident = state.peer_failed(first)
     assert incident is not None and incident.peer_error is first and not incident.acknowledged.is_set()
-    assert state.phase is Phase.PEER_FAILED and state.cause == Failure.of(first) and state.failing
+    assert state.cause is first.record and state.failing
     assert not state.delivered  # the main thread has not taken it yet
     assert state.peer_failed(again) is None  # already known in this incident
-    assert state.cause == Failure.of(first) and state.others == (Failure.of(again),)
+    assert state.cause is first.record
 
 
-def test_the_main_thread_taking_a_peers_failure_acknowledges_every_escalated_incident(phases):
+def test_the_main_thread_taking_a_peers_failure_acknowledges_every_escalated_incident():
     state = FailureState()
     lost = peer(0)
     incident = state.peer_failed(lost)
-    assert state.acknowledged(lost) is True
-    assert incident.acknowledged.is_set() and state.phase is Phase.ACKNOWLEDGED
-    assert state.acknowledged(lost) is False  # nothing new to acknowledge
-    assert phases == [(Phase.RUNNING, Phase.PEER_FAILED), (Phase.PEER_FAILED, Phase.ACKNOWLEDGED)]
+    state.acknowledged(lost)
+    assert incident.acknowledged.is_set()
 
 
 def test_after_its_own_signal_a_peers_failure_is_a_consequence_not_escalated():
     state = FailureState()
     cause = signal_cause()
     assert state.signalled(cause) is True
-    assert state.phase is Phase.SIGNALLED and state.signal is cause and state.local and state.delivered
+    assert state.signal is cause and state.local and state.delivered
     assert state.peer_failed(peer(0)) is None
-    assert state.peer_error is None and state.cause == Failure.of(cause)
+    assert state.peer_error is None and state.cause is cause.record
+    assert state.cause.kind is FailureKind.RANK_SIGNALLED and state.cause.ended == Ended(signal=15)
     assert state.signalled(signal_cause()) is False  # one signal is the cause; a second changes nothing
     assert state.signal is cause
 
@@ -122,50 +104,31 @@ def test_a_failure_user_code_caught_leaves_the_job_failed_but_never_blinds_the_w
     state = FailureState()
     first = peer(0)
     state.agreement_ended(True, first)  # a fail_together section raised it; the user caught it
-    assert state.phase is Phase.PEER_FAILED and state.cause == Failure.of(first)
+    assert state.cause is first.record
     state.acknowledged(first)
     assert state.delivered and state.failing and state.peer_error is None
     later = peer(2)
     incident = state.peer_failed(later)
     assert incident is not None  # escalated: the main thread is told again
-    assert state.cause == Failure.of(first) and state.others == (Failure.of(later),) and state.phase is Phase.ACKNOWLEDGED
+    assert state.cause is first.record
 
 
 def test_an_agreement_in_which_nobody_failed_changes_nothing_but_the_incident():
     state = FailureState()
     before = state.incident
     assert state.agreement_ended(False) is before
-    assert state.incident is not before and state.phase is Phase.RUNNING and not state.failing
+    assert state.incident is not before and not state.failing and state.cause is None
 
 
 def test_a_hang_found_by_the_watchdog_is_this_ranks_failure_before_its_main_thread_knows():
     state = FailureState()
     hung = FailureRecord.declared(rank=1, kind=FailureKind.RANK_HUNG, message="rank 1 hung", by=1, pid=8,
                                   host="node-a")
-    assert state.failed_here(hung, told=False) is True
-    assert state.phase is Phase.FAILED_HERE and state.local and not state.delivered
+    state.failed_here(hung, told=False)
+    assert state.local and not state.delivered
     assert state.peer_failed(peer(0)) is None  # it fails itself: a peer's failure is not escalated
-    interrupted = own_record("HangInterrupted")  # the main thread, interrupted, publishes its exception
-    assert state.failed_here(interrupted) is False
-    assert state.cause == Failure.of(hung) and state.others[-1] == Failure.of(interrupted) and state.delivered
-
-
-@pytest.mark.parametrize("recovered, final", [(True, Phase.RECOVERED), (False, Phase.ENDED)])
-def test_an_attempt_that_is_over_stays_over(recovered, final):
-    state = FailureState()
-    state.failed_here(own_record())
-    assert state.ended(recovered=recovered) is True
-    assert state.phase is final
-    assert state.ended(recovered=not recovered) is False
-    state.acknowledged(peer(0))
-    assert state.phase is final
-
-
-def test_an_attempt_that_ended_before_any_failure_names_no_cause():
-    state = FailureState()
-    state.ended(recovered=False)
-    state.peer_failed(peer(0))
-    assert state.phase is Phase.ENDED and state.cause is None
+    state.failed_here(own_record("HangInterrupted"))  # the main thread, interrupted, publishes its exception
+    assert state.cause is hung and state.delivered
 
 
 def test_concurrent_findings_of_one_failure_are_escalated_once():
@@ -183,8 +146,20 @@ def test_concurrent_findings_of_one_failure_are_escalated_once():
         t.start()
     for t in threads:
         t.join()
-    assert len(escalated) == 1 and state.cause == Failure.of(state.peer_error)
-    assert len(state.others) == 7
+    assert len(escalated) == 1 and state.cause is state.peer_error.record
+
+
+def test_a_peers_error_carries_one_failure_value_through_a_pickle():
+    """Every attribute of ``PeerFailedError`` is read from the one record it carries; a pickle (a
+    launcher shipping it between processes) keeps it whole."""
+    record = own_record()
+    err = PeerFailedError.from_records([record])
+    assert err.record is record
+    assert (err.failed_rank, err.exc_type, err.exc_message, err.section, err.step, err.kind) == \
+        (1, "ValueError", "bad sample 17", "train", 5, FailureKind.RAISED)
+    assert err.failed_at == record.time_ms / 1000 and err.pid == record.pid and err.remote_traceback == record.traceback
+    again = pickle.loads(pickle.dumps(err))
+    assert again.record == record and str(again) == str(err) and again.where == err.where
 
 
 # -- the tag ----------------------------------------------------------------------------------------
@@ -249,7 +224,7 @@ def test_a_signal_taken_while_an_agreement_ends_leaves_the_job_failed(monkeypatc
     session.agree("loop", "train: iteration", step=3)
     assert session.failure.signal is cause
     assert session.failure.delivered and session.failure.failing
-    assert session.failure.phase is Phase.SIGNALLED
+    assert session.failure.cause is cause.record
 
 
 def test_the_state_keeps_a_failure_as_data_never_the_exception_that_pins_an_attempts_frames():
@@ -275,4 +250,4 @@ def test_the_state_keeps_a_failure_as_data_never_the_exception_that_pins_an_atte
         frames = weakref.ref(err.__traceback__.tb_next.tb_frame.f_locals["held"])
     gc.collect()
     assert frames() is None
-    assert state.cause == Failure(FailureKind.PEER_LOST, 0, "PeerLost", "rank 0 is gone", Ended(signal=9))
+    assert state.cause.kind is FailureKind.PEER_LOST and state.cause.rank == 0 and state.cause.ended == Ended(signal=9)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers.core import session as session_mod
 from fault_tolerant_handlers.core.ranks import RankTable
-from fault_tolerant_handlers.core.records import FailureRecord
+from fault_tolerant_handlers.core.failure import FailureRecord
 
 from launch import free_port
 

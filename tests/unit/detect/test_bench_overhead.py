@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_tolerant_handlers.detect.pidwatch import PidWatcher, WakeEvent
+from fault_tolerant_handlers.detect.watchdog import PidWatcher, WakeEvent
 
 BENCH = Path(__file__).resolve().parents[3] / "bench" / "overhead.py"
 

@@ -12,8 +12,7 @@ import torch.distributed as dist
 from fault_tolerant_handlers.core.ranks import RankTable
 from fault_tolerant_handlers.detect.probes import (SILENCE_POLL, HeartbeatProbe, PeerPidProbe, RecordsProbe, SelfHangProbe,
                                             StoreLossProbe, waiting_on_peers)
-from fault_tolerant_handlers.core.kinds import Ended, FailureKind
-from fault_tolerant_handlers.core.records import FailureRecord
+from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord
 from fault_tolerant_handlers.core.schema import Connection, Schema
 
 

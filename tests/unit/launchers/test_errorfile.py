@@ -12,9 +12,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from fault_tolerant_handlers.launchers import errorfile
 from fault_tolerant_handlers.core.errors import PeerFailedError
-from fault_tolerant_handlers.core.kinds import Ended
+from fault_tolerant_handlers.core.failure import Ended, FailureRecord, decode
 from fault_tolerant_handlers.core.ranks import RankTable
-from fault_tolerant_handlers.core.records import FailureRecord
 
 
 def _read_timestamp(path: str) -> int | None:
@@ -223,7 +222,7 @@ def test_a_rank_whose_keeper_died_first_is_told_to_its_peers_with_its_keeper_gon
     import subprocess
     import sys
 
-    from fault_tolerant_handlers.core import attempts
+    from fault_tolerant_handlers.core import hooks
     from fault_tolerant_handlers.detect import liveness
 
     monkeypatch.setenv(errorfile.ERROR_FILE_ENV, _layout(tmp_path)[1])
@@ -232,10 +231,10 @@ def test_a_rank_whose_keeper_died_first_is_told_to_its_peers_with_its_keeper_gon
     told = []
     real = liveness._procfs.ended
     monkeypatch.setattr(liveness._procfs, "ended", lambda pid, within: Ended() if pid == 101 else real(pid, within))
-    monkeypatch.setattr(attempts, "keeper_pid", os.getpid())  # a keeper that lives: nothing told
+    monkeypatch.setitem(hooks._hooks, hooks.KEEPER_PID, ((os.getpid, False),))  # a keeper that lives: nothing told
     liveness.rank_ended(1, 101, "node-b", tell=told.append)
     assert told == []
-    monkeypatch.setattr(attempts, "keeper_pid", keeper.pid)
+    monkeypatch.setitem(hooks._hooks, hooks.KEEPER_PID, ((lambda: keeper.pid, False),))
     liveness.rank_ended(1, 101, "node-b", tell=told.append)
     assert len(told) == 1 and told[0].ended == Ended(keeper_gone=True), told
     assert told[0].exc_message == ("rank 1 (pid 101 on node-b) lost: process is gone (exit status not visible from "
@@ -243,7 +242,12 @@ def test_a_rank_whose_keeper_died_first_is_told_to_its_peers_with_its_keeper_gon
 
 
 def test_keeper_gone_is_read_back_only_as_a_bool():
-    assert Ended.from_json({"signal": 9, "keeper_gone": True}) == Ended(signal=9, keeper_gone=True)
-    assert Ended.from_json({"signal": 9}) == Ended(signal=9)
-    assert Ended.from_json({"signal": 9, "keeper_gone": "yes"}) is None
-    assert Ended.from_json({"signal": 9, "keeper_gone": 1}) is None
+    assert _ended({"signal": 9, "keeper_gone": True}) == Ended(signal=9, keeper_gone=True)
+    assert _ended({"signal": 9}) == Ended(signal=9)
+    assert _ended({"signal": 9, "keeper_gone": "yes"}) is None
+    assert _ended({"signal": 9, "keeper_gone": 1}) is None
+
+
+def _ended(obj):
+    """An ``Ended`` as the one store codec reads it back."""
+    return decode(Ended, json.dumps(obj), world=1, max_bytes=1024)

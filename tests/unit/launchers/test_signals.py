@@ -15,11 +15,9 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers.launchers import signals
 from fault_tolerant_handlers.detect.probes import PeerPidProbe
-from fault_tolerant_handlers.core.kinds import Ended
-from fault_tolerant_handlers.core.records import FailureRecord
+from fault_tolerant_handlers.core.failure import Ended, FailureRecord, FailureState
 from fault_tolerant_handlers.core.schema import Connection, Schema
 from fault_tolerant_handlers.core.ranks import RankTable
-from fault_tolerant_handlers.core.failure import FailureState
 
 
 class FakeSession:

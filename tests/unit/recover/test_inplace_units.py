@@ -15,9 +15,12 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers import PeerFailedError, SectionMismatchError, recover_in_place
 from fault_tolerant_handlers.core.config import RECOVER_TELL_SEC
-from fault_tolerant_handlers.core.kinds import Ended
-from fault_tolerant_handlers.recover.causes import Cause, Decision, LivePlan, LiveReport, plan_live
-from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
+from fault_tolerant_handlers.core.failure import Ended
+from fault_tolerant_handlers.recover import agree
+from fault_tolerant_handlers.recover.agree import cause_of
+from fault_tolerant_handlers.recover.causes import Cause, Decision, LivePlan, LiveReport
+from fault_tolerant_handlers.recover.inplace import _Recovery
+from fault_tolerant_handlers.recover.live_state import plan_live
 
 
 def test_bad_arguments_are_named_with_what_is_accepted():
@@ -99,37 +102,36 @@ def peer(kind="ValueError", origin="failure", step=7) -> PeerFailedError:
 
 
 def test_what_a_rank_says_of_its_failure():
-    own = _cause_of(ValueError("bad batch"), 0)
+    own = cause_of(ValueError("bad batch"), 0)
     assert (own.by, own.failed_rank, own.exc_type, own.own, own.not_in_place) == (0, 0, "ValueError", True, "")
-    seen = _cause_of(peer(), 0)
+    seen = cause_of(peer(), 0)
     assert (seen.failed_rank, seen.exc_type, seen.step, seen.own, seen.not_in_place) == (1, "ValueError", 7, False, "")
-    assert "a rank was lost" in _cause_of(peer("PeerLost", "declared"), 0).not_in_place  # its host or store: gone
+    assert "a rank was lost" in cause_of(peer("PeerLost", "declared"), 0).not_in_place  # its host or store: gone
     killed = PeerFailedError(1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", origin="declared",
                              ended=Ended(signal=9))
-    assert _cause_of(killed, 0).not_in_place == ""  # its process ended: its keeper may replace it (checked in _agree)
-    assert "silent" in _cause_of(peer("PeerSilent", "declared"), 0).not_in_place
-    assert "signal" in _cause_of(peer("RankSignalled", "declared"), 0).not_in_place
-    assert _cause_of(peer("RankHung", "declared"), 0).not_in_place == ""  # interrupted: recovered
-    assert "KeyboardInterrupt ends the job" in _cause_of(KeyboardInterrupt(), 0).not_in_place
-    assert "out of step" in _cause_of(SectionMismatchError("x"), 0).not_in_place
+    assert cause_of(killed, 0).not_in_place == ""  # its process ended: its keeper may replace it (checked in _agree)
+    assert "silent" in cause_of(peer("PeerSilent", "declared"), 0).not_in_place
+    assert "signal" in cause_of(peer("RankSignalled", "declared"), 0).not_in_place
+    assert cause_of(peer("RankHung", "declared"), 0).not_in_place == ""  # interrupted: recovered
+    assert "KeyboardInterrupt ends the job" in cause_of(KeyboardInterrupt(), 0).not_in_place
+    assert "out of step" in cause_of(SectionMismatchError("x"), 0).not_in_place
 
 
 def test_a_cause_read_from_the_store_is_bounded_and_checked():
     good = Cause(1, 1, "ValueError", "m" * 100, "train", 5, True, "")
-    assert Cause.from_json(good.to_json().encode(), world_size=2) == good
-    assert Cause.from_json(good.to_json().encode(), world_size=1) is None  # rank out of range
+    assert Cause.from_json(good.to_json(), world_size=2) == good
+    assert Cause.from_json(good.to_json(), world_size=1) is None  # rank out of range
     assert Cause.from_json(b"x" * 9000, world_size=2) is None
     assert Cause.from_json(b"\x80not json", world_size=2) is None
     assert Cause.from_json(json.dumps({"by": 0}).encode(), world_size=2) is None
     loud = json.loads(good.to_json()) | {"message": "\x1b[31m" + "z" * 5000}
     read = Cause.from_json(json.dumps(loud).encode(), world_size=2)
     assert "\x1b" not in read.message and len(read.message) <= 500
-    assert Decision.from_json(b"[1, 2]") is None
+    assert Decision.from_json(b"[1, 2]", 2) is None
     told = Decision(True, "rank 1 failed", spares_left=2)
-    assert Decision.from_json(told.to_json().encode()) == told
+    assert Decision.from_json(told.to_json(), 2) == told
     for wrong in (-5, 2**40, "x"):  # a count of spares left out of range is not believed
-        assert Decision.from_json(json.dumps(json.loads(told.to_json()) | {"spares_left": wrong}).encode()) in (
-            None, Decision(True, "rank 1 failed"))
+        assert Decision.from_json(json.dumps(json.loads(told.to_json()) | {"spares_left": wrong}).encode(), 2) is None
 
 
 def decide(store, causes: list[Cause], *, world=2, gen=0, max_restarts=3, history=(), seconds=0.2) -> Decision:
@@ -139,9 +141,7 @@ def decide(store, causes: list[Cause], *, world=2, gen=0, max_restarts=3, histor
         if cause.not_in_place:
             store.add(f"{prefix}stop", 1)
         store.add(f"{prefix}arrived", 1)
-    recovery = _Recovery(print, max_restarts, timedelta(seconds=seconds))
-    recovery.causes = list(history)
-    return recovery._decide(store, prefix, world, gen, seconds)
+    return agree.decide(store, world, gen, seconds, max_restarts, list(history))
 
 
 def failure(by=1, step=37, not_in_place="") -> Cause:
@@ -225,7 +225,7 @@ class Unanswering:
 
 def test_a_rank_that_ends_tells_its_peers_within_a_bound_and_does_not_wait_for_a_store_that_is_gone():
     store = Unanswering()
-    lost = _cause_of(peer("PeerLost", "declared"), 1)
+    lost = cause_of(peer("PeerLost", "declared"), 1)
     assert lost.not_in_place
     t0 = time.monotonic()
     try:
@@ -241,11 +241,11 @@ def test_a_rank_that_ends_tells_its_peers_within_a_bound_and_does_not_wait_for_a
 # -- live state: what each rank holds, and rank 0's plan ----------------------------------------------------
 def test_a_live_report_read_from_the_store_is_bounded_and_checked():
     good = LiveReport(1, 36, "iteration", "")
-    assert LiveReport.from_json(good.to_json().encode(), world_size=2) == good
-    assert LiveReport.from_json(good.to_json().encode(), world_size=1) is None
+    assert LiveReport.from_json(good.to_json(), world_size=2) == good
+    assert LiveReport.from_json(good.to_json(), world_size=1) is None
     assert LiveReport.from_json(b"x" * 9000, world_size=2) is None
     assert LiveReport.from_json(json.dumps({"by": 0, "step": "x", "unit": "", "why": ""}).encode(), world_size=2) is None
-    loud = LiveReport(0, -1, "", "\x1b[31m" + "z" * 5000).to_json().encode()
+    loud = LiveReport(0, -1, "", "\x1b[31m" + "z" * 5000).to_json()
     read = LiveReport.from_json(loud, world_size=2)
     assert "\x1b" not in read.why and len(read.why) <= 300
 
@@ -305,14 +305,20 @@ def test_live_state_falls_back_to_the_checkpoint_and_says_why():
 
 
 def test_a_plan_read_back_is_bounded_and_its_ranks_checked():
-    assert LivePlan.from_dict({"step": "x"}).step == -1
     plan = plan_live([held(0, 36), LiveReport(1, -1, "", "replaced")], 2)
-    assert LivePlan.from_dict(json.loads(json.dumps(asdict(plan)))) == plan
+
+    def read(live, world=2):
+        told = json.loads(Decision(True, "rank 1 failed").to_json()) | {"live": live}
+        return Decision.from_json(json.dumps(told).encode(), world)
+
+    assert read({"step": "x"}).live is None  # the plan is not believed: every rank resumes from its checkpoint
+    assert read(asdict(plan)).live == plan
     assert plan.checked(2) == plan
     assert plan.checked(1).why == "rank 0's plan names ranks outside the world"
-    hostile = LivePlan.from_dict({**asdict(plan), "checksum": "not hex!", "whom": "\x1b[31m" + "z" * 5000})
+    assert read(asdict(plan), world=1).live is None  # its ranks are not ranks of this world
+    hostile = read({**asdict(plan), "checksum": "not hex!", "whom": "\x1b[31m" + "z" * 5000}).live
     assert hostile.checksum == "" and "\x1b" not in hostile.whom and len(hostile.whom) <= 400
-    assert LivePlan.from_dict({**asdict(plan), "receivers": "ab"}).why == "rank 0's plan could not be read"
+    assert read({**asdict(plan), "receivers": "ab"}).live is None
     assert LiveReport.from_json(json.dumps({**asdict(held(0, 36)), "checksum": "ZZ"}).encode(), 2).checksum == ""
 
 
@@ -321,11 +327,11 @@ def test_rank_0s_decision_carries_the_plan_every_rank_follows():
     for rank, step in ((0, 36), (1, 36)):
         store.set(f"fth/recover/0/0/live/{rank}", LiveReport(rank, step, "iteration", "").to_json())
     decision = decide(store, [failure(0), failure(1)])
-    assert decision.restart and LivePlan.from_dict(decision.live) == LivePlan(36, "iteration", "")
-    assert Decision.from_json(decision.to_json().encode()) == decision
+    assert decision.restart and decision.live == LivePlan(36, "iteration", "")
+    assert Decision.from_json(decision.to_json(), 2) == decision
     apart = dist.HashStore()
     apart.set("fth/recover/0/0/live/0", LiveReport(0, 36, "iteration", "").to_json())
-    assert decide(apart, [failure(0), failure(1)]).live["why"] == "rank 1's report could not be read"
+    assert decide(apart, [failure(0), failure(1)]).live.why == "rank 1's report could not be read"
 
 
 def test_an_error_raised_before_any_process_group_is_raised_as_itself(caplog, monkeypatch):

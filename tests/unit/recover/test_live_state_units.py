@@ -1,6 +1,6 @@
 """Live state, branch by branch: the checksum (deterministic, sensitive to structure and bytes, refusing
-what JSON cannot carry, by path), the agreement's rule, the rebuild of the structure on a receiver
-(in place where it can), and the arguments. Transfers between real ranks are in
+what JSON cannot carry, by path), the rebuild of the structure on a receiver (in place where it can),
+and the arguments (the rule, :func:`plan_live`, in ``test_inplace_units.py``). Transfers between real ranks are in
 ``tests/distributed/test_state_transfer.py``."""
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import torch
 
 from fault_tolerant_handlers.core.errors import StateTransferError
 from fault_tolerant_handlers.recover import live_state
-from fault_tolerant_handlers.recover.live_state import (Fallback, RankState, Receive, agree_on_source, checksum,
-                                                        decide, transfer)
+from fault_tolerant_handlers.recover.live_state import checksum, transfer
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -157,53 +156,6 @@ def test_a_receiver_without_state_gets_new_tensors_that_load():
     exec(_MAKE, scope)
     scope["model"].load_state_dict(out["model"])
     scope["opt"].load_state_dict(out["optimizer"])
-
-
-def _r(rank, step, digest="a", trusted=True):
-    return RankState(rank, step, None if step is None else digest * 32, trusted and step is not None)
-
-
-@pytest.mark.parametrize("ranks, step, source, receiving", [
-    ([_r(0, 5), _r(1, 5)], 5, 0, ()),
-    ([_r(0, 5), _r(1, 4)], 5, 0, ((1, Receive.BEHIND),)),
-    ([_r(0, 4), _r(1, 5)], 5, 1, ((0, Receive.BEHIND),)),  # resolved toward the step completed
-    ([_r(0, 5, trusted=False), _r(1, 5)], 5, 1, ((0, Receive.UNTRUSTED),)),
-    ([_r(0, 5), _r(1, None)], 5, 0, ((1, Receive.NO_STATE),)),
-    ([_r(0, 5), _r(1, 5, "b")], 5, 0, ((1, Receive.DIVERGED),)),  # a tie: the lowest rank's
-    ([_r(0, 5, "b"), _r(1, 5), _r(2, 5)], 5, 1, ((0, Receive.DIVERGED),)),  # the most held checksum
-    ([_r(0, 9, trusted=False), _r(1, 5), _r(2, 4), _r(3, None)], 5, 1,
-     ((0, Receive.UNTRUSTED), (2, Receive.BEHIND), (3, Receive.NO_STATE))),  # untrusted ranks do not vote
-])
-def test_the_rule(ranks, step, source, receiving):
-    agreed = decide(ranks)
-    assert (agreed.step, agreed.source, agreed.receiving, agreed.fallback) == (step, source, receiving, None)
-    assert agreed.usable and agreed.checksum == ranks[source].checksum
-    assert agreed.receivers == tuple(r for r, _ in receiving)
-    assert f"carrying on from step {step}, the live state of rank {source}" in agreed.describe()
-
-
-@pytest.mark.parametrize("ranks, fallback", [
-    ([_r(0, None), _r(1, 5, trusted=False)], Fallback.NO_TRUSTED_STATE),
-    ([_r(0, 7), _r(1, 5)], Fallback.STEPS_APART),
-])
-def test_when_live_state_cannot_serve(ranks, fallback):
-    agreed = decide(ranks)
-    assert not agreed.usable and agreed.fallback is fallback and agreed.source is None
-    assert agreed.describe().startswith(f"live state cannot serve: {fallback.value}")
-    assert decide(ranks, max_apart=2).usable is (fallback is Fallback.STEPS_APART)
-
-
-@pytest.mark.parametrize("args, match", [
-    ((-1, "a" * 32, True), r"step=-1"),
-    ((True, "a" * 32, True), r"step=True"),
-    ((3, "xyz", True), r"checksum='xyz'"),
-    ((3, "ab" * 8, True), r"32 hex characters"),
-    ((None, "a" * 32, False), r"a rank without state has no checksum"),
-    ((3, None, True), r"give checksum\(state\) with the step"),
-])
-def test_agreement_arguments_are_checked_before_any_collective(args, match):
-    with pytest.raises(ValueError, match=match):
-        agree_on_source(*args)
 
 
 def test_transfer_arguments():

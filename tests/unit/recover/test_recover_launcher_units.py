@@ -139,7 +139,7 @@ def test_a_recovery_error_inside_the_attempt_ends_the_job():
     """The attempt found recovering in place cannot work (e.g. Lightning would start the ranks again):
     no rank recovers."""
     from fault_tolerant_handlers.core.errors import RecoveryError
-    from fault_tolerant_handlers.recover.inplace import _cause_of
+    from fault_tolerant_handlers.recover.agree import cause_of
 
-    cause = _cause_of(RecoveryError("the cluster environment Stubborn would start the other ranks again"), 0)
+    cause = cause_of(RecoveryError("the cluster environment Stubborn would start the other ranks again"), 0)
     assert cause.not_in_place.startswith("this rank found it cannot recover in place: the cluster environment")

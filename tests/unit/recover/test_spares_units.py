@@ -15,10 +15,11 @@ from fault_tolerant_handlers import RecoveryError, recover_in_place, spares_left
 from fault_tolerant_handlers.recover import spares
 from fault_tolerant_handlers.core import config
 from fault_tolerant_handlers.core.errors import PeerFailedError
-from fault_tolerant_handlers.core.kinds import Ended, FailureKind
-from fault_tolerant_handlers.core.records import FailureRecord
-from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE, Cause, keeper_key
-from fault_tolerant_handlers.recover.inplace import _cause_of, _Recovery
+from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord
+from fault_tolerant_handlers.core.schema import keeper_key
+from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE, Cause
+from fault_tolerant_handlers.recover.agree import cause_of
+from fault_tolerant_handlers.recover.inplace import _Recovery
 from fault_tolerant_handlers.recover.spares import Answer, Layout, Order, Seat
 
 TORCHRUN = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
@@ -137,7 +138,7 @@ def test_a_waiting_spare_is_told_to_take_a_rank_or_that_the_job_ended(monkeypatc
 def test_a_spare_on_the_lost_rank_s_host_takes_its_local_names_and_elsewhere_keeps_its_own(torchrun_env):
     import os
 
-    from fault_tolerant_handlers.core.records import host_name
+    from fault_tolerant_handlers.core.failure import host_name
 
     lay = Layout(3, 1, 2, 2, 3)
     torchrun_env.setenv("LOCAL_RANK", "2")
@@ -152,7 +153,7 @@ def test_a_spare_on_the_lost_rank_s_host_takes_its_local_names_and_elsewhere_kee
                                  b'{"kind": "take", "why": "", "rank": 0, "attempt": -1}',
                                  b'{"kind": "reboot", "why": ""}', b"{" + b" " * 9000 + b"}"])
 def test_an_order_read_from_the_store_is_bounded_and_checked(raw):
-    assert Order.from_json(raw, training_world=2) is None
+    assert Order.from_json(raw, world_size=2) is None
 
 
 def test_an_answer_and_a_seat_read_from_the_store_are_checked():
@@ -248,7 +249,7 @@ def _keeper_gone_too() -> Cause:
     died: the helper saw the keeper gone (``Ended.keeper_gone``)."""
     err = PeerFailedError(1, "PeerLost", "rank 1 (pid 7 on node-b) lost: killed by SIGKILL, and its keeper is gone "
                           "too", origin="declared", ended=Ended(signal=9, keeper_gone=True))
-    return _cause_of(err, 0)
+    return cause_of(err, 0)
 
 
 def test_a_killed_rank_whose_keeper_is_gone_too_gets_a_spare_though_its_keeper_key_is_set():

@@ -1,0 +1,153 @@
+"""One way to plug a layer into the core: hooks.
+
+The core never imports a launcher, a detector, an adapter, the data layer or the recovery. What it
+tells them, and what it asks of them, is a hook of this one table; every layer's part is listed in
+one place, where the package is assembled (``WIRING`` in ``fault_tolerant_handlers/__init__.py``),
+so that the order is seen where it is decided. A hook is one of three kinds:
+
+**Announcements** (:func:`emit`): every callback, in order, in the emitting thread; an exception
+one raises is logged, never passed to the emitter (a report must never mask the failure it reports).
+Subscriptions survive a fork: the liveness helper emits ``RANK_KILLED`` to the same callbacks.
+
+=====================  ==================================================  ==============================
+hook                   emitted by, when                                    arguments
+=====================  ==================================================  ==============================
+``SESSION_STARTED``    ``Session.__init__``: a session is ready             ``session``
+``RANK_FAILED``        this rank failed itself: ``Session.report_error``,   ``record`` (its FailureRecord)
+                       the watchdog finding it hung, its own signal
+``PEER_FAILED``        ``Session.take_peer_failure`` (``escalated``: the    ``table, error, escalated``
+                       main thread will be told)
+``ACKNOWLEDGED``       ``Session.acknowledge``: the main thread took a      ``table, error, known``
+                       peer's failure and raises it
+``JOB_FAILED``         this rank knows the job failed                      ``session``
+``EXITING``            the watchdog ends this process with a report        ``table, error, code``
+``RANK_KILLED``        the liveness helper: its rank was killed by a       ``record`` (its PeerLost)
+                       signal it could not report (SIGKILL)
+``RANK_ENDED``         the liveness helper: its rank ended                 ``pid, rank, host``
+``SESSION_CLOSED``     ``Session.close``, before its connections close     ``session``
+``FAILURE_SEEN``,      recovering in place: the failure reached this       ``info`` (a
+``RECOVERY_STARTED``,  rank's recovery; the ranks agreed to recover; the   :class:`~.recoveries.RecoveryInfo`)
+``RECOVERED``          group is re-formed
+=====================  ==================================================  ==============================
+
+**Recovery steps** (:func:`run`): a recovery in place (:mod:`..recover`) is a sequence of steps over
+one :class:`~.phases.RecoveryState`; each ``step(state)`` returns a new state or ``None``
+(unchanged), in order. A step's exception stops the recovery unless it was added with
+``tolerate=True`` (then it is logged and the next step runs). Only moments some layer acts at are
+hooks: ``BEGIN``, ``CAPTURE_LIVE``, ``SETTLE_LIVE``, ``TEAR_DOWN``, ``RESET_FRAMEWORKS``,
+``COLLECTED``, ``RE_FORM``, ``END`` (the table in :mod:`.phases`).
+
+**Providers** (:func:`provider`): what one layer answers for another, the last added answering:
+``WORLD`` (the launchers: the store, rank and world size a recovery's attempts share),
+``WATCHDOG`` (the detectors: what ``Session.start_watchdog`` starts), ``DEFER`` (the detectors: the
+interrupt of a hung main thread waits while ``predicate(frame)``; every one is asked), and, while a
+recovery runs, ``INTERRUPT`` (interrupt the hung main thread), ``LOSE`` (this process is lost for
+good: its keeper must not replace it) and ``KEEPER_PID`` (the pid of the process that would replace
+this one).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from .log import first_line, log
+
+SESSION_STARTED = "session started"
+RANK_FAILED = "rank failed"
+PEER_FAILED = "peer failed"
+ACKNOWLEDGED = "failure acknowledged"
+JOB_FAILED = "job failed"
+EXITING = "exiting"
+RANK_KILLED = "rank killed"
+RANK_ENDED = "rank ended"
+SESSION_CLOSED = "session closed"
+FAILURE_SEEN = "failure seen"
+RECOVERY_STARTED = "recovery started"
+RECOVERED = "recovered"
+
+BEGIN = "begin"
+CAPTURE_LIVE = "capture live state"
+SETTLE_LIVE = "settle live state"
+TEAR_DOWN = "tear down"
+RESET_FRAMEWORKS = "reset frameworks"
+COLLECTED = "collected"
+RE_FORM = "re-form"
+END = "end"
+
+WORLD = "world"
+WATCHDOG = "watchdog"
+DEFER = "defer"
+INTERRUPT = "interrupt"
+LOSE = "lose"
+KEEPER_PID = "keeper pid"
+
+ANNOUNCEMENTS = (SESSION_STARTED, RANK_FAILED, PEER_FAILED, ACKNOWLEDGED, JOB_FAILED, EXITING, RANK_KILLED,
+                 RANK_ENDED, SESSION_CLOSED, FAILURE_SEEN, RECOVERY_STARTED, RECOVERED)
+STEPS = (BEGIN, CAPTURE_LIVE, SETTLE_LIVE, TEAR_DOWN, RESET_FRAMEWORKS, COLLECTED, RE_FORM, END)
+PROVIDERS = (WORLD, WATCHDOG, DEFER, INTERRUPT, LOSE, KEEPER_PID)
+HOOKS = ANNOUNCEMENTS + STEPS + PROVIDERS
+
+_hooks: dict[str, tuple[tuple[Callable[..., Any], bool], ...]] = {hook: () for hook in HOOKS}
+_lock = threading.Lock()
+
+
+def add(hook: str, callback: Callable[..., Any], *, tolerate: bool = False) -> None:
+    """Add ``callback`` to ``hook``, after those added before it (once, however often added).
+    ``tolerate`` (a recovery step): its exception is logged and the recovery goes on."""
+    if hook not in _hooks:
+        raise ValueError(f"add(hook, callback): unknown hook {hook!r}; the hooks are {', '.join(HOOKS)}")
+    if not callable(callback):
+        raise TypeError(f"add(hook, callback): callback must be callable, got {callback!r}")
+    with _lock:
+        if all(c != callback for c, _ in _hooks[hook]):
+            _hooks[hook] = (*_hooks[hook], (callback, tolerate))  # replaced, never mutated: readers take no lock
+
+
+def remove(hook: str, callback: Callable[..., Any]) -> None:
+    with _lock:
+        _hooks[hook] = tuple(entry for entry in _hooks[hook] if entry[0] != callback)
+
+
+def callbacks(hook: str) -> tuple[Callable[..., Any], ...]:
+    return tuple(c for c, _ in _hooks[hook])
+
+
+def provider(hook: str) -> Callable[..., Any] | None:
+    """The callback that answers ``hook`` (the last added), or ``None``."""
+    found = _hooks[hook]
+    return found[-1][0] if found else None
+
+
+def _name(callback: Callable[..., Any]) -> str:
+    return getattr(callback, "__qualname__", repr(callback))
+
+
+def emit(hook: str, *args: object) -> None:
+    """Tell every callback of ``hook``; never raises (a callback's error is logged)."""
+    for callback, _ in _hooks[hook]:
+        try:
+            callback(*args)
+        except Exception as err:  # noqa: BLE001 - a report must never mask the failure it reports
+            log(logging.WARNING, "%s: a callback (%s) failed: %s", hook, _name(callback),
+                first_line(err))
+
+
+def run(hook: str, state: Any) -> Any:
+    """Run the steps of ``hook`` in order over ``state``; returns the state the last one left."""
+    for step, tolerate in _hooks[hook]:
+        try:
+            new = step(state)
+        except Exception as err:
+            if not tolerate:
+                raise
+            log(logging.WARNING, "recovery step %s: %s failed, the recovery goes on: %s: %s", hook, _name(step),
+                type(err).__name__, first_line(err))
+            continue
+        if new is not None:
+            if type(new) is not type(state):
+                raise TypeError(f"recovery step {hook}: {_name(step)} returned {type(new).__name__}, not a "
+                                f"{type(state).__name__} or None")
+            state = new
+    return state

@@ -1,0 +1,218 @@
+"""The agreement of a recovery in place, on the store the first attempt's group was made over (never
+on the broken group): each rank writes what it knows of the failure (:func:`cause_of`) and the live
+state it holds, and counts itself in; rank 0 decides (:func:`decide`), once every rank is in,
+whether the job recovers and from which state; every rank follows that :class:`~.causes.Decision`.
+
+Every store call is bounded by the join timeout (``FTH_RECOVER_JOIN_SEC``), each on a thread of its
+own (a read from a store whose host or link is gone would block for minutes). A rank whose cause is
+not recovered in place (a rank or the store lost, a signal) only tells the others why, within
+:data:`~..core.config.RECOVER_TELL_SEC` (2 s), and ends: a rank cut off from the store ends as soon
+as it has named the cause. A rank lost with no keeper to
+replace it gets a spare where the job has some (:class:`.spares.Claims`); a rank whose seat a spare
+took never takes part again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Sequence
+
+from ..core import attempts, config
+from ..core.config import LOOK_FOR_LOST, RECOVER_POLL, RECOVER_TELL_SEC
+from ..core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError
+from ..core.failure import FailureKind, cap_head, tag_of
+from ..core.log import first_line, log
+from ..core.release import store_ports
+from ..core.schema import Bounded, Connection, StoreCallTimeout, agreement_key, unblock_stuck_calls
+from . import spares
+from .causes import NOT_IN_PLACE, Cause, Decision, LiveReport, keeper_replaces, needs_keeper
+from .live_state import plan_live
+
+
+class AsIs(Decision):
+    """A decision to raise the exception as it is, with no note and no line (nothing was recovered or
+    could be: the job's own error before any process group existed)."""
+
+
+class Unsafe(Decision):
+    """A decision to stop because the function cannot be called again (raised as :class:`RecoveryError`)."""
+
+
+class Misplaced(Unsafe):
+    """A decision to stop because the recovery wraps the launcher, not the ranks (always raised as
+    :class:`RecoveryError`, in the first attempt too)."""
+
+
+def cause_of(err: BaseException, rank: int) -> Cause:
+    """This rank's view of ``err``, the exception that ended its call of the training function."""
+    if isinstance(err, PeerFailedError):
+        # a peer's process that ended (its host lives) is replaced by its keeper (checked in agree),
+        # unless its keeper was seen gone too
+        ended = err.kind is FailureKind.PEER_LOST and err.ended is not None and not err.ended.keeper_gone
+        return Cause(rank, err.failed_rank if err.failed_rank is not None else -1, err.exc_type, err.exc_message,
+                     err.where, err.step if err.step is not None else -1, False,
+                     "" if ended else NOT_IN_PLACE.get(err.kind, ""), err.kind.value)
+    record = tag_of(err).record
+    step = getattr(record, "step", None)
+    where = getattr(record, "section", "") or ""
+    not_in_place = ""
+    if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        not_in_place = f"this rank's {type(err).__name__} ends the job"
+    elif isinstance(err, SectionMismatchError):
+        not_in_place = "the ranks were out of step (a bug in the job: it would repeat)"
+    elif isinstance(err, RecoveryError):  # raised by the attempt: recovering in place cannot work in this job
+        not_in_place = f"this rank found it cannot recover in place: {first_line(err, 300)}"
+    try:
+        message = str(err)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not stop the recovery
+        message = f"<str() failed for {type(err).__name__}>"
+    kind = FailureKind.RANK_HUNG if isinstance(err, HangInterrupted) else FailureKind.RAISED
+    return Cause(rank, rank, type(err).__name__, cap_head(message, 500), where,
+                 step if isinstance(step, int) else -1, True, not_in_place, kind.value)
+
+
+def lost_records(sessions: Sequence[Any]) -> dict[int, Any]:
+    """Rank -> the failed attempt's record declaring it lost or silent (:meth:`Session.lost_ranks`)."""
+    lost: dict[int, Any] = {}
+    for session in sessions:
+        try:
+            lost.update(session.lost_ranks())
+        except Exception as err:  # noqa: BLE001 - the recovery's join timeout then names what is missing
+            log(logging.DEBUG, "reading the lost ranks: %s", first_line(err))
+    return lost
+
+
+def _keeper_gone(record: Any) -> bool:
+    """A record of the failed attempt says the rank's keeper was gone when it died (its liveness
+    helper's, which may come after a same-host peer's record of the same death)."""
+    return record is not None and record.ended is not None and record.ended.keeper_gone
+
+
+def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveReport, *, max_restarts: int,
+          history: Sequence[Cause], join_timeout: timedelta, layout: spares.Layout | None = None,
+          since: float = 0.0, sessions: Sequence[Any] = ()) -> Decision:
+    """This rank's part of the agreement of recovery :func:`attempts.in_place` on ``store``: tell the
+    others ``cause`` and ``report``, then (rank 0) decide or (the others) read rank 0's decision.
+    ``history``: the causes of the attempts recovered before; ``layout``: with spares, this process's
+    place in the launched world; ``since``: when the failure reached this rank (wall clock, told to
+    a spare); ``sessions``: the failed attempt's, whose records name the ranks lost."""
+    gen = attempts.in_place()
+    seconds = join_timeout.total_seconds()
+    # Every store call here runs on a thread of its own and is waited for within a deadline:
+    # c10d bounds waiting for a key, not a read from a store whose host or link is gone (that
+    # blocks for TCP's retransmission timeout, minutes). A rank that ends anyway (its cause is not
+    # recovered in place, or tells it is: the keeper's key) only tells its peers, within
+    # RECOVER_TELL_SEC; the others wait for each other within the join timeout (c10d's own
+    # timeout of a wait for a key comes first: this deadline is for a store that does not answer).
+    conn = Connection(lambda: store, timedelta(seconds=seconds + 5), "recover")
+    bounded = Bounded(conn)
+    started = time.monotonic()
+    conn.deadline = started + RECOVER_TELL_SEC
+    claims = None
+    if layout is not None and layout.spares:
+        claims = spares.Claims(bounded, layout, gen, since, seconds, lambda: lost_records(sessions))
+    try:
+        displaced = claims.displaced(rank) if claims is not None else ""
+        if displaced:  # before it writes or counts anything: the rank is another process's now
+            log(logging.ERROR, "%s", displaced)
+            return Decision(False, displaced)
+        if gen >= max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
+            cause = replace(cause, not_in_place=f"max_restarts={max_restarts} recoveries in place already spent")
+        # A peer's process ended (or, with spares, its end was not seen: another host's rank lost, or
+        # silent: its host or link gone): only its keeper or a spare can replace it.
+        end_seen = needs_keeper(cause) and not _keeper_gone(lost_records(sessions).get(cause.failed_rank))
+        lost = needs_keeper(cause) or (claims is not None and spares.lost_or_silent(cause))
+        claim = lost and not keeper_replaces(bounded, cause.failed_rank, end_seen)
+        if claim or not cause.not_in_place:  # it takes part: it waits for the others (and claims a spare)
+            conn.deadline = started + seconds + 10
+        if claim and claims is None:  # a silent rank stays silent, a lost one lost
+            cause = replace(cause, not_in_place=cause.not_in_place or NOT_IN_PLACE[FailureKind.PEER_LOST])
+        elif claim:
+            cause = replace(cause, not_in_place=claims.claim(cause.failed_rank, cause.describe()))
+        if not cause.not_in_place and claims is not None:  # other ranks lost at once: a spare each
+            cause = replace(cause, not_in_place=claims.for_lost(gen))
+        bounded.set(agreement_key(gen, "cause", rank), cause.to_json())
+        if not cause.not_in_place:  # before it counts itself in: rank 0 reads it once every rank is
+            bounded.set(agreement_key(gen, "live", rank), report.to_json())
+        else:
+            bounded.add(agreement_key(gen, "stop"), 1)
+        bounded.add(agreement_key(gen, "arrived"), 1)
+        if cause.not_in_place:
+            return Decision(False, cause.not_in_place)
+        if rank != 0:
+            bounded.wait([agreement_key(gen, "decision")], timedelta(seconds=seconds + 5))
+            decision = Decision.from_json(bounded.get(agreement_key(gen, "decision")), world_size)
+            if decision is not None and decision.spares_left >= 0:
+                spares.learned(decision.spares_left)  # every rank tells the same after several took
+            return decision or Decision(False, "rank 0's decision could not be read")
+        decision = decide(bounded, world_size, gen, seconds, max_restarts, history, claims)
+        if decision.restart and claims is not None:
+            decision = replace(decision, spares_left=spares.left_after(bounded, layout))
+            spares.learned(decision.spares_left)
+        bounded.set(agreement_key(gen, "decision"), decision.to_json())
+        if decision.restart and gen:  # every rank passed the recovery before this one: its keys go
+            old_keys = [agreement_key(gen - 1, kind, r) for kind in ("cause", "live") for r in range(world_size)]
+            for key in old_keys + [agreement_key(gen - 1, k) for k in ("arrived", "stop", "decision")]:
+                bounded.delete_key(key)
+        return decision
+    except Exception as err:  # noqa: BLE001 - the store may be what failed: end as without recovery
+        why = first_line(err)
+        if isinstance(err, StoreCallTimeout):
+            # the call is left blocked in c10d: its connection is shut down, so that it returns
+            # (a thread inside c10d at the interpreter's exit aborts it)
+            unblock_stuck_calls(store_ports(store), wait=0.5, busy_too=True)
+            why = f"the store did not answer within {time.monotonic() - started:.1f} s"
+        if cause.not_in_place:
+            log(logging.WARNING, "could not tell the other ranks why this rank ends (%s)", why)
+            return Decision(False, cause.not_in_place)
+        return Decision(False, f"the recovery's store calls failed: {why}")
+    finally:
+        conn.close()
+
+
+def decide(store: Any, world_size: int, gen: int, seconds: float, max_restarts: int,
+           history: Sequence[Cause] = (), claims: spares.Claims | None = None) -> Decision:
+    """Rank 0's decision, once every rank is in (or one said it ends, or ``seconds`` passed): the
+    primary cause (the lowest rank that failed itself), whether it repeats the last one or
+    ``max_restarts`` is spent, and the live-state plan (:func:`.live_state.plan_live`). With spares,
+    a rank lost while it waits gets a spare too (``claims``)."""
+    deadline = time.monotonic() + seconds
+    look_again = time.monotonic() + LOOK_FOR_LOST
+    while True:
+        arrived, stopped = store.add(agreement_key(gen, "arrived"), 0), store.add(agreement_key(gen, "stop"), 0)
+        if stopped or arrived >= world_size:
+            break
+        if claims is not None and time.monotonic() >= look_again:
+            # a rank lost after this one's failure (or at once, seen later): a spare for it too
+            look_again = time.monotonic() + LOOK_FOR_LOST
+            more = claims.for_lost(gen)
+            if more:
+                return Decision(False, more)
+        if time.monotonic() > deadline:
+            return Decision(False, f"only {arrived} of {world_size} ranks reached the recovery within "
+                                   f"{seconds:g} s ({config.RECOVER_JOIN_ENV})")
+        time.sleep(RECOVER_POLL)
+
+    def read(kind: str) -> list:
+        keys = [agreement_key(gen, kind, r) for r in range(world_size)]
+        present = [k for k in keys if store.check([k])]
+        return store.multi_get(present) if present else []
+
+    causes = [c for c in (Cause.from_json(raw, world_size) for raw in read("cause")) if c is not None]
+    blocking = [c for c in causes if c.not_in_place]
+    if blocking:
+        return Decision(False, f"{blocking[0].not_in_place} (rank {blocking[0].by}: {blocking[0].describe()})")
+    own = sorted((c for c in causes if c.own), key=lambda c: c.by)
+    primary = own[0] if own else (causes[0] if causes else None)
+    if primary is None:
+        return Decision(False, "no rank could say what failed")
+    if gen >= max_restarts:
+        return Decision(False, f"max_restarts={max_restarts} recoveries in place already spent", primary)
+    if history and primary.step >= 0 and primary.signature() == history[-1].signature():
+        return Decision(False, f"the failure repeats at the same iteration ({primary.describe()}): recovering "
+                               "again would fail again", primary)
+    reports = [LiveReport.from_json(raw, world_size) for raw in read("live")]
+    return Decision(True, primary.describe(), primary, plan_live(reports, world_size))
