@@ -1,7 +1,8 @@
-"""An Ignite training under torchrun whose rank 1 raises ``ValueError`` at iteration 5, uncaught,
-with nothing of the library's but ``FaultTolerance().attach(trainer)``.
+"""A training under torchrun whose rank 1 raises ``ValueError`` at iteration 5, uncaught, with
+nothing of the library's but ``FaultTolerance().attach(trainer)`` (Ignite) or ``start_watchdog()``
+and a ``fail_together`` section per iteration (``plain``: a loop of one's own).
 
-    torchrun --standalone --nproc-per-node 4 --max-restarts 0 ignite_raise_main.py
+    torchrun --standalone --nproc-per-node 4 --max-restarts 0 root_cause_main.py ignite|plain [OUTDIR]
 
 ``TEARDOWN=<s>``: rank 1 holds an object whose finalizer takes that long when the interpreter tears
 its modules down (a slow teardown, as torch's is on a loaded machine): the survivors exit, and
@@ -9,6 +10,7 @@ torchrun sends its SIGTERM, while rank 1 is still ending.
 """
 
 import os
+import sys
 import time
 
 import ignite.distributed as idist
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 from ignite.engine import Engine
 
+from fault_tolerant_handlers import fail_together, start_watchdog
 from fault_tolerant_handlers.ignite import FaultTolerance
 
 
@@ -34,9 +37,9 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(20)]
 
 
-def step(engine, batch):
-    if rank == 1 and engine.state.iteration == 5:
-        raise ValueError("bad batch at iteration 5")
+def train(iteration, batch):
+    if rank == 1 and iteration == 5:
+        raise ValueError(f"bad batch at iteration {iteration}")
     x, y = batch
     loss = torch.nn.functional.mse_loss(model(x), y)
     optimizer.zero_grad()
@@ -45,6 +48,12 @@ def step(engine, batch):
     return loss.item()
 
 
-trainer = Engine(step)
-FaultTolerance().attach(trainer)
-trainer.run(data, max_epochs=2)
+if sys.argv[1] == "plain":
+    start_watchdog()
+    for iteration, batch in enumerate(data * 2, 1):
+        with fail_together("train", step=iteration):
+            train(iteration, batch)
+else:
+    trainer = Engine(lambda engine, batch: train(engine.state.iteration, batch))
+    FaultTolerance().attach(trainer)
+    trainer.run(data, max_epochs=2)
