@@ -3,10 +3,12 @@ trained again, per phase.
 
     sudo python bench/multihost_spares.py                                   # every scenario, 3 runs each
     sudo python bench/multihost_spares.py --scenarios kill_host:2 --reps 5  # 3 hosts x 2 ranks only
+    sudo python bench/multihost_spares.py --scenarios cut_link:1 --frameworks ignite lightning --reps 5
+    sudo python bench/multihost_spares.py --scenarios cut_link:1 --before /tmp/old-checkout  # side by side
 
 Each run is ``tests/distributed/test_multihost_spares.py``'s: 3 simulated hosts (``tests/hosts.py``),
 ``--nproc-per-node`` 1 or 2 (the scenario's ``:N``), torchrun per host with ``--max-restarts 0``,
-``recover_in_place(max_restarts=2, spares=N)`` around ``resume_main.py``'s seeded Ignite training
+``recover_in_place(max_restarts=2, spares=N)`` around ``resume_main.py``'s seeded Ignite (or Lightning) training
 (``multihost_recover_main.py``); node-c's ranks are the spares. Once every training rank is past
 iteration 15, node-b is killed whole (``kill_host``), its link cut (``cut_link``) or its first
 rank's keeper SIGKILLed (``kill_keeper``: its training child dies with it). Every run is checked as
@@ -27,7 +29,9 @@ machine, one clock):
 * ``first step``: the training function called again -> its first trained step, the slowest rank's;
 * ``fault -> step``: the fault -> the slowest training rank's first trained step.
 
-Medians [min, max] over the runs. Needs root (the rig); each run takes 30-60 s.
+Medians [min, max] over the runs, and how many took over 3 s. ``--before DIR``: each run is also made
+with the library of another checkout (the same rank programs, this one's: only the library differs),
+in turn with this one's, so that both see the same load. Needs root (the rig); each run takes 30-60 s.
 """
 
 from __future__ import annotations
@@ -100,6 +104,9 @@ def main() -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help=f"comma-separated FAULT:RANKS_PER_HOST, of {', '.join(SCENARIOS)}")
     parser.add_argument("--reps", type=int, default=3, help="runs per scenario (1-50)")
+    parser.add_argument("--frameworks", nargs="+", default=["ignite"], choices=["ignite", "lightning"],
+                        help="the training of resume_main.py each scenario runs (default: ignite)")
+    parser.add_argument("--before", type=Path, help="a checkout whose library each run is also made with, in turn")
     args = parser.parse_args()
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     bad = [s for s in scenarios if s not in SCENARIOS]
@@ -107,6 +114,9 @@ def main() -> int:
         parser.error(f"--scenarios: {bad} not among {', '.join(SCENARIOS)}")
     if not 1 <= args.reps <= 50:
         parser.error(f"--reps must be from 1 to 50, got {args.reps}")
+    if args.before is not None and not (args.before / "fault_tolerant_handlers").is_dir():
+        parser.error(f"--before {args.before}: no fault_tolerant_handlers package there")
+    sides = {"": HERE.parent} if args.before is None else {"before": args.before.resolve(), "after": HERE.parent}
     reason = hosts.unavailable()
     if reason:
         print(f"cannot run: {reason}", file=sys.stderr)
@@ -114,31 +124,37 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="fth-bench-spares-") as tmp:
         factory = _Factory(Path(tmp))
-        for scenario in scenarios:
+        for framework, scenario in [(f, s) for f in args.frameworks for s in scenarios]:
             fault, per_host = scenario.split(":")[0], int(scenario.split(":")[1])
-            ref = reference(factory, world=2 * per_host)
-            got: dict[str, list[float]] = {}
-            failed = []
-            for rep in range(args.reps):
-                run = run_spares(Path(tmp) / f"{fault}-{per_host}-{rep}", fault, per_host=per_host)
+            ref = reference(factory, world=2 * per_host, framework=framework)
+            got: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
+            failed: dict[str, list[str]] = {side: [] for side in sides}
+            for rep, (side, root) in [(r, s) for r in range(args.reps) for s in sides.items()]:
+                hosts.ROOT = root  # the ranks' PYTHONPATH: that checkout's library
+                name = f"{framework} {scenario} {side} run {rep + 1}".replace("  ", " ")
+                run = run_spares(Path(tmp) / f"{framework}-{fault}-{per_host}-{rep}{side}", fault, per_host=per_host,
+                                 framework=framework)
                 try:
                     assert_spares_took(run, ref, per_host=per_host)
                     measured = phases(run, per_host)
                 except AssertionError as err:
-                    failed.append(str(err).splitlines()[0][:200])
-                    print(f"{scenario} run {rep + 1}: failed: {failed[-1]}", flush=True)
+                    failed[side].append(str(err).splitlines()[0][:200])
+                    print(f"{name}: failed: {failed[side][-1]}", flush=True)
                     continue
-                for name, value in measured.items():
-                    got.setdefault(name, []).append(value)
-                print(f"{scenario} run {rep + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in measured.items()), flush=True)
-            rows.append((scenario, got, failed))
+                for key, value in measured.items():
+                    got[side].setdefault(key, []).append(value)
+                print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in measured.items()), flush=True)
+            rows += [(framework, scenario, side, got[side], failed[side]) for side in sides]
     names = ["detection", "agreement", "claim -> seat", "state sent", "re-formed", "first step", "fault -> step"]
-    print("\n| hosts x ranks | fault | runs ok | " + " | ".join(f"{n} (s)" for n in names) + " |")
-    print("|---|---|---:|" + "---:|" * len(names))
-    for scenario, got, failed in rows:
+    print("\n| framework | hosts x ranks | fault | library | runs ok | " + " | ".join(f"{n} (s)" for n in names)
+          + " | over 3 s |")
+    print("|---|---|---|---|---:|" + "---:|" * (len(names) + 1))
+    for framework, scenario, side, got, failed in rows:
         fault, per_host = scenario.split(":")
         ok = len(got.get("detection", []))
-        print(f"| 3 x {per_host} | {fault} | {ok}/{ok + len(failed)} | " + " | ".join(cell(got.get(n, [])) for n in names) + " |")
+        print(f"| {framework} | 3 x {per_host} | {fault} | {side or 'this'} | {ok}/{ok + len(failed)} | "
+              + " | ".join(cell(got.get(n, [])) for n in names)
+              + f" | {sum(t > 3 for t in got.get('fault -> step', []))} |")
         for why in failed:
             print(f"  failed: {why}")
     return 0

@@ -17,6 +17,7 @@ process: the exception the recovery ended with, its ``PeerFailedError`` fields a
 ``exit`` (in the keeper, as it returns or ends).
 
 Environment (besides ``resume_main.py``'s ``EPOCHS``, ``EVERY``, ``FTH_INJECT``, ...):
+    FRAMEWORK    ``ignite`` (the default) or ``lightning``: ``resume_main.py``'s training of that framework
     INPLACE      max_restarts of ``recover_in_place`` (default 2)
     STEP_SEC     extra time per step, seconds (default 0): a run long enough for a host fault
     READY_ITER   iteration of attempt 0 at which ``ready`` is recorded (default 10)
@@ -39,9 +40,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # multihost_main's event log and readiness check, the same for this program (it reads its directory
 # from argv too: imported before argv is rewritten for resume_main)
 from multihost_main import _settled, record  # noqa: E402
-sys.argv = [sys.argv[0], "ignite", str(OUT)]  # resume_main reads its framework and directory from argv
+FRAMEWORK = os.environ.get("FRAMEWORK", "ignite")
+sys.argv = [sys.argv[0], FRAMEWORK, str(OUT)]  # resume_main reads its framework and directory from argv
 
-import ignite.engine  # noqa: E402, F401 - imported before the keeper forks, as a script's imports are
+# The framework and the library's adapter of it imported before the keeper forks, at the top, as a
+# script's imports are (the README's): resume_main imports the adapter inside its training function,
+# which a spare would pay when it takes a seat (0.4-0.6 s for Lightning's on a loaded machine).
+if FRAMEWORK == "lightning":
+    import lightning.pytorch  # noqa: E402, F401
+    import fault_tolerant_handlers.lightning  # noqa: E402, F401
+else:
+    import ignite.engine  # noqa: E402, F401
+    import fault_tolerant_handlers.ignite  # noqa: E402, F401
 import resume_main  # noqa: E402
 
 from fault_tolerant_handlers import recover_in_place, recovery_attempt  # noqa: E402
@@ -87,7 +97,7 @@ class RecordInjected(logging.StreamHandler):
 
 def train() -> None:
     record("attempt", attempt=recovery_attempt(), pid=os.getpid(), ppid=os.getppid())
-    resume_main.run_ignite()
+    resume_main.run_lightning() if FRAMEWORK == "lightning" else resume_main.run_ignite()
 
 
 def excepthook(kind, exc, tb) -> None:

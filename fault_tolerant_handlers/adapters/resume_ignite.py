@@ -22,7 +22,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,18 @@ class SafeDiskSaver(DiskSaver):
         self._fth_pending_removal.append(filename)
 
 
+def _discard(path: Path, then: Callable[[], None] = lambda: None) -> None:
+    """Remove the directory ``path`` (if there), renamed first to a temporary name ``latest_checkpoint``
+    skips (``tmp-<name>.old``: a kill inside the removal never leaves a complete-looking checkpoint with
+    files missing), and call ``then`` between the rename and the removal."""
+    trash = path.with_name(f"tmp-{path.name}.old")
+    shutil.rmtree(trash, ignore_errors=True)  # a removal a killed attempt left
+    if path.exists():
+        os.replace(path, trash)
+    then()
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 class DCPSaver(BaseSaveHandler):
     """A save handler for Ignite's ``Checkpoint`` that writes a distributed checkpoint
     (``torch.distributed.checkpoint``) on **every** rank: a sharded model's shards from each rank
@@ -97,7 +109,8 @@ class DCPSaver(BaseSaveHandler):
     (the entries of ``to_save`` holding sharded tensors through DCP, the others, such as the engine
     and the loader, to a file per rank), and rank 0 renames it once DCP has written its
     ``.metadata`` (last, after every rank's shards). Old checkpoints are removed after the new one
-    is complete, as :class:`SafeDiskSaver` does. :func:`~fault_tolerant_handlers.latest_checkpoint`
+    is complete, as :class:`SafeDiskSaver` does, each renamed to ``tmp-<name>.old`` first (a kill in
+    the removal never leaves a complete-looking directory with files missing). :func:`~fault_tolerant_handlers.latest_checkpoint`
     finds the newest complete one; :func:`~fault_tolerant_handlers.load_dcp` loads it on every rank.
     ``dirname`` must be one folder every rank sees (a shared file system across hosts).
 
@@ -147,12 +160,10 @@ class DCPSaver(BaseSaveHandler):
             dcp.save_dcp(checkpoint, temporary)  # collective; returns once .metadata is written
             pending, self._pending_removal = self._pending_removal, []
             if rank == 0:
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(temporary, final)
+                _discard(final, then=lambda: os.replace(temporary, final))  # the new one in place before any goes
                 for old in pending:
                     if self._name(old) != name:
-                        shutil.rmtree(self.dirname / self._name(old), ignore_errors=True)
+                        _discard(self.dirname / self._name(old))
 
     def remove(self, filename: str) -> None:
         self._pending_removal.append(filename)

@@ -18,8 +18,10 @@ the piece under way, so every instant of the loop belongs to one piece. The rule
     hang of this rank. The rank it waits for is slow or hung, and judges itself (each rank learns
     its own deadlines: a peer running a long rank-0-only evaluation must not make this rank declare
     itself hung); a dead or frozen peer is found by the liveness probes. Once the wait is over,
-    the piece is judged again from when it was last seen waiting, and its duration (the peers'
-    work, not its own) is not learned;
+    the piece is judged again from when it was last seen waiting (each poll looks, before the
+    deadline too: a rank released from a hung peer's collective just before its own deadline is
+    not hung while it handles the peer's failure), and a wait past the deadline is not learned
+    (its duration is the peers' work, not its own);
   - in a debugger (``pdb``): not a hang;
   - an *explainer* recognises the work (``explain(frame) -> (kind, token) | None``: a checkpoint
     being written, an Ignite evaluator ``Engine`` run from a trainer's handler): the piece is judged
@@ -105,6 +107,7 @@ class AutoHangProbe:
         # written by the watchdog thread only: (piece it applies to, kind, token, judged from, kind
         # its duration is learned as, None: not learned)
         self._explained: tuple[tuple, str, object, float, str | None] | None = None
+        self._waited: tuple[tuple, float] | None = None  # (piece, when) last seen waiting before its deadline
 
     # -- fed by the main thread -------------------------------------------------------------------
     def mark(self, kind: str | None, now: float, step: int | None = None) -> None:
@@ -163,14 +166,18 @@ class AutoHangProbe:
             return None
         kind, start, step = current
         limit = self.deadline(kind)
-        if limit is None or now - start < limit:
+        if limit is None:
+            return None
+        frame = self.frame()
+        if now - start < limit:
+            if waiting_on_peers(frame):  # a wait that ends before the deadline is not held against it either
+                self._waited = (current, now)
             return None
         explained = self._explained if self._explained is not None and self._explained[0] is current else None
         if explained is not None:
             explained_limit = self.deadline(explained[1])
             if now - explained[3] < explained_limit:
                 return None
-        frame = self.frame()
         learn_as = explained[4] if explained is not None else kind
         if waiting_on_peers(frame) or in_debugger(frame):
             # not this rank's hang; once it goes on, the piece gets its own deadline again, from the
@@ -178,6 +185,9 @@ class AutoHangProbe:
             if learn_as == kind:
                 learn_as = None
             self._explained = (current, kind, _WAITING, now, learn_as)
+            return None
+        waited = self._waited
+        if explained is None and waited is not None and waited[0] is current and now - waited[1] < limit:
             return None
         found = self._explain(frame)
         if found is None and explained is not None:

@@ -17,7 +17,9 @@ helper process, forked when the watchdog starts, that every :data:`~.watchdog.HE
   another host, on every rank of that host: :meth:`~..core.ranks.RankTable.watched`): a rank whose
   counter stands still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` (2 s) is declared lost, once, with a
   record its peers' watchdogs read within a poll. Across hosts this is how a host that died or
-  whose link was cut is named by the connected side, every rank of it.
+  whose link was cut is named by the connected side, every rank of it. A counter is read a little
+  before its next beat is due and then every :data:`~.probes.SILENCE_POLL` (0.1 s) until it moves:
+  a silence is counted from within 0.1 s of its last beat and declared within 0.1 s of the limit.
 
 It has its own store connection, made after the fork (the rank never waits for it), touches nothing else of the rank, never
 runs the rank's exit hooks (``os._exit``), and is one of the rank's child processes, so the
@@ -123,7 +125,10 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
                 with calls:
                     _poll(probes[i], schema, declared, i)
             others = others[1:] + others[:1]
-        time.sleep(period)
+            # until the next beat or read is due: every period, or more often during a silence
+            time.sleep(min(period, max(0.01, min(p.due() for p in probes) - time.monotonic())))
+        else:
+            time.sleep(period)
     # The rank is gone (this process was re-parented). The thread says how, unless it was not woken:
     # without pidfds, a DataLoader worker forked after this helper still holds the pipe.
     if woken.wait(0.1):
@@ -183,7 +188,7 @@ def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool], i: int = 
             if schema.claim_declaration(finding.declare.rank):
                 schema.publish(finding.declare)
     except Exception:  # noqa: BLE001 - the store is unreachable: the rank's watchdog judges that
-        probe.next_at = 0.0
+        probe.next_at = time.monotonic() + probe.period  # tried again a period later
 
 
 class LivenessProcess:

@@ -41,7 +41,8 @@ class RecordsProbe:
     """Failure records of other ranks that the main thread did not take at a sync point.
 
     A record is left ``grace`` seconds to a sync point that would deliver it anyway; ``delivered()``
-    is the set of record indices the main thread's agreements took.
+    is the set of record indices the main thread's agreements took. Not a record declaring a rank
+    lost or silent: no agreement can take it without that rank.
     """
 
     def __init__(self, schema: Schema, rank: int, grace: float, delivered: Callable[[], Container[int]],
@@ -57,7 +58,9 @@ class RecordsProbe:
     def poll(self, now: float) -> Finding | None:
         count = self.schema.count()
         for index in self.schema.new_indices(self.seen, count):
-            self.pending.setdefault(index, now)
+            record = self.schema.read(index)
+            gone = record is not None and record.kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
+            self.pending.setdefault(index, now - self.grace if gone else now)
         self.seen = count
         delivered = self.delivered()
         for index in [i for i in self.pending if i in delivered]:
@@ -104,30 +107,47 @@ class HeartbeatProbe:
         self.successor_pid = successor_pid
         self.period = period
         self.limit = limit
-        self.next_at = 0.0
+        self.next_at = 0.0  # the next read of the watched rank's counter
+        self.beat_at = 0.0  # the next beat of this rank's own (``beats``)
         self.value = -1  # the successor's counter as last read
+        self.stood = False  # the last read found it where the read before had
         self.silent = 0.0  # observed time it has stood still
         self.answered_at: float | None = None  # the last poll that got its answers
         self.warned = False  # this silence passed NEAR_MISS of the limit (logged once)
         self.left = False  # the watched rank left cleanly (its counter has not moved since)
         self.left_checked_at: float | None = None
 
+    def due(self) -> float:
+        """When this probe has something to do next (its beat, or its read of the watched rank)."""
+        return min(self.next_at, self.beat_at) if self.beats else self.next_at
+
     def poll(self, now: float) -> Finding | None:
+        if self.beats and now >= self.beat_at:
+            # on its cadence, whatever the reads in between (a beat more than a period late starts anew)
+            self.beat_at = self.beat_at + self.period if now - self.beat_at < self.period else now + self.period
+            self.schema.beat(self.rank)
         if now < self.next_at:
             return None
         self.next_at = now + self.period
-        if self.beats:
-            self.schema.beat(self.rank)
         if self.successor is None:
             return None
         value = self.schema.heartbeat_of(self.successor)
         previous, self.answered_at = self.answered_at, now
+        stood, self.stood = self.stood, value == self.value
         if value != self.value:
             if self.warned:
                 log(logging.INFO, "rank %d's heartbeat moves again after %.1f s of observed silence",
                     self.successor, self.silent)
             self.value, self.silent, self.warned, self.left, self.left_checked_at = value, 0.0, False, False, None
+            if self.running is None:
+                # On another host (its silence is all there is to see): a beat seen SILENCE_POLL after
+                # a read that had not seen it, the next read lands just before the next beat is due,
+                # then every SILENCE_POLL until it moves (below); so a silence counts from within
+                # SILENCE_POLL of the last beat, for a second read a period.
+                self.next_at = now + (self.period - SILENCE_POLL if stood else SILENCE_POLL)
             return None
+        if value > 0 and not self.left and self.running is None:  # standing still: read again soon,
+            self.next_at = now + SILENCE_POLL  # and declared within SILENCE_POLL past the limit
         if previous is not None and now - previous <= OBSERVED_GAP * self.period:
             self.silent += now - previous
         if value <= 0 or self.silent < NEAR_MISS * self.limit or self.left or self._has_left(now):
@@ -168,6 +188,11 @@ LEFT_CHECK_EVERY = 0.5
 #: so that a margin grown thin shows before it becomes a false alarm.
 NEAR_MISS = 0.5
 
+#: :class:`HeartbeatProbe`: while a watched counter stands still, it is read this often (seconds)
+#: instead of every period. The silence is what is measured more closely, not shortened: it is still
+#: counted from a read that saw the counter move, and declared past the same limit.
+SILENCE_POLL = 0.1
+
 #: :class:`HeartbeatProbe`: two answered polls at most this many periods apart observe the time
 #: between them; a longer gap (its own calls failed or were slow) is not counted as silence.
 OBSERVED_GAP = 3
@@ -201,6 +226,11 @@ class SelfHangProbe:
     step of the last beat) for ``hang_timeout``, and is not merely waiting in a collective (then the
     hung rank is the peer, which declares itself): ``RankHung`` with the main thread's stack.
 
+    Time seen waiting is not held against it (the stall counts from the last poll that saw it
+    waiting): a rank released from a hung peer's collective is not hung while it handles the
+    failure. A wait of ``2 x hang_timeout + margin`` is declared all the same (no rank declared
+    itself: one stuck in C holding the GIL, a collective every rank waits in).
+
     Until ``warm()`` (the first iteration completed) the deadline is ``start_timeout`` instead: a
     slow start (DataLoader workers starting, DDP's first pass, a cold store, 8 ranks importing on a
     loaded machine) is not a hang."""
@@ -217,16 +247,20 @@ class SelfHangProbe:
         self.margin = margin
         self.progress = progress
         self.frame = frame
+        self._waited: tuple[tuple, float] | None = None  # (the progress then, when) last seen waiting on peers
 
     def poll(self, now: float) -> Finding | None:
-        last, last_wall, step = self.progress()
+        progress = self.progress()
+        last, last_wall, step = progress
         warm = self.warm()
         limit = self.hang_timeout if warm else self.start_timeout
         stalled = now - last
-        if stalled < limit:
-            return None
         frame = self.frame()
-        if stalled < 2 * limit + self.margin and waiting_on_peers(frame):
+        if waiting_on_peers(frame):
+            self._waited = (progress, now)
+            if stalled < 2 * limit + self.margin:
+                return None
+        elif now - (self._waited[1] if self._waited is not None and self._waited[0] is progress else last) < limit:
             return None
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
         at = f" at step {step}" if step is not None else ""

@@ -80,7 +80,7 @@ class Watchdog:
         self.warm = False
         self._first_step: int | None = None
         self._quiet_since: tuple | None = None  # the progress when this rank learned the job failed
-        self._failed_seen = session.failure.delivered
+        self._failed_seen = (session.failure.delivered, session.failure.phase)
         self._stop = WakeEvent()  # its set() also wakes the liveness loop's poll()
         self._finishing = False
         self._store_warned_at = -STORE_WARN_EVERY
@@ -231,11 +231,12 @@ class Watchdog:
         job failed (its own failure, a peer's, an agreement that failed) until its next beat, its
         main thread handles the failure (raising, ``on_exception`` callbacks, a recovery waiting for
         its peers): that is not a hang, and declaring it named a second culprit beside the hung
-        rank (rank 0 ``RankHung`` at 5.2 s while it waited to recover with the rank that hung)."""
+        rank (rank 0 ``RankHung`` at 5.2 s while it waited to recover with the rank that hung). A
+        failure the main thread found itself counts too (the failure's phase moved)."""
         failure = self.session.failure
-        delivered = failure.delivered
-        failed_now = delivered and not self._failed_seen
-        self._failed_seen = delivered
+        seen = (failure.delivered, failure.phase)
+        failed_now = seen != self._failed_seen
+        self._failed_seen = seen
         if failure.peer_error is not None or failure.local or failed_now:
             self._quiet_since = self._progress
         return self._progress is not self._quiet_since

@@ -248,9 +248,11 @@ class _Recovery:
                 "as without recovery in place", why)
         return self.run(args, kwargs)
 
-    def run(self, args: tuple, kwargs: dict, replacement: Cause | None = None) -> T:
-        """The attempts, in this process; a ``replacement`` (a keeper's new child) first joins the
-        recovery its peers wait in."""
+    def run(self, args: tuple, kwargs: dict, replacement: Cause | None = None,
+            order: spares.Order | None = None) -> T:
+        """The attempts, in this process; a ``replacement`` (a keeper's new child, or a spare taking
+        the seat its ``order`` names) first joins the recovery its peers wait in."""
+        self._order = order
         phases.run(Phase.BEGIN, RecoveryState(attempt=attempts.in_place()))
         recoveries.forget()  # recovery_history(): this recovery's moments only
         running = attempts.enter_recovery()
@@ -390,8 +392,9 @@ class _Recovery:
 
     # -- spares (:mod:`.spares`) ------------------------------------------------------------------------------
     def _serve_as_spare(self, args: tuple, kwargs: dict) -> Any:
-        """A spare: wait for an order; take a lost rank's place (then train as that rank, in this
-        process, without a keeper) or return ``None`` when the training ended."""
+        """A spare: wait for an order; take a lost rank's place (then train as that rank, under a
+        keeper of its own as every training rank: a later death of the seat's process is replaced in
+        place too) or return ``None`` when the training ended."""
         lay = self.layout
         spares._set_left(lay.spares)
         # what the training's first optimizer would import (seconds), imported while nothing waits for it
@@ -407,13 +410,14 @@ class _Recovery:
                     lay.launched_rank, order.why)
                 return None
             raise RecoveryError(f"spare launched rank {lay.launched_rank}: the job ended without it: {order.why}")
-        self._order = order
         spares.take_seat(lay, order)
         attempts.set_in_place(order.attempt)
         cause = Cause(order.rank, order.rank, FailureKind.RANK_REPLACED.value,
                       f"rank {order.rank}'s process was lost with no keeper to replace it: spare launched rank "
                       f"{lay.launched_rank} took its place", "", -1, True, "")
-        return self.run(args, kwargs, replacement=cause)
+        if self.replace_dead and keeper.why_not(self) is None:
+            return keeper.Keeper(self).run(args, kwargs, replacement=cause, order=order)
+        return self.run(args, kwargs, replacement=cause, order=order)
 
     def _enter_training_world(self) -> None:
         """A training rank's first attempt, with spares: the store the attempts share is torchrun's, and

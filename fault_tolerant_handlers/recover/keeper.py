@@ -157,7 +157,8 @@ class Keeper:
         self.page.seek(8)
         return struct.unpack("<q", self.page.read(8))[0] == 1
 
-    def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: Cause | None) -> None:
+    def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: Cause | None,
+               order: spares.Order | None) -> None:
         """The training child: never returns (its exit code tells the keeper how it ended)."""
         code = 1
         try:
@@ -168,7 +169,7 @@ class Keeper:
             self.recovery.on_attempt = self._write_attempt
             attempts.on_lost = self._lost
             events.subscribe(events.SESSION_STARTED, _announce)
-            result = self.recovery.run(args, kwargs, replacement=replacement)
+            result = self.recovery.run(args, kwargs, replacement=replacement, order=order)
             try:
                 data = pickle.dumps(result)
             except Exception as err:  # noqa: BLE001
@@ -193,9 +194,11 @@ class Keeper:
                 os._exit(code)
 
     # -- in the keeper --------------------------------------------------------------------------------
-    def run(self, args: tuple, kwargs: dict) -> Any:
+    def run(self, args: tuple, kwargs: dict, replacement: Cause | None = None, order: spares.Order | None = None) -> Any:
+        """Keep the training child, and a new one each time it dies. ``replacement`` and ``order``: a
+        spare taking a lost rank's seat, its first child joins the recovery as that rank."""
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
-        replacement = None
+        self._write_attempt(attempts.in_place())  # a child that dies before its first attempt began is in this one
         dead = None
         rank = os.environ.get("RANK", "?")
         try:
@@ -204,7 +207,8 @@ class Keeper:
                 pid = os.fork()
                 if pid == 0:
                     attempts.keeper_pid = keeper
-                    self._child(self.result_path, args, kwargs, replacement)
+                    self._child(self.result_path, args, kwargs, replacement, order)
+                order = None  # a spare's order was its first child's; a later child is a keeper's replacement
                 self.child = pid
                 if dead is not None:  # the child before, a zombie until its peers read how it ended
                     time.sleep(ZOMBIE_HOLD)

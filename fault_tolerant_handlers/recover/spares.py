@@ -15,8 +15,9 @@ blocking store wait (in chunks of :data:`SPARE_WAIT`, ``FTH_SPARE_WAIT_SEC``: no
 store request a minute) for an :class:`Order`:
 
 * ``take``: training rank ``r`` was lost (its process ended and no keeper replaced it); the spare
-  sets its environment to rank ``r`` of the training world (:func:`take_seat`) and joins the recovery
-  the survivors wait in, as a keeper's replacement does; the live state is sent to it by a peer and
+  sets its environment to rank ``r`` of the training world (:func:`take_seat`) and, under a keeper
+  of its own (a later death of the seat's process is replaced in place), joins the recovery the
+  survivors wait in, as a keeper's replacement does; the live state is sent to it by a peer and
   every training rank calls ``train`` again, carrying on at the failed step;
 * ``end``: the training ended (``ok``: the spare's call returns ``None``) or the job ended with a
   failure (it raises :class:`~..core.errors.RecoveryError` naming the cause).

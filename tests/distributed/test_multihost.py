@@ -232,3 +232,36 @@ def test_no_false_alarm_with_every_core_saturated_and_a_20_s_gil_hold(tmp_path):
     assert r1.event("gil_end")["t"] - r1.event("gil_start")["t"] >= 19.5, res.describe()
     took = res.ranks[0].event("run_returned")["t"] - res.ranks[0].event("start")["t"]
     assert took >= 120, f"the run took {took:.0f} s"
+
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("hosts_n,per_host", [(4, 2), (4, 4)], ids=["8-ranks", "16-ranks"])
+def test_no_heartbeat_is_declared_silent_across_hosts_at_8_and_16_ranks_with_every_core_saturated(
+        hosts_n, per_host, tmp_path):
+    """A healthy run on 4 simulated hosts of 2 or 4 ranks (8 and 16 ranks on this 2-core machine)
+    beside 4 CPU hogs, 600 iterations: the last rank of each host watches every rank of the next
+    host by its heartbeat alone (no pid to look at across hosts), read every SILENCE_POLL while a
+    counter stands still. Nobody is declared silent, lost or hung, and every rank finishes; the near
+    misses (a heartbeat still for half the limit) are printed, the margin left."""
+    import subprocess
+    import sys
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 2))]
+    try:
+        res = run_hosts(tmp_path, "none", hosts=hosts_n, nproc_per_node=per_host, after_fault=540,
+                        start_timeout=300, env={"MAX_ITERS": "600", "STEP_SEC": "0.05"})
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    for r in res.ranks:
+        assert r.raised is None, f"rank {r.rank} raised: {r.raised}\n{res.describe()}"
+        assert r.event("run_returned") is not None and r.event("run_returned")["iteration"] == 600, res.describe()
+    near = []
+    for h in res.hosts:
+        log = res.log(h.index)
+        for word in ("PeerSilent", "PeerLost", "RankHung", "PeerFailedError"):
+            assert word not in log, f"{h.name}: {word!r} in its log\n{res.describe()}"
+        near += [line for line in log.splitlines() if "has stood still for" in line]
+    print(f"{hosts_n} hosts x {per_host} ranks: {len(near)} near misses" + "".join(f"\n  {line}" for line in near))

@@ -62,12 +62,12 @@ pytestmark = [
 ]
 #: a checkpoint every 10 iterations, 150 iterations of 0.05 s at least, a 20 s process-group timeout
 ENV = {"INPLACE": "2", "EVERY": "10", "PG_TIMEOUT_SEC": "20", "WORKERS": "0", "FTH_INJECT": "", **LONG_RUN}
-_reference: dict[str, Path] = {}
+_reference: dict[tuple[str, int], Path] = {}
 
 
 def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host: int = 1, fault_host: int = 1,
                store_host: bool = False, then_kill_spares: bool = False, after_fault: float = 60.0,
-               deadline: float = 200.0) -> Run:
+               deadline: float = 200.0, framework: str = "ignite") -> Run:
     """Run ``multihost_recover_main.py`` on ``hosts_n`` simulated hosts, ``per_host`` ranks each, the
     last host's ranks the spares; inject ``fault`` (``kill_host``, ``cut_link``, ``freeze_host``:
     thawed once the spares train, ``cut_link_back``: the link cut, then back up once the spares
@@ -75,7 +75,7 @@ def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host
     first rank, its keeper, whose training child dies with it, ``kill_store_host``, or ``none``) at host
     ``fault_host`` (node-b by default) once every training rank is ready; ``store_host``: the store on
     a host of its own (``Rig(..., store_host=True)``); ``then_kill_spares``: once the spares train,
-    node-c dies whole too. The run
+    node-c dies whole too; ``framework``: ``resume_main.py``'s Ignite or Lightning training. The run
     lasts until every launched rank that did not die with its host has recorded its exit, and every
     such rank's process has ended (or ``after_fault`` s after the fault, or ``deadline``); then every
     agent and namespace is removed."""
@@ -87,7 +87,7 @@ def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host
     with Rig(hosts_n, out, store_host=store_host) as rig:
         run = Run(out, fault, None, rig)
         run.thawed_at = run.second_at = None
-        rig.start([str(MAIN), str(out)], nproc_per_node=per_host, env={**ENV, "SPARES": str(spares)})
+        rig.start([str(MAIN), str(out)], nproc_per_node=per_host, env={**ENV, "SPARES": str(spares), "FRAMEWORK": framework})
         pids: dict[int, int] = {}  # launched rank -> pid on the machine of the process torchrun started
         while time.monotonic() < end:
             run.watch(launched, pids)
@@ -138,15 +138,16 @@ def _trains(path: Path) -> bool:
         return False
 
 
-def reference(tmp_path_factory, world: int = 2) -> Path:
+def reference(tmp_path_factory, world: int = 2, framework: str = "ignite") -> Path:
     """An uninterrupted run of the same training on ``world`` ranks (``resume_main.py``, the same
     settings, no spare) on one host: ``torchrun --standalone --nproc-per-node <world>`` (18 s here at 2
     ranks, against 30 s for 2 simulated hosts). At 2 ranks its weights and batches were the same as a
     run on 2 simulated hosts of 1 rank each with no spare, bit for bit,
     once checked (2026-12-03): gloo's sums depend on the ranks' order, not on which host holds them."""
-    if world not in _reference:
-        _reference[world] = spares_torchrun(tmp_path_factory.mktemp(f"ref{world}"), ENV, nproc=world)[0]
-    return _reference[world]
+    if (framework, world) not in _reference:
+        _reference[framework, world] = spares_torchrun(tmp_path_factory.mktemp(f"ref{world}{framework}"), ENV, nproc=world,
+                                                       framework=framework)[0]
+    return _reference[framework, world]
 
 
 #: a survivor's log line: a spare ordered to a lost rank's seat
@@ -209,7 +210,8 @@ def assert_spares_took(run: Run, ref: Path, per_host: int = 1, lost_host: int = 
         assert last["start_iteration"] == start and last["first_step"] == start + 1, last
         assert Path(last["resumed_from"]).name == f"live-state-step={start}.pt", last
         assert last["in_memory"], last  # a spare's was sent to it
-        assert (last["dist_rank"], last["dist_world"], last["spares_left"]) == (rank, training, 0), last
+        assert (last["rank"], last["env_world"], last["spares_left"]) == (rank, training, 0), last
+        assert last["dist_rank"] in (rank, None) and last["dist_world"] in (training, None), last  # Lightning: None
         got = run.trained(rank)
         want = [(e["step"], e["idx"]) for e in json_lines(ref / f"batches{rank}.jsonl")]
         before = [(e["step"], e["idx"]) for e in got if e["attempt"] == 0]
@@ -282,9 +284,11 @@ def assert_cut_off_ranks_ended(run: Run, per_host: int = 1, lost_host: int = 1) 
 
 
 @pytest.mark.long
-def test_a_cut_link_is_replaced_by_the_spare_and_the_cut_off_rank_never_trains_again(tmp_path, tmp_path_factory):
-    ref = reference(tmp_path_factory)
-    run = run_spares(tmp_path, "cut_link")
+@pytest.mark.parametrize("framework", ["ignite", "lightning"])
+def test_a_cut_link_is_replaced_by_the_spare_and_the_cut_off_rank_never_trains_again(framework, tmp_path,
+                                                                                      tmp_path_factory):
+    ref = reference(tmp_path_factory, framework=framework)
+    run = run_spares(tmp_path, "cut_link", framework=framework)
     assert_spare_took_rank_1(run, ref)
     assert_cut_off_ranks_ended(run)
 

@@ -20,6 +20,7 @@ checkpoint at all, hangs, ``FTH_LIVE_STATE=0``, 20 recoveries, two recoveries, a
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,10 @@ ENV = {"PG_TIMEOUT_SEC": "20", "EPOCHS": "1", "EVERY": "10", "FTH_INJECT": ""}
 _reference: dict[str, Path] = {}
 
 
-def torchrun(framework: str, out: Path, env: dict[str, str], *, max_restarts: int = 0, expect_ok: bool = True):
+def torchrun(framework: str, out: Path, env: dict[str, str], *, max_restarts: int = 0, expect_ok: bool = True,
+             nproc: int = 2):
     out.mkdir(parents=True, exist_ok=True)
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "--max-restarts",
                 str(max_restarts), "--monitor-interval", "0.5"]
     run_dir = out / f"{framework}-1"
     try:
@@ -180,23 +182,63 @@ def test_a_hang_inside_a_step_that_swallows_every_exception_recovers_in_place(tm
     assert "[rank 1] the hung main thread was interrupted: recovering in place" in output
 
 
+def assert_only_the_hung_rank_is_named(output: str, hung: int, nproc: int) -> None:
+    """Every rank's report names ``hung``, and no other rank declares itself or is named hung."""
+    named = set(re.findall(r"RankHung: rank (\d+)", output))
+    assert named == {str(hung)}, f"ranks named hung: {sorted(named)}\n{output[-4000:]}"
+    for rank in set(range(nproc)) - {hung}:
+        assert f"[rank {rank}] the hung main thread was interrupted" not in output, output[-4000:]
+
+
+#: (framework, ranks, the hung rank); at 4 ranks with 25 iterations an epoch, two epochs: iteration 37 is in the second
+HUNG_CASES = [
+    pytest.param("lightning", 2, 1, id="lightning-2-ranks"),
+    pytest.param("ignite", 2, 1, id="ignite-2-ranks", marks=pytest.mark.long),
+    pytest.param("ignite", 4, 2, id="ignite-4-ranks-rank-2"),
+    pytest.param("ignite", 4, 0, id="ignite-4-ranks-rank-0", marks=pytest.mark.long),
+]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("framework", ["lightning", pytest.param("ignite", marks=pytest.mark.long)])
-def test_a_peer_waiting_to_recover_with_a_hung_rank_is_not_named_hung_too(framework, tmp_path):
-    """No checkpoint in the run, ``hang_timeout`` 5 s, rank 1 asleep at iteration 37: rank 1 is named
-    hung and interrupted; rank 0, whose main thread meanwhile handles the failure (it took rank 1's
-    and waits in the recovery), made no progress for as long, but is not hung: it must not name
-    itself (it did, 2 runs of 3, and the job ended instead of recovering). Both recover from their
-    live state (iteration 36)."""
+@pytest.mark.parametrize("framework, nproc, hung", HUNG_CASES)
+def test_a_peer_waiting_to_recover_with_a_hung_rank_is_not_named_hung_too(framework, nproc, hung, tmp_path):
+    """No checkpoint in the run, ``hang_timeout`` 5 s, rank ``hung`` asleep at iteration 37: it is
+    named hung and interrupted; its peers, blocked in the DDP all_reduce behind it until its failure
+    released them, then handling the failure (they took its record and wait in the recovery), made
+    no progress for as long, but are not hung: none may declare itself (at 2 ranks rank 0 did, 2
+    runs of 3, and the job ended instead of recovering; at 4 ranks a released peer's watchdog named
+    it hung 0.1 s after it took rank 2's failure, in 1 run of 1). Every rank recovers from its live
+    state (iteration 36)."""
     run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "EVERY": "1000", "FTH_HANG_TIMEOUT_SEC": "5",
-                                                   "FTH_INJECT": "hang@rank=1,iteration=37"})
-    assert "RankHung: rank 1 " in output
-    assert "RankHung: rank 0 " not in output, output[-4000:]
-    for rank in (0, 1):
+                                                   "FTH_INJECT": f"hang@rank={hung},iteration=37",
+                                                   **({} if nproc == 2 else {"EPOCHS": "2", "STEP_MS": "50"})},
+                              nproc=nproc)
+    assert_only_the_hung_rank_is_named(output, hung, nproc)
+    assert f"[rank {hung}] the hung main thread was interrupted: recovering in place" in output
+    for rank in range(nproc):
+        assert f"[rank {rank}] recovering in place, attempt 1 (max_restarts=2), after rank {hung} failed" in output
         seen = tries(run, rank)
         assert set(seen) == {0, 1}, f"rank {rank}: attempts {sorted(seen)}"
         assert seen[1]["done"] and seen[1]["start_iteration"] == 36, seen[1]
         assert Path(seen[1]["resumed_from"]).name == "live-state-step=36.pt", seen[1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hung", [2, pytest.param(0, marks=pytest.mark.long)])
+def test_without_recovery_the_peers_of_a_hung_rank_fail_together_naming_it_only(hung, tmp_path):
+    """The same hang at 4 ranks with no recovery (``torchrun --max-restarts 0``, no
+    ``recover_in_place``): the hung rank ends with its report, and every other rank's names it;
+    none declares itself."""
+    from fault_tolerant_handlers import EXIT_HUNG
+
+    run, code, output = torchrun("ignite", tmp_path, {"EVERY": "1000", "FTH_HANG_TIMEOUT_SEC": "5", "EPOCHS": "2",
+                                                      "FTH_INJECT": f"hang@rank={hung},iteration=37", "STEP_MS": "50"},
+                                 nproc=4, expect_ok=False)
+    assert code != 0
+    assert_only_the_hung_rank_is_named(output, hung, 4)
+    assert f"exit code {EXIT_HUNG}" in output, output[-4000:]
+    for rank in set(range(4)) - {hung}:
+        assert re.search(rf"\[rank {rank}[^\]]*\] stopping: RankHung: rank {hung} ", output), output[-4000:]
 
 
 @pytest.mark.long

@@ -12,7 +12,12 @@ checkpoints (``torch.distributed.checkpoint``, DCP), as the examples run them, o
   handed to a strategy that ignores it (the run went on from step 10 with freshly initialised
   weights: another SHA-256, exit 0), and the directory was not found (trained from step 0 again).
 * A save killed midway (DCP's shards written, its ``.metadata`` not; Lightning's ``meta.pt`` not;
-  ``DCPSaver``'s temporary directory) is never what ``latest_checkpoint`` chooses.
+  ``DCPSaver``'s temporary directory, or the directory it replaces half removed) is never what
+  ``latest_checkpoint`` chooses; in a training job (a rank SIGKILLed inside DCP's save, 2 and 4
+  ranks), every rank resumes from the previous checkpoint, intact.
+* A rank SIGKILLed or hung: in place (the keeper's replacement; ``hang_timeout``) and relaunched,
+  Ignite + FSDP2 and Lightning ``ModelParallelStrategy`` in both forms, 2 and 4 ranks, every rank
+  resumes from the newest complete checkpoint with an uninterrupted run's final weights.
 
 Every run is bounded and every process it started is killed by pid (see ``test_examples._run``).
 """
@@ -72,15 +77,27 @@ def _reference(example: Path, tmp_path: Path, world: int = 2, extra: str = "") -
 
 
 @pytest.fixture(scope="module")
-def ignite_reference(tmp_path_factory) -> str:
-    pytest.importorskip("ignite")
-    return _reference(IGNITE, tmp_path_factory.mktemp("ignite-reference"))
+def reference(tmp_path_factory):
+    """``reference(example, world)``: the final weights of an uninterrupted run, one run per pair."""
+    found: dict[tuple[Path, int], str] = {}
+
+    def get(example: Path, world: int = 2) -> str:
+        pytest.importorskip("ignite" if example == IGNITE else "lightning")
+        if (example, world) not in found:
+            found[example, world] = _reference(example, tmp_path_factory.mktemp(f"{example.stem}-{world}"), world)
+        return found[example, world]
+
+    return get
 
 
 @pytest.fixture(scope="module")
-def lightning_reference(tmp_path_factory) -> str:
-    pytest.importorskip("lightning")
-    return _reference(LIGHTNING, tmp_path_factory.mktemp("lightning-reference"))
+def ignite_reference(reference) -> str:
+    return reference(IGNITE)
+
+
+@pytest.fixture(scope="module")
+def lightning_reference(reference) -> str:
+    return reference(LIGHTNING)
 
 
 def test_sharded_examples_print_both_rehearsals():
@@ -134,17 +151,70 @@ def test_lightning_model_parallel_relaunch_resumes_exactly(distributed, lightnin
 @pytest.mark.long
 @pytest.mark.timeout(3 * DEADLINE_SEC + 60)
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "relaunch"])
-def test_ignite_fsdp_at_4_ranks(in_place, tmp_path):
-    pytest.importorskip("ignite")
-    (tmp_path / "reference").mkdir()
-    (tmp_path / "run").mkdir()
-    reference = _reference(IGNITE, tmp_path / "reference", world=4)
-    returncode, out = _run(_line(IGNITE, in_place, world=4), IGNITE, tmp_path / "run")
+def test_ignite_fsdp_at_4_ranks(in_place, reference, tmp_path):
+    expected = reference(IGNITE, 4)
+    returncode, out = _run(_line(IGNITE, in_place, world=4), IGNITE, tmp_path)
     assert returncode == 0, out[-4000:]
     assert "FTH_INJECT=raise@rank=1,iteration=17: injecting raise" in out, out[-4000:]
     for rank in range(4):
         assert f"[rank {rank}] attempt 1: resumed from checkpoint_10 at iteration 10" in out, out[-4000:]
-    assert _digests(out, 4) == {reference}, out[-4000:]
+    assert _digests(out, 4) == {expected}, out[-4000:]
+
+
+# -- SIGKILL and hang --------------------------------------------------------------------------------------
+
+#: (example, its extra argument, what every rank prints when it resumes from the checkpoint of step 20)
+FORMS = {"ignite": (IGNITE, "", r"resumed from checkpoint_20 at iteration 20"),
+         "lightning-file": (LIGHTNING, "", r"resuming from epoch=\d-step=20\.ckpt"),
+         "lightning-directory": (LIGHTNING, " --distributed", r"resuming from epoch=\d-step=20\.ckpt")}
+#: The hang timeout of the hang cases (``FTH_HANG_TIMEOUT_SEC``): a few seconds, far above a step here.
+HANG_SEC = 5
+FAULT_CASES = [pytest.param(form, fault, in_place, world, id=f"{form}-{fault}-{'in-place' if in_place else 'relaunch'}-{world}",
+                            marks=() if (form, fault, in_place, world) == ("ignite", "kill", True, 2) else pytest.mark.long)
+               for world in (2, 4) for form in FORMS for fault in ("kill", "hang") for in_place in (True, False)]
+
+
+def _check_resumed(out: str, returncode: int | None, world: int, resumed: str, reference: str) -> None:
+    """Every rank resumed (once) as ``resumed`` (a regex) says, nothing crashed, the job ended 0 with
+    the uninterrupted run's final weights on every rank."""
+    assert returncode is not None, f"still running after {DEADLINE_SEC} s (killed):\n{out[-4000:]}"
+    assert "SIGSEGV" not in out and "Segmentation fault" not in out and "SIGABRT" not in out, out[-4000:]
+    for rank in range(world):
+        assert re.search(rf"\[rank {rank}\] attempt 1: {resumed}", out), (rank, out[-4000:])
+    assert "attempt 2" not in out, out[-4000:]  # one recovery
+    assert returncode == 0, out[-4000:]
+    assert _digests(out, world) == {reference}, f"final weights differ from an uninterrupted run's:\n{out[-4000:]}"
+
+
+@pytest.mark.timeout(3 * DEADLINE_SEC + 60)
+@pytest.mark.parametrize("form, fault, in_place, world", FAULT_CASES)
+def test_sharded_job_survives_sigkill_and_hang(form, fault, in_place, world, reference, tmp_path):
+    """A rank SIGKILLed (rank 0: DCP's coordinator, the rank that writes Lightning's file) or hung
+    (the last rank; ``hang_timeout`` of :data:`HANG_SEC`) at iteration 23, three steps after the
+    checkpoint of step 20. In place, the killed rank's process is replaced by its keeper and the hung
+    one interrupted where it hangs; relaunched, torchrun starts every rank again. Every rank resumes
+    from the checkpoint of step 20 (the newest complete one; that of step 10 is still there for
+    Ignite), in its form (Ignite's ``DCPSaver`` directory, Lightning's file or directory), and the
+    final weights are bit for bit an uninterrupted run's: the data path is exact, so this is proved
+    against the uninterrupted run itself, not against a run resumed from the same checkpoint."""
+    example, extra, resumed = FORMS[form]
+    expected = reference(example, world)
+    victim = 0 if fault == "kill" else world - 1
+    inject = f"{fault}@rank={victim},iteration=23"
+    line = _line(example, in_place, world=world).replace(
+        "FTH_INJECT=raise@rank=1,iteration=17", f"FTH_INJECT={inject}" + (f" FTH_HANG_TIMEOUT_SEC={HANG_SEC}"
+                                                                          if fault == "hang" else "")) + extra
+    returncode, out = _run(line, example, tmp_path)
+    assert f"FTH_INJECT={inject}: injecting {fault}" in out, out[-4000:]  # the fault fired
+    if fault == "kill":
+        assert f"rank {victim} (pid" in out and "killed by SIGKILL" in out, out[-4000:]  # named by its peers
+        if in_place:
+            assert f"[rank {victim}] the training process of rank {victim}" in out, out[-4000:]  # its keeper
+    else:
+        assert f"RankHung: rank {victim} (pid" in out, out[-4000:]
+    if in_place:
+        assert "recovering in place, attempt 1" in out, out[-4000:]
+    _check_resumed(out, returncode, world, resumed, expected)
 
 
 # -- a save killed midway ------------------------------------------------------------------------------
@@ -176,7 +246,8 @@ def test_latest_checkpoint_never_chooses_a_distributed_save_killed_midway(tmp_pa
         assert stopped, f"the saves did not reach their stop (rc={proc.returncode}):\n{out.read()[-3000:]}"
     cases = [("dcp", "checkpoint_10", "checkpoint_20"),  # DCP's shards written, its .metadata not
              ("saver", "checkpoint_10", "tmp-checkpoint_20"),  # DCPSaver's temporary directory
-             ("lightning", "epoch=0-step=10.ckpt", "epoch=0-step=20.ckpt")]  # .metadata, no Lightning meta.pt
+             ("lightning", "epoch=0-step=10.ckpt", "epoch=0-step=20.ckpt"),  # .metadata, no Lightning meta.pt
+             ("replace", "checkpoint_10", "tmp-checkpoint_10.old")]  # the one a re-save replaces, half removed
     for case, complete, torn in cases:
         folder = root / case
         assert (folder / torn).is_dir() and any((folder / torn).iterdir()), case  # the kill left it half-written
@@ -184,4 +255,46 @@ def test_latest_checkpoint_never_chooses_a_distributed_save_killed_midway(tmp_pa
             warnings.simplefilter("always")
             chosen = latest_checkpoint(folder)
         assert chosen == str(folder / complete), case
+        last = {"dcp": ".metadata", "lightning": "meta.pt"}.get(case, "rank0.pt")  # DCPSaver's: rank0.pt too
+        assert (Path(chosen) / last).is_file(), case
         assert any(torn in str(w.message) for w in caught), (case, [str(w.message) for w in caught])
+
+
+KILL_IN_SAVE = ROOT / "tests" / "programs" / "dcp_kill_in_save_main.py"
+#: (form, the killed rank, where in the save, in place, world size, the torn directory it leaves)
+SAVE_KILL_CASES = [
+    pytest.param("ignite", 1, "shards", True, 2, "tmp-checkpoint_20", id="ignite-rank1-shards-in-place"),
+    pytest.param("ignite", 0, "metadata", False, 2, "tmp-checkpoint_20", id="ignite-rank0-metadata-relaunch"),
+    pytest.param("lightning-directory", 0, "shards", False, 2, "epoch=0-step=20.ckpt",
+                 id="lightning-rank0-shards-relaunch"),
+    pytest.param("lightning-directory", 0, "metadata", True, 2, "epoch=0-step=20.ckpt",
+                 id="lightning-rank0-metadata-in-place"),
+    pytest.param("lightning-directory", 3, "shards", True, 4, "epoch=1-step=20.ckpt", id="lightning-rank3-shards-in-place-4"),
+]
+
+
+@pytest.mark.long
+@pytest.mark.timeout(3 * DEADLINE_SEC + 60)
+@pytest.mark.parametrize("form, victim, at, in_place, world, torn", SAVE_KILL_CASES)
+def test_a_rank_killed_in_a_distributed_save_resumes_from_the_previous_checkpoint(form, victim, at, in_place, world,
+                                                                                  torn, reference, tmp_path):
+    """A rank SIGKILLs itself in the middle of the save of the checkpoint of step 20 (in the first
+    attempt; ``dcp_kill_in_save_main.py`` wraps DCP's file writer): after its shards are written
+    (``shards``: no ``.metadata``) or, rank 0, after DCP's ``.metadata`` (``metadata``: ``DCPSaver``'s
+    rename, Lightning's ``meta.pt`` not yet). Its peers, blocked in the save's collective, fail
+    together; the next attempt's ``latest_checkpoint`` skips the half-written directory (named in a
+    warning) and every rank resumes from the checkpoint of step 10, which the torn save left intact:
+    the final weights are bit for bit an uninterrupted run's."""
+    example, extra, _ = FORMS[form]
+    expected = reference(example, world)
+    restarts = "" if in_place else "--max-restarts 1 "
+    line = (f"KILL_IN_SAVE=rank={victim},step=20,at={at} torchrun --standalone --nproc-per-node {world} {restarts}"
+            f"examples/{KILL_IN_SAVE.name} {example}{' --in-place' if in_place else ''}{extra}")
+    returncode, out = _run(line, KILL_IN_SAVE, tmp_path)
+    assert f"[rank {victim}] killing itself in the save of {torn} ({at})" in out, out[-4000:]  # it fired there
+    assert re.search(rf"skipping {re.escape(torn)}: ", out), out[-4000:]  # the torn directory, seen and skipped
+    if in_place:
+        assert "recovering in place, attempt 1" in out, out[-4000:]
+    resumed = ("resumed from checkpoint_10 at iteration 10" if form == "ignite"
+               else rf"resuming from epoch=\d-step=10\.ckpt")
+    _check_resumed(out, returncode, world, resumed, expected)

@@ -13,6 +13,8 @@ and 1 spare (``recover_in_place(spares=1)``, ``resume_main.py``'s seeded Ignite 
 * two of 3 training ranks lost at once (5 launched, 2 spares; ``long``): each gets a spare, both
   receive rank 0's live state, and the weights are an uninterrupted 3-rank run's;
 * a second rank lost with no spare left ends the job with that cause;
+* the spare that took rank 0's seat is kept like every training rank: a SIGKILL of its process
+  later is replaced in place by its keeper, exact;
 * ``spares`` that leaves no training rank ends every process at start with the error naming it.
 
 * a killed rank whose keeper lives is replaced by its keeper: no spare spent.
@@ -140,6 +142,34 @@ def test_a_killed_rank_whose_keeper_lives_is_replaced_by_its_keeper_and_no_spare
     assert all(tries(run, rank)[1]["spares_left"] == 1 for rank in (0, 1))
     spare = json.loads((run / "process_launched2.json").read_text())["pid"]
     assert json.loads((run / f"returned_pid{spare}.json").read_text())["result"] is None
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_that_took_a_lost_ranks_seat_is_kept_and_a_later_sigkill_of_it_is_replaced_in_place(
+        tmp_path, tmp_path_factory):
+    """Rank 0 lost at iteration 27 (its host gone: no keeper replaces it): the spare takes its seat
+    and trains under a keeper of its own, as every training rank does. At iteration 40 the seat's
+    process is SIGKILLed: the spare's keeper (torchrun's worker, which lives on) starts a replacement
+    that joins the recovery, and the run carries on at iteration 40, nothing computed twice, to the
+    uninterrupted 2-rank run's weights; every process exits 0. (Before, the spare trained in
+    torchrun's worker itself: the kill ended the job.)"""
+    ref = reference(tmp_path_factory)
+    run, _, output = torchrun(tmp_path, {**SPARE, "FTH_INJECT": "lose@rank=0,iteration=27; "
+                                                                "kill@rank=0,iteration=40,attempt=1"})
+    assert_recovered_exactly(run, ref, "ignite", attempts=2, same_process=(False, True), live=True)
+    assert recomputed(run, 2, failing=0) == 0
+    seat = tries(run, 0)
+    spare = json.loads((run / "process_launched2.json").read_text())["pid"]
+    assert len({seat[a]["pid"] for a in (0, 1, 2)} | {spare}) == 4, seat  # lost, the spare's child, its replacement
+    assert "[rank 1] rank 0 was lost with no keeper to replace it: spare launched rank 2 takes its place" in output
+    assert output.count("took the place of lost rank 0") == 1, output[-4000:]  # the replacement is its keeper's
+    assert f"the training process of rank 0 (pid {seat[1]['pid']}) killed by SIGKILL: starting its replacement, " \
+           "which joins the recovery of attempt 1" in output, output[-4000:]
+    assert output.count("sent from rank 1 to rank 0: its process was replaced (its state ended with it)") == 2, \
+        output[-4000:]
+    assert seat[2]["spares_left"] == 0 and tries(run, 1)[2]["spares_left"] == 0
+    assert json.loads((run / f"returned_pid{spare}.json").read_text())["pid"] == spare  # its call returned, in its keeper
+    assert len(list(run.glob("returned_pid*.json"))) == 3  # every launched process's call returned
 
 
 @pytest.mark.timeout(300)

@@ -10,11 +10,14 @@ stopped, this process writes ``<dir>/stopped`` and waits to be killed (SIGKILL b
 * ``saver/``: :class:`~fault_tolerant_handlers.ignite.DCPSaver` (Ignite's ``Checkpoint``), the same
   stop: its ``tmp-checkpoint_20`` is left;
 * ``lightning/``: Lightning's sharded form, ``epoch=0-step=20.ckpt`` with DCP's ``.metadata`` written
-  and ``meta.pt`` (written after it) not yet.
+  and ``meta.pt`` (written after it) not yet;
+* ``replace/``: ``DCPSaver`` saves ``checkpoint_10`` again (a name already there) and stops inside the
+  removal of the one it replaces, one file (``rank0.pt``) removed.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 import time
@@ -36,13 +39,25 @@ _finish = FileSystemWriter.finish
 def finish_or_stop(self, metadata, results) -> None:
     """DCP's last step (its ``.metadata``): done for the complete saves and Lightning's, never
     for the torn ones of ``dcp/`` and ``saver/``."""
-    if "step=" in str(self.fs.concat_path(self.path, "")) or not TORN.is_set():
+    path = str(self.fs.concat_path(self.path, ""))
+    if "step=" in path or "replace" in path or not TORN.is_set():
         return _finish(self, metadata, results)
     STOPPED.release()
     time.sleep(600)
 
 
 TORN = threading.Event()
+_rmtree = shutil.rmtree
+
+
+def rmtree_or_stop(path, *args, **kwargs) -> None:
+    """A removal of a complete checkpoint of ``replace/`` stops after its first file (``rank0.pt``)."""
+    path = Path(path)
+    if TORN.is_set() and path.parent.name == "replace" and (path / ".metadata").is_file():
+        (path / "rank0.pt").unlink()
+        STOPPED.release()
+        time.sleep(600)
+    return _rmtree(path, *args, **kwargs)
 
 
 def main(root: Path) -> None:
@@ -56,6 +71,8 @@ def main(root: Path) -> None:
     FileSystemWriter.finish = finish_or_stop
     saver = DCPSaver(root / "saver")
     saver({"app": ShardedState(model).state_dict()}, "checkpoint_10.pt")
+    replace = DCPSaver(root / "replace")
+    replace({"app": ShardedState(model).state_dict()}, "checkpoint_10.pt")
     dcp.save(state, checkpoint_id=str(root / "dcp" / "checkpoint_10"), no_dist=True)
     for step in (10, 20):
         (root / "lightning" / f"epoch=0-step={step}.ckpt").mkdir(parents=True)
@@ -69,8 +86,10 @@ def main(root: Path) -> None:
                 time.sleep(600)
             torch.save({"global_step": step, "epoch": 0}, path / "meta.pt")
 
+    shutil.rmtree = rmtree_or_stop
     TORN.set()
-    threads = [lambda: saver({"app": ShardedState(model).state_dict()}, "checkpoint_20.pt"),
+    threads = [lambda: replace({"app": ShardedState(model).state_dict()}, "checkpoint_10.pt"),
+               lambda: saver({"app": ShardedState(model).state_dict()}, "checkpoint_20.pt"),
                lambda: dcp.save(state, checkpoint_id=str(root / "dcp" / "checkpoint_20"), no_dist=True), lightning]
     for target in threads:
         threading.Thread(target=target, daemon=True).start()

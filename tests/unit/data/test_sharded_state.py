@@ -117,6 +117,8 @@ def test_dcp_saver_round_trip_and_discovery(group, tmp_path):
     saver.remove("checkpoint_10.pt")  # Checkpoint asks before the next save: done after it
     saver({k: v.state_dict() for k, v in to_save.items()}, "checkpoint_20.pt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_20"]
+    saver({k: v.state_dict() for k, v in to_save.items()}, "checkpoint_20.pt")  # the same name again: replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_20"]  # nothing left of the old one
     path = latest_checkpoint(tmp_path)
     assert path == str(tmp_path / "checkpoint_20")
     expected = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}

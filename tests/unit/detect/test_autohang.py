@@ -133,6 +133,26 @@ def test_time_spent_waiting_for_peers_is_not_held_against_the_piece_nor_learned(
     assert p.longest["step"] == pytest.approx(0.1) and p.steps == 4  # the wait was not learned
 
 
+def test_a_wait_that_ends_just_before_the_deadline_is_not_held_against_the_piece(monkeypatch):
+    """Rank 1 waits in the all_reduce for a hung peer, which is declared (and releases it) just
+    before rank 1's own deadline; rank 1 then handles the failure, past its deadline, outside any
+    wait: judged from the last poll that saw it waiting, it is not hung."""
+    import fault_tolerant_handlers.detect.autohang as autohang
+
+    waiting = [True]
+    monkeypatch.setattr(autohang, "waiting_on_peers", lambda frame: waiting[0])
+    p = probe()
+    t = steps(p, 3, 0.1)                          # step deadline: the floor, 5 s
+    p.started("step", t, 3)
+    assert p.poll(t + 0.1) is None
+    assert p.poll(t + 4.9) is None                # waiting, seen at t + 4.9
+    waiting[0] = False                            # released at t + 4.95
+    assert p.poll(t + 5.1) is None                # past the deadline from the step's start, not from the wait
+    assert p.poll(t + 9.8) is None
+    found = p.poll(t + 9.95)
+    assert found is not None and "its step at step 3 has run 9.9 s" in found.error.exc_message
+
+
 def test_a_main_thread_in_the_debugger_is_not_hung():
     import bdb
 

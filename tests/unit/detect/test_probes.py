@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from fault_tolerant_handlers.core.ranks import RankTable
-from fault_tolerant_handlers.detect.probes import (HeartbeatProbe, PeerPidProbe, RecordsProbe, SelfHangProbe,
+from fault_tolerant_handlers.detect.probes import (SILENCE_POLL, HeartbeatProbe, PeerPidProbe, RecordsProbe, SelfHangProbe,
                                             StoreLossProbe, waiting_on_peers)
 from fault_tolerant_handlers.core.kinds import Ended, FailureKind
 from fault_tolerant_handlers.core.records import FailureRecord
@@ -38,6 +38,20 @@ def test_records_probe_waits_the_grace_then_reports_another_ranks_record():
     found = probe.poll(10.45)
     assert found is not None and found.error.failed_rank == 2 and found.error.exc_type == "ValueError"
     assert found.declare is None
+
+
+@pytest.mark.parametrize("kind", [FailureKind.PEER_SILENT, FailureKind.PEER_LOST])
+def test_a_record_declaring_a_rank_lost_or_silent_is_reported_at_once_not_after_the_grace(kind):
+    """Node-b's link cut: rank 0's liveness helper declares rank 1 silent. No sync point can deliver
+    that record (an agreement needs rank 1 too), so the watchdog reports it at its first look
+    instead of 0.3 s later."""
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    probe = RecordsProbe(mine, rank=0, grace=0.3, delivered=frozenset)
+    assert probe.poll(10.0) is None
+    peer.publish(FailureRecord.declared(rank=1, kind=kind, message="rank 1 lost", by=0, host="node-b"))
+    found = probe.poll(10.1)
+    assert found is not None and found.error.failed_rank == 1 and found.error.exc_type == kind.value
 
 
 def test_records_probe_leaves_delivered_records_and_its_own_alone():
@@ -162,6 +176,49 @@ def test_heartbeat_probe_counts_no_silence_while_its_own_calls_are_slow():
     assert found is not None and "no heartbeat for 3.5 s" in found.error.exc_message
 
 
+def _drive(probe: HeartbeatProbe, beats_until: float, end: float, beat=None) -> float | None:
+    """The liveness loop over a fake clock (0.01 s ticks): the probe polled whenever it is due, the
+    watched rank beating every 0.5 s from 0.05 s until ``beats_until``. The time of the declaration."""
+    for tick in range(int(end * 100)):
+        now = tick / 100
+        if 0.05 <= now <= beats_until and tick % 50 == 5:
+            beat()
+        if now >= probe.due():
+            found = probe.poll(now)
+            if found is not None:
+                return now
+    return None
+
+
+def test_a_silence_is_counted_from_within_a_tenth_of_a_second_of_its_last_beat_and_declared_just_past_the_limit():
+    """A cut link: the watched rank's last beat lands just after a read. Read only every period, its
+    silence was counted from the next read (up to 0.5 s after the beat) and declared at the first read
+    past the limit (up to 0.5 s after it): here 2.45 s after the last beat for a 2 s limit. Read every
+    SILENCE_POLL from a little before each beat is due until it moves: between the limit and the limit
+    + 0.2 s after the last beat; this rank's own beats keep their period meanwhile; a healthy rank's
+    counter costs at most two reads a period, and is never declared; a running rank on this host
+    (never declared while it runs) is read once a period."""
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=2.0)
+    reads = []
+    read = mine.heartbeat_of
+    mine.heartbeat_of = lambda r: reads.append(r) or read(r)
+    declared = _drive(probe, beats_until=5.1, end=10.0, beat=lambda: other.beat(1))  # the last beat at 5.05 s
+    assert declared is not None and 5.05 + 2.0 < declared <= 5.05 + 2.0 + 2 * SILENCE_POLL + 0.01, declared
+    assert int(store.get("fth/test/hb/0")) == int(declared / 0.5) + 1  # its own beats: every 0.5 s from 0
+    healthy = HeartbeatProbe(mine, rank=2, successor=1, successor_pid=4242, period=0.5, limit=2.0)
+    reads.clear()
+    assert _drive(healthy, beats_until=60.0, end=60.0, beat=lambda: other.beat(1)) is None
+    assert len(reads) <= 2 * 60 / 0.5 + 6, len(reads)  # and a period of reads every 0.1 s to find its beat
+    # on this host and running (its death is the pid probe's): read once a period, as before
+    same_host = HeartbeatProbe(mine, rank=2, successor=1, successor_pid=4242, period=0.5, limit=2.0,
+                               running=lambda: True)
+    reads.clear()
+    assert _drive(same_host, beats_until=1.1, end=30.0, beat=lambda: other.beat(1)) is None
+    assert len(reads) <= 30 / 0.5 + 1, len(reads)
+
+
 def test_heartbeat_probe_never_declares_a_successor_that_never_beat():
     probe = HeartbeatProbe(schema_over(dist.HashStore()), rank=0, successor=1, successor_pid=1, period=0.5, limit=1.0)
     assert all(probe.poll(t) is None for t in (0.0, 1.0, 5.0, 50.0))
@@ -207,6 +264,27 @@ def test_self_hang_probe_reports_the_main_thread_stack_and_spares_a_rank_waiting
     assert waiting_on_peers(frame[0])
     assert probe.poll(105.5) is None            # blocked in a collective: the peer is the hung one
     assert probe.poll(112.5).hung_self          # ... unless it stays blocked past 2 x timeout + margin
+
+
+def test_a_rank_released_from_a_hung_peers_collective_is_not_hung_while_it_handles_the_failure():
+    """4 ranks, rank 2 hung at step 16: the others wait in the DDP all_reduce from their last beat
+    until rank 2's failure releases them 5.1 s later, and handle it (the DataLoader's workers shut
+    down, the recovery begins) without a beat. The wait is not held against them: the stall counts
+    from the last poll that saw it (one of them named itself hung 0.1 s after its release)."""
+    progress = [(100.0, 1_700_000_000.0, 16)]
+    waiting, handling = _frame_in("/site-packages/torch/autograd/graph.py"), _frame_in("/x/torch/utils/data/dataloader.py")
+    frame = [waiting]
+    probe = SelfHangProbe(1, 4242, 5.0, margin=2.0, progress=lambda: progress[0], frame=lambda: frame[0])
+    for now in (100.1, 102.0, 104.0, 105.0):    # every poll looks, before hang_timeout too
+        assert probe.poll(now) is None
+    frame[0] = handling                         # released at 105.1
+    assert probe.poll(105.2) is None            # 5.2 s from its last beat, 0.2 s from its wait
+    assert probe.poll(109.9) is None
+    found = probe.poll(110.1)                   # stuck outside any wait for hang_timeout: hung after all
+    assert found.hung_self and "no progress for 10.1 s at step 16" in found.error.exc_message
+    progress[0] = (111.0, 1_700_000_011.0, 17)  # a beat: a wait before it counts for nothing after it
+    assert probe.poll(115.9) is None
+    assert probe.poll(116.1).hung_self
 
 
 def test_store_loss_probe_declares_the_store_host_after_the_silence_with_evidence():
