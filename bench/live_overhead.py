@@ -58,7 +58,7 @@ def ignite_engine(kind: str, with_live: bool, probe=None):
     from ignite.engine import Engine, Events
     from ignite.handlers import Checkpoint, DiskSaver
 
-    from fault_tolerant_handlers.adapters.live_ignite import IgniteLive
+    from fault_tolerant_handlers.ignite import IgniteLive
 
     torch.manual_seed(0)
     model = model_of(kind)
@@ -105,7 +105,7 @@ def ignite_hook_us(kind: str, n: int) -> float:
 def lightning_hook_us(kind: str, n: int) -> float:
     import lightning.pytorch as pl
 
-    from fault_tolerant_handlers.adapters.live_lightning import LightningLive
+    from fault_tolerant_handlers.lightning import LightningLive
 
     result = {}
 
@@ -124,7 +124,7 @@ def lightning_hook_us(kind: str, n: int) -> float:
             optimizer = trainer.optimizers[0]
             start = time.perf_counter()
             for _ in range(n):
-                capture.batch_start(trainer)
+                capture.step_starts(int(trainer.global_step))
                 capture.update_begins()
                 live._post_hook(optimizer, (), {})
                 capture.batch_end()

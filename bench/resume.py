@@ -95,9 +95,15 @@ TOOK = re.compile(r"took the place of lost rank \d+ .*: ([\d.]+) s from the fail
 SENT = re.compile(r"live state sent ([\d.]+)")
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (fields 14 and 15 of its ``stat``), seconds."""
+    fields = procfs.stat_fields(pid)
+    return None if fields is None or len(fields) <= 12 else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _sample(pid: int) -> tuple[float, float] | None:
     """``(CPU seconds, resident MB)`` of ``pid`` now, or ``None`` once it is gone."""
-    cpu = procfs.cpu_seconds(pid)
+    cpu = _cpu_seconds(pid)
     try:
         rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                    if line.startswith("VmRSS:"))

@@ -1,7 +1,8 @@
 """Lightning adapter: ``Trainer(callbacks=[FaultTolerance()])``.
 
 Maps Lightning's ``Callback`` hooks onto the framework-neutral
-:class:`~fault_tolerant_handlers.adapters.guard.Guard`:
+:class:`~fault_tolerant_handlers.adapters.guard.Guard`; one module for everything Lightning (live
+state, a recovery's hooks), Lightning's private API in :mod:`.adapters.compat_lightning`:
 
 ==============================  ======================================================================
 ``setup``                       start (collective: side group, watchdog); this callback moves itself
@@ -19,14 +20,14 @@ Maps Lightning's ``Callback`` hooks onto the framework-neutral
                                 then finishes Lightning's exception path itself (see below)
 ``teardown``                    clean stop of the watchdog (``validate``/``test``)
 ``on_train_start``,             recovering in place only: live state's bookkeeping and its capture at
-``on_before_optimizer_step``    ``on_exception`` (:mod:`.adapters.live_lightning`)
+``on_before_optimizer_step``    ``on_exception`` (:class:`LightningLive`)
 ``on_fit_start``,               a DDP model's bucket layout (:class:`.data.ddp_buckets.DDPBucketLayout`):
 ``state_dict``,                 saved in this callback's state, given back to the new DDP before its
 ``load_state_dict``             first step, so that a resumed run is exact at any world size
 ``on_train_start``,             recovering in place: the hooks ``on_failure_seen``,
 ``on_train_batch_end``,         ``on_recovery_started``, ``on_recovered`` called on every callback (and
 ``on_exception``                the module) that defines them; the recovery's numbers logged at the
-                                first batch after it (:mod:`.adapters.recovery_lightning`)
+                                first batch after it (:class:`LightningRecovery`)
 ==============================  ======================================================================
 
 Why ``on_exception`` finishes the exception path itself: Lightning re-raises the exception it
@@ -57,22 +58,23 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import weakref
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
-from .adapters.live_lightning import LightningLive
-from .adapters.recovery_lightning import LightningRecovery
-from .core import attempts, interrupts
+from .core import attempts, events, interrupts, phases, recoveries, sharded
 from .data import live, snapshots
 from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
 from .core.failure import tag, tag_of
-from .core.log import log
+from .core.log import first_line, log
 from .detect.autohang import CHECKPOINT, EVALUATION, STEP
-from .adapters.guard import Guard
+from .adapters.guard import Guard, LiveLoop, LoopRecovery
 from .core.inject import Injector
 
 if TYPE_CHECKING:
@@ -92,7 +94,7 @@ def _guarded(what: str, fn: Callable[[], Any]) -> None:
     try:
         fn()
     except Exception as err:  # noqa: BLE001 - logged: the cause must reach every rank unchanged
-        first = str(err).splitlines()[0][:300] if str(err) else ""
+        first = first_line(err, 300)
         log(logging.WARNING, "%s failed while the job fails together (ignored, the cause is raised instead): %s: %s",
             what, type(err).__name__, first)
 
@@ -307,7 +309,7 @@ class FaultTolerance(_CallbackBase):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._in_batch = int(trainer.global_step) + 1  # taken before the optimizer step moves global_step
-        self._live.batch_start(trainer)
+        self._live.step_starts(int(trainer.global_step))
         self._check(trainer)  # an attribute read: the watchdog may already know a peer failed
         if self._injector is not None:
             self._injector.maybe_fire(trainer.global_rank, self._in_batch, trainer.current_epoch,
@@ -427,3 +429,211 @@ def _is_rank_process_error(exc: BaseException) -> bool:
         return False
     return isinstance(exc, ProcessException)
 
+
+# -- live state --------------------------------------------------------------------------------------
+class LightningLive(LiveLoop):
+    """Live state (:mod:`.data.live`) of one Lightning ``Trainer``, from what ``trainer.save_checkpoint``
+    would write; driven by the :class:`FaultTolerance` callback while a recovery in place runs:
+
+    * ``on_train_start``: the loops are set up; the state the loop starts from is the first mark;
+    * ``on_train_batch_start``: torch's RNG as the batch starts;
+    * ``on_before_optimizer_step``: the optimizer's update begins (the training step and backward ran
+      inside ``optimizer.step``'s closure before this; a failure there leaves the state trusted);
+    * ``on_train_batch_end``: the batch completed: the loops' state (progress, the loader's position),
+      the global step and epoch, the LR schedulers and the optimizers' hyper-parameters, as a
+      ``ModelCheckpoint`` saving in this hook would hold them;
+    * ``on_exception``: the capture: ``dump_checkpoint`` (model, optimizers, callbacks, as they are: no
+      update ran since the mark), with the marked parts put in.
+    """
+
+    unit = "global step"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trainer: Any = None
+        self._parts: tuple[list, list] = ([], [])
+
+    def train_start(self, trainer: Any) -> None:
+        self.close()
+        if not live.enabled():
+            return
+        self.trainer, self.why_not, self.directory = trainer, "", None
+        if not _compat_lightning.plain_ddp(trainer.strategy):
+            why = (f"the strategy {type(trainer.strategy).__name__} builds its checkpoint with collectives "
+                   "(live state: DDPStrategy only)")
+            found = sharded.in_module(trainer.lightning_module)
+            self._refuse(f"{why}; the model is sharded ({found})" if found else why)  # shards: not served
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if dirpath:
+                self.directory = str(Path(dirpath).resolve())
+                break
+        self._parts = _compat_lightning.loop_parts(trainer.fit_loop)
+        self._begin([trainer.lightning_module], update_at_pre_hook=False)
+
+    def update_begins(self) -> None:
+        if self.tracker is not None:
+            self.tracker.update_begins()
+
+    def batch_end(self) -> None:
+        if self.tracker is not None:
+            self._mark()
+
+    def _mark(self, initial: bool = False) -> None:
+        if self.why_not:
+            return
+        trainer = self.trainer
+        small = {
+            "loops": _compat_lightning.snapshot_loops(self._parts),
+            "epoch": int(trainer.current_epoch),
+            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            "param_groups": [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+                             for optimizer in trainer.optimizers],
+        }
+        self.tracker.complete(int(trainer.global_step), small, initial=initial)
+
+    def capture(self) -> live.Captured:
+        tracker = self._tracked("the trainer was not fitting")
+        small = tracker.small
+        checkpoint = _compat_lightning.dump_checkpoint(self.trainer)
+        checkpoint["loops"]["fit_loop"] = _compat_lightning.loop_state(self._parts, small["loops"])
+        checkpoint["global_step"], checkpoint["epoch"] = tracker.step, small["epoch"]
+        if "lr_schedulers" in checkpoint:
+            checkpoint["lr_schedulers"] = small["lr_schedulers"]
+        for saved, hyper in zip(checkpoint.get("optimizer_states", []), small["param_groups"]):
+            if isinstance(saved, dict) and isinstance(saved.get("param_groups"), list):
+                saved["param_groups"] = [{**group, **h} for group, h in zip(saved["param_groups"], hyper)]
+        return live.Captured(tracker.step, "global step", checkpoint, self.directory, tracker.rng_after(tracker.step))
+
+
+# -- a recovery in place's moments, as hooks ------------------------------------------------------------
+#: The hooks, by the moment they tell.
+HOOKS = {recoveries.RecoveryPhase.FAILURE_SEEN: "on_failure_seen",
+         recoveries.RecoveryPhase.RECOVERY_STARTED: "on_recovery_started",
+         recoveries.RecoveryPhase.RECOVERED: "on_recovered"}
+#: The first attempt's loggers' ``(class, root folder, version, folder)`` (:func:`.adapters.compat_lightning.logger_versions`),
+#: while a recovery in place runs.
+_logger_versions: list = []
+#: A CSV logger's ``metrics.csv`` as the failed attempt left it, by folder (read at the teardown).
+_kept_metrics: dict[str, bytes] = {}
+
+
+def _pinned_version(logger: Any) -> Any:
+    """The first attempt's version for a logger of the same class and root folder (``None``: none)."""
+    for cls, root, version, _ in _logger_versions:
+        if type(logger) is cls and str(getattr(logger, "root_dir", "")) == root:
+            return version
+    return None
+
+
+def _keep_logger_versions(state: phases.RecoveryState) -> None:
+    """``RESET_FRAMEWORKS``: the next attempt's loggers take the first attempt's versions; a CSV
+    logger's rows are read now (its writer deletes the file when the next attempt opens the folder)."""
+    if not _logger_versions:
+        return
+    _compat_lightning.pin_next_versions({cls for cls, *_ in _logger_versions}, _pinned_version)
+    for *_, folder in _logger_versions:
+        path = os.path.join(folder, "metrics.csv")
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                _kept_metrics[folder] = f.read()
+
+
+def _forget_logger_versions(state: phases.RecoveryState) -> None:
+    """``END``: loggers made after the recovery take the next free version again."""
+    _logger_versions.clear()
+    _kept_metrics.clear()
+
+
+def dispatch(trainer: Any, hook: str, info: recoveries.RecoveryInfo) -> None:
+    """Call ``hook`` on every callback of ``trainer`` that has it, then on its LightningModule."""
+    pl_module = getattr(trainer, "lightning_module", None)
+    for callback in list(trainer.callbacks):
+        method = getattr(callback, hook, None)
+        if callable(method):
+            method(trainer, pl_module, info)
+    method = getattr(pl_module, hook, None)
+    if callable(method):
+        method(info)
+
+
+class LightningRecovery(LoopRecovery):
+    """One ``FaultTolerance`` callback's part of a recovery in place.
+
+    Lightning runs a hook by its name on every callback that has it (and, for the model's hooks, on the
+    ``LightningModule``); the :class:`~fault_tolerant_handlers.lightning.FaultTolerance` callback does the
+    same for three hooks of its own, so that any callback (no base class to inherit, either namespace)
+    or the module can take them:
+
+    =========================  =================================================  ========================
+    hook                       when                                               on the module
+    =========================  =================================================  ========================
+    ``on_failure_seen``        the failure reached this rank's recovery (the      ``on_failure_seen(info)``
+                               failed attempt's trainer; the recovery runs)
+    ``on_recovery_started``    the ranks agreed to recover (the failed            ``on_recovery_started(info)``
+                               attempt's trainer)
+    ``on_recovered``           the next attempt's ``on_train_start``: the         ``on_recovered(info)``
+                               checkpoint or live state is loaded, the step it
+                               carries on from is its global step
+    =========================  =================================================  ========================
+
+    A callback's hook is called ``hook(trainer, pl_module, info)``, with ``info`` a
+    :class:`~.core.recoveries.RecoveryInfo`. An exception in the first two is logged, never passed on
+    (the recovery must go on); in ``on_recovered`` it fails the run, as in any hook. At the end of the
+    first training batch after a recovery the callback logs ``fault_tolerance/recoveries``,
+    ``fault_tolerance/time_to_recover`` and ``fault_tolerance/steps_computed_twice`` to every logger of
+    the trainer (``logger.log_metrics``, at that step: not held back to ``log_every_n_steps``) and into
+    ``trainer.callback_metrics`` (put there directly: :func:`.adapters.compat_lightning.put_callback_metrics`).
+    """
+
+    loops: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+    last_completed: int | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._log_pending = False
+
+    def setup(self, trainer: Any) -> None:
+        self.attached(trainer)
+        # One logger version for the whole run: the first attempt's loggers' versions are recorded; a
+        # recovered attempt's loggers take them (a new Trainer's would take the next free version_N).
+        try:
+            if not attempts.in_place():
+                _logger_versions[:] = _compat_lightning.logger_versions(trainer)
+            else:
+                restored = _compat_lightning.restore_csv_metrics(trainer, _kept_metrics)
+                if restored:
+                    log(logging.INFO, "the recovered attempt logs on in the first attempt's folder: %s",
+                        "; ".join(restored))
+        except Exception as err:  # noqa: BLE001 - a logger of another shape: a version of its own, as before
+            log(logging.WARNING, "could not keep the first attempt's logger version: %s: %s", type(err).__name__,
+                first_line(err))
+
+    def train_start(self, trainer: Any) -> None:
+        info = self.carried_on(int(trainer.global_step))
+        if info is not None:
+            self._log_pending = True
+            dispatch(trainer, HOOKS[info.phase], info)
+
+    def batch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.completed = int(trainer.global_step)
+        if not self._log_pending:
+            return
+        self._log_pending = False
+        values = recoveries.metrics().as_dict()
+        if not _compat_lightning.put_callback_metrics(trainer, values):
+            for name, value in values.items():
+                pl_module.log(name, value, on_step=True, on_epoch=False, logger=False, sync_dist=False)
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=int(trainer.global_step))
+
+
+def _hook(info: recoveries.RecoveryInfo) -> None:
+    LightningRecovery.tell_failed_loops(info, lambda trainer: dispatch(trainer, HOOKS[info.phase], info),
+                                        f"{HOOKS[info.phase]} hook")
+
+
+events.subscribe(events.FAILURE_SEEN, _hook)
+events.subscribe(events.RECOVERY_STARTED, _hook)
+phases.register(phases.Phase.RESET_FRAMEWORKS, _keep_logger_versions, tolerate=True)
+phases.register(phases.Phase.END, _forget_logger_versions, tolerate=True)

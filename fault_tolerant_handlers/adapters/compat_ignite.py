@@ -20,7 +20,7 @@ Checked against pytorch-ignite 0.5.0.post2 (the first 0.5 release) and 0.5.5.
   adapter is imported: given a path, it first asks for the live state under that name (a name
   ``latest_checkpoint`` gave, which no file has) and loads that; any other path is loaded as before;
   once the objects are loaded, a DDP's bucket layout saved beside them is given to the DDP
-  (:mod:`.resume_ignite`).
+  (:mod:`..ignite`).
 * ``Engine._process_function``: the training step an ``Engine`` runs, whose closure and globals name
   the ``DistributedDataParallel`` that wraps a model ``to_save`` holds unwrapped (:func:`step_names`).
 * ``Engine._run_once_on_dataset_as_gen`` / ``_run_once_on_dataset_legacy``: the functions whose frames

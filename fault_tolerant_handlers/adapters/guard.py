@@ -16,22 +16,27 @@ the loop's fail-together session (:class:`~..core.session.Session`):
   raises together if any rank failed;
 * :meth:`Guard.on_exception` when the framework reports an exception: what this rank must raise;
 * :meth:`Guard.stop` when the loop ended normally (drops its watchdog reference).
+
+What both adapters keep while a recovery in place runs is here too: a loop's live state
+(:class:`LiveLoop`, :mod:`..data.live`) and its part of the recovery's moments (:class:`LoopRecovery`).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
-from ..core import config, interrupts
-from ..core.log import log
+from ..core import config, interrupts, recoveries
+from ..core.log import first_line, log
 from ..core.errors import PeerFailedError
 from ..core.sections import check_name
 from ..core.failure import tag, tag_of
 from ..core.session import Session, get_session
+from ..data import live
 
 
 class Guard:
@@ -173,7 +178,7 @@ class Guard:
             tag(peer, handled=True)
             if peer is not exc:
                 peer.__cause__ = exc
-            log(logging.ERROR, "stopping: %s", str(peer).splitlines()[0], step=step)
+            log(logging.ERROR, "stopping: %s", first_line(peer, None), step=step)
             return peer
         session.report_error(exc, section=self.name, step=step, epoch=epoch, release=self.release_on_failure)
         tag(exc, handled=True)
@@ -188,4 +193,102 @@ class Guard:
             raise TypeError(f"load_state_dict(state_dict=...) takes a mapping, got {type(state_dict).__name__}")
 
 
-__all__ = ["Guard", "PeerFailedError"]
+
+class LiveLoop:
+    """Live state of one training loop (:mod:`..data.live`): a step tracker registered while the loop
+    runs (``_begin``), marked at each completed step (``_mark``, the adapter's), captured at the
+    failure (``capture``, the adapter's, over :meth:`_tracked`)."""
+
+    unit = "iteration"  #: what a step is called in the loop's reports
+
+    def __init__(self) -> None:
+        self.tracker: live.StepTracker | None = None
+        self.directory: str | None = None
+        self.why_not = ""
+
+    def _begin(self, modules: list, update_at_pre_hook: bool) -> None:
+        self.tracker = live.StepTracker(modules, update_at_pre_hook=update_at_pre_hook)
+        self._mark(initial=True)
+        live.register(self.capture)
+
+    def _refuse(self, why: str) -> None:
+        self.why_not = why
+        log(logging.WARNING, "live state refused: %s; a recovery in place resumes from the newest checkpoint", why)
+
+    def _mark(self, initial: bool = False) -> None:
+        raise NotImplementedError
+
+    def capture(self) -> live.Captured:
+        raise NotImplementedError
+
+    def step_starts(self, step: int) -> None:
+        """A step begins: torch's RNG as it starts (put back as the failed attempt had it there, in
+        the first step after live state was loaded)."""
+        if self.tracker is not None:
+            live.restore_rng(step)
+            self.tracker.start_step(step)
+
+    def failed(self) -> None:
+        """The framework reported the failure: capture now (see :func:`..data.live.capture_now`)."""
+        if self.tracker is not None:
+            live.capture_now(self.capture)
+
+    def close(self) -> None:
+        live.unregister(self.capture)
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
+
+    def _tracked(self, idle: str) -> live.StepTracker:
+        """The tracker to capture from; :class:`~..data.live.NotLive` (``idle`` or why not) without one."""
+        tracker = self.tracker
+        if tracker is None:
+            raise live.NotLive(idle)
+        if self.why_not:
+            raise live.NotLive(self.why_not)
+        tracker.check(self.unit)
+        return tracker
+
+
+class LoopRecovery:
+    """One adapter's part of a recovery in place (:mod:`..core.recoveries`): the loops (engines,
+    trainers) it was attached to, by the attempt they were attached in (``loops``, one per
+    framework), and the failed attempt's last completed step (what the next one may compute twice)."""
+
+    loops: weakref.WeakKeyDictionary
+    last_completed: int | None = None  #: the failed attempt's, set at its failure (per framework)
+
+    def __init__(self) -> None:
+        self.completed: int | None = None
+
+    def attached(self, loop: Any) -> None:
+        from ..core import attempts
+
+        type(self).loops[loop] = attempts.in_place()
+
+    def failed(self) -> None:
+        """The loop failed: what it completed is what the next attempt may compute twice."""
+        type(self).last_completed = self.completed
+
+    def carried_on(self, step: int) -> recoveries.RecoveryInfo | None:
+        """The next attempt's loop starts at ``step``: the recovery's ``RECOVERED`` (``None``: no recovery)."""
+        cls = type(self)
+        info = recoveries.carried_on(step, cls.last_completed)
+        if info is not None:
+            cls.last_completed = None
+        return info
+
+    @classmethod
+    def tell_failed_loops(cls, info: recoveries.RecoveryInfo, call: Callable[[Any], None], what: str) -> None:
+        """``call(loop)`` for each loop of the failed attempt; an exception is logged, never passed on
+        (the recovery must go on, and the other loops be told)."""
+        for loop, attempt in list(cls.loops.items()):
+            if attempt != info.attempt - 1:  # only the failed attempt's loops
+                continue
+            try:
+                call(loop)
+            except Exception as err:  # noqa: BLE001
+                log(logging.WARNING, "a %s failed: %s: %s", what, type(err).__name__, first_line(err))
+
+
+__all__ = ["Guard", "LiveLoop", "LoopRecovery", "PeerFailedError"]

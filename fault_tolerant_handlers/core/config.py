@@ -1,49 +1,12 @@
-"""Every setting of the library: its argument or environment variable, default and accepted range.
+"""Every setting of the library in one table: its environment variable, default and accepted range
+(:data:`SETTINGS`), then every fixed timing of the failure path.
 
 Timeouts are ``datetime.timedelta`` values; each environment override is a number of seconds, in a
-documented range. Every ``FTH_*`` variable is read and checked when a fail-together session starts
-(and when an adapter is constructed), so a bad value stops the job at once with an error naming the
-variable and its accepted range, never later inside a watchdog thread.
-
-==============================  =========  ====================  ======================================
-variable                        default    accepted              meaning
-==============================  =========  ====================  ======================================
-``FTH_WATCHDOG_INTERVAL_SEC``   0.1        0.01 .. 10            watchdog poll period
-``FTH_HANG_TIMEOUT_SEC``        (off)      1 .. 604800, auto     opt-in hang detection (``auto``: learned;
-                                 DD:HH:MM:SS also)
-``FTH_START_TIMEOUT_SEC``       600        1 .. 604800           a set ``hang_timeout`` applies from the
-                                                                 first completed iteration; before it
-                                                                 (workers starting, DDP's first pass, a
-                                                                 cold store, a compile) this one does
-``FTH_AUTO_HANG_MULTIPLE``      10         1 .. 1000             ``auto``: deadline = multiple x longest
-``FTH_AUTO_HANG_FLOOR_SEC``     60         1 .. 604800           ``auto``: no deadline below this
-``FTH_AUTO_HANG_WARMUP``        20         1 .. 1000000          ``auto``: training steps before judging
-``FTH_EXIT_GRACE_SEC``          3          0.1 .. 3600           released rank: time to take the failure
-``FTH_WRITE_GRACE_SEC``         120        0 .. 3600             reported exit waits for a checkpoint write
-``FTH_HEARTBEAT_TIMEOUT_SEC``   2          1 .. 86400            a peer whose heartbeat stops is lost
-``FTH_STORE_LOST_SEC``          4          1 .. 86400            a store that does not answer, its port
-                                                                 refused or unreachable all along, is
-                                                                 lost (a slow store never is)
-``FTH_SYNC_TIMEOUT_SEC``        (group's)  1 .. 2592000          the side group's timeout
-``FTH_RELEASE``                 auto       auto, exit            how blocked collectives are released
-``FTH_INJECT``                  (none)     see ``inject.py``     rehearse a failure
-``FTH_CKPT_AGREE_TIMEOUT_SEC``  300        1 .. 86400            ``latest_checkpoint``: rank 0 waits
-                                                                 this long for every rank's question,
-                                                                 the others twice as long for its answer
-``FTH_ATTEMPT_STORE``           1          0, 1                  one store namespace per torchrun attempt
-``FTH_RECOVER_JOIN_SEC``        60         1 .. 86400            recovering in place: every rank must reach
-                                                                 the recovery this soon after the first
-``FTH_SNAPSHOT``                1          0, 1                  recovering in place: the newest checkpoint
-                                                                 also kept in memory (data.snapshots)
-``FTH_INTERRUPT_DEFER_SEC``     30         0.1 .. 3600           recovering in place: a deferred section
-                                                                 (a checkpoint write, a store call,
-                                                                 ``deferred_interrupt``) holds a hung
-                                                                 rank's interrupt back this long at most
-``FTH_LIVE_STATE``              1          0, 1                  recovering in place: carry on from the
-                                                                 ranks' live state at the last completed
-                                                                 step, not the newest checkpoint
-                                                                 (data.live)
-==============================  =========  ====================  ======================================
+documented range. Every ``FTH_*`` variable is read and checked at once when a fail-together session
+starts (and when an adapter is constructed), so a bad value stops the job at once with an error
+naming the variable and its accepted values, never later inside a watchdog thread; the modules that
+need a setting read it from :func:`settings` (read once per environment). ``docs/reference.md``
+lists both tables as they are here (``tests/unit/core/test_settings_table.py`` keeps them equal).
 """
 
 from __future__ import annotations
@@ -52,75 +15,186 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 
 from . import attempts, inject
 from .log import log
 
-INTERVAL_ENV = "FTH_WATCHDOG_INTERVAL_SEC"
-HANG_TIMEOUT_ENV = "FTH_HANG_TIMEOUT_SEC"
-START_TIMEOUT_ENV = "FTH_START_TIMEOUT_SEC"
-EXIT_GRACE_ENV = "FTH_EXIT_GRACE_SEC"
-WRITE_GRACE_ENV = "FTH_WRITE_GRACE_SEC"
-HEARTBEAT_TIMEOUT_ENV = "FTH_HEARTBEAT_TIMEOUT_SEC"
-STORE_LOST_ENV = "FTH_STORE_LOST_SEC"
-SYNC_TIMEOUT_ENV = "FTH_SYNC_TIMEOUT_SEC"
-RELEASE_ENV = "FTH_RELEASE"
-INJECT_ENV = "FTH_INJECT"
-CKPT_AGREE_TIMEOUT_ENV = "FTH_CKPT_AGREE_TIMEOUT_SEC"
-ATTEMPT_STORE_ENV = "FTH_ATTEMPT_STORE"
-ATTEMPT_STORE_CHOICES = ("0", "1")
-AUTO_HANG_MULTIPLE_ENV = "FTH_AUTO_HANG_MULTIPLE"
-AUTO_HANG_FLOOR_ENV = "FTH_AUTO_HANG_FLOOR_SEC"
-AUTO_HANG_WARMUP_ENV = "FTH_AUTO_HANG_WARMUP"
-RECOVER_JOIN_ENV = "FTH_RECOVER_JOIN_SEC"
-SNAPSHOT_ENV = "FTH_SNAPSHOT"
-INTERRUPT_DEFER_ENV = "FTH_INTERRUPT_DEFER_SEC"
-LIVE_STATE_ENV = "FTH_LIVE_STATE"
-SPARE_WAIT_ENV = "FTH_SPARE_WAIT_SEC"
 #: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`..detect.autohang`).
 AUTO = "auto"
 
-RELEASE_CHOICES = ("auto", "exit")
 
-#: (low, high) in seconds, inclusive, for every timeout setting (argument and variable alike).
-RANGES: dict[str, tuple[float, float]] = {
-    "interval": (0.01, 10.0),
-    "hang_timeout": (1.0, 7 * 86400.0),
-    "start_timeout": (1.0, 7 * 86400.0),
-    "exit_grace": (0.1, 3600.0),
-    "write_grace": (0.0, 3600.0),
-    "heartbeat_timeout": (1.0, 86400.0),
-    "store_lost_after": (1.0, 86400.0),
-    "sync_timeout": (1.0, 30 * 86400.0),
-    "ckpt_agree_timeout": (1.0, 86400.0),
-    "recover_join_timeout": (1.0, 86400.0),
-    "interrupt_defer": (0.1, 3600.0),
-    "spare_wait": (1.0, 3600.0),
-}
-_ENV_OF = {
-    "interval": INTERVAL_ENV,
-    "hang_timeout": HANG_TIMEOUT_ENV,
-    "start_timeout": START_TIMEOUT_ENV,
-    "exit_grace": EXIT_GRACE_ENV,
-    "write_grace": WRITE_GRACE_ENV,
-    "heartbeat_timeout": HEARTBEAT_TIMEOUT_ENV,
-    "store_lost_after": STORE_LOST_ENV,
-    "sync_timeout": SYNC_TIMEOUT_ENV,
-    "ckpt_agree_timeout": CKPT_AGREE_TIMEOUT_ENV,
-    "recover_join_timeout": RECOVER_JOIN_ENV,
-    "interrupt_defer": INTERRUPT_DEFER_ENV,
-    "spare_wait": SPARE_WAIT_ENV,
-}
-KNOWN_ENV = (*_ENV_OF.values(), RELEASE_ENV, INJECT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV,
-             AUTO_HANG_MULTIPLE_ENV,
-             AUTO_HANG_FLOOR_ENV, AUTO_HANG_WARMUP_ENV)
+@dataclass(frozen=True)
+class Setting:
+    """One ``FTH_*`` variable: the :class:`Config` field it sets and the values it takes.
+
+    ``kind`` is how its text is read: ``seconds`` (a ``timedelta`` from ``low`` to ``high``),
+    ``number``, ``integer`` (in that range), ``choice`` (one of ``choices``; ``0``/``1`` read as a
+    bool), ``hang`` (seconds, ``DD:HH:MM:SS`` or ``auto``) or ``inject`` (:mod:`.inject`'s form)."""
+
+    variable: str
+    field: str
+    kind: str
+    default: object  #: when unset (``None``: off, or ``shown``)
+    meaning: str
+    low: float = 0.0
+    high: float = 0.0
+    choices: tuple[str, ...] = ()
+    shown: str = ""  #: the default as the docs say it, where it is not a value
+    expected: str = ""  #: a choice's error text, where not "one of ..."
+
+    def read(self, raw: str) -> object:
+        """The value of this variable's text ``raw`` (``""``: unset); ``ValueError`` naming the
+        variable and what it accepts."""
+        text = raw.strip()
+        if self.kind == "inject":
+            inject.Injector.from_env()
+            return text
+        if not text:
+            return self.default
+        if self.kind == "choice":
+            word = text.lower()
+            if word not in self.choices:
+                raise ValueError(f"{self.variable}={raw!r}: expected {self.expected or 'one of ' + ', '.join(self.choices)}")
+            return word == "1" if self.choices == ("0", "1") else word
+        if self.kind == "hang":
+            if text.lower() == AUTO:
+                return AUTO
+            if _DHMS.fullmatch(text):
+                return _check_duration("hang_timeout", text, f"{self.variable}={text!r}", HANG_TIMEOUT_FORMS)
+        try:
+            value = int(text) if self.kind == "integer" else float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and self.low <= value <= self.high):
+            what = {"integer": "an integer", "number": "a number"}.get(self.kind, "a number of seconds")
+            example = 5 if self.kind in ("seconds", "hang") else self.default
+            message = f"{self.variable}={raw!r}: expected {what} from {self.low:.15g} to {self.high:.15g}, " \
+                      f"e.g. {self.variable}={example:.15g}"
+            raise ValueError(message + (f", or {AUTO} (a deadline learned from the run)" if self.kind == "hang" else ""))
+        return value if self.kind in ("integer", "number") else timedelta(seconds=value)
 
 
-def _range_text(name: str) -> str:
-    low, high = RANGES[name]
-    return f"{low:.15g} and {high:.15g} seconds"
+_S = timedelta(seconds=1)
+#: Every ``FTH_*`` variable, in the order ``docs/reference.md`` lists them.
+SETTINGS = (
+    Setting("FTH_WATCHDOG_INTERVAL_SEC", "interval", "seconds", 0.1 * _S, "watchdog poll period", 0.01, 10),
+    Setting("FTH_HANG_TIMEOUT_SEC", "hang_timeout", "hang", None, "opt-in hang detection (where `hang_timeout` is "
+            "`None`); `auto`: the learned deadline", 1, 7 * 86400, shown="off"),
+    # The start (until the first iteration completes) is not judged by hang_timeout: at 8 ranks on a
+    # loaded machine it took 78 s here (imports, the side group, DDP's first pass), and a compile takes
+    # minutes on a GPU. Ten minutes still names a rank stuck at start before a 30-minute collective
+    # timeout would.
+    Setting("FTH_START_TIMEOUT_SEC", "start_timeout", "seconds", 600 * _S, "a duration `hang_timeout` applies from "
+            "the first completed iteration; before it, this deadline (a slow start is not a hang)", 1, 7 * 86400),
+    Setting("FTH_AUTO_HANG_MULTIPLE", "auto_hang_multiple", "number", 10.0, "`auto`: a kind of work's deadline is "
+            "this many times its longest piece so far", 1, 1000),
+    Setting("FTH_AUTO_HANG_FLOOR_SEC", "auto_hang_floor", "number", 60.0, "`auto`: no deadline is shorter than "
+            "this", 1, 7 * 86400),
+    Setting("FTH_AUTO_HANG_WARMUP", "auto_hang_warmup", "integer", 20, "`auto`: training steps that finish before "
+            "anything is judged", 1, 1_000_000),
+    Setting("FTH_EXIT_GRACE_SEC", "exit_grace", "seconds", 3 * _S, "a released rank's time to take the failure "
+            "before the reported exit", 0.1, 3600),
+    Setting("FTH_WRITE_GRACE_SEC", "write_grace", "seconds", 120 * _S, "the reported exit waits this long for a "
+            "checkpoint being written", 0, 3600),
+    Setting("FTH_HEARTBEAT_TIMEOUT_SEC", "heartbeat_timeout", "seconds", 2 * _S, "a peer whose heartbeat stops (its "
+            "host or link is gone, or it is frozen) is lost", 1, 86400),
+    Setting("FTH_STORE_LOST_SEC", "store_lost_after", "seconds", 4 * _S, "a store that does not answer for this "
+            "long, its port refused or unreachable all along, is lost (a slow store never is)", 1, 86400),
+    Setting("FTH_SYNC_TIMEOUT_SEC", "sync_timeout", "seconds", None, "the side group's timeout", 1, 30 * 86400,
+            shown="the group's"),
+    Setting("FTH_RELEASE", "release", "choice", "auto", "how blocked collectives are released (`exit`: no socket "
+            "is cut; a blocked rank ends with the reported exit)", choices=("auto", "exit")),
+    Setting("FTH_INJECT", "inject", "inject", "", "rehearse a failure", shown="none"),
+    Setting("FTH_CKPT_AGREE_TIMEOUT_SEC", "ckpt_agree_timeout", "seconds", 300 * _S, "`latest_checkpoint`: rank 0 "
+            "waits this long for every rank's question (then a `TimeoutError` naming the ranks that did not "
+            "call), the others twice as long for its answer", 1, 86400),
+    Setting("FTH_ATTEMPT_STORE", "attempt_store", "choice", True, "one store namespace per torchrun attempt "
+            "([recovering](recovering.md))", choices=("0", "1")),
+    Setting("FTH_SNAPSHOT", "snapshot", "choice", True, "recovering in place: keep the newest checkpoint in memory "
+            "as well", choices=("0", "1")),
+    Setting("FTH_LIVE_STATE", "live_state", "choice", True, "recovering in place: carry on from the ranks' live "
+            "state at the last completed step (`0`: from the newest checkpoint) "
+            "([recovering](recovering.md#live-state-no-step-computed-twice))", choices=("0", "1"),
+            expected="0 (resume from the newest checkpoint) or 1 (from the ranks' live state, the default)"),
+    Setting("FTH_RECOVER_JOIN_SEC", "recover_join_timeout", "seconds", 60 * _S, "recovering in place: every rank "
+            "must reach the recovery this soon after rank 0 (`join_timeout` where given)", 1, 86400),
+    # One request to the store per wait, and an order is seen as soon as it is written, whatever this
+    # is (the store answers a waiter when its key is set); a store that goes away ends the wait at once.
+    Setting("FTH_SPARE_WAIT_SEC", "spare_wait", "seconds", 60 * _S, "`recover_in_place(spares=k)`: a spare waits "
+            "for its order in blocking store waits of this long (an order is seen at once whatever it is; it "
+            "bounds how often c10d logs the wait's timeout) ([recovering](recovering.md#spares))", 1, 3600),
+    # Below the peers' FTH_RECOVER_JOIN_SEC with room for the exception path, so that a section that
+    # hangs itself still lets the rank reach the recovery in time. A checkpoint write of more than this
+    # is interrupted (its file is either complete or a temporary file latest_checkpoint skips).
+    Setting("FTH_INTERRUPT_DEFER_SEC", "interrupt_defer", "seconds", 30 * _S, "recovering in place: a deferred "
+            "section (a checkpoint write, a store call, `deferred_interrupt`) holds a hung rank's interrupt back "
+            "this long at most, from its first arrival; then it is interrupted inside", 0.1, 3600),
+)
+_BY_FIELD = {s.field: s for s in SETTINGS}
+KNOWN_ENV = tuple(s.variable for s in SETTINGS)
+(INTERVAL_ENV, HANG_TIMEOUT_ENV, START_TIMEOUT_ENV, AUTO_HANG_MULTIPLE_ENV, AUTO_HANG_FLOOR_ENV, AUTO_HANG_WARMUP_ENV,
+ EXIT_GRACE_ENV, WRITE_GRACE_ENV, HEARTBEAT_TIMEOUT_ENV, STORE_LOST_ENV, SYNC_TIMEOUT_ENV, RELEASE_ENV, INJECT_ENV,
+ CKPT_AGREE_TIMEOUT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV, RECOVER_JOIN_ENV, SPARE_WAIT_ENV,
+ INTERRUPT_DEFER_ENV) = KNOWN_ENV
+#: The default of ``FTH_INTERRUPT_DEFER_SEC`` (:class:`~.interrupts.deferred_interrupt`).
+INTERRUPT_DEFER = _BY_FIELD["interrupt_defer"].default
+
+
+@dataclass(frozen=True)
+class Config:
+    """The checked settings of one process (environment overrides applied): one field per row of
+    :data:`SETTINGS`."""
+
+    interval: timedelta
+    hang_timeout: timedelta | str | None
+    start_timeout: timedelta
+    auto_hang_multiple: float
+    auto_hang_floor: float
+    auto_hang_warmup: int
+    exit_grace: timedelta
+    write_grace: timedelta
+    heartbeat_timeout: timedelta
+    store_lost_after: timedelta
+    sync_timeout: timedelta | None
+    release: str
+    inject: str
+    ckpt_agree_timeout: timedelta
+    attempt_store: bool
+    snapshot: bool
+    live_state: bool
+    recover_join_timeout: timedelta
+    spare_wait: timedelta
+    interrupt_defer: timedelta
+
+
+assert [f.name for f in fields(Config)] == [s.field for s in SETTINGS]
+_read: tuple[tuple[tuple[str, str], ...], Config] | None = None  #: (the FTH_* environment, its Config)
+
+
+def _environment() -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("FTH_")))
+
+
+def load() -> Config:
+    """Read and check every ``FTH_*`` variable. Raises ``ValueError`` naming the first bad one."""
+    global _read
+    environment = _environment()
+    unknown = sorted(k for k, _ in environment if k not in KNOWN_ENV and k != attempts.RUNNING_ENV
+                     and not k.startswith("FTH_TEST"))
+    if unknown:
+        warn_once("ignoring unknown environment variable(s) %s; known: %s" % (", ".join(unknown), ", ".join(KNOWN_ENV)))
+    cfg = Config(*(s.read(os.environ.get(s.variable, "")) for s in SETTINGS))
+    for problem in check_timings(cfg):
+        warn_once(problem)
+    _read = (environment, cfg)
+    return cfg
+
+
+def settings() -> Config:
+    """The settings, read once (again only when an ``FTH_*`` variable changed since)."""
+    return _read[1] if _read is not None and _read[0] == _environment() else load()
 
 
 def check_timedelta(name: str, value: object, *, allow_none: bool = False, what: str | None = None) -> timedelta | None:
@@ -131,11 +205,14 @@ def check_timedelta(name: str, value: object, *, allow_none: bool = False, what:
     if not isinstance(value, timedelta):
         hint = " or None" if allow_none else ""
         raise TypeError(f"{label} must be a datetime.timedelta{hint} (e.g. timedelta(seconds=5)), got {value!r}")
-    seconds = value.total_seconds()
-    low, high = RANGES[name]
-    if not low <= seconds <= high:
-        raise ValueError(f"{label} must be between {_range_text(name)}, got {value!r}")
+    _check_range(name, value.total_seconds(), label, value)
     return value
+
+
+def _check_range(name: str, seconds: float, what: str, value: object) -> None:
+    row = _BY_FIELD[name]
+    if not row.low <= seconds <= row.high:
+        raise ValueError(f"{what} must be between {row.low:.15g} and {row.high:.15g} seconds, got {value!r}")
 
 
 #: The forms ``hang_timeout`` accepts, as error messages name them.
@@ -196,9 +273,7 @@ def _check_duration(name: str, value: object, what: str, forms: str) -> timedelt
     duration = _as_timedelta(value)
     if duration is None:
         raise TypeError(f"{what} must be {forms}, got {value!r}")
-    low, high = RANGES[name]
-    if not low <= duration.total_seconds() <= high:
-        raise ValueError(f"{what} must be between {_range_text(name)}, got {value!r}")
+    _check_range(name, duration.total_seconds(), what, value)
     return duration
 
 
@@ -235,193 +310,6 @@ def check_join_timeout(value: object, *, what: str = "join_timeout") -> timedelt
     return _check_duration("recover_join_timeout", value, what, JOIN_TIMEOUT_FORMS)
 
 
-@dataclass(frozen=True)
-class AutoHang:
-    """The rule of ``hang_timeout="auto"`` (:class:`~..detect.autohang.AutoHangProbe`)."""
-
-    multiple: float
-    floor: float
-    warmup: int
-
-
-#: (default, low, high) of each parameter of the ``auto`` rule, and its variable.
-AUTO_HANG_RANGES = {
-    "multiple": (AUTO_HANG_MULTIPLE_ENV, 10.0, 1.0, 1000.0),
-    "floor": (AUTO_HANG_FLOOR_ENV, 60.0, 1.0, 7 * 86400.0),
-    "warmup": (AUTO_HANG_WARMUP_ENV, 20, 1, 1_000_000),
-}
-
-
-def auto_hang() -> AutoHang:
-    """The ``auto`` rule's parameters, with their ``FTH_AUTO_HANG_*`` overrides, range-checked."""
-    values = {}
-    for name, (variable, default, low, high) in AUTO_HANG_RANGES.items():
-        raw = os.environ.get(variable, "").strip()
-        if not raw:
-            values[name] = default
-            continue
-        try:
-            value = int(raw) if isinstance(default, int) else float(raw)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and low <= value <= high):
-            kind = "an integer" if isinstance(default, int) else "a number"
-            raise ValueError(f"{variable}={raw!r}: expected {kind} from {low:.15g} to {high:.15g}, "
-                             f"e.g. {variable}={default:.15g}")
-        values[name] = value
-    return AutoHang(**values)
-
-
-def env_hang_timeout() -> timedelta | str | None:
-    """``FTH_HANG_TIMEOUT_SEC``: a number of seconds, a ``DD:HH:MM:SS`` string (the form the argument
-    takes too), or ``auto``."""
-    raw = os.environ.get(HANG_TIMEOUT_ENV, "").strip()
-    if raw.lower() == AUTO:
-        return AUTO
-    if _DHMS.fullmatch(raw):
-        return _check_duration("hang_timeout", raw, f"{HANG_TIMEOUT_ENV}={raw!r}", HANG_TIMEOUT_FORMS)
-    try:
-        return env_timedelta("hang_timeout")
-    except ValueError as err:
-        raise ValueError(f"{err}, or {AUTO} (a deadline learned from the run)") from None
-
-
-def env_timedelta(name: str) -> timedelta | None:
-    """The environment override of setting ``name`` (``None`` when unset), range-checked."""
-    variable = _ENV_OF[name]
-    raw = os.environ.get(variable, "").strip()
-    if not raw:
-        return None
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    low, high = RANGES[name]
-    if not (math.isfinite(seconds) and low <= seconds <= high):
-        raise ValueError(f"{variable}={raw!r}: expected a number of seconds from {low:.15g} to {high:.15g}, e.g. {variable}=5")
-    return timedelta(seconds=seconds)
-
-
-def attempt_store() -> bool:
-    raw = os.environ.get(ATTEMPT_STORE_ENV, "")
-    value = raw.strip() or "1"
-    if value not in ATTEMPT_STORE_CHOICES:
-        raise ValueError(f"{ATTEMPT_STORE_ENV}={raw!r}: expected one of {', '.join(ATTEMPT_STORE_CHOICES)}")
-    return value == "1"
-
-
-def snapshot() -> bool:
-    """``FTH_SNAPSHOT``: keep the newest checkpoint in memory while recovering in place (default 1)."""
-    raw = os.environ.get(SNAPSHOT_ENV, "")
-    value = raw.strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{SNAPSHOT_ENV}={raw!r}: expected one of 0, 1")
-    return value == "1"
-
-
-def live_state() -> bool:
-    """``FTH_LIVE_STATE``: recovering in place, carry on from the ranks' live state (default 1)."""
-    raw = os.environ.get(LIVE_STATE_ENV, "")
-    value = raw.strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{LIVE_STATE_ENV}={raw!r}: expected 0 (resume from the newest checkpoint) or 1 (from "
-                         "the ranks' live state, the default)")
-    return value == "1"
-
-
-def recover_join_timeout() -> timedelta:
-    return env_timedelta("recover_join_timeout") or timedelta(seconds=60)
-
-
-#: Recovering in place, the longest a deferred section (:class:`~.interrupts.deferred_interrupt`: the
-#: library's checkpoint writes and main-thread store calls, a user's own section) holds a hung rank's
-#: interrupt back, counted from the interrupt's first arrival; past it the section is interrupted
-#: inside. Below the peers' ``FTH_RECOVER_JOIN_SEC`` (60 s) with room for the exception path, so
-#: that a section that hangs itself still lets the rank reach the recovery in time. A checkpoint
-#: write of more than this is interrupted (its file is either complete or a temporary file that
-#: :func:`~..data.checkpoints.latest_checkpoint` skips, for the library's writes and Ignite's
-#: ``DiskSaver``). ``FTH_INTERRUPT_DEFER_SEC`` overrides it.
-INTERRUPT_DEFER = timedelta(seconds=30)
-
-
-def interrupt_defer() -> timedelta:
-    """``FTH_INTERRUPT_DEFER_SEC``, or :data:`INTERRUPT_DEFER`."""
-    return env_timedelta("interrupt_defer") or INTERRUPT_DEFER
-
-
-def ckpt_agree_timeout() -> timedelta:
-    return env_timedelta("ckpt_agree_timeout") or timedelta(seconds=300)
-
-
-def release_mode() -> str:
-    raw = os.environ.get(RELEASE_ENV, "")
-    mode = raw.strip().lower() or "auto"
-    if mode not in RELEASE_CHOICES:
-        raise ValueError(f"{RELEASE_ENV}={raw!r}: expected one of {', '.join(RELEASE_CHOICES)}")
-    return mode
-
-
-DEFAULTS = {
-    "interval": timedelta(seconds=0.1),
-    # The start (until the first iteration completes) is not judged by hang_timeout: at 8 ranks on
-    # a loaded machine it took 78 s here (imports, the side group, DDP's first pass), and a compile
-    # takes minutes on a GPU. Ten minutes still names a rank stuck at start before a 30-minute
-    # collective timeout would.
-    "start_timeout": timedelta(seconds=600),
-    "exit_grace": timedelta(seconds=3),
-    "write_grace": timedelta(seconds=120),
-    "heartbeat_timeout": timedelta(seconds=2),
-    "store_lost_after": timedelta(seconds=4),
-}
-
-
-@dataclass(frozen=True)
-class Config:
-    """The checked settings of one process (environment overrides applied)."""
-
-    interval: timedelta
-    hang_timeout: timedelta | str | None
-    start_timeout: timedelta
-    exit_grace: timedelta
-    write_grace: timedelta
-    heartbeat_timeout: timedelta
-    store_lost_after: timedelta
-    sync_timeout: timedelta | None
-    release: str
-
-
-def load() -> Config:
-    """Read and check every ``FTH_*`` variable. Raises ``ValueError`` naming the first bad one."""
-    inject.Injector.from_env()  # FTH_INJECT is checked with the rest
-    unknown = sorted(k for k in os.environ if k.startswith("FTH_") and k not in KNOWN_ENV
-                     and k != attempts.RUNNING_ENV and not k.startswith("FTH_TEST"))
-    if unknown:
-        warn_once("ignoring unknown environment variable(s) %s; known: %s" % (", ".join(unknown), ", ".join(KNOWN_ENV)))
-    values = {name: env_timedelta(name) for name in _ENV_OF
-              if name not in ("hang_timeout", "recover_join_timeout", "interrupt_defer")}
-    recover_join_timeout()
-    interrupt_defer()
-    snapshot()
-    live_state()
-    values["hang_timeout"] = env_hang_timeout()
-    auto_hang()
-    attempt_store()
-    cfg = Config(
-        interval=values["interval"] or DEFAULTS["interval"],
-        hang_timeout=values["hang_timeout"],
-        start_timeout=values["start_timeout"] or DEFAULTS["start_timeout"],
-        exit_grace=values["exit_grace"] or DEFAULTS["exit_grace"],
-        write_grace=values["write_grace"] if values["write_grace"] is not None else DEFAULTS["write_grace"],
-        heartbeat_timeout=values["heartbeat_timeout"] or DEFAULTS["heartbeat_timeout"],
-        store_lost_after=values["store_lost_after"] or DEFAULTS["store_lost_after"],
-        sync_timeout=values["sync_timeout"],
-        release=release_mode(),
-    )
-    for problem in check_timings(cfg):
-        warn_once(problem)
-    return cfg
-
-
 _warned: set[str] = set()
 
 
@@ -435,49 +323,8 @@ def warn_once(message: str) -> None:
 # -- Fixed timings of the failure path ---------------------------------------------------------------
 # Every timeout and wait of the library that no variable sets, defined here once (the modules that
 # use one import it from here) and checked against each other and the settings above when a session
-# starts (:func:`check_timings`). Seconds unless a ``timedelta``.
-#
-# ===========================  =======  ===========================  ==============================================
-# name                         value    used by                      what it bounds
-# ===========================  =======  ===========================  ==============================================
-# MAIN_STORE_TIMEOUT           5 s      core.session                 the main thread's store calls (publish, read)
-# FAILURE_PATH_STORE_TIMEOUT   1 s      core.session                 store calls while explaining a broken collective
-# BACKGROUND_CONNECT_TIMEOUT   5 s      core.session                 a loop's connect (watchdog, liveness helper)
-# EXPLAIN_WAIT                 2.0      core.session                 a broken collective waits for its cause
-# SUSPECT_SILENCE              1.2      core.session                 a suspect's heartbeat stands still: it is lost
-# SUSPECT_OBSERVED_GAP         0.5      core.session                 reads this close observe a suspect's silence
-# EXPLAIN_EVIDENCE_TIMEOUT     0.5      core.session                 the plain connect telling the store is gone
-# MISMATCH_WAIT                1.0      core.session                 out-of-step ranks wait for each other's sections
-# LEAVE_WAIT                   1.0      core.session                 a rank that finished marks itself left (at exit too)
-# RELEASE_GRACE                0.3 s    detect.watchdog              a record waits for a sync point before release
-# SILENT_MARGIN                2 s      detect.watchdog              on top of hang_timeout before a silent rank
-# HEARTBEAT_EVERY              0.5 s    detect.watchdog, liveness    the helper's heartbeat and ring check period
-# LIVENESS_STORE_TIMEOUT       2 s      detect.watchdog              the pid loop's store calls (declarations)
-# STORE_CHECK_EVERY            0.5      detect.watchdog              a silent store's port is tried this often
-# STORE_EVIDENCE_TIMEOUT       1.5      detect.watchdog              each such try (past one lost SYN)
-# STORE_WARN_EVERY             30.0     detect.watchdog              a slow (not gone) store is warned about
-# HELPER_STORE_TIMEOUT         1 s      detect.liveness              the helper's store calls
-# RANK_EXIT_WAIT               0.05     detect.liveness              the kernel shows a dead rank's exit status
-# SIGNAL_STORE_TIMEOUT         1 s      launchers.signals            store calls on a signal
-# CAUSE_LINGER                 0.6      launchers.signals            a signalled cause stays for its peers to read
-# SAME_DELIVERY                0.3      launchers.signals            peers' signals this close are one delivery
-# SIGNALLED_TOGETHER           1.0      launchers.signals            the same, behind a framework's handler
-# REPORT_WAIT                  1.5      launchers.signals            a signalled survivor waits for the explanation
-# REACTION_WAIT                5.0      launchers.signals            the main thread waits for the signal thread
-# MAIN_STUCK_WAIT              1.0      launchers.signals            a signal waits for a blocked main thread
-# SIGNAL_EXIT_WAIT             2.0      launchers.signals            ... then, released, for it to take the signal
-# SIGTERM_CAUSE_WAIT           1.0      launchers.spawned            under mp.spawn, a SIGTERM waits for the cause
-# ZOMBIE_HOLD                  0.5      launchers.spawned, liveness  a dead rank is held a zombie for its peers
-# CONNECT_TRIES, CONNECT_SLACK 3x, 1.0  core.schema                  a store connect (kept there: its own logic)
-# CALL_SLACK                   0.5      core.schema                  a store call past its connection's timeout
-# RECOVER_POLL                 0.01     recover.inplace              rank 0 counts the ranks that reached a recovery
-# RECOVER_TEARDOWN_SEC         10       recover.inplace              destroying a failed attempt's groups
-# RECOVER_TELL_SEC             2.0      recover.inplace              a rank that ends tells its peers why (store calls)
-# INTERRUPT_WAIT               2.0      detect.watchdog              a hung main thread leaves its hang when interrupted
-# INTERRUPT_RESEND             0.5      detect.watchdog              the interrupt's signal again, until it is taken
-# ATTEMPT_KEYS_WAIT            3.0      launchers.compat_torchrun    one try at deleting the read gloo keys (fth-attempt-keys)
-# ATTEMPT_KEYS_PATIENCE        60       launchers.compat_torchrun    tries at it before leaving it to the way out
-# ===========================  =======  ===========================  ==============================================
+# starts (:func:`check_timings`). Seconds unless a ``timedelta``; each ``#:`` comment is its line in
+# docs/reference.md.
 
 #: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
 MAIN_STORE_TIMEOUT = timedelta(seconds=5)
@@ -587,6 +434,28 @@ INTERRUPT_WAIT = 2.0
 #: section holds the interrupt back (by INTERRUPT_DEFER at most).
 INTERRUPT_RESEND = 0.5
 
+#: :class:`~..detect.probes.HeartbeatProbe`: a silent rank is asked for its left mark at most this often.
+LEFT_CHECK_EVERY = 0.5
+#: :class:`~..detect.probes.HeartbeatProbe`: while a watched counter stands still, it is read this often
+#: instead of every period. The silence is what is measured more closely, not shortened: it is still
+#: counted from a read that saw the counter move, and declared past the same limit.
+SILENCE_POLL = 0.1
+#: The longest wait between two checks of a store whose port answered the last one: a store that is
+#: slow and then dies is declared at most this much later.
+MAX_CHECK_HOLD = 2.0
+#: After a release, the process groups are torn down at interpreter exit while Python is still alive,
+#: bounded by this; left to C++ static destruction, a gloo worker thread that is still joinable can
+#: end the process with ``std::terminate`` (SIGABRT).
+EXIT_TEARDOWN_SEC = 2.0
+#: How often a loader's main thread re-checks worker liveness while it waits for a batch. The pump
+#: wakes it at once on a death; this bounds detection if the pump itself is stranded.
+WORKER_POLL = 0.05
+#: How long a loader's ``abort()`` waits for a SIGKILLed worker to be reaped; and a recovery in place
+#: for the failed attempt's DataLoader workers to end before it kills them.
+WORKER_REAP = 2.0
+#: How long the store host's own client waits to connect to it at start.
+STORE_HOST_CONNECT_TIMEOUT = timedelta(seconds=30)
+
 
 def check_timings(cfg: "Config | None" = None) -> list[str]:
     """The relations the timings above must keep, with each other and with the settings ``cfg``.
@@ -631,7 +500,7 @@ def check_timings(cfg: "Config | None" = None) -> list[str]:
                             "gone instead of the signal")
         if seconds(cfg.heartbeat_timeout) < 2 * seconds(HEARTBEAT_EVERY):
             problems.append(f"{HEARTBEAT_TIMEOUT_ENV}: below two heartbeats ({2 * seconds(HEARTBEAT_EVERY):g} s)")
-        defer, join = seconds(interrupt_defer()), seconds(recover_join_timeout())
+        defer, join = seconds(cfg.interrupt_defer), seconds(cfg.recover_join_timeout)
         if defer + INTERRUPT_WAIT >= join:
             problems.append(f"{INTERRUPT_DEFER_ENV}={defer:g}: recovering in place, a hung rank whose deferred section "
                             f"holds its interrupt back that long reaches the recovery after its peers stopped "

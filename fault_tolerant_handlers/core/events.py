@@ -44,7 +44,7 @@ import logging
 import threading
 from typing import Callable
 
-from .log import log
+from .log import first_line, log
 
 SESSION_STARTED = "session started"
 RANK_FAILED = "rank failed"
@@ -92,4 +92,4 @@ def emit(event: str, *args: object) -> None:
             callback(*args)
         except Exception as err:  # noqa: BLE001 - a report must never mask the failure it reports
             log(logging.WARNING, "%s: a subscriber (%s) failed: %s", event, getattr(callback, "__qualname__", callback),
-                (str(err).splitlines() or [""])[0][:200])
+                first_line(err))

@@ -51,8 +51,6 @@ from . import attempts
 
 #: The environment variable the adapters read.
 INJECT_ENV = "FTH_INJECT"
-#: The attempt number, set by torchrun in every worker it starts (0, 1, ... one per restart).
-ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
 KINDS = ("raise", "kill", "hang", "worker-kill", "lose")
 FORMS = (
     "'<kind>@rank=<int>,iteration=<int>[,epoch=<int>][,attempt=<int>|any]' with <kind> one of "

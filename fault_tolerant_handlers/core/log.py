@@ -34,3 +34,9 @@ def prefix(step: int | None = None) -> str:
 def log(level: int, msg: str, *args: object, step: int | None = None) -> None:
     if logger.isEnabledFor(level):
         logger.log(level, f"{prefix(step)} {msg}", *args)
+
+
+def first_line(text: object, limit: int | None = 200) -> str:
+    """The first line of ``text`` (an exception's message), at most ``limit`` characters: what a log
+    line or a short reason shows of an error."""
+    return (str(text).splitlines() or [""])[0][:limit]

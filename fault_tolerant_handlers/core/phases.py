@@ -40,7 +40,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .log import log
+from .log import first_line, log
 
 
 class Phase(enum.Enum):
@@ -128,7 +128,7 @@ def run(phase: Phase, state: RecoveryState) -> RecoveryState:
             if not tolerate:
                 raise
             log(logging.WARNING, "recovery phase %s: a step (%s) failed, the recovery goes on: %s: %s", phase.value,
-                getattr(step, "__qualname__", step), type(err).__name__, (str(err).splitlines() or [""])[0][:200])
+                getattr(step, "__qualname__", step), type(err).__name__, first_line(err))
             continue
         if new is not None:
             if not isinstance(new, RecoveryState):

@@ -16,7 +16,7 @@ from .kinds import Ended
 STATE, PPID, PGRP, SESSION = 0, 1, 2, 3
 FLAGS = 6  # field 9: the kernel's flags of the (thread group leader's) task
 PF_EXITING = 0x4  # set when the process starts to exit, before its files close
-START_TIME = 19  # field 22: clock ticks after boot
+START_TIME = 19  # field 22: clock ticks after boot (bench/detection.py)
 EXIT_CODE = 49  # field 52: the wait status of an exited (zombie) process
 
 

@@ -30,6 +30,7 @@ from typing import Callable
 
 from . import events
 from .kinds import FailureKind, is_int
+from .log import first_line
 
 
 class RecoveryPhase(str, Enum):
@@ -101,7 +102,7 @@ class RecoveryCause:
         """``rank 1 failed (raised) in train: ValueError: bad sample``."""
         who = f"rank {self.rank}" if self.rank is not None else "a rank"
         where = f" in {self.where}" if self.where else ""
-        first = self.message.splitlines()[0] if self.message else ""
+        first = first_line(self.message, None)
         return f"{who} failed ({self.kind}){where}: {self.exc_type}" + (f": {first}" if first else "")
 
 

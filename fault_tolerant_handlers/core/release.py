@@ -30,15 +30,12 @@ import threading
 import torch.distributed as dist
 
 from . import compat_torch as _compat_torch
+from . import config
 from .log import log
-from .config import release_mode
+from .config import EXIT_TEARDOWN_SEC
 
 #: Exit code when tearing down released process groups at exit did not finish in time.
 EXIT_TEARDOWN_STUCK = 89
-#: After a release, the process groups are torn down at interpreter exit while Python is still
-#: alive, bounded by this many seconds; left to C++ static destruction, a gloo worker thread that
-#: is still joinable can end the process with ``std::terminate`` (SIGABRT).
-EXIT_TEARDOWN_SEC = 2.0
 
 
 def store_ports(store: dist.Store | None) -> set[int]:
@@ -235,7 +232,7 @@ def teardown_at_exit() -> None:
 
 def release_process_groups(store: dist.Store | None) -> str:
     """Make every pending and future collective of this process fail fast. Returns what was done."""
-    if release_mode() == "exit":
+    if config.settings().release == "exit":
         return "release disabled (FTH_RELEASE=exit)"
     teardown_at_exit()
     done = []

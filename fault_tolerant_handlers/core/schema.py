@@ -42,7 +42,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from . import interrupts, release
-from .log import log
+from .log import first_line, log
 from .records import FailureRecord, sanitize
 
 KEY_COUNT = "n"
@@ -445,7 +445,7 @@ class Schema:
             if not self._repair(key):
                 raise
             log(logging.WARNING, "store key %s held a non-integer value (%s); reset to %d", key,
-                sanitize(str(err).splitlines()[0] if str(err) else type(err).__name__)[:120], self._known.get(key, 0))
+                sanitize(first_line(err, None) or type(err).__name__)[:120], self._known.get(key, 0))
             value = int(self.conn.call("add", key, amount))
         self._known[key] = value
         return value
@@ -501,7 +501,7 @@ class Schema:
                 return None
             data = self.conn.call("get", key)
         except Exception as err:  # noqa: BLE001
-            log(logging.WARNING, "could not read store key %s: %s", key, str(err).splitlines()[0][:200] if str(err) else err)
+            log(logging.WARNING, "could not read store key %s: %s", key, first_line(err) or err)
             return None
         return FailureRecord.from_json(data, world_size=self.world_size, key=f"{KEY_COUNT}-indexed {key}")
 

@@ -8,7 +8,7 @@ from types import TracebackType
 import torch.distributed as dist
 
 from . import inject
-from .log import log
+from .log import first_line, log
 from .errors import PeerFailedError, is_backend_error
 from .failure import tag, tag_of
 from .session import Session, get_session
@@ -60,7 +60,7 @@ def conclude(session: Session, kind: str, name: str, exc: BaseException | None, 
 def _peer(session: Session, err: BaseException, step: int | None) -> BaseException:
     session.acknowledge(err)
     tag(err, agreed=True)
-    log(logging.ERROR, "stopping: %s", str(err).splitlines()[0], step=step)
+    log(logging.ERROR, "stopping: %s", first_line(err, None), step=step)
     return err
 
 

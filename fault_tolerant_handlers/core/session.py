@@ -53,7 +53,7 @@ from .agreement import MAX_FLAG, pack_agreement, section_hash, unpack_agreement
 from .errors import PeerFailedError, RecoveryError, SectionMismatchError, is_backend_error
 from .failure import FailureState, Incident, tag, tag_of
 from .kinds import FailureKind
-from .log import log
+from .log import first_line, log
 from .peers import PeerPidProbe
 from .ranks import (RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout,
                     normalize_address, own_address)
@@ -271,7 +271,7 @@ class Session:
         try:
             self.schema.publish(record)
         except Exception as err:  # noqa: BLE001 - the flag still carries the rank; never mask the failure
-            log(logging.WARNING, "could not publish the failure record: %s", (str(err).splitlines() or [""])[0][:200])
+            log(logging.WARNING, "could not publish the failure record: %s", first_line(err))
         events.emit(events.JOB_FAILED, self)  # the launchers: torchrun's attempt keys
         if release:
             what = self.release_collectives()
@@ -345,7 +345,7 @@ class Session:
         try:
             count = self.schema.count()
         except Exception as err:  # noqa: BLE001
-            log(logging.WARNING, "could not read failure records: %s", (str(err).splitlines() or [""])[0][:200])
+            log(logging.WARNING, "could not read failure records: %s", first_line(err))
             return []
         indices = self.schema.new_indices(self.consumed, count)
         if not indices:
@@ -470,8 +470,8 @@ class Session:
         conn = self.connection("explain", FAILURE_PATH_STORE_TIMEOUT)
         schema = Schema(conn, self.schema.world_size)
         start = self.consumed
-        first_line = (str(exc).splitlines() or [""])[0]
-        detail = next(iter(re.findall(r"(Connection [a-z ]+by peer|Connection closed|Read error|Timed out)", first_line)),
+        head = first_line(exc, None)
+        detail = next(iter(re.findall(r"(Connection [a-z ]+by peer|Connection closed|Read error|Timed out)", head)),
                       "the connection broke")
 
         def reader() -> None:
@@ -513,7 +513,7 @@ class Session:
                         if still >= SUSPECT_SILENCE:
                             silent.append(r)
                     if silent:
-                        declared = [self.lost_record(r, f"{detail} [{', '.join(addresses_named(first_line))}] and no heartbeat "
+                        declared = [self.lost_record(r, f"{detail} [{', '.join(addresses_named(head))}] and no heartbeat "
                                             f"for {SUSPECT_SILENCE:.1f} s") for r in silent]
                         for record in declared:
                             if schema.claim_declaration(record.rank):
@@ -535,7 +535,7 @@ class Session:
                 # Alive and silent about it: not this rank's failure, and no culprit to name.
                 names = ", ".join(f"rank {r} on {self.hosts[self.ranks.index(r)]}" for r in suspects)
                 return PeerFailedError(None, FailureKind.COMMUNICATION.value,
-                                       f"the connection to {names} broke ({first_line[:300]}) and no rank reported "
+                                       f"the connection to {names} broke ({head[:300]}) and no rank reported "
                                        "why", where="a collective", origin="declared", kind=FailureKind.COMMUNICATION)
             return None
 
@@ -569,7 +569,7 @@ class Session:
                     try:
                         self.schema.clear_left(self.rank)
                     except Exception as err:  # noqa: BLE001 - the watchdog judges an unreachable store
-                        log(logging.DEBUG, "could not clear the left mark: %s", (str(err).splitlines() or [""])[0][:200])
+                        log(logging.DEBUG, "could not clear the left mark: %s", first_line(err))
                 self._watchdog = _watchdog_factory(self, hang_timeout=hang_timeout or self.config.hang_timeout).start()
             elif hang_timeout is not None and self._watchdog.hang_timeout != hang_timeout:
                 log(logging.WARNING, "watchdog already running with hang_timeout=%s; keeping it",
@@ -604,7 +604,7 @@ class Session:
             self.schema.mark_left(self.rank)
             self._left = True
         except Exception as err:  # noqa: BLE001 - the store is gone: nothing is watched any more anyway
-            log(logging.DEBUG, "could not mark this rank as left: %s", (str(err).splitlines() or [""])[0][:200])
+            log(logging.DEBUG, "could not mark this rank as left: %s", first_line(err))
         finally:
             conn.deadline = held
 
@@ -636,7 +636,7 @@ class Session:
             dist.barrier(group=self.side)
             self.schema.remove_run_keys(self.rank, self.ranks, shared=self.group_rank == 0)
         except Exception as err:  # noqa: BLE001 - a peer is gone: its keys die with the store
-            log(logging.WARNING, "closing the session: %s", (str(err).splitlines() or [""])[0][:200])
+            log(logging.WARNING, "closing the session: %s", first_line(err))
         self._close_connections()
 
     def stop(self, *, keep_liveness: bool = False) -> None:
@@ -671,7 +671,7 @@ class Session:
         try:
             self.schema.remove_run_keys(self.rank, self.ranks, shared=shared_keys)
         except Exception as err:  # noqa: BLE001 - the store may be what failed
-            log(logging.DEBUG, "abandoning the session: %s", (str(err).splitlines() or [""])[0][:200])
+            log(logging.DEBUG, "abandoning the session: %s", first_line(err))
         self._close_connections()
 
     def _close_connections(self) -> None:

@@ -35,6 +35,8 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
+from ..core import compat_torch as _compat_torch
+
 #: Version of the snapshot layout; ``load_state_dict`` refuses others.
 STATE_VERSION = 1
 _REQUIRED = ("version", "kind", "epoch", "batches_yielded", "epoch_finished")
@@ -110,7 +112,7 @@ class _Capture:
 
 def epoch_source(loader) -> _Capture:
     """The sampler iterator of a new epoch, recording its starting point at its first draw."""
-    return _Capture(loader, iter(loader._index_sampler))
+    return _Capture(loader, iter(_compat_torch.index_sampler(loader)))
 
 
 def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
@@ -127,7 +129,7 @@ def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
     if snapshot["global_rng"] is not None:
         torch.set_rng_state(snapshot["global_rng"])
     try:
-        source = iter(loader._index_sampler)
+        source = iter(_compat_torch.index_sampler(loader))
         capture = _Capture(loader, source)
         capture.sampler_epoch = snapshot["sampler_epoch"]
         capture.generators = list(states)

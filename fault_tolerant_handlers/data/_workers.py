@@ -30,10 +30,8 @@ torch's ``_MultiProcessingDataLoaderIter`` (and, for iterable datasets, torchdat
 Every death or stall is raised as ``WorkerLost`` from ``next()``; ``abort()`` then SIGKILLs every
 worker of the iterator by pid and shuts it down without touching anything a dead worker may hold.
 
-Private torch API used (checked against torch 2.13, torchdata 0.11): the iterator attributes
-``_workers``, ``_worker_result_queue``, ``_data_queue``, ``_pin_memory``, ``_timeout``,
-``_task_info``, ``_rcvd_idx``, ``_worker_pids_set`` and the methods ``_reset``, ``_try_get_data``,
-``_get_data``, ``_shutdown_workers``; ``torch.utils.data._utils.signal_handling``.
+Private torch API used: the iterator's attributes and methods listed, and checked when a loader is
+made, in :mod:`..core.compat_torch` (``_LOADER_REQUIRED``).
 """
 
 from __future__ import annotations
@@ -56,12 +54,8 @@ from torch.utils.data import _utils
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from ..core import procfs as _procfs
+from ..core.config import WORKER_POLL, WORKER_REAP
 
-#: How often the main thread re-checks worker liveness while it waits for a batch (seconds). The
-#: pump wakes it at once on a death; this bounds detection if the pump itself is stranded.
-POLL_SEC = 0.05
-#: How long ``abort()`` waits for a SIGKILLed worker to be reaped (seconds).
-REAP_SEC = 2.0
 
 
 #: How many files ``_fd_limit_reached`` opens to tell an exhausted descriptor table.
@@ -332,7 +326,7 @@ class _Hardened:
             if remaining <= 0:
                 return (False, None)
             try:
-                item = self._fth_source.get(timeout=min(remaining, POLL_SEC))
+                item = self._fth_source.get(timeout=min(remaining, WORKER_POLL))
             except queue.Empty:
                 continue
             if item is _WAKE:
@@ -348,10 +342,10 @@ class _Hardened:
         being killed. Give its exit a moment to show (``WorkerLost``); an error no death explains is
         raised as it is.
         """
-        end_wait = time.monotonic() + REAP_SEC
+        end_wait = time.monotonic() + WORKER_REAP
         while time.monotonic() < end_wait:
             self._fth_check()
-            _mp_wait(list(self._fth_sentinels), timeout=POLL_SEC)
+            _mp_wait(list(self._fth_sentinels), timeout=WORKER_POLL)
         if _fd_limit_reached():
             raise RuntimeError(FD_LIMIT_MESSAGE) from exc
         raise exc
@@ -394,7 +388,7 @@ class _Hardened:
                 except ProcessLookupError:
                     pass
         for w in workers:
-            w.join(timeout=REAP_SEC)
+            w.join(timeout=WORKER_REAP)
         if self.__dict__.get("_worker_pids_set"):
             _utils.signal_handling._remove_worker_pids(id(self))
             self._worker_pids_set = False

@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import attempts, compat_torch, config, interrupts
-from ..core.log import log
+from ..core.log import first_line, log
 from . import live
 
 SUFFIXES = (".pt", ".pth", ".ckpt")
@@ -179,7 +179,7 @@ def check_file(path: Path, required_keys: tuple[str, ...] = ()) -> str | None:
         text = str(err)
         if "Weights only load failed" in text and "unsupported global" in text.lower() and zipfile.is_zipfile(path):
             return None  # complete (CRCs checked); objects beyond tensors: left to the framework's own load
-        first = text.splitlines()[0][:200] if text else ""
+        first = first_line(text)
         return f"does not load: {type(err).__name__}: {first}"
     if required_keys:
         if not isinstance(loaded, Mapping):
@@ -397,7 +397,7 @@ def _torchrun_store():
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("WORLD_SIZE", "1")) <= 1:
         return None
-    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=config.ckpt_agree_timeout())
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=config.settings().ckpt_agree_timeout)
 
 
 def _medium() -> tuple[dist.Store, int, int] | None:
@@ -429,4 +429,4 @@ def find(source: Source) -> str | None:
     namespace = attempts.namespace()
     _calls[namespace] = count = _calls.get(namespace, 0) + 1
     key = f"fth/latest_checkpoint/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{namespace}/{count}"
-    return agree(store, key, rank, world, source, config.ckpt_agree_timeout())
+    return agree(store, key, rank, world, source, config.settings().ckpt_agree_timeout)

@@ -39,7 +39,7 @@ class DDPBucketLayout:
     it before the first training step (Ignite's ``Checkpoint.load_objects`` before ``trainer.run``).
     The Lightning callback :class:`~fault_tolerant_handlers.lightning.FaultTolerance` does all this by
     itself, and so does the Ignite one for the DDP of its trainer's ``Checkpoint`` handlers
-    (:mod:`..adapters.resume_ignite`); with a loop of your own (or, optionally, with Ignite), put it in
+    (:mod:`..ignite`); with a loop of your own (or, optionally, with Ignite), put it in
     the checkpoint beside the model.
 
     Args:

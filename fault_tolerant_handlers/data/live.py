@@ -48,7 +48,7 @@ class NotLive(Exception):
 
 def enabled() -> bool:
     """Live state is kept: a recovery in place runs here and ``FTH_LIVE_STATE`` is not ``0``."""
-    return attempts.recovering() and config.live_state()
+    return attempts.recovering() and config.settings().live_state
 
 
 # -- the optimizer hooks (process-wide, one pair while any tracker lives) --------------------------------
@@ -177,7 +177,7 @@ def collect() -> Captured:
     registrations end with it."""
     global _captured
     try:
-        if not config.live_state():
+        if not config.settings().live_state:
             raise NotLive(f"{config.LIVE_STATE_ENV}=0")
         if _captured is None and _capturers:
             capture_now(_capturers[-1])

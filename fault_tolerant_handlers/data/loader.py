@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from . import _resume
-from ..core import log as _log
+from ..core import compat_torch as _compat_torch, log as _log
 from ._workers import (
     TorchWorkersIter,
     WorkerLost,
@@ -243,6 +243,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
         max_restarts: int = 3,
         restart_start_method: str | None = None,
     ) -> None:
+        _compat_torch.check_loader()  # every private name of torch's it uses, named if this torch lacks one
         max_restarts = _check_max_restarts(max_restarts)
         restart_start_method = _check_start_method(restart_start_method)
         super().__init__(
@@ -287,9 +288,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
         """The pids of the workers currently serving this loader (for diagnostics and tests)."""
         run = self._fth_run() if self._fth_run is not None else None
         it = getattr(run, "it", None)
-        if it is None or it.__dict__.get("_shutdown", True):
-            return []
-        return [w.pid for w in it.__dict__.get("_workers", ()) if w.pid is not None and w.exitcode is None]
+        return [] if it is None or _compat_torch.shut_down(it, True) else _compat_torch.worker_pids(it)
 
     # -- resume (state_dict / load_state_dict) ---------------------------------------------------
 
@@ -360,7 +359,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
         where_ = where(snapshot["epoch"], at, snapshot.get("sampler_epoch"))
         if snapshot["kind"] == "map":
             try:
-                length: int | None = len(self._index_sampler)
+                length: int | None = len(_compat_torch.index_sampler(self))
             except TypeError:
                 length = None
             if length is not None and at + taken >= length:
@@ -462,7 +461,7 @@ class _FeedSource:
     """
 
     def __init__(self, loader: RestartableDataLoader) -> None:
-        self._index_sampler = loader._index_sampler
+        self.sampler = _compat_torch.index_sampler(loader)
         self.feed: _Feed | None = None
 
     def __iter__(self) -> _Feed:
@@ -470,7 +469,7 @@ class _FeedSource:
         return self.feed
 
     def __len__(self) -> int:
-        return len(self._index_sampler)
+        return len(self.sampler)
 
 
 class _LoaderView:
@@ -577,7 +576,7 @@ class _MapRun(_Run):
         self.source.feed = self.feed
         self.it = None
         persistent = loader._fth_persistent if loader.persistent_workers else None
-        if persistent is not None and persistent.__dict__.get("_shutdown", False):
+        if persistent is not None and _compat_torch.shut_down(persistent, False):
             persistent = loader._fth_persistent = None  # shut down from outside: start afresh
         if persistent is not None:
             persistent.fth_source.feed = self.feed
@@ -622,8 +621,8 @@ class _MapRun(_Run):
     def __next__(self) -> Any:
         while True:
             it = self.it
-            before = it._rcvd_idx
-            in_flight = None if self.loader.in_order else set(it._task_info)  # in_order=False
+            before = _compat_torch.received(it)
+            in_flight = None if self.loader.in_order else _compat_torch.in_flight(it)  # in_order=False
             try:
                 data = next(it)
             except StopIteration:
@@ -645,15 +644,15 @@ class _MapRun(_Run):
                     continue
                 # the dataset's own error: that batch is consumed, as with torch; not retried
                 if in_flight is not None:
-                    done = in_flight.difference(it._task_info)
+                    done = in_flight - _compat_torch.in_flight(it)
                     self.feed.commit_tasks(done)
                     self.yielded += len(done)
                     raise
-                self.feed.commit(it._rcvd_idx - before)
-                self.yielded += it._rcvd_idx - before
+                self.feed.commit(_compat_torch.received(it) - before)
+                self.yielded += _compat_torch.received(it) - before
                 raise
             if in_flight is not None:
-                self.feed.commit_tasks(in_flight.difference(it._task_info))
+                self.feed.commit_tasks(in_flight - _compat_torch.in_flight(it))
             else:
                 self.feed.commit()
             self._after_yield()
@@ -761,8 +760,6 @@ class _SingleRun(_Run):
     """A map-style epoch without workers: torch's single-process iterator, fed from a tracked sampler."""
 
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None) -> None:
-        from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
-
         self.loader = loader
         self.epoch = epoch
         self.yielded = pending["batches_yielded"] if pending is not None else 0
@@ -771,7 +768,7 @@ class _SingleRun(_Run):
         source = _FeedSource(loader)
         source.feed = self.capture  # type: ignore[assignment]
         generator = torch.Generator() if pending is not None else loader.generator
-        self.it = _SingleProcessDataLoaderIter(_LoaderView(loader, source, None, generator))
+        self.it = _compat_torch.single_process_iter(_LoaderView(loader, source, None, generator))
 
     def __next__(self) -> Any:
         try:
@@ -801,7 +798,7 @@ def _resume_state(loader: RestartableDataLoader) -> dict[str, Any]:
         return _resume.iterable_state(run.epoch, run.yielded, run.finished, run.state)
     finished = run.finished
     try:
-        if not finished and run.yielded >= len(loader._index_sampler):
+        if not finished and run.yielded >= len(_compat_torch.index_sampler(loader)):
             # Every batch taken, the end not yet seen: draw the sampler to its end now, as the next
             # next() would (a RandomSampler draws from its generator once more there).
             for _ in run.capture:

@@ -9,6 +9,7 @@ import multiprocessing
 import time
 from dataclasses import replace
 
+from ..core.config import WORKER_REAP
 from ..core.log import log
 from ..core.phases import Phase, RecoveryState
 from . import live, snapshots
@@ -31,7 +32,7 @@ def settle_live(state: RecoveryState) -> None:
     live.hold(state.live, getattr(state.plan, "why", "") or "")
 
 
-def reap_loader_workers(timeout: float = 2.0) -> int:
+def reap_loader_workers(timeout: float = WORKER_REAP) -> int:
     """DataLoader workers of the failed attempt still alive once its objects were collected: joined,
     then killed. Returns how many had to be killed."""
     killed = 0

@@ -44,7 +44,7 @@ last_cost: tuple[float, int] = (0.0, 0)
 def enabled() -> bool:
     """A copy is kept: a recovery in place runs here, and ``FTH_SNAPSHOT`` is not ``0`` (checked with
     the other settings when a session starts)."""
-    return attempts.recovering() and config.snapshot()
+    return attempts.recovering() and config.settings().snapshot
 
 
 def _key(path: str | os.PathLike) -> str:

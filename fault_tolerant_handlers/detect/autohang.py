@@ -50,11 +50,9 @@ from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
 
 #: Defaults of the rule (seconds, counts); each is an argument of :class:`AutoHangProbe`, and
 #: ``FTH_AUTO_HANG_MULTIPLE``, ``FTH_AUTO_HANG_FLOOR_SEC``, ``FTH_AUTO_HANG_WARMUP`` override the first,
-#: third and fourth (:func:`~..core.config.auto_hang`).
-DEFAULT_MULTIPLE = config.AUTO_HANG_RANGES["multiple"][1]
+#: third and fourth (:data:`~..core.config.SETTINGS`).
+DEFAULT_MULTIPLE, DEFAULT_FLOOR, DEFAULT_WARMUP = (config.SETTINGS[i].default for i in (3, 4, 5))
 DEFAULT_FIRST_MULTIPLE = 10.0
-DEFAULT_FLOOR = config.AUTO_HANG_RANGES["floor"][1]
-DEFAULT_WARMUP = config.AUTO_HANG_RANGES["warmup"][1]
 
 #: The kinds of work the adapters mark.
 STEP = "step"
@@ -226,6 +224,7 @@ def writing_checkpoint_explainer(frame) -> tuple[str, object] | None:
 
 def from_config(rank: int, pid: int, frame: Callable[[], object], host: str = "") -> AutoHangProbe:
     """The probe of ``hang_timeout="auto"`` with the ``FTH_AUTO_HANG_*`` settings."""
-    rule = config.auto_hang()
-    return AutoHangProbe(rank, pid, frame=frame, multiple=rule.multiple, floor=rule.floor, warmup=rule.warmup,
+    rule = config.settings()
+    return AutoHangProbe(rank, pid, frame=frame, multiple=rule.auto_hang_multiple, floor=rule.auto_hang_floor,
+                         warmup=rule.auto_hang_warmup,
                          explain=[writing_checkpoint_explainer], host=host)

@@ -29,10 +29,10 @@ import traceback
 from typing import Callable, Container
 
 from ..core.peers import CLEAN_EXIT, Finding, PeerPidProbe, declared_finding  # noqa: F401 - the core's own probe, re-exported
-from ..core.config import HEARTBEAT_TIMEOUT_ENV
+from ..core.config import HEARTBEAT_TIMEOUT_ENV, LEFT_CHECK_EVERY, MAX_CHECK_HOLD, SILENCE_POLL
 from ..core.errors import PeerFailedError
 from ..core.kinds import FailureKind
-from ..core.log import log
+from ..core.log import first_line, log
 from ..core.records import MAX_TRACEBACK_CHARS, FailureRecord, cap_tail
 from ..core.schema import Schema
 
@@ -181,17 +181,12 @@ class HeartbeatProbe:
         return self.left
 
 
-#: :class:`HeartbeatProbe`: a silent rank is asked for its left mark at most this often (seconds).
-LEFT_CHECK_EVERY = 0.5
+
 
 #: :class:`HeartbeatProbe`: a silence this fraction of the limit long is logged (a warning, once),
 #: so that a margin grown thin shows before it becomes a false alarm.
 NEAR_MISS = 0.5
 
-#: :class:`HeartbeatProbe`: while a watched counter stands still, it is read this often (seconds)
-#: instead of every period. The silence is what is measured more closely, not shortened: it is still
-#: counted from a read that saw the counter move, and declared past the same limit.
-SILENCE_POLL = 0.1
 
 #: :class:`HeartbeatProbe`: two answered polls at most this many periods apart observe the time
 #: between them; a longer gap (its own calls failed or were slow) is not counted as silence.
@@ -287,9 +282,6 @@ def main_thread_frame():
     return sys._current_frames().get(threading.main_thread().ident)
 
 
-#: The longest wait between two checks of a store whose port answered the last one (seconds): a
-#: store that is slow and then dies is declared at most this much later.
-MAX_CHECK_HOLD = 2.0
 
 
 class StoreLossProbe:
@@ -337,7 +329,7 @@ class StoreLossProbe:
 
     def failed(self, now: float, err: BaseException) -> bool:
         """Report a failed call; True when it is the first of a silence (worth a warning)."""
-        self.last_error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+        self.last_error = f"{type(err).__name__}: {first_line(err)}"
         if self.down_since is None:
             self.down_since = now
             self.checks, self.found, self.next_check = 0, None, max(now, self.next_check)

@@ -50,7 +50,7 @@ from ..core.failure import Incident
 from ..core.session import Session, get_session, provide_watchdog
 from .pidwatch import PidWatcher, WakeEvent
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
-from ..core.log import log
+from ..core.log import first_line, log
 from .liveness import LivenessProcess
 from .liveness import kill_all as kill_all_liveness
 from .probes import (Finding, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
@@ -146,6 +146,7 @@ class Watchdog:
 
     @property
     def store_ops(self) -> int:
+        """Store calls made so far by this watchdog's connections (bench/overhead.py, bench/watchdog_scale.py)."""
         return self._conn.calls + self._liveness_conn.calls
 
     def stop(self, join_timeout: float | None = None, *, keep_liveness: bool = False) -> None:
@@ -266,16 +267,16 @@ class Watchdog:
                                                             FailureKind.STORE_LOST)
                 and not (err.ended is not None and err.ended.killed)):
             # The job already failed here: peers ending (and their heartbeats stopping) is expected.
-            log(logging.INFO, "after the failure: %s", str(err).splitlines()[0])
+            log(logging.INFO, "after the failure: %s", first_line(err, None))
             return
-        log(logging.ERROR, "%s", str(finding.error).splitlines()[0], step=self._progress[2])
+        log(logging.ERROR, "%s", first_line(finding.error, None), step=self._progress[2])
         if finding.hung_self:
             self.session.failure.failed_here(finding.declare or err, told=False)  # the main thread is interrupted
             events.emit(events.RANK_FAILED, finding.declare)  # the launchers: torchrun's error file
             self._declare(finding, schema)
             # Recovering in place: interrupt the main thread where it hangs (in Python it leaves at
             # once); if it does not reach the recovery in time (stuck in C), end as without recovery.
-            left = attempts.interrupt_main(HangInterrupted(str(finding.error).splitlines()[0]))
+            left = attempts.interrupt_main(HangInterrupted(first_line(finding.error, None)))
             if left is not None and self._interrupted(left):
                 log(logging.WARNING, "the hung main thread was interrupted: recovering in place")
                 return
@@ -318,7 +319,7 @@ class Watchdog:
                 schema.publish(finding.declare)
         except Exception as err:  # noqa: BLE001 - the store may be what died
             log(logging.WARNING, "could not publish %s: %s", finding.declare.exc_type,
-                (str(err).splitlines() or [""])[0][:200])
+                first_line(err))
 
     def _escalate(self, incident: Incident) -> None:
         """Release this process's collectives, then, if the main thread does not take the failure
@@ -349,7 +350,7 @@ class Watchdog:
         try:
             # the launchers: torchrun's error file of a survivor, mp.spawn's (the parent raises this report)
             events.emit(events.EXITING, self.session.table, err, code)
-            log(logging.CRITICAL, "ending this process with exit code %d: %s", code, str(err).splitlines()[0])
+            log(logging.CRITICAL, "ending this process with exit code %d: %s", code, first_line(err, None))
             sys.stderr.write(text)
             sys.stderr.flush()
             sys.stdout.flush()

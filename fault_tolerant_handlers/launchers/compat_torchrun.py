@@ -85,15 +85,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..core import attempts, config
 from ..core.config import ATTEMPT_KEYS_PATIENCE, ATTEMPT_KEYS_WAIT, EXPLAIN_EVIDENCE_TIMEOUT, MAIN_STORE_TIMEOUT
-from ..core.log import log
+from ..core.log import first_line, log
 from ..core.phases import RecoveryState
 
 if TYPE_CHECKING:
     from ..core.schema import Connection
     from ..core.session import Session
 
-#: Set to ``0`` to leave torch's rendezvous alone.
-ATTEMPT_STORE_ENV = "FTH_ATTEMPT_STORE"
 _WRAPPED_ATTR = "_fth_attempt_wrapped"
 _SCHEMES = ("env", "tcp")
 
@@ -110,7 +108,7 @@ def prefix() -> str:
 
 def _needed() -> bool:
     return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and config.attempt_store())
+            and config.settings().attempt_store)
 
 
 def _table() -> dict:
@@ -127,7 +125,7 @@ def _table() -> dict:
             "fault_tolerant_handlers: torch.distributed.rendezvous._rendezvous_handlers "
             f"{'is missing' if not isinstance(table, dict) else 'has no handler for ' + ', '.join(missing)} "
             f"(torch {__import__('torch').__version__}); restarts under torchrun cannot be isolated per attempt. "
-            f"Set {ATTEMPT_STORE_ENV}=0 to go on without it, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"
+            f"Set {config.ATTEMPT_STORE_ENV}=0 to go on without it, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"
         )
     return table
 
@@ -139,7 +137,7 @@ _prefixed = False
 def shared_keys_left() -> bool:
     """Under torchrun's shared store, this attempt's groups wrote their keys under torch's bare
     names (the library was imported after ``init_process_group``): the next attempt would read them."""
-    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.attempt_store()
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.settings().attempt_store
             and not _prefixed)
 
 
@@ -298,7 +296,7 @@ def forget_attempt_keys(session: Session) -> None:
                 "torchrun's store, so that a restarted attempt connects to its new peers", count)
         except Exception as err:  # noqa: BLE001 - the store may be what failed; never mask the failure
             log(logging.WARNING, "could not delete the gloo address keys of later groups: %s",
-                (str(err).splitlines() or [""])[0][:200])
+                first_line(err))
         finally:
             conn.close()
 
@@ -347,7 +345,7 @@ def _forget_read_keys(session: Session, entry: _AttemptKeys, keys: list[str], na
             except Exception as err:  # noqa: BLE001 - never stop the session
                 if time.monotonic() >= end:
                     log(logging.WARNING, "could not delete the gloo address keys from torchrun's shared store now "
-                        "(%s): they are deleted on the way out instead", (str(err).splitlines() or [""])[0][:200])
+                        "(%s): they are deleted on the way out instead", first_line(err))
                     return
             finally:
                 conn.deadline = None
@@ -432,7 +430,7 @@ def _wrap(handler):
             if _capture and _first is None:
                 _first = (store, rank, world_size)
             _last_prefix = ""
-            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.attempt_store():
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.settings().attempt_store:
                 _last_prefix = prefix()
                 store = dist.PrefixStore(_last_prefix, store)
                 _prefixed = True

@@ -37,7 +37,7 @@ import tempfile
 import time
 from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
 from ..core.kinds import FailureKind
-from ..core.log import log
+from ..core.log import first_line, log
 from ..core.procfs import HANDLED_SIGNALS, unreported  # noqa: F401 - read by the helper; kept here for readers
 from ..core.ranks import RankTable
 from ..core.records import FailureRecord
@@ -173,7 +173,7 @@ def write_survivor(table: RankTable, err: PeerFailedError | None) -> bool:
         if err is not None:
             _dead_peer_file(table, err, own)
         failed_at = err.failed_at if err is not None else None
-        summary = str(err).splitlines()[0] if err is not None else "a peer failed"
+        summary = first_line(err, None) if err is not None else "a peer failed"
         message = f"PeerFailedError: {summary}"
         return write_once(own, payload(message, str(err) if err is not None else message,
                                        survivor_timestamp(failed_at), "survivor"))

@@ -45,7 +45,7 @@ from ..core.errors import PeerFailedError
 from ..core.kinds import Ended, FailureKind
 from ..core.config import (CAUSE_LINGER, MAIN_STUCK_WAIT, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the
                            SIGNAL_EXIT_WAIT, SIGNAL_STORE_TIMEOUT, SIGNALLED_TOGETHER)  # table in core.config
-from ..core.log import log
+from ..core.log import first_line, log
 from ..core.procfs import HANDLED_SIGNALS
 from ..core.records import FailureRecord
 from ..core.release import cut_connections_to, release_process_groups, store_ports
@@ -201,7 +201,7 @@ class _Watch:
         file written."""
         session = self._session()
         cause = _own_failure
-        what = f" ({cause.exc_type}: {cause.exc_message.splitlines()[0][:200]})" \
+        what = f" ({cause.exc_type}: {first_line(cause.exc_message)})" \
             if cause is not None and cause.exc_message else ""
         try:
             sys.stderr.write(f"[rank {cause.rank if cause is not None else '?'}] fault-tolerant-handlers: "
@@ -255,7 +255,7 @@ class _Watch:
             self.kind = "consequence"
             code = 128 + signum
             log(logging.CRITICAL, "ending this process with exit code %d: terminated by %s while the job fails: %s",
-                code, name, str(peer).splitlines()[0])
+                code, name, first_line(peer, None))
             try:
                 if not spawned.printed(peer):  # else printed in full already
                     sys.stderr.write(f"[rank {session.rank}] fault-tolerant-handlers: {name} while the job fails:\n{peer}\n")
@@ -345,15 +345,6 @@ def _flush() -> None:
 
 
 _watch: _Watch | None = None
-
-
-def own_signal(session: Session) -> PeerFailedError | None:
-    """The signal this rank received as the job's cause (its ``RankSignalled``), or ``None``: a
-    collective broken after it is the consequence of that signal, not of a peer's failure."""
-    watch = _watch
-    if watch is None or watch.kind != "cause" or watch._session() is not session:
-        return None
-    return watch.cause
 
 
 def install(session: Session) -> None:

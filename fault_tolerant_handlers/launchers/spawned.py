@@ -50,7 +50,7 @@ from ..core import compat_torch as _compat_torch
 from ..core.config import ZOMBIE_HOLD  # noqa: F401 - how long a gone rank's helper holds it
 from ..core.config import SIGTERM_CAUSE_WAIT  # timings: the table in core.config
 from ..core.errors import PeerFailedError
-from ..core.log import log
+from ..core.log import first_line, log
 from ..core.procfs import process_state
 from ..core.ranks import RankTable
 from ..core.records import FailureRecord
@@ -89,7 +89,7 @@ def active() -> bool:
 
 def _key(err: BaseException) -> tuple:
     return (getattr(err, "failed_rank", None), getattr(err, "exc_type", type(err).__name__),
-            (str(err).splitlines() or [""])[0])
+            first_line(err, None))
 
 
 def print_report(rank: int, err: BaseException | None, context: str = "the job fails") -> bool:

@@ -40,16 +40,16 @@ import signal
 import socket
 import sys
 import threading
-from datetime import timedelta
 from typing import Sequence
 
 import torch.distributed as dist
 
+from ..core.config import STORE_HOST_CONNECT_TIMEOUT
+from ..core.log import first_line
+
 #: Port torchrun's rendezvous endpoint uses when none is given (``torch.distributed.elastic``'s
 #: ``DEFAULT_PORT``).
 DEFAULT_PORT = 29400
-#: How long the server's own client waits to connect to it at start.
-CONNECT_TIMEOUT = timedelta(seconds=30)
 
 
 class StoreHostArgumentError(ValueError):
@@ -84,7 +84,7 @@ def validate(port: str | int, host: str) -> None:
 def serve(port: int, host: str = "0.0.0.0") -> dist.TCPStore:
     """Start the server (listening on every interface at ``port``) and return its store."""
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                         use_libuv=True, timeout=CONNECT_TIMEOUT)
+                         use_libuv=True, timeout=STORE_HOST_CONNECT_TIMEOUT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             store = serve(args.port, args.host)
         except (RuntimeError, ValueError, OSError) as exc:  # the port is taken, the host unknown
             print(f"fault-tolerant-handlers: store_host --host {args.host} --port {args.port}: the store could not "
-                  f"be served: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                  f"be served: {type(exc).__name__}: {first_line(exc, None)}",
                   file=sys.stderr, flush=True)
             return 1
         endpoint = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host  # an address others reach

@@ -105,7 +105,7 @@ from ..core import attempts, compat_torch as _compat_torch, config, interrupts, 
 from ..core.config import LOOK_FOR_LOST, RECOVER_POLL, RECOVER_TEARDOWN_SEC, RECOVER_TELL_SEC
 from ..core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError, StateTransferError
 from ..core.kinds import FailureKind
-from ..core.log import log
+from ..core.log import first_line, log
 from ..core.phases import LIVE_NAME, Captured, Phase, RecoveryState
 from ..core.records import cap_head
 from ..core.recoveries import RecoveryCause, RecoveryInfo, RecoveryPhase
@@ -148,7 +148,7 @@ def _cause_of(err: BaseException, rank: int) -> Cause:
     elif isinstance(err, SectionMismatchError):
         not_in_place = "the ranks were out of step (a bug in the job: it would repeat)"
     elif isinstance(err, RecoveryError):  # raised by the attempt: recovering in place cannot work in this job
-        not_in_place = f"this rank found it cannot recover in place: {(str(err).splitlines() or [''])[0][:300]}"
+        not_in_place = f"this rank found it cannot recover in place: {first_line(err, 300)}"
     try:
         message = str(err)
     except Exception:  # noqa: BLE001 - a broken __str__ must not stop the recovery
@@ -442,7 +442,7 @@ class _Recovery:
             spares.end(_Bounded(conn), self.layout, ok, why)
         except Exception as err:  # noqa: BLE001 - torchrun ends them anyway once a rank exits with an error
             log(logging.WARNING, "could not tell the spares that the job ended: %s: %s", type(err).__name__,
-                (str(err).splitlines() or [""])[0][:200])
+                first_line(err))
         finally:
             conn.close()
 
@@ -502,7 +502,7 @@ class _Recovery:
             try:
                 lost.update(session.lost_ranks())
             except Exception as err:  # noqa: BLE001 - the recovery's join timeout then names what is missing
-                log(logging.DEBUG, "reading the lost ranks: %s", (str(err).splitlines() or [""])[0][:200])
+                log(logging.DEBUG, "reading the lost ranks: %s", first_line(err))
         return lost
 
     def _keeper_seen_gone(self, rank: int) -> bool:
@@ -677,7 +677,7 @@ class _Recovery:
                     bounded.delete_key(key)
             return decision
         except Exception as err:  # noqa: BLE001 - the store may be what failed: end as without recovery
-            why = (str(err).splitlines() or [""])[0][:200]
+            why = first_line(err)
             if isinstance(err, StoreCallTimeout):
                 # the call is left blocked in c10d: its connection is shut down, so that it returns
                 # (a thread inside c10d at the interpreter's exit aborts it)
@@ -830,7 +830,7 @@ class _Recovery:
             return None
         # This frame (_Recovery.run) takes the interrupt: a signal that arrives while it runs (the
         # training function has returned or raised) raises nothing.
-        state = interrupts.install(INTERRUPT_SIGNAL, config.interrupt_defer(), takers=(_Recovery.run.__code__,))
+        state = interrupts.install(INTERRUPT_SIGNAL, config.settings().interrupt_defer, takers=(_Recovery.run.__code__,))
         attempts.interrupter = self._interrupt
         return (state,)
 
@@ -978,7 +978,7 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
         raise ValueError(f"recover_in_place(max_restarts=...) must be an int >= 0 (0: never recover), got {max_restarts!r}")
     join = config.check_join_timeout(join_timeout, what="recover_in_place(join_timeout=...)")
     if join is None:
-        join = config.recover_join_timeout()
+        join = config.settings().recover_join_timeout
     if not isinstance(replace_dead, bool):
         raise TypeError(f"recover_in_place(replace_dead=...) must be True or False, got {replace_dead!r}")
     spares = check_spares(spares)

@@ -11,7 +11,7 @@ key of the launched world's is ever read). ``dist.get_rank()``, ``get_world_size
 and Lightning's strategy then tell the training world.
 
 A spare never calls ``train``. It waits on one key of its own in the store (:func:`order_key`), a
-blocking store wait (in chunks of :data:`SPARE_WAIT`, ``FTH_SPARE_WAIT_SEC``: no busy loop, one
+blocking store wait (in chunks of ``FTH_SPARE_WAIT_SEC``: no busy loop, one
 store request a minute) for an :class:`Order`:
 
 * ``take``: training rank ``r`` was lost (its process ended and no keeper replaced it); the spare
@@ -42,19 +42,10 @@ from datetime import timedelta
 from typing import Any
 
 from ..core import attempts, config
-from ..core.config import SPARE_WAIT_ENV  # noqa: F401 - its variable, named where the wait is
 from ..core.errors import RecoveryError
-from ..core.log import log
+from ..core.log import first_line, log
 from ..core.records import cap_head, host_name, sanitize
 from .causes import KEY_ROOT, read_json
-
-#: A spare waits for its order in blocking store waits of this long each: one request to the store
-#: per wait, and an order is seen as soon as it is written, whatever this is (the store answers a
-#: waiter when its key is set); a store that goes away ends the wait at once (its connection
-#: closes). It bounds only how often c10d logs its wait's timeout, and how long a signal whose
-#: Python handler must run waits (a spare has none: torchrun's SIGTERM ends it at once).
-#: ``FTH_SPARE_WAIT_SEC`` overrides it (1 s to 3600 s).
-SPARE_WAIT = timedelta(seconds=60)
 
 TAKE = "take"
 END = "end"
@@ -72,11 +63,6 @@ def spares_left() -> int | None:
 def _set_left(count: int | None) -> None:
     global _left
     _left = count
-
-
-def spare_wait() -> timedelta:
-    """``FTH_SPARE_WAIT_SEC``, or :data:`SPARE_WAIT`."""
-    return config.env_timedelta("spare_wait") or SPARE_WAIT
 
 
 def check_spares(spares: Any) -> int:
@@ -344,12 +330,12 @@ def connect(timeout: timedelta) -> Any:
 
 
 def wait_for_order(store: Any, lay: Layout, launched_rank: int, stop: Any = None) -> Order:
-    """Wait for this launched rank's order: blocking store waits of :func:`spare_wait` each (a key
+    """Wait for this launched rank's order: blocking store waits of ``FTH_SPARE_WAIT_SEC`` each (a key
     written is seen at once). ``stop()`` (optional) is asked between waits: true ends the wait with an
     ``end`` order. A store that fails (its agent gone) raises :class:`RecoveryError`."""
     from torch.distributed import DistStoreError
 
-    chunk = spare_wait()
+    chunk = config.settings().spare_wait
     key = order_key(launched_rank)
     while True:
         if stop is not None and stop():
@@ -360,7 +346,7 @@ def wait_for_order(store: Any, lay: Layout, launched_rank: int, stop: Any = None
             if isinstance(err, DistStoreError) and "timeout" in str(err).lower():
                 continue
             raise RecoveryError(f"launched rank {launched_rank} (a spare) lost torchrun's store while waiting: "
-                                f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}") from err
+                                f"{type(err).__name__}: {first_line(err)}") from err
         order = Order.from_json(store.get(key), lay.training_world)
         if order is None:
             raise RecoveryError(f"launched rank {launched_rank} (a spare) read an order it cannot understand")

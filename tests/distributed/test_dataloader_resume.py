@@ -329,7 +329,7 @@ def test_ignite_mid_epoch_resume_warns_when_the_loader_would_start_over():
     from ignite.engine import Engine
     from torch.utils.data import DataLoader
 
-    from fault_tolerant_handlers.adapters.resume_ignite import check_mid_epoch_resume
+    from fault_tolerant_handlers.ignite import check_mid_epoch_resume
 
     def engine_at(iteration, loader):
         engine = Engine(lambda e, b: None)
@@ -364,7 +364,7 @@ def test_ignite_resume_is_silent_when_an_evaluator_also_iterates_the_training_lo
     resumes, and nothing is said."""
     from ignite.engine import Engine, Events
 
-    from fault_tolerant_handlers.adapters.resume_ignite import check_mid_epoch_resume
+    from fault_tolerant_handlers.ignite import check_mid_epoch_resume
 
     saved = {}
 

@@ -201,7 +201,7 @@ def test_ignite_events_are_registered_and_fired_on_the_failed_and_the_next_engin
 def test_lightning_hooks_are_called_by_name_on_callbacks_and_the_module():
     from types import SimpleNamespace
 
-    from fault_tolerant_handlers.adapters.recovery_lightning import dispatch
+    from fault_tolerant_handlers.lightning import dispatch
 
     calls = []
 

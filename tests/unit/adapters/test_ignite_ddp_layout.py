@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fault_tolerant_handlers import DDPBucketLayout
 from fault_tolerant_handlers.adapters.compat_ignite import reset_idist
-from fault_tolerant_handlers.adapters.resume_ignite import LAYOUT_KEY, add_bucket_layouts, find_ddp
+from fault_tolerant_handlers.ignite import LAYOUT_KEY, add_bucket_layouts, find_ddp
 from fault_tolerant_handlers.ignite import FaultTolerance
 
 

@@ -1,4 +1,4 @@
-"""Live state with Ignite in one process (``adapters/live_ignite.py``): what a failure at iteration 7
+"""Live state with Ignite in one process (``IgniteLive`` in ``ignite.py``): what a failure at iteration 7
 leaves is what the trainer's ``Checkpoint`` would have saved at iteration 6; loaded through
 ``latest_checkpoint`` and ``Checkpoint.load_objects(to_load, path)``, the run ends with the weights of
 an uninterrupted one, bit for bit, with a step that draws from torch's RNG. The distributed cases
@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from fault_tolerant_handlers import RestartableDataLoader, latest_checkpoint
 from fault_tolerant_handlers.adapters import compat_ignite
-from fault_tolerant_handlers.adapters.live_ignite import IgniteLive
+from fault_tolerant_handlers.ignite import IgniteLive
 from fault_tolerant_handlers.core import attempts
 from fault_tolerant_handlers.data import live
 

@@ -155,12 +155,12 @@ def test_peer_failed_error_message_attributes_and_pickle():
 def test_sync_timeout_env_is_validated(monkeypatch):
     monkeypatch.setenv(config.SYNC_TIMEOUT_ENV, "soon")
     with pytest.raises(ValueError, match="FTH_SYNC_TIMEOUT_SEC='soon'"):
-        config.env_timedelta("sync_timeout")
+        config.load().sync_timeout
     monkeypatch.setenv(config.SYNC_TIMEOUT_ENV, "-3")
     with pytest.raises(ValueError, match="from 1 to 2592000"):
-        config.env_timedelta("sync_timeout")
+        config.load().sync_timeout
     monkeypatch.setenv(config.SYNC_TIMEOUT_ENV, "90")
-    assert config.env_timedelta("sync_timeout") == timedelta(seconds=90)
+    assert config.load().sync_timeout == timedelta(seconds=90)
     with pytest.raises(TypeError, match="hang_timeout must be a datetime.timedelta"):
         config.check_timedelta("hang_timeout", 30)
     with pytest.raises(ValueError, match="exit_grace must be between"):

@@ -24,12 +24,12 @@ def test_a_dict_duration_with_an_unknown_key_names_the_key_and_the_valid_ones():
 
 def test_the_environment_takes_dd_hh_mm_ss_like_the_argument(monkeypatch):
     monkeypatch.setenv(config.HANG_TIMEOUT_ENV, "00:00:05:00")
-    assert config.env_hang_timeout() == timedelta(minutes=5)
+    assert config.load().hang_timeout == timedelta(minutes=5)
     monkeypatch.setenv(config.HANG_TIMEOUT_ENV, "AUTO")
-    assert config.env_hang_timeout() == config.AUTO
+    assert config.load().hang_timeout == config.AUTO
     monkeypatch.setenv(config.HANG_TIMEOUT_ENV, "08:00:00:00")  # 8 days: over the 7-day limit
     with pytest.raises(ValueError, match="FTH_HANG_TIMEOUT_SEC='08:00:00:00'"):
-        config.env_hang_timeout()
+        config.load().hang_timeout
 
 
 def test_start_watchdog_errors_name_the_call():

@@ -251,4 +251,4 @@ def test_the_variable_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="FTH_LIVE_STATE='off': expected 0 .* or 1"):
         config.load()
     monkeypatch.setenv(config.LIVE_STATE_ENV, " 0 ")
-    assert not config.live_state()
+    assert not config.settings().live_state

@@ -209,9 +209,7 @@ def test_a_handler_put_in_front_decides_what_sigterm_does(restore_signals, monke
         watch._handler(signal.SIGTERM, None)  # as delivered: SIG_DFL was the previous handler
         assert fake_os.killed == [signal.SIGTERM]  # its default still ends the process
     assert watch.kind == "cause" and session.schema.count() == 1
-    assert signals.own_signal(session) is None  # this watch is not the process's installed one
-    monkeypatch.setattr(signals, "_watch", watch)
-    own = signals.own_signal(session)
+    own = watch.cause
     assert own is not None and own.exc_type == "RankSignalled" and own.failed_rank == 1
 
 

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 import fault_tolerant_handlers
 from fault_tolerant_handlers import adapters, launchers
-from fault_tolerant_handlers.adapters import compat_ignite, recovery_lightning
+from fault_tolerant_handlers import lightning as ft_lightning
+from fault_tolerant_handlers.adapters import compat_ignite
 from fault_tolerant_handlers.core import attempts, phases
 from fault_tolerant_handlers.core.phases import Phase, RecoveryState
 from fault_tolerant_handlers.data import recovery as data_recovery
@@ -114,11 +115,11 @@ def test_each_layer_registers_its_part_in_order():
     # the adapters' (registered with the package), then the Lightning adapter's (with its module)
     assert phases.steps(Phase.RESET_FRAMEWORKS) == tuple(
         step for phase, step in adapters.STEPS if phase is Phase.RESET_FRAMEWORKS) + (
-        recovery_lightning._keep_logger_versions,)
+        ft_lightning._keep_logger_versions,)
     assert phases.steps(Phase.COLLECTED) == (data_recovery.reap_workers,)
     assert phases.steps(Phase.RE_FORM) == (compat_torchrun.re_form,)
     assert set(phases.steps(Phase.END)) == {compat_torchrun.end_recovery, data_recovery.end_recovery,
-                                            recovery_lightning._forget_logger_versions}
+                                            ft_lightning._forget_logger_versions}
     assert all(step in phases.steps(phase) for phase, step in launchers.STEPS + data_recovery.STEPS)
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers import RecoveryError, recover_in_place, spares_left
 from fault_tolerant_handlers.recover import spares
+from fault_tolerant_handlers.core import config
 from fault_tolerant_handlers.core.errors import PeerFailedError
 from fault_tolerant_handlers.core.kinds import Ended, FailureKind
 from fault_tolerant_handlers.core.records import FailureRecord
@@ -124,7 +125,7 @@ def test_the_first_survivor_claims_the_next_spare_and_every_survivor_learns_the_
 
 
 def test_a_waiting_spare_is_told_to_take_a_rank_or_that_the_job_ended(monkeypatch):
-    monkeypatch.setenv(spares.SPARE_WAIT_ENV, "1")
+    monkeypatch.setenv(config.SPARE_WAIT_ENV, "1")
     store, lay = dist.HashStore(), Layout(3, 1, 2)
     threading.Timer(0.2, lambda: spares.end(store, lay, True, "the training ended")).start()
     order = spares.wait_for_order(store, lay, 2)  # across a wait that times out: no order lost
@@ -163,9 +164,9 @@ def test_an_answer_and_a_seat_read_from_the_store_are_checked():
 
 @pytest.mark.parametrize("bad", ["0", "0.5", "abc", "4000"])
 def test_the_spare_s_wait_variable_is_checked(bad, monkeypatch):
-    monkeypatch.setenv(spares.SPARE_WAIT_ENV, bad)
+    monkeypatch.setenv("FTH_SPARE_WAIT_SEC", bad)
     with pytest.raises(ValueError, match=r"FTH_SPARE_WAIT_SEC=.*expected a number of seconds from 1 to 3600"):
-        spares.spare_wait()
+        config.settings()
 
 
 # -- rank 0's decision when a rank is lost with no keeper ---------------------------------------------------
