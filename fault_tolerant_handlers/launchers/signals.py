@@ -28,6 +28,7 @@ at once), unless another wakeup fd is already set (asyncio's), which is kept.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -88,6 +89,7 @@ class _Watch:
             signal.signal(signum, self._handler)
         if not self.previous:
             return
+        atexit.register(self._at_exit)
         rsock, wsock = socket.socketpair()
         wsock.setblocking(False)
         try:
@@ -150,6 +152,17 @@ class _Watch:
                 "code %d", name, MAIN_STUCK_WAIT + SIGNAL_EXIT_WAIT, 128 + signum)
             _flush()
             os._exit(128 + signum)
+
+    def _at_exit(self) -> None:
+        """An exit hook (registered before torch's and logging's, so it runs before them). Once the
+        exit hooks have run, Python runs no signal handler (it puts the default actions back), then
+        tears its modules down, which takes seconds with torch loaded: a launcher's SIGTERM there (torchrun's,
+        once a survivor exited) would end a rank that failed itself with -15, and torchrun's Root
+        Cause would show that instead of its exception. Such a rank ignores SIGTERM from here on
+        and ends as it would by itself (exit code 1 for an uncaught exception); a teardown that
+        never ends is the launcher's to end (torchrun sends SIGKILL 30 s after its SIGTERM)."""
+        if _own_failure is not None and self.previous.get(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     # -- react --------------------------------------------------------------------------------------
     def _handler(self, signum, frame):

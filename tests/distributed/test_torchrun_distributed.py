@@ -1,8 +1,11 @@
 """torchrun's own summary: its "Root Cause" names the rank that failed and its fault, never a
 survivor, for a raise, a SIGKILL and a hang (one run each; ``bench/torchrun_root_cause.py`` counts
-many). Real Ignite DDP training on 2 gloo ranks under ``python -m torch.distributed.run``."""
+many). Real Ignite DDP training on 2 gloo ranks under ``python -m torch.distributed.run``; a failing
+rank that torchrun signals as it ends (4 ranks, Ignite and a plain loop)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -41,3 +44,22 @@ def test_root_cause_is_the_failing_rank(tmp_path, fault):
     survivor = [e for e in results[0].events if e.get("event") == "run_raised"]
     if survivor:  # the survivor may also be ended by the watchdog or the agent first
         assert survivor[0]["raised"] == "PeerFailedError" and survivor[0]["failed_rank"] == 1
+
+
+@pytest.mark.parametrize("form", ["ignite", "plain"])
+def test_failing_rank_signalled_as_it_ends_exits_with_its_own_code(tmp_path, form):
+    """Rank 1 of 4 raises ValueError, uncaught, and its interpreter takes 3 s to tear down (torch's
+    teardown takes seconds on a loaded machine): the survivors exit first and torchrun sends rank 1 its
+    SIGTERM during that teardown, where Python runs no signal handler. Rank 1 still ends with exit code
+    1, so the Root Cause names it with its exception, not ``-15 (SIGTERM)``."""
+    result = run_ranks(1, form, tmp_path, script=PROGRAMS / "programs" / "root_cause_main.py", deadline=60,
+                       env=dict(TEARDOWN="3"),
+                       launcher=["-m", "torch.distributed.run", "--nproc-per-node=4", "--max-restarts=0"])[0]
+    output = result.stderr
+    assert result.returncode == 1, output[-3000:]
+    rank, block = torchrun_root_cause(output)
+    assert rank == 1 and "(local_rank: 1)" in block, output[-4000:]
+    pid = re.search(r"exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)", block)
+    assert pid is not None and pid.group(1) == "1", block
+    assert "ValueError: bad batch at iteration 5" in block, block
+    assert f"Sending process {pid.group(2)} closing signal SIGTERM" in output, output[-4000:]  # the fault fired
