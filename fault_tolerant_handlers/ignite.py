@@ -76,7 +76,7 @@ from .data import dcp, live, snapshots
 from .data.dcp import ShardedState
 from .data.ddp_buckets import DDPBucketLayout
 from .data.loader import RestartableDataLoader
-from .detect.autohang import EVALUATION, STEP
+from .detect.autohang import EVALUATION, START, STEP
 
 __all__ = ["DCPSaver", "FaultTolerance", "FaultToleranceEvents", "SafeDiskSaver"]
 
@@ -173,7 +173,7 @@ class FaultTolerance:
     def _started(self, engine: Engine) -> None:
         engine.logger.addFilter(self._cause_first)  # the logger the run logs with (a script may set its own)
         self.guard.start()
-        self.guard.beat(engine.state.iteration, "start")
+        self.guard.beat(engine.state.iteration, START)
         if self.guard.auto_hang is not None:
             _compat_ignite.check_running_engines()
             self.guard.explain_with(self._nested_engine)

@@ -73,7 +73,7 @@ from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
 from .core.failure import tag, tag_of
 from .core.log import first_line, log
-from .detect.autohang import CHECKPOINT, EVALUATION, STEP
+from .detect.autohang import CHECKPOINT, EVALUATION, START, STEP
 from .adapters.guard import Guard, LiveLoop, LoopRecovery
 from .core.inject import Injector
 
@@ -247,7 +247,7 @@ class FaultTolerance(_CallbackBase):
             callbacks.insert(0, self)
         if not _compat_lightning.on_exception_runs_in_rank(trainer):
             _compat_lightning.wrap_run_stage(trainer, functools.partial(self._run_stage_in_rank, trainer))
-        self.guard.beat(int(trainer.global_step), "start")
+        self.guard.beat(int(trainer.global_step), START)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

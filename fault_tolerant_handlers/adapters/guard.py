@@ -37,6 +37,7 @@ from ..core.sections import check_name
 from ..core.failure import tag, tag_of
 from ..core.session import Session, get_session
 from ..data import live
+from ..detect.autohang import START, STEP
 
 
 class Guard:
@@ -115,9 +116,12 @@ class Guard:
         interrupts.raise_pending()
         watchdog = self.session.watchdog if self.session is not None else None
         if watchdog is not None:
-            watchdog.beat(step, completed=completed)
+            # ``step`` counts the steps completed; a hang report names the step the main thread is in,
+            # as a raise and ``FTH_INJECT`` do: in a training step (or the start before one) the next
+            named = step + 1 if step is not None and work in (STEP, START) else None
+            watchdog.beat(step, completed=completed, named=named)
             if work is not None:
-                watchdog.work(work, step)
+                watchdog.work(work, step if named is None else named)
 
     @property
     def auto_hang(self):

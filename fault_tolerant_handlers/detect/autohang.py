@@ -53,7 +53,8 @@ from .writes import writing_now
 DEFAULT_MULTIPLE, DEFAULT_FLOOR, DEFAULT_WARMUP = (config.SETTINGS[i].default for i in (3, 4, 5))
 DEFAULT_FIRST_MULTIPLE = 10.0
 
-#: The kinds of work the adapters mark.
+#: The kinds of work the adapters mark (``START``: a loop's start, before its first step).
+START = "start"
 STEP = "step"
 EVALUATION = "evaluation"
 CHECKPOINT = "checkpoint"

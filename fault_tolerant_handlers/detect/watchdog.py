@@ -278,10 +278,12 @@ class Watchdog:
             self.liveness.stop()
         _running.discard(self)
 
-    def beat(self, step: int | None = None, *, completed: bool = False) -> None:
+    def beat(self, step: int | None = None, *, completed: bool = False, named: int | None = None) -> None:
         """The main thread made progress (one assignment; adapters call it every iteration);
-        ``completed``: an iteration completed (from the first on, ``hang_timeout`` applies)."""
-        self._progress = (time.monotonic(), time.time(), step)
+        ``completed``: an iteration completed (from the first on, ``hang_timeout`` applies);
+        ``named``: the step a report names until the next beat, where it is not ``step`` (an adapter
+        beats the steps completed; the training step under way is the next one)."""
+        self._progress = (time.monotonic(), time.time(), step if named is None else named)
         if not self.warm and step is not None:
             if self._first_step is None:
                 self._first_step = step

@@ -182,10 +182,13 @@ def test_a_hang_inside_a_step_that_swallows_every_exception_recovers_in_place(tm
     assert "[rank 1] the hung main thread was interrupted: recovering in place" in output
 
 
-def assert_only_the_hung_rank_is_named(output: str, hung: int, nproc: int) -> None:
-    """Every rank's report names ``hung``, and no other rank declares itself or is named hung."""
+def assert_only_the_hung_rank_is_named(output: str, hung: int, nproc: int, step: int = 37) -> None:
+    """Every rank's report names ``hung``, and no other rank declares itself or is named hung; the
+    report names the step the rank hung in, the one ``FTH_INJECT`` named (not the last completed)."""
     named = set(re.findall(r"RankHung: rank (\d+)", output))
     assert named == {str(hung)}, f"ranks named hung: {sorted(named)}\n{output[-4000:]}"
+    assert re.search(rf"rank {hung}\b[^\n]* hung: its main thread made no progress for [\d.]+ s at step {step}\b",
+                     output), output[-4000:]
     for rank in set(range(nproc)) - {hung}:
         assert f"[rank {rank}] the hung main thread was interrupted" not in output, output[-4000:]
 
