@@ -68,7 +68,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .adapters import compat_ignite as _compat_ignite
 from .adapters.guard import Guard, LiveLoop, LoopRecovery
-from .core import attempts, hooks, interrupts, recoveries, sharded
+from .core import attempts, interrupts, recoveries, sharded
 from .core.failure import tag, tag_of
 from .core.inject import Injector
 from .core.log import log
@@ -329,8 +329,8 @@ def _fire(event: FaultToleranceEvents):
     return fire
 
 
-hooks.add(hooks.FAILURE_SEEN, _fire(FaultToleranceEvents.FAILURE_SEEN))
-hooks.add(hooks.RECOVERY_STARTED, _fire(FaultToleranceEvents.RECOVERY_STARTED))
+_failure_seen = _fire(FaultToleranceEvents.FAILURE_SEEN)  # wired in .wiring
+_recovery_started = _fire(FaultToleranceEvents.RECOVERY_STARTED)
 
 
 # -- live state ------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
-from .core import attempts, hooks, interrupts, phases, recoveries, sharded
+from .core import attempts, interrupts, phases, recoveries, sharded
 from .data import live, snapshots
 from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
@@ -631,9 +631,3 @@ class LightningRecovery(LoopRecovery):
 def _hook(info: recoveries.RecoveryInfo) -> None:
     LightningRecovery.tell_failed_loops(info, lambda trainer: dispatch(trainer, HOOKS[info.phase], info),
                                         f"{HOOKS[info.phase]} hook")
-
-
-hooks.add(hooks.FAILURE_SEEN, _hook)
-hooks.add(hooks.RECOVERY_STARTED, _hook)
-hooks.add(hooks.RESET_FRAMEWORKS, _keep_logger_versions, tolerate=True)
-hooks.add(hooks.END, _forget_logger_versions, tolerate=True)

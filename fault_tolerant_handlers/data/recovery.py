@@ -1,5 +1,5 @@
-"""What the data layer does in a recovery in place's phases (:mod:`..core.phases`), registered when
-the package is imported (``data/__init__.py``): capture and hold the live state (:mod:`.live`), reap
+"""What the data layer does in a recovery in place's phases (:mod:`..core.phases`), wired in
+:mod:`..wiring`: capture and hold the live state (:mod:`.live`), reap
 the failed attempt's DataLoader workers, and forget what was kept for the recovery (:mod:`.snapshots`)."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from dataclasses import replace
 
 from ..core.config import WORKER_REAP
 from ..core.log import log
-from ..core import hooks
 from ..core.phases import RecoveryState
 from . import live, snapshots
 
@@ -62,12 +61,3 @@ def end_recovery(state: RecoveryState) -> None:
     """``END``: the newest checkpoint's copy in memory and the live state: no attempt will read them now."""
     snapshots.forget()
     live.forget()
-
-
-#: What the data layer does in each phase, in this order.
-STEPS = (
-    (hooks.CAPTURE_LIVE, capture_live),
-    (hooks.SETTLE_LIVE, settle_live),
-    (hooks.COLLECTED, reap_workers),
-    (hooks.END, end_recovery),
-)
