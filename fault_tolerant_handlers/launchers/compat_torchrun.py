@@ -30,8 +30,8 @@ the keys of groups made after the session started are deleted on ``JOB_FAILED``
 
 Private API: ``torch.distributed.rendezvous._rendezvous_handlers`` (the scheme -> handler table
 ``init_process_group`` consults at each call), checked against torch 2.13.0; the names of gloo's
-address keys (:func:`address_key_of`, from ``_world.pg_map``, ``pg_names`` and ``group_count``),
-checked at start against this rank's own.
+address keys (``core.schema.gloo_address_key``, with ``_world.pg_map``, ``pg_names`` and
+``group_count``), checked at start against this rank's own.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from ..core import attempts, config
 from ..core.config import ATTEMPT_KEYS_PATIENCE, ATTEMPT_KEYS_WAIT, EXPLAIN_EVIDENCE_TIMEOUT, MAIN_STORE_TIMEOUT
 from ..core.log import first_line, log
+from ..core.schema import gloo_address_key
 from ..core.phases import RecoveryState
 
 if TYPE_CHECKING:
@@ -80,20 +81,9 @@ def _table() -> dict:
     return table
 
 
-#: The process group was made through :func:`_wrap`'s handler: its keys are in the attempt's namespace.
+#: The process group was made through :func:`_wrap`'s handler: its keys are in the attempt's namespace
+#: (else, under torchrun's shared store, they are under torch's bare names: the next attempt reads them).
 _prefixed = False
-
-
-def shared_keys_left() -> bool:
-    """Under torchrun's shared store, this attempt's groups wrote their keys under torch's bare
-    names (the library was imported after ``init_process_group``): the next attempt would read them."""
-    return _agent_store() and not _prefixed
-
-
-def address_key_of(rank: int, group: str | None = None) -> str:
-    """The key under which gloo context 0 of a group published ``rank``'s address (torch 2.13): the
-    default group's ``default_pg/0//cpu//0/<rank>``, group ``N``'s ``default_pg/0//N//cpu//0/<rank>``."""
-    return f"default_pg/0//{'' if group is None else group + '//'}cpu//0/{rank}"
 
 
 def _gloo_groups() -> list[tuple[Any, str | None]]:
@@ -118,7 +108,7 @@ def _keys(groups: list[tuple[Any, str | None]], *, own: bool) -> list[str]:
     keys = []
     for pg, name in groups:
         try:
-            keys += [address_key_of(r, name) for r in ((pg.rank(),) if own else range(pg.size()))]
+            keys += [gloo_address_key(r, name) for r in ((pg.rank(),) if own else range(pg.size()))]
         except Exception:  # noqa: BLE001 - a group being destroyed
             continue
     return keys
@@ -131,13 +121,6 @@ def group_count() -> int:
     from torch.distributed import distributed_c10d
 
     return int(distributed_c10d._world.group_count)
-
-
-def counted_keys(first: int, last: int, ranks: range) -> list[str]:
-    """The gloo address keys of ``ranks`` in the groups numbered ``first`` to ``last - 1`` (live or
-    destroyed: a destroyed group, such as the one Ignite's ``idist`` makes and destroys to count the
-    ranks of a node, leaves its keys)."""
-    return [address_key_of(r, None if n == 0 else str(n)) for n in range(first, last) for r in ranks]
 
 
 def forget_addresses(call: Callable[..., Any], keys: list[str]) -> int:
@@ -165,10 +148,10 @@ def read_keys(session: Session) -> tuple[list[str], set[str | None], int]:
             continue
         live.add(name)
         if ranks <= members:
-            keys.append(address_key_of(pg.rank(), name))
+            keys.append(gloo_address_key(pg.rank(), name))
     if len(members) == dist.get_world_size():
         keys += [key for n in range(count) if (None if n == 0 else str(n)) not in live
-                 for key in [address_key_of(session.rank, None if n == 0 else str(n))]]
+                 for key in [gloo_address_key(session.rank, None if n == 0 else str(n))]]
     return keys, live, count
 
 
@@ -184,9 +167,10 @@ class _AttemptKeys:
         self.count = count
 
     def later(self, world_size: int) -> list[str]:
-        """The address keys of the groups made since: every rank's (a destroyed group is not known
-        any more, and its members are not either)."""
-        keys = counted_keys(self.count, group_count(), range(world_size))
+        """The address keys of the groups made since, live or destroyed: every rank's (a destroyed
+        group is not known any more, and its members are not either)."""
+        keys = [gloo_address_key(r, None if n == 0 else str(n)) for n in range(self.count, group_count())
+                for r in range(world_size)]
         return keys + [key for pg, name in _gloo_groups() if name not in self.done and not (
             name is not None and name.isdigit() and int(name) >= self.count) for key in _keys([(pg, name)], own=False)]
 
@@ -199,7 +183,7 @@ def check_address_keys(session: Session, conn: Connection) -> bool:
     warning (a store call that fails raises)."""
     import torch
 
-    key = address_key_of(session.rank)
+    key = gloo_address_key(session.rank)
     if conn.call("check", [key]):
         return True
     log(logging.WARNING, "fault_tolerant_handlers was imported after init_process_group under torchrun, and "
@@ -246,7 +230,7 @@ def on_session_started(session: Session) -> None:
     go now (:func:`read_keys`), in a thread of their own (a store connection in the main thread stalled
     the start of 8 ranks on a busy store); the connection is kept for ``JOB_FAILED``
     (:func:`forget_attempt_keys`, which deletes every key when it comes before the thread did)."""
-    if not (shared_keys_left() and session.store_address is not None):
+    if _prefixed or not _agent_store() or session.store_address is None:
         return
     keys, names, upto = read_keys(session)  # no store call: torch's group table
     conn = session.connection("attempt-keys", MAIN_STORE_TIMEOUT, prefix="", backoff=True)

@@ -1,40 +1,23 @@
 """What a launcher reads of a failure: torchrun's error files, ``torch.multiprocessing``'s error files
-and a spawned rank's stderr.
+and a spawned rank's stderr (docs/launchers.md tells both in full).
 
-**torchrun** (``torch.distributed.elastic``) gives every worker ``TORCHELASTIC_ERROR_FILE``
-(``<log dir>/<run>/attempt_<n>/<local rank>/error.json``) and, when workers fail, names as *Root
-Cause* the failure with the smallest ``timestamp`` (whole seconds), ties going to the lowest rank. A
-worker without a file gets the time the agent noticed its exit, so without files a victim often
-wins. The files are written in the format of ``torch.distributed.elastic.multiprocessing.errors
-.ErrorHandler`` (``{"message": {"message": ..., "extraInfo": {"py_callstack": ..., "timestamp": "<s>"}}}``):
+**torchrun** names as *Root Cause* the failure with the smallest ``timestamp`` (whole seconds) in
+the workers' ``TORCHELASTIC_ERROR_FILE`` (``<run>/attempt_<n>/<local rank>/error.json``); a worker
+without one gets the time the agent noticed its exit, so a victim often wins. Files are written in
+``ErrorHandler``'s format: a rank that fails itself, with the failure's second (``RANK_FAILED``:
+:func:`write_failed`); a survivor, with a second that cannot win (``ACKNOWLEDGED``, ``EXITING``:
+:func:`write_survivor`); a rank killed by a signal, by its liveness helper (``RANK_KILLED``:
+:func:`write_killed`) and by a same-host survivor that sees it gone (``PEER_FAILED``:
+:func:`write_dead_peer`, the sibling ``<local rank>`` directory). A file is created atomically and
+never overwritten: the first writer wins. Outside torchrun nothing is written.
 
-* a rank that **fails itself** (the core's ``RANK_FAILED``) writes its own file with the failure's
-  time (:func:`write_failed`);
-* a **survivor** (``ACKNOWLEDGED``, ``EXITING``) writes its own with a timestamp that cannot win: at
-  least the failure's second + 1 and the current second + 1 (:func:`write_survivor`);
-* a rank **killed by a signal** cannot write its file: its liveness helper (woken by the rank's end,
-  ``RANK_KILLED``: :func:`write_killed`) writes it, and so does a survivor on the same host that sees
-  it gone (``PEER_FAILED``: :func:`write_dead_peer`, the sibling ``<local rank>`` directory). Two
-  writers because the agent reads a failed worker's file as soon as its monitor notices the exit.
-
-A file is never overwritten (created atomically with a hard link, and only when absent): the first
-writer wins. Outside torchrun (variable unset, empty or ``/dev/null``) nothing is written.
-
-**torch.multiprocessing** (``mp.spawn``: Ignite's ``idist.Parallel``, Lightning's ``ddp_spawn``) runs
-each rank inside torch's ``_wrap``: an exception that leaves the function is not printed (the parent
-prints only the first failed process's), and the parent SIGTERMs every other process as soon as one
-exits non-zero. Under it (found at session start, :func:`detect`) this module:
-
-1. prints the full report to this rank's stderr as soon as the rank learns of the failure
-   (:func:`print_report`: ``PEER_FAILED`` escalated, ``ACKNOWLEDGED``, a SIGTERM while the job fails),
-   once per failure;
-2. on a SIGTERM that finds nothing known yet but a same-host peer gone, waits up to
-   :data:`SIGTERM_CAUSE_WAIT` for the cause (:func:`awaited_cause`);
-3. keeps a killed rank a zombie for :data:`ZOMBIE_HOLD` from its liveness helper (:func:`hold_zombie`,
-   ``RANK_ENDED``), so that same-host peers read how it ended, and writes torch's error file for it
-   (the parent then raises ``ProcessRaisedException: ... lost: killed by SIGKILL``);
-4. writes a reported exit's report (exit 87, 88) into torch's error file (:func:`write_exit_report`,
-   ``EXITING``), which the parent raises instead of ``terminated with exit code 88``.
+**torch.multiprocessing** (``mp.spawn``: ``idist.Parallel``, ``ddp_spawn``) prints only the first
+failed process's exception and SIGTERMs the others. Under it (:func:`detect`, at session start) a rank
+prints the full report once per failure (:func:`print_report`); on a SIGTERM with nothing known but a
+same-host peer gone it waits up to :data:`SIGTERM_CAUSE_WAIT` for the cause (:func:`awaited_cause`);
+a killed rank's helper holds it a zombie for :data:`ZOMBIE_HOLD` so that its peers read how it ended,
+and writes torch's error file for it (:func:`hold_zombie`, ``RANK_ENDED``); a reported exit (87, 88)
+writes its report there (:func:`write_exit_report`, ``EXITING``), which the parent raises.
 """
 
 from __future__ import annotations
@@ -325,7 +308,8 @@ def write_exit_report(err: BaseException | None, code: int) -> None:
     state = _state
     if state is None or state.error_file is None or err is None:
         return
-    _write_error_file(state.error_file, f"fault-tolerant-handlers ended this process (exit code {code}) because:\n{err}\n")
+    text = f"fault-tolerant-handlers ended this process (exit code {code}) because:\n{err}\n"
+    _write_error_file(state.error_file, text)
 
 
 # -- the core's announcements (wired in ``..wiring``) --------------------------------------------------
