@@ -293,7 +293,7 @@ class _Recovery:
         world = self._world()
         sessions = live_sessions()
         rank = world[1] if world is not None else (dist.get_rank() if dist.is_initialized() else 0)
-        cause = cause_of(err, rank)
+        cause = cause_of(err, rank, [session.failure for session in sessions])
         if world is None and _ranks_spawned_here(err):
             return Misplaced(False, (
                 "recover_in_place wraps a function that spawned the ranks (idist.Parallel(nproc_per_node=...), "
