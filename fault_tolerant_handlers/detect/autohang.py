@@ -1,37 +1,21 @@
-"""A hang deadline learned from the run itself (``hang_timeout="auto"``), as a watchdog probe
-(``poll(now) -> Finding | None``).
+"""A hang deadline learned from the run itself (``hang_timeout="auto"``, ``docs/hang-detection.md``), as
+a watchdog probe (``poll(now) -> Finding | None``).
 
-The main thread tells the probe where each piece of work begins (:meth:`AutoHangProbe.mark`: a
-training ``"step"``, an ``"evaluation"``, a ``"checkpoint"``, or any other name); a mark also ends
-the piece under way, so every instant of the loop belongs to one piece. The rule:
+The main thread marks where each piece of work begins (:meth:`AutoHangProbe.mark`: ``"step"``,
+``"evaluation"``, ``"checkpoint"``, any name); a mark ends the piece under way. The probe keeps the
+longest duration seen per kind; a kind's deadline is ``max(floor, multiple x longest)`` (a kind not
+seen yet borrows the longest of any kind, times ``first_multiple`` on top); nothing is judged until
+``warmup`` steps have finished. Past the deadline, the main thread's stack decides:
 
-* the probe keeps the **longest** duration seen per kind of work (warm-up pieces included);
-* the deadline of a kind is ``max(floor, multiple x longest of that kind)``; a kind never seen
-  yet borrows the longest piece of any kind, times ``first_multiple`` on top (the first
-  evaluation or checkpoint can be much longer than a step: it gets a wide margin, later ones the
-  learned one);
-* nothing is judged during the **warm-up**: until ``warmup`` steps have finished (the first steps
-  include compilation, DataLoader start-up, caches warming);
-* past the deadline, the main thread's stack decides:
+- waiting in a collective or a backward pass (:func:`~.probes.waiting_on_peers`): **never** a hang
+  of this rank (the rank it waits for judges itself; a dead peer is the liveness probes' to find);
+  the piece is judged again from when it was last seen waiting, and such a wait is not learned;
+- in a debugger: not a hang;
+- an *explainer* recognises the work (``explain(frame) -> (kind, token) | None``): judged again as
+  that kind, from now, and again each time ``token`` moves;
+- otherwise the rank is hung: a ``RankHung`` finding with the main thread's stack.
 
-  - waiting in a collective or a backward pass (:func:`~.probes.waiting_on_peers`): **never** a
-    hang of this rank. The rank it waits for is slow or hung, and judges itself (each rank learns
-    its own deadlines: a peer running a long rank-0-only evaluation must not make this rank declare
-    itself hung); a dead or frozen peer is found by the liveness probes. Once the wait is over,
-    the piece is judged again from when it was last seen waiting (each poll looks, before the
-    deadline too: a rank released from a hung peer's collective just before its own deadline is
-    not hung while it handles the peer's failure), and a wait past the deadline is not learned
-    (its duration is the peers' work, not its own);
-  - in a debugger (``pdb``): not a hang;
-  - an *explainer* recognises the work (``explain(frame) -> (kind, token) | None``: a checkpoint
-    being written, an Ignite evaluator ``Engine`` run from a trainer's handler): the piece is judged
-    again as that kind, from now, against that kind's deadline, and again each time ``token`` (the
-    evaluator's iteration) moves: progress;
-  - otherwise the rank is hung: a ``RankHung`` finding with the main thread's stack, like
-    :class:`~.probes.SelfHangProbe`.
-
-It starts no thread and reads the time from its caller, so a unit test drives it with a fake clock.
-:meth:`mark` runs on the training thread at every step: a few attribute stores, no lock.
+It starts no thread and reads the time from its caller (a unit test drives it with a fake clock).
 """
 
 from __future__ import annotations

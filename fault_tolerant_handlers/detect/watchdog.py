@@ -1,31 +1,19 @@
-"""The out-of-band watchdog: two daemon threads per process that run the probes (:mod:`.probes`)
-while the main thread may be stuck in a collective, and escalate what they find.
+"""The out-of-band watchdog: daemon threads per process that run the probes (:mod:`.probes`) while the
+main thread may be stuck in a collective, and escalate what they find (``docs/detection.md``).
 
-* The **store loop** (``fth-watchdog``) polls every ``interval`` (0.1 s): the records probe (one
-  ``add`` on the record counter), the self-hang probe (no store) and the store-loss probe (fed by
-  failed store calls). A constant number of store calls per rank, whatever the world size, on a
-  connection of its own with a short timeout.
-* The **liveness process** (:mod:`.liveness`, a helper process of its own, so the GIL cannot stop
-  it): every :data:`HEARTBEAT_EVERY` one ``add`` of its own heartbeat and one read of its ring
-  successor's (the heartbeat probe), declaring a successor silent for ``FTH_HEARTBEAT_TIMEOUT_SEC``.
-* The **pid loop** (``fth-pids``, only when peers share this host) sleeps in one
-  ``poll()`` on the peers' pidfds (:class:`PidWatcher`) and checks their pids when one ends (or every
-  ``interval`` for a pid without a pidfd): no store traffic and no periodic wake-up, so it works
-  when the store's host died with a child process still holding its socket open, and costs nothing
-  while nothing happens.
+* The **store loop** (``fth-watchdog``) polls every ``interval`` (0.1 s) the records, self-hang and
+  store-loss probes: a constant number of store calls per rank, on a connection of its own.
+* The **liveness process** (:mod:`.liveness`, a helper process, so the GIL cannot stop it) beats and
+  watches its ring successor's heartbeat (``FTH_HEARTBEAT_TIMEOUT_SEC``).
+* The **pid loop** (``fth-pids``, only when peers share this host) sleeps in one ``poll()`` on the
+  peers' pidfds (:class:`PidWatcher`): no store traffic, no periodic wake-up.
 
-A finding about another rank makes the session's incident a peer failure (the adapters raise it at
-their next hook) and starts the **escalation** (``fth-escalate``): release this process's
-collectives (:mod:`..core.release`), so that a main thread blocked in one fails at once; then, if the
-main thread has not taken the failure (``Session.acknowledge``) within ``exit_grace``, a **reported
-exit**: the report goes to stderr and the log, child processes (DataLoader workers) are killed, and
-the process ends with :data:`EXIT_PEER_FAILED`. A checkpoint write under way in the main thread
-(``torch.save``, a ``save_checkpoint``, Ignite's ``DiskSaver``, or a block marked with
-:func:`writing_checkpoint`) is waited for first, up to ``FTH_WRITE_GRACE_SEC`` (120 s), so no
-checkpoint is left torn. A rank that finds *itself* hung publishes its stack and ends with
-:data:`EXIT_HUNG`.
-
-Settings and their environment overrides are in :mod:`..core.config`.
+A finding about another rank makes the session's incident a peer failure and starts the
+**escalation** (``fth-escalate``): release this process's collectives (:mod:`..core.release`); then,
+if the main thread has not taken the failure within ``exit_grace``, a **reported exit** with
+:data:`EXIT_PEER_FAILED` (child processes killed), after any checkpoint write under way
+(``FTH_WRITE_GRACE_SEC``). A rank that finds *itself* hung publishes its stack and ends with
+:data:`EXIT_HUNG`. Settings: :mod:`..core.config`.
 """
 
 from __future__ import annotations
