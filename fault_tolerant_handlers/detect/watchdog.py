@@ -50,16 +50,8 @@ from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_RESEND, INTERRUPT_WAIT, LI
 
 
 # -- waiting for same-host peers to end without polling them (Linux pidfds) ----------------------------
-# Waiting for same-host peer processes to end without polling them (Linux pidfds).
-#
-# The watchdog's liveness thread used to read ``/proc/<pid>/stat`` of every same-host peer every
-# interval: at 8 ranks on one host that is 70 file reads and 10 thread wake-ups a second per rank,
-# about 0.3 % of a core per rank spent finding out that nothing happened. A pidfd
-# (``os.pidfd_open``, Linux 5.3) becomes readable when its process exits, so the thread can sleep in
-# one ``poll()`` on all of them and wake only when a peer ends (at once, instead of up to one interval
-# later) or when the watchdog stops. Where pidfds are not available (another OS, an old kernel, a pid
-# this process cannot see), :meth:`PidWatcher.wait` falls back to sleeping ``fallback`` seconds and
-# asking for a check, as before.
+# A pidfd (``os.pidfd_open``) becomes readable when its process exits: one ``poll()`` on all of them
+# wakes only when a peer ends or the watchdog stops. Without pidfds, a check every ``fallback`` seconds.
 
 __all__ = ["PidWatcher", "WakeEvent"]
 
@@ -185,11 +177,8 @@ class Watchdog:
         self._finishing = False
         self._store_warned_at = -STORE_WARN_EVERY
         store_timeout = timedelta(seconds=max(1.0, 5 * self.interval.total_seconds()))
-        # Connected by the loops that use them, never by the main thread: 8 ranks connecting at once
-        # to a store whose host is busy starting them took seconds per connect, and a main thread
-        # waiting for them missed its first collective (a 60 s stall at start). The pid loop's
-        # connection publishes only what it declares: it connects on its first declaration, so a
-        # healthy rank holds two connections of the library's (this loop's and its liveness helper's).
+        # Connected by the loops that use them, never by the main thread (a slow connect at start
+        # would hold up its first collective); the pid loop's connects on its first declaration.
         self._conn = session.connection("watchdog", store_timeout, backoff=True)
         self._schema = Schema(self._conn, session.schema.world_size)
         self._liveness_conn = session.connection("liveness", LIVENESS_STORE_TIMEOUT, backoff=True)
@@ -330,12 +319,9 @@ class Watchdog:
         log(logging.DEBUG, "watchdog stopped")
 
     def _judges_hangs(self) -> bool:
-        """The self-hang probe judges a main thread that trains. From the moment this rank knows the
-        job failed (its own failure, a peer's, an agreement that failed) until its next beat, its
-        main thread handles the failure (raising, ``on_exception`` callbacks, a recovery waiting for
-        its peers): that is not a hang, and declaring it named a second culprit beside the hung
-        rank (rank 0 ``RankHung`` at 5.2 s while it waited to recover with the rank that hung). A
-        failure the main thread found itself counts too (the failure moved: ``FailureState.moves``)."""
+        """The self-hang probe judges a main thread that trains: from the moment this rank knows the
+        job failed (the failure moved: ``FailureState.moves``) until its next beat, its main thread
+        handles the failure (a recovery waiting for its peers), which is not a hang."""
         failure = self.session.failure
         seen = (failure.delivered, failure.moves)
         failed_now = seen != self._failed_seen
@@ -345,14 +331,10 @@ class Watchdog:
         return self._progress is not self._quiet_since
 
     def _run_liveness_loop(self) -> None:
-        # Sleeps in poll() on the peers' pidfds: wakes when a peer ends or the watchdog stops, not
-        # every interval (a pid without a pidfd is still checked every interval).
         watcher = PidWatcher([pid for _, pid in self.peer_pids.peers], self._stop, self.interval.total_seconds())
         try:
             while True:
                 ended = watcher.wait()
-                # looked at after the wait, which may have lasted long: a failure known meanwhile
-                # ends the loop, as it did when the loop woke every interval
                 if self._stop.is_set() or self.session.failure.peer_error is not None:
                     break
                 if ended:
