@@ -180,8 +180,6 @@ class HeartbeatProbe:
         return self.left
 
 
-
-
 #: :class:`HeartbeatProbe`: a silence this fraction of the limit long is logged (a warning, once),
 #: so that a margin grown thin shows before it becomes a false alarm.
 NEAR_MISS = 0.5
@@ -281,8 +279,6 @@ def main_thread_frame():
     return sys._current_frames().get(threading.main_thread().ident)
 
 
-
-
 class StoreLossProbe:
     """The store did not answer: its host is declared lost only on **evidence** that the store is
     gone, never because its answers are slow.
@@ -292,19 +288,14 @@ class StoreLossProbe:
     :func:`~..core.schema.store_evidence`: a string when the port refused it, the host or link is down,
     or nothing answered; ``None`` when the port answered). The rank hosting the store is declared
     lost when the silence has lasted ``lost_after`` seconds **and** every check in it found
-    evidence, at least two of them; with no rank on the store's host (``store_rank`` ``None``: a store
-    on a host of its own), no rank is named, and the error is ``StoreLost``. A port that answers (the kernel of the store's host completed
-    the handshake: that host is up and a process holds the store's listening socket) ends the
-    evidence: a store that is slow to validate connects or answer calls on a busy machine is not a
-    lost one. ``hosted_here``: this process hosts the store (its server is a thread of this
+    evidence, at least two of them; with no rank on the store's host (``store_rank`` ``None``), no rank
+    is named, and the error is ``StoreLost``. A port that answers (its host is up and a process holds
+    the store's listening socket) ends the evidence: a slow store is not a lost one. ``hosted_here``: this process hosts the store (its server is a thread of this
     process): it never declares its own store lost.
 
-    Each check is a connection the store's server accepts, and c10d's server names every accepted
-    client by a reverse DNS lookup in its only thread: where DNS is slow to answer, each costs every
-    client of the store up to seconds (seen at 8 ranks: 5 s a lookup, the store silent for 8 s
-    while every rank checked it twice a second). So after a port that answered, the next check
-    waits twice as long as the one before, up to :data:`MAX_CHECK_HOLD` seconds, until a call is
-    answered again.
+    Each check is a connection c10d's server accepts, with a reverse DNS lookup in its only thread
+    (slow DNS stalls every client), so after a port that answered the next check waits twice as long
+    as the one before, up to :data:`MAX_CHECK_HOLD` seconds, until a call is answered again.
     """
 
     def __init__(self, lost_after: float, *, by: int, store_rank: int | None = 0, store_pid: int = 0,

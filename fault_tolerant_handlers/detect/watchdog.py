@@ -487,7 +487,6 @@ def _stop_all() -> None:
         watchdog.stop(join_timeout=max(0.0, deadline - time.monotonic()))
 
 
-
 def start_watchdog(group=None, *, hang_timeout: timedelta | float | str | dict | None = None) -> Watchdog | None:
     """Start (once per process group) and return the watchdog, for a loop of your own; ``None``
     without distribution. Collective on first use for the group (it creates the side group): call it

@@ -415,7 +415,6 @@ class _Recovery:
         return self._left
 
 
-
 def _live_name_read_as_file(err: BaseException) -> str:
     """A hint when ``err`` is a file's absence under the name ``latest_checkpoint`` gave for live state."""
     if isinstance(err, OSError) and LIVE_NAME.split("{")[0] in str(err):

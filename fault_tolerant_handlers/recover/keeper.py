@@ -152,18 +152,15 @@ class Keeper:
 
     # -- in the child ---------------------------------------------------------------------------------
     def _write_attempt(self, count: int) -> None:
-        self.page.seek(0)
-        self.page.write(struct.pack("<q", count))
+        struct.pack_into("<q", self.page, 0, count)
 
     def _read_attempt(self) -> int:
-        self.page.seek(0)
-        return struct.unpack("<q", self.page.read(8))[0]
+        return struct.unpack_from("<q", self.page, 0)[0]
 
     def _lost(self) -> None:
         """In the child, before it kills itself as a lost rank (``FTH_INJECT``'s ``lose``): its keeper
         will not replace it, and its peers find no keeper for its rank (its key goes first)."""
-        self.page.seek(8)
-        self.page.write(struct.pack("<q", 1))
+        struct.pack_into("<q", self.page, 8, 1)
         store = _announced
         if store is not None:
             try:
@@ -172,8 +169,7 @@ class Keeper:
                 log(logging.WARNING, "could not withdraw this rank's keeper key: %s", err)
 
     def _read_lost(self) -> bool:
-        self.page.seek(8)
-        return struct.unpack("<q", self.page.read(8))[0] == 1
+        return struct.unpack_from("<q", self.page, 8)[0] == 1
 
     def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: Cause | None,
                order: spares.Order | None) -> None:
