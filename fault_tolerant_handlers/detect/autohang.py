@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from typing import Callable, Iterable
 
 from ..core import config
-from ..core.errors import PeerFailedError
-from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, cap_tail
-from .probes import Finding, hung_rank, waiting_on_peers
+from .probes import Finding, hung_finding, waiting_on_peers
 from .writes import writing_now
 
 #: Defaults of the rule (seconds, counts); each is an argument of :class:`AutoHangProbe`, and
@@ -112,12 +109,6 @@ class AutoHangProbe:
             if done == STEP:
                 self.steps += 1
 
-    def started(self, kind: str, now: float, step: int | None = None) -> None:
-        self.mark(kind, now, step)
-
-    def finished(self, now: float) -> None:
-        self.mark(None, now)
-
     # -- the rule ---------------------------------------------------------------------------------
     @property
     def warm(self) -> bool:
@@ -187,17 +178,10 @@ class AutoHangProbe:
         else:
             what, stalled, longest, longest_of = f"its {kind}", now - start, self.longest.get(kind, 0.0), kind
             lead = f"has run {stalled:.1f} s"
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
         at = f" at step {step}" if step is not None else ""
-        message = (f"{hung_rank(self.rank, self.pid, self.host)} hung: {what}{at} {lead}, "
-                   f"over the learned deadline of {limit:.1f} s "
-                   f"(longest {longest_of} so far: {longest:.2f} s)")
-        record = FailureRecord.declared(
-            rank=self.rank, kind=FailureKind.RANK_HUNG, message=message, by=self.rank, pid=self.pid, host=self.host,
-            traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
-            time_ms=int((self.wall() - stalled) * 1000), step=step,
-        )
-        return Finding(PeerFailedError.from_records([record]), declare=record, hung_self=True)
+        return hung_finding(self.rank, self.pid, self.host, frame, f"{what}{at} {lead}, over the learned deadline of "
+                            f"{limit:.1f} s (longest {longest_of} so far: {longest:.2f} s)",
+                            int((self.wall() - stalled) * 1000), step)
 
 
 def writing_checkpoint_explainer(frame) -> tuple[str, object] | None:

@@ -28,7 +28,7 @@ import sys
 import traceback
 from typing import Callable, Container
 
-from ..core.procfs import CLEAN_EXIT, PeerPidProbe  # noqa: F401 - the core's own probe, re-exported
+from ..core.procfs import PeerPidProbe  # noqa: F401 - the core's own probe, re-exported
 from ..core.config import HEARTBEAT_TIMEOUT_ENV, LEFT_CHECK_EVERY, MAX_CHECK_HOLD, SILENCE_POLL
 from ..core.errors import PeerFailedError
 from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Finding, cap_tail, declared_finding
@@ -254,23 +254,22 @@ class SelfHangProbe:
                 return None
         elif now - (self._waited[1] if self._waited is not None and self._waited[0] is progress else last) < limit:
             return None
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
         at = f" at step {step}" if step is not None else ""
         before = "" if warm else " before its first iteration completed (the start's deadline)"
-        message = (f"{hung_rank(self.rank, self.pid, self.host)} hung: its main thread made no progress for "
-                   f"{stalled:.1f} s{at}{before}")
-        record = FailureRecord.declared(
-            rank=self.rank, kind=FailureKind.RANK_HUNG, message=message, by=self.rank, pid=self.pid, host=self.host,
-            traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
-            time_ms=int(last_wall * 1000), step=step,
-        )
-        return Finding(PeerFailedError.from_records([record]), declare=record, hung_self=True)
+        return hung_finding(self.rank, self.pid, self.host, frame, f"its main thread made no progress for "
+                            f"{stalled:.1f} s{at}{before}", int(last_wall * 1000), step)
 
 
-def hung_rank(rank: int, pid: int, host: str) -> str:
-    """How a hung rank names itself in its report: ``rank 1 (pid 42 on node-b)``, or ``rank 1``
-    where the host is not known."""
-    return f"rank {rank} (pid {pid} on {host})" if host else f"rank {rank}"
+def hung_finding(rank: int, pid: int, host: str, frame, what: str, time_ms: int, step: int | None) -> Finding:
+    """This rank declares itself hung: ``rank 1 (pid 42 on node-b) hung: {what}`` (``rank 1`` where the
+    host is not known), with its main thread's stack from ``frame``."""
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
+    who = f"rank {rank} (pid {pid} on {host})" if host else f"rank {rank}"
+    record = FailureRecord.declared(
+        rank=rank, kind=FailureKind.RANK_HUNG, message=f"{who} hung: {what}", by=rank, pid=pid, host=host,
+        traceback=f"Main thread stack of rank {rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
+        time_ms=time_ms, step=step)
+    return Finding(PeerFailedError.from_records([record]), declare=record, hung_self=True)
 
 
 def main_thread_frame():

@@ -101,12 +101,9 @@ def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveRepo
     a spare); ``sessions``: the failed attempt's, whose records name the ranks lost."""
     gen = attempts.in_place()
     seconds = join_timeout.total_seconds()
-    # Every store call here runs on a thread of its own and is waited for within a deadline:
-    # c10d bounds waiting for a key, not a read from a store whose host or link is gone (that
-    # blocks for TCP's retransmission timeout, minutes). A rank that ends anyway (its cause is not
-    # recovered in place, or tells it is: the keeper's key) only tells its peers, within
-    # RECOVER_TELL_SEC; the others wait for each other within the join timeout (c10d's own
-    # timeout of a wait for a key comes first: this deadline is for a store that does not answer).
+    # Every store call runs on a thread of its own within a deadline (a read from a store whose host
+    # is gone blocks for minutes): RECOVER_TELL_SEC for a rank that only tells why it ends, the join
+    # timeout for the others.
     conn = Connection(lambda: store, timedelta(seconds=seconds + 5), "recover")
     bounded = Bounded(conn)
     started = time.monotonic()

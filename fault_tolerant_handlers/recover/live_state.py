@@ -529,29 +529,16 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
              device: Any = "cpu") -> Any:
     """Send the source's ``state`` to ``receivers``. Collective: every rank of ``group`` calls it
     with the same ``source``, ``receivers`` and ``chunk_bytes`` (those of one
-    :class:`~.causes.LivePlan`); with no receivers it returns at once on every rank.
-
-    The source sends a header (the structure as JSON, the length of every message), then its
-    tensors' bytes: a tensor of at least :data:`DIRECT_BYTES` straight from its memory in slices of
-    at most ``chunk_bytes``, smaller ones packed into chunks of at most ``chunk_bytes``. Each
-    segment is followed by the CRC-32 of everything sent so far, checked by each receiver before it
-    copies a packed chunk out (a slice lands in its tensor first). Receivers that hold a tensor of
-    the same dtype and shape at the same place write into it (any device); others get a new tensor
-    on ``device``. Failures are gathered once the last segment is through, and then every rank raises.
+    :class:`~.causes.LivePlan`); with no receivers it returns at once on every rank. The protocol:
+    the module's text.
 
     Args:
-        state: the source's state; on a receiver its own (stale) state to write into, or ``None``;
-            ignored elsewhere.
-        source: the group rank that sends (:attr:`LivePlan.source`).
-        receivers: group ranks that receive (:attr:`LivePlan.receivers`).
+        state: the source's state; on a receiver its own (stale) state to write into, or ``None``.
+        source, receivers: the group ranks that send and receive.
         group: the process group (default: the default group); it must carry CPU tensors (gloo).
-        checksum: the agreed checksum (:attr:`LivePlan.checksum`), or ``None``. Given, each
-            receiver also hashes the bytes as they arrive and checks that the state it rebuilt has
-            this :func:`checksum` (one more pass over the bytes on the receivers; the CRC alone
-            catches what the wire corrupts, this also a source whose state changed since the
-            agreement).
-        chunk_bytes: bytes per segment at most (and per staging buffer: each rank involved holds
-            at most two beyond the state).
+        checksum: the agreed checksum, or ``None``; given, each receiver also checks that the state
+            it rebuilt has it (one more pass over the bytes).
+        chunk_bytes: bytes per segment at most (and per staging buffer: two at most per rank).
         device: where a receiver puts a tensor it had no place for.
 
     Returns:
@@ -559,11 +546,8 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
         every other rank, ``state`` itself.
 
     Raises:
-        StateTransferError: on every rank, when any rank failed (a segment whose CRC differs, a
-            header that could not be read, a state without the agreed checksum, a source that could
-            not send); its ``failures`` name each. A receiver's state is then not to be trusted.
-        TypeError: on the source, a leaf that cannot be carried (its path named); the other ranks
-            raise :class:`StateTransferError` naming the source.
+        StateTransferError: on every rank, when any rank failed; its ``failures`` name each.
+        TypeError: on the source, a leaf that cannot be carried (its path named).
     """
     receivers = sorted(set(int(r) for r in receivers))
     if not receivers:

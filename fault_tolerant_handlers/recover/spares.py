@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import Any, Callable, ClassVar
 
 from ..core import attempts, compat_torch, config
-from ..core.config import RECOVER_TELL_SEC, SPARE_WAIT_ENV  # noqa: F401 - its variable, named where the wait is
+from ..core.config import RECOVER_TELL_SEC
 from ..core.errors import RecoveryError
 from ..core.log import first_line, log
 from ..core.failure import WORLD, FailureKind, Stored, cap_head, host_name
