@@ -192,10 +192,8 @@ class LivenessProcess:
     def start(self) -> LivenessProcess:
         if not sys.platform.startswith("linux"):
             return self
-        # Connected by the helper after the fork, never by the rank: 8 ranks connecting at once to a
-        # busy store's host took seconds each, and a rank waiting for it missed its first collective.
-        # A peer judges this heartbeat only once it has beaten (HeartbeatProbe), so a late first beat
-        # is no false alarm.
+        # Connected by the helper after the fork, never by the rank (a slow connect would hold up its
+        # first collective); a peer judges a heartbeat only once it has beaten: a late first beat is fine.
         conn = self.session.connection("helper", HELPER_STORE_TIMEOUT, backoff=True)
         schema = Schema(conn, self.session.schema.world_size)
         read_fd, write_fd = os.pipe()

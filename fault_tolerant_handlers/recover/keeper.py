@@ -101,10 +101,8 @@ def run(recovery: _Recovery, args: tuple, kwargs: dict) -> Any:
 
 @functools.cache
 def _warn_group_made_before() -> None:
-    """Once per process: under torchrun, ``recover_in_place`` called inside a process group that exists
-    already (the documented ``idist.Parallel`` form: ``p.run(recover_in_place(training), cfg)``) cannot
-    replace a killed rank: the process torchrun started is the rank itself, and a keeper must fork before
-    any group exists (a forked copy of a gloo context has none of its threads). Say the line to change."""
+    """Once per process: ``recover_in_place`` called inside a process group that exists already cannot
+    replace a killed rank (a keeper must fork before any group exists): say the line to change."""
     log(logging.WARNING, "recover_in_place was called inside a process group that exists already, so a killed rank "
         "(SIGKILL, the OOM killer, a segfault) cannot be replaced in place and ends the job (exceptions and hangs in "
         "Python still recover in place). To recover it too, wrap the function that makes the group instead: "
