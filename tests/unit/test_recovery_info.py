@@ -168,6 +168,14 @@ def test_a_cause_carries_its_kind_through_the_store():
     assert cause_of(peer, 0, [state]).failure_kind is FailureKind.RANK_HUNG
     hung = cause_of(HangInterrupted("RankHung: rank 1"), 1, [state])
     assert (hung.exc_type, hung.message, hung.own) == ("HangInterrupted", "RankHung: rank 1", True)
+    # this rank's own signal, as its failure state holds it: not recovered in place, whatever it raised
+    from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE
+    signalled = FailureState()
+    signalled.signalled(PeerFailedError.from_records([FailureRecord.declared(
+        rank=0, kind=FailureKind.RANK_SIGNALLED, message="rank 0 received SIGTERM", by=0)]))
+    own = cause_of(RuntimeError("interrupted"), 0, [signalled])
+    assert own.failure_kind is FailureKind.RANK_SIGNALLED and own.not_in_place == NOT_IN_PLACE[FailureKind.RANK_SIGNALLED]
+    assert not cause_of(RuntimeError("interrupted"), 0).not_in_place
     assert Cause.from_json(hung.to_json(), 2) == hung
     forged = dataclasses.replace(hung, kind="Bogus")
     assert Cause.from_json(forged.to_json(), 2).failure_kind is FailureKind.RAISED  # an unknown kind: not believed
