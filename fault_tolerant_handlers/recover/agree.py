@@ -6,10 +6,9 @@ whether the job recovers and from which state; every rank follows that :class:`~
 Every store call is bounded by the join timeout (``FTH_RECOVER_JOIN_SEC``), each on a thread of its
 own (a read from a store whose host or link is gone would block for minutes). A rank whose cause is
 not recovered in place (a rank or the store lost, a signal) only tells the others why, within
-:data:`~..core.config.RECOVER_TELL_SEC` (2 s), and ends: a rank cut off from the store ends as soon
-as it has named the cause. A rank lost with no keeper to
-replace it gets a spare where the job has some (:class:`.spares.Claims`); a rank whose seat a spare
-took never takes part again.
+:data:`~..core.config.RECOVER_TELL_SEC` (2 s), and ends. A rank lost with no keeper to replace it
+gets a spare where the job has some (:class:`.spares.Claims`); a rank whose seat a spare took never
+takes part again.
 """
 
 from __future__ import annotations
@@ -101,9 +100,7 @@ def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveRepo
     a spare); ``sessions``: the failed attempt's, whose records name the ranks lost."""
     gen = attempts.in_place()
     seconds = join_timeout.total_seconds()
-    # Every store call runs on a thread of its own within a deadline (a read from a store whose host
-    # is gone blocks for minutes): RECOVER_TELL_SEC for a rank that only tells why it ends, the join
-    # timeout for the others.
+    # RECOVER_TELL_SEC for a rank that only tells why it ends, the join timeout for the others
     conn = Connection(lambda: store, timedelta(seconds=seconds + 5), "recover")
     bounded = Bounded(conn)
     started = time.monotonic()
