@@ -82,15 +82,10 @@ class HeartbeatProbe:
     for ``limit`` seconds of **observed** time (once it has beaten at all) is declared silent.
 
     Observed time is the time between two polls that both got their answers, at most
-    :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow (a busy store,
-    a loaded machine), the successor's beats may be slow for the same reason, so that time is no
-    evidence of its silence and is not counted.
-
-    A watched rank that stopped its watchdog cleanly (``left/<rank>``, written before its helper
-    stops beating: it finished first) is neither warned about nor declared: the store is asked
-    once its silence is worth a warning or a declaration, and again at most once per
-    :data:`LEFT_CHECK_EVERY` seconds while it stays still; its counter moving again (it watches
-    again) starts over."""
+    :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow, the
+    successor's beats may be slow for the same reason, so that time is not counted. A watched rank
+    that stopped its watchdog cleanly (``left/<rank>``, asked at most every :data:`LEFT_CHECK_EVERY`
+    seconds while it stays still) is neither warned about nor declared."""
 
     def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
                  limit: float, host: str = "", running: Callable[[], bool] | None = None, beats: bool = True) -> None:
@@ -139,10 +134,8 @@ class HeartbeatProbe:
                     self.successor, self.silent)
             self.value, self.silent, self.warned, self.left, self.left_checked_at = value, 0.0, False, False, None
             if self.running is None:
-                # On another host (its silence is all there is to see): a beat seen SILENCE_POLL after
-                # a read that had not seen it, the next read lands just before the next beat is due,
-                # then every SILENCE_POLL until it moves (below); so a silence counts from within
-                # SILENCE_POLL of the last beat, for a second read a period.
+                # On another host: the next read lands just before the next beat is due, then every
+                # SILENCE_POLL until it moves, so a silence counts from within SILENCE_POLL of the last beat.
                 self.next_at = now + (self.period - SILENCE_POLL if stood else SILENCE_POLL)
             return None
         if value > 0 and not self.left and self.running is None:  # standing still: read again soon,
@@ -219,13 +212,9 @@ class SelfHangProbe:
     hung rank is the peer, which declares itself): ``RankHung`` with the main thread's stack.
 
     Time seen waiting is not held against it (the stall counts from the last poll that saw it
-    waiting): a rank released from a hung peer's collective is not hung while it handles the
-    failure. A wait of ``2 x hang_timeout + margin`` is declared all the same (no rank declared
-    itself: one stuck in C holding the GIL, a collective every rank waits in).
-
-    Until ``warm()`` (the first iteration completed) the deadline is ``start_timeout`` instead: a
-    slow start (DataLoader workers starting, DDP's first pass, a cold store, 8 ranks importing on a
-    loaded machine) is not a hang."""
+    waiting); a wait of ``2 x hang_timeout + margin`` is declared all the same (no rank declared
+    itself: one stuck in C holding the GIL, a collective every rank waits in). Until ``warm()``
+    (the first iteration completed) the deadline is ``start_timeout``: a slow start is not a hang."""
 
     def __init__(self, rank: int, pid: int, hang_timeout: float, *, margin: float,
                  progress: Callable[[], tuple[float, float, int | None]], frame: Callable[[], object],

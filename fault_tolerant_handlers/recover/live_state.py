@@ -228,12 +228,9 @@ def _pieces(flat: torch.Tensor, stage: list) -> Iterator[memoryview]:
 
 
 def checksum(state: Any) -> str:
-    """A digest of ``state``: 32 hex characters, the same in every process for the same state.
-
-    It covers the structure (container types, keys and their order, dtypes and shapes, non-tensor
-    leaves) and every tensor's bytes (not its device, not ``requires_grad``). A contiguous tensor on
-    the CPU is read in place; one on another device through one buffer of
-    :data:`DEFAULT_CHUNK_BYTES`; a non-contiguous one is made contiguous first (a copy of it).
+    """A digest of ``state``: 32 hex characters, the same in every process for the same state. It
+    covers the structure (container types, keys and their order, dtypes and shapes, non-tensor
+    leaves) and every tensor's bytes (not its device, not ``requires_grad``), read in place on the CPU.
 
     Raises:
         TypeError: a leaf live state cannot carry, naming its path (``state['opt']['x']``).
