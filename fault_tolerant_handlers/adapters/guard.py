@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 import torch.distributed as dist
 
 from ..core import config, interrupts, recoveries
-from ..core.log import first_line, log
+from ..core.hooks import first_line, log
 from ..core.errors import PeerFailedError
 from ..core.sections import check_name
 from ..core.failure import tag, tag_of

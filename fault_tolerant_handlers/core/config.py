@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from datetime import timedelta
 
 from . import attempts, inject
-from .log import log
+from .hooks import log
 
 #: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`..detect.autohang`).
 AUTO = "auto"

@@ -70,7 +70,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Sequence
 
-from .log import log
+from .hooks import log
 
 #: In a field's bounds (:func:`decode`): the upper bound of a rank of the reader's world (below its size).
 WORLD = "world"

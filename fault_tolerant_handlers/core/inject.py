@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .log import log
+from .hooks import log
 from . import attempts, hooks
 
 #: The environment variable the adapters read.

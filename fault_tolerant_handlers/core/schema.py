@@ -60,8 +60,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from . import attempts, interrupts, release
-from .log import first_line, log
+from . import attempts, interrupts
+from .hooks import first_line, log
 from .failure import FailureRecord, sanitize
 
 KEY_COUNT = "n"
@@ -414,7 +414,7 @@ def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0, *, busy_too: bo
         worker.stuck = True  # no further call is given to it ...
         worker._stopped = True  # ... and it ends as soon as its call returns
     if workers:
-        release.cut_connections_to(keep_ports)
+        interrupts.cut_connections_to(keep_ports)
     deadline = time.monotonic() + wait
     for worker in workers:
         worker._thread.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -8,7 +8,7 @@ from types import TracebackType
 import torch.distributed as dist
 
 from . import inject
-from .log import first_line, log
+from .hooks import first_line, log
 from .compat_torch import is_backend_error
 from .errors import PeerFailedError
 from .failure import tag, tag_of

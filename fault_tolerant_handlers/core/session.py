@@ -52,11 +52,10 @@ from . import attempts, config, hooks, schema as _schema
 from .agreement import MAX_FLAG, pack_agreement, section_hash, unpack_agreement
 from .errors import PeerFailedError, RecoveryError, SectionMismatchError
 from .failure import FailureKind, FailureRecord, FailureState, Incident, host_name, tag, tag_of
-from .log import first_line, log
-from .procfs import PeerPidProbe
-from .ranks import (RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout,
+from .hooks import first_line, log
+from .procfs import (PeerPidProbe, RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout,
                     normalize_address, own_address)
-from .release import listens_here, release_process_groups, store_peer_address, store_ports, teardown_at_exit
+from .interrupts import listens_here, release_process_groups, store_peer_address, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port, store_evidence
 from .config import (BACKGROUND_CONNECT_TIMEOUT, EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT,  # timings: the table
                      LEAVE_WAIT, MAIN_STORE_TIMEOUT, MISMATCH_WAIT, SUSPECT_OBSERVED_GAP, SUSPECT_SILENCE)  # in .config
@@ -177,7 +176,7 @@ class Session:
 
     def release_collectives(self) -> str:
         """Release this process's blocked collectives (a peer's failure, or its own): what was cut."""
-        return release_process_groups(self._pg_store)
+        return release_process_groups(self._pg_store, self.config.release)
 
     def connection(self, name: str, timeout: timedelta, *, backoff: bool = False,
                    prefix: str | None = None) -> Connection:

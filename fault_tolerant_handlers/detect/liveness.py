@@ -14,7 +14,7 @@ helper process, forked when the watchdog starts, that every :data:`~.watchdog.HE
   error file, torch.multiprocessing's, and tells the rank's peers on every host with a ``PeerLost``
   record (``rank 1 (pid 4242 on node-b) lost: killed by SIGKILL``);
 * runs the :class:`~.probes.HeartbeatProbe` on its ring successor (and, when the successor is on
-  another host, on every rank of that host: :meth:`~..core.ranks.RankTable.watched`): a rank whose
+  another host, on every rank of that host: :meth:`~..core.procfs.RankTable.watched`): a rank whose
   counter stands still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` (2 s) is declared lost, once, with a
   record its peers' watchdogs read within a poll. Across hosts this is how a host that died or
   whose link was cut is named by the connected side, every rank of it. A counter is read a little
@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Callable
 
 from ..core import hooks
 from ..core import procfs as _procfs
+from ..core.procfs import RankTable
 from ..core.config import ZOMBIE_HOLD
 from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT  # timings: the table in core.config
-from ..core.log import log
-from ..core.ranks import RankTable
+from ..core.hooks import log
 from ..core.failure import FailureRecord
 from ..core.schema import Schema
 from .probes import HeartbeatProbe

@@ -16,7 +16,7 @@ while the main thread may be stuck in a collective, and escalate what they find.
 
 A finding about another rank makes the session's incident a peer failure (the adapters raise it at
 their next hook) and starts the **escalation** (``fth-escalate``): release this process's
-collectives (:mod:`..core.release`), so that a main thread blocked in one fails at once; then, if the
+collectives (:mod:`..core.interrupts`), so that a main thread blocked in one fails at once; then, if the
 main thread has not taken the failure (``Session.acknowledge``) within ``exit_grace``, a **reported
 exit**: the report goes to stderr and the log, child processes (DataLoader workers) are killed, and
 the process ends with :data:`EXIT_PEER_FAILED`. A checkpoint write under way in the main thread
@@ -49,7 +49,7 @@ from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted
 from ..core.failure import FailureKind, Incident
 from ..core.session import Session, get_session
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
-from ..core.log import first_line, log
+from ..core.hooks import first_line, log
 from .liveness import LivenessProcess
 from .liveness import kill_all as kill_all_liveness
 from .probes import (Finding, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,

@@ -19,7 +19,7 @@ from fault_tolerant_handlers import PeerFailedError, fail_together, one_rank_fir
 from fault_tolerant_handlers.core import config
 from fault_tolerant_handlers.core import session as session_mod
 from fault_tolerant_handlers.core.failure import (Ended, FailureKind, FailureRecord, MAX_RECORD_BYTES, MAX_TRACEBACK_CHARS)
-from fault_tolerant_handlers.core.ranks import RankTable
+from fault_tolerant_handlers.core.procfs import RankTable
 
 
 def test_without_distribution_sections_are_plain(monkeypatch):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fault_tolerant_handlers.core import session as session_mod
-from fault_tolerant_handlers.core.ranks import RankTable
+from fault_tolerant_handlers.core.procfs import RankTable
 from fault_tolerant_handlers.core.failure import FailureRecord
 
 from launch import free_port
