@@ -2,55 +2,23 @@
 
 A failure is one :class:`FailureRecord`: its kind (:class:`FailureKind`), the rank, the exception's
 type, message and traceback, where (section, step, epoch), when, the process (pid, host) and how it
-ended (:class:`Ended`). The detectors declare one, a failing rank publishes one (bounded JSON in the
-c10d store, :meth:`FailureRecord.to_json` / :meth:`FailureRecord.from_json`), every other rank
-raises a :class:`PeerFailedError` that carries it (``err.record``), and the attempt's
-:class:`FailureState` keeps the first as its :attr:`~FailureState.cause`, which the recovery reads.
+ended (:class:`Ended`). ``origin`` says who wrote it: ``"failure"`` (the rank failed itself) or
+``"declared"`` (rank ``by`` declares rank ``rank`` lost, silent or hung; a hung or signalled rank
+declares itself). Kinds are data: code decides on :attr:`FailureRecord.kind` and ``ended``, never
+on message text. The detectors declare one, a failing rank publishes one, every other rank raises a
+:class:`PeerFailedError` that carries it (``err.record``).
 
-The store is unauthenticated and shared by every process of the job, so a record is plain JSON with
-a cap on every text field, and :meth:`FailureRecord.from_json` rejects (with a warning naming the
-store key) anything too large, not JSON, of another version, of the wrong shape or out of range (a
-rank outside the world, an absurd time or counter). Text read back is sanitised before it can reach
-a log: control characters (terminal escapes), format characters and lone surrogates are replaced.
-Nothing read from the store is ever unpickled or executed.
+The store is unauthenticated and shared by every process of the job: a record is plain JSON written
+and read by the one codec (:func:`encode`, :func:`decode`), every field bounded and range-checked,
+text sanitised before it can reach a log; nothing read is ever unpickled or executed.
 
-A record says where it came from in ``origin``:
-
-* ``"failure"``: the rank ``rank`` failed itself (in section ``section``, at agreement ``seq`` when
-  the failure went through one);
-* ``"declared"``: rank ``by`` declares rank ``rank`` lost, silent or hung (``exc_type`` is the
-  :class:`FailureKind`'s value: ``PeerLost``, ``PeerSilent``, ``RankHung``, ``RankSignalled``; a
-  hung or signalled rank declares itself).
-
-Kinds are data, messages are for people: code decides on :attr:`FailureRecord.kind` and ``ended``,
-never on message text. A record without ``ended``, or with one out of range, is read with ``ended``
-``None``.
-
-**The failure state** (:class:`FailureState`, one per process group and attempt:
-:attr:`.session.Session.failure`) answers "has this job failed?". Everything that learns of a
-failure drives it through a named transition; nothing else writes its fields:
-
-* :meth:`~FailureState.failed_here`: this rank failed itself, its exception published
-  (``Session.report_error``) or found hung by the watchdog (``told=False``);
-* :meth:`~FailureState.peer_failed`: the watchdog found a peer's failure
-  (``Session.take_peer_failure``); returns the incident to escalate, or ``None``;
-* :meth:`~FailureState.signalled`: this rank's own SIGTERM/SIGINT is the cause
-  (``launchers/signals.py``); returns whether it was the first;
-* :meth:`~FailureState.acknowledged`: the main thread takes a peer's failure and raises it
-  (``Session.acknowledge``);
-* :meth:`~FailureState.agreement_ended`: an agreement ended (``Session.agree``); a fresh incident
-  begins; returns the incident it ended.
-
-The first failure wins: it is the attempt's :attr:`~FailureState.cause`. The **incident** is
-narrower: what this process knows of the failure under way since the last agreement (a peer's
-error, whether this rank failed itself, whether the main thread took it). An agreement ends it, so
-that a failure user code caught never blinds the watchdog to the next one;
-:attr:`~FailureState.delivered` (a failure reached this rank's main thread) stays.
-
-The **tag** (:class:`Tag`, under one attribute, read with :func:`tag_of`, set with :func:`tag`) is
-what the library learned of an exception object: the record this rank published for it, the
-incident an agreement delivered it in, that it came out of an agreement, that an adapter handled
-it, that Lightning's exception path was finished for it.
+The attempt's :class:`FailureState` (one per process group: :attr:`.session.Session.failure`)
+answers "has this job failed?" and is driven through named transitions (:meth:`~FailureState.failed_here`,
+:meth:`~FailureState.peer_failed`, :meth:`~FailureState.signalled`, :meth:`~FailureState.acknowledged`,
+:meth:`~FailureState.agreement_ended`). The first failure is its :attr:`~FailureState.cause`; the
+**incident** is what this process knows since the last agreement, which ends it, so that a failure
+user code caught never blinds the watchdog to the next one. The **tag** (:class:`Tag`,
+:func:`tag_of`, :func:`tag`) is what the library learned of one exception object.
 """
 
 from __future__ import annotations

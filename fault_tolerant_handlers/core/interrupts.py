@@ -42,8 +42,7 @@ from .hooks import log
 
 _pending: BaseException | None = None  # delivered, not yet taken by the recovery
 #: The recovery took the interrupt (:func:`take`) and has not called the training function again
-#: (:func:`arm`): the main thread is in the recovery, and a later interrupt (a peer's watchdog that
-#: declared its own rank hung behind the hung one, a moment after) has nothing to interrupt.
+#: (:func:`arm`): a later interrupt has nothing to interrupt.
 _taken = False
 _depth = 0  # the main thread's deferred sections, nested
 _deferred_at: float | None = None  # when the pending interrupt first found the main thread in one
@@ -72,18 +71,12 @@ class deferred_interrupt(ContextDecorator):  # noqa: N801 - used like a function
     """Context manager (or decorator): the interrupt of a hung main thread waits until the section ends.
 
     Recovering in place, a rank hung in Python is interrupted where it hangs
-    (:class:`~fault_tolerant_handlers.HangInterrupted`). Inside this section the interrupt waits: it
-    is raised as the outermost section ends, so the section is never left half done. The library's
-    own checkpoint writes (:class:`~fault_tolerant_handlers.ignite.SafeDiskSaver`, the Lightning
-    callback's strategy saves, :func:`~fault_tolerant_handlers.writing_checkpoint` blocks) and its
-    main-thread store calls run inside one.
-
-    The wait is bounded: a section still running ``FTH_INTERRUPT_DEFER_SEC`` (30 s) after the
-    interrupt first arrived is interrupted inside it, so that a section that hangs itself does not
-    keep the rank out of the recovery (its peers wait ``FTH_RECOVER_JOIN_SEC``, 60 s, for it).
-    Sections nest; they count in the main thread only (the interrupt goes nowhere else): in another
-    thread this is a no-op. Outside ``recover_in_place`` nothing is ever interrupted, and a section
-    costs two attribute updates.
+    (:class:`~fault_tolerant_handlers.HangInterrupted`); inside this section the interrupt is raised
+    as the outermost section ends, so the section is never left half done. The library's checkpoint
+    writes and main-thread store calls run inside one. The wait is bounded: a section still running
+    ``FTH_INTERRUPT_DEFER_SEC`` (30 s) after the interrupt arrived is interrupted inside it (its
+    peers wait ``FTH_RECOVER_JOIN_SEC`` for the rank). Sections nest and count in the main thread
+    only; outside ``recover_in_place`` nothing is ever interrupted.
 
     Examples:
         .. code-block:: python
@@ -223,9 +216,8 @@ def resend() -> bool:
 
 
 def take() -> BaseException | None:
-    """The recovery takes the interrupt (whatever ended the attempt): it is no longer pending, and no
-    later signal raises it; no later :func:`interrupt` is accepted until :func:`arm`. Returns it, if
-    there was one."""
+    """The recovery takes the interrupt, if any (returned): no later signal raises it and no
+    :func:`interrupt` is accepted until :func:`arm`."""
     global _pending, _deferred_at, _taken
     with _lock:  # against interrupt(): after this, none is accepted (never taken in the handler)
         err, _pending, _deferred_at, _taken = _pending, None, None, True
@@ -249,9 +241,7 @@ def _clear() -> None:
     _pending, _deferred_at, _taken = None, None, False
 
 
-def _after_fork_in_child() -> None:
-    # A child (a DataLoader worker, a replacement rank) starts with nothing pending and no section
-    # open: its main thread is the thread that forked.
+def _after_fork_in_child() -> None:  # a child starts with nothing pending and no section open
     global _depth, _lock
     _lock = threading.Lock()
     _depth = 0
@@ -392,9 +382,8 @@ def _shutdown(fds: list[int], inodes: dict[int, int]) -> int:
     return cut
 
 
-#: Sockets this process shares with the process it was forked from (a keeper's training child):
-#: ``shutdown()`` acts on the socket, not the descriptor, so cutting one here would break it in the
-#: other process too (the keeper's own store client, made before ``recover_in_place``). Never cut.
+#: Sockets this process shares with the process it was forked from (a keeper's training child): a
+#: ``shutdown()`` would cut them in that process too. Never cut.
 _spared: set[int] = set()
 
 

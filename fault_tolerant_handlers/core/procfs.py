@@ -48,8 +48,7 @@ def is_running(fields: list[str] | None) -> bool:
 
 
 def exiting(fields: list[str] | None) -> bool:
-    """The process has begun to exit (``PF_EXITING``): set at once, before its files close and
-    before it is a zombie (a killed process is not waitable until its last thread is gone)."""
+    """The process has begun to exit (``PF_EXITING``): set before its files close and before it is a zombie."""
     try:
         return fields is not None and bool(int(fields[FLAGS]) & PF_EXITING)
     except (IndexError, ValueError):
@@ -83,8 +82,7 @@ def process_state(pid: int) -> Ended | None:
 
 def ended(pid: int, within: float) -> Ended | None:
     """How ``pid`` ended (:func:`process_state`), waiting up to ``within`` seconds while it is in
-    its exit but not yet a zombie (its files, a pipe, close before the kernel shows its exit
-    status). ``None`` when it runs and is not exiting."""
+    its exit but not yet a zombie. ``None`` when it runs and is not exiting."""
     deadline = time.monotonic() + within
     while True:
         how = process_state(pid)
@@ -106,17 +104,14 @@ def unreported(how: Ended) -> bool:
 
 
 # -- the one probe the core runs itself ----------------------------------------------------------------
-#: How :func:`process_state` says a process ended cleanly: not a failure (a rank that
-#: finished first); if this rank then waits on it, the broken collective names it.
+#: How :func:`process_state` says a process ended cleanly: not a failure (a rank that finished first).
 CLEAN_EXIT = Ended(exit_code=0)
 
 
 class PeerPidProbe:
     """Peers on this host, by pid: a process that is gone is declared lost (with the signal when
-    the kernel still shows it; a clean exit is not a failure). A system call per peer; the store is
-    asked only about a peer gone with no exit status to see (a launcher that reaps at once):
-    ``left(rank)`` true (it stopped its watchdog cleanly first: ``left/<rank>``) means it finished
-    first, and it is no longer watched."""
+    the kernel still shows it; a clean exit is not a failure). The store is asked only about a peer
+    gone with no exit status to see: ``left(rank)`` true means it finished first (no longer watched)."""
 
     def __init__(self, peers: Sequence[tuple[int, int]], *, by: int, host: str,
                  state: Callable[[int], Ended | None] = process_state,
@@ -136,11 +131,7 @@ class PeerPidProbe:
                 continue
             if self.after_failure() and not state.killed:
                 continue  # a peer that ended after the failure was agreed: the job is ending
-            if state.unseen and self._left(rank):
-                # gone, its exit status not visible (a launcher that reaps at once), after it
-                # finished first: no failure, and no longer watched. A status that shows a failure
-                # (a signal, a non-zero code: ``sys.exit(1)`` under ``mp.spawn`` leaves no uncaught
-                # exception for the left mark to see) is declared, left mark or not.
+            if state.unseen and self._left(rank):  # a status that shows a failure is declared, left or not
                 self.peers.remove((rank, pid))
                 continue
             return declared_finding(FailureRecord.lost(rank=rank, pid=pid, host=self.host, why=state, by=self.by))
@@ -298,10 +289,8 @@ class RankTable:
 
     def watched(self) -> list[int]:
         """The members whose heartbeat this rank's helper watches: its ring successor and, when the
-        successor is on another host, every other member of that host too. A host cut off whole
-        takes with it the watchers of its own members after the first; the last rank before it
-        (on a host that still reaches the store) watches them all, so each is named, not only the
-        first (a spare is then called for each)."""
+        successor is on another host, every other member of that host too (a host cut off whole
+        takes its own watchers with it: each of its ranks is still named)."""
         successor = self.successor()
         if successor == self.rank:
             return []

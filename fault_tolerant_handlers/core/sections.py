@@ -50,11 +50,10 @@ def conclude(session: Session, kind: str, name: str, exc: BaseException | None, 
         explained = session.classify(failure)
         if explained is not None:
             return _peer(session, explained, step)
-    outcome = session.agree(kind, name, None if peer is not None else failure, step=step, epoch=epoch, peer=peer)
+    err = session.agree(kind, name, None if peer is not None else failure, step=step, epoch=epoch, peer=peer)
     if failure is not None and peer is None:
         tag(failure, agreed=True)
         return failure
-    err = outcome.error_for_caller()
     return None if err is None else _peer(session, err, step)
 
 

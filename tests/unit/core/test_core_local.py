@@ -196,7 +196,7 @@ def test_a_signal_a_rank_declared_itself_comes_before_the_keyboard_interrupt_it_
     ],
 )
 def test_the_two_integer_agreement_carries_the_flag_and_catches_ranks_out_of_step(ranks, failed, in_step):
-    from fault_tolerant_handlers.core.agreement import pack_agreement, unpack_agreement
+    from fault_tolerant_handlers.core.session import pack_agreement, unpack_agreement
 
     packed = [pack_agreement(*r) for r in ranks]
     flag, same = unpack_agreement(max(p[0] for p in packed), max(p[1] for p in packed))
