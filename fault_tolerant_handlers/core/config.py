@@ -82,10 +82,8 @@ SETTINGS = (
     Setting("FTH_WATCHDOG_INTERVAL_SEC", "interval", "seconds", 0.1 * _S, "watchdog poll period", 0.01, 10),
     Setting("FTH_HANG_TIMEOUT_SEC", "hang_timeout", "hang", None, "opt-in hang detection (where `hang_timeout` is "
             "`None`); `auto`: the learned deadline", 1, 7 * 86400, shown="off"),
-    # The start (until the first iteration completes) is not judged by hang_timeout: at 8 ranks on a
-    # loaded machine it took 78 s here (imports, the side group, DDP's first pass), and a compile takes
-    # minutes on a GPU. Ten minutes still names a rank stuck at start before a 30-minute collective
-    # timeout would.
+    # a start takes minutes (a compile); ten minutes still names a rank stuck at start before a
+    # 30-minute collective timeout would
     Setting("FTH_START_TIMEOUT_SEC", "start_timeout", "seconds", 600 * _S, "a duration `hang_timeout` applies from "
             "the first completed iteration; before it, this deadline (a slow start is not a hang)", 1, 7 * 86400),
     Setting("FTH_AUTO_HANG_MULTIPLE", "auto_hang_multiple", "number", 10.0, "`auto`: a kind of work's deadline is "
@@ -120,14 +118,10 @@ SETTINGS = (
             expected="0 (resume from the newest checkpoint) or 1 (from the ranks' live state, the default)"),
     Setting("FTH_RECOVER_JOIN_SEC", "recover_join_timeout", "seconds", 60 * _S, "recovering in place: every rank "
             "must reach the recovery this soon after rank 0 (`join_timeout` where given)", 1, 86400),
-    # One request to the store per wait, and an order is seen as soon as it is written, whatever this
-    # is (the store answers a waiter when its key is set); a store that goes away ends the wait at once.
     Setting("FTH_SPARE_WAIT_SEC", "spare_wait", "seconds", 60 * _S, "`recover_in_place(spares=k)`: a spare waits "
             "for its order in blocking store waits of this long (an order is seen at once whatever it is; it "
             "bounds how often c10d logs the wait's timeout) ([recovering](recovering.md#spares))", 1, 3600),
-    # Below the peers' FTH_RECOVER_JOIN_SEC with room for the exception path, so that a section that
-    # hangs itself still lets the rank reach the recovery in time. A checkpoint write of more than this
-    # is interrupted (its file is either complete or a temporary file latest_checkpoint skips).
+    # below the peers' FTH_RECOVER_JOIN_SEC, so that a section that hangs still lets the rank recover
     Setting("FTH_INTERRUPT_DEFER_SEC", "interrupt_defer", "seconds", 30 * _S, "recovering in place: a deferred "
             "section (a checkpoint write, a store call, `deferred_interrupt`) holds a hung rank's interrupt back "
             "this long at most, from its first arrival; then it is interrupted inside", 0.1, 3600),
@@ -229,8 +223,7 @@ _DHMS = re.compile(r"\s*(\d+):(\d+):(\d+):(\d+)\s*")
 
 def _as_timedelta(value: object) -> timedelta | None:
     """A number of seconds, a ``"DD:HH:MM:SS"`` string or a dict of ``timedelta`` arguments (the
-    forms Lightning's ``Timer(duration=...)`` takes, for YAML, LightningCLI and Hydra configs) as a
-    ``timedelta``; ``None`` for anything else."""
+    forms Lightning's ``Timer(duration=...)`` takes) as a ``timedelta``; ``None`` for anything else."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return timedelta(seconds=value) if math.isfinite(value) and abs(value) < 1e12 else timedelta.max
     if isinstance(value, str):
@@ -314,8 +307,7 @@ _warned: set[str] = set()
 
 
 def warn_once(message: str) -> None:
-    """A configuration warning, once per process (every session reads the configuration again: a
-    job that makes several, or recovers in place, would repeat it at each)."""
+    """A configuration warning, once per process (every session reads the configuration again)."""
     if message not in _warned:
         _warned.add(message)
         log(logging.WARNING, "%s", message)

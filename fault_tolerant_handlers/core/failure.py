@@ -46,15 +46,13 @@ WORLD = "world"
 
 # -- kinds as data -----------------------------------------------------------------------------------
 _SIGNAL_NAMES = {int(s): s.name for s in _signal.Signals}
-#: Largest signal number (Linux: 64, the last real-time signal) and exit code an :class:`Ended`
-#: read back from the store may carry.
+#: Largest signal number and exit code an :class:`Ended` read back from the store may carry.
 MAX_SIGNAL = 64
 MAX_EXIT_CODE = 255
 
 
 class FailureKind(str, Enum):
-    """The kind of a failure. Its value is the name records and messages have always shown (a
-    declared record's ``exc_type``), so the JSON in the store and the messages keep their text."""
+    """The kind of a failure; its value is a declared record's ``exc_type``, as records and messages show it."""
 
     #: A rank raised an exception (``exc_type`` names its type).
     RAISED = "raised"
@@ -82,8 +80,7 @@ class FailureKind(str, Enum):
 
     @classmethod
     def of(cls, exc_type: str, origin: str) -> FailureKind:
-        """The kind of a record or error of ``origin`` whose ``exc_type`` is ``exc_type``: a declared
-        one's ``exc_type`` is its kind; anything else is an exception a rank raised."""
+        """The kind of a record of ``origin`` whose ``exc_type`` is ``exc_type`` (a declared one's is its kind)."""
         if origin == "declared":
             try:
                 return cls(exc_type)
@@ -162,8 +159,8 @@ def is_int(value: Any) -> bool:
 
 
 class Stored:
-    """A frozen dataclass the store holds: what it costs is its fields and their ``BOUNDS``; the one
-    codec (:func:`encode`, :func:`decode`) writes and reads it."""
+    """A frozen dataclass the store holds, written and read by the one codec (:func:`encode`,
+    :func:`decode`) within its fields' ``BOUNDS``."""
 
     #: Larger than this (bytes), it is ignored unread.
     MAX_BYTES: ClassVar[int] = 8 * 1024
@@ -310,9 +307,8 @@ class FailureRecord(Stored):
 
     @classmethod
     def lost(cls, *, rank: int, pid: int, host: str, why: str | Ended, by: int) -> FailureRecord:
-        """Rank ``by`` says rank ``rank`` (process ``pid`` on ``host``) is lost (``PeerLost``):
-        ``rank 1 (pid 4242 on node-b) lost: killed by SIGKILL``. ``why``: how its process ended
-        (carried by the record as ``ended``), or what was seen of a rank not seen to end."""
+        """Rank ``by`` says rank ``rank`` (process ``pid`` on ``host``) is lost (``PeerLost``); ``why``:
+        how its process ended (the record's ``ended``), or what was seen of a rank not seen to end."""
         ended = why if isinstance(why, Ended) else None
         how = why if ended is None else ended.describe()
         return cls.declared(rank=rank, kind=FailureKind.PEER_LOST, by=by, pid=pid, host=host, ended=ended,
@@ -327,8 +323,7 @@ class FailureRecord(Stored):
         "by": (0, WORLD), "origin": 20}
 
     def problem(self, world: int) -> str | None:
-        """What the field bounds cannot say: a known origin, a time near the reader's, a declared
-        record's declaring rank and kind."""
+        """What the field bounds cannot say."""
         if self.rank is None:
             return "field 'rank' must be an int"
         if self.origin not in ORIGINS:
@@ -527,10 +522,7 @@ class PeerFailedError(RuntimeError):
         if not records:
             return cls(fallback_rank, FailureKind.UNKNOWN.value, "the failing rank's record could not be read from "
                        "the store", where=repr(section), section=section, kind=FailureKind.UNKNOWN)
-        # One record per rank: what it said itself (its failure, or a signal it received) over what
-        # a peer declared about it, then the earliest (a rank that raised and was also declared
-        # silent by a watchdog is named once, by its own error; SIGINT's RankSignalled comes before
-        # the KeyboardInterrupt it turns into).
+        # one record per rank: what it said itself over what a peer declared about it, then the earliest
         def rank_of(r: FailureRecord) -> tuple[bool, int]:
             return (r.origin != "failure" and r.by != r.rank, r.time_ms)
 
@@ -588,14 +580,9 @@ PeerFailedError.__module__ = FailureKind.__module__ = Ended.__module__ = "fault_
 # -- the failure state of an attempt -----------------------------------------------------------------
 @dataclass
 class Incident:
-    """What this process knows of the failure under way since the last agreement. Written by its
-    :class:`FailureState` only; read by anyone (the watchdog's escalation waits on ``acknowledged``).
-
-    Attributes:
-        peer_error: a peer's failure the watchdog found.
-        local: this rank failed itself (its exception, a hang, its own signal).
-        acknowledged: set when the main thread took the failure.
-    """
+    """What this process knows of the failure under way since the last agreement (written by its
+    :class:`FailureState` only): a peer's error the watchdog found, whether this rank failed itself,
+    and ``acknowledged``, set when the main thread took the failure."""
 
     peer_error: PeerFailedError | None = None
     local: bool = False
@@ -603,8 +590,8 @@ class Incident:
 
 
 class FailureState:
-    """The failure state of one attempt on one process group. Thread-safe: transitions take a lock,
-    queries are attribute reads (the adapters make two per batch)."""
+    """The failure state of one attempt on one process group: transitions take a lock, queries are
+    attribute reads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -623,8 +610,7 @@ class FailureState:
 
     @property
     def moves(self) -> int:
-        """How often the attempt's failure moved on: its cause was set, or the main thread took a
-        failure (the watchdog's hang check is quiet after either, until the next beat)."""
+        """How often the cause was set or the main thread took a failure (the hang check waits for a beat after)."""
         return self._moves
 
     @property
@@ -649,8 +635,7 @@ class FailureState:
 
     @property
     def signal(self) -> PeerFailedError | None:
-        """This rank's own SIGTERM/SIGINT, when it is the job's cause: a collective broken after it
-        is its consequence, not a peer's."""
+        """This rank's own SIGTERM/SIGINT, when it is the job's cause (a collective broken after it is no peer's)."""
         return self._signal
 
     @property
@@ -660,17 +645,15 @@ class FailureState:
 
     # -- transitions ----------------------------------------------------------------------------------
     def failed_here(self, record: FailureRecord, *, told: bool = True) -> None:
-        """This rank failed itself: ``record`` is its record. ``told``: its main thread knows (it
-        raised); ``False`` for a hang the watchdog found (the main thread is interrupted)."""
+        """This rank failed itself (``record``); ``told=False``: a hang the watchdog found, not raised."""
         with self._lock:
             self._incident.local = True
             self._delivered = self._delivered or told
             self._set_cause(record)
 
     def peer_failed(self, err: PeerFailedError) -> Incident | None:
-        """The watchdog found a peer's failure: the incident to escalate (release this rank's
-        collectives, tell the main thread), or ``None`` when there is nothing to do (already known
-        in this incident, this rank's own signal is the cause, or this rank failed itself)."""
+        """The watchdog found a peer's failure: the incident to escalate, or ``None`` (already known,
+        this rank's own signal is the cause, or this rank failed itself)."""
         with self._lock:
             incident = self._incident
             if incident.peer_error is not None or self._signal is not None:
@@ -683,8 +666,7 @@ class FailureState:
             return incident
 
     def signalled(self, cause: PeerFailedError) -> bool:
-        """This rank's own SIGTERM/SIGINT is the job's cause (``cause``: its ``RankSignalled``).
-        Returns whether it was the first."""
+        """This rank's own SIGTERM/SIGINT (``cause``: its ``RankSignalled``); whether it was the first."""
         with self._lock:
             if self._signal is not None:
                 return False
@@ -695,9 +677,8 @@ class FailureState:
             return True
 
     def acknowledged(self, err: BaseException | None = None) -> None:
-        """The main thread takes a peer's failure (``err``) and raises it: the incident ``err`` was
-        delivered in (its tag), else the current one, and every escalated one, are acknowledged (no
-        reported exit by the watchdog)."""
+        """The main thread takes a peer's failure (``err``) and raises it: the incident its tag names
+        (else the current one) and every escalated one are acknowledged."""
         taken = tag_of(err).incident if err is not None else None
         with self._lock:
             self._moves += 1
@@ -714,8 +695,7 @@ class FailureState:
             self._moves += 1
 
     def agreement_ended(self, failed: bool, error: BaseException | None = None) -> Incident:
-        """An agreement ended (``failed``: some rank failed; ``error``: what this rank raises for a
-        peer's failure or a mismatch). A fresh incident begins; returns the one that ended."""
+        """An agreement ended (``error``: what this rank raises); a fresh incident begins; returns the ended one."""
         with self._lock:
             ended = self._incident
             self._delivered = self._delivered or failed
@@ -732,20 +712,10 @@ TAG_ATTR = "_fth_failure"
 
 @dataclass(frozen=True)
 class Tag:
-    """What the library learned of one exception object.
-
-    Attributes:
-        record: this rank published it: its record (never published twice).
-        incident: an agreement delivered it: the :class:`Incident` it belongs to (what
-            :meth:`FailureState.acknowledged` marks, not the fresh one that replaced it).
-        agreed: it came out of an agreement: every rank of that agreement raises, so an enclosing
-            section lets it through without agreeing again.
-        handled: an adapter handled it (published, or converted to a peer's error).
-        taken: an adapter finished its framework's exception path for it (a Lightning callback, an
-            Ignite ``EXCEPTION_RAISED`` handler).
-        raised_as: what an adapter raised for it (itself, or the peer's error it became): an
-            engine that hands the same exception, or the raised one, to the adapter again gets it.
-    """
+    """What the library learned of one exception object: the ``record`` this rank published for it,
+    the ``incident`` an agreement delivered it in, that it came out of an agreement (``agreed``: an
+    enclosing section lets it through), that an adapter ``handled`` it or finished its framework's
+    exception path for it (``taken``), and what an adapter raised for it (``raised_as``)."""
 
     record: FailureRecord | None = None
     incident: Incident | None = None

@@ -453,8 +453,8 @@ class Session:
                         # only on evidence that the store is gone: a slow store says nothing of its host
                         evidence = self.store_evidence(EXPLAIN_EVIDENCE_TIMEOUT) if gone else None
                         if evidence is not None:
-                            found.extend(self.table.lost_record(r, f"{detail} from its host, which holds the c10d store, and the "
-                                                 f"store does not answer ({evidence})") for r in gone)
+                            why = f"{detail} from its host, which holds the c10d store, and the store does not answer"
+                            found.extend(self.table.lost_record(r, f"{why} ({evidence})") for r in gone)
                             break
                         time.sleep(0.1)
                         continue
@@ -475,8 +475,8 @@ class Session:
                         if still >= SUSPECT_SILENCE:
                             silent.append(r)
                     if silent:
-                        declared = [self.table.lost_record(r, f"{detail} [{', '.join(addresses_named(head))}] and no heartbeat "
-                                            f"for {SUSPECT_SILENCE:.1f} s") for r in silent]
+                        why = f"{detail} [{', '.join(addresses_named(head))}] and no heartbeat for {SUSPECT_SILENCE:.1f} s"
+                        declared = [self.table.lost_record(r, why) for r in silent]
                         for record in declared:
                             if schema.claim_declaration(record.rank):
                                 schema.publish(record)
