@@ -247,22 +247,16 @@ def _as_timedelta(value: object) -> timedelta | None:
 TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
 
 
-def _check_dict_keys(value: object, what: str, forms: str) -> None:
-    """A dict duration with a key ``timedelta`` does not take: ``TypeError`` naming the key and the valid ones."""
-    if not isinstance(value, dict):
-        return
-    bad = [key for key in value if key not in TIMEDELTA_KEYS]
+def _check_duration(name: str, value: object, what: str, forms: str) -> timedelta | None:
+    """``value`` (``None``, a ``timedelta``, seconds, ``"DD:HH:MM:SS"``, a dict) as a ``timedelta``
+    in the range of setting ``name``: ``TypeError`` naming ``forms`` for any other value (and a dict's
+    unknown keys), ``ValueError`` for a duration out of range."""
+    if value is None or isinstance(value, timedelta):
+        return check_timedelta(name, value, allow_none=True, what=what)
+    bad = [key for key in value if key not in TIMEDELTA_KEYS] if isinstance(value, dict) else []
     if bad:
         raise TypeError(f"{what} must be {forms}; unknown key(s) {', '.join(repr(k) for k in bad)} (the keys are "
                         f"{', '.join(TIMEDELTA_KEYS)}: datetime.timedelta's arguments), got {value!r}")
-
-
-def _check_duration(name: str, value: object, what: str, forms: str) -> timedelta | None:
-    """``value`` (``None``, a ``timedelta``, seconds, ``"DD:HH:MM:SS"``, a dict) as a ``timedelta``
-    in the range of setting ``name``: ``TypeError`` naming ``forms`` for any other value,
-    ``ValueError`` for a duration out of range."""
-    if value is None or isinstance(value, timedelta):
-        return check_timedelta(name, value, allow_none=True, what=what)
     duration = _as_timedelta(value)
     if duration is None:
         raise TypeError(f"{what} must be {forms}, got {value!r}")
@@ -281,7 +275,6 @@ def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelt
     """
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return AUTO
-    _check_dict_keys(value, what, HANG_TIMEOUT_FORMS)
     return _check_duration("hang_timeout", value, what, HANG_TIMEOUT_FORMS)
 
 
@@ -299,7 +292,6 @@ def check_join_timeout(value: object, *, what: str = "join_timeout") -> timedelt
     if isinstance(value, str) and value.strip().lower() == AUTO:
         raise ValueError(f"{what} has no {AUTO!r} (a learned deadline is for hang_timeout only): it must be "
                          f"{JOIN_TIMEOUT_FORMS}, got {value!r}")
-    _check_dict_keys(value, what, JOIN_TIMEOUT_FORMS)
     return _check_duration("recover_join_timeout", value, what, JOIN_TIMEOUT_FORMS)
 
 
