@@ -153,8 +153,7 @@ class Guard:
         if session is None:
             return
         self.check(step=step, epoch=epoch)
-        outcome = session.agree("loop", f"{self.name}: {where}", step=step, epoch=epoch)
-        err = outcome.error_for_caller()
+        err = session.agree("loop", f"{self.name}: {where}", step=step, epoch=epoch)
         if err is not None:
             tag(err, agreed=True)
             raise self.on_exception(err, step=step, epoch=epoch)

@@ -191,10 +191,8 @@ def uninstall(state: object) -> None:
 
 def interrupt(error: BaseException) -> bool:
     """From the watchdog's thread: make ``error`` the pending interrupt (unless one is pending
-    already) and signal the main thread. False when no handler is installed, or when the recovery
-    has taken an interrupt and not called the training function again (:func:`take`, :func:`arm`):
-    the main thread is in the recovery already, where an interrupt raised in a callee (a watchdog's
-    join) would end the recovery."""
+    already) and signal the main thread. False when no handler is installed, or when the main thread
+    is in the recovery already (:func:`take`, :func:`arm`)."""
     global _pending
     with _lock:
         if _signum is None or _taken:
@@ -353,11 +351,8 @@ def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int]], keep_po
 
 
 def _shutdown(fds: list[int], inodes: dict[int, int]) -> int:
-    """``shutdown(SHUT_RDWR)`` each socket fd (through a dup: the fd itself stays its owner's), if it
-    is still the socket it was chosen as (``inodes``: fd -> inode). A socket cut before it may end
-    others of its owner's (a gloo pair's error closes them) and a connect in another thread then
-    gets that fd number: it must not be cut in its place (a store client's new connection, seen
-    at 8 ranks: its validation read 0 bytes)."""
+    """``shutdown(SHUT_RDWR)`` each socket fd (through a dup), if it is still the socket it was chosen
+    as (``inodes``: fd -> inode): a socket closed meanwhile may have given its number to a new one."""
     cut = 0
     for fd in fds:
         try:

@@ -67,8 +67,7 @@ def pack_agreement(flag: int, digest: int, seq: int) -> tuple[int, int]:
     ``a = flag | hash | seq`` (high to low bits) and ``b = (M - hash) | (M - seq)``: the MAX of
     ``a`` carries the largest flag and, when no rank failed, the largest (hash, seq) pair; the MAX
     of ``b`` the smallest. Every rank is in the same section and agreement exactly when the two
-    pairs are the same (hash and seq kept to 20 bits). Two integers, not five: a gloo all_reduce of
-    two elements costs what one does, of five about twice as much."""
+    pairs are the same (hash and seq kept to 20 bits)."""
     h, s = digest & _FIELD, seq & _FIELD
     return (flag << 2 * _FIELD_BITS) | (h << _FIELD_BITS) | s, ((_FIELD - h) << _FIELD_BITS) | (_FIELD - s)
 
