@@ -19,7 +19,7 @@ from typing import Callable
 
 from . import hooks
 from .failure import FailureKind, is_int
-from .log import first_line
+from .hooks import first_line
 
 
 class RecoveryPhase(str, Enum):

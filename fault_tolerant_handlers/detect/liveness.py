@@ -35,8 +35,8 @@ from ..core import hooks
 from ..core import procfs as _procfs
 from ..core.config import ZOMBIE_HOLD
 from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT  # timings: the table in core.config
-from ..core.log import log
-from ..core.ranks import RankTable
+from ..core.hooks import log
+from ..core.procfs import RankTable
 from ..core.failure import FailureRecord
 from ..core.schema import Schema
 from .probes import HeartbeatProbe

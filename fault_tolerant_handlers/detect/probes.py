@@ -32,7 +32,7 @@ from ..core.procfs import PeerPidProbe  # noqa: F401 - the core's own probe, re-
 from ..core.config import HEARTBEAT_TIMEOUT_ENV, LEFT_CHECK_EVERY, MAX_CHECK_HOLD, SILENCE_POLL
 from ..core.errors import PeerFailedError
 from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Finding, cap_tail, declared_finding
-from ..core.log import first_line, log
+from ..core.hooks import first_line, log
 from ..core.schema import Schema
 
 

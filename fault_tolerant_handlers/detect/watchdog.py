@@ -9,7 +9,7 @@ main thread may be stuck in a collective, and escalate what they find (``docs/de
   peers' pidfds (:class:`PidWatcher`): no store traffic, no periodic wake-up.
 
 A finding about another rank makes the session's incident a peer failure and starts the
-**escalation** (``fth-escalate``): release this process's collectives (:mod:`..core.release`); then,
+**escalation** (``fth-escalate``): release this process's collectives (:mod:`..core.interrupts`); then,
 if the main thread has not taken the failure within ``exit_grace``, a **reported exit** with
 :data:`EXIT_PEER_FAILED` (child processes killed), after any checkpoint write under way
 (``FTH_WRITE_GRACE_SEC``). A rank that finds *itself* hung publishes its stack and ends with
@@ -37,7 +37,7 @@ from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted
 from ..core.failure import FailureKind, Incident
 from ..core.session import Session, get_session
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
-from ..core.log import first_line, log
+from ..core.hooks import first_line, log
 from .liveness import LivenessProcess
 from .liveness import kill_all as kill_all_liveness
 from .probes import (Finding, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,

@@ -37,9 +37,8 @@ from ..core import compat_torch as _compat_torch
 from ..core.config import SIGTERM_CAUSE_WAIT, ZOMBIE_HOLD  # timings: the table in core.config
 from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
 from ..core.failure import FailureKind, FailureRecord
-from ..core.log import first_line, log
-from ..core.procfs import process_state
-from ..core.ranks import RankTable
+from ..core.hooks import first_line, log
+from ..core.procfs import RankTable, process_state
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 ERROR_FILE_NAME = "error.json"

@@ -23,8 +23,8 @@ from ..core import attempts, config
 from ..core.config import LOOK_FOR_LOST, RECOVER_POLL, RECOVER_TELL_SEC
 from ..core.errors import PeerFailedError, RecoveryError, SectionMismatchError
 from ..core.failure import FailureKind, FailureRecord, FailureState, cap_head, tag_of
-from ..core.log import first_line, log
-from ..core.release import store_ports
+from ..core.hooks import first_line, log
+from ..core.interrupts import store_ports
 from ..core.schema import Bounded, Connection, StoreCallTimeout, agreement_key, unblock_stuck_calls
 from . import spares
 from .causes import NOT_IN_PLACE, Cause, Decision, LiveReport, keeper_replaces, needs_keeper

@@ -41,10 +41,10 @@ from ..core import attempts, compat_torch as _compat_torch, config, hooks, inter
 from ..core.config import RECOVER_TEARDOWN_SEC
 from ..core.errors import PeerFailedError, RecoveryError
 from ..core.failure import cap_head, tag_of
-from ..core.log import log
+from ..core.hooks import log
 from ..core.phases import LIVE_NAME, RecoveryState
 from ..core.recoveries import RecoveryCause, RecoveryInfo, RecoveryPhase
-from ..core.release import EXIT_TEARDOWN_STUCK
+from ..core.interrupts import EXIT_TEARDOWN_STUCK
 from ..core.session import live_sessions
 from . import agree, keeper, live_state, spares
 from .agree import AsIs, Misplaced, Unsafe, cause_of

@@ -30,11 +30,11 @@ import threading
 import time
 from typing import Any
 
-from ..core import attempts, hooks, release
+from ..core import attempts, hooks, interrupts
 from ..core.config import ZOMBIE_HOLD
 from ..core.errors import EXIT_HUNG
 from ..core.failure import Ended, FailureKind
-from ..core.log import log
+from ..core.hooks import log
 
 from . import spares
 from ..core.schema import keeper_key
@@ -175,7 +175,7 @@ class Keeper:
         code = 1
         try:
             _die_with_parent()
-            release.spare_inherited_sockets()  # the keeper's (a store client of its own): never cut here
+            interrupts.spare_inherited_sockets()  # the keeper's (a store client of its own): never cut here
             for sig in FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
             self.recovery.on_attempt = self._write_attempt

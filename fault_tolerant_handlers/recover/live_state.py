@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ..core import attempts, hooks, sharded
 from ..core.errors import StateTransferError
-from ..core.log import log
+from ..core.hooks import log
 from ..core.phases import Captured, RecoveryState
 from ..core.failure import cap_head
 from .causes import Decision, LivePlan, LiveReport

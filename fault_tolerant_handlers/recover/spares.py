@@ -27,7 +27,7 @@ from typing import Any, Callable, ClassVar
 from ..core import attempts, compat_torch, config
 from ..core.config import RECOVER_TELL_SEC
 from ..core.errors import RecoveryError
-from ..core.log import first_line, log
+from ..core.hooks import first_line, log
 from ..core.failure import WORLD, FailureKind, Stored, cap_head, host_name
 from ..core.schema import (Bounded, Connection, agreement_key, answer_key, claim_key, order_key,  # noqa: F401
                            seat_key, taken_key)

@@ -17,7 +17,7 @@ from fault_tolerant_handlers.launchers import signals
 from fault_tolerant_handlers.detect.probes import PeerPidProbe
 from fault_tolerant_handlers.core.failure import Ended, FailureRecord, FailureState
 from fault_tolerant_handlers.core.schema import Connection, Schema
-from fault_tolerant_handlers.core.ranks import RankTable
+from fault_tolerant_handlers.core.procfs import RankTable
 
 
 class FakeSession:
