@@ -390,13 +390,10 @@ LAYOUT_KEY = "fault_tolerance_ddp_buckets"
 class SafeDiskSaver(DiskSaver):
     """Ignite's ``DiskSaver`` (same arguments) that removes old checkpoints only once the new one is written.
 
-    ``Checkpoint`` asks its save handler to remove the oldest file before it saves the new one; a
-    kill in between would cost a checkpoint (with ``n_saved=1``, the only one). Here the removal
-    waits until the new file is complete on disk (``DiskSaver`` writes it to a temporary file and
-    renames it), so a kill at any moment leaves at least ``n_saved`` complete checkpoints once that
-    many were written, and :func:`~fault_tolerant_handlers.latest_checkpoint` finds the newest.
-    Recovering in place, the interrupt of a hung main thread waits until the write and the removal
-    are over (a :class:`~fault_tolerant_handlers.deferred_interrupt` section).
+    ``Checkpoint`` asks its save handler to remove the oldest file before it saves the new one (a kill
+    in between costs a checkpoint; with ``n_saved=1``, the only one); here the removal waits until the
+    new file is complete, so a kill at any moment leaves ``n_saved`` complete checkpoints. Recovering
+    in place, a hung main thread's interrupt waits until the write and the removal are over.
 
     Examples:
         .. code-block:: python
@@ -444,19 +441,13 @@ class DCPSaver(BaseSaveHandler):
     (``torch.distributed.checkpoint``) on **every** rank: a sharded model's shards from each rank
     (Ignite's ``DiskSaver`` writes on one rank only, which loses every other rank's shards).
 
-    Each checkpoint is a directory in ``dirname`` named after Ignite's file name without its
-    extension (``checkpoint_20``): every rank writes its shards into ``tmp-checkpoint_20`` first
-    (the entries of ``to_save`` holding sharded tensors through DCP, the others, such as the engine
-    and the loader, to a file per rank), and rank 0 renames it once DCP has written its
-    ``.metadata`` (last, after every rank's shards). Old checkpoints are removed after the new one
-    is complete, as :class:`SafeDiskSaver` does, each renamed to ``tmp-<name>.old`` first (a kill in
-    the removal never leaves a complete-looking directory with files missing). :func:`~fault_tolerant_handlers.latest_checkpoint`
-    finds the newest complete one; :func:`~fault_tolerant_handlers.load_dcp` loads it on every rank.
-    ``dirname`` must be one folder every rank sees (a shared file system across hosts).
-
-    Put the model and its optimizers in ``to_save`` as a
-    :class:`~fault_tolerant_handlers.ShardedState` (torch's ``get_state_dict`` /
-    ``set_state_dict``: an optimizer that has not stepped yet can be loaded into).
+    Each checkpoint is a directory named after Ignite's file name without its extension
+    (``checkpoint_20``), written as ``tmp-checkpoint_20`` and renamed by rank 0 once DCP's
+    ``.metadata`` is written; old ones are removed after, as :class:`SafeDiskSaver` does.
+    :func:`~fault_tolerant_handlers.latest_checkpoint` finds the newest complete one and
+    :func:`~fault_tolerant_handlers.load_dcp` loads it on every rank. ``dirname`` must be one folder
+    every rank sees. Put the model and its optimizers in ``to_save`` as a
+    :class:`~fault_tolerant_handlers.ShardedState`.
 
     Examples:
         .. code-block:: python

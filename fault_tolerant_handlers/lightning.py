@@ -43,9 +43,9 @@ else:
 __all__ = ["FaultTolerance"]
 
 
-def _guarded(what: str, fn: Callable[[], Any]) -> None:
+def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> None:
     try:
-        fn()
+        fn(*args)
     except Exception as err:  # noqa: BLE001 - logged: the cause must reach every rank unchanged
         first = first_line(err, 300)
         log(logging.WARNING, "%s failed while the job fails together (ignored, the cause is raised instead): %s: %s",
@@ -228,8 +228,8 @@ class FaultTolerance(_CallbackBase):
             to_raise = self._convert(trainer, exc)
             for callback in list(trainer.callbacks):
                 if isinstance(callback, _compat_lightning.checkpoint_types()):
-                    _guarded(f"{type(callback).__name__}.on_exception",
-                             functools.partial(callback.on_exception, trainer, trainer.lightning_module, exc))
+                    _guarded(f"{type(callback).__name__}.on_exception", callback.on_exception, trainer,
+                             trainer.lightning_module, exc)
             if to_raise is exc:
                 raise
             raise to_raise from exc
@@ -344,8 +344,7 @@ class FaultTolerance(_CallbackBase):
                 log(logging.INFO, "%s.on_exception is not run in the parent of spawned ranks (it holds only the "
                     "untrained model; the ranks ran it)", type(callback).__name__)
                 continue
-            _guarded(f"{type(callback).__name__}.on_exception",
-                     functools.partial(callback.on_exception, trainer, pl_module, exception))
+            _guarded(f"{type(callback).__name__}.on_exception", callback.on_exception, trainer, pl_module, exception)
         for what, step in _compat_lightning.interrupt_steps(trainer, exception):
             _guarded(what, step)
         trainer.state.stage = None

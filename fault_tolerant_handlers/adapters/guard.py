@@ -28,16 +28,13 @@ class Guard:
 
     Args:
         sync_every: iterations between agreements inside an epoch (``None``: only at epoch ends and
-            the other natural sync points). The watchdog covers what happens in between.
-        hang_timeout: declare a rank hung when its loop makes no progress for this long, from 1 s
-            to 7 days; ``"auto"``: when a piece of work (step, evaluation, checkpoint) runs far longer
-            than any like it so far (:mod:`..detect.autohang`; ``FTH_AUTO_HANG_*``); ``None``: off unless
-            ``FTH_HANG_TIMEOUT_SEC`` (seconds, or ``auto``) is set.
+            the other natural sync points).
+        hang_timeout: as the adapters' ``FaultTolerance`` take it (:mod:`..detect.autohang` for ``"auto"``).
         watchdog: start the out-of-band watchdog (default True).
-        release_on_failure: when this rank fails, release its collectives at once so that peers
-            blocked in a collective with it fail fast instead of waiting for a timeout.
+        release_on_failure: when this rank fails, release its collectives at once (peers fail fast).
         name: the loop's name in reports (``"train"``).
         group: process group (``None``: all ranks).
+        owner: the class named in argument errors.
 
     Raises:
         TypeError, ValueError: an argument or an ``FTH_*`` variable out of range (named).
