@@ -567,8 +567,10 @@ def find_ddp(objects: Iterable[Any]) -> DistributedDataParallel | None:
     return next((obj for obj in gc.get_objects() if type(obj) is DistributedDataParallel and wraps(obj)), None)
 
 
-def _layout_of(ddp: DistributedDataParallel) -> DDPBucketLayout | None:
+def _layout_of(ddp: DistributedDataParallel | None) -> DDPBucketLayout | None:
     """The one ``DDPBucketLayout`` of ``ddp`` (kept on it: the layout a load gave it is what it saves)."""
+    if ddp is None:
+        return None
     layout = getattr(ddp, "_fth_bucket_layout", None)
     if layout is None:
         try:
@@ -587,8 +589,7 @@ def add_bucket_layouts(engine: Any, checkpoints: Iterable[Any]) -> None:
         if not isinstance(to_save, dict) or len(to_save) < 2 or LAYOUT_KEY in to_save or any(
                 isinstance(obj, DDPBucketLayout) for obj in to_save.values()):
             continue
-        ddp = find_ddp([*to_save.values(), engine])
-        layout = _layout_of(ddp) if ddp is not None else None
+        layout = _layout_of(find_ddp([*to_save.values(), engine]))
         if layout is not None:
             handler.to_save = {**to_save, LAYOUT_KEY: layout}
 
@@ -601,8 +602,7 @@ def give_bucket_layout(to_load: Any, checkpoint: Any) -> None:
     saved = checkpoint.get(LAYOUT_KEY)
     if not isinstance(saved, dict) or saved.get("buckets") is None:
         return
-    ddp = find_ddp(to_load.values())
-    layout = _layout_of(ddp) if ddp is not None else None
+    layout = _layout_of(find_ddp(to_load.values()))
     if layout is None:
         return
     try:

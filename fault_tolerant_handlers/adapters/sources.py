@@ -36,8 +36,8 @@ def checkpoint_source(checkpoint: Any, prefix: str | None, required_keys: Any) -
         prefix = f"{checkpoint.filename_prefix}_{name}_" if checkpoint.filename_prefix else f"{name}_"
     keys = check_keys(required_keys) if required_keys is not None else (tuple(to_save) if len(to_save) > 1 else ())
     prefix = check_prefix(prefix)
-    folders = (Path(os.path.abspath(os.fspath(dirname))),)
-    return Source(folders, label_of(folders, prefix, keys), prefix, keys, compared=False)
+    folder = Path(os.path.abspath(os.fspath(dirname)))
+    return Source((folder,), label_of(folder, prefix, keys), prefix, keys, compared=False)
 
 
 def engine_source(engine: Any, prefix: str | None, required_keys: Any) -> Source:
@@ -60,7 +60,7 @@ def trainer_source(trainer: Any, prefix: str | None, required_keys: Any) -> Sour
     folders, label = compat_lightning.checkpoint_folders(trainer)
     prefix, keys = check_prefix(prefix), check_keys(required_keys)
     paths = tuple(Path(f) for f in folders)
-    return Source(paths, label_of((Path(label),), prefix, keys), prefix, keys)
+    return Source(paths, label_of(Path(label), prefix, keys), prefix, keys)
 
 
 def source_of(where: Any, *, prefix: str | None = None, required_keys: Any = None) -> Source:

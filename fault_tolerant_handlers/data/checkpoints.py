@@ -79,7 +79,7 @@ def folder_source(dirname: str | os.PathLike, *, prefix: str | None = None,
     prefix = check_prefix(prefix)
     keys = check_keys(required_keys)
     folder = Path(os.path.abspath(os.fspath(dirname)))
-    return Source((folder,), label_of((folder,), prefix, keys), prefix, keys)
+    return Source((folder,), label_of(folder, prefix, keys), prefix, keys)
 
 
 def check_prefix(prefix: Any) -> str:
@@ -103,8 +103,8 @@ def check_keys(required_keys: Any) -> tuple[str, ...]:
     return keys
 
 
-def label_of(folders: tuple[Path, ...], prefix: str, keys: tuple[str, ...], kind: str = "") -> str:
-    text = kind + (repr(str(folders[0])) if len(folders) == 1 else "[" + ", ".join(repr(str(f)) for f in folders) + "]")
+def label_of(folder: Path, prefix: str, keys: tuple[str, ...]) -> str:
+    text = repr(str(folder))
     if prefix:
         text += f" (names starting with {prefix!r})"
     if keys:
