@@ -56,12 +56,10 @@ class FaultTolerance:
         sync_every: iterations between agreements within an epoch (default 100; ``None``: epoch
             ends and the end of the run only). Each agreement is one small all_reduce on a gloo side
             group (~0.8 ms at 2 ranks); the watchdog covers the iterations in between.
-        hang_timeout: opt-in; a duration (a ``timedelta``, a number of seconds, a
-            ``"DD:HH:MM:SS"`` string or a dict such as ``{"minutes": 5}``, from 1 s to 7 days): a
-            rank whose loop makes no progress for this long is declared hung and every rank ends
-            with its stack. ``"auto"``: the deadline is learned per kind of work (iterations; the
-            epoch-end handlers and any evaluator ``Engine`` run from a trainer's handler, as
-            evaluations; checkpoint writes), see docs/hang-detection.md. ``None``: off (env
+        hang_timeout: opt-in; a duration (a ``timedelta``, seconds, ``"DD:HH:MM:SS"`` or a dict such
+            as ``{"minutes": 5}``; 1 s to 7 days) without progress after which a rank is declared hung
+            and every rank ends with its stack. ``"auto"``: learned per kind of work (iterations,
+            evaluations, checkpoint writes; docs/hang-detection.md). ``None``: off (env
             ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
         watchdog: start the out-of-band watchdog (default True).
         name: the loop's name in reports (a non-empty str).

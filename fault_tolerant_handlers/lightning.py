@@ -73,12 +73,11 @@ class FaultTolerance(_CallbackBase):
         sync_every: training batches between flag agreements within an epoch (default 100;
             ``None``: only at the end of validation, of each epoch and of the run). Each agreement
             is one int64 all_reduce on a gloo side group; the watchdog covers the batches between.
-        hang_timeout: opt-in; a duration (a ``timedelta``, a number of seconds, a
-            ``"DD:HH:MM:SS"`` string or a dict such as ``{"minutes": 5}``, as Lightning's ``Timer``
-            takes them; from 1 s to 7 days): a rank whose loop makes no progress for this long is
-            declared hung and every rank ends with its stack. ``"auto"``: the deadline is learned
-            per kind of work (training batches; validation, batch by batch; checkpoint saves), see
-            docs/hang-detection.md. ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
+        hang_timeout: opt-in; a duration (a ``timedelta``, seconds, ``"DD:HH:MM:SS"`` or a dict such
+            as ``{"minutes": 5}``, as Lightning's ``Timer`` takes them; 1 s to 7 days) without progress
+            after which a rank is declared hung and every rank ends with its stack. ``"auto"``: learned
+            per kind of work (training batches, validation batches, checkpoint saves;
+            docs/hang-detection.md). ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
         watchdog: start the out-of-band watchdog (default True).
         name: the loop's name in reports (``'train' (epoch 1, iteration 12)``); also part of
             :attr:`state_key`, so two instances with different names can coexist.

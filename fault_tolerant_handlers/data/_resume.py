@@ -63,6 +63,12 @@ def sampler_epoch_owner(loader) -> Any:
     return None
 
 
+def sampler_epoch(loader) -> int | None:
+    """The epoch the sampler was told (``set_epoch``), if it has one."""
+    owner = sampler_epoch_owner(loader)
+    return int(owner.epoch) if owner is not None else None
+
+
 class _Capture:
     """Records what decides an epoch's order, at the first draw from its sampler iterator."""
 
@@ -78,8 +84,7 @@ class _Capture:
         loader = self._loader()
         if loader is None:
             return
-        owner = sampler_epoch_owner(loader)
-        self.sampler_epoch = int(owner.epoch) if owner is not None else None
+        self.sampler_epoch = sampler_epoch(loader)
         self.generators = [g.get_state() for g in _generators(loader)]
         self.global_rng = torch.get_rng_state() if _uses_global_rng(loader) else None
         self.taken = True

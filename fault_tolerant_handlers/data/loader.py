@@ -108,11 +108,6 @@ def where(pass_index: int, batch: int, sampler_epoch: int | None) -> str:
     return f"batch {batch} of pass {pass_index + 1}{told}"
 
 
-def _sampler_epoch(loader: Any) -> int | None:
-    owner = _resume.sampler_epoch_owner(loader)
-    return int(owner.epoch) if owner is not None else None
-
-
 class DataLoaderRestartError(RuntimeError):
     """Raised when a worker is lost and the loader's ``max_restarts`` budget is already spent.
 
@@ -377,7 +372,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
             sig, reason = describe_exit(code)
         also = tuple((w, pids[w][0], describe_exit(pids[w][1])[1]) for w in exited if w != wid and w < len(pids))
         return WorkerRestart(run.epoch, run.yielded, wid, pid, sig, code, reason, lost.detected_at, also_lost=also,
-                             sampler_epoch=_sampler_epoch(self))
+                             sampler_epoch=_resume.sampler_epoch(self))
 
     def _fth_spend(self, record: WorkerRestart) -> None:
         """Count a restart, or raise when the budget is spent."""
