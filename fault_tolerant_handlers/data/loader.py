@@ -282,7 +282,28 @@ class RestartableDataLoader(DataLoader[_T_co]):
         batches, it resumes at the next one; taken after the last batch of an epoch, the next
         ``iter()`` starts the next epoch. Loadable with ``torch.load(..., weights_only=True)``.
         """
-        return _resume_state(self)
+        if self._fth_pending is not None:  # loaded and not iterated yet: the same snapshot
+            return dict(self._fth_pending)
+        run = self._fth_run() if self._fth_run is not None else None
+        if run is None:  # no epoch in progress: the next iter() starts epoch `_fth_epochs`
+            if isinstance(self.dataset, IterableDataset):
+                return _resume.iterable_state(self._fth_epochs - 1, 0, True, None)
+            return _resume.map_state(self, self._fth_epochs - 1, 0, True, None)
+        restored = self._fth_restored
+        if restored is not None and restored.taken and restored.run() is run:
+            restored.saved = True  # its progress may be in a checkpoint now: a later iter() does not go back
+        if isinstance(run, _IterableRun):
+            return _resume.iterable_state(run.epoch, run.yielded, run.finished, run.state)
+        finished = run.finished
+        try:
+            if not finished and run.yielded >= len(_compat_torch.index_sampler(self)):
+                # every batch taken, the end not yet seen: draw the sampler to its end, as next() would
+                for _ in run.capture:
+                    pass
+                finished = True
+        except TypeError:  # an unsized sampler
+            pass
+        return _resume.map_state(self, run.epoch, run.yielded, finished, run.capture)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` of a loader built the same way: on the next ``iter()``.
@@ -720,31 +741,6 @@ class _SingleRun(_Run):
             raise
         self._after_yield()
         return data
-
-
-def _resume_state(loader: RestartableDataLoader) -> dict[str, Any]:
-    if loader._fth_pending is not None:  # loaded and not iterated yet: the same snapshot
-        return dict(loader._fth_pending)
-    run = loader._fth_run() if loader._fth_run is not None else None
-    if run is None:  # no epoch in progress: the next iter() starts epoch `_fth_epochs`
-        if isinstance(loader.dataset, IterableDataset):
-            return _resume.iterable_state(loader._fth_epochs - 1, 0, True, None)
-        return _resume.map_state(loader, loader._fth_epochs - 1, 0, True, None)
-    restored = loader._fth_restored
-    if restored is not None and restored.taken and restored.run() is run:
-        restored.saved = True  # its progress may be in a checkpoint now: a later iter() does not go back
-    if isinstance(run, _IterableRun):
-        return _resume.iterable_state(run.epoch, run.yielded, run.finished, run.state)
-    finished = run.finished
-    try:
-        if not finished and run.yielded >= len(_compat_torch.index_sampler(loader)):
-            # every batch taken, the end not yet seen: draw the sampler to its end, as next() would
-            for _ in run.capture:
-                pass
-            finished = True
-    except TypeError:  # an unsized sampler
-        pass
-    return _resume.map_state(loader, run.epoch, run.yielded, finished, run.capture)
 
 
 def make_restartable(loader: DataLoader, max_restarts: int = 3, restart_start_method: str | None = None) -> RestartableDataLoader:
