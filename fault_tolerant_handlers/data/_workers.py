@@ -61,7 +61,7 @@ def _fd_limit_reached() -> bool:
 
 class _SharedFlag:
     """``multiprocessing.Event`` without the lock: one byte of shared memory, which a worker killed at
-    any instruction cannot leave in a state that blocks anybody."""
+    any instruction cannot leave in a state that blocks anybody (torch calls ``set`` and ``is_set``)."""
 
     def __init__(self, ctx: _mpc.BaseContext) -> None:
         self._value = ctx.RawValue("b", 0)
@@ -71,17 +71,6 @@ class _SharedFlag:
 
     def set(self) -> None:
         self._value.value = 1
-
-    def clear(self) -> None:
-        self._value.value = 0
-
-    def wait(self, timeout: float | None = None) -> bool:
-        end = None if timeout is None else time.monotonic() + timeout
-        while not self.is_set():
-            if end is not None and time.monotonic() >= end:
-                return False
-            time.sleep(0.005)
-        return True
 
 
 def _lock_free(base: type) -> type:
