@@ -28,15 +28,19 @@ from typing import Any, Callable
 CHECKED_AGAINST = ("0.5.0.post2", "0.5.5")
 
 
+def _lacking(needs: str) -> RuntimeError:
+    """The error naming what this Ignite version lacks: ``needs`` is what the library needs."""
+    import ignite
+
+    return RuntimeError(f"fault-tolerant-handlers {needs}, which pytorch-ignite {ignite.__version__} does not have "
+                        f"(checked against {', '.join(CHECKED_AGAINST)})")
+
+
 def check(engine: Any) -> None:
     """Raise ``RuntimeError`` naming what this Ignite version lacks."""
     handlers = getattr(engine, "_event_handlers", None)
     if not isinstance(handlers, dict):
-        import ignite
-
-        raise RuntimeError(
-            f"fault-tolerant-handlers needs ignite.engine.Engine._event_handlers (a dict of handler lists), which "
-            f"pytorch-ignite {ignite.__version__} does not have (checked against {', '.join(CHECKED_AGAINST)})")
+        raise _lacking("needs ignite.engine.Engine._event_handlers (a dict of handler lists)")
 
 
 def handlers_of(engine: Any, event: Any) -> list:
@@ -95,11 +99,7 @@ def check_running_engines() -> None:
     from ignite.engine import Engine
 
     if not any(callable(getattr(Engine, name, None)) for name in EPOCH_FUNCTIONS):
-        import ignite
-
-        raise RuntimeError(
-            f"fault-tolerant-handlers (hang_timeout='auto') needs ignite.engine.Engine.{EPOCH_FUNCTIONS[0]}, which "
-            f"pytorch-ignite {ignite.__version__} does not have (checked against {', '.join(CHECKED_AGAINST)})")
+        raise _lacking(f"(hang_timeout='auto') needs ignite.engine.Engine.{EPOCH_FUNCTIONS[0]}")
 
 
 def running_engines(frame: Any) -> list:
@@ -143,11 +143,7 @@ def reset_idist() -> None:
         return
     missing = [name for name in ("_model", "_need_to_sync", "_SerialModel") if not hasattr(utils, name)]
     if missing:
-        import ignite
-
-        raise RuntimeError(f"fault-tolerant-handlers needs ignite.distributed.utils.{', '.join(missing)} to recover in "
-                           f"place, which pytorch-ignite {ignite.__version__} does not have (checked against "
-                           f"{', '.join(CHECKED_AGAINST)})")
+        raise _lacking(f"needs ignite.distributed.utils.{', '.join(missing)} to recover in place")
     utils._model = utils._SerialModel()
     utils._need_to_sync = True
 
