@@ -27,14 +27,12 @@ def capture_live(state: RecoveryState) -> RecoveryState:
 
 
 def settle_live(state: RecoveryState) -> None:
-    """``SETTLE_LIVE``: the next attempt resumes from ``state.live`` (``None``: from what it loads
-    itself, the plan saying why)."""
+    """``SETTLE_LIVE``: the next attempt resumes from ``state.live`` (``None``: from what it loads itself)."""
     live.hold(state.live, getattr(state.plan, "why", "") or "")
 
 
 def reap_loader_workers(timeout: float = WORKER_REAP) -> int:
-    """DataLoader workers of the failed attempt still alive once its objects were collected: joined,
-    then killed. Returns how many had to be killed."""
+    """DataLoader workers of the failed attempt still alive: joined, then killed. Returns how many were killed."""
     killed = 0
     deadline = time.monotonic() + timeout
     for child in multiprocessing.active_children():
@@ -50,8 +48,7 @@ def reap_loader_workers(timeout: float = WORKER_REAP) -> int:
 
 
 def reap_workers(state: RecoveryState) -> None:
-    """``COLLECTED``: the attempt's loaders are collected (their workers shut down with them); those
-    still running are killed."""
+    """``COLLECTED``: workers still running once the attempt's loaders are collected are killed."""
     killed = reap_loader_workers()
     if killed:
         log(logging.WARNING, "killed %d DataLoader worker(s) of the failed attempt that were still running", killed)
