@@ -8,10 +8,10 @@ callback's error is logged, the next one runs); a recovery's steps run in the ta
 marked :data:`TOLERATE` is logged when it fails and the recovery goes on: a framework the next
 attempt may not use must not stop it); a provider is the last one listed.
 
-Only the recovery adds to the hooks while it runs, for the process it runs in: ``INTERRUPT``
-(``recover/inplace.py``, while ``recover_in_place`` runs in the main thread), ``LOSE``,
-``KEEPER_PID`` and a ``SESSION_STARTED`` that announces the keeper (``recover/keeper.py``, in a
-keeper's training child); and a user through :func:`~.core.recoveries.on_recovery`.
+What exists only while a recovery runs is read from a slot its loop's owner sets, by the table's
+parts: ``INTERRUPT`` (``inplace.interrupt``: the recovery running in the main thread), ``LOSE``,
+``KEEPER_PID`` and the keeper's ``SESSION_STARTED`` (``keeper``'s: in a keeper's training child
+only). Only a user adds to a hook outside the table (:func:`~.core.recoveries.on_recovery`);
 ``tests/unit/test_wiring.py`` keeps it so.
 """
 
@@ -25,6 +25,7 @@ from .core import hooks, recoveries
 from .data import recovery as data
 from .detect import watchdog, writes
 from .launchers import compat_torchrun, reports, signals
+from .recover import inplace, keeper
 
 #: A recovery step whose failure is logged while the recovery goes on.
 TOLERATE = True
@@ -55,6 +56,7 @@ WIRING: tuple[tuple[Any, ...], ...] = (
     (hooks.SESSION_STARTED, compat_torchrun.on_session_started),  # torchrun, imported late: the read gloo keys go
     (hooks.SESSION_STARTED, signals.on_session_started),  # SIGTERM/SIGINT handlers, in front
     (hooks.SESSION_STARTED, reports.on_session_started),  # under mp.spawn: this rank reports itself
+    (hooks.SESSION_STARTED, keeper.on_session_started),  # a keeper's child: its peers may wait for a replacement
     (hooks.RANK_FAILED, reports.write_failed),  # torchrun: this rank's own file, the failure's time
     (hooks.RANK_FAILED, signals.on_rank_failed),  # a launcher's SIGTERM after it: exit code 1, not -15
     (hooks.PEER_FAILED, reports.on_peer_failed),  # a killed same-host peer's file; mp.spawn: the report
@@ -91,6 +93,9 @@ WIRING: tuple[tuple[Any, ...], ...] = (
     (hooks.WORLD, compat_torchrun.first_rendezvous),  # the store, rank and world size a recovery's attempts share
     (hooks.WATCHDOG, watchdog.Watchdog),  # what Session.start_watchdog starts
     (hooks.DEFER, writes.stack_writes),  # the interrupt of a hung main thread waits for a write its stack shows
+    (hooks.INTERRUPT, inplace.interrupt),  # recovering in place: the hung main thread raises into the recovery
+    (hooks.LOSE, keeper.lose),  # a keeper's child lost for good: its keeper does not replace it
+    (hooks.KEEPER_PID, keeper.keeper_pid),  # a keeper's child: the process that would replace it
 )
 
 

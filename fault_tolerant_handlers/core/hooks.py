@@ -40,10 +40,10 @@ hooks: ``BEGIN``, ``CAPTURE_LIVE``, ``SETTLE_LIVE``, ``TEAR_DOWN``, ``RESET_FRAM
 **Providers** (:func:`provider`): what one layer answers for another, the last added answering:
 ``WORLD`` (the launchers: the store, rank and world size a recovery's attempts share),
 ``WATCHDOG`` (the detectors: what ``Session.start_watchdog`` starts), ``DEFER`` (the detectors: the
-interrupt of a hung main thread waits while ``predicate(frame)``; every one is asked), and, while a
-recovery runs, ``INTERRUPT`` (interrupt the hung main thread), ``LOSE`` (this process is lost for
-good: its keeper must not replace it) and ``KEEPER_PID`` (the pid of the process that would replace
-this one).
+interrupt of a hung main thread waits while ``predicate(frame)``; every one is asked), and the
+recovery's: ``INTERRUPT`` (interrupt the hung main thread; ``None``: no recovery runs), ``LOSE``
+(this process is lost for good: its keeper must not replace it) and ``KEEPER_PID`` (the pid of the
+process that would replace this one, or ``None``).
 """
 
 from __future__ import annotations

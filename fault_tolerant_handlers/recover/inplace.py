@@ -391,18 +391,20 @@ class _Recovery:
 
     # -- interrupting a hung main thread -------------------------------------------------------------------
     def _install_interrupter(self) -> Any:
+        global _interruptible
         if INTERRUPT_SIGNAL is None or threading.current_thread() is not threading.main_thread():
             log(logging.INFO, "recover_in_place runs outside the main thread: a hung rank ends as without recovery")
             return None
         # This frame (_Recovery.run) takes the interrupt: a signal that arrives while it runs (the
         # training function has returned or raised) raises nothing.
         installed = interrupts.install(INTERRUPT_SIGNAL, config.settings().interrupt_defer, takers=(_Recovery.run.__code__,))
-        hooks.add(hooks.INTERRUPT, self._interrupt)
+        installed, _interruptible = (installed, _interruptible), self
         return installed
 
     def _restore_interrupter(self, installed: Any) -> None:
-        hooks.remove(hooks.INTERRUPT, self._interrupt)
+        global _interruptible
         if installed is not None:
+            installed, _interruptible = installed
             interrupts.uninstall(installed)
 
     def _interrupt(self, error: BaseException) -> threading.Event:
@@ -410,6 +412,18 @@ class _Recovery:
         if not interrupts.interrupt(error) and interrupts.taken():  # the main thread is in the recovery already
             self._left.set()
         return self._left
+
+
+#: The slot :func:`interrupt` answers from: the recovery running in the main thread, set by its
+#: ``run`` (the loop's owner) while it runs, the one before restored when it ends.
+_interruptible: _Recovery | None = None
+
+
+def interrupt(error: BaseException) -> threading.Event | None:
+    """``INTERRUPT`` (``wiring.py``): raise ``error`` in the hung main thread of the recovery running
+    here; the event is set when that thread reached the recovery. ``None``: no recovery runs here."""
+    recovery = _interruptible
+    return None if recovery is None else recovery._interrupt(error)
 
 
 def _live_name_read_as_file(err: BaseException) -> str:

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from ..core import attempts, hooks, interrupts
+from ..core import attempts, interrupts
 from ..core.config import ZOMBIE_HOLD
 from ..core.errors import EXIT_HUNG
 from ..core.failure import Ended, FailureKind
@@ -119,21 +119,45 @@ def _die_with_parent() -> None:
         log(logging.WARNING, "could not tie this process to its keeper: %s", err)
 
 
+#: The slot the table's ``LOSE``, ``KEEPER_PID`` and ``SESSION_STARTED`` parts (``wiring.py``) answer
+#: from: in a keeper's child only, set by :meth:`Keeper.run` (the loop's owner) right after the fork,
+#: its :class:`Keeper` and the keeper's pid; ``None`` in every other process.
+_child_of: tuple[Keeper, int] | None = None
 #: In a keeper's child: the store its keeper key was announced in (deleted there when the rank is lost).
 _announced = None
 
 
-def _announce(session) -> None:
-    """In a keeper's child, when the world's session starts: its peers may wait for a replacement of
-    this rank (:func:`..core.schema.keeper_key`)."""
+def on_session_started(session) -> None:
+    """``SESSION_STARTED``, in a keeper's child, when the world's session starts: its peers may wait
+    for a replacement of this rank (:func:`..core.schema.keeper_key`)."""
     global _announced
-    if session.group is not None:
+    if _child_of is None or session.group is not None:
         return
     try:
         _announced = base_of(session.pg_store)
         _announced.set(keeper_key(session.rank), "1")
     except Exception as err:  # noqa: BLE001 - without it a death of this rank ends the job, as without a keeper
         log(logging.WARNING, "could not announce this rank's keeper: %s", err)
+
+
+def keeper_pid() -> int | None:
+    """``KEEPER_PID``: in a keeper's child, the pid of the keeper that would replace it; else ``None``."""
+    return None if _child_of is None else _child_of[1]
+
+
+def lose() -> None:
+    """``LOSE``, in a keeper's child, before it kills itself as a lost rank (``FTH_INJECT``'s
+    ``lose``): its keeper will not replace it, and its peers find no keeper for its rank (its key
+    goes first). Elsewhere nothing."""
+    if _child_of is None:
+        return
+    struct.pack_into("<q", _child_of[0].page, 8, 1)
+    store = _announced
+    if store is not None:
+        try:
+            store.delete_key(keeper_key(int(os.environ.get("RANK", "-1"))))
+        except Exception as err:  # noqa: BLE001 - its peers then wait for a replacement that never comes
+            log(logging.WARNING, "could not withdraw this rank's keeper key: %s", err)
 
 
 class Keeper:
@@ -155,17 +179,6 @@ class Keeper:
     def _read_attempt(self) -> int:
         return struct.unpack_from("<q", self.page, 0)[0]
 
-    def _lost(self) -> None:
-        """In the child, before it kills itself as a lost rank (``FTH_INJECT``'s ``lose``): its keeper
-        will not replace it, and its peers find no keeper for its rank (its key goes first)."""
-        struct.pack_into("<q", self.page, 8, 1)
-        store = _announced
-        if store is not None:
-            try:
-                store.delete_key(keeper_key(int(os.environ.get("RANK", "-1"))))
-            except Exception as err:  # noqa: BLE001 - its peers then wait for a replacement that never comes
-                log(logging.WARNING, "could not withdraw this rank's keeper key: %s", err)
-
     def _read_lost(self) -> bool:
         return struct.unpack_from("<q", self.page, 8)[0] == 1
 
@@ -179,8 +192,6 @@ class Keeper:
             for sig in FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
             self.recovery.on_attempt = self._write_attempt
-            hooks.add(hooks.LOSE, self._lost)
-            hooks.add(hooks.SESSION_STARTED, _announce)
             result = self.recovery.run(args, kwargs, replacement=replacement, order=order)
             try:
                 data = pickle.dumps(result)
@@ -209,6 +220,7 @@ class Keeper:
     def run(self, args: tuple, kwargs: dict, replacement: Cause | None = None, order: spares.Order | None = None) -> Any:
         """Keep the training child, and a new one each time it dies. ``replacement`` and ``order``: a
         spare taking a lost rank's seat, its first child joins the recovery as that rank."""
+        global _child_of
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
         self._write_attempt(attempts.in_place())  # a child that dies before its first attempt began is in this one
         dead = None
@@ -218,7 +230,7 @@ class Keeper:
                 keeper = os.getpid()  # read here: a child whose keeper died before it looked would read its reaper
                 pid = os.fork()
                 if pid == 0:
-                    hooks.add(hooks.KEEPER_PID, lambda keeper=keeper: keeper)
+                    _child_of = (self, keeper)
                     self._child(self.result_path, args, kwargs, replacement, order)
                 order = None  # a spare's order was its first child's; a later child is a keeper's replacement
                 self.child = pid

@@ -1,7 +1,6 @@
 """The package is assembled in one table (``fault_tolerant_handlers/wiring.py``): after the package
 is imported, every hook holds exactly the table's callbacks in the table's order; no module adds to a
-hook when it is imported; only the recovery (for the process it runs in) and ``on_recovery`` add to
-a hook outside the table; and docs/architecture.md lists the same callbacks in the same order."""
+hook when it is imported; only ``on_recovery`` adds to a hook outside the table; and docs/architecture.md lists the same callbacks in the same order."""
 
 from __future__ import annotations
 
@@ -19,13 +18,8 @@ from fault_tolerant_handlers.core import hooks
 PACKAGE = Path(fault_tolerant_handlers.__file__).parent
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
-#: The only places outside the table that add to a hook, each for the process it runs in:
-#: ``(module, function)``.
+#: The only places outside the table that add to a hook: ``(module, function)``.
 WHILE_RUNNING = {
-    ("recover/inplace.py", "_install_interrupter"),  # INTERRUPT, while recover_in_place runs
-    ("recover/inplace.py", "_restore_interrupter"),  # and removed when it ends
-    ("recover/keeper.py", "_child"),  # LOSE and the keeper's SESSION_STARTED, in a keeper's training child
-    ("recover/keeper.py", "run"),  # KEEPER_PID, in the child just forked
     ("core/recoveries.py", "on_recovery"),  # a user's callback
     ("core/recoveries.py", "unsubscribe"),  # and its removal
 }
@@ -77,7 +71,7 @@ def _hook_calls(tree: ast.AST):
     yield from visit(tree, None)
 
 
-def test_no_module_adds_to_a_hook_when_imported_and_only_the_recovery_outside_the_table():
+def test_no_module_adds_to_a_hook_when_imported_and_only_a_user_outside_the_table():
     at_import, elsewhere = [], set()
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
