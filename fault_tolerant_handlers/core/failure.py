@@ -356,6 +356,7 @@ def decode(cls: type, raw: Any, *, world: int, max_bytes: int, key: str | None =
       world of ``world`` ranks; a ``tuple[int, ...]`` field: ``(low, high, most items)``;
     * a ``str`` field: its most characters (negative: the tail is kept), or ``("hex", chars)`` for a
       lower-case hex digest ("" otherwise); text is sanitised (:func:`sanitize`);
+    * an ``Enum`` field (a :class:`FailureKind`): one of its values, else the record is rejected;
     * a field of a dataclass type is read the same way (``None``, where allowed, when it is malformed);
     * ``cls.problem(record, world)``, when defined, says what the bounds cannot.
 
@@ -417,6 +418,9 @@ def _field(name: str, hint: Any, bound: Any, value: Any, world: int) -> tuple[An
         if not all(bound[0] <= v <= (world - 1 if bound[1] == WORLD else bound[1]) for v in value):
             return None, f"field {name!r} holds a value outside its bounds"
         return tuple(value), None
+    if isinstance(kind, type) and issubclass(kind, Enum):  # a FailureKind: one of its values
+        return (kind(value), None) if value in {k.value for k in kind} else (
+            None, f"field {name!r} must be one of {', '.join(k.value for k in kind)}, got {sanitize(str(value))[:40]!r}")
     expected = _TYPES[kind.__name__ if isinstance(kind, type) else str(kind)]
     if not isinstance(value, expected) or (kind is not bool and isinstance(value, bool)):
         return None, f"field {name!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}"

@@ -70,7 +70,7 @@ def cause_of(err: BaseException, rank: int, states: Sequence[FailureState] = ())
     return Cause(rank, -1 if record.rank is None else record.rank,
                  record.exc_type.rsplit(".", 1)[-1] if own else record.exc_type, cap_head(record.exc_message, 500),
                  record.section if own else err.where, -1 if record.step is None else record.step,
-                 own, not_in_place, kind.value)
+                 own, not_in_place, kind)
 
 
 def lost_records(sessions: Sequence[Any]) -> dict[int, Any]:

@@ -34,20 +34,10 @@ class Cause(Stored):
     step: int  #: -1: unknown
     own: bool  #: ``by`` failed itself
     not_in_place: str  #: why this failure cannot be recovered in place ("" when it can)
-    kind: str = ""  #: a FailureKind's value ("": read from exc_type, see failure_kind)
+    kind: FailureKind = FailureKind.RAISED
 
     BOUNDS: ClassVar[dict] = {"by": (0, WORLD), "failed_rank": (-1, WORLD), "exc_type": 200, "message": 500,
-                              "where": 300, "step": (-1, 2**53 - 1), "not_in_place": 300, "kind": 40}
-
-    @property
-    def failure_kind(self) -> FailureKind:
-        """The kind: as given, else a declared failure's ``exc_type`` (``RankReplaced``), else ``RAISED``."""
-        if self.kind:
-            try:
-                return FailureKind(self.kind)
-            except ValueError:
-                pass
-        return FailureKind.of(self.exc_type, "declared")
+                              "where": 300, "step": (-1, 2**53 - 1), "not_in_place": 300}
 
     def describe(self) -> str:
         who = f"rank {self.failed_rank}" if self.failed_rank >= 0 else "a rank"
@@ -140,7 +130,7 @@ class Decision(Stored):
 
 def needs_keeper(cause: Cause) -> bool:
     """A peer's process ended (its host lives): recovered in place only by its keeper's replacement."""
-    return not cause.own and cause.failure_kind is FailureKind.PEER_LOST and not cause.not_in_place
+    return not cause.own and cause.kind is FailureKind.PEER_LOST and not cause.not_in_place
 
 
 def keeper_replaces(store: Any, rank: int, end_seen: bool) -> bool:

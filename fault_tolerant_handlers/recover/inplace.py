@@ -379,7 +379,7 @@ class _Recovery:
             live = plan is not None and plan.step >= 0
             info = RecoveryInfo(
                 phase, attempts.in_place() + (phase is not RecoveryPhase.RECOVERED), rank,
-                RecoveryCause(cause.failed_rank if cause.failed_rank >= 0 else None, cause.failure_kind, cause.exc_type,
+                RecoveryCause(cause.failed_rank if cause.failed_rank >= 0 else None, cause.kind, cause.exc_type,
                               cause.message, cause.step if cause.step >= 0 else None, cause.where),
                 0.0 if plan is None else max(0.0, (time.monotonic() if now is None else now) - since),
                 None if plan is None else (recoveries.LIVE if live else recoveries.CHECKPOINT),

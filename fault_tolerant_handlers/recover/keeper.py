@@ -252,7 +252,8 @@ class Keeper:
                 replaceable = os.WIFSIGNALED(status) or os.WEXITSTATUS(status) == EXIT_HUNG
                 if replaceable and attempt < self.recovery.max_restarts and not self._stopping:
                     replacement = Cause(int(rank), int(rank), FailureKind.RANK_REPLACED.value, f"the process of rank "
-                                        f"{rank} (pid {pid}) {how}: replaced in place", "", -1, True, "")
+                                        f"{rank} (pid {pid}) {how}: replaced in place", "", -1, True, "",
+                                        FailureKind.RANK_REPLACED)
                     attempts.set_in_place(attempt)
                     dead = pid
                     log(logging.WARNING, "the training process of rank %s (pid %d) %s: starting its replacement, which "

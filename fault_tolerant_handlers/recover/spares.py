@@ -321,7 +321,7 @@ def serve(lay: Layout, timeout: timedelta) -> tuple[Order, Cause] | None:
     attempts.set_in_place(order.attempt)
     return order, Cause(order.rank, order.rank, FailureKind.RANK_REPLACED.value,
                         f"rank {order.rank}'s process was lost with no keeper to replace it: spare launched rank "
-                        f"{lay.launched_rank} took its place", "", -1, True, "")
+                        f"{lay.launched_rank} took its place", "", -1, True, "", FailureKind.RANK_REPLACED)
 
 
 def take_own_seat(lay: Layout, timeout: timedelta) -> Any:
@@ -352,8 +352,8 @@ def lost_or_silent(cause: Cause) -> bool:
     """A peer declared lost or silent with its end not seen (another host's rank, or its host or link
     gone): with spares, one takes its place unless its keeper replaces it."""
     return (not cause.own and cause.failed_rank >= 0
-            and cause.failure_kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
-            and cause.not_in_place == NOT_IN_PLACE[cause.failure_kind])
+            and cause.kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
+            and cause.not_in_place == NOT_IN_PLACE[cause.kind])
 
 
 class Claims:

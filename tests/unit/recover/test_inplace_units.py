@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers import PeerFailedError, SectionMismatchError, recover_in_place
 from fault_tolerant_handlers.core.config import RECOVER_TELL_SEC
-from fault_tolerant_handlers.core.failure import Ended
+from fault_tolerant_handlers.core.failure import Ended, FailureKind
 from fault_tolerant_handlers.recover import agree
 from fault_tolerant_handlers.recover.agree import cause_of
 from fault_tolerant_handlers.recover.causes import Cause, Decision, LivePlan, LiveReport
@@ -183,14 +183,14 @@ def test_with_max_restarts_spent_a_rank_ends_at_once_without_waiting_for_rank_0(
 
 
 def test_a_killed_peer_is_waited_for_only_when_it_has_a_keeper():
-    killed = Cause(0, 1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", "", -1, False, "")
+    killed = Cause(0, 1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", "", -1, False, "", FailureKind.PEER_LOST)
     recovery = _Recovery(print, 3, timedelta(seconds=30))
     alone = dist.HashStore()
     decision = recovery._agree((alone, 0, 2, "gloo", timedelta(seconds=30)), killed)
     assert not decision.restart and decision.why.startswith("a rank was lost")
     kept = dist.HashStore()
     kept.set("fth/recover/0/keeper/1", "1")
-    replacement = Cause(1, 1, "RankReplaced", "the process of rank 1 (pid 7) killed by SIGKILL: replaced", "", -1, True, "")
+    replacement = Cause(1, 1, "RankReplaced", "the process of rank 1 (pid 7) killed by SIGKILL: replaced", "", -1, True, "", FailureKind.RANK_REPLACED)
     kept.set("fth/recover/0/0/cause/1", replacement.to_json())  # rank 1's replacement is already in
     kept.add("fth/recover/0/0/arrived", 1)
     decision = recovery._agree((kept, 0, 2, "gloo", timedelta(seconds=30)), killed)

@@ -171,7 +171,7 @@ def test_the_spare_s_wait_variable_is_checked(bad, monkeypatch):
 
 
 # -- rank 0's decision when a rank is lost with no keeper ---------------------------------------------------
-KILLED = Cause(0, 1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", "", -1, False, "")
+KILLED = Cause(0, 1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", "", -1, False, "", FailureKind.PEER_LOST)
 
 
 def _survivor(spares_count: int) -> _Recovery:
@@ -188,7 +188,7 @@ def _spare_already_in(keeper_announced: bool = True) -> dist.HashStore:
     if keeper_announced:
         store.set(keeper_key(1), "1")
     spare = Cause(1, 1, "RankReplaced", "rank 1's process was lost with no keeper to replace it: spare launched "
-                                        "rank 2 took its place", "", -1, True, "")
+                                        "rank 2 took its place", "", -1, True, "", FailureKind.RANK_REPLACED)
     store.set("fth/recover/0/0/cause/1", spare.to_json())
     store.add("fth/recover/0/0/arrived", 1)
     return store
@@ -218,7 +218,7 @@ def test_without_spares_a_rank_lost_with_no_keeper_ends_the_job_as_before():
 # -- a rank on another host: its keeper key is left behind when its host goes -------------------------------
 #: rank 0's view of rank 1 lost with its host: its end not seen (no helper told how its process ended)
 HOST_GONE = Cause(0, 1, "PeerLost", "rank 1 (pid 9 on node-b) lost: Read error [10.231.0.2] and no heartbeat "
-                                    "for 1.2 s", "", -1, False, NOT_IN_PLACE[FailureKind.PEER_LOST], "PeerLost")
+                                    "for 1.2 s", "", -1, False, NOT_IN_PLACE[FailureKind.PEER_LOST], FailureKind.PEER_LOST)
 
 
 def test_a_rank_lost_with_its_host_is_replaced_by_a_spare_though_its_keeper_had_announced_itself():
@@ -236,7 +236,7 @@ def test_a_killed_rank_whose_keeper_lives_waits_for_its_keeper_and_no_spare_is_o
     store = dist.HashStore()
     store.set(keeper_key(1), "1")
     replaced = Cause(1, 1, "RankReplaced", "the process of rank 1 (pid 7) killed by SIGKILL: replaced in place", "",
-                     -1, True, "")
+                     -1, True, "", FailureKind.RANK_REPLACED)
     store.set("fth/recover/0/0/cause/1", replaced.to_json())  # its keeper's replacement is already in
     store.add("fth/recover/0/0/arrived", 1)
     decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), KILLED)
@@ -298,7 +298,7 @@ def test_without_spares_a_killed_rank_whose_keeper_is_gone_ends_the_job_at_once(
 #: rank 0's view of rank 1 whose link went down: silent, its end not seen
 LINK_CUT = Cause(0, 1, "PeerSilent", "rank 1 (pid 9 on node-b) lost: no heartbeat for 3.0 s (its host or link is "
                                      "down, or its process is gone or frozen)", "", -1, False,
-                 NOT_IN_PLACE[FailureKind.PEER_SILENT], "PeerSilent")
+                 NOT_IN_PLACE[FailureKind.PEER_SILENT], FailureKind.PEER_SILENT)
 
 
 def test_a_silent_rank_on_another_host_is_replaced_by_a_spare():
@@ -321,7 +321,7 @@ def _displaced_rank_1() -> _Recovery:
 
 #: what the cut-off rank 1 knows when it comes back: rank 0 (the store's host) went silent
 STORE_HOST_SILENT = Cause(1, 0, "PeerSilent", "rank 0 lost: no heartbeat for 3.0 s", "", -1, False,
-                          NOT_IN_PLACE[FailureKind.PEER_SILENT], "PeerSilent")
+                          NOT_IN_PLACE[FailureKind.PEER_SILENT], FailureKind.PEER_SILENT)
 
 
 @pytest.mark.parametrize("taken", ["ordered", "seated"])
