@@ -56,7 +56,7 @@ def _check(results, outdir, hosts, partners):
                 assert torch.equal(_bytes(a), _bytes(b)), (rank, p, path)  # bit for bit (NaN, -0.0 too)
     for res in results:
         reloaded = res.event("reloaded")
-        assert reloaded["step"] == STEPS and reloaded["moved"] and reloaded["same"], reloaded
+        assert reloaded["flushed"] and reloaded["step"] == STEPS and reloaded["moved"] and reloaded["same"], reloaded
         flipped = res.event("flipped")
         assert flipped["raised"] and flipped["raised"].startswith(
             f"SnapshotChecksumError: the snapshot of rank {flipped['rank']} at step {STEPS} does not have its checksum")

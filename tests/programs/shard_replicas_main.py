@@ -101,7 +101,8 @@ def main() -> None:
         record("held_copy", rank=r, step=copy.step, on_mesh_same=same, model_kinds=kinds)
     record("held", held=[[h.rank, h.step, h.checksum_ok] for h in held])
 
-    own = replicas.own()  # this rank's sealed snapshot of the last step (sent)
+    flushed = replicas.flush(timedelta(seconds=BOUND_SEC))  # its own last snapshot sealed and sent
+    own = replicas.own()  # this rank's sealed snapshot of the last step
     train_step(model, optim, STEPS + 1)  # the model moves on
     moved = not all(torch.equal(a, b) for (_, a), (_, b) in zip(local_shards(state(model, optim, 0)),
                                                                  torch.load(OUT / f"own-rank{RANK}.pt")))
@@ -110,7 +111,7 @@ def main() -> None:
     optim.load_state_dict(back["optim"])
     reloaded = all(torch.equal(a, b) for (_, a), (_, b) in zip(local_shards(state(model, optim, 0))[:-1],
                                                                 torch.load(OUT / f"own-rank{RANK}.pt")[:-1]))
-    record("reloaded", step=own.step, moved=moved, same=reloaded)
+    record("reloaded", step=own.step, moved=moved, same=reloaded, flushed=flushed)
 
     copy = replicas.copy_of(replicas.holds[0])
     copy.payload[copy.payload.numel() // 2] ^= 0x10

@@ -91,7 +91,7 @@ def test_bad_settings_are_refused_at_construction_naming_the_argument_and_range(
 
 def test_disabled_replicas_make_nothing_and_take_no_snapshot():
     replicas = ShardReplicas(enabled=False)  # no process group needed: nothing is made
-    assert replicas.step({"w": torch.ones(3)}, 1) is None and replicas.held() == [] and replicas.own() is None
+    assert replicas.step({"w": torch.ones(3)}, 1) is False and replicas.held() == [] and replicas.own() is None
     replicas.stop()
 
 
