@@ -39,7 +39,18 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from fault_tolerant_handlers.recover import replicas as module
     from fault_tolerant_handlers.recover.replicas import ShardReplicas
+
+    reused = [0]
+    take = module.take_snapshot
+
+    def counted(*args, buffer=None, **kwargs):  # how many copies were made into a buffer used before
+        snap = take(*args, buffer=buffer, **kwargs)
+        reused[0] += buffer is not None and snap.payload.data_ptr() == buffer.data_ptr()
+        return snap
+
+    module.take_snapshot = counted
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -58,7 +69,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
         x = torch.randn(4, width)
         times = {False: [], True: []}
         copies = []
-        replaced0 = replicas.stats.replaced
+        replaced0, reused0 = replicas.stats.replaced, reused[0]
         step = 0
         for block in range(-1, blocks):  # block -1: warm-up, not counted
             with_replicas = block in (-1,) or block % 4 in (1, 2)  # A B B A
@@ -70,7 +81,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
                 optim.zero_grad()
                 if with_replicas:
                     t = time.perf_counter()
-                    snap = replicas.step({"model": model.state_dict(), "optim": optim.state_dict(), "step": step}, step)
+                    replicas.step({"model": model.state_dict(), "optim": optim.state_dict(), "step": step}, step)
                     copies.append(time.perf_counter() - t)
                 elapsed = time.perf_counter() - start
                 if block >= 0:
@@ -78,7 +89,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
             dist.barrier()
             replicas.flush(timedelta(seconds=120))
             dist.barrier()
-        shard_mb = snap.payload.numel() / 2**20
+        shard_mb = replicas.own().payload.numel() / 2**20
         if rank == 0:
             off, on = times[False], times[True]
             line = (f"shard {shard_mb:7.1f} MB/rank  without: median {statistics.median(off) * 1e3:8.1f} ms "
@@ -86,10 +97,10 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
                     f"{statistics.median(on) * 1e3:8.1f} ms (p10-p90 {_q(on, .1) * 1e3:.1f}-{_q(on, .9) * 1e3:.1f})  "
                     f"ratio {statistics.median(on) / statistics.median(off):.3f}  copy median "
                     f"{statistics.median(copies) * 1e3:.1f} ms  replaced {replicas.stats.replaced - replaced0}/"
-                    f"{len(copies)}  steps {len(off)}+{len(on)}  load {os.getloadavg()[0]:.1f}")
+                    f"{len(copies)}  reused buffer {reused[0] - reused0}/{len(copies)}  steps {len(off)}+{len(on)}  load {os.getloadavg()[0]:.1f}")
             print(line, flush=True)
             out.put(line)
-        del model, optim, snap
+        del model, optim
     replicas.stop()
     dist.destroy_process_group()
 

@@ -492,8 +492,10 @@ class ShardReplicas:
                                        snap.checksum], dtype=torch.int64)
                 manifest = torch.frombuffer(bytearray(snap.manifest), dtype=torch.uint8)
                 for peer in self.to:
-                    for t in (header, manifest, snap.payload)[:3 if snap.payload.numel() else 2]:
-                        dist.send(t, peer, group=self._group)
+                    dist.send(header, peer, group=self._group)
+                    dist.send(manifest, peer, group=self._group)
+                    if snap.payload.numel():  # (no name left on the payload: see _unused)
+                        dist.send(snap.payload, peer, group=self._group)
                 self.stats.sent += 1
             except Exception as e:  # a partner gone: keep training, the copies already held stay
                 self.stats.errors.append(f"send: {type(e).__name__}: {e}")

@@ -186,3 +186,19 @@ def test_values_a_snapshot_cannot_carry_are_named_by_path():
         take_snapshot({"opt": [1, {2}]}, 0, 0)
     with pytest.raises(TypeError, match=r"has a key \(1, 2\) of type tuple"):
         take_snapshot({(1, 2): 1}, 0, 0)
+
+
+def test_a_buffer_is_written_again_only_when_no_one_refers_to_its_snapshot():
+    from fault_tolerant_handlers.recover.replicas import _unused
+    first = take_snapshot(_state(), 1, 0)
+    assert _unused(first)
+    kept = first  # a caller of own() or copy_of() keeps it: its buffer is not reused
+    assert not _unused(first)
+    del kept
+    payload = first.payload
+    assert not _unused(first)
+    del payload
+    second = take_snapshot(_state(), 2, 0, buffer=first.payload)
+    assert second.payload.data_ptr() == first.payload.data_ptr() and restore(second)["iteration"] == 12
+    third = take_snapshot({"w": torch.ones(3)}, 3, 0, buffer=first.payload)  # another size: a new buffer
+    assert third.payload.data_ptr() != first.payload.data_ptr()
