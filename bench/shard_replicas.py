@@ -2,6 +2,7 @@
 
     python bench/shard_replicas.py                       # small and ~100 MB shards, a few minutes
     python bench/shard_replicas.py --sizes 100 --blocks 8
+    python bench/shard_replicas.py --sizes 100 --every 5 --steps 10
 
 Starts 2 gloo ranks (``torch.multiprocessing.spawn``, killed by pid at the end). Per size, a model of
 ``Linear(w, w)`` layers, each ``fully_shard``-ed, with Adam: each rank's shard (parameters + Adam's two
@@ -35,7 +36,7 @@ def _q(xs, p):
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, steps: int, out) -> None:
+def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, steps: int, every: int, out) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -56,7 +57,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     mesh = init_device_mesh("cpu", (world,))
-    replicas = ShardReplicas([f"node{r}" for r in range(world)], timeout=timedelta(seconds=120))
+    replicas = ShardReplicas([f"node{r}" for r in range(world)], replicate_every=every, timeout=timedelta(seconds=120))
     for mb in sizes:
         # per rank: 3 x params / world floats (params, exp_avg, exp_avg_sq) = mb MB
         width = int((mb * 2**20 / 4 * world / 3) ** 0.5)
@@ -79,7 +80,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
                 model(x).square().mean().backward()
                 optim.step()
                 optim.zero_grad()
-                if with_replicas:
+                if with_replicas and step % every == 0:
                     t = time.perf_counter()
                     replicas.step({"model": model.state_dict(), "optim": optim.state_dict(), "step": step}, step)
                     copies.append(time.perf_counter() - t)
@@ -92,7 +93,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
         shard_mb = replicas.own().payload.numel() / 2**20
         if rank == 0:
             off, on = times[False], times[True]
-            line = (f"shard {shard_mb:7.1f} MB/rank  without: median {statistics.median(off) * 1e3:8.1f} ms "
+            line = (f"every {every}  shard {shard_mb:7.1f} MB/rank  without: median {statistics.median(off) * 1e3:8.1f} ms "
                     f"(p10-p90 {_q(off, .1) * 1e3:.1f}-{_q(off, .9) * 1e3:.1f})  with: median "
                     f"{statistics.median(on) * 1e3:8.1f} ms (p10-p90 {_q(on, .1) * 1e3:.1f}-{_q(on, .9) * 1e3:.1f})  "
                     f"ratio {statistics.median(on) / statistics.median(off):.3f}  copy median "
@@ -110,6 +111,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 100], help="shard MB per rank")
     parser.add_argument("--blocks", type=int, default=8, help="blocks of steps, alternated A B B A")
     parser.add_argument("--steps", type=int, default=5, help="steps per block")
+    parser.add_argument("--every", type=int, default=1, help="ShardReplicas(replicate_every=...)")
     args = parser.parse_args()
     import socket
     with socket.socket() as s:
@@ -118,7 +120,7 @@ def main() -> None:
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args.sizes, args.blocks, args.steps, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, args.sizes, args.blocks, args.steps, args.every, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
