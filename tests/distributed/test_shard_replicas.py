@@ -2,7 +2,9 @@
 after the last step every rank's partner (on the other simulated host) holds that rank's shard of that
 step with a matching checksum; rebuilt from the partner's copy it is bit for bit the rank's own local
 shards; a rank's own snapshot loads back into its FSDP2 model and optimizer; a flipped byte in a held
-copy is refused by name; the threads end at ``stop()``. 2 ranks in the default suite, 4 ``long``."""
+copy is refused by name; the threads end at ``stop()``. A rank SIGKILLed: its partner still holds its
+shard of the last step, bit for bit, and the partner's training thread never waits for the failed send.
+One 2-rank case in the default suite; 4 ranks and the SIGKILL ``long``."""
 
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ STEPS = 4
 pytestmark = [pytest.mark.timeout(200), pytest.mark.slow]
 
 
-def _run(world, hosts, tmp_path, partners=1):
+def _run(world, hosts, tmp_path, partners=1, **env):
     results = run_ranks(world, "", tmp_path, script=PROGRAM, deadline=150,
-                        env={"HOSTS": ",".join(hosts), "PARTNERS": str(partners)})
+                        env={"HOSTS": ",".join(hosts), "PARTNERS": str(partners), **env})
     for r in results:
-        assert r.returncode == 0 and r.has("done"), r.stderr[-3000:]
+        assert env or r.returncode == 0 and r.has("done"), r.stderr[-3000:]
     return results, tmp_path / f"shard_replicas_main-{world}"
 
 
@@ -78,3 +80,19 @@ def test_two_ranks_on_two_hosts_hold_each_others_fsdp2_shard_exactly(tmp_path):
 def test_four_ranks_hold_their_partners_fsdp2_shards_exactly(hosts, partners, tmp_path):
     results, outdir = _run(4, hosts, tmp_path, partners)
     _check(results, outdir, hosts, partners)
+
+
+@pytest.mark.long
+def test_a_rank_sigkilled_leaves_its_shard_in_its_partners_memory_and_training_never_waits(tmp_path):
+    results, outdir = _run(2, ["node0", "node1"], tmp_path, KILL="1")
+    assert results[1].returncode == -9 and results[1].has("dying"), results[1].stderr[-3000:]  # the fault fired
+    assert results[0].returncode == 0, results[0].stderr[-3000:]
+    died = results[0].event("died")
+    assert died["copy_step"] == STEPS and died["held"] == [[1, STEPS, True]], died
+    own = torch.load(outdir / "own-rank1.pt")
+    copy = torch.load(outdir / "after-death-copy-of1.pt")
+    assert [p for p, _ in copy] == [p for p, _ in own]
+    assert all(torch.equal(_bytes(a), _bytes(b)) for (_, a), (_, b) in zip(own, copy))
+    # the sends failed (logged, counted) and each step() returned after its copy: not the 30 s send bound
+    assert died["errors"] and all(c < 10 for c in died["calls"]), died
+    assert died["threads_alive"] == [], died

@@ -13,12 +13,18 @@ waits (bounded) until it holds every held rank's copy of that step, then records
 * ``reloaded``: its own snapshot of the last step loaded back into the model and optimizer after one
   more step moved them (``load_state_dict``), and whether the local shards are the snapshot's again;
 * ``flipped``: one byte of a held copy flipped; what :func:`restore` raised and what ``held()`` says.
+
+With ``KILL=1`` (2 ranks), instead: once rank 0 holds rank 1's copy of the last step, rank 1 SIGKILLs
+itself; rank 0 hands 5 more snapshots to ``ShardReplicas.step`` (its partner dead: the send fails or
+blocks) and records how long each call took, then saves the copy it still holds of rank 1
+(``after-death-copy-of1.pt``) and stops (``died``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -28,6 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch import read_events  # noqa: E402 - tests/launch.py
 
 from fault_tolerant_handlers.recover.replicas import ShardReplicas, SnapshotChecksumError, local_shards, restore
 
@@ -57,6 +66,43 @@ def train_step(model, optim, step):
 
 def plain(shards):
     return [(p, t.clone()) for p, t in shards]
+
+
+def partner_dies(replicas, model, optim) -> None:
+    signal_file = OUT / "rank0-holds-rank1"
+    if RANK == 1:
+        end = time.monotonic() + BOUND_SEC
+        while not signal_file.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        record("dying", pid=os.getpid())
+        os.kill(os.getpid(), signal.SIGKILL)
+    signal_file.touch()
+    end = time.monotonic() + BOUND_SEC
+    while time.monotonic() < end and not any(e["event"] == "dying" for e in read_events(OUT, 1)):
+        time.sleep(0.05)
+    pid = [e for e in read_events(OUT, 1) if e["event"] == "dying"][0]["pid"]
+    while time.monotonic() < end and Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
+        time.sleep(0.05)
+    calls = []
+    for step in range(STEPS + 1, STEPS + 6):  # training goes on (the same state: the model's peer is gone)
+        start = time.perf_counter()
+        replicas.step(state(model, optim, step), step)
+        calls.append(time.perf_counter() - start)
+        time.sleep(0.2)
+    copy = replicas.copy_of(1)
+    torch.save(plain(local_shards(restore(copy))), OUT / "after-death-copy-of1.pt")
+    replicas.stop(timedelta(seconds=BOUND_SEC))
+    record("died", calls=calls, copy_step=copy.step, held=[[h.rank, h.step, h.checksum_ok] for h in replicas.held()],
+           threads_alive=[t.name for t in replicas._threads if t.is_alive()], errors=replicas.stats.errors,
+           replaced=replicas.stats.replaced)
+    os._exit(0)  # the default group's peer is dead: no barrier, no teardown to wait for
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
 
 
 def main() -> None:
@@ -100,6 +146,9 @@ def main() -> None:
         kinds = sorted({type(v).__name__ for v in on_mesh["model"].values()})
         record("held_copy", rank=r, step=copy.step, on_mesh_same=same, model_kinds=kinds)
     record("held", held=[[h.rank, h.step, h.checksum_ok] for h in held])
+    if os.environ.get("KILL"):
+        partner_dies(replicas, model, optim)
+        return
 
     flushed = replicas.flush(timedelta(seconds=BOUND_SEC))  # its own last snapshot sealed and sent
     own = replicas.own()  # this rank's sealed snapshot of the last step
