@@ -349,6 +349,7 @@ class HeldCopy:
 
 @dataclass
 class _Stats:
+    #: snapshots sealed and sent to every partner still reachable
     sent: int = 0
     received: int = 0
     #: snapshots replaced before they were sent (the previous send was still going)
@@ -474,6 +475,10 @@ class ShardReplicas:
             dist.destroy_process_group(self._group)
 
     def _send_loop(self) -> None:
+        """Seal each pending snapshot (it becomes :meth:`own`) and send it to every partner still
+        reachable; a partner whose send failed (gone: its connection closed, or the group's timeout)
+        is sent nothing more (logged once), and this rank's snapshots go on being sealed."""
+        live = list(self.to)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending is not None or self._stopping)
@@ -487,32 +492,32 @@ class ShardReplicas:
                 if _unused(old):
                     self._spare = old.payload
                 del old
-            try:
-                header = torch.tensor([_TAG, snap.rank, snap.step, len(snap.manifest), snap.payload.numel(),
-                                       snap.checksum], dtype=torch.int64)
-                manifest = torch.frombuffer(bytearray(snap.manifest), dtype=torch.uint8)
-                for peer in self.to:
-                    dist.send(header, peer, group=self._group)
-                    dist.send(manifest, peer, group=self._group)
-                    if snap.payload.numel():  # (no name left on the payload: see _unused)
-                        dist.send(snap.payload, peer, group=self._group)
-                self.stats.sent += 1
-            except Exception as e:  # a partner gone: keep training, the copies already held stay
-                self.stats.errors.append(f"send: {type(e).__name__}: {e}")
-                log(logging.WARNING, "shard replicas: sending step %d failed: %s", snap.step, e)
-                with self._cond:
-                    self._sending = False
-                    self._cond.notify_all()
-                return
+            header = torch.tensor([_TAG, snap.rank, snap.step, len(snap.manifest), snap.payload.numel(),
+                                   snap.checksum], dtype=torch.int64)
+            manifest = torch.frombuffer(bytearray(snap.manifest), dtype=torch.uint8)
+            for peer in list(live):
+                if not self._send(peer, header, manifest, snap.payload):
+                    live.remove(peer)
+            del snap  # (no name left on the payload: see _unused)
             with self._cond:
+                self.stats.sent += 1
                 self._sending = False
                 self._cond.notify_all()
         stop = torch.tensor([_TAG, self.rank, _STOP, 0, 0, 0], dtype=torch.int64)
-        for peer in self.to:
-            try:
-                dist.send(stop, peer, group=self._group)
-            except Exception as e:
-                self.stats.errors.append(f"stop: {type(e).__name__}: {e}")
+        for peer in live:
+            self._send(peer, stop)
+
+    def _send(self, peer: int, *tensors: torch.Tensor) -> bool:
+        try:
+            for t in tensors:
+                if t.numel():
+                    dist.send(t, peer, group=self._group)
+            return True
+        except Exception as e:  # a partner gone: training goes on; it is sent nothing more
+            self.stats.errors.append(f"send to rank {peer}: {type(e).__name__}: {e}")
+            log(logging.WARNING, "shard replicas: sending to rank %d failed, nothing more is sent to it: %s",
+                peer, e)
+            return False
 
     def _receive_loop(self) -> None:
         waiting = set(self.holds)

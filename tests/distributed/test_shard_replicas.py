@@ -96,3 +96,4 @@ def test_a_rank_sigkilled_leaves_its_shard_in_its_partners_memory_and_training_n
     # the sends failed (logged, counted) and each step() returned after its copy: not the 30 s send bound
     assert died["errors"] and all(c < 10 for c in died["calls"]), died
     assert died["threads_alive"] == [], died
+    assert died["flushed"] and died["own_step"] == STEPS + 5, died  # its own snapshots are still taken
