@@ -17,7 +17,9 @@ optimizer update began after it, no buffer changed). Small state (counters, the 
 schedulers, the optimizer's hyper-parameters, RNG) changes between a step's end and the failure (the
 next batch fetched, the engine's counter incremented, a scheduler run at the iteration's start): it is
 recorded at the end of every step (:meth:`StepTracker.complete`) and torch's RNG at the start of every
-step (:meth:`StepTracker.start_step`), a few microseconds each, and only while a recovery in place runs.
+step (:meth:`StepTracker.start_step`) and at the end (for a failure that comes between the two: the same
+states unless fetching the batch draws from torch's RNG), a few microseconds each, and only while a
+recovery in place runs.
 
 ``FTH_LIVE_STATE=0`` turns it off (the newest checkpoint, as before).
 """
@@ -121,6 +123,7 @@ class StepTracker:
         """Step ``step`` completed (or, ``initial``, the loop starts from it): ``small`` is its small state."""
         self.stepped = initial or self.updates > 0
         self.step, self.small, self.updates, self.updating = step, small, 0, False
+        self.rng = (step, _rng_state())  # the next step's until it starts (a failure may come first)
         self.versions = sum(b._version for b in self.buffers)
 
     def check(self, unit: str) -> None:
