@@ -40,7 +40,7 @@ from .core.errors import HangInterrupted, PeerFailedError, RecoveryError, Sectio
 from .core.interrupts import deferred_interrupt
 from .core.recoveries import (RecoveryCause, RecoveryInfo, RecoveryMetrics, RecoveryPhase, on_recovery,
                               recovery_history)
-from .core.release import EXIT_TEARDOWN_STUCK
+from .core.interrupts import EXIT_TEARDOWN_STUCK
 from .core.sections import fail_together, one_rank_first
 from .detect.watchdog import EXIT_HUNG, EXIT_PEER_FAILED, start_watchdog, writing_checkpoint
 from .recover import recover_in_place, recovery_attempt, spares_left

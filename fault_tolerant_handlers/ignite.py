@@ -71,7 +71,7 @@ from .adapters.guard import Guard, LiveLoop, LoopRecovery
 from .core import attempts, hooks, interrupts, recoveries, sharded
 from .core.failure import tag, tag_of
 from .core.inject import Injector
-from .core.log import log
+from .core.hooks import log
 from .data import dcp, live, snapshots
 from .data.dcp import ShardedState
 from .data.ddp_buckets import DDPBucketLayout

@@ -72,7 +72,7 @@ from .data import live, snapshots
 from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
 from .core.failure import tag, tag_of
-from .core.log import first_line, log
+from .core.hooks import first_line, log
 from .detect.autohang import CHECKPOINT, EVALUATION, START, STEP
 from .adapters.guard import Guard, LiveLoop, LoopRecovery
 from .core.inject import Injector

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 import torch.distributed as dist
 
 from ..core import config, interrupts, recoveries
-from ..core.log import first_line, log
+from ..core.hooks import first_line, log
 from ..core.errors import PeerFailedError
 from ..core.sections import check_name
 from ..core.failure import tag, tag_of
@@ -153,8 +153,7 @@ class Guard:
         if session is None:
             return
         self.check(step=step, epoch=epoch)
-        outcome = session.agree("loop", f"{self.name}: {where}", step=step, epoch=epoch)
-        err = outcome.error_for_caller()
+        err = session.agree("loop", f"{self.name}: {where}", step=step, epoch=epoch)
         if err is not None:
             tag(err, agreed=True)
             raise self.on_exception(err, step=step, epoch=epoch)

@@ -50,9 +50,8 @@ def namespace() -> str:
 
 # -- the process that runs the recovery ---------------------------------------------------------------
 #: Set by :func:`fault_tolerant_handlers.recover_in_place` in its process's environment while it runs
-#: (its pid), for the processes it starts: a rank that finds its *parent's* pid there, and runs no
-#: recovery itself, was spawned by the function the recovery wraps (:func:`spawned_by_recovery`).
-#: Not a setting.
+#: (its pid): a rank that finds its parent's pid there was spawned by the function the recovery
+#: wraps (:func:`spawned_by_recovery`). Not a setting.
 RUNNING_ENV = "FTH_RECOVER_IN_PLACE_PID"
 
 _running_pid: int | None = None  # a pid, not a flag: a forked child inherits this module's state
@@ -83,9 +82,8 @@ def recovering() -> bool:
 
 def spawned_by_recovery() -> int | None:
     """The parent's pid when this process was started by a process running ``recover_in_place`` and
-    runs none itself: the recovery then wraps the launcher that spawned this rank
-    (``idist.Parallel(nproc_per_node=...)``, Lightning ``ddp_spawn``, ``mp.spawn``), not the rank, and
-    cannot recover it in place. ``None`` otherwise."""
+    runs none itself (the recovery wraps the launcher that spawned this rank: it cannot recover it
+    in place); ``None`` otherwise."""
     parent = os.getppid()
     if recovering() or os.environ.get(RUNNING_ENV) != str(parent):
         return None

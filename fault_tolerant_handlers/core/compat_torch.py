@@ -30,14 +30,8 @@ starts (a job that never uses it needs none of these):
 ``Reducer._remove_autograd_hooks``, ``Reducer._set_static_graph``, ``Logger._set_static_graph``
 =====================================================  ==============================================
 
-``torch._dynamo`` is imported by :func:`import_lazy_modules` in a spare before it waits: torch imports
-it lazily at a process's first optimizer (2.5 s on a loaded 2-core machine), which a spare would
-otherwise pay when it takes a lost rank's place (measured: Ignite, whose import does not bring it,
-unlike Lightning's). A torch without it is simply not helped (nothing fails).
-
-``_wrap`` is only looked for on the main thread's stack (:func:`spawn_error_file`): a torch whose
-``mp.spawn`` no longer has it is reported as not spawned, so the rank's report is printed by the
-interpreter as under any other launcher.
+``_wrap`` is only looked for on the main thread's stack (:func:`spawn_error_file`): without it a rank
+is reported as not spawned, and its report is printed as under any other launcher.
 """
 
 from __future__ import annotations
@@ -89,14 +83,13 @@ def check() -> None:
     _checked = True
 
 
-#: Modules torch imports lazily when a process makes its first optimizer (seconds: 2.5 s measured on a
-#: loaded 2-core machine for ``torch._dynamo``).
+#: Modules torch imports lazily at a process's first optimizer (seconds), which a spare imports
+#: before it waits rather than when it takes a lost rank's place.
 LAZY_MODULES = ("torch._dynamo",)
 
 
 def import_lazy_modules() -> None:
-    """Import :data:`LAZY_MODULES` now (see the module's text); a module this torch lacks, or that
-    fails to import, is left out (the process is then as without this call)."""
+    """Import :data:`LAZY_MODULES` now; one that fails to import is left out."""
     import importlib
 
     for name in LAZY_MODULES:
@@ -172,12 +165,9 @@ _GLOO_MARKERS = ("gloo/transport/", "ProcessGroupGloo.cpp")
 
 
 def is_backend_error(exc: BaseException) -> bool:
-    """True for what a collective or the store raises when a peer is gone or this rank was released.
-
-    torch's ``DistError`` family (public: NCCL, the store, the network), and gloo's plain
-    ``RuntimeError`` whose text points into gloo's transport (the text of torch's gloo backend: no
-    type tells it). A ``socket.timeout``, ``TimeoutError``, ``ConnectionResetError`` or any other
-    error of user code is not one: it is the rank's own failure.
+    """True for what a collective or the store raises when a peer is gone or this rank was released:
+    torch's ``DistError`` family, and gloo's plain ``RuntimeError`` whose text points into gloo (no
+    type tells it). Any other error (``TimeoutError``, ``ConnectionResetError``...) is the rank's own.
     """
     dist_error = getattr(dist, "DistError", None)
     if isinstance(dist_error, type) and isinstance(exc, dist_error):
@@ -222,10 +212,8 @@ def check_ddp(ddp: Any = None) -> None:
 
 def ddp_bucket_layout(ddp: Any) -> list[list[int]] | None:
     """The parameter indices of each of ``ddp``'s buckets, in its reducer's order, once the reducer has
-    rebuilt them after its first iteration (``None`` before; also with ``find_unused_parameters=True``,
-    whose buckets are never rebuilt). Read from the DDP's logging data, which torch records at the
-    start of each of the first 10 iterations and every 100th after: known from the 3rd iteration on
-    (the 4th with ``static_graph=True``, whose reducer rebuilds after its 2nd iteration)."""
+    rebuilt them (``None`` before, and with ``find_unused_parameters=True``): from its logging data,
+    known from the 3rd iteration on (the 4th with ``static_graph=True``)."""
     data = ddp._get_ddp_logging_data()
     text = data.get("rebuilt_per_bucket_param_indices")
     if not data.get("has_rebuilt_buckets") or not isinstance(text, str) or not text.strip():
@@ -241,13 +229,10 @@ def ddp_bucket_sizes(ddp: Any) -> list[int]:
 
 def use_ddp_bucket_layout(ddp: Any, layout: list[list[int]]) -> None:
     """Give ``ddp`` a new reducer whose buckets are ``layout`` (parameter indices per bucket, in the
-    reducer's order) from its first iteration on: what ``DistributedDataParallel.__setstate__`` does
-    to build a reducer, with ``torch.distributed._compute_bucket_assignment_by_size`` answering
-    ``layout`` for that one call. The old reducer's autograd hooks are removed first; the static graph
-    setting and the comm hooks registered with ``register_comm_hook`` are carried over. A builtin comm
-    hook (``_register_builtin_comm_hook``) cannot be, nor an optimizer applied in backward: a
-    ``RuntimeError`` says so. Raises ``RuntimeError`` also when the new reducer's buckets are not
-    those of ``layout`` (a torch whose ``_ddp_init_helper`` builds them otherwise)."""
+    reducer's order), built as ``DistributedDataParallel.__setstate__`` does with
+    ``_compute_bucket_assignment_by_size`` answering ``layout``; the static graph setting and the
+    comm hooks of ``register_comm_hook`` are carried over. ``RuntimeError`` for a builtin comm hook,
+    an optimizer applied in backward, or a reducer whose buckets come out otherwise."""
     check_ddp(ddp)
     params, expect_sparse = ddp._build_params_for_reducer()
     flat = sorted(i for bucket in layout for i in bucket)
@@ -296,7 +281,6 @@ def use_ddp_bucket_layout(ddp: Any, layout: list[list[int]]) -> None:
             f"DDPBucketLayout: torch {torch.__version__}'s DistributedDataParallel._ddp_init_helper did not build "
             f"the reducer with the given buckets (sizes {ddp_bucket_sizes(ddp)}, expected {sizes}; checked against "
             f"torch {', '.join(DDP_CHECKED_AGAINST)})")
-
 
 
 # -- torch's DataLoader (data/loader.py, data/_resume.py, data/_workers.py) ------------------------------

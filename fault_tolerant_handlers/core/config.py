@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from datetime import timedelta
 
 from . import attempts, inject
-from .log import log
+from .hooks import log
 
 #: ``hang_timeout="auto"``: the deadline is learned from the run (:mod:`..detect.autohang`).
 AUTO = "auto"
@@ -82,10 +82,8 @@ SETTINGS = (
     Setting("FTH_WATCHDOG_INTERVAL_SEC", "interval", "seconds", 0.1 * _S, "watchdog poll period", 0.01, 10),
     Setting("FTH_HANG_TIMEOUT_SEC", "hang_timeout", "hang", None, "opt-in hang detection (where `hang_timeout` is "
             "`None`); `auto`: the learned deadline", 1, 7 * 86400, shown="off"),
-    # The start (until the first iteration completes) is not judged by hang_timeout: at 8 ranks on a
-    # loaded machine it took 78 s here (imports, the side group, DDP's first pass), and a compile takes
-    # minutes on a GPU. Ten minutes still names a rank stuck at start before a 30-minute collective
-    # timeout would.
+    # a start takes minutes (a compile); ten minutes still names a rank stuck at start before a
+    # 30-minute collective timeout would
     Setting("FTH_START_TIMEOUT_SEC", "start_timeout", "seconds", 600 * _S, "a duration `hang_timeout` applies from "
             "the first completed iteration; before it, this deadline (a slow start is not a hang)", 1, 7 * 86400),
     Setting("FTH_AUTO_HANG_MULTIPLE", "auto_hang_multiple", "number", 10.0, "`auto`: a kind of work's deadline is "
@@ -120,14 +118,10 @@ SETTINGS = (
             expected="0 (resume from the newest checkpoint) or 1 (from the ranks' live state, the default)"),
     Setting("FTH_RECOVER_JOIN_SEC", "recover_join_timeout", "seconds", 60 * _S, "recovering in place: every rank "
             "must reach the recovery this soon after rank 0 (`join_timeout` where given)", 1, 86400),
-    # One request to the store per wait, and an order is seen as soon as it is written, whatever this
-    # is (the store answers a waiter when its key is set); a store that goes away ends the wait at once.
     Setting("FTH_SPARE_WAIT_SEC", "spare_wait", "seconds", 60 * _S, "`recover_in_place(spares=k)`: a spare waits "
             "for its order in blocking store waits of this long (an order is seen at once whatever it is; it "
             "bounds how often c10d logs the wait's timeout) ([recovering](recovering.md#spares))", 1, 3600),
-    # Below the peers' FTH_RECOVER_JOIN_SEC with room for the exception path, so that a section that
-    # hangs itself still lets the rank reach the recovery in time. A checkpoint write of more than this
-    # is interrupted (its file is either complete or a temporary file latest_checkpoint skips).
+    # below the peers' FTH_RECOVER_JOIN_SEC, so that a section that hangs still lets the rank recover
     Setting("FTH_INTERRUPT_DEFER_SEC", "interrupt_defer", "seconds", 30 * _S, "recovering in place: a deferred "
             "section (a checkpoint write, a store call, `deferred_interrupt`) holds a hung rank's interrupt back "
             "this long at most, from its first arrival; then it is interrupted inside", 0.1, 3600),
@@ -229,8 +223,7 @@ _DHMS = re.compile(r"\s*(\d+):(\d+):(\d+):(\d+)\s*")
 
 def _as_timedelta(value: object) -> timedelta | None:
     """A number of seconds, a ``"DD:HH:MM:SS"`` string or a dict of ``timedelta`` arguments (the
-    forms Lightning's ``Timer(duration=...)`` takes, for YAML, LightningCLI and Hydra configs) as a
-    ``timedelta``; ``None`` for anything else."""
+    forms Lightning's ``Timer(duration=...)`` takes) as a ``timedelta``; ``None`` for anything else."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return timedelta(seconds=value) if math.isfinite(value) and abs(value) < 1e12 else timedelta.max
     if isinstance(value, str):
@@ -254,22 +247,16 @@ def _as_timedelta(value: object) -> timedelta | None:
 TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
 
 
-def _check_dict_keys(value: object, what: str, forms: str) -> None:
-    """A dict duration with a key ``timedelta`` does not take: ``TypeError`` naming the key and the valid ones."""
-    if not isinstance(value, dict):
-        return
-    bad = [key for key in value if key not in TIMEDELTA_KEYS]
+def _check_duration(name: str, value: object, what: str, forms: str) -> timedelta | None:
+    """``value`` (``None``, a ``timedelta``, seconds, ``"DD:HH:MM:SS"``, a dict) as a ``timedelta``
+    in the range of setting ``name``: ``TypeError`` naming ``forms`` for any other value (and a dict's
+    unknown keys), ``ValueError`` for a duration out of range."""
+    if value is None or isinstance(value, timedelta):
+        return check_timedelta(name, value, allow_none=True, what=what)
+    bad = [key for key in value if key not in TIMEDELTA_KEYS] if isinstance(value, dict) else []
     if bad:
         raise TypeError(f"{what} must be {forms}; unknown key(s) {', '.join(repr(k) for k in bad)} (the keys are "
                         f"{', '.join(TIMEDELTA_KEYS)}: datetime.timedelta's arguments), got {value!r}")
-
-
-def _check_duration(name: str, value: object, what: str, forms: str) -> timedelta | None:
-    """``value`` (``None``, a ``timedelta``, seconds, ``"DD:HH:MM:SS"``, a dict) as a ``timedelta``
-    in the range of setting ``name``: ``TypeError`` naming ``forms`` for any other value,
-    ``ValueError`` for a duration out of range."""
-    if value is None or isinstance(value, timedelta):
-        return check_timedelta(name, value, allow_none=True, what=what)
     duration = _as_timedelta(value)
     if duration is None:
         raise TypeError(f"{what} must be {forms}, got {value!r}")
@@ -288,7 +275,6 @@ def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelt
     """
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return AUTO
-    _check_dict_keys(value, what, HANG_TIMEOUT_FORMS)
     return _check_duration("hang_timeout", value, what, HANG_TIMEOUT_FORMS)
 
 
@@ -306,7 +292,6 @@ def check_join_timeout(value: object, *, what: str = "join_timeout") -> timedelt
     if isinstance(value, str) and value.strip().lower() == AUTO:
         raise ValueError(f"{what} has no {AUTO!r} (a learned deadline is for hang_timeout only): it must be "
                          f"{JOIN_TIMEOUT_FORMS}, got {value!r}")
-    _check_dict_keys(value, what, JOIN_TIMEOUT_FORMS)
     return _check_duration("recover_join_timeout", value, what, JOIN_TIMEOUT_FORMS)
 
 
@@ -314,8 +299,7 @@ _warned: set[str] = set()
 
 
 def warn_once(message: str) -> None:
-    """A configuration warning, once per process (every session reads the configuration again: a
-    job that makes several, or recovers in place, would repeat it at each)."""
+    """A configuration warning, once per process (every session reads the configuration again)."""
     if message not in _warned:
         _warned.add(message)
         log(logging.WARNING, "%s", message)

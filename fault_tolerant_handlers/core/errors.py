@@ -39,7 +39,7 @@ class HangInterrupted(BaseException):
     A ``BaseException``, like ``KeyboardInterrupt``: an ``except Exception:`` lets it through. Code
     that catches it anyway and carries on meets it again at the library's next hook, until the
     recovery takes it. It waits outside :class:`~fault_tolerant_handlers.deferred_interrupt`
-    sections (:mod:`.interrupts`). (Before: a ``RuntimeError``.)
+    sections (:mod:`.interrupts`).
     """
 
 

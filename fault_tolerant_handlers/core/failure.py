@@ -2,55 +2,23 @@
 
 A failure is one :class:`FailureRecord`: its kind (:class:`FailureKind`), the rank, the exception's
 type, message and traceback, where (section, step, epoch), when, the process (pid, host) and how it
-ended (:class:`Ended`). The detectors declare one, a failing rank publishes one (bounded JSON in the
-c10d store, :meth:`FailureRecord.to_json` / :meth:`FailureRecord.from_json`), every other rank
-raises a :class:`PeerFailedError` that carries it (``err.record``), and the attempt's
-:class:`FailureState` keeps the first as its :attr:`~FailureState.cause`, which the recovery reads.
+ended (:class:`Ended`). ``origin`` says who wrote it: ``"failure"`` (the rank failed itself) or
+``"declared"`` (rank ``by`` declares rank ``rank`` lost, silent or hung; a hung or signalled rank
+declares itself). Kinds are data: code decides on :attr:`FailureRecord.kind` and ``ended``, never
+on message text. The detectors declare one, a failing rank publishes one, every other rank raises a
+:class:`PeerFailedError` that carries it (``err.record``).
 
-The store is unauthenticated and shared by every process of the job, so a record is plain JSON with
-a cap on every text field, and :meth:`FailureRecord.from_json` rejects (with a warning naming the
-store key) anything too large, not JSON, of another version, of the wrong shape or out of range (a
-rank outside the world, an absurd time or counter). Text read back is sanitised before it can reach
-a log: control characters (terminal escapes), format characters and lone surrogates are replaced.
-Nothing read from the store is ever unpickled or executed.
+The store is unauthenticated and shared by every process of the job: a record is plain JSON written
+and read by the one codec (:func:`encode`, :func:`decode`), every field bounded and range-checked,
+text sanitised before it can reach a log; nothing read is ever unpickled or executed.
 
-A record says where it came from in ``origin``:
-
-* ``"failure"``: the rank ``rank`` failed itself (in section ``section``, at agreement ``seq`` when
-  the failure went through one);
-* ``"declared"``: rank ``by`` declares rank ``rank`` lost, silent or hung (``exc_type`` is the
-  :class:`FailureKind`'s value: ``PeerLost``, ``PeerSilent``, ``RankHung``, ``RankSignalled``; a
-  hung or signalled rank declares itself).
-
-Kinds are data, messages are for people: code decides on :attr:`FailureRecord.kind` and ``ended``,
-never on message text. A record without ``ended``, or with one out of range, is read with ``ended``
-``None``.
-
-**The failure state** (:class:`FailureState`, one per process group and attempt:
-:attr:`.session.Session.failure`) answers "has this job failed?". Everything that learns of a
-failure drives it through a named transition; nothing else writes its fields:
-
-* :meth:`~FailureState.failed_here`: this rank failed itself, its exception published
-  (``Session.report_error``) or found hung by the watchdog (``told=False``);
-* :meth:`~FailureState.peer_failed`: the watchdog found a peer's failure
-  (``Session.take_peer_failure``); returns the incident to escalate, or ``None``;
-* :meth:`~FailureState.signalled`: this rank's own SIGTERM/SIGINT is the cause
-  (``launchers/signals.py``); returns whether it was the first;
-* :meth:`~FailureState.acknowledged`: the main thread takes a peer's failure and raises it
-  (``Session.acknowledge``);
-* :meth:`~FailureState.agreement_ended`: an agreement ended (``Session.agree``); a fresh incident
-  begins; returns the incident it ended.
-
-The first failure wins: it is the attempt's :attr:`~FailureState.cause`. The **incident** is
-narrower: what this process knows of the failure under way since the last agreement (a peer's
-error, whether this rank failed itself, whether the main thread took it). An agreement ends it, so
-that a failure user code caught never blinds the watchdog to the next one;
-:attr:`~FailureState.delivered` (a failure reached this rank's main thread) stays.
-
-The **tag** (:class:`Tag`, under one attribute, read with :func:`tag_of`, set with :func:`tag`) is
-what the library learned of an exception object: the record this rank published for it, the
-incident an agreement delivered it in, that it came out of an agreement, that an adapter handled
-it, that Lightning's exception path was finished for it.
+The attempt's :class:`FailureState` (one per process group: :attr:`.session.Session.failure`)
+answers "has this job failed?" and is driven through named transitions (:meth:`~FailureState.failed_here`,
+:meth:`~FailureState.peer_failed`, :meth:`~FailureState.signalled`, :meth:`~FailureState.acknowledged`,
+:meth:`~FailureState.agreement_ended`). The first failure is its :attr:`~FailureState.cause`; the
+**incident** is what this process knows since the last agreement, which ends it, so that a failure
+user code caught never blinds the watchdog to the next one. The **tag** (:class:`Tag`,
+:func:`tag_of`, :func:`tag`) is what the library learned of one exception object.
 """
 
 from __future__ import annotations
@@ -70,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Sequence
 
-from .log import log
+from .hooks import log
 
 #: In a field's bounds (:func:`decode`): the upper bound of a rank of the reader's world (below its size).
 WORLD = "world"
@@ -78,15 +46,13 @@ WORLD = "world"
 
 # -- kinds as data -----------------------------------------------------------------------------------
 _SIGNAL_NAMES = {int(s): s.name for s in _signal.Signals}
-#: Largest signal number (Linux: 64, the last real-time signal) and exit code an :class:`Ended`
-#: read back from the store may carry.
+#: Largest signal number and exit code an :class:`Ended` read back from the store may carry.
 MAX_SIGNAL = 64
 MAX_EXIT_CODE = 255
 
 
 class FailureKind(str, Enum):
-    """The kind of a failure. Its value is the name records and messages have always shown (a
-    declared record's ``exc_type``), so the JSON in the store and the messages keep their text."""
+    """The kind of a failure; its value is a declared record's ``exc_type``, as records and messages show it."""
 
     #: A rank raised an exception (``exc_type`` names its type).
     RAISED = "raised"
@@ -114,8 +80,7 @@ class FailureKind(str, Enum):
 
     @classmethod
     def of(cls, exc_type: str, origin: str) -> FailureKind:
-        """The kind of a record or error of ``origin`` whose ``exc_type`` is ``exc_type``: a declared
-        one's ``exc_type`` is its kind; anything else is an exception a rank raised."""
+        """The kind of a record of ``origin`` whose ``exc_type`` is ``exc_type`` (a declared one's is its kind)."""
         if origin == "declared":
             try:
                 return cls(exc_type)
@@ -194,8 +159,8 @@ def is_int(value: Any) -> bool:
 
 
 class Stored:
-    """A frozen dataclass the store holds: what it costs is its fields and their ``BOUNDS``; the one
-    codec (:func:`encode`, :func:`decode`) writes and reads it."""
+    """A frozen dataclass the store holds, written and read by the one codec (:func:`encode`,
+    :func:`decode`) within its fields' ``BOUNDS``."""
 
     #: Larger than this (bytes), it is ignored unread.
     MAX_BYTES: ClassVar[int] = 8 * 1024
@@ -342,9 +307,8 @@ class FailureRecord(Stored):
 
     @classmethod
     def lost(cls, *, rank: int, pid: int, host: str, why: str | Ended, by: int) -> FailureRecord:
-        """Rank ``by`` says rank ``rank`` (process ``pid`` on ``host``) is lost (``PeerLost``):
-        ``rank 1 (pid 4242 on node-b) lost: killed by SIGKILL``. ``why``: how its process ended
-        (carried by the record as ``ended``), or what was seen of a rank not seen to end."""
+        """Rank ``by`` says rank ``rank`` (process ``pid`` on ``host``) is lost (``PeerLost``); ``why``:
+        how its process ended (the record's ``ended``), or what was seen of a rank not seen to end."""
         ended = why if isinstance(why, Ended) else None
         how = why if ended is None else ended.describe()
         return cls.declared(rank=rank, kind=FailureKind.PEER_LOST, by=by, pid=pid, host=host, ended=ended,
@@ -359,8 +323,7 @@ class FailureRecord(Stored):
         "by": (0, WORLD), "origin": 20}
 
     def problem(self, world: int) -> str | None:
-        """What the field bounds cannot say: a known origin, a time near the reader's, a declared
-        record's declaring rank and kind."""
+        """What the field bounds cannot say."""
         if self.rank is None:
             return "field 'rank' must be an int"
         if self.origin not in ORIGINS:
@@ -559,10 +522,7 @@ class PeerFailedError(RuntimeError):
         if not records:
             return cls(fallback_rank, FailureKind.UNKNOWN.value, "the failing rank's record could not be read from "
                        "the store", where=repr(section), section=section, kind=FailureKind.UNKNOWN)
-        # One record per rank: what it said itself (its failure, or a signal it received) over what
-        # a peer declared about it, then the earliest (a rank that raised and was also declared
-        # silent by a watchdog is named once, by its own error; SIGINT's RankSignalled comes before
-        # the KeyboardInterrupt it turns into).
+        # one record per rank: what it said itself over what a peer declared about it, then the earliest
         def rank_of(r: FailureRecord) -> tuple[bool, int]:
             return (r.origin != "failure" and r.by != r.rank, r.time_ms)
 
@@ -620,14 +580,9 @@ PeerFailedError.__module__ = FailureKind.__module__ = Ended.__module__ = "fault_
 # -- the failure state of an attempt -----------------------------------------------------------------
 @dataclass
 class Incident:
-    """What this process knows of the failure under way since the last agreement. Written by its
-    :class:`FailureState` only; read by anyone (the watchdog's escalation waits on ``acknowledged``).
-
-    Attributes:
-        peer_error: a peer's failure the watchdog found.
-        local: this rank failed itself (its exception, a hang, its own signal).
-        acknowledged: set when the main thread took the failure.
-    """
+    """What this process knows of the failure under way since the last agreement (written by its
+    :class:`FailureState` only): a peer's error the watchdog found, whether this rank failed itself,
+    and ``acknowledged``, set when the main thread took the failure."""
 
     peer_error: PeerFailedError | None = None
     local: bool = False
@@ -635,8 +590,8 @@ class Incident:
 
 
 class FailureState:
-    """The failure state of one attempt on one process group. Thread-safe: transitions take a lock,
-    queries are attribute reads (the adapters make two per batch)."""
+    """The failure state of one attempt on one process group: transitions take a lock, queries are
+    attribute reads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -655,8 +610,7 @@ class FailureState:
 
     @property
     def moves(self) -> int:
-        """How often the attempt's failure moved on: its cause was set, or the main thread took a
-        failure (the watchdog's hang check is quiet after either, until the next beat)."""
+        """How often the cause was set or the main thread took a failure (the hang check waits for a beat after)."""
         return self._moves
 
     @property
@@ -681,8 +635,7 @@ class FailureState:
 
     @property
     def signal(self) -> PeerFailedError | None:
-        """This rank's own SIGTERM/SIGINT, when it is the job's cause: a collective broken after it
-        is its consequence, not a peer's."""
+        """This rank's own SIGTERM/SIGINT, when it is the job's cause (a collective broken after it is no peer's)."""
         return self._signal
 
     @property
@@ -692,17 +645,15 @@ class FailureState:
 
     # -- transitions ----------------------------------------------------------------------------------
     def failed_here(self, record: FailureRecord, *, told: bool = True) -> None:
-        """This rank failed itself: ``record`` is its record. ``told``: its main thread knows (it
-        raised); ``False`` for a hang the watchdog found (the main thread is interrupted)."""
+        """This rank failed itself (``record``); ``told=False``: a hang the watchdog found, not raised."""
         with self._lock:
             self._incident.local = True
             self._delivered = self._delivered or told
             self._set_cause(record)
 
     def peer_failed(self, err: PeerFailedError) -> Incident | None:
-        """The watchdog found a peer's failure: the incident to escalate (release this rank's
-        collectives, tell the main thread), or ``None`` when there is nothing to do (already known
-        in this incident, this rank's own signal is the cause, or this rank failed itself)."""
+        """The watchdog found a peer's failure: the incident to escalate, or ``None`` (already known,
+        this rank's own signal is the cause, or this rank failed itself)."""
         with self._lock:
             incident = self._incident
             if incident.peer_error is not None or self._signal is not None:
@@ -715,8 +666,7 @@ class FailureState:
             return incident
 
     def signalled(self, cause: PeerFailedError) -> bool:
-        """This rank's own SIGTERM/SIGINT is the job's cause (``cause``: its ``RankSignalled``).
-        Returns whether it was the first."""
+        """This rank's own SIGTERM/SIGINT (``cause``: its ``RankSignalled``); whether it was the first."""
         with self._lock:
             if self._signal is not None:
                 return False
@@ -727,9 +677,8 @@ class FailureState:
             return True
 
     def acknowledged(self, err: BaseException | None = None) -> None:
-        """The main thread takes a peer's failure (``err``) and raises it: the incident ``err`` was
-        delivered in (its tag), else the current one, and every escalated one, are acknowledged (no
-        reported exit by the watchdog)."""
+        """The main thread takes a peer's failure (``err``) and raises it: the incident its tag names
+        (else the current one) and every escalated one are acknowledged."""
         taken = tag_of(err).incident if err is not None else None
         with self._lock:
             self._moves += 1
@@ -746,8 +695,7 @@ class FailureState:
             self._moves += 1
 
     def agreement_ended(self, failed: bool, error: BaseException | None = None) -> Incident:
-        """An agreement ended (``failed``: some rank failed; ``error``: what this rank raises for a
-        peer's failure or a mismatch). A fresh incident begins; returns the one that ended."""
+        """An agreement ended (``error``: what this rank raises); a fresh incident begins; returns the ended one."""
         with self._lock:
             ended = self._incident
             self._delivered = self._delivered or failed
@@ -764,20 +712,10 @@ TAG_ATTR = "_fth_failure"
 
 @dataclass(frozen=True)
 class Tag:
-    """What the library learned of one exception object.
-
-    Attributes:
-        record: this rank published it: its record (never published twice).
-        incident: an agreement delivered it: the :class:`Incident` it belongs to (what
-            :meth:`FailureState.acknowledged` marks, not the fresh one that replaced it).
-        agreed: it came out of an agreement: every rank of that agreement raises, so an enclosing
-            section lets it through without agreeing again.
-        handled: an adapter handled it (published, or converted to a peer's error).
-        taken: an adapter finished its framework's exception path for it (a Lightning callback, an
-            Ignite ``EXCEPTION_RAISED`` handler).
-        raised_as: what an adapter raised for it (itself, or the peer's error it became): an
-            engine that hands the same exception, or the raised one, to the adapter again gets it.
-    """
+    """What the library learned of one exception object: the ``record`` this rank published for it,
+    the ``incident`` an agreement delivered it in, that it came out of an agreement (``agreed``: an
+    enclosing section lets it through), that an adapter ``handled`` it or finished its framework's
+    exception path for it (``taken``), and what an adapter raised for it (``raised_as``)."""
 
     record: FailureRecord | None = None
     incident: Incident | None = None

@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .log import log
+from .hooks import log
 from . import attempts, hooks
 
 #: The environment variable the adapters read.
@@ -120,8 +120,7 @@ def parse(text: str) -> list[Injection]:
 
 
 def current_attempt() -> int:
-    """This process's attempt: torchrun's restart count plus the recoveries in place so far (0 for
-    the first attempt, and without torchrun)."""
+    """This process's attempt (:func:`.attempts.current`)."""
     return attempts.current()
 
 
@@ -195,8 +194,7 @@ def current_rank() -> int:
 
 def plain_injector() -> Injector | None:
     """This process's injector for loops of your own (``fail_together(step=...)`` and :func:`step`),
-    one per attempt; made at the first section, so that an injection for this rank that nothing
-    could fire is named at exit."""
+    one per attempt; an injection for this rank that nothing fired is named at exit."""
     global _plain
     key = (os.environ.get(INJECT_ENV, ""), current_attempt())
     if _plain is None or _plain[0] != key:

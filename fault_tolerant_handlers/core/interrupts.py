@@ -1,42 +1,31 @@
-"""The interrupt of a hung main thread, and the sections it waits outside.
+"""Getting a main thread out of where it waits: the release of collectives blocked on a failed peer,
+and the interrupt of a hung main thread with the sections it waits outside.
 
-Recovering in place (:func:`fault_tolerant_handlers.recover_in_place`), a rank hung in Python is
-interrupted where it hangs: its watchdog hands :func:`interrupt` a
-:class:`~.errors.HangInterrupted` and sends the main thread a signal whose handler raises it. Three
-rules keep that interrupt from doing harm:
+**Releasing collectives** (:func:`release_process_groups`, once the job is known to be failing:
+the groups are unusable after it). NCCL and XCCL groups are aborted. gloo has no in-process abort,
+so on Linux the release shuts down this process's established TCP connections other than the
+c10d store's (:func:`select_sockets`, a pure function of two ``/proc`` tables): the blocked gloo
+operation fails at once with "Connection closed", here and at the peer, and failure records can
+still be read. ``FTH_RELEASE=exit`` cuts nothing and leaves a blocked rank to the watchdog's exit.
 
-* **It cannot be swallowed by accident.** ``HangInterrupted`` derives from ``BaseException``, so an
-  ``except Exception:`` lets it through. It stays *pending* until the recovery takes it
-  (:func:`take`): code that catches it anyway (``except BaseException:``, a bare ``except:``) and
-  carries on meets it again at the next point where the library gets control in the main thread:
-  an adapter's hook (:func:`raise_pending`: every Ignite event and Lightning hook the adapters
-  handle), the end of a deferred section, and the watchdog's next signal (every
-  :data:`~.config.INTERRUPT_RESEND` seconds until the main thread reached the recovery). It is not
-  raised again while the main thread is already handling it (an ``except`` or ``finally`` clause on
-  its way out, the frameworks' exception paths).
-* **It waits outside deferred sections.** Inside :class:`deferred_interrupt` (the library's checkpoint
-  writes and its main-thread store calls, and any section of the user's) the signal's handler does
-  not raise: the interrupt is raised as the outermost section ends. A checkpoint write that the
-  main thread's stack shows (``torch.save``, a ``save_checkpoint``, Ignite's ``DiskSaver``:
-  :mod:`..detect.writes` tells) defers it too, until the watchdog's next signal after the write.
-* **The wait is bounded.** A section that does not end within ``FTH_INTERRUPT_DEFER_SEC``
-  (:data:`~.config.INTERRUPT_DEFER`, 30 s) of the interrupt's first arrival is interrupted inside
-  it: a section that never ends must not turn a hang the recovery could take into one it cannot
-  (the peers wait ``FTH_RECOVER_JOIN_SEC`` for this rank).
-
-A main thread stuck in C runs no handler at all: the watchdog ends that process as before, after
-:data:`~.config.INTERRUPT_WAIT`.
-
-The state is the process's (one main thread): the pending interrupt, the depth of the main thread's
-deferred sections and when the interrupt first found it inside one. The signal handler takes no
-lock (it runs in the main thread, which may hold any lock when the signal arrives).
+**The interrupt** (recovering in place, a rank hung in Python): the watchdog hands
+:func:`interrupt` a :class:`~.errors.HangInterrupted` and signals the main thread, whose handler
+raises it. It is a ``BaseException`` and stays pending until the recovery takes it (:func:`take`):
+code that swallows it meets it again at the next adapter hook (:func:`raise_pending`), the end of a
+deferred section or the watchdog's next signal (:data:`~.config.INTERRUPT_RESEND`), never while
+the main thread is already handling it. Inside :class:`deferred_interrupt` (and a checkpoint write
+the stack shows, :mod:`..detect.writes`) it waits until the outermost section ends, at most
+``FTH_INTERRUPT_DEFER_SEC``. A main thread stuck in C runs no handler: the watchdog ends it after
+:data:`~.config.INTERRUPT_WAIT`. The signal handler takes no lock.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -44,13 +33,16 @@ from contextlib import ContextDecorator
 from datetime import timedelta
 from types import CodeType, FrameType, TracebackType
 
-from . import hooks
-from .log import log
+import torch.distributed as dist
+
+from . import compat_torch as _compat_torch
+from . import config, hooks
+from .config import EXIT_TEARDOWN_SEC
+from .hooks import log
 
 _pending: BaseException | None = None  # delivered, not yet taken by the recovery
 #: The recovery took the interrupt (:func:`take`) and has not called the training function again
-#: (:func:`arm`): the main thread is in the recovery, and a later interrupt (a peer's watchdog that
-#: declared its own rank hung behind the hung one, a moment after) has nothing to interrupt.
+#: (:func:`arm`): a later interrupt has nothing to interrupt.
 _taken = False
 _depth = 0  # the main thread's deferred sections, nested
 _deferred_at: float | None = None  # when the pending interrupt first found the main thread in one
@@ -79,18 +71,12 @@ class deferred_interrupt(ContextDecorator):  # noqa: N801 - used like a function
     """Context manager (or decorator): the interrupt of a hung main thread waits until the section ends.
 
     Recovering in place, a rank hung in Python is interrupted where it hangs
-    (:class:`~fault_tolerant_handlers.HangInterrupted`). Inside this section the interrupt waits: it
-    is raised as the outermost section ends, so the section is never left half done. The library's
-    own checkpoint writes (:class:`~fault_tolerant_handlers.ignite.SafeDiskSaver`, the Lightning
-    callback's strategy saves, :func:`~fault_tolerant_handlers.writing_checkpoint` blocks) and its
-    main-thread store calls run inside one.
-
-    The wait is bounded: a section still running ``FTH_INTERRUPT_DEFER_SEC`` (30 s) after the
-    interrupt first arrived is interrupted inside it, so that a section that hangs itself does not
-    keep the rank out of the recovery (its peers wait ``FTH_RECOVER_JOIN_SEC``, 60 s, for it).
-    Sections nest; they count in the main thread only (the interrupt goes nowhere else): in another
-    thread this is a no-op. Outside ``recover_in_place`` nothing is ever interrupted, and a section
-    costs two attribute updates.
+    (:class:`~fault_tolerant_handlers.HangInterrupted`); inside this section the interrupt is raised
+    as the outermost section ends, so the section is never left half done. The library's checkpoint
+    writes and main-thread store calls run inside one. The wait is bounded: a section still running
+    ``FTH_INTERRUPT_DEFER_SEC`` (30 s) after the interrupt arrived is interrupted inside it (its
+    peers wait ``FTH_RECOVER_JOIN_SEC`` for the rank). Sections nest and count in the main thread
+    only; outside ``recover_in_place`` nothing is ever interrupted.
 
     Examples:
         .. code-block:: python
@@ -205,10 +191,8 @@ def uninstall(state: object) -> None:
 
 def interrupt(error: BaseException) -> bool:
     """From the watchdog's thread: make ``error`` the pending interrupt (unless one is pending
-    already) and signal the main thread. False when no handler is installed, or when the recovery
-    has taken an interrupt and not called the training function again (:func:`take`, :func:`arm`):
-    the main thread is in the recovery already, where an interrupt raised in a callee (a watchdog's
-    join) would end the recovery."""
+    already) and signal the main thread. False when no handler is installed, or when the main thread
+    is in the recovery already (:func:`take`, :func:`arm`)."""
     global _pending
     with _lock:
         if _signum is None or _taken:
@@ -230,9 +214,8 @@ def resend() -> bool:
 
 
 def take() -> BaseException | None:
-    """The recovery takes the interrupt (whatever ended the attempt): it is no longer pending, and no
-    later signal raises it; no later :func:`interrupt` is accepted until :func:`arm`. Returns it, if
-    there was one."""
+    """The recovery takes the interrupt, if any (returned): no later signal raises it and no
+    :func:`interrupt` is accepted until :func:`arm`."""
     global _pending, _deferred_at, _taken
     with _lock:  # against interrupt(): after this, none is accepted (never taken in the handler)
         err, _pending, _deferred_at, _taken = _pending, None, None, True
@@ -256,9 +239,7 @@ def _clear() -> None:
     _pending, _deferred_at, _taken = None, None, False
 
 
-def _after_fork_in_child() -> None:
-    # A child (a DataLoader worker, a replacement rank) starts with nothing pending and no section
-    # open: its main thread is the thread that forked.
+def _after_fork_in_child() -> None:  # a child starts with nothing pending and no section open
     global _depth, _lock
     _lock = threading.Lock()
     _depth = 0
@@ -266,3 +247,213 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# -- releasing collectives ------------------------------------------------------------------------------
+#: Exit code when tearing down released process groups at exit did not finish in time.
+EXIT_TEARDOWN_STUCK = 89
+
+
+def store_ports(store: dist.Store | None) -> set[int]:
+    """The TCP port(s) of the c10d store behind ``store`` (through any PrefixStore wrappers)."""
+    ports = {p for p in (getattr(s, "port", None) for s in _compat_torch.store_chain(store)) if isinstance(p, int) and p > 0}
+    env_port = os.environ.get("MASTER_PORT", "")
+    if env_port.isdigit():
+        ports.add(int(env_port))
+    return ports
+
+
+def socket_fds() -> dict[int, int]:
+    """inode -> fd of this process's sockets (``/proc/self/fd``)."""
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found[int(target[8:-1])] = int(fd)
+    return found
+
+
+#: ``/proc/net/tcp`` states.
+ESTABLISHED, LISTEN = "01", "0A"
+
+
+def parse_tcp_table(text: str, state: str = ESTABLISHED) -> dict[int, tuple[int, int]]:
+    """inode -> (local port, remote port) of the rows in ``state`` (ESTABLISHED by default) of a
+    ``/proc/net/tcp`` table."""
+    table = {}
+    for line in text.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) < 10 or parts[3] != state:
+            continue
+        try:
+            local_port = int(parts[1].rsplit(":", 1)[1], 16)
+            remote_port = int(parts[2].rsplit(":", 1)[1], 16)
+            table[int(parts[9])] = (local_port, remote_port)
+        except (IndexError, ValueError):
+            continue
+    return table
+
+
+def tcp_sockets(state: str = ESTABLISHED) -> dict[int, tuple[int, int]]:
+    """inode -> (local port, remote port) of this network namespace's TCP sockets in ``state``."""
+    table: dict[int, tuple[int, int]] = {}
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                table.update(parse_tcp_table(f.read(), state))
+        except OSError:
+            continue
+    return table
+
+
+def listens_here(port: int) -> bool:
+    """This process holds a socket listening on ``port`` (it hosts the store there)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    listening = {inode for inode, (local, _) in tcp_sockets(LISTEN).items() if local == port}
+    return bool(listening & set(socket_fds()))
+
+
+def store_peer_address(ports: set[int]) -> str | None:
+    """The address this process's connection to the store (a remote port in ``ports``) reaches:
+    the store's host as the network sees it, read from the connection itself (no name lookup).
+    ``None`` without such a connection (or off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fds = socket_fds()
+    for inode, (_, remote) in tcp_sockets().items():
+        if remote not in ports or inode not in fds:
+            continue
+        try:
+            dup = os.dup(fds[inode])
+        except OSError:
+            continue
+        try:
+            with socket.socket(fileno=dup) as sock:  # closes the dup only
+                return str(sock.getpeername()[0])
+        except OSError:
+            continue
+    return None
+
+
+def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int]], keep_ports: set[int]) -> list[int]:
+    """The fds to shut down: this process's established TCP sockets not on a store port."""
+    chosen = []
+    for inode, fd in sorted(fds.items(), key=lambda item: item[1]):
+        ports = tcp.get(inode)
+        if ports is None or ports[0] in keep_ports or ports[1] in keep_ports:
+            continue
+        chosen.append(fd)
+    return chosen
+
+
+def _shutdown(fds: list[int], inodes: dict[int, int]) -> int:
+    """``shutdown(SHUT_RDWR)`` each socket fd (through a dup), if it is still the socket it was chosen
+    as (``inodes``: fd -> inode): a socket closed meanwhile may have given its number to a new one."""
+    cut = 0
+    for fd in fds:
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue
+        try:
+            if os.fstat(dup).st_ino != inodes.get(fd):
+                os.close(dup)
+                continue
+            sock = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            cut += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return cut
+
+
+#: Sockets this process shares with the process it was forked from (a keeper's training child): a
+#: ``shutdown()`` would cut them in that process too. Never cut.
+_spared: set[int] = set()
+
+
+def spare_inherited_sockets() -> None:
+    """In a forked child that may cut connections: the sockets it holds now are its parent's too."""
+    _spared.update(socket_fds())
+
+
+def _own_socket_fds() -> dict[int, int]:
+    return {inode: fd for inode, fd in socket_fds().items() if inode not in _spared}
+
+
+def cut_connections(keep_ports: set[int]) -> int:
+    """Shut down the sockets :func:`select_sockets` chooses; returns how many."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    fds = _own_socket_fds()
+    return _shutdown(select_sockets(fds, tcp_sockets(), keep_ports), {fd: inode for inode, fd in fds.items()})
+
+
+def cut_connections_to(ports: set[int]) -> int:
+    """Shut down this process's established TCP connections *to* ``ports`` (the store's: only at
+    exit, when a store call is stuck); returns how many: the complement of :func:`select_sockets`."""
+    if not sys.platform.startswith("linux") or not ports:
+        return 0
+    fds, tcp = _own_socket_fds(), tcp_sockets()
+    others = set(select_sockets(fds, tcp, ports))
+    return _shutdown([fd for inode, fd in sorted(fds.items(), key=lambda i: i[1]) if inode in tcp and fd not in others],
+                     {fd: inode for inode, fd in fds.items()})
+
+
+_teardown_registered = False
+
+
+def _teardown_after_release() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    timer = threading.Timer(EXIT_TEARDOWN_SEC, lambda: os._exit(EXIT_TEARDOWN_STUCK))
+    timer.daemon = True
+    timer.start()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the groups were released on purpose; they may complain
+        pass
+    finally:
+        timer.cancel()
+
+
+def teardown_at_exit() -> None:
+    """Tear the process groups down at interpreter exit (registered once, for a failing job)."""
+    global _teardown_registered
+    if not _teardown_registered:
+        _teardown_registered = True
+        atexit.register(_teardown_after_release)
+
+
+def release_process_groups(store: dist.Store | None, mode: str | None = None) -> str:
+    """Make every pending and future collective of this process fail fast. Returns what was done.
+    ``mode``: ``FTH_RELEASE`` as read at start (read now when ``None``)."""
+    if (mode or config.settings().release) == "exit":
+        return "release disabled (FTH_RELEASE=exit)"
+    teardown_at_exit()
+    done = []
+    for pg in _compat_torch.process_groups():
+        try:
+            backend = dist.get_backend(pg)
+        except Exception:  # noqa: BLE001 - a group already destroyed
+            continue
+        if backend in ("nccl", "xccl"):
+            try:
+                _compat_torch.abort_process_group(pg)
+                done.append(f"aborted {backend} group")
+            except Exception as err:  # noqa: BLE001
+                log(logging.ERROR, "could not abort a %s process group: %s", backend, err)
+    cut = cut_connections(store_ports(store))
+    if cut:
+        done.append(f"closed {cut} gloo connections")
+    return ", ".join(done) or "nothing to release"

@@ -1,7 +1,10 @@
-"""The one ``/proc/<pid>/stat`` parser of the project (the watchdog, the tests' harness and the
-benches use it), and the one probe the core runs itself: same-host peers by pid
-(:class:`PeerPidProbe`), which the session consults at once when a collective breaks (no thread, no
-store). The other probes are the detectors' (:mod:`..detect.probes`).
+"""Who the ranks are and whether their processes run.
+
+:class:`RankTable` is one group's ranks (pids, hosts, the addresses peers see them at), built once
+when a session starts: probes and reporters take it (a frozen value a test builds in a line), never
+the whole session. The rest is the one ``/proc/<pid>/stat`` parser of the project and the one probe
+the core runs itself: same-host peers by pid (:class:`PeerPidProbe`), consulted at once when a
+collective breaks. The other probes are the detectors' (:mod:`..detect.probes`).
 
 ``/proc/<pid>/stat`` is ``pid (comm) state ppid pgrp session ...``; ``comm`` may contain spaces and
 parentheses, so the fields are split after the *last* ``)``. Field numbers below are those of
@@ -10,11 +13,17 @@ parentheses, so the fields are split after the *last* ``)``. Field numbers below
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import os
+import re
+import socket
+import struct
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .failure import Ended, FailureRecord, Finding, declared_finding
+from .failure import Ended, FailureRecord, Finding, declared_finding, host_name, sanitize
 
 STATE, PPID, PGRP, SESSION = 0, 1, 2, 3
 FLAGS = 6  # field 9: the kernel's flags of the (thread group leader's) task
@@ -39,8 +48,7 @@ def is_running(fields: list[str] | None) -> bool:
 
 
 def exiting(fields: list[str] | None) -> bool:
-    """The process has begun to exit (``PF_EXITING``): set at once, before its files close and
-    before it is a zombie (a killed process is not waitable until its last thread is gone)."""
+    """The process has begun to exit (``PF_EXITING``): set before its files close and before it is a zombie."""
     try:
         return fields is not None and bool(int(fields[FLAGS]) & PF_EXITING)
     except (IndexError, ValueError):
@@ -74,8 +82,7 @@ def process_state(pid: int) -> Ended | None:
 
 def ended(pid: int, within: float) -> Ended | None:
     """How ``pid`` ended (:func:`process_state`), waiting up to ``within`` seconds while it is in
-    its exit but not yet a zombie (its files, a pipe, close before the kernel shows its exit
-    status). ``None`` when it runs and is not exiting."""
+    its exit but not yet a zombie. ``None`` when it runs and is not exiting."""
     deadline = time.monotonic() + within
     while True:
         how = process_state(pid)
@@ -97,17 +104,14 @@ def unreported(how: Ended) -> bool:
 
 
 # -- the one probe the core runs itself ----------------------------------------------------------------
-#: How :func:`process_state` says a process ended cleanly: not a failure (a rank that
-#: finished first); if this rank then waits on it, the broken collective names it.
+#: How :func:`process_state` says a process ended cleanly: not a failure (a rank that finished first).
 CLEAN_EXIT = Ended(exit_code=0)
 
 
 class PeerPidProbe:
     """Peers on this host, by pid: a process that is gone is declared lost (with the signal when
-    the kernel still shows it; a clean exit is not a failure). A system call per peer; the store is
-    asked only about a peer gone with no exit status to see (a launcher that reaps at once):
-    ``left(rank)`` true (it stopped its watchdog cleanly first: ``left/<rank>``) means it finished
-    first, and it is no longer watched."""
+    the kernel still shows it; a clean exit is not a failure). The store is asked only about a peer
+    gone with no exit status to see: ``left(rank)`` true means it finished first (no longer watched)."""
 
     def __init__(self, peers: Sequence[tuple[int, int]], *, by: int, host: str,
                  state: Callable[[int], Ended | None] = process_state,
@@ -127,11 +131,7 @@ class PeerPidProbe:
                 continue
             if self.after_failure() and not state.killed:
                 continue  # a peer that ended after the failure was agreed: the job is ending
-            if state.unseen and self._left(rank):
-                # gone, its exit status not visible (a launcher that reaps at once), after it
-                # finished first: no failure, and no longer watched. A status that shows a failure
-                # (a signal, a non-zero code: ``sys.exit(1)`` under ``mp.spawn`` leaves no uncaught
-                # exception for the left mark to see) is declared, left mark or not.
+            if state.unseen and self._left(rank):  # a status that shows a failure is declared, left or not
                 self.peers.remove((rank, pid))
                 continue
             return declared_finding(FailureRecord.lost(rank=rank, pid=pid, host=self.host, why=state, by=self.by))
@@ -142,3 +142,171 @@ class PeerPidProbe:
             return self.left(rank)
         except Exception:  # noqa: BLE001 - no answer is no evidence that it left: declared as before
             return False
+
+
+# -- who the ranks are ----------------------------------------------------------------------------------
+
+def digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha1(text.encode("utf-8", "replace")).digest()[:7], "big")
+
+
+def host_id() -> int:
+    return digest(host_name())
+
+
+#: Bytes of a host name carried in the setup table (8 int64s).
+HOST_NAME_BYTES = 64
+_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
+
+
+def _interface_address(name: str) -> str | None:
+    """IPv4 address of network interface ``name`` (``GLOO_SOCKET_IFNAME``), Linux only."""
+    try:
+        import fcntl
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+        return socket.inet_ntoa(packed[20:24])
+    except (OSError, ImportError, ValueError):
+        return None
+
+
+def own_address() -> str:
+    """The address peers see this rank at (what a gloo error names): the ``GLOO_SOCKET_IFNAME``
+    interface's, else the one this host uses to reach ``MASTER_ADDR``, else its name's."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if ifname:
+        found = _interface_address(ifname)
+        if found:
+            return normalize_address(found)
+    master = os.environ.get("MASTER_ADDR", "")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, 9))
+                return normalize_address(s.getsockname()[0])
+        except OSError:
+            pass
+    try:
+        return normalize_address(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        return ""
+
+
+def normalize_address(text: str) -> str:
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return text
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
+
+
+def addresses_named(text: str) -> list[str]:
+    """The peer addresses a backend error names (``Connection reset by peer [10.0.0.2]:4242``)."""
+    return [normalize_address(m.group(1)) for m in _ADDRESS.finditer(text)]
+
+
+def encode_name(name: str) -> list[int]:
+    data = name.encode("utf-8", "replace")[:HOST_NAME_BYTES].ljust(HOST_NAME_BYTES, b"\0")
+    return [int.from_bytes(data[i : i + 8], "big", signed=True) for i in range(0, HOST_NAME_BYTES, 8)]
+
+
+def decode_name(words: list[int]) -> str:
+    data = b"".join(int(w).to_bytes(8, "big", signed=True) for w in words).rstrip(b"\0")
+    return sanitize(data.decode("utf-8", "replace"))
+
+
+def local_layout(host_ids: list[int], group_rank: int, whole_world: bool) -> tuple[int, int]:
+    """Local rank and ranks per node: from the launcher's env when set (for the world's group),
+    else from host ids."""
+    env_rank, env_size = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+    if env_rank is not None and env_size is not None and whole_world:
+        try:
+            return int(env_rank), int(env_size)
+        except ValueError:
+            pass
+    me = host_ids[group_rank]
+    same = [i for i, h in enumerate(host_ids) if h == me]
+    return same.index(group_rank), len(same)
+
+
+@dataclass(frozen=True)
+class RankTable:
+    """The members of one group, as every rank learned them at setup (one ``all_gather``).
+
+    ``ranks`` are global ranks in group order; ``pids``, ``hosts`` (names), ``host_ids`` and
+    ``address_ids`` (hashes of the address peers see each at) are per member, in the same order.
+    ``rank`` is this process's global rank; ``local_rank``/``local_world_size`` its place on its host.
+    """
+
+    rank: int
+    ranks: tuple[int, ...]
+    pids: tuple[int, ...]
+    hosts: tuple[str, ...]
+    host_ids: tuple[int, ...] = ()
+    address_ids: tuple[int, ...] = ()
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    def __post_init__(self) -> None:
+        n = len(self.ranks)
+        if self.rank not in self.ranks or len(self.pids) != n or len(self.hosts) != n:
+            raise ValueError(f"inconsistent rank table: rank {self.rank}, ranks {self.ranks}, pids {self.pids}, "
+                             f"hosts {self.hosts}")
+        if not self.host_ids:  # a table built by hand: hosts are told apart by name
+            object.__setattr__(self, "host_ids", tuple(digest(h) for h in self.hosts))
+
+    @property
+    def group_rank(self) -> int:
+        return self.ranks.index(self.rank)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def host(self) -> str:
+        """This rank's host name."""
+        return self.hosts[self.group_rank]
+
+    def pid_of(self, rank: int) -> int:
+        return self.pids[self.ranks.index(rank)]
+
+    def host_of(self, rank: int) -> str:
+        return self.hosts[self.ranks.index(rank)]
+
+    def same_host_peers(self) -> list[tuple[int, int]]:
+        """(global rank, pid) of the other members on this host."""
+        me = self.host_ids[self.group_rank]
+        return [(self.ranks[i], pid) for i, (pid, host) in enumerate(zip(self.pids, self.host_ids))
+                if i != self.group_rank and host == me]
+
+    def successor(self) -> int:
+        """The next member in the ring (whose heartbeat this rank's helper watches)."""
+        return self.ranks[(self.group_rank + 1) % self.world_size]
+
+    def watched(self) -> list[int]:
+        """The members whose heartbeat this rank's helper watches: its ring successor and, when the
+        successor is on another host, every other member of that host too (a host cut off whole
+        takes its own watchers with it: each of its ranks is still named)."""
+        successor = self.successor()
+        if successor == self.rank:
+            return []
+        i = self.ranks.index(successor)
+        if self.host_ids[i] == self.host_ids[self.group_rank]:
+            return [successor]
+        n = self.world_size
+        return [successor] + [self.ranks[(i + k) % n] for k in range(1, n)
+                              if self.host_ids[(i + k) % n] == self.host_ids[i] and (i + k) % n != self.group_rank]
+
+    def suspects(self, exc: BaseException) -> list[int]:
+        """Global ranks at the peer address a backend error names (never this rank)."""
+        wanted = {digest(a) for a in addresses_named(str(exc))}
+        return [self.ranks[i] for i, a in enumerate(self.address_ids) if a in wanted and i != self.group_rank]
+
+    def lost_record(self, rank: int, why: str) -> FailureRecord:
+        """This rank declares global rank ``rank`` lost (``PeerLost``), naming its pid and host."""
+        i = self.ranks.index(rank)
+        return FailureRecord.lost(rank=rank, pid=self.pids[i], host=self.hosts[i], why=why, by=self.rank)

@@ -1,23 +1,12 @@
-"""Recovery made visible: what a recovery in place tells the world, as data.
+"""Recovery made visible: what a recovery in place tells the world, as data (``docs/recovering.md``,
+"Seeing a recovery").
 
-A recovery in place (:func:`fault_tolerant_handlers.recover_in_place`) goes through three moments on
-every rank, and announces each through :mod:`.hooks` with one frozen :class:`RecoveryInfo`:
-
-=====================  ==============================================================================
-``FAILURE_SEEN``       the failure reached this rank's recovery (its cause as this rank sees it: its
-                       own exception, or a peer's ``PeerFailedError``); no decision yet
-``RECOVERY_STARTED``   the ranks agreed to recover: the cause is the agreed one (the same on every
-                       rank), and where the next attempt's state comes from is decided
-``RECOVERED``          the process group is re-formed: the training function is called again
-=====================  ==============================================================================
-
-This module keeps them (:func:`recovery_history`), lets anyone subscribe (:func:`on_recovery`), and
-holds the one fact only the next attempt's loop knows: the step it carried on from when it resumed
-from a checkpoint, and how many steps it computes twice (:func:`carried_on`, called by the
-adapters as the loop starts). :func:`metrics` sums it up per process (:class:`RecoveryMetrics`),
-what the Ignite adapter keeps on ``engine.state.fault_tolerance`` and the Lightning callback logs.
-
-Framework-neutral: the adapters translate these into Ignite events and Lightning hooks.
+A recovery in place goes through three moments on every rank (:class:`RecoveryPhase`: the failure
+seen, the recovery agreed, the group re-formed), each announced through :mod:`.hooks` with one frozen
+:class:`RecoveryInfo`. This module keeps them (:func:`recovery_history`), lets anyone subscribe
+(:func:`on_recovery`), fills in what only the next attempt's loop knows (:func:`carried_on`, called by
+the adapters) and sums them up per process (:func:`metrics`). Framework-neutral: the adapters
+translate these into Ignite events and Lightning hooks.
 """
 
 from __future__ import annotations
@@ -30,14 +19,17 @@ from typing import Callable
 
 from . import hooks
 from .failure import FailureKind, is_int
-from .log import first_line
+from .hooks import first_line
 
 
 class RecoveryPhase(str, Enum):
     """The moment of a recovery a :class:`RecoveryInfo` tells of (its value, in messages)."""
 
+    #: The failure reached this rank's recovery (its cause as this rank sees it); no decision yet.
     FAILURE_SEEN = "failure seen"
+    #: The ranks agreed to recover: the agreed cause, and where the next attempt's state comes from.
     RECOVERY_STARTED = "recovery started"
+    #: The process group is re-formed: the training function is called again.
     RECOVERED = "recovered"
 
     __str__ = str.__str__

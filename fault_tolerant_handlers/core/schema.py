@@ -30,17 +30,12 @@ A recovery in place agrees in the first attempt's store, under ``fth/recover/<to
 ``spares/<g>/answer/<rank>``     which spare replaces lost ``rank`` (``Answer``)
 ===============================  ========================================================================
 
-Every value is a record of the one codec (:class:`~.failure.Stored`) or a counter.
-
-The store is unauthenticated. Every value read is bounded and range-checked: a counter that jumps
-backwards or further than a job could move it is treated as corruption (a warning naming the key,
-then detection carries on from the new value), a non-integer where a counter belongs is repaired,
-a record that fails its checks is ignored. Each rank keeps at most :data:`MAX_OWN_RECORDS` records
-of its own in the store (older ones are deleted), so the keys stay bounded by the world size.
-
-Every process talks to the store through :class:`Connection`\\ s of its own, cloned from the process
-group's store and re-made after a failed call, so a value that makes the store server drop a
-connection never breaks the process group's own client (which training needs).
+Every value is a record of the one codec (:class:`~.failure.Stored`) or a counter. The store is
+unauthenticated: a counter that jumps backwards or too far is corruption (a warning naming the key,
+then detection carries on), a non-integer counter is repaired, a record that fails its checks is
+ignored, and a rank keeps at most :data:`MAX_OWN_RECORDS` records of its own. Every process talks to
+the store through :class:`Connection`\\ s of its own, so a value that makes the server drop a
+connection never breaks the process group's own client.
 """
 
 from __future__ import annotations
@@ -60,13 +55,12 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from . import attempts, interrupts, release
-from .log import first_line, log
+from . import attempts, interrupts
+from .hooks import first_line, log
 from .failure import FailureRecord, sanitize
 
 KEY_COUNT = "n"
-#: The connect back-off's jitter: a generator of the library's own, seeded by the operating system,
-#: so that the library never draws from (nor shifts) the user's ``random`` stream.
+#: The connect back-off's jitter: the library's own generator (never the user's ``random`` stream).
 _jitter = random.Random(int.from_bytes(os.urandom(8), "little"))
 #: At most this many records are taken from one move of the counter (newest kept).
 MAX_NEW_RECORDS = 256
@@ -149,9 +143,8 @@ class ConnectInProgress(RuntimeError):
     process is exiting after the job failed (:func:`stop_connecting`). Raised inside the worker."""
 
 
-#: How many times its timeout a connect may take: :func:`probe_store_port`'s connect (answered
-#: late: within the timeout), then c10d's client, which tries once more after a try that timed out
-#: (torch 2.13, measured: 1.8 s for a 1 s timeout, 9.8 s for 5 s).
+#: How many times its timeout a connect may take: :func:`probe_store_port`'s, then c10d's client,
+#: which tries once more after a try that timed out.
 CONNECT_TRIES = 1 + 2
 #: How long past that a connect may take (thread scheduling on a loaded machine).
 CONNECT_SLACK = 1.0
@@ -163,9 +156,7 @@ _connects_lock = threading.Lock()
 _no_new_connects = False
 
 
-def _after_fork_in_child() -> None:
-    # A helper forked while another thread held the lock (a watchdog connecting) would wait forever;
-    # the threads inside those connects did not come along.
+def _after_fork_in_child() -> None:  # the threads inside those connects did not come along
     global _connects_lock
     _connects_lock = threading.Lock()
     _connects.clear()
@@ -185,21 +176,17 @@ class StoreUnreachable(ConnectionError):
     which would retry a refused port until its timeout, twice)."""
 
 
-#: Errors of a plain TCP connect that are evidence that the store is gone or cannot be reached:
-#: nothing listens on its port (its process is gone), or its host or the network to it is down.
-#: (A connect the kernel of the store's host completed is the opposite: the host is up and a
-#: process holds the store's listening socket, however slowly its server answers.)
+#: Errors of a plain TCP connect that are evidence that the store is gone or cannot be reached
+#: (nothing listens on its port, or its host or the network to it is down).
 _GONE_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTDOWN,
                 errno.ETIMEDOUT}
 
 
 def store_evidence(host: str, port: int, timeout: float) -> str | None:
     """Evidence that the store at ``host:port`` is gone or unreachable, or ``None`` when its port
-    answers. One plain TCP connect, closed at once (the store's server ignores a client that closes
-    without a request): the handshake is the kernel's work on the store's host, not the server
-    thread's, so a store that is merely slow (a busy machine, many clients connecting at once)
-    completes it; only a closed port (refused), a host or link that is down (unreachable) or no
-    answer at all within ``timeout`` seconds is evidence."""
+    answers: one plain TCP connect, closed at once. The handshake is the kernel's work on the store's
+    host, so a store that is merely slow completes it; only a refused port, an unreachable host or no
+    answer within ``timeout`` seconds is evidence."""
     try:
         socket.create_connection((host, port), timeout=timeout).close()
         return None
@@ -213,12 +200,9 @@ def store_evidence(host: str, port: int, timeout: float) -> str | None:
 
 
 def probe_store_port(host: str, port: int, timeout: timedelta) -> None:
-    """One plain TCP connect to the store's port, closed at once, before a c10d client is made.
-
-    A store whose host process has exited refuses the connection at once; c10d's client would
-    retry it for two timeouts (10 s for the main thread's 5 s), and a thread inside that connect
-    can neither be cut short nor left running at interpreter exit. The store's server ignores a
-    client that closes without a request."""
+    """One plain TCP connect to the store's port, closed at once, before a c10d client is made: a
+    refused port fails at once, where c10d's client would retry it for two timeouts in a thread
+    that can neither be cut short nor left running at interpreter exit."""
     try:
         socket.create_connection((host, port), timeout=timeout.total_seconds()).close()
     except OSError as err:
@@ -239,17 +223,12 @@ class StoreCallTimeout(TimeoutError):
 class Connection:
     """One store connection of this process's own, re-made from ``factory`` after a failed call.
 
-    ``factory`` returns a new store client under the run's prefix; ``timeout`` bounds its connect
-    and every call. A call runs on the connection's own worker thread and the caller waits at most
-    ``timeout`` + :data:`CALL_SLACK`: c10d's client bounds waiting for a key, but not a read from a
-    peer that went silent (a cut link leaves it blocked for TCP's retransmission timeout, minutes).
-    A call that overruns keeps the connection: the calls after it fail at once
-    (:class:`StoreCallTimeout`) until it returns, on a cut link when the kernel gives up; a call that
-    fails drops the connection, and the next call makes a new one.
-
-    ``deadline`` (a ``time.monotonic()`` value, or ``None``) cuts every call's wait short at that
-    moment: the watchdog sets it to when a silent store is to be declared lost, so that a call
-    blocked on the cut link does not hold the declaration up by its budget.
+    ``timeout`` bounds the connect and every call. A call runs on the connection's own worker thread
+    and the caller waits at most ``timeout`` + :data:`CALL_SLACK` (c10d does not bound a read from a
+    cut link). A call that overruns keeps the connection: the calls after it fail at once
+    (:class:`StoreCallTimeout`) until it returns; a call that fails drops the connection. ``deadline``
+    (``time.monotonic()``, or ``None``) cuts every call's wait short at that moment (the watchdog's
+    declaration of a silent store).
     """
 
     CALL_SLACK = 0.5
@@ -258,13 +237,10 @@ class Connection:
                  backoff: bool = False, connect_timeout: timedelta | None = None) -> None:
         self._factory = factory
         self._timeout = timeout
-        #: What ``factory`` gives its connect (``timeout`` unless said): bounds the wait for it at exit.
-        self._connect_timeout = connect_timeout or timeout
+        self._connect_timeout = connect_timeout or timeout  # bounds the wait for a connect at exit
         self.name = name
-        #: A connection of a periodic loop (the watchdog's, the liveness helper's): after a failed
-        #: connect its calls fail at once until a backoff has passed (:data:`BACKOFF_FIRST`, doubled
-        #: up to :data:`BACKOFF_MAX`, randomised), so that many ranks starting at once on a busy
-        #: store's server do not retry their connects in step.
+        #: A periodic loop's connection: after a failed connect its calls fail at once until a
+        #: randomised backoff has passed, so that many ranks do not retry their connects in step.
         self.backoff = backoff
         self._retry_at = 0.0
         self._delay = 0.0
@@ -277,12 +253,9 @@ class Connection:
         self._connecting = False
 
     def store(self) -> dist.Store:
-        """The connected client, connecting first if there is none.
-
-        The connect runs outside the lock, so that a connect that overruns its call's budget (an
-        unreachable host) does not block the next call; that call fails at once instead of
-        starting a second connect (one connect per connection at a time: a thread inside c10d's
-        connect cannot be cut short, and the interpreter's exit waits for it, :func:`unblock_stuck_calls`)."""
+        """The connected client, connecting first if there is none: outside the lock, one connect per
+        connection at a time (a call meanwhile fails at once; the exit waits for a connect under way,
+        :func:`unblock_stuck_calls`)."""
         with self._lock:
             if self._store is not None:
                 return self._store
@@ -350,10 +323,8 @@ class Connection:
                 raise StoreCallTimeout("the store did not answer: its connect is still in progress")
             worker = self._worker
             if worker is not None and worker.stuck and not worker._stopped:
-                # The call before overran its budget and has not returned: it keeps this client. A
-                # new connection now would cost the store's server a reverse DNS lookup of this
-                # client in its only thread, for every client (seconds where DNS is slow), and the
-                # calls of every rank timing out together made one each: the store stayed silent.
+                # the call before overran its budget and keeps this client: a new connection per rank
+                # would add to the load of a store server that is only slow
                 raise StoreCallTimeout("the store did not answer: the call before this one has not returned yet")
             if worker is None or worker.stuck:
                 worker = self._worker = _Worker(f"fth-store-{self.name}")
@@ -365,12 +336,7 @@ class Connection:
 
         try:
             return worker.run(job, budget)
-        except StoreCallTimeout:
-            # A call blocked on its client keeps it, and so does a call still connecting: a call or
-            # a connect slower than its budget (a busy store's server) ends when it does, and the
-            # next calls fail at once until then; it is not thrown away and made again by every
-            # rank, which only added to the load that made it slow. (A store that is gone is told
-            # by the watchdog's evidence, a plain connect to its port, not by these calls.)
+        except StoreCallTimeout:  # the client is kept (see above): a store that is gone is told by evidence
             raise
         except ConnectInProgress as err:
             raise StoreCallTimeout(f"the store did not answer: {err}") from None
@@ -396,16 +362,13 @@ class Bounded:
 
 
 def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0, *, busy_too: bool = False) -> int:
-    """At exit: a worker still blocked in a store call (its store unreachable) would abort the
-    interpreter's finalization (a thread inside a C++ call). Shut down this process's connections
-    to the store's ports so that those reads return, then give the workers ``wait`` seconds.
-    ``busy_too`` (the job failed: the store may be what is gone): also the calls under way that
-    have not yet overrun their budget, instead of waiting for them to. Returns how many were stuck."""
+    """At exit: a worker blocked in a store call would abort the interpreter's finalization. Shut
+    down this process's connections to the store's ports so that those reads return, then give the
+    workers ``wait`` seconds (``busy_too``, the job failed: also the calls that have not overrun
+    their budget yet). Returns how many were stuck."""
     workers = [w for w in set(_stuck) | ({w for w in list(_workers) if w.busy} if busy_too else set())
                if w._thread.is_alive()]
-    # A connect cannot be cut short (no socket to shut down yet, or a retry's sleep): the threads
-    # inside one are waited for, each until its connect's bound, busy or not, so that no thread
-    # comes back from c10d while the interpreter finalizes (that aborts the process).
+    # a connect cannot be cut short: its thread is waited for until its bound
     with _connects_lock:
         connects = [c for c in _connects.values() if c[1].is_alive() and c[1] is not threading.current_thread()]
     if not workers and not connects:
@@ -414,7 +377,7 @@ def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0, *, busy_too: bo
         worker.stuck = True  # no further call is given to it ...
         worker._stopped = True  # ... and it ends as soon as its call returns
     if workers:
-        release.cut_connections_to(keep_ports)
+        interrupts.cut_connections_to(keep_ports)
     deadline = time.monotonic() + wait
     for worker in workers:
         worker._thread.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -424,10 +387,8 @@ def unblock_stuck_calls(keep_ports: set[int], wait: float = 1.0, *, busy_too: bo
 
 
 class _Worker:
-    """A thread that runs one store call at a time for a :class:`Connection`.
-
-    The hand-over is two plain locks used as binary semaphores (``_go``: a job is there; ``_fin``:
-    its result is): the cheapest wake-up Python has, paid twice per call, 10 times a second."""
+    """A thread that runs one store call at a time for a :class:`Connection`; the hand-over is two
+    plain locks used as binary semaphores (``_go``: a job is there; ``_fin``: its result is)."""
 
     def __init__(self, name: str) -> None:
         self.stuck = False
@@ -473,8 +434,6 @@ class _Worker:
         if not self._fin.acquire(timeout=budget):
             with self._state:
                 if not self._fin.acquire(blocking=False):  # (it may have returned just now)
-                    # Left to return when it does (on the same client, which is kept): until then
-                    # the connection's calls fail at once instead of connecting anew.
                     self._late = True
                     self.stuck = True
                     _stuck.add(self)
@@ -617,9 +576,8 @@ class Schema:
             return None
 
     def remove_run_keys(self, rank: int, ranks, *, shared: bool) -> None:
-        """Delete this rank's keys of the run (its heartbeat, section and left mark) and, with ``shared``, the
-        keys every rank wrote to (the record counter, the records, the declarations): a run's keys
-        are left behind by nothing that ended cleanly. Call it once no rank reads them any more."""
+        """Delete this rank's keys of the run and, with ``shared``, the keys every rank wrote to (the
+        record counter, the records, the declarations). Call it once no rank reads them any more."""
         keys = [heartbeat_key(rank), section_key(rank), left_key(rank)]
         if shared:
             count = self.count()

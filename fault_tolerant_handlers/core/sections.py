@@ -8,7 +8,7 @@ from types import TracebackType
 import torch.distributed as dist
 
 from . import inject
-from .log import first_line, log
+from .hooks import first_line, log
 from .compat_torch import is_backend_error
 from .errors import PeerFailedError
 from .failure import tag, tag_of
@@ -32,16 +32,10 @@ def check_position(owner: str, arg: str, value: object) -> int | None:
 def conclude(session: Session, kind: str, name: str, exc: BaseException | None, reported: BaseException | None = None,
              *, step: int | None = None, epoch: int | None = None) -> BaseException | None:
     """End a section on this rank: what it must raise (``exc`` itself, a peer's error, a mismatch),
-    or ``None`` when no rank failed.
-
-    * an exception that came out of an inner agreement passes through: every rank of that agreement
-      raises already, and none joins another;
-    * a broken collective explained by a peer's failure becomes that peer's error (the side group is
-      broken too, so no agreement);
-    * a :class:`PeerFailedError` learned outside an agreement (from an adapter) joins the agreement
-      saying a peer failed, without a record of its own;
-    * this rank's own failure is recorded, then agreed: it re-raises its own exception.
-    """
+    or ``None`` when no rank failed. An exception out of an inner agreement passes through; a broken
+    collective a peer's failure explains becomes that peer's error (no agreement: the side group is
+    broken too); a :class:`PeerFailedError` an adapter learned joins the agreement as a peer's; this
+    rank's own failure is recorded, agreed, and re-raised."""
     if exc is not None and tag_of(exc).agreed:
         return exc
     failure = exc if exc is not None else reported
@@ -50,11 +44,10 @@ def conclude(session: Session, kind: str, name: str, exc: BaseException | None, 
         explained = session.classify(failure)
         if explained is not None:
             return _peer(session, explained, step)
-    outcome = session.agree(kind, name, None if peer is not None else failure, step=step, epoch=epoch, peer=peer)
+    err = session.agree(kind, name, None if peer is not None else failure, step=step, epoch=epoch, peer=peer)
     if failure is not None and peer is None:
         tag(failure, agreed=True)
         return failure
-    err = outcome.error_for_caller()
     return None if err is None else _peer(session, err, step)
 
 

@@ -1,32 +1,18 @@
 """The fail-together session: one object per process group that owns every decision.
 
 A :class:`Session` belongs to one process group (the world by default) and is shared by everything
-that runs on it in this process (sections, adapters, the watchdog). It owns
+that runs on it in this process (sections, adapters, the watchdog). It owns the **side group** (a
+gloo group over the same ranks, so that the agreement never interleaves with the data group's
+collectives), the run's **store keys** (:mod:`.schema`) through connections of its own, the
+**agreement** (:meth:`Session.agree`: record, agree in one ``all_reduce(MAX)`` of two int64s
+(:func:`pack_agreement`), then raise), the **classification** of an exception as this rank's own or a
+peer's (:meth:`Session.classify`), the **failure state** (:attr:`Session.failure`) and the
+**watchdog**, started and stopped by reference count.
 
-* the **side group**: a gloo group over the same ranks, created once and collectively, so that the
-  agreement never interleaves with the data group's collectives (NCCL or gloo);
-* the run's **store keys** (:mod:`.schema`), through connections of its own;
-* the **agreement** (:meth:`Session.agree`): *record, agree, then raise*. A failing rank publishes
-  its record, then every rank joins **one** ``all_reduce(MAX)`` of two int64s
-  (:func:`~.agreement.pack_agreement`): ``failing rank + 1`` (0 when it did not fail) and, to catch ranks that
-  are out of step, the section's hash and agreement number, once as they are and once subtracted
-  from a constant (their smallest). It returns an :class:`Outcome` and never raises;
-* the **classification** of an exception (:meth:`Session.classify`): this rank's own failure, or a
-  consequence of a peer's (a released or broken collective), with the peer's error;
-* the **failure state** (:attr:`Session.failure`, a :class:`~.failure.FailureState`): the one
-  answer to "has this job failed?", driven through named transitions (this rank failed, a peer
-  failed, its own signal, the main thread took it, an agreement ended), with the current incident
-  reset after each agreement so that a failure user code caught never blinds the watchdog later;
-* the **watchdog**, started and stopped by reference count (:meth:`start_watchdog`,
-  :meth:`stop_watchdog`): two loops sharing one group share one watchdog, which stops with the last.
-
-Timeouts:
-    The side group inherits the default store's timeout (the ``timeout`` given to
-    ``init_process_group``): an agreement may legitimately wait as long as the slowest rank takes to
-    reach it (``one_rank_first`` waits for a whole download). ``FTH_SYNC_TIMEOUT_SEC`` overrides it.
-    Store calls of the main thread use :data:`MAIN_STORE_TIMEOUT`; failure-path reads use
-    :data:`FAILURE_PATH_STORE_TIMEOUT`, in a thread the main thread never waits for past
-    :data:`EXPLAIN_WAIT`.
+Timeouts: the side group inherits the default store's timeout (an agreement may wait as long as the
+slowest rank takes to reach it), or ``FTH_SYNC_TIMEOUT_SEC``; the main thread's store calls use
+:data:`MAIN_STORE_TIMEOUT`; failure-path reads :data:`FAILURE_PATH_STORE_TIMEOUT`, in a thread the
+main thread waits for at most :data:`EXPLAIN_WAIT`.
 """
 
 from __future__ import annotations
@@ -41,7 +27,7 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass
+import zlib
 from datetime import timedelta
 
 import torch
@@ -49,14 +35,12 @@ import torch.distributed as dist
 
 from . import compat_torch as _compat_torch
 from . import attempts, config, hooks, schema as _schema
-from .agreement import MAX_FLAG, pack_agreement, section_hash, unpack_agreement
 from .errors import PeerFailedError, RecoveryError, SectionMismatchError
 from .failure import FailureKind, FailureRecord, FailureState, Incident, host_name, tag, tag_of
-from .log import first_line, log
-from .procfs import PeerPidProbe
-from .ranks import (RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout,
+from .hooks import first_line, log
+from .procfs import (PeerPidProbe, RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout,
                     normalize_address, own_address)
-from .release import listens_here, release_process_groups, store_peer_address, store_ports, teardown_at_exit
+from .interrupts import listens_here, release_process_groups, store_peer_address, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port, store_evidence
 from .config import (BACKGROUND_CONNECT_TIMEOUT, EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT,  # timings: the table
                      LEAVE_WAIT, MAIN_STORE_TIMEOUT, MISMATCH_WAIT, SUSPECT_OBSERVED_GAP, SUSPECT_SILENCE)  # in .config
@@ -64,17 +48,36 @@ from .config import (BACKGROUND_CONNECT_TIMEOUT, EXPLAIN_EVIDENCE_TIMEOUT, EXPLA
 #: How many delivered record indices are remembered for the watchdog.
 MAX_DELIVERED = 1024
 
-@dataclass(frozen=True)
-class Outcome:
-    """What an agreement decided. ``failed``: some rank failed (or the agreement itself broke);
-    ``peer_error``: what a rank that did not fail raises; ``mismatch``: the ranks were out of step."""
 
-    failed: bool
-    peer_error: PeerFailedError | None = None
-    mismatch: SectionMismatchError | None = None
+# -- the agreement's wire format: two int64s per rank, reduced by MAX --------------------------------
+def section_hash(kind: str, name: str) -> int:
+    return zlib.crc32(f"{kind}\0{name}".encode("utf-8", "replace"))
 
-    def error_for_caller(self) -> BaseException | None:
-        return self.mismatch or self.peer_error
+
+#: Bits of the section hash and of the agreement's sequence number in the agreement's two integers.
+_FIELD_BITS = 20
+_FIELD = (1 << _FIELD_BITS) - 1
+#: The largest flag (a rank + 1) the first integer holds above them.
+MAX_FLAG = (1 << (63 - 2 * _FIELD_BITS)) - 1
+
+
+def pack_agreement(flag: int, digest: int, seq: int) -> tuple[int, int]:
+    """The two int64 every rank contributes to one agreement (reduced by MAX).
+
+    ``a = flag | hash | seq`` (high to low bits) and ``b = (M - hash) | (M - seq)``: the MAX of
+    ``a`` carries the largest flag and, when no rank failed, the largest (hash, seq) pair; the MAX
+    of ``b`` the smallest. Every rank is in the same section and agreement exactly when the two
+    pairs are the same (hash and seq kept to 20 bits)."""
+    h, s = digest & _FIELD, seq & _FIELD
+    return (flag << 2 * _FIELD_BITS) | (h << _FIELD_BITS) | s, ((_FIELD - h) << _FIELD_BITS) | (_FIELD - s)
+
+
+def unpack_agreement(a: int, b: int) -> tuple[int, bool]:
+    """``(the largest flag, whether every rank was in step)`` from the reduced pair."""
+    flag = a >> 2 * _FIELD_BITS
+    hmax, smax = (a >> _FIELD_BITS) & _FIELD, a & _FIELD
+    hmin, smin = _FIELD - ((b >> _FIELD_BITS) & _FIELD), _FIELD - (b & _FIELD)
+    return flag, (hmax, smax) == (hmin, smin)
 
 
 class Session:
@@ -98,12 +101,9 @@ class Session:
         # Collective, once: every member reaches its first section in the same order.
         self.side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
                                    use_local_synchronization=group is not None)
-        # One all_gather at setup tells every rank the run id (rank 0's), each rank's host (id and
-        # name), pid and the address its peers see it at (a hash: matched against backend errors).
-        # The run id comes from the operating system (``secrets``), never from the user's generators: a
-        # script that seeds ``random`` the same way in every attempt (``ignite.utils.manual_seed``,
-        # ``seed_everything``) would otherwise give every torchrun attempt the same id, and the next
-        # attempt would read the keys of the one before (its failure records as new failures).
+        # One all_gather at setup: the run id (rank 0's, from ``secrets``: a user's seeded generator
+        # would give every attempt the same id), each rank's host (id and name), pid, the address its
+        # peers see it at (a hash, matched against backend errors) and whether the store is on its host.
         self.address = own_address()
         self.keep_ports = store_ports(self._pg_store)
         tcp = _compat_torch.tcp_store_of(self._pg_store)
@@ -123,24 +123,20 @@ class Session:
                                tuple(decode_name(row[5:].tolist()) for row in table), tuple(host_ids),
                                tuple(table[:, 3].tolist()),
                                *local_layout(host_ids, ranks.index(rank), whole_world=group is None))
-        #: The first rank (in group order) on the store's host, the same on every rank (each said
-        #: whether the store is on its host, in the gather above), or ``None``: no rank runs there (a
-        #: store on a host of its own), and the store's loss names no rank (``StoreLost``).
+        #: The first rank on the store's host (:func:`store_rank_of`), or ``None``: the store's loss
+        #: names no rank (``StoreLost``).
         self.store_rank: int | None = store_rank_of(list(ranks), table[:, 4].tolist())
         self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
         self._flag = torch.zeros(2, dtype=torch.int64)
         self._seq = 0
-        #: The oldest agreement a failure record can still belong to: the one in progress, else the
-        #: next. A record of an earlier one is late news of a failure every rank already raised (a
-        #: rank released from that agreement moved on before a slower failing rank published).
+        #: The oldest agreement a failure record can still belong to (the one in progress, else the
+        #: next): a record of an earlier one is late news of a failure every rank already raised.
         self.live_seq = 0
-        #: The record counter as the last agreement read it. The run id is new, so it starts at 0 (a
-        #: rank may publish before a peer reads it). Written by the main thread only.
+        #: The record counter as the last agreement read it (the run is new: 0). Main thread only.
         self.consumed = 0
         #: Record indices agreements delivered (the watchdog leaves them alone); replaced, never mutated.
         self.delivered: frozenset[int] = frozenset()
-        #: Has this job failed? This attempt's failure state on this group (:mod:`.failure`): callers
-        #: ask it, and drive it through the session's verbs or its transitions, never its fields.
+        #: Has this job failed? This attempt's failure state on this group (:mod:`.failure`).
         self.failure = FailureState()
         self._watchdog = None
         self._watchdog_refs = 0
@@ -161,7 +157,6 @@ class Session:
     pids = property(lambda self: list(self.table.pids))
     hosts = property(lambda self: list(self.table.hosts))
     host_ids = property(lambda self: list(self.table.host_ids))
-    address_ids = property(lambda self: list(self.table.address_ids))
     host = property(lambda self: self.table.host, doc="This rank's host name.")
     local_rank = property(lambda self: self.table.local_rank)
     local_world_size = property(lambda self: self.table.local_world_size)
@@ -177,33 +172,27 @@ class Session:
 
     def release_collectives(self) -> str:
         """Release this process's blocked collectives (a peer's failure, or its own): what was cut."""
-        return release_process_groups(self._pg_store)
+        return release_process_groups(self._pg_store, self.config.release)
 
     def connection(self, name: str, timeout: timedelta, *, backoff: bool = False,
                    prefix: str | None = None) -> Connection:
-        """A new store connection of this process's own, under the run's prefix.
-
-        For a TCP store it is a new client of the store's host and port whose connect is bounded by
-        ``timeout`` (``Store.clone`` would retry for the store's own timeout, up to 30 minutes,
-        when the store's host is unreachable), after :func:`~.schema.probe_store_port` (but for a
-        loop's first connect: ``backoff``); other stores are cloned."""
+        """A new store connection of this process's own, under the run's prefix: for a TCP store a new
+        client whose connect is bounded by ``timeout`` (``Store.clone`` retries for the store's own
+        timeout), after :func:`~.schema.probe_store_port`; other stores are cloned."""
         prefix, base = f"fth/{self.run_id}" if prefix is None else prefix, self._pg_store
 
         def prefixed(store: dist.Store) -> dist.Store:
             return dist.PrefixStore(prefix, store) if prefix else store
 
-        # A loop's connection (``backoff``) connects in its own thread: a connect that is only slow (a
-        # store whose host is busy starting many ranks) is waited for, not failed and made again.
+        # a loop's connection connects in its own thread: a slow connect is waited for, not made again
         connect = max(timeout, BACKGROUND_CONNECT_TIMEOUT) if backoff else timeout
         if self.store_address is not None:
             host, port = self.store_address
             made = []
 
             def factory() -> dist.Store:
-                # The port is tried first, except for a loop's first connect at the session's start
-                # (its group was just made over this store): the store's server accepts the try
-                # too, and names every client it accepts by a reverse DNS lookup in its only
-                # thread, which where DNS is slow holds every client of the store for seconds.
+                # the port is tried first but for a loop's first connect at start (the store was just
+                # reached): each try costs the store's server a reverse DNS lookup in its only thread
                 if made or not backoff:
                     probe_store_port(host, port, connect)
                 made.append(True)
@@ -214,11 +203,9 @@ class Session:
         return Connection(factory, timeout, name, backoff=backoff, connect_timeout=connect)
 
     def _store_here(self) -> int:
-        """Whether the store runs on this host, from this process's connection to it (the address it
-        reaches: no name lookup): :data:`STORE_HERE` when this process hosts it, or that address is a
-        loopback one or one of this host's own (a host of several addresses: the store's on another
-        interface than gloo's); :data:`STORE_ELSEWHERE` when it is not; :data:`STORE_UNSEEN` when it
-        cannot be told (another kind of store, no connection seen: not Linux)."""
+        """Whether the store runs on this host, from the address this process's connection to it
+        reaches (no name lookup): :data:`STORE_HERE` (this process hosts it, or the address is this
+        host's), :data:`STORE_ELSEWHERE`, or :data:`STORE_UNSEEN` (not a TCP store, not Linux)."""
         if self.store_address is None:
             return STORE_UNSEEN
         if self.hosts_store:
@@ -238,9 +225,7 @@ class Session:
     # -- the failure state -------------------------------------------------------------------------
     def take_peer_failure(self, err: PeerFailedError) -> Incident | None:
         """The watchdog found ``err``: returns the incident to escalate, or ``None`` when there is
-        nothing to do (already known, or this rank failed itself and raises its own error).
-        Emits :data:`~.hooks.PEER_FAILED` (the launchers: a killed same-host peer's error file and,
-        when escalated, mp.spawn's report before the launcher's SIGTERM)."""
+        nothing to do (:meth:`.FailureState.peer_failed`); emits :data:`~.hooks.PEER_FAILED`."""
         escalated = self.failure.peer_failed(err)
         hooks.emit(hooks.PEER_FAILED, self.table, err, escalated is not None)
         return escalated
@@ -249,9 +234,7 @@ class Session:
         """The main thread takes a peer's failure (``err``) and raises it: no reported exit by the
         watchdog, and an orderly teardown of the (released) process groups at interpreter exit."""
         hooks.emit(hooks.ACKNOWLEDGED, self.table, err, self.failure.peer_error)
-        # An agreement's error names its own incident (its tag): the current one has replaced it
-        # since, and acknowledging that would leave the watchdog blind to the next failure (no release).
-        self.failure.acknowledged(err)
+        self.failure.acknowledged(err)  # the incident err's tag names, not the current one
         hooks.emit(hooks.JOB_FAILED, self)  # the launchers: torchrun's attempt keys, before this thread raises on
         teardown_at_exit()
 
@@ -278,29 +261,30 @@ class Session:
 
     # -- agree ---------------------------------------------------------------------------------------
     def agree(self, kind: str, name: str, failure: BaseException | None = None, *, step: int | None = None,
-              epoch: int | None = None, peer: PeerFailedError | None = None) -> Outcome:
+              epoch: int | None = None, peer: PeerFailedError | None = None) -> BaseException | None:
         """One agreement. ``failure``: this rank's own (published first); ``peer``: a peer's failure
-        this rank already knows. Never raises: returns what every rank must do."""
+        this rank already knows. Never raises: returns what this rank must raise for the others (a
+        peer's :class:`PeerFailedError`, a :class:`SectionMismatchError`), ``None`` when no rank
+        failed or this rank raises its own ``failure``."""
         seq = self._seq
         self._seq += 1
         self.live_seq = seq
-        outcome = None
+        failed, err = False, None
         try:
-            outcome = self._agree(kind, name, seq, failure, step, epoch, peer)
-            return outcome
+            failed, err = self._agree(kind, name, seq, failure, step, epoch, peer)
+            return err
         finally:
             self.live_seq = seq + 1
-            err = outcome.error_for_caller() if outcome is not None else None
-            # a fresh incident begins: it must stay watchful
-            incident = self.failure.agreement_ended(outcome is not None and outcome.failed, err)
-            if outcome is not None and outcome.failed:
+            # a fresh incident begins: it must stay watchful; the error is tagged with the one it
+            # ends, which the main thread's acknowledge() marks
+            incident = self.failure.agreement_ended(failed, err)
+            if failed:
                 hooks.emit(hooks.JOB_FAILED, self)  # the launchers: torchrun's attempt keys
             if err is not None:
-                # the incident this failure belongs to: the main thread's acknowledge() marks that
-                # one, not the fresh incident that replaced it (which must stay watchful)
                 tag(err, incident=incident)
 
-    def _agree(self, kind, name, seq, failure, step, epoch, peer) -> Outcome:
+    def _agree(self, kind, name, seq, failure, step, epoch, peer) -> tuple[bool, BaseException | None]:
+        """``(some rank failed, what this rank raises for the others)``."""
         if failure is not None:
             published = tag_of(failure).record
             if published is not None:
@@ -314,32 +298,26 @@ class Session:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.side)
         except Exception as err:  # noqa: BLE001 - a peer vanished, or this rank was released
             if failure is not None:
-                return Outcome(True)  # this rank raises its own exception whatever the peers did
+                return True, None  # this rank raises its own exception whatever the peers did
             cause = peer or self.classify(err)
             if cause is None:
                 cause = PeerFailedError(None, type(err).__name__, f"the fail-together agreement itself failed: {err}",
                                         where=f"the agreement of {name!r}", section=name)
-            return Outcome(True, cause)
+            return True, cause
         got_flag, in_step = unpack_agreement(*(int(v) for v in self._flag.tolist()))
         if got_flag == 0:
-            if not in_step:
-                return Outcome(True, mismatch=self._mismatch(kind, name, seq))
-            return Outcome(False)
+            return (False, None) if in_step else (True, self._mismatch(kind, name, seq))
         if failure is not None or peer is not None:
             self._consume(read=False)
-            return Outcome(True, peer)
+            return True, peer
         records = self._consume(read=True)
-        return Outcome(True, PeerFailedError.from_records(records, fallback_rank=got_flag - 1, section=name))
+        return True, PeerFailedError.from_records(records, fallback_rank=got_flag - 1, section=name)
 
     def _consume(self, *, read: bool) -> list[FailureRecord]:
-        """Take the records published since the last agreement (the watchdog leaves them alone).
-
-        A failure record of the *next* agreement ends the taking: a peer released from this
-        agreement before this rank may already have failed in the next one (never further: the one
-        after needs this rank), and that record is the next agreement's to deliver (taken now, the
-        next agreement would miss it and name a later failure instead). So every record is read,
-        also when this rank does not need their content (``read=False``: it raises its own failure
-        or a peer's it already knows)."""
+        """Take the records published since the last agreement (the watchdog leaves them alone), up to
+        a failure record of the *next* agreement (a peer released before this rank may have failed in
+        it already): that one is the next agreement's to deliver. So every record is read, also with
+        ``read=False`` (this rank raises its own failure or a peer's it knows: nothing returned)."""
         try:
             count = self.schema.count()
         except Exception as err:  # noqa: BLE001
@@ -401,13 +379,10 @@ class Session:
 
     # -- classify ------------------------------------------------------------------------------------
     def classify(self, exc: BaseException) -> PeerFailedError | None:
-        """``None`` if ``exc`` is this rank's own failure; otherwise the peer failure behind it.
-
-        A :class:`PeerFailedError` is a peer's. A backend error (a released or broken collective:
-        :func:`~.compat_torch.is_backend_error`) is a peer's when the cause can be found: what the watchdog
-        knows, a same-host peer that is gone (pid check, now), or a record of another rank not yet
-        delivered (read for up to :data:`EXPLAIN_WAIT`). Anything else is this rank's own.
-        """
+        """``None`` if ``exc`` is this rank's own failure; otherwise the peer failure behind it: a
+        :class:`PeerFailedError`, or for a backend error (:func:`~.compat_torch.is_backend_error`) the
+        cause when one is found (the watchdog's, a same-host peer gone, a record or a silent suspect
+        read for up to :data:`EXPLAIN_WAIT`)."""
         if isinstance(exc, PeerFailedError):
             return exc
         if not _compat_torch.is_backend_error(exc):
@@ -433,20 +408,10 @@ class Session:
         done.wait(wait)
         return outcome()
 
-    def suspects(self, exc: BaseException) -> list[int]:
-        """Global ranks at the peer address a backend error names (never this rank)."""
-        return self.table.suspects(exc)
-
-    def lost_record(self, rank: int, why: str) -> FailureRecord:
-        """This rank declares global rank ``rank`` lost (``PeerLost``), naming its pid and host."""
-        return self.table.lost_record(rank, why)
-
     def lost_ranks(self) -> dict[int, FailureRecord]:
-        """Rank -> its record, for every rank this run's failure records declare lost (``PeerLost``:
-        its process ended, or its host is gone or unreachable) or silent (``PeerSilent``: its
-        heartbeat stopped), as the store holds them now (the newest :data:`~.schema.MAX_NEW_RECORDS`;
-        a rank declared both is given by its ``PeerLost``, one that says its keeper is gone first). Read on the main connection (each call
-        bounded); a record that cannot be read is left out."""
+        """Rank -> its record, for every rank this run's records declare lost or silent, as the store
+        holds them now (the newest :data:`~.schema.MAX_NEW_RECORDS`); a rank declared both is given by
+        its ``PeerLost``, one that says its keeper is gone first. A record that cannot be read is left out."""
         lost: dict[int, FailureRecord] = {}
         for index in self.schema.new_indices(0, self.schema.count()):
             record = self.schema.read(index)
@@ -459,9 +424,10 @@ class Session:
 
     def _explain(self, exc: BaseException) -> PeerFailedError | None:
         """Why a collective broke: a record of another rank not yet delivered, or a suspect (a rank at
-        the address the error names) whose heartbeat has stopped or whose host held the store that no
-        longer answers. Read in a thread of its own for up to :data:`EXPLAIN_WAIT`."""
-        suspects = self.suspects(exc)
+        the address the error names) whose heartbeat stopped or whose host held the store that is
+        gone. Read in a thread and connection of its own for up to :data:`EXPLAIN_WAIT` (a store call
+        can block)."""
+        suspects = self.table.suspects(exc)
         deadline = time.monotonic() + EXPLAIN_WAIT
         found: list[FailureRecord] = []
         done = threading.Event()
@@ -473,8 +439,6 @@ class Session:
                       "the connection broke")
 
         def reader() -> None:
-            # Its own thread and connection: a store call can block when the store's host died with
-            # its socket still held open by a child process; the main thread never waits past the deadline.
             beats: dict[int, tuple[int, float, float]] = {}  # rank -> (value, observed still, answered at)
             try:
                 while not done.is_set() and time.monotonic() < deadline:
@@ -485,12 +449,11 @@ class Session:
                         store_hosts = {self.host_ids[self.ranks.index(self.store_rank)]} \
                             if self.store_rank is not None else set()  # a store on a host of its own: none
                         gone = [r for r in suspects if self.host_ids[self.ranks.index(r)] in store_hosts]
-                        # only on evidence that the store is gone (its port refused, its host
-                        # unreachable): a store that is merely slow says nothing of its host
+                        # only on evidence that the store is gone: a slow store says nothing of its host
                         evidence = self.store_evidence(EXPLAIN_EVIDENCE_TIMEOUT) if gone else None
                         if evidence is not None:
-                            found.extend(self.lost_record(r, f"{detail} from its host, which holds the c10d store, and the "
-                                                 f"store does not answer ({evidence})") for r in gone)
+                            why = f"{detail} from its host, which holds the c10d store, and the store does not answer"
+                            found.extend(self.table.lost_record(r, f"{why} ({evidence})") for r in gone)
                             break
                         time.sleep(0.1)
                         continue
@@ -511,8 +474,8 @@ class Session:
                         if still >= SUSPECT_SILENCE:
                             silent.append(r)
                     if silent:
-                        declared = [self.lost_record(r, f"{detail} [{', '.join(addresses_named(head))}] and no heartbeat "
-                                            f"for {SUSPECT_SILENCE:.1f} s") for r in silent]
+                        why = f"{detail} [{', '.join(addresses_named(head))}] and no heartbeat for {SUSPECT_SILENCE:.1f} s"
+                        declared = [self.table.lost_record(r, why) for r in silent]
                         for record in declared:
                             if schema.claim_declaration(record.rank):
                                 schema.publish(record)
@@ -549,8 +512,7 @@ class Session:
         finally:
             self._explaining = None
             done.set()
-            # Let it leave its store call (bounded by its timeout) before going on: a daemon thread
-            # inside a torch call at interpreter exit aborts the process.
+            # a daemon thread inside a torch call at interpreter exit aborts the process
             thread.join(timeout=FAILURE_PATH_STORE_TIMEOUT.total_seconds() + 0.5)
             conn.close()
 
@@ -589,12 +551,9 @@ class Session:
         watchdog.stop()
 
     def leave(self) -> None:
-        """A clean stop of this rank's watchdog (not failing; the last reference dropped, the session
-        closed, or the interpreter ending without an uncaught exception): say so in the store
-        (``left/<rank>``) before its liveness helper stops beating, so that its peers, still
-        watching, take its silence and its process's end for what they are: a rank that finished
-        first, not a lost one. Should they still wait for it in a collective, the broken collective
-        names it."""
+        """A clean stop of this rank's watchdog (not failing): say so in the store (``left/<rank>``)
+        before its liveness helper stops beating, so that its peers take its silence and its end for
+        a rank that finished first, not a lost one."""
         if self.failure.failing or self._left:
             return
         conn = self.schema.conn
@@ -618,15 +577,9 @@ class Session:
 
     def close(self) -> None:
         """Stop everything this session started and forget it, so that :func:`get_session` makes a
-        new one (in the same process, with nothing left behind). Collective: call it on every rank.
-
-        In order: it leaves the registry; its watchdog stops whatever its references (its threads,
-        its liveness helper, their connections); every rank waits for the others on the side group
-        (none reads the run's keys any more), then deletes its own keys of the run (rank 0 also the
-        shared ones: the record counter, the records, the declarations); its main connection
-        closes and its side group is destroyed. What is installed once per process stays, and
-        serves the next session: the SIGTERM/SIGINT handlers (they follow the world's newest
-        session) and the exit hooks."""
+        new one. Collective: call it on every rank. The watchdog stops whatever its references; after
+        a barrier every rank deletes its keys of the run (rank 0 the shared ones too); the main
+        connection and the side group close. The signal handlers and exit hooks stay (once per process)."""
         if self.side is None:
             return
         self.stop()
@@ -638,12 +591,9 @@ class Session:
         self._close_connections()
 
     def stop(self, *, keep_liveness: bool = False) -> None:
-        """The part of :meth:`close` that needs no peer: leave the registry and stop the watchdog
-        (its threads, its liveness helper), so that nothing of this session raises or ends anything
-        any more. Recovering in place with spares calls it on a failed group with ``keep_liveness``, then
-        :meth:`abandon`: until then the liveness helper beats and watches its ranks, so that a rank
-        found silent during the recovery (the second rank of a host cut off whole, whose silence
-        passed the limit a poll after the first's) is still declared, and given a spare."""
+        """The part of :meth:`close` that needs no peer: leave the registry and stop the watchdog. With
+        ``keep_liveness`` (recovering with spares) the liveness helper keeps watching until
+        :meth:`abandon`, so that a rank found silent during the recovery is still declared."""
         with _registry_lock:
             for key in [k for k, v in _registry.items() if v is self]:
                 del _registry[key]
@@ -688,9 +638,8 @@ STORE_ELSEWHERE, STORE_HERE, STORE_UNSEEN = 0, 1, 2
 
 def store_rank_of(ranks: list[int], said: list[int]) -> int | None:
     """The store's rank from what every rank said (``said``, in group order): the first rank on the
-    store's host; when no rank could tell, the group's first (as launchers lay it out: torchrun's
-    agent and ``env://`` host it with rank 0); ``None`` when every rank that could tell said it is
-    not on its host: the store is on a host of its own (an unknown culprit rather than a wrong one)."""
+    store's host; when no rank could tell, the group's first (as launchers lay it out); ``None`` when
+    the store is on a host of its own (an unknown culprit rather than a wrong one)."""
     for rank, here in zip(ranks, said):
         if here == STORE_HERE:
             return rank
@@ -735,7 +684,7 @@ def live_sessions() -> list[Session]:
 
 def _forget_all() -> None:
     """At interpreter exit, stop the watchdogs and drop the side groups and store clients while
-    Python is fully alive, so that their C++ destructors do not run late in finalization."""
+    Python is fully alive."""
     with _registry_lock:
         sessions = list(_registry.values())
         _registry.clear()
@@ -751,8 +700,7 @@ def _forget_all() -> None:
 
 def _check_not_spawned_by_recovery(caller: str) -> None:
     """Raise :class:`RecoveryError` in a rank started by a function that ``recover_in_place`` wraps
-    (:func:`.attempts.spawned_by_recovery`): before training, rather than at the first failure,
-    when the rank's process is gone and nothing can be recovered in place."""
+    (:func:`.attempts.spawned_by_recovery`): before training rather than at the first failure."""
     parent = attempts.spawned_by_recovery()
     if parent is not None:
         raise RecoveryError(

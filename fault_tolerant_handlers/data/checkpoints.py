@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import attempts, compat_torch, config, interrupts
-from ..core.log import first_line, log
+from ..core.hooks import first_line, log
 from . import live
 
 SUFFIXES = (".pt", ".pth", ".ckpt")

@@ -24,7 +24,7 @@ import logging
 from typing import Any, Mapping
 
 from ..core import compat_torch as _compat_torch
-from ..core.log import log
+from ..core.hooks import log
 
 __all__ = ["DDPBucketLayout"]
 

@@ -36,7 +36,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..core import attempts, config
-from ..core.log import log
+from ..core.hooks import log
 from ..core.phases import LIVE_NAME, Captured  # the recovery hands a capture between ranks: its type is the core's
 
 #: The name :func:`~fault_tolerant_handlers.latest_checkpoint` answers with (in the directory it was

@@ -35,7 +35,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from . import _resume
-from ..core import compat_torch as _compat_torch, log as _log
+from ..core import compat_torch as _compat_torch
+from ..core.hooks import log
 from ._workers import (
     TorchWorkersIter,
     WorkerLost,
@@ -366,11 +367,11 @@ class RestartableDataLoader(DataLoader[_T_co]):
                 return None  # its pass was over: the next iter() is a new one
             if length is not None:
                 self._fth_epochs = snapshot["epoch"]
-                _log.log(logging.INFO, "RestartableDataLoader: the pass restored by load_state_dict at %s was dropped "
+                log(logging.INFO, "RestartableDataLoader: the pass restored by load_state_dict at %s was dropped "
                          "after %d batch(es) (a peek such as next(iter(loader))): this iter() resumes at batch %d "
                          "again", where_, taken, at)
                 return snapshot
-        _log.log(logging.WARNING, "RestartableDataLoader: the pass restored by load_state_dict at %s was dropped after "
+        log(logging.WARNING, "RestartableDataLoader: the pass restored by load_state_dict at %s was dropped after "
                  "%d batch(es) (a peek such as next(iter(loader))?): it used up the restored position, and this iter() "
                  "starts a new pass at batch 0, not at batch %d. Peek before load_state_dict, or keep the iterator "
                  "you peek with and train on it", where_, taken, at)
@@ -403,7 +404,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
     def _fth_spend(self, record: WorkerRestart) -> None:
         """Count a restart, or raise when the budget is spent."""
         if len(self.restarts) >= self.max_restarts:
-            _log.log(logging.ERROR, "DataLoader %s; restart budget spent (max_restarts=%d)",
+            log(logging.ERROR, "DataLoader %s; restart budget spent (max_restarts=%d)",
                      record.describe(), self.max_restarts)
             raise DataLoaderRestartError(self.restarts + [record], self.max_restarts, self.timeout)
         self.restarts.append(record)
@@ -550,7 +551,7 @@ class _Run:
         record = self.loader._fth_record(self, lost, pids, exited)
         self.loader._fth_spend(record)
         record.start_method = self.loader._fth_restart_method()
-        _log.log(logging.WARNING, "DataLoader %s; restarting workers (%s, restart %d of %d), resuming at batch %d",
+        log(logging.WARNING, "DataLoader %s; restarting workers (%s, restart %d of %d), resuming at batch %d",
                  record.describe(), record.start_method, len(self.loader.restarts), self.loader.max_restarts,
                  self.yielded)
         self._restart_t0 = t0

@@ -10,7 +10,7 @@ import time
 from dataclasses import replace
 
 from ..core.config import WORKER_REAP
-from ..core.log import log
+from ..core.hooks import log
 from ..core import hooks
 from ..core.phases import RecoveryState
 from . import live, snapshots

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..core import attempts, config, sharded
-from ..core.log import log
+from ..core.hooks import log
 from . import live
 
 _lock = threading.Lock()

@@ -1,50 +1,31 @@
-"""A hang deadline learned from the run itself (``hang_timeout="auto"``), as a watchdog probe
-(``poll(now) -> Finding | None``).
+"""A hang deadline learned from the run itself (``hang_timeout="auto"``, ``docs/hang-detection.md``), as
+a watchdog probe (``poll(now) -> Finding | None``).
 
-The main thread tells the probe where each piece of work begins (:meth:`AutoHangProbe.mark`: a
-training ``"step"``, an ``"evaluation"``, a ``"checkpoint"``, or any other name); a mark also ends
-the piece under way, so every instant of the loop belongs to one piece. The rule:
+The main thread marks where each piece of work begins (:meth:`AutoHangProbe.mark`: ``"step"``,
+``"evaluation"``, ``"checkpoint"``, any name); a mark ends the piece under way. The probe keeps the
+longest duration seen per kind; a kind's deadline is ``max(floor, multiple x longest)`` (a kind not
+seen yet borrows the longest of any kind, times ``first_multiple`` on top); nothing is judged until
+``warmup`` steps have finished. Past the deadline, the main thread's stack decides:
 
-* the probe keeps the **longest** duration seen per kind of work (warm-up pieces included);
-* the deadline of a kind is ``max(floor, multiple x longest of that kind)``; a kind never seen
-  yet borrows the longest piece of any kind, times ``first_multiple`` on top (the first
-  evaluation or checkpoint can be much longer than a step: it gets a wide margin, later ones the
-  learned one);
-* nothing is judged during the **warm-up**: until ``warmup`` steps have finished (the first steps
-  include compilation, DataLoader start-up, caches warming);
-* past the deadline, the main thread's stack decides:
+- waiting in a collective or a backward pass (:func:`~.probes.waiting_on_peers`): **never** a hang
+  of this rank (the rank it waits for judges itself; a dead peer is the liveness probes' to find);
+  the piece is judged again from when it was last seen waiting, and such a wait is not learned;
+- in a debugger: not a hang;
+- an *explainer* recognises the work (``explain(frame) -> (kind, token) | None``): judged again as
+  that kind, from now, and again each time ``token`` moves;
+- otherwise the rank is hung: a ``RankHung`` finding with the main thread's stack.
 
-  - waiting in a collective or a backward pass (:func:`~.probes.waiting_on_peers`): **never** a
-    hang of this rank. The rank it waits for is slow or hung, and judges itself (each rank learns
-    its own deadlines: a peer running a long rank-0-only evaluation must not make this rank declare
-    itself hung); a dead or frozen peer is found by the liveness probes. Once the wait is over,
-    the piece is judged again from when it was last seen waiting (each poll looks, before the
-    deadline too: a rank released from a hung peer's collective just before its own deadline is
-    not hung while it handles the peer's failure), and a wait past the deadline is not learned
-    (its duration is the peers' work, not its own);
-  - in a debugger (``pdb``): not a hang;
-  - an *explainer* recognises the work (``explain(frame) -> (kind, token) | None``: a checkpoint
-    being written, an Ignite evaluator ``Engine`` run from a trainer's handler): the piece is judged
-    again as that kind, from now, against that kind's deadline, and again each time ``token`` (the
-    evaluator's iteration) moves: progress;
-  - otherwise the rank is hung: a ``RankHung`` finding with the main thread's stack, like
-    :class:`~.probes.SelfHangProbe`.
-
-It starts no thread and reads the time from its caller, so a unit test drives it with a fake clock.
-:meth:`mark` runs on the training thread at every step: a few attribute stores, no lock.
+It starts no thread and reads the time from its caller (a unit test drives it with a fake clock).
 """
 
 from __future__ import annotations
 
 import os
 import time
-import traceback
 from typing import Callable, Iterable
 
 from ..core import config
-from ..core.errors import PeerFailedError
-from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, cap_tail
-from .probes import Finding, hung_rank, waiting_on_peers
+from .probes import Finding, hung_finding, waiting_on_peers
 from .writes import writing_now
 
 #: Defaults of the rule (seconds, counts); each is an argument of :class:`AutoHangProbe`, and
@@ -128,12 +109,6 @@ class AutoHangProbe:
             if done == STEP:
                 self.steps += 1
 
-    def started(self, kind: str, now: float, step: int | None = None) -> None:
-        self.mark(kind, now, step)
-
-    def finished(self, now: float) -> None:
-        self.mark(None, now)
-
     # -- the rule ---------------------------------------------------------------------------------
     @property
     def warm(self) -> bool:
@@ -203,17 +178,10 @@ class AutoHangProbe:
         else:
             what, stalled, longest, longest_of = f"its {kind}", now - start, self.longest.get(kind, 0.0), kind
             lead = f"has run {stalled:.1f} s"
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
         at = f" at step {step}" if step is not None else ""
-        message = (f"{hung_rank(self.rank, self.pid, self.host)} hung: {what}{at} {lead}, "
-                   f"over the learned deadline of {limit:.1f} s "
-                   f"(longest {longest_of} so far: {longest:.2f} s)")
-        record = FailureRecord.declared(
-            rank=self.rank, kind=FailureKind.RANK_HUNG, message=message, by=self.rank, pid=self.pid, host=self.host,
-            traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
-            time_ms=int((self.wall() - stalled) * 1000), step=step,
-        )
-        return Finding(PeerFailedError.from_records([record]), declare=record, hung_self=True)
+        return hung_finding(self.rank, self.pid, self.host, frame, f"{what}{at} {lead}, over the learned deadline of "
+                            f"{limit:.1f} s (longest {longest_of} so far: {longest:.2f} s)",
+                            int((self.wall() - stalled) * 1000), step)
 
 
 def writing_checkpoint_explainer(frame) -> tuple[str, object] | None:

@@ -1,29 +1,17 @@
-"""Liveness that does not depend on the GIL: a small helper process per rank (``fth-liveness``).
+"""Liveness that does not depend on the GIL: a small helper process per rank (``fth-liveness``),
+forked when the watchdog starts, so that a main thread holding the GIL in a long C call, or busy
+cores, never make a healthy rank look lost. Every :data:`~.watchdog.HEARTBEAT_EVERY` (0.5 s) it:
 
-A rank's heartbeat must not stop when its main thread holds the GIL in a long C call, or when every
-core is busy: a neighbour would then declare a healthy rank lost. So the heartbeat comes from a
-helper process, forked when the watchdog starts, that every :data:`~.watchdog.HEARTBEAT_EVERY`
-(0.5 s):
+* ends at once when its rank's process is gone or told it to stop (the pipe from the rank closed);
+* beats ``hb/<rank>`` in the store, unless its rank is stopped (SIGSTOP: a frozen rank is noticed);
+* when its rank was killed by a signal it could not report (SIGKILL), says so where the launcher
+  reads it and tells the peers with a ``PeerLost`` record (:func:`rank_ended`);
+* runs the :class:`~.probes.HeartbeatProbe` on its ring successor (every rank of the successor's
+  host when it is another host): a counter that stands still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` is
+  declared lost, once, on evidence of its silence, never of a slow answer.
 
-* ends at once when its rank's process is gone (its parent changed) or was told to stop (the pipe
-  from the rank closed);
-* beats ``hb/<rank>`` in the store, unless its rank is *stopped* (SIGSTOP: a frozen rank must be
-  noticed by its neighbour, so it stops beating for it);
-* when its rank was killed by a signal it could not report (SIGKILL: the OOM killer), says so where
-  the launcher reads it (:func:`rank_ended`, from a thread woken by the rank's end): torchrun's
-  error file, torch.multiprocessing's, and tells the rank's peers on every host with a ``PeerLost``
-  record (``rank 1 (pid 4242 on node-b) lost: killed by SIGKILL``);
-* runs the :class:`~.probes.HeartbeatProbe` on its ring successor (and, when the successor is on
-  another host, on every rank of that host: :meth:`~..core.ranks.RankTable.watched`): a rank whose
-  counter stands still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` (2 s) is declared lost, once, with a
-  record its peers' watchdogs read within a poll. Across hosts this is how a host that died or
-  whose link was cut is named by the connected side, every rank of it. A counter is read a little
-  before its next beat is due and then every :data:`~.probes.SILENCE_POLL` (0.1 s) until it moves:
-  a silence is counted from within 0.1 s of its last beat and declared within 0.1 s of the limit.
-
-It has its own store connection, made after the fork (the rank never waits for it), touches nothing else of the rank, never
-runs the rank's exit hooks (``os._exit``), and is one of the rank's child processes, so the
-watchdog's reported exit kills it with the DataLoader workers.
+It has its own store connection, made after the fork, never runs the rank's exit hooks
+(``os._exit``), and is one of the rank's child processes (the reported exit kills it).
 """
 
 from __future__ import annotations
@@ -47,8 +35,8 @@ from ..core import hooks
 from ..core import procfs as _procfs
 from ..core.config import ZOMBIE_HOLD
 from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT  # timings: the table in core.config
-from ..core.log import log
-from ..core.ranks import RankTable
+from ..core.hooks import log
+from ..core.procfs import RankTable
 from ..core.failure import FailureRecord
 from ..core.schema import Schema
 from .probes import HeartbeatProbe
@@ -204,10 +192,8 @@ class LivenessProcess:
     def start(self) -> LivenessProcess:
         if not sys.platform.startswith("linux"):
             return self
-        # Connected by the helper after the fork, never by the rank: 8 ranks connecting at once to a
-        # busy store's host took seconds each, and a rank waiting for it missed its first collective.
-        # A peer judges this heartbeat only once it has beaten (HeartbeatProbe), so a late first beat
-        # is no false alarm.
+        # Connected by the helper after the fork, never by the rank (a slow connect would hold up its
+        # first collective); a peer judges a heartbeat only once it has beaten: a late first beat is fine.
         conn = self.session.connection("helper", HELPER_STORE_TIMEOUT, backoff=True)
         schema = Schema(conn, self.session.schema.world_size)
         read_fd, write_fd = os.pipe()

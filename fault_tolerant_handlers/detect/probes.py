@@ -28,11 +28,11 @@ import sys
 import traceback
 from typing import Callable, Container
 
-from ..core.procfs import CLEAN_EXIT, PeerPidProbe  # noqa: F401 - the core's own probe, re-exported
+from ..core.procfs import PeerPidProbe  # noqa: F401 - the core's own probe, re-exported
 from ..core.config import HEARTBEAT_TIMEOUT_ENV, LEFT_CHECK_EVERY, MAX_CHECK_HOLD, SILENCE_POLL
 from ..core.errors import PeerFailedError
 from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Finding, cap_tail, declared_finding
-from ..core.log import first_line, log
+from ..core.hooks import first_line, log
 from ..core.schema import Schema
 
 
@@ -82,15 +82,10 @@ class HeartbeatProbe:
     for ``limit`` seconds of **observed** time (once it has beaten at all) is declared silent.
 
     Observed time is the time between two polls that both got their answers, at most
-    :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow (a busy store,
-    a loaded machine), the successor's beats may be slow for the same reason, so that time is no
-    evidence of its silence and is not counted.
-
-    A watched rank that stopped its watchdog cleanly (``left/<rank>``, written before its helper
-    stops beating: it finished first) is neither warned about nor declared: the store is asked
-    once its silence is worth a warning or a declaration, and again at most once per
-    :data:`LEFT_CHECK_EVERY` seconds while it stays still; its counter moving again (it watches
-    again) starts over."""
+    :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow, the
+    successor's beats may be slow for the same reason, so that time is not counted. A watched rank
+    that stopped its watchdog cleanly (``left/<rank>``, asked at most every :data:`LEFT_CHECK_EVERY`
+    seconds while it stays still) is neither warned about nor declared."""
 
     def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
                  limit: float, host: str = "", running: Callable[[], bool] | None = None, beats: bool = True) -> None:
@@ -139,10 +134,8 @@ class HeartbeatProbe:
                     self.successor, self.silent)
             self.value, self.silent, self.warned, self.left, self.left_checked_at = value, 0.0, False, False, None
             if self.running is None:
-                # On another host (its silence is all there is to see): a beat seen SILENCE_POLL after
-                # a read that had not seen it, the next read lands just before the next beat is due,
-                # then every SILENCE_POLL until it moves (below); so a silence counts from within
-                # SILENCE_POLL of the last beat, for a second read a period.
+                # On another host: the next read lands just before the next beat is due, then every
+                # SILENCE_POLL until it moves, so a silence counts from within SILENCE_POLL of the last beat.
                 self.next_at = now + (self.period - SILENCE_POLL if stood else SILENCE_POLL)
             return None
         if value > 0 and not self.left and self.running is None:  # standing still: read again soon,
@@ -178,8 +171,6 @@ class HeartbeatProbe:
         if self.left:
             log(logging.DEBUG, "rank %d stopped watching cleanly: its silence is not a failure", self.successor)
         return self.left
-
-
 
 
 #: :class:`HeartbeatProbe`: a silence this fraction of the limit long is logged (a warning, once),
@@ -221,13 +212,9 @@ class SelfHangProbe:
     hung rank is the peer, which declares itself): ``RankHung`` with the main thread's stack.
 
     Time seen waiting is not held against it (the stall counts from the last poll that saw it
-    waiting): a rank released from a hung peer's collective is not hung while it handles the
-    failure. A wait of ``2 x hang_timeout + margin`` is declared all the same (no rank declared
-    itself: one stuck in C holding the GIL, a collective every rank waits in).
-
-    Until ``warm()`` (the first iteration completed) the deadline is ``start_timeout`` instead: a
-    slow start (DataLoader workers starting, DDP's first pass, a cold store, 8 ranks importing on a
-    loaded machine) is not a hang."""
+    waiting); a wait of ``2 x hang_timeout + margin`` is declared all the same (no rank declared
+    itself: one stuck in C holding the GIL, a collective every rank waits in). Until ``warm()``
+    (the first iteration completed) the deadline is ``start_timeout``: a slow start is not a hang."""
 
     def __init__(self, rank: int, pid: int, hang_timeout: float, *, margin: float,
                  progress: Callable[[], tuple[float, float, int | None]], frame: Callable[[], object],
@@ -256,31 +243,28 @@ class SelfHangProbe:
                 return None
         elif now - (self._waited[1] if self._waited is not None and self._waited[0] is progress else last) < limit:
             return None
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
         at = f" at step {step}" if step is not None else ""
         before = "" if warm else " before its first iteration completed (the start's deadline)"
-        message = (f"{hung_rank(self.rank, self.pid, self.host)} hung: its main thread made no progress for "
-                   f"{stalled:.1f} s{at}{before}")
-        record = FailureRecord.declared(
-            rank=self.rank, kind=FailureKind.RANK_HUNG, message=message, by=self.rank, pid=self.pid, host=self.host,
-            traceback=f"Main thread stack of rank {self.rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
-            time_ms=int(last_wall * 1000), step=step,
-        )
-        return Finding(PeerFailedError.from_records([record]), declare=record, hung_self=True)
+        return hung_finding(self.rank, self.pid, self.host, frame, f"its main thread made no progress for "
+                            f"{stalled:.1f} s{at}{before}", int(last_wall * 1000), step)
 
 
-def hung_rank(rank: int, pid: int, host: str) -> str:
-    """How a hung rank names itself in its report: ``rank 1 (pid 42 on node-b)``, or ``rank 1``
-    where the host is not known."""
-    return f"rank {rank} (pid {pid} on {host})" if host else f"rank {rank}"
+def hung_finding(rank: int, pid: int, host: str, frame, what: str, time_ms: int, step: int | None) -> Finding:
+    """This rank declares itself hung: ``rank 1 (pid 42 on node-b) hung: {what}`` (``rank 1`` where the
+    host is not known), with its main thread's stack from ``frame``."""
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
+    who = f"rank {rank} (pid {pid} on {host})" if host else f"rank {rank}"
+    record = FailureRecord.declared(
+        rank=rank, kind=FailureKind.RANK_HUNG, message=f"{who} hung: {what}", by=rank, pid=pid, host=host,
+        traceback=f"Main thread stack of rank {rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
+        time_ms=time_ms, step=step)
+    return Finding(PeerFailedError.from_records([record]), declare=record, hung_self=True)
 
 
 def main_thread_frame():
     import threading
 
     return sys._current_frames().get(threading.main_thread().ident)
-
-
 
 
 class StoreLossProbe:
@@ -292,19 +276,14 @@ class StoreLossProbe:
     :func:`~..core.schema.store_evidence`: a string when the port refused it, the host or link is down,
     or nothing answered; ``None`` when the port answered). The rank hosting the store is declared
     lost when the silence has lasted ``lost_after`` seconds **and** every check in it found
-    evidence, at least two of them; with no rank on the store's host (``store_rank`` ``None``: a store
-    on a host of its own), no rank is named, and the error is ``StoreLost``. A port that answers (the kernel of the store's host completed
-    the handshake: that host is up and a process holds the store's listening socket) ends the
-    evidence: a store that is slow to validate connects or answer calls on a busy machine is not a
-    lost one. ``hosted_here``: this process hosts the store (its server is a thread of this
+    evidence, at least two of them; with no rank on the store's host (``store_rank`` ``None``), no rank
+    is named, and the error is ``StoreLost``. A port that answers (its host is up and a process holds
+    the store's listening socket) ends the evidence: a slow store is not a lost one. ``hosted_here``: this process hosts the store (its server is a thread of this
     process): it never declares its own store lost.
 
-    Each check is a connection the store's server accepts, and c10d's server names every accepted
-    client by a reverse DNS lookup in its only thread: where DNS is slow to answer, each costs every
-    client of the store up to seconds (seen at 8 ranks: 5 s a lookup, the store silent for 8 s
-    while every rank checked it twice a second). So after a port that answered, the next check
-    waits twice as long as the one before, up to :data:`MAX_CHECK_HOLD` seconds, until a call is
-    answered again.
+    Each check is a connection c10d's server accepts, with a reverse DNS lookup in its only thread
+    (slow DNS stalls every client), so after a port that answered the next check waits twice as long
+    as the one before, up to :data:`MAX_CHECK_HOLD` seconds, until a call is answered again.
     """
 
     def __init__(self, lost_after: float, *, by: int, store_rank: int | None = 0, store_pid: int = 0,

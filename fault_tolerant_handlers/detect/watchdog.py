@@ -1,31 +1,19 @@
-"""The out-of-band watchdog: two daemon threads per process that run the probes (:mod:`.probes`)
-while the main thread may be stuck in a collective, and escalate what they find.
+"""The out-of-band watchdog: daemon threads per process that run the probes (:mod:`.probes`) while the
+main thread may be stuck in a collective, and escalate what they find (``docs/detection.md``).
 
-* The **store loop** (``fth-watchdog``) polls every ``interval`` (0.1 s): the records probe (one
-  ``add`` on the record counter), the self-hang probe (no store) and the store-loss probe (fed by
-  failed store calls). A constant number of store calls per rank, whatever the world size, on a
-  connection of its own with a short timeout.
-* The **liveness process** (:mod:`.liveness`, a helper process of its own, so the GIL cannot stop
-  it): every :data:`HEARTBEAT_EVERY` one ``add`` of its own heartbeat and one read of its ring
-  successor's (the heartbeat probe), declaring a successor silent for ``FTH_HEARTBEAT_TIMEOUT_SEC``.
-* The **pid loop** (``fth-pids``, only when peers share this host) sleeps in one
-  ``poll()`` on the peers' pidfds (:class:`PidWatcher`) and checks their pids when one ends (or every
-  ``interval`` for a pid without a pidfd): no store traffic and no periodic wake-up, so it works
-  when the store's host died with a child process still holding its socket open, and costs nothing
-  while nothing happens.
+* The **store loop** (``fth-watchdog``) polls every ``interval`` (0.1 s) the records, self-hang and
+  store-loss probes: a constant number of store calls per rank, on a connection of its own.
+* The **liveness process** (:mod:`.liveness`, a helper process, so the GIL cannot stop it) beats and
+  watches its ring successor's heartbeat (``FTH_HEARTBEAT_TIMEOUT_SEC``).
+* The **pid loop** (``fth-pids``, only when peers share this host) sleeps in one ``poll()`` on the
+  peers' pidfds (:class:`PidWatcher`): no store traffic, no periodic wake-up.
 
-A finding about another rank makes the session's incident a peer failure (the adapters raise it at
-their next hook) and starts the **escalation** (``fth-escalate``): release this process's
-collectives (:mod:`..core.release`), so that a main thread blocked in one fails at once; then, if the
-main thread has not taken the failure (``Session.acknowledge``) within ``exit_grace``, a **reported
-exit**: the report goes to stderr and the log, child processes (DataLoader workers) are killed, and
-the process ends with :data:`EXIT_PEER_FAILED`. A checkpoint write under way in the main thread
-(``torch.save``, a ``save_checkpoint``, Ignite's ``DiskSaver``, or a block marked with
-:func:`writing_checkpoint`) is waited for first, up to ``FTH_WRITE_GRACE_SEC`` (120 s), so no
-checkpoint is left torn. A rank that finds *itself* hung publishes its stack and ends with
-:data:`EXIT_HUNG`.
-
-Settings and their environment overrides are in :mod:`..core.config`.
+A finding about another rank makes the session's incident a peer failure and starts the
+**escalation** (``fth-escalate``): release this process's collectives (:mod:`..core.interrupts`); then,
+if the main thread has not taken the failure within ``exit_grace``, a **reported exit** with
+:data:`EXIT_PEER_FAILED` (child processes killed), after any checkpoint write under way
+(``FTH_WRITE_GRACE_SEC``). A rank that finds *itself* hung publishes its stack and ends with
+:data:`EXIT_HUNG`. Settings: :mod:`..core.config`.
 """
 
 from __future__ import annotations
@@ -49,7 +37,7 @@ from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted
 from ..core.failure import FailureKind, Incident
 from ..core.session import Session, get_session
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
-from ..core.log import first_line, log
+from ..core.hooks import first_line, log
 from .liveness import LivenessProcess
 from .liveness import kill_all as kill_all_liveness
 from .probes import (Finding, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
@@ -62,16 +50,8 @@ from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_RESEND, INTERRUPT_WAIT, LI
 
 
 # -- waiting for same-host peers to end without polling them (Linux pidfds) ----------------------------
-# Waiting for same-host peer processes to end without polling them (Linux pidfds).
-#
-# The watchdog's liveness thread used to read ``/proc/<pid>/stat`` of every same-host peer every
-# interval: at 8 ranks on one host that is 70 file reads and 10 thread wake-ups a second per rank,
-# about 0.3 % of a core per rank spent finding out that nothing happened. A pidfd
-# (``os.pidfd_open``, Linux 5.3) becomes readable when its process exits, so the thread can sleep in
-# one ``poll()`` on all of them and wake only when a peer ends (at once, instead of up to one interval
-# later) or when the watchdog stops. Where pidfds are not available (another OS, an old kernel, a pid
-# this process cannot see), :meth:`PidWatcher.wait` falls back to sleeping ``fallback`` seconds and
-# asking for a check, as before.
+# A pidfd (``os.pidfd_open``) becomes readable when its process exits: one ``poll()`` on all of them
+# wakes only when a peer ends or the watchdog stops. Without pidfds, a check every ``fallback`` seconds.
 
 __all__ = ["PidWatcher", "WakeEvent"]
 
@@ -197,11 +177,8 @@ class Watchdog:
         self._finishing = False
         self._store_warned_at = -STORE_WARN_EVERY
         store_timeout = timedelta(seconds=max(1.0, 5 * self.interval.total_seconds()))
-        # Connected by the loops that use them, never by the main thread: 8 ranks connecting at once
-        # to a store whose host is busy starting them took seconds per connect, and a main thread
-        # waiting for them missed its first collective (a 60 s stall at start). The pid loop's
-        # connection publishes only what it declares: it connects on its first declaration, so a
-        # healthy rank holds two connections of the library's (this loop's and its liveness helper's).
+        # Connected by the loops that use them, never by the main thread (a slow connect at start
+        # would hold up its first collective); the pid loop's connects on its first declaration.
         self._conn = session.connection("watchdog", store_timeout, backoff=True)
         self._schema = Schema(self._conn, session.schema.world_size)
         self._liveness_conn = session.connection("liveness", LIVENESS_STORE_TIMEOUT, backoff=True)
@@ -342,12 +319,9 @@ class Watchdog:
         log(logging.DEBUG, "watchdog stopped")
 
     def _judges_hangs(self) -> bool:
-        """The self-hang probe judges a main thread that trains. From the moment this rank knows the
-        job failed (its own failure, a peer's, an agreement that failed) until its next beat, its
-        main thread handles the failure (raising, ``on_exception`` callbacks, a recovery waiting for
-        its peers): that is not a hang, and declaring it named a second culprit beside the hung
-        rank (rank 0 ``RankHung`` at 5.2 s while it waited to recover with the rank that hung). A
-        failure the main thread found itself counts too (the failure moved: ``FailureState.moves``)."""
+        """The self-hang probe judges a main thread that trains: from the moment this rank knows the
+        job failed (the failure moved: ``FailureState.moves``) until its next beat, its main thread
+        handles the failure (a recovery waiting for its peers), which is not a hang."""
         failure = self.session.failure
         seen = (failure.delivered, failure.moves)
         failed_now = seen != self._failed_seen
@@ -357,14 +331,10 @@ class Watchdog:
         return self._progress is not self._quiet_since
 
     def _run_liveness_loop(self) -> None:
-        # Sleeps in poll() on the peers' pidfds: wakes when a peer ends or the watchdog stops, not
-        # every interval (a pid without a pidfd is still checked every interval).
         watcher = PidWatcher([pid for _, pid in self.peer_pids.peers], self._stop, self.interval.total_seconds())
         try:
             while True:
                 ended = watcher.wait()
-                # looked at after the wait, which may have lasted long: a failure known meanwhile
-                # ends the loop, as it did when the loop woke every interval
                 if self._stop.is_set() or self.session.failure.peer_error is not None:
                     break
                 if ended:
@@ -515,7 +485,6 @@ def _stop_all() -> None:
         unblock_stuck_calls(set().union(*(s.keep_ports for s in failed)), wait=0.5, busy_too=True)
     for watchdog in watchdogs:
         watchdog.stop(join_timeout=max(0.0, deadline - time.monotonic()))
-
 
 
 def start_watchdog(group=None, *, hang_timeout: timedelta | float | str | dict | None = None) -> Watchdog | None:

@@ -84,7 +84,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..core import attempts, config
 from ..core.config import ATTEMPT_KEYS_PATIENCE, ATTEMPT_KEYS_WAIT, EXPLAIN_EVIDENCE_TIMEOUT, MAIN_STORE_TIMEOUT
-from ..core.log import first_line, log
+from ..core.hooks import first_line, log
 from ..core.phases import RecoveryState
 
 if TYPE_CHECKING:

@@ -37,9 +37,8 @@ import tempfile
 import time
 from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
 from ..core.failure import FailureKind, FailureRecord
-from ..core.log import first_line, log
-from ..core.procfs import HANDLED_SIGNALS, unreported  # noqa: F401 - read by the helper; kept here for readers
-from ..core.ranks import RankTable
+from ..core.hooks import first_line, log
+from ..core.procfs import HANDLED_SIGNALS, RankTable, unreported  # noqa: F401 - read by the helper; kept here for readers
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 ERROR_FILE_NAME = "error.json"

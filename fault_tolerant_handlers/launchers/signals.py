@@ -44,9 +44,9 @@ from ..core.errors import PeerFailedError
 from ..core.failure import Ended, FailureKind, FailureRecord
 from ..core.config import (CAUSE_LINGER, MAIN_STUCK_WAIT, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the
                            SIGNAL_EXIT_WAIT, SIGNAL_STORE_TIMEOUT, SIGNALLED_TOGETHER)  # table in core.config
-from ..core.log import first_line, log
+from ..core.hooks import first_line, log
 from ..core.procfs import HANDLED_SIGNALS
-from ..core.release import cut_connections_to, release_process_groups, store_ports
+from ..core.interrupts import cut_connections_to, release_process_groups, store_ports
 from ..core.schema import Schema, StoreUnreachable
 
 if TYPE_CHECKING:

@@ -50,9 +50,8 @@ from ..core import compat_torch as _compat_torch
 from ..core.config import ZOMBIE_HOLD  # noqa: F401 - how long a gone rank's helper holds it
 from ..core.config import SIGTERM_CAUSE_WAIT  # timings: the table in core.config
 from ..core.errors import PeerFailedError
-from ..core.log import first_line, log
-from ..core.procfs import process_state
-from ..core.ranks import RankTable
+from ..core.hooks import first_line, log
+from ..core.procfs import RankTable, process_state
 from ..core.failure import FailureRecord
 
 

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from ..core.config import STORE_HOST_CONNECT_TIMEOUT
-from ..core.log import first_line
+from ..core.hooks import first_line
 
 #: Port torchrun's rendezvous endpoint uses when none is given (``torch.distributed.elastic``'s
 #: ``DEFAULT_PORT``).

@@ -6,10 +6,9 @@ whether the job recovers and from which state; every rank follows that :class:`~
 Every store call is bounded by the join timeout (``FTH_RECOVER_JOIN_SEC``), each on a thread of its
 own (a read from a store whose host or link is gone would block for minutes). A rank whose cause is
 not recovered in place (a rank or the store lost, a signal) only tells the others why, within
-:data:`~..core.config.RECOVER_TELL_SEC` (2 s), and ends: a rank cut off from the store ends as soon
-as it has named the cause. A rank lost with no keeper to
-replace it gets a spare where the job has some (:class:`.spares.Claims`); a rank whose seat a spare
-took never takes part again.
+:data:`~..core.config.RECOVER_TELL_SEC` (2 s), and ends. A rank lost with no keeper to replace it
+gets a spare where the job has some (:class:`.spares.Claims`); a rank whose seat a spare took never
+takes part again.
 """
 
 from __future__ import annotations
@@ -22,10 +21,10 @@ from typing import Any, Sequence
 
 from ..core import attempts, config
 from ..core.config import LOOK_FOR_LOST, RECOVER_POLL, RECOVER_TELL_SEC
-from ..core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError
-from ..core.failure import FailureKind, cap_head, tag_of
-from ..core.log import first_line, log
-from ..core.release import store_ports
+from ..core.errors import PeerFailedError, RecoveryError, SectionMismatchError
+from ..core.failure import FailureKind, FailureRecord, FailureState, cap_head, tag_of
+from ..core.hooks import first_line, log
+from ..core.interrupts import store_ports
 from ..core.schema import Bounded, Connection, StoreCallTimeout, agreement_key, unblock_stuck_calls
 from . import spares
 from .causes import NOT_IN_PLACE, Cause, Decision, LiveReport, keeper_replaces, needs_keeper
@@ -46,32 +45,32 @@ class Misplaced(Unsafe):
     :class:`RecoveryError`, in the first attempt too)."""
 
 
-def cause_of(err: BaseException, rank: int) -> Cause:
-    """This rank's view of ``err``, the exception that ended its call of the training function."""
-    if isinstance(err, PeerFailedError):
-        # a peer's process that ended (its host lives) is replaced by its keeper (checked in agree),
-        # unless its keeper was seen gone too
-        ended = err.kind is FailureKind.PEER_LOST and err.ended is not None and not err.ended.keeper_gone
-        return Cause(rank, err.failed_rank if err.failed_rank is not None else -1, err.exc_type, err.exc_message,
-                     err.where, err.step if err.step is not None else -1, False,
-                     "" if ended else NOT_IN_PLACE.get(err.kind, ""), err.kind.value)
-    record = tag_of(err).record
-    step = getattr(record, "step", None)
-    where = getattr(record, "section", "") or ""
-    not_in_place = ""
-    if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+def cause_of(err: BaseException, rank: int, states: Sequence[FailureState] = ()) -> Cause:
+    """This rank's view of the failure that ended its call of the training function: the one record
+    of it (a peer's error carries it; this rank's own exception, the record it published, tagged on
+    it), and the kind the attempt's failure ``states`` hold for a failure this rank declared itself
+    (a hang, a signal)."""
+    own = not isinstance(err, PeerFailedError)
+    record = tag_of(err).record if own else err.record
+    if record is None:
+        record = FailureRecord.from_exception(err, rank=rank, section="")
+    kind = record.kind if own else err.kind
+    declared = [s.cause for s in states if s.cause is not None and s.cause.rank == s.cause.by == rank]
+    if own and declared:
+        kind = declared[0].kind
+    not_in_place = NOT_IN_PLACE.get(kind, "")
+    if not own and kind is FailureKind.PEER_LOST and record.ended is not None and not record.ended.keeper_gone:
+        not_in_place = ""  # a peer's process ended, its host lives: its keeper replaces it (checked in agree)
+    elif isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
         not_in_place = f"this rank's {type(err).__name__} ends the job"
     elif isinstance(err, SectionMismatchError):
         not_in_place = "the ranks were out of step (a bug in the job: it would repeat)"
     elif isinstance(err, RecoveryError):  # raised by the attempt: recovering in place cannot work in this job
         not_in_place = f"this rank found it cannot recover in place: {first_line(err, 300)}"
-    try:
-        message = str(err)
-    except Exception:  # noqa: BLE001 - a broken __str__ must not stop the recovery
-        message = f"<str() failed for {type(err).__name__}>"
-    kind = FailureKind.RANK_HUNG if isinstance(err, HangInterrupted) else FailureKind.RAISED
-    return Cause(rank, rank, type(err).__name__, cap_head(message, 500), where,
-                 step if isinstance(step, int) else -1, True, not_in_place, kind.value)
+    return Cause(rank, -1 if record.rank is None else record.rank,
+                 record.exc_type.rsplit(".", 1)[-1] if own else record.exc_type, cap_head(record.exc_message, 500),
+                 record.section if own else err.where, -1 if record.step is None else record.step,
+                 own, not_in_place, kind.value)
 
 
 def lost_records(sessions: Sequence[Any]) -> dict[int, Any]:
@@ -101,12 +100,7 @@ def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveRepo
     a spare); ``sessions``: the failed attempt's, whose records name the ranks lost."""
     gen = attempts.in_place()
     seconds = join_timeout.total_seconds()
-    # Every store call here runs on a thread of its own and is waited for within a deadline:
-    # c10d bounds waiting for a key, not a read from a store whose host or link is gone (that
-    # blocks for TCP's retransmission timeout, minutes). A rank that ends anyway (its cause is not
-    # recovered in place, or tells it is: the keeper's key) only tells its peers, within
-    # RECOVER_TELL_SEC; the others wait for each other within the join timeout (c10d's own
-    # timeout of a wait for a key comes first: this deadline is for a store that does not answer).
+    # RECOVER_TELL_SEC for a rank that only tells why it ends, the join timeout for the others
     conn = Connection(lambda: store, timedelta(seconds=seconds + 5), "recover")
     bounded = Bounded(conn)
     started = time.monotonic()

@@ -1,80 +1,25 @@
 """Recover in place: after a failure every rank tears the attempt down and calls the training
-function again, in the same process, over a re-formed process group.
+function again, in the same process, over a re-formed process group (``docs/recovering.md``, "Recover
+in place", says what is recovered, under which launchers, and what is not).
 
-``recover_in_place(train, max_restarts=2)(args)`` calls ``train(args)``. ``train`` is what a relaunched
-process would run after its imports: it builds the model, optimizer, loaders and ``Engine``/``Trainer``,
-calls ``init_process_group`` where it would (or runs inside a group that already exists), resumes from
-``latest_checkpoint`` and trains. When it raises on every rank (the library's adapters or sections
-make every rank raise together: the failing rank its own exception, the others ``PeerFailedError``),
-each rank runs the recovery's phases (:mod:`..core.phases`: the launchers, the data layer and the
-adapters register their parts; this module imports none of them)
+When the training function raises on every rank, each rank runs the recovery's phases
+(:mod:`..core.phases`: the launchers, the data layer and the adapters register their parts):
 
 1. **records** the failure (published for the peers' watchdogs, if no section did) and stops its
-   watchdogs, so that nothing of the failed attempt declares or ends anything any more;
-2. **agrees** on the store the first attempt's group was made over (:mod:`.agree`): whether the job
-   recovers, and from which state (:mod:`.live_state`: each rank's own, or a peer's sent to it);
-3. **tears down** the attempt: the library's sessions (side groups, store keys), every process group,
-   the frameworks' process-wide state (the adapters' ``RESET_FRAMEWORKS``), the DataLoader workers
-   (the attempt's objects are collected, then the data layer's ``COLLECTED``);
-4. **re-forms** the default group: same backend, ranks and world size, over the same store under a new
-   namespace (:func:`..core.attempts.namespace`), so nothing of the failed attempt is ever read. Where
-   ``train`` calls ``init_process_group`` itself, its call is given that store (the launchers'
-   ``RE_FORM``); where the group existed when ``recover_in_place`` was called, the group is re-made
-   here before the next call;
-5. calls ``train`` again: attempt ``g`` (:func:`recovery_attempt`), which carries on from the agreed live
-   state (the adapters restore it into what the loop saves when its loop starts, unless the script
-   loaded it itself: ``latest_checkpoint`` names it, ``load_checkpoint`` hands it over; no step
-   computed twice) or, where live state cannot serve (the log line says why), from what the script
-   loads (its newest checkpoint, or nothing). What it carried on from is told when its loop started.
+   watchdogs;
+2. **agrees** on the first attempt's store (:mod:`.agree`): whether the job recovers, and from which
+   state (:mod:`.live_state`);
+3. **tears down** the attempt: sessions, process groups, the frameworks' process-wide state, the
+   DataLoader workers;
+4. **re-forms** the default group over the same store under a new namespace
+   (:func:`..core.attempts.namespace`) and calls the training function again.
 
-A rank whose process ended is replaced by its keeper (:mod:`.keeper`); one lost with no keeper to
-replace it (its host gone, ``replace_dead=False``) by a spare rank, where the job was launched with
-some (``spares=k``: :mod:`.spares`).
-
-What is not recovered in place (the job ends as it does without it, with the cause, and a relaunch
-resumes exactly): a rank lost (killed, its host gone, unreachable) with no keeper and no spare left, the store lost, a signal
-(SIGTERM/SIGINT: someone wants the job to end), ranks out of step (a bug), more than
-``max_restarts`` failures, and a failure that repeats: the same rank, exception type and iteration
-as the failure before (retrying it would fail again). The exception of the last attempt is raised,
-with a note naming the cause of every attempt.
-
-A rank hung in Python (``hang_timeout`` set) is interrupted where it hangs: its watchdog raises
-:class:`~..core.errors.HangInterrupted` in its main thread (a signal, :data:`INTERRUPT_SIGNAL`, whose
-handler raises), and the rank recovers with the others. The interrupt is a ``BaseException``, raised
-again until the recovery takes it, and it waits outside deferred sections (the library's checkpoint
-writes and store calls, :class:`~..core.interrupts.deferred_interrupt`) for
-``FTH_INTERRUPT_DEFER_SEC`` at most: :mod:`..core.interrupts`. A main thread stuck in C does not leave
-within :data:`~..core.config.INTERRUPT_WAIT`; that rank ends as without recovery.
-
-Launchers. ``recover_in_place`` runs in every rank's process, around what that rank runs:
-
-* **torchrun** (``--max-restarts 0`` or more): around the script's training function, which calls
-  ``init_process_group`` (or opens ``idist.Parallel(backend)``, or fits a Lightning ``Trainer``).
-* **Ignite's** ``idist.Parallel``: under torchrun, ``recover_in_place(main)`` where ``main`` opens
-  ``idist.Parallel(backend)``: its ``__exit__`` destroys the group on the failure path, the recovery
-  re-forms over the first rendezvous's store, and ``idist`` makes a new model for the next attempt; a
-  killed rank is replaced by its keeper. Around the function each rank runs,
-  ``p.run(recover_in_place(training, max_restarts=2), cfg)``, with the ranks spawned
-  (``nproc_per_node=...``: the wrapped function pickles) or under torchrun: the group exists when the
-  recovery starts, it is re-made here over the same store (under spawn, rank 0 hosts that store on
-  ``MASTER_PORT``: it is re-used, never served twice), and ``idist`` keeps telling it (same backend,
-  ranks, world size); but no keeper can start inside an existing group, so a killed rank ends the job
-  (under torchrun the first call warns with the line to change).
-* **Lightning's** ``strategy="ddp"`` run as ``python script.py``: Lightning starts the script again for
-  every other rank, so each rank wraps its own training; rank 0, which started them, starts none in
-  the next attempt (``LOCAL_RANK`` stays in its environment: :func:`..adapters.compat_lightning.keep_launched_ranks`).
-
-Not supported: ``recover_in_place`` around a launcher that *spawns* the ranks from its own process
-(``idist.Parallel(nproc_per_node=...)`` inside the wrapped function, Lightning ``ddp_spawn``,
-``ddp_fork``, ``ddp_notebook``, ``torch.multiprocessing.spawn``): it runs in the parent, and a failed
-rank's process ends. Every rank raises :class:`~..core.errors.RecoveryError` when its fail-together
-session starts, before any batch, and so does the parent once a rank failed, each naming what to
-wrap instead.
+A dead rank's process is replaced by its keeper (:mod:`.keeper`), a lost one with no keeper by a spare
+(:mod:`.spares`); a hung rank is interrupted in its main thread (:mod:`..core.interrupts`).
 
 Timeouts:
     ``join_timeout`` (``FTH_RECOVER_JOIN_SEC``, 60 s): every rank must reach the recovery this soon
-    after rank 0 did, or the job ends as without recovery; it bounds the agreement's store calls too
-    (:mod:`.agree`).
+    after rank 0 did, or the job ends as without recovery; it bounds the agreement's store calls too.
 """
 
 from __future__ import annotations
@@ -96,10 +41,10 @@ from ..core import attempts, compat_torch as _compat_torch, config, hooks, inter
 from ..core.config import RECOVER_TEARDOWN_SEC
 from ..core.errors import PeerFailedError, RecoveryError
 from ..core.failure import cap_head, tag_of
-from ..core.log import log
+from ..core.hooks import log
 from ..core.phases import LIVE_NAME, RecoveryState
 from ..core.recoveries import RecoveryCause, RecoveryInfo, RecoveryPhase
-from ..core.release import EXIT_TEARDOWN_STUCK
+from ..core.interrupts import EXIT_TEARDOWN_STUCK
 from ..core.session import live_sessions
 from . import agree, keeper, live_state, spares
 from .agree import AsIs, Misplaced, Unsafe, cause_of
@@ -224,10 +169,8 @@ class _Recovery:
                 hooks.run(hooks.RE_FORM, self._state())  # the launchers: init_process_group is given this world
             while True:
                 started = time.monotonic()
-                # What lives now (modules, the library, the caller's objects) is left out of the
-                # collector's walks: the teardown's full collection then visits only what the attempt
-                # made. Measured here: 0.6 s per collection without, 0.01 s with; 8 ranks on 2 cores
-                # spent 1 s of every recovery in it. Undone when the recovery ends.
+                # What lives now is left out of the collector's walks: the teardown's full collection
+                # visits only what the attempt made (0.6 s -> 0.01 s here). Undone when the recovery ends.
                 gc.freeze()
                 interrupts.arm()  # a hang of this attempt is interrupted again (take() stopped them)
                 try:
@@ -293,7 +236,7 @@ class _Recovery:
         world = self._world()
         sessions = live_sessions()
         rank = world[1] if world is not None else (dist.get_rank() if dist.is_initialized() else 0)
-        cause = cause_of(err, rank)
+        cause = cause_of(err, rank, [session.failure for session in sessions])
         if world is None and _ranks_spawned_here(err):
             return Misplaced(False, (
                 "recover_in_place wraps a function that spawned the ranks (idist.Parallel(nproc_per_node=...), "
@@ -326,9 +269,8 @@ class _Recovery:
                 if session.group is None:
                     session.report_error(err, section="recover_in_place", release=True)
         self._sessions = sessions  # stopped: out of the registry, abandoned at the teardown
-        # With spares, its liveness helper goes on until the teardown (abandon): a rank found silent a
-        # poll later gets a spare too. Without, nothing reads what it would find: it stops now (a kept
-        # helper, a moment behind a peer's teardown, would write its session's keys again).
+        # With spares, its liveness helper goes on until the teardown: a rank found silent a poll later
+        # gets a spare too. Without, it stops now (it would write its session's keys again).
         keep = self.layout is not None and self.layout.spares > 0
         for session in sessions:
             session.stop(keep_liveness=keep)
@@ -468,7 +410,6 @@ class _Recovery:
         if not interrupts.interrupt(error) and interrupts.taken():  # the main thread is in the recovery already
             self._left.set()
         return self._left
-
 
 
 def _live_name_read_as_file(err: BaseException) -> str:

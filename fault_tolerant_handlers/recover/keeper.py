@@ -1,35 +1,17 @@
 """Replacing a dead rank's process in place: the process the launcher started keeps a forked child
-that trains, and forks a new one when that child dies.
+that trains, and forks a new one when that child dies (``docs/recovering.md``).
 
-Under torchrun, :func:`~.inplace.recover_in_place` (with ``replace_dead=True``, the default) makes the
-worker torchrun started the **keeper** of its rank: it forks a child, which runs the training function
-with every recovery in place, and waits for it. When the child is killed (SIGKILL, the OOM killer, a
-segfault) or ends as a hung rank (:data:`~..core.errors.EXIT_HUNG`: hung in C, where it could not be
-interrupted), the keeper forks a **replacement**, which joins the recovery its peers are waiting in
-(the same attempt number, read from a page the two share) and trains on with them from the newest
-checkpoint; the other ranks keep their processes. torchrun sees nothing: its worker, the keeper, lives on.
+Under torchrun, :func:`~.inplace.recover_in_place` (``replace_dead=True``) makes the worker the
+**keeper** of its rank: its child runs the training function; when the child is killed or ends as a
+hung rank (:data:`~..core.errors.EXIT_HUNG`), the keeper forks a **replacement**, which joins the
+recovery its peers wait in (the attempt number is read from a page the two share). torchrun sees
+nothing. The replacement is a copy of the keeper made before anything of the training ran, so the
+keeper must not have initialised CUDA. The function's return value is handed back pickled, in a file
+of the keeper's own (nothing is read from the store).
 
-The replacement is a copy of the keeper, made after the imports and before anything of the training
-ran in it, so it starts in a few milliseconds instead of importing torch again. For the same reason the
-keeper must not have initialised CUDA (a forked child cannot use a CUDA context of its parent): call
-``recover_in_place`` before anything touches the GPU; each child initialises CUDA itself (as a relaunched
-process would). The keeper refuses to start when CUDA is already initialised, and says so.
-
-What changes for the script: the training function runs in the child. Its return value is handed to
-the keeper (pickled into a file of the keeper's own: nothing is read from the store), and the code after
-the call runs once, in the keeper. Anything else the function leaves behind (a process group, a model
-in memory) stays in the child: return what the rest of the script needs. ``replace_dead=False`` runs
-the function in the launcher's own process (a dead rank then ends the job, and a relaunch resumes it).
-
-The keeper starts only where a replacement can join: under torchrun (its store lives in the agent, so
-it outlives any worker), on Linux, when no process group exists yet (its sockets would be shared with
-the child), in the main thread, and without CUDA initialised. Elsewhere the function runs in the
-launcher's process and a dead rank ends the job as without recovery; the reason is logged.
-
-Signals: SIGTERM and SIGINT sent to the keeper (torchrun stopping its workers) are forwarded to the
-child, whose own handlers make the job fail together as without a keeper; the keeper then ends the way
-its child did. The child dies with the keeper (``PR_SET_PDEATHSIG``), so a keeper killed outright leaves
-no training process behind.
+The keeper starts only where a replacement can join: under torchrun, on Linux, with no process group
+yet, in the main thread, without CUDA (:func:`why_not`); elsewhere a dead rank ends the job. SIGTERM and
+SIGINT are forwarded to the child, which dies with the keeper (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -48,11 +30,11 @@ import threading
 import time
 from typing import Any
 
-from ..core import attempts, hooks, release
+from ..core import attempts, hooks, interrupts
 from ..core.config import ZOMBIE_HOLD
 from ..core.errors import EXIT_HUNG
 from ..core.failure import Ended, FailureKind
-from ..core.log import log
+from ..core.hooks import log
 
 from . import spares
 from ..core.schema import keeper_key
@@ -119,10 +101,8 @@ def run(recovery: _Recovery, args: tuple, kwargs: dict) -> Any:
 
 @functools.cache
 def _warn_group_made_before() -> None:
-    """Once per process: under torchrun, ``recover_in_place`` called inside a process group that exists
-    already (the documented ``idist.Parallel`` form: ``p.run(recover_in_place(training), cfg)``) cannot
-    replace a killed rank: the process torchrun started is the rank itself, and a keeper must fork before
-    any group exists (a forked copy of a gloo context has none of its threads). Say the line to change."""
+    """Once per process: ``recover_in_place`` called inside a process group that exists already cannot
+    replace a killed rank (a keeper must fork before any group exists): say the line to change."""
     log(logging.WARNING, "recover_in_place was called inside a process group that exists already, so a killed rank "
         "(SIGKILL, the OOM killer, a segfault) cannot be replaced in place and ends the job (exceptions and hangs in "
         "Python still recover in place). To recover it too, wrap the function that makes the group instead: "
@@ -170,18 +150,15 @@ class Keeper:
 
     # -- in the child ---------------------------------------------------------------------------------
     def _write_attempt(self, count: int) -> None:
-        self.page.seek(0)
-        self.page.write(struct.pack("<q", count))
+        struct.pack_into("<q", self.page, 0, count)
 
     def _read_attempt(self) -> int:
-        self.page.seek(0)
-        return struct.unpack("<q", self.page.read(8))[0]
+        return struct.unpack_from("<q", self.page, 0)[0]
 
     def _lost(self) -> None:
         """In the child, before it kills itself as a lost rank (``FTH_INJECT``'s ``lose``): its keeper
         will not replace it, and its peers find no keeper for its rank (its key goes first)."""
-        self.page.seek(8)
-        self.page.write(struct.pack("<q", 1))
+        struct.pack_into("<q", self.page, 8, 1)
         store = _announced
         if store is not None:
             try:
@@ -190,8 +167,7 @@ class Keeper:
                 log(logging.WARNING, "could not withdraw this rank's keeper key: %s", err)
 
     def _read_lost(self) -> bool:
-        self.page.seek(8)
-        return struct.unpack("<q", self.page.read(8))[0] == 1
+        return struct.unpack_from("<q", self.page, 8)[0] == 1
 
     def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: Cause | None,
                order: spares.Order | None) -> None:
@@ -199,7 +175,7 @@ class Keeper:
         code = 1
         try:
             _die_with_parent()
-            release.spare_inherited_sockets()  # the keeper's (a store client of its own): never cut here
+            interrupts.spare_inherited_sockets()  # the keeper's (a store client of its own): never cut here
             for sig in FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
             self.recovery.on_attempt = self._write_attempt

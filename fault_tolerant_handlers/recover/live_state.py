@@ -1,61 +1,28 @@
 """Live state: after a failure, the ranks agree on whose in-memory state the job carries on from and
-send it to the ranks that need it, over the re-formed group, instead of reading a checkpoint back.
+send it to the ranks that need it, over the re-formed group, instead of reading a checkpoint back
+(``docs/recovering.md``, "Live state"). A recovery in place takes these steps with a :class:`Held`:
 
-A recovery in place (:mod:`.inplace`) takes these steps with a :class:`Held` (one per recovery):
-
-1. **collect** (:meth:`Held.collect`): the data layer's ``CAPTURE_LIVE`` gives the state of the last
-   step this rank completed, captured when the failure was raised; its :func:`checksum` (which tells a
-   diverged rank) and a CRC of its RNG states go into the :class:`~.causes.LiveReport` this rank writes
-   in the agreement (:mod:`.agree`);
-2. **plan** (:func:`plan_live`, rank 0, once every rank is in): from which step and rank every rank
-   carries on, and who receives;
-3. **settle** (:meth:`Held.settle`): each rank follows rank 0's plan: it holds its own state for the
-   next attempt (the data layer's ``SETTLE_LIVE``), or waits to receive, or nothing (its checkpoint);
+1. **collect** (:meth:`Held.collect`): the state of the last step this rank completed (the data
+   layer's ``CAPTURE_LIVE``), its :func:`checksum` and a CRC of its RNG states go into the
+   :class:`~.causes.LiveReport` this rank writes in the agreement (:mod:`.agree`);
+2. **plan** (:func:`plan_live`, rank 0): from which step and rank every rank carries on, and who receives;
+3. **settle** (:meth:`Held.settle`): each rank holds its own state for the next attempt, waits to
+   receive, or resumes from its checkpoint;
 4. **send** (:meth:`Held.send`), once the group is re-formed: the source sends its state to the
-   receivers over a gloo group the recovery forms for it (:func:`transfer`). A transfer that fails,
-   fails on every rank together: every rank then resumes from its newest checkpoint.
+   receivers (:func:`transfer`). A transfer that fails, fails on every rank together.
 
-The rule (:func:`plan_live`). The job carries on from the newest step a rank holds the state of: in
-data-parallel training a step that some ranks completed and others did not had its gradients reduced
-everywhere (the collective of that step returned on every rank), so the ranks that completed it hold
-a state every rank can take. Ranks more than :data:`MAX_STEPS_APART` steps apart are out of step.
-Among the ranks at that step, the checksum most of them hold wins (a tie: the one the lowest rank
-holds), and the source is the lowest rank holding it. Every other rank receives: one without state (a
-replaced rank's new process, one that failed inside an optimizer step), one behind, one whose checksum
-differs from the source's (diverged).
+The rule (:func:`plan_live`): the newest step a rank holds (a step some ranks completed had its
+gradients reduced everywhere); ranks more than :data:`MAX_STEPS_APART` steps apart are out of step;
+among the ranks at that step the checksum most hold wins (a tie: the lowest rank's); every other rank
+receives (no state, behind, or diverged).
 
-:func:`checksum` (local): a digest of a nested state (dicts, lists, tuples of tensors, numbers,
-strings, bytes, ``None``: what a model's and an optimizer's ``state_dict()`` and Ignite's or
-Lightning's counters hold). SHA-256 over the structure (keys, container types, dtypes, shapes, the
-non-tensor leaves) and every tensor's bytes, read in place (a contiguous CPU tensor is not copied).
-The same on every process for the same state, bit for bit.
+:func:`checksum`: SHA-256 over a nested state's structure and every tensor's bytes, read in place; the
+same on every process for the same state. :func:`transfer`: the structure as JSON, then the tensors'
+bytes in segments of at most :data:`DEFAULT_CHUNK_BYTES`, each followed by a CRC-32; receivers write
+into their own tensors of the same dtype and shape. Non-tensor leaves travel as JSON, never pickled;
+anything else is refused with a ``TypeError`` naming its path. Costs: ``bench/state_transfer.py``.
 
-:func:`transfer` (point to point from the source to each receiver, then one ``all_gather`` of 3
-int64 per rank): the structure as JSON, then the tensors' bytes in segments of at most
-:data:`DEFAULT_CHUNK_BYTES` (a large tensor straight from its memory into the receiver's, small ones
-packed), each followed by a CRC-32 checked on receipt; given the agreed checksum, receivers also
-check that what they rebuilt has it (bench: +60 ms per 100 MB here). Receivers rebuild the structure,
-writing into their own tensors where they hold one of the same dtype and shape: a
-``model.state_dict()`` shares its tensors with the model's parameters, and an
-``optimizer.state_dict()`` its state tensors with the optimizer, so they are updated with no second
-copy. Every rank returns the state to carry on from, or every rank raises
-:class:`~..core.errors.StateTransferError` together.
-
-Cost (``bench/state_transfer.py``). :func:`checksum` reads every byte once (SHA-256, 1.75 GB/s on
-one core here with the CPU's SHA instructions). :func:`transfer` reads every byte once on each side
-for the CRC (4 GB/s), and once more on receivers given ``checksum=``; a tensor of at least
-:data:`DIRECT_BYTES` on the CPU is neither copied nor staged. Beyond the state a rank holds at most two
-staging buffers of a chunk (small tensors packed, tensors on another device), and a copy of a
-non-contiguous tensor of the source while it is sent.
-
-Non-tensor leaves travel as JSON, never pickled: ``None``, ``bool``, ``int``, ``float`` (NaN and
-infinities too), ``str``; ``bytes`` as base64; numpy arrays like tensors; dict keys of those types or
-tuples of them. Anything else (a ``namedtuple``, a dict subclass other than ``OrderedDict``, an
-object) is refused with a ``TypeError`` naming its path in the state. ``OrderedDict`` keeps its type
-and its ``_metadata`` (what ``Module.load_state_dict`` reads the modules' versions from).
-
-Timeouts: every collective and point-to-point operation here is bounded by the group's timeout
-(``init_process_group(timeout=...)``). The group must carry CPU tensors (gloo, or a gloo side group).
+Timeouts: every operation is bounded by the group's timeout. The group must carry CPU tensors (gloo).
 """
 
 from __future__ import annotations
@@ -81,7 +48,7 @@ import torch.distributed as dist
 
 from ..core import attempts, hooks, sharded
 from ..core.errors import StateTransferError
-from ..core.log import log
+from ..core.hooks import log
 from ..core.phases import Captured, RecoveryState
 from ..core.failure import cap_head
 from .causes import Decision, LivePlan, LiveReport
@@ -261,12 +228,9 @@ def _pieces(flat: torch.Tensor, stage: list) -> Iterator[memoryview]:
 
 
 def checksum(state: Any) -> str:
-    """A digest of ``state``: 32 hex characters, the same in every process for the same state.
-
-    It covers the structure (container types, keys and their order, dtypes and shapes, non-tensor
-    leaves) and every tensor's bytes (not its device, not ``requires_grad``). A contiguous tensor on
-    the CPU is read in place; one on another device through one buffer of
-    :data:`DEFAULT_CHUNK_BYTES`; a non-contiguous one is made contiguous first (a copy of it).
+    """A digest of ``state``: 32 hex characters, the same in every process for the same state. It
+    covers the structure (container types, keys and their order, dtypes and shapes, non-tensor
+    leaves) and every tensor's bytes (not its device, not ``requires_grad``), read in place on the CPU.
 
     Raises:
         TypeError: a leaf live state cannot carry, naming its path (``state['opt']['x']``).
@@ -562,29 +526,16 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
              device: Any = "cpu") -> Any:
     """Send the source's ``state`` to ``receivers``. Collective: every rank of ``group`` calls it
     with the same ``source``, ``receivers`` and ``chunk_bytes`` (those of one
-    :class:`~.causes.LivePlan`); with no receivers it returns at once on every rank.
-
-    The source sends a header (the structure as JSON, the length of every message), then its
-    tensors' bytes: a tensor of at least :data:`DIRECT_BYTES` straight from its memory in slices of
-    at most ``chunk_bytes``, smaller ones packed into chunks of at most ``chunk_bytes``. Each
-    segment is followed by the CRC-32 of everything sent so far, checked by each receiver before it
-    copies a packed chunk out (a slice lands in its tensor first). Receivers that hold a tensor of
-    the same dtype and shape at the same place write into it (any device); others get a new tensor
-    on ``device``. Failures are gathered once the last segment is through, and then every rank raises.
+    :class:`~.causes.LivePlan`); with no receivers it returns at once on every rank. The protocol:
+    the module's text.
 
     Args:
-        state: the source's state; on a receiver its own (stale) state to write into, or ``None``;
-            ignored elsewhere.
-        source: the group rank that sends (:attr:`LivePlan.source`).
-        receivers: group ranks that receive (:attr:`LivePlan.receivers`).
+        state: the source's state; on a receiver its own (stale) state to write into, or ``None``.
+        source, receivers: the group ranks that send and receive.
         group: the process group (default: the default group); it must carry CPU tensors (gloo).
-        checksum: the agreed checksum (:attr:`LivePlan.checksum`), or ``None``. Given, each
-            receiver also hashes the bytes as they arrive and checks that the state it rebuilt has
-            this :func:`checksum` (one more pass over the bytes on the receivers; the CRC alone
-            catches what the wire corrupts, this also a source whose state changed since the
-            agreement).
-        chunk_bytes: bytes per segment at most (and per staging buffer: each rank involved holds
-            at most two beyond the state).
+        checksum: the agreed checksum, or ``None``; given, each receiver also checks that the state
+            it rebuilt has it (one more pass over the bytes).
+        chunk_bytes: bytes per segment at most (and per staging buffer: two at most per rank).
         device: where a receiver puts a tensor it had no place for.
 
     Returns:
@@ -592,11 +543,8 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
         every other rank, ``state`` itself.
 
     Raises:
-        StateTransferError: on every rank, when any rank failed (a segment whose CRC differs, a
-            header that could not be read, a state without the agreed checksum, a source that could
-            not send); its ``failures`` name each. A receiver's state is then not to be trusted.
-        TypeError: on the source, a leaf that cannot be carried (its path named); the other ranks
-            raise :class:`StateTransferError` naming the source.
+        StateTransferError: on every rank, when any rank failed; its ``failures`` name each.
+        TypeError: on the source, a leaf that cannot be carried (its path named).
     """
     receivers = sorted(set(int(r) for r in receivers))
     if not receivers:

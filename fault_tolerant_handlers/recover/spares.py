@@ -1,35 +1,18 @@
 """Spare ranks: the job is launched with ``k`` more ranks than it trains with; the spares wait, and one
-takes the place of a training rank that was lost with no process to come back in.
+takes the place of a training rank that was lost with no process to come back in
+(``docs/recovering.md``, "Spares").
 
-``recover_in_place(train, spares=k)`` under torchrun: of the ``L`` launched ranks the last ``k``
-(launched ranks ``L-k`` to ``L-1``) are spares, the others form the **training world** of
-``T = L - k`` ranks. The training ranks see that world only: before ``train`` is called, ``RANK``,
-``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` are set to the training world's (:func:`enter_training_world`),
-and the default group ``train`` makes with ``init_process_group`` is the training ranks' group over a
-``PrefixStore`` of torchrun's store (the attempt's namespace, :func:`..core.attempts.namespace`: no
-key of the launched world's is ever read). ``dist.get_rank()``, ``get_world_size()``, Ignite's ``idist``
-and Lightning's strategy then tell the training world.
+``recover_in_place(train, spares=k)`` under torchrun: the last ``k`` launched ranks are spares, the
+others form the **training world**, which is all they see (:func:`enter_training_world`; the group
+``train`` makes lives under the attempt's namespace of torchrun's store). A spare never calls
+``train``: it waits on its own key (:func:`order_key`, in chunks of ``FTH_SPARE_WAIT_SEC``) for an
+:class:`Order`: ``take`` training rank ``r`` (it takes the seat, :func:`take_seat`, under a keeper of its
+own, and joins the recovery the survivors wait in, as a keeper's replacement does), or ``end``.
 
-A spare never calls ``train``. It waits on one key of its own in the store (:func:`order_key`), a
-blocking store wait (in chunks of ``FTH_SPARE_WAIT_SEC``: no busy loop, one
-store request a minute) for an :class:`Order`:
-
-* ``take``: training rank ``r`` was lost (its process ended and no keeper replaced it); the spare
-  sets its environment to rank ``r`` of the training world (:func:`take_seat`) and, under a keeper
-  of its own (a later death of the seat's process is replaced in place), joins the recovery the
-  survivors wait in, as a keeper's replacement does; the live state is sent to it by a peer and
-  every training rank calls ``train`` again, carrying on at the failed step;
-* ``end``: the training ended (``ok``: the spare's call returns ``None``) or the job ended with a
-  failure (it raises :class:`~..core.errors.RecoveryError` naming the cause).
-
-Which spare replaces which rank (:func:`claim`): the first survivor to reach the recovery of a lost
-rank ``r`` claims (``add`` on the attempt's claim key: exactly one rank gets 1), takes the next spare
-in launched order (a counter of spares taken, over the whole job) and writes its order; it publishes
-the answer (:class:`Answer`: the spare, or none left) under the attempt's key, which the other
-survivors wait for. With none left, the cause ends the job as without spares.
-
-Every key lives under ``fth/recover/<torchrun restart>/spares/`` in torchrun's store (the first
-attempt's store, as every recovery's keys), each value bounded JSON checked on read (never pickled).
+Which spare replaces which rank (:class:`Claims`): the first survivor to reach the recovery of a lost
+rank claims it (``add`` on the attempt's claim key), takes the next spare in launched order and writes
+its order, then publishes the :class:`Answer` the other survivors wait for. With none left, the cause
+ends the job as without spares. Every value is bounded JSON checked on read (never pickled).
 """
 
 from __future__ import annotations
@@ -42,9 +25,9 @@ from datetime import timedelta
 from typing import Any, Callable, ClassVar
 
 from ..core import attempts, compat_torch, config
-from ..core.config import RECOVER_TELL_SEC, SPARE_WAIT_ENV  # noqa: F401 - its variable, named where the wait is
+from ..core.config import RECOVER_TELL_SEC
 from ..core.errors import RecoveryError
-from ..core.log import first_line, log
+from ..core.hooks import first_line, log
 from ..core.failure import WORLD, FailureKind, Stored, cap_head, host_name
 from ..core.schema import (Bounded, Connection, agreement_key, answer_key, claim_key, order_key,  # noqa: F401
                            seat_key, taken_key)

@@ -6,8 +6,8 @@ library's but ``FaultTolerance().attach``, ``latest_checkpoint`` and the loader:
 ``idist.auto_model`` (a ``DistributedDataParallel`` under torchrun), ``create_supervised_trainer``, a
 ``Checkpoint`` every ``EVERY`` iterations whose ``to_save`` holds the DDP as ``auto_model`` returned
 it (``MODULE=1``: its ``.module``, the model as built), resumed with ``Checkpoint.load_objects(to_load=
-to_save, checkpoint=path)``; no ``DDPBucketLayout``. Seeded; ``DistributedSampler(seed=0)`` over 200
-samples, batch 4 per rank, one epoch. ``INPLACE=<n>``: wrapped in ``recover_in_place(max_restarts=n)``.
+to_save, checkpoint=path)``; no ``DDPBucketLayout``. Seeded; ``DistributedSampler(seed=0)`` over 50
+samples per rank (13 iterations at any world size), batch 4 per rank, one epoch. ``INPLACE=<n>``: wrapped in ``recover_in_place(max_restarts=n)``.
 Faults from ``FTH_INJECT`` (first attempt only).
 
 Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` (pid, the checkpoint it resumed
@@ -48,7 +48,7 @@ def training() -> None:
     rank, world = idist.get_rank(), idist.get_world_size()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(200, 8, generator=g)
+    x = torch.randn(50 * world, 8, generator=g)
     data = TensorDataset(x, x.sum(1, keepdim=True) * 0.5 + 1.0)
     loader = RestartableDataLoader(data, batch_size=4, sampler=DistributedSampler(data, world, rank, seed=0))
     model = idist.auto_model(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)))

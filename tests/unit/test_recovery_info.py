@@ -154,13 +154,28 @@ def test_no_recovery_no_numbers():
 # -- the kind a cause carries (recover_in_place's view of an exception) -----------------------------------
 def test_a_cause_carries_its_kind_through_the_store():
     from fault_tolerant_handlers.recover.causes import Cause
+    from fault_tolerant_handlers.core.failure import FailureRecord, FailureState
     from fault_tolerant_handlers.recover.agree import cause_of
 
     assert cause_of(ValueError("x"), 1).failure_kind is FailureKind.RAISED
-    assert cause_of(HangInterrupted("RankHung: rank 1"), 1).failure_kind is FailureKind.RANK_HUNG
+    # a hang is the kind the attempt's failure state holds (its watchdog declared it), not the exception's type
+    state = FailureState()
+    state.failed_here(FailureRecord.declared(rank=1, kind=FailureKind.RANK_HUNG, message="hung", by=1), told=False)
+    assert cause_of(HangInterrupted("RankHung: rank 1"), 1).failure_kind is FailureKind.RAISED
+    assert cause_of(HangInterrupted("RankHung: rank 1"), 1, [state]).failure_kind is FailureKind.RANK_HUNG
+    assert cause_of(ValueError("x"), 1, [state]).failure_kind is FailureKind.RANK_HUNG
     peer = PeerFailedError(1, "RankHung", "no progress", origin="declared")
-    assert cause_of(peer, 0).failure_kind is FailureKind.RANK_HUNG
-    hung = cause_of(HangInterrupted("RankHung: rank 1"), 1)
+    assert cause_of(peer, 0, [state]).failure_kind is FailureKind.RANK_HUNG
+    hung = cause_of(HangInterrupted("RankHung: rank 1"), 1, [state])
+    assert (hung.exc_type, hung.message, hung.own) == ("HangInterrupted", "RankHung: rank 1", True)
+    # this rank's own signal, as its failure state holds it: not recovered in place, whatever it raised
+    from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE
+    signalled = FailureState()
+    signalled.signalled(PeerFailedError.from_records([FailureRecord.declared(
+        rank=0, kind=FailureKind.RANK_SIGNALLED, message="rank 0 received SIGTERM", by=0)]))
+    own = cause_of(RuntimeError("interrupted"), 0, [signalled])
+    assert own.failure_kind is FailureKind.RANK_SIGNALLED and own.not_in_place == NOT_IN_PLACE[FailureKind.RANK_SIGNALLED]
+    assert not cause_of(RuntimeError("interrupted"), 0).not_in_place
     assert Cause.from_json(hung.to_json(), 2) == hung
     forged = dataclasses.replace(hung, kind="Bogus")
     assert Cause.from_json(forged.to_json(), 2).failure_kind is FailureKind.RAISED  # an unknown kind: not believed

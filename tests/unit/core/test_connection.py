@@ -105,7 +105,7 @@ def test_a_connect_that_overruns_does_not_block_the_next_call_and_only_one_runs_
 def test_unblocking_at_exit_ends_calls_in_flight_when_the_job_failed(monkeypatch):
     release = threading.Event()
     cut = []
-    monkeypatch.setattr("fault_tolerant_handlers.core.release.cut_connections_to", lambda ports: (cut.append(ports), release.set()))
+    monkeypatch.setattr("fault_tolerant_handlers.core.interrupts.cut_connections_to", lambda ports: (cut.append(ports), release.set()))
     conn = Connection(lambda: BlockingStore(release), timedelta(seconds=5), "t")
     got = []
     caller = threading.Thread(target=lambda: got.append(conn.call("add", "k", 1)))
@@ -125,7 +125,7 @@ def _set() -> threading.Event:
 
 
 def test_the_exit_waits_for_a_connect_under_way_which_it_cannot_cut(monkeypatch):
-    monkeypatch.setattr("fault_tolerant_handlers.core.release.cut_connections_to", lambda ports: 0)
+    monkeypatch.setattr("fault_tolerant_handlers.core.interrupts.cut_connections_to", lambda ports: 0)
 
     def factory():
         time.sleep(1.0)  # c10d retrying a connect to an unreachable host: no socket to shut down
@@ -143,7 +143,7 @@ def test_the_exit_waits_for_a_connect_under_way_which_it_cannot_cut(monkeypatch)
 def test_the_exit_waits_for_a_connect_under_way_even_when_the_job_did_not_fail(monkeypatch):
     """A connect still within its call's budget (its worker neither stuck nor to be cut) is waited
     for too: a thread coming back from c10d while the interpreter finalizes aborts the process."""
-    monkeypatch.setattr("fault_tolerant_handlers.core.release.cut_connections_to", lambda ports: 0)
+    monkeypatch.setattr("fault_tolerant_handlers.core.interrupts.cut_connections_to", lambda ports: 0)
 
     def factory():
         time.sleep(0.6)

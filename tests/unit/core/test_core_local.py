@@ -19,7 +19,7 @@ from fault_tolerant_handlers import PeerFailedError, fail_together, one_rank_fir
 from fault_tolerant_handlers.core import config
 from fault_tolerant_handlers.core import session as session_mod
 from fault_tolerant_handlers.core.failure import (Ended, FailureKind, FailureRecord, MAX_RECORD_BYTES, MAX_TRACEBACK_CHARS)
-from fault_tolerant_handlers.core.ranks import RankTable
+from fault_tolerant_handlers.core.procfs import RankTable
 
 
 def test_without_distribution_sections_are_plain(monkeypatch):
@@ -196,7 +196,7 @@ def test_a_signal_a_rank_declared_itself_comes_before_the_keyboard_interrupt_it_
     ],
 )
 def test_the_two_integer_agreement_carries_the_flag_and_catches_ranks_out_of_step(ranks, failed, in_step):
-    from fault_tolerant_handlers.core.agreement import pack_agreement, unpack_agreement
+    from fault_tolerant_handlers.core.session import pack_agreement, unpack_agreement
 
     packed = [pack_agreement(*r) for r in ranks]
     flag, same = unpack_agreement(max(p[0] for p in packed), max(p[1] for p in packed))

@@ -190,37 +190,21 @@ def test_an_exception_that_refuses_attributes_is_left_alone():
 
 
 # -- what the state machine fixes ---------------------------------------------------------------------
-class _SignalledMeanwhile:
-    """An agreement's outcome (nobody failed) whose reading lets this rank's SIGTERM reaction run
-    in between, as the signal thread may at any bytecode of the main thread."""
-
-    def __init__(self, react):
-        self._react = react
-
-    @property
-    def failed(self) -> bool:
-        react, self._react = self._react, (lambda: None)  # the signal comes once
-        react()
-        return False
-
-    def error_for_caller(self):
-        return None
-
-
 def test_a_signal_taken_while_an_agreement_ends_leaves_the_job_failed(monkeypatch):
     """This rank's SIGTERM is the job's cause; its reaction (thread ``fth-signals``) marks the job
     failed just as the main thread ends an agreement in which nobody failed. The job stays failed
     (so its exit does not wait on a store that may be leaving, and peers ending are expected).
     Before, the agreement wrote back the flag it had read before the signal
-    (``failed_before = failed_before or outcome.failed``) and the signal was forgotten."""
+    (``failed_before = failed_before or failed``) and the signal was forgotten."""
     from fault_tolerant_handlers.core import session as session_mod
 
     session = session_mod.Session.__new__(session_mod.Session)
     session._seq = session.live_seq = 0
     session.failure = FailureState()
     cause = signal_cause()
-    monkeypatch.setattr(session, "_agree",
-                        lambda *a: _SignalledMeanwhile(lambda: session.failure.signalled(cause)), raising=False)
+    # the agreement found that nobody failed; the signal thread reacts before the agreement ends
+    monkeypatch.setattr(session, "_agree", lambda *a: (session.failure.signalled(cause), (False, None))[1],
+                        raising=False)
     session.agree("loop", "train: iteration", step=3)
     assert session.failure.signal is cause
     assert session.failure.delivered and session.failure.failing

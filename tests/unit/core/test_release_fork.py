@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from fault_tolerant_handlers.core import release
+from fault_tolerant_handlers.core import interrupts
 
 
 def test_a_forked_child_cutting_store_connections_spares_those_it_inherited():
@@ -22,8 +22,8 @@ def test_a_forked_child_cutting_store_connections_spares_those_it_inherited():
     if pid == 0:  # the training child, as the keeper starts it
         code = 1
         try:
-            release.spare_inherited_sockets()
-            release.cut_connections_to({server.port})
+            interrupts.spare_inherited_sockets()
+            interrupts.cut_connections_to({server.port})
             code = 0
         finally:
             os._exit(code)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import socket
 
-from fault_tolerant_handlers.core import release
+from fault_tolerant_handlers.core import interrupts
 
 
 def _connected_pair(server: socket.socket) -> tuple[socket.socket, socket.socket]:
@@ -21,13 +21,13 @@ def test_a_chosen_fd_taken_by_a_new_connection_before_its_turn_is_not_cut():
     server = socket.create_server(("127.0.0.1", 0))
     gloo, gloo_peer = _connected_pair(server)
     fd, inode = gloo.fileno(), os.fstat(gloo.fileno()).st_ino
-    chosen = release.select_sockets({inode: fd}, {inode: (gloo.getsockname()[1], server.getsockname()[1])}, set())
+    chosen = interrupts.select_sockets({inode: fd}, {inode: (gloo.getsockname()[1], server.getsockname()[1])}, set())
     assert chosen == [fd]
     gloo.close()  # closed by its owner after the list was read
     store, store_peer = _connected_pair(server)  # a new connection takes the lowest free fd: that one
     try:
         assert store.fileno() == fd
-        assert release._shutdown(chosen, {fd: inode}) == 0
+        assert interrupts._shutdown(chosen, {fd: inode}) == 0
         store.sendall(b"ping")  # still connected both ways
         assert store_peer.recv(4) == b"ping"
         store_peer.sendall(b"pong")
@@ -42,7 +42,7 @@ def test_a_chosen_fd_still_the_same_socket_is_cut():
     gloo, gloo_peer = _connected_pair(server)
     try:
         fd = gloo.fileno()
-        assert release._shutdown([fd], {fd: os.fstat(fd).st_ino}) == 1
+        assert interrupts._shutdown([fd], {fd: os.fstat(fd).st_ino}) == 1
         assert gloo_peer.recv(4) == b""  # the peer sees the connection end
     finally:
         for s in (gloo, gloo_peer, server):

@@ -19,9 +19,9 @@ def probe(**kw) -> AutoHangProbe:
 
 
 def run(p: AutoHangProbe, kind: str, start: float, seconds: float, step=None) -> float:
-    p.started(kind, start, step)
+    p.mark(kind, start, step)
     assert p.poll(start + seconds / 2) is None
-    p.finished(start + seconds)
+    p.mark(None, start + seconds)
     return start + seconds
 
 
@@ -33,7 +33,7 @@ def steps(p: AutoHangProbe, n: int, seconds: float, t: float = 0.0) -> float:
 
 def test_nothing_during_the_warm_up_even_a_very_long_first_step():
     p = probe()
-    p.started("step", 0.0, 1)
+    p.mark("step", 0.0, 1)
     assert p.deadline("step") is None
     assert p.poll(10_000.0) is None
 
@@ -42,7 +42,7 @@ def test_a_step_stuck_after_warm_up_is_reported_at_the_learned_deadline_with_its
     p = probe()
     t = steps(p, 3, 0.8)                          # longest step 0.8 s -> deadline max(5, 8) = 8 s
     assert p.deadline("step") == pytest.approx(8.0)
-    p.started("step", t, 3)
+    p.mark("step", t, 3)
     assert p.poll(t + 7.9) is None
     found = p.poll(t + 8.01)
     assert found is not None and found.hung_self
@@ -82,9 +82,9 @@ def test_a_long_normal_evaluation_is_not_a_hang_and_teaches_its_own_deadline():
     t = steps(p, 3, 0.5)
     # first evaluation: 40 s, far over a step's 5 s deadline, but within first_multiple x that
     assert p.deadline("evaluation") == pytest.approx(50.0)
-    p.started("evaluation", t)
+    p.mark("evaluation", t)
     assert p.poll(t + 40.0) is None
-    p.finished(t + 40.0)
+    p.mark(None, t + 40.0)
     assert p.deadline("evaluation") == pytest.approx(400.0)
     assert p.deadline("step") == pytest.approx(5.0)  # steps keep theirs
 
@@ -93,7 +93,7 @@ def test_a_checkpoint_longer_than_any_step_is_learned_once_seen():
     p = probe()
     t = steps(p, 3, 1.0)
     t = run(p, "checkpoint", t, 30.0)
-    p.started("checkpoint", t)
+    p.mark("checkpoint", t)
     assert p.poll(t + 299.0) is None
     assert p.poll(t + 300.01) is not None
 
@@ -106,7 +106,7 @@ def test_waiting_in_a_collective_is_never_this_ranks_hang(monkeypatch):
     monkeypatch.setattr(autohang, "waiting_on_peers", lambda frame: True)
     p = probe()
     t = steps(p, 3, 1.0)
-    p.started("step", t)
+    p.mark("step", t)
     assert p.poll(t + 15.0) is None
     assert p.poll(t + 10_000.0) is None
 
@@ -120,7 +120,7 @@ def test_time_spent_waiting_for_peers_is_not_held_against_the_piece_nor_learned(
     monkeypatch.setattr(autohang, "waiting_on_peers", lambda frame: waiting[0])
     p = probe()
     t = steps(p, 3, 0.1)                          # step deadline: the floor, 5 s
-    p.started("step", t, 3)
+    p.mark("step", t, 3)
     assert p.poll(t + 5.01) is None               # waiting: not a hang, seen waiting at t + 5.01
     assert p.poll(t + 10.02) is None              # still waiting, seen at t + 10.02
     waiting[0] = False                            # the peer is back: the step goes on
@@ -143,7 +143,7 @@ def test_a_wait_that_ends_just_before_the_deadline_is_not_held_against_the_piece
     monkeypatch.setattr(autohang, "waiting_on_peers", lambda frame: waiting[0])
     p = probe()
     t = steps(p, 3, 0.1)                          # step deadline: the floor, 5 s
-    p.started("step", t, 3)
+    p.mark("step", t, 3)
     assert p.poll(t + 0.1) is None
     assert p.poll(t + 4.9) is None                # waiting, seen at t + 4.9
     waiting[0] = False                            # released at t + 4.95
@@ -158,7 +158,7 @@ def test_a_main_thread_in_the_debugger_is_not_hung():
 
     p = probe()
     t = steps(p, 3, 0.1)
-    p.started("step", t)
+    p.mark("step", t)
     p.frame = sys._getframe  # the poll's caller: a function bdb.py runs, as during a pdb session
     polled = []
     bdb.Bdb().runcall(lambda: polled.append(p.poll(t + 1000.0)))
@@ -177,7 +177,7 @@ def test_recognised_work_is_judged_as_its_kind_from_when_it_was_recognised():
     t = steps(p, 3, 0.1)                          # step deadline 5 s; a checkpoint borrows 10 x 10 x 0.1 = 10 s
     seen = [("checkpoint", None)]
     p.explainers.append(explained_as(seen))
-    p.started("step", t, 3)                       # a checkpoint handler runs inside the step's piece
+    p.mark("step", t, 3)                       # a checkpoint handler runs inside the step's piece
     assert p.poll(t + 5.01) is None               # over the step deadline: recognised as a checkpoint
     assert p.poll(t + 5.01 + 9.9) is None         # judged from then against the checkpoint deadline
     found = p.poll(t + 5.01 + 10.01)
@@ -191,7 +191,7 @@ def test_progress_of_recognised_work_re_arms_its_deadline():
     t = steps(p, 3, 0.1)
     seen = [("evaluation", 0)]
     p.explainers.append(explained_as(seen))
-    p.started("step", t)
+    p.mark("step", t)
     now = t + 5.01
     assert p.poll(now) is None                    # an evaluator engine, at its iteration 0
     for iteration in range(1, 6):                 # each evaluator iteration well within a deadline
@@ -208,7 +208,7 @@ def test_when_recognised_work_ends_the_rest_of_the_piece_gets_its_own_deadline_a
     t = steps(p, 3, 0.1)
     seen = [("checkpoint", None)]
     p.explainers.append(explained_as(seen))
-    p.started("step", t)
+    p.mark("step", t)
     assert p.poll(t + 5.01) is None               # a checkpoint write: 10 s allowed from here
     seen[0] = None                                # the write is over; the step goes on
     assert p.poll(t + 5.01 + 10.01) is None       # not judged against the piece's start any more
@@ -220,7 +220,7 @@ def test_recognised_work_within_a_step_is_learned_as_its_kind_not_as_a_step():
     p = probe()
     t = steps(p, 3, 0.1)
     p.explainers.append(explained_as([("checkpoint", None)]))
-    p.started("step", t)
+    p.mark("step", t)
     assert p.poll(t + 5.01) is None               # recognised: a checkpoint written inside the step
     p.mark("step", t + 8.0)
     assert p.longest["step"] == pytest.approx(0.1) and p.longest["checkpoint"] == pytest.approx(8.0)

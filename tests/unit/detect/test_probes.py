@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fault_tolerant_handlers.core.ranks import RankTable
+from fault_tolerant_handlers.core.procfs import RankTable
 from fault_tolerant_handlers.detect.probes import (SILENCE_POLL, HeartbeatProbe, PeerPidProbe, RecordsProbe, SelfHangProbe,
                                             StoreLossProbe, waiting_on_peers)
 from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord
@@ -316,8 +316,8 @@ def test_the_loss_of_a_store_on_a_host_of_its_own_names_no_rank():
 def test_the_store_s_address_is_read_from_this_process_s_connection_to_it():
     """``release.store_peer_address``: the address a client's connection to the store reaches (what
     the session matches against the ranks' addresses to tell on which rank's host the store runs)."""
-    from fault_tolerant_handlers.core.ranks import normalize_address
-    from fault_tolerant_handlers.core.release import store_peer_address
+    from fault_tolerant_handlers.core.procfs import normalize_address
+    from fault_tolerant_handlers.core.interrupts import store_peer_address
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     assert normalize_address(store_peer_address({server.port})) == "127.0.0.1"  # its client to its own server
@@ -424,12 +424,12 @@ def test_the_process_hosting_the_store_knows_it():
     import subprocess
     import sys
 
-    from fault_tolerant_handlers.core.release import listens_here
+    from fault_tolerant_handlers.core.interrupts import listens_here
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     assert listens_here(server.port)
     client = subprocess.run(
-        [sys.executable, "-c", "import sys, torch.distributed as dist; from fault_tolerant_handlers.core.release import "
+        [sys.executable, "-c", "import sys, torch.distributed as dist; from fault_tolerant_handlers.core.interrupts import "
          f"listens_here; c = dist.TCPStore('127.0.0.1', {server.port}, is_master=False); "
          f"print(listens_here({server.port}))"], capture_output=True, text=True, timeout=60)
     assert client.stdout.strip() == "False", client.stderr[-2000:]

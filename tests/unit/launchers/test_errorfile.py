@@ -13,7 +13,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from fault_tolerant_handlers.launchers import errorfile
 from fault_tolerant_handlers.core.errors import PeerFailedError
 from fault_tolerant_handlers.core.failure import Ended, FailureRecord, decode
-from fault_tolerant_handlers.core.ranks import RankTable
+from fault_tolerant_handlers.core.procfs import RankTable
 
 
 def _read_timestamp(path: str) -> int | None:
@@ -134,7 +134,7 @@ def test_peer_path_follows_torchruns_layout_only(tmp_path):
 
 _RANK = """
 import os, signal, sys, threading, time, types
-from fault_tolerant_handlers.core.ranks import RankTable
+from fault_tolerant_handlers.core.procfs import RankTable
 from fault_tolerant_handlers.detect import liveness
 rank_pid = os.getpid()
 r, w = os.pipe()

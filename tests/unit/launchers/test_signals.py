@@ -18,7 +18,7 @@ from fault_tolerant_handlers.launchers import signals
 from fault_tolerant_handlers.detect.probes import PeerPidProbe
 from fault_tolerant_handlers.core.failure import Ended, FailureRecord, FailureState
 from fault_tolerant_handlers.core.schema import Connection, Schema
-from fault_tolerant_handlers.core.ranks import RankTable
+from fault_tolerant_handlers.core.procfs import RankTable
 
 # The reaction runs in the signal thread when it wakes before the main thread's handler: a failure
 # there (an assertion, pytest.fail) fails the test, not a warning beside a pass.
