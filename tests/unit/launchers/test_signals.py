@@ -51,8 +51,9 @@ class FakeSession:
 @pytest.fixture
 def restore_signals():
     saved = {s: signal.getsignal(s) for s in signals.SIGNALS}
+    # none during the test: the test's watch wakes its own thread, not a watch an earlier test left
+    # installed (whose thread, its handler never entered, took this test's main thread as blocked)
     old_fd = signal.set_wakeup_fd(-1)
-    signal.set_wakeup_fd(old_fd)
     yield
     for s, h in saved.items():
         signal.signal(s, h)
