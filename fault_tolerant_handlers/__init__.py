@@ -44,7 +44,7 @@ from .core.interrupts import EXIT_TEARDOWN_STUCK
 from .core.sections import fail_together, one_rank_first
 from .detect.watchdog import EXIT_HUNG, EXIT_PEER_FAILED, start_watchdog, writing_checkpoint
 from .recover import recover_in_place, recovery_attempt, spares_left
-from . import adapters as _adapters  # noqa: F401 - subscribes the adapters to the core's hooks
+from . import wiring as _wiring
 
 __all__ = [
     "EXIT_HUNG",
@@ -82,3 +82,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 _compat_torchrun.install()  # under torchrun: every attempt's process groups in their own store namespace
+_wiring.install()  # every layer's part at the core's hooks, in the order of one table

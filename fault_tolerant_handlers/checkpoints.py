@@ -16,26 +16,17 @@ __all__ = ["latest_checkpoint"]
 def latest_checkpoint(dirname: str | os.PathLike | Any, *, prefix: str | None = None,
                       required_keys: Iterable[str] | Mapping | None = None) -> str | None:
     """The newest complete checkpoint to resume from, or ``None``; the same on every rank. A checkpoint
-    is a file, or a distributed checkpoint's directory (``torch.distributed.checkpoint``, Lightning's
-    sharded ``.ckpt`` directories, :class:`~fault_tolerant_handlers.ignite.DCPSaver`'s), chosen only once
-    complete (its ``.metadata`` written).
-
-    ``dirname`` is a folder, or the object that writes the checkpoints:
-
-    * an Ignite ``Engine`` (the trainer): the files of the ``Checkpoint`` attached to it whose
-      ``to_save`` holds it (its ``DiskSaver``'s folder on rank 0, its ``filename_prefix`` and name,
-      its ``to_save`` keys), never a model-only ``best_model_*.pt`` beside them; or that ``Checkpoint``;
-    * a Lightning ``Trainer``: the folder of its ``ModelCheckpoint``, the default one included before
-      ``fit`` has set it (every ``lightning_logs/version_*/checkpoints``: a run writes to a new version).
-
-    Torn files (a kill during the write) and leftover temporary files are skipped with a
-    ``RuntimeWarning`` naming them, and so is a file that lacks a key of ``required_keys``. Call it on
-    every rank, the same number of times, with the same folder (or with the trainer), before or after
-    the process group is set up.
+    is a file, or a distributed checkpoint's directory once complete (its ``.metadata`` written). Torn
+    files, leftover temporary files and files that lack a key of ``required_keys`` are skipped with a
+    ``RuntimeWarning`` naming them. Call it on every rank, the same number of times, with the same
+    folder (or with the trainer), before or after the process group is set up.
 
     Args:
-        dirname: a folder (``str`` or ``os.PathLike``), an Ignite ``Engine`` or ``Checkpoint``, or a
-            Lightning ``Trainer``. A missing folder gives ``None`` (a first run) and a warning naming it.
+        dirname: a folder (``str`` or ``os.PathLike``; a missing one gives ``None`` and a warning), or
+            what writes the checkpoints: an Ignite ``Engine`` (the files of the ``Checkpoint`` attached
+            to it whose ``to_save`` holds it, never a model-only ``best_model_*.pt`` beside them) or
+            that ``Checkpoint``, or a Lightning ``Trainer`` (its ``ModelCheckpoint``'s folder, the
+            default ``lightning_logs/version_*/checkpoints`` included before ``fit``).
         prefix: only files whose name starts with it (``"training_checkpoint_"``); with an Ignite
             ``Checkpoint`` or ``Engine``, derived from it.
         required_keys: the keys a usable file holds at its top level (Ignite: your ``to_save``, or

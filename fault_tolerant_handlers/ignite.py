@@ -1,50 +1,10 @@
 """PyTorch-Ignite adapter: ``FaultTolerance().attach(trainer)``.
 
-Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.guard.Guard`; one module
-for everything Ignite (live state, a recovery's events, the savers and the resume checks), Ignite's
-private API in :mod:`.adapters.compat_ignite`:
-
-========================  ==========================================================================
-``STARTED``               start (collective: side group, watchdog reference); a DDP's bucket layout
-                          goes into each ``Checkpoint``'s ``to_save`` (:func:`add_bucket_layouts`)
-``ITERATION_COMPLETED``   heartbeat; every ``sync_every`` iterations, one agreement; between them, a
-                          peer's failure the watchdog knows is raised (an attribute read);
-                          recovering in place, the last handler, after live state's mark
-``EPOCH_STARTED``         (``hang_timeout="auto"``) training steps begin
-``EPOCH_COMPLETED``       agreement, *before* the other epoch-end handlers (evaluation, checkpoint);
-                          (``"auto"``) what follows is judged as an evaluation
-``COMPLETED``             agreement, then the watchdog reference is dropped
-``EXCEPTION_RAISED``      record and release (local failure) or convert to ``PeerFailedError``
-                          (decided as Ignite logs the exception, so that the library's line naming
-                          the failing rank comes first); runs the engine's other exception handlers,
-                          then **re-raises** (with distribution; without, Ignite's own rule applies)
-``ITERATION_STARTED``,    recovering in place only: live state's bookkeeping (the first and the
-``ITERATION_COMPLETED``   last handler but the agreement) and its capture at ``EXCEPTION_RAISED``
-                          (:class:`IgniteLive`)
-``FaultToleranceEvents``  registered on the engine: a recovery in place's ``FAILURE_SEEN``,
-                          ``RECOVERY_STARTED`` (on the failed attempt's engine) and ``RECOVERED``
-                          (on the next one's, at ``STARTED``); ``engine.state.fault_tolerance``
-                          holds the numbers (:class:`IgniteRecovery`)
-========================  ==========================================================================
-
-Ignite stops re-raising once any ``EXCEPTION_RAISED`` handler is attached (``Engine._handle_exception``)
-and, for an exception in the process function, even goes on to the next epoch. In a distributed run
-this handler always re-raises, so the run can never silently continue. Importing this module makes
-Ignite's ``Checkpoint.load_objects`` give a DDP the bucket layout saved beside it (process-wide: the
-load often comes before ``attach``).
-
-A mid-epoch resume must find its loader where the engine's state says the epoch is. Ignite 0.5 resumes a run loaded from a checkpoint at ``state.iteration`` by counting the epoch's
-iterations from ``iteration % epoch_length``, but it draws them from a fresh ``iter()`` of the
-loader. A loader that does not resume (a plain ``DataLoader``; a ``RestartableDataLoader`` left out
-of ``Checkpoint.load_objects(to_load=...)``) gives the *first* batches of the epoch again: the run
-goes on, on other samples than an uninterrupted one. Lightning warns in that case; Ignite does not.
-This check runs at ``Events.STARTED`` (before Ignite calls ``iter()``; public API only) and warns,
-naming the iteration, what the loader will do and how to fix it.
-
-Ignite's ``Checkpoint`` also removes the oldest of its ``n_saved`` files *before* it writes the
-new one (``Checkpoint.__call__``, pytorch-ignite 0.5.5): a kill during that write leaves one
-complete checkpoint fewer, and with the default ``n_saved=1`` none at all, so the restart begins
-from scratch. :class:`SafeDiskSaver` writes first and removes after.
+Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.guard.Guard` (the
+table: docs/ignite.md); live state, a recovery's events, the savers and the resume checks are here,
+Ignite's private API in :mod:`.adapters.compat_ignite`. Ignite stops re-raising once any
+``EXCEPTION_RAISED`` handler is attached; in a distributed run this handler always re-raises.
+Importing this module makes ``Checkpoint.load_objects`` give a DDP the bucket layout saved beside it.
 """
 
 from __future__ import annotations
@@ -68,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .adapters import compat_ignite as _compat_ignite
 from .adapters.guard import Guard, LiveLoop, LoopRecovery
-from .core import attempts, hooks, interrupts, recoveries, sharded
+from .core import attempts, interrupts, recoveries, sharded
 from .core.failure import tag, tag_of
 from .core.inject import Injector
 from .core.hooks import log
@@ -96,12 +56,10 @@ class FaultTolerance:
         sync_every: iterations between agreements within an epoch (default 100; ``None``: epoch
             ends and the end of the run only). Each agreement is one small all_reduce on a gloo side
             group (~0.8 ms at 2 ranks); the watchdog covers the iterations in between.
-        hang_timeout: opt-in; a duration (a ``timedelta``, a number of seconds, a
-            ``"DD:HH:MM:SS"`` string or a dict such as ``{"minutes": 5}``, from 1 s to 7 days): a
-            rank whose loop makes no progress for this long is declared hung and every rank ends
-            with its stack. ``"auto"``: the deadline is learned per kind of work (iterations; the
-            epoch-end handlers and any evaluator ``Engine`` run from a trainer's handler, as
-            evaluations; checkpoint writes), see docs/hang-detection.md. ``None``: off (env
+        hang_timeout: opt-in; a duration (a ``timedelta``, seconds, ``"DD:HH:MM:SS"`` or a dict such
+            as ``{"minutes": 5}``; 1 s to 7 days) without progress after which a rank is declared hung
+            and every rank ends with its stack. ``"auto"``: learned per kind of work (iterations,
+            evaluations, checkpoint writes; docs/hang-detection.md). ``None``: off (env
             ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
         watchdog: start the out-of-band watchdog (default True).
         name: the loop's name in reports (a non-empty str).
@@ -183,9 +141,7 @@ class FaultTolerance:
         add_bucket_layouts(engine, [h for h in _compat_ignite.attached_handlers(engine) if isinstance(h, Checkpoint)])
 
     def _after_live_started(self, engine: Engine) -> None:
-        """Recovering in place: a peer's failure is raised at the end of an iteration only after live
-        state marked it completed (its last handler), so that a survivor that completed the optimizer
-        step of that iteration holds its live state whenever the failure reaches it."""
+        """Recovering in place: a peer's failure is raised at an iteration's end only after live state marked it."""
         _compat_ignite.append_last(engine, Events.ITERATION_COMPLETED, self._iteration_completed)
 
     def _inject(self, engine: Engine) -> None:
@@ -209,9 +165,8 @@ class FaultTolerance:
         self.guard.beat(iteration, STEP, completed=True)
         if self.guard.due(iteration):
             self.guard.sync("iteration", step=iteration, epoch=engine.state.epoch)
-        else:  # an attribute read: a peer's failure the watchdog knows, which a step that swallows
-            self.guard.check(step=iteration, epoch=engine.state.epoch)  # every error did not raise
-
+        else:  # an attribute read: a peer's failure the watchdog knows
+            self.guard.check(step=iteration, epoch=engine.state.epoch)
 
     def _epoch_completed(self, engine: Engine) -> None:
         restarts = getattr(engine.state.dataloader, "restart_count", None)
@@ -226,10 +181,7 @@ class FaultTolerance:
         engine.logger.removeFilter(self._cause_first)
 
     def _decide(self, engine: Engine, exc: BaseException) -> BaseException:
-        """What this rank raises for ``exc``, decided once: Ignite logs the exception ("Current run is
-        terminating due to exception") before it fires ``EXCEPTION_RAISED``; deciding then
-        (:func:`~.adapters.compat_ignite.before_error_log`) puts the library's line, naming the failing
-        rank and its cause, first."""
+        """What this rank raises for ``exc``, decided once, as Ignite logs it (our line comes first)."""
         decided = tag_of(exc).raised_as
         if decided is None and self.guard.session is not None:
             decided = self.guard.on_exception(exc, step=engine.state.iteration, epoch=engine.state.epoch)
@@ -238,24 +190,21 @@ class FaultTolerance:
         return decided if decided is not None else exc
 
     def _exception_raised(self, engine: Engine, exc: BaseException) -> None:
-        # -- without distribution: exactly stock Ignite (docs/ignite.md, "Without distribution") --
-        if self.guard.session is None:
+        if self.guard.session is None:  # without distribution: exactly stock Ignite (docs/ignite.md)
             if any(getattr(e[0], "__self__", None) is not self
                    for e in _compat_ignite.handlers_of(engine, Events.EXCEPTION_RAISED)):
                 return  # the user's handlers run next and decide, as without this handler
             raise exc  # no other handler: Ignite itself would have raised it
-        # -- with distribution --
         to_raise = self._decide(engine, exc)
         if tag_of(exc).taken:
             raise to_raise  # Ignite's outer loop handing us the same exception (or the one raised for it) again
         tag(exc, taken=True)
         tag(to_raise, taken=True)
         engine.logger.removeFilter(self._cause_first)
-        if self._live is not None:  # the peers told first; then, before the other handlers run, the state
+        if self._live is not None:  # the peers told first; then the state, before the other handlers run
             self._live.failed()
         self._recovery.failed()
-        # Run the engine's other exception handlers ourselves: an error in one of them (a
-        # collective that fails now that peers are gone) is logged, never allowed to mask the cause.
+        # the engine's other exception handlers: an error in one is logged, never masks the cause
         for entry in list(_compat_ignite.handlers_of(engine, Events.EXCEPTION_RAISED)):
             if getattr(entry[0], "__self__", None) is self:
                 continue
@@ -292,13 +241,8 @@ class FaultToleranceEvents(EventEnum):
 
 
 class IgniteRecovery(LoopRecovery):
-    """One ``FaultTolerance``'s part of a recovery in place: :class:`FaultToleranceEvents` on its
-    engine, and ``engine.state.fault_tolerance`` (a :class:`~.core.recoveries.RecoveryMetrics`, whose
-    ``last`` is the :class:`~.core.recoveries.RecoveryInfo` of the event being fired). ``FAILURE_SEEN``
-    and ``RECOVERY_STARTED`` fire on the failed attempt's engines while the recovery runs (in the
-    recovering thread; a handler's exception is logged, never passed on); ``RECOVERED`` on the next
-    attempt's engine at its ``STARTED``, once the checkpoint or live state is loaded (the step it
-    carries on from is its iteration)."""
+    """:class:`FaultToleranceEvents` on one engine and ``engine.state.fault_tolerance``: ``FAILURE_SEEN``
+    and ``RECOVERY_STARTED`` on the failed attempt's engines, ``RECOVERED`` on the next one's at ``STARTED``."""
 
     loops: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
     last_completed: int | None = None
@@ -329,8 +273,8 @@ def _fire(event: FaultToleranceEvents):
     return fire
 
 
-hooks.add(hooks.FAILURE_SEEN, _fire(FaultToleranceEvents.FAILURE_SEEN))
-hooks.add(hooks.RECOVERY_STARTED, _fire(FaultToleranceEvents.RECOVERY_STARTED))
+_failure_seen = _fire(FaultToleranceEvents.FAILURE_SEEN)  # wired in .wiring
+_recovery_started = _fire(FaultToleranceEvents.RECOVERY_STARTED)
 
 
 # -- live state ------------------------------------------------------------------------------------
@@ -343,21 +287,10 @@ def _unwrap(obj: Any) -> Any:
 
 
 class IgniteLive(LiveLoop):
-    """Live state (:mod:`.data.live`) of one Ignite trainer, from what its ``Checkpoint`` handlers save.
-
-    Attached while a recovery in place runs. At ``STARTED`` it finds the ``Checkpoint`` handlers
-    attached to the engine and their ``to_save``. After a recovery, its first ``STARTED`` handler
-    (before any other, after the script loaded what it loads) restores the live state the ranks
-    agreed on into that ``to_save``, unless the script loaded it itself (``latest_checkpoint`` named
-    it): whatever folder the script names (:func:`.data.live.loop_starts`). Then, every iteration:
-
-    * ``ITERATION_STARTED`` (first handler): torch's RNG as the iteration starts;
-    * ``ITERATION_COMPLETED`` (last handler, after the checkpoint's): the ``state_dict()`` of each
-      small object of ``to_save`` (anything but modules, optimizers, ``DDPBucketLayout`` and
-      ``GradScaler``) and the optimizers' hyper-parameters, as the checkpoint would have saved them;
-    * ``EXCEPTION_RAISED``: the capture, the dict the checkpoint would hold as of the last completed
-      iteration (the modules' and optimizers' ``state_dict()`` as they are: no update ran since).
-    """
+    """Live state (:mod:`.data.live`) of one Ignite trainer, from the ``to_save`` of its ``Checkpoint``
+    handlers: restored at the first ``STARTED`` unless the script loaded it, the RNG at each
+    ``ITERATION_STARTED``, small state at each ``ITERATION_COMPLETED`` (last handler), the capture at
+    ``EXCEPTION_RAISED`` (modules and optimizers as they are: no update ran since)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -372,8 +305,7 @@ class IgniteLive(LiveLoop):
         engine.add_event_handler(Events.COMPLETED, lambda _: self.close())
 
     def _find(self, engine: Any) -> None:
-        """The ``to_save`` of the ``Checkpoint`` handlers attached to ``engine`` (the first handler's
-        object for a key that several save), their folder, or why there is nothing to capture."""
+        """The ``to_save`` of the engine's ``Checkpoint`` handlers, their folder, or why nothing is captured."""
         checkpoints = [h for h in _compat_ignite.attached_handlers(engine) if isinstance(h, Checkpoint)]
         self.to_save, self.directory, self.why_not = {}, None, ""
         for handler in checkpoints:
@@ -429,7 +361,7 @@ class IgniteLive(LiveLoop):
         small: dict[str, Any] = {}
         for key, obj in self.to_save.items():
             if isinstance(obj, torch.optim.Optimizer):
-                small[key] = [{k: v for k, v in group.items() if k != "params"} for group in obj.param_groups]
+                small[key] = self.hyper(obj)
             elif not isinstance(obj, _BIG):
                 small[key] = obj.state_dict()
         self.tracker.complete(self.engine.state.iteration, small, initial=initial)
@@ -439,9 +371,7 @@ class IgniteLive(LiveLoop):
         state: dict[str, Any] = {}
         for key, obj in self.to_save.items():
             if isinstance(obj, torch.optim.Optimizer):
-                saved = obj.state_dict()
-                saved["param_groups"] = [{**group, **hyper} for group, hyper in zip(saved["param_groups"], tracker.small[key])]
-                state[key] = saved
+                state[key] = self.with_hyper(obj.state_dict(), tracker.small[key])
             elif isinstance(obj, _BIG):
                 state[key] = _unwrap(obj).state_dict()
             else:
@@ -458,13 +388,10 @@ LAYOUT_KEY = "fault_tolerance_ddp_buckets"
 class SafeDiskSaver(DiskSaver):
     """Ignite's ``DiskSaver`` (same arguments) that removes old checkpoints only once the new one is written.
 
-    ``Checkpoint`` asks its save handler to remove the oldest file before it saves the new one; a
-    kill in between would cost a checkpoint (with ``n_saved=1``, the only one). Here the removal
-    waits until the new file is complete on disk (``DiskSaver`` writes it to a temporary file and
-    renames it), so a kill at any moment leaves at least ``n_saved`` complete checkpoints once that
-    many were written, and :func:`~fault_tolerant_handlers.latest_checkpoint` finds the newest.
-    Recovering in place, the interrupt of a hung main thread waits until the write and the removal
-    are over (a :class:`~fault_tolerant_handlers.deferred_interrupt` section).
+    ``Checkpoint`` asks its save handler to remove the oldest file before it saves the new one (a kill
+    in between costs a checkpoint; with ``n_saved=1``, the only one); here the removal waits until the
+    new file is complete, so a kill at any moment leaves ``n_saved`` complete checkpoints. Recovering
+    in place, a hung main thread's interrupt waits until the write and the removal are over.
 
     Examples:
         .. code-block:: python
@@ -479,8 +406,6 @@ class SafeDiskSaver(DiskSaver):
         self._fth_pending_removal: list[str] = []
 
     def __call__(self, checkpoint: Any, filename: str, metadata: Any = None) -> None:
-        # Recovering in place, the interrupt of a hung main thread waits until the file is written
-        # and the old ones removed (a deferred section, bounded by FTH_INTERRUPT_DEFER_SEC).
         with interrupts.SECTION:
             found = sharded.find(checkpoint, "checkpoint")
             if found is not None:
@@ -499,9 +424,8 @@ class SafeDiskSaver(DiskSaver):
 
 
 def _discard(path: Path, then: Callable[[], None] = lambda: None) -> None:
-    """Remove the directory ``path`` (if there), renamed first to a temporary name ``latest_checkpoint``
-    skips (``tmp-<name>.old``: a kill inside the removal never leaves a complete-looking checkpoint with
-    files missing), and call ``then`` between the rename and the removal."""
+    """Remove the directory ``path``, renamed first to ``tmp-<name>.old`` (skipped by ``latest_checkpoint``),
+    calling ``then`` between the rename and the removal."""
     trash = path.with_name(f"tmp-{path.name}.old")
     shutil.rmtree(trash, ignore_errors=True)  # a removal a killed attempt left
     if path.exists():
@@ -515,19 +439,13 @@ class DCPSaver(BaseSaveHandler):
     (``torch.distributed.checkpoint``) on **every** rank: a sharded model's shards from each rank
     (Ignite's ``DiskSaver`` writes on one rank only, which loses every other rank's shards).
 
-    Each checkpoint is a directory in ``dirname`` named after Ignite's file name without its
-    extension (``checkpoint_20``): every rank writes its shards into ``tmp-checkpoint_20`` first
-    (the entries of ``to_save`` holding sharded tensors through DCP, the others, such as the engine
-    and the loader, to a file per rank), and rank 0 renames it once DCP has written its
-    ``.metadata`` (last, after every rank's shards). Old checkpoints are removed after the new one
-    is complete, as :class:`SafeDiskSaver` does, each renamed to ``tmp-<name>.old`` first (a kill in
-    the removal never leaves a complete-looking directory with files missing). :func:`~fault_tolerant_handlers.latest_checkpoint`
-    finds the newest complete one; :func:`~fault_tolerant_handlers.load_dcp` loads it on every rank.
-    ``dirname`` must be one folder every rank sees (a shared file system across hosts).
-
-    Put the model and its optimizers in ``to_save`` as a
-    :class:`~fault_tolerant_handlers.ShardedState` (torch's ``get_state_dict`` /
-    ``set_state_dict``: an optimizer that has not stepped yet can be loaded into).
+    Each checkpoint is a directory named after Ignite's file name without its extension
+    (``checkpoint_20``), written as ``tmp-checkpoint_20`` and renamed by rank 0 once DCP's
+    ``.metadata`` is written; old ones are removed after, as :class:`SafeDiskSaver` does.
+    :func:`~fault_tolerant_handlers.latest_checkpoint` finds the newest complete one and
+    :func:`~fault_tolerant_handlers.load_dcp` loads it on every rank. ``dirname`` must be one folder
+    every rank sees. Put the model and its optimizers in ``to_save`` as a
+    :class:`~fault_tolerant_handlers.ShardedState`.
 
     Examples:
         .. code-block:: python
@@ -581,11 +499,7 @@ class DCPSaver(BaseSaveHandler):
 
 
 def _loader_next_batch(loader: Any) -> int | None:
-    """The batch of its pass the loader's next ``iter()`` starts at (0: a new pass), if it says.
-
-    Only the batch is compared with the engine's: the loader counts every ``iter()`` as a pass (an
-    evaluator run over the training loader is one too), so its pass number is not the engine's epoch.
-    """
+    """The batch of its pass the loader's next ``iter()`` starts at (0: a new pass), if it says."""
     if not isinstance(loader, RestartableDataLoader):
         return None
     state = loader.state_dict()
@@ -629,10 +543,8 @@ def _warn_once(message: str) -> None:
 
 
 def find_ddp(objects: Iterable[Any]) -> DistributedDataParallel | None:
-    """The ``DistributedDataParallel`` among ``objects`` or, when they hold the model it wraps (its
-    ``.module``), that DDP: named by the training step of an ``Engine`` among them, or, from 3 ranks
-    on (at 2 both layouts give the same bits), found among the live objects (a scan of the heap:
-    about 0.1 s, only when nothing else names it)."""
+    """The ``DistributedDataParallel`` among ``objects``, or the one wrapping a model among them: named
+    by an ``Engine``'s training step or, from 3 ranks on, found by a scan of the heap (about 0.1 s)."""
     objects = list(objects)
     for obj in objects:
         if isinstance(obj, DistributedDataParallel):
@@ -653,8 +565,10 @@ def find_ddp(objects: Iterable[Any]) -> DistributedDataParallel | None:
     return next((obj for obj in gc.get_objects() if type(obj) is DistributedDataParallel and wraps(obj)), None)
 
 
-def _layout_of(ddp: DistributedDataParallel) -> DDPBucketLayout | None:
+def _layout_of(ddp: DistributedDataParallel | None) -> DDPBucketLayout | None:
     """The one ``DDPBucketLayout`` of ``ddp`` (kept on it: the layout a load gave it is what it saves)."""
+    if ddp is None:
+        return None
     layout = getattr(ddp, "_fth_bucket_layout", None)
     if layout is None:
         try:
@@ -666,33 +580,27 @@ def _layout_of(ddp: DistributedDataParallel) -> DDPBucketLayout | None:
 
 
 def add_bucket_layouts(engine: Any, checkpoints: Iterable[Any]) -> None:
-    """``STARTED``: each of ``checkpoints`` (``Checkpoint`` handlers attached to ``engine``) whose
-    ``to_save`` holds a DDP (or the model it wraps) and no ``DDPBucketLayout`` saves the DDP's layout
-    too, under :data:`LAYOUT_KEY`. The handler gets a new dict (the user's ``to_save`` is left as it is:
-    it loads the checkpoints); a ``to_save`` of one object is left as it is (Ignite saves that object's
-    ``state_dict`` alone, not a dict of them)."""
+    """``STARTED``: each ``Checkpoint`` whose ``to_save`` (of 2+ objects) holds a DDP or its model and no
+    ``DDPBucketLayout`` saves the layout too, under :data:`LAYOUT_KEY` (in a new dict: the user's is kept)."""
     for handler in checkpoints:
         to_save = handler.to_save
         if not isinstance(to_save, dict) or len(to_save) < 2 or LAYOUT_KEY in to_save or any(
                 isinstance(obj, DDPBucketLayout) for obj in to_save.values()):
             continue
-        ddp = find_ddp([*to_save.values(), engine])
-        layout = _layout_of(ddp) if ddp is not None else None
+        layout = _layout_of(find_ddp([*to_save.values(), engine]))
         if layout is not None:
             handler.to_save = {**to_save, LAYOUT_KEY: layout}
 
 
 def give_bucket_layout(to_load: Any, checkpoint: Any) -> None:
-    """After ``Checkpoint.load_objects(to_load, checkpoint)``: the checkpoint's DDP bucket layout (saved
-    under :data:`LAYOUT_KEY`) goes to the DDP of ``to_load`` (or of the model it holds), before its
-    first step. Nothing for a checkpoint without one (written by an earlier version, or at 1 object)."""
+    """After ``Checkpoint.load_objects(to_load, checkpoint)``: the layout saved under :data:`LAYOUT_KEY`
+    goes to the DDP of ``to_load`` before its first step."""
     if not isinstance(checkpoint, dict) or not isinstance(to_load, dict) or LAYOUT_KEY in to_load:
         return
     saved = checkpoint.get(LAYOUT_KEY)
     if not isinstance(saved, dict) or saved.get("buckets") is None:
         return
-    ddp = find_ddp(to_load.values())
-    layout = _layout_of(ddp) if ddp is not None else None
+    layout = _layout_of(find_ddp(to_load.values()))
     if layout is None:
         return
     try:
@@ -702,14 +610,10 @@ def give_bucket_layout(to_load: Any, checkpoint: Any) -> None:
                    "differ from the uninterrupted run in the last bits")
 
 
-def _read(path: Any) -> Any:
-    """What ``Checkpoint.load_objects`` reads for a path that is not a live state's name."""
-    return torch.load(path, weights_only=True)
-
-
 def hook_load_objects() -> None:
     """Once per process: every ``Checkpoint.load_objects`` gives a DDP its checkpoint's bucket layout."""
-    _compat_ignite.hook_load_objects(take=live.take, read=_read, after=give_bucket_layout)
+    _compat_ignite.hook_load_objects(take=live.take, read=lambda path: torch.load(path, weights_only=True),
+                                     after=give_bucket_layout)
 
 
-hook_load_objects()  # Checkpoint.load_objects gives a DDP its checkpoint's bucket layout
+hook_load_objects()

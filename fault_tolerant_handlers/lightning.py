@@ -1,57 +1,10 @@
 """Lightning adapter: ``Trainer(callbacks=[FaultTolerance()])``.
 
-Maps Lightning's ``Callback`` hooks onto the framework-neutral
-:class:`~fault_tolerant_handlers.adapters.guard.Guard`; one module for everything Lightning (live
-state, a recovery's hooks), Lightning's private API in :mod:`.adapters.compat_lightning`:
-
-==============================  ======================================================================
-``setup``                       start (collective: side group, watchdog); this callback moves itself
-                                to the front of ``trainer.callbacks`` so that its ``on_exception``
-                                runs before any other (``OnExceptionCheckpoint``'s barrier)
-``on_*_batch_start/_end``       heartbeat, and a look at the watchdog (no communication); every
-                                ``sync_every`` training batches, one flag agreement
-``on_train_epoch_start``,       (``hang_timeout="auto"``) where a kind of work begins: training
-``on_validation_start``,        steps, an evaluation (each validation batch), a checkpoint; the
-``on_save_checkpoint``          epoch-end hooks and what follows a validation are kinds of their own
-``on_validation_end``,          agreement, *before* the monitoring callbacks (``ModelCheckpoint``,
-``on_train_epoch_end``          ``EarlyStopping``), so no checkpoint is written once any rank failed
-``on_train_end``                agreement (end of run), then a clean stop of the watchdog
-``on_exception``                record and release (local failure) or convert to ``PeerFailedError``;
-                                then finishes Lightning's exception path itself (see below)
-``teardown``                    clean stop of the watchdog (``validate``/``test``)
-``on_train_start``,             recovering in place only: live state's bookkeeping and its capture at
-``on_before_optimizer_step``    ``on_exception`` (:class:`LightningLive`)
-``on_fit_start``,               a DDP model's bucket layout (:class:`.data.ddp_buckets.DDPBucketLayout`):
-``state_dict``,                 saved in this callback's state, given back to the new DDP before its
-``load_state_dict``             first step, so that a resumed run is exact at any world size
-``on_train_start``,             recovering in place: the hooks ``on_failure_seen``,
-``on_train_batch_end``,         ``on_recovery_started``, ``on_recovered`` called on every callback (and
-``on_exception``                the module) that defines them; the recovery's numbers logged at the
-                                first batch after it (:class:`LightningRecovery`)
-==============================  ======================================================================
-
-Why ``on_exception`` finishes the exception path itself: Lightning re-raises the exception it
-caught and lets nothing replace it, and an ``on_exception`` hook that raises (``OnExceptionCheckpoint``
-whose barrier fails because the failing rank's collectives were released) would hide the cause. So
-this callback runs the other callbacks' ``on_exception`` (a failure there is logged, never raised),
-then the rest of Lightning's ``_interrupt`` and the trainer's teardown, and raises what this rank
-must raise: its own exception, or the peer's :class:`PeerFailedError`.
-
-Launchers. ``strategy="ddp"`` (Lightning's subprocess launcher) and ``torchrun`` call ``on_exception``
-in each rank. ``ddp_spawn`` / ``ddp_fork`` call it in the *parent* process only (after the ranks
-have exited); the ranks themselves get no hook on the exception path. For them, ``setup`` wraps the
-run of the training stage in the rank, so a failure is recorded and released, and a peer's failure
-converted, inside the rank, and the checkpoint callbacks' ``on_exception`` (``OnExceptionCheckpoint``)
-runs there, where the trained state is. In the parent, which holds only the untrained model, the
-callback skips the checkpoint callbacks (stock Lightning 2.6.6 saves the untrained parent model as
-``on_exception.ckpt``) and keeps the other callbacks' ``on_exception`` from hiding the rank's error.
-
-Both namespaces: ``lightning.Trainer`` and ``pytorch_lightning.Trainer`` both take the callback. It
-is a ``Callback`` of each one installed, and it looks Lightning's classes up in the namespace of
-the trainer it is given (:mod:`.adapters.compat_lightning`).
-
-Private Lightning API: see :mod:`.adapters.compat_lightning`. Everything else is public
-``Callback``/``Trainer`` API.
+Maps Lightning's ``Callback`` hooks onto :class:`~fault_tolerant_handlers.adapters.guard.Guard` (the
+table, and why ``on_exception`` finishes Lightning's exception path itself: docs/lightning.md); live
+state and a recovery's hooks are here. The callback is a ``Callback`` of both ``lightning.pytorch``
+and ``pytorch_lightning`` when both are installed; Lightning's private API is in
+:mod:`.adapters.compat_lightning`.
 """
 
 from __future__ import annotations
@@ -67,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
-from .core import attempts, hooks, interrupts, phases, recoveries, sharded
+from .core import attempts, interrupts, phases, recoveries, sharded
 from .data import live, snapshots
 from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
@@ -90,9 +43,9 @@ else:
 __all__ = ["FaultTolerance"]
 
 
-def _guarded(what: str, fn: Callable[[], Any]) -> None:
+def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> None:
     try:
-        fn()
+        fn(*args)
     except Exception as err:  # noqa: BLE001 - logged: the cause must reach every rank unchanged
         first = first_line(err, 300)
         log(logging.WARNING, "%s failed while the job fails together (ignored, the cause is raised instead): %s: %s",
@@ -120,12 +73,11 @@ class FaultTolerance(_CallbackBase):
         sync_every: training batches between flag agreements within an epoch (default 100;
             ``None``: only at the end of validation, of each epoch and of the run). Each agreement
             is one int64 all_reduce on a gloo side group; the watchdog covers the batches between.
-        hang_timeout: opt-in; a duration (a ``timedelta``, a number of seconds, a
-            ``"DD:HH:MM:SS"`` string or a dict such as ``{"minutes": 5}``, as Lightning's ``Timer``
-            takes them; from 1 s to 7 days): a rank whose loop makes no progress for this long is
-            declared hung and every rank ends with its stack. ``"auto"``: the deadline is learned
-            per kind of work (training batches; validation, batch by batch; checkpoint saves), see
-            docs/hang-detection.md. ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
+        hang_timeout: opt-in; a duration (a ``timedelta``, seconds, ``"DD:HH:MM:SS"`` or a dict such
+            as ``{"minutes": 5}``, as Lightning's ``Timer`` takes them; 1 s to 7 days) without progress
+            after which a rank is declared hung and every rank ends with its stack. ``"auto"``: learned
+            per kind of work (training batches, validation batches, checkpoint saves;
+            docs/hang-detection.md). ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
         watchdog: start the out-of-band watchdog (default True).
         name: the loop's name in reports (``'train' (epoch 1, iteration 12)``); also part of
             :attr:`state_key`, so two instances with different names can coexist.
@@ -173,7 +125,6 @@ class FaultTolerance(_CallbackBase):
     # -- state ---------------------------------------------------------------------------------
     @property
     def state_key(self) -> str:
-        # Lightning formats it for every hook it dispatches (twice per batch): built once per name.
         cached = self.__dict__.get("_state_key_cache")
         if cached is None or cached[0] != self.name:
             cached = self._state_key_cache = (self.name, self._generate_state_key(name=self.name))
@@ -197,16 +148,13 @@ class FaultTolerance(_CallbackBase):
 
     # -- helpers -----------------------------------------------------------------------------------
     def _where(self, trainer: pl.Trainer) -> dict[str, int]:
-        """Where a report says this rank is: inside a training batch, the step it trains (``global_step + 1``,
-        1-based, the number ``FTH_INJECT``'s ``iteration=`` takes and Ignite's ``engine.state.iteration``
-        tells); elsewhere (validation, an epoch's end) the steps completed (``global_step``)."""
+        """Where a report says this rank is: in a training batch the step it trains (``global_step + 1``,
+        as ``FTH_INJECT`` and Ignite count), elsewhere the steps completed."""
         step = self._in_batch if self._in_batch is not None else int(trainer.global_step)
         return {"step": step, "epoch": int(trainer.current_epoch)}
 
     def _check(self, trainer: pl.Trainer) -> None:
-        """Raise the peer's failure if the watchdog already knows it (no communication). Called
-        twice per batch: two attribute reads unless there is a failure (where it happened, which
-        costs Lightning's property lookups, is only worked out then)."""
+        """Raise the peer's failure if the watchdog already knows it: two attribute reads otherwise."""
         interrupts.raise_pending()  # a hung main thread's interrupt that user code swallowed
         session = self.guard.session
         if session is not None and session.failure.peer_error is not None:
@@ -232,15 +180,13 @@ class FaultTolerance(_CallbackBase):
             if stage == "fit":  # live state the script did not pass as ckpt_path: loaded by fit all the same
                 _compat_lightning.substitute_ckpt_path(
                     trainer, lambda path: live.substitute(path, "the trainer's fit(ckpt_path=...)"))
-            # the newest checkpoint in memory: the next attempt's fit(ckpt_path=...) reads it from there,
-            # unless the strategy loads the weights itself (sharded: ModelParallelStrategy, FSDPStrategy)
+            # the newest checkpoint in memory for the next fit(ckpt_path=...), unless the strategy loads it itself
             why = _compat_lightning.restores_itself(trainer.strategy)
             if why:
                 log(logging.WARNING, "checkpoints are not kept in memory for a recovery in place: %s", why)
             else:
                 _compat_lightning.keep_checkpoints_in_memory(trainer.strategy, snapshots.keep, snapshots.take)
-        # First in line on the exception path: release before any other on_exception runs a collective.
-        # (Lightning iterates this very list; moving an already-called item to the front skips no one.)
+        # first in line on the exception path: release before any other on_exception runs a collective
         callbacks = trainer.callbacks
         if callbacks and callbacks[0] is not self and self in callbacks:
             callbacks.remove(self)
@@ -251,8 +197,7 @@ class FaultTolerance(_CallbackBase):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The strategy wrapped the model (DDP) and the checkpoint's callback states are loaded: the
-        DDP gets the checkpoint's bucket layout before its first step (a resume exact at 3+ ranks)."""
+        """The DDP exists and the checkpoint is loaded: it gets the saved bucket layout before its first step."""
         from torch.nn.parallel import DistributedDataParallel
 
         model = getattr(trainer.strategy, "model", None)
@@ -265,8 +210,7 @@ class FaultTolerance(_CallbackBase):
 
     @staticmethod
     def _keep_launched_ranks(trainer: pl.Trainer) -> None:
-        """Recovering in place: the next attempt's Trainer must not start the other ranks again (a
-        :class:`RecoveryError` if it would: every rank fails, and none recovers)."""
+        """Recovering in place: the next attempt's Trainer must not start the other ranks again."""
         try:
             if _compat_lightning.keep_launched_ranks(trainer):
                 log(logging.INFO, "recover_in_place: LOCAL_RANK set in this process, which started the other ranks, "
@@ -275,20 +219,16 @@ class FaultTolerance(_CallbackBase):
             raise RecoveryError(str(err)) from err
 
     def _run_stage_in_rank(self, trainer: pl.Trainer, run_stage: Callable[[], Any]) -> Any:
-        """Spawned ranks only: the exception path Lightning does not give them.
-
-        Records and releases (or converts), then runs the ``on_exception`` of the checkpoint
-        callbacks (``OnExceptionCheckpoint``) here, where the trained state is: the parent, which
-        Lightning would have run them in, holds only the untrained model.
-        """
+        """Spawned ranks only: the exception path Lightning does not give them, with the checkpoint
+        callbacks' ``on_exception`` run here, where the trained state is."""
         try:
             return run_stage()
         except (Exception, HangInterrupted) as exc:
             to_raise = self._convert(trainer, exc)
             for callback in list(trainer.callbacks):
                 if isinstance(callback, _compat_lightning.checkpoint_types()):
-                    _guarded(f"{type(callback).__name__}.on_exception",
-                             functools.partial(callback.on_exception, trainer, trainer.lightning_module, exc))
+                    _guarded(f"{type(callback).__name__}.on_exception", callback.on_exception, trainer,
+                             trainer.lightning_module, exc)
             if to_raise is exc:
                 raise
             raise to_raise from exc
@@ -364,14 +304,10 @@ class FaultTolerance(_CallbackBase):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync(trainer, "end of run")
         self._live.close()
-        # Every rank is past the last agreement: a rank that now exits first is not a failure.
-        self._stop_watchdog()
+        self.guard.stop()  # every rank is past the last agreement
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stop_watchdog()
-
-    def _stop_watchdog(self) -> None:
         self.guard.stop()
 
     @override
@@ -381,7 +317,7 @@ class FaultTolerance(_CallbackBase):
         in_parent = False
         if self.guard.active:
             to_raise = self._convert(trainer, exception)
-            self._live.failed()  # the peers told first; then, before the exception path tears down, the state
+            self._live.failed()  # the peers told first; then the state, before the teardown
             self._recovery.failed()
         elif _is_rank_process_error(exception):
             to_raise, in_parent = exception, True  # the parent of spawned ranks: keep the rank's error visible
@@ -404,47 +340,32 @@ class FaultTolerance(_CallbackBase):
             if isinstance(callback, FaultTolerance):
                 continue
             if in_parent and isinstance(callback, _compat_lightning.checkpoint_types()):
-                # Its rank already ran it (see _run_stage_in_rank); here it would save the untrained model.
                 log(logging.INFO, "%s.on_exception is not run in the parent of spawned ranks (it holds only the "
                     "untrained model; the ranks ran it)", type(callback).__name__)
                 continue
-            _guarded(f"{type(callback).__name__}.on_exception",
-                     functools.partial(callback.on_exception, trainer, pl_module, exception))
+            _guarded(f"{type(callback).__name__}.on_exception", callback.on_exception, trainer, pl_module, exception)
         for what, step in _compat_lightning.interrupt_steps(trainer, exception):
             _guarded(what, step)
         trainer.state.stage = None
 
 
 def _evaluation(trainer: pl.Trainer) -> str:
-    # Lightning's sanity check (a couple of batches before training) teaches nothing about a real
-    # validation: a kind of its own.
     return "sanity check" if trainer.sanity_checking else EVALUATION
 
 
 def _is_rank_process_error(exc: BaseException) -> bool:
     """The error ``torch.multiprocessing`` raises in the parent when a spawned rank failed."""
-    try:
-        from torch.multiprocessing.spawn import ProcessException
-    except ImportError:  # pragma: no cover
-        return False
+    from torch.multiprocessing.spawn import ProcessException
+
     return isinstance(exc, ProcessException)
 
 
 # -- live state --------------------------------------------------------------------------------------
 class LightningLive(LiveLoop):
     """Live state (:mod:`.data.live`) of one Lightning ``Trainer``, from what ``trainer.save_checkpoint``
-    would write; driven by the :class:`FaultTolerance` callback while a recovery in place runs:
-
-    * ``on_train_start``: the loops are set up; the state the loop starts from is the first mark;
-    * ``on_train_batch_start``: torch's RNG as the batch starts;
-    * ``on_before_optimizer_step``: the optimizer's update begins (the training step and backward ran
-      inside ``optimizer.step``'s closure before this; a failure there leaves the state trusted);
-    * ``on_train_batch_end``: the batch completed: the loops' state (progress, the loader's position),
-      the global step and epoch, the LR schedulers and the optimizers' hyper-parameters, as a
-      ``ModelCheckpoint`` saving in this hook would hold them;
-    * ``on_exception``: the capture: ``dump_checkpoint`` (model, optimizers, callbacks, as they are: no
-      update ran since the mark), with the marked parts put in.
-    """
+    would write: marked at each ``on_train_batch_end`` (loops, epoch, LR schedulers, optimizers'
+    hyper-parameters), an update begins at ``on_before_optimizer_step``, captured at ``on_exception``
+    (``dump_checkpoint`` with the marked parts put in)."""
 
     unit = "global step"
 
@@ -487,8 +408,7 @@ class LightningLive(LiveLoop):
             "loops": _compat_lightning.snapshot_loops(self._parts),
             "epoch": int(trainer.current_epoch),
             "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-            "param_groups": [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-                             for optimizer in trainer.optimizers],
+            "param_groups": [self.hyper(optimizer) for optimizer in trainer.optimizers],
         }
         self.tracker.complete(int(trainer.global_step), small, initial=initial)
 
@@ -501,8 +421,7 @@ class LightningLive(LiveLoop):
         if "lr_schedulers" in checkpoint:
             checkpoint["lr_schedulers"] = small["lr_schedulers"]
         for saved, hyper in zip(checkpoint.get("optimizer_states", []), small["param_groups"]):
-            if isinstance(saved, dict) and isinstance(saved.get("param_groups"), list):
-                saved["param_groups"] = [{**group, **h} for group, h in zip(saved["param_groups"], hyper)]
+            self.with_hyper(saved, hyper)
         return live.Captured(tracker.step, "global step", checkpoint, self.directory, tracker.rng_after(tracker.step))
 
 
@@ -511,8 +430,7 @@ class LightningLive(LiveLoop):
 HOOKS = {recoveries.RecoveryPhase.FAILURE_SEEN: "on_failure_seen",
          recoveries.RecoveryPhase.RECOVERY_STARTED: "on_recovery_started",
          recoveries.RecoveryPhase.RECOVERED: "on_recovered"}
-#: The first attempt's loggers' ``(class, root folder, version, folder)`` (:func:`.adapters.compat_lightning.logger_versions`),
-#: while a recovery in place runs.
+#: The first attempt's loggers' ``(class, root folder, version, folder)``, while a recovery in place runs.
 _logger_versions: list = []
 #: A CSV logger's ``metrics.csv`` as the failed attempt left it, by folder (read at the teardown).
 _kept_metrics: dict[str, bytes] = {}
@@ -558,33 +476,10 @@ def dispatch(trainer: Any, hook: str, info: recoveries.RecoveryInfo) -> None:
 
 
 class LightningRecovery(LoopRecovery):
-    """One ``FaultTolerance`` callback's part of a recovery in place.
-
-    Lightning runs a hook by its name on every callback that has it (and, for the model's hooks, on the
-    ``LightningModule``); the :class:`~fault_tolerant_handlers.lightning.FaultTolerance` callback does the
-    same for three hooks of its own, so that any callback (no base class to inherit, either namespace)
-    or the module can take them:
-
-    =========================  =================================================  ========================
-    hook                       when                                               on the module
-    =========================  =================================================  ========================
-    ``on_failure_seen``        the failure reached this rank's recovery (the      ``on_failure_seen(info)``
-                               failed attempt's trainer; the recovery runs)
-    ``on_recovery_started``    the ranks agreed to recover (the failed            ``on_recovery_started(info)``
-                               attempt's trainer)
-    ``on_recovered``           the next attempt's ``on_train_start``: the         ``on_recovered(info)``
-                               checkpoint or live state is loaded, the step it
-                               carries on from is its global step
-    =========================  =================================================  ========================
-
-    A callback's hook is called ``hook(trainer, pl_module, info)``, with ``info`` a
-    :class:`~.core.recoveries.RecoveryInfo`. An exception in the first two is logged, never passed on
-    (the recovery must go on); in ``on_recovered`` it fails the run, as in any hook. At the end of the
-    first training batch after a recovery the callback logs ``fault_tolerance/recoveries``,
-    ``fault_tolerance/time_to_recover`` and ``fault_tolerance/steps_computed_twice`` to every logger of
-    the trainer (``logger.log_metrics``, at that step: not held back to ``log_every_n_steps``) and into
-    ``trainer.callback_metrics`` (put there directly: :func:`.adapters.compat_lightning.put_callback_metrics`).
-    """
+    """One ``FaultTolerance`` callback's part of a recovery in place: the hooks ``on_failure_seen``,
+    ``on_recovery_started`` (the failed attempt's trainer) and ``on_recovered`` (the next attempt's
+    ``on_train_start``) on every callback and the module that define them, and the recovery's numbers
+    logged at the first training batch after it (docs/recovering.md)."""
 
     loops: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
     last_completed: int | None = None
@@ -595,9 +490,7 @@ class LightningRecovery(LoopRecovery):
 
     def setup(self, trainer: Any) -> None:
         self.attached(trainer)
-        # One logger version for the whole run: the first attempt's loggers' versions are recorded; a
-        # recovered attempt's loggers take them (a new Trainer's would take the next free version_N).
-        try:
+        try:  # one logger version for the whole run: a recovered attempt's loggers take the first's
             if not attempts.in_place():
                 _logger_versions[:] = _compat_lightning.logger_versions(trainer)
             else:
@@ -631,9 +524,3 @@ class LightningRecovery(LoopRecovery):
 def _hook(info: recoveries.RecoveryInfo) -> None:
     LightningRecovery.tell_failed_loops(info, lambda trainer: dispatch(trainer, HOOKS[info.phase], info),
                                         f"{HOOKS[info.phase]} hook")
-
-
-hooks.add(hooks.FAILURE_SEEN, _hook)
-hooks.add(hooks.RECOVERY_STARTED, _hook)
-hooks.add(hooks.RESET_FRAMEWORKS, _keep_logger_versions, tolerate=True)
-hooks.add(hooks.END, _forget_logger_versions, tolerate=True)

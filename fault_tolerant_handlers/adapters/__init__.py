@@ -1,7 +1,6 @@
 """What the Ignite and Lightning adapters share (:mod:`.guard`), and the private APIs of Ignite and
 Lightning they use, each checked at start (:mod:`.compat_ignite`, :mod:`.compat_lightning`)."""
 
-from ..core import hooks
 from ..core.phases import RecoveryState
 from ..data import live
 from . import compat_ignite
@@ -17,16 +16,3 @@ def _resolve_live_names(state: RecoveryState) -> None:
     resolves the name ``latest_checkpoint`` gives for it."""
     if live.held() is not None:
         compat_ignite.hook_load_objects(take=live.take)
-
-
-#: What the adapters do in a recovery in place (:mod:`..core.hooks`), registered at import: once the
-#: failed attempt's groups are gone, a framework's process-wide state goes back to a fresh process's.
-#: A step that fails is logged and the recovery goes on (the next attempt may not use that framework).
-STEPS = (
-    (hooks.RESET_FRAMEWORKS, _reset_idist),
-    (hooks.RESET_FRAMEWORKS, _resolve_live_names),
-    # a keeper's replacement process runs no teardown: it learns of the live state as it is held
-    (hooks.SETTLE_LIVE, _resolve_live_names),
-)
-for _phase, _step in STEPS:
-    hooks.add(_phase, _step, tolerate=True)

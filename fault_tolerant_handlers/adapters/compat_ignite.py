@@ -1,36 +1,18 @@
 """Every use of PyTorch-Ignite's private API, in one place, checked when a handler is attached.
 
-Checked against pytorch-ignite 0.5.0.post2 (the first 0.5 release) and 0.5.5.
+Checked against pytorch-ignite 0.5.0.post2 and 0.5.5.
 
-* ``Engine._event_handlers``: ``{event: [(func, args, kwargs), ...]}``, the handlers an event
-  fires, where ``args[0]`` may be a weak reference to the engine (Ignite passes the engine first to
-  handlers that take it). Used to put a handler first for an event, and to run the engine's other
-  ``EXCEPTION_RAISED`` handlers ourselves (Ignite stops re-raising once any is attached).
-* ``ignite.distributed.utils._model`` / ``_need_to_sync`` / ``_SerialModel``: idist's process-wide
-  model of the distributed context. Recovering in place puts them back as a fresh process has them
-  (:func:`reset_idist`): idist computes its model lazily with a collective (``new_group``), so a
-  survivor that kept the failed attempt's model and a replacement process that computes it anew would
-  be out of step by one collective.
-* ``Engine._handler_wrapper``'s ``_parent``: a handler attached to a filtered event
-  (``Events.ITERATION_COMPLETED(every=10)``) is registered as a wrapper whose ``_parent`` is a weak
-  reference to the handler. Used to find the ``Checkpoint`` handlers attached to a trainer, whose
-  ``to_save`` is what live state captures (:func:`attached_handlers`).
-* ``Checkpoint.load_objects`` (public, a ``staticmethod``) is wrapped once per process
-  (:func:`hook_load_objects`) when a recovery in place carries on from live state or the Ignite
-  adapter is imported: given a path, it first asks for the live state under that name (a name
-  ``latest_checkpoint`` gave, which no file has) and loads that; any other path is loaded as before;
-  once the objects are loaded, a DDP's bucket layout saved beside them is given to the DDP
-  (:mod:`..ignite`).
-* ``Engine._process_function``: the training step an ``Engine`` runs, whose closure and globals name
-  the ``DistributedDataParallel`` that wraps a model ``to_save`` holds unwrapped (:func:`step_names`).
-* ``Engine._run_once_on_dataset_as_gen`` / ``_run_once_on_dataset_legacy``: the functions whose frames
-  (with ``self``, the engine) are on the stack while an engine runs its epoch. ``hang_timeout="auto"``
-  reads them, from the watchdog thread, to recognise an evaluator run from a trainer's handler.
-* ``Engine._internal_run_as_gen`` / ``_internal_run_legacy`` and the two above log the exception they
-  caught at ERROR on ``Engine.logger`` ("Current run is terminating due to exception: ...") right
-  before they fire ``EXCEPTION_RAISED``. :func:`before_error_log`, a filter on that logger, lets the
-  handler decide what the rank raises, and log the library's line naming the failing rank and cause,
-  before Ignite's line is written.
+* ``Engine._event_handlers`` (``{event: [(func, args, kwargs)]}``, ``args[0]`` maybe a weak reference
+  to the engine): to put a handler first, and to run the other ``EXCEPTION_RAISED`` handlers ourselves;
+  a filtered event's wrapper has ``_parent``, a weak reference to the handler (:func:`attached_handlers`).
+* ``ignite.distributed.utils._model`` / ``_need_to_sync`` / ``_SerialModel``: idist's model of the
+  distributed context, put back as a fresh process has it when recovering in place (:func:`reset_idist`).
+* ``Checkpoint.load_objects`` (public) is wrapped once per process (:func:`hook_load_objects`).
+* ``Engine._process_function``: its closure and globals name the DDP that wraps a model (:func:`step_names`).
+* ``Engine._run_once_on_dataset_as_gen`` / ``_legacy`` (on the stack while an engine runs an epoch:
+  ``hang_timeout="auto"`` tells an evaluator run from a trainer's handler), and with
+  ``_internal_run_as_gen`` / ``_legacy``, the frames that log an exception at ERROR on
+  ``Engine.logger`` right before ``EXCEPTION_RAISED`` (:func:`before_error_log`).
 """
 
 from __future__ import annotations
@@ -46,15 +28,19 @@ from typing import Any, Callable
 CHECKED_AGAINST = ("0.5.0.post2", "0.5.5")
 
 
+def _lacking(needs: str) -> RuntimeError:
+    """The error naming what this Ignite version lacks: ``needs`` is what the library needs."""
+    import ignite
+
+    return RuntimeError(f"fault-tolerant-handlers {needs}, which pytorch-ignite {ignite.__version__} does not have "
+                        f"(checked against {', '.join(CHECKED_AGAINST)})")
+
+
 def check(engine: Any) -> None:
     """Raise ``RuntimeError`` naming what this Ignite version lacks."""
     handlers = getattr(engine, "_event_handlers", None)
     if not isinstance(handlers, dict):
-        import ignite
-
-        raise RuntimeError(
-            f"fault-tolerant-handlers needs ignite.engine.Engine._event_handlers (a dict of handler lists), which "
-            f"pytorch-ignite {ignite.__version__} does not have (checked against {', '.join(CHECKED_AGAINST)})")
+        raise _lacking("needs ignite.engine.Engine._event_handlers (a dict of handler lists)")
 
 
 def handlers_of(engine: Any, event: Any) -> list:
@@ -113,11 +99,7 @@ def check_running_engines() -> None:
     from ignite.engine import Engine
 
     if not any(callable(getattr(Engine, name, None)) for name in EPOCH_FUNCTIONS):
-        import ignite
-
-        raise RuntimeError(
-            f"fault-tolerant-handlers (hang_timeout='auto') needs ignite.engine.Engine.{EPOCH_FUNCTIONS[0]}, which "
-            f"pytorch-ignite {ignite.__version__} does not have (checked against {', '.join(CHECKED_AGAINST)})")
+        raise _lacking(f"(hang_timeout='auto') needs ignite.engine.Engine.{EPOCH_FUNCTIONS[0]}")
 
 
 def running_engines(frame: Any) -> list:
@@ -139,8 +121,7 @@ RUN_FUNCTIONS = EPOCH_FUNCTIONS + ("_internal_run_as_gen", "_internal_run_legacy
 
 def before_error_log(engine: Any, first: Callable[[BaseException], Any]) -> Callable[[logging.LogRecord], bool]:
     """A filter for ``engine.logger`` that calls ``first(exc)`` when ``engine``'s run loop logs the
-    exception ``exc`` it is about to hand to its ``EXCEPTION_RAISED`` handlers, before the line is
-    written. Any other record passes untouched; an error of ``first`` is left to the handler."""
+    exception it is about to hand to ``EXCEPTION_RAISED``, before the line is written."""
     def cause_first(record: logging.LogRecord) -> bool:
         exc = sys.exc_info()[1] if record.levelno >= logging.ERROR else None
         frame = sys._getframe(1) if exc is not None else None
@@ -156,37 +137,25 @@ def before_error_log(engine: Any, first: Callable[[BaseException], Any]) -> Call
 
 
 def reset_idist() -> None:
-    """Recovering in place, after the failed attempt's groups are gone: idist's model of the
-    distributed context goes back to a fresh process's (``RESET_FRAMEWORKS``). Nothing when Ignite's
-    idist was never imported."""
-    import sys
-
+    """Recovering in place: idist's model of the distributed context goes back to a fresh process's."""
     utils = sys.modules.get("ignite.distributed.utils")
     if utils is None:
         return
     missing = [name for name in ("_model", "_need_to_sync", "_SerialModel") if not hasattr(utils, name)]
     if missing:
-        import ignite
-
-        raise RuntimeError(f"fault-tolerant-handlers needs ignite.distributed.utils.{', '.join(missing)} to recover in "
-                           f"place, which pytorch-ignite {ignite.__version__} does not have (checked against "
-                           f"{', '.join(CHECKED_AGAINST)})")
+        raise _lacking(f"needs ignite.distributed.utils.{', '.join(missing)} to recover in place")
     utils._model = utils._SerialModel()
     utils._need_to_sync = True
 
 
-#: What the one wrapper of ``Checkpoint.load_objects`` calls (:func:`hook_load_objects`): ``take(path)``,
-#: the live state for a name ``latest_checkpoint`` gave; ``read(path)``, what Ignite would read for a
-#: path; ``after(to_load, checkpoint)``, once the objects are loaded.
+#: ``take(path)`` (the live state for a name), ``read(path)``, ``after(to_load, checkpoint)``.
 _load_hooks: dict[str, Callable] = {}
 
 
 def hook_load_objects(*, take: Callable[[Any], Any] | None = None, read: Callable[[Any], Any] | None = None,
                       after: Callable[[Any, Any], None] | None = None) -> None:
-    """Wrap ``Checkpoint.load_objects`` once per process and add the hooks given (see :data:`_load_hooks`):
-    given a path, it loads ``take(path)`` when that is not ``None`` (as ``load_objects(to_load,
-    load_checkpoint(path))`` does), else, with ``after``, ``read(path)``; then calls ``after``, which
-    does not run when the load raised. Nothing when Ignite's checkpoint module was never imported."""
+    """Wrap ``Checkpoint.load_objects`` once per process and add the hooks given: given a path, it loads
+    ``take(path)`` when not ``None``, else (with ``after``) ``read(path)``; then calls ``after``."""
     _load_hooks.update({name: hook for name, hook in (("take", take), ("read", read), ("after", after))
                         if hook is not None})
     module = sys.modules.get("ignite.handlers.checkpoint")
@@ -215,8 +184,7 @@ def hook_load_objects(*, take: Callable[[Any], Any] | None = None, read: Callabl
 
 
 def step_names(engine: Any) -> list:
-    """The values the training step of ``engine`` names: its closure's cells and the globals its code
-    names (its own code only, one level)."""
+    """The values the training step of ``engine`` names: its closure's cells and its code's globals."""
     func = getattr(engine, "_process_function", None)
     func = getattr(func, "func", func)  # a functools.partial
     code = getattr(func, "__code__", None)

@@ -1,48 +1,24 @@
 """Every use of Lightning's private API, in one place, checked when the callback is set up.
 
-Checked against lightning 2.5.0 and 2.6.6, and pytorch-lightning 2.6.6 (the standalone package).
+Checked against lightning 2.5.0 and 2.6.6, and pytorch-lightning 2.6.6. Lightning ships as
+``lightning.pytorch`` and ``pytorch_lightning``, two copies with distinct classes: :data:`NAMESPACES`
+lists those installed, and each name below is looked up in the namespace of the object given.
 
-Lightning ships under two names: ``lightning.pytorch`` (the ``lightning`` package) and
-``pytorch_lightning`` (the ``pytorch-lightning`` package), two copies of the same code whose classes
-are distinct. :data:`NAMESPACES` lists those installed; the callback derives from the ``Callback`` of
-each (:func:`callback_bases`), and each private name below is looked up in the namespace of the
-trainer it is given (:func:`namespace`).
-
-* ``<namespace>.strategies.launchers.multiprocessing._MultiProcessingLauncher``: the launcher of
-  ``ddp_spawn``/``ddp_fork``/``ddp_notebook``, which runs the stage in the ranks without
-  ``_call_and_handle_interrupt`` (so ``on_exception`` runs in the parent only);
-* ``Trainer._run_stage``: wrapped in spawned ranks, to give them an exception path;
-* ``Trainer._teardown``: the last step of Lightning's exception path (``trainer.call._interrupt``),
-  which the callback finishes itself;
-* ``<namespace>.strategies.launchers.subprocess_script._SubprocessScriptLauncher``: the launcher of
-  ``strategy="ddp"``, whose ``_call_children_scripts`` sets ``LOCAL_RANK`` in the environment of the
-  process that started the other ranks; recovering in place relies on it (:func:`keep_launched_ranks`,
-  looked up only then).
-* ``Trainer._checkpoint_connector.dump_checkpoint(weights_only=False)``: the dict
-  ``trainer.save_checkpoint`` writes, without its barrier and file (live state, :func:`dump_checkpoint`);
-* ``<namespace>.loops.loop._Loop`` and ``<namespace>.loops.progress._BaseProgress``: the loops' state as
-  ``_Loop.state_dict`` walks it (``on_save_checkpoint()`` of each loop, the progress objects in its
-  ``__dict__``), copied cheaply at every completed batch (:func:`loop_parts`, :func:`snapshot_loops`);
-* ``<namespace>.strategies.DDPStrategy`` / ``DeepSpeedStrategy``: live state only under a plain DDP
-  strategy, whose checkpoint is built without collectives (:func:`plain_ddp`).
-* ``ModelCheckpoint.__resolve_ckpt_dir`` (name-mangled, called in its ``setup``): where a
-  ``ModelCheckpoint`` without ``dirpath`` writes, mirrored (not called) by :func:`checkpoint_folders`
-  for ``latest_checkpoint(trainer)`` before ``fit``: ``<logger save_dir or default_root_dir>/<logger
-  name>/<version>/checkpoints``, or ``<default_root_dir>/checkpoints`` without a logger.
-* ``Trainer.callback_metrics`` (public) returns the logger connector's own dict, which keeps what is
-  put in it until the next stage resets it: the recovery's numbers go there directly
-  (:func:`put_callback_metrics`), not through ``LightningModule.log``, whose first call in a process
-  costs 0.5-0.9 s at 4 ranks on 2 loaded cores (its result collection's ``apply_to_collection``
-  meeting each type for the first time: ABC subclass checks over every class torch defines), paid at
-  the first batch after the first recovery.
-* ``Trainer._checkpoint_connector.resume_start(checkpoint_path, ...)``: where ``fit`` loads the
-  ``ckpt_path`` it was given (``None``: nothing); recovering in place with live state held, the path
-  is replaced by the live state's name, whatever the script passed (:func:`substitute_ckpt_path`).
-* ``<logger class>._get_next_version`` (``CSVLogger``, ``TensorBoardLogger``: the version a logger
-  takes when none is given, from the folders that exist) and CSV's ``_ExperimentWriter`` (its
-  ``metrics_file_path``, ``metrics_keys``, ``metrics``; it deletes ``metrics.csv`` of a folder it opens):
-  recovering in place, the next attempt's loggers keep the first attempt's version and rows
-  (:func:`pin_next_versions`, :func:`restore_csv_metrics`).
+* ``strategies.launchers.multiprocessing._MultiProcessingLauncher`` (``ddp_spawn``: ``on_exception``
+  runs in the parent only) and ``Trainer._run_stage``, wrapped in spawned ranks;
+* ``Trainer._teardown``: the last step of Lightning's exception path, which the callback finishes;
+* ``strategies.launchers.subprocess_script._SubprocessScriptLauncher``, whose
+  ``_call_children_scripts`` sets ``LOCAL_RANK`` in the process that started the ranks
+  (:func:`keep_launched_ranks`);
+* ``Trainer._checkpoint_connector.dump_checkpoint`` (live state) and ``.resume_start`` (where ``fit``
+  loads ``ckpt_path``: :func:`substitute_ckpt_path`);
+* ``loops.loop._Loop``, ``loops.progress._BaseProgress``: the loops' state, copied cheaply at every
+  batch (:func:`loop_parts`); ``strategies.DDPStrategy`` / ``DeepSpeedStrategy`` (:func:`plain_ddp`);
+* ``ModelCheckpoint.__resolve_ckpt_dir``, mirrored by :func:`checkpoint_folders`;
+* ``Trainer.callback_metrics`` returns the logger connector's own dict (:func:`put_callback_metrics`:
+  ``LightningModule.log``'s first call costs 0.5-0.9 s at 4 ranks);
+* ``<logger>._get_next_version`` and CSV's ``_ExperimentWriter`` (``metrics_file_path``,
+  ``metrics_keys``, ``metrics``): the next attempt's loggers keep the first attempt's version and rows.
 """
 
 from __future__ import annotations
@@ -78,19 +54,14 @@ def _import(name: str) -> Any:
     return importlib.import_module(name)
 
 
-def namespace(trainer: Any) -> str:
-    """``"lightning.pytorch"`` or ``"pytorch_lightning"``: the package whose ``Trainer`` this is."""
-    module = type(trainer).__module__
-    return "pytorch_lightning" if module.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
+def namespace(obj: Any) -> str:
+    """``"lightning.pytorch"`` or ``"pytorch_lightning"``: the package whose object (trainer, strategy, loop) this is."""
+    return "pytorch_lightning" if type(obj).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
 
 
 def callback_bases() -> tuple[type, ...]:
-    """The ``Callback`` class of every installed namespace: the callback derives from each, so that
-    a ``Trainer`` of either takes it as its own (Lightning checks ``isinstance(cb, Callback)`` in
-    places, e.g. ``is_overridden`` without a parent in lightning 2.5). The ``lightning`` package
-    depends on ``pytorch-lightning``, so both are usually installed, and both are imported here
-    (the second costs a fraction of a second of import per rank). A namespace that is installed
-    but does not import is left out; none at all is an ``ImportError`` saying what to install."""
+    """The ``Callback`` class of every installed namespace that imports (the callback derives from
+    each); none at all is an ``ImportError`` saying what to install."""
     bases, errors = [], []
     for name in NAMESPACES:
         try:
@@ -105,8 +76,7 @@ def callback_bases() -> tuple[type, ...]:
 
 
 def checkpoint_types() -> tuple[type, ...]:
-    """``Checkpoint`` (the base of ``ModelCheckpoint`` and ``OnExceptionCheckpoint``) of every
-    namespace imported by now (a trainer's callbacks come from imported namespaces)."""
+    """``Checkpoint`` (the base of ``ModelCheckpoint`` and ``OnExceptionCheckpoint``) of every imported namespace."""
     return tuple(sys.modules[name + ".callbacks"].Checkpoint for name in NAMESPACES
                  if hasattr(sys.modules.get(name + ".callbacks"), "Checkpoint"))
 
@@ -150,9 +120,8 @@ def wrap_run_stage(trainer: Any, wrapper: Callable[[Callable[[], Any]], Any]) ->
 
 
 def interrupt_steps(trainer: Any, exception: BaseException) -> list[tuple[str, Callable[[], Any]]]:
-    """The rest of ``lightning.pytorch.trainer.call._interrupt`` after the callbacks' ``on_exception``,
-    and of the ``except BaseException`` branch of ``_call_and_handle_interrupt``: datamodule
-    ``on_exception``, ``strategy.on_exception``, ``logger.finalize("failed")``, ``Trainer._teardown``."""
+    """The rest of Lightning's ``_interrupt`` after the callbacks' ``on_exception``: datamodule and
+    strategy ``on_exception``, ``logger.finalize("failed")``, ``Trainer._teardown``."""
     steps: list[tuple[str, Callable[[], Any]]] = []
     if trainer.datamodule is not None:
         steps.append(("datamodule.on_exception", lambda: trainer.datamodule.on_exception(exception)))
@@ -164,13 +133,9 @@ def interrupt_steps(trainer: Any, exception: BaseException) -> list[tuple[str, C
 
 
 def keep_launched_ranks(trainer: Any) -> bool:
-    """In the process of a ``strategy="ddp"`` run that started the other ranks (rank 0, Lightning's
-    ``_SubprocessScriptLauncher``), recovering in place: make sure the ``Trainer`` of the next attempt
-    does not start them again. Lightning's environment starts them unless it ``creates_processes_externally``,
-    which ``LightningEnvironment`` reads from ``LOCAL_RANK``; ``_call_children_scripts`` sets that variable
-    in this process itself (lightning 2.5.0, 2.6.6), and this sets it where a version would not. Returns
-    True if it had to. Raises ``RuntimeError`` when the launcher is missing or the cluster environment
-    would start the ranks again anyway."""
+    """Recovering in place in the process that started the other ranks (``strategy="ddp"``): set
+    ``LOCAL_RANK`` so that the next attempt's ``Trainer`` does not start them again. Returns True if it
+    had to; ``RuntimeError`` when the launcher is missing or the environment would start them anyway."""
     ns = namespace(trainer)
     try:
         launcher_type = _import(ns + ".strategies.launchers.subprocess_script")._SubprocessScriptLauncher
@@ -194,11 +159,8 @@ def keep_launched_ranks(trainer: Any) -> bool:
 
 
 def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any], newest: Callable[[Any], Any]) -> None:
-    """Recovering in place: ``Strategy.save_checkpoint(checkpoint, filepath, ...)`` (public, called on
-    every rank; it writes on rank 0) also calls ``keep(filepath, checkpoint)``, and
-    ``Strategy.load_checkpoint(path, ...)`` returns ``newest(path)`` when that is not ``None``
-    (:mod:`..data.snapshots`). The save is a deferred section (:mod:`..core.interrupts`). On this
-    strategy object only; once."""
+    """Recovering in place, on this strategy once: ``save_checkpoint`` also calls ``keep(filepath,
+    checkpoint)`` (in a deferred section), ``load_checkpoint(path)`` returns ``newest(path)`` if not ``None``."""
     if getattr(strategy, "_fth_snapshots", False):
         return
     save, load = strategy.save_checkpoint, strategy.load_checkpoint
@@ -221,14 +183,9 @@ def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any], n
 
 
 def restores_itself(strategy: Any) -> str:
-    """Why a checkpoint dict handed to ``strategy`` would not be what it loads ("" when it is).
-
-    Lightning's ``Strategy.load_checkpoint`` reads the file and ``load_model_state_dict`` /
-    ``load_optimizer_state_dict`` apply the dict it returned. ``ModelParallelStrategy``,
-    ``FSDPStrategy`` (and DeepSpeed) load the weights and the optimizer inside their own
-    ``load_checkpoint`` and make those two methods no-ops (checked against Lightning 2.5.0, 2.6.6):
-    a dict returned instead of the file's is never applied."""
-    ns = "pytorch_lightning" if type(strategy).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
+    """Why a checkpoint dict handed to ``strategy`` would not be what it loads ("" when it is):
+    ``FSDPStrategy``, ``ModelParallelStrategy`` and DeepSpeed load inside their own ``load_checkpoint``."""
+    ns = namespace(strategy)
     base = _import(ns + ".strategies").Strategy
     overridden = [name for name in ("load_checkpoint", "load_model_state_dict", "load_optimizer_state_dict")
                   if getattr(type(strategy), name, None) is not getattr(base, name)]
@@ -239,9 +196,8 @@ def restores_itself(strategy: Any) -> str:
 
 
 def plain_ddp(strategy: Any) -> bool:
-    """``strategy`` is Lightning's ``DDPStrategy`` (not DeepSpeed, FSDP...): its checkpoint dict is
-    built from this rank's objects alone, without collectives."""
-    ns = "pytorch_lightning" if type(strategy).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
+    """``strategy`` is a plain ``DDPStrategy``: its checkpoint dict is built without collectives."""
+    ns = namespace(strategy)
     strategies = _import(ns + ".strategies")
     deepspeed = getattr(strategies, "DeepSpeedStrategy", ())
     return isinstance(strategy, strategies.DDPStrategy) and not isinstance(strategy, deepspeed)
@@ -262,12 +218,11 @@ def _nodes(progress: Any) -> list:
 
 
 def loop_parts(loop: Any) -> tuple[list, list]:
-    """``([(key, loop)], [(key, progress, [(node, fields, getter)])])``: every loop under ``loop`` and
-    every progress object, keyed as ``loop.state_dict()`` keys them, with a getter of the plain fields
-    of each of its nodes (the structure is fixed once the trainer is set up)."""
+    """``([(key, loop)], [(key, progress, [(node, fields, getter)])])``: every loop and progress object
+    under ``loop``, keyed as ``loop.state_dict()`` keys them, with a getter of each node's plain fields."""
     import operator
 
-    ns = "pytorch_lightning" if type(loop).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
+    ns = namespace(loop)
     loop_type = _import(ns + ".loops.loop")._Loop
     progress_type = _import(ns + ".loops.progress")._BaseProgress
     loops: list = []
@@ -290,9 +245,7 @@ def loop_parts(loop: Any) -> tuple[list, list]:
 
 
 def snapshot_loops(parts: tuple[list, list]) -> tuple[list, list]:
-    """The loops' state now, cheaply (``loop.state_dict()`` turns every progress object into a dict
-    with ``dataclasses.asdict``, tens of microseconds; here only their plain fields are read, and
-    :func:`loop_state` builds the dict when it is needed)."""
+    """The loops' state now, cheaply: plain fields only (:func:`loop_state` builds the dict later)."""
     loops, progresses = parts
     return ([(key, node.on_save_checkpoint()) for key, node in loops],
             [getter(part.__dict__) for _, _, plain in progresses for part, _, getter in plain if getter is not None])
@@ -321,13 +274,10 @@ def loop_state(parts: tuple[list, list], snapshot: tuple[list, list]) -> dict:
 
 
 def checkpoint_folders(trainer: Any) -> tuple[list[str], str]:
-    """The folders the trainer's ``ModelCheckpoint`` writes to, and in earlier runs wrote to, and a
-    label naming them: its ``dirpath`` when set; else, as Lightning resolves it at setup (mirroring
-    ``ModelCheckpoint.__resolve_ckpt_dir``), the ``checkpoints`` folder of every version of the first
-    logger (``lightning_logs/version_<n>``: each run, and each ``fit`` in the same process, opens a new
-    version, so the newest checkpoint is usually in an earlier version's folder), or
-    ``<default_root_dir>/checkpoints`` without a logger. The logger's ``version`` is not read: reading
-    it fixes it before ``fit`` would, differently on each rank."""
+    """The folders the trainer's ``ModelCheckpoint`` writes to (and wrote to in earlier runs) and a label:
+    its ``dirpath``, else the ``checkpoints`` folder of every version of the first logger (each run opens
+    a new version; its ``version`` is not read, which would fix it on each rank), or
+    ``<default_root_dir>/checkpoints`` without a logger."""
     callback = getattr(trainer, "checkpoint_callback", None)
     if callback is None:
         raise ValueError("latest_checkpoint(trainer): the trainer has no ModelCheckpoint (enable_checkpointing=False "
@@ -362,8 +312,7 @@ def put_callback_metrics(trainer: Any, values: dict[str, float]) -> bool:
 
 
 def substitute_ckpt_path(trainer: Any, substitute: Callable[[Any], Any]) -> None:
-    """``fit`` on this trainer loads ``substitute(ckpt_path)`` instead of ``ckpt_path`` when that is not
-    ``None`` (``Trainer._checkpoint_connector.resume_start``, lightning 2.5.0, 2.6.6). Once per trainer."""
+    """``fit`` on this trainer loads ``substitute(ckpt_path)`` instead of ``ckpt_path`` when not ``None``."""
     connector = trainer._checkpoint_connector
     original = connector.resume_start
     if getattr(original, "_fth_substitute", False):
@@ -390,9 +339,8 @@ def logger_versions(trainer: Any) -> list[tuple[type, str, Any, str]]:
 
 
 def pin_next_versions(classes: Any, pinned: Callable[[Any], Any]) -> None:
-    """A logger of one of ``classes`` whose version is not given takes ``pinned(logger)`` when that is
-    not ``None``, instead of the next free ``version_N`` (``_get_next_version``, lightning 2.5.0,
-    2.6.6). Each class once; ``pinned`` is asked every time (``None``: the next free one, as before)."""
+    """A logger of ``classes`` without a version takes ``pinned(logger)`` when not ``None``, instead of the
+    next free ``version_N``. Each class once."""
     for cls in classes:
         original = cls.__dict__.get("_fth_original_next_version") or getattr(cls, "_get_next_version")
         if getattr(cls.__dict__.get("_get_next_version"), "_fth_pinned", False):
@@ -408,9 +356,8 @@ def pin_next_versions(classes: Any, pinned: Callable[[Any], Any]) -> None:
 
 
 def restore_csv_metrics(trainer: Any, kept: dict[str, bytes]) -> list[str]:
-    """On global rank 0: a ``CSVLogger`` opened again in a folder of ``kept`` (its writer deleted the
-    folder's ``metrics.csv`` as it opened) gets the file's rows back, before it writes any, and appends
-    to them. Returns the folders restored."""
+    """On global rank 0: a ``CSVLogger`` opened again in a folder of ``kept`` (whose ``metrics.csv`` its
+    writer deleted) gets the rows back before it writes any. Returns the folders restored."""
     restored = []
     if trainer.global_rank != 0:
         return restored

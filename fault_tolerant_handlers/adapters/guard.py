@@ -1,24 +1,7 @@
-"""What an adapter calls at its framework's hooks: one :class:`Guard` per training loop.
-
-An adapter (Ignite handler, Lightning callback) maps its framework's events onto these verbs of
-the loop's fail-together session (:class:`~..core.session.Session`):
-
-* :meth:`Guard.start` once, on every rank, before training (collective on first use: creates the
-  side group; takes a reference on the watchdog);
-* :meth:`Guard.beat` every iteration (one assignment: progress for hang detection), with the kind
-  of work that begins (``"step"``, ``"evaluation"``, ``"checkpoint"``) for ``hang_timeout="auto"``;
-* :meth:`Guard.explain_with` once: how to recognise work from the main thread's stack (``"auto"``);
-* :meth:`Guard.check` where a hook may raise without communicating (an attribute read);
-  ``beat`` and ``check`` also raise a hung main thread's interrupt again if user code swallowed it
-  (:func:`~..core.interrupts.raise_pending`);
-* :meth:`Guard.sync` at the points where every rank already synchronises (every ``sync_every``
-  iterations, epoch end, before a checkpoint, the end of the run): one agreement, and every rank
-  raises together if any rank failed;
-* :meth:`Guard.on_exception` when the framework reports an exception: what this rank must raise;
-* :meth:`Guard.stop` when the loop ended normally (drops its watchdog reference).
-
-What both adapters keep while a recovery in place runs is here too: a loop's live state
-(:class:`LiveLoop`, :mod:`..data.live`) and its part of the recovery's moments (:class:`LoopRecovery`).
+"""What an adapter calls at its framework's hooks: one :class:`Guard` per training loop, whose verbs
+(``start``, ``beat``, ``check``, ``sync``, ``on_exception``, ``stop``) drive the loop's fail-together
+session (:class:`~..core.session.Session`); and what both adapters keep while a recovery in place
+runs: a loop's live state (:class:`LiveLoop`) and its part of the recovery (:class:`LoopRecovery`).
 """
 
 from __future__ import annotations
@@ -45,16 +28,13 @@ class Guard:
 
     Args:
         sync_every: iterations between agreements inside an epoch (``None``: only at epoch ends and
-            the other natural sync points). The watchdog covers what happens in between.
-        hang_timeout: declare a rank hung when its loop makes no progress for this long, from 1 s
-            to 7 days; ``"auto"``: when a piece of work (step, evaluation, checkpoint) runs far longer
-            than any like it so far (:mod:`..detect.autohang`; ``FTH_AUTO_HANG_*``); ``None``: off unless
-            ``FTH_HANG_TIMEOUT_SEC`` (seconds, or ``auto``) is set.
+            the other natural sync points).
+        hang_timeout: as the adapters' ``FaultTolerance`` take it (:mod:`..detect.autohang` for ``"auto"``).
         watchdog: start the out-of-band watchdog (default True).
-        release_on_failure: when this rank fails, release its collectives at once so that peers
-            blocked in a collective with it fail fast instead of waiting for a timeout.
+        release_on_failure: when this rank fails, release its collectives at once (peers fail fast).
         name: the loop's name in reports (``"train"``).
         group: process group (``None``: all ranks).
+        owner: the class named in argument errors.
 
     Raises:
         TypeError, ValueError: an argument or an ``FTH_*`` variable out of range (named).
@@ -115,9 +95,7 @@ class Guard:
         of a hung main thread again if user code swallowed it (:func:`~..core.interrupts.raise_pending`)."""
         interrupts.raise_pending()
         watchdog = self.session.watchdog if self.session is not None else None
-        if watchdog is not None:
-            # ``step`` counts the steps completed; a hang report names the step the main thread is in,
-            # as a raise and ``FTH_INJECT`` do: in a training step (or the start before one) the next
+        if watchdog is not None:  # a hang report names the step under way: in a training step, the next
             named = step + 1 if step is not None and work in (STEP, START) else None
             watchdog.beat(step, completed=completed, named=named)
             if work is not None:
@@ -125,8 +103,7 @@ class Guard:
 
     @property
     def auto_hang(self):
-        """The learned-deadline probe of ``hang_timeout="auto"`` (``None`` otherwise), to read:
-        the guard tells it about work through the watchdog's verbs."""
+        """The learned-deadline probe of ``hang_timeout="auto"`` (``None`` otherwise)."""
         watchdog = self.session.watchdog if self.session is not None else None
         return getattr(watchdog, "auto_hang", None)
 
@@ -159,20 +136,14 @@ class Guard:
             raise self.on_exception(err, step=step, epoch=epoch)
 
     def on_exception(self, exc: BaseException, *, step: int | None = None, epoch: int | None = None) -> BaseException:
-        """What this rank must raise for ``exc``: ``exc`` itself, or the peer's error.
-
-        A local failure is published for the other ranks (and, with ``release_on_failure``, this
-        rank's collectives are released so that a peer blocked in one with it wakes up at once).
-        An error that comes from a peer's failure (:meth:`Session.classify`) becomes the peer's
-        :class:`PeerFailedError`. Idempotent: the same exception object is handled once.
-        """
+        """What this rank must raise for ``exc``: ``exc`` itself (a local failure, published and, with
+        ``release_on_failure``, this rank's collectives released), or the peer's :class:`PeerFailedError`
+        for an error that comes from a peer's failure. The same exception object is handled once."""
         session = self.session
         if session is None or tag_of(exc).handled:
             return exc
         if isinstance(exc, SystemExit) and session.failure.signal is not None:
-            # The framework's answer to this rank's own SIGTERM (Lightning's SIGTERMException, at the
-            # next batch): the peers know it already (RankSignalled), and its exception path
-            # (checkpoints, their barriers) runs on unreleased.
+            # the framework's answer to this rank's own SIGTERM: the peers know it already
             tag(exc, handled=True)
             return exc
         peer = session.classify(exc)
@@ -199,8 +170,7 @@ class Guard:
 
 class LiveLoop:
     """Live state of one training loop (:mod:`..data.live`): a step tracker registered while the loop
-    runs (``_begin``), marked at each completed step (``_mark``, the adapter's), captured at the
-    failure (``capture``, the adapter's, over :meth:`_tracked`)."""
+    runs, marked at each completed step (``_mark``) and captured at the failure (``capture``)."""
 
     unit = "iteration"  #: what a step is called in the loop's reports
 
@@ -225,8 +195,7 @@ class LiveLoop:
         raise NotImplementedError
 
     def step_starts(self, step: int) -> None:
-        """A step begins: torch's RNG as it starts (put back as the failed attempt had it there, in
-        the first step after live state was loaded)."""
+        """A step begins: torch's RNG as it starts (put back first, after live state was loaded)."""
         if self.tracker is not None:
             live.restore_rng(step)
             self.tracker.start_step(step)
@@ -243,7 +212,7 @@ class LiveLoop:
             self.tracker = None
 
     def _tracked(self, idle: str) -> live.StepTracker:
-        """The tracker to capture from; :class:`~..data.live.NotLive` (``idle`` or why not) without one."""
+        """The tracker to capture from, or :class:`~..data.live.NotLive` (``idle`` or why not)."""
         tracker = self.tracker
         if tracker is None:
             raise live.NotLive(idle)
@@ -252,11 +221,22 @@ class LiveLoop:
         tracker.check(self.unit)
         return tracker
 
+    @staticmethod
+    def hyper(optimizer: Any) -> list[dict]:
+        """An optimizer's param groups without their parameters (what a step's end records)."""
+        return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+    @staticmethod
+    def with_hyper(saved: Any, hyper: list[dict]) -> Any:
+        """An optimizer's ``state_dict`` ``saved`` with the recorded :meth:`hyper` put in."""
+        if isinstance(saved, dict) and isinstance(saved.get("param_groups"), list):
+            saved["param_groups"] = [{**group, **h} for group, h in zip(saved["param_groups"], hyper)]
+        return saved
+
 
 class LoopRecovery:
-    """One adapter's part of a recovery in place (:mod:`..core.recoveries`): the loops (engines,
-    trainers) it was attached to, by the attempt they were attached in (``loops``, one per
-    framework), and the failed attempt's last completed step (what the next one may compute twice)."""
+    """One adapter's part of a recovery in place (:mod:`..core.recoveries`): the loops it was attached
+    to, by attempt (``loops``, per framework), and the failed attempt's last completed step."""
 
     loops: weakref.WeakKeyDictionary
     last_completed: int | None = None  #: the failed attempt's, set at its failure (per framework)
@@ -283,8 +263,7 @@ class LoopRecovery:
 
     @classmethod
     def tell_failed_loops(cls, info: recoveries.RecoveryInfo, call: Callable[[Any], None], what: str) -> None:
-        """``call(loop)`` for each loop of the failed attempt; an exception is logged, never passed on
-        (the recovery must go on, and the other loops be told)."""
+        """``call(loop)`` for each loop of the failed attempt; an exception is logged, never passed on."""
         for loop, attempt in list(cls.loops.items()):
             if attempt != info.attempt - 1:  # only the failed attempt's loops
                 continue

@@ -1,15 +1,7 @@
-"""What ``latest_checkpoint`` looks at when it is given a framework's object instead of a folder: an
-Ignite ``Checkpoint`` or the ``Engine`` it saves, a Lightning ``Trainer`` (:func:`source_of`).
-
-* An Ignite ``Checkpoint`` with a ``DiskSaver`` (or ``SafeDiskSaver``): its saver's ``dirname``, the
-  names it writes (``{filename_prefix}_{name}_...``, the default pattern: ``training_checkpoint_40.pt``,
-  not the ``best_model_*.pt`` of another ``Checkpoint`` in the same folder), and its ``to_save`` keys
-  (a file without one is skipped). Only rank 0's folder counts: ``DiskSaver`` writes on one rank (its
-  ``save_on_rank``, rank 0 by default), and other ranks' folders, which a script may set differently
-  (a timestamped folder made on rank 0), are never read.
-* An Ignite ``Engine``: the one ``Checkpoint`` attached to it whose ``to_save`` holds the engine.
-* A Lightning ``Trainer``: the folders of its ``ModelCheckpoint`` (:func:`.compat_lightning.checkpoint_folders`),
-  before ``fit`` too, when the default folder is not yet known.
+"""What ``latest_checkpoint`` looks at when given a framework's object instead of a folder
+(:func:`source_of`): an Ignite ``Checkpoint`` with a ``DiskSaver`` (its folder on rank 0, which alone
+writes; its file prefix; its ``to_save`` keys), the ``Engine`` one such ``Checkpoint`` saves, or a
+Lightning ``Trainer`` (its ``ModelCheckpoint``'s folders, :func:`.compat_lightning.checkpoint_folders`).
 """
 
 from __future__ import annotations
@@ -44,8 +36,8 @@ def checkpoint_source(checkpoint: Any, prefix: str | None, required_keys: Any) -
         prefix = f"{checkpoint.filename_prefix}_{name}_" if checkpoint.filename_prefix else f"{name}_"
     keys = check_keys(required_keys) if required_keys is not None else (tuple(to_save) if len(to_save) > 1 else ())
     prefix = check_prefix(prefix)
-    folders = (Path(os.path.abspath(os.fspath(dirname))),)
-    return Source(folders, label_of(folders, prefix, keys), prefix, keys, compared=False)
+    folder = Path(os.path.abspath(os.fspath(dirname)))
+    return Source((folder,), label_of(folder, prefix, keys), prefix, keys, compared=False)
 
 
 def engine_source(engine: Any, prefix: str | None, required_keys: Any) -> Source:
@@ -68,7 +60,7 @@ def trainer_source(trainer: Any, prefix: str | None, required_keys: Any) -> Sour
     folders, label = compat_lightning.checkpoint_folders(trainer)
     prefix, keys = check_prefix(prefix), check_keys(required_keys)
     paths = tuple(Path(f) for f in folders)
-    return Source(paths, label_of((Path(label),), prefix, keys), prefix, keys)
+    return Source(paths, label_of(Path(label), prefix, keys), prefix, keys)
 
 
 def source_of(where: Any, *, prefix: str | None = None, required_keys: Any = None) -> Source:

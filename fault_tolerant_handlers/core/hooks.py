@@ -2,7 +2,7 @@
 
 The core never imports a launcher, a detector, an adapter, the data layer or the recovery. What it
 tells them, and what it asks of them, is a hook of this one table; every layer's part is listed in
-one place, where the package is assembled (``WIRING`` in ``fault_tolerant_handlers/__init__.py``),
+one place, where the package is assembled (``WIRING`` in ``fault_tolerant_handlers/wiring.py``),
 so that the order is seen where it is decided. A hook is one of three kinds:
 
 **Announcements** (:func:`emit`): every callback, in order, in the emitting thread; an exception

@@ -280,7 +280,3 @@ def on_recovery(callback: Callable[[RecoveryInfo], object]) -> Callable[[], None
             hooks.remove(event, callback)
 
     return unsubscribe
-
-
-for _event in _EVENT.values():  # first in line: a subscriber that reads the history finds its info there
-    hooks.add(_event, _record)

@@ -584,3 +584,11 @@ class Schema:
             keys += [record_key(i) for i in range(1, count + 1)] + [declared_key(r) for r in ranks] + [KEY_COUNT]
         for key in keys:
             self.conn.call("delete_key", key)
+
+
+# -- keys torch writes, which the library deletes (``launchers/compat_torchrun.py``) ----------------------
+def gloo_address_key(rank: int, group: str | None = None) -> str:
+    """The key under which gloo context 0 of a group published ``rank``'s address in torchrun's shared
+    store (torch 2.13, private; checked at start against this rank's own): the default group's
+    ``default_pg/0//cpu//0/<rank>``, group ``N``'s ``default_pg/0//N//cpu//0/<rank>``."""
+    return f"default_pg/0//{'' if group is None else group + '//'}cpu//0/{rank}"

@@ -1,35 +1,18 @@
 """Where an epoch of a ``RestartableDataLoader`` is, as a small snapshot, and how to go back there (private).
 
-``RestartableDataLoader.state_dict()`` / ``load_state_dict()`` follow torchdata's
-``StatefulDataLoader``: the snapshot says which epoch the loader is in and how many batches of it
-were yielded; ``load_state_dict`` only stores it, and the next ``iter()`` resumes there.
-
-**Map-style datasets.** The order of an epoch is a function of what the sampler reads when it
-draws its first index: a ``DistributedSampler``'s ``epoch`` (``set_epoch``), the state of the
-``torch.Generator`` objects the loader and its samplers hold, and, for a ``RandomSampler`` without
-a generator, torch's global RNG. ``_Capture`` records exactly that, at the moment of that first
-draw (after torch's iterator has drawn its base seed from the loader's generator, as it does when
-it is built). To resume, ``resume_feed`` puts those back, draws the sampler's first
-``batches_yielded`` index batches (indices only: no sample is loaded) and hands the rest of the
-same sampler iterator to the workers. The loader's generator is then in the state an uninterrupted
-epoch leaves it in, so later epochs shuffle the same way too. The global RNG is not the loader's:
-it is only borrowed for that first draw and given back unchanged.
-
-What is not restored: the workers' base seed (random augmentations inside workers draw other
-numbers after a resume; the indices are exact), and samplers whose order depends on anything else.
-
-**Iterable datasets** keep their position inside the workers: the snapshot carries torchdata's
-(``_dataloader_stateful``) state after the last yielded batch.
-
-Everything in a snapshot is an int, a bool, ``None``, a list, a dict or a ``uint8`` tensor (an RNG
-state), so a checkpoint holding it loads with ``torch.load(..., weights_only=True)``.
+As torchdata's ``StatefulDataLoader``: the snapshot names the epoch and the batches yielded in it;
+``load_state_dict`` stores it, and the next ``iter()`` resumes there. Map-style: ``_Capture`` records
+what decides an epoch's order at its sampler's first draw (a ``DistributedSampler``'s epoch, the
+loader's and samplers' ``torch.Generator`` states, torch's global RNG only when a sampler may use it,
+borrowed and given back); a resume puts those back and draws the first ``batches_yielded`` index
+batches (indices only). The workers' base seed is not restored. Iterable datasets: torchdata's state
+after the last yielded batch. Everything is a plain type or a ``uint8`` tensor (``weights_only=True``).
 """
 
 from __future__ import annotations
 
-import weakref
-
 import itertools
+import weakref
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -80,6 +63,12 @@ def sampler_epoch_owner(loader) -> Any:
     return None
 
 
+def sampler_epoch(loader) -> int | None:
+    """The epoch the sampler was told (``set_epoch``), if it has one."""
+    owner = sampler_epoch_owner(loader)
+    return int(owner.epoch) if owner is not None else None
+
+
 class _Capture:
     """Records what decides an epoch's order, at the first draw from its sampler iterator."""
 
@@ -95,8 +84,7 @@ class _Capture:
         loader = self._loader()
         if loader is None:
             return
-        owner = sampler_epoch_owner(loader)
-        self.sampler_epoch = int(owner.epoch) if owner is not None else None
+        self.sampler_epoch = sampler_epoch(loader)
         self.generators = [g.get_state() for g in _generators(loader)]
         self.global_rng = torch.get_rng_state() if _uses_global_rng(loader) else None
         self.taken = True
@@ -116,10 +104,8 @@ def epoch_source(loader) -> _Capture:
 
 
 def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
-    """The sampler iterator of the snapshot's epoch, positioned after its ``batches_yielded`` batches.
-
-    Puts the sampler epoch and the generators back first; the global RNG is borrowed and restored.
-    """
+    """The sampler iterator of the snapshot's epoch, positioned after its ``batches_yielded`` batches
+    (the sampler epoch and generators put back first; the global RNG borrowed and restored)."""
     owner = sampler_epoch_owner(loader)
     if snapshot["sampler_epoch"] is not None and owner is not None:
         owner.set_epoch(snapshot["sampler_epoch"])
@@ -151,34 +137,21 @@ def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
 
 
 def map_state(loader, epoch: int, yielded: int, finished: bool, capture: _Capture | None) -> dict[str, Any]:
-    """The snapshot of a map-style loader.
-
-    Inside an epoch, the generator states are those its sampler started from; after an epoch (or
-    before the first), they are the generators' states now, which the next epoch starts from.
-    """
+    """The snapshot of a map-style loader: inside an epoch, the generator states its sampler started
+    from; after an epoch (or before the first), their states now, which the next epoch starts from."""
     if finished or capture is None:
-        return {
-            "version": STATE_VERSION,
-            "kind": "map",
-            "epoch": epoch,
-            "batches_yielded": yielded,
-            "epoch_finished": True,
-            "sampler_epoch": None,
-            "generators": [g.get_state() for g in _generators(loader)],
-            "global_rng": None,
-        }
+        return {**_head("map", epoch, yielded, True), "sampler_epoch": None,
+                "generators": [g.get_state() for g in _generators(loader)], "global_rng": None}
     if not capture.taken:
         capture.take()  # nothing drawn yet: what the first draw will see is what decides the epoch
-    return {
-        "version": STATE_VERSION,
-        "kind": "map",
-        "epoch": epoch,
-        "batches_yielded": yielded,
-        "epoch_finished": False,
-        "sampler_epoch": capture.sampler_epoch,
-        "generators": [s.clone() for s in capture.generators],
-        "global_rng": capture.global_rng.clone() if capture.global_rng is not None else None,
-    }
+    return {**_head("map", epoch, yielded, False), "sampler_epoch": capture.sampler_epoch,
+            "generators": [s.clone() for s in capture.generators],
+            "global_rng": capture.global_rng.clone() if capture.global_rng is not None else None}
+
+
+def _head(kind: str, epoch: int, yielded: int, finished: bool) -> dict[str, Any]:
+    return {"version": STATE_VERSION, "kind": kind, "epoch": epoch, "batches_yielded": yielded,
+            "epoch_finished": finished}
 
 
 def restore_generators(loader, snapshot: Mapping[str, Any]) -> None:
@@ -196,14 +169,7 @@ def restore_generators(loader, snapshot: Mapping[str, Any]) -> None:
 
 
 def iterable_state(epoch: int, yielded: int, finished: bool, inner: Mapping[str, Any] | None) -> dict[str, Any]:
-    return {
-        "version": STATE_VERSION,
-        "kind": "iterable",
-        "epoch": epoch,
-        "batches_yielded": yielded,
-        "epoch_finished": finished,
-        "torchdata": dict(inner) if inner is not None else None,
-    }
+    return {**_head("iterable", epoch, yielded, finished), "torchdata": dict(inner) if inner is not None else None}
 
 
 def check_state(state: Any, kind: str) -> dict[str, Any]:

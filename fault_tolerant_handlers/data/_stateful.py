@@ -1,11 +1,6 @@
-"""The iterable-dataset path of ``RestartableDataLoader``, built on torchdata (private).
-
-Iterable datasets keep their position inside the workers, so a restart needs the workers' state:
-torchdata's ``StatefulDataLoader`` (0.11) snapshots it after every batch
-(``snapshot_every_n_steps=1``) and starts new workers from a snapshot. This module runs it with the
-same hardened iterator as the map-style path (``_dataloader_workers``); importing it imports
-torchdata, which is why ``dataloader.py`` imports it only when an ``IterableDataset`` is iterated
-with workers.
+"""The iterable-dataset path of ``RestartableDataLoader`` (private): torchdata's ``StatefulDataLoader``
+snapshotting every batch, run with the hardened iterator of :mod:`._workers`; imported only when an
+``IterableDataset`` is iterated with workers (it imports torchdata).
 """
 
 from __future__ import annotations

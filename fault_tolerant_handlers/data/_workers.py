@@ -1,37 +1,19 @@
 """Worker processes that can die without taking the main process with them (private).
 
-``RestartableDataLoader`` runs its workers through the iterator classes defined here. They are
-torch's ``_MultiProcessingDataLoaderIter`` (and, for iterable datasets, torchdata's
-``_StatefulMultiProcessingDataLoaderIter``) with four changes, all made from the outside:
+The iterators here are torch's ``_MultiProcessingDataLoaderIter`` (and torchdata's stateful one)
+changed from the outside:
 
-* **No SIGCHLD error in user code.** torch registers worker pids with a process-wide SIGCHLD
-  handler that raises ``RuntimeError`` wherever the main thread happens to be (usually inside the
-  training step). These iterators unregister their pids before the first batch is requested, so a
-  worker death is only ever reported by this module, from inside ``next()``.
-* **No lock shared with a worker that can die.** ``multiprocessing.Event`` takes a lock in
-  ``is_set()``; workers call it in their loop, and a worker SIGKILLed while holding it made the main
-  process block forever in ``set()`` at shutdown. The iterators are built with a multiprocessing
-  context whose ``Event()`` is a byte of shared memory (``_SharedFlag``): reading and setting it
-  takes no lock.
-* **Fast detection.** A daemon thread (the pump) blocks in one wait on the workers' process
-  sentinels, the result pipe and a stop pipe: a death is seen within milliseconds, while the main
-  thread is anywhere, and the main thread's wait (a ``queue.SimpleQueue`` poll, never a shared lock
-  or a pipe read) wakes at once. A pipe read the pump cannot finish (a worker killed mid-write)
-  strands only the pump. The pump has no timeout: it runs when a result arrives, a worker exits or
-  the iterator stops, never otherwise (it used to wake every 0.2 s). It unpickles each result (which
-  fetches every tensor's file descriptor from the sending worker, ~0.6 ms a batch of two tensors)
-  while the training thread computes: torch's iterator does that work on the training thread, and
-  moving it back there made a step 1.14-1.24x torch's instead of 0.49-0.82x (docs/benchmarks.md,
-  figure 2b). A living worker that does not hand over a descriptor (stopped, or holding its GIL)
-  blocks the pump, not the main thread, and is reported as a stall.
-* **Stalls.** With ``timeout > 0``, no batch within ``timeout`` seconds is reported as a stall of
-  the worker that owns the awaited batch, instead of torch's ``RuntimeError``.
+* their worker pids are taken out of torch's process-wide SIGCHLD handler, which raised
+  ``RuntimeError`` wherever the main thread happened to be;
+* their ``multiprocessing.Event`` is a byte of shared memory (:class:`_SharedFlag`): a worker
+  SIGKILLed while holding the Event's lock made the main process block forever at shutdown;
+* a daemon thread (the pump) waits, with no timeout, on the workers' sentinels, the result pipe and
+  a stop pipe: a death is seen within milliseconds, and results are unpickled there while the
+  training thread computes (docs/benchmarks.md, figure 2b); a read it cannot finish strands the pump only;
+* with ``timeout > 0``, no batch within ``timeout`` is a stall of the worker that owns it.
 
 Every death or stall is raised as ``WorkerLost`` from ``next()``; ``abort()`` then SIGKILLs every
-worker of the iterator by pid and shuts it down without touching anything a dead worker may hold.
-
-Private torch API used: the iterator's attributes and methods listed, and checked when a loader is
-made, in :mod:`..core.compat_torch` (``_LOADER_REQUIRED``).
+worker by pid. The private torch names are checked in :mod:`..core.compat_torch`.
 """
 
 from __future__ import annotations
@@ -56,8 +38,6 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 from ..core import procfs as _procfs
 from ..core.config import WORKER_POLL, WORKER_REAP
 
-
-
 #: How many files ``_fd_limit_reached`` opens to tell an exhausted descriptor table.
 FD_MARGIN = 10
 FD_LIMIT_MESSAGE = (
@@ -68,11 +48,8 @@ FD_LIMIT_MESSAGE = (
 
 
 def _fd_limit_reached() -> bool:
-    """Whether this process is within ``FD_MARGIN`` descriptors of its open-files limit.
-
-    A batch whose tensors travel as file descriptors cannot be received then (``received 0 items
-    of ancdata``); torch names the cause and the two cures, and so do we.
-    """
+    """Whether this process is within ``FD_MARGIN`` descriptors of its open-files limit (a batch's
+    tensors cannot be received then: torch names the cause and the cures, and so do we)."""
     try:
         with contextlib.ExitStack() as stack:
             for _ in range(FD_MARGIN):
@@ -83,11 +60,8 @@ def _fd_limit_reached() -> bool:
 
 
 class _SharedFlag:
-    """``multiprocessing.Event`` without the lock: one byte of shared memory.
-
-    Only ``is_set()``/``set()``/``clear()`` are used by torch's worker loop and iterator; a worker
-    killed at any instruction cannot leave it in a state that blocks anybody.
-    """
+    """``multiprocessing.Event`` without the lock: one byte of shared memory, which a worker killed at
+    any instruction cannot leave in a state that blocks anybody (torch calls ``set`` and ``is_set``)."""
 
     def __init__(self, ctx: _mpc.BaseContext) -> None:
         self._value = ctx.RawValue("b", 0)
@@ -98,34 +72,14 @@ class _SharedFlag:
     def set(self) -> None:
         self._value.value = 1
 
-    def clear(self) -> None:
-        self._value.value = 0
 
-    def wait(self, timeout: float | None = None) -> bool:
-        end = None if timeout is None else time.monotonic() + timeout
-        while not self.is_set():
-            if end is not None and time.monotonic() >= end:
-                return False
-            time.sleep(0.005)
-        return True
+def _lock_free(base: type) -> type:
+    """The multiprocessing context class ``base`` whose ``Event()`` is a :class:`_SharedFlag`."""
+    return type("_" + base.__name__, (base,), {"Event": lambda self: _SharedFlag(self), "__module__": __name__})
 
 
-class _ForkContext(_mpc.ForkContext):
-    def Event(self):  # noqa: N802 - multiprocessing's name
-        return _SharedFlag(self)
-
-
-class _SpawnContext(_mpc.SpawnContext):
-    def Event(self):  # noqa: N802
-        return _SharedFlag(self)
-
-
-class _ForkServerContext(_mpc.ForkServerContext):
-    def Event(self):  # noqa: N802
-        return _SharedFlag(self)
-
-
-_CONTEXTS = {"fork": _ForkContext, "spawn": _SpawnContext, "forkserver": _ForkServerContext}
+_CONTEXTS = {"fork": _lock_free(_mpc.ForkContext), "spawn": _lock_free(_mpc.SpawnContext),
+             "forkserver": _lock_free(_mpc.ForkServerContext)}
 
 
 def start_method_of(ctx: object | None) -> str:
@@ -143,22 +97,14 @@ def hardened_context(method: str) -> _mpc.BaseContext:
 
 
 def _import_what_workers_import() -> None:
-    """torch's worker loop seeds ``numpy.random``, which numpy 2 imports lazily: each forked worker
-    imported it itself. An import in a process forked while another thread of the parent was
-    importing can fail (the import lock's state is copied mid-way): measured once under load, a new
-    worker's ``np.random.seed`` raised ``KeyError`` inside importlib and the worker exited with code
-    1, a restart for nothing. Imported once in the parent, no worker imports it."""
+    """torch's worker loop seeds ``numpy.random``, which numpy 2 imports lazily; an import in a worker
+    forked while another thread imported can fail (a restart for nothing): imported here once."""
     if _utils.HAS_NUMPY:
         import numpy.random  # noqa: F401
 
 
 class WorkerLost(RuntimeError):
-    """A worker of the current iterator died or stalled (raised from ``next()``).
-
-    ``RestartableDataLoader`` catches it and restarts; where these iterators are used on their own
-    (``_dataloader_stateful.InnerStatefulLoader``) it is the ``RuntimeError`` torch raises, in
-    torch's words.
-    """
+    """A worker of the current iterator died or stalled (raised from ``next()``, in torch's words)."""
 
     def __init__(self, kind: str, worker_id: int | None = None, detected_at: float | None = None, message: str = "") -> None:
         if detected_at is None:  # rebuilt from its message alone, as code that re-raises a type does
@@ -187,15 +133,9 @@ class _PumpError:
 
 
 class _StopPipe:
-    """The pump's stop signal: a pipe it waits on beside the workers' sentinels.
-
-    A ``threading.Event`` cannot be waited on together with file descriptors, so the pump had to
-    wake every 0.2 s to look at one. ``set()`` writes one byte (the pump wakes at once) and closes
-    the write end; the pump closes the read end when it ends. Each end has one owner: no descriptor
-    is closed twice or used by one thread after another closed it, and none is left behind once the
-    pump has ended. The byte, not an end of file, is the signal: a process forked meanwhile holds a
-    copy of the write end.
-    """
+    """The pump's stop signal, a pipe it waits on beside the sentinels: ``set()`` writes one byte (a
+    forked process may hold a copy of the write end: no end of file) and closes the write end; the
+    pump closes the read end when it ends (each end has one owner)."""
 
     def __init__(self) -> None:
         self._r, self._w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -225,16 +165,9 @@ class _StopPipe:
 
 
 def _pump(reader, sentinels: dict, out: queue.SimpleQueue, stop: _StopPipe, exits: list) -> None:
-    """Move results from the workers' pipe (``reader``; ``None``: only watch the workers) to
-    ``out``; note every worker exit in ``exits``.
-
-    One wait with no timeout over the stop pipe, the sentinels and the pipe: the thread runs only
-    when something happened. A result goes to ``out`` unpickled (a :class:`_PumpError` where it
-    cannot be). Holds no reference to the iterator (so that its
-    ``__del__`` still runs when it is dropped). A worker that exits is noted and the main thread
-    woken; whether that exit was a death (the worker was still active) is for the main thread to
-    decide.
-    """
+    """Move results, unpickled (a :class:`_PumpError` where they cannot be), from the workers' pipe
+    (``reader``; ``None``: only watch the workers) to ``out``; note every worker exit in ``exits`` and
+    wake the main thread, which decides whether it was a death. Holds no reference to the iterator."""
     sentinels = dict(sentinels)
     reader_fd = reader.fileno() if reader is not None else None
     poller = select.poll()  # registered once: a batch costs one poll() and the pipe reads
@@ -292,11 +225,7 @@ class _Hardened:
         return super()._reset(loader, first_iter, *args, **kwargs)
 
     def fth_dead_worker(self) -> tuple[int, float] | None:
-        """``(worker_id, time seen)`` of a worker that exited while still active, or ``None``.
-
-        A worker that exits after torch marked it unavailable (an exhausted iterable-dataset worker,
-        shutdown) is not a death.
-        """
+        """``(worker_id, time seen)`` of a worker that exited while torch still had it active, or ``None``."""
         if not self.__dict__.get("_fth_ready"):
             return None
         status = self.__dict__.get("_workers_status")
@@ -336,12 +265,8 @@ class _Hardened:
             return (True, item)
 
     def _fth_unreadable(self, exc: BaseException) -> None:
-        """Raise for a result that cannot be unpickled.
-
-        Its tensors are fetched from the sending worker's fd server: the error comes from a worker
-        being killed. Give its exit a moment to show (``WorkerLost``); an error no death explains is
-        raised as it is.
-        """
+        """Raise for a result that cannot be unpickled: ``WorkerLost`` if a worker's exit shows within
+        ``WORKER_REAP`` (its tensors came from its fd server), else the error as it is."""
         end_wait = time.monotonic() + WORKER_REAP
         while time.monotonic() < end_wait:
             self._fth_check()
@@ -370,11 +295,8 @@ class _Hardened:
         return super()._shutdown_workers()
 
     def abort(self) -> list[tuple[int, int | None]]:
-        """SIGKILL every worker by pid, reap them, shut the iterator down; ``[(pid, exitcode)]``.
-
-        Safe on a half-constructed iterator and on one whose workers hold locks: it never waits on
-        anything a worker shares.
-        """
+        """SIGKILL every worker by pid, reap them, shut the iterator down; ``[(pid, exitcode)]``. Safe on a
+        half-constructed iterator: it never waits on anything a worker shares."""
         stop = self.__dict__.get("_fth_stop")
         if stop is not None:
             stop.set()

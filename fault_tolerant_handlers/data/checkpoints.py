@@ -1,53 +1,19 @@
 """Finding the newest checkpoint to resume from, the same on every rank (:func:`find`, behind
-:func:`fault_tolerant_handlers.latest_checkpoint`).
+:func:`fault_tolerant_handlers.latest_checkpoint`; docs/recovering.md).
 
-A job restarted by ``torchrun --max-restarts`` (or requeued by its cluster) resumes from the newest
-checkpoint its previous attempt left. That attempt may have been killed while writing one: a
-truncated file, or a leftover temporary file (Ignite's ``DiskSaver`` writes ``tmpXXXXXXXX`` in the
-checkpoint directory and renames it). Those are skipped with a warning naming them.
+A :class:`Source` is what is looked at: folders, a name prefix, the keys a load needs. Files ending in
+``.pt``, ``.pth`` or ``.ckpt`` count, and distributed checkpoints' directories once complete (DCP's
+``.metadata`` written, and Lightning's ``meta.pt`` for a ``.ckpt`` directory); newest means the latest
+modification time, a tie going to the larger step in the name. A file is checked by its zip CRCs, then
+``torch.load(weights_only=True, mmap=True)`` for its keys (a complete file the restricted unpickler
+refuses is left to the framework's load); torn and temporary files are skipped with a warning.
 
-What is looked at is a :class:`Source`: one folder or several (Lightning's logger versions), the
-names a file must start with (a ``prefix``: Ignite's ``Checkpoint`` of the trainer writes
-``training_checkpoint_40.pt`` beside the ``best_model_*.pt`` of another ``Checkpoint``) and the keys
-the load needs (a file that lacks one, a model-only file, is skipped with a warning naming the key).
-Distributed checkpoints (``torch.distributed.checkpoint``: a directory per checkpoint, every rank's
-shards and DCP's ``.metadata``) count beside files: a directory holding ``.metadata`` or ``.distcp``
-shards, or named like a checkpoint file (Lightning's sharded ``epoch=0-step=10.ckpt``); it is
-complete once ``.metadata`` is there (DCP writes it last), and for a ``.ckpt`` directory also
-Lightning's ``meta.pt`` (written after it). :class:`~fault_tolerant_handlers.ignite.DCPSaver` writes
-into ``tmp-<name>`` first, skipped as a temporary directory. Its age is that of its metadata.
-
-Checkpoint names recognised: anything ending in ``.pt``, ``.pth`` or ``.ckpt``: Ignite's
-``Checkpoint``/``DiskSaver`` (``checkpoint_40.pt``, ``best_model_3_val_loss=0.1.pt``), Lightning's
-``ModelCheckpoint`` (``epoch=0-step=40.ckpt``, ``last.ckpt``, ``last-v1.ckpt``). Newest means the
-latest modification time; a tie goes to the larger step number in the name.
-
-How a file is checked, without running its pickle more than needed: a file written by
-``torch.save`` is a zip archive whose directory is written last, so a torn file has none; every
-member's CRC is verified (``zipfile.testzip``: bytes only, nothing unpickled). Then the pickle is
-loaded with ``torch.load(weights_only=True, mmap=True)`` (the restricted unpickler, tensors mapped,
-not read), and its top-level keys are compared with the required ones. A Lightning checkpoint may
-hold objects the restricted unpickler refuses (hyper-parameters of custom types): such a file,
-complete by its CRCs, is accepted (its keys unchecked) and left to Lightning's own loading, never
-unpickled here without the restriction.
-
-Every rank gets the same answer, and no rank waits for a peer that is not coming. Whenever the ranks
-can talk (a process group is up: its store; or, before one, torchrun's store), every rank publishes
-what it asks for (its folders and filters, as text) under a key naming the attempt and the call's
-number, and rank 0 reads them all, then publishes one verdict: the path it chose, ``None``, or an
-error. Ranks that asked for different folders all raise the same ``ValueError`` naming
-each rank's folder (a folder only rank 0 knows, such as a timestamped output folder made on rank 0,
-is such a mismatch: pass the same folder on every rank, or the trainer or its ``Checkpoint``, whose
-folder on rank 0 serves every rank since only rank 0 writes it). A rank that does not call within
-``FTH_CKPT_AGREE_TIMEOUT_SEC`` (default 300 s) is named in a ``TimeoutError`` on the ranks that did.
-Only store keys are exchanged, never a collective, so a rank that skipped the call leaves its peers
-waiting in nothing they cannot leave. Values are bytes, length-checked, decoded as UTF-8, never
-unpickled. Without a group or torchrun's store each process decides alone.
-
-After a recovery in place that carries on from live state (:mod:`.live`), the answer is a name in
-the folder that no file has, ``live-state-step=<step>.pt``: :func:`~fault_tolerant_handlers.load_checkpoint`
-and Lightning's ``fit(ckpt_path=...)`` hand over the live state for it. It is given for any folder
-and without an exchange: every rank holds live state of the step they agreed on in the recovery.
+Every rank gets the same answer: with a process group (or torchrun's store) each rank publishes its
+request under a key naming the attempt and the call, rank 0 compares them and publishes one verdict
+(a path, ``None``, or an error naming each rank's folder, or the ranks that did not call within
+``FTH_CKPT_AGREE_TIMEOUT_SEC``). Only store keys, bounded bytes decoded as UTF-8, never a collective.
+While live state is held (:mod:`.live`) the answer is its name, ``live-state-step=<step>.pt``, with no
+exchange: every rank holds the state of the step they agreed on.
 """
 
 from __future__ import annotations
@@ -79,9 +45,6 @@ LIGHTNING_META = "meta.pt"
 MAX_PATH_BYTES = 4096
 #: Longest verdict (an error naming every rank's folder, shortened).
 MAX_VERDICT_BYTES = 16384
-#: How long a rank waits for its peers' requests and for rank 0's verdict in the store
-#: (``FTH_CKPT_AGREE_TIMEOUT_SEC``, default 300 s, see :mod:`..core.config`; the ranks other than 0
-#: wait twice as long: rank 0's own wait, then its decision); read when it is needed.
 _STEP = re.compile(r"(?:step=|_)(\d+)(?=[.-]|$)")
 _calls: dict[str, int] = {}  # calls per attempt (its namespace)
 _warned_missing: set[str] = set()  # folders already named as missing (once per process)
@@ -116,7 +79,7 @@ def folder_source(dirname: str | os.PathLike, *, prefix: str | None = None,
     prefix = check_prefix(prefix)
     keys = check_keys(required_keys)
     folder = Path(os.path.abspath(os.fspath(dirname)))
-    return Source((folder,), label_of((folder,), prefix, keys), prefix, keys)
+    return Source((folder,), label_of(folder, prefix, keys), prefix, keys)
 
 
 def check_prefix(prefix: Any) -> str:
@@ -140,8 +103,8 @@ def check_keys(required_keys: Any) -> tuple[str, ...]:
     return keys
 
 
-def label_of(folders: tuple[Path, ...], prefix: str, keys: tuple[str, ...], kind: str = "") -> str:
-    text = kind + (repr(str(folders[0])) if len(folders) == 1 else "[" + ", ".join(repr(str(f)) for f in folders) + "]")
+def label_of(folder: Path, prefix: str, keys: tuple[str, ...]) -> str:
+    text = repr(str(folder))
     if prefix:
         text += f" (names starting with {prefix!r})"
     if keys:
@@ -203,12 +166,8 @@ def _is_distributed(path: Path) -> bool:
 
 
 def check_dir(path: Path) -> str | None:
-    """``None`` if the directory ``path`` is a complete distributed checkpoint, else why not.
-
-    DCP writes every rank's shards, then its ``.metadata`` (to a temporary name, renamed): without
-    it the write did not finish. Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` write
-    ``meta.pt`` (loops, callbacks) after it: a ``.ckpt`` directory needs it too, complete. The
-    metadata is a pickle and is not loaded here."""
+    """``None`` if the directory ``path`` is a complete distributed checkpoint (DCP's ``.metadata``, not
+    loaded, and for a ``.ckpt`` directory Lightning's ``meta.pt`` written after it), else why not."""
     try:
         metadata = path / DCP_METADATA
         if not metadata.is_file() or metadata.stat().st_size == 0:
@@ -234,9 +193,8 @@ def _mtime_ns(path: Path) -> int:
 
 
 def candidates(source: Source) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """The files and distributed checkpoints' directories of ``source``'s folders that may be
-    checkpoints, newest first, and the temporary files
-    skipped (with why). Missing folders give nothing."""
+    """The files and directories of ``source``'s folders that may be checkpoints, newest first, and the
+    temporary ones skipped (with why). Missing folders give nothing."""
     found, skipped = [], []
     for folder in source.folders:
         if not folder.is_dir():
@@ -277,14 +235,6 @@ def _decide(source: Source) -> str | None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
         log(logging.WARNING, "%s", message)
     return str(chosen) if chosen is not None else None
-
-
-# -- the live state ----------------------------------------------------------------------------------------
-def _live_claim(source: Source) -> str | None:
-    """The live state's name while it is held: after a recovery in place every rank holds it for the
-    same agreed step (a replaced process receives it), whatever folder each passes (a timestamp made
-    at each call, a folder only rank 0 knows), so no exchange is needed."""
-    return live.latest_checkpoint_answer(source.folders[0])
 
 
 # -- the exchange ------------------------------------------------------------------------------------------
@@ -417,16 +367,14 @@ def _medium() -> tuple[dist.Store, int, int] | None:
 def find(source: Source) -> str | None:
     """The newest usable checkpoint of ``source`` (or the live state's name, or ``None``), the same on
     every rank; see the module."""
-    name = _live_claim(source)
+    name = live.latest_checkpoint_answer(source.folders[0])  # every rank holds it: no exchange
     if name is not None:
         return name
     medium = _medium()
     if medium is None:
         return _decide(source)
     store, rank, world = medium
-    # The n-th call of this attempt (torchrun's restart and the recoveries in place: a replacement
-    # process counts from 1 in the attempt it joins, like its peers).
     namespace = attempts.namespace()
-    _calls[namespace] = count = _calls.get(namespace, 0) + 1
+    _calls[namespace] = count = _calls.get(namespace, 0) + 1  # per attempt: a replacement counts from 1 too
     key = f"fth/latest_checkpoint/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{namespace}/{count}"
     return agree(store, key, rank, world, source, config.settings().ckpt_agree_timeout)

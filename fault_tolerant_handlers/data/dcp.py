@@ -1,22 +1,11 @@
 """Distributed checkpoints (``torch.distributed.checkpoint``, DCP) of sharded models, framework-neutral.
 
-A sharded model (FSDP2's ``fully_shard``, a ``DTensor`` mesh) has no rank that holds its whole state:
-each rank writes its own shards, and a checkpoint is a directory (DCP's ``.metadata``, written last
-by its coordinator once every rank's shards are written, and one ``.distcp`` file per rank).
-
-* :class:`ShardedState`: a model and its optimizers as one object with ``state_dict`` /
-  ``load_state_dict`` (torch's public ``torch.distributed.checkpoint.state_dict``:
-  ``get_state_dict`` / ``set_state_dict``: keys by parameter name, shards as ``DTensor``), to put
-  in an Ignite ``Checkpoint``'s ``to_save``.
-* :func:`save_dcp` / :func:`load_dcp`: what :class:`~fault_tolerant_handlers.ignite.DCPSaver` writes
-  and how it is read back into the objects on every rank: the entries that hold sharded tensors
-  through DCP, every other entry (the engine's counters, the loader's position) in a file per rank
-  (``rank<r>.pt``, ``torch.save``, read with ``weights_only=True``), written before DCP's
-  ``.metadata``: a directory with ``.metadata`` is complete.
-
-:func:`~fault_tolerant_handlers.latest_checkpoint` finds such directories beside checkpoint files.
-Loading one at another world size than it was written at is not what this module is for (the
-per-rank files are per rank): it refuses.
+:class:`ShardedState` makes a model and its optimizers one checkpointable object (torch's
+``get_state_dict`` / ``set_state_dict``). :func:`save_dcp` / :func:`load_dcp` write and read what
+:class:`~fault_tolerant_handlers.ignite.DCPSaver` saves: entries holding sharded tensors through DCP,
+the others (the engine's counters, the loader's position) in ``rank<r>.pt`` per rank, written before
+DCP's ``.metadata`` (written last: a directory holding it is complete). Loading at another world size
+is refused.
 """
 
 from __future__ import annotations
@@ -32,8 +21,7 @@ from ..core import sharded
 
 __all__ = ["ShardedState", "load_dcp", "save_dcp"]
 
-#: DCP's metadata file: written last (renamed into place by its coordinator), so its presence marks
-#: a complete distributed checkpoint.
+#: DCP's metadata file, written last: its presence marks a complete distributed checkpoint.
 METADATA = ".metadata"
 _INDEX = "fth_sharded_keys"
 
@@ -44,10 +32,8 @@ def _rank_file(rank: int) -> str:
 
 class ShardedState:
     """A sharded model and its optimizers as one checkpointable object (``state_dict`` /
-    ``load_state_dict``), through torch's ``get_state_dict`` / ``set_state_dict``: the model's
-    state by parameter name with its shards (``DTensor``), the optimizers' state keyed by parameter
-    name too (an optimizer that has not stepped yet gets its state made first, so that a fresh one
-    can be loaded into). Both are collective where FSDP needs it: call them on every rank.
+    ``load_state_dict``) through torch's ``get_state_dict`` / ``set_state_dict``: keys by parameter
+    name, shards as ``DTensor``; a fresh optimizer can be loaded into. Collective: call on every rank.
 
     Examples:
         .. code-block:: python

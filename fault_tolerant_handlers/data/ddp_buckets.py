@@ -1,21 +1,10 @@
 """A DDP model's bucket layout, saved with the checkpoint: a resumed run reduces its first iteration
-as the uninterrupted run reduced that iteration.
+as the uninterrupted run reduced that iteration (why: docs/recovering.md, "At any world size").
 
-Why (stock PyTorch, any launcher): a new ``DistributedDataParallel`` reduces its first iteration's
-gradients in its initial buckets (all parameters in one bucket, in the order of
-``module.parameters()``) and, from its second iteration on, in buckets it rebuilds from the order in
-which the first backward produced the gradients. A gradient element then sits at another offset of
-another flat tensor; with three ranks or more, gloo's ring all-reduce adds the ranks' values of that
-element in another order, and float addition is not associative: a run resumed from a checkpoint in
-new processes (or a new DDP in the same processes, :func:`~..recover.recover_in_place`) differs from
-the uninterrupted run in the last bits at its first step, and ever more after. At two ranks a sum of
-two values does not depend on the order: both layouts give the same bits.
-
-:class:`DDPBucketLayout` keeps the rebuilt layout in the checkpoint (a list of lists of parameter
-indices: plain types) and, when loaded into the new DDP before its first step, gives it a reducer
-built with that layout (:func:`..core.compat_torch.use_ddp_bucket_layout`). The reduction of every
-step is then the uninterrupted run's, element for element, at any world size. Nothing else changes:
-the same buckets, the same sizes, the same overlap with the backward as the uninterrupted run.
+A new ``DistributedDataParallel`` reduces its first iteration in its initial buckets and later ones in
+buckets rebuilt from the first backward's order; from 3 ranks on gloo then sums in another order and
+the resumed run differs in the last bits. :class:`DDPBucketLayout` keeps the rebuilt layout (lists of
+parameter indices) and gives it back to the new DDP before its first step.
 """
 
 from __future__ import annotations
@@ -37,10 +26,8 @@ class DDPBucketLayout:
     with ``find_unused_parameters=True``, whose first buckets stay). ``load_state_dict`` gives the
     DDP a reducer built with those buckets, so that its first iteration already reduces in them: call
     it before the first training step (Ignite's ``Checkpoint.load_objects`` before ``trainer.run``).
-    The Lightning callback :class:`~fault_tolerant_handlers.lightning.FaultTolerance` does all this by
-    itself, and so does the Ignite one for the DDP of its trainer's ``Checkpoint`` handlers
-    (:mod:`..ignite`); with a loop of your own (or, optionally, with Ignite), put it in
-    the checkpoint beside the model.
+    The Lightning and Ignite ``FaultTolerance`` do this by themselves; with a loop of your own, put it
+    in the checkpoint beside the model.
 
     Args:
         ddp: the ``torch.nn.parallel.DistributedDataParallel`` model (what ``idist.auto_model``

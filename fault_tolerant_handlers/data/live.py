@@ -1,27 +1,13 @@
 """Live state: after a failure, carry on from the state the surviving processes hold, at the step they
-last completed, instead of the newest checkpoint (zero steps computed twice).
+last completed, instead of the newest checkpoint (docs/recovering.md, "Live state").
 
 While :func:`~fault_tolerant_handlers.recover_in_place` runs, the adapters keep a little bookkeeping per
-step (:class:`StepTracker`) and, when the training loop fails, capture what the checkpoint of that loop
-would hold (:class:`Captured`): Ignite's ``Checkpoint`` handler's ``to_save``, Lightning's
-``trainer.save_checkpoint``. The recovery asks for the capture (:func:`collect`), the ranks agree on it
-(:func:`..recover.live_state.plan_live`), and the next call of the training function gets it where it asks
-for a checkpoint: :func:`latest_checkpoint_answer` gives :func:`~fault_tolerant_handlers.latest_checkpoint`
-a name (:data:`NAME` in the checkpoint directory, a file that does not exist), and
-:func:`take` hands the state over for that name (``load_checkpoint``, Lightning's ``fit(ckpt_path=...)``).
-
-What is taken when. Big state (the model's and the optimizer's tensors) is never copied: the capture
-holds the tensors the failed attempt's objects held, which nothing changes once the attempt failed;
-they are trusted only if nothing changed them since the step completed (:meth:`StepTracker.check`: no
-optimizer update began after it, no buffer changed). Small state (counters, the loader's position, LR
-schedulers, the optimizer's hyper-parameters, RNG) changes between a step's end and the failure (the
-next batch fetched, the engine's counter incremented, a scheduler run at the iteration's start): it is
-recorded at the end of every step (:meth:`StepTracker.complete`) and torch's RNG at the start of every
-step (:meth:`StepTracker.start_step`) and at the end (for a failure that comes between the two: the same
-states unless fetching the batch draws from torch's RNG), a few microseconds each, and only while a
-recovery in place runs.
-
-``FTH_LIVE_STATE=0`` turns it off (the newest checkpoint, as before).
+step (:class:`StepTracker`: small state at each step's end, torch's RNG at each start and end, whether an
+optimizer update began since) and, when the loop fails, capture what its checkpoint would hold
+(:class:`Captured`: the failed attempt's own tensors, trusted only if nothing changed them since the
+step completed). The recovery collects it (:func:`collect`), the ranks agree, and the next attempt gets
+it where it asks for a checkpoint: :func:`latest_checkpoint_answer` names it (:data:`NAME`, no such
+file), :func:`take` hands it over. ``FTH_LIVE_STATE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -123,7 +109,8 @@ class StepTracker:
         """Step ``step`` completed (or, ``initial``, the loop starts from it): ``small`` is its small state."""
         self.stepped = initial or self.updates > 0
         self.step, self.small, self.updates, self.updating = step, small, 0, False
-        self.rng = (step, _rng_state())  # the next step's until it starts (a failure may come first)
+        # the next step's RNG until it starts (a failure may come first; the same unless its batch draws from it)
+        self.rng = (step, _rng_state())
         self.versions = sum(b._version for b in self.buffers)
 
     def check(self, unit: str) -> None:
@@ -163,9 +150,8 @@ def unregister(capture: Callable[[], Captured]) -> None:
 
 
 def capture_now(capture: Callable[[], Captured]) -> None:
-    """The loop failed: capture its state now, where the failure is raised (before its framework's
-    exception path tears anything down). The last capture of an attempt is the one kept: an outer
-    loop's (a trainer's) after an inner one's (an evaluator run from a handler)."""
+    """The loop failed: capture its state now, before its framework's exception path tears anything
+    down. The last capture of an attempt is kept (a trainer's after its evaluator's)."""
     global _captured
     try:
         _captured = capture()
@@ -223,9 +209,7 @@ def held() -> Captured | None:
 
 
 def latest_checkpoint_answer(dirname: str | os.PathLike) -> str | None:
-    """What ``latest_checkpoint(dirname)`` answers while live state is held, whatever the directory
-    (a folder named anew at each call, a folder only rank 0 knows: every rank agreed on the live
-    state, so every rank answers so without communicating), else ``None``."""
+    """What ``latest_checkpoint(dirname)`` answers while live state is held, whatever the directory, else ``None``."""
     global _held
     with _lock:
         if _held is None:
@@ -271,9 +255,8 @@ _how: str | None = None  # how the name :func:`substitute` gave is loaded
 
 
 def substitute(path: str | os.PathLike | None, what: str) -> str | None:
-    """An adapter's loading is about to load ``path`` (``None``: nothing): the name to load instead
-    while live state is held and ``path`` is not the name the script was given for it (it loaded
-    another checkpoint, or none), else ``None``. ``what``: the loading, for the log."""
+    """An adapter is about to load ``path`` (``None``: nothing): the live state's name to load instead
+    while it is held and ``path`` is not that name, else ``None``. ``what``: the loading, for the log."""
     global _held, _how
     with _lock:
         if _held is None or (path is not None and _held[0] and _key(path) == _held[0]):
@@ -287,14 +270,10 @@ def substitute(path: str | os.PathLike | None, what: str) -> str | None:
 
 def loop_starts(unit: str, position: Callable[[], int], restore: Callable[[Any], str] | None,
                 why_not: str = "") -> None:
-    """The next attempt's training loop starts (after the script loaded what it loads): tell what it
-    carries on from, once, and only now that it happened.
-
-    Live state held and not taken by the script (it loaded another checkpoint, or none, or asked
-    ``latest_checkpoint`` nothing): ``restore(state)`` restores it into the loop's objects and returns
-    what it restored into; without ``restore`` (``why_not`` says why) a WARNING says that live state
-    was not used and where the loop starts instead. ``position()``: the loop's step now (Ignite's
-    iteration, Lightning's global step)."""
+    """The next attempt's loop starts (after the script loaded what it loads): tell, once, what it
+    carries on from. Live state the script did not take is restored by ``restore(state)`` (which says
+    into what); without ``restore`` a WARNING says why not (``why_not``) and where the loop starts.
+    ``position()``: the loop's step now."""
     global _handed, _fallback
     with _lock:
         pending = _hand_over("restored") if _held is not None and restore is not None else None

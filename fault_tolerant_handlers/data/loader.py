@@ -1,23 +1,11 @@
-"""A DataLoader whose workers can die: it starts new ones and resumes at the exact next batch.
+"""A DataLoader whose workers can die: it starts new ones and resumes at the exact next batch
+(docs/dataloader.md).
 
-``RestartableDataLoader`` takes every ``torch.utils.data.DataLoader`` argument plus a restart
-budget. When a worker process is killed (OOM killer, a crash in a C extension), exits, or stalls
-past the loader's ``timeout``, the loader kills the remaining workers of that iterator, starts fresh
-ones and goes on with the batch after the last one it yielded: no sample lost, none duplicated,
-same order as an uninterrupted epoch.
-
-* **Map-style datasets** (any sampler or batch sampler): the loader iterates the sampler itself,
-  once per epoch as torch does, and remembers the index batches sent to workers but not yet
-  yielded. After a death those are sent again, in order, to the new workers, followed by the rest
-  of the same sampler iterator. The sampler is never re-iterated or fast-forwarded, so samplers
-  with hidden state (a shared ``generator``, a custom batch sampler) stay exact.
-* **Iterable datasets**: torchdata's ``StatefulDataLoader`` keeps a snapshot of every worker's
-  dataset state after each batch; after a death the new workers start from the snapshot taken
-  after the last yielded batch (``_dataloader_stateful``).
-
-An exception raised by the dataset's own code in a worker is a bug, not a death: it propagates
-unchanged (with the worker's traceback) and is not retried. When ``max_restarts`` is spent,
-``DataLoaderRestartError`` lists every restart.
+Map-style datasets: the loader iterates the sampler itself, once per epoch as torch does, and sends
+the index batches not yet yielded again, in order, to the new workers (the sampler is never
+re-iterated). Iterable datasets: torchdata's ``StatefulDataLoader`` snapshots every worker's dataset
+state after each batch, and new workers start from the last one (:mod:`._stateful`). An exception
+raised by the dataset's own code is a bug, not a death: it propagates unchanged, not retried.
 """
 
 from __future__ import annotations
@@ -50,8 +38,7 @@ __all__ = ["DataLoaderRestartError", "RestartableDataLoader", "WorkerRestart", "
 
 _START_METHODS = ("fork", "spawn", "forkserver")
 #: A pass resumed from ``load_state_dict`` and dropped after at most this many batches (a peek such
-#: as ``next(iter(loader))`` at the start of each epoch) leaves the restored position to the next
-#: ``iter()``, as torch's loader leaves the epoch's start to the ``iter()`` after a peek.
+#: as ``next(iter(loader))``) leaves the restored position to the next ``iter()``.
 PEEK_BATCHES = 1
 _T_co = TypeVar("_T_co", covariant=True)
 
@@ -120,11 +107,6 @@ def where(pass_index: int, batch: int, sampler_epoch: int | None) -> str:
     ``iter()`` calls (passes), not training epochs; the sampler's epoch is the training loop's."""
     told = f" (set_epoch({sampler_epoch}))" if sampler_epoch is not None else ""
     return f"batch {batch} of pass {pass_index + 1}{told}"
-
-
-def _sampler_epoch(loader: Any) -> int | None:
-    owner = _resume.sampler_epoch_owner(loader)
-    return int(owner.epoch) if owner is not None else None
 
 
 class DataLoaderRestartError(RuntimeError):
@@ -301,7 +283,28 @@ class RestartableDataLoader(DataLoader[_T_co]):
         batches, it resumes at the next one; taken after the last batch of an epoch, the next
         ``iter()`` starts the next epoch. Loadable with ``torch.load(..., weights_only=True)``.
         """
-        return _resume_state(self)
+        if self._fth_pending is not None:  # loaded and not iterated yet: the same snapshot
+            return dict(self._fth_pending)
+        run = self._fth_run() if self._fth_run is not None else None
+        if run is None:  # no epoch in progress: the next iter() starts epoch `_fth_epochs`
+            if isinstance(self.dataset, IterableDataset):
+                return _resume.iterable_state(self._fth_epochs - 1, 0, True, None)
+            return _resume.map_state(self, self._fth_epochs - 1, 0, True, None)
+        restored = self._fth_restored
+        if restored is not None and restored.taken and restored.run() is run:
+            restored.saved = True  # its progress may be in a checkpoint now: a later iter() does not go back
+        if isinstance(run, _IterableRun):
+            return _resume.iterable_state(run.epoch, run.yielded, run.finished, run.state)
+        finished = run.finished
+        try:
+            if not finished and run.yielded >= len(_compat_torch.index_sampler(self)):
+                # every batch taken, the end not yet seen: draw the sampler to its end, as next() would
+                for _ in run.capture:
+                    pass
+                finished = True
+        except TypeError:  # an unsized sampler
+            pass
+        return _resume.map_state(self, run.epoch, run.yielded, finished, run.capture)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` of a loader built the same way: on the next ``iter()``.
@@ -344,16 +347,8 @@ class RestartableDataLoader(DataLoader[_T_co]):
     # -- internals --------------------------------------------------------------------------------
 
     def _fth_peeked(self, restored: "_Restored") -> dict[str, Any] | None:
-        """The restored snapshot again when the pass resumed from it was dropped after a peek.
-
-        A pass resumed by ``load_state_dict`` and dropped (no reference left) after at most
-        ``PEEK_BATCHES`` batches, neither at the end of its pass nor saved by ``state_dict()`` since,
-        was a peek (``next(iter(loader))``, as PyTorch's DDP tutorial does at each epoch's start):
-        torch's loader starts the epoch again at the next ``iter()``, so this loader starts the
-        restored position again (map-style: the snapshot is applied again, exactly). An
-        ``IterableDataset``'s position cannot be told from the end of its data: a WARNING says the
-        position is used up.
-        """
+        """The restored snapshot again when the pass resumed from it was dropped, unsaved, after at most
+        ``PEEK_BATCHES`` batches (a peek); an ``IterableDataset``'s position is used up (a WARNING)."""
         snapshot, at, taken = restored.snapshot, restored.snapshot["batches_yielded"], restored.taken
         if restored.saved or restored.finished or taken > PEEK_BATCHES or restored.run() is not None:
             return None
@@ -399,7 +394,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
             sig, reason = describe_exit(code)
         also = tuple((w, pids[w][0], describe_exit(pids[w][1])[1]) for w in exited if w != wid and w < len(pids))
         return WorkerRestart(run.epoch, run.yielded, wid, pid, sig, code, reason, lost.detected_at, also_lost=also,
-                             sampler_epoch=_sampler_epoch(self))
+                             sampler_epoch=_resume.sampler_epoch(self))
 
     def _fth_spend(self, record: WorkerRestart) -> None:
         """Count a restart, or raise when the budget is spent."""
@@ -418,12 +413,8 @@ def _cuda_initialized() -> bool:
 
 
 class _Feed:
-    """The sampler iterator of one epoch, with the index batches sent but not yet yielded.
-
-    ``rewind()`` puts those back in front, in order: the next workers get them first. Sent items are
-    keyed by their send index in the current torch iterator (the n-th item pulled since the last
-    rewind is its task ``n``), so that ``in_order=False`` can commit whichever batch came back.
-    """
+    """The sampler iterator of one epoch, with the index batches sent but not yet yielded, keyed by
+    their task index in the current torch iterator; ``rewind()`` puts them back in front, in order."""
 
     def __init__(self, source: Iterator[Any]) -> None:
         self._source = source
@@ -456,10 +447,7 @@ class _Feed:
 
 class _FeedSource:
     """Stands for the loader's index sampler inside torch's iterator: ``iter()`` gives the feed.
-
-    Holds the index sampler, never the loader: a persistent iterator is kept by its loader, and a
-    reference back would make a cycle that only the cyclic GC frees, late and slowly.
-    """
+    Holds the index sampler, never the loader (no cycle through a persistent iterator)."""
 
     def __init__(self, loader: RestartableDataLoader) -> None:
         self.sampler = _compat_torch.index_sampler(loader)
@@ -474,10 +462,7 @@ class _FeedSource:
 
 
 class _LoaderView:
-    """What torch's iterator reads from its loader: the real loader with three attributes replaced.
-
-    Lent to torch's iterator for one call (its construction or ``_reset``), never stored on it.
-    """
+    """What torch's iterator reads from its loader, with three attributes replaced (lent for one call)."""
 
     def __init__(self, loader, index_sampler, ctx, generator) -> None:
         self._loader = loader
@@ -510,6 +495,12 @@ class _Run:
     loader: RestartableDataLoader
     restored: _Restored | None = None  # resumed from load_state_dict's snapshot
 
+    def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None) -> None:
+        self.loader = loader
+        self.epoch = epoch
+        self.yielded = pending["batches_yielded"] if pending is not None else 0
+        self.finished = False
+
     def __iter__(self):
         return self
 
@@ -517,10 +508,7 @@ class _Run:
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:
-        """What torch's iterator exposes (``_workers``, ``_shutdown_workers``, ...): the current one's.
-
-        After a restart these are the new workers' (the lost iterator is never reused).
-        """
+        """What torch's iterator exposes (``_workers``, ...): the current one's, after a restart the new."""
         it = self.__dict__.get("it")
         if it is None or not name.startswith("_") or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -562,13 +550,31 @@ class _Run:
             self.loader.restarts[-1].restart_seconds = time.monotonic() - t0
             self._restart_t0 = None
 
+    def __next__(self) -> Any:
+        while True:
+            it = self.it
+            mark = self._mark(it)
+            try:
+                data = next(it)
+            except StopIteration:
+                self._ended()
+                raise
+            except BaseException as exc:
+                dead = None if isinstance(exc, WorkerLost) else getattr(it, "fth_dead_worker", lambda: None)()
+                if isinstance(exc, WorkerLost) or dead is not None:  # dead: e.g. torch's "exited unexpectedly"
+                    self._lost(exc if dead is None else WorkerLost("died", dead[0], dead[1]), it)
+                    self._restart(it)
+                    continue
+                self._commit(it, mark, failed=True)  # the dataset's own error: not retried
+                raise
+            self._commit(it, mark, failed=False)
+            self._after_yield()
+            return data
+
 
 class _MapRun(_Run):
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None = None) -> None:
-        self.loader = loader
-        self.epoch = epoch
-        self.yielded = pending["batches_yielded"] if pending is not None else 0
-        self.finished = False
+        super().__init__(loader, epoch, pending)
         self.resumed = pending is not None
         self.source = _FeedSource(loader)
         # the sampler is iterated once per epoch, as torch does (a resume draws its first batches here)
@@ -619,45 +625,26 @@ class _MapRun(_Run):
             self._started()
             return
 
-    def __next__(self) -> Any:
-        while True:
-            it = self.it
-            before = _compat_torch.received(it)
-            in_flight = None if self.loader.in_order else _compat_torch.in_flight(it)  # in_order=False
-            try:
-                data = next(it)
-            except StopIteration:
-                self._ended()
-                raise
-            except WorkerLost as lost:
-                self._lost(lost, it)
-                if self.loader._fth_persistent is it:
-                    self.loader._fth_persistent = None
-                self._start(restart=True)
-                continue
-            except BaseException:
-                dead = it.fth_dead_worker()
-                if dead is not None:  # e.g. torch's own "worker exited unexpectedly"
-                    self._lost(WorkerLost("died", dead[0], dead[1]), it)
-                    if self.loader._fth_persistent is it:
-                        self.loader._fth_persistent = None
-                    self._start(restart=True)
-                    continue
-                # the dataset's own error: that batch is consumed, as with torch; not retried
-                if in_flight is not None:
-                    done = in_flight - _compat_torch.in_flight(it)
-                    self.feed.commit_tasks(done)
-                    self.yielded += len(done)
-                    raise
-                self.feed.commit(_compat_torch.received(it) - before)
-                self.yielded += _compat_torch.received(it) - before
-                raise
-            if in_flight is not None:
-                self.feed.commit_tasks(in_flight - _compat_torch.in_flight(it))
-            else:
-                self.feed.commit()
-            self._after_yield()
-            return data
+    def _mark(self, it) -> tuple:
+        return _compat_torch.received(it), None if self.loader.in_order else _compat_torch.in_flight(it)
+
+    def _commit(self, it, mark: tuple, failed: bool) -> None:
+        """The batches received are no longer to send again (a failed one is consumed, as with torch)."""
+        before, in_flight = mark
+        if in_flight is not None:  # in_order=False: whichever came back
+            done = in_flight - _compat_torch.in_flight(it)
+            self.feed.commit_tasks(done)
+            self.yielded += len(done) if failed else 0
+        elif failed:
+            self.feed.commit(_compat_torch.received(it) - before)
+            self.yielded += _compat_torch.received(it) - before
+        else:
+            self.feed.commit()
+
+    def _restart(self, it) -> None:
+        if self.loader._fth_persistent is it:
+            self.loader._fth_persistent = None
+        self._start(restart=True)
 
 
 class _Aborted:
@@ -677,10 +664,7 @@ class _IterableRun(_Run):
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None = None) -> None:
         from ._stateful import InnerStatefulLoader
 
-        self.loader = loader
-        self.epoch = epoch
-        self.yielded = pending["batches_yielded"] if pending is not None else 0
-        self.finished = False
+        super().__init__(loader, epoch, pending)
         if loader._fth_stateful is None:
             loader._fth_stateful = InnerStatefulLoader(
                 loader.dataset,
@@ -706,52 +690,31 @@ class _IterableRun(_Run):
         self.it = None
         if pending is not None and pending.get("torchdata") is not None:
             self.sdl.load_state_dict(pending["torchdata"])  # resume: torchdata restores the workers' position
-        try:
-            self.it = iter(self.sdl)
-            self.state = self.it.state_dict()
-        except WorkerLost as lost:
-            self._lost(lost, _or_aborted(self.sdl._iterator))
-            self._restart()
+        self._restart(None, restart=False)
 
-    def _restart(self) -> None:
+    def _restart(self, it, restart: bool = True) -> None:
         while True:
-            self.sdl._iterator = None
-            self.sdl.multiprocessing_context = hardened_context(self.loader._fth_restart_method())
-            if self.state is not None:
-                self.sdl.load_state_dict(self.state)
+            if restart:
+                self.sdl._iterator = None
+                self.sdl.multiprocessing_context = hardened_context(self.loader._fth_restart_method())
+                if self.state is not None:
+                    self.sdl.load_state_dict(self.state)
             try:
                 self.it = iter(self.sdl)
                 if self.state is None:
                     self.state = self.it.state_dict()
             except WorkerLost as lost:
                 self._lost(lost, _or_aborted(self.sdl._iterator))
+                restart = True
                 continue
             self._started()
             return
 
-    def __next__(self) -> Any:
-        while True:
-            it = self.it
-            try:
-                data = next(it)
-            except StopIteration:
-                self._ended()
-                raise
-            except WorkerLost as lost:
-                self._lost(lost, it)
-                self._restart()
-                continue
-            except BaseException:
-                dead = it.fth_dead_worker() if hasattr(it, "fth_dead_worker") else None
-                if dead is not None:
-                    self._lost(WorkerLost("died", dead[0], dead[1]), it)
-                    self._restart()
-                    continue
-                self.state = it.state_dict()  # the dataset's own error: not retried
-                raise
-            self.state = it.state_dict()
-            self._after_yield()
-            return data
+    def _mark(self, it) -> None:
+        return None
+
+    def _commit(self, it, mark: None, failed: bool) -> None:
+        self.state = it.state_dict()
 
 
 # -- resume: the epoch without workers, and the snapshot of the epoch in progress ---------------------
@@ -761,10 +724,7 @@ class _SingleRun(_Run):
     """A map-style epoch without workers: torch's single-process iterator, fed from a tracked sampler."""
 
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None) -> None:
-        self.loader = loader
-        self.epoch = epoch
-        self.yielded = pending["batches_yielded"] if pending is not None else 0
-        self.finished = False
+        super().__init__(loader, epoch, pending)
         self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
         source = _FeedSource(loader)
         source.feed = self.capture  # type: ignore[assignment]
@@ -784,38 +744,9 @@ class _SingleRun(_Run):
         return data
 
 
-def _resume_state(loader: RestartableDataLoader) -> dict[str, Any]:
-    if loader._fth_pending is not None:  # loaded and not iterated yet: the same snapshot
-        return dict(loader._fth_pending)
-    run = loader._fth_run() if loader._fth_run is not None else None
-    if run is None:  # no epoch in progress: the next iter() starts epoch `_fth_epochs`
-        if isinstance(loader.dataset, IterableDataset):
-            return _resume.iterable_state(loader._fth_epochs - 1, 0, True, None)
-        return _resume.map_state(loader, loader._fth_epochs - 1, 0, True, None)
-    restored = loader._fth_restored
-    if restored is not None and restored.taken and restored.run() is run:
-        restored.saved = True  # its progress may be in a checkpoint now: a later iter() does not go back
-    if isinstance(run, _IterableRun):
-        return _resume.iterable_state(run.epoch, run.yielded, run.finished, run.state)
-    finished = run.finished
-    try:
-        if not finished and run.yielded >= len(_compat_torch.index_sampler(loader)):
-            # Every batch taken, the end not yet seen: draw the sampler to its end now, as the next
-            # next() would (a RandomSampler draws from its generator once more there).
-            for _ in run.capture:
-                pass
-            finished = True
-    except TypeError:  # an unsized sampler
-        pass
-    return _resume.map_state(loader, run.epoch, run.yielded, finished, run.capture)
-
-
 def make_restartable(loader: DataLoader, max_restarts: int = 3, restart_start_method: str | None = None) -> RestartableDataLoader:
-    """A :class:`RestartableDataLoader` with the same dataset, sampler and settings as ``loader``.
-
-    For code that builds its own loader, e.g. ``idist.auto_dataloader``. The sampler object is
-    shared, so ``loader.sampler.set_epoch(e)`` (a ``DistributedSampler``) still applies. Do not
-    iterate both loaders.
+    """A :class:`RestartableDataLoader` with the same dataset, sampler (shared: ``set_epoch`` still
+    applies) and settings as ``loader`` (e.g. ``idist.auto_dataloader``'s). Do not iterate both.
 
     Examples:
         .. code-block:: python

@@ -1,5 +1,5 @@
-"""What the data layer does in a recovery in place's phases (:mod:`..core.phases`), registered when
-the package is imported (``data/__init__.py``): capture and hold the live state (:mod:`.live`), reap
+"""What the data layer does in a recovery in place's phases (:mod:`..core.phases`), wired in
+:mod:`..wiring`: capture and hold the live state (:mod:`.live`), reap
 the failed attempt's DataLoader workers, and forget what was kept for the recovery (:mod:`.snapshots`)."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from dataclasses import replace
 
 from ..core.config import WORKER_REAP
 from ..core.hooks import log
-from ..core import hooks
 from ..core.phases import RecoveryState
 from . import live, snapshots
 
@@ -28,14 +27,12 @@ def capture_live(state: RecoveryState) -> RecoveryState:
 
 
 def settle_live(state: RecoveryState) -> None:
-    """``SETTLE_LIVE``: the next attempt resumes from ``state.live`` (``None``: from what it loads
-    itself, the plan saying why)."""
+    """``SETTLE_LIVE``: the next attempt resumes from ``state.live`` (``None``: from what it loads itself)."""
     live.hold(state.live, getattr(state.plan, "why", "") or "")
 
 
 def reap_loader_workers(timeout: float = WORKER_REAP) -> int:
-    """DataLoader workers of the failed attempt still alive once its objects were collected: joined,
-    then killed. Returns how many had to be killed."""
+    """DataLoader workers of the failed attempt still alive: joined, then killed. Returns how many were killed."""
     killed = 0
     deadline = time.monotonic() + timeout
     for child in multiprocessing.active_children():
@@ -51,8 +48,7 @@ def reap_loader_workers(timeout: float = WORKER_REAP) -> int:
 
 
 def reap_workers(state: RecoveryState) -> None:
-    """``COLLECTED``: the attempt's loaders are collected (their workers shut down with them); those
-    still running are killed."""
+    """``COLLECTED``: workers still running once the attempt's loaders are collected are killed."""
     killed = reap_loader_workers()
     if killed:
         log(logging.WARNING, "killed %d DataLoader worker(s) of the failed attempt that were still running", killed)
@@ -62,12 +58,3 @@ def end_recovery(state: RecoveryState) -> None:
     """``END``: the newest checkpoint's copy in memory and the live state: no attempt will read them now."""
     snapshots.forget()
     live.forget()
-
-
-#: What the data layer does in each phase, in this order.
-STEPS = (
-    (hooks.CAPTURE_LIVE, capture_live),
-    (hooks.SETTLE_LIVE, settle_live),
-    (hooks.COLLECTED, reap_workers),
-    (hooks.END, end_recovery),
-)

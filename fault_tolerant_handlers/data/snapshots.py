@@ -2,19 +2,10 @@
 back from (shared) storage.
 
 While :func:`~fault_tolerant_handlers.recover_in_place` runs, every checkpoint the library sees being
-written (Ignite's :class:`~fault_tolerant_handlers.ignite.SafeDiskSaver`, on every rank; Lightning's
-``ModelCheckpoint`` through the callback, on every rank) is also copied into memory: its tensors to
-CPU (``clone``), the rest deep-copied. Only the newest is kept. After a recovery,
-:func:`load_checkpoint` hands that copy over (once) for the path :func:`~fault_tolerant_handlers.latest_checkpoint`
-names, instead of reading the file; anything else (another file, a process that has no copy: a
-replaced rank's new process, a relaunch) reads the file, as ``torch.load`` would. The Lightning
-callback makes ``trainer.fit(ckpt_path=...)`` use it by itself; with Ignite, load with
-``Checkpoint.load_objects(to_load, checkpoint=load_checkpoint(path))``.
-
-Cost, per checkpoint while a recovery runs: one copy of what is saved (model, optimizer, loader
-state) in this process's memory, and the time to copy it (a memcpy of the tensors; from a GPU, a
-device-to-host copy, as ``torch.save`` makes too). Outside ``recover_in_place`` nothing is copied.
-``FTH_SNAPSHOT=0`` turns it off.
+written (Ignite's ``SafeDiskSaver``, Lightning's ``ModelCheckpoint`` through the callback, on every
+rank) is also copied into memory (tensors cloned to CPU, the rest deep-copied); only the newest is
+kept. :func:`load_checkpoint` hands it over once for the path ``latest_checkpoint`` names; anything
+else reads the file. Outside ``recover_in_place`` nothing is copied; ``FTH_SNAPSHOT=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -107,8 +98,7 @@ _warned_sharded = False
 
 
 def _refuse_sharded(path: str | os.PathLike, where: str, why: str) -> None:
-    """A checkpoint holding sharded tensors is not copied (one rank's shards are not a state to hand
-    back); once per process, at WARNING. The next attempt reads it where it was written."""
+    """A checkpoint holding sharded tensors is not copied (a WARNING, once per process)."""
     global _newest, _warned_sharded
     with _lock:
         _newest = None
@@ -124,33 +114,27 @@ def forget() -> None:
         _newest = None
 
 
-def newest(path: str | os.PathLike) -> Any | None:
-    """The copy kept for ``path`` (or the live state, :mod:`.live`, for the name it answers to), or ``None``."""
-    state = live.newest(path)
-    if state is not None:
-        return state
-    with _lock:
-        kept = _newest
-    if kept is None or _key(path) not in kept[0]:
-        return None
-    return kept[1]
-
-
-def take(path: str | os.PathLike) -> Any | None:
-    """The copy kept for ``path``, handed over once (it is forgotten here: the loader may keep its
-    tensors, as an optimizer's ``load_state_dict`` does, and update them in place); ``None`` when
-    this process keeps none for ``path``. The live state (:mod:`.live`) for the name it answers to."""
+def newest(path: str | os.PathLike, *, take: bool = False) -> Any | None:
+    """The copy kept for ``path`` (or the live state, :mod:`.live`, for the name it answers to), or
+    ``None``; ``take``: handed over once (forgotten here: the loader may update its tensors in place)."""
     global _newest
-    state = live.take(path)
+    state = live.take(path) if take else live.newest(path)
     if state is not None:
         return state
     with _lock:
         kept = _newest
         if kept is None or _key(path) not in kept[0]:
             return None
-        _newest = None
-    log(logging.INFO, "checkpoint %s read from this process's memory", Path(path).name)
+        if take:
+            _newest = None
+    if take:
+        log(logging.INFO, "checkpoint %s read from this process's memory", Path(path).name)
     return kept[1]
+
+
+def take(path: str | os.PathLike) -> Any | None:
+    """:func:`newest`, handed over once."""
+    return newest(path, take=True)
 
 
 def load_checkpoint(path: str | os.PathLike, **torch_load_kwargs: Any) -> Any:

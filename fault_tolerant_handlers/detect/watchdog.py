@@ -514,6 +514,3 @@ def start_watchdog(group=None, *, hang_timeout: timedelta | float | str | dict |
     if session is None:
         return None
     return session.start_watchdog(hang_timeout)
-
-
-hooks.add(hooks.WATCHDOG, Watchdog)  # what Session.start_watchdog starts

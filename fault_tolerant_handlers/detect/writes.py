@@ -11,7 +11,7 @@ import os
 import threading
 from typing import Iterator
 
-from ..core import hooks, interrupts
+from ..core import interrupts
 
 _writes_in_progress = 0
 _writes_lock = threading.Lock()
@@ -58,7 +58,3 @@ def stack_writes(frame) -> bool:
                 return True
         frame = frame.f_back
     return False
-
-
-# The interrupt of a hung main thread waits for a write its stack shows (recovering in place).
-hooks.add(hooks.DEFER, stack_writes)

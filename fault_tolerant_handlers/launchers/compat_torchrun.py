@@ -1,76 +1,37 @@
 """torchrun restarts: one store namespace per attempt (torch's private rendezvous table, in one place).
 
-**The cause of ``Gloo connectFullMesh failed ... Connection refused`` on a restarted attempt.**
-torchrun's rendezvous (``--standalone`` or ``--rdzv-backend c10d``) creates one ``TCPStore`` server
-in the agent for the whole job and hands it to the workers (``TORCHELASTIC_USE_AGENT_STORE=True``,
-``MASTER_PORT`` is that store). A restart re-uses the same store: it is created again only when the
-agent's rank changes. The workers' ``env://`` / ``tcp://`` rendezvous (``_create_c10d_store``)
-connect to it *without* a per-attempt prefix (its comment assumes "a new TCPStore for every
-retry"). So every key of attempt N-1 is still there in attempt N, under the same names: the
-default group's (``default_pg/0/...``) and those of every ``new_group``, named by a counter
-(``1/``, ``2/``, ...: Lightning's groups, this library's side group). Gloo's ``connectFullMesh``
-publishes each rank's listening address under such a key and reads its peers'; a rank that reads
-before its peer of *this* attempt has written gets the address of the dead process of the attempt
-before, and fails with ``Connection refused`` to a port nobody listens on. Whether it happens is a
-race between the ranks' start-up times: Lightning's ranks (slower imports, a second group) lose it
-often, and each extra group (the side group) is one more chance to lose it.
+**Why.** torchrun's rendezvous (``--standalone`` or ``--rdzv-backend c10d``) makes one ``TCPStore`` in
+the agent for the whole job and hands it to the workers (``TORCHELASTIC_USE_AGENT_STORE=True``); a
+restart re-uses it, and the workers' ``env://`` / ``tcp://`` rendezvous connect to it without a
+per-attempt prefix. So attempt N-1's keys are still there in attempt N under the same names (the
+default group's, and every ``new_group``'s, named by a counter). Gloo's ``connectFullMesh`` publishes
+each rank's listening address under such a key and reads its peers': a rank that reads before its
+peer of *this* attempt has written gets a dead process's address, ``Connection refused``.
 
 **The fix.** Under torchrun with the agent store, the ``env`` and ``tcp`` rendezvous handlers are
-wrapped so that the store they give ``init_process_group`` is
-``PrefixStore("fth/attempt_<TORCHELASTIC_RESTART_COUNT>", store)``: every key of every group of
-an attempt lives in that attempt's namespace, and nothing of an earlier attempt can be read.
-Installed when ``fault_tolerant_handlers`` is imported (before ``init_process_group``: Lightning
-calls it inside ``fit``; for your own ``init_process_group``, import the library first).
-``FTH_ATTEMPT_STORE=0`` turns it off; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's own
-environment is the launcher-side alternative (a new store per attempt, on a new port).
+wrapped so that ``init_process_group`` is given ``PrefixStore("fth/attempt_<restart>", store)``
+(:func:`..core.attempts.namespace`). Installed when the package is imported (before
+``init_process_group``: import the library first). ``FTH_ATTEMPT_STORE=0`` turns it off;
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment is the launcher-side alternative.
+It assumes every node counts the same attempts (a fixed number of nodes): with ``--nnodes MIN:MAX``
+use those two settings instead.
 
-It assumes every node counts the same attempts (a fixed number of nodes): with elastic membership
-(``--nnodes MIN:MAX``) a node that joins later counts from 0 and would not meet the others' prefix;
-use ``FTH_ATTEMPT_STORE=0`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` there.
+**Imported after ``init_process_group``.** Then this attempt's groups wrote their keys under torch's
+bare names, and the next attempt reads whatever is there: this attempt's address keys must be gone
+before it starts, deleted while the attempt is healthy (on the way out a SIGTERMed or SIGKILLed
+survivor deletes nothing, and a destroyed group, such as the one Ignite's ``idist`` makes and
+destroys on first use, is no longer in ``_world.pg_map``). A gloo address key is read only while its
+group is made, and a session's side group has completed an ``all_gather`` that no peer enters before
+it made every earlier group: so at ``SESSION_STARTED`` each rank deletes its share
+(:func:`read_keys`: its own key of each live group; when the session spans the world, key ``<its
+rank>`` of every counted group not live here), in a thread of its own (``fth-attempt-keys``). Only
+the keys of groups made after the session started are deleted on ``JOB_FAILED``
+(:func:`forget_attempt_keys`, best effort).
 
-**Imported after ``init_process_group``.** Then this attempt's groups already wrote their keys under
-torch's bare names, and the next attempt (its library imported late too) cannot be given a prefix
-either: its ``connectFullMesh`` reads ``default_pg/0//cpu//0/<rank>`` whatever is there. So this
-attempt's address keys must be gone before the next attempt reads them, and nothing of this attempt
-may touch the store once the next attempt started.
-
-Deleting them on the way out (once the job failed: the core's ``JOB_FAILED``) missed keys, and its
-timing was not its own:
-
-* a destroyed group's keys stay in the store, and a group no longer in ``_world.pg_map`` was not
-  deleted: Ignite's ``idist`` makes a gloo group on its first use (``_compute_nproc_per_node``:
-  ``new_group``, one ``all_reduce``, ``destroy_process_group``; a ``Checkpoint``/``DiskSaver`` is
-  enough), so group ``1``'s keys of attempt 0 were still there when attempt 1's ``idist`` made its
-  group ``1`` under the same names (torch's group counter starts again in every process): its
-  ``connectFullMesh`` read a dead peer's address, ``Connection refused`` (or, when the kernel had
-  given that port to a listener of the new attempt, a handshake with the wrong process that hangs
-  until the group's timeout);
-* torchrun's agent ends the survivors with ``SIGTERM`` as soon as it sees one worker fail (every
-  ``--monitor-interval``, 0.1 s by default), and a survivor ended before its watchdog found the
-  failure deletes nothing; a SIGKILLed rank never does; the failing rank's own deletion ran on the
-  failure path with its 1 s store budget.
-
-**The fix: the keys go while the attempt is healthy.** A gloo address key is read only while its
-group is made (every peer reads it in ``connectFullMesh``, before its constructor returns). When a
-session starts, its side group has just completed an ``all_gather``, which no peer enters before it
-made every group made before the side group (torch makes groups in the same order on every rank,
-members or not). So at ``SESSION_STARTED`` every peer has read every key of those groups, and each
-rank deletes its share (:func:`read_keys`: its own key of each live group; when the session spans
-the world, key ``<its rank>`` of every counted group not live here, the destroyed ones included:
-together every key of every group made so far), with ordinary store calls in a thread of its own
-(``fth-attempt-keys``: the main thread makes no store connection, which stalled the start of 8
-ranks on a busy store), nothing on the failure path. A rank SIGKILLed in the moment before that
-thread ran leaves its keys; a failure before it ran in a live rank deletes them on the way out. From then on the attempt leaves nothing the next one could read, and nothing of it deletes or
-writes a key the next attempt uses, whenever and on whichever host its processes die. Only the keys
-of a group made *after* the session started are still deleted on ``JOB_FAILED``, as before
-(:func:`forget_attempt_keys`, best effort: on one host torchrun's agent restarts only once every
-local worker exited, which orders it; a group made before ``idist``'s first use inside the loop
-is such a group).
-
-Private API: ``torch.distributed.rendezvous._rendezvous_handlers`` (the scheme -> handler table that
-``init_process_group`` consults at each call), checked against torch 2.13.0; the names gloo's
-address keys have in the store (:func:`address_key_of`, from ``_world.pg_map``, ``_world.pg_names``
-and ``_world.group_count``), checked at start against this rank's own.
+Private API: ``torch.distributed.rendezvous._rendezvous_handlers`` (the scheme -> handler table
+``init_process_group`` consults at each call), checked against torch 2.13.0; the names of gloo's
+address keys (``core.schema.gloo_address_key``, with ``_world.pg_map``, ``pg_names`` and
+``group_count``), checked at start against this rank's own.
 """
 
 from __future__ import annotations
@@ -85,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from ..core import attempts, config
 from ..core.config import ATTEMPT_KEYS_PATIENCE, ATTEMPT_KEYS_WAIT, EXPLAIN_EVIDENCE_TIMEOUT, MAIN_STORE_TIMEOUT
 from ..core.hooks import first_line, log
+from ..core.schema import gloo_address_key
 from ..core.phases import RecoveryState
 
 if TYPE_CHECKING:
@@ -95,19 +57,9 @@ _WRAPPED_ATTR = "_fth_attempt_wrapped"
 _SCHEMES = ("env", "tcp")
 
 
-def attempt() -> int:
-    return attempts.restart()
-
-
-def prefix() -> str:
-    """This attempt's namespace (:func:`..core.attempts.namespace`: torchrun's restart, and the
-    recoveries in place)."""
-    return attempts.namespace()
-
-
-def _needed() -> bool:
-    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and config.settings().attempt_store)
+def _agent_store() -> bool:
+    """Under torchrun's shared agent store, with per-attempt namespaces on (``FTH_ATTEMPT_STORE``)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.settings().attempt_store
 
 
 def _table() -> dict:
@@ -129,21 +81,9 @@ def _table() -> dict:
     return table
 
 
-#: The process group was made through :func:`_wrap`'s handler: its keys are in the attempt's namespace.
+#: The process group was made through :func:`_wrap`'s handler: its keys are in the attempt's namespace
+#: (else, under torchrun's shared store, they are under torch's bare names: the next attempt reads them).
 _prefixed = False
-
-
-def shared_keys_left() -> bool:
-    """Under torchrun's shared store, this attempt's groups wrote their keys under torch's bare
-    names (the library was imported after ``init_process_group``): the next attempt would read them."""
-    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.settings().attempt_store
-            and not _prefixed)
-
-
-def address_key_of(rank: int, group: str | None = None) -> str:
-    """The key under which gloo context 0 of a group published ``rank``'s address (torch 2.13): the
-    default group's ``default_pg/0//cpu//0/<rank>``, group ``N``'s ``default_pg/0//N//cpu//0/<rank>``."""
-    return f"default_pg/0//{'' if group is None else group + '//'}cpu//0/{rank}"
 
 
 def _gloo_groups() -> list[tuple[Any, str | None]]:
@@ -168,16 +108,10 @@ def _keys(groups: list[tuple[Any, str | None]], *, own: bool) -> list[str]:
     keys = []
     for pg, name in groups:
         try:
-            keys += [address_key_of(r, name) for r in ((pg.rank(),) if own else range(pg.size()))]
+            keys += [gloo_address_key(r, name) for r in ((pg.rank(),) if own else range(pg.size()))]
         except Exception:  # noqa: BLE001 - a group being destroyed
             continue
     return keys
-
-
-def address_keys(*, own: bool = False) -> list[str]:
-    """Every gloo address key of this process's groups; with ``own``, only this rank's (its rank in
-    each group)."""
-    return _keys(_gloo_groups(), own=own)
 
 
 def group_count() -> int:
@@ -189,13 +123,6 @@ def group_count() -> int:
     return int(distributed_c10d._world.group_count)
 
 
-def counted_keys(first: int, last: int, ranks: range) -> list[str]:
-    """The gloo address keys of ``ranks`` in the groups numbered ``first`` to ``last - 1`` (live or
-    destroyed: a destroyed group, such as the one Ignite's ``idist`` makes and destroys to count the
-    ranks of a node, leaves its keys)."""
-    return [address_key_of(r, None if n == 0 else str(n)) for n in range(first, last) for r in ranks]
-
-
 def forget_addresses(call: Callable[..., Any], keys: list[str]) -> int:
     """Delete ``keys``; ``call(method, *args)`` is a store call on a client without a prefix. Returns
     how many were there. (Named one by one: listing the store's keys holds the GIL for the whole call
@@ -204,13 +131,11 @@ def forget_addresses(call: Callable[..., Any], keys: list[str]) -> int:
 
 
 def read_keys(session: Session) -> tuple[list[str], set[str | None], int]:
-    """The gloo address keys this rank deletes when ``session`` starts, all read by every peer by then
-    (the side group's all_gather, which a peer enters only after it made every group made before the
-    side group), the names of the live groups and the group count they cover. This rank's own key of each live group whose ranks are
-    all the session's; when the session spans the world, also key ``<global rank>`` of every counted
-    group not live here (destroyed, or one this rank is not in): over the ranks, every key of every
-    group made so far. (Each rank its own: a rank checks its own key before it deletes, and a peer
-    deleting it would make the check fail.)"""
+    """The gloo address keys this rank deletes when ``session`` starts (every peer has read them),
+    the names of the live groups and the group count they cover: this rank's own key of each live
+    group whose ranks are all the session's; when the session spans the world, also key ``<global
+    rank>`` of every counted group not live here. (Each rank its own: a rank checks its own key
+    before it deletes, and a peer deleting it would make the check fail.)"""
     import torch.distributed as dist
 
     members = set(dist.get_process_group_ranks(session.side))
@@ -223,10 +148,10 @@ def read_keys(session: Session) -> tuple[list[str], set[str | None], int]:
             continue
         live.add(name)
         if ranks <= members:
-            keys.append(address_key_of(pg.rank(), name))
+            keys.append(gloo_address_key(pg.rank(), name))
     if len(members) == dist.get_world_size():
         keys += [key for n in range(count) if (None if n == 0 else str(n)) not in live
-                 for key in counted_keys(n, n + 1, range(session.rank, session.rank + 1))]
+                 for key in [gloo_address_key(session.rank, None if n == 0 else str(n))]]
     return keys, live, count
 
 
@@ -242,9 +167,10 @@ class _AttemptKeys:
         self.count = count
 
     def later(self, world_size: int) -> list[str]:
-        """The address keys of the groups made since: every rank's (a destroyed group is not known
-        any more, and its members are not either)."""
-        keys = counted_keys(self.count, group_count(), range(world_size))
+        """The address keys of the groups made since, live or destroyed: every rank's (a destroyed
+        group is not known any more, and its members are not either)."""
+        keys = [gloo_address_key(r, None if n == 0 else str(n)) for n in range(self.count, group_count())
+                for r in range(world_size)]
         return keys + [key for pg, name in _gloo_groups() if name not in self.done and not (
             name is not None and name.isdigit() and int(name) >= self.count) for key in _keys([(pg, name)], own=False)]
 
@@ -257,7 +183,7 @@ def check_address_keys(session: Session, conn: Connection) -> bool:
     warning (a store call that fails raises)."""
     import torch
 
-    key = address_key_of(session.rank)
+    key = gloo_address_key(session.rank)
     if conn.call("check", [key]):
         return True
     log(logging.WARNING, "fault_tolerant_handlers was imported after init_process_group under torchrun, and "
@@ -268,10 +194,8 @@ def check_address_keys(session: Session, conn: Connection) -> bool:
 
 
 def forget_attempt_keys(session: Session) -> None:
-    """The job failed: delete the gloo address keys of the groups made after ``session`` started
-    from torchrun's shared store (once; those made before went when it started: :func:`on_session_started`),
-    so that the next attempt never reads them (only when the library was imported after
-    ``init_process_group``; otherwise each attempt has a namespace of its own)."""
+    """``JOB_FAILED``: delete the gloo address keys of the groups made after ``session`` started from
+    torchrun's shared store (once; only when the library was imported after ``init_process_group``)."""
     keys = _attempt_keys.get(session)
     if keys is None:
         return
@@ -300,15 +224,13 @@ def forget_attempt_keys(session: Session) -> None:
             conn.close()
 
 
-# -- what this module does on the core's events (subscribed in ``launchers/__init__.py``) -------------
+# -- the core's announcements (wired in ``..wiring``) --------------------------------------------------
 def on_session_started(session: Session) -> None:
-    """Under torchrun with the library imported after init_process_group: every peer has read the
-    gloo address keys of the groups made so far (the side group's all_gather just passed), so they go
-    now, while the attempt is healthy (:func:`read_keys`), in a thread of their own (``fth-attempt-keys``:
-    the main thread makes no store connection, which at 8 ranks on a busy store stalled the start); the
-    connection is kept for the groups made later (``JOB_FAILED``: :func:`forget_attempt_keys`, which
-    deletes every key when it comes before the thread did)."""
-    if not (shared_keys_left() and session.store_address is not None):
+    """Under torchrun with the library imported after init_process_group: the keys every peer has read
+    go now (:func:`read_keys`), in a thread of their own (a store connection in the main thread stalled
+    the start of 8 ranks on a busy store); the connection is kept for ``JOB_FAILED``
+    (:func:`forget_attempt_keys`, which deletes every key when it comes before the thread did)."""
+    if _prefixed or not _agent_store() or session.store_address is None:
         return
     keys, names, upto = read_keys(session)  # no store call: torch's group table
     conn = session.connection("attempt-keys", MAIN_STORE_TIMEOUT, prefix="", backoff=True)
@@ -360,59 +282,59 @@ def on_session_closed(session: Session) -> None:
             conn.close()
 
 
-#: ``(store, rank, world_size)`` the rendezvous gives every attempt after a recovery in place
-#: (:func:`rendezvous_in_place`): the first attempt's store without its prefixes.
+# -- recovering in place: the launchers' steps (wired in ``..wiring``) ---------------------------------
+#: ``(store, rank, world_size)`` every rendezvous gives after a recovery in place (:func:`re_form`):
+#: the first attempt's store without its prefixes.
 _in_place: tuple[Any, int, int] | None = None
-
-
-#: Recovering in place: the first rendezvous's ``(store, rank, world_size)`` is kept (:func:`first_rendezvous`).
+#: While a recovery in place runs: the first rendezvous's ``(store, rank, world_size)`` is kept.
 _capture = False
 _first: tuple[Any, int, int] | None = None
+#: The prefix the last rendezvous through :func:`_wrap` put its store under ("" for none).
+_last_prefix = ""
 
 
-def capture_rendezvous() -> None:
-    """Keep the next rendezvous's store (recovering in place re-forms the group over it; under
-    ``env://`` without torchrun, rank 0's copy is the store's server, which must outlive the group)."""
+def begin_recovery(state: RecoveryState | None = None) -> None:
+    """``BEGIN``: keep the next rendezvous's store (the group is re-formed over it; under ``env://``
+    without torchrun, rank 0's copy is the store's server, which must outlive the group)."""
     global _capture
     _capture = True
     install(in_place=True)
 
 
-def release_rendezvous() -> None:
-    """The recovery is over: forget the first rendezvous's store (and stop keeping the next one)."""
-    global _capture, _first, _in_place
-    _capture, _first, _in_place = False, None, None
-
-
 def first_rendezvous() -> tuple[Any, int, int] | None:
-    """``(store, rank, world_size)`` of the first rendezvous since :func:`capture_rendezvous`."""
+    """The ``WORLD`` provider: ``(store, rank, world_size)`` of the first rendezvous since ``BEGIN``."""
     return _first
 
 
-#: The prefix the last rendezvous through :func:`_wrap` put its store under ("" for none).
-_last_prefix = ""
-
-
-def forget_own_addresses(store: Any) -> int:
-    """Recovering in place, before the failed attempt's groups are destroyed: delete this rank's gloo
-    address keys of every group from ``store`` (the rendezvous's own), under the prefix they were
-    written with, so that the store does not grow by an attempt's keys at each recovery."""
+def forget_addresses_of_attempt(state: RecoveryState) -> None:
+    """``TEAR_DOWN``, before the groups go (their names are read from them): this rank's gloo address
+    keys, under the prefix they were written with, so that the store does not grow at each recovery."""
     import torch.distributed as dist
 
-    target = dist.PrefixStore(_last_prefix, store) if _last_prefix else store
-    return sum(bool(target.delete_key(key)) for key in address_keys(own=True))
+    if state.store is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        target = dist.PrefixStore(_last_prefix, state.store) if _last_prefix else state.store
+        for key in _keys(_gloo_groups(), own=True):
+            target.delete_key(key)
+    except Exception as err:  # noqa: BLE001 - a few keys left behind must not stop the recovery
+        log(logging.DEBUG, "deleting the failed attempt's address keys: %s", err)
 
 
-def rendezvous_in_place(store: Any | None, rank: int = -1, world_size: int = -1) -> None:
-    """From now on, ``init_process_group`` of any scheme (``env``, ``tcp``, ``file``) is given
-    ``PrefixStore(<this attempt's namespace>, store)`` with ``rank`` and ``world_size``, without
-    connecting again: recovering in place re-forms the group over the store of the first attempt
-    (whose server may live in this very process: a second one on its port would fail). ``None``
-    goes back to torch's own rendezvous."""
+def re_form(state: RecoveryState) -> None:
+    """``RE_FORM``: from now on ``init_process_group`` of any scheme (``env``, ``tcp``, ``file``) is
+    given ``PrefixStore(<this attempt's namespace>, state.store)`` without connecting again (the
+    store's server may live in this very process: a second one on its port would fail)."""
     global _in_place
-    _in_place = None if store is None else (store, rank, world_size)
-    if store is not None:
+    _in_place = None if state.store is None else (state.store, state.rank, state.world_size)
+    if state.store is not None:
         install(in_place=True)
+
+
+def end_recovery(state: RecoveryState | None = None) -> None:
+    """``END``: forget the first rendezvous's store (and stop keeping the next one)."""
+    global _capture, _first, _in_place
+    _capture, _first, _in_place = False, None, None
 
 
 def _wrap(handler):
@@ -422,15 +344,15 @@ def _wrap(handler):
         global _prefixed, _first, _last_prefix
         if _in_place is not None:
             store, rank, world_size = _in_place
-            _prefixed, _last_prefix = True, prefix()
+            _prefixed, _last_prefix = True, attempts.namespace()
             yield dist.PrefixStore(_last_prefix, store), rank, world_size
             return
         for store, rank, world_size in handler(url, **kwargs):
             if _capture and _first is None:
                 _first = (store, rank, world_size)
             _last_prefix = ""
-            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.settings().attempt_store:
-                _last_prefix = prefix()
+            if _agent_store():
+                _last_prefix = attempts.namespace()
                 store = dist.PrefixStore(_last_prefix, store)
                 _prefixed = True
             yield store, rank, world_size
@@ -443,7 +365,7 @@ def _wrap(handler):
 def install(*, in_place: bool = False) -> bool:
     """Wrap the rendezvous handlers (idempotent). True when installed: under torchrun's agent store
     (``env``, ``tcp``), and, with ``in_place``, for recovering in place (``file`` too) under any launcher."""
-    if not (in_place or _needed()):
+    if not (in_place or _agent_store()):
         return False
     table = _table()
     if not table:
@@ -458,31 +380,3 @@ def install(*, in_place: bool = False) -> bool:
             "under torchrun its keys are not isolated per attempt; each rank deletes its address keys once "
             "every peer has read them (when the session starts), so that a restarted attempt comes up")
     return True
-
-
-# -- the launchers' steps of a recovery in place (registered in launchers/__init__.py) ----------------------
-def begin_recovery(state: RecoveryState) -> None:
-    """``BEGIN``: keep the first rendezvous's store."""
-    capture_rendezvous()
-
-
-def forget_addresses_of_attempt(state: RecoveryState) -> None:
-    """``TEAR_DOWN``, before the groups go (their names are read from them): this rank's address keys."""
-    import torch.distributed as dist
-
-    if state.store is None or not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        forget_own_addresses(state.store)
-    except Exception as err:  # noqa: BLE001 - a few keys left behind must not stop the recovery
-        log(logging.DEBUG, "deleting the failed attempt's address keys: %s", err)
-
-
-def re_form(state: RecoveryState) -> None:
-    """``RE_FORM``: the next ``init_process_group`` is given ``state.store`` under the new namespace."""
-    rendezvous_in_place(state.store, state.rank, state.world_size)
-
-
-def end_recovery(state: RecoveryState) -> None:
-    """``END``: forget the first rendezvous's store."""
-    release_rendezvous()

@@ -1,29 +1,25 @@
 """SIGTERM and SIGINT: a signalled rank says so before the signal takes effect.
 
-A scheduler's preemption (``scancel``, a spot reclaim), ``kill`` or Ctrl-C ends a rank in a way its
-peers cannot explain: they only see a broken collective. When a fail-together session starts (in
-the main thread), this module puts a handler on ``SIGTERM`` and ``SIGINT`` **in front of** the one
-already there (Lightning's, a user's, Python's default), never replacing it:
+A preemption (``scancel``, a spot reclaim), ``kill`` or Ctrl-C ends a rank in a way its peers cannot
+explain: they only see a broken collective. When a fail-together session starts (in the main
+thread), this module puts a handler **in front of** the one already there (Lightning's, a user's,
+Python's default), never replacing it:
 
 1. it reacts once: if this rank already knows of a peer's failure (the watchdog's incident, an
-   undelivered record, a same-host peer gone), the signal is a consequence (torchrun, ``mp.spawn``
-   end survivors with ``SIGTERM``) and only torchrun's error file is written (:mod:`.errorfile`, a
-   survivor's timestamp); otherwise this rank is the cause: it publishes a declared
-   ``RankSignalled`` record, so that every peer raises :class:`~..core.errors.PeerFailedError` naming it
-   and the signal within the watchdog's record grace, and writes its own error file;
-2. then it calls the previous handler (``SIGTERM``'s default ends the process with the signal, as
-   before; ``SIGINT``'s raises ``KeyboardInterrupt``; Lightning's runs as it would have). When a
-   handler put in front of this one later calls it (Lightning's, registered in ``fit`` after the
-   session started), that handler says what the signal does: the default is not enacted after it,
-   a peer's ``RankSignalled`` of the same moment is the same preemption (this rank is signalled
-   too), and a collective broken after this rank's own signal raises its ``RankSignalled`` (pushed
-   into the session's failure state, ``session.failure.signalled(...)``, whose ``signal``
-   ``Session.classify`` reads).
+   undelivered record, a same-host peer gone), the signal is a consequence (torchrun and ``mp.spawn``
+   end survivors with ``SIGTERM``) and only torchrun's error file is written (:mod:`.reports`, a
+   survivor's timestamp); otherwise this rank is the cause: it publishes a declared ``RankSignalled``
+   record (every peer raises :class:`~..core.errors.PeerFailedError` naming it) and writes its own
+   error file;
+2. then it calls the previous handler. When a handler put in front of this one later calls it
+   (Lightning's, registered in ``fit``), that handler says what the signal does: the default is not
+   enacted after it, a peer's ``RankSignalled`` of the same moment is the same preemption, and a
+   collective broken after this rank's own signal raises its ``RankSignalled``
+   (``session.failure.signalled(...)``).
 
 Python runs signal handlers in the main thread only, between bytecodes: a main thread blocked in a
 collective would run it late. So the reaction also runs from a thread (``fth-signals``) woken by
-``signal.set_wakeup_fd`` (the interpreter writes the signal number to it from the C-level handler,
-at once), unless another wakeup fd is already set (asyncio's), which is kept.
+``signal.set_wakeup_fd``, unless another wakeup fd is already set (asyncio's), which is kept.
 """
 
 from __future__ import annotations
@@ -39,7 +35,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from . import errorfile, spawned
+from . import reports
 from ..core.errors import PeerFailedError
 from ..core.failure import Ended, FailureKind, FailureRecord
 from ..core.config import (CAUSE_LINGER, MAIN_STUCK_WAIT, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the
@@ -121,15 +117,11 @@ class _Watch:
                     self._unblock(signum, main)
 
     def _unblock(self, signum: int, main: tuple[int, int] | None) -> None:
-        """The main thread runs a Python handler only between bytecodes: blocked in a collective its
-        peer never joins, or in a store call, it would never run it, and the launcher's SIGTERM would
-        end nothing (torchrun: ``forcefully exiting via 9`` 30 s later). If it has run no bytecode
-        for :data:`MAIN_STUCK_WAIT` (its frame stands at the same instruction) and no handler of this
-        module's was entered, this process's collectives and store connections are cut (the process
-        is being ended: nothing of it is needed any more), so that the blocked call raises and the
-        handler runs. If it still has not after :data:`SIGNAL_EXIT_WAIT`, and the signal's action
-        is the default one (no handler of a framework's or the user's to decide), the process ends
-        here with the shell's code for the signal (``128 + signum``)."""
+        """A main thread blocked in a collective or a store call never runs the handler. If it ran no
+        bytecode for :data:`MAIN_STUCK_WAIT` and no handler of this module's was entered, this process's
+        collectives and store connections are cut (it is being ended), so that the blocked call raises
+        and the handler runs; if it still has not after :data:`SIGNAL_EXIT_WAIT` and the signal's action
+        is the default one, the process ends here with the shell's code for it (``128 + signum``)."""
         if self.handled.wait(MAIN_STUCK_WAIT) or main is None or _main_position() != main:
             return
         session = self._session()
@@ -154,13 +146,11 @@ class _Watch:
             os._exit(128 + signum)
 
     def _at_exit(self) -> None:
-        """An exit hook (registered before torch's and logging's, so it runs before them). Once the
-        exit hooks have run, Python runs no signal handler (it puts the default actions back), then
-        tears its modules down, which takes seconds with torch loaded: a launcher's SIGTERM there (torchrun's,
-        once a survivor exited) would end a rank that failed itself with -15, and torchrun's Root
-        Cause would show that instead of its exception. Such a rank ignores SIGTERM from here on
-        and ends as it would by itself (exit code 1 for an uncaught exception); a teardown that
-        never ends is the launcher's to end (torchrun sends SIGKILL 30 s after its SIGTERM)."""
+        """An exit hook (runs before torch's and logging's). After the exit hooks Python runs no signal
+        handler and tears its modules down, for seconds with torch loaded: a launcher's SIGTERM there
+        would end a rank that failed itself with -15, which torchrun's Root Cause would show instead of
+        its exception. Such a rank ignores SIGTERM from here on and ends as it would by itself (exit
+        code 1); a teardown that never ends is the launcher's to end (its SIGKILL)."""
         if _own_failure is not None and self.previous.get(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
@@ -191,13 +181,10 @@ class _Watch:
         return None
 
     def _exit_failed(self, signum: int) -> None:
-        """This rank failed itself, then was signalled: the launcher ending the job's ranks once a
-        survivor exited (torchrun does at its next monitor tick), while this rank still ran its
-        exception path or its exit hooks. It exits with the code of an uncaught exception (1), not
-        by the signal, so that the launcher names its failure (torchrun's Root Cause: its error file,
-        exit code 1, not ``-15 (SIGTERM)``), and at once: its failure is published and its error
-        file written."""
-        session = self._session()
+        """This rank failed itself, then was signalled (the launcher ending the job's ranks while this
+        rank still ran its exception path or exit hooks): it exits at once with the code of an uncaught
+        exception (1), not by the signal, so that the launcher names its failure (torchrun's Root Cause:
+        exit code 1, not ``-15 (SIGTERM)``). Its failure is published and its error file written."""
         cause = _own_failure
         what = f" ({cause.exc_type}: {first_line(cause.exc_message)})" \
             if cause is not None and cause.exc_message else ""
@@ -245,7 +232,7 @@ class _Watch:
         # survivors when the store's host dies) is waited for, briefly: the report must come first.
         # Under mp.spawn, a SIGTERM after a same-host peer's exit waits (briefly) for its cause.
         peer = (session.failure_report(REPORT_WAIT)
-                or spawned.awaited_cause(session.same_host_probe, lambda: failure.peer_error,
+                or reports.awaited_cause(session.same_host_probe, lambda: failure.peer_error,
                                          lambda: self._records(session))
                 or self._peer_cause(session))
         window = SIGNALLED_TOGETHER if self._framework_in_front(signum) else SAME_DELIVERY
@@ -255,12 +242,12 @@ class _Watch:
             log(logging.CRITICAL, "ending this process with exit code %d: terminated by %s while the job fails: %s",
                 code, name, first_line(peer, None))
             try:
-                if not spawned.printed(peer):  # else printed in full already
+                if not reports.printed(peer):  # else printed in full already
                     sys.stderr.write(f"[rank {session.rank}] fault-tolerant-handlers: {name} while the job fails:\n{peer}\n")
                     sys.stderr.flush()
             except Exception:  # noqa: BLE001
                 pass
-            errorfile.write_survivor(session.table, peer)
+            reports.write_survivor(session.table, peer)
             return
         message = f"rank {session.rank} (pid {os.getpid()} on {session.host}) received {name}"
         record = FailureRecord.declared(rank=session.rank, kind=FailureKind.RANK_SIGNALLED, message=message,
@@ -272,7 +259,7 @@ class _Watch:
         # failure to escalate here; the job fails: its exit does not wait on a store that may be leaving.
         failure.signalled(self.cause)
         log(logging.ERROR, "%s: telling the other ranks", message)
-        errorfile.write_failed(record)  # this rank is the cause
+        reports.write_failed(record)  # this rank is the cause
         conn = session.connection("signal", SIGNAL_STORE_TIMEOUT)
         try:
             Schema(conn, session.schema.world_size).publish(record)
@@ -372,7 +359,7 @@ def on_rank_failed(record: FailureRecord) -> None:
 
 
 def on_session_started(session: Session) -> None:
-    """The core's ``SESSION_STARTED`` (subscribed in ``launchers/__init__.py``)."""
+    """The core's ``SESSION_STARTED`` (wired in :mod:`..wiring`)."""
     global _own_failure
     _own_failure = None  # a new session: a new attempt (recovering in place), no failure of its own yet
     install(session)  # SIGTERM/SIGINT: say so before the previous handler runs

@@ -1,35 +1,18 @@
 """The job's c10d store on a host of its own, so that losing any training host leaves it standing.
 
-Under torchrun the store every rank of the job talks to (``MASTER_ADDR``/``MASTER_PORT``, torchrun's
-agent store: the rendezvous of every process group, this library's failure records, the spares'
-waiting room, the recovery's agreement) is a ``TCPStore`` server inside one torchrun agent: with
-``--rdzv-backend c10d`` the agent that the rendezvous makes rank 0, which also launches training
-rank 0. When that host is lost, the store goes with it, and no rank can agree on anything any more:
-every rank ends, spares or not. (``--rdzv-conf is_host=false`` on every agent moves only the
-*rendezvous's* store elsewhere: the agent store that the workers are given is still served by agent
-rank 0, at its own address, on a port of its own; torch 2.13.0, ``DynamicRendezvousHandler
-.next_rendezvous``.)
+Under torchrun the store every rank talks to (``MASTER_ADDR``/``MASTER_PORT``: the process groups'
+rendezvous, the failure records, the spares, every recovery's agreement) is served by agent rank 0,
+on training rank 0's host (``--rdzv-conf is_host=false`` moves only the rendezvous's own store;
+torch 2.13.0, ``DynamicRendezvousHandler.next_rendezvous``): losing that host loses it. This module
+serves it on a machine that trains nothing (docs/recovering.md, "The store on a host of its own")::
 
-This module serves that store on a machine that trains nothing::
-
-    # on the store host (node-s)
-    python -m fault_tolerant_handlers.launchers.store_host --port 29400
-
-    # on each of the N training hosts, i = 0 .. N-1
+    python -m fault_tolerant_handlers.launchers.store_host --port 29400          # on node-s
     torchrun --nnodes N --node-rank i --rdzv-backend static --rdzv-endpoint node-s:29400 ... train.py
 
-With the static rendezvous, torchrun gives every worker ``MASTER_ADDR``/``MASTER_PORT`` = the
-endpoint and ``TORCHELASTIC_USE_AGENT_STORE=True``, and every agent (node rank 0's too) is a client
-of the store at the endpoint for its own rendezvous and barriers. Node rank 0's agent also starts a
-server on the endpoint's port on its own host (``StaticTCPRendezvous`` makes its ``TCPStore`` with
-``is_master=True``): nothing connects to it, and its loss changes nothing. A job laid out this way
-recovers the loss of any training host, training rank 0's included, when a spare is left
-(``recover_in_place(spares=k)``); the loss of the store host still ends every rank.
-
-The server is made as torchrun makes its own (libuv, ``multi_tenant``); it does not wait for
-workers (a client may come and go: a spare, a replacement). It runs until ``SIGTERM`` or ``SIGINT``
-and then exits 0: stop it after the job, not before (an agent in its exit barrier still uses it).
-It stores what the job writes and reads nothing itself: there is nothing in it to trust.
+The server is made as torchrun makes its own (libuv, ``multi_tenant``) and waits for no workers (a
+spare or a replacement may come at any time). It runs until ``SIGTERM`` or ``SIGINT``, then exits 0:
+stop it after the job (an agent in its exit barrier still uses it). It stores what the job writes and
+reads nothing itself: there is nothing in it to trust.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from fault_tolerant_handlers.core import config
 from fault_tolerant_handlers.detect import liveness, watchdog
-from fault_tolerant_handlers.launchers import signals, spawned
+from fault_tolerant_handlers.launchers import reports, signals
 
 
 def test_the_defaults_keep_every_relation(monkeypatch):
@@ -21,7 +21,7 @@ def test_the_defaults_keep_every_relation(monkeypatch):
 
 def test_each_timing_is_defined_once_and_used_from_the_table():
     assert signals.CAUSE_LINGER is config.CAUSE_LINGER and signals.REACTION_WAIT is config.REACTION_WAIT
-    assert spawned.ZOMBIE_HOLD is config.ZOMBIE_HOLD and spawned.SIGTERM_CAUSE_WAIT is config.SIGTERM_CAUSE_WAIT
+    assert reports.ZOMBIE_HOLD is config.ZOMBIE_HOLD and reports.SIGTERM_CAUSE_WAIT is config.SIGTERM_CAUSE_WAIT
     assert watchdog.RELEASE_GRACE is config.RELEASE_GRACE and watchdog.HEARTBEAT_EVERY is config.HEARTBEAT_EVERY
     assert liveness.HELPER_STORE_TIMEOUT is config.HELPER_STORE_TIMEOUT
 

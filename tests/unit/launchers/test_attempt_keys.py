@@ -8,6 +8,7 @@ import types
 
 import torch.distributed as dist
 
+from fault_tolerant_handlers.core import schema
 from fault_tolerant_handlers.launchers import compat_torchrun
 
 
@@ -34,7 +35,7 @@ def test_a_deletion_that_failed_part_way_is_finished_without_a_false_warning(cap
     the missing own key for keys torch never wrote (a warning to import the library earlier, and the
     rest left in the store for the next attempt to read)."""
     store = dist.HashStore()
-    own, other = compat_torchrun.address_key_of(0), compat_torchrun.address_key_of(0, "1")
+    own, other = schema.gloo_address_key(0), schema.gloo_address_key(0, "1")
     for key in (own, other):
         store.set(key, "addr")
     conn = FlakyConnection(store, fail_on=2)

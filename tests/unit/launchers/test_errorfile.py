@@ -10,7 +10,7 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from fault_tolerant_handlers.launchers import errorfile
+from fault_tolerant_handlers.launchers import reports
 from fault_tolerant_handlers.core.errors import PeerFailedError
 from fault_tolerant_handlers.core.failure import Ended, FailureRecord, decode
 from fault_tolerant_handlers.core.procfs import RankTable
@@ -52,8 +52,8 @@ def FakeSession(rank, local_rank=None, pids=(100, 101)):  # noqa: N802 - the tab
 
 def test_failed_rank_file_is_read_by_torch_with_its_failure_second(tmp_path, monkeypatch):
     own = _layout(tmp_path)[1]
-    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, own)
-    assert errorfile.write_failed(_record())
+    monkeypatch.setenv(reports.ERROR_FILE_ENV, own)
+    assert reports.write_failed(_record())
     failure = ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=own)
     assert failure.timestamp == 1_700_000_000
     assert failure.message["message"] == "ValueError: bad sample 17"
@@ -62,28 +62,28 @@ def test_failed_rank_file_is_read_by_torch_with_its_failure_second(tmp_path, mon
 
 def test_a_file_is_never_overwritten(tmp_path, monkeypatch):
     own = _layout(tmp_path)[1]
-    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, own)
-    assert errorfile.write_failed(_record(time_ms=1_700_000_000_000))
-    assert not errorfile.write_failed(_record(time_ms=1_700_000_500_000))
-    assert not errorfile.write_survivor(FakeSession(1), None)
+    monkeypatch.setenv(reports.ERROR_FILE_ENV, own)
+    assert reports.write_failed(_record(time_ms=1_700_000_000_000))
+    assert not reports.write_failed(_record(time_ms=1_700_000_500_000))
+    assert not reports.write_survivor(FakeSession(1), None)
     assert _read_timestamp(own) == 1_700_000_000
     assert [p for p in os.listdir(os.path.dirname(own)) if p != "error.json"] == []  # no temp file left
 
 
 def test_nothing_is_written_outside_torchrun(tmp_path, monkeypatch):
-    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, os.devnull)
-    assert not errorfile.write_failed(_record())
-    monkeypatch.delenv(errorfile.ERROR_FILE_ENV)
-    assert not errorfile.write_failed(_record())
+    monkeypatch.setenv(reports.ERROR_FILE_ENV, os.devnull)
+    assert not reports.write_failed(_record())
+    monkeypatch.delenv(reports.ERROR_FILE_ENV)
+    assert not reports.write_failed(_record())
 
 
 def test_survivor_loses_to_the_failing_rank_in_torchs_root_cause(tmp_path, monkeypatch):
     paths = _layout(tmp_path)
-    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, paths[1])
-    errorfile.write_failed(_record(rank=1, time_ms=int(1_700_000_000.95 * 1000)))
+    monkeypatch.setenv(reports.ERROR_FILE_ENV, paths[1])
+    reports.write_failed(_record(rank=1, time_ms=int(1_700_000_000.95 * 1000)))
     peer = PeerFailedError.from_records([_record(rank=1, time_ms=int(1_700_000_000.95 * 1000))])
-    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, paths[0])
-    assert errorfile.write_survivor(FakeSession(0), peer)
+    monkeypatch.setenv(reports.ERROR_FILE_ENV, paths[0])
+    assert reports.write_survivor(FakeSession(0), peer)
     assert _read_timestamp(paths[0]) >= 1_700_000_001
     failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file=paths[r]) for r in (0, 1)}
     rank, _ = ChildFailedError("train.py", failures).get_first_failure()
@@ -91,18 +91,18 @@ def test_survivor_loses_to_the_failing_rank_in_torchs_root_cause(tmp_path, monke
 
 
 def test_survivor_timestamp_is_after_the_failure_and_after_now():
-    assert errorfile.survivor_timestamp(100.9, now=100.95) == 101
-    assert errorfile.survivor_timestamp(100.9, now=105.2) == 106
-    assert errorfile.survivor_timestamp(None, now=7.5) == 8
+    assert reports.survivor_timestamp(100.9, now=100.95) == 101
+    assert reports.survivor_timestamp(100.9, now=105.2) == 106
+    assert reports.survivor_timestamp(None, now=7.5) == 8
 
 
 def test_survivor_writes_a_killed_same_host_peers_file_first(tmp_path, monkeypatch):
     paths = _layout(tmp_path)
-    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, paths[0])
+    monkeypatch.setenv(reports.ERROR_FILE_ENV, paths[0])
     lost = FailureRecord.declared(rank=1, kind="PeerLost", message="rank 1 (pid 101 on node-a) lost: killed by SIGKILL",
                                   by=0, pid=101, host="node-a", time_ms=1_700_000_000_300)
     err = PeerFailedError.from_records([lost])
-    assert errorfile.write_survivor(FakeSession(0), err)
+    assert reports.write_survivor(FakeSession(0), err)
     dead = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file=paths[1])
     assert dead.timestamp == 1_700_000_000 and "SIGKILL" in dead.message["message"]
     mine = ProcessFailure(local_rank=0, pid=100, exitcode=-15, error_file=paths[0])
@@ -114,20 +114,20 @@ def test_survivor_writes_a_killed_same_host_peers_file_first(tmp_path, monkeypat
 @pytest.mark.parametrize("what", ["other host", "other pid", "silent"])
 def test_no_file_for_a_peer_this_host_cannot_vouch_for(tmp_path, monkeypatch, what):
     paths = _layout(tmp_path)
-    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, paths[0])
+    monkeypatch.setenv(reports.ERROR_FILE_ENV, paths[0])
     lost = FailureRecord.declared(rank=1, kind="PeerSilent" if what == "silent" else "PeerLost", message="rank 1 lost",
                                   by=0, pid=999 if what == "other pid" else 101,
                                   host="node-b" if what == "other host" else "node-a")
-    errorfile.write_survivor(FakeSession(0), PeerFailedError.from_records([lost]))
+    reports.write_survivor(FakeSession(0), PeerFailedError.from_records([lost]))
     assert not os.path.exists(paths[1])
 
 
 def test_peer_path_follows_torchruns_layout_only(tmp_path):
     own = _layout(tmp_path)[0]
-    assert errorfile.peer_path(own, 0, 1) == str(tmp_path / "attempt_0" / "1" / "error.json")
-    assert errorfile.peer_path(own, 3, 1) is None          # own path does not end in <local rank>/error.json
-    assert errorfile.peer_path(own, 0, 5) is None          # no such directory
-    assert errorfile.peer_path(str(tmp_path / "x.json"), 0, 1) is None
+    assert reports.peer_path(own, 0, 1) == str(tmp_path / "attempt_0" / "1" / "error.json")
+    assert reports.peer_path(own, 3, 1) is None          # own path does not end in <local rank>/error.json
+    assert reports.peer_path(own, 0, 5) is None          # no such directory
+    assert reports.peer_path(str(tmp_path / "x.json"), 0, 1) is None
 
 
 
@@ -162,7 +162,7 @@ def test_a_sigkilled_ranks_helper_writes_its_file(tmp_path):
     import time
 
     own = _layout(tmp_path)[1]
-    env = dict(os.environ, **{errorfile.ERROR_FILE_ENV: own})
+    env = dict(os.environ, **{reports.ERROR_FILE_ENV: own})
     told = tmp_path / "told.txt"
     proc = subprocess.Popen([sys.executable, "-c", _RANK, str(told)], env=env, stdout=subprocess.PIPE, text=True)
     worker = None
@@ -200,10 +200,10 @@ def test_a_helper_writes_nothing_for_a_signal_the_rank_reports_or_a_rank_that_ru
     from fault_tolerant_handlers.detect import liveness
 
     own = _layout(tmp_path)[1]
-    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, own)
+    monkeypatch.setenv(reports.ERROR_FILE_ENV, own)
     reported = (Ended(signal=signal.SIGTERM), Ended(signal=signal.SIGINT), Ended(exit_code=1))
-    assert not any(errorfile.unreported(how) for how in reported)
-    assert errorfile.unreported(Ended(signal=signal.SIGKILL)) and errorfile.unreported(Ended(signal=signal.SIGSEGV))
+    assert not any(_procfs.unreported(how) for how in reported)
+    assert _procfs.unreported(Ended(signal=signal.SIGKILL)) and _procfs.unreported(Ended(signal=signal.SIGSEGV))
     for how in reported:
         with monkeypatch.context() as m:  # the rank ended so (a real one is the next test's)
             m.setattr(liveness._procfs, "ended", lambda pid, within, how=how: how)
@@ -225,7 +225,7 @@ def test_a_rank_whose_keeper_died_first_is_told_to_its_peers_with_its_keeper_gon
     from fault_tolerant_handlers.core import hooks
     from fault_tolerant_handlers.detect import liveness
 
-    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, _layout(tmp_path)[1])
+    monkeypatch.setenv(reports.ERROR_FILE_ENV, _layout(tmp_path)[1])
     keeper = subprocess.Popen([sys.executable, "-c", "pass"])
     keeper.wait()  # ended and reaped: its pid is gone
     told = []

@@ -1,4 +1,4 @@
-"""``spawned``: a rank started by ``torch.multiprocessing.spawn`` is recognised, announces a failure
+"""``reports``: a rank started by ``torch.multiprocessing.spawn`` is recognised, announces a failure
 once, and a reported exit's report reaches the parent's ``ProcessRaisedException`` (real
 ``mp.spawn`` of one process; no process group)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from fault_tolerant_handlers.core import compat_torch as _compat_torch
-from fault_tolerant_handlers.launchers import spawned
+from fault_tolerant_handlers.launchers import reports
 from fault_tolerant_handlers.core.errors import PeerFailedError
 
 pytestmark = pytest.mark.timeout(60)
@@ -23,10 +23,10 @@ def _detects(index: int, out: str) -> None:
 
 
 def _hung_exit(index: int) -> None:
-    assert spawned.detect()
+    assert reports.detect()
     err = PeerFailedError(1, "RankHung", "rank 1 hung: its main thread made no progress for 3.0 s at step 2",
                           origin="declared")
-    spawned.write_exit_report(err, 88)
+    reports.write_exit_report(err, 88)
     os._exit(88)
 
 
@@ -48,13 +48,13 @@ def _killed_with_its_helper(index: int) -> None:
 
     from fault_tolerant_handlers.core.procfs import process_state
 
-    assert spawned.detect()
+    assert reports.detect()
     rank_pid = os.getpid()
     if os.fork() == 0:  # the helper: holds the parent's sentinel pipe, as every fork of the rank does
         try:
             while process_state(rank_pid) is None:
                 time.sleep(0.01)
-            spawned.hold_zombie(rank_pid, 1, "host-a")
+            reports.hold_zombie(rank_pid, 1, "host-a")
         finally:
             os._exit(0)
     os.kill(rank_pid, signal.SIGKILL)
@@ -77,17 +77,17 @@ def test_a_reported_exit_is_what_the_parent_raises():
 
 
 def test_announce_prints_each_failure_once(capsys, monkeypatch):
-    monkeypatch.setattr(spawned, "_state", spawned._Spawned(None, set(), __import__("threading").Lock()))
+    monkeypatch.setattr(reports, "_state", reports._Spawned(None, set(), __import__("threading").Lock()))
     err = PeerFailedError(1, "ValueError", "bad sample 17", origin="record")
-    assert spawned.print_report(0, err) and spawned.print_report(0, err)
-    assert spawned.printed(err)
+    assert reports.print_report(0, err) and reports.print_report(0, err)
+    assert reports.printed(err)
     printed = capsys.readouterr().err
     assert printed.count("fault-tolerant-handlers: the job fails:") == 1 and "bad sample 17" in printed
 
 
 def test_announce_is_silent_when_not_spawned(capsys, monkeypatch):
-    monkeypatch.setattr(spawned, "_state", None)
-    assert not spawned.print_report(0, PeerFailedError(1, "ValueError", "bad sample 17"))
+    monkeypatch.setattr(reports, "_state", None)
+    assert not reports.print_report(0, PeerFailedError(1, "ValueError", "bad sample 17"))
     assert capsys.readouterr().err == ""
 
 
@@ -97,18 +97,18 @@ def test_a_dead_ranks_helper_holds_it_visible_for_its_peers(monkeypatch):
     import sys
     import time
 
-    monkeypatch.setattr(spawned, "_state", spawned._Spawned(None, set(), __import__("threading").Lock()))
+    monkeypatch.setattr(reports, "_state", reports._Spawned(None, set(), __import__("threading").Lock()))
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         start = time.monotonic()
-        spawned.hold_zombie(proc.pid)  # alive: no wait
+        reports.hold_zombie(proc.pid)  # alive: no wait
         assert time.monotonic() - start < 0.2
         os.kill(proc.pid, signal.SIGKILL)
         while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
             time.sleep(0.01)  # dead, not reaped yet: a zombie
         start = time.monotonic()
-        spawned.hold_zombie(proc.pid)
-        assert time.monotonic() - start >= spawned.ZOMBIE_HOLD - 0.01
+        reports.hold_zombie(proc.pid)
+        assert time.monotonic() - start >= reports.ZOMBIE_HOLD - 0.01
     finally:
         proc.kill()
         proc.wait()
@@ -130,7 +130,7 @@ class _Session:
         self.peer_error = None
 
     def awaited_cause(self, records, **kw):
-        return spawned.awaited_cause(self.same_host_probe, lambda: self.peer_error, records, **kw)
+        return reports.awaited_cause(self.same_host_probe, lambda: self.peer_error, records, **kw)
 
 
 def _session(finding):
@@ -140,7 +140,7 @@ def _session(finding):
 def test_a_sigterm_with_no_peer_gone_is_not_waited_on(monkeypatch):
     import time
 
-    monkeypatch.setattr(spawned, "_state", spawned._Spawned(None, set(), __import__("threading").Lock()))
+    monkeypatch.setattr(reports, "_state", reports._Spawned(None, set(), __import__("threading").Lock()))
     start = time.monotonic()
     assert _session(None).awaited_cause(lambda: None) is None
     assert time.monotonic() - start < 0.1
@@ -152,7 +152,7 @@ def test_a_sigterm_after_a_peer_is_gone_waits_for_the_watchdogs_finding(monkeypa
 
     from fault_tolerant_handlers.detect.probes import Finding
 
-    monkeypatch.setattr(spawned, "_state", spawned._Spawned(None, set(), threading.Lock()))
+    monkeypatch.setattr(reports, "_state", reports._Spawned(None, set(), threading.Lock()))
     gone = Finding(PeerFailedError(0, "PeerLost", "rank 0 (pid 7 on h) lost: process is gone", origin="declared"))
     session = _session(gone)
     better = PeerFailedError(0, "PeerLost", "rank 0 (pid 7 on h) lost: killed by SIGKILL", origin="declared")

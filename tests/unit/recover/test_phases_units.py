@@ -16,8 +16,6 @@ import pytest
 import torch.distributed as dist
 
 import fault_tolerant_handlers
-from fault_tolerant_handlers import adapters, launchers
-from fault_tolerant_handlers import lightning as ft_lightning
 from fault_tolerant_handlers.adapters import compat_ignite
 from fault_tolerant_handlers.core import attempts, hooks
 from fault_tolerant_handlers.core.phases import RecoveryState
@@ -111,27 +109,6 @@ def test_bad_hooks_and_returns_are_named(bare):
         hooks.run(bare, RecoveryState())
 
 
-def test_every_hook_is_filled_by_a_layer_in_order():
-    assert hooks.callbacks(hooks.BEGIN) == (compat_torchrun.begin_recovery,)
-    assert hooks.provider(hooks.WORLD) is compat_torchrun.first_rendezvous
-    assert hooks.callbacks(hooks.CAPTURE_LIVE) == (data_recovery.capture_live,)
-    # the data layer holds the live state, then the adapters learn of it (a keeper's replacement runs no teardown)
-    assert hooks.callbacks(hooks.SETTLE_LIVE) == (data_recovery.settle_live, adapters._resolve_live_names)
-    assert hooks.callbacks(hooks.TEAR_DOWN) == (compat_torchrun.forget_addresses_of_attempt,)
-    # the adapters' (added with the package), then the Lightning adapter's (with its module)
-    assert hooks.callbacks(hooks.RESET_FRAMEWORKS) == tuple(
-        step for hook, step in adapters.STEPS if hook == hooks.RESET_FRAMEWORKS) + (
-        ft_lightning._keep_logger_versions,)
-    assert hooks.callbacks(hooks.COLLECTED) == (data_recovery.reap_workers,)
-    assert hooks.callbacks(hooks.RE_FORM) == (compat_torchrun.re_form,)
-    assert set(hooks.callbacks(hooks.END)) == {compat_torchrun.end_recovery, data_recovery.end_recovery,
-                                               ft_lightning._forget_logger_versions}
-    assert hooks.callbacks(hooks.WATCHDOG) and hooks.callbacks(hooks.DEFER)
-    assert all(step in hooks.callbacks(hook) for hook, step in launchers.HOOKS + data_recovery.STEPS)
-    # no step without a hook, no hook of the recovery without a step
-    assert all(hooks.callbacks(hook) for hook in hooks.STEPS)
-
-
 def test_recover_imports_only_core_and_itself():
     package = Path(fault_tolerant_handlers.__file__).parent
     outside = []
@@ -167,7 +144,7 @@ def one_rank_group(tmp_path):
         if dist.is_initialized():
             dist.destroy_process_group()
         attempts.set_in_place(before)
-        compat_torchrun.release_rendezvous()
+        compat_torchrun.end_recovery()
 
 
 def _recovery(store) -> tuple[_Recovery, dict]:

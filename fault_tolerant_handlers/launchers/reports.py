@@ -1,0 +1,333 @@
+"""What a launcher reads of a failure: torchrun's error files, ``torch.multiprocessing``'s error files
+and a spawned rank's stderr (docs/launchers.md tells both in full).
+
+**torchrun** names as *Root Cause* the failure with the smallest ``timestamp`` (whole seconds) in
+the workers' ``TORCHELASTIC_ERROR_FILE`` (``<run>/attempt_<n>/<local rank>/error.json``); a worker
+without one gets the time the agent noticed its exit, so a victim often wins. Files are written in
+``ErrorHandler``'s format: a rank that fails itself, with the failure's second (``RANK_FAILED``:
+:func:`write_failed`); a survivor, with a second that cannot win (``ACKNOWLEDGED``, ``EXITING``:
+:func:`write_survivor`); a rank killed by a signal, by its liveness helper (``RANK_KILLED``:
+:func:`write_killed`) and by a same-host survivor that sees it gone (``PEER_FAILED``:
+:func:`write_dead_peer`, the sibling ``<local rank>`` directory). A file is created atomically and
+never overwritten: the first writer wins. Outside torchrun nothing is written.
+
+**torch.multiprocessing** (``mp.spawn``: ``idist.Parallel``, ``ddp_spawn``) prints only the first
+failed process's exception and SIGTERMs the others. Under it (:func:`detect`, at session start) a rank
+prints the full report once per failure (:func:`print_report`); on a SIGTERM with nothing known but a
+same-host peer gone it waits up to :data:`SIGTERM_CAUSE_WAIT` for the cause (:func:`awaited_cause`);
+a killed rank's helper holds it a zombie for :data:`ZOMBIE_HOLD` so that its peers read how it ended,
+and writes torch's error file for it (:func:`hold_zombie`, ``RANK_ENDED``); a reported exit (87, 88)
+writes its report there (:func:`write_exit_report`, ``EXITING``), which the parent raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..core import compat_torch as _compat_torch
+from ..core.config import SIGTERM_CAUSE_WAIT, ZOMBIE_HOLD  # timings: the table in core.config
+from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
+from ..core.failure import FailureKind, FailureRecord
+from ..core.hooks import first_line, log
+from ..core.procfs import RankTable, process_state
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+ERROR_FILE_NAME = "error.json"
+#: Marks the files this library wrote (``extraInfo.writer``).
+WRITER = "fault_tolerant_handlers"
+
+
+# -- torchrun's error files ----------------------------------------------------------------------------
+def own_path() -> str | None:
+    """This worker's error file under torchrun, or ``None``."""
+    path = os.environ.get(ERROR_FILE_ENV, "")
+    return None if not path or path == os.devnull else path
+
+
+def peer_path(own: str, local_rank: int, peer_local_rank: int) -> str | None:
+    """The error file of a peer on this host: ``<attempt dir>/<peer local rank>/error.json``,
+    ``None`` when ``own`` is not laid out as torchrun does or the directory is missing."""
+    parent = os.path.dirname(own)
+    if os.path.basename(own) != ERROR_FILE_NAME or os.path.basename(parent) != str(local_rank):
+        return None
+    directory = os.path.join(os.path.dirname(parent), str(peer_local_rank))
+    if not os.path.isdir(directory):
+        return None
+    return os.path.join(directory, ERROR_FILE_NAME)
+
+
+def payload(message: str, callstack: str, timestamp: int, role: str) -> dict:
+    return {"message": {"message": message,
+                        "extraInfo": {"py_callstack": callstack, "timestamp": str(int(timestamp)),
+                                      "writer": WRITER, "role": role}}}
+
+
+def write_once(path: str, data: dict) -> bool:
+    """Create ``path`` with ``data`` unless it exists (atomically); True when this call wrote it."""
+    if os.path.exists(path):
+        return False
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".error-", suffix=".json", dir=os.path.dirname(path) or ".")
+    except OSError as err:
+        log(logging.WARNING, "could not write torchrun's error file %s: %s", path, err)
+        return False
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.link(tmp, path)  # fails if the file exists: never overwrites
+        return True
+    except FileExistsError:
+        return False
+    except OSError as err:
+        log(logging.WARNING, "could not write torchrun's error file %s: %s", path, err)
+        return False
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def write_failed(record: FailureRecord) -> bool:
+    """``RANK_FAILED``: this rank failed itself (``record`` is its own): its file, with the failure's time."""
+    path = own_path()
+    if path is None:
+        return False
+    message = f"{record.exc_type}: {record.exc_message}"
+    callstack = record.traceback if message in record.traceback else f"{message}\n{record.traceback}".rstrip()
+    return write_once(path, payload(message, callstack, record.time_ms // 1000, "failed"))
+
+
+def survivor_timestamp(failed_at: float | None, now: float | None = None) -> int:
+    """A survivor's timestamp: after the failure's second and after the current one."""
+    now = time.time() if now is None else now
+    return (int(now) if failed_at is None else max(int(failed_at), int(now))) + 1
+
+
+def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
+    """``err`` says a same-host peer is gone (killed): write the file it could not write."""
+    rank = err.failed_rank
+    if err.kind is not FailureKind.PEER_LOST or rank is None or err.host != table.host or rank == table.rank:
+        return
+    if rank not in table.ranks or table.pid_of(rank) != err.pid:
+        return
+    peer_local = rank - (table.rank - table.local_rank)
+    if not 0 <= peer_local < table.local_world_size:
+        return
+    path = peer_path(own, table.local_rank, peer_local)
+    if path is None:
+        return
+    when = err.failed_at if err.failed_at is not None else time.time()
+    message = f"{err.exc_type}: {err.exc_message}"
+    if write_once(path, payload(message, f"{message}\n(written by rank {table.rank}, which saw it end)",
+                                int(when), "killed")):
+        log(logging.INFO, "wrote the error file of rank %d for torchrun: %s", rank, path)
+
+
+def write_dead_peer(table: RankTable, err: PeerFailedError) -> None:
+    """The watchdog found ``err``: if it is a same-host peer gone, write its file at once."""
+    own = own_path()
+    if own is not None:
+        try:
+            _dead_peer_file(table, err, own)
+        except Exception as exc:  # noqa: BLE001
+            log(logging.WARNING, "could not write torchrun's error file: %s", exc)
+
+
+def write_killed(record: FailureRecord) -> bool:
+    """``RANK_KILLED``, in the liveness helper of a rank killed by a signal it could not report:
+    write its file for it, with ``record`` (its ``PeerLost``, which the helper also publishes)."""
+    path = own_path()
+    if path is None:
+        return False
+    message = f"{record.exc_type}: {record.exc_message}"
+    try:
+        return write_once(path, payload(message, f"{message}\n(written by its liveness helper, which saw it end)",
+                                        record.time_ms // 1000, "killed"))
+    except Exception:  # noqa: BLE001 - the helper must end regardless
+        return False
+
+
+def write_survivor(table: RankTable, err: PeerFailedError | None) -> bool:
+    """This rank ends (or raises) because of a peer's failure ``err``: write the dead peer's file
+    when it was killed on this host, then this rank's own with a timestamp that cannot win."""
+    own = own_path()
+    if own is None:
+        return False
+    try:
+        if err is not None:
+            _dead_peer_file(table, err, own)
+        failed_at = err.failed_at if err is not None else None
+        message = f"PeerFailedError: {first_line(err, None) if err is not None else 'a peer failed'}"
+        return write_once(own, payload(message, str(err) if err is not None else message,
+                                       survivor_timestamp(failed_at), "survivor"))
+    except Exception as exc:  # noqa: BLE001 - never mask the failure being reported
+        log(logging.WARNING, "could not write torchrun's error file: %s", exc)
+        return False
+
+
+# -- torch.multiprocessing's error files and a spawned rank's report -----------------------------------
+@dataclass
+class _Spawned:
+    error_file: str | None  # torch's error file of this process (None: not found)
+    printed: set[tuple]  # the failures whose report was printed
+    lock: threading.Lock
+
+
+_state: _Spawned | None = None
+_detected = False
+
+
+def detect() -> bool:
+    """Whether this process runs a rank under ``torch.multiprocessing``'s ``_wrap`` (once per process)."""
+    global _state, _detected
+    if _detected:
+        return _state is not None
+    _detected = True
+    found = _compat_torch.spawn_error_file()
+    if found is not None:
+        _state = _Spawned(found or None, set(), threading.Lock())
+        if not found:
+            log(logging.WARNING, "started by torch.multiprocessing, but its error file was not found: the parent "
+                                 "will report a hung rank by its exit code only")
+    return _state is not None
+
+
+def _key(err: BaseException) -> tuple:
+    return (getattr(err, "failed_rank", None), getattr(err, "exc_type", type(err).__name__),
+            first_line(err, None))
+
+
+def print_report(rank: int, err: BaseException | None, context: str = "the job fails") -> bool:
+    """Under ``mp.spawn``: print ``err`` in full on this rank's stderr, once per failure. True if the
+    report was printed (now or before)."""
+    state = _state
+    if state is None or err is None:
+        return False
+    key = _key(err)
+    with state.lock:
+        if key in state.printed:
+            return True
+        state.printed.add(key)
+    try:
+        sys.stderr.write(f"[rank {rank}] fault-tolerant-handlers: {context}:\n{err}\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - the report must never raise
+        pass
+    return True
+
+
+def printed(err: BaseException | None) -> bool:
+    """The report of ``err`` was printed already (:func:`print_report`)."""
+    state = _state
+    return state is not None and err is not None and _key(err) in state.printed
+
+
+def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
+                  records: Callable[[], PeerFailedError | None], wait: float = SIGTERM_CAUSE_WAIT) -> PeerFailedError | None:
+    """On a SIGTERM under ``mp.spawn`` with nothing known yet: if a same-host peer is gone
+    (``same_host``: a :class:`~..core.procfs.PeerPidProbe`), the cause, waited for up to ``wait``
+    seconds (``known()``: the watchdog's finding, else ``records()``: a peer's record in the store),
+    else that peer gone. ``None`` when no peer is gone (this rank is the cause)."""
+    if _state is None:
+        return None
+    gone = same_host.poll(time.monotonic())
+    if gone is None:
+        return None
+    deadline = time.monotonic() + wait
+    while True:
+        if known() is not None:
+            return known()
+        try:
+            found = records()
+        except Exception:  # noqa: BLE001 - the store may be what died
+            found = None
+        if found is not None:
+            return found
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    return known() or gone.error
+
+
+def hold_zombie(rank_pid: int, rank: int | None = None, host: str = "") -> None:
+    """``RANK_ENDED``, in a rank's liveness helper: under ``mp.spawn``, if the rank is a zombie (its
+    parent cannot reap it while this process holds the sentinel pipe), write torch's error file for it
+    when a signal killed it, then wait :data:`ZOMBIE_HOLD` so that same-host peers read its exit
+    status. Returns at once otherwise."""
+    if _state is None:
+        return
+    try:
+        with open(f"/proc/{rank_pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return
+    fields = stat[stat.rfind(")") + 2:].split()
+    if fields and fields[0] == "Z":
+        if rank is not None:
+            _write_spawn_killed(rank_pid, rank, host)
+        time.sleep(ZOMBIE_HOLD)
+
+
+def _write_spawn_killed(rank_pid: int, rank: int, host: str) -> bool:
+    """The rank was killed by a signal: torch's error file for it (the parent reads it once every
+    process has ended), naming the rank, its pid and the signal."""
+    state = _state
+    if state is None or state.error_file is None:
+        return False
+    how = process_state(rank_pid)
+    if how is None or not how.killed:
+        return False
+    lost = FailureRecord.lost(rank=rank, pid=rank_pid, host=host, why=how, by=rank).exc_message
+    text = f"fault-tolerant-handlers: {lost} (seen by its liveness helper: a killed process prints no traceback)\n"
+    return _write_error_file(state.error_file, text)
+
+
+def _write_error_file(path: str, text: str) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never overwrites a rank's own report
+    except OSError:
+        return False
+    with os.fdopen(fd, "wb") as fh:
+        pickle.dump(text, fh)  # the format torch's parent reads: a pickled str
+    return True
+
+
+def write_exit_report(err: BaseException | None, code: int) -> None:
+    """A reported exit under ``mp.spawn``: ``err``'s report goes into torch's error file."""
+    state = _state
+    if state is None or state.error_file is None or err is None:
+        return
+    text = f"fault-tolerant-handlers ended this process (exit code {code}) because:\n{err}\n"
+    _write_error_file(state.error_file, text)
+
+
+# -- the core's announcements (wired in ``..wiring``) --------------------------------------------------
+def on_session_started(session) -> None:
+    detect()  # under mp.spawn, this rank prints its report itself
+
+
+def on_peer_failed(table: RankTable, err: PeerFailedError, escalated: bool) -> None:
+    write_dead_peer(table, err)  # torchrun: the agent reads a failed worker's file as soon as it notices the exit
+    if escalated:
+        print_report(table.rank, err)  # mp.spawn: the report, before the launcher's SIGTERM
+
+
+def on_acknowledged(table: RankTable, err: BaseException | None, known: PeerFailedError | None) -> None:
+    write_survivor(table, err if isinstance(err, PeerFailedError) else known)
+    print_report(table.rank, err if err is not None else known)
+
+
+def on_exiting(table: RankTable, err: BaseException | None, code: int) -> None:
+    if code == EXIT_PEER_FAILED:
+        write_survivor(table, err)
+    write_exit_report(err, code)  # mp.spawn: the parent raises this report

@@ -1,0 +1,100 @@
+"""How the package is assembled: every part a layer plays at the core's hooks (:mod:`.core.hooks`),
+in one table, in the order each hook runs them.
+
+The core never imports a launcher, a detector, the data layer, an adapter or the recovery; no layer
+adds itself to a hook when it is imported. :func:`install` adds :data:`WIRING` once, when the package
+is imported (``fault_tolerant_handlers/__init__.py``). Announcements run in the table's order (a
+callback's error is logged, the next one runs); a recovery's steps run in the table's order (a step
+marked :data:`TOLERATE` is logged when it fails and the recovery goes on: a framework the next
+attempt may not use must not stop it); a provider is the last one listed.
+
+Only the recovery adds to the hooks while it runs, for the process it runs in: ``INTERRUPT``
+(``recover/inplace.py``, while ``recover_in_place`` runs in the main thread), ``LOSE``,
+``KEEPER_PID`` and a ``SESSION_STARTED`` that announces the keeper (``recover/keeper.py``, in a
+keeper's training child); and a user through :func:`~.core.recoveries.on_recovery`.
+``tests/unit/test_wiring.py`` keeps it so.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from . import adapters
+from .core import hooks, recoveries
+from .data import recovery as data
+from .detect import watchdog, writes
+from .launchers import compat_torchrun, reports, signals
+
+#: A recovery step whose failure is logged while the recovery goes on.
+TOLERATE = True
+
+
+def _framework(module: str, name: str) -> Callable[..., Any]:
+    """``<module>.<name>``, called only once ``module`` (an adapter whose framework may not be
+    installed) was imported: before that no engine or trainer of its framework exists to be told."""
+    path = f"{__package__}.{module}"
+
+    def call(*args: Any) -> Any:
+        found = sys.modules.get(path)
+        return None if found is None else getattr(found, name)(*args)
+
+    call.__qualname__ = f"{module}.{name}"
+    return call
+
+
+_ignite_failure_seen = _framework("ignite", "_failure_seen")  # Ignite's FAILURE_SEEN event
+_ignite_recovery_started = _framework("ignite", "_recovery_started")
+_lightning_hook = _framework("lightning", "_hook")  # Lightning's on_failure_seen / on_recovery_started
+_lightning_keep_logger_versions = _framework("lightning", "_keep_logger_versions")
+_lightning_forget_logger_versions = _framework("lightning", "_forget_logger_versions")
+
+#: Every hook registration of the package: ``(hook, callback)`` or ``(hook, step, TOLERATE)``.
+WIRING: tuple[tuple[Any, ...], ...] = (
+    # -- announcements ----------------------------------------------------------------------------------
+    (hooks.SESSION_STARTED, compat_torchrun.on_session_started),  # torchrun, imported late: the read gloo keys go
+    (hooks.SESSION_STARTED, signals.on_session_started),  # SIGTERM/SIGINT handlers, in front
+    (hooks.SESSION_STARTED, reports.on_session_started),  # under mp.spawn: this rank reports itself
+    (hooks.RANK_FAILED, reports.write_failed),  # torchrun: this rank's own file, the failure's time
+    (hooks.RANK_FAILED, signals.on_rank_failed),  # a launcher's SIGTERM after it: exit code 1, not -15
+    (hooks.PEER_FAILED, reports.on_peer_failed),  # a killed same-host peer's file; mp.spawn: the report
+    (hooks.ACKNOWLEDGED, reports.on_acknowledged),  # a survivor's file; mp.spawn: the report
+    (hooks.JOB_FAILED, compat_torchrun.forget_attempt_keys),  # torchrun, imported late: the next attempt comes up
+    (hooks.EXITING, reports.on_exiting),  # a survivor's file (exit 87); mp.spawn: the report into torch's file
+    (hooks.RANK_KILLED, reports.write_killed),  # in the liveness helper: the killed rank's torchrun file
+    (hooks.RANK_ENDED, reports.hold_zombie),  # in the liveness helper: mp.spawn's file, the zombie held
+    (hooks.SESSION_CLOSED, compat_torchrun.on_session_closed),  # its store connection
+    # a recovery made visible: the history first (a subscriber that reads it finds its info there)
+    (hooks.FAILURE_SEEN, recoveries._record),
+    (hooks.FAILURE_SEEN, _ignite_failure_seen),
+    (hooks.FAILURE_SEEN, _lightning_hook),
+    (hooks.RECOVERY_STARTED, recoveries._record),
+    (hooks.RECOVERY_STARTED, _ignite_recovery_started),
+    (hooks.RECOVERY_STARTED, _lightning_hook),
+    (hooks.RECOVERED, recoveries._record),
+    # -- the steps of a recovery in place, in the order the recovery reaches them -------------------------
+    (hooks.BEGIN, compat_torchrun.begin_recovery),  # keep the first rendezvous's store
+    (hooks.CAPTURE_LIVE, data.capture_live),  # this rank's live state of the failed attempt, or why none
+    (hooks.SETTLE_LIVE, data.settle_live),  # hold what the next attempt resumes from
+    # Ignite's Checkpoint.load_objects resolves the live state's name (a keeper's replacement runs no teardown)
+    (hooks.SETTLE_LIVE, adapters._resolve_live_names, TOLERATE),
+    (hooks.TEAR_DOWN, compat_torchrun.forget_addresses_of_attempt),  # before the groups go: this rank's keys
+    (hooks.RESET_FRAMEWORKS, adapters._reset_idist, TOLERATE),  # idist's model back to a fresh process's
+    (hooks.RESET_FRAMEWORKS, adapters._resolve_live_names, TOLERATE),
+    (hooks.RESET_FRAMEWORKS, _lightning_keep_logger_versions, TOLERATE),
+    (hooks.COLLECTED, data.reap_workers),  # DataLoader workers of the failed attempt still running
+    (hooks.RE_FORM, compat_torchrun.re_form),  # init_process_group is given the store under the new namespace
+    (hooks.END, compat_torchrun.end_recovery),  # the first rendezvous's store forgotten
+    (hooks.END, data.end_recovery),  # the checkpoint's copy in memory and the live state forgotten
+    (hooks.END, _lightning_forget_logger_versions, TOLERATE),
+    # -- providers ------------------------------------------------------------------------------------------
+    (hooks.WORLD, compat_torchrun.first_rendezvous),  # the store, rank and world size a recovery's attempts share
+    (hooks.WATCHDOG, watchdog.Watchdog),  # what Session.start_watchdog starts
+    (hooks.DEFER, writes.stack_writes),  # the interrupt of a hung main thread waits for a write its stack shows
+)
+
+
+def install() -> None:
+    """Add :data:`WIRING` to the hooks (once: adding a callback again changes nothing)."""
+    for hook, callback, *tolerate in WIRING:
+        hooks.add(hook, callback, tolerate=bool(tolerate))
