@@ -459,7 +459,9 @@ class ShardReplicas:
 
     def stop(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         """Send what is pending, tell the partners this rank sends no more, wait for the threads
-        (every rank calls it: each receiver ends when every rank it holds has said so)."""
+        (every rank calls it: each receiver ends when every rank it holds has said so). A held rank
+        that died is seen by the receiving thread only at the group's ``timeout`` (gloo's receive from
+        any rank does not end when one connection closes): until then this waits, ``timeout`` at most."""
         if not self.enabled or self._stopping:
             return
         with self._cond:

@@ -93,8 +93,10 @@ def partner_dies(replicas, model, optim) -> None:
     own_step = replicas.own().step  # this rank's own snapshots go on being sealed
     copy = replicas.copy_of(1)
     torch.save(plain(local_shards(restore(copy))), OUT / "after-death-copy-of1.pt")
-    replicas.stop(timedelta(seconds=BOUND_SEC))
-    record("died", calls=calls, flushed=flushed, own_step=own_step, copy_step=copy.step, held=[[h.rank, h.step, h.checksum_ok] for h in replicas.held()],
+    stopping = time.monotonic()
+    replicas.stop(timedelta(seconds=BOUND_SEC))  # the receiver sees rank 1 gone at the group's timeout (30 s)
+    record("died", stop_seconds=time.monotonic() - stopping, calls=calls, flushed=flushed, own_step=own_step,
+           copy_step=copy.step, held=[[h.rank, h.step, h.checksum_ok] for h in replicas.held()],
            threads_alive=[t.name for t in replicas._threads if t.is_alive()], errors=replicas.stats.errors,
            replaced=replicas.stats.replaced)
     os._exit(0)  # the default group's peer is dead: no barrier, no teardown to wait for
