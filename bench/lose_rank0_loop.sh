@@ -10,8 +10,9 @@ for i in $(seq 1 $N); do
   rc=$?
   # kill what is left of the run, by pid
   for f in $out/ignite-1/process_launched*.json; do pg=$(${PYTHON:-.venv/bin/python} -c "import json,sys;print(json.load(open('$f'))['pgid'])" 2>/dev/null); [ -n "$pg" ] && kill -9 -- -$pg 2>/dev/null; done
-  if grep -q "the next call carries on from live state" $out/log; then live=$((live+1)); r=live
-  elif grep -q "carries on from the newest checkpoint" $out/log; then ckpt=$((ckpt+1)); r=checkpoint
+  # both training ranks say what they carried on from (the lines of recover/ and data/live.py)
+  if [ "$(grep -c "carries on from live state, iteration" $out/log)" = 2 ]; then live=$((live+1)); r=live
+  elif grep -q "live state could not serve" $out/log; then ckpt=$((ckpt+1)); r=checkpoint
   else other=$((other+1)); r=other; fi
   echo "run $i: rc=$rc $r"
 done

@@ -269,11 +269,11 @@ def kill_workers(out: Path, program: str = "resume_main.py") -> None:
 
 
 @contextlib.contextmanager
-def cpu_hogs(count: int):
+def cpu_hogs(count: int, seconds: float = 900):
     """``count`` processes that each keep a core busy for the block (a loaded machine), killed by
-    pid when it ends."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-             for _ in range(count)]
+    pid when it ends; each ends by itself after ``seconds`` (a test process killed before it could)."""
+    hog = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", hog], start_new_session=True) for _ in range(count)]
     try:
         yield [p.pid for p in procs]
     finally:

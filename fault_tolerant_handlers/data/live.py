@@ -2,7 +2,7 @@
 last completed, instead of the newest checkpoint (docs/recovering.md, "Live state").
 
 While :func:`~fault_tolerant_handlers.recover_in_place` runs, the adapters keep a little bookkeeping per
-step (:class:`StepTracker`: small state at each step's end, torch's RNG at each start, whether an
+step (:class:`StepTracker`: small state at each step's end, torch's RNG at each start and end, whether an
 optimizer update began since) and, when the loop fails, capture what its checkpoint would hold
 (:class:`Captured`: the failed attempt's own tensors, trusted only if nothing changed them since the
 step completed). The recovery collects it (:func:`collect`), the ranks agree, and the next attempt gets
@@ -109,6 +109,8 @@ class StepTracker:
         """Step ``step`` completed (or, ``initial``, the loop starts from it): ``small`` is its small state."""
         self.stepped = initial or self.updates > 0
         self.step, self.small, self.updates, self.updating = step, small, 0, False
+        # the next step's RNG until it starts (a failure may come first; the same unless its batch draws from it)
+        self.rng = (step, _rng_state())
         self.versions = sum(b._version for b in self.buffers)
 
     def check(self, unit: str) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 import hosts
 from hosts import MultiHostResult, RankOutcome, run_hosts
+from launch import cpu_hogs
 
 pytestmark = [
     pytest.mark.slow,
@@ -203,6 +204,18 @@ def test_lightning_rank_on_other_host_raises(tmp_path):
     assert "raise@rank=1" in res.ranks[0].raised["exc_message"], res.ranks[0].raised
 
 
+def assert_nobody_declared(res: MultiHostResult, iterations: int, extra: tuple[str, ...] = ()) -> None:
+    """A healthy run: nobody raised, every rank finished its ``iterations``, and no host's log
+    declares a rank lost, silent or hung (nor has any of ``extra``)."""
+    for r in res.ranks:
+        assert r.raised is None, f"rank {r.rank} raised: {r.raised}\n{res.describe()}"
+        assert r.event("run_returned") is not None and r.event("run_returned")["iteration"] == iterations, res.describe()
+    for h in res.hosts:
+        log = res.log(h.index)
+        for word in ("PeerSilent", "PeerLost", "RankHung", "PeerFailedError", *extra):
+            assert word not in log, f"{h.name}: {word!r} in its log\n{res.describe()}"
+
+
 @pytest.mark.long
 @pytest.mark.timeout(600)
 def test_no_false_alarm_with_every_core_saturated_and_a_20_s_gil_hold(tmp_path):
@@ -210,24 +223,10 @@ def test_no_false_alarm_with_every_core_saturated_and_a_20_s_gil_hold(tmp_path):
     other processes, and rank 1's main thread holds the GIL for 20 s in one C call at iteration
     300 (hang detection off, the default): nobody is declared lost, silent or hung, and both ranks
     finish the run."""
-    import subprocess
-    import sys
-
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 2))]
-    try:
+    with cpu_hogs(2 * (os.cpu_count() or 2)):
         res = run_hosts(tmp_path, "none", fault_host=1, after_fault=420, start_timeout=120,
                         env={"MAX_ITERS": "2000", "STEP_SEC": "0.05", "GIL_HOLD": "1,300,20"})
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
-    for r in res.ranks:
-        assert r.raised is None, f"rank {r.rank} raised: {r.raised}\n{res.describe()}"
-        assert r.event("run_returned") is not None and r.event("run_returned")["iteration"] == 2000, res.describe()
-    for h in res.hosts:
-        log = res.log(h.index)
-        for word in ("PeerSilent", "PeerLost", "RankHung", "PeerFailedError", "did not answer"):
-            assert word not in log, f"{h.name}: {word!r} in its log\n{res.describe()}"
+    assert_nobody_declared(res, 2000, extra=("did not answer",))
     r1 = res.ranks[1]
     assert r1.event("gil_end")["t"] - r1.event("gil_start")["t"] >= 19.5, res.describe()
     took = res.ranks[0].event("run_returned")["t"] - res.ranks[0].event("start")["t"]
@@ -244,24 +243,9 @@ def test_no_heartbeat_is_declared_silent_across_hosts_at_8_and_16_ranks_with_eve
     host by its heartbeat alone (no pid to look at across hosts), read every SILENCE_POLL while a
     counter stands still. Nobody is declared silent, lost or hung, and every rank finishes; the near
     misses (a heartbeat still for half the limit) are printed, the margin left."""
-    import subprocess
-    import sys
-
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 2))]
-    try:
+    with cpu_hogs(2 * (os.cpu_count() or 2)):
         res = run_hosts(tmp_path, "none", hosts=hosts_n, nproc_per_node=per_host, after_fault=540,
                         start_timeout=300, env={"MAX_ITERS": "600", "STEP_SEC": "0.05"})
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
-    for r in res.ranks:
-        assert r.raised is None, f"rank {r.rank} raised: {r.raised}\n{res.describe()}"
-        assert r.event("run_returned") is not None and r.event("run_returned")["iteration"] == 600, res.describe()
-    near = []
-    for h in res.hosts:
-        log = res.log(h.index)
-        for word in ("PeerSilent", "PeerLost", "RankHung", "PeerFailedError"):
-            assert word not in log, f"{h.name}: {word!r} in its log\n{res.describe()}"
-        near += [line for line in log.splitlines() if "has stood still for" in line]
+    assert_nobody_declared(res, 600)
+    near = [line for h in res.hosts for line in res.log(h.index).splitlines() if "has stood still for" in line]
     print(f"{hosts_n} hosts x {per_host} ranks: {len(near)} near misses" + "".join(f"\n  {line}" for line in near))

@@ -327,6 +327,8 @@ def test_a_failure_between_a_survivors_optimizer_step_and_the_iterations_end_lea
     assert_recovered_exactly(run, ref, "ignite", same_process=(True, False), live=True)
     assert recomputed(run) == 0
     assert output.count("live state, iteration 36 (each rank's own") == 2 and output.count("carries on from live state, iteration 36") == 2, output[-3000:]
+    # the RNG states recorded at the iteration's mark go with it (iteration 37 had not started)
+    assert output.count("its process was replaced (its state ended with it); its RNG states too), is held") == 2, output[-3000:]
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,204 @@
+"""Shard replicas without ranks: partner choice on host layouts, settings refused by name, snapshot
+round trips, and a corrupt, oversized or malformed manifest or payload refused before anything is
+rebuilt (the bytes may come from a peer)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import Counter
+
+import numpy
+import pytest
+import torch
+
+from fault_tolerant_handlers.recover.replicas import (
+    MAX_MANIFEST_BYTES, ManifestError, ShardReplicas, Snapshot, SnapshotChecksumError, choose_partners, held_by,
+    local_shards, read_manifest, restore, take_snapshot)
+
+
+def _hosts(*counts: int) -> list[str]:
+    return [f"node{h}" for h, n in enumerate(counts) for _ in range(n)]
+
+
+def _check_layout(hosts, partners):
+    chosen = choose_partners(hosts, partners)
+    assert len(chosen) == len(hosts)
+    for rank, ps in enumerate(chosen):
+        assert len(ps) == partners == len(set(ps)) and rank not in ps
+    return chosen
+
+
+@pytest.mark.parametrize("counts", [(2, 2), (4,) * 4, (2,) * 4, (8,) * 64], ids=["2x2", "4x4", "4x2", "64x8"])
+def test_every_copy_is_on_another_host_at_the_same_place_and_each_rank_holds_one(counts, caplog):
+    hosts = _hosts(*counts)
+    with caplog.at_level(logging.WARNING, "fault_tolerant_handlers"):
+        chosen = _check_layout(hosts, 1)
+    per_host = counts[0]
+    for rank, (p,) in enumerate(chosen):
+        assert hosts[p] != hosts[rank]
+        assert p == (rank + per_host) % len(hosts)  # NVIDIA's clique rule: replication_jump = ranks per host
+    assert Counter(p for (p,) in chosen) == Counter(range(len(hosts)))  # one copy held per rank
+    assert not caplog.records  # nothing on its own host: no warning
+
+
+def test_two_copies_go_to_the_next_two_hosts_and_are_held_evenly():
+    hosts = _hosts(*(8,) * 64)
+    chosen = _check_layout(hosts, 2)
+    assert chosen[0] == (8, 16) and chosen[511] == (7, 15)
+    assert {len({hosts[r], *(hosts[p] for p in ps)}) for r, ps in enumerate(chosen)} == {3}
+    assert all(len(held_by(chosen, r)) == 2 for r in range(len(hosts)))
+
+
+def test_one_host_falls_back_to_a_neighbour_on_the_same_host_and_says_so(caplog):
+    with caplog.at_level(logging.WARNING, "fault_tolerant_handlers"):
+        chosen = _check_layout(_hosts(4), 1)
+    assert chosen == [(1,), (2,), (3,), (0,)]
+    assert "4 of 4 copies are held on their own rank's host (1 host(s)" in caplog.text
+    assert _check_layout(_hosts(4), 3)[0] == (1, 2, 3)
+
+
+def test_uneven_hosts_keep_copies_off_their_host():
+    hosts = _hosts(3, 1, 2)
+    chosen = _check_layout(hosts, 1)
+    assert all(hosts[p] != hosts[r] for r, (p,) in enumerate(chosen))
+    assert chosen == [(3,), (3,), (3,), (4,), (0,), (1,)]
+    assert held_by(chosen, 3) == [0, 1, 2]  # a host with fewer ranks than the one before holds more copies each
+    # 2 hosts, 3 copies of a rank on a host of 3: one other host, then its own host (said in the log)
+    chosen = _check_layout(_hosts(3, 1), 3)
+    assert chosen[0] == (3, 1, 2) and chosen[3] == (0, 1, 2)
+
+
+@pytest.mark.parametrize("partners, world", [(0, 4), (4, 4), (1, 1), (-1, 2)])
+def test_partner_counts_outside_the_world_are_refused(partners, world):
+    with pytest.raises(ValueError, match=r"partners=.*valid 1 \.\. world size - 1"):
+        choose_partners(_hosts(world), partners)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"replicate_every": 0}, r"replicate_every=0\): an int >= 1"),
+    ({"replicate_every": 1.5}, r"replicate_every=1.5\): an int >= 1"),
+    ({"partners": 0}, r"partners=0\): an int from 1 to the world size - 1"),
+    ({"partners": True}, r"partners=True\)"),
+    ({"enabled": "no"}, r"enabled='no'\): True or False"),
+    ({"timeout": 5}, r"timeout=5\): a positive timedelta"),
+])
+def test_bad_settings_are_refused_at_construction_naming_the_argument_and_range(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        ShardReplicas(**kwargs)
+
+
+def test_disabled_replicas_make_nothing_and_take_no_snapshot():
+    replicas = ShardReplicas(enabled=False)  # no process group needed: nothing is made
+    assert replicas.step({"w": torch.ones(3)}, 1) is False and replicas.held() == [] and replicas.own() is None
+    replicas.stop()
+
+
+def _state():
+    torch.manual_seed(0)
+    return {"model": {"w": torch.randn(3, 5), "b": torch.randn(5).to(torch.bfloat16), "n": torch.tensor(7)},
+            "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 5)[:, 1:]}},
+                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0], "eps": float("inf")}]},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": numpy.random.get_state()},
+            "iteration": 12, "empty": torch.zeros(0, 4), "mask": torch.tensor([True, False]), "name": None}
+
+
+def _assert_same(a, b, path="state"):
+    assert type(a) is type(b), path
+    if isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    elif isinstance(a, numpy.ndarray):
+        assert a.dtype == b.dtype and numpy.array_equal(a, b), path
+    else:
+        assert a == b, path
+
+
+def test_a_snapshot_round_trips_a_state_bit_for_bit_with_its_structure():
+    state = _state()
+    snap = take_snapshot(state, 12, 3)
+    assert snap.step == 12 and snap.rank == 3 and snap.verify()
+    back = restore(snap)
+    _assert_same(state, back)
+    state["model"]["w"].add_(1)  # a copy: training on does not change the snapshot
+    assert snap.verify() and not torch.equal(restore(snap)["model"]["w"], state["model"]["w"])
+    numpy.random.set_state(back["rng"]["numpy"])  # RNG states load as they were
+    random.setstate(back["rng"]["python"])
+    assert [p for p, _ in local_shards(state)][0] == "state['model']['w']"
+
+
+def test_a_flipped_byte_in_the_payload_or_manifest_is_refused_by_name():
+    snap = take_snapshot(_state(), 5, 0)
+    snap.payload[17] ^= 1
+    with pytest.raises(SnapshotChecksumError, match="rank 0 at step 5 does not have its checksum"):
+        restore(snap)
+    snap.payload[17] ^= 1
+    restore(snap)
+    bad = Snapshot(0, 5, snap.manifest.replace(b'"step":5', b'"step":6'), snap.payload, snap.checksum)
+    with pytest.raises(SnapshotChecksumError):
+        restore(bad)
+    with pytest.raises(SnapshotChecksumError):
+        restore(take_snapshot(_state(), 5, 0, seal=False))  # never sealed: never loaded
+
+
+def _resealed(snap: Snapshot, manifest: bytes) -> Snapshot:
+    """A snapshot whose checksum matches a forged manifest (a peer that sends garbage consistently)."""
+    return Snapshot(snap.rank, snap.step, manifest, snap.payload).seal()
+
+
+@pytest.mark.parametrize("forge, why", [
+    (lambda m: b"\x80not json", "not JSON"),
+    (lambda m: b"[" * 100_000 + b"]" * 100_000, "not JSON|not a fth-shard-1"),
+    (lambda m: json.dumps({**m, "format": "pickle"}).encode(), "not a fth-shard-1 manifest"),
+    (lambda m: json.dumps({**m, "bytes": m["bytes"] + 1}).encode(), "the payload has"),
+    (lambda m: json.dumps({**m, "leaves": [{**m["leaves"][0], "offset": m["bytes"]}] + m["leaves"][1:]}).encode(),
+     "leaf 0 .* does not fit the payload"),
+    (lambda m: json.dumps({**m, "leaves": [{**m["leaves"][0], "shape": [10**9]}] + m["leaves"][1:]}).encode(),
+     "leaf 0 .* does not fit"),
+    (lambda m: json.dumps({**m, "leaves": [{**m["leaves"][0], "dtype": "object"}] + m["leaves"][1:]}).encode(),
+     "leaf 0 .* does not fit"),
+    (lambda m: json.dumps({**m, "tree": {"T": 10**6}}).encode(), "names leaf 1000000"),
+    (lambda m: json.dumps({**m, "tree": {"x": 1}}).encode(), "malformed node"),
+    (lambda m: json.dumps(m).encode() + b" " * MAX_MANIFEST_BYTES, "more than 16777216"),
+], ids=["binary", "deep", "format", "bytes", "offset", "shape", "dtype", "leaf-index", "node", "oversized"])
+def test_a_malformed_or_oversized_manifest_is_refused_before_anything_is_rebuilt(forge, why):
+    snap = take_snapshot(_state(), 5, 0)
+    with pytest.raises(ManifestError, match=why):
+        restore(_resealed(snap, forge(json.loads(snap.manifest))))
+
+
+def test_read_manifest_checks_the_size_before_parsing():
+    with pytest.raises(ManifestError, match="more than"):
+        read_manifest(b"{" * (MAX_MANIFEST_BYTES + 1), 0)
+
+
+def test_values_a_snapshot_cannot_carry_are_named_by_path():
+    with pytest.raises(TypeError, match=r"state\['opt'\]\[1\] is a builtins.set"):
+        take_snapshot({"opt": [1, {2}]}, 0, 0)
+    with pytest.raises(TypeError, match=r"has a key \(1, 2\) of type tuple"):
+        take_snapshot({(1, 2): 1}, 0, 0)
+
+
+def test_a_buffer_is_written_again_only_when_no_one_refers_to_its_snapshot():
+    from fault_tolerant_handlers.recover.replicas import _unused
+    first = take_snapshot(_state(), 1, 0)
+    assert _unused(first)
+    kept = first  # a caller of own() or copy_of() keeps it: its buffer is not reused
+    assert not _unused(first)
+    del kept
+    payload = first.payload
+    assert not _unused(first)
+    del payload
+    second = take_snapshot(_state(), 2, 0, buffer=first.payload)
+    assert second.payload.data_ptr() == first.payload.data_ptr() and restore(second)["iteration"] == 12
+    third = take_snapshot({"w": torch.ones(3)}, 3, 0, buffer=first.payload)  # another size: a new buffer
+    assert third.payload.data_ptr() != first.payload.data_ptr()
