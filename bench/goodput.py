@@ -3,6 +3,8 @@
     .venv/bin/python bench/goodput.py                       # Ignite and Lightning, 4 and 8 ranks, 10 min each
     .venv/bin/python bench/goodput.py --minutes 1 --worlds 4 --frameworks ignite --every 20   # a short check
     .venv/bin/python bench/goodput.py --out goodput.md --plot goodput.png --keep runs/
+    .venv/bin/python bench/goodput.py --worlds 8 --every 60 --keep runs/   # a part now; the rest later,
+                                                  # the same --keep: finished runs are reused, not re-run
 
 The training is ``tests/resume_main.py`` under ``torchrun --standalone``: a seeded regression
 (``HIDDEN=32``), ``DistributedSampler(shuffle=True, seed=0)``, batch 4 per rank, one epoch of
@@ -51,6 +53,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -276,6 +279,33 @@ def one_run(framework: str, world: int, mode: str, faults: list[Fault], steps: i
     return result
 
 
+#: A finished run's settings and figures, in its directory: ``--keep`` reuses it.
+RESULT = "result.json"
+
+
+def _commit() -> str:
+    """The commit the bench ran at (``-`` outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "-"
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+
+
+def kept_result(out: Path, settings: dict) -> dict | None:
+    """The figures of a run that finished in ``out`` with these ``settings`` (so that a long bench can
+    be split across calls with the same ``--keep``), or None. A finished run with other settings is an
+    error: the report would mix them."""
+    path = out / RESULT
+    if not path.exists():
+        return None
+    kept = json.loads(path.read_text())
+    if kept.get("settings") != settings:
+        raise RuntimeError(f"{out} holds a run with other settings ({kept.get('settings')}, not {settings}): "
+                           "give another --keep, or remove it")
+    return kept["result"]
+
+
 def summary(values: list[float], fmt: str = ".2f") -> str:
     values = [v for v in values if not math.isnan(v)]
     if not values:
@@ -382,7 +412,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--out", help="also write the table to this file")
     parser.add_argument("--plot", help="a PNG of the efficiencies (needs matplotlib)")
-    parser.add_argument("--keep", metavar="DIR", help="keep every run's records and log under DIR")
+    parser.add_argument("--keep", metavar="DIR", help="keep every run's records and log under DIR; a run that "
+                        "finished there with the same settings is reused, so a long bench can be split across calls")
     args = parser.parse_args(argv)
     for name, values, valid in (("--frameworks", args.frameworks, ("ignite", "lightning")),
                                 ("--modes", args.modes, ("inplace", "relaunch")), ("--kinds", args.kinds, KINDS)):
@@ -407,12 +438,23 @@ def main(argv: list[str] | None = None) -> None:
                     for every, mode in plan:
                         key = (framework, world, every, mode)
                         out = tmp / f"{framework}-{world}-{every:g}-{mode}-{rep}"
+                        faults = schedules.get((world, every), []) if mode != "none" else []
+                        settings = dict(minutes=args.minutes, step_ms=args.step_ms, hang_timeout=args.hang_timeout,
+                                        seed=args.seed, faults=[f.spec() for f in faults])
                         try:
-                            res = one_run(framework, world, mode, schedules.get((world, every), []), steps,
-                                          args.step_ms, out, args.hang_timeout)
-                            ref = tmp / f"{framework}-{world}-0-none-{rep}" / "weights.pt"
-                            if mode != "none" and ref.exists():
-                                res["exact"], res["diff"] = same_weights(ref, out / "weights.pt")
+                            res = kept_result(out, settings) if args.keep else None
+                            if res is not None:
+                                print(f"{framework} {world} ranks {mode} every {every:g} s run {rep + 1}: "
+                                      f"reused from {out}", flush=True)
+                            else:
+                                shutil.rmtree(out, ignore_errors=True)  # an unfinished run of an earlier call
+                                res = one_run(framework, world, mode, faults, steps, args.step_ms, out,
+                                              args.hang_timeout)
+                                ref = tmp / f"{framework}-{world}-0-none-{rep}" / "weights.pt"
+                                if mode != "none" and ref.exists():
+                                    res["exact"], res["diff"] = same_weights(ref, out / "weights.pt")
+                                (out / RESULT).write_text(json.dumps(dict(settings=settings, commit=_commit(),
+                                                                          finished=time.time(), result=res)))
                         except Exception as err:  # noqa: BLE001 - a run that did not finish is a result too
                             failed.setdefault(key, []).append(f"run {rep + 1}: {err}")
                             print(f"{framework} {world} ranks {mode} every {every:g} s run {rep + 1}: FAILED: {err}",

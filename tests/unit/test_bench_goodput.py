@@ -86,3 +86,12 @@ def test_a_runs_records_give_the_faults_figures(bench, tmp_path):
     assert not hang["fired"]
     with pytest.raises(RuntimeError, match="did not reach step 101"):
         bench.read_run(tmp_path, "inplace", faults, 2, 101, 5.0)
+
+
+def test_a_run_finished_with_the_same_settings_is_reused_and_one_with_other_settings_is_refused(bench, tmp_path):
+    settings = dict(minutes=10, step_ms=50, hang_timeout=5, seed=0, faults=["raise@rank=1,iteration=300,attempt=0"])
+    assert bench.kept_result(tmp_path, settings) is None  # nothing finished there: run it
+    (tmp_path / bench.RESULT).write_text(json.dumps(dict(settings=settings, commit="abc", result={"wall": 612.5})))
+    assert bench.kept_result(tmp_path, settings) == {"wall": 612.5}
+    with pytest.raises(RuntimeError, match="other settings"):
+        bench.kept_result(tmp_path, dict(settings, seed=1))
