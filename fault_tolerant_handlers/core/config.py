@@ -98,6 +98,11 @@ SETTINGS = (
             "checkpoint being written", 0, 3600),
     Setting("FTH_HEARTBEAT_TIMEOUT_SEC", "heartbeat_timeout", "seconds", 2 * _S, "a peer whose heartbeat stops (its "
             "host or link is gone, or it is frozen) is lost", 1, 86400),
+    # past two retransmissions of a lost segment (about 0.2 s and 0.6 s after it was sent)
+    Setting("FTH_UNACKED_SEC", "unacked_after", "seconds", 1 * _S, "a peer on another host whose heartbeat is still "
+            "for `SUSPECT_SILENCE` (1.2 s) and whose host's kernel acknowledges nothing sent to it for this long is lost "
+            "(its host or link is down), before `FTH_HEARTBEAT_TIMEOUT_SEC`; a host that acknowledges is judged by "
+            "that limit alone", 0.5, 86400),
     Setting("FTH_STORE_LOST_SEC", "store_lost_after", "seconds", 4 * _S, "a store that does not answer for this "
             "long, its port refused or unreachable all along, is lost (a slow store never is)", 1, 86400),
     Setting("FTH_SYNC_TIMEOUT_SEC", "sync_timeout", "seconds", None, "the side group's timeout", 1, 30 * 86400,
@@ -129,7 +134,7 @@ SETTINGS = (
 _BY_FIELD = {s.field: s for s in SETTINGS}
 KNOWN_ENV = tuple(s.variable for s in SETTINGS)
 (INTERVAL_ENV, HANG_TIMEOUT_ENV, START_TIMEOUT_ENV, AUTO_HANG_MULTIPLE_ENV, AUTO_HANG_FLOOR_ENV, AUTO_HANG_WARMUP_ENV,
- EXIT_GRACE_ENV, WRITE_GRACE_ENV, HEARTBEAT_TIMEOUT_ENV, STORE_LOST_ENV, SYNC_TIMEOUT_ENV, RELEASE_ENV, INJECT_ENV,
+ EXIT_GRACE_ENV, WRITE_GRACE_ENV, HEARTBEAT_TIMEOUT_ENV, UNACKED_ENV, STORE_LOST_ENV, SYNC_TIMEOUT_ENV, RELEASE_ENV, INJECT_ENV,
  CKPT_AGREE_TIMEOUT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV, RECOVER_JOIN_ENV, SPARE_WAIT_ENV,
  INTERRUPT_DEFER_ENV) = KNOWN_ENV
 #: The default of ``FTH_INTERRUPT_DEFER_SEC`` (:class:`~.interrupts.deferred_interrupt`).
@@ -150,6 +155,7 @@ class Config:
     exit_grace: timedelta
     write_grace: timedelta
     heartbeat_timeout: timedelta
+    unacked_after: timedelta
     store_lost_after: timedelta
     sync_timeout: timedelta | None
     release: str
@@ -325,8 +331,9 @@ FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=1)
 BACKGROUND_CONNECT_TIMEOUT = timedelta(seconds=5)
 #: How long a broken collective waits for the cause (a killed peer is declared within ~0.1 s).
 EXPLAIN_WAIT = 2.0
-#: A rank at the address a backend error names, whose heartbeat (every HEARTBEAT_EVERY, from its
-#: liveness process) stands still this long, is lost.
+#: A rank whose heartbeat (every HEARTBEAT_EVERY, from its liveness process) stands still this long
+#: is lost when a second witness says so too: it is at the address a backend error names, or its host
+#: acknowledged nothing sent to it for FTH_UNACKED_SEC (:mod:`..detect.witness`).
 SUSPECT_SILENCE = 1.2
 #: How long ranks found out of step wait for each other's section names.
 MISMATCH_WAIT = 1.0
@@ -424,6 +431,9 @@ LEFT_CHECK_EVERY = 0.5
 #: instead of every period. The silence is what is measured more closely, not shortened: it is still
 #: counted from a read that saw the counter move, and declared past the same limit.
 SILENCE_POLL = 0.1
+#: :class:`~..detect.probes.HeartbeatProbe`: a byte is sent this often on each link to a watched rank's
+#: host (:mod:`..detect.witness`): a cut link is witnessed from within this of its moment.
+WITNESS_EVERY = timedelta(seconds=0.2)
 #: The longest wait between two checks of a store whose port answered the last one: a store that is
 #: slow and then dies is declared at most this much later.
 MAX_CHECK_HOLD = 2.0

@@ -12,6 +12,8 @@ seeded generators), gathered at setup, so a restarted job never reads an earlier
 ``sec/<rank>``      what ``rank`` was in when an agreement found the ranks out of step
 ``left/<rank>``     ``rank`` stopped its watchdog cleanly (its loops ended normally): its
                     heartbeat stopping and its process ending next are not a failure
+``wit/<rank>``      where ``rank``'s liveness helper accepts its watchers' connections
+                    (``detect.witness.Address``)
 ==================  =====================================================================
 
 A recovery in place agrees in the first attempt's store, under ``fth/recover/<torchrun restart>/``
@@ -130,6 +132,10 @@ def section_key(rank: int) -> str:
 
 def left_key(rank: int) -> str:
     return f"left/{rank}"
+
+
+def witness_key(rank: int) -> str:
+    return f"wit/{rank}"
 
 
 def _wrap(value: int) -> int:
@@ -578,7 +584,7 @@ class Schema:
     def remove_run_keys(self, rank: int, ranks, *, shared: bool) -> None:
         """Delete this rank's keys of the run and, with ``shared``, the keys every rank wrote to (the
         record counter, the records, the declarations). Call it once no rank reads them any more."""
-        keys = [heartbeat_key(rank), section_key(rank), left_key(rank)]
+        keys = [heartbeat_key(rank), section_key(rank), left_key(rank), witness_key(rank)]
         if shared:
             count = self.count()
             keys += [record_key(i) for i in range(1, count + 1)] + [declared_key(r) for r in ranks] + [KEY_COUNT]

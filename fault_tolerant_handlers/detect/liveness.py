@@ -8,7 +8,9 @@ cores, never make a healthy rank look lost. Every :data:`~.watchdog.HEARTBEAT_EV
   reads it and tells the peers with a ``PeerLost`` record (:func:`rank_ended`);
 * runs the :class:`~.probes.HeartbeatProbe` on its ring successor (every rank of the successor's
   host when it is another host): a counter that stands still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` is
-  declared lost, once, on evidence of its silence, never of a slow answer.
+  declared lost, once, on evidence of its silence, never of a slow answer; on another host, sooner
+  when that host's kernel acknowledges nothing sent to it either (:mod:`.witness`, whose listener
+  it serves).
 
 It has its own store connection, made after the fork, never runs the rank's exit hooks
 (``os._exit``), and is one of the rank's child processes (the reported exit kills it).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import encodings.idna  # noqa: F401
 import dataclasses
 import logging
+import math
 import os
 import select
 import signal
@@ -39,6 +42,7 @@ from ..core.hooks import log
 from ..core.procfs import RankTable
 from ..core.failure import FailureRecord
 from ..core.schema import Schema
+from . import witness
 from .probes import HeartbeatProbe
 
 if TYPE_CHECKING:
@@ -56,7 +60,8 @@ def _running(pid: int) -> bool:
     return _procfs.is_running(fields) and fields[_procfs.STATE] not in ("T", "t")
 
 
-def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: float, limit: float) -> None:
+def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: float, limit: float,
+         address: str = "", unacked_after: float = math.inf) -> None:
     try:
         with open("/proc/self/comm", "w") as f:
             f.write("fth-liveness")
@@ -84,15 +89,27 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
     for watched in table.watched() or [None]:  # the first probe beats this rank's heartbeat
         pid = table.pid_of(watched) if watched is not None else 0
         same_host = watched is not None and table.host_ids[table.ranks.index(watched)] == table.host_ids[table.group_rank]
+        link = witness.Link(schema, watched) if watched is not None and not same_host else None
         probes.append(HeartbeatProbe(schema, table.rank, watched, pid, period=period, limit=limit,
                                      host=table.host_of(watched) if watched is not None else "",
-                                     running=(lambda pid=pid: _running(pid)) if same_host else None, beats=not probes))
+                                     running=(lambda pid=pid: _running(pid)) if same_host else None, beats=not probes,
+                                     link=link, unacked_after=unacked_after))
     declared = [False] * len(probes)
+    listener = None
+    if address and len(set(table.host_ids)) > 1:  # watched from another host
+        try:
+            listener = witness.Listener(address)
+        except OSError as err:
+            log(logging.WARNING, "no witness listener at %s (%s): a peer on another host judges this rank's "
+                "silence by the heartbeat limit alone", address, err)
     # A first beat as soon as the store answers, whatever the rank's state: a rank frozen (SIGSTOP)
-    # from its start is then seen by its neighbour, which judges only a heartbeat that began.
+    # from its start is then seen by its neighbour, which judges only a heartbeat that began. Where
+    # its watchers connect is published before it.
     while os.getppid() == parent:
         try:
             with calls:
+                if listener is not None:
+                    listener.publish(schema, table.rank)
                 schema.beat(table.rank)
             break
         except Exception:  # noqa: BLE001 - connecting (backing off), or a busy store: try again
@@ -112,6 +129,8 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
                 with calls:
                     _poll(probes[i], schema, declared, i)
             others = others[1:] + others[:1]
+            if listener is not None:
+                listener.drain()
             # until the next beat or read is due: every period, or more often during a silence
             time.sleep(min(period, max(0.01, min(p.due() for p in probes) - time.monotonic())))
         else:
@@ -182,10 +201,11 @@ def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool], i: int = 
 class LivenessProcess:
     """The helper process of one rank; ``start()`` forks it, ``stop()`` ends it."""
 
-    def __init__(self, session: Session, *, period: float, limit: float) -> None:
+    def __init__(self, session: Session, *, period: float, limit: float, unacked_after: float = math.inf) -> None:
         self.session = session
         self.period = period
         self.limit = limit
+        self.unacked_after = unacked_after
         self.pid: int | None = None
         self._stop_w: int | None = None
 
@@ -209,7 +229,8 @@ class LivenessProcess:
             code = 0
             try:
                 os.close(write_fd)
-                _run(self.session.table, schema, parent, read_fd, self.period, self.limit)
+                _run(self.session.table, schema, parent, read_fd, self.period, self.limit, self.session.address,
+                     self.unacked_after)
             except BaseException:  # noqa: BLE001
                 code = 1
             finally:

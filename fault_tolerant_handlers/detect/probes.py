@@ -23,17 +23,22 @@ probe                  looks at                                finds
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import traceback
-from typing import Callable, Container
+from typing import TYPE_CHECKING, Callable, Container
 
 from ..core.procfs import PeerPidProbe  # noqa: F401 - the core's own probe, re-exported
-from ..core.config import HEARTBEAT_TIMEOUT_ENV, LEFT_CHECK_EVERY, MAX_CHECK_HOLD, SILENCE_POLL
+from ..core.config import (HEARTBEAT_TIMEOUT_ENV, LEFT_CHECK_EVERY, MAX_CHECK_HOLD, SILENCE_POLL, SUSPECT_SILENCE,
+                           WITNESS_EVERY)
 from ..core.errors import PeerFailedError
 from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Finding, cap_tail, declared_finding
 from ..core.hooks import first_line, log
 from ..core.schema import Schema
+
+if TYPE_CHECKING:
+    from .witness import Link
 
 
 class RecordsProbe:
@@ -85,10 +90,18 @@ class HeartbeatProbe:
     :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow, the
     successor's beats may be slow for the same reason, so that time is not counted. A watched rank
     that stopped its watchdog cleanly (``left/<rank>``, asked at most every :data:`LEFT_CHECK_EVERY`
-    seconds while it stays still) is neither warned about nor declared."""
+    seconds while it stays still) is neither warned about nor declared.
+
+    On another host, ``link`` (a :class:`~.witness.Link` to its helper) is a second witness: a byte
+    is sent on it every :data:`WITNESS_EVERY`, and a rank still for :data:`SUSPECT_SILENCE` whose host
+    acknowledged none of them for ``unacked_after`` seconds is declared then, its host or link down."""
 
     def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
-                 limit: float, host: str = "", running: Callable[[], bool] | None = None, beats: bool = True) -> None:
+                 limit: float, host: str = "", running: Callable[[], bool] | None = None, beats: bool = True,
+                 link: Link | None = None, unacked_after: float = math.inf) -> None:
+        self.link = link
+        self.unacked_after = unacked_after
+        self.send_at = 0.0  # the next byte on the link
         self.host = host
         #: This probe beats this rank's own heartbeat at each poll (one probe of a helper's does).
         self.beats = beats
@@ -113,13 +126,17 @@ class HeartbeatProbe:
 
     def due(self) -> float:
         """When this probe has something to do next (its beat, or its read of the watched rank)."""
-        return min(self.next_at, self.beat_at) if self.beats else self.next_at
+        due = min(self.next_at, self.beat_at) if self.beats else self.next_at
+        return min(due, self.send_at) if self.link is not None else due
 
     def poll(self, now: float) -> Finding | None:
         if self.beats and now >= self.beat_at:
             # on its cadence, whatever the reads in between (a beat more than a period late starts anew)
             self.beat_at = self.beat_at + self.period if now - self.beat_at < self.period else now + self.period
             self.schema.beat(self.rank)
+        if self.link is not None and now >= self.send_at:
+            self.send_at = now + WITNESS_EVERY.total_seconds()
+            self.link.send(now)  # its host's kernel acknowledges it, whatever its processes do
         if now < self.next_at:
             return None
         self.next_at = now + self.period
@@ -133,6 +150,8 @@ class HeartbeatProbe:
                 log(logging.INFO, "rank %d's heartbeat moves again after %.1f s of observed silence",
                     self.successor, self.silent)
             self.value, self.silent, self.warned, self.left, self.left_checked_at = value, 0.0, False, False, None
+            if self.link is not None and value > 0:
+                self.link.ready()  # connected ahead of a silence (its address is published before its first beat)
             if self.running is None:
                 # On another host: the next read lands just before the next beat is due, then every
                 # SILENCE_POLL until it moves, so a silence counts from within SILENCE_POLL of the last beat.
@@ -142,25 +161,35 @@ class HeartbeatProbe:
             self.next_at = now + SILENCE_POLL  # and declared within SILENCE_POLL past the limit
         if previous is not None and now - previous <= OBSERVED_GAP * self.period:
             self.silent += now - previous
-        if value <= 0 or self.silent < NEAR_MISS * self.limit or self.left or self._has_left(now):
+        if value <= 0 or self.left or self.silent < min(NEAR_MISS * self.limit, SUSPECT_SILENCE) or self._has_left(now):
             return None  # not beaten yet, still too briefly to judge, or it finished first
         if self.running is not None and self.running():
             return None  # on this host and running: its beats are only late
         on = f" on {self.host}" if self.host else ""
+        unacked = self.link.unacked_for(now) if self.link is not None else 0.0
+        if self.silent >= SUSPECT_SILENCE and unacked >= self.unacked_after:
+            return self._declare(f"no heartbeat for {self.silent:.1f} s, and its host acknowledged nothing sent to it "
+                                 f"for {unacked:.1f} s (its host or link is down)")
+        if self.silent < NEAR_MISS * self.limit:
+            return None
         if not self.warned:
             # the margin an operator should see: a live rank this close to the limit is a loaded
             # machine or a lossy link, and a lower FTH_HEARTBEAT_TIMEOUT_SEC would be a false alarm
             self.warned = True
             log(logging.WARNING, "rank %d's heartbeat (pid %d%s) has stood still for %.1f s of observed time; "
-                "it is declared at %g s (%s)", self.successor, self.successor_pid, on, self.silent, self.limit,
-                HEARTBEAT_TIMEOUT_ENV)
+                "it is declared at %g s (%s)%s", self.successor, self.successor_pid, on, self.silent, self.limit,
+                HEARTBEAT_TIMEOUT_ENV, f"; its host acknowledged nothing for {unacked:.1f} s" if unacked else "")
         if self.silent > self.limit:
-            message = (f"rank {self.successor} (pid {self.successor_pid}{on}) lost: no heartbeat for {self.silent:.1f} s "
-                       "(its host or link is down, or its process is gone or frozen)")
-            return declared_finding(FailureRecord.declared(rank=self.successor, kind=FailureKind.PEER_SILENT,
-                                                           message=message, by=self.rank, pid=self.successor_pid,
-                                                           host=self.host))
+            return self._declare(f"no heartbeat for {self.silent:.1f} s (its host or link is down, or its process is "
+                                 "gone or frozen)")
         return None
+
+    def _declare(self, why: str) -> Finding:
+        on = f" on {self.host}" if self.host else ""
+        message = f"rank {self.successor} (pid {self.successor_pid}{on}) lost: {why}"
+        return declared_finding(FailureRecord.declared(rank=self.successor, kind=FailureKind.PEER_SILENT,
+                                                       message=message, by=self.rank, pid=self.successor_pid,
+                                                       host=self.host))
 
     def _has_left(self, now: float) -> bool:
         """The watched rank stopped its watchdog cleanly (asked at most every :data:`LEFT_CHECK_EVERY`)."""

@@ -190,7 +190,8 @@ class Watchdog:
         self.records = RecordsProbe(self._schema, self.rank, RELEASE_GRACE.total_seconds(),
                                     lambda: session.delivered, start=session.consumed, stale=session.stale)
         # The heartbeat and the ring check run in a helper process: the GIL cannot stop them.
-        self.liveness = LivenessProcess(session, period=HEARTBEAT_EVERY.total_seconds(), limit=limit.total_seconds())
+        self.liveness = LivenessProcess(session, period=HEARTBEAT_EVERY.total_seconds(), limit=limit.total_seconds(),
+                                        unacked_after=cfg.unacked_after.total_seconds())
         self.self_hang = None
         #: ``hang_timeout="auto"``: the learned deadline (adapters mark their work on it), else None.
         self.auto_hang = None

@@ -527,3 +527,81 @@ def test_pid_probe_does_not_declare_a_peer_gone_after_it_left_cleanly():
         probe = PeerPidProbe([(1, 11)], by=0, host="node-a", state={11: how}.get, left=lambda rank: True)
         found = probe.poll(3.0)
         assert found is not None and text in found.error.exc_message, found
+
+
+class _FakeLink:
+    """A :class:`~fault_tolerant_handlers.detect.witness.Link` whose host acknowledges while ``up``."""
+
+    def __init__(self) -> None:
+        self.up, self.readied, self.sent, self.unacked_since = True, 0, [], None
+
+    def ready(self) -> None:
+        self.readied += 1
+
+    def send(self, now: float) -> None:
+        self.sent.append(now)
+        if not self.up and self.unacked_since is None:
+            self.unacked_since = now
+
+    def unacked_for(self, now: float) -> float:
+        return 0.0 if self.up or self.unacked_since is None else now - self.unacked_since
+
+
+def test_a_cut_link_is_declared_once_its_host_acknowledges_nothing_and_a_slow_live_host_only_at_the_limit():
+    """A rank on another host, its last beat at 5.05 s. Its link cut just after: nothing sent to its
+    host is acknowledged, so it is declared once it has been still for SUSPECT_SILENCE (1.2 s) and the
+    bytes waited FTH_UNACKED_SEC (1 s), well before the 2 s limit, naming both witnesses. Its host
+    acknowledging every byte (its process starved or frozen, the machine loaded), it is declared only
+    past the 2 s limit, as without the witness; and a healthy rank is never declared."""
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    cut = _FakeLink()
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=2.0, host="node-b",
+                           link=cut, unacked_after=1.0)
+
+    def beat(last: bool) -> None:
+        other.beat(1)
+        cut.up = not last  # the link goes down right after the last beat
+
+    found = []
+    for tick in range(1000):
+        now = tick / 100
+        if tick % 50 == 5 and now <= 5.1:
+            beat(last=tick == 505)
+        if now >= probe.due():
+            result = probe.poll(now)
+            if result is not None:
+                found.append((now, result))
+                break
+    assert cut.readied >= 1 and found, cut.sent
+    at, result = found[0]
+    assert 5.05 + 1.2 <= at <= 5.05 + 1.2 + 0.1 + 0.01, at  # the 2 s limit: 7.05 s and later
+    assert result.error.exc_type == "PeerSilent" and result.error.failed_rank == 1
+    assert "acknowledged nothing sent to it for 1." in result.error.exc_message
+    assert "(pid 4242 on node-b)" in result.error.exc_message
+
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    slow = _FakeLink()  # up all along: the host answers, only the process is late
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=2.0, link=slow,
+                           unacked_after=1.0)
+    declared = _drive(probe, beats_until=5.1, end=10.0, beat=lambda: other.beat(1))
+    assert declared is not None and 5.05 + 2.0 < declared <= 5.05 + 2.0 + 2 * SILENCE_POLL + 0.01, declared
+    healthy = HeartbeatProbe(mine, rank=2, successor=1, successor_pid=4242, period=0.5, limit=2.0,
+                             link=_FakeLink(), unacked_after=1.0)
+    assert _drive(healthy, beats_until=60.0, end=60.0, beat=lambda: other.beat(1)) is None
+
+
+def test_the_witness_never_shortens_the_silence_below_suspect_silence():
+    """Nothing acknowledged for long (a link that broke before the counter stood still) but the
+    heartbeat still for less than SUSPECT_SILENCE: not declared yet."""
+    store = dist.HashStore()
+    mine, other = schema_over(store), schema_over(store)
+    link = _FakeLink()
+    link.up, link.unacked_since = False, -100.0
+    probe = HeartbeatProbe(mine, rank=0, successor=1, successor_pid=4242, period=0.5, limit=2.0, link=link,
+                           unacked_after=1.0)
+    other.beat(1)
+    assert probe.poll(0.0) is None
+    assert all(probe.poll(0.1 * k) is None for k in range(1, 12))  # 1.1 s still
+    assert probe.poll(1.25) is not None

@@ -1,0 +1,166 @@
+"""A second witness of a silent rank on another host: that host's kernel.
+
+Every liveness helper listens on a TCP port at the address its peers see its rank at, published as
+``wit/<rank>`` before its first beat. A helper that watches a rank on another host connects to it
+once that rank has beaten, ahead of any silence, and sends one byte at each read that finds the
+rank's heartbeat still. The watched host's *kernel* acknowledges each byte whatever its processes do
+(starved of CPU, frozen, holding the GIL): an acknowledgement is evidence that the host and its link
+are up. Nothing acknowledged for ``FTH_UNACKED_SEC`` (1 s: a lost segment is sent again after about
+0.2 s and 0.6 s), while the store has had no beat of it for ``SUSPECT_SILENCE``, is evidence from two
+witnesses that they are not (:class:`~.probes.HeartbeatProbe`); a host that acknowledges is judged
+by the heartbeat limit alone. Linux only (the helper is).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import select
+import socket
+import struct
+import termios
+from collections import deque
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..core.failure import Stored
+from ..core.schema import Schema, witness_key
+
+#: Linux ioctls on a TCP socket: the bytes not yet acknowledged (sent or not), those not yet sent.
+SIOCOUTQ = termios.TIOCOUTQ
+SIOCOUTQNSD = 0x894B
+#: Bytes a link keeps unacknowledged at most: past it, nothing more is sent until an answer comes.
+MAX_UNACKED = 64
+
+
+@dataclass(frozen=True)
+class Address(Stored):
+    """Where a rank's liveness helper accepts its watchers' connections."""
+
+    address: str
+    port: int
+
+    BOUNDS: ClassVar[dict] = {"address": 64, "port": (1, 65535)}
+
+
+class Listener:
+    """The helper's listening socket; :meth:`drain` (from its loop) takes its watchers' connections
+    and discards their bytes, so that a live helper's buffers never fill."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self.sock.bind((address, 0))
+            self.sock.listen(64)
+            self.sock.setblocking(False)
+        except OSError:
+            self.sock.close()
+            raise
+        self.address = Address(address, self.sock.getsockname()[1])
+        self.peers: list[socket.socket] = []
+
+    def publish(self, schema: Schema, rank: int) -> None:
+        schema.conn.call("set", witness_key(rank), self.address.to_json())
+
+    def drain(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # none waiting (or the socket closed)
+                break
+            conn.setblocking(False)
+            self.peers.append(conn)
+        for conn in list(self.peers):
+            try:
+                if conn.recv(4096):
+                    continue
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                pass
+            conn.close()  # the watcher closed it (or it broke)
+            self.peers.remove(conn)
+
+
+class Link:
+    """This helper's connection to a watched rank's :class:`Listener`: :meth:`ready` (at a read that
+    saw the rank beat) connects, :meth:`send` (at a read that found it still) sends a byte,
+    :meth:`unacked_for` says how long the oldest byte that went out has waited for its acknowledgement.
+    A link that cannot connect, or breaks, witnesses nothing (``unacked_for`` 0)."""
+
+    def __init__(self, schema: Schema, rank: int) -> None:
+        self.schema = schema
+        self.rank = rank
+        self.sock: socket.socket | None = None
+        self.connected = False
+        self.tried = False
+        self.sent: deque[float] = deque()  # when each byte not known acknowledged was sent
+
+    def ready(self) -> None:
+        if self.tried:
+            self._settle()
+            return
+        key = witness_key(self.rank)
+        if not self.schema.conn.call("check", [key]):
+            self.tried = True  # its helper published none before its first beat: it has no listener
+            return
+        found = Address.from_json(self.schema.conn.call("get", key), self.schema.world_size, key=key)
+        self.tried = True
+        if found is None:
+            return
+        self.sock = socket.socket(socket.AF_INET6 if ":" in found.address else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setblocking(False)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each byte its own segment, at once
+        if self.sock.connect_ex((found.address, found.port)) not in (0, errno.EINPROGRESS):
+            self.close()
+
+    def _settle(self) -> None:
+        """A connect under way that completed (or failed) since."""
+        if self.sock is None or self.connected:
+            return
+        try:
+            _, writable, _ = select.select([], [self.sock], [], 0)
+            if writable:
+                if self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                    self.close()
+                else:
+                    self.connected = True
+        except (OSError, ValueError):
+            self.close()
+
+    def send(self, now: float) -> None:
+        self._settle()
+        if not self.connected or len(self.sent) >= MAX_UNACKED:
+            return
+        try:
+            if self.sock.send(b"\0"):
+                self.sent.append(now)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:  # reset: its helper is gone, its host is not (that is the pid's and the heartbeat's)
+            self.close()
+
+    def unacked_for(self, now: float) -> float:
+        if not self.connected:
+            return 0.0
+        try:
+            queued = _ioctl(self.sock, SIOCOUTQ)
+            unsent = _ioctl(self.sock, SIOCOUTQNSD)
+        except OSError:
+            self.close()
+            return 0.0
+        while len(self.sent) > queued:
+            self.sent.popleft()  # acknowledged
+        if queued - unsent <= 0 or not self.sent:
+            return 0.0  # nothing on its way: nothing to wait for
+        return now - self.sent[0]
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.sock, self.connected = None, False
+        self.sent.clear()
+
+
+def _ioctl(sock: socket.socket, request: int) -> int:
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), request, b"\0\0\0\0"))[0]
