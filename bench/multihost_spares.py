@@ -143,7 +143,8 @@ def main() -> int:
                     continue
                 for key, value in measured.items():
                     got[side].setdefault(key, []).append(value)
-                print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in measured.items()), flush=True)
+                how = "two witnesses" if "acknowledged nothing sent to it" in run.log("node-a") else "one witness"
+                print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in measured.items()) + f" ({how})", flush=True)
             rows += [(framework, scenario, side, got[side], failed[side]) for side in sides]
     names = ["detection", "agreement", "claim -> seat", "state sent", "re-formed", "first step", "fault -> step"]
     print("\n| framework | hosts x ranks | fault | library | runs ok | " + " | ".join(f"{n} (s)" for n in names)

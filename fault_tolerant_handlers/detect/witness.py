@@ -84,9 +84,10 @@ class Listener:
 
 class Link:
     """This helper's connection to a watched rank's :class:`Listener`: :meth:`ready` (at a read that
-    saw the rank beat) connects, :meth:`send` (at a read that found it still) sends a byte,
-    :meth:`unacked_for` says how long the oldest byte that went out has waited for its acknowledgement.
-    A link that cannot connect, or breaks, witnesses nothing (``unacked_for`` 0)."""
+    saw the rank beat) connects, :meth:`send` sends a byte, :meth:`unacked_for` says how long the
+    oldest byte that went out has waited for its acknowledgement (timed from when it was first seen
+    gone out: a byte this host could not send, its own link down, is not waiting yet). A link that
+    cannot connect, or breaks, witnesses nothing (``unacked_for`` 0)."""
 
     def __init__(self, schema: Schema, rank: int) -> None:
         self.schema = schema
@@ -94,7 +95,8 @@ class Link:
         self.sock: socket.socket | None = None
         self.connected = False
         self.tried = False
-        self.sent: deque[float] = deque()  # when each byte not known acknowledged was sent
+        #: per byte not known acknowledged, oldest first: when it was seen gone out (None: not yet)
+        self.sent: deque[float | None] = deque()
 
     def ready(self) -> None:
         if self.tried:
@@ -134,26 +136,35 @@ class Link:
             return
         try:
             if self.sock.send(b"\0"):
-                self.sent.append(now)
+                self.sent.append(None)
         except (BlockingIOError, InterruptedError):
             pass
         except OSError:  # reset: its helper is gone, its host is not (that is the pid's and the heartbeat's)
             self.close()
+            return
+        self._look(now)
 
     def unacked_for(self, now: float) -> float:
+        out = self._look(now)
+        return now - self.sent[0] if out > 0 and self.sent else 0.0
+
+    def _look(self, now: float) -> int:
+        """The kernel's counts: bytes acknowledged leave :attr:`sent`, bytes gone out are marked
+        ``now`` if they were not yet. Returns how many are out and not acknowledged."""
         if not self.connected:
-            return 0.0
+            return 0
         try:
             queued = _ioctl(self.sock, SIOCOUTQ)
-            unsent = _ioctl(self.sock, SIOCOUTQNSD)
+            out = queued - _ioctl(self.sock, SIOCOUTQNSD)
         except OSError:
             self.close()
-            return 0.0
+            return 0
         while len(self.sent) > queued:
             self.sent.popleft()  # acknowledged
-        if queued - unsent <= 0 or not self.sent:
-            return 0.0  # nothing on its way: nothing to wait for
-        return now - self.sent[0]
+        for i in range(min(out, len(self.sent))):
+            if self.sent[i] is None:
+                self.sent[i] = now
+        return out
 
     def close(self) -> None:
         if self.sock is not None:

@@ -134,18 +134,14 @@ def test_store_host_dies(tmp_path):
 
 
 def test_link_cut(tmp_path):
-    """node-b's link goes down: rank 0 names rank 1 within 5 s, on two witnesses (no heartbeat, and
-    node-b's kernel acknowledged nothing sent to it: before the 2 s heartbeat limit); rank 1, cut off
-    from rank 0 and the store, names rank 0 within 10 s; both rank processes end by themselves
-    within 10 s, and node-a's agent (its rank failed) by itself after them. (node-b's agent is left
-    blocked in its own rendezvous read of the unreachable store, which no process of the library can
-    reach: docs/multiple-hosts.md, docs/limits.md.)"""
+    """node-b's link goes down: rank 0 names rank 1 within 5 s; rank 1, cut off from rank 0 and the
+    store, names rank 0 within 10 s; both rank processes end by themselves within 10 s, and
+    node-a's agent (its rank failed) by itself after them. (node-b's agent is left blocked in its
+    own rendezvous read of the unreachable store, which no process of the library can reach:
+    docs/multiple-hosts.md, docs/limits.md.)"""
     res = run_hosts(tmp_path, "cut_link", fault_host=1, after_fault=20)
     assert res.fault_at is not None, res.describe()
     assert_names(res, 0, lost=1, within=5.0)
-    named, t, text = reported_peer(res.ranks[0])
-    assert "and its host acknowledged nothing sent to it for" in text, text
-    print(f"rank 0 named rank 1 {t - res.fault_at:.2f} s after the cut: {text.splitlines()[0]}")
     assert_names(res, 1, lost=0, within=10.0)
     assert_no_own_failure(res, 0)
     assert_no_own_failure(res, 1)

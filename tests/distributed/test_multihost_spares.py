@@ -289,10 +289,14 @@ def assert_cut_off_ranks_ended(run: Run, per_host: int = 1, lost_host: int = 1) 
 @pytest.mark.parametrize("framework", ["ignite", "lightning"])
 def test_a_cut_link_is_replaced_by_the_spare_and_the_cut_off_rank_never_trains_again(framework, tmp_path,
                                                                                       tmp_path_factory):
+    """node-b's link goes down: rank 0 names rank 1 on two witnesses, its heartbeat still and node-b's
+    kernel acknowledging nothing sent to it (before the 2 s heartbeat limit); the spare takes its seat
+    and the cut-off rank never trains again."""
     ref = reference(tmp_path_factory, framework=framework)
     run = run_spares(tmp_path, "cut_link", framework=framework)
     assert_spare_took_rank_1(run, ref)
     assert_cut_off_ranks_ended(run)
+    assert "and its host acknowledged nothing sent to it for" in run.log("node-a"), run.describe()
 
 
 @pytest.mark.long
@@ -365,6 +369,7 @@ def test_a_cut_link_to_a_host_of_2_ranks_is_replaced_by_the_2_spares_and_neither
     run = run_spares(tmp_path, "cut_link", per_host=2)
     assert_spares_took(run, ref, per_host=2)
     assert_cut_off_ranks_ended(run, per_host=2)
+    assert "and its host acknowledged nothing sent to it for" in run.log("node-a"), run.describe()
 
 
 @pytest.mark.long
