@@ -434,6 +434,9 @@ SILENCE_POLL = 0.1
 #: :class:`~..detect.probes.HeartbeatProbe`: a byte is sent this often on each link to a watched rank's
 #: host (:mod:`..detect.witness`): a cut link is witnessed from within this of its moment.
 WITNESS_EVERY = timedelta(seconds=0.2)
+#: A witness link with no socket (none published yet, refused, broken: the watched rank's helper was
+#: replaced) looks up the watched rank's address again at most this often.
+WITNESS_RETRY = timedelta(seconds=5)
 #: The longest wait between two checks of a store whose port answered the last one: a store that is
 #: slow and then dies is declared at most this much later.
 MAX_CHECK_HOLD = 2.0

@@ -151,7 +151,7 @@ class HeartbeatProbe:
                     self.successor, self.silent)
             self.value, self.silent, self.warned, self.left, self.left_checked_at = value, 0.0, False, False, None
             if self.link is not None and value > 0:
-                self.link.ready()  # connected ahead of a silence (its address is published before its first beat)
+                self.link.ready(now)  # connected ahead of a silence (its address is published before its first beat)
             if self.running is None:
                 # On another host: the next read lands just before the next beat is due, then every
                 # SILENCE_POLL until it moves, so a silence counts from within SILENCE_POLL of the last beat.

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..core.config import WITNESS_RETRY
 from ..core.failure import Stored
 from ..core.schema import Schema, witness_key
 
@@ -83,8 +84,8 @@ class Listener:
 
 
 class Link:
-    """This helper's connection to a watched rank's :class:`Listener`: :meth:`ready` (at a read that
-    saw the rank beat) connects, :meth:`send` sends a byte, :meth:`unacked_for` says how long the
+    """This helper's connection to a watched rank's :class:`Listener`: :meth:`ready` (at each read
+    that saw the rank beat) connects, :meth:`send` sends a byte, :meth:`unacked_for` says how long the
     oldest byte that went out has waited for its acknowledgement (timed from when it was first seen
     gone out: a byte this host could not send, its own link down, is not waiting yet). A link that
     cannot connect, or breaks, witnesses nothing (``unacked_for`` 0)."""
@@ -94,20 +95,23 @@ class Link:
         self.rank = rank
         self.sock: socket.socket | None = None
         self.connected = False
-        self.tried = False
+        self.retry_at = 0.0  # the next look for its address, while there is no socket
         #: per byte not known acknowledged, oldest first: when it was seen gone out (None: not yet)
         self.sent: deque[float | None] = deque()
 
-    def ready(self) -> None:
-        if self.tried:
+    def ready(self, now: float) -> None:
+        """Connect, or see the connect under way complete; with no socket (none yet, refused, broken:
+        its helper was replaced), its address is looked up again at most every :data:`WITNESS_RETRY`."""
+        if self.sock is not None:
             self._settle()
             return
+        if now < self.retry_at:
+            return
+        self.retry_at = now + WITNESS_RETRY.total_seconds()
         key = witness_key(self.rank)
         if not self.schema.conn.call("check", [key]):
-            self.tried = True  # its helper published none before its first beat: it has no listener
-            return
+            return  # its helper published none before its first beat: it has no listener
         found = Address.from_json(self.schema.conn.call("get", key), self.schema.world_size, key=key)
-        self.tried = True
         if found is None:
             return
         self.sock = socket.socket(socket.AF_INET6 if ":" in found.address else socket.AF_INET, socket.SOCK_STREAM)

@@ -535,7 +535,7 @@ class _FakeLink:
     def __init__(self) -> None:
         self.up, self.readied, self.sent, self.unacked_since = True, 0, [], None
 
-    def ready(self) -> None:
+    def ready(self, now: float) -> None:
         self.readied += 1
 
     def send(self, now: float) -> None:

@@ -22,7 +22,7 @@ from test_probes import schema_over  # noqa: E402
 def _connected(link, listener, within: float = 2.0) -> bool:
     end = time.monotonic() + within
     while time.monotonic() < end:
-        link.ready()
+        link.ready(time.monotonic())
         listener.drain()
         if link.connected:
             return True
@@ -94,28 +94,48 @@ def test_bytes_that_went_out_and_are_not_acknowledged_are_timed_from_the_oldest(
         listener.sock.close()
 
 
-def test_a_rank_with_no_listener_and_a_refused_connect_witness_nothing():
+def test_a_rank_with_no_listener_or_a_refused_port_witnesses_nothing_and_a_replaced_helper_is_found_again():
+    """No address published (its helper has no listener), or its port refused (its helper ended):
+    the link witnesses nothing and looks the address up again at most every WITNESS_RETRY; a helper
+    that replaced the old one (a new watchdog) published its new port, and the link connects to it."""
+    from fault_tolerant_handlers.core.config import WITNESS_RETRY
     from fault_tolerant_handlers.detect.witness import Address, Link, Listener
 
     store = dist.HashStore()
     silent = Link(schema_over(store), 2)  # rank 2 published no address
-    silent.ready()
-    assert silent.tried and silent.sock is None
+    silent.ready(0.0)
+    assert silent.sock is None and silent.retry_at == WITNESS_RETRY.total_seconds()
     silent.send(1.0)
     assert silent.unacked_for(5.0) == 0.0
     gone = Listener("127.0.0.1")
     port = gone.address.port
     gone.sock.close()  # its helper ended: the port refuses
     schema_over(store).conn.call("set", witness_key(3), Address("127.0.0.1", port).to_json())
-    refused = Link(schema_over(store), 3)
-    refused.ready()
+    link = Link(schema_over(store), 3)
+    link.ready(0.0)
     end = time.monotonic() + 2.0
-    while refused.sock is not None and time.monotonic() < end:
-        refused.ready()
+    while link.sock is not None and time.monotonic() < end:
+        link.ready(0.1)
         time.sleep(0.01)
-    assert refused.sock is None and not refused.connected
-    refused.send(2.0)
-    assert refused.unacked_for(9.0) == 0.0
+    assert link.sock is None and not link.connected
+    link.send(2.0)
+    assert link.unacked_for(9.0) == 0.0
+    again = Listener("127.0.0.1")  # the helper that replaced it
+    try:
+        again.publish(schema_over(store), 3)
+        link.ready(1.0)
+        assert link.sock is None  # not before WITNESS_RETRY
+        link.ready(WITNESS_RETRY.total_seconds())
+        assert link.sock is not None
+        end = time.monotonic() + 2.0
+        while not link.connected and time.monotonic() < end:
+            link.ready(6.0)
+            again.drain()
+            time.sleep(0.01)
+        assert link.connected
+    finally:
+        link.close()
+        again.sock.close()
 
 
 def _netns_unavailable() -> str | None:
@@ -167,7 +187,7 @@ def test_a_link_cut_for_real_leaves_what_went_out_unacknowledged_and_once_back_i
         listener.publish(schema_over(store), 1)
         enter(f"/var/run/netns/{a}")
         link = witness.Link(schema_over(store), 1)
-        link.ready()  # its socket made in node-a
+        link.ready(0.0)  # its socket made in node-a
         enter(home)
         assert _connected(link, listener)
         for _ in range(5):
