@@ -8,15 +8,18 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
-from fault_tolerant_handlers.core.schema import witness_key
+from fault_tolerant_handlers.core.schema import Connection, Schema, witness_key
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the liveness helper is Linux only")
 
-from test_probes import schema_over  # noqa: E402
+
+def schema_over(store: dist.Store) -> Schema:
+    return Schema(Connection(lambda: dist.PrefixStore("fth/test", store), timedelta(seconds=1), "test"), 4)
 
 
 def _connected(link, listener, within: float = 2.0) -> bool:
