@@ -304,11 +304,13 @@ def test_a_frozen_host_is_replaced_by_the_spare_and_once_thawed_its_rank_never_r
     """Every process of node-b stops (SIGSTOP): rank 0 names rank 1 silent, the spare takes its place
     as for a cut link; once the spare trains, node-b goes on (SIGCONT). Its rank, back with the store
     in reach, finds at its recovery that a spare holds its place and ends naming it: it writes no
-    cause, is counted nowhere and trains nothing more; the run stays exact."""
+    cause, is counted nowhere and trains nothing more; the run stays exact. node-b's kernel still
+    acknowledges what is sent to it: rank 1 is declared at the heartbeat limit, not on a second witness."""
     ref = reference(tmp_path_factory)
     run = run_spares(tmp_path, "freeze_host")
     assert run.thawed_at is not None, run.describe()
     assert_spare_took_rank_1(run, ref)
+    assert "acknowledged nothing sent to it" not in run.log("node-a"), run.describe()
     raised = run.event(1, "run_raised")
     assert raised is not None and raised["t"] > run.thawed_at, f"{raised}\n{run.describe()}"
     why = ("rank 1 was declared lost by its peers and spare launched rank 2 takes its place: this process "
