@@ -2,8 +2,8 @@
 
 Every liveness helper listens on a TCP port at the address its peers see its rank at, published as
 ``wit/<rank>`` before its first beat. A helper that watches a rank on another host connects to it
-once that rank has beaten, ahead of any silence, and sends one byte at each read that finds the
-rank's heartbeat still. The watched host's *kernel* acknowledges each byte whatever its processes do
+once that rank has beaten, ahead of any silence, and sends it one byte every ``WITNESS_EVERY``
+(0.2 s). The watched host's *kernel* acknowledges each byte whatever its processes do
 (starved of CPU, frozen, holding the GIL): an acknowledgement is evidence that the host and its link
 are up. Nothing acknowledged for ``FTH_UNACKED_SEC`` (1 s: a lost segment is sent again after about
 0.2 s and 0.6 s), while the store has had no beat of it for ``SUSPECT_SILENCE``, is evidence from two
