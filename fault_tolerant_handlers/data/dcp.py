@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import sharded
+from . import live
 
 __all__ = ["ShardedState", "load_dcp", "save_dcp"]
 
@@ -93,7 +94,9 @@ def save_dcp(checkpoint: Mapping[str, Any], directory: str | os.PathLike) -> Non
 def load_dcp(to_load: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Load a distributed checkpoint (a directory :class:`~fault_tolerant_handlers.ignite.DCPSaver`
     wrote) into the objects of ``to_load`` (the ``to_save`` dict of the ``Checkpoint`` that wrote
-    it), as Ignite's ``Checkpoint.load_objects`` does for a file. Collective: every rank.
+    it), as Ignite's ``Checkpoint.load_objects`` does for a file. Collective: every rank. After a
+    recovery in place, ``path`` may be the name ``latest_checkpoint`` gave for live state: each rank
+    loads its own shard's snapshot (:func:`.live.take`), not a file.
 
     Raises:
         FileNotFoundError: ``path`` is not a complete distributed checkpoint (no ``.metadata``, or no
@@ -102,6 +105,15 @@ def load_dcp(to_load: Mapping[str, Any], path: str | os.PathLike) -> None:
     """
     import torch.distributed.checkpoint as dcp
 
+    objects = {k: (o.module if isinstance(o, torch.nn.parallel.DistributedDataParallel) else o) for k, o in to_load.items()}
+    held = live.take(path, objects.values())
+    if held is not None:
+        missing = [k for k in objects if k not in held]
+        if missing:
+            raise ValueError(f"load_dcp(to_load=...): the live state has no {missing} (it holds {sorted(held)})")
+        for key, obj in objects.items():
+            obj.load_state_dict(held[key])
+        return
     folder = Path(path)
     rank, world = _rank()
     if not (folder / METADATA).is_file() or not (folder / _rank_file(rank)).is_file():
@@ -117,7 +129,6 @@ def load_dcp(to_load: Mapping[str, Any], path: str | os.PathLike) -> None:
     if missing:
         raise ValueError(f"load_dcp(to_load=...): the checkpoint {folder.name} has no {missing} "
                          f"(it holds {sorted([*keys, *plain])})")
-    objects = {k: (o.module if isinstance(o, torch.nn.parallel.DistributedDataParallel) else o) for k, o in to_load.items()}
     state = {k: objects[k].state_dict() for k in keys if k in objects}
     if state:
         dcp.load(state, checkpoint_id=str(folder))
