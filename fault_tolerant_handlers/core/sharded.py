@@ -1,20 +1,15 @@
 """Sharded state: tensors a process does not hold whole (``DTensor``: FSDP2's ``fully_shard``,
-tensor parallelism, Lightning's ``ModelParallelStrategy``; any tensor subclass without memory of
-its own), and snapshots of one rank's part of such a state.
+tensor parallelism, Lightning's ``ModelParallelStrategy``; any tensor subclass without memory of its
+own), and snapshots of one rank's part of such a state.
 
-* :func:`unbacked`, :func:`find`, :func:`in_module`: every path of the library that reads a tensor's
-  bytes, copies a state or sends it asks here first and refuses such a tensor with a reason that
-  names its type: reading it in place would read address 0 (a ``DTensor``'s ``data_ptr()`` is 0).
-* :func:`take_snapshot` / :func:`restore`: one rank's state dict (model and optimizer
-  ``state_dict()`` with ``DTensor`` values, plain tensors, numbers, RNG states) as one contiguous CPU
-  byte buffer, copied once, a CRC-32 over its manifest and bytes, and the step; the manifest (per
-  leaf: path, dtype, shape, offset, ``DTensor`` placements and mesh) is bounded JSON, never pickle:
-  the bytes may come from a peer. :func:`restore` refuses a snapshot whose checksum does not match
-  (:class:`SnapshotChecksumError`) or whose manifest is malformed or too large (:class:`ManifestError`).
-  A recovery in place keeps each rank's own shard this way (:mod:`..data.live`), and
-  :class:`~..recover.replicas.ShardReplicas` sends it to partners.
-* :func:`rebuild`: a held snapshot as the objects it is loaded into take it (``DTensor`` values on
-  their model's mesh).
+Every path of the library that reads a tensor's bytes, copies a state or sends it asks
+:func:`unbacked` first and refuses such a tensor, naming its type (a ``DTensor``'s ``data_ptr()`` is 0).
+:func:`take_snapshot` copies a rank's state dict (``DTensor`` values' local shards, tensors, numbers)
+once into one CPU buffer with a CRC-32 over it and its manifest (bounded JSON, never pickle: the bytes
+may come from a peer); :func:`restore` (:func:`rebuild`: on the mesh of the model it is loaded into)
+refuses one whose checksum does not match (:class:`SnapshotChecksumError`) or whose manifest is
+malformed (:class:`ManifestError`). A recovery in place keeps each rank's own shard so
+(:mod:`..data.live`); :class:`~..recover.replicas.ShardReplicas` sends it to partners.
 """
 
 from __future__ import annotations
@@ -111,10 +106,6 @@ class Snapshot:
     manifest: bytes
     payload: torch.Tensor
     checksum: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.manifest) + self.payload.numel()
 
     def compute_checksum(self) -> int:
         crc = zlib.crc32(self.manifest)
@@ -318,22 +309,19 @@ def local_shards(state: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def rebuild(state: Any, objects: Iterable[Any]) -> Any:
-    """``state`` as ``objects`` load it: a :class:`Snapshot` rebuilt (:func:`restore`) with its
-    ``DTensor`` values on the mesh and device of the first sharded parameter of a model among
-    ``objects`` (a module, or an object holding one as ``.model``: ``ShardedState``); anything else as it is.
+    """``state`` as ``objects`` load it: a :class:`Snapshot` restored on the mesh and device of the first
+    ``DTensor`` parameter of a module among ``objects`` (or their ``.model``: ``ShardedState``).
 
     Raises:
-        TypeError: a snapshot, and no sharded model among ``objects`` to take its mesh from.
-        SnapshotChecksumError, ManifestError: see :func:`restore` (nothing is rebuilt).
+        TypeError: a snapshot, and no sharded model among ``objects``.
+        SnapshotChecksumError, ManifestError: see :func:`restore`.
     """
     if not isinstance(state, Snapshot):
         return state
     objects = list(objects)
     models = [m for obj in objects for m in (obj, getattr(obj, "model", None)) if isinstance(m, torch.nn.Module)]
-    for param in (p for m in models for p in m.parameters()):
-        if isinstance(param, DTensor):
-            return restore(state, mesh=param.device_mesh, device=param.to_local().device)
+    for param in (p for m in models for p in m.parameters() if isinstance(p, DTensor)):
+        return restore(state, mesh=param.device_mesh, device=param.to_local().device)
     raise TypeError(f"the live state of step {state.step} is this rank's shard of a sharded model, and no sharded "
                     f"model is among the objects it is loaded into ({', '.join(type(o).__name__ for o in objects)}): "
-                    "load it with fault_tolerant_handlers.load_dcp(to_load, path) or Ignite's "
-                    "Checkpoint.load_objects(to_load, path), to_load holding the model or its ShardedState")
+                    "load it with load_dcp(to_load, path) or Checkpoint.load_objects(to_load, path)")

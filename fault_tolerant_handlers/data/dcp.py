@@ -106,31 +106,24 @@ def load_dcp(to_load: Mapping[str, Any], path: str | os.PathLike) -> None:
     import torch.distributed.checkpoint as dcp
 
     objects = {k: (o.module if isinstance(o, torch.nn.parallel.DistributedDataParallel) else o) for k, o in to_load.items()}
-    held = live.take(path, objects.values())
-    if held is not None:
-        missing = [k for k in objects if k not in held]
-        if missing:
-            raise ValueError(f"load_dcp(to_load=...): the live state has no {missing} (it holds {sorted(held)})")
-        for key, obj in objects.items():
-            obj.load_state_dict(held[key])
-        return
-    folder = Path(path)
-    rank, world = _rank()
-    if not (folder / METADATA).is_file() or not (folder / _rank_file(rank)).is_file():
-        raise FileNotFoundError(f"load_dcp(path={str(path)!r}): not a complete distributed checkpoint of this library "
-                                f"(needs {METADATA} and {_rank_file(rank)})")
-    plain = torch.load(folder / _rank_file(rank), map_location="cpu", weights_only=True)
-    index = plain.pop(_INDEX, None)
-    if not isinstance(index, dict) or index.get("world_size") != world:
-        raise ValueError(f"load_dcp(path={str(path)!r}): written by {index.get('world_size') if isinstance(index, dict) else '?'} "
-                         f"ranks, loaded by {world}: resume at the world size it was written at")
-    keys = list(index.get("keys", []))
-    missing = [k for k in to_load if k not in keys and k not in plain]
+    state, keys = live.take(path, objects.values()), []  # after a recovery in place: this rank's live state
+    if state is None:
+        folder = Path(path)
+        rank, world = _rank()
+        if not (folder / METADATA).is_file() or not (folder / _rank_file(rank)).is_file():
+            raise FileNotFoundError(f"load_dcp(path={str(path)!r}): not a complete distributed checkpoint of this "
+                                    f"library (needs {METADATA} and {_rank_file(rank)})")
+        state = torch.load(folder / _rank_file(rank), map_location="cpu", weights_only=True)
+        index = state.pop(_INDEX, None)
+        if not isinstance(index, dict) or index.get("world_size") != world:
+            raise ValueError(f"load_dcp(path={str(path)!r}): written by {index.get('world_size') if isinstance(index, dict) else '?'} "
+                             f"ranks, loaded by {world}: resume at the world size it was written at")
+        keys = list(index.get("keys", []))
+    missing = [k for k in objects if k not in keys and k not in state]
     if missing:
-        raise ValueError(f"load_dcp(to_load=...): the checkpoint {folder.name} has no {missing} "
-                         f"(it holds {sorted([*keys, *plain])})")
-    state = {k: objects[k].state_dict() for k in keys if k in objects}
-    if state:
-        dcp.load(state, checkpoint_id=str(folder))
+        raise ValueError(f"load_dcp(to_load=...): {Path(path).name} has no {missing} (it holds {sorted([*keys, *state])})")
+    shards = {k: objects[k].state_dict() for k in keys if k in objects}
+    if shards:
+        dcp.load(shards, checkpoint_id=str(path))
     for key, obj in objects.items():
-        obj.load_state_dict(state[key] if key in state else plain[key])
+        obj.load_state_dict(shards[key] if key in shards else state[key])

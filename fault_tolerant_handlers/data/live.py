@@ -5,9 +5,8 @@ While :func:`~fault_tolerant_handlers.recover_in_place` runs, the adapters keep 
 step (:class:`StepTracker`: small state at each step's end, torch's RNG at each start and end, whether an
 optimizer update began since) and, when the loop fails, capture what its checkpoint would hold
 (:class:`Captured`: the failed attempt's own tensors, trusted only if nothing changed them since the
-step completed; a sharded model's, this rank's shard copied into a checksummed CPU snapshot,
-:func:`..core.sharded.take_snapshot`). The recovery collects it (:func:`collect`), the ranks agree, and the next attempt gets
-it where it asks for a checkpoint: :func:`latest_checkpoint_answer` names it (:data:`NAME`, no such
+step completed; a sharded model's shard copied to a checksummed CPU snapshot). The recovery collects
+it (:func:`collect`), the ranks agree, and the next attempt gets it where it asks for a checkpoint: :func:`latest_checkpoint_answer` names it (:data:`NAME`, no such
 file), :func:`take` hands it over. ``FTH_LIVE_STATE=0`` turns it off.
 """
 
@@ -247,8 +246,7 @@ def _hand_over(how: str) -> Captured:
 
 def take(path: str | os.PathLike, objects: Iterable[Any] = ()) -> Any | None:
     """The live state for ``path`` (a name :func:`latest_checkpoint_answer` or :func:`substitute`
-    gave), handed over once, as ``objects`` (what it is loaded into) take it
-    (:func:`..core.sharded.rebuild`: a shard's snapshot verified and rebuilt on their model's mesh);
+    gave), handed over once, as ``objects`` (what it is loaded into) take it (:func:`..core.sharded.rebuild`);
     ``None`` for any other path. Whether it was restored is told when the loop starts (:func:`loop_starts`)."""
     global _how
     with _lock:

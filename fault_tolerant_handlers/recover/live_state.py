@@ -14,7 +14,8 @@ send it to the ranks that need it, over the re-formed group, instead of reading 
 The rule (:func:`plan_live`): the newest step a rank holds (a step some ranks completed had its
 gradients reduced everywhere); ranks more than :data:`MAX_STEPS_APART` steps apart are out of step;
 among the ranks at that step the checksum most hold wins (a tie: the lowest rank's); every other rank
-receives (no state, behind, or diverged).
+receives (no state, behind, or diverged). A sharded model's state is each rank's own shard (a
+checksummed snapshot, verified in step 1): every rank must hold it at one step, and nothing is sent.
 
 :func:`checksum`: SHA-256 over a nested state's structure and every tensor's bytes, read in place; the
 same on every process for the same state. :func:`transfer`: the structure as JSON, then the tensors'
@@ -630,14 +631,11 @@ def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
 
 
 def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
-    """A sharded model's rule: each rank resumes from its own shard, so every rank must hold it, at
-    the same step (its checksum verified where it is held); else the newest checkpoint, naming the
-    first rank that does not."""
+    """A sharded model's rule: every rank resumes from its own shard, held (checksum verified) at one step."""
     for r in ranks:
         if r.step < 0 or not r.shard:
-            why = r.why or "its state is not a shard"
-            return LivePlan(-1, "", cap_head(f"rank {r.by} holds no shard of its own ({why}), and no other rank holds "
-                                             "a copy of it", 400))
+            return LivePlan(-1, "", cap_head(f"rank {r.by} holds no shard of its own ({r.why or 'its state is not a '
+                                             'shard'}), and no other rank holds a copy of it", 400))
         if r.step != step:
             return LivePlan(-1, "", f"the ranks' shards are of different steps (rank {r.by} at {unit} {r.step}, "
                                     f"another at {unit} {step})")

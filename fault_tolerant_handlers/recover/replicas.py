@@ -6,13 +6,14 @@ With FSDP2 (``fully_shard``, ``DTensor``) each rank holds the only copy of its s
   on the next host(s) of a ring over hosts (NVIDIA's resiliency extension's clique rule, ranks
   ``replication_jump`` = ranks-per-host apart), another rank of the same host only when there is no
   other host (logged).
-* :class:`ShardReplicas`: after each ``replicate_every``-th optimizer step, the snapshot is copied
-  on the caller's thread and sent to the partners from a background thread on a gloo group of its
-  own, while another thread receives the copies this rank holds. The snapshots are
-  :func:`..core.sharded.take_snapshot`'s (a CRC-32 over the bytes and a bounded JSON manifest). Nothing on the training thread
-  waits for a send: a snapshot taken while the previous one is still pending replaces it (counted).
+* :class:`ShardReplicas`: after each ``replicate_every``-th optimizer step, the snapshot
+  (:func:`..core.sharded.take_snapshot`) is copied on the caller's thread and sent to the partners
+  from a background thread on a gloo group of its own, while another thread receives the copies this
+  rank holds. Nothing on the training thread waits for a send: a snapshot taken while the previous
+  one is still pending replaces it (counted).
 
-The recovery does not use this yet (see docs/sharded.md).
+The recovery does not use the partners' copies yet: it resumes a sharded model from each rank's own
+shard (:mod:`..data.live`), and from the checkpoint when a rank's is lost (see docs/sharded.md).
 """
 
 from __future__ import annotations
