@@ -634,8 +634,9 @@ def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
     """A sharded model's rule: every rank resumes from its own shard, held (checksum verified) at one step."""
     for r in ranks:
         if r.step < 0 or not r.shard:
-            return LivePlan(-1, "", cap_head(f"rank {r.by} holds no shard of its own ({r.why or 'its state is not a '
-                                             'shard'}), and no other rank holds a copy of it", 400))
+            why = r.why or "its state is not a shard"
+            return LivePlan(-1, "", cap_head(f"rank {r.by} holds no shard of its own ({why}), and no other rank "
+                                             "holds a copy of it", 400))
         if r.step != step:
             return LivePlan(-1, "", f"the ranks' shards are of different steps (rank {r.by} at {unit} {r.step}, "
                                     f"another at {unit} {step})")
