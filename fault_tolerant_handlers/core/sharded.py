@@ -84,15 +84,6 @@ def find(obj: Any, path: str = "state", depth: int = 0) -> tuple[str, str] | Non
     return None
 
 
-def in_module(module: torch.nn.Module) -> str:
-    """Why ``module``'s parameters or buffers are sharded ("" when none is)."""
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        why = unbacked(tensor)
-        if why:
-            return f"its {name} is {why}"
-    return ""
-
-
 # -- snapshot -------------------------------------------------------------------------------------
 
 @dataclass

@@ -76,9 +76,9 @@ def test_checksum_of_a_dtensor_is_refused_not_a_segfault():
 def test_sharded_find_names_the_path(group):
     model = _sharded_model()
     assert sharded.find({"model": model.state_dict()})[0] == "state['model']['0.weight']"
-    assert "DTensor" in sharded.in_module(model)
+    assert "DTensor" in sharded.find(dict(model.named_parameters()))[1]
     assert sharded.find({"w": torch.ones(2), "n": [1, {"x": torch.zeros(1)}]}) is None
-    assert sharded.in_module(torch.nn.Linear(2, 2)) == ""
+    assert sharded.find(dict(torch.nn.Linear(2, 2).named_parameters())) is None
 
 
 def test_snapshot_refuses_sharded_state_at_warning(group, monkeypatch, caplog):
