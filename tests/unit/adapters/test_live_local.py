@@ -111,8 +111,9 @@ def test_without_a_checkpoint_handler_it_says_so(recovering):
         live.collect()
 
 
-def fsdp_job(ckpt, fail_at: int = 0):
-    """An FSDP2 model (one rank) and Adam in ``to_save`` as a ``ShardedState``; iteration ``fail_at`` raises."""
+def fsdp_job(ckpt, fail_at: int = 0, whole: bool = True):
+    """An FSDP2 model (one rank) and Adam in ``to_save`` as a ``ShardedState`` (``whole``) or as
+    themselves; iteration ``fail_at`` raises."""
     from torch.distributed.fsdp import fully_shard
 
     from fault_tolerant_handlers import ShardedState
@@ -135,7 +136,8 @@ def fsdp_job(ckpt, fail_at: int = 0):
     engine = Engine(step)
     capture = IgniteLive()
     capture.attach(engine)
-    to_save = {"app": ShardedState(model, optimizer), "trainer": engine, "loader": loader}
+    parts = {"app": ShardedState(model, optimizer)} if whole else {"model": model, "optimizer": optimizer}
+    to_save = {**parts, "trainer": engine, "loader": loader}
     engine.add_event_handler(Events.ITERATION_COMPLETED(every=1000), Checkpoint(to_save, DiskSaver(ckpt, require_empty=False)))
     if fail_at:
         engine.add_event_handler(Events.ITERATION_STARTED(once=fail_at), lambda: (_ for _ in ()).throw(Boom("raised")))
@@ -143,29 +145,31 @@ def fsdp_job(ckpt, fail_at: int = 0):
     return engine, model, loader, to_save
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["ShardedState", "model-and-optimizer"])
 @pytest.mark.parametrize("loads", [True, False], ids=["script-loads", "restored-at-started"])
-def test_a_sharded_models_own_shard_carries_on_exactly(loads, recovering, tmp_path):
+def test_a_sharded_models_own_shard_carries_on_exactly(loads, whole, recovering, tmp_path):
     """FSDP2: what a failure at iteration 17 leaves is this rank's shard of iteration 16, a checksummed
     CPU snapshot; loaded by the script (``Checkpoint.load_objects(to_load, path)``) or, when it loads
-    nothing, restored at ``STARTED`` on the new model's mesh, the run ends with an uninterrupted run's
-    weights, bit for bit. Before this, live state was refused for a sharded model."""
+    nothing, restored at ``STARTED`` on the new model's mesh, the run carries on at iteration 17 and
+    ends with an uninterrupted run's weights, bit for bit; the model and its optimizer in ``to_save``
+    as a ``ShardedState`` or as themselves. Before this, live state was refused for a sharded model."""
     import torch.distributed as dist
 
     from fault_tolerant_handlers.core import sharded
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        engine, model, loader, _ = fsdp_job(tmp_path / "ref")
+        engine, model, loader, _ = fsdp_job(tmp_path / "ref", whole=whole)
         engine.run(loader, max_epochs=2)
         expected = [(k, v.to_local().clone()) for k, v in model.state_dict().items()]
-        engine, model, loader, _ = fsdp_job(tmp_path / "run", fail_at=17)
+        engine, model, loader, _ = fsdp_job(tmp_path / "run", fail_at=17, whole=whole)
         with pytest.raises(Boom):
             engine.run(loader, max_epochs=2)
         captured = live.collect()
         assert captured.step == 16 and isinstance(captured.state, sharded.Snapshot) and captured.state.verify()
         live.hold(captured)
         compat_ignite.hook_load_objects(take=live.take)  # what the recovery installs
-        engine, model, loader, to_save = fsdp_job(tmp_path / "run")
+        engine, model, loader, to_save = fsdp_job(tmp_path / "run", whole=whole)
         if loads:
             path = latest_checkpoint(tmp_path / "run")
             assert path.endswith("live-state-step=16.pt")
