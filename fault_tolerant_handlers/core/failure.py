@@ -562,21 +562,6 @@ def _rebuild(record, where, others, kind):
     return PeerFailedError(record=record, where=where, others=others, kind=kind)
 
 
-@dataclass(frozen=True)
-class Finding:
-    """What a probe found. ``error`` is what this rank's main thread must raise; ``declare`` is a
-    record to publish on behalf of the failed rank (the first rank to declare it does);
-    ``hung_self``: this rank itself is hung and must end."""
-
-    error: PeerFailedError
-    declare: FailureRecord | None = None
-    hung_self: bool = False
-
-
-def declared_finding(record: FailureRecord) -> Finding:
-    return Finding(PeerFailedError.from_records([record]), declare=record)
-
-
 # Their public path (:mod:`fault_tolerant_handlers.errors`): what tracebacks, records and pickles name.
 PeerFailedError.__module__ = FailureKind.__module__ = Ended.__module__ = "fault_tolerant_handlers.errors"
 
