@@ -419,7 +419,7 @@ def _field(name: str, hint: Any, bound: Any, value: Any, world: int) -> tuple[An
             return None, f"field {name!r} holds a value outside its bounds"
         return tuple(value), None
     if isinstance(kind, type) and issubclass(kind, Enum):  # a FailureKind: one of its values
-        return (kind(value), None) if value in {k.value for k in kind} else (
+        return (kind(value), None) if value in [k.value for k in kind] else (
             None, f"field {name!r} must be one of {', '.join(k.value for k in kind)}, got {sanitize(str(value))[:40]!r}")
     expected = _TYPES[kind.__name__ if isinstance(kind, type) else str(kind)]
     if not isinstance(value, expected) or (kind is not bool and isinstance(value, bool)):

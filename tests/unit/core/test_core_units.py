@@ -172,7 +172,7 @@ def test_a_declared_record_of_an_unknown_kind_is_rejected_naming_the_key(kind, c
         FailureRecord.declared(rank=1, kind="PeerEnded", message="x", by=0)
 
 
-@pytest.mark.parametrize("kind", ["PeerEnded", "", 7, None, "RAISED"])
+@pytest.mark.parametrize("kind", ["PeerEnded", "", 7, None, "RAISED", [], {"x": 1}])
 def test_a_kind_field_is_read_back_as_its_kind_and_anything_else_rejects_the_value(kind, caplog):
     """A stored dataclass's FailureKind field (the agreement's RecoveryCause): one of the kind's values,
     else the whole value is ignored, naming the key (the store is unauthenticated)."""
