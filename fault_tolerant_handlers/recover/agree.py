@@ -196,20 +196,17 @@ def decide(store: Any, world_size: int, gen: int, seconds: float, max_restarts: 
         present = {r: k for r, k in keys.items() if store.check([k])}
         return dict(zip(present, store.multi_get(list(present.values())))) if present else {}
 
-    told = {r: RecoveryCause.from_json(raw, world_size) for r, raw in read("cause").items()}
-    causes = {r: c for r, c in told.items() if c is not None}  # by rank, lowest first
-    blocking = [(r, c) for r, c in causes.items() if c.not_in_place]
-    if blocking:
-        by, cause = blocking[0]
-        return Decision(False, f"{cause.not_in_place} (rank {by}: {brief(cause)})")
+    causes = {r: c for r, raw in read("cause").items() if (c := RecoveryCause.from_json(raw, world_size)) is not None}
+    for by, cause in causes.items():  # by rank, lowest first
+        if cause.not_in_place:
+            return Decision(False, f"{cause.not_in_place} (rank {by}: {brief(cause)})")
     primary = next((c for c in causes.values() if c.own), next(iter(causes.values()), None))
     if primary is None:
         return Decision(False, "no rank could say what failed")
     if gen >= max_restarts:
         return Decision(False, f"max_restarts={max_restarts} recoveries in place already spent", primary)
-    last = history[-1] if history else None
-    if last is not None and primary.step is not None and \
-            (primary.rank, primary.exc_type, primary.step) == (last.rank, last.exc_type, last.step):
+    signature = lambda c: (c.rank, c.exc_type, c.step)  # noqa: E731 - same rank, type and iteration: it repeats
+    if history and primary.step is not None and signature(primary) == signature(history[-1]):
         return Decision(False, f"the failure repeats at the same iteration ({brief(primary)}): recovering "
                                "again would fail again", primary)
     reports = [LiveReport.from_json(raw, world_size) for raw in read("live").values()]
