@@ -526,3 +526,23 @@ def test_pid_probe_does_not_declare_a_peer_gone_after_it_left_cleanly():
         probe = PeerPidProbe([(1, 11)], by=0, host="node-a", state={11: how}.get, left=lambda rank: True)
         found = probe.poll(3.0)
         assert found is not None and text in found.exc_message, found
+
+
+def test_the_watchdog_publishes_the_record_a_probe_declared_once_and_nothing_read_back():
+    """A probe's finding is the error itself: its record is published (first declarer only) when the
+    probe declared it and the watchdog was given where; a record read back from the store, or a
+    declaration with nowhere to go (the store is what is gone), is not published."""
+    from fault_tolerant_handlers.core.errors import PeerFailedError
+    from fault_tolerant_handlers.detect.watchdog import Watchdog
+
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    silent = PeerPidProbe([(2, 12)], by=0, host="node-a", state={12: Ended(signal=9)}.get).poll(0.0)
+    watchdog = Watchdog.__new__(Watchdog)
+    watchdog._declare(silent, None)  # nowhere to publish
+    assert mine.count() == 0
+    watchdog._declare(silent, mine)
+    watchdog._declare(silent, peer)  # a second declaration of the same rank: claimed already
+    assert mine.count() == 1 and mine.read(1) == silent.record
+    watchdog._declare(PeerFailedError.from_records([failure(rank=3)]), mine)  # read back: not declared here
+    assert mine.count() == 1
