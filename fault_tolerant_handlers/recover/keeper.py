@@ -218,7 +218,8 @@ class Keeper:
                 os._exit(code)
 
     # -- in the keeper --------------------------------------------------------------------------------
-    def run(self, args: tuple, kwargs: dict, replacement: RecoveryCause | None = None, order: spares.Order | None = None) -> Any:
+    def run(self, args: tuple, kwargs: dict, replacement: RecoveryCause | None = None,
+            order: spares.Order | None = None) -> Any:
         """Keep the training child, and a new one each time it dies. ``replacement`` and ``order``: a
         spare taking a lost rank's seat, its first child joins the recovery as that rank."""
         global _child_of
