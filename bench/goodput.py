@@ -303,7 +303,7 @@ def kept_result(out: Path, settings: dict) -> dict | None:
     if kept.get("settings") != settings:
         raise RuntimeError(f"{out} holds a run with other settings ({kept.get('settings')}, not {settings}): "
                            "give another --keep, or remove it")
-    return kept["result"]
+    return dict(kept["result"], commit=kept.get("commit", "-"))
 
 
 def summary(values: list[float], fmt: str = ".2f") -> str:
@@ -323,11 +323,12 @@ def report(results: dict, failed: dict, args, schedules: dict) -> str:
     lines = [f"Goodput: {args.minutes:g} min of training per run ({args.step_ms:g} ms steps), faults drawn with seed "
              f"{args.seed}, hang_timeout {args.hang_timeout:g} s (every other timeout at its default), a checkpoint every "
              f"{CHECKPOINT_EVERY} steps; {args.reps} run(s) each; median [min, max] over the faults (and runs). "
-             "Lost per fault: the failed step's planned start -> the slowest rank starts it again.", "",
-             "| framework | ranks | fault every | restart | faults fired / drawn | wall (s) | efficiency | "
+             "Lost per fault: the failed step's planned start -> the slowest rank starts it again. Step: the median "
+             "time between two steps of one attempt (rank 0); lost to faults: the sum over the run's faults.", "",
+             "| framework | ranks | fault every | restart | faults fired / drawn | wall (s) | step (ms) | lost to faults (s) | efficiency | "
              "efficiency, hang_timeout not counted | lost per fault (s) | detection (s) | recovery (s) | "
              "first step after (s) | recomputing (s) | steps computed twice | final weights |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for (framework, world, every, mode), runs in sorted(results.items(), key=lambda kv: (
             kv[0][0], kv[0][1], -kv[0][2], MODES.index(kv[0][3]))):
         ref = results.get((framework, world, 0, "none"))
@@ -343,6 +344,8 @@ def report(results: dict, failed: dict, args, schedules: dict) -> str:
         lines.append(
             f"| {framework} | {world} | {f'{every:g} s' if every else '-'} | {NAMES[mode]} | "
             f"{sum(r['fired'] for r in runs)} / {len(faults)} | {summary([r['wall'] for r in runs], '.1f')} | "
+            f"{summary([1000 * r['step_sec'] for r in runs], '.1f')} | "
+            f"{summary([sum(f['lost'] for f in r['faults'] if f['fired'] and not math.isnan(f['lost'])) for r in runs], '.1f')} | "
             f"{summary(eff, '.1f')} % | {summary(eff_nh, '.1f')} % | {cell('lost')} | {cell('detection')} | "
             f"{cell('recovery')} | {cell('first_step')} | {cell('recompute')} | "
             f"{sum(r['twice'] for r in runs):g} | {weights} |")
@@ -367,6 +370,9 @@ def report(results: dict, failed: dict, args, schedules: dict) -> str:
             f"{f.kind}@{f.rank},{f.iteration}" for f in faults) or "none drawn"))
     for key, why in sorted(failed.items()):
         lines.append(f"- FAILED {key[0]} {key[1]} ranks every {key[2]:g} s {key[3]}: {'; '.join(why)}")
+    commits = sorted({r.get("commit", "-") for runs in results.values() for r in runs})
+    if commits:
+        lines.append(f"- run at commit(s) {', '.join(commits)}")
     loads = [r["load"] for runs in results.values() for r in runs]
     if loads:
         lines.append(f"- load average at the end of the runs: {summary(loads, '.1f')} on {os.cpu_count()} CPUs")
@@ -453,7 +459,8 @@ def main(argv: list[str] | None = None) -> None:
                                 ref = tmp / f"{framework}-{world}-0-none-{rep}" / "weights.pt"
                                 if mode != "none" and ref.exists():
                                     res["exact"], res["diff"] = same_weights(ref, out / "weights.pt")
-                                (out / RESULT).write_text(json.dumps(dict(settings=settings, commit=_commit(),
+                                res["commit"] = _commit()
+                                (out / RESULT).write_text(json.dumps(dict(settings=settings, commit=res["commit"],
                                                                           finished=time.time(), result=res)))
                         except Exception as err:  # noqa: BLE001 - a run that did not finish is a result too
                             failed.setdefault(key, []).append(f"run {rep + 1}: {err}")

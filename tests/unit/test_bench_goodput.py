@@ -92,6 +92,6 @@ def test_a_run_finished_with_the_same_settings_is_reused_and_one_with_other_sett
     settings = dict(minutes=10, step_ms=50, hang_timeout=5, seed=0, faults=["raise@rank=1,iteration=300,attempt=0"])
     assert bench.kept_result(tmp_path, settings) is None  # nothing finished there: run it
     (tmp_path / bench.RESULT).write_text(json.dumps(dict(settings=settings, commit="abc", result={"wall": 612.5})))
-    assert bench.kept_result(tmp_path, settings) == {"wall": 612.5}
+    assert bench.kept_result(tmp_path, settings) == {"wall": 612.5, "commit": "abc"}
     with pytest.raises(RuntimeError, match="other settings"):
         bench.kept_result(tmp_path, dict(settings, seed=1))
