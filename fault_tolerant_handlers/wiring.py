@@ -86,6 +86,7 @@ WIRING: tuple[tuple[Any, ...], ...] = (
     (hooks.RESET_FRAMEWORKS, _lightning_keep_logger_versions, TOLERATE),
     (hooks.COLLECTED, data.reap_workers),  # DataLoader workers of the failed attempt still running
     (hooks.RE_FORM, compat_torchrun.re_form),  # init_process_group is given the store under the new namespace
+    (hooks.RE_FORM, reports.forget_own_file),  # torchrun: the recovered failure's file goes (a later one writes)
     (hooks.END, compat_torchrun.end_recovery),  # the first rendezvous's store forgotten
     (hooks.END, data.end_recovery),  # the checkpoint's copy in memory and the live state forgotten
     (hooks.END, _lightning_forget_logger_versions, TOLERATE),

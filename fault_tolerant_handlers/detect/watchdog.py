@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import weakref
 from datetime import timedelta
 import torch.distributed as dist
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from . import autohang
 from ..core import config, hooks, inject, interrupts
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted, PeerFailedError
-from ..core.failure import FailureKind, Incident
+from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, Incident, cap_tail
 from ..core.session import Session, get_session
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
 from ..core.hooks import first_line, log
@@ -428,10 +429,16 @@ class Watchdog:
             return  # the write finished and the main thread took the failure at its next step
         if incident.local or self._finishing or incident.acknowledged.is_set():
             return
-        self._reported_exit(incident.peer_error, EXIT_PEER_FAILED)
+        self._reported_exit(incident.peer_error, EXIT_PEER_FAILED, stuck=main_thread_frame())
 
-    def _reported_exit(self, err: BaseException, code: int) -> None:
+    def _reported_exit(self, err: BaseException, code: int, stuck=None) -> None:
+        """End the process with ``code`` and a report on stderr; ``stuck``: the main thread's frame that
+        did not take the failure (its stack is in the report: where a release did not reach)."""
         text = f"[rank {self.rank}] fault-tolerant-handlers: ending this process (exit code {code}) because:\n{err}\n"
+        if stuck is not None:
+            stack = cap_tail("".join(traceback.format_stack(stuck)), MAX_TRACEBACK_CHARS)
+            text += (f"[rank {self.rank}] its main thread did not take the failure within {self.exit_grace.total_seconds():g} s "
+                     f"(FTH_EXIT_GRACE_SEC) after its collectives were released; it was at:\n{stack}")
         try:
             # the launchers: torchrun's error file of a survivor, mp.spawn's (the parent raises this report)
             hooks.emit(hooks.EXITING, self.session.table, err, code)

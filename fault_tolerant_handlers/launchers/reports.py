@@ -97,6 +97,23 @@ def write_once(path: str, data: dict) -> bool:
             pass
 
 
+def forget_own_file(state=None) -> None:
+    """``RE_FORM``: a recovery in place carries on in the same torchrun attempt, whose error files
+    stay: this rank's file, if this library wrote it for the failure just recovered, is removed, so
+    that a later failure the job ends on writes its own (else torchrun's Root Cause names the
+    recovered one). A file torch wrote is left."""
+    path = own_path()
+    if path is None:
+        return
+    try:
+        with open(path) as f:
+            written = json.load(f)
+        if written["message"]["extraInfo"]["writer"] == WRITER:
+            os.unlink(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none, or not ours
+
+
 def write_failed(record: FailureRecord) -> bool:
     """``RANK_FAILED``: this rank failed itself (``record`` is its own): its file, with the failure's time."""
     path = own_path()

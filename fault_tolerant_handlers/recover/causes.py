@@ -45,7 +45,8 @@ class LiveReport(Stored):
     """What one rank holds for the next attempt: its live state at step ``step`` (-1: none, ``why``),
     the :func:`.live_state.checksum` of that state ("" if it could not be taken: ``portable`` says
     why it cannot be sent either) and a CRC of torch's RNG states recorded for the next step ("":
-    none)."""
+    none). ``shard``: the state is this rank's shard of a sharded model (``checksum``: its snapshot's
+    CRC-32, verified where it is held), which only this rank resumes from."""
 
     by: int  #: the rank that says it
     step: int  #: the last step it completed, whose state it holds (-1: none)
@@ -54,6 +55,7 @@ class LiveReport(Stored):
     checksum: str = ""  #: hex SHA-256 of the state ("": not taken)
     rng: str = ""  #: hex CRC-32 of the RNG states recorded for the next step ("": none)
     portable: str = ""  #: why this state cannot be sent to another rank ("" when it can)
+    shard: bool = False  #: a sharded model's: this rank's own shard
 
     BOUNDS: ClassVar[dict] = {"by": (0, WORLD), "step": (-1, 2**53 - 1), "unit": 40, "why": 300,
                               "checksum": ("hex", _CHECKSUM_CHARS), "rng": ("hex", 8), "portable": 300}

@@ -48,6 +48,9 @@ def test_without_in_process_release_the_blocked_rank_makes_a_reported_exit(tmp_p
     assert "ending this process (exit code 87)" in report
     assert "rank 1 failed in 'step': ValueError: bad batch 5" in report
     assert "fault(ValueError(" in report  # the failing rank's traceback is in the report
+    # and where this rank's main thread was stuck, the collective the release did not reach
+    assert "its main thread did not take the failure within 1 s" in report
+    assert "in blocked_release" in report.split("its main thread did not take the failure")[1]
     # it ended within release grace + exit grace + a margin of the fault
     assert results[1].returncode == 0
 

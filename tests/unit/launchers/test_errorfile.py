@@ -251,3 +251,20 @@ def test_keeper_gone_is_read_back_only_as_a_bool():
 def _ended(obj):
     """An ``Ended`` as the one store codec reads it back."""
     return decode(Ended, json.dumps(obj), world=1, max_bytes=1024)
+
+
+def test_a_recovery_in_place_forgets_the_file_written_for_the_recovered_failure_but_not_torchs(tmp_path, monkeypatch):
+    from fault_tolerant_handlers.launchers import reports
+
+    path = tmp_path / "0" / "error.json"
+    path.parent.mkdir()
+    monkeypatch.setenv(reports.ERROR_FILE_ENV, str(path))
+    assert reports.write_once(str(path), reports.payload("ValueError: recovered", "tb", 100, "failed"))
+    reports.forget_own_file()
+    assert not path.exists()  # the next failure writes its own
+    path.write_text(json.dumps({"message": {"message": "torch's", "extraInfo": {"timestamp": "1"}}}))
+    reports.forget_own_file()
+    assert path.exists()  # torch's own file is left
+    path.write_text("not json")
+    reports.forget_own_file()
+    assert path.exists()

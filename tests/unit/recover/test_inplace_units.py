@@ -309,6 +309,30 @@ def test_live_state_falls_back_to_the_checkpoint_and_says_why():
     assert plan_live([held(0, 36, portable="x"), held(1, 36, portable="x")], 2).step == 36
 
 
+def shard(rank: int, step: int, checksum: str = "0badf00d") -> LiveReport:
+    return LiveReport(rank, step, "iteration", "", checksum, "0000abcd", shard=True)
+
+
+def test_a_sharded_models_ranks_each_resume_from_their_own_shard_when_every_rank_holds_it_at_one_step():
+    """Shards differ by rank (their checksums too): nobody is "diverged", nobody receives. Before
+    this, a sharded model's live state was refused and every rank resumed from its checkpoint."""
+    plan = plan_live([shard(0, 36, "00000001"), shard(1, 36, "00000002"), shard(2, 36, "00000003")], 3)
+    assert plan == LivePlan(36, "iteration", "")
+    assert LiveReport.from_json(shard(1, 36).to_json(), world_size=2) == shard(1, 36)
+
+
+def test_a_sharded_model_falls_back_to_the_checkpoint_when_a_shard_is_missing_refused_or_of_another_step():
+    refused = LiveReport(1, -1, "", "SnapshotChecksumError: its shard of iteration 36 does not have its checksum")
+    assert plan_live([shard(0, 36), refused], 2).why == (
+        "rank 1 holds no shard of its own (SnapshotChecksumError: its shard of iteration 36 does not have its "
+        "checksum), and no other rank holds a copy of it")
+    replaced = LiveReport(0, -1, "", "its process was replaced (its state ended with it)")
+    assert plan_live([replaced, shard(1, 36)], 2).why.startswith("rank 0 holds no shard of its own (its process was")
+    assert plan_live([shard(0, 36), shard(1, 37)], 2).why == (
+        "the ranks' shards are of different steps (rank 0 at iteration 36, another at iteration 37)")
+    assert plan_live([shard(0, 36), held(1, 36)], 2).why.startswith("rank 1 holds no shard of its own (its state is not")
+
+
 def test_a_plan_read_back_is_bounded_and_its_ranks_checked():
     plan = plan_live([held(0, 36), LiveReport(1, -1, "", "replaced")], 2)
 
