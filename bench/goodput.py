@@ -16,7 +16,8 @@ other one is at its documented default; torch's process-group timeout is set to 
 Per framework and world size, side by side:
 
 * ``none``: no fault. Its wall time is the reference, and its final weights the exact ones.
-* ``inplace``: faults drawn at random (``--seed``) at one per ``--every`` seconds of training, each a
+* ``inplace``: faults drawn at random (``--seed``; the kinds dealt from a shuffled deck, so that each
+  kind comes as often as the others) at one per ``--every`` seconds of training, each a
   ``raise``, a ``kill`` (SIGKILL), a ``hang``, a ``worker-kill`` (SIGKILL of a DataLoader worker) or a
   ``lose`` (a rank lost as if its host went: SIGKILLed, never replaced; one spare rank launched per
   ``lose`` in the draw), on a rank drawn at random, recovered in place (``recover_in_place``,
@@ -90,7 +91,8 @@ class Fault:
 def draw_schedule(seed: int, steps: int, every_sec: float, step_ms: float, world: int,
                   kinds: tuple[str, ...] = KINDS) -> list[Fault]:
     """The faults of a run of ``steps`` steps, one per ``every_sec`` seconds of ``step_ms`` steps:
-    fault ``j`` in the middle half of the ``j``-th window, kind and rank drawn at random; each fires
+    fault ``j`` in the middle half of the ``j``-th window, its rank drawn at random and its kind from a
+    shuffled deck of every kind (each kind as often as the others, +-1, in every run); each fires
     in the attempt it is reached in (every kind but ``worker-kill`` starts a new attempt)."""
     if steps < 1 or every_sec <= 0 or step_ms <= 0 or world < 1 or not kinds:
         raise ValueError(f"draw_schedule: steps {steps}, every_sec {every_sec}, step_ms {step_ms} and world {world} "
@@ -102,9 +104,12 @@ def draw_schedule(seed: int, steps: int, every_sec: float, step_ms: float, world
     gap = max(4, round(every_sec * 1000 / step_ms))
     faults: list[Fault] = []
     attempt = 0
+    deck: list[str] = []  # every kind once, in a shuffled order, then again: each kind as often as the others
     for j in range(steps // gap + 1):
         iteration = max(MARGIN, j * gap + rng.randint(gap // 4, 3 * gap // 4))
-        kind, rank = rng.choice(kinds), rng.randrange(world)
+        if not deck:
+            deck = rng.sample(kinds, len(kinds))
+        kind, rank = deck.pop(), rng.randrange(world)
         if iteration > steps - MARGIN or (faults and iteration <= faults[-1].iteration):
             continue
         faults.append(Fault(kind, rank, iteration, attempt))

@@ -10,15 +10,17 @@ distributed checkpoint at the exact next batch::
     FTH_INJECT=raise@rank=1,iteration=17 torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/ignite_fsdp.py
 
 Recover in place (``--in-place``): the same processes re-form the process group, shard the model
-again and resume from the newest distributed checkpoint (live state is refused for a sharded model:
-its shards are in the peers' memory; a WARNING says so)::
+again and carry on from live state: each rank's own shard of the last completed iteration, copied at
+the failure into a checksummed CPU snapshot, which ``latest_checkpoint`` names and ``load_dcp`` loads
+(no step computed twice; a rank whose process was lost takes its shard with it: then every rank
+resumes from the newest distributed checkpoint)::
 
     FTH_INJECT=raise@rank=1,iteration=17 torchrun --standalone --nproc-per-node 2 examples/ignite_fsdp.py --in-place
 
 Rank 1 raises at iteration 17 (``FTH_INJECT`` fires in the first attempt only); every rank stops
-together, the next attempt resumes from ``checkpoint_10`` at iteration 10 and trains to iteration
-60, and rank 0 prints the SHA-256 of the final weights (gathered with ``full_tensor()``): the same
-as a run without ``FTH_INJECT``. Checkpoints go to ``--dir`` (``ckpts/ignite_fsdp``): remove it
+together, the next attempt resumes (relaunched: from ``checkpoint_10`` at iteration 10; in place:
+from live state at iteration 16) and trains to iteration 60, and every rank prints the SHA-256 of
+the final weights (gathered with ``full_tensor()``): the same as a run without ``FTH_INJECT``. Checkpoints go to ``--dir`` (``ckpts/ignite_fsdp``): remove it
 to start from scratch.
 """
 
@@ -80,7 +82,7 @@ def train(ckpt_dir: str) -> str:
     trainer.add_event_handler(Events.ITERATION_COMPLETED(every=10),
                               Checkpoint(to_save, DCPSaver(ckpt_dir), n_saved=2,
                                          global_step_transform=lambda e, _: e.state.iteration))
-    path = latest_checkpoint(ckpt_dir)  # the newest complete distributed checkpoint, the same on every rank
+    path = latest_checkpoint(ckpt_dir)  # the newest complete distributed checkpoint (or live state), on every rank
     if path:
         load_dcp(to_save, path)  # every rank loads its shards
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + recovery_attempt()

@@ -279,7 +279,7 @@ _recovery_started = _fire(FaultToleranceEvents.RECOVERY_STARTED)
 
 # -- live state ------------------------------------------------------------------------------------
 #: Objects of ``to_save`` whose state only an optimizer update changes: taken at the failure.
-_BIG = (torch.nn.Module, torch.optim.Optimizer, DDPBucketLayout, torch.amp.GradScaler)
+_BIG = (torch.nn.Module, torch.optim.Optimizer, DDPBucketLayout, torch.amp.GradScaler, ShardedState)
 
 
 def _unwrap(obj: Any) -> Any:
@@ -290,7 +290,8 @@ class IgniteLive(LiveLoop):
     """Live state (:mod:`.data.live`) of one Ignite trainer, from the ``to_save`` of its ``Checkpoint``
     handlers: restored at the first ``STARTED`` unless the script loaded it, the RNG at each
     ``ITERATION_STARTED``, small state at each ``ITERATION_COMPLETED`` (last handler), the capture at
-    ``EXCEPTION_RAISED`` (modules and optimizers as they are: no update ran since)."""
+    ``EXCEPTION_RAISED`` (modules and optimizers as they are: no update ran since; a sharded model's,
+    this rank's shard, which only this rank resumes from)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -325,6 +326,7 @@ class IgniteLive(LiveLoop):
         to_save, why = dict(self.to_save), self.why_not
 
         def restore(state: Any) -> str:
+            state = sharded.rebuild(state, to_save.values())
             to_load = {key: obj for key, obj in to_save.items() if key in state}
             Checkpoint.load_objects(to_load=to_load, checkpoint=state)
             left = sorted(set(to_save) - set(to_load))
@@ -340,12 +342,8 @@ class IgniteLive(LiveLoop):
         _compat_ignite.append_last(engine, Events.ITERATION_COMPLETED, self._iteration_completed)
         self._find(engine)
         self.engine = engine
-        modules = [_unwrap(o) for o in self.to_save.values() if isinstance(o, torch.nn.Module)]
-        shards = [f"to_save[{key!r}] is a {type(obj).__name__}" for key, obj in self.to_save.items()
-                  if isinstance(obj, ShardedState)]
-        shards += [f"{why}" for why in map(sharded.in_module, modules) if why]
-        if shards:  # shards in the peers' memory: not served (a recovery resumes from the newest checkpoint)
-            self._refuse(f"the model is sharded ({shards[0]}): live state carries replicated models only")
+        modules = [o.model if isinstance(o, ShardedState) else _unwrap(o) for o in self.to_save.values()
+                   if isinstance(o, (torch.nn.Module, ShardedState))]
         self._begin(modules, update_at_pre_hook=True)
 
     def _iteration_started(self, engine: Any) -> None:

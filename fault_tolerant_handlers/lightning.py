@@ -382,8 +382,8 @@ class LightningLive(LiveLoop):
         if not _compat_lightning.plain_ddp(trainer.strategy):
             why = (f"the strategy {type(trainer.strategy).__name__} builds its checkpoint with collectives "
                    "(live state: DDPStrategy only)")
-            found = sharded.in_module(trainer.lightning_module)
-            self._refuse(f"{why}; the model is sharded ({found})" if found else why)  # shards: not served
+            found = sharded.find(dict(trainer.lightning_module.named_parameters()), "parameters")
+            self._refuse(f"{why}; the model is sharded ({found[0]} is {found[1]})" if found else why)
         for callback in trainer.checkpoint_callbacks:
             dirpath = getattr(callback, "dirpath", None)
             if dirpath:

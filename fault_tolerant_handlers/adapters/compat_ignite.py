@@ -155,7 +155,7 @@ _load_hooks: dict[str, Callable] = {}
 def hook_load_objects(*, take: Callable[[Any], Any] | None = None, read: Callable[[Any], Any] | None = None,
                       after: Callable[[Any, Any], None] | None = None) -> None:
     """Wrap ``Checkpoint.load_objects`` once per process and add the hooks given: given a path, it loads
-    ``take(path)`` when not ``None``, else (with ``after``) ``read(path)``; then calls ``after``."""
+    ``take(path, objects)`` (``objects``: ``to_load``'s values) when not ``None``, else (with ``after``) ``read(path)``; then calls ``after``."""
     _load_hooks.update({name: hook for name, hook in (("take", take), ("read", read), ("after", after))
                         if hook is not None})
     module = sys.modules.get("ignite.handlers.checkpoint")
@@ -169,7 +169,8 @@ def hook_load_objects(*, take: Callable[[Any], Any] | None = None, read: Callabl
     def load_objects(to_load: Any, checkpoint: Any, **kwargs: Any) -> Any:
         take, read, after = (_load_hooks.get(name) for name in ("take", "read", "after"))
         if isinstance(checkpoint, (str, Path)):
-            state = take(checkpoint) if take is not None else None
+            objects = list(to_load.values()) if hasattr(to_load, "values") else []
+            state = take(checkpoint, objects) if take is not None else None
             if state is not None:
                 checkpoint = state
             elif after is not None and read is not None:

@@ -419,7 +419,7 @@ def _field(name: str, hint: Any, bound: Any, value: Any, world: int) -> tuple[An
             return None, f"field {name!r} holds a value outside its bounds"
         return tuple(value), None
     if isinstance(kind, type) and issubclass(kind, Enum):  # a FailureKind: one of its values
-        return (kind(value), None) if value in {k.value for k in kind} else (
+        return (kind(value), None) if value in [k.value for k in kind] else (
             None, f"field {name!r} must be one of {', '.join(k.value for k in kind)}, got {sanitize(str(value))[:40]!r}")
     expected = _TYPES[kind.__name__ if isinstance(kind, type) else str(kind)]
     if not isinstance(value, expected) or (kind is not bool and isinstance(value, bool)):
@@ -560,21 +560,6 @@ class PeerFailedError(RuntimeError):
 
 def _rebuild(record, where, others, kind):
     return PeerFailedError(record=record, where=where, others=others, kind=kind)
-
-
-@dataclass(frozen=True)
-class Finding:
-    """What a probe found. ``error`` is what this rank's main thread must raise; ``declare`` is a
-    record to publish on behalf of the failed rank (the first rank to declare it does);
-    ``hung_self``: this rank itself is hung and must end."""
-
-    error: PeerFailedError
-    declare: FailureRecord | None = None
-    hung_self: bool = False
-
-
-def declared_finding(record: FailureRecord) -> Finding:
-    return Finding(PeerFailedError.from_records([record]), declare=record)
 
 
 # Their public path (:mod:`fault_tolerant_handlers.errors`): what tracebacks, records and pickles name.

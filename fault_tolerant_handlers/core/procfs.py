@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .failure import Ended, FailureRecord, Finding, declared_finding, host_name, sanitize
+from .failure import Ended, FailureRecord, PeerFailedError, host_name, sanitize
 
 STATE, PPID, PGRP, SESSION = 0, 1, 2, 3
 FLAGS = 6  # field 9: the kernel's flags of the (thread group leader's) task
@@ -124,7 +124,7 @@ class PeerPidProbe:
         self.host = host
         self.state = state
 
-    def poll(self, now: float) -> Finding | None:
+    def poll(self, now: float) -> PeerFailedError | None:
         for rank, pid in list(self.peers):
             state = self.state(pid)
             if state is None or state == CLEAN_EXIT:
@@ -134,7 +134,7 @@ class PeerPidProbe:
             if state.unseen and self._left(rank):  # a status that shows a failure is declared, left or not
                 self.peers.remove((rank, pid))
                 continue
-            return declared_finding(FailureRecord.lost(rank=rank, pid=pid, host=self.host, why=state, by=self.by))
+            return PeerFailedError(record=FailureRecord.lost(rank=rank, pid=pid, host=self.host, why=state, by=self.by))
         return None
 
     def _left(self, rank: int) -> bool:

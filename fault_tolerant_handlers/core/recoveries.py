@@ -15,10 +15,10 @@ import math
 import threading
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Callable
+from typing import Callable, ClassVar
 
 from . import hooks
-from .failure import FailureKind, is_int
+from .failure import WORLD, FailureKind, Stored, is_int
 from .hooks import first_line
 
 
@@ -60,8 +60,9 @@ def _check_str(owner: str, name: str, value: object) -> None:
 
 
 @dataclass(frozen=True)
-class RecoveryCause:
-    """What failed.
+class RecoveryCause(Stored):
+    """What failed: one rank's view of a recovery's failure, or the one its ranks agreed on. The
+    agreement carries it between ranks in the store (the one codec: bounded and checked on read).
 
     Attributes:
         rank: the rank that failed first, or ``None`` when no rank could say.
@@ -71,6 +72,8 @@ class RecoveryCause:
         message: the exception's message (capped at 500 characters).
         step: the step (Ignite: iteration; Lightning: global step) its record names, or ``None``.
         where: the section it failed in (``"train"``), or ``""``.
+        own: the rank that tells it failed itself (``False``: it learned of a peer's failure).
+        not_in_place: why it cannot be recovered in place (``""`` when it can).
     """
 
     rank: int | None
@@ -79,16 +82,22 @@ class RecoveryCause:
     message: str
     step: int | None = None
     where: str = ""
+    own: bool = False
+    not_in_place: str = ""
+
+    BOUNDS: ClassVar[dict] = {"rank": (0, WORLD), "exc_type": 200, "message": 500, "step": (0, 2**53 - 1),
+                              "where": 300, "not_in_place": 300}
 
     def __post_init__(self) -> None:
         _check_int("RecoveryCause", "rank", self.rank, 0, optional=True)
         if not isinstance(self.kind, FailureKind):
             raise TypeError(f"RecoveryCause(kind=...) must be a FailureKind (one of "
                             f"{', '.join(k.name for k in FailureKind)}), got {self.kind!r}")
-        _check_str("RecoveryCause", "exc_type", self.exc_type)
-        _check_str("RecoveryCause", "message", self.message)
+        for name in ("exc_type", "message", "where", "not_in_place"):
+            _check_str("RecoveryCause", name, getattr(self, name))
         _check_int("RecoveryCause", "step", self.step, 0, optional=True)
-        _check_str("RecoveryCause", "where", self.where)
+        if not isinstance(self.own, bool):
+            raise TypeError(f"RecoveryCause(own=...) must be True or False, got {self.own!r}")
 
     def describe(self) -> str:
         """``rank 1 failed (raised) in train: ValueError: bad sample``."""

@@ -20,7 +20,7 @@ A recovery in place agrees in the first attempt's store, under ``fth/recover/<to
 (no run id: a recovery outlives the sessions it abandons), with :func:`recovery_key`:
 
 ===============================  ========================================================================
-``<g>/cause/<rank>``             ``rank``'s view of the failure of in-place attempt ``g`` (``Cause``)
+``<g>/cause/<rank>``             ``rank``'s view of the failure of attempt ``g`` (``RecoveryCause``)
 ``<g>/live/<rank>``              the live state ``rank`` holds for the next attempt (``LiveReport``)
 ``<g>/arrived``, ``<g>/stop``    how many ranks reached the recovery, how many end the job (``add``)
 ``<g>/decision``                 rank 0's ``Decision``

@@ -391,10 +391,7 @@ class Session:
         if own is not None:
             return own
         known = self.failure.peer_error
-        if known is None:
-            found = self.same_host_probe.poll(time.monotonic())
-            known = found.error if found is not None else None
-        return known or self._explain(exc)
+        return known or self.same_host_probe.poll(time.monotonic()) or self._explain(exc)
 
     def failure_report(self, wait: float) -> PeerFailedError | None:
         """What is known of a failure under way, waiting up to ``wait`` seconds for an explanation

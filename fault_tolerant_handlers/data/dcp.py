@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import sharded
+from . import live
 
 __all__ = ["ShardedState", "load_dcp", "save_dcp"]
 
@@ -93,7 +94,9 @@ def save_dcp(checkpoint: Mapping[str, Any], directory: str | os.PathLike) -> Non
 def load_dcp(to_load: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Load a distributed checkpoint (a directory :class:`~fault_tolerant_handlers.ignite.DCPSaver`
     wrote) into the objects of ``to_load`` (the ``to_save`` dict of the ``Checkpoint`` that wrote
-    it), as Ignite's ``Checkpoint.load_objects`` does for a file. Collective: every rank.
+    it), as Ignite's ``Checkpoint.load_objects`` does for a file. Collective: every rank. After a
+    recovery in place, ``path`` may be the name ``latest_checkpoint`` gave for live state: each rank
+    loads its own shard's snapshot (:func:`.live.take`), not a file.
 
     Raises:
         FileNotFoundError: ``path`` is not a complete distributed checkpoint (no ``.metadata``, or no
@@ -102,24 +105,25 @@ def load_dcp(to_load: Mapping[str, Any], path: str | os.PathLike) -> None:
     """
     import torch.distributed.checkpoint as dcp
 
-    folder = Path(path)
-    rank, world = _rank()
-    if not (folder / METADATA).is_file() or not (folder / _rank_file(rank)).is_file():
-        raise FileNotFoundError(f"load_dcp(path={str(path)!r}): not a complete distributed checkpoint of this library "
-                                f"(needs {METADATA} and {_rank_file(rank)})")
-    plain = torch.load(folder / _rank_file(rank), map_location="cpu", weights_only=True)
-    index = plain.pop(_INDEX, None)
-    if not isinstance(index, dict) or index.get("world_size") != world:
-        raise ValueError(f"load_dcp(path={str(path)!r}): written by {index.get('world_size') if isinstance(index, dict) else '?'} "
-                         f"ranks, loaded by {world}: resume at the world size it was written at")
-    keys = list(index.get("keys", []))
-    missing = [k for k in to_load if k not in keys and k not in plain]
-    if missing:
-        raise ValueError(f"load_dcp(to_load=...): the checkpoint {folder.name} has no {missing} "
-                         f"(it holds {sorted([*keys, *plain])})")
     objects = {k: (o.module if isinstance(o, torch.nn.parallel.DistributedDataParallel) else o) for k, o in to_load.items()}
-    state = {k: objects[k].state_dict() for k in keys if k in objects}
-    if state:
-        dcp.load(state, checkpoint_id=str(folder))
+    state, keys = live.take(path, objects.values()), []  # after a recovery in place: this rank's live state
+    if state is None:
+        folder = Path(path)
+        rank, world = _rank()
+        if not (folder / METADATA).is_file() or not (folder / _rank_file(rank)).is_file():
+            raise FileNotFoundError(f"load_dcp(path={str(path)!r}): not a complete distributed checkpoint of this "
+                                    f"library (needs {METADATA} and {_rank_file(rank)})")
+        state = torch.load(folder / _rank_file(rank), map_location="cpu", weights_only=True)
+        index = state.pop(_INDEX, None)
+        if not isinstance(index, dict) or index.get("world_size") != world:
+            raise ValueError(f"load_dcp(path={str(path)!r}): written by {index.get('world_size') if isinstance(index, dict) else '?'} "
+                             f"ranks, loaded by {world}: resume at the world size it was written at")
+        keys = list(index.get("keys", []))
+    missing = [k for k in objects if k not in keys and k not in state]
+    if missing:
+        raise ValueError(f"load_dcp(to_load=...): {Path(path).name} has no {missing} (it holds {sorted([*keys, *state])})")
+    shards = {k: objects[k].state_dict() for k in keys if k in objects}
+    if shards:
+        dcp.load(shards, checkpoint_id=str(path))
     for key, obj in objects.items():
-        obj.load_state_dict(state[key] if key in state else plain[key])
+        obj.load_state_dict(shards[key] if key in shards else state[key])

@@ -5,8 +5,8 @@ While :func:`~fault_tolerant_handlers.recover_in_place` runs, the adapters keep 
 step (:class:`StepTracker`: small state at each step's end, torch's RNG at each start and end, whether an
 optimizer update began since) and, when the loop fails, capture what its checkpoint would hold
 (:class:`Captured`: the failed attempt's own tensors, trusted only if nothing changed them since the
-step completed). The recovery collects it (:func:`collect`), the ranks agree, and the next attempt gets
-it where it asks for a checkpoint: :func:`latest_checkpoint_answer` names it (:data:`NAME`, no such
+step completed; a sharded model's shard copied to a checksummed CPU snapshot). The recovery collects
+it (:func:`collect`), the ranks agree, and the next attempt gets it where it asks for a checkpoint: :func:`latest_checkpoint_answer` names it (:data:`NAME`, no such
 file), :func:`take` hands it over. ``FTH_LIVE_STATE=0`` turns it off.
 """
 
@@ -15,13 +15,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..core import attempts, config
+from ..core import attempts, config, sharded
 from ..core.hooks import log
 from ..core.phases import LIVE_NAME, Captured  # the recovery hands a capture between ranks: its type is the core's
 
@@ -154,7 +156,11 @@ def capture_now(capture: Callable[[], Captured]) -> None:
     down. The last capture of an attempt is kept (a trainer's after its evaluator's)."""
     global _captured
     try:
-        _captured = capture()
+        captured = capture()
+        if sharded.find(captured.state) is not None:  # this rank's shard: copied now, checksummed, to the CPU
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            captured = replace(captured, state=sharded.take_snapshot(captured.state, captured.step, rank))
+        _captured = captured
     except NotLive as why:
         _captured = why
     except Exception as err:  # noqa: BLE001 - a capture that fails: the checkpoint serves
@@ -238,17 +244,18 @@ def _hand_over(how: str) -> Captured:
     return captured
 
 
-def take(path: str | os.PathLike) -> Any | None:
+def take(path: str | os.PathLike, objects: Iterable[Any] = ()) -> Any | None:
     """The live state for ``path`` (a name :func:`latest_checkpoint_answer` or :func:`substitute`
-    gave), handed over once; ``None`` for any other path. Whether it was restored is told when the
-    loop starts (:func:`loop_starts`)."""
+    gave), handed over once, as ``objects`` (what it is loaded into) take it (:func:`..core.sharded.rebuild`);
+    ``None`` for any other path. Whether it was restored is told when the loop starts (:func:`loop_starts`)."""
     global _how
     with _lock:
         if _held is None or not _held[0] or _key(path) != _held[0]:
             return None
+        state = sharded.rebuild(_held[1].state, objects)  # raises before it is handed over
         how, _how = _how, None
-        captured = _hand_over(how or f"loaded by the script from {Path(path).name}")
-    return captured.state
+        _hand_over(how or f"loaded by the script from {Path(path).name}")
+    return state
 
 
 _how: str | None = None  # how the name :func:`substitute` gave is loaded

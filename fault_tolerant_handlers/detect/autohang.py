@@ -1,5 +1,5 @@
 """A hang deadline learned from the run itself (``hang_timeout="auto"``, ``docs/hang-detection.md``), as
-a watchdog probe (``poll(now) -> Finding | None``).
+a watchdog probe (``poll(now) -> PeerFailedError | None``).
 
 The main thread marks where each piece of work begins (:meth:`AutoHangProbe.mark`: ``"step"``,
 ``"evaluation"``, ``"checkpoint"``, any name); a mark ends the piece under way. The probe keeps the
@@ -25,7 +25,8 @@ import time
 from typing import Callable, Iterable
 
 from ..core import config
-from .probes import Finding, hung_finding, waiting_on_peers
+from ..core.errors import PeerFailedError
+from .probes import hung_error, waiting_on_peers
 from .writes import writing_now
 
 #: Defaults of the rule (seconds, counts); each is an argument of :class:`AutoHangProbe`, and
@@ -133,7 +134,7 @@ class AutoHangProbe:
                 return found
         return None
 
-    def poll(self, now: float) -> Finding | None:
+    def poll(self, now: float) -> PeerFailedError | None:
         current = self.current
         if current is None:
             return None
@@ -179,7 +180,7 @@ class AutoHangProbe:
             what, stalled, longest, longest_of = f"its {kind}", now - start, self.longest.get(kind, 0.0), kind
             lead = f"has run {stalled:.1f} s"
         at = f" at step {step}" if step is not None else ""
-        return hung_finding(self.rank, self.pid, self.host, frame, f"{what}{at} {lead}, over the learned deadline of "
+        return hung_error(self.rank, self.pid, self.host, frame, f"{what}{at} {lead}, over the learned deadline of "
                             f"{limit:.1f} s (longest {longest_of} so far: {longest:.2f} s)",
                             int((self.wall() - stalled) * 1000), step)
 

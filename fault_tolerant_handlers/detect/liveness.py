@@ -189,11 +189,11 @@ def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool], i: int = 
     """One look at a watched rank (and the beat, for the probe that beats); declares it once when it
     is silent (``declared[i]``)."""
     try:
-        finding = probe.poll(time.monotonic())
-        if finding is not None and not declared[i]:
+        silent = probe.poll(time.monotonic())
+        if silent is not None and not declared[i]:
             declared[i] = True
-            if schema.claim_declaration(finding.declare.rank):
-                schema.publish(finding.declare)
+            if schema.claim_declaration(silent.failed_rank):
+                schema.publish(silent.record)
     except Exception:  # noqa: BLE001 - the store is unreachable: the rank's watchdog judges that
         probe.next_at = time.monotonic() + probe.period  # tried again a period later
 

@@ -1,4 +1,5 @@
-"""The watchdog's probes: small, independent checks, each with ``poll(now) -> Finding | None``.
+"""The watchdog's probes: small, independent checks, each with ``poll(now) -> PeerFailedError | None``
+(the error this rank's main thread must raise; a record the probe declares is its ``record``).
 
 Each probe owns its own state, takes the time from its caller (so a unit test drives it with a fake
 clock) and reaches the job only through what it is given: a :class:`~..core.schema.Schema` (in tests over
@@ -33,7 +34,7 @@ from ..core.procfs import PeerPidProbe  # noqa: F401 - the core's own probe, re-
 from ..core.config import (HEARTBEAT_TIMEOUT_ENV, LEFT_CHECK_EVERY, MAX_CHECK_HOLD, SILENCE_POLL, SUSPECT_SILENCE,
                            WITNESS_EVERY)
 from ..core.errors import PeerFailedError
-from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Finding, cap_tail, declared_finding
+from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, cap_tail
 from ..core.hooks import first_line, log
 from ..core.schema import Schema
 
@@ -59,7 +60,7 @@ class RecordsProbe:
         self.seen = start
         self.pending: dict[int, float] = {}  # index -> first seen
 
-    def poll(self, now: float) -> Finding | None:
+    def poll(self, now: float) -> PeerFailedError | None:
         count = self.schema.count()
         for index in self.schema.new_indices(self.seen, count):
             record = self.schema.read(index)
@@ -77,7 +78,7 @@ class RecordsProbe:
             if record is not None and record.rank != self.rank and not self.stale(record):
                 records.append(record)
         if records:
-            return Finding(PeerFailedError.from_records(records))
+            return PeerFailedError.from_records(records)
         return None
 
 
@@ -129,7 +130,7 @@ class HeartbeatProbe:
         due = min(self.next_at, self.beat_at) if self.beats else self.next_at
         return min(due, self.send_at) if self.link is not None else due
 
-    def poll(self, now: float) -> Finding | None:
+    def poll(self, now: float) -> PeerFailedError | None:
         if self.beats and now >= self.beat_at:
             # on its cadence, whatever the reads in between (a beat more than a period late starts anew)
             self.beat_at = self.beat_at + self.period if now - self.beat_at < self.period else now + self.period
@@ -184,12 +185,12 @@ class HeartbeatProbe:
                                  "gone or frozen)")
         return None
 
-    def _declare(self, why: str) -> Finding:
+    def _declare(self, why: str) -> PeerFailedError:
         on = f" on {self.host}" if self.host else ""
         message = f"rank {self.successor} (pid {self.successor_pid}{on}) lost: {why}"
-        return declared_finding(FailureRecord.declared(rank=self.successor, kind=FailureKind.PEER_SILENT,
-                                                       message=message, by=self.rank, pid=self.successor_pid,
-                                                       host=self.host))
+        return PeerFailedError(record=FailureRecord.declared(
+            rank=self.successor, kind=FailureKind.PEER_SILENT, message=message, by=self.rank,
+            pid=self.successor_pid, host=self.host))
 
     def _has_left(self, now: float) -> bool:
         """The watched rank stopped its watchdog cleanly (asked at most every :data:`LEFT_CHECK_EVERY`)."""
@@ -259,7 +260,7 @@ class SelfHangProbe:
         self.frame = frame
         self._waited: tuple[tuple, float] | None = None  # (the progress then, when) last seen waiting on peers
 
-    def poll(self, now: float) -> Finding | None:
+    def poll(self, now: float) -> PeerFailedError | None:
         progress = self.progress()
         last, last_wall, step = progress
         warm = self.warm()
@@ -274,11 +275,11 @@ class SelfHangProbe:
             return None
         at = f" at step {step}" if step is not None else ""
         before = "" if warm else " before its first iteration completed (the start's deadline)"
-        return hung_finding(self.rank, self.pid, self.host, frame, f"its main thread made no progress for "
+        return hung_error(self.rank, self.pid, self.host, frame, f"its main thread made no progress for "
                             f"{stalled:.1f} s{at}{before}", int(last_wall * 1000), step)
 
 
-def hung_finding(rank: int, pid: int, host: str, frame, what: str, time_ms: int, step: int | None) -> Finding:
+def hung_error(rank: int, pid: int, host: str, frame, what: str, time_ms: int, step: int | None) -> PeerFailedError:
     """This rank declares itself hung: ``rank 1 (pid 42 on node-b) hung: {what}`` (``rank 1`` where the
     host is not known), with its main thread's stack from ``frame``."""
     stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
@@ -287,7 +288,7 @@ def hung_finding(rank: int, pid: int, host: str, frame, what: str, time_ms: int,
         rank=rank, kind=FailureKind.RANK_HUNG, message=f"{who} hung: {what}", by=rank, pid=pid, host=host,
         traceback=f"Main thread stack of rank {rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
         time_ms=time_ms, step=step)
-    return Finding(PeerFailedError.from_records([record]), declare=record, hung_self=True)
+    return PeerFailedError(record=record)
 
 
 def main_thread_frame():
@@ -359,7 +360,7 @@ class StoreLossProbe:
             return None
         return self.down_since + self.lost_after
 
-    def poll(self, now: float) -> Finding | None:
+    def poll(self, now: float) -> PeerFailedError | None:
         if self.down_since is None or self.hosted_here:
             return None
         if now >= self.next_check:
@@ -380,9 +381,9 @@ class StoreLossProbe:
         silence = f"the store has not answered for {now - self.down_since:.1f} s ({self.last_error}) and {self.found}"
         if self.store_rank is None:  # a store on a host of its own: no rank is to blame
             at = f" at {self.store_at}" if self.store_at else ""
-            return Finding(PeerFailedError(None, FailureKind.STORE_LOST.value, f"the c10d store{at}, on a host of no "
-                                           f"rank's, is lost: {silence}", origin="declared", kind=FailureKind.STORE_LOST))
+            return PeerFailedError(None, FailureKind.STORE_LOST.value, f"the c10d store{at}, on a host of no rank's, "
+                                   f"is lost: {silence}", origin="declared", kind=FailureKind.STORE_LOST)
         message = f"rank {self.store_rank} (pid {self.store_pid}, hosts the c10d store) lost: {silence}"
         record = FailureRecord.declared(rank=self.store_rank, kind=FailureKind.PEER_LOST, message=message, by=self.by,
                                         pid=self.store_pid)
-        return Finding(PeerFailedError.from_records([record]))
+        return PeerFailedError(record=record)

@@ -34,14 +34,14 @@ import torch.distributed as dist
 
 from . import autohang
 from ..core import config, hooks, inject, interrupts
-from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted
+from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted, PeerFailedError
 from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, Incident, cap_tail
 from ..core.session import Session, get_session
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
 from ..core.hooks import first_line, log
 from .liveness import LivenessProcess
 from .liveness import kill_all as kill_all_liveness
-from .probes import (Finding, PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
+from .probes import (PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
                      main_thread_frame)
 from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
 from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_RESEND, INTERRUPT_WAIT, LIVENESS_STORE_TIMEOUT,  # timings:
@@ -299,7 +299,7 @@ class Watchdog:
             now = time.monotonic()
             try:
                 if self.session.failure.peer_error is None:
-                    self._found(self.records.poll(now), self._schema)
+                    self._found(self.records.poll(now), None)  # records read: published already
                 self.store_loss.answered()
                 self._conn.deadline = None
                 self._answered = True
@@ -345,37 +345,38 @@ class Watchdog:
             watcher.close()
 
     # -- findings ------------------------------------------------------------------------------------
-    def _found(self, finding: Finding | None, schema: Schema | None) -> None:
-        if finding is None or self._finishing:
+    def _found(self, err: PeerFailedError | None, schema: Schema | None) -> None:
+        """What a probe found; a record it declared is published in ``schema`` (``None``: nothing to
+        publish, or nowhere: the store is what is gone)."""
+        if err is None or self._finishing:
             return
-        err = finding.error
         if (self.session.failure.delivered and err.kind in (FailureKind.PEER_SILENT, FailureKind.PEER_LOST,
                                                             FailureKind.STORE_LOST)
                 and not (err.ended is not None and err.ended.killed)):
             # The job already failed here: peers ending (and their heartbeats stopping) is expected.
             log(logging.INFO, "after the failure: %s", first_line(err, None))
             return
-        log(logging.ERROR, "%s", first_line(finding.error, None), step=self._progress[2])
-        if finding.hung_self:
-            self.session.failure.failed_here(finding.declare or err.record, told=False)  # the main thread is interrupted
-            hooks.emit(hooks.RANK_FAILED, finding.declare)  # the launchers: torchrun's error file
-            self._declare(finding, schema)
+        log(logging.ERROR, "%s", first_line(err, None), step=self._progress[2])
+        if err.kind is FailureKind.RANK_HUNG and err.failed_rank == self.rank:  # this rank is hung: it ends
+            self.session.failure.failed_here(err.record, told=False)  # the main thread is interrupted
+            hooks.emit(hooks.RANK_FAILED, err.record)  # the launchers: torchrun's error file
+            self._declare(err, schema)
             # Recovering in place: interrupt the main thread where it hangs (in Python it leaves at
             # once); if it does not reach the recovery in time (stuck in C), end as without recovery.
             interrupt = hooks.provider(hooks.INTERRUPT)  # recovering in place: the recovery's
-            left = None if interrupt is None else interrupt(HangInterrupted(first_line(finding.error, None)))
+            left = None if interrupt is None else interrupt(HangInterrupted(first_line(err, None)))
             if left is not None and self._interrupted(left):
                 log(logging.WARNING, "the hung main thread was interrupted: recovering in place")
                 return
             # Give the peers a moment to read the record, then end: the main thread cannot be trusted.
             time.sleep(min(1.0, self.exit_grace.total_seconds()))
-            self._reported_exit(finding.error, EXIT_HUNG)
+            self._reported_exit(err, EXIT_HUNG)
             return
         # Escalate first: publishing may block when the store is what died.
-        incident = self.session.take_peer_failure(finding.error)
+        incident = self.session.take_peer_failure(err)
         if incident is not None:
             threading.Thread(target=self._escalate, args=(incident,), name="fth-escalate", daemon=True).start()
-        self._declare(finding, schema)
+        self._declare(err, schema)
         hooks.emit(hooks.JOB_FAILED, self.session)  # the launchers: torchrun's attempt keys, once declared
 
     @staticmethod
@@ -397,16 +398,15 @@ class Watchdog:
                 return False
             interrupts.resend()
 
-    def _declare(self, finding: Finding, schema: Schema | None) -> None:
-        """Publish what this rank declares about another (the first rank to declare it does)."""
-        if finding.declare is None or schema is None:
+    def _declare(self, err: PeerFailedError, schema: Schema | None) -> None:
+        """Publish the record this rank declared (the first rank to declare it does)."""
+        if err.origin != "declared" or schema is None:
             return
         try:
-            if schema.claim_declaration(finding.declare.rank):
-                schema.publish(finding.declare)
-        except Exception as err:  # noqa: BLE001 - the store may be what died
-            log(logging.WARNING, "could not publish %s: %s", finding.declare.exc_type,
-                first_line(err))
+            if schema.claim_declaration(err.failed_rank):
+                schema.publish(err.record)
+        except Exception as problem:  # noqa: BLE001 - the store may be what died
+            log(logging.WARNING, "could not publish %s: %s", err.exc_type, first_line(problem))
 
     def _escalate(self, incident: Incident) -> None:
         """Release this process's collectives, then, if the main thread does not take the failure

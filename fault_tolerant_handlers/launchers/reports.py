@@ -273,7 +273,7 @@ def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
         if time.monotonic() >= deadline:
             break
         time.sleep(0.05)
-    return known() or gone.error
+    return known() or gone
 
 
 def hold_zombie(rank_pid: int, rank: int | None = None, host: str = "") -> None:

@@ -274,10 +274,7 @@ class _Watch:
     @staticmethod
     def _peer_cause(session: Session) -> PeerFailedError | None:
         """A peer's failure this rank has not taken yet: a same-host peer gone, or a record."""
-        found = session.same_host_probe.poll(time.monotonic())
-        if found is not None:
-            return found.error
-        return _Watch._records(session)
+        return session.same_host_probe.poll(time.monotonic()) or _Watch._records(session)
 
     @staticmethod
     def _records(session: Session) -> PeerFailedError | None:

@@ -27,7 +27,8 @@ from ..core.hooks import first_line, log
 from ..core.interrupts import store_ports
 from ..core.schema import Bounded, Connection, StoreCallTimeout, agreement_key, unblock_stuck_calls
 from . import spares
-from .causes import NOT_IN_PLACE, Cause, Decision, LiveReport, keeper_replaces, needs_keeper
+from ..core.recoveries import RecoveryCause
+from .causes import NOT_IN_PLACE, Decision, LiveReport, brief, keeper_replaces, needs_keeper
 from .live_state import plan_live
 
 
@@ -45,7 +46,7 @@ class Misplaced(Unsafe):
     :class:`RecoveryError`, in the first attempt too)."""
 
 
-def cause_of(err: BaseException, rank: int, states: Sequence[FailureState] = ()) -> Cause:
+def cause_of(err: BaseException, rank: int, states: Sequence[FailureState] = ()) -> RecoveryCause:
     """This rank's view of the failure that ended its call of the training function: the one record
     of it (a peer's error carries it; this rank's own exception, the record it published, tagged on
     it), and the kind the attempt's failure ``states`` hold for a failure this rank declared itself
@@ -67,10 +68,9 @@ def cause_of(err: BaseException, rank: int, states: Sequence[FailureState] = ())
         not_in_place = "the ranks were out of step (a bug in the job: it would repeat)"
     elif isinstance(err, RecoveryError):  # raised by the attempt: recovering in place cannot work in this job
         not_in_place = f"this rank found it cannot recover in place: {first_line(err, 300)}"
-    return Cause(rank, -1 if record.rank is None else record.rank,
-                 record.exc_type.rsplit(".", 1)[-1] if own else record.exc_type, cap_head(record.exc_message, 500),
-                 record.section if own else err.where, -1 if record.step is None else record.step,
-                 own, not_in_place, kind)
+    return RecoveryCause(record.rank, kind, record.exc_type.rsplit(".", 1)[-1] if own else record.exc_type,
+                         cap_head(record.exc_message, 500), record.step, record.section if own else err.where, own,
+                         not_in_place)
 
 
 def lost_records(sessions: Sequence[Any]) -> dict[int, Any]:
@@ -90,8 +90,8 @@ def _keeper_gone(record: Any) -> bool:
     return record is not None and record.ended is not None and record.ended.keeper_gone
 
 
-def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveReport, *, max_restarts: int,
-          history: Sequence[Cause], join_timeout: timedelta, layout: spares.Layout | None = None,
+def agree(store: Any, rank: int, world_size: int, cause: RecoveryCause, report: LiveReport, *, max_restarts: int,
+          history: Sequence[RecoveryCause], join_timeout: timedelta, layout: spares.Layout | None = None,
           since: float = 0.0, sessions: Sequence[Any] = ()) -> Decision:
     """This rank's part of the agreement of recovery :func:`attempts.in_place` on ``store``: tell the
     others ``cause`` and ``report``, then (rank 0) decide or (the others) read rank 0's decision.
@@ -117,15 +117,15 @@ def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveRepo
             cause = replace(cause, not_in_place=f"max_restarts={max_restarts} recoveries in place already spent")
         # A peer's process ended (or, with spares, its end was not seen: another host's rank lost, or
         # silent: its host or link gone): only its keeper or a spare can replace it.
-        end_seen = needs_keeper(cause) and not _keeper_gone(lost_records(sessions).get(cause.failed_rank))
+        end_seen = needs_keeper(cause) and not _keeper_gone(lost_records(sessions).get(cause.rank))
         lost = needs_keeper(cause) or (claims is not None and spares.lost_or_silent(cause))
-        claim = lost and not keeper_replaces(bounded, cause.failed_rank, end_seen)
+        claim = lost and not keeper_replaces(bounded, cause.rank, end_seen)
         if claim or not cause.not_in_place:  # it takes part: it waits for the others (and claims a spare)
             conn.deadline = started + seconds + 10
         if claim and claims is None:  # a silent rank stays silent, a lost one lost
             cause = replace(cause, not_in_place=cause.not_in_place or NOT_IN_PLACE[FailureKind.PEER_LOST])
         elif claim:
-            cause = replace(cause, not_in_place=claims.claim(cause.failed_rank, cause.describe()))
+            cause = replace(cause, not_in_place=claims.claim(cause.rank, brief(cause)))
         if not cause.not_in_place and claims is not None:  # other ranks lost at once: a spare each
             cause = replace(cause, not_in_place=claims.for_lost(gen))
         bounded.set(agreement_key(gen, "cause", rank), cause.to_json())
@@ -168,7 +168,7 @@ def agree(store: Any, rank: int, world_size: int, cause: Cause, report: LiveRepo
 
 
 def decide(store: Any, world_size: int, gen: int, seconds: float, max_restarts: int,
-           history: Sequence[Cause] = (), claims: spares.Claims | None = None) -> Decision:
+           history: Sequence[RecoveryCause] = (), claims: spares.Claims | None = None) -> Decision:
     """Rank 0's decision, once every rank is in (or one said it ends, or ``seconds`` passed): the
     primary cause (the lowest rank that failed itself), whether it repeats the last one or
     ``max_restarts`` is spent, and the live-state plan (:func:`.live_state.plan_live`). With spares,
@@ -190,23 +190,24 @@ def decide(store: Any, world_size: int, gen: int, seconds: float, max_restarts: 
                                    f"{seconds:g} s ({config.RECOVER_JOIN_ENV})")
         time.sleep(RECOVER_POLL)
 
-    def read(kind: str) -> list:
-        keys = [agreement_key(gen, kind, r) for r in range(world_size)]
-        present = [k for k in keys if store.check([k])]
-        return store.multi_get(present) if present else []
+    def read(kind: str) -> dict[int, Any]:
+        """Rank -> what it wrote, for the ranks that did."""
+        keys = {r: agreement_key(gen, kind, r) for r in range(world_size)}
+        present = {r: k for r, k in keys.items() if store.check([k])}
+        return dict(zip(present, store.multi_get(list(present.values())))) if present else {}
 
-    causes = [c for c in (Cause.from_json(raw, world_size) for raw in read("cause")) if c is not None]
-    blocking = [c for c in causes if c.not_in_place]
-    if blocking:
-        return Decision(False, f"{blocking[0].not_in_place} (rank {blocking[0].by}: {blocking[0].describe()})")
-    own = sorted((c for c in causes if c.own), key=lambda c: c.by)
-    primary = own[0] if own else (causes[0] if causes else None)
+    causes = {r: c for r, raw in read("cause").items() if (c := RecoveryCause.from_json(raw, world_size)) is not None}
+    for by, cause in causes.items():  # by rank, lowest first
+        if cause.not_in_place:
+            return Decision(False, f"{cause.not_in_place} (rank {by}: {brief(cause)})")
+    primary = next((c for c in causes.values() if c.own), next(iter(causes.values()), None))
     if primary is None:
         return Decision(False, "no rank could say what failed")
     if gen >= max_restarts:
         return Decision(False, f"max_restarts={max_restarts} recoveries in place already spent", primary)
-    if history and primary.step >= 0 and primary.signature() == history[-1].signature():
-        return Decision(False, f"the failure repeats at the same iteration ({primary.describe()}): recovering "
+    signature = lambda c: (c.rank, c.exc_type, c.step)  # noqa: E731 - same rank, type and iteration: it repeats
+    if history and primary.step is not None and signature(primary) == signature(history[-1]):
+        return Decision(False, f"the failure repeats at the same iteration ({brief(primary)}): recovering "
                                "again would fail again", primary)
-    reports = [LiveReport.from_json(raw, world_size) for raw in read("live")]
-    return Decision(True, primary.describe(), primary, plan_live(reports, world_size))
+    reports = [LiveReport.from_json(raw, world_size) for raw in read("live").values()]
+    return Decision(True, brief(primary), primary, plan_live(reports, world_size))

@@ -1,7 +1,8 @@
-"""What recovering in place agrees on: each rank's view of a failure (:class:`Cause`), each rank's
-live state (:class:`LiveReport`) and rank 0's :class:`Decision` (with its :class:`LivePlan`), as
-bounded JSON in the first attempt's store (the one codec, :class:`~..core.failure.Stored`: checked
-on read, never unpickled), and the keys they live under (:mod:`..core.schema`)."""
+"""What recovering in place agrees on: each rank's view of a failure (the public
+:class:`~..core.recoveries.RecoveryCause`), each rank's live state (:class:`LiveReport`) and rank 0's
+:class:`Decision` (with its :class:`LivePlan`), as bounded JSON in the first attempt's store (the one
+codec, :class:`~..core.failure.Stored`: checked on read, never unpickled), and the keys they live
+under (:mod:`..core.schema`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, ClassVar
 from ..core import compat_torch
 from ..core.schema import keeper_key
 from ..core.failure import WORLD, FailureKind, Stored
+from ..core.recoveries import RecoveryCause
 
 #: Declared kinds that end the job as without recovery: a process or host gone, or signalled.
 NOT_IN_PLACE = {
@@ -22,31 +24,16 @@ NOT_IN_PLACE = {
 }
 
 
-@dataclass(frozen=True)
-class Cause(Stored):
-    """What one rank knows of an attempt's failure (JSON in the store, bounded and checked on read)."""
+def brief(cause: RecoveryCause) -> str:
+    """``rank 1 failed in train: ValueError: bad``: a cause as the recovery's lines and decisions tell it."""
+    who = f"rank {cause.rank}" if cause.rank is not None else "a rank"
+    where = f" in {cause.where}" if cause.where else ""
+    return f"{who} failed{where}: {cause.exc_type}: {cause.message.splitlines()[0] if cause.message else ''}".rstrip(": ")
 
-    by: int  #: the rank that says it
-    failed_rank: int  #: the rank that failed first (-1: unknown)
-    exc_type: str
-    message: str
-    where: str
-    step: int  #: -1: unknown
-    own: bool  #: ``by`` failed itself
-    not_in_place: str  #: why this failure cannot be recovered in place ("" when it can)
-    kind: FailureKind = FailureKind.RAISED
 
-    BOUNDS: ClassVar[dict] = {"by": (0, WORLD), "failed_rank": (-1, WORLD), "exc_type": 200, "message": 500,
-                              "where": 300, "step": (-1, 2**53 - 1), "not_in_place": 300}
-
-    def describe(self) -> str:
-        who = f"rank {self.failed_rank}" if self.failed_rank >= 0 else "a rank"
-        where = f" in {self.where}" if self.where else ""
-        return f"{who} failed{where}: {self.exc_type}: {self.message.splitlines()[0] if self.message else ''}".rstrip(": ")
-
-    def signature(self) -> tuple:
-        """Same rank, same exception type, same iteration: the failure repeats."""
-        return (self.failed_rank, self.exc_type, self.step)
+def replaced(rank: int, message: str) -> RecoveryCause:
+    """The cause a replacement of rank ``rank`` (a keeper's new child, a spare) joins its peers' recovery with."""
+    return RecoveryCause(rank, FailureKind.RANK_REPLACED, FailureKind.RANK_REPLACED.value, message, own=True)
 
 
 #: A checksum in a report: :func:`.live_state.checksum`'s hex digest (or "" when none was taken).
@@ -58,7 +45,8 @@ class LiveReport(Stored):
     """What one rank holds for the next attempt: its live state at step ``step`` (-1: none, ``why``),
     the :func:`.live_state.checksum` of that state ("" if it could not be taken: ``portable`` says
     why it cannot be sent either) and a CRC of torch's RNG states recorded for the next step ("":
-    none)."""
+    none). ``shard``: the state is this rank's shard of a sharded model (``checksum``: its snapshot's
+    CRC-32, verified where it is held), which only this rank resumes from."""
 
     by: int  #: the rank that says it
     step: int  #: the last step it completed, whose state it holds (-1: none)
@@ -67,6 +55,7 @@ class LiveReport(Stored):
     checksum: str = ""  #: hex SHA-256 of the state ("": not taken)
     rng: str = ""  #: hex CRC-32 of the RNG states recorded for the next step ("": none)
     portable: str = ""  #: why this state cannot be sent to another rank ("" when it can)
+    shard: bool = False  #: a sharded model's: this rank's own shard
 
     BOUNDS: ClassVar[dict] = {"by": (0, WORLD), "step": (-1, 2**53 - 1), "unit": 40, "why": 300,
                               "checksum": ("hex", _CHECKSUM_CHARS), "rng": ("hex", 8), "portable": 300}
@@ -121,14 +110,14 @@ class Decision(Stored):
 
     restart: bool
     why: str
-    cause: Cause | None = None
+    cause: RecoveryCause | None = None
     live: LivePlan | None = None
     spares_left: int = -1  #: with spares, how many are left after this recovery (-1: no spares)
 
     BOUNDS: ClassVar[dict] = {"why": 500, "spares_left": (-1, 2**31 - 1)}
 
 
-def needs_keeper(cause: Cause) -> bool:
+def needs_keeper(cause: RecoveryCause) -> bool:
     """A peer's process ended (its host lives): recovered in place only by its keeper's replacement."""
     return not cause.own and cause.kind is FailureKind.PEER_LOST and not cause.not_in_place
 

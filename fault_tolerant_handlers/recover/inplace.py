@@ -48,7 +48,7 @@ from ..core.interrupts import EXIT_TEARDOWN_STUCK
 from ..core.session import live_sessions
 from . import agree, keeper, live_state, spares
 from .agree import AsIs, Misplaced, Unsafe, cause_of
-from .causes import Cause, Decision, LivePlan, LiveReport, base_of
+from .causes import Decision, LivePlan, LiveReport, base_of, brief
 from .spares import check_spares
 
 T = TypeVar("T")
@@ -79,7 +79,7 @@ class _Recovery:
         self._failure_wall = 0.0  # when the failure reached this rank (wall clock: a spare's log line)
         #: Told each attempt's number as it starts (a keeper's child tells its keeper).
         self.on_attempt: Callable[[int], None] | None = None
-        self.causes: list[Cause] = []  # the primary cause of each failed attempt
+        self.causes: list[RecoveryCause] = []  # the primary cause of each failed attempt
         self._left = threading.Event()  # the main thread reached the recovery
         self._sessions: list = []  # the failed attempt's sessions, stopped, to abandon
         self.live = live_state.Held(self._state)
@@ -147,7 +147,7 @@ class _Recovery:
             return keeper.run(self, args, kwargs)
         return self.run(args, kwargs)
 
-    def run(self, args: tuple, kwargs: dict, replacement: Cause | None = None,
+    def run(self, args: tuple, kwargs: dict, replacement: RecoveryCause | None = None,
             order: spares.Order | None = None) -> T:
         """The attempts, in this process; a ``replacement`` (a keeper's new child, or a spare taking
         the seat its ``order`` names) first joins the recovery its peers wait in."""
@@ -209,7 +209,7 @@ class _Recovery:
             # the launchers forget the first rendezvous; the data layer its snapshots and live state
             hooks.run(hooks.END, RecoveryState(attempt=attempts.in_place()))
 
-    def _join_as_replacement(self, cause: Cause) -> dict:
+    def _join_as_replacement(self, cause: RecoveryCause) -> dict:
         """A keeper's new child (or a spare): connect to torchrun's store as the rendezvous would, and
         take part in the recovery of the attempt the dead child was in (:attr:`attempts.in_place`)."""
         t0 = time.monotonic()
@@ -286,7 +286,7 @@ class _Recovery:
             self._announce(RecoveryPhase.RECOVERY_STARTED, rank, self.causes[-1], t0)
         return decision, timings
 
-    def _agree(self, world: tuple, cause: Cause) -> Decision:
+    def _agree(self, world: tuple, cause: RecoveryCause) -> Decision:
         """This rank's part of the agreement (:func:`.agree.agree`), on the first attempt's store."""
         store, rank, world_size, _, _ = world
         report = self.live.report or LiveReport(rank, -1, "", "a spare took its place (it holds no state)"
@@ -298,7 +298,7 @@ class _Recovery:
 
     def _add_note(self, err: BaseException, decision: Decision) -> None:
         lines = [f"fault-tolerant-handlers: not recovered in place: {decision.why}"]
-        lines += [f"  attempt {i}: {c.describe()}" for i, c in enumerate(self.causes)]
+        lines += [f"  attempt {i}: {brief(c)}" for i, c in enumerate(self.causes)]
         if lines[1:]:
             lines.insert(1, "causes of the attempts recovered in place before:")
         log(logging.ERROR, "%s", "\n".join(lines))
@@ -365,22 +365,21 @@ class _Recovery:
         parts = ", ".join(f"{name} {took:.2f}" for name, took in timings.get("parts", {}).items() if took >= 0.005)
         plan = self.live.plan or LivePlan(-1, "", "no plan was made")
         log(logging.WARNING, "recovering in place, attempt %d (max_restarts=%d), after %s; watchdogs stopped %.2f s, "
-            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank; %s", attempts.in_place(), self.max_restarts, cause.describe(),
+            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank; %s", attempts.in_place(), self.max_restarts, brief(cause),
             timings["stopped"] - timings["detected"], timings["agreed"] - timings["detected"],
             timings["torn_down"] - timings["detected"], parts or "-", timings["reformed"] - timings["detected"],
             plan.describe())
         self._announce(RecoveryPhase.RECOVERED, rank, cause, timings["detected"], timings["reformed"])
 
-    def _announce(self, phase: RecoveryPhase, rank: int, cause: Cause, since: float, now: float | None = None) -> None:
+    def _announce(self, phase: RecoveryPhase, rank: int, cause: RecoveryCause, since: float,
+                  now: float | None = None) -> None:
         """Tell the recovery's moment ``phase`` (:mod:`..core.recoveries`), ``since`` the failure reached
         this rank; never raises (a report must not stop the recovery)."""
         try:
             plan = None if phase is RecoveryPhase.FAILURE_SEEN else self.live.plan
             live = plan is not None and plan.step >= 0
             info = RecoveryInfo(
-                phase, attempts.in_place() + (phase is not RecoveryPhase.RECOVERED), rank,
-                RecoveryCause(cause.failed_rank if cause.failed_rank >= 0 else None, cause.kind, cause.exc_type,
-                              cause.message, cause.step if cause.step >= 0 else None, cause.where),
+                phase, attempts.in_place() + (phase is not RecoveryPhase.RECOVERED), rank, cause,
                 0.0 if plan is None else max(0.0, (time.monotonic() if now is None else now) - since),
                 None if plan is None else (recoveries.LIVE if live else recoveries.CHECKPOINT),
                 plan.step if live else None, 0 if live else None)

@@ -33,12 +33,13 @@ from typing import Any
 from ..core import attempts, interrupts
 from ..core.config import ZOMBIE_HOLD
 from ..core.errors import EXIT_HUNG
-from ..core.failure import Ended, FailureKind
+from ..core.failure import Ended
 from ..core.hooks import log
 
 from . import spares
 from ..core.schema import keeper_key
-from .causes import Cause, base_of
+from ..core.recoveries import RecoveryCause
+from .causes import base_of, replaced
 
 #: What a keeper runs (``recover.inplace._Recovery``, not imported: it imports this module): its
 #: ``given``, ``layout``, ``join_timeout``, ``max_restarts``, ``on_attempt`` and
@@ -182,7 +183,7 @@ class Keeper:
     def _read_lost(self) -> bool:
         return struct.unpack_from("<q", self.page, 8)[0] == 1
 
-    def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: Cause | None,
+    def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: RecoveryCause | None,
                order: spares.Order | None) -> None:
         """The training child: never returns (its exit code tells the keeper how it ended)."""
         code = 1
@@ -217,7 +218,8 @@ class Keeper:
                 os._exit(code)
 
     # -- in the keeper --------------------------------------------------------------------------------
-    def run(self, args: tuple, kwargs: dict, replacement: Cause | None = None, order: spares.Order | None = None) -> Any:
+    def run(self, args: tuple, kwargs: dict, replacement: RecoveryCause | None = None,
+            order: spares.Order | None = None) -> Any:
         """Keep the training child, and a new one each time it dies. ``replacement`` and ``order``: a
         spare taking a lost rank's seat, its first child joins the recovery as that rank."""
         global _child_of
@@ -251,9 +253,7 @@ class Keeper:
                 attempt = self._read_attempt()
                 replaceable = os.WIFSIGNALED(status) or os.WEXITSTATUS(status) == EXIT_HUNG
                 if replaceable and attempt < self.recovery.max_restarts and not self._stopping:
-                    replacement = Cause(int(rank), int(rank), FailureKind.RANK_REPLACED.value, f"the process of rank "
-                                        f"{rank} (pid {pid}) {how}: replaced in place", "", -1, True, "",
-                                        FailureKind.RANK_REPLACED)
+                    replacement = replaced(int(rank), f"the process of rank {rank} (pid {pid}) {how}: replaced in place")
                     attempts.set_in_place(attempt)
                     dead = pid
                     log(logging.WARNING, "the training process of rank %s (pid %d) %s: starting its replacement, which "

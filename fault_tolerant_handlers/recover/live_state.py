@@ -14,7 +14,8 @@ send it to the ranks that need it, over the re-formed group, instead of reading 
 The rule (:func:`plan_live`): the newest step a rank holds (a step some ranks completed had its
 gradients reduced everywhere); ranks more than :data:`MAX_STEPS_APART` steps apart are out of step;
 among the ranks at that step the checksum most hold wins (a tie: the lowest rank's); every other rank
-receives (no state, behind, or diverged).
+receives (no state, behind, or diverged). A sharded model's state is each rank's own shard (a
+checksummed snapshot, verified in step 1): every rank must hold it at one step, and nothing is sent.
 
 :func:`checksum`: SHA-256 over a nested state's structure and every tensor's bytes, read in place; the
 same on every process for the same state. :func:`transfer`: the structure as JSON, then the tensors'
@@ -144,7 +145,7 @@ def _flatten(obj: Any, path: str, leaves: list[tuple[Any, str]]) -> Any:
         why = sharded.unbacked(obj)
         if why:
             raise TypeError(f"{path} is {why}: live state carries tensors each process holds whole (its memory read "
-                            "in place); a sharded model recovers from its newest checkpoint")
+                            "in place); a sharded model's is each rank's own snapshot, never sent")
         leaves.append((obj, path))
         return {"x": [_dtype_name(obj.dtype), list(obj.shape)]}
     if _is_ndarray(obj):
@@ -608,6 +609,8 @@ def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
         held = ", ".join(f"rank {r.by} at {r.unit} {r.step}" for r in holders)
         return LivePlan(-1, "", f"the ranks completed steps too far apart ({held})")
     unit = units.pop()
+    if any(r.shard for r in holders):
+        return _plan_shards(ranks, step, unit)
     at_step = [r for r in holders if r.step == step]
     counts = collections.Counter(r.checksum for r in at_step)
     # the most held checksum; among equals, the one the lowest rank holds (at_step is in rank order)
@@ -625,6 +628,19 @@ def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
     rngs = {r.rng for r in agreeing}
     return LivePlan(step, unit, "", portable[0].by, tuple(rank for rank, _ in whom), told, chosen,
                     rng_shared=len(rngs) == 1 and "" not in rngs)
+
+
+def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
+    """A sharded model's rule: every rank resumes from its own shard, held (checksum verified) at one step."""
+    for r in ranks:
+        if r.step < 0 or not r.shard:
+            why = r.why or "its state is not a shard"
+            return LivePlan(-1, "", cap_head(f"rank {r.by} holds no shard of its own ({why}), and no other rank "
+                                             "holds a copy of it", 400))
+        if r.step != step:
+            return LivePlan(-1, "", f"the ranks' shards are of different steps (rank {r.by} at {unit} {r.step}, "
+                                    f"another at {unit} {step})")
+    return LivePlan(step, unit, "")
 
 
 def _rng_crc(rng: tuple) -> int:
@@ -654,14 +670,24 @@ class Held:
         if self.captured is None:
             self.report = LiveReport(rank, -1, "", cap_head(captured.live_why or "no layer captures it", 300))
             return
+        step, unit, rng = self.captured.step, self.captured.unit, self.captured.rng
+        rng_crc = "" if rng is None else f"{_rng_crc(rng):08x}"
+        snap = self.captured.state
+        if isinstance(snap, sharded.Snapshot):  # this rank's shard, copied at the failure (data.live)
+            if not snap.verify():
+                why = (f"SnapshotChecksumError: its shard of {unit} {step} does not have its checksum (CRC-32 "
+                       f"{snap.checksum or 0:08x} when copied, {snap.compute_checksum():08x} now): never loaded")
+                log(logging.ERROR, "live state: %s", why)
+                self.captured, self.report = None, LiveReport(rank, -1, "", why)
+                return
+            self.report = LiveReport(rank, step, unit, "", f"{snap.checksum:08x}", rng_crc, shard=True)
+            return
         digest, portable = "", ""
         try:
-            digest = checksum(self.captured.state)
+            digest = checksum(snap)
         except TypeError as err:  # a leaf that cannot be sent (named by its path): kept for this rank only
             portable = cap_head(str(err), 300)
-        rng = self.captured.rng
-        self.report = LiveReport(rank, self.captured.step, self.captured.unit, "", digest,
-                                 "" if rng is None else f"{_rng_crc(rng):08x}", portable)
+        self.report = LiveReport(rank, step, unit, "", digest, rng_crc, portable)
 
     def hold(self, captured: Captured | None) -> None:
         """What the next attempt resumes from: ``captured`` (``None``: its newest checkpoint)."""

@@ -6,65 +6,37 @@ With FSDP2 (``fully_shard``, ``DTensor``) each rank holds the only copy of its s
   on the next host(s) of a ring over hosts (NVIDIA's resiliency extension's clique rule, ranks
   ``replication_jump`` = ranks-per-host apart), another rank of the same host only when there is no
   other host (logged).
-* :func:`take_snapshot` / :func:`restore`: one rank's state dict (model and optimizer
-  ``state_dict()`` with ``DTensor`` values, plain tensors, numbers, RNG states) as one contiguous CPU
-  byte buffer, copied once, a CRC-32 over its manifest and bytes, and the step; the manifest (per
-  leaf: path, dtype, shape, offset, ``DTensor`` placements and mesh) is bounded JSON, never pickle:
-  the bytes may come from a peer. :func:`restore` refuses a snapshot whose checksum does not match
-  (:class:`SnapshotChecksumError`) or whose manifest is malformed or too large (:class:`ManifestError`).
-* :class:`ShardReplicas`: after each ``replicate_every``-th optimizer step, the snapshot is copied
-  on the caller's thread and sent to the partners from a background thread on a gloo group of its
-  own, while another thread receives the copies this rank holds. Nothing on the training thread
-  waits for a send: a snapshot taken while the previous one is still pending replaces it (counted).
+* :class:`ShardReplicas`: after each ``replicate_every``-th optimizer step, the snapshot
+  (:func:`..core.sharded.take_snapshot`) is copied on the caller's thread and sent to the partners
+  from a background thread on a gloo group of its own, while another thread receives the copies this
+  rank holds. Nothing on the training thread waits for a send: a snapshot taken while the previous
+  one is still pending replaces it (counted).
 
-The recovery does not use this yet (see docs/sharded.md).
+The recovery does not use the partners' copies yet: it resumes a sharded model from each rank's own
+shard (:mod:`..data.live`), and from the checkpoint when a rank's is lost (see docs/sharded.md).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import socket
 import sys
 import threading
-import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..core.hooks import log
+from ..core.sharded import MAX_MANIFEST_BYTES, ManifestError, Snapshot, take_snapshot
 
-#: Names the manifest's layout: a change of it changes every checksum.
-FORMAT = "fth-shard-1"
-#: The largest manifest accepted (bytes of JSON), from a peer or not.
-MAX_MANIFEST_BYTES = 16 * 2**20
-#: The deepest nesting of containers a manifest may describe.
-MAX_DEPTH = 64
-#: Each leaf's bytes start at a multiple of this (any dtype's view of the buffer is aligned).
-_ALIGN = 64
-#: The dtypes a manifest may name (``str(torch.float32)`` minus the ``torch.`` prefix).
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint64, torch.uint32, torch.uint16, torch.uint8,
-    torch.bool)}
 #: The header sent before each snapshot: format tag, rank, step, manifest bytes, payload bytes, CRC-32.
 _HEADER = 6
 _TAG = 0x46544853  # "FTHS"
 _STOP = -1
-
-
-class ManifestError(ValueError):
-    """A snapshot's manifest is malformed, too large or does not fit its bytes: nothing is rebuilt."""
-
-
-class SnapshotChecksumError(ValueError):
-    """A snapshot's bytes do not have the checksum it was sent with: it is never loaded."""
 
 
 # -- partner choice -------------------------------------------------------------------------------
@@ -115,225 +87,6 @@ def choose_partners(hosts: Sequence[str], partners: int = 1) -> list[tuple[int, 
 def held_by(chosen: Sequence[Sequence[int]], rank: int) -> list[int]:
     """The ranks whose copies ``rank`` holds under ``chosen`` (:func:`choose_partners`)."""
     return [r for r, ps in enumerate(chosen) if rank in ps]
-
-
-# -- snapshot -------------------------------------------------------------------------------------
-
-@dataclass
-class Snapshot:
-    """One rank's state at one step: ``payload`` (a 1-D uint8 CPU tensor) holds every tensor's bytes,
-    ``manifest`` (JSON bytes) how to rebuild them; ``checksum`` is a CRC-32 over both (``None`` until
-    :meth:`seal`)."""
-
-    rank: int
-    step: int
-    manifest: bytes
-    payload: torch.Tensor
-    checksum: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.manifest) + self.payload.numel()
-
-    def compute_checksum(self) -> int:
-        crc = zlib.crc32(self.manifest)
-        return zlib.crc32(memoryview(self.payload.numpy()), crc)  # releases the GIL over large buffers
-
-    def seal(self) -> Snapshot:
-        self.checksum = self.compute_checksum()
-        return self
-
-    def verify(self) -> bool:
-        return self.checksum is not None and self.compute_checksum() == self.checksum
-
-
-def _placement(p: Any, path: str) -> list:
-    if type(p) is Shard:
-        return ["S", p.dim]
-    if type(p) is Replicate:
-        return ["R"]
-    if type(p) is Partial:
-        return ["P", p.reduce_op]
-    raise TypeError(f"{path} has placement {p!r} ({type(p).__qualname__}), which a shard snapshot cannot "
-                    "rebuild: Shard, Replicate or Partial")
-
-
-def _describe(obj: Any, path: str, leaves: list, tensors: list, depth: int) -> Any:
-    """The JSON tree of ``obj``: containers as ``{"d"|"l"|"t": ...}``, values as ``{"v": x}``,
-    tensors as ``{"T": index}`` into ``leaves`` (their local shards appended to ``tensors``)."""
-    if depth > MAX_DEPTH:
-        raise TypeError(f"{path} is nested deeper than {MAX_DEPTH}")
-    if isinstance(obj, Mapping):
-        items = []
-        for k, v in obj.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise TypeError(f"{path} has a key {k!r} of type {type(k).__qualname__}: str or int keys only")
-            items.append([k, _describe(v, f"{path}[{k!r}]", leaves, tensors, depth + 1)])
-        return {"d": items}
-    if isinstance(obj, (list, tuple)):
-        return {"l" if isinstance(obj, list) else "t":
-                [_describe(v, f"{path}[{i}]", leaves, tensors, depth + 1) for i, v in enumerate(obj)]}
-    if obj is None or isinstance(obj, (bool, int, str)) or (isinstance(obj, float) and math.isfinite(obj)):
-        return {"v": obj}
-    if isinstance(obj, float):
-        return {"f": repr(obj)}  # inf, nan: JSON has no literal for them
-    leaf: dict[str, Any] = {"path": path}
-    if isinstance(obj, DTensor):
-        mesh = obj.device_mesh
-        leaf.update(placements=[_placement(p, path) for p in obj.placements], global_shape=list(obj.shape),
-                    global_stride=list(obj.stride()), mesh={"shape": list(mesh.shape),
-                                                            "dim_names": list(mesh.mesh_dim_names or []),
-                                                            "ranks": mesh.mesh.flatten().tolist()})
-        obj = obj.to_local()
-    elif type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":  # RNG states (numpy.random)
-        leaf["numpy"] = True
-        obj = torch.from_numpy(obj)
-    elif not isinstance(obj, torch.Tensor):
-        raise TypeError(f"{path} is a {type(obj).__module__}.{type(obj).__qualname__}, which a shard snapshot "
-                        "cannot carry: tensors, DTensors, numbers, str, None, and dicts, lists, tuples of them")
-    if obj.layout != torch.strided or str(obj.dtype).removeprefix("torch.") not in _DTYPES:
-        raise TypeError(f"{path} is a tensor a shard snapshot cannot carry (layout {obj.layout}, dtype {obj.dtype})")
-    leaf.update(dtype=str(obj.dtype).removeprefix("torch."), shape=list(obj.shape),
-                nbytes=obj.numel() * obj.element_size(), requires_grad=obj.requires_grad)
-    leaves.append(leaf)
-    tensors.append(obj)
-    return {"T": len(leaves) - 1}
-
-
-def take_snapshot(state: Any, step: int, rank: int, *, seal: bool = True,
-                  buffer: torch.Tensor | None = None) -> Snapshot:
-    """Copy ``state`` (its ``DTensor`` values' local shards) into one contiguous CPU buffer, once.
-
-    Called on the training thread after the optimizer step: the copy is done when this returns, so
-    training may go on. ``seal=False`` leaves the CRC-32 to :meth:`Snapshot.seal` (another thread).
-    ``buffer``: a 1-D uint8 CPU tensor no one reads any more, written into when it has the size needed
-    (a fresh buffer's pages are faulted in as it is first written: 100 MB, about 60 ms against 10).
-
-    Raises:
-        TypeError: a value a snapshot cannot carry, naming its path (``state['opt']['state'][0]``).
-    """
-    leaves: list[dict] = []
-    tensors: list[torch.Tensor] = []
-    tree = _describe(state, "state", leaves, tensors, 0)
-    offset = 0
-    for leaf in leaves:
-        offset = -(-offset // _ALIGN) * _ALIGN
-        leaf["offset"] = offset
-        offset += leaf["nbytes"]
-    payload = buffer if buffer is not None and buffer.numel() == offset else torch.empty(offset, dtype=torch.uint8)
-    with torch.no_grad():
-        for leaf, t in zip(leaves, tensors):
-            if leaf["nbytes"]:
-                _view(payload, leaf).copy_(t)
-    manifest = json.dumps({"format": FORMAT, "rank": rank, "step": step, "bytes": offset, "tree": tree,
-                           "leaves": leaves}, separators=(",", ":")).encode()
-    if len(manifest) > MAX_MANIFEST_BYTES:
-        raise TypeError(f"the state's manifest is {len(manifest)} bytes, more than {MAX_MANIFEST_BYTES}")
-    snap = Snapshot(rank, step, manifest, payload)
-    return snap.seal() if seal else snap
-
-
-def _view(payload: torch.Tensor, leaf: dict) -> torch.Tensor:
-    dtype = _DTYPES[leaf["dtype"]]
-    chunk = payload[leaf["offset"]:leaf["offset"] + leaf["nbytes"]]
-    return (chunk.view(dtype) if chunk.numel() else torch.empty(0, dtype=dtype)).view(leaf["shape"])
-
-
-def read_manifest(data: bytes, payload_bytes: int) -> dict:
-    """The manifest in ``data``, checked against a payload of ``payload_bytes`` bytes.
-
-    Raises:
-        ManifestError: larger than :data:`MAX_MANIFEST_BYTES`, not this format's JSON, a leaf with an
-        unknown dtype, a shape that does not give its bytes, or bytes outside the payload.
-    """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"the manifest is {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
-    try:
-        manifest = json.loads(data)
-    except (ValueError, RecursionError) as e:
-        raise ManifestError(f"the manifest is not JSON: {type(e).__name__}: {str(e)[:200]}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ManifestError(f"the manifest is not a {FORMAT} manifest")
-    for key in ("rank", "step", "bytes"):
-        if type(manifest.get(key)) is not int:
-            raise ManifestError(f"the manifest's {key!r} is not an int")
-    if manifest["bytes"] != payload_bytes:
-        raise ManifestError(f"the manifest describes {manifest['bytes']} bytes, the payload has {payload_bytes}")
-    leaves = manifest.get("leaves")
-    if not isinstance(leaves, list):
-        raise ManifestError("the manifest has no list of leaves")
-    for i, leaf in enumerate(leaves):
-        ok = (isinstance(leaf, dict) and leaf.get("dtype") in _DTYPES and isinstance(leaf.get("shape"), list)
-              and all(type(n) is int and n >= 0 for n in leaf["shape"])
-              and all(type(leaf.get(k)) is int and leaf[k] >= 0 for k in ("offset", "nbytes")))
-        if not ok or leaf["nbytes"] != math.prod(leaf["shape"]) * _DTYPES[leaf["dtype"]].itemsize \
-                or leaf["offset"] % _ALIGN or leaf["offset"] + leaf["nbytes"] > payload_bytes:
-            raise ManifestError(f"the manifest's leaf {i} ({str(leaf)[:200]}) does not fit the payload")
-    return manifest
-
-
-def restore(snap: Snapshot, *, mesh: Any = None, device: str | torch.device = "cpu") -> Any:
-    """The state ``snap`` was taken from, to load into a model and optimizer (``load_state_dict``).
-
-    Tensors are new (copies of the snapshot's bytes, on ``device``). A ``DTensor`` comes back as a
-    ``DTensor`` on ``mesh`` (the caller's device mesh, the one it was sharded on: checked against the
-    manifest's) with its placements and global shape; without ``mesh``, as its local shard.
-
-    Raises:
-        SnapshotChecksumError: the bytes or manifest do not have the snapshot's checksum (or it has none).
-        ManifestError: see :func:`read_manifest`; or ``mesh`` differs from the one recorded.
-    """
-    if not snap.verify():
-        raise SnapshotChecksumError(f"the snapshot of rank {snap.rank} at step {snap.step} does not have its "
-                                    f"checksum ({snap.checksum}): refused")
-    manifest = read_manifest(snap.manifest, snap.payload.numel())
-    leaves = manifest["leaves"]
-
-    def leaf(i: Any) -> Any:
-        if type(i) is not int or not 0 <= i < len(leaves):
-            raise ManifestError(f"the manifest names leaf {str(i)[:50]}, which it does not have")
-        spec = leaves[i]
-        t = _view(snap.payload, spec).to(device=device, copy=True)
-        if spec.get("numpy"):
-            return t.numpy()
-        if "placements" not in spec or mesh is None:
-            return t.requires_grad_(bool(spec.get("requires_grad")))
-        if list(mesh.shape) != spec["mesh"]["shape"] or mesh.mesh.flatten().tolist() != spec["mesh"]["ranks"]:
-            raise ManifestError(f"{spec['path']} was sharded on a mesh {spec['mesh']}, not on {mesh}")
-        placements = [_PLACEMENTS[p[0]](*p[1:]) for p in spec["placements"]]
-        d = DTensor.from_local(t, mesh, placements, run_check=False, shape=torch.Size(spec["global_shape"]),
-                               stride=tuple(spec["global_stride"]))
-        return d.requires_grad_(bool(spec.get("requires_grad")))
-
-    def build(node: Any, depth: int) -> Any:
-        if depth > MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
-            raise ManifestError(f"the manifest's tree has a malformed node: {str(node)[:200]}")
-        [(kind, value)] = node.items()
-        if kind == "v":
-            return value
-        if kind == "f":
-            return float(value)
-        if kind == "T":
-            return leaf(value)
-        if kind == "d" and isinstance(value, list) and all(isinstance(kv, list) and len(kv) == 2 for kv in value):
-            return {k: build(v, depth + 1) for k, v in value}
-        if kind in ("l", "t") and isinstance(value, list):
-            items = [build(v, depth + 1) for v in value]
-            return items if kind == "l" else tuple(items)
-        raise ManifestError(f"the manifest's tree has a malformed node: {str(node)[:200]}")
-
-    return build(manifest.get("tree"), 0)
-
-
-_PLACEMENTS = {"S": Shard, "R": Replicate, "P": Partial}
-
-
-def local_shards(state: Any) -> list[tuple[str, torch.Tensor]]:
-    """``(path, tensor)`` of every tensor in ``state``, a ``DTensor`` as its local shard (for comparing)."""
-    leaves: list[dict] = []
-    tensors: list[torch.Tensor] = []
-    _describe(state, "state", leaves, tensors, 0)
-    return [(leaf["path"], t) for leaf, t in zip(leaves, tensors)]
 
 
 # -- replication ----------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from ..core.hooks import first_line, log
 from ..core.failure import WORLD, FailureKind, Stored, cap_head, host_name
 from ..core.schema import (Bounded, Connection, agreement_key, answer_key, claim_key, order_key,  # noqa: F401
                            seat_key, taken_key)
-from .causes import NOT_IN_PLACE, Cause, keeper_replaces
+from ..core.recoveries import RecoveryCause
+from .causes import NOT_IN_PLACE, keeper_replaces, replaced
 
 TAKE = "take"
 END = "end"
@@ -300,7 +301,7 @@ def log_takeover(lay: Layout, order: Order, reformed_wall: float) -> None:
 
 
 # -- a process's part, as the recovery's loop calls it ------------------------------------------------
-def serve(lay: Layout, timeout: timedelta) -> tuple[Order, Cause] | None:
+def serve(lay: Layout, timeout: timedelta) -> tuple[Order, RecoveryCause] | None:
     """A spare: wait for an order. ``None`` when the training ended without needing it; else the order
     to take a lost rank's place, this process now that rank (:func:`take_seat`, in the recovery of
     ``order.attempt``), and the cause it joins the recovery with. Raises :class:`RecoveryError` when
@@ -319,9 +320,8 @@ def serve(lay: Layout, timeout: timedelta) -> tuple[Order, Cause] | None:
         raise RecoveryError(f"spare launched rank {lay.launched_rank}: the job ended without it: {order.why}")
     take_seat(lay, order)
     attempts.set_in_place(order.attempt)
-    return order, Cause(order.rank, order.rank, FailureKind.RANK_REPLACED.value,
-                        f"rank {order.rank}'s process was lost with no keeper to replace it: spare launched rank "
-                        f"{lay.launched_rank} took its place", "", -1, True, "", FailureKind.RANK_REPLACED)
+    return order, replaced(order.rank, f"rank {order.rank}'s process was lost with no keeper to replace it: spare "
+                                       f"launched rank {lay.launched_rank} took its place")
 
 
 def take_own_seat(lay: Layout, timeout: timedelta) -> Any:
@@ -348,10 +348,10 @@ def tell_end(store: Any, lay: Layout, ok: bool, why: str) -> None:
         conn.close()
 
 
-def lost_or_silent(cause: Cause) -> bool:
+def lost_or_silent(cause: RecoveryCause) -> bool:
     """A peer declared lost or silent with its end not seen (another host's rank, or its host or link
     gone): with spares, one takes its place unless its keeper replaces it."""
-    return (not cause.own and cause.failed_rank >= 0
+    return (not cause.own and cause.rank is not None
             and cause.kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
             and cause.not_in_place == NOT_IN_PLACE[cause.kind])
 

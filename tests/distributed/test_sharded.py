@@ -2,10 +2,13 @@
 checkpoints (``torch.distributed.checkpoint``, DCP), as the examples run them, on 2 CPU ranks (gloo).
 
 * ``examples/ignite_fsdp.py``: Ignite + FSDP2 with ``DCPSaver``; rank 1 raises at iteration 17; a
-  recovery in place (live state refused with a WARNING: a sharded model's shards are in the peers'
-  memory) and a torchrun relaunch both resume from ``checkpoint_10`` and end with the SHA-256 of
-  the final weights (``full_tensor()``) of an uninterrupted run. Before this: the in-place run died
-  of SIGSEGV (the live-state checksum read a ``DTensor``'s ``data_ptr()``, 0).
+  recovery in place carries on from live state (each rank its own shard, copied at the failure into a
+  checksummed CPU snapshot) at iteration 16, no step computed twice, and a torchrun relaunch resumes
+  from ``checkpoint_10``; both end with the SHA-256 of the final weights (``full_tensor()``) of an
+  uninterrupted run. Before this: live state was refused for a sharded model and the in-place run
+  resumed from ``checkpoint_10`` (6 steps computed twice); before that, it died of SIGSEGV (the
+  live-state checksum read a ``DTensor``'s ``data_ptr()``, 0). A rank's snapshot whose bytes
+  changed while held is never loaded: every rank resumes from ``checkpoint_10``, the log naming why.
 * ``examples/lightning_model_parallel.py``: ``ModelParallelStrategy`` with
   ``save_distributed_checkpoint`` False (a file) and True (a directory); in place, resumed from
   ``epoch=0-step=10.ckpt`` with the checkpoint's weights. Before this: the file's in-memory copy was
@@ -108,25 +111,68 @@ def test_sharded_examples_print_both_rehearsals():
                    for line in lines), lines
 
 
-def _check_recovered(out: str, returncode: int | None, resumed: str, reference: str, in_place: bool) -> None:
+def _check_recovered(out: str, returncode: int | None, resumed: str, reference: str, in_place: bool,
+                     refused: bool = True, world: int = 2) -> None:
     assert returncode is not None, f"still running after {DEADLINE_SEC} s (killed):\n{out[-4000:]}"
     assert "SIGSEGV" not in out and "Segmentation fault" not in out, out[-4000:]
     assert "FTH_INJECT=raise@rank=1,iteration=17: injecting raise" in out, out[-4000:]  # the fault fired
     assert re.search(r"\[rank 0 step \d+\] stopping: rank 1 failed in 'train'", out), out[-4000:]  # together
-    for rank in (0, 1):
+    for rank in range(world):
         assert f"[rank {rank}] attempt 1: {resumed}" in out, out[-4000:]
     if in_place:
         assert "recovering in place, attempt 1" in out, out[-4000:]
-        assert re.search(r"\[rank 0\] live state refused: .*sharded", out), out[-4000:]  # the WARNING, named
+        if refused:
+            assert re.search(r"\[rank 0\] live state refused: .*sharded", out), out[-4000:]  # the WARNING, named
     assert returncode == 0, out[-4000:]
-    assert _digests(out, 2) == {reference}, f"final weights differ from an uninterrupted run's:\n{out[-4000:]}"
+    assert _digests(out, world) == {reference}, f"final weights differ from an uninterrupted run's:\n{out[-4000:]}"
+
+
+def _check_own_shards(out: str, world: int, step: int) -> None:
+    """Every rank carried on from its own shard of ``step``: nothing computed twice, nothing sent."""
+    assert "live state refused" not in out, out[-4000:]
+    for rank in range(world):
+        assert re.search(rf"\[rank {rank}[^\]]*\] .*live state, iteration {step} \(each rank's own\), is held", out), \
+            (rank, out[-4000:])
+        assert re.search(rf"\[rank {rank}[^\]]*\] carries on from live state, iteration {step} \(loaded by the script "
+                         rf"from live-state-step={step}\.pt\): no step computed twice", out), (rank, out[-4000:])
 
 
 @pytest.mark.timeout(2 * DEADLINE_SEC + 60)
-@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "relaunch"])
-def test_ignite_fsdp_resumes_exactly_from_a_distributed_checkpoint(in_place, ignite_reference, tmp_path):
-    returncode, out = _run(_line(IGNITE, in_place), IGNITE, tmp_path)
-    _check_recovered(out, returncode, "resumed from checkpoint_10 at iteration 10", ignite_reference, in_place)
+def test_ignite_fsdp_in_place_carries_on_from_each_ranks_own_shard_exactly(ignite_reference, tmp_path):
+    """Rank 1 raises at iteration 17: every process survives, each rank holds its shard of iteration
+    16 (copied at the failure, checksummed), and every rank carries on from it: 0 steps computed
+    twice (before: from ``checkpoint_10``, 6), and the uninterrupted run's final weights."""
+    returncode, out = _run(_line(IGNITE, True), IGNITE, tmp_path)
+    _check_recovered(out, returncode, "resumed from live-state-step=16.pt at iteration 16", ignite_reference, True,
+                     refused=False)
+    _check_own_shards(out, 2, 16)
+
+
+@pytest.mark.timeout(2 * DEADLINE_SEC + 60)
+def test_ignite_fsdp_relaunch_resumes_exactly_from_a_distributed_checkpoint(ignite_reference, tmp_path):
+    returncode, out = _run(_line(IGNITE, False), IGNITE, tmp_path)
+    _check_recovered(out, returncode, "resumed from checkpoint_10 at iteration 10", ignite_reference, False)
+
+
+FLIP_MAIN = ROOT / "tests" / "programs" / "flip_shard_main.py"
+
+
+@pytest.mark.timeout(2 * DEADLINE_SEC + 60)
+def test_a_shard_whose_bytes_changed_while_held_is_never_loaded(ignite_reference, tmp_path):
+    """Rank 1's shard snapshot has a byte flipped after it was checksummed (``flip_shard_main.py``):
+    rank 1 reports it by name (``SnapshotChecksumError``), rank 0's plan names rank 1 and why, and
+    every rank resumes from ``checkpoint_10`` (nobody else holds rank 1's shard), exactly."""
+    line = _line(IGNITE, True).replace("torchrun ", "FLIP_SHARD=1 torchrun ").replace(
+        "examples/ignite_fsdp.py", f"examples/{FLIP_MAIN.name} {IGNITE}")
+    returncode, out = _run(line, FLIP_MAIN, tmp_path)
+    assert "[rank 1] flipped a byte of its shard of step 16" in out, out[-4000:]  # the fault fired
+    assert re.search(r"\[rank 1[^\]]*\] live state: SnapshotChecksumError: its shard of iteration 16 does not have "
+                     r"its checksum \(CRC-32 [0-9a-f]{8} when copied, [0-9a-f]{8} now\): never loaded", out), out[-4000:]
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank}[^\]]*\] .*live state cannot serve: rank 1 holds no shard of its own "
+                         r"\(SnapshotChecksumError: its shard of iteration 16", out), (rank, out[-4000:])
+    _check_recovered(out, returncode, "resumed from checkpoint_10 at iteration 10", ignite_reference, True,
+                     refused=False)
 
 
 @pytest.mark.timeout(2 * DEADLINE_SEC + 60)
@@ -152,13 +198,14 @@ def test_lightning_model_parallel_relaunch_resumes_exactly(distributed, lightnin
 @pytest.mark.timeout(3 * DEADLINE_SEC + 60)
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "relaunch"])
 def test_ignite_fsdp_at_4_ranks(in_place, reference, tmp_path):
+    """In place, every rank carries on from its own shard of iteration 16; relaunched, from ``checkpoint_10``."""
     expected = reference(IGNITE, 4)
     returncode, out = _run(_line(IGNITE, in_place, world=4), IGNITE, tmp_path)
-    assert returncode == 0, out[-4000:]
-    assert "FTH_INJECT=raise@rank=1,iteration=17: injecting raise" in out, out[-4000:]
-    for rank in range(4):
-        assert f"[rank {rank}] attempt 1: resumed from checkpoint_10 at iteration 10" in out, out[-4000:]
-    assert _digests(out, 4) == {expected}, out[-4000:]
+    resumed = "resumed from live-state-step=16.pt at iteration 16" if in_place else \
+        "resumed from checkpoint_10 at iteration 10"
+    _check_recovered(out, returncode, resumed, expected, in_place, refused=False, world=4)
+    if in_place:
+        _check_own_shards(out, 4, 16)
 
 
 # -- SIGKILL and hang --------------------------------------------------------------------------------------
@@ -170,7 +217,7 @@ FORMS = {"ignite": (IGNITE, "", r"resumed from checkpoint_20 at iteration 20"),
 #: The hang timeout of the hang cases (``FTH_HANG_TIMEOUT_SEC``): a few seconds, far above a step here.
 HANG_SEC = 5
 FAULT_CASES = [pytest.param(form, fault, in_place, world, id=f"{form}-{fault}-{'in-place' if in_place else 'relaunch'}-{world}",
-                            marks=() if (form, fault, in_place, world) == ("ignite", "kill", True, 2) else pytest.mark.long)
+                            marks=() if (form, in_place, world) == ("ignite", True, 2) else pytest.mark.long)
                for world in (2, 4) for form in FORMS for fault in ("kill", "hang") for in_place in (True, False)]
 
 
@@ -196,8 +243,14 @@ def test_sharded_job_survives_sigkill_and_hang(form, fault, in_place, world, ref
     from the checkpoint of step 20 (the newest complete one; that of step 10 is still there for
     Ignite), in its form (Ignite's ``DCPSaver`` directory, Lightning's file or directory), and the
     final weights are bit for bit an uninterrupted run's: the data path is exact, so this is proved
-    against the uninterrupted run itself, not against a run resumed from the same checkpoint."""
+    against the uninterrupted run itself, not against a run resumed from the same checkpoint.
+    Ignite in place: a hung rank's process survives, so every rank carries on from its own shard of
+    iteration 22 (0 steps computed twice); a killed rank's shard went with it (no partner holds a
+    copy yet), which the plan says by name."""
     example, extra, resumed = FORMS[form]
+    own_shards = form == "ignite" and in_place and fault == "hang"
+    if own_shards:
+        resumed = r"resumed from live-state-step=22\.pt at iteration 22"
     expected = reference(example, world)
     victim = 0 if fault == "kill" else world - 1
     inject = f"{fault}@rank={victim},iteration=23"
@@ -210,11 +263,16 @@ def test_sharded_job_survives_sigkill_and_hang(form, fault, in_place, world, ref
         assert f"rank {victim} (pid" in out and "killed by SIGKILL" in out, out[-4000:]  # named by its peers
         if in_place:
             assert f"[rank {victim}] the training process of rank {victim}" in out, out[-4000:]  # its keeper
+        if in_place and form == "ignite":
+            assert re.search(rf"live state cannot serve: rank {victim} holds no shard of its own \(its process was "
+                             r"replaced", out), out[-4000:]
     else:
         assert f"RankHung: rank {victim} (pid" in out, out[-4000:]
     if in_place:
         assert "recovering in place, attempt 1" in out, out[-4000:]
     _check_resumed(out, returncode, world, resumed, expected)
+    if own_shards:
+        _check_own_shards(out, world, 22)
 
 
 # -- a save killed midway ------------------------------------------------------------------------------

@@ -36,6 +36,11 @@ def test_the_schedule_is_seeded_spaced_by_the_rate_and_numbers_the_attempts(benc
     for j, f in enumerate(faults):  # the middle half of the j-th window
         assert j * 400 + 100 <= f.iteration <= j * 400 + 300 and 0 <= f.rank < 8 and f.kind in bench.KINDS
     assert len({f.kind for f in faults}) == len(bench.KINDS)
+    # every kind as often as the others (+-1), even in 10 faults: each kind is in the draw
+    for seed in range(20):
+        ten = bench.draw_schedule(seed, 12000, 60, 50, 8)
+        counts = [sum(f.kind == k for f in ten) for k in bench.KINDS]
+        assert len(ten) == 10 and max(counts) - min(counts) <= 1, counts
     attempt = 0
     for f in faults:  # each but a worker kill starts a new attempt
         assert f.attempt == attempt

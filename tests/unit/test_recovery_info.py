@@ -153,7 +153,7 @@ def test_no_recovery_no_numbers():
 
 # -- the kind a cause carries (recover_in_place's view of an exception) -----------------------------------
 def test_a_cause_carries_its_kind_through_the_store():
-    from fault_tolerant_handlers.recover.causes import Cause
+    from fault_tolerant_handlers.recover.causes import replaced
     from fault_tolerant_handlers.core.failure import FailureRecord, FailureState
     from fault_tolerant_handlers.recover.agree import cause_of
 
@@ -176,12 +176,13 @@ def test_a_cause_carries_its_kind_through_the_store():
     own = cause_of(RuntimeError("interrupted"), 0, [signalled])
     assert own.kind is FailureKind.RANK_SIGNALLED and own.not_in_place == NOT_IN_PLACE[FailureKind.RANK_SIGNALLED]
     assert not cause_of(RuntimeError("interrupted"), 0).not_in_place
-    assert Cause.from_json(hung.to_json(), 2) == hung
-    assert Cause.from_json(hung.to_json(), 2).kind is FailureKind.RANK_HUNG  # the codec reads a FailureKind back
+    assert RecoveryCause.from_json(hung.to_json(), 2) == hung
+    assert RecoveryCause.from_json(hung.to_json(), 2).kind is FailureKind.RANK_HUNG  # the codec reads a FailureKind back
     forged = hung.to_json().replace(b'"RankHung"', b'"Bogus"')
-    assert Cause.from_json(forged, 2) is None  # a kind that is none: the cause is not believed at all
-    replaced = Cause(1, 1, FailureKind.RANK_REPLACED.value, "replaced", "", -1, True, "", FailureKind.RANK_REPLACED)
-    assert Cause.from_json(replaced.to_json(), 2) == replaced  # the keeper's and a spare's
+    assert RecoveryCause.from_json(forged, 2) is None  # a kind that is none: the cause is not believed at all
+    replacement = replaced(1, "replaced")
+    assert RecoveryCause.from_json(replacement.to_json(), 2) == replacement  # the keeper's and a spare's
+    assert replacement.kind is FailureKind.RANK_REPLACED and replacement.own
 
 
 # -- the adapters' translation --------------------------------------------------------------------------

@@ -76,9 +76,9 @@ def test_checksum_of_a_dtensor_is_refused_not_a_segfault():
 def test_sharded_find_names_the_path(group):
     model = _sharded_model()
     assert sharded.find({"model": model.state_dict()})[0] == "state['model']['0.weight']"
-    assert "DTensor" in sharded.in_module(model)
+    assert "DTensor" in sharded.find(dict(model.named_parameters()))[1]
     assert sharded.find({"w": torch.ones(2), "n": [1, {"x": torch.zeros(1)}]}) is None
-    assert sharded.in_module(torch.nn.Linear(2, 2)) == ""
+    assert sharded.find(dict(torch.nn.Linear(2, 2).named_parameters())) is None
 
 
 def test_snapshot_refuses_sharded_state_at_warning(group, monkeypatch, caplog):
@@ -198,3 +198,112 @@ def test_lightning_strategies_that_restore_themselves_are_named():
     for strategy in (ModelParallelStrategy(), FSDPStrategy()):
         why = compat_lightning.restores_itself(strategy)
         assert type(strategy).__name__ in why and "load_model_state_dict" in why, why
+
+
+# -- live state of a sharded model: each rank's own shard, a checksummed CPU snapshot ----------------------
+
+class _Counter:
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    model(torch.randn(3, 4, generator=g)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _local_bytes(state: dict) -> list:
+    return [(path, t.contiguous().reshape(-1).view(torch.uint8).clone()) for path, t in sharded.local_shards(state)]
+
+
+def _captured_at(model, optimizer, step: int):
+    from fault_tolerant_handlers.data import live
+
+    live.capture_now(lambda: live.Captured(step, "iteration", {"app": ShardedState(model, optimizer).state_dict(),
+                                                                 "counter": {"n": step}}, None, None))
+
+
+def test_a_sharded_models_live_state_is_its_shard_copied_checksummed_and_loaded_back_exactly(group, tmp_path):
+    """At the failure, a sharded model's live state is this rank's shard copied into a checksummed CPU
+    snapshot (what the next attempt resumes from, whatever the failed attempt's tensors become); the
+    next attempt's ``latest_checkpoint`` names it and ``load_dcp`` loads it into a fresh FSDP2 model and
+    optimizer, on their mesh, bit for bit; both then train on identically. Before this, live state
+    was refused for a sharded model (the recovery resumed from its newest checkpoint)."""
+    from fault_tolerant_handlers.data import live
+
+    model = _sharded_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in (1, 2):
+        _train(model, optimizer, step)
+    _captured_at(model, optimizer, 2)
+    expected = _local_bytes(ShardedState(model, optimizer).state_dict())
+    _train(model, optimizer, 3)  # the failed attempt's tensors change: the snapshot is a copy
+    captured = live.collect()
+    assert isinstance(captured.state, sharded.Snapshot) and captured.state.verify() and captured.step == 2
+    live.hold(captured)
+    try:
+        path = latest_checkpoint(tmp_path)
+        assert Path(path).name == "live-state-step=2.pt"
+        torch.manual_seed(1)
+        fresh = _sharded_model()
+        fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.01)
+        counter = _Counter()
+        load_dcp({"app": ShardedState(fresh, fresh_optimizer), "counter": counter}, path)
+        assert counter.n == 2
+        loaded = ShardedState(fresh, fresh_optimizer).state_dict()
+        assert all(type(v).__name__ == "DTensor" for v in loaded["model"].values())
+        assert [(p, b.tolist()) for p, b in _local_bytes(loaded)] == [(p, b.tolist()) for p, b in expected]
+        assert live.take(path) is None  # handed over once
+    finally:
+        live.forget()
+    reference = _sharded_model()  # trained to step 2 again, uninterrupted
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    for step in (1, 2, 3):
+        _train(reference, reference_optimizer, step)
+    _train(fresh, fresh_optimizer, 3)
+    assert [(p, b.tolist()) for p, b in _local_bytes(ShardedState(fresh, fresh_optimizer).state_dict())] == \
+        [(p, b.tolist()) for p, b in _local_bytes(ShardedState(reference, reference_optimizer).state_dict())]
+
+
+def test_a_sharded_snapshot_whose_bytes_changed_is_never_loaded(group, tmp_path):
+    """A byte of the held snapshot flipped after the failure: the rank reports no live state, naming
+    ``SnapshotChecksumError`` (rank 0's plan then names it, and every rank resumes from its checkpoint);
+    flipped after the agreement, loading it raises ``SnapshotChecksumError`` and hands nothing over.
+    A snapshot loaded without a sharded model to take its mesh from is refused, naming ``load_dcp``."""
+    from fault_tolerant_handlers.core.phases import RecoveryState
+    from fault_tolerant_handlers.data import live
+    from fault_tolerant_handlers.recover.live_state import Held
+
+    model = _sharded_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    _train(model, optimizer, 1)
+    _captured_at(model, optimizer, 1)
+    held = Held(lambda **changes: RecoveryState(**changes))
+    live._captured.state.payload[5] ^= 1
+    held.collect(0)
+    assert held.captured is None and held.report.step == -1 and not held.report.shard
+    assert held.report.why.startswith("SnapshotChecksumError: its shard of iteration 1 does not have its checksum")
+
+    _captured_at(model, optimizer, 1)
+    held.collect(0)
+    assert held.report.shard and held.report.step == 1 and len(held.report.checksum) == 8
+    snapshot = held.captured.state
+    live.hold(held.captured)
+    try:
+        path = latest_checkpoint(tmp_path)
+        with pytest.raises(TypeError, match="no sharded model is among the objects.*load_dcp"):
+            live.take(path, [_Counter()])
+        snapshot.payload[5] ^= 1
+        with pytest.raises(sharded.SnapshotChecksumError, match="does not have its checksum"):
+            load_dcp({"app": ShardedState(model, optimizer)}, path)
+        assert live.held() is held.captured  # not handed over
+    finally:
+        live.forget()

@@ -35,8 +35,8 @@ def test_records_probe_waits_the_grace_then_reports_another_ranks_record():
     peer.publish(failure(rank=2))
     assert probe.poll(10.1) is None            # seen, but a sync point may still deliver it
     found = probe.poll(10.45)
-    assert found is not None and found.error.failed_rank == 2 and found.error.exc_type == "ValueError"
-    assert found.declare is None
+    assert found is not None and found.failed_rank == 2 and found.exc_type == "ValueError"
+    assert found.origin == "failure"  # read back from the store: nothing to declare
 
 
 @pytest.mark.parametrize("kind", [FailureKind.PEER_SILENT, FailureKind.PEER_LOST])
@@ -50,7 +50,7 @@ def test_a_record_declaring_a_rank_lost_or_silent_is_reported_at_once_not_after_
     assert probe.poll(10.0) is None
     peer.publish(FailureRecord.declared(rank=1, kind=kind, message="rank 1 lost", by=0, host="node-b"))
     found = probe.poll(10.1)
-    assert found is not None and found.error.failed_rank == 1 and found.error.exc_type == kind.value
+    assert found is not None and found.failed_rank == 1 and found.exc_type == kind.value
 
 
 def test_records_probe_leaves_delivered_records_and_its_own_alone():
@@ -81,7 +81,7 @@ def test_a_manipulated_counter_warns_naming_the_key_and_detection_goes_on(corrup
     assert "store key n moved from 0" in caplog.text
     peer.publish(failure(rank=3))              # the next add wraps past 2**63-1 in the "wrap" case
     found = probe.poll(2.0)
-    assert found is not None and found.error.failed_rank == 3
+    assert found is not None and found.failed_rank == 3
 
 
 def test_a_garbage_counter_is_repaired_and_a_record_still_found(caplog):
@@ -96,7 +96,7 @@ def test_a_garbage_counter_is_repaired_and_a_record_still_found(caplog):
     assert "store key n held a non-integer value" in caplog.text
     assert int(store.get("fth/test/n")) == 1
     peer.publish(failure(rank=2))
-    assert probe.poll(3.0).error.failed_rank == 2
+    assert probe.poll(3.0).failed_rank == 2
 
 
 def test_an_out_of_range_record_is_ignored_naming_its_key(caplog):
@@ -123,8 +123,8 @@ def test_heartbeat_probe_declares_a_silent_successor_after_the_limit():
         assert probe.poll(1.0 + 0.5 * k) is None  # still for up to 4.5 s
     assert probe.poll(6.0) is None              # 5.0 s: not past the limit
     found = probe.poll(6.5)
-    assert found is not None and found.error.exc_type == "PeerSilent" and found.error.failed_rank == 1
-    assert "no heartbeat for 5.5 s" in found.error.exc_message and found.declare.by == 0
+    assert found is not None and found.exc_type == "PeerSilent" and found.failed_rank == 1
+    assert "no heartbeat for 5.5 s" in found.exc_message and found.record.by == 0
     assert int(store.get("fth/test/hb/0")) == 13  # its own heartbeat went on, once a poll
 
 
@@ -155,7 +155,7 @@ def test_only_the_probe_that_beats_moves_this_rank_s_heartbeat():
         first.poll(0.5 * k), second.poll(0.5 * k)
         other.beat(2)  # rank 3 stands still
     assert int(store.get("fth/test/hb/1")) == 10
-    assert second.poll(5.0).error.failed_rank == 3
+    assert second.poll(5.0).failed_rank == 3
 
 
 def test_heartbeat_probe_counts_no_silence_while_its_own_calls_are_slow():
@@ -172,7 +172,7 @@ def test_heartbeat_probe_counts_no_silence_while_its_own_calls_are_slow():
     assert probe.poll(12.0) is None             # 2.5 s
     assert probe.poll(12.5) is None             # 3.0 s: not past the limit
     found = probe.poll(13.0)
-    assert found is not None and "no heartbeat for 3.5 s" in found.error.exc_message
+    assert found is not None and "no heartbeat for 3.5 s" in found.exc_message
 
 
 def _drive(probe: HeartbeatProbe, beats_until: float, end: float, beat=None) -> float | None:
@@ -227,10 +227,10 @@ def test_pid_probe_names_the_signal():
     states = {11: None, 12: Ended(signal=9)}
     probe = PeerPidProbe([(1, 11), (2, 12)], by=0, host="node-a", state=states.get)
     found = probe.poll(0.0)
-    assert found.error.failed_rank == 2 and found.error.exc_type == "PeerLost"
-    assert found.error.exc_message == "rank 2 (pid 12 on node-a) lost: killed by SIGKILL"
-    assert found.error.kind is FailureKind.PEER_LOST and found.error.ended == Ended(signal=9)
-    assert found.declare.ended == Ended(signal=9)
+    assert found.failed_rank == 2 and found.exc_type == "PeerLost"
+    assert found.exc_message == "rank 2 (pid 12 on node-a) lost: killed by SIGKILL"
+    assert found.kind is FailureKind.PEER_LOST and found.ended == Ended(signal=9)
+    assert found.record.ended == Ended(signal=9)
     states[12] = None
     assert probe.poll(1.0) is None
     states[12] = Ended(exit_code=0)
@@ -240,7 +240,7 @@ def test_pid_probe_names_the_signal():
     states[12] = Ended(exit_code=1)
     assert probe.poll(3.0) is None
     states[12] = Ended(signal=9)
-    assert probe.poll(4.0).error.ended.killed
+    assert probe.poll(4.0).ended.killed
 
 
 def _frame_in(filename: str):
@@ -256,13 +256,13 @@ def test_self_hang_probe_reports_the_main_thread_stack_and_spares_a_rank_waiting
     probe = SelfHangProbe(1, 4242, 5.0, margin=2.0, progress=lambda: progress[0], frame=lambda: frame[0])
     assert probe.poll(104.0) is None
     found = probe.poll(105.5)
-    assert found.hung_self and found.error.exc_type == "RankHung" and found.error.failed_rank == 1
-    assert "no progress for 5.5 s at step 7" in found.error.exc_message
-    assert "/x/train.py" in found.error.remote_traceback
+    assert found.kind is FailureKind.RANK_HUNG and found.exc_type == "RankHung" and found.failed_rank == 1
+    assert "no progress for 5.5 s at step 7" in found.exc_message
+    assert "/x/train.py" in found.remote_traceback
     frame[0] = _frame_in("/site-packages/torch/distributed/distributed_c10d.py")
     assert waiting_on_peers(frame[0])
     assert probe.poll(105.5) is None            # blocked in a collective: the peer is the hung one
-    assert probe.poll(112.5).hung_self          # ... unless it stays blocked past 2 x timeout + margin
+    assert probe.poll(112.5).kind is FailureKind.RANK_HUNG  # ... unless it stays blocked past 2 x timeout + margin
 
 
 def test_a_rank_released_from_a_hung_peers_collective_is_not_hung_while_it_handles_the_failure():
@@ -280,10 +280,10 @@ def test_a_rank_released_from_a_hung_peers_collective_is_not_hung_while_it_handl
     assert probe.poll(105.2) is None            # 5.2 s from its last beat, 0.2 s from its wait
     assert probe.poll(109.9) is None
     found = probe.poll(110.1)                   # stuck outside any wait for hang_timeout: hung after all
-    assert found.hung_self and "no progress for 10.1 s at step 16" in found.error.exc_message
+    assert found.kind is FailureKind.RANK_HUNG and "no progress for 10.1 s at step 16" in found.exc_message
     progress[0] = (111.0, 1_700_000_011.0, 17)  # a beat: a wait before it counts for nothing after it
     assert probe.poll(115.9) is None
-    assert probe.poll(116.1).hung_self
+    assert probe.poll(116.1).kind is FailureKind.RANK_HUNG
 
 
 def test_store_loss_probe_declares_the_store_host_after_the_silence_with_evidence():
@@ -296,9 +296,9 @@ def test_store_loss_probe_declares_the_store_host_after_the_silence_with_evidenc
     probe.failed(20.0, ConnectionError("refused"))
     assert probe.poll(20.0) is None  # one check only
     found = probe.poll(30.5)
-    assert found.error.failed_rank == 0 and found.error.exc_type == "PeerLost"
-    assert "hosts the c10d store" in found.error.exc_message and "ConnectionError: refused" in found.error.exc_message
-    assert "a TCP connect to h:1: refused" in found.error.exc_message
+    assert found.failed_rank == 0 and found.exc_type == "PeerLost"
+    assert "hosts the c10d store" in found.exc_message and "ConnectionError: refused" in found.exc_message
+    assert "a TCP connect to h:1: refused" in found.exc_message
 
 
 def test_the_loss_of_a_store_on_a_host_of_its_own_names_no_rank():
@@ -307,10 +307,9 @@ def test_the_loss_of_a_store_on_a_host_of_its_own_names_no_rank():
     probe.failed(0.0, ConnectionError("refused"))
     probe.poll(0.0)
     found = probe.poll(4.5)
-    assert found.declare is None  # nothing to publish: the store is what is gone
-    assert found.error.failed_rank is None and found.error.kind.value == "StoreLost"
-    assert found.error.exc_message.startswith("the c10d store at 10.231.0.254:29400, on a host of no rank's, is lost: "
-                                              "the store has not answered for 4.5 s"), found.error.exc_message
+    assert found.failed_rank is None and found.kind.value == "StoreLost"
+    assert found.exc_message.startswith("the c10d store at 10.231.0.254:29400, on a host of no rank's, is lost: "
+                                              "the store has not answered for 4.5 s"), found.exc_message
 
 
 def test_the_store_s_address_is_read_from_this_process_s_connection_to_it():
@@ -372,7 +371,7 @@ def test_store_evidence_must_hold_the_whole_silence():
     probe.failed(1.0, TimeoutError("slow"))
     for t in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5):
         assert probe.poll(t) is None   # evidence from 1.0 on, but not yet 4 s of it
-    assert probe.poll(5.0).error.exc_type == "PeerLost"
+    assert probe.poll(5.0).exc_type == "PeerLost"
 
 
 def test_the_store_host_never_declares_its_own_store_lost():
@@ -415,7 +414,7 @@ def test_records_probe_leaves_late_news_of_a_failure_already_agreed_on():
     peer.publish(FailureRecord(**{**late.__dict__, "rank": 3, "seq": 4}))  # a failure in the live agreement
     probe.poll(10.6)
     found = probe.poll(11.0)
-    assert found is not None and found.error.failed_rank == 3
+    assert found is not None and found.failed_rank == 3
 
 
 def test_the_process_hosting_the_store_knows_it():
@@ -447,7 +446,7 @@ def test_heartbeat_probe_never_declares_a_running_successor_on_its_own_host():
     assert all(probe.poll(0.5 * k) is None for k in range(20))  # 9.5 s still, and it runs
     state["running"] = False
     found = probe.poll(10.0)
-    assert found is not None and found.error.exc_type == "PeerSilent"
+    assert found is not None and found.exc_type == "PeerSilent"
 
 
 def test_a_live_rank_half_way_to_the_heartbeat_limit_is_warned_about_once_and_not_declared(caplog):
@@ -499,7 +498,7 @@ def test_a_rank_that_left_cleanly_is_neither_warned_about_nor_declared_until_it_
     other.beat(1)
     assert probe.poll(10.0) is None  # moved: watched again
     found = [probe.poll(10.0 + 0.5 * k) for k in range(1, 7)]
-    assert found[-1] is not None and found[-1].error.exc_type == "PeerSilent", found
+    assert found[-1] is not None and found[-1].exc_type == "PeerSilent", found
 
 
 def test_pid_probe_does_not_declare_a_peer_gone_after_it_left_cleanly():
@@ -520,13 +519,33 @@ def test_pid_probe_does_not_declare_a_peer_gone_after_it_left_cleanly():
     assert probe.poll(1.0) is None and asked == [1]  # asked once: not watched any more
     states[12] = Ended()
     found = probe.poll(2.0)
-    assert found is not None and found.error.failed_rank == 2
-    assert "process is gone" in found.error.exc_message
+    assert found is not None and found.failed_rank == 2
+    assert "process is gone" in found.exc_message
     # a status that shows a failure is declared, left mark or not (sys.exit(1) under mp.spawn)
     for how, text in ((Ended(exit_code=1), "exited with code 1"), (Ended(signal=9), "killed by SIGKILL")):
         probe = PeerPidProbe([(1, 11)], by=0, host="node-a", state={11: how}.get, left=lambda rank: True)
         found = probe.poll(3.0)
-        assert found is not None and text in found.error.exc_message, found
+        assert found is not None and text in found.exc_message, found
+
+
+def test_the_watchdog_publishes_the_record_a_probe_declared_once_and_nothing_read_back():
+    """A probe's finding is the error itself: its record is published (first declarer only) when the
+    probe declared it and the watchdog was given where; a record read back from the store, or a
+    declaration with nowhere to go (the store is what is gone), is not published."""
+    from fault_tolerant_handlers.core.errors import PeerFailedError
+    from fault_tolerant_handlers.detect.watchdog import Watchdog
+
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    silent = PeerPidProbe([(2, 12)], by=0, host="node-a", state={12: Ended(signal=9)}.get).poll(0.0)
+    watchdog = Watchdog.__new__(Watchdog)
+    watchdog._declare(silent, None)  # nowhere to publish
+    assert mine.count() == 0
+    watchdog._declare(silent, mine)
+    watchdog._declare(silent, peer)  # a second declaration of the same rank: claimed already
+    assert mine.count() == 1 and mine.read(1) == silent.record
+    watchdog._declare(PeerFailedError.from_records([failure(rank=3)]), mine)  # read back: not declared here
+    assert mine.count() == 1
 
 
 class _FakeLink:
@@ -576,9 +595,9 @@ def test_a_cut_link_is_declared_once_its_host_acknowledges_nothing_and_a_slow_li
     assert cut.readied >= 1 and found, cut.sent
     at, result = found[0]
     assert 5.05 + 1.2 <= at <= 5.05 + 1.2 + 0.1 + 0.01, at  # the 2 s limit: 7.05 s and later
-    assert result.error.exc_type == "PeerSilent" and result.error.failed_rank == 1
-    assert "acknowledged nothing sent to it for 1." in result.error.exc_message
-    assert "(pid 4242 on node-b)" in result.error.exc_message
+    assert result.exc_type == "PeerSilent" and result.failed_rank == 1
+    assert "acknowledged nothing sent to it for 1." in result.exc_message
+    assert "(pid 4242 on node-b)" in result.exc_message
 
     store = dist.HashStore()
     mine, other = schema_over(store), schema_over(store)

@@ -150,10 +150,8 @@ def test_a_sigterm_after_a_peer_is_gone_waits_for_the_watchdogs_finding(monkeypa
     import threading
     import time
 
-    from fault_tolerant_handlers.detect.probes import Finding
-
     monkeypatch.setattr(reports, "_state", reports._Spawned(None, set(), threading.Lock()))
-    gone = Finding(PeerFailedError(0, "PeerLost", "rank 0 (pid 7 on h) lost: process is gone", origin="declared"))
+    gone = PeerFailedError(0, "PeerLost", "rank 0 (pid 7 on h) lost: process is gone", origin="declared")
     session = _session(gone)
     better = PeerFailedError(0, "PeerLost", "rank 0 (pid 7 on h) lost: killed by SIGKILL", origin="declared")
     threading.Timer(0.2, lambda: setattr(session, "peer_error", better)).start()
@@ -161,7 +159,7 @@ def test_a_sigterm_after_a_peer_is_gone_waits_for_the_watchdogs_finding(monkeypa
     # nothing better within the wait (the store's host died): the peer gone, by rank and pid
     session = _session(gone)
     start = time.monotonic()
-    assert session.awaited_cause(lambda: None, wait=0.3) is gone.error
+    assert session.awaited_cause(lambda: None, wait=0.3) is gone
     assert 0.3 <= time.monotonic() - start < 1.0
     # a peer's record in the store wins over the pid
     record = PeerFailedError(1, "ValueError", "bad sample 17", origin="record")

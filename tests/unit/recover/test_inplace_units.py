@@ -18,7 +18,8 @@ from fault_tolerant_handlers.core.config import RECOVER_TELL_SEC
 from fault_tolerant_handlers.core.failure import Ended, FailureKind
 from fault_tolerant_handlers.recover import agree
 from fault_tolerant_handlers.recover.agree import cause_of
-from fault_tolerant_handlers.recover.causes import Cause, Decision, LivePlan, LiveReport
+from fault_tolerant_handlers.core.recoveries import RecoveryCause
+from fault_tolerant_handlers.recover.causes import Decision, LivePlan, LiveReport, replaced
 from fault_tolerant_handlers.recover.inplace import _Recovery
 from fault_tolerant_handlers.recover.live_state import plan_live
 
@@ -103,9 +104,9 @@ def peer(kind="ValueError", origin="failure", step=7) -> PeerFailedError:
 
 def test_what_a_rank_says_of_its_failure():
     own = cause_of(ValueError("bad batch"), 0)
-    assert (own.by, own.failed_rank, own.exc_type, own.own, own.not_in_place) == (0, 0, "ValueError", True, "")
+    assert (own.rank, own.exc_type, own.step, own.own, own.not_in_place) == (0, "ValueError", None, True, "")
     seen = cause_of(peer(), 0)
-    assert (seen.failed_rank, seen.exc_type, seen.step, seen.own, seen.not_in_place) == (1, "ValueError", 7, False, "")
+    assert (seen.rank, seen.exc_type, seen.step, seen.own, seen.not_in_place) == (1, "ValueError", 7, False, "")
     assert "a rank was lost" in cause_of(peer("PeerLost", "declared"), 0).not_in_place  # its host or store: gone
     killed = PeerFailedError(1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", origin="declared",
                              ended=Ended(signal=9))
@@ -118,14 +119,16 @@ def test_what_a_rank_says_of_its_failure():
 
 
 def test_a_cause_read_from_the_store_is_bounded_and_checked():
-    good = Cause(1, 1, "ValueError", "m" * 100, "train", 5, True, "")
-    assert Cause.from_json(good.to_json(), world_size=2) == good
-    assert Cause.from_json(good.to_json(), world_size=1) is None  # rank out of range
-    assert Cause.from_json(b"x" * 9000, world_size=2) is None
-    assert Cause.from_json(b"\x80not json", world_size=2) is None
-    assert Cause.from_json(json.dumps({"by": 0}).encode(), world_size=2) is None
+    good = RecoveryCause(1, FailureKind.RAISED, "ValueError", "m" * 100, 5, "train", True)
+    assert RecoveryCause.from_json(good.to_json(), world_size=2) == good
+    assert RecoveryCause.from_json(good.to_json(), world_size=1) is None  # rank out of range
+    for wrong in ({"step": -1}, {"own": 1}, {"kind": "Forged"}, {"rank": True}):
+        assert RecoveryCause.from_json(json.dumps(json.loads(good.to_json()) | wrong), world_size=2) is None, wrong
+    assert RecoveryCause.from_json(b"x" * 9000, world_size=2) is None
+    assert RecoveryCause.from_json(b"\x80not json", world_size=2) is None
+    assert RecoveryCause.from_json(json.dumps({"rank": 0}).encode(), world_size=2) is None
     loud = json.loads(good.to_json()) | {"message": "\x1b[31m" + "z" * 5000}
-    read = Cause.from_json(json.dumps(loud).encode(), world_size=2)
+    read = RecoveryCause.from_json(json.dumps(loud).encode(), world_size=2)
     assert "\x1b" not in read.message and len(read.message) <= 500
     assert Decision.from_json(b"[1, 2]", 2) is None
     told = Decision(True, "rank 1 failed", spares_left=2)
@@ -134,18 +137,20 @@ def test_a_cause_read_from_the_store_is_bounded_and_checked():
         assert Decision.from_json(json.dumps(json.loads(told.to_json()) | {"spares_left": wrong}).encode(), 2) is None
 
 
-def decide(store, causes: list[Cause], *, world=2, gen=0, max_restarts=3, history=(), seconds=0.2) -> Decision:
+def decide(store, causes: list[RecoveryCause], *, world=2, gen=0, max_restarts=3, history=(), seconds=0.2) -> Decision:
+    """Rank 0's decision once rank ``i`` wrote ``causes[i]``."""
     prefix = f"fth/recover/0/{gen}/"
-    for cause in causes:
-        store.set(f"{prefix}cause/{cause.by}", cause.to_json())
+    for by, cause in enumerate(causes):
+        store.set(f"{prefix}cause/{by}", cause.to_json())
         if cause.not_in_place:
             store.add(f"{prefix}stop", 1)
         store.add(f"{prefix}arrived", 1)
     return agree.decide(store, world, gen, seconds, max_restarts, list(history))
 
 
-def failure(by=1, step=37, not_in_place="") -> Cause:
-    return Cause(by, 1, "ValueError", "bad", "train", step, by == 1, not_in_place)
+def failure(by=1, step=37, not_in_place="") -> RecoveryCause:
+    """Rank 1's ValueError, as rank ``by`` tells it."""
+    return RecoveryCause(1, FailureKind.RAISED, "ValueError", "bad", step, "train", by == 1, not_in_place)
 
 
 def test_rank_0_recovers_when_every_rank_is_in_and_names_the_failing_rank():
@@ -183,14 +188,14 @@ def test_with_max_restarts_spent_a_rank_ends_at_once_without_waiting_for_rank_0(
 
 
 def test_a_killed_peer_is_waited_for_only_when_it_has_a_keeper():
-    killed = Cause(0, 1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", "", -1, False, "", FailureKind.PEER_LOST)
+    killed = RecoveryCause(1, FailureKind.PEER_LOST, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL")
     recovery = _Recovery(print, 3, timedelta(seconds=30))
     alone = dist.HashStore()
     decision = recovery._agree((alone, 0, 2, "gloo", timedelta(seconds=30)), killed)
     assert not decision.restart and decision.why.startswith("a rank was lost")
     kept = dist.HashStore()
     kept.set("fth/recover/0/keeper/1", "1")
-    replacement = Cause(1, 1, "RankReplaced", "the process of rank 1 (pid 7) killed by SIGKILL: replaced", "", -1, True, "", FailureKind.RANK_REPLACED)
+    replacement = replaced(1, "the process of rank 1 (pid 7) killed by SIGKILL: replaced")
     kept.set("fth/recover/0/0/cause/1", replacement.to_json())  # rank 1's replacement is already in
     kept.add("fth/recover/0/0/arrived", 1)
     decision = recovery._agree((kept, 0, 2, "gloo", timedelta(seconds=30)), killed)
@@ -302,6 +307,30 @@ def test_live_state_falls_back_to_the_checkpoint_and_says_why():
     assert plan_live([held(0, 36), None], 2).why == "rank 1's report could not be read"
     # nobody needs to receive: a state that cannot be sent serves its own rank
     assert plan_live([held(0, 36, portable="x"), held(1, 36, portable="x")], 2).step == 36
+
+
+def shard(rank: int, step: int, checksum: str = "0badf00d") -> LiveReport:
+    return LiveReport(rank, step, "iteration", "", checksum, "0000abcd", shard=True)
+
+
+def test_a_sharded_models_ranks_each_resume_from_their_own_shard_when_every_rank_holds_it_at_one_step():
+    """Shards differ by rank (their checksums too): nobody is "diverged", nobody receives. Before
+    this, a sharded model's live state was refused and every rank resumed from its checkpoint."""
+    plan = plan_live([shard(0, 36, "00000001"), shard(1, 36, "00000002"), shard(2, 36, "00000003")], 3)
+    assert plan == LivePlan(36, "iteration", "")
+    assert LiveReport.from_json(shard(1, 36).to_json(), world_size=2) == shard(1, 36)
+
+
+def test_a_sharded_model_falls_back_to_the_checkpoint_when_a_shard_is_missing_refused_or_of_another_step():
+    refused = LiveReport(1, -1, "", "SnapshotChecksumError: its shard of iteration 36 does not have its checksum")
+    assert plan_live([shard(0, 36), refused], 2).why == (
+        "rank 1 holds no shard of its own (SnapshotChecksumError: its shard of iteration 36 does not have its "
+        "checksum), and no other rank holds a copy of it")
+    replaced = LiveReport(0, -1, "", "its process was replaced (its state ended with it)")
+    assert plan_live([replaced, shard(1, 36)], 2).why.startswith("rank 0 holds no shard of its own (its process was")
+    assert plan_live([shard(0, 36), shard(1, 37)], 2).why == (
+        "the ranks' shards are of different steps (rank 0 at iteration 36, another at iteration 37)")
+    assert plan_live([shard(0, 36), held(1, 36)], 2).why.startswith("rank 1 holds no shard of its own (its state is not")
 
 
 def test_a_plan_read_back_is_bounded_and_its_ranks_checked():

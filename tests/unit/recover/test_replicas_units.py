@@ -13,9 +13,10 @@ import numpy
 import pytest
 import torch
 
-from fault_tolerant_handlers.recover.replicas import (
-    MAX_MANIFEST_BYTES, ManifestError, ShardReplicas, Snapshot, SnapshotChecksumError, choose_partners, held_by,
-    local_shards, read_manifest, restore, take_snapshot)
+from fault_tolerant_handlers.core.sharded import (
+    MAX_MANIFEST_BYTES, ManifestError, Snapshot, SnapshotChecksumError, local_shards, read_manifest, restore,
+    take_snapshot)
+from fault_tolerant_handlers.recover.replicas import ShardReplicas, choose_partners, held_by
 
 
 def _hosts(*counts: int) -> list[str]:

@@ -17,7 +17,8 @@ from fault_tolerant_handlers.core import config
 from fault_tolerant_handlers.core.errors import PeerFailedError
 from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord
 from fault_tolerant_handlers.core.schema import keeper_key
-from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE, Cause
+from fault_tolerant_handlers.core.recoveries import RecoveryCause
+from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE, replaced
 from fault_tolerant_handlers.recover.agree import cause_of
 from fault_tolerant_handlers.recover.inplace import _Recovery
 from fault_tolerant_handlers.recover.spares import Answer, Layout, Order, Seat
@@ -171,7 +172,7 @@ def test_the_spare_s_wait_variable_is_checked(bad, monkeypatch):
 
 
 # -- rank 0's decision when a rank is lost with no keeper ---------------------------------------------------
-KILLED = Cause(0, 1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", "", -1, False, "", FailureKind.PEER_LOST)
+KILLED = RecoveryCause(1, FailureKind.PEER_LOST, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL")
 
 
 def _survivor(spares_count: int) -> _Recovery:
@@ -187,8 +188,7 @@ def _spare_already_in(keeper_announced: bool = True) -> dist.HashStore:
     store = dist.HashStore()
     if keeper_announced:
         store.set(keeper_key(1), "1")
-    spare = Cause(1, 1, "RankReplaced", "rank 1's process was lost with no keeper to replace it: spare launched "
-                                        "rank 2 took its place", "", -1, True, "", FailureKind.RANK_REPLACED)
+    spare = replaced(1, "rank 1's process was lost with no keeper to replace it: spare launched rank 2 took its place")
     store.set("fth/recover/0/0/cause/1", spare.to_json())
     store.add("fth/recover/0/0/arrived", 1)
     return store
@@ -217,8 +217,8 @@ def test_without_spares_a_rank_lost_with_no_keeper_ends_the_job_as_before():
 
 # -- a rank on another host: its keeper key is left behind when its host goes -------------------------------
 #: rank 0's view of rank 1 lost with its host: its end not seen (no helper told how its process ended)
-HOST_GONE = Cause(0, 1, "PeerLost", "rank 1 (pid 9 on node-b) lost: Read error [10.231.0.2] and no heartbeat "
-                                    "for 1.2 s", "", -1, False, NOT_IN_PLACE[FailureKind.PEER_LOST], FailureKind.PEER_LOST)
+HOST_GONE = RecoveryCause(1, FailureKind.PEER_LOST, "PeerLost", "rank 1 (pid 9 on node-b) lost: Read error [10.231.0.2] "
+                          "and no heartbeat for 1.2 s", not_in_place=NOT_IN_PLACE[FailureKind.PEER_LOST])
 
 
 def test_a_rank_lost_with_its_host_is_replaced_by_a_spare_though_its_keeper_had_announced_itself():
@@ -235,16 +235,15 @@ def test_a_killed_rank_whose_keeper_lives_waits_for_its_keeper_and_no_spare_is_o
     set: the keeper's replacement comes; no spare is spent."""
     store = dist.HashStore()
     store.set(keeper_key(1), "1")
-    replaced = Cause(1, 1, "RankReplaced", "the process of rank 1 (pid 7) killed by SIGKILL: replaced in place", "",
-                     -1, True, "", FailureKind.RANK_REPLACED)
-    store.set("fth/recover/0/0/cause/1", replaced.to_json())  # its keeper's replacement is already in
+    replacement = replaced(1, "the process of rank 1 (pid 7) killed by SIGKILL: replaced in place")
+    store.set("fth/recover/0/0/cause/1", replacement.to_json())  # its keeper's replacement is already in
     store.add("fth/recover/0/0/arrived", 1)
     decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), KILLED)
     assert decision.restart, decision
     assert not store.check([spares.order_key(2)]) and not store.check([spares.taken_key()])
 
 
-def _keeper_gone_too() -> Cause:
+def _keeper_gone_too() -> RecoveryCause:
     """Rank 0's view of rank 1 killed (SIGKILL, its end seen by its liveness helper) after its keeper
     died: the helper saw the keeper gone (``Ended.keeper_gone``)."""
     err = PeerFailedError(1, "PeerLost", "rank 1 (pid 7 on node-b) lost: killed by SIGKILL, and its keeper is gone "
@@ -296,9 +295,9 @@ def test_without_spares_a_killed_rank_whose_keeper_is_gone_ends_the_job_at_once(
 
 # -- a rank cut off from its peers: replaced by a spare, and it never rejoins ------------------------------
 #: rank 0's view of rank 1 whose link went down: silent, its end not seen
-LINK_CUT = Cause(0, 1, "PeerSilent", "rank 1 (pid 9 on node-b) lost: no heartbeat for 3.0 s (its host or link is "
-                                     "down, or its process is gone or frozen)", "", -1, False,
-                 NOT_IN_PLACE[FailureKind.PEER_SILENT], FailureKind.PEER_SILENT)
+LINK_CUT = RecoveryCause(1, FailureKind.PEER_SILENT, "PeerSilent", "rank 1 (pid 9 on node-b) lost: no heartbeat for 3.0 s "
+                         "(its host or link is down, or its process is gone or frozen)",
+                         not_in_place=NOT_IN_PLACE[FailureKind.PEER_SILENT])
 
 
 def test_a_silent_rank_on_another_host_is_replaced_by_a_spare():
@@ -320,8 +319,8 @@ def _displaced_rank_1() -> _Recovery:
 
 
 #: what the cut-off rank 1 knows when it comes back: rank 0 (the store's host) went silent
-STORE_HOST_SILENT = Cause(1, 0, "PeerSilent", "rank 0 lost: no heartbeat for 3.0 s", "", -1, False,
-                          NOT_IN_PLACE[FailureKind.PEER_SILENT], FailureKind.PEER_SILENT)
+STORE_HOST_SILENT = RecoveryCause(0, FailureKind.PEER_SILENT, "PeerSilent", "rank 0 lost: no heartbeat for 3.0 s",
+                                  not_in_place=NOT_IN_PLACE[FailureKind.PEER_SILENT])
 
 
 @pytest.mark.parametrize("taken", ["ordered", "seated"])
@@ -347,6 +346,6 @@ def test_a_rank_in_its_own_seat_takes_part_in_the_recovery():
     store = dist.HashStore()
     store.set(spares.seat_key(1), Seat(1, "node-b").to_json())
     store.set("fth/recover/0/0/decision", '{"restart": true, "why": "rank 1 failed: x"}')
-    raised = Cause(1, 1, "ValueError", "x", "", 5, True, "")
+    raised = RecoveryCause(1, FailureKind.RAISED, "ValueError", "x", 5, own=True)
     _displaced_rank_1()._agree((store, 1, 2, "gloo", timedelta(seconds=30)), raised)
     assert store.check(["fth/recover/0/0/cause/1"]) and store.add("fth/recover/0/0/arrived", 0) == 1
