@@ -191,6 +191,18 @@ def test_values_a_snapshot_cannot_carry_are_named_by_path():
     assert restore(take_snapshot({(1, "a"): b"\x00", None: [float("nan")]}, 0, 0))[(1, "a")] == b"\x00"
 
 
+def test_a_snapshot_takes_subclasses_as_their_plain_container_and_keeps_a_state_dicts_metadata():
+    """Live state refuses a ``defaultdict`` or a named tuple (a receiver could not rebuild it); a
+    snapshot, loaded on its own rank, takes them as a dict and a tuple, as before the one codec."""
+    from collections import OrderedDict, defaultdict, namedtuple
+
+    meta = OrderedDict(w=torch.ones(2))
+    meta._metadata = {"": {"version": 2}}
+    back = restore(take_snapshot({"d": defaultdict(int, a=1), "p": namedtuple("P", "x")(3), "m": meta}, 0, 0))
+    assert back["d"] == {"a": 1} and type(back["d"]) is dict and back["p"] == (3,) and type(back["p"]) is tuple
+    assert type(back["m"]) is OrderedDict and back["m"]._metadata == {"": {"version": 2}}
+
+
 def test_a_buffer_is_written_again_only_when_no_one_refers_to_its_snapshot():
     from fault_tolerant_handlers.recover.replicas import _unused
     first = take_snapshot(_state(), 1, 0)
