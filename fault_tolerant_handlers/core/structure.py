@@ -33,7 +33,6 @@ DTYPES = {name: getattr(torch, name) for name in (
     if hasattr(torch, name)}
 
 _SCALARS = (bool, int, float, str)
-_CONTAINERS = ("l", "t", "d", "o", "b")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -165,6 +164,6 @@ def decode(node: Any, leaf: Callable[[str, Any, Any, str], Any], error: type[Exc
             return base64.b64decode(value.encode("ascii"), validate=True)
         except ValueError:
             raise error(f"{path} is not base64: {value[:200]}") from None
-    if tag in _CONTAINERS:
+    if tag in ("l", "t", "d", "o", "b"):
         raise error(f"{path} is a malformed node: {str(node)[:200]}")
     return leaf(tag, value, local, path)

@@ -90,8 +90,7 @@ def _structure(state: Any) -> tuple[bytes, list[torch.Tensor]]:
         if t is None:
             return None
         structure.dense(t, path, "live state")
-        why = sharded.unbacked(t)
-        if why:
+        if why := sharded.unbacked(t):
             raise TypeError(f"{path} is {why}: live state carries tensors each process holds whole (its memory read "
                             "in place); a sharded model's is each rank's own snapshot, never sent")
         leaves.append(t)
@@ -102,16 +101,9 @@ def _structure(state: Any) -> tuple[bytes, list[torch.Tensor]]:
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a leaf's bytes in row-major order, on its device (a copy only when the
-    leaf is not contiguous)."""
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    t = t.contiguous()
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return t.reshape(-1).view(torch.uint8)
+    leaf is not contiguous, or a conjugate or negative view)."""
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def _memory(t: torch.Tensor) -> memoryview:
@@ -366,7 +358,7 @@ def _receive_state(state: Any, source: int, group: Any, expected: str | None,
         for n in lengths:  # drained, so that the source finishes
             _wait(_recv(scratch[:n], source, group))
         return state, total, (TransferFailure.HEADER, -1)
-    flats = [d.reshape(-1).view(torch.uint8) if d.numel() else torch.empty(0, dtype=torch.uint8) for d in dests]
+    flats = [_flat_bytes(d) for d in dests]  # in place: each is contiguous
     crc = zlib.crc32(text, zlib.crc32(_FORMAT))
     digest = None
     if expected is not None:
