@@ -307,3 +307,24 @@ def test_a_sharded_snapshot_whose_bytes_changed_is_never_loaded(group, tmp_path)
         assert live.held() is held.captured  # not handed over
     finally:
         live.forget()
+
+
+@pytest.mark.parametrize("forge, why", [
+    (lambda leaf: {**leaf, "placements": [["X"]]}, "placements do not rebuild it: KeyError"),
+    (lambda leaf: {**leaf, "placements": [["S", "zero"]]}, "placements do not rebuild it"),
+    (lambda leaf: {**leaf, "global_shape": "8"}, "placements do not rebuild it"),
+    (lambda leaf: {key: value for key, value in leaf.items() if key != "mesh"}, "was sharded on a mesh None"),
+], ids=["placement-kind", "shard-dim", "global-shape", "no-mesh"])
+def test_a_shards_forged_placements_or_mesh_are_refused_by_name(group, forge, why):
+    """The manifest of a ``DTensor`` comes from a peer: what rebuilds it on the mesh is checked too."""
+    import json
+
+    model = _sharded_model()
+    snap = sharded.take_snapshot(model.state_dict(), 1, 0)
+    mesh = next(model.parameters()).device_mesh
+    manifest = json.loads(snap.manifest)
+    manifest["leaves"][0] = forge(manifest["leaves"][0])
+    forged = sharded.Snapshot(0, 1, json.dumps(manifest).encode(), snap.payload).seal()
+    with pytest.raises(sharded.ManifestError, match=why):
+        sharded.restore(forged, mesh=mesh)
+    assert type(sharded.restore(snap, mesh=mesh)["0.weight"]).__name__ == "DTensor"
