@@ -127,13 +127,13 @@ def _check_recovered(out: str, returncode: int | None, resumed: str, reference: 
     assert _digests(out, world) == {reference}, f"final weights differ from an uninterrupted run's:\n{out[-4000:]}"
 
 
-def _check_own_shards(out: str, world: int, step: int) -> None:
+def _check_own_shards(out: str, world: int, step: int, unit: str = "iteration") -> None:
     """Every rank carried on from its own shard of ``step``: nothing computed twice, nothing sent."""
     assert "live state refused" not in out, out[-4000:]
     for rank in range(world):
-        assert re.search(rf"\[rank {rank}[^\]]*\] .*live state, iteration {step} \(each rank's own\), is held", out), \
+        assert re.search(rf"\[rank {rank}[^\]]*\] .*live state, {unit} {step} \(each rank's own\), is held", out), \
             (rank, out[-4000:])
-        assert re.search(rf"\[rank {rank}[^\]]*\] carries on from live state, iteration {step} \(loaded by the script "
+        assert re.search(rf"\[rank {rank}[^\]]*\] carries on from live state, {unit} {step} \(loaded by the script "
                          rf"from live-state-step={step}\.pt\): no step computed twice", out), (rank, out[-4000:])
 
 
@@ -175,14 +175,40 @@ def test_a_shard_whose_bytes_changed_while_held_is_never_loaded(ignite_reference
                      refused=False)
 
 
+#: The hang of the Lightning in-place runs: in the attempt after the raise, at global step 33.
+THEN_HANG = "hang@rank={rank},iteration=33,attempt=1"
+
+
 @pytest.mark.timeout(2 * DEADLINE_SEC + 60)
-@pytest.mark.parametrize("distributed", [False, True], ids=["file", "directory"])
-def test_lightning_model_parallel_in_place_resumes_with_the_checkpoints_weights(distributed, lightning_reference,
-                                                                                 tmp_path):
-    line = _line(LIGHTNING, in_place=True) + (" --distributed" if distributed else "")
+@pytest.mark.parametrize("distributed, world", [
+    pytest.param(False, 2, id="file-2"), pytest.param(True, 2, id="directory-2"),
+    pytest.param(False, 4, id="file-4", marks=pytest.mark.long),
+    pytest.param(True, 4, id="directory-4", marks=pytest.mark.long)])
+def test_lightning_model_parallel_in_place_carries_on_from_each_ranks_own_shard_after_a_raise_and_a_hang(
+        distributed, world, reference, tmp_path):
+    """A user's Lightning script (``configure_model`` calling ``fully_shard``, ``ModelParallelStrategy``,
+    ``ModelCheckpoint`` every 10 steps, ``fit(ckpt_path=latest_checkpoint(...))``) under
+    ``recover_in_place``: rank 1 raises at global step 17; in the attempt after, the last rank hangs at
+    step 33 (``hang_timeout`` of :data:`HANG_SEC`, interrupted where it hangs). After each, every rank
+    carries on from its own shard (16, then 32; copied at the failure into a checksummed CPU
+    snapshot, loaded into the strategy's model and optimizer by ``fit``): 0 steps computed twice, and
+    the uninterrupted run's final weights, in either checkpoint form. Before this: live state was
+    refused ("the strategy ModelParallelStrategy builds its checkpoint with collectives") and every
+    rank resumed from the checkpoint of step 10, then of step 30 (8 steps computed twice)."""
+    expected = reference(LIGHTNING, world)
+    hang = THEN_HANG.format(rank=world - 1)
+    line = _line(LIGHTNING, in_place=True, world=world).replace(
+        "FTH_INJECT=raise@rank=1,iteration=17", f"FTH_INJECT='raise@rank=1,iteration=17;{hang}' "
+                                                f"FTH_HANG_TIMEOUT_SEC={HANG_SEC}") + (" --distributed" if distributed else "")
     returncode, out = _run(line, LIGHTNING, tmp_path)
-    _check_recovered(out, returncode, "resuming from epoch=0-step=10.ckpt", lightning_reference, True)
-    assert "checkpoints are not kept in memory for a recovery in place: the strategy ModelParallelStrategy" in out
+    _check_recovered(out, returncode, "resuming from live-state-step=16.pt", expected, True, refused=False, world=world)
+    assert f"FTH_INJECT={hang}: injecting hang" in out, out[-4000:]  # the second fault fired
+    assert f"RankHung: rank {world - 1} (pid" in out, out[-4000:]
+    for rank in range(world):
+        assert f"[rank {rank}] attempt 2: resuming from live-state-step=32.pt" in out, (rank, out[-4000:])
+    assert "attempt 3" not in out, out[-4000:]
+    _check_own_shards(out, world, 16, "global step")
+    _check_own_shards(out, world, 32, "global step")
 
 
 @pytest.mark.long
@@ -216,8 +242,10 @@ FORMS = {"ignite": (IGNITE, "", r"resumed from checkpoint_20 at iteration 20"),
          "lightning-directory": (LIGHTNING, " --distributed", r"resuming from epoch=\d-step=20\.ckpt")}
 #: The hang timeout of the hang cases (``FTH_HANG_TIMEOUT_SEC``): a few seconds, far above a step here.
 HANG_SEC = 5
+#: In the default suite: Ignite in place, and Lightning's SIGKILL in place (its lost shard named).
+DEFAULT_CASES = {("ignite", "kill", True, 2), ("ignite", "hang", True, 2), ("lightning-directory", "kill", True, 2)}
 FAULT_CASES = [pytest.param(form, fault, in_place, world, id=f"{form}-{fault}-{'in-place' if in_place else 'relaunch'}-{world}",
-                            marks=() if (form, in_place, world) == ("ignite", True, 2) else pytest.mark.long)
+                            marks=() if (form, fault, in_place, world) in DEFAULT_CASES else pytest.mark.long)
                for world in (2, 4) for form in FORMS for fault in ("kill", "hang") for in_place in (True, False)]
 
 
@@ -244,13 +272,15 @@ def test_sharded_job_survives_sigkill_and_hang(form, fault, in_place, world, ref
     Ignite), in its form (Ignite's ``DCPSaver`` directory, Lightning's file or directory), and the
     final weights are bit for bit an uninterrupted run's: the data path is exact, so this is proved
     against the uninterrupted run itself, not against a run resumed from the same checkpoint.
-    Ignite in place: a hung rank's process survives, so every rank carries on from its own shard of
-    iteration 22 (0 steps computed twice); a killed rank's shard went with it (no partner holds a
-    copy yet), which the plan says by name."""
+    In place (Ignite + FSDP2 and Lightning ``ModelParallelStrategy``): a hung rank's process survives,
+    so every rank carries on from its own shard of step 22 (0 steps computed twice); a killed rank's
+    shard went with it (no partner holds a copy yet), which the plan says by name."""
     example, extra, resumed = FORMS[form]
-    own_shards = form == "ignite" and in_place and fault == "hang"
+    own_shards = in_place and fault == "hang"
+    unit = "iteration" if form == "ignite" else "global step"
     if own_shards:
-        resumed = r"resumed from live-state-step=22\.pt at iteration 22"
+        resumed = (r"resumed from live-state-step=22\.pt at iteration 22" if form == "ignite"
+                   else r"resuming from live-state-step=22\.pt")
     expected = reference(example, world)
     victim = 0 if fault == "kill" else world - 1
     inject = f"{fault}@rank={victim},iteration=23"
@@ -263,7 +293,7 @@ def test_sharded_job_survives_sigkill_and_hang(form, fault, in_place, world, ref
         assert f"rank {victim} (pid" in out and "killed by SIGKILL" in out, out[-4000:]  # named by its peers
         if in_place:
             assert f"[rank {victim}] the training process of rank {victim}" in out, out[-4000:]  # its keeper
-        if in_place and form == "ignite":
+        if in_place:
             assert re.search(rf"live state cannot serve: rank {victim} holds no shard of its own \(its process was "
                              r"replaced", out), out[-4000:]
     else:
@@ -272,7 +302,7 @@ def test_sharded_job_survives_sigkill_and_hang(form, fault, in_place, world, ref
         assert "recovering in place, attempt 1" in out, out[-4000:]
     _check_resumed(out, returncode, world, resumed, expected)
     if own_shards:
-        _check_own_shards(out, world, 22)
+        _check_own_shards(out, world, 22, unit)
 
 
 # -- a save killed midway ------------------------------------------------------------------------------
