@@ -175,8 +175,8 @@ def test_a_shard_whose_bytes_changed_while_held_is_never_loaded(ignite_reference
                      refused=False)
 
 
-#: The hang of the Lightning in-place runs: in the attempt after the raise, at global step 33.
-THEN_HANG = "hang@rank={rank},iteration=33,attempt=1"
+#: The hang of the Lightning in-place runs: in the attempt after the raise, at global step 23.
+THEN_HANG = "hang@rank={rank},iteration=23,attempt=1"
 
 
 @pytest.mark.timeout(2 * DEADLINE_SEC + 60)
@@ -189,12 +189,12 @@ def test_lightning_model_parallel_in_place_carries_on_from_each_ranks_own_shard_
     """A user's Lightning script (``configure_model`` calling ``fully_shard``, ``ModelParallelStrategy``,
     ``ModelCheckpoint`` every 10 steps, ``fit(ckpt_path=latest_checkpoint(...))``) under
     ``recover_in_place``: rank 1 raises at global step 17; in the attempt after, the last rank hangs at
-    step 33 (``hang_timeout`` of :data:`HANG_SEC`, interrupted where it hangs). After each, every rank
-    carries on from its own shard (16, then 32; copied at the failure into a checksummed CPU
+    step 23 (``hang_timeout`` of :data:`HANG_SEC`, interrupted where it hangs). After each, every rank
+    carries on from its own shard (16, then 22; copied at the failure into a checksummed CPU
     snapshot, loaded into the strategy's model and optimizer by ``fit``): 0 steps computed twice, and
     the uninterrupted run's final weights, in either checkpoint form. Before this: live state was
     refused ("the strategy ModelParallelStrategy builds its checkpoint with collectives") and every
-    rank resumed from the checkpoint of step 10, then of step 30 (8 steps computed twice)."""
+    rank resumed from the checkpoint of step 10, then of step 20 (8 steps computed twice)."""
     expected = reference(LIGHTNING, world)
     hang = THEN_HANG.format(rank=world - 1)
     line = _line(LIGHTNING, in_place=True, world=world).replace(
@@ -205,10 +205,10 @@ def test_lightning_model_parallel_in_place_carries_on_from_each_ranks_own_shard_
     assert f"FTH_INJECT={hang}: injecting hang" in out, out[-4000:]  # the second fault fired
     assert f"RankHung: rank {world - 1} (pid" in out, out[-4000:]
     for rank in range(world):
-        assert f"[rank {rank}] attempt 2: resuming from live-state-step=32.pt" in out, (rank, out[-4000:])
+        assert f"[rank {rank}] attempt 2: resuming from live-state-step=22.pt" in out, (rank, out[-4000:])
     assert "attempt 3" not in out, out[-4000:]
     _check_own_shards(out, world, 16, "global step")
-    _check_own_shards(out, world, 32, "global step")
+    _check_own_shards(out, world, 22, "global step")
 
 
 @pytest.mark.long
