@@ -165,8 +165,8 @@ def keep_launched_ranks(trainer: Any) -> bool:
 def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any] | None,
                                newest: Callable[[Any], Any]) -> None:
     """Recovering in place, on this strategy once: ``save_checkpoint`` also calls ``keep(filepath,
-    checkpoint)`` (in a deferred section; ``None``: nothing), ``load_checkpoint(path)`` returns
-    ``newest(path)`` if not ``None``."""
+    checkpoint)`` (in a deferred section; ``None``: ``save_checkpoint`` as it is),
+    ``load_checkpoint(path)`` returns ``newest(path)`` if not ``None``."""
     if getattr(strategy, "_fth_snapshots", False):
         return
     save, load = strategy.save_checkpoint, strategy.load_checkpoint
@@ -175,8 +175,7 @@ def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any] | 
     def save_checkpoint(checkpoint: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
         with interrupts.SECTION:  # the interrupt of a hung main thread waits until the file is written
             result = save(checkpoint, filepath, *args, **kwargs)
-            if keep is not None:
-                keep(filepath, checkpoint)
+            keep(filepath, checkpoint)
         return result
 
     @functools.wraps(load)
@@ -184,7 +183,8 @@ def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any] | 
         kept = newest(checkpoint_path)
         return kept if kept is not None else load(checkpoint_path, *args, **kwargs)
 
-    strategy.save_checkpoint = save_checkpoint
+    if keep is not None:
+        strategy.save_checkpoint = save_checkpoint
     strategy.load_checkpoint = load_checkpoint
     strategy._fth_snapshots = True
 

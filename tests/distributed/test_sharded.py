@@ -10,17 +10,20 @@ checkpoints (``torch.distributed.checkpoint``, DCP), as the examples run them, o
   live-state checksum read a ``DTensor``'s ``data_ptr()``, 0). A rank's snapshot whose bytes
   changed while held is never loaded: every rank resumes from ``checkpoint_10``, the log naming why.
 * ``examples/lightning_model_parallel.py``: ``ModelParallelStrategy`` with
-  ``save_distributed_checkpoint`` False (a file) and True (a directory); in place, resumed from
-  ``epoch=0-step=10.ckpt`` with the checkpoint's weights. Before this: the file's in-memory copy was
-  handed to a strategy that ignores it (the run went on from step 10 with freshly initialised
-  weights: another SHA-256, exit 0), and the directory was not found (trained from step 0 again).
+  ``save_distributed_checkpoint`` False (a file) and True (a directory); in place, rank 1 raises at
+  step 17 and, in the next attempt, the last rank hangs at step 23: every rank carries on from its own
+  shard (16, then 22), no step computed twice, with an uninterrupted run's final weights. Before
+  this: live state was refused and every rank resumed from the checkpoints of steps 10 and 20;
+  before that, the file's in-memory copy was handed to a strategy that ignores it (freshly
+  initialised weights, exit 0), and the directory was not found (trained from step 0 again).
 * A save killed midway (DCP's shards written, its ``.metadata`` not; Lightning's ``meta.pt`` not;
   ``DCPSaver``'s temporary directory, or the directory it replaces half removed) is never what
   ``latest_checkpoint`` chooses; in a training job (a rank SIGKILLed inside DCP's save, 2 and 4
   ranks), every rank resumes from the previous checkpoint, intact.
 * A rank SIGKILLed or hung: in place (the keeper's replacement; ``hang_timeout``) and relaunched,
   Ignite + FSDP2 and Lightning ``ModelParallelStrategy`` in both forms, 2 and 4 ranks, every rank
-  resumes from the newest complete checkpoint with an uninterrupted run's final weights.
+  resumes from the newest complete checkpoint with an uninterrupted run's final weights; in place
+  after a hang, from its own shard.
 
 Every run is bounded and every process it started is killed by pid (see ``test_examples._run``).
 """
