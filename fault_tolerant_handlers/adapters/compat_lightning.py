@@ -94,7 +94,8 @@ def check(trainer: Any) -> None:
     for name in ("_run_stage", "_teardown"):
         if not callable(getattr(trainer, name, None)):
             missing.append(f"{ns}.Trainer.{name}")
-    if model_parallel(trainer.strategy) and not hasattr(trainer.strategy, "_save_distributed_checkpoint"):
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is not None and model_parallel(strategy) and not hasattr(strategy, "_save_distributed_checkpoint"):
         missing.append(f"{ns}.strategies.ModelParallelStrategy._save_distributed_checkpoint")
     if missing:
         version = getattr(_import(ns), "__version__", "?")
