@@ -161,21 +161,24 @@ FLIP_MAIN = ROOT / "tests" / "programs" / "flip_shard_main.py"
 
 
 @pytest.mark.timeout(2 * DEADLINE_SEC + 60)
-def test_a_shard_whose_bytes_changed_while_held_is_never_loaded(ignite_reference, tmp_path):
+@pytest.mark.parametrize("example", [IGNITE, pytest.param(LIGHTNING, marks=pytest.mark.long)],
+                         ids=["ignite", "lightning"])
+def test_a_shard_whose_bytes_changed_while_held_is_never_loaded(example, reference, tmp_path):
     """Rank 1's shard snapshot has a byte flipped after it was checksummed (``flip_shard_main.py``):
     rank 1 reports it by name (``SnapshotChecksumError``), rank 0's plan names rank 1 and why, and
-    every rank resumes from ``checkpoint_10`` (nobody else holds rank 1's shard), exactly."""
-    line = _line(IGNITE, True).replace("torchrun ", "FLIP_SHARD=1 torchrun ").replace(
-        "examples/ignite_fsdp.py", f"examples/{FLIP_MAIN.name} {IGNITE}")
+    every rank resumes from the checkpoint of step 10 (nobody else holds rank 1's shard), exactly."""
+    unit, resumed = (("iteration", "resumed from checkpoint_10 at iteration 10") if example == IGNITE
+                     else ("global step", "resuming from epoch=0-step=10.ckpt"))
+    line = _line(example, True).replace("torchrun ", "FLIP_SHARD=1 torchrun ").replace(
+        f"examples/{example.name}", f"examples/{FLIP_MAIN.name} {example}")
     returncode, out = _run(line, FLIP_MAIN, tmp_path)
     assert "[rank 1] flipped a byte of its shard of step 16" in out, out[-4000:]  # the fault fired
-    assert re.search(r"\[rank 1[^\]]*\] live state: SnapshotChecksumError: its shard of iteration 16 does not have "
+    assert re.search(rf"\[rank 1[^\]]*\] live state: SnapshotChecksumError: its shard of {unit} 16 does not have "
                      r"its checksum \(CRC-32 [0-9a-f]{8} when copied, [0-9a-f]{8} now\): never loaded", out), out[-4000:]
     for rank in (0, 1):
         assert re.search(rf"\[rank {rank}[^\]]*\] .*live state cannot serve: rank 1 holds no shard of its own "
-                         r"\(SnapshotChecksumError: its shard of iteration 16", out), (rank, out[-4000:])
-    _check_recovered(out, returncode, "resumed from checkpoint_10 at iteration 10", ignite_reference, True,
-                     refused=False)
+                         rf"\(SnapshotChecksumError: its shard of {unit} 16", out), (rank, out[-4000:])
+    _check_recovered(out, returncode, resumed, reference(example), True, refused=False)
 
 
 #: The hang of the Lightning in-place runs: in the attempt after the raise, at global step 23.
