@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
-from .core import attempts, interrupts, phases, recoveries, sharded
+from .core import attempts, interrupts, phases, recoveries
 from .data import dcp, live, snapshots
 from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
@@ -383,10 +383,8 @@ class LightningLive(LiveLoop):
             return
         self.trainer, self.why_not, self.directory = trainer, "", None
         if not _compat_lightning.plain_ddp(trainer.strategy) and not _compat_lightning.model_parallel(trainer.strategy):
-            why = (f"the strategy {type(trainer.strategy).__name__} builds its checkpoint with collectives "
-                   "(live state: DDPStrategy and ModelParallelStrategy only)")
-            found = sharded.find(dict(trainer.lightning_module.named_parameters()), "parameters")
-            self._refuse(f"{why}; the model is sharded ({found[0]} is {found[1]})" if found else why)
+            self._refuse(f"the strategy {type(trainer.strategy).__name__} builds its checkpoint with collectives "
+                         "(live state: DDPStrategy and ModelParallelStrategy only)")
         for callback in trainer.checkpoint_callbacks:
             dirpath = getattr(callback, "dirpath", None)
             if dirpath:
