@@ -198,6 +198,9 @@ def test_lightning_strategies_that_restore_themselves_are_named():
     for strategy in (ModelParallelStrategy(), FSDPStrategy()):
         why = compat_lightning.restores_itself(strategy)
         assert type(strategy).__name__ in why and "load_model_state_dict" in why, why
+    # live state of each rank's own shard: ModelParallelStrategy only (FSDPStrategy's is refused)
+    assert [compat_lightning.model_parallel(s) for s in (ModelParallelStrategy(), FSDPStrategy(), DDPStrategy())] \
+        == [True, False, False]
 
 
 # -- live state of a sharded model: each rank's own shard, a checksummed CPU snapshot ----------------------
