@@ -2,8 +2,9 @@
 that trains, and forks a new one when that child dies (``docs/recovering.md``).
 
 Under torchrun, :func:`~.inplace.recover_in_place` (``replace_dead=True``) makes the worker the
-**keeper** of its rank: its child runs the training function; when the child is killed or ends as a
-hung rank (:data:`~..core.errors.EXIT_HUNG`), the keeper forks a **replacement**, which joins the
+**keeper** of its rank: its child runs the training function; when the child is killed, ends as a
+hung rank (:data:`~..core.errors.EXIT_HUNG`) or as a released rank whose main thread stayed where the
+release did not reach (:data:`~..core.errors.EXIT_PEER_FAILED`), the keeper forks a **replacement**, which joins the
 recovery its peers wait in (the attempt number is read from a page the two share). torchrun sees
 nothing. The replacement is a copy of the keeper made before anything of the training ran, so the
 keeper must not have initialised CUDA. The function's return value is handed back pickled, in a file
@@ -32,7 +33,7 @@ from typing import Any
 
 from ..core import attempts, interrupts
 from ..core.config import ZOMBIE_HOLD
-from ..core.errors import EXIT_HUNG
+from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED
 from ..core.failure import Ended
 from ..core.hooks import log
 
@@ -251,7 +252,8 @@ class Keeper:
                     os.waitpid(pid, 0)
                     return self._stand_by(pid, how)
                 attempt = self._read_attempt()
-                replaceable = os.WIFSIGNALED(status) or os.WEXITSTATUS(status) == EXIT_HUNG
+                # killed, hung (88), or released but stuck where no release reaches (87): replaced alike
+                replaceable = os.WIFSIGNALED(status) or os.WEXITSTATUS(status) in (EXIT_HUNG, EXIT_PEER_FAILED)
                 if replaceable and attempt < self.recovery.max_restarts and not self._stopping:
                     replacement = replaced(int(rank), f"the process of rank {rank} (pid {pid}) {how}: replaced in place")
                     attempts.set_in_place(attempt)

@@ -315,6 +315,22 @@ def test_a_killed_rank_is_replaced_in_place_and_the_others_keep_their_processes(
 
 
 @pytest.mark.timeout(300)
+def test_a_survivor_stuck_where_no_release_reaches_is_replaced_in_place(tmp_path, tmp_path_factory):
+    """Rank 1 raises at iteration 37 while rank 0 waits for it in the step's all-reduce, and nothing
+    releases rank 0 (``FTH_RELEASE=exit`` stands for a collective a release cannot break): rank 0 ends
+    with exit code 87 after ``FTH_EXIT_GRACE_SEC``. Its keeper replaces it as it would a killed rank;
+    the new process receives rank 1's live state, and the job ends with the uninterrupted weights."""
+    ref = reference("ignite", tmp_path_factory)
+    run, _, output = torchrun("ignite", tmp_path, {"INPLACE": "2", "FTH_RELEASE": "exit", "FTH_EXIT_GRACE_SEC": "1",
+                                                   "FTH_INJECT": "raise@rank=1,iteration=37"})
+    assert "[rank 0] ending this process with exit code 87" in output
+    assert "[rank 0] the training process of rank 0 (pid" in output and \
+        "exited with code 87: starting its replacement, which joins the recovery of attempt 0" in output, output[-4000:]
+    assert_recovered_exactly(run, ref, "ignite", same_process=(False, True), live=True)
+    assert recomputed(run) == 0
+
+
+@pytest.mark.timeout(300)
 def test_a_failure_between_a_survivors_optimizer_step_and_the_iterations_end_leaves_it_live_state(
         tmp_path, tmp_path_factory):
     """Rank 1 is SIGKILLed as iteration 37 starts; rank 0, past the optimizer step of iteration 36, waits
