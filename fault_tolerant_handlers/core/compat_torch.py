@@ -12,8 +12,8 @@ with an error naming it, never later and never silently.
 ``torch.distributed.distributed_c10d._abort_process_group`` abort an NCCL/XCCL group (release)
 ``torch.distributed.Store.clone``                            a new connection to the same store (public, 2.8+)
 ``torch.multiprocessing.spawn._wrap``, local ``error_file``  a rank started by ``mp.spawn`` and its error file
-gloo's TCP event loop: one epoll set per group, its        :func:`disarm_loop_sockets` (after a release)
-registrations' ``data`` a handler pointer
+``gloo``'s TCP event loops: an epoll set per device,     :func:`disarm_loops` (after a release)
+its registrations' ``data`` a handler pointer
 =====================================================  ==============================================
 
 A DDP model's bucket layout (:func:`ddp_bucket_layout`, :func:`use_ddp_bucket_layout`), checked by
@@ -399,23 +399,25 @@ def _epoll_registrations() -> list[tuple[int, int, int, int]]:
     return entries
 
 
-def disarm_loop_sockets(fds: set[int], inodes: dict[int, int]) -> int:
-    """Make each epoll registration of the sockets ``fds`` (``inodes``: fd -> inode now) report at most
-    once more, with its ``data`` (gloo's handler pointer) kept; returns how many were changed.
+def disarm_loops(known: set[int], inodes: dict[int, int]) -> int:
+    """In each epoll set where a socket of ``known`` (inodes) is registered, make every socket's
+    registration (``inodes``: fd -> inode of this process's sockets now) report at most once more,
+    with its ``data`` (gloo's handler pointer) kept; returns how many were changed.
 
     Why: a gloo pair whose receive buffer went with a failed operation leaves the rest of that message
-    in its socket, and its loop, waiting level-triggered for ``EPOLLIN``, wakes on it without end: a
-    core burnt for as long as the group lives, and a destroyed group lives while anything still holds
-    it. ``EPOLLONESHOT`` with no events ends that; gloo's own removal of the registration when the
-    group goes still finds it. Only for sockets of destroyed groups: a live group waits on them."""
-    if not fds:
+    in its socket (or its peer's reset: a killed process's socket with unread bytes), and its loop,
+    waiting level-triggered, wakes on it without end: a core burnt for as long as the group lives,
+    and a destroyed group lives while anything still holds it. ``EPOLLONESHOT`` with no events ends
+    that; gloo's own removal of the registration when the group goes still finds it. Only for the
+    loops of destroyed groups: a live group waits on its sockets."""
+    registrations = [(epfd, tfd, data) for epfd, tfd, inode, data in _epoll_registrations() if inodes.get(tfd) == inode]
+    loops = {epfd for epfd, tfd, _ in registrations if inodes[tfd] in known}
+    if not loops:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     changed = 0
-    for epfd, tfd, inode, data in _epoll_registrations():
-        if tfd not in fds or inodes.get(tfd) != inode:
-            continue
+    for epfd, tfd, data in registrations:
         event = _EpollEvent(_EPOLLONESHOT, data)
-        if libc.epoll_ctl(epfd, _EPOLL_CTL_MOD, tfd, ctypes.byref(event)) == 0:
+        if epfd in loops and libc.epoll_ctl(epfd, _EPOLL_CTL_MOD, tfd, ctypes.byref(event)) == 0:
             changed += 1
     return changed

@@ -400,7 +400,7 @@ def cut_connections(keep_ports: set[int]) -> int:
     if not sys.platform.startswith("linux"):
         return 0
     fds = _own_socket_fds()
-    # every connection of the released groups, cut here or already closing (a peer cut it first)
+    # every connection and listener of the released groups, cut here or already closing
     _released.update(inode for inode, (local, remote) in tcp_sockets(None).items()
                      if inode in fds and local not in keep_ports and remote not in keep_ports)
     return _shutdown(select_sockets(fds, tcp_sockets(), keep_ports), {fd: inode for inode, fd in fds.items()})
@@ -420,11 +420,12 @@ def cut_connections_to(ports: set[int]) -> int:
 def quiet_released() -> int:
     """Stop the event loops of destroyed gloo groups from spinning on the sockets a release shut down;
     returns how many of their registrations were quieted. Call only once the failed attempt's groups
-    are destroyed (:func:`.compat_torch.disarm_loop_sockets` says why and how)."""
+    are destroyed (:func:`.compat_torch.disarm_loops` says why and how). A loop is known by a
+    connection or listener of the released groups registered in it; each of its sockets is quieted,
+    those already reset by a killed peer (no longer in the TCP table) too."""
     if not _released or not sys.platform.startswith("linux"):
         return 0
-    current = {fd: inode for inode, fd in _own_socket_fds().items()}
-    return _compat_torch.disarm_loop_sockets({fd for fd, inode in current.items() if inode in _released}, current)
+    return _compat_torch.disarm_loops(_released, {fd: inode for inode, fd in _own_socket_fds().items()})
 
 
 _teardown_registered = False
