@@ -7,8 +7,10 @@ checkpoint at the exact next batch::
     FTH_INJECT=raise@rank=1,iteration=17 torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/lightning_model_parallel.py
 
 Recover in place (``--in-place``): the same processes call ``train`` again (Lightning re-forms the
-process group and the device mesh inside ``fit``) and resume from the newest checkpoint, read by the
-strategy's own ``load_checkpoint`` (live state is refused for a sharded model: a WARNING says so)::
+process group and the device mesh inside ``fit``) and carry on from live state: each rank's own
+shard of the last completed step, copied at the failure into a checksummed CPU snapshot, which
+``latest_checkpoint`` names and ``fit(ckpt_path=...)`` loads (no step computed twice; a rank whose
+process was lost takes its shard with it: then every rank resumes from the newest checkpoint)::
 
     FTH_INJECT=raise@rank=1,iteration=17 torchrun --standalone --nproc-per-node 2 examples/lightning_model_parallel.py --in-place
 
@@ -17,8 +19,8 @@ strategy's own ``load_checkpoint`` (live state is refused for a sharded model: a
 complete); without it, one file with the full state (gathered to rank 0).
 
 Rank 1 raises at global step 17 (``FTH_INJECT``'s iteration is ``trainer.global_step + 1``; it fires
-in the first attempt only); every rank stops together, the next attempt resumes from the checkpoint
-of step 10 and trains to step 60, and every rank prints the SHA-256 of the final weights (gathered
+in the first attempt only); every rank stops together, the next attempt resumes (relaunched: from
+the checkpoint of step 10; in place: from live state at step 16) and trains to step 60, and every rank prints the SHA-256 of the final weights (gathered
 with ``full_tensor()``): the same as a run without ``FTH_INJECT``. Checkpoints go to ``--dir``
 (``ckpts/lightning_mp``): remove it to start from scratch.
 """

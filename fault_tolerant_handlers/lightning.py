@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
-from .core import attempts, interrupts, phases, recoveries, sharded
-from .data import live, snapshots
+from .core import attempts, interrupts, phases, recoveries
+from .data import dcp, live, snapshots
 from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
 from .core.failure import tag, tag_of
@@ -181,11 +181,14 @@ class FaultTolerance(_CallbackBase):
                 _compat_lightning.substitute_ckpt_path(
                     trainer, lambda path: live.substitute(path, "the trainer's fit(ckpt_path=...)"))
             # the newest checkpoint in memory for the next fit(ckpt_path=...), unless the strategy loads it itself
-            why = _compat_lightning.restores_itself(trainer.strategy)
+            strategy = trainer.strategy
+            why = _compat_lightning.restores_itself(strategy)
             if why:
                 log(logging.WARNING, "checkpoints are not kept in memory for a recovery in place: %s", why)
-            else:
-                _compat_lightning.keep_checkpoints_in_memory(trainer.strategy, snapshots.keep, snapshots.take)
+            if not why:
+                _compat_lightning.keep_checkpoints_in_memory(strategy, snapshots.keep, snapshots.take)
+            elif _compat_lightning.model_parallel(strategy):  # live state: this rank's shard, loaded here
+                _compat_lightning.keep_checkpoints_in_memory(strategy, None, functools.partial(_load_shards, strategy))
         # first in line on the exception path: release before any other on_exception runs a collective
         callbacks = trainer.callbacks
         if callbacks and callbacks[0] is not self and self in callbacks:
@@ -379,11 +382,9 @@ class LightningLive(LiveLoop):
         if not live.enabled():
             return
         self.trainer, self.why_not, self.directory = trainer, "", None
-        if not _compat_lightning.plain_ddp(trainer.strategy):
-            why = (f"the strategy {type(trainer.strategy).__name__} builds its checkpoint with collectives "
-                   "(live state: DDPStrategy only)")
-            found = sharded.find(dict(trainer.lightning_module.named_parameters()), "parameters")
-            self._refuse(f"{why}; the model is sharded ({found[0]} is {found[1]})" if found else why)
+        if not _compat_lightning.plain_ddp(trainer.strategy) and not _compat_lightning.model_parallel(trainer.strategy):
+            self._refuse(f"the strategy {type(trainer.strategy).__name__} builds its checkpoint with collectives "
+                         "(live state: DDPStrategy and ModelParallelStrategy only)")
         for callback in trainer.checkpoint_callbacks:
             dirpath = getattr(callback, "dirpath", None)
             if dirpath:
@@ -423,6 +424,16 @@ class LightningLive(LiveLoop):
         for saved, hyper in zip(checkpoint.get("optimizer_states", []), small["param_groups"]):
             self.with_hyper(saved, hyper)
         return live.Captured(tracker.step, "global step", checkpoint, self.directory, tracker.rng_after(tracker.step))
+
+
+def _load_shards(strategy: Any, path: Any) -> dict | None:
+    """A ``ModelParallelStrategy``'s ``load_checkpoint(path)`` for the live state's name (``None`` for any
+    other path): this rank's shard loaded into the strategy's model and optimizers (which its own
+    ``load_checkpoint`` loads, from files only), the rest returned for Lightning to restore."""
+    checkpoint = live.take(path, [strategy.model])
+    if checkpoint is not None:
+        dcp.load_shards(strategy.model, strategy.optimizers, checkpoint["state_dict"], checkpoint["optimizer_states"])
+    return checkpoint
 
 
 # -- a recovery in place's moments, as hooks ------------------------------------------------------------

@@ -14,6 +14,8 @@ lists those installed, and each name below is looked up in the namespace of the 
   loads ``ckpt_path``: :func:`substitute_ckpt_path`);
 * ``loops.loop._Loop``, ``loops.progress._BaseProgress``: the loops' state, copied cheaply at every
   batch (:func:`loop_parts`); ``strategies.DDPStrategy`` / ``DeepSpeedStrategy`` (:func:`plain_ddp`);
+* ``ModelParallelStrategy._save_distributed_checkpoint``, set while live state is captured
+  (:func:`dump_checkpoint`: each rank's shards, no collective);
 * ``ModelCheckpoint.__resolve_ckpt_dir``, mirrored by :func:`checkpoint_folders`;
 * ``Trainer.callback_metrics`` returns the logger connector's own dict (:func:`put_callback_metrics`:
   ``LightningModule.log``'s first call costs 0.5-0.9 s at 4 ranks);
@@ -92,6 +94,9 @@ def check(trainer: Any) -> None:
     for name in ("_run_stage", "_teardown"):
         if not callable(getattr(trainer, name, None)):
             missing.append(f"{ns}.Trainer.{name}")
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is not None and model_parallel(strategy) and not hasattr(strategy, "_save_distributed_checkpoint"):
+        missing.append(f"{ns}.strategies.ModelParallelStrategy._save_distributed_checkpoint")
     if missing:
         version = getattr(_import(ns), "__version__", "?")
         raise RuntimeError(f"fault-tolerant-handlers needs {', '.join(missing)}, which {_DISTRIBUTION[ns]} "
@@ -158,9 +163,11 @@ def keep_launched_ranks(trainer: Any) -> bool:
     return True
 
 
-def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any], newest: Callable[[Any], Any]) -> None:
+def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any] | None,
+                               newest: Callable[[Any], Any]) -> None:
     """Recovering in place, on this strategy once: ``save_checkpoint`` also calls ``keep(filepath,
-    checkpoint)`` (in a deferred section), ``load_checkpoint(path)`` returns ``newest(path)`` if not ``None``."""
+    checkpoint)`` (in a deferred section; ``None``: ``save_checkpoint`` as it is),
+    ``load_checkpoint(path)`` returns ``newest(path)`` if not ``None``."""
     if getattr(strategy, "_fth_snapshots", False):
         return
     save, load = strategy.save_checkpoint, strategy.load_checkpoint
@@ -177,7 +184,8 @@ def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any], n
         kept = newest(checkpoint_path)
         return kept if kept is not None else load(checkpoint_path, *args, **kwargs)
 
-    strategy.save_checkpoint = save_checkpoint
+    if keep is not None:
+        strategy.save_checkpoint = save_checkpoint
     strategy.load_checkpoint = load_checkpoint
     strategy._fth_snapshots = True
 
@@ -203,9 +211,25 @@ def plain_ddp(strategy: Any) -> bool:
     return isinstance(strategy, strategies.DDPStrategy) and not isinstance(strategy, deepspeed)
 
 
+def model_parallel(strategy: Any) -> bool:
+    """``strategy`` is a ``ModelParallelStrategy``: each rank holds its shards of the model (``DTensor``)."""
+    return isinstance(strategy, getattr(_import(namespace(strategy) + ".strategies"), "ModelParallelStrategy", ()))
+
+
 def dump_checkpoint(trainer: Any) -> dict:
-    """The dict ``trainer.save_checkpoint(path)`` would write (no barrier, no file)."""
-    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    """The dict ``trainer.save_checkpoint(path)`` would write (no barrier, no file). Under a
+    ``ModelParallelStrategy``, in the form of its distributed checkpoints whatever it saves: each
+    rank's own shards, keyed by parameter name (its one-file form gathers them to rank 0 with
+    collectives, which a failed attempt cannot run)."""
+    strategy = trainer.strategy
+    gathers = model_parallel(strategy) and not strategy._save_distributed_checkpoint
+    if gathers:
+        strategy._save_distributed_checkpoint = True
+    try:
+        return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    finally:
+        if gathers:
+            strategy._save_distributed_checkpoint = False
 
 
 def _nodes(progress: Any) -> list:

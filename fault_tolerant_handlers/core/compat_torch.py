@@ -12,6 +12,8 @@ with an error naming it, never later and never silently.
 ``torch.distributed.distributed_c10d._abort_process_group`` abort an NCCL/XCCL group (release)
 ``torch.distributed.Store.clone``                            a new connection to the same store (public, 2.8+)
 ``torch.multiprocessing.spawn._wrap``, local ``error_file``  a rank started by ``mp.spawn`` and its error file
+gloo's TCP event loop: one epoll set per group, its        :func:`disarm_loop_sockets` (after a release)
+registrations' ``data`` a handler pointer
 =====================================================  ==============================================
 
 A DDP model's bucket layout (:func:`ddp_bucket_layout`, :func:`use_ddp_bucket_layout`), checked by
@@ -36,6 +38,9 @@ is reported as not spawned, and its report is printed as under any other launche
 
 from __future__ import annotations
 
+import ctypes
+import os
+import platform
 import threading
 from typing import Any
 
@@ -357,3 +362,60 @@ def single_process_iter(loader: Any) -> Any:
     from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
     return _SingleProcessDataLoaderIter(loader)
+
+
+# -- gloo's event loop ----------------------------------------------------------------------------------
+_EPOLL_CTL_MOD = 3
+_EPOLLONESHOT = 1 << 30
+
+
+class _EpollEvent(ctypes.Structure):
+    """``struct epoll_event``: packed on x86-64 (12 bytes), naturally aligned elsewhere."""
+    _pack_ = 1 if platform.machine() in ("x86_64", "AMD64") else 0
+    _fields_ = [("events", ctypes.c_uint32), ("data", ctypes.c_uint64)]
+
+
+def _epoll_registrations() -> list[tuple[int, int, int, int]]:
+    """(epoll fd, registered fd, registered file's inode, registration data) of this process's epoll
+    sets, from ``/proc/self/fdinfo`` (``tfd: 7 events: 19 data: 7f3a... pos:0 ino:53d093 sdev:9``)."""
+    entries = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
+                continue
+            with open(f"/proc/self/fdinfo/{name}") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[:1] != ["tfd:"] or "data:" not in fields:
+                continue
+            inode = [field[4:] for field in fields if field.startswith("ino:")]
+            try:
+                entries.append((int(name), int(fields[1]), int(inode[0], 16), int(fields[fields.index("data:") + 1], 16)))
+            except (IndexError, ValueError):
+                continue
+    return entries
+
+
+def disarm_loop_sockets(fds: set[int], inodes: dict[int, int]) -> int:
+    """Make each epoll registration of the sockets ``fds`` (``inodes``: fd -> inode now) report at most
+    once more, with its ``data`` (gloo's handler pointer) kept; returns how many were changed.
+
+    Why: a gloo pair whose receive buffer went with a failed operation leaves the rest of that message
+    in its socket, and its loop, waiting level-triggered for ``EPOLLIN``, wakes on it without end: a
+    core burnt for as long as the group lives, and a destroyed group lives while anything still holds
+    it. ``EPOLLONESHOT`` with no events ends that; gloo's own removal of the registration when the
+    group goes still finds it. Only for sockets of destroyed groups: a live group waits on them."""
+    if not fds:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    changed = 0
+    for epfd, tfd, inode, data in _epoll_registrations():
+        if tfd not in fds or inodes.get(tfd) != inode:
+            continue
+        event = _EpollEvent(_EPOLLONESHOT, data)
+        if libc.epoll_ctl(epfd, _EPOLL_CTL_MOD, tfd, ctypes.byref(event)) == 0:
+            changed += 1
+    return changed

@@ -280,13 +280,13 @@ def socket_fds() -> dict[int, int]:
 ESTABLISHED, LISTEN = "01", "0A"
 
 
-def parse_tcp_table(text: str, state: str = ESTABLISHED) -> dict[int, tuple[int, int]]:
-    """inode -> (local port, remote port) of the rows in ``state`` (ESTABLISHED by default) of a
-    ``/proc/net/tcp`` table."""
+def parse_tcp_table(text: str, state: str | None = ESTABLISHED) -> dict[int, tuple[int, int]]:
+    """inode -> (local port, remote port) of the rows in ``state`` (ESTABLISHED by default; every
+    row with ``None``) of a ``/proc/net/tcp`` table."""
     table = {}
     for line in text.splitlines()[1:]:
         parts = line.split()
-        if len(parts) < 10 or parts[3] != state:
+        if len(parts) < 10 or state is not None and parts[3] != state:
             continue
         try:
             local_port = int(parts[1].rsplit(":", 1)[1], 16)
@@ -297,7 +297,7 @@ def parse_tcp_table(text: str, state: str = ESTABLISHED) -> dict[int, tuple[int,
     return table
 
 
-def tcp_sockets(state: str = ESTABLISHED) -> dict[int, tuple[int, int]]:
+def tcp_sockets(state: str | None = ESTABLISHED) -> dict[int, tuple[int, int]]:
     """inode -> (local port, remote port) of this network namespace's TCP sockets in ``state``."""
     table: dict[int, tuple[int, int]] = {}
     for path in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -350,6 +350,10 @@ def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int]], keep_po
     return chosen
 
 
+#: Inodes of the connections of released groups (:func:`cut_connections`), for :func:`quiet_released`.
+_released: set[int] = set()
+
+
 def _shutdown(fds: list[int], inodes: dict[int, int]) -> int:
     """``shutdown(SHUT_RDWR)`` each socket fd (through a dup), if it is still the socket it was chosen
     as (``inodes``: fd -> inode): a socket closed meanwhile may have given its number to a new one."""
@@ -396,6 +400,9 @@ def cut_connections(keep_ports: set[int]) -> int:
     if not sys.platform.startswith("linux"):
         return 0
     fds = _own_socket_fds()
+    # every connection of the released groups, cut here or already closing (a peer cut it first)
+    _released.update(inode for inode, (local, remote) in tcp_sockets(None).items()
+                     if inode in fds and local not in keep_ports and remote not in keep_ports)
     return _shutdown(select_sockets(fds, tcp_sockets(), keep_ports), {fd: inode for inode, fd in fds.items()})
 
 
@@ -408,6 +415,16 @@ def cut_connections_to(ports: set[int]) -> int:
     others = set(select_sockets(fds, tcp, ports))
     return _shutdown([fd for inode, fd in sorted(fds.items(), key=lambda i: i[1]) if inode in tcp and fd not in others],
                      {fd: inode for inode, fd in fds.items()})
+
+
+def quiet_released() -> int:
+    """Stop the event loops of destroyed gloo groups from spinning on the sockets a release shut down;
+    returns how many of their registrations were quieted. Call only once the failed attempt's groups
+    are destroyed (:func:`.compat_torch.disarm_loop_sockets` says why and how)."""
+    if not _released or not sys.platform.startswith("linux"):
+        return 0
+    current = {fd: inode for inode, fd in _own_socket_fds().items()}
+    return _compat_torch.disarm_loop_sockets({fd for fd, inode in current.items() if inode in _released}, current)
 
 
 _teardown_registered = False

@@ -14,29 +14,23 @@ malformed (:class:`ManifestError`). A recovery in place keeps each rank's own sh
 
 from __future__ import annotations
 
-import json
 import math
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from . import structure
+
 #: Names the manifest's layout: a change of it changes every checksum.
-FORMAT = "fth-shard-1"
+FORMAT = "fth-shard-2"
 #: The largest manifest accepted (bytes of JSON), from a peer or not.
-MAX_MANIFEST_BYTES = 16 * 2**20
-#: The deepest nesting of containers a manifest may describe.
-MAX_DEPTH = 64
+MAX_MANIFEST_BYTES = structure.MAX_BYTES
 #: Each leaf's bytes start at a multiple of this (any dtype's view of the buffer is aligned).
 _ALIGN = 64
-#: The dtypes a manifest may name (``str(torch.float32)`` minus the ``torch.`` prefix).
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint64, torch.uint32, torch.uint16, torch.uint8,
-    torch.bool)}
 
 
 class ManifestError(ValueError):
@@ -67,21 +61,11 @@ def find(obj: Any, path: str = "state", depth: int = 0) -> tuple[str, str] | Non
     """``(path, why)`` of the first sharded tensor (:func:`unbacked`) in a nested state (dicts,
     lists, tuples), or ``None``."""
     if isinstance(obj, torch.Tensor):
-        why = unbacked(obj)
-        return (path, why) if why else None
-    if depth > 64:
+        return (path, why) if (why := unbacked(obj)) else None
+    if depth > structure.MAX_DEPTH or not isinstance(obj, (dict, list, tuple)):
         return None
-    if isinstance(obj, dict):
-        items = obj.items()
-    elif isinstance(obj, (list, tuple)):
-        items = enumerate(obj)
-    else:
-        return None
-    for key, value in items:
-        found = find(value, f"{path}[{key!r}]", depth + 1)
-        if found is not None:
-            return found
-    return None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    return next(filter(None, (find(v, f"{path}[{k!r}]", depth + 1) for k, v in items)), None)
 
 
 # -- snapshot -------------------------------------------------------------------------------------
@@ -121,46 +105,34 @@ def _placement(p: Any, path: str) -> list:
                     "rebuild: Shard, Replicate or Partial")
 
 
-def _describe(obj: Any, path: str, leaves: list, tensors: list, depth: int) -> Any:
-    """The JSON tree of ``obj``: containers as ``{"d"|"l"|"t": ...}``, values as ``{"v": x}``,
-    tensors as ``{"T": index}`` into ``leaves`` (their local shards appended to ``tensors``)."""
-    if depth > MAX_DEPTH:
-        raise TypeError(f"{path} is nested deeper than {MAX_DEPTH}")
-    if isinstance(obj, Mapping):
-        items = []
-        for k, v in obj.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise TypeError(f"{path} has a key {k!r} of type {type(k).__qualname__}: str or int keys only")
-            items.append([k, _describe(v, f"{path}[{k!r}]", leaves, tensors, depth + 1)])
-        return {"d": items}
-    if isinstance(obj, (list, tuple)):
-        return {"l" if isinstance(obj, list) else "t":
-                [_describe(v, f"{path}[{i}]", leaves, tensors, depth + 1) for i, v in enumerate(obj)]}
-    if obj is None or isinstance(obj, (bool, int, str)) or (isinstance(obj, float) and math.isfinite(obj)):
-        return {"v": obj}
-    if isinstance(obj, float):
-        return {"f": repr(obj)}  # inf, nan: JSON has no literal for them
-    leaf: dict[str, Any] = {"path": path}
-    if isinstance(obj, DTensor):
-        mesh = obj.device_mesh
-        leaf.update(placements=[_placement(p, path) for p in obj.placements], global_shape=list(obj.shape),
-                    global_stride=list(obj.stride()), mesh={"shape": list(mesh.shape),
-                                                            "dim_names": list(mesh.mesh_dim_names or []),
-                                                            "ranks": mesh.mesh.flatten().tolist()})
-        obj = obj.to_local()
-    elif type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":  # RNG states (numpy.random)
-        leaf["numpy"] = True
-        obj = torch.from_numpy(obj)
-    elif not isinstance(obj, torch.Tensor):
-        raise TypeError(f"{path} is a {type(obj).__module__}.{type(obj).__qualname__}, which a shard snapshot "
-                        "cannot carry: tensors, DTensors, numbers, str, None, and dicts, lists, tuples of them")
-    if obj.layout != torch.strided or str(obj.dtype).removeprefix("torch.") not in _DTYPES:
-        raise TypeError(f"{path} is a tensor a shard snapshot cannot carry (layout {obj.layout}, dtype {obj.dtype})")
-    leaf.update(dtype=str(obj.dtype).removeprefix("torch."), shape=list(obj.shape),
-                nbytes=obj.numel() * obj.element_size(), requires_grad=obj.requires_grad)
-    leaves.append(leaf)
-    tensors.append(obj)
-    return {"T": len(leaves) - 1}
+def _describe(state: Any) -> tuple[Any, list[dict], list[torch.Tensor]]:
+    """``(structure, leaves, tensors)``: the structure of ``state`` (:mod:`.structure`), a tensor as
+    ``{"T": index}`` into ``leaves`` (how to rebuild it) and ``tensors`` (its local shard)."""
+    leaves: list[dict] = []
+    tensors: list[torch.Tensor] = []
+
+    def leaf(obj: Any, path: str) -> Any:
+        spec: dict[str, Any] = {"path": path}
+        if isinstance(obj, DTensor):
+            mesh = obj.device_mesh
+            spec.update(placements=[_placement(p, path) for p in obj.placements], global_shape=list(obj.shape),
+                        global_stride=list(obj.stride()), mesh={"shape": list(mesh.shape),
+                                                                "dim_names": list(mesh.mesh_dim_names or []),
+                                                                "ranks": mesh.mesh.flatten().tolist()})
+            obj = obj.to_local()
+        elif (array := structure.from_numpy(obj)) is not None:  # RNG states (numpy.random)
+            spec["numpy"] = True
+            obj = array
+        elif not isinstance(obj, torch.Tensor):
+            return None
+        structure.dense(obj, path, "a shard snapshot")
+        spec.update(dtype=structure.dtype_name(obj.dtype), shape=list(obj.shape),
+                    nbytes=obj.numel() * obj.element_size(), requires_grad=obj.requires_grad)
+        leaves.append(spec)
+        tensors.append(obj)
+        return {"T": len(leaves) - 1}
+
+    return structure.encode(state, leaf, "a shard snapshot", loose=True), leaves, tensors
 
 
 def take_snapshot(state: Any, step: int, rank: int, *, seal: bool = True,
@@ -175,9 +147,7 @@ def take_snapshot(state: Any, step: int, rank: int, *, seal: bool = True,
     Raises:
         TypeError: a value a snapshot cannot carry, naming its path (``state['opt']['state'][0]``).
     """
-    leaves: list[dict] = []
-    tensors: list[torch.Tensor] = []
-    tree = _describe(state, "state", leaves, tensors, 0)
+    tree, leaves, tensors = _describe(state)
     offset = 0
     for leaf in leaves:
         offset = -(-offset // _ALIGN) * _ALIGN
@@ -188,16 +158,14 @@ def take_snapshot(state: Any, step: int, rank: int, *, seal: bool = True,
         for leaf, t in zip(leaves, tensors):
             if leaf["nbytes"]:
                 _view(payload, leaf).copy_(t)
-    manifest = json.dumps({"format": FORMAT, "rank": rank, "step": step, "bytes": offset, "tree": tree,
-                           "leaves": leaves}, separators=(",", ":")).encode()
-    if len(manifest) > MAX_MANIFEST_BYTES:
-        raise TypeError(f"the state's manifest is {len(manifest)} bytes, more than {MAX_MANIFEST_BYTES}")
+    manifest = structure.dumps({"format": FORMAT, "rank": rank, "step": step, "bytes": offset, "tree": tree,
+                                "leaves": leaves})
     snap = Snapshot(rank, step, manifest, payload)
     return snap.seal() if seal else snap
 
 
 def _view(payload: torch.Tensor, leaf: dict) -> torch.Tensor:
-    dtype = _DTYPES[leaf["dtype"]]
+    dtype = structure.DTYPES[leaf["dtype"]]
     chunk = payload[leaf["offset"]:leaf["offset"] + leaf["nbytes"]]
     return (chunk.view(dtype) if chunk.numel() else torch.empty(0, dtype=dtype)).view(leaf["shape"])
 
@@ -209,12 +177,7 @@ def read_manifest(data: bytes, payload_bytes: int) -> dict:
         ManifestError: larger than :data:`MAX_MANIFEST_BYTES`, not this format's JSON, a leaf with an
         unknown dtype, a shape that does not give its bytes, or bytes outside the payload.
     """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"the manifest is {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
-    try:
-        manifest = json.loads(data)
-    except (ValueError, RecursionError) as e:
-        raise ManifestError(f"the manifest is not JSON: {type(e).__name__}: {str(e)[:200]}") from None
+    manifest = structure.loads(data, ManifestError)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ManifestError(f"the manifest is not a {FORMAT} manifest")
     for key in ("rank", "step", "bytes"):
@@ -226,10 +189,10 @@ def read_manifest(data: bytes, payload_bytes: int) -> dict:
     if not isinstance(leaves, list):
         raise ManifestError("the manifest has no list of leaves")
     for i, leaf in enumerate(leaves):
-        ok = (isinstance(leaf, dict) and leaf.get("dtype") in _DTYPES and isinstance(leaf.get("shape"), list)
+        ok = (isinstance(leaf, dict) and leaf.get("dtype") in structure.DTYPES and isinstance(leaf.get("shape"), list)
               and all(type(n) is int and n >= 0 for n in leaf["shape"])
               and all(type(leaf.get(k)) is int and leaf[k] >= 0 for k in ("offset", "nbytes")))
-        if not ok or leaf["nbytes"] != math.prod(leaf["shape"]) * _DTYPES[leaf["dtype"]].itemsize \
+        if not ok or leaf["nbytes"] != math.prod(leaf["shape"]) * structure.DTYPES[leaf["dtype"]].itemsize \
                 or leaf["offset"] % _ALIGN or leaf["offset"] + leaf["nbytes"] > payload_bytes:
             raise ManifestError(f"the manifest's leaf {i} ({str(leaf)[:200]}) does not fit the payload")
     return manifest
@@ -252,7 +215,9 @@ def restore(snap: Snapshot, *, mesh: Any = None, device: str | torch.device = "c
     manifest = read_manifest(snap.manifest, snap.payload.numel())
     leaves = manifest["leaves"]
 
-    def leaf(i: Any) -> Any:
+    def leaf(tag: str, i: Any, local: Any, path: str) -> Any:
+        if tag != "T":
+            raise ManifestError(f"the manifest's tree has a malformed node at {path}: {tag!r}")
         if type(i) is not int or not 0 <= i < len(leaves):
             raise ManifestError(f"the manifest names leaf {str(i)[:50]}, which it does not have")
         spec = leaves[i]
@@ -261,31 +226,19 @@ def restore(snap: Snapshot, *, mesh: Any = None, device: str | torch.device = "c
             return t.numpy()
         if "placements" not in spec or mesh is None:
             return t.requires_grad_(bool(spec.get("requires_grad")))
-        if list(mesh.shape) != spec["mesh"]["shape"] or mesh.mesh.flatten().tolist() != spec["mesh"]["ranks"]:
-            raise ManifestError(f"{spec['path']} was sharded on a mesh {spec['mesh']}, not on {mesh}")
-        placements = [_PLACEMENTS[p[0]](*p[1:]) for p in spec["placements"]]
-        d = DTensor.from_local(t, mesh, placements, run_check=False, shape=torch.Size(spec["global_shape"]),
-                               stride=tuple(spec["global_stride"]))
+        recorded = spec.get("mesh")
+        if not isinstance(recorded, dict) or [list(mesh.shape), mesh.mesh.flatten().tolist()] != [
+                recorded.get("shape"), recorded.get("ranks")]:
+            raise ManifestError(f"{path} was sharded on a mesh {str(recorded)[:200]}, not on {mesh}")
+        try:
+            placements = [_PLACEMENTS[p[0]](*p[1:]) for p in spec["placements"]]
+            d = DTensor.from_local(t, mesh, placements, run_check=False, shape=torch.Size(spec["global_shape"]),
+                                   stride=tuple(spec["global_stride"]))
+        except (KeyError, TypeError, IndexError, ValueError, RuntimeError) as e:
+            raise ManifestError(f"{path}'s placements do not rebuild it: {type(e).__name__}: {str(e)[:200]}") from None
         return d.requires_grad_(bool(spec.get("requires_grad")))
 
-    def build(node: Any, depth: int) -> Any:
-        if depth > MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
-            raise ManifestError(f"the manifest's tree has a malformed node: {str(node)[:200]}")
-        [(kind, value)] = node.items()
-        if kind == "v":
-            return value
-        if kind == "f":
-            return float(value)
-        if kind == "T":
-            return leaf(value)
-        if kind == "d" and isinstance(value, list) and all(isinstance(kv, list) and len(kv) == 2 for kv in value):
-            return {k: build(v, depth + 1) for k, v in value}
-        if kind in ("l", "t") and isinstance(value, list):
-            items = [build(v, depth + 1) for v in value]
-            return items if kind == "l" else tuple(items)
-        raise ManifestError(f"the manifest's tree has a malformed node: {str(node)[:200]}")
-
-    return build(manifest.get("tree"), 0)
+    return structure.decode(manifest.get("tree"), leaf, ManifestError)
 
 
 _PLACEMENTS = {"S": Shard, "R": Replicate, "P": Partial}
@@ -293,9 +246,7 @@ _PLACEMENTS = {"S": Shard, "R": Replicate, "P": Partial}
 
 def local_shards(state: Any) -> list[tuple[str, torch.Tensor]]:
     """``(path, tensor)`` of every tensor in ``state``, a ``DTensor`` as its local shard (for comparing)."""
-    leaves: list[dict] = []
-    tensors: list[torch.Tensor] = []
-    _describe(state, "state", leaves, tensors, 0)
+    _, leaves, tensors = _describe(state)
     return [(leaf["path"], t) for leaf, t in zip(leaves, tensors)]
 
 

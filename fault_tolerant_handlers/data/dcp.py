@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..core import sharded
 from . import live
 
-__all__ = ["ShardedState", "load_dcp", "save_dcp"]
+__all__ = ["ShardedState", "load_dcp", "load_shards", "save_dcp"]
 
 #: DCP's metadata file, written last: its presence marks a complete distributed checkpoint.
 METADATA = ".metadata"
@@ -66,6 +66,18 @@ class ShardedState:
             set_model_state_dict(self.model, state["model"])
             return
         set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_shards(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer], model_state: Mapping[str, Any],
+                optimizer_states: Iterable[Mapping[str, Any]]) -> None:
+    """Load this rank's shards into ``model`` and each optimizer (torch's ``set_model_state_dict`` /
+    ``set_optimizer_state_dict``; the states as ``get_model_state_dict`` / ``get_optimizer_state_dict``
+    give them: keyed by parameter name, ``DTensor`` values; a fresh optimizer can be loaded into). No collective."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(model, model_state)
+    for optimizer, state in zip(optimizers, optimizer_states, strict=True):
+        set_optimizer_state_dict(model, optimizer, state)
 
 
 def _rank() -> tuple[int, int]:

@@ -343,6 +343,7 @@ class _Recovery:
         hooks.run(hooks.RESET_FRAMEWORKS, state)  # the adapters: frameworks' process-wide state
         part("frameworks")
         gc.collect()  # the failed attempt's loaders: their workers are shut down with them
+        pass  # interrupts.quiet_released()  # the destroyed groups' loops, which may live on: no spinning
         part("collected")
         hooks.run(hooks.COLLECTED, state)  # the data layer: the DataLoader workers still running
         if world is not None:

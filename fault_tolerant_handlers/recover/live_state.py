@@ -28,18 +28,14 @@ Timeouts: every operation is bounded by the group's timeout. The group must carr
 
 from __future__ import annotations
 
-import base64
 import collections
 import ctypes
 import enum
 import hashlib
 import itertools
-import json
 import logging
 import math
-import sys
 import time
-import warnings
 import zlib
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
@@ -47,7 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core import attempts, hooks, sharded
+from ..core import attempts, hooks, sharded, structure
 from ..core.errors import StateTransferError
 from ..core.hooks import log
 from ..core.phases import Captured, RecoveryState
@@ -84,123 +80,30 @@ class TransferFailure(str, enum.Enum):
 
 # --- the state's structure (JSON) and its tensors ------------------------------------------------
 
-def _path(path: str, key: Any) -> str:
-    return f"{path}[{key!r}]"
+def _structure(state: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """``(canonical JSON of the structure, [each tensor or array as a tensor, ...])``: a tensor as
+    ``{"x": [dtype, shape]}``, a numpy array as ``{"a": [dtype, shape]}`` (:mod:`..core.structure`)."""
+    leaves: list[torch.Tensor] = []
 
-
-def _refuse(path: str, obj: Any) -> TypeError:
-    return TypeError(
-        f"{path} is a {type(obj).__module__}.{type(obj).__qualname__}, which live state cannot carry: "
-        "accepted are tensors, numpy arrays, None, bool, int, float, str, bytes, and dict (or "
-        "OrderedDict), list and tuple of those (dict keys: None, bool, int, float, str or tuples of "
-        "them). Convert it, or leave it out of the state")
-
-
-def _is_ndarray(obj: Any) -> bool:
-    numpy = sys.modules.get("numpy")
-    return numpy is not None and type(obj) is numpy.ndarray
-
-
-def _numpy_dtype(array: Any) -> torch.dtype | None:
-    """The torch dtype of a numpy array's elements, or ``None`` when torch has none (object,
-    strings, non-native byte order)."""
-    try:
-        return torch.from_numpy(array.reshape(-1)[:0].copy()).dtype
-    except (TypeError, ValueError):
-        return None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).rpartition(".")[2]
-
-
-def _dtype(name: Any) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return dtype
-
-
-def _key(key: Any, path: str) -> Any:
-    if key is None or type(key) in (bool, int, float, str):
-        return key
-    if type(key) is tuple:
-        return {"t": [_key(k, path) for k in key]}
-    raise TypeError(f"{path} has a key {key!r} of type {type(key).__qualname__}, which live state cannot "
-                    "carry (dict keys: None, bool, int, float, str or tuples of them)")
-
-
-def _flatten(obj: Any, path: str, leaves: list[tuple[Any, str]]) -> Any:
-    """The JSON form of ``obj`` with a tag for every container and tensor (so that a plain JSON
-    object or list never stands for itself), appending each tensor (or array) with its path to
-    ``leaves`` in the order they appear."""
-    kind = type(obj)
-    if obj is None or kind in (bool, int, float, str):
-        return obj
-    if isinstance(obj, torch.Tensor):
-        if obj.layout is not torch.strided or obj.is_quantized or obj.is_meta or obj.is_nested:
-            raise TypeError(f"{path} is a tensor live state cannot carry (layout {obj.layout}, "
-                            f"{'quantized' if obj.is_quantized else 'meta' if obj.is_meta else 'not dense'}): "
-                            "only dense tensors with data")
-        why = sharded.unbacked(obj)
-        if why:
+    def leaf(obj: Any, path: str) -> Any:
+        tag, t = ("x", obj) if isinstance(obj, torch.Tensor) else ("a", structure.from_numpy(obj))
+        if t is None:
+            return None
+        structure.dense(t, path, "live state")
+        if why := sharded.unbacked(t):
             raise TypeError(f"{path} is {why}: live state carries tensors each process holds whole (its memory read "
                             "in place); a sharded model's is each rank's own snapshot, never sent")
-        leaves.append((obj, path))
-        return {"x": [_dtype_name(obj.dtype), list(obj.shape)]}
-    if _is_ndarray(obj):
-        dtype = _numpy_dtype(obj)
-        if dtype is None:
-            raise _refuse(path, obj)
-        leaves.append((obj, path))
-        return {"a": [_dtype_name(dtype), list(obj.shape)]}
-    if kind is list:
-        return {"l": [_flatten(v, _path(path, i), leaves) for i, v in enumerate(obj)]}
-    if kind is tuple:
-        return {"t": [_flatten(v, _path(path, i), leaves) for i, v in enumerate(obj)]}
-    if kind is dict or kind is collections.OrderedDict:
-        pairs = [[_key(k, path), _flatten(v, _path(path, k), leaves)] for k, v in obj.items()]
-        if kind is dict:
-            return {"d": pairs}
-        metadata = getattr(obj, "_metadata", None)
-        if metadata is None:
-            return {"o": pairs}
-        return {"o": pairs, "m": _flatten(metadata, f"{path}._metadata", leaves)}
-    if kind is bytes:
-        return {"b": base64.b64encode(obj).decode("ascii")}
-    raise _refuse(path, obj)
+        leaves.append(t)
+        return {tag: [structure.dtype_name(t.dtype), list(t.shape)]}
+
+    return structure.dumps(structure.encode(state, leaf, "live state")), leaves
 
 
-def _structure(state: Any) -> tuple[bytes, list[tuple[Any, str]]]:
-    """``(canonical JSON of the structure, [(tensor or array, path), ...])``."""
-    leaves: list[tuple[Any, str]] = []
-    skeleton = _flatten(state, "state", leaves)
-    text = json.dumps(skeleton, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
-    return text.encode("ascii"), leaves
-
-
-def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    return math.prod(shape) * dtype.itemsize
-
-
-def _flat_bytes(leaf: Any) -> torch.Tensor:
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a leaf's bytes in row-major order, on its device (a copy only when the
-    leaf is not contiguous)."""
-    if isinstance(leaf, torch.Tensor):
-        t = leaf.detach()
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
-        t = t.contiguous()
-    else:  # a numpy array: read in place (never written through)
-        numpy = sys.modules["numpy"]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a read-only array
-            t = torch.from_numpy(numpy.ascontiguousarray(leaf))
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return t.reshape(-1).view(torch.uint8)
+    leaf is not contiguous, or a conjugate or negative view)."""
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def _memory(t: torch.Tensor) -> memoryview:
@@ -236,11 +139,11 @@ def checksum(state: Any) -> str:
     Raises:
         TypeError: a leaf live state cannot carry, naming its path (``state['opt']['x']``).
     """
-    structure, leaves = _structure(state)
+    text, leaves = _structure(state)
     digest = hashlib.sha256(_FORMAT)
-    digest.update(structure)
+    digest.update(text)
     stage: list = []
-    for leaf, _ in leaves:
+    for leaf in leaves:
         for piece in _pieces(_flat_bytes(leaf), stage):
             digest.update(piece)
     return digest.digest()[:DIGEST_BYTES].hex()
@@ -264,59 +167,41 @@ def _wait(works: Any) -> None:
         work.wait()
 
 
-def _unflatten(node: Any, local: Any, path: str, dests: list[torch.Tensor], device: Any) -> Any:
-    """Rebuild the structure ``node`` (JSON form), taking from ``local`` (the receiver's own state,
-    or ``None``) every tensor of the same dtype and shape to write into; the tensors to write, in
-    order, go to ``dests``."""
-    if node is None or type(node) in (bool, int, float, str):
-        return node
-    if type(node) is not dict or len(node) not in (1, 2):
-        raise ValueError(f"{path}: unexpected {node!r}")
-    tag, value = next(iter(node.items()))
-    if tag in ("x", "a"):
-        dtype, shape = _dtype(value[0]), tuple(int(n) for n in value[1])
-        if tag == "a":
-            numpy = sys.modules.get("numpy")
-            if numpy is None:
-                import numpy  # noqa: F811 - the source sent an array: numpy is installed there
-            if (type(local) is numpy.ndarray and local.shape == shape and local.flags.c_contiguous
-                    and local.flags.writeable and _numpy_dtype(local) == dtype):
-                dests.append(torch.from_numpy(local))
-                return local
-            out = torch.empty(shape, dtype=dtype)
-            dests.append(out)
-            return out.numpy()
-        if (isinstance(local, torch.Tensor) and local.dtype == dtype and tuple(local.shape) == shape
-                and local.layout is torch.strided and not local.is_meta and local.is_contiguous()
-                and not local.is_conj() and not local.is_neg()):
-            dests.append(local.detach())
-            return local
-        out = torch.empty(shape, dtype=dtype, device=device)
+def _rebuild(structure_bytes: bytes, local: Any, device: Any, total: int) -> tuple[Any, list[torch.Tensor]]:
+    """The state whose structure is ``structure_bytes`` (from the source), taking from ``local`` (the
+    receiver's own state, or ``None``) every tensor of the same dtype and shape to write into, and the
+    tensors to write, in order: at most ``total`` bytes of them.
+
+    Raises:
+        ValueError: a malformed structure, or leaves of more than ``total`` bytes.
+    """
+    dests: list[torch.Tensor] = []
+    left = [total]
+
+    def leaf(tag: str, value: Any, mine: Any, path: str) -> Any:
+        if (tag not in ("x", "a") or type(value) is not list or len(value) != 2 or value[0] not in structure.DTYPES
+                or type(value[1]) is not list or not all(type(n) is int and n >= 0 for n in value[1])):
+            raise ValueError(f"{path} is a malformed leaf: {str({tag: value})[:200]}")
+        dtype, shape = structure.DTYPES[value[0]], tuple(value[1])
+        left[0] -= math.prod(shape) * dtype.itemsize
+        if left[0] < 0:
+            raise ValueError(f"{path}: the leaves hold more than the header's {total} bytes")
+        if tag == "a":  # written into in place: the receiver's own array, contiguous and writeable
+            t = structure.from_numpy(mine)
+            fits = t is not None and mine.flags.c_contiguous and mine.flags.writeable
+        else:
+            t = mine.detach() if isinstance(mine, torch.Tensor) else None
+            fits = (t is not None and t.layout is torch.strided and not t.is_meta and t.is_contiguous()
+                    and not t.is_conj() and not t.is_neg())
+        if fits and t.dtype == dtype and tuple(t.shape) == shape:
+            dests.append(t)
+            return mine
+        out = torch.empty(shape, dtype=dtype, device="cpu" if tag == "a" else device)
         dests.append(out)
-        return out
-    if tag in ("l", "t"):
-        items = local if isinstance(local, (list, tuple)) else ()
-        out = [_unflatten(v, items[i] if i < len(items) else None, _path(path, i), dests, device)
-               for i, v in enumerate(value)]
-        return out if tag == "l" else tuple(out)
-    if tag in ("d", "o"):
-        mapping = local if isinstance(local, dict) else {}
-        out = {} if tag == "d" else collections.OrderedDict()
-        for k, v in value:
-            key = _unkey(k)
-            out[key] = _unflatten(v, mapping.get(key), _path(path, key), dests, device)
-        if "m" in node:
-            out._metadata = _unflatten(node["m"], None, f"{path}._metadata", dests, device)
-        return out
-    if tag == "b":
-        return base64.b64decode(value.encode("ascii"), validate=True)
-    raise ValueError(f"{path}: unknown tag {tag!r}")
+        return out.numpy() if tag == "a" else out
 
-
-def _unkey(key: Any) -> Any:
-    if type(key) is dict:
-        return tuple(_unkey(k) for k in key["t"])
-    return key
+    tree = structure.loads(structure_bytes)
+    return structure.decode(tree, leaf, ValueError, local), dests
 
 
 def _header(values: Sequence[int]) -> torch.Tensor:
@@ -389,19 +274,18 @@ def _send_state(state: Any, receivers: Sequence[int], group: Any, chunk_bytes: i
     from the tensor itself and its CRC computed while it is on its way; packed segments go through
     :class:`_Staging`."""
     try:
-        structure, leaves = _structure(state)
+        text, leaves = _structure(state)
     except TypeError as exc:  # told to the receivers, raised here once the others know
         _wait(_send(_header([-1, 0, 0, 0, 0]), receivers, group))
         return 0, (TransferFailure.SOURCE, -1), exc
-    sizes = [_nbytes(leaf.dtype if isinstance(leaf, torch.Tensor) else _numpy_dtype(leaf), leaf.shape)
-             for leaf, _ in leaves]
+    sizes = [leaf.numel() * leaf.element_size() for leaf in leaves]
     total, direct = sum(sizes), min(DIRECT_BYTES, chunk_bytes)
     plan = _plan(sizes, chunk_bytes, direct)
     lengths = _messages(plan, sizes, direct)
-    _wait(_send(_header([len(structure), total, len(lengths), chunk_bytes, direct]), receivers, group))
+    _wait(_send(_header([len(text), total, len(lengths), chunk_bytes, direct]), receivers, group))
     _wait(_send(_header(lengths), receivers, group))
-    _wait(_send(torch.frombuffer(bytearray(structure), dtype=torch.uint8), receivers, group))
-    crc = zlib.crc32(structure, zlib.crc32(_FORMAT))
+    _wait(_send(torch.frombuffer(bytearray(text), dtype=torch.uint8), receivers, group))
+    crc = zlib.crc32(text, zlib.crc32(_FORMAT))
     staging = _Staging(min(chunk_bytes, total) + TAIL_BYTES)
     flats: dict[int, torch.Tensor] = {}
     in_flight: collections.deque = collections.deque()
@@ -409,7 +293,7 @@ def _send_state(state: Any, receivers: Sequence[int], group: Any, chunk_bytes: i
     def flat(leaf: int) -> torch.Tensor:
         if leaf not in flats:
             flats.clear()  # segments follow the leaves' order: only the current one is needed
-            flats[leaf] = _flat_bytes(leaves[leaf][0])
+            flats[leaf] = _flat_bytes(leaves[leaf])
         return flats[leaf]
 
     for segment in plan:
@@ -462,25 +346,24 @@ def _receive_state(state: Any, source: int, group: Any, expected: str | None,
     lengths = [int(v) for v in lengths_tensor]
     raw = torch.empty(length, dtype=torch.uint8)
     _wait(_recv(raw, source, group))
-    structure = bytes(_memory(raw))
+    text = bytes(_memory(raw))
     try:
-        dests: list[torch.Tensor] = []
-        result = _unflatten(json.loads(structure.decode("ascii")), state, "state", dests, device)
+        result, dests = _rebuild(text, state, device, total)
         sizes = [d.numel() * d.element_size() for d in dests]
         plan = _plan(sizes, chunk, direct)
         if sum(sizes) != total or _messages(plan, sizes, direct) != lengths:
             raise ValueError("the structure's sizes are not the header's")
-    except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError, AttributeError):
+    except (ValueError, TypeError):
         scratch = torch.empty(max(lengths, default=0), dtype=torch.uint8)
         for n in lengths:  # drained, so that the source finishes
             _wait(_recv(scratch[:n], source, group))
         return state, total, (TransferFailure.HEADER, -1)
-    flats = [d.reshape(-1).view(torch.uint8) if d.numel() else torch.empty(0, dtype=torch.uint8) for d in dests]
-    crc = zlib.crc32(structure, zlib.crc32(_FORMAT))
+    flats = [_flat_bytes(d) for d in dests]  # in place: each is contiguous
+    crc = zlib.crc32(text, zlib.crc32(_FORMAT))
     digest = None
     if expected is not None:
         digest = hashlib.sha256(_FORMAT)
-        digest.update(structure)
+        digest.update(text)
     staging = _Staging(min(chunk, total) + TAIL_BYTES)
 
     def post(segment: list[tuple[int, int, int]]) -> tuple:

@@ -10,17 +10,20 @@ checkpoints (``torch.distributed.checkpoint``, DCP), as the examples run them, o
   live-state checksum read a ``DTensor``'s ``data_ptr()``, 0). A rank's snapshot whose bytes
   changed while held is never loaded: every rank resumes from ``checkpoint_10``, the log naming why.
 * ``examples/lightning_model_parallel.py``: ``ModelParallelStrategy`` with
-  ``save_distributed_checkpoint`` False (a file) and True (a directory); in place, resumed from
-  ``epoch=0-step=10.ckpt`` with the checkpoint's weights. Before this: the file's in-memory copy was
-  handed to a strategy that ignores it (the run went on from step 10 with freshly initialised
-  weights: another SHA-256, exit 0), and the directory was not found (trained from step 0 again).
+  ``save_distributed_checkpoint`` False (a file) and True (a directory); in place, rank 1 raises at
+  step 17 and, in the next attempt, the last rank hangs at step 23: every rank carries on from its own
+  shard (16, then 22), no step computed twice, with an uninterrupted run's final weights. Before
+  this: live state was refused and every rank resumed from the checkpoints of steps 10 and 20;
+  before that, the file's in-memory copy was handed to a strategy that ignores it (freshly
+  initialised weights, exit 0), and the directory was not found (trained from step 0 again).
 * A save killed midway (DCP's shards written, its ``.metadata`` not; Lightning's ``meta.pt`` not;
   ``DCPSaver``'s temporary directory, or the directory it replaces half removed) is never what
   ``latest_checkpoint`` chooses; in a training job (a rank SIGKILLed inside DCP's save, 2 and 4
   ranks), every rank resumes from the previous checkpoint, intact.
 * A rank SIGKILLed or hung: in place (the keeper's replacement; ``hang_timeout``) and relaunched,
   Ignite + FSDP2 and Lightning ``ModelParallelStrategy`` in both forms, 2 and 4 ranks, every rank
-  resumes from the newest complete checkpoint with an uninterrupted run's final weights.
+  resumes from the newest complete checkpoint with an uninterrupted run's final weights; in place
+  after a hang, from its own shard.
 
 Every run is bounded and every process it started is killed by pid (see ``test_examples._run``).
 """
@@ -112,7 +115,7 @@ def test_sharded_examples_print_both_rehearsals():
 
 
 def _check_recovered(out: str, returncode: int | None, resumed: str, reference: str, in_place: bool,
-                     refused: bool = True, world: int = 2) -> None:
+                     world: int = 2) -> None:
     assert returncode is not None, f"still running after {DEADLINE_SEC} s (killed):\n{out[-4000:]}"
     assert "SIGSEGV" not in out and "Segmentation fault" not in out, out[-4000:]
     assert "FTH_INJECT=raise@rank=1,iteration=17: injecting raise" in out, out[-4000:]  # the fault fired
@@ -121,19 +124,18 @@ def _check_recovered(out: str, returncode: int | None, resumed: str, reference: 
         assert f"[rank {rank}] attempt 1: {resumed}" in out, out[-4000:]
     if in_place:
         assert "recovering in place, attempt 1" in out, out[-4000:]
-        if refused:
-            assert re.search(r"\[rank 0\] live state refused: .*sharded", out), out[-4000:]  # the WARNING, named
+        assert "live state refused" not in out, out[-4000:]  # served for every sharded form here
     assert returncode == 0, out[-4000:]
     assert _digests(out, world) == {reference}, f"final weights differ from an uninterrupted run's:\n{out[-4000:]}"
 
 
-def _check_own_shards(out: str, world: int, step: int) -> None:
+def _check_own_shards(out: str, world: int, step: int, unit: str = "iteration") -> None:
     """Every rank carried on from its own shard of ``step``: nothing computed twice, nothing sent."""
     assert "live state refused" not in out, out[-4000:]
     for rank in range(world):
-        assert re.search(rf"\[rank {rank}[^\]]*\] .*live state, iteration {step} \(each rank's own\), is held", out), \
+        assert re.search(rf"\[rank {rank}[^\]]*\] .*live state, {unit} {step} \(each rank's own\), is held", out), \
             (rank, out[-4000:])
-        assert re.search(rf"\[rank {rank}[^\]]*\] carries on from live state, iteration {step} \(loaded by the script "
+        assert re.search(rf"\[rank {rank}[^\]]*\] carries on from live state, {unit} {step} \(loaded by the script "
                          rf"from live-state-step={step}\.pt\): no step computed twice", out), (rank, out[-4000:])
 
 
@@ -143,8 +145,7 @@ def test_ignite_fsdp_in_place_carries_on_from_each_ranks_own_shard_exactly(ignit
     16 (copied at the failure, checksummed), and every rank carries on from it: 0 steps computed
     twice (before: from ``checkpoint_10``, 6), and the uninterrupted run's final weights."""
     returncode, out = _run(_line(IGNITE, True), IGNITE, tmp_path)
-    _check_recovered(out, returncode, "resumed from live-state-step=16.pt at iteration 16", ignite_reference, True,
-                     refused=False)
+    _check_recovered(out, returncode, "resumed from live-state-step=16.pt at iteration 16", ignite_reference, True)
     _check_own_shards(out, 2, 16)
 
 
@@ -158,31 +159,60 @@ FLIP_MAIN = ROOT / "tests" / "programs" / "flip_shard_main.py"
 
 
 @pytest.mark.timeout(2 * DEADLINE_SEC + 60)
-def test_a_shard_whose_bytes_changed_while_held_is_never_loaded(ignite_reference, tmp_path):
+@pytest.mark.parametrize("example", [IGNITE, pytest.param(LIGHTNING, marks=pytest.mark.long)],
+                         ids=["ignite", "lightning"])
+def test_a_shard_whose_bytes_changed_while_held_is_never_loaded(example, reference, tmp_path):
     """Rank 1's shard snapshot has a byte flipped after it was checksummed (``flip_shard_main.py``):
     rank 1 reports it by name (``SnapshotChecksumError``), rank 0's plan names rank 1 and why, and
-    every rank resumes from ``checkpoint_10`` (nobody else holds rank 1's shard), exactly."""
-    line = _line(IGNITE, True).replace("torchrun ", "FLIP_SHARD=1 torchrun ").replace(
-        "examples/ignite_fsdp.py", f"examples/{FLIP_MAIN.name} {IGNITE}")
+    every rank resumes from the checkpoint of step 10 (nobody else holds rank 1's shard), exactly."""
+    unit, resumed = (("iteration", "resumed from checkpoint_10 at iteration 10") if example == IGNITE
+                     else ("global step", "resuming from epoch=0-step=10.ckpt"))
+    line = _line(example, True).replace("torchrun ", "FLIP_SHARD=1 torchrun ").replace(
+        f"examples/{example.name}", f"examples/{FLIP_MAIN.name} {example}")
     returncode, out = _run(line, FLIP_MAIN, tmp_path)
     assert "[rank 1] flipped a byte of its shard of step 16" in out, out[-4000:]  # the fault fired
-    assert re.search(r"\[rank 1[^\]]*\] live state: SnapshotChecksumError: its shard of iteration 16 does not have "
+    assert re.search(rf"\[rank 1[^\]]*\] live state: SnapshotChecksumError: its shard of {unit} 16 does not have "
                      r"its checksum \(CRC-32 [0-9a-f]{8} when copied, [0-9a-f]{8} now\): never loaded", out), out[-4000:]
     for rank in (0, 1):
         assert re.search(rf"\[rank {rank}[^\]]*\] .*live state cannot serve: rank 1 holds no shard of its own "
-                         r"\(SnapshotChecksumError: its shard of iteration 16", out), (rank, out[-4000:])
-    _check_recovered(out, returncode, "resumed from checkpoint_10 at iteration 10", ignite_reference, True,
-                     refused=False)
+                         rf"\(SnapshotChecksumError: its shard of {unit} 16", out), (rank, out[-4000:])
+    _check_recovered(out, returncode, resumed, reference(example), True)
+
+
+#: The hang of the Lightning in-place runs: in the attempt after the raise, at global step 23.
+THEN_HANG = "hang@rank={rank},iteration=23,attempt=1"
 
 
 @pytest.mark.timeout(2 * DEADLINE_SEC + 60)
-@pytest.mark.parametrize("distributed", [False, True], ids=["file", "directory"])
-def test_lightning_model_parallel_in_place_resumes_with_the_checkpoints_weights(distributed, lightning_reference,
-                                                                                 tmp_path):
-    line = _line(LIGHTNING, in_place=True) + (" --distributed" if distributed else "")
+@pytest.mark.parametrize("distributed, world", [
+    pytest.param(False, 2, id="file-2"), pytest.param(True, 2, id="directory-2"),
+    pytest.param(False, 4, id="file-4", marks=pytest.mark.long),
+    pytest.param(True, 4, id="directory-4", marks=pytest.mark.long)])
+def test_lightning_model_parallel_in_place_carries_on_from_each_ranks_own_shard_after_a_raise_and_a_hang(
+        distributed, world, reference, tmp_path):
+    """A user's Lightning script (``configure_model`` calling ``fully_shard``, ``ModelParallelStrategy``,
+    ``ModelCheckpoint`` every 10 steps, ``fit(ckpt_path=latest_checkpoint(...))``) under
+    ``recover_in_place``: rank 1 raises at global step 17; in the attempt after, the last rank hangs at
+    step 23 (``hang_timeout`` of :data:`HANG_SEC`, interrupted where it hangs). After each, every rank
+    carries on from its own shard (16, then 22; copied at the failure into a checksummed CPU
+    snapshot, loaded into the strategy's model and optimizer by ``fit``): 0 steps computed twice, and
+    the uninterrupted run's final weights, in either checkpoint form. Before this: live state was
+    refused ("the strategy ModelParallelStrategy builds its checkpoint with collectives") and every
+    rank resumed from the checkpoint of step 10, then of step 20 (8 steps computed twice)."""
+    expected = reference(LIGHTNING, world)
+    hang = THEN_HANG.format(rank=world - 1)
+    line = _line(LIGHTNING, in_place=True, world=world).replace(
+        "FTH_INJECT=raise@rank=1,iteration=17", f"FTH_INJECT='raise@rank=1,iteration=17;{hang}' "
+                                                f"FTH_HANG_TIMEOUT_SEC={HANG_SEC}") + (" --distributed" if distributed else "")
     returncode, out = _run(line, LIGHTNING, tmp_path)
-    _check_recovered(out, returncode, "resuming from epoch=0-step=10.ckpt", lightning_reference, True)
-    assert "checkpoints are not kept in memory for a recovery in place: the strategy ModelParallelStrategy" in out
+    _check_recovered(out, returncode, "resuming from live-state-step=16.pt", expected, True, world=world)
+    assert f"FTH_INJECT={hang}: injecting hang" in out, out[-4000:]  # the second fault fired
+    assert f"RankHung: rank {world - 1} (pid" in out, out[-4000:]
+    for rank in range(world):
+        assert f"[rank {rank}] attempt 2: resuming from live-state-step=22.pt" in out, (rank, out[-4000:])
+    assert "attempt 3" not in out, out[-4000:]
+    _check_own_shards(out, world, 16, "global step")
+    _check_own_shards(out, world, 22, "global step")
 
 
 @pytest.mark.long
@@ -203,7 +233,7 @@ def test_ignite_fsdp_at_4_ranks(in_place, reference, tmp_path):
     returncode, out = _run(_line(IGNITE, in_place, world=4), IGNITE, tmp_path)
     resumed = "resumed from live-state-step=16.pt at iteration 16" if in_place else \
         "resumed from checkpoint_10 at iteration 10"
-    _check_recovered(out, returncode, resumed, expected, in_place, refused=False, world=4)
+    _check_recovered(out, returncode, resumed, expected, in_place, world=4)
     if in_place:
         _check_own_shards(out, 4, 16)
 
@@ -216,8 +246,10 @@ FORMS = {"ignite": (IGNITE, "", r"resumed from checkpoint_20 at iteration 20"),
          "lightning-directory": (LIGHTNING, " --distributed", r"resuming from epoch=\d-step=20\.ckpt")}
 #: The hang timeout of the hang cases (``FTH_HANG_TIMEOUT_SEC``): a few seconds, far above a step here.
 HANG_SEC = 5
+#: In the default suite: Ignite in place, and Lightning's SIGKILL in place (its lost shard named).
+DEFAULT_CASES = {("ignite", "kill", True, 2), ("ignite", "hang", True, 2), ("lightning-directory", "kill", True, 2)}
 FAULT_CASES = [pytest.param(form, fault, in_place, world, id=f"{form}-{fault}-{'in-place' if in_place else 'relaunch'}-{world}",
-                            marks=() if (form, in_place, world) == ("ignite", True, 2) else pytest.mark.long)
+                            marks=() if (form, fault, in_place, world) in DEFAULT_CASES else pytest.mark.long)
                for world in (2, 4) for form in FORMS for fault in ("kill", "hang") for in_place in (True, False)]
 
 
@@ -244,13 +276,15 @@ def test_sharded_job_survives_sigkill_and_hang(form, fault, in_place, world, ref
     Ignite), in its form (Ignite's ``DCPSaver`` directory, Lightning's file or directory), and the
     final weights are bit for bit an uninterrupted run's: the data path is exact, so this is proved
     against the uninterrupted run itself, not against a run resumed from the same checkpoint.
-    Ignite in place: a hung rank's process survives, so every rank carries on from its own shard of
-    iteration 22 (0 steps computed twice); a killed rank's shard went with it (no partner holds a
-    copy yet), which the plan says by name."""
+    In place (Ignite + FSDP2 and Lightning ``ModelParallelStrategy``): a hung rank's process survives,
+    so every rank carries on from its own shard of step 22 (0 steps computed twice); a killed rank's
+    shard went with it (no partner holds a copy yet), which the plan says by name."""
     example, extra, resumed = FORMS[form]
-    own_shards = form == "ignite" and in_place and fault == "hang"
+    own_shards = in_place and fault == "hang"
+    unit = "iteration" if form == "ignite" else "global step"
     if own_shards:
-        resumed = r"resumed from live-state-step=22\.pt at iteration 22"
+        resumed = (r"resumed from live-state-step=22\.pt at iteration 22" if form == "ignite"
+                   else r"resuming from live-state-step=22\.pt")
     expected = reference(example, world)
     victim = 0 if fault == "kill" else world - 1
     inject = f"{fault}@rank={victim},iteration=23"
@@ -263,7 +297,7 @@ def test_sharded_job_survives_sigkill_and_hang(form, fault, in_place, world, ref
         assert f"rank {victim} (pid" in out and "killed by SIGKILL" in out, out[-4000:]  # named by its peers
         if in_place:
             assert f"[rank {victim}] the training process of rank {victim}" in out, out[-4000:]  # its keeper
-        if in_place and form == "ignite":
+        if in_place:
             assert re.search(rf"live state cannot serve: rank {victim} holds no shard of its own \(its process was "
                              r"replaced", out), out[-4000:]
     else:
@@ -272,7 +306,7 @@ def test_sharded_job_survives_sigkill_and_hang(form, fault, in_place, world, ref
         assert "recovering in place, attempt 1" in out, out[-4000:]
     _check_resumed(out, returncode, world, resumed, expected)
     if own_shards:
-        _check_own_shards(out, world, 22)
+        _check_own_shards(out, world, 22, unit)
 
 
 # -- a save killed midway ------------------------------------------------------------------------------

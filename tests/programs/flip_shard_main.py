@@ -1,6 +1,7 @@
 """A sharded model's live state whose bytes change while it is held, in a real training job:
 ``torchrun ... flip_shard_main.py <example> [example args]`` runs ``<example>``
-(``examples/ignite_fsdp.py``) as ``__main__``, started by ``tests/distributed/test_sharded.py``.
+(``examples/ignite_fsdp.py`` or ``examples/lightning_model_parallel.py``) as ``__main__``, started by
+``tests/distributed/test_sharded.py``.
 
 ``FLIP_SHARD=<r>``: in the first attempt only, rank ``r``'s shard snapshot taken at the failure
 (:func:`fault_tolerant_handlers.core.sharded.take_snapshot`, called by the data layer's capture) has

@@ -198,6 +198,9 @@ def test_lightning_strategies_that_restore_themselves_are_named():
     for strategy in (ModelParallelStrategy(), FSDPStrategy()):
         why = compat_lightning.restores_itself(strategy)
         assert type(strategy).__name__ in why and "load_model_state_dict" in why, why
+    # live state of each rank's own shard: ModelParallelStrategy only (FSDPStrategy's is refused)
+    assert [compat_lightning.model_parallel(s) for s in (ModelParallelStrategy(), FSDPStrategy(), DDPStrategy())] \
+        == [True, False, False]
 
 
 # -- live state of a sharded model: each rank's own shard, a checksummed CPU snapshot ----------------------
@@ -307,3 +310,24 @@ def test_a_sharded_snapshot_whose_bytes_changed_is_never_loaded(group, tmp_path)
         assert live.held() is held.captured  # not handed over
     finally:
         live.forget()
+
+
+@pytest.mark.parametrize("forge, why", [
+    (lambda leaf: {**leaf, "placements": [["X"]]}, "placements do not rebuild it: KeyError"),
+    (lambda leaf: {**leaf, "placements": [["S", "zero"]]}, "placements do not rebuild it"),
+    (lambda leaf: {**leaf, "global_shape": "8"}, "placements do not rebuild it"),
+    (lambda leaf: {key: value for key, value in leaf.items() if key != "mesh"}, "was sharded on a mesh None"),
+], ids=["placement-kind", "shard-dim", "global-shape", "no-mesh"])
+def test_a_shards_forged_placements_or_mesh_are_refused_by_name(group, forge, why):
+    """The manifest of a ``DTensor`` comes from a peer: what rebuilds it on the mesh is checked too."""
+    import json
+
+    model = _sharded_model()
+    snap = sharded.take_snapshot(model.state_dict(), 1, 0)
+    mesh = next(model.parameters()).device_mesh
+    manifest = json.loads(snap.manifest)
+    manifest["leaves"][0] = forge(manifest["leaves"][0])
+    forged = sharded.Snapshot(0, 1, json.dumps(manifest).encode(), snap.payload).seal()
+    with pytest.raises(sharded.ManifestError, match=why):
+        sharded.restore(forged, mesh=mesh)
+    assert type(sharded.restore(snap, mesh=mesh)["0.weight"]).__name__ == "DTensor"

@@ -6,7 +6,7 @@ and the arguments (the rule, :func:`plan_live`, in ``test_inplace_units.py``). T
 from __future__ import annotations
 
 import collections
-import json
+import functools
 import os
 import pickle
 import subprocess
@@ -117,14 +117,41 @@ def test_what_json_cannot_carry_is_refused_by_its_path(bad, path):
 def _roundtrip(state, local):
     """What a receiver rebuilds from ``state``'s structure and bytes, given its own ``local`` state."""
     structure, leaves = live_state._structure(state)
-    dests: list = []
-    out = live_state._unflatten(json.loads(structure), local, "state", dests, "cpu")
+    out, dests = live_state._rebuild(structure, local, "cpu", sum(t.numel() * t.element_size() for t in leaves))
     assert len(dests) == len(leaves)
     with torch.no_grad():
-        for dest, (leaf, _) in zip(dests, leaves):
+        for dest, leaf in zip(dests, leaves):
             if dest.numel():
                 dest.reshape(-1).view(torch.uint8).copy_(live_state._flat_bytes(leaf))
     return out
+
+
+@pytest.mark.parametrize("forged, why", [
+    (b"\x80", "not JSON"),
+    (b"[" * 5000 + b"]" * 5000, "not JSON"),
+    (b'{"l": [1], "t": [2]}', "state is a malformed node"),
+    (b'{"q": 1}', "state is a malformed leaf"),
+    (b'{"l": {"a": 1}}', "state is a malformed node"),
+    (b'{"d": [[[1], 2]]}', "state has a malformed key"),
+    (b'{"d": [["a"]]}', "state is a malformed node"),
+    (b'{"b": "not base64!"}', "state is not base64"),
+    (b'{"l": [{"x": ["object", [1]]}]}', r"state\[0\] is a malformed leaf"),
+    (b'{"x": ["float32", [-1]]}', "state is a malformed leaf"),
+    (b'{"x": ["float32", [1.5]]}', "state is a malformed leaf"),
+    (b'{"x": ["float32", [1000000, 1000000]]}', "more than the header's 16 bytes"),
+    (b'{"l": ' * 70 + b"1" + b"}" * 70, "malformed node"),
+], ids=["binary", "deep-json", "two-tags", "unknown-tag", "list-not-list", "key", "pair", "base64", "dtype",
+        "negative", "float-shape", "over-header", "deep"])
+def test_a_structure_from_the_source_is_checked_before_anything_is_made(forged, why):
+    with pytest.raises(ValueError, match=why):
+        live_state._rebuild(forged, None, "cpu", total=16)
+
+
+def test_a_structure_over_the_bound_is_refused_on_both_sides():
+    with pytest.raises(ValueError, match="more than"):
+        live_state._rebuild(b" " * (16 * 2**20 + 1), None, "cpu", total=0)
+    with pytest.raises(TypeError, match=r"nested deeper than 64"):
+        checksum(functools.reduce(lambda inner, _: [inner], range(70), 1))
 
 
 def test_a_receiver_writes_into_its_own_tensors_where_dtype_and_shape_match():

@@ -158,8 +158,8 @@ def _resealed(snap: Snapshot, manifest: bytes) -> Snapshot:
 
 @pytest.mark.parametrize("forge, why", [
     (lambda m: b"\x80not json", "not JSON"),
-    (lambda m: b"[" * 100_000 + b"]" * 100_000, "not JSON|not a fth-shard-1"),
-    (lambda m: json.dumps({**m, "format": "pickle"}).encode(), "not a fth-shard-1 manifest"),
+    (lambda m: b"[" * 100_000 + b"]" * 100_000, "not JSON|not a fth-shard-2"),
+    (lambda m: json.dumps({**m, "format": "pickle"}).encode(), "not a fth-shard-2 manifest"),
     (lambda m: json.dumps({**m, "bytes": m["bytes"] + 1}).encode(), "the payload has"),
     (lambda m: json.dumps({**m, "leaves": [{**m["leaves"][0], "offset": m["bytes"]}] + m["leaves"][1:]}).encode(),
      "leaf 0 .* does not fit the payload"),
@@ -169,8 +169,9 @@ def _resealed(snap: Snapshot, manifest: bytes) -> Snapshot:
      "leaf 0 .* does not fit"),
     (lambda m: json.dumps({**m, "tree": {"T": 10**6}}).encode(), "names leaf 1000000"),
     (lambda m: json.dumps({**m, "tree": {"x": 1}}).encode(), "malformed node"),
+    (lambda m: json.dumps({**m, "tree": {"d": [[[1], {"T": 0}]]}}).encode(), "malformed key"),
     (lambda m: json.dumps(m).encode() + b" " * MAX_MANIFEST_BYTES, "more than 16777216"),
-], ids=["binary", "deep", "format", "bytes", "offset", "shape", "dtype", "leaf-index", "node", "oversized"])
+], ids=["binary", "deep", "format", "bytes", "offset", "shape", "dtype", "leaf-index", "node", "key", "oversized"])
 def test_a_malformed_or_oversized_manifest_is_refused_before_anything_is_rebuilt(forge, why):
     snap = take_snapshot(_state(), 5, 0)
     with pytest.raises(ManifestError, match=why):
@@ -185,8 +186,21 @@ def test_read_manifest_checks_the_size_before_parsing():
 def test_values_a_snapshot_cannot_carry_are_named_by_path():
     with pytest.raises(TypeError, match=r"state\['opt'\]\[1\] is a builtins.set"):
         take_snapshot({"opt": [1, {2}]}, 0, 0)
-    with pytest.raises(TypeError, match=r"has a key \(1, 2\) of type tuple"):
-        take_snapshot({(1, 2): 1}, 0, 0)
+    with pytest.raises(TypeError, match=r"has a key tensor\(1\) of type Tensor"):
+        take_snapshot({torch.tensor(1): 1}, 0, 0)
+    assert restore(take_snapshot({(1, "a"): b"\x00", None: [float("nan")]}, 0, 0))[(1, "a")] == b"\x00"
+
+
+def test_a_snapshot_takes_subclasses_as_their_plain_container_and_keeps_a_state_dicts_metadata():
+    """Live state refuses a ``defaultdict`` or a named tuple (a receiver could not rebuild it); a
+    snapshot, loaded on its own rank, takes them as a dict and a tuple, as before the one codec."""
+    from collections import OrderedDict, defaultdict, namedtuple
+
+    meta = OrderedDict(w=torch.ones(2))
+    meta._metadata = {"": {"version": 2}}
+    back = restore(take_snapshot({"d": defaultdict(int, a=1), "p": namedtuple("P", "x")(3), "m": meta}, 0, 0))
+    assert back["d"] == {"a": 1} and type(back["d"]) is dict and back["p"] == (3,) and type(back["p"]) is tuple
+    assert type(back["m"]) is OrderedDict and back["m"]._metadata == {"": {"version": 2}}
 
 
 def test_a_buffer_is_written_again_only_when_no_one_refers_to_its_snapshot():
