@@ -14,6 +14,8 @@ with an error naming it, never later and never silently.
 ``torch.multiprocessing.spawn._wrap``, local ``error_file``  a rank started by ``mp.spawn`` and its error file
 ``gloo``'s TCP event loops: an epoll set per device,     :func:`disarm_loops` (after a release)
 its registrations' ``data`` a handler pointer
+``__defaults__`` of ``torch.distributed``'s functions        :func:`forget_destroyed_groups` (after a
+(``torch.distributed.nn.functional``: ``group=group.WORLD``)  recovery's ``destroy_process_group``)
 =====================================================  ==============================================
 
 A DDP model's bucket layout (:func:`ddp_bucket_layout`, :func:`use_ddp_bucket_layout`), checked by
@@ -41,7 +43,9 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import sys
 import threading
+import types
 from typing import Any
 
 import torch
@@ -102,6 +106,35 @@ def import_lazy_modules() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - an optimisation: the training imports it itself, or never
             pass
+
+
+def forget_destroyed_groups() -> int:
+    """Let go of the destroyed process groups that torch's functions keep as a default argument;
+    returns how many functions held one.
+
+    ``torch.distributed.nn.functional`` declares ``group=group.WORLD`` on its ten collectives, a
+    default evaluated once, at its import: the first ``DistributedDataParallel`` imports it (through
+    ``torch.distributed.fsdp``), so the default group of that moment is kept for ever (its gloo
+    threads, sockets and buffers), and those functions would use it, destroyed, when called without
+    ``group``. Each such default becomes ``None``, which torch reads as the current default group.
+    Looked for in every ``torch.distributed`` module loaded (functions and classes' methods)."""
+    live = set(process_groups())
+
+    def gone(value: Any) -> bool:
+        return isinstance(value, dist.ProcessGroup) and value not in live
+
+    changed = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed") or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            for fn in list(vars(obj).values()) if isinstance(obj, type) else (obj,):
+                fn = getattr(fn, "__func__", fn)  # a classmethod's or a staticmethod's function
+                defaults = getattr(fn, "__defaults__", None) if isinstance(fn, types.FunctionType) else None
+                if defaults and any(gone(d) for d in defaults):
+                    fn.__defaults__ = tuple(None if gone(d) else d for d in defaults)
+                    changed += 1
+    return changed
 
 
 def default_store() -> dist.Store:

@@ -322,12 +322,7 @@ class _Recovery:
             mark = now
 
         part("keys")
-        sessions = self._sessions + live_sessions()
-        for session in sessions:  # the liveness helpers kept for the recovery, first: none writes after
-            session.stop()
-        self._sessions = []
-        for session in sessions:  # every rank reached the recovery: nobody reads their keys any more
-            session.abandon(shared_keys=session.group_rank == 0)
+        self._abandon_sessions()
         part("sessions")
         timer = threading.Timer(RECOVER_TEARDOWN_SEC, lambda: os._exit(EXIT_TEARDOWN_STUCK))
         timer.daemon = True
@@ -339,6 +334,7 @@ class _Recovery:
             log(logging.DEBUG, "destroying the failed attempt's groups: %s", err)
         finally:
             timer.cancel()
+        _compat_torch.forget_destroyed_groups()  # torch's functions that keep one as a default: freed with the rest
         part("groups")
         hooks.run(hooks.RESET_FRAMEWORKS, state)  # the adapters: frameworks' process-wide state
         part("frameworks")
@@ -350,6 +346,18 @@ class _Recovery:
             world[0].set_timeout(world[4])
         part("workers")
         timings["torn_down"] = time.monotonic()
+
+    def _abandon_sessions(self) -> None:
+        """Stop and abandon the failed attempt's sessions. A method of its own, so that nothing refers
+        to them once it returns: the teardown's collection then frees them, and with them what they
+        hold (the attempt's groups, its loop's objects). Held until after it, they are garbage only
+        when the next attempt's ``gc.freeze()`` puts them out of the collector's reach for good."""
+        sessions = self._sessions + live_sessions()
+        for session in sessions:  # the liveness helpers kept for the recovery, first: none writes after
+            session.stop()
+        self._sessions = []
+        for session in sessions:  # every rank reached the recovery: nobody reads their keys any more
+            session.abandon(shared_keys=session.group_rank == 0)
 
     def _reform(self, timings: dict) -> None:
         store, rank, world_size, backend, timeout = self._world()
