@@ -334,12 +334,12 @@ class _Recovery:
             log(logging.DEBUG, "destroying the failed attempt's groups: %s", err)
         finally:
             timer.cancel()
+        interrupts.quiet_released()  # the destroyed groups' loops (alive while anything holds them): no spinning
         _compat_torch.forget_destroyed_groups()  # torch's functions that keep one as a default: freed with the rest
         part("groups")
         hooks.run(hooks.RESET_FRAMEWORKS, state)  # the adapters: frameworks' process-wide state
         part("frameworks")
-        gc.collect()  # the failed attempt's loaders: their workers are shut down with them
-        pass  # interrupts.quiet_released()  # the destroyed groups' loops, which may live on: no spinning
+        gc.collect()  # the failed attempt's groups, sessions and loaders (their workers shut down with them)
         part("collected")
         hooks.run(hooks.COLLECTED, state)  # the data layer: the DataLoader workers still running
         if world is not None:
