@@ -514,16 +514,43 @@ def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
 
 
 def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
-    """A sharded model's rule: every rank resumes from its own shard, held (checksum verified) at one step."""
+    """A sharded model's rule: the newest step at or below ``step`` every rank's shard is held at,
+    checksum verified where it is held: by the rank itself (its capture, preferred, or its own replica)
+    or as a partner's copy (:class:`~.replicas.ShardReplicas`, the lowest such rank). ``shards`` names
+    every shard not resumed from its rank's own capture, with its holder and CRC-32."""
+    held: dict[int, dict[int, list[tuple[int, int]]]] = {r.by: {} for r in ranks}  # rank -> step -> [(holder, crc)]
     for r in ranks:
-        if r.step < 0 or not r.shard:
+        if r.step >= 0 and r.shard:
+            held[r.by].setdefault(r.step, []).append((-1, int(r.checksum or "0", 16)))  # -1: its capture
+        for rank, at, crc in zip(r.copies[::3], r.copies[1::3], r.copies[2::3]):
+            if rank in held:
+                held[rank].setdefault(at, []).append((r.by, crc))
+    for r in ranks:
+        if not held[r.by]:
             why = r.why or "its state is not a shard"
             return LivePlan(-1, "", cap_head(f"rank {r.by} holds no shard of its own ({why}), and no other rank "
                                              "holds a copy of it", 400))
-        if r.step != step:
-            return LivePlan(-1, "", f"the ranks' shards are of different steps (rank {r.by} at {unit} {r.step}, "
-                                    f"another at {unit} {step})")
-    return LivePlan(step, unit, "")
+    common = set.intersection(*(set(steps) for steps in held.values()))
+    if not common:
+        if all(r.step >= 0 and r.shard and not r.copies for r in ranks):  # no copies anywhere: own shards only
+            other = next(r for r in ranks if r.step != step)
+            return LivePlan(-1, "", f"the ranks' shards are of different steps (rank {other.by} at {unit} "
+                                    f"{other.step}, another at {unit} {step})")
+        told = "; ".join(f"rank {rank}: " + ", ".join(
+            f"{at} ({'its own' if h in (-1, rank) else f'rank {h}'+chr(39)+'s copy'})" for at in sorted(steps, reverse=True)
+            for h, _ in steps[at][:1]) for rank, steps in held.items())
+        return LivePlan(-1, "", cap_head(f"no step every rank's shard is held at ({told})", 400))
+    at = max(common)
+    shards, whom = [], []
+    for rank, steps in held.items():
+        holders = sorted(steps[at], key=lambda h: (h[0] != -1, h[0] != rank, h[0]))
+        holder, crc = holders[0]
+        if holder == -1:
+            continue
+        shards += [rank, holder, crc]
+        whom.append(f"rank {rank}: its shard of {unit} {at} from "
+                    + ("its own replica" if holder == rank else f"rank {holder}'s copy") + f" (CRC-32 {crc:08x})")
+    return LivePlan(at, unit, "", shards=tuple(shards), whom=cap_head("; ".join(whom), 400))
 
 
 def _rng_crc(rng: tuple) -> int:
