@@ -188,7 +188,7 @@ def collect() -> Captured:
     return captured
 
 
-# -- shard replicas (recover.replicas.ShardReplicas, made by an adapter) ------------------------------------
+# -- shard replicas (data.replicas.ShardReplicas, made by an adapter) ------------------------------------
 _replicas: list[Any] = []
 
 

@@ -49,7 +49,7 @@ class LiveReport(Stored):
     why it cannot be sent either) and a CRC of torch's RNG states recorded for the next step ("":
     none). ``shard``: the state is this rank's shard of a sharded model (``checksum``: its snapshot's
     CRC-32, verified where it is held), which only this rank resumes from. ``copies``: the shard
-    snapshots this rank holds, checksum verified (:class:`~.replicas.ShardReplicas`: partners' copies
+    snapshots this rank holds, checksum verified (:class:`~..data.replicas.ShardReplicas`: partners' copies
     and its own), as flat ``(rank, step, CRC-32)`` triples."""
 
     by: int  #: the rank that says it

@@ -516,7 +516,7 @@ def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
 def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
     """A sharded model's rule: the newest step at or below ``step`` every rank's shard is held at,
     checksum verified where it is held: by the rank itself (its capture, preferred, or its own replica)
-    or as a partner's copy (:class:`~.replicas.ShardReplicas`, the lowest such rank). ``shards`` names
+    or as a partner's copy (:class:`~..data.replicas.ShardReplicas`, the lowest such rank). ``shards`` names
     every shard not resumed from its rank's own capture, with its holder and CRC-32."""
     held: dict[int, dict[int, list[tuple[int, int]]]] = {r.by: {} for r in ranks}  # rank -> step -> [(holder, crc)]
     for r in ranks:

@@ -16,7 +16,7 @@ import torch
 from fault_tolerant_handlers.core.sharded import (
     MAX_MANIFEST_BYTES, ManifestError, Snapshot, SnapshotChecksumError, local_shards, read_manifest, restore,
     take_snapshot)
-from fault_tolerant_handlers.recover.replicas import ShardReplicas, choose_partners, held_by
+from fault_tolerant_handlers.data.replicas import ShardReplicas, choose_partners, held_by
 
 
 def _hosts(*counts: int) -> list[str]:
@@ -204,7 +204,7 @@ def test_a_snapshot_takes_subclasses_as_their_plain_container_and_keeps_a_state_
 
 
 def test_a_buffer_is_written_again_only_when_no_one_refers_to_its_snapshot():
-    from fault_tolerant_handlers.recover.replicas import _unused
+    from fault_tolerant_handlers.data.replicas import _unused
     first = take_snapshot(_state(), 1, 0)
     assert _unused(first)
     kept = first  # a caller of own() or copy_of() keeps it: its buffer is not reused

@@ -14,7 +14,7 @@ With FSDP2 (``fully_shard``, ``DTensor``) each rank holds the only copy of its s
 
 A recovery in place takes what a rank holds with :meth:`ShardReplicas.abort` before it tears the
 groups down: a rank lost with its process gets its shard back from a partner's copy
-(:mod:`.live_state`; docs/sharded.md).
+(:mod:`..recover.live_state`; docs/sharded.md).
 """
 
 from __future__ import annotations
@@ -143,6 +143,7 @@ class ShardReplicas:
         self.replicate_every, self.partners, self.enabled = replicate_every, partners, enabled
         self.stats = _Stats()
         self._own: Snapshot | None = None
+        self._prev: Snapshot | None = None  # the one before: a copy of the newest may not have arrived
         self._held: dict[int, Snapshot] = {}
         self._pending: Snapshot | None = None
         #: a buffer no snapshot uses any more, for the next (see :func:`_unused`)
@@ -234,14 +235,15 @@ class ShardReplicas:
         """A failure: the threads are told to stop and not waited for (a dead partner's would block
         until the group's timeout); nothing they receive from here on is kept. Their group goes with
         the recovery's teardown (``destroy_process_group()``). Returns the snapshots held: this rank's
-        own newest sealed one, then each copy held (each checked again where it is used)."""
+        own two newest sealed ones (a partner may not have the newest yet), then each copy held (each
+        checked again where it is used)."""
         if not self.enabled:
             return []
         with self._cond:
             self._stopping = self._aborted = True
             self._pending = None
             self._cond.notify_all()
-            return ([self._own] if self._own is not None else []) + [s for _, s in sorted(self._held.items())]
+            return [s for s in (self._prev, self._own) if s is not None] + [s for _, s in sorted(self._held.items())]
 
     def _send_loop(self) -> None:
         """Seal each pending snapshot (it becomes :meth:`own`) and send it to every partner still
@@ -257,7 +259,7 @@ class ShardReplicas:
                 break
             snap.seal()
             with self._cond:
-                old, self._own = self._own, snap
+                old, self._prev, self._own = self._prev, self._own, snap
                 if _unused(old):
                     self._spare = old.payload
                 del old
