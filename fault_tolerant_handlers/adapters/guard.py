@@ -188,8 +188,11 @@ class LiveLoop:
         self._mark(initial=True)
         live.register(self.capture)
         every = config.settings().shard_replicas
-        if every and self.replicates and not self.why_not and sharded.find(self.capture().state) is not None:
-            # a sharded model, FTH_SHARD_REPLICAS on: every rank's loop starts here (collective)
+        # a sharded model (its parameters, not a state_dict(): torch's get_state_dict initialises an
+        # optimizer's empty state with a step, which changes the run), FTH_SHARD_REPLICAS on: every
+        # rank's loop starts here (collective)
+        if every and self.replicates and not self.why_not and any(
+                sharded.unbacked(p) for m in modules for p in m.parameters()):
             self.replicas = ShardReplicas(replicate_every=every)
             live.keep_replicas(self.replicas)
 

@@ -285,6 +285,8 @@ class ShardReplicas:
                     dist.send(t, peer, group=self._group)
             return True
         except Exception as e:  # a partner gone: training goes on; it is sent nothing more
+            if self._aborted:  # the recovery took over (its group destroyed): nothing to tell
+                return False
             self.stats.errors.append(f"send to rank {peer}: {type(e).__name__}: {e}")
             log(logging.WARNING, "shard replicas: sending to rank %d failed, nothing more is sent to it: %s",
                 peer, e)
