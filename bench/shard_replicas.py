@@ -41,7 +41,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
     from torch.distributed.fsdp import fully_shard
 
     from fault_tolerant_handlers.recover import replicas as module
-    from fault_tolerant_handlers.recover.replicas import ShardReplicas
+    from fault_tolerant_handlers.data.replicas import ShardReplicas
 
     reused = [0]
     take = module.take_snapshot

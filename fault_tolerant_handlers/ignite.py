@@ -293,6 +293,8 @@ class IgniteLive(LiveLoop):
     ``EXCEPTION_RAISED`` (modules and optimizers as they are: no update ran since; a sharded model's,
     this rank's shard, which only this rank resumes from)."""
 
+    replicates = True
+
     def __init__(self) -> None:
         super().__init__()
         self.to_save: dict[str, Any] = {}
@@ -352,6 +354,7 @@ class IgniteLive(LiveLoop):
     def _iteration_completed(self, engine: Any) -> None:
         if self.tracker is not None:
             self._mark()
+            self._replicate(engine.state.iteration)
 
     def _mark(self, initial: bool = False) -> None:
         if self.why_not:

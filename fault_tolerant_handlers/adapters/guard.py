@@ -19,7 +19,9 @@ from ..core.errors import PeerFailedError
 from ..core.sections import check_name
 from ..core.failure import tag, tag_of
 from ..core.session import Session, get_session
+from ..core import sharded
 from ..data import live
+from ..data.replicas import ShardReplicas
 from ..detect.autohang import START, STEP
 
 
@@ -173,16 +175,34 @@ class LiveLoop:
     runs, marked at each completed step (``_mark``) and captured at the failure (``capture``)."""
 
     unit = "iteration"  #: what a step is called in the loop's reports
+    replicates = False  #: the loop calls ``_replicate`` at each step's end (``FTH_SHARD_REPLICAS``)
 
     def __init__(self) -> None:
         self.tracker: live.StepTracker | None = None
         self.directory: str | None = None
         self.why_not = ""
+        self.replicas: ShardReplicas | None = None
 
     def _begin(self, modules: list, update_at_pre_hook: bool) -> None:
         self.tracker = live.StepTracker(modules, update_at_pre_hook=update_at_pre_hook)
         self._mark(initial=True)
         live.register(self.capture)
+        every = config.settings().shard_replicas
+        # a sharded model (its parameters, not a state_dict(): torch's get_state_dict initialises an
+        # optimizer's empty state with a step, which changes the run), FTH_SHARD_REPLICAS on: every
+        # rank's loop starts here (collective)
+        if every and self.replicates and not self.why_not and any(
+                sharded.unbacked(p) for m in modules for p in m.parameters()):
+            self.replicas = ShardReplicas(replicate_every=every)
+            live.keep_replicas(self.replicas)
+
+    def _replicate(self, step: int) -> None:
+        """A step completed (after ``_mark``): this rank's shard to its partners (every n-th step)."""
+        if self.replicas is not None and not step % self.replicas.replicate_every:
+            try:
+                self.replicas.step(self.capture().state, step)
+            except live.NotLive:  # its state is not that of a completed step (gradient accumulation)
+                pass
 
     def _refuse(self, why: str) -> None:
         self.why_not = why
@@ -206,6 +226,9 @@ class LiveLoop:
             live.capture_now(self.capture)
 
     def close(self) -> None:
+        replicas, self.replicas = self.replicas, None
+        if replicas is not None:  # the loop ended (every rank's): the partners told, the threads joined
+            replicas.stop()
         live.unregister(self.capture)
         if self.tracker is not None:
             self.tracker.close()

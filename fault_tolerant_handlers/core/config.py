@@ -121,6 +121,10 @@ SETTINGS = (
             "state at the last completed step (`0`: from the newest checkpoint) "
             "([recovering](recovering.md#live-state-no-step-computed-twice))", choices=("0", "1"),
             expected="0 (resume from the newest checkpoint) or 1 (from the ranks' live state, the default)"),
+    Setting("FTH_SHARD_REPLICAS", "shard_replicas", "integer", 0, "recovering in place with a sharded model "
+            "(Ignite + FSDP2): copy each rank's shard into a partner's CPU memory every this many steps (`0`: off), "
+            "so that a rank whose process is lost gets its shard back from the copy ([sharded](sharded.md))",
+            0, 1_000_000),
     Setting("FTH_RECOVER_JOIN_SEC", "recover_join_timeout", "seconds", 60 * _S, "recovering in place: every rank "
             "must reach the recovery this soon after rank 0 (`join_timeout` where given)", 1, 86400),
     Setting("FTH_SPARE_WAIT_SEC", "spare_wait", "seconds", 60 * _S, "`recover_in_place(spares=k)`: a spare waits "
@@ -135,7 +139,7 @@ _BY_FIELD = {s.field: s for s in SETTINGS}
 KNOWN_ENV = tuple(s.variable for s in SETTINGS)
 (INTERVAL_ENV, HANG_TIMEOUT_ENV, START_TIMEOUT_ENV, AUTO_HANG_MULTIPLE_ENV, AUTO_HANG_FLOOR_ENV, AUTO_HANG_WARMUP_ENV,
  EXIT_GRACE_ENV, WRITE_GRACE_ENV, HEARTBEAT_TIMEOUT_ENV, UNACKED_ENV, STORE_LOST_ENV, SYNC_TIMEOUT_ENV, RELEASE_ENV, INJECT_ENV,
- CKPT_AGREE_TIMEOUT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV, RECOVER_JOIN_ENV, SPARE_WAIT_ENV,
+ CKPT_AGREE_TIMEOUT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV, SHARD_REPLICAS_ENV, RECOVER_JOIN_ENV, SPARE_WAIT_ENV,
  INTERRUPT_DEFER_ENV) = KNOWN_ENV
 #: The default of ``FTH_INTERRUPT_DEFER_SEC`` (:class:`~.interrupts.deferred_interrupt`).
 INTERRUPT_DEFER = _BY_FIELD["interrupt_defer"].default
@@ -164,6 +168,7 @@ class Config:
     attempt_store: bool
     snapshot: bool
     live_state: bool
+    shard_replicas: int
     recover_join_timeout: timedelta
     spare_wait: timedelta
     interrupt_defer: timedelta

@@ -59,4 +59,6 @@ class RecoveryState:
     plan: Any = None  #: where the next attempt's state comes from (``recover.causes.LivePlan``), once agreed
     live: Captured | None = None  #: this rank's live state (``CAPTURE_LIVE``), or what to hold (``SETTLE_LIVE``)
     live_why: str = ""  #: why there is no live state to capture
+    #: shard snapshots held here (``CAPTURE_LIVE``): partners' copies and this rank's own replicas
+    copies: tuple = ()
     timings: dict = field(default_factory=dict, compare=False)  #: the recovery's moments (``time.monotonic()``)

@@ -9,7 +9,7 @@ once into one CPU buffer with a CRC-32 over it and its manifest (bounded JSON, n
 may come from a peer); :func:`restore` (:func:`rebuild`: on the mesh of the model it is loaded into)
 refuses one whose checksum does not match (:class:`SnapshotChecksumError`) or whose manifest is
 malformed (:class:`ManifestError`). A recovery in place keeps each rank's own shard so
-(:mod:`..data.live`); :class:`~..recover.replicas.ShardReplicas` sends it to partners.
+(:mod:`..data.live`); :class:`~..data.replicas.ShardReplicas` sends it to partners.
 """
 
 from __future__ import annotations

@@ -188,6 +188,23 @@ def collect() -> Captured:
     return captured
 
 
+# -- shard replicas (data.replicas.ShardReplicas, made by an adapter) ------------------------------------
+_replicas: list[Any] = []
+
+
+def keep_replicas(replicas: Any) -> None:
+    """An adapter's loop replicates its shard: ``replicas.abort()`` gives the snapshots it holds at a failure."""
+    _replicas.append(replicas)
+
+
+def replica_copies() -> tuple:
+    """The loop failed: every replicas' threads told to stop (their group goes with the teardown's)
+    and the shard snapshots they hold (partners' copies and this rank's own), once."""
+    found = [snap for replicas in _replicas for snap in replicas.abort()]
+    _replicas.clear()
+    return tuple(found)
+
+
 # -- the state the next attempt resumes from ---------------------------------------------------------------
 _held: tuple[str, Captured] | None = None  # (the resolved name it answers to, the capture)
 _handed: tuple[Captured, str] | None = None  # taken, until the next loop starts: (the capture, how it was loaded)
@@ -351,8 +368,9 @@ def forget() -> None:
         _held, _handed, _fallback = None, None, None
     _captured, _armed_rng = None, None
     _capturers.clear()
+    replica_copies()
     _close_trackers()
 
 
-__all__ = ["Captured", "NAME", "NotLive", "StepTracker", "collect", "enabled", "forget", "hold", "latest_checkpoint_answer",
+__all__ = ["Captured", "NAME", "NotLive", "StepTracker", "collect", "enabled", "forget", "hold", "keep_replicas", "latest_checkpoint_answer",
            "loop_starts", "newest", "register", "restore_rng", "substitute", "take", "unregister"]

@@ -20,10 +20,11 @@ _WORKER_MODULES = ("torch.utils.data", __name__.rsplit(".", 1)[0])
 
 def capture_live(state: RecoveryState) -> RecoveryState:
     """``CAPTURE_LIVE``: this rank's live state of the failed attempt, or why there is none."""
+    copies = live.replica_copies()  # the replicas stopped first: nothing sent or received from here on
     try:
-        return replace(state, live=live.collect(), live_why="")
+        return replace(state, live=live.collect(), live_why="", copies=copies)
     except live.NotLive as why:
-        return replace(state, live=None, live_why=str(why))
+        return replace(state, live=None, live_why=str(why), copies=copies)
 
 
 def settle_live(state: RecoveryState) -> None:

@@ -36,6 +36,8 @@ def replaced(rank: int, message: str) -> RecoveryCause:
     return RecoveryCause(rank, FailureKind.RANK_REPLACED, FailureKind.RANK_REPLACED.value, message, own=True)
 
 
+#: Shard copies a report lists at most (the newest first).
+MAX_COPIES = 64
 #: A checksum in a report: :func:`.live_state.checksum`'s hex digest (or "" when none was taken).
 _CHECKSUM_CHARS = 64
 
@@ -46,7 +48,9 @@ class LiveReport(Stored):
     the :func:`.live_state.checksum` of that state ("" if it could not be taken: ``portable`` says
     why it cannot be sent either) and a CRC of torch's RNG states recorded for the next step ("":
     none). ``shard``: the state is this rank's shard of a sharded model (``checksum``: its snapshot's
-    CRC-32, verified where it is held), which only this rank resumes from."""
+    CRC-32, verified where it is held), which only this rank resumes from. ``copies``: the shard
+    snapshots this rank holds, checksum verified (:class:`~..data.replicas.ShardReplicas`: partners' copies
+    and its own), as flat ``(rank, step, CRC-32)`` triples."""
 
     by: int  #: the rank that says it
     step: int  #: the last step it completed, whose state it holds (-1: none)
@@ -56,9 +60,17 @@ class LiveReport(Stored):
     rng: str = ""  #: hex CRC-32 of the RNG states recorded for the next step ("": none)
     portable: str = ""  #: why this state cannot be sent to another rank ("" when it can)
     shard: bool = False  #: a sharded model's: this rank's own shard
+    copies: tuple[int, ...] = ()  #: shard snapshots held here: (rank, step, CRC-32) triples
 
     BOUNDS: ClassVar[dict] = {"by": (0, WORLD), "step": (-1, 2**53 - 1), "unit": 40, "why": 300,
-                              "checksum": ("hex", _CHECKSUM_CHARS), "rng": ("hex", 8), "portable": 300}
+                              "checksum": ("hex", _CHECKSUM_CHARS), "rng": ("hex", 8), "portable": 300,
+                              "copies": (0, 2**53 - 1, 3 * MAX_COPIES)}
+
+    def problem(self, world: int) -> str | None:
+        if len(self.copies) % 3 or any(r >= world for r in self.copies[::3]) \
+                or any(c >= 2**32 for c in self.copies[2::3]):
+            return "field 'copies' is not (rank, step, CRC-32) triples"
+        return None
 
 
 @dataclass(frozen=True)
@@ -76,9 +88,13 @@ class LivePlan:
     whom: str = ""  #: why each receiver receives, for the log ("rank 1: its process was replaced")
     checksum: str = ""  #: the source's state's checksum ("": not taken), checked by the receivers
     rng_shared: bool = False  #: the receivers take the source's RNG states too
+    #: a sharded model's shards not resumed from their rank's own capture: (rank, holder, CRC-32)
+    #: triples; the holder sends its copy (itself: its own older snapshot), the rank checks its CRC
+    shards: tuple[int, ...] = ()
 
     BOUNDS: ClassVar[dict] = {"step": (-1, 2**53 - 1), "unit": 40, "why": 400, "source": (-1, WORLD),
-                              "receivers": (0, WORLD, 4096), "whom": 400, "checksum": ("hex", _CHECKSUM_CHARS)}
+                              "receivers": (0, WORLD, 4096), "whom": 400, "checksum": ("hex", _CHECKSUM_CHARS),
+                              "shards": (0, 2**32 - 1, 3 * 4096)}
 
     def describe(self) -> str:
         """The plan, as the recovery's line tells it before the next call: what is held for it (what
@@ -86,6 +102,8 @@ class LivePlan:
         if self.step < 0:
             return ("the next call starts from what it loads itself: the newest checkpoint, or the start if it loads "
                     f"none (live state cannot serve: {self.why})")
+        if self.shards:
+            return f"live state, {self.unit} {self.step} ({self.whom}), is held for the next call"
         if not self.receivers:
             return f"live state, {self.unit} {self.step} (each rank's own), is held for the next call"
         rng = "its RNG states too" if self.rng_shared else "not its RNG states (the ranks' differ or none were recorded)"
@@ -95,7 +113,11 @@ class LivePlan:
     def checked(self, world_size: int) -> LivePlan:
         """This plan, or a fallback when its ranks are not ranks of the world (a plan read back from
         the store is checked before any rank acts on it)."""
-        if self.step < 0 or not self.receivers:
+        if self.step < 0 or not (self.receivers or self.shards):
+            return self
+        if len(self.shards) % 3 or not all(0 <= r < world_size for r in self.shards[::3] + self.shards[1::3]):
+            return LivePlan(-1, "", "rank 0's plan names ranks outside the world")
+        if not self.receivers:
             return self
         if not (0 <= self.source < world_size and self.source not in self.receivers
                 and all(0 <= r < world_size for r in self.receivers)):  # also for a plan made here

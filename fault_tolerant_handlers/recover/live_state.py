@@ -48,7 +48,7 @@ from ..core.errors import StateTransferError
 from ..core.hooks import log
 from ..core.phases import Captured, RecoveryState
 from ..core.failure import cap_head
-from .causes import Decision, LivePlan, LiveReport
+from .causes import MAX_COPIES, Decision, LivePlan, LiveReport
 
 #: Bytes per segment at most (a slice of a large tensor, or small tensors packed), and of each of
 #: the two staging buffers a rank may hold. ``bench/state_transfer.py`` found no difference above its
@@ -514,16 +514,43 @@ def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
 
 
 def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
-    """A sharded model's rule: every rank resumes from its own shard, held (checksum verified) at one step."""
+    """A sharded model's rule: the newest step at or below ``step`` every rank's shard is held at,
+    checksum verified where it is held: by the rank itself (its capture, preferred, or its own replica)
+    or as a partner's copy (:class:`~..data.replicas.ShardReplicas`, the lowest such rank). ``shards`` names
+    every shard not resumed from its rank's own capture, with its holder and CRC-32."""
+    held: dict[int, dict[int, list[tuple[int, int]]]] = {r.by: {} for r in ranks}  # rank -> step -> [(holder, crc)]
     for r in ranks:
-        if r.step < 0 or not r.shard:
+        if r.step >= 0 and r.shard:
+            held[r.by].setdefault(r.step, []).append((-1, int(r.checksum or "0", 16)))  # -1: its capture
+        for rank, at, crc in zip(r.copies[::3], r.copies[1::3], r.copies[2::3]):
+            if rank in held:
+                held[rank].setdefault(at, []).append((r.by, crc))
+    for r in ranks:
+        if not held[r.by]:
             why = r.why or "its state is not a shard"
             return LivePlan(-1, "", cap_head(f"rank {r.by} holds no shard of its own ({why}), and no other rank "
                                              "holds a copy of it", 400))
-        if r.step != step:
-            return LivePlan(-1, "", f"the ranks' shards are of different steps (rank {r.by} at {unit} {r.step}, "
-                                    f"another at {unit} {step})")
-    return LivePlan(step, unit, "")
+    common = set.intersection(*(set(steps) for steps in held.values()))
+    if not common:
+        if all(r.step >= 0 and r.shard and not r.copies for r in ranks):  # no copies anywhere: own shards only
+            other = next(r for r in ranks if r.step != step)
+            return LivePlan(-1, "", f"the ranks' shards are of different steps (rank {other.by} at {unit} "
+                                    f"{other.step}, another at {unit} {step})")
+        told = "; ".join(f"rank {rank}: " + ", ".join(
+            f"{at} ({'its own' if h in (-1, rank) else f'rank {h}'+chr(39)+'s copy'})" for at in sorted(steps, reverse=True)
+            for h, _ in steps[at][:1]) for rank, steps in held.items())
+        return LivePlan(-1, "", cap_head(f"no step every rank's shard is held at ({told})", 400))
+    at = max(common)
+    shards, whom = [], []
+    for rank, steps in held.items():
+        holders = sorted(steps[at], key=lambda h: (h[0] != -1, h[0] != rank, h[0]))
+        holder, crc = holders[0]
+        if holder == -1:
+            continue
+        shards += [rank, holder, crc]
+        whom.append(f"rank {rank}: its shard of {unit} {at} from "
+                    + ("its own replica" if holder == rank else f"rank {holder}'s copy") + f" (CRC-32 {crc:08x})")
+    return LivePlan(at, unit, "", shards=tuple(shards), whom=cap_head("; ".join(whom), 400))
 
 
 def _rng_crc(rng: tuple) -> int:
@@ -544,14 +571,20 @@ class Held:
         self.report: LiveReport | None = None  # what this rank tells the others it holds
         self.plan: LivePlan | None = None  # where the next attempt's state comes from (rank 0's plan)
         self.sending: Captured | None = None  # this rank's live state, kept for the transfer
+        self.copies: dict[tuple[int, int], sharded.Snapshot] = {}  # (rank, step): shard snapshots held here
+        self.directory: str | None = None  # where the loop's checkpoints are written, for a shard sent
 
     def collect(self, rank: int) -> None:
         """This rank's live state of the failed attempt, and what it tells the others (with its
         checksum, and whether it can be sent to a rank that needs it)."""
         captured = hooks.run(hooks.CAPTURE_LIVE, self.state_of())
         self.captured = captured.live
+        self.copies = _verified(captured.copies, getattr(captured.live, "unit", "") or "step")
+        copies = tuple(n for (r, at), snap in sorted(self.copies.items(), key=lambda kv: -kv[0][1])[:MAX_COPIES]
+                       for n in (r, at, snap.checksum))
         if self.captured is None:
-            self.report = LiveReport(rank, -1, "", cap_head(captured.live_why or "no layer captures it", 300))
+            self.report = LiveReport(rank, -1, "", cap_head(captured.live_why or "no layer captures it", 300),
+                                     copies=copies)
             return
         step, unit, rng = self.captured.step, self.captured.unit, self.captured.rng
         rng_crc = "" if rng is None else f"{_rng_crc(rng):08x}"
@@ -561,9 +594,9 @@ class Held:
                 why = (f"SnapshotChecksumError: its shard of {unit} {step} does not have its checksum (CRC-32 "
                        f"{snap.checksum or 0:08x} when copied, {snap.compute_checksum():08x} now): never loaded")
                 log(logging.ERROR, "live state: %s", why)
-                self.captured, self.report = None, LiveReport(rank, -1, "", why)
+                self.captured, self.report = None, LiveReport(rank, -1, "", why, copies=copies)
                 return
-            self.report = LiveReport(rank, step, unit, "", f"{snap.checksum:08x}", rng_crc, shard=True)
+            self.report = LiveReport(rank, step, unit, "", f"{snap.checksum:08x}", rng_crc, shard=True, copies=copies)
             return
         digest, portable = "", ""
         try:
@@ -580,11 +613,22 @@ class Held:
         """Follow rank 0's plan: hold this rank's live state for the next attempt (a receiver gets the
         source's when the group is re-formed: :meth:`send`), or nothing (it resumes from its checkpoint)."""
         captured, self.captured = self.captured, None
+        self.directory = getattr(captured, "directory", None)
         if not decision.restart:
             self.hold(None)
             return
         plan = decision.live or LivePlan(-1, "", "rank 0 made no plan (or it could not be read)")
         plan = plan.checked(world_size)
+        mine = _shard_of(plan, rank)
+        if plan.step >= 0 and mine is not None:  # this rank's shard from a copy: its own replica, or a partner's
+            own = self.copies.get((rank, plan.step)) if mine[0] == rank else None
+            if mine[0] == rank and (own is None or own.checksum != mine[1]):
+                plan = LivePlan(-1, "", "this rank does not hold its replica of the agreed step (a bug: the plan "
+                                        "says it does)")
+            self.plan = plan  # a holder's copies stay in self.copies for send(); a receiver gets its shard there
+            self.hold(Captured(plan.step, plan.unit, own, self.directory) if own is not None and plan.step >= 0
+                      else None)
+            return
         receives = plan.step >= 0 and rank in plan.receivers
         if plan.step >= 0 and not receives and (captured is None or captured.step != plan.step
                                                 or captured.unit != plan.unit):
@@ -599,6 +643,10 @@ class Held:
         it (on the first attempt's ``store``, this attempt's namespace), before the training function
         is called again."""
         plan, own, self.sending = self.plan, self.sending, None
+        copies, self.copies = self.copies, {}
+        if plan is not None and plan.step >= 0 and any(r != h for r, h in zip(plan.shards[::3], plan.shards[1::3])):
+            self._send_shards(plan, copies, store, rank, world_size, timeout, timings)
+            return
         if plan is None or plan.step < 0 or not plan.receivers:
             return
         t0 = time.monotonic()
@@ -629,3 +677,85 @@ class Held:
                 rng = own.rng  # diverged at the same step: its own RNG states are those of that step
             self.hold(Captured(plan.step, plan.unit, state, directory if isinstance(directory, str) else None, rng))
         timings.setdefault("parts", {})["live state sent"] = time.monotonic() - t0
+
+    def _send_shards(self, plan: LivePlan, copies: dict, store: Any, rank: int, world_size: int,
+                     timeout: timedelta, timings: dict) -> None:
+        """Every shard a partner's copy serves (:attr:`LivePlan.shards`): its holder sends it to its rank
+        (:func:`transfer`, over a gloo group formed for it), which loads it only with the agreed CRC-32.
+        One failure anywhere: every rank resumes from its checkpoint, the log naming why."""
+        t0 = time.monotonic()
+        received, why = None, ""
+        group_store = dist.PrefixStore(f"{attempts.namespace()}/live-shards/", store)
+        try:
+            dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world_size, timeout=timeout)
+            try:
+                for r, holder, crc in zip(plan.shards[::3], plan.shards[1::3], plan.shards[2::3]):
+                    if r == holder:
+                        continue
+                    snap = copies.get((r, plan.step)) if rank == holder else None
+                    got = transfer(None if snap is None else _wire(snap, self.directory), holder, [r])
+                    if rank == r:
+                        received, why = _unwire(got, r, plan, crc, holder)
+                bad = torch.tensor([1 if why else 0])
+                dist.all_reduce(bad)
+            finally:
+                dist.destroy_process_group()
+            if int(bad):
+                why = why or "another rank's shard from a copy did not have the agreed checksum"
+        except (StateTransferError, TypeError, RuntimeError, ValueError) as err:
+            why = f"sending it failed: {type(err).__name__}: {cap_head(str(err), 200)}"
+        if why:
+            log(logging.ERROR, "live state: %s: never loaded; every rank resumes from its checkpoint", why)
+            self.plan = LivePlan(-1, "", cap_head(why, 400))
+            self.hold(None)
+            return
+        if received is not None:
+            self.hold(received)
+        timings.setdefault("parts", {})["live shards sent"] = time.monotonic() - t0
+
+
+def _shard_of(plan: LivePlan, rank: int) -> tuple[int, int] | None:
+    """``(holder, CRC-32)`` of this rank's shard in ``plan.shards``, or ``None`` (its own capture)."""
+    for r, holder, crc in zip(plan.shards[::3], plan.shards[1::3], plan.shards[2::3]):
+        if r == rank:
+            return holder, crc
+    return None
+
+
+def _verified(snaps: Sequence[Any], unit: str) -> dict[tuple[int, int], sharded.Snapshot]:
+    """The shard snapshots held here whose checksum still matches, by (rank, step); one that does not
+    is never loaded (logged by name)."""
+    found: dict[tuple[int, int], sharded.Snapshot] = {}
+    for snap in snaps:
+        if snap.verify():
+            found[snap.rank, snap.step] = snap
+        else:
+            log(logging.ERROR, "live state: SnapshotChecksumError: the copy of rank %d's shard of %s %d held here does "
+                "not have its checksum (CRC-32 %08x when sealed, %08x now): never loaded", snap.rank, unit, snap.step,
+                snap.checksum or 0, snap.compute_checksum())
+    return found
+
+
+def _wire(snap: sharded.Snapshot, directory: str | None) -> dict:
+    """A shard snapshot as :func:`transfer` carries it (tensors and JSON leaves)."""
+    return {"rank": snap.rank, "step": snap.step, "checksum": snap.checksum,
+            "manifest": torch.frombuffer(bytearray(snap.manifest), dtype=torch.uint8), "payload": snap.payload,
+            "directory": directory}
+
+
+def _unwire(got: Any, rank: int, plan: LivePlan, crc: int, holder: int) -> tuple[Captured | None, str]:
+    """The shard received from ``holder``, if it is ``rank``'s of the plan's step with the agreed ``crc``."""
+    step = plan.step
+    try:
+        snap = sharded.Snapshot(got["rank"], got["step"], got["manifest"].numpy().tobytes(), got["payload"],
+                                got["checksum"])
+        sharded.read_manifest(snap.manifest, snap.payload.numel())
+    except (KeyError, TypeError, AttributeError, sharded.ManifestError) as err:
+        return None, f"the copy of rank {rank}'s shard from rank {holder} is malformed ({type(err).__name__}: {err})"
+    if (snap.rank, snap.step, snap.checksum) != (rank, step, crc) or not snap.verify():
+        return None, (f"SnapshotChecksumError: the copy of rank {rank}'s shard of step {step} from rank {holder} does "
+                      f"not have the agreed checksum (CRC-32 {crc:08x} agreed, {snap.compute_checksum():08x} received)")
+    directory = got.get("directory")
+    log(logging.WARNING, "live state: received its shard of %s %d from rank %d's copy (CRC-32 %08x, checked)",
+        plan.unit, step, holder, crc)
+    return Captured(step, plan.unit, snap, directory if isinstance(directory, str) else None), ""

@@ -278,7 +278,7 @@ def test_sharded_job_survives_sigkill_and_hang(form, fault, in_place, world, ref
     against the uninterrupted run itself, not against a run resumed from the same checkpoint.
     In place (Ignite + FSDP2 and Lightning ``ModelParallelStrategy``): a hung rank's process survives,
     so every rank carries on from its own shard of step 22 (0 steps computed twice); a killed rank's
-    shard went with it (no partner holds a copy yet), which the plan says by name."""
+    shard went with it (no partner holds a copy without `FTH_SHARD_REPLICAS`), which the plan says by name."""
     example, extra, resumed = FORMS[form]
     own_shards = in_place and fault == "hang"
     unit = "iteration" if form == "ignite" else "global step"
@@ -390,3 +390,57 @@ def test_a_rank_killed_in_a_distributed_save_resumes_from_the_previous_checkpoin
     resumed = ("resumed from checkpoint_10 at iteration 10" if form == "ignite"
                else rf"resuming from epoch=\d-step=10\.ckpt")
     _check_resumed(out, returncode, world, resumed, expected)
+
+
+# -- a killed rank's shard from its partner's copy (FTH_SHARD_REPLICAS) ----------------------------------
+
+FLIP_COPY_MAIN = ROOT / "tests" / "programs" / "flip_copy_main.py"
+
+
+def _replicated_kill_line(world: int, victim: int) -> str:
+    return _line(IGNITE, True, world=world).replace(
+        "FTH_INJECT=raise@rank=1,iteration=17", f"FTH_SHARD_REPLICAS=1 FTH_INJECT=kill@rank={victim},iteration=23")
+
+
+@pytest.mark.timeout(3 * DEADLINE_SEC + 60)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
+def test_ignite_fsdp_in_place_a_killed_ranks_shard_comes_back_from_its_partners_copy(world, reference, tmp_path):
+    """``FTH_SHARD_REPLICAS=1``: every rank's shard is copied into its partner's CPU memory after each
+    iteration (off the training thread). Rank 0 is SIGKILLed as iteration 23 starts: its keeper
+    replaces it, the newest iteration every shard is held at is taken (22 when rank 0's copy of 22
+    reached its partner before the kill, else 21: it is sent off the training thread, and the kill
+    comes a batch fetch after it was handed over), rank 0's shard comes from its partner's copy
+    (checksum checked), sent over the recovery's group, and every rank carries on from there with the
+    uninterrupted run's final weights. Before this, every rank went back to ``checkpoint_20``."""
+    expected = reference(IGNITE, world)
+    returncode, out = _run(_replicated_kill_line(world, 0), IGNITE, tmp_path)
+    assert "FTH_INJECT=kill@rank=0,iteration=23: injecting kill" in out, out[-4000:]  # the fault fired
+    assert "[rank 0] the training process of rank 0" in out, out[-4000:]  # its keeper replaced it
+    # one host: rank 0's partner is the next rank (logged: a lost host would lose both)
+    assert re.search(rf"shard replicas: {world} of {world} copies are held on their own rank's host", out), out[-4000:]
+    found = re.search(r"\[rank 0[^\]]*\] live state: received its shard of iteration (2[12]) from rank 1's copy "
+                      r"\(CRC-32 [0-9a-f]{8}, checked\)", out)
+    assert found, out[-4000:]
+    step = found.group(1)
+    print(f"carried on from iteration {step}: {22 - int(step)} step(s) computed twice")
+    assert re.search(rf"live state, iteration {step} \(rank 0: its shard of iteration {step} from rank 1's copy", out), \
+        out[-4000:]
+    for rank in range(world):
+        assert re.search(rf"\[rank {rank}[^\]]*\] carries on from live state, iteration {step} ", out), (rank, out[-4000:])
+    _check_resumed(out, returncode, world, rf"resumed from live-state-step={step}\.pt at iteration {step}", expected)
+
+
+@pytest.mark.timeout(3 * DEADLINE_SEC + 60)
+def test_a_partners_copy_whose_bytes_changed_while_held_is_never_loaded(reference, tmp_path):
+    """As above, with a byte of rank 1's copy of rank 0's shard flipped while held
+    (``flip_copy_main.py``): rank 1 names it (``SnapshotChecksumError``), no other rank holds rank 0's
+    shard, and every rank resumes from ``checkpoint_20``, exactly."""
+    line = _replicated_kill_line(2, 0).replace("torchrun ", "FLIP_COPY=1 torchrun ").replace(
+        f"examples/{IGNITE.name}", f"examples/{FLIP_COPY_MAIN.name} {IGNITE}")
+    returncode, out = _run(line, FLIP_COPY_MAIN, tmp_path)
+    assert re.search(r"\[rank 1\] flipped a byte of its copy of rank 0's shard of step 2\d", out), out[-4000:]
+    assert re.search(r"\[rank 1[^\]]*\] live state: SnapshotChecksumError: the copy of rank 0's shard of iteration "
+                     r"2\d held here does not have its checksum", out), out[-4000:]
+    assert re.search(r"live state cannot serve: rank 0 holds no shard of its own \(its process was replaced", out), \
+        out[-4000:]
+    _check_resumed(out, returncode, 2, r"resumed from checkpoint_20 at iteration 20", reference(IGNITE))

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from launch import read_events  # noqa: E402 - tests/launch.py
 
 from fault_tolerant_handlers.core.sharded import SnapshotChecksumError, local_shards, restore
-from fault_tolerant_handlers.recover.replicas import ShardReplicas
+from fault_tolerant_handlers.data.replicas import ShardReplicas
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])

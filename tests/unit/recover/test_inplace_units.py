@@ -378,3 +378,44 @@ def test_an_error_raised_before_any_process_group_is_raised_as_itself(caplog, mo
             recover_in_place(train, max_restarts=2)()
     assert not getattr(raised.value, "__notes__", None), raised.value.__notes__
     assert "not recovered in place" not in caplog.text and "no process group store" not in caplog.text
+
+
+# -- a lost shard from a partner's copy (issue 42, item 2) ---------------------------------------------
+
+def test_a_lost_ranks_shard_comes_from_its_partners_copy_at_the_newest_step_every_shard_is_held():
+    """Rank 1 was SIGKILLed at iteration 37 and replaced: rank 0 holds its own shard of 36 and a copy of
+    rank 1's of 36 (checksum verified): every rank carries on from 36, rank 1's shard sent from rank 0.
+    Before this, every rank went back to the checkpoint."""
+    replaced_1 = LiveReport(1, -1, "", "its process was replaced (its state ended with it)")
+    survivor = LiveReport(0, 36, "iteration", "", "00000001", "0000abcd", shard=True, copies=(1, 36, 0xbeef, 0, 36, 1))
+    plan = plan_live([survivor, replaced_1], 2)
+    assert (plan.step, plan.shards, plan.why) == (36, (1, 0, 0xbeef), ""), plan
+    assert "rank 1: its shard of iteration 36 from rank 0's copy" in plan.describe()
+    assert LiveReport.from_json(survivor.to_json(), world_size=2) == survivor  # bounded JSON, read back whole
+
+
+def test_the_agreed_step_is_the_newest_one_every_shard_is_held_at_own_copies_included():
+    """The copy of rank 1's shard of 36 had not arrived when it was killed (sent off the training
+    thread): rank 0 goes back to its own replica of 35, rank 1's comes from rank 0's copy of 35."""
+    lost = LiveReport(1, -1, "", "its process was replaced")
+    survivor = LiveReport(0, 36, "iteration", "", "00000001", shard=True, copies=(1, 35, 7, 0, 35, 9))
+    plan = plan_live([survivor, lost], 2)
+    assert (plan.step, plan.shards) == (35, (0, 0, 9, 1, 0, 7)), plan
+
+
+def test_a_lost_shard_nobody_holds_at_a_common_step_falls_back_to_the_checkpoint_by_name():
+    lost = LiveReport(1, -1, "", "its process was replaced")
+    no_copy = LiveReport(0, 36, "iteration", "", "00000001", shard=True)
+    assert plan_live([no_copy, lost], 2).why.startswith("rank 1 holds no shard of its own (its process was replaced), "
+                                                        "and no other rank holds a copy of it")
+    stale = LiveReport(0, 36, "iteration", "", "00000001", shard=True, copies=(1, 30, 7))
+    assert plan_live([stale, lost], 2).why == ("no step every rank's shard is held at (rank 0: 36 (its own); "
+                                               "rank 1: 30 (rank 0's copy))")
+
+
+def test_a_report_whose_copies_are_not_triples_of_ranks_is_not_believed():
+    bad = json.loads(LiveReport(0, 36, "iteration", "", shard=True, copies=(1, 36, 7)).to_json())
+    assert LiveReport.from_json(json.dumps({**bad, "copies": [1, 36]}).encode(), 2) is None
+    assert LiveReport.from_json(json.dumps({**bad, "copies": [5, 36, 7]}).encode(), 2) is None
+    plan = LivePlan(36, "iteration", "", shards=(1, 0, 7))
+    assert plan.checked(2) == plan and plan.checked(1).why == "rank 0's plan names ranks outside the world"

@@ -16,7 +16,7 @@ import torch
 from fault_tolerant_handlers.core.sharded import (
     MAX_MANIFEST_BYTES, ManifestError, Snapshot, SnapshotChecksumError, local_shards, read_manifest, restore,
     take_snapshot)
-from fault_tolerant_handlers.recover.replicas import ShardReplicas, choose_partners, held_by
+from fault_tolerant_handlers.data.replicas import ShardReplicas, choose_partners, held_by
 
 
 def _hosts(*counts: int) -> list[str]:
@@ -204,7 +204,7 @@ def test_a_snapshot_takes_subclasses_as_their_plain_container_and_keeps_a_state_
 
 
 def test_a_buffer_is_written_again_only_when_no_one_refers_to_its_snapshot():
-    from fault_tolerant_handlers.recover.replicas import _unused
+    from fault_tolerant_handlers.data.replicas import _unused
     first = take_snapshot(_state(), 1, 0)
     assert _unused(first)
     kept = first  # a caller of own() or copy_of() keeps it: its buffer is not reused
@@ -217,3 +217,45 @@ def test_a_buffer_is_written_again_only_when_no_one_refers_to_its_snapshot():
     assert second.payload.data_ptr() == first.payload.data_ptr() and restore(second)["iteration"] == 12
     third = take_snapshot({"w": torch.ones(3)}, 3, 0, buffer=first.payload)  # another size: a new buffer
     assert third.payload.data_ptr() != first.payload.data_ptr()
+
+
+# -- the recovery's side: what a rank reports of the copies it holds, and what it loads ------------------
+
+def test_a_rank_reports_the_copies_it_holds_and_never_a_copy_whose_checksum_fails(monkeypatch, caplog):
+    """The copies ``ShardReplicas.abort`` handed over (a partner's, this rank's own replica) are listed
+    in the rank's report as (rank, step, CRC-32); a copy whose bytes changed while held is left out
+    and named in an ERROR line (never loaded)."""
+    from fault_tolerant_handlers.core.phases import RecoveryState
+    from fault_tolerant_handlers.recover import live_state
+
+    partner = take_snapshot({"w": torch.arange(4.0)}, 22, 1)
+    own = take_snapshot({"w": torch.ones(4)}, 22, 0)
+    flipped = take_snapshot({"w": torch.zeros(4)}, 21, 2)
+    flipped.payload[0] ^= 1
+    state = RecoveryState(live_why="no step completed", copies=(own, partner, flipped))
+    monkeypatch.setattr(live_state.hooks, "run", lambda hook, _: state)
+    held = live_state.Held(lambda **_: RecoveryState())
+    with caplog.at_level(logging.ERROR, "fault_tolerant_handlers"):
+        held.collect(0)
+    assert held.report.copies == (0, 22, own.checksum, 1, 22, partner.checksum)
+    assert sorted(held.copies) == [(0, 22), (1, 22)]
+    assert "the copy of rank 2's shard of step 21 held here does not have its checksum" in caplog.text
+
+
+def test_a_shard_received_is_loaded_only_with_the_agreed_checksum():
+    from fault_tolerant_handlers.recover.causes import LivePlan
+    from fault_tolerant_handlers.recover.live_state import _unwire, _wire
+
+    snap = take_snapshot({"w": torch.arange(6.0)}, 22, 1)
+    plan = LivePlan(22, "iteration", "", shards=(1, 0, snap.checksum))
+    captured, why = _unwire(_wire(snap, "/ckpts"), 1, plan, snap.checksum, 0)
+    assert why == "" and (captured.step, captured.unit, captured.directory) == (22, "iteration", "/ckpts")
+    assert torch.equal(restore(captured.state)["w"], torch.arange(6.0))
+    wire = _wire(snap, None)
+    wire["payload"] = wire["payload"].clone()
+    wire["payload"][3] ^= 1  # a byte changed on its way
+    captured, why = _unwire(wire, 1, plan, snap.checksum, 0)
+    assert captured is None and why.startswith("SnapshotChecksumError: the copy of rank 1's shard of step 22 from "
+                                               "rank 0 does not have the agreed checksum")
+    assert _unwire(_wire(snap, None), 1, plan, snap.checksum ^ 1, 0)[0] is None  # not the CRC agreed on
+    assert "malformed" in _unwire({"rank": 1}, 1, plan, snap.checksum, 0)[1]

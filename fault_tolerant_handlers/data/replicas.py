@@ -12,8 +12,9 @@ With FSDP2 (``fully_shard``, ``DTensor``) each rank holds the only copy of its s
   rank holds. Nothing on the training thread waits for a send: a snapshot taken while the previous
   one is still pending replaces it (counted).
 
-The recovery does not use the partners' copies yet: it resumes a sharded model from each rank's own
-shard (:mod:`..data.live`), and from the checkpoint when a rank's is lost (see docs/sharded.md).
+A recovery in place takes what a rank holds with :meth:`ShardReplicas.abort` before it tears the
+groups down: a rank lost with its process gets its shard back from a partner's copy
+(:mod:`..recover.live_state`; docs/sharded.md).
 """
 
 from __future__ import annotations
@@ -142,12 +143,13 @@ class ShardReplicas:
         self.replicate_every, self.partners, self.enabled = replicate_every, partners, enabled
         self.stats = _Stats()
         self._own: Snapshot | None = None
+        self._prev: Snapshot | None = None  # the one before: a copy of the newest may not have arrived
         self._held: dict[int, Snapshot] = {}
         self._pending: Snapshot | None = None
         #: a buffer no snapshot uses any more, for the next (see :func:`_unused`)
         self._spare: torch.Tensor | None = None
         self._cond = threading.Condition()
-        self._stopping = self._sending = False
+        self._stopping = self._sending = self._aborted = False
         self._threads: list[threading.Thread] = []
         if not enabled:
             return
@@ -229,6 +231,20 @@ class ShardReplicas:
         else:
             dist.destroy_process_group(self._group)
 
+    def abort(self) -> list[Snapshot]:
+        """A failure: the threads are told to stop and not waited for (a dead partner's would block
+        until the group's timeout); nothing they receive from here on is kept. Their group goes with
+        the recovery's teardown (``destroy_process_group()``). Returns the snapshots held: this rank's
+        own two newest sealed ones (a partner may not have the newest yet), then each copy held (each
+        checked again where it is used)."""
+        if not self.enabled:
+            return []
+        with self._cond:
+            self._stopping = self._aborted = True
+            self._pending = None
+            self._cond.notify_all()
+            return [s for s in (self._prev, self._own) if s is not None] + [s for _, s in sorted(self._held.items())]
+
     def _send_loop(self) -> None:
         """Seal each pending snapshot (it becomes :meth:`own`) and send it to every partner still
         reachable; a partner whose send failed (gone: its connection closed, or the group's timeout)
@@ -239,11 +255,11 @@ class ShardReplicas:
                 self._cond.wait_for(lambda: self._pending is not None or self._stopping)
                 snap, self._pending = self._pending, None
                 self._sending = snap is not None
-            if snap is None:  # stopping, nothing pending
+            if snap is None or self._aborted:  # stopping, nothing pending; or a failure: nothing more sent
                 break
             snap.seal()
             with self._cond:
-                old, self._own = self._own, snap
+                old, self._prev, self._own = self._prev, self._own, snap
                 if _unused(old):
                     self._spare = old.payload
                 del old
@@ -259,7 +275,7 @@ class ShardReplicas:
                 self._sending = False
                 self._cond.notify_all()
         stop = torch.tensor([_TAG, self.rank, _STOP, 0, 0, 0], dtype=torch.int64)
-        for peer in live:
+        for peer in [] if self._aborted else live:
             self._send(peer, stop)
 
     def _send(self, peer: int, *tensors: torch.Tensor) -> bool:
@@ -269,6 +285,8 @@ class ShardReplicas:
                     dist.send(t, peer, group=self._group)
             return True
         except Exception as e:  # a partner gone: training goes on; it is sent nothing more
+            if self._aborted:  # the recovery took over (its group destroyed): nothing to tell
+                return False
             self.stats.errors.append(f"send to rank {peer}: {type(e).__name__}: {e}")
             log(logging.WARNING, "shard replicas: sending to rank %d failed, nothing more is sent to it: %s",
                 peer, e)
@@ -295,7 +313,9 @@ class ShardReplicas:
                 dist.recv(manifest, src, group=self._group)
                 if plen:
                     dist.recv(payload, src, group=self._group)
-            except Exception as e:  # a held rank gone (timeout, connection closed): what is held stays
+            except Exception as e:  # a held rank gone (timeout, connection closed, the group destroyed): held stays
+                if self._aborted:
+                    return
                 self.stats.errors.append(f"receive: {type(e).__name__}: {e}")
                 log(logging.WARNING, "shard replicas: receiving stopped: %s: %s", type(e).__name__, e)
                 return
@@ -308,6 +328,8 @@ class ShardReplicas:
                     "refused (the copy of step %s kept)", rank, step, getattr(self._held.get(rank), "step", None))
                 continue
             with self._cond:
+                if self._aborted:
+                    return
                 old, self._held[rank] = self._held.get(rank), snap
                 self.stats.received += 1
                 self._cond.notify_all()
