@@ -334,7 +334,7 @@ class _Recovery:
             log(logging.DEBUG, "destroying the failed attempt's groups: %s", err)
         finally:
             timer.cancel()
-        interrupts.quiet_released()  # the destroyed groups' loops (alive while anything holds them): no spinning
+        timings["quieted"] = interrupts.quiet_released()  # the destroyed groups' loops (alive while held): no spinning
         _compat_torch.forget_destroyed_groups()  # torch's functions that keep one as a default: freed with the rest
         part("groups")
         hooks.run(hooks.RESET_FRAMEWORKS, state)  # the adapters: frameworks' process-wide state
@@ -374,10 +374,12 @@ class _Recovery:
         parts = ", ".join(f"{name} {took:.2f}" for name, took in timings.get("parts", {}).items() if took >= 0.005)
         plan = self.live.plan or LivePlan(-1, "", "no plan was made")
         log(logging.WARNING, "recovering in place, attempt %d (max_restarts=%d), after %s; watchdogs stopped %.2f s, "
-            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank; %s", attempts.in_place(), self.max_restarts, brief(cause),
+            "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank; "
+            "%d socket registrations of the released groups quieted; %s",
+            attempts.in_place(), self.max_restarts, brief(cause),
             timings["stopped"] - timings["detected"], timings["agreed"] - timings["detected"],
             timings["torn_down"] - timings["detected"], parts or "-", timings["reformed"] - timings["detected"],
-            plan.describe())
+            timings["quieted"], plan.describe())
         self._announce(RecoveryPhase.RECOVERED, rank, cause, timings["detected"], timings["reformed"])
 
     def _announce(self, phase: RecoveryPhase, rank: int, cause: RecoveryCause, since: float,
