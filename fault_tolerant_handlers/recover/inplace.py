@@ -379,7 +379,7 @@ class _Recovery:
             attempts.in_place(), self.max_restarts, brief(cause),
             timings["stopped"] - timings["detected"], timings["agreed"] - timings["detected"],
             timings["torn_down"] - timings["detected"], parts or "-", timings["reformed"] - timings["detected"],
-            timings["quieted"], plan.describe())
+            timings.get("quieted", 0), plan.describe())
         self._announce(RecoveryPhase.RECOVERED, rank, cause, timings["detected"], timings["reformed"])
 
     def _announce(self, phase: RecoveryPhase, rank: int, cause: RecoveryCause, since: float,
