@@ -51,6 +51,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .procfs import fd_targets
+
 CHECKED_AGAINST = ("2.13.0",)
 #: The DDP bucket-layout calls below were read in and checked against these torch versions.
 DDP_CHECKED_AGAINST = ("2.13.0",)
@@ -67,23 +69,16 @@ _REQUIRED = (
 _checked = False
 
 
-def _resolve(path: str) -> Any:
-    from torch.distributed import distributed_c10d
-
-    objects = {
-        "torch.distributed.distributed_c10d": distributed_c10d,
-        "torch.distributed.distributed_c10d._world": getattr(distributed_c10d, "_world", None),
-        "torch.distributed.Store": dist.Store,
-    }
-    return objects[path]
-
-
 def check() -> None:
     """Raise ``RuntimeError`` naming every private torch attribute this version lacks."""
     global _checked
     if _checked:
         return
-    missing = [f"{owner}.{name}" for owner, name in _REQUIRED if not hasattr(_resolve(owner), name)]
+    from torch.distributed import distributed_c10d
+
+    owners = {"torch.distributed.distributed_c10d": distributed_c10d, "torch.distributed.Store": dist.Store,
+              "torch.distributed.distributed_c10d._world": getattr(distributed_c10d, "_world", None)}
+    missing = [f"{owner}.{name}" for owner, name in _REQUIRED if not hasattr(owners[owner], name)]
     if missing:
         raise RuntimeError(
             f"fault-tolerant-handlers needs {', '.join(missing)}, which torch {torch.__version__} does not have "
@@ -99,11 +94,9 @@ LAZY_MODULES = ("torch._dynamo",)
 
 def import_lazy_modules() -> None:
     """Import :data:`LAZY_MODULES` now; one that fails to import is left out."""
-    import importlib
-
     for name in LAZY_MODULES:
         try:
-            importlib.import_module(name)
+            __import__(name)
         except Exception:  # noqa: BLE001 - an optimisation: the training imports it itself, or never
             pass
 
@@ -165,10 +158,6 @@ def spawn_error_file() -> str | None:
     """``None`` unless the main thread runs inside ``torch.multiprocessing.spawn._wrap`` (``mp.spawn``
     and ``start_processes``); then the path of the error file that ``_wrap`` would write and the parent
     reads (a pickled ``str``), or ``""`` when that frame holds none."""
-    import os
-    import sys
-    import threading
-
     frame = sys._current_frames().get(threading.main_thread().ident)
     suffix = os.path.join("torch", "multiprocessing", "spawn.py")
     depth = 0
@@ -412,11 +401,11 @@ def _epoll_registrations() -> list[tuple[int, int, int, int]]:
     """(epoll fd, registered fd, registered file's inode, registration data) of this process's epoll
     sets, from ``/proc/self/fdinfo`` (``tfd: 7 events: 19 data: 7f3a... pos:0 ino:53d093 sdev:9``)."""
     entries = []
-    for name in os.listdir("/proc/self/fd"):
+    for fd, target in fd_targets().items():
+        if target != "anon_inode:[eventpoll]":
+            continue
         try:
-            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
-                continue
-            with open(f"/proc/self/fdinfo/{name}") as f:
+            with open(f"/proc/self/fdinfo/{fd}") as f:
                 lines = f.read().splitlines()
         except OSError:
             continue
@@ -426,7 +415,7 @@ def _epoll_registrations() -> list[tuple[int, int, int, int]]:
                 continue
             inode = [field[4:] for field in fields if field.startswith("ino:")]
             try:
-                entries.append((int(name), int(fields[1]), int(inode[0], 16), int(fields[fields.index("data:") + 1], 16)))
+                entries.append((fd, int(fields[1]), int(inode[0], 16), int(fields[fields.index("data:") + 1], 16)))
             except (IndexError, ValueError):
                 continue
     return entries

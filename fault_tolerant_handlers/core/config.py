@@ -1,12 +1,10 @@
 """Every setting of the library in one table: its environment variable, default and accepted range
 (:data:`SETTINGS`), then every fixed timing of the failure path.
 
-Timeouts are ``datetime.timedelta`` values; each environment override is a number of seconds, in a
-documented range. Every ``FTH_*`` variable is read and checked at once when a fail-together session
-starts (and when an adapter is constructed), so a bad value stops the job at once with an error
-naming the variable and its accepted values, never later inside a watchdog thread; the modules that
-need a setting read it from :func:`settings` (read once per environment). ``docs/reference.md``
-lists both tables as they are here (``tests/unit/core/test_settings_table.py`` keeps them equal).
+Every ``FTH_*`` variable is read and checked when a fail-together session starts (and when an
+adapter is constructed), so that a bad value stops the job at once with an error naming it, never
+later inside a watchdog thread; ``docs/reference.md`` lists both tables as they are here
+(``tests/unit/core/test_settings_table.py`` keeps them equal).
 """
 
 from __future__ import annotations
@@ -203,7 +201,6 @@ def settings() -> Config:
 
 
 def check_timedelta(name: str, value: object, *, allow_none: bool = False, what: str | None = None) -> timedelta | None:
-    """``value`` as a timedelta in the accepted range of setting ``name``; a clear error otherwise."""
     label = what or name
     if value is None and allow_none:
         return None
@@ -233,8 +230,8 @@ _DHMS = re.compile(r"\s*(\d+):(\d+):(\d+):(\d+)\s*")
 
 
 def _as_timedelta(value: object) -> timedelta | None:
-    """A number of seconds, a ``"DD:HH:MM:SS"`` string or a dict of ``timedelta`` arguments (the
-    forms Lightning's ``Timer(duration=...)`` takes) as a ``timedelta``; ``None`` for anything else."""
+    """Seconds, ``"DD:HH:MM:SS"`` or a dict of ``timedelta`` arguments (the forms of Lightning's
+    ``Timer(duration=...)``) as a ``timedelta``; ``None`` for anything else."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return timedelta(seconds=value) if math.isfinite(value) and abs(value) < 1e12 else timedelta.max
     if isinstance(value, str):
@@ -259,9 +256,8 @@ TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds"
 
 
 def _check_duration(name: str, value: object, what: str, forms: str) -> timedelta | None:
-    """``value`` (``None``, a ``timedelta``, seconds, ``"DD:HH:MM:SS"``, a dict) as a ``timedelta``
-    in the range of setting ``name``: ``TypeError`` naming ``forms`` for any other value (and a dict's
-    unknown keys), ``ValueError`` for a duration out of range."""
+    """``value`` as a ``timedelta`` in the range of setting ``name``: ``TypeError`` naming ``forms``
+    for a value of no accepted form, ``ValueError`` for a duration out of range."""
     if value is None or isinstance(value, timedelta):
         return check_timedelta(name, value, allow_none=True, what=what)
     bad = [key for key in value if key not in TIMEDELTA_KEYS] if isinstance(value, dict) else []
@@ -276,30 +272,16 @@ def _check_duration(name: str, value: object, what: str, forms: str) -> timedelt
 
 
 def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelta | str | None:
-    """``hang_timeout`` as ``None`` (off), ``"auto"`` (learned) or a ``timedelta`` in range (1 s to
-    7 days). Accepted: ``None``, ``"auto"``, a ``timedelta``, a number of seconds, a
-    ``"DD:HH:MM:SS"`` string, a dict of ``timedelta`` arguments (``{"minutes": 5}``).
-
-    Raises:
-        TypeError: any other value (the message lists the accepted forms).
-        ValueError: a duration outside 1 s to 7 days.
-    """
+    """``hang_timeout`` as ``None`` (off), ``"auto"`` or a ``timedelta`` of 1 s to 7 days, from any of
+    :data:`HANG_TIMEOUT_FORMS` (``TypeError`` for another value, ``ValueError`` out of range)."""
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return AUTO
     return _check_duration("hang_timeout", value, what, HANG_TIMEOUT_FORMS)
 
 
 def check_join_timeout(value: object, *, what: str = "join_timeout") -> timedelta | None:
-    """``recover_in_place(join_timeout=...)`` as ``None`` (``FTH_RECOVER_JOIN_SEC``, else 60 s) or a
-    ``timedelta`` from 1 s to 1 day. Accepted: the forms of ``hang_timeout`` but ``"auto"``: ``None``,
-    a ``timedelta``, a number of seconds, a ``"DD:HH:MM:SS"`` string, a dict of ``timedelta``
-    arguments (``{"minutes": 2}``).
-
-    Raises:
-        TypeError: any other value (the message lists the accepted forms).
-        ValueError: ``"auto"`` (a learned deadline is for ``hang_timeout`` only); a duration outside
-            1 s to 1 day.
-    """
+    """``recover_in_place(join_timeout=...)`` as ``None`` or a ``timedelta`` of 1 s to 1 day, from any
+    of :data:`JOIN_TIMEOUT_FORMS` (``ValueError`` for ``"auto"``: a learned deadline is for hang_timeout only)."""
     if isinstance(value, str) and value.strip().lower() == AUTO:
         raise ValueError(f"{what} has no {AUTO!r} (a learned deadline is for hang_timeout only): it must be "
                          f"{JOIN_TIMEOUT_FORMS}, got {value!r}")

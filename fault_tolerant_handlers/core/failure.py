@@ -1,24 +1,12 @@
 """The one failure value, from the moment a failure is recorded to the moment every rank raises.
 
-A failure is one :class:`FailureRecord`: its kind (:class:`FailureKind`), the rank, the exception's
-type, message and traceback, where (section, step, epoch), when, the process (pid, host) and how it
-ended (:class:`Ended`). ``origin`` says who wrote it: ``"failure"`` (the rank failed itself) or
-``"declared"`` (rank ``by`` declares rank ``rank`` lost, silent or hung; a hung or signalled rank
-declares itself). Kinds are data: code decides on :attr:`FailureRecord.kind` and ``ended``, never
-on message text. The detectors declare one, a failing rank publishes one, every other rank raises a
-:class:`PeerFailedError` that carries it (``err.record``).
-
-The store is unauthenticated and shared by every process of the job: a record is plain JSON written
-and read by the one codec (:func:`encode`, :func:`decode`), every field bounded and range-checked,
-text sanitised before it can reach a log; nothing read is ever unpickled or executed.
-
-The attempt's :class:`FailureState` (one per process group: :attr:`.session.Session.failure`)
-answers "has this job failed?" and is driven through named transitions (:meth:`~FailureState.failed_here`,
-:meth:`~FailureState.peer_failed`, :meth:`~FailureState.signalled`, :meth:`~FailureState.acknowledged`,
-:meth:`~FailureState.agreement_ended`). The first failure is its :attr:`~FailureState.cause`; the
-**incident** is what this process knows since the last agreement, which ends it, so that a failure
-user code caught never blinds the watchdog to the next one. The **tag** (:class:`Tag`,
-:func:`tag_of`, :func:`tag`) is what the library learned of one exception object.
+A failure is one :class:`FailureRecord`; code decides on its :attr:`~FailureRecord.kind` and
+``ended``, never on message text. The store is unauthenticated and shared by every process of the
+job: records are plain JSON written and read by the one codec (:func:`encode`, :func:`decode`),
+bounded, range-checked and sanitised; nothing read is ever unpickled or executed. The attempt's
+:class:`FailureState` answers "has this job failed?"; the **incident** is what this process knows
+since the last agreement, which ends it, so that a failure user code caught never blinds the
+watchdog to the next one. The :class:`Tag` is what the library learned of one exception object.
 """
 
 from __future__ import annotations
@@ -95,19 +83,9 @@ DECLARED_KINDS = (FailureKind.PEER_LOST, FailureKind.PEER_SILENT, FailureKind.RA
 
 @dataclass(frozen=True)
 class Ended:
-    """How a rank's process ended, as far as the rank that saw it could tell (``PeerLost``), or the
-    signal a rank received and reported (``RankSignalled``).
-
-    Attributes:
-        exit_code: it exited with this code (0 to 255), or ``None``.
-        signal: the number of the signal that killed it (or that it received), or ``None``.
-        keeper_gone: the process that would have replaced it in place (its keeper,
-            ``recover_in_place``) was gone too when it ended, as seen on its own host: nothing
-            replaces it there, whatever its keeper announced when it started.
-
-    Neither ``exit_code`` nor ``signal`` set: its process is gone and its exit status was not
-    visible from where it was seen.
-    """
+    """How a rank's process ended (``PeerLost``: ``exit_code`` or the ``signal`` that killed it;
+    neither: its exit status was not visible), or the signal a rank received (``RankSignalled``).
+    ``keeper_gone``: the process that would have replaced it in place was gone too."""
 
     exit_code: int | None = None
     signal: int | None = None
@@ -126,7 +104,6 @@ class Ended:
 
     @property
     def unseen(self) -> bool:
-        """Gone, with no exit status to see (a parent reaped it first)."""
         return self.exit_code is None and self.signal is None
 
     @property
@@ -137,8 +114,6 @@ class Ended:
         return _SIGNAL_NAMES.get(self.signal, f"signal {self.signal}")
 
     def describe(self) -> str:
-        """``killed by SIGKILL``, ``exited with code 1``, or ``process is gone (exit status not visible
-        from this process)``."""
         if self.signal is not None:
             how = f"killed by {self.signal_name}"
         elif self.exit_code is not None:
@@ -147,7 +122,6 @@ class Ended:
             how = "process is gone (exit status not visible from this process)"
         return f"{how}, and its keeper is gone too" if self.keeper_gone else how
 
-    #: The bounds of its fields read back from the store (:func:`decode`).
     BOUNDS: ClassVar[dict] = {"exit_code": (0, MAX_EXIT_CODE), "signal": (1, MAX_SIGNAL)}
 
     def problem(self, world: int) -> str | None:
@@ -159,8 +133,7 @@ def is_int(value: Any) -> bool:
 
 
 class Stored:
-    """A frozen dataclass the store holds, written and read by the one codec (:func:`encode`,
-    :func:`decode`) within its fields' ``BOUNDS``."""
+    """A frozen dataclass the store holds, read back within its fields' ``BOUNDS`` (:func:`decode`)."""
 
     #: Larger than this (bytes), it is ignored unread.
     MAX_BYTES: ClassVar[int] = 8 * 1024
@@ -171,13 +144,10 @@ class Stored:
 
     @classmethod
     def from_json(cls, raw: Any, world_size: int, *, key: str | None = None) -> Any:
-        """Read back (``None``: malformed or out of range, see :func:`decode`), for a world of ``world_size``."""
         return decode(cls, raw, world=world_size, max_bytes=cls.MAX_BYTES, key=key)
 
 
 # -- the record and its codec ------------------------------------------------------------------------
-#: Record format version; a reader ignores records of another version.
-RECORD_VERSION = 2
 #: Caps on the text fields of a record (characters). The traceback keeps its *tail*: the frames
 #: nearest the raise are the ones that explain it.
 MAX_MESSAGE_CHARS = 2_000
@@ -314,7 +284,7 @@ class FailureRecord(Stored):
         return cls.declared(rank=rank, kind=FailureKind.PEER_LOST, by=by, pid=pid, host=host, ended=ended,
                             message=f"rank {rank} (pid {pid} on {host}) lost: {how}")
 
-    VERSION: ClassVar[int] = RECORD_VERSION
+    VERSION: ClassVar[int] = 2  # a reader ignores records of another version
     MAX_BYTES: ClassVar[int] = MAX_RECORD_BYTES
     BOUNDS: ClassVar[dict] = {
         "rank": (0, WORLD), "exc_type": MAX_NAME_CHARS, "exc_message": MAX_MESSAGE_CHARS,

@@ -93,6 +93,17 @@ def ended(pid: int, within: float) -> Ended | None:
         time.sleep(0.001)
 
 
+def fd_targets() -> dict[int, str]:
+    """fd -> what ``/proc/self/fd`` links it to (``socket:[123]``, ``anon_inode:[eventpoll]``)."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+    return found
+
+
 #: Signals the library's own handler reports (:mod:`..launchers.signals`): a rank they end says so itself.
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT")
 

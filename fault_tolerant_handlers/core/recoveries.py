@@ -1,12 +1,7 @@
-"""Recovery made visible: what a recovery in place tells the world, as data (``docs/recovering.md``,
-"Seeing a recovery").
-
-A recovery in place goes through three moments on every rank (:class:`RecoveryPhase`: the failure
-seen, the recovery agreed, the group re-formed), each announced through :mod:`.hooks` with one frozen
-:class:`RecoveryInfo`. This module keeps them (:func:`recovery_history`), lets anyone subscribe
-(:func:`on_recovery`), fills in what only the next attempt's loop knows (:func:`carried_on`, called by
-the adapters) and sums them up per process (:func:`metrics`). Framework-neutral: the adapters
-translate these into Ignite events and Lightning hooks.
+"""Recovery made visible (``docs/recovering.md``, "Seeing a recovery"): each moment of a recovery in
+place (:class:`RecoveryPhase`) is announced through :mod:`.hooks` with one frozen :class:`RecoveryInfo`,
+kept in :func:`recovery_history`, told to :func:`on_recovery`'s subscribers and summed up by
+:func:`metrics`; the adapters translate them into Ignite events and Lightning hooks.
 """
 
 from __future__ import annotations
@@ -54,15 +49,9 @@ def _check_int(owner: str, name: str, value: object, low: int, optional: bool = 
         raise (ValueError if is_int(value) else TypeError)(f"{owner}({name}=...) must be {what}, got {value!r}")
 
 
-def _check_str(owner: str, name: str, value: object) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"{owner}({name}=...) must be a str, got {value!r}")
-
-
 @dataclass(frozen=True)
 class RecoveryCause(Stored):
-    """What failed: one rank's view of a recovery's failure, or the one its ranks agreed on. The
-    agreement carries it between ranks in the store (the one codec: bounded and checked on read).
+    """What failed: one rank's view of a recovery's failure, or the one its ranks agreed on.
 
     Attributes:
         rank: the rank that failed first, or ``None`` when no rank could say.
@@ -94,13 +83,13 @@ class RecoveryCause(Stored):
             raise TypeError(f"RecoveryCause(kind=...) must be a FailureKind (one of "
                             f"{', '.join(k.name for k in FailureKind)}), got {self.kind!r}")
         for name in ("exc_type", "message", "where", "not_in_place"):
-            _check_str("RecoveryCause", name, getattr(self, name))
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"RecoveryCause({name}=...) must be a str, got {getattr(self, name)!r}")
         _check_int("RecoveryCause", "step", self.step, 0, optional=True)
         if not isinstance(self.own, bool):
             raise TypeError(f"RecoveryCause(own=...) must be True or False, got {self.own!r}")
 
     def describe(self) -> str:
-        """``rank 1 failed (raised) in train: ValueError: bad sample``."""
         who = f"rank {self.rank}" if self.rank is not None else "a rank"
         where = f" in {self.where}" if self.where else ""
         first = first_line(self.message, None)
@@ -162,7 +151,6 @@ class RecoveryInfo:
 
     @property
     def live(self) -> bool:
-        """The next attempt carries on from live state."""
         return self.source == LIVE
 
     def describe(self) -> str:
@@ -214,7 +202,6 @@ def recovery_history() -> tuple[RecoveryInfo, ...]:
 
 
 def metrics() -> RecoveryMetrics:
-    """This process's :class:`RecoveryMetrics`, from :func:`recovery_history`."""
     done = [i for i in _history if i.phase is RecoveryPhase.RECOVERED]
     last = done[-1] if done else None
     return RecoveryMetrics(
@@ -239,7 +226,7 @@ def _record(info: RecoveryInfo) -> None:
 
 
 def announce(info: RecoveryInfo) -> None:
-    """Record ``info`` and tell its event's subscribers (the recovery calls it; never raises)."""
+    """Record ``info`` and tell its event's subscribers (never raises)."""
     hooks.emit(_EVENT[info.phase], info)
 
 

@@ -72,8 +72,6 @@ MAX_COUNTER_STEP = 1 << 20
 MAX_OWN_RECORDS = 8
 _U64 = 1 << 64
 
-
-
 #: The root of the keys of the recoveries in place (see the module's second table).
 RECOVER_ROOT = "fth/recover"
 
@@ -84,13 +82,10 @@ def recovery_key(*parts: object) -> str:
 
 
 def agreement_key(gen: int, part: str, rank: int | None = None) -> str:
-    """A key of the agreement on in-place attempt ``gen``: ``cause``/``live`` (of ``rank``), ``arrived``,
-    ``stop``, ``decision``."""
     return recovery_key(gen, part) if rank is None else recovery_key(gen, part, rank)
 
 
 def keeper_key(rank: int) -> str:
-    """Set by a keeper's child when its first session starts: rank ``rank`` has a keeper."""
     return recovery_key("keeper", rank)
 
 
@@ -206,9 +201,8 @@ def store_evidence(host: str, port: int, timeout: float) -> str | None:
 
 
 def probe_store_port(host: str, port: int, timeout: timedelta) -> None:
-    """One plain TCP connect to the store's port, closed at once, before a c10d client is made: a
-    refused port fails at once, where c10d's client would retry it for two timeouts in a thread
-    that can neither be cut short nor left running at interpreter exit."""
+    """One plain TCP connect before a c10d client is made: a refused port fails at once, where c10d's
+    client would retry it for two timeouts in a thread that cannot be cut short."""
     try:
         socket.create_connection((host, port), timeout=timeout.total_seconds()).close()
     except OSError as err:
@@ -259,9 +253,8 @@ class Connection:
         self._connecting = False
 
     def store(self) -> dist.Store:
-        """The connected client, connecting first if there is none: outside the lock, one connect per
-        connection at a time (a call meanwhile fails at once; the exit waits for a connect under way,
-        :func:`unblock_stuck_calls`)."""
+        """The connected client, connecting first (outside the lock, one connect at a time: a call
+        meanwhile fails at once; the exit waits for a connect under way)."""
         with self._lock:
             if self._store is not None:
                 return self._store
@@ -296,12 +289,6 @@ class Connection:
                 self._store = store
             return store
 
-    def forked(self) -> None:
-        """In a process forked with this connection: the connected client came along (its socket is
-        this process's too), its worker thread did not (a fork copies only the calling thread)."""
-        self._lock = threading.Lock()
-        self._worker = None
-
     def reconnect(self) -> None:
         with self._lock:
             self._store = None
@@ -316,9 +303,8 @@ class Connection:
             worker.stop()
 
     def call(self, method: str, *args):
-        """``store.<method>(*args)``, bounded; a failure drops this connection (the next call makes
-        a new one) and is raised. In the main thread, a deferred section (:mod:`.interrupts`): the
-        interrupt of a hung main thread waits for it (the call is bounded by its budget)."""
+        """``store.<method>(*args)``, bounded, in a deferred section (:mod:`.interrupts`); a failure
+        drops this connection (the next call makes a new one) and is raised."""
         with interrupts.SECTION:
             return self._call(method, *args)
 
@@ -337,11 +323,8 @@ class Connection:
         budget = self._timeout.total_seconds() + self.CALL_SLACK
         if self.deadline is not None:
             budget = max(0.05, min(budget, self.deadline - time.monotonic()))
-        def job():
-            return getattr(self.store(), method)(*args)
-
         try:
-            return worker.run(job, budget)
+            return worker.run(lambda: getattr(self.store(), method)(*args), budget)
         except StoreCallTimeout:  # the client is kept (see above): a store that is gone is told by evidence
             raise
         except ConnectInProgress as err:
@@ -554,18 +537,14 @@ class Schema:
         first = max(1, step - MAX_NEW_RECORDS + 1)
         return [_wrap(last + k) for k in range(first, step + 1)]
 
-    # -- a rank that left cleanly ----------------------------------------------------------------------
+    # -- a rank that left cleanly: its silence and its end are not a failure ---------------------------
     def mark_left(self, rank: int) -> None:
-        """``rank`` stopped its watchdog cleanly: a peer that then finds its heartbeat still or its
-        process gone does not declare it (written before its liveness helper stops beating)."""
         self.conn.call("set", left_key(rank), b"1")
 
     def clear_left(self, rank: int) -> None:
-        """``rank`` watches again (a new watchdog in the same process): its silence counts again."""
         self.conn.call("delete_key", left_key(rank))
 
     def has_left(self, rank: int) -> bool:
-        """``rank`` stopped its watchdog cleanly (:meth:`mark_left`) and has not started one since."""
         return bool(self.conn.call("check", [left_key(rank)]))
 
     # -- the section of an out-of-step agreement ------------------------------------------------------
