@@ -200,23 +200,6 @@ def settings() -> Config:
     return _read[1] if _read is not None and _read[0] == _environment() else load()
 
 
-def check_timedelta(name: str, value: object, *, allow_none: bool = False, what: str | None = None) -> timedelta | None:
-    label = what or name
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, timedelta):
-        hint = " or None" if allow_none else ""
-        raise TypeError(f"{label} must be a datetime.timedelta{hint} (e.g. timedelta(seconds=5)), got {value!r}")
-    _check_range(name, value.total_seconds(), label, value)
-    return value
-
-
-def _check_range(name: str, seconds: float, what: str, value: object) -> None:
-    row = _BY_FIELD[name]
-    if not row.low <= seconds <= row.high:
-        raise ValueError(f"{what} must be between {row.low:.15g} and {row.high:.15g} seconds, got {value!r}")
-
-
 #: The forms ``hang_timeout`` accepts, as error messages name them.
 HANG_TIMEOUT_FORMS = ("None (off), a datetime.timedelta (e.g. timedelta(minutes=5)), a number of seconds (e.g. 300), "
                       "a 'DD:HH:MM:SS' string (e.g. '00:00:05:00'), a dict of timedelta arguments (e.g. "
@@ -258,16 +241,18 @@ TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds"
 def _check_duration(name: str, value: object, what: str, forms: str) -> timedelta | None:
     """``value`` as a ``timedelta`` in the range of setting ``name``: ``TypeError`` naming ``forms``
     for a value of no accepted form, ``ValueError`` for a duration out of range."""
-    if value is None or isinstance(value, timedelta):
-        return check_timedelta(name, value, allow_none=True, what=what)
+    if value is None:
+        return None
     bad = [key for key in value if key not in TIMEDELTA_KEYS] if isinstance(value, dict) else []
     if bad:
         raise TypeError(f"{what} must be {forms}; unknown key(s) {', '.join(repr(k) for k in bad)} (the keys are "
                         f"{', '.join(TIMEDELTA_KEYS)}: datetime.timedelta's arguments), got {value!r}")
-    duration = _as_timedelta(value)
+    duration = value if isinstance(value, timedelta) else _as_timedelta(value)
     if duration is None:
         raise TypeError(f"{what} must be {forms}, got {value!r}")
-    _check_range(name, duration.total_seconds(), what, value)
+    row = _BY_FIELD[name]
+    if not row.low <= duration.total_seconds() <= row.high:
+        raise ValueError(f"{what} must be between {row.low:.15g} and {row.high:.15g} seconds, got {value!r}")
     return duration
 
 

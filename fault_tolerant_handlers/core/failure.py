@@ -561,46 +561,23 @@ class FailureState:
         self._signal: PeerFailedError | None = None
         self._moves = 0
 
-    # -- queries --------------------------------------------------------------------------------------
-    @property
-    def cause(self) -> FailureRecord | None:
-        """The attempt's first failure (this rank's own, a peer's, its own signal); ``None``: none."""
-        return self._cause
-
-    @property
-    def moves(self) -> int:
-        """How often the cause was set or the main thread took a failure (the hang check waits for a beat after)."""
-        return self._moves
-
-    @property
-    def delivered(self) -> bool:
-        """A failure reached this rank's main thread: its own (published), a failed agreement, its own signal."""
-        return self._delivered
-
-    @property
-    def failing(self) -> bool:
-        """**Has this job failed?** A failure was delivered, or the watchdog knows a peer's."""
-        return self._delivered or self._incident.peer_error is not None
-
-    @property
-    def peer_error(self) -> PeerFailedError | None:
-        """A peer's failure the watchdog found in the current incident (no communication)."""
-        return self._incident.peer_error
-
-    @property
-    def local(self) -> bool:
-        """This rank failed itself in the current incident."""
-        return self._incident.local
-
-    @property
-    def signal(self) -> PeerFailedError | None:
-        """This rank's own SIGTERM/SIGINT, when it is the job's cause (a collective broken after it is no peer's)."""
-        return self._signal
-
-    @property
-    def incident(self) -> Incident:
-        """The current incident (read it; its fields are written here only)."""
-        return self._incident
+    # -- queries (attribute reads, no lock) ------------------------------------------------------------
+    #: The attempt's first failure (this rank's own, a peer's, its own signal); ``None``: none.
+    cause = property(lambda self: self._cause)
+    #: How often the cause was set or the main thread took a failure (the hang check waits for a beat after).
+    moves = property(lambda self: self._moves)
+    #: A failure reached this rank's main thread: its own (published), a failed agreement, its own signal.
+    delivered = property(lambda self: self._delivered)
+    #: **Has this job failed?** A failure was delivered, or the watchdog knows a peer's.
+    failing = property(lambda self: self._delivered or self._incident.peer_error is not None)
+    #: A peer's failure the watchdog found in the current incident (no communication).
+    peer_error = property(lambda self: self._incident.peer_error)
+    #: This rank failed itself in the current incident.
+    local = property(lambda self: self._incident.local)
+    #: This rank's own SIGTERM/SIGINT, when it is the job's cause (a collective broken after it is no peer's).
+    signal = property(lambda self: self._signal)
+    #: The current incident (read it; its fields are written here only).
+    incident = property(lambda self: self._incident)
 
     # -- transitions ----------------------------------------------------------------------------------
     def failed_here(self, record: FailureRecord, *, told: bool = True) -> None:

@@ -32,9 +32,9 @@ START_TIME = 19  # field 22: clock ticks after boot (bench/detection.py)
 EXIT_CODE = 49  # field 52: the wait status of an exited (zombie) process
 
 
-def stat_fields(pid: int, tid: int | None = None) -> list[str] | None:
-    """The fields after ``comm`` of ``/proc/<pid>[/task/<tid>]/stat``; ``None`` if it is gone."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields after ``comm`` of ``/proc/<pid>/stat``; ``None`` if it is gone."""
+    path = f"/proc/{pid}/stat"
     try:
         with open(path) as f:
             stat = f.read()

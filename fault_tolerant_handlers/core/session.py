@@ -80,7 +80,7 @@ class Session:
     Build it with :func:`get_session`.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         _compat_torch.check()
         self.config = config.load()
         self.group = group
@@ -90,9 +90,7 @@ class Session:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         #: The default process group's store (what releasing this process's collectives cuts).
         self.pg_store = _compat_torch.default_store()
-        timeout = (config.check_timedelta("sync_timeout", timeout, allow_none=True, what="timeout")
-                   or self.config.sync_timeout or self.pg_store.timeout)
-        self.timeout = timeout
+        timeout = self.config.sync_timeout or self.pg_store.timeout
         # Collective, once: every member reaches its first section in the same order.
         self.side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
                                    use_local_synchronization=group is not None)
@@ -690,8 +688,7 @@ def _check_not_spawned_by_recovery(caller: str) -> None:
             "the script calling recover_in_place(train)(...) around the Trainer")
 
 
-def get_session(group: dist.ProcessGroup | None = None, *, timeout: timedelta | None = None,
-                caller: str = "fail_together") -> Session | None:
+def get_session(group: dist.ProcessGroup | None = None, *, caller: str = "fail_together") -> Session | None:
     """The session of ``group`` (the world when ``None``), or ``None`` when there is nothing to
     coordinate (no process group and no multi-rank launcher, or a single rank).
 
@@ -737,7 +734,7 @@ def get_session(group: dist.ProcessGroup | None = None, *, timeout: timedelta | 
                     old = _registry.pop(stale)
                     if old._watchdog is not None:
                         old._watchdog.stop()
-                session = Session(group, timeout=timeout)
+                session = Session(group)
                 global _exit_hook_registered
                 if not _exit_hook_registered:  # once per process; registered after torch's own: runs before them
                     _exit_hook_registered = True

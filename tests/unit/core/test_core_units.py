@@ -237,15 +237,10 @@ def test_constructing_an_adapter_checks_the_environment(monkeypatch):
         FaultTolerance()
 
 
-@pytest.mark.parametrize("name, value, match", [
-    ("hang_timeout", timedelta.max, "between 1 and 604800 seconds"),
-    ("hang_timeout", timedelta(0), "between 1 and 604800 seconds"),
-    ("interval", timedelta(0), "between 0.01 and 10 seconds"),
-    ("exit_grace", timedelta(days=10**5), "between 0.1 and 3600 seconds"),
-])
-def test_timeout_arguments_have_bounds(name, value, match):
-    with pytest.raises(ValueError, match=match):
-        config.check_timedelta(name, value)
+@pytest.mark.parametrize("value", [timedelta.max, timedelta(0)])
+def test_timeout_arguments_have_bounds(value):
+    with pytest.raises(ValueError, match="between 1 and 604800 seconds"):
+        config.check_hang_timeout(value)
 
 
 # -- names and positions are checked when constructed ---------------------------------------------
