@@ -139,8 +139,6 @@ KNOWN_ENV = tuple(s.variable for s in SETTINGS)
  EXIT_GRACE_ENV, WRITE_GRACE_ENV, HEARTBEAT_TIMEOUT_ENV, UNACKED_ENV, STORE_LOST_ENV, SYNC_TIMEOUT_ENV, RELEASE_ENV, INJECT_ENV,
  CKPT_AGREE_TIMEOUT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV, SHARD_REPLICAS_ENV, RECOVER_JOIN_ENV, SPARE_WAIT_ENV,
  INTERRUPT_DEFER_ENV) = KNOWN_ENV
-#: The default of ``FTH_INTERRUPT_DEFER_SEC`` (:class:`~.interrupts.deferred_interrupt`).
-INTERRUPT_DEFER = _BY_FIELD["interrupt_defer"].default
 
 
 @dataclass(frozen=True)
@@ -284,8 +282,8 @@ def warn_once(message: str) -> None:
 
 # -- Fixed timings of the failure path ---------------------------------------------------------------
 # Every timeout and wait of the library that no variable sets, defined here once (the modules that
-# use one import it from here) and checked against each other and the settings above when a session
-# starts (:func:`check_timings`). Seconds unless a ``timedelta``; each ``#:`` comment is its line in
+# use one import it from here) and checked against the settings above when a session starts
+# (:func:`check_timings`; against each other by ``tests/unit/core/test_timings.py``). Seconds unless a ``timedelta``; each ``#:`` comment is its line in
 # docs/reference.md.
 
 #: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
@@ -426,56 +424,28 @@ WORKER_REAP = 2.0
 STORE_HOST_CONNECT_TIMEOUT = timedelta(seconds=30)
 
 
-def check_timings(cfg: "Config | None" = None) -> list[str]:
-    """The relations the timings above must keep, with each other and with the settings ``cfg``.
-
-    A broken relation between two fixed timings is a bug of the library: ``AssertionError``. One
-    that a setting breaks (a poll interval of seconds) is returned, and logged as a warning when a
-    session starts: the job runs, but that part of the failure path is slower than it says."""
+def check_timings(cfg: Config) -> list[str]:
+    """The relations the timings above must keep with the settings ``cfg`` (those between two fixed
+    timings are kept by ``tests/unit/core/test_timings.py``): what a setting breaks (a poll interval
+    of seconds) is logged as a warning when a session starts: the job runs, but that part of the
+    failure path is slower than it says."""
     seconds = lambda t: t.total_seconds() if isinstance(t, timedelta) else float(t)  # noqa: E731
-    fixed = [
-        (SAME_DELIVERY < CAUSE_LINGER, "SAME_DELIVERY < CAUSE_LINGER: a launcher's SIGTERM after a signalled "
-                                       "rank's exit is told apart from one delivery to every rank"),
-        (SAME_DELIVERY <= SIGNALLED_TOGETHER, "SAME_DELIVERY <= SIGNALLED_TOGETHER"),
-        (CAUSE_LINGER >= seconds(RELEASE_GRACE), "CAUSE_LINGER >= RELEASE_GRACE"),
-        (REPORT_WAIT + SIGTERM_CAUSE_WAIT + seconds(SIGNAL_STORE_TIMEOUT) <= REACTION_WAIT,
-         "REPORT_WAIT + SIGTERM_CAUSE_WAIT + SIGNAL_STORE_TIMEOUT <= REACTION_WAIT: the main thread's "
-         "handler waits for the whole reaction"),
-        (seconds(FAILURE_PATH_STORE_TIMEOUT) < EXPLAIN_WAIT, "FAILURE_PATH_STORE_TIMEOUT < EXPLAIN_WAIT"),
-        (SUSPECT_SILENCE > 2 * seconds(HEARTBEAT_EVERY), "SUSPECT_SILENCE > 2 x HEARTBEAT_EVERY: a live "
-                                                        "suspect beats at least twice in it"),
-        (SUSPECT_OBSERVED_GAP < SUSPECT_SILENCE, "SUSPECT_OBSERVED_GAP < SUSPECT_SILENCE: a silence is observed"),
-        (EXPLAIN_EVIDENCE_TIMEOUT < EXPLAIN_WAIT, "EXPLAIN_EVIDENCE_TIMEOUT < EXPLAIN_WAIT"),
-        (STORE_CHECK_EVERY < STORE_EVIDENCE_TIMEOUT + STORE_WARN_EVERY, "STORE_CHECK_EVERY < STORE_WARN_EVERY"),
-        (SUSPECT_SILENCE < EXPLAIN_WAIT, "SUSPECT_SILENCE < EXPLAIN_WAIT: a silent suspect is declared "
-                                         "before the explanation gives up"),
-        (seconds(HELPER_STORE_TIMEOUT) <= 2 * seconds(HEARTBEAT_EVERY), "HELPER_STORE_TIMEOUT <= 2 x "
-                                                                        "HEARTBEAT_EVERY"),
-        (ZOMBIE_HOLD < SIGTERM_CAUSE_WAIT + REPORT_WAIT, "ZOMBIE_HOLD < SIGTERM_CAUSE_WAIT + REPORT_WAIT"),
-        (INTERRUPT_RESEND < INTERRUPT_WAIT, "INTERRUPT_RESEND < INTERRUPT_WAIT: a swallowed interrupt is raised "
-                                            "again before the hung rank is given up"),
-        (seconds(INTERRUPT_DEFER) + INTERRUPT_WAIT < 60, "INTERRUPT_DEFER + INTERRUPT_WAIT < the default "
-                                                          "FTH_RECOVER_JOIN_SEC (60 s)"),
-    ]
-    broken = [what for ok, what in fixed if not ok]
-    assert not broken, f"the library's timings contradict each other: {'; '.join(broken)}"
     problems = []
-    if cfg is not None:
-        poll = seconds(cfg.interval)
-        if CAUSE_LINGER < seconds(RELEASE_GRACE) + 2 * poll:
-            problems.append(f"{INTERVAL_ENV}={poll:g}: a rank ended by its own SIGTERM/SIGINT lingers "
-                            f"{CAUSE_LINGER:g} s for its peers to read its record, less than the record grace and "
-                            f"two polls ({seconds(RELEASE_GRACE) + 2 * poll:g} s): its peers may name a process "
-                            "gone instead of the signal")
-        if seconds(cfg.heartbeat_timeout) < 2 * seconds(HEARTBEAT_EVERY):
-            problems.append(f"{HEARTBEAT_TIMEOUT_ENV}: below two heartbeats ({2 * seconds(HEARTBEAT_EVERY):g} s)")
-        defer, join = seconds(cfg.interrupt_defer), seconds(cfg.recover_join_timeout)
-        if defer + INTERRUPT_WAIT >= join:
-            problems.append(f"{INTERRUPT_DEFER_ENV}={defer:g}: recovering in place, a hung rank whose deferred section "
-                            f"holds its interrupt back that long reaches the recovery after its peers stopped "
-                            f"waiting for it ({RECOVER_JOIN_ENV}={join:g} s): the job ends instead of recovering")
-        if max(1.0, 5 * poll) > seconds(cfg.store_lost_after):
-            problems.append(f"{INTERVAL_ENV}={poll:g}: the watchdog's store calls may take {max(1.0, 5 * poll):g} s, "
-                            f"longer than {STORE_LOST_ENV} ({seconds(cfg.store_lost_after):g} s): a lost store is "
-                            "declared late")
+    poll = seconds(cfg.interval)
+    if CAUSE_LINGER < seconds(RELEASE_GRACE) + 2 * poll:
+        problems.append(f"{INTERVAL_ENV}={poll:g}: a rank ended by its own SIGTERM/SIGINT lingers "
+                        f"{CAUSE_LINGER:g} s for its peers to read its record, less than the record grace and "
+                        f"two polls ({seconds(RELEASE_GRACE) + 2 * poll:g} s): its peers may name a process "
+                        "gone instead of the signal")
+    if seconds(cfg.heartbeat_timeout) < 2 * seconds(HEARTBEAT_EVERY):
+        problems.append(f"{HEARTBEAT_TIMEOUT_ENV}: below two heartbeats ({2 * seconds(HEARTBEAT_EVERY):g} s)")
+    defer, join = seconds(cfg.interrupt_defer), seconds(cfg.recover_join_timeout)
+    if defer + INTERRUPT_WAIT >= join:
+        problems.append(f"{INTERRUPT_DEFER_ENV}={defer:g}: recovering in place, a hung rank whose deferred section "
+                        f"holds its interrupt back that long reaches the recovery after its peers stopped "
+                        f"waiting for it ({RECOVER_JOIN_ENV}={join:g} s): the job ends instead of recovering")
+    if max(1.0, 5 * poll) > seconds(cfg.store_lost_after):
+        problems.append(f"{INTERVAL_ENV}={poll:g}: the watchdog's store calls may take {max(1.0, 5 * poll):g} s, "
+                        f"longer than {STORE_LOST_ENV} ({seconds(cfg.store_lost_after):g} s): a lost store is "
+                        "declared late")
     return problems

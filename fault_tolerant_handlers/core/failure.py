@@ -222,16 +222,8 @@ class FailureRecord(Stored):
         return FailureKind.of(self.exc_type, self.origin)
 
     @classmethod
-    def from_exception(
-        cls,
-        exc: BaseException,
-        *,
-        rank: int,
-        section: str,
-        seq: int | None = None,
-        step: int | None = None,
-        epoch: int | None = None,
-    ) -> FailureRecord:
+    def from_exception(cls, exc: BaseException, *, rank: int, section: str, seq: int | None = None,
+                       step: int | None = None, epoch: int | None = None) -> FailureRecord:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         try:
             message = str(exc)
@@ -446,26 +438,11 @@ class PeerFailedError(RuntimeError):
             ``[{"rank": 3, "exc_type": "KeyError", "exc_message": "'x'"}, ...]``.
     """
 
-    def __init__(
-        self,
-        failed_rank: int | None = None,
-        exc_type: str = "",
-        exc_message: str = "",
-        remote_traceback: str = "",
-        where: str = "",
-        *,
-        section: str = "",
-        step: int | None = None,
-        epoch: int | None = None,
-        failed_at: float | None = None,
-        pid: int | None = None,
-        host: str = "",
-        origin: str = "failure",
-        others: Sequence[dict[str, Any]] = (),
-        kind: FailureKind | None = None,
-        ended: Ended | None = None,
-        record: FailureRecord | None = None,
-    ) -> None:
+    def __init__(self, failed_rank: int | None = None, exc_type: str = "", exc_message: str = "",
+                 remote_traceback: str = "", where: str = "", *, section: str = "", step: int | None = None,
+                 epoch: int | None = None, failed_at: float | None = None, pid: int | None = None, host: str = "",
+                 origin: str = "failure", others: Sequence[dict[str, Any]] = (), kind: FailureKind | None = None,
+                 ended: Ended | None = None, record: FailureRecord | None = None) -> None:
         if record is None:
             record = FailureRecord(failed_rank, exc_type, exc_message, remote_traceback, section,
                                    0 if failed_at is None else round(failed_at * 1000), origin, pid=pid or 0,

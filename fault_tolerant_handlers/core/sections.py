@@ -119,9 +119,8 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
 
     __slots__ = ("name", "group", "step", "epoch", "_session", "_reported")
 
-    def __init__(
-        self, name: str, group: dist.ProcessGroup | None = None, *, step: int | None = None, epoch: int | None = None
-    ) -> None:
+    def __init__(self, name: str, group: dist.ProcessGroup | None = None, *, step: int | None = None,
+                 epoch: int | None = None) -> None:
         self.name = check_name("fail_together", name)
         if group is not None and not isinstance(group, dist.ProcessGroup) and group != dist.GroupMember.NON_GROUP_MEMBER:
             raise TypeError(f"fail_together(group=...) must be a torch.distributed.ProcessGroup or None, got {group!r}")
@@ -154,9 +153,7 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
         if self._reported is None:
             self._reported = exc
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         session = self._session
         if session is None:
             return _raise(self._reported if exc is None else None, exc)
@@ -236,9 +233,7 @@ class one_rank_first:  # noqa: N801 - a drop-in for ``ignite.distributed.one_ran
                 raise err
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         session = self._session
         if session is None:
             return False
