@@ -1,41 +1,17 @@
-"""Every use of torch's private API, in one place, checked when a session starts.
+"""Every use of torch's private API, in one place, each list checked before its first use.
 
-Checked against torch 2.13.0 (the version the test suite runs). ``Store.clone`` exists from torch
-2.8 on, which is why the project requires ``torch>=2.8``; the private names below are looked up by
-:func:`check` when the first fail-together session starts, and a torch that lacks one fails there
-with an error naming it, never later and never silently.
+Checked against torch 2.13.0 (the version the test suite runs; ``Store.clone`` needs ``torch>=2.8``).
+Each list of private names below is looked up at once (:func:`check` when the first fail-together
+session starts, :func:`check_ddp` when a ``DDPBucketLayout`` is made, :func:`check_loader` when a
+``RestartableDataLoader`` is made): a torch that lacks one fails there with an error naming it,
+never later and never silently. Besides the lists, looked for where used:
 
-=====================================================  ==============================================
-``torch.distributed.distributed_c10d._get_default_store``  the store the default group was created with
-``torch.distributed.distributed_c10d._get_default_group``  the default process group (registry key)
-``torch.distributed.distributed_c10d._world.pg_map``        every process group of this process (release)
-``torch.distributed.distributed_c10d._abort_process_group`` abort an NCCL/XCCL group (release)
-``torch.distributed.Store.clone``                            a new connection to the same store (public, 2.8+)
-``torch.multiprocessing.spawn._wrap``, local ``error_file``  a rank started by ``mp.spawn`` and its error file
-``gloo``'s TCP event loops: an epoll set per device,     :func:`disarm_loops` (after a release)
-its registrations' ``data`` a handler pointer
-``__defaults__`` of ``torch.distributed``'s functions        :func:`forget_destroyed_groups` (after a
-(``torch.distributed.nn.functional``: ``group=group.WORLD``)  recovery's ``destroy_process_group``)
-=====================================================  ==============================================
-
-A DDP model's bucket layout (:func:`ddp_bucket_layout`, :func:`use_ddp_bucket_layout`), checked by
-:func:`check_ddp` when a :class:`~..data.ddp_buckets.DDPBucketLayout` is made, not when a session
-starts (a job that never uses it needs none of these):
-
-=====================================================  ==============================================
-``DistributedDataParallel._get_ddp_logging_data``      ``rebuilt_per_bucket_param_indices``: the layout
-                                                       the reducer rebuilt after its first iteration
-``DistributedDataParallel._ddp_init_helper``            builds the reducer (as ``__setstate__`` does)
-``DistributedDataParallel._build_params_for_reducer``  its parameters, in the reducer's order
-``DistributedDataParallel._build_debug_param_to_name_mapping``  its names (debug mode)
-``DistributedDataParallel._comm_hooks``, ``.static_graph``, ``.reducer``, ``.logger``  what is replayed
-``torch.distributed._compute_bucket_assignment_by_size``  the layout ``_ddp_init_helper`` asks for
-``torch.distributed._register_comm_hook``              a registered comm hook, onto the new reducer
-``Reducer._remove_autograd_hooks``, ``Reducer._set_static_graph``, ``Logger._set_static_graph``
-=====================================================  ==============================================
-
-``_wrap`` is only looked for on the main thread's stack (:func:`spawn_error_file`): without it a rank
-is reported as not spawned, and its report is printed as under any other launcher.
+* ``torch.multiprocessing.spawn._wrap`` and its local ``error_file``, on the main thread's stack
+  (:func:`spawn_error_file`): without it a rank is reported as not spawned;
+* gloo's TCP event loops (an epoll set per device, its registrations' ``data`` a handler pointer):
+  :func:`disarm_loops`, after a release;
+* the ``__defaults__`` of ``torch.distributed``'s functions (``torch.distributed.nn.functional``:
+  ``group=group.WORLD``): :func:`forget_destroyed_groups`, after a recovery's ``destroy_process_group``.
 """
 
 from __future__ import annotations
@@ -58,12 +34,12 @@ CHECKED_AGAINST = ("2.13.0",)
 DDP_CHECKED_AGAINST = ("2.13.0",)
 
 _REQUIRED = (
-    ("torch.distributed.distributed_c10d", "_get_default_store"),
-    ("torch.distributed.distributed_c10d", "_get_default_group"),
+    ("torch.distributed.distributed_c10d", "_get_default_store"),  # the store the default group was made with
+    ("torch.distributed.distributed_c10d", "_get_default_group"),  # the default process group (registry key)
     ("torch.distributed.distributed_c10d", "_world"),
-    ("torch.distributed.distributed_c10d._world", "pg_map"),
-    ("torch.distributed.distributed_c10d", "_abort_process_group"),
-    ("torch.distributed.Store", "clone"),
+    ("torch.distributed.distributed_c10d._world", "pg_map"),  # every process group of this process (release)
+    ("torch.distributed.distributed_c10d", "_abort_process_group"),  # abort an NCCL/XCCL group (release)
+    ("torch.distributed.Store", "clone"),  # a new connection to the same store (public, 2.8+)
 )
 
 _checked = False
@@ -204,18 +180,20 @@ def is_backend_error(exc: BaseException) -> bool:
 
 # -- a DDP model's bucket layout -------------------------------------------------------------------
 
+#: What a DDP model's bucket layout uses (:func:`ddp_bucket_layout`, :func:`use_ddp_bucket_layout`).
 _DDP_REQUIRED = (
+    # rebuilt_per_bucket_param_indices: the layout the reducer rebuilt after its first iteration
     ("torch.nn.parallel.DistributedDataParallel", "_get_ddp_logging_data"),
-    ("torch.nn.parallel.DistributedDataParallel", "_ddp_init_helper"),
-    ("torch.nn.parallel.DistributedDataParallel", "_build_params_for_reducer"),
-    ("torch.nn.parallel.DistributedDataParallel", "_build_debug_param_to_name_mapping"),
-    ("torch.distributed", "_compute_bucket_assignment_by_size"),
-    ("torch.distributed", "_register_comm_hook"),
+    ("torch.nn.parallel.DistributedDataParallel", "_ddp_init_helper"),  # builds the reducer (as __setstate__)
+    ("torch.nn.parallel.DistributedDataParallel", "_build_params_for_reducer"),  # in the reducer's order
+    ("torch.nn.parallel.DistributedDataParallel", "_build_debug_param_to_name_mapping"),  # names (debug mode)
+    ("torch.distributed", "_compute_bucket_assignment_by_size"),  # the layout _ddp_init_helper asks for
+    ("torch.distributed", "_register_comm_hook"),  # a registered comm hook, onto the new reducer
     ("torch.distributed.Reducer", "_remove_autograd_hooks"),
     ("torch.distributed.Reducer", "_set_static_graph"),
     ("torch.distributed.Logger", "_set_static_graph"),
 )
-_DDP_ATTRS = ("reducer", "logger", "static_graph", "_comm_hooks")
+_DDP_ATTRS = ("reducer", "logger", "static_graph", "_comm_hooks")  # what is replayed onto the new reducer
 _DDP_LOCK = threading.Lock()  # one patched _compute_bucket_assignment_by_size at a time
 
 

@@ -1,14 +1,8 @@
-"""Who the ranks are and whether their processes run.
-
-:class:`RankTable` is one group's ranks (pids, hosts, the addresses peers see them at), built once
-when a session starts: probes and reporters take it (a frozen value a test builds in a line), never
-the whole session. The rest is the one ``/proc/<pid>/stat`` parser of the project and the one probe
-the core runs itself: same-host peers by pid (:class:`PeerPidProbe`), consulted at once when a
-collective breaks. The other probes are the detectors' (:mod:`..detect.probes`).
-
-``/proc/<pid>/stat`` is ``pid (comm) state ppid pgrp session ...``; ``comm`` may contain spaces and
-parentheses, so the fields are split after the *last* ``)``. Field numbers below are those of
-``man 5 proc`` (1-based), as indices into :func:`stat_fields` (0-based, starting at field 3).
+"""Who the ranks are (:class:`RankTable`: built once when a session starts, what probes and reporters
+take instead of the session) and whether their processes run: the one ``/proc/<pid>/stat`` parser of
+the project (``comm`` may contain spaces and parentheses: the fields are split after the *last*
+``)``; the indices below are ``man 5 proc``'s field numbers minus 3) and the one probe the core runs
+itself, same-host peers by pid (:class:`PeerPidProbe`), consulted at once when a collective breaks.
 """
 
 from __future__ import annotations

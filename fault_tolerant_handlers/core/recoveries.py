@@ -6,14 +6,13 @@ kept in :func:`recovery_history`, told to :func:`on_recovery`'s subscribers and 
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Callable, ClassVar
 
 from . import hooks
-from .failure import WORLD, FailureKind, Stored, is_int
+from .failure import WORLD, FailureKind, Stored
 from .hooks import first_line
 
 
@@ -35,23 +34,15 @@ class RecoveryPhase(str, Enum):
 LIVE = "live"
 #: ``RecoveryInfo.source``: the next attempt resumes from the newest checkpoint.
 CHECKPOINT = "checkpoint"
-SOURCES = (LIVE, CHECKPOINT)
 
 _EVENT = {RecoveryPhase.FAILURE_SEEN: hooks.FAILURE_SEEN, RecoveryPhase.RECOVERY_STARTED: hooks.RECOVERY_STARTED,
           RecoveryPhase.RECOVERED: hooks.RECOVERED}
 
 
-def _check_int(owner: str, name: str, value: object, low: int, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not is_int(value) or value < low:
-        what = f"an int >= {low}" + (" or None" if optional else "")
-        raise (ValueError if is_int(value) else TypeError)(f"{owner}({name}=...) must be {what}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class RecoveryCause(Stored):
-    """What failed: one rank's view of a recovery's failure, or the one its ranks agreed on.
+    """What failed: one rank's view of a recovery's failure, or the one its ranks agreed on (read back
+    from the store within ``BOUNDS``).
 
     Attributes:
         rank: the rank that failed first, or ``None`` when no rank could say.
@@ -76,18 +67,6 @@ class RecoveryCause(Stored):
 
     BOUNDS: ClassVar[dict] = {"rank": (0, WORLD), "exc_type": 200, "message": 500, "step": (0, 2**53 - 1),
                               "where": 300, "not_in_place": 300}
-
-    def __post_init__(self) -> None:
-        _check_int("RecoveryCause", "rank", self.rank, 0, optional=True)
-        if not isinstance(self.kind, FailureKind):
-            raise TypeError(f"RecoveryCause(kind=...) must be a FailureKind (one of "
-                            f"{', '.join(k.name for k in FailureKind)}), got {self.kind!r}")
-        for name in ("exc_type", "message", "where", "not_in_place"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"RecoveryCause({name}=...) must be a str, got {getattr(self, name)!r}")
-        _check_int("RecoveryCause", "step", self.step, 0, optional=True)
-        if not isinstance(self.own, bool):
-            raise TypeError(f"RecoveryCause(own=...) must be True or False, got {self.own!r}")
 
     def describe(self) -> str:
         who = f"rank {self.rank}" if self.rank is not None else "a rank"
@@ -130,24 +109,6 @@ class RecoveryInfo:
     source: str | None = None
     step: int | None = None
     steps_computed_twice: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.phase, RecoveryPhase):
-            raise TypeError(f"RecoveryInfo(phase=...) must be a RecoveryPhase (one of "
-                            f"{', '.join(p.name for p in RecoveryPhase)}), got {self.phase!r}")
-        _check_int("RecoveryInfo", "attempt", self.attempt, 1)
-        _check_int("RecoveryInfo", "rank", self.rank, 0)
-        if not isinstance(self.cause, RecoveryCause):
-            raise TypeError(f"RecoveryInfo(cause=...) must be a RecoveryCause, got {self.cause!r}")
-        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)):
-            raise TypeError(f"RecoveryInfo(seconds=...) must be a number of seconds >= 0, got {self.seconds!r}")
-        if not math.isfinite(self.seconds) or self.seconds < 0:
-            raise ValueError(f"RecoveryInfo(seconds=...) must be a number of seconds >= 0, got {self.seconds!r}")
-        if self.source is not None and self.source not in SOURCES:
-            raise ValueError(f"RecoveryInfo(source=...) must be one of {', '.join(map(repr, SOURCES))} or None, "
-                             f"got {self.source!r}")
-        _check_int("RecoveryInfo", "step", self.step, 0, optional=True)
-        _check_int("RecoveryInfo", "steps_computed_twice", self.steps_computed_twice, 0, optional=True)
 
     @property
     def live(self) -> bool:
