@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, make_dataclass
 from datetime import timedelta
 
 from . import attempts, inject
@@ -141,36 +141,8 @@ KNOWN_ENV = tuple(s.variable for s in SETTINGS)
  INTERRUPT_DEFER_ENV) = KNOWN_ENV
 
 
-@dataclass(frozen=True)
-class Config:
-    """The checked settings of one process (environment overrides applied): one field per row of
-    :data:`SETTINGS`."""
-
-    interval: timedelta
-    hang_timeout: timedelta | str | None
-    start_timeout: timedelta
-    auto_hang_multiple: float
-    auto_hang_floor: float
-    auto_hang_warmup: int
-    exit_grace: timedelta
-    write_grace: timedelta
-    heartbeat_timeout: timedelta
-    unacked_after: timedelta
-    store_lost_after: timedelta
-    sync_timeout: timedelta | None
-    release: str
-    inject: str
-    ckpt_agree_timeout: timedelta
-    attempt_store: bool
-    snapshot: bool
-    live_state: bool
-    shard_replicas: int
-    recover_join_timeout: timedelta
-    spare_wait: timedelta
-    interrupt_defer: timedelta
-
-
-assert [f.name for f in fields(Config)] == [s.field for s in SETTINGS]
+#: The checked settings of one process (environment overrides applied): one field per row of :data:`SETTINGS`.
+Config = make_dataclass("Config", [(s.field, object) for s in SETTINGS], frozen=True, namespace={"__module__": __name__})
 _read: tuple[tuple[tuple[str, str], ...], Config] | None = None  #: (the FTH_* environment, its Config)
 
 

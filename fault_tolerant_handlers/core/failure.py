@@ -128,10 +128,6 @@ class Ended:
         return "both an exit code and a signal" if self.exit_code is not None and self.signal is not None else None
 
 
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 class Stored:
     """A frozen dataclass the store holds, read back within its fields' ``BOUNDS`` (:func:`decode`)."""
 
@@ -186,14 +182,6 @@ def sanitize(text: str) -> str:
     return "".join(out)
 
 
-def exception_type_name(exc: BaseException) -> str:
-    """``ValueError`` for builtins, ``package.module.Name`` otherwise."""
-    cls = type(exc)
-    if cls.__module__ == "builtins":
-        return cls.__qualname__
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def host_name() -> str:
     return cap_head(socket.gethostname(), MAX_NAME_CHARS)
 
@@ -225,13 +213,15 @@ class FailureRecord(Stored):
     def from_exception(cls, exc: BaseException, *, rank: int, section: str, seq: int | None = None,
                        step: int | None = None, epoch: int | None = None) -> FailureRecord:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        t = type(exc)  # ValueError for builtins, package.module.Name otherwise
+        name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
         try:
             message = str(exc)
         except Exception as err:  # noqa: BLE001 - a broken __str__ must not replace the failure
             message = f"<str() of the exception failed: {type(err).__name__}>"
         return cls(
             rank=rank,
-            exc_type=cap_head(exception_type_name(exc), MAX_NAME_CHARS),
+            exc_type=cap_head(name, MAX_NAME_CHARS),
             exc_message=cap_head(message, MAX_MESSAGE_CHARS),
             traceback=cap_tail(tb, MAX_TRACEBACK_CHARS),
             section=cap_head(section, MAX_NAME_CHARS),
@@ -375,7 +365,7 @@ def _field(name: str, hint: Any, bound: Any, value: Any, world: int) -> tuple[An
         nested, problem = _from_obj(kind, value, world)
         return (nested, None) if problem is None or optional else (None, f"field {name!r}: {problem}")
     if typing.get_origin(kind) is tuple:
-        if not isinstance(value, list) or len(value) > bound[2] or not all(is_int(v) for v in value):
+        if not isinstance(value, list) or len(value) > bound[2] or not all(type(v) is int for v in value):
             return None, f"field {name!r} must be a list of at most {bound[2]} ints"
         if not all(bound[0] <= v <= (world - 1 if bound[1] == WORLD else bound[1]) for v in value):
             return None, f"field {name!r} holds a value outside its bounds"
