@@ -50,10 +50,9 @@ def check() -> None:
     global _checked
     if _checked:
         return
-    from torch.distributed import distributed_c10d
-
-    owners = {"torch.distributed.distributed_c10d": distributed_c10d, "torch.distributed.Store": dist.Store,
-              "torch.distributed.distributed_c10d._world": getattr(distributed_c10d, "_world", None)}
+    c10d = dist.distributed_c10d
+    owners = {"torch.distributed.distributed_c10d": c10d, "torch.distributed.Store": dist.Store,
+              "torch.distributed.distributed_c10d._world": getattr(c10d, "_world", None)}
     missing = [f"{owner}.{name}" for owner, name in _REQUIRED if not hasattr(owners[owner], name)]
     if missing:
         raise RuntimeError(
@@ -107,27 +106,19 @@ def forget_destroyed_groups() -> int:
 
 
 def default_store() -> dist.Store:
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
+    return dist.distributed_c10d._get_default_store()
 
 
 def default_group() -> dist.ProcessGroup:
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_group()
+    return dist.distributed_c10d._get_default_group()
 
 
 def process_groups() -> list[dist.ProcessGroup]:
-    from torch.distributed import distributed_c10d
-
-    return list(distributed_c10d._world.pg_map.keys())
+    return list(dist.distributed_c10d._world.pg_map.keys())
 
 
 def abort_process_group(group: dist.ProcessGroup) -> None:
-    from torch.distributed import distributed_c10d
-
-    distributed_c10d._abort_process_group(group)
+    dist.distributed_c10d._abort_process_group(group)
 
 
 def spawn_error_file() -> str | None:

@@ -23,7 +23,7 @@ hook                   emitted by, when                                    argum
 ``RANK_KILLED``        the liveness helper: its rank was killed by a       ``record`` (its PeerLost)
                        signal it could not report (SIGKILL)
 ``RANK_ENDED``         the liveness helper: its rank ended                 ``pid, rank, host``
-``SESSION_CLOSED``     ``Session.close``, before its connections close     ``session``
+``SESSION_CLOSED``     ``Session.abandon``, before its connections close   ``session``
 ``FAILURE_SEEN``, ...  recovering in place (:mod:`.recoveries`)            ``info`` (a ``RecoveryInfo``)
 =====================  ==================================================  ==============================
 
@@ -80,39 +80,15 @@ def first_line(text: object, limit: int | None = 200) -> str:
     return (str(text).splitlines() or [""])[0][:limit]
 
 
-SESSION_STARTED = "session started"
-RANK_FAILED = "rank failed"
-PEER_FAILED = "peer failed"
-ACKNOWLEDGED = "failure acknowledged"
-JOB_FAILED = "job failed"
-EXITING = "exiting"
-RANK_KILLED = "rank killed"
-RANK_ENDED = "rank ended"
-SESSION_CLOSED = "session closed"
-FAILURE_SEEN = "failure seen"
-RECOVERY_STARTED = "recovery started"
-RECOVERED = "recovered"
-
-BEGIN = "begin"
-CAPTURE_LIVE = "capture live state"
-SETTLE_LIVE = "settle live state"
-TEAR_DOWN = "tear down"
-RESET_FRAMEWORKS = "reset frameworks"
-COLLECTED = "collected"
-RE_FORM = "re-form"
-END = "end"
-
-WORLD = "world"
-WATCHDOG = "watchdog"
-DEFER = "defer"
-INTERRUPT = "interrupt"
-LOSE = "lose"
-KEEPER_PID = "keeper pid"
-
-ANNOUNCEMENTS = (SESSION_STARTED, RANK_FAILED, PEER_FAILED, ACKNOWLEDGED, JOB_FAILED, EXITING, RANK_KILLED,
-                 RANK_ENDED, SESSION_CLOSED, FAILURE_SEEN, RECOVERY_STARTED, RECOVERED)
-STEPS = (BEGIN, CAPTURE_LIVE, SETTLE_LIVE, TEAR_DOWN, RESET_FRAMEWORKS, COLLECTED, RE_FORM, END)
-PROVIDERS = (WORLD, WATCHDOG, DEFER, INTERRUPT, LOSE, KEEPER_PID)
+ANNOUNCEMENTS = (SESSION_STARTED, RANK_FAILED, PEER_FAILED, ACKNOWLEDGED, JOB_FAILED, EXITING, RANK_KILLED, RANK_ENDED,
+                 SESSION_CLOSED, FAILURE_SEEN, RECOVERY_STARTED, RECOVERED) = (
+    "session started", "rank failed", "peer failed", "failure acknowledged", "job failed", "exiting", "rank killed",
+    "rank ended", "session closed", "failure seen", "recovery started", "recovered")
+#: A recovery's steps, in the order it reaches them.
+STEPS = (BEGIN, CAPTURE_LIVE, SETTLE_LIVE, TEAR_DOWN, RESET_FRAMEWORKS, COLLECTED, RE_FORM, END) = (
+    "begin", "capture live state", "settle live state", "tear down", "reset frameworks", "collected", "re-form", "end")
+PROVIDERS = (WORLD, WATCHDOG, DEFER, INTERRUPT, LOSE, KEEPER_PID) = (
+    "world", "watchdog", "defer", "interrupt", "lose", "keeper pid")
 HOOKS = ANNOUNCEMENTS + STEPS + PROVIDERS
 
 _hooks: dict[str, tuple[tuple[Callable[..., Any], bool], ...]] = {hook: () for hook in HOOKS}

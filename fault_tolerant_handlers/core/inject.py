@@ -181,13 +181,9 @@ def plain_injector() -> Injector | None:
 
 
 def step(iteration: int, epoch: int | None = None, *, dataloader: Any = None) -> None:
-    """In a loop of your own: iteration ``iteration`` begins. Fires the ``FTH_INJECT`` injection
-    meant for this rank at this iteration (and ``epoch``, if the injection names one), once; does
-    nothing when ``FTH_INJECT`` is not set (an environment read).
-
-    A ``fail_together`` section given ``step=`` does the same as it begins; call this where the loop
-    has one section per epoch (or none). ``dataloader`` (optional): the loader whose worker
-    ``worker-kill`` kills (by default, any child process of this rank).
+    """In a loop of your own: iteration ``iteration`` begins. Fires the ``FTH_INJECT`` injection meant
+    for this rank at this iteration (and ``epoch``), once; nothing when ``FTH_INJECT`` is not set.
+    ``dataloader``: the loader whose worker ``worker-kill`` kills (by default, any child process).
 
     Raises:
         TypeError: ``iteration`` is not an int >= 0 or ``epoch`` not an int >= 0 or None.
@@ -196,13 +192,10 @@ def step(iteration: int, epoch: int | None = None, *, dataloader: Any = None) ->
     Examples:
         .. code-block:: python
 
-            from fault_tolerant_handlers import inject
-
             for epoch in range(epochs):
-                with fail_together("train", epoch=epoch):
-                    for i, batch in enumerate(loader):
-                        inject.step(epoch * len(loader) + i + 1, epoch)  # FTH_INJECT=raise@rank=1,iteration=5
-                        train_step(batch)
+                for i, batch in enumerate(loader):
+                    inject.step(epoch * len(loader) + i + 1, epoch)  # FTH_INJECT=raise@rank=1,iteration=5
+                    train_step(batch)
     """
     for name, value in (("iteration", iteration), ("epoch", epoch)):
         if (value is not None or name == "iteration") and (isinstance(value, bool) or not isinstance(value, int)

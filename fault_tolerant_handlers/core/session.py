@@ -552,29 +552,10 @@ class Session:
         return self._watchdog
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        return self.side is None
-
-    def close(self) -> None:
-        """Stop everything this session started and forget it, so that :func:`get_session` makes a
-        new one. Collective: call it on every rank. The watchdog stops whatever its references; after
-        a barrier every rank deletes its keys of the run (rank 0 the shared ones too); the main
-        connection and the side group close. The signal handlers and exit hooks stay (once per process)."""
-        if self.side is None:
-            return
-        self.stop()
-        try:
-            dist.barrier(group=self.side)
-            self.schema.remove_run_keys(self.rank, self.ranks, shared=self.group_rank == 0)
-        except Exception as err:  # noqa: BLE001 - a peer is gone: its keys die with the store
-            log(logging.WARNING, "closing the session: %s", first_line(err))
-        self._close_connections()
-
     def stop(self, *, keep_liveness: bool = False) -> None:
-        """The part of :meth:`close` that needs no peer: leave the registry and stop the watchdog. With
-        ``keep_liveness`` (recovering with spares) the liveness helper keeps watching until
-        :meth:`abandon`, so that a rank found silent during the recovery is still declared."""
+        """Leave the registry and stop the watchdog. With ``keep_liveness`` (recovering with spares) the
+        liveness helper keeps watching until :meth:`abandon`, so that a rank found silent during the
+        recovery is still declared."""
         with _registry_lock:
             for key in [k for k, v in _registry.items() if v is self]:
                 del _registry[key]
@@ -591,9 +572,10 @@ class Session:
             kept.stop()
 
     def abandon(self, *, shared_keys: bool) -> None:
-        """Close a session whose group failed, without its peers (no collective): :meth:`stop`, then
-        delete this rank's keys of the run (with ``shared_keys`` also the shared ones: only once
-        no rank reads them, which the caller knows), close the connections and destroy the side group."""
+        """Stop everything this session started and forget it (no collective), so that :func:`get_session`
+        makes a new one: :meth:`stop`, delete this rank's keys of the run (with ``shared_keys`` the shared
+        ones too: only once no rank reads them, which the caller knows), close the connections and
+        destroy the side group. The signal handlers and exit hooks stay (once per process)."""
         if self.side is None:
             return
         self.stop()
