@@ -543,8 +543,6 @@ class FailureState:
     local = property(lambda self: self._incident.local)
     #: This rank's own SIGTERM/SIGINT, when it is the job's cause (a collective broken after it is no peer's).
     signal = property(lambda self: self._signal)
-    #: The current incident (read it; its fields are written here only).
-    incident = property(lambda self: self._incident)
 
     # -- transitions ----------------------------------------------------------------------------------
     def failed_here(self, record: FailureRecord, *, told: bool = True) -> None:

@@ -126,11 +126,6 @@ def raise_pending() -> None:
     raise err
 
 
-def pending() -> BaseException | None:
-    """The interrupt delivered and not yet taken, if any."""
-    return _pending
-
-
 def deferred_until() -> float | None:
     """While a deferred section holds the interrupt back: when its bound runs out (``time.monotonic()``)."""
     since = _deferred_at

@@ -280,7 +280,7 @@ def test_a_checkpoint_write_the_stack_shows_holds_it_back_until_the_next_signal(
 
 
 def test_outside_the_main_thread_and_outside_a_recovery_a_section_is_a_plain_block():
-    assert interrupts.pending() is None
+    assert interrupts._pending is None
     with deferred_interrupt():
         interrupts.raise_pending()  # nothing pending: nothing raised
     seen = []
