@@ -224,11 +224,10 @@ def ddp_bucket_sizes(ddp: Any) -> list[int]:
 
 
 def use_ddp_bucket_layout(ddp: Any, layout: list[list[int]]) -> None:
-    """Give ``ddp`` a new reducer whose buckets are ``layout`` (parameter indices per bucket, in the
-    reducer's order), built as ``DistributedDataParallel.__setstate__`` does with
-    ``_compute_bucket_assignment_by_size`` answering ``layout``; the static graph setting and the
-    comm hooks of ``register_comm_hook`` are carried over. ``RuntimeError`` for a builtin comm hook,
-    an optimizer applied in backward, or a reducer whose buckets come out otherwise."""
+    """Give ``ddp`` a new reducer whose buckets are ``layout`` (parameter indices per bucket), built as
+    ``DistributedDataParallel.__setstate__`` does, with the static graph setting and the comm hooks
+    carried over. ``RuntimeError`` for a builtin comm hook, an optimizer applied in backward, or a
+    reducer whose buckets come out otherwise."""
     check_ddp(ddp)
     params, expect_sparse = ddp._build_params_for_reducer()
     flat = sorted(i for bucket in layout for i in bucket)

@@ -613,10 +613,9 @@ TAG_ATTR = "_fth_failure"
 
 @dataclass(frozen=True)
 class Tag:
-    """What the library learned of one exception object: the ``record`` this rank published for it,
-    the ``incident`` an agreement delivered it in, that it came out of an agreement (``agreed``: an
-    enclosing section lets it through), that an adapter ``handled`` it or finished its framework's
-    exception path for it (``taken``), and what an adapter raised for it (``raised_as``)."""
+    """What the library learned of one exception object: the ``record`` this rank published for it, the
+    ``incident`` an agreement delivered it in, whether it came out of an agreement (an enclosing section
+    lets it through), an adapter ``handled`` it or ``taken`` its framework's exception path, ``raised_as``."""
 
     record: FailureRecord | None = None
     incident: Incident | None = None

@@ -239,12 +239,9 @@ def local_layout(host_ids: list[int], group_rank: int, whole_world: bool) -> tup
 
 @dataclass(frozen=True)
 class RankTable:
-    """The members of one group, as every rank learned them at setup (one ``all_gather``).
-
-    ``ranks`` are global ranks in group order; ``pids``, ``hosts`` (names), ``host_ids`` and
-    ``address_ids`` (hashes of the address peers see each at) are per member, in the same order.
-    ``rank`` is this process's global rank; ``local_rank``/``local_world_size`` its place on its host.
-    """
+    """The members of one group, as every rank learned them at setup: ``ranks`` (global, in group
+    order), then per member ``pids``, ``hosts`` (names), ``host_ids`` and ``address_ids`` (hashes of
+    the address peers see each at); ``rank``, ``local_rank``, ``local_world_size``: this process's."""
 
     rank: int
     ranks: tuple[int, ...]

@@ -192,10 +192,9 @@ def announce(info: RecoveryInfo) -> None:
 
 
 def carried_on(step: int, last_completed: int | None) -> RecoveryInfo | None:
-    """The first loop of the attempt after a recovery started at ``step``; this rank had completed
-    ``last_completed`` (``None``: unknown) before the failure. Fills the step carried on from (a
-    checkpoint's) and the steps computed twice into the last ``RECOVERED``; returns it, or ``None``
-    when no recovery is waiting for its loop (called by the adapters as the loop starts)."""
+    """The adapters, as the first loop after a recovery starts at ``step`` (this rank had completed
+    ``last_completed`` before the failure): the last ``RECOVERED`` with the step carried on from and
+    the steps computed twice filled in, or ``None`` when no recovery waits for its loop."""
     with _lock:
         for i in range(len(_history) - 1, -1, -1):
             info = _history[i]

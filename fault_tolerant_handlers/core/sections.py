@@ -31,11 +31,9 @@ def check_position(owner: str, arg: str, value: object) -> int | None:
 
 def conclude(session: Session, kind: str, name: str, exc: BaseException | None, reported: BaseException | None = None,
              *, step: int | None = None, epoch: int | None = None) -> BaseException | None:
-    """End a section on this rank: what it must raise (``exc`` itself, a peer's error, a mismatch),
-    or ``None`` when no rank failed. An exception out of an inner agreement passes through; a broken
-    collective a peer's failure explains becomes that peer's error (no agreement: the side group is
-    broken too); a :class:`PeerFailedError` an adapter learned joins the agreement as a peer's; this
-    rank's own failure is recorded, agreed, and re-raised."""
+    """End a section on this rank: what it must raise (``exc`` itself, a peer's error, a mismatch), or
+    ``None``. An exception out of an inner agreement passes through; a broken collective a peer's
+    failure explains becomes that peer's error without an agreement (the side group is broken too)."""
     if exc is not None and tag_of(exc).agreed:
         return exc
     failure = exc if exc is not None else reported
@@ -143,11 +141,8 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
         return self
 
     def report_error(self, exc: BaseException) -> None:
-        """Mark the section as failed with ``exc`` although the code inside caught it.
-
-        At the end of the section every rank raises: this rank raises ``exc``, the others
-        :class:`~fault_tolerant_handlers.PeerFailedError`.
-        """
+        """Mark the section as failed with ``exc`` although the code inside caught it: at its end this
+        rank raises ``exc``, the others :class:`~fault_tolerant_handlers.PeerFailedError`."""
         if not isinstance(exc, BaseException):
             raise TypeError(f"report_error(exc=...) takes an exception instance, got {exc!r}")
         if self._reported is None:

@@ -75,10 +75,7 @@ def unpack_agreement(a: int, b: int) -> tuple[int, bool]:
 
 
 class Session:
-    """Side group, store keys, agreement, classification and watchdog of one process group.
-
-    Build it with :func:`get_session`.
-    """
+    """Side group, store keys, agreement, classification and watchdog of one process group (:func:`get_session`)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         _compat_torch.check()
@@ -675,11 +672,9 @@ def get_session(group: dist.ProcessGroup | None = None, *, caller: str = "fail_t
     coordinate (no process group and no multi-rank launcher, or a single rank).
 
     Raises:
-        RuntimeError: the launcher says this is a multi-rank job but ``init_process_group`` has not
-            been called yet.
+        RuntimeError: a multi-rank job before ``init_process_group``.
         ValueError: this process is not a member of ``group``; an ``FTH_*`` variable is malformed.
-        RecoveryError: ``recover_in_place`` wraps the launcher that spawned this rank, not the rank's
-            function (it could not recover this rank in place).
+        RecoveryError: ``recover_in_place`` wraps the launcher that spawned this rank.
     """
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
