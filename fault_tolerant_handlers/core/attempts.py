@@ -26,7 +26,6 @@ def restart() -> int:
 
 
 def in_place() -> int:
-    """How many times this process recovered in place (0 until the first recovery)."""
     return _in_place
 
 
@@ -38,7 +37,6 @@ def set_in_place(count: int) -> None:
 
 
 def current() -> int:
-    """The job's attempt as this process sees it: torchrun's restarts plus the in-place recoveries."""
     return restart() + _in_place
 
 
@@ -76,7 +74,7 @@ def leave_recovery(previous: tuple[int | None, str | None]) -> None:
 
 
 def recovering() -> bool:
-    """``recover_in_place`` runs in this process (not merely in the process this one was forked from)."""
+    """``recover_in_place`` runs in this process (not merely in the one it was forked from)."""
     return _running_pid == os.getpid()
 
 

@@ -1,41 +1,17 @@
-"""Every use of torch's private API, in one place, checked when a session starts.
+"""Every use of torch's private API, in one place, each list checked before its first use.
 
-Checked against torch 2.13.0 (the version the test suite runs). ``Store.clone`` exists from torch
-2.8 on, which is why the project requires ``torch>=2.8``; the private names below are looked up by
-:func:`check` when the first fail-together session starts, and a torch that lacks one fails there
-with an error naming it, never later and never silently.
+Checked against torch 2.13.0 (the version the test suite runs; ``Store.clone`` needs ``torch>=2.8``).
+Each list of private names below is looked up at once (:func:`check` when the first fail-together
+session starts, :func:`check_ddp` when a ``DDPBucketLayout`` is made, :func:`check_loader` when a
+``RestartableDataLoader`` is made): a torch that lacks one fails there with an error naming it,
+never later and never silently. Besides the lists, looked for where used:
 
-=====================================================  ==============================================
-``torch.distributed.distributed_c10d._get_default_store``  the store the default group was created with
-``torch.distributed.distributed_c10d._get_default_group``  the default process group (registry key)
-``torch.distributed.distributed_c10d._world.pg_map``        every process group of this process (release)
-``torch.distributed.distributed_c10d._abort_process_group`` abort an NCCL/XCCL group (release)
-``torch.distributed.Store.clone``                            a new connection to the same store (public, 2.8+)
-``torch.multiprocessing.spawn._wrap``, local ``error_file``  a rank started by ``mp.spawn`` and its error file
-``gloo``'s TCP event loops: an epoll set per device,     :func:`disarm_loops` (after a release)
-its registrations' ``data`` a handler pointer
-``__defaults__`` of ``torch.distributed``'s functions        :func:`forget_destroyed_groups` (after a
-(``torch.distributed.nn.functional``: ``group=group.WORLD``)  recovery's ``destroy_process_group``)
-=====================================================  ==============================================
-
-A DDP model's bucket layout (:func:`ddp_bucket_layout`, :func:`use_ddp_bucket_layout`), checked by
-:func:`check_ddp` when a :class:`~..data.ddp_buckets.DDPBucketLayout` is made, not when a session
-starts (a job that never uses it needs none of these):
-
-=====================================================  ==============================================
-``DistributedDataParallel._get_ddp_logging_data``      ``rebuilt_per_bucket_param_indices``: the layout
-                                                       the reducer rebuilt after its first iteration
-``DistributedDataParallel._ddp_init_helper``            builds the reducer (as ``__setstate__`` does)
-``DistributedDataParallel._build_params_for_reducer``  its parameters, in the reducer's order
-``DistributedDataParallel._build_debug_param_to_name_mapping``  its names (debug mode)
-``DistributedDataParallel._comm_hooks``, ``.static_graph``, ``.reducer``, ``.logger``  what is replayed
-``torch.distributed._compute_bucket_assignment_by_size``  the layout ``_ddp_init_helper`` asks for
-``torch.distributed._register_comm_hook``              a registered comm hook, onto the new reducer
-``Reducer._remove_autograd_hooks``, ``Reducer._set_static_graph``, ``Logger._set_static_graph``
-=====================================================  ==============================================
-
-``_wrap`` is only looked for on the main thread's stack (:func:`spawn_error_file`): without it a rank
-is reported as not spawned, and its report is printed as under any other launcher.
+* ``torch.multiprocessing.spawn._wrap`` and its local ``error_file``, on the main thread's stack
+  (:func:`spawn_error_file`): without it a rank is reported as not spawned;
+* gloo's TCP event loops (an epoll set per device, its registrations' ``data`` a handler pointer):
+  :func:`disarm_loops`, after a release;
+* the ``__defaults__`` of ``torch.distributed``'s functions (``torch.distributed.nn.functional``:
+  ``group=group.WORLD``): :func:`forget_destroyed_groups`, after a recovery's ``destroy_process_group``.
 """
 
 from __future__ import annotations
@@ -51,31 +27,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .procfs import fd_targets
+
 CHECKED_AGAINST = ("2.13.0",)
 #: The DDP bucket-layout calls below were read in and checked against these torch versions.
 DDP_CHECKED_AGAINST = ("2.13.0",)
 
 _REQUIRED = (
-    ("torch.distributed.distributed_c10d", "_get_default_store"),
-    ("torch.distributed.distributed_c10d", "_get_default_group"),
+    ("torch.distributed.distributed_c10d", "_get_default_store"),  # the store the default group was made with
+    ("torch.distributed.distributed_c10d", "_get_default_group"),  # the default process group (registry key)
     ("torch.distributed.distributed_c10d", "_world"),
-    ("torch.distributed.distributed_c10d._world", "pg_map"),
-    ("torch.distributed.distributed_c10d", "_abort_process_group"),
-    ("torch.distributed.Store", "clone"),
+    ("torch.distributed.distributed_c10d._world", "pg_map"),  # every process group of this process (release)
+    ("torch.distributed.distributed_c10d", "_abort_process_group"),  # abort an NCCL/XCCL group (release)
+    ("torch.distributed.Store", "clone"),  # a new connection to the same store (public, 2.8+)
 )
 
 _checked = False
-
-
-def _resolve(path: str) -> Any:
-    from torch.distributed import distributed_c10d
-
-    objects = {
-        "torch.distributed.distributed_c10d": distributed_c10d,
-        "torch.distributed.distributed_c10d._world": getattr(distributed_c10d, "_world", None),
-        "torch.distributed.Store": dist.Store,
-    }
-    return objects[path]
 
 
 def check() -> None:
@@ -83,7 +50,10 @@ def check() -> None:
     global _checked
     if _checked:
         return
-    missing = [f"{owner}.{name}" for owner, name in _REQUIRED if not hasattr(_resolve(owner), name)]
+    c10d = dist.distributed_c10d
+    owners = {"torch.distributed.distributed_c10d": c10d, "torch.distributed.Store": dist.Store,
+              "torch.distributed.distributed_c10d._world": getattr(c10d, "_world", None)}
+    missing = [f"{owner}.{name}" for owner, name in _REQUIRED if not hasattr(owners[owner], name)]
     if missing:
         raise RuntimeError(
             f"fault-tolerant-handlers needs {', '.join(missing)}, which torch {torch.__version__} does not have "
@@ -99,11 +69,9 @@ LAZY_MODULES = ("torch._dynamo",)
 
 def import_lazy_modules() -> None:
     """Import :data:`LAZY_MODULES` now; one that fails to import is left out."""
-    import importlib
-
     for name in LAZY_MODULES:
         try:
-            importlib.import_module(name)
+            __import__(name)
         except Exception:  # noqa: BLE001 - an optimisation: the training imports it itself, or never
             pass
 
@@ -138,37 +106,25 @@ def forget_destroyed_groups() -> int:
 
 
 def default_store() -> dist.Store:
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
+    return dist.distributed_c10d._get_default_store()
 
 
 def default_group() -> dist.ProcessGroup:
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_group()
+    return dist.distributed_c10d._get_default_group()
 
 
 def process_groups() -> list[dist.ProcessGroup]:
-    from torch.distributed import distributed_c10d
-
-    return list(distributed_c10d._world.pg_map.keys())
+    return list(dist.distributed_c10d._world.pg_map.keys())
 
 
 def abort_process_group(group: dist.ProcessGroup) -> None:
-    from torch.distributed import distributed_c10d
-
-    distributed_c10d._abort_process_group(group)
+    dist.distributed_c10d._abort_process_group(group)
 
 
 def spawn_error_file() -> str | None:
     """``None`` unless the main thread runs inside ``torch.multiprocessing.spawn._wrap`` (``mp.spawn``
     and ``start_processes``); then the path of the error file that ``_wrap`` would write and the parent
     reads (a pickled ``str``), or ``""`` when that frame holds none."""
-    import os
-    import sys
-    import threading
-
     frame = sys._current_frames().get(threading.main_thread().ident)
     suffix = os.path.join("torch", "multiprocessing", "spawn.py")
     depth = 0
@@ -215,18 +171,20 @@ def is_backend_error(exc: BaseException) -> bool:
 
 # -- a DDP model's bucket layout -------------------------------------------------------------------
 
+#: What a DDP model's bucket layout uses (:func:`ddp_bucket_layout`, :func:`use_ddp_bucket_layout`).
 _DDP_REQUIRED = (
+    # rebuilt_per_bucket_param_indices: the layout the reducer rebuilt after its first iteration
     ("torch.nn.parallel.DistributedDataParallel", "_get_ddp_logging_data"),
-    ("torch.nn.parallel.DistributedDataParallel", "_ddp_init_helper"),
-    ("torch.nn.parallel.DistributedDataParallel", "_build_params_for_reducer"),
-    ("torch.nn.parallel.DistributedDataParallel", "_build_debug_param_to_name_mapping"),
-    ("torch.distributed", "_compute_bucket_assignment_by_size"),
-    ("torch.distributed", "_register_comm_hook"),
+    ("torch.nn.parallel.DistributedDataParallel", "_ddp_init_helper"),  # builds the reducer (as __setstate__)
+    ("torch.nn.parallel.DistributedDataParallel", "_build_params_for_reducer"),  # in the reducer's order
+    ("torch.nn.parallel.DistributedDataParallel", "_build_debug_param_to_name_mapping"),  # names (debug mode)
+    ("torch.distributed", "_compute_bucket_assignment_by_size"),  # the layout _ddp_init_helper asks for
+    ("torch.distributed", "_register_comm_hook"),  # a registered comm hook, onto the new reducer
     ("torch.distributed.Reducer", "_remove_autograd_hooks"),
     ("torch.distributed.Reducer", "_set_static_graph"),
     ("torch.distributed.Logger", "_set_static_graph"),
 )
-_DDP_ATTRS = ("reducer", "logger", "static_graph", "_comm_hooks")
+_DDP_ATTRS = ("reducer", "logger", "static_graph", "_comm_hooks")  # what is replayed onto the new reducer
 _DDP_LOCK = threading.Lock()  # one patched _compute_bucket_assignment_by_size at a time
 
 
@@ -266,11 +224,10 @@ def ddp_bucket_sizes(ddp: Any) -> list[int]:
 
 
 def use_ddp_bucket_layout(ddp: Any, layout: list[list[int]]) -> None:
-    """Give ``ddp`` a new reducer whose buckets are ``layout`` (parameter indices per bucket, in the
-    reducer's order), built as ``DistributedDataParallel.__setstate__`` does with
-    ``_compute_bucket_assignment_by_size`` answering ``layout``; the static graph setting and the
-    comm hooks of ``register_comm_hook`` are carried over. ``RuntimeError`` for a builtin comm hook,
-    an optimizer applied in backward, or a reducer whose buckets come out otherwise."""
+    """Give ``ddp`` a new reducer whose buckets are ``layout`` (parameter indices per bucket), built as
+    ``DistributedDataParallel.__setstate__`` does, with the static graph setting and the comm hooks
+    carried over. ``RuntimeError`` for a builtin comm hook, an optimizer applied in backward, or a
+    reducer whose buckets come out otherwise."""
     check_ddp(ddp)
     params, expect_sparse = ddp._build_params_for_reducer()
     flat = sorted(i for bucket in layout for i in bucket)
@@ -412,11 +369,11 @@ def _epoll_registrations() -> list[tuple[int, int, int, int]]:
     """(epoll fd, registered fd, registered file's inode, registration data) of this process's epoll
     sets, from ``/proc/self/fdinfo`` (``tfd: 7 events: 19 data: 7f3a... pos:0 ino:53d093 sdev:9``)."""
     entries = []
-    for name in os.listdir("/proc/self/fd"):
+    for fd, target in fd_targets().items():
+        if target != "anon_inode:[eventpoll]":
+            continue
         try:
-            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
-                continue
-            with open(f"/proc/self/fdinfo/{name}") as f:
+            with open(f"/proc/self/fdinfo/{fd}") as f:
                 lines = f.read().splitlines()
         except OSError:
             continue
@@ -426,7 +383,7 @@ def _epoll_registrations() -> list[tuple[int, int, int, int]]:
                 continue
             inode = [field[4:] for field in fields if field.startswith("ino:")]
             try:
-                entries.append((int(name), int(fields[1]), int(inode[0], 16), int(fields[fields.index("data:") + 1], 16)))
+                entries.append((fd, int(fields[1]), int(inode[0], 16), int(fields[fields.index("data:") + 1], 16)))
             except (IndexError, ValueError):
                 continue
     return entries

@@ -1,12 +1,10 @@
 """Every setting of the library in one table: its environment variable, default and accepted range
 (:data:`SETTINGS`), then every fixed timing of the failure path.
 
-Timeouts are ``datetime.timedelta`` values; each environment override is a number of seconds, in a
-documented range. Every ``FTH_*`` variable is read and checked at once when a fail-together session
-starts (and when an adapter is constructed), so a bad value stops the job at once with an error
-naming the variable and its accepted values, never later inside a watchdog thread; the modules that
-need a setting read it from :func:`settings` (read once per environment). ``docs/reference.md``
-lists both tables as they are here (``tests/unit/core/test_settings_table.py`` keeps them equal).
+Every ``FTH_*`` variable is read and checked when a fail-together session starts (and when an
+adapter is constructed), so that a bad value stops the job at once with an error naming it, never
+later inside a watchdog thread; ``docs/reference.md`` lists both tables as they are here
+(``tests/unit/core/test_settings_table.py`` keeps them equal).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, make_dataclass
 from datetime import timedelta
 
 from . import attempts, inject
@@ -141,40 +139,10 @@ KNOWN_ENV = tuple(s.variable for s in SETTINGS)
  EXIT_GRACE_ENV, WRITE_GRACE_ENV, HEARTBEAT_TIMEOUT_ENV, UNACKED_ENV, STORE_LOST_ENV, SYNC_TIMEOUT_ENV, RELEASE_ENV, INJECT_ENV,
  CKPT_AGREE_TIMEOUT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV, SHARD_REPLICAS_ENV, RECOVER_JOIN_ENV, SPARE_WAIT_ENV,
  INTERRUPT_DEFER_ENV) = KNOWN_ENV
-#: The default of ``FTH_INTERRUPT_DEFER_SEC`` (:class:`~.interrupts.deferred_interrupt`).
-INTERRUPT_DEFER = _BY_FIELD["interrupt_defer"].default
 
 
-@dataclass(frozen=True)
-class Config:
-    """The checked settings of one process (environment overrides applied): one field per row of
-    :data:`SETTINGS`."""
-
-    interval: timedelta
-    hang_timeout: timedelta | str | None
-    start_timeout: timedelta
-    auto_hang_multiple: float
-    auto_hang_floor: float
-    auto_hang_warmup: int
-    exit_grace: timedelta
-    write_grace: timedelta
-    heartbeat_timeout: timedelta
-    unacked_after: timedelta
-    store_lost_after: timedelta
-    sync_timeout: timedelta | None
-    release: str
-    inject: str
-    ckpt_agree_timeout: timedelta
-    attempt_store: bool
-    snapshot: bool
-    live_state: bool
-    shard_replicas: int
-    recover_join_timeout: timedelta
-    spare_wait: timedelta
-    interrupt_defer: timedelta
-
-
-assert [f.name for f in fields(Config)] == [s.field for s in SETTINGS]
+#: The checked settings of one process (environment overrides applied): one field per row of :data:`SETTINGS`.
+Config = make_dataclass("Config", [(s.field, object) for s in SETTINGS], frozen=True, namespace={"__module__": __name__})
 _read: tuple[tuple[tuple[str, str], ...], Config] | None = None  #: (the FTH_* environment, its Config)
 
 
@@ -202,24 +170,6 @@ def settings() -> Config:
     return _read[1] if _read is not None and _read[0] == _environment() else load()
 
 
-def check_timedelta(name: str, value: object, *, allow_none: bool = False, what: str | None = None) -> timedelta | None:
-    """``value`` as a timedelta in the accepted range of setting ``name``; a clear error otherwise."""
-    label = what or name
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, timedelta):
-        hint = " or None" if allow_none else ""
-        raise TypeError(f"{label} must be a datetime.timedelta{hint} (e.g. timedelta(seconds=5)), got {value!r}")
-    _check_range(name, value.total_seconds(), label, value)
-    return value
-
-
-def _check_range(name: str, seconds: float, what: str, value: object) -> None:
-    row = _BY_FIELD[name]
-    if not row.low <= seconds <= row.high:
-        raise ValueError(f"{what} must be between {row.low:.15g} and {row.high:.15g} seconds, got {value!r}")
-
-
 #: The forms ``hang_timeout`` accepts, as error messages name them.
 HANG_TIMEOUT_FORMS = ("None (off), a datetime.timedelta (e.g. timedelta(minutes=5)), a number of seconds (e.g. 300), "
                       "a 'DD:HH:MM:SS' string (e.g. '00:00:05:00'), a dict of timedelta arguments (e.g. "
@@ -233,8 +183,8 @@ _DHMS = re.compile(r"\s*(\d+):(\d+):(\d+):(\d+)\s*")
 
 
 def _as_timedelta(value: object) -> timedelta | None:
-    """A number of seconds, a ``"DD:HH:MM:SS"`` string or a dict of ``timedelta`` arguments (the
-    forms Lightning's ``Timer(duration=...)`` takes) as a ``timedelta``; ``None`` for anything else."""
+    """Seconds, ``"DD:HH:MM:SS"`` or a dict of ``timedelta`` arguments (the forms of Lightning's
+    ``Timer(duration=...)``) as a ``timedelta``; ``None`` for anything else."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return timedelta(seconds=value) if math.isfinite(value) and abs(value) < 1e12 else timedelta.max
     if isinstance(value, str):
@@ -259,47 +209,34 @@ TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds"
 
 
 def _check_duration(name: str, value: object, what: str, forms: str) -> timedelta | None:
-    """``value`` (``None``, a ``timedelta``, seconds, ``"DD:HH:MM:SS"``, a dict) as a ``timedelta``
-    in the range of setting ``name``: ``TypeError`` naming ``forms`` for any other value (and a dict's
-    unknown keys), ``ValueError`` for a duration out of range."""
-    if value is None or isinstance(value, timedelta):
-        return check_timedelta(name, value, allow_none=True, what=what)
+    """``value`` as a ``timedelta`` in the range of setting ``name``: ``TypeError`` naming ``forms``
+    for a value of no accepted form, ``ValueError`` for a duration out of range."""
+    if value is None:
+        return None
     bad = [key for key in value if key not in TIMEDELTA_KEYS] if isinstance(value, dict) else []
     if bad:
         raise TypeError(f"{what} must be {forms}; unknown key(s) {', '.join(repr(k) for k in bad)} (the keys are "
                         f"{', '.join(TIMEDELTA_KEYS)}: datetime.timedelta's arguments), got {value!r}")
-    duration = _as_timedelta(value)
+    duration = value if isinstance(value, timedelta) else _as_timedelta(value)
     if duration is None:
         raise TypeError(f"{what} must be {forms}, got {value!r}")
-    _check_range(name, duration.total_seconds(), what, value)
+    row = _BY_FIELD[name]
+    if not row.low <= duration.total_seconds() <= row.high:
+        raise ValueError(f"{what} must be between {row.low:.15g} and {row.high:.15g} seconds, got {value!r}")
     return duration
 
 
 def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelta | str | None:
-    """``hang_timeout`` as ``None`` (off), ``"auto"`` (learned) or a ``timedelta`` in range (1 s to
-    7 days). Accepted: ``None``, ``"auto"``, a ``timedelta``, a number of seconds, a
-    ``"DD:HH:MM:SS"`` string, a dict of ``timedelta`` arguments (``{"minutes": 5}``).
-
-    Raises:
-        TypeError: any other value (the message lists the accepted forms).
-        ValueError: a duration outside 1 s to 7 days.
-    """
+    """``hang_timeout`` as ``None`` (off), ``"auto"`` or a ``timedelta`` of 1 s to 7 days, from any of
+    :data:`HANG_TIMEOUT_FORMS` (``TypeError`` for another value, ``ValueError`` out of range)."""
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return AUTO
     return _check_duration("hang_timeout", value, what, HANG_TIMEOUT_FORMS)
 
 
 def check_join_timeout(value: object, *, what: str = "join_timeout") -> timedelta | None:
-    """``recover_in_place(join_timeout=...)`` as ``None`` (``FTH_RECOVER_JOIN_SEC``, else 60 s) or a
-    ``timedelta`` from 1 s to 1 day. Accepted: the forms of ``hang_timeout`` but ``"auto"``: ``None``,
-    a ``timedelta``, a number of seconds, a ``"DD:HH:MM:SS"`` string, a dict of ``timedelta``
-    arguments (``{"minutes": 2}``).
-
-    Raises:
-        TypeError: any other value (the message lists the accepted forms).
-        ValueError: ``"auto"`` (a learned deadline is for ``hang_timeout`` only); a duration outside
-            1 s to 1 day.
-    """
+    """``recover_in_place(join_timeout=...)`` as ``None`` or a ``timedelta`` of 1 s to 1 day, from any
+    of :data:`JOIN_TIMEOUT_FORMS` (``ValueError`` for ``"auto"``: a learned deadline is for hang_timeout only)."""
     if isinstance(value, str) and value.strip().lower() == AUTO:
         raise ValueError(f"{what} has no {AUTO!r} (a learned deadline is for hang_timeout only): it must be "
                          f"{JOIN_TIMEOUT_FORMS}, got {value!r}")
@@ -317,8 +254,8 @@ def warn_once(message: str) -> None:
 
 # -- Fixed timings of the failure path ---------------------------------------------------------------
 # Every timeout and wait of the library that no variable sets, defined here once (the modules that
-# use one import it from here) and checked against each other and the settings above when a session
-# starts (:func:`check_timings`). Seconds unless a ``timedelta``; each ``#:`` comment is its line in
+# use one import it from here) and checked against the settings above when a session starts
+# (:func:`check_timings`; against each other by ``tests/unit/core/test_timings.py``). Seconds unless a ``timedelta``; each ``#:`` comment is its line in
 # docs/reference.md.
 
 #: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
@@ -459,56 +396,28 @@ WORKER_REAP = 2.0
 STORE_HOST_CONNECT_TIMEOUT = timedelta(seconds=30)
 
 
-def check_timings(cfg: "Config | None" = None) -> list[str]:
-    """The relations the timings above must keep, with each other and with the settings ``cfg``.
-
-    A broken relation between two fixed timings is a bug of the library: ``AssertionError``. One
-    that a setting breaks (a poll interval of seconds) is returned, and logged as a warning when a
-    session starts: the job runs, but that part of the failure path is slower than it says."""
+def check_timings(cfg: Config) -> list[str]:
+    """The relations the timings above must keep with the settings ``cfg`` (those between two fixed
+    timings are kept by ``tests/unit/core/test_timings.py``): what a setting breaks (a poll interval
+    of seconds) is logged as a warning when a session starts: the job runs, but that part of the
+    failure path is slower than it says."""
     seconds = lambda t: t.total_seconds() if isinstance(t, timedelta) else float(t)  # noqa: E731
-    fixed = [
-        (SAME_DELIVERY < CAUSE_LINGER, "SAME_DELIVERY < CAUSE_LINGER: a launcher's SIGTERM after a signalled "
-                                       "rank's exit is told apart from one delivery to every rank"),
-        (SAME_DELIVERY <= SIGNALLED_TOGETHER, "SAME_DELIVERY <= SIGNALLED_TOGETHER"),
-        (CAUSE_LINGER >= seconds(RELEASE_GRACE), "CAUSE_LINGER >= RELEASE_GRACE"),
-        (REPORT_WAIT + SIGTERM_CAUSE_WAIT + seconds(SIGNAL_STORE_TIMEOUT) <= REACTION_WAIT,
-         "REPORT_WAIT + SIGTERM_CAUSE_WAIT + SIGNAL_STORE_TIMEOUT <= REACTION_WAIT: the main thread's "
-         "handler waits for the whole reaction"),
-        (seconds(FAILURE_PATH_STORE_TIMEOUT) < EXPLAIN_WAIT, "FAILURE_PATH_STORE_TIMEOUT < EXPLAIN_WAIT"),
-        (SUSPECT_SILENCE > 2 * seconds(HEARTBEAT_EVERY), "SUSPECT_SILENCE > 2 x HEARTBEAT_EVERY: a live "
-                                                        "suspect beats at least twice in it"),
-        (SUSPECT_OBSERVED_GAP < SUSPECT_SILENCE, "SUSPECT_OBSERVED_GAP < SUSPECT_SILENCE: a silence is observed"),
-        (EXPLAIN_EVIDENCE_TIMEOUT < EXPLAIN_WAIT, "EXPLAIN_EVIDENCE_TIMEOUT < EXPLAIN_WAIT"),
-        (STORE_CHECK_EVERY < STORE_EVIDENCE_TIMEOUT + STORE_WARN_EVERY, "STORE_CHECK_EVERY < STORE_WARN_EVERY"),
-        (SUSPECT_SILENCE < EXPLAIN_WAIT, "SUSPECT_SILENCE < EXPLAIN_WAIT: a silent suspect is declared "
-                                         "before the explanation gives up"),
-        (seconds(HELPER_STORE_TIMEOUT) <= 2 * seconds(HEARTBEAT_EVERY), "HELPER_STORE_TIMEOUT <= 2 x "
-                                                                        "HEARTBEAT_EVERY"),
-        (ZOMBIE_HOLD < SIGTERM_CAUSE_WAIT + REPORT_WAIT, "ZOMBIE_HOLD < SIGTERM_CAUSE_WAIT + REPORT_WAIT"),
-        (INTERRUPT_RESEND < INTERRUPT_WAIT, "INTERRUPT_RESEND < INTERRUPT_WAIT: a swallowed interrupt is raised "
-                                            "again before the hung rank is given up"),
-        (seconds(INTERRUPT_DEFER) + INTERRUPT_WAIT < 60, "INTERRUPT_DEFER + INTERRUPT_WAIT < the default "
-                                                          "FTH_RECOVER_JOIN_SEC (60 s)"),
-    ]
-    broken = [what for ok, what in fixed if not ok]
-    assert not broken, f"the library's timings contradict each other: {'; '.join(broken)}"
     problems = []
-    if cfg is not None:
-        poll = seconds(cfg.interval)
-        if CAUSE_LINGER < seconds(RELEASE_GRACE) + 2 * poll:
-            problems.append(f"{INTERVAL_ENV}={poll:g}: a rank ended by its own SIGTERM/SIGINT lingers "
-                            f"{CAUSE_LINGER:g} s for its peers to read its record, less than the record grace and "
-                            f"two polls ({seconds(RELEASE_GRACE) + 2 * poll:g} s): its peers may name a process "
-                            "gone instead of the signal")
-        if seconds(cfg.heartbeat_timeout) < 2 * seconds(HEARTBEAT_EVERY):
-            problems.append(f"{HEARTBEAT_TIMEOUT_ENV}: below two heartbeats ({2 * seconds(HEARTBEAT_EVERY):g} s)")
-        defer, join = seconds(cfg.interrupt_defer), seconds(cfg.recover_join_timeout)
-        if defer + INTERRUPT_WAIT >= join:
-            problems.append(f"{INTERRUPT_DEFER_ENV}={defer:g}: recovering in place, a hung rank whose deferred section "
-                            f"holds its interrupt back that long reaches the recovery after its peers stopped "
-                            f"waiting for it ({RECOVER_JOIN_ENV}={join:g} s): the job ends instead of recovering")
-        if max(1.0, 5 * poll) > seconds(cfg.store_lost_after):
-            problems.append(f"{INTERVAL_ENV}={poll:g}: the watchdog's store calls may take {max(1.0, 5 * poll):g} s, "
-                            f"longer than {STORE_LOST_ENV} ({seconds(cfg.store_lost_after):g} s): a lost store is "
-                            "declared late")
+    poll = seconds(cfg.interval)
+    if CAUSE_LINGER < seconds(RELEASE_GRACE) + 2 * poll:
+        problems.append(f"{INTERVAL_ENV}={poll:g}: a rank ended by its own SIGTERM/SIGINT lingers "
+                        f"{CAUSE_LINGER:g} s for its peers to read its record, less than the record grace and "
+                        f"two polls ({seconds(RELEASE_GRACE) + 2 * poll:g} s): its peers may name a process "
+                        "gone instead of the signal")
+    if seconds(cfg.heartbeat_timeout) < 2 * seconds(HEARTBEAT_EVERY):
+        problems.append(f"{HEARTBEAT_TIMEOUT_ENV}: below two heartbeats ({2 * seconds(HEARTBEAT_EVERY):g} s)")
+    defer, join = seconds(cfg.interrupt_defer), seconds(cfg.recover_join_timeout)
+    if defer + INTERRUPT_WAIT >= join:
+        problems.append(f"{INTERRUPT_DEFER_ENV}={defer:g}: recovering in place, a hung rank whose deferred section "
+                        f"holds its interrupt back that long reaches the recovery after its peers stopped "
+                        f"waiting for it ({RECOVER_JOIN_ENV}={join:g} s): the job ends instead of recovering")
+    if max(1.0, 5 * poll) > seconds(cfg.store_lost_after):
+        problems.append(f"{INTERVAL_ENV}={poll:g}: the watchdog's store calls may take {max(1.0, 5 * poll):g} s, "
+                        f"longer than {STORE_LOST_ENV} ({seconds(cfg.store_lost_after):g} s): a lost store is "
+                        "declared late")
     return problems

@@ -27,8 +27,7 @@ class SectionMismatchError(RuntimeError):
         return (SectionMismatchError, (str(self), self.sections))
 
 
-# Their public path (:mod:`fault_tolerant_handlers.errors`): what tracebacks, records and pickles name.
-SectionMismatchError.__module__ = "fault_tolerant_handlers.errors"
+SectionMismatchError.__module__ = "fault_tolerant_handlers.errors"  # its public path, as pickles name it
 
 
 class HangInterrupted(BaseException):
@@ -44,12 +43,9 @@ class HangInterrupted(BaseException):
 
 
 class StateTransferError(RuntimeError):
-    """A transfer of live state over the re-formed group (:func:`..recover.live_state.transfer`)
-    failed: a chunk that arrived with another CRC than the source's, a header that could not be
-    read, a received state without the agreed checksum, or a source that could not send. Raised on
-    every rank of the group together (one small ``all_gather`` after the last chunk), so that every
-    rank falls back to the newest checkpoint together. A receiver's state is then not to be trusted
-    (what arrived before the bad chunk, and a bad slice itself, was already written into it).
+    """A transfer of live state over the re-formed group failed (a bad chunk, header or checksum, or a
+    source that could not send): raised on every rank together, which all fall back to the newest
+    checkpoint (a receiver's state is not to be trusted: part of it was already written).
 
     Attributes:
         source: the group rank that sent.

@@ -1,24 +1,12 @@
 """The one failure value, from the moment a failure is recorded to the moment every rank raises.
 
-A failure is one :class:`FailureRecord`: its kind (:class:`FailureKind`), the rank, the exception's
-type, message and traceback, where (section, step, epoch), when, the process (pid, host) and how it
-ended (:class:`Ended`). ``origin`` says who wrote it: ``"failure"`` (the rank failed itself) or
-``"declared"`` (rank ``by`` declares rank ``rank`` lost, silent or hung; a hung or signalled rank
-declares itself). Kinds are data: code decides on :attr:`FailureRecord.kind` and ``ended``, never
-on message text. The detectors declare one, a failing rank publishes one, every other rank raises a
-:class:`PeerFailedError` that carries it (``err.record``).
-
-The store is unauthenticated and shared by every process of the job: a record is plain JSON written
-and read by the one codec (:func:`encode`, :func:`decode`), every field bounded and range-checked,
-text sanitised before it can reach a log; nothing read is ever unpickled or executed.
-
-The attempt's :class:`FailureState` (one per process group: :attr:`.session.Session.failure`)
-answers "has this job failed?" and is driven through named transitions (:meth:`~FailureState.failed_here`,
-:meth:`~FailureState.peer_failed`, :meth:`~FailureState.signalled`, :meth:`~FailureState.acknowledged`,
-:meth:`~FailureState.agreement_ended`). The first failure is its :attr:`~FailureState.cause`; the
-**incident** is what this process knows since the last agreement, which ends it, so that a failure
-user code caught never blinds the watchdog to the next one. The **tag** (:class:`Tag`,
-:func:`tag_of`, :func:`tag`) is what the library learned of one exception object.
+A failure is one :class:`FailureRecord`; code decides on its :attr:`~FailureRecord.kind` and
+``ended``, never on message text. The store is unauthenticated and shared by every process of the
+job: records are plain JSON written and read by the one codec (:func:`encode`, :func:`decode`),
+bounded, range-checked and sanitised; nothing read is ever unpickled or executed. The attempt's
+:class:`FailureState` answers "has this job failed?"; the **incident** is what this process knows
+since the last agreement, which ends it, so that a failure user code caught never blinds the
+watchdog to the next one. The :class:`Tag` is what the library learned of one exception object.
 """
 
 from __future__ import annotations
@@ -95,19 +83,9 @@ DECLARED_KINDS = (FailureKind.PEER_LOST, FailureKind.PEER_SILENT, FailureKind.RA
 
 @dataclass(frozen=True)
 class Ended:
-    """How a rank's process ended, as far as the rank that saw it could tell (``PeerLost``), or the
-    signal a rank received and reported (``RankSignalled``).
-
-    Attributes:
-        exit_code: it exited with this code (0 to 255), or ``None``.
-        signal: the number of the signal that killed it (or that it received), or ``None``.
-        keeper_gone: the process that would have replaced it in place (its keeper,
-            ``recover_in_place``) was gone too when it ended, as seen on its own host: nothing
-            replaces it there, whatever its keeper announced when it started.
-
-    Neither ``exit_code`` nor ``signal`` set: its process is gone and its exit status was not
-    visible from where it was seen.
-    """
+    """How a rank's process ended (``PeerLost``: ``exit_code`` or the ``signal`` that killed it;
+    neither: its exit status was not visible), or the signal a rank received (``RankSignalled``).
+    ``keeper_gone``: the process that would have replaced it in place was gone too."""
 
     exit_code: int | None = None
     signal: int | None = None
@@ -126,7 +104,6 @@ class Ended:
 
     @property
     def unseen(self) -> bool:
-        """Gone, with no exit status to see (a parent reaped it first)."""
         return self.exit_code is None and self.signal is None
 
     @property
@@ -137,8 +114,6 @@ class Ended:
         return _SIGNAL_NAMES.get(self.signal, f"signal {self.signal}")
 
     def describe(self) -> str:
-        """``killed by SIGKILL``, ``exited with code 1``, or ``process is gone (exit status not visible
-        from this process)``."""
         if self.signal is not None:
             how = f"killed by {self.signal_name}"
         elif self.exit_code is not None:
@@ -147,20 +122,14 @@ class Ended:
             how = "process is gone (exit status not visible from this process)"
         return f"{how}, and its keeper is gone too" if self.keeper_gone else how
 
-    #: The bounds of its fields read back from the store (:func:`decode`).
     BOUNDS: ClassVar[dict] = {"exit_code": (0, MAX_EXIT_CODE), "signal": (1, MAX_SIGNAL)}
 
     def problem(self, world: int) -> str | None:
         return "both an exit code and a signal" if self.exit_code is not None and self.signal is not None else None
 
 
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 class Stored:
-    """A frozen dataclass the store holds, written and read by the one codec (:func:`encode`,
-    :func:`decode`) within its fields' ``BOUNDS``."""
+    """A frozen dataclass the store holds, read back within its fields' ``BOUNDS`` (:func:`decode`)."""
 
     #: Larger than this (bytes), it is ignored unread.
     MAX_BYTES: ClassVar[int] = 8 * 1024
@@ -171,13 +140,10 @@ class Stored:
 
     @classmethod
     def from_json(cls, raw: Any, world_size: int, *, key: str | None = None) -> Any:
-        """Read back (``None``: malformed or out of range, see :func:`decode`), for a world of ``world_size``."""
         return decode(cls, raw, world=world_size, max_bytes=cls.MAX_BYTES, key=key)
 
 
 # -- the record and its codec ------------------------------------------------------------------------
-#: Record format version; a reader ignores records of another version.
-RECORD_VERSION = 2
 #: Caps on the text fields of a record (characters). The traceback keeps its *tail*: the frames
 #: nearest the raise are the ones that explain it.
 MAX_MESSAGE_CHARS = 2_000
@@ -216,14 +182,6 @@ def sanitize(text: str) -> str:
     return "".join(out)
 
 
-def exception_type_name(exc: BaseException) -> str:
-    """``ValueError`` for builtins, ``package.module.Name`` otherwise."""
-    cls = type(exc)
-    if cls.__module__ == "builtins":
-        return cls.__qualname__
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def host_name() -> str:
     return cap_head(socket.gethostname(), MAX_NAME_CHARS)
 
@@ -252,24 +210,18 @@ class FailureRecord(Stored):
         return FailureKind.of(self.exc_type, self.origin)
 
     @classmethod
-    def from_exception(
-        cls,
-        exc: BaseException,
-        *,
-        rank: int,
-        section: str,
-        seq: int | None = None,
-        step: int | None = None,
-        epoch: int | None = None,
-    ) -> FailureRecord:
+    def from_exception(cls, exc: BaseException, *, rank: int, section: str, seq: int | None = None,
+                       step: int | None = None, epoch: int | None = None) -> FailureRecord:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        t = type(exc)  # ValueError for builtins, package.module.Name otherwise
+        name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
         try:
             message = str(exc)
         except Exception as err:  # noqa: BLE001 - a broken __str__ must not replace the failure
             message = f"<str() of the exception failed: {type(err).__name__}>"
         return cls(
             rank=rank,
-            exc_type=cap_head(exception_type_name(exc), MAX_NAME_CHARS),
+            exc_type=cap_head(name, MAX_NAME_CHARS),
             exc_message=cap_head(message, MAX_MESSAGE_CHARS),
             traceback=cap_tail(tb, MAX_TRACEBACK_CHARS),
             section=cap_head(section, MAX_NAME_CHARS),
@@ -314,7 +266,7 @@ class FailureRecord(Stored):
         return cls.declared(rank=rank, kind=FailureKind.PEER_LOST, by=by, pid=pid, host=host, ended=ended,
                             message=f"rank {rank} (pid {pid} on {host}) lost: {how}")
 
-    VERSION: ClassVar[int] = RECORD_VERSION
+    VERSION: ClassVar[int] = 2  # a reader ignores records of another version
     MAX_BYTES: ClassVar[int] = MAX_RECORD_BYTES
     BOUNDS: ClassVar[dict] = {
         "rank": (0, WORLD), "exc_type": MAX_NAME_CHARS, "exc_message": MAX_MESSAGE_CHARS,
@@ -413,7 +365,7 @@ def _field(name: str, hint: Any, bound: Any, value: Any, world: int) -> tuple[An
         nested, problem = _from_obj(kind, value, world)
         return (nested, None) if problem is None or optional else (None, f"field {name!r}: {problem}")
     if typing.get_origin(kind) is tuple:
-        if not isinstance(value, list) or len(value) > bound[2] or not all(is_int(v) for v in value):
+        if not isinstance(value, list) or len(value) > bound[2] or not all(type(v) is int for v in value):
             return None, f"field {name!r} must be a list of at most {bound[2]} ints"
         if not all(bound[0] <= v <= (world - 1 if bound[1] == WORLD else bound[1]) for v in value):
             return None, f"field {name!r} holds a value outside its bounds"
@@ -476,26 +428,11 @@ class PeerFailedError(RuntimeError):
             ``[{"rank": 3, "exc_type": "KeyError", "exc_message": "'x'"}, ...]``.
     """
 
-    def __init__(
-        self,
-        failed_rank: int | None = None,
-        exc_type: str = "",
-        exc_message: str = "",
-        remote_traceback: str = "",
-        where: str = "",
-        *,
-        section: str = "",
-        step: int | None = None,
-        epoch: int | None = None,
-        failed_at: float | None = None,
-        pid: int | None = None,
-        host: str = "",
-        origin: str = "failure",
-        others: Sequence[dict[str, Any]] = (),
-        kind: FailureKind | None = None,
-        ended: Ended | None = None,
-        record: FailureRecord | None = None,
-    ) -> None:
+    def __init__(self, failed_rank: int | None = None, exc_type: str = "", exc_message: str = "",
+                 remote_traceback: str = "", where: str = "", *, section: str = "", step: int | None = None,
+                 epoch: int | None = None, failed_at: float | None = None, pid: int | None = None, host: str = "",
+                 origin: str = "failure", others: Sequence[dict[str, Any]] = (), kind: FailureKind | None = None,
+                 ended: Ended | None = None, record: FailureRecord | None = None) -> None:
         if record is None:
             record = FailureRecord(failed_rank, exc_type, exc_message, remote_traceback, section,
                                    0 if failed_at is None else round(failed_at * 1000), origin, pid=pid or 0,
@@ -591,46 +528,21 @@ class FailureState:
         self._signal: PeerFailedError | None = None
         self._moves = 0
 
-    # -- queries --------------------------------------------------------------------------------------
-    @property
-    def cause(self) -> FailureRecord | None:
-        """The attempt's first failure (this rank's own, a peer's, its own signal); ``None``: none."""
-        return self._cause
-
-    @property
-    def moves(self) -> int:
-        """How often the cause was set or the main thread took a failure (the hang check waits for a beat after)."""
-        return self._moves
-
-    @property
-    def delivered(self) -> bool:
-        """A failure reached this rank's main thread: its own (published), a failed agreement, its own signal."""
-        return self._delivered
-
-    @property
-    def failing(self) -> bool:
-        """**Has this job failed?** A failure was delivered, or the watchdog knows a peer's."""
-        return self._delivered or self._incident.peer_error is not None
-
-    @property
-    def peer_error(self) -> PeerFailedError | None:
-        """A peer's failure the watchdog found in the current incident (no communication)."""
-        return self._incident.peer_error
-
-    @property
-    def local(self) -> bool:
-        """This rank failed itself in the current incident."""
-        return self._incident.local
-
-    @property
-    def signal(self) -> PeerFailedError | None:
-        """This rank's own SIGTERM/SIGINT, when it is the job's cause (a collective broken after it is no peer's)."""
-        return self._signal
-
-    @property
-    def incident(self) -> Incident:
-        """The current incident (read it; its fields are written here only)."""
-        return self._incident
+    # -- queries (attribute reads, no lock) ------------------------------------------------------------
+    #: The attempt's first failure (this rank's own, a peer's, its own signal); ``None``: none.
+    cause = property(lambda self: self._cause)
+    #: How often the cause was set or the main thread took a failure (the hang check waits for a beat after).
+    moves = property(lambda self: self._moves)
+    #: A failure reached this rank's main thread: its own (published), a failed agreement, its own signal.
+    delivered = property(lambda self: self._delivered)
+    #: **Has this job failed?** A failure was delivered, or the watchdog knows a peer's.
+    failing = property(lambda self: self._delivered or self._incident.peer_error is not None)
+    #: A peer's failure the watchdog found in the current incident (no communication).
+    peer_error = property(lambda self: self._incident.peer_error)
+    #: This rank failed itself in the current incident.
+    local = property(lambda self: self._incident.local)
+    #: This rank's own SIGTERM/SIGINT, when it is the job's cause (a collective broken after it is no peer's).
+    signal = property(lambda self: self._signal)
 
     # -- transitions ----------------------------------------------------------------------------------
     def failed_here(self, record: FailureRecord, *, told: bool = True) -> None:
@@ -701,10 +613,9 @@ TAG_ATTR = "_fth_failure"
 
 @dataclass(frozen=True)
 class Tag:
-    """What the library learned of one exception object: the ``record`` this rank published for it,
-    the ``incident`` an agreement delivered it in, that it came out of an agreement (``agreed``: an
-    enclosing section lets it through), that an adapter ``handled`` it or finished its framework's
-    exception path for it (``taken``), and what an adapter raised for it (``raised_as``)."""
+    """What the library learned of one exception object: the ``record`` this rank published for it, the
+    ``incident`` an agreement delivered it in, whether it came out of an agreement (an enclosing section
+    lets it through), an adapter ``handled`` it or ``taken`` its framework's exception path, ``raised_as``."""
 
     record: FailureRecord | None = None
     incident: Incident | None = None

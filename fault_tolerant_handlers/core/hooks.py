@@ -1,12 +1,11 @@
 """One way to plug a layer into the core: hooks; and the log lines every layer writes (:func:`log`).
 
-The core never imports a launcher, a detector, an adapter, the data layer or the recovery. What it
-tells them, and what it asks of them, is a hook of this one table; every layer's part is listed in
-one place, where the package is assembled (``WIRING`` in ``fault_tolerant_handlers/wiring.py``),
-so that the order is seen where it is decided. A hook is one of three kinds:
+The core never imports a launcher, a detector, an adapter, the data layer or the recovery: what it
+tells them and asks of them is a hook of this one table, and every layer's part is listed where the
+package is assembled (``WIRING`` in ``fault_tolerant_handlers/wiring.py``). A hook is of three kinds:
 
-**Announcements** (:func:`emit`): every callback, in order, in the emitting thread; an exception
-one raises is logged, never passed to the emitter (a report must never mask the failure it reports).
+**Announcements** (:func:`emit`): every callback, in order, in the emitting thread; a callback's
+exception is logged, never passed to the emitter (a report must never mask the failure it reports).
 Subscriptions survive a fork: the liveness helper emits ``RANK_KILLED`` to the same callbacks.
 
 =====================  ==================================================  ==============================
@@ -24,26 +23,16 @@ hook                   emitted by, when                                    argum
 ``RANK_KILLED``        the liveness helper: its rank was killed by a       ``record`` (its PeerLost)
                        signal it could not report (SIGKILL)
 ``RANK_ENDED``         the liveness helper: its rank ended                 ``pid, rank, host``
-``SESSION_CLOSED``     ``Session.close``, before its connections close     ``session``
-``FAILURE_SEEN``,      recovering in place: the failure reached this       ``info`` (a
-``RECOVERY_STARTED``,  rank's recovery; the ranks agreed to recover; the   :class:`~.recoveries.RecoveryInfo`)
-``RECOVERED``          group is re-formed
+``SESSION_CLOSED``     ``Session.abandon``, before its connections close   ``session``
+``FAILURE_SEEN``, ...  recovering in place (:mod:`.recoveries`)            ``info`` (a ``RecoveryInfo``)
 =====================  ==================================================  ==============================
 
-**Recovery steps** (:func:`run`): a recovery in place (:mod:`..recover`) is a sequence of steps over
-one :class:`~.phases.RecoveryState`; each ``step(state)`` returns a new state or ``None``
-(unchanged), in order. A step's exception stops the recovery unless it was added with
-``tolerate=True`` (then it is logged and the next step runs). Only moments some layer acts at are
-hooks: ``BEGIN``, ``CAPTURE_LIVE``, ``SETTLE_LIVE``, ``TEAR_DOWN``, ``RESET_FRAMEWORKS``,
-``COLLECTED``, ``RE_FORM``, ``END`` (the table in :mod:`.phases`).
+**Recovery steps** (:func:`run`): each ``step(state)`` over one :class:`~.phases.RecoveryState`
+returns a new state or ``None``, in order; a step's exception stops the recovery unless it was
+added with ``tolerate=True``.
 
-**Providers** (:func:`provider`): what one layer answers for another, the last added answering:
-``WORLD`` (the launchers: the store, rank and world size a recovery's attempts share),
-``WATCHDOG`` (the detectors: what ``Session.start_watchdog`` starts), ``DEFER`` (the detectors: the
-interrupt of a hung main thread waits while ``predicate(frame)``; every one is asked), and the
-recovery's: ``INTERRUPT`` (interrupt the hung main thread; ``None``: no recovery runs), ``LOSE``
-(this process is lost for good: its keeper must not replace it) and ``KEEPER_PID`` (the pid of the
-process that would replace this one, or ``None``).
+**Providers** (:func:`provider`): what one layer answers for another, the last added answering
+(``DEFER``: every one is asked whether the interrupt of a hung main thread waits at ``frame``).
 """
 
 from __future__ import annotations
@@ -91,39 +80,15 @@ def first_line(text: object, limit: int | None = 200) -> str:
     return (str(text).splitlines() or [""])[0][:limit]
 
 
-SESSION_STARTED = "session started"
-RANK_FAILED = "rank failed"
-PEER_FAILED = "peer failed"
-ACKNOWLEDGED = "failure acknowledged"
-JOB_FAILED = "job failed"
-EXITING = "exiting"
-RANK_KILLED = "rank killed"
-RANK_ENDED = "rank ended"
-SESSION_CLOSED = "session closed"
-FAILURE_SEEN = "failure seen"
-RECOVERY_STARTED = "recovery started"
-RECOVERED = "recovered"
-
-BEGIN = "begin"
-CAPTURE_LIVE = "capture live state"
-SETTLE_LIVE = "settle live state"
-TEAR_DOWN = "tear down"
-RESET_FRAMEWORKS = "reset frameworks"
-COLLECTED = "collected"
-RE_FORM = "re-form"
-END = "end"
-
-WORLD = "world"
-WATCHDOG = "watchdog"
-DEFER = "defer"
-INTERRUPT = "interrupt"
-LOSE = "lose"
-KEEPER_PID = "keeper pid"
-
-ANNOUNCEMENTS = (SESSION_STARTED, RANK_FAILED, PEER_FAILED, ACKNOWLEDGED, JOB_FAILED, EXITING, RANK_KILLED,
-                 RANK_ENDED, SESSION_CLOSED, FAILURE_SEEN, RECOVERY_STARTED, RECOVERED)
-STEPS = (BEGIN, CAPTURE_LIVE, SETTLE_LIVE, TEAR_DOWN, RESET_FRAMEWORKS, COLLECTED, RE_FORM, END)
-PROVIDERS = (WORLD, WATCHDOG, DEFER, INTERRUPT, LOSE, KEEPER_PID)
+ANNOUNCEMENTS = (SESSION_STARTED, RANK_FAILED, PEER_FAILED, ACKNOWLEDGED, JOB_FAILED, EXITING, RANK_KILLED, RANK_ENDED,
+                 SESSION_CLOSED, FAILURE_SEEN, RECOVERY_STARTED, RECOVERED) = (
+    "session started", "rank failed", "peer failed", "failure acknowledged", "job failed", "exiting", "rank killed",
+    "rank ended", "session closed", "failure seen", "recovery started", "recovered")
+#: A recovery's steps, in the order it reaches them.
+STEPS = (BEGIN, CAPTURE_LIVE, SETTLE_LIVE, TEAR_DOWN, RESET_FRAMEWORKS, COLLECTED, RE_FORM, END) = (
+    "begin", "capture live state", "settle live state", "tear down", "reset frameworks", "collected", "re-form", "end")
+PROVIDERS = (WORLD, WATCHDOG, DEFER, INTERRUPT, LOSE, KEEPER_PID) = (
+    "world", "watchdog", "defer", "interrupt", "lose", "keeper pid")
 HOOKS = ANNOUNCEMENTS + STEPS + PROVIDERS
 
 _hooks: dict[str, tuple[tuple[Callable[..., Any], bool], ...]] = {hook: () for hook in HOOKS}

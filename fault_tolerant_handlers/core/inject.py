@@ -1,37 +1,15 @@
-"""Rehearse a failure in your own job, without editing it: the ``FTH_INJECT`` environment variable.
-
-Both adapters read it when they start and fire each injection once, at the start of the matching
-training iteration; in a loop of your own, a ``fail_together`` section given ``step=`` fires it as
-it begins, and so does :func:`step` (one call at the start of each iteration)::
+"""Rehearse a failure in your own job, without editing it: the ``FTH_INJECT`` environment variable
+(``docs/rehearsing.md``)::
 
     FTH_INJECT="raise@rank=1,iteration=5"              # rank 1 raises InjectedFault at iteration 5
-    FTH_INJECT="kill@rank=0,iteration=20"               # rank 0 SIGKILLs itself (an OOM kill)
-    FTH_INJECT="hang@rank=1,iteration=8"                # rank 1 sleeps forever (set hang_timeout)
-    FTH_INJECT="worker-kill@rank=1,iteration=3"         # SIGKILL one DataLoader worker of rank 1
-    FTH_INJECT="lose@rank=1,iteration=37"               # rank 1 SIGKILLs itself and is never replaced
-    FTH_INJECT="raise@rank=1,iteration=5,epoch=2; kill@rank=0,iteration=40"   # several, with ';'
+    FTH_INJECT="kill@rank=0,iteration=20,attempt=any"   # rank 0 SIGKILLs itself, in every attempt
+    FTH_INJECT="raise@rank=1,iteration=5,epoch=2; lose@rank=0,iteration=40"   # several, with ';'
 
-``lose`` is ``kill`` for a rank lost with no process to come back in (its host gone): recovering in
-place with a keeper (``recover_in_place(replace_dead=True)``), the keeper is told first not to replace
-it (it keeps torchrun's worker alive and idle until the job ends, which one host's torchrun needs: its
-agent ends the job when any worker dies); only a spare (``spares=k``) can take its place. Without a
-keeper it is ``kill``.
-
-``iteration`` is the global iteration counter (Ignite ``engine.state.iteration``, Lightning
-``trainer.global_step + 1``: the step the batch trains, 1-based), the number the failure reports then
-name (both adapters report a failure inside a training step with that step); ``epoch`` (optional)
-narrows it to one epoch, the framework's own as the reports name it (Ignite ``engine.state.epoch``,
-from 1; Lightning ``trainer.current_epoch``, from 0). In a loop of your own they are your own numbers,
-as the reports name them: the ``step`` and ``epoch`` given to ``fail_together(name, step=...,
-epoch=...)`` or to :func:`step`. A rank an injection targets that ends with it unfired, nothing having told it an
-iteration, says so at exit (a WARNING naming the lines that fire it).
-
-``attempt`` (optional) is the attempt the injection fires in: torchrun's ``TORCHELASTIC_RESTART_COUNT``
-plus the recoveries in place so far (:mod:`.attempts`; 0 for the first attempt, also without torchrun). **The default is
-``attempt=0``**: the environment is handed to every attempt, so an injection that fired in every
-attempt would fail each restart in the same place and spend ``--max-restarts`` without ever showing
-a recovery; firing in the first attempt only is what rehearsing a restart needs. ``attempt=any``
-fires in every attempt (a fault that is in the data, say); ``attempt=2`` only in the third.
+Both adapters fire each injection once, at the start of the matching training iteration; in a loop
+of your own, a ``fail_together`` section given ``step=`` fires it as it begins, and so does
+:func:`step`. ``lose`` is ``kill`` for a rank whose keeper must not replace it (only a spare can).
+``attempt`` (default 0: an injection that fired in every attempt would fail each restart in the
+same place) counts torchrun's restarts plus the recoveries in place (:mod:`.attempts`).
 """
 
 from __future__ import annotations
@@ -119,11 +97,6 @@ def parse(text: str) -> list[Injection]:
     return injections
 
 
-def current_attempt() -> int:
-    """This process's attempt (:func:`.attempts.current`)."""
-    return attempts.current()
-
-
 class Injector:
     """Fires the injections meant for this rank, each once."""
 
@@ -137,7 +110,7 @@ class Injector:
         if not text.strip():
             return None
         injections = parse(text)
-        current = current_attempt()
+        current = attempts.current()
         return cls([i for i in injections if i.attempt is None or i.attempt == current])
 
     def maybe_fire(self, rank: int, iteration: int, epoch: int | None = None, dataloader: Any = None) -> None:
@@ -196,7 +169,7 @@ def plain_injector() -> Injector | None:
     """This process's injector for loops of your own (``fail_together(step=...)`` and :func:`step`),
     one per attempt; an injection for this rank that nothing fired is named at exit."""
     global _plain
-    key = (os.environ.get(INJECT_ENV, ""), current_attempt())
+    key = (os.environ.get(INJECT_ENV, ""), attempts.current())
     if _plain is None or _plain[0] != key:
         injector = Injector.from_env() if key[0].strip() else None
         _plain = (key, injector)
@@ -208,13 +181,9 @@ def plain_injector() -> Injector | None:
 
 
 def step(iteration: int, epoch: int | None = None, *, dataloader: Any = None) -> None:
-    """In a loop of your own: iteration ``iteration`` begins. Fires the ``FTH_INJECT`` injection
-    meant for this rank at this iteration (and ``epoch``, if the injection names one), once; does
-    nothing when ``FTH_INJECT`` is not set (an environment read).
-
-    A ``fail_together`` section given ``step=`` does the same as it begins; call this where the loop
-    has one section per epoch (or none). ``dataloader`` (optional): the loader whose worker
-    ``worker-kill`` kills (by default, any child process of this rank).
+    """In a loop of your own: iteration ``iteration`` begins. Fires the ``FTH_INJECT`` injection meant
+    for this rank at this iteration (and ``epoch``), once; nothing when ``FTH_INJECT`` is not set.
+    ``dataloader``: the loader whose worker ``worker-kill`` kills (by default, any child process).
 
     Raises:
         TypeError: ``iteration`` is not an int >= 0 or ``epoch`` not an int >= 0 or None.
@@ -223,13 +192,10 @@ def step(iteration: int, epoch: int | None = None, *, dataloader: Any = None) ->
     Examples:
         .. code-block:: python
 
-            from fault_tolerant_handlers import inject
-
             for epoch in range(epochs):
-                with fail_together("train", epoch=epoch):
-                    for i, batch in enumerate(loader):
-                        inject.step(epoch * len(loader) + i + 1, epoch)  # FTH_INJECT=raise@rank=1,iteration=5
-                        train_step(batch)
+                for i, batch in enumerate(loader):
+                    inject.step(epoch * len(loader) + i + 1, epoch)  # FTH_INJECT=raise@rank=1,iteration=5
+                    train_step(batch)
     """
     for name, value in (("iteration", iteration), ("epoch", epoch)):
         if (value is not None or name == "iteration") and (isinstance(value, bool) or not isinstance(value, int)

@@ -1,22 +1,17 @@
 """Getting a main thread out of where it waits: the release of collectives blocked on a failed peer,
 and the interrupt of a hung main thread with the sections it waits outside.
 
-**Releasing collectives** (:func:`release_process_groups`, once the job is known to be failing:
-the groups are unusable after it). NCCL and XCCL groups are aborted. gloo has no in-process abort,
-so on Linux the release shuts down this process's established TCP connections other than the
-c10d store's (:func:`select_sockets`, a pure function of two ``/proc`` tables): the blocked gloo
-operation fails at once with "Connection closed", here and at the peer, and failure records can
-still be read. ``FTH_RELEASE=exit`` cuts nothing and leaves a blocked rank to the watchdog's exit.
+**Releasing collectives** (:func:`release_process_groups`, once the job is known to be failing: the
+groups are unusable after it): NCCL and XCCL groups are aborted; gloo has none, so on Linux this
+process's established TCP connections other than the store's are shut down (:func:`select_sockets`):
+the blocked gloo operation fails at once, here and at the peer, and records can still be read.
 
-**The interrupt** (recovering in place, a rank hung in Python): the watchdog hands
-:func:`interrupt` a :class:`~.errors.HangInterrupted` and signals the main thread, whose handler
-raises it. It is a ``BaseException`` and stays pending until the recovery takes it (:func:`take`):
-code that swallows it meets it again at the next adapter hook (:func:`raise_pending`), the end of a
-deferred section or the watchdog's next signal (:data:`~.config.INTERRUPT_RESEND`), never while
-the main thread is already handling it. Inside :class:`deferred_interrupt` (and a checkpoint write
-the stack shows, :mod:`..detect.writes`) it waits until the outermost section ends, at most
-``FTH_INTERRUPT_DEFER_SEC``. A main thread stuck in C runs no handler: the watchdog ends it after
-:data:`~.config.INTERRUPT_WAIT`. The signal handler takes no lock.
+**The interrupt** (recovering in place, a rank hung in Python): the watchdog hands :func:`interrupt`
+a ``HangInterrupted`` and signals the main thread, whose handler raises it. It stays pending until
+the recovery takes it (:func:`take`): code that swallows it meets it again at the next adapter hook
+(:func:`raise_pending`), the end of a deferred section or the watchdog's next signal. Inside a
+:class:`deferred_interrupt` (or a checkpoint write, :mod:`..detect.writes`) it waits until the
+outermost section ends, at most ``FTH_INTERRUPT_DEFER_SEC``. The signal handler takes no lock.
 """
 
 from __future__ import annotations
@@ -39,6 +34,7 @@ from . import compat_torch as _compat_torch
 from . import config, hooks
 from .config import EXIT_TEARDOWN_SEC
 from .hooks import log
+from .procfs import fd_targets
 
 _pending: BaseException | None = None  # delivered, not yet taken by the recovery
 #: The recovery took the interrupt (:func:`take`) and has not called the training function again
@@ -50,6 +46,8 @@ _bound = 30.0  # seconds: how long a section may hold the interrupt back (set by
 _signum: int | None = None  # the signal of the installed handler
 _takers: frozenset[CodeType] = frozenset()  # frames that take the interrupt: never raised in them
 _lock = threading.Lock()  # interrupt / resend / uninstall against each other (never in the handler)
+
+
 def _in_main_thread() -> bool:
     return threading.get_ident() == threading.main_thread().ident
 
@@ -118,9 +116,8 @@ SECTION = deferred_interrupt()
 
 
 def raise_pending() -> None:
-    """At a point where the library gets control in the main thread (an adapter's hook): raise the
-    pending interrupt again if user code swallowed it. Outside a deferred section only; never while
-    the main thread handles it already. One global read when nothing is pending."""
+    """At an adapter's hook in the main thread: raise the pending interrupt again if user code
+    swallowed it (outside a deferred section, and not while the main thread handles it already)."""
     err = _pending
     if err is None or _depth or not _in_main_thread() or _handling(err):
         return
@@ -129,20 +126,13 @@ def raise_pending() -> None:
     raise err
 
 
-def pending() -> BaseException | None:
-    """The interrupt delivered and not yet taken, if any."""
-    return _pending
-
-
 def deferred_until() -> float | None:
-    """While a deferred section holds the interrupt back: the ``time.monotonic()`` at which the
-    section's bound runs out (the watchdog waits that long, plus its usual wait); ``None`` otherwise."""
+    """While a deferred section holds the interrupt back: when its bound runs out (``time.monotonic()``)."""
     since = _deferred_at
     return None if since is None or _pending is None else since + _bound
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
-    """The signal's handler, in the main thread (takes no lock)."""
     global _deferred_at
     err = _pending
     if err is None:
@@ -167,8 +157,7 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 
 def install(signum: int, bound: timedelta, takers: tuple[CodeType, ...] = ()) -> object:
     """Install the interrupt's handler for ``signum`` (main thread only); frames running one of
-    ``takers`` (the recovery's) take the interrupt and never have it raised in them. Returns what
-    :func:`uninstall` restores."""
+    ``takers`` (the recovery's) never have it raised in them. Returns what :func:`uninstall` restores."""
     global _signum, _takers, _bound
     previous = signal.signal(signum, _on_signal)
     with _lock:
@@ -190,9 +179,8 @@ def uninstall(state: object) -> None:
 
 
 def interrupt(error: BaseException) -> bool:
-    """From the watchdog's thread: make ``error`` the pending interrupt (unless one is pending
-    already) and signal the main thread. False when no handler is installed, or when the main thread
-    is in the recovery already (:func:`take`, :func:`arm`)."""
+    """From the watchdog's thread: make ``error`` the pending interrupt (unless one is) and signal the
+    main thread. False without a handler, or when the main thread is in the recovery already."""
     global _pending
     with _lock:
         if _signum is None or _taken:
@@ -204,8 +192,7 @@ def interrupt(error: BaseException) -> bool:
 
 
 def resend() -> bool:
-    """The watchdog's next signal, while the interrupt is still pending: raised now unless the main
-    thread is in a deferred section (within its bound) or on its way out with it."""
+    """The watchdog's next signal, while the interrupt is still pending."""
     with _lock:
         if _signum is None or _pending is None:
             return False
@@ -214,8 +201,7 @@ def resend() -> bool:
 
 
 def take() -> BaseException | None:
-    """The recovery takes the interrupt, if any (returned): no later signal raises it and no
-    :func:`interrupt` is accepted until :func:`arm`."""
+    """The recovery takes the interrupt, if any: none is accepted until :func:`arm`."""
     global _pending, _deferred_at, _taken
     with _lock:  # against interrupt(): after this, none is accepted (never taken in the handler)
         err, _pending, _deferred_at, _taken = _pending, None, None, True
@@ -223,7 +209,6 @@ def take() -> BaseException | None:
 
 
 def taken() -> bool:
-    """Whether the recovery has taken an interrupt and not called the training function again."""
     return _taken
 
 
@@ -264,46 +249,33 @@ def store_ports(store: dist.Store | None) -> set[int]:
 
 
 def socket_fds() -> dict[int, int]:
-    """inode -> fd of this process's sockets (``/proc/self/fd``)."""
-    found = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            found[int(target[8:-1])] = int(fd)
-    return found
+    """inode -> fd of this process's sockets."""
+    return {int(target[8:-1]): fd for fd, target in fd_targets().items() if target.startswith("socket:[")}
 
 
 #: ``/proc/net/tcp`` states.
 ESTABLISHED, LISTEN = "01", "0A"
 
 
-def parse_tcp_table(text: str, state: str | None = ESTABLISHED) -> dict[int, tuple[int, int]]:
-    """inode -> (local port, remote port) of the rows in ``state`` (ESTABLISHED by default; every
-    row with ``None``) of a ``/proc/net/tcp`` table."""
+def parse_tcp_table(text: str) -> dict[int, tuple[int, int, str]]:
+    """inode -> (local port, remote port, state) of the rows of a ``/proc/net/tcp`` table."""
     table = {}
     for line in text.splitlines()[1:]:
         parts = line.split()
-        if len(parts) < 10 or state is not None and parts[3] != state:
-            continue
         try:
-            local_port = int(parts[1].rsplit(":", 1)[1], 16)
-            remote_port = int(parts[2].rsplit(":", 1)[1], 16)
-            table[int(parts[9])] = (local_port, remote_port)
+            table[int(parts[9])] = (int(parts[1].rsplit(":", 1)[1], 16), int(parts[2].rsplit(":", 1)[1], 16), parts[3])
         except (IndexError, ValueError):
             continue
     return table
 
 
-def tcp_sockets(state: str | None = ESTABLISHED) -> dict[int, tuple[int, int]]:
-    """inode -> (local port, remote port) of this network namespace's TCP sockets in ``state``."""
-    table: dict[int, tuple[int, int]] = {}
+def tcp_sockets() -> dict[int, tuple[int, int, str]]:
+    """inode -> (local port, remote port, state) of this network namespace's TCP sockets."""
+    table: dict[int, tuple[int, int, str]] = {}
     for path in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(path) as f:
-                table.update(parse_tcp_table(f.read(), state))
+                table.update(parse_tcp_table(f.read()))
         except OSError:
             continue
     return table
@@ -313,19 +285,18 @@ def listens_here(port: int) -> bool:
     """This process holds a socket listening on ``port`` (it hosts the store there)."""
     if not sys.platform.startswith("linux"):
         return False
-    listening = {inode for inode, (local, _) in tcp_sockets(LISTEN).items() if local == port}
-    return bool(listening & set(socket_fds()))
+    fds = socket_fds()
+    return any(local == port and state == LISTEN and inode in fds for inode, (local, _, state) in tcp_sockets().items())
 
 
 def store_peer_address(ports: set[int]) -> str | None:
-    """The address this process's connection to the store (a remote port in ``ports``) reaches:
-    the store's host as the network sees it, read from the connection itself (no name lookup).
-    ``None`` without such a connection (or off Linux)."""
+    """The address this process's connection to the store (a remote port in ``ports``) reaches (no
+    name lookup); ``None`` without one (or off Linux)."""
     if not sys.platform.startswith("linux"):
         return None
     fds = socket_fds()
-    for inode, (_, remote) in tcp_sockets().items():
-        if remote not in ports or inode not in fds:
+    for inode, (_, remote, state) in tcp_sockets().items():
+        if remote not in ports or state != ESTABLISHED or inode not in fds:
             continue
         try:
             dup = os.dup(fds[inode])
@@ -339,15 +310,10 @@ def store_peer_address(ports: set[int]) -> str | None:
     return None
 
 
-def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int]], keep_ports: set[int]) -> list[int]:
+def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int, str]], keep_ports: set[int]) -> list[int]:
     """The fds to shut down: this process's established TCP sockets not on a store port."""
-    chosen = []
-    for inode, fd in sorted(fds.items(), key=lambda item: item[1]):
-        ports = tcp.get(inode)
-        if ports is None or ports[0] in keep_ports or ports[1] in keep_ports:
-            continue
-        chosen.append(fd)
-    return chosen
+    return [fd for inode, fd in sorted(fds.items(), key=lambda item: item[1]) if inode in tcp
+            and tcp[inode][2] == ESTABLISHED and not keep_ports & {tcp[inode][0], tcp[inode][1]}]
 
 
 #: Inodes of the connections of released groups (:func:`cut_connections`), for :func:`quiet_released`.
@@ -355,8 +321,8 @@ _released: set[int] = set()
 
 
 def _shutdown(fds: list[int], inodes: dict[int, int]) -> int:
-    """``shutdown(SHUT_RDWR)`` each socket fd (through a dup), if it is still the socket it was chosen
-    as (``inodes``: fd -> inode): a socket closed meanwhile may have given its number to a new one."""
+    """``shutdown(SHUT_RDWR)`` each fd still the socket it was chosen as (``inodes``: fd -> inode): a
+    socket closed meanwhile may have given its number to a new one."""
     cut = 0
     for fd in fds:
         try:
@@ -399,11 +365,11 @@ def cut_connections(keep_ports: set[int]) -> int:
     """Shut down the sockets :func:`select_sockets` chooses; returns how many."""
     if not sys.platform.startswith("linux"):
         return 0
-    fds = _own_socket_fds()
+    fds, tcp = _own_socket_fds(), tcp_sockets()
     # every connection and listener of the released groups, cut here or already closing
-    _released.update(inode for inode, (local, remote) in tcp_sockets(None).items()
+    _released.update(inode for inode, (local, remote, _) in tcp.items()
                      if inode in fds and local not in keep_ports and remote not in keep_ports)
-    return _shutdown(select_sockets(fds, tcp_sockets(), keep_ports), {fd: inode for inode, fd in fds.items()})
+    return _shutdown(select_sockets(fds, tcp, keep_ports), {fd: inode for inode, fd in fds.items()})
 
 
 def cut_connections_to(ports: set[int]) -> int:
@@ -413,16 +379,14 @@ def cut_connections_to(ports: set[int]) -> int:
         return 0
     fds, tcp = _own_socket_fds(), tcp_sockets()
     others = set(select_sockets(fds, tcp, ports))
-    return _shutdown([fd for inode, fd in sorted(fds.items(), key=lambda i: i[1]) if inode in tcp and fd not in others],
+    return _shutdown([fd for inode, fd in sorted(fds.items(), key=lambda i: i[1])
+                      if inode in tcp and tcp[inode][2] == ESTABLISHED and fd not in others],
                      {fd: inode for inode, fd in fds.items()})
 
 
 def quiet_released() -> int:
-    """Stop the event loops of destroyed gloo groups from spinning on the sockets a release shut down;
-    returns how many of their registrations were quieted. Call only once the failed attempt's groups
-    are destroyed (:func:`.compat_torch.disarm_loops` says why and how). A loop is known by a
-    connection or listener of the released groups registered in it; each of its sockets is quieted,
-    those already reset by a killed peer (no longer in the TCP table) too."""
+    """Stop the event loops of destroyed gloo groups from spinning on the sockets a release shut down
+    (:func:`.compat_torch.disarm_loops`); call only once the failed attempt's groups are destroyed."""
     if not _released or not sys.platform.startswith("linux"):
         return 0
     return _compat_torch.disarm_loops(_released, {fd: inode for inode, fd in _own_socket_fds().items()})
@@ -454,8 +418,7 @@ def teardown_at_exit() -> None:
 
 
 def release_process_groups(store: dist.Store | None, mode: str | None = None) -> str:
-    """Make every pending and future collective of this process fail fast. Returns what was done.
-    ``mode``: ``FTH_RELEASE`` as read at start (read now when ``None``)."""
+    """Make every pending and future collective of this process fail fast; returns what was done."""
     if (mode or config.settings().release) == "exit":
         return "release disabled (FTH_RELEASE=exit)"
     teardown_at_exit()

@@ -1,28 +1,6 @@
-"""What a recovery in place's steps are told (:class:`RecoveryState`), and who does what at each
-of its hooks (:mod:`.hooks`: ``hooks.run(hook, state)``), so that the recovery imports no layer beside it.
-
-===================  ====================================================  ==============================================
-hook                 when                                                  registered steps (in order)
-===================  ====================================================  ==============================================
-``BEGIN``            ``recover_in_place`` starts in this process           launchers: keep the first rendezvous's store
-``CAPTURE_LIVE``     this rank's live state of the failed attempt          data: its capture (``state.live``), or why
-                                                                           there is none (``state.live_why``)
-``SETTLE_LIVE``      what the next attempt resumes from is settled         data: hold ``state.live`` (``None``: the
-                     (again after a transfer from another rank)            newest checkpoint)
-``TEAR_DOWN``        before the failed attempt's groups are destroyed      launchers: delete this rank's address keys
-``RESET_FRAMEWORKS`` the library's sessions and the groups are gone        adapters: Ignite's ``idist`` model back to a
-                                                                           fresh process's; ``Checkpoint.load_objects``
-                                                                           resolves the live state's name (tolerated)
-``COLLECTED``        the failed attempt's objects are collected            data: reap the DataLoader workers left
-``RE_FORM``          the next attempt's group is formed                    launchers: re-make the rendezvous over
-                                                                           ``state.store`` under the new namespace
-``END``              ``recover_in_place`` ends in this process              launchers: forget the first rendezvous; data:
-                                                                           forget the live state and snapshots
-===================  ====================================================  ==============================================
-
-A step is a callable ``step(state)`` that returns a new state (``dataclasses.replace(state, ...)``) or
-``None`` (the state is unchanged). The launchers also answer ``hooks.WORLD`` (the first rendezvous's
-store, rank and world size), a provider, not a step.
+"""What a recovery in place's steps are told (:class:`RecoveryState`): each ``step(state)`` of a hook
+(:mod:`.hooks`) returns a new state (``dataclasses.replace(state, ...)``) or ``None`` (unchanged); who
+does what at each hook is listed in ``WIRING`` (``fault_tolerant_handlers/wiring.py``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Who the ranks are and whether their processes run.
-
-:class:`RankTable` is one group's ranks (pids, hosts, the addresses peers see them at), built once
-when a session starts: probes and reporters take it (a frozen value a test builds in a line), never
-the whole session. The rest is the one ``/proc/<pid>/stat`` parser of the project and the one probe
-the core runs itself: same-host peers by pid (:class:`PeerPidProbe`), consulted at once when a
-collective breaks. The other probes are the detectors' (:mod:`..detect.probes`).
-
-``/proc/<pid>/stat`` is ``pid (comm) state ppid pgrp session ...``; ``comm`` may contain spaces and
-parentheses, so the fields are split after the *last* ``)``. Field numbers below are those of
-``man 5 proc`` (1-based), as indices into :func:`stat_fields` (0-based, starting at field 3).
+"""Who the ranks are (:class:`RankTable`: built once when a session starts, what probes and reporters
+take instead of the session) and whether their processes run: the one ``/proc/<pid>/stat`` parser of
+the project (``comm`` may contain spaces and parentheses: the fields are split after the *last*
+``)``; the indices below are ``man 5 proc``'s field numbers minus 3) and the one probe the core runs
+itself, same-host peers by pid (:class:`PeerPidProbe`), consulted at once when a collective breaks.
 """
 
 from __future__ import annotations
@@ -32,9 +26,9 @@ START_TIME = 19  # field 22: clock ticks after boot (bench/detection.py)
 EXIT_CODE = 49  # field 52: the wait status of an exited (zombie) process
 
 
-def stat_fields(pid: int, tid: int | None = None) -> list[str] | None:
-    """The fields after ``comm`` of ``/proc/<pid>[/task/<tid>]/stat``; ``None`` if it is gone."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields after ``comm`` of ``/proc/<pid>/stat``; ``None`` if it is gone."""
+    path = f"/proc/{pid}/stat"
     try:
         with open(path) as f:
             stat = f.read()
@@ -91,6 +85,17 @@ def ended(pid: int, within: float) -> Ended | None:
         if not exiting(stat_fields(pid)) or time.monotonic() >= deadline:
             return None
         time.sleep(0.001)
+
+
+def fd_targets() -> dict[int, str]:
+    """fd -> what ``/proc/self/fd`` links it to (``socket:[123]``, ``anon_inode:[eventpoll]``)."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+    return found
 
 
 #: Signals the library's own handler reports (:mod:`..launchers.signals`): a rank they end says so itself.
@@ -234,12 +239,9 @@ def local_layout(host_ids: list[int], group_rank: int, whole_world: bool) -> tup
 
 @dataclass(frozen=True)
 class RankTable:
-    """The members of one group, as every rank learned them at setup (one ``all_gather``).
-
-    ``ranks`` are global ranks in group order; ``pids``, ``hosts`` (names), ``host_ids`` and
-    ``address_ids`` (hashes of the address peers see each at) are per member, in the same order.
-    ``rank`` is this process's global rank; ``local_rank``/``local_world_size`` its place on its host.
-    """
+    """The members of one group, as every rank learned them at setup: ``ranks`` (global, in group
+    order), then per member ``pids``, ``hosts`` (names), ``host_ids`` and ``address_ids`` (hashes of
+    the address peers see each at); ``rank``, ``local_rank``, ``local_world_size``: this process's."""
 
     rank: int
     ranks: tuple[int, ...]

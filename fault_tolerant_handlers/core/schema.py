@@ -1,36 +1,9 @@
-"""The store schema: every key the library writes in the c10d store, defined once.
-
-All keys live under ``fth/<run id>/`` in the store the default process group was created with (the
-run id is a random number rank 0 draws from the operating system (``secrets``, never the user's
-seeded generators), gathered at setup, so a restarted job never reads an earlier attempt's keys):
-
-==================  =====================================================================
-``n``               failure-record counter (``add``); the watchdog polls it
-``r/<i>``           failure record number ``i`` (bounded JSON, :mod:`.failure`)
-``hb/<rank>``       heartbeat counter of ``rank`` (``add``), read by its ring neighbour
-``declared/<rank>`` counts declarations of ``rank`` as lost/silent/hung: only the first publishes
-``sec/<rank>``      what ``rank`` was in when an agreement found the ranks out of step
-``left/<rank>``     ``rank`` stopped its watchdog cleanly (its loops ended normally): its
-                    heartbeat stopping and its process ending next are not a failure
-``wit/<rank>``      where ``rank``'s liveness helper accepts its watchers' connections
-                    (``detect.witness.Address``)
-==================  =====================================================================
-
-A recovery in place agrees in the first attempt's store, under ``fth/recover/<torchrun restart>/``
-(no run id: a recovery outlives the sessions it abandons), with :func:`recovery_key`:
-
-===============================  ========================================================================
-``<g>/cause/<rank>``             ``rank``'s view of the failure of attempt ``g`` (``RecoveryCause``)
-``<g>/live/<rank>``              the live state ``rank`` holds for the next attempt (``LiveReport``)
-``<g>/arrived``, ``<g>/stop``    how many ranks reached the recovery, how many end the job (``add``)
-``<g>/decision``                 rank 0's ``Decision``
-``keeper/<rank>``                ``rank`` has a keeper (its process is replaced in place)
-``spares/seat/<rank>``           who holds training rank ``rank`` (``Seat``)
-``spares/order/<launched>``      what launched rank ``launched`` is told (``Order``)
-``spares/taken``                 how many spares were taken (``add``)
-``spares/<g>/claim/<rank>``      the first survivor to ``add`` here finds a spare for lost ``rank``
-``spares/<g>/answer/<rank>``     which spare replaces lost ``rank`` (``Answer``)
-===============================  ========================================================================
+"""The store schema: every key the library writes in the c10d store, defined (and described) once,
+below. A run's keys live under ``fth/<run id>/`` in the store the default process group was created
+with (the run id is a random number rank 0 draws from the operating system (``secrets``, never the
+user's seeded generators), gathered at setup, so a restarted job never reads an earlier attempt's
+keys); a recovery in place agrees in the first attempt's store under ``fth/recover/<torchrun
+restart>/`` (:func:`recovery_key`: no run id, a recovery outlives the sessions it abandons).
 
 Every value is a record of the one codec (:class:`~.failure.Stored`) or a counter. The store is
 unauthenticated: a counter that jumps backwards or too far is corruption (a warning naming the key,
@@ -61,7 +34,7 @@ from . import attempts, interrupts
 from .hooks import first_line, log
 from .failure import FailureRecord, sanitize
 
-KEY_COUNT = "n"
+KEY_COUNT = "n"  # the failure-record counter (``add``); the watchdog polls it
 #: The connect back-off's jitter: the library's own generator (never the user's ``random`` stream).
 _jitter = random.Random(int.from_bytes(os.urandom(8), "little"))
 #: At most this many records are taken from one move of the counter (newest kept).
@@ -72,9 +45,6 @@ MAX_COUNTER_STEP = 1 << 20
 MAX_OWN_RECORDS = 8
 _U64 = 1 << 64
 
-
-
-#: The root of the keys of the recoveries in place (see the module's second table).
 RECOVER_ROOT = "fth/recover"
 
 
@@ -84,57 +54,57 @@ def recovery_key(*parts: object) -> str:
 
 
 def agreement_key(gen: int, part: str, rank: int | None = None) -> str:
-    """A key of the agreement on in-place attempt ``gen``: ``cause``/``live`` (of ``rank``), ``arrived``,
-    ``stop``, ``decision``."""
+    """``<g>/cause/<rank>``: ``rank``'s view of attempt ``g``'s failure (``RecoveryCause``); ``<g>/live/<rank>``:
+    the live state it holds (``LiveReport``); ``<g>/arrived``, ``<g>/stop``: how many ranks reached the
+    recovery, how many end the job (``add``); ``<g>/decision``: rank 0's ``Decision``."""
     return recovery_key(gen, part) if rank is None else recovery_key(gen, part, rank)
 
 
-def keeper_key(rank: int) -> str:
-    """Set by a keeper's child when its first session starts: rank ``rank`` has a keeper."""
+def keeper_key(rank: int) -> str:  # ``rank`` has a keeper (its process is replaced in place)
     return recovery_key("keeper", rank)
 
 
-def seat_key(rank: int) -> str:
+def seat_key(rank: int) -> str:  # who holds training rank ``rank`` (``Seat``)
     return recovery_key("spares", "seat", rank)
 
 
-def order_key(launched_rank: int) -> str:
+def order_key(launched_rank: int) -> str:  # what launched rank ``launched_rank`` is told (``Order``)
     return recovery_key("spares", "order", launched_rank)
 
 
-def taken_key() -> str:
+def taken_key() -> str:  # how many spares were taken (``add``)
     return recovery_key("spares", "taken")
 
 
-def claim_key(gen: int, rank: int) -> str:
+def claim_key(gen: int, rank: int) -> str:  # the first survivor to ``add`` here finds a spare for lost ``rank``
     return recovery_key("spares", gen, "claim", rank)
 
 
-def answer_key(gen: int, rank: int) -> str:
+def answer_key(gen: int, rank: int) -> str:  # which spare replaces lost ``rank`` (``Answer``)
     return recovery_key("spares", gen, "answer", rank)
 
 
-def record_key(index: int) -> str:
+def record_key(index: int) -> str:  # failure record number ``index`` (bounded JSON, :mod:`.failure`)
     return f"r/{index}"
 
 
-def heartbeat_key(rank: int) -> str:
+def heartbeat_key(rank: int) -> str:  # heartbeat counter of ``rank`` (``add``), read by its ring neighbour
     return f"hb/{rank}"
 
 
-def declared_key(rank: int) -> str:
+def declared_key(rank: int) -> str:  # counts declarations of ``rank`` lost/silent/hung: only the first publishes
     return f"declared/{rank}"
 
 
-def section_key(rank: int) -> str:
+def section_key(rank: int) -> str:  # what ``rank`` was in when an agreement found the ranks out of step
     return f"sec/{rank}"
 
 
-def left_key(rank: int) -> str:
+def left_key(rank: int) -> str:  # ``rank`` stopped its watchdog cleanly: its silence and its end are no failure
     return f"left/{rank}"
 
 
-def witness_key(rank: int) -> str:
+def witness_key(rank: int) -> str:  # where ``rank``'s liveness helper accepts its watchers (``detect.witness``)
     return f"wit/{rank}"
 
 
@@ -206,9 +176,8 @@ def store_evidence(host: str, port: int, timeout: float) -> str | None:
 
 
 def probe_store_port(host: str, port: int, timeout: timedelta) -> None:
-    """One plain TCP connect to the store's port, closed at once, before a c10d client is made: a
-    refused port fails at once, where c10d's client would retry it for two timeouts in a thread
-    that can neither be cut short nor left running at interpreter exit."""
+    """One plain TCP connect before a c10d client is made: a refused port fails at once, where c10d's
+    client would retry it for two timeouts in a thread that cannot be cut short."""
     try:
         socket.create_connection((host, port), timeout=timeout.total_seconds()).close()
     except OSError as err:
@@ -259,9 +228,8 @@ class Connection:
         self._connecting = False
 
     def store(self) -> dist.Store:
-        """The connected client, connecting first if there is none: outside the lock, one connect per
-        connection at a time (a call meanwhile fails at once; the exit waits for a connect under way,
-        :func:`unblock_stuck_calls`)."""
+        """The connected client, connecting first (outside the lock, one connect at a time: a call
+        meanwhile fails at once; the exit waits for a connect under way)."""
         with self._lock:
             if self._store is not None:
                 return self._store
@@ -296,12 +264,6 @@ class Connection:
                 self._store = store
             return store
 
-    def forked(self) -> None:
-        """In a process forked with this connection: the connected client came along (its socket is
-        this process's too), its worker thread did not (a fork copies only the calling thread)."""
-        self._lock = threading.Lock()
-        self._worker = None
-
     def reconnect(self) -> None:
         with self._lock:
             self._store = None
@@ -316,9 +278,8 @@ class Connection:
             worker.stop()
 
     def call(self, method: str, *args):
-        """``store.<method>(*args)``, bounded; a failure drops this connection (the next call makes
-        a new one) and is raised. In the main thread, a deferred section (:mod:`.interrupts`): the
-        interrupt of a hung main thread waits for it (the call is bounded by its budget)."""
+        """``store.<method>(*args)``, bounded, in a deferred section (:mod:`.interrupts`); a failure
+        drops this connection (the next call makes a new one) and is raised."""
         with interrupts.SECTION:
             return self._call(method, *args)
 
@@ -337,11 +298,8 @@ class Connection:
         budget = self._timeout.total_seconds() + self.CALL_SLACK
         if self.deadline is not None:
             budget = max(0.05, min(budget, self.deadline - time.monotonic()))
-        def job():
-            return getattr(self.store(), method)(*args)
-
         try:
-            return worker.run(job, budget)
+            return worker.run(lambda: getattr(self.store(), method)(*args), budget)
         except StoreCallTimeout:  # the client is kept (see above): a store that is gone is told by evidence
             raise
         except ConnectInProgress as err:
@@ -554,18 +512,14 @@ class Schema:
         first = max(1, step - MAX_NEW_RECORDS + 1)
         return [_wrap(last + k) for k in range(first, step + 1)]
 
-    # -- a rank that left cleanly ----------------------------------------------------------------------
+    # -- a rank that left cleanly: its silence and its end are not a failure ---------------------------
     def mark_left(self, rank: int) -> None:
-        """``rank`` stopped its watchdog cleanly: a peer that then finds its heartbeat still or its
-        process gone does not declare it (written before its liveness helper stops beating)."""
         self.conn.call("set", left_key(rank), b"1")
 
     def clear_left(self, rank: int) -> None:
-        """``rank`` watches again (a new watchdog in the same process): its silence counts again."""
         self.conn.call("delete_key", left_key(rank))
 
     def has_left(self, rank: int) -> bool:
-        """``rank`` stopped its watchdog cleanly (:meth:`mark_left`) and has not started one since."""
         return bool(self.conn.call("check", [left_key(rank)]))
 
     # -- the section of an out-of-step agreement ------------------------------------------------------

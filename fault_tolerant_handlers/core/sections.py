@@ -31,11 +31,9 @@ def check_position(owner: str, arg: str, value: object) -> int | None:
 
 def conclude(session: Session, kind: str, name: str, exc: BaseException | None, reported: BaseException | None = None,
              *, step: int | None = None, epoch: int | None = None) -> BaseException | None:
-    """End a section on this rank: what it must raise (``exc`` itself, a peer's error, a mismatch),
-    or ``None`` when no rank failed. An exception out of an inner agreement passes through; a broken
-    collective a peer's failure explains becomes that peer's error (no agreement: the side group is
-    broken too); a :class:`PeerFailedError` an adapter learned joins the agreement as a peer's; this
-    rank's own failure is recorded, agreed, and re-raised."""
+    """End a section on this rank: what it must raise (``exc`` itself, a peer's error, a mismatch), or
+    ``None``. An exception out of an inner agreement passes through; a broken collective a peer's
+    failure explains becomes that peer's error without an agreement (the side group is broken too)."""
     if exc is not None and tag_of(exc).agreed:
         return exc
     failure = exc if exc is not None else reported
@@ -119,9 +117,8 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
 
     __slots__ = ("name", "group", "step", "epoch", "_session", "_reported")
 
-    def __init__(
-        self, name: str, group: dist.ProcessGroup | None = None, *, step: int | None = None, epoch: int | None = None
-    ) -> None:
+    def __init__(self, name: str, group: dist.ProcessGroup | None = None, *, step: int | None = None,
+                 epoch: int | None = None) -> None:
         self.name = check_name("fail_together", name)
         if group is not None and not isinstance(group, dist.ProcessGroup) and group != dist.GroupMember.NON_GROUP_MEMBER:
             raise TypeError(f"fail_together(group=...) must be a torch.distributed.ProcessGroup or None, got {group!r}")
@@ -144,19 +141,14 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
         return self
 
     def report_error(self, exc: BaseException) -> None:
-        """Mark the section as failed with ``exc`` although the code inside caught it.
-
-        At the end of the section every rank raises: this rank raises ``exc``, the others
-        :class:`~fault_tolerant_handlers.PeerFailedError`.
-        """
+        """Mark the section as failed with ``exc`` although the code inside caught it: at its end this
+        rank raises ``exc``, the others :class:`~fault_tolerant_handlers.PeerFailedError`."""
         if not isinstance(exc, BaseException):
             raise TypeError(f"report_error(exc=...) takes an exception instance, got {exc!r}")
         if self._reported is None:
             self._reported = exc
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         session = self._session
         if session is None:
             return _raise(self._reported if exc is None else None, exc)
@@ -236,9 +228,7 @@ class one_rank_first:  # noqa: N801 - a drop-in for ``ignite.distributed.one_ran
                 raise err
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         session = self._session
         if session is None:
             return False

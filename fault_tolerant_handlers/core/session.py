@@ -1,18 +1,12 @@
 """The fail-together session: one object per process group that owns every decision.
 
-A :class:`Session` belongs to one process group (the world by default) and is shared by everything
-that runs on it in this process (sections, adapters, the watchdog). It owns the **side group** (a
-gloo group over the same ranks, so that the agreement never interleaves with the data group's
-collectives), the run's **store keys** (:mod:`.schema`) through connections of its own, the
-**agreement** (:meth:`Session.agree`: record, agree in one ``all_reduce(MAX)`` of two int64s
-(:func:`pack_agreement`), then raise), the **classification** of an exception as this rank's own or a
-peer's (:meth:`Session.classify`), the **failure state** (:attr:`Session.failure`) and the
-**watchdog**, started and stopped by reference count.
-
-Timeouts: the side group inherits the default store's timeout (an agreement may wait as long as the
-slowest rank takes to reach it), or ``FTH_SYNC_TIMEOUT_SEC``; the main thread's store calls use
-:data:`MAIN_STORE_TIMEOUT`; failure-path reads :data:`FAILURE_PATH_STORE_TIMEOUT`, in a thread the
-main thread waits for at most :data:`EXPLAIN_WAIT`.
+A :class:`Session` is shared by everything that runs on its group in this process. It owns the
+**side group** (gloo, over the same ranks, so that the agreement never interleaves with the data
+group's collectives), the run's store keys (:mod:`.schema`), the **agreement** (:meth:`Session.agree`:
+record, then one ``all_reduce(MAX)`` of two int64s, :func:`pack_agreement`), the **classification**
+of an exception as this rank's own or a peer's (:meth:`Session.classify`), the failure state and the
+watchdog, started and stopped by reference count. The side group inherits the default store's
+timeout (or ``FTH_SYNC_TIMEOUT_SEC``); the other timings are in :mod:`.config`.
 """
 
 from __future__ import annotations
@@ -81,12 +75,9 @@ def unpack_agreement(a: int, b: int) -> tuple[int, bool]:
 
 
 class Session:
-    """Side group, store keys, agreement, classification and watchdog of one process group.
+    """Side group, store keys, agreement, classification and watchdog of one process group (:func:`get_session`)."""
 
-    Build it with :func:`get_session`.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         _compat_torch.check()
         self.config = config.load()
         self.group = group
@@ -94,10 +85,9 @@ class Session:
         self._default_group = _compat_torch.default_group()
         rank = dist.get_rank()
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        self._pg_store = _compat_torch.default_store()
-        timeout = (config.check_timedelta("sync_timeout", timeout, allow_none=True, what="timeout")
-                   or self.config.sync_timeout or self._pg_store.timeout)
-        self.timeout = timeout
+        #: The default process group's store (what releasing this process's collectives cuts).
+        self.pg_store = _compat_torch.default_store()
+        timeout = self.config.sync_timeout or self.pg_store.timeout
         # Collective, once: every member reaches its first section in the same order.
         self.side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
                                    use_local_synchronization=group is not None)
@@ -105,8 +95,8 @@ class Session:
         # would give every attempt the same id), each rank's host (id and name), pid, the address its
         # peers see it at (a hash, matched against backend errors) and whether the store is on its host.
         self.address = own_address()
-        self.keep_ports = store_ports(self._pg_store)
-        tcp = _compat_torch.tcp_store_of(self._pg_store)
+        self.keep_ports = store_ports(self.pg_store)
+        tcp = _compat_torch.tcp_store_of(self.pg_store)
         #: ``(host, port)`` of the TCP store, or ``None`` (another kind of store: it cannot be lost).
         self.store_address: tuple[str, int] | None = (tcp.host, tcp.port) if tcp is not None else None
         #: This process hosts the store (its server is a thread here): it never declares it lost.
@@ -161,25 +151,20 @@ class Session:
     local_rank = property(lambda self: self.table.local_rank)
     local_world_size = property(lambda self: self.table.local_world_size)
 
-    @property
-    def pg_store(self) -> dist.Store:
-        """The default process group's store (what releasing this process's collectives cuts)."""
-        return self._pg_store
-
     def same_host_peers(self) -> list[tuple[int, int]]:
         """(global rank, pid) of the other members on this host."""
         return self.table.same_host_peers()
 
     def release_collectives(self) -> str:
         """Release this process's blocked collectives (a peer's failure, or its own): what was cut."""
-        return release_process_groups(self._pg_store, self.config.release)
+        return release_process_groups(self.pg_store, self.config.release)
 
     def connection(self, name: str, timeout: timedelta, *, backoff: bool = False,
                    prefix: str | None = None) -> Connection:
         """A new store connection of this process's own, under the run's prefix: for a TCP store a new
         client whose connect is bounded by ``timeout`` (``Store.clone`` retries for the store's own
-        timeout), after :func:`~.schema.probe_store_port`; other stores are cloned."""
-        prefix, base = f"fth/{self.run_id}" if prefix is None else prefix, self._pg_store
+        timeout); other stores are cloned."""
+        prefix, base = f"fth/{self.run_id}" if prefix is None else prefix, self.pg_store
 
         def prefixed(store: dist.Store) -> dist.Store:
             return dist.PrefixStore(prefix, store) if prefix else store
@@ -204,8 +189,7 @@ class Session:
 
     def _store_here(self) -> int:
         """Whether the store runs on this host, from the address this process's connection to it
-        reaches (no name lookup): :data:`STORE_HERE` (this process hosts it, or the address is this
-        host's), :data:`STORE_ELSEWHERE`, or :data:`STORE_UNSEEN` (not a TCP store, not Linux)."""
+        reaches (no name lookup)."""
         if self.store_address is None:
             return STORE_UNSEEN
         if self.hosts_store:
@@ -216,16 +200,14 @@ class Session:
         return STORE_HERE if is_local_address(normalize_address(peer)) else STORE_ELSEWHERE
 
     def store_evidence(self, timeout: float) -> str | None:
-        """Evidence that the store is gone or unreachable (:func:`~.schema.store_evidence`), or
-        ``None`` when its port answers (or it is not a TCP store, or this process hosts it)."""
+        """:func:`~.schema.store_evidence` (``None`` too for a store this process hosts, or not TCP)."""
         if self.store_address is None or self.hosts_store:
             return None
         return store_evidence(*self.store_address, timeout)
 
     # -- the failure state -------------------------------------------------------------------------
     def take_peer_failure(self, err: PeerFailedError) -> Incident | None:
-        """The watchdog found ``err``: returns the incident to escalate, or ``None`` when there is
-        nothing to do (:meth:`.FailureState.peer_failed`); emits :data:`~.hooks.PEER_FAILED`."""
+        """The watchdog found ``err``: the incident to escalate, or ``None`` (:meth:`.FailureState.peer_failed`)."""
         escalated = self.failure.peer_failed(err)
         hooks.emit(hooks.PEER_FAILED, self.table, err, escalated is not None)
         return escalated
@@ -406,16 +388,15 @@ class Session:
         return outcome()
 
     def lost_ranks(self) -> dict[int, FailureRecord]:
-        """Rank -> its record, for every rank this run's records declare lost or silent, as the store
-        holds them now (the newest :data:`~.schema.MAX_NEW_RECORDS`); a rank declared both is given by
-        its ``PeerLost``, one that says its keeper is gone first. A record that cannot be read is left out."""
+        """Rank -> its record, for every rank this run's records declare lost or silent (the newest
+        :data:`~.schema.MAX_NEW_RECORDS`); ``PeerLost`` first, one that says its keeper is gone first."""
         lost: dict[int, FailureRecord] = {}
         for index in self.schema.new_indices(0, self.schema.count()):
             record = self.schema.read(index)
             if record is None or record.kind not in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT):
                 continue
             kept = lost.get(record.rank)
-            if kept is None or (record.kind is FailureKind.PEER_LOST and not _keeper_gone(kept)):
+            if kept is None or (record.kind is FailureKind.PEER_LOST and not (kept.ended and kept.ended.keeper_gone)):
                 lost[record.rank] = record
         return lost
 
@@ -568,29 +549,10 @@ class Session:
         return self._watchdog
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        return self.side is None
-
-    def close(self) -> None:
-        """Stop everything this session started and forget it, so that :func:`get_session` makes a
-        new one. Collective: call it on every rank. The watchdog stops whatever its references; after
-        a barrier every rank deletes its keys of the run (rank 0 the shared ones too); the main
-        connection and the side group close. The signal handlers and exit hooks stay (once per process)."""
-        if self.side is None:
-            return
-        self.stop()
-        try:
-            dist.barrier(group=self.side)
-            self.schema.remove_run_keys(self.rank, self.ranks, shared=self.group_rank == 0)
-        except Exception as err:  # noqa: BLE001 - a peer is gone: its keys die with the store
-            log(logging.WARNING, "closing the session: %s", first_line(err))
-        self._close_connections()
-
     def stop(self, *, keep_liveness: bool = False) -> None:
-        """The part of :meth:`close` that needs no peer: leave the registry and stop the watchdog. With
-        ``keep_liveness`` (recovering with spares) the liveness helper keeps watching until
-        :meth:`abandon`, so that a rank found silent during the recovery is still declared."""
+        """Leave the registry and stop the watchdog. With ``keep_liveness`` (recovering with spares) the
+        liveness helper keeps watching until :meth:`abandon`, so that a rank found silent during the
+        recovery is still declared."""
         with _registry_lock:
             for key in [k for k, v in _registry.items() if v is self]:
                 del _registry[key]
@@ -607,9 +569,10 @@ class Session:
             kept.stop()
 
     def abandon(self, *, shared_keys: bool) -> None:
-        """Close a session whose group failed, without its peers (no collective): :meth:`stop`, then
-        delete this rank's keys of the run (with ``shared_keys`` also the shared ones: only once
-        no rank reads them, which the caller knows), close the connections and destroy the side group."""
+        """Stop everything this session started and forget it (no collective), so that :func:`get_session`
+        makes a new one: :meth:`stop`, delete this rank's keys of the run (with ``shared_keys`` the shared
+        ones too: only once no rank reads them, which the caller knows), close the connections and
+        destroy the side group. The signal handlers and exit hooks stay (once per process)."""
         if self.side is None:
             return
         self.stop()
@@ -662,14 +625,8 @@ def is_local_address(address: str) -> bool:
         return False
 
 
-def _keeper_gone(record: FailureRecord) -> bool:
-    return record.ended is not None and record.ended.keeper_gone
-
-
 _registry: dict[tuple[int, int], Session] = {}
 _registry_lock = threading.Lock()
-
-
 _exit_hook_registered = False
 
 
@@ -710,17 +667,14 @@ def _check_not_spawned_by_recovery(caller: str) -> None:
             "the script calling recover_in_place(train)(...) around the Trainer")
 
 
-def get_session(group: dist.ProcessGroup | None = None, *, timeout: timedelta | None = None,
-                caller: str = "fail_together") -> Session | None:
+def get_session(group: dist.ProcessGroup | None = None, *, caller: str = "fail_together") -> Session | None:
     """The session of ``group`` (the world when ``None``), or ``None`` when there is nothing to
     coordinate (no process group and no multi-rank launcher, or a single rank).
 
     Raises:
-        RuntimeError: the launcher says this is a multi-rank job but ``init_process_group`` has not
-            been called yet.
+        RuntimeError: a multi-rank job before ``init_process_group``.
         ValueError: this process is not a member of ``group``; an ``FTH_*`` variable is malformed.
-        RecoveryError: ``recover_in_place`` wraps the launcher that spawned this rank, not the rank's
-            function (it could not recover this rank in place).
+        RecoveryError: ``recover_in_place`` wraps the launcher that spawned this rank.
     """
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
@@ -757,7 +711,7 @@ def get_session(group: dist.ProcessGroup | None = None, *, timeout: timedelta | 
                     old = _registry.pop(stale)
                     if old._watchdog is not None:
                         old._watchdog.stop()
-                session = Session(group, timeout=timeout)
+                session = Session(group)
                 global _exit_hook_registered
                 if not _exit_hook_registered:  # once per process; registered after torch's own: runs before them
                     _exit_hook_registered = True

@@ -1,15 +1,10 @@
-"""Sharded state: tensors a process does not hold whole (``DTensor``: FSDP2's ``fully_shard``,
-tensor parallelism, Lightning's ``ModelParallelStrategy``; any tensor subclass without memory of its
-own), and snapshots of one rank's part of such a state.
+"""Sharded state (``DTensor``: FSDP2, tensor parallelism, Lightning's ``ModelParallelStrategy``; any
+tensor subclass without memory of its own), and snapshots of one rank's part of such a state.
 
-Every path of the library that reads a tensor's bytes, copies a state or sends it asks
-:func:`unbacked` first and refuses such a tensor, naming its type (a ``DTensor``'s ``data_ptr()`` is 0).
-:func:`take_snapshot` copies a rank's state dict (``DTensor`` values' local shards, tensors, numbers)
-once into one CPU buffer with a CRC-32 over it and its manifest (bounded JSON, never pickle: the bytes
-may come from a peer); :func:`restore` (:func:`rebuild`: on the mesh of the model it is loaded into)
-refuses one whose checksum does not match (:class:`SnapshotChecksumError`) or whose manifest is
-malformed (:class:`ManifestError`). A recovery in place keeps each rank's own shard so
-(:mod:`..data.live`); :class:`~..data.replicas.ShardReplicas` sends it to partners.
+Every path of the library that reads a tensor's bytes asks :func:`unbacked` first and refuses such a
+tensor, naming its type. :func:`take_snapshot` copies a rank's state dict (``DTensor`` values' local
+shards) once into one CPU buffer with a CRC-32 over it and its manifest (bounded JSON, never pickle:
+the bytes may come from a peer); :func:`restore` refuses one whose checksum or manifest is bad.
 """
 
 from __future__ import annotations
@@ -72,9 +67,8 @@ def find(obj: Any, path: str = "state", depth: int = 0) -> tuple[str, str] | Non
 
 @dataclass
 class Snapshot:
-    """One rank's state at one step: ``payload`` (a 1-D uint8 CPU tensor) holds every tensor's bytes,
-    ``manifest`` (JSON bytes) how to rebuild them; ``checksum`` is a CRC-32 over both (``None`` until
-    :meth:`seal`)."""
+    """One rank's state at one step: ``payload`` (1-D uint8, CPU) holds every tensor's bytes, ``manifest``
+    (JSON) how to rebuild them; ``checksum``: a CRC-32 over both (``None`` until :meth:`seal`)."""
 
     rank: int
     step: int
@@ -171,12 +165,7 @@ def _view(payload: torch.Tensor, leaf: dict) -> torch.Tensor:
 
 
 def read_manifest(data: bytes, payload_bytes: int) -> dict:
-    """The manifest in ``data``, checked against a payload of ``payload_bytes`` bytes.
-
-    Raises:
-        ManifestError: larger than :data:`MAX_MANIFEST_BYTES`, not this format's JSON, a leaf with an
-        unknown dtype, a shape that does not give its bytes, or bytes outside the payload.
-    """
+    """The manifest in ``data``, checked against a payload of ``payload_bytes`` bytes (else :class:`ManifestError`)."""
     manifest = structure.loads(data, ManifestError)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ManifestError(f"the manifest is not a {FORMAT} manifest")
@@ -199,11 +188,8 @@ def read_manifest(data: bytes, payload_bytes: int) -> dict:
 
 
 def restore(snap: Snapshot, *, mesh: Any = None, device: str | torch.device = "cpu") -> Any:
-    """The state ``snap`` was taken from, to load into a model and optimizer (``load_state_dict``).
-
-    Tensors are new (copies of the snapshot's bytes, on ``device``). A ``DTensor`` comes back as a
-    ``DTensor`` on ``mesh`` (the caller's device mesh, the one it was sharded on: checked against the
-    manifest's) with its placements and global shape; without ``mesh``, as its local shard.
+    """The state ``snap`` was taken from, in new tensors on ``device``; a ``DTensor`` as a ``DTensor`` on
+    ``mesh`` (checked against the manifest's), or without ``mesh`` as its local shard.
 
     Raises:
         SnapshotChecksumError: the bytes or manifest do not have the snapshot's checksum (or it has none).

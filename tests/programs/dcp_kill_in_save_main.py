@@ -26,7 +26,8 @@ import sys
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from fault_tolerant_handlers.core.inject import current_attempt, current_rank
+from fault_tolerant_handlers.core.attempts import current as current_attempt
+from fault_tolerant_handlers.core.inject import current_rank
 
 _spec = dict(item.split("=", 1) for item in os.environ["KILL_IN_SAVE"].split(","))
 RANK, STEP, AT = int(_spec["rank"]), int(_spec["step"]), _spec["at"]

@@ -14,7 +14,8 @@ import os
 import runpy
 import sys
 
-from fault_tolerant_handlers.core.inject import current_attempt, current_rank
+from fault_tolerant_handlers.core.attempts import current as current_attempt
+from fault_tolerant_handlers.core.inject import current_rank
 from fault_tolerant_handlers.data.replicas import ShardReplicas
 
 RANK = int(os.environ["FLIP_COPY"])

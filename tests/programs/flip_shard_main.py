@@ -16,7 +16,8 @@ import runpy
 import sys
 
 from fault_tolerant_handlers.core import sharded
-from fault_tolerant_handlers.core.inject import current_attempt, current_rank
+from fault_tolerant_handlers.core.attempts import current as current_attempt
+from fault_tolerant_handlers.core.inject import current_rank
 
 RANK = int(os.environ["FLIP_SHARD"])
 _take_snapshot = sharded.take_snapshot

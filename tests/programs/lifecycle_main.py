@@ -79,8 +79,9 @@ def main() -> None:
                                          *(declared_key(r) for r in range(WORLD)))]
         beats = [k for k in run_keys if "/hb/" in k and store.check([k])]
         session.stop_watchdog()
-        session.close()
-        assert session.closed and session not in _registry.values()
+        dist.barrier()  # no rank reads the run's keys any more
+        session.abandon(shared_keys=session.group_rank == 0)
+        assert session.side is None and session not in _registry.values()
         del session
         gc.collect()
         dist.barrier()  # every rank closed (each deletes its own keys, rank 0 the shared ones): then none is left

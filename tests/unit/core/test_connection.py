@@ -192,38 +192,6 @@ def test_a_connection_to_a_store_whose_host_has_exited_fails_at_once():
     assert time.monotonic() - start < 0.5
 
 
-def test_a_forked_helper_uses_the_connection_made_before_the_fork_at_once():
-    """The liveness helper is forked with a connected client and a worker thread that the fork did
-    not copy: its first call must not wait a budget for that thread and then connect anew (its
-    rank's first beats would be missing; a killed rank's end unseen for 1.5 s). Real TCPStore, real fork."""
-    import os
-
-    import torch.distributed as dist
-
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
-    conn = Connection(lambda: dist.TCPStore("127.0.0.1", master.port, is_master=False,
-                                            timeout=timedelta(seconds=5)), timedelta(seconds=1), "t")
-    conn.call("set", "before", "1")  # connected, and its worker thread started, in this process
-    factory_calls = []
-    conn._factory = lambda: factory_calls.append(1)  # the child must not connect anew
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            conn.forked()
-            start = time.monotonic()
-            conn.call("set", "child", "1")
-            code = 0 if time.monotonic() - start < 0.5 and not factory_calls else 2
-        finally:
-            os._exit(code)
-    try:
-        _, status = os.waitpid(pid, 0)
-    finally:
-        conn.close()
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert master.get("child") == b"1"
-
-
 class CountingStore:
     def set_timeout(self, timeout) -> None:
         pass

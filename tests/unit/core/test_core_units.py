@@ -37,7 +37,8 @@ TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retr
 
 def test_release_cuts_established_non_store_sockets_of_this_process_only():
     table = parse_tcp_table(TCP)
-    assert table == {111: (0x1F90, 0xA000), 222: (0xB000, 0x1F90), 333: (0xC000, 0xD000)}  # 444 is LISTEN
+    assert table == {111: (0x1F90, 0xA000, "01"), 222: (0xB000, 0x1F90, "01"), 333: (0xC000, 0xD000, "01"),
+                     444: (0xE000, 0xF000, "0A")}  # 444 is LISTEN: never cut
     fds = {111: 5, 222: 6, 333: 7, 444: 8, 555: 9}  # 555: a socket of this process not in the table (UDP)
     assert select_sockets(fds, table, keep_ports={0x1F90}) == [7]  # both store ends kept
     assert select_sockets(fds, table, keep_ports=set()) == [5, 6, 7]
@@ -236,15 +237,10 @@ def test_constructing_an_adapter_checks_the_environment(monkeypatch):
         FaultTolerance()
 
 
-@pytest.mark.parametrize("name, value, match", [
-    ("hang_timeout", timedelta.max, "between 1 and 604800 seconds"),
-    ("hang_timeout", timedelta(0), "between 1 and 604800 seconds"),
-    ("interval", timedelta(0), "between 0.01 and 10 seconds"),
-    ("exit_grace", timedelta(days=10**5), "between 0.1 and 3600 seconds"),
-])
-def test_timeout_arguments_have_bounds(name, value, match):
-    with pytest.raises(ValueError, match=match):
-        config.check_timedelta(name, value)
+@pytest.mark.parametrize("value", [timedelta.max, timedelta(0)])
+def test_timeout_arguments_have_bounds(value):
+    with pytest.raises(ValueError, match="between 1 and 604800 seconds"):
+        config.check_hang_timeout(value)
 
 
 # -- names and positions are checked when constructed ---------------------------------------------

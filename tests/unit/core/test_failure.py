@@ -94,7 +94,7 @@ def test_acknowledging_an_agreements_error_marks_that_agreements_incident_not_th
     ended = state.agreement_ended(True, lost)
     assert ended is escalated
     tag(lost, incident=ended)
-    fresh = state.incident
+    fresh = state._incident
     assert fresh is not ended and fresh.peer_error is None and not fresh.local
     state.acknowledged(lost)
     assert ended.acknowledged.is_set() and not fresh.acknowledged.is_set()
@@ -115,9 +115,9 @@ def test_a_failure_user_code_caught_leaves_the_job_failed_but_never_blinds_the_w
 
 def test_an_agreement_in_which_nobody_failed_changes_nothing_but_the_incident():
     state = FailureState()
-    before = state.incident
+    before = state._incident
     assert state.agreement_ended(False) is before
-    assert state.incident is not before and not state.failing and state.cause is None
+    assert state._incident is not before and not state.failing and state.cause is None
 
 
 def test_a_hang_found_by_the_watchdog_is_this_ranks_failure_before_its_main_thread_knows():
