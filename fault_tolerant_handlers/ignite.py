@@ -1,11 +1,8 @@
-"""PyTorch-Ignite adapter: ``FaultTolerance().attach(trainer)``.
-
-Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.guard.Guard` (the
-table: docs/ignite.md); live state, a recovery's events, the savers and the resume checks are here,
-Ignite's private API in :mod:`.adapters.compat_ignite`. Ignite stops re-raising once any
-``EXCEPTION_RAISED`` handler is attached; in a distributed run this handler always re-raises.
-Importing this module makes ``Checkpoint.load_objects`` give a DDP the bucket layout saved beside it.
-"""
+"""PyTorch-Ignite adapter: ``FaultTolerance().attach(trainer)``: Ignite's events onto
+:class:`~.adapters.guard.Guard` (docs/ignite.md); Ignite's private API is in :mod:`.adapters.compat_ignite`.
+Ignite stops re-raising once any ``EXCEPTION_RAISED`` handler is attached: in a distributed run this
+handler always re-raises. Importing this module makes ``Checkpoint.load_objects`` give a DDP the bucket
+layout saved beside it."""
 
 from __future__ import annotations
 
@@ -122,10 +119,11 @@ class FaultTolerance:
         self.guard.sync("a sync point", step=engine.state.iteration, epoch=engine.state.epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.guard.state_dict()
+        return {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.guard.load_state_dict(state_dict)
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"load_state_dict(state_dict=...) takes a mapping, got {type(state_dict).__name__}")
 
     # -- events -------------------------------------------------------------------------------------
     def _started(self, engine: Engine) -> None:
@@ -499,13 +497,6 @@ class DCPSaver(BaseSaveHandler):
         self._pending_removal.append(filename)
 
 
-def _loader_next_batch(loader: Any) -> int | None:
-    """The batch of its pass the loader's next ``iter()`` starts at (0: a new pass), if it says."""
-    if not isinstance(loader, RestartableDataLoader):
-        return None
-    state = loader.state_dict()
-    return 0 if state["epoch_finished"] else state["batches_yielded"]
-
 
 def check_mid_epoch_resume(engine: Any) -> str | None:
     """Warn when ``engine`` resumes inside an epoch and its loader will not continue there; return the warning."""
@@ -520,9 +511,12 @@ def check_mid_epoch_resume(engine: Any) -> str | None:
                    f"draw the remaining {length - done} iterations from the start of the epoch, not the batches an "
                    "uninterrupted run trains. Use fault_tolerant_handlers.RestartableDataLoader (or make_restartable) "
                    "and put it in the checkpoint's to_save / to_load")
-    else:
-        batch = _loader_next_batch(loader)
-        if batch is None or batch == done:
+    else:  # the batch of its pass the loader's next iter() starts at (0: a new pass), if it says
+        if not isinstance(loader, RestartableDataLoader):
+            return None
+        state = loader.state_dict()
+        batch = 0 if state["epoch_finished"] else state["batches_yielded"]
+        if batch == done:
             return None
         start = "batch 0 (a new pass over the data)" if batch == 0 else f"batch {batch}"
         message = (f"{where}, but the loader's next iter() starts at {start}: was it left out of "
@@ -611,10 +605,6 @@ def give_bucket_layout(to_load: Any, checkpoint: Any) -> None:
                    "differ from the uninterrupted run in the last bits")
 
 
-def hook_load_objects() -> None:
-    """Once per process: every ``Checkpoint.load_objects`` gives a DDP its checkpoint's bucket layout."""
-    _compat_ignite.hook_load_objects(take=live.take, read=lambda path: torch.load(path, weights_only=True),
-                                     after=give_bucket_layout)
-
-
-hook_load_objects()
+# once per process: every Checkpoint.load_objects gives a DDP its checkpoint's bucket layout
+_compat_ignite.hook_load_objects(take=live.take, read=lambda path: torch.load(path, weights_only=True),
+                                 after=give_bucket_layout)

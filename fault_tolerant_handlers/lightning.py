@@ -1,11 +1,7 @@
-"""Lightning adapter: ``Trainer(callbacks=[FaultTolerance()])``.
-
-Maps Lightning's ``Callback`` hooks onto :class:`~fault_tolerant_handlers.adapters.guard.Guard` (the
-table, and why ``on_exception`` finishes Lightning's exception path itself: docs/lightning.md); live
-state and a recovery's hooks are here. The callback is a ``Callback`` of both ``lightning.pytorch``
-and ``pytorch_lightning`` when both are installed; Lightning's private API is in
-:mod:`.adapters.compat_lightning`.
-"""
+"""Lightning adapter: ``Trainer(callbacks=[FaultTolerance()])``: Lightning's hooks onto
+:class:`~.adapters.guard.Guard` (why ``on_exception`` finishes Lightning's exception path itself:
+docs/lightning.md). A ``Callback`` of both ``lightning.pytorch`` and ``pytorch_lightning`` when both
+are installed; Lightning's private API is in :mod:`.adapters.compat_lightning`."""
 
 from __future__ import annotations
 
@@ -17,10 +13,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from torch.multiprocessing.spawn import ProcessException
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
-from .core import attempts, interrupts, phases, recoveries
+from .core import attempts, phases, recoveries
 from .data import dcp, live, snapshots
 from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
@@ -146,25 +143,11 @@ class FaultTolerance(_CallbackBase):
         self._batches = batches
         self._loaded_buckets = state_dict.get("ddp_buckets")  # absent before 0.2; given to the DDP in on_fit_start
 
-    # -- helpers -----------------------------------------------------------------------------------
     def _where(self, trainer: pl.Trainer) -> dict[str, int]:
         """Where a report says this rank is: in a training batch the step it trains (``global_step + 1``,
         as ``FTH_INJECT`` and Ignite count), elsewhere the steps completed."""
         step = self._in_batch if self._in_batch is not None else int(trainer.global_step)
         return {"step": step, "epoch": int(trainer.current_epoch)}
-
-    def _check(self, trainer: pl.Trainer) -> None:
-        """Raise the peer's failure if the watchdog already knows it: two attribute reads otherwise."""
-        interrupts.raise_pending()  # a hung main thread's interrupt that user code swallowed
-        session = self.guard.session
-        if session is not None and session.failure.peer_error is not None:
-            self.guard.check(**self._where(trainer))
-
-    def _sync(self, trainer: pl.Trainer, where: str) -> None:
-        self.guard.sync(where, **self._where(trainer))
-
-    def _convert(self, trainer: pl.Trainer, exception: BaseException) -> BaseException:
-        return self.guard.on_exception(exception, **self._where(trainer))
 
     # -- hooks -------------------------------------------------------------------------------------
     @override
@@ -176,19 +159,25 @@ class FaultTolerance(_CallbackBase):
         _compat_lightning.check(trainer)
         if attempts.recovering():
             self._recovery.setup(trainer)
-            self._keep_launched_ranks(trainer)
+            try:  # the next attempt's Trainer must not start the other ranks again
+                if _compat_lightning.keep_launched_ranks(trainer):
+                    log(logging.INFO, "recover_in_place: LOCAL_RANK set in this process, which started the other "
+                        "ranks, so that the next attempt's Trainer does not start them again")
+            except RuntimeError as err:
+                raise RecoveryError(str(err)) from err
             if stage == "fit":  # live state the script did not pass as ckpt_path: loaded by fit all the same
                 _compat_lightning.substitute_ckpt_path(
                     trainer, lambda path: live.substitute(path, "the trainer's fit(ckpt_path=...)"))
             # the newest checkpoint in memory for the next fit(ckpt_path=...), unless the strategy loads it itself
             strategy = trainer.strategy
             why = _compat_lightning.restores_itself(strategy)
-            if why:
-                log(logging.WARNING, "checkpoints are not kept in memory for a recovery in place: %s", why)
             if not why:
                 _compat_lightning.keep_checkpoints_in_memory(strategy, snapshots.keep, snapshots.take)
-            elif _compat_lightning.model_parallel(strategy):  # live state: this rank's shard, loaded here
-                _compat_lightning.keep_checkpoints_in_memory(strategy, None, functools.partial(_load_shards, strategy))
+            else:
+                log(logging.WARNING, "checkpoints are not kept in memory for a recovery in place: %s", why)
+                if _compat_lightning.model_parallel(strategy):  # live state: this rank's shard, loaded here
+                    _compat_lightning.keep_checkpoints_in_memory(strategy, None,
+                                                                 functools.partial(_load_shards, strategy))
         # first in line on the exception path: release before any other on_exception runs a collective
         callbacks = trainer.callbacks
         if callbacks and callbacks[0] is not self and self in callbacks:
@@ -211,15 +200,6 @@ class FaultTolerance(_CallbackBase):
         if self._loaded_buckets is not None:
             self._buckets.load_state_dict({"buckets": self._loaded_buckets})
 
-    @staticmethod
-    def _keep_launched_ranks(trainer: pl.Trainer) -> None:
-        """Recovering in place: the next attempt's Trainer must not start the other ranks again."""
-        try:
-            if _compat_lightning.keep_launched_ranks(trainer):
-                log(logging.INFO, "recover_in_place: LOCAL_RANK set in this process, which started the other ranks, "
-                    "so that the next attempt's Trainer does not start them again")
-        except RuntimeError as err:
-            raise RecoveryError(str(err)) from err
 
     def _run_stage_in_rank(self, trainer: pl.Trainer, run_stage: Callable[[], Any]) -> Any:
         """Spawned ranks only: the exception path Lightning does not give them, with the checkpoint
@@ -227,7 +207,7 @@ class FaultTolerance(_CallbackBase):
         try:
             return run_stage()
         except (Exception, HangInterrupted) as exc:
-            to_raise = self._convert(trainer, exc)
+            to_raise = self.guard.on_exception(exc, **self._where(trainer))
             for callback in list(trainer.callbacks):
                 if isinstance(callback, _compat_lightning.checkpoint_types()):
                     _guarded(f"{type(callback).__name__}.on_exception", callback.on_exception, trainer,
@@ -253,7 +233,7 @@ class FaultTolerance(_CallbackBase):
                              batch_idx: int) -> None:
         self._in_batch = int(trainer.global_step) + 1  # taken before the optimizer step moves global_step
         self._live.step_starts(int(trainer.global_step))
-        self._check(trainer)  # an attribute read: the watchdog may already know a peer failed
+        self.guard.check(**self._where(trainer))  # an attribute read: the watchdog may already know a peer failed
         if self._injector is not None:
             self._injector.maybe_fire(trainer.global_rank, self._in_batch, trainer.current_epoch,
                                       trainer.train_dataloader)
@@ -267,15 +247,15 @@ class FaultTolerance(_CallbackBase):
         self._recovery.batch_end(trainer, pl_module)
         self.guard.beat(int(trainer.global_step), STEP, completed=True)
         if self.guard.due(self._batches):
-            self._sync(trainer, "training batch")
+            self.guard.sync("training batch", **self._where(trainer))
         else:
-            self._check(trainer)
+            self.guard.check(**self._where(trainer))
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         self.guard.beat(int(trainer.global_step), _evaluation(trainer), completed=True)
-        self._check(trainer)
+        self.guard.check(**self._where(trainer))
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -292,12 +272,12 @@ class FaultTolerance(_CallbackBase):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync(trainer, "validation end")
+        self.guard.sync("validation end", **self._where(trainer))
         self.guard.beat(int(trainer.global_step), "after evaluation")
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync(trainer, "epoch end")
+        self.guard.sync("epoch end", **self._where(trainer))
         self.guard.beat(int(trainer.global_step), "epoch end")
         restarts = getattr(trainer.train_dataloader, "restart_count", None)
         if restarts is not None:  # a RestartableDataLoader: its worker restarts, as a metric (max over ranks)
@@ -305,7 +285,7 @@ class FaultTolerance(_CallbackBase):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync(trainer, "end of run")
+        self.guard.sync("end of run", **self._where(trainer))
         self._live.close()
         self.guard.stop()  # every rank is past the last agreement
 
@@ -319,10 +299,10 @@ class FaultTolerance(_CallbackBase):
             return  # another FaultTolerance instance already finished the exception path
         in_parent = False
         if self.guard.active:
-            to_raise = self._convert(trainer, exception)
+            to_raise = self.guard.on_exception(exception, **self._where(trainer))
             self._live.failed()  # the peers told first; then the state, before the teardown
             self._recovery.failed()
-        elif _is_rank_process_error(exception):
+        elif isinstance(exception, ProcessException):  # what torch.multiprocessing raises for a failed rank
             to_raise, in_parent = exception, True  # the parent of spawned ranks: keep the rank's error visible
         else:
             return  # a single process: stock Lightning
@@ -355,12 +335,6 @@ class FaultTolerance(_CallbackBase):
 def _evaluation(trainer: pl.Trainer) -> str:
     return "sanity check" if trainer.sanity_checking else EVALUATION
 
-
-def _is_rank_process_error(exc: BaseException) -> bool:
-    """The error ``torch.multiprocessing`` raises in the parent when a spawned rank failed."""
-    from torch.multiprocessing.spawn import ProcessException
-
-    return isinstance(exc, ProcessException)
 
 
 # -- live state --------------------------------------------------------------------------------------

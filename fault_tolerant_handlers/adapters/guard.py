@@ -1,19 +1,15 @@
-"""What an adapter calls at its framework's hooks: one :class:`Guard` per training loop, whose verbs
-(``start``, ``beat``, ``check``, ``sync``, ``on_exception``, ``stop``) drive the loop's fail-together
-session (:class:`~..core.session.Session`); and what both adapters keep while a recovery in place
-runs: a loop's live state (:class:`LiveLoop`) and its part of the recovery (:class:`LoopRecovery`).
-"""
+"""What both adapters call at their framework's hooks: one :class:`Guard` per training loop (its verbs
+drive the loop's :class:`~..core.session.Session`), a loop's live state (:class:`LiveLoop`) and its
+part of a recovery in place (:class:`LoopRecovery`)."""
 
 from __future__ import annotations
 
 import logging
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
-import torch.distributed as dist
-
-from ..core import config, interrupts, recoveries
+from ..core import attempts, config, interrupts, recoveries
 from ..core.hooks import first_line, log
 from ..core.errors import PeerFailedError
 from ..core.sections import check_name
@@ -26,25 +22,12 @@ from ..detect.autohang import START, STEP
 
 
 class Guard:
-    """Fail-together verbs for one training loop on one process group.
-
-    Args:
-        sync_every: iterations between agreements inside an epoch (``None``: only at epoch ends and
-            the other natural sync points).
-        hang_timeout: as the adapters' ``FaultTolerance`` take it (:mod:`..detect.autohang` for ``"auto"``).
-        watchdog: start the out-of-band watchdog (default True).
-        release_on_failure: when this rank fails, release its collectives at once (peers fail fast).
-        name: the loop's name in reports (``"train"``).
-        group: process group (``None``: all ranks).
-        owner: the class named in argument errors.
-
-    Raises:
-        TypeError, ValueError: an argument or an ``FTH_*`` variable out of range (named).
-    """
+    """Fail-together verbs for one training loop: the adapters' ``FaultTolerance`` arguments, and
+    ``release_on_failure`` (this rank's collectives released at once when it fails), ``owner`` (the
+    class named in argument errors)."""
 
     def __init__(self, *, sync_every: int | None = 100, hang_timeout: timedelta | float | str | dict | None = None,
-                 watchdog: bool = True,
-                 release_on_failure: bool = True, name: str = "train", group: dist.ProcessGroup | None = None,
+                 watchdog: bool = True, release_on_failure: bool = True, name: str = "train",
                  owner: str = "FaultTolerance") -> None:
         if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
             raise ValueError(f"{owner}(sync_every=...) must be a positive int (iterations) or None, got {sync_every!r}")
@@ -58,7 +41,6 @@ class Guard:
         self.use_watchdog = watchdog
         self.release_on_failure = release_on_failure
         self.name = name
-        self.group = group
         self.session: Session | None = None
         self._watching = False
         self._explainers: list = []
@@ -73,7 +55,7 @@ class Guard:
 
     def start(self) -> None:
         """Collective on first use: call on every rank before training. A no-op without distribution."""
-        self.session = get_session(self.group, caller=type(self).__name__)
+        self.session = get_session(None, caller=type(self).__name__)
         if self.session is not None and self.use_watchdog and not self._watching:
             self.session.start_watchdog(self.hang_timeout)
             self._watching = True
@@ -92,9 +74,8 @@ class Guard:
             self.session.stop_watchdog()
 
     def beat(self, step: int | None = None, work: str | None = None, *, completed: bool = False) -> None:
-        """Progress; with ``work``, the kind of work that begins now (ends the one under way);
-        ``completed``: an iteration (training or evaluation batch) completed. Raises the interrupt
-        of a hung main thread again if user code swallowed it (:func:`~..core.interrupts.raise_pending`)."""
+        """Progress; ``work``: the kind of work that begins now; ``completed``: a batch completed. Raises
+        the interrupt of a hung main thread again if user code swallowed it."""
         interrupts.raise_pending()
         watchdog = self.session.watchdog if self.session is not None else None
         if watchdog is not None:  # a hang report names the step under way: in a training step, the next
@@ -104,13 +85,11 @@ class Guard:
                 watchdog.work(work, step if named is None else named)
 
     @property
-    def auto_hang(self):
-        """The learned-deadline probe of ``hang_timeout="auto"`` (``None`` otherwise)."""
+    def auto_hang(self):  # the learned-deadline probe of hang_timeout="auto", else None
         watchdog = self.session.watchdog if self.session is not None else None
         return getattr(watchdog, "auto_hang", None)
 
     def explain_with(self, explainer: Callable[[object], tuple[str, object] | None]) -> None:
-        """Add a way to recognise work from the main thread's stack (see :mod:`..detect.autohang`)."""
         watchdog = self.session.watchdog if self.session is not None else None
         if watchdog is not None and watchdog.explain_with(explainer):
             self._explainers.append(explainer)
@@ -138,9 +117,8 @@ class Guard:
             raise self.on_exception(err, step=step, epoch=epoch)
 
     def on_exception(self, exc: BaseException, *, step: int | None = None, epoch: int | None = None) -> BaseException:
-        """What this rank must raise for ``exc``: ``exc`` itself (a local failure, published and, with
-        ``release_on_failure``, this rank's collectives released), or the peer's :class:`PeerFailedError`
-        for an error that comes from a peer's failure. The same exception object is handled once."""
+        """What this rank must raise for ``exc`` (handled once): ``exc`` itself, a local failure now
+        published, or the peer's :class:`PeerFailedError` for an error that comes from a peer's failure."""
         session = self.session
         if session is None or tag_of(exc).handled:
             return exc
@@ -159,15 +137,6 @@ class Guard:
         session.report_error(exc, section=self.name, step=step, epoch=epoch, release=self.release_on_failure)
         tag(exc, handled=True)
         return exc
-
-    # -- state ----------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"load_state_dict(state_dict=...) takes a mapping, got {type(state_dict).__name__}")
-
 
 
 class LiveLoop:
@@ -208,12 +177,6 @@ class LiveLoop:
         self.why_not = why
         log(logging.WARNING, "live state refused: %s; a recovery in place resumes from the newest checkpoint", why)
 
-    def _mark(self, initial: bool = False) -> None:
-        raise NotImplementedError
-
-    def capture(self) -> live.Captured:
-        raise NotImplementedError
-
     def step_starts(self, step: int) -> None:
         """A step begins: torch's RNG as it starts (put back first, after live state was loaded)."""
         if self.tracker is not None:
@@ -221,7 +184,7 @@ class LiveLoop:
             self.tracker.start_step(step)
 
     def failed(self) -> None:
-        """The framework reported the failure: capture now (see :func:`..data.live.capture_now`)."""
+        """The framework reported the failure: capture now."""
         if self.tracker is not None:
             live.capture_now(self.capture)
 
@@ -235,7 +198,6 @@ class LiveLoop:
             self.tracker = None
 
     def _tracked(self, idle: str) -> live.StepTracker:
-        """The tracker to capture from, or :class:`~..data.live.NotLive` (``idle`` or why not)."""
         tracker = self.tracker
         if tracker is None:
             raise live.NotLive(idle)
@@ -251,7 +213,6 @@ class LiveLoop:
 
     @staticmethod
     def with_hyper(saved: Any, hyper: list[dict]) -> Any:
-        """An optimizer's ``state_dict`` ``saved`` with the recorded :meth:`hyper` put in."""
         if isinstance(saved, dict) and isinstance(saved.get("param_groups"), list):
             saved["param_groups"] = [{**group, **h} for group, h in zip(saved["param_groups"], hyper)]
         return saved
@@ -268,8 +229,6 @@ class LoopRecovery:
         self.completed: int | None = None
 
     def attached(self, loop: Any) -> None:
-        from ..core import attempts
-
         type(self).loops[loop] = attempts.in_place()
 
     def failed(self) -> None:
@@ -287,9 +246,7 @@ class LoopRecovery:
     @classmethod
     def tell_failed_loops(cls, info: recoveries.RecoveryInfo, call: Callable[[Any], None], what: str) -> None:
         """``call(loop)`` for each loop of the failed attempt; an exception is logged, never passed on."""
-        for loop, attempt in list(cls.loops.items()):
-            if attempt != info.attempt - 1:  # only the failed attempt's loops
-                continue
+        for loop in [loop for loop, attempt in list(cls.loops.items()) if attempt == info.attempt - 1]:
             try:
                 call(loop)
             except Exception as err:  # noqa: BLE001

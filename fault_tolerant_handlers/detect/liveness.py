@@ -1,19 +1,17 @@
-"""Liveness that does not depend on the GIL: a small helper process per rank (``fth-liveness``),
-forked when the watchdog starts, so that a main thread holding the GIL in a long C call, or busy
-cores, never make a healthy rank look lost. Every :data:`~.watchdog.HEARTBEAT_EVERY` (0.5 s) it:
+"""Liveness that does not depend on the GIL: a helper process per rank (``fth-liveness``), forked when
+the watchdog starts, so that a main thread holding the GIL in a long C call, or busy cores, never make
+a healthy rank look lost. Every period (0.5 s) it:
 
-* ends at once when its rank's process is gone or told it to stop (the pipe from the rank closed);
+* ends at once when its rank is gone or told it to stop (the pipe from the rank closed);
 * beats ``hb/<rank>`` in the store, unless its rank is stopped (SIGSTOP: a frozen rank is noticed);
 * when its rank was killed by a signal it could not report (SIGKILL), says so where the launcher
   reads it and tells the peers with a ``PeerLost`` record (:func:`rank_ended`);
 * runs the :class:`~.probes.HeartbeatProbe` on its ring successor (every rank of the successor's
-  host when it is another host): a counter that stands still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` is
-  declared lost, once, on evidence of its silence, never of a slow answer; on another host, sooner
-  when that host's kernel acknowledges nothing sent to it either (:mod:`.witness`, whose listener
-  it serves).
+  host when it is another host): a counter still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` is declared lost,
+  once, on evidence of its silence, never of a slow answer; on another host, sooner when that host's
+  kernel acknowledges nothing sent to it either (:mod:`.witness`).
 
-It has its own store connection, made after the fork, never runs the rank's exit hooks
-(``os._exit``), and is one of the rank's child processes (the reported exit kills it).
+It connects to the store after the fork and never runs the rank's exit hooks (``os._exit``).
 """
 
 from __future__ import annotations
@@ -161,10 +159,9 @@ def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.E
 
 
 def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], None] | None = None) -> None:
-    """The rank closed the helper's pipe or ended: if it died rather than stopped its watchdog, say
-    how it ended where its launcher reads it (a killed rank writes nothing itself), then, for a
-    signal it could not report or a rank whose keeper is gone too, tell its peers (``tell``: a ``PeerLost`` record in the store; on
-    another host they would otherwise learn only that its connection or heartbeat stopped)."""
+    """The rank closed the helper's pipe or ended: if it died, say how where its launcher reads it (a
+    killed rank writes nothing itself) and, for a signal it could not report or a keeper gone too, tell
+    its peers (``tell``: a ``PeerLost`` record; on another host they would see only a silence)."""
     how = _procfs.ended(pid, RANK_EXIT_WAIT)  # None: the rank runs (it stopped its watchdog)
     if how is None:
         return
@@ -186,8 +183,7 @@ def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], N
 
 
 def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool], i: int = 0) -> None:
-    """One look at a watched rank (and the beat, for the probe that beats); declares it once when it
-    is silent (``declared[i]``)."""
+    """One look at a watched rank (and the beat); declares it once when it is silent (``declared[i]``)."""
     try:
         silent = probe.poll(time.monotonic())
         if silent is not None and not declared[i]:
@@ -274,10 +270,6 @@ def kill(pid: int) -> None:
 
 
 def kill_all() -> None:
-    """For the reported exit: end every helper of this process."""
     for pid in list(_children):
         kill(pid)
     _children.clear()
-
-
-__all__ = ["LivenessProcess", "kill_all"]

@@ -1,24 +1,7 @@
 """The watchdog's probes: small, independent checks, each with ``poll(now) -> PeerFailedError | None``
-(the error this rank's main thread must raise; a record the probe declares is its ``record``).
-
-Each probe owns its own state, takes the time from its caller (so a unit test drives it with a fake
-clock) and reaches the job only through what it is given: a :class:`~..core.schema.Schema` (in tests over
-a ``torch.distributed.HashStore``), a pid table, or callables for the main thread's progress and
-stack. None of them starts a thread or a process; :class:`~.watchdog.Watchdog` runs them.
-
-=====================  ======================================  =========================================
-probe                  looks at                                finds
-=====================  ======================================  =========================================
-:class:`RecordsProbe`  the record counter (one ``add`` a poll)  a record of another rank that no sync
-                                                               point took within ``grace``
-:class:`HeartbeatProbe`its own and its ring successor's         the successor's counter still for
-                       heartbeat counters (every ``period``)    ``limit``: ``PeerSilent``
-:class:`PeerPidProbe`  same-host peers' pids (no store)         a peer process gone: ``PeerLost``
-:class:`SelfHangProbe` the main thread's last progress          no progress for ``hang_timeout``, not
-                                                               waiting on peers: ``RankHung`` (itself)
-:class:`StoreLossProbe`failed store calls reported to it, and  the store silent for ``lost_after`` and
-                       a plain connect to its port              its port refused or unreachable all along
-=====================  ======================================  =========================================
+(what this rank's main thread must raise; a record the probe declares is its ``record``). Each takes
+the time from its caller (a unit test drives it with a fake clock), reaches the job only through what
+it is given (a :class:`~..core.schema.Schema`, a pid table, callables) and starts no thread or process.
 """
 
 from __future__ import annotations
@@ -27,6 +10,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import traceback
 from typing import TYPE_CHECKING, Callable, Container
 
@@ -43,12 +27,8 @@ if TYPE_CHECKING:
 
 
 class RecordsProbe:
-    """Failure records of other ranks that the main thread did not take at a sync point.
-
-    A record is left ``grace`` seconds to a sync point that would deliver it anyway; ``delivered()``
-    is the set of record indices the main thread's agreements took. Not a record declaring a rank
-    lost or silent: no agreement can take it without that rank.
-    """
+    """Failure records of other ranks that no sync point took (``delivered()``) within ``grace``
+    seconds; at once for a record declaring a rank lost or silent (no agreement can take it without it)."""
 
     def __init__(self, schema: Schema, rank: int, grace: float, delivered: Callable[[], Container[int]],
                  start: int = 0, stale: Callable[[FailureRecord], bool] = lambda record: False) -> None:
@@ -104,8 +84,7 @@ class HeartbeatProbe:
         self.unacked_after = unacked_after
         self.send_at = 0.0  # the next byte on the link
         self.host = host
-        #: This probe beats this rank's own heartbeat at each poll (one probe of a helper's does).
-        self.beats = beats
+        self.beats = beats  # this probe beats this rank's own heartbeat (one probe of a helper's does)
         #: For a successor on this host: True while its process runs (not stopped, not gone). Its
         #: silence is then no evidence (its beats are only late); its death is the pid probe's.
         self.running = running
@@ -126,7 +105,6 @@ class HeartbeatProbe:
         self.left_checked_at: float | None = None
 
     def due(self) -> float:
-        """When this probe has something to do next (its beat, or its read of the watched rank)."""
         due = min(self.next_at, self.beat_at) if self.beats else self.next_at
         return min(due, self.send_at) if self.link is not None else due
 
@@ -292,8 +270,6 @@ def hung_error(rank: int, pid: int, host: str, frame, what: str, time_ms: int, s
 
 
 def main_thread_frame():
-    import threading
-
     return sys._current_frames().get(threading.main_thread().ident)
 
 
@@ -326,8 +302,7 @@ class StoreLossProbe:
         self.evidence = evidence
         self.check_every = check_every
         self.hosted_here = hosted_here
-        #: ``host:port`` of the store, named when no rank runs on its host (``store_rank`` ``None``)
-        self.store_at = store_at
+        self.store_at = store_at  # host:port, named when no rank runs on the store's host
         self.down_since: float | None = None
         self.last_error = ""
         self.found: str | None = None  # the newest evidence of the silence under way
@@ -346,16 +321,11 @@ class StoreLossProbe:
 
     def answered(self) -> None:
         """A call was answered: the store is back, the next silence is checked at once."""
-        self._end_silence()
+        self.down_since, self.checks, self.found = None, 0, None
         self.next_check, self.hold = 0.0, self.check_every
 
-    def _end_silence(self) -> None:
-        self.down_since = None
-        self.checks, self.found = 0, None
-
     def declare_at(self) -> float | None:
-        """When the silence under way becomes a loss if the evidence holds (``time.monotonic()``),
-        or ``None``."""
+        """When the silence under way becomes a loss if the evidence holds (monotonic), or ``None``."""
         if self.down_since is None or self.hosted_here:
             return None
         return self.down_since + self.lost_after
@@ -370,7 +340,7 @@ class StoreLossProbe:
                 # The port answers: the store is slow, not gone. A new silence starts with the next
                 # failed call, so that the time already spent is never counted as evidence; its
                 # first check waits (the store's server pays for each check it accepts).
-                self._end_silence()
+                self.down_since, self.checks, self.found = None, 0, None
                 self.next_check = now + self.hold
                 self.hold = min(MAX_CHECK_HOLD, 2 * self.hold)
                 return None

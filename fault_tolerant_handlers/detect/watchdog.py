@@ -1,19 +1,17 @@
-"""The out-of-band watchdog: daemon threads per process that run the probes (:mod:`.probes`) while the
-main thread may be stuck in a collective, and escalate what they find (``docs/detection.md``).
+"""The out-of-band watchdog (``docs/detection.md``): daemon threads that run the probes (:mod:`.probes`)
+while the main thread may be stuck in a collective, and escalate what they find.
 
-* The **store loop** (``fth-watchdog``) polls every ``interval`` (0.1 s) the records, self-hang and
-  store-loss probes: a constant number of store calls per rank, on a connection of its own.
-* The **liveness process** (:mod:`.liveness`, a helper process, so the GIL cannot stop it) beats and
-  watches its ring successor's heartbeat (``FTH_HEARTBEAT_TIMEOUT_SEC``).
+* The **store loop** (``fth-watchdog``) polls the records, self-hang and store-loss probes every
+  ``interval`` (0.1 s), on a connection of its own.
+* The **liveness process** (:mod:`.liveness`: a process, so the GIL cannot stop it) beats and watches
+  its ring successor's heartbeat.
 * The **pid loop** (``fth-pids``, only when peers share this host) sleeps in one ``poll()`` on the
   peers' pidfds (:class:`PidWatcher`): no store traffic, no periodic wake-up.
 
-A finding about another rank makes the session's incident a peer failure and starts the
-**escalation** (``fth-escalate``): release this process's collectives (:mod:`..core.interrupts`); then,
-if the main thread has not taken the failure within ``exit_grace``, a **reported exit** with
-:data:`EXIT_PEER_FAILED` (child processes killed), after any checkpoint write under way
-(``FTH_WRITE_GRACE_SEC``). A rank that finds *itself* hung publishes its stack and ends with
-:data:`EXIT_HUNG`. Settings: :mod:`..core.config`.
+A finding about another rank starts the **escalation** (``fth-escalate``): release this process's
+collectives; then, if the main thread has not taken the failure within ``exit_grace`` (and after a
+checkpoint write under way), a **reported exit** with :data:`EXIT_PEER_FAILED`. A rank that finds
+*itself* hung publishes its stack and ends with :data:`EXIT_HUNG`.
 """
 
 from __future__ import annotations
@@ -50,16 +48,8 @@ from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_RESEND, INTERRUPT_WAIT, LI
                            STORE_CHECK_EVERY, STORE_EVIDENCE_TIMEOUT, STORE_WARN_EVERY)  # the table in core.config
 
 
-# -- waiting for same-host peers to end without polling them (Linux pidfds) ----------------------------
-# A pidfd (``os.pidfd_open``) becomes readable when its process exits: one ``poll()`` on all of them
-# wakes only when a peer ends or the watchdog stops. Without pidfds, a check every ``fallback`` seconds.
-
-__all__ = ["PidWatcher", "WakeEvent"]
-
-
 class WakeEvent(threading.Event):
-    """A ``threading.Event`` whose ``set()`` also makes a pipe readable, so that a thread sleeping
-    in ``poll()`` on :meth:`fileno` wakes up when the event is set."""
+    """A ``threading.Event`` whose ``set()`` also wakes a thread sleeping in ``poll()`` on :meth:`fileno`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -86,14 +76,9 @@ class WakeEvent(threading.Event):
 
 
 class PidWatcher:
-    """Sleep until one of ``pids`` ends or ``wake`` is set.
-
-    Args:
-        pids: the processes to watch (same host).
-        wake: its ``set()`` ends a :meth:`wait` early (a :class:`WakeEvent`; a plain
-            ``threading.Event`` is only seen when a wait times out).
-        fallback: seconds between checks for pids that have no pidfd.
-    """
+    """Sleep until one of ``pids`` (same host) ends or ``wake`` is set (a :class:`WakeEvent`; a plain
+    ``threading.Event`` is seen only when a wait times out). A pidfd becomes readable when its process
+    exits; pids without one are checked every ``fallback`` seconds."""
 
     def __init__(self, pids: list[int], wake: threading.Event, fallback: float) -> None:
         self.wake = wake
@@ -106,10 +91,8 @@ class PidWatcher:
             if self._poll is not None and hasattr(os, "pidfd_open"):
                 try:
                     fd = os.pidfd_open(pid)
-                except ProcessLookupError:
-                    fd = None  # already gone: the first check reports it
-                except OSError:
-                    fd = None  # no pidfd here (kernel, seccomp, pid namespace)
+                except OSError:  # already gone (the first check reports it), or no pidfd here
+                    pass
             if fd is None:
                 self.polled.append(pid)
             else:
@@ -236,8 +219,7 @@ class Watchdog:
         return self._stop.is_set()
 
     @property
-    def store_ops(self) -> int:
-        """Store calls made so far by this watchdog's connections (bench/overhead.py, bench/watchdog_scale.py)."""
+    def store_ops(self) -> int:  # for bench/overhead.py, bench/watchdog_scale.py
         return self._conn.calls + self._liveness_conn.calls
 
     def stop(self, join_timeout: float | None = None, *, keep_liveness: bool = False) -> None:
@@ -278,8 +260,7 @@ class Watchdog:
             self.auto_hang.mark(kind, time.monotonic(), step)
 
     def explain_with(self, explainer) -> bool:
-        """Add a way to recognise work from the main thread's stack (:mod:`.autohang`); ``False``
-        when nothing was added (no learned deadline, or already added)."""
+        """Add a way to recognise work from the main thread's stack (:mod:`.autohang`); ``False``: not added."""
         auto = self.auto_hang
         if auto is None or explainer in auto.explainers:
             return False
@@ -287,7 +268,6 @@ class Watchdog:
         return True
 
     def forget_explainer(self, explainer) -> None:
-        """Remove what :meth:`explain_with` added (its loop ended)."""
         auto = self.auto_hang
         if auto is not None and explainer in auto.explainers:
             auto.explainers.remove(explainer)
@@ -399,7 +379,7 @@ class Watchdog:
             interrupts.resend()
 
     def _declare(self, err: PeerFailedError, schema: Schema | None) -> None:
-        """Publish the record this rank declared (the first rank to declare it does)."""
+        """Publish the record this rank declared, if no rank declared it before."""
         if err.origin != "declared" or schema is None:
             return
         try:
@@ -467,11 +447,6 @@ _running: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 _exit_hook_registered = False
 
 
-def _uncaught() -> bool:
-    """The interpreter ends because of an uncaught exception (printed: ``sys.last_value`` is set)."""
-    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
-
-
 def _stop_all() -> None:
     """Stop every watchdog before the interpreter finalizes: a daemon thread still inside a torch
     C++ call (a store operation) when Python finalizes is ended by a forced unwind through C++
@@ -482,7 +457,8 @@ def _stop_all() -> None:
     for watchdog in watchdogs:
         watchdog._finishing = True
         watchdog._stop.set()
-    if not _uncaught():  # the script ran to its end: this rank finished first, it is not lost
+    # no uncaught exception (printed: sys.last_value set): the script ran to its end; this rank is not lost
+    if getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
         for watchdog in watchdogs:
             watchdog.session.leave()  # (not when its job failed)
     failed = [w.session for w in watchdogs if w.session.failure.failing]

@@ -1,23 +1,17 @@
-"""What a launcher reads of a failure: torchrun's error files, ``torch.multiprocessing``'s error files
-and a spawned rank's stderr (docs/launchers.md tells both in full).
+"""What a launcher reads of a failure (docs/launchers.md tells both in full).
 
-**torchrun** names as *Root Cause* the failure with the smallest ``timestamp`` (whole seconds) in
-the workers' ``TORCHELASTIC_ERROR_FILE`` (``<run>/attempt_<n>/<local rank>/error.json``); a worker
-without one gets the time the agent noticed its exit, so a victim often wins. Files are written in
-``ErrorHandler``'s format: a rank that fails itself, with the failure's second (``RANK_FAILED``:
-:func:`write_failed`); a survivor, with a second that cannot win (``ACKNOWLEDGED``, ``EXITING``:
-:func:`write_survivor`); a rank killed by a signal, by its liveness helper (``RANK_KILLED``:
-:func:`write_killed`) and by a same-host survivor that sees it gone (``PEER_FAILED``:
-:func:`write_dead_peer`, the sibling ``<local rank>`` directory). A file is created atomically and
-never overwritten: the first writer wins. Outside torchrun nothing is written.
+**torchrun** names as *Root Cause* the failure with the smallest ``timestamp`` (whole seconds) in the
+workers' ``TORCHELASTIC_ERROR_FILE``; a worker without one gets the time the agent noticed its exit,
+so a victim often wins. Files are written in ``ErrorHandler``'s format: a rank that fails itself, with
+the failure's second; a survivor, with a second that cannot win; a rank killed by a signal, by its
+liveness helper and by a same-host survivor that sees it gone. A file is never overwritten: the first
+writer wins.
 
-**torch.multiprocessing** (``mp.spawn``: ``idist.Parallel``, ``ddp_spawn``) prints only the first
-failed process's exception and SIGTERMs the others. Under it (:func:`detect`, at session start) a rank
-prints the full report once per failure (:func:`print_report`); on a SIGTERM with nothing known but a
-same-host peer gone it waits up to :data:`SIGTERM_CAUSE_WAIT` for the cause (:func:`awaited_cause`);
-a killed rank's helper holds it a zombie for :data:`ZOMBIE_HOLD` so that its peers read how it ended,
-and writes torch's error file for it (:func:`hold_zombie`, ``RANK_ENDED``); a reported exit (87, 88)
-writes its report there (:func:`write_exit_report`, ``EXITING``), which the parent raises.
+**torch.multiprocessing** (``mp.spawn``) prints only the first failed process's exception and
+SIGTERMs the others. Under it a rank prints the full report once per failure; on a SIGTERM with only
+a same-host peer gone it waits for the cause; a killed rank's helper holds it a zombie so that its
+peers read how it ended, and writes torch's error file for it; a reported exit (87, 88) writes its
+report there, which the parent raises.
 """
 
 from __future__ import annotations
@@ -71,24 +65,24 @@ def payload(message: str, callstack: str, timestamp: int, role: str) -> dict:
                                       "writer": WRITER, "role": role}}}
 
 
-def write_once(path: str, data: dict) -> bool:
-    """Create ``path`` with ``data`` unless it exists (atomically); True when this call wrote it."""
+def write_once(path: str, data: dict | bytes) -> bool:
+    """Create ``path`` with ``data`` (a dict: as JSON) unless it exists (atomically); True when this call wrote it."""
     if os.path.exists(path):
         return False
     try:
         fd, tmp = tempfile.mkstemp(prefix=".error-", suffix=".json", dir=os.path.dirname(path) or ".")
     except OSError as err:
-        log(logging.WARNING, "could not write torchrun's error file %s: %s", path, err)
+        log(logging.WARNING, "could not write the error file %s: %s", path, err)
         return False
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data if isinstance(data, bytes) else json.dumps(data).encode())
         os.link(tmp, path)  # fails if the file exists: never overwrites
         return True
     except FileExistsError:
         return False
     except OSError as err:
-        log(logging.WARNING, "could not write torchrun's error file %s: %s", path, err)
+        log(logging.WARNING, "could not write the error file %s: %s", path, err)
         return False
     finally:
         try:
@@ -149,15 +143,6 @@ def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
                                 int(when), "killed")):
         log(logging.INFO, "wrote the error file of rank %d for torchrun: %s", rank, path)
 
-
-def write_dead_peer(table: RankTable, err: PeerFailedError) -> None:
-    """The watchdog found ``err``: if it is a same-host peer gone, write its file at once."""
-    own = own_path()
-    if own is not None:
-        try:
-            _dead_peer_file(table, err, own)
-        except Exception as exc:  # noqa: BLE001
-            log(logging.WARNING, "could not write torchrun's error file: %s", exc)
 
 
 def write_killed(record: FailureRecord) -> bool:
@@ -298,34 +283,19 @@ def hold_zombie(rank_pid: int, rank: int | None = None, host: str = "") -> None:
 def _write_spawn_killed(rank_pid: int, rank: int, host: str) -> bool:
     """The rank was killed by a signal: torch's error file for it (the parent reads it once every
     process has ended), naming the rank, its pid and the signal."""
-    state = _state
-    if state is None or state.error_file is None:
-        return False
     how = process_state(rank_pid)
-    if how is None or not how.killed:
+    if _state is None or _state.error_file is None or how is None or not how.killed:
         return False
     lost = FailureRecord.lost(rank=rank, pid=rank_pid, host=host, why=how, by=rank).exc_message
     text = f"fault-tolerant-handlers: {lost} (seen by its liveness helper: a killed process prints no traceback)\n"
-    return _write_error_file(state.error_file, text)
-
-
-def _write_error_file(path: str, text: str) -> bool:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never overwrites a rank's own report
-    except OSError:
-        return False
-    with os.fdopen(fd, "wb") as fh:
-        pickle.dump(text, fh)  # the format torch's parent reads: a pickled str
-    return True
+    return write_once(_state.error_file, pickle.dumps(text))  # torch's parent reads a pickled str
 
 
 def write_exit_report(err: BaseException | None, code: int) -> None:
     """A reported exit under ``mp.spawn``: ``err``'s report goes into torch's error file."""
-    state = _state
-    if state is None or state.error_file is None or err is None:
-        return
-    text = f"fault-tolerant-handlers ended this process (exit code {code}) because:\n{err}\n"
-    _write_error_file(state.error_file, text)
+    if _state is not None and _state.error_file is not None and err is not None:
+        write_once(_state.error_file, pickle.dumps(f"fault-tolerant-handlers ended this process (exit code {code}) "
+                                                   f"because:\n{err}\n"))
 
 
 # -- the core's announcements (wired in ``..wiring``) --------------------------------------------------
@@ -334,7 +304,13 @@ def on_session_started(session) -> None:
 
 
 def on_peer_failed(table: RankTable, err: PeerFailedError, escalated: bool) -> None:
-    write_dead_peer(table, err)  # torchrun: the agent reads a failed worker's file as soon as it notices the exit
+    # torchrun: the agent reads a failed worker's file as soon as it notices the exit
+    own = own_path()
+    if own is not None:
+        try:
+            _dead_peer_file(table, err, own)
+        except Exception as exc:  # noqa: BLE001
+            log(logging.WARNING, "could not write torchrun's error file: %s", exc)
     if escalated:
         print_report(table.rank, err)  # mp.spawn: the report, before the launcher's SIGTERM
 

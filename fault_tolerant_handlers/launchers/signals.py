@@ -1,25 +1,20 @@
 """SIGTERM and SIGINT: a signalled rank says so before the signal takes effect.
 
-A preemption (``scancel``, a spot reclaim), ``kill`` or Ctrl-C ends a rank in a way its peers cannot
-explain: they only see a broken collective. When a fail-together session starts (in the main
-thread), this module puts a handler **in front of** the one already there (Lightning's, a user's,
-Python's default), never replacing it:
+A preemption, ``kill`` or Ctrl-C ends a rank in a way its peers cannot explain: they only see a
+broken collective. When a session starts, this module puts a handler **in front of** the one already
+there (Lightning's, a user's, Python's default), never replacing it:
 
-1. it reacts once: if this rank already knows of a peer's failure (the watchdog's incident, an
-   undelivered record, a same-host peer gone), the signal is a consequence (torchrun and ``mp.spawn``
-   end survivors with ``SIGTERM``) and only torchrun's error file is written (:mod:`.reports`, a
-   survivor's timestamp); otherwise this rank is the cause: it publishes a declared ``RankSignalled``
-   record (every peer raises :class:`~..core.errors.PeerFailedError` naming it) and writes its own
-   error file;
-2. then it calls the previous handler. When a handler put in front of this one later calls it
-   (Lightning's, registered in ``fit``), that handler says what the signal does: the default is not
-   enacted after it, a peer's ``RankSignalled`` of the same moment is the same preemption, and a
-   collective broken after this rank's own signal raises its ``RankSignalled``
-   (``session.failure.signalled(...)``).
+1. it reacts once: if this rank already knows of a peer's failure, the signal is a consequence
+   (launchers end survivors with ``SIGTERM``) and only its error file is written; otherwise this rank
+   is the cause: it publishes a declared ``RankSignalled`` record (every peer raises naming it);
+2. then it calls the previous handler. A handler put in front of this one later (Lightning's, in
+   ``fit``) says what the signal does: the default is not enacted after it, a peer's
+   ``RankSignalled`` of the same moment is the same preemption, and a collective broken after this
+   rank's own signal raises its ``RankSignalled``.
 
-Python runs signal handlers in the main thread only, between bytecodes: a main thread blocked in a
-collective would run it late. So the reaction also runs from a thread (``fth-signals``) woken by
-``signal.set_wakeup_fd``, unless another wakeup fd is already set (asyncio's), which is kept.
+Python runs signal handlers in the main thread only, between bytecodes, so the reaction also runs
+from a thread (``fth-signals``) woken by ``signal.set_wakeup_fd``, unless another wakeup fd is set
+(asyncio's), which is kept.
 """
 
 from __future__ import annotations
@@ -51,14 +46,6 @@ if TYPE_CHECKING:
 #: The signals handled (each only if not ignored when the session starts).
 SIGNALS = tuple(signal.Signals[name] for name in HANDLED_SIGNALS)  # SIGTERM, SIGINT
 
-
-def same_delivery(peer: PeerFailedError, name: str, received: float, window: float = SAME_DELIVERY) -> bool:
-    """``peer`` is a peer that received the same signal as this rank at the same moment (one
-    delivery to every process: Ctrl-C, ``scancel``, a preemption): this rank's own signal, not a
-    consequence. ``window``: :data:`SAME_DELIVERY`, or :data:`SIGNALLED_TOGETHER` under a
-    framework's handler."""
-    return (peer.kind is FailureKind.RANK_SIGNALLED and peer.ended is not None and peer.ended.signal_name == name
-            and peer.failed_at is not None and abs(peer.failed_at - received) <= window)
 
 
 class _Watch:
@@ -234,9 +221,14 @@ class _Watch:
         peer = (session.failure_report(REPORT_WAIT)
                 or reports.awaited_cause(session.same_host_probe, lambda: failure.peer_error,
                                          lambda: self._records(session))
-                or self._peer_cause(session))
+                or session.same_host_probe.poll(time.monotonic()) or self._records(session))
+        # a peer that received the same signal at the same moment (one delivery to every process:
+        # Ctrl-C, scancel, a preemption): this rank's own signal, not a consequence
         window = SIGNALLED_TOGETHER if self._framework_in_front(signum) else SAME_DELIVERY
-        if peer is not None and not same_delivery(peer, name, received, window):
+        same = (peer is not None and peer.kind is FailureKind.RANK_SIGNALLED and peer.ended is not None
+                and peer.ended.signal_name == name and peer.failed_at is not None
+                and abs(peer.failed_at - received) <= window)
+        if peer is not None and not same:
             self.kind = "consequence"
             code = 128 + signum
             log(logging.CRITICAL, "ending this process with exit code %d: terminated by %s while the job fails: %s",
@@ -271,10 +263,6 @@ class _Watch:
             what = release_process_groups(session.pg_store)
             log(logging.INFO, "released this rank's collectives: %s", what)
 
-    @staticmethod
-    def _peer_cause(session: Session) -> PeerFailedError | None:
-        """A peer's failure this rank has not taken yet: a same-host peer gone, or a record."""
-        return session.same_host_probe.poll(time.monotonic()) or _Watch._records(session)
 
     @staticmethod
     def _records(session: Session) -> PeerFailedError | None:
@@ -350,13 +338,11 @@ _own_failure: FailureRecord | None = None
 
 
 def on_rank_failed(record: FailureRecord) -> None:
-    """The core's ``RANK_FAILED``."""
     global _own_failure
     _own_failure = record
 
 
 def on_session_started(session: Session) -> None:
-    """The core's ``SESSION_STARTED`` (wired in :mod:`..wiring`)."""
     global _own_failure
     _own_failure = None  # a new session: a new attempt (recovering in place), no failure of its own yet
     install(session)  # SIGTERM/SIGINT: say so before the previous handler runs
