@@ -239,8 +239,7 @@ class FaultToleranceEvents(EventEnum):
 
 
 class IgniteRecovery(LoopRecovery):
-    """:class:`FaultToleranceEvents` on one engine and ``engine.state.fault_tolerance``: ``FAILURE_SEEN``
-    and ``RECOVERY_STARTED`` on the failed attempt's engines, ``RECOVERED`` on the next one's at ``STARTED``."""
+    """:class:`FaultToleranceEvents` and ``engine.state.fault_tolerance`` on one engine."""
 
     loops: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
     last_completed: int | None = None
@@ -286,10 +285,8 @@ def _unwrap(obj: Any) -> Any:
 
 class IgniteLive(LiveLoop):
     """Live state (:mod:`.data.live`) of one Ignite trainer, from the ``to_save`` of its ``Checkpoint``
-    handlers: restored at the first ``STARTED`` unless the script loaded it, the RNG at each
-    ``ITERATION_STARTED``, small state at each ``ITERATION_COMPLETED`` (last handler), the capture at
-    ``EXCEPTION_RAISED`` (modules and optimizers as they are: no update ran since; a sharded model's,
-    this rank's shard, which only this rank resumes from)."""
+    handlers; captured at ``EXCEPTION_RAISED`` with modules and optimizers as they are (no update ran
+    since; a sharded model's: this rank's shard, which only this rank resumes from)."""
 
     replicates = True
 
@@ -306,7 +303,6 @@ class IgniteLive(LiveLoop):
         engine.add_event_handler(Events.COMPLETED, lambda _: self.close())
 
     def _find(self, engine: Any) -> None:
-        """The ``to_save`` of the engine's ``Checkpoint`` handlers, their folder, or why nothing is captured."""
         checkpoints = [h for h in _compat_ignite.attached_handlers(engine) if isinstance(h, Checkpoint)]
         self.to_save, self.directory, self.why_not = {}, None, ""
         for handler in checkpoints:
@@ -388,9 +384,8 @@ class SafeDiskSaver(DiskSaver):
     """Ignite's ``DiskSaver`` (same arguments) that removes old checkpoints only once the new one is written.
 
     ``Checkpoint`` asks its save handler to remove the oldest file before it saves the new one (a kill
-    in between costs a checkpoint; with ``n_saved=1``, the only one); here the removal waits until the
-    new file is complete, so a kill at any moment leaves ``n_saved`` complete checkpoints. Recovering
-    in place, a hung main thread's interrupt waits until the write and the removal are over.
+    in between costs a checkpoint; with ``n_saved=1``, the only one): here a kill at any moment leaves
+    ``n_saved`` complete checkpoints, and a hung main thread's interrupt waits for the write and removal.
 
     Examples:
         .. code-block:: python
@@ -423,8 +418,8 @@ class SafeDiskSaver(DiskSaver):
 
 
 def _discard(path: Path, then: Callable[[], None] = lambda: None) -> None:
-    """Remove the directory ``path``, renamed first to ``tmp-<name>.old`` (skipped by ``latest_checkpoint``),
-    calling ``then`` between the rename and the removal."""
+    """Remove the directory ``path``, renamed first to ``tmp-<name>.old`` (which ``latest_checkpoint``
+    skips); ``then()`` runs between the rename and the removal."""
     trash = path.with_name(f"tmp-{path.name}.old")
     shutil.rmtree(trash, ignore_errors=True)  # a removal a killed attempt left
     if path.exists():
@@ -439,12 +434,9 @@ class DCPSaver(BaseSaveHandler):
     (Ignite's ``DiskSaver`` writes on one rank only, which loses every other rank's shards).
 
     Each checkpoint is a directory named after Ignite's file name without its extension
-    (``checkpoint_20``), written as ``tmp-checkpoint_20`` and renamed by rank 0 once DCP's
-    ``.metadata`` is written; old ones are removed after, as :class:`SafeDiskSaver` does.
-    :func:`~fault_tolerant_handlers.latest_checkpoint` finds the newest complete one and
-    :func:`~fault_tolerant_handlers.load_dcp` loads it on every rank. ``dirname`` must be one folder
-    every rank sees. Put the model and its optimizers in ``to_save`` as a
-    :class:`~fault_tolerant_handlers.ShardedState`.
+    (``checkpoint_20``), written as ``tmp-checkpoint_20`` and renamed by rank 0 once complete; old ones
+    are removed after, as :class:`SafeDiskSaver` does. ``dirname`` must be one folder every rank sees.
+    Put the model and its optimizers in ``to_save`` as a :class:`~fault_tolerant_handlers.ShardedState`.
 
     Examples:
         .. code-block:: python
@@ -526,7 +518,7 @@ def check_mid_epoch_resume(engine: Any) -> str | None:
     return message
 
 
-# -- a DDP's bucket layout beside the model ---------------------------------------------------------------
+# -- a DDP's bucket layout beside the model (a resume exact at 3+ ranks) ------------------------------------
 _warned: set[str] = set()
 
 
@@ -538,8 +530,8 @@ def _warn_once(message: str) -> None:
 
 
 def find_ddp(objects: Iterable[Any]) -> DistributedDataParallel | None:
-    """The ``DistributedDataParallel`` among ``objects``, or the one wrapping a model among them: named
-    by an ``Engine``'s training step or, from 3 ranks on, found by a scan of the heap (about 0.1 s)."""
+    """The DDP among ``objects``, or the one wrapping a model among them: named by an ``Engine``'s
+    training step or, from 3 ranks on, found by a scan of the heap (about 0.1 s)."""
     objects = list(objects)
     for obj in objects:
         if isinstance(obj, DistributedDataParallel):
@@ -561,7 +553,7 @@ def find_ddp(objects: Iterable[Any]) -> DistributedDataParallel | None:
 
 
 def _layout_of(ddp: DistributedDataParallel | None) -> DDPBucketLayout | None:
-    """The one ``DDPBucketLayout`` of ``ddp`` (kept on it: the layout a load gave it is what it saves)."""
+    """The one layout of ``ddp``, kept on it: the layout a load gave it is what it saves."""
     if ddp is None:
         return None
     layout = getattr(ddp, "_fth_bucket_layout", None)
@@ -575,8 +567,8 @@ def _layout_of(ddp: DistributedDataParallel | None) -> DDPBucketLayout | None:
 
 
 def add_bucket_layouts(engine: Any, checkpoints: Iterable[Any]) -> None:
-    """``STARTED``: each ``Checkpoint`` whose ``to_save`` (of 2+ objects) holds a DDP or its model and no
-    ``DDPBucketLayout`` saves the layout too, under :data:`LAYOUT_KEY` (in a new dict: the user's is kept)."""
+    """Each ``Checkpoint`` whose ``to_save`` (of 2+ objects) holds a DDP or its model and no layout saves
+    the layout too, under :data:`LAYOUT_KEY` (in a new dict: the user's is kept)."""
     for handler in checkpoints:
         to_save = handler.to_save
         if not isinstance(to_save, dict) or len(to_save) < 2 or LAYOUT_KEY in to_save or any(
@@ -588,8 +580,7 @@ def add_bucket_layouts(engine: Any, checkpoints: Iterable[Any]) -> None:
 
 
 def give_bucket_layout(to_load: Any, checkpoint: Any) -> None:
-    """After ``Checkpoint.load_objects(to_load, checkpoint)``: the layout saved under :data:`LAYOUT_KEY`
-    goes to the DDP of ``to_load`` before its first step."""
+    """After ``Checkpoint.load_objects(to_load, checkpoint)``: the saved layout goes to the DDP of ``to_load``."""
     if not isinstance(checkpoint, dict) or not isinstance(to_load, dict) or LAYOUT_KEY in to_load:
         return
     saved = checkpoint.get(LAYOUT_KEY)

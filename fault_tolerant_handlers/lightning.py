@@ -122,10 +122,7 @@ class FaultTolerance(_CallbackBase):
     # -- state ---------------------------------------------------------------------------------
     @property
     def state_key(self) -> str:
-        cached = self.__dict__.get("_state_key_cache")
-        if cached is None or cached[0] != self.name:
-            cached = self._state_key_cache = (self.name, self._generate_state_key(name=self.name))
-        return cached[1]
+        return self._generate_state_key(name=self.name)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -202,7 +199,7 @@ class FaultTolerance(_CallbackBase):
 
 
     def _run_stage_in_rank(self, trainer: pl.Trainer, run_stage: Callable[[], Any]) -> Any:
-        """Spawned ranks only: the exception path Lightning does not give them, with the checkpoint
+        """Spawned ranks: the exception path Lightning gives only the parent, with the checkpoint
         callbacks' ``on_exception`` run here, where the trained state is."""
         try:
             return run_stage()
@@ -339,10 +336,8 @@ def _evaluation(trainer: pl.Trainer) -> str:
 
 # -- live state --------------------------------------------------------------------------------------
 class LightningLive(LiveLoop):
-    """Live state (:mod:`.data.live`) of one Lightning ``Trainer``, from what ``trainer.save_checkpoint``
-    would write: marked at each ``on_train_batch_end`` (loops, epoch, LR schedulers, optimizers'
-    hyper-parameters), an update begins at ``on_before_optimizer_step``, captured at ``on_exception``
-    (``dump_checkpoint`` with the marked parts put in)."""
+    """Live state (:mod:`.data.live`) of one Lightning ``Trainer``: what ``trainer.save_checkpoint`` would
+    write, captured at ``on_exception`` with the parts marked at the last batch end put in."""
 
     unit = "global step"
 
@@ -401,9 +396,8 @@ class LightningLive(LiveLoop):
 
 
 def _load_shards(strategy: Any, path: Any) -> dict | None:
-    """A ``ModelParallelStrategy``'s ``load_checkpoint(path)`` for the live state's name (``None`` for any
-    other path): this rank's shard loaded into the strategy's model and optimizers (which its own
-    ``load_checkpoint`` loads, from files only), the rest returned for Lightning to restore."""
+    """A ``ModelParallelStrategy``'s ``load_checkpoint`` for the live state's name (else ``None``): this
+    rank's shard into its model and optimizers (its own loads files only), the rest for Lightning."""
     checkpoint = live.take(path, [strategy.model])
     if checkpoint is not None:
         dcp.load_shards(strategy.model, strategy.optimizers, checkpoint["state_dict"], checkpoint["optimizer_states"])
@@ -411,7 +405,6 @@ def _load_shards(strategy: Any, path: Any) -> dict | None:
 
 
 # -- a recovery in place's moments, as hooks ------------------------------------------------------------
-#: The hooks, by the moment they tell.
 HOOKS = {recoveries.RecoveryPhase.FAILURE_SEEN: "on_failure_seen",
          recoveries.RecoveryPhase.RECOVERY_STARTED: "on_recovery_started",
          recoveries.RecoveryPhase.RECOVERED: "on_recovered"}
@@ -422,7 +415,7 @@ _kept_metrics: dict[str, bytes] = {}
 
 
 def _pinned_version(logger: Any) -> Any:
-    """The first attempt's version for a logger of the same class and root folder (``None``: none)."""
+    """The first attempt's version for a logger of the same class and root folder."""
     for cls, root, version, _ in _logger_versions:
         if type(logger) is cls and str(getattr(logger, "root_dir", "")) == root:
             return version
@@ -461,10 +454,8 @@ def dispatch(trainer: Any, hook: str, info: recoveries.RecoveryInfo) -> None:
 
 
 class LightningRecovery(LoopRecovery):
-    """One ``FaultTolerance`` callback's part of a recovery in place: the hooks ``on_failure_seen``,
-    ``on_recovery_started`` (the failed attempt's trainer) and ``on_recovered`` (the next attempt's
-    ``on_train_start``) on every callback and the module that define them, and the recovery's numbers
-    logged at the first training batch after it (docs/recovering.md)."""
+    """One callback's part of a recovery in place: its hooks on every callback and the module that
+    define them, and its numbers logged at the first training batch after it (docs/recovering.md)."""
 
     loops: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
     last_completed: int | None = None

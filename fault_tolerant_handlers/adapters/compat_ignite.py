@@ -48,7 +48,7 @@ def handlers_of(engine: Any, event: Any) -> list:
 
 
 def prepend(engine: Any, event: Any, handler: Callable) -> None:
-    """Attach ``handler`` to ``event`` so that it runs before the handlers already attached."""
+    """Attach ``handler`` to ``event`` before the handlers already attached."""
     engine.add_event_handler(event, handler)
     handlers = handlers_of(engine, event)
     handlers.insert(0, handlers.pop())
@@ -64,8 +64,7 @@ def append_last(engine: Any, event: Any, handler: Callable) -> None:
 
 
 def attached_handlers(engine: Any) -> list:
-    """Every handler attached to ``engine``, on any event, as it was given (a filtered event's wrapper
-    unwrapped), each once."""
+    """Every handler attached to ``engine`` as it was given (a filtered event's unwrapped), each once."""
     found: list = []
     for entries in engine._event_handlers.values():
         for entry in entries:
@@ -95,7 +94,6 @@ _ENGINE_FILE = f"ignite{os.sep}engine{os.sep}engine.py"
 
 
 def check_running_engines() -> None:
-    """Raise ``RuntimeError`` when :func:`running_engines` cannot work with this Ignite version."""
     from ignite.engine import Engine
 
     if not any(callable(getattr(Engine, name, None)) for name in EPOCH_FUNCTIONS):
@@ -155,7 +153,7 @@ _load_hooks: dict[str, Callable] = {}
 def hook_load_objects(*, take: Callable[[Any], Any] | None = None, read: Callable[[Any], Any] | None = None,
                       after: Callable[[Any, Any], None] | None = None) -> None:
     """Wrap ``Checkpoint.load_objects`` once per process and add the hooks given: given a path, it loads
-    ``take(path, objects)`` (``objects``: ``to_load``'s values) when not ``None``, else (with ``after``) ``read(path)``; then calls ``after``."""
+    ``take(path, to_load's values)`` when not ``None``, else (with ``after``) ``read(path)``; then ``after``."""
     _load_hooks.update({name: hook for name, hook in (("take", take), ("read", read), ("after", after))
                         if hook is not None})
     module = sys.modules.get("ignite.handlers.checkpoint")
@@ -191,15 +189,11 @@ def step_names(engine: Any) -> list:
     code = getattr(func, "__code__", None)
     if code is None:
         return []
-    found = [cell.cell_contents for cell in (func.__closure__ or ()) if _filled(cell)]
+    found = []
+    for cell in func.__closure__ or ():
+        try:
+            found.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
     names = getattr(func, "__globals__", {})
-    found += [names[name] for name in code.co_names if name in names]
-    return found
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
+    return found + [names[name] for name in code.co_names if name in names]

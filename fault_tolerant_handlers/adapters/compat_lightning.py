@@ -52,22 +52,18 @@ NAMESPACES: tuple[str, ...] = tuple(
 _DISTRIBUTION = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch-lightning"}
 
 
-def _import(name: str) -> Any:
-    return importlib.import_module(name)
-
 
 def namespace(obj: Any) -> str:
-    """``"lightning.pytorch"`` or ``"pytorch_lightning"``: the package whose object (trainer, strategy, loop) this is."""
+    """The package (``"lightning.pytorch"`` or ``"pytorch_lightning"``) of a trainer, strategy or loop."""
     return "pytorch_lightning" if type(obj).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
 
 
 def callback_bases() -> tuple[type, ...]:
-    """The ``Callback`` class of every installed namespace that imports (the callback derives from
-    each); none at all is an ``ImportError`` saying what to install."""
+    """The ``Callback`` class of every installed namespace that imports (else an ``ImportError``)."""
     bases, errors = [], []
     for name in NAMESPACES:
         try:
-            bases.append(_import(name + ".callbacks").Callback)
+            bases.append(importlib.import_module(name + ".callbacks").Callback)
         except Exception as err:  # noqa: BLE001 - a broken second install must not break the first
             errors.append(f"{name}: {type(err).__name__}: {err}")
     if not bases:
@@ -88,7 +84,7 @@ def check(trainer: Any) -> None:
     ns = namespace(trainer)
     missing = []
     try:
-        _import(ns + ".strategies.launchers.multiprocessing")._MultiProcessingLauncher  # noqa: B018
+        importlib.import_module(ns + ".strategies.launchers.multiprocessing")._MultiProcessingLauncher  # noqa: B018
     except (ImportError, AttributeError):
         missing.append(f"{ns}.strategies.launchers.multiprocessing._MultiProcessingLauncher")
     for name in ("_run_stage", "_teardown"):
@@ -98,20 +94,19 @@ def check(trainer: Any) -> None:
     if strategy is not None and model_parallel(strategy) and not hasattr(strategy, "_save_distributed_checkpoint"):
         missing.append(f"{ns}.strategies.ModelParallelStrategy._save_distributed_checkpoint")
     if missing:
-        version = getattr(_import(ns), "__version__", "?")
+        version = getattr(importlib.import_module(ns), "__version__", "?")
         raise RuntimeError(f"fault-tolerant-handlers needs {', '.join(missing)}, which {_DISTRIBUTION[ns]} "
                            f"{version} does not have (checked against {', '.join(CHECKED_AGAINST)})")
 
 
 def on_exception_runs_in_rank(trainer: Any) -> bool:
     """False for ``ddp_spawn``/``ddp_fork``/``ddp_notebook``: ``on_exception`` runs in the parent."""
-    launcher_type = _import(namespace(trainer) + ".strategies.launchers.multiprocessing")._MultiProcessingLauncher
+    launcher_type = importlib.import_module(namespace(trainer) + ".strategies.launchers.multiprocessing")._MultiProcessingLauncher
     return not isinstance(trainer.strategy.launcher, launcher_type)
 
 
 def wrap_run_stage(trainer: Any, wrapper: Callable[[Callable[[], Any]], Any]) -> None:
-    """Run ``wrapper(original)`` instead of ``Trainer._run_stage`` on this trainer object (in a
-    spawned rank: the rank's own copy)."""
+    """Run ``wrapper(original)`` instead of ``Trainer._run_stage`` on this trainer object."""
     original = trainer._run_stage
     if getattr(original, "_fth_wrapped", False):
         return
@@ -138,14 +133,13 @@ def interrupt_steps(trainer: Any, exception: BaseException) -> list[tuple[str, C
 
 
 def keep_launched_ranks(trainer: Any) -> bool:
-    """Recovering in place in the process that started the other ranks (``strategy="ddp"``): set
-    ``LOCAL_RANK`` so that the next attempt's ``Trainer`` does not start them again. Returns True if it
-    had to; ``RuntimeError`` when the launcher is missing or the environment would start them anyway."""
+    """In the process that started the other ranks (``strategy="ddp"``): set ``LOCAL_RANK`` so that the
+    next attempt's ``Trainer`` does not start them again (True: it had to)."""
     ns = namespace(trainer)
     try:
-        launcher_type = _import(ns + ".strategies.launchers.subprocess_script")._SubprocessScriptLauncher
+        launcher_type = importlib.import_module(ns + ".strategies.launchers.subprocess_script")._SubprocessScriptLauncher
     except (ImportError, AttributeError):
-        version = getattr(_import(ns), "__version__", "?")
+        version = getattr(importlib.import_module(ns), "__version__", "?")
         raise RuntimeError(
             f"recover_in_place under Lightning needs {ns}.strategies.launchers.subprocess_script."
             f"_SubprocessScriptLauncher, which {_DISTRIBUTION[ns]} {version} does not have (checked against {', '.join(CHECKED_AGAINST)}); "
@@ -165,8 +159,7 @@ def keep_launched_ranks(trainer: Any) -> bool:
 
 def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any] | None,
                                newest: Callable[[Any], Any]) -> None:
-    """Recovering in place, on this strategy once: ``save_checkpoint`` also calls ``keep(filepath,
-    checkpoint)`` (in a deferred section; ``None``: ``save_checkpoint`` as it is),
+    """Once per strategy: ``save_checkpoint`` also calls ``keep(filepath, checkpoint)`` (unless ``None``),
     ``load_checkpoint(path)`` returns ``newest(path)`` if not ``None``."""
     if getattr(strategy, "_fth_snapshots", False):
         return
@@ -194,7 +187,7 @@ def restores_itself(strategy: Any) -> str:
     """Why a checkpoint dict handed to ``strategy`` would not be what it loads ("" when it is):
     ``FSDPStrategy``, ``ModelParallelStrategy`` and DeepSpeed load inside their own ``load_checkpoint``."""
     ns = namespace(strategy)
-    base = _import(ns + ".strategies").Strategy
+    base = importlib.import_module(ns + ".strategies").Strategy
     overridden = [name for name in ("load_checkpoint", "load_model_state_dict", "load_optimizer_state_dict")
                   if getattr(type(strategy), name, None) is not getattr(base, name)]
     if not overridden:
@@ -205,15 +198,13 @@ def restores_itself(strategy: Any) -> str:
 
 def plain_ddp(strategy: Any) -> bool:
     """``strategy`` is a plain ``DDPStrategy``: its checkpoint dict is built without collectives."""
-    ns = namespace(strategy)
-    strategies = _import(ns + ".strategies")
+    strategies = importlib.import_module(namespace(strategy) + ".strategies")
     deepspeed = getattr(strategies, "DeepSpeedStrategy", ())
     return isinstance(strategy, strategies.DDPStrategy) and not isinstance(strategy, deepspeed)
 
 
 def model_parallel(strategy: Any) -> bool:
-    """``strategy`` is a ``ModelParallelStrategy``: each rank holds its shards of the model (``DTensor``)."""
-    return isinstance(strategy, getattr(_import(namespace(strategy) + ".strategies"), "ModelParallelStrategy", ()))
+    return isinstance(strategy, getattr(importlib.import_module(namespace(strategy) + ".strategies"), "ModelParallelStrategy", ()))
 
 
 def dump_checkpoint(trainer: Any) -> dict:
@@ -233,7 +224,7 @@ def dump_checkpoint(trainer: Any) -> dict:
 
 
 def _nodes(progress: Any) -> list:
-    """``progress`` and the progress objects inside it (trackers), depth first."""
+    """``progress`` and the progress objects inside it, depth first."""
     found = [progress]
     for value in progress.__dict__.values():
         if dataclasses.is_dataclass(value):
@@ -247,8 +238,8 @@ def loop_parts(loop: Any) -> tuple[list, list]:
     import operator
 
     ns = namespace(loop)
-    loop_type = _import(ns + ".loops.loop")._Loop
-    progress_type = _import(ns + ".loops.progress")._BaseProgress
+    loop_type = importlib.import_module(ns + ".loops.loop")._Loop
+    progress_type = importlib.import_module(ns + ".loops.progress")._BaseProgress
     loops: list = []
     progresses: list = []
 
@@ -269,7 +260,7 @@ def loop_parts(loop: Any) -> tuple[list, list]:
 
 
 def snapshot_loops(parts: tuple[list, list]) -> tuple[list, list]:
-    """The loops' state now, cheaply: plain fields only (:func:`loop_state` builds the dict later)."""
+    """The loops' state now, cheaply (:func:`loop_state` builds the dict later)."""
     loops, progresses = parts
     return ([(key, node.on_save_checkpoint()) for key, node in loops],
             [getter(part.__dict__) for _, _, plain in progresses for part, _, getter in plain if getter is not None])
@@ -324,8 +315,7 @@ def checkpoint_folders(trainer: Any) -> tuple[list[str], str]:
 
 
 def put_callback_metrics(trainer: Any, values: dict[str, float]) -> bool:
-    """Put ``values`` (as 0-d float tensors) into ``trainer.callback_metrics``; ``False`` when this
-    Lightning's ``callback_metrics`` does not keep them (a copy): the caller then logs them."""
+    """Put ``values`` into ``trainer.callback_metrics``; ``False`` when it does not keep them (a copy)."""
     import torch
 
     metrics = trainer.callback_metrics
@@ -353,18 +343,13 @@ def substitute_ckpt_path(trainer: Any, substitute: Callable[[Any], Any]) -> None
 
 
 def logger_versions(trainer: Any) -> list[tuple[type, str, Any, str]]:
-    """``(class, root folder, version, folder)`` of each logger of ``trainer`` that numbers its versions
-    (``_get_next_version``: ``CSVLogger``, ``TensorBoardLogger``)."""
-    found = []
-    for logger in trainer.loggers:
-        if callable(getattr(logger, "_get_next_version", None)) and getattr(logger, "root_dir", None) is not None:
-            found.append((type(logger), str(logger.root_dir), logger.version, str(logger.log_dir)))
-    return found
+    """``(class, root folder, version, folder)`` of each logger that numbers its versions (CSV, TensorBoard)."""
+    return [(type(logger), str(logger.root_dir), logger.version, str(logger.log_dir)) for logger in trainer.loggers
+            if callable(getattr(logger, "_get_next_version", None)) and getattr(logger, "root_dir", None) is not None]
 
 
 def pin_next_versions(classes: Any, pinned: Callable[[Any], Any]) -> None:
-    """A logger of ``classes`` without a version takes ``pinned(logger)`` when not ``None``, instead of the
-    next free ``version_N``. Each class once."""
+    """A logger of ``classes`` (each once) takes ``pinned(logger)`` when not ``None``, not the next ``version_N``."""
     for cls in classes:
         original = cls.__dict__.get("_fth_original_next_version") or getattr(cls, "_get_next_version")
         if getattr(cls.__dict__.get("_get_next_version"), "_fth_pinned", False):
@@ -380,8 +365,8 @@ def pin_next_versions(classes: Any, pinned: Callable[[Any], Any]) -> None:
 
 
 def restore_csv_metrics(trainer: Any, kept: dict[str, bytes]) -> list[str]:
-    """On global rank 0: a ``CSVLogger`` opened again in a folder of ``kept`` (whose ``metrics.csv`` its
-    writer deleted) gets the rows back before it writes any. Returns the folders restored."""
+    """On rank 0: a ``CSVLogger`` opened again in a folder of ``kept`` (its writer deleted ``metrics.csv``)
+    gets the rows back before it writes any. Returns the folders restored."""
     restored = []
     if trainer.global_rank != 0:
         return restored

@@ -15,13 +15,8 @@ from ..data.checkpoints import Source, check_keys, check_prefix, folder_source, 
 from . import compat_ignite, compat_lightning
 
 
-def _ignite_class(module: str, name: str) -> type | None:
+def _class(module: str, name: str) -> type | None:
     return getattr(sys.modules.get(module), name, None)
-
-
-def _lightning_trainer(obj: Any) -> bool:
-    return any(isinstance(obj, cls) for cls in (_ignite_class(ns + ".trainer.trainer", "Trainer")
-                                                for ns in compat_lightning.NAMESPACES) if cls is not None)
 
 
 def checkpoint_source(checkpoint: Any, prefix: str | None, required_keys: Any) -> Source:
@@ -41,7 +36,7 @@ def checkpoint_source(checkpoint: Any, prefix: str | None, required_keys: Any) -
 
 
 def engine_source(engine: Any, prefix: str | None, required_keys: Any) -> Source:
-    checkpoint_cls = _ignite_class("ignite.handlers.checkpoint", "Checkpoint")
+    checkpoint_cls = _class("ignite.handlers.checkpoint", "Checkpoint")
     compat_ignite.check(engine)
     found = [h for h in compat_ignite.attached_handlers(engine) if checkpoint_cls is not None
              and isinstance(h, checkpoint_cls) and any(v is engine for v in (h.to_save or {}).values())]
@@ -67,12 +62,13 @@ def source_of(where: Any, *, prefix: str | None = None, required_keys: Any = Non
     """The :class:`~..data.checkpoints.Source` for ``latest_checkpoint``'s first argument."""
     if isinstance(where, (str, os.PathLike)):
         return folder_source(where, prefix=prefix, required_keys=required_keys)
-    checkpoint_cls = _ignite_class("ignite.handlers.checkpoint", "Checkpoint")
+    checkpoint_cls = _class("ignite.handlers.checkpoint", "Checkpoint")
     if checkpoint_cls is not None and isinstance(where, checkpoint_cls):
         return checkpoint_source(where, prefix, required_keys)
-    engine_cls = _ignite_class("ignite.engine.engine", "Engine")
+    engine_cls = _class("ignite.engine.engine", "Engine")
     if engine_cls is not None and isinstance(where, engine_cls):
         return engine_source(where, prefix, required_keys)
-    if _lightning_trainer(where):
+    trainers = (_class(ns + ".trainer.trainer", "Trainer") for ns in compat_lightning.NAMESPACES)
+    if any(cls is not None and isinstance(where, cls) for cls in trainers):
         return trainer_source(where, prefix, required_keys)
     return folder_source(where)  # raises the TypeError naming the accepted kinds

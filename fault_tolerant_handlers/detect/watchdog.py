@@ -76,31 +76,25 @@ class WakeEvent(threading.Event):
 
 
 class PidWatcher:
-    """Sleep until one of ``pids`` (same host) ends or ``wake`` is set (a :class:`WakeEvent`; a plain
-    ``threading.Event`` is seen only when a wait times out). A pidfd becomes readable when its process
-    exits; pids without one are checked every ``fallback`` seconds."""
+    """Sleep until one of ``pids`` (same host) ends or ``wake`` is set. A pidfd becomes readable when
+    its process exits; pids without one (gone already, or no pidfds here) are checked every ``fallback`` s."""
 
-    def __init__(self, pids: list[int], wake: threading.Event, fallback: float) -> None:
+    def __init__(self, pids: list[int], wake: WakeEvent, fallback: float) -> None:
         self.wake = wake
         self.fallback = fallback
         self._fds: dict[int, int] = {}  # pidfd -> pid
         self.polled: list[int] = []  # pids without a pidfd: checked every ``fallback`` seconds
-        self._poll = select.poll() if hasattr(select, "poll") else None
+        self._poll = select.poll()
         for pid in pids:
-            fd = None
-            if self._poll is not None and hasattr(os, "pidfd_open"):
-                try:
-                    fd = os.pidfd_open(pid)
-                except OSError:  # already gone (the first check reports it), or no pidfd here
-                    pass
-            if fd is None:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
                 self.polled.append(pid)
-            else:
-                self._fds[fd] = pid
-                self._poll.register(fd, select.POLLIN)
-        if self._poll is not None and hasattr(wake, "fileno"):
-            self._poll.register(wake.fileno(), select.POLLIN)
-        self._pidfd_only = not self.polled and hasattr(wake, "fileno")
+                continue
+            self._fds[fd] = pid
+            self._poll.register(fd, select.POLLIN)
+        self._poll.register(wake.fileno(), select.POLLIN)
+        self._pidfd_only = not self.polled
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until a watched pid ended (True), or ``wake`` was set or ``timeout`` passed
@@ -115,9 +109,6 @@ class PidWatcher:
             limit = timeout
         else:
             limit = self.fallback if timeout is None else min(timeout, self.fallback)
-        if self._poll is None:
-            self.wake.wait(limit)
-            return not self.wake.is_set()
         ready = self._poll.poll(None if limit is None else max(0, int(limit * 1000)))
         ended = [fd for fd, _ in ready if fd in self._fds]
         for fd in ended:  # it stays readable: from now on that pid is checked every ``fallback``

@@ -104,11 +104,10 @@ class _Watch:
                     self._unblock(signum, main)
 
     def _unblock(self, signum: int, main: tuple[int, int] | None) -> None:
-        """A main thread blocked in a collective or a store call never runs the handler. If it ran no
-        bytecode for :data:`MAIN_STUCK_WAIT` and no handler of this module's was entered, this process's
-        collectives and store connections are cut (it is being ended), so that the blocked call raises
-        and the handler runs; if it still has not after :data:`SIGNAL_EXIT_WAIT` and the signal's action
-        is the default one, the process ends here with the shell's code for it (``128 + signum``)."""
+        """A main thread blocked in a collective or a store call never runs the handler: if it ran no
+        bytecode for :data:`MAIN_STUCK_WAIT`, this process's collectives and store connections are cut
+        (it is being ended) so that the call raises; if it still has not run it after
+        :data:`SIGNAL_EXIT_WAIT` and the signal's action is the default, the process ends here (``128 + signum``)."""
         if self.handled.wait(MAIN_STUCK_WAIT) or main is None or _main_position() != main:
             return
         session = self._session()
@@ -133,11 +132,10 @@ class _Watch:
             os._exit(128 + signum)
 
     def _at_exit(self) -> None:
-        """An exit hook (runs before torch's and logging's). After the exit hooks Python runs no signal
-        handler and tears its modules down, for seconds with torch loaded: a launcher's SIGTERM there
-        would end a rank that failed itself with -15, which torchrun's Root Cause would show instead of
-        its exception. Such a rank ignores SIGTERM from here on and ends as it would by itself (exit
-        code 1); a teardown that never ends is the launcher's to end (its SIGKILL)."""
+        """After the exit hooks Python runs no signal handler and tears its modules down, for seconds
+        with torch loaded: a launcher's SIGTERM there would end a rank that failed itself with -15, which
+        torchrun's Root Cause would show instead of its exception. Such a rank ignores SIGTERM from here
+        on (a teardown that never ends is the launcher's SIGKILL's)."""
         if _own_failure is not None and self.previous.get(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
@@ -168,10 +166,9 @@ class _Watch:
         return None
 
     def _exit_failed(self, signum: int) -> None:
-        """This rank failed itself, then was signalled (the launcher ending the job's ranks while this
-        rank still ran its exception path or exit hooks): it exits at once with the code of an uncaught
-        exception (1), not by the signal, so that the launcher names its failure (torchrun's Root Cause:
-        exit code 1, not ``-15 (SIGTERM)``). Its failure is published and its error file written."""
+        """This rank failed itself, then was signalled (the launcher ending the job's ranks): it exits at
+        once with an uncaught exception's code (1), so that torchrun's Root Cause names its failure, not
+        ``-15 (SIGTERM)``."""
         cause = _own_failure
         what = f" ({cause.exc_type}: {first_line(cause.exc_message)})" \
             if cause is not None and cause.exc_message else ""
@@ -184,8 +181,7 @@ class _Watch:
         _flush()
         os._exit(1)
 
-    def _framework_in_front(self, signum: int) -> bool:
-        """A handler was put in front of this one after it was installed (Lightning's, in ``fit``)."""
+    def _framework_in_front(self, signum: int) -> bool:  # a handler put in front of this one (Lightning's)
         return signal.getsignal(signum) != self._handler
 
     def react(self, signum: int) -> None:
@@ -266,7 +262,7 @@ class _Watch:
 
     @staticmethod
     def _records(session: Session) -> PeerFailedError | None:
-        """The failure a peer's record not yet taken by this rank says (``None`` if none, or no store)."""
+        """The failure a peer's record not yet taken by this rank says, if any."""
         conn = session.connection("signal-read", SIGNAL_STORE_TIMEOUT)
         try:
             schema = Schema(conn, session.schema.world_size)
@@ -282,11 +278,9 @@ class _Watch:
 
 
 def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError | None:
-    """Seen from another host, a store that refuses or does not answer connections is the store's
-    host gone: torchrun's agent SIGTERMs its workers when it loses its rendezvous store, sometimes
-    before the rank's own broken collective is explained. ``None`` on the store's own host (the
-    pid check says what happened there). With no rank on the store's host (a store on a host of its
-    own) no rank is named: ``StoreLost``."""
+    """Seen from another host, a store that refuses or does not answer connections is its host gone
+    (torchrun's agent SIGTERMs its workers when it loses its store, sometimes before the broken
+    collective is explained); ``None`` on the store's own host (the pid check says what happened)."""
     why = str(err).rsplit(": ", 1)[-1][:120]
     table, store_rank = session.table, session.store_rank
     if store_rank is None:
@@ -300,8 +294,8 @@ def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError
 
 
 def _main_position() -> tuple[int, int] | None:
-    """The main thread's innermost Python frame and instruction (``None``: not found): the same
-    pair twice, some time apart, is a main thread that ran no bytecode in between (blocked in C)."""
+    """The main thread's innermost frame and instruction: the same twice, some time apart, is a main
+    thread that ran no bytecode in between (blocked in C)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     return None if frame is None else (id(frame), frame.f_lasti)
 
@@ -331,9 +325,8 @@ def install(session: Session) -> None:
     _watch.install()
 
 
-#: This process's own failure in its current session (the core's ``RANK_FAILED``), kept after the
-#: session is gone: a launcher's SIGTERM that comes during the interpreter's exit hooks (a slow
-#: logger's flush) still finds that this rank failed itself.
+#: This process's own failure in its current session, kept after the session is gone: a SIGTERM
+#: during the interpreter's exit hooks still finds that this rank failed itself.
 _own_failure: FailureRecord | None = None
 
 
