@@ -31,7 +31,7 @@ Public names:
 """
 
 from .launchers import compat_torchrun as _compat_torchrun
-from .checkpoints import latest_checkpoint
+from .adapters.sources import latest_checkpoint
 from .data.snapshots import load_checkpoint
 from .data.ddp_buckets import DDPBucketLayout
 from .data.dcp import ShardedState, load_dcp

@@ -1,18 +1,10 @@
 """How the package is assembled: every part a layer plays at the core's hooks (:mod:`.core.hooks`),
-in one table, in the order each hook runs them.
+in one table, in the order each hook runs them (docs/architecture.md, "The wiring").
 
-The core never imports a launcher, a detector, the data layer, an adapter or the recovery; no layer
-adds itself to a hook when it is imported. :func:`install` adds :data:`WIRING` once, when the package
-is imported (``fault_tolerant_handlers/__init__.py``). Announcements run in the table's order (a
-callback's error is logged, the next one runs); a recovery's steps run in the table's order (a step
-marked :data:`TOLERATE` is logged when it fails and the recovery goes on: a framework the next
-attempt may not use must not stop it); a provider is the last one listed.
-
-What exists only while a recovery runs is read from a slot its loop's owner sets, by the table's
-parts: ``INTERRUPT`` (``inplace.interrupt``: the recovery running in the main thread), ``LOSE``,
-``KEEPER_PID`` and the keeper's ``SESSION_STARTED`` (``keeper``'s: in a keeper's training child
-only). Only a user adds to a hook outside the table (:func:`~.core.recoveries.on_recovery`);
-``tests/unit/test_wiring.py`` keeps it so.
+No layer adds itself to a hook when it is imported: :func:`install` adds :data:`WIRING` once, when the
+package is imported. A step marked :data:`TOLERATE` is logged when it fails and the recovery goes on
+(a framework the next attempt may not use must not stop it); a provider is the last one listed. Only
+a user adds to a hook outside the table (:func:`~.core.recoveries.on_recovery`).
 """
 
 from __future__ import annotations

@@ -63,19 +63,15 @@ class RecordsProbe:
 
 
 class HeartbeatProbe:
-    """Its own heartbeat (``beats``: one probe of a helper's beats), and one watched rank's (its ring
-    successor, or another rank of the successor's host): a watched rank whose counter stands still
+    """Its own heartbeat (``beats``), and one watched rank's: a watched rank whose counter stands still
     for ``limit`` seconds of **observed** time (once it has beaten at all) is declared silent.
 
     Observed time is the time between two polls that both got their answers, at most
-    :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow, the
-    successor's beats may be slow for the same reason, so that time is not counted. A watched rank
-    that stopped its watchdog cleanly (``left/<rank>``, asked at most every :data:`LEFT_CHECK_EVERY`
-    seconds while it stays still) is neither warned about nor declared.
-
-    On another host, ``link`` (a :class:`~.witness.Link` to its helper) is a second witness: a byte
-    is sent on it every :data:`WITNESS_EVERY`, and a rank still for :data:`SUSPECT_SILENCE` whose host
-    acknowledged none of them for ``unacked_after`` seconds is declared then, its host or link down."""
+    :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow, the watched
+    rank's beats may be slow for the same reason. A watched rank that stopped its watchdog cleanly
+    (``left/<rank>``) is neither warned about nor declared. On another host, ``link`` (a
+    :class:`~.witness.Link` to its helper) is a second witness: a rank still for :data:`SUSPECT_SILENCE`
+    whose host acknowledged nothing for ``unacked_after`` seconds is declared then."""
 
     def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
                  limit: float, host: str = "", running: Callable[[], bool] | None = None, beats: bool = True,
@@ -215,14 +211,13 @@ def waiting_on_peers(frame) -> bool:
 
 
 class SelfHangProbe:
-    """This rank's main thread made no progress (``progress()`` = monotonic time, wall time and
-    step of the last beat) for ``hang_timeout``, and is not merely waiting in a collective (then the
-    hung rank is the peer, which declares itself): ``RankHung`` with the main thread's stack.
+    """This rank's main thread made no progress (``progress()``: monotonic time, wall time and step of
+    the last beat) for ``hang_timeout``, and is not merely waiting in a collective (then the hung rank
+    is the peer, which declares itself): ``RankHung`` with the main thread's stack.
 
-    Time seen waiting is not held against it (the stall counts from the last poll that saw it
-    waiting); a wait of ``2 x hang_timeout + margin`` is declared all the same (no rank declared
-    itself: one stuck in C holding the GIL, a collective every rank waits in). Until ``warm()``
-    (the first iteration completed) the deadline is ``start_timeout``: a slow start is not a hang."""
+    Time seen waiting is not held against it; a wait of ``2 x hang_timeout + margin`` is declared all
+    the same (no rank declared itself: one stuck in C holding the GIL). Until ``warm()`` (the first
+    iteration completed) the deadline is ``start_timeout``: a slow start is not a hang."""
 
     def __init__(self, rank: int, pid: int, hang_timeout: float, *, margin: float,
                  progress: Callable[[], tuple[float, float, int | None]], frame: Callable[[], object],
@@ -258,8 +253,7 @@ class SelfHangProbe:
 
 
 def hung_error(rank: int, pid: int, host: str, frame, what: str, time_ms: int, step: int | None) -> PeerFailedError:
-    """This rank declares itself hung: ``rank 1 (pid 42 on node-b) hung: {what}`` (``rank 1`` where the
-    host is not known), with its main thread's stack from ``frame``."""
+    """This rank declares itself hung (``rank 1 (pid 42 on node-b) hung: {what}``), with its stack from ``frame``."""
     stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
     who = f"rank {rank} (pid {pid} on {host})" if host else f"rank {rank}"
     record = FailureRecord.declared(
@@ -277,19 +271,15 @@ class StoreLossProbe:
     """The store did not answer: its host is declared lost only on **evidence** that the store is
     gone, never because its answers are slow.
 
-    Failed store calls start a silence (:meth:`failed`); during it, ``evidence()`` is asked at most
-    every ``check_every`` seconds (a plain TCP connect to the store's port,
-    :func:`~..core.schema.store_evidence`: a string when the port refused it, the host or link is down,
-    or nothing answered; ``None`` when the port answered). The rank hosting the store is declared
-    lost when the silence has lasted ``lost_after`` seconds **and** every check in it found
-    evidence, at least two of them; with no rank on the store's host (``store_rank`` ``None``), no rank
-    is named, and the error is ``StoreLost``. A port that answers (its host is up and a process holds
-    the store's listening socket) ends the evidence: a slow store is not a lost one. ``hosted_here``: this process hosts the store (its server is a thread of this
-    process): it never declares its own store lost.
+    Failed store calls start a silence (:meth:`failed`); during it, ``evidence()`` (a plain TCP
+    connect to the store's port: a string when refused or unreachable, ``None`` when it answered) is
+    asked at most every ``check_every`` seconds. The rank hosting the store is declared lost when the
+    silence has lasted ``lost_after`` seconds **and** every check in it, at least two, found evidence
+    (no rank on the store's host: ``StoreLost``). A port that answers ends the evidence: a slow store
+    is not a lost one. A process that hosts the store (``hosted_here``) never declares it lost.
 
-    Each check is a connection c10d's server accepts, with a reverse DNS lookup in its only thread
-    (slow DNS stalls every client), so after a port that answered the next check waits twice as long
-    as the one before, up to :data:`MAX_CHECK_HOLD` seconds, until a call is answered again.
+    Each check is a connection c10d's server accepts, with a reverse DNS lookup in its only thread,
+    so after a port that answered the next check waits twice as long, up to :data:`MAX_CHECK_HOLD`.
     """
 
     def __init__(self, lost_after: float, *, by: int, store_rank: int | None = 0, store_pid: int = 0,
@@ -311,7 +301,7 @@ class StoreLossProbe:
         self.hold = check_every  # the wait before a check after the port answered the last one
 
     def failed(self, now: float, err: BaseException) -> bool:
-        """Report a failed call; True when it is the first of a silence (worth a warning)."""
+        """A failed call; True when it is the first of a silence."""
         self.last_error = f"{type(err).__name__}: {first_line(err)}"
         if self.down_since is None:
             self.down_since = now

@@ -1,18 +1,15 @@
 """The job's c10d store on a host of its own, so that losing any training host leaves it standing.
 
-Under torchrun the store every rank talks to (``MASTER_ADDR``/``MASTER_PORT``: the process groups'
-rendezvous, the failure records, the spares, every recovery's agreement) is served by agent rank 0,
-on training rank 0's host (``--rdzv-conf is_host=false`` moves only the rendezvous's own store;
-torch 2.13.0, ``DynamicRendezvousHandler.next_rendezvous``): losing that host loses it. This module
-serves it on a machine that trains nothing (docs/recovering.md, "The store on a host of its own")::
+Under torchrun the store every rank talks to is served by agent rank 0, on training rank 0's host
+(``--rdzv-conf is_host=false`` moves only the rendezvous's own store; torch 2.13.0): losing that host
+loses it. This module serves it on a machine that trains nothing (docs/recovering.md)::
 
     python -m fault_tolerant_handlers.launchers.store_host --port 29400          # on node-s
     torchrun --nnodes N --node-rank i --rdzv-backend static --rdzv-endpoint node-s:29400 ... train.py
 
-The server is made as torchrun makes its own (libuv, ``multi_tenant``) and waits for no workers (a
-spare or a replacement may come at any time). It runs until ``SIGTERM`` or ``SIGINT``, then exits 0:
-stop it after the job (an agent in its exit barrier still uses it). It stores what the job writes and
-reads nothing itself: there is nothing in it to trust.
+The server is made as torchrun makes its own and waits for no workers (a spare or a replacement may
+come at any time). It runs until ``SIGTERM`` or ``SIGINT``, then exits 0: stop it after the job (an
+agent in its exit barrier still uses it). It reads nothing the job writes: there is nothing to trust.
 """
 
 from __future__ import annotations
@@ -30,9 +27,7 @@ import torch.distributed as dist
 from ..core.config import STORE_HOST_CONNECT_TIMEOUT
 from ..core.hooks import first_line
 
-#: Port torchrun's rendezvous endpoint uses when none is given (``torch.distributed.elastic``'s
-#: ``DEFAULT_PORT``).
-DEFAULT_PORT = 29400
+DEFAULT_PORT = 29400  # torchrun's rendezvous endpoint's when none is given
 
 
 class StoreHostArgumentError(ValueError):
@@ -55,7 +50,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def validate(port: str | int, host: str) -> None:
-    """Raise :class:`StoreHostArgumentError` naming the argument and its valid range."""
     text = str(port).strip()
     if not text.isdigit() or not 1 <= int(text) <= 65535:
         raise StoreHostArgumentError(f"store_host --port {port!r}: the port must be an integer in [1, 65535]")
@@ -65,7 +59,7 @@ def validate(port: str | int, host: str) -> None:
 
 
 def serve(port: int, host: str = "0.0.0.0") -> dist.TCPStore:
-    """Start the server (listening on every interface at ``port``) and return its store."""
+    """Start the server (on every interface) and return its store."""
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
                          use_libuv=True, timeout=STORE_HOST_CONNECT_TIMEOUT)
 
