@@ -66,24 +66,9 @@ class FaultTolerance(_CallbackBase):
 
     Works with ``strategy="ddp"``, ``"ddp_spawn"`` and scripts started by ``torchrun``.
 
-    Args:
-        sync_every: training batches between flag agreements within an epoch (default 100;
-            ``None``: only at the end of validation, of each epoch and of the run). Each agreement
-            is one int64 all_reduce on a gloo side group; the watchdog covers the batches between.
-        hang_timeout: opt-in; a duration (a ``timedelta``, seconds, ``"DD:HH:MM:SS"`` or a dict such
-            as ``{"minutes": 5}``, as Lightning's ``Timer`` takes them; 1 s to 7 days) without progress
-            after which a rank is declared hung and every rank ends with its stack. ``"auto"``: learned
-            per kind of work (training batches, validation batches, checkpoint saves;
-            docs/hang-detection.md). ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
-        watchdog: start the out-of-band watchdog (default True).
-        name: the loop's name in reports (``'train' (epoch 1, iteration 12)``); also part of
-            :attr:`state_key`, so two instances with different names can coexist.
-
-    Raises:
-        ValueError: ``sync_every`` is not a positive int or ``None``; ``hang_timeout`` is a duration
-            outside 1 s to 7 days; an ``FTH_*`` environment variable is out of its range.
-        TypeError: ``hang_timeout`` is none of its accepted forms; ``watchdog`` is not a bool;
-            ``name`` is not a non-empty str (an empty name included).
+    Args and Raises: as :class:`fault_tolerant_handlers.ignite.FaultTolerance`'s (docs/reference.md);
+    ``sync_every`` counts training batches, and ``name`` is part of :attr:`state_key`, so two
+    instances with different names can coexist.
 
     Examples:
         .. code-block:: python

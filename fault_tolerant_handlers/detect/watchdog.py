@@ -141,9 +141,7 @@ class Watchdog:
         self.exit_grace = cfg.exit_grace
         self.write_grace = cfg.write_grace
         self._progress: tuple[float, float, int | None] = (time.monotonic(), time.time(), None)
-        #: The first iteration completed (a beat with ``completed``, or a beat whose step differs
-        #: from the first step beaten: a loop of one's own calls ``beat(step)``): ``hang_timeout``
-        #: applies from then on, the start's own deadline (``FTH_START_TIMEOUT_SEC``) before.
+        #: The first iteration completed: ``hang_timeout`` applies from then on, ``FTH_START_TIMEOUT_SEC`` before.
         self.warm = False
         self._first_step: int | None = None
         self._quiet_since: tuple | None = None  # the progress when this rank learned the job failed
@@ -164,12 +162,9 @@ class Watchdog:
             limit = min(limit, self.hang_timeout + SILENT_MARGIN)
         self.records = RecordsProbe(self._schema, self.rank, RELEASE_GRACE.total_seconds(),
                                     lambda: session.delivered, start=session.consumed, stale=session.stale)
-        # The heartbeat and the ring check run in a helper process: the GIL cannot stop them.
         self.liveness = LivenessProcess(session, period=HEARTBEAT_EVERY.total_seconds(), limit=limit.total_seconds(),
                                         unacked_after=cfg.unacked_after.total_seconds())
-        self.self_hang = None
-        #: ``hang_timeout="auto"``: the learned deadline (adapters mark their work on it), else None.
-        self.auto_hang = None
+        self.self_hang = self.auto_hang = None  # auto_hang: the learned deadline of hang_timeout="auto"
         if self.hang_timeout == config.AUTO:
             self.self_hang = self.auto_hang = autohang.from_config(self.rank, os.getpid(), main_thread_frame,
                                                                           host=session.host)
@@ -214,9 +209,8 @@ class Watchdog:
         return self._conn.calls + self._liveness_conn.calls
 
     def stop(self, join_timeout: float | None = None, *, keep_liveness: bool = False) -> None:
-        """A clean end: stop watching (losing the store is no longer a failure), join the threads
-        and close this watchdog's store connections. ``keep_liveness``: the liveness helper goes on
-        (beating, and declaring silent ranks) until its owner stops it."""
+        """A clean end (losing the store is no longer a failure); ``keep_liveness``: the liveness helper
+        goes on (beating, and declaring silent ranks) until its owner stops it."""
         self._finishing = True
         self._stop.set()
         timeout = join_timeout if join_timeout is not None else 2 * self.interval.total_seconds() + 2
@@ -231,10 +225,9 @@ class Watchdog:
         _running.discard(self)
 
     def beat(self, step: int | None = None, *, completed: bool = False, named: int | None = None) -> None:
-        """The main thread made progress (one assignment; adapters call it every iteration);
-        ``completed``: an iteration completed (from the first on, ``hang_timeout`` applies);
-        ``named``: the step a report names until the next beat, where it is not ``step`` (an adapter
-        beats the steps completed; the training step under way is the next one)."""
+        """The main thread made progress; ``completed``: an iteration completed (so did one whose step
+        differs from the first beaten: a loop of one's own calls ``beat(step)``); ``named``: the step a
+        report names until the next beat, where it is not ``step`` (the training step under way)."""
         self._progress = (time.monotonic(), time.time(), step if named is None else named)
         if not self.warm and step is not None:
             if self._first_step is None:
@@ -245,8 +238,7 @@ class Watchdog:
 
     # -- the learned deadline (``hang_timeout="auto"``): what the adapters tell it ------------------
     def work(self, kind: str | None, step: int | None = None) -> None:
-        """The kind of work that begins now on the main thread, ending the one under way (``None``:
-        the loop's work is over, nothing of it is watched any more). A no-op without ``"auto"``."""
+        """The kind of work that begins now, ending the one under way (``None``: the loop's work is over)."""
         if self.auto_hang is not None:
             self.auto_hang.mark(kind, time.monotonic(), step)
 
@@ -292,9 +284,8 @@ class Watchdog:
         log(logging.DEBUG, "watchdog stopped")
 
     def _judges_hangs(self) -> bool:
-        """The self-hang probe judges a main thread that trains: from the moment this rank knows the
-        job failed (the failure moved: ``FailureState.moves``) until its next beat, its main thread
-        handles the failure (a recovery waiting for its peers), which is not a hang."""
+        """The self-hang probe judges a main thread that trains: from the moment this rank knows the job
+        failed until its next beat, its main thread handles the failure, which is not a hang."""
         failure = self.session.failure
         seen = (failure.delivered, failure.moves)
         failed_now = seen != self._failed_seen
@@ -317,8 +308,7 @@ class Watchdog:
 
     # -- findings ------------------------------------------------------------------------------------
     def _found(self, err: PeerFailedError | None, schema: Schema | None) -> None:
-        """What a probe found; a record it declared is published in ``schema`` (``None``: nothing to
-        publish, or nowhere: the store is what is gone)."""
+        """What a probe found; a record it declared is published in ``schema`` (``None``: not at all)."""
         if err is None or self._finishing:
             return
         if (self.session.failure.delivered and err.kind in (FailureKind.PEER_SILENT, FailureKind.PEER_LOST,
@@ -352,11 +342,9 @@ class Watchdog:
 
     @staticmethod
     def _interrupted(left: threading.Event) -> bool:
-        """Whether the interrupted main thread reached the recovery (``left``): within INTERRUPT_WAIT,
-        or, while a deferred section holds the interrupt back, within INTERRUPT_WAIT after the
-        section's bound. The signal is sent again every INTERRUPT_RESEND meanwhile: an interrupt
-        caught and not re-raised is raised again, one deferred by a checkpoint write the stack
-        shows is delivered once the write is over."""
+        """Whether the interrupted main thread reached the recovery (``left``) within INTERRUPT_WAIT
+        (after a deferred section's bound, while one holds it back); sent again every INTERRUPT_RESEND
+        meanwhile (an interrupt caught and not re-raised, or deferred by a write its stack shows)."""
         deadline = time.monotonic() + INTERRUPT_WAIT
         while True:
             now = time.monotonic()
@@ -380,9 +368,8 @@ class Watchdog:
             log(logging.WARNING, "could not publish %s: %s", err.exc_type, first_line(problem))
 
     def _escalate(self, incident: Incident) -> None:
-        """Release this process's collectives, then, if the main thread does not take the failure
-        within ``exit_grace``, end the process with a report. Touches no store: it must work when
-        the store is what died."""
+        """Release this process's collectives, then, if the main thread does not take the failure within
+        ``exit_grace``, end the process with a report. Touches no store: the store may be what died."""
         if incident.local or incident.acknowledged.is_set() or self._finishing:
             return
         what = self.session.release_collectives()
@@ -404,8 +391,8 @@ class Watchdog:
         self._reported_exit(incident.peer_error, EXIT_PEER_FAILED, stuck=main_thread_frame())
 
     def _reported_exit(self, err: BaseException, code: int, stuck=None) -> None:
-        """End the process with ``code`` and a report on stderr; ``stuck``: the main thread's frame that
-        did not take the failure (its stack is in the report: where a release did not reach)."""
+        """End the process with ``code`` and a report; ``stuck``: the frame of a main thread that did
+        not take the failure (where a release did not reach)."""
         text = f"[rank {self.rank}] fault-tolerant-handlers: ending this process (exit code {code}) because:\n{err}\n"
         if stuck is not None:
             stack = cap_tail("".join(traceback.format_stack(stuck)), MAX_TRACEBACK_CHARS)
@@ -439,10 +426,8 @@ _exit_hook_registered = False
 
 
 def _stop_all() -> None:
-    """Stop every watchdog before the interpreter finalizes: a daemon thread still inside a torch
-    C++ call (a store operation) when Python finalizes is ended by a forced unwind through C++
-    frames, which aborts the whole process (``terminate called without an active exception``).
-    Bounded: a store call returns within its connection's budget (1.5 s)."""
+    """Stop every watchdog before the interpreter finalizes: a daemon thread still inside a torch C++
+    call when Python finalizes aborts the whole process (``terminate called without an active exception``)."""
     deadline = time.monotonic() + 2.0
     watchdogs = list(_running)
     for watchdog in watchdogs:

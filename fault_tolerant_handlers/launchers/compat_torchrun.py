@@ -26,12 +26,17 @@ and ``group_count``), checked at start against this rank's own.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from ..core import attempts, config
 from ..core.config import ATTEMPT_KEYS_PATIENCE, ATTEMPT_KEYS_WAIT, EXPLAIN_EVIDENCE_TIMEOUT, MAIN_STORE_TIMEOUT
@@ -52,19 +57,14 @@ def _agent_store() -> bool:
 
 
 def _table() -> dict:
-    import importlib
-
-    try:  # the module (``torch.distributed.rendezvous`` the attribute is a function of the same name)
-        rendezvous = importlib.import_module("torch.distributed.rendezvous")
-    except ImportError:  # torch built without distributed
-        return {}
-    table = getattr(rendezvous, "_rendezvous_handlers", None)
+    # the module (``torch.distributed.rendezvous`` the attribute is a function of the same name)
+    table = getattr(importlib.import_module("torch.distributed.rendezvous"), "_rendezvous_handlers", None)
     missing = [s for s in _SCHEMES if not isinstance(table, dict) or s not in table]
     if missing:
         raise RuntimeError(
             "fault_tolerant_handlers: torch.distributed.rendezvous._rendezvous_handlers "
             f"{'is missing' if not isinstance(table, dict) else 'has no handler for ' + ', '.join(missing)} "
-            f"(torch {__import__('torch').__version__}); restarts under torchrun cannot be isolated per attempt. "
+            f"(torch {torch.__version__}); restarts under torchrun cannot be isolated per attempt. "
             f"Set {config.ATTEMPT_STORE_ENV}=0 to go on without it, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"
         )
     return table
@@ -77,9 +77,6 @@ _prefixed = False
 
 def _gloo_groups() -> list[tuple[Any, str | None]]:
     """``(group, name)`` of every gloo group of this process (``None`` names the default group)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
     world = distributed_c10d._world
     default = distributed_c10d._get_default_group()
     groups = []
@@ -105,8 +102,6 @@ def _keys(groups: list[tuple[Any, str | None]], *, own: bool) -> list[str]:
 def group_count() -> int:
     """How many groups this process made with a counted name (``0``: the default group, ``1``...; a
     destroyed group keeps its number and its keys)."""
-    from torch.distributed import distributed_c10d
-
     return int(distributed_c10d._world.group_count)
 
 
@@ -121,8 +116,6 @@ def read_keys(session: Session) -> tuple[list[str], set[str | None], int]:
     group count they cover: its own key of each live group within the session; when the session spans
     the world, also its key of every counted group not live here (each rank its own: it checks its own
     key before it deletes)."""
-    import torch.distributed as dist
-
     members = set(dist.get_process_group_ranks(session.side))
     count = group_count()
     live, keys = set(), []
@@ -163,8 +156,6 @@ _attempt_keys: weakref.WeakKeyDictionary[Session, _AttemptKeys] = weakref.WeakKe
 
 def check_address_keys(session: Session, conn: Connection) -> bool:
     """This rank's own gloo address key is where this module expects it (else a warning)."""
-    import torch
-
     key = gloo_address_key(session.rank)
     if conn.call("check", [key]):
         return True
@@ -286,8 +277,6 @@ def first_rendezvous() -> tuple[Any, int, int] | None:
 
 def forget_addresses_of_attempt(state: RecoveryState) -> None:
     """``TEAR_DOWN``, before the groups go: this rank's address keys, so that the store does not grow."""
-    import torch.distributed as dist
-
     if state.store is None or not (dist.is_available() and dist.is_initialized()):
         return
     try:
@@ -314,8 +303,6 @@ def end_recovery(state: RecoveryState | None = None) -> None:
 
 def _wrap(handler):
     def per_attempt(url: str, **kwargs: Any) -> Iterator[tuple]:
-        import torch.distributed as dist
-
         global _prefixed, _first, _last_prefix
         if _in_place is not None:
             store, rank, world_size = _in_place
@@ -342,13 +329,9 @@ def install(*, in_place: bool = False) -> bool:
     if not (in_place or _agent_store()):
         return False
     table = _table()
-    if not table:
-        return False
     for scheme in _SCHEMES + (("file",) if in_place and "file" in table else ()):
         if not getattr(table[scheme], _WRAPPED_ATTR, False):
             table[scheme] = _wrap(table[scheme])
-    import torch.distributed as dist
-
     if not in_place and dist.is_available() and dist.is_initialized():
         log(logging.INFO, "the process group was initialized before fault_tolerant_handlers was imported: "
             "under torchrun its keys are not isolated per attempt; each rank deletes its address keys once "

@@ -32,7 +32,7 @@ from ..core.config import SIGTERM_CAUSE_WAIT, ZOMBIE_HOLD  # timings: the table 
 from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
 from ..core.failure import FailureKind, FailureRecord
 from ..core.hooks import first_line, log
-from ..core.procfs import RankTable, process_state
+from ..core.procfs import STATE, RankTable, process_state, stat_fields
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 ERROR_FILE_NAME = "error.json"
@@ -42,7 +42,6 @@ WRITER = "fault_tolerant_handlers"
 
 # -- torchrun's error files ----------------------------------------------------------------------------
 def own_path() -> str | None:
-    """This worker's error file under torchrun, or ``None``."""
     path = os.environ.get(ERROR_FILE_ENV, "")
     return None if not path or path == os.devnull else path
 
@@ -92,10 +91,9 @@ def write_once(path: str, data: dict | bytes) -> bool:
 
 
 def forget_own_file(state=None) -> None:
-    """``RE_FORM``: a recovery in place carries on in the same torchrun attempt, whose error files
-    stay: this rank's file, if this library wrote it for the failure just recovered, is removed, so
-    that a later failure the job ends on writes its own (else torchrun's Root Cause names the
-    recovered one). A file torch wrote is left."""
+    """``RE_FORM``: the recovery carries on in the same torchrun attempt: this rank's file, if this
+    library wrote it for the failure just recovered, goes, so that torchrun's Root Cause does not
+    name the recovered failure."""
     path = own_path()
     if path is None:
         return
@@ -146,8 +144,7 @@ def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
 
 
 def write_killed(record: FailureRecord) -> bool:
-    """``RANK_KILLED``, in the liveness helper of a rank killed by a signal it could not report:
-    write its file for it, with ``record`` (its ``PeerLost``, which the helper also publishes)."""
+    """``RANK_KILLED``, in the liveness helper of a rank killed by a signal it could not report."""
     path = own_path()
     if path is None:
         return False
@@ -160,8 +157,8 @@ def write_killed(record: FailureRecord) -> bool:
 
 
 def write_survivor(table: RankTable, err: PeerFailedError | None) -> bool:
-    """This rank ends (or raises) because of a peer's failure ``err``: write the dead peer's file
-    when it was killed on this host, then this rank's own with a timestamp that cannot win."""
+    """This rank ends because of a peer's failure ``err``: the dead peer's file when it was killed on
+    this host, then this rank's own with a timestamp that cannot win."""
     own = own_path()
     if own is None:
         return False
@@ -190,7 +187,7 @@ _detected = False
 
 
 def detect() -> bool:
-    """Whether this process runs a rank under ``torch.multiprocessing``'s ``_wrap`` (once per process)."""
+    """Whether this process runs a rank under ``torch.multiprocessing`` (looked at once per process)."""
     global _state, _detected
     if _detected:
         return _state is not None
@@ -210,8 +207,7 @@ def _key(err: BaseException) -> tuple:
 
 
 def print_report(rank: int, err: BaseException | None, context: str = "the job fails") -> bool:
-    """Under ``mp.spawn``: print ``err`` in full on this rank's stderr, once per failure. True if the
-    report was printed (now or before)."""
+    """Under ``mp.spawn``: print ``err`` in full on stderr, once per failure (True: printed, now or before)."""
     state = _state
     if state is None or err is None:
         return False
@@ -229,17 +225,15 @@ def print_report(rank: int, err: BaseException | None, context: str = "the job f
 
 
 def printed(err: BaseException | None) -> bool:
-    """The report of ``err`` was printed already (:func:`print_report`)."""
     state = _state
     return state is not None and err is not None and _key(err) in state.printed
 
 
 def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
                   records: Callable[[], PeerFailedError | None], wait: float = SIGTERM_CAUSE_WAIT) -> PeerFailedError | None:
-    """On a SIGTERM under ``mp.spawn`` with nothing known yet: if a same-host peer is gone
-    (``same_host``: a :class:`~..core.procfs.PeerPidProbe`), the cause, waited for up to ``wait``
-    seconds (``known()``: the watchdog's finding, else ``records()``: a peer's record in the store),
-    else that peer gone. ``None`` when no peer is gone (this rank is the cause)."""
+    """On a SIGTERM under ``mp.spawn`` with nothing known yet: if a same-host peer is gone, the cause
+    (``known()``, else ``records()``), waited for up to ``wait`` seconds, else that peer gone; ``None``
+    when no peer is gone (this rank is the cause)."""
     if _state is None:
         return None
     gone = same_host.poll(time.monotonic())
@@ -262,27 +256,18 @@ def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
 
 
 def hold_zombie(rank_pid: int, rank: int | None = None, host: str = "") -> None:
-    """``RANK_ENDED``, in a rank's liveness helper: under ``mp.spawn``, if the rank is a zombie (its
-    parent cannot reap it while this process holds the sentinel pipe), write torch's error file for it
-    when a signal killed it, then wait :data:`ZOMBIE_HOLD` so that same-host peers read its exit
-    status. Returns at once otherwise."""
-    if _state is None:
-        return
-    try:
-        with open(f"/proc/{rank_pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return
-    fields = stat[stat.rfind(")") + 2:].split()
-    if fields and fields[0] == "Z":
+    """``RANK_ENDED``, in a rank's liveness helper under ``mp.spawn``: a rank that is a zombie (its parent
+    cannot reap it while this process holds the sentinel pipe) gets torch's error file if a signal
+    killed it, and is held :data:`ZOMBIE_HOLD` so that same-host peers read its exit status."""
+    fields = stat_fields(rank_pid) if _state is not None else None
+    if fields and fields[STATE] == "Z":
         if rank is not None:
             _write_spawn_killed(rank_pid, rank, host)
         time.sleep(ZOMBIE_HOLD)
 
 
 def _write_spawn_killed(rank_pid: int, rank: int, host: str) -> bool:
-    """The rank was killed by a signal: torch's error file for it (the parent reads it once every
-    process has ended), naming the rank, its pid and the signal."""
+    """A rank killed by a signal: torch's error file for it (read once every process has ended)."""
     how = process_state(rank_pid)
     if _state is None or _state.error_file is None or how is None or not how.killed:
         return False
@@ -292,7 +277,7 @@ def _write_spawn_killed(rank_pid: int, rank: int, host: str) -> bool:
 
 
 def write_exit_report(err: BaseException | None, code: int) -> None:
-    """A reported exit under ``mp.spawn``: ``err``'s report goes into torch's error file."""
+    """A reported exit under ``mp.spawn``: ``err``'s report goes into torch's error file (the parent raises it)."""
     if _state is not None and _state.error_file is not None and err is not None:
         write_once(_state.error_file, pickle.dumps(f"fault-tolerant-handlers ended this process (exit code {code}) "
                                                    f"because:\n{err}\n"))
