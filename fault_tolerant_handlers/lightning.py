@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from torch.multiprocessing.spawn import ProcessException
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
@@ -172,8 +173,6 @@ class FaultTolerance(_CallbackBase):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The DDP exists and the checkpoint is loaded: it gets the saved bucket layout before its first step."""
-        from torch.nn.parallel import DistributedDataParallel
-
         model = getattr(trainer.strategy, "model", None)
         if not isinstance(model, DistributedDataParallel):
             self._buckets = None

@@ -1,17 +1,12 @@
-"""Every use of PyTorch-Ignite's private API, in one place, checked when a handler is attached.
-
-Checked against pytorch-ignite 0.5.0.post2 and 0.5.5.
+"""Every use of PyTorch-Ignite's private API, in one place, checked when a handler is attached;
+checked against pytorch-ignite 0.5.0.post2 and 0.5.5.
 
 * ``Engine._event_handlers`` (``{event: [(func, args, kwargs)]}``, ``args[0]`` maybe a weak reference
-  to the engine): to put a handler first, and to run the other ``EXCEPTION_RAISED`` handlers ourselves;
-  a filtered event's wrapper has ``_parent``, a weak reference to the handler (:func:`attached_handlers`).
-* ``ignite.distributed.utils._model`` / ``_need_to_sync`` / ``_SerialModel``: idist's model of the
-  distributed context, put back as a fresh process has it when recovering in place (:func:`reset_idist`).
-* ``Checkpoint.load_objects`` (public) is wrapped once per process (:func:`hook_load_objects`).
-* ``Engine._process_function``: its closure and globals name the DDP that wraps a model (:func:`step_names`).
-* ``Engine._run_once_on_dataset_as_gen`` / ``_legacy`` (on the stack while an engine runs an epoch:
-  ``hang_timeout="auto"`` tells an evaluator run from a trainer's handler), and with
-  ``_internal_run_as_gen`` / ``_legacy``, the frames that log an exception at ERROR on
+  to the engine; a filtered event's wrapper has ``_parent``, a weak reference to the handler);
+* ``ignite.distributed.utils._model`` / ``_need_to_sync`` / ``_SerialModel`` (:func:`reset_idist`);
+* ``Engine._process_function``: its closure and globals name the DDP that wraps a model;
+* ``Engine._run_once_on_dataset_as_gen`` / ``_legacy`` (on the stack while an engine runs an epoch),
+  and ``_internal_run_as_gen`` / ``_legacy``: the frames that log an exception at ERROR on
   ``Engine.logger`` right before ``EXCEPTION_RAISED`` (:func:`before_error_log`).
 """
 
@@ -29,7 +24,6 @@ CHECKED_AGAINST = ("0.5.0.post2", "0.5.5")
 
 
 def _lacking(needs: str) -> RuntimeError:
-    """The error naming what this Ignite version lacks: ``needs`` is what the library needs."""
     import ignite
 
     return RuntimeError(f"fault-tolerant-handlers {needs}, which pytorch-ignite {ignite.__version__} does not have "
@@ -37,9 +31,7 @@ def _lacking(needs: str) -> RuntimeError:
 
 
 def check(engine: Any) -> None:
-    """Raise ``RuntimeError`` naming what this Ignite version lacks."""
-    handlers = getattr(engine, "_event_handlers", None)
-    if not isinstance(handlers, dict):
+    if not isinstance(getattr(engine, "_event_handlers", None), dict):
         raise _lacking("needs ignite.engine.Engine._event_handlers (a dict of handler lists)")
 
 
@@ -80,12 +72,11 @@ def attached_handlers(engine: Any) -> list:
 def call_handler(engine: Any, entry: tuple, event_args: tuple) -> None:
     """Run one ``(func, args, kwargs)`` entry as Ignite would."""
     func, args, kwargs = entry
+    first: tuple = ()
     if args and isinstance(args[0], weakref.ref):
         resolved = args[0]()
-        first, others = ((resolved,), args[1:]) if resolved is not None else ((engine,), args[1:])
-    else:
-        first, others = ((), args)
-    func(*first, *(event_args + tuple(others)), **kwargs)
+        first, args = (engine if resolved is None else resolved,), args[1:]
+    func(*first, *event_args, *args, **kwargs)
 
 
 #: Names of ``Engine`` methods that run an epoch (one of them is on the stack while an engine runs).

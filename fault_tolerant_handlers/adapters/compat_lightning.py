@@ -1,24 +1,17 @@
-"""Every use of Lightning's private API, in one place, checked when the callback is set up.
-
-Checked against lightning 2.5.0 and 2.6.6, and pytorch-lightning 2.6.6. Lightning ships as
-``lightning.pytorch`` and ``pytorch_lightning``, two copies with distinct classes: :data:`NAMESPACES`
-lists those installed, and each name below is looked up in the namespace of the object given.
+"""Every use of Lightning's private API, in one place, checked when the callback is set up; checked
+against lightning 2.5.0 and 2.6.6, and pytorch-lightning 2.6.6 (two copies with distinct classes:
+each name is looked up in the namespace of the object given).
 
 * ``strategies.launchers.multiprocessing._MultiProcessingLauncher`` (``ddp_spawn``: ``on_exception``
   runs in the parent only) and ``Trainer._run_stage``, wrapped in spawned ranks;
 * ``Trainer._teardown``: the last step of Lightning's exception path, which the callback finishes;
-* ``strategies.launchers.subprocess_script._SubprocessScriptLauncher``, whose
-  ``_call_children_scripts`` sets ``LOCAL_RANK`` in the process that started the ranks
-  (:func:`keep_launched_ranks`);
-* ``Trainer._checkpoint_connector.dump_checkpoint`` (live state) and ``.resume_start`` (where ``fit``
-  loads ``ckpt_path``: :func:`substitute_ckpt_path`);
-* ``loops.loop._Loop``, ``loops.progress._BaseProgress``: the loops' state, copied cheaply at every
-  batch (:func:`loop_parts`); ``strategies.DDPStrategy`` / ``DeepSpeedStrategy`` (:func:`plain_ddp`);
-* ``ModelParallelStrategy._save_distributed_checkpoint``, set while live state is captured
-  (:func:`dump_checkpoint`: each rank's shards, no collective);
+* ``strategies.launchers.subprocess_script._SubprocessScriptLauncher`` (:func:`keep_launched_ranks`);
+* ``Trainer._checkpoint_connector.dump_checkpoint`` (live state) and ``.resume_start``;
+* ``loops.loop._Loop``, ``loops.progress._BaseProgress`` (:func:`loop_parts`);
+* ``ModelParallelStrategy._save_distributed_checkpoint`` (:func:`dump_checkpoint`: no collective);
 * ``ModelCheckpoint.__resolve_ckpt_dir``, mirrored by :func:`checkpoint_folders`;
-* ``Trainer.callback_metrics`` returns the logger connector's own dict (:func:`put_callback_metrics`:
-  ``LightningModule.log``'s first call costs 0.5-0.9 s at 4 ranks);
+* ``Trainer.callback_metrics`` is the logger connector's own dict (``LightningModule.log``'s first
+  call costs 0.5-0.9 s at 4 ranks);
 * ``<logger>._get_next_version`` and CSV's ``_ExperimentWriter`` (``metrics_file_path``,
   ``metrics_keys``, ``metrics``): the next attempt's loggers keep the first attempt's version and rows.
 """
@@ -29,9 +22,12 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import operator
 import os
 import sys
 from typing import Any, Callable
+
+import torch
 
 from ..core import interrupts
 
@@ -184,8 +180,7 @@ def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any] | 
 
 
 def restores_itself(strategy: Any) -> str:
-    """Why a checkpoint dict handed to ``strategy`` would not be what it loads ("" when it is):
-    ``FSDPStrategy``, ``ModelParallelStrategy`` and DeepSpeed load inside their own ``load_checkpoint``."""
+    """Why a checkpoint dict handed to ``strategy`` would not be what it loads ("" when it is)."""
     ns = namespace(strategy)
     base = importlib.import_module(ns + ".strategies").Strategy
     overridden = [name for name in ("load_checkpoint", "load_model_state_dict", "load_optimizer_state_dict")
@@ -208,10 +203,8 @@ def model_parallel(strategy: Any) -> bool:
 
 
 def dump_checkpoint(trainer: Any) -> dict:
-    """The dict ``trainer.save_checkpoint(path)`` would write (no barrier, no file). Under a
-    ``ModelParallelStrategy``, in the form of its distributed checkpoints whatever it saves: each
-    rank's own shards, keyed by parameter name (its one-file form gathers them to rank 0 with
-    collectives, which a failed attempt cannot run)."""
+    """The dict ``trainer.save_checkpoint(path)`` would write (no barrier, no file); under a
+    ``ModelParallelStrategy``, each rank's own shards (its one-file form gathers them with collectives)."""
     strategy = trainer.strategy
     gathers = model_parallel(strategy) and not strategy._save_distributed_checkpoint
     if gathers:
@@ -234,9 +227,7 @@ def _nodes(progress: Any) -> list:
 
 def loop_parts(loop: Any) -> tuple[list, list]:
     """``([(key, loop)], [(key, progress, [(node, fields, getter)])])``: every loop and progress object
-    under ``loop``, keyed as ``loop.state_dict()`` keys them, with a getter of each node's plain fields."""
-    import operator
-
+    under ``loop``, keyed as ``loop.state_dict()`` keys them (copied cheaply at every batch)."""
     ns = namespace(loop)
     loop_type = importlib.import_module(ns + ".loops.loop")._Loop
     progress_type = importlib.import_module(ns + ".loops.progress")._BaseProgress
@@ -290,9 +281,8 @@ def loop_state(parts: tuple[list, list], snapshot: tuple[list, list]) -> dict:
 
 def checkpoint_folders(trainer: Any) -> tuple[list[str], str]:
     """The folders the trainer's ``ModelCheckpoint`` writes to (and wrote to in earlier runs) and a label:
-    its ``dirpath``, else the ``checkpoints`` folder of every version of the first logger (each run opens
-    a new version; its ``version`` is not read, which would fix it on each rank), or
-    ``<default_root_dir>/checkpoints`` without a logger."""
+    its ``dirpath``, else the ``checkpoints`` folder of every version of the first logger (its
+    ``version`` is not read: that would fix it on each rank), or ``<default_root_dir>/checkpoints``."""
     callback = getattr(trainer, "checkpoint_callback", None)
     if callback is None:
         raise ValueError("latest_checkpoint(trainer): the trainer has no ModelCheckpoint (enable_checkpointing=False "
@@ -316,8 +306,6 @@ def checkpoint_folders(trainer: Any) -> tuple[list[str], str]:
 
 def put_callback_metrics(trainer: Any, values: dict[str, float]) -> bool:
     """Put ``values`` into ``trainer.callback_metrics``; ``False`` when it does not keep them (a copy)."""
-    import torch
-
     metrics = trainer.callback_metrics
     for name, value in values.items():
         metrics[name] = torch.tensor(float(value))
