@@ -259,19 +259,14 @@ class IgniteRecovery(LoopRecovery):
             engine.fire_event(FaultToleranceEvents.RECOVERED)
 
 
-def _fire(event: FaultToleranceEvents):
+def _hook(info: recoveries.RecoveryInfo) -> None:
+    """``FAILURE_SEEN``, ``RECOVERY_STARTED``: their events on the failed attempt's engines."""
+    event = FaultToleranceEvents[info.phase.name]
+
     def fire_on(engine: Engine) -> None:
         engine.state.fault_tolerance = recoveries.metrics()
         engine.fire_event(event)
-
-    def fire(info: recoveries.RecoveryInfo) -> None:
-        IgniteRecovery.tell_failed_loops(info, fire_on, f"{event.name} handler")
-    fire.__qualname__ = f"ignite {event.name}"
-    return fire
-
-
-_failure_seen = _fire(FaultToleranceEvents.FAILURE_SEEN)  # wired in .wiring
-_recovery_started = _fire(FaultToleranceEvents.RECOVERY_STARTED)
+    IgniteRecovery.tell_failed_loops(info, fire_on, f"{event.name} handler")
 
 
 # -- live state ------------------------------------------------------------------------------------

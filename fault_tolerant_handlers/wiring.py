@@ -36,8 +36,7 @@ def _framework(module: str, name: str) -> Callable[..., Any]:
     return call
 
 
-_ignite_failure_seen = _framework("ignite", "_failure_seen")  # Ignite's FAILURE_SEEN event
-_ignite_recovery_started = _framework("ignite", "_recovery_started")
+_ignite_hook = _framework("ignite", "_hook")  # Ignite's FAILURE_SEEN / RECOVERY_STARTED events
 _lightning_hook = _framework("lightning", "_hook")  # Lightning's on_failure_seen / on_recovery_started
 _lightning_keep_logger_versions = _framework("lightning", "_keep_logger_versions")
 _lightning_forget_logger_versions = _framework("lightning", "_forget_logger_versions")
@@ -60,10 +59,10 @@ WIRING: tuple[tuple[Any, ...], ...] = (
     (hooks.SESSION_CLOSED, compat_torchrun.on_session_closed),  # its store connection
     # a recovery made visible: the history first (a subscriber that reads it finds its info there)
     (hooks.FAILURE_SEEN, recoveries._record),
-    (hooks.FAILURE_SEEN, _ignite_failure_seen),
+    (hooks.FAILURE_SEEN, _ignite_hook),
     (hooks.FAILURE_SEEN, _lightning_hook),
     (hooks.RECOVERY_STARTED, recoveries._record),
-    (hooks.RECOVERY_STARTED, _ignite_recovery_started),
+    (hooks.RECOVERY_STARTED, _ignite_hook),
     (hooks.RECOVERY_STARTED, _lightning_hook),
     (hooks.RECOVERED, recoveries._record),
     # -- the steps of a recovery in place, in the order the recovery reaches them -------------------------
