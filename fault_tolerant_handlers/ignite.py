@@ -91,9 +91,8 @@ class FaultTolerance:
         self._cause_first: Any = None  # a filter on engine.logger while the run runs (_decide)
 
     def attach(self, engine: Engine) -> FaultTolerance:
-        """Register every event this handler needs on ``engine`` and return ``self``; also registers
-        :class:`FaultToleranceEvents` (a recovery in place's moments) and sets
-        ``engine.state.fault_tolerance`` (:class:`~fault_tolerant_handlers.RecoveryMetrics`)."""
+        """Register every event this handler needs on ``engine`` (and :class:`FaultToleranceEvents`, and
+        ``engine.state.fault_tolerance``: :class:`~fault_tolerant_handlers.RecoveryMetrics`); return ``self``."""
         if not isinstance(engine, Engine):
             raise TypeError(f"attach(engine=...) takes an ignite.engine.Engine, got {type(engine).__name__}")
         _compat_ignite.check(engine)
@@ -138,12 +137,12 @@ class FaultTolerance:
         # the DDP's bucket layout beside the model in every Checkpoint's to_save (a resume exact at 3+ ranks)
         add_bucket_layouts(engine, [h for h in _compat_ignite.attached_handlers(engine) if isinstance(h, Checkpoint)])
 
-    def _after_live_started(self, engine: Engine) -> None:
-        """Recovering in place: a peer's failure is raised at an iteration's end only after live state marked it."""
+    def _after_live_started(self, engine: Engine) -> None:  # a peer's failure raised only after live state's mark
         _compat_ignite.append_last(engine, Events.ITERATION_COMPLETED, self._iteration_completed)
 
     def _inject(self, engine: Engine) -> None:
-        self._injector.maybe_fire(self.guard.rank, engine.state.iteration, engine.state.epoch, engine.state.dataloader)
+        rank = self.guard.session.rank if self.guard.session is not None else 0
+        self._injector.maybe_fire(rank, engine.state.iteration, engine.state.epoch, engine.state.dataloader)
 
     def _epoch_started(self, engine: Engine) -> None:
         self.guard.beat(engine.state.iteration, STEP)

@@ -50,8 +50,8 @@ class Guard:
         return self.session is not None
 
     @property
-    def rank(self) -> int:
-        return self.session.rank if self.session is not None else 0
+    def _watchdog(self):
+        return self.session.watchdog if self.session is not None else None
 
     def start(self) -> None:
         """Collective on first use: call on every rank before training. A no-op without distribution."""
@@ -64,7 +64,7 @@ class Guard:
     def stop(self) -> None:
         """The loop ended normally on every rank: drop this loop's watchdog reference."""
         if self._watching and self.session is not None:
-            watchdog = self.session.watchdog
+            watchdog = self._watchdog
             if watchdog is not None:  # this loop's work is over: nothing of it is watched any more
                 watchdog.work(None)
                 for explainer in self._explainers:
@@ -77,7 +77,7 @@ class Guard:
         """Progress; ``work``: the kind of work that begins now; ``completed``: a batch completed. Raises
         the interrupt of a hung main thread again if user code swallowed it."""
         interrupts.raise_pending()
-        watchdog = self.session.watchdog if self.session is not None else None
+        watchdog = self._watchdog
         if watchdog is not None:  # a hang report names the step under way: in a training step, the next
             named = step + 1 if step is not None and work in (STEP, START) else None
             watchdog.beat(step, completed=completed, named=named)
@@ -86,11 +86,10 @@ class Guard:
 
     @property
     def auto_hang(self):  # the learned-deadline probe of hang_timeout="auto", else None
-        watchdog = self.session.watchdog if self.session is not None else None
-        return getattr(watchdog, "auto_hang", None)
+        return getattr(self._watchdog, "auto_hang", None)
 
     def explain_with(self, explainer: Callable[[object], tuple[str, object] | None]) -> None:
-        watchdog = self.session.watchdog if self.session is not None else None
+        watchdog = self._watchdog
         if watchdog is not None and watchdog.explain_with(explainer):
             self._explainers.append(explainer)
 

@@ -16,6 +16,7 @@ report there, which the parent raises.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -68,12 +69,9 @@ def write_once(path: str, data: dict | bytes) -> bool:
     """Create ``path`` with ``data`` (a dict: as JSON) unless it exists (atomically); True when this call wrote it."""
     if os.path.exists(path):
         return False
+    tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".error-", suffix=".json", dir=os.path.dirname(path) or ".")
-    except OSError as err:
-        log(logging.WARNING, "could not write the error file %s: %s", path, err)
-        return False
-    try:
         with os.fdopen(fd, "wb") as f:
             f.write(data if isinstance(data, bytes) else json.dumps(data).encode())
         os.link(tmp, path)  # fails if the file exists: never overwrites
@@ -84,10 +82,9 @@ def write_once(path: str, data: dict | bytes) -> bool:
         log(logging.WARNING, "could not write the error file %s: %s", path, err)
         return False
     finally:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def forget_own_file(state=None) -> None:
