@@ -38,8 +38,6 @@ def _framework(module: str, name: str) -> Callable[..., Any]:
 
 _ignite_hook = _framework("ignite", "_hook")  # Ignite's FAILURE_SEEN / RECOVERY_STARTED events
 _lightning_hook = _framework("lightning", "_hook")  # Lightning's on_failure_seen / on_recovery_started
-_lightning_keep_logger_versions = _framework("lightning", "_keep_logger_versions")
-_lightning_forget_logger_versions = _framework("lightning", "_forget_logger_versions")
 
 #: Every hook registration of the package: ``(hook, callback)`` or ``(hook, step, TOLERATE)``.
 WIRING: tuple[tuple[Any, ...], ...] = (
@@ -74,13 +72,13 @@ WIRING: tuple[tuple[Any, ...], ...] = (
     (hooks.TEAR_DOWN, compat_torchrun.forget_addresses_of_attempt),  # before the groups go: this rank's keys
     (hooks.RESET_FRAMEWORKS, adapters._reset_idist, TOLERATE),  # idist's model back to a fresh process's
     (hooks.RESET_FRAMEWORKS, adapters._resolve_live_names, TOLERATE),
-    (hooks.RESET_FRAMEWORKS, _lightning_keep_logger_versions, TOLERATE),
+    (hooks.RESET_FRAMEWORKS, _framework("lightning", "_keep_logger_versions"), TOLERATE),
     (hooks.COLLECTED, data.reap_workers),  # DataLoader workers of the failed attempt still running
     (hooks.RE_FORM, compat_torchrun.re_form),  # init_process_group is given the store under the new namespace
     (hooks.RE_FORM, reports.forget_own_file),  # torchrun: the recovered failure's file goes (a later one writes)
     (hooks.END, compat_torchrun.end_recovery),  # the first rendezvous's store forgotten
     (hooks.END, data.end_recovery),  # the checkpoint's copy in memory and the live state forgotten
-    (hooks.END, _lightning_forget_logger_versions, TOLERATE),
+    (hooks.END, _framework("lightning", "_forget_logger_versions"), TOLERATE),
     # -- providers ------------------------------------------------------------------------------------------
     (hooks.WORLD, compat_torchrun.first_rendezvous),  # the store, rank and world size a recovery's attempts share
     (hooks.WATCHDOG, watchdog.Watchdog),  # what Session.start_watchdog starts

@@ -40,6 +40,8 @@ def _installed(package: str) -> bool:
         return False
 
 
+_import = importlib.import_module
+
 #: The installed namespaces of Lightning's trainer, ``lightning.pytorch`` first.
 NAMESPACES: tuple[str, ...] = tuple(
     name for name in ("lightning.pytorch", "pytorch_lightning") if _installed(name.split(".")[0])
@@ -59,7 +61,7 @@ def callback_bases() -> tuple[type, ...]:
     bases, errors = [], []
     for name in NAMESPACES:
         try:
-            bases.append(importlib.import_module(name + ".callbacks").Callback)
+            bases.append(_import(name + ".callbacks").Callback)
         except Exception as err:  # noqa: BLE001 - a broken second install must not break the first
             errors.append(f"{name}: {type(err).__name__}: {err}")
     if not bases:
@@ -80,7 +82,7 @@ def check(trainer: Any) -> None:
     ns = namespace(trainer)
     missing = []
     try:
-        importlib.import_module(ns + ".strategies.launchers.multiprocessing")._MultiProcessingLauncher  # noqa: B018
+        _import(ns + ".strategies.launchers.multiprocessing")._MultiProcessingLauncher  # noqa: B018
     except (ImportError, AttributeError):
         missing.append(f"{ns}.strategies.launchers.multiprocessing._MultiProcessingLauncher")
     for name in ("_run_stage", "_teardown"):
@@ -90,14 +92,14 @@ def check(trainer: Any) -> None:
     if strategy is not None and model_parallel(strategy) and not hasattr(strategy, "_save_distributed_checkpoint"):
         missing.append(f"{ns}.strategies.ModelParallelStrategy._save_distributed_checkpoint")
     if missing:
-        version = getattr(importlib.import_module(ns), "__version__", "?")
+        version = getattr(_import(ns), "__version__", "?")
         raise RuntimeError(f"fault-tolerant-handlers needs {', '.join(missing)}, which {_DISTRIBUTION[ns]} "
                            f"{version} does not have (checked against {', '.join(CHECKED_AGAINST)})")
 
 
 def on_exception_runs_in_rank(trainer: Any) -> bool:
     """False for ``ddp_spawn``/``ddp_fork``/``ddp_notebook``: ``on_exception`` runs in the parent."""
-    launcher_type = importlib.import_module(namespace(trainer) + ".strategies.launchers.multiprocessing")._MultiProcessingLauncher
+    launcher_type = _import(namespace(trainer) + ".strategies.launchers.multiprocessing")._MultiProcessingLauncher
     return not isinstance(trainer.strategy.launcher, launcher_type)
 
 
@@ -133,9 +135,9 @@ def keep_launched_ranks(trainer: Any) -> bool:
     next attempt's ``Trainer`` does not start them again (True: it had to)."""
     ns = namespace(trainer)
     try:
-        launcher_type = importlib.import_module(ns + ".strategies.launchers.subprocess_script")._SubprocessScriptLauncher
+        launcher_type = _import(ns + ".strategies.launchers.subprocess_script")._SubprocessScriptLauncher
     except (ImportError, AttributeError):
-        version = getattr(importlib.import_module(ns), "__version__", "?")
+        version = getattr(_import(ns), "__version__", "?")
         raise RuntimeError(
             f"recover_in_place under Lightning needs {ns}.strategies.launchers.subprocess_script."
             f"_SubprocessScriptLauncher, which {_DISTRIBUTION[ns]} {version} does not have (checked against {', '.join(CHECKED_AGAINST)}); "
@@ -182,7 +184,7 @@ def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any] | 
 def restores_itself(strategy: Any) -> str:
     """Why a checkpoint dict handed to ``strategy`` would not be what it loads ("" when it is)."""
     ns = namespace(strategy)
-    base = importlib.import_module(ns + ".strategies").Strategy
+    base = _import(ns + ".strategies").Strategy
     overridden = [name for name in ("load_checkpoint", "load_model_state_dict", "load_optimizer_state_dict")
                   if getattr(type(strategy), name, None) is not getattr(base, name)]
     if not overridden:
@@ -193,13 +195,13 @@ def restores_itself(strategy: Any) -> str:
 
 def plain_ddp(strategy: Any) -> bool:
     """``strategy`` is a plain ``DDPStrategy``: its checkpoint dict is built without collectives."""
-    strategies = importlib.import_module(namespace(strategy) + ".strategies")
+    strategies = _import(namespace(strategy) + ".strategies")
     deepspeed = getattr(strategies, "DeepSpeedStrategy", ())
     return isinstance(strategy, strategies.DDPStrategy) and not isinstance(strategy, deepspeed)
 
 
 def model_parallel(strategy: Any) -> bool:
-    return isinstance(strategy, getattr(importlib.import_module(namespace(strategy) + ".strategies"), "ModelParallelStrategy", ()))
+    return isinstance(strategy, getattr(_import(namespace(strategy) + ".strategies"), "ModelParallelStrategy", ()))
 
 
 def dump_checkpoint(trainer: Any) -> dict:
@@ -229,8 +231,8 @@ def loop_parts(loop: Any) -> tuple[list, list]:
     """``([(key, loop)], [(key, progress, [(node, fields, getter)])])``: every loop and progress object
     under ``loop``, keyed as ``loop.state_dict()`` keys them (copied cheaply at every batch)."""
     ns = namespace(loop)
-    loop_type = importlib.import_module(ns + ".loops.loop")._Loop
-    progress_type = importlib.import_module(ns + ".loops.progress")._BaseProgress
+    loop_type = _import(ns + ".loops.loop")._Loop
+    progress_type = _import(ns + ".loops.progress")._BaseProgress
     loops: list = []
     progresses: list = []
 

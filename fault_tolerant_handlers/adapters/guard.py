@@ -9,13 +9,11 @@ import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
-from ..core import attempts, config, interrupts, recoveries
+from ..core import attempts, config, interrupts, recoveries, sharded
 from ..core.hooks import first_line, log
-from ..core.errors import PeerFailedError
 from ..core.sections import check_name
 from ..core.failure import tag, tag_of
 from ..core.session import Session, get_session
-from ..core import sharded
 from ..data import live
 from ..data.replicas import ShardReplicas
 from ..detect.autohang import START, STEP
@@ -117,7 +115,7 @@ class Guard:
 
     def on_exception(self, exc: BaseException, *, step: int | None = None, epoch: int | None = None) -> BaseException:
         """What this rank must raise for ``exc`` (handled once): ``exc`` itself, a local failure now
-        published, or the peer's :class:`PeerFailedError` for an error that comes from a peer's failure."""
+        published, or the peer's ``PeerFailedError`` for an error that comes from a peer's failure."""
         session = self.session
         if session is None or tag_of(exc).handled:
             return exc
@@ -250,6 +248,3 @@ class LoopRecovery:
                 call(loop)
             except Exception as err:  # noqa: BLE001
                 log(logging.WARNING, "a %s failed: %s: %s", what, type(err).__name__, first_line(err))
-
-
-__all__ = ["Guard", "LiveLoop", "LoopRecovery", "PeerFailedError"]

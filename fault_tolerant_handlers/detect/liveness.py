@@ -27,15 +27,12 @@ import math
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from ..core import hooks
-from ..core import procfs as _procfs
-from ..core.config import ZOMBIE_HOLD
-from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT  # timings: the table in core.config
+from ..core import hooks, procfs as _procfs
+from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT, ZOMBIE_HOLD  # timings: the table in core.config
 from ..core.hooks import log
 from ..core.procfs import RankTable
 from ..core.failure import FailureRecord
@@ -148,7 +145,7 @@ def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.E
     watched = [stop_fd]
     try:
         watched.append(os.pidfd_open(parent))
-    except (AttributeError, OSError):  # no pidfds here: the pipe (or the loop's parent check)
+    except OSError:  # no pidfds here: the pipe (or the loop's parent check)
         pass
     select.select(watched, [], [])
     woken.set()
@@ -206,8 +203,6 @@ class LivenessProcess:
         self._stop_w: int | None = None
 
     def start(self) -> LivenessProcess:
-        if not sys.platform.startswith("linux"):
-            return self
         # Connected by the helper after the fork, never by the rank (a slow connect would hold up its
         # first collective); a peer judges a heartbeat only once it has beaten: a late first beat is fine.
         conn = self.session.connection("helper", HELPER_STORE_TIMEOUT, backoff=True)

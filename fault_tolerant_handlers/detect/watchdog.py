@@ -37,15 +37,12 @@ from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, Incident, cap_tail
 from ..core.session import Session, get_session
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
 from ..core.hooks import first_line, log
-from .liveness import LivenessProcess
-from .liveness import kill_all as kill_all_liveness
-from .probes import (PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
-                     main_thread_frame)
+from .liveness import LivenessProcess, kill_all as kill_all_liveness
+from .probes import PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe, main_thread_frame
 from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
 from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_RESEND, INTERRUPT_WAIT, LIVENESS_STORE_TIMEOUT,  # timings:
-                           RELEASE_GRACE,
-                           SILENT_MARGIN,
-                           STORE_CHECK_EVERY, STORE_EVIDENCE_TIMEOUT, STORE_WARN_EVERY)  # the table in core.config
+                           RELEASE_GRACE, SILENT_MARGIN, STORE_CHECK_EVERY, STORE_EVIDENCE_TIMEOUT,  # the table in
+                           STORE_WARN_EVERY)  # core.config
 
 
 class WakeEvent(threading.Event):

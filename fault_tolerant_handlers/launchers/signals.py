@@ -150,8 +150,6 @@ class _Watch:
         if self.kind == "failed" and prev is signal.SIG_DFL:
             # (a framework's handler in front of this one, Lightning's, has run: it calls this one last)
             self._exit_failed(signum)
-        if prev is signal.SIG_IGN:
-            return None
         if self.kind == "cause" and self._framework_in_front(signum):
             # A handler put in front of this one later calls it (Lightning's, which chains the one
             # it found): what the signal does is that handler's to say (Lightning's stops the fit
