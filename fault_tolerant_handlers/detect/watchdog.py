@@ -93,20 +93,16 @@ class PidWatcher:
         self._poll.register(wake.fileno(), select.POLLIN)
         self._pidfd_only = not self.polled
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until a watched pid ended (True), or ``wake`` was set or ``timeout`` passed
-        (False). With pids that have no pidfd, returns True every ``fallback`` seconds so that the
-        caller checks them. The first call returns True: check once before sleeping."""
+    def wait(self) -> bool:
+        """Block until a watched pid ended (True) or ``wake`` was set (False). With pids that have no
+        pidfd, returns True every ``fallback`` seconds so that the caller checks them. The first call
+        returns True: check once before sleeping."""
         if not getattr(self, "_checked_once", False):
             self._checked_once = True
             return True
         if self.wake.is_set():
             return False
-        if self._pidfd_only:
-            limit = timeout
-        else:
-            limit = self.fallback if timeout is None else min(timeout, self.fallback)
-        ready = self._poll.poll(None if limit is None else max(0, int(limit * 1000)))
+        ready = self._poll.poll(None if self._pidfd_only else max(0, int(self.fallback * 1000)))
         ended = [fd for fd, _ in ready if fd in self._fds]
         for fd in ended:  # it stays readable: from now on that pid is checked every ``fallback``
             self._poll.unregister(fd)

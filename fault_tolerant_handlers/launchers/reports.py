@@ -203,7 +203,7 @@ def _key(err: BaseException) -> tuple:
             first_line(err, None))
 
 
-def print_report(rank: int, err: BaseException | None, context: str = "the job fails") -> bool:
+def print_report(rank: int, err: BaseException | None) -> bool:
     """Under ``mp.spawn``: print ``err`` in full on stderr, once per failure (True: printed, now or before)."""
     state = _state
     if state is None or err is None:
@@ -214,7 +214,7 @@ def print_report(rank: int, err: BaseException | None, context: str = "the job f
             return True
         state.printed.add(key)
     try:
-        sys.stderr.write(f"[rank {rank}] fault-tolerant-handlers: {context}:\n{err}\n")
+        sys.stderr.write(f"[rank {rank}] fault-tolerant-handlers: the job fails:\n{err}\n")
         sys.stderr.flush()
     except Exception:  # noqa: BLE001 - the report must never raise
         pass
