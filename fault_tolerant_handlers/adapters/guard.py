@@ -65,8 +65,8 @@ class Guard:
             watchdog = self._watchdog
             if watchdog is not None:  # this loop's work is over: nothing of it is watched any more
                 watchdog.work(None)
-                for explainer in self._explainers:
-                    watchdog.forget_explainer(explainer)
+                explainers = getattr(watchdog.auto_hang, "explainers", [])
+                explainers[:] = [e for e in explainers if e not in self._explainers]
             self._explainers = []
             self._watching = False
             self.session.stop_watchdog()
@@ -87,8 +87,10 @@ class Guard:
         return getattr(self._watchdog, "auto_hang", None)
 
     def explain_with(self, explainer: Callable[[object], tuple[str, object] | None]) -> None:
-        watchdog = self._watchdog
-        if watchdog is not None and watchdog.explain_with(explainer):
+        """Add a way to recognise work from the main thread's stack (:mod:`..detect.autohang`)."""
+        auto = self.auto_hang
+        if auto is not None and explainer not in auto.explainers:
+            auto.explainers.append(explainer)
             self._explainers.append(explainer)
 
     def due(self, iteration: int) -> bool:

@@ -235,19 +235,6 @@ class Watchdog:
         if self.auto_hang is not None:
             self.auto_hang.mark(kind, time.monotonic(), step)
 
-    def explain_with(self, explainer) -> bool:
-        """Add a way to recognise work from the main thread's stack (:mod:`.autohang`); ``False``: not added."""
-        auto = self.auto_hang
-        if auto is None or explainer in auto.explainers:
-            return False
-        auto.explainers.append(explainer)
-        return True
-
-    def forget_explainer(self, explainer) -> None:
-        auto = self.auto_hang
-        if auto is not None and explainer in auto.explainers:
-            auto.explainers.remove(explainer)
-
     # -- loops --------------------------------------------------------------------------------------
     def _run_store_loop(self) -> None:
         period = self.interval.total_seconds()
