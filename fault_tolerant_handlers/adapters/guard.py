@@ -5,6 +5,7 @@ part of a recovery in place (:class:`LoopRecovery`)."""
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable
@@ -62,25 +63,25 @@ class Guard:
     def stop(self) -> None:
         """The loop ended normally on every rank: drop this loop's watchdog reference."""
         if self._watching and self.session is not None:
-            watchdog = self._watchdog
-            if watchdog is not None:  # this loop's work is over: nothing of it is watched any more
-                watchdog.work(None)
-                explainers = getattr(watchdog.auto_hang, "explainers", [])
-                explainers[:] = [e for e in explainers if e not in self._explainers]
+            auto = self.auto_hang
+            if auto is not None:  # this loop's work is over: nothing of it is watched any more
+                auto.mark(None, time.monotonic())
+                auto.explainers[:] = [e for e in auto.explainers if e not in self._explainers]
             self._explainers = []
             self._watching = False
             self.session.stop_watchdog()
 
     def beat(self, step: int | None = None, work: str | None = None, *, completed: bool = False) -> None:
-        """Progress; ``work``: the kind of work that begins now; ``completed``: a batch completed. Raises
-        the interrupt of a hung main thread again if user code swallowed it."""
+        """Progress; ``work``: the kind of work that begins now, ending the one under way (``hang_timeout=
+        "auto"``); ``completed``: a batch completed. Raises the interrupt of a hung main thread again if
+        user code swallowed it."""
         interrupts.raise_pending()
         watchdog = self._watchdog
         if watchdog is not None:  # a hang report names the step under way: in a training step, the next
             named = step + 1 if step is not None and work in (STEP, START) else None
             watchdog.beat(step, completed=completed, named=named)
-            if work is not None:
-                watchdog.work(work, step if named is None else named)
+            if work is not None and watchdog.auto_hang is not None:
+                watchdog.auto_hang.mark(work, time.monotonic(), step if named is None else named)
 
     @property
     def auto_hang(self):  # the learned-deadline probe of hang_timeout="auto", else None

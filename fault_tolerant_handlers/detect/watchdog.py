@@ -229,12 +229,6 @@ class Watchdog:
         if completed:
             self.warm = True
 
-    # -- the learned deadline (``hang_timeout="auto"``): what the adapters tell it ------------------
-    def work(self, kind: str | None, step: int | None = None) -> None:
-        """The kind of work that begins now, ending the one under way (``None``: the loop's work is over)."""
-        if self.auto_hang is not None:
-            self.auto_hang.mark(kind, time.monotonic(), step)
-
     # -- loops --------------------------------------------------------------------------------------
     def _run_store_loop(self) -> None:
         period = self.interval.total_seconds()
