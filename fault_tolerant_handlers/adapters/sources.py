@@ -1,7 +1,5 @@
-"""``latest_checkpoint`` (the search and the agreement: :mod:`..data.checkpoints`) and what it looks at
-when given a framework's object instead of a folder (:func:`source_of`): an Ignite ``Checkpoint`` with a
-``DiskSaver`` (its folder; its file prefix; its ``to_save`` keys), the ``Engine`` one such ``Checkpoint``
-saves, or a Lightning ``Trainer`` (its ``ModelCheckpoint``'s folders)."""
+"""``latest_checkpoint`` (the search and the agreement: :mod:`..data.checkpoints`), and what it looks
+at when given a framework's object instead of a folder (:func:`source_of`)."""
 
 from __future__ import annotations
 

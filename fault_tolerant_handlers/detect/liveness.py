@@ -1,17 +1,10 @@
 """Liveness that does not depend on the GIL: a helper process per rank (``fth-liveness``), forked when
 the watchdog starts, so that a main thread holding the GIL in a long C call, or busy cores, never make
-a healthy rank look lost. Every period (0.5 s) it:
-
-* ends at once when its rank is gone or told it to stop (the pipe from the rank closed);
-* beats ``hb/<rank>`` in the store, unless its rank is stopped (SIGSTOP: a frozen rank is noticed);
-* when its rank was killed by a signal it could not report (SIGKILL), says so where the launcher
-  reads it and tells the peers with a ``PeerLost`` record (:func:`rank_ended`);
-* runs the :class:`~.probes.HeartbeatProbe` on its ring successor (every rank of the successor's
-  host when it is another host): a counter still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` is declared lost,
-  once, on evidence of its silence, never of a slow answer; on another host, sooner when that host's
-  kernel acknowledges nothing sent to it either (:mod:`.witness`).
-
-It connects to the store after the fork and never runs the rank's exit hooks (``os._exit``).
+a healthy rank look lost. It beats ``hb/<rank>`` unless its rank is stopped (a frozen rank is
+noticed), says how its rank ended when a signal killed it (:func:`rank_ended`), and runs the
+:class:`~.probes.HeartbeatProbe` on its ring successor (every rank of the successor's host when it is
+another host): a rank is declared lost on evidence of its silence, never of a slow answer. It never
+runs the rank's exit hooks (``os._exit``).
 """
 
 from __future__ import annotations

@@ -8,10 +8,8 @@ liveness helper and by a same-host survivor that sees it gone. A file is never o
 writer wins.
 
 **torch.multiprocessing** (``mp.spawn``) prints only the first failed process's exception and
-SIGTERMs the others. Under it a rank prints the full report once per failure; on a SIGTERM with only
-a same-host peer gone it waits for the cause; a killed rank's helper holds it a zombie so that its
-peers read how it ended, and writes torch's error file for it; a reported exit (87, 88) writes its
-report there, which the parent raises.
+SIGTERMs the others: under it each rank prints its full report, and torch's error file is written
+for a killed rank and by a reported exit (the parent raises it).
 """
 
 from __future__ import annotations
