@@ -443,10 +443,7 @@ class LightningRecovery(LoopRecovery):
 
     loops: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
     last_completed: int | None = None
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._log_pending = False
+    _log_pending = False  # the recovery's numbers are logged at the next training batch's end
 
     def setup(self, trainer: Any) -> None:
         self.attached(trainer)

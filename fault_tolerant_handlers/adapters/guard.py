@@ -224,9 +224,7 @@ class LoopRecovery:
 
     loops: weakref.WeakKeyDictionary
     last_completed: int | None = None  #: the failed attempt's, set at its failure (per framework)
-
-    def __init__(self) -> None:
-        self.completed: int | None = None
+    completed: int | None = None  #: this loop's last completed step
 
     def attached(self, loop: Any) -> None:
         type(self).loops[loop] = attempts.in_place()

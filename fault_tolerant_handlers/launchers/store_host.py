@@ -44,24 +44,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the address this host's own client connects to and the log names (default 0.0.0.0; "
                              "the server listens on every interface, as torchrun's does)")
     args = parser.parse_args(argv)
-    validate(args.port, args.host)
-    args.port = int(args.port)
-    return args
-
-
-def validate(port: str | int, host: str) -> None:
-    text = str(port).strip()
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
+    port, host = args.port, args.host
+    if not port.strip().isdigit() or not 1 <= int(port) <= 65535:
         raise StoreHostArgumentError(f"store_host --port {port!r}: the port must be an integer in [1, 65535]")
     if not host or not host.strip() or any(c.isspace() for c in host):
         raise StoreHostArgumentError(f"store_host --host {host!r}: the host must be a non-empty address or name "
                                      "without spaces")
-
-
-def serve(port: int, host: str = "0.0.0.0") -> dist.TCPStore:
-    """Start the server (on every interface) and return its store."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                         use_libuv=True, timeout=STORE_HOST_CONNECT_TIMEOUT)
+    args.port = int(port)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:
-            store = serve(args.port, args.host)
+            store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                                  use_libuv=True, timeout=STORE_HOST_CONNECT_TIMEOUT)  # made as torchrun makes its own
         except (RuntimeError, ValueError, OSError) as exc:  # the port is taken, the host unknown
             print(f"fault-tolerant-handlers: store_host --host {args.host} --port {args.port}: the store could not "
                   f"be served: {type(exc).__name__}: {first_line(exc, None)}",
