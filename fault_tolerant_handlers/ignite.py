@@ -62,10 +62,9 @@ class FaultTolerance:
         name: the loop's name in reports (a non-empty str).
 
     Raises:
-        ValueError: ``sync_every`` is not a positive int or ``None``; ``hang_timeout`` is a duration
-            outside 1 s to 7 days; an ``FTH_*`` environment variable is out of its range.
-        TypeError: ``hang_timeout`` is none of its accepted forms; ``watchdog`` is not a bool;
-            ``name`` is not a non-empty str.
+        ValueError: ``sync_every`` is not a positive int or ``None``; a duration (1 s to 7 days) or an
+            ``FTH_*`` variable out of its range.
+        TypeError: ``hang_timeout`` of none of its forms, ``watchdog`` not a bool, ``name`` not a str.
 
     Examples:
         .. code-block:: python
@@ -283,11 +282,10 @@ class IgniteLive(LiveLoop):
     since; a sharded model's: this rank's shard, which only this rank resumes from)."""
 
     replicates = True
+    engine: Engine | None = None
 
     def __init__(self) -> None:
-        super().__init__()
         self.to_save: dict[str, Any] = {}
-        self.engine: Engine | None = None
 
     def attach(self, engine: Any) -> None:
         _compat_ignite.prepend(engine, Events.STARTED, self._restore)

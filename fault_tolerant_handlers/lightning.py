@@ -45,9 +45,8 @@ def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> None:
     try:
         fn(*args)
     except Exception as err:  # noqa: BLE001 - logged: the cause must reach every rank unchanged
-        first = first_line(err, 300)
         log(logging.WARNING, "%s failed while the job fails together (ignored, the cause is raised instead): %s: %s",
-            what, type(err).__name__, first)
+            what, type(err).__name__, first_line(err, 300))
 
 
 class FaultTolerance(_CallbackBase):
@@ -324,10 +323,9 @@ class LightningLive(LiveLoop):
     write, captured at ``on_exception`` with the parts marked at the last batch end put in."""
 
     unit = "global step"
+    trainer: Any = None
 
     def __init__(self) -> None:
-        super().__init__()
-        self.trainer: Any = None
         self._parts: tuple[list, list] = ([], [])
 
     def train_start(self, trainer: Any) -> None:

@@ -145,12 +145,10 @@ class LiveLoop:
 
     unit = "iteration"  #: what a step is called in the loop's reports
     replicates = False  #: the loop calls ``_replicate`` at each step's end (``FTH_SHARD_REPLICAS``)
-
-    def __init__(self) -> None:
-        self.tracker: live.StepTracker | None = None
-        self.directory: str | None = None
-        self.why_not = ""
-        self.replicas: ShardReplicas | None = None
+    tracker: live.StepTracker | None = None
+    directory: str | None = None
+    why_not = ""
+    replicas: ShardReplicas | None = None
 
     def _begin(self, modules: list, update_at_pre_hook: bool) -> None:
         self.tracker = live.StepTracker(modules, update_at_pre_hook=update_at_pre_hook)
