@@ -397,7 +397,6 @@ _kept_metrics: dict[str, bytes] = {}
 
 
 def _pinned_version(logger: Any) -> Any:
-    """The first attempt's version for a logger of the same class and root folder."""
     for cls, root, version, _ in _logger_versions:
         if type(logger) is cls and str(getattr(logger, "root_dir", "")) == root:
             return version
@@ -424,7 +423,6 @@ def _forget_logger_versions(state: phases.RecoveryState) -> None:
 
 
 def dispatch(trainer: Any, hook: str, info: recoveries.RecoveryInfo) -> None:
-    """Call ``hook`` on every callback of ``trainer`` that has it, then on its LightningModule."""
     pl_module = getattr(trainer, "lightning_module", None)
     for callback in list(trainer.callbacks):
         method = getattr(callback, hook, None)

@@ -40,14 +40,12 @@ def handlers_of(engine: Any, event: Any) -> list:
 
 
 def prepend(engine: Any, event: Any, handler: Callable) -> None:
-    """Attach ``handler`` to ``event`` before the handlers already attached."""
     engine.add_event_handler(event, handler)
     handlers = handlers_of(engine, event)
     handlers.insert(0, handlers.pop())
 
 
 def append_last(engine: Any, event: Any, handler: Callable) -> None:
-    """Move ``handler`` (attached to ``event``) after every handler attached to it now."""
     handlers = handlers_of(engine, event)
     for i, entry in enumerate(handlers):
         if entry[0] == handler:

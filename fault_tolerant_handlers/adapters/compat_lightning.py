@@ -46,8 +46,7 @@ _import = importlib.import_module
 NAMESPACES: tuple[str, ...] = tuple(
     name for name in ("lightning.pytorch", "pytorch_lightning") if _installed(name.split(".")[0])
 )
-#: The distribution that provides each namespace (for error messages).
-_DISTRIBUTION = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch-lightning"}
+_DISTRIBUTION = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch-lightning"}  # for errors
 
 
 
@@ -104,7 +103,6 @@ def on_exception_runs_in_rank(trainer: Any) -> bool:
 
 
 def wrap_run_stage(trainer: Any, wrapper: Callable[[Callable[[], Any]], Any]) -> None:
-    """Run ``wrapper(original)`` instead of ``Trainer._run_stage`` on this trainer object."""
     original = trainer._run_stage
     if getattr(original, "_fth_wrapped", False):
         return
@@ -219,7 +217,6 @@ def dump_checkpoint(trainer: Any) -> dict:
 
 
 def _nodes(progress: Any) -> list:
-    """``progress`` and the progress objects inside it, depth first."""
     found = [progress]
     for value in progress.__dict__.values():
         if dataclasses.is_dataclass(value):

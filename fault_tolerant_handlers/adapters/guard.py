@@ -182,7 +182,6 @@ class LiveLoop:
             self.tracker.start_step(step)
 
     def failed(self) -> None:
-        """The framework reported the failure: capture now."""
         if self.tracker is not None:
             live.capture_now(self.capture)
 

@@ -57,7 +57,6 @@ def trainer_source(trainer: Any, prefix: str | None, required_keys: Any) -> Sour
 
 
 def source_of(where: Any, *, prefix: str | None = None, required_keys: Any = None) -> Source:
-    """The :class:`~..data.checkpoints.Source` for ``latest_checkpoint``'s first argument."""
     if isinstance(where, (str, os.PathLike)):
         return folder_source(where, prefix=prefix, required_keys=required_keys)
     checkpoint_cls = _class("ignite.handlers.checkpoint", "Checkpoint")

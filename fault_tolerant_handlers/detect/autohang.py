@@ -182,7 +182,6 @@ def writing_checkpoint_explainer(frame) -> tuple[str, object] | None:
 
 
 def from_config(rank: int, pid: int, frame: Callable[[], object], host: str = "") -> AutoHangProbe:
-    """The probe of ``hang_timeout="auto"`` with the ``FTH_AUTO_HANG_*`` settings."""
     rule = config.settings()
     return AutoHangProbe(rank, pid, frame=frame, multiple=rule.auto_hang_multiple, floor=rule.auto_hang_floor,
                          warmup=rule.auto_hang_warmup, explain=[writing_checkpoint_explainer], host=host)

@@ -332,7 +332,6 @@ class Watchdog:
             interrupts.resend()
 
     def _declare(self, err: PeerFailedError, schema: Schema | None) -> None:
-        """Publish the record this rank declared, if no rank declared it before."""
         if err.origin != "declared" or schema is None:
             return
         try:

@@ -35,8 +35,7 @@ from ..core.procfs import STATE, RankTable, process_state, stat_fields
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 ERROR_FILE_NAME = "error.json"
-#: Marks the files this library wrote (``extraInfo.writer``).
-WRITER = "fault_tolerant_handlers"
+WRITER = "fault_tolerant_handlers"  # marks the files this library wrote (extraInfo.writer)
 
 
 # -- torchrun's error files ----------------------------------------------------------------------------

@@ -56,9 +56,8 @@ class _Watch:
         self.started = False
         self.done = threading.Event()
         self.handled = threading.Event()  # the main thread entered a handler of this module's
-        self.kind: str | None = None  # "cause" or "consequence", once reacted
-        #: This rank's own signal, as the error its main thread raises for a collective broken after it.
-        self.cause: PeerFailedError | None = None
+        self.kind: str | None = None  # "cause", "consequence" or "failed", once reacted
+        self.cause: PeerFailedError | None = None  # this rank's own signal, as a collective broken after it raises
         self._rsock: socket.socket | None = None
         self._wsock: socket.socket | None = None
 
@@ -260,7 +259,6 @@ class _Watch:
 
     @staticmethod
     def _records(session: Session) -> PeerFailedError | None:
-        """The failure a peer's record not yet taken by this rank says, if any."""
         conn = session.connection("signal-read", SIGNAL_STORE_TIMEOUT)
         try:
             schema = Schema(conn, session.schema.world_size)
