@@ -481,7 +481,6 @@ class DCPSaver(BaseSaveHandler):
         self._pending_removal.append(filename)
 
 
-
 def check_mid_epoch_resume(engine: Any) -> str | None:
     """Warn when ``engine`` resumes inside an epoch and its loader will not continue there; return the warning."""
     state = engine.state

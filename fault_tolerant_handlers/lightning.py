@@ -316,7 +316,6 @@ def _evaluation(trainer: pl.Trainer) -> str:
     return "sanity check" if trainer.sanity_checking else EVALUATION
 
 
-
 # -- live state --------------------------------------------------------------------------------------
 class LightningLive(LiveLoop):
     """Live state (:mod:`.data.live`) of one Lightning ``Trainer``: what ``trainer.save_checkpoint`` would

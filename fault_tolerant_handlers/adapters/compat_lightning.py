@@ -49,7 +49,6 @@ NAMESPACES: tuple[str, ...] = tuple(
 _DISTRIBUTION = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch-lightning"}  # for errors
 
 
-
 def namespace(obj: Any) -> str:
     """The package (``"lightning.pytorch"`` or ``"pytorch_lightning"``) of a trainer, strategy or loop."""
     return "pytorch_lightning" if type(obj).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"

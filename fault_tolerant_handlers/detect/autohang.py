@@ -43,7 +43,6 @@ _WAITING = object()  # the token of a piece seen waiting for its peers
 _DEBUGGERS = (f"{os.sep}bdb.py", f"{os.sep}pdb.py")
 
 
-
 class AutoHangProbe:
     """This rank's main thread stuck in a piece of work far longer than any like it so far."""
 

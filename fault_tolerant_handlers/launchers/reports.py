@@ -136,7 +136,6 @@ def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
         log(logging.INFO, "wrote the error file of rank %d for torchrun: %s", rank, path)
 
 
-
 def write_killed(record: FailureRecord) -> bool:
     """``RANK_KILLED``, in the liveness helper of a rank killed by a signal it could not report."""
     path = own_path()

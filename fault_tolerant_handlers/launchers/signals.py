@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 SIGNALS = tuple(signal.Signals[name] for name in HANDLED_SIGNALS)  # SIGTERM, SIGINT
 
 
-
 class _Watch:
     def __init__(self, session: Session) -> None:
         self._session = weakref.ref(session)
