@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
-from .core import attempts, phases, recoveries
+from .core import attempts, interrupts, phases, recoveries
 from .data import dcp, live, snapshots
 from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted, RecoveryError
@@ -131,6 +131,12 @@ class FaultTolerance(_CallbackBase):
         step = self._in_batch if self._in_batch is not None else int(trainer.global_step)
         return {"step": step, "epoch": int(trainer.current_epoch)}
 
+    def _check(self, trainer: pl.Trainer) -> None:
+        """Raise the peer's failure if the watchdog already knows it: two attribute reads otherwise."""
+        interrupts.raise_pending()  # a hung main thread's interrupt that user code swallowed
+        if self.guard.session is not None and self.guard.session.failure.peer_error is not None:
+            self.guard.check(**self._where(trainer))
+
     # -- hooks -------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -213,7 +219,7 @@ class FaultTolerance(_CallbackBase):
                              batch_idx: int) -> None:
         self._in_batch = int(trainer.global_step) + 1  # taken before the optimizer step moves global_step
         self._live.step_starts(int(trainer.global_step))
-        self.guard.check(**self._where(trainer))  # an attribute read: the watchdog may already know a peer failed
+        self._check(trainer)  # an attribute read: the watchdog may already know a peer failed
         if self._injector is not None:
             self._injector.maybe_fire(trainer.global_rank, self._in_batch, trainer.current_epoch,
                                       trainer.train_dataloader)
@@ -229,13 +235,13 @@ class FaultTolerance(_CallbackBase):
         if self.guard.due(self._batches):
             self.guard.sync("training batch", **self._where(trainer))
         else:
-            self.guard.check(**self._where(trainer))
+            self._check(trainer)
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         self.guard.beat(int(trainer.global_step), _evaluation(trainer), completed=True)
-        self.guard.check(**self._where(trainer))
+        self._check(trainer)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
