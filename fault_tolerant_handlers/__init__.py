@@ -31,16 +31,15 @@ Public names:
 """
 
 from .launchers import compat_torchrun as _compat_torchrun
-from .checkpoints import latest_checkpoint
+from .adapters.sources import latest_checkpoint
 from .data.snapshots import load_checkpoint
 from .data.ddp_buckets import DDPBucketLayout
 from .data.dcp import ShardedState, load_dcp
 from .data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
 from .core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError, StateTransferError
-from .core.interrupts import deferred_interrupt
+from .core.interrupts import EXIT_TEARDOWN_STUCK, deferred_interrupt
 from .core.recoveries import (RecoveryCause, RecoveryInfo, RecoveryMetrics, RecoveryPhase, on_recovery,
                               recovery_history)
-from .core.interrupts import EXIT_TEARDOWN_STUCK
 from .core.sections import fail_together, one_rank_first
 from .detect.watchdog import EXIT_HUNG, EXIT_PEER_FAILED, start_watchdog, writing_checkpoint
 from .recover import recover_in_place, recovery_attempt, spares_left

@@ -1,11 +1,8 @@
-"""PyTorch-Ignite adapter: ``FaultTolerance().attach(trainer)``.
-
-Maps Ignite events onto the verbs of :class:`~fault_tolerant_handlers.adapters.guard.Guard` (the
-table: docs/ignite.md); live state, a recovery's events, the savers and the resume checks are here,
-Ignite's private API in :mod:`.adapters.compat_ignite`. Ignite stops re-raising once any
-``EXCEPTION_RAISED`` handler is attached; in a distributed run this handler always re-raises.
-Importing this module makes ``Checkpoint.load_objects`` give a DDP the bucket layout saved beside it.
-"""
+"""PyTorch-Ignite adapter: ``FaultTolerance().attach(trainer)``: Ignite's events onto
+:class:`~.adapters.guard.Guard` (docs/ignite.md); Ignite's private API is in :mod:`.adapters.compat_ignite`.
+Ignite stops re-raising once any ``EXCEPTION_RAISED`` handler is attached: in a distributed run this
+handler always re-raises. Importing this module makes ``Checkpoint.load_objects`` give a DDP the bucket
+layout saved beside it."""
 
 from __future__ import annotations
 
@@ -65,10 +62,9 @@ class FaultTolerance:
         name: the loop's name in reports (a non-empty str).
 
     Raises:
-        ValueError: ``sync_every`` is not a positive int or ``None``; ``hang_timeout`` is a duration
-            outside 1 s to 7 days; an ``FTH_*`` environment variable is out of its range.
-        TypeError: ``hang_timeout`` is none of its accepted forms; ``watchdog`` is not a bool;
-            ``name`` is not a non-empty str.
+        ValueError: ``sync_every`` is not a positive int or ``None``; a duration (1 s to 7 days) or an
+            ``FTH_*`` variable out of its range.
+        TypeError: ``hang_timeout`` of none of its forms, ``watchdog`` not a bool, ``name`` not a str.
 
     Examples:
         .. code-block:: python
@@ -94,9 +90,8 @@ class FaultTolerance:
         self._cause_first: Any = None  # a filter on engine.logger while the run runs (_decide)
 
     def attach(self, engine: Engine) -> FaultTolerance:
-        """Register every event this handler needs on ``engine`` and return ``self``; also registers
-        :class:`FaultToleranceEvents` (a recovery in place's moments) and sets
-        ``engine.state.fault_tolerance`` (:class:`~fault_tolerant_handlers.RecoveryMetrics`)."""
+        """Register every event this handler needs on ``engine`` (and :class:`FaultToleranceEvents`, and
+        ``engine.state.fault_tolerance``: :class:`~fault_tolerant_handlers.RecoveryMetrics`); return ``self``."""
         if not isinstance(engine, Engine):
             raise TypeError(f"attach(engine=...) takes an ignite.engine.Engine, got {type(engine).__name__}")
         _compat_ignite.check(engine)
@@ -122,10 +117,11 @@ class FaultTolerance:
         self.guard.sync("a sync point", step=engine.state.iteration, epoch=engine.state.epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.guard.state_dict()
+        return {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.guard.load_state_dict(state_dict)
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"load_state_dict(state_dict=...) takes a mapping, got {type(state_dict).__name__}")
 
     # -- events -------------------------------------------------------------------------------------
     def _started(self, engine: Engine) -> None:
@@ -140,12 +136,12 @@ class FaultTolerance:
         # the DDP's bucket layout beside the model in every Checkpoint's to_save (a resume exact at 3+ ranks)
         add_bucket_layouts(engine, [h for h in _compat_ignite.attached_handlers(engine) if isinstance(h, Checkpoint)])
 
-    def _after_live_started(self, engine: Engine) -> None:
-        """Recovering in place: a peer's failure is raised at an iteration's end only after live state marked it."""
+    def _after_live_started(self, engine: Engine) -> None:  # a peer's failure raised only after live state's mark
         _compat_ignite.append_last(engine, Events.ITERATION_COMPLETED, self._iteration_completed)
 
     def _inject(self, engine: Engine) -> None:
-        self._injector.maybe_fire(self.guard.rank, engine.state.iteration, engine.state.epoch, engine.state.dataloader)
+        rank = self.guard.session.rank if self.guard.session is not None else 0
+        self._injector.maybe_fire(rank, engine.state.iteration, engine.state.epoch, engine.state.dataloader)
 
     def _epoch_started(self, engine: Engine) -> None:
         self.guard.beat(engine.state.iteration, STEP)
@@ -241,8 +237,7 @@ class FaultToleranceEvents(EventEnum):
 
 
 class IgniteRecovery(LoopRecovery):
-    """:class:`FaultToleranceEvents` on one engine and ``engine.state.fault_tolerance``: ``FAILURE_SEEN``
-    and ``RECOVERY_STARTED`` on the failed attempt's engines, ``RECOVERED`` on the next one's at ``STARTED``."""
+    """:class:`FaultToleranceEvents` and ``engine.state.fault_tolerance`` on one engine."""
 
     loops: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
     last_completed: int | None = None
@@ -262,19 +257,14 @@ class IgniteRecovery(LoopRecovery):
             engine.fire_event(FaultToleranceEvents.RECOVERED)
 
 
-def _fire(event: FaultToleranceEvents):
+def _hook(info: recoveries.RecoveryInfo) -> None:
+    """``FAILURE_SEEN``, ``RECOVERY_STARTED``: their events on the failed attempt's engines."""
+    event = FaultToleranceEvents[info.phase.name]
+
     def fire_on(engine: Engine) -> None:
         engine.state.fault_tolerance = recoveries.metrics()
         engine.fire_event(event)
-
-    def fire(info: recoveries.RecoveryInfo) -> None:
-        IgniteRecovery.tell_failed_loops(info, fire_on, f"{event.name} handler")
-    fire.__qualname__ = f"ignite {event.name}"
-    return fire
-
-
-_failure_seen = _fire(FaultToleranceEvents.FAILURE_SEEN)  # wired in .wiring
-_recovery_started = _fire(FaultToleranceEvents.RECOVERY_STARTED)
+    IgniteRecovery.tell_failed_loops(info, fire_on, f"{event.name} handler")
 
 
 # -- live state ------------------------------------------------------------------------------------
@@ -288,17 +278,14 @@ def _unwrap(obj: Any) -> Any:
 
 class IgniteLive(LiveLoop):
     """Live state (:mod:`.data.live`) of one Ignite trainer, from the ``to_save`` of its ``Checkpoint``
-    handlers: restored at the first ``STARTED`` unless the script loaded it, the RNG at each
-    ``ITERATION_STARTED``, small state at each ``ITERATION_COMPLETED`` (last handler), the capture at
-    ``EXCEPTION_RAISED`` (modules and optimizers as they are: no update ran since; a sharded model's,
-    this rank's shard, which only this rank resumes from)."""
+    handlers; captured at ``EXCEPTION_RAISED`` with modules and optimizers as they are (no update ran
+    since; a sharded model's: this rank's shard, which only this rank resumes from)."""
 
     replicates = True
+    engine: Engine | None = None
 
     def __init__(self) -> None:
-        super().__init__()
         self.to_save: dict[str, Any] = {}
-        self.engine: Engine | None = None
 
     def attach(self, engine: Any) -> None:
         _compat_ignite.prepend(engine, Events.STARTED, self._restore)
@@ -308,7 +295,6 @@ class IgniteLive(LiveLoop):
         engine.add_event_handler(Events.COMPLETED, lambda _: self.close())
 
     def _find(self, engine: Any) -> None:
-        """The ``to_save`` of the engine's ``Checkpoint`` handlers, their folder, or why nothing is captured."""
         checkpoints = [h for h in _compat_ignite.attached_handlers(engine) if isinstance(h, Checkpoint)]
         self.to_save, self.directory, self.why_not = {}, None, ""
         for handler in checkpoints:
@@ -390,9 +376,8 @@ class SafeDiskSaver(DiskSaver):
     """Ignite's ``DiskSaver`` (same arguments) that removes old checkpoints only once the new one is written.
 
     ``Checkpoint`` asks its save handler to remove the oldest file before it saves the new one (a kill
-    in between costs a checkpoint; with ``n_saved=1``, the only one); here the removal waits until the
-    new file is complete, so a kill at any moment leaves ``n_saved`` complete checkpoints. Recovering
-    in place, a hung main thread's interrupt waits until the write and the removal are over.
+    in between costs a checkpoint; with ``n_saved=1``, the only one): here a kill at any moment leaves
+    ``n_saved`` complete checkpoints, and a hung main thread's interrupt waits for the write and removal.
 
     Examples:
         .. code-block:: python
@@ -425,8 +410,8 @@ class SafeDiskSaver(DiskSaver):
 
 
 def _discard(path: Path, then: Callable[[], None] = lambda: None) -> None:
-    """Remove the directory ``path``, renamed first to ``tmp-<name>.old`` (skipped by ``latest_checkpoint``),
-    calling ``then`` between the rename and the removal."""
+    """Remove the directory ``path``, renamed first to ``tmp-<name>.old`` (which ``latest_checkpoint``
+    skips); ``then()`` runs between the rename and the removal."""
     trash = path.with_name(f"tmp-{path.name}.old")
     shutil.rmtree(trash, ignore_errors=True)  # a removal a killed attempt left
     if path.exists():
@@ -441,12 +426,9 @@ class DCPSaver(BaseSaveHandler):
     (Ignite's ``DiskSaver`` writes on one rank only, which loses every other rank's shards).
 
     Each checkpoint is a directory named after Ignite's file name without its extension
-    (``checkpoint_20``), written as ``tmp-checkpoint_20`` and renamed by rank 0 once DCP's
-    ``.metadata`` is written; old ones are removed after, as :class:`SafeDiskSaver` does.
-    :func:`~fault_tolerant_handlers.latest_checkpoint` finds the newest complete one and
-    :func:`~fault_tolerant_handlers.load_dcp` loads it on every rank. ``dirname`` must be one folder
-    every rank sees. Put the model and its optimizers in ``to_save`` as a
-    :class:`~fault_tolerant_handlers.ShardedState`.
+    (``checkpoint_20``), written as ``tmp-checkpoint_20`` and renamed by rank 0 once complete; old ones
+    are removed after, as :class:`SafeDiskSaver` does. ``dirname`` must be one folder every rank sees.
+    Put the model and its optimizers in ``to_save`` as a :class:`~fault_tolerant_handlers.ShardedState`.
 
     Examples:
         .. code-block:: python
@@ -499,14 +481,6 @@ class DCPSaver(BaseSaveHandler):
         self._pending_removal.append(filename)
 
 
-def _loader_next_batch(loader: Any) -> int | None:
-    """The batch of its pass the loader's next ``iter()`` starts at (0: a new pass), if it says."""
-    if not isinstance(loader, RestartableDataLoader):
-        return None
-    state = loader.state_dict()
-    return 0 if state["epoch_finished"] else state["batches_yielded"]
-
-
 def check_mid_epoch_resume(engine: Any) -> str | None:
     """Warn when ``engine`` resumes inside an epoch and its loader will not continue there; return the warning."""
     state = engine.state
@@ -520,9 +494,12 @@ def check_mid_epoch_resume(engine: Any) -> str | None:
                    f"draw the remaining {length - done} iterations from the start of the epoch, not the batches an "
                    "uninterrupted run trains. Use fault_tolerant_handlers.RestartableDataLoader (or make_restartable) "
                    "and put it in the checkpoint's to_save / to_load")
-    else:
-        batch = _loader_next_batch(loader)
-        if batch is None or batch == done:
+    else:  # the batch of its pass the loader's next iter() starts at (0: a new pass), if it says
+        if not isinstance(loader, RestartableDataLoader):
+            return None
+        state = loader.state_dict()
+        batch = 0 if state["epoch_finished"] else state["batches_yielded"]
+        if batch == done:
             return None
         start = "batch 0 (a new pass over the data)" if batch == 0 else f"batch {batch}"
         message = (f"{where}, but the loader's next iter() starts at {start}: was it left out of "
@@ -532,7 +509,7 @@ def check_mid_epoch_resume(engine: Any) -> str | None:
     return message
 
 
-# -- a DDP's bucket layout beside the model ---------------------------------------------------------------
+# -- a DDP's bucket layout beside the model (a resume exact at 3+ ranks) ------------------------------------
 _warned: set[str] = set()
 
 
@@ -544,8 +521,8 @@ def _warn_once(message: str) -> None:
 
 
 def find_ddp(objects: Iterable[Any]) -> DistributedDataParallel | None:
-    """The ``DistributedDataParallel`` among ``objects``, or the one wrapping a model among them: named
-    by an ``Engine``'s training step or, from 3 ranks on, found by a scan of the heap (about 0.1 s)."""
+    """The DDP among ``objects``, or the one wrapping a model among them: named by an ``Engine``'s
+    training step or, from 3 ranks on, found by a scan of the heap (about 0.1 s)."""
     objects = list(objects)
     for obj in objects:
         if isinstance(obj, DistributedDataParallel):
@@ -567,7 +544,7 @@ def find_ddp(objects: Iterable[Any]) -> DistributedDataParallel | None:
 
 
 def _layout_of(ddp: DistributedDataParallel | None) -> DDPBucketLayout | None:
-    """The one ``DDPBucketLayout`` of ``ddp`` (kept on it: the layout a load gave it is what it saves)."""
+    """The one layout of ``ddp``, kept on it: the layout a load gave it is what it saves."""
     if ddp is None:
         return None
     layout = getattr(ddp, "_fth_bucket_layout", None)
@@ -581,8 +558,8 @@ def _layout_of(ddp: DistributedDataParallel | None) -> DDPBucketLayout | None:
 
 
 def add_bucket_layouts(engine: Any, checkpoints: Iterable[Any]) -> None:
-    """``STARTED``: each ``Checkpoint`` whose ``to_save`` (of 2+ objects) holds a DDP or its model and no
-    ``DDPBucketLayout`` saves the layout too, under :data:`LAYOUT_KEY` (in a new dict: the user's is kept)."""
+    """Each ``Checkpoint`` whose ``to_save`` (of 2+ objects) holds a DDP or its model and no layout saves
+    the layout too, under :data:`LAYOUT_KEY` (in a new dict: the user's is kept)."""
     for handler in checkpoints:
         to_save = handler.to_save
         if not isinstance(to_save, dict) or len(to_save) < 2 or LAYOUT_KEY in to_save or any(
@@ -594,8 +571,7 @@ def add_bucket_layouts(engine: Any, checkpoints: Iterable[Any]) -> None:
 
 
 def give_bucket_layout(to_load: Any, checkpoint: Any) -> None:
-    """After ``Checkpoint.load_objects(to_load, checkpoint)``: the layout saved under :data:`LAYOUT_KEY`
-    goes to the DDP of ``to_load`` before its first step."""
+    """After ``Checkpoint.load_objects(to_load, checkpoint)``: the saved layout goes to the DDP of ``to_load``."""
     if not isinstance(checkpoint, dict) or not isinstance(to_load, dict) or LAYOUT_KEY in to_load:
         return
     saved = checkpoint.get(LAYOUT_KEY)
@@ -611,10 +587,6 @@ def give_bucket_layout(to_load: Any, checkpoint: Any) -> None:
                    "differ from the uninterrupted run in the last bits")
 
 
-def hook_load_objects() -> None:
-    """Once per process: every ``Checkpoint.load_objects`` gives a DDP its checkpoint's bucket layout."""
-    _compat_ignite.hook_load_objects(take=live.take, read=lambda path: torch.load(path, weights_only=True),
-                                     after=give_bucket_layout)
-
-
-hook_load_objects()
+# once per process: every Checkpoint.load_objects gives a DDP its checkpoint's bucket layout
+_compat_ignite.hook_load_objects(take=live.take, read=lambda path: torch.load(path, weights_only=True),
+                                 after=give_bucket_layout)

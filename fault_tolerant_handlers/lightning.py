@@ -1,11 +1,7 @@
-"""Lightning adapter: ``Trainer(callbacks=[FaultTolerance()])``.
-
-Maps Lightning's ``Callback`` hooks onto :class:`~fault_tolerant_handlers.adapters.guard.Guard` (the
-table, and why ``on_exception`` finishes Lightning's exception path itself: docs/lightning.md); live
-state and a recovery's hooks are here. The callback is a ``Callback`` of both ``lightning.pytorch``
-and ``pytorch_lightning`` when both are installed; Lightning's private API is in
-:mod:`.adapters.compat_lightning`.
-"""
+"""Lightning adapter: ``Trainer(callbacks=[FaultTolerance()])``: Lightning's hooks onto
+:class:`~.adapters.guard.Guard` (why ``on_exception`` finishes Lightning's exception path itself:
+docs/lightning.md). A ``Callback`` of both ``lightning.pytorch`` and ``pytorch_lightning`` when both
+are installed; Lightning's private API is in :mod:`.adapters.compat_lightning`."""
 
 from __future__ import annotations
 
@@ -17,6 +13,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from torch.multiprocessing.spawn import ProcessException
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from .adapters import compat_lightning as _compat_lightning
@@ -47,9 +45,8 @@ def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> None:
     try:
         fn(*args)
     except Exception as err:  # noqa: BLE001 - logged: the cause must reach every rank unchanged
-        first = first_line(err, 300)
         log(logging.WARNING, "%s failed while the job fails together (ignored, the cause is raised instead): %s: %s",
-            what, type(err).__name__, first)
+            what, type(err).__name__, first_line(err, 300))
 
 
 class FaultTolerance(_CallbackBase):
@@ -69,24 +66,9 @@ class FaultTolerance(_CallbackBase):
 
     Works with ``strategy="ddp"``, ``"ddp_spawn"`` and scripts started by ``torchrun``.
 
-    Args:
-        sync_every: training batches between flag agreements within an epoch (default 100;
-            ``None``: only at the end of validation, of each epoch and of the run). Each agreement
-            is one int64 all_reduce on a gloo side group; the watchdog covers the batches between.
-        hang_timeout: opt-in; a duration (a ``timedelta``, seconds, ``"DD:HH:MM:SS"`` or a dict such
-            as ``{"minutes": 5}``, as Lightning's ``Timer`` takes them; 1 s to 7 days) without progress
-            after which a rank is declared hung and every rank ends with its stack. ``"auto"``: learned
-            per kind of work (training batches, validation batches, checkpoint saves;
-            docs/hang-detection.md). ``None``: off (env ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
-        watchdog: start the out-of-band watchdog (default True).
-        name: the loop's name in reports (``'train' (epoch 1, iteration 12)``); also part of
-            :attr:`state_key`, so two instances with different names can coexist.
-
-    Raises:
-        ValueError: ``sync_every`` is not a positive int or ``None``; ``hang_timeout`` is a duration
-            outside 1 s to 7 days; an ``FTH_*`` environment variable is out of its range.
-        TypeError: ``hang_timeout`` is none of its accepted forms; ``watchdog`` is not a bool;
-            ``name`` is not a non-empty str (an empty name included).
+    Args and Raises: as :class:`fault_tolerant_handlers.ignite.FaultTolerance`'s (docs/reference.md);
+    ``sync_every`` counts training batches, and ``name`` is part of :attr:`state_key`, so two
+    instances with different names can coexist.
 
     Examples:
         .. code-block:: python
@@ -125,10 +107,7 @@ class FaultTolerance(_CallbackBase):
     # -- state ---------------------------------------------------------------------------------
     @property
     def state_key(self) -> str:
-        cached = self.__dict__.get("_state_key_cache")
-        if cached is None or cached[0] != self.name:
-            cached = self._state_key_cache = (self.name, self._generate_state_key(name=self.name))
-        return cached[1]
+        return self._generate_state_key(name=self.name)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -146,7 +125,6 @@ class FaultTolerance(_CallbackBase):
         self._batches = batches
         self._loaded_buckets = state_dict.get("ddp_buckets")  # absent before 0.2; given to the DDP in on_fit_start
 
-    # -- helpers -----------------------------------------------------------------------------------
     def _where(self, trainer: pl.Trainer) -> dict[str, int]:
         """Where a report says this rank is: in a training batch the step it trains (``global_step + 1``,
         as ``FTH_INJECT`` and Ignite count), elsewhere the steps completed."""
@@ -156,15 +134,8 @@ class FaultTolerance(_CallbackBase):
     def _check(self, trainer: pl.Trainer) -> None:
         """Raise the peer's failure if the watchdog already knows it: two attribute reads otherwise."""
         interrupts.raise_pending()  # a hung main thread's interrupt that user code swallowed
-        session = self.guard.session
-        if session is not None and session.failure.peer_error is not None:
+        if self.guard.session is not None and self.guard.session.failure.peer_error is not None:
             self.guard.check(**self._where(trainer))
-
-    def _sync(self, trainer: pl.Trainer, where: str) -> None:
-        self.guard.sync(where, **self._where(trainer))
-
-    def _convert(self, trainer: pl.Trainer, exception: BaseException) -> BaseException:
-        return self.guard.on_exception(exception, **self._where(trainer))
 
     # -- hooks -------------------------------------------------------------------------------------
     @override
@@ -176,19 +147,25 @@ class FaultTolerance(_CallbackBase):
         _compat_lightning.check(trainer)
         if attempts.recovering():
             self._recovery.setup(trainer)
-            self._keep_launched_ranks(trainer)
+            try:  # the next attempt's Trainer must not start the other ranks again
+                if _compat_lightning.keep_launched_ranks(trainer):
+                    log(logging.INFO, "recover_in_place: LOCAL_RANK set in this process, which started the other "
+                        "ranks, so that the next attempt's Trainer does not start them again")
+            except RuntimeError as err:
+                raise RecoveryError(str(err)) from err
             if stage == "fit":  # live state the script did not pass as ckpt_path: loaded by fit all the same
                 _compat_lightning.substitute_ckpt_path(
                     trainer, lambda path: live.substitute(path, "the trainer's fit(ckpt_path=...)"))
             # the newest checkpoint in memory for the next fit(ckpt_path=...), unless the strategy loads it itself
             strategy = trainer.strategy
             why = _compat_lightning.restores_itself(strategy)
-            if why:
-                log(logging.WARNING, "checkpoints are not kept in memory for a recovery in place: %s", why)
             if not why:
                 _compat_lightning.keep_checkpoints_in_memory(strategy, snapshots.keep, snapshots.take)
-            elif _compat_lightning.model_parallel(strategy):  # live state: this rank's shard, loaded here
-                _compat_lightning.keep_checkpoints_in_memory(strategy, None, functools.partial(_load_shards, strategy))
+            else:
+                log(logging.WARNING, "checkpoints are not kept in memory for a recovery in place: %s", why)
+                if _compat_lightning.model_parallel(strategy):  # live state: this rank's shard, loaded here
+                    _compat_lightning.keep_checkpoints_in_memory(strategy, None,
+                                                                 functools.partial(_load_shards, strategy))
         # first in line on the exception path: release before any other on_exception runs a collective
         callbacks = trainer.callbacks
         if callbacks and callbacks[0] is not self and self in callbacks:
@@ -201,8 +178,6 @@ class FaultTolerance(_CallbackBase):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The DDP exists and the checkpoint is loaded: it gets the saved bucket layout before its first step."""
-        from torch.nn.parallel import DistributedDataParallel
-
         model = getattr(trainer.strategy, "model", None)
         if not isinstance(model, DistributedDataParallel):
             self._buckets = None
@@ -211,23 +186,14 @@ class FaultTolerance(_CallbackBase):
         if self._loaded_buckets is not None:
             self._buckets.load_state_dict({"buckets": self._loaded_buckets})
 
-    @staticmethod
-    def _keep_launched_ranks(trainer: pl.Trainer) -> None:
-        """Recovering in place: the next attempt's Trainer must not start the other ranks again."""
-        try:
-            if _compat_lightning.keep_launched_ranks(trainer):
-                log(logging.INFO, "recover_in_place: LOCAL_RANK set in this process, which started the other ranks, "
-                    "so that the next attempt's Trainer does not start them again")
-        except RuntimeError as err:
-            raise RecoveryError(str(err)) from err
 
     def _run_stage_in_rank(self, trainer: pl.Trainer, run_stage: Callable[[], Any]) -> Any:
-        """Spawned ranks only: the exception path Lightning does not give them, with the checkpoint
+        """Spawned ranks: the exception path Lightning gives only the parent, with the checkpoint
         callbacks' ``on_exception`` run here, where the trained state is."""
         try:
             return run_stage()
         except (Exception, HangInterrupted) as exc:
-            to_raise = self._convert(trainer, exc)
+            to_raise = self.guard.on_exception(exc, **self._where(trainer))
             for callback in list(trainer.callbacks):
                 if isinstance(callback, _compat_lightning.checkpoint_types()):
                     _guarded(f"{type(callback).__name__}.on_exception", callback.on_exception, trainer,
@@ -267,7 +233,7 @@ class FaultTolerance(_CallbackBase):
         self._recovery.batch_end(trainer, pl_module)
         self.guard.beat(int(trainer.global_step), STEP, completed=True)
         if self.guard.due(self._batches):
-            self._sync(trainer, "training batch")
+            self.guard.sync("training batch", **self._where(trainer))
         else:
             self._check(trainer)
 
@@ -292,12 +258,12 @@ class FaultTolerance(_CallbackBase):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync(trainer, "validation end")
+        self.guard.sync("validation end", **self._where(trainer))
         self.guard.beat(int(trainer.global_step), "after evaluation")
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync(trainer, "epoch end")
+        self.guard.sync("epoch end", **self._where(trainer))
         self.guard.beat(int(trainer.global_step), "epoch end")
         restarts = getattr(trainer.train_dataloader, "restart_count", None)
         if restarts is not None:  # a RestartableDataLoader: its worker restarts, as a metric (max over ranks)
@@ -305,7 +271,7 @@ class FaultTolerance(_CallbackBase):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync(trainer, "end of run")
+        self.guard.sync("end of run", **self._where(trainer))
         self._live.close()
         self.guard.stop()  # every rank is past the last agreement
 
@@ -319,10 +285,10 @@ class FaultTolerance(_CallbackBase):
             return  # another FaultTolerance instance already finished the exception path
         in_parent = False
         if self.guard.active:
-            to_raise = self._convert(trainer, exception)
+            to_raise = self.guard.on_exception(exception, **self._where(trainer))
             self._live.failed()  # the peers told first; then the state, before the teardown
             self._recovery.failed()
-        elif _is_rank_process_error(exception):
+        elif isinstance(exception, ProcessException):  # what torch.multiprocessing raises for a failed rank
             to_raise, in_parent = exception, True  # the parent of spawned ranks: keep the rank's error visible
         else:
             return  # a single process: stock Lightning
@@ -356,25 +322,15 @@ def _evaluation(trainer: pl.Trainer) -> str:
     return "sanity check" if trainer.sanity_checking else EVALUATION
 
 
-def _is_rank_process_error(exc: BaseException) -> bool:
-    """The error ``torch.multiprocessing`` raises in the parent when a spawned rank failed."""
-    from torch.multiprocessing.spawn import ProcessException
-
-    return isinstance(exc, ProcessException)
-
-
 # -- live state --------------------------------------------------------------------------------------
 class LightningLive(LiveLoop):
-    """Live state (:mod:`.data.live`) of one Lightning ``Trainer``, from what ``trainer.save_checkpoint``
-    would write: marked at each ``on_train_batch_end`` (loops, epoch, LR schedulers, optimizers'
-    hyper-parameters), an update begins at ``on_before_optimizer_step``, captured at ``on_exception``
-    (``dump_checkpoint`` with the marked parts put in)."""
+    """Live state (:mod:`.data.live`) of one Lightning ``Trainer``: what ``trainer.save_checkpoint`` would
+    write, captured at ``on_exception`` with the parts marked at the last batch end put in."""
 
     unit = "global step"
+    trainer: Any = None
 
     def __init__(self) -> None:
-        super().__init__()
-        self.trainer: Any = None
         self._parts: tuple[list, list] = ([], [])
 
     def train_start(self, trainer: Any) -> None:
@@ -427,9 +383,8 @@ class LightningLive(LiveLoop):
 
 
 def _load_shards(strategy: Any, path: Any) -> dict | None:
-    """A ``ModelParallelStrategy``'s ``load_checkpoint(path)`` for the live state's name (``None`` for any
-    other path): this rank's shard loaded into the strategy's model and optimizers (which its own
-    ``load_checkpoint`` loads, from files only), the rest returned for Lightning to restore."""
+    """A ``ModelParallelStrategy``'s ``load_checkpoint`` for the live state's name (else ``None``): this
+    rank's shard into its model and optimizers (its own loads files only), the rest for Lightning."""
     checkpoint = live.take(path, [strategy.model])
     if checkpoint is not None:
         dcp.load_shards(strategy.model, strategy.optimizers, checkpoint["state_dict"], checkpoint["optimizer_states"])
@@ -437,7 +392,6 @@ def _load_shards(strategy: Any, path: Any) -> dict | None:
 
 
 # -- a recovery in place's moments, as hooks ------------------------------------------------------------
-#: The hooks, by the moment they tell.
 HOOKS = {recoveries.RecoveryPhase.FAILURE_SEEN: "on_failure_seen",
          recoveries.RecoveryPhase.RECOVERY_STARTED: "on_recovery_started",
          recoveries.RecoveryPhase.RECOVERED: "on_recovered"}
@@ -448,7 +402,6 @@ _kept_metrics: dict[str, bytes] = {}
 
 
 def _pinned_version(logger: Any) -> Any:
-    """The first attempt's version for a logger of the same class and root folder (``None``: none)."""
     for cls, root, version, _ in _logger_versions:
         if type(logger) is cls and str(getattr(logger, "root_dir", "")) == root:
             return version
@@ -475,7 +428,6 @@ def _forget_logger_versions(state: phases.RecoveryState) -> None:
 
 
 def dispatch(trainer: Any, hook: str, info: recoveries.RecoveryInfo) -> None:
-    """Call ``hook`` on every callback of ``trainer`` that has it, then on its LightningModule."""
     pl_module = getattr(trainer, "lightning_module", None)
     for callback in list(trainer.callbacks):
         method = getattr(callback, hook, None)
@@ -487,17 +439,12 @@ def dispatch(trainer: Any, hook: str, info: recoveries.RecoveryInfo) -> None:
 
 
 class LightningRecovery(LoopRecovery):
-    """One ``FaultTolerance`` callback's part of a recovery in place: the hooks ``on_failure_seen``,
-    ``on_recovery_started`` (the failed attempt's trainer) and ``on_recovered`` (the next attempt's
-    ``on_train_start``) on every callback and the module that define them, and the recovery's numbers
-    logged at the first training batch after it (docs/recovering.md)."""
+    """One callback's part of a recovery in place: its hooks on every callback and the module that
+    define them, and its numbers logged at the first training batch after it (docs/recovering.md)."""
 
     loops: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
     last_completed: int | None = None
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._log_pending = False
+    _log_pending = False  # the recovery's numbers are logged at the next training batch's end
 
     def setup(self, trainer: Any) -> None:
         self.attached(trainer)

@@ -1,18 +1,10 @@
 """How the package is assembled: every part a layer plays at the core's hooks (:mod:`.core.hooks`),
-in one table, in the order each hook runs them.
+in one table, in the order each hook runs them (docs/architecture.md, "The wiring").
 
-The core never imports a launcher, a detector, the data layer, an adapter or the recovery; no layer
-adds itself to a hook when it is imported. :func:`install` adds :data:`WIRING` once, when the package
-is imported (``fault_tolerant_handlers/__init__.py``). Announcements run in the table's order (a
-callback's error is logged, the next one runs); a recovery's steps run in the table's order (a step
-marked :data:`TOLERATE` is logged when it fails and the recovery goes on: a framework the next
-attempt may not use must not stop it); a provider is the last one listed.
-
-What exists only while a recovery runs is read from a slot its loop's owner sets, by the table's
-parts: ``INTERRUPT`` (``inplace.interrupt``: the recovery running in the main thread), ``LOSE``,
-``KEEPER_PID`` and the keeper's ``SESSION_STARTED`` (``keeper``'s: in a keeper's training child
-only). Only a user adds to a hook outside the table (:func:`~.core.recoveries.on_recovery`);
-``tests/unit/test_wiring.py`` keeps it so.
+No layer adds itself to a hook when it is imported: :func:`install` adds :data:`WIRING` once, when the
+package is imported. A step marked :data:`TOLERATE` is logged when it fails and the recovery goes on
+(a framework the next attempt may not use must not stop it); a provider is the last one listed. Only
+a user adds to a hook outside the table (:func:`~.core.recoveries.on_recovery`).
 """
 
 from __future__ import annotations
@@ -44,11 +36,8 @@ def _framework(module: str, name: str) -> Callable[..., Any]:
     return call
 
 
-_ignite_failure_seen = _framework("ignite", "_failure_seen")  # Ignite's FAILURE_SEEN event
-_ignite_recovery_started = _framework("ignite", "_recovery_started")
+_ignite_hook = _framework("ignite", "_hook")  # Ignite's FAILURE_SEEN / RECOVERY_STARTED events
 _lightning_hook = _framework("lightning", "_hook")  # Lightning's on_failure_seen / on_recovery_started
-_lightning_keep_logger_versions = _framework("lightning", "_keep_logger_versions")
-_lightning_forget_logger_versions = _framework("lightning", "_forget_logger_versions")
 
 #: Every hook registration of the package: ``(hook, callback)`` or ``(hook, step, TOLERATE)``.
 WIRING: tuple[tuple[Any, ...], ...] = (
@@ -68,10 +57,10 @@ WIRING: tuple[tuple[Any, ...], ...] = (
     (hooks.SESSION_CLOSED, compat_torchrun.on_session_closed),  # its store connection
     # a recovery made visible: the history first (a subscriber that reads it finds its info there)
     (hooks.FAILURE_SEEN, recoveries._record),
-    (hooks.FAILURE_SEEN, _ignite_failure_seen),
+    (hooks.FAILURE_SEEN, _ignite_hook),
     (hooks.FAILURE_SEEN, _lightning_hook),
     (hooks.RECOVERY_STARTED, recoveries._record),
-    (hooks.RECOVERY_STARTED, _ignite_recovery_started),
+    (hooks.RECOVERY_STARTED, _ignite_hook),
     (hooks.RECOVERY_STARTED, _lightning_hook),
     (hooks.RECOVERED, recoveries._record),
     # -- the steps of a recovery in place, in the order the recovery reaches them -------------------------
@@ -83,13 +72,13 @@ WIRING: tuple[tuple[Any, ...], ...] = (
     (hooks.TEAR_DOWN, compat_torchrun.forget_addresses_of_attempt),  # before the groups go: this rank's keys
     (hooks.RESET_FRAMEWORKS, adapters._reset_idist, TOLERATE),  # idist's model back to a fresh process's
     (hooks.RESET_FRAMEWORKS, adapters._resolve_live_names, TOLERATE),
-    (hooks.RESET_FRAMEWORKS, _lightning_keep_logger_versions, TOLERATE),
+    (hooks.RESET_FRAMEWORKS, _framework("lightning", "_keep_logger_versions"), TOLERATE),
     (hooks.COLLECTED, data.reap_workers),  # DataLoader workers of the failed attempt still running
     (hooks.RE_FORM, compat_torchrun.re_form),  # init_process_group is given the store under the new namespace
     (hooks.RE_FORM, reports.forget_own_file),  # torchrun: the recovered failure's file goes (a later one writes)
     (hooks.END, compat_torchrun.end_recovery),  # the first rendezvous's store forgotten
     (hooks.END, data.end_recovery),  # the checkpoint's copy in memory and the live state forgotten
-    (hooks.END, _lightning_forget_logger_versions, TOLERATE),
+    (hooks.END, _framework("lightning", "_forget_logger_versions"), TOLERATE),
     # -- providers ------------------------------------------------------------------------------------------
     (hooks.WORLD, compat_torchrun.first_rendezvous),  # the store, rank and world size a recovery's attempts share
     (hooks.WATCHDOG, watchdog.Watchdog),  # what Session.start_watchdog starts

@@ -7,7 +7,6 @@ from . import compat_ignite
 
 
 def _reset_idist(state: RecoveryState) -> None:
-    """idist's model of the distributed context goes back to a fresh process's (:func:`.compat_ignite.reset_idist`)."""
     compat_ignite.reset_idist()
 
 

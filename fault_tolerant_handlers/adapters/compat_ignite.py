@@ -1,17 +1,12 @@
-"""Every use of PyTorch-Ignite's private API, in one place, checked when a handler is attached.
-
-Checked against pytorch-ignite 0.5.0.post2 and 0.5.5.
+"""Every use of PyTorch-Ignite's private API, in one place, checked when a handler is attached;
+checked against pytorch-ignite 0.5.0.post2 and 0.5.5.
 
 * ``Engine._event_handlers`` (``{event: [(func, args, kwargs)]}``, ``args[0]`` maybe a weak reference
-  to the engine): to put a handler first, and to run the other ``EXCEPTION_RAISED`` handlers ourselves;
-  a filtered event's wrapper has ``_parent``, a weak reference to the handler (:func:`attached_handlers`).
-* ``ignite.distributed.utils._model`` / ``_need_to_sync`` / ``_SerialModel``: idist's model of the
-  distributed context, put back as a fresh process has it when recovering in place (:func:`reset_idist`).
-* ``Checkpoint.load_objects`` (public) is wrapped once per process (:func:`hook_load_objects`).
-* ``Engine._process_function``: its closure and globals name the DDP that wraps a model (:func:`step_names`).
-* ``Engine._run_once_on_dataset_as_gen`` / ``_legacy`` (on the stack while an engine runs an epoch:
-  ``hang_timeout="auto"`` tells an evaluator run from a trainer's handler), and with
-  ``_internal_run_as_gen`` / ``_legacy``, the frames that log an exception at ERROR on
+  to the engine; a filtered event's wrapper has ``_parent``, a weak reference to the handler);
+* ``ignite.distributed.utils._model`` / ``_need_to_sync`` / ``_SerialModel`` (:func:`reset_idist`);
+* ``Engine._process_function``: its closure and globals name the DDP that wraps a model;
+* ``Engine._run_once_on_dataset_as_gen`` / ``_legacy`` (on the stack while an engine runs an epoch),
+  and ``_internal_run_as_gen`` / ``_legacy``: the frames that log an exception at ERROR on
   ``Engine.logger`` right before ``EXCEPTION_RAISED`` (:func:`before_error_log`).
 """
 
@@ -29,7 +24,6 @@ CHECKED_AGAINST = ("0.5.0.post2", "0.5.5")
 
 
 def _lacking(needs: str) -> RuntimeError:
-    """The error naming what this Ignite version lacks: ``needs`` is what the library needs."""
     import ignite
 
     return RuntimeError(f"fault-tolerant-handlers {needs}, which pytorch-ignite {ignite.__version__} does not have "
@@ -37,9 +31,7 @@ def _lacking(needs: str) -> RuntimeError:
 
 
 def check(engine: Any) -> None:
-    """Raise ``RuntimeError`` naming what this Ignite version lacks."""
-    handlers = getattr(engine, "_event_handlers", None)
-    if not isinstance(handlers, dict):
+    if not isinstance(getattr(engine, "_event_handlers", None), dict):
         raise _lacking("needs ignite.engine.Engine._event_handlers (a dict of handler lists)")
 
 
@@ -48,14 +40,12 @@ def handlers_of(engine: Any, event: Any) -> list:
 
 
 def prepend(engine: Any, event: Any, handler: Callable) -> None:
-    """Attach ``handler`` to ``event`` so that it runs before the handlers already attached."""
     engine.add_event_handler(event, handler)
     handlers = handlers_of(engine, event)
     handlers.insert(0, handlers.pop())
 
 
 def append_last(engine: Any, event: Any, handler: Callable) -> None:
-    """Move ``handler`` (attached to ``event``) after every handler attached to it now."""
     handlers = handlers_of(engine, event)
     for i, entry in enumerate(handlers):
         if entry[0] == handler:
@@ -64,8 +54,7 @@ def append_last(engine: Any, event: Any, handler: Callable) -> None:
 
 
 def attached_handlers(engine: Any) -> list:
-    """Every handler attached to ``engine``, on any event, as it was given (a filtered event's wrapper
-    unwrapped), each once."""
+    """Every handler attached to ``engine`` as it was given (a filtered event's unwrapped), each once."""
     found: list = []
     for entries in engine._event_handlers.values():
         for entry in entries:
@@ -81,12 +70,11 @@ def attached_handlers(engine: Any) -> list:
 def call_handler(engine: Any, entry: tuple, event_args: tuple) -> None:
     """Run one ``(func, args, kwargs)`` entry as Ignite would."""
     func, args, kwargs = entry
+    first: tuple = ()
     if args and isinstance(args[0], weakref.ref):
         resolved = args[0]()
-        first, others = ((resolved,), args[1:]) if resolved is not None else ((engine,), args[1:])
-    else:
-        first, others = ((), args)
-    func(*first, *(event_args + tuple(others)), **kwargs)
+        first, args = (engine if resolved is None else resolved,), args[1:]
+    func(*first, *event_args, *args, **kwargs)
 
 
 #: Names of ``Engine`` methods that run an epoch (one of them is on the stack while an engine runs).
@@ -95,7 +83,6 @@ _ENGINE_FILE = f"ignite{os.sep}engine{os.sep}engine.py"
 
 
 def check_running_engines() -> None:
-    """Raise ``RuntimeError`` when :func:`running_engines` cannot work with this Ignite version."""
     from ignite.engine import Engine
 
     if not any(callable(getattr(Engine, name, None)) for name in EPOCH_FUNCTIONS):
@@ -155,7 +142,7 @@ _load_hooks: dict[str, Callable] = {}
 def hook_load_objects(*, take: Callable[[Any], Any] | None = None, read: Callable[[Any], Any] | None = None,
                       after: Callable[[Any, Any], None] | None = None) -> None:
     """Wrap ``Checkpoint.load_objects`` once per process and add the hooks given: given a path, it loads
-    ``take(path, objects)`` (``objects``: ``to_load``'s values) when not ``None``, else (with ``after``) ``read(path)``; then calls ``after``."""
+    ``take(path, to_load's values)`` when not ``None``, else (with ``after``) ``read(path)``; then ``after``."""
     _load_hooks.update({name: hook for name, hook in (("take", take), ("read", read), ("after", after))
                         if hook is not None})
     module = sys.modules.get("ignite.handlers.checkpoint")
@@ -191,15 +178,11 @@ def step_names(engine: Any) -> list:
     code = getattr(func, "__code__", None)
     if code is None:
         return []
-    found = [cell.cell_contents for cell in (func.__closure__ or ()) if _filled(cell)]
+    found = []
+    for cell in func.__closure__ or ():
+        try:
+            found.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
     names = getattr(func, "__globals__", {})
-    found += [names[name] for name in code.co_names if name in names]
-    return found
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
+    return found + [names[name] for name in code.co_names if name in names]

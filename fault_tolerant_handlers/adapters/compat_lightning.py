@@ -1,24 +1,17 @@
-"""Every use of Lightning's private API, in one place, checked when the callback is set up.
-
-Checked against lightning 2.5.0 and 2.6.6, and pytorch-lightning 2.6.6. Lightning ships as
-``lightning.pytorch`` and ``pytorch_lightning``, two copies with distinct classes: :data:`NAMESPACES`
-lists those installed, and each name below is looked up in the namespace of the object given.
+"""Every use of Lightning's private API, in one place, checked when the callback is set up; checked
+against lightning 2.5.0 and 2.6.6, and pytorch-lightning 2.6.6 (two copies with distinct classes:
+each name is looked up in the namespace of the object given).
 
 * ``strategies.launchers.multiprocessing._MultiProcessingLauncher`` (``ddp_spawn``: ``on_exception``
   runs in the parent only) and ``Trainer._run_stage``, wrapped in spawned ranks;
 * ``Trainer._teardown``: the last step of Lightning's exception path, which the callback finishes;
-* ``strategies.launchers.subprocess_script._SubprocessScriptLauncher``, whose
-  ``_call_children_scripts`` sets ``LOCAL_RANK`` in the process that started the ranks
-  (:func:`keep_launched_ranks`);
-* ``Trainer._checkpoint_connector.dump_checkpoint`` (live state) and ``.resume_start`` (where ``fit``
-  loads ``ckpt_path``: :func:`substitute_ckpt_path`);
-* ``loops.loop._Loop``, ``loops.progress._BaseProgress``: the loops' state, copied cheaply at every
-  batch (:func:`loop_parts`); ``strategies.DDPStrategy`` / ``DeepSpeedStrategy`` (:func:`plain_ddp`);
-* ``ModelParallelStrategy._save_distributed_checkpoint``, set while live state is captured
-  (:func:`dump_checkpoint`: each rank's shards, no collective);
+* ``strategies.launchers.subprocess_script._SubprocessScriptLauncher`` (:func:`keep_launched_ranks`);
+* ``Trainer._checkpoint_connector.dump_checkpoint`` (live state) and ``.resume_start``;
+* ``loops.loop._Loop``, ``loops.progress._BaseProgress`` (:func:`loop_parts`);
+* ``ModelParallelStrategy._save_distributed_checkpoint`` (:func:`dump_checkpoint`: no collective);
 * ``ModelCheckpoint.__resolve_ckpt_dir``, mirrored by :func:`checkpoint_folders`;
-* ``Trainer.callback_metrics`` returns the logger connector's own dict (:func:`put_callback_metrics`:
-  ``LightningModule.log``'s first call costs 0.5-0.9 s at 4 ranks);
+* ``Trainer.callback_metrics`` is the logger connector's own dict (``LightningModule.log``'s first
+  call costs 0.5-0.9 s at 4 ranks);
 * ``<logger>._get_next_version`` and CSV's ``_ExperimentWriter`` (``metrics_file_path``,
   ``metrics_keys``, ``metrics``): the next attempt's loggers keep the first attempt's version and rows.
 """
@@ -29,9 +22,12 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import operator
 import os
 import sys
 from typing import Any, Callable
+
+import torch
 
 from ..core import interrupts
 
@@ -44,26 +40,22 @@ def _installed(package: str) -> bool:
         return False
 
 
+_import = importlib.import_module
+
 #: The installed namespaces of Lightning's trainer, ``lightning.pytorch`` first.
 NAMESPACES: tuple[str, ...] = tuple(
     name for name in ("lightning.pytorch", "pytorch_lightning") if _installed(name.split(".")[0])
 )
-#: The distribution that provides each namespace (for error messages).
-_DISTRIBUTION = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch-lightning"}
-
-
-def _import(name: str) -> Any:
-    return importlib.import_module(name)
+_DISTRIBUTION = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch-lightning"}  # for errors
 
 
 def namespace(obj: Any) -> str:
-    """``"lightning.pytorch"`` or ``"pytorch_lightning"``: the package whose object (trainer, strategy, loop) this is."""
+    """The package (``"lightning.pytorch"`` or ``"pytorch_lightning"``) of a trainer, strategy or loop."""
     return "pytorch_lightning" if type(obj).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
 
 
 def callback_bases() -> tuple[type, ...]:
-    """The ``Callback`` class of every installed namespace that imports (the callback derives from
-    each); none at all is an ``ImportError`` saying what to install."""
+    """The ``Callback`` class of every installed namespace that imports (else an ``ImportError``)."""
     bases, errors = [], []
     for name in NAMESPACES:
         try:
@@ -110,8 +102,6 @@ def on_exception_runs_in_rank(trainer: Any) -> bool:
 
 
 def wrap_run_stage(trainer: Any, wrapper: Callable[[Callable[[], Any]], Any]) -> None:
-    """Run ``wrapper(original)`` instead of ``Trainer._run_stage`` on this trainer object (in a
-    spawned rank: the rank's own copy)."""
     original = trainer._run_stage
     if getattr(original, "_fth_wrapped", False):
         return
@@ -138,9 +128,8 @@ def interrupt_steps(trainer: Any, exception: BaseException) -> list[tuple[str, C
 
 
 def keep_launched_ranks(trainer: Any) -> bool:
-    """Recovering in place in the process that started the other ranks (``strategy="ddp"``): set
-    ``LOCAL_RANK`` so that the next attempt's ``Trainer`` does not start them again. Returns True if it
-    had to; ``RuntimeError`` when the launcher is missing or the environment would start them anyway."""
+    """In the process that started the other ranks (``strategy="ddp"``): set ``LOCAL_RANK`` so that the
+    next attempt's ``Trainer`` does not start them again (True: it had to)."""
     ns = namespace(trainer)
     try:
         launcher_type = _import(ns + ".strategies.launchers.subprocess_script")._SubprocessScriptLauncher
@@ -165,8 +154,7 @@ def keep_launched_ranks(trainer: Any) -> bool:
 
 def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any] | None,
                                newest: Callable[[Any], Any]) -> None:
-    """Recovering in place, on this strategy once: ``save_checkpoint`` also calls ``keep(filepath,
-    checkpoint)`` (in a deferred section; ``None``: ``save_checkpoint`` as it is),
+    """Once per strategy: ``save_checkpoint`` also calls ``keep(filepath, checkpoint)`` (unless ``None``),
     ``load_checkpoint(path)`` returns ``newest(path)`` if not ``None``."""
     if getattr(strategy, "_fth_snapshots", False):
         return
@@ -191,8 +179,7 @@ def keep_checkpoints_in_memory(strategy: Any, keep: Callable[[Any, Any], Any] | 
 
 
 def restores_itself(strategy: Any) -> str:
-    """Why a checkpoint dict handed to ``strategy`` would not be what it loads ("" when it is):
-    ``FSDPStrategy``, ``ModelParallelStrategy`` and DeepSpeed load inside their own ``load_checkpoint``."""
+    """Why a checkpoint dict handed to ``strategy`` would not be what it loads ("" when it is)."""
     ns = namespace(strategy)
     base = _import(ns + ".strategies").Strategy
     overridden = [name for name in ("load_checkpoint", "load_model_state_dict", "load_optimizer_state_dict")
@@ -205,22 +192,18 @@ def restores_itself(strategy: Any) -> str:
 
 def plain_ddp(strategy: Any) -> bool:
     """``strategy`` is a plain ``DDPStrategy``: its checkpoint dict is built without collectives."""
-    ns = namespace(strategy)
-    strategies = _import(ns + ".strategies")
+    strategies = _import(namespace(strategy) + ".strategies")
     deepspeed = getattr(strategies, "DeepSpeedStrategy", ())
     return isinstance(strategy, strategies.DDPStrategy) and not isinstance(strategy, deepspeed)
 
 
 def model_parallel(strategy: Any) -> bool:
-    """``strategy`` is a ``ModelParallelStrategy``: each rank holds its shards of the model (``DTensor``)."""
     return isinstance(strategy, getattr(_import(namespace(strategy) + ".strategies"), "ModelParallelStrategy", ()))
 
 
 def dump_checkpoint(trainer: Any) -> dict:
-    """The dict ``trainer.save_checkpoint(path)`` would write (no barrier, no file). Under a
-    ``ModelParallelStrategy``, in the form of its distributed checkpoints whatever it saves: each
-    rank's own shards, keyed by parameter name (its one-file form gathers them to rank 0 with
-    collectives, which a failed attempt cannot run)."""
+    """The dict ``trainer.save_checkpoint(path)`` would write (no barrier, no file); under a
+    ``ModelParallelStrategy``, each rank's own shards (its one-file form gathers them with collectives)."""
     strategy = trainer.strategy
     gathers = model_parallel(strategy) and not strategy._save_distributed_checkpoint
     if gathers:
@@ -233,7 +216,6 @@ def dump_checkpoint(trainer: Any) -> dict:
 
 
 def _nodes(progress: Any) -> list:
-    """``progress`` and the progress objects inside it (trackers), depth first."""
     found = [progress]
     for value in progress.__dict__.values():
         if dataclasses.is_dataclass(value):
@@ -243,9 +225,7 @@ def _nodes(progress: Any) -> list:
 
 def loop_parts(loop: Any) -> tuple[list, list]:
     """``([(key, loop)], [(key, progress, [(node, fields, getter)])])``: every loop and progress object
-    under ``loop``, keyed as ``loop.state_dict()`` keys them, with a getter of each node's plain fields."""
-    import operator
-
+    under ``loop``, keyed as ``loop.state_dict()`` keys them (copied cheaply at every batch)."""
     ns = namespace(loop)
     loop_type = _import(ns + ".loops.loop")._Loop
     progress_type = _import(ns + ".loops.progress")._BaseProgress
@@ -269,7 +249,7 @@ def loop_parts(loop: Any) -> tuple[list, list]:
 
 
 def snapshot_loops(parts: tuple[list, list]) -> tuple[list, list]:
-    """The loops' state now, cheaply: plain fields only (:func:`loop_state` builds the dict later)."""
+    """The loops' state now, cheaply (:func:`loop_state` builds the dict later)."""
     loops, progresses = parts
     return ([(key, node.on_save_checkpoint()) for key, node in loops],
             [getter(part.__dict__) for _, _, plain in progresses for part, _, getter in plain if getter is not None])
@@ -299,9 +279,8 @@ def loop_state(parts: tuple[list, list], snapshot: tuple[list, list]) -> dict:
 
 def checkpoint_folders(trainer: Any) -> tuple[list[str], str]:
     """The folders the trainer's ``ModelCheckpoint`` writes to (and wrote to in earlier runs) and a label:
-    its ``dirpath``, else the ``checkpoints`` folder of every version of the first logger (each run opens
-    a new version; its ``version`` is not read, which would fix it on each rank), or
-    ``<default_root_dir>/checkpoints`` without a logger."""
+    its ``dirpath``, else the ``checkpoints`` folder of every version of the first logger (its
+    ``version`` is not read: that would fix it on each rank), or ``<default_root_dir>/checkpoints``."""
     callback = getattr(trainer, "checkpoint_callback", None)
     if callback is None:
         raise ValueError("latest_checkpoint(trainer): the trainer has no ModelCheckpoint (enable_checkpointing=False "
@@ -324,10 +303,7 @@ def checkpoint_folders(trainer: Any) -> tuple[list[str], str]:
 
 
 def put_callback_metrics(trainer: Any, values: dict[str, float]) -> bool:
-    """Put ``values`` (as 0-d float tensors) into ``trainer.callback_metrics``; ``False`` when this
-    Lightning's ``callback_metrics`` does not keep them (a copy): the caller then logs them."""
-    import torch
-
+    """Put ``values`` into ``trainer.callback_metrics``; ``False`` when it does not keep them (a copy)."""
     metrics = trainer.callback_metrics
     for name, value in values.items():
         metrics[name] = torch.tensor(float(value))
@@ -353,18 +329,13 @@ def substitute_ckpt_path(trainer: Any, substitute: Callable[[Any], Any]) -> None
 
 
 def logger_versions(trainer: Any) -> list[tuple[type, str, Any, str]]:
-    """``(class, root folder, version, folder)`` of each logger of ``trainer`` that numbers its versions
-    (``_get_next_version``: ``CSVLogger``, ``TensorBoardLogger``)."""
-    found = []
-    for logger in trainer.loggers:
-        if callable(getattr(logger, "_get_next_version", None)) and getattr(logger, "root_dir", None) is not None:
-            found.append((type(logger), str(logger.root_dir), logger.version, str(logger.log_dir)))
-    return found
+    """``(class, root folder, version, folder)`` of each logger that numbers its versions (CSV, TensorBoard)."""
+    return [(type(logger), str(logger.root_dir), logger.version, str(logger.log_dir)) for logger in trainer.loggers
+            if callable(getattr(logger, "_get_next_version", None)) and getattr(logger, "root_dir", None) is not None]
 
 
 def pin_next_versions(classes: Any, pinned: Callable[[Any], Any]) -> None:
-    """A logger of ``classes`` without a version takes ``pinned(logger)`` when not ``None``, instead of the
-    next free ``version_N``. Each class once."""
+    """A logger of ``classes`` (each once) takes ``pinned(logger)`` when not ``None``, not the next ``version_N``."""
     for cls in classes:
         original = cls.__dict__.get("_fth_original_next_version") or getattr(cls, "_get_next_version")
         if getattr(cls.__dict__.get("_get_next_version"), "_fth_pinned", False):
@@ -380,8 +351,8 @@ def pin_next_versions(classes: Any, pinned: Callable[[Any], Any]) -> None:
 
 
 def restore_csv_metrics(trainer: Any, kept: dict[str, bytes]) -> list[str]:
-    """On global rank 0: a ``CSVLogger`` opened again in a folder of ``kept`` (whose ``metrics.csv`` its
-    writer deleted) gets the rows back before it writes any. Returns the folders restored."""
+    """On rank 0: a ``CSVLogger`` opened again in a folder of ``kept`` (its writer deleted ``metrics.csv``)
+    gets the rows back before it writes any. Returns the folders restored."""
     restored = []
     if trainer.global_rank != 0:
         return restored

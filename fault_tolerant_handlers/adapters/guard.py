@@ -1,50 +1,32 @@
-"""What an adapter calls at its framework's hooks: one :class:`Guard` per training loop, whose verbs
-(``start``, ``beat``, ``check``, ``sync``, ``on_exception``, ``stop``) drive the loop's fail-together
-session (:class:`~..core.session.Session`); and what both adapters keep while a recovery in place
-runs: a loop's live state (:class:`LiveLoop`) and its part of the recovery (:class:`LoopRecovery`).
-"""
+"""What both adapters call at their framework's hooks: one :class:`Guard` per training loop (its verbs
+drive the loop's :class:`~..core.session.Session`), a loop's live state (:class:`LiveLoop`) and its
+part of a recovery in place (:class:`LoopRecovery`)."""
 
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
-import torch.distributed as dist
-
-from ..core import config, interrupts, recoveries
+from ..core import attempts, config, interrupts, recoveries, sharded
 from ..core.hooks import first_line, log
-from ..core.errors import PeerFailedError
 from ..core.sections import check_name
 from ..core.failure import tag, tag_of
 from ..core.session import Session, get_session
-from ..core import sharded
 from ..data import live
 from ..data.replicas import ShardReplicas
 from ..detect.autohang import START, STEP
 
 
 class Guard:
-    """Fail-together verbs for one training loop on one process group.
-
-    Args:
-        sync_every: iterations between agreements inside an epoch (``None``: only at epoch ends and
-            the other natural sync points).
-        hang_timeout: as the adapters' ``FaultTolerance`` take it (:mod:`..detect.autohang` for ``"auto"``).
-        watchdog: start the out-of-band watchdog (default True).
-        release_on_failure: when this rank fails, release its collectives at once (peers fail fast).
-        name: the loop's name in reports (``"train"``).
-        group: process group (``None``: all ranks).
-        owner: the class named in argument errors.
-
-    Raises:
-        TypeError, ValueError: an argument or an ``FTH_*`` variable out of range (named).
-    """
+    """Fail-together verbs for one training loop: the adapters' ``FaultTolerance`` arguments, and
+    ``release_on_failure`` (this rank's collectives released at once when it fails), ``owner`` (the
+    class named in argument errors)."""
 
     def __init__(self, *, sync_every: int | None = 100, hang_timeout: timedelta | float | str | dict | None = None,
-                 watchdog: bool = True,
-                 release_on_failure: bool = True, name: str = "train", group: dist.ProcessGroup | None = None,
+                 watchdog: bool = True, release_on_failure: bool = True, name: str = "train",
                  owner: str = "FaultTolerance") -> None:
         if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
             raise ValueError(f"{owner}(sync_every=...) must be a positive int (iterations) or None, got {sync_every!r}")
@@ -58,7 +40,6 @@ class Guard:
         self.use_watchdog = watchdog
         self.release_on_failure = release_on_failure
         self.name = name
-        self.group = group
         self.session: Session | None = None
         self._watching = False
         self._explainers: list = []
@@ -68,12 +49,12 @@ class Guard:
         return self.session is not None
 
     @property
-    def rank(self) -> int:
-        return self.session.rank if self.session is not None else 0
+    def _watchdog(self):
+        return self.session.watchdog if self.session is not None else None
 
     def start(self) -> None:
         """Collective on first use: call on every rank before training. A no-op without distribution."""
-        self.session = get_session(self.group, caller=type(self).__name__)
+        self.session = get_session(None, caller=type(self).__name__)
         if self.session is not None and self.use_watchdog and not self._watching:
             self.session.start_watchdog(self.hang_timeout)
             self._watching = True
@@ -82,37 +63,35 @@ class Guard:
     def stop(self) -> None:
         """The loop ended normally on every rank: drop this loop's watchdog reference."""
         if self._watching and self.session is not None:
-            watchdog = self.session.watchdog
-            if watchdog is not None:  # this loop's work is over: nothing of it is watched any more
-                watchdog.work(None)
-                for explainer in self._explainers:
-                    watchdog.forget_explainer(explainer)
+            auto = self.auto_hang
+            if auto is not None:  # this loop's work is over: nothing of it is watched any more
+                auto.mark(None, time.monotonic())
+                auto.explainers[:] = [e for e in auto.explainers if e not in self._explainers]
             self._explainers = []
             self._watching = False
             self.session.stop_watchdog()
 
     def beat(self, step: int | None = None, work: str | None = None, *, completed: bool = False) -> None:
-        """Progress; with ``work``, the kind of work that begins now (ends the one under way);
-        ``completed``: an iteration (training or evaluation batch) completed. Raises the interrupt
-        of a hung main thread again if user code swallowed it (:func:`~..core.interrupts.raise_pending`)."""
+        """Progress; ``work``: the kind of work that begins now, ending the one under way (``hang_timeout=
+        "auto"``); ``completed``: a batch completed. Raises the interrupt of a hung main thread again if
+        user code swallowed it."""
         interrupts.raise_pending()
-        watchdog = self.session.watchdog if self.session is not None else None
+        watchdog = self._watchdog
         if watchdog is not None:  # a hang report names the step under way: in a training step, the next
             named = step + 1 if step is not None and work in (STEP, START) else None
             watchdog.beat(step, completed=completed, named=named)
-            if work is not None:
-                watchdog.work(work, step if named is None else named)
+            if work is not None and watchdog.auto_hang is not None:
+                watchdog.auto_hang.mark(work, time.monotonic(), step if named is None else named)
 
     @property
-    def auto_hang(self):
-        """The learned-deadline probe of ``hang_timeout="auto"`` (``None`` otherwise)."""
-        watchdog = self.session.watchdog if self.session is not None else None
-        return getattr(watchdog, "auto_hang", None)
+    def auto_hang(self):  # the learned-deadline probe of hang_timeout="auto", else None
+        return getattr(self._watchdog, "auto_hang", None)
 
     def explain_with(self, explainer: Callable[[object], tuple[str, object] | None]) -> None:
-        """Add a way to recognise work from the main thread's stack (see :mod:`..detect.autohang`)."""
-        watchdog = self.session.watchdog if self.session is not None else None
-        if watchdog is not None and watchdog.explain_with(explainer):
+        """Add a way to recognise work from the main thread's stack (:mod:`..detect.autohang`)."""
+        auto = self.auto_hang
+        if auto is not None and explainer not in auto.explainers:
+            auto.explainers.append(explainer)
             self._explainers.append(explainer)
 
     def due(self, iteration: int) -> bool:
@@ -138,9 +117,8 @@ class Guard:
             raise self.on_exception(err, step=step, epoch=epoch)
 
     def on_exception(self, exc: BaseException, *, step: int | None = None, epoch: int | None = None) -> BaseException:
-        """What this rank must raise for ``exc``: ``exc`` itself (a local failure, published and, with
-        ``release_on_failure``, this rank's collectives released), or the peer's :class:`PeerFailedError`
-        for an error that comes from a peer's failure. The same exception object is handled once."""
+        """What this rank must raise for ``exc`` (handled once): ``exc`` itself, a local failure now
+        published, or the peer's ``PeerFailedError`` for an error that comes from a peer's failure."""
         session = self.session
         if session is None or tag_of(exc).handled:
             return exc
@@ -160,15 +138,6 @@ class Guard:
         tag(exc, handled=True)
         return exc
 
-    # -- state ----------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"load_state_dict(state_dict=...) takes a mapping, got {type(state_dict).__name__}")
-
-
 
 class LiveLoop:
     """Live state of one training loop (:mod:`..data.live`): a step tracker registered while the loop
@@ -176,12 +145,10 @@ class LiveLoop:
 
     unit = "iteration"  #: what a step is called in the loop's reports
     replicates = False  #: the loop calls ``_replicate`` at each step's end (``FTH_SHARD_REPLICAS``)
-
-    def __init__(self) -> None:
-        self.tracker: live.StepTracker | None = None
-        self.directory: str | None = None
-        self.why_not = ""
-        self.replicas: ShardReplicas | None = None
+    tracker: live.StepTracker | None = None
+    directory: str | None = None
+    why_not = ""
+    replicas: ShardReplicas | None = None
 
     def _begin(self, modules: list, update_at_pre_hook: bool) -> None:
         self.tracker = live.StepTracker(modules, update_at_pre_hook=update_at_pre_hook)
@@ -208,12 +175,6 @@ class LiveLoop:
         self.why_not = why
         log(logging.WARNING, "live state refused: %s; a recovery in place resumes from the newest checkpoint", why)
 
-    def _mark(self, initial: bool = False) -> None:
-        raise NotImplementedError
-
-    def capture(self) -> live.Captured:
-        raise NotImplementedError
-
     def step_starts(self, step: int) -> None:
         """A step begins: torch's RNG as it starts (put back first, after live state was loaded)."""
         if self.tracker is not None:
@@ -221,7 +182,6 @@ class LiveLoop:
             self.tracker.start_step(step)
 
     def failed(self) -> None:
-        """The framework reported the failure: capture now (see :func:`..data.live.capture_now`)."""
         if self.tracker is not None:
             live.capture_now(self.capture)
 
@@ -235,7 +195,6 @@ class LiveLoop:
             self.tracker = None
 
     def _tracked(self, idle: str) -> live.StepTracker:
-        """The tracker to capture from, or :class:`~..data.live.NotLive` (``idle`` or why not)."""
         tracker = self.tracker
         if tracker is None:
             raise live.NotLive(idle)
@@ -251,7 +210,6 @@ class LiveLoop:
 
     @staticmethod
     def with_hyper(saved: Any, hyper: list[dict]) -> Any:
-        """An optimizer's ``state_dict`` ``saved`` with the recorded :meth:`hyper` put in."""
         if isinstance(saved, dict) and isinstance(saved.get("param_groups"), list):
             saved["param_groups"] = [{**group, **h} for group, h in zip(saved["param_groups"], hyper)]
         return saved
@@ -263,13 +221,9 @@ class LoopRecovery:
 
     loops: weakref.WeakKeyDictionary
     last_completed: int | None = None  #: the failed attempt's, set at its failure (per framework)
-
-    def __init__(self) -> None:
-        self.completed: int | None = None
+    completed: int | None = None  #: this loop's last completed step
 
     def attached(self, loop: Any) -> None:
-        from ..core import attempts
-
         type(self).loops[loop] = attempts.in_place()
 
     def failed(self) -> None:
@@ -287,13 +241,8 @@ class LoopRecovery:
     @classmethod
     def tell_failed_loops(cls, info: recoveries.RecoveryInfo, call: Callable[[Any], None], what: str) -> None:
         """``call(loop)`` for each loop of the failed attempt; an exception is logged, never passed on."""
-        for loop, attempt in list(cls.loops.items()):
-            if attempt != info.attempt - 1:  # only the failed attempt's loops
-                continue
+        for loop in [loop for loop, attempt in list(cls.loops.items()) if attempt == info.attempt - 1]:
             try:
                 call(loop)
             except Exception as err:  # noqa: BLE001
                 log(logging.WARNING, "a %s failed: %s: %s", what, type(err).__name__, first_line(err))
-
-
-__all__ = ["Guard", "LiveLoop", "LoopRecovery", "PeerFailedError"]

@@ -1,27 +1,20 @@
-"""What ``latest_checkpoint`` looks at when given a framework's object instead of a folder
-(:func:`source_of`): an Ignite ``Checkpoint`` with a ``DiskSaver`` (its folder on rank 0, which alone
-writes; its file prefix; its ``to_save`` keys), the ``Engine`` one such ``Checkpoint`` saves, or a
-Lightning ``Trainer`` (its ``ModelCheckpoint``'s folders, :func:`.compat_lightning.checkpoint_folders`).
-"""
+"""``latest_checkpoint`` (the search and the agreement: :mod:`..data.checkpoints`), and what it looks
+at when given a framework's object instead of a folder (:func:`source_of`)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..data.checkpoints import Source, check_keys, check_prefix, folder_source, label_of
+from ..data.checkpoints import Source, check_keys, check_prefix, find, folder_source, label_of
 from . import compat_ignite, compat_lightning
 
 
-def _ignite_class(module: str, name: str) -> type | None:
+def _class(module: str, name: str) -> type | None:
     return getattr(sys.modules.get(module), name, None)
-
-
-def _lightning_trainer(obj: Any) -> bool:
-    return any(isinstance(obj, cls) for cls in (_ignite_class(ns + ".trainer.trainer", "Trainer")
-                                                for ns in compat_lightning.NAMESPACES) if cls is not None)
 
 
 def checkpoint_source(checkpoint: Any, prefix: str | None, required_keys: Any) -> Source:
@@ -41,7 +34,7 @@ def checkpoint_source(checkpoint: Any, prefix: str | None, required_keys: Any) -
 
 
 def engine_source(engine: Any, prefix: str | None, required_keys: Any) -> Source:
-    checkpoint_cls = _ignite_class("ignite.handlers.checkpoint", "Checkpoint")
+    checkpoint_cls = _class("ignite.handlers.checkpoint", "Checkpoint")
     compat_ignite.check(engine)
     found = [h for h in compat_ignite.attached_handlers(engine) if checkpoint_cls is not None
              and isinstance(h, checkpoint_cls) and any(v is engine for v in (h.to_save or {}).values())]
@@ -64,15 +57,61 @@ def trainer_source(trainer: Any, prefix: str | None, required_keys: Any) -> Sour
 
 
 def source_of(where: Any, *, prefix: str | None = None, required_keys: Any = None) -> Source:
-    """The :class:`~..data.checkpoints.Source` for ``latest_checkpoint``'s first argument."""
     if isinstance(where, (str, os.PathLike)):
         return folder_source(where, prefix=prefix, required_keys=required_keys)
-    checkpoint_cls = _ignite_class("ignite.handlers.checkpoint", "Checkpoint")
+    checkpoint_cls = _class("ignite.handlers.checkpoint", "Checkpoint")
     if checkpoint_cls is not None and isinstance(where, checkpoint_cls):
         return checkpoint_source(where, prefix, required_keys)
-    engine_cls = _ignite_class("ignite.engine.engine", "Engine")
+    engine_cls = _class("ignite.engine.engine", "Engine")
     if engine_cls is not None and isinstance(where, engine_cls):
         return engine_source(where, prefix, required_keys)
-    if _lightning_trainer(where):
+    trainers = (_class(ns + ".trainer.trainer", "Trainer") for ns in compat_lightning.NAMESPACES)
+    if any(cls is not None and isinstance(where, cls) for cls in trainers):
         return trainer_source(where, prefix, required_keys)
     return folder_source(where)  # raises the TypeError naming the accepted kinds
+
+
+def latest_checkpoint(dirname: str | os.PathLike | Any, *, prefix: str | None = None,
+                      required_keys: Iterable[str] | Mapping | None = None) -> str | None:
+    """The newest complete checkpoint to resume from, or ``None``; the same on every rank. A checkpoint
+    is a file, or a distributed checkpoint's directory once complete (its ``.metadata`` written). Torn
+    files, leftover temporary files and files that lack a key of ``required_keys`` are skipped with a
+    ``RuntimeWarning`` naming them. Call it on every rank, the same number of times, with the same
+    folder (or with the trainer), before or after the process group is set up.
+
+    Args:
+        dirname: a folder (``str`` or ``os.PathLike``; a missing one gives ``None`` and a warning), or
+            what writes the checkpoints: an Ignite ``Engine`` (the files of the ``Checkpoint`` attached
+            to it whose ``to_save`` holds it, never a model-only ``best_model_*.pt`` beside them) or
+            that ``Checkpoint``, or a Lightning ``Trainer`` (its ``ModelCheckpoint``'s folder, the
+            default ``lightning_logs/version_*/checkpoints`` included before ``fit``).
+        prefix: only files whose name starts with it (``"training_checkpoint_"``); with an Ignite
+            ``Checkpoint`` or ``Engine``, derived from it.
+        required_keys: the keys a usable file holds at its top level (Ignite: your ``to_save``, or
+            its keys); a file without one is skipped with a warning naming it and the key, checked
+            with ``torch.load(weights_only=True, mmap=True)`` (nothing unpickled without the
+            restriction). With an Ignite ``Checkpoint`` or ``Engine``, its ``to_save`` keys.
+
+    Examples:
+        .. code-block:: python
+
+            # Ignite: the trainer's Checkpoint (setup_common_training_handlers' included)
+            if path := latest_checkpoint(trainer):
+                Checkpoint.load_objects(to_load=to_save, checkpoint=path)
+            trainer.run(loader, max_epochs=3)
+
+            # Lightning (LightningCLI too: cli.trainer), the default ModelCheckpoint folder included
+            trainer.fit(model, loader, ckpt_path=latest_checkpoint(trainer))
+
+            # a folder: the same on every rank
+            path = latest_checkpoint("ckpts", prefix="training_", required_keys=to_save)
+
+    Raises:
+        TypeError: ``dirname``, ``prefix`` or ``required_keys`` is of a kind not listed above.
+        ValueError: the ranks passed different folders (every rank raises it, naming each rank's
+            folder); an ``Engine`` with no ``Checkpoint`` that saves it, or several; a ``Trainer``
+            without a ``ModelCheckpoint``.
+        TimeoutError: a rank did not call it within ``FTH_CKPT_AGREE_TIMEOUT_SEC`` (300 s) of rank 0
+            (named), or rank 0 gave no answer within twice that.
+    """
+    return find(source_of(dirname, prefix=prefix, required_keys=required_keys))

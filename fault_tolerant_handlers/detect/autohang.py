@@ -1,11 +1,10 @@
 """A hang deadline learned from the run itself (``hang_timeout="auto"``, ``docs/hang-detection.md``), as
-a watchdog probe (``poll(now) -> PeerFailedError | None``).
+a watchdog probe.
 
-The main thread marks where each piece of work begins (:meth:`AutoHangProbe.mark`: ``"step"``,
-``"evaluation"``, ``"checkpoint"``, any name); a mark ends the piece under way. The probe keeps the
-longest duration seen per kind; a kind's deadline is ``max(floor, multiple x longest)`` (a kind not
-seen yet borrows the longest of any kind, times ``first_multiple`` on top); nothing is judged until
-``warmup`` steps have finished. Past the deadline, the main thread's stack decides:
+The main thread marks where each piece of work begins (:meth:`AutoHangProbe.mark`); a mark ends the
+piece under way. A kind's deadline is ``max(floor, multiple x longest seen)`` (a kind not seen yet
+borrows the longest of any kind, times ``first_multiple``); nothing is judged until ``warmup`` steps
+have finished. Past the deadline, the main thread's stack decides:
 
 - waiting in a collective or a backward pass (:func:`~.probes.waiting_on_peers`): **never** a hang
   of this rank (the rank it waits for judges itself; a dead peer is the liveness probes' to find);
@@ -14,8 +13,6 @@ seen yet borrows the longest of any kind, times ``first_multiple`` on top); noth
 - an *explainer* recognises the work (``explain(frame) -> (kind, token) | None``): judged again as
   that kind, from now, and again each time ``token`` moves;
 - otherwise the rank is hung: a ``RankHung`` finding with the main thread's stack.
-
-It starts no thread and reads the time from its caller (a unit test drives it with a fake clock).
 """
 
 from __future__ import annotations
@@ -29,9 +26,7 @@ from ..core.errors import PeerFailedError
 from .probes import hung_error, waiting_on_peers
 from .writes import writing_now
 
-#: Defaults of the rule (seconds, counts); each is an argument of :class:`AutoHangProbe`, and
-#: ``FTH_AUTO_HANG_MULTIPLE``, ``FTH_AUTO_HANG_FLOOR_SEC``, ``FTH_AUTO_HANG_WARMUP`` override the first,
-#: third and fourth (:data:`~..core.config.SETTINGS`).
+#: Defaults of the rule (``FTH_AUTO_HANG_MULTIPLE``, ``_FLOOR_SEC``, ``_WARMUP`` override the first three).
 DEFAULT_MULTIPLE, DEFAULT_FLOOR, DEFAULT_WARMUP = (config.SETTINGS[i].default for i in (3, 4, 5))
 DEFAULT_FIRST_MULTIPLE = 10.0
 
@@ -48,14 +43,6 @@ _WAITING = object()  # the token of a piece seen waiting for its peers
 _DEBUGGERS = (f"{os.sep}bdb.py", f"{os.sep}pdb.py")
 
 
-def in_debugger(frame) -> bool:
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_DEBUGGERS):
-            return True
-        frame = frame.f_back
-    return False
-
-
 class AutoHangProbe:
     """This rank's main thread stuck in a piece of work far longer than any like it so far."""
 
@@ -63,12 +50,7 @@ class AutoHangProbe:
                  first_multiple: float = DEFAULT_FIRST_MULTIPLE, floor: float = DEFAULT_FLOOR,
                  warmup: int = DEFAULT_WARMUP, wall: Callable[[], float] = time.time,
                  explain: Iterable[Explainer] = (), host: str = "") -> None:
-        for name, value, low in (("multiple", multiple, 1.0), ("first_multiple", first_multiple, 1.0),
-                                 ("floor", floor, 0.0)):
-            if not value >= low:
-                raise ValueError(f"{name} must be >= {low:g}, got {value!r}")
-        if isinstance(warmup, bool) or not (isinstance(warmup, int) and warmup >= 1):
-            raise ValueError(f"warmup must be an int >= 1 (finished steps), got {warmup!r}")
+        # (the FTH_AUTO_HANG_* ranges are checked where the settings are read)
         self.rank = rank
         self.pid = pid
         self.frame = frame
@@ -117,7 +99,7 @@ class AutoHangProbe:
 
     def deadline(self, kind: str) -> float | None:
         """Seconds the work ``kind`` may take; ``None`` during the warm-up."""
-        if self.steps < self.warmup:
+        if not self.warm:
             return None
         seen = self.longest.get(kind)
         if seen is not None:
@@ -185,15 +167,20 @@ class AutoHangProbe:
                             int((self.wall() - stalled) * 1000), step)
 
 
+def in_debugger(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_DEBUGGERS):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def writing_checkpoint_explainer(frame) -> tuple[str, object] | None:
-    """A checkpoint being written (``torch.save``, a ``save_checkpoint``, Ignite's ``DiskSaver``, a
-    :func:`~.writes.writing_checkpoint` block): judged as a ``"checkpoint"``."""
+    """A checkpoint being written (one :func:`~.writes.writing_now` sees) is judged as a ``"checkpoint"``."""
     return (CHECKPOINT, None) if writing_now(frame) else None
 
 
 def from_config(rank: int, pid: int, frame: Callable[[], object], host: str = "") -> AutoHangProbe:
-    """The probe of ``hang_timeout="auto"`` with the ``FTH_AUTO_HANG_*`` settings."""
     rule = config.settings()
     return AutoHangProbe(rank, pid, frame=frame, multiple=rule.auto_hang_multiple, floor=rule.auto_hang_floor,
-                         warmup=rule.auto_hang_warmup,
-                         explain=[writing_checkpoint_explainer], host=host)
+                         warmup=rule.auto_hang_warmup, explain=[writing_checkpoint_explainer], host=host)

@@ -1,19 +1,10 @@
-"""Liveness that does not depend on the GIL: a small helper process per rank (``fth-liveness``),
-forked when the watchdog starts, so that a main thread holding the GIL in a long C call, or busy
-cores, never make a healthy rank look lost. Every :data:`~.watchdog.HEARTBEAT_EVERY` (0.5 s) it:
-
-* ends at once when its rank's process is gone or told it to stop (the pipe from the rank closed);
-* beats ``hb/<rank>`` in the store, unless its rank is stopped (SIGSTOP: a frozen rank is noticed);
-* when its rank was killed by a signal it could not report (SIGKILL), says so where the launcher
-  reads it and tells the peers with a ``PeerLost`` record (:func:`rank_ended`);
-* runs the :class:`~.probes.HeartbeatProbe` on its ring successor (every rank of the successor's
-  host when it is another host): a counter that stands still for ``FTH_HEARTBEAT_TIMEOUT_SEC`` is
-  declared lost, once, on evidence of its silence, never of a slow answer; on another host, sooner
-  when that host's kernel acknowledges nothing sent to it either (:mod:`.witness`, whose listener
-  it serves).
-
-It has its own store connection, made after the fork, never runs the rank's exit hooks
-(``os._exit``), and is one of the rank's child processes (the reported exit kills it).
+"""Liveness that does not depend on the GIL: a helper process per rank (``fth-liveness``), forked when
+the watchdog starts, so that a main thread holding the GIL in a long C call, or busy cores, never make
+a healthy rank look lost. It beats ``hb/<rank>`` unless its rank is stopped (a frozen rank is
+noticed), says how its rank ended when a signal killed it (:func:`rank_ended`), and runs the
+:class:`~.probes.HeartbeatProbe` on its ring successor (every rank of the successor's host when it is
+another host): a rank is declared lost on evidence of its silence, never of a slow answer. It never
+runs the rank's exit hooks (``os._exit``).
 """
 
 from __future__ import annotations
@@ -29,15 +20,12 @@ import math
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from ..core import hooks
-from ..core import procfs as _procfs
-from ..core.config import ZOMBIE_HOLD
-from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT  # timings: the table in core.config
+from ..core import hooks, procfs as _procfs
+from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT, ZOMBIE_HOLD  # timings: the table in core.config
 from ..core.hooks import log
 from ..core.procfs import RankTable
 from ..core.failure import FailureRecord
@@ -150,7 +138,7 @@ def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.E
     watched = [stop_fd]
     try:
         watched.append(os.pidfd_open(parent))
-    except (AttributeError, OSError):  # no pidfds here: the pipe (or the loop's parent check)
+    except OSError:  # no pidfds here: the pipe (or the loop's parent check)
         pass
     select.select(watched, [], [])
     woken.set()
@@ -161,10 +149,9 @@ def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.E
 
 
 def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], None] | None = None) -> None:
-    """The rank closed the helper's pipe or ended: if it died rather than stopped its watchdog, say
-    how it ended where its launcher reads it (a killed rank writes nothing itself), then, for a
-    signal it could not report or a rank whose keeper is gone too, tell its peers (``tell``: a ``PeerLost`` record in the store; on
-    another host they would otherwise learn only that its connection or heartbeat stopped)."""
+    """The rank closed the helper's pipe or ended: if it died, say how where its launcher reads it (a
+    killed rank writes nothing itself) and, for a signal it could not report or a keeper gone too, tell
+    its peers (``tell``: a ``PeerLost`` record; on another host they would see only a silence)."""
     how = _procfs.ended(pid, RANK_EXIT_WAIT)  # None: the rank runs (it stopped its watchdog)
     if how is None:
         return
@@ -186,8 +173,7 @@ def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], N
 
 
 def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool], i: int = 0) -> None:
-    """One look at a watched rank (and the beat, for the probe that beats); declares it once when it
-    is silent (``declared[i]``)."""
+    """One look at a watched rank (and the beat); declares it once when it is silent (``declared[i]``)."""
     try:
         silent = probe.poll(time.monotonic())
         if silent is not None and not declared[i]:
@@ -210,8 +196,6 @@ class LivenessProcess:
         self._stop_w: int | None = None
 
     def start(self) -> LivenessProcess:
-        if not sys.platform.startswith("linux"):
-            return self
         # Connected by the helper after the fork, never by the rank (a slow connect would hold up its
         # first collective); a peer judges a heartbeat only once it has beaten: a late first beat is fine.
         conn = self.session.connection("helper", HELPER_STORE_TIMEOUT, backoff=True)
@@ -274,10 +258,6 @@ def kill(pid: int) -> None:
 
 
 def kill_all() -> None:
-    """For the reported exit: end every helper of this process."""
     for pid in list(_children):
         kill(pid)
     _children.clear()
-
-
-__all__ = ["LivenessProcess", "kill_all"]

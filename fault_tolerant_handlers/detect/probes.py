@@ -1,24 +1,7 @@
 """The watchdog's probes: small, independent checks, each with ``poll(now) -> PeerFailedError | None``
-(the error this rank's main thread must raise; a record the probe declares is its ``record``).
-
-Each probe owns its own state, takes the time from its caller (so a unit test drives it with a fake
-clock) and reaches the job only through what it is given: a :class:`~..core.schema.Schema` (in tests over
-a ``torch.distributed.HashStore``), a pid table, or callables for the main thread's progress and
-stack. None of them starts a thread or a process; :class:`~.watchdog.Watchdog` runs them.
-
-=====================  ======================================  =========================================
-probe                  looks at                                finds
-=====================  ======================================  =========================================
-:class:`RecordsProbe`  the record counter (one ``add`` a poll)  a record of another rank that no sync
-                                                               point took within ``grace``
-:class:`HeartbeatProbe`its own and its ring successor's         the successor's counter still for
-                       heartbeat counters (every ``period``)    ``limit``: ``PeerSilent``
-:class:`PeerPidProbe`  same-host peers' pids (no store)         a peer process gone: ``PeerLost``
-:class:`SelfHangProbe` the main thread's last progress          no progress for ``hang_timeout``, not
-                                                               waiting on peers: ``RankHung`` (itself)
-:class:`StoreLossProbe`failed store calls reported to it, and  the store silent for ``lost_after`` and
-                       a plain connect to its port              its port refused or unreachable all along
-=====================  ======================================  =========================================
+(what this rank's main thread must raise; a record the probe declares is its ``record``). Each takes
+the time from its caller (a unit test drives it with a fake clock), reaches the job only through what
+it is given (a :class:`~..core.schema.Schema`, a pid table, callables) and starts no thread or process.
 """
 
 from __future__ import annotations
@@ -27,6 +10,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import traceback
 from typing import TYPE_CHECKING, Callable, Container
 
@@ -43,12 +27,8 @@ if TYPE_CHECKING:
 
 
 class RecordsProbe:
-    """Failure records of other ranks that the main thread did not take at a sync point.
-
-    A record is left ``grace`` seconds to a sync point that would deliver it anyway; ``delivered()``
-    is the set of record indices the main thread's agreements took. Not a record declaring a rank
-    lost or silent: no agreement can take it without that rank.
-    """
+    """Failure records of other ranks that no sync point took (``delivered()``) within ``grace``
+    seconds; at once for a record declaring a rank lost or silent (no agreement can take it without it)."""
 
     def __init__(self, schema: Schema, rank: int, grace: float, delivered: Callable[[], Container[int]],
                  start: int = 0, stale: Callable[[FailureRecord], bool] = lambda record: False) -> None:
@@ -83,19 +63,15 @@ class RecordsProbe:
 
 
 class HeartbeatProbe:
-    """Its own heartbeat (``beats``: one probe of a helper's beats), and one watched rank's (its ring
-    successor, or another rank of the successor's host): a watched rank whose counter stands still
+    """Its own heartbeat (``beats``), and one watched rank's: a watched rank whose counter stands still
     for ``limit`` seconds of **observed** time (once it has beaten at all) is declared silent.
 
     Observed time is the time between two polls that both got their answers, at most
-    :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow, the
-    successor's beats may be slow for the same reason, so that time is not counted. A watched rank
-    that stopped its watchdog cleanly (``left/<rank>``, asked at most every :data:`LEFT_CHECK_EVERY`
-    seconds while it stays still) is neither warned about nor declared.
-
-    On another host, ``link`` (a :class:`~.witness.Link` to its helper) is a second witness: a byte
-    is sent on it every :data:`WITNESS_EVERY`, and a rank still for :data:`SUSPECT_SILENCE` whose host
-    acknowledged none of them for ``unacked_after`` seconds is declared then, its host or link down."""
+    :data:`OBSERVED_GAP` periods apart: while this rank's own calls fail or are slow, the watched
+    rank's beats may be slow for the same reason. A watched rank that stopped its watchdog cleanly
+    (``left/<rank>``) is neither warned about nor declared. On another host, ``link`` (a
+    :class:`~.witness.Link` to its helper) is a second witness: a rank still for :data:`SUSPECT_SILENCE`
+    whose host acknowledged nothing for ``unacked_after`` seconds is declared then."""
 
     def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
                  limit: float, host: str = "", running: Callable[[], bool] | None = None, beats: bool = True,
@@ -104,8 +80,7 @@ class HeartbeatProbe:
         self.unacked_after = unacked_after
         self.send_at = 0.0  # the next byte on the link
         self.host = host
-        #: This probe beats this rank's own heartbeat at each poll (one probe of a helper's does).
-        self.beats = beats
+        self.beats = beats  # this probe beats this rank's own heartbeat (one probe of a helper's does)
         #: For a successor on this host: True while its process runs (not stopped, not gone). Its
         #: silence is then no evidence (its beats are only late); its death is the pid probe's.
         self.running = running
@@ -126,7 +101,6 @@ class HeartbeatProbe:
         self.left_checked_at: float | None = None
 
     def due(self) -> float:
-        """When this probe has something to do next (its beat, or its read of the watched rank)."""
         due = min(self.next_at, self.beat_at) if self.beats else self.next_at
         return min(due, self.send_at) if self.link is not None else due
 
@@ -237,14 +211,13 @@ def waiting_on_peers(frame) -> bool:
 
 
 class SelfHangProbe:
-    """This rank's main thread made no progress (``progress()`` = monotonic time, wall time and
-    step of the last beat) for ``hang_timeout``, and is not merely waiting in a collective (then the
-    hung rank is the peer, which declares itself): ``RankHung`` with the main thread's stack.
+    """This rank's main thread made no progress (``progress()``: monotonic time, wall time and step of
+    the last beat) for ``hang_timeout``, and is not merely waiting in a collective (then the hung rank
+    is the peer, which declares itself): ``RankHung`` with the main thread's stack.
 
-    Time seen waiting is not held against it (the stall counts from the last poll that saw it
-    waiting); a wait of ``2 x hang_timeout + margin`` is declared all the same (no rank declared
-    itself: one stuck in C holding the GIL, a collective every rank waits in). Until ``warm()``
-    (the first iteration completed) the deadline is ``start_timeout``: a slow start is not a hang."""
+    Time seen waiting is not held against it; a wait of ``2 x hang_timeout + margin`` is declared all
+    the same (no rank declared itself: one stuck in C holding the GIL). Until ``warm()`` (the first
+    iteration completed) the deadline is ``start_timeout``: a slow start is not a hang."""
 
     def __init__(self, rank: int, pid: int, hang_timeout: float, *, margin: float,
                  progress: Callable[[], tuple[float, float, int | None]], frame: Callable[[], object],
@@ -280,8 +253,7 @@ class SelfHangProbe:
 
 
 def hung_error(rank: int, pid: int, host: str, frame, what: str, time_ms: int, step: int | None) -> PeerFailedError:
-    """This rank declares itself hung: ``rank 1 (pid 42 on node-b) hung: {what}`` (``rank 1`` where the
-    host is not known), with its main thread's stack from ``frame``."""
+    """This rank declares itself hung (``rank 1 (pid 42 on node-b) hung: {what}``), with its stack from ``frame``."""
     stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
     who = f"rank {rank} (pid {pid} on {host})" if host else f"rank {rank}"
     record = FailureRecord.declared(
@@ -292,8 +264,6 @@ def hung_error(rank: int, pid: int, host: str, frame, what: str, time_ms: int, s
 
 
 def main_thread_frame():
-    import threading
-
     return sys._current_frames().get(threading.main_thread().ident)
 
 
@@ -301,19 +271,15 @@ class StoreLossProbe:
     """The store did not answer: its host is declared lost only on **evidence** that the store is
     gone, never because its answers are slow.
 
-    Failed store calls start a silence (:meth:`failed`); during it, ``evidence()`` is asked at most
-    every ``check_every`` seconds (a plain TCP connect to the store's port,
-    :func:`~..core.schema.store_evidence`: a string when the port refused it, the host or link is down,
-    or nothing answered; ``None`` when the port answered). The rank hosting the store is declared
-    lost when the silence has lasted ``lost_after`` seconds **and** every check in it found
-    evidence, at least two of them; with no rank on the store's host (``store_rank`` ``None``), no rank
-    is named, and the error is ``StoreLost``. A port that answers (its host is up and a process holds
-    the store's listening socket) ends the evidence: a slow store is not a lost one. ``hosted_here``: this process hosts the store (its server is a thread of this
-    process): it never declares its own store lost.
+    Failed store calls start a silence (:meth:`failed`); during it, ``evidence()`` (a plain TCP
+    connect to the store's port: a string when refused or unreachable, ``None`` when it answered) is
+    asked at most every ``check_every`` seconds. The rank hosting the store is declared lost when the
+    silence has lasted ``lost_after`` seconds **and** every check in it, at least two, found evidence
+    (no rank on the store's host: ``StoreLost``). A port that answers ends the evidence: a slow store
+    is not a lost one. A process that hosts the store (``hosted_here``) never declares it lost.
 
-    Each check is a connection c10d's server accepts, with a reverse DNS lookup in its only thread
-    (slow DNS stalls every client), so after a port that answered the next check waits twice as long
-    as the one before, up to :data:`MAX_CHECK_HOLD` seconds, until a call is answered again.
+    Each check is a connection c10d's server accepts, with a reverse DNS lookup in its only thread,
+    so after a port that answered the next check waits twice as long, up to :data:`MAX_CHECK_HOLD`.
     """
 
     def __init__(self, lost_after: float, *, by: int, store_rank: int | None = 0, store_pid: int = 0,
@@ -326,8 +292,7 @@ class StoreLossProbe:
         self.evidence = evidence
         self.check_every = check_every
         self.hosted_here = hosted_here
-        #: ``host:port`` of the store, named when no rank runs on its host (``store_rank`` ``None``)
-        self.store_at = store_at
+        self.store_at = store_at  # host:port, named when no rank runs on the store's host
         self.down_since: float | None = None
         self.last_error = ""
         self.found: str | None = None  # the newest evidence of the silence under way
@@ -336,7 +301,7 @@ class StoreLossProbe:
         self.hold = check_every  # the wait before a check after the port answered the last one
 
     def failed(self, now: float, err: BaseException) -> bool:
-        """Report a failed call; True when it is the first of a silence (worth a warning)."""
+        """A failed call; True when it is the first of a silence."""
         self.last_error = f"{type(err).__name__}: {first_line(err)}"
         if self.down_since is None:
             self.down_since = now
@@ -346,16 +311,11 @@ class StoreLossProbe:
 
     def answered(self) -> None:
         """A call was answered: the store is back, the next silence is checked at once."""
-        self._end_silence()
+        self.down_since, self.checks, self.found = None, 0, None
         self.next_check, self.hold = 0.0, self.check_every
 
-    def _end_silence(self) -> None:
-        self.down_since = None
-        self.checks, self.found = 0, None
-
     def declare_at(self) -> float | None:
-        """When the silence under way becomes a loss if the evidence holds (``time.monotonic()``),
-        or ``None``."""
+        """When the silence under way becomes a loss if the evidence holds (monotonic), or ``None``."""
         if self.down_since is None or self.hosted_here:
             return None
         return self.down_since + self.lost_after
@@ -370,7 +330,7 @@ class StoreLossProbe:
                 # The port answers: the store is slow, not gone. A new silence starts with the next
                 # failed call, so that the time already spent is never counted as evidence; its
                 # first check waits (the store's server pays for each check it accepts).
-                self._end_silence()
+                self.down_since, self.checks, self.found = None, 0, None
                 self.next_check = now + self.hold
                 self.hold = min(MAX_CHECK_HOLD, 2 * self.hold)
                 return None

@@ -1,19 +1,17 @@
-"""The out-of-band watchdog: daemon threads per process that run the probes (:mod:`.probes`) while the
-main thread may be stuck in a collective, and escalate what they find (``docs/detection.md``).
+"""The out-of-band watchdog (``docs/detection.md``): daemon threads that run the probes (:mod:`.probes`)
+while the main thread may be stuck in a collective, and escalate what they find.
 
-* The **store loop** (``fth-watchdog``) polls every ``interval`` (0.1 s) the records, self-hang and
-  store-loss probes: a constant number of store calls per rank, on a connection of its own.
-* The **liveness process** (:mod:`.liveness`, a helper process, so the GIL cannot stop it) beats and
-  watches its ring successor's heartbeat (``FTH_HEARTBEAT_TIMEOUT_SEC``).
+* The **store loop** (``fth-watchdog``) polls the records, self-hang and store-loss probes every
+  ``interval`` (0.1 s), on a connection of its own.
+* The **liveness process** (:mod:`.liveness`: a process, so the GIL cannot stop it) beats and watches
+  its ring successor's heartbeat.
 * The **pid loop** (``fth-pids``, only when peers share this host) sleeps in one ``poll()`` on the
   peers' pidfds (:class:`PidWatcher`): no store traffic, no periodic wake-up.
 
-A finding about another rank makes the session's incident a peer failure and starts the
-**escalation** (``fth-escalate``): release this process's collectives (:mod:`..core.interrupts`); then,
-if the main thread has not taken the failure within ``exit_grace``, a **reported exit** with
-:data:`EXIT_PEER_FAILED` (child processes killed), after any checkpoint write under way
-(``FTH_WRITE_GRACE_SEC``). A rank that finds *itself* hung publishes its stack and ends with
-:data:`EXIT_HUNG`. Settings: :mod:`..core.config`.
+A finding about another rank starts the **escalation** (``fth-escalate``): release this process's
+collectives; then, if the main thread has not taken the failure within ``exit_grace`` (and after a
+checkpoint write under way), a **reported exit** with :data:`EXIT_PEER_FAILED`. A rank that finds
+*itself* hung publishes its stack and ends with :data:`EXIT_HUNG`.
 """
 
 from __future__ import annotations
@@ -39,27 +37,16 @@ from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, Incident, cap_tail
 from ..core.session import Session, get_session
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
 from ..core.hooks import first_line, log
-from .liveness import LivenessProcess
-from .liveness import kill_all as kill_all_liveness
-from .probes import (PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe,
-                     main_thread_frame)
+from .liveness import LivenessProcess, kill_all as kill_all_liveness
+from .probes import PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe, main_thread_frame
 from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
 from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_RESEND, INTERRUPT_WAIT, LIVENESS_STORE_TIMEOUT,  # timings:
-                           RELEASE_GRACE,
-                           SILENT_MARGIN,
-                           STORE_CHECK_EVERY, STORE_EVIDENCE_TIMEOUT, STORE_WARN_EVERY)  # the table in core.config
-
-
-# -- waiting for same-host peers to end without polling them (Linux pidfds) ----------------------------
-# A pidfd (``os.pidfd_open``) becomes readable when its process exits: one ``poll()`` on all of them
-# wakes only when a peer ends or the watchdog stops. Without pidfds, a check every ``fallback`` seconds.
-
-__all__ = ["PidWatcher", "WakeEvent"]
+                           RELEASE_GRACE, SILENT_MARGIN, STORE_CHECK_EVERY, STORE_EVIDENCE_TIMEOUT,  # the table in
+                           STORE_WARN_EVERY)  # core.config
 
 
 class WakeEvent(threading.Event):
-    """A ``threading.Event`` whose ``set()`` also makes a pipe readable, so that a thread sleeping
-    in ``poll()`` on :meth:`fileno` wakes up when the event is set."""
+    """A ``threading.Event`` whose ``set()`` also wakes a thread sleeping in ``poll()`` on :meth:`fileno`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -86,56 +73,36 @@ class WakeEvent(threading.Event):
 
 
 class PidWatcher:
-    """Sleep until one of ``pids`` ends or ``wake`` is set.
+    """Sleep until one of ``pids`` (same host) ends or ``wake`` is set. A pidfd becomes readable when
+    its process exits; pids without one (gone already, or no pidfds here) are checked every ``fallback`` s."""
 
-    Args:
-        pids: the processes to watch (same host).
-        wake: its ``set()`` ends a :meth:`wait` early (a :class:`WakeEvent`; a plain
-            ``threading.Event`` is only seen when a wait times out).
-        fallback: seconds between checks for pids that have no pidfd.
-    """
-
-    def __init__(self, pids: list[int], wake: threading.Event, fallback: float) -> None:
+    def __init__(self, pids: list[int], wake: WakeEvent, fallback: float) -> None:
         self.wake = wake
         self.fallback = fallback
         self._fds: dict[int, int] = {}  # pidfd -> pid
         self.polled: list[int] = []  # pids without a pidfd: checked every ``fallback`` seconds
-        self._poll = select.poll() if hasattr(select, "poll") else None
+        self._poll = select.poll()
         for pid in pids:
-            fd = None
-            if self._poll is not None and hasattr(os, "pidfd_open"):
-                try:
-                    fd = os.pidfd_open(pid)
-                except ProcessLookupError:
-                    fd = None  # already gone: the first check reports it
-                except OSError:
-                    fd = None  # no pidfd here (kernel, seccomp, pid namespace)
-            if fd is None:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
                 self.polled.append(pid)
-            else:
-                self._fds[fd] = pid
-                self._poll.register(fd, select.POLLIN)
-        if self._poll is not None and hasattr(wake, "fileno"):
-            self._poll.register(wake.fileno(), select.POLLIN)
-        self._pidfd_only = not self.polled and hasattr(wake, "fileno")
+                continue
+            self._fds[fd] = pid
+            self._poll.register(fd, select.POLLIN)
+        self._poll.register(wake.fileno(), select.POLLIN)
+        self._pidfd_only = not self.polled
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until a watched pid ended (True), or ``wake`` was set or ``timeout`` passed
-        (False). With pids that have no pidfd, returns True every ``fallback`` seconds so that the
-        caller checks them. The first call returns True: check once before sleeping."""
+    def wait(self) -> bool:
+        """Block until a watched pid ended (True) or ``wake`` was set (False). With pids that have no
+        pidfd, returns True every ``fallback`` seconds so that the caller checks them. The first call
+        returns True: check once before sleeping."""
         if not getattr(self, "_checked_once", False):
             self._checked_once = True
             return True
         if self.wake.is_set():
             return False
-        if self._pidfd_only:
-            limit = timeout
-        else:
-            limit = self.fallback if timeout is None else min(timeout, self.fallback)
-        if self._poll is None:
-            self.wake.wait(limit)
-            return not self.wake.is_set()
-        ready = self._poll.poll(None if limit is None else max(0, int(limit * 1000)))
+        ready = self._poll.poll(None if self._pidfd_only else max(0, int(self.fallback * 1000)))
         ended = [fd for fd, _ in ready if fd in self._fds]
         for fd in ended:  # it stays readable: from now on that pid is checked every ``fallback``
             self._poll.unregister(fd)
@@ -167,9 +134,7 @@ class Watchdog:
         self.exit_grace = cfg.exit_grace
         self.write_grace = cfg.write_grace
         self._progress: tuple[float, float, int | None] = (time.monotonic(), time.time(), None)
-        #: The first iteration completed (a beat with ``completed``, or a beat whose step differs
-        #: from the first step beaten: a loop of one's own calls ``beat(step)``): ``hang_timeout``
-        #: applies from then on, the start's own deadline (``FTH_START_TIMEOUT_SEC``) before.
+        #: The first iteration completed: ``hang_timeout`` applies from then on, ``FTH_START_TIMEOUT_SEC`` before.
         self.warm = False
         self._first_step: int | None = None
         self._quiet_since: tuple | None = None  # the progress when this rank learned the job failed
@@ -190,12 +155,9 @@ class Watchdog:
             limit = min(limit, self.hang_timeout + SILENT_MARGIN)
         self.records = RecordsProbe(self._schema, self.rank, RELEASE_GRACE.total_seconds(),
                                     lambda: session.delivered, start=session.consumed, stale=session.stale)
-        # The heartbeat and the ring check run in a helper process: the GIL cannot stop them.
         self.liveness = LivenessProcess(session, period=HEARTBEAT_EVERY.total_seconds(), limit=limit.total_seconds(),
                                         unacked_after=cfg.unacked_after.total_seconds())
-        self.self_hang = None
-        #: ``hang_timeout="auto"``: the learned deadline (adapters mark their work on it), else None.
-        self.auto_hang = None
+        self.self_hang = self.auto_hang = None  # auto_hang: the learned deadline of hang_timeout="auto"
         if self.hang_timeout == config.AUTO:
             self.self_hang = self.auto_hang = autohang.from_config(self.rank, os.getpid(), main_thread_frame,
                                                                           host=session.host)
@@ -236,14 +198,12 @@ class Watchdog:
         return self._stop.is_set()
 
     @property
-    def store_ops(self) -> int:
-        """Store calls made so far by this watchdog's connections (bench/overhead.py, bench/watchdog_scale.py)."""
+    def store_ops(self) -> int:  # for bench/overhead.py, bench/watchdog_scale.py
         return self._conn.calls + self._liveness_conn.calls
 
     def stop(self, join_timeout: float | None = None, *, keep_liveness: bool = False) -> None:
-        """A clean end: stop watching (losing the store is no longer a failure), join the threads
-        and close this watchdog's store connections. ``keep_liveness``: the liveness helper goes on
-        (beating, and declaring silent ranks) until its owner stops it."""
+        """A clean end (losing the store is no longer a failure); ``keep_liveness``: the liveness helper
+        goes on (beating, and declaring silent ranks) until its owner stops it."""
         self._finishing = True
         self._stop.set()
         timeout = join_timeout if join_timeout is not None else 2 * self.interval.total_seconds() + 2
@@ -258,10 +218,9 @@ class Watchdog:
         _running.discard(self)
 
     def beat(self, step: int | None = None, *, completed: bool = False, named: int | None = None) -> None:
-        """The main thread made progress (one assignment; adapters call it every iteration);
-        ``completed``: an iteration completed (from the first on, ``hang_timeout`` applies);
-        ``named``: the step a report names until the next beat, where it is not ``step`` (an adapter
-        beats the steps completed; the training step under way is the next one)."""
+        """The main thread made progress; ``completed``: an iteration completed (so did one whose step
+        differs from the first beaten: a loop of one's own calls ``beat(step)``); ``named``: the step a
+        report names until the next beat, where it is not ``step`` (the training step under way)."""
         self._progress = (time.monotonic(), time.time(), step if named is None else named)
         if not self.warm and step is not None:
             if self._first_step is None:
@@ -269,28 +228,6 @@ class Watchdog:
             completed = completed or step != self._first_step
         if completed:
             self.warm = True
-
-    # -- the learned deadline (``hang_timeout="auto"``): what the adapters tell it ------------------
-    def work(self, kind: str | None, step: int | None = None) -> None:
-        """The kind of work that begins now on the main thread, ending the one under way (``None``:
-        the loop's work is over, nothing of it is watched any more). A no-op without ``"auto"``."""
-        if self.auto_hang is not None:
-            self.auto_hang.mark(kind, time.monotonic(), step)
-
-    def explain_with(self, explainer) -> bool:
-        """Add a way to recognise work from the main thread's stack (:mod:`.autohang`); ``False``
-        when nothing was added (no learned deadline, or already added)."""
-        auto = self.auto_hang
-        if auto is None or explainer in auto.explainers:
-            return False
-        auto.explainers.append(explainer)
-        return True
-
-    def forget_explainer(self, explainer) -> None:
-        """Remove what :meth:`explain_with` added (its loop ended)."""
-        auto = self.auto_hang
-        if auto is not None and explainer in auto.explainers:
-            auto.explainers.remove(explainer)
 
     # -- loops --------------------------------------------------------------------------------------
     def _run_store_loop(self) -> None:
@@ -321,9 +258,8 @@ class Watchdog:
         log(logging.DEBUG, "watchdog stopped")
 
     def _judges_hangs(self) -> bool:
-        """The self-hang probe judges a main thread that trains: from the moment this rank knows the
-        job failed (the failure moved: ``FailureState.moves``) until its next beat, its main thread
-        handles the failure (a recovery waiting for its peers), which is not a hang."""
+        """The self-hang probe judges a main thread that trains: from the moment this rank knows the job
+        failed until its next beat, its main thread handles the failure, which is not a hang."""
         failure = self.session.failure
         seen = (failure.delivered, failure.moves)
         failed_now = seen != self._failed_seen
@@ -346,8 +282,7 @@ class Watchdog:
 
     # -- findings ------------------------------------------------------------------------------------
     def _found(self, err: PeerFailedError | None, schema: Schema | None) -> None:
-        """What a probe found; a record it declared is published in ``schema`` (``None``: nothing to
-        publish, or nowhere: the store is what is gone)."""
+        """What a probe found; a record it declared is published in ``schema`` (``None``: not at all)."""
         if err is None or self._finishing:
             return
         if (self.session.failure.delivered and err.kind in (FailureKind.PEER_SILENT, FailureKind.PEER_LOST,
@@ -381,11 +316,9 @@ class Watchdog:
 
     @staticmethod
     def _interrupted(left: threading.Event) -> bool:
-        """Whether the interrupted main thread reached the recovery (``left``): within INTERRUPT_WAIT,
-        or, while a deferred section holds the interrupt back, within INTERRUPT_WAIT after the
-        section's bound. The signal is sent again every INTERRUPT_RESEND meanwhile: an interrupt
-        caught and not re-raised is raised again, one deferred by a checkpoint write the stack
-        shows is delivered once the write is over."""
+        """Whether the interrupted main thread reached the recovery (``left``) within INTERRUPT_WAIT
+        (after a deferred section's bound, while one holds it back); sent again every INTERRUPT_RESEND
+        meanwhile (an interrupt caught and not re-raised, or deferred by a write its stack shows)."""
         deadline = time.monotonic() + INTERRUPT_WAIT
         while True:
             now = time.monotonic()
@@ -399,7 +332,6 @@ class Watchdog:
             interrupts.resend()
 
     def _declare(self, err: PeerFailedError, schema: Schema | None) -> None:
-        """Publish the record this rank declared (the first rank to declare it does)."""
         if err.origin != "declared" or schema is None:
             return
         try:
@@ -409,9 +341,8 @@ class Watchdog:
             log(logging.WARNING, "could not publish %s: %s", err.exc_type, first_line(problem))
 
     def _escalate(self, incident: Incident) -> None:
-        """Release this process's collectives, then, if the main thread does not take the failure
-        within ``exit_grace``, end the process with a report. Touches no store: it must work when
-        the store is what died."""
+        """Release this process's collectives, then, if the main thread does not take the failure within
+        ``exit_grace``, end the process with a report. Touches no store: the store may be what died."""
         if incident.local or incident.acknowledged.is_set() or self._finishing:
             return
         what = self.session.release_collectives()
@@ -433,8 +364,8 @@ class Watchdog:
         self._reported_exit(incident.peer_error, EXIT_PEER_FAILED, stuck=main_thread_frame())
 
     def _reported_exit(self, err: BaseException, code: int, stuck=None) -> None:
-        """End the process with ``code`` and a report on stderr; ``stuck``: the main thread's frame that
-        did not take the failure (its stack is in the report: where a release did not reach)."""
+        """End the process with ``code`` and a report; ``stuck``: the frame of a main thread that did
+        not take the failure (where a release did not reach)."""
         text = f"[rank {self.rank}] fault-tolerant-handlers: ending this process (exit code {code}) because:\n{err}\n"
         if stuck is not None:
             stack = cap_tail("".join(traceback.format_stack(stuck)), MAX_TRACEBACK_CHARS)
@@ -467,22 +398,16 @@ _running: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 _exit_hook_registered = False
 
 
-def _uncaught() -> bool:
-    """The interpreter ends because of an uncaught exception (printed: ``sys.last_value`` is set)."""
-    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
-
-
 def _stop_all() -> None:
-    """Stop every watchdog before the interpreter finalizes: a daemon thread still inside a torch
-    C++ call (a store operation) when Python finalizes is ended by a forced unwind through C++
-    frames, which aborts the whole process (``terminate called without an active exception``).
-    Bounded: a store call returns within its connection's budget (1.5 s)."""
+    """Stop every watchdog before the interpreter finalizes: a daemon thread still inside a torch C++
+    call when Python finalizes aborts the whole process (``terminate called without an active exception``)."""
     deadline = time.monotonic() + 2.0
     watchdogs = list(_running)
     for watchdog in watchdogs:
         watchdog._finishing = True
         watchdog._stop.set()
-    if not _uncaught():  # the script ran to its end: this rank finished first, it is not lost
+    # no uncaught exception (printed: sys.last_value set): the script ran to its end; this rank is not lost
+    if getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
         for watchdog in watchdogs:
             watchdog.session.leave()  # (not when its job failed)
     failed = [w.session for w in watchdogs if w.session.failure.failing]

@@ -1,14 +1,12 @@
 """A second witness of a silent rank on another host: that host's kernel.
 
-Every liveness helper listens on a TCP port at the address its peers see its rank at, published as
-``wit/<rank>`` before its first beat. A helper that watches a rank on another host connects to it
-once that rank has beaten, ahead of any silence, and sends it one byte every ``WITNESS_EVERY``
-(0.2 s). The watched host's *kernel* acknowledges each byte whatever its processes do
-(starved of CPU, frozen, holding the GIL): an acknowledgement is evidence that the host and its link
-are up. Nothing acknowledged for ``FTH_UNACKED_SEC`` (1 s: a lost segment is sent again after about
-0.2 s and 0.6 s), while the store has had no beat of it for ``SUSPECT_SILENCE``, is evidence from two
-witnesses that they are not (:class:`~.probes.HeartbeatProbe`); a host that acknowledges is judged
-by the heartbeat limit alone. Linux only (the helper is).
+Every liveness helper listens on a TCP port, published as ``wit/<rank>`` before its first beat. A
+helper that watches a rank on another host connects to it once that rank has beaten and sends it one
+byte every ``WITNESS_EVERY`` (0.2 s). The watched host's *kernel* acknowledges each byte whatever its
+processes do (starved of CPU, frozen, holding the GIL): evidence that the host and its link are up.
+Nothing acknowledged for ``FTH_UNACKED_SEC`` (1 s: a lost segment is sent again after about 0.2 s and
+0.6 s), while the store has had no beat of it for ``SUSPECT_SILENCE``, is evidence from two witnesses
+that they are not (:class:`~.probes.HeartbeatProbe`).
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ class Address(Stored):
 
 
 class Listener:
-    """The helper's listening socket; :meth:`drain` (from its loop) takes its watchers' connections
-    and discards their bytes, so that a live helper's buffers never fill."""
+    """The helper's listening socket; :meth:`drain` discards its watchers' bytes so that its buffers never fill."""
 
     def __init__(self, address: str) -> None:
         self.sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
@@ -84,11 +81,10 @@ class Listener:
 
 
 class Link:
-    """This helper's connection to a watched rank's :class:`Listener`: :meth:`ready` (at each read
-    that saw the rank beat) connects, :meth:`send` sends a byte, :meth:`unacked_for` says how long the
-    oldest byte that went out has waited for its acknowledgement (timed from when it was first seen
-    gone out: a byte this host could not send, its own link down, is not waiting yet). A link that
-    cannot connect, or breaks, witnesses nothing (``unacked_for`` 0)."""
+    """This helper's connection to a watched rank's :class:`Listener`: :meth:`unacked_for` says how long
+    the oldest byte that went out has waited for its acknowledgement (from when it was seen gone out: a
+    byte this host could not send is not waiting yet). A link that cannot connect, or breaks,
+    witnesses nothing (``unacked_for`` 0)."""
 
     def __init__(self, schema: Schema, rank: int) -> None:
         self.schema = schema
@@ -100,8 +96,7 @@ class Link:
         self.sent: deque[float | None] = deque()
 
     def ready(self, now: float) -> None:
-        """Connect, or see the connect under way complete; with no socket (none yet, refused, broken:
-        its helper was replaced), its address is looked up again at most every :data:`WITNESS_RETRY`."""
+        """Connect (its address looked up at most every :data:`WITNESS_RETRY`: its helper may be replaced)."""
         if self.sock is not None:
             self._settle()
             return
@@ -120,8 +115,7 @@ class Link:
         if self.sock.connect_ex((found.address, found.port)) not in (0, errno.EINPROGRESS):
             self.close()
 
-    def _settle(self) -> None:
-        """A connect under way that completed (or failed) since."""
+    def _settle(self) -> None:  # a connect under way that completed (or failed) since
         if self.sock is None or self.connected:
             return
         try:

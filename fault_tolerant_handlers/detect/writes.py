@@ -1,8 +1,5 @@
-"""Checkpoint writes under way in the main thread: a reported exit waits for them, the learned
-hang deadline judges them as a ``"checkpoint"``, and the interrupt of a hung main thread (recovering
-in place) waits for them (:mod:`..core.interrupts`). ``torch.save``, Lightning's ``save_checkpoint`` and
-Ignite's ``DiskSaver`` are recognised from the main thread's stack; other writes are marked with
-:func:`writing_checkpoint`."""
+"""Checkpoint writes under way in the main thread, which a reported exit and the interrupt of a hung
+main thread wait for, and the learned hang deadline judges as a ``"checkpoint"``."""
 
 from __future__ import annotations
 
@@ -39,7 +36,6 @@ _WRITE_FUNCTIONS = ("save_checkpoint", "_save_checkpoint")
 
 
 def writing_now(frame) -> bool:
-    """True when the main thread is inside a checkpoint write."""
     return bool(_writes_in_progress) or stack_writes(frame)
 
 

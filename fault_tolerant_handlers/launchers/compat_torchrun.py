@@ -1,47 +1,42 @@
 """torchrun restarts: one store namespace per attempt (torch's private rendezvous table, in one place).
 
-**Why.** torchrun's rendezvous (``--standalone`` or ``--rdzv-backend c10d``) makes one ``TCPStore`` in
-the agent for the whole job and hands it to the workers (``TORCHELASTIC_USE_AGENT_STORE=True``); a
-restart re-uses it, and the workers' ``env://`` / ``tcp://`` rendezvous connect to it without a
-per-attempt prefix. So attempt N-1's keys are still there in attempt N under the same names (the
-default group's, and every ``new_group``'s, named by a counter). Gloo's ``connectFullMesh`` publishes
-each rank's listening address under such a key and reads its peers': a rank that reads before its
-peer of *this* attempt has written gets a dead process's address, ``Connection refused``.
+**Why.** torchrun's agent makes one ``TCPStore`` for the whole job and hands it to the workers
+(``TORCHELASTIC_USE_AGENT_STORE=True``); a restart re-uses it without a per-attempt prefix, so attempt
+N-1's keys are still there in attempt N under the same names. Gloo's ``connectFullMesh`` reads its
+peers' listening addresses under such keys: a rank that reads before its peer of *this* attempt has
+written gets a dead process's address, ``Connection refused``.
 
 **The fix.** Under torchrun with the agent store, the ``env`` and ``tcp`` rendezvous handlers are
 wrapped so that ``init_process_group`` is given ``PrefixStore("fth/attempt_<restart>", store)``
-(:func:`..core.attempts.namespace`). Installed when the package is imported (before
-``init_process_group``: import the library first). ``FTH_ATTEMPT_STORE=0`` turns it off;
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment is the launcher-side alternative.
-It assumes every node counts the same attempts (a fixed number of nodes): with ``--nnodes MIN:MAX``
-use those two settings instead.
+(installed when the package is imported: import it before ``init_process_group``).
+``FTH_ATTEMPT_STORE=0`` turns it off; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is the launcher-side
+alternative (and the one to use with ``--nnodes MIN:MAX``: every node must count the same attempts).
 
-**Imported after ``init_process_group``.** Then this attempt's groups wrote their keys under torch's
-bare names, and the next attempt reads whatever is there: this attempt's address keys must be gone
-before it starts, deleted while the attempt is healthy (on the way out a SIGTERMed or SIGKILLed
-survivor deletes nothing, and a destroyed group, such as the one Ignite's ``idist`` makes and
-destroys on first use, is no longer in ``_world.pg_map``). A gloo address key is read only while its
-group is made, and a session's side group has completed an ``all_gather`` that no peer enters before
-it made every earlier group: so at ``SESSION_STARTED`` each rank deletes its share
-(:func:`read_keys`: its own key of each live group; when the session spans the world, key ``<its
-rank>`` of every counted group not live here), in a thread of its own (``fth-attempt-keys``). Only
-the keys of groups made after the session started are deleted on ``JOB_FAILED``
-(:func:`forget_attempt_keys`, best effort).
+**Imported after ``init_process_group``.** This attempt's address keys must be gone before the next
+starts, deleted while the attempt is healthy (a SIGKILLed survivor deletes nothing; a destroyed group,
+such as idist's, is no longer in ``_world.pg_map``). A key is read only while its group is made, and a
+session's side group completed an ``all_gather`` that no peer enters before it made every earlier
+group: so at ``SESSION_STARTED`` each rank deletes its share (:func:`read_keys`), in a thread
+(``fth-attempt-keys``); those of groups made later go on ``JOB_FAILED`` (:func:`forget_attempt_keys`).
 
-Private API: ``torch.distributed.rendezvous._rendezvous_handlers`` (the scheme -> handler table
-``init_process_group`` consults at each call), checked against torch 2.13.0; the names of gloo's
-address keys (``core.schema.gloo_address_key``, with ``_world.pg_map``, ``pg_names`` and
-``group_count``), checked at start against this rank's own.
+Private API: ``torch.distributed.rendezvous._rendezvous_handlers``, checked against torch 2.13.0; the
+names of gloo's address keys (``core.schema.gloo_address_key``, with ``_world.pg_map``, ``pg_names``
+and ``group_count``), checked at start against this rank's own.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from ..core import attempts, config
 from ..core.config import ATTEMPT_KEYS_PATIENCE, ATTEMPT_KEYS_WAIT, EXPLAIN_EVIDENCE_TIMEOUT, MAIN_STORE_TIMEOUT
@@ -58,24 +53,18 @@ _SCHEMES = ("env", "tcp")
 
 
 def _agent_store() -> bool:
-    """Under torchrun's shared agent store, with per-attempt namespaces on (``FTH_ATTEMPT_STORE``)."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.settings().attempt_store
 
 
 def _table() -> dict:
-    import importlib
-
-    try:  # the module (``torch.distributed.rendezvous`` the attribute is a function of the same name)
-        rendezvous = importlib.import_module("torch.distributed.rendezvous")
-    except ImportError:  # torch built without distributed
-        return {}
-    table = getattr(rendezvous, "_rendezvous_handlers", None)
+    # the module (``torch.distributed.rendezvous`` the attribute is a function of the same name)
+    table = getattr(importlib.import_module("torch.distributed.rendezvous"), "_rendezvous_handlers", None)
     missing = [s for s in _SCHEMES if not isinstance(table, dict) or s not in table]
     if missing:
         raise RuntimeError(
             "fault_tolerant_handlers: torch.distributed.rendezvous._rendezvous_handlers "
             f"{'is missing' if not isinstance(table, dict) else 'has no handler for ' + ', '.join(missing)} "
-            f"(torch {__import__('torch').__version__}); restarts under torchrun cannot be isolated per attempt. "
+            f"(torch {torch.__version__}); restarts under torchrun cannot be isolated per attempt. "
             f"Set {config.ATTEMPT_STORE_ENV}=0 to go on without it, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"
         )
     return table
@@ -87,11 +76,7 @@ _prefixed = False
 
 
 def _gloo_groups() -> list[tuple[Any, str | None]]:
-    """``(group, name)`` of every gloo group of this process (private: ``_world.pg_map`` and
-    ``_world.pg_names``; ``None`` names the default group)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
+    """``(group, name)`` of every gloo group of this process (``None`` names the default group)."""
     world = distributed_c10d._world
     default = distributed_c10d._get_default_group()
     groups = []
@@ -115,29 +100,22 @@ def _keys(groups: list[tuple[Any, str | None]], *, own: bool) -> list[str]:
 
 
 def group_count() -> int:
-    """How many groups this process made with a counted name (private: ``_world.group_count``, the
-    counter behind the names ``0`` (the default group), ``1``, ``2``...; destroying a group does not
-    give its number back, nor delete its keys)."""
-    from torch.distributed import distributed_c10d
-
+    """How many groups this process made with a counted name (``0``: the default group, ``1``...; a
+    destroyed group keeps its number and its keys)."""
     return int(distributed_c10d._world.group_count)
 
 
 def forget_addresses(call: Callable[..., Any], keys: list[str]) -> int:
-    """Delete ``keys``; ``call(method, *args)`` is a store call on a client without a prefix. Returns
-    how many were there. (Named one by one: listing the store's keys holds the GIL for the whole call
-    in torch 2.13, which freezes the process when the store does not answer.)"""
+    """Delete ``keys`` (``call``: a store call without a prefix); how many were there. One by one:
+    listing the store's keys holds the GIL for the whole call (torch 2.13), a freeze when it hangs."""
     return sum(bool(call("delete_key", key)) for key in keys)
 
 
 def read_keys(session: Session) -> tuple[list[str], set[str | None], int]:
-    """The gloo address keys this rank deletes when ``session`` starts (every peer has read them),
-    the names of the live groups and the group count they cover: this rank's own key of each live
-    group whose ranks are all the session's; when the session spans the world, also key ``<global
-    rank>`` of every counted group not live here. (Each rank its own: a rank checks its own key
-    before it deletes, and a peer deleting it would make the check fail.)"""
-    import torch.distributed as dist
-
+    """The gloo address keys this rank deletes when ``session`` starts, the live groups' names and the
+    group count they cover: its own key of each live group within the session; when the session spans
+    the world, also its key of every counted group not live here (each rank its own: it checks its own
+    key before it deletes)."""
     members = set(dist.get_process_group_ranks(session.side))
     count = group_count()
     live, keys = set(), []
@@ -156,9 +134,8 @@ def read_keys(session: Session) -> tuple[list[str], set[str | None], int]:
 
 
 class _AttemptKeys:
-    """What :func:`forget_attempt_keys` uses for one session: a connection without a prefix (``None``
-    once used), a lock held while deleting, and what went when the session started: the live groups'
-    names and the group count."""
+    """One session's connection without a prefix (``None`` once used), a lock held while deleting, and
+    what went when it started: the live groups' names and the group count."""
 
     def __init__(self, conn: Connection, done: set[str | None], count: int) -> None:
         self.conn: Connection | None = conn
@@ -167,8 +144,7 @@ class _AttemptKeys:
         self.count = count
 
     def later(self, world_size: int) -> list[str]:
-        """The address keys of the groups made since, live or destroyed: every rank's (a destroyed
-        group is not known any more, and its members are not either)."""
+        """Every rank's address keys of the groups made since, live or destroyed (whose members are unknown)."""
         keys = [gloo_address_key(r, None if n == 0 else str(n)) for n in range(self.count, group_count())
                 for r in range(world_size)]
         return keys + [key for pg, name in _gloo_groups() if name not in self.done and not (
@@ -179,10 +155,7 @@ _attempt_keys: weakref.WeakKeyDictionary[Session, _AttemptKeys] = weakref.WeakKe
 
 
 def check_address_keys(session: Session, conn: Connection) -> bool:
-    """This rank's own gloo address key is where this module expects it: True; not there: False, and a
-    warning (a store call that fails raises)."""
-    import torch
-
+    """This rank's own gloo address key is where this module expects it (else a warning)."""
     key = gloo_address_key(session.rank)
     if conn.call("check", [key]):
         return True
@@ -194,8 +167,7 @@ def check_address_keys(session: Session, conn: Connection) -> bool:
 
 
 def forget_attempt_keys(session: Session) -> None:
-    """``JOB_FAILED``: delete the gloo address keys of the groups made after ``session`` started from
-    torchrun's shared store (once; only when the library was imported after ``init_process_group``)."""
+    """``JOB_FAILED``: delete the address keys of the groups made after ``session`` started (once)."""
     keys = _attempt_keys.get(session)
     if keys is None:
         return
@@ -226,10 +198,8 @@ def forget_attempt_keys(session: Session) -> None:
 
 # -- the core's announcements (wired in ``..wiring``) --------------------------------------------------
 def on_session_started(session: Session) -> None:
-    """Under torchrun with the library imported after init_process_group: the keys every peer has read
-    go now (:func:`read_keys`), in a thread of their own (a store connection in the main thread stalled
-    the start of 8 ranks on a busy store); the connection is kept for ``JOB_FAILED``
-    (:func:`forget_attempt_keys`, which deletes every key when it comes before the thread did)."""
+    """Imported after init_process_group under torchrun: the keys every peer has read go now, in a
+    thread (a store connection in the main thread stalled the start of 8 ranks on a busy store)."""
     if _prefixed or not _agent_store() or session.store_address is None:
         return
     keys, names, upto = read_keys(session)  # no store call: torch's group table
@@ -294,23 +264,19 @@ _last_prefix = ""
 
 
 def begin_recovery(state: RecoveryState | None = None) -> None:
-    """``BEGIN``: keep the next rendezvous's store (the group is re-formed over it; under ``env://``
-    without torchrun, rank 0's copy is the store's server, which must outlive the group)."""
+    """``BEGIN``: keep the next rendezvous's store (under ``env://``, rank 0's is the server, which must
+    outlive the group)."""
     global _capture
     _capture = True
     install(in_place=True)
 
 
 def first_rendezvous() -> tuple[Any, int, int] | None:
-    """The ``WORLD`` provider: ``(store, rank, world_size)`` of the first rendezvous since ``BEGIN``."""
     return _first
 
 
 def forget_addresses_of_attempt(state: RecoveryState) -> None:
-    """``TEAR_DOWN``, before the groups go (their names are read from them): this rank's gloo address
-    keys, under the prefix they were written with, so that the store does not grow at each recovery."""
-    import torch.distributed as dist
-
+    """``TEAR_DOWN``, before the groups go: this rank's address keys, so that the store does not grow."""
     if state.store is None or not (dist.is_available() and dist.is_initialized()):
         return
     try:
@@ -322,9 +288,8 @@ def forget_addresses_of_attempt(state: RecoveryState) -> None:
 
 
 def re_form(state: RecoveryState) -> None:
-    """``RE_FORM``: from now on ``init_process_group`` of any scheme (``env``, ``tcp``, ``file``) is
-    given ``PrefixStore(<this attempt's namespace>, state.store)`` without connecting again (the
-    store's server may live in this very process: a second one on its port would fail)."""
+    """``RE_FORM``: ``init_process_group`` of any scheme is given ``PrefixStore(<namespace>, state.store)``
+    without connecting again (the server may live in this very process: a second one would fail)."""
     global _in_place
     _in_place = None if state.store is None else (state.store, state.rank, state.world_size)
     if state.store is not None:
@@ -332,15 +297,12 @@ def re_form(state: RecoveryState) -> None:
 
 
 def end_recovery(state: RecoveryState | None = None) -> None:
-    """``END``: forget the first rendezvous's store (and stop keeping the next one)."""
     global _capture, _first, _in_place
     _capture, _first, _in_place = False, None, None
 
 
 def _wrap(handler):
     def per_attempt(url: str, **kwargs: Any) -> Iterator[tuple]:
-        import torch.distributed as dist
-
         global _prefixed, _first, _last_prefix
         if _in_place is not None:
             store, rank, world_size = _in_place
@@ -363,18 +325,13 @@ def _wrap(handler):
 
 
 def install(*, in_place: bool = False) -> bool:
-    """Wrap the rendezvous handlers (idempotent). True when installed: under torchrun's agent store
-    (``env``, ``tcp``), and, with ``in_place``, for recovering in place (``file`` too) under any launcher."""
+    """Wrap the rendezvous handlers (idempotent): under torchrun's agent store, or with ``in_place``."""
     if not (in_place or _agent_store()):
         return False
     table = _table()
-    if not table:
-        return False
     for scheme in _SCHEMES + (("file",) if in_place and "file" in table else ()):
         if not getattr(table[scheme], _WRAPPED_ATTR, False):
             table[scheme] = _wrap(table[scheme])
-    import torch.distributed as dist
-
     if not in_place and dist.is_available() and dist.is_initialized():
         log(logging.INFO, "the process group was initialized before fault_tolerant_handlers was imported: "
             "under torchrun its keys are not isolated per attempt; each rank deletes its address keys once "

@@ -1,27 +1,20 @@
-"""What a launcher reads of a failure: torchrun's error files, ``torch.multiprocessing``'s error files
-and a spawned rank's stderr (docs/launchers.md tells both in full).
+"""What a launcher reads of a failure (docs/launchers.md tells both in full).
 
-**torchrun** names as *Root Cause* the failure with the smallest ``timestamp`` (whole seconds) in
-the workers' ``TORCHELASTIC_ERROR_FILE`` (``<run>/attempt_<n>/<local rank>/error.json``); a worker
-without one gets the time the agent noticed its exit, so a victim often wins. Files are written in
-``ErrorHandler``'s format: a rank that fails itself, with the failure's second (``RANK_FAILED``:
-:func:`write_failed`); a survivor, with a second that cannot win (``ACKNOWLEDGED``, ``EXITING``:
-:func:`write_survivor`); a rank killed by a signal, by its liveness helper (``RANK_KILLED``:
-:func:`write_killed`) and by a same-host survivor that sees it gone (``PEER_FAILED``:
-:func:`write_dead_peer`, the sibling ``<local rank>`` directory). A file is created atomically and
-never overwritten: the first writer wins. Outside torchrun nothing is written.
+**torchrun** names as *Root Cause* the failure with the smallest ``timestamp`` (whole seconds) in the
+workers' ``TORCHELASTIC_ERROR_FILE``; a worker without one gets the time the agent noticed its exit,
+so a victim often wins. Files are written in ``ErrorHandler``'s format: a rank that fails itself, with
+the failure's second; a survivor, with a second that cannot win; a rank killed by a signal, by its
+liveness helper and by a same-host survivor that sees it gone. A file is never overwritten: the first
+writer wins.
 
-**torch.multiprocessing** (``mp.spawn``: ``idist.Parallel``, ``ddp_spawn``) prints only the first
-failed process's exception and SIGTERMs the others. Under it (:func:`detect`, at session start) a rank
-prints the full report once per failure (:func:`print_report`); on a SIGTERM with nothing known but a
-same-host peer gone it waits up to :data:`SIGTERM_CAUSE_WAIT` for the cause (:func:`awaited_cause`);
-a killed rank's helper holds it a zombie for :data:`ZOMBIE_HOLD` so that its peers read how it ended,
-and writes torch's error file for it (:func:`hold_zombie`, ``RANK_ENDED``); a reported exit (87, 88)
-writes its report there (:func:`write_exit_report`, ``EXITING``), which the parent raises.
+**torch.multiprocessing** (``mp.spawn``) prints only the first failed process's exception and
+SIGTERMs the others: under it each rank prints its full report, and torch's error file is written
+for a killed rank and by a reported exit (the parent raises it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,17 +31,15 @@ from ..core.config import SIGTERM_CAUSE_WAIT, ZOMBIE_HOLD  # timings: the table 
 from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
 from ..core.failure import FailureKind, FailureRecord
 from ..core.hooks import first_line, log
-from ..core.procfs import RankTable, process_state
+from ..core.procfs import STATE, RankTable, process_state, stat_fields
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 ERROR_FILE_NAME = "error.json"
-#: Marks the files this library wrote (``extraInfo.writer``).
-WRITER = "fault_tolerant_handlers"
+WRITER = "fault_tolerant_handlers"  # marks the files this library wrote (extraInfo.writer)
 
 
 # -- torchrun's error files ----------------------------------------------------------------------------
 def own_path() -> str | None:
-    """This worker's error file under torchrun, or ``None``."""
     path = os.environ.get(ERROR_FILE_ENV, "")
     return None if not path or path == os.devnull else path
 
@@ -71,37 +62,32 @@ def payload(message: str, callstack: str, timestamp: int, role: str) -> dict:
                                       "writer": WRITER, "role": role}}}
 
 
-def write_once(path: str, data: dict) -> bool:
-    """Create ``path`` with ``data`` unless it exists (atomically); True when this call wrote it."""
+def write_once(path: str, data: dict | bytes) -> bool:
+    """Create ``path`` with ``data`` (a dict: as JSON) unless it exists (atomically); True when this call wrote it."""
     if os.path.exists(path):
         return False
+    tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".error-", suffix=".json", dir=os.path.dirname(path) or ".")
-    except OSError as err:
-        log(logging.WARNING, "could not write torchrun's error file %s: %s", path, err)
-        return False
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data if isinstance(data, bytes) else json.dumps(data).encode())
         os.link(tmp, path)  # fails if the file exists: never overwrites
         return True
     except FileExistsError:
         return False
     except OSError as err:
-        log(logging.WARNING, "could not write torchrun's error file %s: %s", path, err)
+        log(logging.WARNING, "could not write the error file %s: %s", path, err)
         return False
     finally:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def forget_own_file(state=None) -> None:
-    """``RE_FORM``: a recovery in place carries on in the same torchrun attempt, whose error files
-    stay: this rank's file, if this library wrote it for the failure just recovered, is removed, so
-    that a later failure the job ends on writes its own (else torchrun's Root Cause names the
-    recovered one). A file torch wrote is left."""
+    """``RE_FORM``: the recovery carries on in the same torchrun attempt: this rank's file, if this
+    library wrote it for the failure just recovered, goes, so that torchrun's Root Cause does not
+    name the recovered failure."""
     path = own_path()
     if path is None:
         return
@@ -150,19 +136,8 @@ def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
         log(logging.INFO, "wrote the error file of rank %d for torchrun: %s", rank, path)
 
 
-def write_dead_peer(table: RankTable, err: PeerFailedError) -> None:
-    """The watchdog found ``err``: if it is a same-host peer gone, write its file at once."""
-    own = own_path()
-    if own is not None:
-        try:
-            _dead_peer_file(table, err, own)
-        except Exception as exc:  # noqa: BLE001
-            log(logging.WARNING, "could not write torchrun's error file: %s", exc)
-
-
 def write_killed(record: FailureRecord) -> bool:
-    """``RANK_KILLED``, in the liveness helper of a rank killed by a signal it could not report:
-    write its file for it, with ``record`` (its ``PeerLost``, which the helper also publishes)."""
+    """``RANK_KILLED``, in the liveness helper of a rank killed by a signal it could not report."""
     path = own_path()
     if path is None:
         return False
@@ -175,8 +150,8 @@ def write_killed(record: FailureRecord) -> bool:
 
 
 def write_survivor(table: RankTable, err: PeerFailedError | None) -> bool:
-    """This rank ends (or raises) because of a peer's failure ``err``: write the dead peer's file
-    when it was killed on this host, then this rank's own with a timestamp that cannot win."""
+    """This rank ends because of a peer's failure ``err``: the dead peer's file when it was killed on
+    this host, then this rank's own with a timestamp that cannot win."""
     own = own_path()
     if own is None:
         return False
@@ -205,7 +180,7 @@ _detected = False
 
 
 def detect() -> bool:
-    """Whether this process runs a rank under ``torch.multiprocessing``'s ``_wrap`` (once per process)."""
+    """Whether this process runs a rank under ``torch.multiprocessing`` (looked at once per process)."""
     global _state, _detected
     if _detected:
         return _state is not None
@@ -224,9 +199,8 @@ def _key(err: BaseException) -> tuple:
             first_line(err, None))
 
 
-def print_report(rank: int, err: BaseException | None, context: str = "the job fails") -> bool:
-    """Under ``mp.spawn``: print ``err`` in full on this rank's stderr, once per failure. True if the
-    report was printed (now or before)."""
+def print_report(rank: int, err: BaseException | None) -> bool:
+    """Under ``mp.spawn``: print ``err`` in full on stderr, once per failure (True: printed, now or before)."""
     state = _state
     if state is None or err is None:
         return False
@@ -236,7 +210,7 @@ def print_report(rank: int, err: BaseException | None, context: str = "the job f
             return True
         state.printed.add(key)
     try:
-        sys.stderr.write(f"[rank {rank}] fault-tolerant-handlers: {context}:\n{err}\n")
+        sys.stderr.write(f"[rank {rank}] fault-tolerant-handlers: the job fails:\n{err}\n")
         sys.stderr.flush()
     except Exception:  # noqa: BLE001 - the report must never raise
         pass
@@ -244,17 +218,15 @@ def print_report(rank: int, err: BaseException | None, context: str = "the job f
 
 
 def printed(err: BaseException | None) -> bool:
-    """The report of ``err`` was printed already (:func:`print_report`)."""
     state = _state
     return state is not None and err is not None and _key(err) in state.printed
 
 
 def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
                   records: Callable[[], PeerFailedError | None], wait: float = SIGTERM_CAUSE_WAIT) -> PeerFailedError | None:
-    """On a SIGTERM under ``mp.spawn`` with nothing known yet: if a same-host peer is gone
-    (``same_host``: a :class:`~..core.procfs.PeerPidProbe`), the cause, waited for up to ``wait``
-    seconds (``known()``: the watchdog's finding, else ``records()``: a peer's record in the store),
-    else that peer gone. ``None`` when no peer is gone (this rank is the cause)."""
+    """On a SIGTERM under ``mp.spawn`` with nothing known yet: if a same-host peer is gone, the cause
+    (``known()``, else ``records()``), waited for up to ``wait`` seconds, else that peer gone; ``None``
+    when no peer is gone (this rank is the cause)."""
     if _state is None:
         return None
     gone = same_host.poll(time.monotonic())
@@ -277,55 +249,31 @@ def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
 
 
 def hold_zombie(rank_pid: int, rank: int | None = None, host: str = "") -> None:
-    """``RANK_ENDED``, in a rank's liveness helper: under ``mp.spawn``, if the rank is a zombie (its
-    parent cannot reap it while this process holds the sentinel pipe), write torch's error file for it
-    when a signal killed it, then wait :data:`ZOMBIE_HOLD` so that same-host peers read its exit
-    status. Returns at once otherwise."""
-    if _state is None:
-        return
-    try:
-        with open(f"/proc/{rank_pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return
-    fields = stat[stat.rfind(")") + 2:].split()
-    if fields and fields[0] == "Z":
+    """``RANK_ENDED``, in a rank's liveness helper under ``mp.spawn``: a rank that is a zombie (its parent
+    cannot reap it while this process holds the sentinel pipe) gets torch's error file if a signal
+    killed it, and is held :data:`ZOMBIE_HOLD` so that same-host peers read its exit status."""
+    fields = stat_fields(rank_pid) if _state is not None else None
+    if fields and fields[STATE] == "Z":
         if rank is not None:
             _write_spawn_killed(rank_pid, rank, host)
         time.sleep(ZOMBIE_HOLD)
 
 
 def _write_spawn_killed(rank_pid: int, rank: int, host: str) -> bool:
-    """The rank was killed by a signal: torch's error file for it (the parent reads it once every
-    process has ended), naming the rank, its pid and the signal."""
-    state = _state
-    if state is None or state.error_file is None:
-        return False
+    """A rank killed by a signal: torch's error file for it (read once every process has ended)."""
     how = process_state(rank_pid)
-    if how is None or not how.killed:
+    if _state is None or _state.error_file is None or how is None or not how.killed:
         return False
     lost = FailureRecord.lost(rank=rank, pid=rank_pid, host=host, why=how, by=rank).exc_message
     text = f"fault-tolerant-handlers: {lost} (seen by its liveness helper: a killed process prints no traceback)\n"
-    return _write_error_file(state.error_file, text)
-
-
-def _write_error_file(path: str, text: str) -> bool:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never overwrites a rank's own report
-    except OSError:
-        return False
-    with os.fdopen(fd, "wb") as fh:
-        pickle.dump(text, fh)  # the format torch's parent reads: a pickled str
-    return True
+    return write_once(_state.error_file, pickle.dumps(text))  # torch's parent reads a pickled str
 
 
 def write_exit_report(err: BaseException | None, code: int) -> None:
-    """A reported exit under ``mp.spawn``: ``err``'s report goes into torch's error file."""
-    state = _state
-    if state is None or state.error_file is None or err is None:
-        return
-    text = f"fault-tolerant-handlers ended this process (exit code {code}) because:\n{err}\n"
-    _write_error_file(state.error_file, text)
+    """A reported exit under ``mp.spawn``: ``err``'s report goes into torch's error file (the parent raises it)."""
+    if _state is not None and _state.error_file is not None and err is not None:
+        write_once(_state.error_file, pickle.dumps(f"fault-tolerant-handlers ended this process (exit code {code}) "
+                                                   f"because:\n{err}\n"))
 
 
 # -- the core's announcements (wired in ``..wiring``) --------------------------------------------------
@@ -334,7 +282,13 @@ def on_session_started(session) -> None:
 
 
 def on_peer_failed(table: RankTable, err: PeerFailedError, escalated: bool) -> None:
-    write_dead_peer(table, err)  # torchrun: the agent reads a failed worker's file as soon as it notices the exit
+    # torchrun: the agent reads a failed worker's file as soon as it notices the exit
+    own = own_path()
+    if own is not None:
+        try:
+            _dead_peer_file(table, err, own)
+        except Exception as exc:  # noqa: BLE001
+            log(logging.WARNING, "could not write torchrun's error file: %s", exc)
     if escalated:
         print_report(table.rank, err)  # mp.spawn: the report, before the launcher's SIGTERM
 

@@ -1,25 +1,20 @@
 """SIGTERM and SIGINT: a signalled rank says so before the signal takes effect.
 
-A preemption (``scancel``, a spot reclaim), ``kill`` or Ctrl-C ends a rank in a way its peers cannot
-explain: they only see a broken collective. When a fail-together session starts (in the main
-thread), this module puts a handler **in front of** the one already there (Lightning's, a user's,
-Python's default), never replacing it:
+A preemption, ``kill`` or Ctrl-C ends a rank in a way its peers cannot explain: they only see a
+broken collective. When a session starts, this module puts a handler **in front of** the one already
+there (Lightning's, a user's, Python's default), never replacing it:
 
-1. it reacts once: if this rank already knows of a peer's failure (the watchdog's incident, an
-   undelivered record, a same-host peer gone), the signal is a consequence (torchrun and ``mp.spawn``
-   end survivors with ``SIGTERM``) and only torchrun's error file is written (:mod:`.reports`, a
-   survivor's timestamp); otherwise this rank is the cause: it publishes a declared ``RankSignalled``
-   record (every peer raises :class:`~..core.errors.PeerFailedError` naming it) and writes its own
-   error file;
-2. then it calls the previous handler. When a handler put in front of this one later calls it
-   (Lightning's, registered in ``fit``), that handler says what the signal does: the default is not
-   enacted after it, a peer's ``RankSignalled`` of the same moment is the same preemption, and a
-   collective broken after this rank's own signal raises its ``RankSignalled``
-   (``session.failure.signalled(...)``).
+1. it reacts once: if this rank already knows of a peer's failure, the signal is a consequence
+   (launchers end survivors with ``SIGTERM``) and only its error file is written; otherwise this rank
+   is the cause: it publishes a declared ``RankSignalled`` record (every peer raises naming it);
+2. then it calls the previous handler. A handler put in front of this one later (Lightning's, in
+   ``fit``) says what the signal does: the default is not enacted after it, a peer's
+   ``RankSignalled`` of the same moment is the same preemption, and a collective broken after this
+   rank's own signal raises its ``RankSignalled``.
 
-Python runs signal handlers in the main thread only, between bytecodes: a main thread blocked in a
-collective would run it late. So the reaction also runs from a thread (``fth-signals``) woken by
-``signal.set_wakeup_fd``, unless another wakeup fd is already set (asyncio's), which is kept.
+Python runs signal handlers in the main thread only, between bytecodes, so the reaction also runs
+from a thread (``fth-signals``) woken by ``signal.set_wakeup_fd``, unless another wakeup fd is set
+(asyncio's), which is kept.
 """
 
 from __future__ import annotations
@@ -52,15 +47,6 @@ if TYPE_CHECKING:
 SIGNALS = tuple(signal.Signals[name] for name in HANDLED_SIGNALS)  # SIGTERM, SIGINT
 
 
-def same_delivery(peer: PeerFailedError, name: str, received: float, window: float = SAME_DELIVERY) -> bool:
-    """``peer`` is a peer that received the same signal as this rank at the same moment (one
-    delivery to every process: Ctrl-C, ``scancel``, a preemption): this rank's own signal, not a
-    consequence. ``window``: :data:`SAME_DELIVERY`, or :data:`SIGNALLED_TOGETHER` under a
-    framework's handler."""
-    return (peer.kind is FailureKind.RANK_SIGNALLED and peer.ended is not None and peer.ended.signal_name == name
-            and peer.failed_at is not None and abs(peer.failed_at - received) <= window)
-
-
 class _Watch:
     def __init__(self, session: Session) -> None:
         self._session = weakref.ref(session)
@@ -69,9 +55,8 @@ class _Watch:
         self.started = False
         self.done = threading.Event()
         self.handled = threading.Event()  # the main thread entered a handler of this module's
-        self.kind: str | None = None  # "cause" or "consequence", once reacted
-        #: This rank's own signal, as the error its main thread raises for a collective broken after it.
-        self.cause: PeerFailedError | None = None
+        self.kind: str | None = None  # "cause", "consequence" or "failed", once reacted
+        self.cause: PeerFailedError | None = None  # this rank's own signal, as a collective broken after it raises
         self._rsock: socket.socket | None = None
         self._wsock: socket.socket | None = None
 
@@ -117,11 +102,10 @@ class _Watch:
                     self._unblock(signum, main)
 
     def _unblock(self, signum: int, main: tuple[int, int] | None) -> None:
-        """A main thread blocked in a collective or a store call never runs the handler. If it ran no
-        bytecode for :data:`MAIN_STUCK_WAIT` and no handler of this module's was entered, this process's
-        collectives and store connections are cut (it is being ended), so that the blocked call raises
-        and the handler runs; if it still has not after :data:`SIGNAL_EXIT_WAIT` and the signal's action
-        is the default one, the process ends here with the shell's code for it (``128 + signum``)."""
+        """A main thread blocked in a collective or a store call never runs the handler: if it ran no
+        bytecode for :data:`MAIN_STUCK_WAIT`, this process's collectives and store connections are cut
+        (it is being ended) so that the call raises; if it still has not run it after
+        :data:`SIGNAL_EXIT_WAIT` and the signal's action is the default, the process ends here (``128 + signum``)."""
         if self.handled.wait(MAIN_STUCK_WAIT) or main is None or _main_position() != main:
             return
         session = self._session()
@@ -146,11 +130,10 @@ class _Watch:
             os._exit(128 + signum)
 
     def _at_exit(self) -> None:
-        """An exit hook (runs before torch's and logging's). After the exit hooks Python runs no signal
-        handler and tears its modules down, for seconds with torch loaded: a launcher's SIGTERM there
-        would end a rank that failed itself with -15, which torchrun's Root Cause would show instead of
-        its exception. Such a rank ignores SIGTERM from here on and ends as it would by itself (exit
-        code 1); a teardown that never ends is the launcher's to end (its SIGKILL)."""
+        """After the exit hooks Python runs no signal handler and tears its modules down, for seconds
+        with torch loaded: a launcher's SIGTERM there would end a rank that failed itself with -15, which
+        torchrun's Root Cause would show instead of its exception. Such a rank ignores SIGTERM from here
+        on (a teardown that never ends is the launcher's SIGKILL's)."""
         if _own_failure is not None and self.previous.get(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
@@ -165,8 +148,6 @@ class _Watch:
         if self.kind == "failed" and prev is signal.SIG_DFL:
             # (a framework's handler in front of this one, Lightning's, has run: it calls this one last)
             self._exit_failed(signum)
-        if prev is signal.SIG_IGN:
-            return None
         if self.kind == "cause" and self._framework_in_front(signum):
             # A handler put in front of this one later calls it (Lightning's, which chains the one
             # it found): what the signal does is that handler's to say (Lightning's stops the fit
@@ -181,10 +162,9 @@ class _Watch:
         return None
 
     def _exit_failed(self, signum: int) -> None:
-        """This rank failed itself, then was signalled (the launcher ending the job's ranks while this
-        rank still ran its exception path or exit hooks): it exits at once with the code of an uncaught
-        exception (1), not by the signal, so that the launcher names its failure (torchrun's Root Cause:
-        exit code 1, not ``-15 (SIGTERM)``). Its failure is published and its error file written."""
+        """This rank failed itself, then was signalled (the launcher ending the job's ranks): it exits at
+        once with an uncaught exception's code (1), so that torchrun's Root Cause names its failure, not
+        ``-15 (SIGTERM)``."""
         cause = _own_failure
         what = f" ({cause.exc_type}: {first_line(cause.exc_message)})" \
             if cause is not None and cause.exc_message else ""
@@ -197,8 +177,7 @@ class _Watch:
         _flush()
         os._exit(1)
 
-    def _framework_in_front(self, signum: int) -> bool:
-        """A handler was put in front of this one after it was installed (Lightning's, in ``fit``)."""
+    def _framework_in_front(self, signum: int) -> bool:  # a handler put in front of this one (Lightning's)
         return signal.getsignal(signum) != self._handler
 
     def react(self, signum: int) -> None:
@@ -234,9 +213,14 @@ class _Watch:
         peer = (session.failure_report(REPORT_WAIT)
                 or reports.awaited_cause(session.same_host_probe, lambda: failure.peer_error,
                                          lambda: self._records(session))
-                or self._peer_cause(session))
+                or session.same_host_probe.poll(time.monotonic()) or self._records(session))
+        # a peer that received the same signal at the same moment (one delivery to every process:
+        # Ctrl-C, scancel, a preemption): this rank's own signal, not a consequence
         window = SIGNALLED_TOGETHER if self._framework_in_front(signum) else SAME_DELIVERY
-        if peer is not None and not same_delivery(peer, name, received, window):
+        same = (peer is not None and peer.kind is FailureKind.RANK_SIGNALLED and peer.ended is not None
+                and peer.ended.signal_name == name and peer.failed_at is not None
+                and abs(peer.failed_at - received) <= window)
+        if peer is not None and not same:
             self.kind = "consequence"
             code = 128 + signum
             log(logging.CRITICAL, "ending this process with exit code %d: terminated by %s while the job fails: %s",
@@ -271,14 +255,9 @@ class _Watch:
             what = release_process_groups(session.pg_store)
             log(logging.INFO, "released this rank's collectives: %s", what)
 
-    @staticmethod
-    def _peer_cause(session: Session) -> PeerFailedError | None:
-        """A peer's failure this rank has not taken yet: a same-host peer gone, or a record."""
-        return session.same_host_probe.poll(time.monotonic()) or _Watch._records(session)
 
     @staticmethod
     def _records(session: Session) -> PeerFailedError | None:
-        """The failure a peer's record not yet taken by this rank says (``None`` if none, or no store)."""
         conn = session.connection("signal-read", SIGNAL_STORE_TIMEOUT)
         try:
             schema = Schema(conn, session.schema.world_size)
@@ -294,11 +273,9 @@ class _Watch:
 
 
 def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError | None:
-    """Seen from another host, a store that refuses or does not answer connections is the store's
-    host gone: torchrun's agent SIGTERMs its workers when it loses its rendezvous store, sometimes
-    before the rank's own broken collective is explained. ``None`` on the store's own host (the
-    pid check says what happened there). With no rank on the store's host (a store on a host of its
-    own) no rank is named: ``StoreLost``."""
+    """Seen from another host, a store that refuses or does not answer connections is its host gone
+    (torchrun's agent SIGTERMs its workers when it loses its store, sometimes before the broken
+    collective is explained); ``None`` on the store's own host (the pid check says what happened)."""
     why = str(err).rsplit(": ", 1)[-1][:120]
     table, store_rank = session.table, session.store_rank
     if store_rank is None:
@@ -312,8 +289,8 @@ def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError
 
 
 def _main_position() -> tuple[int, int] | None:
-    """The main thread's innermost Python frame and instruction (``None``: not found): the same
-    pair twice, some time apart, is a main thread that ran no bytecode in between (blocked in C)."""
+    """The main thread's innermost frame and instruction: the same twice, some time apart, is a main
+    thread that ran no bytecode in between (blocked in C)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     return None if frame is None else (id(frame), frame.f_lasti)
 
@@ -343,20 +320,17 @@ def install(session: Session) -> None:
     _watch.install()
 
 
-#: This process's own failure in its current session (the core's ``RANK_FAILED``), kept after the
-#: session is gone: a launcher's SIGTERM that comes during the interpreter's exit hooks (a slow
-#: logger's flush) still finds that this rank failed itself.
+#: This process's own failure in its current session, kept after the session is gone: a SIGTERM
+#: during the interpreter's exit hooks still finds that this rank failed itself.
 _own_failure: FailureRecord | None = None
 
 
 def on_rank_failed(record: FailureRecord) -> None:
-    """The core's ``RANK_FAILED``."""
     global _own_failure
     _own_failure = record
 
 
 def on_session_started(session: Session) -> None:
-    """The core's ``SESSION_STARTED`` (wired in :mod:`..wiring`)."""
     global _own_failure
     _own_failure = None  # a new session: a new attempt (recovering in place), no failure of its own yet
     install(session)  # SIGTERM/SIGINT: say so before the previous handler runs

@@ -1,18 +1,15 @@
 """The job's c10d store on a host of its own, so that losing any training host leaves it standing.
 
-Under torchrun the store every rank talks to (``MASTER_ADDR``/``MASTER_PORT``: the process groups'
-rendezvous, the failure records, the spares, every recovery's agreement) is served by agent rank 0,
-on training rank 0's host (``--rdzv-conf is_host=false`` moves only the rendezvous's own store;
-torch 2.13.0, ``DynamicRendezvousHandler.next_rendezvous``): losing that host loses it. This module
-serves it on a machine that trains nothing (docs/recovering.md, "The store on a host of its own")::
+Under torchrun the store every rank talks to is served by agent rank 0, on training rank 0's host
+(``--rdzv-conf is_host=false`` moves only the rendezvous's own store; torch 2.13.0): losing that host
+loses it. This module serves it on a machine that trains nothing (docs/recovering.md)::
 
     python -m fault_tolerant_handlers.launchers.store_host --port 29400          # on node-s
     torchrun --nnodes N --node-rank i --rdzv-backend static --rdzv-endpoint node-s:29400 ... train.py
 
-The server is made as torchrun makes its own (libuv, ``multi_tenant``) and waits for no workers (a
-spare or a replacement may come at any time). It runs until ``SIGTERM`` or ``SIGINT``, then exits 0:
-stop it after the job (an agent in its exit barrier still uses it). It stores what the job writes and
-reads nothing itself: there is nothing in it to trust.
+The server is made as torchrun makes its own and waits for no workers (a spare or a replacement may
+come at any time). It runs until ``SIGTERM`` or ``SIGINT``, then exits 0: stop it after the job (an
+agent in its exit barrier still uses it). It reads nothing the job writes: there is nothing to trust.
 """
 
 from __future__ import annotations
@@ -30,9 +27,7 @@ import torch.distributed as dist
 from ..core.config import STORE_HOST_CONNECT_TIMEOUT
 from ..core.hooks import first_line
 
-#: Port torchrun's rendezvous endpoint uses when none is given (``torch.distributed.elastic``'s
-#: ``DEFAULT_PORT``).
-DEFAULT_PORT = 29400
+DEFAULT_PORT = 29400  # torchrun's rendezvous endpoint's when none is given
 
 
 class StoreHostArgumentError(ValueError):
@@ -49,25 +44,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the address this host's own client connects to and the log names (default 0.0.0.0; "
                              "the server listens on every interface, as torchrun's does)")
     args = parser.parse_args(argv)
-    validate(args.port, args.host)
-    args.port = int(args.port)
-    return args
-
-
-def validate(port: str | int, host: str) -> None:
-    """Raise :class:`StoreHostArgumentError` naming the argument and its valid range."""
-    text = str(port).strip()
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
+    port, host = args.port, args.host
+    if not port.strip().isdigit() or not 1 <= int(port) <= 65535:
         raise StoreHostArgumentError(f"store_host --port {port!r}: the port must be an integer in [1, 65535]")
     if not host or not host.strip() or any(c.isspace() for c in host):
         raise StoreHostArgumentError(f"store_host --host {host!r}: the host must be a non-empty address or name "
                                      "without spaces")
-
-
-def serve(port: int, host: str = "0.0.0.0") -> dist.TCPStore:
-    """Start the server (listening on every interface at ``port``) and return its store."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                         use_libuv=True, timeout=STORE_HOST_CONNECT_TIMEOUT)
+    args.port = int(port)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -86,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:
-            store = serve(args.port, args.host)
+            store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                                  use_libuv=True, timeout=STORE_HOST_CONNECT_TIMEOUT)  # made as torchrun makes its own
         except (RuntimeError, ValueError, OSError) as exc:  # the port is taken, the host unknown
             print(f"fault-tolerant-handlers: store_host --host {args.host} --port {args.port}: the store could not "
                   f"be served: {type(exc).__name__}: {first_line(exc, None)}",
