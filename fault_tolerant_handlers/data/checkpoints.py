@@ -35,10 +35,9 @@ import torch.distributed as dist
 from ..core import attempts, compat_torch, config, interrupts
 from ..core.hooks import first_line, log
 from . import live
+from .dcp import METADATA as DCP_METADATA
 
 SUFFIXES = (".pt", ".pth", ".ckpt")
-#: DCP's metadata file, written last (a distributed checkpoint is complete once it exists).
-DCP_METADATA = ".metadata"
 #: What Lightning's sharded strategies write into a distributed checkpoint after DCP's shards.
 LIGHTNING_META = "meta.pt"
 #: Longest path or request text the ranks exchange (bytes).

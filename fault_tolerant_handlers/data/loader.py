@@ -31,7 +31,6 @@ from ._workers import (
     construct,
     describe_exit,
     hardened_context,
-    start_method_of,
 )
 
 __all__ = ["DataLoaderRestartError", "RestartableDataLoader", "WorkerRestart", "make_restartable"]
@@ -139,32 +138,15 @@ class DataLoaderRestartError(RuntimeError):
         return (type(self), (self.restarts, self.max_restarts, self.timeout))
 
 
-def _check_max_restarts(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"RestartableDataLoader(max_restarts={value!r}): max_restarts must be an int >= 0 "
-            f"(0 disables restarts), got {type(value).__name__}"
-        )
-    if value < 0:
-        raise ValueError(
-            f"RestartableDataLoader(max_restarts={value!r}): max_restarts must be an int >= 0 "
-            "(0 disables restarts)"
-        )
-    return value
-
-
-def _check_start_method(value: object) -> str | None:
-    if value is not None and value not in _START_METHODS:
-        raise ValueError(
-            f"RestartableDataLoader(restart_start_method={value!r}): must be None (automatic) or one "
-            f"of {list(_START_METHODS)}"
-        )
-    if value is not None and value not in multiprocessing.get_all_start_methods():
-        raise ValueError(
-            f"RestartableDataLoader(restart_start_method={value!r}): not available on this platform; "
-            f"available: {multiprocessing.get_all_start_methods()}"
-        )
-    return value
+def _check_arguments(max_restarts: object, start_method: object) -> None:
+    is_int = isinstance(max_restarts, int) and not isinstance(max_restarts, bool)
+    if not is_int or max_restarts < 0:
+        raise (ValueError if is_int else TypeError)(
+            f"RestartableDataLoader(max_restarts={max_restarts!r}): max_restarts must be an int >= 0 (0 disables "
+            f"restarts), got {type(max_restarts).__name__}")
+    if start_method is not None and start_method not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"RestartableDataLoader(restart_start_method={start_method!r}): must be None (automatic) or "
+                         f"one of {list(_START_METHODS)} available here: {multiprocessing.get_all_start_methods()}")
 
 
 class RestartableDataLoader(DataLoader[_T_co]):
@@ -227,31 +209,15 @@ class RestartableDataLoader(DataLoader[_T_co]):
         restart_start_method: str | None = None,
     ) -> None:
         _compat_torch.check_loader()  # every private name of torch's it uses, named if this torch lacks one
-        max_restarts = _check_max_restarts(max_restarts)
-        restart_start_method = _check_start_method(restart_start_method)
-        super().__init__(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            batch_sampler=batch_sampler,
-            num_workers=num_workers,
-            collate_fn=collate_fn,
-            pin_memory=pin_memory,
-            drop_last=drop_last,
-            timeout=timeout,
-            worker_init_fn=worker_init_fn,
-            multiprocessing_context=multiprocessing_context,
-            generator=generator,
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device,
-            in_order=in_order,
-        )
+        _check_arguments(max_restarts, restart_start_method)
+        torch_args = dict(locals())  # DataLoader's arguments, as given
+        for name in ("self", "__class__", "max_restarts", "restart_start_method"):
+            torch_args.pop(name, None)
+        super().__init__(**torch_args)
         self.max_restarts = max_restarts
         self.restart_start_method = restart_start_method
         self.restarts: list[WorkerRestart] = []
-        self._fth_user_method = None if multiprocessing_context is None else start_method_of(self.multiprocessing_context)
+        self._fth_user_method = None if multiprocessing_context is None else self.multiprocessing_context.get_start_method()
         self._fth_epochs = 0
         self._fth_persistent = None  # the persistent workers' iterator (map-style)
         self._fth_stateful = None  # the torchdata loader (iterable datasets)
@@ -380,36 +346,10 @@ class RestartableDataLoader(DataLoader[_T_co]):
             return self.restart_start_method
         if self._fth_user_method is not None:
             return self._fth_user_method
-        if "fork" in multiprocessing.get_all_start_methods() and not _cuda_initialized():
+        if "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
             return "fork"
         return multiprocessing.get_start_method()
 
-    def _fth_record(self, run: "_Run", lost: WorkerLost, pids: list[tuple[int, int | None]],
-                    exited: list[int]) -> WorkerRestart:
-        wid = lost.worker_id
-        pid, code = pids[wid] if wid is not None and wid < len(pids) else (None, None)
-        if lost.kind == "stall":
-            sig, reason, code = None, f"stalled for more than {self.timeout:g} s", None
-        else:
-            sig, reason = describe_exit(code)
-        also = tuple((w, pids[w][0], describe_exit(pids[w][1])[1]) for w in exited if w != wid and w < len(pids))
-        return WorkerRestart(run.epoch, run.yielded, wid, pid, sig, code, reason, lost.detected_at, also_lost=also,
-                             sampler_epoch=_resume.sampler_epoch(self))
-
-    def _fth_spend(self, record: WorkerRestart) -> None:
-        """Count a restart, or raise when the budget is spent."""
-        if len(self.restarts) >= self.max_restarts:
-            log(logging.ERROR, "DataLoader %s; restart budget spent (max_restarts=%d)",
-                     record.describe(), self.max_restarts)
-            raise DataLoaderRestartError(self.restarts + [record], self.max_restarts, self.timeout)
-        self.restarts.append(record)
-
-
-def _cuda_initialized() -> bool:
-    try:
-        return bool(torch.cuda.is_initialized())
-    except Exception:  # noqa: BLE001
-        return False
 
 
 class _Feed:
@@ -529,19 +469,26 @@ class _Run:
                 last.recovery_seconds = time.time() - last.detected_at
 
     def _lost(self, lost: WorkerLost, it) -> None:
-        """Kill what is left of ``it``, record the restart (or raise), log it."""
-        t0 = time.monotonic()
-        if lost.pids is not None:
-            pids, exited = lost.pids, lost.exited
+        """Kill what is left of ``it`` (unless ``construct`` did), record the restart (or raise), log it."""
+        t0, loader, wid = time.monotonic(), self.loader, lost.worker_id
+        if lost.pids is None and it is not None:
+            lost.pids, lost.exited = it.abort(), it.fth_exited_before_abort
+        pids = lost.pids or []
+        pid, code = pids[wid] if wid is not None and wid < len(pids) else (None, None)
+        if lost.kind == "stall":
+            sig, reason, code = None, f"stalled for more than {loader.timeout:g} s", None
         else:
-            pids = it.abort()
-            exited = getattr(it, "fth_exited_before_abort", [])
-        record = self.loader._fth_record(self, lost, pids, exited)
-        self.loader._fth_spend(record)
-        record.start_method = self.loader._fth_restart_method()
+            sig, reason = describe_exit(code)
+        also = tuple((w, pids[w][0], describe_exit(pids[w][1])[1]) for w in lost.exited if w != wid and w < len(pids))
+        record = WorkerRestart(self.epoch, self.yielded, wid, pid, sig, code, reason, lost.detected_at, also_lost=also,
+                               sampler_epoch=_resume.sampler_epoch(loader))
+        if len(loader.restarts) >= loader.max_restarts:
+            log(logging.ERROR, "DataLoader %s; restart budget spent (max_restarts=%d)", record.describe(), loader.max_restarts)
+            raise DataLoaderRestartError(loader.restarts + [record], loader.max_restarts, loader.timeout)
+        loader.restarts.append(record)
+        record.start_method = loader._fth_restart_method()
         log(logging.WARNING, "DataLoader %s; restarting workers (%s, restart %d of %d), resuming at batch %d",
-                 record.describe(), record.start_method, len(self.loader.restarts), self.loader.max_restarts,
-                 self.yielded)
+            record.describe(), record.start_method, len(loader.restarts), loader.max_restarts, self.yielded)
         self._restart_t0 = t0
 
     def _started(self) -> None:
@@ -615,7 +562,7 @@ class _MapRun(_Run):
             try:
                 it = construct(TorchWorkersIter, view)
             except WorkerLost as lost:  # a worker died while the iterator was being built
-                self._lost(lost, _Aborted())
+                self._lost(lost, None)
                 restart = True
                 continue
             it.fth_source = self.source
@@ -647,17 +594,6 @@ class _MapRun(_Run):
         self._start(restart=True)
 
 
-class _Aborted:
-    """Stands for an iterator whose construction failed (``construct`` already killed it)."""
-
-    def abort(self) -> list:
-        return []
-
-
-def _or_aborted(it):
-    return _Aborted() if it is None or not hasattr(it, "abort") else it
-
-
 class _IterableRun(_Run):
     """An epoch over an ``IterableDataset``: torchdata snapshots, committed after every batch."""
 
@@ -666,21 +602,11 @@ class _IterableRun(_Run):
 
         super().__init__(loader, epoch, pending)
         if loader._fth_stateful is None:
+            same = ("dataset", "batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
+                    "worker_init_fn", "generator", "prefetch_factor", "persistent_workers")
             loader._fth_stateful = InnerStatefulLoader(
-                loader.dataset,
-                batch_size=loader.batch_size,
-                num_workers=loader.num_workers,
-                collate_fn=loader.collate_fn,
-                pin_memory=loader.pin_memory,
-                drop_last=loader.drop_last,
-                timeout=loader.timeout,
-                worker_init_fn=loader.worker_init_fn,
-                multiprocessing_context=hardened_context(loader._fth_first_method()),
-                generator=loader.generator,
-                prefetch_factor=loader.prefetch_factor,
-                persistent_workers=loader.persistent_workers,
-                snapshot_every_n_steps=1,
-            )
+                **{name: getattr(loader, name) for name in same}, snapshot_every_n_steps=1,
+                multiprocessing_context=hardened_context(loader._fth_first_method()))
         self.sdl = loader._fth_stateful
         # len(loader) was asked of the outer loader: torch's "samples have been fetched" warning
         self.sdl._IterableDataset_len_called = loader._IterableDataset_len_called
@@ -704,7 +630,7 @@ class _IterableRun(_Run):
                 if self.state is None:
                     self.state = self.it.state_dict()
             except WorkerLost as lost:
-                self._lost(lost, _or_aborted(self.sdl._iterator))
+                self._lost(lost, self.sdl._iterator)
                 restart = True
                 continue
             self._started()
@@ -758,21 +684,10 @@ def make_restartable(loader: DataLoader, max_restarts: int = 3, restart_start_me
         return loader
     if not isinstance(loader, DataLoader):
         raise TypeError(f"make_restartable(loader=...): expected a torch.utils.data.DataLoader, got {type(loader).__name__}")
-    common: dict[str, Any] = dict(
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
-        in_order=getattr(loader, "in_order", True),
-        max_restarts=max_restarts,
-        restart_start_method=restart_start_method,
-    )
+    same = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+            "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+    common: dict[str, Any] = {name: getattr(loader, name) for name in same}
+    common.update(max_restarts=max_restarts, restart_start_method=restart_start_method)
     if isinstance(loader.dataset, IterableDataset):
         return RestartableDataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **common)
     if loader.batch_size is None and loader.batch_sampler is not None:  # a custom batch sampler
