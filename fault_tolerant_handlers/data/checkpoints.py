@@ -18,6 +18,7 @@ exchange: every rank holds the state of the step they agreed on.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -131,8 +132,6 @@ def check_file(path: Path, required_keys: tuple[str, ...] = ()) -> str | None:
                 bad = archive.testzip()
             if bad is not None:
                 return f"corrupt member {bad}"
-        elif path.suffix != ".ckpt" and path.suffix not in SUFFIXES:
-            return "not a torch.save archive"
     except (OSError, zipfile.BadZipFile, EOFError) as err:
         return f"unreadable: {type(err).__name__}: {err}"
     try:
@@ -141,8 +140,7 @@ def check_file(path: Path, required_keys: tuple[str, ...] = ()) -> str | None:
         text = str(err)
         if "Weights only load failed" in text and "unsupported global" in text.lower() and zipfile.is_zipfile(path):
             return None  # complete (CRCs checked); objects beyond tensors: left to the framework's own load
-        first = first_line(text)
-        return f"does not load: {type(err).__name__}: {first}"
+        return f"does not load: {type(err).__name__}: {first_line(text)}"
     if required_keys:
         if not isinstance(loaded, Mapping):
             return f"holds a {type(loaded).__name__}, not the keys the load needs ({', '.join(required_keys)})"
@@ -269,14 +267,10 @@ def _decode_verdict(data: bytes) -> tuple[bytes, str]:
 
 
 def _ranks_text(ranks: list[int]) -> str:
-    spans, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            spans.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
+    """``ranks 1-3, 5`` of sorted ranks."""
+    runs = [[r for _, r in run] for _, run in itertools.groupby(enumerate(ranks), lambda ir: ir[1] - ir[0])]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(
+        str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def _mismatch_text(requests: dict[int, tuple[int, str]]) -> str | None:

@@ -240,12 +240,14 @@ def latest_checkpoint_answer(dirname: str | os.PathLike) -> str | None:
     return name
 
 
+def _held_as(path: str | os.PathLike) -> bool:
+    return _held is not None and bool(_held[0]) and _key(path) == _held[0]
+
+
 def newest(path: str | os.PathLike) -> Any | None:
     """The live state for ``path`` (a name :func:`latest_checkpoint_answer` gave), without taking it."""
     with _lock:
-        if _held is None or not _held[0] or _key(path) != _held[0]:
-            return None
-        return _held[1].state
+        return _held[1].state if _held_as(path) else None
 
 
 def _hand_over(how: str) -> Captured:
@@ -264,7 +266,7 @@ def take(path: str | os.PathLike, objects: Iterable[Any] = ()) -> Any | None:
     ``None`` for any other path. Whether it was restored is told when the loop starts (:func:`loop_starts`)."""
     global _how
     with _lock:
-        if _held is None or not _held[0] or _key(path) != _held[0]:
+        if not _held_as(path):
             return None
         state = sharded.rebuild(_held[1].state, objects)  # raises before it is handed over
         how, _how = _how, None
@@ -280,7 +282,7 @@ def substitute(path: str | os.PathLike | None, what: str) -> str | None:
     while it is held and ``path`` is not that name, else ``None``. ``what``: the loading, for the log."""
     global _held, _how
     with _lock:
-        if _held is None or (path is not None and _held[0] and _key(path) == _held[0]):
+        if _held is None or (path is not None and _held_as(path)):
             return None
         captured = _held[1]
         name = str(Path(path).parent if path else Path.cwd()) + os.sep + LIVE_NAME.format(step=captured.step)

@@ -342,14 +342,10 @@ class RestartableDataLoader(DataLoader[_T_co]):
         return self._fth_user_method or multiprocessing.get_start_method()
 
     def _fth_restart_method(self) -> str:
-        if self.restart_start_method is not None:
-            return self.restart_start_method
-        if self._fth_user_method is not None:
-            return self._fth_user_method
-        if "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
-            return "fork"
-        return multiprocessing.get_start_method()
-
+        if self.restart_start_method or self._fth_user_method:
+            return self.restart_start_method or self._fth_user_method
+        fork = "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized()
+        return "fork" if fork else multiprocessing.get_start_method()
 
 
 class _Feed:
