@@ -319,23 +319,22 @@ class RestartableDataLoader(DataLoader[_T_co]):
         if restored.saved or restored.finished or taken > PEEK_BATCHES or restored.run() is not None:
             return None
         where_ = where(snapshot["epoch"], at, snapshot.get("sampler_epoch"))
-        if snapshot["kind"] == "map":
-            try:
-                length: int | None = len(_compat_torch.index_sampler(self))
-            except TypeError:
-                length = None
-            if length is not None and at + taken >= length:
+        try:  # an unsized sampler's or an IterableDataset's position cannot be given back
+            length = len(_compat_torch.index_sampler(self)) if snapshot["kind"] == "map" else None
+        except TypeError:
+            length = None
+        if length is not None:
+            if at + taken >= length:
                 return None  # its pass was over: the next iter() is a new one
-            if length is not None:
-                self._fth_epochs = snapshot["epoch"]
-                log(logging.INFO, "RestartableDataLoader: the pass restored by load_state_dict at %s was dropped "
-                         "after %d batch(es) (a peek such as next(iter(loader))): this iter() resumes at batch %d "
-                         "again", where_, taken, at)
-                return snapshot
+            self._fth_epochs = snapshot["epoch"]
+            log(logging.INFO, "RestartableDataLoader: the pass restored by load_state_dict at %s was dropped "
+                "after %d batch(es) (a peek such as next(iter(loader))): this iter() resumes at batch %d "
+                "again", where_, taken, at)
+            return snapshot
         log(logging.WARNING, "RestartableDataLoader: the pass restored by load_state_dict at %s was dropped after "
-                 "%d batch(es) (a peek such as next(iter(loader))?): it used up the restored position, and this iter() "
-                 "starts a new pass at batch 0, not at batch %d. Peek before load_state_dict, or keep the iterator "
-                 "you peek with and train on it", where_, taken, at)
+            "%d batch(es) (a peek such as next(iter(loader))?): it used up the restored position, and this iter() "
+            "starts a new pass at batch 0, not at batch %d. Peek before load_state_dict, or keep the iterator "
+            "you peek with and train on it", where_, taken, at)
         return None
 
     def _fth_first_method(self) -> str:
@@ -390,7 +389,6 @@ class _FeedSource:
         self.feed: _Feed | None = None
 
     def __iter__(self) -> _Feed:
-        assert self.feed is not None
         return self.feed
 
     def __len__(self) -> int:
@@ -426,14 +424,11 @@ class _Restored:
 class _Run:
     """One pass (``iter()``) over a RestartableDataLoader."""
 
-    epoch: int  # the loader's pass (0 for its first iter()), not the training epoch
-    yielded: int
-    loader: RestartableDataLoader
     restored: _Restored | None = None  # resumed from load_state_dict's snapshot
 
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None) -> None:
         self.loader = loader
-        self.epoch = epoch
+        self.epoch = epoch  # the loader's pass (0 for its first iter()), not the training epoch
         self.yielded = pending["batches_yielded"] if pending is not None else 0
         self.finished = False
 
