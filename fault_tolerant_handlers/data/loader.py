@@ -122,16 +122,11 @@ class DataLoaderRestartError(RuntimeError):
             super().__init__(restarts)
             self.restarts, self.max_restarts, self.timeout = [], max_restarts, timeout
             return
-        self.restarts = list(restarts)
-        self.max_restarts = max_restarts
-        self.timeout = timeout
-        lines = [
-            f"DataLoader worker lost after {max_restarts} restart(s) (max_restarts={max_restarts}): "
-            f"{restarts[-1].describe()}"
-        ]
-        lines += [f"  restart {i + 1}: {r.describe()}" for i, r in enumerate(restarts[:-1])]
-        lines.append(f"  not restarted: {restarts[-1].describe()}")
-        lines.append(f"  as torch reports it: {restarts[-1].torch_message(timeout)}")
+        self.restarts, self.max_restarts, self.timeout = list(restarts), max_restarts, timeout
+        last = restarts[-1]
+        lines = [f"DataLoader worker lost after {max_restarts} restart(s) (max_restarts={max_restarts}): {last.describe()}",
+                 *(f"  restart {i + 1}: {r.describe()}" for i, r in enumerate(restarts[:-1])),
+                 f"  not restarted: {last.describe()}", f"  as torch reports it: {last.torch_message(timeout)}"]
         super().__init__("\n".join(lines))
 
     def __reduce__(self):  # the constructor's arguments, not ``args``: picklable across processes

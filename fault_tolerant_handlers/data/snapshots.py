@@ -55,13 +55,6 @@ def _copy(obj: Any, sizes: list[int]) -> Any:
     return copy.deepcopy(obj)
 
 
-def _stamp(checkpoint: Any) -> tuple | None:
-    """Lightning's (epoch, global step) of a checkpoint, ``None`` for anything else."""
-    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("global_step"), int):
-        return checkpoint.get("epoch"), checkpoint["global_step"]
-    return None
-
-
 def keep(path: str | os.PathLike, checkpoint: Any) -> bool:
     """``checkpoint`` is being written to ``path``: keep a copy (the newest only) while a recovery
     in place runs. Never raises: a checkpoint that cannot be copied is simply read from the file."""
@@ -78,7 +71,8 @@ def keep(path: str | os.PathLike, checkpoint: Any) -> bool:
                 log(logging.WARNING, "not keeping checkpoint %s in memory: %s is %s; a recovery in place reads it "
                     "where it was written", Path(path).name, *found)
             return False
-        stamp = _stamp(checkpoint)
+        lightning = isinstance(checkpoint, dict) and isinstance(checkpoint.get("global_step"), int)
+        stamp = (checkpoint.get("epoch"), checkpoint["global_step"]) if lightning else None  # one copy per step
         with _lock:
             if _newest is not None and stamp is not None and _newest[3] == stamp:
                 _newest = (_newest[0] | {live._key(path)}, *_newest[1:])
