@@ -379,11 +379,11 @@ class _FeedSource:
     """Stands for the loader's index sampler inside torch's iterator: ``iter()`` gives the feed.
     Holds the index sampler, never the loader (no cycle through a persistent iterator)."""
 
-    def __init__(self, loader: RestartableDataLoader) -> None:
+    def __init__(self, loader: RestartableDataLoader, feed: Iterator[Any]) -> None:
         self.sampler = _compat_torch.index_sampler(loader)
-        self.feed: _Feed | None = None
+        self.feed = feed  # a persistent iterator's is replaced by each epoch's
 
-    def __iter__(self) -> _Feed:
+    def __iter__(self) -> Iterator[Any]:
         return self.feed
 
     def __len__(self) -> int:
@@ -509,12 +509,10 @@ class _MapRun(_Run):
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None = None) -> None:
         super().__init__(loader, epoch, pending)
         self.resumed = pending is not None
-        self.source = _FeedSource(loader)
         # the sampler is iterated once per epoch, as torch does (a resume draws its first batches here)
         self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
         self.feed = _Feed(self.capture)
-        self.source.feed = self.feed
-        self.it = None
+        self.source = _FeedSource(loader, self.feed)
         persistent = loader._fth_persistent if loader.persistent_workers else None
         if persistent is not None and _compat_torch.shut_down(persistent, False):
             persistent = loader._fth_persistent = None  # shut down from outside: start afresh
@@ -599,7 +597,6 @@ class _IterableRun(_Run):
         if not (loader.persistent_workers and self.sdl._iterator is not None):
             self.sdl.multiprocessing_context = hardened_context(loader._fth_first_method())
         self.state = None
-        self.it = None
         if pending is not None and pending.get("torchdata") is not None:
             self.sdl.load_state_dict(pending["torchdata"])  # resume: torchdata restores the workers' position
         self._restart(None, restart=False)
@@ -629,19 +626,14 @@ class _IterableRun(_Run):
         self.state = it.state_dict()
 
 
-# -- resume: the epoch without workers, and the snapshot of the epoch in progress ---------------------
-
-
 class _SingleRun(_Run):
     """A map-style epoch without workers: torch's single-process iterator, fed from a tracked sampler."""
 
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None) -> None:
         super().__init__(loader, epoch, pending)
         self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
-        source = _FeedSource(loader)
-        source.feed = self.capture  # type: ignore[assignment]
         generator = torch.Generator() if pending is not None else loader.generator
-        self.it = _compat_torch.single_process_iter(_LoaderView(loader, source, None, generator))
+        self.it = _compat_torch.single_process_iter(_LoaderView(loader, _FeedSource(loader, self.capture), None, generator))
 
     def __next__(self) -> Any:
         try:
