@@ -104,12 +104,8 @@ def check_keys(required_keys: Any) -> tuple[str, ...]:
 
 
 def label_of(folder: Path, prefix: str, keys: tuple[str, ...]) -> str:
-    text = repr(str(folder))
-    if prefix:
-        text += f" (names starting with {prefix!r})"
-    if keys:
-        text += f" (keys {', '.join(keys)})"
-    return text
+    return (repr(str(folder)) + (f" (names starting with {prefix!r})" if prefix else "")
+            + (f" (keys {', '.join(keys)})" if keys else ""))
 
 
 # -- one decision ------------------------------------------------------------------------------------------

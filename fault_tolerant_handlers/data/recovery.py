@@ -32,11 +32,10 @@ def settle_live(state: RecoveryState) -> None:
     live.hold(state.live, getattr(state.plan, "why", "") or "")
 
 
-def reap_workers(state: RecoveryState, timeout: float = WORKER_REAP) -> None:
+def reap_workers(state: RecoveryState) -> None:
     """``COLLECTED``: DataLoader workers still running once the attempt's loaders are collected:
     joined, then killed."""
-    killed = 0
-    deadline = time.monotonic() + timeout
+    killed, deadline = 0, time.monotonic() + WORKER_REAP
     for child in multiprocessing.active_children():
         target = getattr(child, "_target", None)
         if not (getattr(target, "__module__", "") or "").startswith(_WORKER_MODULES):
