@@ -498,11 +498,14 @@ class _Run:
                     self._lost(exc if dead is None else WorkerLost("died", dead[0], dead[1]), it)
                     self._restart(it)
                     continue
-                self._commit(it, mark, failed=True)  # the dataset's own error: not retried
+                self._commit(it, mark, failed=exc)  # the dataset's own error: not retried
                 raise
-            self._commit(it, mark, failed=False)
+            self._commit(it, mark, failed=None)
             self._after_yield()
             return data
+
+    def _mark(self, it) -> Any:
+        return None
 
 
 class _MapRun(_Run):
@@ -559,7 +562,7 @@ class _MapRun(_Run):
     def _mark(self, it) -> tuple:
         return _compat_torch.received(it), None if self.loader.in_order else _compat_torch.in_flight(it)
 
-    def _commit(self, it, mark: tuple, failed: bool) -> None:
+    def _commit(self, it, mark: tuple, failed: BaseException | None) -> None:
         """The batches received are no longer to send again (a failed one is consumed, as with torch)."""
         before, in_flight = mark
         if in_flight is not None:  # in_order=False: whichever came back
@@ -619,10 +622,7 @@ class _IterableRun(_Run):
             self._started()
             return
 
-    def _mark(self, it) -> None:
-        return None
-
-    def _commit(self, it, mark: None, failed: bool) -> None:
+    def _commit(self, it, mark: None, failed: BaseException | None) -> None:
         self.state = it.state_dict()
 
 
@@ -635,17 +635,8 @@ class _SingleRun(_Run):
         generator = torch.Generator() if pending is not None else loader.generator
         self.it = _compat_torch.single_process_iter(_LoaderView(loader, _FeedSource(loader, self.capture), None, generator))
 
-    def __next__(self) -> Any:
-        try:
-            data = next(self.it)
-        except StopIteration:
-            self._ended()
-            raise
-        except Exception:
-            self.yielded += 1  # the dataset's own error: that batch is consumed, as with torch
-            raise
-        self._after_yield()
-        return data
+    def _commit(self, it, mark: None, failed: BaseException | None) -> None:
+        self.yielded += isinstance(failed, Exception)  # the dataset's own error: that batch is consumed, as with torch
 
 
 def make_restartable(loader: DataLoader, max_restarts: int = 3, restart_start_method: str | None = None) -> RestartableDataLoader:
