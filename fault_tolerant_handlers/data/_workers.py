@@ -300,14 +300,13 @@ def construct(cls, loader, *args):
     except BaseException as exc:
         dead = it.fth_dead_worker() if "_workers" in it.__dict__ else None
         pids = it.abort()
-        if isinstance(exc, WorkerLost):
-            exc.pids, exc.exited = pids, it.fth_exited_before_abort
+        lost = exc if isinstance(exc, WorkerLost) else None if dead is None else WorkerLost("died", *dead)
+        if lost is None:
             raise
-        if dead is not None:
-            lost = WorkerLost("died", dead[0], dead[1])
-            lost.pids, lost.exited = pids, it.fth_exited_before_abort
-            raise lost from exc
-        raise
+        lost.pids, lost.exited = pids, it.fth_exited_before_abort
+        if lost is exc:
+            raise
+        raise lost from exc
     return it
 
 

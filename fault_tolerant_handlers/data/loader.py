@@ -83,10 +83,8 @@ class WorkerRestart:
 
     def describe(self) -> str:
         also = "".join(f", worker {w} (pid {p}) {why}" for w, p, why in self.also_lost)
-        return (
-            f"{where(self.epoch, self.batch_index, self.sampler_epoch)}: worker {self.worker_id} "
-            f"(pid {self.worker_pid}) {self.reason}{also}"
-        )
+        return (f"{where(self.epoch, self.batch_index, self.sampler_epoch)}: worker {self.worker_id} "
+                f"(pid {self.worker_pid}) {self.reason}{also}")
 
     def torch_message(self, timeout: float) -> str:
         """The loss in the words torch's own DataLoader uses for it (code matching them still works)."""
