@@ -9,6 +9,7 @@ the bytes may come from a peer); :func:`restore` refuses one whose checksum or m
 
 from __future__ import annotations
 
+import ctypes
 import math
 import zlib
 from collections.abc import Iterable
@@ -77,8 +78,11 @@ class Snapshot:
     checksum: int | None = None
 
     def compute_checksum(self) -> int:
-        crc = zlib.crc32(self.manifest)
-        return zlib.crc32(memoryview(self.payload.numpy()), crc)  # releases the GIL over large buffers
+        # the payload's memory read in place through ctypes (torch only: numpy is not a dependency);
+        # zlib releases the GIL over large buffers
+        payload = self.payload.detach().cpu().contiguous()
+        data = (ctypes.c_ubyte * (payload.numel() * payload.element_size())).from_address(payload.data_ptr())
+        return zlib.crc32(data, zlib.crc32(self.manifest))
 
     def seal(self) -> Snapshot:
         self.checksum = self.compute_checksum()

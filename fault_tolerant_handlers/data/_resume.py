@@ -26,23 +26,23 @@ _REQUIRED = ("version", "kind", "epoch", "batches_yielded", "epoch_finished")
 _KNOWN_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler, BatchSampler)
 
 
-def _samplers(loader) -> list[Any]:
-    """The sampler objects of ``loader`` (batch sampler and the sampler inside it), deduplicated."""
+def _unique(objects) -> list[Any]:
     found: list[Any] = []
-    for obj in (loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None), loader.sampler):
+    for obj in objects:
         if obj is not None and all(obj is not o for o in found):
             found.append(obj)
     return found
 
 
+def _samplers(loader) -> list[Any]:
+    """The batch sampler, the sampler inside it and the loader's sampler, each once."""
+    return _unique((loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None), loader.sampler))
+
+
 def _generators(loader) -> list[torch.Generator]:
     """Every ``torch.Generator`` the loader and its samplers hold, in a fixed order, each once."""
-    gens: list[torch.Generator] = []
-    for obj in [loader, *_samplers(loader)]:
-        gen = getattr(obj, "generator", None)
-        if isinstance(gen, torch.Generator) and all(gen is not g for g in gens):
-            gens.append(gen)
-    return gens
+    gens = (getattr(obj, "generator", None) for obj in [loader, *_samplers(loader)])
+    return _unique(g for g in gens if isinstance(g, torch.Generator))
 
 
 def _uses_global_rng(loader) -> bool:
@@ -57,14 +57,11 @@ def _uses_global_rng(loader) -> bool:
 
 def sampler_epoch_owner(loader) -> Any:
     """The sampler whose ``epoch`` attribute (``set_epoch``) decides the order, if any."""
-    for obj in _samplers(loader):
-        if callable(getattr(obj, "set_epoch", None)) and isinstance(getattr(obj, "epoch", None), int):
-            return obj
-    return None
+    return next((obj for obj in _samplers(loader)
+                 if callable(getattr(obj, "set_epoch", None)) and isinstance(getattr(obj, "epoch", None), int)), None)
 
 
 def sampler_epoch(loader) -> int | None:
-    """The epoch the sampler was told (``set_epoch``), if it has one."""
     owner = sampler_epoch_owner(loader)
     return int(owner.epoch) if owner is not None else None
 
@@ -72,13 +69,13 @@ def sampler_epoch(loader) -> int | None:
 class _Capture:
     """Records what decides an epoch's order, at the first draw from its sampler iterator."""
 
-    def __init__(self, loader, source: Iterator[Any]) -> None:
+    def __init__(self, loader, source: Iterator[Any], snapshot: Mapping[str, Any] | None = None) -> None:
         self._loader = weakref.ref(loader)  # the iterator keeps this: no cycle back to the loader
         self._source = source
-        self.taken = False
-        self.sampler_epoch: int | None = None
-        self.generators: list[torch.Tensor] = []
-        self.global_rng: torch.Tensor | None = None
+        self.taken = snapshot is not None  # a resumed epoch: its starting point is the snapshot's
+        self.sampler_epoch: int | None = snapshot["sampler_epoch"] if snapshot is not None else None
+        self.generators: list[torch.Tensor] = list(snapshot["generators"]) if snapshot is not None else []
+        self.global_rng: torch.Tensor | None = snapshot["global_rng"] if snapshot is not None else None
 
     def take(self) -> None:
         loader = self._loader()
@@ -110,17 +107,11 @@ def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
     if snapshot["sampler_epoch"] is not None and owner is not None:
         owner.set_epoch(snapshot["sampler_epoch"])
     restore_generators(loader, snapshot)
-    states = snapshot["generators"]
     outer = torch.get_rng_state()
     if snapshot["global_rng"] is not None:
         torch.set_rng_state(snapshot["global_rng"])
     try:
         source = iter(_compat_torch.index_sampler(loader))
-        capture = _Capture(loader, source)
-        capture.sampler_epoch = snapshot["sampler_epoch"]
-        capture.generators = list(states)
-        capture.global_rng = snapshot["global_rng"]
-        capture.taken = True
         skipped = sum(1 for _ in itertools.islice(source, snapshot["batches_yielded"]))
         ahead = list(itertools.islice(source, 1))  # the sampler's draws happen here, not in a worker later
     finally:
@@ -132,8 +123,7 @@ def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
             f"loader's pass {snapshot['epoch'] + 1}, but the sampler now gives only {skipped} batches; build the loader (dataset, "
             "sampler, batch size, world size) as it was when the snapshot was taken"
         )
-    capture._source = itertools.chain(ahead, source)
-    return capture
+    return _Capture(loader, itertools.chain(ahead, source), snapshot)
 
 
 def map_state(loader, epoch: int, yielded: int, finished: bool, capture: _Capture | None) -> dict[str, Any]:
@@ -192,9 +182,7 @@ def check_state(state: Any, kind: str) -> dict[str, Any]:
         raise ValueError(f"{where}: epoch_finished={state['epoch_finished']!r} must be a bool")
     out = dict(state)
     if kind == "map":
-        out.setdefault("sampler_epoch", None)
-        out.setdefault("generators", [])
-        out.setdefault("global_rng", None)
+        out = {"sampler_epoch": None, "generators": [], "global_rng": None, **out}
         if not isinstance(out["generators"], (list, tuple)) or not all(
             isinstance(s, torch.Tensor) and s.dtype == torch.uint8 for s in out["generators"]
         ):

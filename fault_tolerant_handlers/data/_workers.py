@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import multiprocessing
 import os
 import queue
 import select
@@ -82,14 +81,6 @@ _CONTEXTS = {"fork": _lock_free(_mpc.ForkContext), "spawn": _lock_free(_mpc.Spaw
              "forkserver": _lock_free(_mpc.ForkServerContext)}
 
 
-def start_method_of(ctx: object | None) -> str:
-    """The start method a DataLoader's ``multiprocessing_context`` (or the default) stands for."""
-    if ctx is None:
-        return multiprocessing.get_start_method()
-    name = ctx.get_start_method() if hasattr(ctx, "get_start_method") else getattr(ctx, "_name", None)
-    return name or multiprocessing.get_start_method()
-
-
 def hardened_context(method: str) -> _mpc.BaseContext:
     """A multiprocessing context for ``method`` whose ``Event()`` is lock-free."""
     _import_what_workers_import()
@@ -120,16 +111,7 @@ class WorkerLost(RuntimeError):
         self.exited: list[int] = []
 
 
-class _Wake:
-    """Put in the main thread's queue by the pump to wake it at once."""
-
-
-_WAKE = _Wake()
-
-
-class _PumpError:
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
+_WAKE = object()  # put in the main thread's queue by the pump to wake it at once
 
 
 class _StopPipe:
@@ -144,9 +126,6 @@ class _StopPipe:
     def fileno(self) -> int:
         return self._r
 
-    def is_set(self) -> bool:
-        return self._w is None
-
     def set(self) -> None:
         with self._lock:
             w, self._w = self._w, None
@@ -159,13 +138,9 @@ class _StopPipe:
         finally:
             os.close(w)
 
-    def close_reader(self) -> None:
-        """Called once, by the pump, when it ends."""
-        os.close(self._r)
-
 
 def _pump(reader, sentinels: dict, out: queue.SimpleQueue, stop: _StopPipe, exits: list) -> None:
-    """Move results, unpickled (a :class:`_PumpError` where they cannot be), from the workers' pipe
+    """Move results, unpickled (the exception where they cannot be: a result is a tuple), from the workers' pipe
     (``reader``; ``None``: only watch the workers) to ``out``; note every worker exit in ``exits`` and
     wake the main thread, which decides whether it was a death. Holds no reference to the iterator."""
     sentinels = dict(sentinels)
@@ -187,12 +162,12 @@ def _pump(reader, sentinels: dict, out: queue.SimpleQueue, stop: _StopPipe, exit
                 try:
                     data = _ForkingPickler.loads(data)
                 except Exception as exc:  # noqa: BLE001 - e.g. a tensor whose sender just died
-                    data = _PumpError(exc)
+                    data = exc
                 out.put(data)
     except (OSError, ValueError, EOFError):  # queues closed under us at shutdown
         return
     finally:
-        stop.close_reader()
+        os.close(stop.fileno())
 
 
 class _Hardened:
@@ -210,15 +185,9 @@ class _Hardened:
         read = not self._pin_memory  # with pinning, torch's pin thread reads the pipe
         self._fth_source = queue.SimpleQueue() if read else self._data_queue
         self._fth_stop = _StopPipe()
-        thread = threading.Thread(
-            target=_pump,
-            args=(self._worker_result_queue._reader if read else None, dict(self._fth_sentinels),
-                  self._fth_source if read else queue.SimpleQueue(), self._fth_stop, self._fth_death),
-            name="fth-dataloader-pump",
-            daemon=True,
-        )
-        thread.start()
-        self._fth_pump = thread
+        threading.Thread(target=_pump, name="fth-dataloader-pump", daemon=True, args=(
+            self._worker_result_queue._reader if read else None, dict(self._fth_sentinels),
+            self._fth_source if read else queue.SimpleQueue(), self._fth_stop, self._fth_death)).start()
 
     def _reset(self, loader, first_iter=False, *args, **kwargs):
         self._fth_setup()
@@ -229,16 +198,11 @@ class _Hardened:
         if not self.__dict__.get("_fth_ready"):
             return None
         status = self.__dict__.get("_workers_status")
-        for wid, seen in list(self._fth_death):
-            if status is None or status[wid]:
-                return wid, seen
-        ready = _mp_wait(list(self._fth_sentinels), timeout=0)
-        for s in ready:
-            wid = self._fth_sentinels[s]
-            if status is None or status[wid]:
-                self._fth_death.append((wid, time.time()))
-                return self._fth_death[-1]
-        return None
+        seen = {wid for wid, _ in self._fth_death}
+        for s in _mp_wait(list(self._fth_sentinels), timeout=0):  # exits the pump has not noted yet
+            if self._fth_sentinels[s] not in seen:
+                self._fth_death.append((self._fth_sentinels[s], time.time()))
+        return next(((wid, t) for wid, t in list(self._fth_death) if status is None or status[wid]), None)
 
     def _fth_check(self) -> None:
         dead = self.fth_dead_worker()
@@ -260,8 +224,8 @@ class _Hardened:
                 continue
             if item is _WAKE:
                 continue
-            if isinstance(item, _PumpError):
-                self._fth_unreadable(item.exc)
+            if isinstance(item, BaseException):
+                self._fth_unreadable(item)
             return (True, item)
 
     def _fth_unreadable(self, exc: BaseException) -> None:
@@ -280,7 +244,7 @@ class _Hardened:
             ok, data = self._try_get_data(self._timeout)
             if ok:
                 return data
-            info = self._task_info.get(self._rcvd_idx) if hasattr(self, "_task_info") else None
+            info = self._task_info.get(self._rcvd_idx)
             raise WorkerLost("stall", info[0] if info else None, time.time(),
                              f"DataLoader timed out after {self._timeout} seconds")
         while True:
@@ -336,14 +300,13 @@ def construct(cls, loader, *args):
     except BaseException as exc:
         dead = it.fth_dead_worker() if "_workers" in it.__dict__ else None
         pids = it.abort()
-        if isinstance(exc, WorkerLost):
-            exc.pids, exc.exited = pids, it.fth_exited_before_abort
+        lost = exc if isinstance(exc, WorkerLost) else None if dead is None else WorkerLost("died", *dead)
+        if lost is None:
             raise
-        if dead is not None:
-            lost = WorkerLost("died", dead[0], dead[1])
-            lost.pids, lost.exited = pids, it.fth_exited_before_abort
-            raise lost from exc
-        raise
+        lost.pids, lost.exited = pids, it.fth_exited_before_abort
+        if lost is exc:
+            raise
+        raise lost from exc
     return it
 
 

@@ -18,6 +18,7 @@ exchange: every rank holds the state of the step they agreed on.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -35,10 +36,9 @@ import torch.distributed as dist
 from ..core import attempts, compat_torch, config, interrupts
 from ..core.hooks import first_line, log
 from . import live
+from .dcp import METADATA as DCP_METADATA
 
 SUFFIXES = (".pt", ".pth", ".ckpt")
-#: DCP's metadata file, written last (a distributed checkpoint is complete once it exists).
-DCP_METADATA = ".metadata"
 #: What Lightning's sharded strategies write into a distributed checkpoint after DCP's shards.
 LIGHTNING_META = "meta.pt"
 #: Longest path or request text the ranks exchange (bytes).
@@ -104,12 +104,8 @@ def check_keys(required_keys: Any) -> tuple[str, ...]:
 
 
 def label_of(folder: Path, prefix: str, keys: tuple[str, ...]) -> str:
-    text = repr(str(folder))
-    if prefix:
-        text += f" (names starting with {prefix!r})"
-    if keys:
-        text += f" (keys {', '.join(keys)})"
-    return text
+    return (repr(str(folder)) + (f" (names starting with {prefix!r})" if prefix else "")
+            + (f" (keys {', '.join(keys)})" if keys else ""))
 
 
 # -- one decision ------------------------------------------------------------------------------------------
@@ -132,8 +128,6 @@ def check_file(path: Path, required_keys: tuple[str, ...] = ()) -> str | None:
                 bad = archive.testzip()
             if bad is not None:
                 return f"corrupt member {bad}"
-        elif path.suffix != ".ckpt" and path.suffix not in SUFFIXES:
-            return "not a torch.save archive"
     except (OSError, zipfile.BadZipFile, EOFError) as err:
         return f"unreadable: {type(err).__name__}: {err}"
     try:
@@ -142,8 +136,7 @@ def check_file(path: Path, required_keys: tuple[str, ...] = ()) -> str | None:
         text = str(err)
         if "Weights only load failed" in text and "unsupported global" in text.lower() and zipfile.is_zipfile(path):
             return None  # complete (CRCs checked); objects beyond tensors: left to the framework's own load
-        first = first_line(text)
-        return f"does not load: {type(err).__name__}: {first}"
+        return f"does not load: {type(err).__name__}: {first_line(text)}"
     if required_keys:
         if not isinstance(loaded, Mapping):
             return f"holds a {type(loaded).__name__}, not the keys the load needs ({', '.join(required_keys)})"
@@ -270,14 +263,10 @@ def _decode_verdict(data: bytes) -> tuple[bytes, str]:
 
 
 def _ranks_text(ranks: list[int]) -> str:
-    spans, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            spans.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
+    """``ranks 1-3, 5`` of sorted ranks."""
+    runs = [[r for _, r in run] for _, run in itertools.groupby(enumerate(ranks), lambda ir: ir[1] - ir[0])]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(
+        str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def _mismatch_text(requests: dict[int, tuple[int, str]]) -> str | None:
@@ -343,20 +332,15 @@ def agree(store: dist.Store, key: str, rank: int, world: int, source: Source, ti
     return text if kind == _PATH else None
 
 
-def _torchrun_store():
+def _medium() -> tuple[dist.Store, int, int] | None:
+    """(store, rank, world size) to agree over (the default group's, else torchrun's), or ``None`` to decide alone."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return compat_torch.default_store(), dist.get_rank(), dist.get_world_size()
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("WORLD_SIZE", "1")) <= 1:
         return None
-    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=config.settings().ckpt_agree_timeout)
-
-
-def _medium() -> tuple[dist.Store, int, int] | None:
-    """(store, rank, world size) to agree over, or ``None`` to decide alone."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return compat_torch.default_store(), dist.get_rank(), dist.get_world_size()
-    store = _torchrun_store()
-    if store is None:
-        return None
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                          timeout=config.settings().ckpt_agree_timeout)
     rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
     if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
         raise RuntimeError(f"latest_checkpoint: torchrun's RANK={rank!r} / WORLD_SIZE={world!r} are not a rank and a "

@@ -6,7 +6,7 @@ step (:class:`StepTracker`: small state at each step's end, torch's RNG at each 
 optimizer update began since) and, when the loop fails, capture what its checkpoint would hold
 (:class:`Captured`: the failed attempt's own tensors, trusted only if nothing changed them since the
 step completed; a sharded model's shard copied to a checksummed CPU snapshot). The recovery collects
-it (:func:`collect`), the ranks agree, and the next attempt gets it where it asks for a checkpoint: :func:`latest_checkpoint_answer` names it (:data:`NAME`, no such
+it (:func:`collect`), the ranks agree, and the next attempt gets it where it asks for a checkpoint: :func:`latest_checkpoint_answer` names it (:data:`..core.phases.LIVE_NAME`, no such
 file), :func:`take` hands it over. ``FTH_LIVE_STATE=0`` turns it off.
 """
 
@@ -26,10 +26,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ..core import attempts, config, sharded
 from ..core.hooks import log
 from ..core.phases import LIVE_NAME, Captured  # the recovery hands a capture between ranks: its type is the core's
-
-#: The name :func:`~fault_tolerant_handlers.latest_checkpoint` answers with (in the directory it was
-#: asked about) when live state serves: no such file is ever written (:data:`..core.phases.LIVE_NAME`).
-NAME = LIVE_NAME
 
 
 class NotLive(Exception):
@@ -180,7 +176,8 @@ def collect() -> Captured:
     finally:
         _captured = None
         _capturers.clear()
-        _close_trackers()
+        for tracker in list(_trackers):
+            tracker.close()
     if captured is None:
         raise NotLive("no training loop of the library's adapters was running when it failed")
     if isinstance(captured, NotLive):
@@ -238,17 +235,19 @@ def latest_checkpoint_answer(dirname: str | os.PathLike) -> str | None:
         if _held is None:
             return None
         captured = _held[1]
-        name = str(Path(dirname) / NAME.format(step=captured.step))
+        name = str(Path(dirname) / LIVE_NAME.format(step=captured.step))
         _held = (_key(name), captured)
     return name
+
+
+def _held_as(path: str | os.PathLike) -> bool:
+    return _held is not None and bool(_held[0]) and _key(path) == _held[0]
 
 
 def newest(path: str | os.PathLike) -> Any | None:
     """The live state for ``path`` (a name :func:`latest_checkpoint_answer` gave), without taking it."""
     with _lock:
-        if _held is None or not _held[0] or _key(path) != _held[0]:
-            return None
-        return _held[1].state
+        return _held[1].state if _held_as(path) else None
 
 
 def _hand_over(how: str) -> Captured:
@@ -267,7 +266,7 @@ def take(path: str | os.PathLike, objects: Iterable[Any] = ()) -> Any | None:
     ``None`` for any other path. Whether it was restored is told when the loop starts (:func:`loop_starts`)."""
     global _how
     with _lock:
-        if _held is None or not _held[0] or _key(path) != _held[0]:
+        if not _held_as(path):
             return None
         state = sharded.rebuild(_held[1].state, objects)  # raises before it is handed over
         how, _how = _how, None
@@ -283,10 +282,10 @@ def substitute(path: str | os.PathLike | None, what: str) -> str | None:
     while it is held and ``path`` is not that name, else ``None``. ``what``: the loading, for the log."""
     global _held, _how
     with _lock:
-        if _held is None or (path is not None and _held[0] and _key(path) == _held[0]):
+        if _held is None or (path is not None and _held_as(path)):
             return None
         captured = _held[1]
-        name = str(Path(path).parent if path else Path.cwd()) + os.sep + NAME.format(step=captured.step)
+        name = str(Path(path).parent if path else Path.cwd()) + os.sep + LIVE_NAME.format(step=captured.step)
         _held = (_key(name), captured)
         _how = f"restored through {what}" + (f", instead of {Path(path).name}, which the script passed" if path else "")
     return name
@@ -298,7 +297,7 @@ def loop_starts(unit: str, position: Callable[[], int], restore: Callable[[Any],
     carries on from. Live state the script did not take is restored by ``restore(state)`` (which says
     into what); without ``restore`` a WARNING says why not (``why_not``) and where the loop starts.
     ``position()``: the loop's step now."""
-    global _handed, _fallback
+    global _held, _handed, _fallback
     with _lock:
         pending = _hand_over("restored") if _held is not None and restore is not None else None
         unused = _held[1] if _held is not None and restore is None else None
@@ -312,7 +311,8 @@ def loop_starts(unit: str, position: Callable[[], int], restore: Callable[[Any],
     elif handed is not None:
         _tell(handed[0], position(), handed[1])
     elif unused is not None:
-        forget_held()
+        with _lock:
+            _held = None
         log(logging.WARNING, "live state of %s %d was not restored: %s; the script did not load it either "
             "(load_checkpoint(latest_checkpoint(...))), so the run starts at %s %d, from what the script loaded",
             unused.unit, unused.step, why_not or "nothing here can restore it", unit, position())
@@ -332,13 +332,6 @@ def _tell(captured: Captured, now: int, how: str) -> None:
             "loaded something else after it", captured.unit, captured.step, how, captured.unit, now)
 
 
-def forget_held() -> None:
-    """What is held is not for this process's next loop any more."""
-    global _held
-    with _lock:
-        _held = None
-
-
 def restore_rng(after: int) -> bool:
     """The step after step ``after`` starts: put back torch's RNG as the failed attempt had it there,
     once, if live state was loaded for step ``after``. Returns whether it did."""
@@ -356,11 +349,6 @@ def restore_rng(after: int) -> bool:
     return True
 
 
-def _close_trackers() -> None:
-    for tracker in list(_trackers):
-        tracker.close()
-
-
 def forget() -> None:
     """The recovery ends: nothing held or captured any more."""
     global _held, _captured, _armed_rng, _handed, _fallback
@@ -369,8 +357,6 @@ def forget() -> None:
     _captured, _armed_rng = None, None
     _capturers.clear()
     replica_copies()
-    _close_trackers()
+    for tracker in list(_trackers):
+        tracker.close()
 
-
-__all__ = ["Captured", "NAME", "NotLive", "StepTracker", "collect", "enabled", "forget", "hold", "keep_replicas", "latest_checkpoint_answer",
-           "loop_starts", "newest", "register", "restore_rng", "substitute", "take", "unregister"]

@@ -31,7 +31,6 @@ from ._workers import (
     construct,
     describe_exit,
     hardened_context,
-    start_method_of,
 )
 
 __all__ = ["DataLoaderRestartError", "RestartableDataLoader", "WorkerRestart", "make_restartable"]
@@ -84,10 +83,8 @@ class WorkerRestart:
 
     def describe(self) -> str:
         also = "".join(f", worker {w} (pid {p}) {why}" for w, p, why in self.also_lost)
-        return (
-            f"{where(self.epoch, self.batch_index, self.sampler_epoch)}: worker {self.worker_id} "
-            f"(pid {self.worker_pid}) {self.reason}{also}"
-        )
+        return (f"{where(self.epoch, self.batch_index, self.sampler_epoch)}: worker {self.worker_id} "
+                f"(pid {self.worker_pid}) {self.reason}{also}")
 
     def torch_message(self, timeout: float) -> str:
         """The loss in the words torch's own DataLoader uses for it (code matching them still works)."""
@@ -123,48 +120,26 @@ class DataLoaderRestartError(RuntimeError):
             super().__init__(restarts)
             self.restarts, self.max_restarts, self.timeout = [], max_restarts, timeout
             return
-        self.restarts = list(restarts)
-        self.max_restarts = max_restarts
-        self.timeout = timeout
-        lines = [
-            f"DataLoader worker lost after {max_restarts} restart(s) (max_restarts={max_restarts}): "
-            f"{restarts[-1].describe()}"
-        ]
-        lines += [f"  restart {i + 1}: {r.describe()}" for i, r in enumerate(restarts[:-1])]
-        lines.append(f"  not restarted: {restarts[-1].describe()}")
-        lines.append(f"  as torch reports it: {restarts[-1].torch_message(timeout)}")
+        self.restarts, self.max_restarts, self.timeout = list(restarts), max_restarts, timeout
+        last = restarts[-1]
+        lines = [f"DataLoader worker lost after {max_restarts} restart(s) (max_restarts={max_restarts}): {last.describe()}",
+                 *(f"  restart {i + 1}: {r.describe()}" for i, r in enumerate(restarts[:-1])),
+                 f"  not restarted: {last.describe()}", f"  as torch reports it: {last.torch_message(timeout)}"]
         super().__init__("\n".join(lines))
 
     def __reduce__(self):  # the constructor's arguments, not ``args``: picklable across processes
         return (type(self), (self.restarts, self.max_restarts, self.timeout))
 
 
-def _check_max_restarts(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"RestartableDataLoader(max_restarts={value!r}): max_restarts must be an int >= 0 "
-            f"(0 disables restarts), got {type(value).__name__}"
-        )
-    if value < 0:
-        raise ValueError(
-            f"RestartableDataLoader(max_restarts={value!r}): max_restarts must be an int >= 0 "
-            "(0 disables restarts)"
-        )
-    return value
-
-
-def _check_start_method(value: object) -> str | None:
-    if value is not None and value not in _START_METHODS:
-        raise ValueError(
-            f"RestartableDataLoader(restart_start_method={value!r}): must be None (automatic) or one "
-            f"of {list(_START_METHODS)}"
-        )
-    if value is not None and value not in multiprocessing.get_all_start_methods():
-        raise ValueError(
-            f"RestartableDataLoader(restart_start_method={value!r}): not available on this platform; "
-            f"available: {multiprocessing.get_all_start_methods()}"
-        )
-    return value
+def _check_arguments(max_restarts: object, start_method: object) -> None:
+    is_int = isinstance(max_restarts, int) and not isinstance(max_restarts, bool)
+    if not is_int or max_restarts < 0:
+        raise (ValueError if is_int else TypeError)(
+            f"RestartableDataLoader(max_restarts={max_restarts!r}): max_restarts must be an int >= 0 (0 disables "
+            f"restarts), got {type(max_restarts).__name__}")
+    if start_method is not None and start_method not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"RestartableDataLoader(restart_start_method={start_method!r}): must be None (automatic) or "
+                         f"one of {list(_START_METHODS)} available here: {multiprocessing.get_all_start_methods()}")
 
 
 class RestartableDataLoader(DataLoader[_T_co]):
@@ -227,31 +202,15 @@ class RestartableDataLoader(DataLoader[_T_co]):
         restart_start_method: str | None = None,
     ) -> None:
         _compat_torch.check_loader()  # every private name of torch's it uses, named if this torch lacks one
-        max_restarts = _check_max_restarts(max_restarts)
-        restart_start_method = _check_start_method(restart_start_method)
-        super().__init__(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            batch_sampler=batch_sampler,
-            num_workers=num_workers,
-            collate_fn=collate_fn,
-            pin_memory=pin_memory,
-            drop_last=drop_last,
-            timeout=timeout,
-            worker_init_fn=worker_init_fn,
-            multiprocessing_context=multiprocessing_context,
-            generator=generator,
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device,
-            in_order=in_order,
-        )
+        _check_arguments(max_restarts, restart_start_method)
+        torch_args = dict(locals())  # DataLoader's arguments, as given
+        for name in ("self", "__class__", "max_restarts", "restart_start_method"):
+            torch_args.pop(name, None)
+        super().__init__(**torch_args)
         self.max_restarts = max_restarts
         self.restart_start_method = restart_start_method
         self.restarts: list[WorkerRestart] = []
-        self._fth_user_method = None if multiprocessing_context is None else start_method_of(self.multiprocessing_context)
+        self._fth_user_method = None if multiprocessing_context is None else self.multiprocessing_context.get_start_method()
         self._fth_epochs = 0
         self._fth_persistent = None  # the persistent workers' iterator (map-style)
         self._fth_stateful = None  # the torchdata loader (iterable datasets)
@@ -353,63 +312,32 @@ class RestartableDataLoader(DataLoader[_T_co]):
         if restored.saved or restored.finished or taken > PEEK_BATCHES or restored.run() is not None:
             return None
         where_ = where(snapshot["epoch"], at, snapshot.get("sampler_epoch"))
-        if snapshot["kind"] == "map":
-            try:
-                length: int | None = len(_compat_torch.index_sampler(self))
-            except TypeError:
-                length = None
-            if length is not None and at + taken >= length:
+        try:  # an unsized sampler's or an IterableDataset's position cannot be given back
+            length = len(_compat_torch.index_sampler(self)) if snapshot["kind"] == "map" else None
+        except TypeError:
+            length = None
+        if length is not None:
+            if at + taken >= length:
                 return None  # its pass was over: the next iter() is a new one
-            if length is not None:
-                self._fth_epochs = snapshot["epoch"]
-                log(logging.INFO, "RestartableDataLoader: the pass restored by load_state_dict at %s was dropped "
-                         "after %d batch(es) (a peek such as next(iter(loader))): this iter() resumes at batch %d "
-                         "again", where_, taken, at)
-                return snapshot
+            self._fth_epochs = snapshot["epoch"]
+            log(logging.INFO, "RestartableDataLoader: the pass restored by load_state_dict at %s was dropped "
+                "after %d batch(es) (a peek such as next(iter(loader))): this iter() resumes at batch %d "
+                "again", where_, taken, at)
+            return snapshot
         log(logging.WARNING, "RestartableDataLoader: the pass restored by load_state_dict at %s was dropped after "
-                 "%d batch(es) (a peek such as next(iter(loader))?): it used up the restored position, and this iter() "
-                 "starts a new pass at batch 0, not at batch %d. Peek before load_state_dict, or keep the iterator "
-                 "you peek with and train on it", where_, taken, at)
+            "%d batch(es) (a peek such as next(iter(loader))?): it used up the restored position, and this iter() "
+            "starts a new pass at batch 0, not at batch %d. Peek before load_state_dict, or keep the iterator "
+            "you peek with and train on it", where_, taken, at)
         return None
 
     def _fth_first_method(self) -> str:
         return self._fth_user_method or multiprocessing.get_start_method()
 
     def _fth_restart_method(self) -> str:
-        if self.restart_start_method is not None:
-            return self.restart_start_method
-        if self._fth_user_method is not None:
-            return self._fth_user_method
-        if "fork" in multiprocessing.get_all_start_methods() and not _cuda_initialized():
-            return "fork"
-        return multiprocessing.get_start_method()
-
-    def _fth_record(self, run: "_Run", lost: WorkerLost, pids: list[tuple[int, int | None]],
-                    exited: list[int]) -> WorkerRestart:
-        wid = lost.worker_id
-        pid, code = pids[wid] if wid is not None and wid < len(pids) else (None, None)
-        if lost.kind == "stall":
-            sig, reason, code = None, f"stalled for more than {self.timeout:g} s", None
-        else:
-            sig, reason = describe_exit(code)
-        also = tuple((w, pids[w][0], describe_exit(pids[w][1])[1]) for w in exited if w != wid and w < len(pids))
-        return WorkerRestart(run.epoch, run.yielded, wid, pid, sig, code, reason, lost.detected_at, also_lost=also,
-                             sampler_epoch=_resume.sampler_epoch(self))
-
-    def _fth_spend(self, record: WorkerRestart) -> None:
-        """Count a restart, or raise when the budget is spent."""
-        if len(self.restarts) >= self.max_restarts:
-            log(logging.ERROR, "DataLoader %s; restart budget spent (max_restarts=%d)",
-                     record.describe(), self.max_restarts)
-            raise DataLoaderRestartError(self.restarts + [record], self.max_restarts, self.timeout)
-        self.restarts.append(record)
-
-
-def _cuda_initialized() -> bool:
-    try:
-        return bool(torch.cuda.is_initialized())
-    except Exception:  # noqa: BLE001
-        return False
+        if self.restart_start_method or self._fth_user_method:
+            return self.restart_start_method or self._fth_user_method
+        fork = "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized()
+        return "fork" if fork else multiprocessing.get_start_method()
 
 
 class _Feed:
@@ -449,12 +377,11 @@ class _FeedSource:
     """Stands for the loader's index sampler inside torch's iterator: ``iter()`` gives the feed.
     Holds the index sampler, never the loader (no cycle through a persistent iterator)."""
 
-    def __init__(self, loader: RestartableDataLoader) -> None:
+    def __init__(self, loader: RestartableDataLoader, feed: Iterator[Any]) -> None:
         self.sampler = _compat_torch.index_sampler(loader)
-        self.feed: _Feed | None = None
+        self.feed = feed  # a persistent iterator's is replaced by each epoch's
 
-    def __iter__(self) -> _Feed:
-        assert self.feed is not None
+    def __iter__(self) -> Iterator[Any]:
         return self.feed
 
     def __len__(self) -> int:
@@ -490,14 +417,11 @@ class _Restored:
 class _Run:
     """One pass (``iter()``) over a RestartableDataLoader."""
 
-    epoch: int  # the loader's pass (0 for its first iter()), not the training epoch
-    yielded: int
-    loader: RestartableDataLoader
     restored: _Restored | None = None  # resumed from load_state_dict's snapshot
 
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None) -> None:
         self.loader = loader
-        self.epoch = epoch
+        self.epoch = epoch  # the loader's pass (0 for its first iter()), not the training epoch
         self.yielded = pending["batches_yielded"] if pending is not None else 0
         self.finished = False
 
@@ -529,19 +453,26 @@ class _Run:
                 last.recovery_seconds = time.time() - last.detected_at
 
     def _lost(self, lost: WorkerLost, it) -> None:
-        """Kill what is left of ``it``, record the restart (or raise), log it."""
-        t0 = time.monotonic()
-        if lost.pids is not None:
-            pids, exited = lost.pids, lost.exited
+        """Kill what is left of ``it`` (unless ``construct`` did), record the restart (or raise), log it."""
+        t0, loader, wid = time.monotonic(), self.loader, lost.worker_id
+        if lost.pids is None and it is not None:
+            lost.pids, lost.exited = it.abort(), it.fth_exited_before_abort
+        pids = lost.pids or []
+        pid, code = pids[wid] if wid is not None and wid < len(pids) else (None, None)
+        if lost.kind == "stall":
+            sig, reason, code = None, f"stalled for more than {loader.timeout:g} s", None
         else:
-            pids = it.abort()
-            exited = getattr(it, "fth_exited_before_abort", [])
-        record = self.loader._fth_record(self, lost, pids, exited)
-        self.loader._fth_spend(record)
-        record.start_method = self.loader._fth_restart_method()
+            sig, reason = describe_exit(code)
+        also = tuple((w, pids[w][0], describe_exit(pids[w][1])[1]) for w in lost.exited if w != wid and w < len(pids))
+        record = WorkerRestart(self.epoch, self.yielded, wid, pid, sig, code, reason, lost.detected_at, also_lost=also,
+                               sampler_epoch=_resume.sampler_epoch(loader))
+        if len(loader.restarts) >= loader.max_restarts:
+            log(logging.ERROR, "DataLoader %s; restart budget spent (max_restarts=%d)", record.describe(), loader.max_restarts)
+            raise DataLoaderRestartError(loader.restarts + [record], loader.max_restarts, loader.timeout)
+        loader.restarts.append(record)
+        record.start_method = loader._fth_restart_method()
         log(logging.WARNING, "DataLoader %s; restarting workers (%s, restart %d of %d), resuming at batch %d",
-                 record.describe(), record.start_method, len(self.loader.restarts), self.loader.max_restarts,
-                 self.yielded)
+            record.describe(), record.start_method, len(loader.restarts), loader.max_restarts, self.yielded)
         self._restart_t0 = t0
 
     def _started(self) -> None:
@@ -565,23 +496,24 @@ class _Run:
                     self._lost(exc if dead is None else WorkerLost("died", dead[0], dead[1]), it)
                     self._restart(it)
                     continue
-                self._commit(it, mark, failed=True)  # the dataset's own error: not retried
+                self._commit(it, mark, failed=exc)  # the dataset's own error: not retried
                 raise
-            self._commit(it, mark, failed=False)
+            self._commit(it, mark, failed=None)
             self._after_yield()
             return data
+
+    def _mark(self, it) -> Any:
+        return None
 
 
 class _MapRun(_Run):
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None = None) -> None:
         super().__init__(loader, epoch, pending)
         self.resumed = pending is not None
-        self.source = _FeedSource(loader)
         # the sampler is iterated once per epoch, as torch does (a resume draws its first batches here)
         self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
         self.feed = _Feed(self.capture)
-        self.source.feed = self.feed
-        self.it = None
+        self.source = _FeedSource(loader, self.feed)
         persistent = loader._fth_persistent if loader.persistent_workers else None
         if persistent is not None and _compat_torch.shut_down(persistent, False):
             persistent = loader._fth_persistent = None  # shut down from outside: start afresh
@@ -615,7 +547,7 @@ class _MapRun(_Run):
             try:
                 it = construct(TorchWorkersIter, view)
             except WorkerLost as lost:  # a worker died while the iterator was being built
-                self._lost(lost, _Aborted())
+                self._lost(lost, None)
                 restart = True
                 continue
             it.fth_source = self.source
@@ -628,7 +560,7 @@ class _MapRun(_Run):
     def _mark(self, it) -> tuple:
         return _compat_torch.received(it), None if self.loader.in_order else _compat_torch.in_flight(it)
 
-    def _commit(self, it, mark: tuple, failed: bool) -> None:
+    def _commit(self, it, mark: tuple, failed: BaseException | None) -> None:
         """The batches received are no longer to send again (a failed one is consumed, as with torch)."""
         before, in_flight = mark
         if in_flight is not None:  # in_order=False: whichever came back
@@ -647,17 +579,6 @@ class _MapRun(_Run):
         self._start(restart=True)
 
 
-class _Aborted:
-    """Stands for an iterator whose construction failed (``construct`` already killed it)."""
-
-    def abort(self) -> list:
-        return []
-
-
-def _or_aborted(it):
-    return _Aborted() if it is None or not hasattr(it, "abort") else it
-
-
 class _IterableRun(_Run):
     """An epoch over an ``IterableDataset``: torchdata snapshots, committed after every batch."""
 
@@ -666,28 +587,17 @@ class _IterableRun(_Run):
 
         super().__init__(loader, epoch, pending)
         if loader._fth_stateful is None:
+            same = ("dataset", "batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
+                    "worker_init_fn", "generator", "prefetch_factor", "persistent_workers")
             loader._fth_stateful = InnerStatefulLoader(
-                loader.dataset,
-                batch_size=loader.batch_size,
-                num_workers=loader.num_workers,
-                collate_fn=loader.collate_fn,
-                pin_memory=loader.pin_memory,
-                drop_last=loader.drop_last,
-                timeout=loader.timeout,
-                worker_init_fn=loader.worker_init_fn,
-                multiprocessing_context=hardened_context(loader._fth_first_method()),
-                generator=loader.generator,
-                prefetch_factor=loader.prefetch_factor,
-                persistent_workers=loader.persistent_workers,
-                snapshot_every_n_steps=1,
-            )
+                **{name: getattr(loader, name) for name in same}, snapshot_every_n_steps=1,
+                multiprocessing_context=hardened_context(loader._fth_first_method()))
         self.sdl = loader._fth_stateful
         # len(loader) was asked of the outer loader: torch's "samples have been fetched" warning
         self.sdl._IterableDataset_len_called = loader._IterableDataset_len_called
         if not (loader.persistent_workers and self.sdl._iterator is not None):
             self.sdl.multiprocessing_context = hardened_context(loader._fth_first_method())
         self.state = None
-        self.it = None
         if pending is not None and pending.get("torchdata") is not None:
             self.sdl.load_state_dict(pending["torchdata"])  # resume: torchdata restores the workers' position
         self._restart(None, restart=False)
@@ -704,20 +614,14 @@ class _IterableRun(_Run):
                 if self.state is None:
                     self.state = self.it.state_dict()
             except WorkerLost as lost:
-                self._lost(lost, _or_aborted(self.sdl._iterator))
+                self._lost(lost, self.sdl._iterator)
                 restart = True
                 continue
             self._started()
             return
 
-    def _mark(self, it) -> None:
-        return None
-
-    def _commit(self, it, mark: None, failed: bool) -> None:
+    def _commit(self, it, mark: None, failed: BaseException | None) -> None:
         self.state = it.state_dict()
-
-
-# -- resume: the epoch without workers, and the snapshot of the epoch in progress ---------------------
 
 
 class _SingleRun(_Run):
@@ -726,22 +630,11 @@ class _SingleRun(_Run):
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None) -> None:
         super().__init__(loader, epoch, pending)
         self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
-        source = _FeedSource(loader)
-        source.feed = self.capture  # type: ignore[assignment]
         generator = torch.Generator() if pending is not None else loader.generator
-        self.it = _compat_torch.single_process_iter(_LoaderView(loader, source, None, generator))
+        self.it = _compat_torch.single_process_iter(_LoaderView(loader, _FeedSource(loader, self.capture), None, generator))
 
-    def __next__(self) -> Any:
-        try:
-            data = next(self.it)
-        except StopIteration:
-            self._ended()
-            raise
-        except Exception:
-            self.yielded += 1  # the dataset's own error: that batch is consumed, as with torch
-            raise
-        self._after_yield()
-        return data
+    def _commit(self, it, mark: None, failed: BaseException | None) -> None:
+        self.yielded += isinstance(failed, Exception)  # the dataset's own error: that batch is consumed, as with torch
 
 
 def make_restartable(loader: DataLoader, max_restarts: int = 3, restart_start_method: str | None = None) -> RestartableDataLoader:
@@ -758,21 +651,10 @@ def make_restartable(loader: DataLoader, max_restarts: int = 3, restart_start_me
         return loader
     if not isinstance(loader, DataLoader):
         raise TypeError(f"make_restartable(loader=...): expected a torch.utils.data.DataLoader, got {type(loader).__name__}")
-    common: dict[str, Any] = dict(
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
-        in_order=getattr(loader, "in_order", True),
-        max_restarts=max_restarts,
-        restart_start_method=restart_start_method,
-    )
+    same = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+            "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+    common: dict[str, Any] = {name: getattr(loader, name) for name in same}
+    common.update(max_restarts=max_restarts, restart_start_method=restart_start_method)
     if isinstance(loader.dataset, IterableDataset):
         return RestartableDataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **common)
     if loader.batch_size is None and loader.batch_sampler is not None:  # a custom batch sampler

@@ -32,10 +32,10 @@ def settle_live(state: RecoveryState) -> None:
     live.hold(state.live, getattr(state.plan, "why", "") or "")
 
 
-def reap_loader_workers(timeout: float = WORKER_REAP) -> int:
-    """DataLoader workers of the failed attempt still alive: joined, then killed. Returns how many were killed."""
-    killed = 0
-    deadline = time.monotonic() + timeout
+def reap_workers(state: RecoveryState) -> None:
+    """``COLLECTED``: DataLoader workers still running once the attempt's loaders are collected:
+    joined, then killed."""
+    killed, deadline = 0, time.monotonic() + WORKER_REAP
     for child in multiprocessing.active_children():
         target = getattr(child, "_target", None)
         if not (getattr(target, "__module__", "") or "").startswith(_WORKER_MODULES):
@@ -45,12 +45,6 @@ def reap_loader_workers(timeout: float = WORKER_REAP) -> int:
             child.kill()
             child.join(1.0)
             killed += 1
-    return killed
-
-
-def reap_workers(state: RecoveryState) -> None:
-    """``COLLECTED``: workers still running once the attempt's loaders are collected are killed."""
-    killed = reap_loader_workers()
     if killed:
         log(logging.WARNING, "killed %d DataLoader worker(s) of the failed attempt that were still running", killed)
 

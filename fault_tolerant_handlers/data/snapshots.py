@@ -30,16 +30,13 @@ _lock = threading.Lock()
 _newest: tuple[frozenset[str], Any, int, tuple | None] | None = None
 #: What the last copy cost: seconds and bytes (the bench reads them).
 last_cost: tuple[float, int] = (0.0, 0)
+_warned_sharded = False
 
 
 def enabled() -> bool:
     """A copy is kept: a recovery in place runs here, and ``FTH_SNAPSHOT`` is not ``0`` (checked with
     the other settings when a session starts)."""
     return attempts.recovering() and config.settings().snapshot
-
-
-def _key(path: str | os.PathLike) -> str:
-    return str(Path(path).resolve())
 
 
 def _copy(obj: Any, sizes: list[int]) -> Any:
@@ -58,33 +55,32 @@ def _copy(obj: Any, sizes: list[int]) -> Any:
     return copy.deepcopy(obj)
 
 
-def _stamp(checkpoint: Any) -> tuple | None:
-    """Lightning's (epoch, global step) of a checkpoint, ``None`` for anything else."""
-    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("global_step"), int):
-        return checkpoint.get("epoch"), checkpoint["global_step"]
-    return None
-
-
 def keep(path: str | os.PathLike, checkpoint: Any) -> bool:
     """``checkpoint`` is being written to ``path``: keep a copy (the newest only) while a recovery
     in place runs. Never raises: a checkpoint that cannot be copied is simply read from the file."""
-    global _newest, last_cost
+    global _newest, last_cost, _warned_sharded
     try:
         if not enabled():
             return False
         found = sharded.find(checkpoint, "checkpoint")
-        if found is not None:
-            _refuse_sharded(path, *found)
+        if found is not None:  # not copied (a WARNING, once per process)
+            with _lock:
+                _newest = None
+            if not _warned_sharded:
+                _warned_sharded = True
+                log(logging.WARNING, "not keeping checkpoint %s in memory: %s is %s; a recovery in place reads it "
+                    "where it was written", Path(path).name, *found)
             return False
-        stamp = _stamp(checkpoint)
+        lightning = isinstance(checkpoint, dict) and isinstance(checkpoint.get("global_step"), int)
+        stamp = (checkpoint.get("epoch"), checkpoint["global_step"]) if lightning else None  # one copy per step
         with _lock:
             if _newest is not None and stamp is not None and _newest[3] == stamp:
-                _newest = (_newest[0] | {_key(path)}, *_newest[1:])
+                _newest = (_newest[0] | {live._key(path)}, *_newest[1:])
                 return True
         start, sizes = time.perf_counter(), []
         copied = _copy(checkpoint, sizes)
         with _lock:
-            _newest = (frozenset({_key(path)}), copied, sum(sizes), stamp)
+            _newest = (frozenset({live._key(path)}), copied, sum(sizes), stamp)
         last_cost = (time.perf_counter() - start, sum(sizes))
         return True
     except Exception as err:  # noqa: BLE001 - the file is the fallback
@@ -92,20 +88,6 @@ def keep(path: str | os.PathLike, checkpoint: Any) -> bool:
         with _lock:
             _newest = None
         return False
-
-
-_warned_sharded = False
-
-
-def _refuse_sharded(path: str | os.PathLike, where: str, why: str) -> None:
-    """A checkpoint holding sharded tensors is not copied (a WARNING, once per process)."""
-    global _newest, _warned_sharded
-    with _lock:
-        _newest = None
-    if not _warned_sharded:
-        _warned_sharded = True
-        log(logging.WARNING, "not keeping checkpoint %s in memory: %s is %s; a recovery in place reads it where "
-            "it was written", Path(path).name, where, why)
 
 
 def forget() -> None:
@@ -123,7 +105,7 @@ def newest(path: str | os.PathLike, *, take: bool = False) -> Any | None:
         return state
     with _lock:
         kept = _newest
-        if kept is None or _key(path) not in kept[0]:
+        if kept is None or live._key(path) not in kept[0]:
             return None
         if take:
             _newest = None

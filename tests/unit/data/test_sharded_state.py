@@ -73,6 +73,23 @@ def test_checksum_of_a_dtensor_is_refused_not_a_segfault():
     assert "alive" in proc.stdout
 
 
+def test_a_snapshots_checksum_is_crc32_of_its_bytes_without_numpy(monkeypatch):
+    import zlib
+
+    payload = torch.arange(1000, dtype=torch.int64).view(torch.uint8)
+    expected = zlib.crc32(bytes(payload.tolist()), zlib.crc32(b'{"m": 1}'))  # the format: CRC-32 of manifest, then payload
+
+    def no_numpy(self):
+        raise RuntimeError("Numpy is not available")  # torch without numpy installed
+
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    snap = sharded.Snapshot(0, 1, b'{"m": 1}', payload).seal()
+    assert snap.checksum == expected and snap.verify()
+    assert sharded.Snapshot(0, 1, b"", torch.empty(0, dtype=torch.uint8)).compute_checksum() == 0
+    payload[5] ^= 1
+    assert not snap.verify()
+
+
 def test_sharded_find_names_the_path(group):
     model = _sharded_model()
     assert sharded.find({"model": model.state_dict()})[0] == "state['model']['0.weight']"

@@ -190,10 +190,10 @@ def test_the_adapters_steps_are_tolerated_the_data_layers_are_not(one_rank_group
     monkeypatch.setattr(compat_ignite, "reset_idist", missing)
     hooks.run(hooks.RESET_FRAMEWORKS, RecoveryState())  # logged (as an event's subscriber was), not raised
 
-    def stuck(timeout: float = 2.0) -> int:
+    def stuck() -> list:
         raise OSError("a worker that cannot be joined")
 
-    monkeypatch.setattr(data_recovery, "reap_loader_workers", stuck)
+    monkeypatch.setattr(data_recovery.multiprocessing, "active_children", stuck)
     recovery, timings = _recovery(one_rank_group)
     with pytest.raises(OSError, match="cannot be joined"):  # as when the recovery reaped them itself
         recovery._teardown(timings)
