@@ -200,7 +200,8 @@ class LiveLoop:
         """A step completed (after ``_mark``): this rank's shard to its partners (every n-th step)."""
         if self.replicas is not None and not step % self.replicas.replicate_every:
             try:
-                self.replicas.step(self.capture().state, step)
+                captured = self.capture()
+                self.replicas.step(captured.state, step, captured.rng)
             except live.NotLive:  # its state is not that of a completed step (gradient accumulation)
                 pass
 
@@ -215,10 +216,13 @@ class LiveLoop:
         raise NotImplementedError
 
     def step_starts(self, step: int) -> None:
-        """A step begins: torch's RNG as it starts (put back first, after live state was loaded)."""
+        """A step begins: torch's RNG as it starts (put back first, after live state was loaded); the
+        copy of the step before held by the partners (bounded wait) before this step's collectives."""
         if self.tracker is not None:
             live.restore_rng(step)
             self.tracker.start_step(step)
+        if self.replicas is not None:
+            self.replicas.wait_home()
 
     def failed(self) -> None:
         """The framework reported the failure: capture now (see :func:`..data.live.capture_now`)."""
