@@ -11,6 +11,7 @@ import weakref
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
+import torch
 import torch.distributed as dist
 
 from ..core import config, interrupts, recoveries
@@ -221,8 +222,12 @@ class LiveLoop:
         if self.tracker is not None:
             live.restore_rng(step)
             self.tracker.start_step(step)
-        if self.replicas is not None:
-            self.replicas.wait_home()
+        replicas = self.replicas
+        if replicas is not None:
+            if (self.tracker is not None and replicas.taken == step
+                    and not _same_rng(replicas.rng, self.tracker.rng_after(step))):
+                self._replicate(step)  # the loader drew from torch's RNG (an epoch's start): again, with the RNG now
+            replicas.wait_home()
 
     def failed(self) -> None:
         """The framework reported the failure: capture now (see :func:`..data.live.capture_now`)."""
@@ -301,3 +306,9 @@ class LoopRecovery:
 
 
 __all__ = ["Guard", "LiveLoop", "LoopRecovery", "PeerFailedError"]
+
+
+def _same_rng(a: tuple | None, b: tuple | None) -> bool:
+    """Recorded RNG states (``(cpu, [cuda, ...] or None)``) that are equal, bit for bit."""
+    flat = [[t for t in (x[0], *(x[1] or ()))] if x is not None else [] for x in (a, b)]
+    return len(flat[0]) == len(flat[1]) and all(torch.equal(s, t) for s, t in zip(*flat))

@@ -159,7 +159,8 @@ class ShardReplicas:
         self._prev: Snapshot | None = None  # the one before: a copy of the newest may not have arrived
         self._held: dict[int, Snapshot] = {}
         self._pending: Snapshot | None = None
-        self._taken = -1  # the step of the newest snapshot handed to step()
+        self.taken = -1  #: the step of the newest snapshot handed to step()
+        self.rng: tuple | None = None  #: the RNG states handed with it
         self._home: dict[int, int] = {}  # per partner, the newest step it acknowledged holding
         #: a buffer no snapshot uses any more, for the next (see :func:`_unused`)
         self._spare: torch.Tensor | None = None
@@ -202,7 +203,7 @@ class ShardReplicas:
             if self._pending is not None:
                 self.stats.replaced += 1
                 self._spare = self._pending.payload  # never handed out
-            self._pending, self._taken = snap, step
+            self._pending, self.taken, self.rng = snap, step, rng
             self._cond.notify_all()
         return True
 
@@ -217,7 +218,7 @@ class ShardReplicas:
         with self._cond:
             sent = self._cond.wait_for(lambda: self._pending is None and not self._sending or self._stopping,
                                        self.wait.total_seconds())
-            missing = [p for p in self.to if self._home.get(p, -1) < self._taken]
+            missing = [p for p in self.to if self._home.get(p, -1) < self.taken]
             self.stats.waited += time.monotonic() - start
             if not missing:
                 return True
@@ -226,7 +227,7 @@ class ShardReplicas:
         if first:
             log(logging.WARNING, "shard replicas: the copy of step %d is not held by rank(s) %s after %.1f s (%s): a "
                 "failure in the next step resumes from an older step (logged once; counted in stats.late)",
-                self._taken, ", ".join(map(str, missing)), time.monotonic() - start,
+                self.taken, ", ".join(map(str, missing)), time.monotonic() - start,
                 "its send failed or was refused" if sent else "still being sent")
         return False
 
