@@ -226,7 +226,7 @@ class ShardReplicas:
             first = self.stats.late == 1
         if first:
             log(logging.WARNING, "shard replicas: the copy of step %d is not held by rank(s) %s after %.1f s (%s): a "
-                "failure in the next step resumes from an older step (logged once; counted in stats.late)",
+                "failure in the step starting now resumes from an older step (logged once; counted in stats.late)",
                 self.taken, ", ".join(map(str, missing)), time.monotonic() - start,
                 "its send failed or was refused" if sent else "still being sent")
         return False

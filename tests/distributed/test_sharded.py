@@ -25,6 +25,10 @@ checkpoints (``torch.distributed.checkpoint``, DCP), as the examples run them, o
   resumes from the newest complete checkpoint with an uninterrupted run's final weights; in place
   after a hang, from its own shard.
 
+* ``FTH_SHARD_REPLICAS=1``: a rank SIGKILLed in place gets its shard of the iteration before from
+  its partner's copy, with its RNG states (``programs/dropout_fsdp_main.py``: dropout and noise in the
+  step), and every rank carries on there (0 steps computed twice) with an uninterrupted run's weights.
+
 Every run is bounded and every process it started is killed by pid (see ``test_examples._run``).
 """
 
