@@ -1,4 +1,4 @@
-"""Step time of a 2-rank FSDP2 CPU job with and without ShardReplicas, side by side in one run.
+"""Step time of a 2-rank FSDP2 CPU job without ShardReplicas, with, and with the wait for the copy, side by side in one run.
 
     python bench/shard_replicas.py                       # small and ~100 MB shards, a few minutes
     python bench/shard_replicas.py --sizes 100 --blocks 8
@@ -9,9 +9,12 @@ Starts 2 gloo ranks (``torch.multiprocessing.spawn``, killed by pid at the end).
 moments) is about the size asked. The steps alternate in blocks, without / with replication (A B B A
 ...); a step's time is forward + backward + optimizer step (+ ``ShardReplicas.step``: the copy on the
 training thread; the CRC-32 and the sends run on the replicas' threads, and overlap the next steps).
-After each "with" block the pending send is flushed outside the timing, so that a "without" block
-never overlaps a send. Printed per size: median and p10-p90 of the step time with and without, the
-ratio of medians, the copy's median, snapshots replaced before they were sent, and the load average.
+A third kind of block ("wait") also calls ``ShardReplicas.wait_home()`` as each step starts, as the
+Ignite adapter does: the step waits until the partner acknowledged the previous step's copy. The
+blocks go without / with / wait / wait / with / without ... After each replicating block the pending
+send is flushed outside the timing, so that no block overlaps another's send. Printed per size and
+kind: median and p10-p90 of the step time, the ratio of medians to "without", the copy's median, the
+wait's median, snapshots replaced before they were sent, and the load average.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fault_tolerant_handlers.recover import replicas as module
+    from fault_tolerant_handlers.data import replicas as module
     from fault_tolerant_handlers.data.replicas import ShardReplicas
 
     reused = [0]
@@ -68,15 +71,21 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
         fully_shard(model, mesh=mesh)
         optim = torch.optim.Adam(model.parameters(), lr=1e-4)
         x = torch.randn(4, width)
-        times = {False: [], True: []}
-        copies = []
+        kinds = ("without", "with", "wait")
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        copies, waits = [], []
         replaced0, reused0 = replicas.stats.replaced, reused[0]
         step = 0
         for block in range(-1, blocks):  # block -1: warm-up, not counted
-            with_replicas = block in (-1,) or block % 4 in (1, 2)  # A B B A
+            kind = "wait" if block == -1 else kinds[(0, 1, 2, 2, 1, 0)[block % 6]]
+            with_replicas = kind != "without"
+            replicas.wait = timedelta(seconds=5 if kind == "wait" else 0)
             for _ in range(steps):
                 step += 1
                 start = time.perf_counter()
+                if kind == "wait":
+                    replicas.wait_home()  # the previous step's copy acknowledged, as the adapter does
+                    waits.append(time.perf_counter() - start)
                 model(x).square().mean().backward()
                 optim.step()
                 optim.zero_grad()
@@ -86,19 +95,21 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
                     copies.append(time.perf_counter() - t)
                 elapsed = time.perf_counter() - start
                 if block >= 0:
-                    times[with_replicas].append(elapsed)
+                    times[kind].append(elapsed)
             dist.barrier()
             replicas.flush(timedelta(seconds=120))
             dist.barrier()
         shard_mb = replicas.own().payload.numel() / 2**20
         if rank == 0:
-            off, on = times[False], times[True]
-            line = (f"every {every}  shard {shard_mb:7.1f} MB/rank  without: median {statistics.median(off) * 1e3:8.1f} ms "
-                    f"(p10-p90 {_q(off, .1) * 1e3:.1f}-{_q(off, .9) * 1e3:.1f})  with: median "
-                    f"{statistics.median(on) * 1e3:8.1f} ms (p10-p90 {_q(on, .1) * 1e3:.1f}-{_q(on, .9) * 1e3:.1f})  "
-                    f"ratio {statistics.median(on) / statistics.median(off):.3f}  copy median "
-                    f"{statistics.median(copies) * 1e3:.1f} ms  replaced {replicas.stats.replaced - replaced0}/"
-                    f"{len(copies)}  reused buffer {reused[0] - reused0}/{len(copies)}  steps {len(off)}+{len(on)}  load {os.getloadavg()[0]:.1f}")
+            off = statistics.median(times["without"])
+            line = f"every {every}  shard {shard_mb:7.1f} MB/rank  " + "  ".join(
+                f"{k}: median {statistics.median(ts) * 1e3:.1f} ms (p10-p90 {_q(ts, .1) * 1e3:.1f}-"
+                f"{_q(ts, .9) * 1e3:.1f}, x{statistics.median(ts) / off:.3f}, {len(ts)} steps)"
+                for k, ts in times.items()) + (
+                f"  copy median {statistics.median(copies) * 1e3:.1f} ms  wait median {statistics.median(waits) * 1e3:.1f} ms"
+                f" (p10-p90 {_q(waits, .1) * 1e3:.1f}-{_q(waits, .9) * 1e3:.1f})  late {replicas.stats.late}"
+                f"  replaced {replicas.stats.replaced - replaced0}/{len(copies)}  reused buffer "
+                f"{reused[0] - reused0}/{len(copies)}  load {os.getloadavg()[0]:.1f}")
             print(line, flush=True)
             out.put(line)
         del model, optim
@@ -109,7 +120,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], blocks: int, ste
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 100], help="shard MB per rank")
-    parser.add_argument("--blocks", type=int, default=8, help="blocks of steps, alternated A B B A")
+    parser.add_argument("--blocks", type=int, default=12, help="blocks of steps, alternated A B C C B A")
     parser.add_argument("--steps", type=int, default=5, help="steps per block")
     parser.add_argument("--every", type=int, default=1, help="ShardReplicas(replicate_every=...)")
     args = parser.parse_args()

@@ -10,6 +10,8 @@ import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
+
 from ..core import attempts, config, interrupts, recoveries, sharded
 from ..core.hooks import first_line, log
 from ..core.sections import check_name
@@ -167,7 +169,8 @@ class LiveLoop:
         """A step completed (after ``_mark``): this rank's shard to its partners (every n-th step)."""
         if self.replicas is not None and not step % self.replicas.replicate_every:
             try:
-                self.replicas.step(self.capture().state, step)
+                captured = self.capture()
+                self.replicas.step(captured.state, step, captured.rng)
             except live.NotLive:  # its state is not that of a completed step (gradient accumulation)
                 pass
 
@@ -176,10 +179,17 @@ class LiveLoop:
         log(logging.WARNING, "live state refused: %s; a recovery in place resumes from the newest checkpoint", why)
 
     def step_starts(self, step: int) -> None:
-        """A step begins: torch's RNG as it starts (put back first, after live state was loaded)."""
+        """A step begins: torch's RNG as it starts (put back first, after live state was loaded); the
+        copy of the step before held by the partners (bounded wait) before this step's collectives."""
         if self.tracker is not None:
             live.restore_rng(step)
             self.tracker.start_step(step)
+        replicas = self.replicas
+        if replicas is not None:
+            if (self.tracker is not None and replicas.taken == step
+                    and not _same_rng(replicas.rng, self.tracker.rng_after(step))):
+                self._replicate(step)  # the loader drew from torch's RNG (an epoch's start): again, with the RNG now
+            replicas.wait_home()
 
     def failed(self) -> None:
         if self.tracker is not None:
@@ -246,3 +256,9 @@ class LoopRecovery:
                 call(loop)
             except Exception as err:  # noqa: BLE001
                 log(logging.WARNING, "a %s failed: %s: %s", what, type(err).__name__, first_line(err))
+
+
+def _same_rng(a: tuple | None, b: tuple | None) -> bool:
+    """Recorded RNG states (``(cpu, [cuda, ...] or None)``) that are equal, bit for bit."""
+    flat = [[t for t in (x[0], *(x[1] or ()))] if x is not None else [] for x in (a, b)]
+    return len(flat[0]) == len(flat[1]) and all(torch.equal(s, t) for s, t in zip(*flat))

@@ -103,9 +103,9 @@ def _placement(p: Any, path: str) -> list:
                     "rebuild: Shard, Replicate or Partial")
 
 
-def _describe(state: Any) -> tuple[Any, list[dict], list[torch.Tensor]]:
-    """``(structure, leaves, tensors)``: the structure of ``state`` (:mod:`.structure`), a tensor as
-    ``{"T": index}`` into ``leaves`` (how to rebuild it) and ``tensors`` (its local shard)."""
+def _describe(state: Any, rng: Any = None) -> tuple[list, list[dict], list[torch.Tensor]]:
+    """``([structure of state, of rng], leaves, tensors)``: each structure (:mod:`.structure`) with a
+    tensor as ``{"T": index}`` into ``leaves`` (how to rebuild it) and ``tensors`` (its local shard)."""
     leaves: list[dict] = []
     tensors: list[torch.Tensor] = []
 
@@ -130,22 +130,26 @@ def _describe(state: Any) -> tuple[Any, list[dict], list[torch.Tensor]]:
         tensors.append(obj)
         return {"T": len(leaves) - 1}
 
-    return structure.encode(state, leaf, "a shard snapshot", loose=True), leaves, tensors
+    trees = [structure.encode(part, leaf, "a shard snapshot", loose=True, path=name)
+             for part, name in ((state, "state"), (rng, "rng"))]
+    return trees, leaves, tensors
 
 
 def take_snapshot(state: Any, step: int, rank: int, *, seal: bool = True,
-                  buffer: torch.Tensor | None = None) -> Snapshot:
+                  buffer: torch.Tensor | None = None, rng: tuple | None = None) -> Snapshot:
     """Copy ``state`` (its ``DTensor`` values' local shards) into one contiguous CPU buffer, once.
 
     Called on the training thread after the optimizer step: the copy is done when this returns, so
     training may go on. ``seal=False`` leaves the CRC-32 to :meth:`Snapshot.seal` (another thread).
     ``buffer``: a 1-D uint8 CPU tensor no one reads any more, written into when it has the size needed
     (a fresh buffer's pages are faulted in as it is first written: 100 MB, about 60 ms against 10).
+    ``rng``: torch's RNG states of the step (``(cpu, cuda or None)``), carried beside the state
+    under the same checksum (:func:`rng_of`).
 
     Raises:
         TypeError: a value a snapshot cannot carry, naming its path (``state['opt']['state'][0]``).
     """
-    tree, leaves, tensors = _describe(state)
+    (tree, rng_tree), leaves, tensors = _describe(state, rng)
     offset = 0
     for leaf in leaves:
         offset = -(-offset // _ALIGN) * _ALIGN
@@ -157,7 +161,7 @@ def take_snapshot(state: Any, step: int, rank: int, *, seal: bool = True,
             if leaf["nbytes"]:
                 _view(payload, leaf).copy_(t)
     manifest = structure.dumps({"format": FORMAT, "rank": rank, "step": step, "bytes": offset, "tree": tree,
-                                "leaves": leaves})
+                                "rng": rng_tree, "leaves": leaves})
     snap = Snapshot(rank, step, manifest, payload)
     return snap.seal() if seal else snap
 
@@ -191,9 +195,22 @@ def read_manifest(data: bytes, payload_bytes: int) -> dict:
     return manifest
 
 
-def restore(snap: Snapshot, *, mesh: Any = None, device: str | torch.device = "cpu") -> Any:
+def rng_of(snap: Snapshot) -> tuple | None:
+    """The RNG states ``snap`` carries (:func:`take_snapshot`'s ``rng``), or ``None``.
+
+    Raises:
+        SnapshotChecksumError, ManifestError: see :func:`restore`.
+    """
+    rng = restore(snap, part="rng")
+    if rng is not None and not (type(rng) is tuple and len(rng) == 2 and isinstance(rng[0], torch.Tensor)):
+        raise ManifestError(f"the snapshot's RNG states are malformed: {str(rng)[:200]}")
+    return rng
+
+
+def restore(snap: Snapshot, *, mesh: Any = None, device: str | torch.device = "cpu", part: str = "tree") -> Any:
     """The state ``snap`` was taken from, in new tensors on ``device``; a ``DTensor`` as a ``DTensor`` on
-    ``mesh`` (checked against the manifest's), or without ``mesh`` as its local shard.
+    ``mesh`` (checked against the manifest's), or without ``mesh`` as its local shard. ``part="rng"``:
+    the RNG states it carries instead (:func:`rng_of`).
 
     Raises:
         SnapshotChecksumError: the bytes or manifest do not have the snapshot's checksum (or it has none).
@@ -228,7 +245,7 @@ def restore(snap: Snapshot, *, mesh: Any = None, device: str | torch.device = "c
             raise ManifestError(f"{path}'s placements do not rebuild it: {type(e).__name__}: {str(e)[:200]}") from None
         return d.requires_grad_(bool(spec.get("requires_grad")))
 
-    return structure.decode(manifest.get("tree"), leaf, ManifestError)
+    return structure.decode(manifest.get(part), leaf, ManifestError)
 
 
 _PLACEMENTS = {"S": Shard, "R": Replicate, "P": Partial}

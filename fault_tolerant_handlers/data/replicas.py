@@ -9,8 +9,9 @@ With FSDP2 (``fully_shard``, ``DTensor``) each rank holds the only copy of its s
 * :class:`ShardReplicas`: after each ``replicate_every``-th optimizer step, the snapshot
   (:func:`..core.sharded.take_snapshot`) is copied on the caller's thread and sent to the partners
   from a background thread on a gloo group of its own, while another thread receives the copies this
-  rank holds. Nothing on the training thread waits for a send: a snapshot taken while the previous
-  one is still pending replaces it (counted).
+  rank holds, checks each and acknowledges it. The step's RNG states travel in the snapshot. At the
+  start of the next step the training thread waits, bounded (:meth:`~ShardReplicas.wait_home`), until
+  every partner acknowledged the copy: a failure in that step finds the copy of the step before it.
 
 A recovery in place takes what a rank holds with :meth:`ShardReplicas.abort` before it tears the
 groups down: a rank lost with its process gets its shard back from a partner's copy
@@ -23,6 +24,7 @@ import logging
 import socket
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,6 +40,8 @@ from ..core.sharded import MAX_MANIFEST_BYTES, ManifestError, Snapshot, take_sna
 _HEADER = 6
 _TAG = 0x46544853  # "FTHS"
 _STOP = -1
+#: The tag of the acknowledgement a holder sends back for each copy (the step it now holds, -1: refused).
+_ACK = 1
 
 
 # -- partner choice -------------------------------------------------------------------------------
@@ -110,6 +114,10 @@ class _Stats:
     replaced: int = 0
     #: copies received whose checksum did not match (the older copy was kept)
     refused: int = 0
+    #: steps at whose start the previous copy was not held by every partner (:meth:`ShardReplicas.wait_home`)
+    late: int = 0
+    #: seconds the training thread waited in :meth:`ShardReplicas.wait_home`, in all
+    waited: float = 0.0
     errors: list[str] = field(default_factory=list)
 
 
@@ -125,13 +133,16 @@ class ShardReplicas:
         partners: copies of each shard, each on another rank (1 .. world size - 1; default 1).
         enabled: ``False``: :meth:`step` does nothing and no group or thread is made.
         timeout: bound on each send and receive of the replicas' gloo group.
+        wait: bound on :meth:`wait_home` (at the start of the next step, until the copy is held);
+            ``timedelta(0)``: never wait (a failure in the next step may then resume a step earlier).
 
     Raises:
         ValueError: a setting out of its range, naming it and the range.
     """
 
     def __init__(self, hosts: Sequence[str] | None = None, *, replicate_every: int = 1, partners: int = 1,
-                 enabled: bool = True, timeout: timedelta = timedelta(minutes=5)) -> None:
+                 enabled: bool = True, timeout: timedelta = timedelta(minutes=5),
+                 wait: timedelta = timedelta(seconds=5)) -> None:
         if type(replicate_every) is not int or replicate_every < 1:
             raise ValueError(f"ShardReplicas(replicate_every={replicate_every!r}): an int >= 1 (1: every step)")
         if type(partners) is not int or partners < 1:
@@ -140,12 +151,17 @@ class ShardReplicas:
             raise ValueError(f"ShardReplicas(enabled={enabled!r}): True or False")
         if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
             raise ValueError(f"ShardReplicas(timeout={timeout!r}): a positive timedelta")
-        self.replicate_every, self.partners, self.enabled = replicate_every, partners, enabled
+        if not isinstance(wait, timedelta) or wait < timedelta(0):
+            raise ValueError(f"ShardReplicas(wait={wait!r}): a timedelta >= 0 (0: never wait)")
+        self.replicate_every, self.partners, self.enabled, self.wait = replicate_every, partners, enabled, wait
         self.stats = _Stats()
         self._own: Snapshot | None = None
         self._prev: Snapshot | None = None  # the one before: a copy of the newest may not have arrived
         self._held: dict[int, Snapshot] = {}
         self._pending: Snapshot | None = None
+        self.taken = -1  #: the step of the newest snapshot handed to step()
+        self.rng: tuple | None = None  #: the RNG states handed with it
+        self._home: dict[int, int] = {}  # per partner, the newest step it acknowledged holding
         #: a buffer no snapshot uses any more, for the next (see :func:`_unused`)
         self._spare: torch.Tensor | None = None
         self._cond = threading.Condition()
@@ -171,24 +187,49 @@ class ShardReplicas:
             thread.start()
             self._threads.append(thread)
 
-    def step(self, state: Any, step: int) -> bool:
-        """After the optimizer step ``step``: copy ``state`` (every ``replicate_every``-th step) and hand
-        it to the sending thread; returns at once after the copy (``True`` when one was taken). A
-        snapshot still waiting to be sent is replaced by this one (``stats.replaced``)."""
+    def step(self, state: Any, step: int, rng: tuple | None = None) -> bool:
+        """After the optimizer step ``step``: copy ``state`` and ``rng`` (torch's RNG states of the step,
+        :func:`..core.sharded.rng_of`) every ``replicate_every``-th step and hand them to the sending
+        thread; returns at once after the copy (``True`` when one was taken). A snapshot still waiting
+        to be sent is replaced by this one (``stats.replaced``)."""
         if not self.enabled or step % self.replicate_every:
             return False
         with self._cond:
             spare, self._spare = self._spare, None
-        snap = take_snapshot(state, step, self.rank, seal=False, buffer=spare)
+        snap = take_snapshot(state, step, self.rank, seal=False, buffer=spare, rng=rng)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("ShardReplicas.step() after stop()")
             if self._pending is not None:
                 self.stats.replaced += 1
                 self._spare = self._pending.payload  # never handed out
-            self._pending = snap
+            self._pending, self.taken, self.rng = snap, step, rng
             self._cond.notify_all()
         return True
+
+    def wait_home(self) -> bool:
+        """A step starts: wait (``wait`` at most) until every partner holds the newest snapshot handed
+        to :meth:`step` (received, its checksum matched, acknowledged), so that a failure in this step
+        finds the copy of the step before it there. ``False`` when one does not: counted
+        (``stats.late``), logged at WARNING the first time; a failure then resumes a step earlier."""
+        if not self.enabled or not self.wait:
+            return True
+        start = time.monotonic()
+        with self._cond:
+            sent = self._cond.wait_for(lambda: self._pending is None and not self._sending or self._stopping,
+                                       self.wait.total_seconds())
+            missing = [p for p in self.to if self._home.get(p, -1) < self.taken]
+            self.stats.waited += time.monotonic() - start
+            if not missing:
+                return True
+            self.stats.late += 1
+            first = self.stats.late == 1
+        if first:
+            log(logging.WARNING, "shard replicas: the copy of step %d is not held by rank(s) %s after %.1f s (%s): a "
+                "failure in the step starting now resumes from an older step (logged once; counted in stats.late)",
+                self.taken, ", ".join(map(str, missing)), time.monotonic() - start,
+                "its send failed or was refused" if sent else "still being sent")
+        return False
 
     def own(self) -> Snapshot | None:
         """This rank's newest sealed snapshot (checksummed, sent or being sent)."""
@@ -266,9 +307,13 @@ class ShardReplicas:
             header = torch.tensor([_TAG, snap.rank, snap.step, len(snap.manifest), snap.payload.numel(),
                                    snap.checksum], dtype=torch.int64)
             manifest = torch.frombuffer(bytearray(snap.manifest), dtype=torch.uint8)
+            ack = torch.zeros(1, dtype=torch.int64)
             for peer in list(live):
-                if not self._send(peer, header, manifest, snap.payload):
+                if not self._send(peer, header, manifest, snap.payload, ack=ack):
                     live.remove(peer)
+                elif int(ack) == snap.step:
+                    with self._cond:
+                        self._home[peer] = snap.step
             del snap  # (no name left on the payload: see _unused)
             with self._cond:
                 self.stats.sent += 1
@@ -278,11 +323,14 @@ class ShardReplicas:
         for peer in [] if self._aborted else live:
             self._send(peer, stop)
 
-    def _send(self, peer: int, *tensors: torch.Tensor) -> bool:
+    def _send(self, peer: int, *tensors: torch.Tensor, ack: torch.Tensor | None = None) -> bool:
+        """Send ``tensors`` to ``peer``, then receive its acknowledgement into ``ack`` (if given)."""
         try:
             for t in tensors:
                 if t.numel():
                     dist.send(t, peer, group=self._group)
+            if ack is not None:
+                dist.recv(ack, peer, group=self._group, tag=_ACK)
             return True
         except Exception as e:  # a partner gone: training goes on; it is sent nothing more
             if self._aborted:  # the recovery took over (its group destroyed): nothing to tell
@@ -296,8 +344,12 @@ class ShardReplicas:
         waiting = set(self.holds)
         spares: dict[int, torch.Tensor] = {}  # per held rank, the buffer of a copy replaced and unused
         header = torch.zeros(_HEADER, dtype=torch.int64)
+        ack: tuple[int, int] | None = None  # (to whom, the step now held; -1: refused), sent before receiving on
         while waiting:
             try:
+                if ack is not None:
+                    dist.send(torch.tensor([ack[1]]), ack[0], group=self._group, tag=_ACK)
+                    ack = None
                 src = dist.recv(header, group=self._group)  # from any rank (its global rank)
                 tag, rank, step, mlen, plen, crc = header.tolist()
                 if tag != _TAG or src not in waiting or rank != src or not 0 <= mlen <= MAX_MANIFEST_BYTES \
@@ -326,6 +378,7 @@ class ShardReplicas:
                 spares[rank] = snap.payload
                 log(logging.WARNING, "shard replicas: the copy of rank %d at step %d does not have its checksum: "
                     "refused (the copy of step %s kept)", rank, step, getattr(self._held.get(rank), "step", None))
+                ack = (src, -1)
                 continue
             with self._cond:
                 if self._aborted:
@@ -333,6 +386,7 @@ class ShardReplicas:
                 old, self._held[rank] = self._held.get(rank), snap
                 self.stats.received += 1
                 self._cond.notify_all()
+            ack = (src, step)
             if _unused(old):
                 spares[rank] = old.payload
             del old, snap

@@ -329,21 +329,29 @@ def _send_state(state: Any, receivers: Sequence[int], group: Any, chunk_bytes: i
     return total, None, None
 
 
-def _receive_state(state: Any, source: int, group: Any, expected: str | None,
-                   device: Any) -> tuple[Any, int, tuple[TransferFailure, int] | None]:
+def _receive_state(state: Any, source: int, group: Any, expected: str | None, device: Any,
+                   chunk_bytes: int) -> tuple[Any, int, tuple[TransferFailure, int] | None]:
     """A receiver's part: ``(the state rebuilt, bytes received, its failure)``. A direct segment is
     received straight into its tensor (on the CPU), then hashed; a packed one into a staging buffer,
     checked, then copied into its tensors. The next segment arrives while this one is checked. Every
-    message is received, also after a failure, so that the source is never left blocked. With
-    ``expected``, the bytes are also hashed as they arrive (SHA-256, as :func:`checksum`)."""
+    message is received, also after a failure, so that the source is never left blocked; but a
+    header out of bounds (the source is not authenticated) is refused before anything is allocated
+    from it, and the source's sends fail at the group's timeout. With ``expected``, the bytes are also
+    hashed as they arrive (SHA-256, as :func:`checksum`)."""
     header = _header([0, 0, 0, 0, 0])
     _wait(_recv(header, source, group))
     length, total, count, chunk, direct = (int(v) for v in header)
-    if length < 0:  # the source could not send: nothing follows
+    if length == -1 and total == count == chunk == direct == 0:  # the source could not send: nothing follows
         return state, 0, None
+    # every leaf takes at least one byte of the structure: at most 3 messages per leaf, 2 per chunk of bytes
+    if not (0 <= length <= structure.MAX_BYTES and total >= 0 and chunk == chunk_bytes
+            and direct == min(DIRECT_BYTES, chunk_bytes) and 0 < count <= 3 * length + 2 * (total // chunk) + 2):
+        return state, 0, (TransferFailure.HEADER, -1)
     lengths_tensor = _header([0] * count)
     _wait(_recv(lengths_tensor, source, group))
     lengths = [int(v) for v in lengths_tensor]
+    if not all(0 <= n <= chunk + TAIL_BYTES for n in lengths):
+        return state, 0, (TransferFailure.HEADER, -1)
     raw = torch.empty(length, dtype=torch.uint8)
     _wait(_recv(raw, source, group))
     text = bytes(_memory(raw))
@@ -447,7 +455,7 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
     if me == source:
         total, failure, own_error = _send_state(state, receivers, group, chunk_bytes)
     elif me in receivers:
-        result, total, failure = _receive_state(state, source, group, checksum, device)
+        result, total, failure = _receive_state(state, source, group, checksum, device, chunk_bytes)
     # every rank learns every failure (one small all_gather), then all raise together
     kinds = list(TransferFailure)
     mine = _header([0, 0, 0] if failure is None else [1, kinds.index(failure[0]), failure[1]])
@@ -626,8 +634,8 @@ class Held:
                 plan = LivePlan(-1, "", "this rank does not hold its replica of the agreed step (a bug: the plan "
                                         "says it does)")
             self.plan = plan  # a holder's copies stay in self.copies for send(); a receiver gets its shard there
-            self.hold(Captured(plan.step, plan.unit, own, self.directory) if own is not None and plan.step >= 0
-                      else None)
+            self.hold(Captured(plan.step, plan.unit, own, self.directory, sharded.rng_of(own))
+                      if own is not None and plan.step >= 0 else None)
             return
         receives = plan.step >= 0 and rank in plan.receivers
         if plan.step >= 0 and not receives and (captured is None or captured.step != plan.step
@@ -755,7 +763,11 @@ def _unwire(got: Any, rank: int, plan: LivePlan, crc: int, holder: int) -> tuple
     if (snap.rank, snap.step, snap.checksum) != (rank, step, crc) or not snap.verify():
         return None, (f"SnapshotChecksumError: the copy of rank {rank}'s shard of step {step} from rank {holder} does "
                       f"not have the agreed checksum (CRC-32 {crc:08x} agreed, {snap.compute_checksum():08x} received)")
+    try:
+        rng = sharded.rng_of(snap)  # the rank's RNG states of that step, under the same checksum
+    except (sharded.ManifestError, sharded.SnapshotChecksumError) as err:
+        return None, f"the copy of rank {rank}'s shard from rank {holder} is malformed ({type(err).__name__}: {err})"
     directory = got.get("directory")
     log(logging.WARNING, "live state: received its shard of %s %d from rank %d's copy (CRC-32 %08x, checked)",
         plan.unit, step, holder, crc)
-    return Captured(step, plan.unit, snap, directory if isinstance(directory, str) else None), ""
+    return Captured(step, plan.unit, snap, directory if isinstance(directory, str) else None, rng), ""

@@ -42,7 +42,9 @@ def _check(results, outdir, hosts, partners):
         for p in to:
             holders[res.rank].append(p)
     for res in results:
-        assert res.event("own")["dtensors"] > 0  # FSDP2's state: DTensor values
+        own = res.event("own")
+        assert own["dtensors"] > 0  # FSDP2's state: DTensor values
+        assert own["home"] == [True] * (STEPS + 1) and own["late"] == 0, own  # each copy acknowledged by its next step
         held = res.event("held")["held"]
         assert sorted(h[0] for h in held) == sorted(r for r, ps in holders.items() if res.rank in ps)
         assert all(step == STEPS and ok for _, step, ok in held), held  # the last step, checksum matching

@@ -25,6 +25,10 @@ checkpoints (``torch.distributed.checkpoint``, DCP), as the examples run them, o
   resumes from the newest complete checkpoint with an uninterrupted run's final weights; in place
   after a hang, from its own shard.
 
+* ``FTH_SHARD_REPLICAS=1``: a rank SIGKILLed in place gets its shard of the iteration before from
+  its partner's copy, with its RNG states (``programs/dropout_fsdp_main.py``: dropout and noise in the
+  step), and every rank carries on there (0 steps computed twice) with an uninterrupted run's weights.
+
 Every run is bounded and every process it started is killed by pid (see ``test_examples._run``).
 """
 
@@ -397,8 +401,8 @@ def test_a_rank_killed_in_a_distributed_save_resumes_from_the_previous_checkpoin
 FLIP_COPY_MAIN = ROOT / "tests" / "programs" / "flip_copy_main.py"
 
 
-def _replicated_kill_line(world: int, victim: int) -> str:
-    return _line(IGNITE, True, world=world).replace(
+def _replicated_kill_line(world: int, victim: int, example: Path = IGNITE) -> str:
+    return _line(example, True, world=world).replace(
         "FTH_INJECT=raise@rank=1,iteration=17", f"FTH_SHARD_REPLICAS=1 FTH_INJECT=kill@rank={victim},iteration=23")
 
 
@@ -406,28 +410,51 @@ def _replicated_kill_line(world: int, victim: int) -> str:
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_ignite_fsdp_in_place_a_killed_ranks_shard_comes_back_from_its_partners_copy(world, reference, tmp_path):
     """``FTH_SHARD_REPLICAS=1``: every rank's shard is copied into its partner's CPU memory after each
-    iteration (off the training thread). Rank 0 is SIGKILLed as iteration 23 starts: its keeper
-    replaces it, the newest iteration every shard is held at is taken (22 when rank 0's copy of 22
-    reached its partner before the kill, else 21: it is sent off the training thread, and the kill
-    comes a batch fetch after it was handed over), rank 0's shard comes from its partner's copy
-    (checksum checked), sent over the recovery's group, and every rank carries on from there with the
-    uninterrupted run's final weights. Before this, every rank went back to ``checkpoint_20``."""
-    expected = reference(IGNITE, world)
-    returncode, out = _run(_replicated_kill_line(world, 0), IGNITE, tmp_path)
-    assert "FTH_INJECT=kill@rank=0,iteration=23: injecting kill" in out, out[-4000:]  # the fault fired
+    iteration (off the training thread), and each iteration starts once the partners acknowledged the
+    copy of the one before (bounded). Rank 0 is SIGKILLed as iteration 23 starts: its keeper replaces
+    it, rank 0's shard of iteration 22 comes from its partner's copy (checksum checked), sent over the
+    recovery's group, and every rank carries on from 22 (0 steps computed twice) with the
+    uninterrupted run's final weights. Before the acknowledgement, at 2 ranks the copy of 22 had not
+    arrived when the kill came (a batch fetch after it was handed over): every rank carried on from
+    21; before the copies, every rank went back to ``checkpoint_20``."""
+    _check_from_partners_copy(IGNITE, world, reference, tmp_path)
+
+
+def _check_from_partners_copy(example: Path, world: int, reference, tmp_path: Path, at: int = 23) -> None:
+    """Rank 0 SIGKILLed as iteration ``at`` starts: every rank carries on from ``at - 1`` exactly."""
+    expected = reference(example, world)
+    returncode, out = _run(_replicated_kill_line(world, 0, example).replace("iteration=23", f"iteration={at}"),
+                           example, tmp_path)
+    assert f"FTH_INJECT=kill@rank=0,iteration={at}: injecting kill" in out, out[-4000:]  # the fault fired
     assert "[rank 0] the training process of rank 0" in out, out[-4000:]  # its keeper replaced it
     # one host: rank 0's partner is the next rank (logged: a lost host would lose both)
     assert re.search(rf"shard replicas: {world} of {world} copies are held on their own rank's host", out), out[-4000:]
-    found = re.search(r"\[rank 0[^\]]*\] live state: received its shard of iteration (2[12]) from rank 1's copy "
-                      r"\(CRC-32 [0-9a-f]{8}, checked\)", out)
-    assert found, out[-4000:]
-    step = found.group(1)
-    print(f"carried on from iteration {step}: {22 - int(step)} step(s) computed twice")
+    assert "is not held by rank(s)" not in out, out[-4000:]  # every copy acknowledged in time
+    step = at - 1
+    assert re.search(rf"\[rank 0[^\]]*\] live state: received its shard of iteration {step} from rank 1's copy "
+                     r"\(CRC-32 [0-9a-f]{8}, checked\)", out), out[-4000:]
     assert re.search(rf"live state, iteration {step} \(rank 0: its shard of iteration {step} from rank 1's copy", out), \
         out[-4000:]
     for rank in range(world):
-        assert re.search(rf"\[rank {rank}[^\]]*\] carries on from live state, iteration {step} ", out), (rank, out[-4000:])
+        assert re.search(rf"\[rank {rank}[^\]]*\] carries on from live state, iteration {step} .*no step computed twice",
+                         out), (rank, out[-4000:])
     _check_resumed(out, returncode, world, rf"resumed from live-state-step={step}\.pt at iteration {step}", expected)
+
+
+DROPOUT_MAIN = ROOT / "tests" / "programs" / "dropout_fsdp_main.py"
+
+
+@pytest.mark.timeout(3 * DEADLINE_SEC + 60)
+@pytest.mark.parametrize("at", [23, pytest.param(21, marks=pytest.mark.long)], ids=["mid-epoch", "epoch-start"])
+def test_a_killed_ranks_shard_comes_back_with_its_rng_so_dropout_goes_on_exactly(at, reference, tmp_path):
+    """As above, for a script whose step draws random numbers (dropout, noise on the batch; each rank
+    seeded apart): rank 0's replacement gets its RNG states of the iteration before with its shard,
+    from the same copy under the same checksum, and draws the masks the uninterrupted run drew: the
+    same final weights, bit for bit. Before, the replacement's RNG was its fresh process's (the
+    weights differed). At 21, the first iteration of the second epoch, the loader drew from torch's
+    RNG between iteration 20's end and 21's start (its epoch's base seed): the copy of 20 is sent
+    again with the RNG as 21 starts, which is what the survivors' own captures hold."""
+    _check_from_partners_copy(DROPOUT_MAIN, 2, reference, tmp_path, at)
 
 
 @pytest.mark.timeout(3 * DEADLINE_SEC + 60)

@@ -3,8 +3,9 @@
 An FSDP2 model (``fully_shard`` on every Linear, then the whole model; Adam) trains ``STEPS`` steps on
 gloo with :class:`ShardReplicas` (hosts from ``HOSTS``, comma-separated, one per rank; ``PARTNERS``
 copies). After each optimizer step the state (the model's and optimizer's ``state_dict()``, DTensor
-values; the step; the RNG state) is handed to ``ShardReplicas.step``. After the last step each rank
-waits (bounded) until it holds every held rank's copy of that step, then records:
+values; the step; the RNG state) is handed to ``ShardReplicas.step`` with the RNG states, and each
+step starts with ``ShardReplicas.wait_home()`` (the previous copy acknowledged). After the last step
+each rank waits (bounded) until it holds every held rank's copy of that step, then records:
 
 * ``own``: its local shards (``DTensor.to_local()``), saved to ``own-rank<r>.pt``;
 * ``held``: each copy it holds (rank, step, checksum ok), each rebuilt (:func:`restore`) and saved as
@@ -125,17 +126,19 @@ def main() -> None:
     hosts = os.environ["HOSTS"].split(",") if os.environ.get("HOSTS") else None
     replicas = ShardReplicas(hosts, partners=int(os.environ.get("PARTNERS", "1")), timeout=timedelta(seconds=30))
     record("partners", to=list(replicas.to), holds=replicas.holds)
-    taken = []
+    taken, home = [], []
     for step in range(1, STEPS + 1):
+        home.append(replicas.wait_home())  # as a step starts: the previous step's copy acknowledged
         train_step(model, optim, step)
         start = time.perf_counter()
-        replicas.step(state(model, optim, step), step)
+        replicas.step(state(model, optim, step), step, (torch.get_rng_state(), None))
         taken.append(time.perf_counter() - start)
+    home.append(replicas.wait_home())
     own_state = state(model, optim, STEPS)
     torch.save(plain(local_shards(own_state)), OUT / f"own-rank{RANK}.pt")
     record("own", step=STEPS, leaves=len(local_shards(own_state)),
            dtensors=sum(type(v).__name__ == "DTensor" for v in own_state["model"].values()),
-           step_seconds=taken)
+           step_seconds=taken, home=home, late=replicas.stats.late)
     end = time.monotonic() + BOUND_SEC
     while time.monotonic() < end and not all(
             (c := replicas.copy_of(r)) is not None and c.step == STEPS for r in replicas.holds):

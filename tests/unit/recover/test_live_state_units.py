@@ -212,3 +212,74 @@ def test_the_segments_leaves_travel_in():
         14, 3000, 4, 24, 4096, 4, 4096, 4, 808, 4, 9]
     assert live_state._plan([], 4096, 1024) == [[]]  # no bytes: one segment carries the digest
     assert live_state._plan([600, 600, 600], 1024, 1024) == [[(0, 0, 600)], [(1, 0, 600)], [(2, 0, 600)]]
+
+
+# -- a receiver's header from an unauthenticated source: checked before anything is made from it --------
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def _messages_sent(monkeypatch, state, chunk: int) -> list[torch.Tensor]:
+    """Every message the source sends for ``state``, in order (the source's part, without a group)."""
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(live_state, "_send", lambda buffer, receivers, group: sent.append(buffer.clone()) or [])
+    assert live_state._send_state(state, [1], None, chunk)[1] is None
+    return sent
+
+
+def _receive(monkeypatch, messages: list[torch.Tensor], chunk: int):
+    """The receiver's part fed ``messages``: ``(its result, the size of every receive it asked for)``."""
+    asked: list[int] = []
+
+    def recv(buffer, source, group):
+        asked.append(buffer.numel())
+        assert len(asked) <= len(messages), f"receive {len(asked)} of {buffer.numel()}: the source sent no more"
+        message = messages[len(asked) - 1]
+        assert message.numel() == buffer.numel(), (len(asked), message.numel(), buffer.numel())
+        buffer.copy_(message)
+        return _Done()
+
+    monkeypatch.setattr(live_state, "_recv", recv)
+    return live_state._receive_state(None, 0, None, None, "cpu", chunk), asked
+
+
+@pytest.mark.parametrize("field, value", [
+    (0, 2**40), (0, 16 * 2**20 + 1),  # structure bytes: over the bound a structure may have
+    (2, 2**40), (2, 0), (2, -1),  # messages: more than the structure and bytes can make, none, negative
+    (1, -5),  # bytes
+    (3, 2**40), (3, 1024),  # chunk: not the one every rank passed
+    (4, 7),  # direct: not the one the chunk gives
+], ids=["length-huge", "length-over", "count-huge", "count-zero", "count-negative", "total-negative", "chunk-huge",
+        "chunk-other", "direct"])
+def test_a_forged_header_is_refused_before_anything_is_allocated_from_it(monkeypatch, field, value):
+    """The store and the source are not authenticated: a header whose sizes are out of bounds is refused
+    (HEADER) after the header alone, before a buffer of its ``length`` or ``count`` is made. Before,
+    the receiver allocated ``count`` int64 and ``length`` bytes first (1 TiB here)."""
+    chunk = 4096
+    genuine = _messages_sent(monkeypatch, _state(), chunk)
+    (state, total, failure), asked = _receive(monkeypatch, genuine, chunk)  # the genuine header passes
+    assert failure is None and checksum(state) == checksum(_state()) and len(asked) == len(genuine)
+    forged = genuine[0].clone()
+    forged[field] = value
+    (state, total, failure), asked = _receive(monkeypatch, [forged, *genuine[1:]], chunk)
+    assert failure == (live_state.TransferFailure.HEADER, -1) and state is None and asked == [5]
+
+
+def test_forged_message_lengths_are_refused_before_a_buffer_is_made_from_them(monkeypatch):
+    chunk = 4096
+    genuine = _messages_sent(monkeypatch, _state(), chunk)
+    lengths = genuine[1].clone()
+    lengths[0] = 2**40  # would be the scratch buffer's size when the structure does not match
+    (state, _, failure), asked = _receive(monkeypatch, [genuine[0], lengths, *genuine[2:]], chunk)
+    assert failure == (live_state.TransferFailure.HEADER, -1) and asked == [5, lengths.numel()]
+
+
+def test_the_header_bound_holds_for_a_state_of_many_empty_leaves(monkeypatch):
+    """The bound on the messages (3 per byte of structure, 2 per chunk) is never under a genuine state's."""
+    state = {"e": [torch.zeros(0) for _ in range(300)], "big": torch.arange(20000.0), "x": [torch.ones(1)] * 50}
+    chunk = 1024
+    genuine = _messages_sent(monkeypatch, state, chunk)
+    (back, _, failure), asked = _receive(monkeypatch, genuine, chunk)
+    assert failure is None and checksum(back) == checksum(state) and len(asked) == len(genuine)

@@ -8,6 +8,7 @@ import json
 import logging
 import random
 from collections import Counter
+from datetime import timedelta
 
 import numpy
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from fault_tolerant_handlers.core.sharded import (
     MAX_MANIFEST_BYTES, ManifestError, Snapshot, SnapshotChecksumError, local_shards, read_manifest, restore,
-    take_snapshot)
+    rng_of, take_snapshot)
 from fault_tolerant_handlers.data.replicas import ShardReplicas, choose_partners, held_by
 
 
@@ -84,6 +85,7 @@ def test_partner_counts_outside_the_world_are_refused(partners, world):
     ({"partners": True}, r"partners=True\)"),
     ({"enabled": "no"}, r"enabled='no'\): True or False"),
     ({"timeout": 5}, r"timeout=5\): a positive timedelta"),
+    ({"wait": timedelta(seconds=-1)}, r"wait=.*\): a timedelta >= 0 \(0: never wait\)"),
 ])
 def test_bad_settings_are_refused_at_construction_naming_the_argument_and_range(kwargs, named):
     with pytest.raises(ValueError, match=named):
@@ -242,15 +244,39 @@ def test_a_rank_reports_the_copies_it_holds_and_never_a_copy_whose_checksum_fail
     assert "the copy of rank 2's shard of step 21 held here does not have its checksum" in caplog.text
 
 
+def test_a_snapshot_carries_the_steps_rng_states_under_its_checksum():
+    """A replaced rank's shard from a copy comes with that rank's RNG states of the same step (a step
+    that draws, dropout, then draws as it did); a byte of them changed is refused like the state's."""
+    torch.manual_seed(5)
+    torch.rand(3)
+    rng = (torch.get_rng_state(), None)
+    snap = take_snapshot({"w": torch.ones(3)}, 7, 1, rng=rng)
+    back = rng_of(snap)
+    assert type(back) is tuple and back[1] is None and torch.equal(back[0], rng[0])
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    torch.set_rng_state(back[0])
+    assert torch.equal(torch.rand(4), expected)
+    assert rng_of(take_snapshot({"w": torch.ones(3)}, 7, 1)) is None  # none recorded: none restored
+    cuda = (torch.get_rng_state(), [torch.arange(16, dtype=torch.uint8)])  # (cpu, [per CUDA device])
+    assert torch.equal(rng_of(take_snapshot({}, 7, 1, rng=cuda))[1][0], cuda[1][0])
+    leaf = json.loads(snap.manifest)["leaves"][-1]
+    snap.payload[leaf["offset"]] ^= 1
+    with pytest.raises(SnapshotChecksumError):
+        rng_of(snap)
+
+
 def test_a_shard_received_is_loaded_only_with_the_agreed_checksum():
     from fault_tolerant_handlers.recover.causes import LivePlan
     from fault_tolerant_handlers.recover.live_state import _unwire, _wire
 
-    snap = take_snapshot({"w": torch.arange(6.0)}, 22, 1)
+    rng = (torch.get_rng_state(), None)
+    snap = take_snapshot({"w": torch.arange(6.0)}, 22, 1, rng=rng)
     plan = LivePlan(22, "iteration", "", shards=(1, 0, snap.checksum))
     captured, why = _unwire(_wire(snap, "/ckpts"), 1, plan, snap.checksum, 0)
     assert why == "" and (captured.step, captured.unit, captured.directory) == (22, "iteration", "/ckpts")
     assert torch.equal(restore(captured.state)["w"], torch.arange(6.0))
+    assert torch.equal(captured.rng[0], rng[0]) and captured.rng[1] is None  # the rank's RNG of that step
     wire = _wire(snap, None)
     wire["payload"] = wire["payload"].clone()
     wire["payload"][3] ^= 1  # a byte changed on its way
