@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import procfs
 from .procfs import fd_targets
 
 CHECKED_AGAINST = ("2.13.0",)
@@ -125,7 +126,7 @@ def spawn_error_file() -> str | None:
     """``None`` unless the main thread runs inside ``torch.multiprocessing.spawn._wrap`` (``mp.spawn``
     and ``start_processes``); then the path of the error file that ``_wrap`` would write and the parent
     reads (a pickled ``str``), or ``""`` when that frame holds none."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    frame = procfs.main_thread_frame()
     suffix = os.path.join("torch", "multiprocessing", "spawn.py")
     depth = 0
     while frame is not None and depth < 256:

@@ -7,12 +7,15 @@ itself, same-host peers by pid (:class:`PeerPidProbe`), consulted at once when a
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import ipaddress
 import os
 import re
 import socket
 import struct
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -312,3 +315,18 @@ class RankTable:
         """This rank declares global rank ``rank`` lost (``PeerLost``), naming its pid and host."""
         i = self.ranks.index(rank)
         return FailureRecord.lost(rank=rank, pid=self.pids[i], host=self.hosts[i], why=why, by=self.rank)
+
+
+def main_thread_frame():
+    """The main thread's innermost frame (``None`` once it has ended), with the garbage collector held
+    off: ``sys._current_frames()`` holds CPython's thread-list lock while it builds its dict, and a
+    collection there that frees a process group (whose destructor lets go of the GIL) deadlocks with
+    a thread that is exiting, which holds the GIL and waits for that lock (seen in CPython 3.11: a
+    signal's reaction stuck for good)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames().get(threading.main_thread().ident)
+    finally:
+        if enabled:
+            gc.enable()

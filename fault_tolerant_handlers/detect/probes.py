@@ -14,6 +14,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Callable, Container
 
+from ..core import procfs
 from ..core.procfs import PeerPidProbe  # noqa: F401 - the core's own probe, re-exported
 from ..core.config import (HEARTBEAT_TIMEOUT_ENV, LEFT_CHECK_EVERY, MAX_CHECK_HOLD, SILENCE_POLL, SUSPECT_SILENCE,
                            WITNESS_EVERY)
@@ -264,7 +265,7 @@ def hung_error(rank: int, pid: int, host: str, frame, what: str, time_ms: int, s
 
 
 def main_thread_frame():
-    return sys._current_frames().get(threading.main_thread().ident)
+    return procfs.main_thread_frame()
 
 
 class StoreLossProbe:

@@ -36,6 +36,7 @@ from ..core.failure import Ended, FailureKind, FailureRecord
 from ..core.config import (CAUSE_LINGER, MAIN_STUCK_WAIT, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the
                            SIGNAL_EXIT_WAIT, SIGNAL_STORE_TIMEOUT, SIGNALLED_TOGETHER)  # table in core.config
 from ..core.hooks import first_line, log
+from ..core import procfs
 from ..core.procfs import HANDLED_SIGNALS
 from ..core.interrupts import cut_connections_to, release_process_groups, store_ports
 from ..core.schema import Schema, StoreUnreachable
@@ -291,7 +292,7 @@ def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError
 def _main_position() -> tuple[int, int] | None:
     """The main thread's innermost frame and instruction: the same twice, some time apart, is a main
     thread that ran no bytecode in between (blocked in C)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    frame = procfs.main_thread_frame()
     return None if frame is None else (id(frame), frame.f_lasti)
 
 
