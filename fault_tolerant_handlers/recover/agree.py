@@ -84,12 +84,6 @@ def lost_records(sessions: Sequence[Any]) -> dict[int, Any]:
     return lost
 
 
-def _keeper_gone(record: Any) -> bool:
-    """A record of the failed attempt says the rank's keeper was gone when it died (its liveness
-    helper's, which may come after a same-host peer's record of the same death)."""
-    return record is not None and record.ended is not None and record.ended.keeper_gone
-
-
 def agree(store: Any, rank: int, world_size: int, cause: RecoveryCause, report: LiveReport, *, max_restarts: int,
           history: Sequence[RecoveryCause], join_timeout: timedelta, layout: spares.Layout | None = None,
           since: float = 0.0, sessions: Sequence[Any] = ()) -> Decision:
@@ -116,8 +110,10 @@ def agree(store: Any, rank: int, world_size: int, cause: RecoveryCause, report: 
         if gen >= max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
             cause = replace(cause, not_in_place=f"max_restarts={max_restarts} recoveries in place already spent")
         # A peer's process ended (or, with spares, its end was not seen: another host's rank lost, or
-        # silent: its host or link gone): only its keeper or a spare can replace it.
-        end_seen = needs_keeper(cause) and not _keeper_gone(lost_records(sessions).get(cause.rank))
+        # silent: its host or link gone): only its keeper or a spare can replace it. Its end is not seen
+        # when a record says its keeper was gone with it (its liveness helper's may come after a peer's).
+        ended = getattr(lost_records(sessions).get(cause.rank), "ended", None) if needs_keeper(cause) else None
+        end_seen = needs_keeper(cause) and not (ended is not None and ended.keeper_gone)
         lost = needs_keeper(cause) or (claims is not None and spares.lost_or_silent(cause))
         claim = lost and not keeper_replaces(bounded, cause.rank, end_seen)
         if claim or not cause.not_in_place:  # it takes part: it waits for the others (and claims a spare)

@@ -2,17 +2,11 @@
 function again, in the same process, over a re-formed process group (``docs/recovering.md``, "Recover
 in place", says what is recovered, under which launchers, and what is not).
 
-When the training function raises on every rank, each rank runs the recovery's phases
-(:mod:`..core.phases`: the launchers, the data layer and the adapters register their parts):
-
-1. **records** the failure (published for the peers' watchdogs, if no section did) and stops its
-   watchdogs;
-2. **agrees** on the first attempt's store (:mod:`.agree`): whether the job recovers, and from which
-   state (:mod:`.live_state`);
-3. **tears down** the attempt: sessions, process groups, the frameworks' process-wide state, the
-   DataLoader workers;
-4. **re-forms** the default group over the same store under a new namespace
-   (:func:`..core.attempts.namespace`) and calls the training function again.
+When the training function raises on every rank, each rank records the failure, agrees on the first
+attempt's store (:mod:`.agree`) whether the job recovers and from which state (:mod:`.live_state`),
+tears the attempt down and re-forms the default group over the same store under a new namespace
+(:func:`..core.attempts.namespace`); the launchers, the data layer and the adapters add their parts
+(:mod:`..core.phases`).
 
 A dead rank's process is replaced by its keeper (:mod:`.keeper`), a lost one with no keeper by a spare
 (:mod:`.spares`); a hung rank is interrupted in its main thread (:mod:`..core.interrupts`).
@@ -218,7 +212,7 @@ class _Recovery:
                               is_master=False, timeout=self.join_timeout)
         self._joined = (store, rank, world_size)
         if self.layout is not None:
-            spares.write_seat(store, rank, self.layout, self.layout.launched_rank)
+            spares.write_seat(store, rank, self.layout.launched_rank)
         decision = self._agree(self._world(), cause)
         if not decision.restart:
             raise RecoveryError(f"the replacement of rank {rank}'s process could not join the recovery: {decision.why}")
@@ -237,7 +231,9 @@ class _Recovery:
         sessions = live_sessions()
         rank = world[1] if world is not None else (dist.get_rank() if dist.is_initialized() else 0)
         cause = cause_of(err, rank, [session.failure for session in sessions])
-        if world is None and _ranks_spawned_here(err):
+        import torch.multiprocessing as mp  # what the process that spawned the ranks gets when one failed
+
+        if world is None and isinstance(err, (mp.ProcessRaisedException, mp.ProcessExitedException)):
             return Misplaced(False, (
                 "recover_in_place wraps a function that spawned the ranks (idist.Parallel(nproc_per_node=...), "
                 "Lightning strategy='ddp_spawn' or 'ddp_fork', torch.multiprocessing.spawn): a rank failed "
@@ -445,14 +441,6 @@ def _live_name_read_as_file(err: BaseException) -> str:
     return ""
 
 
-def _ranks_spawned_here(err: BaseException) -> bool:
-    """``err`` is what ``torch.multiprocessing`` raises in the process that spawned the ranks when one
-    failed (``idist.Parallel(nproc_per_node=...)``, Lightning ``ddp_spawn``)."""
-    import torch.multiprocessing as mp
-
-    return isinstance(err, (mp.ProcessRaisedException, mp.ProcessExitedException))
-
-
 def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 3,
                      join_timeout: timedelta | float | str | dict | None = None, replace_dead: bool = True,
                      spares: int = 0):
@@ -539,19 +527,13 @@ class _InPlace:
         return _Recovery(self.fn, self.max_restarts, self.join_timeout, self.replace_dead, self.spares)(*args, **kwargs)
 
     def __reduce__(self) -> str | tuple:
-        if _bound_as(self) is self:
+        bound = sys.modules.get(getattr(self, "__module__", None) or "")
+        for part in (getattr(self, "__qualname__", "") or "").split("."):
+            bound = getattr(bound, part, None)  # None for a function defined in a function (<locals>)
+        if bound is self:
             return self.__qualname__
         return _InPlace, (self.fn, self.max_restarts, self.join_timeout, self.replace_dead, self.spares)
 
     def __repr__(self) -> str:
         return f"recover_in_place({self.fn!r}, max_restarts={self.max_restarts})"
 
-
-def _bound_as(obj: Any) -> Any:
-    """The object named ``obj.__module__`` + ``obj.__qualname__`` (``None``: no such name)."""
-    target = sys.modules.get(getattr(obj, "__module__", None) or "")
-    for part in (getattr(obj, "__qualname__", "") or "").split("."):
-        target = getattr(target, part, None)  # None for a function defined in a function (<locals>)
-        if target is None:
-            return None
-    return target

@@ -114,13 +114,6 @@ def _warn_group_made_before() -> None:
         "\"Launchers\")")
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except Exception as err:  # noqa: BLE001 - best effort: without it a killed keeper leaves its child
-        log(logging.WARNING, "could not tie this process to its keeper: %s", err)
-
-
 #: The slot the table's ``LOSE``, ``KEEPER_PID`` and ``SESSION_STARTED`` parts (``wiring.py``) answer
 #: from: in a keeper's child only, set by :meth:`Keeper.run` (the loop's owner) right after the fork,
 #: its :class:`Keeper` and the keeper's pid; ``None`` in every other process.
@@ -174,22 +167,19 @@ class Keeper:
         fd, self.result_path = tempfile.mkstemp(prefix="fth-result-")
         os.close(fd)
 
-    # -- in the child ---------------------------------------------------------------------------------
+    # -- in the child (the page: the attempt it is in at 0, 1 at 8 when it was lost for good) ------------
     def _write_attempt(self, count: int) -> None:
         struct.pack_into("<q", self.page, 0, count)
-
-    def _read_attempt(self) -> int:
-        return struct.unpack_from("<q", self.page, 0)[0]
-
-    def _read_lost(self) -> bool:
-        return struct.unpack_from("<q", self.page, 8)[0] == 1
 
     def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: RecoveryCause | None,
                order: spares.Order | None) -> None:
         """The training child: never returns (its exit code tells the keeper how it ended)."""
         code = 1
         try:
-            _die_with_parent()
+            try:
+                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            except Exception as err:  # noqa: BLE001 - best effort: without it a killed keeper leaves its child
+                log(logging.WARNING, "could not tie this process to its keeper: %s", err)
             interrupts.spare_inherited_sockets()  # the keeper's (a store client of its own): never cut here
             for sig in FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
@@ -247,11 +237,11 @@ class Keeper:
                 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
                     os.waitpid(pid, 0)
                     return self._result()
-                if self._read_lost() and self.recovery.layout is not None:
+                if struct.unpack_from("<q", self.page, 8)[0] == 1 and self.recovery.layout is not None:  # lost
                     time.sleep(ZOMBIE_HOLD)  # a zombie until its peers read how it ended
                     os.waitpid(pid, 0)
                     return self._stand_by(pid, how)
-                attempt = self._read_attempt()
+                attempt = struct.unpack_from("<q", self.page, 0)[0]
                 # killed, hung (88), or released but stuck where no release reaches (87): replaced alike
                 replaceable = os.WIFSIGNALED(status) or os.WEXITSTATUS(status) in (EXIT_HUNG, EXIT_PEER_FAILED)
                 if replaceable and attempt < self.recovery.max_restarts and not self._stopping:

@@ -1,15 +1,9 @@
 """Live state: after a failure, the ranks agree on whose in-memory state the job carries on from and
 send it to the ranks that need it, over the re-formed group, instead of reading a checkpoint back
 (``docs/recovering.md``, "Live state"). A recovery in place takes these steps with a :class:`Held`:
-
-1. **collect** (:meth:`Held.collect`): the state of the last step this rank completed (the data
-   layer's ``CAPTURE_LIVE``), its :func:`checksum` and a CRC of its RNG states go into the
-   :class:`~.causes.LiveReport` this rank writes in the agreement (:mod:`.agree`);
-2. **plan** (:func:`plan_live`, rank 0): from which step and rank every rank carries on, and who receives;
-3. **settle** (:meth:`Held.settle`): each rank holds its own state for the next attempt, waits to
-   receive, or resumes from its checkpoint;
-4. **send** (:meth:`Held.send`), once the group is re-formed: the source sends its state to the
-   receivers (:func:`transfer`). A transfer that fails, fails on every rank together.
+**collect** (what this rank holds, for the agreement: :mod:`.agree`), **plan** (:func:`plan_live`,
+rank 0), **settle** (hold, wait to receive, or resume from the checkpoint) and, once the group is
+re-formed, **send** (:func:`transfer`; a transfer that fails, fails on every rank together).
 
 The rule (:func:`plan_live`): the newest step a rank holds (a step some ranks completed had its
 gradients reduced everywhere); ranks more than :data:`MAX_STEPS_APART` steps apart are out of step;
@@ -38,7 +32,7 @@ import math
 import time
 import zlib
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -116,21 +110,6 @@ def _memory(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def _pieces(flat: torch.Tensor, stage: list) -> Iterator[memoryview]:
-    """The bytes of ``flat`` as memoryviews: in place on the CPU, else through a staging buffer of
-    at most :data:`DEFAULT_CHUNK_BYTES` (made once, in ``stage``)."""
-    if flat.device.type == "cpu":
-        yield _memory(flat)
-        return
-    if not stage:
-        stage.append(torch.empty(DEFAULT_CHUNK_BYTES, dtype=torch.uint8))
-    buffer = stage[0]
-    for start in range(0, flat.numel(), buffer.numel()):
-        n = min(buffer.numel(), flat.numel() - start)
-        buffer[:n].copy_(flat[start:start + n])
-        yield _memory(buffer[:n])
-
-
 def checksum(state: Any) -> str:
     """A digest of ``state``: 32 hex characters, the same in every process for the same state. It
     covers the structure (container types, keys and their order, dtypes and shapes, non-tensor
@@ -142,10 +121,17 @@ def checksum(state: Any) -> str:
     text, leaves = _structure(state)
     digest = hashlib.sha256(_FORMAT)
     digest.update(text)
-    stage: list = []
+    buffer = None  # a leaf off the CPU goes through a staging buffer of at most a chunk, made once
     for leaf in leaves:
-        for piece in _pieces(_flat_bytes(leaf), stage):
-            digest.update(piece)
+        flat = _flat_bytes(leaf)
+        if flat.device.type == "cpu":
+            digest.update(_memory(flat))
+            continue
+        buffer = torch.empty(DEFAULT_CHUNK_BYTES, dtype=torch.uint8) if buffer is None else buffer
+        for start in range(0, flat.numel(), DEFAULT_CHUNK_BYTES):
+            n = min(DEFAULT_CHUNK_BYTES, flat.numel() - start)
+            buffer[:n].copy_(flat[start:start + n])
+            digest.update(_memory(buffer[:n]))
     return digest.digest()[:DIGEST_BYTES].hex()
 
 
@@ -561,14 +547,6 @@ def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
     return LivePlan(at, unit, "", shards=tuple(shards), whom=cap_head("; ".join(whom), 400))
 
 
-def _rng_crc(rng: tuple) -> int:
-    """A CRC-32 of recorded RNG states (CPU and, if any, CUDA): equal on ranks whose RNG is the same."""
-    crc = 0
-    for state in [rng[0], *(rng[1] or [])]:
-        crc = zlib.crc32(state.numpy().tobytes(), crc)
-    return crc
-
-
 class Held:
     """This rank's live state through one recovery (the module's steps). ``state_of(**changes)`` makes
     the recovery's :class:`~..core.phases.RecoveryState` (with :attr:`plan`) for the data layer's steps."""
@@ -595,7 +573,10 @@ class Held:
                                      copies=copies)
             return
         step, unit, rng = self.captured.step, self.captured.unit, self.captured.rng
-        rng_crc = "" if rng is None else f"{_rng_crc(rng):08x}"
+        crc = 0  # of the RNG states (CPU and, if any, CUDA): equal on ranks whose RNG is the same
+        for state in [] if rng is None else [rng[0], *(rng[1] or [])]:
+            crc = zlib.crc32(state.numpy().tobytes(), crc)
+        rng_crc = "" if rng is None else f"{crc:08x}"
         snap = self.captured.state
         if isinstance(snap, sharded.Snapshot):  # this rank's shard, copied at the failure (data.live)
             if not snap.verify():
@@ -627,7 +608,8 @@ class Held:
             return
         plan = decision.live or LivePlan(-1, "", "rank 0 made no plan (or it could not be read)")
         plan = plan.checked(world_size)
-        mine = _shard_of(plan, rank)
+        # (holder, CRC-32) of this rank's shard, or None (its own capture)
+        mine = next(((h, c) for r, h, c in zip(plan.shards[::3], plan.shards[1::3], plan.shards[2::3]) if r == rank), None)
         if plan.step >= 0 and mine is not None:  # this rank's shard from a copy: its own replica, or a partner's
             own = self.copies.get((rank, plan.step)) if mine[0] == rank else None
             if mine[0] == rank and (own is None or own.checksum != mine[1]):
@@ -720,14 +702,6 @@ class Held:
         if received is not None:
             self.hold(received)
         timings.setdefault("parts", {})["live shards sent"] = time.monotonic() - t0
-
-
-def _shard_of(plan: LivePlan, rank: int) -> tuple[int, int] | None:
-    """``(holder, CRC-32)`` of this rank's shard in ``plan.shards``, or ``None`` (its own capture)."""
-    for r, holder, crc in zip(plan.shards[::3], plan.shards[1::3], plan.shards[2::3]):
-        if r == rank:
-            return holder, crc
-    return None
 
 
 def _verified(snaps: Sequence[Any], unit: str) -> dict[tuple[int, int], sharded.Snapshot]:

@@ -56,12 +56,10 @@ def learned(count: int | None) -> None:
 def check_spares(spares: Any) -> int:
     """``spares`` as given to ``recover_in_place``: an int >= 0 (its upper bound is checked at the
     call, once the launched world is known: :func:`layout`)."""
-    if isinstance(spares, bool) or not isinstance(spares, int):
-        raise TypeError(f"recover_in_place(spares=...) must be an int from 0 to the launched world size - 1 "
-                        f"(0: no spares), got {spares!r}")
-    if spares < 0:
-        raise ValueError(f"recover_in_place(spares=...) must be an int from 0 to the launched world size - 1 "
-                         f"(0: no spares), got {spares}")
+    is_int = isinstance(spares, int) and not isinstance(spares, bool)
+    if not is_int or spares < 0:
+        raise (ValueError if is_int else TypeError)(f"recover_in_place(spares=...) must be an int from 0 to the "
+                                                    f"launched world size - 1 (0: no spares), got {spares!r}")
     return spares
 
 
@@ -197,7 +195,7 @@ class Answer(Stored):
 
 
 # -- the protocol ------------------------------------------------------------------------------------
-def write_seat(store: Any, rank: int, lay: Layout, launched_rank: int) -> None:
+def write_seat(store: Any, rank: int, launched_rank: int) -> None:
     """This process holds training rank ``rank`` (its local names as its environment says now)."""
     local_rank, local_world = _int_env("LOCAL_RANK"), _int_env("LOCAL_WORLD_SIZE")
     store.set(seat_key(rank), Seat(launched_rank, host_name(), -1 if local_rank is None else local_rank,
@@ -250,17 +248,14 @@ def connect(timeout: timedelta) -> Any:
                          timeout=timeout)
 
 
-def wait_for_order(store: Any, lay: Layout, launched_rank: int, stop: Any = None) -> Order:
+def wait_for_order(store: Any, lay: Layout, launched_rank: int) -> Order:
     """Wait for this launched rank's order: blocking store waits of ``FTH_SPARE_WAIT_SEC`` each (a key
-    written is seen at once). ``stop()`` (optional) is asked between waits: true ends the wait with an
-    ``end`` order. A store that fails (its agent gone) raises :class:`RecoveryError`."""
+    written is seen at once). A store that fails (its agent gone) raises :class:`RecoveryError`."""
     from torch.distributed import DistStoreError
 
     chunk = config.settings().spare_wait
     key = order_key(launched_rank)
     while True:
-        if stop is not None and stop():
-            return Order(END, "this process was told to stop")
         try:
             store.wait([key], chunk)
         except Exception as err:  # noqa: BLE001 - a timeout is the usual case; anything else is the store
@@ -329,7 +324,7 @@ def take_own_seat(lay: Layout, timeout: timedelta) -> Any:
     which the training function's ``init_process_group`` makes the training world's group) and hold
     its seat; returns that store."""
     store = connect(timeout)
-    write_seat(store, lay.launched_rank, lay, lay.launched_rank)
+    write_seat(store, lay.launched_rank, lay.launched_rank)
     log(logging.INFO, "rank %d of a training world of %d (%d spare%s launched beside it)", lay.launched_rank,
         lay.training_world, lay.spares, "" if lay.spares == 1 else "s")
     return store
