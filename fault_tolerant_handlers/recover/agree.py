@@ -1,14 +1,10 @@
 """The agreement of a recovery in place, on the store the first attempt's group was made over (never
 on the broken group): each rank writes what it knows of the failure (:func:`cause_of`) and the live
-state it holds, and counts itself in; rank 0 decides (:func:`decide`), once every rank is in,
-whether the job recovers and from which state; every rank follows that :class:`~.causes.Decision`.
-
-Every store call is bounded by the join timeout (``FTH_RECOVER_JOIN_SEC``), each on a thread of its
-own (a read from a store whose host or link is gone would block for minutes). A rank whose cause is
-not recovered in place (a rank or the store lost, a signal) only tells the others why, within
-:data:`~..core.config.RECOVER_TELL_SEC` (2 s), and ends. A rank lost with no keeper to replace it
-gets a spare where the job has some (:class:`.spares.Claims`); a rank whose seat a spare took never
-takes part again.
+state it holds, and counts itself in; rank 0 decides (:func:`decide`) whether the job recovers and from
+which state; every rank follows that :class:`~.causes.Decision`. Every store call is bounded by the join
+timeout, each on a thread of its own (a read from a store whose host or link is gone would block for
+minutes). A rank whose cause is not recovered in place only tells the others why, within
+:data:`~..core.config.RECOVER_TELL_SEC`, and ends; a rank whose seat a spare took never takes part again.
 """
 
 from __future__ import annotations

@@ -70,10 +70,8 @@ class LiveReport(Stored):
 
 @dataclass(frozen=True)
 class LivePlan:
-    """Where the next attempt's state comes from, the same for every rank: live state at ``step``,
-    each rank its own, except ``receivers``, who get ``source``'s over a group the recovery forms
-    (``rng_shared``: the source's RNG states too, the holders' being the same); or (``step`` -1) the
-    newest checkpoint, because of ``why``."""
+    """Where the next attempt's state comes from, the same for every rank: live state at ``step``, each
+    rank its own but the ``receivers``; or (``step`` -1) the newest checkpoint, because of ``why``."""
 
     step: int
     unit: str = ""

@@ -62,11 +62,8 @@ def recovery_attempt() -> int:
 class _Recovery:
     def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta,
                  replace_dead: bool = False, spares: int = 0) -> None:
-        self.fn = fn
-        self.max_restarts = max_restarts
-        self.join_timeout = join_timeout
-        self.replace_dead = replace_dead
-        self.spares = spares
+        self.fn, self.max_restarts, self.join_timeout, self.replace_dead, self.spares = (
+            fn, max_restarts, join_timeout, replace_dead, spares)
         #: With spares: this process's place in the launched world (:mod:`.spares`).
         self.layout: spares.Layout | None = None
         self._order: spares.Order | None = None  # a spare's order to take a lost rank's place
@@ -78,9 +75,9 @@ class _Recovery:
         self._sessions: list = []  # the failed attempt's sessions, stopped, to abandon
         self.live = live_state.Held(self._state)
         self._joined: tuple[Any, int, int] | None = None  # a keeper's replacement: the store it joined over
-        self.backend: str | None = None
+        self.backend: str | None = None  # the first attempt's group's, and its store's timeout
         self.timeout: timedelta | None = None
-        self.given: tuple[Any, int, int, str, timedelta] | None = None
+        self.given: tuple[Any, int, int, str, timedelta] | None = None  # the group existed before: its world
 
     # -- the world the attempts share ------------------------------------------------------------------
     def _world(self) -> tuple[Any, int, int, str, timedelta] | None:
@@ -249,12 +246,16 @@ class _Recovery:
                                  "was made with init_process_group(store=...))"), {}
         if attempts.in_place() and not sessions and not isinstance(err, PeerFailedError) \
                 and tag_of(err).record is None:
+            live_hint = (f". It read the name latest_checkpoint gave for the live state as a file: load it with "
+                         f"load_checkpoint(path), Checkpoint.load_objects(to_load, path) or trainer.fit(ckpt_path=path), "
+                         f"or set {config.LIVE_STATE_ENV}=0 (resume from the newest checkpoint)"
+                         if isinstance(err, OSError) and LIVE_NAME.split("{")[0] in str(err) else "")
             return Unsafe(False, (
                 f"recover_in_place: attempt {attempts.in_place()} of the training function failed before it "
                 f"trained (no fail-together session had started): {type(err).__name__}: {cap_head(str(err), 300)}. "
                 "The function must build everything it uses each time it is called (init_process_group, model, "
                 "optimizer, loaders, Engine/Trainer and FaultTolerance): an object made once outside it, or a "
-                "global only a fresh process has, breaks the second call" + _live_name_read_as_file(err))), {}
+                "global only a fresh process has, breaks the second call" + live_hint)), {}
         if not sessions and not attempts.in_place():
             return Decision(False, "no fail-together session ran (attach FaultTolerance, or use fail_together): "
                                    "the peers cannot be told"), {}
@@ -381,19 +382,14 @@ class _Recovery:
     def _announce(self, phase: RecoveryPhase, rank: int, cause: RecoveryCause, since: float,
                   now: float | None = None) -> None:
         """Tell the recovery's moment ``phase`` (:mod:`..core.recoveries`), ``since`` the failure reached
-        this rank; never raises (a report must not stop the recovery)."""
-        try:
-            plan = None if phase is RecoveryPhase.FAILURE_SEEN else self.live.plan
-            live = plan is not None and plan.step >= 0
-            info = RecoveryInfo(
-                phase, attempts.in_place() + (phase is not RecoveryPhase.RECOVERED), rank, cause,
-                0.0 if plan is None else max(0.0, (time.monotonic() if now is None else now) - since),
-                None if plan is None else (recoveries.LIVE if live else recoveries.CHECKPOINT),
-                plan.step if live else None, 0 if live else None)
-        except Exception as err:  # noqa: BLE001
-            log(logging.WARNING, "%s: its RecoveryInfo could not be made: %s: %s", phase, type(err).__name__, err)
-            return
-        recoveries.announce(info)
+        this rank."""
+        plan = None if phase is RecoveryPhase.FAILURE_SEEN else self.live.plan
+        live = plan is not None and plan.step >= 0
+        recoveries.announce(RecoveryInfo(
+            phase, attempts.in_place() + (phase is not RecoveryPhase.RECOVERED), rank, cause,
+            0.0 if plan is None else max(0.0, (time.monotonic() if now is None else now) - since),
+            None if plan is None else (recoveries.LIVE if live else recoveries.CHECKPOINT),
+            plan.step if live else None, 0 if live else None))
 
     # -- interrupting a hung main thread -------------------------------------------------------------------
     def _install_interrupter(self) -> Any:
@@ -413,12 +409,6 @@ class _Recovery:
             installed, _interruptible = installed
             interrupts.uninstall(installed)
 
-    def _interrupt(self, error: BaseException) -> threading.Event:
-        self._left.clear()
-        if not interrupts.interrupt(error) and interrupts.taken():  # the main thread is in the recovery already
-            self._left.set()
-        return self._left
-
 
 #: The slot :func:`interrupt` answers from: the recovery running in the main thread, set by its
 #: ``run`` (the loop's owner) while it runs, the one before restored when it ends.
@@ -429,16 +419,12 @@ def interrupt(error: BaseException) -> threading.Event | None:
     """``INTERRUPT`` (``wiring.py``): raise ``error`` in the hung main thread of the recovery running
     here; the event is set when that thread reached the recovery. ``None``: no recovery runs here."""
     recovery = _interruptible
-    return None if recovery is None else recovery._interrupt(error)
-
-
-def _live_name_read_as_file(err: BaseException) -> str:
-    """A hint when ``err`` is a file's absence under the name ``latest_checkpoint`` gave for live state."""
-    if isinstance(err, OSError) and LIVE_NAME.split("{")[0] in str(err):
-        return (f". It read the name latest_checkpoint gave for the live state as a file: load it with "
-                f"load_checkpoint(path), Checkpoint.load_objects(to_load, path) or trainer.fit(ckpt_path=path), or set "
-                f"{config.LIVE_STATE_ENV}=0 (resume from the newest checkpoint)")
-    return ""
+    if recovery is None:
+        return None
+    recovery._left.clear()
+    if not interrupts.interrupt(error) and interrupts.taken():  # the main thread is in the recovery already
+        recovery._left.set()
+    return recovery._left
 
 
 def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 3,
@@ -469,14 +455,11 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
             ``None`` when the training ended without needing it.
 
     Raises:
-        TypeError, ValueError: a bad argument (named, with what it accepts), at the call: e.g.
-            ``join_timeout="auto"`` or a duration outside 1 s to 1 day.
-        ValueError: ``spares`` leaves no training rank (at the call, naming the launched world size).
-        RecoveryError: ``spares`` outside torchrun, or after ``init_process_group``; a later attempt failed before it trained: ``fn`` cannot be called twice; or
-            ``fn`` spawns the ranks (``idist.Parallel(nproc_per_node=...)``, Lightning ``ddp_spawn``):
-            wrap the function each rank runs instead.
-        The last attempt's exception, with a note naming each attempt's cause, when the job is not
-        recovered in place.
+        TypeError, ValueError: a bad argument (named, with what it accepts), at the call.
+        RecoveryError: ``spares`` outside torchrun or after ``init_process_group``; a later attempt failed
+            before it trained (``fn`` cannot be called twice); ``fn`` spawns the ranks (wrap the function
+            each rank runs instead).
+        The last attempt's exception, with a note naming each attempt's cause, when not recovered in place.
 
     Examples:
         .. code-block:: python
@@ -517,11 +500,8 @@ class _InPlace:
     def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta,
                  replace_dead: bool = True, spares: int = 0) -> None:
         functools.update_wrapper(self, fn)  # first: it copies fn's attributes, which must not replace these
-        self.fn = fn
-        self.max_restarts = max_restarts
-        self.join_timeout = join_timeout
-        self.replace_dead = replace_dead
-        self.spares = spares
+        self.fn, self.max_restarts, self.join_timeout, self.replace_dead, self.spares = (
+            fn, max_restarts, join_timeout, replace_dead, spares)
 
     def __call__(self, *args: Any, **kwargs: Any) -> T:
         return _Recovery(self.fn, self.max_restarts, self.join_timeout, self.replace_dead, self.spares)(*args, **kwargs)

@@ -1,18 +1,12 @@
-"""Replacing a dead rank's process in place: the process the launcher started keeps a forked child
-that trains, and forks a new one when that child dies (``docs/recovering.md``).
-
-Under torchrun, :func:`~.inplace.recover_in_place` (``replace_dead=True``) makes the worker the
-**keeper** of its rank: its child runs the training function; when the child is killed, ends as a
-hung rank (:data:`~..core.errors.EXIT_HUNG`) or as a released rank whose main thread stayed where the
-release did not reach (:data:`~..core.errors.EXIT_PEER_FAILED`), the keeper forks a **replacement**, which joins the
-recovery its peers wait in (the attempt number is read from a page the two share). torchrun sees
-nothing. The replacement is a copy of the keeper made before anything of the training ran, so the
-keeper must not have initialised CUDA. The function's return value is handed back pickled, in a file
-of the keeper's own (nothing is read from the store).
-
-The keeper starts only where a replacement can join: under torchrun, on Linux, with no process group
-yet, in the main thread, without CUDA (:func:`why_not`); elsewhere a dead rank ends the job. SIGTERM and
-SIGINT are forwarded to the child, which dies with the keeper (``PR_SET_PDEATHSIG``).
+"""Replacing a dead rank's process in place (``docs/recovering.md``): under torchrun,
+:func:`~.inplace.recover_in_place` (``replace_dead=True``) makes the worker the **keeper** of its rank. Its
+forked child trains; when the child is killed, or ends hung (:data:`~..core.errors.EXIT_HUNG`) or released
+but stuck where the release did not reach (:data:`~..core.errors.EXIT_PEER_FAILED`), the keeper forks a
+**replacement**, which joins the recovery its peers wait in (the attempt number is read from a page the two
+share). torchrun sees nothing. A replacement is a copy of the keeper made before anything of the training
+ran, so the keeper must not have initialised CUDA. The return value comes back pickled, in a file of the
+keeper's own. Where no keeper can start (:func:`why_not`) a dead rank ends the job. SIGTERM and SIGINT are
+forwarded to the child, which dies with the keeper (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -89,13 +83,12 @@ def run(recovery: _Recovery, args: tuple, kwargs: dict) -> Any:
     why = why_not(recovery)
     if why is None:
         return Keeper(recovery).run(args, kwargs)
-    if recovery.given is not None and under_torchrun():
+    given = recovery.given is not None and under_torchrun()
+    if given:
         _warn_group_made_before()  # names the line to change
-        level = logging.INFO
-    else:
-        # A reason the script can change (CUDA touched first, another thread) is a WARNING;
-        # where no keeper can exist at all (not torchrun, not Linux), INFO.
-        level = logging.INFO if why.startswith(NO_KEEPER_HERE) else logging.WARNING
+    # A reason the script can change (CUDA touched first, another thread) is a WARNING; where no keeper
+    # can exist at all (not torchrun, not Linux), or the group existed (the warning names the fix), INFO.
+    level = logging.INFO if given or why.startswith(NO_KEEPER_HERE) else logging.WARNING
     log(level, "a dead rank's process cannot be replaced in place here (%s): its death ends the job "
         "as without recovery in place", why)
     return recovery.run(args, kwargs)

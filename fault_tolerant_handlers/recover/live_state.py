@@ -9,7 +9,7 @@ The rule (:func:`plan_live`): the newest step a rank holds (a step some ranks co
 gradients reduced everywhere); ranks more than :data:`MAX_STEPS_APART` steps apart are out of step;
 among the ranks at that step the checksum most hold wins (a tie: the lowest rank's); every other rank
 receives (no state, behind, or diverged). A sharded model's state is each rank's own shard (a
-checksummed snapshot, verified in step 1): every rank must hold it at one step, and nothing is sent.
+checksummed snapshot, verified when collected): every rank must hold it at one step, and nothing is sent.
 
 :func:`checksum`: SHA-256 over a nested state's structure and every tensor's bytes, read in place; the
 same on every process for the same state. :func:`transfer`: the structure as JSON, then the tensors'
@@ -156,11 +156,8 @@ def _wait(works: Any) -> None:
 def _rebuild(structure_bytes: bytes, local: Any, device: Any, total: int) -> tuple[Any, list[torch.Tensor]]:
     """The state whose structure is ``structure_bytes`` (from the source), taking from ``local`` (the
     receiver's own state, or ``None``) every tensor of the same dtype and shape to write into, and the
-    tensors to write, in order: at most ``total`` bytes of them.
-
-    Raises:
-        ValueError: a malformed structure, or leaves of more than ``total`` bytes.
-    """
+    tensors to write, in order: at most ``total`` bytes of them (else ``ValueError``, as for a
+    malformed structure)."""
     dests: list[torch.Tensor] = []
     left = [total]
 
@@ -402,28 +399,12 @@ def _receive_state(state: Any, source: int, group: Any, expected: str | None, de
 def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = None, *,
              checksum: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
              device: Any = "cpu") -> Any:
-    """Send the source's ``state`` to ``receivers``. Collective: every rank of ``group`` calls it
-    with the same ``source``, ``receivers`` and ``chunk_bytes`` (those of one
-    :class:`~.causes.LivePlan`); with no receivers it returns at once on every rank. The protocol:
-    the module's text.
-
-    Args:
-        state: the source's state; on a receiver its own (stale) state to write into, or ``None``.
-        source, receivers: the group ranks that send and receive.
-        group: the process group (default: the default group); it must carry CPU tensors (gloo).
-        checksum: the agreed checksum, or ``None``; given, each receiver also checks that the state
-            it rebuilt has it (one more pass over the bytes).
-        chunk_bytes: bytes per segment at most (and per staging buffer: two at most per rank).
-        device: where a receiver puts a tensor it had no place for.
-
-    Returns:
-        On a receiver, the state rebuilt (its own tensors where they fitted, written in place); on
-        every other rank, ``state`` itself.
-
-    Raises:
-        StateTransferError: on every rank, when any rank failed; its ``failures`` name each.
-        TypeError: on the source, a leaf that cannot be carried (its path named).
-    """
+    """Send the source's ``state`` to ``receivers`` (the protocol: the module's text). Collective: every
+    rank of ``group`` (a gloo one) calls it with the same ``source``, ``receivers`` and ``chunk_bytes``. A
+    receiver passes its own (stale) state to write into, or ``None``, and gets the state rebuilt (``device``:
+    where a tensor it had no place for goes); given ``checksum``, it checks the rebuilt state has it. Every
+    other rank gets ``state`` back. When any rank failed, every rank raises :class:`StateTransferError`
+    naming each (the source its own ``TypeError`` for a leaf that cannot be carried)."""
     receivers = sorted(set(int(r) for r in receivers))
     if not receivers:
         return state
@@ -465,14 +446,9 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
 # --- the recovery's steps ------------------------------------------------------------------------
 
 def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
-    """Rank 0's rule (the module's text): from which state every rank carries on, given what each holds
-    (the reports read from the store). The source's RNG states go with it when every rank at that step
-    recorded the same ones.
-
-    Every rank falls back to the newest checkpoint (the plan says why, the first reason found) when a
-    report cannot be read, no rank holds state, the ranks disagree on the unit or are more than
-    :data:`MAX_STEPS_APART` steps apart, or a rank must receive and the source's state cannot be sent.
-    """
+    """Rank 0's rule (the module's text), given what each rank holds (the reports read from the store).
+    The source's RNG states go with it when every rank at that step recorded the same ones. Where live
+    state cannot serve, every rank falls back to the newest checkpoint (the plan says why)."""
     by_rank = {r.by: r for r in reports if r is not None}
     for rank in range(world_size):
         if rank not in by_rank:
