@@ -9,11 +9,8 @@ tears the attempt down and re-forms the default group over the same store under 
 (:mod:`..core.phases`).
 
 A dead rank's process is replaced by its keeper (:mod:`.keeper`), a lost one with no keeper by a spare
-(:mod:`.spares`); a hung rank is interrupted in its main thread (:mod:`..core.interrupts`).
-
-Timeouts:
-    ``join_timeout`` (``FTH_RECOVER_JOIN_SEC``, 60 s): every rank must reach the recovery this soon
-    after rank 0 did, or the job ends as without recovery; it bounds the agreement's store calls too.
+(:mod:`.spares`); a hung rank is interrupted in its main thread (:mod:`..core.interrupts`). Every rank
+must reach the recovery within ``join_timeout`` of rank 0, or the job ends as without recovery.
 """
 
 from __future__ import annotations
@@ -64,12 +61,10 @@ class _Recovery:
                  replace_dead: bool = False, spares: int = 0) -> None:
         self.fn, self.max_restarts, self.join_timeout, self.replace_dead, self.spares = (
             fn, max_restarts, join_timeout, replace_dead, spares)
-        #: With spares: this process's place in the launched world (:mod:`.spares`).
-        self.layout: spares.Layout | None = None
+        self.layout: spares.Layout | None = None  # with spares: this process's place in the launched world
         self._order: spares.Order | None = None  # a spare's order to take a lost rank's place
         self._failure_wall = 0.0  # when the failure reached this rank (wall clock: a spare's log line)
-        #: Told each attempt's number as it starts (a keeper's child tells its keeper).
-        self.on_attempt: Callable[[int], None] | None = None
+        self.on_attempt: Callable[[int], None] | None = None  # told each attempt's number (a keeper's child)
         self.causes: list[RecoveryCause] = []  # the primary cause of each failed attempt
         self._left = threading.Event()  # the main thread reached the recovery
         self._sessions: list = []  # the failed attempt's sessions, stopped, to abandon
@@ -84,10 +79,8 @@ class _Recovery:
         """``(store, rank, world_size, backend, timeout)`` of the first attempt's group."""
         if self.given is not None:
             return self.given
-        first = self._joined
-        if first is None:  # the launchers know the first rendezvous's
-            world = hooks.provider(hooks.WORLD)
-            first = None if world is None else world()
+        provider = hooks.provider(hooks.WORLD)  # the launchers know the first rendezvous's
+        first = self._joined or (None if provider is None else provider())
         if first is None:
             return None
         store, rank, world = first
@@ -246,9 +239,10 @@ class _Recovery:
                                  "was made with init_process_group(store=...))"), {}
         if attempts.in_place() and not sessions and not isinstance(err, PeerFailedError) \
                 and tag_of(err).record is None:
-            live_hint = (f". It read the name latest_checkpoint gave for the live state as a file: load it with "
-                         f"load_checkpoint(path), Checkpoint.load_objects(to_load, path) or trainer.fit(ckpt_path=path), "
-                         f"or set {config.LIVE_STATE_ENV}=0 (resume from the newest checkpoint)"
+            live_hint = (". It read the name latest_checkpoint gave for the live state as a file: load it with "
+                         "load_checkpoint(path), Checkpoint.load_objects(to_load, path) or "
+                         f"trainer.fit(ckpt_path=path), or set {config.LIVE_STATE_ENV}=0 (resume from the newest "
+                         "checkpoint)"
                          if isinstance(err, OSError) and LIVE_NAME.split("{")[0] in str(err) else "")
             return Unsafe(False, (
                 f"recover_in_place: attempt {attempts.in_place()} of the training function failed before it "

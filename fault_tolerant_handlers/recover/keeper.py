@@ -230,7 +230,8 @@ class Keeper:
                 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
                     os.waitpid(pid, 0)
                     return self._result()
-                if struct.unpack_from("<q", self.page, 8)[0] == 1 and self.recovery.layout is not None:  # lost
+                lost = struct.unpack_from("<q", self.page, 8)[0] == 1  # lost for good (LOSE)
+                if lost and self.recovery.layout is not None:
                     time.sleep(ZOMBIE_HOLD)  # a zombie until its peers read how it ended
                     os.waitpid(pid, 0)
                     return self._stand_by(pid, how)

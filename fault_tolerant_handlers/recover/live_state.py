@@ -153,7 +153,7 @@ def _wait(works: Any) -> None:
         work.wait()
 
 
-def _rebuild(structure_bytes: bytes, local: Any, device: Any, total: int) -> tuple[Any, list[torch.Tensor]]:
+def _rebuild(structure_bytes: bytes, local: Any, total: int) -> tuple[Any, list[torch.Tensor]]:
     """The state whose structure is ``structure_bytes`` (from the source), taking from ``local`` (the
     receiver's own state, or ``None``) every tensor of the same dtype and shape to write into, and the
     tensors to write, in order: at most ``total`` bytes of them (else ``ValueError``, as for a
@@ -179,7 +179,7 @@ def _rebuild(structure_bytes: bytes, local: Any, device: Any, total: int) -> tup
         if fits and t.dtype == dtype and tuple(t.shape) == shape:
             dests.append(t)
             return mine
-        out = torch.empty(shape, dtype=dtype, device="cpu" if tag == "a" else device)
+        out = torch.empty(shape, dtype=dtype)  # on the CPU
         dests.append(out)
         return out.numpy() if tag == "a" else out
 
@@ -312,7 +312,7 @@ def _send_state(state: Any, receivers: Sequence[int], group: Any, chunk_bytes: i
     return total, None, None
 
 
-def _receive_state(state: Any, source: int, group: Any, expected: str | None, device: Any,
+def _receive_state(state: Any, source: int, group: Any, expected: str | None,
                    chunk_bytes: int) -> tuple[Any, int, tuple[TransferFailure, int] | None]:
     """A receiver's part: ``(the state rebuilt, bytes received, its failure)``. A direct segment is
     received straight into its tensor (on the CPU), then hashed; a packed one into a staging buffer,
@@ -339,7 +339,7 @@ def _receive_state(state: Any, source: int, group: Any, expected: str | None, de
     _wait(_recv(raw, source, group))
     text = bytes(_memory(raw))
     try:
-        result, dests = _rebuild(text, state, device, total)
+        result, dests = _rebuild(text, state, total)
         sizes = [d.numel() * d.element_size() for d in dests]
         plan = _plan(sizes, chunk, direct)
         if sum(sizes) != total or _messages(plan, sizes, direct) != lengths:
@@ -397,12 +397,11 @@ def _receive_state(state: Any, source: int, group: Any, expected: str | None, de
 
 
 def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = None, *,
-             checksum: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             device: Any = "cpu") -> Any:
+             checksum: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Any:
     """Send the source's ``state`` to ``receivers`` (the protocol: the module's text). Collective: every
     rank of ``group`` (a gloo one) calls it with the same ``source``, ``receivers`` and ``chunk_bytes``. A
-    receiver passes its own (stale) state to write into, or ``None``, and gets the state rebuilt (``device``:
-    where a tensor it had no place for goes); given ``checksum``, it checks the rebuilt state has it. Every
+    receiver passes its own (stale) state to write into, or ``None``, and gets the state rebuilt (a tensor
+    it had no place for: on the CPU); given ``checksum``, it checks the rebuilt state has it. Every
     other rank gets ``state`` back. When any rank failed, every rank raises :class:`StateTransferError`
     naming each (the source its own ``TypeError`` for a leaf that cannot be carried)."""
     receivers = sorted(set(int(r) for r in receivers))
@@ -422,7 +421,7 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
     if me == source:
         total, failure, own_error = _send_state(state, receivers, group, chunk_bytes)
     elif me in receivers:
-        result, total, failure = _receive_state(state, source, group, checksum, device, chunk_bytes)
+        result, total, failure = _receive_state(state, source, group, checksum, chunk_bytes)
     # every rank learns every failure (one small all_gather), then all raise together
     kinds = list(TransferFailure)
     mine = _header([0, 0, 0] if failure is None else [1, kinds.index(failure[0]), failure[1]])
@@ -582,8 +581,7 @@ class Held:
         if not decision.restart:
             self.hold(None)
             return
-        plan = decision.live or LivePlan(-1, "", "rank 0 made no plan (or it could not be read)")
-        plan = plan.checked(world_size)
+        plan = (decision.live or LivePlan(-1, "", "rank 0 made no plan (or it could not be read)")).checked(world_size)
         # (holder, CRC-32) of this rank's shard, or None (its own capture)
         mine = next(((h, c) for r, h, c in zip(plan.shards[::3], plan.shards[1::3], plan.shards[2::3]) if r == rank), None)
         if plan.step >= 0 and mine is not None:  # this rank's shard from a copy: its own replica, or a partner's
