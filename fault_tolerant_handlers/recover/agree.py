@@ -183,7 +183,6 @@ def decide(store: Any, world_size: int, gen: int, seconds: float, max_restarts: 
         time.sleep(RECOVER_POLL)
 
     def read(kind: str) -> dict[int, Any]:
-        """Rank -> what it wrote, for the ranks that did."""
         keys = {r: agreement_key(gen, kind, r) for r in range(world_size)}
         present = {r: k for r, k in keys.items() if store.check([k])}
         return dict(zip(present, store.multi_get(list(present.values())))) if present else {}

@@ -53,17 +53,12 @@ MAX_RESULT_BYTES = 256 * 1024 * 1024
 NO_KEEPER_HERE = ("only on Linux", "not under torchrun")
 
 
-def under_torchrun() -> bool:
-    """Launched by torchrun, whose store lives in its agent and outlives any worker."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
 def why_not(recovery: _Recovery) -> str | None:
     """Why no keeper can be started here (``None``: it can). A reason that starts with one of
     :data:`NO_KEEPER_HERE` comes from the launcher or the platform; the others from the script."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return "only on Linux"
-    if not under_torchrun():
+    if not spares.under_torchrun():
         return "not under torchrun: the store's server may live in a rank's own process"
     if recovery.given is not None:
         return "the process group existed before recover_in_place was called; call it before init_process_group"
@@ -83,7 +78,7 @@ def run(recovery: _Recovery, args: tuple, kwargs: dict) -> Any:
     why = why_not(recovery)
     if why is None:
         return Keeper(recovery).run(args, kwargs)
-    given = recovery.given is not None and under_torchrun()
+    given = recovery.given is not None and spares.under_torchrun()
     if given:
         _warn_group_made_before()  # names the line to change
     # A reason the script can change (CUDA touched first, another thread) is a WARNING; where no keeper

@@ -86,6 +86,11 @@ class Layout:
         return max(0, min(first + self.local_world, self.training_world) - first)
 
 
+def under_torchrun() -> bool:
+    """Launched by torchrun, whose store lives in its agent and outlives any worker."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def _int_env(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
     return int(raw) if raw.isdigit() else None
@@ -95,7 +100,7 @@ def layout(spares: int) -> Layout:
     """This process's place in the launched world (from torchrun's environment), ``spares`` checked
     against it. Spares need torchrun: they wait on its agent's store, which outlives any rank."""
     world, rank = _int_env("WORLD_SIZE"), _int_env("RANK")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or world is None or rank is None \
+    if not under_torchrun() or world is None or rank is None \
             or not os.environ.get("MASTER_ADDR") or _int_env("MASTER_PORT") is None:
         raise RecoveryError(
             f"recover_in_place(spares={spares}) needs torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and "
