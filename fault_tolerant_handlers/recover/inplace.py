@@ -289,9 +289,9 @@ class _Recovery:
 
     def _add_note(self, err: BaseException, decision: Decision) -> None:
         lines = [f"fault-tolerant-handlers: not recovered in place: {decision.why}"]
-        lines += [f"  attempt {i}: {brief(c)}" for i, c in enumerate(self.causes)]
-        if lines[1:]:
-            lines.insert(1, "causes of the attempts recovered in place before:")
+        if self.causes:
+            lines += ["causes of the attempts recovered in place before:",
+                      *(f"  attempt {i}: {brief(c)}" for i, c in enumerate(self.causes))]
         log(logging.ERROR, "%s", "\n".join(lines))
         try:
             err.add_note("\n".join(lines))

@@ -224,7 +224,10 @@ class Keeper:
                 how = Ended.from_status(status).describe()
                 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
                     os.waitpid(pid, 0)
-                    return self._result()
+                    with open(self.result_path, "rb") as file:  # unlinked on the way out (below)
+                        data = file.read(MAX_RESULT_BYTES + 1)
+                    # written by this process's own child, not read from the store
+                    return pickle.loads(data) if data and len(data) <= MAX_RESULT_BYTES else None  # noqa: S301
                 lost = struct.unpack_from("<q", self.page, 8)[0] == 1  # lost for good (LOSE)
                 if lost and self.recovery.layout is not None:
                     time.sleep(ZOMBIE_HOLD)  # a zombie until its peers read how it ended
@@ -281,16 +284,6 @@ class Keeper:
         if info.si_code == os.CLD_EXITED:
             return (info.si_status & 0xFF) << 8
         return info.si_status & 0x7F  # killed (or dumped core): the signal's number
-
-    def _result(self) -> Any:
-        try:
-            with open(self.result_path, "rb") as file:
-                data = file.read(MAX_RESULT_BYTES + 1)
-        finally:
-            os.unlink(self.result_path)
-        if not data or len(data) > MAX_RESULT_BYTES:
-            return None
-        return pickle.loads(data)  # noqa: S301 - written by this process's own child, not read from the store
 
     _stopping = False
 

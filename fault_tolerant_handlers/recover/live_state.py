@@ -429,16 +429,15 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
     dist.all_gather(gathered, mine, group=group)
     failures = {rank: (kinds[int(v[1])].name, int(v[2])) for rank, v in enumerate(gathered) if int(v[0])}
     if failures:
+        if own_error is not None:
+            raise own_error  # the source's own error; the others raise the named one
         text = "; ".join(f"rank {rank}: {TransferFailure[kind].value}"
                          + (f" (chunk {chunk})" if chunk >= 0 else "")
                          for rank, (kind, chunk) in sorted(failures.items()))
-        error = StateTransferError(f"live state from rank {source} to {receivers} failed: {text}", source, failures)
-        if own_error is not None:
-            raise own_error  # the source's own error; the others raise the named one
-        raise error
+        raise StateTransferError(f"live state from rank {source} to {receivers} failed: {text}", source, failures)
     if me in receivers:
-        seconds = time.monotonic() - started
-        log(logging.INFO, "live state: received %.1f MB from rank %d in %.2f s", total / 2**20, source, seconds)
+        log(logging.INFO, "live state: received %.1f MB from rank %d in %.2f s", total / 2**20, source,
+            time.monotonic() - started)
     return result
 
 
