@@ -74,7 +74,7 @@ class Layout:
         return self.launched_rank >= self.training_world
 
     def spare_rank(self, taken: int) -> int:
-            return self.training_world + taken - 1
+        return self.training_world + taken - 1
 
     def training_local_world(self) -> int | None:
         """How many training ranks share this host at launch: torchrun numbers a host's ranks
