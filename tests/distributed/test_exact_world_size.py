@@ -120,8 +120,13 @@ def test_a_resume_is_bit_identical_at_any_world_size(framework, nproc, how, tmp_
             pids = {t["pid"] for t in attempts(run, rank).values()}
             assert (len(pids) == 1) == (rank != 1), f"rank {rank}: pids of its attempts {pids}"
         resumed = {r: Path(attempts(run, r)[1]["resumed_from"]).name for r in range(nproc)}
-        assert set(resumed.values()) == {"live-state-step=7.pt"}, f"resumed from {resumed}"
-    assert_resumed_exactly(run, ref, nproc, start=5 if how == "relaunch" else 7)
+        # Rank 1 dies as iteration 8 starts, its part of iteration 7's all-reduce done: bytes it wrote and
+        # the kernel had not sent yet go with it (its socket resets), so a survivor may not complete 7
+        # either. Every rank then carries on from 6, the newest iteration every survivor completed (7
+        # trained again); never from the checkpoint of 5, and never two ranks from different iterations.
+        assert set(resumed.values()) in ({"live-state-step=7.pt"}, {"live-state-step=6.pt"}), f"resumed from {resumed}"
+        start = 7 if set(resumed.values()) == {"live-state-step=7.pt"} else 6
+    assert_resumed_exactly(run, ref, nproc, start=5 if how == "relaunch" else 7 if how == "inplace" else start)
     if how != "relaunch":
         return
     # Without the layout, a relaunch from the same checkpoint (the uninterrupted run's) ends elsewhere.
