@@ -1,14 +1,10 @@
 """The agreement of a recovery in place, on the store the first attempt's group was made over (never
 on the broken group): each rank writes what it knows of the failure (:func:`cause_of`) and the live
-state it holds, and counts itself in; rank 0 decides (:func:`decide`), once every rank is in,
-whether the job recovers and from which state; every rank follows that :class:`~.causes.Decision`.
-
-Every store call is bounded by the join timeout (``FTH_RECOVER_JOIN_SEC``), each on a thread of its
-own (a read from a store whose host or link is gone would block for minutes). A rank whose cause is
-not recovered in place (a rank or the store lost, a signal) only tells the others why, within
-:data:`~..core.config.RECOVER_TELL_SEC` (2 s), and ends. A rank lost with no keeper to replace it
-gets a spare where the job has some (:class:`.spares.Claims`); a rank whose seat a spare took never
-takes part again.
+state it holds, and counts itself in; rank 0 decides (:func:`decide`) whether the job recovers and from
+which state; every rank follows that :class:`~.causes.Decision`. Every store call is bounded by the join
+timeout, each on a thread of its own (a read from a store whose host or link is gone would block for
+minutes). A rank whose cause is not recovered in place only tells the others why, within
+:data:`~..core.config.RECOVER_TELL_SEC`, and ends; a rank whose seat a spare took never takes part again.
 """
 
 from __future__ import annotations
@@ -84,12 +80,6 @@ def lost_records(sessions: Sequence[Any]) -> dict[int, Any]:
     return lost
 
 
-def _keeper_gone(record: Any) -> bool:
-    """A record of the failed attempt says the rank's keeper was gone when it died (its liveness
-    helper's, which may come after a same-host peer's record of the same death)."""
-    return record is not None and record.ended is not None and record.ended.keeper_gone
-
-
 def agree(store: Any, rank: int, world_size: int, cause: RecoveryCause, report: LiveReport, *, max_restarts: int,
           history: Sequence[RecoveryCause], join_timeout: timedelta, layout: spares.Layout | None = None,
           since: float = 0.0, sessions: Sequence[Any] = ()) -> Decision:
@@ -116,8 +106,10 @@ def agree(store: Any, rank: int, world_size: int, cause: RecoveryCause, report: 
         if gen >= max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
             cause = replace(cause, not_in_place=f"max_restarts={max_restarts} recoveries in place already spent")
         # A peer's process ended (or, with spares, its end was not seen: another host's rank lost, or
-        # silent: its host or link gone): only its keeper or a spare can replace it.
-        end_seen = needs_keeper(cause) and not _keeper_gone(lost_records(sessions).get(cause.rank))
+        # silent: its host or link gone): only its keeper or a spare can replace it. Its end is not seen
+        # when a record says its keeper was gone with it (its liveness helper's may come after a peer's).
+        ended = getattr(lost_records(sessions).get(cause.rank), "ended", None) if needs_keeper(cause) else None
+        end_seen = needs_keeper(cause) and not (ended is not None and ended.keeper_gone)
         lost = needs_keeper(cause) or (claims is not None and spares.lost_or_silent(cause))
         claim = lost and not keeper_replaces(bounded, cause.rank, end_seen)
         if claim or not cause.not_in_place:  # it takes part: it waits for the others (and claims a spare)
@@ -191,7 +183,6 @@ def decide(store: Any, world_size: int, gen: int, seconds: float, max_restarts: 
         time.sleep(RECOVER_POLL)
 
     def read(kind: str) -> dict[int, Any]:
-        """Rank -> what it wrote, for the ranks that did."""
         keys = {r: agreement_key(gen, kind, r) for r in range(world_size)}
         present = {r: k for r, k in keys.items() if store.check([k])}
         return dict(zip(present, store.multi_get(list(present.values())))) if present else {}

@@ -44,13 +44,8 @@ _CHECKSUM_CHARS = 64
 
 @dataclass(frozen=True)
 class LiveReport(Stored):
-    """What one rank holds for the next attempt: its live state at step ``step`` (-1: none, ``why``),
-    the :func:`.live_state.checksum` of that state ("" if it could not be taken: ``portable`` says
-    why it cannot be sent either) and a CRC of torch's RNG states recorded for the next step ("":
-    none). ``shard``: the state is this rank's shard of a sharded model (``checksum``: its snapshot's
-    CRC-32, verified where it is held), which only this rank resumes from. ``copies``: the shard
-    snapshots this rank holds, checksum verified (:class:`~..data.replicas.ShardReplicas`: partners' copies
-    and its own), as flat ``(rank, step, CRC-32)`` triples."""
+    """What one rank holds for the next attempt. With ``shard``, ``checksum`` is its snapshot's CRC-32
+    (verified where it is held); ``copies`` are checksum verified (:class:`~..data.replicas.ShardReplicas`)."""
 
     by: int  #: the rank that says it
     step: int  #: the last step it completed, whose state it holds (-1: none)
@@ -75,10 +70,8 @@ class LiveReport(Stored):
 
 @dataclass(frozen=True)
 class LivePlan:
-    """Where the next attempt's state comes from, the same for every rank: live state at ``step``,
-    each rank its own, except ``receivers``, who get ``source``'s over a group the recovery forms
-    (``rng_shared``: the source's RNG states too, the holders' being the same); or (``step`` -1) the
-    newest checkpoint, because of ``why``."""
+    """Where the next attempt's state comes from, the same for every rank: live state at ``step``, each
+    rank its own but the ``receivers``; or (``step`` -1) the newest checkpoint, because of ``why``."""
 
     step: int
     unit: str = ""
@@ -113,14 +106,9 @@ class LivePlan:
     def checked(self, world_size: int) -> LivePlan:
         """This plan, or a fallback when its ranks are not ranks of the world (a plan read back from
         the store is checked before any rank acts on it)."""
-        if self.step < 0 or not (self.receivers or self.shards):
-            return self
-        if len(self.shards) % 3 or not all(0 <= r < world_size for r in self.shards[::3] + self.shards[1::3]):
-            return LivePlan(-1, "", "rank 0's plan names ranks outside the world")
-        if not self.receivers:
-            return self
-        if not (0 <= self.source < world_size and self.source not in self.receivers
-                and all(0 <= r < world_size for r in self.receivers)):  # also for a plan made here
+        ranks = self.shards[::3] + self.shards[1::3] + self.receivers + ((self.source,) if self.receivers else ())
+        if self.step >= 0 and (len(self.shards) % 3 or self.source in self.receivers
+                               or not all(0 <= r < world_size for r in ranks)):
             return LivePlan(-1, "", "rank 0's plan names ranks outside the world")
         return self
 

@@ -2,24 +2,15 @@
 function again, in the same process, over a re-formed process group (``docs/recovering.md``, "Recover
 in place", says what is recovered, under which launchers, and what is not).
 
-When the training function raises on every rank, each rank runs the recovery's phases
-(:mod:`..core.phases`: the launchers, the data layer and the adapters register their parts):
-
-1. **records** the failure (published for the peers' watchdogs, if no section did) and stops its
-   watchdogs;
-2. **agrees** on the first attempt's store (:mod:`.agree`): whether the job recovers, and from which
-   state (:mod:`.live_state`);
-3. **tears down** the attempt: sessions, process groups, the frameworks' process-wide state, the
-   DataLoader workers;
-4. **re-forms** the default group over the same store under a new namespace
-   (:func:`..core.attempts.namespace`) and calls the training function again.
+When the training function raises on every rank, each rank records the failure, agrees on the first
+attempt's store (:mod:`.agree`) whether the job recovers and from which state (:mod:`.live_state`),
+tears the attempt down and re-forms the default group over the same store under a new namespace
+(:func:`..core.attempts.namespace`); the launchers, the data layer and the adapters add their parts
+(:mod:`..core.phases`).
 
 A dead rank's process is replaced by its keeper (:mod:`.keeper`), a lost one with no keeper by a spare
-(:mod:`.spares`); a hung rank is interrupted in its main thread (:mod:`..core.interrupts`).
-
-Timeouts:
-    ``join_timeout`` (``FTH_RECOVER_JOIN_SEC``, 60 s): every rank must reach the recovery this soon
-    after rank 0 did, or the job ends as without recovery; it bounds the agreement's store calls too.
+(:mod:`.spares`); a hung rank is interrupted in its main thread (:mod:`..core.interrupts`). Every rank
+must reach the recovery within ``join_timeout`` of rank 0, or the job ends as without recovery.
 """
 
 from __future__ import annotations
@@ -68,35 +59,28 @@ def recovery_attempt() -> int:
 class _Recovery:
     def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta,
                  replace_dead: bool = False, spares: int = 0) -> None:
-        self.fn = fn
-        self.max_restarts = max_restarts
-        self.join_timeout = join_timeout
-        self.replace_dead = replace_dead
-        self.spares = spares
-        #: With spares: this process's place in the launched world (:mod:`.spares`).
-        self.layout: spares.Layout | None = None
+        self.fn, self.max_restarts, self.join_timeout, self.replace_dead, self.spares = (
+            fn, max_restarts, join_timeout, replace_dead, spares)
+        self.layout: spares.Layout | None = None  # with spares: this process's place in the launched world
         self._order: spares.Order | None = None  # a spare's order to take a lost rank's place
         self._failure_wall = 0.0  # when the failure reached this rank (wall clock: a spare's log line)
-        #: Told each attempt's number as it starts (a keeper's child tells its keeper).
-        self.on_attempt: Callable[[int], None] | None = None
+        self.on_attempt: Callable[[int], None] | None = None  # told each attempt's number (a keeper's child)
         self.causes: list[RecoveryCause] = []  # the primary cause of each failed attempt
         self._left = threading.Event()  # the main thread reached the recovery
         self._sessions: list = []  # the failed attempt's sessions, stopped, to abandon
         self.live = live_state.Held(self._state)
         self._joined: tuple[Any, int, int] | None = None  # a keeper's replacement: the store it joined over
-        self.backend: str | None = None
+        self.backend: str | None = None  # the first attempt's group's, and its store's timeout
         self.timeout: timedelta | None = None
-        self.given: tuple[Any, int, int, str, timedelta] | None = None
+        self.given: tuple[Any, int, int, str, timedelta] | None = None  # the group existed before: its world
 
     # -- the world the attempts share ------------------------------------------------------------------
     def _world(self) -> tuple[Any, int, int, str, timedelta] | None:
         """``(store, rank, world_size, backend, timeout)`` of the first attempt's group."""
         if self.given is not None:
             return self.given
-        first = self._joined
-        if first is None:  # the launchers know the first rendezvous's
-            world = hooks.provider(hooks.WORLD)
-            first = None if world is None else world()
+        provider = hooks.provider(hooks.WORLD)  # the launchers know the first rendezvous's
+        first = self._joined or (None if provider is None else provider())
         if first is None:
             return None
         store, rank, world = first
@@ -218,7 +202,7 @@ class _Recovery:
                               is_master=False, timeout=self.join_timeout)
         self._joined = (store, rank, world_size)
         if self.layout is not None:
-            spares.write_seat(store, rank, self.layout, self.layout.launched_rank)
+            spares.write_seat(store, rank, self.layout.launched_rank)
         decision = self._agree(self._world(), cause)
         if not decision.restart:
             raise RecoveryError(f"the replacement of rank {rank}'s process could not join the recovery: {decision.why}")
@@ -237,7 +221,9 @@ class _Recovery:
         sessions = live_sessions()
         rank = world[1] if world is not None else (dist.get_rank() if dist.is_initialized() else 0)
         cause = cause_of(err, rank, [session.failure for session in sessions])
-        if world is None and _ranks_spawned_here(err):
+        import torch.multiprocessing as mp  # what the process that spawned the ranks gets when one failed
+
+        if world is None and isinstance(err, (mp.ProcessRaisedException, mp.ProcessExitedException)):
             return Misplaced(False, (
                 "recover_in_place wraps a function that spawned the ranks (idist.Parallel(nproc_per_node=...), "
                 "Lightning strategy='ddp_spawn' or 'ddp_fork', torch.multiprocessing.spawn): a rank failed "
@@ -253,12 +239,17 @@ class _Recovery:
                                  "was made with init_process_group(store=...))"), {}
         if attempts.in_place() and not sessions and not isinstance(err, PeerFailedError) \
                 and tag_of(err).record is None:
+            live_hint = (". It read the name latest_checkpoint gave for the live state as a file: load it with "
+                         "load_checkpoint(path), Checkpoint.load_objects(to_load, path) or "
+                         f"trainer.fit(ckpt_path=path), or set {config.LIVE_STATE_ENV}=0 (resume from the newest "
+                         "checkpoint)"
+                         if isinstance(err, OSError) and LIVE_NAME.split("{")[0] in str(err) else "")
             return Unsafe(False, (
                 f"recover_in_place: attempt {attempts.in_place()} of the training function failed before it "
                 f"trained (no fail-together session had started): {type(err).__name__}: {cap_head(str(err), 300)}. "
                 "The function must build everything it uses each time it is called (init_process_group, model, "
                 "optimizer, loaders, Engine/Trainer and FaultTolerance): an object made once outside it, or a "
-                "global only a fresh process has, breaks the second call" + _live_name_read_as_file(err))), {}
+                "global only a fresh process has, breaks the second call" + live_hint)), {}
         if not sessions and not attempts.in_place():
             return Decision(False, "no fail-together session ran (attach FaultTolerance, or use fail_together): "
                                    "the peers cannot be told"), {}
@@ -298,9 +289,9 @@ class _Recovery:
 
     def _add_note(self, err: BaseException, decision: Decision) -> None:
         lines = [f"fault-tolerant-handlers: not recovered in place: {decision.why}"]
-        lines += [f"  attempt {i}: {brief(c)}" for i, c in enumerate(self.causes)]
-        if lines[1:]:
-            lines.insert(1, "causes of the attempts recovered in place before:")
+        if self.causes:
+            lines += ["causes of the attempts recovered in place before:",
+                      *(f"  attempt {i}: {brief(c)}" for i, c in enumerate(self.causes))]
         log(logging.ERROR, "%s", "\n".join(lines))
         try:
             err.add_note("\n".join(lines))
@@ -385,19 +376,14 @@ class _Recovery:
     def _announce(self, phase: RecoveryPhase, rank: int, cause: RecoveryCause, since: float,
                   now: float | None = None) -> None:
         """Tell the recovery's moment ``phase`` (:mod:`..core.recoveries`), ``since`` the failure reached
-        this rank; never raises (a report must not stop the recovery)."""
-        try:
-            plan = None if phase is RecoveryPhase.FAILURE_SEEN else self.live.plan
-            live = plan is not None and plan.step >= 0
-            info = RecoveryInfo(
-                phase, attempts.in_place() + (phase is not RecoveryPhase.RECOVERED), rank, cause,
-                0.0 if plan is None else max(0.0, (time.monotonic() if now is None else now) - since),
-                None if plan is None else (recoveries.LIVE if live else recoveries.CHECKPOINT),
-                plan.step if live else None, 0 if live else None)
-        except Exception as err:  # noqa: BLE001
-            log(logging.WARNING, "%s: its RecoveryInfo could not be made: %s: %s", phase, type(err).__name__, err)
-            return
-        recoveries.announce(info)
+        this rank."""
+        plan = None if phase is RecoveryPhase.FAILURE_SEEN else self.live.plan
+        live = plan is not None and plan.step >= 0
+        recoveries.announce(RecoveryInfo(
+            phase, attempts.in_place() + (phase is not RecoveryPhase.RECOVERED), rank, cause,
+            0.0 if plan is None else max(0.0, (time.monotonic() if now is None else now) - since),
+            None if plan is None else (recoveries.LIVE if live else recoveries.CHECKPOINT),
+            plan.step if live else None, 0 if live else None))
 
     # -- interrupting a hung main thread -------------------------------------------------------------------
     def _install_interrupter(self) -> Any:
@@ -417,12 +403,6 @@ class _Recovery:
             installed, _interruptible = installed
             interrupts.uninstall(installed)
 
-    def _interrupt(self, error: BaseException) -> threading.Event:
-        self._left.clear()
-        if not interrupts.interrupt(error) and interrupts.taken():  # the main thread is in the recovery already
-            self._left.set()
-        return self._left
-
 
 #: The slot :func:`interrupt` answers from: the recovery running in the main thread, set by its
 #: ``run`` (the loop's owner) while it runs, the one before restored when it ends.
@@ -433,24 +413,12 @@ def interrupt(error: BaseException) -> threading.Event | None:
     """``INTERRUPT`` (``wiring.py``): raise ``error`` in the hung main thread of the recovery running
     here; the event is set when that thread reached the recovery. ``None``: no recovery runs here."""
     recovery = _interruptible
-    return None if recovery is None else recovery._interrupt(error)
-
-
-def _live_name_read_as_file(err: BaseException) -> str:
-    """A hint when ``err`` is a file's absence under the name ``latest_checkpoint`` gave for live state."""
-    if isinstance(err, OSError) and LIVE_NAME.split("{")[0] in str(err):
-        return (f". It read the name latest_checkpoint gave for the live state as a file: load it with "
-                f"load_checkpoint(path), Checkpoint.load_objects(to_load, path) or trainer.fit(ckpt_path=path), or set "
-                f"{config.LIVE_STATE_ENV}=0 (resume from the newest checkpoint)")
-    return ""
-
-
-def _ranks_spawned_here(err: BaseException) -> bool:
-    """``err`` is what ``torch.multiprocessing`` raises in the process that spawned the ranks when one
-    failed (``idist.Parallel(nproc_per_node=...)``, Lightning ``ddp_spawn``)."""
-    import torch.multiprocessing as mp
-
-    return isinstance(err, (mp.ProcessRaisedException, mp.ProcessExitedException))
+    if recovery is None:
+        return None
+    recovery._left.clear()
+    if not interrupts.interrupt(error) and interrupts.taken():  # the main thread is in the recovery already
+        recovery._left.set()
+    return recovery._left
 
 
 def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 3,
@@ -481,14 +449,11 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
             ``None`` when the training ended without needing it.
 
     Raises:
-        TypeError, ValueError: a bad argument (named, with what it accepts), at the call: e.g.
-            ``join_timeout="auto"`` or a duration outside 1 s to 1 day.
-        ValueError: ``spares`` leaves no training rank (at the call, naming the launched world size).
-        RecoveryError: ``spares`` outside torchrun, or after ``init_process_group``; a later attempt failed before it trained: ``fn`` cannot be called twice; or
-            ``fn`` spawns the ranks (``idist.Parallel(nproc_per_node=...)``, Lightning ``ddp_spawn``):
-            wrap the function each rank runs instead.
-        The last attempt's exception, with a note naming each attempt's cause, when the job is not
-        recovered in place.
+        TypeError, ValueError: a bad argument (named, with what it accepts), at the call.
+        RecoveryError: ``spares`` outside torchrun or after ``init_process_group``; a later attempt failed
+            before it trained (``fn`` cannot be called twice); ``fn`` spawns the ranks (wrap the function
+            each rank runs instead).
+        The last attempt's exception, with a note naming each attempt's cause, when not recovered in place.
 
     Examples:
         .. code-block:: python
@@ -529,29 +494,20 @@ class _InPlace:
     def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta,
                  replace_dead: bool = True, spares: int = 0) -> None:
         functools.update_wrapper(self, fn)  # first: it copies fn's attributes, which must not replace these
-        self.fn = fn
-        self.max_restarts = max_restarts
-        self.join_timeout = join_timeout
-        self.replace_dead = replace_dead
-        self.spares = spares
+        self.fn, self.max_restarts, self.join_timeout, self.replace_dead, self.spares = (
+            fn, max_restarts, join_timeout, replace_dead, spares)
 
     def __call__(self, *args: Any, **kwargs: Any) -> T:
         return _Recovery(self.fn, self.max_restarts, self.join_timeout, self.replace_dead, self.spares)(*args, **kwargs)
 
     def __reduce__(self) -> str | tuple:
-        if _bound_as(self) is self:
+        bound = sys.modules.get(getattr(self, "__module__", None) or "")
+        for part in (getattr(self, "__qualname__", "") or "").split("."):
+            bound = getattr(bound, part, None)  # None for a function defined in a function (<locals>)
+        if bound is self:
             return self.__qualname__
         return _InPlace, (self.fn, self.max_restarts, self.join_timeout, self.replace_dead, self.spares)
 
     def __repr__(self) -> str:
         return f"recover_in_place({self.fn!r}, max_restarts={self.max_restarts})"
 
-
-def _bound_as(obj: Any) -> Any:
-    """The object named ``obj.__module__`` + ``obj.__qualname__`` (``None``: no such name)."""
-    target = sys.modules.get(getattr(obj, "__module__", None) or "")
-    for part in (getattr(obj, "__qualname__", "") or "").split("."):
-        target = getattr(target, part, None)  # None for a function defined in a function (<locals>)
-        if target is None:
-            return None
-    return target

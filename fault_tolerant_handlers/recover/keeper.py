@@ -1,18 +1,12 @@
-"""Replacing a dead rank's process in place: the process the launcher started keeps a forked child
-that trains, and forks a new one when that child dies (``docs/recovering.md``).
-
-Under torchrun, :func:`~.inplace.recover_in_place` (``replace_dead=True``) makes the worker the
-**keeper** of its rank: its child runs the training function; when the child is killed, ends as a
-hung rank (:data:`~..core.errors.EXIT_HUNG`) or as a released rank whose main thread stayed where the
-release did not reach (:data:`~..core.errors.EXIT_PEER_FAILED`), the keeper forks a **replacement**, which joins the
-recovery its peers wait in (the attempt number is read from a page the two share). torchrun sees
-nothing. The replacement is a copy of the keeper made before anything of the training ran, so the
-keeper must not have initialised CUDA. The function's return value is handed back pickled, in a file
-of the keeper's own (nothing is read from the store).
-
-The keeper starts only where a replacement can join: under torchrun, on Linux, with no process group
-yet, in the main thread, without CUDA (:func:`why_not`); elsewhere a dead rank ends the job. SIGTERM and
-SIGINT are forwarded to the child, which dies with the keeper (``PR_SET_PDEATHSIG``).
+"""Replacing a dead rank's process in place (``docs/recovering.md``): under torchrun,
+:func:`~.inplace.recover_in_place` (``replace_dead=True``) makes the worker the **keeper** of its rank. Its
+forked child trains; when the child is killed, or ends hung (:data:`~..core.errors.EXIT_HUNG`) or released
+but stuck where the release did not reach (:data:`~..core.errors.EXIT_PEER_FAILED`), the keeper forks a
+**replacement**, which joins the recovery its peers wait in (the attempt number is read from a page the two
+share). torchrun sees nothing. A replacement is a copy of the keeper made before anything of the training
+ran, so the keeper must not have initialised CUDA. The return value comes back pickled, in a file of the
+keeper's own. Where no keeper can start (:func:`why_not`) a dead rank ends the job. SIGTERM and SIGINT are
+forwarded to the child, which dies with the keeper (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -59,17 +53,12 @@ MAX_RESULT_BYTES = 256 * 1024 * 1024
 NO_KEEPER_HERE = ("only on Linux", "not under torchrun")
 
 
-def under_torchrun() -> bool:
-    """Launched by torchrun, whose store lives in its agent and outlives any worker."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
 def why_not(recovery: _Recovery) -> str | None:
     """Why no keeper can be started here (``None``: it can). A reason that starts with one of
     :data:`NO_KEEPER_HERE` comes from the launcher or the platform; the others from the script."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return "only on Linux"
-    if not under_torchrun():
+    if not spares.under_torchrun():
         return "not under torchrun: the store's server may live in a rank's own process"
     if recovery.given is not None:
         return "the process group existed before recover_in_place was called; call it before init_process_group"
@@ -89,13 +78,12 @@ def run(recovery: _Recovery, args: tuple, kwargs: dict) -> Any:
     why = why_not(recovery)
     if why is None:
         return Keeper(recovery).run(args, kwargs)
-    if recovery.given is not None and under_torchrun():
+    given = recovery.given is not None and spares.under_torchrun()
+    if given:
         _warn_group_made_before()  # names the line to change
-        level = logging.INFO
-    else:
-        # A reason the script can change (CUDA touched first, another thread) is a WARNING;
-        # where no keeper can exist at all (not torchrun, not Linux), INFO.
-        level = logging.INFO if why.startswith(NO_KEEPER_HERE) else logging.WARNING
+    # A reason the script can change (CUDA touched first, another thread) is a WARNING; where no keeper
+    # can exist at all (not torchrun, not Linux), or the group existed (the warning names the fix), INFO.
+    level = logging.INFO if given or why.startswith(NO_KEEPER_HERE) else logging.WARNING
     log(level, "a dead rank's process cannot be replaced in place here (%s): its death ends the job "
         "as without recovery in place", why)
     return recovery.run(args, kwargs)
@@ -112,13 +100,6 @@ def _warn_group_made_before() -> None:
         "'recover_in_place(main, ...)(cfg)' where main(cfg) runs 'with idist.Parallel(backend=...) as p: "
         "p.run(training, cfg)'; or call the wrapped function before init_process_group (docs/recovering.md, "
         "\"Launchers\")")
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except Exception as err:  # noqa: BLE001 - best effort: without it a killed keeper leaves its child
-        log(logging.WARNING, "could not tie this process to its keeper: %s", err)
 
 
 #: The slot the table's ``LOSE``, ``KEEPER_PID`` and ``SESSION_STARTED`` parts (``wiring.py``) answer
@@ -174,22 +155,19 @@ class Keeper:
         fd, self.result_path = tempfile.mkstemp(prefix="fth-result-")
         os.close(fd)
 
-    # -- in the child ---------------------------------------------------------------------------------
+    # -- in the child (the page: the attempt it is in at 0, 1 at 8 when it was lost for good) ------------
     def _write_attempt(self, count: int) -> None:
         struct.pack_into("<q", self.page, 0, count)
-
-    def _read_attempt(self) -> int:
-        return struct.unpack_from("<q", self.page, 0)[0]
-
-    def _read_lost(self) -> bool:
-        return struct.unpack_from("<q", self.page, 8)[0] == 1
 
     def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: RecoveryCause | None,
                order: spares.Order | None) -> None:
         """The training child: never returns (its exit code tells the keeper how it ended)."""
         code = 1
         try:
-            _die_with_parent()
+            try:
+                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            except Exception as err:  # noqa: BLE001 - best effort: without it a killed keeper leaves its child
+                log(logging.WARNING, "could not tie this process to its keeper: %s", err)
             interrupts.spare_inherited_sockets()  # the keeper's (a store client of its own): never cut here
             for sig in FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
@@ -246,12 +224,16 @@ class Keeper:
                 how = Ended.from_status(status).describe()
                 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
                     os.waitpid(pid, 0)
-                    return self._result()
-                if self._read_lost() and self.recovery.layout is not None:
+                    with open(self.result_path, "rb") as file:  # unlinked on the way out (below)
+                        data = file.read(MAX_RESULT_BYTES + 1)
+                    # written by this process's own child, not read from the store
+                    return pickle.loads(data) if data and len(data) <= MAX_RESULT_BYTES else None  # noqa: S301
+                lost = struct.unpack_from("<q", self.page, 8)[0] == 1  # lost for good (LOSE)
+                if lost and self.recovery.layout is not None:
                     time.sleep(ZOMBIE_HOLD)  # a zombie until its peers read how it ended
                     os.waitpid(pid, 0)
                     return self._stand_by(pid, how)
-                attempt = self._read_attempt()
+                attempt = struct.unpack_from("<q", self.page, 0)[0]
                 # killed, hung (88), or released but stuck where no release reaches (87): replaced alike
                 replaceable = os.WIFSIGNALED(status) or os.WEXITSTATUS(status) in (EXIT_HUNG, EXIT_PEER_FAILED)
                 if replaceable and attempt < self.recovery.max_restarts and not self._stopping:
@@ -302,16 +284,6 @@ class Keeper:
         if info.si_code == os.CLD_EXITED:
             return (info.si_status & 0xFF) << 8
         return info.si_status & 0x7F  # killed (or dumped core): the signal's number
-
-    def _result(self) -> Any:
-        try:
-            with open(self.result_path, "rb") as file:
-                data = file.read(MAX_RESULT_BYTES + 1)
-        finally:
-            os.unlink(self.result_path)
-        if not data or len(data) > MAX_RESULT_BYTES:
-            return None
-        return pickle.loads(data)  # noqa: S301 - written by this process's own child, not read from the store
 
     _stopping = False
 

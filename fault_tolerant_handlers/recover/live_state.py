@@ -1,21 +1,15 @@
 """Live state: after a failure, the ranks agree on whose in-memory state the job carries on from and
 send it to the ranks that need it, over the re-formed group, instead of reading a checkpoint back
 (``docs/recovering.md``, "Live state"). A recovery in place takes these steps with a :class:`Held`:
-
-1. **collect** (:meth:`Held.collect`): the state of the last step this rank completed (the data
-   layer's ``CAPTURE_LIVE``), its :func:`checksum` and a CRC of its RNG states go into the
-   :class:`~.causes.LiveReport` this rank writes in the agreement (:mod:`.agree`);
-2. **plan** (:func:`plan_live`, rank 0): from which step and rank every rank carries on, and who receives;
-3. **settle** (:meth:`Held.settle`): each rank holds its own state for the next attempt, waits to
-   receive, or resumes from its checkpoint;
-4. **send** (:meth:`Held.send`), once the group is re-formed: the source sends its state to the
-   receivers (:func:`transfer`). A transfer that fails, fails on every rank together.
+**collect** (what this rank holds, for the agreement: :mod:`.agree`), **plan** (:func:`plan_live`,
+rank 0), **settle** (hold, wait to receive, or resume from the checkpoint) and, once the group is
+re-formed, **send** (:func:`transfer`; a transfer that fails, fails on every rank together).
 
 The rule (:func:`plan_live`): the newest step a rank holds (a step some ranks completed had its
 gradients reduced everywhere); ranks more than :data:`MAX_STEPS_APART` steps apart are out of step;
 among the ranks at that step the checksum most hold wins (a tie: the lowest rank's); every other rank
 receives (no state, behind, or diverged). A sharded model's state is each rank's own shard (a
-checksummed snapshot, verified in step 1): every rank must hold it at one step, and nothing is sent.
+checksummed snapshot, verified when collected): every rank must hold it at one step, and nothing is sent.
 
 :func:`checksum`: SHA-256 over a nested state's structure and every tensor's bytes, read in place; the
 same on every process for the same state. :func:`transfer`: the structure as JSON, then the tensors'
@@ -38,7 +32,7 @@ import math
 import time
 import zlib
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -116,21 +110,6 @@ def _memory(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def _pieces(flat: torch.Tensor, stage: list) -> Iterator[memoryview]:
-    """The bytes of ``flat`` as memoryviews: in place on the CPU, else through a staging buffer of
-    at most :data:`DEFAULT_CHUNK_BYTES` (made once, in ``stage``)."""
-    if flat.device.type == "cpu":
-        yield _memory(flat)
-        return
-    if not stage:
-        stage.append(torch.empty(DEFAULT_CHUNK_BYTES, dtype=torch.uint8))
-    buffer = stage[0]
-    for start in range(0, flat.numel(), buffer.numel()):
-        n = min(buffer.numel(), flat.numel() - start)
-        buffer[:n].copy_(flat[start:start + n])
-        yield _memory(buffer[:n])
-
-
 def checksum(state: Any) -> str:
     """A digest of ``state``: 32 hex characters, the same in every process for the same state. It
     covers the structure (container types, keys and their order, dtypes and shapes, non-tensor
@@ -142,10 +121,17 @@ def checksum(state: Any) -> str:
     text, leaves = _structure(state)
     digest = hashlib.sha256(_FORMAT)
     digest.update(text)
-    stage: list = []
+    buffer = None  # a leaf off the CPU goes through a staging buffer of at most a chunk, made once
     for leaf in leaves:
-        for piece in _pieces(_flat_bytes(leaf), stage):
-            digest.update(piece)
+        flat = _flat_bytes(leaf)
+        if flat.device.type == "cpu":
+            digest.update(_memory(flat))
+            continue
+        buffer = torch.empty(DEFAULT_CHUNK_BYTES, dtype=torch.uint8) if buffer is None else buffer
+        for start in range(0, flat.numel(), DEFAULT_CHUNK_BYTES):
+            n = min(DEFAULT_CHUNK_BYTES, flat.numel() - start)
+            buffer[:n].copy_(flat[start:start + n])
+            digest.update(_memory(buffer[:n]))
     return digest.digest()[:DIGEST_BYTES].hex()
 
 
@@ -167,14 +153,11 @@ def _wait(works: Any) -> None:
         work.wait()
 
 
-def _rebuild(structure_bytes: bytes, local: Any, device: Any, total: int) -> tuple[Any, list[torch.Tensor]]:
+def _rebuild(structure_bytes: bytes, local: Any, total: int) -> tuple[Any, list[torch.Tensor]]:
     """The state whose structure is ``structure_bytes`` (from the source), taking from ``local`` (the
     receiver's own state, or ``None``) every tensor of the same dtype and shape to write into, and the
-    tensors to write, in order: at most ``total`` bytes of them.
-
-    Raises:
-        ValueError: a malformed structure, or leaves of more than ``total`` bytes.
-    """
+    tensors to write, in order: at most ``total`` bytes of them (else ``ValueError``, as for a
+    malformed structure)."""
     dests: list[torch.Tensor] = []
     left = [total]
 
@@ -196,7 +179,7 @@ def _rebuild(structure_bytes: bytes, local: Any, device: Any, total: int) -> tup
         if fits and t.dtype == dtype and tuple(t.shape) == shape:
             dests.append(t)
             return mine
-        out = torch.empty(shape, dtype=dtype, device="cpu" if tag == "a" else device)
+        out = torch.empty(shape, dtype=dtype)  # on the CPU
         dests.append(out)
         return out.numpy() if tag == "a" else out
 
@@ -329,7 +312,7 @@ def _send_state(state: Any, receivers: Sequence[int], group: Any, chunk_bytes: i
     return total, None, None
 
 
-def _receive_state(state: Any, source: int, group: Any, expected: str | None, device: Any,
+def _receive_state(state: Any, source: int, group: Any, expected: str | None,
                    chunk_bytes: int) -> tuple[Any, int, tuple[TransferFailure, int] | None]:
     """A receiver's part: ``(the state rebuilt, bytes received, its failure)``. A direct segment is
     received straight into its tensor (on the CPU), then hashed; a packed one into a staging buffer,
@@ -356,7 +339,7 @@ def _receive_state(state: Any, source: int, group: Any, expected: str | None, de
     _wait(_recv(raw, source, group))
     text = bytes(_memory(raw))
     try:
-        result, dests = _rebuild(text, state, device, total)
+        result, dests = _rebuild(text, state, total)
         sizes = [d.numel() * d.element_size() for d in dests]
         plan = _plan(sizes, chunk, direct)
         if sum(sizes) != total or _messages(plan, sizes, direct) != lengths:
@@ -414,30 +397,13 @@ def _receive_state(state: Any, source: int, group: Any, expected: str | None, de
 
 
 def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = None, *,
-             checksum: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             device: Any = "cpu") -> Any:
-    """Send the source's ``state`` to ``receivers``. Collective: every rank of ``group`` calls it
-    with the same ``source``, ``receivers`` and ``chunk_bytes`` (those of one
-    :class:`~.causes.LivePlan`); with no receivers it returns at once on every rank. The protocol:
-    the module's text.
-
-    Args:
-        state: the source's state; on a receiver its own (stale) state to write into, or ``None``.
-        source, receivers: the group ranks that send and receive.
-        group: the process group (default: the default group); it must carry CPU tensors (gloo).
-        checksum: the agreed checksum, or ``None``; given, each receiver also checks that the state
-            it rebuilt has it (one more pass over the bytes).
-        chunk_bytes: bytes per segment at most (and per staging buffer: two at most per rank).
-        device: where a receiver puts a tensor it had no place for.
-
-    Returns:
-        On a receiver, the state rebuilt (its own tensors where they fitted, written in place); on
-        every other rank, ``state`` itself.
-
-    Raises:
-        StateTransferError: on every rank, when any rank failed; its ``failures`` name each.
-        TypeError: on the source, a leaf that cannot be carried (its path named).
-    """
+             checksum: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Any:
+    """Send the source's ``state`` to ``receivers`` (the protocol: the module's text). Collective: every
+    rank of ``group`` (a gloo one) calls it with the same ``source``, ``receivers`` and ``chunk_bytes``. A
+    receiver passes its own (stale) state to write into, or ``None``, and gets the state rebuilt (a tensor
+    it had no place for: on the CPU); given ``checksum``, it checks the rebuilt state has it. Every
+    other rank gets ``state`` back. When any rank failed, every rank raises :class:`StateTransferError`
+    naming each (the source its own ``TypeError`` for a leaf that cannot be carried)."""
     receivers = sorted(set(int(r) for r in receivers))
     if not receivers:
         return state
@@ -455,7 +421,7 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
     if me == source:
         total, failure, own_error = _send_state(state, receivers, group, chunk_bytes)
     elif me in receivers:
-        result, total, failure = _receive_state(state, source, group, checksum, device, chunk_bytes)
+        result, total, failure = _receive_state(state, source, group, checksum, chunk_bytes)
     # every rank learns every failure (one small all_gather), then all raise together
     kinds = list(TransferFailure)
     mine = _header([0, 0, 0] if failure is None else [1, kinds.index(failure[0]), failure[1]])
@@ -463,30 +429,24 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
     dist.all_gather(gathered, mine, group=group)
     failures = {rank: (kinds[int(v[1])].name, int(v[2])) for rank, v in enumerate(gathered) if int(v[0])}
     if failures:
+        if own_error is not None:
+            raise own_error  # the source's own error; the others raise the named one
         text = "; ".join(f"rank {rank}: {TransferFailure[kind].value}"
                          + (f" (chunk {chunk})" if chunk >= 0 else "")
                          for rank, (kind, chunk) in sorted(failures.items()))
-        error = StateTransferError(f"live state from rank {source} to {receivers} failed: {text}", source, failures)
-        if own_error is not None:
-            raise own_error  # the source's own error; the others raise the named one
-        raise error
+        raise StateTransferError(f"live state from rank {source} to {receivers} failed: {text}", source, failures)
     if me in receivers:
-        seconds = time.monotonic() - started
-        log(logging.INFO, "live state: received %.1f MB from rank %d in %.2f s", total / 2**20, source, seconds)
+        log(logging.INFO, "live state: received %.1f MB from rank %d in %.2f s", total / 2**20, source,
+            time.monotonic() - started)
     return result
 
 
 # --- the recovery's steps ------------------------------------------------------------------------
 
 def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
-    """Rank 0's rule (the module's text): from which state every rank carries on, given what each holds
-    (the reports read from the store). The source's RNG states go with it when every rank at that step
-    recorded the same ones.
-
-    Every rank falls back to the newest checkpoint (the plan says why, the first reason found) when a
-    report cannot be read, no rank holds state, the ranks disagree on the unit or are more than
-    :data:`MAX_STEPS_APART` steps apart, or a rank must receive and the source's state cannot be sent.
-    """
+    """Rank 0's rule (the module's text), given what each rank holds (the reports read from the store).
+    The source's RNG states go with it when every rank at that step recorded the same ones. Where live
+    state cannot serve, every rank falls back to the newest checkpoint (the plan says why)."""
     by_rank = {r.by: r for r in reports if r is not None}
     for rank in range(world_size):
         if rank not in by_rank:
@@ -561,14 +521,6 @@ def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
     return LivePlan(at, unit, "", shards=tuple(shards), whom=cap_head("; ".join(whom), 400))
 
 
-def _rng_crc(rng: tuple) -> int:
-    """A CRC-32 of recorded RNG states (CPU and, if any, CUDA): equal on ranks whose RNG is the same."""
-    crc = 0
-    for state in [rng[0], *(rng[1] or [])]:
-        crc = zlib.crc32(state.numpy().tobytes(), crc)
-    return crc
-
-
 class Held:
     """This rank's live state through one recovery (the module's steps). ``state_of(**changes)`` makes
     the recovery's :class:`~..core.phases.RecoveryState` (with :attr:`plan`) for the data layer's steps."""
@@ -595,7 +547,10 @@ class Held:
                                      copies=copies)
             return
         step, unit, rng = self.captured.step, self.captured.unit, self.captured.rng
-        rng_crc = "" if rng is None else f"{_rng_crc(rng):08x}"
+        crc = 0  # of the RNG states (CPU and, if any, CUDA): equal on ranks whose RNG is the same
+        for state in [] if rng is None else [rng[0], *(rng[1] or [])]:
+            crc = zlib.crc32(state.numpy().tobytes(), crc)
+        rng_crc = "" if rng is None else f"{crc:08x}"
         snap = self.captured.state
         if isinstance(snap, sharded.Snapshot):  # this rank's shard, copied at the failure (data.live)
             if not snap.verify():
@@ -625,9 +580,9 @@ class Held:
         if not decision.restart:
             self.hold(None)
             return
-        plan = decision.live or LivePlan(-1, "", "rank 0 made no plan (or it could not be read)")
-        plan = plan.checked(world_size)
-        mine = _shard_of(plan, rank)
+        plan = (decision.live or LivePlan(-1, "", "rank 0 made no plan (or it could not be read)")).checked(world_size)
+        # (holder, CRC-32) of this rank's shard, or None (its own capture)
+        mine = next(((h, c) for r, h, c in zip(plan.shards[::3], plan.shards[1::3], plan.shards[2::3]) if r == rank), None)
         if plan.step >= 0 and mine is not None:  # this rank's shard from a copy: its own replica, or a partner's
             own = self.copies.get((rank, plan.step)) if mine[0] == rank else None
             if mine[0] == rank and (own is None or own.checksum != mine[1]):
@@ -720,14 +675,6 @@ class Held:
         if received is not None:
             self.hold(received)
         timings.setdefault("parts", {})["live shards sent"] = time.monotonic() - t0
-
-
-def _shard_of(plan: LivePlan, rank: int) -> tuple[int, int] | None:
-    """``(holder, CRC-32)`` of this rank's shard in ``plan.shards``, or ``None`` (its own capture)."""
-    for r, holder, crc in zip(plan.shards[::3], plan.shards[1::3], plan.shards[2::3]):
-        if r == rank:
-            return holder, crc
-    return None
 
 
 def _verified(snaps: Sequence[Any], unit: str) -> dict[tuple[int, int], sharded.Snapshot]:

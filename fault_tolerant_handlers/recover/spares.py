@@ -1,18 +1,12 @@
-"""Spare ranks: the job is launched with ``k`` more ranks than it trains with; the spares wait, and one
-takes the place of a training rank that was lost with no process to come back in
-(``docs/recovering.md``, "Spares").
+"""Spare ranks (``docs/recovering.md``, "Spares"): ``recover_in_place(train, spares=k)`` under torchrun
+makes the last ``k`` launched ranks spares; the others form the **training world**, which is all they see
+(:func:`enter_training_world`). A spare never calls ``train``: it waits on its own key (:func:`order_key`)
+for an :class:`Order`: ``take`` training rank ``r`` (it takes the seat, :func:`take_seat`, under a keeper of
+its own, and joins the recovery the survivors wait in, as a keeper's replacement does), or ``end``.
 
-``recover_in_place(train, spares=k)`` under torchrun: the last ``k`` launched ranks are spares, the
-others form the **training world**, which is all they see (:func:`enter_training_world`; the group
-``train`` makes lives under the attempt's namespace of torchrun's store). A spare never calls
-``train``: it waits on its own key (:func:`order_key`, in chunks of ``FTH_SPARE_WAIT_SEC``) for an
-:class:`Order`: ``take`` training rank ``r`` (it takes the seat, :func:`take_seat`, under a keeper of its
-own, and joins the recovery the survivors wait in, as a keeper's replacement does), or ``end``.
-
-Which spare replaces which rank (:class:`Claims`): the first survivor to reach the recovery of a lost
-rank claims it (``add`` on the attempt's claim key), takes the next spare in launched order and writes
-its order, then publishes the :class:`Answer` the other survivors wait for. With none left, the cause
-ends the job as without spares. Every value is bounded JSON checked on read (never pickled).
+:class:`Claims`: the first survivor to reach the recovery of a rank lost with no keeper claims it (``add``
+on the attempt's claim key), takes the next spare in launched order, writes its order and publishes the
+:class:`Answer` the others wait for; with none left, the job ends as without spares.
 """
 
 from __future__ import annotations
@@ -48,20 +42,16 @@ def spares_left() -> int | None:
 
 
 def learned(count: int | None) -> None:
-    """How many spares are left, as this process learned it now (:func:`spares_left`)."""
     global _left
     _left = count
 
 
 def check_spares(spares: Any) -> int:
-    """``spares`` as given to ``recover_in_place``: an int >= 0 (its upper bound is checked at the
-    call, once the launched world is known: :func:`layout`)."""
-    if isinstance(spares, bool) or not isinstance(spares, int):
-        raise TypeError(f"recover_in_place(spares=...) must be an int from 0 to the launched world size - 1 "
-                        f"(0: no spares), got {spares!r}")
-    if spares < 0:
-        raise ValueError(f"recover_in_place(spares=...) must be an int from 0 to the launched world size - 1 "
-                         f"(0: no spares), got {spares}")
+    """``spares`` as given to ``recover_in_place`` (its upper bound: :func:`layout`)."""
+    is_int = isinstance(spares, int) and not isinstance(spares, bool)
+    if not is_int or spares < 0:
+        raise (ValueError if is_int else TypeError)(f"recover_in_place(spares=...) must be an int from 0 to the "
+                                                    f"launched world size - 1 (0: no spares), got {spares!r}")
     return spares
 
 
@@ -84,7 +74,6 @@ class Layout:
         return self.launched_rank >= self.training_world
 
     def spare_rank(self, taken: int) -> int:
-        """The launched rank of the ``taken``-th spare taken (1-based), in launched order."""
         return self.training_world + taken - 1
 
     def training_local_world(self) -> int | None:
@@ -97,6 +86,11 @@ class Layout:
         return max(0, min(first + self.local_world, self.training_world) - first)
 
 
+def under_torchrun() -> bool:
+    """Launched by torchrun, whose store lives in its agent and outlives any worker."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def _int_env(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
     return int(raw) if raw.isdigit() else None
@@ -104,14 +98,9 @@ def _int_env(name: str) -> int | None:
 
 def layout(spares: int) -> Layout:
     """This process's place in the launched world (from torchrun's environment), ``spares`` checked
-    against it.
-
-    Raises:
-        ValueError: ``spares`` does not leave at least one training rank (naming the valid range).
-        RecoveryError: not under torchrun (spares need its agent's store, which outlives any rank).
-    """
+    against it. Spares need torchrun: they wait on its agent's store, which outlives any rank."""
     world, rank = _int_env("WORLD_SIZE"), _int_env("RANK")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or world is None or rank is None \
+    if not under_torchrun() or world is None or rank is None \
             or not os.environ.get("MASTER_ADDR") or _int_env("MASTER_PORT") is None:
         raise RecoveryError(
             f"recover_in_place(spares={spares}) needs torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and "
@@ -139,8 +128,7 @@ def enter_training_world(lay: Layout) -> None:
 
 @dataclass(frozen=True)
 class Seat(Stored):
-    """The process holding a training rank: its launched rank, its host, and its ``LOCAL_RANK`` and
-    ``LOCAL_WORLD_SIZE`` as training (-1: not set)."""
+    """The process holding a training rank (local names as training, -1: not set)."""
 
     launched: int
     host: str
@@ -158,9 +146,8 @@ class Seat(Stored):
 
 @dataclass(frozen=True)
 class Order(Stored):
-    """What a waiting spare is told: ``take`` training rank ``rank`` at recovery ``attempt`` (the lost
-    rank's ``lost`` seat, why it was lost, when the failure reached the claimer: ``since``, wall
-    clock, and the spares left after this one), or ``end`` (``ok``: the training ended)."""
+    """What a waiting spare is told: ``take`` training rank ``rank`` at recovery ``attempt`` (``since``:
+    when the failure reached the claimer, wall clock), or ``end`` (``ok``: the training ended)."""
 
     kind: str
     why: str
@@ -179,7 +166,6 @@ class Order(Stored):
                               "lost_local_rank": (-1, 2**31 - 1), "lost_local_world": (-1, 2**31 - 1)}
 
     def problem(self, world: int) -> str | None:
-        """An order to take a rank names one, at a recovery; an order to end needs nothing more."""
         if self.kind == END or (self.kind == TAKE and self.rank >= 0 and self.attempt >= 0):
             return None
         return f"an order of kind {self.kind!r} for rank {self.rank} at recovery {self.attempt}"
@@ -187,8 +173,7 @@ class Order(Stored):
 
 @dataclass(frozen=True)
 class Answer(Stored):
-    """Which spare replaces a lost rank (``spare``: its launched rank; -1: none left) and how many are
-    left after it."""
+    """Which spare replaces a lost rank (``spare``: its launched rank; -1: none left) and how many are left."""
 
     spare: int
     left: int
@@ -197,7 +182,7 @@ class Answer(Stored):
 
 
 # -- the protocol ------------------------------------------------------------------------------------
-def write_seat(store: Any, rank: int, lay: Layout, launched_rank: int) -> None:
+def write_seat(store: Any, rank: int, launched_rank: int) -> None:
     """This process holds training rank ``rank`` (its local names as its environment says now)."""
     local_rank, local_world = _int_env("LOCAL_RANK"), _int_env("LOCAL_WORLD_SIZE")
     store.set(seat_key(rank), Seat(launched_rank, host_name(), -1 if local_rank is None else local_rank,
@@ -207,7 +192,7 @@ def write_seat(store: Any, rank: int, lay: Layout, launched_rank: int) -> None:
 def claim(store: Any, lay: Layout, rank: int, gen: int, why: str, since: float, wait: timedelta) -> Answer:
     """A survivor's part when training rank ``rank`` was lost with no keeper to replace it: the first
     to come claims the next spare and orders it to take ``rank`` at recovery ``gen``; every survivor
-    returns the same :class:`Answer`. ``store`` is the recovery's bounded store (each call bounded)."""
+    returns the same :class:`Answer`."""
     if store.add(claim_key(gen, rank), 1) == 1:
         taken = store.add(taken_key(), 1)
         if taken > lay.spares:
@@ -230,37 +215,25 @@ def claim(store: Any, lay: Layout, rank: int, gen: int, why: str, since: float, 
 
 def left_after(store: Any, lay: Layout) -> int:
     """How many spares are left, as the store counts the ones taken (rank 0, deciding a recovery)."""
-    taken = int(store.add(taken_key(), 0)) if store.check([taken_key()]) else 0  # no key made: none taken
+    taken = int(store.add(taken_key(), 0)) if store.check([taken_key()]) else 0
     return max(0, lay.spares - max(0, taken))
 
 
-def end(store: Any, lay: Layout, ok: bool, why: str) -> None:
-    """Training rank 0, when the training ended (``ok``) or the job ends with a failure: every launched
-    rank that waits for an order (the spares left, a keeper whose rank was lost) is told."""
-    order = Order(END, cap_head(why, 500), ok=ok).to_json()
-    for launched in range(lay.launched_world):
-        store.set(order_key(launched), order)
-
-
 def connect(timeout: timedelta) -> Any:
-    """A client of torchrun's store (its agent's: ``MASTER_ADDR``, ``MASTER_PORT``)."""
     import torch.distributed as dist
 
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=timeout)
 
 
-def wait_for_order(store: Any, lay: Layout, launched_rank: int, stop: Any = None) -> Order:
+def wait_for_order(store: Any, lay: Layout, launched_rank: int) -> Order:
     """Wait for this launched rank's order: blocking store waits of ``FTH_SPARE_WAIT_SEC`` each (a key
-    written is seen at once). ``stop()`` (optional) is asked between waits: true ends the wait with an
-    ``end`` order. A store that fails (its agent gone) raises :class:`RecoveryError`."""
+    written is seen at once). A store that fails (its agent gone) raises :class:`RecoveryError`."""
     from torch.distributed import DistStoreError
 
     chunk = config.settings().spare_wait
     key = order_key(launched_rank)
     while True:
-        if stop is not None and stop():
-            return Order(END, "this process was told to stop")
         try:
             store.wait([key], chunk)
         except Exception as err:  # noqa: BLE001 - a timeout is the usual case; anything else is the store
@@ -303,9 +276,7 @@ def log_takeover(lay: Layout, order: Order, reformed_wall: float) -> None:
 # -- a process's part, as the recovery's loop calls it ------------------------------------------------
 def serve(lay: Layout, timeout: timedelta) -> tuple[Order, RecoveryCause] | None:
     """A spare: wait for an order. ``None`` when the training ended without needing it; else the order
-    to take a lost rank's place, this process now that rank (:func:`take_seat`, in the recovery of
-    ``order.attempt``), and the cause it joins the recovery with. Raises :class:`RecoveryError` when
-    the job ended with a failure."""
+    (this process now holds its rank: :func:`take_seat`) and the cause it joins the recovery with."""
     learned(lay.spares)
     # what the training's first optimizer would import (seconds), imported while nothing waits for it
     compat_torch.import_lazy_modules()
@@ -325,22 +296,24 @@ def serve(lay: Layout, timeout: timedelta) -> tuple[Order, RecoveryCause] | None
 
 
 def take_own_seat(lay: Layout, timeout: timedelta) -> Any:
-    """A training rank's first attempt: connect to torchrun's store (the store the attempts share, over
-    which the training function's ``init_process_group`` makes the training world's group) and hold
-    its seat; returns that store."""
+    """A training rank's first attempt: hold its seat in torchrun's store (the one the attempts share)."""
     store = connect(timeout)
-    write_seat(store, lay.launched_rank, lay, lay.launched_rank)
+    write_seat(store, lay.launched_rank, lay.launched_rank)
     log(logging.INFO, "rank %d of a training world of %d (%d spare%s launched beside it)", lay.launched_rank,
         lay.training_world, lay.spares, "" if lay.spares == 1 else "s")
     return store
 
 
 def tell_end(store: Any, lay: Layout, ok: bool, why: str) -> None:
-    """:func:`end`, bounded by :data:`RECOVER_TELL_SEC` (the store may be what failed); never raises."""
+    """Training rank 0, when the training ended (``ok``) or the job ends with a failure: every launched
+    rank that waits for an order (the spares left, a keeper whose rank was lost) is told, within
+    :data:`RECOVER_TELL_SEC` (the store may be what failed)."""
     conn = Connection(lambda: store, timedelta(seconds=RECOVER_TELL_SEC), "spares")
     conn.deadline = time.monotonic() + RECOVER_TELL_SEC
     try:
-        end(Bounded(conn), lay, ok, why)
+        order, bounded = Order(END, cap_head(why, 500), ok=ok).to_json(), Bounded(conn)
+        for launched in range(lay.launched_world):
+            bounded.set(order_key(launched), order)
     except Exception as err:  # noqa: BLE001 - torchrun ends them anyway once a rank exits with an error
         log(logging.WARNING, "could not tell the spares that the job ended: %s: %s", type(err).__name__,
             first_line(err))
@@ -398,10 +371,9 @@ class Claims:
 
     def for_lost(self, gen: int) -> str:
         """Every rank the failed attempt's records declare lost or silent (not only the cause's: a host
-        of several ranks, two processes killed at once) that has not reached the recovery (its cause
-        of recovery ``gen``) and has no keeper to replace it (none announced, its end not seen: ``ended``
-        unknown, or its keeper seen gone with it: ``ended.keeper_gone``) gets a spare (once per rank
-        and recovery whoever asks). Returns why the job ends when one is left without a spare, else ``""``."""
+        of several ranks, two processes killed at once) that has not reached recovery ``gen`` and has no
+        keeper to replace it gets a spare (once per rank and recovery). Why the job ends when one is left
+        without a spare, else ``""``."""
         for rank, record in sorted(self.lost().items()):
             if rank in self.claimed or self.store.check([agreement_key(gen, "cause", rank)]):
                 continue  # found a spare already, or it (or its replacement) reached the recovery

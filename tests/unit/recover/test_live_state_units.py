@@ -117,7 +117,7 @@ def test_what_json_cannot_carry_is_refused_by_its_path(bad, path):
 def _roundtrip(state, local):
     """What a receiver rebuilds from ``state``'s structure and bytes, given its own ``local`` state."""
     structure, leaves = live_state._structure(state)
-    out, dests = live_state._rebuild(structure, local, "cpu", sum(t.numel() * t.element_size() for t in leaves))
+    out, dests = live_state._rebuild(structure, local, sum(t.numel() * t.element_size() for t in leaves))
     assert len(dests) == len(leaves)
     with torch.no_grad():
         for dest, leaf in zip(dests, leaves):
@@ -144,12 +144,12 @@ def _roundtrip(state, local):
         "negative", "float-shape", "over-header", "deep"])
 def test_a_structure_from_the_source_is_checked_before_anything_is_made(forged, why):
     with pytest.raises(ValueError, match=why):
-        live_state._rebuild(forged, None, "cpu", total=16)
+        live_state._rebuild(forged, None, total=16)
 
 
 def test_a_structure_over_the_bound_is_refused_on_both_sides():
     with pytest.raises(ValueError, match="more than"):
-        live_state._rebuild(b" " * (16 * 2**20 + 1), None, "cpu", total=0)
+        live_state._rebuild(b" " * (16 * 2**20 + 1), None, total=0)
     with pytest.raises(TypeError, match=r"nested deeper than 64"):
         checksum(functools.reduce(lambda inner, _: [inner], range(70), 1))
 
@@ -242,7 +242,7 @@ def _receive(monkeypatch, messages: list[torch.Tensor], chunk: int):
         return _Done()
 
     monkeypatch.setattr(live_state, "_recv", recv)
-    return live_state._receive_state(None, 0, None, None, "cpu", chunk), asked
+    return live_state._receive_state(None, 0, None, None, chunk), asked
 
 
 @pytest.mark.parametrize("field, value", [

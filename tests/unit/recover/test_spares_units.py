@@ -129,10 +129,10 @@ def test_the_first_survivor_claims_the_next_spare_and_every_survivor_learns_the_
 def test_a_waiting_spare_is_told_to_take_a_rank_or_that_the_job_ended(monkeypatch):
     monkeypatch.setenv(config.SPARE_WAIT_ENV, "1")
     store, lay = dist.HashStore(), Layout(3, 1, 2)
-    threading.Timer(0.2, lambda: spares.end(store, lay, True, "the training ended")).start()
+    threading.Timer(0.2, lambda: spares.tell_end(store, lay, True, "the training ended")).start()
     order = spares.wait_for_order(store, lay, 2)  # across a wait that times out: no order lost
     assert (order.kind, order.ok, order.why) == (spares.END, True, "the training ended")
-    spares.end(store, lay, False, "rank 0 failed")
+    spares.tell_end(store, lay, False, "rank 0 failed")
     assert all(not spares.wait_for_order(store, lay, launched).ok for launched in range(3))  # a lost keeper too
 
 
