@@ -27,7 +27,8 @@ checkpoints (``torch.distributed.checkpoint``, DCP), as the examples run them, o
 
 * ``FTH_SHARD_REPLICAS=1``: a rank SIGKILLed in place gets its shard of the iteration before from
   its partner's copy, with its RNG states (``programs/dropout_fsdp_main.py``: dropout and noise in the
-  step), and every rank carries on there (0 steps computed twice) with an uninterrupted run's weights.
+  step), and every rank carries on there (0 steps computed twice) with an uninterrupted run's weights;
+  the same for Lightning ``ModelParallelStrategy`` (rank 1 killed mid-epoch, both checkpoint forms).
 
 Every run is bounded and every process it started is killed by pid (see ``test_examples._run``).
 """
@@ -448,16 +449,18 @@ def _check_from_partners_copy(example: Path, world: int, reference, tmp_path: Pa
 
 
 @pytest.mark.timeout(3 * DEADLINE_SEC + 60)
-@pytest.mark.parametrize("distributed", [False, pytest.param(True, marks=pytest.mark.long)], ids=["file", "directory"])
+@pytest.mark.parametrize("distributed, world", [
+    pytest.param(False, 2, id="file-2"), pytest.param(True, 2, id="directory-2", marks=pytest.mark.long),
+    pytest.param(False, 4, id="file-4", marks=pytest.mark.long)])
 def test_lightning_model_parallel_in_place_a_killed_ranks_shard_comes_back_from_its_partners_copy(
-        distributed, reference, tmp_path):
+        distributed, world, reference, tmp_path):
     """As above, for a user's Lightning script (``ModelParallelStrategy``, a real ``Trainer``): rank 1 is
     SIGKILLed as global step 23 starts, mid-epoch; its replacement loads its shard of step 22 (with its
     RNG states) from rank 0's copy through ``fit(ckpt_path=latest_checkpoint(...))``, and every rank
     carries on at 22 (0 steps computed twice) with the uninterrupted run's final weights, in either
-    checkpoint form. Before, Lightning replicated nothing: rank 1's shard was lost with it, and every
+    checkpoint form (at 4 ranks, ``long``). Before, Lightning replicated nothing: rank 1's shard was lost with it, and every
     rank went back to the checkpoint of step 20."""
-    _check_from_partners_copy(LIGHTNING, 2, reference, tmp_path, victim=1,
+    _check_from_partners_copy(LIGHTNING, world, reference, tmp_path, victim=1,
                               extra=" --distributed" if distributed else "")
 
 
