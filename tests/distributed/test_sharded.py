@@ -458,8 +458,8 @@ def test_lightning_model_parallel_in_place_a_killed_ranks_shard_comes_back_from_
     SIGKILLed as global step 23 starts, mid-epoch; its replacement loads its shard of step 22 (with its
     RNG states) from rank 0's copy through ``fit(ckpt_path=latest_checkpoint(...))``, and every rank
     carries on at 22 (0 steps computed twice) with the uninterrupted run's final weights, in either
-    checkpoint form (at 4 ranks, ``long``). Before, Lightning replicated nothing: rank 1's shard was lost with it, and every
-    rank went back to the checkpoint of step 20."""
+    checkpoint form (and at 4 ranks, ``long``). Before, Lightning replicated nothing: rank 1's shard
+    was lost with it, and every rank went back to the checkpoint of step 20."""
     _check_from_partners_copy(LIGHTNING, world, reference, tmp_path, victim=1,
                               extra=" --distributed" if distributed else "")
 
