@@ -439,8 +439,8 @@ def _check_from_partners_copy(example: Path, world: int, reference, tmp_path: Pa
         out[-4000:]
     assert re.search(rf"\[rank {victim}[^\]]*\] live state: received its shard of {unit} {step} from rank {holder}'s "
                      r"copy \(CRC-32 [0-9a-f]{8}, checked\)", out), out[-4000:]
-    assert re.search(rf"live state, {unit} {step} \(rank {victim}: its shard of {unit} {step} from rank {holder}'s copy",
-                     out), out[-4000:]
+    assert re.search(rf"live state, {unit} {step} \(rank {victim}: its shard of {unit} {step} from "
+                     rf"rank {holder}'s copy", out), out[-4000:]
     for rank in range(world):
         assert re.search(rf"\[rank {rank}[^\]]*\] carries on from live state, {unit} {step} .*no step computed twice",
                          out), (rank, out[-4000:])
