@@ -166,6 +166,7 @@ class ShardReplicas:
         self._spare: torch.Tensor | None = None
         self._cond = threading.Condition()
         self._stopping = self._sending = self._aborted = False
+        self._stalled = False  # a wait ran out while this send went on: not waited for again until it ends
         self._threads: list[threading.Thread] = []
         if not enabled:
             return
@@ -211,13 +212,16 @@ class ShardReplicas:
         """A step starts: wait (``wait`` at most) until every partner holds the newest snapshot handed
         to :meth:`step` (received, its checksum matched, acknowledged), so that a failure in this step
         finds the copy of the step before it there. ``False`` when one does not: counted
-        (``stats.late``), logged at WARNING the first time; a failure then resumes a step earlier."""
+        (``stats.late``), logged at WARNING the first time; a failure then resumes a step earlier. A
+        send still going after a wait ran out (a holder that stopped receiving: its acknowledgement
+        comes at the group's timeout) is not waited for again until it ends: one wait, not one a step."""
         if not self.enabled or not self.wait:
             return True
         start = time.monotonic()
         with self._cond:
-            sent = self._cond.wait_for(lambda: self._pending is None and not self._sending or self._stopping,
-                                       self.wait.total_seconds())
+            sent = not self._stalled and self._cond.wait_for(
+                lambda: self._pending is None and not self._sending or self._stopping, self.wait.total_seconds())
+            self._stalled = not sent
             missing = [p for p in self.to if self._home.get(p, -1) < self.taken]
             self.stats.waited += time.monotonic() - start
             if not missing:
@@ -317,7 +321,7 @@ class ShardReplicas:
             del snap  # (no name left on the payload: see _unused)
             with self._cond:
                 self.stats.sent += 1
-                self._sending = False
+                self._sending = self._stalled = False
                 self._cond.notify_all()
         stop = torch.tensor([_TAG, self.rank, _STOP, 0, 0, 0], dtype=torch.int64)
         for peer in [] if self._aborted else live:

@@ -285,3 +285,30 @@ def test_a_shard_received_is_loaded_only_with_the_agreed_checksum():
                                                "rank 0 does not have the agreed checksum")
     assert _unwire(_wire(snap, None), 1, plan, snap.checksum ^ 1, 0)[0] is None  # not the CRC agreed on
     assert "malformed" in _unwire({"rank": 1}, 1, plan, snap.checksum, 0)[1]
+
+
+def test_a_holder_that_stopped_acknowledging_costs_one_wait_not_one_a_step(caplog):
+    """A partner alive but no longer receiving (its receiving thread ended): the send of step 3 waits
+    for an acknowledgement that comes only at the group's timeout. The next step waits for it once
+    (``wait``); the steps after do not wait while that send goes on; once it ends, waiting resumes."""
+    import threading
+
+    waits = []
+
+    class Counted(threading.Condition):
+        def wait_for(self, predicate, timeout=None):
+            waits.append(timeout)
+            return super().wait_for(predicate, timeout)
+
+    replicas = ShardReplicas(enabled=False)  # the sending thread played by hand: no process group
+    replicas.enabled, replicas.wait, replicas.to = True, timedelta(seconds=0.2), (1,)
+    replicas._cond, replicas.taken, replicas._sending = Counted(), 3, True
+    with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
+        assert [replicas.wait_home() for _ in range(5)] == [False] * 5
+    assert waits == [0.2], waits  # one wait, then none while the send of step 3 goes on
+    assert replicas.stats.late == 5 and replicas.stats.waited < 2.0
+    assert sum("is not held by rank(s) 1" in r.getMessage() for r in caplog.records) == 1
+    with replicas._cond:  # the send ends (the group's timeout) as the sending thread ends it
+        replicas._sending = replicas._stalled = False
+        replicas._home[1] = 3
+    assert replicas.wait_home() is True and len(waits) == 2
