@@ -303,8 +303,11 @@ class ShardReplicas:
             if snap is None or self._aborted:  # stopping, nothing pending; or a failure: nothing more sent
                 break
             snap.seal()
-            with self._cond:
-                old, self._prev, self._own = self._prev, self._own, snap
+            with self._cond:  # a step sent again (its RNG moved on) replaces its own: the step before stays
+                if self._own is not None and self._own.step == snap.step:
+                    old, self._own = self._own, snap
+                else:
+                    old, self._prev, self._own = self._prev, self._own, snap
                 if _unused(old):
                     self._spare = old.payload
                 del old

@@ -312,3 +312,22 @@ def test_a_holder_that_stopped_acknowledging_costs_one_wait_not_one_a_step(caplo
         replicas._sending = replicas._stalled = False
         replicas._home[1] = 3
     assert replicas.wait_home() is True and len(waits) == 2
+
+
+def test_a_step_sent_again_keeps_the_step_before_as_the_older_own_snapshot():
+    """The loader drew from torch's RNG before the next step: step 2 is sent again with the RNG now.
+    The rank's two own snapshots are then steps 1 and 2 (the newer with the later RNG), not 2 twice: a
+    partner whose copy of step 2 had not arrived still finds a step in common (1)."""
+    import threading
+
+    replicas = ShardReplicas(enabled=False)  # the sending thread with no partner: nothing leaves the process
+    replicas.enabled, replicas.rank, replicas.to = True, 0, ()
+    sender = threading.Thread(target=replicas._send_loop, daemon=True)
+    sender.start()
+    for step, rng in ((1, 10), (2, 20), (2, 21)):
+        replicas.step({"w": torch.full((3,), float(step))}, step, (torch.tensor([rng], dtype=torch.uint8), None))
+        assert replicas.flush(timedelta(seconds=30))
+    own = replicas.abort()
+    sender.join(30)
+    assert [s.step for s in own] == [1, 2]
+    assert int(restore(own[1])["w"][0]) == 2 and not sender.is_alive()
