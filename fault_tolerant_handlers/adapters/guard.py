@@ -156,13 +156,18 @@ class LiveLoop:
         self.tracker = live.StepTracker(modules, update_at_pre_hook=update_at_pre_hook)
         self._mark(initial=True)
         live.register(self.capture)
-        every = config.settings().shard_replicas
+        rule = config.settings()
+        every = rule.shard_replicas
         # a sharded model (its parameters, not a state_dict(): torch's get_state_dict initialises an
         # optimizer's empty state with a step, which changes the run), FTH_SHARD_REPLICAS on: every
         # rank's loop starts here (collective)
         if every and self.replicates and not self.why_not and any(
                 sharded.unbacked(p) for m in modules for p in m.parameters()):
-            self.replicas = ShardReplicas(replicate_every=every)
+            try:
+                self.replicas = ShardReplicas(replicate_every=every, partners=rule.shard_partners,
+                                              wait=rule.shard_replica_wait)
+            except ValueError as e:  # more partners than other ranks
+                raise ValueError(f"{config.SHARD_PARTNERS_ENV}={rule.shard_partners}: {e}") from None
             live.keep_replicas(self.replicas)
 
     def _replicate(self, step: int) -> None:

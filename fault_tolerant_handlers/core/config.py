@@ -123,6 +123,12 @@ SETTINGS = (
             "(Ignite + FSDP2, Lightning `ModelParallelStrategy`): copy each rank's shard into a partner's CPU memory every this many steps (`0`: off), "
             "so that a rank whose process is lost gets its shard back from the copy ([sharded](sharded.md))",
             0, 1_000_000),
+    Setting("FTH_SHARD_PARTNERS", "shard_partners", "integer", 1, "with `FTH_SHARD_REPLICAS`: how many partners "
+            "hold a copy of each rank's shard, each on another host where there is one (each copy costs its holder "
+            "one shard's CPU memory; up to the world size - 1)", 1, 1024),
+    Setting("FTH_SHARD_REPLICA_WAIT_SEC", "shard_replica_wait", "seconds", 5 * _S, "with `FTH_SHARD_REPLICAS`: "
+            "a step waits this long at most for the partners' acknowledgement of the copy of the step before "
+            "(`0`: never waits; a failure may then resume a step earlier)", 0, 600),
     Setting("FTH_RECOVER_JOIN_SEC", "recover_join_timeout", "seconds", 60 * _S, "recovering in place: every rank "
             "must reach the recovery this soon after rank 0 (`join_timeout` where given)", 1, 86400),
     Setting("FTH_SPARE_WAIT_SEC", "spare_wait", "seconds", 60 * _S, "`recover_in_place(spares=k)`: a spare waits "
@@ -137,7 +143,8 @@ _BY_FIELD = {s.field: s for s in SETTINGS}
 KNOWN_ENV = tuple(s.variable for s in SETTINGS)
 (INTERVAL_ENV, HANG_TIMEOUT_ENV, START_TIMEOUT_ENV, AUTO_HANG_MULTIPLE_ENV, AUTO_HANG_FLOOR_ENV, AUTO_HANG_WARMUP_ENV,
  EXIT_GRACE_ENV, WRITE_GRACE_ENV, HEARTBEAT_TIMEOUT_ENV, UNACKED_ENV, STORE_LOST_ENV, SYNC_TIMEOUT_ENV, RELEASE_ENV, INJECT_ENV,
- CKPT_AGREE_TIMEOUT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV, SHARD_REPLICAS_ENV, RECOVER_JOIN_ENV, SPARE_WAIT_ENV,
+ CKPT_AGREE_TIMEOUT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV, SHARD_REPLICAS_ENV, SHARD_PARTNERS_ENV,
+ SHARD_REPLICA_WAIT_ENV, RECOVER_JOIN_ENV, SPARE_WAIT_ENV,
  INTERRUPT_DEFER_ENV) = KNOWN_ENV
 
 

@@ -331,3 +331,18 @@ def test_a_step_sent_again_keeps_the_step_before_as_the_older_own_snapshot():
     sender.join(30)
     assert [s.step for s in own] == [1, 2]
     assert int(restore(own[1])["w"][0]) == 2 and not sender.is_alive()
+
+
+def test_the_partners_and_the_wait_are_settings_checked_by_name(monkeypatch):
+    from fault_tolerant_handlers.core import config
+
+    monkeypatch.setenv("FTH_SHARD_PARTNERS", "2")
+    monkeypatch.setenv("FTH_SHARD_REPLICA_WAIT_SEC", "0")
+    rule = config.settings()
+    assert rule.shard_partners == 2 and rule.shard_replica_wait == timedelta(0)
+    for name, bad, told in (("FTH_SHARD_PARTNERS", "0", "from 1 to 1024"),
+                            ("FTH_SHARD_REPLICA_WAIT_SEC", "-1", "from 0 to 600")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}='{bad}': expected .*{told}"):
+            config.settings()
+        monkeypatch.delenv(name)
