@@ -42,7 +42,7 @@ from ..core.errors import StateTransferError
 from ..core.hooks import log
 from ..core.phases import Captured, RecoveryState
 from ..core.failure import cap_head
-from .causes import MAX_COPIES, Decision, LivePlan, LiveReport
+from .causes import MAX_COPIES, Decision, LivePlan, LiveReport, triples
 
 #: Bytes per segment at most (a slice of a large tensor, or small tensors packed), and of each of
 #: the two staging buffers a rank may hold. ``bench/state_transfer.py`` found no difference above its
@@ -490,7 +490,7 @@ def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
     for r in ranks:
         if r.step >= 0 and r.shard:
             held[r.by].setdefault(r.step, []).append((-1, int(r.checksum or "0", 16)))  # -1: its capture
-        for rank, at, crc in zip(r.copies[::3], r.copies[1::3], r.copies[2::3]):
+        for rank, at, crc in triples(r.copies):
             if rank in held:
                 held[rank].setdefault(at, []).append((r.by, crc))
     for r in ranks:
@@ -582,7 +582,7 @@ class Held:
             return
         plan = (decision.live or LivePlan(-1, "", "rank 0 made no plan (or it could not be read)")).checked(world_size)
         # (holder, CRC-32) of this rank's shard, or None (its own capture)
-        mine = next(((h, c) for r, h, c in zip(plan.shards[::3], plan.shards[1::3], plan.shards[2::3]) if r == rank), None)
+        mine = next(((h, c) for r, h, c in triples(plan.shards) if r == rank), None)
         if plan.step >= 0 and mine is not None:  # this rank's shard from a copy: its own replica, or a partner's
             own = self.copies.get((rank, plan.step)) if mine[0] == rank else None
             if mine[0] == rank and (own is None or own.checksum != mine[1]):
@@ -607,7 +607,7 @@ class Held:
         is called again."""
         plan, own, self.sending = self.plan, self.sending, None
         copies, self.copies = self.copies, {}
-        if plan is not None and plan.step >= 0 and any(r != h for r, h in zip(plan.shards[::3], plan.shards[1::3])):
+        if plan is not None and plan.step >= 0 and any(r != h for r, h, _ in triples(plan.shards)):
             self._send_shards(plan, copies, store, rank, world_size, timeout, timings)
             return
         if plan is None or plan.step < 0 or not plan.receivers:
@@ -652,7 +652,7 @@ class Held:
         try:
             dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world_size, timeout=timeout)
             try:
-                for r, holder, crc in zip(plan.shards[::3], plan.shards[1::3], plan.shards[2::3]):
+                for r, holder, crc in triples(plan.shards):
                     if r == holder:
                         continue
                     snap = copies.get((r, plan.step)) if rank == holder else None
