@@ -162,8 +162,7 @@ class LiveLoop:
         # rank's loop starts here (collective)
         if every and self.replicates and not self.why_not and any(
                 sharded.unbacked(p) for m in modules for p in m.parameters()):
-            self.replicas = ShardReplicas(replicate_every=every)
-            live.keep_replicas(self.replicas)
+            self.replicas = self.tracker.replicas = ShardReplicas(replicate_every=every)
 
     def _replicate(self, step: int) -> None:
         """A step completed (after ``_mark``): this rank's shard to its partners (every n-th step)."""

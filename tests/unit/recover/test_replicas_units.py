@@ -285,3 +285,29 @@ def test_a_shard_received_is_loaded_only_with_the_agreed_checksum():
                                                "rank 0 does not have the agreed checksum")
     assert _unwire(_wire(snap, None), 1, plan, snap.checksum ^ 1, 0)[0] is None  # not the CRC agreed on
     assert "malformed" in _unwire({"rank": 1}, 1, plan, snap.checksum, 0)[1]
+
+
+def test_a_failure_collects_the_copies_of_the_loops_still_running_once():
+    """The replicas an adapter's loop made ride on its step tracker (``StepTracker.replicas``): at a
+    failure each running loop's are aborted and their copies collected, once; a loop that ended (its
+    tracker closed, its replicas stopped) is not asked."""
+    from fault_tolerant_handlers.data import live
+
+    class Replicas:
+        def __init__(self, snaps):
+            self.snaps, self.aborted = snaps, 0
+
+        def abort(self):
+            self.aborted += 1
+            return list(self.snaps)
+
+    running, ended = (live.StepTracker([], update_at_pre_hook=True) for _ in range(2))
+    running.replicas, ended.replicas = Replicas(["own", "partner's"]), Replicas(["old"])
+    ended.close()
+    try:
+        assert live.replica_copies() == ("own", "partner's")
+        with pytest.raises(live.NotLive):
+            live.collect()  # no loop registered a capture; the trackers end with it
+        assert live.replica_copies() == () and (running.replicas.aborted, ended.replicas.aborted) == (1, 0)
+    finally:
+        live.forget()
