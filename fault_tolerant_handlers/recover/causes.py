@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..core import compat_torch
 from ..core.schema import keeper_key
 from ..core.failure import WORLD, FailureKind, Stored
 from ..core.recoveries import RecoveryCause
@@ -143,8 +142,3 @@ def keeper_replaces(store: Any, rank: int, end_seen: bool) -> bool:
     alone is no evidence: a rank whose host is gone or cut off left its key behind, announced when it
     started, and so did a keeper killed with its rank."""
     return end_seen and bool(store.check([keeper_key(rank)]))
-
-
-def base_of(store: Any) -> Any:
-    """The store under every ``PrefixStore`` of ``store`` (the rendezvous's own)."""
-    return compat_torch.store_chain(store)[-1]

@@ -694,14 +694,12 @@ def _unwire(got: Any, rank: int, plan: LivePlan, crc: int, holder: int) -> tuple
         snap = sharded.Snapshot(got["rank"], got["step"], bytes(sharded.memory(got["manifest"])), got["payload"],
                                 got["checksum"])
         sharded.read_manifest(snap.manifest, snap.payload.numel())
-    except (KeyError, TypeError, AttributeError, sharded.ManifestError) as err:
-        return None, f"the copy of rank {rank}'s shard from rank {holder} is malformed ({type(err).__name__}: {err})"
-    if (snap.rank, snap.step, snap.checksum) != (rank, step, crc) or not snap.verify():
-        return None, (f"SnapshotChecksumError: the copy of rank {rank}'s shard of step {step} from rank {holder} does "
-                      f"not have the agreed checksum (CRC-32 {crc:08x} agreed, {snap.compute_checksum():08x} received)")
-    try:
+        if (snap.rank, snap.step, snap.checksum) != (rank, step, crc) or not snap.verify():
+            return None, (f"SnapshotChecksumError: the copy of rank {rank}'s shard of step {step} from rank {holder} "
+                          f"does not have the agreed checksum (CRC-32 {crc:08x} agreed, {snap.compute_checksum():08x} "
+                          "received)")
         rng = sharded.rng_of(snap)  # the rank's RNG states of that step, under the same checksum
-    except (sharded.ManifestError, sharded.SnapshotChecksumError) as err:
+    except (KeyError, TypeError, AttributeError, sharded.ManifestError, sharded.SnapshotChecksumError) as err:
         return None, f"the copy of rank {rank}'s shard from rank {holder} is malformed ({type(err).__name__}: {err})"
     directory = got.get("directory")
     log(logging.WARNING, "live state: received its shard of %s %d from rank %d's copy (CRC-32 %08x, checked)",
