@@ -198,8 +198,7 @@ class _Recovery:
         take part in the recovery of the attempt the dead child was in (:attr:`attempts.in_place`)."""
         t0 = time.monotonic()
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                              is_master=False, timeout=self.join_timeout)
+        store = spares.connect(self.join_timeout)
         self._joined = (store, rank, world_size)
         if self.layout is not None:
             spares.write_seat(store, rank, self.layout.launched_rank)
