@@ -10,7 +10,8 @@ Recover in place (``--in-place``): the same processes call ``train`` again (Ligh
 process group and the device mesh inside ``fit``) and carry on from live state: each rank's own
 shard of the last completed step, copied at the failure into a checksummed CPU snapshot, which
 ``latest_checkpoint`` names and ``fit(ckpt_path=...)`` loads (no step computed twice; a rank whose
-process was lost takes its shard with it: then every rank resumes from the newest checkpoint)::
+process was lost takes its shard with it: then every rank resumes from the newest checkpoint, unless
+``FTH_SHARD_REPLICAS=1`` keeps each rank's shard in a partner's memory too)::
 
     FTH_INJECT=raise@rank=1,iteration=17 torchrun --standalone --nproc-per-node 2 examples/lightning_model_parallel.py --in-place
 

@@ -254,7 +254,8 @@ class FaultTolerance(_CallbackBase):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        self.guard.beat(int(trainer.global_step), CHECKPOINT)  # the file is written after this hook
+        if not self._live.capturing:
+            self.guard.beat(int(trainer.global_step), CHECKPOINT)  # the file is written after this hook
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -328,7 +329,9 @@ class LightningLive(LiveLoop):
     write, captured at ``on_exception`` with the parts marked at the last batch end put in."""
 
     unit = "global step"
+    replicates = True
     trainer: Any = None
+    capturing = False  #: in capture(): the on_save_checkpoint it calls writes no checkpoint
 
     def __init__(self) -> None:
         self._parts: tuple[list, list] = ([], [])
@@ -356,6 +359,7 @@ class LightningLive(LiveLoop):
     def batch_end(self) -> None:
         if self.tracker is not None:
             self._mark()
+            self._replicate(int(self.trainer.global_step))
 
     def _mark(self, initial: bool = False) -> None:
         if self.why_not:
@@ -372,7 +376,11 @@ class LightningLive(LiveLoop):
     def capture(self) -> live.Captured:
         tracker = self._tracked("the trainer was not fitting")
         small = tracker.small
-        checkpoint = _compat_lightning.dump_checkpoint(self.trainer)
+        self.capturing = True
+        try:
+            checkpoint = _compat_lightning.dump_checkpoint(self.trainer)
+        finally:
+            self.capturing = False
         checkpoint["loops"]["fit_loop"] = _compat_lightning.loop_state(self._parts, small["loops"])
         checkpoint["global_step"], checkpoint["epoch"] = tracker.step, small["epoch"]
         if "lr_schedulers" in checkpoint:

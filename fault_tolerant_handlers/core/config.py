@@ -120,7 +120,7 @@ SETTINGS = (
             "([recovering](recovering.md#live-state-no-step-computed-twice))", choices=("0", "1"),
             expected="0 (resume from the newest checkpoint) or 1 (from the ranks' live state, the default)"),
     Setting("FTH_SHARD_REPLICAS", "shard_replicas", "integer", 0, "recovering in place with a sharded model "
-            "(Ignite + FSDP2): copy each rank's shard into a partner's CPU memory every this many steps (`0`: off), "
+            "(Ignite + FSDP2, Lightning `ModelParallelStrategy`): copy each rank's shard into a partner's CPU memory every this many steps (`0`: off), "
             "so that a rank whose process is lost gets its shard back from the copy ([sharded](sharded.md))",
             0, 1_000_000),
     Setting("FTH_RECOVER_JOIN_SEC", "recover_join_timeout", "seconds", 60 * _S, "recovering in place: every rank "

@@ -86,8 +86,11 @@ class Everywhere(IterableDataset):
         return iter(range(self.n))
 
 
-#: When each worker process served its first item (``KillOnce(serial=True)`` tells generations apart).
+#: When each worker process was forked (``KillOnce(serial=True)`` tells generations apart). Not its
+#: first item: under load a worker of the same generation may serve its first item only after its
+#: sibling's kill, and would pass for a newer one (two deaths, one restart).
 _FIRST_ITEM: dict[int, float] = {}
+os.register_at_fork(after_in_child=lambda: _FIRST_ITEM.__setitem__(os.getpid(), time.time()))
 
 
 class KillOnce(Dataset):
@@ -110,7 +113,7 @@ class KillOnce(Dataset):
     def _wait_for_a_newer_worker(self, k: int) -> None:
         if not self.serial or k == 0:
             return
-        started = _FIRST_ITEM[os.getpid()]  # set by __getitem__ before it calls this
+        started = _FIRST_ITEM[os.getpid()]  # at its fork (or, started otherwise, its first item)
         previous = os.path.join(self.dir, f"k{self.kill_at[k - 1]}")
         deadline = time.monotonic() + 30.0
         while not (os.path.exists(previous) and os.stat(previous).st_mtime < started):

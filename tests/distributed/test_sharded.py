@@ -27,7 +27,8 @@ checkpoints (``torch.distributed.checkpoint``, DCP), as the examples run them, o
 
 * ``FTH_SHARD_REPLICAS=1``: a rank SIGKILLed in place gets its shard of the iteration before from
   its partner's copy, with its RNG states (``programs/dropout_fsdp_main.py``: dropout and noise in the
-  step), and every rank carries on there (0 steps computed twice) with an uninterrupted run's weights.
+  step), and every rank carries on there (0 steps computed twice) with an uninterrupted run's weights;
+  the same for Lightning ``ModelParallelStrategy`` (rank 1 killed mid-epoch, both checkpoint forms).
 
 Every run is bounded and every process it started is killed by pid (see ``test_examples._run``).
 """
@@ -420,28 +421,47 @@ def test_ignite_fsdp_in_place_a_killed_ranks_shard_comes_back_from_its_partners_
     _check_from_partners_copy(IGNITE, world, reference, tmp_path)
 
 
-def _check_from_partners_copy(example: Path, world: int, reference, tmp_path: Path, at: int = 23) -> None:
-    """Rank 0 SIGKILLed as iteration ``at`` starts: every rank carries on from ``at - 1`` exactly."""
+def _check_from_partners_copy(example: Path, world: int, reference, tmp_path: Path, at: int = 23,
+                              victim: int = 0, extra: str = "") -> None:
+    """Rank ``victim`` SIGKILLed as step ``at`` starts: every rank carries on from ``at - 1`` exactly."""
     expected = reference(example, world)
-    returncode, out = _run(_replicated_kill_line(world, 0, example).replace("iteration=23", f"iteration={at}"),
-                           example, tmp_path)
-    assert f"FTH_INJECT=kill@rank=0,iteration={at}: injecting kill" in out, out[-4000:]  # the fault fired
-    assert "[rank 0] the training process of rank 0" in out, out[-4000:]  # its keeper replaced it
-    # one host: rank 0's partner is the next rank (logged: a lost host would lose both)
+    unit, holder, step = ("global step" if example == LIGHTNING else "iteration"), (victim + 1) % world, at - 1
+    returncode, out = _run(_replicated_kill_line(world, victim, example).replace("iteration=23", f"iteration={at}")
+                           + extra, example, tmp_path)
+    assert f"FTH_INJECT=kill@rank={victim},iteration={at}: injecting kill" in out, out[-4000:]  # the fault fired
+    assert f"[rank {victim}] the training process of rank {victim}" in out, out[-4000:]  # its keeper replaced it
+    # one host: a rank's partner is the next rank (logged: a lost host would lose both)
     assert re.search(rf"shard replicas: {world} of {world} copies are held on their own rank's host", out), out[-4000:]
     # every copy of the killed rank's shard was acknowledged in time (a copy sent to the killed rank is
-    # lost with it, and its sender may say so: "the copy of step N is not held by rank(s) 0")
-    assert not re.search(r"the copy of step \d+ is not held by rank\(s\) (?!0 after)", out), out[-4000:]
-    assert not re.search(r"\[rank 0[^\]]*\] shard replicas: the copy of step \d+ is not held", out), out[-4000:]
-    step = at - 1
-    assert re.search(rf"\[rank 0[^\]]*\] live state: received its shard of iteration {step} from rank 1's copy "
-                     r"\(CRC-32 [0-9a-f]{8}, checked\)", out), out[-4000:]
-    assert re.search(rf"live state, iteration {step} \(rank 0: its shard of iteration {step} from rank 1's copy", out), \
+    # lost with it, and its sender may say so: "the copy of step N is not held by rank(s) <victim>")
+    assert not re.search(rf"the copy of step \d+ is not held by rank\(s\) (?!{victim} after)", out), out[-4000:]
+    assert not re.search(rf"\[rank {victim}[^\]]*\] shard replicas: the copy of step \d+ is not held", out), \
         out[-4000:]
+    assert re.search(rf"\[rank {victim}[^\]]*\] live state: received its shard of {unit} {step} from rank {holder}'s "
+                     r"copy \(CRC-32 [0-9a-f]{8}, checked\)", out), out[-4000:]
+    assert re.search(rf"live state, {unit} {step} \(rank {victim}: its shard of {unit} {step} from "
+                     rf"rank {holder}'s copy", out), out[-4000:]
     for rank in range(world):
-        assert re.search(rf"\[rank {rank}[^\]]*\] carries on from live state, iteration {step} .*no step computed twice",
+        assert re.search(rf"\[rank {rank}[^\]]*\] carries on from live state, {unit} {step} .*no step computed twice",
                          out), (rank, out[-4000:])
-    _check_resumed(out, returncode, world, rf"resumed from live-state-step={step}\.pt at iteration {step}", expected)
+    _check_resumed(out, returncode, world, rf"resuming from live-state-step={step}\.pt" if example == LIGHTNING
+                   else rf"resumed from live-state-step={step}\.pt at iteration {step}", expected)
+
+
+@pytest.mark.timeout(3 * DEADLINE_SEC + 60)
+@pytest.mark.parametrize("distributed, world", [
+    pytest.param(False, 2, id="file-2"), pytest.param(True, 2, id="directory-2", marks=pytest.mark.long),
+    pytest.param(False, 4, id="file-4", marks=pytest.mark.long)])
+def test_lightning_model_parallel_in_place_a_killed_ranks_shard_comes_back_from_its_partners_copy(
+        distributed, world, reference, tmp_path):
+    """As above, for a user's Lightning script (``ModelParallelStrategy``, a real ``Trainer``): rank 1 is
+    SIGKILLed as global step 23 starts, mid-epoch; its replacement loads its shard of step 22 (with its
+    RNG states) from rank 0's copy through ``fit(ckpt_path=latest_checkpoint(...))``, and every rank
+    carries on at 22 (0 steps computed twice) with the uninterrupted run's final weights, in either
+    checkpoint form (and at 4 ranks, ``long``). Before, Lightning replicated nothing: rank 1's shard
+    was lost with it, and every rank went back to the checkpoint of step 20."""
+    _check_from_partners_copy(LIGHTNING, world, reference, tmp_path, victim=1,
+                              extra=" --distributed" if distributed else "")
 
 
 DROPOUT_MAIN = ROOT / "tests" / "programs" / "dropout_fsdp_main.py"

@@ -6,6 +6,8 @@ Lightning is imported here, at collection: imported inside the test it took 15-4
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -13,6 +15,7 @@ from torch.utils.data import TensorDataset
 from fault_tolerant_handlers import RestartableDataLoader
 
 pl = pytest.importorskip("lightning.pytorch")
+from fault_tolerant_handlers.adapters import compat_lightning  # noqa: E402
 from fault_tolerant_handlers.lightning import FaultTolerance  # noqa: E402 - after Lightning's skip
 
 
@@ -47,3 +50,23 @@ def test_worker_kill_is_survived_and_logged_as_a_metric(monkeypatch, tmp_path):
     assert loader.restarts[0].signal == "SIGKILL"
     assert sorted(model.seen) == list(range(64)) and model.seen == list(range(64))  # none lost, none repeated
     assert float(trainer.callback_metrics["dataloader_restarts"]) == 1.0
+
+
+def test_live_states_copy_at_a_steps_end_is_no_checkpoint_written(monkeypatch):
+    """With ``FTH_SHARD_REPLICAS`` the live state (what ``trainer.save_checkpoint`` would write, which
+    runs the callbacks' ``on_save_checkpoint``) is copied at every step's end: no checkpoint is
+    written, so ``hang_timeout="auto"`` learns no checkpoint's duration from it (a real write would
+    then be judged by a memory copy's deadline). A real save still begins a checkpoint's work."""
+    callback = FaultTolerance()
+    beats = []
+    monkeypatch.setattr(callback.guard, "beat", lambda step=None, work=None, **_: beats.append(work))
+    trainer = SimpleNamespace(global_step=3)
+    monkeypatch.setattr(compat_lightning, "dump_checkpoint",
+                        lambda t: callback.on_save_checkpoint(t, None, {}) or {"loops": {}})
+    monkeypatch.setattr(compat_lightning, "loop_state", lambda parts, loops: {})
+    callback._live.trainer = trainer
+    callback._live.tracker = SimpleNamespace(check=lambda unit: None, step=3, rng_after=lambda step: None,
+                                             small={"loops": None, "epoch": 0, "param_groups": []})
+    assert callback._live.capture().step == 3
+    callback.on_save_checkpoint(trainer, None, {})
+    assert beats == ["checkpoint"]
