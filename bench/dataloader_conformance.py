@@ -9,7 +9,7 @@ paths. Nothing is downloaded.
   ``multiprocessing`` children and ``subprocess`` interpreters the tests start see it too.
 * ``--torchdata-tests DIR``: torchdata's ``test/stateful_dataloader`` (the tag of the installed
   torchdata, 0.11.0). In the "ours" run ``StatefulDataLoader`` is the loader
-  ``RestartableDataLoader`` drives for iterable datasets (``_dataloader_stateful.InnerStatefulLoader``,
+  ``RestartableDataLoader`` drives for iterable datasets (``data.compat_torchdata.InnerStatefulLoader``,
   torchdata's loader on the hardened worker iterator).
 
 torch's test file imports ``expecttest`` (``pip install expecttest``, or ``--extra-path`` to a
@@ -58,7 +58,7 @@ _SITE = {
     "torch": """
 import torch.utils.data
 import torch.utils.data.dataloader
-import fault_tolerant_handlers.data._stateful  # torchdata's classes bind the stock DataLoader first
+import fault_tolerant_handlers.data.compat_torchdata  # torchdata's classes bind the stock DataLoader first
 from fault_tolerant_handlers.dataloader import RestartableDataLoader
 torch.utils.data.DataLoader = RestartableDataLoader
 torch.utils.data.dataloader.DataLoader = RestartableDataLoader
@@ -66,7 +66,7 @@ torch.utils.data.dataloader.DataLoader = RestartableDataLoader
     "torchdata": """
 import torchdata.stateful_dataloader
 import torchdata.stateful_dataloader.stateful_dataloader
-from fault_tolerant_handlers.data._stateful import InnerStatefulLoader
+from fault_tolerant_handlers.data.compat_torchdata import InnerStatefulLoader
 torchdata.stateful_dataloader.StatefulDataLoader = InnerStatefulLoader
 torchdata.stateful_dataloader.stateful_dataloader.StatefulDataLoader = InnerStatefulLoader
 """,

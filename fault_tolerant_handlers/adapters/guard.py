@@ -164,11 +164,10 @@ class LiveLoop:
         if every and self.replicates and not self.why_not and any(
                 sharded.unbacked(p) for m in modules for p in m.parameters()):
             try:
-                self.replicas = ShardReplicas(replicate_every=every, partners=rule.shard_partners,
-                                              wait=rule.shard_replica_wait)
+                self.replicas = self.tracker.replicas = ShardReplicas(
+                    replicate_every=every, partners=rule.shard_partners, wait=rule.shard_replica_wait)
             except ValueError as e:  # more partners than other ranks
                 raise ValueError(f"{config.SHARD_PARTNERS_ENV}={rule.shard_partners}: {e}") from None
-            live.keep_replicas(self.replicas)
 
     def _replicate(self, step: int) -> None:
         """A step completed (after ``_mark``): this rank's shard to its partners (every n-th step)."""

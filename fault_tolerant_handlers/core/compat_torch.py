@@ -306,19 +306,24 @@ _LOADER_REQUIRED = (
 )
 
 
+def lacking(required: tuple, objects: dict) -> list[str]:
+    """Each ``(owner, name)`` that ``objects[owner]`` lacks (``"Class.method"``: that method's code names it)."""
+    missing = []
+    for owner, name in required:
+        cls, _, method = owner.partition(".")
+        code = getattr(getattr(objects[cls], method, None), "__code__", None) if method else None
+        if not (name in code.co_names if code is not None else not method and hasattr(objects[cls], name)):
+            missing.append(f"{owner} ({name})" if method else f"{owner}.{name}")
+    return missing
+
+
 def check_loader() -> None:
     """Raise ``RuntimeError`` naming every private DataLoader name this torch lacks."""
     from torch.utils.data import DataLoader, _utils, dataloader
 
     objects = {"DataLoader": DataLoader, "dataloader": dataloader, "signal_handling": _utils.signal_handling,
                **{name: getattr(dataloader, name, None) for name in ("_BaseDataLoaderIter", "_MultiProcessingDataLoaderIter")}}
-    missing = []
-    for owner, name in _LOADER_REQUIRED:
-        cls, _, method = owner.partition(".")
-        code = getattr(getattr(objects[cls], method, None), "__code__", None) if method else None
-        if not (name in code.co_names if code is not None else not method and hasattr(objects[cls], name)):
-            missing.append(f"{owner} ({name})" if method else f"{owner}.{name}")
-    if missing:
+    if missing := lacking(_LOADER_REQUIRED, objects):
         raise RuntimeError(f"RestartableDataLoader needs torch's {', '.join(missing)}, which torch {torch.__version__} "
                            f"does not have (checked against torch {', '.join(CHECKED_AGAINST)})")
 

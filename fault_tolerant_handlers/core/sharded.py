@@ -53,6 +53,17 @@ def unbacked(tensor: torch.Tensor) -> str:
     return ""
 
 
+def memory(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, read in place through ctypes (valid while ``t`` lives;
+    torch only: numpy is not a dependency)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    if type(t) is not torch.Tensor or t.device.type != "cpu" or not t.data_ptr() or not t.is_contiguous():
+        raise TypeError(f"not a contiguous CPU tensor with memory of its own ({type(t).__qualname__} on {t.device})")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
 def find(obj: Any, path: str = "state", depth: int = 0) -> tuple[str, str] | None:
     """``(path, why)`` of the first sharded tensor (:func:`unbacked`) in a nested state (dicts,
     lists, tuples), or ``None``."""
@@ -78,11 +89,8 @@ class Snapshot:
     checksum: int | None = None
 
     def compute_checksum(self) -> int:
-        # the payload's memory read in place through ctypes (torch only: numpy is not a dependency);
         # zlib releases the GIL over large buffers
-        payload = self.payload.detach().cpu().contiguous()
-        data = (ctypes.c_ubyte * (payload.numel() * payload.element_size())).from_address(payload.data_ptr())
-        return zlib.crc32(data, zlib.crc32(self.manifest))
+        return zlib.crc32(memory(self.payload.detach().cpu().contiguous()), zlib.crc32(self.manifest))
 
     def seal(self) -> Snapshot:
         self.checksum = self.compute_checksum()

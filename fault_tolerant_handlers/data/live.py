@@ -80,6 +80,7 @@ class StepTracker:
         self.updating = False  #: an optimizer update runs now
         self.updates = 0  #: optimizer updates since the last step completed
         self.rng: tuple | None = None  #: (step it follows, torch's RNG states) at the start of a step
+        self.replicas: Any = None  #: the loop's ``data.replicas.ShardReplicas`` (its adapter's), if it replicates
         with _lock:
             if not _trackers:
                 _hook_handles[:] = [register_optimizer_step_pre_hook(_pre_hook),
@@ -185,21 +186,11 @@ def collect() -> Captured:
     return captured
 
 
-# -- shard replicas (data.replicas.ShardReplicas, made by an adapter) ------------------------------------
-_replicas: list[Any] = []
-
-
-def keep_replicas(replicas: Any) -> None:
-    """An adapter's loop replicates its shard: ``replicas.abort()`` gives the snapshots it holds at a failure."""
-    _replicas.append(replicas)
-
-
 def replica_copies() -> tuple:
-    """The loop failed: every replicas' threads told to stop (their group goes with the teardown's)
-    and the shard snapshots they hold (partners' copies and this rank's own), once."""
-    found = [snap for replicas in _replicas for snap in replicas.abort()]
-    _replicas.clear()
-    return tuple(found)
+    """The loop failed: the threads of every tracked loop's :attr:`StepTracker.replicas` told to stop
+    (their group goes with the teardown's) and the shard snapshots they hold (partners' copies and this
+    rank's own); once, since the trackers end with :func:`collect` or :func:`forget`."""
+    return tuple(snap for t in list(_trackers) if t.replicas is not None for snap in t.replicas.abort())
 
 
 # -- the state the next attempt resumes from ---------------------------------------------------------------

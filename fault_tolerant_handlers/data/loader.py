@@ -4,7 +4,7 @@
 Map-style datasets: the loader iterates the sampler itself, once per epoch as torch does, and sends
 the index batches not yet yielded again, in order, to the new workers (the sampler is never
 re-iterated). Iterable datasets: torchdata's ``StatefulDataLoader`` snapshots every worker's dataset
-state after each batch, and new workers start from the last one (:mod:`._stateful`). An exception
+state after each batch, and new workers start from the last one (:mod:`.compat_torchdata`). An exception
 raised by the dataset's own code is a bug, not a death: it propagates unchanged, not retried.
 """
 
@@ -206,6 +206,8 @@ class RestartableDataLoader(DataLoader[_T_co]):
         torch_args = dict(locals())  # DataLoader's arguments, as given
         for name in ("self", "__class__", "max_restarts", "restart_start_method"):
             torch_args.pop(name, None)
+        if num_workers and isinstance(dataset, IterableDataset):
+            from . import compat_torchdata  # noqa: F401 - torchdata's too, checked by its import
         super().__init__(**torch_args)
         self.max_restarts = max_restarts
         self.restart_start_method = restart_start_method
@@ -583,7 +585,7 @@ class _IterableRun(_Run):
     """An epoch over an ``IterableDataset``: torchdata snapshots, committed after every batch."""
 
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None = None) -> None:
-        from ._stateful import InnerStatefulLoader
+        from .compat_torchdata import InnerStatefulLoader
 
         super().__init__(loader, epoch, pending)
         if loader._fth_stateful is None:

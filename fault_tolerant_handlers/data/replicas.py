@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.hooks import log
-from ..core.sharded import MAX_MANIFEST_BYTES, ManifestError, Snapshot, take_snapshot
+from ..core.sharded import MAX_MANIFEST_BYTES, ManifestError, Snapshot, memory, take_snapshot
 
 #: The header sent before each snapshot: format tag, rank, step, manifest bytes, payload bytes, CRC-32.
 _HEADER = 6
@@ -378,7 +378,7 @@ class ShardReplicas:
                 self.stats.errors.append(f"receive: {type(e).__name__}: {e}")
                 log(logging.WARNING, "shard replicas: receiving stopped: %s: %s", type(e).__name__, e)
                 return
-            snap = Snapshot(rank, step, manifest.numpy().tobytes(), payload, crc)
+            snap = Snapshot(rank, step, bytes(memory(manifest)), payload, crc)
             del payload
             if not snap.verify():
                 self.stats.refused += 1

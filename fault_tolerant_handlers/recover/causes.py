@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..core import compat_torch
 from ..core.schema import keeper_key
 from ..core.failure import WORLD, FailureKind, Stored
 from ..core.recoveries import RecoveryCause
@@ -34,6 +33,14 @@ def brief(cause: RecoveryCause) -> str:
 def replaced(rank: int, message: str) -> RecoveryCause:
     """The cause a replacement of rank ``rank`` (a keeper's new child, a spare) joins its peers' recovery with."""
     return RecoveryCause(rank, FailureKind.RANK_REPLACED, FailureKind.RANK_REPLACED.value, message, own=True)
+
+
+def triples(flat: tuple[int, ...], world: int = 2**31, ranks: int = 1) -> list[tuple[int, int, int]] | None:
+    """``flat`` as (rank, step or holder, CRC-32) triples; ``None`` unless the first ``ranks`` of each
+    are ranks of ``world`` and the last is a CRC-32 (a report or a plan read back from the store)."""
+    out = list(zip(flat[::3], flat[1::3], flat[2::3]))
+    fits = all(0 <= t[i] < world for t in out for i in range(ranks)) and all(0 <= t[2] < 2**32 for t in out)
+    return out if fits and len(flat) % 3 == 0 else None
 
 
 #: Shard copies a report lists at most (the newest first).
@@ -62,10 +69,7 @@ class LiveReport(Stored):
                               "copies": (0, 2**53 - 1, 3 * MAX_COPIES)}
 
     def problem(self, world: int) -> str | None:
-        if len(self.copies) % 3 or any(r >= world for r in self.copies[::3]) \
-                or any(c >= 2**32 for c in self.copies[2::3]):
-            return "field 'copies' is not (rank, step, CRC-32) triples"
-        return None
+        return None if triples(self.copies, world) is not None else "field 'copies' is not (rank, step, CRC-32) triples"
 
 
 @dataclass(frozen=True)
@@ -106,8 +110,8 @@ class LivePlan:
     def checked(self, world_size: int) -> LivePlan:
         """This plan, or a fallback when its ranks are not ranks of the world (a plan read back from
         the store is checked before any rank acts on it)."""
-        ranks = self.shards[::3] + self.shards[1::3] + self.receivers + ((self.source,) if self.receivers else ())
-        if self.step >= 0 and (len(self.shards) % 3 or self.source in self.receivers
+        ranks = self.receivers + ((self.source,) if self.receivers else ())
+        if self.step >= 0 and (triples(self.shards, world_size, 2) is None or self.source in self.receivers
                                or not all(0 <= r < world_size for r in ranks)):
             return LivePlan(-1, "", "rank 0's plan names ranks outside the world")
         return self
@@ -138,8 +142,3 @@ def keeper_replaces(store: Any, rank: int, end_seen: bool) -> bool:
     alone is no evidence: a rank whose host is gone or cut off left its key behind, announced when it
     started, and so did a keeper killed with its rank."""
     return end_seen and bool(store.check([keeper_key(rank)]))
-
-
-def base_of(store: Any) -> Any:
-    """The store under every ``PrefixStore`` of ``store`` (the rendezvous's own)."""
-    return compat_torch.store_chain(store)[-1]

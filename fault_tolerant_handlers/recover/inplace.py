@@ -39,7 +39,7 @@ from ..core.interrupts import EXIT_TEARDOWN_STUCK
 from ..core.session import live_sessions
 from . import agree, keeper, live_state, spares
 from .agree import AsIs, Misplaced, Unsafe, cause_of
-from .causes import Decision, LivePlan, LiveReport, base_of, brief
+from .causes import Decision, LivePlan, LiveReport, brief
 from .spares import check_spares
 
 T = TypeVar("T")
@@ -84,7 +84,7 @@ class _Recovery:
         if first is None:
             return None
         store, rank, world = first
-        return base_of(store), rank, world, self.backend or "gloo", self.timeout or store.timeout
+        return _compat_torch.store_chain(store)[-1], rank, world, self.backend or "gloo", self.timeout or store.timeout
 
     def _state(self, **changes: Any) -> RecoveryState:
         """The recovery as its phases' steps see it (:mod:`..core.phases`)."""
@@ -108,8 +108,8 @@ class _Recovery:
     def __call__(self, *args: Any, **kwargs: Any) -> T:
         if dist.is_available() and dist.is_initialized():  # the group exists: re-made here after a failure
             self._note_group()
-            self.given = (base_of(_compat_torch.default_store()), dist.get_rank(), dist.get_world_size(),
-                          self.backend or "gloo", self.timeout)
+            self.given = (_compat_torch.store_chain(_compat_torch.default_store())[-1], dist.get_rank(),
+                          dist.get_world_size(), self.backend or "gloo", self.timeout)
         if self.spares:
             if self.given is not None:
                 raise RecoveryError(f"recover_in_place(spares={self.spares}) must be called before "
@@ -198,8 +198,7 @@ class _Recovery:
         take part in the recovery of the attempt the dead child was in (:attr:`attempts.in_place`)."""
         t0 = time.monotonic()
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                              is_master=False, timeout=self.join_timeout)
+        store = spares.connect(self.join_timeout)
         self._joined = (store, rank, world_size)
         if self.layout is not None:
             spares.write_seat(store, rank, self.layout.launched_rank)

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from ..core import attempts, interrupts
+from ..core import attempts, compat_torch, interrupts
 from ..core.config import ZOMBIE_HOLD
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED
 from ..core.failure import Ended
@@ -34,7 +34,7 @@ from ..core.hooks import log
 from . import spares
 from ..core.schema import keeper_key
 from ..core.recoveries import RecoveryCause
-from .causes import base_of, replaced
+from .causes import replaced
 
 #: What a keeper runs (``recover.inplace._Recovery``, not imported: it imports this module): its
 #: ``given``, ``layout``, ``join_timeout``, ``max_restarts``, ``on_attempt`` and
@@ -117,7 +117,7 @@ def on_session_started(session) -> None:
     if _child_of is None or session.group is not None:
         return
     try:
-        _announced = base_of(session.pg_store)
+        _announced = compat_torch.store_chain(session.pg_store)[-1]  # the rendezvous's own
         _announced.set(keeper_key(session.rank), "1")
     except Exception as err:  # noqa: BLE001 - without it a death of this rank ends the job, as without a keeper
         log(logging.WARNING, "could not announce this rank's keeper: %s", err)

@@ -23,7 +23,6 @@ Timeouts: every operation is bounded by the group's timeout. The group must carr
 from __future__ import annotations
 
 import collections
-import ctypes
 import enum
 import hashlib
 import itertools
@@ -42,7 +41,7 @@ from ..core.errors import StateTransferError
 from ..core.hooks import log
 from ..core.phases import Captured, RecoveryState
 from ..core.failure import cap_head
-from .causes import MAX_COPIES, Decision, LivePlan, LiveReport
+from .causes import MAX_COPIES, Decision, LivePlan, LiveReport, triples
 
 #: Bytes per segment at most (a slice of a large tensor, or small tensors packed), and of each of
 #: the two staging buffers a rank may hold. ``bench/state_transfer.py`` found no difference above its
@@ -100,16 +99,6 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def _memory(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous 1-D uint8 CPU tensor, in place (valid while ``t`` lives)."""
-    n = t.numel()
-    if n == 0:
-        return memoryview(b"")
-    if type(t) is not torch.Tensor or t.device.type != "cpu" or not t.data_ptr():
-        raise TypeError(f"not a CPU tensor with memory of its own ({type(t).__qualname__} on {t.device})")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
-
-
 def checksum(state: Any) -> str:
     """A digest of ``state``: 32 hex characters, the same in every process for the same state. It
     covers the structure (container types, keys and their order, dtypes and shapes, non-tensor
@@ -125,13 +114,13 @@ def checksum(state: Any) -> str:
     for leaf in leaves:
         flat = _flat_bytes(leaf)
         if flat.device.type == "cpu":
-            digest.update(_memory(flat))
+            digest.update(sharded.memory(flat))
             continue
         buffer = torch.empty(DEFAULT_CHUNK_BYTES, dtype=torch.uint8) if buffer is None else buffer
         for start in range(0, flat.numel(), DEFAULT_CHUNK_BYTES):
             n = min(DEFAULT_CHUNK_BYTES, flat.numel() - start)
             buffer[:n].copy_(flat[start:start + n])
-            digest.update(_memory(buffer[:n]))
+            digest.update(sharded.memory(buffer[:n]))
     return digest.digest()[:DIGEST_BYTES].hex()
 
 
@@ -290,7 +279,7 @@ def _send_state(state: Any, receivers: Sequence[int], group: Any, chunk_bytes: i
                 buffer[:n].copy_(source)
                 source, works = buffer[:n], _send(buffer[:n], receivers, group)
                 staging.works[slot] = works
-            crc = zlib.crc32(_memory(source), crc)
+            crc = zlib.crc32(sharded.memory(source), crc)
             tail = _tail(crc)
             in_flight.append((works + _send(tail, receivers, group), source, tail))
         else:
@@ -300,7 +289,7 @@ def _send_state(state: Any, receivers: Sequence[int], group: Any, chunk_bytes: i
                 if k:
                     buffer[n:n + k].copy_(flat(leaf)[offset:offset + k])
                 n += k
-            crc = zlib.crc32(_memory(buffer[:n]), crc)
+            crc = zlib.crc32(sharded.memory(buffer[:n]), crc)
             buffer[n:n + TAIL_BYTES].copy_(_tail(crc))
             staging.works[slot] = _send(buffer[:n + TAIL_BYTES], receivers, group)
         while len(in_flight) > 2:
@@ -337,7 +326,7 @@ def _receive_state(state: Any, source: int, group: Any, expected: str | None,
         return state, 0, (TransferFailure.HEADER, -1)
     raw = torch.empty(length, dtype=torch.uint8)
     _wait(_recv(raw, source, group))
-    text = bytes(_memory(raw))
+    text = bytes(sharded.memory(raw))
     try:
         result, dests = _rebuild(text, state, total)
         sizes = [d.numel() * d.element_size() for d in dests]
@@ -382,12 +371,12 @@ def _receive_state(state: Any, source: int, group: Any, expected: str | None,
             _wait(works)
             if failure is not None:
                 continue
-            crc = zlib.crc32(_memory(data), crc)
-            if crc.to_bytes(TAIL_BYTES, "big") != bytes(_memory(tail)):
+            crc = zlib.crc32(sharded.memory(data), crc)
+            if crc.to_bytes(TAIL_BYTES, "big") != bytes(sharded.memory(tail)):
                 failure = (TransferFailure.CHUNK, index)
                 continue
             if digest is not None:
-                digest.update(_memory(data))
+                digest.update(sharded.memory(data))
             for target, pos, k in copies or ():
                 if k:
                     target.copy_(data[pos:pos + k])
@@ -490,7 +479,7 @@ def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
     for r in ranks:
         if r.step >= 0 and r.shard:
             held[r.by].setdefault(r.step, []).append((-1, int(r.checksum or "0", 16)))  # -1: its capture
-        for rank, at, crc in zip(r.copies[::3], r.copies[1::3], r.copies[2::3]):
+        for rank, at, crc in triples(r.copies):
             if rank in held:
                 held[rank].setdefault(at, []).append((r.by, crc))
     for r in ranks:
@@ -549,7 +538,7 @@ class Held:
         step, unit, rng = self.captured.step, self.captured.unit, self.captured.rng
         crc = 0  # of the RNG states (CPU and, if any, CUDA): equal on ranks whose RNG is the same
         for state in [] if rng is None else [rng[0], *(rng[1] or [])]:
-            crc = zlib.crc32(state.numpy().tobytes(), crc)
+            crc = zlib.crc32(sharded.memory(state), crc)
         rng_crc = "" if rng is None else f"{crc:08x}"
         snap = self.captured.state
         if isinstance(snap, sharded.Snapshot):  # this rank's shard, copied at the failure (data.live)
@@ -582,7 +571,7 @@ class Held:
             return
         plan = (decision.live or LivePlan(-1, "", "rank 0 made no plan (or it could not be read)")).checked(world_size)
         # (holder, CRC-32) of this rank's shard, or None (its own capture)
-        mine = next(((h, c) for r, h, c in zip(plan.shards[::3], plan.shards[1::3], plan.shards[2::3]) if r == rank), None)
+        mine = next(((h, c) for r, h, c in triples(plan.shards) if r == rank), None)
         if plan.step >= 0 and mine is not None:  # this rank's shard from a copy: its own replica, or a partner's
             own = self.copies.get((rank, plan.step)) if mine[0] == rank else None
             if mine[0] == rank and (own is None or own.checksum != mine[1]):
@@ -607,7 +596,7 @@ class Held:
         is called again."""
         plan, own, self.sending = self.plan, self.sending, None
         copies, self.copies = self.copies, {}
-        if plan is not None and plan.step >= 0 and any(r != h for r, h in zip(plan.shards[::3], plan.shards[1::3])):
+        if plan is not None and plan.step >= 0 and any(r != h for r, h, _ in triples(plan.shards)):
             self._send_shards(plan, copies, store, rank, world_size, timeout, timings)
             return
         if plan is None or plan.step < 0 or not plan.receivers:
@@ -652,7 +641,7 @@ class Held:
         try:
             dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world_size, timeout=timeout)
             try:
-                for r, holder, crc in zip(plan.shards[::3], plan.shards[1::3], plan.shards[2::3]):
+                for r, holder, crc in triples(plan.shards):
                     if r == holder:
                         continue
                     snap = copies.get((r, plan.step)) if rank == holder else None
@@ -702,17 +691,15 @@ def _unwire(got: Any, rank: int, plan: LivePlan, crc: int, holder: int) -> tuple
     """The shard received from ``holder``, if it is ``rank``'s of the plan's step with the agreed ``crc``."""
     step = plan.step
     try:
-        snap = sharded.Snapshot(got["rank"], got["step"], got["manifest"].numpy().tobytes(), got["payload"],
+        snap = sharded.Snapshot(got["rank"], got["step"], bytes(sharded.memory(got["manifest"])), got["payload"],
                                 got["checksum"])
         sharded.read_manifest(snap.manifest, snap.payload.numel())
-    except (KeyError, TypeError, AttributeError, sharded.ManifestError) as err:
-        return None, f"the copy of rank {rank}'s shard from rank {holder} is malformed ({type(err).__name__}: {err})"
-    if (snap.rank, snap.step, snap.checksum) != (rank, step, crc) or not snap.verify():
-        return None, (f"SnapshotChecksumError: the copy of rank {rank}'s shard of step {step} from rank {holder} does "
-                      f"not have the agreed checksum (CRC-32 {crc:08x} agreed, {snap.compute_checksum():08x} received)")
-    try:
+        if (snap.rank, snap.step, snap.checksum) != (rank, step, crc) or not snap.verify():
+            return None, (f"SnapshotChecksumError: the copy of rank {rank}'s shard of step {step} from rank {holder} "
+                          f"does not have the agreed checksum (CRC-32 {crc:08x} agreed, {snap.compute_checksum():08x} "
+                          "received)")
         rng = sharded.rng_of(snap)  # the rank's RNG states of that step, under the same checksum
-    except (sharded.ManifestError, sharded.SnapshotChecksumError) as err:
+    except (KeyError, TypeError, AttributeError, sharded.ManifestError, sharded.SnapshotChecksumError) as err:
         return None, f"the copy of rank {rank}'s shard from rank {holder} is malformed ({type(err).__name__}: {err})"
     directory = got.get("directory")
     log(logging.WARNING, "live state: received its shard of %s %d from rank %d's copy (CRC-32 %08x, checked)",

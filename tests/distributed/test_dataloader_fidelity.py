@@ -390,7 +390,7 @@ class SlowStream(IterableDataset):
 
 @pytest.mark.timeout(60)
 def test_inner_stateful_loader_is_generic_and_raises_torch_errors():
-    from fault_tolerant_handlers.data._stateful import InnerStatefulLoader
+    from fault_tolerant_handlers.data.compat_torchdata import InnerStatefulLoader
 
     assert typing.get_origin(InnerStatefulLoader[int]) is InnerStatefulLoader  # torchdata's test_typing
     loader = InnerStatefulLoader(SlowStream(), batch_size=2, num_workers=1, timeout=1)

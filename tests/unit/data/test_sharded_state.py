@@ -73,21 +73,50 @@ def test_checksum_of_a_dtensor_is_refused_not_a_segfault():
     assert "alive" in proc.stdout
 
 
+def no_numpy(self):
+    raise RuntimeError("Numpy is not available")  # torch without numpy installed
+
+
 def test_a_snapshots_checksum_is_crc32_of_its_bytes_without_numpy(monkeypatch):
     import zlib
 
     payload = torch.arange(1000, dtype=torch.int64).view(torch.uint8)
     expected = zlib.crc32(bytes(payload.tolist()), zlib.crc32(b'{"m": 1}'))  # the format: CRC-32 of manifest, then payload
-
-    def no_numpy(self):
-        raise RuntimeError("Numpy is not available")  # torch without numpy installed
-
     monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
     snap = sharded.Snapshot(0, 1, b'{"m": 1}', payload).seal()
     assert snap.checksum == expected and snap.verify()
     assert sharded.Snapshot(0, 1, b"", torch.empty(0, dtype=torch.uint8)).compute_checksum() == 0
     payload[5] ^= 1
     assert not snap.verify()
+
+
+def test_a_tensors_bytes_are_read_in_place_as_numpy_read_them_and_no_reader_needs_numpy(monkeypatch):
+    """``sharded.memory`` gives the bytes ``numpy().tobytes()`` gave; the readers that used numpy (a
+    shard received from a copy, its manifest; the CRC-32 of the RNG states in a rank's report) give
+    the same bytes and CRC without it."""
+    import zlib
+
+    from fault_tolerant_handlers.core.phases import Captured, RecoveryState
+    from fault_tolerant_handlers.recover import live_state
+    from fault_tolerant_handlers.recover.causes import LivePlan
+
+    rng = (torch.get_rng_state(), [torch.arange(16, dtype=torch.uint8)])
+    leaves = [rng[0], torch.arange(40, dtype=torch.float64)[3:17], torch.tensor([1, -2], dtype=torch.int32)]
+    before = [t.numpy().tobytes() for t in leaves]
+    rng_crc = zlib.crc32(rng[1][0].numpy().tobytes(), zlib.crc32(before[0]))
+    snap = sharded.take_snapshot({"w": torch.arange(6.0)}, 22, 1, rng=rng)
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    assert [bytes(sharded.memory(t)) for t in leaves] == before and bytes(sharded.memory(torch.empty(0))) == b""
+    with pytest.raises(TypeError, match="not a contiguous CPU tensor"):
+        sharded.memory(torch.arange(6).view(2, 3).t())
+    plan = LivePlan(22, "step", "", shards=(1, 0, snap.checksum))
+    captured, why = live_state._unwire(live_state._wire(snap, None), 1, plan, snap.checksum, 0)
+    assert why == "" and captured.state.manifest == snap.manifest and captured.state.checksum == snap.checksum
+    live = Captured(22, "step", {"w": torch.ones(2)}, None, rng)
+    monkeypatch.setattr(live_state.hooks, "run", lambda hook, _: RecoveryState(live=live))
+    held = live_state.Held(lambda **_: RecoveryState())
+    held.collect(0)
+    assert held.report.rng == f"{rng_crc:08x}"
 
 
 def test_sharded_find_names_the_path(group):

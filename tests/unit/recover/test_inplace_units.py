@@ -419,3 +419,5 @@ def test_a_report_whose_copies_are_not_triples_of_ranks_is_not_believed():
     assert LiveReport.from_json(json.dumps({**bad, "copies": [5, 36, 7]}).encode(), 2) is None
     plan = LivePlan(36, "iteration", "", shards=(1, 0, 7))
     assert plan.checked(2) == plan and plan.checked(1).why == "rank 0's plan names ranks outside the world"
+    assert LivePlan(36, "iteration", "", shards=(0, 1, 7)).checked(1).why == "rank 0's plan names ranks outside the world"
+    assert LivePlan(36, "iteration", "", shards=(0, 0)).checked(1).why == "rank 0's plan names ranks outside the world"

@@ -346,3 +346,29 @@ def test_the_partners_and_the_wait_are_settings_checked_by_name(monkeypatch):
         with pytest.raises(ValueError, match=f"{name}='{bad}': expected .*{told}"):
             config.settings()
         monkeypatch.delenv(name)
+
+
+def test_a_failure_collects_the_copies_of_the_loops_still_running_once():
+    """The replicas an adapter's loop made ride on its step tracker (``StepTracker.replicas``): at a
+    failure each running loop's are aborted and their copies collected, once; a loop that ended (its
+    tracker closed, its replicas stopped) is not asked."""
+    from fault_tolerant_handlers.data import live
+
+    class Replicas:
+        def __init__(self, snaps):
+            self.snaps, self.aborted = snaps, 0
+
+        def abort(self):
+            self.aborted += 1
+            return list(self.snaps)
+
+    running, ended = (live.StepTracker([], update_at_pre_hook=True) for _ in range(2))
+    running.replicas, ended.replicas = Replicas(["own", "partner's"]), Replicas(["old"])
+    ended.close()
+    try:
+        assert live.replica_copies() == ("own", "partner's")
+        with pytest.raises(live.NotLive):
+            live.collect()  # no loop registered a capture; the trackers end with it
+        assert live.replica_copies() == () and (running.replicas.aborted, ended.replicas.aborted) == (1, 0)
+    finally:
+        live.forget()
