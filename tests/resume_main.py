@@ -15,7 +15,10 @@ sampler's replicas are torchrun's world size). ``BUCKETS=0``: Ignite: no ``DDPBu
 ``to_save`` (the adapter then saves the layout itself, finding the DDP from the step's closure; a
 checkpoint written with the line gives the DDP nothing: an earlier version's checkpoint); Lightning:
 the callback's ``on_fit_start`` does not give the layout back. Resumed from such a checkpoint, a run
-at 3 ranks or more is inexact. ``HIDDEN=<n>``: a model with a hidden layer;
+at 3 ranks or more is inexact. ``FSDP=1`` (Ignite): the model (``HIDDEN`` 16 unless set) sharded with
+FSDP2 (``fully_shard`` on each Linear, then the whole model) instead of DDP, Adam, distributed
+checkpoints (``DCPSaver``, ``load_dcp``, a ``ShardedState``); rank 0 writes the full weights
+(``full_tensor()``, on every rank) at the end. ``HIDDEN=<n>``: a model with a hidden layer;
 ``KEEP=<n>``: checkpoints kept (2); ``SAMPLES=<n>``: the data set's size (400); ``STEP_MS=<ms>``: each
 training step also sleeps that long (a step of a real model's length: ``bench/goodput.py``). ``EVAL_TRAIN=1`` (Ignite):
 an evaluator ``Engine`` runs over the training loader at each epoch's end (Ignite's cifar10 example).
@@ -57,7 +60,8 @@ WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 BUCKETS = os.environ.get("BUCKETS", "1") == "1"
 #: HIDDEN=<n>: the model is Linear(8, n), Tanh, Linear(n, 1) instead of Linear(8, 1) (whose 9 gradient
 #: elements gloo happens to sum alike in either bucket layout at 4 ranks)
-HIDDEN = int(os.environ.get("HIDDEN", "0"))
+FSDP = os.environ.get("FSDP", "0") == "1"
+HIDDEN = int(os.environ.get("HIDDEN", "16" if FSDP else "0"))
 KEEP = int(os.environ.get("KEEP", "2"))  # checkpoints kept (n_saved, save_top_k)
 #: With INPLACE=<max_restarts>, the run is wrapped in recover_in_place (INPLACE_REPLACE=0:
 #: replace_dead=False): attempts then also count the recoveries in place (each writes its own
@@ -232,9 +236,18 @@ def run_ignite() -> None:
     GROUPS.append(weakref.ref(dist.group.WORLD))
     torch.manual_seed(0)
     model = make_model()
-    ddp = DistributedDataParallel(model)
+    if FSDP:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        ddp = fully_shard(model)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
     mark("ddp_made")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = make_loader()
     trace = Trace()
 
@@ -273,25 +286,35 @@ def run_ignite() -> None:
         trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(loader))
     mark("attached")
     to_save = {"model": model, "optimizer": opt, "trainer": trainer, "loader": loader}
-    if BUCKETS:
+    if FSDP:
+        from fault_tolerant_handlers import ShardedState
+        from fault_tolerant_handlers.ignite import DCPSaver
+
+        to_save = {"app": ShardedState(model, opt), "trainer": trainer, "loader": loader}
+    elif BUCKETS:
         from fault_tolerant_handlers import DDPBucketLayout
 
         to_save["ddp"] = DDPBucketLayout(ddp)
-    saver = Checkpoint(to_save, TornOnce(str(CKPT), require_empty=False), n_saved=KEEP,
+    saver = Checkpoint(to_save, DCPSaver(CKPT) if FSDP else TornOnce(str(CKPT), require_empty=False), n_saved=KEEP,
                        global_step_transform=lambda e, _: e.state.iteration)
     trainer.add_event_handler(Events.ITERATION_COMPLETED(every=EVERY), saver)
     mark("ddp")
     path = latest_checkpoint(CKPT) if RESUME else None
     mark("latest_checkpoint")
     kept = in_memory(path)  # before the load, which takes the copy
-    if path:  # load_checkpoint: torch.load, or this process's copy after a recovery in place
+    if path and FSDP:  # every rank its shards (after a recovery in place: its live shard)
+        from fault_tolerant_handlers import load_dcp
+
+        load_dcp(to_save, path)
+    elif path:  # load_checkpoint: torch.load, or this process's copy after a recovery in place
         Checkpoint.load_objects(to_load=to_save, checkpoint=load_checkpoint(path))
     mark("loaded")
     note({"resumed_from": path, "start_iteration": trainer.state.iteration, "in_memory": kept})
     trainer.run(loader, max_epochs=EPOCHS)
     done(loader)
+    weights = {k: (v.full_tensor() if FSDP else v).detach().clone() for k, v in model.state_dict().items()}
     if RANK == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, OUT / "weights.pt")
+        torch.save(weights, OUT / "weights.pt")
     dist.destroy_process_group()
 
 

@@ -62,12 +62,15 @@ pytestmark = [
 ]
 #: a checkpoint every 10 iterations, 150 iterations of 0.05 s at least, a 20 s process-group timeout
 ENV = {"INPLACE": "2", "EVERY": "10", "PG_TIMEOUT_SEC": "20", "WORKERS": "0", "FTH_INJECT": "", **LONG_RUN}
-_reference: dict[tuple[str, int], Path] = {}
+#: FSDP2 (``resume_main.py``'s ``FSDP=1``: ``fully_shard``, Adam, distributed checkpoints), each rank's
+#: shard copied after every iteration into its partner's CPU memory on the other host
+SHARDED = {"FSDP": "1", "FTH_SHARD_REPLICAS": "1"}
+_reference: dict[tuple, Path] = {}
 
 
 def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host: int = 1, fault_host: int = 1,
                store_host: bool = False, then_kill_spares: bool = False, after_fault: float = 60.0,
-               deadline: float = 200.0, framework: str = "ignite") -> Run:
+               deadline: float = 200.0, framework: str = "ignite", env: dict[str, str] | None = None) -> Run:
     """Run ``multihost_recover_main.py`` on ``hosts_n`` simulated hosts, ``per_host`` ranks each, the
     last host's ranks the spares; inject ``fault`` (``kill_host``, ``cut_link``, ``freeze_host``:
     thawed once the spares train, ``cut_link_back``: the link cut, then back up once the spares
@@ -75,7 +78,8 @@ def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host
     first rank, its keeper, whose training child dies with it, ``kill_store_host``, or ``none``) at host
     ``fault_host`` (node-b by default) once every training rank is ready; ``store_host``: the store on
     a host of its own (``Rig(..., store_host=True)``); ``then_kill_spares``: once the spares train,
-    node-c dies whole too; ``framework``: ``resume_main.py``'s Ignite or Lightning training. The run
+    node-c dies whole too; ``framework``: ``resume_main.py``'s Ignite or Lightning training; ``env``:
+    more of its environment (:data:`SHARDED`). The run
     lasts until every launched rank that did not die with its host has recorded its exit, and every
     such rank's process has ended (or ``after_fault`` s after the fault, or ``deadline``); then every
     agent and namespace is removed."""
@@ -87,7 +91,8 @@ def run_spares(workdir: Path, fault: str = "none", *, hosts_n: int = 3, per_host
     with Rig(hosts_n, out, store_host=store_host) as rig:
         run = Run(out, fault, None, rig)
         run.thawed_at = run.second_at = None
-        rig.start([str(MAIN), str(out)], nproc_per_node=per_host, env={**ENV, "SPARES": str(spares), "FRAMEWORK": framework})
+        rig.start([str(MAIN), str(out)], nproc_per_node=per_host, env={**ENV, **(env or {}), "SPARES": str(spares),
+                                                                          "FRAMEWORK": framework})
         pids: dict[int, int] = {}  # launched rank -> pid on the machine of the process torchrun started
         while time.monotonic() < end:
             run.watch(launched, pids)
@@ -138,16 +143,18 @@ def _trains(path: Path) -> bool:
         return False
 
 
-def reference(tmp_path_factory, world: int = 2, framework: str = "ignite") -> Path:
+def reference(tmp_path_factory, world: int = 2, framework: str = "ignite", env: dict[str, str] | None = None) -> Path:
     """An uninterrupted run of the same training on ``world`` ranks (``resume_main.py``, the same
     settings, no spare) on one host: ``torchrun --standalone --nproc-per-node <world>`` (18 s here at 2
     ranks, against 30 s for 2 simulated hosts). At 2 ranks its weights and batches were the same as a
     run on 2 simulated hosts of 1 rank each with no spare, bit for bit,
-    once checked (2026-12-03): gloo's sums depend on the ranks' order, not on which host holds them."""
-    if (framework, world) not in _reference:
-        _reference[framework, world] = spares_torchrun(tmp_path_factory.mktemp(f"ref{world}{framework}"), ENV, nproc=world,
-                                                       framework=framework)[0]
-    return _reference[framework, world]
+    once checked (2026-12-03): gloo's sums depend on the ranks' order, not on which host holds them.
+    ``env``: more of its environment."""
+    key = (framework, world, *sorted((env or {}).items()))
+    if key not in _reference:
+        _reference[key] = spares_torchrun(tmp_path_factory.mktemp(f"ref{world}{framework}"), {**ENV, **(env or {})},
+                                          nproc=world, framework=framework)[0]
+    return _reference[key]
 
 
 #: a survivor's log line: a spare ordered to a lost rank's seat
@@ -248,6 +255,28 @@ def test_a_lost_host_is_replaced_by_the_spare_on_another_host_and_the_run_stays_
     ref = reference(tmp_path_factory)
     run = run_spares(tmp_path, "kill_host")
     assert_spare_took_rank_1(run, ref)
+
+
+def test_a_lost_host_with_a_sharded_model_is_replaced_by_the_spare_which_receives_the_lost_ranks_shard_from_its_partner(
+        tmp_path, tmp_path_factory):
+    """FSDP2 with ``FTH_SHARD_REPLICAS=1`` (:data:`SHARDED`): rank 1's partner is rank 0, on node-a (every
+    copy on another host). node-b dies whole: the spare on node-c takes rank 1's seat and receives rank
+    1's shard of the last completed iteration (its parameters and Adam's state) from rank 0's copy,
+    checksum checked; rank 0 keeps its own; both carry on at the failed step from live state (not
+    ``checkpoint_<n>``), and the final weights are an uninterrupted 2-rank run's (no replicas), bit
+    for bit."""
+    ref = reference(tmp_path_factory, env={"FSDP": "1"})
+    run = run_spares(tmp_path, "kill_host", env=SHARDED)
+    assert_spare_took_rank_1(run, ref)
+    for host in ("node-a", "node-b"):
+        assert "copies are held on their own rank's host" not in run.log(host), run.log(host)[-4000:]
+    step = run.tries(1)[1]["start_iteration"]
+    got = re.search(rf"\[rank 1[^\]]*\] live state: received its shard of iteration {step} from rank 0's copy "
+                    r"\(CRC-32 [0-9a-f]{8}, checked\)", run.log("node-c"))
+    assert got, run.describe()
+    assert re.search(rf"live state, iteration {step} \(rank 1: its shard of iteration {step} from rank 0's copy",
+                     run.log("node-a")), run.describe()
+    print(got.group(0))
 
 
 @pytest.mark.long
