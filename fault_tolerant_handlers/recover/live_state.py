@@ -507,6 +507,9 @@ def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
         shards += [rank, holder, crc]
         whom.append(f"rank {rank}: its shard of {unit} {at} from "
                     + ("its own replica" if holder == rank else f"rank {holder}'s copy") + f" (CRC-32 {crc:08x})")
+    if at < step:  # a rank lost after its step's update, before its copy of it was held
+        whom.append(f"{unit} {step} computed again: " + ", ".join(
+            f"rank {rank}'s shard" for rank, steps in held.items() if step not in steps) + " of it is held nowhere")
     return LivePlan(at, unit, "", shards=tuple(shards), whom=cap_head("; ".join(whom), 400))
 
 

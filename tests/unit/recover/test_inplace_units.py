@@ -396,11 +396,14 @@ def test_a_lost_ranks_shard_comes_from_its_partners_copy_at_the_newest_step_ever
 
 def test_the_agreed_step_is_the_newest_one_every_shard_is_held_at_own_copies_included():
     """The copy of rank 1's shard of 36 had not arrived when it was killed (sent off the training
-    thread): rank 0 goes back to its own replica of 35, rank 1's comes from rank 0's copy of 35."""
+    thread): rank 0 goes back to its own replica of 35, rank 1's comes from rank 0's copy of 35, and
+    the plan says that 36 is computed again, and why (before, its line named only where each shard came
+    from, and the loop's start then said "no step computed twice")."""
     lost = LiveReport(1, -1, "", "its process was replaced")
     survivor = LiveReport(0, 36, "iteration", "", "00000001", shard=True, copies=(1, 35, 7, 0, 35, 9))
     plan = plan_live([survivor, lost], 2)
     assert (plan.step, plan.shards) == (35, (0, 0, 9, 1, 0, 7)), plan
+    assert plan.whom.endswith("; iteration 36 computed again: rank 1's shard of it is held nowhere"), plan.whom
 
 
 def test_a_lost_shard_nobody_holds_at_a_common_step_falls_back_to_the_checkpoint_by_name():
