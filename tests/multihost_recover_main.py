@@ -21,6 +21,9 @@ Environment (besides ``resume_main.py``'s ``EPOCHS``, ``EVERY``, ``FTH_INJECT``,
     INPLACE      max_restarts of ``recover_in_place`` (default 2)
     STEP_SEC     extra time per step, seconds (default 0): a run long enough for a host fault
     READY_ITER   iteration of attempt 0 at which ``ready`` is recorded (default 10)
+    READY_HOLD_SEC  seconds each rank waits inside the step where it recorded ``ready`` (default 0): a
+                 host fault injected at ``ready`` then lands inside a step, after its start (with
+                 ``FTH_SHARD_REPLICAS``, every copy of the step before acknowledged)
     SPARES       spares of ``recover_in_place`` (default 0): the last launched ranks wait, and one takes
                  the place of a rank lost with no keeper; a spare's events stay in the file of its
                  launched rank (``rank<launched>.jsonl``), its training files are the rank's it took
@@ -60,6 +63,7 @@ RANK = int(os.environ["RANK"])
 INPLACE = int(os.environ.get("INPLACE", "2"))
 STEP_SEC = float(os.environ.get("STEP_SEC", "0"))
 READY_ITER = int(os.environ.get("READY_ITER", "10"))
+READY_HOLD_SEC = float(os.environ.get("READY_HOLD_SEC", "0"))
 SPARES = int(os.environ.get("SPARES", "0"))
 
 
@@ -73,6 +77,7 @@ class Trace(resume_main.Trace):
         if not Trace.ready and recovery_attempt() == 0 and step >= READY_ITER and _settled():
             Trace.ready = True
             record("ready", iteration=step)
+            time.sleep(READY_HOLD_SEC)
         if STEP_SEC:
             time.sleep(STEP_SEC)
 

@@ -63,8 +63,10 @@ pytestmark = [
 #: a checkpoint every 10 iterations, 150 iterations of 0.05 s at least, a 20 s process-group timeout
 ENV = {"INPLACE": "2", "EVERY": "10", "PG_TIMEOUT_SEC": "20", "WORKERS": "0", "FTH_INJECT": "", **LONG_RUN}
 #: FSDP2 (``resume_main.py``'s ``FSDP=1``: ``fully_shard``, Adam, distributed checkpoints), each rank's
-#: shard copied after every iteration into its partner's CPU memory on the other host
-SHARDED = {"FSDP": "1", "FTH_SHARD_REPLICAS": "1"}
+#: shard copied after every iteration into its partner's CPU memory on the other host; the host fault
+#: lands inside an iteration (each rank holds 2 s in the iteration where it is ready: its copy of the
+#: iteration before acknowledged)
+SHARDED = {"FSDP": "1", "FTH_SHARD_REPLICAS": "1", "READY_HOLD_SEC": "2"}
 _reference: dict[tuple, Path] = {}
 
 
