@@ -24,6 +24,8 @@ Environment (besides ``resume_main.py``'s ``EPOCHS``, ``EVERY``, ``FTH_INJECT``,
     READY_HOLD_SEC  seconds each rank waits inside the step where it recorded ``ready`` (default 0): a
                  host fault injected at ``ready`` then lands inside a step, after its start (with
                  ``FTH_SHARD_REPLICAS``, every copy of the step before acknowledged)
+    STALL_AFTER_STEP  ``resume_main.py``'s ``<rank>:<iteration>``: that rank records ``ready`` where it
+                 stalls (after its optimizer step, before the step's end handlers), not at the step's start
     SPARES       spares of ``recover_in_place`` (default 0): the last launched ranks wait, and one takes
                  the place of a rank lost with no keeper; a spare's events stay in the file of its
                  launched rank (``rank<launched>.jsonl``), its training files are the rank's it took
@@ -74,7 +76,8 @@ class Trace(resume_main.Trace):
 
     def __call__(self, step: int, idx) -> None:
         super().__call__(step, idx)
-        if not Trace.ready and recovery_attempt() == 0 and step >= READY_ITER and _settled():
+        stalls = resume_main.STALL is not None and resume_main.STALL[0] == RANK
+        if not stalls and not Trace.ready and recovery_attempt() == 0 and step >= READY_ITER and _settled():
             Trace.ready = True
             record("ready", iteration=step)
             time.sleep(READY_HOLD_SEC)
@@ -83,6 +86,15 @@ class Trace(resume_main.Trace):
 
 
 resume_main.Trace = Trace
+_stall = resume_main.stall_until_a_peer_failed
+
+
+def stall() -> None:
+    record("ready", iteration=resume_main.STALL[1], stalled=True)
+    _stall()
+
+
+resume_main.stall_until_a_peer_failed = stall
 
 
 class RecordInjected(logging.StreamHandler):

@@ -167,15 +167,16 @@ TOOK = re.compile(r"spare launched rank (\d+) on host (\S+) took the place of lo
                   r"(\d+) on host (\S+)\)[^\n]*?: ([0-9.]+) s from the failure")
 
 
-def assert_spares_took(run: Run, ref: Path, per_host: int = 1, lost_host: int = 1) -> dict[int, float]:
+def assert_spares_took(run: Run, ref: Path, per_host: int = 1, lost_host: int = 1, behind: int = 0) -> dict[int, float]:
     """The ranks of host ``lost_host`` (node-b by default; ``per_host`` of them) were lost; the other
     training host's recovered in place, each in its own process; node-c's ranks (the spares) never trained in attempt 0, and each took one lost rank's seat
     in attempt 1 (each seat one spare, each spare one seat, the log lines of the survivors and of the
     spares naming the same); attempt 1 carried on from the live state of the last completed step
     (none trained twice), trained the uninterrupted run's batches from there, and the final weights
     are the uninterrupted run's; every training rank's first step of attempt 1 came within 20 s of the
-    fault (a sanity bound, not the 3 s target). Returns, per training rank, the seconds from the fault
-    to that step."""
+    fault (a sanity bound, not the 3 s target). ``behind``: attempt 1 carried on that many steps before
+    the last one every rank completed (computed twice). Returns, per training rank, the seconds from
+    the fault to that step."""
     training, launched = 2 * per_host, 3 * per_host
     lost = range(lost_host * per_host, (lost_host + 1) * per_host)
     survivors, spare_ranks = [r for r in range(training) if r not in lost], range(training, launched)
@@ -230,7 +231,7 @@ def assert_spares_took(run: Run, ref: Path, per_host: int = 1, lost_host: int = 
         assert before == want[:len(before)], f"rank {rank}: attempt 0's batches"
         # nothing trained twice: attempt 1 starts after the last step every rank completed (a rank may
         # have begun the next one, in which the failure reached it)
-        assert before[-1][0] - start in (0, 1), (before[-1][0], start)
+        assert before[-1][0] - start in (behind, behind + 1), (before[-1][0], start)
         assert after == want[start:], f"rank {rank}: attempt 1's batches"
         took[rank] = last["first_step_at"] - run.fault_at
     final, expected = torch.load(run.out / "weights.pt"), torch.load(ref / "weights.pt")
@@ -245,9 +246,9 @@ def assert_spares_took(run: Run, ref: Path, per_host: int = 1, lost_host: int = 
     return took
 
 
-def assert_spare_took_rank_1(run: Run, ref: Path) -> dict[int, float]:
+def assert_spare_took_rank_1(run: Run, ref: Path, behind: int = 0) -> dict[int, float]:
     """One rank per host: the spare (launched rank 2, node-c) took lost rank 1's seat (node-b)."""
-    took = assert_spares_took(run, ref)
+    took = assert_spares_took(run, ref, behind=behind)
     assert "[rank 0] rank 1 was lost with no keeper to replace it: spare launched rank 2 takes its place (0 spares " \
            "left after it)" in run.log("node-a"), run.describe()
     return took
@@ -283,6 +284,28 @@ def test_a_lost_host_with_a_sharded_model_is_replaced_by_the_spare_which_receive
         assert re.search(rf"live state, iteration {step} \(.*rank {lost}: its shard of iteration {step} from rank "
                          rf"{partner}'s copy", run.log("node-a")), run.describe()
         print(got.group(0))
+
+
+@pytest.mark.long
+def test_a_sharded_host_lost_before_its_partner_held_the_copy_of_its_last_update_resumes_a_step_earlier_exactly(
+        tmp_path, tmp_path_factory):
+    """The window no copy closes: rank 1 (node-b) stalls after its optimizer update of iteration 15,
+    before its copy of 15 is taken (``STALL_AFTER_STEP=1:15``), and node-b dies there; rank 0 completed
+    15 (its own update needs nothing more from rank 1). Rank 1's shard of 15 is held nowhere: every
+    rank carries on at 14 (rank 0 from its own replica, the spare from rank 0's copy), iteration 15
+    computed again, which the survivors' recovery line says, and the final weights are still an
+    uninterrupted run's, bit for bit."""
+    ref = reference(tmp_path_factory, env={"FSDP": "1"})
+    run = run_spares(tmp_path, "kill_host", env={"FSDP": "1", "FTH_SHARD_REPLICAS": "1", "STALL_AFTER_STEP": "1:15"})
+    assert run.event(1, "ready") and run.event(1, "ready").get("stalled"), run.describe()
+    assert_spare_took_rank_1(run, ref, behind=1)
+    assert run.tries(0)[1]["start_iteration"] == 14, run.tries(0)[1]
+    assert re.search(r"live state, iteration 14 \(rank 0: its shard of iteration 14 from its own replica \(CRC-32 "
+                     r"[0-9a-f]{8}\); rank 1: its shard of iteration 14 from rank 0's copy \(CRC-32 [0-9a-f]{8}\); "
+                     r"iteration 15 computed again: rank 1's shard of it is held nowhere\)", run.log("node-a")), \
+        run.describe()
+    assert re.search(r"\[rank 1[^\]]*\] live state: received its shard of iteration 14 from rank 0's copy",
+                     run.log("node-c")), run.describe()
 
 
 @pytest.mark.long
