@@ -21,6 +21,11 @@ c10d rendezvous's host), node-b launched rank 1, node-c launched rank 2: the spa
   run's;
 * node-b dies, the spare takes its place, then node-c (the spare, now training) dies too: no spare
   is left, and rank 0 ends at once naming the cause (a relaunch resumes).
+* a sharded model (FSDP2, ``FTH_SHARD_REPLICAS=1``: each rank's shard copied into its partner's memory
+  on the other host): node-b dies inside an iteration, and the spare receives rank 1's shard from
+  rank 0's copy: the same exact takeover at the failed step (3 hosts x 1 rank; x 2 ``long``); node-b
+  dies after rank 1's update of an iteration and before rank 0 holds its copy of it (``long``): every
+  rank carries on a step earlier, exactly, the recovery's line saying so.
 
 The time from the fault to the first step trained after it, on each training rank, is measured (the
 rig's wall clock at the fault to the rank's first traced step of attempt 1: the clocks are the
