@@ -97,8 +97,9 @@ class RecoveryInfo:
             attempt's loop started (the training function picks the checkpoint); the adapters' event
             and hook, and :func:`recovery_history` from then on, carry it.
         steps_computed_twice: steps this rank completed before the failure that it computes again
-            (0 from live state), or ``None`` until the next attempt's loop started (or when the
-            adapters did not see the failed loop).
+            (0 from live state of the failed step; 1 when a lost rank's shard of it was held nowhere),
+            or ``None`` until the next attempt's loop started (or when the adapters did not see the
+            failed loop).
     """
 
     phase: RecoveryPhase
@@ -206,7 +207,7 @@ def carried_on(step: int, last_completed: int | None) -> RecoveryInfo | None:
             return None  # delivered already: a second loop (an evaluator, another run) is not the one resumed
         _carried.add(info.attempt)
         start = info.step if info.live and info.step is not None else step
-        twice = 0 if info.live else (max(0, last_completed - start) if last_completed is not None else None)
+        twice = max(0, last_completed - start) if last_completed is not None else 0 if info.live else None
         _history[i] = info = replace(info, step=start, steps_computed_twice=twice)
         return info
 

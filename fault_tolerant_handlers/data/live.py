@@ -135,6 +135,7 @@ class StepTracker:
 # -- the capture of the failed attempt ---------------------------------------------------------------------
 _capturers: list[Callable[[], Captured]] = []
 _captured: Captured | NotLive | None = None
+_completed: int | None = None  # the failed attempt's last completed step (its capture's), until forget()
 
 
 def register(capture: Callable[[], Captured]) -> None:
@@ -167,7 +168,7 @@ def capture_now(capture: Callable[[], Captured]) -> None:
 def collect() -> Captured:
     """The failed attempt's capture (raises :class:`NotLive` saying why there is none); the adapters'
     registrations end with it."""
-    global _captured
+    global _captured, _completed
     try:
         if not config.settings().live_state:
             raise NotLive(f"{config.LIVE_STATE_ENV}=0")
@@ -183,6 +184,7 @@ def collect() -> Captured:
         raise NotLive("no training loop of the library's adapters was running when it failed")
     if isinstance(captured, NotLive):
         raise captured
+    _completed = captured.step
     return captured
 
 
@@ -315,9 +317,10 @@ def loop_starts(unit: str, position: Callable[[], int], restore: Callable[[Any],
 
 
 def _tell(captured: Captured, now: int, how: str) -> None:
+    twice = (_completed or 0) - captured.step  # the agreed step is older than this rank's last (a shard held nowhere)
     if now == captured.step:
-        log(logging.WARNING, "carries on from live state, %s %d (%s): no step computed twice", captured.unit,
-            captured.step, how)
+        log(logging.WARNING, "carries on from live state, %s %d (%s): %s", captured.unit, captured.step, how,
+            f"{twice} step(s) this rank had completed computed again" if twice > 0 else "no step computed twice")
     else:
         log(logging.WARNING, "live state of %s %d was handed over (%s), but the loop starts at %s %d: the script "
             "loaded something else after it", captured.unit, captured.step, how, captured.unit, now)
@@ -342,9 +345,9 @@ def restore_rng(after: int) -> bool:
 
 def forget() -> None:
     """The recovery ends: nothing held or captured any more."""
-    global _held, _captured, _armed_rng, _handed, _fallback
+    global _held, _captured, _armed_rng, _handed, _fallback, _completed
     with _lock:
-        _held, _handed, _fallback = None, None, None
+        _held, _handed, _fallback, _completed = None, None, None, None
     _captured, _armed_rng = None, None
     _capturers.clear()
     replica_copies()

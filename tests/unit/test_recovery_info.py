@@ -103,6 +103,12 @@ def test_from_live_state_no_step_is_computed_twice_and_an_unknown_count_stays_un
     got = recoveries.carried_on(36, 36)
     assert (got.step, got.steps_computed_twice) == (36, 0)
     recoveries.forget()
+    _recover("live", 36)  # a lost rank's shard of 37 was held nowhere: this rank, at 37, computes it again
+    assert recoveries.carried_on(36, 37).steps_computed_twice == 1
+    recoveries.forget()
+    _recover("live", 36)  # a replaced rank (its process new): nothing it completed is computed again
+    assert recoveries.carried_on(36, None).steps_computed_twice == 0
+    recoveries.forget()
     _recover("checkpoint", None)
     got = recoveries.carried_on(30, None)  # the failed loop was not seen (no adapter)
     assert (got.step, got.steps_computed_twice) == (30, None)

@@ -167,6 +167,18 @@ def test_a_loop_start_restores_held_state_the_script_did_not_load_and_says_so_af
     assert caplog.text == ""
 
 
+def test_a_rank_that_had_completed_a_step_past_the_agreed_one_says_it_computes_it_again(recovering, caplog):
+    """A lost rank's shard of step 37 was held nowhere: every rank carries on from 36, and this rank,
+    which had completed 37, says it computes that step again (not "no step computed twice")."""
+    live.register(lambda: captured(step=37))
+    assert live.collect().step == 37  # the failed attempt's capture: its last completed step
+    live.hold(captured(step=36))
+    with caplog.at_level("WARNING", logger="fault_tolerant_handlers"):
+        live.loop_starts("iteration", lambda: 36, lambda state: "the objects")
+    assert "carries on from live state, iteration 36 (restored into the objects" in caplog.text
+    assert "): 1 step(s) this rank had completed computed again" in caplog.text and "no step computed twice" not in caplog.text
+
+
 def test_a_loop_start_that_cannot_restore_warns_where_it_starts_instead(recovering, caplog):
     live.hold(captured(step=36))
     with caplog.at_level("WARNING", logger="fault_tolerant_handlers"):
