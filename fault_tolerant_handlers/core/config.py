@@ -356,6 +356,9 @@ RECOVER_POLL = 0.01
 #: With spares: how often rank 0, waiting for the ranks to reach the recovery, reads the failed
 #: attempt's records for more ranks lost with no keeper (each gets a spare).
 LOOK_FOR_LOST = 0.5
+#: With spares: how often a launched rank whose training process was lost for good (it stays until
+#: the job ends) reads whether the job ended, once its order key holds an older order (a seat it took).
+END_POLL = 0.5
 #: Recovering in place: destroying a failed attempt's process groups (measured: 20 ms) must end
 #: within this many seconds, else the process ends (EXIT_TEARDOWN_STUCK) and its launcher relaunches.
 RECOVER_TEARDOWN_SEC = 10.0

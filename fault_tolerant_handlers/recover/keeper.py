@@ -265,7 +265,8 @@ class Keeper:
         log(logging.WARNING, "the training process of rank %s (pid %d) %s, lost for good (FTH_INJECT lose): not "
             "replaced; this process (launched rank %d) stays idle until the job ends", os.environ.get("RANK", "?"),
             pid, how, lay.launched_rank)
-        order = spares.wait_for_order(spares.connect(self.recovery.join_timeout), lay, lay.launched_rank)
+        order = spares.wait_for_order(spares.connect(self.recovery.join_timeout), lay, lay.launched_rank,
+                                      end_only=True)
         if order.kind == spares.END and order.ok:
             return None
         log(logging.ERROR, "launched rank %d: the job ended: %s", lay.launched_rank, order.why)

@@ -226,9 +226,11 @@ def connect(timeout: timedelta) -> Any:
                          timeout=timeout)
 
 
-def wait_for_order(store: Any, lay: Layout, launched_rank: int) -> Order:
+def wait_for_order(store: Any, lay: Layout, launched_rank: int, *, end_only: bool = False) -> Order:
     """Wait for this launched rank's order: blocking store waits of ``FTH_SPARE_WAIT_SEC`` each (a key
-    written is seen at once). A store that fails (its agent gone) raises :class:`RecoveryError`."""
+    written is seen at once). A store that fails (its agent gone) raises :class:`RecoveryError`.
+    ``end_only``: only the job's end is waited for (a spare whose seat was lost in turn: the order that
+    gave it the seat is still under its key, read again every ``END_POLL`` until the end replaces it)."""
     from torch.distributed import DistStoreError
 
     chunk = config.settings().spare_wait
@@ -244,6 +246,9 @@ def wait_for_order(store: Any, lay: Layout, launched_rank: int) -> Order:
         order = Order.from_json(store.get(key), lay.training_world)
         if order is None:
             raise RecoveryError(f"launched rank {launched_rank} (a spare) read an order it cannot understand")
+        if end_only and order.kind != END:
+            time.sleep(config.END_POLL)
+            continue
         return order
 
 

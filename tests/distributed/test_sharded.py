@@ -46,7 +46,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT
+from launch import DECLARATIONS, ROOT, cpu_hogs
 import test_examples
 from test_examples import _commands
 
@@ -408,7 +408,7 @@ def _replicated_kill_line(world: int, victim: int, example: Path = IGNITE) -> st
 
 
 @pytest.mark.timeout(3 * DEADLINE_SEC + 60)
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long), pytest.param(8, marks=pytest.mark.long)])
 def test_ignite_fsdp_in_place_a_killed_ranks_shard_comes_back_from_its_partners_copy(world, reference, tmp_path):
     """``FTH_SHARD_REPLICAS=1``: every rank's shard is copied into its partner's CPU memory after each
     iteration (off the training thread), and each iteration starts once the partners acknowledged the
@@ -451,7 +451,8 @@ def _check_from_partners_copy(example: Path, world: int, reference, tmp_path: Pa
 @pytest.mark.timeout(3 * DEADLINE_SEC + 60)
 @pytest.mark.parametrize("distributed, world", [
     pytest.param(False, 2, id="file-2"), pytest.param(True, 2, id="directory-2", marks=pytest.mark.long),
-    pytest.param(False, 4, id="file-4", marks=pytest.mark.long)])
+    pytest.param(False, 4, id="file-4", marks=pytest.mark.long),
+    pytest.param(False, 8, id="file-8", marks=pytest.mark.long)])
 def test_lightning_model_parallel_in_place_a_killed_ranks_shard_comes_back_from_its_partners_copy(
         distributed, world, reference, tmp_path):
     """As above, for a user's Lightning script (``ModelParallelStrategy``, a real ``Trainer``): rank 1 is
@@ -462,6 +463,28 @@ def test_lightning_model_parallel_in_place_a_killed_ranks_shard_comes_back_from_
     was lost with it, and every rank went back to the checkpoint of step 20."""
     _check_from_partners_copy(LIGHTNING, world, reference, tmp_path, victim=1,
                               extra=" --distributed" if distributed else "")
+
+
+@pytest.mark.long
+@pytest.mark.timeout(3 * DEADLINE_SEC + 60)
+@pytest.mark.parametrize("example", [IGNITE, LIGHTNING], ids=["ignite", "lightning"])
+def test_a_healthy_8_rank_sharded_job_with_copies_on_busy_cores_ends_as_an_uninterrupted_one(example, reference,
+                                                                                                tmp_path):
+    """``FTH_SHARD_REPLICAS=1`` at 8 ranks, no fault, both cores kept busy by 2 other processes: every
+    rank copies its shard to its partner after each step and waits (bounded) for the copy of the step
+    before; a slow answer is never a failure. The job ends 0 with nothing declared, no copy reported
+    missing or refused, and the final weights of the same job without copies."""
+    expected = reference(example, 8)
+    line = _line(example, True, world=8).replace("FTH_INJECT=raise@rank=1,iteration=17", "FTH_SHARD_REPLICAS=1")
+    with cpu_hogs(2):
+        returncode, out = _run(line, example, tmp_path)
+    assert returncode == 0, out[-4000:]
+    assert not DECLARATIONS.search(out), out[-4000:]
+    # copies were made (the one-host layout is said once per rank), and none went missing or was refused
+    assert re.search(r"shard replicas: 8 of 8 copies are held on their own rank's host", out), out[-4000:]
+    assert not re.search(r"shard replicas: (?!8 of 8 copies are held)", out), out[-4000:]
+    assert "carries on from" not in out, out[-4000:]  # no recovery happened
+    assert _digests(out, 8) == {expected}, f"final weights differ from the run without copies:\n{out[-4000:]}"
 
 
 DROPOUT_MAIN = ROOT / "tests" / "programs" / "dropout_fsdp_main.py"

@@ -205,6 +205,26 @@ def test_a_second_rank_lost_with_no_spare_left_ends_the_job_with_the_cause(tmp_p
         output[-4000:]
 
 
+@pytest.mark.timeout(300)
+def test_a_seat_lost_twice_gets_a_spare_each_time_and_the_run_stays_exact(tmp_path, tmp_path_factory):
+    """2 training ranks and 2 spares. Rank 1 is lost at iteration 27 (spare launched rank 2 takes its
+    seat), then the process in that seat is lost in turn at iteration 40: spare launched rank 3 takes
+    it, the run carries on at 40 with nothing computed twice and the uninterrupted run's weights, and
+    launched rank 2, whose process was lost, stays until the job ends and exits 0. Before, launched
+    rank 2 read the order that had given it the seat as the job's end, exited 1, and torchrun ended
+    every rank (seen in ``bench/goodput.py``, one fault every 20 s at 4 ranks)."""
+    ref = reference(tmp_path_factory)
+    run, _, output = torchrun(tmp_path, {"INPLACE": "2", "SPARES": "2", "FTH_INJECT": "lose@rank=1,iteration=27; "
+                                         "lose@rank=1,iteration=40,attempt=1"}, nproc=4)
+    assert_recovered_exactly(run, ref, "ignite", attempts=2, same_process=(True, False), live=True)
+    assert recomputed(run, 2) == 0
+    took = [line.split("spare launched rank ")[1].split(" ")[0] for line in output.splitlines()
+            if "took the place of lost rank 1" in line]
+    assert took == ["2", "3"], output[-4000:]  # one spare each time, in launched order
+    assert "launched rank 2: the job ended" not in output, output[-4000:]
+    assert tries(run, 0)[2]["spares_left"] == 0
+
+
 @pytest.mark.timeout(120)
 def test_spares_that_leave_no_training_rank_end_every_process_at_start_naming_it(tmp_path):
     run, code, output = torchrun(tmp_path, {"INPLACE": "2", "SPARES": "3"}, expect_ok=False)
