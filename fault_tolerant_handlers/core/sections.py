@@ -217,9 +217,9 @@ class one_rank_first:  # noqa: N801 - a drop-in for ``ignite.distributed.one_ran
             _check_rank(self.rank, self.local, 1)
             self._first = True
             return self
-        size = session.local_world_size if self.local else session.world_size
+        size = session.table.local_world_size if self.local else session.world_size
         _check_rank(self.rank, self.local, size)
-        mine = session.local_rank if self.local else session.rank
+        mine = session.table.local_rank if self.local else session.rank
         self._first = mine == self.rank
         if not self._first:
             # Wait for the first rank(s) to finish the body; their outcome comes with the release.
