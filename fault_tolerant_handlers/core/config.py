@@ -1,11 +1,6 @@
-"""Every setting of the library in one table: its environment variable, default and accepted range
-(:data:`SETTINGS`), then every fixed timing of the failure path.
-
-Every ``FTH_*`` variable is read and checked when a fail-together session starts (and when an
-adapter is constructed), so that a bad value stops the job at once with an error naming it, never
-later inside a watchdog thread; ``docs/reference.md`` lists both tables as they are here
-(``tests/unit/core/test_settings_table.py`` keeps them equal).
-"""
+"""Every setting in one table (:data:`SETTINGS`), then every fixed timing of the failure path; read and
+checked when a session starts or an adapter is made, so that a bad value stops the job at once.
+``docs/reference.md`` lists both as they are here (``tests/unit/core/test_settings_table.py``)."""
 
 from __future__ import annotations
 
@@ -25,11 +20,8 @@ AUTO = "auto"
 
 @dataclass(frozen=True)
 class Setting:
-    """One ``FTH_*`` variable: the :class:`Config` field it sets and the values it takes.
-
-    ``kind`` is how its text is read: ``seconds`` (a ``timedelta`` from ``low`` to ``high``),
-    ``number``, ``integer`` (in that range), ``choice`` (one of ``choices``; ``0``/``1`` read as a
-    bool), ``hang`` (seconds, ``DD:HH:MM:SS`` or ``auto``) or ``inject`` (:mod:`.inject`'s form)."""
+    """One ``FTH_*`` variable: the :class:`Config` field it sets and how its text is read (``kind``:
+    ``seconds``, ``number``, ``integer``, ``choice`` (``0``/``1``: a bool), ``hang`` or ``inject``)."""
 
     variable: str
     field: str
@@ -43,8 +35,7 @@ class Setting:
     expected: str = ""  #: a choice's error text, where not "one of ..."
 
     def read(self, raw: str) -> object:
-        """The value of this variable's text ``raw`` (``""``: unset); ``ValueError`` naming the
-        variable and what it accepts."""
+        """The value of ``raw`` (``""``: unset); ``ValueError`` naming the variable and what it accepts."""
         text = raw.strip()
         if self.kind == "inject":
             inject.Injector.from_env()
@@ -190,8 +181,8 @@ _DHMS = re.compile(r"\s*(\d+):(\d+):(\d+):(\d+)\s*")
 
 
 def _as_timedelta(value: object) -> timedelta | None:
-    """Seconds, ``"DD:HH:MM:SS"`` or a dict of ``timedelta`` arguments (the forms of Lightning's
-    ``Timer(duration=...)``) as a ``timedelta``; ``None`` for anything else."""
+    """Seconds, ``"DD:HH:MM:SS"`` or a dict of ``timedelta`` arguments (Lightning ``Timer``'s forms)
+    as a ``timedelta``; ``None`` for anything else."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return timedelta(seconds=value) if math.isfinite(value) and abs(value) < 1e12 else timedelta.max
     if isinstance(value, str):
@@ -216,8 +207,7 @@ TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds"
 
 
 def _check_duration(name: str, value: object, what: str, forms: str) -> timedelta | None:
-    """``value`` as a ``timedelta`` in the range of setting ``name``: ``TypeError`` naming ``forms``
-    for a value of no accepted form, ``ValueError`` for a duration out of range."""
+    """``value`` as a ``timedelta`` in setting ``name``'s range (``TypeError`` naming ``forms``, ``ValueError``)."""
     if value is None:
         return None
     bad = [key for key in value if key not in TIMEDELTA_KEYS] if isinstance(value, dict) else []
@@ -234,16 +224,14 @@ def _check_duration(name: str, value: object, what: str, forms: str) -> timedelt
 
 
 def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelta | str | None:
-    """``hang_timeout`` as ``None`` (off), ``"auto"`` or a ``timedelta`` of 1 s to 7 days, from any of
-    :data:`HANG_TIMEOUT_FORMS` (``TypeError`` for another value, ``ValueError`` out of range)."""
+    """``hang_timeout`` as ``None`` (off), ``"auto"`` or a ``timedelta`` of 1 s to 7 days."""
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return AUTO
     return _check_duration("hang_timeout", value, what, HANG_TIMEOUT_FORMS)
 
 
 def check_join_timeout(value: object, *, what: str = "join_timeout") -> timedelta | None:
-    """``recover_in_place(join_timeout=...)`` as ``None`` or a ``timedelta`` of 1 s to 1 day, from any
-    of :data:`JOIN_TIMEOUT_FORMS` (``ValueError`` for ``"auto"``: a learned deadline is for hang_timeout only)."""
+    """``recover_in_place(join_timeout=...)`` as ``None`` or a ``timedelta`` of 1 s to 1 day."""
     if isinstance(value, str) and value.strip().lower() == AUTO:
         raise ValueError(f"{what} has no {AUTO!r} (a learned deadline is for hang_timeout only): it must be "
                          f"{JOIN_TIMEOUT_FORMS}, got {value!r}")
@@ -404,10 +392,8 @@ STORE_HOST_CONNECT_TIMEOUT = timedelta(seconds=30)
 
 
 def check_timings(cfg: Config) -> list[str]:
-    """The relations the timings above must keep with the settings ``cfg`` (those between two fixed
-    timings are kept by ``tests/unit/core/test_timings.py``): what a setting breaks (a poll interval
-    of seconds) is logged as a warning when a session starts: the job runs, but that part of the
-    failure path is slower than it says."""
+    """What the settings ``cfg`` break of the relations the timings above keep (warned at start: the
+    job runs, slower on that part of the failure path); ``tests/unit/core/test_timings.py`` the rest."""
     seconds = lambda t: t.total_seconds() if isinstance(t, timedelta) else float(t)  # noqa: E731
     problems = []
     poll = seconds(cfg.interval)
