@@ -156,7 +156,7 @@ def plain_injector() -> Injector | None:
     global _plain
     key = (os.environ.get(INJECT_ENV, ""), attempts.current())
     if _plain is None or _plain[0] != key:
-        injector = Injector.from_env() if key[0].strip() else None
+        injector = Injector.from_env()
         _plain = (key, injector)
         rank = current_rank()
         if injector is not None and any(i.rank == rank for i in injector.pending) and not _exit_check:
@@ -183,8 +183,6 @@ def step(iteration: int, epoch: int | None = None, *, dataloader: Any = None) ->
                                                           or value < 0):
             raise TypeError(f"inject.step({name}=...) must be an int >= 0{'' if name == 'iteration' else ' or None'}, "
                             f"got {value!r}")
-    if not os.environ.get(INJECT_ENV, "").strip():
-        return
     injector = plain_injector()
     if injector is not None:
         injector.maybe_fire(current_rank(), iteration, epoch, dataloader)

@@ -108,10 +108,6 @@ def unreported(how: Ended) -> bool:
 
 
 # -- the one probe the core runs itself ----------------------------------------------------------------
-#: How :func:`process_state` says a process ended cleanly: not a failure (a rank that finished first).
-CLEAN_EXIT = Ended(exit_code=0)
-
-
 class PeerPidProbe:
     """Peers on this host, by pid: one gone is declared lost (with its signal where seen; a clean exit or
     ``left(rank)``, for one gone with no status to see, is a rank that finished first)."""
@@ -130,7 +126,7 @@ class PeerPidProbe:
     def poll(self, now: float) -> PeerFailedError | None:
         for rank, pid in list(self.peers):
             state = self.state(pid)
-            if state is None or state == CLEAN_EXIT:
+            if state is None or state == Ended(exit_code=0):  # a clean exit: a rank that finished first
                 continue
             if self.after_failure() and not state.killed:
                 continue  # a peer that ended after the failure was agreed: the job is ending
@@ -151,10 +147,6 @@ class PeerPidProbe:
 
 def digest(text: str) -> int:
     return int.from_bytes(hashlib.sha1(text.encode("utf-8", "replace")).digest()[:7], "big")
-
-
-def host_id() -> int:
-    return digest(host_name())
 
 
 #: Bytes of a host name carried in the setup table (8 int64s).

@@ -25,7 +25,7 @@ from . import attempts, config, hooks, schema as _schema
 from .errors import PeerFailedError, RecoveryError, SectionMismatchError
 from .failure import FailureKind, FailureRecord, FailureState, Incident, host_name, tag, tag_of
 from .hooks import first_line, log
-from .procfs import (PeerPidProbe, RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout,
+from .procfs import (PeerPidProbe, RankTable, addresses_named, decode_name, digest, encode_name, local_layout,
                     normalize_address, own_address)
 from .interrupts import listens_here, release_process_groups, store_peer_address, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port, store_evidence
@@ -51,10 +51,8 @@ def pack_agreement(flag: int, digest: int, seq: int) -> tuple[int, int]:
 
 def unpack_agreement(a: int, b: int) -> tuple[int, bool]:
     """``(the largest flag, whether every rank was in step)`` from the reduced pair."""
-    flag = a >> 2 * _FIELD_BITS
-    hmax, smax = (a >> _FIELD_BITS) & _FIELD, a & _FIELD
-    hmin, smin = _FIELD - ((b >> _FIELD_BITS) & _FIELD), _FIELD - (b & _FIELD)
-    return flag, (hmax, smax) == (hmin, smin)
+    low = (1 << 2 * _FIELD_BITS) - 1  # (hash, seq) as one number: b's low bits are its complement
+    return a >> 2 * _FIELD_BITS, a & low == low - (b & low)
 
 
 class Session:
@@ -83,7 +81,7 @@ class Session:
         self.store_address: tuple[str, int] | None = (tcp.host, tcp.port) if tcp is not None else None
         #: This process hosts the store (its server is a thread here): it never declares it lost.
         self.hosts_store = self.store_address is not None and listens_here(self.store_address[1])
-        mine = torch.tensor([[secrets.randbits(62), host_id(), os.getpid(), digest(self.address), self._store_here(),
+        mine = torch.tensor([[secrets.randbits(62), digest(host_name()), os.getpid(), digest(self.address), self._store_here(),
                               *encode_name(host_name())]], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in ranks]
         dist.all_gather(gathered, mine, group=self.side)
