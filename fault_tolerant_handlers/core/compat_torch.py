@@ -43,14 +43,10 @@ def check() -> None:
     if _checked:
         return
     c10d = dist.distributed_c10d
-    owners = {"torch.distributed.distributed_c10d": c10d, "torch.distributed.Store": dist.Store,
-              "torch.distributed.distributed_c10d._world": getattr(c10d, "_world", None)}
-    missing = [f"{owner}.{name}" for owner, name in _REQUIRED if not hasattr(owners[owner], name)]
-    if missing:
-        raise RuntimeError(
-            f"fault-tolerant-handlers needs {', '.join(missing)}, which torch {torch.__version__} does not have "
-            f"(checked against torch {', '.join(CHECKED_AGAINST)}; torch>=2.8 is required)"
-        )
+    if missing := lacking(_REQUIRED, {"torch.distributed.distributed_c10d": c10d, "torch.distributed.Store": dist.Store,
+                                      "torch.distributed.distributed_c10d._world": getattr(c10d, "_world", None)}):
+        raise RuntimeError(f"fault-tolerant-handlers needs {', '.join(missing)}, which torch {torch.__version__} does "
+                           f"not have (checked against torch {', '.join(CHECKED_AGAINST)}; torch>=2.8 is required)")
     _checked = True
 
 
@@ -170,17 +166,14 @@ def check_ddp(ddp: Any = None) -> None:
     (or ``ddp``, a ``DistributedDataParallel``) lacks."""
     from torch.nn.parallel import DistributedDataParallel
 
-    owners = {"torch.nn.parallel.DistributedDataParallel": DistributedDataParallel, "torch.distributed": dist,
-              "torch.distributed.Reducer": getattr(dist, "Reducer", None),
-              "torch.distributed.Logger": getattr(dist, "Logger", None)}
-    missing = [f"{owner}.{name}" for owner, name in _DDP_REQUIRED if not hasattr(owners[owner], name)]
-    if ddp is not None:
-        missing += [f"DistributedDataParallel().{name}" for name in _DDP_ATTRS if not hasattr(ddp, name)]
+    missing = lacking(_DDP_REQUIRED, {"torch.nn.parallel.DistributedDataParallel": DistributedDataParallel,
+                                      "torch.distributed": dist, "torch.distributed.Reducer": getattr(dist, "Reducer", None),
+                                      "torch.distributed.Logger": getattr(dist, "Logger", None)})
+    missing += [f"DistributedDataParallel().{name}" for name in _DDP_ATTRS if ddp is not None and not hasattr(ddp, name)]
     if missing:
         raise RuntimeError(
             f"fault-tolerant-handlers' DDPBucketLayout needs {', '.join(missing)}, which torch {torch.__version__} "
-            f"does not have (checked against torch {', '.join(DDP_CHECKED_AGAINST)})"
-        )
+            f"does not have (checked against torch {', '.join(DDP_CHECKED_AGAINST)})")
 
 
 def ddp_bucket_layout(ddp: Any) -> list[list[int]] | None:
@@ -279,12 +272,13 @@ _LOADER_REQUIRED = (
 
 
 def lacking(required: tuple, objects: dict) -> list[str]:
-    """Each ``(owner, name)`` that ``objects[owner]`` lacks (``"Class.method"``: that method's code names it)."""
+    """Each ``(owner, name)`` that ``objects[owner]`` lacks (an owner ``"Class.method"`` not in
+    ``objects``: that method's code names it): the one check of every list of private names."""
     missing = []
     for owner, name in required:
-        cls, _, method = owner.partition(".")
+        cls, _, method = (owner, "", "") if owner in objects else owner.rpartition(".")
         code = getattr(getattr(objects[cls], method, None), "__code__", None) if method else None
-        if not (name in code.co_names if code is not None else not method and hasattr(objects[cls], name)):
+        if not (code is not None and name in code.co_names if method else hasattr(objects[cls], name)):
             missing.append(f"{owner} ({name})" if method else f"{owner}.{name}")
     return missing
 
