@@ -38,7 +38,7 @@ class Setting:
         """The value of ``raw`` (``""``: unset); ``ValueError`` naming the variable and what it accepts."""
         text = raw.strip()
         if self.kind == "inject":
-            inject.Injector.from_env()
+            inject.parse(raw)  # checked here; fired where an iteration begins (:mod:`.inject`)
             return text
         if not text:
             return self.default

@@ -93,14 +93,12 @@ class Session:
                                tuple(decode_name(row[5:].tolist()) for row in table), tuple(host_ids),
                                tuple(table[:, 3].tolist()),
                                *local_layout(host_ids, ranks.index(rank), whole_world=group is None))
-        #: The first rank on the store's host (:func:`store_rank_of`), or ``None``: the store's loss
-        #: names no rank (``StoreLost``).
+        #: The first rank on the store's host (:func:`store_rank_of`), or ``None``.
         self.store_rank: int | None = store_rank_of(list(ranks), table[:, 4].tolist())
         self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
         self._flag = torch.zeros(2, dtype=torch.int64)
         self._seq = 0
-        #: The oldest agreement a failure record can still belong to (the one in progress, else the
-        #: next): a record of an earlier one is late news of a failure every rank already raised.
+        #: The oldest agreement a failure record can still belong to (the one in progress, else the next).
         self.live_seq = 0
         #: The record counter as the last agreement read it (the run is new: 0). Main thread only.
         self.consumed = 0
