@@ -270,19 +270,10 @@ def listens_here(port: int) -> bool:
 
 
 def store_peer_address(ports: set[int]) -> str | None:
-    """The address this process's connection to the store (a remote port in ``ports``) reaches (Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    fds = socket_fds()
-    for inode, (_, remote, state) in tcp_sockets().items():
-        if remote not in ports or state != ESTABLISHED or inode not in fds:
-            continue
+    """The address this process's connection to the store (on a port in ``ports``) reaches (Linux)."""
+    for fd in select_sockets(socket_fds(), tcp_sockets(), ports, on_ports=True) if sys.platform.startswith("linux") else ():
         try:
-            dup = os.dup(fds[inode])
-        except OSError:
-            continue
-        try:
-            with socket.socket(fileno=dup) as sock:  # closes the dup only
+            with socket.socket(fileno=os.dup(fd)) as sock:  # closes the dup only
                 return str(sock.getpeername()[0])
         except OSError:
             continue

@@ -476,10 +476,8 @@ class Session:
     def stop_watchdog(self) -> None:
         """Drop a reference; the last one stops the watchdog (and closes its connections)."""
         with self._lock:
-            if self._watchdog_refs == 0:
-                return
-            self._watchdog_refs -= 1
-            if self._watchdog_refs:
+            self._watchdog_refs = max(0, self._watchdog_refs - 1)
+            if self._watchdog_refs or self._watchdog is None:
                 return
             watchdog, self._watchdog = self._watchdog, None
         self.leave()
