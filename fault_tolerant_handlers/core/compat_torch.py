@@ -166,10 +166,10 @@ def check_ddp(ddp: Any = None) -> None:
     (or ``ddp``, a ``DistributedDataParallel``) lacks."""
     from torch.nn.parallel import DistributedDataParallel
 
-    missing = lacking(_DDP_REQUIRED, {"torch.nn.parallel.DistributedDataParallel": DistributedDataParallel,
-                                      "torch.distributed": dist, "torch.distributed.Reducer": getattr(dist, "Reducer", None),
-                                      "torch.distributed.Logger": getattr(dist, "Logger", None)})
-    missing += [f"DistributedDataParallel().{name}" for name in _DDP_ATTRS if ddp is not None and not hasattr(ddp, name)]
+    ddp_class, reducer, logger = DistributedDataParallel, getattr(dist, "Reducer", None), getattr(dist, "Logger", None)
+    missing = lacking(_DDP_REQUIRED, {"torch.nn.parallel.DistributedDataParallel": ddp_class, "torch.distributed": dist,
+                                      "torch.distributed.Reducer": reducer, "torch.distributed.Logger": logger})
+    missing += [f"DistributedDataParallel().{n}" for n in _DDP_ATTRS if ddp is not None and not hasattr(ddp, n)]
     if missing:
         raise RuntimeError(
             f"fault-tolerant-handlers' DDPBucketLayout needs {', '.join(missing)}, which torch {torch.__version__} "

@@ -271,7 +271,8 @@ def listens_here(port: int) -> bool:
 
 def store_peer_address(ports: set[int]) -> str | None:
     """The address this process's connection to the store (on a port in ``ports``) reaches (Linux)."""
-    for fd in select_sockets(socket_fds(), tcp_sockets(), ports, on_ports=True) if sys.platform.startswith("linux") else ():
+    linux = sys.platform.startswith("linux")
+    for fd in select_sockets(socket_fds(), tcp_sockets(), ports, on_ports=True) if linux else ():
         try:
             with socket.socket(fileno=os.dup(fd)) as sock:  # closes the dup only
                 return str(sock.getpeername()[0])

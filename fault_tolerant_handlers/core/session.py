@@ -81,8 +81,8 @@ class Session:
         self.store_address: tuple[str, int] | None = (tcp.host, tcp.port) if tcp is not None else None
         #: This process hosts the store (its server is a thread here): it never declares it lost.
         self.hosts_store = self.store_address is not None and listens_here(self.store_address[1])
-        mine = torch.tensor([[secrets.randbits(62), digest(host_name()), os.getpid(), digest(self.address), self._store_here(),
-                              *encode_name(host_name())]], dtype=torch.int64)
+        mine = torch.tensor([[secrets.randbits(62), digest(host_name()), os.getpid(), digest(self.address),
+                              self._store_here(), *encode_name(host_name())]], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in ranks]
         dist.all_gather(gathered, mine, group=self.side)
         table = torch.cat(gathered)
