@@ -101,16 +101,12 @@ def abort_process_group(group: dist.ProcessGroup) -> None:
 def spawn_error_file() -> str | None:
     """Under ``mp.spawn`` (the main thread inside ``torch.multiprocessing.spawn._wrap``) the path of the
     error file the parent reads (``""``: that frame holds none); ``None`` otherwise."""
-    frame = main_thread_frame()
-    suffix = os.path.join("torch", "multiprocessing", "spawn.py")
-    depth = 0
+    frame, depth, suffix = main_thread_frame(), 0, os.path.join("torch", "multiprocessing", "spawn.py")
     while frame is not None and depth < 256:
-        code = frame.f_code
-        if code.co_name == "_wrap" and code.co_filename.endswith(suffix):
+        if frame.f_code.co_name == "_wrap" and frame.f_code.co_filename.endswith(suffix):
             path = frame.f_locals.get("error_file")
             return path if isinstance(path, str) else ""
-        frame = frame.f_back
-        depth += 1
+        frame, depth = frame.f_back, depth + 1
     return None
 
 
