@@ -336,8 +336,8 @@ LOOK_FOR_LOST = 0.5
 #: Recovering in place: destroying a failed attempt's process groups (measured: 20 ms) must end
 #: within this many seconds, else the process ends (EXIT_TEARDOWN_STUCK) and its launcher relaunches.
 RECOVER_TEARDOWN_SEC = 10.0
-#: A rank whose cause is not recovered in place ends at once, its store calls telling its peers why
-#: given this many seconds in all (the store may be what is gone: a read would block for minutes).
+#: A rank whose cause is not recovered in place ends at once; its store calls telling its peers why get
+#: this many seconds in all (the store may be what is gone: a read would block for minutes).
 RECOVER_TELL_SEC = 2.0
 #: Recovering in place, a rank hung in Python is interrupted; if its main thread has not left the
 #: hang this many seconds later (stuck in C), it ends as without recovery (EXIT_HUNG).
