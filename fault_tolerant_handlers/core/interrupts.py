@@ -1,5 +1,5 @@
 """Getting a main thread out of where it waits: the interrupt of a hung main thread (recovering in
-place; pending until the recovery :func:`take` s it, held back by deferred sections; its signal
+place; pending until the recovery takes it (:func:`take`), held back by deferred sections; its signal
 handler takes no lock), and the release of collectives blocked on a failed peer (NCCL/XCCL groups
 aborted, gloo's TCP connections other than the store's shut down). docs/recovering.md has the long form."""
 
