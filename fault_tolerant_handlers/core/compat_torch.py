@@ -1,17 +1,9 @@
-"""Every use of torch's private API, in one place, each list checked before its first use.
+"""Every use of torch's private API, in one place, checked against torch 2.13.0 (``torch>=2.8``).
 
-Checked against torch 2.13.0 (the version the test suite runs; ``Store.clone`` needs ``torch>=2.8``).
-Each list of private names below is looked up at once (:func:`check` when the first fail-together
-session starts, :func:`check_ddp` when a ``DDPBucketLayout`` is made, :func:`check_loader` when a
-``RestartableDataLoader`` is made): a torch that lacks one fails there with an error naming it,
-never later and never silently. Besides the lists, looked for where used:
-
-* ``torch.multiprocessing.spawn._wrap`` and its local ``error_file``, on the main thread's stack
-  (:func:`spawn_error_file`): without it a rank is reported as not spawned;
-* gloo's TCP event loops (an epoll set per device, its registrations' ``data`` a handler pointer):
-  :func:`disarm_loops`, after a release;
-* the ``__defaults__`` of ``torch.distributed``'s functions (``torch.distributed.nn.functional``:
-  ``group=group.WORLD``): :func:`forget_destroyed_groups`, after a recovery's ``destroy_process_group``.
+Each list of private names is looked up before its first use (:func:`check` at the first session,
+:func:`check_ddp`, :func:`check_loader`), failing with an error that names what is missing; looked
+for where used: ``mp.spawn``'s ``_wrap`` frame (:func:`spawn_error_file`), gloo's epoll loops
+(:func:`disarm_loops`) and ``torch.distributed``'s ``__defaults__`` (:func:`forget_destroyed_groups`).
 """
 
 from __future__ import annotations
@@ -27,8 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import procfs
-from .procfs import fd_targets
+from .procfs import fd_targets, main_thread_frame
 
 CHECKED_AGAINST = ("2.13.0",)
 #: The DDP bucket-layout calls below were read in and checked against these torch versions.
@@ -52,41 +43,26 @@ def check() -> None:
     if _checked:
         return
     c10d = dist.distributed_c10d
-    owners = {"torch.distributed.distributed_c10d": c10d, "torch.distributed.Store": dist.Store,
-              "torch.distributed.distributed_c10d._world": getattr(c10d, "_world", None)}
-    missing = [f"{owner}.{name}" for owner, name in _REQUIRED if not hasattr(owners[owner], name)]
-    if missing:
-        raise RuntimeError(
-            f"fault-tolerant-handlers needs {', '.join(missing)}, which torch {torch.__version__} does not have "
-            f"(checked against torch {', '.join(CHECKED_AGAINST)}; torch>=2.8 is required)"
-        )
+    if missing := lacking(_REQUIRED, {"torch.distributed.distributed_c10d": c10d, "torch.distributed.Store": dist.Store,
+                                      "torch.distributed.distributed_c10d._world": getattr(c10d, "_world", None)}):
+        raise RuntimeError(f"fault-tolerant-handlers needs {', '.join(missing)}, which torch {torch.__version__} does "
+                           f"not have (checked against torch {', '.join(CHECKED_AGAINST)}; torch>=2.8 is required)")
     _checked = True
 
 
-#: Modules torch imports lazily at a process's first optimizer (seconds), which a spare imports
-#: before it waits rather than when it takes a lost rank's place.
-LAZY_MODULES = ("torch._dynamo",)
-
-
 def import_lazy_modules() -> None:
-    """Import :data:`LAZY_MODULES` now; one that fails to import is left out."""
-    for name in LAZY_MODULES:
-        try:
-            __import__(name)
-        except Exception:  # noqa: BLE001 - an optimisation: the training imports it itself, or never
-            pass
+    """Import what torch imports lazily at a process's first optimizer (seconds): a spare, before it waits."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - an optimisation: the training imports it itself, or never
+        pass
 
 
 def forget_destroyed_groups() -> int:
-    """Let go of the destroyed process groups that torch's functions keep as a default argument;
-    returns how many functions held one.
-
-    ``torch.distributed.nn.functional`` declares ``group=group.WORLD`` on its ten collectives, a
-    default evaluated once, at its import: the first ``DistributedDataParallel`` imports it (through
-    ``torch.distributed.fsdp``), so the default group of that moment is kept for ever (its gloo
-    threads, sockets and buffers), and those functions would use it, destroyed, when called without
-    ``group``. Each such default becomes ``None``, which torch reads as the current default group.
-    Looked for in every ``torch.distributed`` module loaded (functions and classes' methods)."""
+    """Replace by ``None`` (the current default group) every destroyed process group a
+    ``torch.distributed`` function keeps as a default argument (``torch.distributed.nn.functional``'s
+    ``group=group.WORLD``, evaluated at import: it would keep the group alive and be used destroyed);
+    returns how many functions held one."""
     live = set(process_groups())
 
     def gone(value: Any) -> bool:
@@ -123,25 +99,19 @@ def abort_process_group(group: dist.ProcessGroup) -> None:
 
 
 def spawn_error_file() -> str | None:
-    """``None`` unless the main thread runs inside ``torch.multiprocessing.spawn._wrap`` (``mp.spawn``
-    and ``start_processes``); then the path of the error file that ``_wrap`` would write and the parent
-    reads (a pickled ``str``), or ``""`` when that frame holds none."""
-    frame = procfs.main_thread_frame()
-    suffix = os.path.join("torch", "multiprocessing", "spawn.py")
-    depth = 0
+    """Under ``mp.spawn`` (the main thread inside ``torch.multiprocessing.spawn._wrap``) the path of the
+    error file the parent reads (``""``: that frame holds none); ``None`` otherwise."""
+    frame, depth, suffix = main_thread_frame(), 0, os.path.join("torch", "multiprocessing", "spawn.py")
     while frame is not None and depth < 256:
-        code = frame.f_code
-        if code.co_name == "_wrap" and code.co_filename.endswith(suffix):
+        if frame.f_code.co_name == "_wrap" and frame.f_code.co_filename.endswith(suffix):
             path = frame.f_locals.get("error_file")
             return path if isinstance(path, str) else ""
-        frame = frame.f_back
-        depth += 1
+        frame, depth = frame.f_back, depth + 1
     return None
 
 
 def store_chain(store: dist.Store | None) -> list[dist.Store]:
-    """``store`` and every store under its ``PrefixStore`` wrappers (public ``underlying_store``),
-    outermost first, the base store last (16 at most): the one unwrap of the project."""
+    """``store`` and every store under its ``PrefixStore`` wrappers, outermost first: the one unwrap."""
     chain: list[dist.Store] = []
     while store is not None and len(chain) < 16:
         chain.append(store)
@@ -161,9 +131,7 @@ _GLOO_MARKERS = ("gloo/transport/", "ProcessGroupGloo.cpp")
 
 def is_backend_error(exc: BaseException) -> bool:
     """True for what a collective or the store raises when a peer is gone or this rank was released:
-    torch's ``DistError`` family, and gloo's plain ``RuntimeError`` whose text points into gloo (no
-    type tells it). Any other error (``TimeoutError``, ``ConnectionResetError``...) is the rank's own.
-    """
+    torch's ``DistError`` family, and gloo's plain ``RuntimeError`` whose text points into gloo."""
     dist_error = getattr(dist, "DistError", None)
     if isinstance(dist_error, type) and isinstance(exc, dist_error):
         return True
@@ -194,23 +162,19 @@ def check_ddp(ddp: Any = None) -> None:
     (or ``ddp``, a ``DistributedDataParallel``) lacks."""
     from torch.nn.parallel import DistributedDataParallel
 
-    owners = {"torch.nn.parallel.DistributedDataParallel": DistributedDataParallel, "torch.distributed": dist,
-              "torch.distributed.Reducer": getattr(dist, "Reducer", None),
-              "torch.distributed.Logger": getattr(dist, "Logger", None)}
-    missing = [f"{owner}.{name}" for owner, name in _DDP_REQUIRED if not hasattr(owners[owner], name)]
-    if ddp is not None:
-        missing += [f"DistributedDataParallel().{name}" for name in _DDP_ATTRS if not hasattr(ddp, name)]
+    ddp_class, reducer, logger = DistributedDataParallel, getattr(dist, "Reducer", None), getattr(dist, "Logger", None)
+    missing = lacking(_DDP_REQUIRED, {"torch.nn.parallel.DistributedDataParallel": ddp_class, "torch.distributed": dist,
+                                      "torch.distributed.Reducer": reducer, "torch.distributed.Logger": logger})
+    missing += [f"DistributedDataParallel().{n}" for n in _DDP_ATTRS if ddp is not None and not hasattr(ddp, n)]
     if missing:
         raise RuntimeError(
             f"fault-tolerant-handlers' DDPBucketLayout needs {', '.join(missing)}, which torch {torch.__version__} "
-            f"does not have (checked against torch {', '.join(DDP_CHECKED_AGAINST)})"
-        )
+            f"does not have (checked against torch {', '.join(DDP_CHECKED_AGAINST)})")
 
 
 def ddp_bucket_layout(ddp: Any) -> list[list[int]] | None:
-    """The parameter indices of each of ``ddp``'s buckets, in its reducer's order, once the reducer has
-    rebuilt them (``None`` before, and with ``find_unused_parameters=True``): from its logging data,
-    known from the 3rd iteration on (the 4th with ``static_graph=True``)."""
+    """The parameter indices of each of ``ddp``'s buckets once its reducer rebuilt them (from the 3rd
+    iteration, the 4th with ``static_graph``), else ``None``."""
     data = ddp._get_ddp_logging_data()
     text = data.get("rebuilt_per_bucket_param_indices")
     if not data.get("has_rebuilt_buckets") or not isinstance(text, str) or not text.strip():
@@ -225,10 +189,8 @@ def ddp_bucket_sizes(ddp: Any) -> list[int]:
 
 
 def use_ddp_bucket_layout(ddp: Any, layout: list[list[int]]) -> None:
-    """Give ``ddp`` a new reducer whose buckets are ``layout`` (parameter indices per bucket), built as
-    ``DistributedDataParallel.__setstate__`` does, with the static graph setting and the comm hooks
-    carried over. ``RuntimeError`` for a builtin comm hook, an optimizer applied in backward, or a
-    reducer whose buckets come out otherwise."""
+    """Give ``ddp`` a new reducer whose buckets are ``layout``, built as ``__setstate__`` does, with the
+    static graph setting and comm hooks carried over (``RuntimeError`` where it cannot)."""
     check_ddp(ddp)
     params, expect_sparse = ddp._build_params_for_reducer()
     flat = sorted(i for bucket in layout for i in bucket)
@@ -280,9 +242,8 @@ def use_ddp_bucket_layout(ddp: Any, layout: list[list[int]]) -> None:
 
 
 # -- torch's DataLoader (data/loader.py, data/_resume.py, data/_workers.py) ------------------------------
-#: What the restartable loader uses of torch's private DataLoader API (checked against torch 2.13.0,
-#: torchdata 0.11), looked up by :func:`check_loader` when a ``RestartableDataLoader`` is made: a
-#: name of a module or class, or an instance attribute the method named first sets.
+#: torch's private DataLoader names the restartable loader uses (torch 2.13.0, torchdata 0.11): a
+#: module's or class's name, or an instance attribute the method named first sets.
 _LOADER_REQUIRED = (
     ("DataLoader", "_index_sampler"),  # the batch indices of an epoch (a property)
     ("DataLoader.__init__", "_IterableDataset_len_called"),
@@ -307,12 +268,13 @@ _LOADER_REQUIRED = (
 
 
 def lacking(required: tuple, objects: dict) -> list[str]:
-    """Each ``(owner, name)`` that ``objects[owner]`` lacks (``"Class.method"``: that method's code names it)."""
+    """Each ``(owner, name)`` that ``objects[owner]`` lacks (an owner ``"Class.method"`` not in
+    ``objects``: that method's code names it): the one check of every list of private names."""
     missing = []
     for owner, name in required:
-        cls, _, method = owner.partition(".")
+        cls, _, method = (owner, "", "") if owner in objects else owner.rpartition(".")
         code = getattr(getattr(objects[cls], method, None), "__code__", None) if method else None
-        if not (name in code.co_names if code is not None else not method and hasattr(objects[cls], name)):
+        if not (code is not None and name in code.co_names if method else hasattr(objects[cls], name)):
             missing.append(f"{owner} ({name})" if method else f"{owner}.{name}")
     return missing
 
@@ -372,8 +334,8 @@ class _EpollEvent(ctypes.Structure):
 
 
 def _epoll_registrations() -> list[tuple[int, int, int, int]]:
-    """(epoll fd, registered fd, registered file's inode, registration data) of this process's epoll
-    sets, from ``/proc/self/fdinfo`` (``tfd: 7 events: 19 data: 7f3a... pos:0 ino:53d093 sdev:9``)."""
+    """(epoll fd, registered fd, its inode, registration data) of this process's epoll sets, from
+    ``/proc/self/fdinfo`` (``tfd: 7 events: 19 data: 7f3a... pos:0 ino:53d093 sdev:9``)."""
     entries = []
     for fd, target in fd_targets().items():
         if target != "anon_inode:[eventpoll]":
@@ -397,15 +359,8 @@ def _epoll_registrations() -> list[tuple[int, int, int, int]]:
 
 def disarm_loops(known: set[int], inodes: dict[int, int]) -> int:
     """In each epoll set where a socket of ``known`` (inodes) is registered, make every socket's
-    registration (``inodes``: fd -> inode of this process's sockets now) report at most once more,
-    with its ``data`` (gloo's handler pointer) kept; returns how many were changed.
-
-    Why: a gloo pair whose receive buffer went with a failed operation leaves the rest of that message
-    in its socket (or its peer's reset: a killed process's socket with unread bytes), and its loop,
-    waiting level-triggered, wakes on it without end: a core burnt for as long as the group lives,
-    and a destroyed group lives while anything still holds it. ``EPOLLONESHOT`` with no events ends
-    that; gloo's own removal of the registration when the group goes still finds it. Only for the
-    loops of destroyed groups: a live group waits on its sockets."""
+    registration (``inodes``: fd -> inode now) ``EPOLLONESHOT`` with its ``data`` kept; returns how many.
+    A destroyed gloo group's loop otherwise spins, level-triggered, on bytes a failed operation left."""
     registrations = [(epfd, tfd, data) for epfd, tfd, inode, data in _epoll_registrations() if inodes.get(tfd) == inode]
     loops = {epfd for epfd, tfd, _ in registrations if inodes[tfd] in known}
     if not loops:

@@ -1,11 +1,6 @@
-"""Every setting of the library in one table: its environment variable, default and accepted range
-(:data:`SETTINGS`), then every fixed timing of the failure path.
-
-Every ``FTH_*`` variable is read and checked when a fail-together session starts (and when an
-adapter is constructed), so that a bad value stops the job at once with an error naming it, never
-later inside a watchdog thread; ``docs/reference.md`` lists both tables as they are here
-(``tests/unit/core/test_settings_table.py`` keeps them equal).
-"""
+"""Every setting in one table (:data:`SETTINGS`), then every fixed timing of the failure path; read and
+checked when a session starts or an adapter is made, so that a bad value stops the job at once.
+``docs/reference.md`` lists both as they are here (``tests/unit/core/test_settings_table.py``)."""
 
 from __future__ import annotations
 
@@ -25,11 +20,8 @@ AUTO = "auto"
 
 @dataclass(frozen=True)
 class Setting:
-    """One ``FTH_*`` variable: the :class:`Config` field it sets and the values it takes.
-
-    ``kind`` is how its text is read: ``seconds`` (a ``timedelta`` from ``low`` to ``high``),
-    ``number``, ``integer`` (in that range), ``choice`` (one of ``choices``; ``0``/``1`` read as a
-    bool), ``hang`` (seconds, ``DD:HH:MM:SS`` or ``auto``) or ``inject`` (:mod:`.inject`'s form)."""
+    """One ``FTH_*`` variable: the :class:`Config` field it sets and how its text is read (``kind``:
+    ``seconds``, ``number``, ``integer``, ``choice`` (``0``/``1``: a bool), ``hang`` or ``inject``)."""
 
     variable: str
     field: str
@@ -43,11 +35,10 @@ class Setting:
     expected: str = ""  #: a choice's error text, where not "one of ..."
 
     def read(self, raw: str) -> object:
-        """The value of this variable's text ``raw`` (``""``: unset); ``ValueError`` naming the
-        variable and what it accepts."""
+        """The value of ``raw`` (``""``: unset); ``ValueError`` naming the variable and what it accepts."""
         text = raw.strip()
         if self.kind == "inject":
-            inject.Injector.from_env()
+            inject.parse(raw)  # checked here; fired where an iteration begins (:mod:`.inject`)
             return text
         if not text:
             return self.default
@@ -190,8 +181,8 @@ _DHMS = re.compile(r"\s*(\d+):(\d+):(\d+):(\d+)\s*")
 
 
 def _as_timedelta(value: object) -> timedelta | None:
-    """Seconds, ``"DD:HH:MM:SS"`` or a dict of ``timedelta`` arguments (the forms of Lightning's
-    ``Timer(duration=...)``) as a ``timedelta``; ``None`` for anything else."""
+    """Seconds, ``"DD:HH:MM:SS"`` or a dict of ``timedelta`` arguments (Lightning ``Timer``'s forms)
+    as a ``timedelta``; ``None`` for anything else."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return timedelta(seconds=value) if math.isfinite(value) and abs(value) < 1e12 else timedelta.max
     if isinstance(value, str):
@@ -216,8 +207,7 @@ TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds"
 
 
 def _check_duration(name: str, value: object, what: str, forms: str) -> timedelta | None:
-    """``value`` as a ``timedelta`` in the range of setting ``name``: ``TypeError`` naming ``forms``
-    for a value of no accepted form, ``ValueError`` for a duration out of range."""
+    """``value`` as a ``timedelta`` in setting ``name``'s range (``TypeError`` naming ``forms``, ``ValueError``)."""
     if value is None:
         return None
     bad = [key for key in value if key not in TIMEDELTA_KEYS] if isinstance(value, dict) else []
@@ -234,16 +224,14 @@ def _check_duration(name: str, value: object, what: str, forms: str) -> timedelt
 
 
 def check_hang_timeout(value: object, *, what: str = "hang_timeout") -> timedelta | str | None:
-    """``hang_timeout`` as ``None`` (off), ``"auto"`` or a ``timedelta`` of 1 s to 7 days, from any of
-    :data:`HANG_TIMEOUT_FORMS` (``TypeError`` for another value, ``ValueError`` out of range)."""
+    """``hang_timeout`` as ``None`` (off), ``"auto"`` or a ``timedelta`` of 1 s to 7 days."""
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return AUTO
     return _check_duration("hang_timeout", value, what, HANG_TIMEOUT_FORMS)
 
 
 def check_join_timeout(value: object, *, what: str = "join_timeout") -> timedelta | None:
-    """``recover_in_place(join_timeout=...)`` as ``None`` or a ``timedelta`` of 1 s to 1 day, from any
-    of :data:`JOIN_TIMEOUT_FORMS` (``ValueError`` for ``"auto"``: a learned deadline is for hang_timeout only)."""
+    """``recover_in_place(join_timeout=...)`` as ``None`` or a ``timedelta`` of 1 s to 1 day."""
     if isinstance(value, str) and value.strip().lower() == AUTO:
         raise ValueError(f"{what} has no {AUTO!r} (a learned deadline is for hang_timeout only): it must be "
                          f"{JOIN_TIMEOUT_FORMS}, got {value!r}")
@@ -260,29 +248,24 @@ def warn_once(message: str) -> None:
         log(logging.WARNING, "%s", message)
 
 # -- Fixed timings of the failure path ---------------------------------------------------------------
-# Every timeout and wait of the library that no variable sets, defined here once (the modules that
-# use one import it from here) and checked against the settings above when a session starts
-# (:func:`check_timings`; against each other by ``tests/unit/core/test_timings.py``). Seconds unless a ``timedelta``; each ``#:`` comment is its line in
-# docs/reference.md.
+# Every timeout and wait no variable sets, defined once; seconds unless a ``timedelta``; each ``#:``
+# comment is its line in docs/reference.md (checked by :func:`check_timings` and test_timings.py).
 
 #: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
 MAIN_STORE_TIMEOUT = timedelta(seconds=5)
-#: Under torchrun with the library imported after ``init_process_group``: the bound of one try of the
-#: ``fth-attempt-keys`` thread at deleting the gloo address keys every peer has read (the way out waits
-#: for a try in progress), and how long it tries before leaving them to the way out.
+#: Under torchrun, imported after ``init_process_group``: the bound of one try of the ``fth-attempt-keys``
+#: thread at deleting the gloo address keys every peer read, and how long it tries.
 ATTEMPT_KEYS_WAIT = 3.0
 ATTEMPT_KEYS_PATIENCE = 60.0
 #: Timeout of the store calls made while explaining a broken collective.
 FAILURE_PATH_STORE_TIMEOUT = timedelta(seconds=1)
-#: The connect of a connection a loop makes in its own thread (the watchdog's, the liveness
-#: helper's): nothing waits for it, and 8 ranks starting on a busy store's host took seconds to be
-#: answered; a 1 s connect failed and was made again by every rank, adding to that load.
+#: The connect of a loop's connection (the watchdog's, the helper's), made in its own thread: 8 ranks
+#: starting on a busy store's host took seconds to be answered (a 1 s connect was made again and again).
 BACKGROUND_CONNECT_TIMEOUT = timedelta(seconds=5)
 #: How long a broken collective waits for the cause (a killed peer is declared within ~0.1 s).
 EXPLAIN_WAIT = 2.0
-#: A rank whose heartbeat (every HEARTBEAT_EVERY, from its liveness process) stands still this long
-#: is lost when a second witness says so too: it is at the address a backend error names, or its host
-#: acknowledged nothing sent to it for FTH_UNACKED_SEC (:mod:`..detect.witness`).
+#: A rank whose heartbeat stands still this long is lost when a second witness says so too (it is at
+#: the address a backend error names, or its host acknowledged nothing for FTH_UNACKED_SEC).
 SUSPECT_SILENCE = 1.2
 #: How long ranks found out of step wait for each other's section names.
 MISMATCH_WAIT = 1.0
@@ -304,9 +287,8 @@ SILENT_MARGIN = timedelta(seconds=2)
 HEARTBEAT_EVERY = timedelta(seconds=0.5)
 #: Timeout of the liveness loop's store calls (only to publish what it declares).
 LIVENESS_STORE_TIMEOUT = timedelta(seconds=2)
-#: While the store does not answer, its port is tried this often (a plain TCP connect: evidence
-#: that it is gone, or that it is only slow), each try bounded by :data:`STORE_EVIDENCE_TIMEOUT`
-#: seconds (past the kernel's first SYN retransmission, 1 s: one lost packet is not evidence).
+#: While the store does not answer, its port is tried this often (a plain TCP connect), each try bounded
+#: by :data:`STORE_EVIDENCE_TIMEOUT` (past the first SYN retransmission: one lost packet is no evidence).
 STORE_CHECK_EVERY = 0.5
 STORE_EVIDENCE_TIMEOUT = 1.5
 #: A store that is slow but not gone is warned about at most this often (seconds).
@@ -322,27 +304,22 @@ SIGNAL_STORE_TIMEOUT = timedelta(seconds=1)
 #: How long a signalled rank whose signal ends it stays alive after publishing its record: the
 #: watchdog's record grace (RELEASE_GRACE) and two polls, so that its peers name the signal.
 CAUSE_LINGER = 0.6
-#: A peer's record of the same signal received within this many seconds of this rank's is the same
-#: delivery (Ctrl-C in a terminal, a scheduler signalling every process): both ranks are causes. A
-#: launcher's SIGTERM to the survivors of a signalled rank comes after that rank's exit, so at least
-#: CAUSE_LINGER after its record: a consequence.
+#: A peer's record of the same signal within this many seconds of this rank's is the same delivery (both
+#: are causes); a launcher's SIGTERM to the survivors comes at least CAUSE_LINGER later (a consequence).
 SAME_DELIVERY = 0.3
-#: The same, when a framework's handler (Lightning's) is in front of this one: that handler does not
-#: end the process at once (no launcher's SIGTERM follows within a second), and Lightning's ``ddp``
-#: rank 0 forwards the signal to the ranks it started, later than a delivery to every process.
+#: The same behind a framework's handler (Lightning's ``ddp`` rank 0 forwards the signal to the ranks it
+#: started, later than a delivery to every process).
 SIGNALLED_TOGETHER = 1.0
 #: How long a rank ended while it works out a peer's failure waits for that explanation.
 REPORT_WAIT = 1.5
 #: How long the main thread's handler waits for the reaction under way in the thread (under mp.spawn it
 #: may wait for the cause: REPORT_WAIT, SIGTERM_CAUSE_WAIT and a store call).
 REACTION_WAIT = 5.0
-#: How long the signal thread, its reaction done, waits for the main thread to enter the handler
-#: before it takes the main thread for blocked in C (a collective its peer never joins, a store call)
-#: and releases it (:mod:`..launchers.signals`). A main thread running Python enters it at once.
+#: How long the signal thread, its reaction done, waits for the main thread to enter the handler before
+#: it takes it for blocked in C (a collective, a store call) and releases it.
 MAIN_STUCK_WAIT = 1.0
 #: How long it then waits for the released main thread to take the signal before it ends the process
-#: itself (the signal's default action only): a signal ends a rank within a few seconds whatever
-#: the main thread is blocked in.
+#: itself (the signal's default action only), whatever the main thread is blocked in.
 SIGNAL_EXIT_WAIT = 2.0
 #: How long a SIGTERM that finds a same-host peer gone, and nothing known yet, waits for the cause
 #: (the watchdog's finding or the peer's record); well inside the parent's 30 s before SIGKILL.
@@ -362,26 +339,20 @@ END_POLL = 0.5
 #: Recovering in place: destroying a failed attempt's process groups (measured: 20 ms) must end
 #: within this many seconds, else the process ends (EXIT_TEARDOWN_STUCK) and its launcher relaunches.
 RECOVER_TEARDOWN_SEC = 10.0
-#: Recovering in place, a rank whose cause is not recovered in place (a rank or the store lost, a
-#: signal) ends at once; its store calls only tell its peers why (so that rank 0 ends the job without
-#: waiting for the join timeout), and all of them together are given this many seconds: the store may
-#: be what is gone, and a read from a store whose host or link is gone blocks for minutes.
+#: A rank whose cause is not recovered in place ends at once; its store calls telling its peers why get
+#: this many seconds in all (the store may be what is gone: a read would block for minutes).
 RECOVER_TELL_SEC = 2.0
 #: Recovering in place, a rank hung in Python is interrupted; if its main thread has not left the
 #: hang this many seconds later (stuck in C), it ends as without recovery (EXIT_HUNG).
 INTERRUPT_WAIT = 2.0
-#: Recovering in place, while a hung rank's interrupt is not taken by the recovery, the watchdog
-#: signals the main thread again this often (seconds): an interrupt caught and not re-raised (an
-#: ``except BaseException``) is raised again, one held back by a checkpoint write the stack shows is
-#: delivered after it. The wait for the main thread (INTERRUPT_WAIT) is extended while a deferred
-#: section holds the interrupt back (by INTERRUPT_DEFER at most).
+#: While a hung rank's interrupt is not taken by the recovery, the watchdog signals the main thread again
+#: this often (one swallowed is raised again); INTERRUPT_WAIT is extended while a deferred section holds it.
 INTERRUPT_RESEND = 0.5
 
 #: :class:`~..detect.probes.HeartbeatProbe`: a silent rank is asked for its left mark at most this often.
 LEFT_CHECK_EVERY = 0.5
 #: :class:`~..detect.probes.HeartbeatProbe`: while a watched counter stands still, it is read this often
-#: instead of every period. The silence is what is measured more closely, not shortened: it is still
-#: counted from a read that saw the counter move, and declared past the same limit.
+#: instead of every period (the silence is measured more closely, not shortened).
 SILENCE_POLL = 0.1
 #: :class:`~..detect.probes.HeartbeatProbe`: a byte is sent this often on each link to a watched rank's
 #: host (:mod:`..detect.witness`): a cut link is witnessed from within this of its moment.
@@ -392,9 +363,8 @@ WITNESS_RETRY = timedelta(seconds=5)
 #: The longest wait between two checks of a store whose port answered the last one: a store that is
 #: slow and then dies is declared at most this much later.
 MAX_CHECK_HOLD = 2.0
-#: After a release, the process groups are torn down at interpreter exit while Python is still alive,
-#: bounded by this; left to C++ static destruction, a gloo worker thread that is still joinable can
-#: end the process with ``std::terminate`` (SIGABRT).
+#: After a release, the process groups are torn down at interpreter exit, bounded by this (left to C++
+#: static destruction, a joinable gloo thread ends the process with ``std::terminate``).
 EXIT_TEARDOWN_SEC = 2.0
 #: How often a loader's main thread re-checks worker liveness while it waits for a batch. The pump
 #: wakes it at once on a death; this bounds detection if the pump itself is stranded.
@@ -407,10 +377,8 @@ STORE_HOST_CONNECT_TIMEOUT = timedelta(seconds=30)
 
 
 def check_timings(cfg: Config) -> list[str]:
-    """The relations the timings above must keep with the settings ``cfg`` (those between two fixed
-    timings are kept by ``tests/unit/core/test_timings.py``): what a setting breaks (a poll interval
-    of seconds) is logged as a warning when a session starts: the job runs, but that part of the
-    failure path is slower than it says."""
+    """What the settings ``cfg`` break of the relations the timings above keep (warned at start: the
+    job runs, slower on that part of the failure path); ``tests/unit/core/test_timings.py`` the rest."""
     seconds = lambda t: t.total_seconds() if isinstance(t, timedelta) else float(t)  # noqa: E731
     problems = []
     poll = seconds(cfg.interval)

@@ -12,8 +12,8 @@ EXIT_HUNG = 88
 
 
 class SectionMismatchError(RuntimeError):
-    """The ranks met in different fail-together sections (or at different agreements): a bug in
-    the job, like a collective called on some ranks only. Raised on every rank of the agreement.
+    """The ranks met in different fail-together sections or agreements: a bug in the job, like a
+    collective called on some ranks only. Raised on every rank of the agreement.
 
     Attributes:
         sections: ``{rank: "fail_together 'x' (agreement 3)", ...}`` for the ranks that could say.
@@ -32,20 +32,14 @@ SectionMismatchError.__module__ = "fault_tolerant_handlers.errors"  # its public
 
 class HangInterrupted(BaseException):
     """Raised in a hung rank's main thread, where it hangs, when the job recovers in place
-    (:func:`fault_tolerant_handlers.recover_in_place` with ``hang_timeout`` set): the rank's own
-    failure, whose message is what its watchdog found (no progress for ``hang_timeout``).
-
-    A ``BaseException``, like ``KeyboardInterrupt``: an ``except Exception:`` lets it through. Code
-    that catches it anyway and carries on meets it again at the library's next hook, until the
-    recovery takes it. It waits outside :class:`~fault_tolerant_handlers.deferred_interrupt`
-    sections (:mod:`.interrupts`).
-    """
+    (``recover_in_place`` with ``hang_timeout``). A ``BaseException``, like ``KeyboardInterrupt``: code
+    that swallows it meets it again at the library's next hook; it waits outside
+    :class:`~fault_tolerant_handlers.deferred_interrupt` sections."""
 
 
 class StateTransferError(RuntimeError):
-    """A transfer of live state over the re-formed group failed (a bad chunk, header or checksum, or a
-    source that could not send): raised on every rank together, which all fall back to the newest
-    checkpoint (a receiver's state is not to be trusted: part of it was already written).
+    """A transfer of live state over the re-formed group failed: raised on every rank together, which
+    all fall back to the newest checkpoint.
 
     Attributes:
         source: the group rank that sent.
@@ -65,9 +59,5 @@ class StateTransferError(RuntimeError):
 
 
 class RecoveryError(RuntimeError):
-    """Recovering in place could not go on: the training function cannot be called twice in one
-    process (a later attempt failed before its process group was formed), the failed attempt could
-    not be torn down, or ``recover_in_place`` wraps the launcher that spawns the ranks rather than the
-    function each rank runs (raised in the ranks at start, and in the launching process). The
-    exception of the attempt, if any, is its ``__cause__``; the job ends as it would have without
-    recovery in place (a relaunch resumes it)."""
+    """Recovering in place could not go on (the message says why; the attempt's exception, if any, is
+    its ``__cause__``): the job ends as it would have without recovery in place."""

@@ -1,39 +1,6 @@
-"""One way to plug a layer into the core: hooks; and the log lines every layer writes (:func:`log`).
-
-The core never imports a launcher, a detector, an adapter, the data layer or the recovery: what it
-tells them and asks of them is a hook of this one table, and every layer's part is listed where the
-package is assembled (``WIRING`` in ``fault_tolerant_handlers/wiring.py``). A hook is of three kinds:
-
-**Announcements** (:func:`emit`): every callback, in order, in the emitting thread; a callback's
-exception is logged, never passed to the emitter (a report must never mask the failure it reports).
-Subscriptions survive a fork: the liveness helper emits ``RANK_KILLED`` to the same callbacks.
-
-=====================  ==================================================  ==============================
-hook                   emitted by, when                                    arguments
-=====================  ==================================================  ==============================
-``SESSION_STARTED``    ``Session.__init__``: a session is ready             ``session``
-``RANK_FAILED``        this rank failed itself: ``Session.report_error``,   ``record`` (its FailureRecord)
-                       the watchdog finding it hung, its own signal
-``PEER_FAILED``        ``Session.take_peer_failure`` (``escalated``: the    ``table, error, escalated``
-                       main thread will be told)
-``ACKNOWLEDGED``       ``Session.acknowledge``: the main thread took a      ``table, error, known``
-                       peer's failure and raises it
-``JOB_FAILED``         this rank knows the job failed                      ``session``
-``EXITING``            the watchdog ends this process with a report        ``table, error, code``
-``RANK_KILLED``        the liveness helper: its rank was killed by a       ``record`` (its PeerLost)
-                       signal it could not report (SIGKILL)
-``RANK_ENDED``         the liveness helper: its rank ended                 ``pid, rank, host``
-``SESSION_CLOSED``     ``Session.abandon``, before its connections close   ``session``
-``FAILURE_SEEN``, ...  recovering in place (:mod:`.recoveries`)            ``info`` (a ``RecoveryInfo``)
-=====================  ==================================================  ==============================
-
-**Recovery steps** (:func:`run`): each ``step(state)`` over one :class:`~.phases.RecoveryState`
-returns a new state or ``None``, in order; a step's exception stops the recovery unless it was
-added with ``tolerate=True``.
-
-**Providers** (:func:`provider`): what one layer answers for another, the last added answering
-(``DEFER``: every one is asked whether the interrupt of a hung main thread waits at ``frame``).
-"""
+"""One way to plug a layer into the core: hooks (announcements, recovery steps, providers; listed in
+``WIRING``, ``fault_tolerant_handlers/wiring.py``; docs/architecture.md, "Hooks"), and the log lines
+every layer writes (:func:`log`)."""
 
 from __future__ import annotations
 
@@ -44,8 +11,6 @@ from typing import Any, Callable
 
 # -- log lines: the rank (and, where known, the step) in front of every message ------------------------
 logger = logging.getLogger("fault_tolerant_handlers")
-
-
 _last_rank: str | None = None  # the rank as last seen in an initialized group (kept after teardown)
 
 
@@ -64,9 +29,7 @@ def _rank() -> str:
 
 def prefix(step: int | None = None) -> str:
     """``[rank 1]`` or ``[rank 1 step 17]``."""
-    if step is None:
-        return f"[rank {_rank()}]"
-    return f"[rank {_rank()} step {step}]"
+    return f"[rank {_rank()}]" if step is None else f"[rank {_rank()} step {step}]"
 
 
 def log(level: int, msg: str, *args: object, step: int | None = None) -> None:

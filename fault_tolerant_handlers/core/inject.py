@@ -1,16 +1,6 @@
-"""Rehearse a failure in your own job, without editing it: the ``FTH_INJECT`` environment variable
-(``docs/rehearsing.md``)::
-
-    FTH_INJECT="raise@rank=1,iteration=5"              # rank 1 raises InjectedFault at iteration 5
-    FTH_INJECT="kill@rank=0,iteration=20,attempt=any"   # rank 0 SIGKILLs itself, in every attempt
-    FTH_INJECT="raise@rank=1,iteration=5,epoch=2; lose@rank=0,iteration=40"   # several, with ';'
-
-Both adapters fire each injection once, at the start of the matching training iteration; in a loop
-of your own, a ``fail_together`` section given ``step=`` fires it as it begins, and so does
-:func:`step`. ``lose`` is ``kill`` for a rank whose keeper must not replace it (only a spare can).
-``attempt`` (default 0: an injection that fired in every attempt would fail each restart in the
-same place) counts torchrun's restarts plus the recoveries in place (:mod:`.attempts`).
-"""
+"""Rehearse a failure in your own job, without editing it: ``FTH_INJECT="raise@rank=1,iteration=5"``
+fires once at the start of that iteration (the adapters, a ``fail_together(step=...)`` section or
+:func:`step`), in attempt 0 unless ``attempt=`` says otherwise (docs/rehearsing.md)."""
 
 from __future__ import annotations
 
@@ -57,11 +47,7 @@ class Injection:
 
 
 def parse(text: str) -> list[Injection]:
-    """Parse an ``FTH_INJECT`` value.
-
-    Raises:
-        ValueError: naming the bad part and the accepted forms.
-    """
+    """Parse an ``FTH_INJECT`` value (``ValueError`` naming the bad part and the accepted forms)."""
     if not isinstance(text, str):
         raise TypeError(f"{INJECT_ENV} must be a string of the form {FORMS}, got {text!r}")
     injections = []
@@ -166,12 +152,11 @@ def current_rank() -> int:
 
 
 def plain_injector() -> Injector | None:
-    """This process's injector for loops of your own (``fail_together(step=...)`` and :func:`step`),
-    one per attempt; an injection for this rank that nothing fired is named at exit."""
+    """This process's injector for loops of your own, one per attempt (one nothing fired is named at exit)."""
     global _plain
     key = (os.environ.get(INJECT_ENV, ""), attempts.current())
     if _plain is None or _plain[0] != key:
-        injector = Injector.from_env() if key[0].strip() else None
+        injector = Injector.from_env()
         _plain = (key, injector)
         rank = current_rank()
         if injector is not None and any(i.rank == rank for i in injector.pending) and not _exit_check:
@@ -182,12 +167,8 @@ def plain_injector() -> Injector | None:
 
 def step(iteration: int, epoch: int | None = None, *, dataloader: Any = None) -> None:
     """In a loop of your own: iteration ``iteration`` begins. Fires the ``FTH_INJECT`` injection meant
-    for this rank at this iteration (and ``epoch``), once; nothing when ``FTH_INJECT`` is not set.
-    ``dataloader``: the loader whose worker ``worker-kill`` kills (by default, any child process).
-
-    Raises:
-        TypeError: ``iteration`` is not an int >= 0 or ``epoch`` not an int >= 0 or None.
-        InjectedFault: the ``raise`` injection for this iteration.
+    for this rank at this iteration (and ``epoch``), once. ``dataloader``: whose worker ``worker-kill``
+    kills (by default, any child process).
 
     Examples:
         .. code-block:: python
@@ -202,8 +183,6 @@ def step(iteration: int, epoch: int | None = None, *, dataloader: Any = None) ->
                                                           or value < 0):
             raise TypeError(f"inject.step({name}=...) must be an int >= 0{'' if name == 'iteration' else ' or None'}, "
                             f"got {value!r}")
-    if not os.environ.get(INJECT_ENV, "").strip():
-        return
     injector = plain_injector()
     if injector is not None:
         injector.maybe_fire(current_rank(), iteration, epoch, dataloader)

@@ -1,18 +1,7 @@
-"""Getting a main thread out of where it waits: the release of collectives blocked on a failed peer,
-and the interrupt of a hung main thread with the sections it waits outside.
-
-**Releasing collectives** (:func:`release_process_groups`, once the job is known to be failing: the
-groups are unusable after it): NCCL and XCCL groups are aborted; gloo has none, so on Linux this
-process's established TCP connections other than the store's are shut down (:func:`select_sockets`):
-the blocked gloo operation fails at once, here and at the peer, and records can still be read.
-
-**The interrupt** (recovering in place, a rank hung in Python): the watchdog hands :func:`interrupt`
-a ``HangInterrupted`` and signals the main thread, whose handler raises it. It stays pending until
-the recovery takes it (:func:`take`): code that swallows it meets it again at the next adapter hook
-(:func:`raise_pending`), the end of a deferred section or the watchdog's next signal. Inside a
-:class:`deferred_interrupt` (or a checkpoint write, :mod:`..detect.writes`) it waits until the
-outermost section ends, at most ``FTH_INTERRUPT_DEFER_SEC``. The signal handler takes no lock.
-"""
+"""Getting a main thread out of where it waits: the interrupt of a hung main thread (recovering in
+place; pending until the recovery takes it (:func:`take`), held back by deferred sections; its signal
+handler takes no lock), and the release of collectives blocked on a failed peer (NCCL/XCCL groups
+aborted, gloo's TCP connections other than the store's shut down). docs/recovering.md has the long form."""
 
 from __future__ import annotations
 
@@ -70,11 +59,8 @@ class deferred_interrupt(ContextDecorator):  # noqa: N801 - used like a function
 
     Recovering in place, a rank hung in Python is interrupted where it hangs
     (:class:`~fault_tolerant_handlers.HangInterrupted`); inside this section the interrupt is raised
-    as the outermost section ends, so the section is never left half done. The library's checkpoint
-    writes and main-thread store calls run inside one. The wait is bounded: a section still running
-    ``FTH_INTERRUPT_DEFER_SEC`` (30 s) after the interrupt arrived is interrupted inside it (its
-    peers wait ``FTH_RECOVER_JOIN_SEC`` for the rank). Sections nest and count in the main thread
-    only; outside ``recover_in_place`` nothing is ever interrupted.
+    as the outermost section ends, ``FTH_INTERRUPT_DEFER_SEC`` (30 s) at most after it arrived.
+    Sections nest and count in the main thread only.
 
     Examples:
         .. code-block:: python
@@ -88,8 +74,6 @@ class deferred_interrupt(ContextDecorator):  # noqa: N801 - used like a function
             @deferred_interrupt()
             def upload_metrics(run, metrics): ...
     """
-
-    # Stateless (the depth is the process's): one object serves every thread and nesting.
 
     def __enter__(self) -> deferred_interrupt:
         global _depth
@@ -178,12 +162,12 @@ def uninstall(state: object) -> None:
         signal.signal(signum, previous)
 
 
-def interrupt(error: BaseException) -> bool:
-    """From the watchdog's thread: make ``error`` the pending interrupt (unless one is) and signal the
-    main thread. False without a handler, or when the main thread is in the recovery already."""
+def interrupt(error: BaseException | None) -> bool:
+    """From the watchdog's thread: make ``error`` the pending interrupt (unless one is; ``None``: the one
+    pending) and signal the main thread. False without a handler, or once the recovery took it."""
     global _pending
     with _lock:
-        if _signum is None or _taken:
+        if _signum is None or _taken or (_pending is None and error is None):
             return False
         if _pending is None:
             _pending = error
@@ -193,11 +177,7 @@ def interrupt(error: BaseException) -> bool:
 
 def resend() -> bool:
     """The watchdog's next signal, while the interrupt is still pending."""
-    with _lock:
-        if _signum is None or _pending is None:
-            return False
-        signal.pthread_kill(threading.main_thread().ident, _signum)
-        return True
+    return interrupt(None)
 
 
 def take() -> BaseException | None:
@@ -240,7 +220,7 @@ EXIT_TEARDOWN_STUCK = 89
 
 
 def store_ports(store: dist.Store | None) -> set[int]:
-    """The TCP port(s) of the c10d store behind ``store`` (through any PrefixStore wrappers)."""
+    """The TCP port(s) of the c10d store behind ``store``."""
     ports = {p for p in (getattr(s, "port", None) for s in _compat_torch.store_chain(store)) if isinstance(p, int) and p > 0}
     env_port = os.environ.get("MASTER_PORT", "")
     if env_port.isdigit():
@@ -290,30 +270,22 @@ def listens_here(port: int) -> bool:
 
 
 def store_peer_address(ports: set[int]) -> str | None:
-    """The address this process's connection to the store (a remote port in ``ports``) reaches (no
-    name lookup); ``None`` without one (or off Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    fds = socket_fds()
-    for inode, (_, remote, state) in tcp_sockets().items():
-        if remote not in ports or state != ESTABLISHED or inode not in fds:
-            continue
+    """The address this process's connection to the store (on a port in ``ports``) reaches (Linux)."""
+    linux = sys.platform.startswith("linux")
+    for fd in select_sockets(socket_fds(), tcp_sockets(), ports, on_ports=True) if linux else ():
         try:
-            dup = os.dup(fds[inode])
-        except OSError:
-            continue
-        try:
-            with socket.socket(fileno=dup) as sock:  # closes the dup only
+            with socket.socket(fileno=os.dup(fd)) as sock:  # closes the dup only
                 return str(sock.getpeername()[0])
         except OSError:
             continue
     return None
 
 
-def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int, str]], keep_ports: set[int]) -> list[int]:
-    """The fds to shut down: this process's established TCP sockets not on a store port."""
+def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int, str]], keep_ports: set[int], *,
+                   on_ports: bool = False) -> list[int]:
+    """The fds to shut down: this process's established TCP sockets not on a store port (``on_ports``: on one)."""
     return [fd for inode, fd in sorted(fds.items(), key=lambda item: item[1]) if inode in tcp
-            and tcp[inode][2] == ESTABLISHED and not keep_ports & {tcp[inode][0], tcp[inode][1]}]
+            and tcp[inode][2] == ESTABLISHED and on_ports == bool(keep_ports & {tcp[inode][0], tcp[inode][1]})]
 
 
 #: Inodes of the connections of released groups (:func:`cut_connections`), for :func:`quiet_released`.
@@ -321,8 +293,7 @@ _released: set[int] = set()
 
 
 def _shutdown(fds: list[int], inodes: dict[int, int]) -> int:
-    """``shutdown(SHUT_RDWR)`` each fd still the socket it was chosen as (``inodes``: fd -> inode): a
-    socket closed meanwhile may have given its number to a new one."""
+    """``shutdown(SHUT_RDWR)`` each fd still the socket (``inodes``: fd -> inode) it was chosen as."""
     cut = 0
     for fd in fds:
         try:
@@ -347,8 +318,7 @@ def _shutdown(fds: list[int], inodes: dict[int, int]) -> int:
     return cut
 
 
-#: Sockets this process shares with the process it was forked from (a keeper's training child): a
-#: ``shutdown()`` would cut them in that process too. Never cut.
+#: Sockets this process shares with its parent (a keeper's training child): never cut.
 _spared: set[int] = set()
 
 
@@ -373,20 +343,16 @@ def cut_connections(keep_ports: set[int]) -> int:
 
 
 def cut_connections_to(ports: set[int]) -> int:
-    """Shut down this process's established TCP connections *to* ``ports`` (the store's: only at
-    exit, when a store call is stuck); returns how many: the complement of :func:`select_sockets`."""
+    """Shut down this process's established TCP connections on ``ports`` (the store's: only at exit,
+    when a store call is stuck); returns how many."""
     if not sys.platform.startswith("linux") or not ports:
         return 0
-    fds, tcp = _own_socket_fds(), tcp_sockets()
-    others = set(select_sockets(fds, tcp, ports))
-    return _shutdown([fd for inode, fd in sorted(fds.items(), key=lambda i: i[1])
-                      if inode in tcp and tcp[inode][2] == ESTABLISHED and fd not in others],
-                     {fd: inode for inode, fd in fds.items()})
+    fds = _own_socket_fds()
+    return _shutdown(select_sockets(fds, tcp_sockets(), ports, on_ports=True), {fd: inode for inode, fd in fds.items()})
 
 
 def quiet_released() -> int:
-    """Stop the event loops of destroyed gloo groups from spinning on the sockets a release shut down
-    (:func:`.compat_torch.disarm_loops`); call only once the failed attempt's groups are destroyed."""
+    """Stop destroyed gloo groups' event loops spinning on the sockets a release shut down."""
     if not _released or not sys.platform.startswith("linux"):
         return 0
     return _compat_torch.disarm_loops(_released, {fd: inode for inode, fd in _own_socket_fds().items()})

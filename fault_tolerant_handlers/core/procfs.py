@@ -1,9 +1,6 @@
-"""Who the ranks are (:class:`RankTable`: built once when a session starts, what probes and reporters
-take instead of the session) and whether their processes run: the one ``/proc/<pid>/stat`` parser of
-the project (``comm`` may contain spaces and parentheses: the fields are split after the *last*
-``)``; the indices below are ``man 5 proc``'s field numbers minus 3) and the one probe the core runs
-itself, same-host peers by pid (:class:`PeerPidProbe`), consulted at once when a collective breaks.
-"""
+"""Who the ranks are (:class:`RankTable`, what probes and reporters take instead of the session) and
+whether their processes run: the one ``/proc/<pid>/stat`` parser (fields after the *last* ``)``;
+indices are ``man 5 proc``'s minus 3) and same-host peers by pid (:class:`PeerPidProbe`)."""
 
 from __future__ import annotations
 
@@ -22,22 +19,25 @@ from typing import Callable, Sequence
 
 from .failure import Ended, FailureRecord, PeerFailedError, host_name, sanitize
 
-STATE, PPID, PGRP, SESSION = 0, 1, 2, 3
+STATE, PPID, SESSION = 0, 1, 3
 FLAGS = 6  # field 9: the kernel's flags of the (thread group leader's) task
 PF_EXITING = 0x4  # set when the process starts to exit, before its files close
 START_TIME = 19  # field 22: clock ticks after boot (bench/detection.py)
 EXIT_CODE = 49  # field 52: the wait status of an exited (zombie) process
 
 
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return stat[stat.rfind(")") + 2 :].split()
+
+
 def stat_fields(pid: int) -> list[str] | None:
     """The fields after ``comm`` of ``/proc/<pid>/stat``; ``None`` if it is gone."""
-    path = f"/proc/{pid}/stat"
     try:
-        with open(path) as f:
-            stat = f.read()
+        return _stat(pid)
     except OSError:
         return None
-    return stat[stat.rfind(")") + 2 :].split()
 
 
 def is_running(fields: list[str] | None) -> bool:
@@ -45,7 +45,7 @@ def is_running(fields: list[str] | None) -> bool:
 
 
 def exiting(fields: list[str] | None) -> bool:
-    """The process has begun to exit (``PF_EXITING``): set before its files close and before it is a zombie."""
+    """The process has begun to exit (``PF_EXITING``, before its files close and it is a zombie)."""
     try:
         return fields is not None and bool(int(fields[FLAGS]) & PF_EXITING)
     except (IndexError, ValueError):
@@ -56,8 +56,7 @@ def process_state(pid: int) -> Ended | None:
     """``None`` if ``pid`` runs; otherwise how it ended, as far as this host can see (``Ended()``:
     gone, its exit status not visible from this process)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
+        fields = _stat(pid)
     except FileNotFoundError:
         return Ended()
     except OSError:
@@ -68,7 +67,6 @@ def process_state(pid: int) -> Ended | None:
             return Ended()
         except PermissionError:
             return None
-    fields = stat[stat.rfind(")") + 2 :].split()
     if not fields or fields[STATE] not in ("Z", "X"):
         return None
     try:
@@ -78,8 +76,7 @@ def process_state(pid: int) -> Ended | None:
 
 
 def ended(pid: int, within: float) -> Ended | None:
-    """How ``pid`` ended (:func:`process_state`), waiting up to ``within`` seconds while it is in
-    its exit but not yet a zombie. ``None`` when it runs and is not exiting."""
+    """How ``pid`` ended (:func:`process_state`), waiting up to ``within`` seconds while it exits."""
     deadline = time.monotonic() + within
     while True:
         how = process_state(pid)
@@ -106,20 +103,14 @@ HANDLED_SIGNALS = ("SIGTERM", "SIGINT")
 
 
 def unreported(how: Ended) -> bool:
-    """A rank that ended ``how`` (:func:`process_state`) was killed by a signal it could not
-    report itself (SIGKILL: the OOM killer; a crash)."""
+    """A rank that ended ``how`` was killed by a signal it could not report itself (SIGKILL, a crash)."""
     return how.killed and how.signal_name not in HANDLED_SIGNALS
 
 
 # -- the one probe the core runs itself ----------------------------------------------------------------
-#: How :func:`process_state` says a process ended cleanly: not a failure (a rank that finished first).
-CLEAN_EXIT = Ended(exit_code=0)
-
-
 class PeerPidProbe:
-    """Peers on this host, by pid: a process that is gone is declared lost (with the signal when
-    the kernel still shows it; a clean exit is not a failure). The store is asked only about a peer
-    gone with no exit status to see: ``left(rank)`` true means it finished first (no longer watched)."""
+    """Peers on this host, by pid: one gone is declared lost (with its signal where seen; a clean exit or
+    ``left(rank)``, for one gone with no status to see, is a rank that finished first)."""
 
     def __init__(self, peers: Sequence[tuple[int, int]], *, by: int, host: str,
                  state: Callable[[int], Ended | None] = process_state,
@@ -135,7 +126,7 @@ class PeerPidProbe:
     def poll(self, now: float) -> PeerFailedError | None:
         for rank, pid in list(self.peers):
             state = self.state(pid)
-            if state is None or state == CLEAN_EXIT:
+            if state is None or state == Ended(exit_code=0):  # a clean exit: a rank that finished first
                 continue
             if self.after_failure() and not state.killed:
                 continue  # a peer that ended after the failure was agreed: the job is ending
@@ -158,10 +149,6 @@ def digest(text: str) -> int:
     return int.from_bytes(hashlib.sha1(text.encode("utf-8", "replace")).digest()[:7], "big")
 
 
-def host_id() -> int:
-    return digest(host_name())
-
-
 #: Bytes of a host name carried in the setup table (8 int64s).
 HOST_NAME_BYTES = 64
 _ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
@@ -180,8 +167,8 @@ def _interface_address(name: str) -> str | None:
 
 
 def own_address() -> str:
-    """The address peers see this rank at (what a gloo error names): the ``GLOO_SOCKET_IFNAME``
-    interface's, else the one this host uses to reach ``MASTER_ADDR``, else its name's."""
+    """The address peers see this rank at: ``GLOO_SOCKET_IFNAME``'s, else the one reaching
+    ``MASTER_ADDR``, else its name's."""
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
     if ifname:
         found = _interface_address(ifname)
@@ -227,8 +214,7 @@ def decode_name(words: list[int]) -> str:
 
 
 def local_layout(host_ids: list[int], group_rank: int, whole_world: bool) -> tuple[int, int]:
-    """Local rank and ranks per node: from the launcher's env when set (for the world's group),
-    else from host ids."""
+    """Local rank and ranks per node: the launcher's (for the world's group), else from host ids."""
     env_rank, env_size = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
     if env_rank is not None and env_size is not None and whole_world:
         try:
@@ -242,9 +228,8 @@ def local_layout(host_ids: list[int], group_rank: int, whole_world: bool) -> tup
 
 @dataclass(frozen=True)
 class RankTable:
-    """The members of one group, as every rank learned them at setup: ``ranks`` (global, in group
-    order), then per member ``pids``, ``hosts`` (names), ``host_ids`` and ``address_ids`` (hashes of
-    the address peers see each at); ``rank``, ``local_rank``, ``local_world_size``: this process's."""
+    """The members of one group as learned at setup: ``ranks`` (global, in group order), per member
+    ``pids``, ``hosts``, ``host_ids``, ``address_ids`` (hashes); this process's ``rank`` and local layout."""
 
     rank: int
     ranks: tuple[int, ...]
@@ -293,9 +278,8 @@ class RankTable:
         return self.ranks[(self.group_rank + 1) % self.world_size]
 
     def watched(self) -> list[int]:
-        """The members whose heartbeat this rank's helper watches: its ring successor and, when the
-        successor is on another host, every other member of that host too (a host cut off whole
-        takes its own watchers with it: each of its ranks is still named)."""
+        """Whose heartbeat this rank's helper watches: its ring successor and, when on another host,
+        every other member of that host too (a host cut off whole takes its own watchers with it)."""
         successor = self.successor()
         if successor == self.rank:
             return []
@@ -318,11 +302,8 @@ class RankTable:
 
 
 def main_thread_frame():
-    """The main thread's innermost frame (``None`` once it has ended), with the garbage collector held
-    off: ``sys._current_frames()`` holds CPython's thread-list lock while it builds its dict, and a
-    collection there that frees a process group (whose destructor lets go of the GIL) deadlocks with
-    a thread that is exiting, which holds the GIL and waits for that lock (seen in CPython 3.11: a
-    signal's reaction stuck for good)."""
+    """The main thread's innermost frame (``None`` once it ended), with the collector held off: a
+    collection inside ``sys._current_frames()`` that frees a process group deadlocks (CPython 3.11)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

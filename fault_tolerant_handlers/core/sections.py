@@ -1,4 +1,4 @@
-"""``fail_together`` and ``one_rank_first``: sections that end together on every rank."""
+"""``fail_together`` and ``one_rank_first``: sections that end together on every rank (docs/primitives.md)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,7 @@ def check_position(owner: str, arg: str, value: object) -> int | None:
 def conclude(session: Session, kind: str, name: str, exc: BaseException | None, reported: BaseException | None = None,
              *, step: int | None = None, epoch: int | None = None) -> BaseException | None:
     """End a section on this rank: what it must raise (``exc`` itself, a peer's error, a mismatch), or
-    ``None``. An exception out of an inner agreement passes through; a broken collective a peer's
-    failure explains becomes that peer's error without an agreement (the side group is broken too)."""
+    ``None``; a broken collective a peer's failure explains becomes that error with no agreement."""
     if exc is not None and tag_of(exc).agreed:
         return exc
     failure = exc if exc is not None else reported
@@ -68,27 +67,17 @@ def _raise(err: BaseException | None, exc: BaseException | None) -> bool:
 class fail_together:  # noqa: N801 - used like a function: ``with fail_together("load data"):``
     """Context manager: if the section raises on any rank, it raises on every rank.
 
-    On exit every rank takes part in one all_reduce of an error flag on a gloo side group. If no
-    rank failed, the section ends normally. If any rank failed, the failing rank re-raises its own
-    exception unchanged and every other rank raises :class:`~fault_tolerant_handlers.PeerFailedError`
-    naming the failing rank, its exception type, message and traceback, and ``where`` it failed.
-    When several ranks fail in the same section, the earliest (by timestamp) is the cause and the
-    others are listed in ``PeerFailedError.others``.
-
-    Without a process group, or with a single rank, it is a plain context manager that adds nothing.
+    On exit every rank takes part in one agreement on a gloo side group: the failing rank re-raises
+    its own exception, every other rank raises :class:`~fault_tolerant_handlers.PeerFailedError`
+    naming it. Every rank of ``group`` must enter the same sections in the same order, like a
+    collective (else :class:`~fault_tolerant_handlers.SectionMismatchError`). Without a process
+    group, or with a single rank, it adds nothing.
 
     Args:
         name: the section's name, used in every report (``"load data"``).
         group: the process group whose ranks fail together; ``None`` for all ranks.
-        step, epoch: where the job is, for reports (non-negative ints; adapters fill these in).
-            With ``step``, the section fires the ``FTH_INJECT`` injection meant for this rank at
-            iteration ``step`` (and ``epoch``) as it begins, as the adapters do at the start of an
-            iteration (:mod:`fault_tolerant_handlers.inject`).
-
-    Every rank of ``group`` must enter the same sections in the same order, exactly like a
-    collective. Ranks that meet in different sections raise
-    :class:`~fault_tolerant_handlers.SectionMismatchError` naming each rank's section. Sections nest:
-    a failure agreed by an inner section passes through the outer ones without another agreement.
+        step, epoch: where the job is, for reports (non-negative ints); with ``step`` the section fires
+            the ``FTH_INJECT`` injection for this iteration as it begins.
 
     Raises:
         TypeError: ``name`` is not a non-empty str, ``group`` not a process group, ``step`` or
@@ -97,16 +86,8 @@ class fail_together:  # noqa: N801 - used like a function: ``with fail_together(
     Examples:
         .. code-block:: python
 
-            from fault_tolerant_handlers import fail_together, PeerFailedError
-
             with fail_together("load data"):
-                dataset = build_dataset()      # raises on rank 1 only
-            # rank 1 re-raises its own error; every other rank raises PeerFailedError:
-            #   rank 1 failed in 'load data': ValueError: bad sample 17
-
-        An exception that user code catches inside the section can still fail the section:
-
-        .. code-block:: python
+                dataset = build_dataset()      # raises on rank 1 only: the others raise PeerFailedError
 
             with fail_together("evaluate") as section:
                 try:
@@ -169,16 +150,10 @@ def _check_rank(rank: int, local: bool, size: int) -> None:
 class one_rank_first:  # noqa: N801 - a drop-in for ``ignite.distributed.one_rank_first``
     """Exception-safe drop-in for :func:`ignite.distributed.one_rank_first`.
 
-    Rank ``rank`` (with ``local=True``: local rank ``rank`` on every node) runs the body first; the
-    other ranks wait and then run it. Unlike the stock version, a failure never leaves a rank
-    waiting:
-
-    * the first rank raises inside the body: the waiting ranks are released at once and raise
-      :class:`~fault_tolerant_handlers.PeerFailedError` **without running the body** (they never
-      read a half-written dataset); the first rank re-raises its own exception;
-    * a later rank raises inside the body: every rank raises (the failing one its own exception).
-
-    Without a process group, or with a single rank, it is a plain context manager.
+    Rank ``rank`` (``local=True``: local rank ``rank`` on every node) runs the body first, then the
+    others. If the first rank raises, the waiting ranks raise
+    :class:`~fault_tolerant_handlers.PeerFailedError` without running the body; if a later rank
+    raises, every rank raises. Without a process group, or with a single rank, it adds nothing.
 
     Args:
         rank: the rank that goes first. Default 0.
@@ -187,8 +162,6 @@ class one_rank_first:  # noqa: N801 - a drop-in for ``ignite.distributed.one_ran
 
     Examples:
         .. code-block:: python
-
-            from fault_tolerant_handlers import one_rank_first
 
             with one_rank_first(local=True):
                 dataset = MNIST(root, download=True)   # local rank 0 downloads, then the others read
@@ -217,9 +190,9 @@ class one_rank_first:  # noqa: N801 - a drop-in for ``ignite.distributed.one_ran
             _check_rank(self.rank, self.local, 1)
             self._first = True
             return self
-        size = session.local_world_size if self.local else session.world_size
+        size = session.table.local_world_size if self.local else session.world_size
         _check_rank(self.rank, self.local, size)
-        mine = session.local_rank if self.local else session.rank
+        mine = session.table.local_rank if self.local else session.rank
         self._first = mine == self.rank
         if not self._first:
             # Wait for the first rank(s) to finish the body; their outcome comes with the release.

@@ -1,13 +1,6 @@
-"""The fail-together session: one object per process group that owns every decision.
-
-A :class:`Session` is shared by everything that runs on its group in this process. It owns the
-**side group** (gloo, over the same ranks, so that the agreement never interleaves with the data
-group's collectives), the run's store keys (:mod:`.schema`), the **agreement** (:meth:`Session.agree`:
-record, then one ``all_reduce(MAX)`` of two int64s, :func:`pack_agreement`), the **classification**
-of an exception as this rank's own or a peer's (:meth:`Session.classify`), the failure state and the
-watchdog, started and stopped by reference count. The side group inherits the default store's
-timeout (or ``FTH_SYNC_TIMEOUT_SEC``); the other timings are in :mod:`.config`.
-"""
+"""The fail-together session: one object per process group in this process that owns every decision:
+its gloo side group, store keys, agreement (:meth:`Session.agree`), classification of an exception
+as this rank's own or a peer's (:meth:`Session.classify`), failure state and watchdog (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -32,7 +25,7 @@ from . import attempts, config, hooks, schema as _schema
 from .errors import PeerFailedError, RecoveryError, SectionMismatchError
 from .failure import FailureKind, FailureRecord, FailureState, Incident, host_name, tag, tag_of
 from .hooks import first_line, log
-from .procfs import (PeerPidProbe, RankTable, addresses_named, decode_name, digest, encode_name, host_id, local_layout,
+from .procfs import (PeerPidProbe, RankTable, addresses_named, decode_name, digest, encode_name, local_layout,
                     normalize_address, own_address)
 from .interrupts import listens_here, release_process_groups, store_peer_address, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port, store_evidence
@@ -41,13 +34,6 @@ from .config import (BACKGROUND_CONNECT_TIMEOUT, EXPLAIN_EVIDENCE_TIMEOUT, EXPLA
 
 #: How many delivered record indices are remembered for the watchdog.
 MAX_DELIVERED = 1024
-
-
-# -- the agreement's wire format: two int64s per rank, reduced by MAX --------------------------------
-def section_hash(kind: str, name: str) -> int:
-    return zlib.crc32(f"{kind}\0{name}".encode("utf-8", "replace"))
-
-
 #: Bits of the section hash and of the agreement's sequence number in the agreement's two integers.
 _FIELD_BITS = 20
 _FIELD = (1 << _FIELD_BITS) - 1
@@ -56,22 +42,17 @@ MAX_FLAG = (1 << (63 - 2 * _FIELD_BITS)) - 1
 
 
 def pack_agreement(flag: int, digest: int, seq: int) -> tuple[int, int]:
-    """The two int64 every rank contributes to one agreement (reduced by MAX).
-
-    ``a = flag | hash | seq`` (high to low bits) and ``b = (M - hash) | (M - seq)``: the MAX of
-    ``a`` carries the largest flag and, when no rank failed, the largest (hash, seq) pair; the MAX
-    of ``b`` the smallest. Every rank is in the same section and agreement exactly when the two
-    pairs are the same (hash and seq kept to 20 bits)."""
+    """The two int64 every rank contributes to one agreement, reduced by MAX: ``a = flag | hash | seq``
+    carries the largest flag and (hash, seq) pair, ``b = (M - hash) | (M - seq)`` the smallest pair;
+    every rank is in step exactly when the two pairs are equal."""
     h, s = digest & _FIELD, seq & _FIELD
     return (flag << 2 * _FIELD_BITS) | (h << _FIELD_BITS) | s, ((_FIELD - h) << _FIELD_BITS) | (_FIELD - s)
 
 
 def unpack_agreement(a: int, b: int) -> tuple[int, bool]:
     """``(the largest flag, whether every rank was in step)`` from the reduced pair."""
-    flag = a >> 2 * _FIELD_BITS
-    hmax, smax = (a >> _FIELD_BITS) & _FIELD, a & _FIELD
-    hmin, smin = _FIELD - ((b >> _FIELD_BITS) & _FIELD), _FIELD - (b & _FIELD)
-    return flag, (hmax, smax) == (hmin, smin)
+    low = (1 << 2 * _FIELD_BITS) - 1  # (hash, seq) as one number: b's low bits are its complement
+    return a >> 2 * _FIELD_BITS, a & low == low - (b & low)
 
 
 class Session:
@@ -91,9 +72,8 @@ class Session:
         # Collective, once: every member reaches its first section in the same order.
         self.side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
                                    use_local_synchronization=group is not None)
-        # One all_gather at setup: the run id (rank 0's, from ``secrets``: a user's seeded generator
-        # would give every attempt the same id), each rank's host (id and name), pid, the address its
-        # peers see it at (a hash, matched against backend errors) and whether the store is on its host.
+        # One all_gather at setup: the run id (rank 0's, from ``secrets``: not a user's seeded generator),
+        # each rank's host id, pid, address hash, whether the store is on its host, and host name.
         self.address = own_address()
         self.keep_ports = store_ports(self.pg_store)
         tcp = _compat_torch.tcp_store_of(self.pg_store)
@@ -101,8 +81,8 @@ class Session:
         self.store_address: tuple[str, int] | None = (tcp.host, tcp.port) if tcp is not None else None
         #: This process hosts the store (its server is a thread here): it never declares it lost.
         self.hosts_store = self.store_address is not None and listens_here(self.store_address[1])
-        mine = torch.tensor([[secrets.randbits(62), host_id(), os.getpid(), digest(self.address), self._store_here(),
-                              *encode_name(host_name())]], dtype=torch.int64)
+        mine = torch.tensor([[secrets.randbits(62), digest(host_name()), os.getpid(), digest(self.address),
+                              self._store_here(), *encode_name(host_name())]], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in ranks]
         dist.all_gather(gathered, mine, group=self.side)
         table = torch.cat(gathered)
@@ -113,14 +93,12 @@ class Session:
                                tuple(decode_name(row[5:].tolist()) for row in table), tuple(host_ids),
                                tuple(table[:, 3].tolist()),
                                *local_layout(host_ids, ranks.index(rank), whole_world=group is None))
-        #: The first rank on the store's host (:func:`store_rank_of`), or ``None``: the store's loss
-        #: names no rank (``StoreLost``).
+        #: The first rank on the store's host (:func:`store_rank_of`), or ``None``.
         self.store_rank: int | None = store_rank_of(list(ranks), table[:, 4].tolist())
         self.schema = Schema(self.connection("main", MAIN_STORE_TIMEOUT), world_size=dist.get_world_size())
         self._flag = torch.zeros(2, dtype=torch.int64)
         self._seq = 0
-        #: The oldest agreement a failure record can still belong to (the one in progress, else the
-        #: next): a record of an earlier one is late news of a failure every rank already raised.
+        #: The oldest agreement a failure record can still belong to (the one in progress, else the next).
         self.live_seq = 0
         #: The record counter as the last agreement read it (the run is new: 0). Main thread only.
         self.consumed = 0
@@ -134,26 +112,16 @@ class Session:
         self._left = False  # this rank's left mark is in the store (its watchdog stopped cleanly)
         self._lock = threading.Lock()
         #: Same-host peers by pid, consulted at once when a collective breaks (and by the signal handler).
-        self.same_host_probe = PeerPidProbe(self.same_host_peers(), by=self.rank, host=self.host)
+        self.same_host_probe = PeerPidProbe(self.table.same_host_peers(), by=self.rank, host=self.host)
         self._explaining = None
         hooks.emit(hooks.SESSION_STARTED, self)  # the launchers: signal handlers, mp.spawn's report
         log(logging.DEBUG, "fault-tolerance side group ready (run %s, %d ranks)", self.run_id, self.world_size)
 
-    # -- the ranks (read from :attr:`table`) and connections ---------------------------------------
+    # -- the ranks (the rest in :attr:`table`) and connections --------------------------------------
     rank = property(lambda self: self.table.rank, doc="This process's global rank.")
     ranks = property(lambda self: list(self.table.ranks), doc="The group's global ranks, in group order.")
     world_size = property(lambda self: self.table.world_size)
-    group_rank = property(lambda self: self.table.group_rank)
-    pids = property(lambda self: list(self.table.pids))
-    hosts = property(lambda self: list(self.table.hosts))
-    host_ids = property(lambda self: list(self.table.host_ids))
     host = property(lambda self: self.table.host, doc="This rank's host name.")
-    local_rank = property(lambda self: self.table.local_rank)
-    local_world_size = property(lambda self: self.table.local_world_size)
-
-    def same_host_peers(self) -> list[tuple[int, int]]:
-        """(global rank, pid) of the other members on this host."""
-        return self.table.same_host_peers()
 
     def release_collectives(self) -> str:
         """Release this process's blocked collectives (a peer's failure, or its own): what was cut."""
@@ -161,9 +129,8 @@ class Session:
 
     def connection(self, name: str, timeout: timedelta, *, backoff: bool = False,
                    prefix: str | None = None) -> Connection:
-        """A new store connection of this process's own, under the run's prefix: for a TCP store a new
-        client whose connect is bounded by ``timeout`` (``Store.clone`` retries for the store's own
-        timeout); other stores are cloned."""
+        """A new store connection of this process's own, under the run's prefix (a TCP store: a new
+        client whose connect is bounded by ``timeout``; another store: cloned)."""
         prefix, base = f"fth/{self.run_id}" if prefix is None else prefix, self.pg_store
 
         def prefixed(store: dist.Store) -> dist.Store:
@@ -188,8 +155,7 @@ class Session:
         return Connection(factory, timeout, name, backoff=backoff, connect_timeout=connect)
 
     def _store_here(self) -> int:
-        """Whether the store runs on this host, from the address this process's connection to it
-        reaches (no name lookup)."""
+        """Whether the store runs on this host, from where this process's connection to it goes."""
         if self.store_address is None:
             return STORE_UNSEEN
         if self.hosts_store:
@@ -223,8 +189,8 @@ class Session:
     # -- record ------------------------------------------------------------------------------------
     def report_error(self, exc: BaseException, *, section: str, step: int | None = None,
                      epoch: int | None = None, seq: int | None = None, release: bool = False) -> FailureRecord:
-        """This rank failed with ``exc``: publish its record (before any agreement) and, with
-        ``release``, release its collectives so that no peer blocked in one with it waits."""
+        """This rank failed with ``exc``: publish its record (before any agreement); with ``release``,
+        release its collectives so that no peer blocked in one with it waits."""
         record = FailureRecord.from_exception(exc, rank=self.rank, section=section, seq=seq, step=step, epoch=epoch)
         self.failure.failed_here(record)
         tag(exc, record=record)
@@ -244,10 +210,9 @@ class Session:
     # -- agree ---------------------------------------------------------------------------------------
     def agree(self, kind: str, name: str, failure: BaseException | None = None, *, step: int | None = None,
               epoch: int | None = None, peer: PeerFailedError | None = None) -> BaseException | None:
-        """One agreement. ``failure``: this rank's own (published first); ``peer``: a peer's failure
-        this rank already knows. Never raises: returns what this rank must raise for the others (a
-        peer's :class:`PeerFailedError`, a :class:`SectionMismatchError`), ``None`` when no rank
-        failed or this rank raises its own ``failure``."""
+        """One agreement over this rank's own ``failure`` or a ``peer``'s it knows. Never raises: returns
+        what this rank raises for the others' failure (a :class:`PeerFailedError`, a
+        :class:`SectionMismatchError`), ``None`` when none failed or it raises its own ``failure``."""
         seq = self._seq
         self._seq += 1
         self.live_seq = seq
@@ -274,7 +239,7 @@ class Session:
             else:
                 self.report_error(failure, section=name, step=step, epoch=epoch, seq=seq)
         flag = self.rank + 1 if failure is not None else (0 if peer is None else 1 + (peer.failed_rank or 0))
-        digest = section_hash(kind, name)
+        digest = zlib.crc32(f"{kind}\0{name}".encode("utf-8", "replace"))
         self._flag.copy_(torch.tensor(pack_agreement(min(flag, MAX_FLAG), digest, seq), dtype=torch.int64))
         try:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.side)
@@ -296,10 +261,8 @@ class Session:
         return True, PeerFailedError.from_records(records, fallback_rank=got_flag - 1, section=name)
 
     def _consume(self, *, read: bool) -> list[FailureRecord]:
-        """Take the records published since the last agreement (the watchdog leaves them alone), up to
-        a failure record of the *next* agreement (a peer released before this rank may have failed in
-        it already): that one is the next agreement's to deliver. So every record is read, also with
-        ``read=False`` (this rank raises its own failure or a peer's it knows: nothing returned)."""
+        """Take the records published since the last agreement, up to one of the *next* agreement (a
+        peer released before this rank may have failed in it already): returned only with ``read``."""
         try:
             count = self.schema.count()
         except Exception as err:  # noqa: BLE001
@@ -324,8 +287,7 @@ class Session:
         return records if read else []
 
     def stale(self, record: FailureRecord) -> bool:
-        """A failure in an agreement that has already ended (see :attr:`live_seq`), or one published
-        by another process than this run's rank (an earlier attempt's: never a failure of this one)."""
+        """A failure of an agreement that has ended (:attr:`live_seq`), or of an earlier attempt's process."""
         if record.origin != "failure":
             return False
         if record.seq is not None and record.seq < self.live_seq:
@@ -361,10 +323,8 @@ class Session:
 
     # -- classify ------------------------------------------------------------------------------------
     def classify(self, exc: BaseException) -> PeerFailedError | None:
-        """``None`` if ``exc`` is this rank's own failure; otherwise the peer failure behind it: a
-        :class:`PeerFailedError`, or for a backend error (:func:`~.compat_torch.is_backend_error`) the
-        cause when one is found (the watchdog's, a same-host peer gone, a record or a silent suspect
-        read for up to :data:`EXPLAIN_WAIT`)."""
+        """``None`` if ``exc`` is this rank's own failure, else the peer's failure behind it (for a backend
+        error: the cause when one is found within :data:`EXPLAIN_WAIT`)."""
         if isinstance(exc, PeerFailedError):
             return exc
         if not _compat_torch.is_backend_error(exc):
@@ -376,8 +336,7 @@ class Session:
         return known or self.same_host_probe.poll(time.monotonic()) or self._explain(exc)
 
     def failure_report(self, wait: float) -> PeerFailedError | None:
-        """What is known of a failure under way, waiting up to ``wait`` seconds for an explanation
-        in progress (for a rank that is being ended from outside, e.g. by its launcher's SIGTERM)."""
+        """What is known of a failure under way, waiting up to ``wait`` seconds for an explanation in progress."""
         if self.failure.peer_error is not None:
             return self.failure.peer_error
         explaining = self._explaining
@@ -388,8 +347,8 @@ class Session:
         return outcome()
 
     def lost_ranks(self) -> dict[int, FailureRecord]:
-        """Rank -> its record, for every rank this run's records declare lost or silent (the newest
-        :data:`~.schema.MAX_NEW_RECORDS`); ``PeerLost`` first, one that says its keeper is gone first."""
+        """Rank -> its record, for every rank this run's records declare lost or silent (``PeerLost``
+        first, one whose keeper is gone first)."""
         lost: dict[int, FailureRecord] = {}
         for index in self.schema.new_indices(0, self.schema.count()):
             record = self.schema.read(index)
@@ -401,10 +360,8 @@ class Session:
         return lost
 
     def _explain(self, exc: BaseException) -> PeerFailedError | None:
-        """Why a collective broke: a record of another rank not yet delivered, or a suspect (a rank at
-        the address the error names) whose heartbeat stopped or whose host held the store that is
-        gone. Read in a thread and connection of its own for up to :data:`EXPLAIN_WAIT` (a store call
-        can block)."""
+        """Why a collective broke: another rank's record, or a suspect (at the address the error names)
+        whose heartbeat stopped or whose host held the store that is gone; read in a thread of its own."""
         suspects = self.table.suspects(exc)
         deadline = time.monotonic() + EXPLAIN_WAIT
         found: list[FailureRecord] = []
@@ -424,9 +381,9 @@ class Session:
                         indices = schema.new_indices(start, schema.count())
                         records = self.peer_records(schema, indices)
                     except Exception:  # noqa: BLE001 - the store does not answer
-                        store_hosts = {self.host_ids[self.ranks.index(self.store_rank)]} \
+                        store_hosts = {self.table.host_ids[self.ranks.index(self.store_rank)]} \
                             if self.store_rank is not None else set()  # a store on a host of its own: none
-                        gone = [r for r in suspects if self.host_ids[self.ranks.index(r)] in store_hosts]
+                        gone = [r for r in suspects if self.table.host_ids[self.ranks.index(r)] in store_hosts]
                         # only on evidence that the store is gone: a slow store says nothing of its host
                         evidence = self.store_evidence(EXPLAIN_EVIDENCE_TIMEOUT) if gone else None
                         if evidence is not None:
@@ -472,7 +429,7 @@ class Session:
                 return PeerFailedError.from_records(found)
             if suspects:
                 # Alive and silent about it: not this rank's failure, and no culprit to name.
-                names = ", ".join(f"rank {r} on {self.hosts[self.ranks.index(r)]}" for r in suspects)
+                names = ", ".join(f"rank {r} on {self.table.host_of(r)}" for r in suspects)
                 return PeerFailedError(None, FailureKind.COMMUNICATION.value,
                                        f"the connection to {names} broke ({head[:300]}) and no rank reported "
                                        "why", where="a collective", origin="declared", kind=FailureKind.COMMUNICATION)
@@ -519,19 +476,16 @@ class Session:
     def stop_watchdog(self) -> None:
         """Drop a reference; the last one stops the watchdog (and closes its connections)."""
         with self._lock:
-            if self._watchdog_refs == 0:
-                return
-            self._watchdog_refs -= 1
-            if self._watchdog_refs:
+            self._watchdog_refs = max(0, self._watchdog_refs - 1)
+            if self._watchdog_refs or self._watchdog is None:
                 return
             watchdog, self._watchdog = self._watchdog, None
         self.leave()
         watchdog.stop()
 
     def leave(self) -> None:
-        """A clean stop of this rank's watchdog (not failing): say so in the store (``left/<rank>``)
-        before its liveness helper stops beating, so that its peers take its silence and its end for
-        a rank that finished first, not a lost one."""
+        """A clean stop (not failing): mark this rank left in the store before its heartbeat stops, so that
+        its peers take it for a rank that finished first, not a lost one."""
         if self.failure.failing or self._left:
             return
         conn = self.schema.conn
@@ -550,9 +504,8 @@ class Session:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def stop(self, *, keep_liveness: bool = False) -> None:
-        """Leave the registry and stop the watchdog. With ``keep_liveness`` (recovering with spares) the
-        liveness helper keeps watching until :meth:`abandon`, so that a rank found silent during the
-        recovery is still declared."""
+        """Leave the registry and stop the watchdog; with ``keep_liveness`` (recovering with spares) its
+        liveness helper watches on until :meth:`abandon`."""
         with _registry_lock:
             for key in [k for k, v in _registry.items() if v is self]:
                 del _registry[key]
@@ -569,10 +522,9 @@ class Session:
             kept.stop()
 
     def abandon(self, *, shared_keys: bool) -> None:
-        """Stop everything this session started and forget it (no collective), so that :func:`get_session`
-        makes a new one: :meth:`stop`, delete this rank's keys of the run (with ``shared_keys`` the shared
-        ones too: only once no rank reads them, which the caller knows), close the connections and
-        destroy the side group. The signal handlers and exit hooks stay (once per process)."""
+        """Stop everything this session started and forget it (no collective): :meth:`stop`, delete this
+        rank's keys of the run (``shared_keys``: the shared ones too), close the connections and destroy
+        the side group. The signal handlers and exit hooks stay (once per process)."""
         if self.side is None:
             return
         self.stop()
@@ -580,9 +532,6 @@ class Session:
             self.schema.remove_run_keys(self.rank, self.ranks, shared=shared_keys)
         except Exception as err:  # noqa: BLE001 - the store may be what failed
             log(logging.DEBUG, "abandoning the session: %s", first_line(err))
-        self._close_connections()
-
-    def _close_connections(self) -> None:
         hooks.emit(hooks.SESSION_CLOSED, self)  # the launchers: what they hold for this session
         self.schema.conn.close()
         side, self.side = self.side, None
@@ -597,9 +546,8 @@ STORE_ELSEWHERE, STORE_HERE, STORE_UNSEEN = 0, 1, 2
 
 
 def store_rank_of(ranks: list[int], said: list[int]) -> int | None:
-    """The store's rank from what every rank said (``said``, in group order): the first rank on the
-    store's host; when no rank could tell, the group's first (as launchers lay it out); ``None`` when
-    the store is on a host of its own (an unknown culprit rather than a wrong one)."""
+    """The first rank on the store's host, from what every rank ``said``; the group's first when none
+    could tell; ``None`` when the store is on a host of its own."""
     for rank, here in zip(ranks, said):
         if here == STORE_HERE:
             return rank
@@ -637,8 +585,7 @@ def live_sessions() -> list[Session]:
 
 
 def _forget_all() -> None:
-    """At interpreter exit, stop the watchdogs and drop the side groups and store clients while
-    Python is fully alive."""
+    """At interpreter exit, stop the watchdogs and drop the side groups and store clients."""
     with _registry_lock:
         sessions = list(_registry.values())
         _registry.clear()
@@ -653,8 +600,7 @@ def _forget_all() -> None:
 
 
 def _check_not_spawned_by_recovery(caller: str) -> None:
-    """Raise :class:`RecoveryError` in a rank started by a function that ``recover_in_place`` wraps
-    (:func:`.attempts.spawned_by_recovery`): before training rather than at the first failure."""
+    """Raise :class:`RecoveryError` in a rank spawned by a function ``recover_in_place`` wraps."""
     parent = attempts.spawned_by_recovery()
     if parent is not None:
         raise RecoveryError(
@@ -668,8 +614,7 @@ def _check_not_spawned_by_recovery(caller: str) -> None:
 
 
 def get_session(group: dist.ProcessGroup | None = None, *, caller: str = "fail_together") -> Session | None:
-    """The session of ``group`` (the world when ``None``), or ``None`` when there is nothing to
-    coordinate (no process group and no multi-rank launcher, or a single rank).
+    """The session of ``group`` (the world when ``None``), or ``None`` with nothing to coordinate.
 
     Raises:
         RuntimeError: a multi-rank job before ``init_process_group``.

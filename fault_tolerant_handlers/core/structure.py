@@ -1,14 +1,7 @@
-"""One codec for a nested training state: its structure as bounded JSON, never pickled; its tensors
-as leaves a caller's hook describes and rebuilds (live state: whole tensors; a shard snapshot:
-``DTensor`` local shards).
-
-:func:`encode`: ``None``, bool, int, float (``NaN`` too) and str as themselves, each container tagged
-(``{"l": [...]}``, ``{"t": [...]}`` a tuple, ``{"d": [[key, node], ...]}``, ``{"o": pairs, "m":
-_metadata}`` an OrderedDict, ``{"b": base64}`` bytes; a tuple key ``{"t": [...]}``), anything else
-``leaf(obj, path)``'s node, or refused by its path. :func:`decode` rebuilds it from bytes that may come
-from a peer: at most :data:`MAX_BYTES` and :data:`MAX_DEPTH` deep, every node checked, a leaf's by
-``leaf(tag, value, local, path)``.
-"""
+"""One codec for a nested training state: its structure as bounded JSON (never pickled, every node of
+a peer's checked), its tensors as leaves a caller's hook describes and rebuilds. Containers are tagged:
+``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"d": [[key, node], ...]}`` dict, ``{"o": pairs, "m":
+_metadata}`` OrderedDict, ``{"b": base64}`` bytes; any other tag is a leaf's."""
 
 from __future__ import annotations
 
@@ -40,15 +33,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dense(t: torch.Tensor, path: str, what: str) -> None:
-    """Refuses ``t`` unless its bytes can be read in place: strided, with memory, a dtype of :data:`DTYPES`."""
+    """Refuse ``t`` unless its bytes can be read in place: strided, with memory, a dtype of :data:`DTYPES`."""
     if t.layout is not torch.strided or t.is_quantized or t.is_meta or t.is_nested or dtype_name(t.dtype) not in DTYPES:
         raise TypeError(f"{path} is a tensor {what} cannot carry (layout {t.layout}, dtype {t.dtype}"
                         f"{', meta' if t.is_meta else ''}): only dense tensors with data")
 
 
 def from_numpy(obj: Any) -> torch.Tensor | None:
-    """A numpy array as a tensor over its elements in row-major order (a copy only when it is not
-    contiguous); ``None`` when ``obj`` is no array or torch has no dtype for its elements."""
+    """A numpy array as a row-major tensor (copied only when not contiguous); ``None`` for no array or
+    elements torch has no dtype for."""
     numpy = sys.modules.get("numpy")
     if numpy is None or type(obj) is not numpy.ndarray:
         return None
@@ -71,12 +64,8 @@ def _key(key: Any, path: str, what: str) -> Any:
 
 def encode(obj: Any, leaf: Callable[[Any, str], Any], what: str, *, loose: bool = False,
            path: str = "state", depth: int = 0) -> Any:
-    """The JSON form of ``obj``; ``what`` names the carrier in errors. ``loose``: a subclass of a
-    scalar or container (any ``Mapping``) as the plain one.
-
-    Raises:
-        TypeError: a value, key or nesting (:data:`MAX_DEPTH`) it cannot carry, naming its path.
-    """
+    """The JSON form of ``obj`` (``leaf(obj, path)`` for a leaf); ``what`` names the carrier in errors;
+    ``loose``: a subclass of a scalar or container as the plain one. ``TypeError`` naming the path."""
     kind = type(obj)
     if obj is None or kind in _SCALARS or loose and isinstance(obj, _SCALARS):
         return obj

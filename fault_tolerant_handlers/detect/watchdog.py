@@ -168,12 +168,12 @@ class Watchdog:
                                            start_timeout=cfg.start_timeout.total_seconds(), warm=lambda: self.warm)
         store_rank = session.store_rank
         self.store_loss = StoreLossProbe(cfg.store_lost_after.total_seconds(), by=self.rank, store_rank=store_rank,
-                                         store_pid=session.pids[session.ranks.index(store_rank)] if store_rank is not None
+                                         store_pid=session.table.pid_of(store_rank) if store_rank is not None
                                          else 0, hosted_here=session.hosts_store,
                                          store_at=":".join(map(str, session.store_address or ())),
                                          evidence=lambda: session.store_evidence(STORE_EVIDENCE_TIMEOUT),
                                          check_every=max(STORE_CHECK_EVERY, self.interval.total_seconds()))
-        peers = session.same_host_peers()
+        peers = session.table.same_host_peers()
         self.peer_pids = (PeerPidProbe(peers, by=self.rank, host=session.host,
                                        after_failure=lambda: session.failure.delivered,
                                        left=self._liveness_schema.has_left) if peers else None)

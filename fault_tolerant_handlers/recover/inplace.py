@@ -347,7 +347,7 @@ class _Recovery:
             session.stop()
         self._sessions = []
         for session in sessions:  # every rank reached the recovery: nobody reads their keys any more
-            session.abandon(shared_keys=session.group_rank == 0)
+            session.abandon(shared_keys=session.table.group_rank == 0)
 
     def _reform(self, timings: dict) -> None:
         store, rank, world_size, backend, timeout = self._world()

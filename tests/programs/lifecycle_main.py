@@ -80,7 +80,7 @@ def main() -> None:
         beats = [k for k in run_keys if "/hb/" in k and store.check([k])]
         session.stop_watchdog()
         dist.barrier()  # no rank reads the run's keys any more
-        session.abandon(shared_keys=session.group_rank == 0)
+        session.abandon(shared_keys=session.table.group_rank == 0)
         assert session.side is None and session not in _registry.values()
         del session
         gc.collect()
