@@ -65,7 +65,7 @@ def worker(out: Path, mb: int, chunk_mb: int, mode: str, reps: int) -> None:
     import torch.distributed as dist
 
     from fault_tolerant_handlers.recover import live_state
-    from fault_tolerant_handlers.recover.causes import LiveReport
+    from fault_tolerant_handlers.recover.live_state import LiveReport
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank = dist.get_rank()

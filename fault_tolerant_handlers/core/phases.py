@@ -33,8 +33,8 @@ class RecoveryState:
     world_size: int = -1
     store: Any = None  #: the store of the first attempt's group, without its prefixes
     attempt: int = 0  #: the in-place attempt that failed (:func:`..core.attempts.in_place`)
-    cause: Any = None  #: the failure's cause (``core.recoveries.RecoveryCause``): the agreed one
-    plan: Any = None  #: where the next attempt's state comes from (``recover.causes.LivePlan``), once agreed
+    cause: Any = None  #: the failure (a ``core.failure.FailureRecord``): the agreed one
+    plan: Any = None  #: where the next attempt's state comes from (``recover.live_state.LivePlan``), once agreed
     live: Captured | None = None  #: this rank's live state (``CAPTURE_LIVE``), or what to hold (``SETTLE_LIVE``)
     live_why: str = ""  #: why there is no live state to capture
     #: shard snapshots held here (``CAPTURE_LIVE``): partners' copies and this rank's own replicas

@@ -9,11 +9,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Callable, ClassVar
+from typing import Callable
 
 from . import hooks
-from .failure import WORLD, FailureKind, Stored
-from .hooks import first_line
+from .failure import FailureRecord
 
 
 class RecoveryPhase(str, Enum):
@@ -39,40 +38,11 @@ _EVENT = {RecoveryPhase.FAILURE_SEEN: hooks.FAILURE_SEEN, RecoveryPhase.RECOVERY
           RecoveryPhase.RECOVERED: hooks.RECOVERED}
 
 
-@dataclass(frozen=True)
-class RecoveryCause(Stored):
-    """What failed: one rank's view of a recovery's failure, or the one its ranks agreed on (read back
-    from the store within ``BOUNDS``).
-
-    Attributes:
-        rank: the rank that failed first, or ``None`` when no rank could say.
-        kind: a :class:`~fault_tolerant_handlers.errors.FailureKind` (``RAISED`` for an exception a
-            rank raised, ``RANK_HUNG``, ``RANK_REPLACED``, ...).
-        exc_type: the exception's type name (``"ValueError"``), or the kind for a declared failure.
-        message: the exception's message (capped at 500 characters).
-        step: the step (Ignite: iteration; Lightning: global step) its record names, or ``None``.
-        where: the section it failed in (``"train"``), or ``""``.
-        own: the rank that tells it failed itself (``False``: it learned of a peer's failure).
-        not_in_place: why it cannot be recovered in place (``""`` when it can).
-    """
-
-    rank: int | None
-    kind: FailureKind
-    exc_type: str
-    message: str
-    step: int | None = None
-    where: str = ""
-    own: bool = False
-    not_in_place: str = ""
-
-    BOUNDS: ClassVar[dict] = {"rank": (0, WORLD), "exc_type": 200, "message": 500, "step": (0, 2**53 - 1),
-                              "where": 300, "not_in_place": 300}
-
-    def describe(self) -> str:
-        who = f"rank {self.rank}" if self.rank is not None else "a rank"
-        where = f" in {self.where}" if self.where else ""
-        first = first_line(self.message, None)
-        return f"{who} failed ({self.kind}){where}: {self.exc_type}" + (f": {first}" if first else "")
+#: What failed, as a recovery tells it (:attr:`RecoveryInfo.cause`): the one failure value,
+#: :class:`~.failure.FailureRecord`. Read ``rank``, ``kind``, ``exc_type``, ``message`` (capped),
+#: ``step``, ``where`` (the section, or ``""``), ``own`` (the rank that tells it failed itself) and
+#: ``not_in_place`` (why it cannot be recovered in place, ``""`` when it can).
+RecoveryCause = FailureRecord
 
 
 @dataclass(frozen=True)
@@ -105,7 +75,7 @@ class RecoveryInfo:
     phase: RecoveryPhase
     attempt: int
     rank: int
-    cause: RecoveryCause
+    cause: FailureRecord
     seconds: float = 0.0
     source: str | None = None
     step: int | None = None

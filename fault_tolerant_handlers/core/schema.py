@@ -54,7 +54,7 @@ def recovery_key(*parts: object) -> str:
 
 
 def agreement_key(gen: int, part: str, rank: int | None = None) -> str:
-    """``<g>/cause/<rank>``: ``rank``'s view of attempt ``g``'s failure (``RecoveryCause``); ``<g>/live/<rank>``:
+    """``<g>/cause/<rank>``: ``rank``'s view of attempt ``g``'s failure (``FailureRecord``); ``<g>/live/<rank>``:
     the live state it holds (``LiveReport``); ``<g>/arrived``, ``<g>/stop``: how many ranks reached the
     recovery, how many end the job (``add``); ``<g>/decision``: rank 0's ``Decision``."""
     return recovery_key(gen, part) if rank is None else recovery_key(gen, part, rank)
@@ -82,6 +82,10 @@ def claim_key(gen: int, rank: int) -> str:  # the first survivor to ``add`` here
 
 def answer_key(gen: int, rank: int) -> str:  # which spare replaces lost ``rank`` (``Answer``)
     return recovery_key("spares", gen, "answer", rank)
+
+
+def live_group_prefix(name: str) -> str:  # the gloo group ``name`` live state is sent over, at this attempt
+    return f"{attempts.namespace()}/{name}/"
 
 
 def record_key(index: int) -> str:  # failure record number ``index`` (bounded JSON, :mod:`.failure`)
@@ -497,7 +501,8 @@ class Schema:
         except Exception as err:  # noqa: BLE001
             log(logging.WARNING, "could not read store key %s: %s", key, first_line(err) or err)
             return None
-        return FailureRecord.from_json(data, world_size=self.world_size, key=f"{KEY_COUNT}-indexed {key}")
+        record = FailureRecord.from_json(data, world_size=self.world_size, key=f"{KEY_COUNT}-indexed {key}")
+        return record if record is None or record.rank is not None else None  # a published one names its rank
 
     def new_indices(self, last: int, count: int) -> list[int]:
         """The record indices after ``last`` up to ``count`` (wrap-aware). A move backwards or

@@ -1,16 +1,9 @@
-"""Recover in place: after a failure every rank tears the attempt down and calls the training
-function again, in the same process, over a re-formed process group (``docs/recovering.md``, "Recover
-in place", says what is recovered, under which launchers, and what is not).
-
-When the training function raises on every rank, each rank records the failure, agrees on the first
-attempt's store (:mod:`.agree`) whether the job recovers and from which state (:mod:`.live_state`),
-tears the attempt down and re-forms the default group over the same store under a new namespace
-(:func:`..core.attempts.namespace`); the launchers, the data layer and the adapters add their parts
-(:mod:`..core.phases`).
-
-A dead rank's process is replaced by its keeper (:mod:`.keeper`), a lost one with no keeper by a spare
-(:mod:`.spares`); a hung rank is interrupted in its main thread (:mod:`..core.interrupts`). Every rank
-must reach the recovery within ``join_timeout`` of rank 0, or the job ends as without recovery.
+"""Recover in place (``docs/recovering.md``): when the training function raises on every rank, each
+rank records the failure, agrees on the first attempt's store (:mod:`.agree`) whether the job recovers
+and from which state (:mod:`.live_state`), tears the attempt down, re-forms the group over the same
+store under a new namespace and calls the function again, in the same process. A dead rank's process
+is replaced by its keeper (:mod:`.keeper`), a lost one by a spare (:mod:`.spares`); a hung rank is
+interrupted in its main thread (:mod:`..core.interrupts`).
 """
 
 from __future__ import annotations
@@ -31,15 +24,15 @@ import torch.distributed as dist
 from ..core import attempts, compat_torch as _compat_torch, config, hooks, interrupts, recoveries
 from ..core.config import RECOVER_TEARDOWN_SEC
 from ..core.errors import PeerFailedError, RecoveryError
-from ..core.failure import cap_head, tag_of
+from ..core.failure import FailureRecord, cap_head, tag_of
 from ..core.hooks import log
-from ..core.phases import LIVE_NAME, RecoveryState
-from ..core.recoveries import RecoveryCause, RecoveryInfo, RecoveryPhase
 from ..core.interrupts import EXIT_TEARDOWN_STUCK
+from ..core.phases import LIVE_NAME, RecoveryState
+from ..core.recoveries import RecoveryInfo, RecoveryPhase
 from ..core.session import live_sessions
 from . import agree, keeper, live_state, spares
-from .agree import AsIs, Misplaced, Unsafe, cause_of
-from .causes import Decision, LivePlan, LiveReport, brief
+from .agree import AsIs, Decision, Misplaced, Unsafe, cause_of
+from .live_state import LivePlan, LiveReport
 from .spares import check_spares
 
 T = TypeVar("T")
@@ -65,7 +58,7 @@ class _Recovery:
         self._order: spares.Order | None = None  # a spare's order to take a lost rank's place
         self._failure_wall = 0.0  # when the failure reached this rank (wall clock: a spare's log line)
         self.on_attempt: Callable[[int], None] | None = None  # told each attempt's number (a keeper's child)
-        self.causes: list[RecoveryCause] = []  # the primary cause of each failed attempt
+        self.causes: list[FailureRecord] = []  # the primary cause of each failed attempt
         self._left = threading.Event()  # the main thread reached the recovery
         self._sessions: list = []  # the failed attempt's sessions, stopped, to abandon
         self.live = live_state.Held(self._state)
@@ -131,7 +124,7 @@ class _Recovery:
             return keeper.run(self, args, kwargs)
         return self.run(args, kwargs)
 
-    def run(self, args: tuple, kwargs: dict, replacement: RecoveryCause | None = None,
+    def run(self, args: tuple, kwargs: dict, replacement: FailureRecord | None = None,
             order: spares.Order | None = None) -> T:
         """The attempts, in this process; a ``replacement`` (a keeper's new child, or a spare taking
         the seat its ``order`` names) first joins the recovery its peers wait in."""
@@ -193,7 +186,7 @@ class _Recovery:
             # the launchers forget the first rendezvous; the data layer its snapshots and live state
             hooks.run(hooks.END, RecoveryState(attempt=attempts.in_place()))
 
-    def _join_as_replacement(self, cause: RecoveryCause) -> dict:
+    def _join_as_replacement(self, cause: FailureRecord) -> dict:
         """A keeper's new child (or a spare): connect to torchrun's store as the rendezvous would, and
         take part in the recovery of the attempt the dead child was in (:attr:`attempts.in_place`)."""
         t0 = time.monotonic()
@@ -206,7 +199,7 @@ class _Recovery:
         if not decision.restart:
             raise RecoveryError(f"the replacement of rank {rank}'s process could not join the recovery: {decision.why}")
         self.causes.append(decision.cause or cause)
-        self.live.settle(decision, rank, world_size)
+        self.live.settle(decision.restart, decision.live, rank, world_size)
         self._announce(RecoveryPhase.FAILURE_SEEN, rank, cause, t0)
         self._announce(RecoveryPhase.RECOVERY_STARTED, rank, self.causes[-1], t0)
         now = time.monotonic()
@@ -271,12 +264,12 @@ class _Recovery:
         timings = {"detected": t0, "stopped": stopped, "agreed": time.monotonic(), "attempt_ran": t0 - started}
         if decision.restart:
             self.causes.append(decision.cause or cause)
-        self.live.settle(decision, world[1], world[2])
+        self.live.settle(decision.restart, decision.live, world[1], world[2])
         if decision.restart:
             self._announce(RecoveryPhase.RECOVERY_STARTED, rank, self.causes[-1], t0)
         return decision, timings
 
-    def _agree(self, world: tuple, cause: RecoveryCause) -> Decision:
+    def _agree(self, world: tuple, cause: FailureRecord) -> Decision:
         """This rank's part of the agreement (:func:`.agree.agree`), on the first attempt's store."""
         store, rank, world_size, _, _ = world
         report = self.live.report or LiveReport(rank, -1, "", "a spare took its place (it holds no state)"
@@ -290,7 +283,7 @@ class _Recovery:
         lines = [f"fault-tolerant-handlers: not recovered in place: {decision.why}"]
         if self.causes:
             lines += ["causes of the attempts recovered in place before:",
-                      *(f"  attempt {i}: {brief(c)}" for i, c in enumerate(self.causes))]
+                      *(f"  attempt {i}: {c.describe()}" for i, c in enumerate(self.causes))]
         log(logging.ERROR, "%s", "\n".join(lines))
         try:
             err.add_note("\n".join(lines))
@@ -366,13 +359,13 @@ class _Recovery:
         log(logging.WARNING, "recovering in place, attempt %d (max_restarts=%d), after %s; watchdogs stopped %.2f s, "
             "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank; "
             "%d socket registrations of the released groups quieted; %s",
-            attempts.in_place(), self.max_restarts, brief(cause),
+            attempts.in_place(), self.max_restarts, cause.describe(),
             timings["stopped"] - timings["detected"], timings["agreed"] - timings["detected"],
             timings["torn_down"] - timings["detected"], parts or "-", timings["reformed"] - timings["detected"],
             timings.get("quieted", 0), plan.describe())
         self._announce(RecoveryPhase.RECOVERED, rank, cause, timings["detected"], timings["reformed"])
 
-    def _announce(self, phase: RecoveryPhase, rank: int, cause: RecoveryCause, since: float,
+    def _announce(self, phase: RecoveryPhase, rank: int, cause: FailureRecord, since: float,
                   now: float | None = None) -> None:
         """Tell the recovery's moment ``phase`` (:mod:`..core.recoveries`), ``since`` the failure reached
         this rank."""

@@ -28,13 +28,10 @@ from typing import Any
 from ..core import attempts, compat_torch, interrupts
 from ..core.config import ZOMBIE_HOLD
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED
-from ..core.failure import Ended
+from ..core.failure import Ended, FailureRecord
 from ..core.hooks import log
-
-from . import spares
 from ..core.schema import keeper_key
-from ..core.recoveries import RecoveryCause
-from .causes import replaced
+from . import spares
 
 #: What a keeper runs (``recover.inplace._Recovery``, not imported: it imports this module): its
 #: ``given``, ``layout``, ``join_timeout``, ``max_restarts``, ``on_attempt`` and
@@ -159,7 +156,7 @@ class Keeper:
     def _write_attempt(self, count: int) -> None:
         struct.pack_into("<q", self.page, 0, count)
 
-    def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: RecoveryCause | None,
+    def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: FailureRecord | None,
                order: spares.Order | None) -> None:
         """The training child: never returns (its exit code tells the keeper how it ended)."""
         code = 1
@@ -197,7 +194,7 @@ class Keeper:
                 os._exit(code)
 
     # -- in the keeper --------------------------------------------------------------------------------
-    def run(self, args: tuple, kwargs: dict, replacement: RecoveryCause | None = None,
+    def run(self, args: tuple, kwargs: dict, replacement: FailureRecord | None = None,
             order: spares.Order | None = None) -> Any:
         """Keep the training child, and a new one each time it dies. ``replacement`` and ``order``: a
         spare taking a lost rank's seat, its first child joins the recovery as that rank."""
@@ -237,7 +234,7 @@ class Keeper:
                 # killed, hung (88), or released but stuck where no release reaches (87): replaced alike
                 replaceable = os.WIFSIGNALED(status) or os.WEXITSTATUS(status) in (EXIT_HUNG, EXIT_PEER_FAILED)
                 if replaceable and attempt < self.recovery.max_restarts and not self._stopping:
-                    replacement = replaced(int(rank), f"the process of rank {rank} (pid {pid}) {how}: replaced in place")
+                    replacement = FailureRecord.replaced(int(rank), f"the process of rank {rank} (pid {pid}) {how}: replaced in place")
                     attempts.set_in_place(attempt)
                     dead = pid
                     log(logging.WARNING, "the training process of rank %s (pid %d) %s: starting its replacement, which "

@@ -1,28 +1,16 @@
-"""Live state: after a failure, the ranks agree on whose in-memory state the job carries on from and
-send it to the ranks that need it, over the re-formed group, instead of reading a checkpoint back
-(``docs/recovering.md``, "Live state"). A recovery in place takes these steps with a :class:`Held`:
-**collect** (what this rank holds, for the agreement: :mod:`.agree`), **plan** (:func:`plan_live`,
-rank 0), **settle** (hold, wait to receive, or resume from the checkpoint) and, once the group is
-re-formed, **send** (:func:`transfer`; a transfer that fails, fails on every rank together).
-
-The rule (:func:`plan_live`): the newest step a rank holds (a step some ranks completed had its
-gradients reduced everywhere); ranks more than :data:`MAX_STEPS_APART` steps apart are out of step;
-among the ranks at that step the checksum most hold wins (a tie: the lowest rank's); every other rank
-receives (no state, behind, or diverged). A sharded model's state is each rank's own shard (a
-checksummed snapshot, verified when collected): every rank must hold it at one step, and nothing is sent.
-
-:func:`checksum`: SHA-256 over a nested state's structure and every tensor's bytes, read in place; the
-same on every process for the same state. :func:`transfer`: the structure as JSON, then the tensors'
-bytes in segments of at most :data:`DEFAULT_CHUNK_BYTES`, each followed by a CRC-32; receivers write
-into their own tensors of the same dtype and shape. Non-tensor leaves travel as JSON, never pickled;
-anything else is refused with a ``TypeError`` naming its path. Costs: ``bench/state_transfer.py``.
-
-Timeouts: every operation is bounded by the group's timeout. The group must carry CPU tensors (gloo).
+"""Live state: after a failure the ranks carry on from the in-memory state of the last step they
+completed instead of a checkpoint (``docs/recovering.md``, "Live state"). A recovery takes these steps
+with a :class:`Held`: **collect** (this rank's :class:`LiveReport`), **plan** (rank 0's :class:`LivePlan`,
+:func:`plan_live`), **settle** (hold, wait to receive, or resume from the checkpoint) and, once the group
+is re-formed, **send** (:func:`transfer`: the structure as JSON, then the tensors' bytes in segments
+each followed by a CRC-32, never pickled; a transfer that fails, fails on every rank together).
+Every operation is bounded by the group's timeout (gloo, CPU tensors). Costs: ``bench/state_transfer.py``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import hashlib
 import itertools
@@ -30,18 +18,19 @@ import logging
 import math
 import time
 import zlib
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..core import attempts, hooks, sharded, structure
+from ..core import hooks, sharded, structure
 from ..core.errors import StateTransferError
+from ..core.failure import WORLD, Stored, cap_head
 from ..core.hooks import log
 from ..core.phases import Captured, RecoveryState
-from ..core.failure import cap_head
-from .causes import MAX_COPIES, Decision, LivePlan, LiveReport, triples
+from ..core.schema import live_group_prefix
 
 #: Bytes per segment at most (a slice of a large tensor, or small tensors packed), and of each of
 #: the two staging buffers a rank may hold. ``bench/state_transfer.py`` found no difference above its
@@ -60,6 +49,85 @@ TAIL_BYTES = 4
 MAX_STEPS_APART = 1
 #: Hashed before the structure: a change of this format changes every checksum.
 _FORMAT = b"fth-live-state-1\0"
+
+
+#: Shard copies a report lists at most (the newest first).
+MAX_COPIES = 64
+
+
+def triples(flat: tuple[int, ...], world: int = 2**31, ranks: int = 1) -> list[tuple[int, int, int]] | None:
+    """``flat`` as (rank, step or holder, CRC-32) triples; ``None`` unless the first ``ranks`` of each
+    are ranks of ``world`` and the last is a CRC-32 (a report or a plan read back from the store)."""
+    out = list(zip(flat[::3], flat[1::3], flat[2::3]))
+    fits = all(0 <= t[i] < world for t in out for i in range(ranks)) and all(0 <= t[2] < 2**32 for t in out)
+    return out if fits and len(flat) % 3 == 0 else None
+
+
+@dataclass(frozen=True)
+class LiveReport(Stored):
+    """What one rank holds for the next attempt. With ``shard``, ``checksum`` is its snapshot's CRC-32
+    (verified where it is held); ``copies`` are checksum verified (:class:`~..data.replicas.ShardReplicas`)."""
+
+    by: int  #: the rank that says it
+    step: int  #: the last step it completed, whose state it holds (-1: none)
+    unit: str  #: "iteration" (Ignite), "global step" (Lightning), "" (none)
+    why: str  #: why it holds none ("" when it does)
+    checksum: str = ""  #: hex SHA-256 of the state ("": not taken)
+    rng: str = ""  #: hex CRC-32 of the RNG states recorded for the next step ("": none)
+    portable: str = ""  #: why this state cannot be sent to another rank ("" when it can)
+    shard: bool = False  #: a sharded model's: this rank's own shard
+    copies: tuple[int, ...] = ()  #: shard snapshots held here: (rank, step, CRC-32) triples
+
+    BOUNDS: ClassVar[dict] = {"by": (0, WORLD), "step": (-1, 2**53 - 1), "unit": 40, "why": 300,
+                              "checksum": ("hex", 2 * DIGEST_BYTES), "rng": ("hex", 8), "portable": 300,
+                              "copies": (0, 2**53 - 1, 3 * MAX_COPIES)}
+
+    def problem(self, world: int) -> str | None:
+        return None if triples(self.copies, world) is not None else "field 'copies' is not (rank, step, CRC-32) triples"
+
+
+@dataclass(frozen=True)
+class LivePlan:
+    """Where the next attempt's state comes from, the same for every rank: live state at ``step``, each
+    rank its own but the ``receivers``'; or (``step`` -1) the newest checkpoint, because of ``why``."""
+
+    step: int
+    unit: str = ""
+    why: str = ""
+    source: int = -1  #: the rank whose state the receivers get (-1: nobody receives)
+    receivers: tuple[int, ...] = ()  #: ranks that get the source's state
+    whom: str = ""  #: why each receiver receives, for the log ("rank 1: its process was replaced")
+    checksum: str = ""  #: the source's state's checksum ("": not taken), checked by the receivers
+    rng_shared: bool = False  #: the receivers take the source's RNG states too
+    #: a sharded model's shards not resumed from their rank's own capture: (rank, holder, CRC-32)
+    #: triples; the holder sends its copy (itself: its own older snapshot), the rank checks its CRC
+    shards: tuple[int, ...] = ()
+
+    BOUNDS: ClassVar[dict] = {"step": (-1, 2**53 - 1), "unit": 40, "why": 400, "source": (-1, WORLD),
+                              "receivers": (0, WORLD, 4096), "whom": 400, "checksum": ("hex", 2 * DIGEST_BYTES),
+                              "shards": (0, 2**32 - 1, 3 * 4096)}
+
+    def describe(self) -> str:
+        """The plan, as the recovery's line tells it (what the next attempt really carried on from is
+        told when its loop starts)."""
+        if self.step < 0:
+            return ("the next call starts from what it loads itself: the newest checkpoint, or the start if it loads "
+                    f"none (live state cannot serve: {self.why})")
+        if self.shards:
+            return f"live state, {self.unit} {self.step} ({self.whom}), is held for the next call"
+        if not self.receivers:
+            return f"live state, {self.unit} {self.step} (each rank's own), is held for the next call"
+        rng = "its RNG states too" if self.rng_shared else "not its RNG states (the ranks' differ or none were recorded)"
+        return (f"live state, {self.unit} {self.step} (each rank's own; sent from rank {self.source} to "
+                f"{self.whom}; {rng}), is held for the next call")
+
+    def checked(self, world_size: int) -> LivePlan:
+        """This plan, or a fallback when its ranks are not ranks of the world (read back from the store)."""
+        ranks = self.receivers + ((self.source,) if self.receivers else ())
+        if self.step >= 0 and (triples(self.shards, world_size, 2) is None or self.source in self.receivers
+                               or not all(0 <= r < world_size for r in ranks)):
+            return LivePlan(-1, "", "rank 0's plan names ranks outside the world")
+        return self
 
 
 class TransferFailure(str, enum.Enum):
@@ -433,9 +501,11 @@ def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = Non
 # --- the recovery's steps ------------------------------------------------------------------------
 
 def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
-    """Rank 0's rule (the module's text), given what each rank holds (the reports read from the store).
-    The source's RNG states go with it when every rank at that step recorded the same ones. Where live
-    state cannot serve, every rank falls back to the newest checkpoint (the plan says why)."""
+    """Rank 0's rule, given the reports read from the store: the newest step a rank holds (its gradients
+    were reduced everywhere); ranks more than :data:`MAX_STEPS_APART` steps apart are out of step; at that
+    step the checksum most hold wins (a tie: the lowest rank's) and every other rank receives it, with
+    the source's RNG states when the ranks that hold it recorded the same. A sharded model: :func:`_plan_shards`.
+    Where live state cannot serve, every rank resumes from its checkpoint (the plan says why)."""
     by_rank = {r.by: r for r in reports if r is not None}
     for rank in range(world_size):
         if rank not in by_rank:
@@ -564,15 +634,20 @@ class Held:
         """What the next attempt resumes from: ``captured`` (``None``: its newest checkpoint)."""
         hooks.run(hooks.SETTLE_LIVE, self.state_of(live=captured))
 
-    def settle(self, decision: Decision, rank: int, world_size: int) -> None:
-        """Follow rank 0's plan: hold this rank's live state for the next attempt (a receiver gets the
-        source's when the group is re-formed: :meth:`send`), or nothing (it resumes from its checkpoint)."""
+    def _fall_back(self, why: str) -> None:
+        """Every rank resumes from its checkpoint, because of ``why``."""
+        self.plan = LivePlan(-1, "", cap_head(why, 400))
+        self.hold(None)
+
+    def settle(self, restart: bool, plan: LivePlan | None, rank: int, world_size: int) -> None:
+        """Follow rank 0's ``plan`` when the job recovers (``restart``): hold this rank's live state for the next
+        attempt (a receiver gets the source's once the group is re-formed: :meth:`send`), or nothing."""
         captured, self.captured = self.captured, None
         self.directory = getattr(captured, "directory", None)
-        if not decision.restart:
+        if not restart:
             self.hold(None)
             return
-        plan = (decision.live or LivePlan(-1, "", "rank 0 made no plan (or it could not be read)")).checked(world_size)
+        plan = (plan or LivePlan(-1, "", "rank 0 made no plan (or it could not be read)")).checked(world_size)
         # (holder, CRC-32) of this rank's shard, or None (its own capture)
         mine = next(((h, c) for r, h, c in triples(plan.shards) if r == rank), None)
         if plan.step >= 0 and mine is not None:  # this rank's shard from a copy: its own replica, or a partner's
@@ -595,8 +670,7 @@ class Held:
 
     def send(self, store: Any, rank: int, world_size: int, timeout: timedelta, timings: dict) -> None:
         """The plan names receivers: the source sends them its live state over a gloo group formed for
-        it (on the first attempt's ``store``, this attempt's namespace), before the training function
-        is called again."""
+        it on the first attempt's ``store``, before the training function is called again."""
         plan, own, self.sending = self.plan, self.sending, None
         copies, self.copies = self.copies, {}
         if plan is not None and plan.step >= 0 and any(r != h for r, h, _ in triples(plan.shards)):
@@ -606,10 +680,8 @@ class Held:
             return
         t0 = time.monotonic()
         receives = rank in plan.receivers
-        group_store = dist.PrefixStore(f"{attempts.namespace()}/live-state/", store)
         try:
-            dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world_size, timeout=timeout)
-            try:
+            with _group(store, "live-state", rank, world_size, timeout):
                 mine = own.state if own is not None and (rank == plan.source or receives) else None
                 state = transfer(mine, plan.source, plan.receivers, checksum=plan.checksum or None)
                 extras = None
@@ -617,12 +689,8 @@ class Held:
                     extras = {"directory": own.directory,
                               "rng": list(own.rng) if plan.rng_shared and own.rng is not None else None}
                 extras = transfer(extras, plan.source, plan.receivers)
-            finally:
-                dist.destroy_process_group()
         except (StateTransferError, TypeError, RuntimeError, ValueError) as err:
-            self.plan = LivePlan(-1, "", f"sending it from rank {plan.source} failed: {type(err).__name__}: "
-                                         f"{cap_head(str(err), 200)}")
-            self.hold(None)
+            self._fall_back(f"sending it from rank {plan.source} failed: {type(err).__name__}: {cap_head(str(err), 200)}")
             return
         if receives:
             extras = extras if isinstance(extras, dict) else {}
@@ -635,15 +703,12 @@ class Held:
 
     def _send_shards(self, plan: LivePlan, copies: dict, store: Any, rank: int, world_size: int,
                      timeout: timedelta, timings: dict) -> None:
-        """Every shard a partner's copy serves (:attr:`LivePlan.shards`): its holder sends it to its rank
-        (:func:`transfer`, over a gloo group formed for it), which loads it only with the agreed CRC-32.
-        One failure anywhere: every rank resumes from its checkpoint, the log naming why."""
+        """Every shard a partner's copy serves (:attr:`LivePlan.shards`): its holder sends it to its rank,
+        which loads it only with the agreed CRC-32. One failure anywhere: every rank resumes from its checkpoint."""
         t0 = time.monotonic()
         received, why = None, ""
-        group_store = dist.PrefixStore(f"{attempts.namespace()}/live-shards/", store)
         try:
-            dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world_size, timeout=timeout)
-            try:
+            with _group(store, "live-shards", rank, world_size, timeout):
                 for r, holder, crc in triples(plan.shards):
                     if r == holder:
                         continue
@@ -653,20 +718,28 @@ class Held:
                         received, why = _unwire(got, r, plan, crc, holder)
                 bad = torch.tensor([1 if why else 0])
                 dist.all_reduce(bad)
-            finally:
-                dist.destroy_process_group()
             if int(bad):
                 why = why or "another rank's shard from a copy did not have the agreed checksum"
         except (StateTransferError, TypeError, RuntimeError, ValueError) as err:
             why = f"sending it failed: {type(err).__name__}: {cap_head(str(err), 200)}"
         if why:
             log(logging.ERROR, "live state: %s: never loaded; every rank resumes from its checkpoint", why)
-            self.plan = LivePlan(-1, "", cap_head(why, 400))
-            self.hold(None)
+            self._fall_back(why)
             return
         if received is not None:
             self.hold(received)
         timings.setdefault("parts", {})["live shards sent"] = time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def _group(store: Any, name: str, rank: int, world_size: int, timeout: timedelta):
+    """A gloo group of the re-formed world to send live state over, destroyed after."""
+    dist.init_process_group("gloo", store=dist.PrefixStore(live_group_prefix(name), store), rank=rank,
+                            world_size=world_size, timeout=timeout)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _verified(snaps: Sequence[Any], unit: str) -> dict[tuple[int, int], sharded.Snapshot]:

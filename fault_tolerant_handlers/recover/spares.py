@@ -21,12 +21,10 @@ from typing import Any, Callable, ClassVar
 from ..core import attempts, compat_torch, config
 from ..core.config import RECOVER_TELL_SEC
 from ..core.errors import RecoveryError
+from ..core.failure import WORLD, FailureRecord, Stored, cap_head, host_name
 from ..core.hooks import first_line, log
-from ..core.failure import WORLD, FailureKind, Stored, cap_head, host_name
-from ..core.schema import (Bounded, Connection, agreement_key, answer_key, claim_key, order_key,  # noqa: F401
+from ..core.schema import (Bounded, Connection, agreement_key, answer_key, claim_key, keeper_key, order_key,
                            seat_key, taken_key)
-from ..core.recoveries import RecoveryCause
-from .causes import NOT_IN_PLACE, keeper_replaces, replaced
 
 TAKE = "take"
 END = "end"
@@ -274,7 +272,7 @@ def log_takeover(lay: Layout, order: Order, reformed_wall: float) -> None:
 
 
 # -- a process's part, as the recovery's loop calls it ------------------------------------------------
-def serve(lay: Layout, timeout: timedelta) -> tuple[Order, RecoveryCause] | None:
+def serve(lay: Layout, timeout: timedelta) -> tuple[Order, FailureRecord] | None:
     """A spare: wait for an order. ``None`` when the training ended without needing it; else the order
     (this process now holds its rank: :func:`take_seat`) and the cause it joins the recovery with."""
     learned(lay.spares)
@@ -291,7 +289,7 @@ def serve(lay: Layout, timeout: timedelta) -> tuple[Order, RecoveryCause] | None
         raise RecoveryError(f"spare launched rank {lay.launched_rank}: the job ended without it: {order.why}")
     take_seat(lay, order)
     attempts.set_in_place(order.attempt)
-    return order, replaced(order.rank, f"rank {order.rank}'s process was lost with no keeper to replace it: spare "
+    return order, FailureRecord.replaced(order.rank, f"rank {order.rank}'s process was lost with no keeper to replace it: spare "
                                        f"launched rank {lay.launched_rank} took its place")
 
 
@@ -321,12 +319,11 @@ def tell_end(store: Any, lay: Layout, ok: bool, why: str) -> None:
         conn.close()
 
 
-def lost_or_silent(cause: RecoveryCause) -> bool:
-    """A peer declared lost or silent with its end not seen (another host's rank, or its host or link
-    gone): with spares, one takes its place unless its keeper replaces it."""
-    return (not cause.own and cause.rank is not None
-            and cause.kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
-            and cause.not_in_place == NOT_IN_PLACE[cause.kind])
+def keeper_replaces(store: Any, rank: int, end_seen: bool) -> bool:
+    """A keeper replaces lost rank ``rank``: its end was seen (by a peer on its host, or its liveness
+    helper, which saw its keeper live on) and its keeper announced itself (:func:`keeper_key`). A key
+    alone is no evidence: a rank whose host is gone left its key behind, and so did a keeper killed with it."""
+    return end_seen and bool(store.check([keeper_key(rank)]))
 
 
 class Claims:

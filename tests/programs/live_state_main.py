@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers.core.errors import StateTransferError
 from fault_tolerant_handlers.recover import live_state
-from fault_tolerant_handlers.recover.causes import LiveReport
+from fault_tolerant_handlers.recover.live_state import LiveReport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from wire import flip_in_flight  # noqa: E402 - tests/wire.py

@@ -98,7 +98,7 @@ def test_a_tensors_bytes_are_read_in_place_as_numpy_read_them_and_no_reader_need
 
     from fault_tolerant_handlers.core.phases import Captured, RecoveryState
     from fault_tolerant_handlers.recover import live_state
-    from fault_tolerant_handlers.recover.causes import LivePlan
+    from fault_tolerant_handlers.recover.live_state import LivePlan
 
     rng = (torch.get_rng_state(), [torch.arange(16, dtype=torch.uint8)])
     leaves = [rng[0], torch.arange(40, dtype=torch.float64)[3:17], torch.tensor([1, -2], dtype=torch.int32)]
