@@ -47,29 +47,19 @@ RecoveryCause = FailureRecord
 
 @dataclass(frozen=True)
 class RecoveryInfo:
-    """One moment of one recovery in place, on one rank (see the module's text).
+    """One moment of one recovery in place, on one rank (``docs/recovering.md`` has the table).
 
     Attributes:
         phase: a :class:`RecoveryPhase`.
-        attempt: the recovery's number in this process: 1 for the first (what
-            :func:`~fault_tolerant_handlers.recovery_attempt` returns in the call it starts).
+        attempt: the recovery's number in this process (1 for the first: what ``recovery_attempt()`` returns next).
         rank: the rank that tells it (this process's).
-        cause: the :class:`RecoveryCause`; from ``RECOVERY_STARTED`` on, the agreed one (the same on
-            every rank); at ``FAILURE_SEEN``, this rank's view (a peer's failure names the peer).
-        seconds: time taken since the failure reached this rank's recovery: 0 at ``FAILURE_SEEN``,
-            the agreement at ``RECOVERY_STARTED``, the whole recovery (agreed, torn down, re-formed) at
-            ``RECOVERED``.
-        source: where the next attempt's state comes from: ``"live"`` (the ranks' live state, no step
-            computed twice), ``"checkpoint"`` (the newest checkpoint), ``None`` (not decided yet:
-            ``FAILURE_SEEN``).
-        step: the step the next attempt carries on from (Ignite: iteration; Lightning: global step).
-            Live state: its step, from ``RECOVERY_STARTED`` on. A checkpoint: ``None`` until the next
-            attempt's loop started (the training function picks the checkpoint); the adapters' event
-            and hook, and :func:`recovery_history` from then on, carry it.
-        steps_computed_twice: steps this rank completed before the failure that it computes again
-            (0 from live state of the failed step; 1 when a lost rank's shard of it was held nowhere),
-            or ``None`` until the next attempt's loop started (or when the adapters did not see the
-            failed loop).
+        cause: the :class:`RecoveryCause`: this rank's view at ``FAILURE_SEEN``, then the agreed one.
+        seconds: since the failure reached this rank's recovery (0, the agreement, the whole recovery).
+        source: ``"live"`` (the ranks' live state), ``"checkpoint"``, or ``None`` (not decided yet).
+        step: the step the next attempt carries on from (Ignite: iteration; Lightning: global step); from
+            a checkpoint, ``None`` until the next attempt's loop started.
+        steps_computed_twice: steps this rank computes again (0 from live state), or ``None`` until the
+            next attempt's loop started.
     """
 
     phase: RecoveryPhase
@@ -94,8 +84,7 @@ class RecoveryInfo:
 
 @dataclass
 class RecoveryMetrics:
-    """The recoveries in place of this process so far (:func:`metrics`); the Ignite adapter keeps
-    it on ``engine.state.fault_tolerance``.
+    """The recoveries in place of this process so far (Ignite: ``engine.state.fault_tolerance``).
 
     Attributes:
         recoveries: recoveries in place completed (``RECOVERED``).

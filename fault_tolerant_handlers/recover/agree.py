@@ -114,11 +114,10 @@ def agree(store: Any, rank: int, world_size: int, cause: FailureRecord, report: 
     rank (wall clock, told to a spare); ``sessions``: the failed attempt's (their records name the lost)."""
     gen = attempts.in_place()
     seconds = join_timeout.total_seconds()
-    # RECOVER_TELL_SEC for a rank that only tells why it ends, the join timeout for the others
     conn = Connection(lambda: store, timedelta(seconds=seconds + 5), "recover")
     bounded = Bounded(conn)
     started = time.monotonic()
-    conn.deadline = started + RECOVER_TELL_SEC
+    conn.deadline = started + RECOVER_TELL_SEC  # a rank that only tells why it ends; the others: below
     claims = None
     if layout is not None and layout.spares:
         claims = spares.Claims(bounded, layout, gen, since, seconds, lambda: lost_records(sessions))
@@ -129,9 +128,7 @@ def agree(store: Any, rank: int, world_size: int, cause: FailureRecord, report: 
             return Decision(False, displaced)
         if gen >= max_restarts and not cause.not_in_place:  # every rank knows: nobody waits for another
             cause = replace(cause, not_in_place=f"max_restarts={max_restarts} recoveries in place already spent")
-        # A peer's process ended (or, with spares, its end was not seen: another host's rank lost, or
-        # silent: its host or link gone): only its keeper or a spare can replace it. Its end is not seen
-        # when a record says its keeper was gone with it (its liveness helper's may come after a peer's).
+        # a peer lost (with spares, silent too): only its keeper (its end seen, its keeper not gone) or a spare
         ended = getattr(lost_records(sessions).get(cause.rank), "ended", None) if needs_keeper(cause) else None
         end_seen = needs_keeper(cause) and not (ended is not None and ended.keeper_gone)
         lost = needs_keeper(cause) or (claims is not None and lost_or_silent(cause))
@@ -170,9 +167,7 @@ def agree(store: Any, rank: int, world_size: int, cause: FailureRecord, report: 
         return decision
     except Exception as err:  # noqa: BLE001 - the store may be what failed: end as without recovery
         why = first_line(err)
-        if isinstance(err, StoreCallTimeout):
-            # the call is left blocked in c10d: its connection is shut down, so that it returns
-            # (a thread inside c10d at the interpreter's exit aborts it)
+        if isinstance(err, StoreCallTimeout):  # the call blocked in c10d: its connection is cut, so it returns
             unblock_stuck_calls(store_ports(store), wait=0.5, busy_too=True)
             why = f"the store did not answer within {time.monotonic() - started:.1f} s"
         if cause.not_in_place:
@@ -185,10 +180,9 @@ def agree(store: Any, rank: int, world_size: int, cause: FailureRecord, report: 
 
 def decide(store: Any, world_size: int, gen: int, seconds: float, max_restarts: int,
            history: Sequence[FailureRecord] = (), claims: spares.Claims | None = None) -> Decision:
-    """Rank 0's decision, once every rank is in (or one said it ends, or ``seconds`` passed): the
-    primary cause (the lowest rank that failed itself), whether it repeats the last one or
-    ``max_restarts`` is spent, and the live-state plan (:func:`.live_state.plan_live`). With spares,
-    a rank lost while it waits gets a spare too (``claims``)."""
+    """Rank 0's decision once every rank is in (or one ends, or ``seconds`` passed): the primary cause (the
+    lowest rank that failed itself), unless it repeats the last one or ``max_restarts`` is spent, and the
+    live-state plan. With spares (``claims``), a rank lost meanwhile gets a spare too."""
     deadline = time.monotonic() + seconds
     look_again = time.monotonic() + LOOK_FOR_LOST
     while True:

@@ -32,14 +32,10 @@ from ..core.hooks import log
 from ..core.phases import Captured, RecoveryState
 from ..core.schema import live_group_prefix
 
-#: Bytes per segment at most (a slice of a large tensor, or small tensors packed), and of each of
-#: the two staging buffers a rank may hold. ``bench/state_transfer.py`` found no difference above its
-#: noise from 4 to 64 MB at 100 MB and 1 GB of state here: 16 MB keeps what a rank holds beyond the
-#: state to 32 MB at most, and cuts a large tensor into slices whose check overlaps the sending of
-#: the next one.
+#: Bytes per segment at most, and of each of the two staging buffers a rank may hold
+#: (``bench/state_transfer.py``: no difference from 4 to 64 MB; 16 MB bounds the extra memory to 32 MB).
 DEFAULT_CHUNK_BYTES = 16 * 2**20
-#: Leaves of at least this many bytes (or a chunk, if smaller) travel straight from the source's tensor
-#: into the receiver's, in slices of at most a chunk; smaller ones are packed together into chunks.
+#: Leaves of at least this many bytes travel straight from tensor to tensor; smaller ones are packed.
 DIRECT_BYTES = 2**20
 #: Bytes of the (truncated SHA-256) digest: :func:`checksum` is this many bytes in hex.
 DIGEST_BYTES = 16
@@ -168,9 +164,8 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def checksum(state: Any) -> str:
-    """A digest of ``state``: 32 hex characters, the same in every process for the same state. It
-    covers the structure (container types, keys and their order, dtypes and shapes, non-tensor
-    leaves) and every tensor's bytes (not its device, not ``requires_grad``), read in place on the CPU.
+    """A digest of ``state`` (32 hex characters, the same in every process for the same state): SHA-256
+    over its structure and every tensor's bytes (not its device, not ``requires_grad``), read in place.
 
     Raises:
         TypeError: a leaf live state cannot carry, naming its path (``state['opt']['x']``).
@@ -200,8 +195,7 @@ def _send(buffer: torch.Tensor, receivers: Sequence[int], group: Any) -> list:
 
 
 def _recv(buffer: torch.Tensor, source: int, group: Any) -> Any:
-    """Start receiving into ``buffer``; the work to wait for (the tests wrap this to corrupt a
-    chunk in flight)."""
+    """Start receiving into ``buffer``; the work to wait for (tests wrap it to corrupt a chunk)."""
     return dist.irecv(buffer, group=group, group_src=source)
 
 
@@ -211,10 +205,8 @@ def _wait(works: Any) -> None:
 
 
 def _rebuild(structure_bytes: bytes, local: Any, total: int) -> tuple[Any, list[torch.Tensor]]:
-    """The state whose structure is ``structure_bytes`` (from the source), taking from ``local`` (the
-    receiver's own state, or ``None``) every tensor of the same dtype and shape to write into, and the
-    tensors to write, in order: at most ``total`` bytes of them (else ``ValueError``, as for a
-    malformed structure)."""
+    """The state of ``structure_bytes``, reusing ``local``'s tensors of the same dtype and shape, and the
+    tensors to write, in order, of at most ``total`` bytes (else ``ValueError``, as for a malformed one)."""
     dests: list[torch.Tensor] = []
     left = [total]
 
@@ -253,11 +245,8 @@ def _tail(crc: int) -> torch.Tensor:
 
 
 def _plan(sizes: Sequence[int], chunk_bytes: int, direct_bytes: int) -> list[list[tuple[int, int, int]]]:
-    """The segments the leaves' bytes travel in, the same on both sides: each a list of pieces
-    ``(leaf, offset, length)``. A leaf of at least ``direct_bytes`` travels alone in slices of at
-    most ``chunk_bytes`` (direct: from the source's tensor into the receiver's); smaller leaves are
-    packed together into segments of at most ``chunk_bytes``. A state without bytes has one empty
-    segment (its check still travels)."""
+    """The segments the leaves' bytes travel in (each a list of ``(leaf, offset, length)``): a leaf of at
+    least ``direct_bytes`` alone in slices of a chunk, smaller ones packed; at least one (its check travels)."""
     segments: list[list[tuple[int, int, int]]] = []
     pack: list[tuple[int, int, int]] = []
     packed = 0
@@ -283,8 +272,7 @@ def _is_direct(segment: list[tuple[int, int, int]], sizes: Sequence[int], direct
 
 
 def _messages(plan: list, sizes: Sequence[int], direct_bytes: int) -> list[int]:
-    """The length of every message after the header, in order: a direct segment is two (its bytes,
-    then its check), a packed one is one (its bytes and its check)."""
+    """The length of every message after the header: a direct segment's bytes then its check, a packed one's both."""
     lengths = []
     for segment in plan:
         n = sum(piece[2] for piece in segment)
@@ -293,8 +281,7 @@ def _messages(plan: list, sizes: Sequence[int], direct_bytes: int) -> list[int]:
 
 
 class _Staging:
-    """Two buffers of one chunk each, made on first use, taken in turn: one is filled or checked
-    while the other's message is on its way (at most two segments are in flight)."""
+    """Two buffers of one chunk, taken in turn: one is filled or checked while the other's is on its way."""
 
     def __init__(self, size: int) -> None:
         self.size, self.buffers, self.works, self.turn = size, [None, None], [[], []], 0
@@ -310,9 +297,7 @@ class _Staging:
 
 def _send_state(state: Any, receivers: Sequence[int], group: Any, chunk_bytes: int,
                 ) -> tuple[int, tuple[TransferFailure, int] | None, BaseException | None]:
-    """The source's part: ``(bytes sent, its failure, its own error)``. A direct segment is sent
-    from the tensor itself and its CRC computed while it is on its way; packed segments go through
-    :class:`_Staging`."""
+    """The source's part: ``(bytes sent, its failure, its own error)``."""
     try:
         text, leaves = _structure(state)
     except TypeError as exc:  # told to the receivers, raised here once the others know
@@ -371,13 +356,9 @@ def _send_state(state: Any, receivers: Sequence[int], group: Any, chunk_bytes: i
 
 def _receive_state(state: Any, source: int, group: Any, expected: str | None,
                    chunk_bytes: int) -> tuple[Any, int, tuple[TransferFailure, int] | None]:
-    """A receiver's part: ``(the state rebuilt, bytes received, its failure)``. A direct segment is
-    received straight into its tensor (on the CPU), then hashed; a packed one into a staging buffer,
-    checked, then copied into its tensors. The next segment arrives while this one is checked. Every
-    message is received, also after a failure, so that the source is never left blocked; but a
-    header out of bounds (the source is not authenticated) is refused before anything is allocated
-    from it, and the source's sends fail at the group's timeout. With ``expected``, the bytes are also
-    hashed as they arrive (SHA-256, as :func:`checksum`)."""
+    """A receiver's part: ``(the state rebuilt, bytes received, its failure)``. Every message is received,
+    also after a failure (the source is never left blocked), but a header out of bounds is refused before
+    anything is allocated from it. With ``expected``, the bytes are hashed as they arrive (:func:`checksum`)."""
     header = _header([0, 0, 0, 0, 0])
     _wait(_recv(header, source, group))
     length, total, count, chunk, direct = (int(v) for v in header)
@@ -455,12 +436,10 @@ def _receive_state(state: Any, source: int, group: Any, expected: str | None,
 
 def transfer(state: Any, source: int, receivers: Sequence[int], group: Any = None, *,
              checksum: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Any:
-    """Send the source's ``state`` to ``receivers`` (the protocol: the module's text). Collective: every
-    rank of ``group`` (a gloo one) calls it with the same ``source``, ``receivers`` and ``chunk_bytes``. A
-    receiver passes its own (stale) state to write into, or ``None``, and gets the state rebuilt (a tensor
-    it had no place for: on the CPU); given ``checksum``, it checks the rebuilt state has it. Every
-    other rank gets ``state`` back. When any rank failed, every rank raises :class:`StateTransferError`
-    naming each (the source its own ``TypeError`` for a leaf that cannot be carried)."""
+    """Send the source's ``state`` to ``receivers``; collective over ``group`` (gloo). A receiver passes its
+    own (stale) state to write into, or ``None``, and gets the state rebuilt (checked against ``checksum``
+    when given); the others get ``state`` back. When any rank failed, every rank raises
+    :class:`StateTransferError` naming each (the source its own ``TypeError`` for a leaf it cannot carry)."""
     receivers = sorted(set(int(r) for r in receivers))
     if not receivers:
         return state
@@ -541,10 +520,8 @@ def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
 
 
 def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
-    """A sharded model's rule: the newest step at or below ``step`` every rank's shard is held at,
-    checksum verified where it is held: by the rank itself (its capture, preferred, or its own replica)
-    or as a partner's copy (:class:`~..data.replicas.ShardReplicas`, the lowest such rank). ``shards`` names
-    every shard not resumed from its rank's own capture, with its holder and CRC-32."""
+    """A sharded model's rule: the newest step at or below ``step`` every rank's shard is held at (by the
+    rank itself, preferred, or as a partner's copy); ``shards`` names each not resumed from its own capture."""
     held: dict[int, dict[int, list[tuple[int, int]]]] = {r.by: {} for r in ranks}  # rank -> step -> [(holder, crc)]
     for r in ranks:
         if r.step >= 0 and r.shard:
@@ -584,8 +561,7 @@ def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
 
 
 class Held:
-    """This rank's live state through one recovery (the module's steps). ``state_of(**changes)`` makes
-    the recovery's :class:`~..core.phases.RecoveryState` (with :attr:`plan`) for the data layer's steps."""
+    """This rank's live state through one recovery (``state_of(**changes)``: the recovery's state)."""
 
     def __init__(self, state_of: Callable[..., RecoveryState]) -> None:
         self.state_of = state_of
@@ -597,8 +573,7 @@ class Held:
         self.directory: str | None = None  # where the loop's checkpoints are written, for a shard sent
 
     def collect(self, rank: int) -> None:
-        """This rank's live state of the failed attempt, and what it tells the others (with its
-        checksum, and whether it can be sent to a rank that needs it)."""
+        """This rank's live state of the failed attempt, and the report it tells the others."""
         captured = hooks.run(hooks.CAPTURE_LIVE, self.state_of())
         self.captured = captured.live
         self.copies = _verified(captured.copies, getattr(captured.live, "unit", "") or "step")
@@ -743,8 +718,7 @@ def _group(store: Any, name: str, rank: int, world_size: int, timeout: timedelta
 
 
 def _verified(snaps: Sequence[Any], unit: str) -> dict[tuple[int, int], sharded.Snapshot]:
-    """The shard snapshots held here whose checksum still matches, by (rank, step); one that does not
-    is never loaded (logged by name)."""
+    """The shard snapshots held here whose checksum still matches, by (rank, step); the others logged."""
     found: dict[tuple[int, int], sharded.Snapshot] = {}
     for snap in snaps:
         if snap.verify():
