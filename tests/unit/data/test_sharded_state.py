@@ -54,11 +54,11 @@ def _sharded_model() -> torch.nn.Module:
 CHECKSUM = """
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from fault_tolerant_handlers.recover import live_state
+from fault_tolerant_handlers.recover import transfer
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 model = fully_shard(torch.nn.Linear(4, 4))
 try:
-    live_state.checksum({"w": model.state_dict()["weight"]})
+    transfer.checksum({"w": model.state_dict()["weight"]})
 except TypeError as err:
     print("refused:", err)
 print("alive")
