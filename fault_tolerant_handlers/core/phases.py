@@ -1,6 +1,5 @@
-"""What a recovery in place's steps are told (:class:`RecoveryState`): each ``step(state)`` of a hook
-(:mod:`.hooks`) returns a new state (``dataclasses.replace(state, ...)``) or ``None`` (unchanged); who
-does what at each hook is listed in ``WIRING`` (``fault_tolerant_handlers/wiring.py``).
+"""What a recovery in place's steps are told (:class:`RecoveryState`): a hook's ``step(state)`` returns a
+new state (``dataclasses.replace``) or ``None`` (unchanged); who does what is listed in ``wiring.py``.
 """
 
 from __future__ import annotations
@@ -9,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-#: The name :func:`~fault_tolerant_handlers.latest_checkpoint` answers with (in the directory it was
-#: asked about) when live state serves: no such file is ever written.
+#: The name ``latest_checkpoint`` answers with when live state serves (no such file is ever written).
 LIVE_NAME = "live-state-step={step}.pt"
 
 

@@ -219,10 +219,8 @@ class Held:
         rng_crc = "" if rng is None else f"{crc:08x}"
         snap = self.captured.state
         if isinstance(snap, sharded.Snapshot):  # this rank's shard, copied at the failure (data.live)
-            if not snap.verify():
-                why = (f"SnapshotChecksumError: its shard of {unit} {step} does not have its checksum (CRC-32 "
-                       f"{snap.checksum or 0:08x} when copied, {snap.compute_checksum():08x} now): never loaded")
-                log(logging.ERROR, "live state: %s", why)
+            why = _damaged(snap, f"its shard of {unit} {step}", "copied")
+            if why:
                 self.captured, self.report = None, LiveReport(rank, -1, "", why, copies=copies)
                 return
             self.report = LiveReport(rank, step, unit, "", f"{snap.checksum:08x}", rng_crc, shard=True, copies=copies)
@@ -346,17 +344,20 @@ def _group(store: Any, name: str, rank: int, world_size: int, timeout: timedelta
         dist.destroy_process_group()
 
 
+def _damaged(snap: sharded.Snapshot, what: str, when: str = "sealed") -> str:
+    """Why ``snap`` (``what``) is never loaded, logged; ``""`` when its checksum still matches."""
+    if snap.verify():
+        return ""
+    why = (f"SnapshotChecksumError: {what} does not have its checksum (CRC-32 {snap.checksum or 0:08x} when {when}, "
+           f"{snap.compute_checksum():08x} now): never loaded")
+    log(logging.ERROR, "live state: %s", why)
+    return why
+
+
 def _verified(snaps: Sequence[Any], unit: str) -> dict[tuple[int, int], sharded.Snapshot]:
-    """The shard snapshots held here whose checksum still matches, by (rank, step); the others logged."""
-    found: dict[tuple[int, int], sharded.Snapshot] = {}
-    for snap in snaps:
-        if snap.verify():
-            found[snap.rank, snap.step] = snap
-        else:
-            log(logging.ERROR, "live state: SnapshotChecksumError: the copy of rank %d's shard of %s %d held here does "
-                "not have its checksum (CRC-32 %08x when sealed, %08x now): never loaded", snap.rank, unit, snap.step,
-                snap.checksum or 0, snap.compute_checksum())
-    return found
+    """The shard snapshots held here whose checksum still matches, by (rank, step)."""
+    return {(s.rank, s.step): s for s in snaps
+            if not _damaged(s, f"the copy of rank {s.rank}'s shard of {unit} {s.step} held here")}
 
 
 def _wire(snap: sharded.Snapshot, directory: str | None) -> dict:
