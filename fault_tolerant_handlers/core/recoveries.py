@@ -16,14 +16,14 @@ from .failure import FailureRecord
 
 
 class RecoveryPhase(str, Enum):
-    """The moment of a recovery a :class:`RecoveryInfo` tells of (its value, in messages)."""
+    """The moment of a recovery a :class:`RecoveryInfo` tells of (its value: the hook it is announced at)."""
 
     #: The failure reached this rank's recovery (its cause as this rank sees it); no decision yet.
-    FAILURE_SEEN = "failure seen"
+    FAILURE_SEEN = hooks.FAILURE_SEEN
     #: The ranks agreed to recover: the agreed cause, and where the next attempt's state comes from.
-    RECOVERY_STARTED = "recovery started"
+    RECOVERY_STARTED = hooks.RECOVERY_STARTED
     #: The process group is re-formed: the training function is called again.
-    RECOVERED = "recovered"
+    RECOVERED = hooks.RECOVERED
 
     __str__ = str.__str__
     __format__ = str.__format__
@@ -33,9 +33,6 @@ class RecoveryPhase(str, Enum):
 LIVE = "live"
 #: ``RecoveryInfo.source``: the next attempt resumes from the newest checkpoint.
 CHECKPOINT = "checkpoint"
-
-_EVENT = {RecoveryPhase.FAILURE_SEEN: hooks.FAILURE_SEEN, RecoveryPhase.RECOVERY_STARTED: hooks.RECOVERY_STARTED,
-          RecoveryPhase.RECOVERED: hooks.RECOVERED}
 
 
 #: What failed, as a recovery tells it (:attr:`RecoveryInfo.cause`): the one failure value,
@@ -148,7 +145,7 @@ def _record(info: RecoveryInfo) -> None:
 
 def announce(info: RecoveryInfo) -> None:
     """Record ``info`` and tell its event's subscribers (never raises)."""
-    hooks.emit(_EVENT[info.phase], info)
+    hooks.emit(info.phase.value, info)
 
 
 def carried_on(step: int, last_completed: int | None) -> RecoveryInfo | None:
@@ -188,11 +185,11 @@ def on_recovery(callback: Callable[[RecoveryInfo], object]) -> Callable[[], None
     """
     if not callable(callback):
         raise TypeError(f"on_recovery(callback): callback must be a callable taking a RecoveryInfo, got {callback!r}")
-    for event in _EVENT.values():
-        hooks.add(event, callback)
+    for phase in RecoveryPhase:
+        hooks.add(phase.value, callback)
 
     def unsubscribe() -> None:
-        for event in _EVENT.values():
-            hooks.remove(event, callback)
+        for phase in RecoveryPhase:
+            hooks.remove(phase.value, callback)
 
     return unsubscribe

@@ -157,6 +157,20 @@ def test_a_cause_carries_its_kind_through_the_store():
     assert replacement.kind is FailureKind.RANK_REPLACED and replacement.own
 
 
+def test_the_cause_a_recovery_tells_is_the_failure_record_the_peers_raise_with():
+    """One failure value: what a recovery tells (``RecoveryInfo.cause``) is the record a
+    ``PeerFailedError`` carries, with the agreement's judgement on it, not a second form."""
+    from fault_tolerant_handlers.core.failure import FailureRecord
+    from fault_tolerant_handlers.recover.agree import cause_of
+
+    record = FailureRecord.from_exception(ValueError("bad sample 42"), rank=1, section="train", step=37)
+    cause = cause_of(PeerFailedError.from_records([record]), 0)
+    assert RecoveryCause is FailureRecord and dataclasses.replace(cause, own=False, not_in_place="") == record
+    assert (cause.rank, cause.kind, cause.message, cause.where, cause.step, cause.own) == (
+        1, FailureKind.RAISED, "bad sample 42", "train", 37, False)
+    assert cause.traceback and cause.pid and cause.host  # what the record knows, the recovery tells too
+
+
 # -- the adapters' translation --------------------------------------------------------------------------
 def test_ignite_events_are_registered_and_fired_on_the_failed_and_the_next_engine():
     from ignite.engine import Engine
