@@ -412,13 +412,8 @@ def _field(name: str, hint: Any, bound: Any, value: Any, world: int) -> tuple[An
 # -- the error every other rank raises ---------------------------------------------------------------
 def describe_where(section: str, step: int | None = None, epoch: int | None = None) -> str:
     """``'load data'`` or ``'train' (epoch 2, iteration 17)``."""
-    parts = []
-    if epoch is not None:
-        parts.append(f"epoch {epoch}")
-    if step is not None:
-        parts.append(f"iteration {step}")
-    where = repr(section)
-    return f"{where} ({', '.join(parts)})" if parts else where
+    parts = [f"{name} {n}" for name, n in (("epoch", epoch), ("iteration", step)) if n is not None]
+    return f"{section!r} ({', '.join(parts)})" if parts else repr(section)
 
 
 class PeerFailedError(RuntimeError):
@@ -484,7 +479,7 @@ class PeerFailedError(RuntimeError):
         """The error for the records of one failure episode; the earliest failure is the cause."""
         if not records:
             return cls(fallback_rank, FailureKind.UNKNOWN.value, "the failing rank's record could not be read from "
-                       "the store", where=repr(section), section=section, kind=FailureKind.UNKNOWN)
+                       "the store", where=repr(section), section=section)
         # one record per rank: what it said itself over what a peer declared about it, then the earliest
         def rank_of(r: FailureRecord) -> tuple[bool, int]:
             return (r.origin != "failure" and r.by != r.rank, r.time_ms)
