@@ -258,7 +258,7 @@ class FailureRecord(Stored):
         cls, *, rank: int, kind: FailureKind, message: str, by: int, pid: int = 0, host: str = "", traceback: str = "",
         time_ms: int | None = None, step: int | None = None, ended: Ended | None = None,
     ) -> FailureRecord:
-        """Rank ``by`` says rank ``rank`` is lost, silent, hung, ... (``kind``)."""
+        """Rank ``by`` declares rank ``rank``'s failure of ``kind`` (lost, silent, hung, ...)."""
         kind = FailureKind(kind)
         assert kind in DECLARED_KINDS, kind
         return cls(
@@ -523,9 +523,8 @@ PeerFailedError.__module__ = FailureKind.__module__ = Ended.__module__ = "fault_
 # -- the failure state of an attempt -----------------------------------------------------------------
 @dataclass
 class Incident:
-    """What this process knows of the failure under way since the last agreement (written by its
-    :class:`FailureState` only): a peer's error the watchdog found, whether this rank failed itself,
-    and ``acknowledged``, set when the main thread took the failure."""
+    """What this process knows of the failure under way since the last agreement (its :class:`FailureState`
+    writes it): a peer's error, whether this rank failed itself, whether the main thread took it."""
 
     peer_error: PeerFailedError | None = None
     local: bool = False
@@ -533,8 +532,7 @@ class Incident:
 
 
 class FailureState:
-    """The failure state of one attempt on one process group: transitions take a lock, queries are
-    attribute reads."""
+    """The failure state of one attempt on one process group: transitions take a lock, queries do not."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
