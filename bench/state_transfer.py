@@ -1,4 +1,4 @@
-"""Benchmark: sending live state from rank 0 to rank 1 over gloo (``recover/live_state.transfer``).
+"""Benchmark: sending live state from rank 0 to rank 1 over gloo (``recover/transfer.transfer``).
 
     .venv/bin/python bench/state_transfer.py                       # 10, 100, 1000 MB; chunk sweep at 100 MB
     .venv/bin/python bench/state_transfer.py --mb 100 --reps 9 --chunks-mb 32 --sweep-mb
@@ -64,8 +64,8 @@ def _current_rss_mb() -> float:
 def worker(out: Path, mb: int, chunk_mb: int, mode: str, reps: int) -> None:
     import torch.distributed as dist
 
-    from fault_tolerant_handlers.recover import live_state
-    from fault_tolerant_handlers.recover.causes import LiveReport
+    from fault_tolerant_handlers.recover import live_state, transfer as protocol
+    from fault_tolerant_handlers.recover.live_state import LiveReport
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank = dist.get_rank()
@@ -81,12 +81,12 @@ def worker(out: Path, mb: int, chunk_mb: int, mode: str, reps: int) -> None:
         times = []
         for _ in range(reps):
             start = time.perf_counter()
-            live_state.checksum(state)
+            protocol.checksum(state)
             times.append(time.perf_counter() - start)
         result["checksum"] = times
     # as a recovery would: each rank reports what it holds (nothing, or a state one step behind), and
     # rank 0's rule plans from whom the other receives
-    digest = live_state.checksum(state) if state is not None else ""
+    digest = protocol.checksum(state) if state is not None else ""
     reports = [None, None]
     dist.all_gather_object(reports, LiveReport(rank, -1, "", "replaced") if state is None else
                            LiveReport(rank, 10 - rank, "iteration", "", digest))
@@ -97,7 +97,7 @@ def worker(out: Path, mb: int, chunk_mb: int, mode: str, reps: int) -> None:
         dist.barrier()
         start = time.perf_counter()
         # each segment's CRC is checked on receipt; "checked" also the whole state against the agreed checksum
-        got = live_state.transfer(state, 0, [1], chunk_bytes=chunk_mb * 2**20,
+        got = protocol.transfer(state, 0, [1], chunk_bytes=chunk_mb * 2**20,
                                   checksum=agreed.checksum if mode == "checked" else None)
         times.append(time.perf_counter() - start)
         if rank == 1 and mode == "inplace":
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--chunks-mb", type=int, nargs="*", default=[4, 8, 16, 32, 64],
                         help="chunk sizes of the sweep; the last one with --sweep-mb and none is used for the sizes")
     parser.add_argument("--chunk-mb", type=int, default=None, help="chunk size of the table by size "
-                        "(default: live_state.DEFAULT_CHUNK_BYTES)")
+                        "(default: transfer.DEFAULT_CHUNK_BYTES)")
     parser.add_argument("--sweep-mb", type=int, nargs="?", const=0, default=100,
                         help="state size of the chunk sweep (0 or no value: no sweep)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -154,7 +154,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
 
-    from fault_tolerant_handlers.recover.live_state import DEFAULT_CHUNK_BYTES
+    from fault_tolerant_handlers.recover.transfer import DEFAULT_CHUNK_BYTES
 
     chunk_mb = args.chunk_mb or DEFAULT_CHUNK_BYTES // 2**20
     print(f"{args.reps} reps each, median [min, max] in ms; torch {torch.__version__}, {os.cpu_count()} CPUs, "

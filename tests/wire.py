@@ -5,11 +5,11 @@ from __future__ import annotations
 
 def flip_in_flight(segment: int) -> None:
     """From now on, the data of the ``segment``-th segment (0-based) of live state this rank receives
-    arrives with its first byte flipped, as the receiver's checks see it (``live_state._recv`` is
+    arrives with its first byte flipped, as the receiver's checks see it (``transfer._recv`` is
     wrapped; the caller restores it where it must)."""
-    from fault_tolerant_handlers.recover import live_state
+    from fault_tolerant_handlers.recover import transfer
 
-    original, calls = live_state._recv, []
+    original, calls = transfer._recv, []
 
     class Flipped:  # the bytes arrive, then one of them is flipped, before they are checked
         def __init__(self, work, buffer):
@@ -24,9 +24,9 @@ def flip_in_flight(segment: int) -> None:
         calls.append(buffer.numel())
         # after the header, the lengths and the structure, each segment has one message of more
         # than a check's bytes (its data): corrupt the one of segment ``segment``
-        if len(calls) > 3 and buffer.numel() > live_state.TAIL_BYTES:
-            if sum(n > live_state.TAIL_BYTES for n in calls[3:]) == segment + 1:
+        if len(calls) > 3 and buffer.numel() > transfer.TAIL_BYTES:
+            if sum(n > transfer.TAIL_BYTES for n in calls[3:]) == segment + 1:
                 return Flipped(work, buffer)
         return work
 
-    live_state._recv = corrupting
+    transfer._recv = corrupting

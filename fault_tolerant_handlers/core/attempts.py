@@ -1,12 +1,6 @@
-"""Which attempt of the job this process runs.
-
-An attempt is one try at the training function: torchrun starts attempt ``r`` of its workers
-(``TORCHELASTIC_RESTART_COUNT``, 0 without torchrun), and inside one such process
-:func:`fault_tolerant_handlers.recover_in_place` may run the function again after a failure: the
-in-place recoveries ``g`` = 0, 1, ... The job's attempt is ``r + g`` (what ``FTH_INJECT``'s
-``attempt=`` counts and user code reads with :func:`fault_tolerant_handlers.recovery_attempt`), and
-each ``(r, g)`` has a store namespace of its own (:func:`namespace`), so that nothing of a failed
-attempt's process groups is ever read by the next.
+"""Which attempt of the job this process runs: torchrun's restart ``r`` (``TORCHELASTIC_RESTART_COUNT``)
+and, inside it, the recoveries in place ``g`` = 0, 1, ... The job's attempt is ``r + g`` (what
+``FTH_INJECT``'s ``attempt=`` counts); each ``(r, g)`` has a store namespace of its own (:func:`namespace`).
 """
 
 from __future__ import annotations
@@ -47,9 +41,8 @@ def namespace() -> str:
 
 
 # -- the process that runs the recovery ---------------------------------------------------------------
-#: Set by :func:`fault_tolerant_handlers.recover_in_place` in its process's environment while it runs
-#: (its pid): a rank that finds its parent's pid there was spawned by the function the recovery
-#: wraps (:func:`spawned_by_recovery`). Not a setting.
+#: Set by ``recover_in_place`` in its process's environment while it runs (its pid): a rank that finds
+#: its parent's pid there was spawned by the function the recovery wraps. Not a setting.
 RUNNING_ENV = "FTH_RECOVER_IN_PLACE_PID"
 
 _running_pid: int | None = None  # a pid, not a flag: a forked child inherits this module's state
@@ -79,9 +72,8 @@ def recovering() -> bool:
 
 
 def spawned_by_recovery() -> int | None:
-    """The parent's pid when this process was started by a process running ``recover_in_place`` and
-    runs none itself (the recovery wraps the launcher that spawned this rank: it cannot recover it
-    in place); ``None`` otherwise."""
+    """The parent's pid when a process running ``recover_in_place`` spawned this one (which runs none):
+    the recovery wraps the launcher, and cannot recover this rank in place; ``None`` otherwise."""
     parent = os.getppid()
     if recovering() or os.environ.get(RUNNING_ENV) != str(parent):
         return None

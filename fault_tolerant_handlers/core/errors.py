@@ -44,7 +44,7 @@ class StateTransferError(RuntimeError):
     Attributes:
         source: the group rank that sent.
         failures: ``{group rank: (kind, chunk)}`` for every rank that failed; ``kind`` is a
-            :class:`~..recover.live_state.TransferFailure` value, ``chunk`` the 0-based chunk
+            :class:`~..recover.transfer.TransferFailure` value, ``chunk`` the 0-based chunk
             (-1: not a chunk's fault).
     """
 

@@ -1,12 +1,9 @@
-"""The one failure value, from the moment a failure is recorded to the moment every rank raises.
-
-A failure is one :class:`FailureRecord`; code decides on its :attr:`~FailureRecord.kind` and
-``ended``, never on message text. The store is unauthenticated and shared by every process of the
-job: records are plain JSON written and read by the one codec (:func:`encode`, :func:`decode`),
-bounded, range-checked and sanitised; nothing read is ever unpickled or executed. The attempt's
-:class:`FailureState` answers "has this job failed?"; the **incident** is what this process knows
-since the last agreement, which ends it, so that a failure user code caught never blinds the
-watchdog to the next one. The :class:`Tag` is what the library learned of one exception object.
+"""The one failure value, from the moment a failure is recorded to the moment every rank raises (and a
+recovery in place is told of it): a :class:`FailureRecord`, decided on by its ``kind`` and ``ended``,
+never by message text. The store is unauthenticated: records are plain JSON of the one codec
+(:func:`encode`, :func:`decode`), bounded, range-checked and sanitised, never unpickled. The attempt's
+:class:`FailureState` answers "has this job failed?"; a :class:`Tag` is what the library learned of
+one exception object.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Sequence
 
-from .hooks import log
+from .hooks import first_line, log
 
 #: In a field's bounds (:func:`decode`): the upper bound of a rank of the reader's world (below its size).
 WORLD = "world"
@@ -69,7 +66,7 @@ class FailureKind(str, Enum):
     @classmethod
     def of(cls, exc_type: str, origin: str) -> FailureKind:
         """The kind of a record of ``origin`` whose ``exc_type`` is ``exc_type`` (a declared one's is its kind)."""
-        if origin == "declared":
+        if origin == "declared" or exc_type == cls.UNKNOWN.value:
             try:
                 return cls(exc_type)
             except ValueError:
@@ -77,8 +74,11 @@ class FailureKind(str, Enum):
         return cls.RAISED
 
 
-#: The kinds a record of origin ``"declared"`` may have.
-DECLARED_KINDS = (FailureKind.PEER_LOST, FailureKind.PEER_SILENT, FailureKind.RANK_HUNG, FailureKind.RANK_SIGNALLED)
+#: The kinds a rank (the record's ``by``) declares; ``StoreLost`` and ``CommunicationError`` blame no rank.
+DECLARED_KINDS = (FailureKind.PEER_LOST, FailureKind.PEER_SILENT, FailureKind.RANK_HUNG, FailureKind.RANK_SIGNALLED,
+                  FailureKind.RANK_REPLACED)
+#: The kinds whose record may name no rank (``rank`` ``None``).
+BLAMELESS = (FailureKind.UNKNOWN, FailureKind.STORE_LOST, FailureKind.COMMUNICATION)
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,14 @@ def host_name() -> str:
 
 @dataclass(frozen=True)
 class FailureRecord(Stored):
-    """One failure, as published in the store (see the module docstring for ``origin``)."""
+    """One failure: published in the store, carried by :class:`PeerFailedError` (``err.record``), and told
+    in a recovery in place (the public ``RecoveryCause``, :attr:`RecoveryInfo.cause`).
+
+    ``origin``: ``"failure"`` (the rank reported its own) or ``"declared"`` (rank ``by`` declared it
+    lost, silent, hung, ...). ``message`` and ``where`` read ``exc_message`` and ``section``. Set only
+    where a rank tells it in a recovery's agreement: ``own`` (that rank failed itself) and
+    ``not_in_place`` (why it cannot be recovered in place; ``""``: it can).
+    """
 
     rank: int | None
     exc_type: str
@@ -204,10 +211,22 @@ class FailureRecord(Stored):
     epoch: int | None = None
     by: int | None = None
     ended: Ended | None = None
+    own: bool = False
+    not_in_place: str = ""
 
     @property
     def kind(self) -> FailureKind:
         return FailureKind.of(self.exc_type, self.origin)
+
+    message = property(lambda self: self.exc_message)
+    where = property(lambda self: self.section)
+
+    def describe(self) -> str:
+        """``rank 1 failed in train: ValueError: bad sample 42`` (the type without its module)."""
+        who = f"rank {self.rank}" if self.rank is not None else "a rank"
+        where = f" in {self.section}" if self.section else ""
+        first = first_line(self.exc_message, None)
+        return f"{who} failed{where}: {self.exc_type.rsplit('.', 1)[-1]}" + (f": {first}" if first else "")
 
     @classmethod
     def from_exception(cls, exc: BaseException, *, rank: int, section: str, seq: int | None = None,
@@ -239,7 +258,7 @@ class FailureRecord(Stored):
         cls, *, rank: int, kind: FailureKind, message: str, by: int, pid: int = 0, host: str = "", traceback: str = "",
         time_ms: int | None = None, step: int | None = None, ended: Ended | None = None,
     ) -> FailureRecord:
-        """Rank ``by`` says rank ``rank`` is lost, silent or hung (``kind``)."""
+        """Rank ``by`` declares rank ``rank``'s failure of ``kind`` (lost, silent, hung, ...)."""
         kind = FailureKind(kind)
         assert kind in DECLARED_KINDS, kind
         return cls(
@@ -266,24 +285,31 @@ class FailureRecord(Stored):
         return cls.declared(rank=rank, kind=FailureKind.PEER_LOST, by=by, pid=pid, host=host, ended=ended,
                             message=f"rank {rank} (pid {pid} on {host}) lost: {how}")
 
+    @classmethod
+    def replaced(cls, rank: int, message: str) -> FailureRecord:
+        """What a replacement of rank ``rank`` (a keeper's new child, a spare) tells its peers' recovery."""
+        return dataclasses.replace(cls.declared(rank=rank, kind=FailureKind.RANK_REPLACED, message=message, by=rank),
+                                   own=True)
+
     VERSION: ClassVar[int] = 2  # a reader ignores records of another version
     MAX_BYTES: ClassVar[int] = MAX_RECORD_BYTES
     BOUNDS: ClassVar[dict] = {
         "rank": (0, WORLD), "exc_type": MAX_NAME_CHARS, "exc_message": MAX_MESSAGE_CHARS,
         "traceback": -MAX_TRACEBACK_CHARS, "section": MAX_NAME_CHARS, "time_ms": (0, 2**62), "seq": (0, MAX_COUNTER),
         "pid": (0, MAX_PID - 1), "host": MAX_NAME_CHARS, "step": (0, MAX_COUNTER), "epoch": (0, MAX_COUNTER),
-        "by": (0, WORLD), "origin": 20}
+        "by": (0, WORLD), "origin": 20, "not_in_place": 300}
 
     def problem(self, world: int) -> str | None:
         """What the field bounds cannot say."""
-        if self.rank is None:
-            return "field 'rank' must be an int"
         if self.origin not in ORIGINS:
             return f"origin {self.origin!r} is not one of {', '.join(ORIGINS)}"
+        if self.rank is None and self.kind not in BLAMELESS:
+            return "field 'rank' must be an int"
         if abs(self.time_ms - time.time() * 1000) > MAX_CLOCK_DISTANCE_MS:
             return f"time_ms {self.time_ms} is more than a year from now"
-        if self.origin == "declared" and (self.by is None or self.exc_type not in DECLARED_KINDS):
-            return f"a declared record needs 'by' and a kind among {', '.join(DECLARED_KINDS)}"
+        if self.origin == "declared" and (self.kind is FailureKind.RAISED or
+                                          (self.by is None and self.kind in DECLARED_KINDS)):
+            return f"a declared record needs a kind, and 'by' for {', '.join(DECLARED_KINDS)}"
         return None
 
 
@@ -308,7 +334,6 @@ def decode(cls: type, raw: Any, *, world: int, max_bytes: int, key: str | None =
       world of ``world`` ranks; a ``tuple[int, ...]`` field: ``(low, high, most items)``;
     * a ``str`` field: its most characters (negative: the tail is kept), or ``("hex", chars)`` for a
       lower-case hex digest ("" otherwise); text is sanitised (:func:`sanitize`);
-    * an ``Enum`` field (a :class:`FailureKind`): one of its values, else the record is rejected;
     * a field of a dataclass type is read the same way (``None``, where allowed, when it is malformed);
     * ``cls.problem(record, world)``, when defined, says what the bounds cannot.
 
@@ -333,11 +358,11 @@ def decode(cls: type, raw: Any, *, world: int, max_bytes: int, key: str | None =
     return None
 
 
-def _from_obj(cls: type, obj: Any, world: int) -> tuple[Any, str | None]:
+def _from_obj(cls: type, obj: Any, world: int, nested: bool = False) -> tuple[Any, str | None]:
     if not isinstance(obj, dict):
         return None, f"expected an object, got {type(obj).__name__}"
     version = getattr(cls, "VERSION", None)
-    if version is not None and obj.get("v") != version:
+    if version is not None and not nested and obj.get("v") != version:
         return None, f"version {obj.get('v')!r}, expected {version}"
     hints, bounds, values = typing.get_type_hints(cls, localns=globals()), getattr(cls, "BOUNDS", {}), {}
     for f in dataclasses.fields(cls):
@@ -362,7 +387,7 @@ def _field(name: str, hint: Any, bound: Any, value: Any, world: int) -> tuple[An
         return (None, None) if optional else (None, f"field {name!r} must not be null")
     kind = args[0] if optional and len(args) == 1 else hint
     if dataclasses.is_dataclass(kind):
-        nested, problem = _from_obj(kind, value, world)
+        nested, problem = _from_obj(kind, value, world, nested=True)
         return (nested, None) if problem is None or optional else (None, f"field {name!r}: {problem}")
     if typing.get_origin(kind) is tuple:
         if not isinstance(value, list) or len(value) > bound[2] or not all(type(v) is int for v in value):
@@ -370,9 +395,6 @@ def _field(name: str, hint: Any, bound: Any, value: Any, world: int) -> tuple[An
         if not all(bound[0] <= v <= (world - 1 if bound[1] == WORLD else bound[1]) for v in value):
             return None, f"field {name!r} holds a value outside its bounds"
         return tuple(value), None
-    if isinstance(kind, type) and issubclass(kind, Enum):  # a FailureKind: one of its values
-        return (kind(value), None) if value in [k.value for k in kind] else (
-            None, f"field {name!r} must be one of {', '.join(k.value for k in kind)}, got {sanitize(str(value))[:40]!r}")
     expected = _TYPES[kind.__name__ if isinstance(kind, type) else str(kind)]
     if not isinstance(value, expected) or (kind is not bool and isinstance(value, bool)):
         return None, f"field {name!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}"
@@ -390,13 +412,8 @@ def _field(name: str, hint: Any, bound: Any, value: Any, world: int) -> tuple[An
 # -- the error every other rank raises ---------------------------------------------------------------
 def describe_where(section: str, step: int | None = None, epoch: int | None = None) -> str:
     """``'load data'`` or ``'train' (epoch 2, iteration 17)``."""
-    parts = []
-    if epoch is not None:
-        parts.append(f"epoch {epoch}")
-    if step is not None:
-        parts.append(f"iteration {step}")
-    where = repr(section)
-    return f"{where} ({', '.join(parts)})" if parts else where
+    parts = [f"{name} {n}" for name, n in (("epoch", epoch), ("iteration", step)) if n is not None]
+    return f"{section!r} ({', '.join(parts)})" if parts else repr(section)
 
 
 class PeerFailedError(RuntimeError):
@@ -462,7 +479,7 @@ class PeerFailedError(RuntimeError):
         """The error for the records of one failure episode; the earliest failure is the cause."""
         if not records:
             return cls(fallback_rank, FailureKind.UNKNOWN.value, "the failing rank's record could not be read from "
-                       "the store", where=repr(section), section=section, kind=FailureKind.UNKNOWN)
+                       "the store", where=repr(section), section=section)
         # one record per rank: what it said itself over what a peer declared about it, then the earliest
         def rank_of(r: FailureRecord) -> tuple[bool, int]:
             return (r.origin != "failure" and r.by != r.rank, r.time_ms)
@@ -506,9 +523,8 @@ PeerFailedError.__module__ = FailureKind.__module__ = Ended.__module__ = "fault_
 # -- the failure state of an attempt -----------------------------------------------------------------
 @dataclass
 class Incident:
-    """What this process knows of the failure under way since the last agreement (written by its
-    :class:`FailureState` only): a peer's error the watchdog found, whether this rank failed itself,
-    and ``acknowledged``, set when the main thread took the failure."""
+    """What this process knows of the failure under way since the last agreement (its :class:`FailureState`
+    writes it): a peer's error, whether this rank failed itself, whether the main thread took it."""
 
     peer_error: PeerFailedError | None = None
     local: bool = False
@@ -516,8 +532,7 @@ class Incident:
 
 
 class FailureState:
-    """The failure state of one attempt on one process group: transitions take a lock, queries are
-    attribute reads."""
+    """The failure state of one attempt on one process group: transitions take a lock, queries do not."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

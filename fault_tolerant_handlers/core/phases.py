@@ -1,6 +1,5 @@
-"""What a recovery in place's steps are told (:class:`RecoveryState`): each ``step(state)`` of a hook
-(:mod:`.hooks`) returns a new state (``dataclasses.replace(state, ...)``) or ``None`` (unchanged); who
-does what at each hook is listed in ``WIRING`` (``fault_tolerant_handlers/wiring.py``).
+"""What a recovery in place's steps are told (:class:`RecoveryState`): a hook's ``step(state)`` returns a
+new state (``dataclasses.replace``) or ``None`` (unchanged); who does what is listed in ``wiring.py``.
 """
 
 from __future__ import annotations
@@ -9,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-#: The name :func:`~fault_tolerant_handlers.latest_checkpoint` answers with (in the directory it was
-#: asked about) when live state serves: no such file is ever written.
+#: The name ``latest_checkpoint`` answers with when live state serves (no such file is ever written).
 LIVE_NAME = "live-state-step={step}.pt"
 
 
@@ -33,8 +31,8 @@ class RecoveryState:
     world_size: int = -1
     store: Any = None  #: the store of the first attempt's group, without its prefixes
     attempt: int = 0  #: the in-place attempt that failed (:func:`..core.attempts.in_place`)
-    cause: Any = None  #: the failure's cause (``core.recoveries.RecoveryCause``): the agreed one
-    plan: Any = None  #: where the next attempt's state comes from (``recover.causes.LivePlan``), once agreed
+    cause: Any = None  #: the failure (a ``core.failure.FailureRecord``): the agreed one
+    plan: Any = None  #: where the next attempt's state comes from (``recover.live_state.LivePlan``), once agreed
     live: Captured | None = None  #: this rank's live state (``CAPTURE_LIVE``), or what to hold (``SETTLE_LIVE``)
     live_why: str = ""  #: why there is no live state to capture
     #: shard snapshots held here (``CAPTURE_LIVE``): partners' copies and this rank's own replicas

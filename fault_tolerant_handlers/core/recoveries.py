@@ -9,22 +9,21 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Callable, ClassVar
+from typing import Callable
 
 from . import hooks
-from .failure import WORLD, FailureKind, Stored
-from .hooks import first_line
+from .failure import FailureRecord
 
 
 class RecoveryPhase(str, Enum):
-    """The moment of a recovery a :class:`RecoveryInfo` tells of (its value, in messages)."""
+    """The moment of a recovery a :class:`RecoveryInfo` tells of (its value: the hook it is announced at)."""
 
     #: The failure reached this rank's recovery (its cause as this rank sees it); no decision yet.
-    FAILURE_SEEN = "failure seen"
+    FAILURE_SEEN = hooks.FAILURE_SEEN
     #: The ranks agreed to recover: the agreed cause, and where the next attempt's state comes from.
-    RECOVERY_STARTED = "recovery started"
+    RECOVERY_STARTED = hooks.RECOVERY_STARTED
     #: The process group is re-formed: the training function is called again.
-    RECOVERED = "recovered"
+    RECOVERED = hooks.RECOVERED
 
     __str__ = str.__str__
     __format__ = str.__format__
@@ -35,77 +34,35 @@ LIVE = "live"
 #: ``RecoveryInfo.source``: the next attempt resumes from the newest checkpoint.
 CHECKPOINT = "checkpoint"
 
-_EVENT = {RecoveryPhase.FAILURE_SEEN: hooks.FAILURE_SEEN, RecoveryPhase.RECOVERY_STARTED: hooks.RECOVERY_STARTED,
-          RecoveryPhase.RECOVERED: hooks.RECOVERED}
 
-
-@dataclass(frozen=True)
-class RecoveryCause(Stored):
-    """What failed: one rank's view of a recovery's failure, or the one its ranks agreed on (read back
-    from the store within ``BOUNDS``).
-
-    Attributes:
-        rank: the rank that failed first, or ``None`` when no rank could say.
-        kind: a :class:`~fault_tolerant_handlers.errors.FailureKind` (``RAISED`` for an exception a
-            rank raised, ``RANK_HUNG``, ``RANK_REPLACED``, ...).
-        exc_type: the exception's type name (``"ValueError"``), or the kind for a declared failure.
-        message: the exception's message (capped at 500 characters).
-        step: the step (Ignite: iteration; Lightning: global step) its record names, or ``None``.
-        where: the section it failed in (``"train"``), or ``""``.
-        own: the rank that tells it failed itself (``False``: it learned of a peer's failure).
-        not_in_place: why it cannot be recovered in place (``""`` when it can).
-    """
-
-    rank: int | None
-    kind: FailureKind
-    exc_type: str
-    message: str
-    step: int | None = None
-    where: str = ""
-    own: bool = False
-    not_in_place: str = ""
-
-    BOUNDS: ClassVar[dict] = {"rank": (0, WORLD), "exc_type": 200, "message": 500, "step": (0, 2**53 - 1),
-                              "where": 300, "not_in_place": 300}
-
-    def describe(self) -> str:
-        who = f"rank {self.rank}" if self.rank is not None else "a rank"
-        where = f" in {self.where}" if self.where else ""
-        first = first_line(self.message, None)
-        return f"{who} failed ({self.kind}){where}: {self.exc_type}" + (f": {first}" if first else "")
+#: What failed, as a recovery tells it (:attr:`RecoveryInfo.cause`): the one failure value,
+#: :class:`~.failure.FailureRecord`. Read ``rank``, ``kind``, ``exc_type``, ``message`` (capped),
+#: ``step``, ``where`` (the section, or ``""``), ``own`` (the rank that tells it failed itself) and
+#: ``not_in_place`` (why it cannot be recovered in place, ``""`` when it can).
+RecoveryCause = FailureRecord
 
 
 @dataclass(frozen=True)
 class RecoveryInfo:
-    """One moment of one recovery in place, on one rank (see the module's text).
+    """One moment of one recovery in place, on one rank (``docs/recovering.md`` has the table).
 
     Attributes:
         phase: a :class:`RecoveryPhase`.
-        attempt: the recovery's number in this process: 1 for the first (what
-            :func:`~fault_tolerant_handlers.recovery_attempt` returns in the call it starts).
+        attempt: the recovery's number in this process (1 for the first: what ``recovery_attempt()`` returns next).
         rank: the rank that tells it (this process's).
-        cause: the :class:`RecoveryCause`; from ``RECOVERY_STARTED`` on, the agreed one (the same on
-            every rank); at ``FAILURE_SEEN``, this rank's view (a peer's failure names the peer).
-        seconds: time taken since the failure reached this rank's recovery: 0 at ``FAILURE_SEEN``,
-            the agreement at ``RECOVERY_STARTED``, the whole recovery (agreed, torn down, re-formed) at
-            ``RECOVERED``.
-        source: where the next attempt's state comes from: ``"live"`` (the ranks' live state, no step
-            computed twice), ``"checkpoint"`` (the newest checkpoint), ``None`` (not decided yet:
-            ``FAILURE_SEEN``).
-        step: the step the next attempt carries on from (Ignite: iteration; Lightning: global step).
-            Live state: its step, from ``RECOVERY_STARTED`` on. A checkpoint: ``None`` until the next
-            attempt's loop started (the training function picks the checkpoint); the adapters' event
-            and hook, and :func:`recovery_history` from then on, carry it.
-        steps_computed_twice: steps this rank completed before the failure that it computes again
-            (0 from live state of the failed step; 1 when a lost rank's shard of it was held nowhere),
-            or ``None`` until the next attempt's loop started (or when the adapters did not see the
-            failed loop).
+        cause: the :class:`RecoveryCause`: this rank's view at ``FAILURE_SEEN``, then the agreed one.
+        seconds: since the failure reached this rank's recovery (0, the agreement, the whole recovery).
+        source: ``"live"`` (the ranks' live state), ``"checkpoint"``, or ``None`` (not decided yet).
+        step: the step the next attempt carries on from (Ignite: iteration; Lightning: global step); from
+            a checkpoint, ``None`` until the next attempt's loop started.
+        steps_computed_twice: steps this rank computes again (0 from live state), or ``None`` until the
+            next attempt's loop started.
     """
 
     phase: RecoveryPhase
     attempt: int
     rank: int
-    cause: RecoveryCause
+    cause: FailureRecord
     seconds: float = 0.0
     source: str | None = None
     step: int | None = None
@@ -124,8 +81,7 @@ class RecoveryInfo:
 
 @dataclass
 class RecoveryMetrics:
-    """The recoveries in place of this process so far (:func:`metrics`); the Ignite adapter keeps
-    it on ``engine.state.fault_tolerance``.
+    """The recoveries in place of this process so far (Ignite: ``engine.state.fault_tolerance``).
 
     Attributes:
         recoveries: recoveries in place completed (``RECOVERED``).
@@ -189,7 +145,7 @@ def _record(info: RecoveryInfo) -> None:
 
 def announce(info: RecoveryInfo) -> None:
     """Record ``info`` and tell its event's subscribers (never raises)."""
-    hooks.emit(_EVENT[info.phase], info)
+    hooks.emit(info.phase.value, info)
 
 
 def carried_on(step: int, last_completed: int | None) -> RecoveryInfo | None:
@@ -229,11 +185,11 @@ def on_recovery(callback: Callable[[RecoveryInfo], object]) -> Callable[[], None
     """
     if not callable(callback):
         raise TypeError(f"on_recovery(callback): callback must be a callable taking a RecoveryInfo, got {callback!r}")
-    for event in _EVENT.values():
-        hooks.add(event, callback)
+    for phase in RecoveryPhase:
+        hooks.add(phase.value, callback)
 
     def unsubscribe() -> None:
-        for event in _EVENT.values():
-            hooks.remove(event, callback)
+        for phase in RecoveryPhase:
+            hooks.remove(phase.value, callback)
 
     return unsubscribe

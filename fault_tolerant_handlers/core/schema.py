@@ -1,16 +1,11 @@
-"""The store schema: every key the library writes in the c10d store, defined (and described) once,
-below. A run's keys live under ``fth/<run id>/`` in the store the default process group was created
-with (the run id is a random number rank 0 draws from the operating system (``secrets``, never the
-user's seeded generators), gathered at setup, so a restarted job never reads an earlier attempt's
-keys); a recovery in place agrees in the first attempt's store under ``fth/recover/<torchrun
-restart>/`` (:func:`recovery_key`: no run id, a recovery outlives the sessions it abandons).
+"""The store schema: every key the library writes in the c10d store, defined once, below. A run's keys
+live under ``fth/<run id>/`` (a random id rank 0 draws at setup: a restarted job never reads an earlier
+attempt's); a recovery in place agrees under ``fth/recover/<torchrun restart>/`` (:func:`recovery_key`).
 
 Every value is a record of the one codec (:class:`~.failure.Stored`) or a counter. The store is
-unauthenticated: a counter that jumps backwards or too far is corruption (a warning naming the key,
-then detection carries on), a non-integer counter is repaired, a record that fails its checks is
-ignored, and a rank keeps at most :data:`MAX_OWN_RECORDS` records of its own. Every process talks to
-the store through :class:`Connection`\\ s of its own, so a value that makes the server drop a
-connection never breaks the process group's own client.
+unauthenticated: a counter that jumps backwards or too far is corruption (a warning naming the key), a
+non-integer counter is repaired, a record that fails its checks is ignored. Every process talks to the
+store through :class:`Connection`\\ s of its own, never the process group's client.
 """
 
 from __future__ import annotations
@@ -54,7 +49,7 @@ def recovery_key(*parts: object) -> str:
 
 
 def agreement_key(gen: int, part: str, rank: int | None = None) -> str:
-    """``<g>/cause/<rank>``: ``rank``'s view of attempt ``g``'s failure (``RecoveryCause``); ``<g>/live/<rank>``:
+    """``<g>/cause/<rank>``: ``rank``'s view of attempt ``g``'s failure (``FailureRecord``); ``<g>/live/<rank>``:
     the live state it holds (``LiveReport``); ``<g>/arrived``, ``<g>/stop``: how many ranks reached the
     recovery, how many end the job (``add``); ``<g>/decision``: rank 0's ``Decision``."""
     return recovery_key(gen, part) if rank is None else recovery_key(gen, part, rank)
@@ -82,6 +77,10 @@ def claim_key(gen: int, rank: int) -> str:  # the first survivor to ``add`` here
 
 def answer_key(gen: int, rank: int) -> str:  # which spare replaces lost ``rank`` (``Answer``)
     return recovery_key("spares", gen, "answer", rank)
+
+
+def live_group_prefix(name: str) -> str:  # the gloo group ``name`` live state is sent over, at this attempt
+    return f"{attempts.namespace()}/{name}/"
 
 
 def record_key(index: int) -> str:  # failure record number ``index`` (bounded JSON, :mod:`.failure`)
@@ -119,16 +118,14 @@ class ConnectInProgress(RuntimeError):
     process is exiting after the job failed (:func:`stop_connecting`). Raised inside the worker."""
 
 
-#: How many times its timeout a connect may take: :func:`probe_store_port`'s, then c10d's client,
-#: which tries once more after a try that timed out.
+#: How many times its timeout a connect may take: :func:`probe_store_port`'s, then c10d's two tries.
 CONNECT_TRIES = 1 + 2
 #: How long past that a connect may take (thread scheduling on a loaded machine).
 CONNECT_SLACK = 1.0
 #: Connects under way in this process -> (when each must be over, ``time.monotonic()``; its thread).
 _connects: dict[object, tuple[float, threading.Thread]] = {}
 _connects_lock = threading.Lock()
-#: Set at the exit of a failed job (:func:`stop_connecting`): no new connect starts, so that the
-#: exit waits only for the connects already under way (a lost store's host never answers).
+#: Set at the exit of a failed job (:func:`stop_connecting`): the exit waits only for connects under way.
 _no_new_connects = False
 
 
@@ -148,21 +145,17 @@ def stop_connecting() -> None:
 
 
 class StoreUnreachable(ConnectionError):
-    """The store's port refused a connection or did not answer one (raised before c10d's connect,
-    which would retry a refused port until its timeout, twice)."""
+    """The store's port refused a connection or did not answer one (before c10d's connect would retry it)."""
 
 
-#: Errors of a plain TCP connect that are evidence that the store is gone or cannot be reached
-#: (nothing listens on its port, or its host or the network to it is down).
+#: Errors of a plain TCP connect that are evidence the store is gone or cannot be reached.
 _GONE_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTDOWN,
                 errno.ETIMEDOUT}
 
 
 def store_evidence(host: str, port: int, timeout: float) -> str | None:
-    """Evidence that the store at ``host:port`` is gone or unreachable, or ``None`` when its port
-    answers: one plain TCP connect, closed at once. The handshake is the kernel's work on the store's
-    host, so a store that is merely slow completes it; only a refused port, an unreachable host or no
-    answer within ``timeout`` seconds is evidence."""
+    """Evidence that the store at ``host:port`` is gone, or ``None`` when its port answers one plain TCP
+    connect (the kernel's work: a store that is merely slow completes it)."""
     try:
         socket.create_connection((host, port), timeout=timeout).close()
         return None
@@ -176,34 +169,28 @@ def store_evidence(host: str, port: int, timeout: float) -> str | None:
 
 
 def probe_store_port(host: str, port: int, timeout: timedelta) -> None:
-    """One plain TCP connect before a c10d client is made: a refused port fails at once, where c10d's
-    client would retry it for two timeouts in a thread that cannot be cut short."""
+    """One plain TCP connect before a c10d client is made: a refused port fails at once (c10d would retry it)."""
     try:
         socket.create_connection((host, port), timeout=timeout.total_seconds()).close()
     except OSError as err:
         raise StoreUnreachable(f"the store at {host}:{port} is unreachable: {err}") from None
 
 
-#: Backoff of a periodic loop's connection after a failed connect: the first wait (seconds), and
-#: the longest (each failure doubles it; each wait is randomised by x0.5 .. x1.5).
+#: Backoff of a periodic loop's connection after a failed connect: first and longest wait (seconds;
+#: doubled at each failure, randomised by x0.5 .. x1.5).
 BACKOFF_FIRST = 0.25
 BACKOFF_MAX = 4.0
 
 
 class StoreCallTimeout(TimeoutError):
-    """A store call did not return within its connection's budget (the store's host is gone, or the
-    network between is cut: a TCP read then blocks far longer than the store's own timeout)."""
+    """A store call did not return within its connection's budget (its host gone, or the link cut)."""
 
 
 class Connection:
-    """One store connection of this process's own, re-made from ``factory`` after a failed call.
-
-    ``timeout`` bounds the connect and every call. A call runs on the connection's own worker thread
-    and the caller waits at most ``timeout`` + :data:`CALL_SLACK` (c10d does not bound a read from a
-    cut link). A call that overruns keeps the connection: the calls after it fail at once
-    (:class:`StoreCallTimeout`) until it returns; a call that fails drops the connection. ``deadline``
-    (``time.monotonic()``, or ``None``) cuts every call's wait short at that moment (the watchdog's
-    declaration of a silent store).
+    """One store connection of this process's own, re-made from ``factory`` after a failed call. A call
+    runs on the connection's worker thread and is waited for ``timeout`` + :data:`CALL_SLACK` at most (or
+    until ``deadline``, ``time.monotonic()``); the calls after one that overran fail at once
+    (:class:`StoreCallTimeout`) until it returns.
     """
 
     CALL_SLACK = 0.5
@@ -497,7 +484,8 @@ class Schema:
         except Exception as err:  # noqa: BLE001
             log(logging.WARNING, "could not read store key %s: %s", key, first_line(err) or err)
             return None
-        return FailureRecord.from_json(data, world_size=self.world_size, key=f"{KEY_COUNT}-indexed {key}")
+        record = FailureRecord.from_json(data, world_size=self.world_size, key=f"{KEY_COUNT}-indexed {key}")
+        return record if record is None or record.rank is not None else None  # a published one names its rank
 
     def new_indices(self, last: int, count: int) -> list[int]:
         """The record indices after ``last`` up to ``count`` (wrap-aware). A move backwards or

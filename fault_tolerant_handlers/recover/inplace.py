@@ -1,16 +1,9 @@
-"""Recover in place: after a failure every rank tears the attempt down and calls the training
-function again, in the same process, over a re-formed process group (``docs/recovering.md``, "Recover
-in place", says what is recovered, under which launchers, and what is not).
-
-When the training function raises on every rank, each rank records the failure, agrees on the first
-attempt's store (:mod:`.agree`) whether the job recovers and from which state (:mod:`.live_state`),
-tears the attempt down and re-forms the default group over the same store under a new namespace
-(:func:`..core.attempts.namespace`); the launchers, the data layer and the adapters add their parts
-(:mod:`..core.phases`).
-
-A dead rank's process is replaced by its keeper (:mod:`.keeper`), a lost one with no keeper by a spare
-(:mod:`.spares`); a hung rank is interrupted in its main thread (:mod:`..core.interrupts`). Every rank
-must reach the recovery within ``join_timeout`` of rank 0, or the job ends as without recovery.
+"""Recover in place (``docs/recovering.md``): when the training function raises on every rank, each
+rank records the failure, agrees on the first attempt's store (:mod:`.agree`) whether the job recovers
+and from which state (:mod:`.live_state`), tears the attempt down, re-forms the group over the same
+store under a new namespace and calls the function again, in the same process. A dead rank's process
+is replaced by its keeper (:mod:`.keeper`), a lost one by a spare (:mod:`.spares`); a hung rank is
+interrupted in its main thread (:mod:`..core.interrupts`).
 """
 
 from __future__ import annotations
@@ -31,21 +24,20 @@ import torch.distributed as dist
 from ..core import attempts, compat_torch as _compat_torch, config, hooks, interrupts, recoveries
 from ..core.config import RECOVER_TEARDOWN_SEC
 from ..core.errors import PeerFailedError, RecoveryError
-from ..core.failure import cap_head, tag_of
+from ..core.failure import FailureRecord, cap_head, tag_of
 from ..core.hooks import log
-from ..core.phases import LIVE_NAME, RecoveryState
-from ..core.recoveries import RecoveryCause, RecoveryInfo, RecoveryPhase
 from ..core.interrupts import EXIT_TEARDOWN_STUCK
+from ..core.phases import LIVE_NAME, RecoveryState
+from ..core.recoveries import RecoveryInfo, RecoveryPhase
 from ..core.session import live_sessions
 from . import agree, keeper, live_state, spares
-from .agree import AsIs, Misplaced, Unsafe, cause_of
-from .causes import Decision, LivePlan, LiveReport, brief
+from .agree import AsIs, Decision, Misplaced, Unsafe, cause_of
+from .live_state import LivePlan, LiveReport
 from .spares import check_spares
 
 T = TypeVar("T")
 
-#: The signal whose handler raises a hung rank's :class:`HangInterrupted` in its main thread (a
-#: real-time signal: no launcher or framework uses it; its arrival also ends a blocking ``sleep``).
+#: The signal that interrupts a hung rank's main thread (real-time: no launcher or framework uses it).
 INTERRUPT_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
 
 
@@ -65,7 +57,7 @@ class _Recovery:
         self._order: spares.Order | None = None  # a spare's order to take a lost rank's place
         self._failure_wall = 0.0  # when the failure reached this rank (wall clock: a spare's log line)
         self.on_attempt: Callable[[int], None] | None = None  # told each attempt's number (a keeper's child)
-        self.causes: list[RecoveryCause] = []  # the primary cause of each failed attempt
+        self.causes: list[FailureRecord] = []  # the primary cause of each failed attempt
         self._left = threading.Event()  # the main thread reached the recovery
         self._sessions: list = []  # the failed attempt's sessions, stopped, to abandon
         self.live = live_state.Held(self._state)
@@ -120,9 +112,7 @@ class _Recovery:
                 served = spares.serve(self.layout, self.join_timeout)
                 if served is None:
                     return None
-                # it takes the seat under a keeper of its own, as every training rank: a later death of
-                # the seat's process is replaced in place too
-                order, cause = served
+                order, cause = served  # it takes the seat under a keeper of its own, as every training rank
                 if self.replace_dead and keeper.why_not(self) is None:
                     return keeper.Keeper(self).run(args, kwargs, replacement=cause, order=order)
                 return self.run(args, kwargs, replacement=cause, order=order)
@@ -131,10 +121,10 @@ class _Recovery:
             return keeper.run(self, args, kwargs)
         return self.run(args, kwargs)
 
-    def run(self, args: tuple, kwargs: dict, replacement: RecoveryCause | None = None,
+    def run(self, args: tuple, kwargs: dict, replacement: FailureRecord | None = None,
             order: spares.Order | None = None) -> T:
-        """The attempts, in this process; a ``replacement`` (a keeper's new child, or a spare taking
-        the seat its ``order`` names) first joins the recovery its peers wait in."""
+        """The attempts, in this process; a ``replacement`` (a keeper's new child, a spare with its ``order``)
+        first joins the recovery its peers wait in."""
         self._order = order
         hooks.run(hooks.BEGIN, RecoveryState(attempt=attempts.in_place()))
         recoveries.forget()  # recovery_history(): this recovery's moments only
@@ -153,9 +143,7 @@ class _Recovery:
                 hooks.run(hooks.RE_FORM, self._state())  # the launchers: init_process_group is given this world
             while True:
                 started = time.monotonic()
-                # What lives now is left out of the collector's walks: the teardown's full collection
-                # visits only what the attempt made (0.6 s -> 0.01 s here). Undone when the recovery ends.
-                gc.freeze()
+                gc.freeze()  # the teardown's collection visits only what the attempt made (0.6 s -> 0.01 s)
                 interrupts.arm()  # a hang of this attempt is interrupted again (take() stopped them)
                 try:
                     result = self.fn(*args, **kwargs)
@@ -164,9 +152,7 @@ class _Recovery:
                         spares.tell_end(world[0], self.layout, True, "the training ended")
                     return result
                 except BaseException as err:  # noqa: BLE001 - decided below; re-raised unless recovered
-                    # First: the interrupt (if any) is taken, whatever ended the attempt; from here on
-                    # no signal raises it (the handler never raises in this frame, nor in take()).
-                    interrupts.take()
+                    interrupts.take()  # first: from here on no signal raises the interrupt
                     self._left.set()
                     decision, timings = self._failed(err, started)
                     if not decision.restart:
@@ -193,9 +179,8 @@ class _Recovery:
             # the launchers forget the first rendezvous; the data layer its snapshots and live state
             hooks.run(hooks.END, RecoveryState(attempt=attempts.in_place()))
 
-    def _join_as_replacement(self, cause: RecoveryCause) -> dict:
-        """A keeper's new child (or a spare): connect to torchrun's store as the rendezvous would, and
-        take part in the recovery of the attempt the dead child was in (:attr:`attempts.in_place`)."""
+    def _join_as_replacement(self, cause: FailureRecord) -> dict:
+        """A keeper's new child (or a spare): join the recovery its peers wait in, over torchrun's store."""
         t0 = time.monotonic()
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = spares.connect(self.join_timeout)
@@ -206,7 +191,7 @@ class _Recovery:
         if not decision.restart:
             raise RecoveryError(f"the replacement of rank {rank}'s process could not join the recovery: {decision.why}")
         self.causes.append(decision.cause or cause)
-        self.live.settle(decision, rank, world_size)
+        self.live.settle(decision.restart, decision.live, rank, world_size)
         self._announce(RecoveryPhase.FAILURE_SEEN, rank, cause, t0)
         self._announce(RecoveryPhase.RECOVERY_STARTED, rank, self.causes[-1], t0)
         now = time.monotonic()
@@ -229,9 +214,7 @@ class _Recovery:
                 f"({type(err).__name__}), and its process is gone, so nothing can be recovered in place. Wrap the "
                 "function each rank runs instead: with idist.Parallel(...) as p: p.run(recover_in_place(training, "
                 "max_restarts=N), cfg); with Lightning, strategy='ddp' or torchrun")), {}
-        if world is None and not sessions and not isinstance(err, PeerFailedError):
-            # raised before any process group existed (a bad argument, a missing file): no rank was told,
-            # nothing is recovered; the error is the job's own and is reported as itself, unchanged
+        if world is None and not sessions and not isinstance(err, PeerFailedError):  # the job's own error, unchanged
             return AsIs(False, "it was raised before any process group existed"), {}
         if world is None:
             return Unsafe(False, "recover_in_place found no process group store to recover over (the group "
@@ -259,8 +242,7 @@ class _Recovery:
                 if session.group is None:
                     session.report_error(err, section="recover_in_place", release=True)
         self._sessions = sessions  # stopped: out of the registry, abandoned at the teardown
-        # With spares, its liveness helper goes on until the teardown: a rank found silent a poll later
-        # gets a spare too. Without, it stops now (it would write its session's keys again).
+        # with spares the liveness helpers go on until the teardown: a rank found silent later gets one too
         keep = self.layout is not None and self.layout.spares > 0
         for session in sessions:
             session.stop(keep_liveness=keep)
@@ -271,12 +253,12 @@ class _Recovery:
         timings = {"detected": t0, "stopped": stopped, "agreed": time.monotonic(), "attempt_ran": t0 - started}
         if decision.restart:
             self.causes.append(decision.cause or cause)
-        self.live.settle(decision, world[1], world[2])
+        self.live.settle(decision.restart, decision.live, world[1], world[2])
         if decision.restart:
             self._announce(RecoveryPhase.RECOVERY_STARTED, rank, self.causes[-1], t0)
         return decision, timings
 
-    def _agree(self, world: tuple, cause: RecoveryCause) -> Decision:
+    def _agree(self, world: tuple, cause: FailureRecord) -> Decision:
         """This rank's part of the agreement (:func:`.agree.agree`), on the first attempt's store."""
         store, rank, world_size, _, _ = world
         report = self.live.report or LiveReport(rank, -1, "", "a spare took its place (it holds no state)"
@@ -290,7 +272,7 @@ class _Recovery:
         lines = [f"fault-tolerant-handlers: not recovered in place: {decision.why}"]
         if self.causes:
             lines += ["causes of the attempts recovered in place before:",
-                      *(f"  attempt {i}: {brief(c)}" for i, c in enumerate(self.causes))]
+                      *(f"  attempt {i}: {c.describe()}" for i, c in enumerate(self.causes))]
         log(logging.ERROR, "%s", "\n".join(lines))
         try:
             err.add_note("\n".join(lines))
@@ -338,10 +320,8 @@ class _Recovery:
         timings["torn_down"] = time.monotonic()
 
     def _abandon_sessions(self) -> None:
-        """Stop and abandon the failed attempt's sessions. A method of its own, so that nothing refers
-        to them once it returns: the teardown's collection then frees them, and with them what they
-        hold (the attempt's groups, its loop's objects). Held until after it, they are garbage only
-        when the next attempt's ``gc.freeze()`` puts them out of the collector's reach for good."""
+        """Stop and abandon the failed attempt's sessions, in a frame of its own: nothing refers to them
+        after, so the teardown's collection frees what they hold (before the next ``gc.freeze()``)."""
         sessions = self._sessions + live_sessions()
         for session in sessions:  # the liveness helpers kept for the recovery, first: none writes after
             session.stop()
@@ -366,16 +346,15 @@ class _Recovery:
         log(logging.WARNING, "recovering in place, attempt %d (max_restarts=%d), after %s; watchdogs stopped %.2f s, "
             "agreed %.2f s, torn down %.2f s (%s), re-formed %.2f s after the failure reached this rank; "
             "%d socket registrations of the released groups quieted; %s",
-            attempts.in_place(), self.max_restarts, brief(cause),
+            attempts.in_place(), self.max_restarts, cause.describe(),
             timings["stopped"] - timings["detected"], timings["agreed"] - timings["detected"],
             timings["torn_down"] - timings["detected"], parts or "-", timings["reformed"] - timings["detected"],
             timings.get("quieted", 0), plan.describe())
         self._announce(RecoveryPhase.RECOVERED, rank, cause, timings["detected"], timings["reformed"])
 
-    def _announce(self, phase: RecoveryPhase, rank: int, cause: RecoveryCause, since: float,
+    def _announce(self, phase: RecoveryPhase, rank: int, cause: FailureRecord, since: float,
                   now: float | None = None) -> None:
-        """Tell the recovery's moment ``phase`` (:mod:`..core.recoveries`), ``since`` the failure reached
-        this rank."""
+        """Tell the recovery's moment ``phase``, ``since`` the failure reached this rank."""
         plan = None if phase is RecoveryPhase.FAILURE_SEEN else self.live.plan
         live = plan is not None and plan.step >= 0
         recoveries.announce(RecoveryInfo(
@@ -390,8 +369,7 @@ class _Recovery:
         if INTERRUPT_SIGNAL is None or threading.current_thread() is not threading.main_thread():
             log(logging.INFO, "recover_in_place runs outside the main thread: a hung rank ends as without recovery")
             return None
-        # This frame (_Recovery.run) takes the interrupt: a signal that arrives while it runs (the
-        # training function has returned or raised) raises nothing.
+        # _Recovery.run takes the interrupt: a signal while it runs (fn returned or raised) raises nothing
         installed = interrupts.install(INTERRUPT_SIGNAL, config.settings().interrupt_defer, takers=(_Recovery.run.__code__,))
         installed, _interruptible = (installed, _interruptible), self
         return installed
@@ -403,8 +381,7 @@ class _Recovery:
             interrupts.uninstall(installed)
 
 
-#: The slot :func:`interrupt` answers from: the recovery running in the main thread, set by its
-#: ``run`` (the loop's owner) while it runs, the one before restored when it ends.
+#: The recovery running in the main thread (set while its ``run`` runs): what :func:`interrupt` answers from.
 _interruptible: _Recovery | None = None
 
 
@@ -484,11 +461,8 @@ def recover_in_place(fn: Callable[..., T] | None = None, *, max_restarts: int = 
 
 
 class _InPlace:
-    """What :func:`recover_in_place` returns: ``fn`` wrapped, as a picklable object rather than a
-    closure, because launchers that spawn their ranks (``idist.Parallel(nproc_per_node=...)``,
-    ``mp.spawn``) pickle the function they run in each rank. It pickles by the name it is bound to
-    where it is a decorator (``@recover_in_place(...)``: the module's name *is* this object), and
-    otherwise as ``fn`` (by its own name) with the settings (``p.run(recover_in_place(train), cfg)``)."""
+    """What :func:`recover_in_place` returns: ``fn`` wrapped, picklable (launchers that spawn their ranks
+    pickle the function each runs): by the name it is bound to as a decorator, else as ``fn`` and the settings."""
 
     def __init__(self, fn: Callable[..., T], max_restarts: int, join_timeout: timedelta,
                  replace_dead: bool = True, spares: int = 0) -> None:

@@ -1,12 +1,8 @@
-"""Replacing a dead rank's process in place (``docs/recovering.md``): under torchrun,
-:func:`~.inplace.recover_in_place` (``replace_dead=True``) makes the worker the **keeper** of its rank. Its
-forked child trains; when the child is killed, or ends hung (:data:`~..core.errors.EXIT_HUNG`) or released
-but stuck where the release did not reach (:data:`~..core.errors.EXIT_PEER_FAILED`), the keeper forks a
-**replacement**, which joins the recovery its peers wait in (the attempt number is read from a page the two
-share). torchrun sees nothing. A replacement is a copy of the keeper made before anything of the training
-ran, so the keeper must not have initialised CUDA. The return value comes back pickled, in a file of the
-keeper's own. Where no keeper can start (:func:`why_not`) a dead rank ends the job. SIGTERM and SIGINT are
-forwarded to the child, which dies with the keeper (``PR_SET_PDEATHSIG``).
+"""Replacing a dead rank's process in place (``docs/recovering.md``): under torchrun the worker is the
+**keeper** of its rank and its forked child trains; when the child is killed, or ends hung
+(:data:`~..core.errors.EXIT_HUNG`) or stuck after its release (:data:`~..core.errors.EXIT_PEER_FAILED`), the
+keeper forks a **replacement** (a copy made before anything trained: no CUDA in the keeper), which joins
+the recovery its peers wait in. The return value comes back pickled, in a file of the keeper's own.
 """
 
 from __future__ import annotations
@@ -28,17 +24,12 @@ from typing import Any
 from ..core import attempts, compat_torch, interrupts
 from ..core.config import ZOMBIE_HOLD
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED
-from ..core.failure import Ended
+from ..core.failure import Ended, FailureRecord
 from ..core.hooks import log
-
-from . import spares
 from ..core.schema import keeper_key
-from ..core.recoveries import RecoveryCause
-from .causes import replaced
+from . import spares
 
-#: What a keeper runs (``recover.inplace._Recovery``, not imported: it imports this module): its
-#: ``given``, ``layout``, ``join_timeout``, ``max_restarts``, ``on_attempt`` and
-#: ``run(args, kwargs, replacement=...)``.
+#: What a keeper runs: ``recover.inplace._Recovery`` (not imported: it imports this module).
 _Recovery = Any
 
 #: ``prctl`` option: the signal this process gets when its parent dies.
@@ -54,8 +45,7 @@ NO_KEEPER_HERE = ("only on Linux", "not under torchrun")
 
 
 def why_not(recovery: _Recovery) -> str | None:
-    """Why no keeper can be started here (``None``: it can). A reason that starts with one of
-    :data:`NO_KEEPER_HERE` comes from the launcher or the platform; the others from the script."""
+    """Why no keeper can be started here (``None``: it can)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return "only on Linux"
     if not spares.under_torchrun():
@@ -73,16 +63,14 @@ def why_not(recovery: _Recovery) -> str | None:
 
 
 def run(recovery: _Recovery, args: tuple, kwargs: dict) -> Any:
-    """``recovery``'s attempts under a keeper where one can start (:func:`why_not`); else, with the
-    reason logged, in this process (a dead rank then ends the job as without recovery in place)."""
+    """``recovery``'s attempts under a keeper where one can start; else in this process, the reason logged."""
     why = why_not(recovery)
     if why is None:
         return Keeper(recovery).run(args, kwargs)
     given = recovery.given is not None and spares.under_torchrun()
     if given:
         _warn_group_made_before()  # names the line to change
-    # A reason the script can change (CUDA touched first, another thread) is a WARNING; where no keeper
-    # can exist at all (not torchrun, not Linux), or the group existed (the warning names the fix), INFO.
+    # a reason the script can change (CUDA touched first, another thread) is a WARNING
     level = logging.INFO if given or why.startswith(NO_KEEPER_HERE) else logging.WARNING
     log(level, "a dead rank's process cannot be replaced in place here (%s): its death ends the job "
         "as without recovery in place", why)
@@ -91,8 +79,7 @@ def run(recovery: _Recovery, args: tuple, kwargs: dict) -> Any:
 
 @functools.cache
 def _warn_group_made_before() -> None:
-    """Once per process: ``recover_in_place`` called inside a process group that exists already cannot
-    replace a killed rank (a keeper must fork before any group exists): say the line to change."""
+    """Once per process: a killed rank cannot be replaced inside a group that exists already: the fix."""
     log(logging.WARNING, "recover_in_place was called inside a process group that exists already, so a killed rank "
         "(SIGKILL, the OOM killer, a segfault) cannot be replaced in place and ends the job (exceptions and hangs in "
         "Python still recover in place). To recover it too, wrap the function that makes the group instead: "
@@ -102,17 +89,15 @@ def _warn_group_made_before() -> None:
         "\"Launchers\")")
 
 
-#: The slot the table's ``LOSE``, ``KEEPER_PID`` and ``SESSION_STARTED`` parts (``wiring.py``) answer
-#: from: in a keeper's child only, set by :meth:`Keeper.run` (the loop's owner) right after the fork,
-#: its :class:`Keeper` and the keeper's pid; ``None`` in every other process.
+#: In a keeper's child only (set by :meth:`Keeper.run` after the fork): its :class:`Keeper` and the
+#: keeper's pid, what ``LOSE``, ``KEEPER_PID`` and ``SESSION_STARTED`` (``wiring.py``) answer from.
 _child_of: tuple[Keeper, int] | None = None
 #: In a keeper's child: the store its keeper key was announced in (deleted there when the rank is lost).
 _announced = None
 
 
 def on_session_started(session) -> None:
-    """``SESSION_STARTED``, in a keeper's child, when the world's session starts: its peers may wait
-    for a replacement of this rank (:func:`..core.schema.keeper_key`)."""
+    """``SESSION_STARTED``, in a keeper's child: its peers may wait for a replacement of this rank."""
     global _announced
     if _child_of is None or session.group is not None:
         return
@@ -129,9 +114,8 @@ def keeper_pid() -> int | None:
 
 
 def lose() -> None:
-    """``LOSE``, in a keeper's child, before it kills itself as a lost rank (``FTH_INJECT``'s
-    ``lose``): its keeper will not replace it, and its peers find no keeper for its rank (its key
-    goes first). Elsewhere nothing."""
+    """``LOSE``, in a keeper's child about to kill itself as a lost rank (``FTH_INJECT``'s ``lose``): its
+    keeper will not replace it, and its key goes first."""
     if _child_of is None:
         return
     struct.pack_into("<q", _child_of[0].page, 8, 1)
@@ -144,7 +128,7 @@ def lose() -> None:
 
 
 class Keeper:
-    """The launcher's process of one rank, keeping the child that trains (see the module's text)."""
+    """The launcher's process of one rank, keeping the child that trains."""
 
     def __init__(self, recovery: _Recovery) -> None:
         self.recovery = recovery
@@ -159,7 +143,7 @@ class Keeper:
     def _write_attempt(self, count: int) -> None:
         struct.pack_into("<q", self.page, 0, count)
 
-    def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: RecoveryCause | None,
+    def _child(self, result_path: str, args: tuple, kwargs: dict, replacement: FailureRecord | None,
                order: spares.Order | None) -> None:
         """The training child: never returns (its exit code tells the keeper how it ended)."""
         code = 1
@@ -197,10 +181,10 @@ class Keeper:
                 os._exit(code)
 
     # -- in the keeper --------------------------------------------------------------------------------
-    def run(self, args: tuple, kwargs: dict, replacement: RecoveryCause | None = None,
+    def run(self, args: tuple, kwargs: dict, replacement: FailureRecord | None = None,
             order: spares.Order | None = None) -> Any:
-        """Keep the training child, and a new one each time it dies. ``replacement`` and ``order``: a
-        spare taking a lost rank's seat, its first child joins the recovery as that rank."""
+        """Keep the training child, and a new one each time it dies (``replacement``, ``order``: a spare's
+        first child joins the recovery as the rank it takes)."""
         global _child_of
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
         self._write_attempt(attempts.in_place())  # a child that dies before its first attempt began is in this one
@@ -237,7 +221,7 @@ class Keeper:
                 # killed, hung (88), or released but stuck where no release reaches (87): replaced alike
                 replaceable = os.WIFSIGNALED(status) or os.WEXITSTATUS(status) in (EXIT_HUNG, EXIT_PEER_FAILED)
                 if replaceable and attempt < self.recovery.max_restarts and not self._stopping:
-                    replacement = replaced(int(rank), f"the process of rank {rank} (pid {pid}) {how}: replaced in place")
+                    replacement = FailureRecord.replaced(int(rank), f"the process of rank {rank} (pid {pid}) {how}: replaced in place")
                     attempts.set_in_place(attempt)
                     dead = pid
                     log(logging.WARNING, "the training process of rank %s (pid %d) %s: starting its replacement, which "
@@ -255,10 +239,8 @@ class Keeper:
                 os.unlink(self.result_path)
 
     def _stand_by(self, pid: int, how: str) -> Any:
-        """The child was lost on purpose (a rank lost with its host, rehearsed on one host): it is not
-        replaced (a spare takes its rank), and this process, torchrun's worker, stays until the job
-        ends (torchrun ends every worker of its host when one dies): ``None`` when the training ended,
-        else it exits 1."""
+        """The child was lost on purpose (a host's loss rehearsed): a spare takes its rank, and this worker
+        stays until the job ends (torchrun would end its host's workers): ``None``, or exit 1 on a failure."""
         lay = self.recovery.layout
         for sig in FORWARDED:  # nothing to forward to: torchrun's SIGTERM ends this process
             signal.signal(sig, signal.SIG_DFL)
@@ -274,8 +256,7 @@ class Keeper:
 
     @staticmethod
     def _wait(pid: int) -> int:
-        """The wait status of ``pid`` once it ended, leaving it a zombie (``WNOWAIT``): the same-host
-        peers and its liveness helper read how it ended (``killed by SIGKILL``) before it is reaped."""
+        """The wait status of ``pid`` once it ended, left a zombie (``WNOWAIT``) for its peers to read."""
         while True:
             try:
                 info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)

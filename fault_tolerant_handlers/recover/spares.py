@@ -1,12 +1,7 @@
-"""Spare ranks (``docs/recovering.md``, "Spares"): ``recover_in_place(train, spares=k)`` under torchrun
-makes the last ``k`` launched ranks spares; the others form the **training world**, which is all they see
-(:func:`enter_training_world`). A spare never calls ``train``: it waits on its own key (:func:`order_key`)
-for an :class:`Order`: ``take`` training rank ``r`` (it takes the seat, :func:`take_seat`, under a keeper of
-its own, and joins the recovery the survivors wait in, as a keeper's replacement does), or ``end``.
-
-:class:`Claims`: the first survivor to reach the recovery of a rank lost with no keeper claims it (``add``
-on the attempt's claim key), takes the next spare in launched order, writes its order and publishes the
-:class:`Answer` the others wait for; with none left, the job ends as without spares.
+"""Spare ranks (``docs/recovering.md``, "Spares"): under torchrun the last ``k`` launched ranks wait for
+an :class:`Order` to ``take`` the seat of a training rank lost with no keeper (and join the recovery the
+survivors wait in, as a keeper's replacement does), or to ``end``. The first survivor to reach such a
+recovery claims the next spare (:class:`Claims`) and publishes the :class:`Answer` the others read.
 """
 
 from __future__ import annotations
@@ -21,12 +16,10 @@ from typing import Any, Callable, ClassVar
 from ..core import attempts, compat_torch, config
 from ..core.config import RECOVER_TELL_SEC
 from ..core.errors import RecoveryError
+from ..core.failure import WORLD, FailureRecord, Stored, cap_head, host_name
 from ..core.hooks import first_line, log
-from ..core.failure import WORLD, FailureKind, Stored, cap_head, host_name
-from ..core.schema import (Bounded, Connection, agreement_key, answer_key, claim_key, order_key,  # noqa: F401
+from ..core.schema import (Bounded, Connection, agreement_key, answer_key, claim_key, keeper_key, order_key,
                            seat_key, taken_key)
-from ..core.recoveries import RecoveryCause
-from .causes import NOT_IN_PLACE, keeper_replaces, replaced
 
 TAKE = "take"
 END = "end"
@@ -35,9 +28,8 @@ _left: int | None = None  # spares left, as this process last learned it (None: 
 
 
 def spares_left() -> int | None:
-    """How many spares are left to replace lost ranks, as this process last learned it: ``k`` at the
-    start of ``recover_in_place(fn, spares=k)``, one less each time a spare took a lost rank's place
-    (learned at that recovery, by every training rank); ``None`` without spares."""
+    """How many spares are left, as this process last learned it: ``k`` at the start of
+    ``recover_in_place(fn, spares=k)``, one less at each recovery a spare took a place; ``None`` without."""
     return _left
 
 
@@ -77,9 +69,7 @@ class Layout:
         return self.training_world + taken - 1
 
     def training_local_world(self) -> int | None:
-        """How many training ranks share this host at launch: torchrun numbers a host's ranks
-        contiguously (``LOCAL_WORLD_SIZE`` of them, from ``RANK - LOCAL_RANK``), and the spares are the
-        last launched ranks."""
+        """How many training ranks share this host (torchrun numbers a host's ranks contiguously)."""
         if self.local_rank is None or self.local_world is None:
             return None
         first = self.launched_rank - self.local_rank
@@ -97,8 +87,7 @@ def _int_env(name: str) -> int | None:
 
 
 def layout(spares: int) -> Layout:
-    """This process's place in the launched world (from torchrun's environment), ``spares`` checked
-    against it. Spares need torchrun: they wait on its agent's store, which outlives any rank."""
+    """This process's place in the launched world (torchrun's environment), ``spares`` checked against it."""
     world, rank = _int_env("WORLD_SIZE"), _int_env("RANK")
     if not under_torchrun() or world is None or rank is None \
             or not os.environ.get("MASTER_ADDR") or _int_env("MASTER_PORT") is None:
@@ -113,9 +102,7 @@ def layout(spares: int) -> Layout:
 
 
 def enter_training_world(lay: Layout) -> None:
-    """A training rank at start: its environment names the training world (its rank is its launched
-    rank; ``WORLD_SIZE`` and torchrun's ``ROLE_WORLD_SIZE`` the training world's; ``LOCAL_WORLD_SIZE``
-    the training ranks of its host)."""
+    """A training rank at start: its environment names the training world."""
     os.environ["RANK"] = str(lay.launched_rank)
     os.environ["WORLD_SIZE"] = str(lay.training_world)
     if "ROLE_WORLD_SIZE" in os.environ:  # torchrun's one role: the same as the world
@@ -190,9 +177,8 @@ def write_seat(store: Any, rank: int, launched_rank: int) -> None:
 
 
 def claim(store: Any, lay: Layout, rank: int, gen: int, why: str, since: float, wait: timedelta) -> Answer:
-    """A survivor's part when training rank ``rank`` was lost with no keeper to replace it: the first
-    to come claims the next spare and orders it to take ``rank`` at recovery ``gen``; every survivor
-    returns the same :class:`Answer`."""
+    """The first survivor to come orders the next spare to take lost ``rank`` at recovery ``gen``; every
+    survivor returns the same :class:`Answer`."""
     if store.add(claim_key(gen, rank), 1) == 1:
         taken = store.add(taken_key(), 1)
         if taken > lay.spares:
@@ -227,10 +213,9 @@ def connect(timeout: timedelta) -> Any:
 
 
 def wait_for_order(store: Any, lay: Layout, launched_rank: int, *, end_only: bool = False) -> Order:
-    """Wait for this launched rank's order: blocking store waits of ``FTH_SPARE_WAIT_SEC`` each (a key
-    written is seen at once). A store that fails (its agent gone) raises :class:`RecoveryError`.
-    ``end_only``: only the job's end is waited for (a spare whose seat was lost in turn: the order that
-    gave it the seat is still under its key, read again every ``END_POLL`` until the end replaces it)."""
+    """This launched rank's order (waits of ``FTH_SPARE_WAIT_SEC`` each); a store that fails: :class:`RecoveryError`.
+    ``end_only``: the job's end only (a spare whose seat was lost in turn: the order that gave it the seat
+    is still under its key, read again every ``END_POLL`` until the end replaces it)."""
     from torch.distributed import DistStoreError
 
     chunk = config.settings().spare_wait
@@ -253,10 +238,8 @@ def wait_for_order(store: Any, lay: Layout, launched_rank: int, *, end_only: boo
 
 
 def take_seat(lay: Layout, order: Order) -> None:
-    """A spare taking training rank ``order.rank``: its environment names that rank of the training
-    world. On the lost rank's host it takes the lost rank's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
-    too (the device its process left, as a keeper's replacement would: the host's local names stay
-    those of its training ranks); on another host it keeps its own (the device it was launched for)."""
+    """A spare taking training rank ``order.rank``: its environment names that rank; on the lost rank's
+    host, its ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` too (the device the lost process left)."""
     os.environ["RANK"] = str(order.rank)
     os.environ["WORLD_SIZE"] = str(lay.training_world)
     for name, value in (("ROLE_RANK", order.rank), ("ROLE_WORLD_SIZE", lay.training_world)):
@@ -279,9 +262,9 @@ def log_takeover(lay: Layout, order: Order, reformed_wall: float) -> None:
 
 
 # -- a process's part, as the recovery's loop calls it ------------------------------------------------
-def serve(lay: Layout, timeout: timedelta) -> tuple[Order, RecoveryCause] | None:
-    """A spare: wait for an order. ``None`` when the training ended without needing it; else the order
-    (this process now holds its rank: :func:`take_seat`) and the cause it joins the recovery with."""
+def serve(lay: Layout, timeout: timedelta) -> tuple[Order, FailureRecord] | None:
+    """A spare: wait for an order; ``None`` when the training ended without it, else the order (its seat
+    taken) and the cause it joins the recovery with."""
     learned(lay.spares)
     # what the training's first optimizer would import (seconds), imported while nothing waits for it
     compat_torch.import_lazy_modules()
@@ -296,7 +279,7 @@ def serve(lay: Layout, timeout: timedelta) -> tuple[Order, RecoveryCause] | None
         raise RecoveryError(f"spare launched rank {lay.launched_rank}: the job ended without it: {order.why}")
     take_seat(lay, order)
     attempts.set_in_place(order.attempt)
-    return order, replaced(order.rank, f"rank {order.rank}'s process was lost with no keeper to replace it: spare "
+    return order, FailureRecord.replaced(order.rank, f"rank {order.rank}'s process was lost with no keeper to replace it: spare "
                                        f"launched rank {lay.launched_rank} took its place")
 
 
@@ -310,9 +293,8 @@ def take_own_seat(lay: Layout, timeout: timedelta) -> Any:
 
 
 def tell_end(store: Any, lay: Layout, ok: bool, why: str) -> None:
-    """Training rank 0, when the training ended (``ok``) or the job ends with a failure: every launched
-    rank that waits for an order (the spares left, a keeper whose rank was lost) is told, within
-    :data:`RECOVER_TELL_SEC` (the store may be what failed)."""
+    """Training rank 0, when the job ends (``ok``: the training ended): every launched rank that waits for
+    an order is told, within :data:`RECOVER_TELL_SEC` (the store may be what failed)."""
     conn = Connection(lambda: store, timedelta(seconds=RECOVER_TELL_SEC), "spares")
     conn.deadline = time.monotonic() + RECOVER_TELL_SEC
     try:
@@ -326,18 +308,16 @@ def tell_end(store: Any, lay: Layout, ok: bool, why: str) -> None:
         conn.close()
 
 
-def lost_or_silent(cause: RecoveryCause) -> bool:
-    """A peer declared lost or silent with its end not seen (another host's rank, or its host or link
-    gone): with spares, one takes its place unless its keeper replaces it."""
-    return (not cause.own and cause.rank is not None
-            and cause.kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
-            and cause.not_in_place == NOT_IN_PLACE[cause.kind])
+def keeper_replaces(store: Any, rank: int, end_seen: bool) -> bool:
+    """A keeper replaces lost rank ``rank``: its end was seen (by a peer on its host, or its liveness
+    helper, which saw its keeper live on) and its keeper announced itself (:func:`keeper_key`). A key
+    alone is no evidence: a rank whose host is gone left its key behind, and so did a keeper killed with it."""
+    return end_seen and bool(store.check([keeper_key(rank)]))
 
 
 class Claims:
-    """A survivor's part in one recovery's agreement (recovery ``gen``) when the job has spares:
-    ``store`` is the agreement's bounded store, ``since`` when the failure reached this rank (wall
-    clock), ``lost()`` the failed attempt's records of the ranks lost or silent."""
+    """A survivor's part in recovery ``gen``'s agreement when the job has spares (``since``: when the
+    failure reached this rank, wall clock; ``lost()``: the failed attempt's records of the ranks lost)."""
 
     def __init__(self, store: Any, lay: Layout, gen: int, since: float, seconds: float,
                  lost: Callable[[], dict[int, Any]]) -> None:
@@ -345,9 +325,8 @@ class Claims:
         self.claimed: set[int] = set()  # lost ranks this rank found a spare for, this recovery
 
     def displaced(self, rank: int) -> str:
-        """Why this process must not take part in the recovery as ``rank`` any more: a spare was ordered
-        to take that rank at this recovery, or holds its seat (its peers declared this process lost or
-        silent: cut off, frozen, then back). "" when it holds its seat."""
+        """Why this process must not take part as ``rank`` any more (its peers declared it lost and a spare
+        was ordered to, or holds, its seat), or ``""``."""
         mine = self.lay.launched_rank  # a spare that took the seat: its own launched rank is the seat's
         if self.store.check([answer_key(self.gen, rank)]):
             answer = Answer.from_json(self.store.get(answer_key(self.gen, rank)), self.lay.launched_world)
@@ -362,8 +341,7 @@ class Claims:
         return ""
 
     def claim(self, rank: int, why: str, *, too: bool = False) -> str:
-        """A spare for lost rank ``rank`` (:func:`claim`), logged; why the job ends when none is left,
-        else ``""``. ``too``: a rank lost beside the cause's."""
+        """A spare for lost ``rank`` (``too``: beside the cause's), logged; why the job ends when none is left."""
         self.claimed.add(rank)
         answer = claim(self.store, self.lay, rank, self.gen, why, self.since, timedelta(seconds=self.seconds))
         if answer.spare < 0:
@@ -375,10 +353,8 @@ class Claims:
         return ""
 
     def for_lost(self, gen: int) -> str:
-        """Every rank the failed attempt's records declare lost or silent (not only the cause's: a host
-        of several ranks, two processes killed at once) that has not reached recovery ``gen`` and has no
-        keeper to replace it gets a spare (once per rank and recovery). Why the job ends when one is left
-        without a spare, else ``""``."""
+        """A spare for every rank the records declare lost (a host of several ranks, two killed at once)
+        that has not reached recovery ``gen`` and has no keeper; why the job ends when one gets none."""
         for rank, record in sorted(self.lost().items()):
             if rank in self.claimed or self.store.check([agreement_key(gen, "cause", rank)]):
                 continue  # found a spare already, or it (or its replacement) reached the recovery

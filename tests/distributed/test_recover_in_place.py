@@ -177,8 +177,10 @@ def test_a_hang_inside_a_step_that_swallows_every_exception_recovers_in_place(tm
         assert set(seen) == {0, 1}, f"rank {rank}: attempts {sorted(seen)}"
         assert len({t["pid"] for t in seen.values()}) == 1, f"rank {rank}: not recovered in its own process"
         assert seen[1]["done"] and not seen[0].get("done"), seen
-        assert f"[rank {rank}] recovering in place, attempt 1 (max_restarts=2), after rank 1 failed in train: " \
-               "HangInterrupted: RankHung: rank 1" in output
+        # the cause is the hang rank 1's watchdog declared (its record), not the interrupt that ended its step
+        assert re.search(rf"\[rank {rank}\] recovering in place, attempt 1 \(max_restarts=2\), after rank 1 failed: "
+                         r"RankHung: rank 1 \(pid \d+ on [^)]*\) hung: its main thread made no progress for [\d.]+ s "
+                         r"at step 37", output), output[-4000:]
     assert "[rank 1] the hung main thread was interrupted: recovering in place" in output
 
 

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from fault_tolerant_handlers.core.errors import StateTransferError
-from fault_tolerant_handlers.recover import live_state
-from fault_tolerant_handlers.recover.causes import LiveReport
+from fault_tolerant_handlers.recover import live_state, transfer as protocol
+from fault_tolerant_handlers.recover.live_state import LiveReport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from wire import flip_in_flight  # noqa: E402 - tests/wire.py
@@ -121,7 +121,7 @@ def run_case(name: str) -> None:
     state = None if role == "replaced" else state_of(model, opt, steps)
     pointers = {k: v.data_ptr() for k, v in model.state_dict().items()}
 
-    digest = live_state.checksum(state) if state is not None else None
+    digest = protocol.checksum(state) if state is not None else None
     if state is None or not trusted:
         mine = LiveReport(RANK, -1, "", "its process was replaced" if state is None else
                           "it failed inside an optimizer step (untrusted)")
@@ -139,12 +139,12 @@ def run_case(name: str) -> None:
            receivers=list(agreed.receivers), whom=agreed.whom, fallback=agreed.why or None,
            before=digest, describe=agreed.describe())
 
-    original_recv = live_state._recv
+    original_recv = protocol._recv
     if "corrupt" in options and RANK in agreed.receivers:
         flip_in_flight(options["corrupt"])
     started = time.monotonic()
     try:
-        state = live_state.transfer(state, agreed.source, agreed.receivers, chunk_bytes=CHUNK,
+        state = protocol.transfer(state, agreed.source, agreed.receivers, chunk_bytes=CHUNK,
                                     checksum=None if options.get("unchecked") else agreed.checksum)
     except StateTransferError as exc:
         record("transferred", case=name, raised="StateTransferError", failures=exc.failures, source=exc.source,
@@ -154,9 +154,9 @@ def run_case(name: str) -> None:
         record("transferred", case=name, raised="TypeError", message=str(exc))
         return
     finally:
-        live_state._recv = original_recv
+        protocol._recv = original_recv
     seconds = time.monotonic() - started
-    after = live_state.checksum(state)
+    after = protocol.checksum(state)
     in_place = all(v.data_ptr() == pointers[k] for k, v in state["model"].items()) if role != "replaced" else None
     torch.save(state, OUT / f"{name}-rank{RANK}.pt")
     if role == "replaced":
@@ -165,11 +165,11 @@ def run_case(name: str) -> None:
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    loaded = live_state.checksum(state_of(model, opt, state["engine"]["iteration"]))
+    loaded = protocol.checksum(state_of(model, opt, state["engine"]["iteration"]))
     train(model, opt, 1, start=state["engine"]["iteration"])
     record("transferred", case=name, raised=None, after=after, loaded=loaded, in_place=in_place, seconds=seconds,
            type_model=type(state["model"]).__name__, metadata=getattr(state["model"], "_metadata", None) is not None,
-           next_step=live_state.checksum(model.state_dict()))
+           next_step=protocol.checksum(model.state_dict()))
 
 
 def main() -> None:

@@ -50,7 +50,9 @@ def record(via: str, **fields) -> None:
 
 
 def as_json(info) -> dict:
-    return dataclasses.asdict(info)
+    told = dataclasses.asdict(info)
+    told["cause"].update(kind=info.cause.kind, message=info.cause.message, where=info.cause.where)  # read by name
+    return told
 
 
 def started() -> None:

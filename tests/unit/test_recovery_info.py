@@ -15,7 +15,7 @@ from fault_tolerant_handlers.core import recoveries
 from fault_tolerant_handlers.core.errors import HangInterrupted, PeerFailedError
 from fault_tolerant_handlers.errors import FailureKind
 
-CAUSE = RecoveryCause(1, FailureKind.RAISED, "ValueError", "bad sample 42", 37, "train")
+CAUSE = RecoveryCause(1, "ValueError", "bad sample 42", "", "train", 0, step=37)
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +36,12 @@ def test_a_recovery_info_is_frozen_and_says_what_happened():
         got.step = 3
     assert got.live and got.cause.kind is FailureKind.RAISED
     assert got.describe() == ("[rank 0] recovered, attempt 1, from live state at step 36, 0.25 s: rank 1 failed "
-                              "(raised) in train: ValueError: bad sample 42")
-    assert RecoveryCause(None, FailureKind.UNKNOWN, "x", "").describe() == "a rank failed (unknown): x"
+                              "in train: ValueError: bad sample 42")
+    # the one failure value, read by the names the recovery documents
+    assert (got.cause.message, got.cause.where, got.cause.own, got.cause.not_in_place) == ("bad sample 42", "train",
+                                                                                           False, "")
+    unknown = PeerFailedError.from_records([]).record
+    assert unknown.kind is FailureKind.UNKNOWN and unknown.describe().startswith("a rank failed: unknown: ")
     assert hash(got) == hash(dataclasses.replace(got))  # frozen: usable as a key
 
 
@@ -122,7 +126,6 @@ def test_no_recovery_no_numbers():
 
 # -- the kind a cause carries (recover_in_place's view of an exception) -----------------------------------
 def test_a_cause_carries_its_kind_through_the_store():
-    from fault_tolerant_handlers.recover.causes import replaced
     from fault_tolerant_handlers.core.failure import FailureRecord, FailureState
     from fault_tolerant_handlers.recover.agree import cause_of
 
@@ -136,9 +139,9 @@ def test_a_cause_carries_its_kind_through_the_store():
     peer = PeerFailedError(1, "RankHung", "no progress", origin="declared")
     assert cause_of(peer, 0, [state]).kind is FailureKind.RANK_HUNG
     hung = cause_of(HangInterrupted("RankHung: rank 1"), 1, [state])
-    assert (hung.exc_type, hung.message, hung.own) == ("HangInterrupted", "RankHung: rank 1", True)
+    assert (hung.exc_type, hung.message, hung.own) == ("RankHung", "hung", True)  # the record its watchdog declared
     # this rank's own signal, as its failure state holds it: not recovered in place, whatever it raised
-    from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE
+    from fault_tolerant_handlers.recover.agree import NOT_IN_PLACE
     signalled = FailureState()
     signalled.signalled(PeerFailedError.from_records([FailureRecord.declared(
         rank=0, kind=FailureKind.RANK_SIGNALLED, message="rank 0 received SIGTERM", by=0)]))
@@ -149,9 +152,23 @@ def test_a_cause_carries_its_kind_through_the_store():
     assert RecoveryCause.from_json(hung.to_json(), 2).kind is FailureKind.RANK_HUNG  # the codec reads a FailureKind back
     forged = hung.to_json().replace(b'"RankHung"', b'"Bogus"')
     assert RecoveryCause.from_json(forged, 2) is None  # a kind that is none: the cause is not believed at all
-    replacement = replaced(1, "replaced")
+    replacement = FailureRecord.replaced(1, "replaced")
     assert RecoveryCause.from_json(replacement.to_json(), 2) == replacement  # the keeper's and a spare's
     assert replacement.kind is FailureKind.RANK_REPLACED and replacement.own
+
+
+def test_the_cause_a_recovery_tells_is_the_failure_record_the_peers_raise_with():
+    """One failure value: what a recovery tells (``RecoveryInfo.cause``) is the record a
+    ``PeerFailedError`` carries, with the agreement's judgement on it, not a second form."""
+    from fault_tolerant_handlers.core.failure import FailureRecord
+    from fault_tolerant_handlers.recover.agree import cause_of
+
+    record = FailureRecord.from_exception(ValueError("bad sample 42"), rank=1, section="train", step=37)
+    cause = cause_of(PeerFailedError.from_records([record]), 0)
+    assert RecoveryCause is FailureRecord and dataclasses.replace(cause, own=False, not_in_place="") == record
+    assert (cause.rank, cause.kind, cause.message, cause.where, cause.step, cause.own) == (
+        1, FailureKind.RAISED, "bad sample 42", "train", 37, False)
+    assert cause.traceback and cause.pid and cause.host  # what the record knows, the recovery tells too
 
 
 # -- the adapters' translation --------------------------------------------------------------------------

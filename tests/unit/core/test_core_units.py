@@ -173,19 +173,17 @@ def test_a_declared_record_of_an_unknown_kind_is_rejected_naming_the_key(kind, c
         FailureRecord.declared(rank=1, kind="PeerEnded", message="x", by=0)
 
 
-@pytest.mark.parametrize("kind", ["PeerEnded", "", 7, None, "RAISED", [], {"x": 1}])
-def test_a_kind_field_is_read_back_as_its_kind_and_anything_else_rejects_the_value(kind, caplog):
-    """A stored dataclass's FailureKind field (the agreement's RecoveryCause): one of the kind's values,
-    else the whole value is ignored, naming the key (the store is unauthenticated)."""
-    from fault_tolerant_handlers.core.recoveries import RecoveryCause
-
-    cause = RecoveryCause(1, FailureKind.PEER_LOST, "PeerLost", "rank 1 lost")
-    read = RecoveryCause.from_json(cause.to_json(), 2)
-    assert read == cause and read.kind is FailureKind.PEER_LOST
-    payload = {**json.loads(cause.to_json()), "kind": kind}
+@pytest.mark.parametrize("kind", ["PeerEnded", "", 7, None, "RAISED", "raised", [], {"x": 1}])
+def test_a_declared_kind_is_read_back_as_its_kind_and_anything_else_rejects_the_record(kind, caplog):
+    """A declared record's kind is its ``exc_type``: one of the declared kinds, else the whole record is
+    ignored, naming the key (the store is unauthenticated)."""
+    record = FailureRecord.declared(rank=1, kind=FailureKind.PEER_LOST, message="rank 1 lost", by=0)
+    read = FailureRecord.from_json(record.to_json(), 2)
+    assert read == record and read.kind is FailureKind.PEER_LOST
+    payload = {**json.loads(record.to_json()), "exc_type": kind}
     with caplog.at_level(logging.WARNING, logger="fault_tolerant_handlers"):
-        assert RecoveryCause.from_json(json.dumps(payload), 2, key="c/0") is None
-    assert "store key c/0" in caplog.text and "field 'kind'" in caplog.text
+        assert FailureRecord.from_json(json.dumps(payload), 2, key="c/0") is None
+    assert "store key c/0" in caplog.text
 
 
 # -- classification ------------------------------------------------------------------------------

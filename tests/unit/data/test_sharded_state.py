@@ -54,11 +54,11 @@ def _sharded_model() -> torch.nn.Module:
 CHECKSUM = """
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from fault_tolerant_handlers.recover import live_state
+from fault_tolerant_handlers.recover import transfer
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 model = fully_shard(torch.nn.Linear(4, 4))
 try:
-    live_state.checksum({"w": model.state_dict()["weight"]})
+    transfer.checksum({"w": model.state_dict()["weight"]})
 except TypeError as err:
     print("refused:", err)
 print("alive")
@@ -98,7 +98,7 @@ def test_a_tensors_bytes_are_read_in_place_as_numpy_read_them_and_no_reader_need
 
     from fault_tolerant_handlers.core.phases import Captured, RecoveryState
     from fault_tolerant_handlers.recover import live_state
-    from fault_tolerant_handlers.recover.causes import LivePlan
+    from fault_tolerant_handlers.recover.live_state import LivePlan
 
     rng = (torch.get_rng_state(), [torch.arange(16, dtype=torch.uint8)])
     leaves = [rng[0], torch.arange(40, dtype=torch.float64)[3:17], torch.tensor([1, -2], dtype=torch.int32)]

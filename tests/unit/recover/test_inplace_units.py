@@ -5,7 +5,7 @@ decision over a real (in-process) c10d store. The recoveries themselves are prov
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 import threading
 import time
 from datetime import timedelta
@@ -15,13 +15,11 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers import PeerFailedError, SectionMismatchError, recover_in_place
 from fault_tolerant_handlers.core.config import RECOVER_TELL_SEC
-from fault_tolerant_handlers.core.failure import Ended, FailureKind
+from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord
 from fault_tolerant_handlers.recover import agree
-from fault_tolerant_handlers.recover.agree import cause_of
-from fault_tolerant_handlers.core.recoveries import RecoveryCause
-from fault_tolerant_handlers.recover.causes import Decision, LivePlan, LiveReport, replaced
+from fault_tolerant_handlers.recover.agree import Decision, cause_of
 from fault_tolerant_handlers.recover.inplace import _Recovery
-from fault_tolerant_handlers.recover.live_state import plan_live
+from fault_tolerant_handlers.recover.live_state import LivePlan, LiveReport, plan_live
 
 
 def test_bad_arguments_are_named_with_what_is_accepted():
@@ -107,6 +105,7 @@ def test_what_a_rank_says_of_its_failure():
     assert (own.rank, own.exc_type, own.step, own.own, own.not_in_place) == (0, "ValueError", None, True, "")
     seen = cause_of(peer(), 0)
     assert (seen.rank, seen.exc_type, seen.step, seen.own, seen.not_in_place) == (1, "ValueError", 7, False, "")
+    assert (seen.where, own.where) == ("train", "")  # the section it failed in (none: outside any)
     assert "a rank was lost" in cause_of(peer("PeerLost", "declared"), 0).not_in_place  # its host or store: gone
     killed = PeerFailedError(1, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL", origin="declared",
                              ended=Ended(signal=9))
@@ -119,17 +118,21 @@ def test_what_a_rank_says_of_its_failure():
 
 
 def test_a_cause_read_from_the_store_is_bounded_and_checked():
-    good = RecoveryCause(1, FailureKind.RAISED, "ValueError", "m" * 100, 5, "train", True)
-    assert RecoveryCause.from_json(good.to_json(), world_size=2) == good
-    assert RecoveryCause.from_json(good.to_json(), world_size=1) is None  # rank out of range
-    for wrong in ({"step": -1}, {"own": 1}, {"kind": "Forged"}, {"rank": True}):
-        assert RecoveryCause.from_json(json.dumps(json.loads(good.to_json()) | wrong), world_size=2) is None, wrong
-    assert RecoveryCause.from_json(b"x" * 9000, world_size=2) is None
-    assert RecoveryCause.from_json(b"\x80not json", world_size=2) is None
-    assert RecoveryCause.from_json(json.dumps({"rank": 0}).encode(), world_size=2) is None
-    loud = json.loads(good.to_json()) | {"message": "\x1b[31m" + "z" * 5000}
-    read = RecoveryCause.from_json(json.dumps(loud).encode(), world_size=2)
-    assert "\x1b" not in read.message and len(read.message) <= 500
+    good = failure(step=5)
+    assert FailureRecord.from_json(good.to_json(), world_size=2) == good
+    assert FailureRecord.from_json(good.to_json(), world_size=1) is None  # rank out of range
+    for wrong in ({"step": -1}, {"own": 1}, {"origin": "declared", "exc_type": "Forged", "by": 0}, {"rank": True},
+                  {"rank": None}, {"not_in_place": 7}):
+        assert FailureRecord.from_json(json.dumps(json.loads(good.to_json()) | wrong), world_size=2) is None, wrong
+    assert FailureRecord.from_json(b"x" * 20000, world_size=2) is None
+    assert FailureRecord.from_json(b"\x80not json", world_size=2) is None
+    assert FailureRecord.from_json(json.dumps({"rank": 0}).encode(), world_size=2) is None
+    loud = json.loads(good.to_json()) | {"exc_message": "\x1b[31m" + "z" * 5000}
+    read = FailureRecord.from_json(json.dumps(loud).encode(), world_size=2)
+    assert "\x1b" not in read.message and len(read.message) <= 2000
+    # a failure no rank is to blame for names no rank (a broken collective): read back as it is
+    broken = cause_of(PeerFailedError(None, "CommunicationError", "the connection broke", origin="declared"), 0)
+    assert FailureRecord.from_json(broken.to_json(), world_size=2) == broken
     assert Decision.from_json(b"[1, 2]", 2) is None
     told = Decision(True, "rank 1 failed", spares_left=2)
     assert Decision.from_json(told.to_json(), 2) == told
@@ -137,7 +140,7 @@ def test_a_cause_read_from_the_store_is_bounded_and_checked():
         assert Decision.from_json(json.dumps(json.loads(told.to_json()) | {"spares_left": wrong}).encode(), 2) is None
 
 
-def decide(store, causes: list[RecoveryCause], *, world=2, gen=0, max_restarts=3, history=(), seconds=0.2) -> Decision:
+def decide(store, causes: list[FailureRecord], *, world=2, gen=0, max_restarts=3, history=(), seconds=0.2) -> Decision:
     """Rank 0's decision once rank ``i`` wrote ``causes[i]``."""
     prefix = f"fth/recover/0/{gen}/"
     for by, cause in enumerate(causes):
@@ -148,9 +151,10 @@ def decide(store, causes: list[RecoveryCause], *, world=2, gen=0, max_restarts=3
     return agree.decide(store, world, gen, seconds, max_restarts, list(history))
 
 
-def failure(by=1, step=37, not_in_place="") -> RecoveryCause:
+def failure(by=1, step=37, not_in_place="") -> FailureRecord:
     """Rank 1's ValueError, as rank ``by`` tells it."""
-    return RecoveryCause(1, FailureKind.RAISED, "ValueError", "bad", step, "train", by == 1, not_in_place)
+    return FailureRecord(1, "ValueError", "bad", "", "train", int(time.time() * 1000), step=step, own=by == 1,
+                         not_in_place=not_in_place)
 
 
 def test_rank_0_recovers_when_every_rank_is_in_and_names_the_failing_rank():
@@ -188,14 +192,15 @@ def test_with_max_restarts_spent_a_rank_ends_at_once_without_waiting_for_rank_0(
 
 
 def test_a_killed_peer_is_waited_for_only_when_it_has_a_keeper():
-    killed = RecoveryCause(1, FailureKind.PEER_LOST, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL")
+    killed = FailureRecord.declared(rank=1, kind=FailureKind.PEER_LOST, message="rank 1 (pid 7 on a) lost: killed by SIGKILL",
+                                    by=0)
     recovery = _Recovery(print, 3, timedelta(seconds=30))
     alone = dist.HashStore()
     decision = recovery._agree((alone, 0, 2, "gloo", timedelta(seconds=30)), killed)
     assert not decision.restart and decision.why.startswith("a rank was lost")
     kept = dist.HashStore()
     kept.set("fth/recover/0/keeper/1", "1")
-    replacement = replaced(1, "the process of rank 1 (pid 7) killed by SIGKILL: replaced")
+    replacement = FailureRecord.replaced(1, "the process of rank 1 (pid 7) killed by SIGKILL: replaced")
     kept.set("fth/recover/0/0/cause/1", replacement.to_json())  # rank 1's replacement is already in
     kept.add("fth/recover/0/0/arrived", 1)
     decision = recovery._agree((kept, 0, 2, "gloo", timedelta(seconds=30)), killed)

@@ -267,7 +267,7 @@ def test_a_snapshot_carries_the_steps_rng_states_under_its_checksum():
 
 
 def test_a_shard_received_is_loaded_only_with_the_agreed_checksum():
-    from fault_tolerant_handlers.recover.causes import LivePlan
+    from fault_tolerant_handlers.recover.live_state import LivePlan
     from fault_tolerant_handlers.recover.live_state import _unwire, _wire
 
     rng = (torch.get_rng_state(), None)

@@ -6,6 +6,8 @@ recoveries themselves run on real ranks in ``tests/distributed/test_spares.py``.
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -17,9 +19,7 @@ from fault_tolerant_handlers.core import config
 from fault_tolerant_handlers.core.errors import PeerFailedError
 from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord
 from fault_tolerant_handlers.core.schema import keeper_key
-from fault_tolerant_handlers.core.recoveries import RecoveryCause
-from fault_tolerant_handlers.recover.causes import NOT_IN_PLACE, replaced
-from fault_tolerant_handlers.recover.agree import cause_of
+from fault_tolerant_handlers.recover.agree import NOT_IN_PLACE, cause_of
 from fault_tolerant_handlers.recover.inplace import _Recovery
 from fault_tolerant_handlers.recover.spares import Answer, Layout, Order, Seat
 
@@ -172,7 +172,14 @@ def test_the_spare_s_wait_variable_is_checked(bad, monkeypatch):
 
 
 # -- rank 0's decision when a rank is lost with no keeper ---------------------------------------------------
-KILLED = RecoveryCause(1, FailureKind.PEER_LOST, "PeerLost", "rank 1 (pid 7 on a) lost: killed by SIGKILL")
+KILLED = FailureRecord.declared(rank=1, kind=FailureKind.PEER_LOST, message="rank 1 (pid 7 on a) lost: killed by SIGKILL",
+                                by=0)
+
+
+def _declared(rank: int, kind: FailureKind, message: str) -> FailureRecord:
+    """Rank ``rank`` lost or silent, as a peer tells it when it is not recovered in place as such."""
+    return replace(FailureRecord.declared(rank=rank, kind=kind, message=message, by=1 - rank),
+                   not_in_place=NOT_IN_PLACE[kind])
 
 
 def _survivor(spares_count: int) -> _Recovery:
@@ -188,7 +195,7 @@ def _spare_already_in(keeper_announced: bool = True) -> dist.HashStore:
     store = dist.HashStore()
     if keeper_announced:
         store.set(keeper_key(1), "1")
-    spare = replaced(1, "rank 1's process was lost with no keeper to replace it: spare launched rank 2 took its place")
+    spare = FailureRecord.replaced(1, "rank 1's process was lost with no keeper to replace it: spare launched rank 2 took its place")
     store.set("fth/recover/0/0/cause/1", spare.to_json())
     store.add("fth/recover/0/0/arrived", 1)
     return store
@@ -217,8 +224,8 @@ def test_without_spares_a_rank_lost_with_no_keeper_ends_the_job_as_before():
 
 # -- a rank on another host: its keeper key is left behind when its host goes -------------------------------
 #: rank 0's view of rank 1 lost with its host: its end not seen (no helper told how its process ended)
-HOST_GONE = RecoveryCause(1, FailureKind.PEER_LOST, "PeerLost", "rank 1 (pid 9 on node-b) lost: Read error [10.231.0.2] "
-                          "and no heartbeat for 1.2 s", not_in_place=NOT_IN_PLACE[FailureKind.PEER_LOST])
+HOST_GONE = _declared(1, FailureKind.PEER_LOST, "rank 1 (pid 9 on node-b) lost: Read error [10.231.0.2] and no "
+                     "heartbeat for 1.2 s")
 
 
 def test_a_rank_lost_with_its_host_is_replaced_by_a_spare_though_its_keeper_had_announced_itself():
@@ -235,7 +242,7 @@ def test_a_killed_rank_whose_keeper_lives_waits_for_its_keeper_and_no_spare_is_o
     set: the keeper's replacement comes; no spare is spent."""
     store = dist.HashStore()
     store.set(keeper_key(1), "1")
-    replacement = replaced(1, "the process of rank 1 (pid 7) killed by SIGKILL: replaced in place")
+    replacement = FailureRecord.replaced(1, "the process of rank 1 (pid 7) killed by SIGKILL: replaced in place")
     store.set("fth/recover/0/0/cause/1", replacement.to_json())  # its keeper's replacement is already in
     store.add("fth/recover/0/0/arrived", 1)
     decision = _survivor(1)._agree((store, 0, 2, "gloo", timedelta(seconds=30)), KILLED)
@@ -243,7 +250,7 @@ def test_a_killed_rank_whose_keeper_lives_waits_for_its_keeper_and_no_spare_is_o
     assert not store.check([spares.order_key(2)]) and not store.check([spares.taken_key()])
 
 
-def _keeper_gone_too() -> RecoveryCause:
+def _keeper_gone_too() -> FailureRecord:
     """Rank 0's view of rank 1 killed (SIGKILL, its end seen by its liveness helper) after its keeper
     died: the helper saw the keeper gone (``Ended.keeper_gone``)."""
     err = PeerFailedError(1, "PeerLost", "rank 1 (pid 7 on node-b) lost: killed by SIGKILL, and its keeper is gone "
@@ -295,9 +302,8 @@ def test_without_spares_a_killed_rank_whose_keeper_is_gone_ends_the_job_at_once(
 
 # -- a rank cut off from its peers: replaced by a spare, and it never rejoins ------------------------------
 #: rank 0's view of rank 1 whose link went down: silent, its end not seen
-LINK_CUT = RecoveryCause(1, FailureKind.PEER_SILENT, "PeerSilent", "rank 1 (pid 9 on node-b) lost: no heartbeat for 3.0 s "
-                         "(its host or link is down, or its process is gone or frozen)",
-                         not_in_place=NOT_IN_PLACE[FailureKind.PEER_SILENT])
+LINK_CUT = _declared(1, FailureKind.PEER_SILENT, "rank 1 (pid 9 on node-b) lost: no heartbeat for 3.0 s (its host or "
+                    "link is down, or its process is gone or frozen)")
 
 
 def test_a_silent_rank_on_another_host_is_replaced_by_a_spare():
@@ -319,8 +325,7 @@ def _displaced_rank_1() -> _Recovery:
 
 
 #: what the cut-off rank 1 knows when it comes back: rank 0 (the store's host) went silent
-STORE_HOST_SILENT = RecoveryCause(0, FailureKind.PEER_SILENT, "PeerSilent", "rank 0 lost: no heartbeat for 3.0 s",
-                                  not_in_place=NOT_IN_PLACE[FailureKind.PEER_SILENT])
+STORE_HOST_SILENT = _declared(0, FailureKind.PEER_SILENT, "rank 0 lost: no heartbeat for 3.0 s")
 
 
 @pytest.mark.parametrize("taken", ["ordered", "seated"])
@@ -346,6 +351,6 @@ def test_a_rank_in_its_own_seat_takes_part_in_the_recovery():
     store = dist.HashStore()
     store.set(spares.seat_key(1), Seat(1, "node-b").to_json())
     store.set("fth/recover/0/0/decision", '{"restart": true, "why": "rank 1 failed: x"}')
-    raised = RecoveryCause(1, FailureKind.RAISED, "ValueError", "x", 5, own=True)
+    raised = FailureRecord(1, "ValueError", "x", "", "", int(time.time() * 1000), step=5, own=True)
     _displaced_rank_1()._agree((store, 1, 2, "gloo", timedelta(seconds=30)), raised)
     assert store.check(["fth/recover/0/0/cause/1"]) and store.add("fth/recover/0/0/arrived", 0) == 1

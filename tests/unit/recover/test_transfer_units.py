@@ -1,4 +1,4 @@
-"""Live state, branch by branch: the checksum (deterministic, sensitive to structure and bytes, refusing
+"""Sending live state (recover/transfer.py), branch by branch: the checksum (deterministic, sensitive to structure and bytes, refusing
 what JSON cannot carry, by path), the rebuild of the structure on a receiver (in place where it can),
 and the arguments (the rule, :func:`plan_live`, in ``test_inplace_units.py``). Transfers between real ranks are in
 ``tests/distributed/test_state_transfer.py``."""
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from fault_tolerant_handlers.core.errors import StateTransferError
-from fault_tolerant_handlers.recover import live_state
-from fault_tolerant_handlers.recover.live_state import checksum, transfer
+from fault_tolerant_handlers.recover import transfer as protocol
+from fault_tolerant_handlers.recover.transfer import checksum, transfer
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -44,7 +44,7 @@ def _state() -> dict:
 def test_checksum_is_the_same_for_the_same_state_in_another_process():
     here = checksum(_state())
     assert checksum(_state()) == here and len(here) == 32
-    code = _MAKE + "from fault_tolerant_handlers.recover.live_state import checksum\nprint(checksum(state))"
+    code = _MAKE + "from fault_tolerant_handlers.recover.transfer import checksum\nprint(checksum(state))"
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="123")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == here
@@ -116,13 +116,13 @@ def test_what_json_cannot_carry_is_refused_by_its_path(bad, path):
 
 def _roundtrip(state, local):
     """What a receiver rebuilds from ``state``'s structure and bytes, given its own ``local`` state."""
-    structure, leaves = live_state._structure(state)
-    out, dests = live_state._rebuild(structure, local, sum(t.numel() * t.element_size() for t in leaves))
+    structure, leaves = protocol._structure(state)
+    out, dests = protocol._rebuild(structure, local, sum(t.numel() * t.element_size() for t in leaves))
     assert len(dests) == len(leaves)
     with torch.no_grad():
         for dest, leaf in zip(dests, leaves):
             if dest.numel():
-                dest.reshape(-1).view(torch.uint8).copy_(live_state._flat_bytes(leaf))
+                dest.reshape(-1).view(torch.uint8).copy_(protocol._flat_bytes(leaf))
     return out
 
 
@@ -144,12 +144,12 @@ def _roundtrip(state, local):
         "negative", "float-shape", "over-header", "deep"])
 def test_a_structure_from_the_source_is_checked_before_anything_is_made(forged, why):
     with pytest.raises(ValueError, match=why):
-        live_state._rebuild(forged, None, total=16)
+        protocol._rebuild(forged, None, total=16)
 
 
 def test_a_structure_over_the_bound_is_refused_on_both_sides():
     with pytest.raises(ValueError, match="more than"):
-        live_state._rebuild(b" " * (16 * 2**20 + 1), None, total=0)
+        protocol._rebuild(b" " * (16 * 2**20 + 1), None, total=0)
     with pytest.raises(TypeError, match=r"nested deeper than 64"):
         checksum(functools.reduce(lambda inner, _: [inner], range(70), 1))
 
@@ -203,15 +203,15 @@ def test_the_transfer_error_pickles_with_its_fields():
 
 
 def test_the_segments_leaves_travel_in():
-    plan = live_state._plan([10, 3000, 0, 20, 9000, 5], chunk_bytes=4096, direct_bytes=1024)
+    plan = protocol._plan([10, 3000, 0, 20, 9000, 5], chunk_bytes=4096, direct_bytes=1024)
     # small leaves packed, large ones alone in slices of at most a chunk, every byte once, in order
     assert plan == [[(0, 0, 10)], [(1, 0, 3000)], [(2, 0, 0), (3, 0, 20)], [(4, 0, 4096)], [(4, 4096, 4096)],
                     [(4, 8192, 808)], [(5, 0, 5)]]
     # a packed segment is one message (its bytes and the CRC), a direct one two
-    assert live_state._messages(plan, [10, 3000, 0, 20, 9000, 5], 1024) == [
+    assert protocol._messages(plan, [10, 3000, 0, 20, 9000, 5], 1024) == [
         14, 3000, 4, 24, 4096, 4, 4096, 4, 808, 4, 9]
-    assert live_state._plan([], 4096, 1024) == [[]]  # no bytes: one segment carries the digest
-    assert live_state._plan([600, 600, 600], 1024, 1024) == [[(0, 0, 600)], [(1, 0, 600)], [(2, 0, 600)]]
+    assert protocol._plan([], 4096, 1024) == [[]]  # no bytes: one segment carries the digest
+    assert protocol._plan([600, 600, 600], 1024, 1024) == [[(0, 0, 600)], [(1, 0, 600)], [(2, 0, 600)]]
 
 
 # -- a receiver's header from an unauthenticated source: checked before anything is made from it --------
@@ -224,8 +224,8 @@ class _Done:
 def _messages_sent(monkeypatch, state, chunk: int) -> list[torch.Tensor]:
     """Every message the source sends for ``state``, in order (the source's part, without a group)."""
     sent: list[torch.Tensor] = []
-    monkeypatch.setattr(live_state, "_send", lambda buffer, receivers, group: sent.append(buffer.clone()) or [])
-    assert live_state._send_state(state, [1], None, chunk)[1] is None
+    monkeypatch.setattr(protocol, "_send", lambda buffer, receivers, group: sent.append(buffer.clone()) or [])
+    assert protocol._send_state(state, [1], None, chunk)[1] is None
     return sent
 
 
@@ -241,8 +241,8 @@ def _receive(monkeypatch, messages: list[torch.Tensor], chunk: int):
         buffer.copy_(message)
         return _Done()
 
-    monkeypatch.setattr(live_state, "_recv", recv)
-    return live_state._receive_state(None, 0, None, None, chunk), asked
+    monkeypatch.setattr(protocol, "_recv", recv)
+    return protocol._receive_state(None, 0, None, None, chunk), asked
 
 
 @pytest.mark.parametrize("field, value", [
@@ -264,7 +264,7 @@ def test_a_forged_header_is_refused_before_anything_is_allocated_from_it(monkeyp
     forged = genuine[0].clone()
     forged[field] = value
     (state, total, failure), asked = _receive(monkeypatch, [forged, *genuine[1:]], chunk)
-    assert failure == (live_state.TransferFailure.HEADER, -1) and state is None and asked == [5]
+    assert failure == (protocol.TransferFailure.HEADER, -1) and state is None and asked == [5]
 
 
 def test_forged_message_lengths_are_refused_before_a_buffer_is_made_from_them(monkeypatch):
@@ -273,7 +273,7 @@ def test_forged_message_lengths_are_refused_before_a_buffer_is_made_from_them(mo
     lengths = genuine[1].clone()
     lengths[0] = 2**40  # would be the scratch buffer's size when the structure does not match
     (state, _, failure), asked = _receive(monkeypatch, [genuine[0], lengths, *genuine[2:]], chunk)
-    assert failure == (live_state.TransferFailure.HEADER, -1) and asked == [5, lengths.numel()]
+    assert failure == (protocol.TransferFailure.HEADER, -1) and asked == [5, lengths.numel()]
 
 
 def test_the_header_bound_holds_for_a_state_of_many_empty_leaves(monkeypatch):
