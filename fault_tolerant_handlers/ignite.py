@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import shutil
+import sys
 import warnings
 import weakref
 from datetime import timedelta
@@ -24,10 +25,11 @@ from ignite.handlers.checkpoint import BaseSaveHandler
 from torch.nn.parallel import DistributedDataParallel
 
 from .adapters import compat_ignite as _compat_ignite
-from .adapters.guard import Guard, LiveLoop, LoopRecovery
+from .adapters import LiveLoop, LoopRecovery
 from .core import attempts, interrupts, recoveries, sharded
 from .core.failure import tag, tag_of
 from .core.inject import Injector
+from .core.session import Guard
 from .core.hooks import log
 from .data import dcp, live, snapshots
 from .data.dcp import ShardedState
@@ -87,7 +89,8 @@ class FaultTolerance:
         self._engine: Engine | None = None
         self._live: IgniteLive | None = None  # recovering in place: the trainer's live state (data.live)
         self._recovery = IgniteRecovery()  # FaultToleranceEvents, engine.state.fault_tolerance
-        self._cause_first: Any = None  # a filter on engine.logger while the run runs (_decide)
+        self._run_codes: frozenset = frozenset()  # the engine's functions that log an exception it caught
+        self._ignite_handles: Callable[[BaseException], None] | None = None  # the engine's own _handle_exception
 
     def attach(self, engine: Engine) -> FaultTolerance:
         """Register every event this handler needs on ``engine`` (and :class:`FaultToleranceEvents`, and
@@ -96,7 +99,8 @@ class FaultTolerance:
             raise TypeError(f"attach(engine=...) takes an ignite.engine.Engine, got {type(engine).__name__}")
         _compat_ignite.check(engine)
         self._engine = engine
-        self._cause_first = _compat_ignite.before_error_log(engine, lambda exc: self._decide(engine, exc))
+        self._run_codes = _compat_ignite.run_codes()
+        self._ignite_handles = _compat_ignite.handle_exceptions(engine, self._handle_exception)
         engine.add_event_handler(Events.STARTED, self._started)
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
@@ -109,7 +113,6 @@ class FaultTolerance:
             engine.add_event_handler(Events.ITERATION_STARTED, self._inject)
         _compat_ignite.prepend(engine, Events.EPOCH_COMPLETED, self._epoch_completed)
         _compat_ignite.prepend(engine, Events.COMPLETED, self._completed)
-        _compat_ignite.prepend(engine, Events.EXCEPTION_RAISED, self._exception_raised)
         return self
 
     def __call__(self, engine: Engine) -> None:
@@ -177,7 +180,7 @@ class FaultTolerance:
         engine.logger.removeFilter(self._cause_first)
 
     def _decide(self, engine: Engine, exc: BaseException) -> BaseException:
-        """What this rank raises for ``exc``, decided once, as Ignite logs it (our line comes first)."""
+        """What this rank raises for ``exc``, decided once."""
         decided = tag_of(exc).raised_as
         if decided is None and self.guard.session is not None:
             decided = self.guard.on_exception(exc, step=engine.state.iteration, epoch=engine.state.epoch)
@@ -185,32 +188,40 @@ class FaultTolerance:
             tag(decided, raised_as=decided)
         return decided if decided is not None else exc
 
-    def _exception_raised(self, engine: Engine, exc: BaseException) -> None:
-        if self.guard.session is None:  # without distribution: exactly stock Ignite (docs/ignite.md)
-            if any(getattr(e[0], "__self__", None) is not self
-                   for e in _compat_ignite.handlers_of(engine, Events.EXCEPTION_RAISED)):
-                return  # the user's handlers run next and decide, as without this handler
-            raise exc  # no other handler: Ignite itself would have raised it
+    def _cause_first(self, record: logging.LogRecord) -> bool:
+        """A filter on ``engine.logger``: the engine's run loop logs the exception it caught (the frame
+        of its traceback's first entry) and hands it to ``_handle_exception``: decide first, our line first."""
+        exc = sys.exc_info()[1] if record.levelno >= logging.ERROR else None
+        frame = exc.__traceback__.tb_frame if exc is not None and exc.__traceback__ is not None else None
+        if frame is not None and frame.f_code in self._run_codes and frame.f_locals.get("self") is self._engine:
+            try:
+                self._decide(self._engine, exc)
+            except Exception:  # noqa: BLE001 - _handle_exception decides again and raises it
+                pass
+        return True
+
+    def _handle_exception(self, exc: BaseException) -> None:
+        """The engine's ``_handle_exception``: decide, capture the live state, then the engine's
+        ``EXCEPTION_RAISED`` handlers as Ignite runs them (an error in one is logged, never masks the
+        cause), then raise. Without distribution: exactly stock Ignite."""
+        if self.guard.session is None:
+            return self._ignite_handles(exc)
+        engine = self._engine
         to_raise = self._decide(engine, exc)
         if tag_of(exc).taken:
             raise to_raise  # Ignite's outer loop handing us the same exception (or the one raised for it) again
-        tag(exc, taken=True)
-        tag(to_raise, taken=True)
         engine.logger.removeFilter(self._cause_first)
         if self._live is not None:  # the peers told first; then the state, before the other handlers run
             self._live.failed()
-        self._recovery.failed()
-        # the engine's other exception handlers: an error in one is logged, never masks the cause
-        for entry in list(_compat_ignite.handlers_of(engine, Events.EXCEPTION_RAISED)):
-            if getattr(entry[0], "__self__", None) is self:
-                continue
-            try:
-                _compat_ignite.call_handler(engine, entry, (exc,))
-            except BaseException as err:  # noqa: BLE001
-                if err is exc:
-                    continue
+        IgniteRecovery.last_completed = self._recovery.completed  # what the next attempt may compute twice
+        try:
+            self._ignite_handles(exc)  # raises exc when no EXCEPTION_RAISED handler is attached
+        except BaseException as err:  # noqa: BLE001
+            if err is not exc and err is not to_raise:
                 log(logging.WARNING, "an EXCEPTION_RAISED handler failed: %s: %s", type(err).__name__, err,
                     step=engine.state.iteration)
+        tag(exc, taken=True)
+        tag(to_raise, taken=True)
         raise to_raise
 
 

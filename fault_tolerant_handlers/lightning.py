@@ -25,7 +25,8 @@ from .core.errors import HangInterrupted, RecoveryError
 from .core.failure import tag, tag_of
 from .core.hooks import first_line, log
 from .detect.autohang import CHECKPOINT, EVALUATION, START, STEP
-from .adapters.guard import Guard, LiveLoop, LoopRecovery
+from .adapters import LiveLoop, LoopRecovery
+from .core.session import Guard
 from .core.inject import Injector
 
 if TYPE_CHECKING:
@@ -288,7 +289,7 @@ class FaultTolerance(_CallbackBase):
         if self.guard.active:
             to_raise = self.guard.on_exception(exception, **self._where(trainer))
             self._live.failed()  # the peers told first; then the state, before the teardown
-            self._recovery.failed()
+            LightningRecovery.last_completed = self._recovery.completed  # what the next attempt may compute twice
         elif isinstance(exception, ProcessException):  # what torch.multiprocessing raises for a failed rank
             to_raise, in_parent = exception, True  # the parent of spawned ranks: keep the rank's error visible
         else:
