@@ -333,6 +333,14 @@ def test_guard_takes_auto_in_any_case():
         Guard(hang_timeout="automatic", owner="Guard")
 
 
+def test_a_hang_report_in_a_training_step_names_the_step_under_way():
+    """The core's Guard knows no detector: the kinds of work whose report names the next step are autohang's."""
+    from fault_tolerant_handlers.core.session import Guard
+    from fault_tolerant_handlers.detect.autohang import START, STEP
+
+    assert set(Guard.NEXT_STEP_WORK) == {START, STEP}
+
+
 # -- the Ignite adapter's evaluator recognition ---------------------------------------------------------
 def test_an_evaluator_engine_run_from_a_trainer_handler_is_recognised_with_its_iteration():
     from ignite.engine import Engine, Events
