@@ -20,7 +20,7 @@ from .adapters import compat_lightning as _compat_lightning
 from .core import attempts, phases, recoveries
 from .data import dcp, live, snapshots
 from .data.ddp_buckets import DDPBucketLayout
-from .core.errors import HangInterrupted, RecoveryError
+from .core.errors import HangInterrupted
 from .core.failure import tag, tag_of
 from .core.hooks import first_line, log
 from .detect.autohang import CHECKPOINT, EVALUATION, START, STEP
@@ -117,12 +117,9 @@ class FaultTolerance(_CallbackBase):
         _compat_lightning.check(trainer)
         if attempts.recovering():
             self._recovery.setup(trainer)
-            try:  # the next attempt's Trainer must not start the other ranks again
-                if _compat_lightning.keep_launched_ranks(trainer):
-                    log(logging.INFO, "recover_in_place: LOCAL_RANK set in this process, which started the other "
-                        "ranks, so that the next attempt's Trainer does not start them again")
-            except RuntimeError as err:
-                raise RecoveryError(str(err)) from err
+            if _compat_lightning.keep_launched_ranks(trainer):  # the next attempt's Trainer starts no rank again
+                log(logging.INFO, "recover_in_place: LOCAL_RANK set in this process, which started the other "
+                    "ranks, so that the next attempt's Trainer does not start them again")
             if stage == "fit":  # live state the script did not pass as ckpt_path: loaded by fit all the same
                 _compat_lightning.substitute_ckpt_path(
                     trainer, lambda path: live.substitute(path, "the trainer's fit(ckpt_path=...)"))
