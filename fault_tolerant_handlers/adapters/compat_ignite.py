@@ -115,8 +115,9 @@ def handle_exceptions(engine: Any, handler: Callable[[BaseException], None]) -> 
     """``engine`` hands an exception to ``handler`` instead of its ``_handle_exception`` (which fires
     ``EXCEPTION_RAISED``, or raises it when no handler is attached); returns the one it replaced."""
     replaced = engine._handle_exception
-    engine._handle_exception = handler
-    return replaced
+    if replaced != handler:  # the same handler attached twice replaces nothing more
+        engine._handle_exception, engine._fth_replaced = handler, replaced
+    return engine._fth_replaced
 
 
 def reset_idist() -> None:

@@ -141,3 +141,13 @@ def test_the_cause_is_decided_as_the_trainer_logs_it_never_for_an_evaluator_that
     with pytest.raises(ValueError, match="bad sample 3"):
         trainer.run([1, 2, 3, 4], max_epochs=2)
     assert decided and all(d == (trainer, "bad sample 3") for d in decided), decided  # the trainer's loop only
+
+
+def test_attached_twice_an_exception_is_still_raised_as_by_stock_ignite(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    trainer = _engine_failing_at(3)
+    handler = FaultTolerance()
+    handler.attach(trainer)
+    handler.attach(trainer)  # a script's mistake: the engine's own exception path is still the one behind it
+    with pytest.raises(ValueError, match="bad sample 3"):
+        trainer.run([1, 2, 3, 4], max_epochs=2)
