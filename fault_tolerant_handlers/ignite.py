@@ -22,13 +22,12 @@ from ignite.handlers import Checkpoint, DiskSaver
 from ignite.handlers.checkpoint import BaseSaveHandler
 from torch.nn.parallel import DistributedDataParallel
 
-from .adapters import compat_ignite as _compat_ignite
-from .adapters import LiveLoop, LoopRecovery
+from .adapters import LiveLoop, LoopRecovery, compat_ignite as _compat_ignite
 from .core import attempts, interrupts, recoveries, sharded
 from .core.failure import tag, tag_of
+from .core.hooks import log
 from .core.inject import Injector
 from .core.session import Guard
-from .core.hooks import log
 from .data import dcp, live, snapshots
 from .data.dcp import ShardedState
 from .data.ddp_buckets import DDPBucketLayout

@@ -16,17 +16,16 @@ from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from .adapters import compat_lightning as _compat_lightning
+from .adapters import LiveLoop, LoopRecovery, compat_lightning as _compat_lightning
 from .core import attempts, phases, recoveries
-from .data import dcp, live, snapshots
-from .data.ddp_buckets import DDPBucketLayout
 from .core.errors import HangInterrupted
 from .core.failure import tag, tag_of
 from .core.hooks import first_line, log
-from .detect.autohang import CHECKPOINT, EVALUATION, START, STEP
-from .adapters import LiveLoop, LoopRecovery
-from .core.session import Guard
 from .core.inject import Injector
+from .core.session import Guard
+from .data import dcp, live, snapshots
+from .data.ddp_buckets import DDPBucketLayout
+from .detect.autohang import CHECKPOINT, EVALUATION, START, STEP
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
