@@ -1,8 +1,8 @@
 """Every use of PyTorch-Ignite's private API, in one place, checked when a handler is attached;
 checked against pytorch-ignite 0.5.0.post2 and 0.5.5.
 
-* ``Engine._event_handlers`` (``{event: [(func, args, kwargs)]}``, ``args[0]`` maybe a weak reference
-  to the engine; a filtered event's wrapper has ``_parent``, a weak reference to the handler);
+* ``Engine._event_handlers`` (``{event: [(func, args, kwargs)]}``; a filtered event's wrapper has
+  ``_parent``, a weak reference to the handler);
 * ``ignite.distributed.utils._model`` / ``_need_to_sync`` / ``_SerialModel`` (:func:`reset_idist`);
 * ``Engine._process_function``: its closure and globals name the DDP that wraps a model;
 * ``Engine._run_once_on_dataset_as_gen`` / ``_legacy`` (on the stack while an engine runs an epoch),
