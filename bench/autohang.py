@@ -77,7 +77,7 @@ def run(framework: str, case: str, step_sleep: float = 0.0) -> dict:
 
 
 def mark_cost(calls: int = 200_000, repeats: int = 15) -> list[str]:
-    from fault_tolerant_handlers.adapters.guard import Guard
+    from fault_tolerant_handlers.core.session import Guard
     from fault_tolerant_handlers.detect import watchdog
     from fault_tolerant_handlers.detect.autohang import AutoHangProbe
 

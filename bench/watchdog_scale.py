@@ -31,7 +31,7 @@ def rank_main(outdir: Path, idle: float) -> None:
     import torch
     import torch.distributed as dist
 
-    from fault_tolerant_handlers.adapters.guard import Guard
+    from fault_tolerant_handlers.core.session import Guard
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

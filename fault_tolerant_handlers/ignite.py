@@ -1,8 +1,6 @@
-"""PyTorch-Ignite adapter: ``FaultTolerance().attach(trainer)``: Ignite's events onto
-:class:`~.adapters.guard.Guard` (docs/ignite.md); Ignite's private API is in :mod:`.adapters.compat_ignite`.
-Ignite stops re-raising once any ``EXCEPTION_RAISED`` handler is attached: in a distributed run this
-handler always re-raises. Importing this module makes ``Checkpoint.load_objects`` give a DDP the bucket
-layout saved beside it."""
+"""PyTorch-Ignite adapter: ``FaultTolerance().attach(trainer)`` maps Ignite's events onto a
+:class:`~.core.session.Guard` (docs/ignite.md); Ignite's private API is in :mod:`.adapters.compat_ignite`.
+Importing it makes ``Checkpoint.load_objects`` give a DDP the bucket layout saved beside it."""
 
 from __future__ import annotations
 
@@ -10,6 +8,7 @@ import gc
 import logging
 import os
 import shutil
+import sys
 import warnings
 import weakref
 from datetime import timedelta
@@ -23,12 +22,12 @@ from ignite.handlers import Checkpoint, DiskSaver
 from ignite.handlers.checkpoint import BaseSaveHandler
 from torch.nn.parallel import DistributedDataParallel
 
-from .adapters import compat_ignite as _compat_ignite
-from .adapters.guard import Guard, LiveLoop, LoopRecovery
+from .adapters import LiveLoop, LoopRecovery, compat_ignite as _compat_ignite
 from .core import attempts, interrupts, recoveries, sharded
 from .core.failure import tag, tag_of
-from .core.inject import Injector
 from .core.hooks import log
+from .core.inject import Injector
+from .core.session import Guard
 from .data import dcp, live, snapshots
 from .data.dcp import ShardedState
 from .data.ddp_buckets import DDPBucketLayout
@@ -39,39 +38,21 @@ __all__ = ["DCPSaver", "FaultTolerance", "FaultToleranceEvents", "SafeDiskSaver"
 
 
 class FaultTolerance:
-    """Make an Ignite run fail together: attach on every rank, in one line.
+    """Make an Ignite run fail together: an exception on one rank makes ``Engine.run`` raise on every
+    rank within about a second, the others :class:`~fault_tolerant_handlers.PeerFailedError` naming it
+    (docs/ignite.md). Without distribution it changes nothing.
 
-    An exception on one rank anywhere in the run (process function, data, another handler, a
-    handler that runs on rank 0 only, an evaluator run from a trainer handler) makes ``Engine.run``
-    raise on **every** rank within about a second: the failing rank its own exception, the others
-    :class:`~fault_tolerant_handlers.PeerFailedError` with the failing rank, exception, message,
-    traceback, iteration and epoch. Ranks blocked in a DDP all_reduce with the failing rank are
-    released at once. Without distribution it does nothing: an exception is handled exactly as
-    stock Ignite handles it (re-raised, unless your own ``EXCEPTION_RAISED`` handler takes it).
-
-    Args:
-        sync_every: iterations between agreements within an epoch (default 100; ``None``: epoch
-            ends and the end of the run only). Each agreement is one small all_reduce on a gloo side
-            group (~0.8 ms at 2 ranks); the watchdog covers the iterations in between.
-        hang_timeout: opt-in; a duration (a ``timedelta``, seconds, ``"DD:HH:MM:SS"`` or a dict such
-            as ``{"minutes": 5}``; 1 s to 7 days) without progress after which a rank is declared hung
-            and every rank ends with its stack. ``"auto"``: learned per kind of work (iterations,
-            evaluations, checkpoint writes; docs/hang-detection.md). ``None``: off (env
-            ``FTH_HANG_TIMEOUT_SEC``, seconds or ``auto``).
-        watchdog: start the out-of-band watchdog (default True).
-        name: the loop's name in reports (a non-empty str).
+    Args: ``sync_every`` (iterations between agreements, ``None``: epoch ends only), ``hang_timeout``,
+    ``watchdog``, ``name``: docs/reference.md, "Adapter arguments".
 
     Raises:
-        ValueError: ``sync_every`` is not a positive int or ``None``; a duration (1 s to 7 days) or an
-            ``FTH_*`` variable out of its range.
-        TypeError: ``hang_timeout`` of none of its forms, ``watchdog`` not a bool, ``name`` not a str.
+        ValueError, TypeError: an argument or an ``FTH_*`` variable out of its range, naming it.
 
     Examples:
         .. code-block:: python
 
             from fault_tolerant_handlers.ignite import FaultTolerance
 
-            trainer = create_supervised_trainer(model, optimizer, loss_fn)
             FaultTolerance().attach(trainer)       # on every rank
             trainer.run(train_loader, max_epochs=5)
 
@@ -87,16 +68,17 @@ class FaultTolerance:
         self._engine: Engine | None = None
         self._live: IgniteLive | None = None  # recovering in place: the trainer's live state (data.live)
         self._recovery = IgniteRecovery()  # FaultToleranceEvents, engine.state.fault_tolerance
-        self._cause_first: Any = None  # a filter on engine.logger while the run runs (_decide)
+        self._run_codes: frozenset = frozenset()  # the engine's functions that log an exception it caught
+        self._ignite_handles: Callable[[BaseException], None] | None = None  # the engine's own _handle_exception
 
     def attach(self, engine: Engine) -> FaultTolerance:
-        """Register every event this handler needs on ``engine`` (and :class:`FaultToleranceEvents`, and
-        ``engine.state.fault_tolerance``: :class:`~fault_tolerant_handlers.RecoveryMetrics`); return ``self``."""
+        """Register every event this handler needs on ``engine`` (and :class:`FaultToleranceEvents`); return ``self``."""
         if not isinstance(engine, Engine):
             raise TypeError(f"attach(engine=...) takes an ignite.engine.Engine, got {type(engine).__name__}")
         _compat_ignite.check(engine)
         self._engine = engine
-        self._cause_first = _compat_ignite.before_error_log(engine, lambda exc: self._decide(engine, exc))
+        self._run_codes = _compat_ignite.run_codes()
+        self._ignite_handles = _compat_ignite.handle_exceptions(engine, self._handle_exception)
         engine.add_event_handler(Events.STARTED, self._started)
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
@@ -109,7 +91,6 @@ class FaultTolerance:
             engine.add_event_handler(Events.ITERATION_STARTED, self._inject)
         _compat_ignite.prepend(engine, Events.EPOCH_COMPLETED, self._epoch_completed)
         _compat_ignite.prepend(engine, Events.COMPLETED, self._completed)
-        _compat_ignite.prepend(engine, Events.EXCEPTION_RAISED, self._exception_raised)
         return self
 
     def __call__(self, engine: Engine) -> None:
@@ -147,8 +128,7 @@ class FaultTolerance:
         self.guard.beat(engine.state.iteration, STEP)
 
     def _nested_engine(self, frame) -> tuple[str, object] | None:
-        """``hang_timeout="auto"``, on the watchdog thread: an evaluator ``Engine`` running inside
-        this trainer's run (from any of its handlers) is an evaluation; its iteration is progress."""
+        """``hang_timeout="auto"``: an evaluator ``Engine`` running inside this trainer's run is an evaluation."""
         engines = _compat_ignite.running_engines(frame)
         if len(engines) >= 2 and engines[0] is not self._engine and any(e is self._engine for e in engines[1:]):
             inner = engines[0]
@@ -177,7 +157,7 @@ class FaultTolerance:
         engine.logger.removeFilter(self._cause_first)
 
     def _decide(self, engine: Engine, exc: BaseException) -> BaseException:
-        """What this rank raises for ``exc``, decided once, as Ignite logs it (our line comes first)."""
+        """What this rank raises for ``exc``, decided once."""
         decided = tag_of(exc).raised_as
         if decided is None and self.guard.session is not None:
             decided = self.guard.on_exception(exc, step=engine.state.iteration, epoch=engine.state.epoch)
@@ -185,51 +165,47 @@ class FaultTolerance:
             tag(decided, raised_as=decided)
         return decided if decided is not None else exc
 
-    def _exception_raised(self, engine: Engine, exc: BaseException) -> None:
-        if self.guard.session is None:  # without distribution: exactly stock Ignite (docs/ignite.md)
-            if any(getattr(e[0], "__self__", None) is not self
-                   for e in _compat_ignite.handlers_of(engine, Events.EXCEPTION_RAISED)):
-                return  # the user's handlers run next and decide, as without this handler
-            raise exc  # no other handler: Ignite itself would have raised it
+    def _cause_first(self, record: logging.LogRecord) -> bool:
+        """A filter on ``engine.logger``: the engine's run loop logs the exception it caught (the frame
+        of its traceback's first entry) and hands it to ``_handle_exception``: decide first, our line first."""
+        exc = sys.exc_info()[1] if record.levelno >= logging.ERROR else None
+        frame = exc.__traceback__.tb_frame if exc is not None and exc.__traceback__ is not None else None
+        if frame is not None and frame.f_code in self._run_codes and frame.f_locals.get("self") is self._engine:
+            try:
+                self._decide(self._engine, exc)
+            except Exception:  # noqa: BLE001 - _handle_exception decides again and raises it
+                pass
+        return True
+
+    def _handle_exception(self, exc: BaseException) -> None:
+        """The engine's ``_handle_exception``: decide, capture the live state, then the engine's
+        ``EXCEPTION_RAISED`` handlers as Ignite runs them (an error in one is logged, never masks the
+        cause), then raise. Without distribution: exactly stock Ignite."""
+        if self.guard.session is None:
+            return self._ignite_handles(exc)
+        engine = self._engine
         to_raise = self._decide(engine, exc)
         if tag_of(exc).taken:
             raise to_raise  # Ignite's outer loop handing us the same exception (or the one raised for it) again
-        tag(exc, taken=True)
-        tag(to_raise, taken=True)
         engine.logger.removeFilter(self._cause_first)
         if self._live is not None:  # the peers told first; then the state, before the other handlers run
             self._live.failed()
-        self._recovery.failed()
-        # the engine's other exception handlers: an error in one is logged, never masks the cause
-        for entry in list(_compat_ignite.handlers_of(engine, Events.EXCEPTION_RAISED)):
-            if getattr(entry[0], "__self__", None) is self:
-                continue
-            try:
-                _compat_ignite.call_handler(engine, entry, (exc,))
-            except BaseException as err:  # noqa: BLE001
-                if err is exc:
-                    continue
+        IgniteRecovery.last_completed = self._recovery.completed  # what the next attempt may compute twice
+        try:
+            self._ignite_handles(exc)  # raises exc when no EXCEPTION_RAISED handler is attached
+        except BaseException as err:  # noqa: BLE001
+            if err is not exc and err is not to_raise:
                 log(logging.WARNING, "an EXCEPTION_RAISED handler failed: %s: %s", type(err).__name__, err,
                     step=engine.state.iteration)
+        tag(exc, taken=True)
+        tag(to_raise, taken=True)
         raise to_raise
 
 
 # -- a recovery in place's moments, as events of the engine ----------------------------------------
 class FaultToleranceEvents(EventEnum):
-    """A recovery in place, as Ignite events (registered by ``FaultTolerance().attach(engine)``).
-
-    Examples:
-        .. code-block:: python
-
-            from fault_tolerant_handlers.ignite import FaultTolerance, FaultToleranceEvents
-
-            FaultTolerance().attach(trainer)
-
-            @trainer.on(FaultToleranceEvents.RECOVERED)
-            def recovered(engine):
-                info = engine.state.fault_tolerance.last  # a RecoveryInfo
-                print(info.cause.rank, info.attempt, info.step, info.source, info.seconds)
-    """
+    """A recovery in place, as Ignite events (registered by ``FaultTolerance().attach(engine)``;
+    ``engine.state.fault_tolerance.last`` is its :class:`~fault_tolerant_handlers.RecoveryInfo`)."""
 
     FAILURE_SEEN = "fault_tolerance_failure_seen"
     RECOVERY_STARTED = "fault_tolerance_recovery_started"
@@ -277,9 +253,7 @@ def _unwrap(obj: Any) -> Any:
 
 
 class IgniteLive(LiveLoop):
-    """Live state (:mod:`.data.live`) of one Ignite trainer, from the ``to_save`` of its ``Checkpoint``
-    handlers; captured at ``EXCEPTION_RAISED`` with modules and optimizers as they are (no update ran
-    since; a sharded model's: this rank's shard, which only this rank resumes from)."""
+    """Live state (:mod:`.data.live`) of one Ignite trainer: the ``to_save`` of its ``Checkpoint`` handlers."""
 
     replicates = True
     engine: Engine | None = None
@@ -366,26 +340,13 @@ class IgniteLive(LiveLoop):
         return live.Captured(tracker.step, "iteration", state, self.directory, tracker.rng_after(tracker.step))
 
 
-# -- savers and the resume checks ------------------------------------------------------------------
-#: The key of a DDP's bucket layout in a checkpoint written through an Ignite ``Checkpoint`` whose
-#: ``to_save`` holds the DDP (or the model it wraps) and no ``DDPBucketLayout`` of its own.
+#: The key of a DDP's bucket layout added to a ``Checkpoint``'s ``to_save`` that holds the DDP or its model.
 LAYOUT_KEY = "fault_tolerance_ddp_buckets"
 
 
 class SafeDiskSaver(DiskSaver):
-    """Ignite's ``DiskSaver`` (same arguments) that removes old checkpoints only once the new one is written.
-
-    ``Checkpoint`` asks its save handler to remove the oldest file before it saves the new one (a kill
-    in between costs a checkpoint; with ``n_saved=1``, the only one): here a kill at any moment leaves
-    ``n_saved`` complete checkpoints, and a hung main thread's interrupt waits for the write and removal.
-
-    Examples:
-        .. code-block:: python
-
-            from fault_tolerant_handlers.ignite import SafeDiskSaver
-
-            saver = Checkpoint(to_save, SafeDiskSaver("ckpts", require_empty=False), n_saved=2)
-    """
+    """Ignite's ``DiskSaver`` (same arguments) that removes old checkpoints only once the new one is
+    written: a kill at any moment leaves ``n_saved`` complete checkpoints (``DiskSaver``: one fewer)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -410,8 +371,7 @@ class SafeDiskSaver(DiskSaver):
 
 
 def _discard(path: Path, then: Callable[[], None] = lambda: None) -> None:
-    """Remove the directory ``path``, renamed first to ``tmp-<name>.old`` (which ``latest_checkpoint``
-    skips); ``then()`` runs between the rename and the removal."""
+    """Remove the directory ``path`` renamed to ``tmp-<name>.old`` first; ``then()`` runs in between."""
     trash = path.with_name(f"tmp-{path.name}.old")
     shutil.rmtree(trash, ignore_errors=True)  # a removal a killed attempt left
     if path.exists():
@@ -421,31 +381,10 @@ def _discard(path: Path, then: Callable[[], None] = lambda: None) -> None:
 
 
 class DCPSaver(BaseSaveHandler):
-    """A save handler for Ignite's ``Checkpoint`` that writes a distributed checkpoint
-    (``torch.distributed.checkpoint``) on **every** rank: a sharded model's shards from each rank
-    (Ignite's ``DiskSaver`` writes on one rank only, which loses every other rank's shards).
-
-    Each checkpoint is a directory named after Ignite's file name without its extension
-    (``checkpoint_20``), written as ``tmp-checkpoint_20`` and renamed by rank 0 once complete; old ones
-    are removed after, as :class:`SafeDiskSaver` does. ``dirname`` must be one folder every rank sees.
-    Put the model and its optimizers in ``to_save`` as a :class:`~fault_tolerant_handlers.ShardedState`.
-
-    Examples:
-        .. code-block:: python
-
-            from fault_tolerant_handlers import ShardedState, latest_checkpoint, load_dcp
-            from fault_tolerant_handlers.ignite import DCPSaver
-
-            to_save = {"app": ShardedState(model, optimizer), "trainer": trainer, "loader": loader}
-            trainer.add_event_handler(Events.ITERATION_COMPLETED(every=10),
-                                      Checkpoint(to_save, DCPSaver("ckpts"), n_saved=2))
-            path = latest_checkpoint("ckpts")      # a directory, the same on every rank
-            if path:
-                load_dcp(to_save, path)            # every rank
-
-    Args:
-        dirname: the checkpoint directory (made if missing).
-    """
+    """A save handler for Ignite's ``Checkpoint`` that writes a distributed checkpoint on **every** rank
+    (a sharded model's shards; ``DiskSaver`` writes on one): a directory per checkpoint, renamed into
+    place by rank 0 once complete, old ones removed after (docs/sharded.md). ``dirname``: one folder
+    every rank sees; ``to_save`` holds the model and its optimizers as a ``ShardedState``."""
 
     def __init__(self, dirname: str | os.PathLike) -> None:
         if not isinstance(dirname, (str, os.PathLike)):
@@ -521,8 +460,8 @@ def _warn_once(message: str) -> None:
 
 
 def find_ddp(objects: Iterable[Any]) -> DistributedDataParallel | None:
-    """The DDP among ``objects``, or the one wrapping a model among them: named by an ``Engine``'s
-    training step or, from 3 ranks on, found by a scan of the heap (about 0.1 s)."""
+    """The DDP among ``objects`` or wrapping a model among them (named by an ``Engine``'s step, or from 3 ranks
+    on found in the heap)."""
     objects = list(objects)
     for obj in objects:
         if isinstance(obj, DistributedDataParallel):
@@ -558,8 +497,7 @@ def _layout_of(ddp: DistributedDataParallel | None) -> DDPBucketLayout | None:
 
 
 def add_bucket_layouts(engine: Any, checkpoints: Iterable[Any]) -> None:
-    """Each ``Checkpoint`` whose ``to_save`` (of 2+ objects) holds a DDP or its model and no layout saves
-    the layout too, under :data:`LAYOUT_KEY` (in a new dict: the user's is kept)."""
+    """Each ``Checkpoint`` whose ``to_save`` (2+ objects) holds a DDP or its model saves its layout too (a new dict)."""
     for handler in checkpoints:
         to_save = handler.to_save
         if not isinstance(to_save, dict) or len(to_save) < 2 or LAYOUT_KEY in to_save or any(

@@ -1,7 +1,6 @@
-"""Lightning adapter: ``Trainer(callbacks=[FaultTolerance()])``: Lightning's hooks onto
-:class:`~.adapters.guard.Guard` (why ``on_exception`` finishes Lightning's exception path itself:
-docs/lightning.md). A ``Callback`` of both ``lightning.pytorch`` and ``pytorch_lightning`` when both
-are installed; Lightning's private API is in :mod:`.adapters.compat_lightning`."""
+"""Lightning adapter: ``Trainer(callbacks=[FaultTolerance()])`` maps Lightning's hooks onto a
+:class:`~.core.session.Guard` (docs/lightning.md); a ``Callback`` of ``lightning.pytorch`` and of
+``pytorch_lightning`` when both are installed; Lightning's private API is in :mod:`.adapters.compat_lightning`."""
 
 from __future__ import annotations
 
@@ -17,16 +16,16 @@ from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from .adapters import compat_lightning as _compat_lightning
-from .core import attempts, interrupts, phases, recoveries
-from .data import dcp, live, snapshots
-from .data.ddp_buckets import DDPBucketLayout
-from .core.errors import HangInterrupted, RecoveryError
+from .adapters import LiveLoop, LoopRecovery, compat_lightning as _compat_lightning
+from .core import attempts, phases, recoveries
+from .core.errors import HangInterrupted
 from .core.failure import tag, tag_of
 from .core.hooks import first_line, log
-from .detect.autohang import CHECKPOINT, EVALUATION, START, STEP
-from .adapters.guard import Guard, LiveLoop, LoopRecovery
 from .core.inject import Injector
+from .core.session import Guard
+from .data import dcp, live, snapshots
+from .data.ddp_buckets import DDPBucketLayout
+from .detect.autohang import CHECKPOINT, EVALUATION, START, STEP
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -50,50 +49,27 @@ def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> None:
 
 
 class FaultTolerance(_CallbackBase):
-    """Make a distributed Lightning run fail together: one callback, on every rank.
-
-    An exception on one rank (``training_step``, ``validation_step``, a dataloader, another
-    callback, a rank-zero-only block) makes ``trainer.fit`` raise on **every** rank within a couple
-    of seconds: the failing rank its own exception, the others
-    :class:`~fault_tolerant_handlers.PeerFailedError` with the failing rank, its exception, message
-    and traceback, the global step and the epoch. Ranks blocked in a collective with the failing
-    rank (DDP's gradient all_reduce, a barrier, ``OnExceptionCheckpoint``'s barrier) are released at
-    once instead of waiting for the process-group timeout. ``ModelCheckpoint`` writes nothing once a
-    rank failed (it runs after this callback's agreement at the end of an epoch and of validation),
-    so its last checkpoint stays the last good one; ``OnExceptionCheckpoint`` still saves rank 0's
-    state (complete; its closing barrier fails fast and is logged). On a single device it does
-    nothing.
-
-    Works with ``strategy="ddp"``, ``"ddp_spawn"`` and scripts started by ``torchrun``.
-
-    Args and Raises: as :class:`fault_tolerant_handlers.ignite.FaultTolerance`'s (docs/reference.md);
-    ``sync_every`` counts training batches, and ``name`` is part of :attr:`state_key`, so two
-    instances with different names can coexist.
+    """Make a distributed Lightning run fail together: an exception on one rank makes ``trainer.fit``
+    raise on every rank, the others :class:`~fault_tolerant_handlers.PeerFailedError` naming it; ranks
+    blocked in a collective with it are released at once (docs/lightning.md). On one device it does
+    nothing. Arguments as :class:`fault_tolerant_handlers.ignite.FaultTolerance`'s (``sync_every`` counts
+    training batches; ``name`` is part of :attr:`state_key`).
 
     Examples:
         .. code-block:: python
 
-            import lightning as L
-            from lightning.pytorch.callbacks import OnExceptionCheckpoint
             from fault_tolerant_handlers.lightning import FaultTolerance
 
-            trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp",
-                                callbacks=[FaultTolerance(), OnExceptionCheckpoint("ckpts")])
+            trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[FaultTolerance()])
             trainer.fit(model, datamodule)   # raises on every rank if any rank raises
 
     .. warning::
-        Give it to the ``Trainer`` of **every** rank. Wrong:
-        ``callbacks=[FaultTolerance()] if rank == 0 else []`` (the other ranks would not join the
-        agreements). Correct: ``callbacks=[FaultTolerance()]`` unconditionally.
+        Give it to the ``Trainer`` of **every** rank. Wrong: ``callbacks=[FaultTolerance()] if rank == 0
+        else []`` (the other ranks would not join the agreements). Correct: unconditionally.
     """
 
-    def __init__(
-        self,
-        sync_every: int | None = 100,
-        hang_timeout: timedelta | float | str | dict | None = None,
-        watchdog: bool = True,
-        name: str = "train",
-    ) -> None:
+    def __init__(self, sync_every: int | None = 100, hang_timeout: timedelta | float | str | dict | None = None,
+                 watchdog: bool = True, name: str = "train") -> None:
         self.guard = Guard(sync_every=sync_every, hang_timeout=hang_timeout, watchdog=watchdog, name=name)
         self.name = name
         self._batches = 0
@@ -126,16 +102,9 @@ class FaultTolerance(_CallbackBase):
         self._loaded_buckets = state_dict.get("ddp_buckets")  # absent before 0.2; given to the DDP in on_fit_start
 
     def _where(self, trainer: pl.Trainer) -> dict[str, int]:
-        """Where a report says this rank is: in a training batch the step it trains (``global_step + 1``,
-        as ``FTH_INJECT`` and Ignite count), elsewhere the steps completed."""
+        """Where this rank is: in a training batch the step it trains (``global_step + 1``, as Ignite counts)."""
         step = self._in_batch if self._in_batch is not None else int(trainer.global_step)
         return {"step": step, "epoch": int(trainer.current_epoch)}
-
-    def _check(self, trainer: pl.Trainer) -> None:
-        """Raise the peer's failure if the watchdog already knows it: two attribute reads otherwise."""
-        interrupts.raise_pending()  # a hung main thread's interrupt that user code swallowed
-        if self.guard.session is not None and self.guard.session.failure.peer_error is not None:
-            self.guard.check(**self._where(trainer))
 
     # -- hooks -------------------------------------------------------------------------------------
     @override
@@ -147,12 +116,9 @@ class FaultTolerance(_CallbackBase):
         _compat_lightning.check(trainer)
         if attempts.recovering():
             self._recovery.setup(trainer)
-            try:  # the next attempt's Trainer must not start the other ranks again
-                if _compat_lightning.keep_launched_ranks(trainer):
-                    log(logging.INFO, "recover_in_place: LOCAL_RANK set in this process, which started the other "
-                        "ranks, so that the next attempt's Trainer does not start them again")
-            except RuntimeError as err:
-                raise RecoveryError(str(err)) from err
+            if _compat_lightning.keep_launched_ranks(trainer):  # the next attempt's Trainer starts no rank again
+                log(logging.INFO, "recover_in_place: LOCAL_RANK set in this process, which started the other "
+                    "ranks, so that the next attempt's Trainer does not start them again")
             if stage == "fit":  # live state the script did not pass as ckpt_path: loaded by fit all the same
                 _compat_lightning.substitute_ckpt_path(
                     trainer, lambda path: live.substitute(path, "the trainer's fit(ckpt_path=...)"))
@@ -186,10 +152,8 @@ class FaultTolerance(_CallbackBase):
         if self._loaded_buckets is not None:
             self._buckets.load_state_dict({"buckets": self._loaded_buckets})
 
-
     def _run_stage_in_rank(self, trainer: pl.Trainer, run_stage: Callable[[], Any]) -> Any:
-        """Spawned ranks: the exception path Lightning gives only the parent, with the checkpoint
-        callbacks' ``on_exception`` run here, where the trained state is."""
+        """Spawned ranks: Lightning's exception path (the parent's only), checkpoint callbacks run here."""
         try:
             return run_stage()
         except (Exception, HangInterrupted) as exc:
@@ -219,7 +183,7 @@ class FaultTolerance(_CallbackBase):
                              batch_idx: int) -> None:
         self._in_batch = int(trainer.global_step) + 1  # taken before the optimizer step moves global_step
         self._live.step_starts(int(trainer.global_step))
-        self._check(trainer)  # an attribute read: the watchdog may already know a peer failed
+        self.guard.check(**self._where(trainer))  # the watchdog may already know a peer failed
         if self._injector is not None:
             self._injector.maybe_fire(trainer.global_rank, self._in_batch, trainer.current_epoch,
                                       trainer.train_dataloader)
@@ -235,13 +199,13 @@ class FaultTolerance(_CallbackBase):
         if self.guard.due(self._batches):
             self.guard.sync("training batch", **self._where(trainer))
         else:
-            self._check(trainer)
+            self.guard.check(**self._where(trainer))
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         self.guard.beat(int(trainer.global_step), _evaluation(trainer), completed=True)
-        self._check(trainer)
+        self.guard.check(**self._where(trainer))
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -288,7 +252,7 @@ class FaultTolerance(_CallbackBase):
         if self.guard.active:
             to_raise = self.guard.on_exception(exception, **self._where(trainer))
             self._live.failed()  # the peers told first; then the state, before the teardown
-            self._recovery.failed()
+            LightningRecovery.last_completed = self._recovery.completed  # what the next attempt may compute twice
         elif isinstance(exception, ProcessException):  # what torch.multiprocessing raises for a failed rank
             to_raise, in_parent = exception, True  # the parent of spawned ranks: keep the rank's error visible
         else:
@@ -325,8 +289,7 @@ def _evaluation(trainer: pl.Trainer) -> str:
 
 # -- live state --------------------------------------------------------------------------------------
 class LightningLive(LiveLoop):
-    """Live state (:mod:`.data.live`) of one Lightning ``Trainer``: what ``trainer.save_checkpoint`` would
-    write, captured at ``on_exception`` with the parts marked at the last batch end put in."""
+    """Live state (:mod:`.data.live`) of one Lightning ``Trainer``: what ``trainer.save_checkpoint`` would write."""
 
     unit = "global step"
     replicates = True
@@ -391,8 +354,7 @@ class LightningLive(LiveLoop):
 
 
 def _load_shards(strategy: Any, path: Any) -> dict | None:
-    """A ``ModelParallelStrategy``'s ``load_checkpoint`` for the live state's name (else ``None``): this
-    rank's shard into its model and optimizers (its own loads files only), the rest for Lightning."""
+    """A ``ModelParallelStrategy``'s ``load_checkpoint`` of live state: this rank's shard loaded here."""
     checkpoint = live.take(path, [strategy.model])
     if checkpoint is not None:
         dcp.load_shards(strategy.model, strategy.optimizers, checkpoint["state_dict"], checkpoint["optimizer_states"])
@@ -417,8 +379,7 @@ def _pinned_version(logger: Any) -> Any:
 
 
 def _keep_logger_versions(state: phases.RecoveryState) -> None:
-    """``RESET_FRAMEWORKS``: the next attempt's loggers take the first attempt's versions; a CSV
-    logger's rows are read now (its writer deletes the file when the next attempt opens the folder)."""
+    """``RESET_FRAMEWORKS``: the next attempt's loggers take the first's versions; CSV rows kept in memory."""
     if not _logger_versions:
         return
     _compat_lightning.pin_next_versions({cls for cls, *_ in _logger_versions}, _pinned_version)
@@ -447,8 +408,7 @@ def dispatch(trainer: Any, hook: str, info: recoveries.RecoveryInfo) -> None:
 
 
 class LightningRecovery(LoopRecovery):
-    """One callback's part of a recovery in place: its hooks on every callback and the module that
-    define them, and its numbers logged at the first training batch after it (docs/recovering.md)."""
+    """One callback's part of a recovery in place: its hooks, and its numbers logged at the next batch."""
 
     loops: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
     last_completed: int | None = None

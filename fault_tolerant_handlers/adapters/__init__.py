@@ -1,8 +1,21 @@
-"""What the Ignite and Lightning adapters share (:mod:`.guard`), and the private APIs of Ignite and
-Lightning they use, each checked at start (:mod:`.compat_ignite`, :mod:`.compat_lightning`)."""
+"""What the Ignite and Lightning adapters share beyond their loop's :class:`~..core.session.Guard`: a
+loop's live state (:class:`LiveLoop`), its part of a recovery in place (:class:`LoopRecovery`) and their
+recovery steps; each framework's private API is in its compat module (:mod:`.compat_ignite`,
+:mod:`.compat_lightning`), checked at start."""
 
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ..core import attempts, config, recoveries, sharded
+from ..core.hooks import first_line, log
 from ..core.phases import RecoveryState
 from ..data import live
+from ..data.replicas import ShardReplicas
 from . import compat_ignite
 
 
@@ -15,3 +28,126 @@ def _resolve_live_names(state: RecoveryState) -> None:
     resolves the name ``latest_checkpoint`` gives for it."""
     if live.held() is not None:
         compat_ignite.hook_load_objects(take=live.take)
+
+
+class LiveLoop:
+    """Live state of one training loop (:mod:`..data.live`): a step tracker registered while the loop
+    runs, marked at each completed step (``_mark``) and captured at the failure (``capture``)."""
+
+    unit = "iteration"  #: what a step is called in the loop's reports
+    replicates = False  #: the loop calls ``_replicate`` at each step's end (``FTH_SHARD_REPLICAS``)
+    tracker: live.StepTracker | None = None
+    directory: str | None = None
+    why_not = ""
+    replicas: ShardReplicas | None = None
+
+    def _begin(self, modules: list, update_at_pre_hook: bool) -> None:
+        self.tracker = live.StepTracker(modules, update_at_pre_hook=update_at_pre_hook)
+        self._mark(initial=True)
+        live.register(self.capture)
+        rule = config.settings()
+        every = rule.shard_replicas
+        # a sharded model (its parameters, not a state_dict(): torch's get_state_dict initialises an
+        # optimizer's empty state with a step, which changes the run), FTH_SHARD_REPLICAS on: every
+        # rank's loop starts here (collective)
+        if every and self.replicates and not self.why_not and any(
+                sharded.unbacked(p) for m in modules for p in m.parameters()):
+            try:
+                self.replicas = self.tracker.replicas = ShardReplicas(
+                    replicate_every=every, partners=rule.shard_partners, wait=rule.shard_replica_wait)
+            except ValueError as e:  # more partners than other ranks
+                raise ValueError(f"{config.SHARD_PARTNERS_ENV}={rule.shard_partners}: {e}") from None
+
+    def _replicate(self, step: int) -> None:
+        """A step completed (after ``_mark``): this rank's shard to its partners (every n-th step)."""
+        if self.replicas is not None and not step % self.replicas.replicate_every:
+            try:
+                captured = self.capture()
+                self.replicas.step(captured.state, step, captured.rng)
+            except live.NotLive:  # its state is not that of a completed step (gradient accumulation)
+                pass
+
+    def _refuse(self, why: str) -> None:
+        self.why_not = why
+        log(logging.WARNING, "live state refused: %s; a recovery in place resumes from the newest checkpoint", why)
+
+    def step_starts(self, step: int) -> None:
+        """A step begins: torch's RNG as it starts (put back first, after live state was loaded); the
+        copy of the step before held by the partners (bounded wait) before this step's collectives."""
+        if self.tracker is not None:
+            live.restore_rng(step)
+            self.tracker.start_step(step)
+        replicas = self.replicas
+        if replicas is not None:
+            if (self.tracker is not None and replicas.taken == step
+                    and not _same_rng(replicas.rng, self.tracker.rng_after(step))):
+                self._replicate(step)  # the loader drew from torch's RNG (an epoch's start): again, with the RNG now
+            replicas.wait_home()
+
+    def failed(self) -> None:
+        if self.tracker is not None:
+            live.capture_now(self.capture)
+
+    def close(self) -> None:
+        replicas, self.replicas = self.replicas, None
+        if replicas is not None:  # the loop ended (every rank's): the partners told, the threads joined
+            replicas.stop()
+        live.unregister(self.capture)
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
+
+    def _tracked(self, idle: str) -> live.StepTracker:
+        tracker = self.tracker
+        if tracker is None:
+            raise live.NotLive(idle)
+        if self.why_not:
+            raise live.NotLive(self.why_not)
+        tracker.check(self.unit)
+        return tracker
+
+    @staticmethod
+    def hyper(optimizer: Any) -> list[dict]:
+        """An optimizer's param groups without their parameters (what a step's end records)."""
+        return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+    @staticmethod
+    def with_hyper(saved: Any, hyper: list[dict]) -> Any:
+        if isinstance(saved, dict) and isinstance(saved.get("param_groups"), list):
+            saved["param_groups"] = [{**group, **h} for group, h in zip(saved["param_groups"], hyper)]
+        return saved
+
+
+class LoopRecovery:
+    """One adapter's part of a recovery in place (:mod:`..core.recoveries`): the loops it was attached
+    to, by attempt (``loops``, per framework), and the failed attempt's last completed step."""
+
+    loops: weakref.WeakKeyDictionary
+    last_completed: int | None = None  #: the failed attempt's, set at its failure (per framework)
+    completed: int | None = None  #: this loop's last completed step
+
+    def attached(self, loop: Any) -> None:
+        type(self).loops[loop] = attempts.in_place()
+
+    def carried_on(self, step: int) -> recoveries.RecoveryInfo | None:
+        """The next attempt's loop starts at ``step``: the recovery's ``RECOVERED`` (``None``: no recovery)."""
+        cls = type(self)
+        info = recoveries.carried_on(step, cls.last_completed)
+        if info is not None:
+            cls.last_completed = None
+        return info
+
+    @classmethod
+    def tell_failed_loops(cls, info: recoveries.RecoveryInfo, call: Callable[[Any], None], what: str) -> None:
+        """``call(loop)`` for each loop of the failed attempt; an exception is logged, never passed on."""
+        for loop in [loop for loop, attempt in list(cls.loops.items()) if attempt == info.attempt - 1]:
+            try:
+                call(loop)
+            except Exception as err:  # noqa: BLE001
+                log(logging.WARNING, "a %s failed: %s: %s", what, type(err).__name__, first_line(err))
+
+
+def _same_rng(a: tuple | None, b: tuple | None) -> bool:
+    """Recorded RNG states (``(cpu, [cuda, ...] or None)``) that are equal, bit for bit."""
+    flat = [[t for t in (x[0], *(x[1] or ()))] if x is not None else [] for x in (a, b)]
+    return len(flat[0]) == len(flat[1]) and all(torch.equal(s, t) for s, t in zip(*flat))

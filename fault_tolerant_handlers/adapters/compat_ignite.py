@@ -1,19 +1,21 @@
 """Every use of PyTorch-Ignite's private API, in one place, checked when a handler is attached;
 checked against pytorch-ignite 0.5.0.post2 and 0.5.5.
 
-* ``Engine._event_handlers`` (``{event: [(func, args, kwargs)]}``, ``args[0]`` maybe a weak reference
-  to the engine; a filtered event's wrapper has ``_parent``, a weak reference to the handler);
+* ``Engine._event_handlers`` (``{event: [(func, args, kwargs)]}``; a filtered event's wrapper has
+  ``_parent``, a weak reference to the handler);
 * ``ignite.distributed.utils._model`` / ``_need_to_sync`` / ``_SerialModel`` (:func:`reset_idist`);
 * ``Engine._process_function``: its closure and globals name the DDP that wraps a model;
 * ``Engine._run_once_on_dataset_as_gen`` / ``_legacy`` (on the stack while an engine runs an epoch),
-  and ``_internal_run_as_gen`` / ``_legacy``: the frames that log an exception at ERROR on
-  ``Engine.logger`` right before ``EXCEPTION_RAISED`` (:func:`before_error_log`).
+  and ``_internal_run_as_gen`` / ``_legacy``: the functions that log an exception at ERROR on
+  ``Engine.logger`` right before ``Engine._handle_exception`` (:func:`run_codes`), which
+  :func:`handle_exceptions` replaces for one engine.
+
+What the failure path needs is resolved when the handler is attached: it calls nothing here.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import sys
 import weakref
@@ -33,6 +35,8 @@ def _lacking(needs: str) -> RuntimeError:
 def check(engine: Any) -> None:
     if not isinstance(getattr(engine, "_event_handlers", None), dict):
         raise _lacking("needs ignite.engine.Engine._event_handlers (a dict of handler lists)")
+    if not callable(getattr(engine, "_handle_exception", None)):
+        raise _lacking("needs ignite.engine.Engine._handle_exception")
 
 
 def handlers_of(engine: Any, event: Any) -> list:
@@ -67,16 +71,6 @@ def attached_handlers(engine: Any) -> list:
     return found
 
 
-def call_handler(engine: Any, entry: tuple, event_args: tuple) -> None:
-    """Run one ``(func, args, kwargs)`` entry as Ignite would."""
-    func, args, kwargs = entry
-    first: tuple = ()
-    if args and isinstance(args[0], weakref.ref):
-        resolved = args[0]()
-        first, args = (engine if resolved is None else resolved,), args[1:]
-    func(*first, *event_args, *args, **kwargs)
-
-
 #: Names of ``Engine`` methods that run an epoch (one of them is on the stack while an engine runs).
 EPOCH_FUNCTIONS = ("_run_once_on_dataset_as_gen", "_run_once_on_dataset_legacy")
 _ENGINE_FILE = f"ignite{os.sep}engine{os.sep}engine.py"
@@ -102,25 +96,28 @@ def running_engines(frame: Any) -> list:
     return engines
 
 
-#: Every ``Engine`` method that logs the exception it caught, then fires ``EXCEPTION_RAISED``.
+#: Every ``Engine`` method that logs the exception it caught, then calls ``_handle_exception``.
 RUN_FUNCTIONS = EPOCH_FUNCTIONS + ("_internal_run_as_gen", "_internal_run_legacy")
 
 
-def before_error_log(engine: Any, first: Callable[[BaseException], Any]) -> Callable[[logging.LogRecord], bool]:
-    """A filter for ``engine.logger`` that calls ``first(exc)`` when ``engine``'s run loop logs the
-    exception it is about to hand to ``EXCEPTION_RAISED``, before the line is written."""
-    def cause_first(record: logging.LogRecord) -> bool:
-        exc = sys.exc_info()[1] if record.levelno >= logging.ERROR else None
-        frame = sys._getframe(1) if exc is not None else None
-        while frame is not None and not frame.f_code.co_filename.endswith(_ENGINE_FILE):
-            frame = frame.f_back  # up to the engine's code that logs
-        if frame is not None and frame.f_code.co_name in RUN_FUNCTIONS and frame.f_locals.get("self") is engine:
-            try:
-                first(exc)
-            except Exception:  # noqa: BLE001 - the EXCEPTION_RAISED handler decides again and raises it
-                pass
-        return True
-    return cause_first
+def run_codes() -> frozenset:
+    """The code of every ``Engine`` method of :data:`RUN_FUNCTIONS`: the frame that catches an
+    exception and logs it (its traceback's first) runs one of them."""
+    from ignite.engine import Engine
+
+    codes = frozenset(getattr(Engine, name).__code__ for name in RUN_FUNCTIONS if callable(getattr(Engine, name, None)))
+    if not codes:
+        raise _lacking(f"needs ignite.engine.Engine.{RUN_FUNCTIONS[-2]}")
+    return codes
+
+
+def handle_exceptions(engine: Any, handler: Callable[[BaseException], None]) -> Callable[[BaseException], None]:
+    """``engine`` hands an exception to ``handler`` instead of its ``_handle_exception`` (which fires
+    ``EXCEPTION_RAISED``, or raises it when no handler is attached); returns the one it replaced."""
+    replaced = engine._handle_exception
+    if replaced != handler:  # the same handler attached twice replaces nothing more
+        engine._handle_exception, engine._fth_replaced = handler, replaced
+    return engine._fth_replaced
 
 
 def reset_idist() -> None:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from ..core import interrupts
+from ..core.errors import RecoveryError
 
 CHECKED_AGAINST = ("2.5.0", "2.6.6")
 
@@ -129,13 +130,13 @@ def interrupt_steps(trainer: Any, exception: BaseException) -> list[tuple[str, C
 
 def keep_launched_ranks(trainer: Any) -> bool:
     """In the process that started the other ranks (``strategy="ddp"``): set ``LOCAL_RANK`` so that the
-    next attempt's ``Trainer`` does not start them again (True: it had to)."""
+    next attempt's ``Trainer`` does not start them again (True: it had to); else a ``RecoveryError``."""
     ns = namespace(trainer)
     try:
         launcher_type = _import(ns + ".strategies.launchers.subprocess_script")._SubprocessScriptLauncher
     except (ImportError, AttributeError):
         version = getattr(_import(ns), "__version__", "?")
-        raise RuntimeError(
+        raise RecoveryError(
             f"recover_in_place under Lightning needs {ns}.strategies.launchers.subprocess_script."
             f"_SubprocessScriptLauncher, which {_DISTRIBUTION[ns]} {version} does not have (checked against {', '.join(CHECKED_AGAINST)}); "
             "launch the ranks with torchrun instead") from None
@@ -145,7 +146,7 @@ def keep_launched_ranks(trainer: Any) -> bool:
         return False
     os.environ["LOCAL_RANK"] = str(environment.local_rank())
     if not environment.creates_processes_externally:
-        raise RuntimeError(
+        raise RecoveryError(
             f"recover_in_place with strategy='ddp': the cluster environment {type(environment).__name__} would start "
             "the other ranks again in the next attempt (its creates_processes_externally stays False once they were "
             "started); launch the ranks with torchrun instead")

@@ -27,7 +27,8 @@ from .failure import FailureKind, FailureRecord, FailureState, Incident, host_na
 from .hooks import first_line, log
 from .procfs import (PeerPidProbe, RankTable, addresses_named, decode_name, digest, encode_name, local_layout,
                     normalize_address, own_address)
-from .interrupts import listens_here, release_process_groups, store_peer_address, store_ports, teardown_at_exit
+from .interrupts import (listens_here, raise_pending, release_process_groups, store_peer_address, store_ports,
+                         teardown_at_exit)
 from .schema import Connection, Schema, probe_store_port, store_evidence
 from .config import (BACKGROUND_CONNECT_TIMEOUT, EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT,  # timings: the table
                      LEAVE_WAIT, MAIN_STORE_TIMEOUT, MISMATCH_WAIT, SUSPECT_OBSERVED_GAP, SUSPECT_SILENCE)  # in .config
@@ -663,3 +664,115 @@ def get_session(group: dist.ProcessGroup | None = None, *, caller: str = "fail_t
                     atexit.register(_forget_all)
                 _registry[key] = session
     return session
+
+
+class Guard:
+    """One training loop's use of its session, what both adapters call at their framework's hooks:
+    their ``FaultTolerance`` arguments checked (``owner`` names the class in errors) and a rank that
+    fails releasing its collectives at once (``release_on_failure``)."""
+
+    #: The kinds of work (``detect.autohang``) whose report names the step under way: the next one.
+    NEXT_STEP_WORK = ("start", "step")
+
+    def __init__(self, *, sync_every: int | None = 100, hang_timeout: timedelta | float | str | dict | None = None,
+                 watchdog: bool = True, release_on_failure: bool = True, name: str = "train",
+                 owner: str = "FaultTolerance") -> None:
+        if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
+            raise ValueError(f"{owner}(sync_every=...) must be a positive int (iterations) or None, got {sync_every!r}")
+        self.hang_timeout = config.check_hang_timeout(hang_timeout, what=f"{owner}(hang_timeout=...)")
+        if not isinstance(watchdog, bool):
+            raise TypeError(f"{owner}(watchdog=...) must be True or False, got {watchdog!r}")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{owner}(name=...) must be a non-empty str naming the section, got {name!r}")
+        config.load()  # every FTH_* variable is checked now, not when a failure comes
+        self.sync_every, self.use_watchdog, self.release_on_failure, self.name = sync_every, watchdog, release_on_failure, name
+        self.session: Session | None = None
+        self._watching = False
+        self._explainers: list = []
+
+    @property
+    def active(self) -> bool:
+        return self.session is not None
+
+    @property
+    def auto_hang(self):  # the learned-deadline probe of hang_timeout="auto", else None
+        return getattr(self.session.watchdog if self.session is not None else None, "auto_hang", None)
+
+    def start(self) -> None:
+        """Collective on first use: call on every rank before training. A no-op without distribution."""
+        self.session = get_session(None, caller=type(self).__name__)
+        if self.session is not None and self.use_watchdog and not self._watching:
+            self.session.start_watchdog(self.hang_timeout)
+            self._watching = True
+        self.beat()
+
+    def stop(self) -> None:
+        """The loop ended normally on every rank: drop this loop's watchdog reference."""
+        if self._watching and self.session is not None:
+            auto = self.auto_hang
+            if auto is not None:  # this loop's work is over: nothing of it is watched any more
+                auto.mark(None, time.monotonic())
+                auto.explainers[:] = [e for e in auto.explainers if e not in self._explainers]
+            self._explainers = []
+            self._watching = False
+            self.session.stop_watchdog()
+
+    def beat(self, step: int | None = None, work: str | None = None, *, completed: bool = False) -> None:
+        """Progress; ``work``: the kind of work that begins now (``hang_timeout="auto"``); ``completed``:
+        a batch completed. Raises again a hung main thread's interrupt that user code swallowed."""
+        raise_pending()
+        watchdog = self.session.watchdog if self.session is not None else None
+        if watchdog is not None:  # a hang report names the step under way: in a training step, the next
+            named = step + 1 if step is not None and work in self.NEXT_STEP_WORK else None
+            watchdog.beat(step, completed=completed, named=named)
+            if work is not None and watchdog.auto_hang is not None:
+                watchdog.auto_hang.mark(work, time.monotonic(), step if named is None else named)
+
+    def explain_with(self, explainer) -> None:
+        """Add a way to recognise work from the main thread's stack (``detect.autohang``)."""
+        auto = self.auto_hang
+        if auto is not None and explainer not in auto.explainers:
+            auto.explainers.append(explainer)
+            self._explainers.append(explainer)
+
+    def due(self, iteration: int) -> bool:
+        return self.sync_every is not None and iteration % self.sync_every == 0
+
+    def check(self, *, step: int | None = None, epoch: int | None = None) -> None:
+        """Raise the peer failure the watchdog already knows (no communication), or the interrupt
+        of a hung main thread that user code swallowed."""
+        raise_pending()
+        known = self.session.failure.peer_error if self.session is not None else None
+        if known is not None:
+            raise self.on_exception(known, step=step, epoch=epoch)
+
+    def sync(self, where: str, *, step: int | None = None, epoch: int | None = None) -> None:
+        """One agreement at sync point ``where``: raise on every rank if any rank failed."""
+        if self.session is None:
+            return
+        self.check(step=step, epoch=epoch)
+        err = self.session.agree("loop", f"{self.name}: {where}", step=step, epoch=epoch)
+        if err is not None:
+            tag(err, agreed=True)
+            raise self.on_exception(err, step=step, epoch=epoch)
+
+    def on_exception(self, exc: BaseException, *, step: int | None = None, epoch: int | None = None) -> BaseException:
+        """What this rank must raise for ``exc`` (handled once): ``exc`` itself, a local failure now
+        published, or the peer's ``PeerFailedError`` for an error that comes from a peer's failure."""
+        session = self.session
+        if session is None or tag_of(exc).handled:
+            return exc
+        if isinstance(exc, SystemExit) and session.failure.signal is not None:
+            tag(exc, handled=True)  # the framework's answer to this rank's own SIGTERM: the peers know it
+            return exc
+        peer = session.classify(exc)
+        if peer is not None:
+            session.acknowledge(peer)
+            tag(peer, handled=True)
+            if peer is not exc:
+                peer.__cause__ = exc
+            log(logging.ERROR, "stopping: %s", first_line(peer, None), step=step)
+            return peer
+        session.report_error(exc, section=self.name, step=step, epoch=epoch, release=self.release_on_failure)
+        tag(exc, handled=True)
+        return exc

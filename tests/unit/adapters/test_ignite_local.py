@@ -125,3 +125,29 @@ def test_without_distribution_a_run_terminated_mid_epoch_and_run_again_says_noth
     assert engine.state.iteration > 13  # resumed mid-epoch, ran on
     assert not [str(w.message) for w in recwarn.list], [str(w.message) for w in recwarn.list]
     assert not caplog.records, caplog.text
+
+
+def test_the_cause_is_decided_as_the_trainer_logs_it_never_for_an_evaluator_that_handles_its_own(monkeypatch):
+    """The log filter recognises the trainer's own run loop by the frame that caught the exception: an
+    evaluator run from a trainer handler, whose EXCEPTION_RAISED handler takes its error, decides nothing."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    evaluator = _engine_failing_at(2)
+    evaluator.add_event_handler(Events.EXCEPTION_RAISED, lambda e, exc: None)  # the evaluator goes on
+    trainer = _engine_failing_at(3, epoch=2)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: evaluator.run([1, 2, 3]))
+    handler = FaultTolerance().attach(trainer)
+    decided = []
+    monkeypatch.setattr(handler, "_decide", lambda engine, exc: decided.append((engine, str(exc))) or exc)
+    with pytest.raises(ValueError, match="bad sample 3"):
+        trainer.run([1, 2, 3, 4], max_epochs=2)
+    assert decided and all(d == (trainer, "bad sample 3") for d in decided), decided  # the trainer's loop only
+
+
+def test_attached_twice_an_exception_is_still_raised_as_by_stock_ignite(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    trainer = _engine_failing_at(3)
+    handler = FaultTolerance()
+    handler.attach(trainer)
+    handler.attach(trainer)  # a script's mistake: the engine's own exception path is still the one behind it
+    with pytest.raises(ValueError, match="bad sample 3"):
+        trainer.run([1, 2, 3, 4], max_epochs=2)

@@ -301,7 +301,7 @@ def test_adapters_refuse_a_bad_hang_timeout_naming_the_choices(adapter, bad, err
 ])
 def test_hang_timeout_takes_seconds_and_lightning_timer_forms(value, expected):
     """What a YAML / LightningCLI / Hydra config gives: a number, Lightning Timer's string or dict."""
-    from fault_tolerant_handlers.adapters.guard import Guard
+    from fault_tolerant_handlers.core.session import Guard
     from fault_tolerant_handlers.ignite import FaultTolerance as IgniteFT
     from fault_tolerant_handlers.lightning import FaultTolerance as LightningFT
 
@@ -325,12 +325,20 @@ def test_hang_timeout_refuses_other_forms_naming_the_valid_ones(bad):
 
 
 def test_guard_takes_auto_in_any_case():
-    from fault_tolerant_handlers.adapters.guard import Guard
+    from fault_tolerant_handlers.core.session import Guard
 
     assert Guard(hang_timeout="auto").hang_timeout == "auto"
     assert Guard(hang_timeout="AUTO", owner="Guard").hang_timeout == "auto"  # as join_timeout and the variable
     with pytest.raises(TypeError, match=r"Guard\(hang_timeout=\.\.\.\) must be None \(off\)"):
         Guard(hang_timeout="automatic", owner="Guard")
+
+
+def test_a_hang_report_in_a_training_step_names_the_step_under_way():
+    """The core's Guard knows no detector: the kinds of work whose report names the next step are autohang's."""
+    from fault_tolerant_handlers.core.session import Guard
+    from fault_tolerant_handlers.detect.autohang import START, STEP
+
+    assert set(Guard.NEXT_STEP_WORK) == {START, STEP}
 
 
 # -- the Ignite adapter's evaluator recognition ---------------------------------------------------------
