@@ -2,9 +2,9 @@
 
 Checked against torch 2.13.0 (the version the test suite runs; ``Store.clone`` needs ``torch>=2.8``).
 Each list of private names below is looked up at once (:func:`check` when the first fail-together
-session starts, :func:`check_ddp` when a ``DDPBucketLayout`` is made, :func:`check_loader` when a
-``RestartableDataLoader`` is made): a torch that lacks one fails there with an error naming it,
-never later and never silently. Besides the lists, looked for where used:
+session starts, :func:`check_ddp` when a ``DDPBucketLayout`` is made; torch's DataLoader's in
+``data/compat_dataloader.py``): a torch that lacks one fails there with an error naming it, never
+later and never silently. Besides the lists, looked for where used:
 
 * ``torch.multiprocessing.spawn._wrap`` and its local ``error_file``, on the main thread's stack
   (:func:`spawn_error_file`): without it a rank is reported as not spawned;
@@ -277,87 +277,6 @@ def use_ddp_bucket_layout(ddp: Any, layout: list[list[int]]) -> None:
             f"DDPBucketLayout: torch {torch.__version__}'s DistributedDataParallel._ddp_init_helper did not build "
             f"the reducer with the given buckets (sizes {ddp_bucket_sizes(ddp)}, expected {sizes}; checked against "
             f"torch {', '.join(DDP_CHECKED_AGAINST)})")
-
-
-# -- torch's DataLoader (data/loader.py, data/_resume.py, data/_workers.py) ------------------------------
-#: What the restartable loader uses of torch's private DataLoader API (checked against torch 2.13.0,
-#: torchdata 0.11), looked up by :func:`check_loader` when a ``RestartableDataLoader`` is made: a
-#: name of a module or class, or an instance attribute the method named first sets.
-_LOADER_REQUIRED = (
-    ("DataLoader", "_index_sampler"),  # the batch indices of an epoch (a property)
-    ("DataLoader.__init__", "_IterableDataset_len_called"),
-    ("DataLoader.__init__", "_iterator"),  # a persistent iterator (torchdata's loader too)
-    ("dataloader", "_SingleProcessDataLoaderIter"),
-    ("dataloader", "_MultiProcessingDataLoaderIter"),
-    ("_MultiProcessingDataLoaderIter.__init__", "_workers"),
-    ("_MultiProcessingDataLoaderIter.__init__", "_worker_result_queue"),
-    ("_MultiProcessingDataLoaderIter.__init__", "_worker_pids_set"),
-    ("_MultiProcessingDataLoaderIter.__init__", "_shutdown"),
-    ("_MultiProcessingDataLoaderIter.__init__", "_data_queue"),
-    ("_BaseDataLoaderIter.__init__", "_pin_memory"),
-    ("_BaseDataLoaderIter.__init__", "_timeout"),
-    ("_MultiProcessingDataLoaderIter._reset", "_rcvd_idx"),
-    ("_MultiProcessingDataLoaderIter._reset", "_task_info"),
-    ("_MultiProcessingDataLoaderIter", "_reset"),
-    ("_MultiProcessingDataLoaderIter", "_try_get_data"),
-    ("_MultiProcessingDataLoaderIter", "_get_data"),
-    ("_MultiProcessingDataLoaderIter", "_shutdown_workers"),
-    ("signal_handling", "_remove_worker_pids"),
-)
-
-
-def lacking(required: tuple, objects: dict) -> list[str]:
-    """Each ``(owner, name)`` that ``objects[owner]`` lacks (``"Class.method"``: that method's code names it)."""
-    missing = []
-    for owner, name in required:
-        cls, _, method = owner.partition(".")
-        code = getattr(getattr(objects[cls], method, None), "__code__", None) if method else None
-        if not (name in code.co_names if code is not None else not method and hasattr(objects[cls], name)):
-            missing.append(f"{owner} ({name})" if method else f"{owner}.{name}")
-    return missing
-
-
-def check_loader() -> None:
-    """Raise ``RuntimeError`` naming every private DataLoader name this torch lacks."""
-    from torch.utils.data import DataLoader, _utils, dataloader
-
-    objects = {"DataLoader": DataLoader, "dataloader": dataloader, "signal_handling": _utils.signal_handling,
-               **{name: getattr(dataloader, name, None) for name in ("_BaseDataLoaderIter", "_MultiProcessingDataLoaderIter")}}
-    if missing := lacking(_LOADER_REQUIRED, objects):
-        raise RuntimeError(f"RestartableDataLoader needs torch's {', '.join(missing)}, which torch {torch.__version__} "
-                           f"does not have (checked against torch {', '.join(CHECKED_AGAINST)})")
-
-
-def index_sampler(loader: Any) -> Any:
-    """The loader's batch indices of an epoch (its batch sampler, or its sampler without batching)."""
-    return loader._index_sampler
-
-
-def received(it: Any) -> int:
-    """How many batches torch's multi-process iterator has handed out in order."""
-    return it._rcvd_idx
-
-
-def in_flight(it: Any) -> set[int]:
-    """The batch indices torch's multi-process iterator has sent to workers and not handed out."""
-    return set(it._task_info)
-
-
-def shut_down(it: Any, default: bool) -> bool:
-    """torch's iterator was shut down (``default``: it was never started)."""
-    return it.__dict__.get("_shutdown", default)
-
-
-def worker_pids(it: Any) -> list[int]:
-    """The pids of the running workers of torch's iterator."""
-    return [w.pid for w in it.__dict__.get("_workers", ()) if w.pid is not None and w.exitcode is None]
-
-
-def single_process_iter(loader: Any) -> Any:
-    """torch's iterator of a loader without workers."""
-    from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
-
-    return _SingleProcessDataLoaderIter(loader)
 
 
 # -- gloo's event loop ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
-from ..core import compat_torch as _compat_torch
+from . import compat_dataloader as _compat
 
 #: Version of the snapshot layout; ``load_state_dict`` refuses others.
 STATE_VERSION = 1
@@ -97,7 +97,7 @@ class _Capture:
 
 def epoch_source(loader) -> _Capture:
     """The sampler iterator of a new epoch, recording its starting point at its first draw."""
-    return _Capture(loader, iter(_compat_torch.index_sampler(loader)))
+    return _Capture(loader, iter(_compat.index_sampler(loader)))
 
 
 def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
@@ -111,7 +111,7 @@ def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
     if snapshot["global_rng"] is not None:
         torch.set_rng_state(snapshot["global_rng"])
     try:
-        source = iter(_compat_torch.index_sampler(loader))
+        source = iter(_compat.index_sampler(loader))
         skipped = sum(1 for _ in itertools.islice(source, snapshot["batches_yielded"]))
         ahead = list(itertools.islice(source, 1))  # the sampler's draws happen here, not in a worker later
     finally:

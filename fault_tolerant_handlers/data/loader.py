@@ -23,15 +23,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from . import _resume
-from ..core import compat_torch as _compat_torch
+from . import compat_dataloader as _compat
 from ..core.hooks import log
-from ._workers import (
-    TorchWorkersIter,
-    WorkerLost,
-    construct,
-    describe_exit,
-    hardened_context,
-)
+from .compat_dataloader import LoaderView, TorchWorkersIter, WorkerLost, construct, describe_exit, hardened_context
 
 __all__ = ["DataLoaderRestartError", "RestartableDataLoader", "WorkerRestart", "make_restartable"]
 
@@ -201,7 +195,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
         max_restarts: int = 3,
         restart_start_method: str | None = None,
     ) -> None:
-        _compat_torch.check_loader()  # every private name of torch's it uses, named if this torch lacks one
+        _compat.check()  # every private name of torch's it uses, named if this torch lacks one
         _check_arguments(max_restarts, restart_start_method)
         torch_args = dict(locals())  # DataLoader's arguments, as given
         for name in ("self", "__class__", "max_restarts", "restart_start_method"):
@@ -232,7 +226,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
         """The pids of the workers currently serving this loader (for diagnostics and tests)."""
         run = self._fth_run() if self._fth_run is not None else None
         it = getattr(run, "it", None)
-        return [] if it is None or _compat_torch.shut_down(it, True) else _compat_torch.worker_pids(it)
+        return [] if it is None or _compat.shut_down(it, True) else _compat.worker_pids(it)
 
     # -- resume (state_dict / load_state_dict) ---------------------------------------------------
 
@@ -258,7 +252,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
             return _resume.iterable_state(run.epoch, run.yielded, run.finished, run.state)
         finished = run.finished
         try:
-            if not finished and run.yielded >= len(_compat_torch.index_sampler(self)):
+            if not finished and run.yielded >= len(_compat.index_sampler(self)):
                 # every batch taken, the end not yet seen: draw the sampler to its end, as next() would
                 for _ in run.capture:
                     pass
@@ -315,7 +309,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
             return None
         where_ = where(snapshot["epoch"], at, snapshot.get("sampler_epoch"))
         try:  # an unsized sampler's or an IterableDataset's position cannot be given back
-            length = len(_compat_torch.index_sampler(self)) if snapshot["kind"] == "map" else None
+            length = len(_compat.index_sampler(self)) if snapshot["kind"] == "map" else None
         except TypeError:
             length = None
         if length is not None:
@@ -380,7 +374,7 @@ class _FeedSource:
     Holds the index sampler, never the loader (no cycle through a persistent iterator)."""
 
     def __init__(self, loader: RestartableDataLoader, feed: Iterator[Any]) -> None:
-        self.sampler = _compat_torch.index_sampler(loader)
+        self.sampler = _compat.index_sampler(loader)
         self.feed = feed  # a persistent iterator's is replaced by each epoch's
 
     def __iter__(self) -> Iterator[Any]:
@@ -388,19 +382,6 @@ class _FeedSource:
 
     def __len__(self) -> int:
         return len(self.sampler)
-
-
-class _LoaderView:
-    """What torch's iterator reads from its loader, with three attributes replaced (lent for one call)."""
-
-    def __init__(self, loader, index_sampler, ctx, generator) -> None:
-        self._loader = loader
-        self._index_sampler = index_sampler
-        self.multiprocessing_context = ctx
-        self.generator = generator
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
 
 
 class _Restored:
@@ -517,13 +498,13 @@ class _MapRun(_Run):
         self.feed = _Feed(self.capture)
         self.source = _FeedSource(loader, self.feed)
         persistent = loader._fth_persistent if loader.persistent_workers else None
-        if persistent is not None and _compat_torch.shut_down(persistent, False):
+        if persistent is not None and _compat.shut_down(persistent, False):
             persistent = loader._fth_persistent = None  # shut down from outside: start afresh
         if persistent is not None:
             persistent.fth_source.feed = self.feed
             try:
-                view = _LoaderView(loader, persistent.fth_source, loader.multiprocessing_context, loader.generator)
-                persistent._reset(view, first_iter=False)
+                view = LoaderView(loader, persistent.fth_source, loader.multiprocessing_context, loader.generator)
+                _compat.reset(persistent, view)
                 self.it = persistent
                 self.source = persistent.fth_source
             except WorkerLost as lost:
@@ -545,7 +526,7 @@ class _MapRun(_Run):
                 method = loader._fth_first_method()
                 # a resumed epoch: the loader's generator is already where the sampler left it
                 generator = torch.Generator() if self.resumed else loader.generator
-            view = _LoaderView(loader, self.source, hardened_context(method), generator)
+            view = LoaderView(loader, self.source, hardened_context(method), generator)
             try:
                 it = construct(TorchWorkersIter, view)
             except WorkerLost as lost:  # a worker died while the iterator was being built
@@ -560,18 +541,18 @@ class _MapRun(_Run):
             return
 
     def _mark(self, it) -> tuple:
-        return _compat_torch.received(it), None if self.loader.in_order else _compat_torch.in_flight(it)
+        return _compat.received(it), None if self.loader.in_order else _compat.in_flight(it)
 
     def _commit(self, it, mark: tuple, failed: BaseException | None) -> None:
         """The batches received are no longer to send again (a failed one is consumed, as with torch)."""
         before, in_flight = mark
         if in_flight is not None:  # in_order=False: whichever came back
-            done = in_flight - _compat_torch.in_flight(it)
+            done = in_flight - _compat.in_flight(it)
             self.feed.commit_tasks(done)
             self.yielded += len(done) if failed else 0
         elif failed:
-            self.feed.commit(_compat_torch.received(it) - before)
-            self.yielded += _compat_torch.received(it) - before
+            self.feed.commit(_compat.received(it) - before)
+            self.yielded += _compat.received(it) - before
         else:
             self.feed.commit()
 
@@ -595,10 +576,7 @@ class _IterableRun(_Run):
                 **{name: getattr(loader, name) for name in same}, snapshot_every_n_steps=1,
                 multiprocessing_context=hardened_context(loader._fth_first_method()))
         self.sdl = loader._fth_stateful
-        # len(loader) was asked of the outer loader: torch's "samples have been fetched" warning
-        self.sdl._IterableDataset_len_called = loader._IterableDataset_len_called
-        if not (loader.persistent_workers and self.sdl._iterator is not None):
-            self.sdl.multiprocessing_context = hardened_context(loader._fth_first_method())
+        self.sdl.start_pass(loader, loader._fth_first_method())
         self.state = None
         if pending is not None and pending.get("torchdata") is not None:
             self.sdl.load_state_dict(pending["torchdata"])  # resume: torchdata restores the workers' position
@@ -607,7 +585,7 @@ class _IterableRun(_Run):
     def _restart(self, it, restart: bool = True) -> None:
         while True:
             if restart:
-                self.sdl._iterator = None
+                self.sdl.drop_iterator()
                 self.sdl.multiprocessing_context = hardened_context(self.loader._fth_restart_method())
                 if self.state is not None:
                     self.sdl.load_state_dict(self.state)
@@ -616,7 +594,7 @@ class _IterableRun(_Run):
                 if self.state is None:
                     self.state = self.it.state_dict()
             except WorkerLost as lost:
-                self._lost(lost, self.sdl._iterator)
+                self._lost(lost, self.sdl.iterator())
                 restart = True
                 continue
             self._started()
@@ -633,7 +611,7 @@ class _SingleRun(_Run):
         super().__init__(loader, epoch, pending)
         self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
         generator = torch.Generator() if pending is not None else loader.generator
-        self.it = _compat_torch.single_process_iter(_LoaderView(loader, _FeedSource(loader, self.capture), None, generator))
+        self.it = _compat.single_process_iter(LoaderView(loader, _FeedSource(loader, self.capture), None, generator))
 
     def _commit(self, it, mark: None, failed: BaseException | None) -> None:
         self.yielded += isinstance(failed, Exception)  # the dataset's own error: that batch is consumed, as with torch

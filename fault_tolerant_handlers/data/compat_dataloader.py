@@ -1,19 +1,13 @@
-"""Worker processes that can die without taking the main process with them (private).
+"""Every use of torch's private DataLoader API (checked against torch 2.13.0), checked at once by
+:func:`check` when a ``RestartableDataLoader`` is made: a torch that lacks a name fails there, naming it.
 
-The iterators here are torch's ``_MultiProcessingDataLoaderIter`` (and torchdata's stateful one)
-changed from the outside:
-
-* their worker pids are taken out of torch's process-wide SIGCHLD handler, which raised
-  ``RuntimeError`` wherever the main thread happened to be;
-* their ``multiprocessing.Event`` is a byte of shared memory (:class:`_SharedFlag`): a worker
-  SIGKILLed while holding the Event's lock made the main process block forever at shutdown;
-* a daemon thread (the pump) waits, with no timeout, on the workers' sentinels, the result pipe and
-  a stop pipe: a death is seen within milliseconds, and results are unpickled there while the
-  training thread computes (docs/benchmarks.md, figure 2b); a read it cannot finish strands the pump only;
-* with ``timeout > 0``, no batch within ``timeout`` is a stall of the worker that owns it.
-
-Every death or stall is raised as ``WorkerLost`` from ``next()``; ``abort()`` then SIGKILLs every
-worker by pid. The private torch names are checked in :mod:`..core.compat_torch`.
+Here torch's ``_MultiProcessingDataLoaderIter`` (and torchdata's, :mod:`.compat_torchdata`) is changed
+from the outside so that its workers can die without taking the main process along: their pids leave
+torch's SIGCHLD handler; their ``Event`` is a byte of shared memory (a worker SIGKILLed holding the
+lock blocked shutdown for ever); a daemon thread (the pump) waits on the workers' sentinels and the
+result pipe, so a death is seen within milliseconds, and unpickles results meanwhile; with
+``timeout > 0`` no batch within it is a stall. Each is raised as :class:`WorkerLost` from ``next()``;
+``abort()`` then SIGKILLs every worker by pid (docs/dataloader.md).
 """
 
 from __future__ import annotations
@@ -30,13 +24,109 @@ import time
 from multiprocessing import context as _mpc
 from multiprocessing.connection import wait as _mp_wait
 from multiprocessing.reduction import ForkingPickler as _ForkingPickler
+from typing import Any
 
-from torch.utils.data import _utils
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+import torch
+from torch.utils.data import DataLoader, _utils, dataloader
 
 from ..core import procfs as _procfs
 from ..core.config import WORKER_POLL, WORKER_REAP
 
+CHECKED_AGAINST = "2.13.0"
+#: What is used: a module's or class's name, or (``"Class.method"``) an attribute that method sets.
+_REQUIRED = (
+    ("DataLoader", "_index_sampler"),  # the batch indices of an epoch (a property)
+    ("DataLoader.__init__", "_IterableDataset_len_called"),
+    ("DataLoader.__init__", "_iterator"),  # a persistent iterator (torchdata's loader too)
+    ("dataloader", "_SingleProcessDataLoaderIter"),
+    ("dataloader", "_MultiProcessingDataLoaderIter"),
+    *(("_MultiProcessingDataLoaderIter.__init__", n)
+      for n in ("_workers", "_worker_result_queue", "_worker_pids_set", "_shutdown", "_data_queue")),
+    ("_BaseDataLoaderIter.__init__", "_pin_memory"),
+    ("_BaseDataLoaderIter.__init__", "_timeout"),
+    ("_MultiProcessingDataLoaderIter._reset", "_rcvd_idx"),
+    ("_MultiProcessingDataLoaderIter._reset", "_task_info"),
+    *(("_MultiProcessingDataLoaderIter", n) for n in ("_reset", "_try_get_data", "_get_data", "_shutdown_workers")),
+    ("signal_handling", "_remove_worker_pids"),
+)
+
+
+def lacking(required: tuple, objects: dict) -> list[str]:
+    """Each ``(owner, name)`` that ``objects[owner]`` lacks (``"Class.method"``: that method's code names it)."""
+    missing = []
+    for owner, name in required:
+        cls, _, method = owner.partition(".")
+        code = getattr(getattr(objects[cls], method, None), "__code__", None) if method else None
+        if not (name in code.co_names if code is not None else not method and hasattr(objects[cls], name)):
+            missing.append(f"{owner} ({name})" if method else f"{owner}.{name}")
+    return missing
+
+
+def check() -> None:
+    """Raise ``RuntimeError`` naming every private DataLoader name this torch lacks."""
+    objects = {"DataLoader": DataLoader, "dataloader": dataloader, "signal_handling": _utils.signal_handling,
+               **{name: getattr(dataloader, name, None) for name in ("_BaseDataLoaderIter", "_MultiProcessingDataLoaderIter")}}
+    if missing := lacking(_REQUIRED, objects):
+        raise RuntimeError(f"RestartableDataLoader needs torch's {', '.join(missing)}, which torch {torch.__version__} "
+                           f"does not have (checked against torch {CHECKED_AGAINST})")
+
+
+# -- what the loader reads of torch's loader and iterators -------------------------------------------------
+def index_sampler(loader: Any) -> Any:
+    """The loader's batch indices of an epoch (its batch sampler, or its sampler without batching)."""
+    return loader._index_sampler
+
+
+def received(it: Any) -> int:
+    """How many batches torch's multi-process iterator has handed out in order."""
+    return it._rcvd_idx
+
+
+def in_flight(it: Any) -> set[int]:
+    """The batch indices torch's multi-process iterator has sent to workers and not handed out."""
+    return set(it._task_info)
+
+
+def shut_down(it: Any, default: bool) -> bool:
+    """torch's iterator was shut down (``default``: it was never started)."""
+    return it.__dict__.get("_shutdown", default)
+
+
+def worker_pids(it: Any) -> list[int]:
+    """The pids of the running workers of torch's iterator."""
+    return [w.pid for w in it.__dict__.get("_workers", ()) if w.pid is not None and w.exitcode is None]
+
+
+def len_called(loader: Any) -> Any:
+    """Whether ``len(loader)`` was asked (torch's "samples have been fetched" warning of an IterableDataset)."""
+    return loader._IterableDataset_len_called
+
+
+class LoaderView:
+    """What torch's iterator reads from its loader, with the index sampler, the multiprocessing
+    context and the generator replaced (lent for one call)."""
+
+    def __init__(self, loader: Any, index_sampler: Any, ctx: Any, generator: Any) -> None:
+        self._loader = loader
+        self._index_sampler = index_sampler
+        self.multiprocessing_context = ctx
+        self.generator = generator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def single_process_iter(view: LoaderView) -> Any:
+    """torch's iterator of a loader without workers."""
+    return dataloader._SingleProcessDataLoaderIter(view)
+
+
+def reset(it: Any, view: LoaderView) -> None:
+    """A persistent iterator's next epoch, from ``view``'s index sampler."""
+    it._reset(view, first_iter=False)
+
+
+# -- the hardened iterator ---------------------------------------------------------------------------------
 #: How many files ``_fd_limit_reached`` opens to tell an exhausted descriptor table.
 FD_MARGIN = 10
 FD_LIMIT_MESSAGE = (
@@ -82,16 +172,12 @@ _CONTEXTS = {"fork": _lock_free(_mpc.ForkContext), "spawn": _lock_free(_mpc.Spaw
 
 
 def hardened_context(method: str) -> _mpc.BaseContext:
-    """A multiprocessing context for ``method`` whose ``Event()`` is lock-free."""
-    _import_what_workers_import()
-    return _CONTEXTS[method]()
-
-
-def _import_what_workers_import() -> None:
-    """torch's worker loop seeds ``numpy.random``, which numpy 2 imports lazily; an import in a worker
-    forked while another thread imported can fail (a restart for nothing): imported here once."""
+    """A multiprocessing context for ``method`` whose ``Event()`` is lock-free. torch's worker loop seeds
+    ``numpy.random``, which numpy 2 imports lazily; an import in a worker forked while another thread
+    imported can fail (a restart for nothing): imported here first."""
     if _utils.HAS_NUMPY:
         import numpy.random  # noqa: F401
+    return _CONTEXTS[method]()
 
 
 class WorkerLost(RuntimeError):
@@ -288,7 +374,7 @@ class _Hardened:
         return [(w.pid, w.exitcode) for w in workers]
 
 
-class TorchWorkersIter(_Hardened, _MultiProcessingDataLoaderIter):
+class TorchWorkersIter(_Hardened, getattr(dataloader, "_MultiProcessingDataLoaderIter", object)):  # check() names it
     """torch's multiprocessing iterator, hardened (map-style datasets)."""
 
 
