@@ -1,12 +1,6 @@
 """A DataLoader whose workers can die: it starts new ones and resumes at the exact next batch
-(docs/dataloader.md).
-
-Map-style datasets: the loader iterates the sampler itself, once per epoch as torch does, and sends
-the index batches not yet yielded again, in order, to the new workers (the sampler is never
-re-iterated). Iterable datasets: torchdata's ``StatefulDataLoader`` snapshots every worker's dataset
-state after each batch, and new workers start from the last one (:mod:`.compat_torchdata`). An exception
-raised by the dataset's own code is a bug, not a death: it propagates unchanged, not retried.
-"""
+(docs/dataloader.md, "How": map-style batches not yet yielded are sent again; iterable datasets
+resume from torchdata's snapshot, :mod:`.compat_torchdata`)."""
 
 from __future__ import annotations
 
@@ -41,24 +35,15 @@ class WorkerRestart:
     """One restart of a loader's workers (``loader.restarts`` holds them in order).
 
     Attributes:
-        epoch: the loader's pass: how many times it had been iterated before (0 for its first
-            ``iter()``). Not the training epoch: a peek ``next(iter(loader))`` or an evaluator run
-            over the training loader is a pass too; ``sampler_epoch`` is the training epoch as the
-            sampler was told it.
-        batch_index: index, within the pass, of the batch the loader resumed at (the first batch
-            that was not yet yielded when the worker was lost).
-        worker_id, worker_pid: the worker that was lost.
-        signal: ``"SIGKILL"`` when it was killed by a signal, else ``None``.
-        exitcode: its exit code (negative: killed by that signal), ``None`` for a stall.
-        reason: ``"killed by SIGKILL"``, ``"exited with code 1"`` or ``"stalled for more than 5 s"``.
-        detected_at: wall-clock time the loss was seen (``time.time()``).
-        restart_seconds: from detection to the new workers being started.
-        recovery_seconds: from detection to the next batch yielded (``None`` until then).
+        epoch: the loader's pass (``iter()`` calls before it), not the training epoch: that is
+            ``sampler_epoch``, what ``set_epoch`` was given (``None`` without ``set_epoch``).
+        batch_index: the batch of the pass it resumed at (the first not yet yielded).
+        worker_id, worker_pid, signal, exitcode, reason: the worker lost and how (``"SIGKILL"``,
+            ``-9``, ``"killed by SIGKILL"``; a stall: exit code ``None``, ``"stalled for more than 5 s"``).
+        detected_at: ``time.time()`` when it was seen; ``restart_seconds``: from then to the new
+            workers started; ``recovery_seconds``: to the next batch (``None`` until then).
         start_method: how the new workers were started (``"fork"``, ``"spawn"``, ...).
-        also_lost: the other workers found dead at the same restart, as ``(worker_id, pid, reason)``
-            (two workers ended together, e.g. by the OOM killer: one restart replaces both).
-        sampler_epoch: the epoch given to the sampler's ``set_epoch`` (a ``DistributedSampler``:
-            what the training loop calls its epoch), ``None`` without such a sampler.
+        also_lost: ``(worker_id, pid, reason)`` of other workers lost with it (one restart for all).
     """
 
     epoch: int
@@ -94,8 +79,7 @@ class WorkerRestart:
 
 
 def where(pass_index: int, batch: int, sampler_epoch: int | None) -> str:
-    """A position in the loader's words: ``batch 8 of pass 5 (set_epoch(2))``. The loader counts
-    ``iter()`` calls (passes), not training epochs; the sampler's epoch is the training loop's."""
+    """A position in the loader's words: ``batch 8 of pass 5 (set_epoch(2))``."""
     told = f" (set_epoch({sampler_epoch}))" if sampler_epoch is not None else ""
     return f"batch {batch} of pass {pass_index + 1}{told}"
 
@@ -104,8 +88,7 @@ class DataLoaderRestartError(RuntimeError):
     """Raised when a worker is lost and the loader's ``max_restarts`` budget is already spent.
 
     Attributes:
-        restarts: every restart made, in order, followed by the loss that could not be restarted
-            (its ``restart_seconds`` is 0).
+        restarts: every restart made, then the loss that was not restarted.
         max_restarts: the budget.
     """
 
@@ -145,15 +128,10 @@ class RestartableDataLoader(DataLoader[_T_co]):
         max_restarts: how many times, over the loader's lifetime, workers may be restarted
             (``int >= 0``, default 3). One more loss raises :class:`DataLoaderRestartError`.
         restart_start_method: how restarted workers are started: ``"fork"``, ``"spawn"``,
-            ``"forkserver"``, or ``None`` (default) for automatic: the start method of an explicit
-            ``multiprocessing_context`` if one was given, otherwise ``"fork"`` where the platform
-            has it and CUDA is not initialized in this process (a spawned worker re-imports torch:
-            seconds instead of tens of milliseconds), otherwise the default start method.
+            ``"forkserver"``, or ``None`` (default): an explicit ``multiprocessing_context``'s,
+            else ``"fork"`` where available and CUDA is not initialized, else the default.
 
-    Public state read by the Ignite / Lightning adapters:
-
-    * ``restarts``: list of :class:`WorkerRestart`, in order.
-    * ``restart_count``: ``len(restarts)``.
+    ``restarts`` lists every :class:`WorkerRestart` in order; ``restart_count`` is its length.
 
     Examples:
         .. code-block:: python
@@ -166,9 +144,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
 
     Raises:
         TypeError, ValueError: for a bad ``max_restarts`` / ``restart_start_method`` (and whatever
-            ``DataLoader`` itself refuses). ``in_order=False`` is accepted: map-style batches come
-            as workers finish them, each exactly once across restarts; an ``IterableDataset``'s
-            come in order (a restart resumes from torchdata's snapshot, kept only in order).
+            ``DataLoader`` itself refuses).
         DataLoaderRestartError: from ``next()``, when the budget is spent.
     """
 
@@ -231,13 +207,8 @@ class RestartableDataLoader(DataLoader[_T_co]):
     # -- resume (state_dict / load_state_dict) ---------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the current epoch is: a small snapshot of plain types (no sample data).
-
-        As torchdata's ``StatefulDataLoader``: the epoch and the number of batches yielded in it,
-        plus what decides the epoch's order (sampler epoch, generator states). Taken between two
-        batches, it resumes at the next one; taken after the last batch of an epoch, the next
-        ``iter()`` starts the next epoch. Loadable with ``torch.load(..., weights_only=True)``.
-        """
+        """Where the current pass is, as torchdata's ``StatefulDataLoader`` gives it: the batches
+        yielded and what decides the order (plain types, ``torch.load(..., weights_only=True)``)."""
         if self._fth_pending is not None:  # loaded and not iterated yet: the same snapshot
             return dict(self._fth_pending)
         run = self._fth_run() if self._fth_run is not None else None
