@@ -44,8 +44,7 @@ _REQUIRED = (
       for n in ("_workers", "_worker_result_queue", "_worker_pids_set", "_shutdown", "_data_queue")),
     ("_BaseDataLoaderIter.__init__", "_pin_memory"),
     ("_BaseDataLoaderIter.__init__", "_timeout"),
-    ("_MultiProcessingDataLoaderIter._reset", "_rcvd_idx"),
-    ("_MultiProcessingDataLoaderIter._reset", "_task_info"),
+    *(("_MultiProcessingDataLoaderIter._reset", n) for n in ("_rcvd_idx", "_task_info", "_workers_status")),
     *(("_MultiProcessingDataLoaderIter", n) for n in ("_reset", "_try_get_data", "_get_data", "_shutdown_workers")),
     ("signal_handling", "_remove_worker_pids"),
 )

@@ -190,8 +190,6 @@ class RestartableDataLoader(DataLoader[_T_co]):
         self._fth_pending = None  # resume: a snapshot from load_state_dict(), used by the next iter()
         self._fth_restored = None  # resume: that snapshot and the pass started from it (a peek gives it back)
 
-    # -- public -----------------------------------------------------------------------------------
-
     @property
     def restart_count(self) -> int:
         """How many times workers were restarted over the loader's lifetime."""
@@ -203,8 +201,6 @@ class RestartableDataLoader(DataLoader[_T_co]):
         run = self._fth_run() if self._fth_run is not None else None
         it = getattr(run, "it", None)
         return [] if it is None or _compat.shut_down(it, True) else _compat.worker_pids(it)
-
-    # -- resume (state_dict / load_state_dict) ---------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Where the current pass is, as torchdata's ``StatefulDataLoader`` gives it: the batches
@@ -267,10 +263,8 @@ class RestartableDataLoader(DataLoader[_T_co]):
             run = _MapRun(self, epoch, pending)
         self._fth_run = weakref.ref(run)  # an abandoned epoch's workers still go when it is dropped
         if pending is not None:
-            self._fth_restored = run.restored = _Restored(pending, run)
+            self._fth_restored = run.restored = _Restored(pending, weakref.ref(run))
         return run
-
-    # -- internals --------------------------------------------------------------------------------
 
     def _fth_peeked(self, restored: "_Restored") -> dict[str, Any] | None:
         """The restored snapshot again when the pass resumed from it was dropped, unsaved, after at most
@@ -355,17 +349,15 @@ class _FeedSource:
         return len(self.sampler)
 
 
+@dataclass(eq=False)
 class _Restored:
-    """A snapshot given to ``load_state_dict`` and what the pass resumed from it did (private)."""
+    """A snapshot given to ``load_state_dict`` and what the pass resumed from it did."""
 
-    __slots__ = ("snapshot", "run", "taken", "finished", "saved")
-
-    def __init__(self, snapshot: dict[str, Any], run: "_Run") -> None:
-        self.snapshot = snapshot
-        self.run = weakref.ref(run)
-        self.taken = 0  # batches the pass yielded
-        self.finished = False  # it reached the end of its data
-        self.saved = False  # state_dict() was taken after it moved: a checkpoint holds its progress
+    snapshot: dict[str, Any]
+    run: weakref.ref  # the pass
+    taken: int = 0  # batches the pass yielded
+    finished: bool = False  # it reached the end of its data
+    saved: bool = False  # state_dict() was taken after it moved: a checkpoint holds its progress
 
 
 class _Run:
@@ -391,20 +383,6 @@ class _Run:
         if it is None or not name.startswith("_") or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(it, name)
-
-    def _ended(self) -> None:
-        self.finished = True
-        if self.restored is not None:
-            self.restored.finished = True
-
-    def _after_yield(self) -> None:
-        self.yielded += 1
-        if self.restored is not None:
-            self.restored.taken += 1
-        if self.loader.restarts:
-            last = self.loader.restarts[-1]
-            if last.recovery_seconds is None:
-                last.recovery_seconds = time.time() - last.detected_at
 
     def _lost(self, lost: WorkerLost, it) -> None:
         """Kill what is left of ``it`` (unless ``construct`` did), record the restart (or raise), log it."""
@@ -442,7 +420,9 @@ class _Run:
             try:
                 data = next(it)
             except StopIteration:
-                self._ended()
+                self.finished = True
+                if self.restored is not None:
+                    self.restored.finished = True
                 raise
             except BaseException as exc:
                 dead = None if isinstance(exc, WorkerLost) else getattr(it, "fth_dead_worker", lambda: None)()
@@ -453,7 +433,12 @@ class _Run:
                 self._commit(it, mark, failed=exc)  # the dataset's own error: not retried
                 raise
             self._commit(it, mark, failed=None)
-            self._after_yield()
+            self.yielded += 1
+            if self.restored is not None:
+                self.restored.taken += 1
+            last = self.loader.restarts[-1] if self.loader.restarts else None
+            if last is not None and last.recovery_seconds is None:
+                last.recovery_seconds = time.time() - last.detected_at
             return data
 
     def _mark(self, it) -> Any:
