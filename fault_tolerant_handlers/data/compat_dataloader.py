@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
+import multiprocessing
 import os
 import queue
 import select
@@ -31,6 +33,7 @@ from torch.utils.data import DataLoader, _utils, dataloader
 
 from ..core import procfs as _procfs
 from ..core.config import WORKER_POLL, WORKER_REAP
+from ..core.hooks import log
 
 CHECKED_AGAINST = "2.13.0"
 #: What is used: a module's or class's name, or (``"Class.method"``) an attribute that method sets.
@@ -414,3 +417,20 @@ def describe_exit(exitcode: int | None) -> tuple[str | None, str]:
             name = f"signal {-exitcode}"
         return name, f"killed by {name}"
     return None, f"exited with code {exitcode}"
+
+
+def reap_workers(state: Any) -> None:
+    """``COLLECTED``: DataLoader workers (torch's or this package's) still running once the failed
+    attempt's loaders are collected: joined, then killed."""
+    killed, deadline = 0, time.monotonic() + WORKER_REAP
+    for child in multiprocessing.active_children():
+        target = getattr(child, "_target", None)
+        if not (getattr(target, "__module__", "") or "").startswith(("torch.utils.data", __name__.rsplit(".", 1)[0])):
+            continue
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            child.kill()
+            child.join(1.0)
+            killed += 1
+    if killed:
+        log(logging.WARNING, "killed %d DataLoader worker(s) of the failed attempt that were still running", killed)

@@ -18,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from ..core import attempts, config, sharded
 from ..core.hooks import first_line, log
-from ..core.phases import LIVE_NAME, Captured  # the recovery hands a capture between ranks: its type is the core's
+from ..core.phases import LIVE_NAME, Captured, RecoveryState  # a capture travels between ranks: the core's type
 
 
 class NotLive(Exception):
@@ -172,6 +172,20 @@ def collect() -> Captured:
         raise captured
     _completed = captured.step
     return captured
+
+
+def capture_live(state: RecoveryState) -> RecoveryState:
+    """``CAPTURE_LIVE``: this rank's live state of the failed attempt, or why there is none."""
+    copies = replica_copies()  # the replicas stopped first: nothing sent or received from here on
+    try:
+        return replace(state, live=collect(), live_why="", copies=copies)
+    except NotLive as why:
+        return replace(state, live=None, live_why=str(why), copies=copies)
+
+
+def settle_live(state: RecoveryState) -> None:
+    """``SETTLE_LIVE``: the next attempt resumes from ``state.live`` (``None``: from what it loads itself)."""
+    hold(state.live, getattr(state.plan, "why", "") or "")
 
 
 def replica_copies() -> tuple:

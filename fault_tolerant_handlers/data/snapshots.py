@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..core import attempts, config, sharded
+from ..core.phases import RecoveryState
 from ..core.hooks import log
 from . import live
 
@@ -86,6 +87,12 @@ def forget() -> None:
     global _newest
     with _lock:
         _newest = None
+
+
+def end_recovery(state: RecoveryState) -> None:
+    """``END``: the newest checkpoint's copy in memory and the live state: no attempt will read them now."""
+    forget()
+    live.forget()
 
 
 def newest(path: str | os.PathLike, *, take: bool = False) -> Any | None:
