@@ -1,14 +1,7 @@
-"""Every use of torch's private DataLoader API (checked against torch 2.13.0), checked at once by
-:func:`check` when a ``RestartableDataLoader`` is made: a torch that lacks a name fails there, naming it.
-
-Here torch's ``_MultiProcessingDataLoaderIter`` (and torchdata's, :mod:`.compat_torchdata`) is changed
-from the outside so that its workers can die without taking the main process along: their pids leave
-torch's SIGCHLD handler; their ``Event`` is a byte of shared memory (a worker SIGKILLed holding the
-lock blocked shutdown for ever); a daemon thread (the pump) waits on the workers' sentinels and the
-result pipe, so a death is seen within milliseconds, and unpickles results meanwhile; with
-``timeout > 0`` no batch within it is a stall. Each is raised as :class:`WorkerLost` from ``next()``;
-``abort()`` then SIGKILLs every worker by pid (docs/dataloader.md).
-"""
+"""Every use of torch's private DataLoader API (checked against torch 2.13.0 by :func:`check` when a
+``RestartableDataLoader`` is made, naming what a torch lacks), and torch's multiprocessing iterator
+hardened from the outside so that a worker's death or stall is raised as :class:`WorkerLost` from
+``next()`` and never hangs or kills the main process (docs/dataloader.md, "How")."""
 
 from __future__ import annotations
 
@@ -129,8 +122,7 @@ def reset(it: Any, view: LoaderView) -> None:
 
 
 # -- the hardened iterator ---------------------------------------------------------------------------------
-#: How many files ``_fd_limit_reached`` opens to tell an exhausted descriptor table.
-FD_MARGIN = 10
+FD_MARGIN = 10  # files _fd_limit_reached opens
 FD_LIMIT_MESSAGE = (
     "Too many open files. Communication with the workers is no longer possible. Please increase the "
     "limit using `ulimit -n` in the shell or change the sharing strategy by calling "
@@ -139,8 +131,7 @@ FD_LIMIT_MESSAGE = (
 
 
 def _fd_limit_reached() -> bool:
-    """Whether this process is within ``FD_MARGIN`` descriptors of its open-files limit (a batch's
-    tensors cannot be received then: torch names the cause and the cures, and so do we)."""
+    """Whether this process is within ``FD_MARGIN`` descriptors of its open-files limit (as torch tells)."""
     try:
         with contextlib.ExitStack() as stack:
             for _ in range(FD_MARGIN):
@@ -151,8 +142,7 @@ def _fd_limit_reached() -> bool:
 
 
 class _SharedFlag:
-    """``multiprocessing.Event`` without the lock: one byte of shared memory, which a worker killed at
-    any instruction cannot leave in a state that blocks anybody (torch calls ``set`` and ``is_set``)."""
+    """``multiprocessing.Event`` without the lock, which a killed worker could leave held."""
 
     def __init__(self, ctx: _mpc.BaseContext) -> None:
         self._value = ctx.RawValue("b", 0)
@@ -193,19 +183,16 @@ class WorkerLost(RuntimeError):
         self.kind = kind  # "died" or "stall"
         self.worker_id = worker_id
         self.detected_at = detected_at  # time.time() when it was first seen
-        #: ``[(pid, exitcode)]`` of the iterator's workers, set when the iterator was already aborted
-        self.pids: list | None = None
-        #: with ``pids``: the worker ids that had exited before that abort
-        self.exited: list[int] = []
+        self.pids: list | None = None  # [(pid, exitcode)] when the iterator was already aborted
+        self.exited: list[int] = []  # with pids: the worker ids that had exited before
 
 
 _WAKE = object()  # put in the main thread's queue by the pump to wake it at once
 
 
 class _StopPipe:
-    """The pump's stop signal, a pipe it waits on beside the sentinels: ``set()`` writes one byte (a
-    forked process may hold a copy of the write end: no end of file) and closes the write end; the
-    pump closes the read end when it ends (each end has one owner)."""
+    """The pump's stop signal: ``set()`` writes a byte (a forked child may hold the write end: no EOF)
+    and closes the write end; the pump closes the read end."""
 
     def __init__(self) -> None:
         self._r, self._w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -228,9 +215,8 @@ class _StopPipe:
 
 
 def _pump(reader, sentinels: dict, out: queue.SimpleQueue, stop: _StopPipe, exits: list) -> None:
-    """Move results, unpickled (the exception where they cannot be: a result is a tuple), from the workers' pipe
-    (``reader``; ``None``: only watch the workers) to ``out``; note every worker exit in ``exits`` and
-    wake the main thread, which decides whether it was a death. Holds no reference to the iterator."""
+    """Move results, unpickled (else the exception), from the workers' pipe (``reader``; ``None``: only
+    watch) to ``out``; note each worker exit in ``exits`` and wake the main thread, which decides."""
     sentinels = dict(sentinels)
     reader_fd = reader.fileno() if reader is not None else None
     poller = select.poll()  # registered once: a batch costs one poll() and the pipe reads
@@ -259,7 +245,7 @@ def _pump(reader, sentinels: dict, out: queue.SimpleQueue, stop: _StopPipe, exit
 
 
 class _Hardened:
-    """Mix-in over torch's / torchdata's multiprocessing iterator (see the module docstring)."""
+    """Mix-in over torch's / torchdata's multiprocessing iterator."""
 
     def _fth_setup(self) -> None:
         if self.__dict__.get("_fth_ready"):
@@ -317,8 +303,8 @@ class _Hardened:
             return (True, item)
 
     def _fth_unreadable(self, exc: BaseException) -> None:
-        """Raise for a result that cannot be unpickled: ``WorkerLost`` if a worker's exit shows within
-        ``WORKER_REAP`` (its tensors came from its fd server), else the error as it is."""
+        """A result that cannot be unpickled: ``WorkerLost`` if a worker's exit shows within
+        ``WORKER_REAP``, else the error (torch's advice when the open files ran out)."""
         end_wait = time.monotonic() + WORKER_REAP
         while time.monotonic() < end_wait:
             self._fth_check()
@@ -347,13 +333,12 @@ class _Hardened:
         return super()._shutdown_workers()
 
     def abort(self) -> list[tuple[int, int | None]]:
-        """SIGKILL every worker by pid, reap them, shut the iterator down; ``[(pid, exitcode)]``. Safe on a
-        half-constructed iterator: it never waits on anything a worker shares."""
+        """SIGKILL every worker by pid, reap them, shut down; ``[(pid, exitcode)]``. Never waits on anything
+        a worker shares (safe on a half-built iterator)."""
         stop = self.__dict__.get("_fth_stop")
         if stop is not None:
             stop.set()
         workers = list(self.__dict__.get("_workers", ()))
-        #: worker ids that had exited before this abort (two deaths seen as one restart)
         self.fth_exited_before_abort = [wid for wid, w in enumerate(workers) if w.pid is not None and _exited(w)]
         for w in workers:
             if w.pid is not None and w.exitcode is None:

@@ -136,11 +136,9 @@ class RestartableDataLoader(DataLoader[_T_co]):
     Examples:
         .. code-block:: python
 
-            loader = RestartableDataLoader(dataset, batch_size=32, shuffle=True, num_workers=4,
-                                           generator=torch.Generator().manual_seed(0), max_restarts=5)
+            loader = RestartableDataLoader(dataset, batch_size=32, shuffle=True, num_workers=4, max_restarts=5)
             for batch in loader:       # a worker SIGKILLed here is replaced; no batch lost or repeated
                 train_step(batch)
-            print(loader.restart_count, loader.restarts)
 
     Raises:
         TypeError, ValueError: for a bad ``max_restarts`` / ``restart_start_method`` (and whatever
@@ -148,29 +146,12 @@ class RestartableDataLoader(DataLoader[_T_co]):
         DataLoaderRestartError: from ``next()``, when the budget is spent.
     """
 
-    def __init__(
-        self,
-        dataset,
-        batch_size: int | None = 1,
-        shuffle: bool | None = None,
-        sampler=None,
-        batch_sampler=None,
-        num_workers: int = 0,
-        collate_fn=None,
-        pin_memory: bool = False,
-        drop_last: bool = False,
-        timeout: float = 0,
-        worker_init_fn=None,
-        multiprocessing_context=None,
-        generator=None,
-        *,
-        prefetch_factor: int | None = None,
-        persistent_workers: bool = False,
-        pin_memory_device: str = "",
-        in_order: bool = True,
-        max_restarts: int = 3,
-        restart_start_method: str | None = None,
-    ) -> None:
+    def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
+                 batch_sampler=None, num_workers: int = 0, collate_fn=None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
+                 generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "", in_order: bool = True, max_restarts: int = 3,
+                 restart_start_method: str | None = None) -> None:
         _compat.check()  # every private name of torch's it uses, named if this torch lacks one
         _check_arguments(max_restarts, restart_start_method)
         torch_args = dict(locals())  # DataLoader's arguments, as given
@@ -450,7 +431,7 @@ class _MapRun(_Run):
         super().__init__(loader, epoch, pending)
         self.resumed = pending is not None
         # the sampler is iterated once per epoch, as torch does (a resume draws its first batches here)
-        self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
+        self.capture = _resume.source(loader, pending)
         self.feed = _Feed(self.capture)
         self.source = _FeedSource(loader, self.feed)
         persistent = loader._fth_persistent if loader.persistent_workers else None
@@ -565,7 +546,7 @@ class _SingleRun(_Run):
 
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None) -> None:
         super().__init__(loader, epoch, pending)
-        self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
+        self.capture = _resume.source(loader, pending)
         generator = torch.Generator() if pending is not None else loader.generator
         self.it = _compat.single_process_iter(LoaderView(loader, _FeedSource(loader, self.capture), None, generator))
 
