@@ -21,15 +21,11 @@ import torch.distributed as dist
 from ..core.hooks import log
 from ..core.sharded import MAX_MANIFEST_BYTES, ManifestError, Snapshot, memory, take_snapshot
 
-#: The header sent before each snapshot: format tag, rank, step, manifest bytes, payload bytes, CRC-32.
-_HEADER = 6
+_HEADER = 6  # sent before each snapshot: format tag, rank, step, manifest bytes, payload bytes, CRC-32
 _TAG = 0x46544853  # "FTHS"
 _STOP = -1
-#: The tag of the acknowledgement a holder sends back for each copy (the step it now holds, -1: refused).
-_ACK = 1
+_ACK = 1  # the tag of a holder's acknowledgement of each copy (the step it now holds, -1: refused)
 
-
-# -- partner choice -------------------------------------------------------------------------------
 
 def choose_partners(hosts: Sequence[str], partners: int = 1) -> list[tuple[int, ...]]:
     """For each rank (``hosts[r]`` is rank ``r``'s host), the ranks that hold a copy of its shard:
@@ -53,12 +49,7 @@ def choose_partners(hosts: Sequence[str], partners: int = 1) -> list[tuple[int, 
         candidates = ([ranks[local % len(ranks)] for ranks in ring]
                       + [own[(local + j) % len(own)] for j in range(1, len(own))]
                       + list(range(world)))
-        picked: list[int] = []
-        for c in candidates:
-            if c != rank and c not in picked:
-                picked.append(c)
-            if len(picked) == partners:
-                break
+        picked = list(dict.fromkeys(c for c in candidates if c != rank))[:partners]
         same_host += sum(hosts[p] == host for p in picked)
         chosen.append(tuple(picked))
     if same_host:
@@ -72,8 +63,6 @@ def held_by(chosen: Sequence[Sequence[int]], rank: int) -> list[int]:
     """The ranks whose copies ``rank`` holds under ``chosen`` (:func:`choose_partners`)."""
     return [r for r, ps in enumerate(chosen) if rank in ps]
 
-
-# -- replication ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class HeldCopy:
