@@ -34,8 +34,6 @@ class DDPBucketLayout:
     Examples:
         .. code-block:: python
 
-            from fault_tolerant_handlers import DDPBucketLayout
-
             ddp = idist.auto_model(model)       # or DistributedDataParallel(model)
             to_save = {"model": model, "optimizer": optimizer, "trainer": trainer, "loader": loader,
                        "ddp": DDPBucketLayout(ddp)}
@@ -46,7 +44,6 @@ class DDPBucketLayout:
     .. warning::
         Load it before the first step of the new DDP. Wrong: loading the checkpoint from a handler of
         ``Events.ITERATION_STARTED`` after a step trained. Correct: before ``trainer.run``.
-
     """
 
     def __init__(self, ddp: Any) -> None:
