@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from . import adapters
 from .core import hooks, recoveries
-from .data import recovery as data
+from .data import compat_dataloader, live, snapshots
 from .detect import watchdog, writes
 from .launchers import compat_torchrun, reports, signals
 from .recover import inplace, keeper
@@ -65,19 +65,19 @@ WIRING: tuple[tuple[Any, ...], ...] = (
     (hooks.RECOVERED, recoveries._record),
     # -- the steps of a recovery in place, in the order the recovery reaches them -------------------------
     (hooks.BEGIN, compat_torchrun.begin_recovery),  # keep the first rendezvous's store
-    (hooks.CAPTURE_LIVE, data.capture_live),  # this rank's live state of the failed attempt, or why none
-    (hooks.SETTLE_LIVE, data.settle_live),  # hold what the next attempt resumes from
+    (hooks.CAPTURE_LIVE, live.capture_live),  # this rank's live state of the failed attempt, or why none
+    (hooks.SETTLE_LIVE, live.settle_live),  # hold what the next attempt resumes from
     # Ignite's Checkpoint.load_objects resolves the live state's name (a keeper's replacement runs no teardown)
     (hooks.SETTLE_LIVE, adapters._resolve_live_names, TOLERATE),
     (hooks.TEAR_DOWN, compat_torchrun.forget_addresses_of_attempt),  # before the groups go: this rank's keys
     (hooks.RESET_FRAMEWORKS, adapters._reset_idist, TOLERATE),  # idist's model back to a fresh process's
     (hooks.RESET_FRAMEWORKS, adapters._resolve_live_names, TOLERATE),
     (hooks.RESET_FRAMEWORKS, _framework("lightning", "_keep_logger_versions"), TOLERATE),
-    (hooks.COLLECTED, data.reap_workers),  # DataLoader workers of the failed attempt still running
+    (hooks.COLLECTED, compat_dataloader.reap_workers),  # DataLoader workers of the failed attempt still running
     (hooks.RE_FORM, compat_torchrun.re_form),  # init_process_group is given the store under the new namespace
     (hooks.RE_FORM, reports.forget_own_file),  # torchrun: the recovered failure's file goes (a later one writes)
     (hooks.END, compat_torchrun.end_recovery),  # the first rendezvous's store forgotten
-    (hooks.END, data.end_recovery),  # the checkpoint's copy in memory and the live state forgotten
+    (hooks.END, snapshots.end_recovery),  # the checkpoint's copy in memory and the live state forgotten
     (hooks.END, _framework("lightning", "_forget_logger_versions"), TOLERATE),
     # -- providers ------------------------------------------------------------------------------------------
     (hooks.WORLD, compat_torchrun.first_rendezvous),  # the store, rank and world size a recovery's attempts share

@@ -1,8 +1,8 @@
 """Every use of torch's private API, in one place, checked against torch 2.13.0 (``torch>=2.8``).
 
 Each list of private names is looked up before its first use (:func:`check` at the first session,
-:func:`check_ddp`, :func:`check_loader`), failing with an error that names what is missing; looked
-for where used: ``mp.spawn``'s ``_wrap`` frame (:func:`spawn_error_file`), gloo's epoll loops
+:func:`check_ddp`; torch's DataLoader's in ``data/compat_dataloader.py``), failing with an error that
+names what is missing; looked for where used: ``mp.spawn``'s ``_wrap`` frame (:func:`spawn_error_file`), gloo's epoll loops
 (:func:`disarm_loops`) and ``torch.distributed``'s ``__defaults__`` (:func:`forget_destroyed_groups`).
 """
 
@@ -241,32 +241,7 @@ def use_ddp_bucket_layout(ddp: Any, layout: list[list[int]]) -> None:
             f"torch {', '.join(DDP_CHECKED_AGAINST)})")
 
 
-# -- torch's DataLoader (data/loader.py, data/_resume.py, data/_workers.py) ------------------------------
-#: torch's private DataLoader names the restartable loader uses (torch 2.13.0, torchdata 0.11): a
-#: module's or class's name, or an instance attribute the method named first sets.
-_LOADER_REQUIRED = (
-    ("DataLoader", "_index_sampler"),  # the batch indices of an epoch (a property)
-    ("DataLoader.__init__", "_IterableDataset_len_called"),
-    ("DataLoader.__init__", "_iterator"),  # a persistent iterator (torchdata's loader too)
-    ("dataloader", "_SingleProcessDataLoaderIter"),
-    ("dataloader", "_MultiProcessingDataLoaderIter"),
-    ("_MultiProcessingDataLoaderIter.__init__", "_workers"),
-    ("_MultiProcessingDataLoaderIter.__init__", "_worker_result_queue"),
-    ("_MultiProcessingDataLoaderIter.__init__", "_worker_pids_set"),
-    ("_MultiProcessingDataLoaderIter.__init__", "_shutdown"),
-    ("_MultiProcessingDataLoaderIter.__init__", "_data_queue"),
-    ("_BaseDataLoaderIter.__init__", "_pin_memory"),
-    ("_BaseDataLoaderIter.__init__", "_timeout"),
-    ("_MultiProcessingDataLoaderIter._reset", "_rcvd_idx"),
-    ("_MultiProcessingDataLoaderIter._reset", "_task_info"),
-    ("_MultiProcessingDataLoaderIter", "_reset"),
-    ("_MultiProcessingDataLoaderIter", "_try_get_data"),
-    ("_MultiProcessingDataLoaderIter", "_get_data"),
-    ("_MultiProcessingDataLoaderIter", "_shutdown_workers"),
-    ("signal_handling", "_remove_worker_pids"),
-)
-
-
+# -- the one check of every list of private names ---------------------------------------------------
 def lacking(required: tuple, objects: dict) -> list[str]:
     """Each ``(owner, name)`` that ``objects[owner]`` lacks (an owner ``"Class.method"`` not in
     ``objects``: that method's code names it): the one check of every list of private names."""
@@ -277,49 +252,6 @@ def lacking(required: tuple, objects: dict) -> list[str]:
         if not (code is not None and name in code.co_names if method else hasattr(objects[cls], name)):
             missing.append(f"{owner} ({name})" if method else f"{owner}.{name}")
     return missing
-
-
-def check_loader() -> None:
-    """Raise ``RuntimeError`` naming every private DataLoader name this torch lacks."""
-    from torch.utils.data import DataLoader, _utils, dataloader
-
-    objects = {"DataLoader": DataLoader, "dataloader": dataloader, "signal_handling": _utils.signal_handling,
-               **{name: getattr(dataloader, name, None) for name in ("_BaseDataLoaderIter", "_MultiProcessingDataLoaderIter")}}
-    if missing := lacking(_LOADER_REQUIRED, objects):
-        raise RuntimeError(f"RestartableDataLoader needs torch's {', '.join(missing)}, which torch {torch.__version__} "
-                           f"does not have (checked against torch {', '.join(CHECKED_AGAINST)})")
-
-
-def index_sampler(loader: Any) -> Any:
-    """The loader's batch indices of an epoch (its batch sampler, or its sampler without batching)."""
-    return loader._index_sampler
-
-
-def received(it: Any) -> int:
-    """How many batches torch's multi-process iterator has handed out in order."""
-    return it._rcvd_idx
-
-
-def in_flight(it: Any) -> set[int]:
-    """The batch indices torch's multi-process iterator has sent to workers and not handed out."""
-    return set(it._task_info)
-
-
-def shut_down(it: Any, default: bool) -> bool:
-    """torch's iterator was shut down (``default``: it was never started)."""
-    return it.__dict__.get("_shutdown", default)
-
-
-def worker_pids(it: Any) -> list[int]:
-    """The pids of the running workers of torch's iterator."""
-    return [w.pid for w in it.__dict__.get("_workers", ()) if w.pid is not None and w.exitcode is None]
-
-
-def single_process_iter(loader: Any) -> Any:
-    """torch's iterator of a loader without workers."""
-    from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
-
-    return _SingleProcessDataLoaderIter(loader)
 
 
 # -- gloo's event loop ----------------------------------------------------------------------------------

@@ -1,11 +1,7 @@
-"""Sharded state (``DTensor``: FSDP2, tensor parallelism, Lightning's ``ModelParallelStrategy``; any
-tensor subclass without memory of its own), and snapshots of one rank's part of such a state.
-
-Every path of the library that reads a tensor's bytes asks :func:`unbacked` first and refuses such a
-tensor, naming its type. :func:`take_snapshot` copies a rank's state dict (``DTensor`` values' local
-shards) once into one CPU buffer with a CRC-32 over it and its manifest (bounded JSON, never pickle:
-the bytes may come from a peer); :func:`restore` refuses one whose checksum or manifest is bad.
-"""
+"""Sharded state (``DTensor``, or any tensor subclass without memory of its own: :func:`unbacked`,
+which every path reading a tensor's bytes asks first), and snapshots of one rank's part of it: one CPU
+buffer with a CRC-32 over it and its bounded-JSON manifest (never pickle: the bytes may come from a
+peer), which :func:`restore` refuses when either is bad."""
 
 from __future__ import annotations
 
@@ -65,8 +61,7 @@ def memory(t: torch.Tensor) -> memoryview:
 
 
 def find(obj: Any, path: str = "state", depth: int = 0) -> tuple[str, str] | None:
-    """``(path, why)`` of the first sharded tensor (:func:`unbacked`) in a nested state (dicts,
-    lists, tuples), or ``None``."""
+    """``(path, why)`` of the first sharded tensor (:func:`unbacked`) in a nested state, or ``None``."""
     if isinstance(obj, torch.Tensor):
         return (path, why) if (why := unbacked(obj)) else None
     if depth > structure.MAX_DEPTH or not isinstance(obj, (dict, list, tuple)):
@@ -79,8 +74,8 @@ def find(obj: Any, path: str = "state", depth: int = 0) -> tuple[str, str] | Non
 
 @dataclass
 class Snapshot:
-    """One rank's state at one step: ``payload`` (1-D uint8, CPU) holds every tensor's bytes, ``manifest``
-    (JSON) how to rebuild them; ``checksum``: a CRC-32 over both (``None`` until :meth:`seal`)."""
+    """One rank's state at one step: every tensor's bytes in ``payload`` (1-D uint8, CPU), how to rebuild
+    them in ``manifest`` (JSON), a CRC-32 over both in ``checksum`` (``None`` until :meth:`seal`)."""
 
     rank: int
     step: int
@@ -112,8 +107,8 @@ def _placement(p: Any, path: str) -> list:
 
 
 def _describe(state: Any, rng: Any = None) -> tuple[list, list[dict], list[torch.Tensor]]:
-    """``([structure of state, of rng], leaves, tensors)``: each structure (:mod:`.structure`) with a
-    tensor as ``{"T": index}`` into ``leaves`` (how to rebuild it) and ``tensors`` (its local shard)."""
+    """``([structure of state, of rng], leaves, tensors)``: a tensor as ``{"T": index}`` into ``leaves``
+    (how to rebuild it) and ``tensors`` (its local shard)."""
     leaves: list[dict] = []
     tensors: list[torch.Tensor] = []
 
@@ -145,18 +140,11 @@ def _describe(state: Any, rng: Any = None) -> tuple[list, list[dict], list[torch
 
 def take_snapshot(state: Any, step: int, rank: int, *, seal: bool = True,
                   buffer: torch.Tensor | None = None, rng: tuple | None = None) -> Snapshot:
-    """Copy ``state`` (its ``DTensor`` values' local shards) into one contiguous CPU buffer, once.
-
-    Called on the training thread after the optimizer step: the copy is done when this returns, so
-    training may go on. ``seal=False`` leaves the CRC-32 to :meth:`Snapshot.seal` (another thread).
-    ``buffer``: a 1-D uint8 CPU tensor no one reads any more, written into when it has the size needed
-    (a fresh buffer's pages are faulted in as it is first written: 100 MB, about 60 ms against 10).
-    ``rng``: torch's RNG states of the step (``(cpu, cuda or None)``), carried beside the state
-    under the same checksum (:func:`rng_of`).
-
-    Raises:
-        TypeError: a value a snapshot cannot carry, naming its path (``state['opt']['state'][0]``).
-    """
+    """Copy ``state`` (``DTensor`` values' local shards) and ``rng`` (``(cpu, cuda or None)``) into one
+    contiguous CPU buffer, done when this returns. ``seal=False`` leaves the CRC-32 to another thread
+    (:meth:`Snapshot.seal`); ``buffer``: an unused 1-D uint8 CPU tensor to reuse if it has the size
+    (a fresh one's pages fault in as written: 100 MB, about 60 ms against 10). ``TypeError``: a value a
+    snapshot cannot carry, naming its path."""
     (tree, rng_tree), leaves, tensors = _describe(state, rng)
     offset = 0
     for leaf in leaves:
@@ -204,11 +192,7 @@ def read_manifest(data: bytes, payload_bytes: int) -> dict:
 
 
 def rng_of(snap: Snapshot) -> tuple | None:
-    """The RNG states ``snap`` carries (:func:`take_snapshot`'s ``rng``), or ``None``.
-
-    Raises:
-        SnapshotChecksumError, ManifestError: see :func:`restore`.
-    """
+    """The RNG states ``snap`` carries (:func:`take_snapshot`'s ``rng``), or ``None``; raises as :func:`restore`."""
     rng = restore(snap, part="rng")
     if rng is not None and not (type(rng) is tuple and len(rng) == 2 and isinstance(rng[0], torch.Tensor)):
         raise ManifestError(f"the snapshot's RNG states are malformed: {str(rng)[:200]}")
@@ -267,12 +251,8 @@ def local_shards(state: Any) -> list[tuple[str, torch.Tensor]]:
 
 def rebuild(state: Any, objects: Iterable[Any]) -> Any:
     """``state`` as ``objects`` load it: a :class:`Snapshot` restored on the mesh and device of the first
-    ``DTensor`` parameter of a module among ``objects`` (or their ``.model``: ``ShardedState``).
-
-    Raises:
-        TypeError: a snapshot, and no sharded model among ``objects``.
-        SnapshotChecksumError, ManifestError: see :func:`restore`.
-    """
+    ``DTensor`` parameter of a module among ``objects`` (or their ``.model``). ``TypeError``: no sharded
+    model among them; else raises as :func:`restore`."""
     if not isinstance(state, Snapshot):
         return state
     objects = list(objects)

@@ -1,3 +1,3 @@
-"""The restartable DataLoader (:mod:`.loader` and its private modules) and checkpoint discovery
-(:mod:`.checkpoints`). They stand on :mod:`..core` only. What the data layer does in a recovery in
-place (:mod:`.recovery`) is wired in :mod:`..wiring`."""
+"""The restartable DataLoader (:mod:`.loader`), checkpoint discovery (:mod:`.checkpoints`) and what a
+recovery in place keeps in memory (:mod:`.live`, :mod:`.snapshots`), on :mod:`..core` only; their
+recovery steps are wired in :mod:`..wiring`."""

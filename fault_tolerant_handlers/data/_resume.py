@@ -1,13 +1,7 @@
-"""Where an epoch of a ``RestartableDataLoader`` is, as a small snapshot, and how to go back there (private).
-
-As torchdata's ``StatefulDataLoader``: the snapshot names the epoch and the batches yielded in it;
-``load_state_dict`` stores it, and the next ``iter()`` resumes there. Map-style: ``_Capture`` records
-what decides an epoch's order at its sampler's first draw (a ``DistributedSampler``'s epoch, the
-loader's and samplers' ``torch.Generator`` states, torch's global RNG only when a sampler may use it,
-borrowed and given back); a resume puts those back and draws the first ``batches_yielded`` index
-batches (indices only). The workers' base seed is not restored. Iterable datasets: torchdata's state
-after the last yielded batch. Everything is a plain type or a ``uint8`` tensor (``weights_only=True``).
-"""
+"""Where a pass of a ``RestartableDataLoader`` is, as a small snapshot of plain types, and how to go
+back there (docs/recovering.md): map-style, what decided the pass's order at its sampler's first draw
+(sampler epoch, generator states, torch's global RNG when a sampler may use it), and a resume draws
+the batches already yielded again (indices only); iterable datasets, torchdata's state."""
 
 from __future__ import annotations
 
@@ -18,7 +12,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
-from ..core import compat_torch as _compat_torch
+from . import compat_dataloader as _compat
 
 #: Version of the snapshot layout; ``load_state_dict`` refuses others.
 STATE_VERSION = 1
@@ -95,14 +89,11 @@ class _Capture:
         return next(self._source)
 
 
-def epoch_source(loader) -> _Capture:
-    """The sampler iterator of a new epoch, recording its starting point at its first draw."""
-    return _Capture(loader, iter(_compat_torch.index_sampler(loader)))
-
-
-def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
-    """The sampler iterator of the snapshot's epoch, positioned after its ``batches_yielded`` batches
-    (the sampler epoch and generators put back first; the global RNG borrowed and restored)."""
+def source(loader, snapshot: Mapping[str, Any] | None) -> _Capture:
+    """The sampler iterator of a new pass (its starting point recorded at its first draw), or of the
+    snapshot's, after its ``batches_yielded`` batches (the global RNG borrowed and given back)."""
+    if snapshot is None:
+        return _Capture(loader, iter(_compat.index_sampler(loader)))
     owner = sampler_epoch_owner(loader)
     if snapshot["sampler_epoch"] is not None and owner is not None:
         owner.set_epoch(snapshot["sampler_epoch"])
@@ -111,7 +102,7 @@ def resume_source(loader, snapshot: Mapping[str, Any]) -> Iterator[Any]:
     if snapshot["global_rng"] is not None:
         torch.set_rng_state(snapshot["global_rng"])
     try:
-        source = iter(_compat_torch.index_sampler(loader))
+        source = iter(_compat.index_sampler(loader))
         skipped = sum(1 for _ in itertools.islice(source, snapshot["batches_yielded"]))
         ahead = list(itertools.islice(source, 1))  # the sampler's draws happen here, not in a worker later
     finally:

@@ -1,20 +1,6 @@
-"""Finding the newest checkpoint to resume from, the same on every rank (:func:`find`, behind
-:func:`fault_tolerant_handlers.latest_checkpoint`; docs/recovering.md).
-
-A :class:`Source` is what is looked at: folders, a name prefix, the keys a load needs. Files ending in
-``.pt``, ``.pth`` or ``.ckpt`` count, and distributed checkpoints' directories once complete (DCP's
-``.metadata`` written, and Lightning's ``meta.pt`` for a ``.ckpt`` directory); newest means the latest
-modification time, a tie going to the larger step in the name. A file is checked by its zip CRCs, then
-``torch.load(weights_only=True, mmap=True)`` for its keys (a complete file the restricted unpickler
-refuses is left to the framework's load); torn and temporary files are skipped with a warning.
-
-Every rank gets the same answer: with a process group (or torchrun's store) each rank publishes its
-request under a key naming the attempt and the call, rank 0 compares them and publishes one verdict
-(a path, ``None``, or an error naming each rank's folder, or the ranks that did not call within
-``FTH_CKPT_AGREE_TIMEOUT_SEC``). Only store keys, bounded bytes decoded as UTF-8, never a collective.
-While live state is held (:mod:`.live`) the answer is its name, ``live-state-step=<step>.pt``, with no
-exchange: every rank holds the state of the step they agreed on.
-"""
+"""Finding the newest complete checkpoint to resume from, the same on every rank (:func:`find`, behind
+:func:`fault_tolerant_handlers.latest_checkpoint`; docs/recovering.md): rank 0 decides and answers every
+rank through the store (bounded bytes, never a collective); while live state is held, its name."""
 
 from __future__ import annotations
 
@@ -52,16 +38,9 @@ _warned_missing: set[str] = set()  # folders already named as missing (once per 
 
 @dataclass(frozen=True)
 class Source:
-    """Where to look and what a usable file is.
-
-    Attributes:
-        folders: the folders searched together (the newest file among them wins).
-        label: how messages name it; compared across ranks, so it is built from absolute paths.
-        prefix: a file's name must start with it (``""``: any name).
-        required_keys: top-level keys the load needs; a file without one is skipped with a warning.
-        compared: this rank's request must match rank 0's (``False`` where the framework writes on
-            rank 0 only, Ignite's ``DiskSaver``: another rank's folder is never read).
-    """
+    """Where to look (``folders``, names starting with ``prefix``) and what a usable file holds
+    (``required_keys``); ``label`` names it in messages and is compared across ranks when ``compared``
+    (``False`` where rank 0 alone writes, Ignite's ``DiskSaver``)."""
 
     folders: tuple[Path, ...]
     label: str
@@ -148,8 +127,7 @@ def check_file(path: Path, required_keys: tuple[str, ...] = ()) -> str | None:
 
 
 def _is_distributed(path: Path) -> bool:
-    """A directory that is (or was being written as) a distributed checkpoint: DCP's metadata or
-    shards in it, or a name a checkpoint file would have (Lightning's sharded ``epoch=0-step=10.ckpt``)."""
+    """A directory that is (or was being written as) a distributed checkpoint (Lightning's: ``*.ckpt``)."""
     if path.suffix in SUFFIXES or (path / DCP_METADATA).exists():
         return True
     try:
@@ -159,8 +137,8 @@ def _is_distributed(path: Path) -> bool:
 
 
 def check_dir(path: Path) -> str | None:
-    """``None`` if the directory ``path`` is a complete distributed checkpoint (DCP's ``.metadata``, not
-    loaded, and for a ``.ckpt`` directory Lightning's ``meta.pt`` written after it), else why not."""
+    """``None`` if the directory ``path`` is a complete distributed checkpoint (DCP's ``.metadata``, and
+    for a ``.ckpt`` directory Lightning's ``meta.pt`` written after it), else why not."""
     try:
         metadata = path / DCP_METADATA
         if not metadata.is_file() or metadata.stat().st_size == 0:
@@ -177,8 +155,7 @@ def check_dir(path: Path) -> str | None:
 
 
 def _mtime_ns(path: Path) -> int:
-    """When a checkpoint was completed: a file's modification time; a directory's, of what was
-    written last in it (its metadata)."""
+    """When a checkpoint was completed (a directory: its metadata's modification time)."""
     if path.is_dir():
         times = [p.stat().st_mtime_ns for p in (path / LIGHTNING_META, path / DCP_METADATA) if p.exists()]
         return max(times, default=path.stat().st_mtime_ns)
@@ -186,8 +163,8 @@ def _mtime_ns(path: Path) -> int:
 
 
 def candidates(source: Source) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """The files and directories of ``source``'s folders that may be checkpoints, newest first, and the
-    temporary ones skipped (with why). Missing folders give nothing."""
+    """The files and directories of ``source``'s folders that may be checkpoints, newest first (the
+    larger step in the name on a tie), and the temporary ones skipped, with why."""
     found, skipped = [], []
     for folder in source.folders:
         if not folder.is_dir():
@@ -349,8 +326,7 @@ def _medium() -> tuple[dist.Store, int, int] | None:
 
 
 def find(source: Source) -> str | None:
-    """The newest usable checkpoint of ``source`` (or the live state's name, or ``None``), the same on
-    every rank; see the module."""
+    """The newest usable checkpoint of ``source`` (or the live state's name, or ``None``), the same on every rank."""
     name = live.latest_checkpoint_answer(source.folders[0])  # every rank holds it: no exchange
     if name is not None:
         return name

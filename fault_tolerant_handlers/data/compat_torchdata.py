@@ -1,5 +1,5 @@
 """Every use of torchdata's private API (checked against torchdata 0.11.0): torchdata's ``StatefulDataLoader``
-on the hardened iterator of :mod:`._workers`, for a ``RestartableDataLoader`` over an ``IterableDataset``
+on the hardened iterator of :mod:`.compat_dataloader`, for a ``RestartableDataLoader`` over an ``IterableDataset``
 with workers; imported when one is made, and a torchdata that lacks a name below fails there, naming it."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from typing import TypeVar
 import torchdata
 from torchdata.stateful_dataloader import StatefulDataLoader, stateful_dataloader
 
-from ..core.compat_torch import lacking
-from ._workers import _Hardened, construct
+from .compat_dataloader import _Hardened, construct, hardened_context, lacking, len_called
 
 _REQUIRED = (("stateful_dataloader", "_StatefulMultiProcessingDataLoaderIter"),
              ("StatefulDataLoader.__iter__", "_get_iterator"),  # overridden below
@@ -37,3 +36,16 @@ class InnerStatefulLoader(StatefulDataLoader[_T_co]):
         it = construct(StatefulWorkersIter, self, self.next_iter_state)
         self.next_iter_state = None
         return it
+
+    def start_pass(self, outer, method: str) -> None:
+        """A pass of ``outer`` (the ``RestartableDataLoader``) begins: ``len(outer)`` asked counts here too
+        (torch's "samples have been fetched" warning); new workers are started with ``method``."""
+        self._IterableDataset_len_called = len_called(outer)
+        if not (outer.persistent_workers and self._iterator is not None):
+            self.multiprocessing_context = hardened_context(method)
+
+    def iterator(self):
+        return self._iterator
+
+    def drop_iterator(self) -> None:
+        self._iterator = None

@@ -1,12 +1,7 @@
-"""Distributed checkpoints (``torch.distributed.checkpoint``, DCP) of sharded models, framework-neutral.
-
-:class:`ShardedState` makes a model and its optimizers one checkpointable object (torch's
-``get_state_dict`` / ``set_state_dict``). :func:`save_dcp` / :func:`load_dcp` write and read what
-:class:`~fault_tolerant_handlers.ignite.DCPSaver` saves: entries holding sharded tensors through DCP,
-the others (the engine's counters, the loader's position) in ``rank<r>.pt`` per rank, written before
-DCP's ``.metadata`` (written last: a directory holding it is complete). Loading at another world size
-is refused.
-"""
+"""Distributed checkpoints (``torch.distributed.checkpoint``, DCP) of sharded models, framework-neutral
+(docs/sharded.md): :class:`ShardedState`, and :func:`save_dcp` / :func:`load_dcp` for what
+:class:`~fault_tolerant_handlers.ignite.DCPSaver` saves: sharded entries through DCP, the others in a
+``rank<r>.pt`` per rank, written before DCP's ``.metadata`` (last: a directory holding it is complete)."""
 
 from __future__ import annotations
 
@@ -70,9 +65,8 @@ class ShardedState:
 
 def load_shards(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer], model_state: Mapping[str, Any],
                 optimizer_states: Iterable[Mapping[str, Any]]) -> None:
-    """Load this rank's shards into ``model`` and each optimizer (torch's ``set_model_state_dict`` /
-    ``set_optimizer_state_dict``; the states as ``get_model_state_dict`` / ``get_optimizer_state_dict``
-    give them: keyed by parameter name, ``DTensor`` values; a fresh optimizer can be loaded into). No collective."""
+    """Load this rank's shards (as torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` give
+    them) into ``model`` and each optimizer, a fresh one too. No collective."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     set_model_state_dict(model, model_state)
@@ -87,10 +81,8 @@ def _rank() -> tuple[int, int]:
 
 
 def save_dcp(checkpoint: Mapping[str, Any], directory: str | os.PathLike) -> None:
-    """Write ``checkpoint`` (a dict of states, as Ignite's ``Checkpoint`` hands its saver) into
-    ``directory`` (made beforehand, shared by the ranks). Collective: every rank, same order. The
-    entries holding sharded tensors go through ``torch.distributed.checkpoint.save``, the others to
-    this rank's ``rank<r>.pt`` first (DCP's ``.metadata``, written last, then marks it complete)."""
+    """Write ``checkpoint`` (a dict of states, as Ignite's ``Checkpoint`` hands its saver) into the
+    shared ``directory``, made beforehand. Collective: every rank, same order."""
     import torch.distributed.checkpoint as dcp
 
     rank, world = _rank()
@@ -103,10 +95,8 @@ def save_dcp(checkpoint: Mapping[str, Any], directory: str | os.PathLike) -> Non
 
 def load_dcp(to_load: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Load a distributed checkpoint (a directory :class:`~fault_tolerant_handlers.ignite.DCPSaver`
-    wrote) into the objects of ``to_load`` (the ``to_save`` dict of the ``Checkpoint`` that wrote
-    it), as Ignite's ``Checkpoint.load_objects`` does for a file. Collective: every rank. After a
-    recovery in place, ``path`` may be the name ``latest_checkpoint`` gave for live state: each rank
-    loads its own shard's snapshot (:func:`.live.take`), not a file.
+    wrote) into the objects of ``to_load``, as Ignite's ``Checkpoint.load_objects`` does for a file.
+    Collective: every rank. The name ``latest_checkpoint`` gave for live state loads each rank's own.
 
     Raises:
         FileNotFoundError: ``path`` is not a complete distributed checkpoint (no ``.metadata``, or no

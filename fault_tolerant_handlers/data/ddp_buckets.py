@@ -1,11 +1,5 @@
-"""A DDP model's bucket layout, saved with the checkpoint: a resumed run reduces its first iteration
-as the uninterrupted run reduced that iteration (why: docs/recovering.md, "At any world size").
-
-A new ``DistributedDataParallel`` reduces its first iteration in its initial buckets and later ones in
-buckets rebuilt from the first backward's order; from 3 ranks on gloo then sums in another order and
-the resumed run differs in the last bits. :class:`DDPBucketLayout` keeps the rebuilt layout (lists of
-parameter indices) and gives it back to the new DDP before its first step.
-"""
+"""A DDP model's bucket layout, saved with the checkpoint, so that a resumed run reduces its first
+iteration in the buckets the uninterrupted run had rebuilt (docs/recovering.md, "At any world size")."""
 
 from __future__ import annotations
 
@@ -21,13 +15,10 @@ __all__ = ["DDPBucketLayout"]
 class DDPBucketLayout:
     """The bucket layout of a ``DistributedDataParallel`` model, as a checkpointable object.
 
-    ``state_dict()`` returns ``{"buckets": [[index, ...], ...]}``: the parameter indices of each
-    bucket the DDP reduces in from its second iteration on (``None`` before it rebuilt them, and
-    with ``find_unused_parameters=True``, whose first buckets stay). ``load_state_dict`` gives the
-    DDP a reducer built with those buckets, so that its first iteration already reduces in them: call
-    it before the first training step (Ignite's ``Checkpoint.load_objects`` before ``trainer.run``).
-    The Lightning and Ignite ``FaultTolerance`` do this by themselves; with a loop of your own, put it
-    in the checkpoint beside the model.
+    ``state_dict()`` is ``{"buckets": [[index, ...], ...]}``, the parameter indices of each rebuilt
+    bucket (``None`` before, and with ``find_unused_parameters=True``); ``load_state_dict`` gives the
+    DDP a reducer built with them. The Ignite and Lightning ``FaultTolerance`` do this by themselves;
+    with a loop of your own, put it in the checkpoint beside the model.
 
     Args:
         ddp: the ``torch.nn.parallel.DistributedDataParallel`` model (what ``idist.auto_model``
@@ -43,8 +34,6 @@ class DDPBucketLayout:
     Examples:
         .. code-block:: python
 
-            from fault_tolerant_handlers import DDPBucketLayout
-
             ddp = idist.auto_model(model)       # or DistributedDataParallel(model)
             to_save = {"model": model, "optimizer": optimizer, "trainer": trainer, "loader": loader,
                        "ddp": DDPBucketLayout(ddp)}
@@ -55,7 +44,6 @@ class DDPBucketLayout:
     .. warning::
         Load it before the first step of the new DDP. Wrong: loading the checkpoint from a handler of
         ``Events.ITERATION_STARTED`` after a step trained. Correct: before ``trainer.run``.
-
     """
 
     def __init__(self, ddp: Any) -> None:

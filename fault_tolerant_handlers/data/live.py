@@ -1,14 +1,7 @@
-"""Live state: after a failure, carry on from the state the surviving processes hold, at the step they
-last completed, instead of the newest checkpoint (docs/recovering.md, "Live state").
-
-While :func:`~fault_tolerant_handlers.recover_in_place` runs, the adapters keep a little bookkeeping per
-step (:class:`StepTracker`: small state at each step's end, torch's RNG at each start and end, whether an
-optimizer update began since) and, when the loop fails, capture what its checkpoint would hold
-(:class:`Captured`: the failed attempt's own tensors, trusted only if nothing changed them since the
-step completed; a sharded model's shard copied to a checksummed CPU snapshot). The recovery collects
-it (:func:`collect`), the ranks agree, and the next attempt gets it where it asks for a checkpoint: :func:`latest_checkpoint_answer` names it (:data:`..core.phases.LIVE_NAME`, no such
-file), :func:`take` hands it over. ``FTH_LIVE_STATE=0`` turns it off.
-"""
+"""Live state: after a failure, carry on from the state the surviving processes hold at the step they
+last completed, instead of the newest checkpoint (docs/recovering.md, "Live state"): a
+:class:`StepTracker` per loop, its capture when it fails (:func:`collect`), and the held state handed
+to the next attempt under the name :func:`latest_checkpoint_answer` gives (:func:`take`)."""
 
 from __future__ import annotations
 
@@ -24,8 +17,8 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..core import attempts, config, sharded
-from ..core.hooks import log
-from ..core.phases import LIVE_NAME, Captured  # the recovery hands a capture between ranks: its type is the core's
+from ..core.hooks import first_line, log
+from ..core.phases import LIVE_NAME, Captured, RecoveryState  # a capture travels between ranks: the core's type
 
 
 class NotLive(Exception):
@@ -33,7 +26,7 @@ class NotLive(Exception):
 
 
 def enabled() -> bool:
-    """Live state is kept: a recovery in place runs here and ``FTH_LIVE_STATE`` is not ``0``."""
+    """A recovery in place runs here and ``FTH_LIVE_STATE`` is not ``0``."""
     return attempts.recovering() and config.settings().live_state
 
 
@@ -61,14 +54,10 @@ def _rng_state() -> tuple:
 
 
 class StepTracker:
-    """Per-step bookkeeping of one training loop, on its training thread (owned by an adapter).
-
-    Args:
-        modules: the modules whose buffers the capture trusts (their versions are compared).
-        update_at_pre_hook: an optimizer update begins when ``optimizer.step`` is called (Ignite);
-            ``False``: when the adapter says so (:meth:`update_begins`: Lightning, whose
-            ``optimizer.step`` first runs the closure with the training step).
-    """
+    """Per-step bookkeeping of one training loop on its training thread: small state at each step's
+    end, torch's RNG at each start, whether an optimizer update began since. ``modules``: whose buffers'
+    versions are compared; ``update_at_pre_hook``: an update begins at ``optimizer.step`` (Ignite),
+    else at :meth:`update_begins` (Lightning, whose ``optimizer.step`` first runs the training step)."""
 
     def __init__(self, modules: Iterable[torch.nn.Module], *, update_at_pre_hook: bool) -> None:
         self.update_at_pre_hook = update_at_pre_hook
@@ -88,7 +77,7 @@ class StepTracker:
             _trackers.append(self)
 
     def close(self) -> None:
-        """Stop tracking (the loop ended, or the attempt did); the optimizer hooks go with the last."""
+        """Stop tracking; the optimizer hooks go with the last tracker."""
         with _lock:
             if self in _trackers:
                 _trackers.remove(self)
@@ -101,7 +90,6 @@ class StepTracker:
         self.updating = True
 
     def start_step(self, after: int) -> None:
-        """The step after step ``after`` begins: torch's RNG as it starts."""
         self.rng = (after, _rng_state())
 
     def complete(self, step: int, small: dict[str, Any], *, initial: bool = False) -> None:
@@ -139,7 +127,7 @@ _completed: int | None = None  # the failed attempt's last completed step (its c
 
 
 def register(capture: Callable[[], Captured]) -> None:
-    """An adapter's loop runs: ``capture()`` gives its state (or raises :class:`NotLive`)."""
+    """A loop runs: ``capture()`` gives its state (or raises :class:`NotLive`)."""
     if capture not in _capturers:
         _capturers.append(capture)
 
@@ -150,8 +138,7 @@ def unregister(capture: Callable[[], Captured]) -> None:
 
 
 def capture_now(capture: Callable[[], Captured]) -> None:
-    """The loop failed: capture its state now, before its framework's exception path tears anything
-    down. The last capture of an attempt is kept (a trainer's after its evaluator's)."""
+    """The loop failed: capture its state before its framework tears anything down (the last kept)."""
     global _captured
     try:
         captured = capture()
@@ -162,12 +149,11 @@ def capture_now(capture: Callable[[], Captured]) -> None:
     except NotLive as why:
         _captured = why
     except Exception as err:  # noqa: BLE001 - a capture that fails: the checkpoint serves
-        _captured = NotLive(f"capturing it failed: {type(err).__name__}: {str(err)[:200]}")
+        _captured = NotLive(f"capturing it failed: {type(err).__name__}: {first_line(err)}")
 
 
 def collect() -> Captured:
-    """The failed attempt's capture (raises :class:`NotLive` saying why there is none); the adapters'
-    registrations end with it."""
+    """The failed attempt's capture, or :class:`NotLive` saying why none; the registrations end here."""
     global _captured, _completed
     try:
         if not config.settings().live_state:
@@ -188,10 +174,22 @@ def collect() -> Captured:
     return captured
 
 
+def capture_live(state: RecoveryState) -> RecoveryState:
+    """``CAPTURE_LIVE``: this rank's live state of the failed attempt, or why there is none."""
+    copies = replica_copies()  # the replicas stopped first: nothing sent or received from here on
+    try:
+        return replace(state, live=collect(), live_why="", copies=copies)
+    except NotLive as why:
+        return replace(state, live=None, live_why=str(why), copies=copies)
+
+
+def settle_live(state: RecoveryState) -> None:
+    """``SETTLE_LIVE``: the next attempt resumes from ``state.live`` (``None``: from what it loads itself)."""
+    hold(state.live, getattr(state.plan, "why", "") or "")
+
+
 def replica_copies() -> tuple:
-    """The loop failed: the threads of every tracked loop's :attr:`StepTracker.replicas` told to stop
-    (their group goes with the teardown's) and the shard snapshots they hold (partners' copies and this
-    rank's own); once, since the trackers end with :func:`collect` or :func:`forget`."""
+    """The loop failed: every tracked loop's shard replicas stopped, and the snapshots they hold."""
     return tuple(snap for t in list(_trackers) if t.replicas is not None for snap in t.replicas.abort())
 
 
@@ -207,8 +205,7 @@ def _key(path: str | os.PathLike) -> str:
 
 
 def hold(captured: Captured | None, why: str = "") -> None:
-    """Every rank agreed: the next attempt resumes from ``captured`` (``None``: from what it loads
-    itself, because of ``why``)."""
+    """The next attempt resumes from ``captured`` (``None``: from what it loads, because of ``why``)."""
     global _held, _handed, _fallback
     with _lock:
         _held = None if captured is None else ("", captured)
@@ -222,7 +219,7 @@ def held() -> Captured | None:
 
 
 def latest_checkpoint_answer(dirname: str | os.PathLike) -> str | None:
-    """What ``latest_checkpoint(dirname)`` answers while live state is held, whatever the directory, else ``None``."""
+    """What ``latest_checkpoint(dirname)`` answers while live state is held, else ``None``."""
     global _held
     with _lock:
         if _held is None:
@@ -238,14 +235,13 @@ def _held_as(path: str | os.PathLike) -> bool:
 
 
 def newest(path: str | os.PathLike) -> Any | None:
-    """The live state for ``path`` (a name :func:`latest_checkpoint_answer` gave), without taking it."""
+    """The live state for ``path`` (a name :func:`latest_checkpoint_answer` gave), not taken."""
     with _lock:
         return _held[1].state if _held_as(path) else None
 
 
 def _hand_over(how: str) -> Captured:
-    """Under the lock: the held state, handed over once; its RNG states are put back when the step
-    after it starts (:func:`restore_rng`)."""
+    """Under the lock: the held state, handed over once (its RNG armed for :func:`restore_rng`)."""
     global _held, _handed, _armed_rng
     captured, _held = _held[1], None
     _handed = (captured, how)
@@ -254,9 +250,8 @@ def _hand_over(how: str) -> Captured:
 
 
 def take(path: str | os.PathLike, objects: Iterable[Any] = ()) -> Any | None:
-    """The live state for ``path`` (a name :func:`latest_checkpoint_answer` or :func:`substitute`
-    gave), handed over once, as ``objects`` (what it is loaded into) take it (:func:`..core.sharded.rebuild`);
-    ``None`` for any other path. Whether it was restored is told when the loop starts (:func:`loop_starts`)."""
+    """The live state for ``path`` (a name :func:`latest_checkpoint_answer` or :func:`substitute` gave),
+    handed over once, as ``objects`` load it (:func:`..core.sharded.rebuild`); ``None`` for another path."""
     global _how
     with _lock:
         if not _held_as(path):
@@ -271,8 +266,8 @@ _how: str | None = None  # how the name :func:`substitute` gave is loaded
 
 
 def substitute(path: str | os.PathLike | None, what: str) -> str | None:
-    """An adapter is about to load ``path`` (``None``: nothing): the live state's name to load instead
-    while it is held and ``path`` is not that name, else ``None``. ``what``: the loading, for the log."""
+    """An adapter is about to load ``path`` (``None``: nothing): the held live state's name to load
+    instead, else ``None``. ``what``: the loading, for the log."""
     global _held, _how
     with _lock:
         if _held is None or (path is not None and _held_as(path)):
@@ -286,10 +281,8 @@ def substitute(path: str | os.PathLike | None, what: str) -> str | None:
 
 def loop_starts(unit: str, position: Callable[[], int], restore: Callable[[Any], str] | None,
                 why_not: str = "") -> None:
-    """The next attempt's loop starts (after the script loaded what it loads): tell, once, what it
-    carries on from. Live state the script did not take is restored by ``restore(state)`` (which says
-    into what); without ``restore`` a WARNING says why not (``why_not``) and where the loop starts.
-    ``position()``: the loop's step now."""
+    """The next attempt's loop starts: tell, once, what it carries on from (``position()``: its step).
+    Live state the script did not take is restored by ``restore(state)``, or a WARNING says why not."""
     global _held, _handed, _fallback
     with _lock:
         pending = _hand_over("restored") if _held is not None and restore is not None else None
@@ -327,8 +320,8 @@ def _tell(captured: Captured, now: int, how: str) -> None:
 
 
 def restore_rng(after: int) -> bool:
-    """The step after step ``after`` starts: put back torch's RNG as the failed attempt had it there,
-    once, if live state was loaded for step ``after``. Returns whether it did."""
+    """The step after ``after`` starts: torch's RNG put back as the failed attempt had it, once, if
+    live state of step ``after`` was loaded; whether it was."""
     global _armed_rng
     armed = _armed_rng
     if armed is None:

@@ -1,12 +1,6 @@
 """A DataLoader whose workers can die: it starts new ones and resumes at the exact next batch
-(docs/dataloader.md).
-
-Map-style datasets: the loader iterates the sampler itself, once per epoch as torch does, and sends
-the index batches not yet yielded again, in order, to the new workers (the sampler is never
-re-iterated). Iterable datasets: torchdata's ``StatefulDataLoader`` snapshots every worker's dataset
-state after each batch, and new workers start from the last one (:mod:`.compat_torchdata`). An exception
-raised by the dataset's own code is a bug, not a death: it propagates unchanged, not retried.
-"""
+(docs/dataloader.md, "How": map-style batches not yet yielded are sent again; iterable datasets
+resume from torchdata's snapshot, :mod:`.compat_torchdata`)."""
 
 from __future__ import annotations
 
@@ -23,15 +17,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from . import _resume
-from ..core import compat_torch as _compat_torch
+from . import compat_dataloader as _compat
 from ..core.hooks import log
-from ._workers import (
-    TorchWorkersIter,
-    WorkerLost,
-    construct,
-    describe_exit,
-    hardened_context,
-)
+from .compat_dataloader import LoaderView, TorchWorkersIter, WorkerLost, construct, describe_exit, hardened_context
 
 __all__ = ["DataLoaderRestartError", "RestartableDataLoader", "WorkerRestart", "make_restartable"]
 
@@ -47,24 +35,15 @@ class WorkerRestart:
     """One restart of a loader's workers (``loader.restarts`` holds them in order).
 
     Attributes:
-        epoch: the loader's pass: how many times it had been iterated before (0 for its first
-            ``iter()``). Not the training epoch: a peek ``next(iter(loader))`` or an evaluator run
-            over the training loader is a pass too; ``sampler_epoch`` is the training epoch as the
-            sampler was told it.
-        batch_index: index, within the pass, of the batch the loader resumed at (the first batch
-            that was not yet yielded when the worker was lost).
-        worker_id, worker_pid: the worker that was lost.
-        signal: ``"SIGKILL"`` when it was killed by a signal, else ``None``.
-        exitcode: its exit code (negative: killed by that signal), ``None`` for a stall.
-        reason: ``"killed by SIGKILL"``, ``"exited with code 1"`` or ``"stalled for more than 5 s"``.
-        detected_at: wall-clock time the loss was seen (``time.time()``).
-        restart_seconds: from detection to the new workers being started.
-        recovery_seconds: from detection to the next batch yielded (``None`` until then).
+        epoch: the loader's pass (``iter()`` calls before it), not the training epoch: that is
+            ``sampler_epoch``, what ``set_epoch`` was given (``None`` without ``set_epoch``).
+        batch_index: the batch of the pass it resumed at (the first not yet yielded).
+        worker_id, worker_pid, signal, exitcode, reason: the worker lost and how (``"SIGKILL"``,
+            ``-9``, ``"killed by SIGKILL"``; a stall: exit code ``None``, ``"stalled for more than 5 s"``).
+        detected_at: ``time.time()`` when it was seen; ``restart_seconds``: from then to the new
+            workers started; ``recovery_seconds``: to the next batch (``None`` until then).
         start_method: how the new workers were started (``"fork"``, ``"spawn"``, ...).
-        also_lost: the other workers found dead at the same restart, as ``(worker_id, pid, reason)``
-            (two workers ended together, e.g. by the OOM killer: one restart replaces both).
-        sampler_epoch: the epoch given to the sampler's ``set_epoch`` (a ``DistributedSampler``:
-            what the training loop calls its epoch), ``None`` without such a sampler.
+        also_lost: ``(worker_id, pid, reason)`` of other workers lost with it (one restart for all).
     """
 
     epoch: int
@@ -100,8 +79,7 @@ class WorkerRestart:
 
 
 def where(pass_index: int, batch: int, sampler_epoch: int | None) -> str:
-    """A position in the loader's words: ``batch 8 of pass 5 (set_epoch(2))``. The loader counts
-    ``iter()`` calls (passes), not training epochs; the sampler's epoch is the training loop's."""
+    """A position in the loader's words: ``batch 8 of pass 5 (set_epoch(2))``."""
     told = f" (set_epoch({sampler_epoch}))" if sampler_epoch is not None else ""
     return f"batch {batch} of pass {pass_index + 1}{told}"
 
@@ -110,8 +88,7 @@ class DataLoaderRestartError(RuntimeError):
     """Raised when a worker is lost and the loader's ``max_restarts`` budget is already spent.
 
     Attributes:
-        restarts: every restart made, in order, followed by the loss that could not be restarted
-            (its ``restart_seconds`` is 0).
+        restarts: every restart made, then the loss that was not restarted.
         max_restarts: the budget.
     """
 
@@ -151,57 +128,31 @@ class RestartableDataLoader(DataLoader[_T_co]):
         max_restarts: how many times, over the loader's lifetime, workers may be restarted
             (``int >= 0``, default 3). One more loss raises :class:`DataLoaderRestartError`.
         restart_start_method: how restarted workers are started: ``"fork"``, ``"spawn"``,
-            ``"forkserver"``, or ``None`` (default) for automatic: the start method of an explicit
-            ``multiprocessing_context`` if one was given, otherwise ``"fork"`` where the platform
-            has it and CUDA is not initialized in this process (a spawned worker re-imports torch:
-            seconds instead of tens of milliseconds), otherwise the default start method.
+            ``"forkserver"``, or ``None`` (default): an explicit ``multiprocessing_context``'s,
+            else ``"fork"`` where available and CUDA is not initialized, else the default.
 
-    Public state read by the Ignite / Lightning adapters:
-
-    * ``restarts``: list of :class:`WorkerRestart`, in order.
-    * ``restart_count``: ``len(restarts)``.
+    ``restarts`` lists every :class:`WorkerRestart` in order; ``restart_count`` is its length.
 
     Examples:
         .. code-block:: python
 
-            loader = RestartableDataLoader(dataset, batch_size=32, shuffle=True, num_workers=4,
-                                           generator=torch.Generator().manual_seed(0), max_restarts=5)
+            loader = RestartableDataLoader(dataset, batch_size=32, shuffle=True, num_workers=4, max_restarts=5)
             for batch in loader:       # a worker SIGKILLed here is replaced; no batch lost or repeated
                 train_step(batch)
-            print(loader.restart_count, loader.restarts)
 
     Raises:
         TypeError, ValueError: for a bad ``max_restarts`` / ``restart_start_method`` (and whatever
-            ``DataLoader`` itself refuses). ``in_order=False`` is accepted: map-style batches come
-            as workers finish them, each exactly once across restarts; an ``IterableDataset``'s
-            come in order (a restart resumes from torchdata's snapshot, kept only in order).
+            ``DataLoader`` itself refuses).
         DataLoaderRestartError: from ``next()``, when the budget is spent.
     """
 
-    def __init__(
-        self,
-        dataset,
-        batch_size: int | None = 1,
-        shuffle: bool | None = None,
-        sampler=None,
-        batch_sampler=None,
-        num_workers: int = 0,
-        collate_fn=None,
-        pin_memory: bool = False,
-        drop_last: bool = False,
-        timeout: float = 0,
-        worker_init_fn=None,
-        multiprocessing_context=None,
-        generator=None,
-        *,
-        prefetch_factor: int | None = None,
-        persistent_workers: bool = False,
-        pin_memory_device: str = "",
-        in_order: bool = True,
-        max_restarts: int = 3,
-        restart_start_method: str | None = None,
-    ) -> None:
-        _compat_torch.check_loader()  # every private name of torch's it uses, named if this torch lacks one
+    def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
+                 batch_sampler=None, num_workers: int = 0, collate_fn=None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
+                 generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "", in_order: bool = True, max_restarts: int = 3,
+                 restart_start_method: str | None = None) -> None:
+        _compat.check()  # every private name of torch's it uses, named if this torch lacks one
         _check_arguments(max_restarts, restart_start_method)
         torch_args = dict(locals())  # DataLoader's arguments, as given
         for name in ("self", "__class__", "max_restarts", "restart_start_method"):
@@ -220,8 +171,6 @@ class RestartableDataLoader(DataLoader[_T_co]):
         self._fth_pending = None  # resume: a snapshot from load_state_dict(), used by the next iter()
         self._fth_restored = None  # resume: that snapshot and the pass started from it (a peek gives it back)
 
-    # -- public -----------------------------------------------------------------------------------
-
     @property
     def restart_count(self) -> int:
         """How many times workers were restarted over the loader's lifetime."""
@@ -232,18 +181,11 @@ class RestartableDataLoader(DataLoader[_T_co]):
         """The pids of the workers currently serving this loader (for diagnostics and tests)."""
         run = self._fth_run() if self._fth_run is not None else None
         it = getattr(run, "it", None)
-        return [] if it is None or _compat_torch.shut_down(it, True) else _compat_torch.worker_pids(it)
-
-    # -- resume (state_dict / load_state_dict) ---------------------------------------------------
+        return [] if it is None or _compat.shut_down(it, True) else _compat.worker_pids(it)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the current epoch is: a small snapshot of plain types (no sample data).
-
-        As torchdata's ``StatefulDataLoader``: the epoch and the number of batches yielded in it,
-        plus what decides the epoch's order (sampler epoch, generator states). Taken between two
-        batches, it resumes at the next one; taken after the last batch of an epoch, the next
-        ``iter()`` starts the next epoch. Loadable with ``torch.load(..., weights_only=True)``.
-        """
+        """Where the current pass is, as torchdata's ``StatefulDataLoader`` gives it: the batches
+        yielded and what decides the order (plain types, ``torch.load(..., weights_only=True)``)."""
         if self._fth_pending is not None:  # loaded and not iterated yet: the same snapshot
             return dict(self._fth_pending)
         run = self._fth_run() if self._fth_run is not None else None
@@ -258,7 +200,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
             return _resume.iterable_state(run.epoch, run.yielded, run.finished, run.state)
         finished = run.finished
         try:
-            if not finished and run.yielded >= len(_compat_torch.index_sampler(self)):
+            if not finished and run.yielded >= len(_compat.index_sampler(self)):
                 # every batch taken, the end not yet seen: draw the sampler to its end, as next() would
                 for _ in run.capture:
                     pass
@@ -302,10 +244,8 @@ class RestartableDataLoader(DataLoader[_T_co]):
             run = _MapRun(self, epoch, pending)
         self._fth_run = weakref.ref(run)  # an abandoned epoch's workers still go when it is dropped
         if pending is not None:
-            self._fth_restored = run.restored = _Restored(pending, run)
+            self._fth_restored = run.restored = _Restored(pending, weakref.ref(run))
         return run
-
-    # -- internals --------------------------------------------------------------------------------
 
     def _fth_peeked(self, restored: "_Restored") -> dict[str, Any] | None:
         """The restored snapshot again when the pass resumed from it was dropped, unsaved, after at most
@@ -315,7 +255,7 @@ class RestartableDataLoader(DataLoader[_T_co]):
             return None
         where_ = where(snapshot["epoch"], at, snapshot.get("sampler_epoch"))
         try:  # an unsized sampler's or an IterableDataset's position cannot be given back
-            length = len(_compat_torch.index_sampler(self)) if snapshot["kind"] == "map" else None
+            length = len(_compat.index_sampler(self)) if snapshot["kind"] == "map" else None
         except TypeError:
             length = None
         if length is not None:
@@ -380,7 +320,7 @@ class _FeedSource:
     Holds the index sampler, never the loader (no cycle through a persistent iterator)."""
 
     def __init__(self, loader: RestartableDataLoader, feed: Iterator[Any]) -> None:
-        self.sampler = _compat_torch.index_sampler(loader)
+        self.sampler = _compat.index_sampler(loader)
         self.feed = feed  # a persistent iterator's is replaced by each epoch's
 
     def __iter__(self) -> Iterator[Any]:
@@ -390,30 +330,15 @@ class _FeedSource:
         return len(self.sampler)
 
 
-class _LoaderView:
-    """What torch's iterator reads from its loader, with three attributes replaced (lent for one call)."""
-
-    def __init__(self, loader, index_sampler, ctx, generator) -> None:
-        self._loader = loader
-        self._index_sampler = index_sampler
-        self.multiprocessing_context = ctx
-        self.generator = generator
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-
+@dataclass(eq=False)
 class _Restored:
-    """A snapshot given to ``load_state_dict`` and what the pass resumed from it did (private)."""
+    """A snapshot given to ``load_state_dict`` and what the pass resumed from it did."""
 
-    __slots__ = ("snapshot", "run", "taken", "finished", "saved")
-
-    def __init__(self, snapshot: dict[str, Any], run: "_Run") -> None:
-        self.snapshot = snapshot
-        self.run = weakref.ref(run)
-        self.taken = 0  # batches the pass yielded
-        self.finished = False  # it reached the end of its data
-        self.saved = False  # state_dict() was taken after it moved: a checkpoint holds its progress
+    snapshot: dict[str, Any]
+    run: weakref.ref  # the pass
+    taken: int = 0  # batches the pass yielded
+    finished: bool = False  # it reached the end of its data
+    saved: bool = False  # state_dict() was taken after it moved: a checkpoint holds its progress
 
 
 class _Run:
@@ -439,20 +364,6 @@ class _Run:
         if it is None or not name.startswith("_") or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(it, name)
-
-    def _ended(self) -> None:
-        self.finished = True
-        if self.restored is not None:
-            self.restored.finished = True
-
-    def _after_yield(self) -> None:
-        self.yielded += 1
-        if self.restored is not None:
-            self.restored.taken += 1
-        if self.loader.restarts:
-            last = self.loader.restarts[-1]
-            if last.recovery_seconds is None:
-                last.recovery_seconds = time.time() - last.detected_at
 
     def _lost(self, lost: WorkerLost, it) -> None:
         """Kill what is left of ``it`` (unless ``construct`` did), record the restart (or raise), log it."""
@@ -490,7 +401,9 @@ class _Run:
             try:
                 data = next(it)
             except StopIteration:
-                self._ended()
+                self.finished = True
+                if self.restored is not None:
+                    self.restored.finished = True
                 raise
             except BaseException as exc:
                 dead = None if isinstance(exc, WorkerLost) else getattr(it, "fth_dead_worker", lambda: None)()
@@ -501,7 +414,12 @@ class _Run:
                 self._commit(it, mark, failed=exc)  # the dataset's own error: not retried
                 raise
             self._commit(it, mark, failed=None)
-            self._after_yield()
+            self.yielded += 1
+            if self.restored is not None:
+                self.restored.taken += 1
+            last = self.loader.restarts[-1] if self.loader.restarts else None
+            if last is not None and last.recovery_seconds is None:
+                last.recovery_seconds = time.time() - last.detected_at
             return data
 
     def _mark(self, it) -> Any:
@@ -513,17 +431,17 @@ class _MapRun(_Run):
         super().__init__(loader, epoch, pending)
         self.resumed = pending is not None
         # the sampler is iterated once per epoch, as torch does (a resume draws its first batches here)
-        self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
+        self.capture = _resume.source(loader, pending)
         self.feed = _Feed(self.capture)
         self.source = _FeedSource(loader, self.feed)
         persistent = loader._fth_persistent if loader.persistent_workers else None
-        if persistent is not None and _compat_torch.shut_down(persistent, False):
+        if persistent is not None and _compat.shut_down(persistent, False):
             persistent = loader._fth_persistent = None  # shut down from outside: start afresh
         if persistent is not None:
             persistent.fth_source.feed = self.feed
             try:
-                view = _LoaderView(loader, persistent.fth_source, loader.multiprocessing_context, loader.generator)
-                persistent._reset(view, first_iter=False)
+                view = LoaderView(loader, persistent.fth_source, loader.multiprocessing_context, loader.generator)
+                _compat.reset(persistent, view)
                 self.it = persistent
                 self.source = persistent.fth_source
             except WorkerLost as lost:
@@ -545,7 +463,7 @@ class _MapRun(_Run):
                 method = loader._fth_first_method()
                 # a resumed epoch: the loader's generator is already where the sampler left it
                 generator = torch.Generator() if self.resumed else loader.generator
-            view = _LoaderView(loader, self.source, hardened_context(method), generator)
+            view = LoaderView(loader, self.source, hardened_context(method), generator)
             try:
                 it = construct(TorchWorkersIter, view)
             except WorkerLost as lost:  # a worker died while the iterator was being built
@@ -560,18 +478,18 @@ class _MapRun(_Run):
             return
 
     def _mark(self, it) -> tuple:
-        return _compat_torch.received(it), None if self.loader.in_order else _compat_torch.in_flight(it)
+        return _compat.received(it), None if self.loader.in_order else _compat.in_flight(it)
 
     def _commit(self, it, mark: tuple, failed: BaseException | None) -> None:
         """The batches received are no longer to send again (a failed one is consumed, as with torch)."""
         before, in_flight = mark
         if in_flight is not None:  # in_order=False: whichever came back
-            done = in_flight - _compat_torch.in_flight(it)
+            done = in_flight - _compat.in_flight(it)
             self.feed.commit_tasks(done)
             self.yielded += len(done) if failed else 0
         elif failed:
-            self.feed.commit(_compat_torch.received(it) - before)
-            self.yielded += _compat_torch.received(it) - before
+            self.feed.commit(_compat.received(it) - before)
+            self.yielded += _compat.received(it) - before
         else:
             self.feed.commit()
 
@@ -595,10 +513,7 @@ class _IterableRun(_Run):
                 **{name: getattr(loader, name) for name in same}, snapshot_every_n_steps=1,
                 multiprocessing_context=hardened_context(loader._fth_first_method()))
         self.sdl = loader._fth_stateful
-        # len(loader) was asked of the outer loader: torch's "samples have been fetched" warning
-        self.sdl._IterableDataset_len_called = loader._IterableDataset_len_called
-        if not (loader.persistent_workers and self.sdl._iterator is not None):
-            self.sdl.multiprocessing_context = hardened_context(loader._fth_first_method())
+        self.sdl.start_pass(loader, loader._fth_first_method())
         self.state = None
         if pending is not None and pending.get("torchdata") is not None:
             self.sdl.load_state_dict(pending["torchdata"])  # resume: torchdata restores the workers' position
@@ -607,7 +522,7 @@ class _IterableRun(_Run):
     def _restart(self, it, restart: bool = True) -> None:
         while True:
             if restart:
-                self.sdl._iterator = None
+                self.sdl.drop_iterator()
                 self.sdl.multiprocessing_context = hardened_context(self.loader._fth_restart_method())
                 if self.state is not None:
                     self.sdl.load_state_dict(self.state)
@@ -616,7 +531,7 @@ class _IterableRun(_Run):
                 if self.state is None:
                     self.state = self.it.state_dict()
             except WorkerLost as lost:
-                self._lost(lost, self.sdl._iterator)
+                self._lost(lost, self.sdl.iterator())
                 restart = True
                 continue
             self._started()
@@ -631,9 +546,9 @@ class _SingleRun(_Run):
 
     def __init__(self, loader: RestartableDataLoader, epoch: int, pending: dict | None) -> None:
         super().__init__(loader, epoch, pending)
-        self.capture = _resume.resume_source(loader, pending) if pending is not None else _resume.epoch_source(loader)
+        self.capture = _resume.source(loader, pending)
         generator = torch.Generator() if pending is not None else loader.generator
-        self.it = _compat_torch.single_process_iter(_LoaderView(loader, _FeedSource(loader, self.capture), None, generator))
+        self.it = _compat.single_process_iter(LoaderView(loader, _FeedSource(loader, self.capture), None, generator))
 
     def _commit(self, it, mark: None, failed: BaseException | None) -> None:
         self.yielded += isinstance(failed, Exception)  # the dataset's own error: that batch is consumed, as with torch

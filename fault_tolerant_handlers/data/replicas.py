@@ -1,22 +1,7 @@
-"""Each rank's shard of a sharded model kept in a partner's CPU memory, checksummed (issue 42, first piece).
-
-With FSDP2 (``fully_shard``, ``DTensor``) each rank holds the only copy of its shard. Here:
-
-* :func:`choose_partners`: which ranks hold a copy of each rank's shard: the rank at the same place
-  on the next host(s) of a ring over hosts (NVIDIA's resiliency extension's clique rule, ranks
-  ``replication_jump`` = ranks-per-host apart), another rank of the same host only when there is no
-  other host (logged).
-* :class:`ShardReplicas`: after each ``replicate_every``-th optimizer step, the snapshot
-  (:func:`..core.sharded.take_snapshot`) is copied on the caller's thread and sent to the partners
-  from a background thread on a gloo group of its own, while another thread receives the copies this
-  rank holds, checks each and acknowledges it. The step's RNG states travel in the snapshot. At the
-  start of the next step the training thread waits, bounded (:meth:`~ShardReplicas.wait_home`), until
-  every partner acknowledged the copy: a failure in that step finds the copy of the step before it.
-
-A recovery in place takes what a rank holds with :meth:`ShardReplicas.abort` before it tears the
-groups down: a rank lost with its process gets its shard back from a partner's copy
-(:mod:`..recover.live_state`; docs/sharded.md).
-"""
+"""Each rank's shard of a sharded model (FSDP2) kept in a partner's CPU memory, checksummed, so that a
+rank lost with its process gets its shard back (docs/sharded.md, "Shards in a peer's memory"):
+:func:`choose_partners` picks the partners, :class:`ShardReplicas` sends each ``replicate_every``-th
+step's snapshot from a thread of its own and receives the copies it holds."""
 
 from __future__ import annotations
 
@@ -36,27 +21,17 @@ import torch.distributed as dist
 from ..core.hooks import log
 from ..core.sharded import MAX_MANIFEST_BYTES, ManifestError, Snapshot, memory, take_snapshot
 
-#: The header sent before each snapshot: format tag, rank, step, manifest bytes, payload bytes, CRC-32.
-_HEADER = 6
+_HEADER = 6  # sent before each snapshot: format tag, rank, step, manifest bytes, payload bytes, CRC-32
 _TAG = 0x46544853  # "FTHS"
 _STOP = -1
-#: The tag of the acknowledgement a holder sends back for each copy (the step it now holds, -1: refused).
-_ACK = 1
+_ACK = 1  # the tag of a holder's acknowledgement of each copy (the step it now holds, -1: refused)
 
-
-# -- partner choice -------------------------------------------------------------------------------
 
 def choose_partners(hosts: Sequence[str], partners: int = 1) -> list[tuple[int, ...]]:
-    """For each rank (``hosts[r]`` is rank ``r``'s host), the ranks that hold a copy of its shard.
-
-    Copy ``k`` (1-based) of a rank at place ``i`` on its host goes to the rank at place ``i`` (modulo
-    that host's ranks) of the ``k``-th next host in a ring over the hosts, in order of first
-    appearance: one host's ranks' copies are on other hosts. Copies beyond the other hosts go to other
-    ranks of the same host, then to any rank left. Pure (the log line is the only side effect).
-
-    Raises:
-        ValueError: ``partners`` not in ``1 .. len(hosts) - 1``.
-    """
+    """For each rank (``hosts[r]`` is rank ``r``'s host), the ranks that hold a copy of its shard:
+    copy ``k`` of the rank at place ``i`` on its host goes to place ``i`` of the ``k``-th next host in a
+    ring over the hosts (NVIDIA's clique rule); copies beyond the other hosts go to the same host's
+    ranks (logged), then to any. ``ValueError``: ``partners`` not in ``1 .. len(hosts) - 1``."""
     world = len(hosts)
     if not 1 <= partners < max(world, 2) or world < 2:
         raise ValueError(f"choose_partners(partners={partners!r}): valid 1 .. world size - 1 "
@@ -74,12 +49,7 @@ def choose_partners(hosts: Sequence[str], partners: int = 1) -> list[tuple[int, 
         candidates = ([ranks[local % len(ranks)] for ranks in ring]
                       + [own[(local + j) % len(own)] for j in range(1, len(own))]
                       + list(range(world)))
-        picked: list[int] = []
-        for c in candidates:
-            if c != rank and c not in picked:
-                picked.append(c)
-            if len(picked) == partners:
-                break
+        picked = list(dict.fromkeys(c for c in candidates if c != rank))[:partners]
         same_host += sum(hosts[p] == host for p in picked)
         chosen.append(tuple(picked))
     if same_host:
@@ -94,8 +64,6 @@ def held_by(chosen: Sequence[Sequence[int]], rank: int) -> list[int]:
     return [r for r, ps in enumerate(chosen) if rank in ps]
 
 
-# -- replication ----------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class HeldCopy:
     """What :meth:`ShardReplicas.held` reports per rank whose copy this rank holds."""
@@ -107,16 +75,13 @@ class HeldCopy:
 
 @dataclass
 class _Stats:
-    #: snapshots sealed and sent to every partner still reachable
+    """Snapshots sent and received; ``replaced`` before they were sent; copies ``refused`` (checksum);
+    steps that started ``late`` (a copy not yet held) and the seconds ``waited`` for them."""
     sent: int = 0
     received: int = 0
-    #: snapshots replaced before they were sent (the previous send was still going)
     replaced: int = 0
-    #: copies received whose checksum did not match (the older copy was kept)
     refused: int = 0
-    #: steps at whose start the previous copy was not held by every partner (:meth:`ShardReplicas.wait_home`)
     late: int = 0
-    #: seconds the training thread waited in :meth:`ShardReplicas.wait_home`, in all
     waited: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -124,8 +89,8 @@ class _Stats:
 class ShardReplicas:
     """Keep this rank's shard in its partners' CPU memory, and theirs in this rank's.
 
-    Made on every rank (collective: it gathers hostnames and makes a gloo group). Call :meth:`step`
-    after every optimizer step, on every rank; :meth:`stop` on every rank at the end.
+    Made on every rank (collective: a gloo group of its own). Call :meth:`step` after every optimizer
+    step and :meth:`stop` at the end, on every rank.
 
     Args:
         hosts: each rank's host (``hosts[r]``); default: every rank's ``socket.gethostname()``, gathered.
@@ -189,10 +154,8 @@ class ShardReplicas:
             self._threads.append(thread)
 
     def step(self, state: Any, step: int, rng: tuple | None = None) -> bool:
-        """After the optimizer step ``step``: copy ``state`` and ``rng`` (torch's RNG states of the step,
-        :func:`..core.sharded.rng_of`) every ``replicate_every``-th step and hand them to the sending
-        thread; returns at once after the copy (``True`` when one was taken). A snapshot still waiting
-        to be sent is replaced by this one (``stats.replaced``)."""
+        """After the optimizer step ``step``: every ``replicate_every``-th step, copy ``state`` and ``rng``
+        (the step's RNG states) for the sending thread, replacing one not yet sent; whether it did."""
         if not self.enabled or step % self.replicate_every:
             return False
         with self._cond:
@@ -209,12 +172,9 @@ class ShardReplicas:
         return True
 
     def wait_home(self) -> bool:
-        """A step starts: wait (``wait`` at most) until every partner holds the newest snapshot handed
-        to :meth:`step` (received, its checksum matched, acknowledged), so that a failure in this step
-        finds the copy of the step before it there. ``False`` when one does not: counted
-        (``stats.late``), logged at WARNING the first time; a failure then resumes a step earlier. A
-        send still going after a wait ran out (a holder that stopped receiving: its acknowledgement
-        comes at the group's timeout) is not waited for again until it ends: one wait, not one a step."""
+        """A step starts: wait (``wait`` at most) until every partner acknowledged the newest snapshot,
+        so that a failure in this step finds it; ``False`` when one did not (``stats.late``, logged
+        once). A send still going after a wait ran out is not waited for again until it ends."""
         if not self.enabled or not self.wait:
             return True
         start = time.monotonic()
@@ -259,9 +219,7 @@ class ShardReplicas:
 
     def stop(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         """Send what is pending, tell the partners this rank sends no more, wait for the threads
-        (every rank calls it: each receiver ends when every rank it holds has said so). A held rank
-        that died is seen by the receiving thread only at the group's ``timeout`` (gloo's receive from
-        any rank does not end when one connection closes): until then this waits, ``timeout`` at most."""
+        (``timeout`` at most: a dead held rank is seen only at the group's timeout). Every rank calls it."""
         if not self.enabled or self._stopping:
             return
         with self._cond:
@@ -277,11 +235,8 @@ class ShardReplicas:
             dist.destroy_process_group(self._group)
 
     def abort(self) -> list[Snapshot]:
-        """A failure: the threads are told to stop and not waited for (a dead partner's would block
-        until the group's timeout); nothing they receive from here on is kept. Their group goes with
-        the recovery's teardown (``destroy_process_group()``). Returns the snapshots held: this rank's
-        own two newest sealed ones (a partner may not have the newest yet), then each copy held (each
-        checked again where it is used)."""
+        """A failure: the threads told to stop, not waited for (their group goes with the recovery's
+        teardown). Returns the snapshots held: this rank's two newest, then each copy held."""
         if not self.enabled:
             return []
         with self._cond:
@@ -292,8 +247,7 @@ class ShardReplicas:
 
     def _send_loop(self) -> None:
         """Seal each pending snapshot (it becomes :meth:`own`) and send it to every partner still
-        reachable; a partner whose send failed (gone: its connection closed, or the group's timeout)
-        is sent nothing more (logged once), and this rank's snapshots go on being sealed."""
+        reachable; one whose send failed is sent nothing more (logged once)."""
         live = list(self.to)
         while True:
             with self._cond:
@@ -400,7 +354,6 @@ class ShardReplicas:
 
 
 def _unused(snap: Snapshot | None) -> bool:
-    """True if nothing but the caller's one name refers to ``snap`` and its payload (no caller of
-    :meth:`ShardReplicas.own` or :meth:`~ShardReplicas.copy_of` kept it): its buffer can be written
-    again. CPython's reference counts: the argument and the caller's name make 3 for ``snap``."""
+    """True if only the caller's one name refers to ``snap`` and its payload, whose buffer can then be
+    written again (CPython's reference counts: the argument and the caller's name make 3)."""
     return snap is not None and sys.getrefcount(snap) <= 3 and sys.getrefcount(snap.payload) <= 2

@@ -1,12 +1,6 @@
-"""The newest checkpoint kept in this process's memory, so that recovering in place does not read it
-back from (shared) storage.
-
-While :func:`~fault_tolerant_handlers.recover_in_place` runs, every checkpoint the library sees being
-written (Ignite's ``SafeDiskSaver``, Lightning's ``ModelCheckpoint`` through the callback, on every
-rank) is also copied into memory (tensors cloned to CPU, the rest deep-copied); only the newest is
-kept. :func:`load_checkpoint` hands it over once for the path ``latest_checkpoint`` names; anything
-else reads the file. Outside ``recover_in_place`` nothing is copied; ``FTH_SNAPSHOT=0`` turns it off.
-"""
+"""The newest checkpoint kept in this process's memory while a recovery in place runs, so that the
+recovery does not read it back from storage: :func:`keep` copies each one the adapters see written,
+:func:`load_checkpoint` hands it over once (docs/recovering.md)."""
 
 from __future__ import annotations
 
@@ -21,6 +15,7 @@ from typing import Any
 import torch
 
 from ..core import attempts, config, sharded
+from ..core.phases import RecoveryState
 from ..core.hooks import log
 from . import live
 
@@ -34,8 +29,7 @@ _warned_sharded = False
 
 
 def enabled() -> bool:
-    """A copy is kept: a recovery in place runs here, and ``FTH_SNAPSHOT`` is not ``0`` (checked with
-    the other settings when a session starts)."""
+    """A recovery in place runs here and ``FTH_SNAPSHOT`` is not ``0``."""
     return attempts.recovering() and config.settings().snapshot
 
 
@@ -56,8 +50,7 @@ def _copy(obj: Any, sizes: list[int]) -> Any:
 
 
 def keep(path: str | os.PathLike, checkpoint: Any) -> bool:
-    """``checkpoint`` is being written to ``path``: keep a copy (the newest only) while a recovery
-    in place runs. Never raises: a checkpoint that cannot be copied is simply read from the file."""
+    """``checkpoint`` is being written to ``path``: keep a copy (the newest only). Never raises."""
     global _newest, last_cost, _warned_sharded
     try:
         if not enabled():
@@ -96,9 +89,15 @@ def forget() -> None:
         _newest = None
 
 
+def end_recovery(state: RecoveryState) -> None:
+    """``END``: the newest checkpoint's copy in memory and the live state: no attempt will read them now."""
+    forget()
+    live.forget()
+
+
 def newest(path: str | os.PathLike, *, take: bool = False) -> Any | None:
-    """The copy kept for ``path`` (or the live state, :mod:`.live`, for the name it answers to), or
-    ``None``; ``take``: handed over once (forgotten here: the loader may update its tensors in place)."""
+    """The copy kept for ``path`` (or the live state for its name), or ``None``; ``take``: handed over
+    once (the loader may update its tensors in place)."""
     global _newest
     state = live.take(path) if take else live.newest(path)
     if state is not None:
@@ -120,10 +119,8 @@ def take(path: str | os.PathLike) -> Any | None:
 
 
 def load_checkpoint(path: str | os.PathLike, **torch_load_kwargs: Any) -> Any:
-    """The checkpoint at ``path``: after a recovery in place, the live state when ``path`` is the name
-    ``latest_checkpoint`` gave for it, or this process's copy in memory when it keeps the newest
-    checkpoint (each handed over once, :func:`take`); else ``torch.load(path, **torch_load_kwargs)``
-    (a second recovery before the next checkpoint reads the file).
+    """The checkpoint at ``path``: after a recovery in place, the live state or this process's copy
+    in memory, each handed over once; else ``torch.load(path, **torch_load_kwargs)``.
 
     Raises:
         TypeError: ``path`` is not a str or os.PathLike.

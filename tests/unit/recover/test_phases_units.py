@@ -19,7 +19,7 @@ import fault_tolerant_handlers
 from fault_tolerant_handlers.adapters import compat_ignite
 from fault_tolerant_handlers.core import attempts, hooks
 from fault_tolerant_handlers.core.phases import RecoveryState
-from fault_tolerant_handlers.data import recovery as data_recovery
+from fault_tolerant_handlers.data import compat_dataloader
 from fault_tolerant_handlers.launchers import compat_torchrun
 from fault_tolerant_handlers.recover.agree import cause_of
 from fault_tolerant_handlers.recover.inplace import _Recovery
@@ -193,7 +193,7 @@ def test_the_adapters_steps_are_tolerated_the_data_layers_are_not(one_rank_group
     def stuck() -> list:
         raise OSError("a worker that cannot be joined")
 
-    monkeypatch.setattr(data_recovery.multiprocessing, "active_children", stuck)
+    monkeypatch.setattr(compat_dataloader.multiprocessing, "active_children", stuck)
     recovery, timings = _recovery(one_rank_group)
     with pytest.raises(OSError, match="cannot be joined"):  # as when the recovery reaped them itself
         recovery._teardown(timings)

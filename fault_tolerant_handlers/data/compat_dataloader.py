@@ -1,25 +1,14 @@
-"""Worker processes that can die without taking the main process with them (private).
-
-The iterators here are torch's ``_MultiProcessingDataLoaderIter`` (and torchdata's stateful one)
-changed from the outside:
-
-* their worker pids are taken out of torch's process-wide SIGCHLD handler, which raised
-  ``RuntimeError`` wherever the main thread happened to be;
-* their ``multiprocessing.Event`` is a byte of shared memory (:class:`_SharedFlag`): a worker
-  SIGKILLed while holding the Event's lock made the main process block forever at shutdown;
-* a daemon thread (the pump) waits, with no timeout, on the workers' sentinels, the result pipe and
-  a stop pipe: a death is seen within milliseconds, and results are unpickled there while the
-  training thread computes (docs/benchmarks.md, figure 2b); a read it cannot finish strands the pump only;
-* with ``timeout > 0``, no batch within ``timeout`` is a stall of the worker that owns it.
-
-Every death or stall is raised as ``WorkerLost`` from ``next()``; ``abort()`` then SIGKILLs every
-worker by pid. The private torch names are checked in :mod:`..core.compat_torch`.
-"""
+"""Every use of torch's private DataLoader API (checked against torch 2.13.0 by :func:`check` when a
+``RestartableDataLoader`` is made, naming what a torch lacks), and torch's multiprocessing iterator
+hardened from the outside so that a worker's death or stall is raised as :class:`WorkerLost` from
+``next()`` and never hangs or kills the main process (docs/dataloader.md, "How")."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
+import multiprocessing
 import os
 import queue
 import select
@@ -30,15 +19,100 @@ import time
 from multiprocessing import context as _mpc
 from multiprocessing.connection import wait as _mp_wait
 from multiprocessing.reduction import ForkingPickler as _ForkingPickler
+from typing import Any
 
-from torch.utils.data import _utils
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+import torch
+from torch.utils.data import DataLoader, _utils, dataloader
 
 from ..core import procfs as _procfs
+from ..core.compat_torch import lacking
 from ..core.config import WORKER_POLL, WORKER_REAP
+from ..core.hooks import log
 
-#: How many files ``_fd_limit_reached`` opens to tell an exhausted descriptor table.
-FD_MARGIN = 10
+CHECKED_AGAINST = "2.13.0"
+#: What is used: a module's or class's name, or (``"Class.method"``) an attribute that method sets.
+_REQUIRED = (
+    ("DataLoader", "_index_sampler"),  # the batch indices of an epoch (a property)
+    ("DataLoader.__init__", "_IterableDataset_len_called"),
+    ("DataLoader.__init__", "_iterator"),  # a persistent iterator (torchdata's loader too)
+    ("dataloader", "_SingleProcessDataLoaderIter"),
+    ("dataloader", "_MultiProcessingDataLoaderIter"),
+    *(("_MultiProcessingDataLoaderIter.__init__", n)
+      for n in ("_workers", "_worker_result_queue", "_worker_pids_set", "_shutdown", "_data_queue")),
+    ("_BaseDataLoaderIter.__init__", "_pin_memory"),
+    ("_BaseDataLoaderIter.__init__", "_timeout"),
+    *(("_MultiProcessingDataLoaderIter._reset", n) for n in ("_rcvd_idx", "_task_info", "_workers_status")),
+    *(("_MultiProcessingDataLoaderIter", n) for n in ("_reset", "_try_get_data", "_get_data", "_shutdown_workers")),
+    ("signal_handling", "_remove_worker_pids"),
+)
+
+
+def check() -> None:
+    """Raise ``RuntimeError`` naming every private DataLoader name this torch lacks."""
+    objects = {"DataLoader": DataLoader, "dataloader": dataloader, "signal_handling": _utils.signal_handling,
+               **{name: getattr(dataloader, name, None) for name in ("_BaseDataLoaderIter", "_MultiProcessingDataLoaderIter")}}
+    if missing := lacking(_REQUIRED, objects):
+        raise RuntimeError(f"RestartableDataLoader needs torch's {', '.join(missing)}, which torch {torch.__version__} "
+                           f"does not have (checked against torch {CHECKED_AGAINST})")
+
+
+# -- what the loader reads of torch's loader and iterators -------------------------------------------------
+def index_sampler(loader: Any) -> Any:
+    """The loader's batch indices of an epoch (its batch sampler, or its sampler without batching)."""
+    return loader._index_sampler
+
+
+def received(it: Any) -> int:
+    """How many batches torch's multi-process iterator has handed out in order."""
+    return it._rcvd_idx
+
+
+def in_flight(it: Any) -> set[int]:
+    """The batch indices torch's multi-process iterator has sent to workers and not handed out."""
+    return set(it._task_info)
+
+
+def shut_down(it: Any, default: bool) -> bool:
+    """torch's iterator was shut down (``default``: it was never started)."""
+    return it.__dict__.get("_shutdown", default)
+
+
+def worker_pids(it: Any) -> list[int]:
+    """The pids of the running workers of torch's iterator."""
+    return [w.pid for w in it.__dict__.get("_workers", ()) if w.pid is not None and w.exitcode is None]
+
+
+def len_called(loader: Any) -> Any:
+    """Whether ``len(loader)`` was asked (torch's "samples have been fetched" warning of an IterableDataset)."""
+    return loader._IterableDataset_len_called
+
+
+class LoaderView:
+    """What torch's iterator reads from its loader, with the index sampler, the multiprocessing
+    context and the generator replaced (lent for one call)."""
+
+    def __init__(self, loader: Any, index_sampler: Any, ctx: Any, generator: Any) -> None:
+        self._loader = loader
+        self._index_sampler = index_sampler
+        self.multiprocessing_context = ctx
+        self.generator = generator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def single_process_iter(view: LoaderView) -> Any:
+    """torch's iterator of a loader without workers."""
+    return dataloader._SingleProcessDataLoaderIter(view)
+
+
+def reset(it: Any, view: LoaderView) -> None:
+    """A persistent iterator's next epoch, from ``view``'s index sampler."""
+    it._reset(view, first_iter=False)
+
+
+# -- the hardened iterator ---------------------------------------------------------------------------------
+FD_MARGIN = 10  # files _fd_limit_reached opens
 FD_LIMIT_MESSAGE = (
     "Too many open files. Communication with the workers is no longer possible. Please increase the "
     "limit using `ulimit -n` in the shell or change the sharing strategy by calling "
@@ -47,8 +121,7 @@ FD_LIMIT_MESSAGE = (
 
 
 def _fd_limit_reached() -> bool:
-    """Whether this process is within ``FD_MARGIN`` descriptors of its open-files limit (a batch's
-    tensors cannot be received then: torch names the cause and the cures, and so do we)."""
+    """Whether this process is within ``FD_MARGIN`` descriptors of its open-files limit (as torch tells)."""
     try:
         with contextlib.ExitStack() as stack:
             for _ in range(FD_MARGIN):
@@ -59,8 +132,7 @@ def _fd_limit_reached() -> bool:
 
 
 class _SharedFlag:
-    """``multiprocessing.Event`` without the lock: one byte of shared memory, which a worker killed at
-    any instruction cannot leave in a state that blocks anybody (torch calls ``set`` and ``is_set``)."""
+    """``multiprocessing.Event`` without the lock, which a killed worker could leave held."""
 
     def __init__(self, ctx: _mpc.BaseContext) -> None:
         self._value = ctx.RawValue("b", 0)
@@ -82,16 +154,12 @@ _CONTEXTS = {"fork": _lock_free(_mpc.ForkContext), "spawn": _lock_free(_mpc.Spaw
 
 
 def hardened_context(method: str) -> _mpc.BaseContext:
-    """A multiprocessing context for ``method`` whose ``Event()`` is lock-free."""
-    _import_what_workers_import()
-    return _CONTEXTS[method]()
-
-
-def _import_what_workers_import() -> None:
-    """torch's worker loop seeds ``numpy.random``, which numpy 2 imports lazily; an import in a worker
-    forked while another thread imported can fail (a restart for nothing): imported here once."""
+    """A multiprocessing context for ``method`` whose ``Event()`` is lock-free. torch's worker loop seeds
+    ``numpy.random``, which numpy 2 imports lazily; an import in a worker forked while another thread
+    imported can fail (a restart for nothing): imported here first."""
     if _utils.HAS_NUMPY:
         import numpy.random  # noqa: F401
+    return _CONTEXTS[method]()
 
 
 class WorkerLost(RuntimeError):
@@ -105,19 +173,16 @@ class WorkerLost(RuntimeError):
         self.kind = kind  # "died" or "stall"
         self.worker_id = worker_id
         self.detected_at = detected_at  # time.time() when it was first seen
-        #: ``[(pid, exitcode)]`` of the iterator's workers, set when the iterator was already aborted
-        self.pids: list | None = None
-        #: with ``pids``: the worker ids that had exited before that abort
-        self.exited: list[int] = []
+        self.pids: list | None = None  # [(pid, exitcode)] when the iterator was already aborted
+        self.exited: list[int] = []  # with pids: the worker ids that had exited before
 
 
 _WAKE = object()  # put in the main thread's queue by the pump to wake it at once
 
 
 class _StopPipe:
-    """The pump's stop signal, a pipe it waits on beside the sentinels: ``set()`` writes one byte (a
-    forked process may hold a copy of the write end: no end of file) and closes the write end; the
-    pump closes the read end when it ends (each end has one owner)."""
+    """The pump's stop signal: ``set()`` writes a byte (a forked child may hold the write end: no EOF)
+    and closes the write end; the pump closes the read end."""
 
     def __init__(self) -> None:
         self._r, self._w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -140,9 +205,8 @@ class _StopPipe:
 
 
 def _pump(reader, sentinels: dict, out: queue.SimpleQueue, stop: _StopPipe, exits: list) -> None:
-    """Move results, unpickled (the exception where they cannot be: a result is a tuple), from the workers' pipe
-    (``reader``; ``None``: only watch the workers) to ``out``; note every worker exit in ``exits`` and
-    wake the main thread, which decides whether it was a death. Holds no reference to the iterator."""
+    """Move results, unpickled (else the exception), from the workers' pipe (``reader``; ``None``: only
+    watch) to ``out``; note each worker exit in ``exits`` and wake the main thread, which decides."""
     sentinels = dict(sentinels)
     reader_fd = reader.fileno() if reader is not None else None
     poller = select.poll()  # registered once: a batch costs one poll() and the pipe reads
@@ -171,7 +235,7 @@ def _pump(reader, sentinels: dict, out: queue.SimpleQueue, stop: _StopPipe, exit
 
 
 class _Hardened:
-    """Mix-in over torch's / torchdata's multiprocessing iterator (see the module docstring)."""
+    """Mix-in over torch's / torchdata's multiprocessing iterator."""
 
     def _fth_setup(self) -> None:
         if self.__dict__.get("_fth_ready"):
@@ -229,8 +293,8 @@ class _Hardened:
             return (True, item)
 
     def _fth_unreadable(self, exc: BaseException) -> None:
-        """Raise for a result that cannot be unpickled: ``WorkerLost`` if a worker's exit shows within
-        ``WORKER_REAP`` (its tensors came from its fd server), else the error as it is."""
+        """A result that cannot be unpickled: ``WorkerLost`` if a worker's exit shows within
+        ``WORKER_REAP``, else the error (torch's advice when the open files ran out)."""
         end_wait = time.monotonic() + WORKER_REAP
         while time.monotonic() < end_wait:
             self._fth_check()
@@ -259,13 +323,12 @@ class _Hardened:
         return super()._shutdown_workers()
 
     def abort(self) -> list[tuple[int, int | None]]:
-        """SIGKILL every worker by pid, reap them, shut the iterator down; ``[(pid, exitcode)]``. Safe on a
-        half-constructed iterator: it never waits on anything a worker shares."""
+        """SIGKILL every worker by pid, reap them, shut down; ``[(pid, exitcode)]``. Never waits on anything
+        a worker shares (safe on a half-built iterator)."""
         stop = self.__dict__.get("_fth_stop")
         if stop is not None:
             stop.set()
         workers = list(self.__dict__.get("_workers", ()))
-        #: worker ids that had exited before this abort (two deaths seen as one restart)
         self.fth_exited_before_abort = [wid for wid, w in enumerate(workers) if w.pid is not None and _exited(w)]
         for w in workers:
             if w.pid is not None and w.exitcode is None:
@@ -288,7 +351,7 @@ class _Hardened:
         return [(w.pid, w.exitcode) for w in workers]
 
 
-class TorchWorkersIter(_Hardened, _MultiProcessingDataLoaderIter):
+class TorchWorkersIter(_Hardened, getattr(dataloader, "_MultiProcessingDataLoaderIter", object)):  # check() names it
     """torch's multiprocessing iterator, hardened (map-style datasets)."""
 
 
@@ -329,3 +392,20 @@ def describe_exit(exitcode: int | None) -> tuple[str | None, str]:
             name = f"signal {-exitcode}"
         return name, f"killed by {name}"
     return None, f"exited with code {exitcode}"
+
+
+def reap_workers(state: Any) -> None:
+    """``COLLECTED``: DataLoader workers (torch's or this package's) still running once the failed
+    attempt's loaders are collected: joined, then killed."""
+    killed, deadline = 0, time.monotonic() + WORKER_REAP
+    for child in multiprocessing.active_children():
+        target = getattr(child, "_target", None)
+        if not (getattr(target, "__module__", "") or "").startswith(("torch.utils.data", __name__.rsplit(".", 1)[0])):
+            continue
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            child.kill()
+            child.join(1.0)
+            killed += 1
+    if killed:
+        log(logging.WARNING, "killed %d DataLoader worker(s) of the failed attempt that were still running", killed)

@@ -1,5 +1,6 @@
-"""torchdata's private names, in ``data/compat_torchdata.py``: looked up when a ``RestartableDataLoader``
-over an ``IterableDataset`` with workers is made, and a torchdata that lacks one is refused there, by name."""
+"""torch's and torchdata's private DataLoader names, in ``data/compat_dataloader.py`` and
+``data/compat_torchdata.py``: looked up when a ``RestartableDataLoader`` is made (torchdata's: over an
+``IterableDataset`` with workers), and a torch or torchdata that lacks one is refused there, by name."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, dataloader
 from torchdata.stateful_dataloader import StatefulDataLoader, stateful_dataloader
 
 from fault_tolerant_handlers import data
@@ -19,6 +20,21 @@ from fault_tolerant_handlers.dataloader import RestartableDataLoader
 class Stream(IterableDataset):
     def __iter__(self):
         return iter(range(4))
+
+
+@pytest.mark.parametrize("owner, name, named", [
+    (dataloader, "_MultiProcessingDataLoaderIter", r"dataloader\._MultiProcessingDataLoaderIter, "),
+    (DataLoader, "_index_sampler", r"DataLoader\._index_sampler, "),
+    (dataloader._MultiProcessingDataLoaderIter, "_reset", r"_MultiProcessingDataLoaderIter\._reset \(_task_info\)"),
+])
+def test_a_torch_without_a_private_name_the_loader_uses_is_refused_by_name_when_the_loader_is_made(
+        monkeypatch, owner, name, named):
+    with monkeypatch.context() as patch:
+        patch.delattr(owner, name)
+        with pytest.raises(RuntimeError, match=rf"RestartableDataLoader needs torch's .*{named}.*which torch \S+ does "
+                                               r"not have \(checked against torch 2\.13\.0\)"):
+            RestartableDataLoader(range(4), batch_size=2)
+    assert list(RestartableDataLoader(range(4), batch_size=2))[1].tolist() == [2, 3]
 
 
 @pytest.mark.parametrize("owner, name, named", [
