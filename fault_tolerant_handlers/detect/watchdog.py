@@ -1,17 +1,10 @@
-"""The out-of-band watchdog (``docs/detection.md``): daemon threads that run the probes (:mod:`.probes`)
-while the main thread may be stuck in a collective, and escalate what they find.
-
-* The **store loop** (``fth-watchdog``) polls the records, self-hang and store-loss probes every
-  ``interval`` (0.1 s), on a connection of its own.
-* The **liveness process** (:mod:`.liveness`: a process, so the GIL cannot stop it) beats and watches
-  its ring successor's heartbeat.
-* The **pid loop** (``fth-pids``, only when peers share this host) sleeps in one ``poll()`` on the
-  peers' pidfds (:class:`PidWatcher`): no store traffic, no periodic wake-up.
-
-A finding about another rank starts the **escalation** (``fth-escalate``): release this process's
-collectives; then, if the main thread has not taken the failure within ``exit_grace`` (and after a
-checkpoint write under way), a **reported exit** with :data:`EXIT_PEER_FAILED`. A rank that finds
-*itself* hung publishes its stack and ends with :data:`EXIT_HUNG`.
+"""The out-of-band watchdog (``docs/detection.md``): daemon threads that poll small probes while the
+main thread may be stuck in a collective, and escalate what they find. The store loop
+(``fth-watchdog``) polls the records, self-hang and store-loss probes every ``interval``; the
+liveness helper (:mod:`.liveness`) beats; the pid loop (``fth-pids``) sleeps on same-host peers'
+pidfds. A finding about another rank releases this process's collectives, then, if the main thread
+has not taken the failure within ``exit_grace``, ends it with :data:`EXIT_PEER_FAILED`; a rank that
+finds itself hung ends with :data:`EXIT_HUNG`.
 """
 
 from __future__ import annotations
@@ -28,21 +21,125 @@ import time
 import traceback
 import weakref
 from datetime import timedelta
+from typing import Callable, Container
+
 import torch.distributed as dist
 
 from . import autohang
 from ..core import config, hooks, inject, interrupts
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted, PeerFailedError
-from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, Incident, cap_tail
+from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Incident, cap_tail
 from ..core.session import Session, get_session
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
 from ..core.hooks import first_line, log
+from ..core.procfs import PeerPidProbe, main_thread_frame
+from .autohang import SelfHangProbe
 from .liveness import LivenessProcess, kill_all as kill_all_liveness
-from .probes import PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe, main_thread_frame
 from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
 from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_RESEND, INTERRUPT_WAIT, LIVENESS_STORE_TIMEOUT,  # timings:
-                           RELEASE_GRACE, SILENT_MARGIN, STORE_CHECK_EVERY, STORE_EVIDENCE_TIMEOUT,  # the table in
-                           STORE_WARN_EVERY)  # core.config
+                           MAX_CHECK_HOLD, RELEASE_GRACE, SILENT_MARGIN, STORE_CHECK_EVERY,  # the table in
+                           STORE_EVIDENCE_TIMEOUT, STORE_WARN_EVERY)  # core.config
+
+
+# -- the store loop's probes: each ``poll(now) -> PeerFailedError | None``, driven by a fake clock in tests --
+class RecordsProbe:
+    """Failure records of other ranks that no sync point took (``delivered()``) within ``grace``
+    seconds; at once for a record declaring a rank lost or silent (no agreement can take it without it)."""
+
+    def __init__(self, schema: Schema, rank: int, grace: float, delivered: Callable[[], Container[int]],
+                 start: int = 0, stale: Callable[[FailureRecord], bool] = lambda record: False) -> None:
+        self.schema, self.rank, self.grace, self.delivered = schema, rank, grace, delivered
+        self.stale = stale  # late news of a failure already agreed on: not a new failure
+        self.seen = start
+        self.pending: dict[int, float] = {}  # index -> first seen
+
+    def poll(self, now: float) -> PeerFailedError | None:
+        count = self.schema.count()
+        for index in self.schema.new_indices(self.seen, count):
+            record = self.schema.read(index)
+            gone = record is not None and record.kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
+            self.pending.setdefault(index, now - self.grace if gone else now)
+        self.seen = count
+        delivered = self.delivered()
+        for index in [i for i in self.pending if i in delivered]:
+            del self.pending[index]
+        due = [i for i, t in self.pending.items() if now - t >= self.grace]
+        records = []
+        for index in due:
+            del self.pending[index]
+            record = self.schema.read(index)
+            if record is not None and record.rank != self.rank and not self.stale(record):
+                records.append(record)
+        return PeerFailedError.from_records(records) if records else None
+
+
+class StoreLossProbe:
+    """The store did not answer: its host is declared lost (``StoreLost`` when no rank is on it) only
+    when a silence started by failed calls (:meth:`failed`) lasted ``lost_after`` **and** every check
+    of ``evidence()`` in it (a TCP connect: a string when refused or unreachable), at least two, found
+    evidence; a port that answers is a slow store, and the next check waits twice as long (up to
+    :data:`MAX_CHECK_HOLD`: each costs c10d's server a reverse DNS lookup). ``hosted_here``: never."""
+
+    def __init__(self, lost_after: float, *, by: int, store_rank: int | None = 0, store_pid: int = 0,
+                 evidence: Callable[[], str | None] = lambda: None, check_every: float = 0.5,
+                 hosted_here: bool = False, store_at: str = "") -> None:
+        self.lost_after, self.by, self.store_rank, self.store_pid = lost_after, by, store_rank, store_pid
+        self.evidence, self.check_every, self.hosted_here = evidence, check_every, hosted_here
+        self.store_at = store_at  # host:port, named when no rank runs on the store's host
+        self.down_since: float | None = None
+        self.last_error = ""
+        self.found: str | None = None  # the newest evidence of the silence under way
+        self.checks = 0  # checks of the silence under way, every one of them with evidence
+        self.next_check = 0.0
+        self.hold = check_every  # the wait before a check after the port answered the last one
+
+    def failed(self, now: float, err: BaseException) -> bool:
+        """A failed call; True when it is the first of a silence."""
+        self.last_error = f"{type(err).__name__}: {first_line(err)}"
+        if self.down_since is None:
+            self.down_since = now
+            self.checks, self.found, self.next_check = 0, None, max(now, self.next_check)
+            return True
+        return False
+
+    def answered(self) -> None:
+        """A call was answered: the store is back, the next silence is checked at once."""
+        self.down_since, self.checks, self.found = None, 0, None
+        self.next_check, self.hold = 0.0, self.check_every
+
+    def declare_at(self) -> float | None:
+        """When the silence under way becomes a loss if the evidence holds (monotonic), or ``None``."""
+        if self.down_since is None or self.hosted_here:
+            return None
+        return self.down_since + self.lost_after
+
+    def poll(self, now: float) -> PeerFailedError | None:
+        if self.down_since is None or self.hosted_here:
+            return None
+        if now >= self.next_check:
+            self.next_check = now + self.check_every
+            found = self.evidence()
+            if found is None:
+                # The port answers: the store is slow, not gone. A new silence starts with the next
+                # failed call, so that the time already spent is never counted as evidence; its
+                # first check waits (the store's server pays for each check it accepts).
+                self.down_since, self.checks, self.found = None, 0, None
+                self.next_check = now + self.hold
+                self.hold = min(MAX_CHECK_HOLD, 2 * self.hold)
+                return None
+            self.found = found
+            self.checks += 1
+        if self.found is None or self.checks < 2 or now - self.down_since < self.lost_after:
+            return None
+        silence = f"the store has not answered for {now - self.down_since:.1f} s ({self.last_error}) and {self.found}"
+        if self.store_rank is None:  # a store on a host of its own: no rank is to blame
+            at = f" at {self.store_at}" if self.store_at else ""
+            return PeerFailedError(None, FailureKind.STORE_LOST.value, f"the c10d store{at}, on a host of no rank's, "
+                                   f"is lost: {silence}", origin="declared", kind=FailureKind.STORE_LOST)
+        message = f"rank {self.store_rank} (pid {self.store_pid}, hosts the c10d store) lost: {silence}"
+        record = FailureRecord.declared(rank=self.store_rank, kind=FailureKind.PEER_LOST, message=message, by=self.by,
+                                        pid=self.store_pid)
+        return PeerFailedError(record=record)
 
 
 class WakeEvent(threading.Event):

@@ -6,7 +6,7 @@ byte every ``WITNESS_EVERY`` (0.2 s). The watched host's *kernel* acknowledges e
 processes do (starved of CPU, frozen, holding the GIL): evidence that the host and its link are up.
 Nothing acknowledged for ``FTH_UNACKED_SEC`` (1 s: a lost segment is sent again after about 0.2 s and
 0.6 s), while the store has had no beat of it for ``SUSPECT_SILENCE``, is evidence from two witnesses
-that they are not (:class:`~.probes.HeartbeatProbe`).
+that they are not (:class:`~.liveness.HeartbeatProbe`).
 """
 
 from __future__ import annotations

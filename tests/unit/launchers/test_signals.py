@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from fault_tolerant_handlers.launchers import signals
-from fault_tolerant_handlers.detect.probes import PeerPidProbe
+from fault_tolerant_handlers.core.procfs import PeerPidProbe
 from fault_tolerant_handlers.core.failure import Ended, FailureRecord, FailureState
 from fault_tolerant_handlers.core.schema import Connection, Schema
 from fault_tolerant_handlers.core.procfs import RankTable
