@@ -1,15 +1,12 @@
-"""What a launcher reads of a failure (docs/launchers.md tells both in full).
+"""What a launcher reads of a failure (``docs/launchers.md``), and the launchers' part of the core's
+announcements: this module is the one the failure path calls.
 
-**torchrun** names as *Root Cause* the failure with the smallest ``timestamp`` (whole seconds) in the
-workers' ``TORCHELASTIC_ERROR_FILE``; a worker without one gets the time the agent noticed its exit,
-so a victim often wins. Files are written in ``ErrorHandler``'s format: a rank that fails itself, with
-the failure's second; a survivor, with a second that cannot win; a rank killed by a signal, by its
-liveness helper and by a same-host survivor that sees it gone. A file is never overwritten: the first
-writer wins.
-
-**torch.multiprocessing** (``mp.spawn``) prints only the first failed process's exception and
-SIGTERMs the others: under it each rank prints its full report, and torch's error file is written
-for a killed rank and by a reported exit (the parent raises it).
+torchrun's *Root Cause* is the failure with the smallest ``timestamp`` in the workers'
+``TORCHELASTIC_ERROR_FILE``: a rank that fails itself writes its own with the failure's second; a
+survivor, one that cannot win; a killed rank's, its liveness helper and a same-host survivor that
+sees it gone (the first writer wins). Under ``mp.spawn`` (which prints only the first failed
+process's exception) each rank prints its full report, and torch's error file is written for a
+killed rank and by a reported exit.
 """
 
 from __future__ import annotations
@@ -19,13 +16,16 @@ import json
 import logging
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+from . import compat_torchrun
 from ..core import compat_torch as _compat_torch
 from ..core.config import SIGTERM_CAUSE_WAIT, ZOMBIE_HOLD  # timings: the table in core.config
 from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
@@ -277,8 +277,26 @@ def write_exit_report(err: BaseException | None, code: int) -> None:
 
 
 # -- the core's announcements (wired in ``..wiring``) --------------------------------------------------
+#: This process's own failure in its current session, kept after the session is gone: a SIGTERM after
+#: it (:mod:`.signals`), even during the interpreter's exit hooks, ends the rank with exit code 1, not -15.
+own_failure: FailureRecord | None = None
+#: Per session imported after init_process_group under torchrun: its gloo address keys to delete.
+_attempt_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def on_session_started(session) -> None:
+    global own_failure
+    own_failure = None  # a new session: a new attempt (recovering in place), no failure of its own yet
     detect()  # under mp.spawn, this rank prints its report itself
+    keys = compat_torchrun.attempt_keys(session)
+    if keys is not None:
+        _attempt_keys[session] = keys
+
+
+def on_rank_failed(record: FailureRecord) -> None:
+    global own_failure
+    write_failed(record)
+    own_failure = record
 
 
 def on_peer_failed(table: RankTable, err: PeerFailedError, escalated: bool) -> None:
@@ -298,7 +316,27 @@ def on_acknowledged(table: RankTable, err: BaseException | None, known: PeerFail
     print_report(table.rank, err if err is not None else known)
 
 
+def on_job_failed(session) -> None:
+    keys = _attempt_keys.get(session)
+    if keys is not None:  # torchrun, imported late: the next attempt comes up
+        keys.forget(session)
+
+
 def on_exiting(table: RankTable, err: BaseException | None, code: int) -> None:
     if code == EXIT_PEER_FAILED:
         write_survivor(table, err)
     write_exit_report(err, code)  # mp.spawn: the parent raises this report
+
+
+def on_session_closed(session) -> None:
+    keys = _attempt_keys.pop(session, None)
+    if keys is not None:
+        keys.close()
+
+
+def ignore_sigterm_if_failed() -> None:
+    """At exit, where SIGTERM's action is the default (registered by :mod:`.signals`): after the exit
+    hooks Python runs no handler while it tears down, for seconds; a rank that failed itself ignores a
+    launcher's SIGTERM from here on, so that torchrun's Root Cause shows its exception, not -15."""
+    if own_failure is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)

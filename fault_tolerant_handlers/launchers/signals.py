@@ -71,7 +71,8 @@ class _Watch:
             signal.signal(signum, self._handler)
         if not self.previous:
             return
-        atexit.register(self._at_exit)
+        if self.previous.get(signal.SIGTERM) is signal.SIG_DFL:
+            atexit.register(reports.ignore_sigterm_if_failed)
         rsock, wsock = socket.socketpair()
         wsock.setblocking(False)
         try:
@@ -130,14 +131,6 @@ class _Watch:
             _flush()
             os._exit(128 + signum)
 
-    def _at_exit(self) -> None:
-        """After the exit hooks Python runs no signal handler and tears its modules down, for seconds
-        with torch loaded: a launcher's SIGTERM there would end a rank that failed itself with -15, which
-        torchrun's Root Cause would show instead of its exception. Such a rank ignores SIGTERM from here
-        on (a teardown that never ends is the launcher's SIGKILL's)."""
-        if _own_failure is not None and self.previous.get(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
     # -- react --------------------------------------------------------------------------------------
     def _handler(self, signum, frame):
         self.handled.set()
@@ -166,7 +159,7 @@ class _Watch:
         """This rank failed itself, then was signalled (the launcher ending the job's ranks): it exits at
         once with an uncaught exception's code (1), so that torchrun's Root Cause names its failure, not
         ``-15 (SIGTERM)``."""
-        cause = _own_failure
+        cause = reports.own_failure
         what = f" ({cause.exc_type}: {first_line(cause.exc_message)})" \
             if cause is not None and cause.exc_message else ""
         try:
@@ -197,7 +190,7 @@ class _Watch:
     def _react(self, signum: int, received: float) -> None:
         session = self._session()
         if session is None:  # the session is gone (the interpreter's exit hooks): its failure is known
-            if _own_failure is not None:
+            if reports.own_failure is not None:
                 self.kind = "failed"
             return
         name = signal.Signals(signum).name
@@ -321,17 +314,5 @@ def install(session: Session) -> None:
     _watch.install()
 
 
-#: This process's own failure in its current session, kept after the session is gone: a SIGTERM
-#: during the interpreter's exit hooks still finds that this rank failed itself.
-_own_failure: FailureRecord | None = None
-
-
-def on_rank_failed(record: FailureRecord) -> None:
-    global _own_failure
-    _own_failure = record
-
-
 def on_session_started(session: Session) -> None:
-    global _own_failure
-    _own_failure = None  # a new session: a new attempt (recovering in place), no failure of its own yet
     install(session)  # SIGTERM/SIGINT: say so before the previous handler runs
