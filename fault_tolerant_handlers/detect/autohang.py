@@ -126,8 +126,7 @@ class AutoHangProbe:
 
     # -- fed by the main thread -------------------------------------------------------------------
     def mark(self, kind: str | None, now: float, step: int | None = None) -> None:
-        """End the piece of work under way (its duration is learned) and begin ``kind`` (``None``:
-        nothing is watched until the next mark)."""
+        """End the piece of work under way (its duration is learned) and begin ``kind`` (``None``: nothing)."""
         current = self.current
         self.current = None if kind is None else (kind, now, step)
         if current is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 # The helper is forked while other threads of the rank run: a module one of them was importing then
 # stays locked in the helper. Its store connect imports the idna codec on first use: imported here.
 import encodings.idna  # noqa: F401
+import contextlib
 import dataclasses
 import logging
 import math
@@ -144,24 +145,20 @@ NEAR_MISS = 0.5
 OBSERVED_GAP = 3
 
 
-def _stopped(pid: int) -> bool:
+def _stopped(pid: int) -> bool:  # SIGSTOP
     fields = _procfs.stat_fields(pid)
     return bool(fields) and fields[_procfs.STATE] in ("T", "t")
 
 
-def _running(pid: int) -> bool:
-    """``pid`` (a rank on this host) runs: neither gone, a zombie, nor stopped (SIGSTOP)."""
+def _running(pid: int) -> bool:  # neither gone, a zombie, nor stopped
     fields = _procfs.stat_fields(pid)
     return _procfs.is_running(fields) and fields[_procfs.STATE] not in ("T", "t")
 
 
 def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: float, limit: float,
          address: str = "", unacked_after: float = math.inf) -> None:
-    try:
-        with open("/proc/self/comm", "w") as f:
-            f.write("fth-liveness")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
+        f.write("fth-liveness")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the rank; its end ends this process
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # The rank's end is watched by a thread of its own, blocked on nothing else: the beat below can
@@ -240,8 +237,7 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
 
 def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.Event,
                  tell: Callable[[FailureRecord], None] | None = None) -> None:
-    """Blocks until the rank stops its watchdog (closes the pipe) or ends (its pidfd: the pipe may
-    also be held by a DataLoader worker forked after this helper), then ends the helper."""
+    """Until the rank closes the pipe or ends (its pidfd: a DataLoader worker may hold the pipe); then it ends."""
     watched = [stop_fd]
     try:
         watched.append(os.pidfd_open(parent))
@@ -256,9 +252,8 @@ def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.E
 
 
 def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], None] | None = None) -> None:
-    """The rank closed the helper's pipe or ended: if it died, say how where its launcher reads it (a
-    killed rank writes nothing itself) and, for a signal it could not report or a keeper gone too, tell
-    its peers (``tell``: a ``PeerLost`` record; on another host they would see only a silence)."""
+    """The rank closed the helper's pipe or ended: if a signal it could not report killed it (or its
+    keeper is gone too), say so to its launcher and its peers (``tell``: a ``PeerLost`` record)."""
     how = _procfs.ended(pid, RANK_EXIT_WAIT)  # None: the rank runs (it stopped its watchdog)
     if how is None:
         return
@@ -295,16 +290,12 @@ class LivenessProcess:
     """The helper process of one rank; ``start()`` forks it, ``stop()`` ends it."""
 
     def __init__(self, session: Session, *, period: float, limit: float, unacked_after: float = math.inf) -> None:
-        self.session = session
-        self.period = period
-        self.limit = limit
-        self.unacked_after = unacked_after
+        self.session, self.period, self.limit, self.unacked_after = session, period, limit, unacked_after
         self.pid: int | None = None
         self._stop_w: int | None = None
 
     def start(self) -> LivenessProcess:
-        # Connected by the helper after the fork, never by the rank (a slow connect would hold up its
-        # first collective); a peer judges a heartbeat only once it has beaten: a late first beat is fine.
+        # Connected by the helper after the fork (a slow connect would hold up the rank's first collective)
         conn = self.session.connection("helper", HELPER_STORE_TIMEOUT, backoff=True)
         schema = Schema(conn, self.session.schema.world_size)
         read_fd, write_fd = os.pipe()
@@ -357,11 +348,9 @@ _children: set[int] = set()
 
 
 def kill(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, ChildProcessError):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass
 
 
 def kill_all() -> None:

@@ -10,6 +10,7 @@ finds itself hung ends with :data:`EXIT_HUNG`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -155,18 +156,13 @@ class WakeEvent(threading.Event):
 
     def set(self) -> None:
         super().set()
-        try:
+        with contextlib.suppress(OSError):  # already readable (or closed at teardown): nothing to wake
             os.write(self._write_fd, b"x")
-        except (BlockingIOError, OSError):  # already readable (or closed at teardown): nothing to wake
-            pass
 
     def __del__(self) -> None:
         for fd in (getattr(self, "_read_fd", None), getattr(self, "_write_fd", None)):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            with contextlib.suppress(OSError, TypeError):
+                os.close(fd)
 
 
 class PidWatcher:
@@ -174,8 +170,7 @@ class PidWatcher:
     its process exits; pids without one (gone already, or no pidfds here) are checked every ``fallback`` s."""
 
     def __init__(self, pids: list[int], wake: WakeEvent, fallback: float) -> None:
-        self.wake = wake
-        self.fallback = fallback
+        self.wake, self.fallback, self._checked_once = wake, fallback, False
         self._fds: dict[int, int] = {}  # pidfd -> pid
         self.polled: list[int] = []  # pids without a pidfd: checked every ``fallback`` seconds
         self._poll = select.poll()
@@ -191,10 +186,9 @@ class PidWatcher:
         self._pidfd_only = not self.polled
 
     def wait(self) -> bool:
-        """Block until a watched pid ended (True) or ``wake`` was set (False). With pids that have no
-        pidfd, returns True every ``fallback`` seconds so that the caller checks them. The first call
-        returns True: check once before sleeping."""
-        if not getattr(self, "_checked_once", False):
+        """Block until a watched pid ended (True: also first, and every ``fallback`` s with pids that have
+        no pidfd) or ``wake`` was set (False)."""
+        if not self._checked_once:
             self._checked_once = True
             return True
         if self.wake.is_set():
@@ -206,16 +200,12 @@ class PidWatcher:
             self.polled.append(self._fds.pop(fd))
             os.close(fd)
             self._pidfd_only = False
-        if ended:
-            return True
-        return bool(self.polled) and not self.wake.is_set()
+        return bool(ended) or (bool(self.polled) and not self.wake.is_set())
 
     def close(self) -> None:
         for fd in self._fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._fds = {}
 
 
@@ -224,12 +214,9 @@ class Watchdog:
 
     def __init__(self, session: Session, *, hang_timeout: timedelta | str | None = None) -> None:
         cfg = session.config
-        self.session = session
-        self.rank = session.rank
-        self.interval = cfg.interval
+        self.session, self.rank, self.interval = session, session.rank, cfg.interval
         self.hang_timeout = config.check_hang_timeout(hang_timeout)
-        self.exit_grace = cfg.exit_grace
-        self.write_grace = cfg.write_grace
+        self.exit_grace, self.write_grace = cfg.exit_grace, cfg.write_grace
         self._progress: tuple[float, float, int | None] = (time.monotonic(), time.time(), None)
         #: The first iteration completed: ``hang_timeout`` applies from then on, ``FTH_START_TIMEOUT_SEC`` before.
         self.warm = False
@@ -237,8 +224,7 @@ class Watchdog:
         self._quiet_since: tuple | None = None  # the progress when this rank learned the job failed
         self._failed_seen = (session.failure.delivered, session.failure.moves)
         self._stop = WakeEvent()  # its set() also wakes the liveness loop's poll()
-        self._finishing = False
-        self._store_warned_at = -STORE_WARN_EVERY
+        self._finishing, self._store_warned_at = False, -STORE_WARN_EVERY
         store_timeout = timedelta(seconds=max(1.0, 5 * self.interval.total_seconds()))
         # Connected by the loops that use them, never by the main thread (a slow connect at start
         # would hold up its first collective); the pid loop's connects on its first declaration.
@@ -257,7 +243,7 @@ class Watchdog:
         self.self_hang = self.auto_hang = None  # auto_hang: the learned deadline of hang_timeout="auto"
         if self.hang_timeout == config.AUTO:
             self.self_hang = self.auto_hang = autohang.from_config(self.rank, os.getpid(), main_thread_frame,
-                                                                          host=session.host)
+                                                                   host=session.host)
         elif self.hang_timeout is not None:
             self.self_hang = SelfHangProbe(self.rank, os.getpid(), self.hang_timeout.total_seconds(),
                                            margin=SILENT_MARGIN.total_seconds(), progress=lambda: self._progress,
@@ -299,15 +285,15 @@ class Watchdog:
         return self._conn.calls + self._liveness_conn.calls
 
     def stop(self, join_timeout: float | None = None, *, keep_liveness: bool = False) -> None:
-        """A clean end (losing the store is no longer a failure); ``keep_liveness``: the liveness helper
-        goes on (beating, and declaring silent ranks) until its owner stops it."""
+        """A clean end; ``keep_liveness``: the liveness helper goes on until its owner stops it."""
         self._finishing = True
         self._stop.set()
         timeout = join_timeout if join_timeout is not None else 2 * self.interval.total_seconds() + 2
-        for thread in (self._thread, self._liveness):
+        threads = (self._thread, self._liveness)
+        for thread in threads:
             if thread.is_alive() and threading.current_thread() is not thread:
                 thread.join(timeout=timeout)
-        if not (self._thread.is_alive() or self._liveness.is_alive()):
+        if not any(thread.is_alive() for thread in threads):
             self._conn.close()
             self._liveness_conn.close()
         if not keep_liveness:
@@ -316,8 +302,7 @@ class Watchdog:
 
     def beat(self, step: int | None = None, *, completed: bool = False, named: int | None = None) -> None:
         """The main thread made progress; ``completed``: an iteration completed (so did one whose step
-        differs from the first beaten: a loop of one's own calls ``beat(step)``); ``named``: the step a
-        report names until the next beat, where it is not ``step`` (the training step under way)."""
+        differs from the first beaten); ``named``: the step a report names, where it is not ``step``."""
         self._progress = (time.monotonic(), time.time(), step if named is None else named)
         if not self.warm and step is not None:
             if self._first_step is None:
@@ -355,8 +340,7 @@ class Watchdog:
         log(logging.DEBUG, "watchdog stopped")
 
     def _judges_hangs(self) -> bool:
-        """The self-hang probe judges a main thread that trains: from the moment this rank knows the job
-        failed until its next beat, its main thread handles the failure, which is not a hang."""
+        """Not from the moment this rank knows the job failed until its next beat (handling a failure is no hang)."""
         failure = self.session.failure
         seen = (failure.delivered, failure.moves)
         failed_now = seen != self._failed_seen
@@ -413,9 +397,8 @@ class Watchdog:
 
     @staticmethod
     def _interrupted(left: threading.Event) -> bool:
-        """Whether the interrupted main thread reached the recovery (``left``) within INTERRUPT_WAIT
-        (after a deferred section's bound, while one holds it back); sent again every INTERRUPT_RESEND
-        meanwhile (an interrupt caught and not re-raised, or deferred by a write its stack shows)."""
+        """Whether the interrupted main thread reached the recovery (``left``) within INTERRUPT_WAIT (past a
+        deferred section's bound), the interrupt sent again every INTERRUPT_RESEND meanwhile."""
         deadline = time.monotonic() + INTERRUPT_WAIT
         while True:
             now = time.monotonic()
@@ -438,16 +421,15 @@ class Watchdog:
             log(logging.WARNING, "could not publish %s: %s", err.exc_type, first_line(problem))
 
     def _escalate(self, incident: Incident) -> None:
-        """Release this process's collectives, then, if the main thread does not take the failure within
-        ``exit_grace``, end the process with a report. Touches no store: the store may be what died."""
+        """Release this process's collectives; a main thread that does not take the failure within
+        ``exit_grace`` (and a checkpoint write) ends with a report. No store call: it may be what died."""
         if incident.local or incident.acknowledged.is_set() or self._finishing:
             return
         what = self.session.release_collectives()
         log(logging.WARNING, "released blocked collectives: %s", what, step=self._progress[2])
         if incident.acknowledged.wait(self.exit_grace.total_seconds()):
             return
-        deadline = time.monotonic() + self.write_grace.total_seconds()
-        wrote = False
+        deadline, wrote = time.monotonic() + self.write_grace.total_seconds(), False
         while writing_now(main_thread_frame()) and time.monotonic() < deadline:
             if not wrote:
                 log(logging.WARNING, "waiting for the checkpoint being written before ending this process")
@@ -461,8 +443,7 @@ class Watchdog:
         self._reported_exit(incident.peer_error, EXIT_PEER_FAILED, stuck=main_thread_frame())
 
     def _reported_exit(self, err: BaseException, code: int, stuck=None) -> None:
-        """End the process with ``code`` and a report; ``stuck``: the frame of a main thread that did
-        not take the failure (where a release did not reach)."""
+        """End the process with ``code`` and a report; ``stuck``: the frame of a main thread that did not take it."""
         text = f"[rank {self.rank}] fault-tolerant-handlers: ending this process (exit code {code}) because:\n{err}\n"
         if stuck is not None:
             stack = cap_tail("".join(traceback.format_stack(stuck)), MAX_TRACEBACK_CHARS)
@@ -473,18 +454,12 @@ class Watchdog:
             hooks.emit(hooks.EXITING, self.session.table, err, code)
             log(logging.CRITICAL, "ending this process with exit code %d: %s", code, first_line(err, None))
             sys.stderr.write(text)
-            sys.stderr.flush()
-            sys.stdout.flush()
-            for handler in logging.getLogger().handlers + logging.getLogger("fault_tolerant_handlers").handlers:
-                try:
-                    handler.flush()
-                except Exception:  # noqa: BLE001
-                    pass
+            for stream in [sys.stderr, sys.stdout] + logging.getLogger().handlers + hooks.logger.handlers:
+                with contextlib.suppress(Exception):
+                    stream.flush()
             for child in multiprocessing.active_children():  # DataLoader workers, among others
-                try:
+                with contextlib.suppress(ProcessLookupError, TypeError):
                     os.kill(child.pid, signal.SIGKILL)
-                except (ProcessLookupError, TypeError):
-                    pass
             kill_all_liveness()
         finally:
             os._exit(code)
@@ -496,8 +471,7 @@ _exit_hook_registered = False
 
 
 def _stop_all() -> None:
-    """Stop every watchdog before the interpreter finalizes: a daemon thread still inside a torch C++
-    call when Python finalizes aborts the whole process (``terminate called without an active exception``)."""
+    """Stop every watchdog before the interpreter finalizes (a daemon thread in a torch C++ call then aborts it)."""
     deadline = time.monotonic() + 2.0
     watchdogs = list(_running)
     for watchdog in watchdogs:
@@ -518,13 +492,9 @@ def _stop_all() -> None:
 
 
 def start_watchdog(group=None, *, hang_timeout: timedelta | float | str | dict | None = None) -> Watchdog | None:
-    """Start (once per process group) and return the watchdog, for a loop of your own; ``None``
-    without distribution. Collective on first use for the group (it creates the side group): call it
-    on every rank. The watchdog runs until the end of the process.
-
-    With ``hang_timeout`` (the adapters' forms), the watchdog knows only of the progress you report:
-    call ``beat(step)`` on what this returns once per step; with ``"auto"``, mark where each piece of
-    work begins instead: ``auto_hang.mark("step", time.monotonic(), step)``.
+    """Start (once per process group, collectively: on every rank) and return the watchdog for a loop of
+    your own; ``None`` without distribution. With ``hang_timeout`` call ``beat(step)`` once per step;
+    with ``"auto"``, ``auto_hang.mark("step", time.monotonic(), step)`` where each piece of work begins.
 
     Examples:
         .. code-block:: python

@@ -88,22 +88,18 @@ def _keys(groups: list[tuple[Any, str | None]], *, own: bool) -> list[str]:
 
 
 def group_count() -> int:
-    """How many groups this process made with a counted name (``0``: the default group, ``1``...; a
-    destroyed group keeps its number and its keys)."""
+    """How many groups this process made with a counted name (``0``: the default; a destroyed one keeps its number)."""
     return int(distributed_c10d._world.group_count)
 
 
 def forget_addresses(call: Callable[..., Any], keys: list[str]) -> int:
-    """Delete ``keys`` (``call``: a store call without a prefix); how many were there. One by one:
-    listing the store's keys holds the GIL for the whole call (torch 2.13), a freeze when it hangs."""
+    """Delete ``keys`` one by one (listing them holds the GIL for the whole call, torch 2.13); how many were there."""
     return sum(bool(call("delete_key", key)) for key in keys)
 
 
 def read_keys(session: Session) -> tuple[list[str], set[str | None], int]:
-    """The gloo address keys this rank deletes when ``session`` starts, the live groups' names and the
-    group count they cover: its own key of each live group within the session; when the session spans
-    the world, also its key of every counted group not live here (each rank its own: it checks its own
-    key before it deletes)."""
+    """The gloo address keys this rank deletes when ``session`` starts (its own of each live group within
+    it, and of every counted group not live here when it spans the world), the live groups' names and the count."""
     members = set(dist.get_process_group_ranks(session.side))
     count = group_count()
     live, keys = set(), []
@@ -235,8 +231,7 @@ _last_prefix = ""
 
 
 def begin_recovery(state: RecoveryState | None = None) -> None:
-    """``BEGIN``: keep the next rendezvous's store (under ``env://``, rank 0's is the server, which must
-    outlive the group)."""
+    """``BEGIN``: keep the next rendezvous's store (under ``env://``, rank 0's is the server: it outlives the group)."""
     global _capture
     _capture = True
     install(in_place=True)

@@ -85,9 +85,7 @@ def write_once(path: str, data: dict | bytes) -> bool:
 
 
 def forget_own_file(state=None) -> None:
-    """``RE_FORM``: the recovery carries on in the same torchrun attempt: this rank's file, if this
-    library wrote it for the failure just recovered, goes, so that torchrun's Root Cause does not
-    name the recovered failure."""
+    """``RE_FORM``: this rank's file, if this library wrote it, goes (torchrun must not name a recovered failure)."""
     path = own_path()
     if path is None:
         return
@@ -119,14 +117,11 @@ def survivor_timestamp(failed_at: float | None, now: float | None = None) -> int
 def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
     """``err`` says a same-host peer is gone (killed): write the file it could not write."""
     rank = err.failed_rank
-    if err.kind is not FailureKind.PEER_LOST or rank is None or err.host != table.host or rank == table.rank:
-        return
-    if rank not in table.ranks or table.pid_of(rank) != err.pid:
+    if (err.kind is not FailureKind.PEER_LOST or err.host != table.host or rank == table.rank
+            or rank not in table.ranks or table.pid_of(rank) != err.pid):
         return
     peer_local = rank - (table.rank - table.local_rank)
-    if not 0 <= peer_local < table.local_world_size:
-        return
-    path = peer_path(own, table.local_rank, peer_local)
+    path = peer_path(own, table.local_rank, peer_local) if 0 <= peer_local < table.local_world_size else None
     if path is None:
         return
     when = err.failed_at if err.failed_at is not None else time.time()
@@ -150,8 +145,7 @@ def write_killed(record: FailureRecord) -> bool:
 
 
 def write_survivor(table: RankTable, err: PeerFailedError | None) -> bool:
-    """This rank ends because of a peer's failure ``err``: the dead peer's file when it was killed on
-    this host, then this rank's own with a timestamp that cannot win."""
+    """This rank ends because of ``err``: a peer killed on this host gets its file, then this rank one that can't win."""
     own = own_path()
     if own is None:
         return False
@@ -209,11 +203,9 @@ def print_report(rank: int, err: BaseException | None) -> bool:
         if key in state.printed:
             return True
         state.printed.add(key)
-    try:
+    with contextlib.suppress(Exception):  # the report must never raise
         sys.stderr.write(f"[rank {rank}] fault-tolerant-handlers: the job fails:\n{err}\n")
         sys.stderr.flush()
-    except Exception:  # noqa: BLE001 - the report must never raise
-        pass
     return True
 
 
@@ -224,9 +216,8 @@ def printed(err: BaseException | None) -> bool:
 
 def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
                   records: Callable[[], PeerFailedError | None], wait: float = SIGTERM_CAUSE_WAIT) -> PeerFailedError | None:
-    """On a SIGTERM under ``mp.spawn`` with nothing known yet: if a same-host peer is gone, the cause
-    (``known()``, else ``records()``), waited for up to ``wait`` seconds, else that peer gone; ``None``
-    when no peer is gone (this rank is the cause)."""
+    """A SIGTERM under ``mp.spawn`` after a same-host peer is gone: the cause (``known()``, else ``records()``)
+    waited for up to ``wait`` s, else that peer gone; ``None`` when no peer is gone."""
     if _state is None:
         return None
     gone = same_host.poll(time.monotonic())
@@ -236,22 +227,19 @@ def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
     while True:
         if known() is not None:
             return known()
-        try:
+        found = None
+        with contextlib.suppress(Exception):  # the store may be what died
             found = records()
-        except Exception:  # noqa: BLE001 - the store may be what died
-            found = None
         if found is not None:
             return found
         if time.monotonic() >= deadline:
-            break
+            return known() or gone
         time.sleep(0.05)
-    return known() or gone
 
 
 def hold_zombie(rank_pid: int, rank: int | None = None, host: str = "") -> None:
-    """``RANK_ENDED``, in a rank's liveness helper under ``mp.spawn``: a rank that is a zombie (its parent
-    cannot reap it while this process holds the sentinel pipe) gets torch's error file if a signal
-    killed it, and is held :data:`ZOMBIE_HOLD` so that same-host peers read its exit status."""
+    """``RANK_ENDED``, in a rank's liveness helper under ``mp.spawn``: a zombie rank gets torch's error file if a
+    signal killed it, and is held :data:`ZOMBIE_HOLD` (this process holds its sentinel) for its peers to read."""
     fields = stat_fields(rank_pid) if _state is not None else None
     if fields and fields[STATE] == "Z":
         if rank is not None:
@@ -265,8 +253,8 @@ def _write_spawn_killed(rank_pid: int, rank: int, host: str) -> bool:
     if _state is None or _state.error_file is None or how is None or not how.killed:
         return False
     lost = FailureRecord.lost(rank=rank, pid=rank_pid, host=host, why=how, by=rank).exc_message
-    text = f"fault-tolerant-handlers: {lost} (seen by its liveness helper: a killed process prints no traceback)\n"
-    return write_once(_state.error_file, pickle.dumps(text))  # torch's parent reads a pickled str
+    return write_once(_state.error_file, pickle.dumps(  # torch's parent reads a pickled str
+        f"fault-tolerant-handlers: {lost} (seen by its liveness helper: a killed process prints no traceback)\n"))
 
 
 def write_exit_report(err: BaseException | None, code: int) -> None:
