@@ -137,11 +137,8 @@ def write_killed(record: FailureRecord) -> bool:
     if path is None:
         return False
     message = f"{record.exc_type}: {record.exc_message}"
-    try:
-        return write_once(path, payload(message, f"{message}\n(written by its liveness helper, which saw it end)",
-                                        record.time_ms // 1000, "killed"))
-    except Exception:  # noqa: BLE001 - the helper must end regardless
-        return False
+    return write_once(path, payload(message, f"{message}\n(written by its liveness helper, which saw it end)",
+                                    record.time_ms // 1000, "killed"))
 
 
 def write_survivor(table: RankTable, err: PeerFailedError | None) -> bool:
