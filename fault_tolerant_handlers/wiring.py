@@ -42,19 +42,18 @@ _lightning_hook = _framework("lightning", "_hook")  # Lightning's on_failure_see
 #: Every hook registration of the package: ``(hook, callback)`` or ``(hook, step, TOLERATE)``.
 WIRING: tuple[tuple[Any, ...], ...] = (
     # -- announcements ----------------------------------------------------------------------------------
-    (hooks.SESSION_STARTED, compat_torchrun.on_session_started),  # torchrun, imported late: the read gloo keys go
     (hooks.SESSION_STARTED, signals.on_session_started),  # SIGTERM/SIGINT handlers, in front
-    (hooks.SESSION_STARTED, reports.on_session_started),  # under mp.spawn: this rank reports itself
+    (hooks.SESSION_STARTED, reports.on_session_started),  # mp.spawn: this rank reports itself; torchrun, imported late
     (hooks.SESSION_STARTED, keeper.on_session_started),  # a keeper's child: its peers may wait for a replacement
-    (hooks.RANK_FAILED, reports.write_failed),  # torchrun: this rank's own file, the failure's time
-    (hooks.RANK_FAILED, signals.on_rank_failed),  # a launcher's SIGTERM after it: exit code 1, not -15
+    # the launchers' part of a failure, in one module: torchrun's error files, mp.spawn's report
+    (hooks.RANK_FAILED, reports.on_rank_failed),  # this rank's own file; a launcher's SIGTERM after it: exit code 1
     (hooks.PEER_FAILED, reports.on_peer_failed),  # a killed same-host peer's file; mp.spawn: the report
     (hooks.ACKNOWLEDGED, reports.on_acknowledged),  # a survivor's file; mp.spawn: the report
-    (hooks.JOB_FAILED, compat_torchrun.forget_attempt_keys),  # torchrun, imported late: the next attempt comes up
+    (hooks.JOB_FAILED, reports.on_job_failed),  # torchrun, imported late: the next attempt comes up
     (hooks.EXITING, reports.on_exiting),  # a survivor's file (exit 87); mp.spawn: the report into torch's file
     (hooks.RANK_KILLED, reports.write_killed),  # in the liveness helper: the killed rank's torchrun file
     (hooks.RANK_ENDED, reports.hold_zombie),  # in the liveness helper: mp.spawn's file, the zombie held
-    (hooks.SESSION_CLOSED, compat_torchrun.on_session_closed),  # its store connection
+    (hooks.SESSION_CLOSED, reports.on_session_closed),  # torchrun, imported late: its store connection
     # a recovery made visible: the history first (a subscriber that reads it finds its info there)
     (hooks.FAILURE_SEEN, recoveries._record),
     (hooks.FAILURE_SEEN, _ignite_hook),

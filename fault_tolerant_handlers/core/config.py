@@ -349,12 +349,12 @@ INTERRUPT_WAIT = 2.0
 #: this often (one swallowed is raised again); INTERRUPT_WAIT is extended while a deferred section holds it.
 INTERRUPT_RESEND = 0.5
 
-#: :class:`~..detect.probes.HeartbeatProbe`: a silent rank is asked for its left mark at most this often.
+#: :class:`~..detect.liveness.HeartbeatProbe`: a silent rank is asked for its left mark at most this often.
 LEFT_CHECK_EVERY = 0.5
-#: :class:`~..detect.probes.HeartbeatProbe`: while a watched counter stands still, it is read this often
+#: :class:`~..detect.liveness.HeartbeatProbe`: while a watched counter stands still, it is read this often
 #: instead of every period (the silence is measured more closely, not shortened).
 SILENCE_POLL = 0.1
-#: :class:`~..detect.probes.HeartbeatProbe`: a byte is sent this often on each link to a watched rank's
+#: :class:`~..detect.liveness.HeartbeatProbe`: a byte is sent this often on each link to a watched rank's
 #: host (:mod:`..detect.witness`): a cut link is witnessed from within this of its moment.
 WITNESS_EVERY = timedelta(seconds=0.2)
 #: A witness link with no socket (none published yet, refused, broken: the watched rank's helper was

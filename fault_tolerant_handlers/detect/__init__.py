@@ -1,2 +1,2 @@
-"""Detectors: the out-of-band watchdog (threads), its probes, the GIL-free liveness helper process
+"""Detectors: the out-of-band watchdog (threads) and its probes, the GIL-free liveness helper process
 and the learned hang deadline. They stand on :mod:`..core` only."""

@@ -1,29 +1,18 @@
-"""A hang deadline learned from the run itself (``hang_timeout="auto"``, ``docs/hang-detection.md``), as
-a watchdog probe.
-
-The main thread marks where each piece of work begins (:meth:`AutoHangProbe.mark`); a mark ends the
-piece under way. A kind's deadline is ``max(floor, multiple x longest seen)`` (a kind not seen yet
-borrows the longest of any kind, times ``first_multiple``); nothing is judged until ``warmup`` steps
-have finished. Past the deadline, the main thread's stack decides:
-
-- waiting in a collective or a backward pass (:func:`~.probes.waiting_on_peers`): **never** a hang
-  of this rank (the rank it waits for judges itself; a dead peer is the liveness probes' to find);
-  the piece is judged again from when it was last seen waiting, and such a wait is not learned;
-- in a debugger: not a hang;
-- an *explainer* recognises the work (``explain(frame) -> (kind, token) | None``): judged again as
-  that kind, from now, and again each time ``token`` moves;
-- otherwise the rank is hung: a ``RankHung`` finding with the main thread's stack.
+"""The hang probes of the watchdog thread (``docs/hang-detection.md``): a fixed deadline
+(:class:`SelfHangProbe`, ``hang_timeout=...``) and one learned from the run (:class:`AutoHangProbe`,
+``hang_timeout="auto"``). A rank waiting on its peers is never hung itself: the one it waits for judges itself.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import traceback
 from typing import Callable, Iterable
 
 from ..core import config
 from ..core.errors import PeerFailedError
-from .probes import hung_error, waiting_on_peers
+from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, cap_tail
 from .writes import writing_now
 
 #: Defaults of the rule (``FTH_AUTO_HANG_MULTIPLE``, ``_FLOOR_SEC``, ``_WARMUP`` override the first three).
@@ -42,24 +31,88 @@ _WAITING = object()  # the token of a piece seen waiting for its peers
 
 _DEBUGGERS = (f"{os.sep}bdb.py", f"{os.sep}pdb.py")
 
+#: Where a main thread waits for its peers rather than being hung itself (innermost frames).
+WAITING_MARKERS = (
+    f"torch{os.sep}distributed{os.sep}",
+    f"torch{os.sep}nn{os.sep}parallel{os.sep}",
+    f"torch{os.sep}autograd{os.sep}",
+    f"torch{os.sep}_tensor.py",
+    f"fault_tolerant_handlers{os.sep}core{os.sep}session.py",
+    f"fault_tolerant_handlers{os.sep}core{os.sep}sections.py",
+    f"ignite{os.sep}distributed{os.sep}",
+)
+
+
+def waiting_on_peers(frame) -> bool:
+    """True when the innermost Python frames are a collective or a backward pass (DDP all_reduce)."""
+    depth = 0
+    while frame is not None and depth < 4:
+        if any(marker in frame.f_code.co_filename for marker in WAITING_MARKERS):
+            return True
+        frame = frame.f_back
+        depth += 1
+    return False
+
+
+def hung_error(rank: int, pid: int, host: str, frame, what: str, time_ms: int, step: int | None) -> PeerFailedError:
+    """This rank declares itself hung (``rank 1 (pid 42 on node-b) hung: {what}``), with its stack from ``frame``."""
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else "(main thread stack unavailable)\n"
+    who = f"rank {rank} (pid {pid} on {host})" if host else f"rank {rank}"
+    record = FailureRecord.declared(
+        rank=rank, kind=FailureKind.RANK_HUNG, message=f"{who} hung: {what}", by=rank, pid=pid, host=host,
+        traceback=f"Main thread stack of rank {rank}:\n{cap_tail(stack, MAX_TRACEBACK_CHARS - 40)}",
+        time_ms=time_ms, step=step)
+    return PeerFailedError(record=record)
+
+
+class SelfHangProbe:
+    """No progress (``progress()``: monotonic time, wall time and step of the last beat) for
+    ``hang_timeout`` (``start_timeout`` until ``warm()``), out of a wait on peers: ``RankHung``. Time
+    seen waiting is not held against it, but a wait of ``2 x limit + margin`` is declared all the
+    same (no rank declared itself: one stuck in C holding the GIL)."""
+
+    def __init__(self, rank: int, pid: int, hang_timeout: float, *, margin: float,
+                 progress: Callable[[], tuple[float, float, int | None]], frame: Callable[[], object],
+                 host: str = "", start_timeout: float | None = None, warm: Callable[[], bool] = lambda: True) -> None:
+        self.rank, self.pid, self.host = rank, pid, host
+        self.hang_timeout = hang_timeout
+        self.start_timeout = hang_timeout if start_timeout is None else start_timeout
+        self.warm, self.margin, self.progress, self.frame = warm, margin, progress, frame
+        self._waited: tuple[tuple, float] | None = None  # (the progress then, when) last seen waiting on peers
+
+    def poll(self, now: float) -> PeerFailedError | None:
+        progress = self.progress()
+        last, last_wall, step = progress
+        warm = self.warm()
+        limit = self.hang_timeout if warm else self.start_timeout
+        stalled = now - last
+        frame = self.frame()
+        if waiting_on_peers(frame):
+            self._waited = (progress, now)
+            if stalled < 2 * limit + self.margin:
+                return None
+        elif now - (self._waited[1] if self._waited is not None and self._waited[0] is progress else last) < limit:
+            return None
+        at = f" at step {step}" if step is not None else ""
+        before = "" if warm else " before its first iteration completed (the start's deadline)"
+        return hung_error(self.rank, self.pid, self.host, frame, f"its main thread made no progress for "
+                          f"{stalled:.1f} s{at}{before}", int(last_wall * 1000), step)
+
 
 class AutoHangProbe:
-    """This rank's main thread stuck in a piece of work far longer than any like it so far."""
+    """This rank's main thread stuck in a piece of work far longer than any like it so far: the main
+    thread marks where each piece begins (:meth:`mark`); a kind's deadline is ``max(floor, multiple x
+    longest seen)`` after ``warmup`` steps. Past it, a wait on peers or a debugger is no hang, an
+    explainer (``explain(frame) -> (kind, token) | None``) judges the work again as its kind, from
+    now and each time ``token`` moves; otherwise ``RankHung``."""
 
     def __init__(self, rank: int, pid: int, *, frame: Callable[[], object], multiple: float = DEFAULT_MULTIPLE,
                  first_multiple: float = DEFAULT_FIRST_MULTIPLE, floor: float = DEFAULT_FLOOR,
                  warmup: int = DEFAULT_WARMUP, wall: Callable[[], float] = time.time,
                  explain: Iterable[Explainer] = (), host: str = "") -> None:
-        # (the FTH_AUTO_HANG_* ranges are checked where the settings are read)
-        self.rank = rank
-        self.pid = pid
-        self.frame = frame
-        self.multiple = multiple
-        self.first_multiple = first_multiple
-        self.floor = floor
-        self.warmup = warmup
+        self.rank, self.pid, self.host, self.frame = rank, pid, host, frame
+        self.multiple, self.first_multiple, self.floor, self.warmup = multiple, first_multiple, floor, warmup
         self.wall = wall
-        self.host = host  # this rank's host name, for the report
         #: Recognise work from the main thread's stack (called on the watchdog thread, past a deadline).
         self.explainers: list[Explainer] = list(explain)
         self.longest: dict[str, float] = {}
@@ -73,8 +126,7 @@ class AutoHangProbe:
 
     # -- fed by the main thread -------------------------------------------------------------------
     def mark(self, kind: str | None, now: float, step: int | None = None) -> None:
-        """End the piece of work under way (its duration is learned) and begin ``kind`` (``None``:
-        nothing is watched until the next mark)."""
+        """End the piece of work under way (its duration is learned) and begin ``kind`` (``None``: nothing)."""
         current = self.current
         self.current = None if kind is None else (kind, now, step)
         if current is not None:

@@ -1,19 +1,16 @@
-"""Liveness that does not depend on the GIL: a helper process per rank (``fth-liveness``), forked when
-the watchdog starts, so that a main thread holding the GIL in a long C call, or busy cores, never make
-a healthy rank look lost. It beats ``hb/<rank>`` unless its rank is stopped (a frozen rank is
-noticed), says how its rank ended when a signal killed it (:func:`rank_ended`), and runs the
-:class:`~.probes.HeartbeatProbe` on its ring successor (every rank of the successor's host when it is
-another host): a rank is declared lost on evidence of its silence, never of a slow answer. It never
-runs the rank's exit hooks (``os._exit``).
+"""Liveness that does not depend on the GIL (``docs/detection.md``): a helper process per rank
+(``fth-liveness``), forked when the watchdog starts, beats ``hb/<rank>`` unless its rank is stopped,
+says how its rank ended when a signal killed it (:func:`rank_ended`), and runs the
+:class:`HeartbeatProbe` on its ring successor (every rank of the successor's host when it is another
+host). It never runs the rank's exit hooks (``os._exit``).
 """
 
 from __future__ import annotations
 
-# The helper is forked while other threads of the rank run (the watchdog's connects among them): a
-# module that one of them was importing at that moment stays locked in the helper for ever, and
-# the helper's first import of it blocks. Its store connect resolves the store's host name, which
-# imports the idna codec on first use: imported here, at the library's import, before any thread.
+# The helper is forked while other threads of the rank run: a module one of them was importing then
+# stays locked in the helper. Its store connect imports the idna codec on first use: imported here.
 import encodings.idna  # noqa: F401
+import contextlib
 import dataclasses
 import logging
 import math
@@ -25,36 +22,143 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from ..core import hooks, procfs as _procfs
-from ..core.config import HELPER_STORE_TIMEOUT, RANK_EXIT_WAIT, ZOMBIE_HOLD  # timings: the table in core.config
+from ..core.config import (HEARTBEAT_TIMEOUT_ENV, HELPER_STORE_TIMEOUT, LEFT_CHECK_EVERY, RANK_EXIT_WAIT,  # timings:
+                           SILENCE_POLL, SUSPECT_SILENCE, WITNESS_EVERY, ZOMBIE_HOLD)  # the table in core.config
+from ..core.errors import PeerFailedError
 from ..core.hooks import log
 from ..core.procfs import RankTable
-from ..core.failure import FailureRecord
+from ..core.failure import FailureKind, FailureRecord
 from ..core.schema import Schema
 from . import witness
-from .probes import HeartbeatProbe
 
 if TYPE_CHECKING:
     from ..core.session import Session
 
 
-def _stopped(pid: int) -> bool:
+class HeartbeatProbe:
+    """Its own heartbeat (``beats``), and one watched rank's: a counter that stands still for ``limit``
+    seconds of **observed** time (between two answered polls at most :data:`OBSERVED_GAP` periods
+    apart: a slow store is no silence), once it has beaten, is declared silent; a rank that left
+    cleanly (``left/<rank>``) never is. On another host, ``link`` (:class:`~.witness.Link`) is a second
+    witness: still for :data:`SUSPECT_SILENCE` while its host acknowledged nothing for ``unacked_after``."""
+
+    def __init__(self, schema: Schema, rank: int, successor: int | None, successor_pid: int, *, period: float,
+                 limit: float, host: str = "", running: Callable[[], bool] | None = None, beats: bool = True,
+                 link: witness.Link | None = None, unacked_after: float = math.inf) -> None:
+        self.schema, self.rank, self.successor, self.successor_pid = schema, rank, successor, successor_pid
+        self.period, self.limit, self.host, self.link, self.unacked_after = period, limit, host, link, unacked_after
+        self.beats = beats  # this probe beats this rank's own heartbeat (one probe of a helper's does)
+        #: For a successor on this host: True while its process runs (not stopped, not gone). Its
+        #: silence is then no evidence (its beats are only late); its death is the pid probe's.
+        self.running = running
+        self.send_at = 0.0  # the next byte on the link
+        self.next_at = 0.0  # the next read of the watched rank's counter
+        self.beat_at = 0.0  # the next beat of this rank's own (``beats``)
+        self.value = -1  # the successor's counter as last read
+        self.stood = False  # the last read found it where the read before had
+        self.silent = 0.0  # observed time it has stood still
+        self.answered_at: float | None = None  # the last poll that got its answers
+        self.warned = False  # this silence passed NEAR_MISS of the limit (logged once)
+        self.left = False  # the watched rank left cleanly (its counter has not moved since)
+        self.left_checked_at: float | None = None
+
+    def due(self) -> float:
+        due = min(self.next_at, self.beat_at) if self.beats else self.next_at
+        return min(due, self.send_at) if self.link is not None else due
+
+    def poll(self, now: float) -> PeerFailedError | None:
+        if self.beats and now >= self.beat_at:
+            # on its cadence, whatever the reads in between (a beat more than a period late starts anew)
+            self.beat_at = self.beat_at + self.period if now - self.beat_at < self.period else now + self.period
+            self.schema.beat(self.rank)
+        if self.link is not None and now >= self.send_at:
+            self.send_at = now + WITNESS_EVERY.total_seconds()
+            self.link.send(now)  # its host's kernel acknowledges it, whatever its processes do
+        if now < self.next_at:
+            return None
+        self.next_at = now + self.period
+        if self.successor is None:
+            return None
+        value = self.schema.heartbeat_of(self.successor)
+        previous, self.answered_at = self.answered_at, now
+        stood, self.stood = self.stood, value == self.value
+        if value != self.value:
+            if self.warned:
+                log(logging.INFO, "rank %d's heartbeat moves again after %.1f s of observed silence",
+                    self.successor, self.silent)
+            self.value, self.silent, self.warned, self.left, self.left_checked_at = value, 0.0, False, False, None
+            if self.link is not None and value > 0:
+                self.link.ready(now)  # connected ahead of a silence (its address is published before its first beat)
+            if self.running is None:
+                # On another host: the next read lands just before the next beat is due, then every
+                # SILENCE_POLL until it moves, so a silence counts from within SILENCE_POLL of the last beat.
+                self.next_at = now + (self.period - SILENCE_POLL if stood else SILENCE_POLL)
+            return None
+        if value > 0 and not self.left and self.running is None:  # standing still: read again soon,
+            self.next_at = now + SILENCE_POLL  # and declared within SILENCE_POLL past the limit
+        if previous is not None and now - previous <= OBSERVED_GAP * self.period:
+            self.silent += now - previous
+        if value <= 0 or self.left or self.silent < min(NEAR_MISS * self.limit, SUSPECT_SILENCE) or self._has_left(now):
+            return None  # not beaten yet, still too briefly to judge, or it finished first
+        if self.running is not None and self.running():
+            return None  # on this host and running: its beats are only late
+        on = f" on {self.host}" if self.host else ""
+        unacked = self.link.unacked_for(now) if self.link is not None else 0.0
+        if self.silent >= SUSPECT_SILENCE and unacked >= self.unacked_after:
+            return self._declare(f"no heartbeat for {self.silent:.1f} s, and its host acknowledged nothing sent to it "
+                                 f"for {unacked:.1f} s (its host or link is down)")
+        if self.silent < NEAR_MISS * self.limit:
+            return None
+        if not self.warned:
+            # the margin an operator should see: a live rank this close to the limit is a loaded
+            # machine or a lossy link, and a lower FTH_HEARTBEAT_TIMEOUT_SEC would be a false alarm
+            self.warned = True
+            log(logging.WARNING, "rank %d's heartbeat (pid %d%s) has stood still for %.1f s of observed time; "
+                "it is declared at %g s (%s)%s", self.successor, self.successor_pid, on, self.silent, self.limit,
+                HEARTBEAT_TIMEOUT_ENV, f"; its host acknowledged nothing for {unacked:.1f} s" if unacked else "")
+        if self.silent > self.limit:
+            return self._declare(f"no heartbeat for {self.silent:.1f} s (its host or link is down, or its process is "
+                                 "gone or frozen)")
+        return None
+
+    def _declare(self, why: str) -> PeerFailedError:
+        on = f" on {self.host}" if self.host else ""
+        message = f"rank {self.successor} (pid {self.successor_pid}{on}) lost: {why}"
+        return PeerFailedError(record=FailureRecord.declared(
+            rank=self.successor, kind=FailureKind.PEER_SILENT, message=message, by=self.rank,
+            pid=self.successor_pid, host=self.host))
+
+    def _has_left(self, now: float) -> bool:
+        """The watched rank stopped its watchdog cleanly (asked at most every :data:`LEFT_CHECK_EVERY`)."""
+        if self.left_checked_at is not None and now - self.left_checked_at < LEFT_CHECK_EVERY:
+            return False
+        self.left_checked_at = now
+        self.left = self.schema.has_left(self.successor)
+        if self.left:
+            log(logging.DEBUG, "rank %d stopped watching cleanly: its silence is not a failure", self.successor)
+        return self.left
+
+
+#: A silence this fraction of the limit long is logged (once): a margin grown thin shows before a false alarm.
+NEAR_MISS = 0.5
+#: Two answered polls at most this many periods apart observe the time between them.
+OBSERVED_GAP = 3
+
+
+def _stopped(pid: int) -> bool:  # SIGSTOP
     fields = _procfs.stat_fields(pid)
     return bool(fields) and fields[_procfs.STATE] in ("T", "t")
 
 
-def _running(pid: int) -> bool:
-    """``pid`` (a rank on this host) runs: neither gone, a zombie, nor stopped (SIGSTOP)."""
+def _running(pid: int) -> bool:  # neither gone, a zombie, nor stopped
     fields = _procfs.stat_fields(pid)
     return _procfs.is_running(fields) and fields[_procfs.STATE] not in ("T", "t")
 
 
 def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: float, limit: float,
          address: str = "", unacked_after: float = math.inf) -> None:
-    try:
-        with open("/proc/self/comm", "w") as f:
-            f.write("fth-liveness")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
+        f.write("fth-liveness")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the rank; its end ends this process
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # The rank's end is watched by a thread of its own, blocked on nothing else: the beat below can
@@ -133,8 +237,7 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
 
 def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.Event,
                  tell: Callable[[FailureRecord], None] | None = None) -> None:
-    """Blocks until the rank stops its watchdog (closes the pipe) or ends (its pidfd: the pipe may
-    also be held by a DataLoader worker forked after this helper), then ends the helper."""
+    """Until the rank closes the pipe or ends (its pidfd: a DataLoader worker may hold the pipe); then it ends."""
     watched = [stop_fd]
     try:
         watched.append(os.pidfd_open(parent))
@@ -149,9 +252,8 @@ def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.E
 
 
 def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], None] | None = None) -> None:
-    """The rank closed the helper's pipe or ended: if it died, say how where its launcher reads it (a
-    killed rank writes nothing itself) and, for a signal it could not report or a keeper gone too, tell
-    its peers (``tell``: a ``PeerLost`` record; on another host they would see only a silence)."""
+    """The rank closed the helper's pipe or ended: if a signal it could not report killed it (or its
+    keeper is gone too), say so to its launcher and its peers (``tell``: a ``PeerLost`` record)."""
     how = _procfs.ended(pid, RANK_EXIT_WAIT)  # None: the rank runs (it stopped its watchdog)
     if how is None:
         return
@@ -188,16 +290,12 @@ class LivenessProcess:
     """The helper process of one rank; ``start()`` forks it, ``stop()`` ends it."""
 
     def __init__(self, session: Session, *, period: float, limit: float, unacked_after: float = math.inf) -> None:
-        self.session = session
-        self.period = period
-        self.limit = limit
-        self.unacked_after = unacked_after
+        self.session, self.period, self.limit, self.unacked_after = session, period, limit, unacked_after
         self.pid: int | None = None
         self._stop_w: int | None = None
 
     def start(self) -> LivenessProcess:
-        # Connected by the helper after the fork, never by the rank (a slow connect would hold up its
-        # first collective); a peer judges a heartbeat only once it has beaten: a late first beat is fine.
+        # Connected by the helper after the fork (a slow connect would hold up the rank's first collective)
         conn = self.session.connection("helper", HELPER_STORE_TIMEOUT, backoff=True)
         schema = Schema(conn, self.session.schema.world_size)
         read_fd, write_fd = os.pipe()
@@ -250,11 +348,9 @@ _children: set[int] = set()
 
 
 def kill(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, ChildProcessError):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass
 
 
 def kill_all() -> None:

@@ -1,22 +1,16 @@
-"""The out-of-band watchdog (``docs/detection.md``): daemon threads that run the probes (:mod:`.probes`)
-while the main thread may be stuck in a collective, and escalate what they find.
-
-* The **store loop** (``fth-watchdog``) polls the records, self-hang and store-loss probes every
-  ``interval`` (0.1 s), on a connection of its own.
-* The **liveness process** (:mod:`.liveness`: a process, so the GIL cannot stop it) beats and watches
-  its ring successor's heartbeat.
-* The **pid loop** (``fth-pids``, only when peers share this host) sleeps in one ``poll()`` on the
-  peers' pidfds (:class:`PidWatcher`): no store traffic, no periodic wake-up.
-
-A finding about another rank starts the **escalation** (``fth-escalate``): release this process's
-collectives; then, if the main thread has not taken the failure within ``exit_grace`` (and after a
-checkpoint write under way), a **reported exit** with :data:`EXIT_PEER_FAILED`. A rank that finds
-*itself* hung publishes its stack and ends with :data:`EXIT_HUNG`.
+"""The out-of-band watchdog (``docs/detection.md``): daemon threads that poll small probes while the
+main thread may be stuck in a collective, and escalate what they find. The store loop
+(``fth-watchdog``) polls the records, self-hang and store-loss probes every ``interval``; the
+liveness helper (:mod:`.liveness`) beats; the pid loop (``fth-pids``) sleeps on same-host peers'
+pidfds. A finding about another rank releases this process's collectives, then, if the main thread
+has not taken the failure within ``exit_grace``, ends it with :data:`EXIT_PEER_FAILED`; a rank that
+finds itself hung ends with :data:`EXIT_HUNG`.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -28,21 +22,125 @@ import time
 import traceback
 import weakref
 from datetime import timedelta
+from typing import Callable, Container
+
 import torch.distributed as dist
 
 from . import autohang
 from ..core import config, hooks, inject, interrupts
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted, PeerFailedError
-from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, Incident, cap_tail
+from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Incident, cap_tail
 from ..core.session import Session, get_session
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
 from ..core.hooks import first_line, log
+from ..core.procfs import PeerPidProbe, main_thread_frame
+from .autohang import SelfHangProbe
 from .liveness import LivenessProcess, kill_all as kill_all_liveness
-from .probes import PeerPidProbe, RecordsProbe, SelfHangProbe, StoreLossProbe, main_thread_frame
 from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
 from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_RESEND, INTERRUPT_WAIT, LIVENESS_STORE_TIMEOUT,  # timings:
-                           RELEASE_GRACE, SILENT_MARGIN, STORE_CHECK_EVERY, STORE_EVIDENCE_TIMEOUT,  # the table in
-                           STORE_WARN_EVERY)  # core.config
+                           MAX_CHECK_HOLD, RELEASE_GRACE, SILENT_MARGIN, STORE_CHECK_EVERY,  # the table in
+                           STORE_EVIDENCE_TIMEOUT, STORE_WARN_EVERY)  # core.config
+
+
+# -- the store loop's probes: each ``poll(now) -> PeerFailedError | None``, driven by a fake clock in tests --
+class RecordsProbe:
+    """Failure records of other ranks that no sync point took (``delivered()``) within ``grace``
+    seconds; at once for a record declaring a rank lost or silent (no agreement can take it without it)."""
+
+    def __init__(self, schema: Schema, rank: int, grace: float, delivered: Callable[[], Container[int]],
+                 start: int = 0, stale: Callable[[FailureRecord], bool] = lambda record: False) -> None:
+        self.schema, self.rank, self.grace, self.delivered = schema, rank, grace, delivered
+        self.stale = stale  # late news of a failure already agreed on: not a new failure
+        self.seen = start
+        self.pending: dict[int, float] = {}  # index -> first seen
+
+    def poll(self, now: float) -> PeerFailedError | None:
+        count = self.schema.count()
+        for index in self.schema.new_indices(self.seen, count):
+            record = self.schema.read(index)
+            gone = record is not None and record.kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
+            self.pending.setdefault(index, now - self.grace if gone else now)
+        self.seen = count
+        delivered = self.delivered()
+        for index in [i for i in self.pending if i in delivered]:
+            del self.pending[index]
+        due = [i for i, t in self.pending.items() if now - t >= self.grace]
+        records = []
+        for index in due:
+            del self.pending[index]
+            record = self.schema.read(index)
+            if record is not None and record.rank != self.rank and not self.stale(record):
+                records.append(record)
+        return PeerFailedError.from_records(records) if records else None
+
+
+class StoreLossProbe:
+    """The store did not answer: its host is declared lost (``StoreLost`` when no rank is on it) only
+    when a silence started by failed calls (:meth:`failed`) lasted ``lost_after`` **and** every check
+    of ``evidence()`` in it (a TCP connect: a string when refused or unreachable), at least two, found
+    evidence; a port that answers is a slow store, and the next check waits twice as long (up to
+    :data:`MAX_CHECK_HOLD`: each costs c10d's server a reverse DNS lookup). ``hosted_here``: never."""
+
+    def __init__(self, lost_after: float, *, by: int, store_rank: int | None = 0, store_pid: int = 0,
+                 evidence: Callable[[], str | None] = lambda: None, check_every: float = 0.5,
+                 hosted_here: bool = False, store_at: str = "") -> None:
+        self.lost_after, self.by, self.store_rank, self.store_pid = lost_after, by, store_rank, store_pid
+        self.evidence, self.check_every, self.hosted_here = evidence, check_every, hosted_here
+        self.store_at = store_at  # host:port, named when no rank runs on the store's host
+        self.down_since: float | None = None
+        self.last_error = ""
+        self.found: str | None = None  # the newest evidence of the silence under way
+        self.checks = 0  # checks of the silence under way, every one of them with evidence
+        self.next_check = 0.0
+        self.hold = check_every  # the wait before a check after the port answered the last one
+
+    def failed(self, now: float, err: BaseException) -> bool:
+        """A failed call; True when it is the first of a silence."""
+        self.last_error = f"{type(err).__name__}: {first_line(err)}"
+        if self.down_since is None:
+            self.down_since = now
+            self.checks, self.found, self.next_check = 0, None, max(now, self.next_check)
+            return True
+        return False
+
+    def answered(self) -> None:
+        """A call was answered: the store is back, the next silence is checked at once."""
+        self.down_since, self.checks, self.found = None, 0, None
+        self.next_check, self.hold = 0.0, self.check_every
+
+    def declare_at(self) -> float | None:
+        """When the silence under way becomes a loss if the evidence holds (monotonic), or ``None``."""
+        if self.down_since is None or self.hosted_here:
+            return None
+        return self.down_since + self.lost_after
+
+    def poll(self, now: float) -> PeerFailedError | None:
+        if self.down_since is None or self.hosted_here:
+            return None
+        if now >= self.next_check:
+            self.next_check = now + self.check_every
+            found = self.evidence()
+            if found is None:
+                # The port answers: the store is slow, not gone. A new silence starts with the next
+                # failed call, so that the time already spent is never counted as evidence; its
+                # first check waits (the store's server pays for each check it accepts).
+                self.down_since, self.checks, self.found = None, 0, None
+                self.next_check = now + self.hold
+                self.hold = min(MAX_CHECK_HOLD, 2 * self.hold)
+                return None
+            self.found = found
+            self.checks += 1
+        if self.found is None or self.checks < 2 or now - self.down_since < self.lost_after:
+            return None
+        silence = f"the store has not answered for {now - self.down_since:.1f} s ({self.last_error}) and {self.found}"
+        if self.store_rank is None:  # a store on a host of its own: no rank is to blame
+            at = f" at {self.store_at}" if self.store_at else ""
+            return PeerFailedError(None, FailureKind.STORE_LOST.value, f"the c10d store{at}, on a host of no rank's, "
+                                   f"is lost: {silence}", origin="declared", kind=FailureKind.STORE_LOST)
+        message = f"rank {self.store_rank} (pid {self.store_pid}, hosts the c10d store) lost: {silence}"
+        record = FailureRecord.declared(rank=self.store_rank, kind=FailureKind.PEER_LOST, message=message, by=self.by,
+                                        pid=self.store_pid)
+        return PeerFailedError(record=record)
 
 
 class WakeEvent(threading.Event):
@@ -58,18 +156,13 @@ class WakeEvent(threading.Event):
 
     def set(self) -> None:
         super().set()
-        try:
+        with contextlib.suppress(OSError):  # already readable (or closed at teardown): nothing to wake
             os.write(self._write_fd, b"x")
-        except (BlockingIOError, OSError):  # already readable (or closed at teardown): nothing to wake
-            pass
 
     def __del__(self) -> None:
         for fd in (getattr(self, "_read_fd", None), getattr(self, "_write_fd", None)):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            with contextlib.suppress(OSError, TypeError):
+                os.close(fd)
 
 
 class PidWatcher:
@@ -77,8 +170,7 @@ class PidWatcher:
     its process exits; pids without one (gone already, or no pidfds here) are checked every ``fallback`` s."""
 
     def __init__(self, pids: list[int], wake: WakeEvent, fallback: float) -> None:
-        self.wake = wake
-        self.fallback = fallback
+        self.wake, self.fallback, self._checked_once = wake, fallback, False
         self._fds: dict[int, int] = {}  # pidfd -> pid
         self.polled: list[int] = []  # pids without a pidfd: checked every ``fallback`` seconds
         self._poll = select.poll()
@@ -94,10 +186,9 @@ class PidWatcher:
         self._pidfd_only = not self.polled
 
     def wait(self) -> bool:
-        """Block until a watched pid ended (True) or ``wake`` was set (False). With pids that have no
-        pidfd, returns True every ``fallback`` seconds so that the caller checks them. The first call
-        returns True: check once before sleeping."""
-        if not getattr(self, "_checked_once", False):
+        """Block until a watched pid ended (True: also first, and every ``fallback`` s with pids that have
+        no pidfd) or ``wake`` was set (False)."""
+        if not self._checked_once:
             self._checked_once = True
             return True
         if self.wake.is_set():
@@ -109,16 +200,12 @@ class PidWatcher:
             self.polled.append(self._fds.pop(fd))
             os.close(fd)
             self._pidfd_only = False
-        if ended:
-            return True
-        return bool(self.polled) and not self.wake.is_set()
+        return bool(ended) or (bool(self.polled) and not self.wake.is_set())
 
     def close(self) -> None:
         for fd in self._fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._fds = {}
 
 
@@ -127,12 +214,9 @@ class Watchdog:
 
     def __init__(self, session: Session, *, hang_timeout: timedelta | str | None = None) -> None:
         cfg = session.config
-        self.session = session
-        self.rank = session.rank
-        self.interval = cfg.interval
+        self.session, self.rank, self.interval = session, session.rank, cfg.interval
         self.hang_timeout = config.check_hang_timeout(hang_timeout)
-        self.exit_grace = cfg.exit_grace
-        self.write_grace = cfg.write_grace
+        self.exit_grace, self.write_grace = cfg.exit_grace, cfg.write_grace
         self._progress: tuple[float, float, int | None] = (time.monotonic(), time.time(), None)
         #: The first iteration completed: ``hang_timeout`` applies from then on, ``FTH_START_TIMEOUT_SEC`` before.
         self.warm = False
@@ -140,8 +224,7 @@ class Watchdog:
         self._quiet_since: tuple | None = None  # the progress when this rank learned the job failed
         self._failed_seen = (session.failure.delivered, session.failure.moves)
         self._stop = WakeEvent()  # its set() also wakes the liveness loop's poll()
-        self._finishing = False
-        self._store_warned_at = -STORE_WARN_EVERY
+        self._finishing, self._store_warned_at = False, -STORE_WARN_EVERY
         store_timeout = timedelta(seconds=max(1.0, 5 * self.interval.total_seconds()))
         # Connected by the loops that use them, never by the main thread (a slow connect at start
         # would hold up its first collective); the pid loop's connects on its first declaration.
@@ -160,7 +243,7 @@ class Watchdog:
         self.self_hang = self.auto_hang = None  # auto_hang: the learned deadline of hang_timeout="auto"
         if self.hang_timeout == config.AUTO:
             self.self_hang = self.auto_hang = autohang.from_config(self.rank, os.getpid(), main_thread_frame,
-                                                                          host=session.host)
+                                                                   host=session.host)
         elif self.hang_timeout is not None:
             self.self_hang = SelfHangProbe(self.rank, os.getpid(), self.hang_timeout.total_seconds(),
                                            margin=SILENT_MARGIN.total_seconds(), progress=lambda: self._progress,
@@ -202,15 +285,15 @@ class Watchdog:
         return self._conn.calls + self._liveness_conn.calls
 
     def stop(self, join_timeout: float | None = None, *, keep_liveness: bool = False) -> None:
-        """A clean end (losing the store is no longer a failure); ``keep_liveness``: the liveness helper
-        goes on (beating, and declaring silent ranks) until its owner stops it."""
+        """A clean end; ``keep_liveness``: the liveness helper goes on until its owner stops it."""
         self._finishing = True
         self._stop.set()
         timeout = join_timeout if join_timeout is not None else 2 * self.interval.total_seconds() + 2
-        for thread in (self._thread, self._liveness):
+        threads = (self._thread, self._liveness)
+        for thread in threads:
             if thread.is_alive() and threading.current_thread() is not thread:
                 thread.join(timeout=timeout)
-        if not (self._thread.is_alive() or self._liveness.is_alive()):
+        if not any(thread.is_alive() for thread in threads):
             self._conn.close()
             self._liveness_conn.close()
         if not keep_liveness:
@@ -219,8 +302,7 @@ class Watchdog:
 
     def beat(self, step: int | None = None, *, completed: bool = False, named: int | None = None) -> None:
         """The main thread made progress; ``completed``: an iteration completed (so did one whose step
-        differs from the first beaten: a loop of one's own calls ``beat(step)``); ``named``: the step a
-        report names until the next beat, where it is not ``step`` (the training step under way)."""
+        differs from the first beaten); ``named``: the step a report names, where it is not ``step``."""
         self._progress = (time.monotonic(), time.time(), step if named is None else named)
         if not self.warm and step is not None:
             if self._first_step is None:
@@ -258,8 +340,7 @@ class Watchdog:
         log(logging.DEBUG, "watchdog stopped")
 
     def _judges_hangs(self) -> bool:
-        """The self-hang probe judges a main thread that trains: from the moment this rank knows the job
-        failed until its next beat, its main thread handles the failure, which is not a hang."""
+        """Not from the moment this rank knows the job failed until its next beat (handling a failure is no hang)."""
         failure = self.session.failure
         seen = (failure.delivered, failure.moves)
         failed_now = seen != self._failed_seen
@@ -316,9 +397,8 @@ class Watchdog:
 
     @staticmethod
     def _interrupted(left: threading.Event) -> bool:
-        """Whether the interrupted main thread reached the recovery (``left``) within INTERRUPT_WAIT
-        (after a deferred section's bound, while one holds it back); sent again every INTERRUPT_RESEND
-        meanwhile (an interrupt caught and not re-raised, or deferred by a write its stack shows)."""
+        """Whether the interrupted main thread reached the recovery (``left``) within INTERRUPT_WAIT (past a
+        deferred section's bound), the interrupt sent again every INTERRUPT_RESEND meanwhile."""
         deadline = time.monotonic() + INTERRUPT_WAIT
         while True:
             now = time.monotonic()
@@ -341,16 +421,15 @@ class Watchdog:
             log(logging.WARNING, "could not publish %s: %s", err.exc_type, first_line(problem))
 
     def _escalate(self, incident: Incident) -> None:
-        """Release this process's collectives, then, if the main thread does not take the failure within
-        ``exit_grace``, end the process with a report. Touches no store: the store may be what died."""
+        """Release this process's collectives; a main thread that does not take the failure within
+        ``exit_grace`` (and a checkpoint write) ends with a report. No store call: it may be what died."""
         if incident.local or incident.acknowledged.is_set() or self._finishing:
             return
         what = self.session.release_collectives()
         log(logging.WARNING, "released blocked collectives: %s", what, step=self._progress[2])
         if incident.acknowledged.wait(self.exit_grace.total_seconds()):
             return
-        deadline = time.monotonic() + self.write_grace.total_seconds()
-        wrote = False
+        deadline, wrote = time.monotonic() + self.write_grace.total_seconds(), False
         while writing_now(main_thread_frame()) and time.monotonic() < deadline:
             if not wrote:
                 log(logging.WARNING, "waiting for the checkpoint being written before ending this process")
@@ -364,8 +443,7 @@ class Watchdog:
         self._reported_exit(incident.peer_error, EXIT_PEER_FAILED, stuck=main_thread_frame())
 
     def _reported_exit(self, err: BaseException, code: int, stuck=None) -> None:
-        """End the process with ``code`` and a report; ``stuck``: the frame of a main thread that did
-        not take the failure (where a release did not reach)."""
+        """End the process with ``code`` and a report; ``stuck``: the frame of a main thread that did not take it."""
         text = f"[rank {self.rank}] fault-tolerant-handlers: ending this process (exit code {code}) because:\n{err}\n"
         if stuck is not None:
             stack = cap_tail("".join(traceback.format_stack(stuck)), MAX_TRACEBACK_CHARS)
@@ -376,18 +454,12 @@ class Watchdog:
             hooks.emit(hooks.EXITING, self.session.table, err, code)
             log(logging.CRITICAL, "ending this process with exit code %d: %s", code, first_line(err, None))
             sys.stderr.write(text)
-            sys.stderr.flush()
-            sys.stdout.flush()
-            for handler in logging.getLogger().handlers + logging.getLogger("fault_tolerant_handlers").handlers:
-                try:
-                    handler.flush()
-                except Exception:  # noqa: BLE001
-                    pass
+            for stream in [sys.stderr, sys.stdout] + logging.getLogger().handlers + hooks.logger.handlers:
+                with contextlib.suppress(Exception):
+                    stream.flush()
             for child in multiprocessing.active_children():  # DataLoader workers, among others
-                try:
+                with contextlib.suppress(ProcessLookupError, TypeError):
                     os.kill(child.pid, signal.SIGKILL)
-                except (ProcessLookupError, TypeError):
-                    pass
             kill_all_liveness()
         finally:
             os._exit(code)
@@ -399,8 +471,7 @@ _exit_hook_registered = False
 
 
 def _stop_all() -> None:
-    """Stop every watchdog before the interpreter finalizes: a daemon thread still inside a torch C++
-    call when Python finalizes aborts the whole process (``terminate called without an active exception``)."""
+    """Stop every watchdog before the interpreter finalizes (a daemon thread in a torch C++ call then aborts it)."""
     deadline = time.monotonic() + 2.0
     watchdogs = list(_running)
     for watchdog in watchdogs:
@@ -421,13 +492,9 @@ def _stop_all() -> None:
 
 
 def start_watchdog(group=None, *, hang_timeout: timedelta | float | str | dict | None = None) -> Watchdog | None:
-    """Start (once per process group) and return the watchdog, for a loop of your own; ``None``
-    without distribution. Collective on first use for the group (it creates the side group): call it
-    on every rank. The watchdog runs until the end of the process.
-
-    With ``hang_timeout`` (the adapters' forms), the watchdog knows only of the progress you report:
-    call ``beat(step)`` on what this returns once per step; with ``"auto"``, mark where each piece of
-    work begins instead: ``auto_hang.mark("step", time.monotonic(), step)``.
+    """Start (once per process group, collectively: on every rank) and return the watchdog for a loop of
+    your own; ``None`` without distribution. With ``hang_timeout`` call ``beat(step)`` once per step;
+    with ``"auto"``, ``auto_hang.mark("step", time.monotonic(), step)`` where each piece of work begins.
 
     Examples:
         .. code-block:: python

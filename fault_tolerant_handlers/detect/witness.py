@@ -1,12 +1,7 @@
-"""A second witness of a silent rank on another host: that host's kernel.
-
-Every liveness helper listens on a TCP port, published as ``wit/<rank>`` before its first beat. A
-helper that watches a rank on another host connects to it once that rank has beaten and sends it one
-byte every ``WITNESS_EVERY`` (0.2 s). The watched host's *kernel* acknowledges each byte whatever its
-processes do (starved of CPU, frozen, holding the GIL): evidence that the host and its link are up.
-Nothing acknowledged for ``FTH_UNACKED_SEC`` (1 s: a lost segment is sent again after about 0.2 s and
-0.6 s), while the store has had no beat of it for ``SUSPECT_SILENCE``, is evidence from two witnesses
-that they are not (:class:`~.probes.HeartbeatProbe`).
+"""A second witness of a silent rank on another host: that host's kernel (``docs/multiple-hosts.md``).
+A helper watching a rank on another host sends one byte every ``WITNESS_EVERY`` to that rank's
+helper's listener (``wit/<rank>``); its kernel acknowledges each byte whatever its processes do, so
+nothing acknowledged for ``FTH_UNACKED_SEC`` is evidence that the host or its link is down.
 """
 
 from __future__ import annotations

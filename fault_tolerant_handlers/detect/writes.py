@@ -16,11 +16,9 @@ _writes_lock = threading.Lock()
 
 @contextlib.contextmanager
 def writing_checkpoint() -> Iterator[None]:
-    """Mark a block that writes a checkpoint: a reported exit waits for it to finish (bounded by
-    ``FTH_WRITE_GRACE_SEC``), and so does the interrupt of a hung main thread when recovering in
-    place (it is a :class:`~fault_tolerant_handlers.deferred_interrupt` section: bounded by
-    ``FTH_INTERRUPT_DEFER_SEC``). ``torch.save``, Lightning's ``save_checkpoint`` and Ignite's
-    ``DiskSaver`` are recognised without it."""
+    """Mark a block that writes a checkpoint: a reported exit (``FTH_WRITE_GRACE_SEC``) and the interrupt
+    of a hung main thread (a :class:`~fault_tolerant_handlers.deferred_interrupt` section) wait for it.
+    ``torch.save``, Lightning's ``save_checkpoint`` and Ignite's ``DiskSaver`` are recognised without it."""
     global _writes_in_progress
     with _writes_lock:
         _writes_in_progress += 1

@@ -1,23 +1,12 @@
-"""torchrun restarts: one store namespace per attempt (torch's private rendezvous table, in one place).
+"""torchrun restarts: one store namespace per attempt (``docs/launchers.md``), torch's private
+rendezvous and group tables in one place.
 
-**Why.** torchrun's agent makes one ``TCPStore`` for the whole job and hands it to the workers
-(``TORCHELASTIC_USE_AGENT_STORE=True``); a restart re-uses it without a per-attempt prefix, so attempt
-N-1's keys are still there in attempt N under the same names. Gloo's ``connectFullMesh`` reads its
-peers' listening addresses under such keys: a rank that reads before its peer of *this* attempt has
-written gets a dead process's address, ``Connection refused``.
-
-**The fix.** Under torchrun with the agent store, the ``env`` and ``tcp`` rendezvous handlers are
-wrapped so that ``init_process_group`` is given ``PrefixStore("fth/attempt_<restart>", store)``
-(installed when the package is imported: import it before ``init_process_group``).
-``FTH_ATTEMPT_STORE=0`` turns it off; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is the launcher-side
-alternative (and the one to use with ``--nnodes MIN:MAX``: every node must count the same attempts).
-
-**Imported after ``init_process_group``.** This attempt's address keys must be gone before the next
-starts, deleted while the attempt is healthy (a SIGKILLed survivor deletes nothing; a destroyed group,
-such as idist's, is no longer in ``_world.pg_map``). A key is read only while its group is made, and a
-session's side group completed an ``all_gather`` that no peer enters before it made every earlier
-group: so at ``SESSION_STARTED`` each rank deletes its share (:func:`read_keys`), in a thread
-(``fth-attempt-keys``); those of groups made later go on ``JOB_FAILED`` (:func:`forget_attempt_keys`).
+torchrun's agent hands every attempt the same ``TCPStore`` without a per-attempt prefix: gloo's
+``connectFullMesh`` of attempt N could read attempt N-1's dead addresses. So the ``env`` and ``tcp``
+rendezvous handlers are wrapped to give ``init_process_group`` ``PrefixStore("fth/attempt_<restart>",
+store)`` (installed at import; ``FTH_ATTEMPT_STORE=0`` turns it off). Imported after
+``init_process_group``, each rank deletes its address keys once every peer read them
+(:func:`attempt_keys`).
 
 Private API: ``torch.distributed.rendezvous._rendezvous_handlers``, checked against torch 2.13.0; the
 names of gloo's address keys (``core.schema.gloo_address_key``, with ``_world.pg_map``, ``pg_names``
@@ -31,7 +20,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -100,22 +88,18 @@ def _keys(groups: list[tuple[Any, str | None]], *, own: bool) -> list[str]:
 
 
 def group_count() -> int:
-    """How many groups this process made with a counted name (``0``: the default group, ``1``...; a
-    destroyed group keeps its number and its keys)."""
+    """How many groups this process made with a counted name (``0``: the default; a destroyed one keeps its number)."""
     return int(distributed_c10d._world.group_count)
 
 
 def forget_addresses(call: Callable[..., Any], keys: list[str]) -> int:
-    """Delete ``keys`` (``call``: a store call without a prefix); how many were there. One by one:
-    listing the store's keys holds the GIL for the whole call (torch 2.13), a freeze when it hangs."""
+    """Delete ``keys`` one by one (listing them holds the GIL for the whole call, torch 2.13); how many were there."""
     return sum(bool(call("delete_key", key)) for key in keys)
 
 
 def read_keys(session: Session) -> tuple[list[str], set[str | None], int]:
-    """The gloo address keys this rank deletes when ``session`` starts, the live groups' names and the
-    group count they cover: its own key of each live group within the session; when the session spans
-    the world, also its key of every counted group not live here (each rank its own: it checks its own
-    key before it deletes)."""
+    """The gloo address keys this rank deletes when ``session`` starts (its own of each live group within
+    it, and of every counted group not live here when it spans the world), the live groups' names and the count."""
     members = set(dist.get_process_group_ranks(session.side))
     count = group_count()
     live, keys = set(), []
@@ -133,9 +117,10 @@ def read_keys(session: Session) -> tuple[list[str], set[str | None], int]:
     return keys, live, count
 
 
-class _AttemptKeys:
-    """One session's connection without a prefix (``None`` once used), a lock held while deleting, and
-    what went when it started: the live groups' names and the group count."""
+class AttemptKeys:
+    """Imported after ``init_process_group`` under torchrun (:func:`attempt_keys`): one session's
+    connection without a prefix (``None`` once used), a lock held while deleting, and what went when
+    it started: the live groups' names and the group count."""
 
     def __init__(self, conn: Connection, done: set[str | None], count: int) -> None:
         self.conn: Connection | None = conn
@@ -150,69 +135,55 @@ class _AttemptKeys:
         return keys + [key for pg, name in _gloo_groups() if name not in self.done and not (
             name is not None and name.isdigit() and int(name) >= self.count) for key in _keys([(pg, name)], own=False)]
 
-
-_attempt_keys: weakref.WeakKeyDictionary[Session, _AttemptKeys] = weakref.WeakKeyDictionary()
-
-
-def check_address_keys(session: Session, conn: Connection) -> bool:
-    """This rank's own gloo address key is where this module expects it (else a warning)."""
-    key = gloo_address_key(session.rank)
-    if conn.call("check", [key]):
-        return True
-    log(logging.WARNING, "fault_tolerant_handlers was imported after init_process_group under torchrun, and "
-        "this attempt's gloo address keys cannot be found (no key %r in the store, torch %s): a restarted attempt "
-        "may fail in gloo's connectFullMesh; import fault_tolerant_handlers before init_process_group",
-        key, torch.__version__)
-    return False
-
-
-def forget_attempt_keys(session: Session) -> None:
-    """``JOB_FAILED``: delete the address keys of the groups made after ``session`` started (once)."""
-    keys = _attempt_keys.get(session)
-    if keys is None:
-        return
-    # Held while deleting: a second caller (the main thread taking the failure, while the
-    # watchdog deletes) waits until the keys are gone, so that its exit never cuts it short.
-    with keys.lock:
-        conn, keys.conn = keys.conn, None
-        if conn is None:
-            return
-        try:
-            later = keys.later(session.world_size)
-            if not later:  # the usual case: nothing is deleted on the way out
+    def forget(self, session: Session) -> None:
+        """The job failed: delete the address keys of the groups made after ``session`` started (once)."""
+        # Held while deleting: a second caller (the main thread taking the failure, while the
+        # watchdog deletes) waits until the keys are gone, so that its exit never cuts it short.
+        with self.lock:
+            conn, self.conn = self.conn, None
+            if conn is None:
                 return
-            gone = session.store_evidence(EXPLAIN_EVIDENCE_TIMEOUT)
-            if gone is not None:  # the store (torchrun's rendezvous with it) is gone: nothing to delete
-                log(logging.INFO, "not deleting the gloo address keys of the groups made later: %s", gone)
-                return
-            conn.deadline = time.monotonic() + ATTEMPT_KEYS_WAIT  # the failure path: bounded
-            count = forget_addresses(conn.call, later)
-            log(logging.INFO, "deleted %d gloo address keys of groups made after the session started from "
-                "torchrun's store, so that a restarted attempt connects to its new peers", count)
-        except Exception as err:  # noqa: BLE001 - the store may be what failed; never mask the failure
-            log(logging.WARNING, "could not delete the gloo address keys of later groups: %s",
-                first_line(err))
-        finally:
+            try:
+                later = self.later(session.world_size)
+                if not later:  # the usual case: nothing is deleted on the way out
+                    return
+                gone = session.store_evidence(EXPLAIN_EVIDENCE_TIMEOUT)
+                if gone is not None:  # the store (torchrun's rendezvous with it) is gone: nothing to delete
+                    log(logging.INFO, "not deleting the gloo address keys of the groups made later: %s", gone)
+                    return
+                conn.deadline = time.monotonic() + ATTEMPT_KEYS_WAIT  # the failure path: bounded
+                count = forget_addresses(conn.call, later)
+                log(logging.INFO, "deleted %d gloo address keys of groups made after the session started from "
+                    "torchrun's store, so that a restarted attempt connects to its new peers", count)
+            except Exception as err:  # noqa: BLE001 - the store may be what failed; never mask the failure
+                log(logging.WARNING, "could not delete the gloo address keys of later groups: %s", first_line(err))
+            finally:
+                conn.close()
+
+    def close(self) -> None:
+        with self.lock:
+            conn, self.conn = self.conn, None
+        if conn is not None:
             conn.close()
 
 
-# -- the core's announcements (wired in ``..wiring``) --------------------------------------------------
-def on_session_started(session: Session) -> None:
+def attempt_keys(session: Session) -> AttemptKeys | None:
     """Imported after init_process_group under torchrun: the keys every peer has read go now, in a
-    thread (a store connection in the main thread stalled the start of 8 ranks on a busy store)."""
+    thread (a store connection in the main thread stalled the start of 8 ranks on a busy store); the
+    entry returned deletes those of groups made later when the job fails. ``None`` otherwise."""
     if _prefixed or not _agent_store() or session.store_address is None:
-        return
+        return None
     keys, names, upto = read_keys(session)  # no store call: torch's group table
     conn = session.connection("attempt-keys", MAIN_STORE_TIMEOUT, prefix="", backoff=True)
-    entry = _AttemptKeys(conn, set(), 1)  # until the thread deleted them, all go on the way out
-    _attempt_keys[session] = entry
+    entry = AttemptKeys(conn, set(), 1)  # until the thread deleted them, all go on the way out
     threading.Thread(target=_forget_read_keys, args=(session, entry, keys, names, upto), name="fth-attempt-keys",
                      daemon=True).start()
+    return entry
 
 
-def _forget_read_keys(session: Session, entry: _AttemptKeys, keys: list[str], names: set[str | None],
+def _forget_read_keys(session: Session, entry: AttemptKeys, keys: list[str], names: set[str | None],
                       upto: int) -> None:
-    # Tries of ATTEMPT_KEYS_WAIT each, under the lock (the way out, forget_attempt_keys, waits for one
+    # Tries of ATTEMPT_KEYS_WAIT each, under the lock (the way out, AttemptKeys.forget, waits for one
     # try, or comes first and leaves nothing to do); a connect slower than a try is kept for the next.
     end, checked = time.monotonic() + ATTEMPT_KEYS_PATIENCE, False
     while True:
@@ -223,7 +194,12 @@ def _forget_read_keys(session: Session, entry: _AttemptKeys, keys: list[str], na
             conn.deadline = time.monotonic() + ATTEMPT_KEYS_WAIT
             try:
                 # Checked once: a try that failed part-way may have deleted this rank's own key.
-                if not checked and not check_address_keys(session, conn):
+                if not checked and not conn.call("check", [gloo_address_key(session.rank)]):
+                    log(logging.WARNING, "fault_tolerant_handlers was imported after init_process_group under "
+                        "torchrun, and this attempt's gloo address keys cannot be found (no key %r in the store, "
+                        "torch %s): a restarted attempt may fail in gloo's connectFullMesh; import "
+                        "fault_tolerant_handlers before init_process_group",
+                        gloo_address_key(session.rank), torch.__version__)
                     entry.conn = None
                     conn.close()
                     return
@@ -243,15 +219,6 @@ def _forget_read_keys(session: Session, entry: _AttemptKeys, keys: list[str], na
         time.sleep(0.5)
 
 
-def on_session_closed(session: Session) -> None:
-    keys = _attempt_keys.pop(session, None)
-    if keys is not None:
-        with keys.lock:
-            conn, keys.conn = keys.conn, None
-        if conn is not None:
-            conn.close()
-
-
 # -- recovering in place: the launchers' steps (wired in ``..wiring``) ---------------------------------
 #: ``(store, rank, world_size)`` every rendezvous gives after a recovery in place (:func:`re_form`):
 #: the first attempt's store without its prefixes.
@@ -264,8 +231,7 @@ _last_prefix = ""
 
 
 def begin_recovery(state: RecoveryState | None = None) -> None:
-    """``BEGIN``: keep the next rendezvous's store (under ``env://``, rank 0's is the server, which must
-    outlive the group)."""
+    """``BEGIN``: keep the next rendezvous's store (under ``env://``, rank 0's is the server: it outlives the group)."""
     global _capture
     _capture = True
     install(in_place=True)

@@ -1,15 +1,12 @@
-"""What a launcher reads of a failure (docs/launchers.md tells both in full).
+"""What a launcher reads of a failure (``docs/launchers.md``), and the launchers' part of the core's
+announcements: this module is the one the failure path calls.
 
-**torchrun** names as *Root Cause* the failure with the smallest ``timestamp`` (whole seconds) in the
-workers' ``TORCHELASTIC_ERROR_FILE``; a worker without one gets the time the agent noticed its exit,
-so a victim often wins. Files are written in ``ErrorHandler``'s format: a rank that fails itself, with
-the failure's second; a survivor, with a second that cannot win; a rank killed by a signal, by its
-liveness helper and by a same-host survivor that sees it gone. A file is never overwritten: the first
-writer wins.
-
-**torch.multiprocessing** (``mp.spawn``) prints only the first failed process's exception and
-SIGTERMs the others: under it each rank prints its full report, and torch's error file is written
-for a killed rank and by a reported exit (the parent raises it).
+torchrun's *Root Cause* is the failure with the smallest ``timestamp`` in the workers'
+``TORCHELASTIC_ERROR_FILE``: a rank that fails itself writes its own with the failure's second; a
+survivor, one that cannot win; a killed rank's, its liveness helper and a same-host survivor that
+sees it gone (the first writer wins). Under ``mp.spawn`` (which prints only the first failed
+process's exception) each rank prints its full report, and torch's error file is written for a
+killed rank and by a reported exit.
 """
 
 from __future__ import annotations
@@ -19,13 +16,16 @@ import json
 import logging
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+from . import compat_torchrun
 from ..core import compat_torch as _compat_torch
 from ..core.config import SIGTERM_CAUSE_WAIT, ZOMBIE_HOLD  # timings: the table in core.config
 from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
@@ -85,9 +85,7 @@ def write_once(path: str, data: dict | bytes) -> bool:
 
 
 def forget_own_file(state=None) -> None:
-    """``RE_FORM``: the recovery carries on in the same torchrun attempt: this rank's file, if this
-    library wrote it for the failure just recovered, goes, so that torchrun's Root Cause does not
-    name the recovered failure."""
+    """``RE_FORM``: this rank's file, if this library wrote it, goes (torchrun must not name a recovered failure)."""
     path = own_path()
     if path is None:
         return
@@ -119,14 +117,11 @@ def survivor_timestamp(failed_at: float | None, now: float | None = None) -> int
 def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
     """``err`` says a same-host peer is gone (killed): write the file it could not write."""
     rank = err.failed_rank
-    if err.kind is not FailureKind.PEER_LOST or rank is None or err.host != table.host or rank == table.rank:
-        return
-    if rank not in table.ranks or table.pid_of(rank) != err.pid:
+    if (err.kind is not FailureKind.PEER_LOST or err.host != table.host or rank == table.rank
+            or rank not in table.ranks or table.pid_of(rank) != err.pid):
         return
     peer_local = rank - (table.rank - table.local_rank)
-    if not 0 <= peer_local < table.local_world_size:
-        return
-    path = peer_path(own, table.local_rank, peer_local)
+    path = peer_path(own, table.local_rank, peer_local) if 0 <= peer_local < table.local_world_size else None
     if path is None:
         return
     when = err.failed_at if err.failed_at is not None else time.time()
@@ -142,16 +137,12 @@ def write_killed(record: FailureRecord) -> bool:
     if path is None:
         return False
     message = f"{record.exc_type}: {record.exc_message}"
-    try:
-        return write_once(path, payload(message, f"{message}\n(written by its liveness helper, which saw it end)",
-                                        record.time_ms // 1000, "killed"))
-    except Exception:  # noqa: BLE001 - the helper must end regardless
-        return False
+    return write_once(path, payload(message, f"{message}\n(written by its liveness helper, which saw it end)",
+                                    record.time_ms // 1000, "killed"))
 
 
 def write_survivor(table: RankTable, err: PeerFailedError | None) -> bool:
-    """This rank ends because of a peer's failure ``err``: the dead peer's file when it was killed on
-    this host, then this rank's own with a timestamp that cannot win."""
+    """This rank ends because of ``err``: a peer killed on this host gets its file, then this rank one that can't win."""
     own = own_path()
     if own is None:
         return False
@@ -209,11 +200,9 @@ def print_report(rank: int, err: BaseException | None) -> bool:
         if key in state.printed:
             return True
         state.printed.add(key)
-    try:
+    with contextlib.suppress(Exception):  # the report must never raise
         sys.stderr.write(f"[rank {rank}] fault-tolerant-handlers: the job fails:\n{err}\n")
         sys.stderr.flush()
-    except Exception:  # noqa: BLE001 - the report must never raise
-        pass
     return True
 
 
@@ -224,9 +213,8 @@ def printed(err: BaseException | None) -> bool:
 
 def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
                   records: Callable[[], PeerFailedError | None], wait: float = SIGTERM_CAUSE_WAIT) -> PeerFailedError | None:
-    """On a SIGTERM under ``mp.spawn`` with nothing known yet: if a same-host peer is gone, the cause
-    (``known()``, else ``records()``), waited for up to ``wait`` seconds, else that peer gone; ``None``
-    when no peer is gone (this rank is the cause)."""
+    """A SIGTERM under ``mp.spawn`` after a same-host peer is gone: the cause (``known()``, else ``records()``)
+    waited for up to ``wait`` s, else that peer gone; ``None`` when no peer is gone."""
     if _state is None:
         return None
     gone = same_host.poll(time.monotonic())
@@ -236,22 +224,19 @@ def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
     while True:
         if known() is not None:
             return known()
-        try:
+        found = None
+        with contextlib.suppress(Exception):  # the store may be what died
             found = records()
-        except Exception:  # noqa: BLE001 - the store may be what died
-            found = None
         if found is not None:
             return found
         if time.monotonic() >= deadline:
-            break
+            return known() or gone
         time.sleep(0.05)
-    return known() or gone
 
 
 def hold_zombie(rank_pid: int, rank: int | None = None, host: str = "") -> None:
-    """``RANK_ENDED``, in a rank's liveness helper under ``mp.spawn``: a rank that is a zombie (its parent
-    cannot reap it while this process holds the sentinel pipe) gets torch's error file if a signal
-    killed it, and is held :data:`ZOMBIE_HOLD` so that same-host peers read its exit status."""
+    """``RANK_ENDED``, in a rank's liveness helper under ``mp.spawn``: a zombie rank gets torch's error file if a
+    signal killed it, and is held :data:`ZOMBIE_HOLD` (this process holds its sentinel) for its peers to read."""
     fields = stat_fields(rank_pid) if _state is not None else None
     if fields and fields[STATE] == "Z":
         if rank is not None:
@@ -265,8 +250,8 @@ def _write_spawn_killed(rank_pid: int, rank: int, host: str) -> bool:
     if _state is None or _state.error_file is None or how is None or not how.killed:
         return False
     lost = FailureRecord.lost(rank=rank, pid=rank_pid, host=host, why=how, by=rank).exc_message
-    text = f"fault-tolerant-handlers: {lost} (seen by its liveness helper: a killed process prints no traceback)\n"
-    return write_once(_state.error_file, pickle.dumps(text))  # torch's parent reads a pickled str
+    return write_once(_state.error_file, pickle.dumps(  # torch's parent reads a pickled str
+        f"fault-tolerant-handlers: {lost} (seen by its liveness helper: a killed process prints no traceback)\n"))
 
 
 def write_exit_report(err: BaseException | None, code: int) -> None:
@@ -277,8 +262,26 @@ def write_exit_report(err: BaseException | None, code: int) -> None:
 
 
 # -- the core's announcements (wired in ``..wiring``) --------------------------------------------------
+#: This process's own failure in its current session, kept after the session is gone: a SIGTERM after
+#: it (:mod:`.signals`), even during the interpreter's exit hooks, ends the rank with exit code 1, not -15.
+own_failure: FailureRecord | None = None
+#: Per session imported after init_process_group under torchrun: its gloo address keys to delete.
+_attempt_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def on_session_started(session) -> None:
+    global own_failure
+    own_failure = None  # a new session: a new attempt (recovering in place), no failure of its own yet
     detect()  # under mp.spawn, this rank prints its report itself
+    keys = compat_torchrun.attempt_keys(session)
+    if keys is not None:
+        _attempt_keys[session] = keys
+
+
+def on_rank_failed(record: FailureRecord) -> None:
+    global own_failure
+    write_failed(record)
+    own_failure = record
 
 
 def on_peer_failed(table: RankTable, err: PeerFailedError, escalated: bool) -> None:
@@ -298,7 +301,27 @@ def on_acknowledged(table: RankTable, err: BaseException | None, known: PeerFail
     print_report(table.rank, err if err is not None else known)
 
 
+def on_job_failed(session) -> None:
+    keys = _attempt_keys.get(session)
+    if keys is not None:  # torchrun, imported late: the next attempt comes up
+        keys.forget(session)
+
+
 def on_exiting(table: RankTable, err: BaseException | None, code: int) -> None:
     if code == EXIT_PEER_FAILED:
         write_survivor(table, err)
     write_exit_report(err, code)  # mp.spawn: the parent raises this report
+
+
+def on_session_closed(session) -> None:
+    keys = _attempt_keys.pop(session, None)
+    if keys is not None:
+        keys.close()
+
+
+def ignore_sigterm_if_failed() -> None:
+    """At exit, where SIGTERM's action is the default (registered by :mod:`.signals`): after the exit
+    hooks Python runs no handler while it tears down, for seconds; a rank that failed itself ignores a
+    launcher's SIGTERM from here on, so that torchrun's Root Cause shows its exception, not -15."""
+    if own_failure is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,25 +1,16 @@
-"""SIGTERM and SIGINT: a signalled rank says so before the signal takes effect.
+"""SIGTERM and SIGINT (``docs/launchers.md``): a signalled rank says so before the signal takes effect.
 
-A preemption, ``kill`` or Ctrl-C ends a rank in a way its peers cannot explain: they only see a
-broken collective. When a session starts, this module puts a handler **in front of** the one already
-there (Lightning's, a user's, Python's default), never replacing it:
-
-1. it reacts once: if this rank already knows of a peer's failure, the signal is a consequence
-   (launchers end survivors with ``SIGTERM``) and only its error file is written; otherwise this rank
-   is the cause: it publishes a declared ``RankSignalled`` record (every peer raises naming it);
-2. then it calls the previous handler. A handler put in front of this one later (Lightning's, in
-   ``fit``) says what the signal does: the default is not enacted after it, a peer's
-   ``RankSignalled`` of the same moment is the same preemption, and a collective broken after this
-   rank's own signal raises its ``RankSignalled``.
-
-Python runs signal handlers in the main thread only, between bytecodes, so the reaction also runs
-from a thread (``fth-signals``) woken by ``signal.set_wakeup_fd``, unless another wakeup fd is set
-(asyncio's), which is kept.
+When a session starts, a handler goes **in front of** the one already there (never replacing it).
+It reacts once: after a peer's failure the signal is a consequence (only the error file is
+written); otherwise this rank publishes a declared ``RankSignalled`` record. Then the previous
+handler runs. The reaction also runs from a thread (``fth-signals``) woken by ``signal.set_wakeup_fd``:
+a main thread blocked in C runs no handler.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -71,7 +62,8 @@ class _Watch:
             signal.signal(signum, self._handler)
         if not self.previous:
             return
-        atexit.register(self._at_exit)
+        if self.previous.get(signal.SIGTERM) is signal.SIG_DFL:
+            atexit.register(reports.ignore_sigterm_if_failed)
         rsock, wsock = socket.socketpair()
         wsock.setblocking(False)
         try:
@@ -103,10 +95,8 @@ class _Watch:
                     self._unblock(signum, main)
 
     def _unblock(self, signum: int, main: tuple[int, int] | None) -> None:
-        """A main thread blocked in a collective or a store call never runs the handler: if it ran no
-        bytecode for :data:`MAIN_STUCK_WAIT`, this process's collectives and store connections are cut
-        (it is being ended) so that the call raises; if it still has not run it after
-        :data:`SIGNAL_EXIT_WAIT` and the signal's action is the default, the process ends here (``128 + signum``)."""
+        """A main thread that ran no bytecode for :data:`MAIN_STUCK_WAIT` (blocked in C) gets its collectives and
+        store connections cut; not in the handler :data:`SIGNAL_EXIT_WAIT` later, it ends here (``128 + signum``)."""
         if self.handled.wait(MAIN_STUCK_WAIT) or main is None or _main_position() != main:
             return
         session = self._session()
@@ -129,14 +119,6 @@ class _Watch:
                 "code %d", name, MAIN_STUCK_WAIT + SIGNAL_EXIT_WAIT, 128 + signum)
             _flush()
             os._exit(128 + signum)
-
-    def _at_exit(self) -> None:
-        """After the exit hooks Python runs no signal handler and tears its modules down, for seconds
-        with torch loaded: a launcher's SIGTERM there would end a rank that failed itself with -15, which
-        torchrun's Root Cause would show instead of its exception. Such a rank ignores SIGTERM from here
-        on (a teardown that never ends is the launcher's SIGKILL's)."""
-        if _own_failure is not None and self.previous.get(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     # -- react --------------------------------------------------------------------------------------
     def _handler(self, signum, frame):
@@ -163,18 +145,14 @@ class _Watch:
         return None
 
     def _exit_failed(self, signum: int) -> None:
-        """This rank failed itself, then was signalled (the launcher ending the job's ranks): it exits at
-        once with an uncaught exception's code (1), so that torchrun's Root Cause names its failure, not
-        ``-15 (SIGTERM)``."""
-        cause = _own_failure
+        """This rank failed itself, then was signalled: exit code 1 at once (torchrun's Root Cause names its failure)."""
+        cause = reports.own_failure
         what = f" ({cause.exc_type}: {first_line(cause.exc_message)})" \
             if cause is not None and cause.exc_message else ""
-        try:
+        with contextlib.suppress(Exception):
             sys.stderr.write(f"[rank {cause.rank if cause is not None else '?'}] fault-tolerant-handlers: "
                              f"{signal.Signals(signum).name} after this rank's own failure{what}: exiting with "
                              "code 1\n")
-        except Exception:  # noqa: BLE001
-            pass
         _flush()
         os._exit(1)
 
@@ -197,7 +175,7 @@ class _Watch:
     def _react(self, signum: int, received: float) -> None:
         session = self._session()
         if session is None:  # the session is gone (the interpreter's exit hooks): its failure is known
-            if _own_failure is not None:
+            if reports.own_failure is not None:
                 self.kind = "failed"
             return
         name = signal.Signals(signum).name
@@ -226,12 +204,10 @@ class _Watch:
             code = 128 + signum
             log(logging.CRITICAL, "ending this process with exit code %d: terminated by %s while the job fails: %s",
                 code, name, first_line(peer, None))
-            try:
+            with contextlib.suppress(Exception):
                 if not reports.printed(peer):  # else printed in full already
                     sys.stderr.write(f"[rank {session.rank}] fault-tolerant-handlers: {name} while the job fails:\n{peer}\n")
                     sys.stderr.flush()
-            except Exception:  # noqa: BLE001
-                pass
             reports.write_survivor(session.table, peer)
             return
         message = f"rank {session.rank} (pid {os.getpid()} on {session.host}) received {name}"
@@ -256,7 +232,6 @@ class _Watch:
             what = release_process_groups(session.pg_store)
             log(logging.INFO, "released this rank's collectives: %s", what)
 
-
     @staticmethod
     def _records(session: Session) -> PeerFailedError | None:
         conn = session.connection("signal-read", SIGNAL_STORE_TIMEOUT)
@@ -274,9 +249,8 @@ class _Watch:
 
 
 def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError | None:
-    """Seen from another host, a store that refuses or does not answer connections is its host gone
-    (torchrun's agent SIGTERMs its workers when it loses its store, sometimes before the broken
-    collective is explained); ``None`` on the store's own host (the pid check says what happened)."""
+    """Seen from another host, a store that refuses or does not answer connections is its host gone; ``None``
+    on the store's own host (the pid check says what happened)."""
     why = str(err).rsplit(": ", 1)[-1][:120]
     table, store_rank = session.table, session.store_rank
     if store_rank is None:
@@ -290,18 +264,15 @@ def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError
 
 
 def _main_position() -> tuple[int, int] | None:
-    """The main thread's innermost frame and instruction: the same twice, some time apart, is a main
-    thread that ran no bytecode in between (blocked in C)."""
+    """The main thread's innermost frame and instruction: the same twice, some time apart, is blocked in C."""
     frame = procfs.main_thread_frame()
     return None if frame is None else (id(frame), frame.f_lasti)
 
 
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):
             stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 _watch: _Watch | None = None
@@ -321,17 +292,5 @@ def install(session: Session) -> None:
     _watch.install()
 
 
-#: This process's own failure in its current session, kept after the session is gone: a SIGTERM
-#: during the interpreter's exit hooks still finds that this rank failed itself.
-_own_failure: FailureRecord | None = None
-
-
-def on_rank_failed(record: FailureRecord) -> None:
-    global _own_failure
-    _own_failure = record
-
-
 def on_session_started(session: Session) -> None:
-    global _own_failure
-    _own_failure = None  # a new session: a new attempt (recovering in place), no failure of its own yet
     install(session)  # SIGTERM/SIGINT: say so before the previous handler runs

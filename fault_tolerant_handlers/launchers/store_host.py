@@ -1,15 +1,10 @@
-"""The job's c10d store on a host of its own, so that losing any training host leaves it standing.
-
-Under torchrun the store every rank talks to is served by agent rank 0, on training rank 0's host
-(``--rdzv-conf is_host=false`` moves only the rendezvous's own store; torch 2.13.0): losing that host
-loses it. This module serves it on a machine that trains nothing (docs/recovering.md)::
+"""The job's c10d store on a host of its own, so that losing any training host leaves it standing
+(``docs/recovering.md``)::
 
     python -m fault_tolerant_handlers.launchers.store_host --port 29400          # on node-s
     torchrun --nnodes N --node-rank i --rdzv-backend static --rdzv-endpoint node-s:29400 ... train.py
 
-The server is made as torchrun makes its own and waits for no workers (a spare or a replacement may
-come at any time). It runs until ``SIGTERM`` or ``SIGINT``, then exits 0: stop it after the job (an
-agent in its exit barrier still uses it). It reads nothing the job writes: there is nothing to trust.
+Served as torchrun serves its own, waiting for no workers, until ``SIGTERM`` or ``SIGINT`` (exit 0).
 """
 
 from __future__ import annotations
@@ -69,9 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        try:
+        try:  # made as torchrun makes its own
             store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                                  use_libuv=True, timeout=STORE_HOST_CONNECT_TIMEOUT)  # made as torchrun makes its own
+                                  use_libuv=True, timeout=STORE_HOST_CONNECT_TIMEOUT)
         except (RuntimeError, ValueError, OSError) as exc:  # the port is taken, the host unknown
             print(f"fault-tolerant-handlers: store_host --host {args.host} --port {args.port}: the store could not "
                   f"be served: {type(exc).__name__}: {first_line(exc, None)}",

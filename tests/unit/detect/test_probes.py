@@ -9,9 +9,11 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fault_tolerant_handlers.core.procfs import RankTable
-from fault_tolerant_handlers.detect.probes import (SILENCE_POLL, HeartbeatProbe, PeerPidProbe, RecordsProbe, SelfHangProbe,
-                                            StoreLossProbe, waiting_on_peers)
+from fault_tolerant_handlers.core.config import SILENCE_POLL
+from fault_tolerant_handlers.core.procfs import PeerPidProbe, RankTable
+from fault_tolerant_handlers.detect.autohang import SelfHangProbe, waiting_on_peers
+from fault_tolerant_handlers.detect.liveness import HeartbeatProbe
+from fault_tolerant_handlers.detect.watchdog import RecordsProbe, StoreLossProbe
 from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord
 from fault_tolerant_handlers.core.schema import Connection, Schema
 
@@ -342,7 +344,7 @@ def test_a_slow_store_is_checked_less_and_less_often():
     its only thread: a slow store checked by every rank after each failed call (10 times a second)
     was kept slow by the checks. After a port that answered, the next check waits twice as long,
     up to MAX_CHECK_HOLD; an answered call makes the next silence checked at once again."""
-    from fault_tolerant_handlers.detect.probes import MAX_CHECK_HOLD
+    from fault_tolerant_handlers.core.config import MAX_CHECK_HOLD
 
     checks = []
     probe = StoreLossProbe(4.0, by=1, store_pid=99, evidence=lambda: checks.append(now), check_every=0.5)

@@ -39,7 +39,7 @@ def test_a_deletion_that_failed_part_way_is_finished_without_a_false_warning(cap
     for key in (own, other):
         store.set(key, "addr")
     conn = FlakyConnection(store, fail_on=2)
-    entry = compat_torchrun._AttemptKeys(conn, set(), 1)
+    entry = compat_torchrun.AttemptKeys(conn, set(), 1)
     compat_torchrun._forget_read_keys(types.SimpleNamespace(rank=0), entry, [own, other], {None, "1"}, 2)
     assert not store.check([own]) and not store.check([other])
     assert (entry.done, entry.count, entry.conn) == ({None, "1"}, 2, conn)

@@ -14,8 +14,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fault_tolerant_handlers.launchers import signals
-from fault_tolerant_handlers.detect.probes import PeerPidProbe
+from fault_tolerant_handlers.launchers import reports, signals
+from fault_tolerant_handlers.core.procfs import PeerPidProbe
 from fault_tolerant_handlers.core.failure import Ended, FailureRecord, FailureState
 from fault_tolerant_handlers.core.schema import Connection, Schema
 from fault_tolerant_handlers.core.procfs import RankTable
@@ -172,6 +172,25 @@ def test_an_ignored_signal_stays_ignored(restore_signals):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch = signals._Watch(FakeSession(dist.HashStore()))
     watch.install()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+@pytest.mark.parametrize("previous", ["default", "users"])
+def test_at_exit_only_a_rank_that_failed_itself_ignores_sigterm_and_only_where_its_action_was_the_default(
+        restore_signals, monkeypatch, previous):
+    """The exit hook is registered where SIGTERM's action was the default; it ignores SIGTERM after this
+    rank's own failure only (a launcher's SIGTERM during teardown would end it with -15)."""
+    hooked = []
+    monkeypatch.setattr(signals.atexit, "register", hooked.append)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if previous == "default" else (lambda signum, frame: None))
+    signals._Watch(FakeSession(dist.HashStore())).install()
+    assert hooked == ([reports.ignore_sigterm_if_failed] if previous == "default" else [])
+    monkeypatch.setattr(reports, "own_failure", None)
+    reports.ignore_sigterm_if_failed()
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # a healthy rank: SIGTERM still ends it
+    monkeypatch.setattr(reports, "own_failure", FailureRecord.from_exception(ValueError("bad sample 17"), rank=1,
+                                                                             section="train"))
+    reports.ignore_sigterm_if_failed()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
 
 
