@@ -101,6 +101,26 @@ def fail_each() -> None:
     record("done")
 
 
+def non_ascii() -> None:
+    """Rank 1 raises a ValueError of 2,000 characters outside ASCII from a deep stack (a message and a
+    traceback of a user's own language: 3 bytes a character in UTF-8)."""
+
+    def deep(n: int) -> None:
+        if n:
+            deep(n - 1)  # \u68c0\u67e5\u70b9\u6570\u636e: one frame of many, each in the traceback
+        elif RANK == 1:
+            time.sleep(0.2)
+            fault(ValueError("\u6837\u672c\u635f\u574f" * 500))
+
+    def body():
+        with fail_together("\u52a0\u8f7d\u6570\u636e"):
+            deep(40)
+            time.sleep(0.05)
+
+    run_section("section", body)
+    record("done")
+
+
 def two_fail() -> None:
     """Ranks 1 and 2 fail in the same section, in both orders: the second 300 ms after the first's
     fault has happened (it waits for the first's recorded fault, not for a fixed time after its own
@@ -278,7 +298,7 @@ def step_sections() -> None:
     run_section("loop", body)
 
 
-SCENARIOS = {f.__name__: f for f in (blocked_release, step_sections, reported_exit, fail_each, two_fail, caught_outside, report_inside, rank_first_each,
+SCENARIOS = {f.__name__: f for f in (blocked_release, step_sections, reported_exit, fail_each, non_ascii, two_fail, caught_outside, report_inside, rank_first_each,
                                      rank_first_late, rank_first_local, bad_input, retry_ours, retry_stock)}
 
 

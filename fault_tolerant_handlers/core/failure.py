@@ -158,6 +158,8 @@ MAX_PID = 2**31
 MAX_CLOCK_DISTANCE_MS = 366 * 86400 * 1000
 
 ORIGINS = ("failure", "declared")
+#: What :meth:`FailureRecord.to_json` keeps at least of a traceback it fits.
+_KEPT_CHARS = 200
 
 
 def cap_head(text: str, limit: int) -> str:
@@ -299,6 +301,18 @@ class FailureRecord(Stored):
         "pid": (0, MAX_PID - 1), "host": MAX_NAME_CHARS, "step": (0, MAX_COUNTER), "epoch": (0, MAX_COUNTER),
         "by": (0, WORLD), "origin": 20, "not_in_place": 300}
 
+    def to_json(self) -> bytes:
+        """Encoded within :data:`MAX_RECORD_BYTES`, which a reader enforces: text far outside ASCII (up
+        to 4 bytes a character) gives up the traceback's oldest part (every other field is bounded to
+        at most 13 KB together)."""
+        record, raw = self, encode(self)
+        while len(raw) > MAX_RECORD_BYTES and len(record.traceback) > _KEPT_CHARS:
+            cut = len(raw) - MAX_RECORD_BYTES + 32  # >= 1 byte a character, and room for the marker
+            record = dataclasses.replace(record, traceback=cap_tail(record.traceback,
+                                                                    max(_KEPT_CHARS, len(record.traceback) - cut)))
+            raw = encode(record)
+        return raw
+
     def problem(self, world: int) -> str | None:
         """What the field bounds cannot say."""
         if self.origin not in ORIGINS:
@@ -320,8 +334,10 @@ _TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
 def encode(record: Any) -> bytes:
     """A frozen dataclass as compact JSON (with its ``VERSION`` when it has one): what :func:`decode` reads."""
     version = getattr(record, "VERSION", None)
+    # UTF-8, not escapes: text outside ASCII costs 2-4 bytes a character, not 6-12 (a lone
+    # surrogate, which UTF-8 cannot hold, becomes "?")
     return json.dumps({**({} if version is None else {"v": version}), **asdict(record)},
-                      separators=(",", ":")).encode("utf-8")
+                      separators=(",", ":"), ensure_ascii=False).encode("utf-8", "replace")
 
 
 def decode(cls: type, raw: Any, *, world: int, max_bytes: int, key: str | None = None) -> Any:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .failure import Ended, FailureRecord, PeerFailedError, host_name, sanitize
+from .failure import Ended, FailureRecord, PeerFailedError, sanitize
 
 STATE, PPID, SESSION = 0, 1, 3
 FLAGS = 6  # field 9: the kernel's flags of the (thread group leader's) task

@@ -46,6 +46,18 @@ def test_fault_on_each_rank_fails_every_rank(world_size, tmp_path):
                 assert seen["others"] == []
 
 
+def test_a_message_of_2000_characters_outside_ascii_reaches_every_rank_with_the_cause(tmp_path):
+    results = run_ranks(2, "non_ascii", tmp_path)
+    _assert_clean_exit(results)
+    message = "\u6837\u672c\u635f\u574f" * 500
+    assert results[1].event("fault")["message"] == message
+    seen = results[0].event("section")
+    assert seen["raised"] == "PeerFailedError" and seen["failed_rank"] == 1
+    assert seen["exc_type"] == "ValueError"  # "unknown" when the record was over the store's limit
+    assert seen["exc_message"] == message and seen["where"] == "'\u52a0\u8f7d\u6570\u636e'"
+    assert "fault(ValueError(" in seen["remote_traceback"]  # the raising frame
+
+
 def test_two_ranks_failing_at_once_report_the_earliest_and_name_the_other(tmp_path):
     results = run_ranks(4, "two_fail", tmp_path)
     _assert_clean_exit(results)

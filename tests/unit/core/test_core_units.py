@@ -147,6 +147,39 @@ def test_a_record_carries_its_kind_and_how_the_process_ended_through_the_store()
     assert PeerFailedError.from_records([]).kind is FailureKind.UNKNOWN
 
 
+def test_a_record_of_text_outside_ascii_at_its_longest_is_read_back_whole():
+    # 2,000 CJK characters in the message and 8,000 in the traceback: escaped as \\uXXXX (6 bytes a
+    # character) that was 60 KB, over the reader's 16 KB limit, and every peer read "unknown"
+    from fault_tolerant_handlers.core.failure import MAX_MESSAGE_CHARS, MAX_RECORD_BYTES
+
+    text = "\u68c0\u67e5\u70b9" * 700  # 3 bytes each in UTF-8
+    record = _record(exc_message=text[:MAX_MESSAGE_CHARS], traceback=text[:2_000] + "\n  lost_sample()\n")
+    raw = record.to_json()
+    assert len(raw) <= MAX_RECORD_BYTES
+    assert FailureRecord.from_json(raw, world_size=4) == record  # nothing had to be cut
+
+
+def test_a_record_too_large_in_utf8_gives_up_its_oldest_traceback():
+    from fault_tolerant_handlers.core.failure import MAX_MESSAGE_CHARS, MAX_RECORD_BYTES, MAX_TRACEBACK_CHARS
+
+    four = "\U0001f525" * MAX_TRACEBACK_CHARS  # 4 bytes each: 32 KB of traceback alone
+    record = _record(exc_message="\U0001f525" * MAX_MESSAGE_CHARS, traceback=four[:-20] + "  raise ValueError(x)\n")
+    raw = record.to_json()
+    assert len(raw) <= MAX_RECORD_BYTES
+    read = FailureRecord.from_json(raw, world_size=4)
+    assert read is not None and read.exc_type == "ValueError" and read.rank == 1
+    assert read.traceback.endswith("  raise ValueError(x)\n")  # the newest frames are kept
+    assert read.traceback.startswith("...[truncated]...")
+    assert read.exc_message == record.exc_message  # the traceback gave enough
+    both = _record(exc_message="\U0001f525" * MAX_MESSAGE_CHARS, traceback=four, host="\U0001f525" * 200,
+                   section="\U0001f525" * 200, exc_type="E" + "\U0001f525" * 199)
+    read = FailureRecord.from_json(both.to_json(), world_size=4)  # every field at its longest
+    assert read is not None and len(both.to_json()) <= MAX_RECORD_BYTES
+    assert read.exc_message == both.exc_message and read.traceback.endswith("\U0001f525" * 100)
+    lone = _record(exc_message="a \ud800 b")  # a lone surrogate: UTF-8 cannot hold it
+    assert FailureRecord.from_json(lone.to_json(), world_size=4).exc_message == "a ? b"
+
+
 @pytest.mark.parametrize("ended", [
     "missing", None, "killed by SIGKILL", [9], {"signal": 0}, {"signal": 65}, {"signal": True}, {"signal": 9.0},
     {"exit_code": 256}, {"exit_code": -1}, {"exit_code": "1"}, {"exit_code": 1, "signal": 9}, {"signal": 2**70},
