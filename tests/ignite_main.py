@@ -6,6 +6,9 @@
 Environment:
     FAULT        step | data | handler | rank0_handler | exc_collective | evaluator | none
                  | kill (SIGKILL itself) | sigterm | sigint (signals itself) | hang (time.sleep) | stop (SIGSTOP itself: even its watchdog is silent)
+                 | freeze (the whole job, every rank and its helpers, stopped for FREEZE seconds in a step
+                 of FAULT_RANK's, then continued, as a scheduler suspends and resumes a job: the step's
+                 own work is 0.8 s, before and after; recorded as ``fault`` and ``resumed``)
                  | rank_first (FAULT_RANK raises inside a one_rank_first block before training: ours with
                  USE_FT=1, ignite.distributed.one_rank_first with USE_FT=0)
     HANG         hang_timeout in seconds for FaultTolerance, or ``auto`` (default: off)
@@ -61,6 +64,7 @@ HANG = os.environ.get("HANG") or None
 HANG = HANG if HANG in (None, "auto") else float(HANG)
 SLOW = os.environ.get("SLOW") == "1"
 STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))
+FREEZE = float(os.environ.get("FREEZE", "3"))
 WORKERS = int(os.environ.get("WORKERS", "0"))
 RERAISE = os.environ.get("RERAISE") == "1"
 ITER_EVENTS = os.environ.get("ITER_EVENTS") == "1"
@@ -181,7 +185,7 @@ def training(local_rank: int, outdir: str) -> None:
         if FAULT in ("step", "exc_collective") and rank == FAULT_RANK and engine.state.iteration == FAULT_ITER:
             time.sleep(0.3)  # the other ranks are already in the gradient all_reduce
             fault(RuntimeError(f"CUDA-like failure at iteration {engine.state.iteration}"))
-        if FAULT in ("kill", "hang", "stop", "sigterm", "sigint") and rank == FAULT_RANK and engine.state.iteration == FAULT_ITER:
+        if FAULT in ("kill", "hang", "stop", "sigterm", "sigint", "freeze") and rank == FAULT_RANK and engine.state.iteration == FAULT_ITER:
             time.sleep(0.3)  # the other ranks are already in the gradient all_reduce
             record("fault", exc_type=FAULT, message=f"{FAULT} at iteration {FAULT_ITER}", **auto_state())
             if FAULT == "kill":
@@ -190,6 +194,12 @@ def training(local_rank: int, outdir: str) -> None:
                 os.kill(os.getpid(), signal.SIGTERM if FAULT == "sigterm" else signal.SIGINT)
             elif FAULT == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif FAULT == "freeze":
+                from launch import freeze_job
+
+                freeze_job(outdir, after=0.3, seconds=FREEZE)
+                time.sleep(0.3 + FREEZE + 0.5)  # 0.8 s of its own, the freeze in the middle
+                record("resumed", **auto_state())
             else:
                 time.sleep(1000)  # the hung line the report must show
         loss = nn.functional.mse_loss(model(x), y)

@@ -67,6 +67,38 @@ def read_events(outdir, rank: int) -> list[dict]:
     return events
 
 
+_FREEZER = """
+import os, signal, sys, time
+mark, after, seconds, me = sys.argv[1].encode(), float(sys.argv[2]), float(sys.argv[3]), os.getpid()
+time.sleep(after)
+pids = []
+for entry in os.listdir("/proc"):
+    try:
+        with open(f"/proc/{entry}/cmdline", "rb") as f:
+            if entry.isdigit() and int(entry) != me and mark in f.read():
+                pids.append(int(entry))
+    except OSError:
+        pass
+for sig in (signal.SIGSTOP, signal.SIGCONT):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    if sig == signal.SIGSTOP:
+        time.sleep(seconds)
+"""
+
+
+def freeze_job(outdir, *, after: float, seconds: float) -> None:
+    """A job suspended and resumed by its scheduler (SLURM's ``scontrol suspend``): ``after`` seconds
+    from now, every process whose command line names ``outdir`` (a test's ranks, their helpers and
+    DataLoader workers) is stopped (SIGSTOP) for ``seconds``, then continued; from a process of its
+    own, which ends by itself."""
+    subprocess.Popen([sys.executable, "-c", _FREEZER, str(outdir), str(after), str(seconds)],
+                     start_new_session=True)
+
+
 def linger(outdir, rank: int, world: int, bound: float, grace: float = 1.0) -> None:
     """In the failing rank, after its run raised: stay alive until every other rank has recorded the
     end of its run (``run_raised`` or ``run_returned`` in ``<outdir>/rank<r>.jsonl``), then ``grace``

@@ -65,6 +65,20 @@ def hung_error(rank: int, pid: int, host: str, frame, what: str, time_ms: int, s
     return PeerFailedError(record=record)
 
 
+class Unobserved:
+    """Time the watchdog thread could not look: each wake-up from its wait later than due (the process
+    stopped by SIGSTOP, its job suspended, its VM paused, its CPU starved). The hang probes leave it
+    out of a piece's time: the main thread could not run either, so it is no evidence of a hang (as
+    a heartbeat's silence counts only observed time)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0  # written by the watchdog thread only
+
+    def waited(self, took: float, period: float) -> None:
+        if took > period:
+            self.seconds += took - period
+
+
 class SelfHangProbe:
     """No progress (``progress()``: monotonic time, wall time and step of the last beat) for
     ``hang_timeout`` (``start_timeout`` until ``warm()``), out of a wait on peers: ``RankHung``. Time
@@ -73,14 +87,18 @@ class SelfHangProbe:
 
     def __init__(self, rank: int, pid: int, hang_timeout: float, *, margin: float,
                  progress: Callable[[], tuple[float, float, int | None]], frame: Callable[[], object],
-                 host: str = "", start_timeout: float | None = None, warm: Callable[[], bool] = lambda: True) -> None:
+                 host: str = "", start_timeout: float | None = None, warm: Callable[[], bool] = lambda: True,
+                 unobserved: Unobserved | None = None) -> None:
         self.rank, self.pid, self.host = rank, pid, host
+        #: progress()'s monotonic time leaves it out too (``Watchdog.beat``)
+        self.unobserved = unobserved or Unobserved()
         self.hang_timeout = hang_timeout
         self.start_timeout = hang_timeout if start_timeout is None else start_timeout
         self.warm, self.margin, self.progress, self.frame = warm, margin, progress, frame
         self._waited: tuple[tuple, float] | None = None  # (the progress then, when) last seen waiting on peers
 
     def poll(self, now: float) -> PeerFailedError | None:
+        now -= self.unobserved.seconds
         progress = self.progress()
         last, last_wall, step = progress
         warm = self.warm()
@@ -109,8 +127,9 @@ class AutoHangProbe:
     def __init__(self, rank: int, pid: int, *, frame: Callable[[], object], multiple: float = DEFAULT_MULTIPLE,
                  first_multiple: float = DEFAULT_FIRST_MULTIPLE, floor: float = DEFAULT_FLOOR,
                  warmup: int = DEFAULT_WARMUP, wall: Callable[[], float] = time.time,
-                 explain: Iterable[Explainer] = (), host: str = "") -> None:
+                 explain: Iterable[Explainer] = (), host: str = "", unobserved: Unobserved | None = None) -> None:
         self.rank, self.pid, self.host, self.frame = rank, pid, host, frame
+        self.unobserved = unobserved or Unobserved()  # left out of every time below
         self.multiple, self.first_multiple, self.floor, self.warmup = multiple, first_multiple, floor, warmup
         self.wall = wall
         #: Recognise work from the main thread's stack (called on the watchdog thread, past a deadline).
@@ -127,6 +146,7 @@ class AutoHangProbe:
     # -- fed by the main thread -------------------------------------------------------------------
     def mark(self, kind: str | None, now: float, step: int | None = None) -> None:
         """End the piece of work under way (its duration is learned) and begin ``kind`` (``None``: nothing)."""
+        now -= self.unobserved.seconds
         current = self.current
         self.current = None if kind is None else (kind, now, step)
         if current is not None:
@@ -169,6 +189,7 @@ class AutoHangProbe:
         return None
 
     def poll(self, now: float) -> PeerFailedError | None:
+        now -= self.unobserved.seconds
         current = self.current
         if current is None:
             return None
@@ -232,7 +253,9 @@ def writing_checkpoint_explainer(frame) -> tuple[str, object] | None:
     return (CHECKPOINT, None) if writing_now(frame) else None
 
 
-def from_config(rank: int, pid: int, frame: Callable[[], object], host: str = "") -> AutoHangProbe:
+def from_config(rank: int, pid: int, frame: Callable[[], object], host: str = "",
+                unobserved: Unobserved | None = None) -> AutoHangProbe:
     rule = config.settings()
     return AutoHangProbe(rank, pid, frame=frame, multiple=rule.auto_hang_multiple, floor=rule.auto_hang_floor,
-                         warmup=rule.auto_hang_warmup, explain=[writing_checkpoint_explainer], host=host)
+                         warmup=rule.auto_hang_warmup, explain=[writing_checkpoint_explainer], host=host,
+                         unobserved=unobserved)

@@ -217,6 +217,7 @@ class Watchdog:
         self.session, self.rank, self.interval = session, session.rank, cfg.interval
         self.hang_timeout = config.check_hang_timeout(hang_timeout)
         self.exit_grace, self.write_grace = cfg.exit_grace, cfg.write_grace
+        self.unobserved = autohang.Unobserved()  # what the hang probes leave out of a piece's time
         self._progress: tuple[float, float, int | None] = (time.monotonic(), time.time(), None)
         #: The first iteration completed: ``hang_timeout`` applies from then on, ``FTH_START_TIMEOUT_SEC`` before.
         self.warm = False
@@ -243,12 +244,13 @@ class Watchdog:
         self.self_hang = self.auto_hang = None  # auto_hang: the learned deadline of hang_timeout="auto"
         if self.hang_timeout == config.AUTO:
             self.self_hang = self.auto_hang = autohang.from_config(self.rank, os.getpid(), main_thread_frame,
-                                                                   host=session.host)
+                                                                   host=session.host, unobserved=self.unobserved)
         elif self.hang_timeout is not None:
             self.self_hang = SelfHangProbe(self.rank, os.getpid(), self.hang_timeout.total_seconds(),
                                            margin=SILENT_MARGIN.total_seconds(), progress=lambda: self._progress,
                                            frame=main_thread_frame, host=session.host,
-                                           start_timeout=cfg.start_timeout.total_seconds(), warm=lambda: self.warm)
+                                           start_timeout=cfg.start_timeout.total_seconds(), warm=lambda: self.warm,
+                                           unobserved=self.unobserved)
         store_rank = session.store_rank
         self.store_loss = StoreLossProbe(cfg.store_lost_after.total_seconds(), by=self.rank, store_rank=store_rank,
                                          store_pid=session.table.pid_of(store_rank) if store_rank is not None
@@ -303,7 +305,7 @@ class Watchdog:
     def beat(self, step: int | None = None, *, completed: bool = False, named: int | None = None) -> None:
         """The main thread made progress; ``completed``: an iteration completed (so did one whose step
         differs from the first beaten); ``named``: the step a report names, where it is not ``step``."""
-        self._progress = (time.monotonic(), time.time(), step if named is None else named)
+        self._progress = (time.monotonic() - self.unobserved.seconds, time.time(), step if named is None else named)
         if not self.warm and step is not None:
             if self._first_step is None:
                 self._first_step = step
@@ -314,8 +316,12 @@ class Watchdog:
     # -- loops --------------------------------------------------------------------------------------
     def _run_store_loop(self) -> None:
         period = self.interval.total_seconds()
-        while not self._stop.wait(period):
+        while True:
+            waited_from = time.monotonic()
+            if self._stop.wait(period):
+                break
             now = time.monotonic()
+            self.unobserved.waited(now - waited_from, period)
             try:
                 if self.session.failure.peer_error is None:
                     self._found(self.records.poll(now), None)  # records read: published already

@@ -94,3 +94,35 @@ def test_lightning_long_validation_and_a_slow_checkpoint_raise_no_alarm(tmp_path
     # from the fast checkpoints before it), which is the one a checkpoint is judged by
     results = _lightning(tmp_path, FAULT="none", SLOW="1", STEP_SLEEP=step_sleep)
     _assert_no_alarm(results, {"validation", "checkpoint"})
+
+
+@pytest.mark.parametrize("hang", ["auto", "2"], ids=["learned-deadline", "fixed-2s"])
+def test_a_job_suspended_and_resumed_raises_no_alarm(tmp_path, hang):
+    # Every process of the job stopped for 3 s in a step of rank 0's (a scheduler's suspend), then
+    # continued: the step's own work is 0.8 s, under a 2 s deadline. Time in which the watchdog could
+    # not look is no evidence against a main thread that could not run either.
+    env = dict(FAULT="freeze", FAULT_RANK="0", FAULT_ITER="12", FREEZE="3", HANG=hang, USE_FT="1",
+               FTH_TEST_PG_TIMEOUT="30", **RULE)
+    results = run_ranks(2, "", tmp_path, script=IGNITE, env=env, deadline=60)
+    frozen = results[0]
+    assert frozen.has("fault") and frozen.has("resumed"), frozen.events  # the freeze happened
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert not r.has("run_raised"), r.events
+        assert "hung" not in r.stderr and "PeerSilent" not in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.long  # 8 ranks: the default suite runs the 2-rank cases
+@pytest.mark.timeout(240)
+def test_an_8_rank_job_suspended_and_resumed_beside_busy_cores_raises_no_alarm(tmp_path):
+    from launch import cpu_hogs
+
+    env = dict(FAULT="freeze", FAULT_RANK="3", FAULT_ITER="12", FREEZE="3", HANG="auto", USE_FT="1",
+               FTH_TEST_PG_TIMEOUT="60", **RULE)
+    with cpu_hogs(2):
+        results = run_ranks(8, "", tmp_path, script=IGNITE, env=env, deadline=200)
+    assert results[3].has("fault") and results[3].has("resumed"), results[3].events
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert not r.has("run_raised"), r.events
+        assert "hung" not in r.stderr and "PeerSilent" not in r.stderr, r.stderr[-3000:]

@@ -99,6 +99,24 @@ def test_a_checkpoint_longer_than_any_step_is_learned_once_seen():
     assert p.poll(t + 300.01) is not None
 
 
+def test_time_the_watchdog_could_not_look_is_neither_held_against_the_piece_nor_learned():
+    # the job suspended for 60 s in a step (SIGSTOP to every process): the watchdog's wait of 0.1 s
+    # took 60.1 s; the main thread could not run either
+    p = probe()
+    t = steps(p, 3, 0.4)                          # deadline max(5, 4) = 5 s
+    p.mark("step", t, 3)
+    assert p.poll(t + 1.0) is None
+    p.unobserved.waited(60.1, 0.1)
+    assert p.poll(t + 61.5) is None               # 1.5 s observed
+    p.mark(None, t + 62.0)                        # the step took 2 s of its own, not 62
+    assert p.longest["step"] == pytest.approx(2.0) and p.deadline("step") == pytest.approx(20.0)
+    t += 62.0
+    p.mark("step", t, 4)                          # a hang after it is found on time
+    assert p.poll(t + 19.9) is None
+    found = p.poll(t + 20.1)
+    assert found is not None and "has run 20.1 s" in found.exc_message
+
+
 def test_waiting_in_a_collective_is_never_this_ranks_hang(monkeypatch):
     """A peer running a long rank-0-only evaluation keeps this rank in the DDP all_reduce: the peer
     judges itself; this rank, whose deadlines are its own, never declares itself."""

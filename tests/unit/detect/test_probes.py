@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from fault_tolerant_handlers.core.config import SILENCE_POLL
 from fault_tolerant_handlers.core.procfs import PeerPidProbe, RankTable
-from fault_tolerant_handlers.detect.autohang import SelfHangProbe, waiting_on_peers
+from fault_tolerant_handlers.detect.autohang import SelfHangProbe, Unobserved, waiting_on_peers
 from fault_tolerant_handlers.detect.liveness import HeartbeatProbe
 from fault_tolerant_handlers.detect.watchdog import RecordsProbe, StoreLossProbe
 from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord
@@ -265,6 +265,20 @@ def test_self_hang_probe_reports_the_main_thread_stack_and_spares_a_rank_waiting
     assert waiting_on_peers(frame[0])
     assert probe.poll(105.5) is None            # blocked in a collective: the peer is the hung one
     assert probe.poll(112.5).kind is FailureKind.RANK_HUNG  # ... unless it stays blocked past 2 x timeout + margin
+
+
+def test_self_hang_probe_leaves_out_the_time_the_watchdog_could_not_look():
+    unobserved = Unobserved()
+    progress = [(100.0, 1_700_000_000.0, 7)]
+    probe = SelfHangProbe(1, 4242, 5.0, margin=2.0, progress=lambda: progress[0],
+                          frame=lambda: _frame_in("/x/train.py"), unobserved=unobserved)
+    assert probe.poll(101.0) is None
+    unobserved.waited(30.1, 0.1)                # the process stopped for 30 s (its wait of 0.1 s took 30.1)
+    unobserved.waited(0.09, 0.1)                # on time: nothing
+    assert probe.poll(131.5) is None            # 1.5 s observed
+    assert probe.poll(134.9) is None
+    found = probe.poll(135.2)                   # 5.2 s observed: hung
+    assert found is not None and "no progress for 5.2 s at step 7" in found.exc_message
 
 
 def test_a_rank_released_from_a_hung_peers_collective_is_not_hung_while_it_handles_the_failure():
