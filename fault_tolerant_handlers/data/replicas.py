@@ -24,6 +24,10 @@ from ..core.sharded import MAX_MANIFEST_BYTES, ManifestError, Snapshot, memory, 
 _HEADER = 6  # sent before each snapshot: format tag, rank, step, manifest bytes, payload bytes, CRC-32
 _TAG = 0x46544853  # "FTHS"
 _STOP = -1
+#: The step of a header that says "still here" (no copy): sent to each partner after a quarter of the
+#: group's timeout without a copy (a long evaluation), since a receive that times out on gloo breaks
+#: the pair for good (the message it waited for is taken by the abandoned receive).
+_IDLE = -2
 _ACK = 1  # the tag of a holder's acknowledgement of each copy (the step it now holds, -1: refused)
 
 
@@ -119,6 +123,7 @@ class ShardReplicas:
         if not isinstance(wait, timedelta) or wait < timedelta(0):
             raise ValueError(f"ShardReplicas(wait={wait!r}): a timedelta >= 0 (0: never wait)")
         self.replicate_every, self.partners, self.enabled, self.wait = replicate_every, partners, enabled, wait
+        self._idle_every = timeout.total_seconds() / 4
         self.stats = _Stats()
         self._own: Snapshot | None = None
         self._prev: Snapshot | None = None  # the one before: a copy of the newest may not have arrived
@@ -249,13 +254,18 @@ class ShardReplicas:
         """Seal each pending snapshot (it becomes :meth:`own`) and send it to every partner still
         reachable; one whose send failed is sent nothing more (logged once)."""
         live = list(self.to)
+        idle = torch.tensor([_TAG, self.rank, _IDLE, 0, 0, 0], dtype=torch.int64)
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None or self._stopping)
+                self._cond.wait_for(lambda: self._pending is not None or self._stopping, self._idle_every)
                 snap, self._pending = self._pending, None
                 self._sending = snap is not None
-            if snap is None or self._aborted:  # stopping, nothing pending; or a failure: nothing more sent
+                stopping = self._stopping
+            if self._aborted or snap is None and stopping:  # a failure: nothing more sent; or the end
                 break
+            if snap is None:  # no copy for a while: each partner's receive is answered before its timeout
+                live = [peer for peer in live if self._send(peer, idle)]
+                continue
             snap.seal()
             with self._cond:  # a step sent again (its RNG moved on) replaces its own: the step before stays
                 if self._own is not None and self._own.step == snap.step:
@@ -318,6 +328,8 @@ class ShardReplicas:
                     raise ManifestError(f"a malformed header from rank {src}: {header.tolist()}")
                 if step == _STOP:
                     waiting.discard(src)
+                    continue
+                if step == _IDLE:
                     continue
                 manifest = torch.empty(mlen, dtype=torch.uint8)
                 spare = spares.pop(src, None)

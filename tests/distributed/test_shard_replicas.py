@@ -76,6 +76,18 @@ def test_two_ranks_on_two_hosts_hold_each_others_fsdp2_shard_exactly(tmp_path):
     _check(results, outdir, hosts, 1)
 
 
+def test_copies_go_on_after_a_pause_longer_than_the_replicas_timeout(tmp_path):
+    """Every rank pauses 9 s after step 2's copy (a long evaluation), the replicas group's timeout 4 s:
+    each partner's waiting receive is answered in time (a "still here" header every second), the
+    copies of steps 3 and 4 arrive, nothing fails. Before, the receive timed out after 4 s, receiving
+    stopped for the rest of the run ("receiving stopped: ... Timed out"), and no later copy was held."""
+    hosts = ["node0", "node1"]
+    results, outdir = _run(2, hosts, tmp_path, PAUSE="9", REPLICA_TIMEOUT="4")
+    for r in results:
+        assert r.returncode == 0 and r.has("done"), r.stderr[-3000:]
+    _check(results, outdir, hosts, 1)
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("hosts, partners", [(["node0", "node0", "node1", "node1"], 1),
                                              (["node0"] * 4, 2)], ids=["2x2", "1x4-two-copies"])

@@ -15,6 +15,9 @@ each rank waits (bounded) until it holds every held rank's copy of that step, th
   more step moved them (``load_state_dict``), and whether the local shards are the snapshot's again;
 * ``flipped``: one byte of a held copy flipped; what :func:`restore` raised and what ``held()`` says.
 
+With ``PAUSE=<s>``, every rank pauses that long after step 2's copy was acknowledged (a long
+evaluation; ``REPLICA_TIMEOUT=<s>``, the replicas group's timeout, 30 s by default).
+
 With ``KILL=1`` (2 ranks), instead: once rank 0 holds rank 1's copy of the last step, rank 1 SIGKILLs
 itself; rank 0 hands 5 more snapshots to ``ShardReplicas.step`` (its partner dead: the send fails or
 blocks) and records how long each call took, then saves the copy it still holds of rank 1
@@ -124,11 +127,14 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     hosts = os.environ["HOSTS"].split(",") if os.environ.get("HOSTS") else None
-    replicas = ShardReplicas(hosts, partners=int(os.environ.get("PARTNERS", "1")), timeout=timedelta(seconds=30))
+    replicas = ShardReplicas(hosts, partners=int(os.environ.get("PARTNERS", "1")),
+                             timeout=timedelta(seconds=float(os.environ.get("REPLICA_TIMEOUT", "30"))))
     record("partners", to=list(replicas.to), holds=replicas.holds)
     taken, home = [], []
     for step in range(1, STEPS + 1):
         home.append(replicas.wait_home())  # as a step starts: the previous step's copy acknowledged
+        if step == 3 and os.environ.get("PAUSE"):
+            time.sleep(float(os.environ["PAUSE"]))
         train_step(model, optim, step)
         start = time.perf_counter()
         replicas.step(state(model, optim, step), step, (torch.get_rng_state(), None))
