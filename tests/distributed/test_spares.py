@@ -206,22 +206,25 @@ def test_a_second_rank_lost_with_no_spare_left_ends_the_job_with_the_cause(tmp_p
 
 
 @pytest.mark.timeout(300)
-def test_a_seat_lost_twice_gets_a_spare_each_time_and_the_run_stays_exact(tmp_path, tmp_path_factory):
-    """2 training ranks and 2 spares. Rank 1 is lost at iteration 27 (spare launched rank 2 takes its
-    seat), then the process in that seat is lost in turn at iteration 40: spare launched rank 3 takes
-    it, the run carries on at 40 with nothing computed twice and the uninterrupted run's weights, and
-    launched rank 2, whose process was lost, stays until the job ends and exits 0. Before, launched
-    rank 2 read the order that had given it the seat as the job's end, exited 1, and torchrun ended
-    every rank (seen in ``bench/goodput.py``, one fault every 20 s at 4 ranks)."""
-    ref = reference(tmp_path_factory)
-    run, _, output = torchrun(tmp_path, {"INPLACE": "2", "SPARES": "2", "FTH_INJECT": "lose@rank=1,iteration=27; "
-                                         "lose@rank=1,iteration=40,attempt=1"}, nproc=4)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
+def test_a_seat_lost_twice_gets_a_spare_each_time_and_the_run_stays_exact(world, tmp_path, tmp_path_factory):
+    """``world`` training ranks and 2 spares. Rank 1 is lost at iteration 27 (13 at 4 ranks, which run
+    25 iterations; spare launched rank ``world`` takes its seat), then the process in that seat is
+    lost in turn at iteration 40 (20): the next spare takes it, the run carries on there with nothing
+    computed twice and the uninterrupted run's weights, and the first spare, whose process was lost,
+    stays until the job ends and exits 0. Before, the first spare read the order that had given it
+    the seat as the job's end, exited 1, and torchrun ended every rank (seen in ``bench/goodput.py``,
+    one fault every 20 s at 4 ranks)."""
+    ref = reference(tmp_path_factory, world=world)
+    first, second = (27, 40) if world == 2 else (13, 20)
+    run, _, output = torchrun(tmp_path, {"INPLACE": "2", "SPARES": "2", "FTH_INJECT": f"lose@rank=1,iteration={first}; "
+                                         f"lose@rank=1,iteration={second},attempt=1"}, nproc=world + 2)
     assert_recovered_exactly(run, ref, "ignite", attempts=2, same_process=(True, False), live=True)
     assert recomputed(run, 2) == 0
     took = [line.split("spare launched rank ")[1].split(" ")[0] for line in output.splitlines()
             if "took the place of lost rank 1" in line]
-    assert took == ["2", "3"], output[-4000:]  # one spare each time, in launched order
-    assert "launched rank 2: the job ended" not in output, output[-4000:]
+    assert took == [str(world), str(world + 1)], output[-4000:]  # one spare each time, in launched order
+    assert f"launched rank {world}: the job ended" not in output, output[-4000:]
     assert tries(run, 0)[2]["spares_left"] == 0
 
 
