@@ -15,10 +15,11 @@ sampler's replicas are torchrun's world size). ``BUCKETS=0``: Ignite: no ``DDPBu
 ``to_save`` (the adapter then saves the layout itself, finding the DDP from the step's closure; a
 checkpoint written with the line gives the DDP nothing: an earlier version's checkpoint); Lightning:
 the callback's ``on_fit_start`` does not give the layout back. Resumed from such a checkpoint, a run
-at 3 ranks or more is inexact. ``FSDP=1`` (Ignite): the model (``HIDDEN`` 16 unless set) sharded with
-FSDP2 (``fully_shard`` on each Linear, then the whole model) instead of DDP, Adam, distributed
-checkpoints (``DCPSaver``, ``load_dcp``, a ``ShardedState``); rank 0 writes the full weights
-(``full_tensor()``, on every rank) at the end. ``HIDDEN=<n>``: a model with a hidden layer;
+at 3 ranks or more is inexact. ``FSDP=1``: the model (``HIDDEN`` 16 unless set) sharded with
+FSDP2 (``fully_shard`` on each Linear, then the whole model) instead of DDP, Adam; Ignite: distributed
+checkpoints (``DCPSaver``, ``load_dcp``, a ``ShardedState``); Lightning: ``ModelParallelStrategy``
+(``fully_shard`` in ``configure_model``), its checkpoints one file each; rank 0 writes the full
+weights (``full_tensor()``, on every rank) at the end. ``HIDDEN=<n>``: a model with a hidden layer;
 ``KEEP=<n>``: checkpoints kept (2); ``SAMPLES=<n>``: the data set's size (400); ``STEP_MS=<ms>``: each
 training step also sleeps that long (a step of a real model's length: ``bench/goodput.py``). ``EVAL_TRAIN=1`` (Ignite):
 an evaluator ``Engine`` runs over the training loader at each epoch's end (Ignite's cifar10 example).
@@ -321,7 +322,7 @@ def run_ignite() -> None:
 def run_lightning() -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from fault_tolerant_handlers.lightning import FaultTolerance
 
@@ -362,11 +363,26 @@ def run_lightning() -> None:
                 time.sleep(STEP_SEC)
             return torch.nn.functional.mse_loss(self.layer(x), y)
 
+        def configure_model(self):
+            if FSDP:
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for layer in self.layer:
+                    if isinstance(layer, torch.nn.Linear):
+                        fully_shard(layer, mesh=mesh)
+                fully_shard(self.layer, mesh=mesh)
+
         def configure_optimizers(self):
+            if FSDP:
+                return torch.optim.Adam(self.parameters(), lr=0.01)
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
+    strategy = (ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1, save_distributed_checkpoint=False,
+                                      process_group_backend="gloo", timeout=PG_TIMEOUT) if FSDP
+                else DDPStrategy(process_group_backend="gloo", timeout=PG_TIMEOUT))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo", timeout=PG_TIMEOUT),
+        accelerator="cpu", devices=WORLD, strategy=strategy,
         max_epochs=EPOCHS, logger=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0,
         callbacks=[FaultTolerance(hang_timeout=HANG_TIMEOUT),
@@ -379,13 +395,17 @@ def run_lightning() -> None:
 
     # the step it resumes at (from the copy in memory without taking it: fit() takes it)
     kept = snapshots.newest(path) if path else None
-    start = (kept or torch.load(path, map_location="cpu", weights_only=False))["global_step"] if path else 0
+    if kept is not None and not isinstance(kept, dict):  # a sharded model's live state: its own shard's snapshot
+        start = kept.step
+    else:
+        start = (kept or torch.load(path, map_location="cpu", weights_only=False))["global_step"] if path else 0
     note({"resumed_from": path, "start_iteration": start, "in_memory": in_memory(path)})
     model = Module()
     trainer.fit(model, make_loader(), ckpt_path=path)
     done(trainer.train_dataloader)
+    weights = {k: (v.full_tensor() if FSDP else v).detach().clone() for k, v in model.layer.state_dict().items()}
     if trainer.global_rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.layer.state_dict().items()}, OUT / "weights.pt")
+        torch.save(weights, OUT / "weights.pt")
 
 
 if __name__ == "__main__":

@@ -265,28 +265,31 @@ def test_a_lost_host_is_replaced_by_the_spare_on_another_host_and_the_run_stays_
     assert_spare_took_rank_1(run, ref)
 
 
-@pytest.mark.parametrize("per_host", [1, pytest.param(2, marks=pytest.mark.long)], ids=["3x1", "3x2"])
+@pytest.mark.parametrize("per_host, framework", [
+    pytest.param(1, "ignite", id="3x1"), pytest.param(2, "ignite", id="3x2", marks=pytest.mark.long),
+    pytest.param(1, "lightning", id="3x1-lightning", marks=pytest.mark.long)])
 def test_a_lost_host_with_a_sharded_model_is_replaced_by_the_spare_which_receives_the_lost_ranks_shard_from_its_partner(
-        per_host, tmp_path, tmp_path_factory):
+        per_host, framework, tmp_path, tmp_path_factory):
     """FSDP2 with ``FTH_SHARD_REPLICAS=1`` (:data:`SHARDED`): each of node-b's ranks has its partner at
     the same place on node-a (every copy on another host). node-b dies whole: a spare on node-c takes
     each lost rank's seat and receives that rank's shard of the last completed iteration (its
     parameters and Adam's state) from its partner's copy, checksum checked; node-a's ranks keep their
     own; every rank carries on at the failed step from live state (not ``checkpoint_<n>``), and the
     final weights are an uninterrupted run's (no replicas), bit for bit. At 3 hosts x 2 ranks
-    (``long``), both of node-b's ranks are lost at once, each served by another copy."""
-    ref = reference(tmp_path_factory, world=2 * per_host, env={"FSDP": "1"})
-    run = run_spares(tmp_path, "kill_host", per_host=per_host, env=SHARDED)
+    (``long``), both of node-b's ranks are lost at once, each served by another copy. Lightning
+    (``long``): ``ModelParallelStrategy``, the spare's shard through ``fit(ckpt_path=latest_checkpoint(...))``."""
+    ref = reference(tmp_path_factory, world=2 * per_host, framework=framework, env={"FSDP": "1"})
+    run = run_spares(tmp_path, "kill_host", per_host=per_host, framework=framework, env=SHARDED)
     assert_spares_took(run, ref, per_host=per_host)
     for host in ("node-a", "node-b"):
         assert "copies are held on their own rank's host" not in run.log(host), run.log(host)[-4000:]
-    step = run.tries(0)[1]["start_iteration"]
+    step, unit = run.tries(0)[1]["start_iteration"], "iteration" if framework == "ignite" else "global step"
     for lost in range(per_host, 2 * per_host):
         partner = lost - per_host  # the same place on node-a
-        got = re.search(rf"\[rank {lost}[^\]]*\] live state: received its shard of iteration {step} from rank "
+        got = re.search(rf"\[rank {lost}[^\]]*\] live state: received its shard of {unit} {step} from rank "
                         rf"{partner}'s copy \(CRC-32 [0-9a-f]{{8}}, checked\)", run.log("node-c"))
         assert got, run.describe()
-        assert re.search(rf"live state, iteration {step} \(.*rank {lost}: its shard of iteration {step} from rank "
+        assert re.search(rf"live state, {unit} {step} \(.*rank {lost}: its shard of {unit} {step} from rank "
                          rf"{partner}'s copy", run.log("node-a")), run.describe()
         print(got.group(0))
 
