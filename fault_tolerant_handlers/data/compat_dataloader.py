@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, _utils, dataloader
 from ..core import procfs as _procfs
 from ..core.compat_torch import lacking
 from ..core.config import WORKER_POLL, WORKER_REAP
+from ..core.failure import Ended
 from ..core.hooks import log
 
 CHECKED_AGAINST = "2.13.0"
@@ -385,13 +386,8 @@ def describe_exit(exitcode: int | None) -> tuple[str | None, str]:
     """``("SIGKILL", "killed by SIGKILL")`` or ``(None, "exited with code 1")``."""
     if exitcode is None:
         return None, "did not exit"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return name, f"killed by {name}"
-    return None, f"exited with code {exitcode}"
+    ended = Ended(signal=-exitcode) if exitcode < 0 else Ended(exit_code=exitcode)
+    return ended.signal_name, ended.describe()
 
 
 def reap_workers(state: Any) -> None:
