@@ -243,12 +243,6 @@ def restore(snap: Snapshot, *, mesh: Any = None, device: str | torch.device = "c
 _PLACEMENTS = {"S": Shard, "R": Replicate, "P": Partial}
 
 
-def local_shards(state: Any) -> list[tuple[str, torch.Tensor]]:
-    """``(path, tensor)`` of every tensor in ``state``, a ``DTensor`` as its local shard (for comparing)."""
-    _, leaves, tensors = _describe(state)
-    return [(leaf["path"], t) for leaf, t in zip(leaves, tensors)]
-
-
 def rebuild(state: Any, objects: Iterable[Any]) -> Any:
     """``state`` as ``objects`` load it: a :class:`Snapshot` restored on the mesh and device of the first
     ``DTensor`` parameter of a module among ``objects`` (or their ``.model``). ``TypeError``: no sharded

@@ -42,7 +42,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from launch import read_events  # noqa: E402 - tests/launch.py
 
-from fault_tolerant_handlers.core.sharded import SnapshotChecksumError, local_shards, restore
+from fault_tolerant_handlers.core.sharded import SnapshotChecksumError, _describe, restore
 from fault_tolerant_handlers.data.replicas import ShardReplicas
 
 RANK = int(os.environ["RANK"])
@@ -50,6 +50,12 @@ WORLD = int(os.environ["WORLD_SIZE"])
 OUT = Path(sys.argv[1])
 STEPS = 4
 BOUND_SEC = 60
+
+
+def local_shards(state) -> list[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` of every tensor in ``state``, a ``DTensor`` as its local shard (for comparing)."""
+    _, leaves, tensors = _describe(state)
+    return [(leaf["path"], t) for leaf, t in zip(leaves, tensors)]
 
 
 def record(event: str, **fields) -> None:

@@ -270,7 +270,8 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) 
 
 
 def _local_bytes(state: dict) -> list:
-    return [(path, t.contiguous().reshape(-1).view(torch.uint8).clone()) for path, t in sharded.local_shards(state)]
+    _, leaves, tensors = sharded._describe(state)
+    return [(leaf["path"], t.contiguous().reshape(-1).view(torch.uint8).clone()) for leaf, t in zip(leaves, tensors)]
 
 
 def _captured_at(model, optimizer, step: int):
