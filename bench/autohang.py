@@ -79,13 +79,14 @@ def run(framework: str, case: str, step_sleep: float = 0.0) -> dict:
 def mark_cost(calls: int = 200_000, repeats: int = 15) -> list[str]:
     from fault_tolerant_handlers.core.session import Guard
     from fault_tolerant_handlers.detect import watchdog
-    from fault_tolerant_handlers.detect.autohang import AutoHangProbe
+    from fault_tolerant_handlers.detect.autohang import AutoHangProbe, Unobserved
 
     class Watchdog:  # what Guard.beat reaches: the real Watchdog.beat, over the fields it sets, and the probe
         beat = watchdog.Watchdog.beat
 
         def __init__(self, auto) -> None:
             self.auto_hang, self._progress, self.warm, self._first_step = auto, None, False, None
+            self.unobserved = Unobserved()
 
     class Session:
         def __init__(self, watchdog) -> None:
