@@ -57,7 +57,7 @@ LIGHTNING = ROOT / "examples" / "lightning_model_parallel.py"
 SAVE_MAIN = ROOT / "tests" / "programs" / "dcp_save_main.py"
 #: A bound per torchrun job (a relaunched job runs twice; unloaded, a run takes 10-30 s here).
 DEADLINE_SEC = 300
-DIGEST = re.compile(r"\[rank (\d)\] finished at (?:iteration|step) \d+, weights sha256 ([0-9a-f]{64})")
+DIGEST = re.compile(r"\[rank (\d+)\] finished at (?:iteration|step) \d+, weights sha256 ([0-9a-f]{64})")
 
 
 def _run(line: str, example: Path, tmp_path: Path) -> tuple[int | None, str]:
@@ -73,7 +73,7 @@ def _line(example: Path, in_place: bool, *, world: int = 2) -> str:
 
 def _digests(out: str, world: int) -> set[str]:
     found = dict(DIGEST.findall(out))
-    assert sorted(found) == [str(r) for r in range(world)], out[-4000:]
+    assert sorted(found, key=int) == [str(r) for r in range(world)], out[-4000:]
     return set(found.values())
 
 
@@ -468,23 +468,24 @@ def test_lightning_model_parallel_in_place_a_killed_ranks_shard_comes_back_from_
 @pytest.mark.long
 @pytest.mark.timeout(3 * DEADLINE_SEC + 60)
 @pytest.mark.parametrize("example", [IGNITE, LIGHTNING], ids=["ignite", "lightning"])
-def test_a_healthy_8_rank_sharded_job_with_copies_on_busy_cores_ends_as_an_uninterrupted_one(example, reference,
+@pytest.mark.parametrize("world", [8, 16])
+def test_a_healthy_8_rank_sharded_job_with_copies_on_busy_cores_ends_as_an_uninterrupted_one(example, world, reference,
                                                                                                 tmp_path):
-    """``FTH_SHARD_REPLICAS=1`` at 8 ranks, no fault, both cores kept busy by 2 other processes: every
-    rank copies its shard to its partner after each step and waits (bounded) for the copy of the step
-    before; a slow answer is never a failure. The job ends 0 with nothing declared, no copy reported
-    missing or refused, and the final weights of the same job without copies."""
-    expected = reference(example, 8)
-    line = _line(example, True, world=8).replace("FTH_INJECT=raise@rank=1,iteration=17", "FTH_SHARD_REPLICAS=1")
+    """``FTH_SHARD_REPLICAS=1`` at 8 and 16 ranks, no fault, both cores kept busy by 2 other processes:
+    every rank copies its shard to its partner after each step and waits (bounded) for the copy of
+    the step before; a slow answer is never a failure. The job ends 0 with nothing declared, no copy
+    reported missing or refused, and the final weights of the same job without copies."""
+    expected = reference(example, world)
+    line = _line(example, True, world=world).replace("FTH_INJECT=raise@rank=1,iteration=17", "FTH_SHARD_REPLICAS=1")
     with cpu_hogs(2):
         returncode, out = _run(line, example, tmp_path)
     assert returncode == 0, out[-4000:]
     assert not DECLARATIONS.search(out), out[-4000:]
     # copies were made (the one-host layout is said once per rank), and none went missing or was refused
-    assert re.search(r"shard replicas: 8 of 8 copies are held on their own rank's host", out), out[-4000:]
-    assert not re.search(r"shard replicas: (?!8 of 8 copies are held)", out), out[-4000:]
+    assert re.search(rf"shard replicas: {world} of {world} copies are held on their own rank's host", out), out[-4000:]
+    assert not re.search(rf"shard replicas: (?!{world} of {world} copies are held)", out), out[-4000:]
     assert "carries on from" not in out, out[-4000:]  # no recovery happened
-    assert _digests(out, 8) == {expected}, f"final weights differ from the run without copies:\n{out[-4000:]}"
+    assert _digests(out, world) == {expected}, f"final weights differ from the run without copies:\n{out[-4000:]}"
 
 
 DROPOUT_MAIN = ROOT / "tests" / "programs" / "dropout_fsdp_main.py"
