@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Callable
 from ..core import hooks, procfs as _procfs
 from ..core.config import (HEARTBEAT_TIMEOUT_ENV, HELPER_STORE_TIMEOUT, LEFT_CHECK_EVERY, RANK_EXIT_WAIT,  # timings:
                            SILENCE_POLL, SUSPECT_SILENCE, WITNESS_EVERY, ZOMBIE_HOLD)  # the table in core.config
-from ..core.errors import PeerFailedError
 from ..core.hooks import log
 from ..core.procfs import RankTable
-from ..core.failure import FailureKind, FailureRecord
+from ..core.failure import FailureKind, FailureRecord, PeerFailedError
 from ..core.schema import Schema
 from . import witness
 

@@ -28,8 +28,8 @@ from typing import Callable
 from . import compat_torchrun
 from ..core import compat_torch as _compat_torch
 from ..core.config import SIGTERM_CAUSE_WAIT, ZOMBIE_HOLD  # timings: the table in core.config
-from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
-from ..core.failure import FailureKind, FailureRecord
+from ..core.errors import EXIT_PEER_FAILED
+from ..core.failure import FailureKind, FailureRecord, PeerFailedError
 from ..core.hooks import first_line, log
 from ..core.procfs import STATE, RankTable, process_state, stat_fields
 

@@ -22,8 +22,8 @@ import weakref
 from typing import TYPE_CHECKING
 
 from . import reports
-from ..core.errors import PeerFailedError
-from ..core.failure import Ended, FailureKind, FailureRecord
+from ..core.errors import store_lost
+from ..core.failure import Ended, FailureKind, FailureRecord, PeerFailedError
 from ..core.config import (CAUSE_LINGER, MAIN_STUCK_WAIT, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the
                            SIGNAL_EXIT_WAIT, SIGNAL_STORE_TIMEOUT, SIGNALLED_TOGETHER)  # table in core.config
 from ..core.hooks import first_line, log
@@ -254,9 +254,7 @@ def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError
     why = str(err).rsplit(": ", 1)[-1][:120]
     table, store_rank = session.table, session.store_rank
     if store_rank is None:
-        at = ":".join(map(str, session.store_address or ()))
-        return PeerFailedError(None, FailureKind.STORE_LOST.value, f"the c10d store at {at}, on a host of no rank's, no "
-                               f"longer accepts connections ({why})", origin="declared", kind=FailureKind.STORE_LOST)
+        return store_lost(":".join(map(str, session.store_address or ())), f"it no longer accepts connections ({why})")
     if table.host_ids[table.ranks.index(store_rank)] == table.host_ids[table.group_rank]:
         return None
     return PeerFailedError.from_records([table.lost_record(
