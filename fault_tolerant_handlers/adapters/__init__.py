@@ -19,10 +19,6 @@ from ..data.replicas import ShardReplicas
 from . import compat_ignite
 
 
-def _reset_idist(state: RecoveryState) -> None:
-    compat_ignite.reset_idist()
-
-
 def _resolve_live_names(state: RecoveryState) -> None:
     """The next attempt may carry on from live state: Ignite's ``Checkpoint.load_objects(to_load, path)``
     resolves the name ``latest_checkpoint`` gives for it."""

@@ -120,8 +120,8 @@ def handle_exceptions(engine: Any, handler: Callable[[BaseException], None]) -> 
     return engine._fth_replaced
 
 
-def reset_idist() -> None:
-    """Recovering in place: idist's model of the distributed context goes back to a fresh process's."""
+def reset_idist(state=None) -> None:
+    """``RESET_FRAMEWORKS`` (a recovery step: ``state`` unused): idist's model of the distributed context goes back to a fresh process's."""
     utils = sys.modules.get("ignite.distributed.utils")
     if utils is None:
         return

@@ -277,7 +277,8 @@ _watch: _Watch | None = None
 
 
 def install(session: Session) -> None:
-    """Put the handlers in front of the current ones (once per process, from the main thread only)."""
+    """``SESSION_STARTED``: put the handlers in front of the current ones (once per process, from the main
+    thread only)."""
     global _watch
     if threading.current_thread() is not threading.main_thread():
         return
@@ -288,7 +289,3 @@ def install(session: Session) -> None:
         return
     _watch = _Watch(session)
     _watch.install()
-
-
-def on_session_started(session: Session) -> None:
-    install(session)  # SIGTERM/SIGINT: say so before the previous handler runs
