@@ -237,21 +237,17 @@ def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
 def hold_zombie(rank_pid: int, rank: int | None = None, host: str = "") -> None:
     """``RANK_ENDED``, in a rank's liveness helper under ``mp.spawn``: a zombie rank gets torch's error file if a
     signal killed it, and is held :data:`ZOMBIE_HOLD` (this process holds its sentinel) for its peers to read."""
-    fields = stat_fields(rank_pid) if _state is not None else None
-    if fields and fields[STATE] == "Z":
-        if rank is not None:
-            _write_spawn_killed(rank_pid, rank, host)
-        time.sleep(ZOMBIE_HOLD)
-
-
-def _write_spawn_killed(rank_pid: int, rank: int, host: str) -> bool:
-    """A rank killed by a signal: torch's error file for it (read once every process has ended)."""
+    state = _state
+    fields = stat_fields(rank_pid) if state is not None else None
+    if not fields or fields[STATE] != "Z":
+        return
     how = process_state(rank_pid)
-    if _state is None or _state.error_file is None or how is None or not how.killed:
-        return False
-    lost = FailureRecord.lost(rank=rank, pid=rank_pid, host=host, why=how, by=rank).exc_message
-    return write_once(_state.error_file, pickle.dumps(  # torch's parent reads a pickled str
-        f"fault-tolerant-handlers: {lost} (seen by its liveness helper: a killed process prints no traceback)\n"))
+    if rank is not None and state.error_file is not None and how is not None and how.killed:
+        # torch's error file for it (read once every process has ended): the parent reads a pickled str
+        lost = FailureRecord.lost(rank=rank, pid=rank_pid, host=host, why=how, by=rank).exc_message
+        write_once(state.error_file, pickle.dumps(f"fault-tolerant-handlers: {lost} (seen by its liveness helper: "
+                                                  "a killed process prints no traceback)\n"))
+    time.sleep(ZOMBIE_HOLD)
 
 
 def write_exit_report(err: BaseException | None, code: int) -> None:
