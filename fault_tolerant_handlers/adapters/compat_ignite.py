@@ -39,18 +39,14 @@ def check(engine: Any) -> None:
         raise _lacking("needs ignite.engine.Engine._handle_exception")
 
 
-def handlers_of(engine: Any, event: Any) -> list:
-    return engine._event_handlers[event]
-
-
 def prepend(engine: Any, event: Any, handler: Callable) -> None:
     engine.add_event_handler(event, handler)
-    handlers = handlers_of(engine, event)
+    handlers = engine._event_handlers[event]
     handlers.insert(0, handlers.pop())
 
 
 def append_last(engine: Any, event: Any, handler: Callable) -> None:
-    handlers = handlers_of(engine, event)
+    handlers = engine._event_handlers[event]
     for i, entry in enumerate(handlers):
         if entry[0] == handler:
             handlers.append(handlers.pop(i))
