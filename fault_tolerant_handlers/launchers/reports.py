@@ -12,6 +12,7 @@ killed rank and by a reported exit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -167,15 +168,12 @@ class _Spawned:
 
 
 _state: _Spawned | None = None
-_detected = False
 
 
+@functools.cache
 def detect() -> bool:
     """Whether this process runs a rank under ``torch.multiprocessing`` (looked at once per process)."""
-    global _state, _detected
-    if _detected:
-        return _state is not None
-    _detected = True
+    global _state
     found = _compat_torch.spawn_error_file()
     if found is not None:
         _state = _Spawned(found or None, set(), threading.Lock())

@@ -43,8 +43,7 @@ class _Watch:
     def __init__(self, session: Session) -> None:
         self._session = weakref.ref(session)
         self.previous: dict[int, object] = {}
-        self.lock = threading.Lock()
-        self.started = False
+        self.reacting = threading.Lock()  # taken once, by the first reaction, and never released
         self.done = threading.Event()
         self.handled = threading.Event()  # the main thread entered a handler of this module's
         self.kind: str | None = None  # "cause", "consequence" or "failed", once reacted
@@ -160,10 +159,8 @@ class _Watch:
         return signal.getsignal(signum) != self._handler
 
     def react(self, signum: int) -> None:
-        with self.lock:
-            if self.started:
-                return
-            self.started = True
+        if not self.reacting.acquire(blocking=False):
+            return
         received = time.time()
         try:
             self._react(signum, received)
