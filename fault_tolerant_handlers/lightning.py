@@ -31,11 +31,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback as _CallbackBase
 else:
-    _bases = _compat_lightning.callback_bases()
-    if len(_bases) == 1:
-        (_CallbackBase,) = _bases
-    else:  # lightning.pytorch and pytorch_lightning both installed: a Callback of either
-        _CallbackBase = type("_CallbackBase", _bases, {"__module__": __name__})
+    _CallbackBase = _compat_lightning.callback_base(__name__)
 
 __all__ = ["FaultTolerance"]
 

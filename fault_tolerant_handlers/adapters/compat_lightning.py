@@ -55,8 +55,9 @@ def namespace(obj: Any) -> str:
     return "pytorch_lightning" if type(obj).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
 
 
-def callback_bases() -> tuple[type, ...]:
-    """The ``Callback`` class of every installed namespace that imports (else an ``ImportError``)."""
+def callback_base(module: str) -> type:
+    """The ``Callback`` class of the installed namespace (else an ``ImportError``); with ``lightning.pytorch``
+    and ``pytorch_lightning`` both installed, a class of ``module`` that is a ``Callback`` of either."""
     bases, errors = [], []
     for name in NAMESPACES:
         try:
@@ -67,7 +68,7 @@ def callback_bases() -> tuple[type, ...]:
         raise ImportError("fault_tolerant_handlers.lightning needs Lightning: pip install "
                           "'fault-tolerant-handlers[lightning]' (or pytorch-lightning)"
                           + (f" ({'; '.join(errors)})" if errors else ""))
-    return tuple(bases)
+    return bases[0] if len(bases) == 1 else type("_CallbackBase", tuple(bases), {"__module__": module})
 
 
 def checkpoint_types() -> tuple[type, ...]:
