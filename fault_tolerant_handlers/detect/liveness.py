@@ -250,10 +250,8 @@ def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.E
                  tell: Callable[[FailureRecord], None] | None = None) -> None:
     """Until the rank closes the pipe or ends (its pidfd: a DataLoader worker may hold the pipe); then it ends."""
     watched = [stop_fd]
-    try:
+    with contextlib.suppress(OSError):  # no pidfds here: the pipe (or the loop's parent check)
         watched.append(os.pidfd_open(parent))
-    except OSError:  # no pidfds here: the pipe (or the loop's parent check)
-        pass
     select.select(watched, [], [])
     woken.set()
     try:
@@ -278,10 +276,8 @@ def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], N
         record = FailureRecord.lost(rank=rank, pid=pid, host=host, why=how, by=rank)
         hooks.emit(hooks.RANK_KILLED, record)  # the launchers: torchrun's error file, first (the agent reaps soon)
         if tell is not None:
-            try:
+            with contextlib.suppress(Exception):  # the store may be gone with the rank (its host held it)
                 tell(record)
-            except Exception:  # noqa: BLE001 - the store may be gone with the rank (its host held it)
-                pass
     hooks.emit(hooks.RANK_ENDED, pid, rank, host)  # the launchers: under mp.spawn, its error file and the zombie held
 
 

@@ -90,13 +90,11 @@ def forget_own_file(state=None) -> None:
     path = own_path()
     if path is None:
         return
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none, or not ours
         with open(path) as f:
             written = json.load(f)
         if written["message"]["extraInfo"]["writer"] == WRITER:
             os.unlink(path)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # none, or not ours
 
 
 def write_failed(record: FailureRecord) -> bool:
