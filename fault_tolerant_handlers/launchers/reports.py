@@ -63,9 +63,10 @@ def payload(message: str, callstack: str, timestamp: int, role: str) -> dict:
                                       "writer": WRITER, "role": role}}}
 
 
-def write_once(path: str, data: dict | bytes) -> bool:
-    """Create ``path`` with ``data`` (a dict: as JSON) unless it exists (atomically); True when this call wrote it."""
-    if os.path.exists(path):
+def write_once(path: str | None, data: dict | bytes) -> bool:
+    """Create ``path`` with ``data`` (a dict: as JSON) unless it exists (atomically; ``None``: no file to
+    write); True when this call wrote it."""
+    if path is None or os.path.exists(path):
         return False
     tmp = None
     try:
@@ -99,12 +100,9 @@ def forget_own_file(state=None) -> None:
 
 def write_failed(record: FailureRecord) -> bool:
     """``RANK_FAILED``: this rank failed itself (``record`` is its own): its file, with the failure's time."""
-    path = own_path()
-    if path is None:
-        return False
     message = f"{record.exc_type}: {record.exc_message}"
     callstack = record.traceback if message in record.traceback else f"{message}\n{record.traceback}".rstrip()
-    return write_once(path, payload(message, callstack, record.time_ms // 1000, "failed"))
+    return write_once(own_path(), payload(message, callstack, record.time_ms // 1000, "failed"))
 
 
 def survivor_timestamp(failed_at: float | None, now: float | None = None) -> int:
@@ -121,8 +119,6 @@ def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
         return
     peer_local = rank - (table.rank - table.local_rank)
     path = peer_path(own, table.local_rank, peer_local) if 0 <= peer_local < table.local_world_size else None
-    if path is None:
-        return
     when = err.failed_at if err.failed_at is not None else time.time()
     message = f"{err.exc_type}: {err.exc_message}"
     if write_once(path, payload(message, f"{message}\n(written by rank {table.rank}, which saw it end)",
@@ -132,12 +128,9 @@ def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
 
 def write_killed(record: FailureRecord) -> bool:
     """``RANK_KILLED``, in the liveness helper of a rank killed by a signal it could not report."""
-    path = own_path()
-    if path is None:
-        return False
     message = f"{record.exc_type}: {record.exc_message}"
-    return write_once(path, payload(message, f"{message}\n(written by its liveness helper, which saw it end)",
-                                    record.time_ms // 1000, "killed"))
+    return write_once(own_path(), payload(message, f"{message}\n(written by its liveness helper, which saw it end)",
+                                          record.time_ms // 1000, "killed"))
 
 
 def write_survivor(table: RankTable, err: PeerFailedError | None) -> bool:
