@@ -48,8 +48,7 @@ class _Watch:
         self.handled = threading.Event()  # the main thread entered a handler of this module's
         self.kind: str | None = None  # "cause", "consequence" or "failed", once reacted
         self.cause: PeerFailedError | None = None  # this rank's own signal, as a collective broken after it raises
-        self._rsock: socket.socket | None = None
-        self._wsock: socket.socket | None = None
+        self._wsock: socket.socket | None = None  # the wakeup fd's socket, held while the process runs
 
     # -- install ------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -69,17 +68,16 @@ class _Watch:
             old = signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
         except (ValueError, OSError):
             old = None
-        if old is None or old != -1:
+        if old != -1:
             if old is not None:
                 signal.set_wakeup_fd(old)  # someone else's (asyncio): keep it
             rsock.close()
             wsock.close()
             return
-        self._rsock, self._wsock = rsock, wsock
-        threading.Thread(target=self._wakeups, name="fth-signals", daemon=True).start()
+        self._wsock = wsock
+        threading.Thread(target=self._wakeups, args=(rsock,), name="fth-signals", daemon=True).start()
 
-    def _wakeups(self) -> None:
-        rsock = self._rsock
+    def _wakeups(self, rsock: socket.socket) -> None:
         while True:
             try:
                 data = rsock.recv(64)
