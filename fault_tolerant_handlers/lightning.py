@@ -367,18 +367,11 @@ _logger_versions: list = []
 _kept_metrics: dict[str, bytes] = {}
 
 
-def _pinned_version(logger: Any) -> Any:
-    for cls, root, version, _ in _logger_versions:
-        if type(logger) is cls and str(getattr(logger, "root_dir", "")) == root:
-            return version
-    return None
-
-
 def _keep_logger_versions(state: phases.RecoveryState) -> None:
     """``RESET_FRAMEWORKS``: the next attempt's loggers take the first's versions; CSV rows kept in memory."""
     if not _logger_versions:
         return
-    _compat_lightning.pin_next_versions({cls for cls, *_ in _logger_versions}, _pinned_version)
+    _compat_lightning.pin_next_versions(_logger_versions)
     for *_, folder in _logger_versions:
         path = os.path.join(folder, "metrics.csv")
         if os.path.isfile(path):
