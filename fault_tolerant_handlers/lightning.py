@@ -369,8 +369,6 @@ _kept_metrics: dict[str, bytes] = {}
 
 def _keep_logger_versions(state: phases.RecoveryState) -> None:
     """``RESET_FRAMEWORKS``: the next attempt's loggers take the first's versions; CSV rows kept in memory."""
-    if not _logger_versions:
-        return
     _compat_lightning.pin_next_versions(_logger_versions)
     for *_, folder in _logger_versions:
         path = os.path.join(folder, "metrics.csv")
