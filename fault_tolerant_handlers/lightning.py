@@ -301,8 +301,10 @@ class LightningLive(LiveLoop):
             return
         self.trainer, self.why_not, self.directory = trainer, "", None
         if not _compat_lightning.plain_ddp(trainer.strategy) and not _compat_lightning.model_parallel(trainer.strategy):
-            self._refuse(f"the strategy {type(trainer.strategy).__name__} builds its checkpoint with collectives "
-                         "(live state: DDPStrategy and ModelParallelStrategy only)")
+            self.why_not = (f"the strategy {type(trainer.strategy).__name__} builds its checkpoint with collectives "
+                            "(live state: DDPStrategy and ModelParallelStrategy only)")
+            log(logging.WARNING, "live state refused: %s; a recovery in place resumes from the newest checkpoint",
+                self.why_not)
         for callback in trainer.checkpoint_callbacks:
             dirpath = getattr(callback, "dirpath", None)
             if dirpath:

@@ -63,10 +63,6 @@ class LiveLoop:
             except live.NotLive:  # its state is not that of a completed step (gradient accumulation)
                 pass
 
-    def _refuse(self, why: str) -> None:
-        self.why_not = why
-        log(logging.WARNING, "live state refused: %s; a recovery in place resumes from the newest checkpoint", why)
-
     def step_starts(self, step: int) -> None:
         """A step begins: torch's RNG as it starts (put back first, after live state was loaded); the
         copy of the step before held by the partners (bounded wait) before this step's collectives."""
