@@ -80,13 +80,15 @@ class FaultTolerance:
         self._run_codes = _compat_ignite.run_codes()
         self._ignite_handles = _compat_ignite.handle_exceptions(engine, self._handle_exception)
         engine.add_event_handler(Events.STARTED, self._started)
-        engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
+        engine.add_event_handler(Events.EPOCH_STARTED, lambda e: self.guard.beat(e.state.iteration, STEP))
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
         self._recovery.attach(engine)
         if attempts.recovering():
             self._live = IgniteLive()
             self._live.attach(engine)
-            engine.add_event_handler(Events.STARTED, self._after_live_started)
+            # a peer's failure raised only after live state's mark
+            engine.add_event_handler(Events.STARTED, lambda e: _compat_ignite.append_last(
+                e, Events.ITERATION_COMPLETED, self._iteration_completed))
         if self._injector is not None:
             engine.add_event_handler(Events.ITERATION_STARTED, self._inject)
         _compat_ignite.prepend(engine, Events.EPOCH_COMPLETED, self._epoch_completed)
@@ -117,15 +119,9 @@ class FaultTolerance:
         # the DDP's bucket layout beside the model in every Checkpoint's to_save (a resume exact at 3+ ranks)
         add_bucket_layouts(engine, [h for h in _compat_ignite.attached_handlers(engine) if isinstance(h, Checkpoint)])
 
-    def _after_live_started(self, engine: Engine) -> None:  # a peer's failure raised only after live state's mark
-        _compat_ignite.append_last(engine, Events.ITERATION_COMPLETED, self._iteration_completed)
-
     def _inject(self, engine: Engine) -> None:
         rank = self.guard.session.rank if self.guard.session is not None else 0
         self._injector.maybe_fire(rank, engine.state.iteration, engine.state.epoch, engine.state.dataloader)
-
-    def _epoch_started(self, engine: Engine) -> None:
-        self.guard.beat(engine.state.iteration, STEP)
 
     def _nested_engine(self, frame) -> tuple[str, object] | None:
         """``hang_timeout="auto"``: an evaluator ``Engine`` running inside this trainer's run is an evaluation."""

@@ -31,11 +31,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback as _CallbackBase
 else:
-    _bases = _compat_lightning.callback_bases()
-    if len(_bases) == 1:
-        (_CallbackBase,) = _bases
-    else:  # lightning.pytorch and pytorch_lightning both installed: a Callback of either
-        _CallbackBase = type("_CallbackBase", _bases, {"__module__": __name__})
+    _CallbackBase = _compat_lightning.callback_base(__name__)
 
 __all__ = ["FaultTolerance"]
 
@@ -305,8 +301,10 @@ class LightningLive(LiveLoop):
             return
         self.trainer, self.why_not, self.directory = trainer, "", None
         if not _compat_lightning.plain_ddp(trainer.strategy) and not _compat_lightning.model_parallel(trainer.strategy):
-            self._refuse(f"the strategy {type(trainer.strategy).__name__} builds its checkpoint with collectives "
-                         "(live state: DDPStrategy and ModelParallelStrategy only)")
+            self.why_not = (f"the strategy {type(trainer.strategy).__name__} builds its checkpoint with collectives "
+                            "(live state: DDPStrategy and ModelParallelStrategy only)")
+            log(logging.WARNING, "live state refused: %s; a recovery in place resumes from the newest checkpoint",
+                self.why_not)
         for callback in trainer.checkpoint_callbacks:
             dirpath = getattr(callback, "dirpath", None)
             if dirpath:
@@ -371,18 +369,9 @@ _logger_versions: list = []
 _kept_metrics: dict[str, bytes] = {}
 
 
-def _pinned_version(logger: Any) -> Any:
-    for cls, root, version, _ in _logger_versions:
-        if type(logger) is cls and str(getattr(logger, "root_dir", "")) == root:
-            return version
-    return None
-
-
 def _keep_logger_versions(state: phases.RecoveryState) -> None:
     """``RESET_FRAMEWORKS``: the next attempt's loggers take the first's versions; CSV rows kept in memory."""
-    if not _logger_versions:
-        return
-    _compat_lightning.pin_next_versions({cls for cls, *_ in _logger_versions}, _pinned_version)
+    _compat_lightning.pin_next_versions(_logger_versions)
     for *_, folder in _logger_versions:
         path = os.path.join(folder, "metrics.csv")
         if os.path.isfile(path):

@@ -13,6 +13,7 @@ import sys
 from typing import Any, Callable
 
 from . import adapters
+from .adapters import compat_ignite
 from .core import hooks, recoveries
 from .data import compat_dataloader, live, snapshots
 from .detect import watchdog, writes
@@ -42,7 +43,7 @@ _lightning_hook = _framework("lightning", "_hook")  # Lightning's on_failure_see
 #: Every hook registration of the package: ``(hook, callback)`` or ``(hook, step, TOLERATE)``.
 WIRING: tuple[tuple[Any, ...], ...] = (
     # -- announcements ----------------------------------------------------------------------------------
-    (hooks.SESSION_STARTED, signals.on_session_started),  # SIGTERM/SIGINT handlers, in front
+    (hooks.SESSION_STARTED, signals.install),  # SIGTERM/SIGINT handlers, in front
     (hooks.SESSION_STARTED, reports.on_session_started),  # mp.spawn: this rank reports itself; torchrun, imported late
     (hooks.SESSION_STARTED, keeper.on_session_started),  # a keeper's child: its peers may wait for a replacement
     # the launchers' part of a failure, in one module: torchrun's error files, mp.spawn's report
@@ -69,7 +70,7 @@ WIRING: tuple[tuple[Any, ...], ...] = (
     # Ignite's Checkpoint.load_objects resolves the live state's name (a keeper's replacement runs no teardown)
     (hooks.SETTLE_LIVE, adapters._resolve_live_names, TOLERATE),
     (hooks.TEAR_DOWN, compat_torchrun.forget_addresses_of_attempt),  # before the groups go: this rank's keys
-    (hooks.RESET_FRAMEWORKS, adapters._reset_idist, TOLERATE),  # idist's model back to a fresh process's
+    (hooks.RESET_FRAMEWORKS, compat_ignite.reset_idist, TOLERATE),  # idist's model back to a fresh process's
     (hooks.RESET_FRAMEWORKS, adapters._resolve_live_names, TOLERATE),
     (hooks.RESET_FRAMEWORKS, _framework("lightning", "_keep_logger_versions"), TOLERATE),
     (hooks.COLLECTED, compat_dataloader.reap_workers),  # DataLoader workers of the failed attempt still running

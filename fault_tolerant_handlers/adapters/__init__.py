@@ -19,10 +19,6 @@ from ..data.replicas import ShardReplicas
 from . import compat_ignite
 
 
-def _reset_idist(state: RecoveryState) -> None:
-    compat_ignite.reset_idist()
-
-
 def _resolve_live_names(state: RecoveryState) -> None:
     """The next attempt may carry on from live state: Ignite's ``Checkpoint.load_objects(to_load, path)``
     resolves the name ``latest_checkpoint`` gives for it."""
@@ -66,10 +62,6 @@ class LiveLoop:
                 self.replicas.step(captured.state, step, captured.rng)
             except live.NotLive:  # its state is not that of a completed step (gradient accumulation)
                 pass
-
-    def _refuse(self, why: str) -> None:
-        self.why_not = why
-        log(logging.WARNING, "live state refused: %s; a recovery in place resumes from the newest checkpoint", why)
 
     def step_starts(self, step: int) -> None:
         """A step begins: torch's RNG as it starts (put back first, after live state was loaded); the

@@ -39,18 +39,14 @@ def check(engine: Any) -> None:
         raise _lacking("needs ignite.engine.Engine._handle_exception")
 
 
-def handlers_of(engine: Any, event: Any) -> list:
-    return engine._event_handlers[event]
-
-
 def prepend(engine: Any, event: Any, handler: Callable) -> None:
     engine.add_event_handler(event, handler)
-    handlers = handlers_of(engine, event)
+    handlers = engine._event_handlers[event]
     handlers.insert(0, handlers.pop())
 
 
 def append_last(engine: Any, event: Any, handler: Callable) -> None:
-    handlers = handlers_of(engine, event)
+    handlers = engine._event_handlers[event]
     for i, entry in enumerate(handlers):
         if entry[0] == handler:
             handlers.append(handlers.pop(i))
@@ -120,8 +116,8 @@ def handle_exceptions(engine: Any, handler: Callable[[BaseException], None]) -> 
     return engine._fth_replaced
 
 
-def reset_idist() -> None:
-    """Recovering in place: idist's model of the distributed context goes back to a fresh process's."""
+def reset_idist(state=None) -> None:
+    """``RESET_FRAMEWORKS`` (a recovery step: ``state`` unused): idist's model of the distributed context goes back to a fresh process's."""
     utils = sys.modules.get("ignite.distributed.utils")
     if utils is None:
         return

@@ -55,8 +55,9 @@ def namespace(obj: Any) -> str:
     return "pytorch_lightning" if type(obj).__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
 
 
-def callback_bases() -> tuple[type, ...]:
-    """The ``Callback`` class of every installed namespace that imports (else an ``ImportError``)."""
+def callback_base(module: str) -> type:
+    """The ``Callback`` class of the installed namespace (else an ``ImportError``); with ``lightning.pytorch``
+    and ``pytorch_lightning`` both installed, a class of ``module`` that is a ``Callback`` of either."""
     bases, errors = [], []
     for name in NAMESPACES:
         try:
@@ -67,7 +68,7 @@ def callback_bases() -> tuple[type, ...]:
         raise ImportError("fault_tolerant_handlers.lightning needs Lightning: pip install "
                           "'fault-tolerant-handlers[lightning]' (or pytorch-lightning)"
                           + (f" ({'; '.join(errors)})" if errors else ""))
-    return tuple(bases)
+    return bases[0] if len(bases) == 1 else type("_CallbackBase", tuple(bases), {"__module__": module})
 
 
 def checkpoint_types() -> tuple[type, ...]:
@@ -335,16 +336,18 @@ def logger_versions(trainer: Any) -> list[tuple[type, str, Any, str]]:
             if callable(getattr(logger, "_get_next_version", None)) and getattr(logger, "root_dir", None) is not None]
 
 
-def pin_next_versions(classes: Any, pinned: Callable[[Any], Any]) -> None:
-    """A logger of ``classes`` (each once) takes ``pinned(logger)`` when not ``None``, not the next ``version_N``."""
-    for cls in classes:
+def pin_next_versions(versions: list[tuple[type, str, Any, str]]) -> None:
+    """A logger of a class in ``versions`` (:func:`logger_versions`' tuples, read as each logger numbers
+    itself: emptied, nothing is pinned) takes the version kept for its root folder, not the next ``version_N``."""
+    for cls in {cls for cls, *_ in versions}:  # each class once
         original = cls.__dict__.get("_fth_original_next_version") or getattr(cls, "_get_next_version")
         if getattr(cls.__dict__.get("_get_next_version"), "_fth_pinned", False):
             continue
 
         def _get_next_version(self: Any, _original: Any = original) -> Any:
-            version = pinned(self)
-            return version if version is not None else _original(self)
+            kept = next((v for c, root, v, _ in versions if type(self) is c
+                         and str(getattr(self, "root_dir", "")) == root), None)
+            return kept if kept is not None else _original(self)
 
         _get_next_version._fth_pinned = True  # type: ignore[attr-defined]
         cls._fth_original_next_version = original

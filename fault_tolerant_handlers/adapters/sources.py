@@ -49,13 +49,6 @@ def engine_source(engine: Any, prefix: str | None, required_keys: Any) -> Source
     return sources.pop()
 
 
-def trainer_source(trainer: Any, prefix: str | None, required_keys: Any) -> Source:
-    folders, label = compat_lightning.checkpoint_folders(trainer)
-    prefix, keys = check_prefix(prefix), check_keys(required_keys)
-    paths = tuple(Path(f) for f in folders)
-    return Source(paths, label_of(Path(label), prefix, keys), prefix, keys)
-
-
 def source_of(where: Any, *, prefix: str | None = None, required_keys: Any = None) -> Source:
     if isinstance(where, (str, os.PathLike)):
         return folder_source(where, prefix=prefix, required_keys=required_keys)
@@ -67,7 +60,9 @@ def source_of(where: Any, *, prefix: str | None = None, required_keys: Any = Non
         return engine_source(where, prefix, required_keys)
     trainers = (_class(ns + ".trainer.trainer", "Trainer") for ns in compat_lightning.NAMESPACES)
     if any(cls is not None and isinstance(where, cls) for cls in trainers):
-        return trainer_source(where, prefix, required_keys)
+        folders, label = compat_lightning.checkpoint_folders(where)
+        prefix, keys = check_prefix(prefix), check_keys(required_keys)
+        return Source(tuple(Path(f) for f in folders), label_of(Path(label), prefix, keys), prefix, keys)
     return folder_source(where)  # raises the TypeError naming the accepted kinds
 
 

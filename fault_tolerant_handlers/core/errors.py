@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from .compat_torch import is_backend_error  # noqa: F401 - re-exported
-from .failure import Ended, FailureKind, PeerFailedError, describe_where  # noqa: F401 - re-exported
+from .failure import FailureKind, PeerFailedError  # noqa: F401 - PeerFailedError: detect/autohang imports it here
 
 #: Exit code of a rank ended by the watchdog because another rank failed, was lost or hung.
 EXIT_PEER_FAILED = 87
 #: Exit code of the rank that declared itself hung.
 EXIT_HUNG = 88
+
+
+def store_lost(address: str, why: str) -> PeerFailedError:
+    """The c10d store on a host of no rank's (``address``: ``host:port``) is lost: no rank is to blame."""
+    at = f" at {address}" if address else ""
+    return PeerFailedError(None, FailureKind.STORE_LOST.value, f"the c10d store{at}, on a host of no rank's, is lost: {why}",
+                           origin="declared", kind=FailureKind.STORE_LOST)
 
 
 class SectionMismatchError(RuntimeError):

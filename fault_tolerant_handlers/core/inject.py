@@ -51,33 +51,35 @@ def parse(text: str) -> list[Injection]:
     if not isinstance(text, str):
         raise TypeError(f"{INJECT_ENV} must be a string of the form {FORMS}, got {text!r}")
     injections = []
-    for part in (p for p in text.split(";") if p.strip()):
+    for part in (p.strip() for p in text.split(";") if p.strip()):
+        def bad(what: str) -> ValueError:
+            return ValueError(f"{INJECT_ENV}: {what} in {part!r}; accepted: {FORMS}")
+
         match = _SPEC.match(part)
         if match is None:
-            raise ValueError(f"{INJECT_ENV}: cannot read {part.strip()!r}; accepted: {FORMS}")
+            raise ValueError(f"{INJECT_ENV}: cannot read {part!r}; accepted: {FORMS}")
         kind = match.group("kind")
         if kind not in KINDS:
-            raise ValueError(f"{INJECT_ENV}: unknown kind {kind!r} in {part.strip()!r}; accepted: {FORMS}")
+            raise bad(f"unknown kind {kind!r}")
         fields: dict[str, int | None] = {}
         for item in (i for i in match.group("args").split(",") if i.strip()):
             key, sep, value = item.partition("=")
             key, value = key.strip(), value.strip()
             if not sep or key not in ("rank", "iteration", "epoch", "attempt"):
-                raise ValueError(f"{INJECT_ENV}: unknown field {item.strip()!r} in {part.strip()!r}; accepted: {FORMS}")
+                raise bad(f"unknown field {item.strip()!r}")
             if key in fields:
-                raise ValueError(f"{INJECT_ENV}: {key} given twice in {part.strip()!r}; accepted: {FORMS}")
+                raise bad(f"{key} given twice")
             if key == "attempt" and value == "any":
                 fields[key] = None
-                continue
-            if not re.fullmatch(r"\d+", value):
-                raise ValueError(f"{INJECT_ENV}: {key}={value!r} in {part.strip()!r} is not a non-negative int; "
-                                 f"accepted: {FORMS}")
-            fields[key] = int(value)
+            elif re.fullmatch(r"\d+", value):
+                fields[key] = int(value)
+            else:
+                raise bad(f"{key}={value!r} is not a non-negative int")
         missing = [k for k in ("rank", "iteration") if k not in fields]
         if missing:
-            raise ValueError(f"{INJECT_ENV}: {' and '.join(missing)} missing in {part.strip()!r}; accepted: {FORMS}")
+            raise bad(f"{' and '.join(missing)} missing")
         if fields["iteration"] < 1:
-            raise ValueError(f"{INJECT_ENV}: iteration counts from 1, got 0 in {part.strip()!r}; accepted: {FORMS}")
+            raise bad("iteration counts from 1, got 0")
         injections.append(Injection(kind, fields["rank"], fields["iteration"], fields.get("epoch"),
                                     fields.get("attempt", 0)))
     return injections

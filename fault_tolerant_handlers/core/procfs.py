@@ -4,6 +4,7 @@ indices are ``man 5 proc``'s minus 3) and same-host peers by pid (:class:`PeerPi
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import ipaddress
@@ -91,10 +92,8 @@ def fd_targets() -> dict[int, str]:
     """fd -> what ``/proc/self/fd`` links it to (``socket:[123]``, ``anon_inode:[eventpoll]``)."""
     found = {}
     for name in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):
             found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
     return found
 
 
@@ -176,12 +175,9 @@ def own_address() -> str:
             return normalize_address(found)
     master = os.environ.get("MASTER_ADDR", "")
     if master:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master, 9))
-                return normalize_address(s.getsockname()[0])
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))
+            return normalize_address(s.getsockname()[0])
     try:
         return normalize_address(socket.gethostbyname(socket.gethostname()))
     except OSError:
@@ -217,10 +213,8 @@ def local_layout(host_ids: list[int], group_rank: int, whole_world: bool) -> tup
     """Local rank and ranks per node: the launcher's (for the world's group), else from host ids."""
     env_rank, env_size = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
     if env_rank is not None and env_size is not None and whole_world:
-        try:
+        with contextlib.suppress(ValueError):
             return int(env_rank), int(env_size)
-        except ValueError:
-            pass
     me = host_ids[group_rank]
     same = [i for i, h in enumerate(host_ids) if h == me]
     return same.index(group_rank), len(same)

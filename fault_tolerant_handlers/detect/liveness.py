@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Callable
 from ..core import hooks, procfs as _procfs
 from ..core.config import (HEARTBEAT_TIMEOUT_ENV, HELPER_STORE_TIMEOUT, LEFT_CHECK_EVERY, RANK_EXIT_WAIT,  # timings:
                            SILENCE_POLL, SUSPECT_SILENCE, WITNESS_EVERY, ZOMBIE_HOLD)  # the table in core.config
-from ..core.errors import PeerFailedError
 from ..core.hooks import log
 from ..core.procfs import RankTable
-from ..core.failure import FailureKind, FailureRecord
+from ..core.failure import FailureKind, FailureRecord, PeerFailedError
 from ..core.schema import Schema
 from . import witness
 
@@ -61,6 +60,7 @@ class HeartbeatProbe:
         self.warned = False  # this silence passed NEAR_MISS of the limit (logged once)
         self.left = False  # the watched rank left cleanly (its counter has not moved since)
         self.left_checked_at: float | None = None
+        self.declared = False  # its silence was declared (once)
 
     def due(self) -> float:
         due = min(self.next_at, self.beat_at) if self.beats else self.next_at
@@ -120,6 +120,18 @@ class HeartbeatProbe:
             return self._declare(f"no heartbeat for {self.silent:.1f} s (its host or link is down, or its process is "
                                  "gone or frozen)")
         return None
+
+    def look(self) -> None:
+        """One poll (and the beat): a silent rank is declared once; a store that does not answer is the
+        rank's watchdog's to judge, and the poll is tried again a period later."""
+        try:
+            silent = self.poll(time.monotonic())
+            if silent is not None and not self.declared:
+                self.declared = True
+                if self.schema.claim_declaration(silent.failed_rank):
+                    self.schema.publish(silent.record)
+        except Exception:  # noqa: BLE001 - the store is unreachable
+            self.next_at = time.monotonic() + self.period
 
     def _declare(self, why: str) -> PeerFailedError:
         on = f" on {self.host}" if self.host else ""
@@ -186,7 +198,6 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
                                      host=table.host_of(watched) if watched is not None else "",
                                      running=(lambda pid=pid: _running(pid)) if same_host else None, beats=not probes,
                                      link=link, unacked_after=unacked_after))
-    declared = [False] * len(probes)
     listener = None
     if address and len(set(table.host_ids)) > 1:  # watched from another host
         try:
@@ -211,7 +222,7 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
         if not _stopped(parent):  # frozen: its neighbour must see it, so no beat
             beat_at = time.monotonic()
             with calls:
-                _poll(probes[0], schema, declared, 0)  # the beat, and the first watched rank
+                probes[0].look()  # the beat, and the first watched rank
             # The other watched ranks (a host's, after its first) within the period, from a turning
             # start: however slow the store, this rank's own beat is never held up by more than
             # one of their reads, and each of them is read in turn.
@@ -219,7 +230,7 @@ def _run(table: RankTable, schema: Schema, parent: int, stop_fd: int, period: fl
                 if time.monotonic() - beat_at > period:
                     break
                 with calls:
-                    _poll(probes[i], schema, declared, i)
+                    probes[i].look()
             others = others[1:] + others[:1]
             if listener is not None:
                 listener.drain()
@@ -239,10 +250,8 @@ def _on_rank_end(table: RankTable, parent: int, stop_fd: int, woken: threading.E
                  tell: Callable[[FailureRecord], None] | None = None) -> None:
     """Until the rank closes the pipe or ends (its pidfd: a DataLoader worker may hold the pipe); then it ends."""
     watched = [stop_fd]
-    try:
+    with contextlib.suppress(OSError):  # no pidfds here: the pipe (or the loop's parent check)
         watched.append(os.pidfd_open(parent))
-    except OSError:  # no pidfds here: the pipe (or the loop's parent check)
-        pass
     select.select(watched, [], [])
     woken.set()
     try:
@@ -267,23 +276,9 @@ def rank_ended(rank: int, pid: int, host: str, tell: Callable[[FailureRecord], N
         record = FailureRecord.lost(rank=rank, pid=pid, host=host, why=how, by=rank)
         hooks.emit(hooks.RANK_KILLED, record)  # the launchers: torchrun's error file, first (the agent reaps soon)
         if tell is not None:
-            try:
+            with contextlib.suppress(Exception):  # the store may be gone with the rank (its host held it)
                 tell(record)
-            except Exception:  # noqa: BLE001 - the store may be gone with the rank (its host held it)
-                pass
     hooks.emit(hooks.RANK_ENDED, pid, rank, host)  # the launchers: under mp.spawn, its error file and the zombie held
-
-
-def _poll(probe: HeartbeatProbe, schema: Schema, declared: list[bool], i: int = 0) -> None:
-    """One look at a watched rank (and the beat); declares it once when it is silent (``declared[i]``)."""
-    try:
-        silent = probe.poll(time.monotonic())
-        if silent is not None and not declared[i]:
-            declared[i] = True
-            if schema.claim_declaration(silent.failed_rank):
-                schema.publish(silent.record)
-    except Exception:  # noqa: BLE001 - the store is unreachable: the rank's watchdog judges that
-        probe.next_at = time.monotonic() + probe.period  # tried again a period later
 
 
 class LivenessProcess:

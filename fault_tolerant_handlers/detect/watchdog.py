@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from . import autohang
 from ..core import config, hooks, inject, interrupts
-from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted, PeerFailedError
-from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Incident, cap_tail
+from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted, store_lost
+from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Incident, PeerFailedError, cap_tail
 from ..core.session import Session, get_session
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
 from ..core.hooks import first_line, log
@@ -134,9 +134,7 @@ class StoreLossProbe:
             return None
         silence = f"the store has not answered for {now - self.down_since:.1f} s ({self.last_error}) and {self.found}"
         if self.store_rank is None:  # a store on a host of its own: no rank is to blame
-            at = f" at {self.store_at}" if self.store_at else ""
-            return PeerFailedError(None, FailureKind.STORE_LOST.value, f"the c10d store{at}, on a host of no rank's, "
-                                   f"is lost: {silence}", origin="declared", kind=FailureKind.STORE_LOST)
+            return store_lost(self.store_at, silence)
         message = f"rank {self.store_rank} (pid {self.store_pid}, hosts the c10d store) lost: {silence}"
         record = FailureRecord.declared(rank=self.store_rank, kind=FailureKind.PEER_LOST, message=message, by=self.by,
                                         pid=self.store_pid)

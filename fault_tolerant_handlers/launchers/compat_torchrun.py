@@ -15,6 +15,7 @@ and ``group_count``), checked at start against this rank's own.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -69,21 +70,17 @@ def _gloo_groups() -> list[tuple[Any, str | None]]:
     default = distributed_c10d._get_default_group()
     groups = []
     for pg in list(world.pg_map):
-        try:
+        with contextlib.suppress(Exception):  # a group being destroyed
             if dist.get_backend(pg) == "gloo":
                 groups.append((pg, None if pg is default else world.pg_names[pg]))
-        except Exception:  # noqa: BLE001 - a group being destroyed
-            continue
     return groups
 
 
 def _keys(groups: list[tuple[Any, str | None]], *, own: bool) -> list[str]:
     keys = []
     for pg, name in groups:
-        try:
+        with contextlib.suppress(Exception):  # a group being destroyed
             keys += [gloo_address_key(r, name) for r in ((pg.rank(),) if own else range(pg.size()))]
-        except Exception:  # noqa: BLE001 - a group being destroyed
-            continue
     return keys
 
 

@@ -12,6 +12,7 @@ killed rank and by a reported exit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -28,8 +29,8 @@ from typing import Callable
 from . import compat_torchrun
 from ..core import compat_torch as _compat_torch
 from ..core.config import SIGTERM_CAUSE_WAIT, ZOMBIE_HOLD  # timings: the table in core.config
-from ..core.errors import EXIT_PEER_FAILED, PeerFailedError
-from ..core.failure import FailureKind, FailureRecord
+from ..core.errors import EXIT_PEER_FAILED
+from ..core.failure import FailureKind, FailureRecord, PeerFailedError
 from ..core.hooks import first_line, log
 from ..core.procfs import STATE, RankTable, process_state, stat_fields
 
@@ -62,9 +63,10 @@ def payload(message: str, callstack: str, timestamp: int, role: str) -> dict:
                                       "writer": WRITER, "role": role}}}
 
 
-def write_once(path: str, data: dict | bytes) -> bool:
-    """Create ``path`` with ``data`` (a dict: as JSON) unless it exists (atomically); True when this call wrote it."""
-    if os.path.exists(path):
+def write_once(path: str | None, data: dict | bytes) -> bool:
+    """Create ``path`` with ``data`` (a dict: as JSON) unless it exists (atomically; ``None``: no file to
+    write); True when this call wrote it."""
+    if path is None or os.path.exists(path):
         return False
     tmp = None
     try:
@@ -89,23 +91,18 @@ def forget_own_file(state=None) -> None:
     path = own_path()
     if path is None:
         return
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none, or not ours
         with open(path) as f:
             written = json.load(f)
         if written["message"]["extraInfo"]["writer"] == WRITER:
             os.unlink(path)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # none, or not ours
 
 
 def write_failed(record: FailureRecord) -> bool:
     """``RANK_FAILED``: this rank failed itself (``record`` is its own): its file, with the failure's time."""
-    path = own_path()
-    if path is None:
-        return False
     message = f"{record.exc_type}: {record.exc_message}"
     callstack = record.traceback if message in record.traceback else f"{message}\n{record.traceback}".rstrip()
-    return write_once(path, payload(message, callstack, record.time_ms // 1000, "failed"))
+    return write_once(own_path(), payload(message, callstack, record.time_ms // 1000, "failed"))
 
 
 def survivor_timestamp(failed_at: float | None, now: float | None = None) -> int:
@@ -122,8 +119,6 @@ def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
         return
     peer_local = rank - (table.rank - table.local_rank)
     path = peer_path(own, table.local_rank, peer_local) if 0 <= peer_local < table.local_world_size else None
-    if path is None:
-        return
     when = err.failed_at if err.failed_at is not None else time.time()
     message = f"{err.exc_type}: {err.exc_message}"
     if write_once(path, payload(message, f"{message}\n(written by rank {table.rank}, which saw it end)",
@@ -133,12 +128,9 @@ def _dead_peer_file(table: RankTable, err: PeerFailedError, own: str) -> None:
 
 def write_killed(record: FailureRecord) -> bool:
     """``RANK_KILLED``, in the liveness helper of a rank killed by a signal it could not report."""
-    path = own_path()
-    if path is None:
-        return False
     message = f"{record.exc_type}: {record.exc_message}"
-    return write_once(path, payload(message, f"{message}\n(written by its liveness helper, which saw it end)",
-                                    record.time_ms // 1000, "killed"))
+    return write_once(own_path(), payload(message, f"{message}\n(written by its liveness helper, which saw it end)",
+                                          record.time_ms // 1000, "killed"))
 
 
 def write_survivor(table: RankTable, err: PeerFailedError | None) -> bool:
@@ -167,15 +159,12 @@ class _Spawned:
 
 
 _state: _Spawned | None = None
-_detected = False
 
 
+@functools.cache
 def detect() -> bool:
     """Whether this process runs a rank under ``torch.multiprocessing`` (looked at once per process)."""
-    global _state, _detected
-    if _detected:
-        return _state is not None
-    _detected = True
+    global _state
     found = _compat_torch.spawn_error_file()
     if found is not None:
         _state = _Spawned(found or None, set(), threading.Lock())
@@ -237,21 +226,17 @@ def awaited_cause(same_host, known: Callable[[], PeerFailedError | None],
 def hold_zombie(rank_pid: int, rank: int | None = None, host: str = "") -> None:
     """``RANK_ENDED``, in a rank's liveness helper under ``mp.spawn``: a zombie rank gets torch's error file if a
     signal killed it, and is held :data:`ZOMBIE_HOLD` (this process holds its sentinel) for its peers to read."""
-    fields = stat_fields(rank_pid) if _state is not None else None
-    if fields and fields[STATE] == "Z":
-        if rank is not None:
-            _write_spawn_killed(rank_pid, rank, host)
-        time.sleep(ZOMBIE_HOLD)
-
-
-def _write_spawn_killed(rank_pid: int, rank: int, host: str) -> bool:
-    """A rank killed by a signal: torch's error file for it (read once every process has ended)."""
+    state = _state
+    fields = stat_fields(rank_pid) if state is not None else None
+    if not fields or fields[STATE] != "Z":
+        return
     how = process_state(rank_pid)
-    if _state is None or _state.error_file is None or how is None or not how.killed:
-        return False
-    lost = FailureRecord.lost(rank=rank, pid=rank_pid, host=host, why=how, by=rank).exc_message
-    return write_once(_state.error_file, pickle.dumps(  # torch's parent reads a pickled str
-        f"fault-tolerant-handlers: {lost} (seen by its liveness helper: a killed process prints no traceback)\n"))
+    if rank is not None and state.error_file is not None and how is not None and how.killed:
+        # torch's error file for it (read once every process has ended): the parent reads a pickled str
+        lost = FailureRecord.lost(rank=rank, pid=rank_pid, host=host, why=how, by=rank).exc_message
+        write_once(state.error_file, pickle.dumps(f"fault-tolerant-handlers: {lost} (seen by its liveness helper: "
+                                                  "a killed process prints no traceback)\n"))
+    time.sleep(ZOMBIE_HOLD)
 
 
 def write_exit_report(err: BaseException | None, code: int) -> None:

@@ -22,8 +22,8 @@ import weakref
 from typing import TYPE_CHECKING
 
 from . import reports
-from ..core.errors import PeerFailedError
-from ..core.failure import Ended, FailureKind, FailureRecord
+from ..core.errors import store_lost
+from ..core.failure import Ended, FailureKind, FailureRecord, PeerFailedError
 from ..core.config import (CAUSE_LINGER, MAIN_STUCK_WAIT, REACTION_WAIT, REPORT_WAIT, SAME_DELIVERY,  # timings: the
                            SIGNAL_EXIT_WAIT, SIGNAL_STORE_TIMEOUT, SIGNALLED_TOGETHER)  # table in core.config
 from ..core.hooks import first_line, log
@@ -43,14 +43,12 @@ class _Watch:
     def __init__(self, session: Session) -> None:
         self._session = weakref.ref(session)
         self.previous: dict[int, object] = {}
-        self.lock = threading.Lock()
-        self.started = False
+        self.reacting = threading.Lock()  # taken once, by the first reaction, and never released
         self.done = threading.Event()
         self.handled = threading.Event()  # the main thread entered a handler of this module's
         self.kind: str | None = None  # "cause", "consequence" or "failed", once reacted
         self.cause: PeerFailedError | None = None  # this rank's own signal, as a collective broken after it raises
-        self._rsock: socket.socket | None = None
-        self._wsock: socket.socket | None = None
+        self._wsock: socket.socket | None = None  # the wakeup fd's socket, held while the process runs
 
     # -- install ------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -70,17 +68,16 @@ class _Watch:
             old = signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
         except (ValueError, OSError):
             old = None
-        if old is None or old != -1:
+        if old != -1:
             if old is not None:
                 signal.set_wakeup_fd(old)  # someone else's (asyncio): keep it
             rsock.close()
             wsock.close()
             return
-        self._rsock, self._wsock = rsock, wsock
-        threading.Thread(target=self._wakeups, name="fth-signals", daemon=True).start()
+        self._wsock = wsock
+        threading.Thread(target=self._wakeups, args=(rsock,), name="fth-signals", daemon=True).start()
 
-    def _wakeups(self) -> None:
-        rsock = self._rsock
+    def _wakeups(self, rsock: socket.socket) -> None:
         while True:
             try:
                 data = rsock.recv(64)
@@ -160,10 +157,8 @@ class _Watch:
         return signal.getsignal(signum) != self._handler
 
     def react(self, signum: int) -> None:
-        with self.lock:
-            if self.started:
-                return
-            self.started = True
+        if not self.reacting.acquire(blocking=False):
+            return
         received = time.time()
         try:
             self._react(signum, received)
@@ -254,9 +249,7 @@ def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError
     why = str(err).rsplit(": ", 1)[-1][:120]
     table, store_rank = session.table, session.store_rank
     if store_rank is None:
-        at = ":".join(map(str, session.store_address or ()))
-        return PeerFailedError(None, FailureKind.STORE_LOST.value, f"the c10d store at {at}, on a host of no rank's, no "
-                               f"longer accepts connections ({why})", origin="declared", kind=FailureKind.STORE_LOST)
+        return store_lost(":".join(map(str, session.store_address or ())), f"it no longer accepts connections ({why})")
     if table.host_ids[table.ranks.index(store_rank)] == table.host_ids[table.group_rank]:
         return None
     return PeerFailedError.from_records([table.lost_record(
@@ -279,7 +272,8 @@ _watch: _Watch | None = None
 
 
 def install(session: Session) -> None:
-    """Put the handlers in front of the current ones (once per process, from the main thread only)."""
+    """``SESSION_STARTED``: put the handlers in front of the current ones (once per process, from the main
+    thread only)."""
     global _watch
     if threading.current_thread() is not threading.main_thread():
         return
@@ -290,7 +284,3 @@ def install(session: Session) -> None:
         return
     _watch = _Watch(session)
     _watch.install()
-
-
-def on_session_started(session: Session) -> None:
-    install(session)  # SIGTERM/SIGINT: say so before the previous handler runs

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from fault_tolerant_handlers import fail_together, one_rank_first
 from fault_tolerant_handlers.core import compat_torch as _compat_torch
 from fault_tolerant_handlers.core import config
-from fault_tolerant_handlers.core.errors import PeerFailedError, is_backend_error
-from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord, sanitize
+from fault_tolerant_handlers.core.compat_torch import is_backend_error
+from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord, PeerFailedError, sanitize
 from fault_tolerant_handlers.core.interrupts import parse_tcp_table, select_sockets
 from fault_tolerant_handlers.core.schema import MAX_OWN_RECORDS, Connection, Schema
 

@@ -302,5 +302,5 @@ def test_a_sigterm_after_a_store_on_a_host_of_its_own_died_names_no_rank():
     lives) would be a wrong culprit; with spares, a spare would be called for a rank that lives."""
     found = signals._Watch._records(_StoreGoneSession([11, 22], store_rank=None))
     assert found is not None and found.failed_rank is None and found.kind.value == "StoreLost"
-    assert found.exc_message == ("the c10d store at 10.0.0.9:29400, on a host of no rank's, no longer accepts "
-                                 "connections ([Errno 111] Connection refused)")
+    assert found.exc_message == ("the c10d store at 10.0.0.9:29400, on a host of no rank's, is lost: it no longer "
+                                 "accepts connections ([Errno 111] Connection refused)")
