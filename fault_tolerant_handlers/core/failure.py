@@ -240,20 +240,9 @@ class FailureRecord(Stored):
             message = str(exc)
         except Exception as err:  # noqa: BLE001 - a broken __str__ must not replace the failure
             message = f"<str() of the exception failed: {type(err).__name__}>"
-        return cls(
-            rank=rank,
-            exc_type=cap_head(name, MAX_NAME_CHARS),
-            exc_message=cap_head(message, MAX_MESSAGE_CHARS),
-            traceback=cap_tail(tb, MAX_TRACEBACK_CHARS),
-            section=cap_head(section, MAX_NAME_CHARS),
-            time_ms=int(time.time() * 1000),
-            origin="failure",
-            seq=seq,
-            pid=os.getpid(),
-            host=host_name(),
-            step=step,
-            epoch=epoch,
-        )
+        return cls(rank, cap_head(name, MAX_NAME_CHARS), cap_head(message, MAX_MESSAGE_CHARS),
+                   cap_tail(tb, MAX_TRACEBACK_CHARS), cap_head(section, MAX_NAME_CHARS), int(time.time() * 1000),
+                   seq=seq, pid=os.getpid(), host=host_name(), step=step, epoch=epoch)
 
     @classmethod
     def declared(
@@ -263,20 +252,9 @@ class FailureRecord(Stored):
         """Rank ``by`` declares rank ``rank``'s failure of ``kind`` (lost, silent, hung, ...)."""
         kind = FailureKind(kind)
         assert kind in DECLARED_KINDS, kind
-        return cls(
-            rank=rank,
-            exc_type=kind.value,
-            exc_message=cap_head(message, MAX_MESSAGE_CHARS),
-            traceback=cap_tail(traceback, MAX_TRACEBACK_CHARS),
-            section="",
-            time_ms=int(time.time() * 1000) if time_ms is None else time_ms,
-            origin="declared",
-            pid=pid,
-            host=cap_head(host, MAX_NAME_CHARS),
-            step=step,
-            by=by,
-            ended=ended,
-        )
+        return cls(rank, kind.value, cap_head(message, MAX_MESSAGE_CHARS), cap_tail(traceback, MAX_TRACEBACK_CHARS),
+                   "", int(time.time() * 1000) if time_ms is None else time_ms, "declared", pid=pid,
+                   host=cap_head(host, MAX_NAME_CHARS), step=step, by=by, ended=ended)
 
     @classmethod
     def lost(cls, *, rank: int, pid: int, host: str, why: str | Ended, by: int) -> FailureRecord:
