@@ -361,16 +361,18 @@ def quiet_released() -> int:
 _teardown_registered = False
 
 
-def _teardown_after_release() -> None:
+def destroy_process_groups(within: float) -> None:
+    """Destroy every process group, released ones too; past ``within`` seconds the process ends
+    (:data:`EXIT_TEARDOWN_STUCK`)."""
     if not dist.is_available() or not dist.is_initialized():
         return
-    timer = threading.Timer(EXIT_TEARDOWN_SEC, lambda: os._exit(EXIT_TEARDOWN_STUCK))
+    timer = threading.Timer(within, lambda: os._exit(EXIT_TEARDOWN_STUCK))
     timer.daemon = True
     timer.start()
     try:
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - the groups were released on purpose; they may complain
-        pass
+    except Exception as err:  # noqa: BLE001 - released groups may complain; they are gone either way
+        log(logging.DEBUG, "destroying the process groups: %s", err)
     finally:
         timer.cancel()
 
@@ -380,7 +382,7 @@ def teardown_at_exit() -> None:
     global _teardown_registered
     if not _teardown_registered:
         _teardown_registered = True
-        atexit.register(_teardown_after_release)
+        atexit.register(destroy_process_groups, EXIT_TEARDOWN_SEC)
 
 
 def release_process_groups(store: dist.Store | None, mode: str | None = None) -> str:

@@ -26,7 +26,6 @@ from ..core.config import RECOVER_TEARDOWN_SEC
 from ..core.errors import PeerFailedError, RecoveryError
 from ..core.failure import FailureRecord, cap_head, tag_of
 from ..core.hooks import log
-from ..core.interrupts import EXIT_TEARDOWN_STUCK
 from ..core.phases import LIVE_NAME, RecoveryState
 from ..core.recoveries import RecoveryInfo, RecoveryPhase
 from ..core.session import live_sessions
@@ -296,16 +295,7 @@ class _Recovery:
         part("keys")
         self._abandon_sessions()
         part("sessions")
-        timer = threading.Timer(RECOVER_TEARDOWN_SEC, lambda: os._exit(EXIT_TEARDOWN_STUCK))
-        timer.daemon = True
-        timer.start()
-        try:
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception as err:  # noqa: BLE001 - released groups may complain; they are gone either way
-            log(logging.DEBUG, "destroying the failed attempt's groups: %s", err)
-        finally:
-            timer.cancel()
+        interrupts.destroy_process_groups(RECOVER_TEARDOWN_SEC)
         timings["quieted"] = interrupts.quiet_released()  # the destroyed groups' loops (alive while held): no spinning
         _compat_torch.forget_destroyed_groups()  # torch's functions that keep one as a default: freed with the rest
         part("groups")
