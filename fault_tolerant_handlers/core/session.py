@@ -600,20 +600,6 @@ def _forget_all() -> None:
     gc.collect()
 
 
-def _check_not_spawned_by_recovery(caller: str) -> None:
-    """Raise :class:`RecoveryError` in a rank spawned by a function ``recover_in_place`` wraps."""
-    parent = attempts.spawned_by_recovery()
-    if parent is not None:
-        raise RecoveryError(
-            f"this rank's fail-together session ({caller}) cannot start: recover_in_place runs in the parent "
-            f"process (pid {parent}) that started this rank (idist.Parallel(nproc_per_node=...), Lightning "
-            "strategy='ddp_spawn' or 'ddp_fork', torch.multiprocessing.spawn), so a failed rank could not be "
-            "recovered in place: its process ends. "
-            "Wrap the function each rank runs instead: with idist.Parallel(...) as p: "
-            "p.run(recover_in_place(training, max_restarts=N), cfg); with Lightning, strategy='ddp' or torchrun, "
-            "the script calling recover_in_place(train)(...) around the Trainer")
-
-
 def get_session(group: dist.ProcessGroup | None = None, *, caller: str = "fail_together") -> Session | None:
     """The session of ``group`` (the world when ``None``), or ``None`` with nothing to coordinate.
 
@@ -651,7 +637,16 @@ def get_session(group: dist.ProcessGroup | None = None, *, caller: str = "fail_t
         with _registry_lock:
             session = _registry.get(key)
             if session is None:
-                _check_not_spawned_by_recovery(caller)
+                parent = attempts.spawned_by_recovery()  # a rank spawned by a function recover_in_place wraps
+                if parent is not None:
+                    raise RecoveryError(
+                        f"this rank's fail-together session ({caller}) cannot start: recover_in_place runs in the "
+                        f"parent process (pid {parent}) that started this rank (idist.Parallel(nproc_per_node=...), "
+                        "Lightning strategy='ddp_spawn' or 'ddp_fork', torch.multiprocessing.spawn), so a failed rank "
+                        "could not be recovered in place: its process ends. Wrap the function each rank runs instead: "
+                        "with idist.Parallel(...) as p: p.run(recover_in_place(training, max_restarts=N), cfg); with "
+                        "Lightning, strategy='ddp' or torchrun, the script calling recover_in_place(train)(...) "
+                        "around the Trainer")
                 # A new default group (destroy + init) makes every older session stale.
                 for stale in [k for k in _registry if k[0] != key[0]]:
                     old = _registry.pop(stale)
@@ -664,6 +659,12 @@ def get_session(group: dist.ProcessGroup | None = None, *, caller: str = "fail_t
                     atexit.register(_forget_all)
                 _registry[key] = session
     return session
+
+
+def check_name(owner: str, name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{owner}(name=...) must be a non-empty str naming the section, got {name!r}")
+    return name
 
 
 class Guard:
@@ -682,10 +683,9 @@ class Guard:
         self.hang_timeout = config.check_hang_timeout(hang_timeout, what=f"{owner}(hang_timeout=...)")
         if not isinstance(watchdog, bool):
             raise TypeError(f"{owner}(watchdog=...) must be True or False, got {watchdog!r}")
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"{owner}(name=...) must be a non-empty str naming the section, got {name!r}")
+        self.name = check_name(owner, name)
         config.load()  # every FTH_* variable is checked now, not when a failure comes
-        self.sync_every, self.use_watchdog, self.release_on_failure, self.name = sync_every, watchdog, release_on_failure, name
+        self.sync_every, self.use_watchdog, self.release_on_failure = sync_every, watchdog, release_on_failure
         self.session: Session | None = None
         self._watching = False
         self._explainers: list = []
