@@ -132,8 +132,7 @@ _GLOO_MARKERS = ("gloo/transport/", "ProcessGroupGloo.cpp")
 def is_backend_error(exc: BaseException) -> bool:
     """True for what a collective or the store raises when a peer is gone or this rank was released:
     torch's ``DistError`` family, and gloo's plain ``RuntimeError`` whose text points into gloo."""
-    dist_error = getattr(dist, "DistError", None)
-    if isinstance(dist_error, type) and isinstance(exc, dist_error):
+    if isinstance(exc, dist.DistError):  # (torch 2.8+)
         return True
     return type(exc) is RuntimeError and any(marker in str(exc) for marker in _GLOO_MARKERS)
 
