@@ -8,6 +8,7 @@ names what is missing; looked for where used: ``mp.spawn``'s ``_wrap`` frame (:f
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -52,10 +53,8 @@ def check() -> None:
 
 def import_lazy_modules() -> None:
     """Import what torch imports lazily at a process's first optimizer (seconds): a spare, before it waits."""
-    try:
+    with contextlib.suppress(Exception):  # an optimisation: the training imports it itself, or never
         import torch._dynamo  # noqa: F401
-    except Exception:  # noqa: BLE001 - an optimisation: the training imports it itself, or never
-        pass
 
 
 def forget_destroyed_groups() -> int:
@@ -281,10 +280,8 @@ def _epoll_registrations() -> list[tuple[int, int, int, int]]:
             if fields[:1] != ["tfd:"] or "data:" not in fields:
                 continue
             inode = [field[4:] for field in fields if field.startswith("ino:")]
-            try:
+            with contextlib.suppress(IndexError, ValueError):
                 entries.append((fd, int(fields[1]), int(inode[0], 16), int(fields[fields.index("data:") + 1], 16)))
-            except (IndexError, ValueError):
-                continue
     return entries
 
 

@@ -8,6 +8,7 @@ one exception object.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -67,10 +68,8 @@ class FailureKind(str, Enum):
     def of(cls, exc_type: str, origin: str) -> FailureKind:
         """The kind of a record of ``origin`` whose ``exc_type`` is ``exc_type`` (a declared one's is its kind)."""
         if origin == "declared" or exc_type == cls.UNKNOWN.value:
-            try:
+            with contextlib.suppress(ValueError):
                 return cls(exc_type)
-            except ValueError:
-                pass
         return cls.RAISED
 
 
@@ -174,14 +173,8 @@ def sanitize(text: str) -> str:
     """Text from another process, safe to print: no terminal escapes, bidi tricks or surrogates."""
     if text.isascii() and text.isprintable():
         return text
-    out = []
-    for ch in text:
-        if ch in "\n\t":
-            out.append(ch)
-            continue
-        category = unicodedata.category(ch)
-        out.append("\ufffd" if category in ("Cc", "Cf", "Cs", "Co", "Cn") else ch)
-    return "".join(out)
+    return "".join("\ufffd" if ch not in "\n\t" and unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn") else ch
+                   for ch in text)
 
 
 def host_name() -> str:
@@ -646,7 +639,5 @@ def tag_of(exc: BaseException | None) -> Tag:
 def tag(exc: BaseException, **learned: object) -> None:
     """Add what was ``learned`` (:class:`Tag`'s fields) to the tag of ``exc``, where its type allows."""
     new = dataclasses.replace(tag_of(exc), **learned)  # a field that does not exist raises here
-    try:
+    with contextlib.suppress(Exception):  # some exception types refuse attributes
         setattr(exc, TAG_ATTR, new)
-    except Exception:  # noqa: BLE001 - some exception types refuse attributes
-        pass

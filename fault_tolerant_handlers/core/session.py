@@ -5,6 +5,7 @@ as this rank's own or a peer's (:meth:`Session.classify`), failure state and wat
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import ipaddress
 import logging
@@ -303,7 +304,7 @@ class Session:
     def _mismatch(self, kind: str, name: str, seq: int) -> SectionMismatchError:
         mine = f"{kind} {name!r} (agreement {seq})"
         sections = {self.rank: mine}
-        try:
+        with contextlib.suppress(Exception):  # the report is a nicety; the mismatch is raised anyway
             self.schema.set_section(self.rank, mine)
             deadline = time.monotonic() + MISMATCH_WAIT
             wanted = [r for r in self.ranks[:16] if r != self.rank]
@@ -314,8 +315,6 @@ class Session:
                         sections[r] = text
                         wanted.remove(r)
                 time.sleep(0.02)
-        except Exception:  # noqa: BLE001 - the report is a nicety; the mismatch is raised anyway
-            pass
         listed = "; ".join(f"rank {r}: {sections[r]}" for r in sorted(sections))
         message = (f"the ranks met in different fail-together sections: {listed}. Every rank must enter the same "
                    "sections in the same order, like a collective")

@@ -8,6 +8,7 @@ interrupted in its main thread (:mod:`..core.interrupts`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -89,11 +90,9 @@ class _Recovery:
     def _note_group(self) -> None:
         """Remember the current default group's backend and timeout (for the rendezvous's store)."""
         if dist.is_available() and dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):
                 self.backend = str(dist.get_backend())
                 self.timeout = _compat_torch.default_store().timeout
-            except Exception:  # noqa: BLE001
-                pass
 
     # -- the loop --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> T:
@@ -273,10 +272,8 @@ class _Recovery:
             lines += ["causes of the attempts recovered in place before:",
                       *(f"  attempt {i}: {c.describe()}" for i, c in enumerate(self.causes))]
         log(logging.ERROR, "%s", "\n".join(lines))
-        try:
+        with contextlib.suppress(Exception):  # an exception type that refuses notes
             err.add_note("\n".join(lines))
-        except Exception:  # noqa: BLE001 - an exception type that refuses notes
-            pass
 
     # -- teardown and re-forming -------------------------------------------------------------------------
     def _teardown(self, timings: dict) -> None:

@@ -7,6 +7,7 @@ the recovery its peers wait in. The return value comes back pickled, in a file o
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -272,10 +273,8 @@ class Keeper:
     def _forward(self, signum, frame) -> None:
         self._stopping = True
         if self.child is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.child, signum)
-            except ProcessLookupError:
-                pass
 
     @staticmethod
     def _end_like(status: int) -> None:
