@@ -158,9 +158,7 @@ _DDP_LOCK = threading.Lock()  # one patched _compute_bucket_assignment_by_size a
 def check_ddp(ddp: Any = None) -> None:
     """Raise ``RuntimeError`` naming every private torch name the bucket layout needs that this torch
     (or ``ddp``, a ``DistributedDataParallel``) lacks."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp_class, reducer, logger = DistributedDataParallel, getattr(dist, "Reducer", None), getattr(dist, "Logger", None)
+    ddp_class, reducer, logger = torch.nn.parallel.DistributedDataParallel, getattr(dist, "Reducer", None), getattr(dist, "Logger", None)
     missing = lacking(_DDP_REQUIRED, {"torch.nn.parallel.DistributedDataParallel": ddp_class, "torch.distributed": dist,
                                       "torch.distributed.Reducer": reducer, "torch.distributed.Logger": logger})
     missing += [f"DistributedDataParallel().{n}" for n in _DDP_ATTRS if ddp is not None and not hasattr(ddp, n)]

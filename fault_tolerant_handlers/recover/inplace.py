@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from ..core import attempts, compat_torch as _compat_torch, config, hooks, interrupts, recoveries
 from ..core.config import RECOVER_TEARDOWN_SEC
@@ -203,8 +204,7 @@ class _Recovery:
         sessions = live_sessions()
         rank = world[1] if world is not None else (dist.get_rank() if dist.is_initialized() else 0)
         cause = cause_of(err, rank, [session.failure for session in sessions])
-        import torch.multiprocessing as mp  # what the process that spawned the ranks gets when one failed
-
+        # what the process that spawned the ranks gets when one failed
         if world is None and isinstance(err, (mp.ProcessRaisedException, mp.ProcessExitedException)):
             return Misplaced(False, (
                 "recover_in_place wraps a function that spawned the ranks (idist.Parallel(nproc_per_node=...), "

@@ -7,6 +7,7 @@ the recovery its peers wait in. The return value comes back pickled, in a file o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -21,6 +22,8 @@ import tempfile
 import threading
 import time
 from typing import Any
+
+import torch
 
 from ..core import attempts, compat_torch, interrupts
 from ..core.config import ZOMBIE_HOLD
@@ -55,8 +58,6 @@ def why_not(recovery: _Recovery) -> str | None:
         return "the process group existed before recover_in_place was called; call it before init_process_group"
     if threading.current_thread() is not threading.main_thread():
         return "recover_in_place was not called in the main thread"
-    import torch
-
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return ("CUDA was initialised before recover_in_place was called: call it before anything touches the "
                 "GPU (each child initialises CUDA itself)")
@@ -173,8 +174,6 @@ class Keeper:
             sys.excepthook(*sys.exc_info())
         finally:
             try:
-                import atexit
-
                 atexit._run_exitfuncs()  # the library's and torch's exit hooks, as at a normal exit
             finally:
                 sys.stdout.flush()
