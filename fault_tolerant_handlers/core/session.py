@@ -329,11 +329,9 @@ class Session:
             return exc
         if not _compat_torch.is_backend_error(exc):
             return None
-        own = self.failure.signal  # this rank's own SIGTERM/SIGINT broke it: no peer to blame
-        if own is not None:
-            return own
-        known = self.failure.peer_error
-        return known or self.same_host_probe.poll(time.monotonic()) or self._explain(exc)
+        # this rank's own SIGTERM/SIGINT broke it (no peer to blame), else a peer's failure known or found
+        return (self.failure.signal or self.failure.peer_error or self.same_host_probe.poll(time.monotonic())
+                or self._explain(exc))
 
     def failure_report(self, wait: float) -> PeerFailedError | None:
         """What is known of a failure under way, waiting up to ``wait`` seconds for an explanation in progress."""
@@ -439,11 +437,9 @@ class Session:
         thread.start()
         self._explaining = (done, outcome)
         try:
-            while time.monotonic() < deadline and not done.is_set():
-                if self.failure.peer_error is not None:
-                    return self.failure.peer_error
+            while time.monotonic() < deadline and not done.is_set() and self.failure.peer_error is None:
                 time.sleep(0.02)
-            return outcome()
+            return outcome()  # the watchdog's finding first
         finally:
             self._explaining = None
             done.set()
