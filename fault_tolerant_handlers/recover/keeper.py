@@ -257,12 +257,7 @@ class Keeper:
     @staticmethod
     def _wait(pid: int) -> int:
         """The wait status of ``pid`` once it ended, left a zombie (``WNOWAIT``) for its peers to read."""
-        while True:
-            try:
-                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-                break
-            except InterruptedError:  # a forwarded signal
-                continue
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # retried after a forwarded signal (PEP 475)
         if info.si_code == os.CLD_EXITED:
             return (info.si_status & 0xFF) << 8
         return info.si_status & 0x7F  # killed (or dumped core): the signal's number
