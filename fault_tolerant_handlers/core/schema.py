@@ -265,13 +265,10 @@ class Connection:
         if worker is not None:
             worker.stop()
 
+    @interrupts.SECTION
     def call(self, method: str, *args):
         """``store.<method>(*args)``, bounded, in a deferred section (:mod:`.interrupts`); a failure
         drops this connection (the next call makes a new one) and is raised."""
-        with interrupts.SECTION:
-            return self._call(method, *args)
-
-    def _call(self, method: str, *args):
         self.calls += 1
         with self._lock:
             if self._store is None and self._connecting:
