@@ -468,14 +468,9 @@ class PeerFailedError(RuntimeError):
             return cls(fallback_rank, FailureKind.UNKNOWN.value, "the failing rank's record could not be read from "
                        "the store", where=repr(section), section=section)
         # one record per rank: what it said itself over what a peer declared about it, then the earliest
-        def rank_of(r: FailureRecord) -> tuple[bool, int]:
-            return (r.origin != "failure" and r.by != r.rank, r.time_ms)
-
         best: dict[int, FailureRecord] = {}
-        for r in records:
-            kept = best.get(r.rank)
-            if kept is None or rank_of(r) < rank_of(kept):
-                best[r.rank] = r
+        for r in sorted(records, key=lambda r: (r.origin != "failure" and r.by != r.rank, r.time_ms)):
+            best.setdefault(r.rank, r)
         first, *rest = sorted(best.values(), key=lambda r: (r.time_ms, r.rank))
         return cls(record=first, others=[{"rank": r.rank, "exc_type": r.exc_type, "exc_message": r.exc_message}
                                          for r in rest],
