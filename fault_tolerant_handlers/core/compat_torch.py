@@ -8,6 +8,7 @@ names what is missing; looked for where used: ``mp.spawn``'s ``_wrap`` frame (:f
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -52,10 +53,8 @@ def check() -> None:
 
 def import_lazy_modules() -> None:
     """Import what torch imports lazily at a process's first optimizer (seconds): a spare, before it waits."""
-    try:
+    with contextlib.suppress(Exception):  # an optimisation: the training imports it itself, or never
         import torch._dynamo  # noqa: F401
-    except Exception:  # noqa: BLE001 - an optimisation: the training imports it itself, or never
-        pass
 
 
 def forget_destroyed_groups() -> int:
@@ -132,8 +131,7 @@ _GLOO_MARKERS = ("gloo/transport/", "ProcessGroupGloo.cpp")
 def is_backend_error(exc: BaseException) -> bool:
     """True for what a collective or the store raises when a peer is gone or this rank was released:
     torch's ``DistError`` family, and gloo's plain ``RuntimeError`` whose text points into gloo."""
-    dist_error = getattr(dist, "DistError", None)
-    if isinstance(dist_error, type) and isinstance(exc, dist_error):
+    if isinstance(exc, dist.DistError):  # (torch 2.8+)
         return True
     return type(exc) is RuntimeError and any(marker in str(exc) for marker in _GLOO_MARKERS)
 
@@ -160,9 +158,7 @@ _DDP_LOCK = threading.Lock()  # one patched _compute_bucket_assignment_by_size a
 def check_ddp(ddp: Any = None) -> None:
     """Raise ``RuntimeError`` naming every private torch name the bucket layout needs that this torch
     (or ``ddp``, a ``DistributedDataParallel``) lacks."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp_class, reducer, logger = DistributedDataParallel, getattr(dist, "Reducer", None), getattr(dist, "Logger", None)
+    ddp_class, reducer, logger = torch.nn.parallel.DistributedDataParallel, getattr(dist, "Reducer", None), getattr(dist, "Logger", None)
     missing = lacking(_DDP_REQUIRED, {"torch.nn.parallel.DistributedDataParallel": ddp_class, "torch.distributed": dist,
                                       "torch.distributed.Reducer": reducer, "torch.distributed.Logger": logger})
     missing += [f"DistributedDataParallel().{n}" for n in _DDP_ATTRS if ddp is not None and not hasattr(ddp, n)]
@@ -282,10 +278,8 @@ def _epoll_registrations() -> list[tuple[int, int, int, int]]:
             if fields[:1] != ["tfd:"] or "data:" not in fields:
                 continue
             inode = [field[4:] for field in fields if field.startswith("ino:")]
-            try:
+            with contextlib.suppress(IndexError, ValueError):
                 entries.append((fd, int(fields[1]), int(inode[0], 16), int(fields[fields.index("data:") + 1], 16)))
-            except (IndexError, ValueError):
-                continue
     return entries
 
 

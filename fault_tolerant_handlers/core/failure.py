@@ -8,6 +8,7 @@ one exception object.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -67,10 +68,8 @@ class FailureKind(str, Enum):
     def of(cls, exc_type: str, origin: str) -> FailureKind:
         """The kind of a record of ``origin`` whose ``exc_type`` is ``exc_type`` (a declared one's is its kind)."""
         if origin == "declared" or exc_type == cls.UNKNOWN.value:
-            try:
+            with contextlib.suppress(ValueError):
                 return cls(exc_type)
-            except ValueError:
-                pass
         return cls.RAISED
 
 
@@ -174,14 +173,8 @@ def sanitize(text: str) -> str:
     """Text from another process, safe to print: no terminal escapes, bidi tricks or surrogates."""
     if text.isascii() and text.isprintable():
         return text
-    out = []
-    for ch in text:
-        if ch in "\n\t":
-            out.append(ch)
-            continue
-        category = unicodedata.category(ch)
-        out.append("\ufffd" if category in ("Cc", "Cf", "Cs", "Co", "Cn") else ch)
-    return "".join(out)
+    return "".join("\ufffd" if ch not in "\n\t" and unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn") else ch
+                   for ch in text)
 
 
 def host_name() -> str:
@@ -240,20 +233,9 @@ class FailureRecord(Stored):
             message = str(exc)
         except Exception as err:  # noqa: BLE001 - a broken __str__ must not replace the failure
             message = f"<str() of the exception failed: {type(err).__name__}>"
-        return cls(
-            rank=rank,
-            exc_type=cap_head(name, MAX_NAME_CHARS),
-            exc_message=cap_head(message, MAX_MESSAGE_CHARS),
-            traceback=cap_tail(tb, MAX_TRACEBACK_CHARS),
-            section=cap_head(section, MAX_NAME_CHARS),
-            time_ms=int(time.time() * 1000),
-            origin="failure",
-            seq=seq,
-            pid=os.getpid(),
-            host=host_name(),
-            step=step,
-            epoch=epoch,
-        )
+        return cls(rank, cap_head(name, MAX_NAME_CHARS), cap_head(message, MAX_MESSAGE_CHARS),
+                   cap_tail(tb, MAX_TRACEBACK_CHARS), cap_head(section, MAX_NAME_CHARS), int(time.time() * 1000),
+                   seq=seq, pid=os.getpid(), host=host_name(), step=step, epoch=epoch)
 
     @classmethod
     def declared(
@@ -263,20 +245,9 @@ class FailureRecord(Stored):
         """Rank ``by`` declares rank ``rank``'s failure of ``kind`` (lost, silent, hung, ...)."""
         kind = FailureKind(kind)
         assert kind in DECLARED_KINDS, kind
-        return cls(
-            rank=rank,
-            exc_type=kind.value,
-            exc_message=cap_head(message, MAX_MESSAGE_CHARS),
-            traceback=cap_tail(traceback, MAX_TRACEBACK_CHARS),
-            section="",
-            time_ms=int(time.time() * 1000) if time_ms is None else time_ms,
-            origin="declared",
-            pid=pid,
-            host=cap_head(host, MAX_NAME_CHARS),
-            step=step,
-            by=by,
-            ended=ended,
-        )
+        return cls(rank, kind.value, cap_head(message, MAX_MESSAGE_CHARS), cap_tail(traceback, MAX_TRACEBACK_CHARS),
+                   "", int(time.time() * 1000) if time_ms is None else time_ms, "declared", pid=pid,
+                   host=cap_head(host, MAX_NAME_CHARS), step=step, by=by, ended=ended)
 
     @classmethod
     def lost(cls, *, rank: int, pid: int, host: str, why: str | Ended, by: int) -> FailureRecord:
@@ -497,14 +468,9 @@ class PeerFailedError(RuntimeError):
             return cls(fallback_rank, FailureKind.UNKNOWN.value, "the failing rank's record could not be read from "
                        "the store", where=repr(section), section=section)
         # one record per rank: what it said itself over what a peer declared about it, then the earliest
-        def rank_of(r: FailureRecord) -> tuple[bool, int]:
-            return (r.origin != "failure" and r.by != r.rank, r.time_ms)
-
         best: dict[int, FailureRecord] = {}
-        for r in records:
-            kept = best.get(r.rank)
-            if kept is None or rank_of(r) < rank_of(kept):
-                best[r.rank] = r
+        for r in sorted(records, key=lambda r: (r.origin != "failure" and r.by != r.rank, r.time_ms)):
+            best.setdefault(r.rank, r)
         first, *rest = sorted(best.values(), key=lambda r: (r.time_ms, r.rank))
         return cls(record=first, others=[{"rank": r.rank, "exc_type": r.exc_type, "exc_message": r.exc_message}
                                          for r in rest],
@@ -668,7 +634,5 @@ def tag_of(exc: BaseException | None) -> Tag:
 def tag(exc: BaseException, **learned: object) -> None:
     """Add what was ``learned`` (:class:`Tag`'s fields) to the tag of ``exc``, where its type allows."""
     new = dataclasses.replace(tag_of(exc), **learned)  # a field that does not exist raises here
-    try:
+    with contextlib.suppress(Exception):  # some exception types refuse attributes
         setattr(exc, TAG_ATTR, new)
-    except Exception:  # noqa: BLE001 - some exception types refuse attributes
-        pass

@@ -27,14 +27,10 @@ def _rank() -> str:
     return _last_rank or os.environ.get("RANK", "?")
 
 
-def prefix(step: int | None = None) -> str:
-    """``[rank 1]`` or ``[rank 1 step 17]``."""
-    return f"[rank {_rank()}]" if step is None else f"[rank {_rank()} step {step}]"
-
-
 def log(level: int, msg: str, *args: object, step: int | None = None) -> None:
+    """``msg`` after ``[rank 1]`` or ``[rank 1 step 17]``."""
     if logger.isEnabledFor(level):
-        logger.log(level, f"{prefix(step)} {msg}", *args)
+        logger.log(level, f"[rank {_rank()}{'' if step is None else f' step {step}'}] {msg}", *args)
 
 
 def first_line(text: object, limit: int | None = 200) -> str:

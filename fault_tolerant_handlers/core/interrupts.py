@@ -6,6 +6,7 @@ aborted, gloo's TCP connections other than the store's shut down). docs/recoveri
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -242,10 +243,8 @@ def parse_tcp_table(text: str) -> dict[int, tuple[int, int, str]]:
     table = {}
     for line in text.splitlines()[1:]:
         parts = line.split()
-        try:
+        with contextlib.suppress(IndexError, ValueError):  # not a row
             table[int(parts[9])] = (int(parts[1].rsplit(":", 1)[1], 16), int(parts[2].rsplit(":", 1)[1], 16), parts[3])
-        except (IndexError, ValueError):
-            continue
     return table
 
 
@@ -253,11 +252,8 @@ def tcp_sockets() -> dict[int, tuple[int, int, str]]:
     """inode -> (local port, remote port, state) of this network namespace's TCP sockets."""
     table: dict[int, tuple[int, int, str]] = {}
     for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(path) as f:
-                table.update(parse_tcp_table(f.read()))
-        except OSError:
-            continue
+        with contextlib.suppress(OSError), open(path) as f:
+            table.update(parse_tcp_table(f.read()))
     return table
 
 
@@ -273,11 +269,8 @@ def store_peer_address(ports: set[int]) -> str | None:
     """The address this process's connection to the store (on a port in ``ports``) reaches (Linux)."""
     linux = sys.platform.startswith("linux")
     for fd in select_sockets(socket_fds(), tcp_sockets(), ports, on_ports=True) if linux else ():
-        try:
-            with socket.socket(fileno=os.dup(fd)) as sock:  # closes the dup only
-                return str(sock.getpeername()[0])
-        except OSError:
-            continue
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:  # closes the dup only
+            return str(sock.getpeername()[0])
     return None
 
 
@@ -361,16 +354,18 @@ def quiet_released() -> int:
 _teardown_registered = False
 
 
-def _teardown_after_release() -> None:
+def destroy_process_groups(within: float) -> None:
+    """Destroy every process group, released ones too; past ``within`` seconds the process ends
+    (:data:`EXIT_TEARDOWN_STUCK`)."""
     if not dist.is_available() or not dist.is_initialized():
         return
-    timer = threading.Timer(EXIT_TEARDOWN_SEC, lambda: os._exit(EXIT_TEARDOWN_STUCK))
+    timer = threading.Timer(within, lambda: os._exit(EXIT_TEARDOWN_STUCK))
     timer.daemon = True
     timer.start()
     try:
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - the groups were released on purpose; they may complain
-        pass
+    except Exception as err:  # noqa: BLE001 - released groups may complain; they are gone either way
+        log(logging.DEBUG, "destroying the process groups: %s", err)
     finally:
         timer.cancel()
 
@@ -380,7 +375,7 @@ def teardown_at_exit() -> None:
     global _teardown_registered
     if not _teardown_registered:
         _teardown_registered = True
-        atexit.register(_teardown_after_release)
+        atexit.register(destroy_process_groups, EXIT_TEARDOWN_SEC)
 
 
 def release_process_groups(store: dist.Store | None, mode: str | None = None) -> str:

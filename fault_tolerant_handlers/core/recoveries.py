@@ -153,14 +153,10 @@ def carried_on(step: int, last_completed: int | None) -> RecoveryInfo | None:
     ``last_completed`` before the failure): the last ``RECOVERED`` with the step carried on from and
     the steps computed twice filled in, or ``None`` when no recovery waits for its loop."""
     with _lock:
-        for i in range(len(_history) - 1, -1, -1):
-            info = _history[i]
-            if info.phase is RecoveryPhase.RECOVERED:
-                break
-        else:
-            return None
-        if info.attempt in _carried:
-            return None  # delivered already: a second loop (an evaluator, another run) is not the one resumed
+        i = next((i for i in reversed(range(len(_history))) if _history[i].phase is RecoveryPhase.RECOVERED), None)
+        if i is None or _history[i].attempt in _carried:
+            return None  # none, or delivered already: a second loop (an evaluator, another run) is not the one resumed
+        info = _history[i]
         _carried.add(info.attempt)
         start = info.step if info.live and info.step is not None else step
         twice = max(0, last_completed - start) if last_completed is not None else 0 if info.live else None

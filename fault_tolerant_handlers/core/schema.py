@@ -10,6 +10,7 @@ store through :class:`Connection`\\ s of its own, never the process group's clie
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -264,13 +265,10 @@ class Connection:
         if worker is not None:
             worker.stop()
 
+    @interrupts.SECTION
     def call(self, method: str, *args):
         """``store.<method>(*args)``, bounded, in a deferred section (:mod:`.interrupts`); a failure
         drops this connection (the next call makes a new one) and is raised."""
-        with interrupts.SECTION:
-            return self._call(method, *args)
-
-    def _call(self, method: str, *args):
         self.calls += 1
         with self._lock:
             if self._store is None and self._connecting:
@@ -397,10 +395,8 @@ class _Worker:
     def stop(self) -> None:
         self._stopped = True
         if not self.busy:
-            try:
+            with contextlib.suppress(RuntimeError):  # already released: the loop is about to look
                 self._go.release()  # wakes the idle loop, which sees it stopped
-            except RuntimeError:  # already released: the loop is about to look
-                pass
         if threading.current_thread() is not self._thread and not self.stuck:
             self._thread.join(timeout=1.0)
 
@@ -468,10 +464,8 @@ class Schema:
         self._own.append(index)
         while len(self._own) > MAX_OWN_RECORDS:
             old = self._own.popleft()
-            try:
+            with contextlib.suppress(Exception):  # bounded growth is a nicety; never mask the failure
                 self.conn.call("delete_key", record_key(old))
-            except Exception:  # noqa: BLE001 - bounded growth is a nicety; never mask the failure
-                pass
         return index
 
     def read(self, index: int) -> FailureRecord | None:

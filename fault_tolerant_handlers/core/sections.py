@@ -12,13 +12,7 @@ from .hooks import first_line, log
 from .compat_torch import is_backend_error
 from .errors import PeerFailedError
 from .failure import tag, tag_of
-from .session import Session, get_session
-
-
-def check_name(owner: str, name: object) -> str:
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"{owner}(name=...) must be a non-empty str naming the section, got {name!r}")
-    return name
+from .session import Session, check_name, get_session
 
 
 def check_position(owner: str, arg: str, value: object) -> int | None:

@@ -5,6 +5,7 @@ as this rank's own or a peer's (:meth:`Session.classify`), failure state and wat
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import ipaddress
 import logging
@@ -303,7 +304,7 @@ class Session:
     def _mismatch(self, kind: str, name: str, seq: int) -> SectionMismatchError:
         mine = f"{kind} {name!r} (agreement {seq})"
         sections = {self.rank: mine}
-        try:
+        with contextlib.suppress(Exception):  # the report is a nicety; the mismatch is raised anyway
             self.schema.set_section(self.rank, mine)
             deadline = time.monotonic() + MISMATCH_WAIT
             wanted = [r for r in self.ranks[:16] if r != self.rank]
@@ -314,8 +315,6 @@ class Session:
                         sections[r] = text
                         wanted.remove(r)
                 time.sleep(0.02)
-        except Exception:  # noqa: BLE001 - the report is a nicety; the mismatch is raised anyway
-            pass
         listed = "; ".join(f"rank {r}: {sections[r]}" for r in sorted(sections))
         message = (f"the ranks met in different fail-together sections: {listed}. Every rank must enter the same "
                    "sections in the same order, like a collective")
@@ -330,11 +329,9 @@ class Session:
             return exc
         if not _compat_torch.is_backend_error(exc):
             return None
-        own = self.failure.signal  # this rank's own SIGTERM/SIGINT broke it: no peer to blame
-        if own is not None:
-            return own
-        known = self.failure.peer_error
-        return known or self.same_host_probe.poll(time.monotonic()) or self._explain(exc)
+        # this rank's own SIGTERM/SIGINT broke it (no peer to blame), else a peer's failure known or found
+        return (self.failure.signal or self.failure.peer_error or self.same_host_probe.poll(time.monotonic())
+                or self._explain(exc))
 
     def failure_report(self, wait: float) -> PeerFailedError | None:
         """What is known of a failure under way, waiting up to ``wait`` seconds for an explanation in progress."""
@@ -440,11 +437,9 @@ class Session:
         thread.start()
         self._explaining = (done, outcome)
         try:
-            while time.monotonic() < deadline and not done.is_set():
-                if self.failure.peer_error is not None:
-                    return self.failure.peer_error
+            while time.monotonic() < deadline and not done.is_set() and self.failure.peer_error is None:
                 time.sleep(0.02)
-            return outcome()
+            return outcome()  # the watchdog's finding first
         finally:
             self._explaining = None
             done.set()
@@ -600,20 +595,6 @@ def _forget_all() -> None:
     gc.collect()
 
 
-def _check_not_spawned_by_recovery(caller: str) -> None:
-    """Raise :class:`RecoveryError` in a rank spawned by a function ``recover_in_place`` wraps."""
-    parent = attempts.spawned_by_recovery()
-    if parent is not None:
-        raise RecoveryError(
-            f"this rank's fail-together session ({caller}) cannot start: recover_in_place runs in the parent "
-            f"process (pid {parent}) that started this rank (idist.Parallel(nproc_per_node=...), Lightning "
-            "strategy='ddp_spawn' or 'ddp_fork', torch.multiprocessing.spawn), so a failed rank could not be "
-            "recovered in place: its process ends. "
-            "Wrap the function each rank runs instead: with idist.Parallel(...) as p: "
-            "p.run(recover_in_place(training, max_restarts=N), cfg); with Lightning, strategy='ddp' or torchrun, "
-            "the script calling recover_in_place(train)(...) around the Trainer")
-
-
 def get_session(group: dist.ProcessGroup | None = None, *, caller: str = "fail_together") -> Session | None:
     """The session of ``group`` (the world when ``None``), or ``None`` with nothing to coordinate.
 
@@ -651,7 +632,16 @@ def get_session(group: dist.ProcessGroup | None = None, *, caller: str = "fail_t
         with _registry_lock:
             session = _registry.get(key)
             if session is None:
-                _check_not_spawned_by_recovery(caller)
+                parent = attempts.spawned_by_recovery()  # a rank spawned by a function recover_in_place wraps
+                if parent is not None:
+                    raise RecoveryError(
+                        f"this rank's fail-together session ({caller}) cannot start: recover_in_place runs in the "
+                        f"parent process (pid {parent}) that started this rank (idist.Parallel(nproc_per_node=...), "
+                        "Lightning strategy='ddp_spawn' or 'ddp_fork', torch.multiprocessing.spawn), so a failed rank "
+                        "could not be recovered in place: its process ends. Wrap the function each rank runs instead: "
+                        "with idist.Parallel(...) as p: p.run(recover_in_place(training, max_restarts=N), cfg); with "
+                        "Lightning, strategy='ddp' or torchrun, the script calling recover_in_place(train)(...) "
+                        "around the Trainer")
                 # A new default group (destroy + init) makes every older session stale.
                 for stale in [k for k in _registry if k[0] != key[0]]:
                     old = _registry.pop(stale)
@@ -664,6 +654,12 @@ def get_session(group: dist.ProcessGroup | None = None, *, caller: str = "fail_t
                     atexit.register(_forget_all)
                 _registry[key] = session
     return session
+
+
+def check_name(owner: str, name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{owner}(name=...) must be a non-empty str naming the section, got {name!r}")
+    return name
 
 
 class Guard:
@@ -682,10 +678,9 @@ class Guard:
         self.hang_timeout = config.check_hang_timeout(hang_timeout, what=f"{owner}(hang_timeout=...)")
         if not isinstance(watchdog, bool):
             raise TypeError(f"{owner}(watchdog=...) must be True or False, got {watchdog!r}")
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"{owner}(name=...) must be a non-empty str naming the section, got {name!r}")
+        self.name = check_name(owner, name)
         config.load()  # every FTH_* variable is checked now, not when a failure comes
-        self.sync_every, self.use_watchdog, self.release_on_failure, self.name = sync_every, watchdog, release_on_failure, name
+        self.sync_every, self.use_watchdog, self.release_on_failure = sync_every, watchdog, release_on_failure
         self.session: Session | None = None
         self._watching = False
         self._explainers: list = []

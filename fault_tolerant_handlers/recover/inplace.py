@@ -8,6 +8,7 @@ interrupted in its main thread (:mod:`..core.interrupts`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -20,13 +21,13 @@ from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from ..core import attempts, compat_torch as _compat_torch, config, hooks, interrupts, recoveries
 from ..core.config import RECOVER_TEARDOWN_SEC
 from ..core.errors import PeerFailedError, RecoveryError
 from ..core.failure import FailureRecord, cap_head, tag_of
 from ..core.hooks import log
-from ..core.interrupts import EXIT_TEARDOWN_STUCK
 from ..core.phases import LIVE_NAME, RecoveryState
 from ..core.recoveries import RecoveryInfo, RecoveryPhase
 from ..core.session import live_sessions
@@ -90,11 +91,9 @@ class _Recovery:
     def _note_group(self) -> None:
         """Remember the current default group's backend and timeout (for the rendezvous's store)."""
         if dist.is_available() and dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):
                 self.backend = str(dist.get_backend())
                 self.timeout = _compat_torch.default_store().timeout
-            except Exception:  # noqa: BLE001
-                pass
 
     # -- the loop --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> T:
@@ -205,8 +204,7 @@ class _Recovery:
         sessions = live_sessions()
         rank = world[1] if world is not None else (dist.get_rank() if dist.is_initialized() else 0)
         cause = cause_of(err, rank, [session.failure for session in sessions])
-        import torch.multiprocessing as mp  # what the process that spawned the ranks gets when one failed
-
+        # what the process that spawned the ranks gets when one failed
         if world is None and isinstance(err, (mp.ProcessRaisedException, mp.ProcessExitedException)):
             return Misplaced(False, (
                 "recover_in_place wraps a function that spawned the ranks (idist.Parallel(nproc_per_node=...), "
@@ -274,10 +272,8 @@ class _Recovery:
             lines += ["causes of the attempts recovered in place before:",
                       *(f"  attempt {i}: {c.describe()}" for i, c in enumerate(self.causes))]
         log(logging.ERROR, "%s", "\n".join(lines))
-        try:
+        with contextlib.suppress(Exception):  # an exception type that refuses notes
             err.add_note("\n".join(lines))
-        except Exception:  # noqa: BLE001 - an exception type that refuses notes
-            pass
 
     # -- teardown and re-forming -------------------------------------------------------------------------
     def _teardown(self, timings: dict) -> None:
@@ -296,16 +292,7 @@ class _Recovery:
         part("keys")
         self._abandon_sessions()
         part("sessions")
-        timer = threading.Timer(RECOVER_TEARDOWN_SEC, lambda: os._exit(EXIT_TEARDOWN_STUCK))
-        timer.daemon = True
-        timer.start()
-        try:
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception as err:  # noqa: BLE001 - released groups may complain; they are gone either way
-            log(logging.DEBUG, "destroying the failed attempt's groups: %s", err)
-        finally:
-            timer.cancel()
+        interrupts.destroy_process_groups(RECOVER_TEARDOWN_SEC)
         timings["quieted"] = interrupts.quiet_released()  # the destroyed groups' loops (alive while held): no spinning
         _compat_torch.forget_destroyed_groups()  # torch's functions that keep one as a default: freed with the rest
         part("groups")

@@ -7,6 +7,8 @@ the recovery its peers wait in. The return value comes back pickled, in a file o
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import functools
 import logging
@@ -20,6 +22,8 @@ import tempfile
 import threading
 import time
 from typing import Any
+
+import torch
 
 from ..core import attempts, compat_torch, interrupts
 from ..core.config import ZOMBIE_HOLD
@@ -54,8 +58,6 @@ def why_not(recovery: _Recovery) -> str | None:
         return "the process group existed before recover_in_place was called; call it before init_process_group"
     if threading.current_thread() is not threading.main_thread():
         return "recover_in_place was not called in the main thread"
-    import torch
-
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return ("CUDA was initialised before recover_in_place was called: call it before anything touches the "
                 "GPU (each child initialises CUDA itself)")
@@ -172,8 +174,6 @@ class Keeper:
             sys.excepthook(*sys.exc_info())
         finally:
             try:
-                import atexit
-
                 atexit._run_exitfuncs()  # the library's and torch's exit hooks, as at a normal exit
             finally:
                 sys.stdout.flush()
@@ -257,12 +257,7 @@ class Keeper:
     @staticmethod
     def _wait(pid: int) -> int:
         """The wait status of ``pid`` once it ended, left a zombie (``WNOWAIT``) for its peers to read."""
-        while True:
-            try:
-                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-                break
-            except InterruptedError:  # a forwarded signal
-                continue
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # retried after a forwarded signal (PEP 475)
         if info.si_code == os.CLD_EXITED:
             return (info.si_status & 0xFF) << 8
         return info.si_status & 0x7F  # killed (or dumped core): the signal's number
@@ -272,10 +267,8 @@ class Keeper:
     def _forward(self, signum, frame) -> None:
         self._stopping = True
         if self.child is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.child, signum)
-            except ProcessLookupError:
-                pass
 
     @staticmethod
     def _end_like(status: int) -> None:

@@ -14,7 +14,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -205,7 +205,9 @@ class Held:
         """This rank's live state of the failed attempt, and the report it tells the others."""
         captured = hooks.run(hooks.CAPTURE_LIVE, self.state_of())
         self.captured = captured.live
-        self.copies = _verified(captured.copies, getattr(captured.live, "unit", "") or "step")
+        unit = getattr(captured.live, "unit", "") or "step"  # the copies whose checksum still matches
+        self.copies = {(s.rank, s.step): s for s in captured.copies
+                       if not _damaged(s, f"the copy of rank {s.rank}'s shard of {unit} {s.step} held here")}
         copies = tuple(n for (r, at), snap in sorted(self.copies.items(), key=lambda kv: -kv[0][1])[:MAX_COPIES]
                        for n in (r, at, snap.checksum))
         if self.captured is None:
@@ -352,12 +354,6 @@ def _damaged(snap: sharded.Snapshot, what: str, when: str = "sealed") -> str:
            f"{snap.compute_checksum():08x} now): never loaded")
     log(logging.ERROR, "live state: %s", why)
     return why
-
-
-def _verified(snaps: Sequence[Any], unit: str) -> dict[tuple[int, int], sharded.Snapshot]:
-    """The shard snapshots held here whose checksum still matches, by (rank, step)."""
-    return {(s.rank, s.step): s for s in snaps
-            if not _damaged(s, f"the copy of rank {s.rank}'s shard of {unit} {s.step} held here")}
 
 
 def _wire(snap: sharded.Snapshot, directory: str | None) -> dict:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, ClassVar
 
+import torch.distributed as dist
+
 from ..core import attempts, compat_torch, config
 from ..core.config import RECOVER_TELL_SEC
 from ..core.errors import RecoveryError
@@ -206,8 +208,6 @@ def left_after(store: Any, lay: Layout) -> int:
 
 
 def connect(timeout: timedelta) -> Any:
-    import torch.distributed as dist
-
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=timeout)
 
@@ -216,15 +216,13 @@ def wait_for_order(store: Any, lay: Layout, launched_rank: int, *, end_only: boo
     """This launched rank's order (waits of ``FTH_SPARE_WAIT_SEC`` each); a store that fails: :class:`RecoveryError`.
     ``end_only``: the job's end only (a spare whose seat was lost in turn: the order that gave it the seat
     is still under its key, read again every ``END_POLL`` until the end replaces it)."""
-    from torch.distributed import DistStoreError
-
     chunk = config.settings().spare_wait
     key = order_key(launched_rank)
     while True:
         try:
             store.wait([key], chunk)
         except Exception as err:  # noqa: BLE001 - a timeout is the usual case; anything else is the store
-            if isinstance(err, DistStoreError) and "timeout" in str(err).lower():
+            if isinstance(err, dist.DistStoreError) and "timeout" in str(err).lower():
                 continue
             raise RecoveryError(f"launched rank {launched_rank} (a spare) lost torchrun's store while waiting: "
                                 f"{type(err).__name__}: {first_line(err)}") from err
