@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import os
 import platform
 import sys
@@ -240,11 +241,14 @@ def use_ddp_bucket_layout(ddp: Any, layout: list[list[int]]) -> None:
 # -- the one check of every list of private names ---------------------------------------------------
 def lacking(required: tuple, objects: dict) -> list[str]:
     """Each ``(owner, name)`` that ``objects[owner]`` lacks (an owner ``"Class.method"`` not in
-    ``objects``: that method's code names it): the one check of every list of private names."""
+    ``objects``: that method's code names it, seen through a ``functools.wraps`` wrapper, such as
+    the one Lightning puts on every DataLoader class's ``__init__`` inside ``fit``): the one check
+    of every list of private names."""
     missing = []
     for owner, name in required:
         cls, _, method = (owner, "", "") if owner in objects else owner.rpartition(".")
-        code = getattr(getattr(objects[cls], method, None), "__code__", None) if method else None
+        found = getattr(objects[cls], method, None) if method else None
+        code = getattr(inspect.unwrap(found), "__code__", None) if found is not None else None
         if not (code is not None and name in code.co_names if method else hasattr(objects[cls], name)):
             missing.append(f"{owner} ({name})" if method else f"{owner}.{name}")
     return missing
