@@ -8,6 +8,7 @@ interrupted in its main thread (:mod:`..core.interrupts`).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import gc
@@ -40,6 +41,23 @@ T = TypeVar("T")
 
 #: The signal that interrupts a hung rank's main thread (real-time: no launcher or framework uses it).
 INTERRUPT_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
+
+
+def _fresh(value: Any, depth: int = 0) -> Any:
+    """``value`` with its plain containers copied (``dict``, ``list``, ``tuple``, ``set``,
+    ``argparse.Namespace``: a config), anything else the same object (a dataset is not copied). Each
+    attempt gets such a copy of the arguments as first given: Ignite's cifar10 example sets
+    ``config["output_path"]`` to the folder it made, and the next attempt made its folder inside it."""
+    kind = type(value)
+    if depth > 32:  # a container that holds itself: as it is
+        return value
+    if kind is dict:
+        return {k: _fresh(v, depth + 1) for k, v in value.items()}
+    if kind in (list, tuple, set):
+        return kind(_fresh(v, depth + 1) for v in value)
+    if kind is argparse.Namespace:
+        return argparse.Namespace(**_fresh(vars(value), depth + 1))
+    return value
 
 
 def recovery_attempt() -> int:
@@ -140,6 +158,7 @@ class _Recovery:
                 lay = self.layout
                 self._joined = (spares.take_own_seat(lay, self.join_timeout), lay.launched_rank, lay.training_world)
                 hooks.run(hooks.RE_FORM, self._state())  # the launchers: init_process_group is given this world
+            given = _fresh((args, kwargs))  # the arguments as called: an attempt's changes to its own do not carry over
             while True:
                 started = time.monotonic()
                 gc.freeze()  # the teardown's collection visits only what the attempt made (0.6 s -> 0.01 s)
@@ -167,6 +186,7 @@ class _Recovery:
                 # Outside the except block: the failed attempt's frames (and its loaders) are free.
                 self._teardown(timings)
                 self._reform(timings)
+                args, kwargs = _fresh(given)
         finally:
             sessions, self._sessions = self._sessions, []
             for session in sessions:  # not abandoned: the liveness helpers a recovery kept, stopped on every way out

@@ -91,6 +91,15 @@ def assert_carried_on_from_live_state(run: Path, ref: Path, output: str, same_pr
     assert "is held for the next call" in output
 
 
+def assert_folders_side_by_side(run: Path, ranks: int) -> None:
+    """Each attempt's folder was made in the base folder (``config["output_path"]`` as the script was
+    called), not inside the previous attempt's, which the example's ``config["output_path"] = ...``
+    did when every attempt was given the same dict."""
+    for rank in range(ranks):
+        made = [Path(tries(run, rank)[a]["folder"]) for a in (0, 1)]
+        assert made[0].parent == made[1].parent == run / "output", (rank, made)
+
+
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_a_folder_made_at_each_call_carries_on_from_live_state(world, tmp_path, tmp_path_factory):
     """Every rank names a new timestamped folder at each call and loads nothing itself: the live state
@@ -100,6 +109,7 @@ def test_a_folder_made_at_each_call_carries_on_from_live_state(world, tmp_path, 
                                                   "FTH_INJECT": "raise@rank=1,iteration=45"}, world=world)
     folders = {tries(run, 0)[a]["folder"] for a in (0, 1)}
     assert len(folders) == 2, folders  # a new folder in the recovered attempt: no checkpoint in it
+    assert_folders_side_by_side(run, world)
     assert_carried_on_from_live_state(run, ref, output, (True,) * world)
     # the form the docs showed first: warned once per rank, with the line to change
     assert ref_output.count("recover_in_place was called inside a process group that exists already") == world
@@ -119,6 +129,7 @@ def test_a_folder_only_rank_0_knows_and_a_killed_rank_carry_on_from_live_state(t
     run, _, output = job("around", tmp_path, {"FOLDER": "rank-0", "RESUME": "trainer",
                                               "FTH_INJECT": "kill@rank=1,iteration=45"})
     assert_carried_on_from_live_state(run, ref, output, (True, False))
+    assert_folders_side_by_side(run, 1)
     assert "sent from rank 0 to rank 1" in output
     assert [Path(tries(run, r)[1]["resumed_from"]).name for r in (0, 1)] == ["live-state-step=44.pt"] * 2
     assert output.count("carries on from live state, iteration 44 (loaded by the script from live-state-step=44.pt)") \

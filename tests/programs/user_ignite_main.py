@@ -5,7 +5,8 @@ iterations an epoch at any world size).
     torchrun --nproc-per-node 2 user_ignite_main.py FORM OUTDIR
 
 Like the example, ``training(local_rank, config)`` runs in every rank under ``idist.Parallel(backend)``;
-it seeds torch, makes its output folder named by a timestamp taken at each call, builds the model with
+it seeds torch, makes its output folder named by a timestamp taken at each call (and writes it into
+``config["output_path"]``, as the example does), builds the model with
 ``idist.auto_model``, and hands the trainer to ``common.setup_common_training_handlers`` (a
 ``Checkpoint`` with a ``DiskSaver`` in that folder, ``filename_prefix="training"``, a
 ``PiecewiseLinear`` learning-rate schedule, ``TerminateOnNan``, a running average of the loss, the
@@ -68,6 +69,7 @@ def training(local_rank: int, config: dict) -> None:
         now = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
         output_path = output_path / f"linear_backend-{idist.backend()}-{idist.get_world_size()}_{now}"
         output_path.mkdir(parents=True, exist_ok=True)
+        config["output_path"] = output_path.as_posix()  # as the example does: the config says where
     note(rank, folder=str(output_path))
 
     generator = torch.Generator().manual_seed(0)

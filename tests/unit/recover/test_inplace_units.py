@@ -429,3 +429,23 @@ def test_a_report_whose_copies_are_not_triples_of_ranks_is_not_believed():
     assert plan.checked(2) == plan and plan.checked(1).why == "rank 0's plan names ranks outside the world"
     assert LivePlan(36, "iteration", "", shards=(0, 1, 7)).checked(1).why == "rank 0's plan names ranks outside the world"
     assert LivePlan(36, "iteration", "", shards=(0, 0)).checked(1).why == "rank 0's plan names ranks outside the world"
+
+
+def test_each_attempt_gets_the_arguments_as_first_given_its_plain_containers_copied():
+    import argparse
+
+    from fault_tolerant_handlers.recover.inplace import _fresh
+
+    dataset = object()  # not a container: the same object (a dataset is never copied)
+    config = {"output_path": "/out", "layers": [1, 2], "ns": argparse.Namespace(lr=0.1), "data": dataset}
+    given = _fresh(((0, config), {"seed": 1}))
+    args, kwargs = _fresh(given)
+    args[1]["output_path"] = "/out/run-0"  # what Ignite's cifar10 example does at each call
+    args[1]["layers"].append(3)
+    args[1]["ns"].lr = 1.0
+    again, _ = _fresh(given)
+    assert again[1]["output_path"] == "/out" and again[1]["layers"] == [1, 2] and again[1]["ns"].lr == 0.1
+    assert again[1]["data"] is dataset and config["output_path"] == "/out"
+    loop: dict = {}
+    loop["self"] = loop
+    assert _fresh(loop)["self"]  # a container that holds itself: copied to a depth, then as it is
