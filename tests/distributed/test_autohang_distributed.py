@@ -54,6 +54,8 @@ def _assert_no_alarm(results, slow_kinds: set[str]) -> None:
         limit = e.get("checkpoint_deadline") if e["kind"] == "checkpoint" and "checkpoint_deadline" in e \
             else e["step_deadline"]
         assert limit is not None and e["seconds"] > limit >= FLOOR, e
+        if e["kind"] == "validation" and "evaluation_deadline" in e:  # Lightning: within its own kind's
+            assert e["seconds"] < e["evaluation_deadline"], e  # deadline, or the rule would be right to alarm
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.has("run_returned"), r.events
