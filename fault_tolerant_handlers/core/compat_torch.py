@@ -16,6 +16,7 @@ import platform
 import sys
 import threading
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -69,16 +70,18 @@ def forget_destroyed_groups() -> int:
         return isinstance(value, dist.ProcessGroup) and value not in live
 
     changed = 0
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("torch.distributed") or module is None:
-            continue
-        for obj in list(vars(module).values()):
-            for fn in list(vars(obj).values()) if isinstance(obj, type) else (obj,):
-                fn = getattr(fn, "__func__", fn)  # a classmethod's or a staticmethod's function
-                defaults = getattr(fn, "__defaults__", None) if isinstance(fn, types.FunctionType) else None
-                if defaults and any(gone(d) for d in defaults):
-                    fn.__defaults__ = tuple(None if gone(d) else d for d in defaults)
-                    changed += 1
+    with warnings.catch_warnings():  # torch.distributed.reduce_op warns at any attribute read (deprecated)
+        warnings.simplefilter("ignore", FutureWarning)
+        for name, module in list(sys.modules.items()):
+            if not name.startswith("torch.distributed") or module is None:
+                continue
+            for obj in list(vars(module).values()):
+                for fn in list(vars(obj).values()) if isinstance(obj, type) else (obj,):
+                    fn = getattr(fn, "__func__", fn)  # a classmethod's or a staticmethod's function
+                    defaults = getattr(fn, "__defaults__", None) if isinstance(fn, types.FunctionType) else None
+                    if defaults and any(gone(d) for d in defaults):
+                        fn.__defaults__ = tuple(None if gone(d) else d for d in defaults)
+                        changed += 1
     return changed
 
 
