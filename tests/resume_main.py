@@ -23,6 +23,8 @@ weights (``full_tensor()``, on every rank) at the end. ``HIDDEN=<n>``: a model w
 ``KEEP=<n>``: checkpoints kept (2); ``SAMPLES=<n>``: the data set's size (400); ``STEP_MS=<ms>``: each
 training step also sleeps that long (a step of a real model's length: ``bench/goodput.py``). ``EVAL_TRAIN=1`` (Ignite):
 an evaluator ``Engine`` runs over the training loader at each epoch's end (Ignite's cifar10 example).
+``PERSISTENT=1``: the loader's workers are persistent, and a SIGTERM one gets is noted in
+``OUTDIR/worker_sigterm.jsonl`` (with the attempt that started it).
 
 Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` at its start (which checkpoint
 it resumed from, at which iteration) and appends the sample indices of every batch it trains to
@@ -36,7 +38,8 @@ import time
 
 T_START = time.time()  # the process's start, before the imports (the bench's breakdown)
 
-import io  # noqa: E402
+import functools  # noqa: E402
+import io
 import json
 import os
 import signal
@@ -95,6 +98,7 @@ EVAL_TRAIN = os.environ.get("EVAL_TRAIN", "0") == "1"  # Ignite: an evaluator ru
 EPOCHS = int(os.environ.get("EPOCHS", "3"))
 STEP_SEC = float(os.environ.get("STEP_MS", "0")) / 1000  # slept in each step, before its forward
 WORKERS = int(os.environ.get("WORKERS", "2"))
+PERSISTENT = os.environ.get("PERSISTENT", "0") == "1"  # the loader's workers kept between passes; SIGTERMs noted
 RESUME = os.environ.get("RESUME", "1") == "1"  # 0: a restart from scratch (the bench's baseline)
 PG_TIMEOUT = timedelta(seconds=float(os.environ.get("PG_TIMEOUT_SEC", "20")))
 HANG = os.environ.get("FTH_HANG_TIMEOUT_SEC")
@@ -124,10 +128,24 @@ def mark(name: str) -> None:
     MARKS[name] = time.time()
 
 
+def note_sigterm(attempt: int, rank: int, worker_id: int) -> None:
+    """A worker's ``worker_init_fn`` (``PERSISTENT=1``): a SIGTERM it gets is noted in
+    ``OUTDIR/worker_sigterm.jsonl`` (torch's last resort for a worker its shutdown waited for in vain)."""
+    def noted(signum, frame):
+        with open(OUT / "worker_sigterm.jsonl", "a") as f:
+            f.write(json.dumps({"attempt": attempt, "rank": rank, "worker": worker_id, "pid": os.getpid()}) + "\n")
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, noted)
+
+
 def make_loader() -> RestartableDataLoader:
     data = Regression(int(os.environ.get("SAMPLES", "400")))
     sampler = DistributedSampler(data, num_replicas=WORLD, rank=RANK, shuffle=True, seed=0)
-    return RestartableDataLoader(data, batch_size=4, sampler=sampler, num_workers=WORKERS, max_restarts=3)
+    persistent = PERSISTENT and WORKERS > 0
+    return RestartableDataLoader(data, batch_size=4, sampler=sampler, num_workers=WORKERS, max_restarts=3,
+                                 persistent_workers=persistent,
+                                 worker_init_fn=functools.partial(note_sigterm, int(ATTEMPT), RANK) if persistent else None)
 
 
 def make_model() -> torch.nn.Module:

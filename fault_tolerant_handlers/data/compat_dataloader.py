@@ -321,6 +321,9 @@ class _Hardened:
         stop = self.__dict__.get("_fth_stop")
         if stop is not None:
             stop.set()
+        if not self.__dict__.get("_shutdown", True) and any(map(_closed_by_collection, self.__dict__.get("_index_queues", ()))):
+            self.abort()  # the workers would never read torch's "exit" (its join: 5 s each, then SIGTERM)
+            return None
         return super()._shutdown_workers()
 
     def abort(self) -> list[tuple[int, int | None]]:
@@ -372,6 +375,15 @@ def construct(cls, loader, *args):
             raise
         raise lost from exc
     return it
+
+
+def _closed_by_collection(q: Any) -> bool:
+    """A worker's index queue was finalized without ``close()``: a garbage collection took the iterator
+    with its queues (a persistent one in a cycle: the failed attempt's, at a recovery's collection), and
+    ran the queues' finalizers first (weakref callbacks before ``__del__``). Its feeder thread ends:
+    nothing put in it now reaches the worker."""
+    close = q.__dict__.get("_close")  # multiprocessing.util.Finalize once its feeder started; None after close()
+    return close is not None and not close.still_active()
 
 
 def _exited(worker) -> bool:

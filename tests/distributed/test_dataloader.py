@@ -264,6 +264,22 @@ def test_stopped_pumps_leave_no_thread_and_no_descriptor():
     assert pumps == [] and after <= fds, (pumps, after, fds)
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_the_workers_of_an_iterator_collected_in_a_cycle_are_killed_not_waited_for(persistent):
+    """A loader in a reference cycle, its pass dropped mid-way (a failed attempt's, collected by a
+    recovery in place's ``gc.collect()``): the collection finalizes the workers' index queues before
+    the iterator's ``__del__``, so torch's "exit" never reaches them: it waited 5 s for each (then
+    SIGTERMed those still running). They are killed at once (SIGKILL), and none is left running."""
+    loader = RestartableDataLoader(MapData(80, delay=0), batch_size=4, num_workers=2, persistent_workers=persistent)
+    run = loader.run = iter(loader)
+    next(run)
+    workers = list(run.it._workers)
+    del loader, run
+    gc.collect()
+    assert [w.exitcode for w in workers] == [-signal.SIGKILL] * 2
+
+
 # -- API ------------------------------------------------------------------------------------------
 
 
