@@ -14,7 +14,7 @@ Default suite: Ignite raising (live state), a SIGKILLed rank replaced (live stat
 process), 6 recoveries in one job, a hang inside a step
 that swallows every exception; the rest is ``long`` (``make test-long``): Lightning, no
 checkpoint at all, hangs, ``FTH_LIVE_STATE=0``, 20 recoveries, two recoveries, a repeat,
-``max_restarts`` spent, ``replace_dead=False``.
+``max_restarts`` spent, ``replace_dead=False``, persistent workers.
 """
 
 from __future__ import annotations
@@ -134,8 +134,9 @@ def test_a_raise_recovers_in_place_from_live_state_exactly(framework, every, tmp
         assert [tries(run, rank)[1]["earlier_groups_alive"] for rank in (0, 1)] == [0, 0]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("framework", ["lightning", pytest.param("ignite", marks=pytest.mark.long)])
+@pytest.mark.parametrize("framework", ["lightning", "ignite"])
 def test_with_persistent_workers_the_failed_attempts_workers_are_not_waited_for(framework, tmp_path, tmp_path_factory):
     """``PERSISTENT=1``: the failed attempt's persistent iterator is collected with its loader by the
     teardown's ``gc.collect()``, which finalized its index queues first: torch's "exit" to the workers
