@@ -291,7 +291,8 @@ class IgniteLive(LiveLoop):
             return (f"the trainer's Checkpoint objects ({', '.join(to_load)})"
                     + (f"; not in the live state: {', '.join(left)}" if left else ""))
 
-        live.loop_starts("iteration", lambda: int(engine.state.iteration), None if why else restore, why)
+        live.loop_starts("iteration", lambda: int(engine.state.iteration), None if why else restore, why,
+                         data=lambda: (mid_epoch_data(engine) or (None,))[0])
 
     def _started(self, engine: Any) -> None:
         self.close()
@@ -418,30 +419,40 @@ class DCPSaver(BaseSaveHandler):
 
 def check_mid_epoch_resume(engine: Any) -> str | None:
     """Warn when ``engine`` resumes inside an epoch and its loader will not continue there; return the warning."""
+    gap = mid_epoch_data(engine)
+    if gap is None:
+        return None
+    epoch, done = divmod(engine.state.iteration, engine.state.epoch_length)
+    where = (f"the engine resumes at iteration {engine.state.iteration} (batch {done} of epoch {epoch + 1}, epoch_length "
+             f"{engine.state.epoch_length})")
+    message = f"{where}, but {gap[0]}, not the batches an uninterrupted run trains. {gap[1]}"
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    log(logging.WARNING, "%s", message, step=engine.state.iteration)
+    return message
+
+
+def mid_epoch_data(engine: Any) -> tuple[str, str] | None:
+    """``(what, advice)`` when ``engine`` resumes inside an epoch and its loader will not continue there."""
     state = engine.state
     length, iteration, loader = state.epoch_length, state.iteration, state.dataloader
     if not length or not iteration or iteration % length == 0 or loader is None:
         return None
     epoch, done = divmod(iteration, length)
-    where = f"the engine resumes at iteration {iteration} (batch {done} of epoch {epoch + 1}, epoch_length {length})"
     if not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))):
-        message = (f"{where}, but its data ({type(loader).__name__}) has no state_dict/load_state_dict: Ignite will "
-                   f"draw the remaining {length - done} iterations from the start of the epoch, not the batches an "
-                   "uninterrupted run trains. Use fault_tolerant_handlers.RestartableDataLoader (or make_restartable) "
-                   "and put it in the checkpoint's to_save / to_load")
-    else:  # the batch of its pass the loader's next iter() starts at (0: a new pass), if it says
-        if not isinstance(loader, RestartableDataLoader):
-            return None
-        state = loader.state_dict()
-        batch = 0 if state["epoch_finished"] else state["batches_yielded"]
-        if batch == done:
-            return None
-        start = "batch 0 (a new pass over the data)" if batch == 0 else f"batch {batch}"
-        message = (f"{where}, but the loader's next iter() starts at {start}: was it left out of "
-                   "Checkpoint.load_objects(to_load=...)? Put the loader in to_save and to_load")
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
-    log(logging.WARNING, "%s", message, step=iteration)
-    return message
+        return (f"the data of epoch {epoch + 1} restarts from its beginning ({type(loader).__name__} has no "
+                f"state_dict/load_state_dict): Ignite draws its remaining {length - done} iterations from the "
+                "start of the epoch",
+                "Use fault_tolerant_handlers.RestartableDataLoader (or make_restartable) and put it in the "
+                "checkpoint's to_save / to_load")
+    if not isinstance(loader, RestartableDataLoader):
+        return None
+    state = loader.state_dict()  # the batch of its pass the loader's next iter() starts at (0: a new pass)
+    batch = 0 if state["epoch_finished"] else state["batches_yielded"]
+    if batch == done:
+        return None
+    start = "batch 0 (a new pass over the data)" if batch == 0 else f"batch {batch}"
+    return (f"the loader's next iter() starts at {start}",
+            "Was it left out of Checkpoint.load_objects(to_load=...)? Put the loader in to_save and to_load")
 
 
 # -- a DDP's bucket layout beside the model (a resume exact at 3+ ranks) ------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import weakref
 from datetime import timedelta
@@ -166,7 +167,7 @@ class FaultTolerance(_CallbackBase):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard.active and attempts.recovering():
             live.loop_starts("global step", lambda: int(trainer.global_step), None,
-                             "fit(ckpt_path=...) did not load it")
+                             "fit(ckpt_path=...) did not load it", data=lambda: _mid_epoch_data(trainer))
             self._live.train_start(trainer)
             self._recovery.train_start(trainer)
 
@@ -439,3 +440,20 @@ class LightningRecovery(LoopRecovery):
 def _hook(info: recoveries.RecoveryInfo) -> None:
     LightningRecovery.tell_failed_loops(info, lambda trainer: dispatch(trainer, HOOKS[info.phase], info),
                                         f"{HOOKS[info.phase]} hook")
+
+
+def _mid_epoch_data(trainer: pl.Trainer) -> str | None:
+    """Why the fit's data does not resume at its global step (Lightning's own check: a loader without
+    ``state_dict``/``load_state_dict``, inside an epoch), else ``None``."""
+    batches = trainer.num_training_batches
+    if not batches or batches == float("inf"):
+        return None
+    per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+    done = trainer.global_step % per_epoch
+    plain = [loader for loader in _compat_lightning.train_loaders(trainer)
+             if not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)))]
+    if not done or not plain:
+        return None
+    return (f"the data of the resumed epoch restarts from its beginning ({type(plain[0]).__name__} has no "
+            f"state_dict/load_state_dict): Lightning draws its remaining {per_epoch - done} steps from the start of "
+            "the epoch")

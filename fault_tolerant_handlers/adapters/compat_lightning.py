@@ -8,6 +8,7 @@ each name is looked up in the namespace of the object given).
 * ``strategies.launchers.subprocess_script._SubprocessScriptLauncher`` (:func:`keep_launched_ranks`);
 * ``Trainer._checkpoint_connector.dump_checkpoint`` (live state) and ``.resume_start``;
 * ``loops.loop._Loop``, ``loops.progress._BaseProgress`` (:func:`loop_parts`);
+* ``FitLoop._combined_loader`` (:func:`train_loaders`);
 * ``ModelParallelStrategy._save_distributed_checkpoint`` (:func:`dump_checkpoint`: no collective);
 * ``ModelCheckpoint.__resolve_ckpt_dir``, mirrored by :func:`checkpoint_folders`;
 * ``Trainer.callback_metrics`` is the logger connector's own dict (``LightningModule.log``'s first
@@ -215,6 +216,11 @@ def dump_checkpoint(trainer: Any) -> dict:
     finally:
         if gathers:
             strategy._save_distributed_checkpoint = False
+
+
+def train_loaders(trainer: Any) -> list:
+    """The fit's training loaders (set up before ``on_train_start``), or ``[]``."""
+    return list(getattr(getattr(trainer.fit_loop, "_combined_loader", None), "flattened", ()))
 
 
 def _nodes(progress: Any) -> list:

@@ -280,9 +280,11 @@ def substitute(path: str | os.PathLike | None, what: str) -> str | None:
 
 
 def loop_starts(unit: str, position: Callable[[], int], restore: Callable[[Any], str] | None,
-                why_not: str = "") -> None:
+                why_not: str = "", data: Callable[[], str | None] = lambda: None) -> None:
     """The next attempt's loop starts: tell, once, what it carries on from (``position()``: its step).
-    Live state the script did not take is restored by ``restore(state)``, or a WARNING says why not."""
+    Live state the script did not take is restored by ``restore(state)``, or a WARNING says why not.
+    ``data()``: why the loop's data does not resume where it does (a loader that starts its epoch over),
+    else ``None``."""
     global _held, _handed, _fallback
     with _lock:
         pending = _hand_over("restored") if _held is not None and restore is not None else None
@@ -293,9 +295,9 @@ def loop_starts(unit: str, position: Callable[[], int], restore: Callable[[Any],
         before = position()
         what = restore(pending.state)
         _tell(pending, position(), f"restored into {what}" + (f"; it replaces what the script loaded ({unit} {before})"
-                                                              if before else ""))
+                                                              if before else ""), data)
     elif handed is not None:
-        _tell(handed[0], position(), handed[1])
+        _tell(handed[0], position(), handed[1], data)
     elif unused is not None:
         with _lock:
             _held = None
@@ -309,11 +311,14 @@ def loop_starts(unit: str, position: Callable[[], int], restore: Callable[[Any],
             fallback)
 
 
-def _tell(captured: Captured, now: int, how: str) -> None:
+def _tell(captured: Captured, now: int, how: str, data: Callable[[], str | None]) -> None:
     twice = (_completed or 0) - captured.step  # the agreed step is older than this rank's last (a shard held nowhere)
     if now == captured.step:
+        said = [f"{twice} step(s) this rank had completed computed again"] if twice > 0 else []
+        if (gap := data()) is not None:
+            said.append(f"resumed at that {captured.unit}, but {gap}, not the batches an uninterrupted run trains")
         log(logging.WARNING, "carries on from live state, %s %d (%s): %s", captured.unit, captured.step, how,
-            f"{twice} step(s) this rank had completed computed again" if twice > 0 else "no step computed twice")
+            "; ".join(said) or "no step computed twice")
     else:
         log(logging.WARNING, "live state of %s %d was handed over (%s), but the loop starts at %s %d: the script "
             "loaded something else after it", captured.unit, captured.step, how, captured.unit, now)

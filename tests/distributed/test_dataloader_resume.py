@@ -338,10 +338,11 @@ def test_ignite_mid_epoch_resume_warns_when_the_loader_would_start_over():
         return engine
 
     plain = DataLoader(MapData(N, 0), batch_size=BATCH)
-    with pytest.warns(RuntimeWarning, match=r"iteration 30 \(batch 6 of epoch 2.*DataLoader\) has no state_dict"):
+    with pytest.warns(RuntimeWarning, match=r"iteration 30 \(batch 6 of epoch 2.*restarts from its beginning \(DataLoader has no state_dict"):
         check_mid_epoch_resume(engine_at(30, plain))
     fresh = build("shuffle", "0")  # left out of to_load
-    with pytest.warns(RuntimeWarning, match=r"next iter\(\) starts at batch 0 \(a new pass over the data\): was it left out"):
+    with pytest.warns(RuntimeWarning, match=r"next iter\(\) starts at batch 0 \(a new pass over the data\), not the batches an "
+                                             r"uninterrupted run trains\. Was it left out"):
         check_mid_epoch_resume(engine_at(30, fresh))
     loaded = build("shuffle", "0")
     source = build("shuffle", "0")
@@ -353,7 +354,7 @@ def test_ignite_mid_epoch_resume_warns_when_the_loader_would_start_over():
     assert check_mid_epoch_resume(engine_at(48, plain)) is None  # an epoch boundary: nothing to resume
     elsewhere = build("shuffle", "0")
     elsewhere.load_state_dict(source.state_dict())
-    with pytest.warns(RuntimeWarning, match=r"starts at batch 6: was it left out"):
+    with pytest.warns(RuntimeWarning, match=r"starts at batch 6, not the batches an uninterrupted run trains\. Was it left out"):
         check_mid_epoch_resume(engine_at(33, elsewhere))  # restored, but not where the engine is
 
 

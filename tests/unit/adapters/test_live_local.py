@@ -12,7 +12,7 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, DiskSaver
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from fault_tolerant_handlers import RestartableDataLoader, latest_checkpoint
 from fault_tolerant_handlers.adapters import compat_ignite
@@ -32,12 +32,13 @@ class Boom(Exception):
     pass
 
 
-def job(ckpt, fail_at: int = 0, in_step: bool = False):
+def job(ckpt, fail_at: int = 0, in_step: bool = False, plain: bool = False):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
-    loader = RestartableDataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
+    loader = (DataLoader if plain else RestartableDataLoader)(data, batch_size=4, shuffle=True,
+                                                             generator=torch.Generator().manual_seed(1))
 
     def step(engine, batch):
         x, y = batch
@@ -55,7 +56,7 @@ def job(ckpt, fail_at: int = 0, in_step: bool = False):
     engine = Engine(step)
     capture = IgniteLive()
     capture.attach(engine)
-    to_save = {"model": model, "optimizer": optimizer, "trainer": engine, "loader": loader}
+    to_save = {"model": model, "optimizer": optimizer, "trainer": engine, **({} if plain else {"loader": loader})}
     engine.add_event_handler(Events.ITERATION_COMPLETED(every=1000), Checkpoint(to_save, DiskSaver(ckpt, require_empty=False)))
     if fail_at and not in_step:
         engine.add_event_handler(Events.ITERATION_STARTED(once=fail_at), lambda: (_ for _ in ()).throw(Boom("raised")))
@@ -68,7 +69,7 @@ def job(ckpt, fail_at: int = 0, in_step: bool = False):
     return engine, model, loader, to_save
 
 
-def test_a_failure_leaves_the_last_completed_iterations_state_and_resuming_from_it_is_exact(recovering, tmp_path):
+def test_a_failure_leaves_the_last_completed_iterations_state_and_resuming_from_it_is_exact(recovering, tmp_path, caplog):
     engine, model, loader, _ = job(tmp_path / "ref")
     engine.run(loader, max_epochs=2)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
@@ -88,8 +89,33 @@ def test_a_failure_leaves_the_last_completed_iterations_state_and_resuming_from_
     path = latest_checkpoint(tmp_path / "run")
     assert path.endswith("live-state-step=16.pt")
     Checkpoint.load_objects(to_load=to_save, checkpoint=path)
-    engine.run(loader, max_epochs=2)
+    with caplog.at_level("WARNING", logger="fault_tolerant_handlers"):
+        engine.run(loader, max_epochs=2)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    assert "carries on from live state, iteration 16 (loaded by the script from live-state-step=16.pt): no step " \
+           "computed twice" in caplog.text
+
+
+def test_a_plain_dataloader_resumed_inside_an_epoch_is_not_said_to_carry_on_exactly(recovering, tmp_path, caplog):
+    """A plain ``DataLoader`` (no ``state_dict``) resumed from the live state of iteration 16, inside the
+    second epoch: the trainer carries on at iteration 16, but its loader draws the epoch's remaining 4
+    iterations from the epoch's start. The line says so, not "no step computed twice" (which it said
+    while the weights differed from an uninterrupted run's)."""
+    engine, _, loader, _ = job(tmp_path, fail_at=17, plain=True)
+    with pytest.raises(Boom):
+        engine.run(loader, max_epochs=2)
+    live.hold(live.collect())
+    compat_ignite.hook_load_objects(take=live.take)
+
+    engine, _, loader, to_save = job(tmp_path, plain=True)
+    Checkpoint.load_objects(to_load=to_save, checkpoint=latest_checkpoint(tmp_path))
+    with caplog.at_level("WARNING", logger="fault_tolerant_handlers"):
+        engine.run(loader, max_epochs=2)
+    assert "carries on from live state, iteration 16 (loaded by the script from live-state-step=16.pt): resumed at " \
+           "that iteration, but the data of epoch 2 restarts from its beginning (DataLoader has no " \
+           "state_dict/load_state_dict): Ignite draws its remaining 4 iterations from the start of the epoch, not " \
+           "the batches an uninterrupted run trains" in caplog.text, caplog.text
+    assert "no step computed twice" not in caplog.text
 
 
 def test_a_failure_inside_the_optimizer_step_leaves_no_live_state(recovering, tmp_path):

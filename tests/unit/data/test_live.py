@@ -179,6 +179,18 @@ def test_a_rank_that_had_completed_a_step_past_the_agreed_one_says_it_computes_i
     assert "): 1 step(s) this rank had completed computed again" in caplog.text and "no step computed twice" not in caplog.text
 
 
+def test_a_loop_whose_data_does_not_resume_with_it_says_so_not_that_no_step_is_computed_twice(recovering, caplog):
+    """The adapter's ``data()`` says the loop's data restarts its epoch (a plain DataLoader resumed inside
+    one): the line says the loop resumed at the step but its data did not, never "no step computed twice"."""
+    live.hold(captured(step=36))
+    with caplog.at_level("WARNING", logger="fault_tolerant_handlers"):
+        live.loop_starts("iteration", lambda: 36, lambda state: "the objects", data=lambda: "its data starts over")
+    assert "carries on from live state, iteration 36 (restored into the objects" in caplog.text
+    assert "): resumed at that iteration, but its data starts over, not the batches an uninterrupted run trains" \
+        in caplog.text
+    assert "no step computed twice" not in caplog.text
+
+
 def test_a_loop_start_that_cannot_restore_warns_where_it_starts_instead(recovering, caplog):
     live.hold(captured(step=36))
     with caplog.at_level("WARNING", logger="fault_tolerant_handlers"):
