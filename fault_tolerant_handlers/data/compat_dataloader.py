@@ -39,7 +39,8 @@ _REQUIRED = (
     ("dataloader", "_SingleProcessDataLoaderIter"),
     ("dataloader", "_MultiProcessingDataLoaderIter"),
     *(("_MultiProcessingDataLoaderIter.__init__", n)
-      for n in ("_workers", "_worker_result_queue", "_worker_pids_set", "_shutdown", "_data_queue")),
+      for n in ("_workers", "_worker_result_queue", "_worker_pids_set", "_shutdown", "_data_queue",
+                "_index_queues")),
     ("_BaseDataLoaderIter.__init__", "_pin_memory"),
     ("_BaseDataLoaderIter.__init__", "_timeout"),
     *(("_MultiProcessingDataLoaderIter._reset", n) for n in ("_rcvd_idx", "_task_info", "_workers_status")),
@@ -382,7 +383,7 @@ def _closed_by_collection(q: Any) -> bool:
     with its queues (a persistent one in a cycle: the failed attempt's, at a recovery's collection), and
     ran the queues' finalizers first (weakref callbacks before ``__del__``). Its feeder thread ends:
     nothing put in it now reaches the worker."""
-    close = q.__dict__.get("_close")  # multiprocessing.util.Finalize once its feeder started; None after close()
+    close = q.__dict__.get("_close")  # multiprocessing's private Finalize once its feeder started (checked on 3.11)
     return close is not None and not close.still_active()
 
 
