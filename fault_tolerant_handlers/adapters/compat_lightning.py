@@ -285,6 +285,11 @@ def loop_state(parts: tuple[list, list], snapshot: tuple[list, list]) -> dict:
     return state
 
 
+#: What ``fit(ckpt_path=...)`` needs of a checkpoint beyond the weights (Lightning 2.5-2.6,
+#: ``_CheckpointConnector.restore_optimizers_and_schedulers``: a ``KeyError`` without it): a weights-only file lacks it.
+RESUME_KEYS = ("optimizer_states",)
+
+
 def checkpoint_folders(trainer: Any) -> tuple[list[str], str]:
     """The folders the trainer's ``ModelCheckpoint`` writes to (and wrote to in earlier runs) and a label:
     its ``dirpath``, else the ``checkpoints`` folder of every version of the first logger (its

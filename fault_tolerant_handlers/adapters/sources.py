@@ -61,7 +61,9 @@ def source_of(where: Any, *, prefix: str | None = None, required_keys: Any = Non
     trainers = (_class(ns + ".trainer.trainer", "Trainer") for ns in compat_lightning.NAMESPACES)
     if any(cls is not None and isinstance(where, cls) for cls in trainers):
         folders, label = compat_lightning.checkpoint_folders(where)
-        prefix, keys = check_prefix(prefix), check_keys(required_keys)
+        # a weights-only file (a second ModelCheckpoint(save_weights_only=True) in the same folder) cannot resume fit
+        keys = check_keys(required_keys) if required_keys is not None else compat_lightning.RESUME_KEYS
+        prefix = check_prefix(prefix)
         return Source(tuple(Path(f) for f in folders), label_of(Path(label), prefix, keys), prefix, keys)
     return folder_source(where)  # raises the TypeError naming the accepted kinds
 
@@ -76,7 +78,8 @@ def latest_checkpoint(dirname: str | os.PathLike | Any, *, prefix: str | None = 
         dirname: a folder (``str`` or ``os.PathLike``), or what writes the checkpoints: an Ignite ``Engine``
             or its ``Checkpoint``, a Lightning ``Trainer`` (its ``ModelCheckpoint``'s folder).
         prefix: only files whose name starts with it (with an Ignite object: derived from it).
-        required_keys: the top-level keys a usable file holds (with an Ignite object: its ``to_save``'s).
+        required_keys: the top-level keys a usable file holds (with an Ignite object: its ``to_save``'s; with a
+            ``Trainer``: ``optimizer_states``, which a weights-only file lacks and ``fit`` needs).
 
     Examples:
         .. code-block:: python

@@ -122,7 +122,7 @@ def check_file(path: Path, required_keys: tuple[str, ...] = ()) -> str | None:
         missing = [k for k in required_keys if k not in loaded]
         if missing:
             return (f"missing key {', '.join(repr(k) for k in missing)} (the load needs {', '.join(required_keys)}: "
-                    "a file of another Checkpoint, such as a model-only best-model file?)")
+                    "a model-only file, such as a best model's or a weights-only one?)")
     return None
 
 

@@ -64,12 +64,14 @@ def test_lightning_trainer_default_folder_every_version(tmp_path, monkeypatch):
     old = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
     old.mkdir(parents=True)
     (tmp_path / "lightning_logs" / "version_1").mkdir()  # the relaunch's version: nothing saved yet
-    torch.save({"state_dict": {}, "global_step": 40}, old / "epoch=0-step=40.ckpt")
-    assert latest_checkpoint(trainer) == str(old / "epoch=0-step=40.ckpt")
+    torch.save({"state_dict": {}, "global_step": 40, "optimizer_states": []}, old / "epoch=0-step=40.ckpt")
+    torch.save({"state_dict": {}, "global_step": 40}, old / "best-epoch=0.ckpt")  # weights only, newer
+    with pytest.warns(RuntimeWarning, match="skipping best-epoch=0.ckpt: missing key 'optimizer_states'"):
+        assert latest_checkpoint(trainer) == str(old / "epoch=0-step=40.ckpt")
     assert trainer.logger._version is None  # not fixed by the call (fit chooses it)
     bare = L.Trainer(logger=False, default_root_dir=tmp_path / "root", accelerator="cpu")
     (tmp_path / "root" / "checkpoints").mkdir(parents=True)
-    torch.save({"state_dict": {}}, tmp_path / "root" / "checkpoints" / "last.ckpt")
+    torch.save({"state_dict": {}, "optimizer_states": []}, tmp_path / "root" / "checkpoints" / "last.ckpt")
     assert latest_checkpoint(bare) == str(tmp_path / "root" / "checkpoints" / "last.ckpt")
     with pytest.raises(ValueError, match="no ModelCheckpoint"):
         latest_checkpoint(L.Trainer(enable_checkpointing=False, logger=False, accelerator="cpu"))
