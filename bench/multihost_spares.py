@@ -37,7 +37,8 @@ in turn with this one's, so that both see the same load. Needs root (the rig); e
 ``--shard-mb MB`` (issue 42's budget): the model sharded instead (``resume_main.py``'s ``FSDP=1``:
 FSDP2, Adam, a distributed checkpoint every 10 iterations; ``HIDDEN`` chosen so that each training
 rank's shard, parameters and Adam's two moments, is about MB: 3 x 4 B x the 10 x ``HIDDEN``
-parameters / the training ranks), one epoch (50 iterations at 2 training ranks), ``kill_host:1`` by
+parameters / the training ranks; at 2 ranks rank 0's is 1.1 x MB and rank 1's 0.9 x, the last layer's
+(1, ``HIDDEN``) weight being whole on rank 0), one epoch (50 iterations at 2 training ranks), ``kill_host:1`` by
 default; each run is made in turn with each ``--restart``: ``inplace``, each rank's shard copied into
 its partner's memory on the other host after every iteration (``FTH_SHARD_REPLICAS=1``: the spare
 receives the lost rank's shard), and ``checkpoint``, the same job without the copies (every rank,
