@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-ranges dist test-long test-multihost test-resume test-scale bench-resume bench-goodput bench-inplace bench-spawn bench-soak bench-scale bench-spares conformance root-cause venv clean
+.PHONY: demo test test-ranges dist test-long test-multihost test-resume test-scale bench-resume bench-goodput bench-inplace bench-spawn bench-soak bench-scale bench-spares bench-spares-sharded conformance root-cause venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -87,6 +87,11 @@ bench-resume: $(STAMP)
 # A lost host taken over by spares on simulated hosts (root), per phase (docs/benchmarks.md, "Spares").
 bench-spares: $(STAMP)
 	$(PY) bench/multihost_spares.py --reps 3
+
+# The same with FSDP2 shards of 100 MB per rank (root, issue 42): the spare served from a partner's copy,
+# then the same job from its checkpoint, in turn (docs/sharded.md, "A lost host with spares").
+bench-spares-sharded: $(STAMP)
+	$(PY) bench/multihost_spares.py --shard-mb 100 --reps 3 --frameworks ignite lightning
 
 # Goodput: Ignite and Lightning, 4 and 8 ranks, 10 min of 50 ms steps per run, with no fault, then faults
 # drawn at random (raise, kill, hang, worker-kill, lose) one per 60 s and one per 20 s, recovered in

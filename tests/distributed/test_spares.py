@@ -56,13 +56,14 @@ def kill_launched(run_dir: Path) -> None:
             continue
 
 
-def torchrun(out: Path, env: dict[str, str], *, nproc: int = 3, expect_ok: bool = True, framework: str = "ignite"):
+def torchrun(out: Path, env: dict[str, str], *, nproc: int = 3, expect_ok: bool = True, framework: str = "ignite",
+             deadline: float = 150):
     out.mkdir(parents=True, exist_ok=True)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0",
                 "--monitor-interval", "0.5"]
     run_dir = out / f"{framework}-1"
     try:
-        results = run_ranks(1, framework, out, script=SCRIPT, launcher=launcher, deadline=150, env={**ENV, **env})
+        results = run_ranks(1, framework, out, script=SCRIPT, launcher=launcher, deadline=deadline, env={**ENV, **env})
     finally:
         kill_launched(run_dir)
     code, output = results[0].returncode, results[0].stderr
