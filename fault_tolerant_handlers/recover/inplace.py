@@ -202,7 +202,7 @@ class _Recovery:
         """A keeper's new child (or a spare): join the recovery its peers wait in, over torchrun's store."""
         t0 = time.monotonic()
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = spares.connect(self.join_timeout)
+        store = attempts.agent_store(self.join_timeout)
         self._joined = (store, rank, world_size)
         if self.layout is not None:
             spares.write_seat(store, rank, self.layout.launched_rank)
