@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from . import compat_torch as _compat_torch
 from . import attempts, config, hooks, schema as _schema
-from .errors import PeerFailedError, RecoveryError, SectionMismatchError
-from .failure import FailureKind, FailureRecord, FailureState, Incident, host_name, tag, tag_of
+from .errors import RecoveryError, SectionMismatchError
+from .failure import FailureKind, FailureRecord, FailureState, Incident, PeerFailedError, host_name, tag, tag_of
 from .hooks import first_line, log
 from .procfs import (PeerPidProbe, RankTable, addresses_named, decode_name, digest, encode_name, local_layout,
                     normalize_address, own_address)

@@ -11,8 +11,7 @@ import traceback
 from typing import Callable, Iterable
 
 from ..core import config
-from ..core.errors import PeerFailedError
-from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, cap_tail
+from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, PeerFailedError, cap_tail
 from .writes import writing_now
 
 #: Defaults of the rule (``FTH_AUTO_HANG_MULTIPLE``, ``_FLOOR_SEC``, ``_WARMUP`` override the first three).

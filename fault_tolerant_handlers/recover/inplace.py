@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 
 from ..core import attempts, compat_torch as _compat_torch, config, hooks, interrupts, recoveries
 from ..core.config import RECOVER_TEARDOWN_SEC
-from ..core.errors import PeerFailedError, RecoveryError
-from ..core.failure import FailureRecord, cap_head, tag_of
+from ..core.errors import RecoveryError
+from ..core.failure import FailureRecord, PeerFailedError, cap_head, tag_of
 from ..core.hooks import log
 from ..core.phases import LIVE_NAME, RecoveryState
 from ..core.recoveries import RecoveryInfo, RecoveryPhase

@@ -549,7 +549,7 @@ def test_the_watchdog_publishes_the_record_a_probe_declared_once_and_nothing_rea
     """A probe's finding is the error itself: its record is published (first declarer only) when the
     probe declared it and the watchdog was given where; a record read back from the store, or a
     declaration with nowhere to go (the store is what is gone), is not published."""
-    from fault_tolerant_handlers.core.errors import PeerFailedError
+    from fault_tolerant_handlers.core.failure import PeerFailedError
     from fault_tolerant_handlers.detect.watchdog import Watchdog
 
     store = dist.HashStore()
