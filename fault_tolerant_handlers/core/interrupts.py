@@ -35,7 +35,7 @@ _deferred_at: float | None = None  # when the pending interrupt first found the 
 _bound = 30.0  # seconds: how long a section may hold the interrupt back (set by install)
 _signum: int | None = None  # the signal of the installed handler
 _takers: frozenset[CodeType] = frozenset()  # frames that take the interrupt: never raised in them
-_lock = threading.Lock()  # interrupt / resend / uninstall against each other (never in the handler)
+_lock = threading.Lock()  # interrupt / uninstall against each other (never in the handler)
 
 
 def _in_main_thread() -> bool:
@@ -174,11 +174,6 @@ def interrupt(error: BaseException | None) -> bool:
             _pending = error
         signal.pthread_kill(threading.main_thread().ident, _signum)
         return True
-
-
-def resend() -> bool:
-    """The watchdog's next signal, while the interrupt is still pending."""
-    return interrupt(None)
 
 
 def take() -> BaseException | None:
