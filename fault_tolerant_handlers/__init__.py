@@ -36,7 +36,8 @@ from .data.snapshots import load_checkpoint
 from .data.ddp_buckets import DDPBucketLayout
 from .data.dcp import ShardedState, load_dcp
 from .data.loader import DataLoaderRestartError, RestartableDataLoader, WorkerRestart, make_restartable
-from .core.errors import HangInterrupted, PeerFailedError, RecoveryError, SectionMismatchError, StateTransferError
+from .core.errors import HangInterrupted, RecoveryError, SectionMismatchError, StateTransferError
+from .core.failure import PeerFailedError
 from .core.interrupts import EXIT_TEARDOWN_STUCK, deferred_interrupt
 from .core.recoveries import (RecoveryCause, RecoveryInfo, RecoveryMetrics, RecoveryPhase, on_recovery,
                               recovery_history)

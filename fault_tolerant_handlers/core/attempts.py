@@ -6,6 +6,9 @@ and, inside it, the recoveries in place ``g`` = 0, 1, ... The job's attempt is `
 from __future__ import annotations
 
 import os
+from datetime import timedelta
+
+import torch.distributed as dist
 
 #: Set by torchrun in every worker it starts (0, 1, ... one per restart of its workers).
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
@@ -17,6 +20,16 @@ def restart() -> int:
     """torchrun's restart count (0 without torchrun, or when the variable is malformed)."""
     value = os.environ.get(RESTART_ENV, "0").strip()
     return int(value) if value.isdigit() else 0
+
+
+def under_torchrun() -> bool:
+    """Launched by torchrun, whose store lives in its agent and outlives any worker."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def agent_store(timeout: timedelta) -> dist.TCPStore:
+    """A new connection to torchrun's agent store (``MASTER_ADDR:MASTER_PORT``): the one way in."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
 
 
 def in_place() -> int:

@@ -16,7 +16,6 @@ import platform
 import sys
 import threading
 import types
-import warnings
 from typing import Any
 
 import torch
@@ -68,21 +67,23 @@ def forget_destroyed_groups() -> int:
     live = set(process_groups())
 
     def gone(value: Any) -> bool:
-        return isinstance(value, dist.ProcessGroup) and value not in live
+        return issubclass(type(value), dist.ProcessGroup) and value not in live
 
+    # type() only, never an attribute of another object: torch.distributed.reduce_op warns at any
+    # attribute read (its __getattribute__ is deprecated), and silencing it with warnings.catch_warnings
+    # would swap the process-wide filters for the scan, losing another thread's warning meanwhile
     changed = 0
-    with warnings.catch_warnings():  # torch.distributed.reduce_op warns at any attribute read (deprecated)
-        warnings.simplefilter("ignore", FutureWarning)
-        for name, module in list(sys.modules.items()):
-            if not name.startswith("torch.distributed") or module is None:
-                continue
-            for obj in list(vars(module).values()):
-                for fn in list(vars(obj).values()) if isinstance(obj, type) else (obj,):
-                    fn = getattr(fn, "__func__", fn)  # a classmethod's or a staticmethod's function
-                    defaults = getattr(fn, "__defaults__", None) if isinstance(fn, types.FunctionType) else None
-                    if defaults and any(gone(d) for d in defaults):
-                        fn.__defaults__ = tuple(None if gone(d) else d for d in defaults)
-                        changed += 1
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed") or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            for fn in list(vars(obj).values()) if issubclass(type(obj), type) else (obj,):
+                if type(fn) in (staticmethod, classmethod):
+                    fn = fn.__func__
+                defaults = fn.__defaults__ if type(fn) is types.FunctionType else None
+                if defaults and any(gone(d) for d in defaults):
+                    fn.__defaults__ = tuple(None if gone(d) else d for d in defaults)
+                    changed += 1
     return changed
 
 

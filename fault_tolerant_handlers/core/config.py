@@ -248,8 +248,9 @@ def warn_once(message: str) -> None:
         log(logging.WARNING, "%s", message)
 
 # -- Fixed timings of the failure path ---------------------------------------------------------------
-# Every timeout and wait no variable sets, defined once; seconds unless a ``timedelta``; each ``#:``
-# comment is its line in docs/reference.md (checked by :func:`check_timings` and test_timings.py).
+# Every timeout and wait no variable sets, defined once; seconds unless a ``timedelta`` (an ``int`` counts
+# periods); each ``#:`` comment is its line in docs/reference.md (checked by :func:`check_timings` and
+# test_timings.py).
 
 #: Timeout of the main thread's store calls (publishing a record, reading records on a failure).
 MAIN_STORE_TIMEOUT = timedelta(seconds=5)
@@ -278,6 +279,9 @@ EXPLAIN_EVIDENCE_TIMEOUT = 0.5
 #: Two reads of a suspect's heartbeat at most this far apart (seconds) observe the time between
 #: them; a longer gap (the store answered slowly) does not count as its silence.
 SUSPECT_OBSERVED_GAP = 0.5
+#: Two answered polls of a heartbeat (the liveness helper's), or two wake-ups of the watchdog thread (the
+#: hang probes), at most this many periods apart observe the time between them: a longer gap is no silence.
+OBSERVED_GAP = 3
 
 #: How long a failure record may stay unconsumed by a sync point before the watchdog releases.
 RELEASE_GRACE = timedelta(seconds=0.3)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .failure import FailureKind, PeerFailedError  # noqa: F401 - PeerFailedError: detect/autohang imports it here
+from .failure import FailureKind, PeerFailedError
 
 #: Exit code of a rank ended by the watchdog because another rank failed, was lost or hung.
 EXIT_PEER_FAILED = 87

@@ -6,7 +6,6 @@ aborted, gloo's TCP connections other than the store's shut down). docs/recoveri
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import signal
@@ -24,7 +23,7 @@ from . import compat_torch as _compat_torch
 from . import config, hooks
 from .config import EXIT_TEARDOWN_SEC
 from .hooks import log
-from .procfs import fd_targets
+from .procfs import select_sockets, socket_fds, tcp_sockets
 
 _pending: BaseException | None = None  # delivered, not yet taken by the recovery
 #: The recovery took the interrupt (:func:`take`) and has not called the training function again
@@ -35,7 +34,7 @@ _deferred_at: float | None = None  # when the pending interrupt first found the 
 _bound = 30.0  # seconds: how long a section may hold the interrupt back (set by install)
 _signum: int | None = None  # the signal of the installed handler
 _takers: frozenset[CodeType] = frozenset()  # frames that take the interrupt: never raised in them
-_lock = threading.Lock()  # interrupt / resend / uninstall against each other (never in the handler)
+_lock = threading.Lock()  # interrupt / uninstall against each other (never in the handler)
 
 
 def _in_main_thread() -> bool:
@@ -176,11 +175,6 @@ def interrupt(error: BaseException | None) -> bool:
         return True
 
 
-def resend() -> bool:
-    """The watchdog's next signal, while the interrupt is still pending."""
-    return interrupt(None)
-
-
 def take() -> BaseException | None:
     """The recovery takes the interrupt, if any: none is accepted until :func:`arm`."""
     global _pending, _deferred_at, _taken
@@ -227,58 +221,6 @@ def store_ports(store: dist.Store | None) -> set[int]:
     if env_port.isdigit():
         ports.add(int(env_port))
     return ports
-
-
-def socket_fds() -> dict[int, int]:
-    """inode -> fd of this process's sockets."""
-    return {int(target[8:-1]): fd for fd, target in fd_targets().items() if target.startswith("socket:[")}
-
-
-#: ``/proc/net/tcp`` states.
-ESTABLISHED, LISTEN = "01", "0A"
-
-
-def parse_tcp_table(text: str) -> dict[int, tuple[int, int, str]]:
-    """inode -> (local port, remote port, state) of the rows of a ``/proc/net/tcp`` table."""
-    table = {}
-    for line in text.splitlines()[1:]:
-        parts = line.split()
-        with contextlib.suppress(IndexError, ValueError):  # not a row
-            table[int(parts[9])] = (int(parts[1].rsplit(":", 1)[1], 16), int(parts[2].rsplit(":", 1)[1], 16), parts[3])
-    return table
-
-
-def tcp_sockets() -> dict[int, tuple[int, int, str]]:
-    """inode -> (local port, remote port, state) of this network namespace's TCP sockets."""
-    table: dict[int, tuple[int, int, str]] = {}
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(path) as f:
-            table.update(parse_tcp_table(f.read()))
-    return table
-
-
-def listens_here(port: int) -> bool:
-    """This process holds a socket listening on ``port`` (it hosts the store there)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    fds = socket_fds()
-    return any(local == port and state == LISTEN and inode in fds for inode, (local, _, state) in tcp_sockets().items())
-
-
-def store_peer_address(ports: set[int]) -> str | None:
-    """The address this process's connection to the store (on a port in ``ports``) reaches (Linux)."""
-    linux = sys.platform.startswith("linux")
-    for fd in select_sockets(socket_fds(), tcp_sockets(), ports, on_ports=True) if linux else ():
-        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:  # closes the dup only
-            return str(sock.getpeername()[0])
-    return None
-
-
-def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int, str]], keep_ports: set[int], *,
-                   on_ports: bool = False) -> list[int]:
-    """The fds to shut down: this process's established TCP sockets not on a store port (``on_ports``: on one)."""
-    return [fd for inode, fd in sorted(fds.items(), key=lambda item: item[1]) if inode in tcp
-            and tcp[inode][2] == ESTABLISHED and on_ports == bool(keep_ports & {tcp[inode][0], tcp[inode][1]})]
 
 
 #: Inodes of the connections of released groups (:func:`cut_connections`), for :func:`quiet_released`.

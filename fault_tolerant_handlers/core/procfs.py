@@ -1,6 +1,7 @@
 """Who the ranks are (:class:`RankTable`, what probes and reporters take instead of the session) and
 whether their processes run: the one ``/proc/<pid>/stat`` parser (fields after the *last* ``)``;
-indices are ``man 5 proc``'s minus 3) and same-host peers by pid (:class:`PeerPidProbe`)."""
+indices are ``man 5 proc``'s minus 3), same-host peers by pid (:class:`PeerPidProbe`), and this process's
+TCP sockets (``/proc/self/fd`` and ``/proc/net/tcp``: the connections a release shuts down)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,58 @@ def fd_targets() -> dict[int, str]:
         with contextlib.suppress(OSError):
             found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
     return found
+
+
+def socket_fds() -> dict[int, int]:
+    """inode -> fd of this process's sockets."""
+    return {int(target[8:-1]): fd for fd, target in fd_targets().items() if target.startswith("socket:[")}
+
+
+#: ``/proc/net/tcp`` states.
+ESTABLISHED, LISTEN = "01", "0A"
+
+
+def parse_tcp_table(text: str) -> dict[int, tuple[int, int, str]]:
+    """inode -> (local port, remote port, state) of the rows of a ``/proc/net/tcp`` table."""
+    table = {}
+    for line in text.splitlines()[1:]:
+        parts = line.split()
+        with contextlib.suppress(IndexError, ValueError):  # not a row
+            table[int(parts[9])] = (int(parts[1].rsplit(":", 1)[1], 16), int(parts[2].rsplit(":", 1)[1], 16), parts[3])
+    return table
+
+
+def tcp_sockets() -> dict[int, tuple[int, int, str]]:
+    """inode -> (local port, remote port, state) of this network namespace's TCP sockets."""
+    table: dict[int, tuple[int, int, str]] = {}
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(path) as f:
+            table.update(parse_tcp_table(f.read()))
+    return table
+
+
+def listens_here(port: int) -> bool:
+    """This process holds a socket listening on ``port`` (it hosts the store there)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    fds = socket_fds()
+    return any(local == port and state == LISTEN and inode in fds for inode, (local, _, state) in tcp_sockets().items())
+
+
+def store_peer_address(ports: set[int]) -> str | None:
+    """The address this process's connection to the store (on a port in ``ports``) reaches (Linux)."""
+    linux = sys.platform.startswith("linux")
+    for fd in select_sockets(socket_fds(), tcp_sockets(), ports, on_ports=True) if linux else ():
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:  # closes the dup only
+            return str(sock.getpeername()[0])
+    return None
+
+
+def select_sockets(fds: dict[int, int], tcp: dict[int, tuple[int, int, str]], keep_ports: set[int], *,
+                   on_ports: bool = False) -> list[int]:
+    """The fds to shut down: this process's established TCP sockets not on a store port (``on_ports``: on one)."""
+    return [fd for inode, fd in sorted(fds.items(), key=lambda item: item[1]) if inode in tcp
+            and tcp[inode][2] == ESTABLISHED and on_ports == bool(keep_ports & {tcp[inode][0], tcp[inode][1]})]
 
 
 #: Signals the library's own handler reports (:mod:`..launchers.signals`): a rank they end says so itself.

@@ -10,8 +10,7 @@ import torch.distributed as dist
 from . import inject
 from .hooks import first_line, log
 from .compat_torch import is_backend_error
-from .errors import PeerFailedError
-from .failure import tag, tag_of
+from .failure import PeerFailedError, tag, tag_of
 from .session import Session, check_name, get_session
 
 

@@ -23,13 +23,12 @@ import torch.distributed as dist
 
 from . import compat_torch as _compat_torch
 from . import attempts, config, hooks, schema as _schema
-from .errors import PeerFailedError, RecoveryError, SectionMismatchError
-from .failure import FailureKind, FailureRecord, FailureState, Incident, host_name, tag, tag_of
+from .errors import RecoveryError, SectionMismatchError
+from .failure import FailureKind, FailureRecord, FailureState, Incident, PeerFailedError, host_name, tag, tag_of
 from .hooks import first_line, log
-from .procfs import (PeerPidProbe, RankTable, addresses_named, decode_name, digest, encode_name, local_layout,
-                    normalize_address, own_address)
-from .interrupts import (listens_here, raise_pending, release_process_groups, store_peer_address, store_ports,
-                         teardown_at_exit)
+from .procfs import (PeerPidProbe, RankTable, addresses_named, decode_name, digest, encode_name, listens_here,
+                     local_layout, normalize_address, own_address, store_peer_address)
+from .interrupts import raise_pending, release_process_groups, store_ports, teardown_at_exit
 from .schema import Connection, Schema, probe_store_port, store_evidence
 from .config import (BACKGROUND_CONNECT_TIMEOUT, EXPLAIN_EVIDENCE_TIMEOUT, EXPLAIN_WAIT, FAILURE_PATH_STORE_TIMEOUT,  # timings: the table
                      LEAVE_WAIT, MAIN_STORE_TIMEOUT, MISMATCH_WAIT, SUSPECT_OBSERVED_GAP, SUSPECT_SILENCE)  # in .config

@@ -313,11 +313,9 @@ def _medium() -> tuple[dist.Store, int, int] | None:
     """(store, rank, world size) to agree over (the default group's, else torchrun's), or ``None`` to decide alone."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return compat_torch.default_store(), dist.get_rank(), dist.get_world_size()
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("WORLD_SIZE", "1")) <= 1:
+    if not attempts.under_torchrun() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                          timeout=config.settings().ckpt_agree_timeout)
+    store = attempts.agent_store(config.settings().ckpt_agree_timeout)
     rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
     if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
         raise RuntimeError(f"latest_checkpoint: torchrun's RANK={rank!r} / WORLD_SIZE={world!r} are not a rank and a "

@@ -11,9 +11,7 @@ import traceback
 from typing import Callable, Iterable
 
 from ..core import config
-from ..core.errors import PeerFailedError
-from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, cap_tail
-from .liveness import OBSERVED_GAP
+from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, PeerFailedError, cap_tail
 from .writes import writing_now
 
 #: Defaults of the rule (``FTH_AUTO_HANG_MULTIPLE``, ``_FLOOR_SEC``, ``_WARMUP`` override the first three).
@@ -68,7 +66,7 @@ def hung_error(rank: int, pid: int, host: str, frame, what: str, time_ms: int, s
 
 class Unobserved:
     """Time the watchdog thread could not look: each wake-up from its wait of ``period`` that came
-    more than :data:`~.liveness.OBSERVED_GAP` periods after it began (the process stopped by SIGSTOP,
+    more than :data:`~..core.config.OBSERVED_GAP` periods after it began (the process stopped by SIGSTOP,
     its job suspended, its VM paused, its CPU starved), past the period. The hang probes leave it out
     of a piece's time: the main thread could not run either, so it is no evidence of a hang (a
     heartbeat's silence counts only observed time by the same rule)."""
@@ -77,7 +75,7 @@ class Unobserved:
         self.seconds = 0.0  # written by the watchdog thread only
 
     def waited(self, took: float, period: float) -> None:
-        if took > OBSERVED_GAP * period:
+        if took > config.OBSERVED_GAP * period:
             self.seconds += took - period
 
 

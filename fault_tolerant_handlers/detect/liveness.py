@@ -22,8 +22,8 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from ..core import hooks, procfs as _procfs
-from ..core.config import (HEARTBEAT_TIMEOUT_ENV, HELPER_STORE_TIMEOUT, LEFT_CHECK_EVERY, RANK_EXIT_WAIT,  # timings:
-                           SILENCE_POLL, SUSPECT_SILENCE, WITNESS_EVERY, ZOMBIE_HOLD)  # the table in core.config
+from ..core.config import (HEARTBEAT_TIMEOUT_ENV, HELPER_STORE_TIMEOUT, LEFT_CHECK_EVERY, OBSERVED_GAP,  # timings:
+                           RANK_EXIT_WAIT, SILENCE_POLL, SUSPECT_SILENCE, WITNESS_EVERY, ZOMBIE_HOLD)  # the table in core.config
 from ..core.hooks import log
 from ..core.procfs import RankTable
 from ..core.failure import FailureKind, FailureRecord, PeerFailedError
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 class HeartbeatProbe:
     """Its own heartbeat (``beats``), and one watched rank's: a counter that stands still for ``limit``
-    seconds of **observed** time (between two answered polls at most :data:`OBSERVED_GAP` periods
+    seconds of **observed** time (between two answered polls at most :data:`~..core.config.OBSERVED_GAP` periods
     apart: a slow store is no silence), once it has beaten, is declared silent; a rank that left
     cleanly (``left/<rank>``) never is. On another host, ``link`` (:class:`~.witness.Link`) is a second
     witness: still for :data:`SUSPECT_SILENCE` while its host acknowledged nothing for ``unacked_after``."""
@@ -153,8 +153,6 @@ class HeartbeatProbe:
 
 #: A silence this fraction of the limit long is logged (once): a margin grown thin shows before a false alarm.
 NEAR_MISS = 0.5
-#: Two answered polls at most this many periods apart observe the time between them.
-OBSERVED_GAP = 3
 
 
 def _stopped(pid: int) -> bool:  # SIGSTOP

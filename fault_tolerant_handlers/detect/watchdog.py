@@ -413,7 +413,7 @@ class Watchdog:
                 return True
             if time.monotonic() >= deadline:
                 return False
-            interrupts.resend()
+            interrupts.interrupt(None)  # sent again, while still pending
 
     def _declare(self, err: PeerFailedError, schema: Schema | None) -> None:
         if err.origin != "declared" or schema is None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -42,7 +41,7 @@ _SCHEMES = ("env", "tcp")
 
 
 def _agent_store() -> bool:
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and config.settings().attempt_store
+    return attempts.under_torchrun() and config.settings().attempt_store
 
 
 def _table() -> dict:

@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Sequence
 
 from ..core import attempts, config
 from ..core.config import LOOK_FOR_LOST, RECOVER_POLL, RECOVER_TELL_SEC
-from ..core.errors import PeerFailedError, RecoveryError, SectionMismatchError
-from ..core.failure import MAX_RECORD_BYTES, FailureKind, FailureRecord, FailureState, Stored, tag_of
+from ..core.errors import RecoveryError, SectionMismatchError
+from ..core.failure import MAX_RECORD_BYTES, FailureKind, FailureRecord, FailureState, PeerFailedError, Stored, tag_of
 from ..core.hooks import first_line, log
 from ..core.interrupts import store_ports
 from ..core.schema import Bounded, Connection, StoreCallTimeout, agreement_key, unblock_stuck_calls

@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 
 from ..core import attempts, compat_torch as _compat_torch, config, hooks, interrupts, recoveries
 from ..core.config import RECOVER_TEARDOWN_SEC
-from ..core.errors import PeerFailedError, RecoveryError
-from ..core.failure import FailureRecord, cap_head, tag_of
+from ..core.errors import RecoveryError
+from ..core.failure import FailureRecord, PeerFailedError, cap_head, tag_of
 from ..core.hooks import log
 from ..core.phases import LIVE_NAME, RecoveryState
 from ..core.recoveries import RecoveryInfo, RecoveryPhase
@@ -202,7 +202,7 @@ class _Recovery:
         """A keeper's new child (or a spare): join the recovery its peers wait in, over torchrun's store."""
         t0 = time.monotonic()
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = spares.connect(self.join_timeout)
+        store = attempts.agent_store(self.join_timeout)
         self._joined = (store, rank, world_size)
         if self.layout is not None:
             spares.write_seat(store, rank, self.layout.launched_rank)

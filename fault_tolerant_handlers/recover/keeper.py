@@ -52,7 +52,7 @@ def why_not(recovery: _Recovery) -> str | None:
     """Why no keeper can be started here (``None``: it can)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return "only on Linux"
-    if not spares.under_torchrun():
+    if not attempts.under_torchrun():
         return "not under torchrun: the store's server may live in a rank's own process"
     if recovery.given is not None:
         return "the process group existed before recover_in_place was called; call it before init_process_group"
@@ -69,7 +69,7 @@ def run(recovery: _Recovery, args: tuple, kwargs: dict) -> Any:
     why = why_not(recovery)
     if why is None:
         return Keeper(recovery).run(args, kwargs)
-    given = recovery.given is not None and spares.under_torchrun()
+    given = recovery.given is not None and attempts.under_torchrun()
     if given:
         _warn_group_made_before()  # names the line to change
     # a reason the script can change (CUDA touched first, another thread) is a WARNING
@@ -247,7 +247,7 @@ class Keeper:
         log(logging.WARNING, "the training process of rank %s (pid %d) %s, lost for good (FTH_INJECT lose): not "
             "replaced; this process (launched rank %d) stays idle until the job ends", os.environ.get("RANK", "?"),
             pid, how, lay.launched_rank)
-        order = spares.wait_for_order(spares.connect(self.recovery.join_timeout), lay, lay.launched_rank,
+        order = spares.wait_for_order(attempts.agent_store(self.recovery.join_timeout), lay, lay.launched_rank,
                                       end_only=True)
         if order.kind == spares.END and order.ok:
             return None

@@ -78,11 +78,6 @@ class Layout:
         return max(0, min(first + self.local_world, self.training_world) - first)
 
 
-def under_torchrun() -> bool:
-    """Launched by torchrun, whose store lives in its agent and outlives any worker."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
 def _int_env(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
     return int(raw) if raw.isdigit() else None
@@ -91,7 +86,7 @@ def _int_env(name: str) -> int | None:
 def layout(spares: int) -> Layout:
     """This process's place in the launched world (torchrun's environment), ``spares`` checked against it."""
     world, rank = _int_env("WORLD_SIZE"), _int_env("RANK")
-    if not under_torchrun() or world is None or rank is None \
+    if not attempts.under_torchrun() or world is None or rank is None \
             or not os.environ.get("MASTER_ADDR") or _int_env("MASTER_PORT") is None:
         raise RecoveryError(
             f"recover_in_place(spares={spares}) needs torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and "
@@ -207,11 +202,6 @@ def left_after(store: Any, lay: Layout) -> int:
     return max(0, lay.spares - max(0, taken))
 
 
-def connect(timeout: timedelta) -> Any:
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timeout)
-
-
 def wait_for_order(store: Any, lay: Layout, launched_rank: int, *, end_only: bool = False) -> Order:
     """This launched rank's order (waits of ``FTH_SPARE_WAIT_SEC`` each); a store that fails: :class:`RecoveryError`.
     ``end_only``: the job's end only (a spare whose seat was lost in turn: the order that gave it the seat
@@ -268,7 +258,7 @@ def serve(lay: Layout, timeout: timedelta) -> tuple[Order, FailureRecord] | None
     compat_torch.import_lazy_modules()
     log(logging.INFO, "launched rank %d of %d is a spare: it waits for a training rank (%d of them) lost with no "
         "keeper to replace it", lay.launched_rank, lay.launched_world, lay.training_world)
-    order = wait_for_order(connect(timeout), lay, lay.launched_rank)
+    order = wait_for_order(attempts.agent_store(timeout), lay, lay.launched_rank)
     if order.kind == END:
         if order.ok:
             log(logging.INFO, "spare launched rank %d: %s; it never trained (its call returns None)",
@@ -283,7 +273,7 @@ def serve(lay: Layout, timeout: timedelta) -> tuple[Order, FailureRecord] | None
 
 def take_own_seat(lay: Layout, timeout: timedelta) -> Any:
     """A training rank's first attempt: hold its seat in torchrun's store (the one the attempts share)."""
-    store = connect(timeout)
+    store = attempts.agent_store(timeout)
     write_seat(store, lay.launched_rank, lay.launched_rank)
     log(logging.INFO, "rank %d of a training world of %d (%d spare%s launched beside it)", lay.launched_rank,
         lay.training_world, lay.spares, "" if lay.spares == 1 else "s")

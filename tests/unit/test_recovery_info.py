@@ -12,7 +12,8 @@ import pytest
 from fault_tolerant_handlers import (RecoveryCause, RecoveryInfo, RecoveryMetrics, RecoveryPhase, on_recovery,
                                      recovery_history)
 from fault_tolerant_handlers.core import recoveries
-from fault_tolerant_handlers.core.errors import HangInterrupted, PeerFailedError
+from fault_tolerant_handlers.core.errors import HangInterrupted
+from fault_tolerant_handlers.core.failure import PeerFailedError
 from fault_tolerant_handlers.errors import FailureKind
 
 CAUSE = RecoveryCause(1, "ValueError", "bad sample 42", "", "train", 0, step=37)

@@ -18,7 +18,7 @@ from fault_tolerant_handlers.core import compat_torch as _compat_torch
 from fault_tolerant_handlers.core import config
 from fault_tolerant_handlers.core.compat_torch import is_backend_error
 from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord, PeerFailedError, sanitize
-from fault_tolerant_handlers.core.interrupts import parse_tcp_table, select_sockets
+from fault_tolerant_handlers.core.procfs import parse_tcp_table, select_sockets
 from fault_tolerant_handlers.core.schema import MAX_OWN_RECORDS, Connection, Schema
 
 

@@ -8,9 +8,8 @@ import threading
 
 import pytest
 
-from fault_tolerant_handlers.core.errors import PeerFailedError
-from fault_tolerant_handlers.core.failure import (Ended, FailureKind, FailureRecord, FailureState, TAG_ATTR, Tag, tag,
-                                                  tag_of)
+from fault_tolerant_handlers.core.failure import (Ended, FailureKind, FailureRecord, FailureState, PeerFailedError,
+                                                  TAG_ATTR, Tag, tag, tag_of)
 
 
 def own_record(message: str = "bad sample 17") -> FailureRecord:

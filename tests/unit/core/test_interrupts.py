@@ -42,7 +42,7 @@ PRELUDE = textwrap.dedent("""
         out["fired"] = now()
         interrupts.interrupt(HangInterrupted("rank 0 hung"))
         while not STOP.wait(resend):
-            interrupts.resend()
+            interrupts.interrupt(None)
 
     def start(bound=30.0, fire_at=0.2, resend=0.1):
         interrupts.install(SIG, timedelta(seconds=bound))
@@ -165,7 +165,7 @@ def test_caught_and_carried_on_it_is_raised_again_at_the_next_library_point_and_
         out["caught_by_signal"], still = swallowing_loop(1.2)
         out["pending_after"] = still is not None
         interrupts.raise_pending()           # taken: nothing is raised any more
-        interrupts.resend()
+        interrupts.interrupt(None)
         time.sleep(0.1)
         out["after_take"] = "quiet"
     """)
@@ -243,7 +243,7 @@ def test_it_is_not_raised_again_while_the_main_thread_handles_it_nor_in_a_taking
                 # on its way out: signals and sections leave it be (the frameworks' exception paths)
                 with deferred_interrupt():
                     time.sleep(0.05)
-                interrupts.resend()
+                interrupts.interrupt(None)
                 time.sleep(0.3)
                 out["handled_quietly"] = now()
             t = time.monotonic()             # in the taking frame itself: nothing raised either

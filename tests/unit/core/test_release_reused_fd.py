@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import socket
 
-from fault_tolerant_handlers.core import interrupts
+from fault_tolerant_handlers.core import interrupts, procfs
 
 
 def _connected_pair(server: socket.socket) -> tuple[socket.socket, socket.socket]:
@@ -21,8 +21,8 @@ def test_a_chosen_fd_taken_by_a_new_connection_before_its_turn_is_not_cut():
     server = socket.create_server(("127.0.0.1", 0))
     gloo, gloo_peer = _connected_pair(server)
     fd, inode = gloo.fileno(), os.fstat(gloo.fileno()).st_ino
-    row = (gloo.getsockname()[1], server.getsockname()[1], interrupts.ESTABLISHED)
-    chosen = interrupts.select_sockets({inode: fd}, {inode: row}, set())
+    row = (gloo.getsockname()[1], server.getsockname()[1], procfs.ESTABLISHED)
+    chosen = procfs.select_sockets({inode: fd}, {inode: row}, set())
     assert chosen == [fd]
     gloo.close()  # closed by its owner after the list was read
     store, store_peer = _connected_pair(server)  # a new connection takes the lowest free fd: that one

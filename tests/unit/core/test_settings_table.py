@@ -47,7 +47,8 @@ def timings_table() -> str:
             continue
         if names:
             text = re.sub(r":\w+:`~?(?:\.*[\w]+\.)*([^`]+)`", r"`\1`", " ".join(comment)).replace("``", "`")
-            values = ", ".join(f"{_number(getattr(config, n))} s" for n in names)
+            values = ", ".join(_number(getattr(config, n)) + (" periods" if type(getattr(config, n)) is int else " s")
+                               for n in names)
             rows.append(f"| {', '.join(f'`{n}`' for n in names)} | {values} | {text} |\n")
             comment, names = [], []
         if line.startswith("#:"):

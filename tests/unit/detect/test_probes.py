@@ -330,10 +330,9 @@ def test_the_loss_of_a_store_on_a_host_of_its_own_names_no_rank():
 
 
 def test_the_store_s_address_is_read_from_this_process_s_connection_to_it():
-    """``release.store_peer_address``: the address a client's connection to the store reaches (what
+    """``procfs.store_peer_address``: the address a client's connection to the store reaches (what
     the session matches against the ranks' addresses to tell on which rank's host the store runs)."""
-    from fault_tolerant_handlers.core.procfs import normalize_address
-    from fault_tolerant_handlers.core.interrupts import store_peer_address
+    from fault_tolerant_handlers.core.procfs import normalize_address, store_peer_address
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     assert normalize_address(store_peer_address({server.port})) == "127.0.0.1"  # its client to its own server
@@ -435,17 +434,17 @@ def test_records_probe_leaves_late_news_of_a_failure_already_agreed_on():
 
 
 def test_the_process_hosting_the_store_knows_it():
-    """``release.listens_here``: true in the process whose TCPStore server listens on the port (rank
+    """``procfs.listens_here``: true in the process whose TCPStore server listens on the port (rank
     0 under env:// rendezvous), false for a client of the same store."""
     import subprocess
     import sys
 
-    from fault_tolerant_handlers.core.interrupts import listens_here
+    from fault_tolerant_handlers.core.procfs import listens_here
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     assert listens_here(server.port)
     client = subprocess.run(
-        [sys.executable, "-c", "import sys, torch.distributed as dist; from fault_tolerant_handlers.core.interrupts import "
+        [sys.executable, "-c", "import sys, torch.distributed as dist; from fault_tolerant_handlers.core.procfs import "
          f"listens_here; c = dist.TCPStore('127.0.0.1', {server.port}, is_master=False); "
          f"print(listens_here({server.port}))"], capture_output=True, text=True, timeout=60)
     assert client.stdout.strip() == "False", client.stderr[-2000:]
@@ -549,7 +548,7 @@ def test_the_watchdog_publishes_the_record_a_probe_declared_once_and_nothing_rea
     """A probe's finding is the error itself: its record is published (first declarer only) when the
     probe declared it and the watchdog was given where; a record read back from the store, or a
     declaration with nowhere to go (the store is what is gone), is not published."""
-    from fault_tolerant_handlers.core.errors import PeerFailedError
+    from fault_tolerant_handlers.core.failure import PeerFailedError
     from fault_tolerant_handlers.detect.watchdog import Watchdog
 
     store = dist.HashStore()

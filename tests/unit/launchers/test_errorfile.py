@@ -11,8 +11,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from fault_tolerant_handlers.launchers import reports
-from fault_tolerant_handlers.core.errors import PeerFailedError
-from fault_tolerant_handlers.core.failure import Ended, FailureRecord, decode
+from fault_tolerant_handlers.core.failure import Ended, FailureRecord, PeerFailedError, decode
 from fault_tolerant_handlers.core.procfs import RankTable
 
 

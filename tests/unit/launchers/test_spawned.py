@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from fault_tolerant_handlers.core import compat_torch as _compat_torch
 from fault_tolerant_handlers.launchers import reports
-from fault_tolerant_handlers.core.errors import PeerFailedError
+from fault_tolerant_handlers.core.failure import PeerFailedError
 
 pytestmark = pytest.mark.timeout(60)
 

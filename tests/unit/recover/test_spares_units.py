@@ -16,8 +16,7 @@ import torch.distributed as dist
 from fault_tolerant_handlers import RecoveryError, recover_in_place, spares_left
 from fault_tolerant_handlers.recover import spares
 from fault_tolerant_handlers.core import config
-from fault_tolerant_handlers.core.errors import PeerFailedError
-from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord
+from fault_tolerant_handlers.core.failure import Ended, FailureKind, FailureRecord, PeerFailedError
 from fault_tolerant_handlers.core.schema import keeper_key
 from fault_tolerant_handlers.recover.agree import NOT_IN_PLACE, cause_of
 from fault_tolerant_handlers.recover.inplace import _Recovery
