@@ -17,6 +17,7 @@ from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from . import adapters
 from .adapters import LiveLoop, LoopRecovery, compat_lightning as _compat_lightning
 from .core import attempts, phases, recoveries
 from .core.errors import HangInterrupted
@@ -364,26 +365,6 @@ def _load_shards(strategy: Any, path: Any) -> dict | None:
 HOOKS = {recoveries.RecoveryPhase.FAILURE_SEEN: "on_failure_seen",
          recoveries.RecoveryPhase.RECOVERY_STARTED: "on_recovery_started",
          recoveries.RecoveryPhase.RECOVERED: "on_recovered"}
-#: The first attempt's loggers' ``(class, root folder, version, folder)``, while a recovery in place runs.
-_logger_versions: list = []
-#: A CSV logger's ``metrics.csv`` as the failed attempt left it, by folder (read at the teardown).
-_kept_metrics: dict[str, bytes] = {}
-
-
-def _keep_logger_versions(state: phases.RecoveryState) -> None:
-    """``RESET_FRAMEWORKS``: the next attempt's loggers take the first's versions; CSV rows kept in memory."""
-    _compat_lightning.pin_next_versions(_logger_versions)
-    for *_, folder in _logger_versions:
-        path = os.path.join(folder, "metrics.csv")
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                _kept_metrics[folder] = f.read()
-
-
-def _forget_logger_versions(state: phases.RecoveryState) -> None:
-    """``END``: loggers made after the recovery take the next free version again."""
-    _logger_versions.clear()
-    _kept_metrics.clear()
 
 
 def dispatch(trainer: Any, hook: str, info: recoveries.RecoveryInfo) -> None:
@@ -408,9 +389,11 @@ class LightningRecovery(LoopRecovery):
         self.attached(trainer)
         try:  # one logger version for the whole run: a recovered attempt's loggers take the first's
             if not attempts.in_place():
-                _logger_versions[:] = _compat_lightning.logger_versions(trainer)
+                adapters.logger_versions[:] = _compat_lightning.logger_versions(trainer)
+                if attempts.recovering() and trainer.global_rank == 0:  # for a replacement of any rank's process
+                    adapters.publish_logger_versions()
             else:
-                restored = _compat_lightning.restore_csv_metrics(trainer, _kept_metrics)
+                restored = _compat_lightning.restore_csv_metrics(trainer, adapters.kept_metrics)
                 if restored:
                     log(logging.INFO, "the recovered attempt logs on in the first attempt's folder: %s",
                         "; ".join(restored))

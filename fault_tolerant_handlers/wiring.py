@@ -72,13 +72,14 @@ WIRING: tuple[tuple[Any, ...], ...] = (
     (hooks.TEAR_DOWN, compat_torchrun.forget_addresses_of_attempt),  # before the groups go: this rank's keys
     (hooks.RESET_FRAMEWORKS, compat_ignite.reset_idist, TOLERATE),  # idist's model back to a fresh process's
     (hooks.RESET_FRAMEWORKS, adapters._resolve_live_names, TOLERATE),
-    (hooks.RESET_FRAMEWORKS, _framework("lightning", "_keep_logger_versions"), TOLERATE),
+    (hooks.RESET_FRAMEWORKS, adapters.keep_logger_versions, TOLERATE),  # Lightning's loggers keep their version
     (hooks.COLLECTED, compat_dataloader.reap_workers),  # DataLoader workers of the failed attempt still running
     (hooks.RE_FORM, compat_torchrun.re_form),  # init_process_group is given the store under the new namespace
     (hooks.RE_FORM, reports.forget_own_file),  # torchrun: the recovered failure's file goes (a later one writes)
+    (hooks.RE_FORM, adapters.take_logger_versions, TOLERATE),  # a replacement: rank 0's logger versions
     (hooks.END, compat_torchrun.end_recovery),  # the first rendezvous's store forgotten
     (hooks.END, snapshots.end_recovery),  # the checkpoint's copy in memory and the live state forgotten
-    (hooks.END, _framework("lightning", "_forget_logger_versions"), TOLERATE),
+    (hooks.END, adapters.forget_logger_versions, TOLERATE),
     # -- providers ------------------------------------------------------------------------------------------
     (hooks.WORLD, compat_torchrun.first_rendezvous),  # the store, rank and world size a recovery's attempts share
     (hooks.WATCHDOG, watchdog.Watchdog),  # what Session.start_watchdog starts

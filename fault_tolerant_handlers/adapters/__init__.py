@@ -6,17 +6,21 @@ recovery steps; each framework's private API is in its compat module (:mod:`.com
 from __future__ import annotations
 
 import logging
+import os
 import weakref
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 import torch
 
-from ..core import attempts, config, recoveries, sharded
+from ..core import attempts, compat_torch, config, recoveries, sharded
+from ..core.failure import Stored
 from ..core.hooks import first_line, log
+from ..core.schema import logger_version_key
 from ..core.phases import RecoveryState
 from ..data import live
 from ..data.replicas import ShardReplicas
-from . import compat_ignite
+from . import compat_ignite, compat_lightning
 
 
 def _resolve_live_names(state: RecoveryState) -> None:
@@ -24,6 +28,69 @@ def _resolve_live_names(state: RecoveryState) -> None:
     resolves the name ``latest_checkpoint`` gives for it."""
     if live.held() is not None:
         compat_ignite.hook_load_objects(take=live.take)
+
+
+# -- Lightning's loggers: one version across a recovery in place --------------------------------------
+@dataclass(frozen=True)
+class LoggerVersion(Stored):
+    """A numbered logger of rank 0's first attempt, writing in ``<root>/version_<version>``: a replacement
+    of a rank's process (which ran no teardown, so holds no versions) numbers its loggers the same."""
+
+    namespace: str  #: "lightning.pytorch" or "pytorch_lightning"
+    cls: str  #: the class's name in ``<namespace>.loggers``
+    root: str  #: the logger's ``root_dir``
+    version: int
+
+    BOUNDS: ClassVar[dict] = {"namespace": 40, "cls": 100, "root": 4096, "version": (0, 2**31 - 1)}
+
+
+MAX_LOGGERS = 8  #: numbered loggers of one trainer kept in the store (more: a version of their own)
+#: The first attempt's loggers' ``(class, root folder, version, folder)``, while a recovery in place runs.
+logger_versions: list = []
+#: A CSV logger's ``metrics.csv`` as the failed attempt left it, by folder (read before the next attempt's writer).
+kept_metrics: dict[str, bytes] = {}
+
+
+def publish_logger_versions() -> None:
+    """Rank 0's first attempt: :data:`logger_versions` in the store, for a replacement of any rank's process."""
+    store = compat_torch.store_chain(compat_torch.default_store())[-1]
+    numbered = [(cls, root, v) for cls, root, v, _ in logger_versions if isinstance(v, int) and v >= 0][:MAX_LOGGERS]
+    for index, (cls, root, version) in enumerate(numbered):
+        ns = "pytorch_lightning" if cls.__module__.split(".")[0] == "pytorch_lightning" else "lightning.pytorch"
+        store.set(logger_version_key(index), LoggerVersion(ns, cls.__name__, root, version).to_json())
+    store.delete_key(logger_version_key(len(numbered)))  # an earlier fit's: the reader stops at the first gap
+
+
+def take_logger_versions(state: RecoveryState) -> None:
+    """``RE_FORM``, in a replacement (it ran no teardown): rank 0's first attempt's versions, from the store."""
+    if logger_versions or state.store is None:
+        return
+    for index in range(MAX_LOGGERS):
+        key = logger_version_key(index)
+        if not state.store.check([key]):
+            break
+        kept = LoggerVersion.from_json(state.store.get(key), state.world_size or 1, key=key)
+        cls = None if kept is None else compat_lightning.logger_class(kept.namespace, kept.cls)
+        if cls is not None:
+            logger_versions.append((cls, kept.root, kept.version, os.path.join(kept.root, f"version_{kept.version}")))
+    keep_logger_versions(state)
+
+
+def keep_logger_versions(state: RecoveryState) -> None:
+    """``RESET_FRAMEWORKS`` (and a replacement's ``RE_FORM``): the next attempt's loggers take the first's
+    versions; CSV rows kept in memory (the next attempt's writer deletes the file when it opens the folder)."""
+    compat_lightning.pin_next_versions(logger_versions)
+    for *_, folder in logger_versions:
+        path = os.path.join(folder, "metrics.csv")
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                kept_metrics[folder] = f.read()
+
+
+def forget_logger_versions(state: RecoveryState) -> None:
+    """``END``: loggers made after the recovery take the next free version again."""
+    logger_versions.clear()
+    kept_metrics.clear()
 
 
 class LiveLoop:

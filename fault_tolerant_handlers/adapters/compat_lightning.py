@@ -347,6 +347,14 @@ def logger_versions(trainer: Any) -> list[tuple[type, str, Any, str]]:
             if callable(getattr(logger, "_get_next_version", None)) and getattr(logger, "root_dir", None) is not None]
 
 
+def logger_class(ns: str, name: str) -> type | None:
+    """The numbered logger class ``name`` of ``<ns>.loggers`` (``ns`` one of :data:`NAMESPACES`), else ``None``."""
+    if ns not in NAMESPACES or not name.isidentifier():
+        return None
+    cls = getattr(_import(ns + ".loggers"), name, None)
+    return cls if isinstance(cls, type) and callable(getattr(cls, "_get_next_version", None)) else None
+
+
 def pin_next_versions(versions: list[tuple[type, str, Any, str]]) -> None:
     """A logger of a class in ``versions`` (:func:`logger_versions`' tuples, read as each logger numbers
     itself: emptied, nothing is pinned) takes the version kept for its root folder, not the next ``version_N``."""

@@ -56,6 +56,10 @@ def agreement_key(gen: int, part: str, rank: int | None = None) -> str:
     return recovery_key(gen, part) if rank is None else recovery_key(gen, part, rank)
 
 
+def logger_version_key(index: int) -> str:  # rank 0's first attempt's ``index``-th numbered logger (``LoggerVersion``)
+    return recovery_key("logger", index)
+
+
 def keeper_key(rank: int) -> str:  # ``rank`` has a keeper (its process is replaced in place)
     return recovery_key("keeper", rank)
 

@@ -19,7 +19,8 @@ the line saying it carries on from live state is logged once it did.
   a WARNING on the first call names the line to change (a killed rank cannot be replaced there); a
   SIGKILL then ends the job naming it (``long``).
 
-``test_lightning_in_place_keeps_one_logger_version``: a Lightning recovery in place logs on in the first
+``test_lightning_in_place_keeps_one_logger_version``: a Lightning recovery in place (rank 1 raising, rank 0
+SIGKILLed and replaced by its keeper, or lost and replaced by a spare, ``long``) logs on in the first
 attempt's ``lightning_logs/version_0`` (before: a ``version_1`` per recovery), and a failure injected at
 ``iteration=37,epoch=1`` fires and is reported as ``(epoch 1, iteration 37)``: the injection and the
 report name the same step and epoch (before, ``epoch=`` counted from 1 and the report from 0: this
@@ -147,28 +148,38 @@ def test_the_documented_form_warns_and_a_killed_rank_ends_the_job_naming_it(tmp_
     assert "not recovered in place: a rank was lost" in output, output[-4000:]
 
 
-def test_lightning_in_place_keeps_one_logger_version(tmp_path):
-    """The default logger and ``ModelCheckpoint``, ``fit(ckpt_path=None)``, rank 1 raising in its 37th
-    training batch, in epoch 1 (``FTH_INJECT=raise@rank=1,iteration=37,epoch=1``, Lightning's
-    ``current_epoch``): reported as epoch 1, iteration 37; the recovered
-    attempt's ``fit`` is given the live state of global step 36 although the script passed no path; its
-    logger writes on in ``lightning_logs/version_0`` (no ``version_1``), whose ``metrics.csv`` keeps the
-    first attempt's rows. Its plain ``DataLoader`` starts epoch 1 over: the line saying it carries on
-    from live state says so (before: "no step computed twice")."""
+@pytest.mark.parametrize("inject", ["raise@rank=1,iteration=37,epoch=1", "kill@rank=0,iteration=37,epoch=1",
+                                    pytest.param("lose@rank=0,iteration=37,epoch=1", marks=pytest.mark.long)])
+def test_lightning_in_place_keeps_one_logger_version(inject, tmp_path):
+    """The default logger and ``ModelCheckpoint``, ``fit(ckpt_path=None)``, a failure in the 37th training
+    batch, in epoch 1 (Lightning's ``current_epoch``), after the first checkpoint (epoch 0's end, step 32):
+    rank 1 raising (reported as epoch 1, iteration 37), rank 0 SIGKILLed (its keeper's new process,
+    which ran no teardown, takes the first attempt's versions from the store), or rank 0 lost for good
+    and a spare (a third launched process) taking its seat the same way. The recovered attempt's
+    ``fit`` is given the live state of global step 36 although the script passed no path; its logger
+    writes on in ``lightning_logs/version_0`` (no ``version_1``), whose ``metrics.csv`` keeps the first
+    attempt's rows, and its ``ModelCheckpoint`` replaces step 32's file there with step 64's (before, for
+    rank 0 killed: a ``version_1`` holding the rows and checkpoints after the recovery, ``best_k_models``
+    dropped). Its plain ``DataLoader`` starts epoch 1 over: the line saying it carries on from
+    live state says so (before: "no step computed twice")."""
     script = PROGRAMS / "programs" / "user_lightning_main.py"
     out = tmp_path / "job"
     out.mkdir()
     try:
-        results = run_ranks(1, "", out, script=script, launcher=TORCHRUN, deadline=180,
-                            env={"FTH_INJECT": "raise@rank=1,iteration=37,epoch=1"})
+        spares = int(inject.startswith("lose"))
+        launcher = [str(2 + spares) if arg == "2" else arg for arg in TORCHRUN]
+        results = run_ranks(1, "", out, script=script, launcher=launcher, deadline=180,
+                            env={"FTH_INJECT": inject, "SPARES": str(spares)})
     finally:
         kill_workers(out / "user_lightning_main-1", script.name)
     run, code, output = out / "user_lightning_main-1", results[0].returncode, results[0].stderr
     assert code == 0, f"torchrun exited {code}:\n{output[-5000:]}"
-    assert "rank 1 failed in 'train' (epoch 1, iteration 37)" in output, output[-4000:]
+    killed = not inject.startswith("raise")
+    if not killed:
+        assert "rank 1 failed in 'train' (epoch 1, iteration 37)" in output, output[-4000:]
     for rank in (0, 1):
         seen = tries(run, rank)
-        assert set(seen) == {0, 1} and seen[0]["pid"] == seen[1]["pid"], seen
+        assert set(seen) == {0, 1} and (seen[0]["pid"] == seen[1]["pid"]) == (not killed or rank == 1), seen
         assert seen[1]["start_step"] == 36 and seen[1]["done"] and seen[1]["step"] == 64, seen
     # its plain DataLoader starts epoch 1 over (Lightning's own check warns): not "no step computed twice"
     assert output.count("carries on from live state, global step 36 (restored through the trainer's "
@@ -180,6 +191,9 @@ def test_lightning_in_place_keeps_one_logger_version(tmp_path):
     versions = sorted(p.name for p in (run / "lightning_logs").iterdir())
     assert versions == ["version_0"], versions
     assert tries(run, 0)[1]["log_dir"] == tries(run, 0)[0]["log_dir"]
+    assert sorted(p.name for p in (run / "lightning_logs" / "version_0" / "checkpoints").iterdir()) \
+        == ["epoch=1-step=64.ckpt"]
+    assert "dirpath has changed" not in output
     rows = (run / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
     steps = sorted({int(line.split(",")[rows[0].split(",").index("step")]) for line in rows[1:]})
     assert steps[0] < 30 and steps[-1] >= 60, steps  # both attempts' rows

@@ -7,7 +7,7 @@ checkpoint itself (``fit(ckpt_path=None)``). Run under torchrun with 2 gloo rank
     torchrun --nproc-per-node 2 user_lightning_main.py OUTDIR
 
 Each rank writes ``attempt<a>_rank<r>.json`` (pid, the global step its training started at and ended
-at, the logger's folder).
+at, the logger's folder). ``SPARES=1`` (with a third process launched): one spare rank.
 """
 
 from __future__ import annotations
@@ -64,4 +64,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
-    recover_in_place(main, max_restarts=2)()
+    recover_in_place(main, max_restarts=2, spares=int(os.environ.get("SPARES", "0")))()
