@@ -90,6 +90,8 @@ def check(trainer: Any) -> None:
     for name in ("_run_stage", "_teardown"):
         if not callable(getattr(trainer, name, None)):
             missing.append(f"{ns}.Trainer.{name}")
+    if not callable(getattr(getattr(trainer, "fit_loop", None), "_load_combined_loader_states", None)):
+        missing.append(f"{ns}.loops._FitLoop._load_combined_loader_states")
     strategy = getattr(trainer, "strategy", None)
     if strategy is not None and model_parallel(strategy) and not hasattr(strategy, "_save_distributed_checkpoint"):
         missing.append(f"{ns}.strategies.ModelParallelStrategy._save_distributed_checkpoint")
@@ -222,8 +224,7 @@ def dump_checkpoint(trainer: Any) -> dict:
 def set_sampler_epochs_first(fit_loop: Any) -> None:
     """The training loaders' samplers get the epoch before ``FitLoop.setup_data`` creates their iterator
     (Lightning 2.5.3 to 2.6.6 at least, issue 21938: a DataLoader with workers draws its indices as its
-    iterator is made, so the first epoch resumed from a checkpoint took epoch 0's order; PR 21941's fix).
-    A stateful loader's own restore, lazy, sets its sampler's epoch after this."""
+    iterator is made, so the first epoch resumed from a checkpoint took epoch 0's order; PR 21941's fix)."""
     original = fit_loop._load_combined_loader_states
     if getattr(original, "_fth_wrapped", False):
         return
