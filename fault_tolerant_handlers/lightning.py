@@ -99,6 +99,15 @@ class FaultTolerance(_CallbackBase):
         self._batches = batches
         self._loaded_buckets = state_dict.get("ddp_buckets")  # absent before 0.2; given to the DDP in on_fit_start
 
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """A state saved at an epoch's last batch (a step-interval checkpoint, live state) resumes as one saved
+        at the epoch's end (:func:`.adapters.compat_lightning.finish_epoch`)."""
+        if self.guard.active and _compat_lightning.finish_epoch(checkpoint.get("loops")):
+            log(logging.INFO, "the checkpoint of global step %s was saved at its epoch's last batch: resumed at the "
+                "epoch's end (Lightning would start the next epoch without its start)", checkpoint.get("global_step"))
+
     def _where(self, trainer: pl.Trainer) -> dict[str, int]:
         """Where this rank is: in a training batch the step it trains (``global_step + 1``, as Ignite counts)."""
         step = self._in_batch if self._in_batch is not None else int(trainer.global_step)
@@ -112,6 +121,7 @@ class FaultTolerance(_CallbackBase):
         if not self.guard.active:
             return  # a single device, or no process group: nothing to coordinate
         _compat_lightning.check(trainer)
+        _compat_lightning.set_sampler_epochs_first(trainer.fit_loop)
         if attempts.recovering():
             self._recovery.setup(trainer)
             if _compat_lightning.keep_launched_ranks(trainer):  # the next attempt's Trainer starts no rank again

@@ -25,6 +25,10 @@ training step also sleeps that long (a step of a real model's length: ``bench/go
 an evaluator ``Engine`` runs over the training loader at each epoch's end (Ignite's cifar10 example).
 ``PERSISTENT=1``: the loader's workers are persistent, and a SIGTERM one gets is noted in
 ``OUTDIR/worker_sigterm.jsonl`` (with the attempt that started it).
+``LOADER=plain``: a plain ``DataLoader`` (resumed exactly only from an epoch's end). ``USER_SHAPE=1``
+(Lightning): a user's shape: a validation loader and step each epoch, an epoch-stepped ``StepLR``,
+``ModelCheckpoint(monitor="val_loss", save_top_k=KEEP, save_last=True)`` (at each epoch's end) instead
+of one every ``EVERY`` steps.
 
 Each attempt of each rank writes ``OUTDIR/attempt<A>_rank<R>.json`` at its start (which checkpoint
 it resumed from, at which iteration) and appends the sample indices of every batch it trains to
@@ -75,6 +79,7 @@ INPLACE = os.environ.get("INPLACE", "")
 #: WORLD_SIZE are then read when the training function starts (a spare that takes a rank's place, and
 #: the training world's size, are known only then).
 SPARES = int(os.environ.get("SPARES", "0"))
+USER = os.environ.get("USER_SHAPE", "0") == "1"
 
 
 class _Attempt:
@@ -142,6 +147,8 @@ def note_sigterm(attempt: int, rank: int, worker_id: int) -> None:
 def make_loader() -> RestartableDataLoader:
     data = Regression(int(os.environ.get("SAMPLES", "400")))
     sampler = DistributedSampler(data, num_replicas=WORLD, rank=RANK, shuffle=True, seed=0)
+    if os.environ.get("LOADER") == "plain":
+        return torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler, num_workers=WORKERS)
     persistent = PERSISTENT and WORKERS > 0
     return RestartableDataLoader(data, batch_size=4, sampler=sampler, num_workers=WORKERS, max_restarts=3,
                                  persistent_workers=persistent,
@@ -191,7 +198,7 @@ def note(info: dict) -> None:
 def done(loader) -> None:
     path = OUT / f"attempt{ATTEMPT}_rank{RANK}.json"
     info = json.loads(path.read_text())
-    info.update(done=True, worker_restarts=loader.restart_count)
+    info.update(done=True, worker_restarts=getattr(loader, "restart_count", 0))
     path.write_text(json.dumps(info))
 
 
@@ -391,10 +398,20 @@ def run_lightning() -> None:
                         fully_shard(layer, mesh=mesh)
                 fully_shard(self.layer, mesh=mesh)
 
+        def validation_step(self, batch, batch_idx):
+            idx, x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y), sync_dist=True)
+
         def configure_optimizers(self):
             if FSDP:
                 return torch.optim.Adam(self.parameters(), lr=0.01)
-            return torch.optim.SGD(self.parameters(), lr=0.05)
+            opt = torch.optim.SGD(self.parameters(), lr=0.05)
+            if USER:
+                return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)}
+            return opt
+
+    if not USER:
+        del Module.validation_step
 
     strategy = (ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1, save_distributed_checkpoint=False,
                                       process_group_backend="gloo", timeout=PG_TIMEOUT) if FSDP
@@ -404,8 +421,9 @@ def run_lightning() -> None:
         max_epochs=EPOCHS, logger=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0,
         callbacks=[FaultTolerance(hang_timeout=HANG_TIMEOUT),
-                   ModelCheckpoint(dirpath=str(CKPT), every_n_train_steps=EVERY, save_top_k=KEEP, monitor="step",
-                                   mode="max", save_last=True), Marks()],
+                   ModelCheckpoint(dirpath=str(CKPT), save_top_k=KEEP, monitor="val_loss", save_last=True) if USER
+                   else ModelCheckpoint(dirpath=str(CKPT), every_n_train_steps=EVERY, save_top_k=KEEP, monitor="step",
+                                        mode="max", save_last=True), Marks()],
     )
     path = latest_checkpoint(CKPT) if RESUME else None
     mark("latest_checkpoint")
@@ -421,7 +439,12 @@ def run_lightning() -> None:
         start = read["global_step"] if read is not None else 0
     note({"resumed_from": path, "start_iteration": start, "in_memory": in_memory(path)})
     model = Module()
-    trainer.fit(model, make_loader(), ckpt_path=path)
+    val = None
+    if USER:
+        data = Regression(64)
+        val = torch.utils.data.DataLoader(data, batch_size=4, num_workers=WORKERS,
+                                          sampler=DistributedSampler(data, num_replicas=WORLD, rank=RANK, shuffle=False))
+    trainer.fit(model, make_loader(), val, ckpt_path=path)
     done(trainer.train_dataloader)
     weights = {k: (v.full_tensor() if FSDP else v).detach().clone() for k, v in model.layer.state_dict().items()}
     if trainer.global_rank == 0:

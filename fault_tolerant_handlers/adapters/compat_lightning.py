@@ -8,7 +8,8 @@ each name is looked up in the namespace of the object given).
 * ``strategies.launchers.subprocess_script._SubprocessScriptLauncher`` (:func:`keep_launched_ranks`);
 * ``Trainer._checkpoint_connector.dump_checkpoint`` (live state) and ``.resume_start``;
 * ``loops.loop._Loop``, ``loops.progress._BaseProgress`` (:func:`loop_parts`);
-* ``FitLoop._combined_loader`` (:func:`train_loaders`);
+* ``FitLoop._load_combined_loader_states``, ``._combined_loader`` (:func:`train_loaders`) and fabric's
+  ``_set_sampler_epoch`` (:func:`set_sampler_epochs_first`); a checkpoint's ``loops`` (:func:`finish_epoch`);
 * ``ModelParallelStrategy._save_distributed_checkpoint`` (:func:`dump_checkpoint`: no collective);
 * ``ModelCheckpoint.__resolve_ckpt_dir``, mirrored by :func:`checkpoint_folders`;
 * ``Trainer.callback_metrics`` is the logger connector's own dict (``LightningModule.log``'s first
@@ -89,6 +90,8 @@ def check(trainer: Any) -> None:
     for name in ("_run_stage", "_teardown"):
         if not callable(getattr(trainer, name, None)):
             missing.append(f"{ns}.Trainer.{name}")
+    if not callable(getattr(getattr(trainer, "fit_loop", None), "_load_combined_loader_states", None)):
+        missing.append(f"{ns}.loops._FitLoop._load_combined_loader_states")
     strategy = getattr(trainer, "strategy", None)
     if strategy is not None and model_parallel(strategy) and not hasattr(strategy, "_save_distributed_checkpoint"):
         missing.append(f"{ns}.strategies.ModelParallelStrategy._save_distributed_checkpoint")
@@ -221,6 +224,54 @@ def dump_checkpoint(trainer: Any) -> dict:
 def train_loaders(trainer: Any) -> list:
     """The fit's training loaders (set up before ``on_train_start``), or ``[]``."""
     return list(getattr(getattr(trainer.fit_loop, "_combined_loader", None), "flattened", ()))
+
+
+def set_sampler_epochs_first(fit_loop: Any) -> None:
+    """The training loaders' samplers get the epoch before ``FitLoop.setup_data`` creates their iterator
+    (Lightning 2.5.3 to 2.6.6 at least, issue 21938: a DataLoader with workers draws its indices as its
+    iterator is made, so the first epoch resumed from a checkpoint took epoch 0's order; PR 21941's fix)."""
+    original = fit_loop._load_combined_loader_states
+    if getattr(original, "_fth_wrapped", False):
+        return
+    fabric = "lightning_fabric" if namespace(fit_loop) == "pytorch_lightning" else "lightning.fabric"
+    set_epoch = _import(fabric + ".utilities.data")._set_sampler_epoch
+
+    @functools.wraps(original)
+    def load_states() -> None:
+        original()
+        for loader in fit_loop._combined_loader.flattened:
+            set_epoch(loader, fit_loop.epoch_progress.current.processed)
+
+    load_states._fth_wrapped = True  # type: ignore[attr-defined]
+    fit_loop._load_combined_loader_states = load_states
+
+
+def finish_epoch(loops: Any) -> bool:
+    """A fit loop's state saved in ``on_train_batch_end`` of an epoch's last batch (a step-interval
+    ``ModelCheckpoint``, live state) counts that batch ``completed`` one short and the epoch not
+    ``processed``: Lightning (checked against 2.6.6; issue 19815) resumes it by counting the epoch done
+    within the next one, which then starts without ``on_train_epoch_start``, draws the first resumed
+    epoch in the finished epoch's sampler order, and keeps its epoch counters one behind for good (a
+    later checkpoint then skips an epoch). Counted in, in place, as a checkpoint saved at the epoch's end
+    (``on_train_epoch_end``) has them: the next epoch runs whole. True if ``loops`` was so."""
+    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
+    try:
+        epochs, batches = fit["epoch_progress"], fit["epoch_loop.batch_progress"]
+        e, b = epochs["total"], batches["total"]
+        short = (batches["is_last_batch"] is True and b["ready"] == b["started"] == b["processed"] == b["completed"] + 1
+                 and e["ready"] == e["started"] == e["processed"] + 1 and e["completed"] == e["processed"])
+    except (KeyError, TypeError):  # another version's layout: left to Lightning
+        return False
+    if not short:
+        return False
+    for progress in (batches["total"], batches["current"]):
+        progress["completed"] += 1
+    for progress in (epochs["total"], epochs["current"]):
+        progress["processed"] += 1
+    loop_state = fit.get("epoch_loop.state_dict")
+    if isinstance(loop_state, dict) and isinstance(loop_state.get("_batches_that_stepped"), int):
+        loop_state["_batches_that_stepped"] += 1  # counted after the batch's end, as at the epoch's end
+    return True
 
 
 def _nodes(progress: Any) -> list:

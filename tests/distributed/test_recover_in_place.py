@@ -12,7 +12,8 @@ iteration 30), the batches it trained (exactly the uninterrupted run's from ther
 
 Default suite: Ignite raising (live state), a SIGKILLed rank replaced (live state sent to its new
 process), 6 recoveries in one job, a hang inside a step
-that swallows every exception; the rest is ``long`` (``make test-long``): Lightning, no
+that swallows every exception, Lightning failing just after an epoch's last batch (a user's shape:
+validation, a scheduler, a plain DataLoader); the rest is ``long`` (``make test-long``): Lightning, no
 checkpoint at all, hangs, ``FTH_LIVE_STATE=0``, 20 recoveries, two recoveries, a repeat,
 ``max_restarts`` spent, ``replace_dead=False``, persistent workers.
 """
@@ -132,6 +133,44 @@ def test_a_raise_recovers_in_place_from_live_state_exactly(framework, every, tmp
     assert output.count(f"carries on from live state, {UNIT[framework]} 36 (") == 2, output[-3000:]
     if framework == "ignite":  # the first attempt's group, destroyed by the recovery, is freed (its threads, sockets)
         assert [tries(run, rank)[1]["earlier_groups_alive"] for rank in (0, 1)] == [0, 0]
+
+
+#: A user's shape (resume_main.py's USER_SHAPE: validation each epoch, an epoch-stepped StepLR,
+#: ModelCheckpoint(monitor="val_loss", save_last=True)), two epochs of 400 / (4 x ranks) steps.
+EPOCH_END = {"EPOCHS": "2", "USER_SHAPE": "1"}
+_epoch_end_reference: dict[tuple, Path] = {}
+
+
+def fit_loop_progress(path: Path) -> dict:
+    fit = torch.load(path, map_location="cpu", weights_only=False)["loops"]["fit_loop"]
+    return {key: fit[key] for key in ("epoch_progress", "epoch_loop.batch_progress", "epoch_loop.state_dict")}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("loader, nproc", [
+    pytest.param("plain", 2, id="plain-loader-2-ranks"),
+    pytest.param("restartable", 2, id="restartable-loader-2-ranks", marks=pytest.mark.long),
+    pytest.param("plain", 4, id="plain-loader-4-ranks", marks=pytest.mark.long),
+])
+def test_lightning_recovers_in_place_from_an_epochs_last_batch_exactly(loader, nproc, tmp_path, tmp_path_factory):
+    """Rank 1 fails as the second epoch's first batch starts: the live state is the first epoch's last
+    batch, which Lightning counts one short. The next attempt trains the second epoch whole, in the
+    sampler's order of that epoch (a plain DataLoader too: it resumes from an epoch's end), and ends
+    with the uninterrupted run's weights and loop counters (before the fix: epoch 0's order; the
+    epoch counters one behind in every later checkpoint)."""
+    env = {**EPOCH_END, "LOADER": loader}
+    key = (loader, nproc)
+    if key not in _epoch_end_reference:
+        _epoch_end_reference[key] = torchrun("lightning", tmp_path_factory.mktemp(f"ref-epoch-end-{loader}-{nproc}"),
+                                             env, nproc=nproc)[0]
+    ref = _epoch_end_reference[key]
+    last = 400 // (4 * nproc)  # the first epoch's last step
+    run, _, output = torchrun("lightning", tmp_path, {**env, "INPLACE": "2",
+                                                      "FTH_INJECT": f"raise@rank=1,iteration={last + 1}"}, nproc=nproc)
+    assert all(tries(run, rank)[1]["start_iteration"] == last for rank in range(nproc))
+    assert recomputed(run) == 0
+    assert_recovered_exactly(run, ref, "lightning", same_process=(True,) * nproc, live=True)
+    assert fit_loop_progress(run / "ckpt" / "last.ckpt") == fit_loop_progress(ref / "ckpt" / "last.ckpt")
 
 
 @pytest.mark.long

@@ -7,7 +7,8 @@ on both ranks from the newest checkpoint (iteration 30), trained exactly the bat
 uninterrupted run from iteration 31 on, and rank 0's final weights must be ``torch.equal`` to that
 run's. A DataLoader worker killed mid-epoch must need no restart at all.
 
-Default: one case per framework (a kill during a checkpoint write; a SIGKILL). ``FTH_RESUME_FULL=1`` (``make test-resume``) runs every framework x fault.
+Default: one case per framework (a kill during a checkpoint write; a SIGKILL), and Lightning relaunched
+from the checkpoint of an epoch's last batch (``long``: a user's shape, at 2 and 4 ranks). ``FTH_RESUME_FULL=1`` (``make test-resume``) runs every framework x fault.
 torchrun runs in its own session, killed by pid (``launch.run_ranks``); process groups time out
 after 20 s.
 """
@@ -122,6 +123,55 @@ def test_restarted_attempt_resumes_exactly(framework, fault, tmp_path, tmp_path_
     final, expected = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
     for key in expected:
         assert torch.equal(final[key], expected[key]), f"{framework}/{fault}: {key} differs from the uninterrupted run"
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("shape, nproc", [
+    pytest.param("every-10", 2, id="step-checkpoint-2-ranks"),
+    pytest.param("user", 2, id="user-shape-2-ranks", marks=pytest.mark.long),
+    pytest.param("user", 4, id="user-shape-4-ranks", marks=pytest.mark.long),
+])
+def test_lightning_relaunched_from_an_epochs_last_batch_resumes_exactly(shape, nproc, tmp_path):
+    """Rank 1 fails in the second epoch; the relaunch resumes from the checkpoint of the first epoch's
+    last batch, through ``FaultTolerance``: ``every-10``, a ``ModelCheckpoint(every_n_train_steps=10)``
+    (saved in ``on_train_batch_end``, Lightning's counters one short: the epoch was counted done inside
+    the next one, drawn in epoch 0's order); ``user``, resume_main's ``USER_SHAPE`` with a plain
+    ``DataLoader`` (validation, StepLR, ``last.ckpt`` saved at the epoch's end, whose next epoch
+    Lightning drew in epoch 0's order: a DataLoader with workers draws its indices when its iterator is
+    made, before the sampler's ``set_epoch``). The rest, the weights and the loop counters are the
+    uninterrupted run's."""
+    env = {"EPOCHS": "2", "PG_TIMEOUT_SEC": "20"}
+    if shape == "user":
+        env.update(USER_SHAPE="1", LOADER="plain")
+    launcher = TORCHRUN[:TORCHRUN.index("--nproc-per-node") + 1] + [str(nproc)] + TORCHRUN[TORCHRUN.index("--nproc-per-node") + 2:]
+    last = 400 // (4 * nproc)  # the first epoch's last step
+
+    def launch(out: Path, extra: dict[str, str]) -> Path:
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            results = run_ranks(1, "lightning", out, script=SCRIPT, launcher=launcher, deadline=200,
+                                env={"FTH_INJECT": "", **env, **extra})
+        finally:
+            kill_workers(out / "lightning-1")
+        assert results[0].returncode == 0, f"torchrun exited {results[0].returncode}:\n{results[0].stderr[-4000:]}"
+        return out / "lightning-1"
+
+    ref = launch(tmp_path / "ref", {})
+    run = launch(tmp_path / "faulted", {"FTH_INJECT": f"raise@rank=1,iteration={last + 3}"})
+    for rank in range(nproc):
+        tries = attempts(run, rank)
+        assert set(tries) == {0, 1} and tries[1]["done"], tries
+        assert tries[1]["start_iteration"] == last, tries[1]
+        rest = [(e["step"], e["idx"]) for e in trained(run, rank) if e["attempt"] == 1]
+        assert rest == [(e["step"], e["idx"]) for e in trained(ref, rank)[last:]], f"rank {rank}"
+    final, expected = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), f"{shape}: {key} differs from the uninterrupted run"
+    progress = {}
+    for name, folder in (("run", run), ("ref", ref)):
+        fit = torch.load(folder / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)["loops"]["fit_loop"]
+        progress[name] = {key: fit[key] for key in ("epoch_progress", "epoch_loop.batch_progress")}
+    assert progress["run"] == progress["ref"]
 
 
 @pytest.mark.long  # suite time: a torchrun relaunch; the check itself is unit-tested in test_dataloader_resume.py

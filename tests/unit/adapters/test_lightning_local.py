@@ -86,3 +86,28 @@ def test_live_states_copy_at_a_steps_end_is_no_checkpoint_written(monkeypatch):
     assert callback._live.capture().step == 3
     callback.on_save_checkpoint(trainer, None, {})
     assert beats == ["checkpoint"]
+
+
+def _fit_loops(batches_completed: int, epochs_processed: int, is_last_batch: bool) -> dict:
+    """``checkpoint["loops"]`` of a 16-batch epoch 1 (Lightning 2.6.6's keys), at its 16th batch."""
+    def progress(**counts):
+        return {"total": dict(counts), "current": dict(counts)}
+
+    return {"fit_loop": {
+        "epoch_progress": progress(ready=2, started=2, processed=epochs_processed, completed=1),
+        "epoch_loop.batch_progress": {**progress(ready=32, started=32, processed=32, completed=batches_completed),
+                                      "is_last_batch": is_last_batch},
+        "epoch_loop.state_dict": {"_batches_that_stepped": 31 if batches_completed == 31 else 32},
+    }}
+
+
+def test_a_state_saved_at_an_epochs_last_batch_is_counted_as_at_its_end():
+    # on_train_batch_end of the last batch (a step-interval ModelCheckpoint, live state): one short
+    loops = _fit_loops(31, 1, True)
+    assert compat_lightning.finish_epoch(loops)
+    # what ModelCheckpoint saves in on_train_epoch_end of that epoch
+    assert loops == _fit_loops(32, 2, True)
+    assert not compat_lightning.finish_epoch(loops)  # once
+    assert not compat_lightning.finish_epoch(_fit_loops(31, 1, False))  # mid-epoch: Lightning resumes it exactly
+    assert not compat_lightning.finish_epoch({"fit_loop": {"epoch_progress": {}}})  # another layout: left alone
+    assert not compat_lightning.finish_epoch(None)
