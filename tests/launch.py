@@ -13,6 +13,7 @@ import contextlib
 import json
 import re
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -298,6 +299,45 @@ def kill_workers(out: Path, program: str = "resume_main.py") -> None:
             os.killpg(pid, signal.SIGKILL)  # the worker leads its session and process group
         except (OSError, ValueError, KeyError):
             continue
+
+
+#: In the environment of a test's processes, so that :func:`dump_stacks` can ask each for its stacks.
+STACKS_ENV = {"PYTHONFAULTHANDLER": "1"}
+#: The line :func:`dump_stacks` writes before the stacks (what ran before it is the run's own output).
+STACKS_MARKER = "\n=== stacks at the deadline, one process at a time (SIGSTOP all, then SIGABRT each) ===\n"
+
+
+def dump_stacks(pids: list[int], out, wait: float = 2.0) -> None:
+    """Every Python thread's stack of each process in ``pids`` (a bounded test's processes still
+    running at its deadline, started with :data:`STACKS_ENV`), written to ``out``, the file their
+    output goes to, before the test kills them. All are stopped first (SIGSTOP: none reacts to
+    another's end, and the stall stays as it was); then each in turn, its core dump disabled, gets
+    SIGABRT and SIGCONT, and ``faulthandler`` prints its threads' stacks as it ends (at most ``wait``
+    seconds each; a DataLoader worker or helper the process forked is in ``pids`` by itself)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGSTOP)
+    headers = {}
+    for pid in pids:  # each one's parent while all still stand
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            stat = _procfs.stat_fields(pid) or ["?"] * 2
+            headers[pid] = f"--- pid {pid} (parent {stat[_procfs.PPID]}): {cmdline[:200]}\n"
+    out.write(STACKS_MARKER)
+    for pid, header in headers.items():
+        try:
+            out.write(header)
+            out.flush()
+            resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+            os.kill(pid, signal.SIGABRT)
+            os.kill(pid, signal.SIGCONT)
+        except OSError:
+            continue
+        end = time.monotonic() + wait
+        while _procfs.is_running(_procfs.stat_fields(pid)) and time.monotonic() < end:
+            time.sleep(0.05)
+    out.flush()
 
 
 @contextlib.contextmanager
