@@ -61,7 +61,8 @@ def test_numpy_is_never_imported_for_it_and_the_earlier_torch_only_record_still_
     before = random.getstate()
     rng_state.restore(old)  # torch's put back, Python's left alone
     assert random.getstate() == before
-    assert [t is old[0] for t in rng_state.tensors(old)] == [True] and not rng_state.same(old, rng)
+    assert [[t is old[0] for t in g] for g in rng_state.groups(old)] == [[True], [], []]
+    assert not rng_state.same(old, rng)
 
 
 def test_a_receiver_takes_the_parts_agreed_from_the_source_and_its_own_for_the_others():
