@@ -25,7 +25,9 @@ training step also sleeps that long (a step of a real model's length: ``bench/go
 an evaluator ``Engine`` runs over the training loader at each epoch's end (Ignite's cifar10 example).
 ``PERSISTENT=1``: the loader's workers are persistent, and a SIGTERM one gets is noted in
 ``OUTDIR/worker_sigterm.jsonl`` (with the attempt that started it).
-``LOADER=plain``: a plain ``DataLoader`` (resumed exactly only from an epoch's end). ``USER_SHAPE=1``
+``PY_RANDOM=1``: the training function seeds Python's ``random`` and numpy's global RNG as it starts
+(as Lightning's ``seed_everything`` does in every call), and each training step adds a draw of each to
+its inputs. ``LOADER=plain``: a plain ``DataLoader`` (resumed exactly only from an epoch's end). ``USER_SHAPE=1``
 (Lightning): a user's shape: a validation loader and step each epoch, an epoch-stepped ``StepLR``,
 ``ModelCheckpoint(monitor="val_loss", save_top_k=KEEP, save_last=True)`` (at each epoch's end) instead
 of one every ``EVERY`` steps.
@@ -46,6 +48,7 @@ import functools  # noqa: E402
 import io
 import json
 import os
+import random
 import signal
 import sys
 import tempfile
@@ -80,6 +83,7 @@ INPLACE = os.environ.get("INPLACE", "")
 #: the training world's size, are known only then).
 SPARES = int(os.environ.get("SPARES", "0"))
 USER = os.environ.get("USER_SHAPE", "0") == "1"
+PY_RANDOM = os.environ.get("PY_RANDOM", "0") == "1"
 
 
 class _Attempt:
@@ -159,6 +163,24 @@ def make_model() -> torch.nn.Module:
     if not HIDDEN:
         return torch.nn.Linear(8, 1)
     return torch.nn.Sequential(torch.nn.Linear(8, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+
+
+def seed_python_and_numpy() -> None:
+    """``PY_RANDOM=1``: the training function starts: ``random`` and ``numpy.random`` seeded."""
+    if PY_RANDOM:
+        import numpy
+
+        random.seed(0)
+        numpy.random.seed(0)
+
+
+def drawn(x: torch.Tensor) -> torch.Tensor:
+    """``PY_RANDOM=1``: a training step's inputs plus a draw of ``random`` and one of ``numpy.random``."""
+    if not PY_RANDOM:
+        return x
+    import numpy
+
+    return x + 0.1 * random.random() + 0.1 * float(numpy.random.rand())
 
 
 def in_memory(path: str | None) -> bool:
@@ -256,6 +278,7 @@ def run_ignite() -> None:
     from fault_tolerant_handlers.ignite import FaultTolerance
 
     world_seen()
+    seed_python_and_numpy()
     mark("imported")
     dist.init_process_group("gloo", timeout=PG_TIMEOUT)
     mark("process_group")
@@ -299,7 +322,7 @@ def run_ignite() -> None:
                 pass
             return
         opt.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        torch.nn.functional.mse_loss(ddp(drawn(x)), y).backward()
         opt.step()
         if STALL and ATTEMPT == 0 and (RANK, engine.state.iteration) == STALL:
             stall_until_a_peer_failed()
@@ -352,6 +375,7 @@ def run_lightning() -> None:
     from fault_tolerant_handlers.lightning import FaultTolerance
 
     world_seen()
+    seed_python_and_numpy()
     mark("imported")
     trace = Trace()
     if not BUCKETS:
@@ -386,7 +410,7 @@ def run_lightning() -> None:
             trace(self.global_step + 1, idx)
             if STEP_SEC:
                 time.sleep(STEP_SEC)
-            return torch.nn.functional.mse_loss(self.layer(x), y)
+            return torch.nn.functional.mse_loss(self.layer(drawn(x)), y)
 
         def configure_model(self):
             if FSDP:

@@ -11,9 +11,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-import torch
-
-from ..core import attempts, compat_torch, config, recoveries, sharded
+from ..core import attempts, compat_torch, config, recoveries, rng_state, sharded
 from ..core.failure import Stored
 from ..core.hooks import first_line, log
 from ..core.schema import logger_version_key
@@ -131,7 +129,7 @@ class LiveLoop:
                 pass
 
     def step_starts(self, step: int) -> None:
-        """A step begins: torch's RNG as it starts (put back first, after live state was loaded); the
+        """A step begins: the RNG states as it starts (put back first, after live state was loaded); the
         copy of the step before held by the partners (bounded wait) before this step's collectives."""
         if self.tracker is not None:
             live.restore_rng(step)
@@ -139,7 +137,7 @@ class LiveLoop:
         replicas = self.replicas
         if replicas is not None:
             if (self.tracker is not None and replicas.taken == step
-                    and not _same_rng(replicas.rng, self.tracker.rng_after(step))):
+                    and not rng_state.same(replicas.rng, self.tracker.rng_after(step))):
                 self._replicate(step)  # the loader drew from torch's RNG (an epoch's start): again, with the RNG now
             replicas.wait_home()
 
@@ -205,8 +203,3 @@ class LoopRecovery:
             except Exception as err:  # noqa: BLE001
                 log(logging.WARNING, "a %s failed: %s: %s", what, type(err).__name__, first_line(err))
 
-
-def _same_rng(a: tuple | None, b: tuple | None) -> bool:
-    """Recorded RNG states (``(cpu, [cuda, ...] or None)``) that are equal, bit for bit."""
-    flat = [[t for t in (x[0], *(x[1] or ()))] if x is not None else [] for x in (a, b)]
-    return len(flat[0]) == len(flat[1]) and all(torch.equal(s, t) for s, t in zip(*flat))

@@ -20,7 +20,7 @@ class Captured:
     unit: str  #: ``"iteration"`` or ``"global step"``
     state: Any  #: what the checkpoint would hold (a dict of state dicts)
     directory: str | None  #: where that loop's checkpoints are written (resolved), if known
-    rng: tuple | None = None  #: torch's RNG states at the start of the next step, if recorded
+    rng: tuple | None = None  #: the RNG states at the start of the next step, if recorded (``core.rng_state``)
 
 
 @dataclass(frozen=True)

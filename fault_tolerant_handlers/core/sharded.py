@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from . import structure
+from . import rng_state, structure
 
 #: Names the manifest's layout: a change of it changes every checksum.
 FORMAT = "fth-shard-2"
@@ -140,7 +140,7 @@ def _describe(state: Any, rng: Any = None) -> tuple[list, list[dict], list[torch
 
 def take_snapshot(state: Any, step: int, rank: int, *, seal: bool = True,
                   buffer: torch.Tensor | None = None, rng: tuple | None = None) -> Snapshot:
-    """Copy ``state`` (``DTensor`` values' local shards) and ``rng`` (``(cpu, cuda or None)``) into one
+    """Copy ``state`` (``DTensor`` values' local shards) and ``rng`` (:mod:`.rng_state`'s record) into one
     contiguous CPU buffer, done when this returns. ``seal=False`` leaves the CRC-32 to another thread
     (:meth:`Snapshot.seal`); ``buffer``: an unused 1-D uint8 CPU tensor to reuse if it has the size
     (a fresh one's pages fault in as written: 100 MB, about 60 ms against 10). ``TypeError``: a value a
@@ -194,9 +194,11 @@ def read_manifest(data: bytes, payload_bytes: int) -> dict:
 def rng_of(snap: Snapshot) -> tuple | None:
     """The RNG states ``snap`` carries (:func:`take_snapshot`'s ``rng``), or ``None``; raises as :func:`restore`."""
     rng = restore(snap, part="rng")
-    if rng is not None and not (type(rng) is tuple and len(rng) == 2 and isinstance(rng[0], torch.Tensor)):
+    if rng is None:
+        return None
+    if (record := rng_state.checked(rng)) is None:
         raise ManifestError(f"the snapshot's RNG states are malformed: {str(rng)[:200]}")
-    return rng
+    return record
 
 
 def restore(snap: Snapshot, *, mesh: Any = None, device: str | torch.device = "cpu", part: str = "tree") -> Any:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..core import attempts, config, sharded
+from ..core import attempts, config, rng_state, sharded
 from ..core.hooks import first_line, log
 from ..core.phases import LIVE_NAME, Captured, RecoveryState  # a capture travels between ranks: the core's type
 
@@ -48,16 +48,12 @@ def _post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
         tracker.updates += 1
 
 
-def _rng_state() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
 class StepTracker:
     """Per-step bookkeeping of one training loop on its training thread: small state at each step's
-    end, torch's RNG at each start, whether an optimizer update began since. ``modules``: whose buffers'
-    versions are compared; ``update_at_pre_hook``: an update begins at ``optimizer.step`` (Ignite),
-    else at :meth:`update_begins` (Lightning, whose ``optimizer.step`` first runs the training step)."""
+    end, the RNG states at each start (:mod:`..core.rng_state`), whether an optimizer update began
+    since. ``modules``: whose buffers' versions are compared; ``update_at_pre_hook``: an update begins
+    at ``optimizer.step`` (Ignite), else at :meth:`update_begins` (Lightning, whose ``optimizer.step``
+    first runs the training step)."""
 
     def __init__(self, modules: Iterable[torch.nn.Module], *, update_at_pre_hook: bool) -> None:
         self.update_at_pre_hook = update_at_pre_hook
@@ -68,7 +64,7 @@ class StepTracker:
         self.stepped = True  #: an optimizer update ran in the step that completed last
         self.updating = False  #: an optimizer update runs now
         self.updates = 0  #: optimizer updates since the last step completed
-        self.rng: tuple | None = None  #: (step it follows, torch's RNG states) at the start of a step
+        self.rng: tuple | None = None  #: (step it follows, RNG states) at the start of a step
         self.replicas: Any = None  #: the loop's ``data.replicas.ShardReplicas`` (its adapter's), if it replicates
         with _lock:
             if not _trackers:
@@ -90,14 +86,14 @@ class StepTracker:
         self.updating = True
 
     def start_step(self, after: int) -> None:
-        self.rng = (after, _rng_state())
+        self.rng = (after, rng_state.record())
 
     def complete(self, step: int, small: dict[str, Any], *, initial: bool = False) -> None:
         """Step ``step`` completed (or, ``initial``, the loop starts from it): ``small`` is its small state."""
         self.stepped = initial or self.updates > 0
         self.step, self.small, self.updates, self.updating = step, small, 0, False
         # the next step's RNG until it starts (a failure may come first; the same unless its batch draws from it)
-        self.rng = (step, _rng_state())
+        self.rng = (step, rng_state.record())
         self.versions = sum(b._version for b in self.buffers)
 
     def check(self, unit: str) -> None:
@@ -325,8 +321,8 @@ def _tell(captured: Captured, now: int, how: str, data: Callable[[], str | None]
 
 
 def restore_rng(after: int) -> bool:
-    """The step after ``after`` starts: torch's RNG put back as the failed attempt had it, once, if
-    live state of step ``after`` was loaded; whether it was."""
+    """The step after ``after`` starts: the RNG states (torch's, Python's ``random``, numpy's global) put
+    back as the failed attempt had them, once, if live state of step ``after`` was loaded; whether it was."""
     global _armed_rng
     armed = _armed_rng
     if armed is None:
@@ -334,10 +330,7 @@ def restore_rng(after: int) -> bool:
     _armed_rng = None
     if armed[0] != after:
         return False
-    cpu, cuda = armed[1]
-    torch.set_rng_state(cpu)
-    if cuda is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+    rng_state.restore(armed[1])
     return True
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, ClassVar
 import torch
 import torch.distributed as dist
 
-from ..core import hooks, sharded
+from ..core import hooks, rng_state, sharded
 from ..core.errors import StateTransferError
 from ..core.failure import WORLD, Stored, cap_head
 from ..core.hooks import log
@@ -51,13 +51,13 @@ class LiveReport(Stored):
     unit: str  #: "iteration" (Ignite), "global step" (Lightning), "" (none)
     why: str  #: why it holds none ("" when it does)
     checksum: str = ""  #: hex SHA-256 of the state ("": not taken)
-    rng: str = ""  #: hex CRC-32 of the RNG states recorded for the next step ("": none)
+    rng: str = ""  #: hex CRC-32s of the RNG states recorded for the next step, one per ``rng_state.PARTS`` ("": none)
     portable: str = ""  #: why this state cannot be sent to another rank ("" when it can)
     shard: bool = False  #: a sharded model's: this rank's own shard
     copies: tuple[int, ...] = ()  #: shard snapshots held here: (rank, step, CRC-32) triples
 
     BOUNDS: ClassVar[dict] = {"by": (0, WORLD), "step": (-1, 2**53 - 1), "unit": 40, "why": 300,
-                              "checksum": ("hex", 2 * DIGEST_BYTES), "rng": ("hex", 8), "portable": 300,
+                              "checksum": ("hex", 2 * DIGEST_BYTES), "rng": ("hex", 24), "portable": 300,
                               "copies": (0, 2**53 - 1, 3 * MAX_COPIES)}
 
     def problem(self, world: int) -> str | None:
@@ -76,13 +76,14 @@ class LivePlan:
     receivers: tuple[int, ...] = ()  #: ranks that get the source's state
     whom: str = ""  #: why each receiver receives, for the log ("rank 1: its process was replaced")
     checksum: str = ""  #: the source's state's checksum ("": not taken), checked by the receivers
-    rng_shared: bool = False  #: the receivers take the source's RNG states too
+    rng_shared: tuple[int, ...] = ()  #: the receivers take these of the source's RNG states too (``rng_state.PARTS``)
     #: a sharded model's shards not resumed from their rank's own capture: (rank, holder, CRC-32)
     #: triples; the holder sends its copy (itself: its own older snapshot), the rank checks its CRC
     shards: tuple[int, ...] = ()
 
     BOUNDS: ClassVar[dict] = {"step": (-1, 2**53 - 1), "unit": 40, "why": 400, "source": (-1, WORLD),
                               "receivers": (0, WORLD, 4096), "whom": 400, "checksum": ("hex", 2 * DIGEST_BYTES),
+                              "rng_shared": (0, len(rng_state.PARTS) - 1, len(rng_state.PARTS)),
                               "shards": (0, 2**32 - 1, 3 * 4096)}
 
     def describe(self) -> str:
@@ -95,7 +96,9 @@ class LivePlan:
             return f"live state, {self.unit} {self.step} ({self.whom}), is held for the next call"
         if not self.receivers:
             return f"live state, {self.unit} {self.step} (each rank's own), is held for the next call"
-        rng = "its RNG states too" if self.rng_shared else "not its RNG states (the ranks' differ or none were recorded)"
+        differ = " or ".join(name for i, name in enumerate(rng_state.PARTS) if i not in self.rng_shared)
+        rng = ("not its RNG states (the ranks' differ or none were recorded)" if not self.rng_shared else
+               f"its RNG states too, but not {differ} (the ranks' differ)" if differ else "its RNG states too")
         return (f"live state, {self.unit} {self.step} (each rank's own; sent from rank {self.source} to "
                 f"{self.whom}; {rng}), is held for the next call")
 
@@ -112,8 +115,8 @@ def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
     """Rank 0's rule, given the reports read from the store: the newest step a rank holds (its gradients
     were reduced everywhere); ranks more than :data:`MAX_STEPS_APART` steps apart are out of step; at that
     step the checksum most hold wins (a tie: the lowest rank's) and every other rank receives it, with
-    the source's RNG states when the ranks that hold it recorded the same. A sharded model: :func:`_plan_shards`.
-    Where live state cannot serve, every rank resumes from its checkpoint (the plan says why)."""
+    each part of the source's RNG states that the ranks holding it recorded the same. A sharded model:
+    :func:`_plan_shards`. Where live state cannot serve, every rank resumes from its checkpoint (the plan says why)."""
     by_rank = {r.by: r for r in reports if r is not None}
     for rank in range(world_size):
         if rank not in by_rank:
@@ -143,9 +146,9 @@ def plan_live(reports: list[LiveReport | None], world_size: int) -> LivePlan:
     portable = [r for r in agreeing if not r.portable]
     if not portable:
         return LivePlan(-1, "", f"{told}, and rank {agreeing[0].by}'s state cannot be sent: {agreeing[0].portable}")
-    rngs = {r.rng for r in agreeing}
-    return LivePlan(step, unit, "", portable[0].by, tuple(rank for rank, _ in whom), told, chosen,
-                    rng_shared=len(rngs) == 1 and "" not in rngs)
+    crcs = [[r.rng[i:i + 8] for i in range(0, 8 * len(rng_state.PARTS), 8)] for r in agreeing]
+    shared = tuple(i for i in range(len(rng_state.PARTS)) if all(c[i] for c in crcs) and len({c[i] for c in crcs}) == 1)
+    return LivePlan(step, unit, "", portable[0].by, tuple(rank for rank, _ in whom), told, chosen, rng_shared=shared)
 
 
 def _plan_shards(ranks: list[LiveReport], step: int, unit: str) -> LivePlan:
@@ -215,10 +218,12 @@ class Held:
                                      copies=copies)
             return
         step, unit, rng = self.captured.step, self.captured.unit, self.captured.rng
-        crc = 0  # of the RNG states (CPU and, if any, CUDA): equal on ranks whose RNG is the same
-        for state in [] if rng is None else [rng[0], *(rng[1] or [])]:
-            crc = zlib.crc32(sharded.memory(state), crc)
-        rng_crc = "" if rng is None else f"{crc:08x}"
+        crcs = []  # of each part of the RNG states: equal on ranks whose generators are the same
+        for group in [] if rng is None else rng_state.groups(rng):
+            crcs.append(0)
+            for state in group:
+                crcs[-1] = zlib.crc32(sharded.memory(state), crcs[-1])
+        rng_crc = "".join(f"{crc:08x}" for crc in crcs)
         snap = self.captured.state
         if isinstance(snap, sharded.Snapshot):  # this rank's shard, copied at the failure (data.live)
             why = _damaged(snap, f"its shard of {unit} {step}", "copied")
@@ -290,8 +295,8 @@ class Held:
                 state = transfer(mine, plan.source, plan.receivers, checksum=plan.checksum or None)
                 extras = None
                 if rank == plan.source:
-                    extras = {"directory": own.directory,
-                              "rng": list(own.rng) if plan.rng_shared and own.rng is not None else None}
+                    extras = {"directory": own.directory, "rng": rng_state.only(own.rng, plan.rng_shared)
+                              if plan.rng_shared and own.rng is not None else None}
                 extras = transfer(extras, plan.source, plan.receivers)
         except (StateTransferError, TypeError, RuntimeError, ValueError) as err:
             self._fall_back(f"sending it from rank {plan.source} failed: {type(err).__name__}: {cap_head(str(err), 200)}")
@@ -299,9 +304,9 @@ class Held:
         if receives:
             extras = extras if isinstance(extras, dict) else {}
             directory, rng = extras.get("directory"), extras.get("rng")
-            rng = tuple(rng) if isinstance(rng, list) and len(rng) == 2 else None
-            if rng is None and own is not None and own.step == plan.step:
-                rng = own.rng  # diverged at the same step: its own RNG states are those of that step
+            # a part not sent (or none, or malformed): diverged at the same step, its own is that step's
+            own_rng = own.rng if own is not None and own.step == plan.step else None
+            rng = rng_state.merged(rng_state.checked(rng), own_rng)
             self.hold(Captured(plan.step, plan.unit, state, directory if isinstance(directory, str) else None, rng))
         timings.setdefault("parts", {})["live state sent"] = time.monotonic() - t0
 

@@ -31,7 +31,10 @@ from launch import PROGRAMS, kill_workers, run_ranks, torchrun_root_cause
 
 SCRIPT = PROGRAMS / "resume_main.py"
 ENV = {"PG_TIMEOUT_SEC": "20", "EPOCHS": "1", "EVERY": "10", "FTH_INJECT": ""}
-_reference: dict[str, Path] = {}
+_reference: dict[tuple, Path] = {}
+#: Each training step also draws from Python's ``random`` and numpy's global RNG, which the training
+#: function seeds as it starts (``seed_everything``'s way): exact only if live state puts them back too.
+PY_RANDOM = {"PY_RANDOM": "1"}
 
 
 def torchrun(framework: str, out: Path, env: dict[str, str], *, max_restarts: int = 0, expect_ok: bool = True,
@@ -50,10 +53,11 @@ def torchrun(framework: str, out: Path, env: dict[str, str], *, max_restarts: in
     return run_dir, code, output
 
 
-def reference(framework: str, tmp_path_factory) -> Path:
-    if framework not in _reference:
-        _reference[framework] = torchrun(framework, tmp_path_factory.mktemp(f"ref-{framework}"), {})[0]
-    return _reference[framework]
+def reference(framework: str, tmp_path_factory, env: dict[str, str] | None = None) -> Path:
+    key = (framework, *sorted((env or {}).items()))
+    if key not in _reference:
+        _reference[key] = torchrun(framework, tmp_path_factory.mktemp(f"ref-{framework}"), env or {})[0]
+    return _reference[key]
 
 
 def tries(run_dir: Path, rank: int) -> dict[int, dict]:
@@ -119,9 +123,11 @@ LIVE_CASES = [
 @pytest.mark.parametrize("framework, every", LIVE_CASES)
 def test_a_raise_recovers_in_place_from_live_state_exactly(framework, every, tmp_path, tmp_path_factory):
     """No iteration trained twice, whatever the checkpoint interval (``EVERY=1000``: no checkpoint at
-    all), and the uninterrupted run's weights, bit for bit."""
-    ref = reference(framework, tmp_path_factory)
-    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "EVERY": every,
+    all), and the uninterrupted run's weights, bit for bit, with steps that draw from Python's ``random``
+    and numpy's global RNG (``PY_RANDOM``; before they were put back with torch's, the next call's
+    ``random.seed``/``numpy.random.seed`` made the steps after the failure draw other numbers)."""
+    ref = reference(framework, tmp_path_factory, PY_RANDOM)
+    run, _, output = torchrun(framework, tmp_path, {**PY_RANDOM, "INPLACE": "2", "EVERY": every,
                                                     "FTH_INJECT": "raise@rank=1,iteration=37"})
     assert recomputed(run) == 0  # before live state: 6 (from the checkpoint of 30), 36 without a checkpoint
     assert_recovered_exactly(run, ref, framework, live=True)
@@ -357,9 +363,10 @@ def test_a_killed_rank_is_replaced_in_place_and_the_others_keep_their_processes(
                                                                                  tmp_path_factory):
     """The killed rank's new process holds no state: the survivor sends it its live state over a group
     the recovery forms, and both carry on from the last completed iteration (none trained twice), with
-    a checkpoint every 10 iterations or none at all."""
-    ref = reference(framework, tmp_path_factory)
-    run, _, output = torchrun(framework, tmp_path, {"INPLACE": "2", "EVERY": every,
+    a checkpoint every 10 iterations or none at all; its RNG states too, Python's ``random`` and numpy's
+    global RNG with torch's (``PY_RANDOM``: the steps draw from both, seeded as the function starts)."""
+    ref = reference(framework, tmp_path_factory, PY_RANDOM)
+    run, _, output = torchrun(framework, tmp_path, {**PY_RANDOM, "INPLACE": "2", "EVERY": every,
                                                     "FTH_INJECT": "kill@rank=1,iteration=37"})
     assert_recovered_exactly(run, ref, framework, same_process=(True, False), live=True)
     assert recomputed(run) == 0  # before the transfer: 6 (from the checkpoint of 30), 36 without a checkpoint

@@ -4,12 +4,14 @@ attempt gets it (``latest_checkpoint``, ``load_checkpoint``, the RNG put back)."
 from __future__ import annotations
 
 import os
+import random
 
+import numpy
 import pytest
 import torch
 
 from fault_tolerant_handlers import latest_checkpoint, load_checkpoint
-from fault_tolerant_handlers.core import attempts, config
+from fault_tolerant_handlers.core import attempts, config, rng_state
 from fault_tolerant_handlers.data import live, snapshots
 
 
@@ -229,16 +231,25 @@ def test_a_held_state_whose_directory_is_unknown_answers_for_any_directory(recov
 
 
 def test_the_rng_is_put_back_as_the_step_after_the_held_one_starts(recovering, tmp_path):
-    torch.manual_seed(1)
-    state = live._rng_state()
-    expected = torch.rand(3)
+    """Torch's, Python's ``random`` and numpy's global RNG (a script's ``seed_everything`` in each call)."""
+    def seed(n: int) -> None:
+        torch.manual_seed(n)
+        random.seed(n)
+        numpy.random.seed(n)
+
+    def draws() -> list:
+        return [torch.rand(3).tolist(), random.random(), numpy.random.rand()]
+
+    seed(1)
+    state = rng_state.record()
+    expected = draws()
     live.hold(captured(step=36, rng=state))
     load_checkpoint(latest_checkpoint(tmp_path))
-    torch.manual_seed(2)
+    seed(2)
     assert not live.restore_rng(35)  # another step: disarmed, nothing put back
     live.hold(captured(step=36, rng=state))
     load_checkpoint(latest_checkpoint(tmp_path))
-    assert live.restore_rng(36) and torch.equal(torch.rand(3), expected)
+    assert live.restore_rng(36) and draws() == expected
     assert not live.restore_rng(36)  # once
 
 

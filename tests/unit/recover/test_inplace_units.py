@@ -276,7 +276,7 @@ def test_live_state_serves_each_rank_its_own_when_every_rank_holds_the_same_step
 def test_a_rank_without_state_a_step_behind_or_diverged_receives_from_the_lowest_agreeing_rank():
     replaced = LiveReport(1, -1, "", "its process was replaced")
     plan = plan_live([held(0, 36), replaced, held(2, 35), held(3, 36, B), held(4, 36)], 5)
-    assert (plan.step, plan.source, plan.receivers, plan.checksum, plan.rng_shared) == (36, 0, (1, 2, 3), A, True)
+    assert (plan.step, plan.source, plan.receivers, plan.checksum, plan.rng_shared) == (36, 0, (1, 2, 3), A, (0,))
     assert plan.whom == ("rank 1: its process was replaced; rank 2: a step behind (iteration 35); rank 3: its "
                          "state's checksum differs (diverged)")
     assert "sent from rank 0 to rank 1: its process was replaced;" in plan.describe()
@@ -294,6 +294,25 @@ def test_the_source_sends_its_rng_only_when_the_ranks_at_that_step_recorded_the_
     assert not plan_live([held(0, 36, rng="00000001"), held(1, 36, rng="00000002"), replaced], 3).rng_shared
     assert not plan_live([held(0, 36, rng=""), held(1, 36, rng=""), replaced], 3).rng_shared
     assert plan_live([held(0, 36), held(1, 35, rng="00000002"), replaced], 3).rng_shared  # behind: another step's
+
+
+def test_each_part_of_the_rng_states_is_sent_when_the_ranks_at_that_step_recorded_the_same():
+    """Torch's, Python's ``random``, numpy's (a CRC-32 each): a script that seeds torch alike on every rank
+    and leaves ``random`` to each process still sends torch's."""
+    replaced = LiveReport(2, -1, "", "its process was replaced")
+    torch_, python, numpy_ = "0000000a", "0000000b", "0000000c"
+    alike = plan_live([held(0, 36, rng=torch_ + python + numpy_), held(1, 36, rng=torch_ + python + numpy_),
+                       replaced], 3)
+    assert alike.rng_shared == (0, 1, 2) and "; its RNG states too), is held" in alike.describe()
+    own_random = plan_live([held(0, 36, rng=torch_ + python + numpy_), held(1, 36, rng=torch_ + "0000000f" + numpy_),
+                            replaced], 3)
+    assert own_random.rng_shared == (0, 2)
+    assert "; its RNG states too, but not Python's random (the ranks' differ)), is held" in own_random.describe()
+    decision = Decision(True, "recover", live=own_random)  # read back from the store: parts 0 to 2
+    assert Decision.from_json(decision.to_json(), world_size=3) == decision
+    bad = json.loads(decision.to_json())
+    bad["live"]["rng_shared"] = [3]
+    assert Decision.from_json(json.dumps(bad), world_size=3).live is None
 
 
 def test_live_state_falls_back_to_the_checkpoint_and_says_why():
