@@ -1,6 +1,6 @@
 """Every use of torch's private DataLoader API (checked against torch 2.13.0 by :func:`check` when a
 ``RestartableDataLoader`` is made, naming what a torch lacks), and torch's multiprocessing iterator
-hardened from the outside so that a worker's death or stall is raised as :class:`WorkerLost` from
+hardened from the outside so that a worker's death, stall or stuck start is raised as :class:`WorkerLost` from
 ``next()`` and never hangs or kills the main process (docs/dataloader.md, "How")."""
 
 from __future__ import annotations
@@ -147,8 +147,9 @@ class _SharedFlag:
 
 
 class _MarksStart:
-    """A worker process whose first Python line, before torch's worker loop, sets ``fth_started``: a
-    worker without it is not yet in Python (see ``_Hardened._fth_stuck_at_start``)."""
+    """A worker process that sets ``fth_started`` first thing in ``run()`` (right after multiprocessing's
+    bootstrap, before torch's worker loop): one without it has not reached Python code of its own
+    (see ``_Hardened._fth_stuck_at_start``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
