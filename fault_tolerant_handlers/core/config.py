@@ -129,6 +129,15 @@ SETTINGS = (
     Setting("FTH_INTERRUPT_DEFER_SEC", "interrupt_defer", "seconds", 30 * _S, "recovering in place: a deferred "
             "section (a checkpoint write, a store call, `deferred_interrupt`) holds a hung rank's interrupt back "
             "this long at most, from its first arrival; then it is interrupted inside", 0.1, 3600),
+    # a forked child reaches its first Python line in milliseconds, a spawned one after its imports (seconds
+    # of CPU); on a saturated host either may wait seconds to run, but it is then runnable, not asleep.
+    # Only a child asleep with no CPU time used over the whole deadline is declared: 10 s is far past any
+    # healthy start, and short beside what a stuck start costs (the job stalls until a collective timeout)
+    Setting("FTH_WORKER_START_SEC", "worker_start_timeout", "seconds", 10 * _S, "`RestartableDataLoader`: a "
+            "worker not yet in Python this long after it was started, asleep and with no CPU time used over that "
+            "time, is stuck in its start (CPython 3.11.7 can hang a child inside `fork()`, gh-112275): "
+            "killed and restarted ([dataloader](dataloader.md)); a slow start uses CPU or is runnable, and is "
+            "never declared", 1, 3600),
 )
 _BY_FIELD = {s.field: s for s in SETTINGS}
 KNOWN_ENV = tuple(s.variable for s in SETTINGS)
@@ -136,7 +145,7 @@ KNOWN_ENV = tuple(s.variable for s in SETTINGS)
  EXIT_GRACE_ENV, WRITE_GRACE_ENV, HEARTBEAT_TIMEOUT_ENV, UNACKED_ENV, STORE_LOST_ENV, SYNC_TIMEOUT_ENV, RELEASE_ENV, INJECT_ENV,
  CKPT_AGREE_TIMEOUT_ENV, ATTEMPT_STORE_ENV, SNAPSHOT_ENV, LIVE_STATE_ENV, SHARD_REPLICAS_ENV, SHARD_PARTNERS_ENV,
  SHARD_REPLICA_WAIT_ENV, RECOVER_JOIN_ENV, SPARE_WAIT_ENV,
- INTERRUPT_DEFER_ENV) = KNOWN_ENV
+ INTERRUPT_DEFER_ENV, WORKER_START_ENV) = KNOWN_ENV
 
 
 #: The checked settings of one process (environment overrides applied): one field per row of :data:`SETTINGS`.

@@ -23,6 +23,7 @@ from .failure import Ended, FailureRecord, PeerFailedError, sanitize
 
 STATE, PPID, SESSION = 0, 1, 3
 FLAGS = 6  # field 9: the kernel's flags of the (thread group leader's) task
+UTIME, STIME = 11, 12  # fields 14 and 15: clock ticks run in user and in kernel mode
 PF_EXITING = 0x4  # set when the process starts to exit, before its files close
 START_TIME = 19  # field 22: clock ticks after boot (bench/detection.py)
 EXIT_CODE = 49  # field 52: the wait status of an exited (zombie) process
@@ -44,6 +45,11 @@ def stat_fields(pid: int) -> list[str] | None:
 
 def is_running(fields: list[str] | None) -> bool:
     return bool(fields) and fields[STATE] not in ("Z", "X")
+
+
+def cpu_ticks(fields: list[str] | None) -> int | None:
+    """The CPU time the process has used, in clock ticks (user and kernel mode); ``None`` if it is gone."""
+    return int(fields[UTIME]) + int(fields[STIME]) if is_running(fields) else None
 
 
 def exiting(fields: list[str] | None) -> bool:

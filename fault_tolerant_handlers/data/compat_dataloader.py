@@ -1,6 +1,6 @@
 """Every use of torch's private DataLoader API (checked against torch 2.13.0 by :func:`check` when a
 ``RestartableDataLoader`` is made, naming what a torch lacks), and torch's multiprocessing iterator
-hardened from the outside so that a worker's death or stall is raised as :class:`WorkerLost` from
+hardened from the outside so that a worker's death, stall or stuck start is raised as :class:`WorkerLost` from
 ``next()`` and never hangs or kills the main process (docs/dataloader.md, "How")."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, _utils, dataloader
 
 from ..core import procfs as _procfs
 from ..core.compat_torch import lacking
-from ..core.config import WORKER_POLL, WORKER_REAP
+from ..core.config import WORKER_POLL, WORKER_REAP, settings
 from ..core.failure import Ended
 from ..core.hooks import log
 
@@ -136,8 +136,8 @@ def _fd_limit_reached() -> bool:
 class _SharedFlag:
     """``multiprocessing.Event`` without the lock, which a killed worker could leave held."""
 
-    def __init__(self, ctx: _mpc.BaseContext) -> None:
-        self._value = ctx.RawValue("b", 0)
+    def __init__(self) -> None:
+        self._value = multiprocessing.RawValue("b", 0)
 
     def is_set(self) -> bool:
         return bool(self._value.value)
@@ -146,17 +146,47 @@ class _SharedFlag:
         self._value.value = 1
 
 
-def _lock_free(base: type) -> type:
-    """The multiprocessing context class ``base`` whose ``Event()`` is a :class:`_SharedFlag`."""
-    return type("_" + base.__name__, (base,), {"Event": lambda self: _SharedFlag(self), "__module__": __name__})
+class _MarksStart:
+    """A worker process that sets ``fth_started`` first thing in ``run()`` (right after multiprocessing's
+    bootstrap, before torch's worker loop): one without it has not reached Python code of its own
+    (see ``_Hardened._fth_stuck_at_start``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fth_started = _SharedFlag()
+
+    def run(self) -> None:
+        self.fth_started.set()
+        super().run()
 
 
-_CONTEXTS = {"fork": _lock_free(_mpc.ForkContext), "spawn": _lock_free(_mpc.SpawnContext),
-             "forkserver": _lock_free(_mpc.ForkServerContext)}
+# module-level: a spawned worker's process object is pickled by reference to its class
+class _ForkProcess(_MarksStart, _mpc.ForkProcess):
+    pass
+
+
+class _SpawnProcess(_MarksStart, _mpc.SpawnProcess):
+    pass
+
+
+class _ForkServerProcess(_MarksStart, _mpc.ForkServerProcess):
+    pass
+
+
+def _hardened(base: type, process: type) -> type:
+    """The multiprocessing context class ``base`` whose ``Event()`` is a :class:`_SharedFlag` and whose
+    processes mark their start."""
+    return type("_" + base.__name__, (base,), {"Event": lambda self: _SharedFlag(), "Process": process,
+                                                "__module__": __name__})
+
+
+_CONTEXTS = {"fork": _hardened(_mpc.ForkContext, _ForkProcess), "spawn": _hardened(_mpc.SpawnContext, _SpawnProcess),
+             "forkserver": _hardened(_mpc.ForkServerContext, _ForkServerProcess)}
 
 
 def hardened_context(method: str) -> _mpc.BaseContext:
-    """A multiprocessing context for ``method`` whose ``Event()`` is lock-free. torch's worker loop seeds
+    """A multiprocessing context for ``method`` whose ``Event()`` is lock-free and whose processes mark
+    their start. torch's worker loop seeds
     ``numpy.random``, which numpy 2 imports lazily; an import in a worker forked while another thread
     imported can fail (a restart for nothing): imported here first."""
     if _utils.HAS_NUMPY:
@@ -172,7 +202,7 @@ class WorkerLost(RuntimeError):
             message, detected_at = kind, time.time()
             kind = "stall" if "timed out" in message else "died"
         super().__init__(message or f"DataLoader worker {worker_id} {'stalled' if kind == 'stall' else 'exited unexpectedly'}")
-        self.kind = kind  # "died" or "stall"
+        self.kind = kind  # "died", "stall" or "start" (stuck before its first Python line)
         self.worker_id = worker_id
         self.detected_at = detected_at  # time.time() when it was first seen
         self.pids: list | None = None  # [(pid, exitcode)] when the iterator was already aborted
@@ -248,6 +278,10 @@ class _Hardened:
             self._worker_pids_set = False
         self._fth_death: list = []
         self._fth_sentinels = {w.sentinel: i for i, w in enumerate(self._workers)}
+        self._fth_start_deadline = settings().worker_start_timeout.total_seconds()
+        # worker id -> (since, its CPU ticks then) while it has not marked its start
+        self._fth_unstarted = {i: (time.monotonic(), _procfs.cpu_ticks(_procfs.stat_fields(w.pid)))
+                               for i, w in enumerate(self._workers) if hasattr(w, "fth_started") and not w.fth_started.is_set()}
         read = not self._pin_memory  # with pinning, torch's pin thread reads the pipe
         self._fth_source = queue.SimpleQueue() if read else self._data_queue
         self._fth_stop = _StopPipe()
@@ -275,6 +309,31 @@ class _Hardened:
         if dead is not None:
             pid = self._workers[dead[0]].pid
             raise WorkerLost("died", dead[0], dead[1], f"DataLoader worker (pid(s) {pid}) exited unexpectedly")
+        stuck = self._fth_stuck_at_start(time.monotonic())
+        if stuck is not None:
+            raise WorkerLost("start", stuck, time.time(), (
+                f"stuck at its start: not in Python {self._fth_start_deadline:g} s after it was started, asleep "
+                "and no CPU time used over that time (e.g. a fork that hung in the child, CPython gh-112275)"))
+
+    def _fth_stuck_at_start(self, now: float) -> int | None:
+        """The id of a worker stuck before its first Python line, on evidence: it has not marked its start,
+        and over a whole start deadline its CPU time did not change and it is asleep now. One that used CPU
+        or is runnable (busy, or waiting for a CPU on a loaded host) is judged again over the next."""
+        for wid, (since, ticks) in list(self._fth_unstarted.items()):
+            worker = self._workers[wid]
+            if worker.fth_started.is_set():
+                del self._fth_unstarted[wid]
+                continue
+            if now - since < self._fth_start_deadline:
+                continue
+            fields = _procfs.stat_fields(worker.pid)
+            if not _procfs.is_running(fields):
+                continue  # exited: a death, told by its sentinel
+            asleep, used = fields[_procfs.STATE] == "S", _procfs.cpu_ticks(fields)
+            if asleep and used == ticks and not worker.fth_started.is_set():  # read after the stat: no race
+                return wid
+            self._fth_unstarted[wid] = (now, used)
+        return None
 
     def _try_get_data(self, timeout=_utils.MP_STATUS_CHECK_INTERVAL):
         self._fth_setup()

@@ -39,7 +39,8 @@ class WorkerRestart:
             ``sampler_epoch``, what ``set_epoch`` was given (``None`` without ``set_epoch``).
         batch_index: the batch of the pass it resumed at (the first not yet yielded).
         worker_id, worker_pid, signal, exitcode, reason: the worker lost and how (``"SIGKILL"``,
-            ``-9``, ``"killed by SIGKILL"``; a stall: exit code ``None``, ``"stalled for more than 5 s"``).
+            ``-9``, ``"killed by SIGKILL"``; a stall: exit code ``None``, ``"stalled for more than 5 s"``; a
+            worker stuck at its start, killed: ``"stuck at its start: not in Python 10 s after ...; killed by SIGKILL"``).
         detected_at: ``time.time()`` when it was seen; ``restart_seconds``: from then to the new
             workers started; ``recovery_seconds``: to the next batch (``None`` until then).
         start_method: how the new workers were started (``"fork"``, ``"spawn"``, ...).
@@ -376,6 +377,7 @@ class _Run:
             sig, reason, code = None, f"stalled for more than {loader.timeout:g} s", None
         else:
             sig, reason = describe_exit(code)
+            reason = f"{lost}; {reason}" if lost.kind == "start" else reason
         also = tuple((w, pids[w][0], describe_exit(pids[w][1])[1]) for w in lost.exited if w != wid and w < len(pids))
         record = WorkerRestart(self.epoch, self.yielded, wid, pid, sig, code, reason, lost.detected_at, also_lost=also,
                                sampler_epoch=_resume.sampler_epoch(loader))

@@ -8,11 +8,16 @@ pid, in a ``finally`` (``dl_stress.kill_children``). The 300+ kill campaign is
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import zlib
@@ -125,6 +130,75 @@ def test_stall_past_timeout_is_restarted(tmp_path):
     assert loader.restart_count == 1
     rec = loader.restarts[0]
     assert rec.reason.startswith("stalled for more than 1") and rec.batch_index == 5, rec
+
+
+# -- a worker stuck at its start (CPython 3.11.7's fork, gh-112275) ---------------------------------
+
+START_PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "dl_worker_start_main.py"
+
+
+def _run_start_program(mode: str) -> tuple[dict, str]:
+    """``programs/dl_worker_start_main.py <mode>`` at a 1 s start deadline, in a session of its own whose
+    every process is SIGKILLed at the end (a worker stuck at its start outlives a program killed)."""
+    env = dict(os.environ, FTH_WORKER_START_SEC="1")
+    proc = subprocess.Popen([sys.executable, str(START_PROGRAM), mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=45)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{mode}: no end within 45 s (a worker stuck at its start was waited for)\n{err[-3000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_stuck_at_its_start_is_killed_and_restarted():
+    res, err = _run_start_program("stuck")
+    assert res["forks"] >= 3, res  # the stuck worker, its pass's other one, the restart's: the hook fired
+    assert res["got"] == res["reference"], "the batches differ from the run without the stuck worker"
+    [restart] = res["restarts"]
+    assert restart["worker_id"] == 0 and restart["epoch"] == 0 and restart["batch_index"] == 0, restart
+    assert restart["reason"].startswith("stuck at its start: not in Python 1 s after it was started"), restart
+    assert restart["reason"].endswith("killed by SIGKILL") and restart["signal"] == "SIGKILL", restart
+    assert res["pid_left"] == [], "the stuck worker is still a process"
+    assert f"worker 0 (pid {restart['worker_pid']}) stuck at its start" in err  # the WARNING names it
+    assert res["seconds"] < 20, res["seconds"]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_busy_before_its_start_is_not_declared():
+    res, err = _run_start_program("busy")  # 3 s of CPU before its first Python line, at a 1 s deadline
+    assert res["forks"] >= 2 and res["got"] == res["reference"], res
+    assert res["restarts"] == [] and "stuck at its start" not in err, res["restarts"]
+    assert res["seconds"] > 3, res["seconds"]  # it was waited for
+
+
+def _slow_init(worker_id: int) -> None:
+    time.sleep(1.5)  # asleep, no CPU, longer than the deadline: started all the same
+
+
+@pytest.mark.timeout(90)
+def test_no_healthy_worker_is_declared_stuck_beside_cpu_hogs(monkeypatch):
+    """4 workers per pass, 3 passes, each forked beside 4 processes spinning on 2 cores, at the shortest
+    start deadline (1 s), with a ``worker_init_fn`` that sleeps past it: no worker is declared."""
+    monkeypatch.setenv("FTH_WORKER_START_SEC", "1")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    try:
+        time.sleep(0.5)
+        loader = RestartableDataLoader(MapData(160), batch_size=4, num_workers=4, shuffle=True,
+                                       generator=torch.Generator().manual_seed(3), worker_init_fn=_slow_init)
+        ref = DataLoader(MapData(160, 0), batch_size=4, num_workers=2, shuffle=True, generator=torch.Generator().manual_seed(3))
+        assert flat(loader, 3) == flat(ref, 3)
+        assert loader.restart_count == 0, [r.describe() for r in loader.restarts]
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 @pytest.mark.timeout(30)

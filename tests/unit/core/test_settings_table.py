@@ -65,7 +65,7 @@ def _block(text: str, head: str) -> str:
 def test_every_setting_is_in_the_reference_as_the_table_defines_it():
     assert _block(REFERENCE.read_text(), SETTINGS_HEAD) == settings_table(), \
         "run: python tests/unit/core/test_settings_table.py"
-    assert len(config.SETTINGS) == 24 and len(config.KNOWN_ENV) == len(set(config.KNOWN_ENV))
+    assert len(config.SETTINGS) == 25 and len(config.KNOWN_ENV) == len(set(config.KNOWN_ENV))
 
 
 def test_every_fixed_timing_is_in_the_reference_as_defined():
