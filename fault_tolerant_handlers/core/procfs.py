@@ -364,3 +364,21 @@ def main_thread_frame():
     finally:
         if enabled:
             gc.enable()
+
+
+def fork() -> int:
+    """``os.fork()`` whose child never collects what it inherited (the collector held off across the fork,
+    then ``gc.freeze()`` in the child): a gloo process group left in a reference cycle would be destroyed
+    by the child's first collection, and gloo's destructor waits there, holding the GIL, for threads a
+    forked child does not have."""
+    enabled = gc.isenabled()
+    gc.disable()
+    pid = -1
+    try:
+        pid = os.fork()
+    finally:
+        if pid == 0:
+            gc.freeze()
+        if enabled:
+            gc.enable()
+    return pid

@@ -294,7 +294,7 @@ class LivenessProcess:
         read_fd, write_fd = os.pipe()
         parent = os.getpid()
         try:
-            pid = os.fork()
+            pid = _procfs.fork()  # its collector never runs a destructor of the rank's (a group's hangs)
         except OSError as err:
             os.close(read_fd)
             os.close(write_fd)
