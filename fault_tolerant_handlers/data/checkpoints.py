@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import pickletools
 import re
 import warnings
 import zipfile
@@ -31,6 +32,8 @@ LIGHTNING_META = "meta.pt"
 MAX_PATH_BYTES = 4096
 #: Longest verdict (an error naming every rank's folder, shortened).
 MAX_VERDICT_BYTES = 16384
+#: Largest ``data.pkl`` whose keys are read without loading it (a checkpoint's objects beyond tensors).
+MAX_SCANNED_PICKLE_BYTES = 64 << 20
 _STEP = re.compile(r"(?:step=|_)(\d+)(?=[.-]|$)")
 _calls: dict[str, int] = {}  # calls per attempt (its namespace)
 _warned_missing: set[str] = set()  # folders already named as missing (once per process)
@@ -113,17 +116,34 @@ def check_file(path: Path, required_keys: tuple[str, ...] = ()) -> str | None:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as err:  # noqa: BLE001
         text = str(err)
-        if "Weights only load failed" in text and "unsupported global" in text.lower() and zipfile.is_zipfile(path):
-            return None  # complete (CRCs checked); objects beyond tensors: left to the framework's own load
-        return f"does not load: {type(err).__name__}: {first_line(text)}"
-    if required_keys:
-        if not isinstance(loaded, Mapping):
+        if not ("Weights only load failed" in text and "unsupported global" in text.lower() and zipfile.is_zipfile(path)):
+            return f"does not load: {type(err).__name__}: {first_line(text)}"
+        # complete (CRCs checked); objects beyond tensors are left to the framework's own load, and the
+        # keys are looked for among the pickle's strings, which are read, never unpickled
+        strings = _pickled_strings(path)
+        missing = [k for k in required_keys if strings is not None and k not in strings]
+    else:
+        if required_keys and not isinstance(loaded, Mapping):
             return f"holds a {type(loaded).__name__}, not the keys the load needs ({', '.join(required_keys)})"
         missing = [k for k in required_keys if k not in loaded]
-        if missing:
-            return (f"missing key {', '.join(repr(k) for k in missing)} (the load needs {', '.join(required_keys)}: "
-                    "a model-only file, such as a best model's or a weights-only one?)")
+    if missing:
+        return (f"missing key {', '.join(repr(k) for k in missing)} (the load needs {', '.join(required_keys)}: "
+                "a model-only file, such as a best model's or a weights-only one?)")
     return None
+
+
+def _pickled_strings(path: Path) -> set[str] | None:
+    """Every string in a torch zip checkpoint's ``data.pkl``, read opcode by opcode (nothing is unpickled),
+    or ``None`` when it cannot be read so (too large, no such member, malformed)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            info = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl")), None)
+            if info is None or info.file_size > MAX_SCANNED_PICKLE_BYTES:
+                return None
+            data = archive.read(info)
+        return {arg for _, arg, _ in pickletools.genops(data) if isinstance(arg, str)}
+    except Exception:  # noqa: BLE001 - no verdict: the keys are not judged
+        return None
 
 
 def _is_distributed(path: Path) -> bool:

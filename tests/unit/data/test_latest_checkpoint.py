@@ -72,6 +72,24 @@ def test_a_pickle_that_would_run_code_is_not_run(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+class Config:  # hyperparameters beyond tensors (a dataclass, a CLI's namespace): not loadable with weights_only
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+
+def test_required_keys_are_checked_in_a_file_that_holds_objects_beyond_tensors(tmp_path):
+    """A best model's weights-only file whose hyperparameters hold an object of the user's does not load
+    with ``weights_only=True``; it was accepted unchecked, so a Lightning relaunch took it and ended in
+    Lightning's KeyError. Its keys are read from the pickle's opcodes (never unpickled)."""
+    torch.save({"state_dict": {"w": torch.zeros(3)}, "hyper_parameters": {"config": Config(0.1)}},
+               tmp_path / "best.ckpt")
+    torch.save({"state_dict": {"w": torch.zeros(3)}, "optimizer_states": [{}], "hyper_parameters": {"config": Config(0.1)}},
+               tmp_path / "last.ckpt")
+    assert check_file(tmp_path / "best.ckpt", ("optimizer_states",)).startswith("missing key 'optimizer_states'")
+    assert check_file(tmp_path / "last.ckpt", ("optimizer_states",)) is None
+    assert check_file(tmp_path / "best.ckpt") is None  # no keys asked for: complete is enough
+
+
 # -- filters: a prefix, the keys the load needs --------------------------------------------------------------
 def test_prefix_and_required_keys_skip_a_model_only_file(tmp_path, caplog):
     base = time.time_ns()
