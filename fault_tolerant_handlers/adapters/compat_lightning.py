@@ -341,6 +341,26 @@ def loop_state(parts: tuple[list, list], snapshot: tuple[list, list]) -> dict:
 RESUME_KEYS = ("optimizer_states",)
 
 
+def finished_fit(path: str, trainer: Any) -> str | None:
+    """What says the fit saved at ``path`` is over for ``trainer`` (Lightning 2.5-2.6, ``_FitLoop.done``:
+    ``global_step`` at ``max_steps``, or the epochs ``processed`` at ``max_epochs``), else ``None``; a
+    directory, or a file ``weights_only`` does not load, is not judged."""
+    if os.path.isdir(path):
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        step = saved.get("global_step")
+        epochs = saved["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"]
+    except Exception:  # noqa: BLE001 - not judged
+        return None
+    max_steps, max_epochs = getattr(trainer, "max_steps", -1), getattr(trainer, "max_epochs", None)
+    if isinstance(step, int) and isinstance(max_steps, int) and max_steps >= 0 and step >= max_steps:
+        return f"its global step {step} reached max_steps={max_steps}"
+    if isinstance(epochs, int) and isinstance(max_epochs, int) and max_epochs >= 0 and epochs >= max_epochs:
+        return f"its {epochs} epoch{'s' * (epochs != 1)} reached max_epochs={max_epochs}"
+    return None
+
+
 def checkpoint_folders(trainer: Any) -> tuple[list[str], str]:
     """The folders the trainer's ``ModelCheckpoint`` writes to (and wrote to in earlier runs) and a label:
     its ``dirpath``, else the ``checkpoints`` folder of every version of the first logger (its

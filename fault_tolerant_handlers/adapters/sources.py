@@ -3,12 +3,15 @@ at when given a framework's object instead of a folder (:func:`source_of`)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..core.hooks import log
 from ..data.checkpoints import Source, check_keys, check_prefix, find, folder_source, label_of
 from . import compat_ignite, compat_lightning
 
@@ -58,8 +61,7 @@ def source_of(where: Any, *, prefix: str | None = None, required_keys: Any = Non
     engine_cls = _class("ignite.engine.engine", "Engine")
     if engine_cls is not None and isinstance(where, engine_cls):
         return engine_source(where, prefix, required_keys)
-    trainers = (_class(ns + ".trainer.trainer", "Trainer") for ns in compat_lightning.NAMESPACES)
-    if any(cls is not None and isinstance(where, cls) for cls in trainers):
+    if _is_trainer(where):
         folders, label = compat_lightning.checkpoint_folders(where)
         # a weights-only file (a second ModelCheckpoint(save_weights_only=True) in the same folder) cannot resume fit
         keys = check_keys(required_keys) if required_keys is not None else compat_lightning.RESUME_KEYS
@@ -68,11 +70,30 @@ def source_of(where: Any, *, prefix: str | None = None, required_keys: Any = Non
     return folder_source(where)  # raises the TypeError naming the accepted kinds
 
 
+def _is_trainer(where: Any) -> bool:
+    trainers = (_class(ns + ".trainer.trainer", "Trainer") for ns in compat_lightning.NAMESPACES)
+    return any(cls is not None and isinstance(where, cls) for cls in trainers)
+
+
+def _warn_if_finished(path: str, trainer: Any) -> None:
+    """Rank 0 says when the checkpoint found is of a fit already over (a new experiment started in an earlier
+    one's ``default_root_dir`` finds that one's ``last.ckpt``: ``fit`` would end at once)."""
+    if os.environ.get("RANK", "0") != "0" or (why := compat_lightning.finished_fit(path, trainer)) is None:
+        return
+    message = (f"latest_checkpoint(trainer): {path} is of a finished fit ({why}): fit(ckpt_path=...) ends at "
+               "once. For a new experiment, give the Trainer another default_root_dir (or ModelCheckpoint "
+               "dirpath), or pass ckpt_path=None")
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    log(logging.WARNING, "%s", message)
+
+
 def latest_checkpoint(dirname: str | os.PathLike | Any, *, prefix: str | None = None,
                       required_keys: Iterable[str] | Mapping | None = None) -> str | None:
     """The newest complete checkpoint to resume from, or ``None``; the same on every rank (call it on every
     rank, the same number of times). Torn or leftover files, and files without a key of ``required_keys``,
-    are skipped with a ``RuntimeWarning`` naming them (docs/reference.md).
+    are skipped with a ``RuntimeWarning`` naming them (docs/reference.md). With a ``Trainer``, rank 0 warns
+    (``RuntimeWarning``) when the checkpoint found is of a fit already over (its ``max_epochs`` or
+    ``max_steps`` reached: a new experiment in an earlier one's folder).
 
     Args:
         dirname: a folder (``str`` or ``os.PathLike``), or what writes the checkpoints: an Ignite ``Engine``
@@ -94,4 +115,7 @@ def latest_checkpoint(dirname: str | os.PathLike | Any, *, prefix: str | None = 
             several; a ``Trainer`` without a ``ModelCheckpoint``. TimeoutError: a rank did not call it within
             ``FTH_CKPT_AGREE_TIMEOUT_SEC`` of rank 0 (named).
     """
-    return find(source_of(dirname, prefix=prefix, required_keys=required_keys))
+    path = find(source_of(dirname, prefix=prefix, required_keys=required_keys))
+    if path is not None and _is_trainer(dirname):
+        _warn_if_finished(path, dirname)
+    return path

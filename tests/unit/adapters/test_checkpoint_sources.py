@@ -75,3 +75,25 @@ def test_lightning_trainer_default_folder_every_version(tmp_path, monkeypatch):
     assert latest_checkpoint(bare) == str(tmp_path / "root" / "checkpoints" / "last.ckpt")
     with pytest.raises(ValueError, match="no ModelCheckpoint"):
         latest_checkpoint(L.Trainer(enable_checkpointing=False, logger=False, accelerator="cpu"))
+
+
+def test_lightning_a_new_experiment_in_a_finished_runs_folder_is_told(tmp_path, recwarn):
+    """A run fitted to its max_epochs, then a new experiment with the same default_root_dir: the newest
+    checkpoint is the finished run's last.ckpt, from which fit ends at once; rank 0 is told so, naming
+    the file and the limit. A run that goes on past it (a larger max_epochs) is not told."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    def trainer(max_epochs):
+        return L.Trainer(default_root_dir=tmp_path, max_epochs=max_epochs, limit_train_batches=2, limit_val_batches=0,
+                         accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+
+    trainer(1).fit(BoringModel())
+    with pytest.warns(RuntimeWarning, match=r"last.ckpt is of a finished fit \(its 1 epoch reached max_epochs=1\): "
+                                            r"fit\(ckpt_path=...\) ends at once"):
+        assert latest_checkpoint(trainer(1)) == str(tmp_path / "ckpt" / "last.ckpt")
+    recwarn.clear()
+    assert latest_checkpoint(trainer(3)) == str(tmp_path / "ckpt" / "last.ckpt")
+    assert not [w for w in recwarn if "finished fit" in str(w.message)]
