@@ -72,6 +72,7 @@ class FaultTolerance(_CallbackBase):
         self.name = name
         self._batches = 0
         self._in_batch: int | None = None  # the step a training batch trains (global_step + 1), while it runs
+        self._other_work = False  # the last beat began other work than a step (a checkpoint, an evaluation)
         self._buckets: DDPBucketLayout | None = None  # the DDP's bucket layout, from on_fit_start on
         self._loaded_buckets: Any = None  # the checkpoint's, until the DDP exists (on_fit_start)
         self._injector = Injector.from_env()  # FTH_INJECT: rehearse a failure without editing the job
@@ -190,6 +191,9 @@ class FaultTolerance(_CallbackBase):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._in_batch = int(trainer.global_step) + 1  # taken before the optimizer step moves global_step
+        if self._other_work:  # that work is over: a hang from here on is in this step, under a step's deadline
+            self._other_work = False
+            self.guard.beat(int(trainer.global_step), STEP)
         self._live.step_starts(int(trainer.global_step))
         self.guard.check(**self._where(trainer))  # the watchdog may already know a peer failed
         if self._injector is not None:
@@ -228,11 +232,13 @@ class FaultTolerance(_CallbackBase):
                            checkpoint: dict[str, Any]) -> None:
         if not self._live.capturing:
             self.guard.beat(int(trainer.global_step), CHECKPOINT)  # the file is written after this hook
+            self._other_work = True
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.guard.sync("validation end", **self._where(trainer))
         self.guard.beat(int(trainer.global_step), "after evaluation")
+        self._other_work = True
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

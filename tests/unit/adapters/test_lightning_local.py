@@ -111,3 +111,27 @@ def test_a_state_saved_at_an_epochs_last_batch_is_counted_as_at_its_end():
     assert not compat_lightning.finish_epoch(_fit_loops(31, 1, False))  # mid-epoch: Lightning resumes it exactly
     assert not compat_lightning.finish_epoch({"fit_loop": {"epoch_progress": {}}})  # another layout: left alone
     assert not compat_lightning.finish_epoch(None)
+
+
+def test_the_step_after_a_checkpoint_is_beaten_as_a_step(monkeypatch, tmp_path):
+    """A real fit, a ModelCheckpoint every 2 steps (Lightning runs it after this callback, so the file is
+    written after this callback's step-end beat): its ``checkpoint`` beat is followed, at the next batch's
+    start, by a ``step`` beat, so a hang in that step is named at it and judged by a step's deadline
+    (``hang_timeout="auto"``), not the checkpoint's. Without it the checkpoint's beat stood until the
+    next step ended."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    callback = FaultTolerance()
+    beats = []
+    real = callback.guard.beat
+    monkeypatch.setattr(callback.guard, "beat", lambda step=None, work=None, *, completed=False:
+                        beats.append((work, step, completed)) or real(step, work, completed=completed))
+    trainer = pl.Trainer(accelerator="cpu", max_steps=4, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[callback, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)])
+    trainer.fit(BoringModel())
+    after = [beats[i + 1] for i, beat in enumerate(beats[:-1]) if beat[0] == "checkpoint"]
+    assert beats.index(("checkpoint", 2, False)) < beats.index(("step", 3, True)), beats
+    assert after[0] == ("step", 2, False), beats  # step 3 under way (global_step 2 + 1)
