@@ -137,23 +137,29 @@ def test_stall_past_timeout_is_restarted(tmp_path):
 START_PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "dl_worker_start_main.py"
 
 
-def _run_start_program(mode: str) -> tuple[dict, str]:
-    """``programs/dl_worker_start_main.py <mode>`` at a 1 s start deadline, in a session of its own whose
-    every process is SIGKILLed at the end (a worker stuck at its start outlives a program killed)."""
-    env = dict(os.environ, FTH_WORKER_START_SEC="1")
-    proc = subprocess.Popen([sys.executable, str(START_PROGRAM), mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+def _run_program(args: list[str], seconds: float, stuck: str, **env: str) -> tuple[dict, str]:
+    """``python args`` in a session of its own whose every process is SIGKILLed at the end (a stuck worker
+    outlives a program killed); its last line of output as JSON, and its stderr. ``stuck``: what a run
+    past ``seconds`` means."""
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **env), start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=45)
+        out, err = proc.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{mode}: no end within 45 s (a worker stuck at its start was waited for)\n{err[-3000:]}")
+        pytest.fail(f"{args}: no end within {seconds:g} s ({stuck})\n{err[-3000:]}")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1]), err
+
+
+def _run_start_program(mode: str) -> tuple[dict, str]:
+    """``programs/dl_worker_start_main.py <mode>`` at a 1 s start deadline."""
+    return _run_program([str(START_PROGRAM), mode], 45, "a worker stuck at its start was waited for",
+                        FTH_WORKER_START_SEC="1")
 
 
 @pytest.mark.timeout(60)
@@ -424,17 +430,5 @@ def test_a_process_group_left_in_a_cycle_does_not_hang_a_forked_worker():
     in a worker (forced by its ``worker_init_fn``) ran the group's destructor there, which waits for gloo
     threads the child does not have, holding the GIL; the loader waited for its first batch for good
     (first seen as a unit test hanging after a DDP test, only in the default suite's order)."""
-    proc = subprocess.Popen([sys.executable, str(GC_GROUP_PROGRAM)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=40)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"no end within 40 s: a worker hung in the collector\n{err[-3000:]}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, err[-3000:]
-    res = json.loads(out.strip().splitlines()[-1])
+    res, _ = _run_program([str(GC_GROUP_PROGRAM)], 40, "a worker hung in the collector")
     assert res["got"] == list(range(32)) and res["restarts"] == [], res
