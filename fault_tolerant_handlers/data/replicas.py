@@ -128,6 +128,9 @@ class ShardReplicas:
         self._own: Snapshot | None = None
         self._prev: Snapshot | None = None  # the one before: a copy of the newest may not have arrived
         self._held: dict[int, Snapshot] = {}
+        #: per held rank, its copy of the step before: a failure may find the newest copy of a rank a step
+        #: ahead of a survivor that had not yet captured that step, and both must then be at the one before
+        self._held_prev: dict[int, Snapshot] = {}
         self._pending: Snapshot | None = None
         self.taken = -1  #: the step of the newest snapshot handed to step()
         self.rng: tuple | None = None  #: the RNG states handed with it
@@ -241,14 +244,16 @@ class ShardReplicas:
 
     def abort(self) -> list[Snapshot]:
         """A failure: the threads told to stop, not waited for (their group goes with the recovery's
-        teardown). Returns the snapshots held: this rank's two newest, then each copy held."""
+        teardown). Returns the snapshots held: this rank's two newest, then the two newest copies of
+        each rank it holds."""
         if not self.enabled:
             return []
         with self._cond:
             self._stopping = self._aborted = True
             self._pending = None
             self._cond.notify_all()
-            return [s for s in (self._prev, self._own) if s is not None] + [s for _, s in sorted(self._held.items())]
+            return [s for s in (self._prev, self._own) if s is not None] + [
+                s for r, new in sorted(self._held.items()) for s in (self._held_prev.get(r), new) if s is not None]
 
     def _send_loop(self) -> None:
         """Seal each pending snapshot (it becomes :meth:`own`) and send it to every partner still
@@ -357,6 +362,8 @@ class ShardReplicas:
                 if self._aborted:
                     return
                 old, self._held[rank] = self._held.get(rank), snap
+                if old is not None and old.step != step:  # (a step sent again replaces its own copy)
+                    old, self._held_prev[rank] = self._held_prev.get(rank), old
                 self.stats.received += 1
                 self._cond.notify_all()
             ack = (src, step)

@@ -68,6 +68,11 @@ def _check(results, outdir, hosts, partners):
         stopped = res.event("stopped")
         assert stopped["threads_alive"] == [] and stopped["errors"] == [] and stopped["refused"] == 0, stopped
         assert stopped["sent"] + stopped["replaced"] == STEPS
+        # a failure's capture gets the two newest of its own and of each copy it holds: a copy a step
+        # ahead of a survivor's capture still meets it at the step before (before: only the newest copy)
+        held_ranks = sorted(r for r, ps in holders.items() if res.rank in ps)
+        assert stopped["kept"] == [[res.rank, STEPS - 1], [res.rank, STEPS]] + [
+            [r, at] for r in held_ranks for at in (STEPS - 1, STEPS)], stopped
 
 
 def test_two_ranks_on_two_hosts_hold_each_others_fsdp2_shard_exactly(tmp_path):

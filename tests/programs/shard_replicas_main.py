@@ -13,7 +13,9 @@ each rank waits (bounded) until it holds every held rank's copy of that step, th
   must equal those;
 * ``reloaded``: its own snapshot of the last step loaded back into the model and optimizer after one
   more step moved them (``load_state_dict``), and whether the local shards are the snapshot's again;
-* ``flipped``: one byte of a held copy flipped; what :func:`restore` raised and what ``held()`` says.
+* ``flipped``: one byte of a held copy flipped; what :func:`restore` raised and what ``held()`` says;
+* ``stopped``: the threads and counters after ``stop()``, and ``kept``: what ``abort()`` hands a
+  failure's capture (its own two newest snapshots, the two newest copies of each rank it holds).
 
 With ``PAUSE=<s>``, every rank pauses that long after step 2's copy was acknowledged (a long
 evaluation; ``REPLICA_TIMEOUT=<s>``, the replicas group's timeout, 30 s by default).
@@ -192,7 +194,8 @@ def main() -> None:
     record("flipped", rank=copy.rank, raised=raised, held=[[h.rank, h.step, h.checksum_ok] for h in replicas.held()])
 
     replicas.stop(timedelta(seconds=BOUND_SEC))
-    record("stopped", threads_alive=[t.name for t in replicas._threads if t.is_alive()],
+    kept = [[s.rank, s.step] for s in replicas.abort()]  # what a failure's capture would take now
+    record("stopped", threads_alive=[t.name for t in replicas._threads if t.is_alive()], kept=kept,
            sent=replicas.stats.sent, received=replicas.stats.received, replaced=replicas.stats.replaced,
            refused=replicas.stats.refused, errors=replicas.stats.errors)
     dist.barrier()

@@ -430,6 +430,21 @@ def test_the_agreed_step_is_the_newest_one_every_shard_is_held_at_own_copies_inc
     assert plan.whom.endswith("; iteration 36 computed again: rank 1's shard of it is held nowhere"), plan.whom
 
 
+def test_a_lost_ranks_copy_a_step_ahead_of_a_survivor_still_meets_it_at_the_step_before():
+    """Rank 1 completed iteration 37 and its copy of 37 reached rank 2 before rank 1 was killed; rank 0
+    failed before capturing 37 (its capture and replicas end at 36). Rank 2 holds rank 1's copies of
+    37 and 36 (``ShardReplicas`` keeps each partner's two newest): every rank meets at 36. With only
+    the newest copy held, no step had every shard and every rank went back to its checkpoint
+    (``test_shard_replicas.py`` checks that the holder keeps both)."""
+    lost = LiveReport(1, -1, "", "its process was replaced")
+    behind = LiveReport(0, 36, "iteration", "", "00000001", shard=True, copies=(2, 36, 5, 0, 36, 1, 0, 35, 2))
+    ahead = LiveReport(2, 37, "iteration", "", "00000003", shard=True, copies=(1, 37, 8, 1, 36, 7, 2, 37, 3, 2, 36, 4))
+    plan = plan_live([behind, lost, ahead], 3)
+    assert (plan.step, plan.shards) == (36, (1, 2, 7, 2, 2, 4)), plan
+    only_newest = LiveReport(2, 37, "iteration", "", "00000003", shard=True, copies=(1, 37, 8, 2, 37, 3, 2, 36, 4))
+    assert plan_live([behind, lost, only_newest], 3).why.startswith("no step every rank's shard is held at")
+
+
 def test_a_lost_shard_nobody_holds_at_a_common_step_falls_back_to_the_checkpoint_by_name():
     lost = LiveReport(1, -1, "", "its process was replaced")
     no_copy = LiveReport(0, 36, "iteration", "", "00000001", shard=True)
