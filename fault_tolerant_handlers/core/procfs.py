@@ -366,19 +366,33 @@ def main_thread_frame():
             gc.enable()
 
 
-def fork() -> int:
-    """``os.fork()`` whose child never collects what it inherited (the collector held off across the fork,
-    then ``gc.freeze()`` in the child): a gloo process group left in a reference cycle would be destroyed
-    by the child's first collection, and gloo's destructor waits there, holding the GIL, for threads a
-    forked child does not have."""
+@contextlib.contextmanager
+def collector_held():
+    """The collector held off in this process while the block runs (yields whether it was enabled): a
+    child forked in the block inherits it off until :func:`child_starts`."""
     enabled = gc.isenabled()
     gc.disable()
-    pid = -1
     try:
-        pid = os.fork()
+        yield enabled
     finally:
-        if pid == 0:
-            gc.freeze()
         if enabled:
             gc.enable()
+
+
+def child_starts(collects: bool) -> None:
+    """First thing in a child forked under :func:`collector_held`: what it inherited is never collected
+    (``gc.freeze()``), then its own objects are (``collects``: the parent's collector was enabled). A
+    gloo process group left in a reference cycle would be destroyed by the child's first collection,
+    and gloo's destructor waits there, holding the GIL, for threads a forked child does not have."""
+    gc.freeze()
+    if collects:
+        gc.enable()
+
+
+def fork() -> int:
+    """``os.fork()`` whose child never collects what it inherited (:func:`child_starts`)."""
+    with collector_held() as collects:
+        pid = os.fork()
+        if pid == 0:
+            child_starts(collects)
     return pid

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gc
 import logging
 import multiprocessing
 import os
@@ -150,59 +149,29 @@ class _SharedFlag:
 class _MarksStart:
     """A worker process that sets ``fth_started`` first thing in ``run()`` (right after multiprocessing's
     bootstrap, before torch's worker loop): one without it has not reached Python code of its own
-    (see ``_Hardened._fth_stuck_at_start``)."""
+    (see ``_Hardened._fth_stuck_at_start``). A forked one first freezes what it inherited
+    (:func:`.procfs.child_starts`): a process group left in a reference cycle (a DDP of an earlier
+    attempt, a test's group) would be destroyed by its first collection, whose gloo destructor waits
+    for threads the child does not have, holding the GIL: the worker hung before its first batch."""
+
+    fth_collects: bool | None = None  #: a forked worker: the parent's collector was enabled at the fork
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fth_started = _SharedFlag()
 
     def run(self) -> None:
+        if self.fth_collects is not None:
+            _procfs.child_starts(self.fth_collects)
         self.fth_started.set()
         super().run()
-
-
-#: The thread forking a worker now (``threading.get_ident()``; the child keeps it), else ``None``.
-_forking: int | None = None
-_collecting = True  #: the collector was enabled when that fork began
-
-
-def _before_fork() -> None:
-    global _collecting
-    if _forking == threading.get_ident():
-        _collecting = gc.isenabled()
-        gc.disable()  # no collection in the child before it freezes what it inherited
-
-
-def _after_fork_in_parent() -> None:
-    if _forking == threading.get_ident() and _collecting:
-        gc.enable()
-
-
-def _after_fork_in_child() -> None:
-    """A forked worker never collects what it inherited: a process group left in a reference cycle (a
-    DDP of an earlier attempt, a test's group) would be destroyed in the child by its first collection,
-    and gloo's destructor waits on a condition variable of threads the child does not have, holding the
-    GIL: the worker hangs before its first batch."""
-    global _forking
-    if _forking == threading.get_ident():
-        _forking = None
-        gc.freeze()
-        if _collecting:
-            gc.enable()
-
-
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 # module-level: a spawned worker's process object is pickled by reference to its class
 class _ForkProcess(_MarksStart, _mpc.ForkProcess):
     def start(self) -> None:
-        global _forking
-        _forking = threading.get_ident()
-        try:
+        with _procfs.collector_held() as self.fth_collects:  # the child: held off until run()
             super().start()
-        finally:
-            _forking = None
 
 
 class _SpawnProcess(_MarksStart, _mpc.SpawnProcess):
