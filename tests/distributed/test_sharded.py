@@ -408,7 +408,8 @@ def _replicated_kill_line(world: int, victim: int, example: Path = IGNITE) -> st
 
 
 @pytest.mark.timeout(3 * DEADLINE_SEC + 60)
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long), pytest.param(8, marks=pytest.mark.long)])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long), pytest.param(8, marks=pytest.mark.long),
+                                   pytest.param(16, marks=pytest.mark.long)])
 def test_ignite_fsdp_in_place_a_killed_ranks_shard_comes_back_from_its_partners_copy(world, reference, tmp_path):
     """``FTH_SHARD_REPLICAS=1``: every rank's shard is copied into its partner's CPU memory after each
     iteration (off the training thread), and each iteration starts once the partners acknowledged the
@@ -418,7 +419,8 @@ def test_ignite_fsdp_in_place_a_killed_ranks_shard_comes_back_from_its_partners_
     uninterrupted run's final weights. Before the acknowledgement, at 2 ranks the copy of 22 had not
     arrived when the kill came (a batch fetch after it was handed over): every rank carried on from
     21; before the copies, every rank went back to ``checkpoint_20``."""
-    _check_from_partners_copy(IGNITE, world, reference, tmp_path, at=23 if world < 8 else 13)  # 15 iterations at 8
+    # 160 samples in batches of 4 per rank, 3 epochs: 60 iterations at 2 ranks, 15 at 8, 9 at 16
+    _check_from_partners_copy(IGNITE, world, reference, tmp_path, at={2: 23, 4: 23, 8: 13, 16: 7}[world])
 
 
 def _check_from_partners_copy(example: Path, world: int, reference, tmp_path: Path, at: int = 23,
@@ -432,9 +434,12 @@ def _check_from_partners_copy(example: Path, world: int, reference, tmp_path: Pa
     assert f"[rank {victim}] the training process of rank {victim}" in out, out[-4000:]  # its keeper replaced it
     # one host: a rank's partner is the next rank (logged: a lost host would lose both)
     assert re.search(rf"shard replicas: {world} of {world} copies are held on their own rank's host", out), out[-4000:]
-    # every copy of the killed rank's shard was acknowledged in time (a copy sent to the killed rank is
-    # lost with it, and its sender may say so: "the copy of step N is not held by rank(s) <victim>")
-    assert not re.search(rf"the copy of step \d+ is not held by rank\(s\) (?!{victim} after)", out), out[-4000:]
+    # every copy was acknowledged in time until the kill, the killed rank's own to the end. After the
+    # kill a survivor's copy still in flight is not held (a copy sent to the killed rank is lost with it;
+    # one sent to a survivor whose gloo connections the failure's release closed fails), and its sender
+    # says so: harmless, a survivor resumes from its own capture
+    injected = out.index(f"FTH_INJECT=kill@rank={victim},iteration={at}: injecting kill")
+    assert "is not held by rank(s)" not in out[:injected], out[:injected][-4000:]
     assert not re.search(rf"\[rank {victim}[^\]]*\] shard replicas: the copy of step \d+ is not held", out), \
         out[-4000:]
     assert re.search(rf"\[rank {victim}[^\]]*\] live state: received its shard of {unit} {step} from rank {holder}'s "
