@@ -17,7 +17,10 @@ Settings (environment):
 * ``SOAK_PG_TIMEOUT`` (60): the process groups' timeout in seconds. A rank stalled for a minute must
   fail the run, not pass unseen under a longer timeout.
 * ``SOAK_LIBRARY=0``: the same job, stock (no import of the library, no handler).
-* ``SOAK_HANG_TIMEOUT`` (seconds): the handler's ``hang_timeout`` (off by default).
+* ``SOAK_HANG_TIMEOUT`` (seconds, or ``auto``): the handler's ``hang_timeout`` (off by default).
+* ``SOAK_OTHER_WORK_EVERY=<n>`` (Lightning): every ``n`` steps a ``ModelCheckpoint`` writes a checkpoint
+  to ``OUTDIR/checkpoints`` (kept) and a validation runs (``val_check_interval``): work between steps
+  that ``hang_timeout="auto"`` judges by its own kind's deadline, not a step's.
 * ``SOAK_INPLACE=<max_restarts>``: the run wrapped in ``recover_in_place``; a healthy run recovers
   nothing (each rank records ``attempt``, the recovery attempt it finished in).
 * ``SOAK_STEP_SLEEP`` (0): seconds each step sleeps (a longer steady phase).
@@ -53,7 +56,9 @@ if LIBRARY:
 FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
 EPOCHS, ITERS, BATCH = 2, 30, 4
 PG_TIMEOUT = timedelta(seconds=float(os.environ.get("SOAK_PG_TIMEOUT", "60")))
-HANG_TIMEOUT = float(os.environ["SOAK_HANG_TIMEOUT"]) if os.environ.get("SOAK_HANG_TIMEOUT") else None
+_HANG = os.environ.get("SOAK_HANG_TIMEOUT")
+HANG_TIMEOUT: float | str | None = _HANG if _HANG == "auto" else float(_HANG) if _HANG else None
+OTHER_WORK_EVERY = int(os.environ.get("SOAK_OTHER_WORK_EVERY", "0"))
 INPLACE = os.environ.get("SOAK_INPLACE")
 SLOW_START = os.environ.get("SOAK_SLOW_START")
 HANG_AT = os.environ.get("SOAK_HANG_AT")
@@ -212,16 +217,31 @@ def run_lightning() -> None:
         def on_train_batch_end(self, *args) -> None:
             step_done()
 
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
         def train_dataloader(self):
             return DataLoader(data(world), batch_size=BATCH)
 
+        def val_dataloader(self):
+            return DataLoader(data(world), batch_size=BATCH) if OTHER_WORK_EVERY else []
+
     if LIBRARY:
         from fault_tolerant_handlers.lightning import FaultTolerance
+    callbacks: list = [FaultTolerance(hang_timeout=HANG_TIMEOUT)] if LIBRARY else []
+    other: dict = dict(enable_checkpointing=False, limit_val_batches=0)
+    if OTHER_WORK_EVERY:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=OUT / "checkpoints", every_n_train_steps=OTHER_WORK_EVERY,
+                                         save_top_k=-1))
+        other = dict(val_check_interval=OTHER_WORK_EVERY, limit_val_batches=4)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(timeout=PG_TIMEOUT),
-                         max_epochs=EPOCHS, callbacks=[FaultTolerance(hang_timeout=HANG_TIMEOUT)] if LIBRARY else [], logger=False, enable_checkpointing=False,
+                         max_epochs=EPOCHS, callbacks=callbacks, logger=False, **other,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
 
     FIRST["run_at"] = time.time()
