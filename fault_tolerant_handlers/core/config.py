@@ -292,7 +292,8 @@ SUSPECT_OBSERVED_GAP = 0.5
 #: hang probes), at most this many periods apart observe the time between them: a longer gap is no silence.
 OBSERVED_GAP = 3
 
-#: How long a failure record may stay unconsumed by a sync point before the watchdog releases.
+#: How long a failure record may stay unconsumed by a sync point before the watchdog releases (under
+#: ``recover_in_place`` only while the main thread is in an agreement: elsewhere it releases at once).
 RELEASE_GRACE = timedelta(seconds=0.3)
 #: Extra time before a neighbour declares a silent rank, on top of ``hang_timeout``.
 SILENT_MARGIN = timedelta(seconds=2)

@@ -105,6 +105,8 @@ class Session:
         self.consumed = 0
         #: Record indices agreements delivered (the watchdog leaves them alone); replaced, never mutated.
         self.delivered: frozenset[int] = frozenset()
+        #: The main thread is in an agreement's all_reduce: a sync point that delivers a peer's record.
+        self.agreeing = False
         #: Has this job failed? This attempt's failure state on this group (:mod:`.failure`).
         self.failure = FailureState()
         self._watchdog = None
@@ -242,6 +244,7 @@ class Session:
         flag = self.rank + 1 if failure is not None else (0 if peer is None else 1 + (peer.failed_rank or 0))
         digest = zlib.crc32(f"{kind}\0{name}".encode("utf-8", "replace"))
         self._flag.copy_(torch.tensor(pack_agreement(min(flag, MAX_FLAG), digest, seq), dtype=torch.int64))
+        self.agreeing = True
         try:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.side)
         except Exception as err:  # noqa: BLE001 - a peer vanished, or this rank was released
@@ -252,6 +255,8 @@ class Session:
                 cause = PeerFailedError(None, type(err).__name__, f"the fail-together agreement itself failed: {err}",
                                         where=f"the agreement of {name!r}", section=name)
             return True, cause
+        finally:
+            self.agreeing = False
         got_flag, in_step = unpack_agreement(*(int(v) for v in self._flag.tolist()))
         if got_flag == 0:
             return (False, None) if in_step else (True, self._mismatch(kind, name, seq))

@@ -27,7 +27,7 @@ from typing import Callable, Container
 import torch.distributed as dist
 
 from . import autohang
-from ..core import config, hooks, inject, interrupts
+from ..core import attempts, config, hooks, inject, interrupts
 from ..core.errors import EXIT_HUNG, EXIT_PEER_FAILED, HangInterrupted, store_lost
 from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Incident, PeerFailedError, cap_tail
 from ..core.session import Session, get_session
@@ -45,21 +45,26 @@ from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_RESEND, INTERRUPT_WAIT, LI
 # -- the store loop's probes: each ``poll(now) -> PeerFailedError | None``, driven by a fake clock in tests --
 class RecordsProbe:
     """Failure records of other ranks that no sync point took (``delivered()``) within ``grace``
-    seconds; at once for a record declaring a rank lost or silent (no agreement can take it without it)."""
+    seconds; at once for a record declaring a rank lost or silent (no agreement can take it without it),
+    and for any record first seen while ``at_once()`` (no sync point is worth waiting for)."""
 
     def __init__(self, schema: Schema, rank: int, grace: float, delivered: Callable[[], Container[int]],
-                 start: int = 0, stale: Callable[[FailureRecord], bool] = lambda record: False) -> None:
+                 start: int = 0, stale: Callable[[FailureRecord], bool] = lambda record: False,
+                 at_once: Callable[[], bool] = lambda: False) -> None:
         self.schema, self.rank, self.grace, self.delivered = schema, rank, grace, delivered
         self.stale = stale  # late news of a failure already agreed on: not a new failure
+        self.at_once = at_once
         self.seen = start
         self.pending: dict[int, float] = {}  # index -> first seen
 
     def poll(self, now: float) -> PeerFailedError | None:
         count = self.schema.count()
-        for index in self.schema.new_indices(self.seen, count):
+        new = self.schema.new_indices(self.seen, count)
+        at_once = bool(new) and self.at_once()
+        for index in new:
             record = self.schema.read(index)
             gone = record is not None and record.kind in (FailureKind.PEER_LOST, FailureKind.PEER_SILENT)
-            self.pending.setdefault(index, now - self.grace if gone else now)
+            self.pending.setdefault(index, now - self.grace if gone or at_once else now)
         self.seen = count
         delivered = self.delivered()
         for index in [i for i in self.pending if i in delivered]:
@@ -235,8 +240,12 @@ class Watchdog:
         limit = cfg.heartbeat_timeout
         if isinstance(self.hang_timeout, timedelta):
             limit = min(limit, self.hang_timeout + SILENT_MARGIN)
+        # Under recover_in_place a record is due at once unless the main thread is in an agreement: a
+        # raise anywhere else (a step's collectives, the peer will not join them) cost every raise the
+        # whole grace, and the recovery tears the groups down whichever way the record is taken.
         self.records = RecordsProbe(self._schema, self.rank, RELEASE_GRACE.total_seconds(),
-                                    lambda: session.delivered, start=session.consumed, stale=session.stale)
+                                    lambda: session.delivered, start=session.consumed, stale=session.stale,
+                                    at_once=lambda: attempts.recovering() and not session.agreeing)
         self.liveness = LivenessProcess(session, period=HEARTBEAT_EVERY.total_seconds(), limit=limit.total_seconds(),
                                         unacked_after=cfg.unacked_after.total_seconds())
         self.self_hang = self.auto_hang = None  # auto_hang: the learned deadline of hang_timeout="auto"

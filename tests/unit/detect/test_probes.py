@@ -55,6 +55,26 @@ def test_a_record_declaring_a_rank_lost_or_silent_is_reported_at_once_not_after_
     assert found is not None and found.failed_rank == 1 and found.exc_type == kind.value
 
 
+def test_under_recover_in_place_a_raise_is_reported_at_once_unless_the_main_thread_is_in_an_agreement():
+    """Under ``recover_in_place`` (``at_once``) a peer's raise found while this rank's main thread is
+    anywhere but an agreement (in a step's collectives, which the raising rank will not join) is
+    reported at the first look: every raise lost the whole 0.3 s grace before. Found while it is in
+    an agreement, the agreement may still deliver it: the grace stays."""
+    store = dist.HashStore()
+    mine, peer = schema_over(store), schema_over(store)
+    agreeing = [False]
+    probe = RecordsProbe(mine, rank=0, grace=0.3, delivered=frozenset, at_once=lambda: not agreeing[0])
+    assert probe.poll(10.0) is None
+    peer.publish(failure(rank=2))
+    found = probe.poll(10.1)
+    assert found is not None and found.failed_rank == 2 and found.exc_type == "ValueError"
+    agreeing[0] = True
+    peer.publish(failure(rank=3))
+    assert probe.poll(11.0) is None            # in an agreement: left to it for the grace
+    found = probe.poll(11.35)
+    assert found is not None and found.failed_rank == 3
+
+
 def test_records_probe_leaves_delivered_records_and_its_own_alone():
     store = dist.HashStore()
     mine, peer = schema_over(store), schema_over(store)
