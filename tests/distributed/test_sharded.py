@@ -510,6 +510,27 @@ def test_a_killed_ranks_shard_comes_back_with_its_rng_so_dropout_goes_on_exactly
 
 
 @pytest.mark.timeout(3 * DEADLINE_SEC + 60)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
+def test_a_rank_lost_with_the_partner_holding_its_copy_resumes_from_the_checkpoint_and_says_why(world, reference,
+                                                                                                 tmp_path):
+    """Ranks 0 and 1 SIGKILLed together as iteration 23 starts (a host of both lost, in a job whose
+    partners share it): rank 1 held the only copy of rank 0's shard (one host: a rank's partner is the
+    next rank), so rank 0's shard of 22 is held nowhere. Nothing is loaded that was not checked:
+    every rank resumes from ``checkpoint_20`` (21 and 22 computed again), the plan naming why, and
+    ends with the uninterrupted run's final weights."""
+    line = _replicated_kill_line(world, 0).replace("kill@rank=0,iteration=23",
+                                                   "kill@rank=0,iteration=23;kill@rank=1,iteration=23")
+    returncode, out = _run(line, IGNITE, tmp_path)
+    for rank in (0, 1):  # both faults fired, each killed rank replaced by its keeper
+        assert f"FTH_INJECT=kill@rank={rank},iteration=23: injecting kill" in out, out[-4000:]
+        assert f"[rank {rank}] the training process of rank {rank}" in out, out[-4000:]
+    assert re.search(r"live state cannot serve: rank 0 holds no shard of its own \(its process was replaced", out), \
+        out[-4000:]
+    assert "live state: received its shard" not in out, out[-4000:]
+    _check_resumed(out, returncode, world, r"resumed from checkpoint_20 at iteration 20", reference(IGNITE, world))
+
+
+@pytest.mark.timeout(3 * DEADLINE_SEC + 60)
 def test_a_partners_copy_whose_bytes_changed_while_held_is_never_loaded(reference, tmp_path):
     """As above, with a byte of rank 1's copy of rank 0's shard flipped while held
     (``flip_copy_main.py``): rank 1 names it (``SnapshotChecksumError``), no other rank holds rank 0's
