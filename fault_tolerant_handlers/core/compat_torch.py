@@ -52,11 +52,15 @@ def check() -> None:
     _checked = True
 
 
-def import_lazy_modules() -> None:
-    """Import what torch imports lazily at a process's first optimizer (seconds): a spare, before it waits."""
+def import_lazy_modules(dcp: bool = True) -> None:
+    """Import what torch imports lazily at a process's first DDP or optimizer (``torch._dynamo``, 0.3-0.5
+    s) and, with ``dcp``, what a sharded model's shard is loaded through (0.3 s): a spare before it waits;
+    a keeper before its first fork (``dcp=False``), so that a replacement starts with what the first
+    child imported."""
     with contextlib.suppress(Exception):  # an optimisation: the training imports it itself, or never
         import torch._dynamo  # noqa: F401
-        import torch.distributed.checkpoint  # noqa: F401  (0.3 s: a sharded model's shard is loaded through it)
+        if dcp:
+            import torch.distributed.checkpoint  # noqa: F401
 
 
 def forget_destroyed_groups() -> int:

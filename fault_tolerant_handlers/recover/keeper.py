@@ -188,6 +188,8 @@ class Keeper:
         global _child_of
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
         self._write_attempt(attempts.in_place())  # a child that dies before its first attempt began is in this one
+        # imported by the first child's DDP anyway: here, a replacement forked later has it too (0.3-0.5 s)
+        compat_torch.import_lazy_modules(dcp=False)
         dead = None
         rank = os.environ.get("RANK", "?")
         try:
