@@ -64,7 +64,7 @@ class StepTracker:
         self.stepped = True  #: an optimizer update ran in the step that completed last
         self.updating = False  #: an optimizer update runs now
         self.updates = 0  #: optimizer updates since the last step completed
-        self.rng: tuple | None = None  #: (step it follows, RNG states) at the start of a step
+        self.rng: tuple | None = None  #: (step it follows, RNG states as read) at the start of a step
         self.replicas: Any = None  #: the loop's ``data.replicas.ShardReplicas`` (its adapter's), if it replicates
         with _lock:
             if not _trackers:
@@ -86,14 +86,14 @@ class StepTracker:
         self.updating = True
 
     def start_step(self, after: int) -> None:
-        self.rng = (after, rng_state.record())
+        self.rng = (after, rng_state.read())
 
     def complete(self, step: int, small: dict[str, Any], *, initial: bool = False) -> None:
         """Step ``step`` completed (or, ``initial``, the loop starts from it): ``small`` is its small state."""
         self.stepped = initial or self.updates > 0
         self.step, self.small, self.updates, self.updating = step, small, 0, False
         # the next step's RNG until it starts (a failure may come first; the same unless its batch draws from it)
-        self.rng = (step, rng_state.record())
+        self.rng = (step, rng_state.read())
         self.versions = sum(b._version for b in self.buffers)
 
     def check(self, unit: str) -> None:
@@ -113,7 +113,7 @@ class StepTracker:
                           "step's forward)")
 
     def rng_after(self, step: int) -> tuple | None:
-        return self.rng[1] if self.rng is not None and self.rng[0] == step else None
+        return rng_state.of(self.rng[1]) if self.rng is not None and self.rng[0] == step else None
 
 
 # -- the capture of the failed attempt ---------------------------------------------------------------------
