@@ -14,7 +14,7 @@ PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "released_stream_ma
 
 
 def _idle(tmp_path: Path, quiet: str, rounds: str = "6") -> list[dict]:
-    results = run_ranks(3, "", tmp_path, script=PROGRAM, deadline=150, env={"QUIET": quiet, "ROUNDS": rounds})
+    results = run_ranks(3, "", tmp_path, script=PROGRAM, deadline=100, env={"QUIET": quiet, "ROUNDS": rounds})
     assert [r.returncode for r in results] == [0, 0, 0], "\n".join(r.stderr[-2000:] for r in results)
     return [next(e for e in r.events if e["event"] == "idle") for r in results]
 
