@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -286,6 +288,38 @@ def reported_exit() -> None:
     blocked_release()
 
 
+def send_to_killed() -> None:
+    """Rank 1 posts a receive of 256 MB and stops itself (SIGSTOP: nothing reads its connection);
+    rank 0 sends it the tensor and, once its send is under way, SIGKILLs it. gloo does not fail a send
+    already queued on a connection that closes: rank 0's send waits for the group's timeout, and its
+    release finds nothing left to cut. Its watchdog names the loss, releases, and ends it."""
+    start_watchdog()
+    big = torch.ones(64 << 20)
+    if RANK == 1:
+        work = dist.irecv(big, src=0)
+        record("posted")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        work.wait()
+        return
+    deadline = time.monotonic() + 10
+    while not any(e.get("event") == "posted" for e in read_events(OUT, 1)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    peer = next(e["pid"] for e in read_events(OUT, 1) if e.get("event") == "start")
+
+    def kill() -> None:
+        record("fault", exc_type="SIGKILL", message="rank 1 killed while rank 0 sends to it")
+        os.kill(peer, signal.SIGKILL)
+
+    threading.Timer(1.0, kill).start()
+
+    def body():
+        with fail_together("send"):
+            record("entering_collective")
+            dist.send(big, 1)
+
+    run_section("section", body)
+
+
 def step_sections() -> None:
     """A loop of one ``fail_together`` section per step, given its step: ``FTH_INJECT`` (set by the
     test) fires as the section of its iteration begins, and that section fails on every rank."""
@@ -298,7 +332,7 @@ def step_sections() -> None:
     run_section("loop", body)
 
 
-SCENARIOS = {f.__name__: f for f in (blocked_release, step_sections, reported_exit, fail_each, non_ascii, two_fail, caught_outside, report_inside, rank_first_each,
+SCENARIOS = {f.__name__: f for f in (blocked_release, step_sections, reported_exit, send_to_killed, fail_each, non_ascii, two_fail, caught_outside, report_inside, rank_first_each,
                                      rank_first_late, rank_first_local, bad_input, retry_ours, retry_stock)}
 
 

@@ -23,7 +23,7 @@ from . import compat_torch as _compat_torch
 from . import config, hooks
 from .config import EXIT_TEARDOWN_SEC
 from .hooks import log
-from .procfs import select_sockets, socket_fds, tcp_sockets
+from .procfs import LISTEN, select_sockets, socket_fds, tcp_sockets
 
 _pending: BaseException | None = None  # delivered, not yet taken by the recovery
 #: The recovery took the interrupt (:func:`take`) and has not called the training function again
@@ -284,6 +284,24 @@ def cut_connections_to(ports: set[int]) -> int:
         return 0
     fds = _own_socket_fds()
     return _shutdown(select_sockets(fds, tcp_sockets(), ports, on_ports=True), {fd: inode for inode, fd in fds.items()})
+
+
+def release_spent() -> bool:
+    """This process's release cut gloo connections and every one of them is closed now, with no NCCL
+    or XCCL group in the process: a collective still blocked is one its group's timeout alone ends (gloo
+    does not fail a send already queued on a connection that closes)."""
+    if not _released or not sys.platform.startswith("linux"):
+        return False
+    tcp = tcp_sockets()
+    if any(inode in _released and tcp.get(inode, (0, 0, ""))[2] != LISTEN for inode in _own_socket_fds()):
+        return False
+    for pg in _compat_torch.process_groups():
+        try:
+            if dist.get_backend(pg) in ("nccl", "xccl"):
+                return False
+        except Exception:  # noqa: BLE001 - a group already destroyed
+            continue
+    return True
 
 
 def quiet_released() -> int:

@@ -354,6 +354,16 @@ class RankTable:
         return FailureRecord.lost(rank=rank, pid=self.pids[i], host=self.hosts[i], why=why, by=self.rank)
 
 
+def thread_ticks(tid: int) -> int | None:
+    """The CPU time thread ``tid`` of this process has used, in clock ticks; ``None`` if it is gone."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return cpu_ticks(stat[stat.rfind(")") + 2 :].split())
+
+
 def main_thread_frame():
     """The main thread's innermost frame (``None`` once it ended), with the collector held off: a
     collection inside ``sys._current_frames()`` that frees a process group deadlocks (CPython 3.11)."""
@@ -364,6 +374,12 @@ def main_thread_frame():
     finally:
         if enabled:
             gc.enable()
+
+
+def main_position() -> tuple[int, int] | None:
+    """The main thread's innermost frame and instruction: the same twice, some time apart, is blocked in C."""
+    frame = main_thread_frame()
+    return None if frame is None else (id(frame), frame.f_lasti)
 
 
 @contextlib.contextmanager

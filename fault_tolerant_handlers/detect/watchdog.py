@@ -33,16 +33,35 @@ from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Inci
 from ..core.session import Session, get_session
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
 from ..core.hooks import first_line, log
-from ..core.procfs import PeerPidProbe, main_thread_frame
+from ..core.procfs import PeerPidProbe, main_position, main_thread_frame, thread_ticks
 from .autohang import SelfHangProbe
 from .liveness import LivenessProcess, kill_all as kill_all_liveness
 from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
-from ..core.config import (HEARTBEAT_EVERY, INTERRUPT_RESEND, INTERRUPT_WAIT, LIVENESS_STORE_TIMEOUT,  # timings:
+from ..core.config import (BLOCKED_BEYOND_RELEASE, HEARTBEAT_EVERY, INTERRUPT_RESEND, INTERRUPT_WAIT, LIVENESS_STORE_TIMEOUT,  # timings:
                            MAX_CHECK_HOLD, RELEASE_GRACE, SILENT_MARGIN, STORE_CHECK_EVERY,  # the table in
                            STORE_EVIDENCE_TIMEOUT, STORE_WARN_EVERY)  # core.config
 
 
 # -- the store loop's probes: each ``poll(now) -> PeerFailedError | None``, driven by a fake clock in tests --
+class BlockedMainProbe:
+    """After a release: is the main thread blocked where only its group's timeout ends the call? Yes
+    once, for ``within`` seconds, it ran no bytecode and used no CPU while every connection the release
+    cut was closed and no NCCL group exists (:func:`interrupts.release_spent`): a gloo send queued on a
+    connection that closed waits for the group's timeout, and nothing is left to cut."""
+
+    def __init__(self, within: float, tid: int | None = None) -> None:
+        self.within, self.tid = within, threading.main_thread().native_id if tid is None else tid
+        self._seen: tuple | None = None
+        self._since = 0.0
+
+    def poll(self, now: float) -> bool:
+        seen = (main_position(), thread_ticks(self.tid))
+        if None in seen or seen != self._seen or not interrupts.release_spent():
+            self._seen, self._since = seen, now
+            return False
+        return now - self._since >= self.within
+
+
 class RecordsProbe:
     """Failure records of other ranks that no sync point took (``delivered()``) within ``grace``
     seconds; at once for a record declaring a rank lost or silent (no agreement can take it without it),
@@ -435,13 +454,17 @@ class Watchdog:
 
     def _escalate(self, incident: Incident) -> None:
         """Release this process's collectives; a main thread that does not take the failure within
-        ``exit_grace`` (and a checkpoint write) ends with a report. No store call: it may be what died."""
+        ``exit_grace`` (and a checkpoint write), or is found blocked where only its group's timeout ends
+        the call (:class:`BlockedMainProbe`), ends with a report. No store call: it may be what died."""
         if incident.local or incident.acknowledged.is_set() or self._finishing:
             return
         what = self.session.release_collectives()
         log(logging.WARNING, "released blocked collectives: %s", what, step=self._progress[2])
-        if incident.acknowledged.wait(self.exit_grace.total_seconds()):
+        blocked = self._taken_or_blocked(incident)
+        if blocked is None:
             return
+        if blocked:
+            self._reported_exit(incident.peer_error, EXIT_PEER_FAILED, stuck=main_thread_frame(), blocked=True)
         deadline, wrote = time.monotonic() + self.write_grace.total_seconds(), False
         while writing_now(main_thread_frame()) and time.monotonic() < deadline:
             if not wrote:
@@ -455,13 +478,36 @@ class Watchdog:
             return
         self._reported_exit(incident.peer_error, EXIT_PEER_FAILED, stuck=main_thread_frame())
 
-    def _reported_exit(self, err: BaseException, code: int, stuck=None) -> None:
-        """End the process with ``code`` and a report; ``stuck``: the frame of a main thread that did not take it."""
+    def _taken_or_blocked(self, incident: Incident) -> bool | None:
+        """Wait up to ``exit_grace`` for the main thread to take the failure: ``None`` once it has,
+        ``True`` as soon as it is blocked where only its group's timeout ends the call, ``False`` after."""
+        probe = BlockedMainProbe(BLOCKED_BEYOND_RELEASE.total_seconds())
+        deadline = time.monotonic() + self.exit_grace.total_seconds()
+        while True:
+            now = time.monotonic()
+            if incident.acknowledged.wait(max(0.0, min(0.1, deadline - now))):
+                return None
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if probe.poll(now) and not writing_now(main_thread_frame()):
+                return None if incident.acknowledged.is_set() or incident.local or self._finishing else True
+
+    def _reported_exit(self, err: BaseException, code: int, stuck=None, blocked: bool = False) -> None:
+        """End the process with ``code`` and a report; ``stuck``: the frame of a main thread that did not
+        take it (``blocked``: found blocked where only its group's timeout ends the call, before the grace)."""
         text = f"[rank {self.rank}] fault-tolerant-handlers: ending this process (exit code {code}) because:\n{err}\n"
         if stuck is not None:
             stack = cap_tail("".join(traceback.format_stack(stuck)), MAX_TRACEBACK_CHARS)
-            text += (f"[rank {self.rank}] its main thread did not take the failure within {self.exit_grace.total_seconds():g} s "
-                     f"(FTH_EXIT_GRACE_SEC) after its collectives were released; it was at:\n{stack}")
+            if blocked:
+                text += (f"[rank {self.rank}] its main thread is blocked in a call that only its group's timeout "
+                         f"ends: it ran nothing for {BLOCKED_BEYOND_RELEASE.total_seconds():g} s after its collectives "
+                         f"were released and every released connection is closed (gloo leaves a send queued on a "
+                         f"closed connection waiting); it was at:\n{stack}")
+            else:
+                text += (f"[rank {self.rank}] its main thread did not take the failure within "
+                         f"{self.exit_grace.total_seconds():g} s (FTH_EXIT_GRACE_SEC) after its collectives were "
+                         f"released; it was at:\n{stack}")
         try:
             # the launchers: torchrun's error file of a survivor, mp.spawn's (the parent raises this report)
             hooks.emit(hooks.EXITING, self.session.table, err, code)

@@ -87,14 +87,14 @@ class _Watch:
                 return
             for signum in data:
                 if signum in self.previous:
-                    main = _main_position()  # where the main thread is as the signal arrives
+                    main = procfs.main_position()  # where the main thread is as the signal arrives
                     self.react(signum)
                     self._unblock(signum, main)
 
     def _unblock(self, signum: int, main: tuple[int, int] | None) -> None:
         """A main thread that ran no bytecode for :data:`MAIN_STUCK_WAIT` (blocked in C) gets its collectives and
         store connections cut; not in the handler :data:`SIGNAL_EXIT_WAIT` later, it ends here (``128 + signum``)."""
-        if self.handled.wait(MAIN_STUCK_WAIT) or main is None or _main_position() != main:
+        if self.handled.wait(MAIN_STUCK_WAIT) or main is None or procfs.main_position() != main:
             return
         session = self._session()
         name = signal.Signals(signum).name
@@ -254,12 +254,6 @@ def _store_host_lost(session: Session, err: StoreUnreachable) -> PeerFailedError
         return None
     return PeerFailedError.from_records([table.lost_record(
         store_rank, f"its host, which holds the c10d store, no longer accepts connections ({why})")])
-
-
-def _main_position() -> tuple[int, int] | None:
-    """The main thread's innermost frame and instruction: the same twice, some time apart, is blocked in C."""
-    frame = procfs.main_thread_frame()
-    return None if frame is None else (id(frame), frame.f_lasti)
 
 
 def _flush() -> None:

@@ -55,6 +55,24 @@ def test_without_in_process_release_the_blocked_rank_makes_a_reported_exit(tmp_p
     assert results[1].returncode == 0
 
 
+def test_a_rank_whose_send_gloo_leaves_waiting_ends_as_soon_as_nothing_can_end_the_call(tmp_path):
+    """Rank 0 sends 256 MB to rank 1, which is SIGKILLed with the send under way: gloo leaves rank 0's
+    send waiting for the group's timeout (20 s here) on a connection that is gone. Its watchdog names
+    the loss and releases; the main thread, still blocked with every released connection closed, is
+    ended with a report saying so, not after ``FTH_EXIT_GRACE_SEC`` (set to 30 s: the test cannot pass
+    by the grace)."""
+    results = run_ranks(2, "send_to_killed", tmp_path, env={"FTH_EXIT_GRACE_SEC": "30"}, deadline=60)
+    from fault_tolerant_handlers import EXIT_PEER_FAILED
+
+    assert results[1].returncode == -signal.SIGKILL
+    assert results[0].has("entering_collective") and not results[0].has("section")  # never out of the send
+    assert results[0].returncode == EXIT_PEER_FAILED, results[0].stderr[-3000:]
+    report = results[0].stderr
+    assert "rank 1 (pid" in report and "lost" in report
+    assert "its main thread is blocked in a call that only its group's timeout ends" in report, report[-3000:]
+    assert "in send_to_killed" in report.split("only its group's timeout ends")[1]
+
+
 def _ignite(tmp_path, fault, fault_rank, **env):
     env = dict(FAULT=fault, FAULT_RANK=str(fault_rank), USE_FT="1", FTH_TEST_PG_TIMEOUT="30", **env)
     return run_ranks(2, "", tmp_path, script=IGNITE, env=env, deadline=45,
