@@ -62,13 +62,8 @@ def of(states: tuple) -> tuple:
     return cpu, cuda, _mt(words_and_pos, gauss), numpy
 
 
-def record() -> tuple:
-    """This process's RNG states now."""
-    return of(read())
-
-
 def restore(rng: tuple) -> None:
-    """Put back the states of a record (:func:`record`'s, or one :func:`checked` read); numpy's only when
+    """Put back the states of a record (:func:`of`'s, or one :func:`checked` read); numpy's only when
     numpy is imported."""
     cpu, cuda, python, numpy = (*rng, None, None)[:4]
     if cpu is not None:

@@ -34,16 +34,16 @@ def test_a_record_puts_back_torchs_pythons_and_numpys_generators(via):
     random.gauss(0, 1)  # Python caches the second of its pair
     numpy.random.standard_normal()  # so does numpy's legacy generator
     states = random.getstate(), numpy.random.get_state()
-    rng = rng_state.record()
+    rng = rng_state.of(rng_state.read())
     assert [t.dtype for t in rng[2:]] == [torch.int64, torch.int64] and rng[2][-2] == 1 and rng[3][-2] == 1
     if via == "transfer":
         rng = rng_state.checked(list(rng))
     elif via == "snapshot":
         rng = rng_of(take_snapshot({"w": torch.ones(2)}, 7, 0, rng=rng))
-    assert rng_state.same(rng, rng_state.record())
+    assert rng_state.same(rng, rng_state.of(rng_state.read()))
     expected = _draws()
     _seed(4)
-    assert not rng_state.same(rng, rng_state.record())
+    assert not rng_state.same(rng, rng_state.of(rng_state.read()))
     rng_state.restore(rng)
     assert random.getstate() == states[0]
     assert all(numpy.array_equal(a, b) for a, b in zip(numpy.random.get_state(), states[1]))
@@ -52,7 +52,7 @@ def test_a_record_puts_back_torchs_pythons_and_numpys_generators(via):
 
 def test_numpy_is_never_imported_for_it_and_the_earlier_torch_only_record_still_reads(monkeypatch):
     monkeypatch.delitem(sys.modules, "numpy.random")
-    rng = rng_state.record()
+    rng = rng_state.of(rng_state.read())
     assert rng[3] is None and "numpy.random" not in sys.modules
     monkeypatch.undo()
     old = rng_state.checked((torch.get_rng_state(), None))  # (cpu, cuda): torch's only
@@ -69,9 +69,9 @@ def test_a_receiver_takes_the_parts_agreed_from_the_source_and_its_own_for_the_o
     """A transfer sends the parts every rank at the step recorded alike (here torch's and numpy's: the
     ranks' ``random`` differs); the receiver fills the others from its own of that step, if it has one."""
     _seed(1)
-    source = rng_state.record()
+    source = rng_state.of(rng_state.read())
     _seed(2)
-    own = rng_state.record()
+    own = rng_state.of(rng_state.read())
     sent = rng_state.checked(rng_state.only(source, (0, 2)))
     assert sent[2] is None and rng_state.groups(sent)[1] == []
     got = rng_state.merged(sent, own)
@@ -81,32 +81,32 @@ def test_a_receiver_takes_the_parts_agreed_from_the_source_and_its_own_for_the_o
     torch.manual_seed(9)
     before = torch.get_rng_state()
     rng_state.restore(python_only)
-    assert torch.equal(torch.get_rng_state(), before) and torch.equal(rng_state.record()[2], source[2])
+    assert torch.equal(torch.get_rng_state(), before) and torch.equal(rng_state.of(rng_state.read())[2], source[2])
 
 
 def _with(part: int, value):
-    rng = list(rng_state.record())
+    rng = list(rng_state.of(rng_state.read()))
     rng[part] = value
     return rng
 
 
 def _mt(index: int, value: int) -> torch.Tensor:
-    t = rng_state.record()[2].clone()
+    t = rng_state.of(rng_state.read())[2].clone()
     t[index] = value
     return t
 
 
 MALFORMED = {
     "not a list": lambda: "rng",
-    "three parts": lambda: rng_state.record()[:3],
+    "three parts": lambda: rng_state.of(rng_state.read())[:3],
     "cpu not uint8": lambda: _with(0, torch.get_rng_state().to(torch.int64)),
     "cpu of another size": lambda: _with(0, torch.get_rng_state()[:-1]),
     "cuda not a list": lambda: _with(1, torch.get_rng_state()),
     "cuda without cpu": lambda: [None, [torch.zeros(4, dtype=torch.uint8)], None, None],
     "cuda not uint8": lambda: _with(1, [torch.zeros(4)]),
     "python not a tensor": lambda: _with(2, random.getstate()),
-    "python float64": lambda: _with(2, rng_state.record()[2].double()),
-    "python too short": lambda: _with(2, rng_state.record()[2][:-1]),
+    "python float64": lambda: _with(2, rng_state.of(rng_state.read())[2].double()),
+    "python too short": lambda: _with(2, rng_state.of(rng_state.read())[2][:-1]),
     "python word >= 2**32": lambda: _with(2, _mt(5, 2**32)),
     "python word < 0": lambda: _with(2, _mt(0, -1)),
     "python position > 624": lambda: _with(2, _mt(624, 625)),

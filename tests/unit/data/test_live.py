@@ -241,7 +241,7 @@ def test_the_rng_is_put_back_as_the_step_after_the_held_one_starts(recovering, t
         return [torch.rand(3).tolist(), random.random(), numpy.random.rand()]
 
     seed(1)
-    state = rng_state.record()
+    state = rng_state.of(rng_state.read())
     expected = draws()
     live.hold(captured(step=36, rng=state))
     load_checkpoint(latest_checkpoint(tmp_path))
