@@ -295,9 +295,10 @@ OBSERVED_GAP = 3
 #: How long a failure record may stay unconsumed by a sync point before the watchdog releases (under
 #: ``recover_in_place`` only while the main thread is in an agreement: elsewhere it releases at once).
 RELEASE_GRACE = timedelta(seconds=0.3)
-#: A released rank whose main thread ran no bytecode and used no CPU this long while every connection
-#: the release cut was closed is blocked where its group's timeout alone ends the call (gloo leaves a
-#: send queued on a connection that closed waiting for it): it ends then, before FTH_EXIT_GRACE_SEC.
+#: A released rank whose main thread, waiting in a collective, ran no bytecode and used no CPU this long
+#: while every connection the release found was closed is blocked where its group's timeout alone ends
+#: the call (gloo leaves a send queued on a connection that closed waiting): it ends then, not after
+#: FTH_EXIT_GRACE_SEC.
 BLOCKED_BEYOND_RELEASE = timedelta(seconds=0.5)
 #: Extra time before a neighbour declares a silent rank, on top of ``hang_timeout``.
 SILENT_MARGIN = timedelta(seconds=2)

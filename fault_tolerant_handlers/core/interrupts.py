@@ -225,6 +225,8 @@ def store_ports(store: dist.Store | None) -> set[int]:
 
 #: Inodes of the connections of released groups (:func:`cut_connections`), for :func:`quiet_released`.
 _released: set[int] = set()
+#: Of those, the connections (not the listeners): what :func:`release_spent` waits to see closed.
+_released_connections: set[int] = set()
 
 
 def _shutdown(fds: list[int], inodes: dict[int, int]) -> int:
@@ -272,8 +274,10 @@ def cut_connections(keep_ports: set[int]) -> int:
         return 0
     fds, tcp = _own_socket_fds(), tcp_sockets()
     # every connection and listener of the released groups, cut here or already closing
-    _released.update(inode for inode, (local, remote, _) in tcp.items()
-                     if inode in fds and local not in keep_ports and remote not in keep_ports)
+    released = {inode for inode, (local, remote, _) in tcp.items()
+                if inode in fds and local not in keep_ports and remote not in keep_ports}
+    _released.update(released)
+    _released_connections.update(inode for inode in released if tcp[inode][2] != LISTEN)
     return _shutdown(select_sockets(fds, tcp, keep_ports), {fd: inode for inode, fd in fds.items()})
 
 
@@ -287,13 +291,12 @@ def cut_connections_to(ports: set[int]) -> int:
 
 
 def release_spent() -> bool:
-    """This process's release cut gloo connections and every one of them is closed now, with no NCCL
-    or XCCL group in the process: a collective still blocked is one its group's timeout alone ends (gloo
-    does not fail a send already queued on a connection that closes)."""
-    if not _released or not sys.platform.startswith("linux"):
+    """This process's release found gloo connections (not only listeners) and every one of them is
+    closed now, with no NCCL or XCCL group in the process: a collective still blocked is one its group's
+    timeout alone ends (gloo does not fail a send already queued on a connection that closes)."""
+    if not _released_connections or not sys.platform.startswith("linux"):
         return False
-    tcp = tcp_sockets()
-    if any(inode in _released and tcp.get(inode, (0, 0, ""))[2] != LISTEN for inode in _own_socket_fds()):
+    if any(inode in _released_connections for inode in _own_socket_fds()):
         return False
     for pg in _compat_torch.process_groups():
         try:

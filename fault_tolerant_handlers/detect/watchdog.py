@@ -33,7 +33,7 @@ from ..core.failure import MAX_TRACEBACK_CHARS, FailureKind, FailureRecord, Inci
 from ..core.session import Session, get_session
 from .writes import writing_checkpoint, writing_now  # noqa: F401 - writing_checkpoint: public here
 from ..core.hooks import first_line, log
-from ..core.procfs import PeerPidProbe, main_position, main_thread_frame, thread_ticks
+from ..core.procfs import PeerPidProbe, main_thread_frame, thread_ticks
 from .autohang import SelfHangProbe
 from .liveness import LivenessProcess, kill_all as kill_all_liveness
 from ..core.schema import Schema, stop_connecting, unblock_stuck_calls
@@ -43,11 +43,17 @@ from ..core.config import (BLOCKED_BEYOND_RELEASE, HEARTBEAT_EVERY, INTERRUPT_RE
 
 
 # -- the store loop's probes: each ``poll(now) -> PeerFailedError | None``, driven by a fake clock in tests --
+#: Where a main thread waits for a collective: torch.distributed's calls, and the autograd engine (DDP's
+#: all-reduce, waited for at the end of the backward).
+_COLLECTIVE_WAITS = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}autograd{os.sep}")
+
+
 class BlockedMainProbe:
     """After a release: is the main thread blocked where only its group's timeout ends the call? Yes
-    once, for ``within`` seconds, it ran no bytecode and used no CPU while every connection the release
-    cut was closed and no NCCL group exists (:func:`interrupts.release_spent`): a gloo send queued on a
-    connection that closed waits for the group's timeout, and nothing is left to cut."""
+    once, for ``within`` seconds, it waited in a collective (its innermost frame in torch.distributed or
+    the autograd engine), ran no bytecode and used no CPU, outside a deferred section, while every
+    connection the release cut was closed and no NCCL group exists (:func:`interrupts.release_spent`):
+    a gloo send queued on a connection that closed waits for the group's timeout, and nothing is left to cut."""
 
     def __init__(self, within: float, tid: int | None = None) -> None:
         self.within, self.tid = within, threading.main_thread().native_id if tid is None else tid
@@ -55,8 +61,11 @@ class BlockedMainProbe:
         self._since = 0.0
 
     def poll(self, now: float) -> bool:
-        seen = (main_position(), thread_ticks(self.tid))
-        if None in seen or seen != self._seen or not interrupts.release_spent():
+        frame = main_thread_frame()
+        seen = (None if frame is None else (id(frame), frame.f_lasti), thread_ticks(self.tid))
+        if (None in seen or seen != self._seen
+                or not any(part in frame.f_code.co_filename for part in _COLLECTIVE_WAITS)
+                or interrupts.deferred_until() is not None or not interrupts.release_spent()):
             self._seen, self._since = seen, now
             return False
         return now - self._since >= self.within
