@@ -29,14 +29,14 @@ START_TIME = 19  # field 22: clock ticks after boot (bench/detection.py)
 EXIT_CODE = 49  # field 52: the wait status of an exited (zombie) process
 
 
-def _stat(pid: int) -> list[str]:
+def _stat(pid: int | str) -> list[str]:
     with open(f"/proc/{pid}/stat") as f:
         stat = f.read()
     return stat[stat.rfind(")") + 2 :].split()
 
 
-def stat_fields(pid: int) -> list[str] | None:
-    """The fields after ``comm`` of ``/proc/<pid>/stat``; ``None`` if it is gone."""
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields after ``comm`` of ``/proc/<pid>/stat`` (``pid`` also ``self/task/<tid>``); ``None`` if it is gone."""
     try:
         return _stat(pid)
     except OSError:
@@ -356,12 +356,7 @@ class RankTable:
 
 def thread_ticks(tid: int) -> int | None:
     """The CPU time thread ``tid`` of this process has used, in clock ticks; ``None`` if it is gone."""
-    try:
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return cpu_ticks(stat[stat.rfind(")") + 2 :].split())
+    return cpu_ticks(stat_fields(f"self/task/{tid}"))
 
 
 def main_thread_frame():

@@ -42,7 +42,6 @@ from ..core.config import (BLOCKED_BEYOND_RELEASE, HEARTBEAT_EVERY, INTERRUPT_RE
                            STORE_EVIDENCE_TIMEOUT, STORE_WARN_EVERY)  # core.config
 
 
-# -- the store loop's probes: each ``poll(now) -> PeerFailedError | None``, driven by a fake clock in tests --
 #: Where a main thread waits for a collective: torch.distributed's calls, and the autograd engine (DDP's
 #: all-reduce, waited for at the end of the backward).
 _COLLECTIVE_WAITS = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}autograd{os.sep}")
@@ -71,6 +70,7 @@ class BlockedMainProbe:
         return now - self._since >= self.within
 
 
+# -- the store loop's probes: each ``poll(now) -> PeerFailedError | None``, driven by a fake clock in tests --
 class RecordsProbe:
     """Failure records of other ranks that no sync point took (``delivered()``) within ``grace``
     seconds; at once for a record declaring a rank lost or silent (no agreement can take it without it),
